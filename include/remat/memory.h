@@ -1,0 +1,63 @@
+#pragma once
+/// \file
+/// An exact memory meter: the bytes of tensor storage alive now and at the peak, per device.
+///
+///   remat::memory::track_cpu();                 // once, before the tensors you want to count
+///   remat::memory::reset_peak();
+///   train_step();
+///   int64_t peak = remat::memory::peak_bytes(); // bytes, exact
+///
+/// CPU: track_cpu() wraps LibTorch's CPU allocator with a counting one. It counts the bytes requested for
+/// every tensor storage allocated through c10::GetCPUAllocator() after the call, and frees of those. It
+/// does not count storages allocated before track_cpu() (they are freed uncounted), the allocator's
+/// alignment padding, scratch memory that oneDNN, BLAS or OpenMP take from malloc directly, autograd graph
+/// nodes and other C++ objects, or the framework's own caches.
+/// CUDA: the caching allocator's statistics (allocated bytes: blocks handed to tensors, not the memory the
+/// cache reserves from the driver), available when remat was built against a CUDA LibTorch.
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+
+namespace remat::memory {
+
+/// Installs the counting CPU allocator (idempotent; thread-safe). Until it is called, the CPU figures are 0.
+void track_cpu();
+
+/// True once track_cpu() has run.
+bool is_tracking_cpu();
+
+/// Bytes of tensor storage alive now on `device`.
+/// Throws c10::Error for a CUDA device when remat was built without CUDA or CUDA is not available, and for
+/// any other device type.
+int64_t active_bytes(c10::Device device = c10::kCPU);
+
+/// Highest active_bytes(device) since the last reset_peak(device) (or since tracking started).
+/// Throws as active_bytes.
+int64_t peak_bytes(c10::Device device = c10::kCPU);
+
+/// Sets the peak of `device` to its current active bytes. Throws as active_bytes.
+void reset_peak(c10::Device device = c10::kCPU);
+
+/// Number of storage allocations counted on the CPU since tracking started (a cheap op counter).
+int64_t cpu_allocation_count();
+
+/// Scope that resets the peak on entry and reports the peak above the bytes alive on entry:
+///   remat::memory::PeakScope scope;  step();  int64_t over = scope.peak_over_base();
+class PeakScope {
+ public:
+  /// Resets the peak of `device` and records its active bytes as the base. Throws as active_bytes.
+  explicit PeakScope(c10::Device device = c10::kCPU);
+  /// Bytes alive on entry.
+  int64_t base_bytes() const { return base_; }
+  /// Peak since entry minus the bytes alive on entry (>= 0).
+  int64_t peak_over_base() const;
+  /// Bytes alive now minus the bytes alive on entry (may be negative).
+  int64_t active_over_base() const;
+
+ private:
+  c10::Device device_;
+  int64_t base_;
+};
+
+}  // namespace remat::memory

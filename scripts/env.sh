@@ -1,0 +1,14 @@
+# Sourced by ./run and ./test: the environment remat's programs and benchmarks run in.
+#
+# Debian's libtorch calls the system BLAS. These VMs report a generic CPU name, so OpenBLAS would pick a slow
+# generic kernel; choose it from the CPU flags instead. A value already set in the environment wins.
+if [ -z "${OPENBLAS_CORETYPE:-}" ]; then
+  if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+    export OPENBLAS_CORETYPE=SkylakeX
+  elif grep -qw avx2 /proc/cpuinfo 2>/dev/null; then
+    export OPENBLAS_CORETYPE=Haswell
+  fi
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
+# Debian's python3-torch (for the side-by-side benchmark) lives in the system Python, not in a pyenv one.
+export REMAT_PYTHON="${REMAT_PYTHON:-/usr/bin/python3}"

@@ -1,0 +1,538 @@
+#include "remat/checkpoint.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/SequenceNumber.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <unordered_set>
+
+#include "detail/hooks.h"
+#include "detail/region.h"
+
+namespace remat {
+namespace detail {
+
+// ------------------------------------------------------------------------------------------------------------
+// RNG, buffers, metadata
+
+namespace {
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+// The last CPU state captured on this thread, held weakly (it must not keep bytes alive for the meter).
+thread_local std::optional<WeakImpl> last_cpu_state;
+
+at::Tensor capture_cpu_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state();
+  }
+  // A chain of checkpoints with no random draw between them shares one state tensor (HeavyChain's 1000
+  // checkpoints keep 5 KB, not 5 MB, alive for the backward pass).
+  if (last_cpu_state) {
+    auto strong = last_cpu_state->lock();
+    if (strong) {
+      at::Tensor previous(std::move(strong));
+      if (previous.nbytes() == state.nbytes() &&
+          std::memcmp(previous.data_ptr(), state.data_ptr(), state.nbytes()) == 0) {
+        return previous;
+      }
+    }
+  }
+  last_cpu_state = WeakImpl(state.getIntrusivePtr());
+  return state;
+}
+
+// Generators are shared handles: a copy locks and sets the same generator.
+void set_generator_state(at::Generator gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
+}  // namespace
+
+RngState RngState::capture(const std::vector<c10::DeviceIndex>& cuda_devices) {
+  RngState s;
+  s.cpu = capture_cpu_state();
+  for (c10::DeviceIndex index : cuda_devices) {
+    at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, index));
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    s.cuda.emplace_back(index, gen.get_state());
+  }
+  return s;
+}
+
+void RngState::restore() const {
+  if (cpu.defined()) set_generator_state(at::detail::getDefaultCPUGenerator(), cpu);
+  for (const auto& [index, state] : cuda) {
+    set_generator_state(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, index)), state);
+  }
+}
+
+std::vector<c10::DeviceIndex> cuda_devices_of(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::DeviceIndex> devices;
+  for (const auto& t : tensors) {
+    if (t.defined() && t.is_cuda() &&
+        std::find(devices.begin(), devices.end(), t.device().index()) == devices.end()) {
+      devices.push_back(t.device().index());
+    }
+  }
+  return devices;
+}
+
+RngReplay::RngReplay(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices) {
+  if (replay.empty()) return;
+  saved_ = RngState::capture(cuda_devices);
+  replay.restore();
+}
+
+RngReplay::~RngReplay() {
+  if (!saved_.empty()) saved_.restore();
+}
+
+BufferRestore::BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  if (modules.empty()) return;
+  at::NoGradGuard no_grad;
+  std::unordered_set<c10::TensorImpl*> seen;
+  for (const auto& m : modules) {
+    if (!m) continue;
+    for (const auto& b : m->buffers(/*recurse=*/true)) {
+      if (b.defined() && seen.insert(b.unsafeGetTensorImpl()).second) saved_.emplace_back(b, b.clone());
+    }
+  }
+}
+
+BufferRestore::~BufferRestore() {
+  if (saved_.empty()) return;
+  at::NoGradGuard no_grad;
+  for (auto& [buffer, copy] : saved_)
+    buffer.variable_data().copy_(copy);
+}
+
+TensorMeta TensorMeta::of(const at::Tensor& t) {
+  TensorMeta m;
+  m.sizes = t.sizes().vec();
+  m.dtype = t.scalar_type();
+  m.device = t.device();
+  return m;
+}
+
+std::string TensorMeta::str() const {
+  std::ostringstream os;
+  os << c10::toString(dtype) << c10::IntArrayRef(sizes) << " on " << device;
+  return os.str();
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Input and output checks
+
+namespace {
+
+void check_inputs(const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(!inputs.empty(), "remat::checkpoint: inputs is empty; pass at least one tensor");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].defined(), "remat::checkpoint: input ", i, " of ", inputs.size(),
+                " is an undefined tensor");
+  }
+}
+
+void check_outputs(const std::vector<at::Tensor>& outputs) {
+  TORCH_CHECK(!outputs.empty(), "remat::checkpoint: fn returned no tensor; it must return at least one");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    TORCH_CHECK(outputs[i].defined(), "remat::checkpoint: fn returned an undefined tensor as output ", i,
+                " of ", outputs.size());
+  }
+}
+
+std::vector<bool> requires_grad_flags(const std::vector<at::Tensor>& tensors) {
+  std::vector<bool> flags;
+  flags.reserve(tensors.size());
+  for (const auto& t : tensors)
+    flags.push_back(t.requires_grad());
+  return flags;
+}
+
+// Detached copies of `saved` that require grad where the originals did: what a recompute runs on.
+std::vector<at::Tensor> detached_inputs(const std::vector<at::Tensor>& saved,
+                                        const std::vector<bool>& flags) {
+  std::vector<at::Tensor> out;
+  out.reserve(saved.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    at::Tensor x = saved[i].detach();
+    if (flags[i]) x.requires_grad_(true);
+    out.push_back(std::move(x));
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// kNonReentrant: saved-tensor hooks
+
+// Saved-tensor hooks of a recompute: store what autograd saves, in order. Its graph is thrown away, so the
+// hooks are never unpacked.
+class Collector final : public HookSource {
+ public:
+  Collector(std::vector<at::Tensor>& out, const std::vector<TensorMeta>* expected)
+      : out_(out), expected_(expected) {}
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
+    return std::make_unique<Hooks>(this);
+  }
+
+ private:
+  struct Hooks final : torch::autograd::SavedVariableHooks {
+    explicit Hooks(Collector* c) : collector(c) {}
+    void call_pack_hook(const at::Tensor& t) override {
+      collector->store(t);
+      collector = nullptr;  // the collector dies with the recompute; only pack may touch it
+    }
+    at::Tensor call_unpack_hook() override {
+      TORCH_CHECK(false,
+                  "remat::checkpoint: a tensor saved during a recompute was used for backward; the graph "
+                  "a recompute builds is internal (did fn keep its outputs?)");
+    }
+    Collector* collector;
+  };
+
+  void store(const at::Tensor& t) {
+    const size_t i = out_.size();
+    if (expected_ != nullptr) {
+      TORCH_CHECK(i < expected_->size(),
+                  "remat::checkpoint: the recompute saved more tensors for backward than ",
+                  "the forward pass (", expected_->size(), "); fn must do the same work each time it runs");
+      const TensorMeta now = TensorMeta::of(t);
+      TORCH_CHECK(
+          now == (*expected_)[i], "remat::checkpoint: determinism check failed: saved tensor ", i, " is ",
+          now.str(), " in the recompute but was ", (*expected_)[i].str(),
+          " in the forward pass (set CheckpointOptions().determinism_check(false) to skip this check)");
+    }
+    out_.push_back(t.detach());
+  }
+
+  std::vector<at::Tensor>& out_;
+  const std::vector<TensorMeta>* expected_;
+};
+
+class Frame final : public HookSource, public std::enable_shared_from_this<Frame> {
+ public:
+  Frame(TensorsFn fn, const std::vector<at::Tensor>& inputs, const CheckpointOptions& options)
+      : fn_(std::move(fn)),
+        requires_grad_(requires_grad_flags(inputs)),
+        modules_(options.modules()),
+        cuda_devices_(cuda_devices_of(inputs)),
+        check_(options.determinism_check()) {
+    // The inputs are saved as autograd saves tensors, so that an enclosing checkpoint drops them too.
+    inputs_.reserve(inputs.size());
+    for (const auto& x : inputs)
+      inputs_.emplace_back(x.detach(), /*is_output=*/false);
+    if (options.preserve_rng_state()) rng_ = RngState::capture(cuda_devices_);
+  }
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
+    return std::make_unique<Hooks>(shared_from_this());
+  }
+
+  std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& inputs) {
+    HookScope scope(this);
+    return fn_(inputs);
+  }
+
+ private:
+  struct Hooks final : torch::autograd::SavedVariableHooks {
+    explicit Hooks(std::shared_ptr<Frame> f) : frame(std::move(f)) {}
+    void call_pack_hook(const at::Tensor& t) override { index = frame->pack(t); }
+    at::Tensor call_unpack_hook() override { return frame->unpack(index); }
+    std::shared_ptr<Frame> frame;
+    int64_t index = -1;
+  };
+
+  int64_t pack(const at::Tensor& t) {
+    if (check_) metas_.push_back(TensorMeta::of(t));
+    return num_saved_++;
+  }
+
+  // Each recomputed tensor is handed out once and then dropped, so memory goes as backward consumes it. A
+  // slot asked for again (a second backward with retain_graph, or a partial one) triggers a fresh recompute,
+  // which gives the same values.
+  at::Tensor unpack(int64_t index) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    TORCH_INTERNAL_ASSERT(index >= 0 && index < num_saved_, "remat::checkpoint: bad saved-tensor index ",
+                          index);
+    if (recomputed_.empty() || !recomputed_[index].defined()) recompute();
+    return std::move(recomputed_[index]);
+  }
+
+  void recompute() {
+    std::vector<at::Tensor> saved;
+    saved.reserve(inputs_.size());
+    for (const auto& sv : inputs_)
+      saved.push_back(sv.unpack());
+    std::vector<at::Tensor> args = detached_inputs(saved, requires_grad_);
+    std::vector<at::Tensor> collected;
+    collected.reserve(num_saved_);
+    {
+      Collector collector(collected, check_ ? &metas_ : nullptr);
+      RngReplay rng(rng_, cuda_devices_);
+      BufferRestore buffers(modules_);
+      HookScope scope(&collector);
+      at::AutoGradMode grad(true);
+      fn_(args);
+    }
+    TORCH_CHECK(static_cast<int64_t>(collected.size()) == num_saved_,
+                "remat::checkpoint: the recompute saved ", collected.size(),
+                " tensors for backward but the forward pass saved ", num_saved_,
+                "; fn must do the same work each time it runs");
+    recomputed_ = std::move(collected);
+  }
+
+  TensorsFn fn_;
+  std::vector<torch::autograd::SavedVariable> inputs_;
+  std::vector<bool> requires_grad_;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::vector<c10::DeviceIndex> cuda_devices_;
+  bool check_;
+  RngState rng_;
+  std::vector<TensorMeta> metas_;
+  int64_t num_saved_ = 0;
+  std::vector<at::Tensor> recomputed_;
+  std::recursive_mutex mutex_;
+};
+
+std::vector<at::Tensor> run_non_reentrant(const TensorsFn& fn, const std::vector<at::Tensor>& inputs,
+                                          const CheckpointOptions& options) {
+  install_engine();
+  auto frame = std::make_shared<Frame>(fn, inputs, options);
+  return frame->run_forward(inputs);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// kReentrant: a custom autograd Function
+
+struct ReentrantState final : torch::CustomClassHolder {
+  TensorsFn fn;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  std::vector<at::Tensor> params;  // declared parameters that require grad, in the node's input order
+  std::vector<bool> requires_grad;
+  std::vector<c10::DeviceIndex> cuda_devices;
+  bool check = true;
+  RngState rng;
+  std::vector<TensorMeta> output_metas;
+};
+
+// Leaves that the recomputed graph reaches and that the checkpoint did not declare: parameters fn uses from
+// modules missing in options.modules. Only nodes created by the recompute are followed, so the walk stays
+// inside the region.
+std::vector<at::Tensor> undeclared_leaves(const std::vector<at::Tensor>& outputs,
+                                          const std::unordered_set<c10::TensorImpl*>& declared,
+                                          uint64_t first_sequence_nr) {
+  std::vector<at::Tensor> leaves;
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_set<torch::autograd::Node*> seen;
+  for (const auto& o : outputs) {
+    if (auto* fn = o.grad_fn().get(); fn != nullptr && seen.insert(fn).second) stack.push_back(fn);
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      const at::Tensor& v = acc->variable;
+      if (v.defined() && v.requires_grad() && !declared.count(v.unsafeGetTensorImpl())) leaves.push_back(v);
+      continue;
+    }
+    if (node->sequence_nr() < first_sequence_nr) continue;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+    }
+  }
+  return leaves;
+}
+
+void accumulate_into_grad(const at::Tensor& leaf, const at::Tensor& grad) {
+  if (!grad.defined()) return;
+  at::NoGradGuard no_grad;
+  at::Tensor& g = leaf.mutable_grad();
+  if (!g.defined()) {
+    g = grad.detach().clone();
+  } else {
+    g.add_(grad);
+  }
+}
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                at::TensorList params,
+                                                c10::intrusive_ptr<ReentrantState> st) {
+    (void)params;  // inputs of the node so that the engine routes their gradients; fn uses them itself
+    std::vector<at::Tensor> in(inputs.begin(), inputs.end());
+    std::vector<at::Tensor> outputs = st->fn(in);
+    check_outputs(outputs);
+    if (st->check) {
+      for (const auto& o : outputs)
+        st->output_metas.push_back(TensorMeta::of(o));
+    }
+    std::vector<at::Tensor> non_differentiable;
+    for (const auto& o : outputs) {
+      if (!at::isFloatingType(o.scalar_type()) && !at::isComplexType(o.scalar_type())) {
+        non_differentiable.push_back(o);
+      }
+    }
+    if (!non_differentiable.empty()) ctx->mark_non_differentiable(non_differentiable);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward(in);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto st = c10::static_intrusive_pointer_cast<ReentrantState>(ctx->saved_data["state"].toCapsule());
+    const std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> args = detached_inputs(saved, st->requires_grad);
+
+    const uint64_t first_sequence_nr = at::sequence_number::peek();
+    std::vector<at::Tensor> outputs;
+    {
+      RngReplay rng(st->rng, st->cuda_devices);
+      BufferRestore buffers(st->modules);
+      at::AutoGradMode grad(true);
+      outputs = st->fn(args);
+    }
+    TORCH_CHECK(outputs.size() == grad_outputs.size(), "remat::checkpoint: the recompute returned ",
+                outputs.size(), " outputs but the forward pass returned ", grad_outputs.size());
+    if (st->check) {
+      for (size_t i = 0; i < outputs.size(); ++i) {
+        const TensorMeta now = TensorMeta::of(outputs[i]);
+        TORCH_CHECK(
+            now == st->output_metas[i], "remat::checkpoint: determinism check failed: output ", i, " is ",
+            now.str(), " in the recompute but was ", st->output_metas[i].str(),
+            " in the forward pass (set CheckpointOptions().determinism_check(false) to skip this check)");
+      }
+    }
+
+    std::vector<at::Tensor> roots, root_grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].requires_grad() && grad_outputs[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grad_outputs[i]);
+      }
+    }
+
+    // What the node returns gradients for: its inputs, then the declared parameters (its TensorList inputs).
+    const size_t n_inputs = args.size();
+    const std::vector<at::Tensor>& params = st->params;
+    torch::autograd::variable_list result(n_inputs + params.size() + 1);
+    if (roots.empty()) return result;
+
+    std::vector<at::Tensor> targets;
+    std::vector<size_t> slot;  // where each target's gradient goes in `result`
+    std::unordered_set<c10::TensorImpl*> declared;
+    for (size_t i = 0; i < n_inputs; ++i) {
+      declared.insert(args[i].unsafeGetTensorImpl());
+      if (args[i].requires_grad() && ctx->needs_input_grad(i)) {
+        targets.push_back(args[i]);
+        slot.push_back(i);
+      }
+    }
+    for (size_t j = 0; j < params.size(); ++j) {
+      declared.insert(params[j].unsafeGetTensorImpl());
+      if (ctx->needs_input_grad(n_inputs + j)) {
+        targets.push_back(params[j]);
+        slot.push_back(n_inputs + j);
+      }
+    }
+    // Parameters fn uses without declaring them: under backward() they are accumulated into .grad (as
+    // PyTorch's reentrant checkpoint does); under torch::autograd::grad nobody can have asked for them.
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    const bool accumulating = exec_info == nullptr || exec_info->empty();
+    std::vector<at::Tensor> extra;
+    if (accumulating) extra = undeclared_leaves(roots, declared, first_sequence_nr);
+    const size_t n_targets = targets.size();
+    targets.insert(targets.end(), extra.begin(), extra.end());
+    if (targets.empty()) return result;
+
+    const bool create_graph = at::GradMode::is_enabled();
+    std::vector<at::Tensor> grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
+                                                          create_graph, /*allow_unused=*/true);
+    for (size_t k = 0; k < n_targets; ++k)
+      result[slot[k]] = grads[k];
+    for (size_t k = n_targets; k < targets.size(); ++k)
+      accumulate_into_grad(targets[k], grads[k]);
+    return result;
+  }
+
+  // Parameters of the modules that require grad, each once, in a stable order.
+  static std::vector<at::Tensor> declared_params(
+      const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+    std::vector<at::Tensor> params;
+    std::unordered_set<c10::TensorImpl*> seen;
+    for (const auto& m : modules) {
+      if (!m) continue;
+      for (const auto& p : m->parameters(/*recurse=*/true)) {
+        if (p.defined() && p.requires_grad() && seen.insert(p.unsafeGetTensorImpl()).second)
+          params.push_back(p);
+      }
+    }
+    return params;
+  }
+};
+
+std::vector<at::Tensor> run_reentrant(const TensorsFn& fn, const std::vector<at::Tensor>& inputs,
+                                      const CheckpointOptions& options) {
+  auto st = c10::make_intrusive<ReentrantState>();
+  st->fn = fn;
+  st->modules = options.modules();
+  st->requires_grad = requires_grad_flags(inputs);
+  st->cuda_devices = cuda_devices_of(inputs);
+  st->check = options.determinism_check();
+  st->params = CheckpointFunction::declared_params(st->modules);
+  const bool any_input =
+      std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); });
+  TORCH_CHECK(
+      any_input || !st->params.empty(),
+      "remat::checkpoint: kReentrant mode with no input that requires grad and no parameter that does in "
+      "options.modules (",
+      options.modules().size(),
+      " modules): the weights fn uses would never be "
+      "trained (PyTorch's reentrant checkpoint silently freezes them). Checkpoint the module itself, list "
+      "the modules in CheckpointOptions().modules({...}), or use CheckpointMode::kNonReentrant");
+  if (options.preserve_rng_state()) st->rng = RngState::capture(st->cuda_devices);
+  return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(st->params), st);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------------------
+// Entry points
+
+std::vector<at::Tensor> checkpoint_tensors(const TensorsFn& fn, const std::vector<at::Tensor>& inputs,
+                                           const CheckpointOptions& options) {
+  TORCH_CHECK(static_cast<bool>(fn), "remat::checkpoint: fn is empty (a default-constructed std::function)");
+  check_inputs(inputs);
+  std::vector<at::Tensor> outputs;
+  if (!at::GradMode::is_enabled()) {
+    outputs = fn(inputs);
+  } else if (options.mode() == CheckpointMode::kReentrant) {
+    outputs = run_reentrant(fn, inputs, options);
+  } else {
+    outputs = run_non_reentrant(fn, inputs, options);
+  }
+  check_outputs(outputs);
+  return outputs;
+}
+
+at::Tensor checkpoint_tensor(const TensorFn& fn, const at::Tensor& input, const CheckpointOptions& options) {
+  TORCH_CHECK(static_cast<bool>(fn), "remat::checkpoint: fn is empty (a default-constructed std::function)");
+  TensorsFn wrapped = [fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; };
+  return checkpoint_tensors(wrapped, {input}, options)[0];
+}
+
+}  // namespace detail
+}  // namespace remat

@@ -1,0 +1,140 @@
+// A CPU allocator that wraps LibTorch's and counts the bytes of every storage it hands out.
+//
+// Kernels such as gelu call Allocator::raw_allocate(), which asserts that a DataPtr's context equals its data
+// pointer, so the wrapper keeps context == data and records sizes in a side table (sharded to keep the lock
+// uncontended), and frees through the wrapped allocator's raw deleter.
+
+#include "detail/cpu_meter.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+// LibTorch 2.3 made Allocator::allocate non-const and added the pure virtual copy_data.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+#define REMAT_ALLOCATE_CONST
+#define REMAT_ALLOCATOR_HAS_COPY_DATA 1
+#else
+#define REMAT_ALLOCATE_CONST const
+#define REMAT_ALLOCATOR_HAS_COPY_DATA 0
+#endif
+
+namespace remat::detail {
+namespace {
+
+struct Shard {
+  std::mutex mutex;
+  std::unordered_map<void*, size_t> sizes;
+};
+
+struct MeterState {
+  std::array<Shard, 64> shards;
+  std::atomic<int64_t> active{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> allocations{0};
+  c10::Allocator* base = nullptr;
+  c10::DeleterFnPtr base_deleter = nullptr;
+
+  Shard& shard(void* p) { return shards[(reinterpret_cast<uintptr_t>(p) >> 6) % shards.size()]; }
+
+  void add(void* p, size_t n) {
+    {
+      Shard& s = shard(p);
+      std::lock_guard<std::mutex> lock(s.mutex);
+      s.sizes.emplace(p, n);
+    }
+    allocations.fetch_add(1, std::memory_order_relaxed);
+    const int64_t now = active.fetch_add(static_cast<int64_t>(n)) + static_cast<int64_t>(n);
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
+  }
+
+  void remove(void* p) {
+    size_t n = 0;
+    {
+      Shard& s = shard(p);
+      std::lock_guard<std::mutex> lock(s.mutex);
+      auto it = s.sizes.find(p);
+      if (it == s.sizes.end()) return;
+      n = it->second;
+      s.sizes.erase(it);
+    }
+    active.fetch_sub(static_cast<int64_t>(n));
+  }
+};
+
+// Never destroyed: storages may be freed during static destruction.
+MeterState& state() {
+  static MeterState* s = new MeterState();
+  return *s;
+}
+
+void counting_delete(void* p) {
+  if (p == nullptr) return;
+  MeterState& s = state();
+  s.remove(p);
+  s.base_deleter(p);
+}
+
+class CountingCpuAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t n) REMAT_ALLOCATE_CONST override {
+    MeterState& s = state();
+    void* p = s.base->raw_allocate(n);
+    if (p != nullptr) s.add(p, n);
+    return {p, p, &counting_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
+#if REMAT_ALLOCATOR_HAS_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#endif
+};
+
+std::once_flag install_once;
+std::atomic<bool> installed{false};
+
+}  // namespace
+
+void cpu_meter_install() {
+  std::call_once(install_once, [] {
+    MeterState& s = state();
+    s.base = c10::GetCPUAllocator();
+    s.base_deleter = s.base->raw_deleter();
+    TORCH_CHECK(
+        s.base_deleter != nullptr,
+        "remat::memory::track_cpu: the current CPU allocator has no raw deleter, so it cannot be wrapped");
+    static CountingCpuAllocator* counting = new CountingCpuAllocator();
+    c10::SetCPUAllocator(counting, /*priority=*/100);
+    TORCH_CHECK(c10::GetCPUAllocator() == counting,
+                "remat::memory::track_cpu: a CPU allocator of higher priority is installed; cannot count");
+    installed.store(true);
+  });
+}
+
+bool cpu_meter_installed() {
+  return installed.load();
+}
+int64_t cpu_meter_active_bytes() {
+  return state().active.load();
+}
+int64_t cpu_meter_peak_bytes() {
+  return state().peak.load();
+}
+void cpu_meter_reset_peak() {
+  MeterState& s = state();
+  s.peak.store(s.active.load());
+}
+int64_t cpu_meter_allocations() {
+  return state().allocations.load();
+}
+
+}  // namespace remat::detail

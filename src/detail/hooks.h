@@ -1,0 +1,36 @@
+#pragma once
+// Pure-C++ default saved-tensor hooks.
+//
+// LibTorch 1.13 wires default saved-tensor hooks only to Python. Every SavedVariable asks
+// Engine::get_default_engine().get_default_saved_variable_hooks() for hooks when it is created, and that call
+// is virtual; torch::autograd::set_default_engine_stub is exported. remat installs a small Engine subclass
+// that answers from a thread-local stack of HookSources: the innermost source on the creating thread packs
+// the tensor. A process holds one default engine, so this cannot coexist with Python's (torch._C installs its
+// own).
+
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+#include <memory>
+
+namespace remat::detail {
+
+/// Makes the hooks of every tensor autograd saves while it is the innermost source on this thread.
+class HookSource {
+ public:
+  virtual ~HookSource() = default;
+  virtual std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() = 0;
+};
+
+/// Installs remat's engine as LibTorch's default autograd engine (idempotent, thread-safe).
+void install_engine();
+
+/// Pushes `source` on this thread's stack for the lifetime of the scope.
+class HookScope {
+ public:
+  explicit HookScope(HookSource* source);
+  ~HookScope();
+  HookScope(const HookScope&) = delete;
+  HookScope& operator=(const HookScope&) = delete;
+};
+
+}  // namespace remat::detail

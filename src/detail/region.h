@@ -1,0 +1,70 @@
+#pragma once
+// What the checkpoint runtime and the plan executor share about re-running a region: RNG states, module
+// buffers, and the shape/dtype/device of tensors for the determinism check.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace remat::detail {
+
+/// The CPU generator's state and that of the CUDA generators of `cuda_devices`.
+struct RngState {
+  at::Tensor cpu;
+  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda;
+
+  /// Captures the current states. Consecutive captures with no random draw between them share one tensor.
+  static RngState capture(const std::vector<c10::DeviceIndex>& cuda_devices);
+  void restore() const;
+  bool empty() const { return !cpu.defined(); }
+};
+
+/// The CUDA device indices of the defined CUDA tensors in `tensors`, each once.
+std::vector<c10::DeviceIndex> cuda_devices_of(const std::vector<at::Tensor>& tensors);
+
+/// While alive: the generators are at `replay` (when non-empty); on destruction they are put back where they
+/// were on construction.
+class RngReplay {
+ public:
+  RngReplay(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices);
+  ~RngReplay();
+  RngReplay(const RngReplay&) = delete;
+  RngReplay& operator=(const RngReplay&) = delete;
+
+ private:
+  RngState saved_;
+};
+
+/// Copies of every buffer of `modules` (recursively, each buffer once) on construction, written back on
+/// destruction through .data(), so that their autograd version counters are not bumped (a recomputed graph
+/// may have saved them).
+class BufferRestore {
+ public:
+  explicit BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  ~BufferRestore();
+  BufferRestore(const BufferRestore&) = delete;
+  BufferRestore& operator=(const BufferRestore&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_;
+};
+
+/// Shape, dtype and device of a tensor.
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Device device = c10::kCPU;
+
+  static TensorMeta of(const at::Tensor& t);
+  bool operator==(const TensorMeta& o) const {
+    return sizes == o.sizes && dtype == o.dtype && device == o.device;
+  }
+  bool operator!=(const TensorMeta& o) const { return !(*this == o); }
+  std::string str() const;
+};
+
+}  // namespace remat::detail

@@ -1,0 +1,98 @@
+#include "remat/memory.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+#include "detail/cpu_meter.h"
+
+#ifdef REMAT_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace remat::memory {
+namespace {
+
+#ifdef REMAT_WITH_CUDA
+int cuda_index(c10::Device device) {
+  TORCH_CHECK(c10::cuda::device_count() > 0, "remat::memory: no CUDA device is available (asked for ", device,
+              ")");
+  const int index = device.has_index() ? device.index() : c10::cuda::current_device();
+  TORCH_CHECK(index >= 0 && index < c10::cuda::device_count(), "remat::memory: CUDA device index ", index,
+              " out of range (", c10::cuda::device_count(), " devices)");
+  return index;
+}
+auto cuda_stats(c10::Device device) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device));
+}
+constexpr size_t kAggregate = static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+#endif
+
+void check_device(c10::Device device) {
+  if (device.is_cpu()) return;
+#ifdef REMAT_WITH_CUDA
+  if (device.is_cuda()) return;
+  TORCH_CHECK(false, "remat::memory: unsupported device ", device, " (cpu and cuda are metered)");
+#else
+  TORCH_CHECK(false, "remat::memory: unsupported device ", device,
+              " (this remat was built against a LibTorch without CUDA; only cpu is metered)");
+#endif
+}
+
+}  // namespace
+
+void track_cpu() {
+  detail::cpu_meter_install();
+}
+bool is_tracking_cpu() {
+  return detail::cpu_meter_installed();
+}
+int64_t cpu_allocation_count() {
+  return detail::cpu_meter_allocations();
+}
+
+int64_t active_bytes(c10::Device device) {
+  check_device(device);
+  if (device.is_cpu()) return detail::cpu_meter_active_bytes();
+#ifdef REMAT_WITH_CUDA
+  return cuda_stats(device).allocated_bytes[kAggregate].current;
+#else
+  return 0;
+#endif
+}
+
+int64_t peak_bytes(c10::Device device) {
+  check_device(device);
+  if (device.is_cpu()) return detail::cpu_meter_peak_bytes();
+#ifdef REMAT_WITH_CUDA
+  return cuda_stats(device).allocated_bytes[kAggregate].peak;
+#else
+  return 0;
+#endif
+}
+
+void reset_peak(c10::Device device) {
+  check_device(device);
+  if (device.is_cpu()) {
+    detail::cpu_meter_reset_peak();
+    return;
+  }
+#ifdef REMAT_WITH_CUDA
+  c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_index(device));
+#endif
+}
+
+PeakScope::PeakScope(c10::Device device) : device_(device), base_(0) {
+  reset_peak(device_);
+  base_ = active_bytes(device_);
+}
+
+int64_t PeakScope::peak_over_base() const {
+  return std::max<int64_t>(0, peak_bytes(device_) - base_);
+}
+int64_t PeakScope::active_over_base() const {
+  return active_bytes(device_) - base_;
+}
+
+}  // namespace remat::memory

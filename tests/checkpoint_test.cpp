@@ -1,0 +1,492 @@
+#include <remat/checkpoint.h>
+#include <remat/memory.h>
+
+#include "support.h"
+
+namespace {
+
+using remat::CheckpointMode;
+using remat::CheckpointOptions;
+using remat::testing::clear_grads;
+using remat::testing::expect_all_close;
+using remat::testing::grads_of;
+using remat::testing::max_abs_diff;
+
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int64_t w)
+      : fc1(register_module("fc1", torch::nn::Linear(w, 2 * w))),
+        fc2(register_module("fc2", torch::nn::Linear(2 * w, w))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::gelu(fc1(x))); }
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Block);
+
+std::string mode_name(const ::testing::TestParamInfo<CheckpointMode>& info) {
+  return info.param == CheckpointMode::kReentrant ? "Reentrant" : "NonReentrant";
+}
+
+class CheckpointTest : public ::testing::TestWithParam<CheckpointMode> {
+ protected:
+  void SetUp() override {
+    torch::manual_seed(0);
+    remat::testing::meter_on();
+  }
+  CheckpointOptions opts() const { return CheckpointOptions().mode(GetParam()); }
+};
+
+INSTANTIATE_TEST_SUITE_P(Modes, CheckpointTest,
+                         ::testing::Values(CheckpointMode::kNonReentrant, CheckpointMode::kReentrant),
+                         mode_name);
+
+// ---------------------------------------------------------------------------------------------------------
+// Gradients equal the un-checkpointed run
+
+TEST_P(CheckpointTest, OneTensorGradientsEqualPlainRun) {
+  Block block(16);
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  block(x).pow(2).sum().backward();
+  auto plain = grads_of(*block);
+  auto plain_x = x.grad().clone();
+
+  clear_grads(*block);
+  x.mutable_grad() = torch::Tensor();
+  remat::checkpoint(block, x, opts()).pow(2).sum().backward();
+  expect_all_close(grads_of(*block), plain, 0.0);
+  EXPECT_EQ(max_abs_diff(x.grad(), plain_x), 0.0);
+}
+
+TEST_P(CheckpointTest, SeveralInputsAndOutputs) {
+  Block block(8);
+  auto a = torch::randn({4, 8}, torch::requires_grad());
+  auto b = torch::randn({4, 8}, torch::requires_grad());
+  auto fn = [&](const std::vector<torch::Tensor>& in) {
+    auto h = block(in[0] * in[1]);
+    return std::vector<torch::Tensor>{h.tanh(), (h * in[1]).sigmoid()};
+  };
+  auto loss_of = [](const std::vector<torch::Tensor>& outs) {
+    return outs[0].sum() + 2 * outs[1].pow(2).sum();
+  };
+  loss_of(fn({a, b})).backward();
+  auto plain = grads_of(*block);
+  auto ga = a.grad().clone(), gb = b.grad().clone();
+
+  clear_grads(*block);
+  a.mutable_grad() = torch::Tensor();
+  b.mutable_grad() = torch::Tensor();
+  auto outs = remat::checkpoint(fn, {a, b}, opts().modules({block.ptr()}));
+  ASSERT_EQ(outs.size(), 2u);
+  loss_of(outs).backward();
+  expect_all_close(grads_of(*block), plain);
+  EXPECT_LE(max_abs_diff(a.grad(), ga), 1e-6);
+  EXPECT_LE(max_abs_diff(b.grad(), gb), 1e-6);
+}
+
+TEST_P(CheckpointTest, IntegerOutputAndOutputWithoutGrad) {
+  Block block(8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto fn = [&](const std::vector<torch::Tensor>& in) {
+    auto h = block(in[0]);
+    return std::vector<torch::Tensor>{h, h.argmax(1), torch::ones({3})};
+  };
+  fn({x})[0].pow(2).sum().backward();
+  auto plain = grads_of(*block);
+  auto gx = x.grad().clone();
+
+  clear_grads(*block);
+  x.mutable_grad() = torch::Tensor();
+  auto outs = remat::checkpoint(fn, {x}, opts().modules({block.ptr()}));
+  ASSERT_EQ(outs.size(), 3u);
+  EXPECT_EQ(outs[1].scalar_type(), torch::kLong);
+  EXPECT_FALSE(outs[1].requires_grad());
+  (outs[0].pow(2).sum() + outs[2].sum() * 0).backward();
+  expect_all_close(grads_of(*block), plain);
+  EXPECT_LE(max_abs_diff(x.grad(), gx), 1e-6);
+}
+
+TEST_P(CheckpointTest, ParametersTrainedWhenNoInputRequiresGrad) {
+  // PyTorch's reentrant checkpoint leaves these weights without gradients; remat trains them in both modes.
+  Block block(16);
+  auto x = torch::randn({8, 16});
+  block(x).sum().backward();
+  auto plain = grads_of(*block);
+
+  clear_grads(*block);
+  remat::checkpoint(block, x, opts()).sum().backward();
+  auto got = grads_of(*block);
+  for (const auto& g : got)
+    ASSERT_TRUE(g.defined());
+  expect_all_close(got, plain, 0.0);
+}
+
+TEST_P(CheckpointTest, LambdaWithModulesOptionTrainsParameters) {
+  Block block(16);
+  auto x = torch::randn({8, 16});
+  block(x).sum().backward();
+  auto plain = grads_of(*block);
+
+  clear_grads(*block);
+  auto fn = [&](const torch::Tensor& t) { return block(t); };
+  remat::checkpoint(fn, x, opts().modules({block.ptr()})).sum().backward();
+  expect_all_close(grads_of(*block), plain, 0.0);
+}
+
+TEST_P(CheckpointTest, UndeclaredParametersStillTrainedUnderBackward) {
+  // Parameters used by a lambda but not listed: with an input that requires grad, backward() trains them.
+  Block block(16);
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  block(x).sum().backward();
+  auto plain = grads_of(*block);
+
+  clear_grads(*block);
+  remat::checkpoint([&](const torch::Tensor& t) { return block(t); }, x, opts()).sum().backward();
+  expect_all_close(grads_of(*block), plain, 1e-6);
+}
+
+TEST(CheckpointReentrant, NothingToTrainIsAnError) {
+  Block block(4);
+  auto x = torch::randn({2, 4});
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& t) {
+    ++calls;
+    return block(t);
+  };
+  EXPECT_THROW_WITH(remat::checkpoint(fn, x, CheckpointOptions().mode(CheckpointMode::kReentrant)),
+                    "remat::checkpoint", "kReentrant", "modules");
+  EXPECT_EQ(calls, 0);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Recomputation happens, and memory drops
+
+TEST_P(CheckpointTest, RecomputesOnceAndCountsCalls) {
+  Block block(8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& t) {
+    ++calls;
+    return block(t);
+  };
+  auto y = remat::checkpoint(fn, x, opts().modules({block.ptr()}));
+  EXPECT_EQ(calls, 1);
+  y.sum().backward();
+  EXPECT_EQ(calls, 2);
+}
+
+TEST_P(CheckpointTest, BytesKeptUntilBackwardDropExactly) {
+  const int64_t b = 32, w = 64;
+  Block block(w);
+  auto x = torch::randn({b, w}, torch::requires_grad());
+
+  int64_t plain_kept = 0;
+  {
+    const int64_t before = remat::memory::active_bytes();
+    auto y = block(x);
+    plain_kept = remat::memory::active_bytes() - before;
+    y.sum().backward();
+  }
+  // Without checkpointing: fc1's output (saved by gelu), gelu's output (saved by fc2) and the block's output.
+  EXPECT_EQ(plain_kept, b * (2 * w + 2 * w + w) * 4);
+
+  clear_grads(*block);
+  int64_t ckpt_kept = 0;
+  {
+    const int64_t before = remat::memory::active_bytes();
+    auto y = remat::checkpoint(block, x, opts().preserve_rng_state(false));
+    ckpt_kept = remat::memory::active_bytes() - before;
+    y.sum().backward();
+  }
+  // With it: only the block's output.
+  EXPECT_EQ(ckpt_kept, b * w * 4);
+}
+
+TEST_P(CheckpointTest, ChainOfCheckpointsLowersPeak) {
+  const int64_t b = 64, w = 64, depth = 12;
+  torch::nn::Sequential seq;
+  for (int i = 0; i < depth; ++i)
+    seq->push_back(Block(w));
+  auto x = torch::randn({b, w}, torch::requires_grad());
+
+  auto step_peak = [&](bool ckpt) {
+    for (auto& p : seq->parameters()) {
+      if (p.grad().defined()) p.grad().zero_();  // keep the gradients allocated: they are not activations
+    }
+    remat::memory::PeakScope scope;
+    auto h = x;
+    for (auto& m : *seq) {
+      auto block = std::dynamic_pointer_cast<BlockImpl>(m.ptr());
+      h = ckpt ? remat::checkpoint(Block(block), h, opts()) : block->forward(h);
+    }
+    h.sum().backward();
+    return scope.peak_over_base();
+  };
+  step_peak(false);  // grads allocated once, so both measured steps start from the same bytes
+  const int64_t plain = step_peak(false);
+  const int64_t ckpt = step_peak(true);
+  EXPECT_LT(ckpt, plain * 0.4) << "plain " << plain << " checkpointed " << ckpt;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// RNG
+
+TEST_P(CheckpointTest, DropoutMaskReplayedAndGlobalRngUntouched) {
+  Block block(16);
+  torch::nn::Dropout drop(0.5);
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  auto fn = [&](const torch::Tensor& t) { return drop(block(t)) * 3; };
+
+  torch::manual_seed(42);
+  fn(x).pow(2).sum().backward();
+  auto after_plain = torch::rand({8});
+  auto plain = grads_of(*block);
+  auto gx = x.grad().clone();
+
+  clear_grads(*block);
+  x.mutable_grad() = torch::Tensor();
+  torch::manual_seed(42);
+  remat::checkpoint(fn, x, opts().modules({block.ptr()})).pow(2).sum().backward();
+  auto after_ckpt = torch::rand({8});
+  expect_all_close(grads_of(*block), plain, 0.0);
+  EXPECT_EQ(max_abs_diff(x.grad(), gx), 0.0);
+  EXPECT_TRUE(torch::equal(after_plain, after_ckpt));
+}
+
+TEST_P(CheckpointTest, WithoutPreservedRngTheMaskDiffers) {
+  Block block(16);
+  torch::nn::Dropout drop(0.5);
+  auto x = torch::randn({32, 16}, torch::requires_grad());
+  auto fn = [&](const torch::Tensor& t) { return drop(block(t)); };
+
+  torch::manual_seed(42);
+  fn(x).pow(2).sum().backward();
+  auto after_plain = torch::rand({8});
+  auto gx = x.grad().clone();
+
+  x.mutable_grad() = torch::Tensor();
+  torch::manual_seed(42);
+  remat::checkpoint(fn, x, opts().modules({block.ptr()}).preserve_rng_state(false)).pow(2).sum().backward();
+  auto after_ckpt = torch::rand({8});
+  EXPECT_GT(max_abs_diff(x.grad(), gx), 0.0);           // another mask was drawn in the recompute
+  EXPECT_FALSE(torch::equal(after_plain, after_ckpt));  // and the generator moved on
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Stateful layers
+
+TEST_P(CheckpointTest, BatchNormUpdatedOnce) {
+  auto make = [] {
+    torch::manual_seed(7);
+    return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::BatchNorm1d(16), torch::nn::ReLU(),
+                                 torch::nn::Linear(16, 4));
+  };
+  auto plain = make();
+  auto ckpt = make();
+  auto x = torch::randn({10, 8});
+  plain->forward(x).pow(2).sum().backward();
+  remat::checkpoint(ckpt, x, opts()).pow(2).sum().backward();
+
+  auto pb = plain->buffers(), cb = ckpt->buffers();
+  ASSERT_EQ(pb.size(), 3u);  // running_mean, running_var, num_batches_tracked
+  for (size_t i = 0; i < pb.size(); ++i)
+    EXPECT_TRUE(torch::equal(pb[i], cb[i])) << "buffer " << i;
+  EXPECT_EQ(cb[2].item<int64_t>(), 1);
+  expect_all_close(grads_of(*ckpt), grads_of(*plain), 1e-6);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// torch::autograd::grad, retain_graph, nesting
+
+TEST_P(CheckpointTest, AutogradGradEqualsAndAccumulatesNothing) {
+  Block block(8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  std::vector<torch::Tensor> wrt{x};
+  for (const auto& p : block->parameters())
+    wrt.push_back(p);
+
+  auto plain = torch::autograd::grad({block(x).pow(2).sum()}, wrt);
+  auto got = torch::autograd::grad({remat::checkpoint(block, x, opts()).pow(2).sum()}, wrt);
+  expect_all_close(got, plain, 1e-6);
+  EXPECT_FALSE(x.grad().defined());
+  for (const auto& p : block->parameters())
+    EXPECT_FALSE(p.grad().defined());
+}
+
+TEST_P(CheckpointTest, RetainGraphSecondBackwardDoubles) {
+  Block block(8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  block(x).pow(2).sum().backward();
+  auto once = grads_of(*block);
+
+  clear_grads(*block);
+  auto loss = remat::checkpoint(block, x, opts()).pow(2).sum();
+  loss.backward({}, /*retain_graph=*/true);
+  loss.backward();
+  auto twice = grads_of(*block);
+  for (auto& g : once)
+    g = g * 2;
+  expect_all_close(twice, once, 1e-5);
+}
+
+TEST_P(CheckpointTest, NestedCheckpointGradientsEqual) {
+  Block inner(8), outer(8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto plain_fn = [&](const torch::Tensor& t) { return outer(inner(t).tanh()); };
+  plain_fn(x).pow(2).sum().backward();
+  auto plain_inner = grads_of(*inner), plain_outer = grads_of(*outer);
+  auto gx = x.grad().clone();
+
+  clear_grads(*inner);
+  clear_grads(*outer);
+  x.mutable_grad() = torch::Tensor();
+  int inner_calls = 0;
+  auto nested_fn = [&](const torch::Tensor& t) {
+    auto h = remat::checkpoint(
+        [&](const torch::Tensor& u) {
+          ++inner_calls;
+          return inner(u);
+        },
+        t, opts().modules({inner.ptr()}));
+    return outer(h.tanh());
+  };
+  // The outer call lists the inner module: a kReentrant outer must know every parameter inside it.
+  remat::checkpoint(nested_fn, x, opts().modules({inner.ptr(), outer.ptr()})).pow(2).sum().backward();
+  expect_all_close(grads_of(*inner), plain_inner, 1e-6);
+  expect_all_close(grads_of(*outer), plain_outer, 1e-6);
+  EXPECT_LE(max_abs_diff(x.grad(), gx), 1e-6);
+  EXPECT_GE(inner_calls, 2);
+}
+
+TEST(CheckpointNesting, MixedModesGradientsEqual) {
+  for (auto outer_mode : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant}) {
+    for (auto inner_mode : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant}) {
+      torch::manual_seed(3);
+      Block inner(8), outer(8);
+      auto x = torch::randn({4, 8}, torch::requires_grad());
+      outer(inner(x)).sum().backward();
+      auto plain = grads_of(*inner);
+      clear_grads(*inner);
+      auto fn = [&](const torch::Tensor& t) {
+        return outer(remat::checkpoint(inner, t, CheckpointOptions().mode(inner_mode)));
+      };
+      remat::checkpoint(fn, x, CheckpointOptions().mode(outer_mode).modules({inner.ptr(), outer.ptr()}))
+          .sum()
+          .backward();
+      expect_all_close(grads_of(*inner), plain, 1e-6);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Determinism check
+
+TEST_P(CheckpointTest, DeterminismCheckNamesTheMismatch) {
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& t) {
+    auto u = calls++ == 0 ? t : t.to(torch::kDouble);
+    return u * u;  // kNonReentrant sees the saved tensors change dtype, kReentrant the output
+  };
+  auto y = remat::checkpoint(fn, x, opts());
+  EXPECT_THROW_WITH(y.sum().backward(), "remat::checkpoint", "determinism", "Float", "Double");
+}
+
+TEST_P(CheckpointTest, DeterminismCheckOffMakesNoCheck) {
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& t) {
+    auto u = calls++ == 0 ? t : t.to(torch::kDouble);
+    return u * u;  // the same values in another dtype: autograd itself accepts it
+  };
+  auto y = remat::checkpoint(fn, x, opts().determinism_check(false));
+  EXPECT_NO_THROW(y.sum().backward());
+  EXPECT_LE(max_abs_diff(x.grad(), 2 * x), 1e-5);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Bad input, no grad
+
+TEST_P(CheckpointTest, BadInputIsAClearErrorAndLeavesNothingHalfDone) {
+  Block block(8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const std::vector<torch::Tensor>& in) {
+    ++calls;
+    return std::vector<torch::Tensor>{block(in[0])};
+  };
+  EXPECT_THROW_WITH(remat::checkpoint(fn, std::vector<torch::Tensor>{}, opts()), "remat::checkpoint",
+                    "inputs is empty");
+  EXPECT_THROW_WITH(remat::checkpoint(fn, {x, torch::Tensor()}, opts()), "remat::checkpoint",
+                    "input 1 of 2 is an undefined tensor");
+  EXPECT_EQ(calls, 0);
+  auto none = [&](const std::vector<torch::Tensor>&) { return std::vector<torch::Tensor>{}; };
+  EXPECT_THROW_WITH(remat::checkpoint(none, {x}, opts().modules({block.ptr()})), "remat::checkpoint",
+                    "returned no tensor");
+  auto undefined = [&](const torch::Tensor&) { return torch::Tensor(); };
+  EXPECT_THROW_WITH(remat::checkpoint(undefined, x, opts().modules({block.ptr()})), "remat::checkpoint",
+                    "undefined tensor as output 0 of 1");
+  remat::TensorFn empty;
+  EXPECT_THROW_WITH(remat::checkpoint(empty, x, opts()), "remat::checkpoint", "fn is empty");
+
+  // Afterwards, plain and checkpointed runs still agree.
+  block(x).sum().backward();
+  auto plain = grads_of(*block);
+  clear_grads(*block);
+  remat::checkpoint(block, x, opts()).sum().backward();
+  expect_all_close(grads_of(*block), plain, 0.0);
+}
+
+TEST_P(CheckpointTest, UnderNoGradJustRunsFn) {
+  Block block(8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  int calls = 0;
+  auto fn = [&](const torch::Tensor& t) {
+    ++calls;
+    return block(t);
+  };
+  torch::NoGradGuard no_grad;
+  auto y = remat::checkpoint(fn, x, opts());
+  EXPECT_EQ(calls, 1);
+  EXPECT_FALSE(y.requires_grad());
+  EXPECT_TRUE(torch::allclose(y, block(x)));
+}
+
+TEST(CheckpointModule, EmptyHolderIsAnError) {
+  torch::nn::Linear empty = nullptr;
+  EXPECT_THROW_WITH(remat::checkpoint(empty, torch::ones({2, 2})), "remat::checkpoint", "empty");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Every call shape compiles and picks the right overload
+
+TEST(CheckpointOverloads, EveryCallShapeCompiles) {
+  torch::nn::Linear linear(4, 4);
+  Block mine(4);
+  torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU());
+  auto x = torch::randn({2, 4}, torch::requires_grad());
+  auto a = torch::randn({2, 4}, torch::requires_grad());
+
+  auto y1 = remat::checkpoint(linear, x);
+  auto y2 = remat::checkpoint(mine, x);
+  auto y3 = remat::checkpoint(seq, x);
+  auto y4 = remat::checkpoint([](const torch::Tensor& t) { return t * 2; }, x);
+  auto y5 = remat::checkpoint(
+      [](const std::vector<torch::Tensor>& t) { return std::vector<torch::Tensor>{t[0] + t[1]}; }, {x, a});
+  remat::TensorFn f = [](const torch::Tensor& t) { return t.sin(); };
+  remat::TensorsFn g = [](const std::vector<torch::Tensor>& t) {
+    return std::vector<torch::Tensor>{t[0].cos()};
+  };
+  auto y6 = remat::checkpoint(f, x);
+  auto y7 = remat::checkpoint(g, {x});
+  const remat::TensorFn cf = f;
+  auto y8 = remat::checkpoint(cf, x);
+
+  static_assert(std::is_same_v<decltype(y1), torch::Tensor>);
+  static_assert(std::is_same_v<decltype(y5), std::vector<torch::Tensor>>);
+  static_assert(std::is_same_v<decltype(y7), std::vector<torch::Tensor>>);
+  (y1.sum() + y2.sum() + y3.sum() + y4.sum() + y5[0].sum() + y6.sum() + y7[0].sum() + y8.sum()).backward();
+  EXPECT_TRUE(linear->weight.grad().defined());
+  EXPECT_TRUE(mine->fc1->weight.grad().defined());
+  EXPECT_TRUE(a.grad().defined());
+  EXPECT_LE(max_abs_diff(a.grad(), torch::ones_like(a)), 0.0);
+}
+
+}  // namespace

@@ -1,0 +1,68 @@
+#pragma once
+// Helpers shared by the remat tests.
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <remat/memory.h>
+
+#include <string>
+#include <vector>
+
+namespace remat::testing {
+
+/// Expects `stmt` to throw c10::Error whose message contains every one of `needles`.
+#define EXPECT_THROW_WITH(stmt, ...)                                                                    \
+  do {                                                                                                  \
+    bool thrown_ = false;                                                                               \
+    try {                                                                                               \
+      stmt;                                                                                             \
+    } catch (const c10::Error& e_) {                                                                    \
+      thrown_ = true;                                                                                   \
+      const std::string msg_ = e_.what();                                                               \
+      for (const std::string& needle_ : std::vector<std::string>{__VA_ARGS__}) {                        \
+        EXPECT_NE(msg_.find(needle_), std::string::npos) << "missing '" << needle_ << "' in: " << msg_; \
+      }                                                                                                 \
+    }                                                                                                   \
+    EXPECT_TRUE(thrown_) << "expected c10::Error from: " #stmt;                                         \
+  } while (0)
+
+/// Largest absolute difference between two tensors of the same shape (0 for two undefined tensors,
+/// infinity when only one is defined or the shapes differ).
+inline double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  if (!a.defined() && !b.defined()) return 0.0;
+  if (!a.defined() || !b.defined() || a.sizes() != b.sizes()) return std::numeric_limits<double>::infinity();
+  if (a.numel() == 0) return 0.0;
+  return (a.detach().to(torch::kDouble) - b.detach().to(torch::kDouble)).abs().max().item<double>();
+}
+
+/// Copies of the .grad of every parameter of `module` (undefined where there is none).
+inline std::vector<torch::Tensor> grads_of(const torch::nn::Module& module) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : module.parameters())
+    grads.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  return grads;
+}
+
+/// Expects two lists of gradients to agree within `tol` element-wise.
+inline void expect_all_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
+                             double tol = 1e-6) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].defined(), b[i].defined()) << "gradient " << i;
+    EXPECT_LE(max_abs_diff(a[i], b[i]), tol) << "gradient " << i;
+  }
+}
+
+/// Zeroes (undefines) the gradients of a module.
+inline void clear_grads(torch::nn::Module& module) {
+  for (auto& p : module.parameters())
+    p.mutable_grad() = torch::Tensor();
+}
+
+/// Installs the CPU meter once per test process.
+inline void meter_on() {
+  remat::memory::track_cpu();
+}
+
+}  // namespace remat::testing

@@ -1,0 +1,69 @@
+#pragma once
+/// \file
+/// A chain of stages as plain numbers: what each stage costs in time and memory. Planners read it; the
+/// profiler (remat/profile.h) measures it from a real model. No torch headers.
+///
+///   remat::Chain chain = remat::load_chain("bert.json");     // the format of docs/chain-format.md
+///   remat::validate(chain);                                  // throws std::invalid_argument naming the
+///   stage
+///
+/// The memory model (the paper's, Beaumont et al. 2019): stage i reads a_i and produces a_{i+1}; a_0 is the
+/// chain's input (input_bytes), a_{i+1} has stage i's output_bytes, abar_{i+1} (stage i's saved_bytes) is
+/// a_{i+1} plus what stage i's autograd graph keeps, and the gradient d_i has the size of a_i. See
+/// remat/plan.h for how a schedule is charged.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// One stage of a chain.
+struct Stage {
+  std::string name;
+  double fwd_ms = 0;         ///< forward time (milliseconds)
+  double bwd_ms = 0;         ///< backward time (milliseconds)
+  int64_t output_bytes = 0;  ///< the stage's output a_{i+1}, which is the next stage's input (bytes)
+  int64_t saved_bytes = 0;   ///< abar_{i+1}: alive after running the stage with grad: its output plus all its
+                             ///< autograd graph keeps for its backward (bytes; >= output_bytes)
+  int64_t fwd_tmp_bytes = 0;  ///< transient peak above that during its forward (bytes)
+  int64_t bwd_tmp_bytes =
+      0;  ///< transient peak during its backward, above its inputs, outputs and d_i (bytes)
+};
+
+/// The chain: its input a_0 and its stages in order.
+struct Chain {
+  int64_t input_bytes = 0;  ///< a_0 (bytes)
+  std::vector<Stage> stages;
+
+  /// Number of stages.
+  int64_t size() const { return static_cast<int64_t>(stages.size()); }
+  /// Size of a_i in bytes, for i in [0, size()]: input_bytes for 0, stage i-1's output_bytes otherwise.
+  int64_t activation_bytes(int64_t i) const { return i == 0 ? input_bytes : stages[i - 1].output_bytes; }
+};
+
+/// Checks a chain: at least one stage; no negative or non-finite value; saved_bytes >= output_bytes.
+/// Throws std::invalid_argument naming remat::validate, the stage (index and name), the field and the value.
+void validate(const Chain& chain);
+
+/// The chain as JSON: {"input_bytes": N, "stages": [{"name": "...", "fwd_ms": x, "bwd_ms": x,
+/// "output_bytes": N, "saved_bytes": N, "fwd_tmp_bytes": N, "bwd_tmp_bytes": N}, ...]}.
+std::string to_json(const Chain& chain);
+
+/// Parses and validates that JSON (the tmp keys are optional, default 0; "name" defaults to "stage<i>").
+/// Throws std::invalid_argument naming the problem: malformed JSON, a missing or mistyped key, or what
+/// validate() rejects.
+Chain chain_from_json(const std::string& json);
+
+/// Reads a chain from a JSON file. Throws std::invalid_argument when the file cannot be read, and as
+/// chain_from_json.
+Chain load_chain(const std::string& path);
+
+/// Writes a chain to a JSON file. Throws std::invalid_argument when the file cannot be written.
+void save_chain(const Chain& chain, const std::string& path);
+
+/// A homogeneous chain of n equal stages (for revolve and tests): each with the given times and sizes,
+/// input_bytes = output_bytes.
+Chain uniform_chain(int64_t n, double fwd_ms, double bwd_ms, int64_t output_bytes, int64_t saved_bytes);
+
+}  // namespace remat

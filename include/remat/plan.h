@@ -1,0 +1,94 @@
+#pragma once
+/// \file
+/// A Plan is a schedule as data: a sequence of operations over stage indices, in the vocabulary of
+/// Beaumont et al. 2019 (rotor). simulate() charges it against a Chain: the single source of predicted
+/// figures. No torch headers.
+///
+///   remat::Plan plan = remat::optimal(chain, 512 << 20);
+///   std::cout << plan.to_string();                      // "Fc0 Fn1 Fa2 L B2 Fa1 B1 Fa0 B0"
+///   remat::Simulation sim = remat::simulate(chain, plan);  // peak_bytes, time_ms, forward_calls
+///
+/// Operations and how simulate() charges them (sizes as in remat/chain.h; "resident" is everything held when
+/// the operation starts, always including the chain's input a_0):
+/// - Fn(i), forward without keeping anything: needs a_i (or abar_i); peak = resident + a_{i+1} + fwd_tmp_i;
+///   afterwards a_{i+1} is held and a_i is freed if it was held as a plain a_i (never a_0).
+/// - Fc(i), forward keeping its input (a checkpoint): as Fn(i), but a_i stays.
+/// - Fa(i), forward keeping everything for backward: needs a_i; peak = resident + abar_{i+1} + fwd_tmp_i;
+///   afterwards abar_{i+1} is held (it includes a_{i+1}) and a_i stays.
+/// - L, the loss: needs a_n; creates d_n (size a_n) at zero time; a_n is freed if held as a plain a_n.
+/// - B(i), backward: needs abar_{i+1}, d_{i+1} and a_i (or abar_i); peak = resident + d_i + bwd_tmp_i;
+///   afterwards abar_{i+1} and d_{i+1} are freed, and a_i too if it was held as a plain a_i (never a_0).
+/// Time is the sum of fwd_ms over every forward that runs (recomputations count each time) plus the
+/// sum of bwd_ms.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+struct Chain;
+
+/// The kinds of operation.
+enum class OpKind {
+  kForwardNoSave,      ///< Fn(i)
+  kForwardCheckpoint,  ///< Fc(i)
+  kForwardAll,         ///< Fa(i)
+  kLoss,               ///< L
+  kBackward,           ///< B(i)
+};
+
+/// One operation; stage is -1 for the loss.
+struct Op {
+  OpKind kind = OpKind::kForwardNoSave;
+  int64_t stage = -1;
+  bool operator==(const Op& o) const { return kind == o.kind && stage == o.stage; }
+  bool operator!=(const Op& o) const { return !(*this == o); }
+};
+
+/// Predicted figures of a plan on a chain (what simulate() returns).
+struct Simulation {
+  int64_t peak_bytes = 0;              ///< highest memory held during the plan, a_0 included (bytes)
+  double time_ms = 0;                  ///< forward and backward time (milliseconds)
+  std::vector<int64_t> forward_calls;  ///< how many times each stage's forward runs
+  int64_t peak_op = -1;                ///< index in ops of the operation at the peak
+};
+
+/// A schedule for a chain of num_stages stages.
+struct Plan {
+  int64_t num_stages = 0;
+  std::vector<Op> ops;
+  std::string planner;       ///< the planner that made it ("optimal", "uniform:4", ...); free text
+  int64_t budget_bytes = 0;  ///< the budget it was made for; 0 when none (bytes)
+  Simulation predicted;      ///< filled by the planners through simulate(); empty for a hand-made plan
+
+  /// "Fc0 Fn1 Fa2 L B2 Fa1 B1 Fa0 B0": operations separated by spaces.
+  std::string to_string() const;
+  /// Number of operations of the given kind.
+  int64_t count(OpKind kind) const;
+};
+
+/// Short name of an operation kind: "Fn", "Fc", "Fa", "L", "B".
+std::string op_name(OpKind kind);
+
+/// Checks that a plan computes every gradient in the model of this file: each operation finds what it
+/// needs, the loss comes once after a_n exists, and the plan ends with d_0. Throws std::invalid_argument
+/// naming remat::check_plan, the operation's index and text, and what is missing.
+void check_plan(const Plan& plan);
+
+/// Charges the plan against the chain (see the top of this file). Throws std::invalid_argument when the
+/// chain is invalid (remat::validate), when its size differs from plan.num_stages, or as check_plan.
+Simulation simulate(const Chain& chain, const Plan& plan);
+
+/// The plan as JSON: {"num_stages": n, "planner": "...", "budget_bytes": N, "ops": ["Fc0", "Fn1", ..., "L",
+/// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}.
+std::string to_json(const Plan& plan);
+
+/// Parses that JSON ("predicted" optional) and checks the plan. Throws std::invalid_argument naming the
+/// problem: malformed JSON, a missing key, an unknown operation, or what check_plan rejects.
+Plan plan_from_json(const std::string& json);
+
+/// Parses one operation: "Fn3", "Fc0", "Fa12", "L", "B4". Throws std::invalid_argument for anything else.
+Op parse_op(const std::string& text);
+
+}  // namespace remat

@@ -1,0 +1,102 @@
+#pragma once
+/// \file
+/// Planners: given a chain (remat/chain.h), return a Plan (remat/plan.h). They all have one shape, take the
+/// chain and budget as plain data, and fill plan.predicted through simulate(). No torch headers.
+///
+///   remat::Chain chain = remat::profile_chain(seq, x);              // or load_chain("model.json")
+///   remat::Plan plan = remat::optimal(chain, 256 << 20);            // fastest schedule within 256 MiB
+///   std::cout << plan.predicted.peak_bytes << " bytes, " << plan.predicted.time_ms << " ms\n";
+///
+/// Baselines: no_checkpoint (keep everything), checkpoint_all (every stage is a checkpoint, like per-layer
+/// torch.utils.checkpoint), uniform (like checkpoint_sequential), sqrt_n (Chen et al. 2016). optimal is the
+/// persistent dynamic program of Beaumont, Eyraud-Dubois, Herrmann, Joly and Shilova (2019), multi-level;
+/// revolve is Griewank and Walther's binomial checkpointing for long homogeneous chains.
+
+#include <remat/chain.h>
+#include <remat/plan.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// Options of optimal().
+struct PlannerOptions {
+  /// Memory is discretised into this many slots: unit = floor(budget / slots) bytes, and every size becomes
+  /// ceil(size / unit) slots, so a schedule that fits in slots fits in bytes. Time and table memory grow
+  /// linearly with it. At least 1.
+  int64_t slots = 500;
+  /// Also simulate the baselines (exactly, in bytes) and return one when it fits the budget and is faster
+  /// than the dynamic program's schedule, which can happen when rounding to slots costs a little memory.
+  bool compare_baselines = true;
+};
+
+/// Thrown when no schedule fits the budget. what() states the minimum.
+class InfeasibleBudget : public std::invalid_argument {
+ public:
+  InfeasibleBudget(const std::string& what, int64_t budget_bytes, int64_t min_bytes)
+      : std::invalid_argument(what), budget_bytes_(budget_bytes), min_bytes_(min_bytes) {}
+  int64_t budget_bytes() const { return budget_bytes_; }
+  /// The smallest budget for which a schedule exists (bytes).
+  int64_t min_bytes() const { return min_bytes_; }
+
+ private:
+  int64_t budget_bytes_;
+  int64_t min_bytes_;
+};
+
+/// Keep every activation: Fa(0) .. Fa(n-1), L, B(n-1) .. B(0). Throws std::invalid_argument for an invalid
+/// chain (as remat::validate), as do all planners.
+Plan no_checkpoint(const Chain& chain);
+
+/// Every stage is a checkpoint (per-layer checkpointing): Fc(0) .. Fc(n-1), L, then Fa(i), B(i) for each i.
+Plan checkpoint_all(const Chain& chain);
+
+/// What checkpoint_sequential does: `segments` contiguous runs whose lengths differ by at most one (the
+/// longer ones first), each run but the last checkpointed (the last too when checkpoint_last_segment). Throws
+/// std::invalid_argument when segments < 1 or > the number of stages.
+Plan uniform(const Chain& chain, int64_t segments, bool checkpoint_last_segment = false);
+
+/// Any segmentation of n stages: segments start at `starts` (strictly increasing, starts[0] == 0, all < n).
+/// Each segment but the last is checkpointed (the last too when checkpoint_last_segment). Needs no chain.
+/// Throws std::invalid_argument naming the bad start.
+Plan segmented(int64_t num_stages, const std::vector<int64_t>& starts, bool checkpoint_last_segment = false);
+
+/// Chen et al. 2016: ceil(sqrt(n)) uniform segments, the last one kept.
+Plan sqrt_n(const Chain& chain);
+
+/// The fastest persistent schedule in the model of remat/plan.h whose peak fits budget_bytes: the paper's
+/// dynamic program, memory discretised into options.slots slots, multi-level (a stage may be recomputed
+/// several times). Persistent means a checkpoint, once kept, stays until its stage's backward; the tests
+/// check the result against an exhaustive search of all persistent schedules. (Freeing a checkpoint early and
+/// recomputing it later is sometimes faster still: the same search found that in about 1% of random
+/// 8-stage chains.) The result's predicted peak is <= budget_bytes. Cost: O(n^3 * slots) time and
+/// O(n^2 * slots) memory; chains too large for that are refused with a message suggesting fewer slots or
+/// revolve().
+/// Throws InfeasibleBudget (stating the minimum) when no schedule fits, std::invalid_argument for an invalid
+/// chain or slots < 1.
+Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options = {});
+
+/// Binomial checkpointing (Griewank and Walther's Revolve) with at most `snapshots` checkpoints held at once
+/// besides the chain's input: the fewest forward recomputations for a homogeneous chain, in O(n log n).
+/// For chains of thousands of stages, where optimal() is too slow. Throws std::invalid_argument when
+/// snapshots < 0.
+Plan revolve(const Chain& chain, int64_t snapshots);
+
+/// revolve() with the most snapshots whose predicted peak fits budget_bytes. Throws InfeasibleBudget when
+/// even no snapshot does not fit.
+Plan revolve_within(const Chain& chain, int64_t budget_bytes);
+
+/// The smallest budget (bytes) for which optimal() finds a schedule, computed exactly in bytes (for chains
+/// longer than 1500 stages: the peak of recomputing every stage from the input, an upper bound).
+int64_t min_feasible_budget(const Chain& chain);
+
+/// A planner by name, as the command line spells it: "none", "all", "sqrt", "uniform:K", "optimal",
+/// "revolve" (within the budget) or "revolve:S" (S snapshots). budget_bytes is used by optimal and revolve.
+/// Throws std::invalid_argument for an unknown name, and what the planner throws.
+Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_bytes,
+               const PlannerOptions& options = {});
+
+}  // namespace remat

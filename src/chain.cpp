@@ -1,0 +1,172 @@
+#include "remat/chain.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace remat {
+namespace {
+
+std::string stage_label(const Chain& chain, size_t i) {
+  return "stage " + std::to_string(i) + " ('" + chain.stages[i].name + "')";
+}
+
+void check_bytes(const Chain& chain, size_t i, const char* field, int64_t value) {
+  if (value < 0) {
+    throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has negative " + field +
+                                " (" + std::to_string(value) + ")");
+  }
+}
+
+void check_ms(const Chain& chain, size_t i, const char* field, double value) {
+  if (!std::isfinite(value) || value < 0) {
+    std::ostringstream os;
+    os << "remat::validate: " << stage_label(chain, i) << " has "
+       << (std::isfinite(value) ? "negative " : "non-finite ") << field << " (" << value << ")";
+    throw std::invalid_argument(os.str());
+  }
+}
+
+}  // namespace
+
+void validate(const Chain& chain) {
+  if (chain.stages.empty()) throw std::invalid_argument("remat::validate: the chain has no stages");
+  if (chain.input_bytes < 0) {
+    throw std::invalid_argument("remat::validate: negative input_bytes (" +
+                                std::to_string(chain.input_bytes) + ")");
+  }
+  for (size_t i = 0; i < chain.stages.size(); ++i) {
+    const Stage& s = chain.stages[i];
+    check_ms(chain, i, "fwd_ms", s.fwd_ms);
+    check_ms(chain, i, "bwd_ms", s.bwd_ms);
+    check_bytes(chain, i, "output_bytes", s.output_bytes);
+    check_bytes(chain, i, "saved_bytes", s.saved_bytes);
+    check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
+    check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
+    if (s.saved_bytes < s.output_bytes) {
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has saved_bytes (" +
+                                  std::to_string(s.saved_bytes) + ") < output_bytes (" +
+                                  std::to_string(s.output_bytes) +
+                                  "); what a stage keeps includes its output");
+    }
+  }
+}
+
+std::string to_json(const Chain& chain) {
+  nlohmann::ordered_json j;
+  j["input_bytes"] = chain.input_bytes;
+  j["stages"] = nlohmann::ordered_json::array();
+  for (const Stage& s : chain.stages) {
+    nlohmann::ordered_json js;
+    js["name"] = s.name;
+    js["fwd_ms"] = s.fwd_ms;
+    js["bwd_ms"] = s.bwd_ms;
+    js["output_bytes"] = s.output_bytes;
+    js["saved_bytes"] = s.saved_bytes;
+    js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
+    js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
+    j["stages"].push_back(js);
+  }
+  return j.dump(2);
+}
+
+namespace {
+
+template <typename T>
+T required(const nlohmann::json& j, const char* key, const std::string& where) {
+  if (!j.contains(key))
+    throw std::invalid_argument("remat::chain_from_json: " + where + " has no \"" + key + "\"");
+  const auto& v = j.at(key);
+  if (!v.is_number()) {
+    throw std::invalid_argument("remat::chain_from_json: " + where + ": \"" + key +
+                                "\" must be a number, got " + v.dump());
+  }
+  if constexpr (std::is_integral_v<T>) {
+    if (!v.is_number_integer()) {
+      throw std::invalid_argument("remat::chain_from_json: " + where + ": \"" + key +
+                                  "\" must be a whole number of bytes, got " + v.dump());
+    }
+  }
+  return v.get<T>();
+}
+
+template <typename T>
+T optional(const nlohmann::json& j, const char* key, const std::string& where, T fallback) {
+  return j.contains(key) ? required<T>(j, key, where) : fallback;
+}
+
+}  // namespace
+
+Chain chain_from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw std::invalid_argument(std::string("remat::chain_from_json: malformed JSON: ") + e.what());
+  }
+  if (!j.is_object())
+    throw std::invalid_argument("remat::chain_from_json: expected an object with \"stages\"");
+  Chain chain;
+  chain.input_bytes = required<int64_t>(j, "input_bytes", "the chain");
+  if (!j.contains("stages") || !j.at("stages").is_array()) {
+    throw std::invalid_argument("remat::chain_from_json: \"stages\" must be an array");
+  }
+  const auto& stages = j.at("stages");
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const auto& js = stages[i];
+    const std::string where = "stage " + std::to_string(i);
+    if (!js.is_object())
+      throw std::invalid_argument("remat::chain_from_json: " + where + " is not an object");
+    Stage s;
+    if (js.contains("name")) {
+      if (!js.at("name").is_string()) {
+        throw std::invalid_argument("remat::chain_from_json: " + where + ": \"name\" must be a string");
+      }
+      s.name = js.at("name").get<std::string>();
+    } else {
+      s.name = "stage" + std::to_string(i);
+    }
+    s.fwd_ms = required<double>(js, "fwd_ms", where);
+    s.bwd_ms = required<double>(js, "bwd_ms", where);
+    s.output_bytes = required<int64_t>(js, "output_bytes", where);
+    s.saved_bytes = required<int64_t>(js, "saved_bytes", where);
+    s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
+    s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
+    chain.stages.push_back(std::move(s));
+  }
+  validate(chain);
+  return chain;
+}
+
+Chain load_chain(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument("remat::load_chain: cannot read '" + path + "'");
+  std::ostringstream os;
+  os << in.rdbuf();
+  return chain_from_json(os.str());
+}
+
+void save_chain(const Chain& chain, const std::string& path) {
+  std::ofstream out(path);
+  if (!out) throw std::invalid_argument("remat::save_chain: cannot write '" + path + "'");
+  out << to_json(chain) << "\n";
+  if (!out) throw std::invalid_argument("remat::save_chain: failed writing '" + path + "'");
+}
+
+Chain uniform_chain(int64_t n, double fwd_ms, double bwd_ms, int64_t output_bytes, int64_t saved_bytes) {
+  if (n < 1) throw std::invalid_argument("remat::uniform_chain: n must be >= 1, got " + std::to_string(n));
+  Chain chain;
+  chain.input_bytes = output_bytes;
+  chain.stages.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    chain.stages.push_back(
+        Stage{"stage" + std::to_string(i), fwd_ms, bwd_ms, output_bytes, saved_bytes, 0, 0});
+  }
+  validate(chain);
+  return chain;
+}
+
+}  // namespace remat

@@ -1,0 +1,250 @@
+#include "remat/plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cctype>
+#include <sstream>
+#include <stdexcept>
+
+#include "remat/chain.h"
+
+namespace remat {
+
+std::string op_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::kForwardNoSave:
+      return "Fn";
+    case OpKind::kForwardCheckpoint:
+      return "Fc";
+    case OpKind::kForwardAll:
+      return "Fa";
+    case OpKind::kLoss:
+      return "L";
+    case OpKind::kBackward:
+      return "B";
+  }
+  return "?";
+}
+
+namespace {
+std::string op_text(const Op& op) {
+  return op.kind == OpKind::kLoss ? "L" : op_name(op.kind) + std::to_string(op.stage);
+}
+}  // namespace
+
+std::string Plan::to_string() const {
+  std::string out;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (i) out += ' ';
+    out += op_text(ops[i]);
+  }
+  return out;
+}
+
+int64_t Plan::count(OpKind kind) const {
+  int64_t c = 0;
+  for (const Op& op : ops)
+    c += op.kind == kind;
+  return c;
+}
+
+Op parse_op(const std::string& text) {
+  auto fail = [&] {
+    throw std::invalid_argument(
+        "remat::parse_op: '" + text +
+        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, L or B<i>, e.g. Fc0, Fa3, L, B3)");
+  };
+  if (text == "L") return Op{OpKind::kLoss, -1};
+  size_t digits = 0;
+  Op op;
+  if (text.rfind("Fn", 0) == 0) {
+    op.kind = OpKind::kForwardNoSave, digits = 2;
+  } else if (text.rfind("Fc", 0) == 0) {
+    op.kind = OpKind::kForwardCheckpoint, digits = 2;
+  } else if (text.rfind("Fa", 0) == 0) {
+    op.kind = OpKind::kForwardAll, digits = 2;
+  } else if (text.rfind("B", 0) == 0) {
+    op.kind = OpKind::kBackward, digits = 1;
+  } else {
+    fail();
+  }
+  if (text.size() == digits || text.size() > digits + 12) fail();
+  for (size_t i = digits; i < text.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(text[i]))) fail();
+  }
+  op.stage = std::stoll(text.substr(digits));
+  return op;
+}
+
+namespace {
+
+enum Held : uint8_t { kNone = 0, kPlain = 1, kFull = 2 };
+
+// Runs a plan over the model of plan.h; charges memory and time when a chain is given, checks only otherwise.
+Simulation run(const Plan& plan, const Chain* chain, const char* who) {
+  const int64_t n = plan.num_stages;
+  if (n < 1) throw std::invalid_argument(std::string(who) + ": the plan has num_stages " + std::to_string(n));
+  auto act = [&](int64_t i) -> int64_t { return chain ? chain->activation_bytes(i) : 0; };
+  auto saved = [&](int64_t i) -> int64_t { return chain ? chain->stages[i - 1].saved_bytes : 0; };
+
+  std::vector<Held> held(static_cast<size_t>(n + 1), kNone);
+  held[0] = kPlain;   // the chain's input, resident throughout
+  int64_t grad = -1;  // index j of the gradient d_j held, -1 before the loss
+  bool loss_done = false;
+  int64_t current = act(0);
+  Simulation sim;
+  sim.forward_calls.assign(static_cast<size_t>(n), 0);
+  sim.peak_bytes = current;
+
+  auto held_bytes = [&](int64_t i) -> int64_t {
+    return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : 0;
+  };
+  auto charge = [&](int64_t peak, size_t k) {
+    if (peak > sim.peak_bytes) {
+      sim.peak_bytes = peak;
+      sim.peak_op = static_cast<int64_t>(k);
+    }
+  };
+
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    const Op& op = plan.ops[k];
+    auto fail = [&](const std::string& why) {
+      throw std::invalid_argument(std::string(who) + ": operation " + std::to_string(k) + " (" + op_text(op) +
+                                  ") " + why);
+    };
+    const int64_t i = op.stage;
+    if (op.kind != OpKind::kLoss && (i < 0 || i >= n)) {
+      fail("names stage " + std::to_string(i) + ", but the plan has " + std::to_string(n) + " stages");
+    }
+    switch (op.kind) {
+      case OpKind::kForwardNoSave:
+      case OpKind::kForwardCheckpoint:
+      case OpKind::kForwardAll: {
+        if (held[i] == kNone) fail("needs a_" + std::to_string(i) + ", which is not held");
+        if (grad >= 0 && grad <= i) fail("runs after stage " + std::to_string(i) + "'s backward");
+        const bool all = op.kind == OpKind::kForwardAll;
+        if (held[i + 1] == kFull || (!all && held[i + 1] == kPlain)) {
+          fail("recomputes a_" + std::to_string(i + 1) + ", which is already held");
+        }
+        const int64_t out = all ? (chain ? chain->stages[i].saved_bytes : 0) : act(i + 1);
+        const int64_t tmp = chain ? chain->stages[i].fwd_tmp_bytes : 0;
+        charge(current + out + tmp, k);
+        current += out - held_bytes(i + 1);
+        held[i + 1] = all ? kFull : kPlain;
+        if (op.kind == OpKind::kForwardNoSave && held[i] == kPlain && i > 0) {
+          current -= act(i);
+          held[i] = kNone;
+        }
+        sim.forward_calls[i] += 1;
+        if (chain) sim.time_ms += chain->stages[i].fwd_ms;
+        break;
+      }
+      case OpKind::kLoss: {
+        if (loss_done) fail("comes a second time");
+        if (held[n] == kNone) fail("needs the chain's output a_" + std::to_string(n) + ", which is not held");
+        charge(current + act(n), k);
+        current += act(n);
+        grad = n;
+        loss_done = true;
+        if (held[n] == kPlain) {
+          current -= act(n);
+          held[n] = kNone;
+        }
+        break;
+      }
+      case OpKind::kBackward: {
+        if (!loss_done) fail("comes before the loss");
+        if (grad != i + 1) {
+          fail("needs d_" + std::to_string(i + 1) + ", but the backward pass is at d_" +
+               std::to_string(grad));
+        }
+        if (held[i + 1] != kFull)
+          fail("needs abar_" + std::to_string(i + 1) + " (run Fa" + std::to_string(i) + " first)");
+        if (held[i] == kNone) fail("needs a_" + std::to_string(i) + ", which is not held");
+        const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
+        charge(current + act(i) + tmp, k);
+        current += act(i) - held_bytes(i + 1) - act(i + 1);
+        held[i + 1] = kNone;
+        grad = i;
+        if (held[i] == kPlain && i > 0) {
+          current -= act(i);
+          held[i] = kNone;
+        }
+        if (chain) sim.time_ms += chain->stages[i].bwd_ms;
+        break;
+      }
+    }
+  }
+  if (grad != 0) {
+    throw std::invalid_argument(
+        std::string(who) + ": the plan ends before d_0 (" +
+        (loss_done ? "the backward pass stops at d_" + std::to_string(grad) : std::string("no loss")) + ")");
+  }
+  return sim;
+}
+
+}  // namespace
+
+void check_plan(const Plan& plan) {
+  run(plan, nullptr, "remat::check_plan");
+}
+
+Simulation simulate(const Chain& chain, const Plan& plan) {
+  validate(chain);
+  if (chain.size() != plan.num_stages) {
+    throw std::invalid_argument("remat::simulate: the chain has " + std::to_string(chain.size()) +
+                                " stages but the plan " + std::to_string(plan.num_stages));
+  }
+  return run(plan, &chain, "remat::simulate");
+}
+
+std::string to_json(const Plan& plan) {
+  nlohmann::ordered_json j;
+  j["num_stages"] = plan.num_stages;
+  j["planner"] = plan.planner;
+  j["budget_bytes"] = plan.budget_bytes;
+  j["ops"] = nlohmann::ordered_json::array();
+  for (const Op& op : plan.ops)
+    j["ops"].push_back(op_text(op));
+  nlohmann::ordered_json p;
+  p["peak_bytes"] = plan.predicted.peak_bytes;
+  p["time_ms"] = plan.predicted.time_ms;
+  p["forward_calls"] = plan.predicted.forward_calls;
+  j["predicted"] = p;
+  return j.dump(2);
+}
+
+Plan plan_from_json(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw std::invalid_argument(std::string("remat::plan_from_json: malformed JSON: ") + e.what());
+  }
+  auto fail = [](const std::string& why) { throw std::invalid_argument("remat::plan_from_json: " + why); };
+  if (!j.is_object()) fail("expected an object with \"num_stages\" and \"ops\"");
+  if (!j.contains("num_stages") || !j.at("num_stages").is_number_integer())
+    fail("\"num_stages\" must be an integer");
+  if (!j.contains("ops") || !j.at("ops").is_array()) fail("\"ops\" must be an array of strings");
+  Plan plan;
+  plan.num_stages = j.at("num_stages").get<int64_t>();
+  if (j.contains("planner") && j.at("planner").is_string()) plan.planner = j.at("planner").get<std::string>();
+  if (j.contains("budget_bytes") && j.at("budget_bytes").is_number_integer()) {
+    plan.budget_bytes = j.at("budget_bytes").get<int64_t>();
+  }
+  for (const auto& o : j.at("ops")) {
+    if (!o.is_string()) fail("every operation must be a string, got " + o.dump());
+    plan.ops.push_back(parse_op(o.get<std::string>()));
+  }
+  if (j.contains("predicted") && j.at("predicted").is_object()) {
+    const auto& p = j.at("predicted");
+    if (p.contains("peak_bytes")) plan.predicted.peak_bytes = p.at("peak_bytes").get<int64_t>();
+    if (p.contains("time_ms")) plan.predicted.time_ms = p.at("time_ms").get<double>();
+    if (p.contains("forward_calls"))
+      plan.predicted.forward_calls = p.at("forward_calls").get<std::vector<int64_t>>();
+  }
+  check_plan(plan);
+  return plan;
+}
+
+}  // namespace remat

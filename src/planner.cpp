@@ -1,0 +1,572 @@
+#include "remat/planner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+
+#include "remat/units.h"
+
+namespace remat {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+void push(Plan& plan, OpKind kind, int64_t stage) {
+  plan.ops.push_back(Op{kind, stage});
+}
+
+Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget) {
+  plan.planner = name;
+  plan.budget_bytes = budget;
+  plan.predicted = simulate(chain, plan);
+  return plan;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The chain as the dynamic programs see it: n + 1 stages, the last being the loss (no time, no memory of its
+// own; its backward creates d_n). Index i of x is a_i (i = 0..n+1, a_{n+1} = 0); xb[i + 1] is stage i's abar.
+template <typename T>
+struct Sizes {
+  int64_t n = 0;  // real stages
+  std::vector<T> x, xb, ft, bt;
+  std::vector<double> f, b;
+
+  template <typename Convert>
+  Sizes(const Chain& chain, Convert convert) : n(chain.size()) {
+    x.assign(n + 2, 0);
+    xb.assign(n + 2, 0);
+    ft.assign(n + 1, 0);
+    bt.assign(n + 1, 0);
+    f.assign(n + 1, 0);
+    b.assign(n + 1, 0);
+    for (int64_t i = 0; i <= n; ++i)
+      x[i] = convert(chain.activation_bytes(i));
+    for (int64_t i = 0; i < n; ++i) {
+      const Stage& s = chain.stages[i];
+      xb[i + 1] = convert(s.saved_bytes);
+      ft[i] = convert(s.fwd_tmp_bytes);
+      bt[i] = convert(s.bwd_tmp_bytes);
+      f[i] = s.fwd_ms;
+      b[i] = s.bwd_ms;
+    }
+  }
+  // Memory to run the last stage t of a subchain alone: Fa(t) then B(t), d_{t+1} held.
+  T base(int64_t t) const {
+    return std::max(x[t + 1] + xb[t + 1] + ft[t], xb[t + 1] + x[t + 1] + x[t] + bt[t]);
+  }
+  // Option A at s: Fa(s) with d_{t+1} held, and B(s) at the end.
+  T keep_all_need(int64_t s, int64_t t) const {
+    return std::max(x[t + 1] + xb[s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
+  }
+  // The forward k of a sweep that starts at s (a_s is held by the caller, a_k for k > s by the sweep).
+  T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + ft[k]; }
+};
+
+// Emits a schedule for subchain [s, t] in the shapes both dynamic programs use: choice -1 is "keep
+// everything of stage s" (Fa(s), the rest, B(s)); choice s' > s is "sweep to a_{s'}, keep it as a checkpoint,
+// do [s', t], then [s, s' - 1]". The loss stage n emits L.
+struct Emitter {
+  Plan& plan;
+  int64_t n;
+  void keep_all_open(int64_t s) {
+    if (s < n) push(plan, OpKind::kForwardAll, s);
+  }
+  void keep_all_close(int64_t s) {
+    if (s < n) {
+      push(plan, OpKind::kBackward, s);
+    } else {
+      push(plan, OpKind::kLoss, -1);
+    }
+  }
+  void sweep(int64_t s, int64_t to) {
+    push(plan, OpKind::kForwardCheckpoint, s);
+    for (int64_t k = s + 1; k < to; ++k)
+      push(plan, OpKind::kForwardNoSave, k);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The persistent dynamic program in slots.
+class Table {
+ public:
+  Table(const Sizes<int64_t>& z, int64_t slots) : z_(z), n_(z.n), m_(slots) {
+    const int64_t pairs = (n_ + 1) * (n_ + 2) / 2;
+    cost_.assign(static_cast<size_t>(pairs * (m_ + 1)), kInf);
+    what_.assign(static_cast<size_t>(pairs * (m_ + 1)), -2);
+    fill();
+  }
+  double at(int64_t s, int64_t t, int64_t m) const { return m < 0 ? kInf : row(s, t)[m]; }
+  void emit(Emitter& e, int64_t s, int64_t t, int64_t m) const {
+    const int32_t w = what(s, t)[m];
+    if (w == -1) {
+      e.keep_all_open(s);
+      if (s < t) emit(e, s + 1, t, m - z_.xb[s + 1]);
+      e.keep_all_close(s);
+    } else {
+      const int64_t sp = w;
+      e.sweep(s, sp);
+      emit(e, sp, t, m - z_.x[sp]);
+      emit(e, s, sp - 1, m);
+    }
+  }
+
+ private:
+  size_t index(int64_t s, int64_t t) const {
+    // rows of s = 0..n, each with t = s..n
+    return static_cast<size_t>(s * (n_ + 1) - s * (s - 1) / 2 + (t - s));
+  }
+  const double* row(int64_t s, int64_t t) const { return &cost_[index(s, t) * (m_ + 1)]; }
+  double* row(int64_t s, int64_t t) { return &cost_[index(s, t) * (m_ + 1)]; }
+  const int32_t* what(int64_t s, int64_t t) const { return &what_[index(s, t) * (m_ + 1)]; }
+  int32_t* what(int64_t s, int64_t t) { return &what_[index(s, t) * (m_ + 1)]; }
+
+  void fill() {
+    for (int64_t len = 0; len <= n_; ++len) {
+      for (int64_t s = 0; s + len <= n_; ++s) {
+        const int64_t t = s + len;
+        double* c = row(s, t);
+        int32_t* w = what(s, t);
+        // Keep everything of stage s.
+        const int64_t need = z_.keep_all_need(s, t);
+        if (len == 0) {
+          for (int64_t m = std::max<int64_t>(need, 0); m <= m_; ++m)
+            c[m] = z_.f[s] + z_.b[s], w[m] = -1;
+        } else {
+          const double* sub = row(s + 1, t);
+          const int64_t keep = z_.xb[s + 1];
+          for (int64_t m = std::max(need, keep); m <= m_; ++m) {
+            const double v = z_.f[s] + z_.b[s] + sub[m - keep];
+            if (v < c[m]) c[m] = v, w[m] = -1;
+          }
+        }
+        // Sweep to a checkpoint at sp.
+        double sweep_ms = 0;
+        int64_t sweep_peak = 0;
+        for (int64_t sp = s + 1; sp <= t; ++sp) {
+          sweep_ms += z_.f[sp - 1];
+          sweep_peak = std::max(sweep_peak, z_.sweep_step(s, sp - 1));
+          const int64_t hold = z_.x[sp];
+          const int64_t from = std::max(z_.x[t + 1] + sweep_peak, hold);
+          const double* later = row(sp, t);
+          const double* first = row(s, sp - 1);
+          for (int64_t m = from; m <= m_; ++m) {
+            const double v = sweep_ms + later[m - hold] + first[m];
+            if (v < c[m]) c[m] = v, w[m] = static_cast<int32_t>(sp);
+          }
+        }
+      }
+    }
+  }
+
+  const Sizes<int64_t>& z_;
+  int64_t n_, m_;
+  std::vector<double> cost_;
+  std::vector<int32_t> what_;
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// The least memory of the same family of schedules, exactly in bytes (no time, no slots).
+class MinMemory {
+ public:
+  explicit MinMemory(const Chain& chain) : z_(chain, [](int64_t v) { return v; }), n_(chain.size()) {
+    const int64_t pairs = (n_ + 1) * (n_ + 2) / 2;
+    need_.assign(static_cast<size_t>(pairs), 0);
+    what_.assign(static_cast<size_t>(pairs), -1);
+    for (int64_t len = 0; len <= n_; ++len) {
+      for (int64_t s = 0; s + len <= n_; ++s) {
+        const int64_t t = s + len;
+        int64_t best = len == 0 ? z_.base(t) : std::max(z_.keep_all_need(s, t), z_.xb[s + 1] + get(s + 1, t));
+        int32_t choice = -1;
+        int64_t sweep_peak = 0;
+        for (int64_t sp = s + 1; sp <= t; ++sp) {
+          sweep_peak = std::max(sweep_peak, z_.sweep_step(s, sp - 1));
+          const int64_t v = std::max({z_.x[t + 1] + sweep_peak, z_.x[sp] + get(sp, t), get(s, sp - 1)});
+          if (v < best) best = v, choice = static_cast<int32_t>(sp);
+        }
+        need_[index(s, t)] = best;
+        what_[index(s, t)] = choice;
+      }
+    }
+  }
+  int64_t total() const { return z_.x[0] + get(0, n_); }
+  void emit(Emitter& e, int64_t s, int64_t t) const {
+    const int32_t w = what_[index(s, t)];
+    if (w == -1) {
+      e.keep_all_open(s);
+      if (s < t) emit(e, s + 1, t);
+      e.keep_all_close(s);
+    } else {
+      e.sweep(s, w);
+      emit(e, w, t);
+      emit(e, s, w - 1);
+    }
+  }
+
+ private:
+  size_t index(int64_t s, int64_t t) const {
+    return static_cast<size_t>(s * (n_ + 1) - s * (s - 1) / 2 + (t - s));
+  }
+  int64_t get(int64_t s, int64_t t) const { return need_[index(s, t)]; }
+  Sizes<int64_t> z_;
+  int64_t n_;
+  std::vector<int64_t> need_;
+  std::vector<int32_t> what_;
+};
+
+constexpr int64_t kExactMinMemoryStages = 1500;
+
+// Recompute every stage from the input: the least memory when nothing may be kept but a_0 (O(n)).
+int64_t recompute_from_input_peak(const Chain& chain) {
+  const Sizes<int64_t> z(chain, [](int64_t v) { return v; });
+  const int64_t n = chain.size();
+  int64_t sweep_peak = 0, worst = z.base(n);
+  for (int64_t t = 1; t <= n; ++t) {
+    sweep_peak = std::max(sweep_peak, z.sweep_step(0, t - 1));
+    worst = std::max({worst, z.x[t + 1] + sweep_peak, z.x[t] + z.base(t)});
+  }
+  worst = std::max(worst, z.base(0));
+  return z.x[0] + worst;
+}
+
+std::string bytes_text(int64_t b) {
+  return format_bytes(b) + " (" + std::to_string(b) + " bytes)";
+}
+
+[[noreturn]] void infeasible(const char* who, int64_t budget, int64_t min_bytes) {
+  throw InfeasibleBudget(std::string(who) + ": no schedule fits a budget of " + bytes_text(budget) +
+                             "; the minimum for this chain is " + bytes_text(min_bytes),
+                         budget, min_bytes);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------------------
+// Baselines
+
+Plan no_checkpoint(const Chain& chain) {
+  validate(chain);
+  Plan plan;
+  plan.num_stages = chain.size();
+  for (int64_t i = 0; i < chain.size(); ++i)
+    push(plan, OpKind::kForwardAll, i);
+  push(plan, OpKind::kLoss, -1);
+  for (int64_t i = chain.size() - 1; i >= 0; --i)
+    push(plan, OpKind::kBackward, i);
+  return finish(chain, std::move(plan), "none", 0);
+}
+
+Plan checkpoint_all(const Chain& chain) {
+  validate(chain);
+  Plan plan;
+  plan.num_stages = chain.size();
+  for (int64_t i = 0; i < chain.size(); ++i)
+    push(plan, OpKind::kForwardCheckpoint, i);
+  push(plan, OpKind::kLoss, -1);
+  for (int64_t i = chain.size() - 1; i >= 0; --i) {
+    push(plan, OpKind::kForwardAll, i);
+    push(plan, OpKind::kBackward, i);
+  }
+  return finish(chain, std::move(plan), "all", 0);
+}
+
+Plan segmented(int64_t n, const std::vector<int64_t>& starts, bool checkpoint_last_segment) {
+  if (n < 1)
+    throw std::invalid_argument("remat::segmented: num_stages must be >= 1, got " + std::to_string(n));
+  if (starts.empty() || starts[0] != 0) {
+    throw std::invalid_argument("remat::segmented: the first segment must start at stage 0");
+  }
+  for (size_t j = 1; j < starts.size(); ++j) {
+    if (starts[j] <= starts[j - 1] || starts[j] >= n) {
+      throw std::invalid_argument("remat::segmented: segment start " + std::to_string(starts[j]) +
+                                  " (segment " + std::to_string(j) + ") must be after " +
+                                  std::to_string(starts[j - 1]) + " and below " + std::to_string(n));
+    }
+  }
+  Plan plan;
+  plan.num_stages = n;
+  const size_t k = starts.size();
+  auto end_of = [&](size_t j) { return j + 1 < k ? starts[j + 1] : n; };
+  auto checkpointed = [&](size_t j) { return j + 1 < k || checkpoint_last_segment; };
+  for (size_t j = 0; j < k; ++j) {
+    if (checkpointed(j)) {
+      push(plan, OpKind::kForwardCheckpoint, starts[j]);
+      for (int64_t i = starts[j] + 1; i < end_of(j); ++i)
+        push(plan, OpKind::kForwardNoSave, i);
+    } else {
+      for (int64_t i = starts[j]; i < end_of(j); ++i)
+        push(plan, OpKind::kForwardAll, i);
+    }
+  }
+  push(plan, OpKind::kLoss, -1);
+  for (size_t j = k; j-- > 0;) {
+    if (checkpointed(j)) {
+      for (int64_t i = starts[j]; i < end_of(j); ++i)
+        push(plan, OpKind::kForwardAll, i);
+    }
+    for (int64_t i = end_of(j) - 1; i >= starts[j]; --i)
+      push(plan, OpKind::kBackward, i);
+  }
+  plan.planner = "segmented";
+  check_plan(plan);
+  return plan;
+}
+
+Plan uniform(const Chain& chain, int64_t segments, bool checkpoint_last_segment) {
+  validate(chain);
+  const int64_t n = chain.size();
+  if (segments < 1 || segments > n) {
+    throw std::invalid_argument("remat::uniform: segments must be in [1, " + std::to_string(n) +
+                                "] (the chain has " + std::to_string(n) + " stages), got " +
+                                std::to_string(segments));
+  }
+  std::vector<int64_t> starts;
+  const int64_t q = n / segments, r = n % segments;
+  for (int64_t j = 0, at = 0; j < segments; ++j) {
+    starts.push_back(at);
+    at += q + (j < r ? 1 : 0);
+  }
+  return finish(chain, segmented(n, starts, checkpoint_last_segment), "uniform:" + std::to_string(segments),
+                0);
+}
+
+Plan sqrt_n(const Chain& chain) {
+  validate(chain);
+  const auto k = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(chain.size()))));
+  return finish(chain, uniform(chain, std::min(k, chain.size())), "sqrt", 0);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Optimal
+
+int64_t min_feasible_budget(const Chain& chain) {
+  validate(chain);
+  if (chain.size() > kExactMinMemoryStages) return recompute_from_input_peak(chain);
+  return MinMemory(chain).total();
+}
+
+namespace {
+
+// The dynamic program's schedule for `slots` slots, or an empty plan when nothing fits in slots.
+Plan dp_plan(const Chain& chain, int64_t budget, int64_t slots) {
+  const int64_t unit = std::max<int64_t>(1, budget / slots);
+  const int64_t total = budget / unit;  // >= slots when budget >= slots
+  const Sizes<int64_t> z(chain, [unit](int64_t v) { return (v + unit - 1) / unit; });
+  Plan plan;
+  plan.num_stages = chain.size();
+  const int64_t m = total - z.x[0];
+  if (m < 0) return plan;
+  const Table table(z, total);
+  if (!std::isfinite(table.at(0, z.n, m))) return plan;
+  Emitter e{plan, z.n};
+  table.emit(e, 0, z.n, m);
+  return plan;
+}
+
+void check_dp_size(const Chain& chain, int64_t slots) {
+  const double n = static_cast<double>(chain.size()) + 1;
+  const double cells = n * (n + 1) / 2 * (static_cast<double>(slots) + 1);
+  const double work = n * n * n / 6 * static_cast<double>(slots);
+  if (cells * 12 > 1.5e9 || work > 2e10) {
+    std::ostringstream os;
+    os << "remat::optimal: a chain of " << chain.size() << " stages with " << slots << " slots needs about "
+       << format_bytes(static_cast<int64_t>(cells * 12)) << " of tables and " << work
+       << " steps; use fewer slots, or remat::revolve for long homogeneous chains";
+    throw std::invalid_argument(os.str());
+  }
+}
+
+}  // namespace
+
+Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options) {
+  validate(chain);
+  if (options.slots < 1) {
+    throw std::invalid_argument("remat::optimal: slots must be >= 1, got " + std::to_string(options.slots));
+  }
+  if (budget_bytes < 0) {
+    throw std::invalid_argument("remat::optimal: negative budget (" + std::to_string(budget_bytes) +
+                                " bytes)");
+  }
+  const int64_t slots = std::min(options.slots, std::max<int64_t>(budget_bytes, 1));
+  check_dp_size(chain, slots);
+  Plan best = dp_plan(chain, budget_bytes, slots);
+  if (!best.ops.empty()) best = finish(chain, std::move(best), "optimal", budget_bytes);
+
+  if (options.compare_baselines) {
+    std::vector<Plan> candidates{no_checkpoint(chain), checkpoint_all(chain)};
+    for (int64_t k = 1; k <= chain.size(); ++k)
+      candidates.push_back(uniform(chain, k));
+    for (Plan& c : candidates) {
+      if (c.predicted.peak_bytes <= budget_bytes &&
+          (best.ops.empty() || c.predicted.time_ms < best.predicted.time_ms)) {
+        c.planner = "optimal";
+        c.budget_bytes = budget_bytes;
+        best = std::move(c);
+      }
+    }
+  }
+  if (best.ops.empty()) {
+    const int64_t min_bytes = min_feasible_budget(chain);
+    if (budget_bytes < min_bytes) infeasible("remat::optimal", budget_bytes, min_bytes);
+    // Rounding to slots lost the few bytes that separate the budget from the minimum: take the least-memory
+    // schedule, computed exactly.
+    if (chain.size() > kExactMinMemoryStages) infeasible("remat::optimal", budget_bytes, min_bytes);
+    Plan plan;
+    plan.num_stages = chain.size();
+    Emitter e{plan, chain.size()};
+    MinMemory(chain).emit(e, 0, chain.size());
+    best = finish(chain, std::move(plan), "optimal", budget_bytes);
+  }
+  if (best.predicted.peak_bytes > budget_bytes) {
+    throw std::logic_error("remat::optimal: internal error: the schedule's peak exceeds the budget");
+  }
+  return best;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Revolve
+
+namespace {
+
+// How far to advance from the current checkpoint when reversing `steps` steps with `s` snapshots counting the
+// current one (s >= 2): Griewank and Walther's binomial rule (Algorithm 799).
+int64_t revolve_advance(int64_t steps, int64_t s) {
+  int64_t reps = 0, range = 1;
+  while (range < steps) {
+    ++reps;
+    range = range * (reps + s) / reps;
+  }
+  const int64_t bino1 = range * reps / (s + reps);
+  const int64_t bino2 = s > 1 ? bino1 * s / (s + reps - 1) : 1;
+  const int64_t bino3 = s == 1 ? 0 : (s > 2 ? bino2 * (s - 1) / (s + reps - 2) : 1);
+  const int64_t bino4 = bino2 * (reps - 1) / s;
+  const int64_t bino5 = s < 3 ? 0 : (s > 3 ? bino3 * (s - 2) / reps : 1);
+  int64_t advance;
+  if (steps <= bino1 + bino3) {
+    advance = bino4;
+  } else if (steps >= range - bino5) {
+    advance = bino1;
+  } else {
+    advance = steps - bino2 - bino3;
+  }
+  return std::clamp<int64_t>(advance, 1, steps - 1);
+}
+
+struct RevolveEmitter {
+  Plan& plan;
+  int64_t n;
+  void tape_and_reverse(int64_t i) {
+    push(plan, OpKind::kForwardAll, i);
+    if (i == n - 1) push(plan, OpKind::kLoss, -1);  // the loss needs a_n: right after its first taping
+    push(plan, OpKind::kBackward, i);
+  }
+  void sweep(int64_t from, int64_t to) {
+    push(plan, OpKind::kForwardCheckpoint, from);
+    for (int64_t k = from + 1; k < to; ++k)
+      push(plan, OpKind::kForwardNoSave, k);
+  }
+  // Reverses stages [l, r) with a_l held and c free snapshots.
+  void reverse(int64_t l, int64_t r, int64_t c) {
+    while (r - l > 1 && c == 0) {
+      sweep(l, r - 1);
+      tape_and_reverse(r - 1);
+      --r;
+    }
+    if (r - l == 1) {
+      tape_and_reverse(l);
+      return;
+    }
+    const int64_t m = l + revolve_advance(r - l, c + 1);
+    sweep(l, m);
+    reverse(m, r, c - 1);
+    reverse(l, m, c);
+  }
+};
+
+// Forward steps of revolve on n steps with c free snapshots, without building it (t * n bound), to avoid
+// materialising quadratic schedules.
+double revolve_forward_estimate(int64_t n, int64_t c) {
+  const int64_t s = c + 1;
+  double range = 1;
+  int64_t reps = 0;
+  while (range < static_cast<double>(n)) {
+    ++reps;
+    range = range * static_cast<double>(reps + s) / static_cast<double>(reps);
+  }
+  return static_cast<double>(reps + 1) * static_cast<double>(n);
+}
+
+}  // namespace
+
+Plan revolve(const Chain& chain, int64_t snapshots) {
+  validate(chain);
+  if (snapshots < 0) {
+    throw std::invalid_argument("remat::revolve: snapshots must be >= 0, got " + std::to_string(snapshots));
+  }
+  Plan plan;
+  plan.num_stages = chain.size();
+  RevolveEmitter e{plan, chain.size()};
+  e.reverse(0, chain.size(), std::min(snapshots, chain.size()));
+  return finish(chain, std::move(plan), "revolve:" + std::to_string(snapshots), 0);
+}
+
+Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
+  validate(chain);
+  const int64_t n = chain.size();
+  constexpr double kMaxForwards = 5e7;
+  int64_t lo = 0;
+  while (lo < n && revolve_forward_estimate(n, lo) > kMaxForwards)
+    ++lo;
+  Plan fits = revolve(chain, lo);
+  if (fits.predicted.peak_bytes > budget_bytes) {
+    infeasible("remat::revolve_within", budget_bytes,
+               std::min(fits.predicted.peak_bytes, min_feasible_budget(chain)));
+  }
+  int64_t hi = n;    // the most snapshots that can matter
+  while (lo < hi) {  // invariant: revolve(lo) fits
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    Plan p = revolve(chain, mid);
+    if (p.predicted.peak_bytes <= budget_bytes) {
+      lo = mid;
+      fits = std::move(p);
+    } else {
+      hi = mid - 1;
+    }
+  }
+  fits.budget_bytes = budget_bytes;
+  return fits;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+
+Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_bytes,
+               const PlannerOptions& options) {
+  auto number_after = [&](const std::string& prefix) -> int64_t {
+    const std::string rest = planner.substr(prefix.size());
+    size_t used = 0;
+    int64_t v = 0;
+    try {
+      v = std::stoll(rest, &used);
+    } catch (const std::logic_error&) {
+      used = 0;
+    }
+    if (rest.empty() || used != rest.size()) {
+      throw std::invalid_argument("remat::make_plan: '" + planner + "' needs a whole number after '" +
+                                  prefix + "'");
+    }
+    return v;
+  };
+  if (planner == "none") return no_checkpoint(chain);
+  if (planner == "all") return checkpoint_all(chain);
+  if (planner == "sqrt") return sqrt_n(chain);
+  if (planner.rfind("uniform:", 0) == 0) return uniform(chain, number_after("uniform:"));
+  if (planner == "optimal") return optimal(chain, budget_bytes, options);
+  if (planner == "revolve") return revolve_within(chain, budget_bytes);
+  if (planner.rfind("revolve:", 0) == 0) return revolve(chain, number_after("revolve:"));
+  throw std::invalid_argument("remat::make_plan: unknown planner '" + planner +
+                              "' (none, all, sqrt, uniform:K, optimal, revolve, revolve:S)");
+}
+
+}  // namespace remat

@@ -1,0 +1,94 @@
+// Plan: text, JSON, and simulate() charging exactly the model of plan.h.
+#include <gtest/gtest.h>
+
+#include <remat/chain.h>
+#include <remat/plan.h>
+#include <remat/planner.h>
+
+namespace {
+
+using remat::OpKind;
+
+remat::Plan parse(int64_t n, const std::string& text) {
+  remat::Plan p;
+  p.num_stages = n;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(' ', at);
+    if (end == std::string::npos) end = text.size();
+    p.ops.push_back(remat::parse_op(text.substr(at, end - at)));
+    at = end + 1;
+  }
+  return p;
+}
+
+remat::Chain two_stage() {
+  remat::Chain c;
+  c.input_bytes = 10;
+  c.stages.push_back({"s0", 1.0, 2.0, 100, 150, 7, 11});
+  c.stages.push_back({"s1", 3.0, 5.0, 20, 60, 13, 17});
+  return c;
+}
+
+TEST(Plan, ToStringAndParseOp) {
+  const auto p = parse(2, "Fc0 Fa1 L B1 Fa0 B0");
+  EXPECT_EQ(p.to_string(), "Fc0 Fa1 L B1 Fa0 B0");
+  EXPECT_EQ(p.count(OpKind::kForwardAll), 2);
+  EXPECT_THROW(remat::parse_op("F3"), std::invalid_argument);
+  EXPECT_THROW(remat::parse_op("Fa"), std::invalid_argument);
+  EXPECT_THROW(remat::parse_op("B-1"), std::invalid_argument);
+}
+
+TEST(Plan, SimulateChargesTheModelExactly) {
+  const auto c = two_stage();
+  const auto sim = remat::simulate(c, parse(2, "Fc0 Fa1 L B1 Fa0 B0"));
+  // Fc0: 10 + 100 + 7 = 117; then {a0, a1}: 110. Fa1: 110 + 60 + 13 = 183; then 170.
+  // L: 170 + 20 = 190. B1: 190 + d_1 (100) + 17 = 307; frees abar_2, d_2, a_1: 10 + 100 = 110.
+  // Fa0: 110 + 150 + 7 = 267; then 260. B0: 260 + d_0 (10) + 11 = 281.
+  EXPECT_EQ(sim.peak_bytes, 307);
+  EXPECT_EQ(sim.peak_op, 3);
+  EXPECT_DOUBLE_EQ(sim.time_ms, 1 + 3 + 2 + 5 + 1);
+  EXPECT_EQ(sim.forward_calls, (std::vector<int64_t>{2, 1}));
+}
+
+TEST(Plan, CheckPlanNamesTheOperationAndWhatIsMissing) {
+  auto expect_bad = [](int64_t n, const std::string& text, const std::string& needle) {
+    try {
+      remat::check_plan(parse(n, text));
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  expect_bad(2, "Fa1 L B1 B0", "operation 0 (Fa1) needs a_1");
+  expect_bad(2, "Fa0 Fa1 B1 L B0", "operation 2 (B1) comes before the loss");
+  expect_bad(2, "Fa0 Fa1 L B0", "needs d_1");
+  expect_bad(2, "Fa0 Fc1 L B1", "needs abar_2");
+  expect_bad(2, "Fa0 Fa1 L L B1 B0", "comes a second time");
+  expect_bad(2, "Fa0 Fa1 L B1", "ends before d_0");
+  expect_bad(2, "Fa0 Fa1 L B1 B0 Fa0", "runs after stage 0's backward");
+  expect_bad(2, "Fa0 Fa0 Fa1 L B1 B0", "already held");
+  expect_bad(2, "Fa0 Fa5 L", "names stage 5");
+}
+
+TEST(Plan, SimulateRejectsAChainOfAnotherSize) {
+  EXPECT_THROW(remat::simulate(two_stage(), parse(3, "Fa0 Fa1 Fa2 L B2 B1 B0")), std::invalid_argument);
+}
+
+TEST(Plan, JsonRoundTrip) {
+  const auto c = two_stage();
+  const remat::Plan p = remat::optimal(c, 400);
+  const remat::Plan q = remat::plan_from_json(remat::to_json(p));
+  EXPECT_EQ(q.ops, p.ops);
+  EXPECT_EQ(q.num_stages, 2);
+  EXPECT_EQ(q.planner, "optimal");
+  EXPECT_EQ(q.budget_bytes, 400);
+  EXPECT_EQ(q.predicted.peak_bytes, p.predicted.peak_bytes);
+  EXPECT_EQ(q.predicted.forward_calls, p.predicted.forward_calls);
+  EXPECT_THROW(remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fa0", "X"]})"), std::invalid_argument);
+  EXPECT_THROW(remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fa0", "Fa1", "L", "B1"]})"),
+               std::invalid_argument);
+  EXPECT_THROW(remat::plan_from_json("nope"), std::invalid_argument);
+}
+
+}  // namespace

@@ -1,0 +1,416 @@
+// Planners against exhaustive search, baselines and the model of plan.h. Plain C++: fast and exhaustive.
+#include <gtest/gtest.h>
+
+#include <remat/planner.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <queue>
+#include <random>
+
+namespace {
+
+using remat::Chain;
+using remat::Op;
+using remat::OpKind;
+using remat::Plan;
+using remat::Stage;
+
+Chain random_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
+  std::uniform_int_distribution<int64_t> size(1, 20), extra(0, 30), tmp(0, 8);
+  std::uniform_real_distribution<double> ms(0.5, 10.0);
+  Chain c;
+  c.input_bytes = size(rng) * unit;
+  for (int64_t i = 0; i < n; ++i) {
+    Stage s;
+    s.name = "s" + std::to_string(i);
+    s.fwd_ms = ms(rng);
+    s.bwd_ms = 2 * ms(rng);
+    s.output_bytes = size(rng) * unit;
+    s.saved_bytes = s.output_bytes + extra(rng) * unit;
+    s.fwd_tmp_bytes = tmp(rng) * unit;
+    s.bwd_tmp_bytes = tmp(rng) * unit;
+    c.stages.push_back(s);
+  }
+  return c;
+}
+
+// The chain in slots, exactly as optimal() discretises it for a budget.
+Chain in_slots(const Chain& c, int64_t budget, int64_t slots, int64_t* total) {
+  const int64_t unit = std::max<int64_t>(1, budget / std::min(slots, std::max<int64_t>(budget, 1)));
+  *total = budget / unit;
+  auto up = [unit](int64_t v) { return (v + unit - 1) / unit; };
+  Chain d = c;
+  d.input_bytes = up(c.input_bytes);
+  for (auto& s : d.stages) {
+    s.output_bytes = up(s.output_bytes);
+    s.saved_bytes = up(s.saved_bytes);
+    s.fwd_tmp_bytes = up(s.fwd_tmp_bytes);
+    s.bwd_tmp_bytes = up(s.bwd_tmp_bytes);
+  }
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Exhaustive search over every valid schedule of the model in plan.h, written independently of simulate().
+// A state is what is held (per activation: 0 none, 1 a_i, 2 abar_i, 3 a_i kept as a checkpoint by Fc(i)) and
+// which gradient d_j exists, encoded as an integer so that the search runs on flat arrays.
+struct Search {
+  const Chain& c;
+  int64_t n;
+  // Persistent schedules (the paper's class, which optimal() searches): a checkpoint stays until its
+  // backward, so Fn may not free an activation that an Fc kept. Without it, every valid schedule of plan.h.
+  bool persistent;
+  Search(const Chain& chain, bool persistent_only) : c(chain), n(chain.size()), persistent(persistent_only) {}
+
+  struct State {
+    std::vector<uint8_t> held;
+    int64_t grad = -1;  // d_j held; -1 before the loss
+  };
+  int64_t encode(const State& s) const {
+    int64_t code = s.grad + 1;
+    for (int64_t i = n; i >= 0; --i)
+      code = code * 4 + s.held[i];
+    return code;
+  }
+  State decode(int64_t code) const {
+    State s;
+    s.held.resize(n + 1);
+    for (int64_t i = 0; i <= n; ++i)
+      s.held[i] = static_cast<uint8_t>(code % 4), code /= 4;
+    s.grad = code - 1;
+    return s;
+  }
+  int64_t states() const { return (int64_t{1} << (2 * (n + 1))) * (n + 2); }
+
+  int64_t a(int64_t i) const { return c.activation_bytes(i); }
+  int64_t memory(const State& s) const {
+    int64_t m = 0;
+    for (int64_t i = 0; i <= n; ++i) {
+      m += s.held[i] == 1 || s.held[i] == 3 ? a(i) : s.held[i] == 2 ? c.stages[i - 1].saved_bytes : 0;
+    }
+    return m + (s.grad >= 0 ? a(s.grad) : 0);
+  }
+  // Every valid successor: (operation text, its peak, its time, next state).
+  template <typename Visit>
+  void successors(const State& s, Visit&& visit) const {
+    const int64_t cur = memory(s);
+    for (int64_t i = 0; i < n; ++i) {
+      if (s.held[i] == 0 || (s.grad >= 0 && s.grad <= i) || s.held[i + 1] == 2) continue;
+      const Stage& st = c.stages[i];
+      for (int kind = 0; kind < 3; ++kind) {  // Fn, Fc, Fa
+        if (kind < 2 && s.held[i + 1] != 0) continue;
+        if (kind == 0 && persistent && s.held[i] == 3) continue;
+        State t = s;
+        const int64_t out = kind == 2 ? st.saved_bytes : a(i + 1);
+        t.held[i + 1] = kind == 2 ? 2 : 1;
+        if (kind == 0 && (s.held[i] == 1 || s.held[i] == 3) && i > 0) t.held[i] = 0;
+        if (kind == 1 && s.held[i] == 1) t.held[i] = 3;
+        static const char* names[] = {"Fn", "Fc", "Fa"};
+        visit(names[kind] + std::to_string(i), cur + out + st.fwd_tmp_bytes, st.fwd_ms, t);
+      }
+    }
+    if (s.grad < 0 && s.held[n] != 0) {
+      State t = s;
+      t.grad = n;
+      if (t.held[n] == 1 || t.held[n] == 3) t.held[n] = 0;
+      visit(std::string("L"), cur + a(n), 0.0, t);
+    }
+    if (s.grad >= 1) {
+      const int64_t i = s.grad - 1;
+      if (s.held[i + 1] == 2 && s.held[i] != 0) {
+        State t = s;
+        t.held[i + 1] = 0;
+        t.grad = i;
+        if ((t.held[i] == 1 || t.held[i] == 3) && i > 0) t.held[i] = 0;
+        visit("B" + std::to_string(i), cur + a(i) + c.stages[i].bwd_tmp_bytes, c.stages[i].bwd_ms, t);
+      }
+    }
+  }
+  State start() const {
+    State s;
+    s.held.assign(n + 1, 0);
+    s.held[0] = 1;
+    return s;
+  }
+  // Dijkstra over states; `combine` folds an operation into a path's cost (time: sum; peak: max).
+  template <typename Cost, typename Combine>
+  Cost shortest(Cost zero, Combine combine, std::string* path) const {
+    const Cost inf = std::numeric_limits<Cost>::has_infinity ? std::numeric_limits<Cost>::infinity()
+                                                             : std::numeric_limits<Cost>::max();
+    std::vector<Cost> dist(states(), inf);
+    std::vector<int64_t> parent(path ? states() : 0, -1);
+    std::vector<std::string> via(path ? states() : 0);
+    using Item = std::pair<Cost, int64_t>;
+    std::priority_queue<Item, std::vector<Item>, std::greater<Item>> queue;
+    const State s0 = start();
+    const int64_t c0 = encode(s0);
+    dist[c0] = zero;
+    queue.push({zero, c0});
+    while (!queue.empty()) {
+      auto [d, code] = queue.top();
+      queue.pop();
+      if (d > dist[code]) continue;
+      const State s = decode(code);
+      if (s.grad == 0) {
+        if (path) {
+          std::vector<std::string> ops;
+          for (int64_t at = code; at != c0; at = parent[at])
+            ops.push_back(via[at]);
+          for (auto it = ops.rbegin(); it != ops.rend(); ++it)
+            *path += *it + " ";
+        }
+        return d;
+      }
+      successors(s, [&](const std::string& op, int64_t peak, double ms, const State& next) {
+        const Cost nd = combine(d, peak, ms);
+        const int64_t nc = encode(next);
+        if (nd < dist[nc]) {
+          dist[nc] = nd;
+          if (path) parent[nc] = code, via[nc] = op;
+          queue.push({nd, nc});
+        }
+      });
+    }
+    return inf;
+  }
+  // Least time of a schedule whose every operation peaks within `limit`; infinity when none.
+  double fastest(int64_t limit, std::string* path = nullptr) const {
+    if (memory(start()) > limit) return INFINITY;
+    return shortest<double>(
+        0.0, [limit](double d, int64_t peak, double ms) { return peak > limit ? INFINITY : d + ms; }, path);
+  }
+  // Least peak of any schedule (a minimax path).
+  int64_t least_peak() const {
+    return shortest<int64_t>(
+        memory(start()), [](int64_t p, int64_t peak, double) { return std::max(p, peak); }, nullptr);
+  }
+};
+
+TEST(Optimal, EqualsExhaustiveSearchOnRandomChains) {
+  std::mt19937 rng(1234);
+  int compared = 0, non_persistent_better = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const int64_t n = 1 + trial % 8;
+    const Chain chain = random_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    const int64_t lo = remat::min_feasible_budget(chain);
+    const int64_t hi = remat::no_checkpoint(chain).predicted.peak_bytes;
+    std::uniform_int_distribution<int64_t> pick(lo, std::max(lo, hi));
+    const int64_t budget = pick(rng);
+    const int64_t slots = trial % 2 ? 40 : 500;
+    int64_t total = 0;
+    const Chain slotted = in_slots(chain, budget, slots, &total);
+    std::string path;
+    const double best = Search(slotted, /*persistent_only=*/true).fastest(total, &path);
+    // Every schedule of plan.h, persistent or not: never slower than the persistent optimum.
+    const double general = Search(slotted, /*persistent_only=*/false).fastest(total);
+    EXPECT_LE(general, best + 1e-9);
+    if (general < best - 1e-9) ++non_persistent_better;
+
+    remat::PlannerOptions opts;
+    opts.slots = slots;
+    opts.compare_baselines = false;
+    const Plan plan = remat::optimal(chain, budget, opts);
+    EXPECT_LE(plan.predicted.peak_bytes, budget);
+    if (std::isfinite(best)) {
+      ++compared;
+      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * best)
+          << "trial " << trial << ": " << plan.to_string() << "\nexhaustive: " << path << "\nchain "
+          << remat::to_json(slotted) << " total " << total;
+      // And the plan fits in slots, as the dynamic program claims.
+      EXPECT_LE(remat::simulate(slotted, plan).peak_bytes, total) << "trial " << trial;
+    }
+  }
+  EXPECT_GT(compared, 100);
+  // Freeing a checkpoint early and recomputing it later (outside the paper's class) sometimes wins.
+  std::cout << "[ info ] non-persistent schedules were faster in " << non_persistent_better << " of "
+            << compared << " trials\n";
+}
+
+TEST(Optimal, MinFeasibleBudgetEqualsExhaustiveLeastPeak) {
+  std::mt19937 rng(99);
+  for (int trial = 0; trial < 80; ++trial) {
+    const Chain chain = random_chain(rng, 1 + trial % 7);
+    const int64_t exact = Search(chain, /*persistent_only=*/false).least_peak();
+    EXPECT_EQ(remat::min_feasible_budget(chain), exact) << "trial " << trial;
+    // At the minimum a schedule exists; one byte below, none does.
+    EXPECT_LE(remat::optimal(chain, exact).predicted.peak_bytes, exact);
+    try {
+      remat::optimal(chain, exact - 1);
+      ADD_FAILURE() << "expected InfeasibleBudget at " << exact - 1;
+    } catch (const remat::InfeasibleBudget& e) {
+      EXPECT_EQ(e.min_bytes(), exact);
+      EXPECT_NE(std::string(e.what()).find(std::to_string(exact)), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Optimal, NeverSlowerThanAFittingBaselineAndAlwaysWithinBudget) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 60; ++trial) {
+    const Chain chain = random_chain(rng, 2 + trial % 14, 4096);
+    std::vector<Plan> baselines{remat::no_checkpoint(chain), remat::checkpoint_all(chain),
+                                remat::sqrt_n(chain)};
+    for (int64_t k = 1; k <= chain.size(); ++k)
+      baselines.push_back(remat::uniform(chain, k));
+    for (const Plan& base : baselines) {
+      const int64_t budget = base.predicted.peak_bytes;
+      const Plan opt = remat::optimal(chain, budget);
+      EXPECT_LE(opt.predicted.peak_bytes, budget);
+      EXPECT_LE(opt.predicted.time_ms, base.predicted.time_ms + 1e-9) << base.planner << " trial " << trial;
+    }
+  }
+}
+
+TEST(Optimal, RecomputesStagesSeveralTimesWhenMemoryIsTight) {
+  const Chain chain = remat::uniform_chain(20, 1.0, 2.0, 1000, 3000);
+  const Plan tight = remat::optimal(chain, remat::min_feasible_budget(chain) + 2000);
+  const auto& calls = tight.predicted.forward_calls;
+  EXPECT_GT(*std::max_element(calls.begin(), calls.end()), 2) << tight.to_string();
+  const Plan loose = remat::optimal(chain, remat::no_checkpoint(chain).predicted.peak_bytes);
+  EXPECT_EQ(loose.predicted.time_ms, remat::no_checkpoint(chain).predicted.time_ms);
+}
+
+TEST(Optimal, HundredStagesWithFiveHundredSlots) {
+  std::mt19937 rng(5);
+  const Chain chain = random_chain(rng, 100, 1 << 20);
+  const int64_t budget =
+      (remat::min_feasible_budget(chain) + remat::no_checkpoint(chain).predicted.peak_bytes) / 3;
+  const Plan plan = remat::optimal(chain, budget);
+  EXPECT_LE(plan.predicted.peak_bytes, budget);
+  EXPECT_LE(plan.predicted.time_ms, remat::sqrt_n(chain).predicted.time_ms + 1e-9);
+}
+
+TEST(Optimal, BadInput) {
+  Chain chain = remat::uniform_chain(4, 1, 2, 100, 200);
+  remat::PlannerOptions zero;
+  zero.slots = 0;
+  EXPECT_THROW(remat::optimal(chain, 10000, zero), std::invalid_argument);
+  EXPECT_THROW(remat::optimal(chain, -1), std::invalid_argument);
+  EXPECT_THROW(remat::optimal(Chain{}, 1000), std::invalid_argument);
+  try {
+    remat::optimal(chain, 10);
+    FAIL();
+  } catch (const remat::InfeasibleBudget& e) {
+    EXPECT_NE(std::string(e.what()).find("minimum"), std::string::npos);
+    EXPECT_EQ(e.min_bytes(), remat::min_feasible_budget(chain));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Baselines
+
+TEST(Baselines, NoCheckpointAndCheckpointAllFigures) {
+  const Chain chain = remat::uniform_chain(4, 1.0, 2.0, 100, 300);
+  const Plan none = remat::no_checkpoint(chain);
+  EXPECT_EQ(none.to_string(), "Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0");
+  EXPECT_DOUBLE_EQ(none.predicted.time_ms, 4 * 1.0 + 4 * 2.0);
+  // a_0 + four abar + d_4, then B3 adds d_3: 100 + 4*300 + 100 + 100.
+  EXPECT_EQ(none.predicted.peak_bytes, 100 + 4 * 300 + 100 + 100);
+  const Plan all = remat::checkpoint_all(chain);
+  EXPECT_EQ(all.to_string(), "Fc0 Fc1 Fc2 Fc3 L Fa3 B3 Fa2 B2 Fa1 B1 Fa0 B0");
+  EXPECT_DOUBLE_EQ(all.predicted.time_ms, 8 * 1.0 + 4 * 2.0);
+  EXPECT_EQ(all.predicted.forward_calls, (std::vector<int64_t>{2, 2, 2, 2}));
+}
+
+TEST(Baselines, UniformSegmentsDifferByAtMostOne) {
+  const Chain chain = remat::uniform_chain(7, 1.0, 1.0, 10, 20);
+  const Plan p = remat::uniform(chain, 3);
+  EXPECT_EQ(p.to_string(), "Fc0 Fn1 Fn2 Fc3 Fn4 Fa5 Fa6 L B6 B5 Fa3 Fa4 B4 B3 Fa0 Fa1 Fa2 B2 B1 B0");
+  EXPECT_EQ(p.predicted.forward_calls, (std::vector<int64_t>{2, 2, 2, 2, 2, 1, 1}));
+  const Plan last = remat::uniform(chain, 3, /*checkpoint_last_segment=*/true);
+  EXPECT_EQ(last.predicted.forward_calls, (std::vector<int64_t>(7, 2)));
+  EXPECT_EQ(remat::uniform(chain, 1).to_string(), remat::no_checkpoint(chain).to_string());
+  EXPECT_THROW(remat::uniform(chain, 0), std::invalid_argument);
+  EXPECT_THROW(remat::uniform(chain, 8), std::invalid_argument);
+}
+
+TEST(Baselines, SqrtNKeepsMemorySublinear) {
+  for (int64_t n : {16, 64, 256}) {
+    const Chain chain = remat::uniform_chain(n, 1.0, 2.0, 1000, 2000);
+    const auto none = remat::no_checkpoint(chain).predicted.peak_bytes;
+    const auto sq = remat::sqrt_n(chain).predicted.peak_bytes;
+    EXPECT_LT(sq, none);
+    EXPECT_LE(sq, 4 * static_cast<int64_t>(std::sqrt(double(n))) * 2000 + 10000) << n;
+  }
+}
+
+TEST(Baselines, SegmentedRejectsBadStarts) {
+  EXPECT_THROW(remat::segmented(5, {1, 3}), std::invalid_argument);
+  EXPECT_THROW(remat::segmented(5, {0, 3, 3}), std::invalid_argument);
+  EXPECT_THROW(remat::segmented(5, {0, 5}), std::invalid_argument);
+  EXPECT_NO_THROW(remat::segmented(5, {0, 1, 4}));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Revolve
+
+// Fewest forward steps to reverse n steps with c free snapshots (binomial checkpointing), by brute force.
+int64_t brute_forwards(int64_t n, int64_t c, std::map<std::pair<int64_t, int64_t>, int64_t>& memo) {
+  if (n == 1) return 1;
+  if (c == 0) return n * (n + 1) / 2;
+  auto key = std::make_pair(n, c);
+  if (auto it = memo.find(key); it != memo.end()) return it->second;
+  int64_t best = INT64_MAX;
+  for (int64_t m = 1; m < n; ++m)
+    best = std::min(best, m + brute_forwards(n - m, c - 1, memo) + brute_forwards(m, c, memo));
+  return memo[key] = best;
+}
+
+TEST(Revolve, FewestForwardStepsMatchBruteForce) {
+  std::map<std::pair<int64_t, int64_t>, int64_t> memo;
+  for (int64_t n = 1; n <= 120; n += (n < 30 ? 1 : 7)) {
+    const Chain chain = remat::uniform_chain(n, 1.0, 1.0, 10, 10);
+    for (int64_t c = 0; c <= 6; ++c) {
+      const Plan p = remat::revolve(chain, c);
+      int64_t forwards = 0;
+      for (int64_t f : p.predicted.forward_calls)
+        forwards += f;
+      EXPECT_EQ(forwards, brute_forwards(n, c, memo)) << "n=" << n << " c=" << c;
+    }
+  }
+}
+
+TEST(Revolve, SnapshotsBoundMemory) {
+  const Chain chain = remat::uniform_chain(200, 1.0, 1.0, 100, 100);
+  int64_t last = 0;
+  for (int64_t c : {1, 2, 4, 8, 16}) {
+    const Plan p = remat::revolve(chain, c);
+    // a_0, at most c snapshots, plus what one stage's backward needs (input, abar, d_{i+1}, d_i).
+    EXPECT_LE(p.predicted.peak_bytes, 100 * (1 + c + 4)) << c;
+    EXPECT_GE(p.predicted.peak_bytes, last);
+    last = p.predicted.peak_bytes;
+  }
+  const Plan fit = remat::revolve_within(chain, 100 * 9);
+  EXPECT_LE(fit.predicted.peak_bytes, 100 * 9);
+  EXPECT_THROW(remat::revolve_within(chain, 100), remat::InfeasibleBudget);
+  EXPECT_THROW(remat::revolve(chain, -1), std::invalid_argument);
+}
+
+TEST(Revolve, HundredThousandStages) {
+  const Chain chain = remat::uniform_chain(100000, 0.01, 0.02, 4, 4);
+  const Plan p = remat::revolve(chain, 20);
+  EXPECT_EQ(p.count(OpKind::kBackward), 100000);
+  EXPECT_LE(p.predicted.peak_bytes, 4 * (1 + 20 + 4));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// make_plan
+
+TEST(MakePlan, NamesAsTheCommandLineSpellsThem) {
+  const Chain chain = remat::uniform_chain(9, 1.0, 2.0, 100, 300);
+  EXPECT_EQ(remat::make_plan(chain, "none", 0).planner, "none");
+  EXPECT_EQ(remat::make_plan(chain, "all", 0).planner, "all");
+  EXPECT_EQ(remat::make_plan(chain, "sqrt", 0).planner, "sqrt");
+  EXPECT_EQ(remat::make_plan(chain, "uniform:3", 0).planner, "uniform:3");
+  EXPECT_EQ(remat::make_plan(chain, "revolve:2", 0).planner, "revolve:2");
+  EXPECT_EQ(remat::make_plan(chain, "optimal", 2000).planner, "optimal");
+  EXPECT_THROW(remat::make_plan(chain, "uniform:x", 0), std::invalid_argument);
+  EXPECT_THROW(remat::make_plan(chain, "fastest", 0), std::invalid_argument);
+}
+
+}  // namespace

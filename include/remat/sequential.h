@@ -1,0 +1,106 @@
+#pragma once
+/// \file
+/// Running a Plan (remat/plan.h) over a chain of stages, and checkpoint_sequential, which is that executor
+/// with the uniform plan.
+///
+///   auto y = remat::checkpoint_sequential(seq, 4, x);                  // like torch.utils.checkpoint
+///
+///   remat::Chain chain = remat::profile_chain(seq, x);                 // measure
+///   remat::CheckpointedSequential model(seq, remat::optimal(chain, 64 << 20));  // plan
+///   model->forward(x).sum().backward();                                // execute
+///   model->replan(chain, 32 << 20);                                    // a new budget: one call
+///
+/// The executor is one custom autograd Function over the whole chain: its forward runs the operations of the
+/// plan up to the loss, its backward replays the rest (recomputations, then each stage's backward with a
+/// nested autograd call). Each stage replays the RNG state of its first run (dropout masks match), and module
+/// buffers are restored after every later run (BatchNorm is updated once). It works under backward() and
+/// torch::autograd::grad, with retain_graph.
+
+#include <remat/chain.h>
+#include <remat/checkpoint.h>
+#include <remat/plan.h>
+#include <remat/planner.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// One stage the executor runs: a tensor-to-tensor function, and the module that owns its parameters and
+/// buffers (null when it has none).
+struct StageFn {
+  std::string name;
+  TensorFn fn;
+  std::shared_ptr<torch::nn::Module> module;
+};
+
+/// The modules of a Sequential as stages (named by their position and type, e.g. "3:Linear"). The stages share
+/// the modules. Throws c10::Error naming the function when the Sequential is empty.
+std::vector<StageFn> stages_of(torch::nn::Sequential& seq);
+
+/// How many times each stage's forward ran, counted by the executor.
+struct ExecutionStats {
+  std::vector<int64_t> forward_calls;
+};
+
+/// Runs `plan` over `stages` on `input` and returns the chain's output; its backward runs the rest of the
+/// plan. Under NoGradGuard it simply runs the stages in order. options.preserve_rng_state and
+/// options.determinism_check apply per stage; options.mode and options.modules do not (the executor is its own
+/// autograd Function and knows every stage's module). When `stats` is given, the forward calls per stage are
+/// counted into it (reset first), including those of the backward pass.
+/// Throws c10::Error naming remat::run_plan when the plan's stage count differs from stages.size(), the plan
+/// is invalid (remat::check_plan), the input is undefined, or a stage returns an undefined tensor.
+torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
+                       const CheckpointOptions& options = {}, std::shared_ptr<ExecutionStats> stats = nullptr);
+
+/// A Sequential that trains according to a Plan.
+class CheckpointedSequentialImpl : public torch::nn::Module {
+ public:
+  /// Wraps `seq` (registered as the submodule "seq", shared with the caller). Throws c10::Error when the plan's
+  /// stage count differs from seq's module count or the plan is invalid.
+  CheckpointedSequentialImpl(torch::nn::Sequential seq, Plan plan, CheckpointOptions options = {});
+  /// Runs the plan (see run_plan).
+  torch::Tensor forward(const torch::Tensor& input);
+  /// Replaces the plan. Throws as the constructor.
+  void set_plan(Plan plan);
+  /// Re-plans with optimal() for a new budget (bytes). Throws what optimal() throws.
+  void replan(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options = {});
+  const Plan& plan() const { return plan_; }
+  torch::nn::Sequential& sequential() { return seq_; }
+  /// Forward calls per stage of the last step (its backward pass included).
+  const std::vector<int64_t>& forward_calls() const { return stats_->forward_calls; }
+
+ private:
+  torch::nn::Sequential seq_;
+  Plan plan_;
+  CheckpointOptions options_;
+  std::shared_ptr<ExecutionStats> stats_ = std::make_shared<ExecutionStats>();
+};
+TORCH_MODULE(CheckpointedSequential);
+
+/// Options of checkpoint_sequential.
+struct SequentialOptions {
+  /// preserve_rng_state and determinism_check apply to every segment (mode and modules do not: see run_plan).
+  TORCH_ARG(CheckpointOptions, checkpoint) = {};
+  /// PyTorch leaves the last segment un-checkpointed: its activations are needed first in the backward pass,
+  /// so keeping them costs no extra peak and saves its recompute. Set true to checkpoint it too.
+  TORCH_ARG(bool, checkpoint_last_segment) = false;
+};
+
+/// Splits seq's modules into `segments` contiguous runs whose lengths differ by at most one (the longer runs
+/// first) and checkpoints each run but the last (unless asked), like torch.utils.checkpoint.
+/// checkpoint_sequential. PyTorch instead makes every run n / segments long and puts the whole remainder in the
+/// last run, which balances memory worse (10 modules in 4 segments: 2, 2, 2, 4 there; 3, 3, 2, 2 here).
+/// It is run_plan with uniform(). Throws c10::Error naming the value given and the module count, before any
+/// module runs, when seq is empty or segments < 1 or > the module count.
+torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,
+                                    const SequentialOptions& options = {});
+
+/// Any segmentation: segments start at `starts` (starts[0] == 0, strictly increasing, < module count).
+/// Throws c10::Error naming the bad start, before any module runs.
+torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<int64_t>& starts,
+                                  const torch::Tensor& input, const SequentialOptions& options = {});
+
+}  // namespace remat

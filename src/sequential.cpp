@@ -1,0 +1,313 @@
+#include "remat/sequential.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <optional>
+#include <unordered_map>
+
+#include "detail/region.h"
+
+namespace remat {
+namespace {
+
+using detail::BufferRestore;
+using detail::RngReplay;
+using detail::RngState;
+using detail::TensorMeta;
+
+// What the executor holds between operations, and everything its backward needs.
+struct ExecState final : torch::CustomClassHolder {
+  std::vector<StageFn> stages;
+  Plan plan;
+  size_t loss_at = 0;
+  bool preserve_rng = true;
+  bool check = true;
+  bool input_requires_grad = false;
+  std::vector<c10::DeviceIndex> cuda_devices;
+  std::shared_ptr<ExecutionStats> stats;
+  std::vector<at::Tensor> params;                   // the node's parameter inputs (require grad, each once)
+  std::vector<std::vector<at::Tensor>> stage_params;  // per stage, those that require grad
+
+  // Per stage: the RNG state of its first run and its output's metadata.
+  std::vector<RngState> rng;
+  std::vector<bool> ran;
+  std::vector<TensorMeta> metas;
+
+  // Held activations: plain a_i (values without graph), or abar_{i+1}: stage i's output with its graph from a
+  // detached input leaf. Index i in 0..n.
+  struct Held {
+    at::Tensor plain;
+    at::Tensor leaf, output;  // abar
+  };
+  std::vector<Held> held;
+  at::Tensor grad;  // d_j
+  int64_t grad_at = -1;
+};
+
+void check_stage_count(const std::vector<StageFn>& stages, const Plan& plan, const char* who) {
+  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(stages.size()), who, ": the plan is for ", plan.num_stages,
+              " stages but there are ", stages.size());
+  try {
+    check_plan(plan);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, who, ": invalid plan: ", e.what());
+  }
+}
+
+at::Tensor value_of(const ExecState::Held& h) { return h.plain.defined() ? h.plain : h.output.detach(); }
+
+// Runs the forward operation `op` of the plan.
+void run_forward(ExecState& st, const Op& op) {
+  const int64_t i = op.stage;
+  ExecState::Held& in = st.held[i];
+  const at::Tensor x = value_of(in).detach();
+  const StageFn& stage = st.stages[i];
+
+  // The first run of a stage draws its random numbers; later runs replay them and restore the buffers.
+  std::optional<RngReplay> replay;
+  std::optional<BufferRestore> buffers;
+  if (!st.ran[i]) {
+    if (st.preserve_rng) st.rng[i] = RngState::capture(st.cuda_devices);
+  } else {
+    replay.emplace(st.rng[i], st.cuda_devices);
+    if (stage.module) buffers.emplace(std::vector<std::shared_ptr<torch::nn::Module>>{stage.module});
+  }
+
+  at::Tensor out;
+  ExecState::Held& next = st.held[i + 1];
+  if (op.kind == OpKind::kForwardAll) {
+    at::AutoGradMode grad(true);
+    at::Tensor leaf = x;
+    const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
+    if (floating && (i > 0 || st.input_requires_grad)) leaf = x.detach().requires_grad_(true);
+    out = stage.fn(leaf);
+    TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name, "') returned an undefined tensor");
+    next.plain = at::Tensor();
+    next.leaf = leaf;
+    next.output = out;
+  } else {
+    at::NoGradGuard no_grad;
+    out = stage.fn(x);
+    TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name, "') returned an undefined tensor");
+    next.plain = out;
+    if (op.kind == OpKind::kForwardNoSave && i > 0 && in.plain.defined()) in.plain = at::Tensor();
+  }
+  const TensorMeta meta = TensorMeta::of(out);
+  if (!st.ran[i]) {
+    st.metas[i] = meta;
+    st.ran[i] = true;
+  } else if (st.check) {
+    TORCH_CHECK(meta == st.metas[i], "remat::run_plan: determinism check failed: stage ", i, " ('", stage.name,
+                "') returned ", meta.str(), " in a recompute but ", st.metas[i].str(), " in its first run");
+  }
+  if (st.stats) st.stats->forward_calls[i] += 1;
+}
+
+void accumulate_into(at::Tensor& sum, const at::Tensor& g) {
+  if (!g.defined()) return;
+  sum = sum.defined() ? sum + g : g;
+}
+
+// Stage i's backward: d_i from d_{i+1} through abar_{i+1}; parameter gradients accumulated into .grad (under
+// backward()) or summed into `param_grads` (under torch::autograd::grad, which returns them).
+void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph, std::vector<at::Tensor>& param_grads,
+                  const std::unordered_map<c10::TensorImpl*, size_t>& param_index) {
+  ExecState::Held& abar = st.held[i + 1];
+  ExecState::Held& in = st.held[i];
+  at::Tensor d_in;
+  if (abar.output.requires_grad() && st.grad.defined()) {
+    std::vector<at::Tensor> targets;
+    const bool leaf_grad = abar.leaf.requires_grad();
+    if (leaf_grad) targets.push_back(abar.leaf);
+    for (const auto& p : st.stage_params[i]) targets.push_back(p);
+    const bool create_graph = at::GradMode::is_enabled();
+    if (!targets.empty()) {
+      if (accumulating) {
+        torch::autograd::backward({abar.output}, {st.grad}, keep_graph, create_graph, targets);
+        if (leaf_grad) d_in = abar.leaf.grad();
+      } else {
+        auto grads = torch::autograd::grad({abar.output}, targets, {st.grad}, keep_graph, create_graph,
+                                           /*allow_unused=*/true);
+        size_t k = 0;
+        if (leaf_grad) d_in = grads[k++];
+        for (; k < grads.size(); ++k) accumulate_into(param_grads[param_index.at(targets[k].unsafeGetTensorImpl())], grads[k]);
+      }
+    }
+  }
+  if (!d_in.defined() && i > 0) d_in = at::zeros_like(value_of(in));
+  abar = ExecState::Held{};
+  st.grad = d_in;
+  st.grad_at = i;
+  if (i > 0 && in.plain.defined()) in.plain = at::Tensor();
+}
+
+struct ExecFunction : torch::autograd::Function<ExecFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                                                at::TensorList params, c10::intrusive_ptr<ExecState> st) {
+    (void)params;  // inputs of the node, so that torch::autograd::grad can ask for their gradients
+    st->held[0].plain = input.detach();
+    for (size_t k = 0; k < st->loss_at; ++k) run_forward(*st, st->plan.ops[k]);
+    const int64_t n = st->plan.num_stages;
+    at::Tensor output = value_of(st->held[n]);
+    if (st->held[n].plain.defined()) st->held[n].plain = at::Tensor();  // the loss frees a plain a_n
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
+    return {output};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_outputs) {
+    auto st = c10::static_intrusive_pointer_cast<ExecState>(ctx->saved_data["state"].toCapsule());
+    torch::autograd::variable_list result(1 + st->params.size() + 1);
+    if (!grad_outputs[0].defined()) return result;
+    // With retain_graph, run on a copy so that a later backward finds the state of the loss again.
+    c10::intrusive_ptr<ExecState> run = st;
+    const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
+    if (keep_graph) run = c10::make_intrusive<ExecState>(*st);
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    const bool accumulating = exec_info == nullptr || exec_info->empty();
+
+    std::unordered_map<c10::TensorImpl*, size_t> param_index;
+    for (size_t k = 0; k < run->params.size(); ++k) param_index.emplace(run->params[k].unsafeGetTensorImpl(), k);
+    std::vector<at::Tensor> param_grads(run->params.size());
+
+    run->grad = grad_outputs[0];
+    run->grad_at = run->plan.num_stages;
+    const auto& ops = run->plan.ops;
+    for (size_t k = run->loss_at + 1; k < ops.size(); ++k) {
+      if (ops[k].kind == OpKind::kBackward) {
+        run_backward(*run, ops[k].stage, accumulating, keep_graph, param_grads, param_index);
+      } else {
+        run_forward(*run, ops[k]);
+      }
+    }
+    result[0] = run->input_requires_grad ? run->grad : at::Tensor();
+    for (size_t k = 0; k < param_grads.size(); ++k) result[1 + k] = param_grads[k];
+    run->grad = at::Tensor();
+    return result;
+  }
+};
+
+}  // namespace
+
+std::vector<StageFn> stages_of(torch::nn::Sequential& seq) {
+  TORCH_CHECK(!seq.is_empty() && seq->size() > 0, "remat::stages_of: the Sequential is empty");
+  std::vector<StageFn> stages;
+  for (size_t i = 0; i < seq->size(); ++i) {
+    auto module = seq->ptr(i);
+    std::string type = module->name();
+    for (const std::string prefix : {"torch::nn::"}) {
+      if (type.rfind(prefix, 0) == 0) type = type.substr(prefix.size());
+    }
+    if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
+    torch::nn::Sequential shared = seq;
+    stages.push_back(StageFn{std::to_string(i) + ":" + type,
+                             [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); }, module});
+  }
+  return stages;
+}
+
+torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
+                       const CheckpointOptions& options, std::shared_ptr<ExecutionStats> stats) {
+  check_stage_count(stages, plan, "remat::run_plan");
+  TORCH_CHECK(input.defined(), "remat::run_plan: the input is an undefined tensor");
+  if (stats) stats->forward_calls.assign(stages.size(), 0);
+  if (!at::GradMode::is_enabled()) {
+    torch::Tensor h = input;
+    for (size_t i = 0; i < stages.size(); ++i) {
+      h = stages[i].fn(h);
+      if (stats) stats->forward_calls[i] += 1;
+    }
+    return h;
+  }
+  auto st = c10::make_intrusive<ExecState>();
+  st->stages = stages;
+  st->plan = plan;
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    if (plan.ops[k].kind == OpKind::kLoss) st->loss_at = k;
+  }
+  st->preserve_rng = options.preserve_rng_state();
+  st->check = options.determinism_check();
+  st->input_requires_grad = input.requires_grad();
+  st->cuda_devices = detail::cuda_devices_of({input});
+  st->stats = std::move(stats);
+  const size_t n = stages.size();
+  st->rng.resize(n);
+  st->ran.assign(n, false);
+  st->metas.resize(n);
+  st->held.resize(n + 1);
+  st->stage_params.resize(n);
+  std::unordered_map<c10::TensorImpl*, size_t> seen;
+  for (size_t i = 0; i < n; ++i) {
+    if (!stages[i].module) continue;
+    for (const auto& p : stages[i].module->parameters(/*recurse=*/true)) {
+      if (!p.requires_grad()) continue;
+      st->stage_params[i].push_back(p);
+      if (seen.emplace(p.unsafeGetTensorImpl(), st->params.size()).second) st->params.push_back(p);
+    }
+  }
+  const std::vector<at::Tensor> params = st->params;
+  return ExecFunction::apply(input, at::TensorList(params), st)[0];
+}
+
+// -------------------------------------------------------------------------------------------------------------
+
+CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq, Plan plan, CheckpointOptions options)
+    : seq_(register_module("seq", std::move(seq))), options_(std::move(options)) {
+  set_plan(std::move(plan));
+}
+
+void CheckpointedSequentialImpl::set_plan(Plan plan) {
+  TORCH_CHECK(seq_->size() > 0, "remat::CheckpointedSequential: the Sequential is empty");
+  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(seq_->size()), "remat::CheckpointedSequential: the plan is for ",
+              plan.num_stages, " stages but the Sequential has ", seq_->size(), " modules");
+  try {
+    check_plan(plan);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, "remat::CheckpointedSequential: invalid plan: ", e.what());
+  }
+  plan_ = std::move(plan);
+}
+
+void CheckpointedSequentialImpl::replan(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options) {
+  TORCH_CHECK(chain.size() == static_cast<int64_t>(seq_->size()), "remat::CheckpointedSequential::replan: the chain has ",
+              chain.size(), " stages but the Sequential has ", seq_->size(), " modules");
+  set_plan(optimal(chain, budget_bytes, options));
+}
+
+torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
+  return run_plan(stages_of(seq_), plan_, input, options_, stats_);
+}
+
+// -------------------------------------------------------------------------------------------------------------
+
+torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<int64_t>& starts,
+                                  const torch::Tensor& input, const SequentialOptions& options) {
+  TORCH_CHECK(!seq.is_empty() && seq->size() > 0, "remat::checkpoint_segments: the Sequential is empty (0 modules)");
+  Plan plan;
+  try {
+    plan = segmented(static_cast<int64_t>(seq->size()), starts, options.checkpoint_last_segment());
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, "remat::checkpoint_segments: ", e.what(), " (", seq->size(), " modules)");
+  }
+  return run_plan(stages_of(seq), plan, input, options.checkpoint());
+}
+
+torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,
+                                    const SequentialOptions& options) {
+  const int64_t n = seq.is_empty() ? 0 : static_cast<int64_t>(seq->size());
+  TORCH_CHECK(n > 0, "remat::checkpoint_sequential: the Sequential is empty (0 modules); segments was ", segments);
+  TORCH_CHECK(segments >= 1 && segments <= n, "remat::checkpoint_sequential: segments must be in [1, ", n,
+              "] (the Sequential has ", n, " modules), got ", segments);
+  std::vector<int64_t> starts;
+  const int64_t q = n / segments, r = n % segments;
+  for (int64_t j = 0, at = 0; j < segments; ++j) {
+    starts.push_back(at);
+    at += q + (j < r ? 1 : 0);
+  }
+  return checkpoint_segments(seq, starts, input, options);
+}
+
+}  // namespace remat

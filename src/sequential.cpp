@@ -27,7 +27,7 @@ struct ExecState final : torch::CustomClassHolder {
   bool input_requires_grad = false;
   std::vector<c10::DeviceIndex> cuda_devices;
   std::shared_ptr<ExecutionStats> stats;
-  std::vector<at::Tensor> params;                   // the node's parameter inputs (require grad, each once)
+  std::vector<at::Tensor> params;                     // the node's parameter inputs (require grad, each once)
   std::vector<std::vector<at::Tensor>> stage_params;  // per stage, those that require grad
 
   // Per stage: the RNG state of its first run and its output's metadata.
@@ -47,8 +47,8 @@ struct ExecState final : torch::CustomClassHolder {
 };
 
 void check_stage_count(const std::vector<StageFn>& stages, const Plan& plan, const char* who) {
-  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(stages.size()), who, ": the plan is for ", plan.num_stages,
-              " stages but there are ", stages.size());
+  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(stages.size()), who, ": the plan is for ",
+              plan.num_stages, " stages but there are ", stages.size());
   try {
     check_plan(plan);
   } catch (const std::invalid_argument& e) {
@@ -56,7 +56,9 @@ void check_stage_count(const std::vector<StageFn>& stages, const Plan& plan, con
   }
 }
 
-at::Tensor value_of(const ExecState::Held& h) { return h.plain.defined() ? h.plain : h.output.detach(); }
+at::Tensor value_of(const ExecState::Held& h) {
+  return h.plain.defined() ? h.plain : h.output.detach();
+}
 
 // Runs the forward operation `op` of the plan.
 void run_forward(ExecState& st, const Op& op) {
@@ -83,14 +85,16 @@ void run_forward(ExecState& st, const Op& op) {
     const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
     if (floating && (i > 0 || st.input_requires_grad)) leaf = x.detach().requires_grad_(true);
     out = stage.fn(leaf);
-    TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name, "') returned an undefined tensor");
+    TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name,
+                "') returned an undefined tensor");
     next.plain = at::Tensor();
     next.leaf = leaf;
     next.output = out;
   } else {
     at::NoGradGuard no_grad;
     out = stage.fn(x);
-    TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name, "') returned an undefined tensor");
+    TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name,
+                "') returned an undefined tensor");
     next.plain = out;
     if (op.kind == OpKind::kForwardNoSave && i > 0 && in.plain.defined()) in.plain = at::Tensor();
   }
@@ -99,8 +103,9 @@ void run_forward(ExecState& st, const Op& op) {
     st.metas[i] = meta;
     st.ran[i] = true;
   } else if (st.check) {
-    TORCH_CHECK(meta == st.metas[i], "remat::run_plan: determinism check failed: stage ", i, " ('", stage.name,
-                "') returned ", meta.str(), " in a recompute but ", st.metas[i].str(), " in its first run");
+    TORCH_CHECK(meta == st.metas[i], "remat::run_plan: determinism check failed: stage ", i, " ('",
+                stage.name, "') returned ", meta.str(), " in a recompute but ", st.metas[i].str(),
+                " in its first run");
   }
   if (st.stats) st.stats->forward_calls[i] += 1;
 }
@@ -112,7 +117,8 @@ void accumulate_into(at::Tensor& sum, const at::Tensor& g) {
 
 // Stage i's backward: d_i from d_{i+1} through abar_{i+1}; parameter gradients accumulated into .grad (under
 // backward()) or summed into `param_grads` (under torch::autograd::grad, which returns them).
-void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph, std::vector<at::Tensor>& param_grads,
+void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph,
+                  std::vector<at::Tensor>& param_grads,
                   const std::unordered_map<c10::TensorImpl*, size_t>& param_index) {
   ExecState::Held& abar = st.held[i + 1];
   ExecState::Held& in = st.held[i];
@@ -121,7 +127,8 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph, 
     std::vector<at::Tensor> targets;
     const bool leaf_grad = abar.leaf.requires_grad();
     if (leaf_grad) targets.push_back(abar.leaf);
-    for (const auto& p : st.stage_params[i]) targets.push_back(p);
+    for (const auto& p : st.stage_params[i])
+      targets.push_back(p);
     const bool create_graph = at::GradMode::is_enabled();
     if (!targets.empty()) {
       if (accumulating) {
@@ -132,7 +139,8 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph, 
                                            /*allow_unused=*/true);
         size_t k = 0;
         if (leaf_grad) d_in = grads[k++];
-        for (; k < grads.size(); ++k) accumulate_into(param_grads[param_index.at(targets[k].unsafeGetTensorImpl())], grads[k]);
+        for (; k < grads.size(); ++k)
+          accumulate_into(param_grads[param_index.at(targets[k].unsafeGetTensorImpl())], grads[k]);
       }
     }
   }
@@ -144,11 +152,13 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph, 
 }
 
 struct ExecFunction : torch::autograd::Function<ExecFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
-                                                at::TensorList params, c10::intrusive_ptr<ExecState> st) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& input, at::TensorList params,
+                                                c10::intrusive_ptr<ExecState> st) {
     (void)params;  // inputs of the node, so that torch::autograd::grad can ask for their gradients
     st->held[0].plain = input.detach();
-    for (size_t k = 0; k < st->loss_at; ++k) run_forward(*st, st->plan.ops[k]);
+    for (size_t k = 0; k < st->loss_at; ++k)
+      run_forward(*st, st->plan.ops[k]);
     const int64_t n = st->plan.num_stages;
     at::Tensor output = value_of(st->held[n]);
     if (st->held[n].plain.defined()) st->held[n].plain = at::Tensor();  // the loss frees a plain a_n
@@ -170,7 +180,8 @@ struct ExecFunction : torch::autograd::Function<ExecFunction> {
     const bool accumulating = exec_info == nullptr || exec_info->empty();
 
     std::unordered_map<c10::TensorImpl*, size_t> param_index;
-    for (size_t k = 0; k < run->params.size(); ++k) param_index.emplace(run->params[k].unsafeGetTensorImpl(), k);
+    for (size_t k = 0; k < run->params.size(); ++k)
+      param_index.emplace(run->params[k].unsafeGetTensorImpl(), k);
     std::vector<at::Tensor> param_grads(run->params.size());
 
     run->grad = grad_outputs[0];
@@ -184,7 +195,8 @@ struct ExecFunction : torch::autograd::Function<ExecFunction> {
       }
     }
     result[0] = run->input_requires_grad ? run->grad : at::Tensor();
-    for (size_t k = 0; k < param_grads.size(); ++k) result[1 + k] = param_grads[k];
+    for (size_t k = 0; k < param_grads.size(); ++k)
+      result[1 + k] = param_grads[k];
     run->grad = at::Tensor();
     return result;
   }
@@ -203,8 +215,9 @@ std::vector<StageFn> stages_of(torch::nn::Sequential& seq) {
     }
     if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
     torch::nn::Sequential shared = seq;
-    stages.push_back(StageFn{std::to_string(i) + ":" + type,
-                             [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); }, module});
+    stages.push_back(StageFn{
+        std::to_string(i) + ":" + type,
+        [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); }, module});
   }
   return stages;
 }
@@ -254,15 +267,17 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
 
 // -------------------------------------------------------------------------------------------------------------
 
-CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq, Plan plan, CheckpointOptions options)
+CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq, Plan plan,
+                                                       CheckpointOptions options)
     : seq_(register_module("seq", std::move(seq))), options_(std::move(options)) {
   set_plan(std::move(plan));
 }
 
 void CheckpointedSequentialImpl::set_plan(Plan plan) {
   TORCH_CHECK(seq_->size() > 0, "remat::CheckpointedSequential: the Sequential is empty");
-  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(seq_->size()), "remat::CheckpointedSequential: the plan is for ",
-              plan.num_stages, " stages but the Sequential has ", seq_->size(), " modules");
+  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(seq_->size()),
+              "remat::CheckpointedSequential: the plan is for ", plan.num_stages,
+              " stages but the Sequential has ", seq_->size(), " modules");
   try {
     check_plan(plan);
   } catch (const std::invalid_argument& e) {
@@ -271,9 +286,11 @@ void CheckpointedSequentialImpl::set_plan(Plan plan) {
   plan_ = std::move(plan);
 }
 
-void CheckpointedSequentialImpl::replan(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options) {
-  TORCH_CHECK(chain.size() == static_cast<int64_t>(seq_->size()), "remat::CheckpointedSequential::replan: the chain has ",
-              chain.size(), " stages but the Sequential has ", seq_->size(), " modules");
+void CheckpointedSequentialImpl::replan(const Chain& chain, int64_t budget_bytes,
+                                        const PlannerOptions& options) {
+  TORCH_CHECK(chain.size() == static_cast<int64_t>(seq_->size()),
+              "remat::CheckpointedSequential::replan: the chain has ", chain.size(),
+              " stages but the Sequential has ", seq_->size(), " modules");
   set_plan(optimal(chain, budget_bytes, options));
 }
 
@@ -285,7 +302,8 @@ torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
 
 torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<int64_t>& starts,
                                   const torch::Tensor& input, const SequentialOptions& options) {
-  TORCH_CHECK(!seq.is_empty() && seq->size() > 0, "remat::checkpoint_segments: the Sequential is empty (0 modules)");
+  TORCH_CHECK(!seq.is_empty() && seq->size() > 0,
+              "remat::checkpoint_segments: the Sequential is empty (0 modules)");
   Plan plan;
   try {
     plan = segmented(static_cast<int64_t>(seq->size()), starts, options.checkpoint_last_segment());
@@ -298,7 +316,8 @@ torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,
                                     const SequentialOptions& options) {
   const int64_t n = seq.is_empty() ? 0 : static_cast<int64_t>(seq->size());
-  TORCH_CHECK(n > 0, "remat::checkpoint_sequential: the Sequential is empty (0 modules); segments was ", segments);
+  TORCH_CHECK(n > 0, "remat::checkpoint_sequential: the Sequential is empty (0 modules); segments was ",
+              segments);
   TORCH_CHECK(segments >= 1 && segments <= n, "remat::checkpoint_sequential: segments must be in [1, ", n,
               "] (the Sequential has ", n, " modules), got ", segments);
   std::vector<int64_t> starts;

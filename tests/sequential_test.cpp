@@ -42,7 +42,8 @@ Reference plain_step(torch::nn::Sequential& seq, const torch::Tensor& x, uint64_
   r.output = seq->forward(x);
   r.output.pow(2).sum().backward();
   r.grads = grads_of(*seq);
-  for (const auto& b : seq->buffers()) r.buffers.push_back(b.clone());
+  for (const auto& b : seq->buffers())
+    r.buffers.push_back(b.clone());
   r.x_grad = x.grad().clone();
   return r;
 }
@@ -57,19 +58,23 @@ TEST(CheckpointSequential, EveryNumberOfSegmentsGivesEqualGradients) {
   for (bool last : {false, true}) {
     for (int64_t k = 1; k <= static_cast<int64_t>(seq->size()); ++k) {
       // Fresh BatchNorm statistics for both runs.
-      for (auto& b : seq->buffers()) b.zero_();
+      for (auto& b : seq->buffers())
+        b.zero_();
       const Reference ref = plain_step(seq, x, 42);
-      for (auto& b : seq->buffers()) b.zero_();
+      for (auto& b : seq->buffers())
+        b.zero_();
       clear_grads(*seq);
       x.mutable_grad() = torch::Tensor();
       torch::manual_seed(42);
-      auto y = remat::checkpoint_sequential(seq, k, x, remat::SequentialOptions().checkpoint_last_segment(last));
+      auto y =
+          remat::checkpoint_sequential(seq, k, x, remat::SequentialOptions().checkpoint_last_segment(last));
       EXPECT_EQ(max_abs_diff(y, ref.output), 0.0) << "segments " << k;
       y.pow(2).sum().backward();
       expect_all_close(grads_of(*seq), ref.grads, 1e-6);
       EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6) << "segments " << k;
       auto buffers = seq->buffers();
-      for (size_t i = 0; i < buffers.size(); ++i) EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << k;
+      for (size_t i = 0; i < buffers.size(); ++i)
+        EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << k;
     }
   }
 }
@@ -78,7 +83,8 @@ TEST(CheckpointSequential, BadSegmentsNameTheValueAndModuleCountBeforeAnyModuleR
   auto calls = std::make_shared<int64_t>(0);
   torch::nn::Sequential seq(Counting(4, calls), Counting(4, calls), Counting(4, calls));
   const auto x = torch::randn({2, 4});
-  EXPECT_THROW_WITH(remat::checkpoint_sequential(seq, 0, x), "remat::checkpoint_sequential", "got 0", "3 modules");
+  EXPECT_THROW_WITH(remat::checkpoint_sequential(seq, 0, x), "remat::checkpoint_sequential", "got 0",
+                    "3 modules");
   EXPECT_THROW_WITH(remat::checkpoint_sequential(seq, 4, x), "got 4", "3 modules");
   EXPECT_THROW_WITH(remat::checkpoint_segments(seq, {0, 2, 2}, x), "remat::checkpoint_segments", "3 modules");
   torch::nn::Sequential empty;
@@ -89,7 +95,8 @@ TEST(CheckpointSequential, BadSegmentsNameTheValueAndModuleCountBeforeAnyModuleR
 TEST(CheckpointSequential, RecomputesEachCheckpointedSegmentOnce) {
   auto calls = std::make_shared<int64_t>(0);
   torch::nn::Sequential seq;
-  for (int i = 0; i < 6; ++i) seq->push_back(Counting(8, calls));
+  for (int i = 0; i < 6; ++i)
+    seq->push_back(Counting(8, calls));
   const auto x = torch::randn({4, 8}, torch::requires_grad());
   auto y = remat::checkpoint_sequential(seq, 3, x);
   EXPECT_EQ(*calls, 6);
@@ -101,7 +108,8 @@ TEST(CheckpointSequential, KeepsOnlySegmentBoundariesAlive) {
   remat::testing::meter_on();
   const int64_t b = 32, w = 64;
   torch::nn::Sequential seq;
-  for (int i = 0; i < 8; ++i) seq->push_back(torch::nn::Linear(w, w)), seq->push_back(torch::nn::Tanh());
+  for (int i = 0; i < 8; ++i)
+    seq->push_back(torch::nn::Linear(w, w)), seq->push_back(torch::nn::Tanh());
   const auto x = torch::randn({b, w});
   int64_t plain = 0, ckpt = 0;
   {
@@ -111,10 +119,9 @@ TEST(CheckpointSequential, KeepsOnlySegmentBoundariesAlive) {
   }
   {
     const int64_t before = remat::memory::active_bytes();
-    auto y = remat::checkpoint_sequential(
-        seq, 4,
-        x, remat::SequentialOptions().checkpoint_last_segment(true).checkpoint(
-               remat::CheckpointOptions().preserve_rng_state(false)));
+    auto y = remat::checkpoint_sequential(seq, 4, x,
+                                          remat::SequentialOptions().checkpoint_last_segment(true).checkpoint(
+                                              remat::CheckpointOptions().preserve_rng_state(false)));
     ckpt = remat::memory::active_bytes() - before;
   }
   const int64_t act = b * w * 4;
@@ -128,20 +135,26 @@ TEST(CheckpointSequential, KeepsOnlySegmentBoundariesAlive) {
 // ---------------------------------------------------------------------------------------------------------
 // The plan executor
 
-remat::Chain unit_chain(int64_t n) { return remat::uniform_chain(n, 1.0, 2.0, 1000, 3000); }
+remat::Chain unit_chain(int64_t n) {
+  return remat::uniform_chain(n, 1.0, 2.0, 1000, 3000);
+}
 
 TEST(Executor, EveryPlannerGivesEqualGradientsAndPredictedForwardCalls) {
   torch::manual_seed(1);
   auto seq = mixed_chain();
   const auto x = torch::randn({10, 16}, torch::requires_grad());
   const remat::Chain chain = unit_chain(static_cast<int64_t>(seq->size()));
-  std::vector<remat::Plan> plans{remat::no_checkpoint(chain), remat::checkpoint_all(chain), remat::sqrt_n(chain),
-                                 remat::uniform(chain, 3), remat::revolve(chain, 1), remat::revolve(chain, 2)};
-  for (int64_t budget : {9000, 12000, 16000, 24000}) plans.push_back(remat::optimal(chain, budget));
+  std::vector<remat::Plan> plans{remat::no_checkpoint(chain), remat::checkpoint_all(chain),
+                                 remat::sqrt_n(chain),        remat::uniform(chain, 3),
+                                 remat::revolve(chain, 1),    remat::revolve(chain, 2)};
+  for (int64_t budget : {9000, 12000, 16000, 24000})
+    plans.push_back(remat::optimal(chain, budget));
   for (const auto& plan : plans) {
-    for (auto& b : seq->buffers()) b.zero_();
+    for (auto& b : seq->buffers())
+      b.zero_();
     const Reference ref = plain_step(seq, x, 5);
-    for (auto& b : seq->buffers()) b.zero_();
+    for (auto& b : seq->buffers())
+      b.zero_();
     clear_grads(*seq);
     x.mutable_grad() = torch::Tensor();
     remat::CheckpointedSequential exec(seq, plan);
@@ -151,14 +164,16 @@ TEST(Executor, EveryPlannerGivesEqualGradientsAndPredictedForwardCalls) {
     EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6) << plan.to_string();
     EXPECT_EQ(exec->forward_calls(), plan.predicted.forward_calls) << plan.to_string();
     auto buffers = seq->buffers();
-    for (size_t i = 0; i < buffers.size(); ++i) EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << plan.to_string();
+    for (size_t i = 0; i < buffers.size(); ++i)
+      EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << plan.to_string();
   }
 }
 
 TEST(Executor, MultiLevelPlanRecomputesStagesSeveralTimes) {
   auto calls = std::make_shared<int64_t>(0);
   torch::nn::Sequential seq;
-  for (int i = 0; i < 10; ++i) seq->push_back(Counting(8, calls));
+  for (int i = 0; i < 10; ++i)
+    seq->push_back(Counting(8, calls));
   const remat::Chain chain = unit_chain(10);
   const auto plan = remat::optimal(chain, remat::min_feasible_budget(chain));
   const auto& fc = plan.predicted.forward_calls;
@@ -168,27 +183,32 @@ TEST(Executor, MultiLevelPlanRecomputesStagesSeveralTimes) {
   exec->forward(x).sum().backward();
   EXPECT_EQ(exec->forward_calls(), fc);
   int64_t total = 0;
-  for (int64_t c : fc) total += c;
+  for (int64_t c : fc)
+    total += c;
   EXPECT_EQ(*calls, total);
 }
 
 TEST(Executor, AutogradGradAndRetainGraph) {
   torch::manual_seed(2);
-  torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8), torch::nn::GELU());
+  torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8),
+                            torch::nn::GELU());
   const auto x = torch::randn({4, 8}, torch::requires_grad());
   std::vector<torch::Tensor> wrt{x};
-  for (const auto& p : seq->parameters()) wrt.push_back(p);
+  for (const auto& p : seq->parameters())
+    wrt.push_back(p);
   const auto plain = torch::autograd::grad({seq->forward(x).pow(2).sum()}, wrt);
   remat::CheckpointedSequential exec(seq, remat::checkpoint_all(unit_chain(4)));
   const auto got = torch::autograd::grad({exec->forward(x).pow(2).sum()}, wrt);
   expect_all_close(got, plain, 1e-6);
-  for (const auto& p : seq->parameters()) EXPECT_FALSE(p.grad().defined());
+  for (const auto& p : seq->parameters())
+    EXPECT_FALSE(p.grad().defined());
 
   auto loss = exec->forward(x).pow(2).sum();
   loss.backward({}, /*retain_graph=*/true);
   loss.backward();
   std::vector<torch::Tensor> twice = grads_of(*seq);
-  for (size_t i = 1; i < plain.size(); ++i) EXPECT_LE(max_abs_diff(twice[i - 1], 2 * plain[i]), 1e-5);
+  for (size_t i = 1; i < plain.size(); ++i)
+    EXPECT_LE(max_abs_diff(twice[i - 1], 2 * plain[i]), 1e-5);
 }
 
 TEST(Executor, ParametersTrainedWhenTheInputNeedsNoGrad) {

@@ -36,8 +36,8 @@ struct StageFn {
   std::shared_ptr<torch::nn::Module> module;
 };
 
-/// The modules of a Sequential as stages (named by their position and type, e.g. "3:Linear"). The stages share
-/// the modules. Throws c10::Error naming the function when the Sequential is empty.
+/// The modules of a Sequential as stages (named by their position and type, e.g. "3:Linear"). The stages
+/// share the modules. Throws c10::Error naming the function when the Sequential is empty.
 std::vector<StageFn> stages_of(torch::nn::Sequential& seq);
 
 /// How many times each stage's forward ran, counted by the executor.
@@ -47,19 +47,20 @@ struct ExecutionStats {
 
 /// Runs `plan` over `stages` on `input` and returns the chain's output; its backward runs the rest of the
 /// plan. Under NoGradGuard it simply runs the stages in order. options.preserve_rng_state and
-/// options.determinism_check apply per stage; options.mode and options.modules do not (the executor is its own
-/// autograd Function and knows every stage's module). When `stats` is given, the forward calls per stage are
-/// counted into it (reset first), including those of the backward pass.
-/// Throws c10::Error naming remat::run_plan when the plan's stage count differs from stages.size(), the plan
-/// is invalid (remat::check_plan), the input is undefined, or a stage returns an undefined tensor.
+/// options.determinism_check apply per stage; options.mode and options.modules do not (the executor is its
+/// own autograd Function and knows every stage's module). When `stats` is given, the forward calls per stage
+/// are counted into it (reset first), including those of the backward pass. Throws c10::Error naming
+/// remat::run_plan when the plan's stage count differs from stages.size(), the plan is invalid
+/// (remat::check_plan), the input is undefined, or a stage returns an undefined tensor.
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
-                       const CheckpointOptions& options = {}, std::shared_ptr<ExecutionStats> stats = nullptr);
+                       const CheckpointOptions& options = {},
+                       std::shared_ptr<ExecutionStats> stats = nullptr);
 
 /// A Sequential that trains according to a Plan.
 class CheckpointedSequentialImpl : public torch::nn::Module {
  public:
-  /// Wraps `seq` (registered as the submodule "seq", shared with the caller). Throws c10::Error when the plan's
-  /// stage count differs from seq's module count or the plan is invalid.
+  /// Wraps `seq` (registered as the submodule "seq", shared with the caller). Throws c10::Error when the
+  /// plan's stage count differs from seq's module count or the plan is invalid.
   CheckpointedSequentialImpl(torch::nn::Sequential seq, Plan plan, CheckpointOptions options = {});
   /// Runs the plan (see run_plan).
   torch::Tensor forward(const torch::Tensor& input);
@@ -91,8 +92,8 @@ struct SequentialOptions {
 
 /// Splits seq's modules into `segments` contiguous runs whose lengths differ by at most one (the longer runs
 /// first) and checkpoints each run but the last (unless asked), like torch.utils.checkpoint.
-/// checkpoint_sequential. PyTorch instead makes every run n / segments long and puts the whole remainder in the
-/// last run, which balances memory worse (10 modules in 4 segments: 2, 2, 2, 4 there; 3, 3, 2, 2 here).
+/// checkpoint_sequential. PyTorch instead makes every run n / segments long and puts the whole remainder in
+/// the last run, which balances memory worse (10 modules in 4 segments: 2, 2, 2, 4 there; 3, 3, 2, 2 here).
 /// It is run_plan with uniform(). Throws c10::Error naming the value given and the module count, before any
 /// module runs, when seq is empty or segments < 1 or > the module count.
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,

@@ -9,6 +9,7 @@
 #include <remat/memory.h>
 #include <remat/plan.h>
 #include <remat/planner.h>
+#include <remat/profile.h>
 #include <remat/sequential.h>
 #include <remat/units.h>
 #include <remat/version.h>

@@ -1,0 +1,42 @@
+#pragma once
+/// \file
+/// Measuring a real model as a Chain (remat/chain.h): every field with the exact meter, times as medians.
+///
+///   remat::memory::track_cpu();
+///   remat::Chain chain = remat::profile_chain(seq, x);                   // a Sequential
+///   remat::Chain bert_chain = remat::profile_chain(bert->stages(ids, mask), ids);  // any list of stages
+///   remat::save_chain(chain, "model.json");
+///
+/// For stage i, on the output of the previous stages: output_bytes is its output's size; saved_bytes is what
+/// running it with grad leaves alive (its output plus what its autograd graph keeps; its input and parameters are
+/// not counted, they are alive anyway); fwd_tmp_bytes is the peak above that during the forward; bwd_tmp_bytes
+/// is the peak during its backward above its input, saved tensors, output gradient and input gradient (the
+/// parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first step). fwd_ms and bwd_ms
+/// are medians of `repeats` timed runs after `warmup` untimed ones. The model is left as it was: gradients,
+/// buffers (BatchNorm statistics) and the global RNG are restored.
+
+#include <remat/chain.h>
+#include <remat/sequential.h>
+#include <torch/arg.h>
+#include <torch/types.h>
+
+namespace remat {
+
+struct ProfileOptions {
+  /// Untimed runs of each stage first (>= 0).
+  TORCH_ARG(int64_t, warmup) = 1;
+  /// Timed runs of each stage; the median is kept (>= 1).
+  TORCH_ARG(int64_t, repeats) = 5;
+};
+
+/// Profiles the stages on `sample_input` (the chain's input a_0). Needs remat::memory::track_cpu() for a CPU
+/// input (it calls it). Throws c10::Error naming remat::profile_chain when stages is empty, the input is
+/// undefined, warmup < 0 or repeats < 1, or a stage returns an undefined tensor.
+Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
+                    const ProfileOptions& options = {});
+
+/// Profiles the modules of a Sequential (stages_of(seq)).
+Chain profile_chain(torch::nn::Sequential& seq, const torch::Tensor& sample_input,
+                    const ProfileOptions& options = {});
+
+}  // namespace remat

@@ -1,0 +1,144 @@
+#include "remat/profile.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/cuda.h>
+
+#include <chrono>
+#include <optional>
+#include <unordered_set>
+
+#include "detail/region.h"
+#include "remat/measure.h"
+#include "remat/memory.h"
+
+namespace remat {
+namespace {
+
+constexpr const char* kWho = "remat::profile_chain";
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+// Puts back the parameters' gradients, the buffers and the global RNG as they were.
+class Restore {
+ public:
+  Restore(const std::vector<StageFn>& stages, c10::Device device) {
+    std::unordered_set<c10::TensorImpl*> seen;
+    for (const auto& s : stages) {
+      if (!s.module) continue;
+      modules_.push_back(s.module);
+      for (auto& p : s.module->parameters()) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) grads_.emplace_back(p, p.grad());
+      }
+    }
+    std::vector<c10::DeviceIndex> cuda;
+    if (device.is_cuda()) cuda.push_back(device.index() < 0 ? 0 : device.index());
+    rng_ = detail::RngState::capture(cuda);
+    buffers_.emplace(modules_);
+  }
+  ~Restore() {
+    buffers_.reset();
+    rng_.restore();
+    for (auto& [p, g] : grads_) p.mutable_grad() = g;
+  }
+  // Pre-allocates zeroed gradients, as after a first training step.
+  void zero_grads() {
+    torch::NoGradGuard no_grad;
+    for (auto& [p, g] : grads_) {
+      if (p.requires_grad()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  }
+
+ private:
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> grads_;
+  detail::RngState rng_;
+  std::optional<detail::BufferRestore> buffers_;
+};
+
+}  // namespace
+
+Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
+                    const ProfileOptions& options) {
+  TORCH_CHECK(!stages.empty(), kWho, ": no stages");
+  TORCH_CHECK(sample_input.defined(), kWho, ": the sample input is an undefined tensor");
+  TORCH_CHECK(options.warmup() >= 0, kWho, ": warmup must be >= 0, got ", options.warmup());
+  TORCH_CHECK(options.repeats() >= 1, kWho, ": repeats must be >= 1, got ", options.repeats());
+  const c10::Device device = sample_input.device();
+  if (device.is_cpu()) memory::track_cpu();
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index() < 0 ? -1 : device.index());
+  };
+
+  Restore restore(stages, device);
+  restore.zero_grads();
+  at::AutoGradMode grad_mode(true);
+
+  Chain chain;
+  chain.input_bytes = static_cast<int64_t>(sample_input.nbytes());
+  torch::Tensor x = sample_input.detach();
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const StageFn& stage = stages[i];
+    std::vector<torch::Tensor> params;
+    if (stage.module) {
+      for (const auto& p : stage.module->parameters()) {
+        if (p.requires_grad()) params.push_back(p);
+      }
+    }
+    const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
+    const bool input_grad = floating && (i > 0 || sample_input.requires_grad());
+
+    Stage s;
+    s.name = stage.name.empty() ? "stage" + std::to_string(i) : stage.name;
+    std::vector<double> fwd, bwd;
+    torch::Tensor next;
+    for (int64_t r = 0; r < options.warmup() + options.repeats(); ++r) {
+      const bool measure = r == options.warmup();
+      torch::Tensor leaf = x.detach();
+      if (input_grad) leaf.requires_grad_(true);
+      sync();
+      memory::PeakScope fwd_scope(device);
+      const auto t0 = Clock::now();
+      torch::Tensor out = stage.fn(leaf);
+      sync();
+      const double f = ms_since(t0);
+      TORCH_CHECK(out.defined(), kWho, ": stage ", i, " ('", s.name, "') returned an undefined tensor");
+      if (measure) {
+        s.output_bytes = static_cast<int64_t>(out.nbytes());
+        s.saved_bytes = std::max(s.output_bytes, fwd_scope.active_over_base());
+        s.fwd_tmp_bytes = std::max<int64_t>(0, fwd_scope.peak_over_base() - s.saved_bytes);
+      }
+      if (r + 1 == options.warmup() + options.repeats()) next = out.detach();
+
+      std::vector<torch::Tensor> targets = params;
+      if (input_grad) targets.push_back(leaf);
+      double b = 0;
+      if (out.requires_grad() && !targets.empty()) {
+        torch::Tensor d = torch::ones_like(out);  // d_{i+1}, resident during the backward
+        sync();
+        memory::PeakScope bwd_scope(device);
+        const auto t1 = Clock::now();
+        torch::autograd::backward({out}, {d}, /*retain_graph=*/false, /*create_graph=*/false, targets);
+        sync();
+        b = ms_since(t1);
+        if (measure) {
+          const int64_t d_in = input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
+          s.bwd_tmp_bytes = std::max<int64_t>(0, bwd_scope.peak_over_base() - d_in);
+        }
+      }
+      if (r >= options.warmup()) fwd.push_back(f), bwd.push_back(b);
+    }
+    s.fwd_ms = median(fwd);
+    s.bwd_ms = median(bwd);
+    chain.stages.push_back(std::move(s));
+    x = next;
+  }
+  validate(chain);
+  return chain;
+}
+
+Chain profile_chain(torch::nn::Sequential& seq, const torch::Tensor& sample_input, const ProfileOptions& options) {
+  return profile_chain(stages_of(seq), sample_input, options);
+}
+
+}  // namespace remat

@@ -1,0 +1,140 @@
+// The profiler measures chains exactly, and plans made from them run with the predicted peak and calls.
+#include <ATen/CPUGeneratorImpl.h>
+#include <remat/models.h>
+#include <remat/planner.h>
+#include <remat/profile.h>
+
+#include "support.h"
+
+namespace {
+
+using remat::testing::clear_grads;
+using remat::testing::expect_all_close;
+using remat::testing::grads_of;
+using remat::testing::max_abs_diff;
+
+class ProfileTest : public ::testing::Test {
+ protected:
+  void SetUp() override { remat::testing::meter_on(); }
+};
+
+TEST_F(ProfileTest, MeasuresEveryFieldOfSimpleStages) {
+  const int64_t b = 16, w = 32, act = b * w * 4;
+  torch::nn::Sequential seq(torch::nn::Linear(w, w), torch::nn::Tanh(), torch::nn::GELU(), torch::nn::Linear(w, 2 * w));
+  const auto x = torch::randn({b, w});
+  const remat::Chain chain = remat::profile_chain(seq, x, remat::ProfileOptions().warmup(1).repeats(3));
+  ASSERT_EQ(chain.size(), 4);
+  EXPECT_EQ(chain.input_bytes, act);
+  EXPECT_EQ(chain.stages[0].name, "0:Linear");
+  EXPECT_EQ(chain.stages[1].name, "1:Tanh");
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(chain.stages[i].output_bytes, act) << i;
+  EXPECT_EQ(chain.stages[3].output_bytes, 2 * act);
+  // Linear keeps its input and weight (alive anyway), Tanh its output, GELU its input: each adds only its output.
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(chain.stages[i].saved_bytes, chain.stages[i].output_bytes) << i;
+  for (const auto& s : chain.stages) {
+    EXPECT_GT(s.fwd_ms, 0);
+    EXPECT_GT(s.bwd_ms, 0);
+  }
+  // The backward of a Linear allocates its weight's gradient temporarily ([w, w] or [2w, w] floats).
+  EXPECT_GE(chain.stages[3].bwd_tmp_bytes, 2 * w * w * 4);
+}
+
+TEST_F(ProfileTest, LeavesTheModelAsItWas) {
+  torch::manual_seed(4);
+  torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Dropout(0.5));
+  std::vector<torch::Tensor> buffers;
+  for (const auto& buf : seq->buffers()) buffers.push_back(buf.clone());
+  const auto input = torch::randn({4, 8});
+  const auto rng = at::detail::getDefaultCPUGenerator().get_state();
+  remat::profile_chain(seq, input);
+  for (const auto& p : seq->parameters()) EXPECT_FALSE(p.grad().defined());
+  auto after = seq->buffers();
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(torch::equal(after[i], buffers[i])) << i;
+  EXPECT_TRUE(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng));
+}
+
+TEST_F(ProfileTest, BadInputIsAClearError) {
+  torch::nn::Sequential seq(torch::nn::Linear(4, 4));
+  EXPECT_THROW_WITH(remat::profile_chain(seq, torch::Tensor()), "remat::profile_chain", "undefined");
+  EXPECT_THROW_WITH(remat::profile_chain(seq, torch::randn({2, 4}), remat::ProfileOptions().repeats(0)), "repeats",
+                    "got 0");
+  EXPECT_THROW_WITH(remat::profile_chain(std::vector<remat::StageFn>{}, torch::randn({2, 4})), "no stages");
+}
+
+// Runs one step of `forward` (loss = sum(out * weight), so that d_n is materialised as in the model) and returns
+// the peak over parameters, gradients and inputs, plus the input (which the model counts).
+template <typename Forward>
+int64_t measured_peak(torch::nn::Module& model, Forward forward, const torch::Tensor& input, const torch::Tensor& weight) {
+  for (auto& p : model.parameters()) p.mutable_grad() = torch::zeros_like(p);
+  remat::memory::PeakScope scope;
+  (forward() * weight).sum().backward();
+  return scope.peak_over_base() + static_cast<int64_t>(input.nbytes());
+}
+
+TEST_F(ProfileTest, ResidualMlpPlansRunWithinTenPercentOfThePrediction) {
+  torch::manual_seed(0);
+  remat::models::ResidualMlp mlp(remat::models::ResidualMlpOptions().depth(12).width(256));
+  auto& seq = mlp->blocks();
+  const auto x = torch::randn({64, 256});
+  const auto weight = torch::randn({64, 256});
+  const remat::Chain chain = remat::profile_chain(seq, x);
+
+  seq->forward(x).mul(weight).sum().backward();
+  const auto plain_grads = grads_of(*seq);
+  const int64_t none = remat::no_checkpoint(chain).predicted.peak_bytes;
+  const int64_t least = remat::min_feasible_budget(chain);
+  std::vector<remat::Plan> plans{remat::no_checkpoint(chain), remat::checkpoint_all(chain), remat::sqrt_n(chain),
+                                 remat::uniform(chain, 4)};
+  for (double f : {0.0, 0.25, 0.5, 0.75}) plans.push_back(remat::optimal(chain, least + int64_t(f * (none - least))));
+  for (const auto& plan : plans) {
+    remat::CheckpointedSequential exec(seq, plan, remat::CheckpointOptions().preserve_rng_state(false));
+    const int64_t peak = measured_peak(*exec, [&] { return exec->forward(x); }, x, weight);
+    const double predicted = static_cast<double>(plan.predicted.peak_bytes);
+    EXPECT_NEAR(static_cast<double>(peak), predicted, 0.10 * predicted)
+        << plan.planner << " " << plan.to_string();
+    EXPECT_EQ(exec->forward_calls(), plan.predicted.forward_calls) << plan.planner;
+    clear_grads(*seq);
+    exec->forward(x).mul(weight).sum().backward();
+    expect_all_close(grads_of(*seq), plain_grads, 1e-5);
+  }
+}
+
+TEST_F(ProfileTest, BertPlansRunWithinTenPercentOfThePrediction) {
+  torch::manual_seed(0);
+  auto config = remat::models::BertConfig()
+                    .vocab_size(200)
+                    .hidden_size(128)
+                    .num_hidden_layers(6)
+                    .num_attention_heads(4)
+                    .intermediate_size(512)
+                    .max_position_embeddings(128)
+                    .hidden_dropout_prob(0.1)
+                    .attention_probs_dropout_prob(0.1);
+  remat::models::BertModel bert(config);
+  const auto ids = torch::randint(0, 200, {8, 64});
+  const auto weight = torch::randn({8, 64, 128});
+  const remat::Chain chain = remat::profile_chain(bert->stages(ids), ids);
+  ASSERT_EQ(chain.size(), 7);
+  EXPECT_EQ(chain.stages[0].name, "embeddings");
+  EXPECT_EQ(chain.stages[6].name, "layer5");
+
+  torch::manual_seed(9);
+  bert->forward(ids).mul(weight).sum().backward();
+  const auto plain_grads = grads_of(*bert);
+  const int64_t none = remat::no_checkpoint(chain).predicted.peak_bytes;
+  const int64_t least = remat::min_feasible_budget(chain);
+  for (double f : {0.1, 0.4, 0.8}) {
+    const remat::Plan plan = remat::optimal(chain, least + int64_t(f * (none - least)));
+    bert->use_plan(plan);
+    torch::manual_seed(9);
+    const int64_t peak = measured_peak(*bert, [&] { return bert->forward(ids); }, ids, weight);
+    const double predicted = static_cast<double>(plan.predicted.peak_bytes);
+    EXPECT_NEAR(static_cast<double>(peak), predicted, 0.10 * predicted) << plan.to_string();
+    clear_grads(*bert);
+    torch::manual_seed(9);
+    bert->forward(ids).mul(weight).sum().backward();
+    expect_all_close(grads_of(*bert), plain_grads, 1e-5);
+  }
+}
+
+}  // namespace

@@ -355,17 +355,6 @@ std::vector<at::Tensor> undeclared_leaves(const std::vector<at::Tensor>& outputs
   return leaves;
 }
 
-void accumulate_into_grad(const at::Tensor& leaf, const at::Tensor& grad) {
-  if (!grad.defined()) return;
-  at::NoGradGuard no_grad;
-  at::Tensor& g = leaf.mutable_grad();
-  if (!g.defined()) {
-    g = grad.detach().clone();
-  } else {
-    g.add_(grad);
-  }
-}
-
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
                                                 at::TensorList params,
@@ -448,23 +437,28 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         slot.push_back(n_inputs + j);
       }
     }
-    // Parameters fn uses without declaring them: under backward() they are accumulated into .grad (as
-    // PyTorch's reentrant checkpoint does); under torch::autograd::grad nobody can have asked for them.
-    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-    const bool accumulating = exec_info == nullptr || exec_info->empty();
-    std::vector<at::Tensor> extra;
-    if (accumulating) extra = undeclared_leaves(roots, declared, first_sequence_nr);
-    const size_t n_targets = targets.size();
-    targets.insert(targets.end(), extra.begin(), extra.end());
-    if (targets.empty()) return result;
-
     const bool create_graph = at::GradMode::is_enabled();
+    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+    if (exec_info == nullptr || exec_info->empty()) {
+      // Under backward(): accumulate into .grad through the parameters' own AccumulateGrad nodes, as each
+      // gradient is computed (the region's parameter gradients are never all alive at once), including
+      // parameters fn uses without declaring them (as PyTorch's reentrant checkpoint does); the inputs'
+      // gradients are returned.
+      std::vector<at::Tensor> extra = undeclared_leaves(roots, declared, first_sequence_nr);
+      targets.insert(targets.end(), extra.begin(), extra.end());
+      if (targets.empty()) return result;
+      torch::autograd::backward(roots, root_grads, /*retain_graph=*/false, create_graph, targets);
+      for (size_t k = 0; k < slot.size(); ++k) {
+        if (slot[k] < n_inputs) result[slot[k]] = targets[k].grad();
+      }
+      return result;
+    }
+    // Under torch::autograd::grad: return every gradient; undeclared parameters cannot have been asked for.
+    if (targets.empty()) return result;
     std::vector<at::Tensor> grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
                                                           create_graph, /*allow_unused=*/true);
-    for (size_t k = 0; k < n_targets; ++k)
+    for (size_t k = 0; k < targets.size(); ++k)
       result[slot[k]] = grads[k];
-    for (size_t k = n_targets; k < targets.size(); ++k)
-      accumulate_into_grad(targets[k], grads[k]);
     return result;
   }
 

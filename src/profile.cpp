@@ -17,7 +17,9 @@ namespace {
 constexpr const char* kWho = "remat::profile_chain";
 
 using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
 
 // Puts back the parameters' gradients, the buffers and the global RNG as they were.
 class Restore {
@@ -39,7 +41,8 @@ class Restore {
   ~Restore() {
     buffers_.reset();
     rng_.restore();
-    for (auto& [p, g] : grads_) p.mutable_grad() = g;
+    for (auto& [p, g] : grads_)
+      p.mutable_grad() = g;
   }
   // Pre-allocates zeroed gradients, as after a first training step.
   void zero_grads() {
@@ -122,7 +125,8 @@ Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sam
         sync();
         b = ms_since(t1);
         if (measure) {
-          const int64_t d_in = input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
+          const int64_t d_in =
+              input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
           s.bwd_tmp_bytes = std::max<int64_t>(0, bwd_scope.peak_over_base() - d_in);
         }
       }
@@ -137,7 +141,8 @@ Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sam
   return chain;
 }
 
-Chain profile_chain(torch::nn::Sequential& seq, const torch::Tensor& sample_input, const ProfileOptions& options) {
+Chain profile_chain(torch::nn::Sequential& seq, const torch::Tensor& sample_input,
+                    const ProfileOptions& options) {
   return profile_chain(stages_of(seq), sample_input, options);
 }
 

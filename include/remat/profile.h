@@ -8,12 +8,12 @@
 ///   remat::save_chain(chain, "model.json");
 ///
 /// For stage i, on the output of the previous stages: output_bytes is its output's size; saved_bytes is what
-/// running it with grad leaves alive (its output plus what its autograd graph keeps; its input and parameters are
-/// not counted, they are alive anyway); fwd_tmp_bytes is the peak above that during the forward; bwd_tmp_bytes
-/// is the peak during its backward above its input, saved tensors, output gradient and input gradient (the
-/// parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first step). fwd_ms and bwd_ms
-/// are medians of `repeats` timed runs after `warmup` untimed ones. The model is left as it was: gradients,
-/// buffers (BatchNorm statistics) and the global RNG are restored.
+/// running it with grad leaves alive (its output plus what its autograd graph keeps; its input and parameters
+/// are not counted, they are alive anyway); fwd_tmp_bytes is the peak above that during the forward;
+/// bwd_tmp_bytes is the peak during its backward above its input, saved tensors, output gradient and input
+/// gradient (the parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first
+/// step). fwd_ms and bwd_ms are medians of `repeats` timed runs after `warmup` untimed ones. The model is
+/// left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are restored.
 
 #include <remat/chain.h>
 #include <remat/sequential.h>

@@ -1,14 +1,22 @@
-// The remat command. It parses arguments, calls the library and prints; the logic lives in the library.
+// The remat command. It parses arguments, calls the library and prints; the logic lives in the library
+// (remat/bench.h, remat/planner.h, remat/profile.h).
 
-#include <remat/measure.h>
+#include <ATen/Parallel.h>
+#include <remat/bench.h>
 #include <remat/memory.h>
-#include <remat/models/residual_mlp.h>
+#include <remat/planner.h>
+#include <remat/profile.h>
 #include <remat/units.h>
+#include <torch/cuda.h>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <sstream>
+#include <thread>
 
 #include "table.h"
 
@@ -20,53 +28,518 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
-int run_demo(int64_t layers, int64_t width, int64_t batch, int64_t steps) {
-  remat::memory::track_cpu();
-  torch::manual_seed(0);
-  remat::models::ResidualMlp model(remat::models::ResidualMlpOptions().depth(layers).width(width));
-  auto x = torch::randn({batch, width});
-  auto loss_fn = [&] { return model->forward(x).pow(2).mean(); };
-  std::cerr << "remat demo: " << layers << "-layer residual MLP, width " << width << ", batch " << batch
-            << ", " << steps << " timed steps each\n";
+std::string mib(int64_t bytes) {
+  return remat::format_mib(bytes);
+}
 
-  auto options = remat::MeasureOptions().warmup(2).steps(steps);
-  model->gradient_checkpointing_disable();
-  const auto plain = remat::measure_step(*model, loss_fn, options);
-  model->gradient_checkpointing_enable();
-  const auto ckpt = remat::measure_step(*model, loss_fn, options);
+void progress(const std::string& message) {
+  std::cerr << "remat: " << message << std::endl;
+}
 
-  remat::cli::Table table({"strategy", "peak activations (MiB)", "kept after forward (MiB)",
-                           "median step (ms)", "peak vs none", "time vs none"});
-  auto row = [&](const std::string& name, const remat::StepStats& s) {
-    table.add({name, remat::format_mib(s.peak_bytes), remat::format_mib(s.after_forward_bytes),
-               fixed(s.median_ms, 1), fixed(double(s.peak_bytes) / plain.peak_bytes, 2),
-               fixed(s.median_ms / plain.median_ms, 2)});
-  };
-  row("none", plain);
-  row("per layer", ckpt);
-  table.print(std::cout);
-  std::cout << "\nper-layer checkpointing cuts peak activation memory by "
-            << fixed(100.0 * (1.0 - double(ckpt.peak_bytes) / plain.peak_bytes), 1) << "% for "
-            << fixed(100.0 * (ckpt.median_ms / plain.median_ms - 1.0), 1) << "% more step time\n"
-            << "(peak over parameters + gradients + inputs: " << remat::format_bytes(plain.base_bytes)
-            << ", measured exactly by remat's CPU meter)\n";
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) throw std::invalid_argument("cannot write '" + path + "'");
+  out << text;
+}
+
+// Options every model-taking command shares.
+struct ModelArgs {
+  std::string model = "bert", variant = "small", placement = "each-op", device = "cpu";
+  int64_t layers = 12, hidden = 768, heads = 12, intermediate = 3072, seq = 128, vocab = 30522, batch = 0;
+  int64_t depth = 16, width = 1024, calls = 1000, adds = 100;
+  double dropout = 0.1;
+  uint64_t seed = 0;
+
+  void add(CLI::App* app) {
+    app->add_option("--model", model, "bert, cifar, heavy, forum-cnn or mlp")
+        ->check(CLI::IsMember({"bert", "cifar", "heavy", "forum-cnn", "mlp"}))
+        ->capture_default_str();
+    app->add_option("--layers", layers, "bert: encoder layers")
+        ->check(CLI::Range(1, 1000))
+        ->capture_default_str();
+    app->add_option("--hidden", hidden, "bert: hidden size")
+        ->check(CLI::Range(1, 1 << 16))
+        ->capture_default_str();
+    app->add_option("--heads", heads, "bert: attention heads")
+        ->check(CLI::Range(1, 1024))
+        ->capture_default_str();
+    app->add_option("--intermediate", intermediate, "bert: feed-forward size")
+        ->check(CLI::Range(1, 1 << 18))
+        ->capture_default_str();
+    app->add_option("--seq", seq, "bert: sequence length")
+        ->check(CLI::Range(1, 1 << 16))
+        ->capture_default_str();
+    app->add_option("--vocab", vocab, "bert: vocabulary size")
+        ->check(CLI::Range(1, 1 << 24))
+        ->capture_default_str();
+    app->add_option("--dropout", dropout, "bert: dropout probability")
+        ->check(CLI::Range(0.0, 0.99))
+        ->capture_default_str();
+    app->add_option("--batch", batch, "rows per batch (0: the model's default)")
+        ->check(CLI::Range(0, 1 << 24));
+    app->add_option("--depth", depth, "mlp: residual blocks")
+        ->check(CLI::Range(1, 100000))
+        ->capture_default_str();
+    app->add_option("--width", width, "mlp: block width")
+        ->check(CLI::Range(1, 1 << 18))
+        ->capture_default_str();
+    app->add_option("--calls", calls, "heavy: calls of the function")
+        ->check(CLI::Range(1, 1000000))
+        ->capture_default_str();
+    app->add_option("--adds", adds, "heavy: additions per call")
+        ->check(CLI::Range(1, 100000))
+        ->capture_default_str();
+    app->add_option("--variant", variant, "forum-cnn: small or full")
+        ->check(CLI::IsMember({"small", "full"}))
+        ->capture_default_str();
+    app->add_option("--placement", placement, "forum-cnn: each-op, conv-relu, all-convs or heads")
+        ->check(CLI::IsMember({"each-op", "conv-relu", "all-convs", "heads"}))
+        ->capture_default_str();
+    app->add_option("--device", device, "cpu or cuda")
+        ->check(CLI::IsMember({"cpu", "cuda"}))
+        ->capture_default_str();
+    app->add_option("--seed", seed, "seed of weights and inputs")->capture_default_str();
+  }
+
+  remat::WorkloadConfig config(int64_t batch_override = -1) const {
+    return remat::WorkloadConfig()
+        .model(model)
+        .layers(layers)
+        .hidden(hidden)
+        .heads(heads)
+        .intermediate(intermediate)
+        .seq(seq)
+        .vocab(vocab)
+        .dropout(dropout)
+        .batch(batch_override >= 0 ? batch_override : batch)
+        .depth(depth)
+        .width(width)
+        .calls(calls)
+        .adds(adds)
+        .variant(variant)
+        .placement(placement)
+        .device(torch::Device(device))
+        .seed(seed);
+  }
+
+  std::unique_ptr<remat::Workload> make(int64_t batch_override = -1) const {
+    if (device == "cuda") {
+      TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
+    } else {
+      remat::memory::track_cpu();
+    }
+    torch::manual_seed(seed);
+    return remat::make_workload(config(batch_override));
+  }
+};
+
+int64_t size_arg(const std::string& text, const char* flag) {
+  try {
+    return remat::parse_size(text);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(flag) + ": " + e.what());
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// bench
+
+struct BenchArgs {
+  ModelArgs model;
+  std::string strategies = "none,all,sqrt,optimal:overhead=0.5", json, csv;
+  int64_t steps = 5, warmup = 2;
+};
+
+int run_bench(const BenchArgs& a) {
+  auto w = a.model.make();
+  progress(w->description());
+  const auto rows = remat::bench(
+      *w, split(a.strategies),
+      remat::MeasureOptions().warmup(a.warmup).steps(a.steps).device(torch::Device(a.model.device)), nullptr,
+      progress);
+  const auto& none = rows.front().stats;
+  std::cout << w->description() << "\n"
+            << "base (parameters + gradients + inputs): " << remat::format_bytes(none.base_bytes) << "; "
+            << a.steps << " timed steps after " << a.warmup << " warm-up\n\n";
+  remat::cli::Table t({"strategy", "peak MiB", "kept MiB", "median ms", "peak/none", "time/none", "grads",
+                       "predicted peak MiB"});
+  for (const auto& r : rows) {
+    t.add({r.strategy, mib(r.stats.peak_bytes), mib(r.stats.after_forward_bytes), fixed(r.stats.median_ms, 1),
+           fixed(double(r.stats.peak_bytes) / double(none.peak_bytes), 3),
+           fixed(r.stats.median_ms / none.median_ms, 2),
+           r.grads_equal ? "equal" : "DIFFER " + fixed(r.max_grad_diff, 7),
+           r.plan ? mib(r.plan->predicted.peak_bytes - w->input().nbytes()) : std::string("-")});
+  }
+  t.print(std::cout);
+  std::cout << "\npeak: bytes over the base during a step; kept: alive after the forward pass; predicted: "
+               "the plan's "
+               "simulate() figure without the input\n";
+
+  nlohmann::ordered_json j;
+  j["model"] = w->description();
+  j["base_bytes"] = none.base_bytes;
+  j["rows"] = nlohmann::ordered_json::array();
+  std::ostringstream csv;
+  csv << "strategy,peak_bytes,after_forward_bytes,median_ms,peak_ratio,time_ratio,grads_equal,max_grad_diff,"
+         "predicted_peak_bytes\n";
+  for (const auto& r : rows) {
+    nlohmann::ordered_json row;
+    row["strategy"] = r.strategy;
+    row["peak_bytes"] = r.stats.peak_bytes;
+    row["after_forward_bytes"] = r.stats.after_forward_bytes;
+    row["median_ms"] = r.stats.median_ms;
+    row["step_ms"] = r.stats.step_ms;
+    row["peak_ratio"] = double(r.stats.peak_bytes) / double(none.peak_bytes);
+    row["time_ratio"] = r.stats.median_ms / none.median_ms;
+    row["grads_equal"] = r.grads_equal;
+    row["max_grad_diff"] = r.max_grad_diff;
+    if (r.plan) {
+      row["predicted_peak_bytes"] = r.plan->predicted.peak_bytes - int64_t(w->input().nbytes());
+      row["plan"] = r.plan->to_string();
+    }
+    j["rows"].push_back(row);
+    csv << r.strategy << "," << r.stats.peak_bytes << "," << r.stats.after_forward_bytes << ","
+        << r.stats.median_ms << "," << double(r.stats.peak_bytes) / double(none.peak_bytes) << ","
+        << r.stats.median_ms / none.median_ms << "," << (r.grads_equal ? 1 : 0) << "," << r.max_grad_diff
+        << "," << (r.plan ? r.plan->predicted.peak_bytes - int64_t(w->input().nbytes()) : 0) << "\n";
+  }
+  if (!a.json.empty()) write_file(a.json, j.dump(2) + "\n");
+  if (!a.csv.empty()) write_file(a.csv, csv.str());
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// profile
+
+struct ProfileArgs {
+  ModelArgs model;
+  std::string optimizer = "none", json;
+  int64_t repeats = 5;
+};
+
+int run_profile(const ProfileArgs& a) {
+  auto w = a.model.make();
+  progress("profiling " + w->description());
+  const auto options = remat::ProfileOptions().repeats(a.repeats);
+  const remat::Chain chain = remat::profile_workload(*w, &options);
+  std::cout << w->description() << "\n\n";
+  remat::cli::Table t({"stage", "fwd ms", "bwd ms", "output MiB", "saved MiB", "fwd tmp MiB", "bwd tmp MiB"});
+  const size_t shown = 40;
+  for (size_t i = 0; i < chain.stages.size(); ++i) {
+    if (chain.stages.size() > shown && i == shown / 2) {
+      t.add({"... (" + std::to_string(chain.stages.size() - shown) + " more)"});
+      i = chain.stages.size() - shown / 2;
+    }
+    const auto& s = chain.stages[i];
+    t.add({s.name, fixed(s.fwd_ms, 3), fixed(s.bwd_ms, 3), mib(s.output_bytes), mib(s.saved_bytes),
+           mib(s.fwd_tmp_bytes), mib(s.bwd_tmp_bytes)});
+  }
+  t.print(std::cout);
+
+  int64_t params = 0, trainable = 0;
+  for (const auto& p : w->module().parameters()) {
+    params += p.nbytes();
+    if (p.requires_grad()) trainable += p.nbytes();
+  }
+  const int64_t optimizer = a.optimizer == "adam"           ? 2 * trainable
+                            : a.optimizer == "sgd-momentum" ? trainable
+                                                            : 0;
+  const int64_t input = chain.input_bytes;
+  const int64_t activations = remat::no_checkpoint(chain).predicted.peak_bytes - input;
+  const int64_t least = remat::min_feasible_budget(chain) - input;
+  const int64_t per_layer = remat::checkpoint_all(chain).predicted.peak_bytes - input;
+  const int64_t total = params + trainable + optimizer + input + activations;
+  auto pct = [&](int64_t b) { return fixed(100.0 * double(b) / double(total), 1) + "%"; };
+  std::cout << "\nmemory of one training step (predicted from the profile)\n";
+  remat::cli::Table m({"part", "MiB", "share"});
+  m.add({"parameters", mib(params), pct(params)});
+  m.add({"gradients", mib(trainable), pct(trainable)});
+  m.add({"optimizer state (" + a.optimizer + ")", mib(optimizer), pct(optimizer)});
+  m.add({"inputs", mib(input), pct(input)});
+  m.add({"activations and transients, peak", mib(activations), pct(activations)});
+  m.print(std::cout);
+  const int64_t saving = activations - least;
+  std::cout << "\nverdict: checkpointing can save at most " << remat::format_bytes(saving) << " ("
+            << fixed(100.0 * double(saving) / double(total), 1)
+            << "% of the step's memory): activations go from " << remat::format_bytes(activations)
+            << " to at least " << remat::format_bytes(least) << "; checkpointing every stage alone gives "
+            << remat::format_bytes(per_layer) << ".\n";
+  const int64_t weights = params + trainable + optimizer;
+  if (weights > activations) {
+    std::cout << "the weights dominate: parameters, gradients and optimizer state are "
+              << remat::format_bytes(weights) << " (" << pct(weights)
+              << "), which checkpointing does not touch; checkpointing one layer at a time "
+              << "cannot help here. Reduce the weights instead (fewer or smaller layers, lower precision, "
+              << "sharding).\n";
+  } else {
+    std::cout
+        << "activations dominate: checkpointing is the right tool; `remat plan --budget SIZE` picks what to "
+           "checkpoint.\n";
+  }
+  if (!a.json.empty()) {
+    remat::save_chain(chain, a.json);
+    std::cout << "chain written to " << a.json << "\n";
+  }
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// plan
+
+struct PlanArgs {
+  ModelArgs model;
+  std::string chain, budget, planner = "optimal", out;
+  int64_t slots = 500;
+  bool json = false;
+};
+
+int run_plan_command(const PlanArgs& a) {
+  remat::Chain chain;
+  if (!a.chain.empty()) {
+    chain = remat::load_chain(a.chain);
+  } else {
+    auto w = a.model.make();
+    progress("profiling " + w->description());
+    chain = remat::profile_workload(*w);
+  }
+  const bool needs_budget = a.planner == "optimal" || a.planner == "revolve";
+  if (needs_budget && a.budget.empty())
+    throw std::invalid_argument("--planner " + a.planner + " needs --budget SIZE");
+  const int64_t budget = a.budget.empty() ? 0 : size_arg(a.budget, "--budget");
+  remat::PlannerOptions options;
+  options.slots = a.slots;
+  const remat::Plan plan = remat::make_plan(chain, a.planner, budget, options);
+  const remat::Plan none = remat::no_checkpoint(chain);
+  const double overhead = plan.predicted.time_ms / none.predicted.time_ms - 1;
+  if (!a.out.empty()) write_file(a.out, remat::to_json(plan) + "\n");
+  if (a.json) {
+    nlohmann::ordered_json j;
+    j["planner"] = plan.planner;
+    j["budget_bytes"] = budget;
+    j["predicted_peak_bytes"] = plan.predicted.peak_bytes;
+    j["predicted_time_ms"] = plan.predicted.time_ms;
+    j["forward_calls"] = plan.predicted.forward_calls;
+    j["ops"] = nlohmann::ordered_json::array();
+    for (const auto& op : plan.ops)
+      j["ops"].push_back(
+          op.kind == remat::OpKind::kLoss ? "L" : remat::op_name(op.kind) + std::to_string(op.stage));
+    j["num_stages"] = chain.size();
+    j["baseline_peak_bytes"] = none.predicted.peak_bytes;
+    j["baseline_time_ms"] = none.predicted.time_ms;
+    j["time_overhead"] = overhead;
+    j["min_feasible_budget_bytes"] = remat::min_feasible_budget(chain);
+    std::cout << j.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "planner " << plan.planner << " on " << chain.size() << " stages";
+  if (budget > 0) std::cout << ", budget " << remat::format_bytes(budget);
+  std::cout << "\n";
+  std::string text = plan.to_string();
+  if (text.size() > 2000)
+    text = text.substr(0, 2000) + " ... (" + std::to_string(plan.ops.size()) + " operations)";
+  std::cout << "schedule: " << text << "\n";
+  std::cout << "  Fc = forward keeping its input (a checkpoint), Fn = forward keeping nothing, Fa = forward "
+               "keeping "
+               "everything for backward, L = loss, B = backward\n";
+  std::cout << "predicted peak: " << remat::format_bytes(plan.predicted.peak_bytes)
+            << " (without checkpointing " << remat::format_bytes(none.predicted.peak_bytes)
+            << "; the least possible " << remat::format_bytes(remat::min_feasible_budget(chain)) << ")\n";
+  std::cout << "predicted time: " << fixed(plan.predicted.time_ms, 2) << " ms per step, "
+            << fixed(100 * overhead, 1) << "% over no checkpointing\n";
+  int64_t recomputed = 0;
+  for (int64_t c : plan.predicted.forward_calls)
+    recomputed += c > 1;
+  std::cout << "stages recomputed: " << recomputed << " of " << chain.size() << "\n";
+  return 0;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// max-batch, sweep, demo
+
+struct MaxBatchArgs {
+  ModelArgs model;
+  std::string budget, strategies = "none,all,sqrt,optimal";
+};
+
+int run_max_batch(const MaxBatchArgs& a) {
+  if (a.model.model == "heavy") throw std::invalid_argument("--model heavy has no batch dimension");
+  const int64_t budget = size_arg(a.budget, "--budget");
+  const auto rows =
+      remat::max_batch([&](int64_t b) { return a.model.make(b); }, budget, split(a.strategies), progress);
+  std::cout << "largest batch whose activation peak (inputs included) fits " << remat::format_bytes(budget)
+            << "\n\n";
+  remat::cli::Table t({"strategy", "batch", "predicted peak MiB", "measured peak MiB", "confirmed"});
+  for (const auto& r : rows) {
+    t.add({r.strategy, std::to_string(r.batch), mib(r.predicted_peak_bytes), mib(r.measured_peak_bytes),
+           r.batch == 0 ? "nothing fits" : (r.confirmed ? "yes" : "no")});
+  }
+  t.print(std::cout);
+  return 0;
+}
+
+struct SweepArgs {
+  ModelArgs model;
+  std::string chain, csv;
+  int64_t budgets = 20;
+};
+
+int run_sweep(const SweepArgs& a) {
+  remat::Chain chain;
+  std::string title;
+  if (!a.chain.empty()) {
+    chain = remat::load_chain(a.chain);
+    title = a.chain;
+  } else {
+    auto w = a.model.make();
+    progress("profiling " + w->description());
+    chain = remat::profile_workload(*w);
+    title = w->description();
+  }
+  progress("planning at " + std::to_string(a.budgets) + " budgets");
+  const auto points = remat::sweep(chain, a.budgets);
+  std::ostringstream csv;
+  csv << "# " << title << "\nkind,name,budget_bytes,predicted_peak_bytes,predicted_time_ms,overhead\n";
+  for (const auto& p : points) {
+    csv << p.kind << "," << p.name << "," << p.budget_bytes << "," << p.predicted_peak_bytes << ","
+        << p.predicted_time_ms << "," << p.overhead << "\n";
+  }
+  if (!a.csv.empty()) {
+    write_file(a.csv, csv.str());
+    std::cerr << "remat: trade-off curve written to " << a.csv << " (scripts/plot_tradeoff.py " << a.csv
+              << " draws it)\n";
+  }
+  remat::cli::Table t({"kind", "name", "budget MiB", "peak MiB", "time ms", "overhead"});
+  for (const auto& p : points) {
+    t.add({p.kind, p.name, p.budget_bytes ? mib(p.budget_bytes) : "-", mib(p.predicted_peak_bytes),
+           fixed(p.predicted_time_ms, 2), fixed(100 * p.overhead, 1) + "%"});
+  }
+  t.print(std::cout);
+  return 0;
+}
+
+int run_demo(const ModelArgs& model, int64_t steps) {
+  auto w = model.make();
+  progress("demo: " + w->description() + ", " + std::to_string(steps) + " timed steps each");
+  const auto rows = remat::bench(
+      *w, {"none", "all"}, remat::MeasureOptions().warmup(1).steps(steps).device(torch::Device(model.device)),
+      nullptr, progress);
+  std::cout << "The gradient checkpointing experiment of a BERT encoder, scaled to this machine\n"
+            << w->description() << "\n\n";
+  remat::cli::Table t({"", "before backward MiB", "after backward MiB", "peak MiB", "activations MiB",
+                       "median step ms", "time vs none", "gradients"});
+  const char* names[] = {"without checkpointing", "gradient_checkpointing_enable()"};
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto& s = rows[i].stats;
+    t.add({names[i], mib(s.base_bytes + s.after_forward_bytes), mib(s.base_bytes + s.after_backward_bytes),
+           mib(s.base_bytes + s.peak_bytes), mib(s.peak_bytes), fixed(s.median_ms, 1),
+           fixed(s.median_ms / rows[0].stats.median_ms, 2),
+           i == 0 ? "-" : (rows[i].grads_equal ? "equal" : "DIFFER")});
+  }
+  t.print(std::cout);
+  const double cut = 1.0 - double(rows[1].stats.peak_bytes) / double(rows[0].stats.peak_bytes);
+  std::cout
+      << "\nper-layer checkpointing cuts peak activation memory by " << fixed(100 * cut, 1) << "% for "
+      << fixed(100 * (rows[1].stats.median_ms / rows[0].stats.median_ms - 1), 1) << "% more step time.\n"
+      << "Memory is remat's exact meter: before/after backward and peak include parameters, gradients and "
+         "inputs ("
+      << remat::format_bytes(rows[0].stats.base_bytes) << "); activations are the peak above them.\n";
   return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Debian's LibTorch runs one thread unless OMP_NUM_THREADS says otherwise: use every core by default.
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) {
+    at::set_num_threads(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  }
   CLI::App app{"remat: gradient checkpointing for LibTorch, measured"};
   app.require_subcommand(1);
 
-  auto* demo = app.add_subcommand("demo",
-                                  "Train a few steps of a 12-layer model without and with per-layer "
-                                  "checkpointing; print peak activation memory and step time");
-  int64_t layers = 12, width = 256, batch = 256, steps = 5;
-  demo->add_option("--layers", layers, "number of residual blocks")->check(CLI::Range(1, 100000));
-  demo->add_option("--width", width, "features per block")->check(CLI::Range(1, 1 << 20));
-  demo->add_option("--batch", batch, "rows per batch")->check(CLI::Range(1, 1 << 24));
-  demo->add_option("--steps", steps, "timed steps per strategy")->check(CLI::Range(1, 10000));
+  BenchArgs bench;
+  auto* bench_cmd = app.add_subcommand(
+      "bench", "Train a model under checkpointing strategies: peak memory, step time, gradients");
+  bench.model.add(bench_cmd);
+  bench_cmd
+      ->add_option(
+          "--strategy", bench.strategies,
+          "comma-separated: none, all, all-reentrant, plan-all, sqrt, uniform:K, revolve:S, optimal:SIZE, "
+          "optimal:as=P, optimal:overhead=F")
+      ->capture_default_str();
+  bench_cmd->add_option("--steps", bench.steps, "timed steps (median reported)")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  bench_cmd->add_option("--warmup", bench.warmup, "untimed steps first")
+      ->check(CLI::Range(0, 100000))
+      ->capture_default_str();
+  bench_cmd->add_option("--json", bench.json, "also write the results as JSON to this file");
+  bench_cmd->add_option("--csv", bench.csv, "also write the results as CSV to this file");
+
+  ProfileArgs profile;
+  auto* profile_cmd =
+      app.add_subcommand("profile", "Measure a model as a chain of stages; say what checkpointing can save");
+  profile.model.add(profile_cmd);
+  profile_cmd
+      ->add_option("--optimizer", profile.optimizer, "count optimizer state: none, sgd-momentum or adam")
+      ->check(CLI::IsMember({"none", "sgd-momentum", "adam"}))
+      ->capture_default_str();
+  profile_cmd->add_option("--repeats", profile.repeats, "timed runs per stage")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  profile_cmd->add_option("--json", profile.json, "write the chain (docs/chain-format.md) to this file");
+
+  PlanArgs plan;
+  auto* plan_cmd =
+      app.add_subcommand("plan", "The schedule for a memory budget, its predicted peak and time");
+  plan.model.add(plan_cmd);
+  plan_cmd->add_option("--chain", plan.chain,
+                       "read the chain from this JSON file instead of profiling --model");
+  plan_cmd->add_option("--budget", plan.budget,
+                       "memory budget: bytes, or with a unit (512MiB, 1.5GiB, 300MB)");
+  plan_cmd->add_option("--planner", plan.planner, "optimal, revolve, revolve:S, sqrt, uniform:K, all or none")
+      ->capture_default_str();
+  plan_cmd->add_option("--slots", plan.slots, "optimal: memory discretisation")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  plan_cmd->add_flag("--json", plan.json, "print one JSON object");
+  plan_cmd->add_option("--out", plan.out, "also write the plan (remat::to_json) to this file");
+
+  MaxBatchArgs maxb;
+  auto* maxb_cmd = app.add_subcommand("max-batch", "The largest batch that fits a budget, per strategy");
+  maxb.model.add(maxb_cmd);
+  maxb_cmd->add_option("--budget", maxb.budget, "activation memory budget (inputs included)")->required();
+  maxb_cmd->add_option("--strategy", maxb.strategies, "comma-separated: none, all, sqrt, uniform:K, optimal")
+      ->capture_default_str();
+
+  SweepArgs sw;
+  auto* sweep_cmd = app.add_subcommand(
+      "sweep", "The optimal planner's memory/time trade-off over budgets, baselines as points");
+  sw.model.add(sweep_cmd);
+  sweep_cmd->add_option("--chain", sw.chain,
+                        "read the chain from this JSON file instead of profiling --model");
+  sweep_cmd->add_option("--budgets", sw.budgets, "budgets from the minimum to no checkpointing")
+      ->check(CLI::Range(2, 10000))
+      ->capture_default_str();
+  sweep_cmd->add_option("--csv", sw.csv, "write the curve as CSV to this file");
+
+  ModelArgs demo;
+  int64_t demo_steps = 3;
+  auto* demo_cmd =
+      app.add_subcommand("demo", "BERT with and without gradient_checkpointing_enable(): memory and time");
+  demo.model = "bert";
+  demo.add(demo_cmd);
+  demo_cmd->add_option("--steps", demo_steps, "timed steps per setting")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
 
   try {
     app.parse(argc, argv);
@@ -74,12 +547,19 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    if (*demo) return run_demo(layers, width, batch, steps);
+    if (*bench_cmd) return run_bench(bench);
+    if (*profile_cmd) return run_profile(profile);
+    if (*plan_cmd) return run_plan_command(plan);
+    if (*maxb_cmd) return run_max_batch(maxb);
+    if (*sweep_cmd) return run_sweep(sw);
+    if (*demo_cmd) return run_demo(demo, demo_steps);
   } catch (const c10::Error& e) {
-    std::cerr << "remat: " << e.what_without_backtrace() << "\n";
+    std::string msg = e.what_without_backtrace();
+    std::cerr << "remat: " << msg.substr(0, msg.find('\n')) << "\n";
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "remat: " << e.what() << "\n";
+    std::string msg = e.what();
+    std::cerr << "remat: " << msg.substr(0, msg.find('\n')) << "\n";
     return 1;
   }
   return 0;

@@ -1,0 +1,145 @@
+#pragma once
+/// \file
+/// Benchmarks: a model, its input and loss (a Workload), trained under checkpointing strategies and measured
+/// with the exact meter. The remat command line is a thin layer over this header.
+///
+///   remat::memory::track_cpu();
+///   auto w = remat::make_workload(remat::WorkloadConfig().model("bert").layers(12).seq(128).batch(8));
+///   auto rows = remat::bench(*w, {"none", "all", "sqrt", "optimal:overhead=0.5"});
+///   for (auto& r : rows) std::cout << r.strategy << " " << r.stats.peak_bytes << "\n";
+///
+/// Strategies:
+/// - "none": no checkpointing.
+/// - "all": per-layer checkpointing through the model's gradient_checkpointing_enable() (kNonReentrant);
+///   "all-reentrant": the same in kReentrant mode.
+/// - "uniform:K" (checkpoint_sequential with K segments), "sqrt", "revolve:S", "plan-all" (every stage a
+///   checkpoint, through the executor): plans over the model's stages, run by the plan executor.
+/// - "optimal:SIZE" (a budget such as 300MiB), "optimal:as=P" (the budget P's plan predicts, e.g.
+/// as=uniform:4),
+///   "optimal:overhead=F" (the least memory whose predicted time overhead is at most F times that of "all").
+
+#include <remat/chain.h>
+#include <remat/measure.h>
+#include <remat/plan.h>
+#include <remat/profile.h>
+#include <remat/sequential.h>
+#include <torch/arg.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// Which model to build, and its size.
+struct WorkloadConfig {
+  /// "bert", "cifar", "heavy", "forum-cnn" or "mlp".
+  TORCH_ARG(std::string, model) = "bert";
+  /// bert: encoder layers, hidden size, heads, feed-forward size, sequence length, vocabulary, dropout.
+  TORCH_ARG(int64_t, layers) = 12;
+  TORCH_ARG(int64_t, hidden) = 768;
+  TORCH_ARG(int64_t, heads) = 12;
+  TORCH_ARG(int64_t, intermediate) = 3072;
+  TORCH_ARG(int64_t, seq) = 128;
+  TORCH_ARG(int64_t, vocab) = 30522;
+  TORCH_ARG(double, dropout) = 0.1;
+  /// Rows (bert: sequences) per batch; 0 means the model's default (bert 8, mlp 64, cifar 64, forum-cnn 100).
+  TORCH_ARG(int64_t, batch) = 0;
+  /// mlp: blocks and width.
+  TORCH_ARG(int64_t, depth) = 16;
+  TORCH_ARG(int64_t, width) = 1024;
+  /// heavy: calls of the function and additions per call.
+  TORCH_ARG(int64_t, calls) = 1000;
+  TORCH_ARG(int64_t, adds) = 100;
+  /// forum-cnn: "small" or "full", and the checkpoint placement.
+  TORCH_ARG(std::string, variant) = "small";
+  TORCH_ARG(std::string, placement) = "each-op";
+  TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// Seed of the weights and inputs.
+  TORCH_ARG(uint64_t, seed) = 0;
+};
+
+/// A model ready to train under strategies.
+class Workload {
+ public:
+  virtual ~Workload() = default;
+  /// "bert 12x768 (12 heads, ffn 3072), seq 128, batch 8" and the like.
+  virtual std::string description() const = 0;
+  virtual torch::nn::Module& module() = 0;
+  /// The input of the model's chain of stages (token ids for bert).
+  virtual torch::Tensor input() const = 0;
+  /// The model as a chain of stages (embeddings and layers, blocks, calls...).
+  virtual std::vector<StageFn> stages() = 0;
+  /// Turns per-layer checkpointing (the model's gradient_checkpointing_enable) on with `options`, or off.
+  virtual void set_per_layer(std::optional<CheckpointOptions> options) = 0;
+  /// The model's output with the current setting (plain or per-layer).
+  virtual torch::Tensor forward() = 0;
+  /// The loss of an output: mean of its squares (in float).
+  static torch::Tensor loss_of(const torch::Tensor& output);
+};
+
+/// Builds the workload. Throws c10::Error naming the field and value for an unknown model or a bad size.
+std::unique_ptr<Workload> make_workload(const WorkloadConfig& config);
+
+/// One measured strategy.
+struct BenchRow {
+  std::string strategy;
+  StepStats stats;           ///< measured (bytes over parameters + gradients + inputs)
+  double max_grad_diff = 0;  ///< largest |grad - grad of "none"| over all parameters
+  bool grads_equal = true;   ///< max_grad_diff <= 1e-5 * (1 + largest |grad of "none"|)
+  std::optional<Plan> plan;  ///< for plan strategies: the plan and its prediction
+};
+
+/// Progress messages (for stderr).
+using Progress = std::function<void(const std::string&)>;
+
+/// Resolves a plan strategy against a chain (see the top of this file). Returns nullopt for "none", "all" and
+/// "all-reentrant". Throws c10::Error naming the strategy when it is unknown or malformed, and what the
+/// planners throw (InfeasibleBudget for a budget below the minimum).
+std::optional<Plan> plan_for(const std::string& strategy, const Chain& chain);
+
+/// Measures every strategy (and "none" first, as the reference, if it is not listed): median step time and
+/// peak bytes with MeasureOptions, then one more step under a fixed seed to compare gradients with "none".
+/// Plan strategies profile the model once. Throws what plan_for and the steps throw.
+std::vector<BenchRow> bench(Workload& workload, const std::vector<std::string>& strategies,
+                            const MeasureOptions& measure = {}, const ProfileOptions* profile = nullptr,
+                            const Progress& progress = {});
+
+/// The workload's chain, profiled (ProfileOptions defaults when null).
+Chain profile_workload(Workload& workload, const ProfileOptions* profile = nullptr);
+
+/// One point of a trade-off curve.
+struct SweepPoint {
+  std::string kind;  ///< "optimal" or "baseline"
+  std::string name;  ///< the planner
+  int64_t budget_bytes = 0;
+  int64_t predicted_peak_bytes = 0;
+  double predicted_time_ms = 0;
+  double overhead = 0;  ///< predicted time / predicted time without checkpointing - 1
+};
+
+/// The optimal planner at `budgets` budgets spread evenly from the chain's minimum to the peak without
+/// checkpointing, and the baselines (none, all, sqrt, uniform:2..8) as points. Predictions only.
+/// Throws c10::Error when budgets < 2.
+std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets);
+
+/// The largest batch that fits a memory budget under a strategy.
+struct MaxBatch {
+  std::string strategy;
+  int64_t batch = 0;                 ///< 0 when not even batch 1 fits
+  int64_t predicted_peak_bytes = 0;  ///< at that batch, from the scaled profile
+  int64_t measured_peak_bytes = 0;   ///< one real step at that batch (bytes over the base)
+  bool confirmed = false;            ///< measured <= budget
+};
+
+/// Profiles the workload at two batch sizes, scales the chain linearly in the batch, finds the largest batch
+/// whose predicted peak fits `budget_bytes` for each strategy ("none", "all", "sqrt", "uniform:K",
+/// "optimal"), and confirms it with one real step (stepping the batch down while the step does not fit).
+/// `make` builds the workload for a batch. Throws c10::Error for an unknown strategy.
+std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(int64_t)>& make,
+                                int64_t budget_bytes, const std::vector<std::string>& strategies,
+                                const Progress& progress = {});
+
+}  // namespace remat

@@ -1,0 +1,552 @@
+#include "remat/bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "remat/memory.h"
+#include "remat/models.h"
+#include "remat/planner.h"
+#include "remat/profile.h"
+#include "remat/units.h"
+
+namespace remat {
+namespace {
+
+constexpr const char* kWho = "remat::bench";
+
+int64_t batch_or(const WorkloadConfig& c, int64_t fallback) {
+  return c.batch() > 0 ? c.batch() : fallback;
+}
+
+// --------------------------------------------------------------------------------------------------------------
+// Workloads
+
+class BertWorkload final : public Workload {
+ public:
+  explicit BertWorkload(const WorkloadConfig& c) : c_(c), batch_(batch_or(c, 8)) {
+    models::BertConfig config = models::BertConfig()
+                                    .vocab_size(c.vocab())
+                                    .hidden_size(c.hidden())
+                                    .num_hidden_layers(c.layers())
+                                    .num_attention_heads(c.heads())
+                                    .intermediate_size(c.intermediate())
+                                    .max_position_embeddings(std::max<int64_t>(512, c.seq()))
+                                    .hidden_dropout_prob(c.dropout())
+                                    .attention_probs_dropout_prob(c.dropout());
+    model_ = models::BertModel(config);
+    model_->to(c.device());
+    ids_ = torch::randint(0, c.vocab(), {batch_, c.seq()},
+                          torch::TensorOptions().device(c.device()).dtype(torch::kLong));
+    mask_ = torch::ones({batch_, c.seq()}, torch::TensorOptions().device(c.device()));
+    types_ = torch::zeros({batch_, c.seq()}, torch::TensorOptions().device(c.device()).dtype(torch::kLong));
+  }
+  std::string description() const override {
+    std::ostringstream os;
+    os << "bert " << c_.layers() << " layers x " << c_.hidden() << " (" << c_.heads() << " heads, ffn "
+       << c_.intermediate() << "), seq " << c_.seq() << ", batch " << batch_ << ", dropout " << c_.dropout();
+    return os.str();
+  }
+  torch::nn::Module& module() override { return *model_; }
+  torch::Tensor input() const override { return ids_; }
+  std::vector<StageFn> stages() override { return model_->stages(ids_, mask_, types_); }
+  void set_per_layer(std::optional<CheckpointOptions> o) override {
+    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
+  }
+  torch::Tensor forward() override { return model_->forward(ids_, mask_, types_); }
+
+ private:
+  WorkloadConfig c_;
+  int64_t batch_;
+  models::BertModel model_{nullptr};
+  torch::Tensor ids_, mask_, types_;
+};
+
+class MlpWorkload final : public Workload {
+ public:
+  explicit MlpWorkload(const WorkloadConfig& c) : c_(c), batch_(batch_or(c, 64)) {
+    model_ = models::ResidualMlp(models::ResidualMlpOptions().depth(c.depth()).width(c.width()));
+    model_->to(c.device());
+    // The input requires grad, as in bench/pytorch_reference.py (whose reentrant baseline needs it).
+    x_ = torch::randn({batch_, c.width()}, torch::TensorOptions().device(c.device()).requires_grad(true));
+  }
+  std::string description() const override {
+    std::ostringstream os;
+    os << "mlp " << c_.depth() << " residual blocks x " << c_.width() << " (hidden " << 4 * c_.width()
+       << "), batch " << batch_;
+    return os.str();
+  }
+  torch::nn::Module& module() override { return *model_; }
+  torch::Tensor input() const override { return x_; }
+  std::vector<StageFn> stages() override { return stages_of(model_->blocks()); }
+  void set_per_layer(std::optional<CheckpointOptions> o) override {
+    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
+  }
+  torch::Tensor forward() override { return model_->forward(x_); }
+
+ private:
+  WorkloadConfig c_;
+  int64_t batch_;
+  models::ResidualMlp model_{nullptr};
+  torch::Tensor x_;
+};
+
+class CifarWorkload final : public Workload {
+ public:
+  explicit CifarWorkload(const WorkloadConfig& c) : batch_(batch_or(c, 64)) {
+    model_->to(c.device());
+    x_ = torch::randn({batch_, 3, 32, 32}, torch::TensorOptions().device(c.device()));
+  }
+  std::string description() const override { return "cifar (CifarNet), batch " + std::to_string(batch_); }
+  torch::nn::Module& module() override { return *model_; }
+  torch::Tensor input() const override { return x_; }
+  std::vector<StageFn> stages() override {
+    auto m = model_;
+    return {
+        {"cnn_block_1",
+         [m](const torch::Tensor& x) mutable { return m->dropout_1(m->cnn_block_1->forward(x)); },
+         m->cnn_block_1.ptr()},
+        {"cnn_block_2", [m](const torch::Tensor& x) mutable { return m->cnn_block_2->forward(x); },
+         m->cnn_block_2.ptr()},
+        {"linearize",
+         [m](const torch::Tensor& x) mutable {
+           return m->dropout_3(m->linearize->forward(torch::flatten(m->dropout_2(x), 1)));
+         },
+         m->linearize.ptr()},
+        {"out", [m](const torch::Tensor& x) mutable { return m->out(x); }, m->out.ptr()},
+    };
+  }
+  void set_per_layer(std::optional<CheckpointOptions> o) override {
+    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
+  }
+  torch::Tensor forward() override { return model_->forward(x_); }
+
+ private:
+  int64_t batch_;
+  models::CifarNet model_;
+  torch::Tensor x_;
+};
+
+class HeavyWorkload final : public Workload {
+ public:
+  explicit HeavyWorkload(const WorkloadConfig& c)
+      : c_(c), model_(models::HeavyChainOptions().calls(c.calls()).adds(c.adds())) {
+    model_->to(c.device());
+    x_ = torch::zeros({}, torch::TensorOptions().device(c.device()).requires_grad(true));
+  }
+  std::string description() const override {
+    return "heavy: " + std::to_string(c_.calls()) + " calls of " + std::to_string(c_.adds()) + " additions";
+  }
+  torch::nn::Module& module() override { return *model_; }
+  torch::Tensor input() const override { return x_; }
+  std::vector<StageFn> stages() override {
+    std::vector<StageFn> out;
+    const torch::Tensor a = model_->a;
+    const int64_t adds = c_.adds();
+    for (int64_t i = 0; i < c_.calls(); ++i) {
+      out.push_back({"call" + std::to_string(i),
+                     [a, adds](const torch::Tensor& x) { return models::heavy_function(x, a, adds); },
+                     model_.ptr()});  // every call uses the parameter
+    }
+    return out;
+  }
+  void set_per_layer(std::optional<CheckpointOptions> o) override {
+    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
+  }
+  torch::Tensor forward() override { return model_->forward(x_); }
+
+ private:
+  WorkloadConfig c_;
+  models::HeavyChain model_;
+  torch::Tensor x_;
+};
+
+class ForumWorkload final : public Workload {
+ public:
+  explicit ForumWorkload(const WorkloadConfig& c)
+      : c_(c),
+        batch_(batch_or(c, 100)),
+        model_(models::ForumCnnOptions().variant(c.variant()).placement(c.placement())) {
+    model_->to(c.device());
+    auto shape = model_->sample_shape();
+    shape.insert(shape.begin(), batch_);
+    x_ = torch::randn(shape, torch::TensorOptions().device(c.device()));
+  }
+  std::string description() const override {
+    return "forum-cnn " + c_.variant() + " (placement " + c_.placement() + "), batch " +
+           std::to_string(batch_);
+  }
+  torch::nn::Module& module() override { return *model_; }
+  torch::Tensor input() const override { return x_; }
+  std::vector<StageFn> stages() override {
+    auto m = model_;
+    const bool full = c_.variant() == "full";
+    return {
+        {"conv1+relu", [m](const torch::Tensor& x) mutable { return torch::relu(m->conv1(x)); },
+         m->conv1.ptr()},
+        {"conv2+relu", [m](const torch::Tensor& x) mutable { return torch::relu(m->conv2(x)); },
+         m->conv2.ptr()},
+        {"conv3+relu", [m](const torch::Tensor& x) mutable { return torch::relu(m->conv3(x)); },
+         m->conv3.ptr()},
+        {full ? "heads" : "fc1",
+         [m, full](const torch::Tensor& x) mutable {
+           auto f = torch::flatten(x, 1);
+           if (!full) return m->heads[0](f);
+           return torch::cat({torch::sigmoid(m->heads[0](f)), m->heads[1](f), m->heads[2](f)}, 1);
+         },
+         m.ptr()},  // the heads' parameters (and the convolutions', unused here)
+    };
+  }
+  void set_per_layer(std::optional<CheckpointOptions> o) override {
+    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
+  }
+  torch::Tensor forward() override { return model_->forward(x_); }
+
+ private:
+  WorkloadConfig c_;
+  int64_t batch_;
+  models::ForumCnn model_;
+  torch::Tensor x_;
+};
+
+// The loss of a step under a strategy.
+struct Runner {
+  Workload& w;
+  std::optional<Plan> plan;
+  std::vector<StageFn> stages;
+  torch::Tensor step_loss() {
+    return Workload::loss_of(plan ? run_plan(stages, *plan, w.input()) : w.forward());
+  }
+};
+
+void configure(Workload& w, const std::string& strategy, const std::optional<Plan>& plan) {
+  if (plan || strategy == "none") {
+    w.set_per_layer(std::nullopt);
+  } else if (strategy == "all") {
+    w.set_per_layer(CheckpointOptions());
+  } else if (strategy == "all-reentrant") {
+    w.set_per_layer(CheckpointOptions().mode(CheckpointMode::kReentrant));
+  }
+}
+
+std::vector<torch::Tensor> grads_after_step(Workload& w, Runner& r, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : w.module().parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+  torch::manual_seed(seed);
+  {
+    at::AutoGradMode grad(true);
+    r.step_loss().backward();
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : w.module().parameters())
+    out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  return out;
+}
+
+int64_t parse_int(const std::string& text, const std::string& strategy) {
+  size_t used = 0;
+  int64_t v = 0;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::logic_error&) {
+    used = 0;
+  }
+  TORCH_CHECK(!text.empty() && used == text.size(), kWho, ": strategy '", strategy,
+              "' needs a whole number, got '", text, "'");
+  return v;
+}
+
+}  // namespace
+
+torch::Tensor Workload::loss_of(const torch::Tensor& output) {
+  return output.to(torch::kFloat).pow(2).mean();
+}
+
+std::unique_ptr<Workload> make_workload(const WorkloadConfig& c) {
+  const std::string& m = c.model();
+  TORCH_CHECK(c.batch() >= 0, "remat::make_workload: batch must be >= 0, got ", c.batch());
+  if (m == "bert") return std::make_unique<BertWorkload>(c);
+  if (m == "mlp") return std::make_unique<MlpWorkload>(c);
+  if (m == "cifar") return std::make_unique<CifarWorkload>(c);
+  if (m == "heavy") return std::make_unique<HeavyWorkload>(c);
+  if (m == "forum-cnn") return std::make_unique<ForumWorkload>(c);
+  TORCH_CHECK(false, "remat::make_workload: unknown model '", m, "' (bert, cifar, heavy, forum-cnn, mlp)");
+}
+
+std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
+  if (s == "none" || s == "all" || s == "all-reentrant") return std::nullopt;
+  try {
+    if (s == "plan-all") return checkpoint_all(chain);
+    if (s == "sqrt") return sqrt_n(chain);
+    if (s.rfind("uniform:", 0) == 0) return uniform(chain, parse_int(s.substr(8), s));
+    if (s.rfind("revolve:", 0) == 0) return revolve(chain, parse_int(s.substr(8), s));
+    if (s.rfind("optimal:", 0) == 0) {
+      const std::string arg = s.substr(8);
+      if (arg.rfind("as=", 0) == 0) {
+        const auto base = plan_for(arg.substr(3), chain);
+        TORCH_CHECK(base, kWho, ": '", s,
+                    "' needs a plan strategy after as= (uniform:K, sqrt, plan-all, ...)");
+        Plan p = optimal(chain, base->predicted.peak_bytes);
+        p.planner = s;
+        return p;
+      }
+      if (arg.rfind("overhead=", 0) == 0) {
+        double f = 0;
+        try {
+          f = std::stod(arg.substr(9));
+        } catch (const std::logic_error&) {
+          f = -1;
+        }
+        TORCH_CHECK(f >= 0, kWho, ": '", s, "' needs a non-negative number after overhead=");
+        const Plan none = no_checkpoint(chain), all = checkpoint_all(chain);
+        const double target = none.predicted.time_ms + f * (all.predicted.time_ms - none.predicted.time_ms);
+        int64_t lo = min_feasible_budget(chain), hi = none.predicted.peak_bytes;
+        if (optimal(chain, lo).predicted.time_ms > target) {
+          while (hi - lo > std::max<int64_t>(1, hi / 2000)) {
+            const int64_t mid = lo + (hi - lo) / 2;
+            (optimal(chain, mid).predicted.time_ms <= target ? hi : lo) = mid;
+          }
+        } else {
+          hi = lo;
+        }
+        Plan p = optimal(chain, hi);
+        p.planner = s;
+        return p;
+      }
+      Plan p = optimal(chain, parse_size(arg));
+      p.planner = s;
+      return p;
+    }
+  } catch (const InfeasibleBudget&) {
+    throw;
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, kWho, ": strategy '", s, "': ", e.what());
+  }
+  TORCH_CHECK(
+      false, kWho, ": unknown strategy '", s,
+      "' (none, all, all-reentrant, plan-all, sqrt, uniform:K, revolve:S, optimal:SIZE, optimal:as=P, "
+      "optimal:overhead=F)");
+}
+
+Chain profile_workload(Workload& w, const ProfileOptions* profile) {
+  w.set_per_layer(std::nullopt);
+  return profile_chain(w.stages(), w.input(), profile ? *profile : ProfileOptions());
+}
+
+std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strategies,
+                            const MeasureOptions& measure, const ProfileOptions* profile,
+                            const Progress& progress) {
+  TORCH_CHECK(!strategies.empty(), kWho, ": no strategies");
+  std::vector<std::string> order = strategies;
+  if (std::find(order.begin(), order.end(), "none") == order.end()) order.insert(order.begin(), "none");
+  std::stable_partition(order.begin(), order.end(), [](const std::string& s) { return s == "none"; });
+
+  std::optional<Chain> chain;
+  std::vector<std::optional<Plan>> plans;
+  for (const auto& s : order) {
+    const bool needs_chain = !(s == "none" || s == "all" || s == "all-reentrant");
+    if (needs_chain && !chain) {
+      if (progress) progress("profiling " + w.description());
+      chain = profile_workload(w, profile);
+    }
+    plans.push_back(needs_chain ? plan_for(s, *chain) : std::nullopt);
+  }
+
+  // Steps of the strategies are interleaved (one step of each in turn), so that a shared machine's drift
+  // affects every strategy alike and the ratios to "none" hold.
+  std::vector<BenchRow> rows(order.size());
+  std::vector<Runner> runners;
+  for (size_t k = 0; k < order.size(); ++k) {
+    rows[k].strategy = order[k];
+    rows[k].plan = plans[k];
+    runners.push_back(Runner{w, plans[k], plans[k] ? w.stages() : std::vector<StageFn>{}});
+  }
+  auto one_step = [&](size_t k, const MeasureOptions& m) {
+    configure(w, order[k], plans[k]);
+    return measure_step(
+        w.module(), [&] { return runners[k].step_loss(); }, m);
+  };
+  {
+    // Gradients exist after a first step; allocate them now so that no measured step counts them.
+    torch::NoGradGuard no_grad;
+    for (auto& p : w.module().parameters()) {
+      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  }
+  if (progress) progress("warming up " + std::to_string(order.size()) + " strategies");
+  for (size_t k = 0; k < order.size(); ++k) {
+    if (measure.warmup() > 0) one_step(k, MeasureOptions(measure).steps(measure.warmup()).warmup(0));
+  }
+  for (int64_t i = 0; i < measure.steps(); ++i) {
+    if (progress)
+      progress("step " + std::to_string(i + 1) + "/" + std::to_string(measure.steps()) +
+               " of every strategy");
+    for (size_t k = 0; k < order.size(); ++k) {
+      const StepStats s = one_step(k, MeasureOptions(measure).steps(1).warmup(0));
+      StepStats& acc = rows[k].stats;
+      acc.base_bytes = s.base_bytes;
+      acc.peak_bytes = std::max(acc.peak_bytes, s.peak_bytes);
+      acc.after_forward_bytes = std::max(acc.after_forward_bytes, s.after_forward_bytes);
+      acc.after_backward_bytes = s.after_backward_bytes;
+      acc.step_ms.push_back(s.median_ms);
+    }
+  }
+  for (auto& r : rows)
+    r.stats.median_ms = median(r.stats.step_ms);
+
+  if (progress) progress("comparing gradients with 'none'");
+  std::vector<torch::Tensor> reference;
+  const uint64_t seed = 1234;
+  for (size_t k = 0; k < order.size(); ++k) {
+    configure(w, order[k], plans[k]);
+    auto grads = grads_after_step(w, runners[k], seed);
+    BenchRow& row = rows[k];
+    if (k == 0) {
+      reference = grads;
+      continue;
+    }
+    double scale = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (!reference[i].defined() || !grads[i].defined()) {
+        if (reference[i].defined() != grads[i].defined()) row.max_grad_diff = INFINITY;
+        continue;
+      }
+      scale = std::max(scale, reference[i].abs().max().item<double>());
+      row.max_grad_diff = std::max(
+          row.max_grad_diff,
+          (grads[i].to(torch::kDouble) - reference[i].to(torch::kDouble)).abs().max().item<double>());
+    }
+    row.grads_equal = row.max_grad_diff <= 1e-5 * (1 + scale);
+  }
+  w.set_per_layer(std::nullopt);
+  return rows;
+}
+
+std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets) {
+  TORCH_CHECK(budgets >= 2, "remat::sweep: budgets must be >= 2, got ", budgets);
+  const Plan none = no_checkpoint(chain);
+  const double base_ms = none.predicted.time_ms;
+  auto point = [&](const std::string& kind, const Plan& p, int64_t budget) {
+    return SweepPoint{kind,
+                      p.planner,
+                      budget,
+                      p.predicted.peak_bytes,
+                      p.predicted.time_ms,
+                      base_ms > 0 ? p.predicted.time_ms / base_ms - 1 : 0};
+  };
+  std::vector<SweepPoint> out;
+  const int64_t lo = min_feasible_budget(chain), hi = none.predicted.peak_bytes;
+  for (int64_t i = 0; i < budgets; ++i) {
+    const int64_t budget =
+        lo + static_cast<int64_t>(std::llround(double(hi - lo) * double(i) / double(budgets - 1)));
+    out.push_back(point("optimal", optimal(chain, budget), budget));
+  }
+  out.push_back(point("baseline", none, 0));
+  out.push_back(point("baseline", checkpoint_all(chain), 0));
+  out.push_back(point("baseline", sqrt_n(chain), 0));
+  for (int64_t k = 2; k <= std::min<int64_t>(8, chain.size()); ++k)
+    out.push_back(point("baseline", uniform(chain, k), 0));
+  return out;
+}
+
+// --------------------------------------------------------------------------------------------------------------
+
+namespace {
+
+Chain scale_chain(const Chain& a, int64_t batch_a, const Chain& b, int64_t batch_b, int64_t batch) {
+  auto lerp = [&](double va, double vb) {
+    return va + (vb - va) * double(batch - batch_a) / double(batch_b - batch_a);
+  };
+  auto bytes = [&](int64_t va, int64_t vb) {
+    return std::max<int64_t>(0, std::llround(lerp(double(va), double(vb))));
+  };
+  Chain c = a;
+  c.input_bytes = bytes(a.input_bytes, b.input_bytes);
+  for (size_t i = 0; i < c.stages.size(); ++i) {
+    Stage& s = c.stages[i];
+    const Stage& sa = a.stages[i];
+    const Stage& sb = b.stages[i];
+    s.fwd_ms = std::max(0.0, lerp(sa.fwd_ms, sb.fwd_ms));
+    s.bwd_ms = std::max(0.0, lerp(sa.bwd_ms, sb.bwd_ms));
+    s.output_bytes = bytes(sa.output_bytes, sb.output_bytes);
+    s.saved_bytes = std::max(s.output_bytes, bytes(sa.saved_bytes, sb.saved_bytes));
+    s.fwd_tmp_bytes = bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
+    s.bwd_tmp_bytes = bytes(sa.bwd_tmp_bytes, sb.bwd_tmp_bytes);
+  }
+  return c;
+}
+
+// The peak a strategy predicts on a chain; "optimal" is the least memory of any schedule.
+int64_t predicted_peak(const std::string& s, const Chain& chain) {
+  if (s == "optimal") return min_feasible_budget(chain);
+  if (s == "none") return no_checkpoint(chain).predicted.peak_bytes;
+  if (s == "all") return checkpoint_all(chain).predicted.peak_bytes;
+  auto p = plan_for(s, chain);
+  TORCH_CHECK(p, "remat::max_batch: unknown strategy '", s, "' (none, all, sqrt, uniform:K, optimal)");
+  return p->predicted.peak_bytes;
+}
+
+Plan plan_at(const std::string& s, const Chain& chain, int64_t budget) {
+  if (s == "optimal") return optimal(chain, budget);
+  if (s == "none") return no_checkpoint(chain);
+  if (s == "all") return checkpoint_all(chain);
+  return *plan_for(s, chain);
+}
+
+}  // namespace
+
+std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(int64_t)>& make, int64_t budget,
+                                const std::vector<std::string>& strategies, const Progress& progress) {
+  TORCH_CHECK(budget > 0, "remat::max_batch: the budget must be > 0 bytes, got ", budget);
+  constexpr int64_t b1 = 2, b2 = 4;
+  if (progress) progress("profiling at batch " + std::to_string(b1) + " and " + std::to_string(b2));
+  Chain c1, c2;
+  {
+    auto w = make(b1);
+    c1 = profile_workload(*w);
+  }
+  {
+    auto w = make(b2);
+    c2 = profile_workload(*w);
+  }
+  TORCH_CHECK(c2.input_bytes > c1.input_bytes,
+              "remat::max_batch: the model's input does not grow with the batch");
+  std::vector<MaxBatch> out;
+  for (const auto& s : strategies) {
+    MaxBatch r;
+    r.strategy = s;
+    auto fits = [&](int64_t b) { return predicted_peak(s, scale_chain(c1, b1, c2, b2, b)) <= budget; };
+    if (fits(1)) {
+      int64_t lo = 1, hi = 2;
+      while (fits(hi) && hi < (int64_t{1} << 24))
+        lo = hi, hi *= 2;
+      while (hi - lo > 1) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        (fits(mid) ? lo : hi) = mid;
+      }
+      r.batch = lo;
+    }
+    // Confirm with a real step, stepping down while it does not fit.
+    for (int attempt = 0; attempt < 6 && r.batch > 0; ++attempt) {
+      const Chain chain = scale_chain(c1, b1, c2, b2, r.batch);
+      r.predicted_peak_bytes = predicted_peak(s, chain);
+      if (progress) progress("'" + s + "': confirming batch " + std::to_string(r.batch));
+      auto w = make(r.batch);
+      const Plan plan = plan_at(s, chain, budget);
+      Runner runner{*w, plan, w->stages()};
+      const StepStats st = measure_step(
+          w->module(), [&] { return runner.step_loss(); }, MeasureOptions().warmup(1).steps(1));
+      r.measured_peak_bytes = st.peak_bytes + static_cast<int64_t>(w->input().nbytes());
+      r.confirmed = r.measured_peak_bytes <= budget;
+      if (r.confirmed) break;
+      r.batch = std::max<int64_t>(0, std::min(r.batch - 1, int64_t(double(r.batch) * double(budget) /
+                                                                   double(r.measured_peak_bytes))));
+    }
+    out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace remat

@@ -115,9 +115,11 @@ struct SweepPoint {
   std::string kind;  ///< "optimal" or "baseline"
   std::string name;  ///< the planner
   int64_t budget_bytes = 0;
-  int64_t predicted_peak_bytes = 0;
+  int64_t predicted_peak_bytes = 0;  ///< simulate()'s peak, the chain's input included (bytes)
   double predicted_time_ms = 0;
   double overhead = 0;  ///< predicted time / predicted time without checkpointing - 1
+  int64_t input_bytes = 0;  ///< the chain's input: predicted_peak_bytes - input_bytes is comparable to a measured
+                            ///< peak over parameters, gradients and inputs
 };
 
 /// The optimal planner at `budgets` budgets spread evenly from the chain's minimum to the peak without

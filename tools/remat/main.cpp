@@ -155,16 +155,22 @@ int64_t size_arg(const std::string& text, const char* flag) {
 
 struct BenchArgs {
   ModelArgs model;
-  std::string strategies = "none,all,sqrt,optimal:overhead=0.5", json, csv;
+  std::string strategies = "none,all,sqrt,optimal:overhead=0.5", json, csv, save_chain;
   int64_t steps = 5, warmup = 2;
 };
 
 int run_bench(const BenchArgs& a) {
   auto w = a.model.make();
   progress(w->description());
+  const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
+  if (!a.save_chain.empty()) {
+    progress("profiling " + w->description());
+    remat::save_chain(remat::profile_workload(*w, &profile), a.save_chain);
+    progress("chain written to " + a.save_chain);
+  }
   const auto rows = remat::bench(
       *w, split(a.strategies),
-      remat::MeasureOptions().warmup(a.warmup).steps(a.steps).device(torch::Device(a.model.device)), nullptr,
+      remat::MeasureOptions().warmup(a.warmup).steps(a.steps).device(torch::Device(a.model.device)), &profile,
       progress);
   const auto& none = rows.front().stats;
   std::cout << w->description() << "\n"
@@ -388,7 +394,7 @@ int run_max_batch(const MaxBatchArgs& a) {
 
 struct SweepArgs {
   ModelArgs model;
-  std::string chain, csv;
+  std::string chain, csv, title;
   int64_t budgets = 20;
 };
 
@@ -397,7 +403,7 @@ int run_sweep(const SweepArgs& a) {
   std::string title;
   if (!a.chain.empty()) {
     chain = remat::load_chain(a.chain);
-    title = a.chain;
+    title = a.title.empty() ? a.chain : a.title;
   } else {
     auto w = a.model.make();
     progress("profiling " + w->description());
@@ -407,10 +413,10 @@ int run_sweep(const SweepArgs& a) {
   progress("planning at " + std::to_string(a.budgets) + " budgets");
   const auto points = remat::sweep(chain, a.budgets);
   std::ostringstream csv;
-  csv << "# " << title << "\nkind,name,budget_bytes,predicted_peak_bytes,predicted_time_ms,overhead\n";
+  csv << "# " << title << "\nkind,name,budget_bytes,predicted_peak_bytes,predicted_time_ms,overhead,input_bytes\n";
   for (const auto& p : points) {
     csv << p.kind << "," << p.name << "," << p.budget_bytes << "," << p.predicted_peak_bytes << ","
-        << p.predicted_time_ms << "," << p.overhead << "\n";
+        << p.predicted_time_ms << "," << p.overhead << "," << p.input_bytes << "\n";
   }
   if (!a.csv.empty()) {
     write_file(a.csv, csv.str());
@@ -483,6 +489,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--json", bench.json, "also write the results as JSON to this file");
   bench_cmd->add_option("--csv", bench.csv, "also write the results as CSV to this file");
+  bench_cmd->add_option("--save-chain", bench.save_chain, "also write the model's profiled chain to this file");
 
   ProfileArgs profile;
   auto* profile_cmd =
@@ -530,6 +537,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 10000))
       ->capture_default_str();
   sweep_cmd->add_option("--csv", sw.csv, "write the curve as CSV to this file");
+  sweep_cmd->add_option("--title", sw.title, "title of the curve (default: the model or the chain file)");
 
   ModelArgs demo;
   int64_t demo_steps = 3;

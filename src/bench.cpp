@@ -292,16 +292,21 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
         p.planner = s;
         return p;
       }
-      if (arg.rfind("overhead=", 0) == 0) {
+      const bool overhead = arg.rfind("overhead=", 0) == 0, time = arg.rfind("time=", 0) == 0;
+      if (overhead || time) {
+        const std::string number = arg.substr(overhead ? 9 : 5);
         double f = 0;
         try {
-          f = std::stod(arg.substr(9));
+          f = std::stod(number);
         } catch (const std::logic_error&) {
           f = -1;
         }
-        TORCH_CHECK(f >= 0, kWho, ": '", s, "' needs a non-negative number after overhead=");
+        TORCH_CHECK(f >= 0, kWho, ": '", s, "' needs a non-negative number after ",
+                    overhead ? "overhead=" : "time=");
         const Plan none = no_checkpoint(chain), all = checkpoint_all(chain);
-        const double target = none.predicted.time_ms + f * (all.predicted.time_ms - none.predicted.time_ms);
+        const double target =
+            overhead ? none.predicted.time_ms + f * (all.predicted.time_ms - none.predicted.time_ms)
+                     : f * none.predicted.time_ms;
         int64_t lo = min_feasible_budget(chain), hi = none.predicted.peak_bytes;
         if (optimal(chain, lo).predicted.time_ms > target) {
           while (hi - lo > std::max<int64_t>(1, hi / 2000)) {
@@ -337,13 +342,14 @@ Chain profile_workload(Workload& w, const ProfileOptions* profile) {
 
 std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strategies,
                             const MeasureOptions& measure, const ProfileOptions* profile,
-                            const Progress& progress) {
+                            const Progress& progress, const Chain* given) {
   TORCH_CHECK(!strategies.empty(), kWho, ": no strategies");
   std::vector<std::string> order = strategies;
   if (std::find(order.begin(), order.end(), "none") == order.end()) order.insert(order.begin(), "none");
   std::stable_partition(order.begin(), order.end(), [](const std::string& s) { return s == "none"; });
 
   std::optional<Chain> chain;
+  if (given) chain = *given;
   std::vector<std::optional<Plan>> plans;
   for (const auto& s : order) {
     const bool needs_chain = !(s == "none" || s == "all" || s == "all-reentrant");

@@ -102,10 +102,11 @@ std::optional<Plan> plan_for(const std::string& strategy, const Chain& chain);
 
 /// Measures every strategy (and "none" first, as the reference, if it is not listed): median step time and
 /// peak bytes with MeasureOptions, then one more step under a fixed seed to compare gradients with "none".
-/// Plan strategies profile the model once. Throws what plan_for and the steps throw.
+/// Plan strategies use `chain` when given, or profile the model once. Throws what plan_for and the steps
+/// throw.
 std::vector<BenchRow> bench(Workload& workload, const std::vector<std::string>& strategies,
                             const MeasureOptions& measure = {}, const ProfileOptions* profile = nullptr,
-                            const Progress& progress = {});
+                            const Progress& progress = {}, const Chain* chain = nullptr);
 
 /// The workload's chain, profiled (ProfileOptions defaults when null).
 Chain profile_workload(Workload& workload, const ProfileOptions* profile = nullptr);
@@ -117,9 +118,9 @@ struct SweepPoint {
   int64_t budget_bytes = 0;
   int64_t predicted_peak_bytes = 0;  ///< simulate()'s peak, the chain's input included (bytes)
   double predicted_time_ms = 0;
-  double overhead = 0;  ///< predicted time / predicted time without checkpointing - 1
-  int64_t input_bytes = 0;  ///< the chain's input: predicted_peak_bytes - input_bytes is comparable to a measured
-                            ///< peak over parameters, gradients and inputs
+  double overhead = 0;      ///< predicted time / predicted time without checkpointing - 1
+  int64_t input_bytes = 0;  ///< the chain's input: predicted_peak_bytes - input_bytes is comparable to a
+                            ///< measured peak over parameters, gradients and inputs
 };
 
 /// The optimal planner at `budgets` budgets spread evenly from the chain's minimum to the peak without

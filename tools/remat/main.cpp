@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -163,15 +164,17 @@ int run_bench(const BenchArgs& a) {
   auto w = a.model.make();
   progress(w->description());
   const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
+  std::optional<remat::Chain> chain;
   if (!a.save_chain.empty()) {
     progress("profiling " + w->description());
-    remat::save_chain(remat::profile_workload(*w, &profile), a.save_chain);
+    chain = remat::profile_workload(*w, &profile);
+    remat::save_chain(*chain, a.save_chain);
     progress("chain written to " + a.save_chain);
   }
   const auto rows = remat::bench(
       *w, split(a.strategies),
       remat::MeasureOptions().warmup(a.warmup).steps(a.steps).device(torch::Device(a.model.device)), &profile,
-      progress);
+      progress, chain ? &*chain : nullptr);
   const auto& none = rows.front().stats;
   std::cout << w->description() << "\n"
             << "base (parameters + gradients + inputs): " << remat::format_bytes(none.base_bytes) << "; "
@@ -309,6 +312,10 @@ struct PlanArgs {
 };
 
 int run_plan_command(const PlanArgs& a) {
+  const bool needs_budget = a.planner == "optimal" || a.planner == "revolve";
+  if (needs_budget && a.budget.empty())
+    throw std::invalid_argument("--planner " + a.planner + " needs --budget SIZE");
+  const int64_t budget = a.budget.empty() ? 0 : size_arg(a.budget, "--budget");
   remat::Chain chain;
   if (!a.chain.empty()) {
     chain = remat::load_chain(a.chain);
@@ -317,13 +324,13 @@ int run_plan_command(const PlanArgs& a) {
     progress("profiling " + w->description());
     chain = remat::profile_workload(*w);
   }
-  const bool needs_budget = a.planner == "optimal" || a.planner == "revolve";
-  if (needs_budget && a.budget.empty())
-    throw std::invalid_argument("--planner " + a.planner + " needs --budget SIZE");
-  const int64_t budget = a.budget.empty() ? 0 : size_arg(a.budget, "--budget");
   remat::PlannerOptions options;
   options.slots = a.slots;
+  const auto t0 = std::chrono::steady_clock::now();
   const remat::Plan plan = remat::make_plan(chain, a.planner, budget, options);
+  const double planning_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::cerr << "remat: planned " << chain.size() << " stages in " << fixed(planning_ms, 1) << " ms\n";
   const remat::Plan none = remat::no_checkpoint(chain);
   const double overhead = plan.predicted.time_ms / none.predicted.time_ms - 1;
   if (!a.out.empty()) write_file(a.out, remat::to_json(plan) + "\n");
@@ -413,7 +420,8 @@ int run_sweep(const SweepArgs& a) {
   progress("planning at " + std::to_string(a.budgets) + " budgets");
   const auto points = remat::sweep(chain, a.budgets);
   std::ostringstream csv;
-  csv << "# " << title << "\nkind,name,budget_bytes,predicted_peak_bytes,predicted_time_ms,overhead,input_bytes\n";
+  csv << "# " << title
+      << "\nkind,name,budget_bytes,predicted_peak_bytes,predicted_time_ms,overhead,input_bytes\n";
   for (const auto& p : points) {
     csv << p.kind << "," << p.name << "," << p.budget_bytes << "," << p.predicted_peak_bytes << ","
         << p.predicted_time_ms << "," << p.overhead << "," << p.input_bytes << "\n";
@@ -479,7 +487,7 @@ int main(int argc, char** argv) {
       ->add_option(
           "--strategy", bench.strategies,
           "comma-separated: none, all, all-reentrant, plan-all, sqrt, uniform:K, revolve:S, optimal:SIZE, "
-          "optimal:as=P, optimal:overhead=F")
+          "optimal:as=P, optimal:overhead=F, optimal:time=R")
       ->capture_default_str();
   bench_cmd->add_option("--steps", bench.steps, "timed steps (median reported)")
       ->check(CLI::Range(1, 100000))
@@ -489,7 +497,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_cmd->add_option("--json", bench.json, "also write the results as JSON to this file");
   bench_cmd->add_option("--csv", bench.csv, "also write the results as CSV to this file");
-  bench_cmd->add_option("--save-chain", bench.save_chain, "also write the model's profiled chain to this file");
+  bench_cmd->add_option("--save-chain", bench.save_chain,
+                        "also write the model's profiled chain to this file");
 
   ProfileArgs profile;
   auto* profile_cmd =

@@ -154,6 +154,7 @@ class HeavyWorkload final : public Workload {
     o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
   }
   torch::Tensor forward() override { return model_->forward(x_); }
+  torch::Tensor loss_of(const torch::Tensor& output) const override { return output.sum(); }
 
  private:
   WorkloadConfig c_;
@@ -214,9 +215,7 @@ struct Runner {
   Workload& w;
   std::optional<Plan> plan;
   std::vector<StageFn> stages;
-  torch::Tensor step_loss() {
-    return Workload::loss_of(plan ? run_plan(stages, *plan, w.input()) : w.forward());
-  }
+  torch::Tensor step_loss() { return w.loss_of(plan ? run_plan(stages, *plan, w.input()) : w.forward()); }
 };
 
 void configure(Workload& w, const std::string& strategy, const std::optional<Plan>& plan) {
@@ -260,7 +259,7 @@ int64_t parse_int(const std::string& text, const std::string& strategy) {
 
 }  // namespace
 
-torch::Tensor Workload::loss_of(const torch::Tensor& output) {
+torch::Tensor Workload::loss_of(const torch::Tensor& output) const {
   return output.to(torch::kFloat).pow(2).mean();
 }
 
@@ -424,7 +423,10 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
           row.max_grad_diff,
           (grads[i].to(torch::kDouble) - reference[i].to(torch::kDouble)).abs().max().item<double>());
     }
-    row.grads_equal = row.max_grad_diff <= 1e-5 * (1 + scale);
+    // Relative 1e-4: recomputation changes the order in which float gradient contributions are summed
+    // (HeavyChain sums 100,000 of them into one parameter); a missing or wrong contribution is O(1).
+    row.max_grad_diff_relative = row.max_grad_diff / std::max(scale, 1e-30);
+    row.grads_equal = row.max_grad_diff <= 1e-4 * (1 + scale);
   }
   w.set_per_layer(std::nullopt);
   return rows;

@@ -20,17 +20,21 @@ class ProfileTest : public ::testing::Test {
 
 TEST_F(ProfileTest, MeasuresEveryFieldOfSimpleStages) {
   const int64_t b = 16, w = 32, act = b * w * 4;
-  torch::nn::Sequential seq(torch::nn::Linear(w, w), torch::nn::Tanh(), torch::nn::GELU(), torch::nn::Linear(w, 2 * w));
+  torch::nn::Sequential seq(torch::nn::Linear(w, w), torch::nn::Tanh(), torch::nn::GELU(),
+                            torch::nn::Linear(w, 2 * w));
   const auto x = torch::randn({b, w});
   const remat::Chain chain = remat::profile_chain(seq, x, remat::ProfileOptions().warmup(1).repeats(3));
   ASSERT_EQ(chain.size(), 4);
   EXPECT_EQ(chain.input_bytes, act);
   EXPECT_EQ(chain.stages[0].name, "0:Linear");
   EXPECT_EQ(chain.stages[1].name, "1:Tanh");
-  for (int i = 0; i < 3; ++i) EXPECT_EQ(chain.stages[i].output_bytes, act) << i;
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(chain.stages[i].output_bytes, act) << i;
   EXPECT_EQ(chain.stages[3].output_bytes, 2 * act);
-  // Linear keeps its input and weight (alive anyway), Tanh its output, GELU its input: each adds only its output.
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(chain.stages[i].saved_bytes, chain.stages[i].output_bytes) << i;
+  // Linear keeps its input and weight (alive anyway), Tanh its output, GELU its input: each adds only its
+  // output.
+  for (int i = 0; i < 4; ++i)
+    EXPECT_EQ(chain.stages[i].saved_bytes, chain.stages[i].output_bytes) << i;
   for (const auto& s : chain.stages) {
     EXPECT_GT(s.fwd_ms, 0);
     EXPECT_GT(s.bwd_ms, 0);
@@ -43,29 +47,34 @@ TEST_F(ProfileTest, LeavesTheModelAsItWas) {
   torch::manual_seed(4);
   torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::BatchNorm1d(8), torch::nn::Dropout(0.5));
   std::vector<torch::Tensor> buffers;
-  for (const auto& buf : seq->buffers()) buffers.push_back(buf.clone());
+  for (const auto& buf : seq->buffers())
+    buffers.push_back(buf.clone());
   const auto input = torch::randn({4, 8});
   const auto rng = at::detail::getDefaultCPUGenerator().get_state();
   remat::profile_chain(seq, input);
-  for (const auto& p : seq->parameters()) EXPECT_FALSE(p.grad().defined());
+  for (const auto& p : seq->parameters())
+    EXPECT_FALSE(p.grad().defined());
   auto after = seq->buffers();
-  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(torch::equal(after[i], buffers[i])) << i;
+  for (size_t i = 0; i < after.size(); ++i)
+    EXPECT_TRUE(torch::equal(after[i], buffers[i])) << i;
   EXPECT_TRUE(torch::equal(at::detail::getDefaultCPUGenerator().get_state(), rng));
 }
 
 TEST_F(ProfileTest, BadInputIsAClearError) {
   torch::nn::Sequential seq(torch::nn::Linear(4, 4));
   EXPECT_THROW_WITH(remat::profile_chain(seq, torch::Tensor()), "remat::profile_chain", "undefined");
-  EXPECT_THROW_WITH(remat::profile_chain(seq, torch::randn({2, 4}), remat::ProfileOptions().repeats(0)), "repeats",
-                    "got 0");
+  EXPECT_THROW_WITH(remat::profile_chain(seq, torch::randn({2, 4}), remat::ProfileOptions().repeats(0)),
+                    "repeats", "got 0");
   EXPECT_THROW_WITH(remat::profile_chain(std::vector<remat::StageFn>{}, torch::randn({2, 4})), "no stages");
 }
 
-// Runs one step of `forward` (loss = sum(out * weight), so that d_n is materialised as in the model) and returns
-// the peak over parameters, gradients and inputs, plus the input (which the model counts).
+// Runs one step of `forward` (loss = sum(out * weight), so that d_n is materialised as in the model) and
+// returns the peak over parameters, gradients and inputs, plus the input (which the model counts).
 template <typename Forward>
-int64_t measured_peak(torch::nn::Module& model, Forward forward, const torch::Tensor& input, const torch::Tensor& weight) {
-  for (auto& p : model.parameters()) p.mutable_grad() = torch::zeros_like(p);
+int64_t measured_peak(torch::nn::Module& model, Forward forward, const torch::Tensor& input,
+                      const torch::Tensor& weight) {
+  for (auto& p : model.parameters())
+    p.mutable_grad() = torch::zeros_like(p);
   remat::memory::PeakScope scope;
   (forward() * weight).sum().backward();
   return scope.peak_over_base() + static_cast<int64_t>(input.nbytes());
@@ -83,12 +92,14 @@ TEST_F(ProfileTest, ResidualMlpPlansRunWithinTenPercentOfThePrediction) {
   const auto plain_grads = grads_of(*seq);
   const int64_t none = remat::no_checkpoint(chain).predicted.peak_bytes;
   const int64_t least = remat::min_feasible_budget(chain);
-  std::vector<remat::Plan> plans{remat::no_checkpoint(chain), remat::checkpoint_all(chain), remat::sqrt_n(chain),
-                                 remat::uniform(chain, 4)};
-  for (double f : {0.0, 0.25, 0.5, 0.75}) plans.push_back(remat::optimal(chain, least + int64_t(f * (none - least))));
+  std::vector<remat::Plan> plans{remat::no_checkpoint(chain), remat::checkpoint_all(chain),
+                                 remat::sqrt_n(chain), remat::uniform(chain, 4)};
+  for (double f : {0.0, 0.25, 0.5, 0.75})
+    plans.push_back(remat::optimal(chain, least + int64_t(f * (none - least))));
   for (const auto& plan : plans) {
     remat::CheckpointedSequential exec(seq, plan, remat::CheckpointOptions().preserve_rng_state(false));
-    const int64_t peak = measured_peak(*exec, [&] { return exec->forward(x); }, x, weight);
+    const int64_t peak = measured_peak(
+        *exec, [&] { return exec->forward(x); }, x, weight);
     const double predicted = static_cast<double>(plan.predicted.peak_bytes);
     EXPECT_NEAR(static_cast<double>(peak), predicted, 0.10 * predicted)
         << plan.planner << " " << plan.to_string();
@@ -127,7 +138,8 @@ TEST_F(ProfileTest, BertPlansRunWithinTenPercentOfThePrediction) {
     const remat::Plan plan = remat::optimal(chain, least + int64_t(f * (none - least)));
     bert->use_plan(plan);
     torch::manual_seed(9);
-    const int64_t peak = measured_peak(*bert, [&] { return bert->forward(ids); }, ids, weight);
+    const int64_t peak = measured_peak(
+        *bert, [&] { return bert->forward(ids); }, ids, weight);
     const double predicted = static_cast<double>(plan.predicted.peak_bytes);
     EXPECT_NEAR(static_cast<double>(peak), predicted, 0.10 * predicted) << plan.to_string();
     clear_grads(*bert);

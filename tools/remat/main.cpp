@@ -33,6 +33,14 @@ std::string mib(int64_t bytes) {
   return remat::format_mib(bytes);
 }
 
+// "equal" (bit for bit), "equal (1.2e-07)" (relative difference, float summation order), or "DIFFER (...)".
+std::string grads_text(const remat::BenchRow& r) {
+  if (r.max_grad_diff == 0) return "equal";
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%s (%.1e)", r.grads_equal ? "equal" : "DIFFER", r.max_grad_diff_relative);
+  return buf;
+}
+
 void progress(const std::string& message) {
   std::cerr << "remat: " << message << std::endl;
 }
@@ -184,8 +192,7 @@ int run_bench(const BenchArgs& a) {
   for (const auto& r : rows) {
     t.add({r.strategy, mib(r.stats.peak_bytes), mib(r.stats.after_forward_bytes), fixed(r.stats.median_ms, 1),
            fixed(double(r.stats.peak_bytes) / double(none.peak_bytes), 3),
-           fixed(r.stats.median_ms / none.median_ms, 2),
-           r.grads_equal ? "equal" : "DIFFER " + fixed(r.max_grad_diff, 7),
+           fixed(r.stats.median_ms / none.median_ms, 2), grads_text(r),
            r.plan ? mib(r.plan->predicted.peak_bytes - w->input().nbytes()) : std::string("-")});
   }
   t.print(std::cout);
@@ -211,6 +218,7 @@ int run_bench(const BenchArgs& a) {
     row["time_ratio"] = r.stats.median_ms / none.median_ms;
     row["grads_equal"] = r.grads_equal;
     row["max_grad_diff"] = r.max_grad_diff;
+    row["max_grad_diff_relative"] = r.max_grad_diff_relative;
     if (r.plan) {
       row["predicted_peak_bytes"] = r.plan->predicted.peak_bytes - int64_t(w->input().nbytes());
       row["plan"] = r.plan->to_string();

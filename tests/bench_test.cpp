@@ -1,0 +1,108 @@
+// The bench library: workloads for every model, strategies, sweeps and max-batch, on small sizes.
+#include <remat/bench.h>
+#include <remat/planner.h>
+
+#include "support.h"
+
+namespace {
+
+class BenchTest : public ::testing::Test {
+ protected:
+  void SetUp() override { remat::testing::meter_on(); }
+};
+
+remat::WorkloadConfig tiny(const std::string& model) {
+  return remat::WorkloadConfig()
+      .model(model)
+      .layers(2)
+      .hidden(32)
+      .heads(2)
+      .intermediate(64)
+      .seq(16)
+      .vocab(50)
+      .batch(2)
+      .depth(4)
+      .width(32)
+      .calls(20)
+      .adds(10);
+}
+
+TEST_F(BenchTest, EveryModelRunsEveryKindOfStrategyWithEqualGradients) {
+  for (const std::string model : {"bert", "mlp", "cifar", "heavy", "forum-cnn"}) {
+    auto w = remat::make_workload(tiny(model));
+    const std::vector<std::string> strategies{"all",  "all-reentrant", "plan-all",
+                                              "sqrt", "uniform:2",     "optimal:overhead=0.5"};
+    const auto rows = remat::bench(*w, strategies, remat::MeasureOptions().warmup(1).steps(1));
+    ASSERT_EQ(rows.size(), strategies.size() + 1) << model;
+    EXPECT_EQ(rows[0].strategy, "none");
+    for (const auto& r : rows) {
+      EXPECT_TRUE(r.grads_equal) << model << " " << r.strategy << " differs by " << r.max_grad_diff;
+      EXPECT_EQ(r.stats.step_ms.size(), 1u);
+      EXPECT_EQ(r.plan.has_value(),
+                r.strategy != "none" && r.strategy != "all" && r.strategy != "all-reentrant");
+    }
+  }
+}
+
+TEST_F(BenchTest, PlansMeasureWhatTheyPredict) {
+  auto w = remat::make_workload(tiny("mlp").depth(8).width(128).batch(64));
+  const auto rows =
+      remat::bench(*w, {"uniform:4", "optimal:as=uniform:4"}, remat::MeasureOptions().warmup(1).steps(1));
+  for (size_t i = 1; i < rows.size(); ++i) {
+    const double predicted = double(rows[i].plan->predicted.peak_bytes - int64_t(w->input().nbytes()));
+    EXPECT_NEAR(double(rows[i].stats.peak_bytes), predicted, 0.1 * predicted) << rows[i].strategy;
+    EXPECT_LT(rows[i].stats.peak_bytes, rows[0].stats.peak_bytes);
+  }
+}
+
+TEST(BenchStrategies, PlanForParsesAndRejects) {
+  const remat::Chain chain = remat::uniform_chain(9, 1.0, 2.0, 1000, 3000);
+  EXPECT_FALSE(remat::plan_for("none", chain).has_value());
+  EXPECT_FALSE(remat::plan_for("all", chain).has_value());
+  EXPECT_EQ(remat::plan_for("uniform:3", chain)->planner, "uniform:3");
+  EXPECT_EQ(remat::plan_for("revolve:2", chain)->planner, "revolve:2");
+  EXPECT_LE(remat::plan_for("optimal:20KiB", chain)->predicted.peak_bytes, 20 * 1024);
+  const auto as = remat::plan_for("optimal:as=uniform:3", chain);
+  EXPECT_LE(as->predicted.peak_bytes, remat::uniform(chain, 3).predicted.peak_bytes);
+  EXPECT_LE(as->predicted.time_ms, remat::uniform(chain, 3).predicted.time_ms);
+  const auto none = remat::no_checkpoint(chain), all = remat::checkpoint_all(chain);
+  const auto half = remat::plan_for("optimal:overhead=0.5", chain);
+  EXPECT_LE(half->predicted.time_ms,
+            none.predicted.time_ms + 0.5 * (all.predicted.time_ms - none.predicted.time_ms) + 1e-9);
+  EXPECT_LE(remat::plan_for("optimal:time=1.2", chain)->predicted.time_ms,
+            1.2 * none.predicted.time_ms + 1e-9);
+  EXPECT_THROW_WITH(remat::plan_for("fastest", chain), "unknown strategy 'fastest'");
+  EXPECT_THROW_WITH(remat::plan_for("uniform:x", chain), "whole number");
+  EXPECT_THROW_WITH(remat::plan_for("optimal:lots", chain), "optimal:lots");
+  EXPECT_THROW(remat::plan_for("optimal:10B", chain), remat::InfeasibleBudget);
+  EXPECT_THROW_WITH(remat::make_workload(remat::WorkloadConfig().model("gpt")), "unknown model 'gpt'");
+}
+
+TEST(BenchSweep, CurveIsMonotoneAndBaselinesArePoints) {
+  const remat::Chain chain = remat::uniform_chain(12, 1.0, 2.0, 1000, 4000);
+  const auto points = remat::sweep(chain, 10);
+  ASSERT_EQ(points.size(), 10u + 3 + 7);
+  for (size_t i = 1; i < 10; ++i) {
+    EXPECT_GE(points[i].budget_bytes, points[i - 1].budget_bytes);
+    EXPECT_LE(points[i].predicted_time_ms, points[i - 1].predicted_time_ms + 1e-9);
+    EXPECT_LE(points[i].predicted_peak_bytes, points[i].budget_bytes);
+  }
+  EXPECT_EQ(points[9].overhead, 0.0);
+  EXPECT_EQ(points[10].name, "none");
+  EXPECT_THROW_WITH(remat::sweep(chain, 1), "budgets must be >= 2");
+}
+
+TEST_F(BenchTest, MaxBatchGrowsWithCheckpointingAndIsConfirmed) {
+  auto make = [](int64_t b) { return remat::make_workload(tiny("mlp").depth(8).width(64).batch(b)); };
+  const auto rows = remat::max_batch(make, 4 << 20, {"none", "all", "optimal"});
+  ASSERT_EQ(rows.size(), 3u);
+  for (const auto& r : rows) {
+    EXPECT_GT(r.batch, 0) << r.strategy;
+    EXPECT_TRUE(r.confirmed) << r.strategy << " measured " << r.measured_peak_bytes;
+    EXPECT_LE(r.measured_peak_bytes, 4 << 20);
+  }
+  EXPECT_GT(rows[1].batch, 2 * rows[0].batch);  // per-layer checkpointing fits far larger batches
+  EXPECT_GE(rows[2].batch, rows[1].batch);      // and the least-memory schedule at least as large
+}
+
+}  // namespace

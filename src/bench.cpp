@@ -22,24 +22,47 @@ int64_t batch_or(const WorkloadConfig& c, int64_t fallback) {
 // --------------------------------------------------------------------------------------------------------------
 // Workloads
 
-class BertWorkload final : public Workload {
+// What every workload shares: a model holder with the Checkpointable methods, its input, and its config.
+template <typename Holder>
+class ModelWorkload : public Workload {
  public:
-  explicit BertWorkload(const WorkloadConfig& c) : c_(c), batch_(batch_or(c, 8)) {
-    models::BertConfig config = models::BertConfig()
-                                    .vocab_size(c.vocab())
-                                    .hidden_size(c.hidden())
-                                    .num_hidden_layers(c.layers())
-                                    .num_attention_heads(c.heads())
-                                    .intermediate_size(c.intermediate())
-                                    .max_position_embeddings(std::max<int64_t>(512, c.seq()))
-                                    .hidden_dropout_prob(c.dropout())
-                                    .attention_probs_dropout_prob(c.dropout());
-    model_ = models::BertModel(config);
-    model_->to(c.device());
-    ids_ = torch::randint(0, c.vocab(), {batch_, c.seq()},
-                          torch::TensorOptions().device(c.device()).dtype(torch::kLong));
-    mask_ = torch::ones({batch_, c.seq()}, torch::TensorOptions().device(c.device()));
-    types_ = torch::zeros({batch_, c.seq()}, torch::TensorOptions().device(c.device()).dtype(torch::kLong));
+  ModelWorkload(const WorkloadConfig& c, int64_t default_batch) : c_(c), batch_(batch_or(c, default_batch)) {}
+  torch::nn::Module& module() override { return *model_; }
+  torch::Tensor input() const override { return x_; }
+  void set_per_layer(std::optional<CheckpointOptions> o) override {
+    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
+  }
+  torch::Tensor forward() override { return model_->forward(x_); }
+
+ protected:
+  void place(Holder model, torch::Tensor input) {
+    model_ = std::move(model);
+    model_->to(c_.device());
+    x_ = std::move(input);
+  }
+  torch::TensorOptions on_device() const { return torch::TensorOptions().device(c_.device()); }
+
+  WorkloadConfig c_;
+  int64_t batch_;
+  Holder model_{nullptr};
+  torch::Tensor x_;  // the input of the model's chain
+};
+
+class BertWorkload final : public ModelWorkload<models::BertModel> {
+ public:
+  explicit BertWorkload(const WorkloadConfig& c) : ModelWorkload(c, 8) {
+    place(models::BertModel(models::BertConfig()
+                                .vocab_size(c.vocab())
+                                .hidden_size(c.hidden())
+                                .num_hidden_layers(c.layers())
+                                .num_attention_heads(c.heads())
+                                .intermediate_size(c.intermediate())
+                                .max_position_embeddings(std::max<int64_t>(512, c.seq()))
+                                .hidden_dropout_prob(c.dropout())
+                                .attention_probs_dropout_prob(c.dropout())),
+          torch::randint(0, c.vocab(), {batch_, c.seq()}, on_device().dtype(torch::kLong)));
+    mask_ = torch::ones({batch_, c.seq()}, on_device());
+    types_ = torch::zeros({batch_, c.seq()}, on_device().dtype(torch::kLong));
   }
   std::string description() const override {
     std::ostringstream os;
@@ -47,28 +70,19 @@ class BertWorkload final : public Workload {
        << c_.intermediate() << "), seq " << c_.seq() << ", batch " << batch_ << ", dropout " << c_.dropout();
     return os.str();
   }
-  torch::nn::Module& module() override { return *model_; }
-  torch::Tensor input() const override { return ids_; }
-  std::vector<StageFn> stages() override { return model_->stages(ids_, mask_, types_); }
-  void set_per_layer(std::optional<CheckpointOptions> o) override {
-    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
-  }
-  torch::Tensor forward() override { return model_->forward(ids_, mask_, types_); }
+  std::vector<StageFn> stages() override { return model_->stages(x_, mask_, types_); }
+  torch::Tensor forward() override { return model_->forward(x_, mask_, types_); }
 
  private:
-  WorkloadConfig c_;
-  int64_t batch_;
-  models::BertModel model_{nullptr};
-  torch::Tensor ids_, mask_, types_;
+  torch::Tensor mask_, types_;
 };
 
-class MlpWorkload final : public Workload {
+class MlpWorkload final : public ModelWorkload<models::ResidualMlp> {
  public:
-  explicit MlpWorkload(const WorkloadConfig& c) : c_(c), batch_(batch_or(c, 64)) {
-    model_ = models::ResidualMlp(models::ResidualMlpOptions().depth(c.depth()).width(c.width()));
-    model_->to(c.device());
+  explicit MlpWorkload(const WorkloadConfig& c) : ModelWorkload(c, 64) {
     // The input requires grad, as in bench/pytorch_reference.py (whose reentrant baseline needs it).
-    x_ = torch::randn({batch_, c.width()}, torch::TensorOptions().device(c.device()).requires_grad(true));
+    place(models::ResidualMlp(models::ResidualMlpOptions().depth(c.depth()).width(c.width())),
+          torch::randn({batch_, c.width()}, on_device().requires_grad(true)));
   }
   std::string description() const override {
     std::ostringstream os;
@@ -76,30 +90,15 @@ class MlpWorkload final : public Workload {
        << "), batch " << batch_;
     return os.str();
   }
-  torch::nn::Module& module() override { return *model_; }
-  torch::Tensor input() const override { return x_; }
   std::vector<StageFn> stages() override { return stages_of(model_->blocks()); }
-  void set_per_layer(std::optional<CheckpointOptions> o) override {
-    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
-  }
-  torch::Tensor forward() override { return model_->forward(x_); }
-
- private:
-  WorkloadConfig c_;
-  int64_t batch_;
-  models::ResidualMlp model_{nullptr};
-  torch::Tensor x_;
 };
 
-class CifarWorkload final : public Workload {
+class CifarWorkload final : public ModelWorkload<models::CifarNet> {
  public:
-  explicit CifarWorkload(const WorkloadConfig& c) : batch_(batch_or(c, 64)) {
-    model_->to(c.device());
-    x_ = torch::randn({batch_, 3, 32, 32}, torch::TensorOptions().device(c.device()));
+  explicit CifarWorkload(const WorkloadConfig& c) : ModelWorkload(c, 64) {
+    place(models::CifarNet(), torch::randn({batch_, 3, 32, 32}, on_device()));
   }
   std::string description() const override { return "cifar (CifarNet), batch " + std::to_string(batch_); }
-  torch::nn::Module& module() override { return *model_; }
-  torch::Tensor input() const override { return x_; }
   std::vector<StageFn> stages() override {
     auto m = model_;
     return {
@@ -116,29 +115,17 @@ class CifarWorkload final : public Workload {
         {"out", [m](const torch::Tensor& x) mutable { return m->out(x); }, m->out.ptr()},
     };
   }
-  void set_per_layer(std::optional<CheckpointOptions> o) override {
-    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
-  }
-  torch::Tensor forward() override { return model_->forward(x_); }
-
- private:
-  int64_t batch_;
-  models::CifarNet model_;
-  torch::Tensor x_;
 };
 
-class HeavyWorkload final : public Workload {
+class HeavyWorkload final : public ModelWorkload<models::HeavyChain> {
  public:
-  explicit HeavyWorkload(const WorkloadConfig& c)
-      : c_(c), model_(models::HeavyChainOptions().calls(c.calls()).adds(c.adds())) {
-    model_->to(c.device());
-    x_ = torch::zeros({}, torch::TensorOptions().device(c.device()).requires_grad(true));
+  explicit HeavyWorkload(const WorkloadConfig& c) : ModelWorkload(c, 1) {
+    place(models::HeavyChain(models::HeavyChainOptions().calls(c.calls()).adds(c.adds())),
+          torch::zeros({}, on_device().requires_grad(true)));
   }
   std::string description() const override {
     return "heavy: " + std::to_string(c_.calls()) + " calls of " + std::to_string(c_.adds()) + " additions";
   }
-  torch::nn::Module& module() override { return *model_; }
-  torch::Tensor input() const override { return x_; }
   std::vector<StageFn> stages() override {
     std::vector<StageFn> out;
     const torch::Tensor a = model_->a;
@@ -150,35 +137,21 @@ class HeavyWorkload final : public Workload {
     }
     return out;
   }
-  void set_per_layer(std::optional<CheckpointOptions> o) override {
-    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
-  }
-  torch::Tensor forward() override { return model_->forward(x_); }
   torch::Tensor loss_of(const torch::Tensor& output) const override { return output.sum(); }
-
- private:
-  WorkloadConfig c_;
-  models::HeavyChain model_;
-  torch::Tensor x_;
 };
 
-class ForumWorkload final : public Workload {
+class ForumWorkload final : public ModelWorkload<models::ForumCnn> {
  public:
-  explicit ForumWorkload(const WorkloadConfig& c)
-      : c_(c),
-        batch_(batch_or(c, 100)),
-        model_(models::ForumCnnOptions().variant(c.variant()).placement(c.placement())) {
-    model_->to(c.device());
-    auto shape = model_->sample_shape();
+  explicit ForumWorkload(const WorkloadConfig& c) : ModelWorkload(c, 100) {
+    models::ForumCnn model(models::ForumCnnOptions().variant(c.variant()).placement(c.placement()));
+    auto shape = model->sample_shape();
     shape.insert(shape.begin(), batch_);
-    x_ = torch::randn(shape, torch::TensorOptions().device(c.device()));
+    place(model, torch::randn(shape, on_device()));
   }
   std::string description() const override {
     return "forum-cnn " + c_.variant() + " (placement " + c_.placement() + "), batch " +
            std::to_string(batch_);
   }
-  torch::nn::Module& module() override { return *model_; }
-  torch::Tensor input() const override { return x_; }
   std::vector<StageFn> stages() override {
     auto m = model_;
     const bool full = c_.variant() == "full";
@@ -198,16 +171,6 @@ class ForumWorkload final : public Workload {
          m.ptr()},  // the heads' parameters (and the convolutions', unused here)
     };
   }
-  void set_per_layer(std::optional<CheckpointOptions> o) override {
-    o ? model_->gradient_checkpointing_enable(*o) : model_->gradient_checkpointing_disable();
-  }
-  torch::Tensor forward() override { return model_->forward(x_); }
-
- private:
-  WorkloadConfig c_;
-  int64_t batch_;
-  models::ForumCnn model_;
-  torch::Tensor x_;
 };
 
 // The loss of a step under a strategy.
@@ -244,19 +207,6 @@ std::vector<torch::Tensor> grads_after_step(Workload& w, Runner& r, uint64_t see
   return out;
 }
 
-int64_t parse_int(const std::string& text, const std::string& strategy) {
-  size_t used = 0;
-  int64_t v = 0;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::logic_error&) {
-    used = 0;
-  }
-  TORCH_CHECK(!text.empty() && used == text.size(), kWho, ": strategy '", strategy,
-              "' needs a whole number, got '", text, "'");
-  return v;
-}
-
 }  // namespace
 
 torch::Tensor Workload::loss_of(const torch::Tensor& output) const {
@@ -278,9 +228,8 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
   if (s == "none" || s == "all" || s == "all-reentrant") return std::nullopt;
   try {
     if (s == "plan-all") return checkpoint_all(chain);
-    if (s == "sqrt") return sqrt_n(chain);
-    if (s.rfind("uniform:", 0) == 0) return uniform(chain, parse_int(s.substr(8), s));
-    if (s.rfind("revolve:", 0) == 0) return revolve(chain, parse_int(s.substr(8), s));
+    if (s == "sqrt" || s.rfind("uniform:", 0) == 0 || s.rfind("revolve:", 0) == 0)
+      return make_plan(chain, s, 0);
     if (s.rfind("optimal:", 0) == 0) {
       const std::string arg = s.substr(8);
       if (arg.rfind("as=", 0) == 0) {

@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "detail/json.h"
+
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -101,12 +103,7 @@ T optional(const nlohmann::json& j, const char* key, const std::string& where, T
 }  // namespace
 
 Chain chain_from_json(const std::string& text) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw std::invalid_argument(std::string("remat::chain_from_json: malformed JSON: ") + e.what());
-  }
+  const nlohmann::json j = detail::parse_json(text, "remat::chain_from_json");
   if (!j.is_object())
     throw std::invalid_argument("remat::chain_from_json: expected an object with \"stages\"");
   Chain chain;

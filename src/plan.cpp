@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "detail/json.h"
+
 #include <cctype>
 #include <sstream>
 #include <stdexcept>
@@ -215,12 +217,7 @@ std::string to_json(const Plan& plan) {
 }
 
 Plan plan_from_json(const std::string& text) {
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw std::invalid_argument(std::string("remat::plan_from_json: malformed JSON: ") + e.what());
-  }
+  const nlohmann::json j = detail::parse_json(text, "remat::plan_from_json");
   auto fail = [](const std::string& why) { throw std::invalid_argument("remat::plan_from_json: " + why); };
   if (!j.is_object()) fail("expected an object with \"num_stages\" and \"ops\"");
   if (!j.contains("num_stages") || !j.at("num_stages").is_number_integer())

@@ -246,32 +246,6 @@ std::string bytes_text(int64_t b) {
 // ---------------------------------------------------------------------------------------------------------------
 // Baselines
 
-Plan no_checkpoint(const Chain& chain) {
-  validate(chain);
-  Plan plan;
-  plan.num_stages = chain.size();
-  for (int64_t i = 0; i < chain.size(); ++i)
-    push(plan, OpKind::kForwardAll, i);
-  push(plan, OpKind::kLoss, -1);
-  for (int64_t i = chain.size() - 1; i >= 0; --i)
-    push(plan, OpKind::kBackward, i);
-  return finish(chain, std::move(plan), "none", 0);
-}
-
-Plan checkpoint_all(const Chain& chain) {
-  validate(chain);
-  Plan plan;
-  plan.num_stages = chain.size();
-  for (int64_t i = 0; i < chain.size(); ++i)
-    push(plan, OpKind::kForwardCheckpoint, i);
-  push(plan, OpKind::kLoss, -1);
-  for (int64_t i = chain.size() - 1; i >= 0; --i) {
-    push(plan, OpKind::kForwardAll, i);
-    push(plan, OpKind::kBackward, i);
-  }
-  return finish(chain, std::move(plan), "all", 0);
-}
-
 Plan segmented(int64_t n, const std::vector<int64_t>& starts, bool checkpoint_last_segment) {
   if (n < 1)
     throw std::invalid_argument("remat::segmented: num_stages must be >= 1, got " + std::to_string(n));
@@ -312,6 +286,19 @@ Plan segmented(int64_t n, const std::vector<int64_t>& starts, bool checkpoint_la
   plan.planner = "segmented";
   check_plan(plan);
   return plan;
+}
+
+Plan no_checkpoint(const Chain& chain) {
+  validate(chain);
+  return finish(chain, segmented(chain.size(), {0}), "none", 0);
+}
+
+Plan checkpoint_all(const Chain& chain) {
+  validate(chain);
+  std::vector<int64_t> every(static_cast<size_t>(chain.size()));
+  for (int64_t i = 0; i < chain.size(); ++i)
+    every[i] = i;  // every stage its own checkpointed segment
+  return finish(chain, segmented(chain.size(), every, /*checkpoint_last_segment=*/true), "all", 0);
 }
 
 Plan uniform(const Chain& chain, int64_t segments, bool checkpoint_last_segment) {

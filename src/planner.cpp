@@ -503,23 +503,63 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
   validate(chain);
   const int64_t n = chain.size();
   constexpr double kMaxForwards = 5e7;
-  int64_t lo = 0;
-  while (lo < n && revolve_forward_estimate(n, lo) > kMaxForwards)
-    ++lo;
-  Plan fits = revolve(chain, lo);
-  if (fits.predicted.peak_bytes > budget_bytes) {
-    infeasible("remat::revolve_within", budget_bytes,
-               std::min(fits.predicted.peak_bytes, min_feasible_budget(chain)));
+  int64_t lo = 0;  // fewer snapshots than this make schedules too long to build
+  while (lo < n && revolve_forward_estimate(n, lo) > kMaxForwards) ++lo;
+  if (n <= 512) {
+    // On a heterogeneous chain the peak need not grow with the snapshots (which activations they hold matters),
+    // so try them all, most first: more snapshots never cost time.
+    for (int64_t c = n; c >= lo; --c) {
+      Plan p = revolve(chain, c);
+      if (p.predicted.peak_bytes <= budget_bytes) {
+        p.budget_bytes = budget_bytes;
+        return p;
+      }
+    }
+    infeasible("remat::revolve_within", budget_bytes, min_feasible_budget(chain));
   }
-  int64_t hi = n;    // the most snapshots that can matter
-  while (lo < hi) {  // invariant: revolve(lo) fits
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    Plan p = revolve(chain, mid);
-    if (p.predicted.peak_bytes <= budget_bytes) {
-      lo = mid;
-      fits = std::move(p);
-    } else {
-      hi = mid - 1;
+  // Each snapshot holds one activation on top of recomputing from the input (revolve with none), so this many
+  // snapshots fit; usually it is the answer, and only it and its neighbour need building.
+  int64_t largest = 0;
+  for (int64_t i = 1; i <= n; ++i) largest = std::max(largest, chain.activation_bytes(i));
+  const int64_t spare = budget_bytes - recompute_from_input_peak(chain);
+  int64_t guess = spare > 0 && largest > 0 ? std::min<int64_t>(n, spare / largest) : 0;
+  guess = std::max(guess, lo);
+  Plan fits = revolve(chain, guess);
+  int64_t ok = guess, bad = n + 1;  // revolve(ok) fits; revolve(bad) does not (n + 1: none known)
+  if (fits.predicted.peak_bytes > budget_bytes) {
+    bad = guess;
+    ok = lo - 1;
+    while (bad - ok > 1) {
+      const int64_t mid = ok + (bad - ok) / 2;
+      Plan p = revolve(chain, mid);
+      if (p.predicted.peak_bytes <= budget_bytes) {
+        ok = mid, fits = std::move(p);
+      } else {
+        bad = mid;
+      }
+    }
+    if (ok < lo) {
+      infeasible("remat::revolve_within", budget_bytes,
+                 std::min(revolve(chain, lo).predicted.peak_bytes, min_feasible_budget(chain)));
+    }
+  } else {
+    for (int64_t step = 1; ok < n; step *= 2) {  // more snapshots while they fit
+      const int64_t next = std::min(n, ok + step);
+      Plan p = revolve(chain, next);
+      if (p.predicted.peak_bytes > budget_bytes) {
+        bad = next;
+        break;
+      }
+      ok = next, fits = std::move(p);
+    }
+    while (bad - ok > 1 && bad <= n) {
+      const int64_t mid = ok + (bad - ok) / 2;
+      Plan p = revolve(chain, mid);
+      if (p.predicted.peak_bytes <= budget_bytes) {
+        ok = mid, fits = std::move(p);
+      } else {
+        bad = mid;
+      }
     }
   }
   fits.budget_bytes = budget_bytes;

@@ -391,6 +391,23 @@ TEST(Revolve, SnapshotsBoundMemory) {
   EXPECT_THROW(remat::revolve(chain, -1), std::invalid_argument);
 }
 
+TEST(Revolve, WithinABudgetTakesTheMostSnapshotsThatFit) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 20; ++trial) {
+    const Chain chain = trial % 2 ? remat::uniform_chain(40, 1.0, 2.0, 1000, 2500) : random_chain(rng, 30, 100);
+    const int64_t least = remat::revolve(chain, 0).predicted.peak_bytes;
+    const int64_t most = remat::revolve(chain, chain.size()).predicted.peak_bytes;
+    const int64_t budget = least + (most - least) * (trial + 1) / 22;
+    int64_t best = -1;
+    for (int64_t c = 0; c <= chain.size(); ++c) {
+      if (remat::revolve(chain, c).predicted.peak_bytes <= budget) best = c;
+    }
+    const Plan p = remat::revolve_within(chain, budget);
+    EXPECT_EQ(p.planner, "revolve:" + std::to_string(best)) << "trial " << trial;
+    EXPECT_LE(p.predicted.peak_bytes, budget);
+  }
+}
+
 TEST(Revolve, HundredThousandStages) {
   const Chain chain = remat::uniform_chain(100000, 0.01, 0.02, 4, 4);
   const Plan p = remat::revolve(chain, 20);

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs every benchmark quoted in docs/BENCHMARKS.md, one after the other (they must not share the CPU), and
+# keeps each one's output in out/bench/<name>.log. Takes about an hour on 2 cores. Run after ./run or scripts/build.
+#   bench/benchmarks.sh              # everything
+#   bench/benchmarks.sh heavy scale  # only these sections
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+remat=build/bin/remat
+out=out/bench
+mkdir -p "$out"
+sections=("$@")
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy scale planner cifar forum demo maxbatch)
+
+log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
+
+for name in "${sections[@]}"; do
+  : > "$out/$name.log"
+  echo "=== $name ($(date -u +%FT%TZ))" | tee -a "$out/$name.log"
+  case "$name" in
+    machine)
+      log uname -srm
+      log nproc
+      log sh -c 'grep -m1 "model name" /proc/cpuinfo; grep -o -m1 -w "avx512f\|avx2" /proc/cpuinfo; echo OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE OMP_NUM_THREADS=$OMP_NUM_THREADS'
+      log sh -c 'dpkg-query -W libtorch-dev python3-torch libopenblas0-openmp'
+      ;;
+    bert)  # the headline, with PyTorch's per-layer and checkpoint_sequential(4) on the same model, 3 rounds
+      log "$REMAT_PYTHON" bench/compare.py --model bert \
+        --remat none,all,all-reentrant,sqrt,uniform:4,optimal:as=uniform:4,optimal:overhead=0.5 \
+        --pytorch none,all,all-reentrant,uniform:4 --steps 3 --warmup 1 --rounds 3 --plot --out "$out/bert"
+      ;;
+    heavy)  # HeavyChain: 1000 calls of 100 additions, checkpointed per call
+      log "$REMAT_PYTHON" bench/compare.py --model heavy --remat none,all,all-reentrant \
+        --pytorch none,all,all-reentrant --steps 5 --warmup 1 --rounds 3 --out "$out/heavy"
+      ;;
+    scale)  # peak activation memory against depth: none, sqrt and optimal within 1.25x the plain step's time
+      for depth in 16 64 256; do
+        log "$remat" bench --model mlp --depth "$depth" --width 256 --batch 256 \
+          --strategy none,sqrt,optimal:time=1.25 --steps 2 --warmup 1
+      done
+      ;;
+    planner)  # planning speed: optimal on 100 stages with 500 slots, revolve on 100,000 stages
+      log "$REMAT_PYTHON" bench/make_chains.py "$out"
+      log "$remat" plan --chain "$out/random-100.json" --budget 600MiB --slots 500
+      log "$remat" plan --chain "$out/random-100.json" --budget 300MiB --slots 500
+      log "$remat" plan --chain "$out/uniform-100000.json" --budget 64MiB --planner revolve
+      log "$remat" plan --chain "$out/uniform-100000.json" --planner revolve:20
+      ;;
+    cifar)  # the CIFAR-10 article's model and its checkpointed second block
+      log "$remat" bench --model cifar --batch 64 --strategy none,all --steps 5 --warmup 2
+      log "$remat" max-batch --model cifar --budget 256MiB --strategy none,all,sqrt,optimal
+      ;;
+    forum)  # the forum thread's models: where the memory goes
+      log "$remat" profile --model forum-cnn --batch 100 --optimizer adam
+      for placement in each-op conv-relu all-convs; do
+        log "$remat" bench --model forum-cnn --batch 100 --placement "$placement" --strategy none,all --steps 3
+      done
+      log "$remat" profile --model forum-cnn --variant full --batch 4 --optimizer adam --repeats 1
+      ;;
+    demo)  # the gradient checkpointing article's BERT experiment, scaled to this machine
+      log "$remat" demo --steps 3
+      ;;
+    maxbatch)  # the largest batch within a budget (the articles quote 24 -> 132 samples)
+      log "$remat" max-batch --model bert --layers 6 --hidden 512 --heads 8 --intermediate 2048 --seq 128 \
+        --budget 1GiB --strategy none,all,sqrt,optimal
+      ;;
+    *) echo "unknown section $name" >&2; exit 2 ;;
+  esac
+done

@@ -28,6 +28,10 @@ for name in "${sections[@]}"; do
       log "$REMAT_PYTHON" bench/compare.py --model bert \
         --remat none,all,all-reentrant,sqrt,uniform:4,optimal:as=uniform:4,optimal:overhead=0.5 \
         --pytorch none,all,all-reentrant,uniform:4 --steps 3 --warmup 1 --rounds 3 --plot --out "$out/bert"
+      # The optimal planner with PyTorch's checkpoint_sequential(4) peak (just measured) as its budget.
+      budget=$("$REMAT_PYTHON" -c "import json; r=json.load(open('$out/bert/compare.json'))['pytorch']['rows']; \
+print(next(x['peak_bytes'] for x in r if x['strategy']=='uniform:4'))")
+      log "$remat" bench --model bert --strategy "none,uniform:4,optimal:$budget" --steps 3 --warmup 1
       ;;
     heavy)  # HeavyChain: 1000 calls of 100 additions, checkpointed per call
       log "$REMAT_PYTHON" bench/compare.py --model heavy --remat none,all,all-reentrant \

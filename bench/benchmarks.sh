@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy scale planner cifar forum demo maxbatch)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small scale planner cifar forum demo maxbatch)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -36,11 +36,21 @@ print(next(x['peak_bytes'] for x in r if x['strategy']=='uniform:4'))")
     heavy)  # HeavyChain: 1000 calls of 100 additions, checkpointed per call
       log "$REMAT_PYTHON" bench/compare.py --model heavy --remat none,all,all-reentrant \
         --pytorch none,all,all-reentrant --steps 5 --warmup 1 --rounds 3 --out "$out/heavy"
+      # Where a plain step's time goes (needs perf; skipped where it is not permitted).
+      if perf record -q -o "$out/heavy.perf.data" true 2>/dev/null; then
+        log perf record -q -g -o "$out/heavy.perf.data" "$remat" bench --model heavy --strategy none --steps 3 --warmup 1
+        log sh -c "perf report -i $out/heavy.perf.data --no-children --stdio -g none --percent-limit 2 2>/dev/null | grep '%'"
+      fi
       ;;
-    scale)  # peak activation memory against depth: none, sqrt and optimal within 1.25x the plain step's time
+    small)  # a small BERT, where the per-operation and per-checkpoint costs are a large part of a step
+      log "$REMAT_PYTHON" bench/compare.py --model bert --layers 4 --hidden 128 --heads 4 --intermediate 512 \
+        --seq 64 --batch 8 --remat none,all,all-reentrant,uniform:2 --pytorch none,all,all-reentrant,uniform:2 \
+        --steps 20 --warmup 3 --rounds 3 --out "$out/small"
+      ;;
+    scale)  # peak activation memory against depth: none, sqrt, and optimal within 1.25x and 1.4x the plain step's predicted time
       for depth in 16 64 256; do
         log "$remat" bench --model mlp --depth "$depth" --width 256 --batch 256 \
-          --strategy none,sqrt,optimal:time=1.25 --steps 2 --warmup 1
+          --strategy none,sqrt,optimal:time=1.25,optimal:time=1.4 --steps 2 --warmup 1
       done
       ;;
     planner)  # planning speed: optimal on 100 stages with 500 slots, revolve on 100,000 stages

@@ -32,6 +32,7 @@ def merge(rounds):
     for i, row in enumerate(out["rows"]):
         per_round = [r["rows"][i] for r in rounds]
         row["median_ms"] = statistics.median(x["median_ms"] for x in per_round)
+        row["forward_ms"] = statistics.median(x.get("forward_ms", 0) for x in per_round)
         row["peak_bytes"] = max(x["peak_bytes"] for x in per_round)
         row["after_forward_bytes"] = max(x["after_forward_bytes"] for x in per_round)
     none = out["rows"][0]
@@ -82,12 +83,13 @@ def main():
 
     print(f"\n{rm['model']}\nbytes over parameters + gradients + inputs (remat {mib(rm['base_bytes'])} MiB, "
           f"PyTorch {mib(pt['base_bytes'])} MiB); {a.rounds} round(s) of {a.steps} interleaved steps\n")
-    header = f"{'library':<10}{'strategy':<24}{'peak MiB':>10}{'kept MiB':>10}{'median ms':>11}{'time/none':>11}"
+    header = (f"{'library':<10}{'strategy':<24}{'peak MiB':>10}{'kept MiB':>10}{'median ms':>11}{'fwd ms':>9}"
+              f"{'time/none':>11}")
     print(header + "\n" + "-" * len(header))
     for lib, res in (("remat", rm), ("pytorch", pt)):
         for r in res["rows"]:
             print(f"{lib:<10}{r['strategy']:<24}{mib(r['peak_bytes']):>10}{mib(r['after_forward_bytes']):>10}"
-                  f"{r['median_ms']:>11.1f}{r['time_ratio']:>11.2f}")
+                  f"{r['median_ms']:>11.1f}{r.get('forward_ms', 0):>9.1f}{r['time_ratio']:>11.2f}")
     rrows = {r["strategy"]: r for r in rm["rows"]}
     prows = {r["strategy"]: r for r in pt["rows"]}
     print("\nremat / PyTorch, same strategy:")

@@ -345,10 +345,13 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
       acc.after_forward_bytes = std::max(acc.after_forward_bytes, s.after_forward_bytes);
       acc.after_backward_bytes = s.after_backward_bytes;
       acc.step_ms.push_back(s.median_ms);
+      acc.forward_ms.push_back(s.median_forward_ms);
     }
   }
-  for (auto& r : rows)
+  for (auto& r : rows) {
     r.stats.median_ms = median(r.stats.step_ms);
+    r.stats.median_forward_ms = median(r.stats.forward_ms);
+  }
 
   if (progress) progress("comparing gradients with 'none'");
   std::vector<torch::Tensor> reference;
@@ -391,7 +394,8 @@ std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets) {
                       budget,
                       p.predicted.peak_bytes,
                       p.predicted.time_ms,
-                      base_ms > 0 ? p.predicted.time_ms / base_ms - 1 : 0};
+                      base_ms > 0 ? p.predicted.time_ms / base_ms - 1 : 0,
+                      chain.input_bytes};
   };
   std::vector<SweepPoint> out;
   const int64_t lo = min_feasible_budget(chain), hi = none.predicted.peak_bytes;

@@ -53,6 +53,7 @@ StepStats measure_step(torch::nn::Module& model, const std::function<torch::Tens
     const auto t0 = std::chrono::steady_clock::now();
     torch::Tensor loss = run_loss();
     sync();
+    const auto t_forward = std::chrono::steady_clock::now();
     const int64_t after_forward = scope.active_over_base();
     loss.backward();
     sync();
@@ -63,8 +64,10 @@ StepStats measure_step(torch::nn::Module& model, const std::function<torch::Tens
     stats.after_backward_bytes = scope.active_over_base();
     stats.peak_bytes = std::max(stats.peak_bytes, scope.peak_over_base());
     stats.step_ms.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+    stats.forward_ms.push_back(std::chrono::duration<double, std::milli>(t_forward - t0).count());
   }
   stats.median_ms = median(stats.step_ms);
+  stats.median_forward_ms = median(stats.forward_ms);
   return stats;
 }
 

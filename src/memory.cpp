@@ -26,7 +26,8 @@ int cuda_index(c10::Device device) {
 auto cuda_stats(c10::Device device) {
   return c10::cuda::CUDACachingAllocator::getDeviceStats(cuda_index(device));
 }
-constexpr size_t kAggregate = static_cast<size_t>(c10::cuda::CUDACachingAllocator::StatType::AGGREGATE);
+// StatType::AGGREGATE, which is index 0 in every LibTorch (the enum moved namespaces across 2.x releases).
+constexpr size_t kAggregate = 0;
 #endif
 
 void check_device(c10::Device device) {

@@ -504,10 +504,11 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
   const int64_t n = chain.size();
   constexpr double kMaxForwards = 5e7;
   int64_t lo = 0;  // fewer snapshots than this make schedules too long to build
-  while (lo < n && revolve_forward_estimate(n, lo) > kMaxForwards) ++lo;
+  while (lo < n && revolve_forward_estimate(n, lo) > kMaxForwards)
+    ++lo;
   if (n <= 512) {
-    // On a heterogeneous chain the peak need not grow with the snapshots (which activations they hold matters),
-    // so try them all, most first: more snapshots never cost time.
+    // On a heterogeneous chain the peak need not grow with the snapshots (which activations they hold
+    // matters), so try them all, most first: more snapshots never cost time.
     for (int64_t c = n; c >= lo; --c) {
       Plan p = revolve(chain, c);
       if (p.predicted.peak_bytes <= budget_bytes) {
@@ -520,7 +521,8 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
   // Each snapshot holds one activation on top of recomputing from the input (revolve with none), so this many
   // snapshots fit; usually it is the answer, and only it and its neighbour need building.
   int64_t largest = 0;
-  for (int64_t i = 1; i <= n; ++i) largest = std::max(largest, chain.activation_bytes(i));
+  for (int64_t i = 1; i <= n; ++i)
+    largest = std::max(largest, chain.activation_bytes(i));
   const int64_t spare = budget_bytes - recompute_from_input_peak(chain);
   int64_t guess = spare > 0 && largest > 0 ? std::min<int64_t>(n, spare / largest) : 0;
   guess = std::max(guess, lo);

@@ -35,6 +35,8 @@ struct StepStats {
   int64_t after_backward_bytes = 0;  ///< alive after backward once the loss is dropped, over base
   double median_ms = 0;              ///< median wall time of a step, forward + backward (milliseconds)
   std::vector<double> step_ms;       ///< every timed step (milliseconds)
+  double median_forward_ms = 0;      ///< median wall time of the forward pass, loss included (milliseconds)
+  std::vector<double> forward_ms;    ///< the forward pass of every timed step (milliseconds)
 };
 
 /// Runs `loss_fn` (the forward pass, returning a scalar loss) and backward, warmup + steps times, on

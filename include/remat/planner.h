@@ -85,10 +85,10 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
 /// snapshots < 0.
 Plan revolve(const Chain& chain, int64_t snapshots);
 
-/// revolve() with the most snapshots whose predicted peak fits budget_bytes (every count is tried on chains of up
-/// to 512 stages; longer chains, where each snapshot costs one activation, are searched from the estimate
-/// budget - peak without snapshots = snapshots x largest activation). Throws InfeasibleBudget when not even zero
-/// snapshots fit.
+/// revolve() with the most snapshots whose predicted peak fits budget_bytes (every count is tried on chains
+/// of up to 512 stages; longer chains, where each snapshot costs one activation, are searched from the
+/// estimate budget - peak without snapshots = snapshots x largest activation). Throws InfeasibleBudget when
+/// not even zero snapshots fit.
 Plan revolve_within(const Chain& chain, int64_t budget_bytes);
 
 /// The smallest budget (bytes) for which optimal() finds a schedule, computed exactly in bytes (for chains

@@ -187,10 +187,11 @@ int run_bench(const BenchArgs& a) {
   std::cout << w->description() << "\n"
             << "base (parameters + gradients + inputs): " << remat::format_bytes(none.base_bytes) << "; "
             << a.steps << " timed steps after " << a.warmup << " warm-up\n\n";
-  remat::cli::Table t({"strategy", "peak MiB", "kept MiB", "median ms", "peak/none", "time/none", "grads",
-                       "predicted peak MiB"});
+  remat::cli::Table t({"strategy", "peak MiB", "kept MiB", "median ms", "fwd ms", "peak/none", "time/none",
+                       "grads", "predicted peak MiB"});
   for (const auto& r : rows) {
     t.add({r.strategy, mib(r.stats.peak_bytes), mib(r.stats.after_forward_bytes), fixed(r.stats.median_ms, 1),
+           fixed(r.stats.median_forward_ms, 1),
            fixed(double(r.stats.peak_bytes) / double(none.peak_bytes), 3),
            fixed(r.stats.median_ms / none.median_ms, 2), grads_text(r),
            r.plan ? mib(r.plan->predicted.peak_bytes - w->input().nbytes()) : std::string("-")});
@@ -214,6 +215,7 @@ int run_bench(const BenchArgs& a) {
     row["after_forward_bytes"] = r.stats.after_forward_bytes;
     row["median_ms"] = r.stats.median_ms;
     row["step_ms"] = r.stats.step_ms;
+    row["forward_ms"] = r.stats.median_forward_ms;
     row["peak_ratio"] = double(r.stats.peak_bytes) / double(none.peak_bytes);
     row["time_ratio"] = r.stats.median_ms / none.median_ms;
     row["grads_equal"] = r.grads_equal;

@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small scale planner cifar forum demo maxbatch)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -46,6 +46,11 @@ print(next(x['peak_bytes'] for x in r if x['strategy']=='uniform:4'))")
       log "$REMAT_PYTHON" bench/compare.py --model bert --layers 4 --hidden 128 --heads 4 --intermediate 512 \
         --seq 64 --batch 8 --remat none,all,all-reentrant,uniform:2 --pytorch none,all,all-reentrant,uniform:2 \
         --steps 20 --warmup 3 --rounds 3 --out "$out/small"
+      ;;
+    noise)  # the noise floor of a cross-process comparison: the same plain step in both, five alternated rounds
+      log "$REMAT_PYTHON" bench/compare.py --model bert --layers 4 --hidden 128 --heads 4 --intermediate 512 \
+        --seq 64 --batch 8 --remat none --pytorch none --steps 20 --warmup 3 --rounds 5 --out "$out/noise"
+      log "$REMAT_PYTHON" -c "import json; [print('round', i, 'remat/pytorch', round(json.load(open(f'$out/noise/remat-{i}.json'))['rows'][0]['median_ms'] / json.load(open(f'$out/noise/pytorch-{i}.json'))['rows'][0]['median_ms'], 3)) for i in range(5)]"
       ;;
     scale)  # peak activation memory against depth: none, sqrt, and optimal within 1.25x and 1.4x the plain step's predicted time
       for depth in 16 64 256; do

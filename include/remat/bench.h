@@ -67,6 +67,7 @@ class Workload {
   virtual ~Workload() = default;
   /// "bert 12x768 (12 heads, ffn 3072), seq 128, batch 8" and the like.
   virtual std::string description() const = 0;
+  /// The model (its parameters are what the gradients are compared on).
   virtual torch::nn::Module& module() = 0;
   /// The input of the model's chain of stages (token ids for bert).
   virtual torch::Tensor input() const = 0;
@@ -86,7 +87,7 @@ std::unique_ptr<Workload> make_workload(const WorkloadConfig& config);
 
 /// One measured strategy.
 struct BenchRow {
-  std::string strategy;
+  std::string strategy;               ///< as given (see the top of this file)
   StepStats stats;                    ///< measured (bytes over parameters + gradients + inputs)
   double max_grad_diff = 0;           ///< largest |grad - grad of "none"| over all parameters
   double max_grad_diff_relative = 0;  ///< max_grad_diff / largest |grad of "none"|
@@ -117,12 +118,12 @@ Chain profile_workload(Workload& workload, const ProfileOptions* profile = nullp
 
 /// One point of a trade-off curve.
 struct SweepPoint {
-  std::string kind;  ///< "optimal" or "baseline"
-  std::string name;  ///< the planner
-  int64_t budget_bytes = 0;
+  std::string kind;                  ///< "optimal" or "baseline"
+  std::string name;                  ///< the planner
+  int64_t budget_bytes = 0;          ///< the budget it was planned for (0 for baselines)
   int64_t predicted_peak_bytes = 0;  ///< simulate()'s peak, the chain's input included (bytes)
-  double predicted_time_ms = 0;
-  double overhead = 0;      ///< predicted time / predicted time without checkpointing - 1
+  double predicted_time_ms = 0;      ///< simulate()'s time (milliseconds)
+  double overhead = 0;               ///< predicted time / predicted time without checkpointing - 1
   int64_t input_bytes = 0;  ///< the chain's input: predicted_peak_bytes - input_bytes is comparable to a
                             ///< measured peak over parameters, gradients and inputs
 };
@@ -134,7 +135,7 @@ std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets);
 
 /// The largest batch that fits a memory budget under a strategy.
 struct MaxBatch {
-  std::string strategy;
+  std::string strategy;              ///< none, all, sqrt, uniform:K or optimal
   int64_t batch = 0;                 ///< 0 when not even batch 1 fits
   int64_t predicted_peak_bytes = 0;  ///< at that batch, from the scaled profile
   int64_t measured_peak_bytes = 0;   ///< one real step at that batch (bytes over the base)

@@ -20,7 +20,7 @@ namespace remat {
 
 /// One stage of a chain.
 struct Stage {
-  std::string name;
+  std::string name;          ///< for people: "layer3", "2:Linear"
   double fwd_ms = 0;         ///< forward time (milliseconds)
   double bwd_ms = 0;         ///< backward time (milliseconds)
   int64_t output_bytes = 0;  ///< the stage's output a_{i+1}, which is the next stage's input (bytes)
@@ -33,8 +33,8 @@ struct Stage {
 
 /// The chain: its input a_0 and its stages in order.
 struct Chain {
-  int64_t input_bytes = 0;  ///< a_0 (bytes)
-  std::vector<Stage> stages;
+  int64_t input_bytes = 0;    ///< a_0 (bytes)
+  std::vector<Stage> stages;  ///< in order; stage i reads a_i and produces a_{i+1}
 
   /// Number of stages.
   int64_t size() const { return static_cast<int64_t>(stages.size()); }

@@ -40,8 +40,8 @@ enum class OpKind {
 
 /// One operation; stage is -1 for the loss.
 struct Op {
-  OpKind kind = OpKind::kForwardNoSave;
-  int64_t stage = -1;
+  OpKind kind = OpKind::kForwardNoSave;  ///< what it does
+  int64_t stage = -1;                    ///< the stage it runs, in [0, num_stages); -1 for the loss
   bool operator==(const Op& o) const { return kind == o.kind && stage == o.stage; }
   bool operator!=(const Op& o) const { return !(*this == o); }
 };

@@ -50,7 +50,9 @@ struct BertConfig {
 /// Word, position and token-type embeddings, summed, then LayerNorm and dropout.
 class BertEmbeddingsImpl : public torch::nn::Module {
  public:
+  /// Initialised as BERT: weights normal(0, initializer_range), LayerNorm 1 and 0.
   explicit BertEmbeddingsImpl(const BertConfig& config);
+  /// [batch, seq, hidden] for ids and token types [batch, seq] (int64; checked by BertModel, not here).
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& token_type_ids);
 
   torch::nn::Embedding word_embeddings{nullptr}, position_embeddings{nullptr}, token_type_embeddings{nullptr};
@@ -63,6 +65,7 @@ TORCH_MODULE(BertEmbeddings);
 /// LayerNorm, GELU feed-forward, residual + LayerNorm.
 class BertLayerImpl : public torch::nn::Module {
  public:
+  /// Linear weights normal(0, initializer_range), biases 0.
   explicit BertLayerImpl(const BertConfig& config);
   /// hidden [batch, seq, hidden]; extended_mask [batch, 1, 1, seq], 0 where attended and -10000 where masked.
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& extended_mask);

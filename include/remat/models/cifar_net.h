@@ -17,6 +17,7 @@ namespace remat::models {
 
 class CifarNetImpl : public torch::nn::Module, public Checkpointable {
  public:
+  /// The article's layers, with LibTorch's default initialisation.
   CifarNetImpl();
   /// logits [batch, 10] for images [batch, 3, 32, 32]. Throws c10::Error naming the shape when it is not
   /// that.

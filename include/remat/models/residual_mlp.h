@@ -30,7 +30,9 @@ struct ResidualMlpOptions {
 /// One block: x + dropout(fc2(gelu(fc1(x)))).
 class ResidualBlockImpl : public torch::nn::Module {
  public:
+  /// fc1: width -> hidden, fc2: hidden -> width, dropout probability `dropout`.
   ResidualBlockImpl(int64_t width, int64_t hidden, double dropout);
+  /// Same shape as x ([batch, width]).
   torch::Tensor forward(const torch::Tensor& x);
 
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};

@@ -528,10 +528,8 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
   guess = std::max(guess, lo);
   Plan fits = revolve(chain, guess);
   int64_t ok = guess, bad = n + 1;  // revolve(ok) fits; revolve(bad) does not (n + 1: none known)
-  if (fits.predicted.peak_bytes > budget_bytes) {
-    bad = guess;
-    ok = lo - 1;
-    while (bad - ok > 1) {
+  auto bisect = [&] {               // narrows (ok, bad) to neighbours, keeping the plan of ok in `fits`
+    while (bad - ok > 1 && bad <= n) {
       const int64_t mid = ok + (bad - ok) / 2;
       Plan p = revolve(chain, mid);
       if (p.predicted.peak_bytes <= budget_bytes) {
@@ -540,6 +538,11 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
         bad = mid;
       }
     }
+  };
+  if (fits.predicted.peak_bytes > budget_bytes) {
+    bad = guess;
+    ok = lo - 1;
+    bisect();
     if (ok < lo) {
       infeasible("remat::revolve_within", budget_bytes,
                  std::min(revolve(chain, lo).predicted.peak_bytes, min_feasible_budget(chain)));
@@ -554,15 +557,7 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
       }
       ok = next, fits = std::move(p);
     }
-    while (bad - ok > 1 && bad <= n) {
-      const int64_t mid = ok + (bad - ok) / 2;
-      Plan p = revolve(chain, mid);
-      if (p.predicted.peak_bytes <= budget_bytes) {
-        ok = mid, fits = std::move(p);
-      } else {
-        bad = mid;
-      }
-    }
+    bisect();
   }
   fits.budget_bytes = budget_bytes;
   return fits;

@@ -216,6 +216,7 @@ torch::Tensor Workload::loss_of(const torch::Tensor& output) const {
 std::unique_ptr<Workload> make_workload(const WorkloadConfig& c) {
   const std::string& m = c.model();
   TORCH_CHECK(c.batch() >= 0, "remat::make_workload: batch must be >= 0, got ", c.batch());
+  torch::manual_seed(c.seed());  // the weights and inputs drawn below
   if (m == "bert") return std::make_unique<BertWorkload>(c);
   if (m == "mlp") return std::make_unique<MlpWorkload>(c);
   if (m == "cifar") return std::make_unique<CifarWorkload>(c);
@@ -440,20 +441,19 @@ Chain scale_chain(const Chain& a, int64_t batch_a, const Chain& b, int64_t batch
 }
 
 // The peak a strategy predicts on a chain; "optimal" is the least memory of any schedule.
-int64_t predicted_peak(const std::string& s, const Chain& chain) {
-  if (s == "optimal") return min_feasible_budget(chain);
-  if (s == "none") return no_checkpoint(chain).predicted.peak_bytes;
-  if (s == "all") return checkpoint_all(chain).predicted.peak_bytes;
-  auto p = plan_for(s, chain);
-  TORCH_CHECK(p, "remat::max_batch: unknown strategy '", s, "' (none, all, sqrt, uniform:K, optimal)");
-  return p->predicted.peak_bytes;
-}
-
+// The plan a max-batch strategy runs; "optimal" plans for `budget`.
 Plan plan_at(const std::string& s, const Chain& chain, int64_t budget) {
   if (s == "optimal") return optimal(chain, budget);
   if (s == "none") return no_checkpoint(chain);
   if (s == "all") return checkpoint_all(chain);
-  return *plan_for(s, chain);
+  auto p = plan_for(s, chain);
+  TORCH_CHECK(p, "remat::max_batch: unknown strategy '", s, "' (none, all, sqrt, uniform:K, optimal)");
+  return *p;
+}
+
+// The peak a strategy predicts on a chain; for "optimal", the least memory of any schedule.
+int64_t predicted_peak(const std::string& s, const Chain& chain) {
+  return s == "optimal" ? min_feasible_budget(chain) : plan_at(s, chain, 0).predicted.peak_bytes;
 }
 
 }  // namespace

@@ -46,9 +46,10 @@ struct ExecState final : torch::CustomClassHolder {
   int64_t grad_at = -1;
 };
 
-void check_stage_count(const std::vector<StageFn>& stages, const Plan& plan, const char* who) {
-  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(stages.size()), who, ": the plan is for ",
-              plan.num_stages, " stages but there are ", stages.size());
+// The plan is valid and has `count` stages ("...but <has> <count><unit>" otherwise).
+void check_plan_fits(const Plan& plan, size_t count, const char* who, const char* has, const char* unit) {
+  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(count), who, ": the plan is for ", plan.num_stages,
+              " stages but ", has, count, unit);
   try {
     check_plan(plan);
   } catch (const std::invalid_argument& e) {
@@ -224,7 +225,7 @@ std::vector<StageFn> stages_of(torch::nn::Sequential& seq) {
 
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
                        const CheckpointOptions& options, std::shared_ptr<ExecutionStats> stats) {
-  check_stage_count(stages, plan, "remat::run_plan");
+  check_plan_fits(plan, stages.size(), "remat::run_plan", "there are ", "");
   TORCH_CHECK(input.defined(), "remat::run_plan: the input is an undefined tensor");
   if (stats) stats->forward_calls.assign(stages.size(), 0);
   if (!at::GradMode::is_enabled()) {
@@ -275,14 +276,7 @@ CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq
 
 void CheckpointedSequentialImpl::set_plan(Plan plan) {
   TORCH_CHECK(seq_->size() > 0, "remat::CheckpointedSequential: the Sequential is empty");
-  TORCH_CHECK(plan.num_stages == static_cast<int64_t>(seq_->size()),
-              "remat::CheckpointedSequential: the plan is for ", plan.num_stages,
-              " stages but the Sequential has ", seq_->size(), " modules");
-  try {
-    check_plan(plan);
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, "remat::CheckpointedSequential: invalid plan: ", e.what());
-  }
+  check_plan_fits(plan, seq_->size(), "remat::CheckpointedSequential", "the Sequential has ", " modules");
   plan_ = std::move(plan);
 }
 

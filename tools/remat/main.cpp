@@ -146,7 +146,6 @@ struct ModelArgs {
     } else {
       remat::memory::track_cpu();
     }
-    torch::manual_seed(seed);
     return remat::make_workload(config(batch_override));
   }
 };

@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
@@ -13,8 +14,11 @@
 #include <mutex>
 #include <optional>
 #include <sstream>
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
 
+#include "detail/compat.h"
 #include "detail/hooks.h"
 #include "detail/region.h"
 
@@ -98,6 +102,40 @@ RngReplay::~RngReplay() {
   if (!saved_.empty()) saved_.restore();
 }
 
+AutocastState AutocastState::current() {
+  AutocastState s;
+  s.cpu_enabled = compat::autocast_enabled(c10::DeviceType::CPU);
+  s.cuda_enabled = compat::autocast_enabled(c10::DeviceType::CUDA);
+  s.cpu_dtype = compat::autocast_dtype(c10::DeviceType::CPU);
+  s.cuda_dtype = compat::autocast_dtype(c10::DeviceType::CUDA);
+  s.cache_enabled = at::autocast::is_autocast_cache_enabled();
+  return s;
+}
+
+namespace {
+void apply_autocast(const AutocastState& s) {
+  compat::set_autocast_enabled(c10::DeviceType::CPU, s.cpu_enabled);
+  compat::set_autocast_enabled(c10::DeviceType::CUDA, s.cuda_enabled);
+  compat::set_autocast_dtype(c10::DeviceType::CPU, s.cpu_dtype);
+  compat::set_autocast_dtype(c10::DeviceType::CUDA, s.cuda_dtype);
+  at::autocast::set_autocast_cache_enabled(s.cache_enabled);
+}
+}  // namespace
+
+AutocastScope::AutocastScope(const AutocastState& state) : saved_(AutocastState::current()) {
+  apply_autocast(state);
+  if (state.any()) {
+    at::autocast::increment_nesting();
+    nested_ = true;
+  }
+}
+
+AutocastScope::~AutocastScope() {
+  // Like leaving torch.autocast: the cast cache lives as long as the outermost autocast region.
+  if (nested_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  apply_autocast(saved_);
+}
+
 BufferRestore::BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
   if (modules.empty()) return;
   at::NoGradGuard no_grad;
@@ -173,15 +211,34 @@ std::vector<at::Tensor> detached_inputs(const std::vector<at::Tensor>& saved,
   return out;
 }
 
+// The saved inputs as a recompute under create_graph runs on them: a view of each input that requires grad,
+// so that the recomputed graph leads back to the real input and each use of an input is its own target.
+std::vector<at::Tensor> attached_inputs(const std::vector<at::Tensor>& saved, const std::vector<bool>& flags) {
+  std::vector<at::Tensor> out;
+  out.reserve(saved.size());
+  for (size_t i = 0; i < saved.size(); ++i) {
+    if (flags[i] && saved[i].requires_grad()) {
+      out.push_back(saved[i].view_as(saved[i]));
+    } else {
+      out.push_back(flags[i] ? saved[i].detach().requires_grad_(true) : saved[i].detach());
+    }
+  }
+  return out;
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // kNonReentrant: saved-tensor hooks
 
-// Saved-tensor hooks of a recompute: store what autograd saves, in order. Its graph is thrown away, so the
-// hooks are never unpacked.
+// Saved-tensor hooks of a recompute: store what autograd saves, in order, and hand the tensor back if the
+// recompute's own graph is used (fn calls torch::autograd::grad inside). That graph is thrown away with the
+// recompute, and with it the hooks.
 class Collector final : public HookSource {
  public:
-  Collector(std::vector<at::Tensor>& out, const std::vector<TensorMeta>* expected)
-      : out_(out), expected_(expected) {}
+  // Stores the first `limit` saved tensors (a recompute started before the forward pass finished sees more
+  // than the forward pass has saved so far: those beyond `limit` are not kept). `strict`: more than `limit`
+  // is an error. `expected`: their metadata in the forward pass, checked when non-null.
+  Collector(std::vector<at::Tensor>& out, int64_t limit, bool strict, const std::vector<TensorMeta>* expected)
+      : out_(out), limit_(limit), strict_(strict), expected_(expected) {}
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
     return std::make_unique<Hooks>(this);
@@ -191,34 +248,39 @@ class Collector final : public HookSource {
   struct Hooks final : torch::autograd::SavedVariableHooks {
     explicit Hooks(Collector* c) : collector(c) {}
     void call_pack_hook(const at::Tensor& t) override {
-      collector->store(t);
+      // As autograd would save it: a tensor that does not require grad is kept as is (a custom Function gets
+      // the very tensor it saved back), one that does is detached (unpacking re-attaches its grad_fn).
+      saved = t.requires_grad() ? t.detach() : t;
+      collector->store(saved);
       collector = nullptr;  // the collector dies with the recompute; only pack may touch it
     }
-    at::Tensor call_unpack_hook() override {
-      TORCH_CHECK(false,
-                  "remat::checkpoint: a tensor saved during a recompute was used for backward; the graph "
-                  "a recompute builds is internal (did fn keep its outputs?)");
-    }
+    at::Tensor call_unpack_hook() override { return saved; }
     Collector* collector;
+    at::Tensor saved;
   };
 
   void store(const at::Tensor& t) {
-    const size_t i = out_.size();
+    const int64_t i = count_++;
+    if (i >= limit_) {
+      TORCH_CHECK(!strict_, "remat::checkpoint: the recompute saved more tensors for backward than ",
+                  "the forward pass (", limit_, "); fn must do the same work each time it runs");
+      return;
+    }
     if (expected_ != nullptr) {
-      TORCH_CHECK(i < expected_->size(),
-                  "remat::checkpoint: the recompute saved more tensors for backward than ",
-                  "the forward pass (", expected_->size(), "); fn must do the same work each time it runs");
       const TensorMeta now = TensorMeta::of(t);
       TORCH_CHECK(
           now == (*expected_)[i], "remat::checkpoint: determinism check failed: saved tensor ", i, " is ",
           now.str(), " in the recompute but was ", (*expected_)[i].str(),
           " in the forward pass (set CheckpointOptions().determinism_check(false) to skip this check)");
     }
-    out_.push_back(t.detach());
+    out_.push_back(t);
   }
 
   std::vector<at::Tensor>& out_;
+  int64_t limit_;
+  bool strict_;
   const std::vector<TensorMeta>* expected_;
+  int64_t count_ = 0;
 };
 
 class Frame final : public HookSource, public std::enable_shared_from_this<Frame> {
@@ -228,7 +290,8 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
         requires_grad_(requires_grad_flags(inputs)),
         modules_(options.modules()),
         cuda_devices_(cuda_devices_of(inputs)),
-        check_(options.determinism_check()) {
+        check_(options.determinism_check()),
+        autocast_(AutocastState::current()) {
     // The inputs are saved as autograd saves tensors, so that an enclosing checkpoint drops them too.
     inputs_.reserve(inputs.size());
     for (const auto& x : inputs)
@@ -241,8 +304,16 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   }
 
   std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& inputs) {
-    HookScope scope(this);
-    return fn_(inputs);
+    std::vector<at::Tensor> outputs;
+    {
+      HookScope scope(this);
+      outputs = fn_(inputs);
+    }
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    forward_done_ = true;
+    // What a gradient taken inside fn had recomputed is not kept until the backward pass.
+    recomputed_.clear();
+    return outputs;
   }
 
  private:
@@ -255,18 +326,20 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   };
 
   int64_t pack(const at::Tensor& t) {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
     if (check_) metas_.push_back(TensorMeta::of(t));
     return num_saved_++;
   }
 
   // Each recomputed tensor is handed out once and then dropped, so memory goes as backward consumes it. A
   // slot asked for again (a second backward with retain_graph, or a partial one) triggers a fresh recompute,
-  // which gives the same values.
+  // which gives the same values. A slot asked for while fn is still running (fn takes a gradient of its own
+  // intermediate results) is recomputed too: fn is run again up to where it is now.
   at::Tensor unpack(int64_t index) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     TORCH_INTERNAL_ASSERT(index >= 0 && index < num_saved_, "remat::checkpoint: bad saved-tensor index ",
                           index);
-    if (recomputed_.empty() || !recomputed_[index].defined()) recompute();
+    if (index >= static_cast<int64_t>(recomputed_.size()) || !recomputed_[index].defined()) recompute();
     return std::move(recomputed_[index]);
   }
 
@@ -278,17 +351,18 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     std::vector<at::Tensor> args = detached_inputs(saved, requires_grad_);
     std::vector<at::Tensor> collected;
     collected.reserve(num_saved_);
+    const int64_t limit = num_saved_;
     {
-      Collector collector(collected, check_ ? &metas_ : nullptr);
+      Collector collector(collected, limit, /*strict=*/forward_done_, check_ ? &metas_ : nullptr);
       RngReplay rng(rng_, cuda_devices_);
       BufferRestore buffers(modules_);
+      AutocastScope autocast(autocast_);
       HookScope scope(&collector);
       at::AutoGradMode grad(true);
       fn_(args);
     }
-    TORCH_CHECK(static_cast<int64_t>(collected.size()) == num_saved_,
-                "remat::checkpoint: the recompute saved ", collected.size(),
-                " tensors for backward but the forward pass saved ", num_saved_,
+    TORCH_CHECK(static_cast<int64_t>(collected.size()) == limit, "remat::checkpoint: the recompute saved ",
+                collected.size(), " tensors for backward but the forward pass saved ", limit,
                 "; fn must do the same work each time it runs");
     recomputed_ = std::move(collected);
   }
@@ -299,16 +373,18 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   std::vector<std::shared_ptr<torch::nn::Module>> modules_;
   std::vector<c10::DeviceIndex> cuda_devices_;
   bool check_;
+  AutocastState autocast_;
   RngState rng_;
   std::vector<TensorMeta> metas_;
   int64_t num_saved_ = 0;
+  bool forward_done_ = false;
   std::vector<at::Tensor> recomputed_;
   std::recursive_mutex mutex_;
 };
 
 std::vector<at::Tensor> run_non_reentrant(const TensorsFn& fn, const std::vector<at::Tensor>& inputs,
                                           const CheckpointOptions& options) {
-  install_engine();
+  require_engine("remat::checkpoint");
   auto frame = std::make_shared<Frame>(fn, inputs, options);
   return frame->run_forward(inputs);
 }
@@ -324,16 +400,21 @@ struct ReentrantState final : torch::CustomClassHolder {
   std::vector<c10::DeviceIndex> cuda_devices;
   bool check = true;
   RngState rng;
+  AutocastState autocast;
   std::vector<TensorMeta> output_metas;
 };
 
 // Leaves that the recomputed graph reaches and that the checkpoint did not declare: parameters fn uses from
 // modules missing in options.modules. Only nodes created by the recompute are followed, so the walk stays
 // inside the region.
-std::vector<at::Tensor> undeclared_leaves(const std::vector<at::Tensor>& outputs,
-                                          const std::unordered_set<c10::TensorImpl*>& declared,
-                                          uint64_t first_sequence_nr) {
-  std::vector<at::Tensor> leaves;
+struct Leaf {
+  at::Tensor variable;
+  torch::autograd::Node* accumulator;
+};
+std::vector<Leaf> undeclared_leaves(const std::vector<at::Tensor>& outputs,
+                                    const std::unordered_set<c10::TensorImpl*>& declared,
+                                    uint64_t first_sequence_nr) {
+  std::vector<Leaf> leaves;
   std::vector<torch::autograd::Node*> stack;
   std::unordered_set<torch::autograd::Node*> seen;
   for (const auto& o : outputs) {
@@ -344,7 +425,8 @@ std::vector<at::Tensor> undeclared_leaves(const std::vector<at::Tensor>& outputs
     stack.pop_back();
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
       const at::Tensor& v = acc->variable;
-      if (v.defined() && v.requires_grad() && !declared.count(v.unsafeGetTensorImpl())) leaves.push_back(v);
+      if (v.defined() && v.requires_grad() && !declared.count(v.unsafeGetTensorImpl()))
+        leaves.push_back({v, acc});
       continue;
     }
     if (node->sequence_nr() < first_sequence_nr) continue;
@@ -361,7 +443,20 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                                                 c10::intrusive_ptr<ReentrantState> st) {
     (void)params;  // inputs of the node so that the engine routes their gradients; fn uses them itself
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
-    std::vector<at::Tensor> outputs = st->fn(in);
+    std::vector<at::Tensor> outputs;
+    try {
+      outputs = st->fn(in);
+    } catch (const c10::Error& e) {
+      // What torch::autograd::grad says when fn differentiates its own results, which have no graph here.
+      const std::string what = e.what_without_backtrace();
+      if (what.find("does not require grad and does not have a grad_fn") == std::string::npos) throw;
+      TORCH_CHECK(false,
+                  "remat::checkpoint: fn takes a gradient of its own results (torch::autograd::grad or "
+                  "backward inside fn), which CheckpointMode::kReentrant cannot support: it runs fn under "
+                  "NoGradGuard in the forward pass, as PyTorch's use_reentrant=True does. Use "
+                  "CheckpointMode::kNonReentrant for such a region. (",
+                  what, ")");
+    }
     check_outputs(outputs);
     if (st->check) {
       for (const auto& o : outputs)
@@ -384,13 +479,19 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                                                  torch::autograd::variable_list grad_outputs) {
     auto st = c10::static_intrusive_pointer_cast<ReentrantState>(ctx->saved_data["state"].toCapsule());
     const std::vector<at::Tensor> saved = ctx->get_saved_variables();
-    std::vector<at::Tensor> args = detached_inputs(saved, st->requires_grad);
+    // Under create_graph (double backward) the recompute is attached to the saved inputs (through a view per
+    // input, so that an input passed twice gets each use's gradient once), and the gradients it returns are
+    // differentiable with respect to the real inputs; otherwise it runs on detached copies.
+    const bool create_graph = at::GradMode::is_enabled();
+    std::vector<at::Tensor> args =
+        create_graph ? attached_inputs(saved, st->requires_grad) : detached_inputs(saved, st->requires_grad);
 
     const uint64_t first_sequence_nr = at::sequence_number::peek();
     std::vector<at::Tensor> outputs;
     {
       RngReplay rng(st->rng, st->cuda_devices);
       BufferRestore buffers(st->modules);
+      AutocastScope autocast(st->autocast);
       at::AutoGradMode grad(true);
       outputs = st->fn(args);
     }
@@ -437,29 +538,80 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         slot.push_back(n_inputs + j);
       }
     }
-    const bool create_graph = at::GradMode::is_enabled();
     const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-    if (exec_info == nullptr || exec_info->empty()) {
+    const bool accumulating = exec_info == nullptr || exec_info->empty();
+    // Leaves fn uses without declaring them: trained under backward() (as PyTorch's reentrant checkpoint
+    // does); under torch::autograd::grad they cannot be returned, so asking for one is reported.
+    std::vector<Leaf> extra = undeclared_leaves(roots, declared, first_sequence_nr);
+    if (!accumulating) {
+      warn_undeclared_asked(extra, *exec_info);
+      extra.clear();
+    }
+
+    if (accumulating && !create_graph) {
       // Under backward(): accumulate into .grad through the parameters' own AccumulateGrad nodes, as each
-      // gradient is computed (the region's parameter gradients are never all alive at once), including
-      // parameters fn uses without declaring them (as PyTorch's reentrant checkpoint does); the inputs'
+      // gradient is computed (the region's parameter gradients are never all alive at once); the inputs'
       // gradients are returned.
-      std::vector<at::Tensor> extra = undeclared_leaves(roots, declared, first_sequence_nr);
-      targets.insert(targets.end(), extra.begin(), extra.end());
+      for (const Leaf& leaf : extra)
+        targets.push_back(leaf.variable);
       if (targets.empty()) return result;
-      torch::autograd::backward(roots, root_grads, /*retain_graph=*/false, create_graph, targets);
+      torch::autograd::backward(roots, root_grads, /*retain_graph=*/false, /*create_graph=*/false, targets);
       for (size_t k = 0; k < slot.size(); ++k) {
         if (slot[k] < n_inputs) result[slot[k]] = targets[k].grad();
       }
       return result;
     }
-    // Under torch::autograd::grad: return every gradient; undeclared parameters cannot have been asked for.
+    // Under torch::autograd::grad, or with create_graph: every gradient is returned through the node (so the
+    // engine accumulates parameters as it does without checkpointing); undeclared leaves are accumulated here.
+    const size_t n_targets = targets.size();
+    for (const Leaf& leaf : extra)
+      targets.push_back(leaf.variable);
     if (targets.empty()) return result;
-    std::vector<at::Tensor> grads = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false,
-                                                          create_graph, /*allow_unused=*/true);
-    for (size_t k = 0; k < targets.size(); ++k)
+    // Second-order gradients may run through the recomputed graph again: keep it when building one.
+    std::vector<at::Tensor> grads = torch::autograd::grad(roots, targets, root_grads,
+                                                          /*retain_graph=*/create_graph, create_graph,
+                                                          /*allow_unused=*/true);
+    for (size_t k = 0; k < n_targets; ++k)
       result[slot[k]] = grads[k];
+    for (size_t k = n_targets; k < targets.size(); ++k) {
+      if (!grads[k].defined()) continue;
+      at::Tensor& g = targets[k].mutable_grad();
+      g = g.defined() ? g + grads[k] : grads[k];
+    }
     return result;
+  }
+
+  // Under torch::autograd::grad, an undeclared parameter the caller asked for gets no gradient through a
+  // kReentrant region: say so, once per shape. A parameter is taken as asked for when its gradient
+  // accumulator is captured, or when the caller asked for a tensor that had no autograd node at the time
+  // (the engine then captures an Identity placeholder: a parameter used only inside kReentrant regions,
+  // whose forward pass builds no graph, is such a tensor).
+  static void warn_undeclared_asked(
+      const std::vector<Leaf>& leaves,
+      const std::unordered_map<torch::autograd::Node*, torch::autograd::GraphTask::ExecInfo>& exec_info) {
+    if (leaves.empty()) return;
+    bool unreachable_asked = false;
+    for (const auto& [node, info] : exec_info) {
+      if (info.captures_ && dynamic_cast<torch::autograd::Identity*>(node) != nullptr) unreachable_asked = true;
+    }
+    static std::mutex mutex;
+    static std::unordered_set<std::string> warned;
+    std::string shapes;
+    for (const Leaf& leaf : leaves) {
+      auto it = exec_info.find(leaf.accumulator);
+      const bool asked = it != exec_info.end() && it->second.captures_;
+      if (!asked && !unreachable_asked) continue;
+      std::ostringstream shape;
+      shape << leaf.variable.sizes();
+      std::lock_guard<std::mutex> lock(mutex);
+      if (warned.insert(shape.str()).second) shapes += (shapes.empty() ? "" : ", ") + shape.str();
+    }
+    if (shapes.empty()) return;
+    TORCH_WARN("remat::checkpoint: torch::autograd::grad was asked for a tensor that a kReentrant region ",
+               "cannot give a gradient to: the region uses parameters it does not declare (shapes ", shapes,
+               "), and those get no gradient through the region under torch::autograd::grad. Add their "
+               "modules to CheckpointOptions().modules({...}), checkpoint the module itself, or use "
+               "CheckpointMode::kNonReentrant.");
   }
 
   // Parameters of the modules that require grad, each once, in a stable order.
@@ -498,6 +650,7 @@ std::vector<at::Tensor> run_reentrant(const TensorsFn& fn, const std::vector<at:
       "trained (PyTorch's reentrant checkpoint silently freezes them). Checkpoint the module itself, list "
       "the modules in CheckpointOptions().modules({...}), or use CheckpointMode::kNonReentrant");
   if (options.preserve_rng_state()) st->rng = RngState::capture(st->cuda_devices);
+  st->autocast = AutocastState::current();
   return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(st->params), st);
 }
 

@@ -1,6 +1,10 @@
 #include <torch/csrc/autograd/engine.h>
 
+#include <ATen/SavedTensorHooks.h>
+#include <c10/util/Exception.h>
+
 #include <mutex>
+#include <typeinfo>
 #include <vector>
 
 #include "detail/hooks.h"
@@ -12,7 +16,7 @@ thread_local std::vector<HookSource*> hook_stack;
 
 struct RematEngine final : torch::autograd::Engine {
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
-    if (hook_stack.empty()) return nullptr;
+    if (hook_stack.empty() || !at::SavedTensorDefaultHooks::is_enabled()) return nullptr;
     return hook_stack.back()->make_hooks();
   }
 };
@@ -25,9 +29,28 @@ torch::autograd::Engine& remat_engine() {
 
 }  // namespace
 
-void install_engine() {
-  static std::once_flag once;
-  std::call_once(once, [] { torch::autograd::set_default_engine_stub(&remat_engine); });
+void require_engine(const char* who) {
+  static std::mutex mutex;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    // Only LibTorch's own engine is replaced: another one (PyTorch's Python engine) serves its own hooks.
+    if (typeid(torch::autograd::Engine::get_default_engine()) == typeid(torch::autograd::Engine)) {
+      torch::autograd::set_default_engine_stub(&remat_engine);
+    }
+  }
+  torch::autograd::Engine& engine = torch::autograd::Engine::get_default_engine();
+  TORCH_CHECK(&engine == &remat_engine(), who,
+              ": CheckpointMode::kNonReentrant needs remat's autograd engine, but another engine (",
+              typeid(engine).name(),
+              ") is LibTorch's default in this process, typically PyTorch's Python engine installed by "
+              "`import torch` (an embedded interpreter or a Python extension). Its saved-tensor hooks would "
+              "not reach remat and every activation would be kept. Use CheckpointMode::kReentrant in such a "
+              "process.");
+  TORCH_CHECK(at::SavedTensorDefaultHooks::is_enabled(), who,
+              ": default saved-tensor hooks are disabled on this thread (at::SavedTensorDefaultHooks::disable: '",
+              at::SavedTensorDefaultHooks::get_disabled_error_message().value_or(""),
+              "'), so CheckpointMode::kNonReentrant would keep every activation. Enable them "
+              "(at::SavedTensorDefaultHooks::enable()) or use CheckpointMode::kReentrant.");
 }
 
 HookScope::HookScope(HookSource* source) {

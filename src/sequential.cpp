@@ -12,6 +12,8 @@
 namespace remat {
 namespace {
 
+using detail::AutocastScope;
+using detail::AutocastState;
 using detail::BufferRestore;
 using detail::RngReplay;
 using detail::RngState;
@@ -26,6 +28,7 @@ struct ExecState final : torch::CustomClassHolder {
   bool check = true;
   bool input_requires_grad = false;
   std::vector<c10::DeviceIndex> cuda_devices;
+  AutocastState autocast;  // of the forward pass, re-entered by every recompute
   std::shared_ptr<ExecutionStats> stats;
   std::vector<at::Tensor> params;                     // the node's parameter inputs (require grad, each once)
   std::vector<std::vector<at::Tensor>> stage_params;  // per stage, those that require grad
@@ -68,14 +71,17 @@ void run_forward(ExecState& st, const Op& op) {
   const at::Tensor x = value_of(in).detach();
   const StageFn& stage = st.stages[i];
 
-  // The first run of a stage draws its random numbers; later runs replay them and restore the buffers.
+  // The first run of a stage draws its random numbers; later runs replay them, restore the buffers and run
+  // under the forward pass's autocast state.
   std::optional<RngReplay> replay;
   std::optional<BufferRestore> buffers;
+  std::optional<AutocastScope> autocast;
   if (!st.ran[i]) {
     if (st.preserve_rng) st.rng[i] = RngState::capture(st.cuda_devices);
   } else {
     replay.emplace(st.rng[i], st.cuda_devices);
     if (stage.module) buffers.emplace(std::vector<std::shared_ptr<torch::nn::Module>>{stage.module});
+    autocast.emplace(st.autocast);
   }
 
   at::Tensor out;
@@ -246,6 +252,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->check = options.determinism_check();
   st->input_requires_grad = input.requires_grad();
   st->cuda_devices = detail::cuda_devices_of({input});
+  st->autocast = AutocastState::current();
   st->stats = std::move(stats);
   const size_t n = stages.size();
   st->rng.resize(n);

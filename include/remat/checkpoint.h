@@ -27,14 +27,17 @@ enum class CheckpointMode {
   /// enabled,
   /// but every tensor its autograd graph would save is dropped; the first time the backward pass needs one,
   /// the region is recomputed once and the recomputed tensors are handed out. Works with backward(),
-  /// torch::autograd::grad, retain_graph and nested checkpoints; parameters need no declaring.
-  /// Uses remat's own autograd engine (installed on first use), so it cannot share a process with Python's
-  /// autograd engine (a LibTorch program embedded in a Python interpreter).
+  /// torch::autograd::grad, retain_graph, create_graph (second order), nested checkpoints and fn calling
+  /// torch::autograd::grad itself; parameters need no declaring. Uses remat's own autograd engine
+  /// (installed on first use): where another engine is the default (PyTorch's Python engine, in a process
+  /// that imported torch) or default saved-tensor hooks are disabled, remat::checkpoint throws c10::Error
+  /// rather than keep every activation.
   kNonReentrant,
   /// A custom autograd Function (like use_reentrant=True). The region runs under NoGradGuard; its backward
   /// recomputes it with grad enabled and takes the gradients with an inner torch::autograd::grad, so it
-  /// also works under torch::autograd::grad. Parameters are trained when their modules are in
-  /// CheckpointOptions::modules (automatic in the module overload).
+  /// also works under torch::autograd::grad and create_graph. Parameters are trained when their modules are
+  /// in CheckpointOptions::modules (automatic in the module overload). fn cannot take gradients of its own
+  /// results (it runs without grad in the forward pass): that throws c10::Error naming kNonReentrant.
   kReentrant,
 };
 
@@ -87,7 +90,8 @@ torch::Tensor checkpoint_tensor(const TensorFn& fn, const torch::Tensor& input,
 /// parameter used inside equal those of calling fn directly; the tensors fn's autograd graph would keep
 /// alive are dropped and recomputed in the backward pass. fn is kept until the backward pass (what it
 /// captures by reference must outlive it) and may run twice: once now, once in the backward pass.
-/// Under NoGradGuard, or when nothing requires grad in kNonReentrant mode, it simply runs fn.
+/// Under NoGradGuard, or when nothing requires grad in kNonReentrant mode, it simply runs fn. The recompute
+/// runs under the RNG state (preserve_rng_state) and the autocast state (CPU and CUDA) of the forward pass.
 /// Throws c10::Error naming remat::checkpoint and the value when inputs is empty or holds an undefined
 /// tensor (before fn runs), when fn returns no tensor or an undefined one, when kReentrant has nothing that
 /// could receive a gradient (no input requires grad and no module in options.modules has a parameter that

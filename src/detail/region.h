@@ -23,6 +23,33 @@ struct RngState {
   bool empty() const { return !cpu.defined(); }
 };
 
+/// Autocast (mixed precision) as it stands on this thread, for the CPU and CUDA device types: a recompute
+/// re-enters the state of the forward pass, as torch.utils.checkpoint does.
+struct AutocastState {
+  bool cpu_enabled = false;
+  bool cuda_enabled = false;
+  bool cache_enabled = true;
+  c10::ScalarType cpu_dtype = c10::ScalarType::BFloat16;
+  c10::ScalarType cuda_dtype = c10::ScalarType::Half;
+
+  static AutocastState current();
+  bool any() const { return cpu_enabled || cuda_enabled; }
+};
+
+/// While alive: autocast is in `state` (entered like torch.autocast: nesting counted, the cast cache cleared
+/// when the outermost autocast region ends); on destruction the previous state is back.
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& state);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  AutocastState saved_;
+  bool nested_ = false;
+};
+
 /// The CUDA device indices of the defined CUDA tensors in `tensors`, each once.
 std::vector<c10::DeviceIndex> cuda_devices_of(const std::vector<at::Tensor>& tensors);
 

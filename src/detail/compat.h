@@ -1,0 +1,76 @@
+#pragma once
+// What differs between the LibTorch versions remat supports (Debian's 1.13, the 2.x of PyPI's wheel), in one
+// place, so that the rest of the code reads as if there were one LibTorch.
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <torch/version.h>
+
+#include <string>
+#include <vector>
+
+namespace remat::detail::compat {
+
+#if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
+// 2.4 and later: one entry point per device type.
+inline bool autocast_enabled(c10::DeviceType device) { return at::autocast::is_autocast_enabled(device); }
+inline void set_autocast_enabled(c10::DeviceType device, bool on) {
+  at::autocast::set_autocast_enabled(device, on);
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType device) { return at::autocast::get_autocast_dtype(device); }
+inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
+  at::autocast::set_autocast_dtype(device, dtype);
+}
+#else
+// 1.13: separate CPU and GPU functions.
+inline bool autocast_enabled(c10::DeviceType device) {
+  return device == c10::DeviceType::CPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+}
+inline void set_autocast_enabled(c10::DeviceType device, bool on) {
+  if (device == c10::DeviceType::CPU) {
+    at::autocast::set_cpu_enabled(on);
+  } else {
+    at::autocast::set_enabled(on);
+  }
+}
+inline c10::ScalarType autocast_dtype(c10::DeviceType device) {
+  return device == c10::DeviceType::CPU ? at::autocast::get_autocast_cpu_dtype()
+                                        : at::autocast::get_autocast_gpu_dtype();
+}
+inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
+  if (device == c10::DeviceType::CPU) {
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  } else {
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  }
+}
+#endif
+
+/// Collects the warnings (TORCH_WARN) raised on this thread while alive, instead of printing them.
+class WarningCapture : public c10::WarningHandler {
+ public:
+#if TORCH_VERSION_MAJOR >= 2
+  WarningCapture() : previous_(c10::WarningUtils::get_warning_handler()) {
+    c10::WarningUtils::set_warning_handler(this);
+  }
+  ~WarningCapture() override { c10::WarningUtils::set_warning_handler(previous_); }
+  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+#else
+  WarningCapture() : previous_(c10::Warning::get_warning_handler()) { c10::Warning::set_warning_handler(this); }
+  ~WarningCapture() override { c10::Warning::set_warning_handler(previous_); }
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
+    messages.push_back(msg);
+  }
+#endif
+  WarningCapture(const WarningCapture&) = delete;
+  WarningCapture& operator=(const WarningCapture&) = delete;
+
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningHandler* previous_;
+};
+
+}  // namespace remat::detail::compat

@@ -213,7 +213,8 @@ std::vector<at::Tensor> detached_inputs(const std::vector<at::Tensor>& saved,
 
 // The saved inputs as a recompute under create_graph runs on them: a view of each input that requires grad,
 // so that the recomputed graph leads back to the real input and each use of an input is its own target.
-std::vector<at::Tensor> attached_inputs(const std::vector<at::Tensor>& saved, const std::vector<bool>& flags) {
+std::vector<at::Tensor> attached_inputs(const std::vector<at::Tensor>& saved,
+                                        const std::vector<bool>& flags) {
   std::vector<at::Tensor> out;
   out.reserve(saved.size());
   for (size_t i = 0; i < saved.size(); ++i) {
@@ -562,7 +563,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       return result;
     }
     // Under torch::autograd::grad, or with create_graph: every gradient is returned through the node (so the
-    // engine accumulates parameters as it does without checkpointing); undeclared leaves are accumulated here.
+    // engine accumulates parameters as it does without checkpointing); undeclared leaves are accumulated
+    // here.
     const size_t n_targets = targets.size();
     for (const Leaf& leaf : extra)
       targets.push_back(leaf.variable);
@@ -592,7 +594,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     if (leaves.empty()) return;
     bool unreachable_asked = false;
     for (const auto& [node, info] : exec_info) {
-      if (info.captures_ && dynamic_cast<torch::autograd::Identity*>(node) != nullptr) unreachable_asked = true;
+      if (info.captures_ && dynamic_cast<torch::autograd::Identity*>(node) != nullptr)
+        unreachable_asked = true;
     }
     static std::mutex mutex;
     static std::unordered_set<std::string> warned;

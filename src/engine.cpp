@@ -46,11 +46,12 @@ void require_engine(const char* who) {
               "`import torch` (an embedded interpreter or a Python extension). Its saved-tensor hooks would "
               "not reach remat and every activation would be kept. Use CheckpointMode::kReentrant in such a "
               "process.");
-  TORCH_CHECK(at::SavedTensorDefaultHooks::is_enabled(), who,
-              ": default saved-tensor hooks are disabled on this thread (at::SavedTensorDefaultHooks::disable: '",
-              at::SavedTensorDefaultHooks::get_disabled_error_message().value_or(""),
-              "'), so CheckpointMode::kNonReentrant would keep every activation. Enable them "
-              "(at::SavedTensorDefaultHooks::enable()) or use CheckpointMode::kReentrant.");
+  TORCH_CHECK(
+      at::SavedTensorDefaultHooks::is_enabled(), who,
+      ": default saved-tensor hooks are disabled on this thread (at::SavedTensorDefaultHooks::disable: '",
+      at::SavedTensorDefaultHooks::get_disabled_error_message().value_or(""),
+      "'), so CheckpointMode::kNonReentrant would keep every activation. Enable them "
+      "(at::SavedTensorDefaultHooks::enable()) or use CheckpointMode::kReentrant.");
 }
 
 HookScope::HookScope(HookSource* source) {

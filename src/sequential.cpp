@@ -6,6 +6,7 @@
 
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "detail/region.h"
 
@@ -139,6 +140,9 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph,
     const bool create_graph = at::GradMode::is_enabled();
     if (!targets.empty()) {
       if (accumulating) {
+        // The leaf is the executor's own, but with retain_graph a later backward finds it again (the state is
+        // copied, the tensors shared): start its gradient afresh, or the second pass would add the first's.
+        if (leaf_grad) abar.leaf.mutable_grad() = at::Tensor();
         torch::autograd::backward({abar.output}, {st.grad}, keep_graph, create_graph, targets);
         if (leaf_grad) d_in = abar.leaf.grad();
       } else {
@@ -263,8 +267,10 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   std::unordered_map<c10::TensorImpl*, size_t> seen;
   for (size_t i = 0; i < n; ++i) {
     if (!stages[i].module) continue;
+    // A module registered twice in a stage (a shared layer) lists its parameters twice: take each once.
+    std::unordered_set<c10::TensorImpl*> in_stage;
     for (const auto& p : stages[i].module->parameters(/*recurse=*/true)) {
-      if (!p.requires_grad()) continue;
+      if (!p.requires_grad() || !in_stage.insert(p.unsafeGetTensorImpl()).second) continue;
       st->stage_params[i].push_back(p);
       if (seen.emplace(p.unsafeGetTensorImpl(), st->params.size()).second) st->params.push_back(p);
     }

@@ -238,7 +238,8 @@ TEST_P(SemanticsTest, DoubleBackwardThroughParametersEqualsThePlainRun) {
                                       opts().modules({fc.ptr()}))
                   : torch::tanh(fc(x));
     auto loss = (h * x).pow(2).sum();
-    auto gs = torch::autograd::grad({loss}, {x, fc->weight}, {}, /*retain_graph=*/true, /*create_graph=*/true);
+    auto gs =
+        torch::autograd::grad({loss}, {x, fc->weight}, {}, /*retain_graph=*/true, /*create_graph=*/true);
     auto second = torch::autograd::grad({gs[0].sum() + gs[1].pow(2).sum()}, {x, fc->weight, fc->bias});
     return std::vector<torch::Tensor>{gs[0].detach(), gs[1].detach(), second[0], second[1], second[2]};
   };
@@ -362,7 +363,9 @@ torch::autograd::Engine& other_engine() {
   static OtherEngine* engine = new OtherEngine();
   return *engine;
 }
-torch::autograd::Engine& restore_engine() { return *saved_engine; }
+torch::autograd::Engine& restore_engine() {
+  return *saved_engine;
+}
 
 TEST(SemanticsEngine, AnotherDefaultEngineIsAClearError) {
   auto x = torch::randn({3}, torch::requires_grad());

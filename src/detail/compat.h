@@ -15,11 +15,15 @@ namespace remat::detail::compat {
 
 #if TORCH_VERSION_MAJOR >= 2 && (TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 4)
 // 2.4 and later: one entry point per device type.
-inline bool autocast_enabled(c10::DeviceType device) { return at::autocast::is_autocast_enabled(device); }
+inline bool autocast_enabled(c10::DeviceType device) {
+  return at::autocast::is_autocast_enabled(device);
+}
 inline void set_autocast_enabled(c10::DeviceType device, bool on) {
   at::autocast::set_autocast_enabled(device, on);
 }
-inline c10::ScalarType autocast_dtype(c10::DeviceType device) { return at::autocast::get_autocast_dtype(device); }
+inline c10::ScalarType autocast_dtype(c10::DeviceType device) {
+  return at::autocast::get_autocast_dtype(device);
+}
 inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
   at::autocast::set_autocast_dtype(device, dtype);
 }
@@ -55,11 +59,19 @@ class WarningCapture : public c10::WarningHandler {
   WarningCapture() : previous_(c10::WarningUtils::get_warning_handler()) {
     c10::WarningUtils::set_warning_handler(this);
   }
-  ~WarningCapture() override { c10::WarningUtils::set_warning_handler(previous_); }
-  void process(const c10::Warning& warning) override { messages.push_back(warning.msg()); }
+  ~WarningCapture() override {
+    c10::WarningUtils::set_warning_handler(previous_);
+  }
+  void process(const c10::Warning& warning) override {
+    messages.push_back(warning.msg());
+  }
 #else
-  WarningCapture() : previous_(c10::Warning::get_warning_handler()) { c10::Warning::set_warning_handler(this); }
-  ~WarningCapture() override { c10::Warning::set_warning_handler(previous_); }
+  WarningCapture() : previous_(c10::Warning::get_warning_handler()) {
+    c10::Warning::set_warning_handler(this);
+  }
+  ~WarningCapture() override {
+    c10::Warning::set_warning_handler(previous_);
+  }
   void process(const c10::SourceLocation&, const std::string& msg, const bool) override {
     messages.push_back(msg);
   }

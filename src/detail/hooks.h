@@ -21,10 +21,10 @@ class HookSource {
   virtual std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() = 0;
 };
 
-/// Installs remat's engine as LibTorch's default autograd engine (idempotent, thread-safe) when the default is
-/// still LibTorch's own, and checks that saved-tensor hooks will reach remat on this thread. Throws c10::Error
-/// naming `who` when another engine is the default (PyTorch's Python engine, installed by `import torch` in
-/// this process: remat does not replace it) or when default saved-tensor hooks are disabled
+/// Installs remat's engine as LibTorch's default autograd engine (idempotent, thread-safe) when the default
+/// is still LibTorch's own, and checks that saved-tensor hooks will reach remat on this thread. Throws
+/// c10::Error naming `who` when another engine is the default (PyTorch's Python engine, installed by `import
+/// torch` in this process: remat does not replace it) or when default saved-tensor hooks are disabled
 /// (at::SavedTensorDefaultHooks::disable): either way every activation would be kept, silently.
 void require_engine(const char* who);
 

@@ -1,0 +1,796 @@
+// Randomized differential testing: programs generated from a seed, each run plainly and under a random
+// checkpointing strategy, with every gradient, BatchNorm buffer and the RNG stream compared.
+//
+//   ./test                                   runs the fixed budget (Fuzz.Chains, Fuzz.Regions)
+//   REMAT_FUZZ_SEED=S REMAT_FUZZ_COUNT=N build/tests/remat_tests --gtest_filter=Fuzz.Long
+//                                            runs N programs from seed S (any number; prints progress)
+//   REMAT_FUZZ_SEED=S build/tests/remat_tests --gtest_filter=Fuzz.One
+//                                            runs the one program of seed S, printing it
+//
+// A failure prints the seed, the command that reproduces it, the program, and the smallest failing program
+// the shrinker finds.
+
+#include <remat/chain.h>
+#include <remat/checkpoint.h>
+#include <remat/plan.h>
+#include <remat/planner.h>
+#include <remat/sequential.h>
+
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <sstream>
+#include <unordered_set>
+
+#include "support.h"
+
+namespace {
+
+using remat::CheckpointMode;
+using remat::CheckpointOptions;
+
+// ---------------------------------------------------------------------------------------------------------
+// Programs as data
+
+enum class OpCode {
+  kLinear,     // a Linear of the block
+  kShared,     // a Linear shared by every block that uses the same pool index
+  kConv,       // conv2d on the activation viewed as [B, 2, W/4, 2]
+  kMatmul,     // h @ P, P a [W, W] parameter
+  kAttention,  // bmm, softmax, bmm on h viewed as [B, 2, W/2]
+  kGelu,
+  kRelu,
+  kSoftmax,
+  kLayerNorm,
+  kBatchNorm,     // train mode: running statistics updated
+  kDropout,       // draws from the global CPU generator
+  kReluInplace,   // (h + 0.1).relu_()
+  kAddInplace,    // (2h).add_(bias parameter)
+  kMulInplace,    // (h + 0.5).mul_(sigmoid(h))
+  kTranspose,     // view, transpose, reshape
+  kNarrowCat,     // narrow into halves, cat them swapped
+  kSelectStack,   // select rows of a [B, 2, W/2] view, stack them
+  kSplitCat,      // split into quarters, cat reversed
+  kReduce,        // h - mean over features + 0.1 * sum over the batch
+  kArgmaxGather,  // an integer intermediate: h + h.gather(argmax(h))
+  kAux,           // h * aux (the region's second input, which may not require grad)
+  kIndexIn,       // h + h.gather(idx), idx the integer output of the previous region
+  kCount
+};
+
+const char* op_text(OpCode c) {
+  static const char* names[] = {"linear",     "shared",       "conv",      "matmul",     "attention",
+                                "gelu",       "relu",         "softmax",   "layer_norm", "batch_norm",
+                                "dropout",    "relu_",        "add_",      "mul_",       "transpose",
+                                "narrow+cat", "select+stack", "split+cat", "reduce",     "argmax+gather",
+                                "aux",        "gather(idx)"};
+  return names[static_cast<int>(c)];
+}
+
+struct OpSpec {
+  OpCode code = OpCode::kRelu;
+  int64_t shared = 0;  // kShared: the pool index
+};
+
+// 0: not checkpointed, 1: kNonReentrant, 2: kReentrant.
+using Mode = int;
+const char* mode_text(Mode m) {
+  return m == 0 ? "plain" : m == 1 ? "nonreentrant" : "reentrant";
+}
+
+struct BlockSpec {
+  std::vector<OpSpec> ops;
+  Mode mode = 0;         // kPerBlock and kNested: how this block is checkpointed
+  int64_t group = 0;     // kNested: blocks of one group run inside one outer checkpoint
+  bool int_out = false;  // regions: also return argmax(h) as an integer output
+};
+
+enum class Strategy { kPerBlock, kNested, kSequential, kSegments, kPlan };
+const char* strategy_text(Strategy s) {
+  switch (s) {
+    case Strategy::kPerBlock:
+      return "per-block";
+    case Strategy::kNested:
+      return "nested";
+    case Strategy::kSequential:
+      return "checkpoint_sequential";
+    case Strategy::kSegments:
+      return "checkpoint_segments";
+    case Strategy::kPlan:
+      return "plan";
+  }
+  return "?";
+}
+
+struct Program {
+  uint64_t seed = 0;
+  bool regions =
+      false;  // several inputs and outputs per block (h, aux, idx); otherwise a chain of one tensor
+  int64_t batch = 4, width = 8;
+  int64_t pool = 2;  // shared Linears
+  bool input_requires_grad = true;
+  bool aux_requires_grad = false;
+  std::vector<BlockSpec> blocks;
+  Strategy strategy = Strategy::kPerBlock;
+  std::vector<Mode> outer_modes;  // kNested, per group
+  int64_t segments = 1;           // kSequential
+  std::vector<int64_t> starts;    // kSegments
+  bool checkpoint_last = false;   // kSequential, kSegments
+  uint64_t plan_seed = 0;         // kPlan: the plan is made from this seed and the block count
+  bool use_grad_api = false;      // torch::autograd::grad instead of backward()
+  bool second_backward = false;   // retain_graph, then a second backward (gradients double)
+  bool preserve_rng = true;
+
+  std::string str() const {
+    std::ostringstream os;
+    os << (regions ? "regions" : "chain") << " batch " << batch << " width " << width << ", input "
+       << (input_requires_grad ? "requires grad" : "constant");
+    if (regions) os << ", aux " << (aux_requires_grad ? "requires grad" : "constant");
+    os << "; strategy " << strategy_text(strategy);
+    if (strategy == Strategy::kSequential) os << "(" << segments << ")";
+    if (strategy == Strategy::kSegments) os << "(starts " << c10::IntArrayRef(starts) << ")";
+    if (strategy == Strategy::kPlan) os << "(plan seed " << plan_seed << ")";
+    if (checkpoint_last) os << " last segment checkpointed";
+    os << "; " << (use_grad_api ? "autograd::grad" : "backward()") << (second_backward ? " twice" : "")
+       << (preserve_rng ? "" : ", rng not preserved") << "\n";
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      os << "  block " << b << " [" << mode_text(blocks[b].mode);
+      if (strategy == Strategy::kNested) {
+        os << ", group " << blocks[b].group << " (" << mode_text(outer_modes[blocks[b].group]) << ")";
+      }
+      os << (blocks[b].int_out ? ", int output" : "") << "]:";
+      for (const auto& op : blocks[b].ops) {
+        os << " " << op_text(op.code);
+        if (op.code == OpCode::kShared) os << "#" << op.shared;
+      }
+      os << "\n";
+    }
+    return os.str();
+  }
+};
+
+// Whether the strategy's structure still fits the blocks (after the shrinker removed some).
+void normalize(Program& p) {
+  const int64_t n = static_cast<int64_t>(p.blocks.size());
+  if (p.strategy == Strategy::kSequential)
+    p.segments = std::min<int64_t>(std::max<int64_t>(p.segments, 1), n);
+  if (p.strategy == Strategy::kSegments) {
+    std::vector<int64_t> s{0};
+    for (int64_t v : p.starts) {
+      if (v > s.back() && v < n) s.push_back(v);
+    }
+    p.starts = s;
+  }
+  if (p.strategy == Strategy::kNested) {
+    // Groups renumbered 0.. in order of appearance (they stay consecutive).
+    int64_t last = -1, next = -1;
+    std::vector<Mode> modes;
+    for (auto& b : p.blocks) {
+      if (b.group != last) {
+        last = b.group;
+        ++next;
+        modes.push_back(p.outer_modes[static_cast<size_t>(last)]);
+      }
+      b.group = next;
+    }
+    p.outer_modes = modes;
+  }
+}
+
+Program generate(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+  Program p;
+  p.seed = seed;
+  p.regions = coin(0.4);
+  p.batch = pick(2, 5);
+  p.width = 4 * pick(1, 4);
+  p.pool = pick(1, 3);
+  p.input_requires_grad = coin(0.8);
+  p.aux_requires_grad = coin(0.5);
+  const int64_t n = pick(1, 6);
+  const int64_t last_code = static_cast<int64_t>(p.regions ? OpCode::kIndexIn : OpCode::kArgmaxGather);
+  for (int64_t b = 0; b < n; ++b) {
+    BlockSpec block;
+    const int64_t ops = pick(1, 5);
+    for (int64_t k = 0; k < ops; ++k) {
+      OpSpec op;
+      op.code = static_cast<OpCode>(pick(0, last_code));
+      op.shared = pick(0, p.pool - 1);
+      block.ops.push_back(op);
+    }
+    block.mode = static_cast<Mode>(pick(0, 2));
+    block.int_out = p.regions && coin(0.3);
+    p.blocks.push_back(block);
+  }
+  const int64_t kinds = p.regions ? 2 : 5;
+  p.strategy = static_cast<Strategy>(pick(0, kinds - 1));
+  if (p.strategy == Strategy::kNested) {
+    int64_t group = 0;
+    for (int64_t b = 0; b < n; ++b) {
+      if (b > 0 && coin(0.4)) ++group;
+      p.blocks[b].group = group;
+    }
+    for (int64_t g = 0; g <= group; ++g)
+      p.outer_modes.push_back(static_cast<Mode>(pick(1, 2)));
+  }
+  p.segments = pick(1, n);
+  for (int64_t b = 1; b < n; ++b) {
+    if (coin(0.5)) p.starts.push_back(b);
+  }
+  p.starts.insert(p.starts.begin(), 0);
+  p.checkpoint_last = coin(0.3);
+  p.plan_seed = rng();
+  p.use_grad_api = coin(0.35);
+  p.second_backward = coin(0.25);
+  p.preserve_rng = true;
+  normalize(p);
+  return p;
+}
+
+// A random valid plan for n stages, from the planner layer: a random chain and one of its planners.
+remat::Plan make_random_plan(uint64_t seed, int64_t n) {
+  std::mt19937_64 rng(seed);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  remat::Chain chain;
+  chain.input_bytes = pick(1, 8) * 1024;
+  for (int64_t i = 0; i < n; ++i) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(i);
+    s.fwd_ms = static_cast<double>(pick(1, 20));
+    s.bwd_ms = static_cast<double>(pick(1, 40));
+    s.output_bytes = pick(1, 8) * 1024;
+    s.saved_bytes = s.output_bytes + pick(0, 16) * 1024;
+    s.fwd_tmp_bytes = pick(0, 4) * 1024;
+    s.bwd_tmp_bytes = pick(0, 4) * 1024;
+    chain.stages.push_back(s);
+  }
+  switch (pick(0, 5)) {
+    case 0:
+      return remat::no_checkpoint(chain);
+    case 1:
+      return remat::checkpoint_all(chain);
+    case 2:
+      return remat::uniform(chain, pick(1, n), pick(0, 1) == 1);
+    case 3:
+      return remat::revolve(chain, pick(0, n));
+    default: {
+      const int64_t lo = remat::min_feasible_budget(chain);
+      const int64_t hi = remat::simulate(chain, remat::no_checkpoint(chain)).peak_bytes;
+      return remat::optimal(chain, lo + (hi > lo ? pick(0, hi - lo) : 0));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The modules of a program, built from its seed (the same weights in every run)
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(const Program& p, const BlockSpec& spec, const std::vector<torch::nn::Linear>& pool)
+      : spec_(spec) {
+    const int64_t w = p.width;
+    int64_t k = 0;
+    for (const auto& op : spec.ops) {
+      const std::string name = std::to_string(k++);
+      switch (op.code) {
+        case OpCode::kLinear:
+          linear.push_back(register_module("linear" + name, torch::nn::Linear(w, w)));
+          break;
+        case OpCode::kShared:
+          // Registered in every block that uses it: parameters() of a container lists it once.
+          shared.push_back(register_module("shared" + name, pool[static_cast<size_t>(op.shared)]));
+          break;
+        case OpCode::kConv:
+          conv.push_back(register_module("conv" + name,
+                                         torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 2, 3).padding(1))));
+          break;
+        case OpCode::kMatmul:
+          matrix.push_back(register_parameter("matrix" + name, torch::randn({w, w}) * 0.3));
+          break;
+        case OpCode::kLayerNorm:
+          norm.push_back(
+              register_module("norm" + name, torch::nn::LayerNorm(torch::nn::LayerNormOptions({w}))));
+          break;
+        case OpCode::kBatchNorm:
+          bn.push_back(register_module("bn" + name, torch::nn::BatchNorm1d(w)));
+          break;
+        case OpCode::kAddInplace:
+          bias.push_back(register_parameter("bias" + name, torch::randn({w}) * 0.1));
+          break;
+        default:
+          break;
+      }
+    }
+  }
+
+  // The block on its inputs: {h} for a chain; {h, aux} or {h, aux, idx} for a region. Returns {h} for a
+  // chain, {h, aux'} (+ {idx'} when int_out) for a region.
+  std::vector<torch::Tensor> run(const std::vector<torch::Tensor>& in) {
+    torch::Tensor h = in[0];
+    const int64_t b = h.size(0), w = h.size(1);
+    size_t li = 0, si = 0, ci = 0, mi = 0, ni = 0, bi = 0, ai = 0;
+    for (const auto& op : spec_.ops) {
+      switch (op.code) {
+        case OpCode::kLinear:
+          h = linear[li++](h);
+          break;
+        case OpCode::kShared:
+          h = shared[si++](h);
+          break;
+        case OpCode::kConv:
+          h = conv[ci++](h.reshape({b, 2, w / 4, 2})).reshape({b, w});
+          break;
+        case OpCode::kMatmul:
+          h = h.matmul(matrix[mi++]);
+          break;
+        case OpCode::kAttention: {
+          auto q = h.reshape({b, 2, w / 2});
+          auto s = torch::softmax(torch::bmm(q, q.transpose(1, 2)), -1);
+          h = torch::bmm(s, q).reshape({b, w});
+          break;
+        }
+        case OpCode::kGelu:
+          h = torch::gelu(h);
+          break;
+        case OpCode::kRelu:
+          h = torch::relu(h);
+          break;
+        case OpCode::kSoftmax:
+          h = torch::softmax(h, 1);
+          break;
+        case OpCode::kLayerNorm:
+          h = norm[ni++](h);
+          break;
+        case OpCode::kBatchNorm:
+          h = bn[bi++](h);
+          break;
+        case OpCode::kDropout:
+          h = torch::dropout(h, 0.25, /*train=*/true);
+          break;
+        case OpCode::kReluInplace:
+          h = (h + 0.1).relu_();
+          break;
+        case OpCode::kAddInplace:
+          h = (h * 2).add_(bias[ai++]);
+          break;
+        case OpCode::kMulInplace:
+          h = (h + 0.5).mul_(torch::sigmoid(h));
+          break;
+        case OpCode::kTranspose:
+          h = h.reshape({b, 2, w / 2}).transpose(1, 2).reshape({b, w});
+          break;
+        case OpCode::kNarrowCat:
+          h = torch::cat({torch::tanh(h.narrow(1, w / 2, w / 2)), h.narrow(1, 0, w / 2)}, 1);
+          break;
+        case OpCode::kSelectStack: {
+          auto v = h.reshape({b, 2, w / 2});
+          h = torch::stack({v.select(1, 1) * 2, v.select(1, 0)}, 1).reshape({b, w});
+          break;
+        }
+        case OpCode::kSplitCat: {
+          auto parts = h.split(w / 4, 1);
+          std::vector<torch::Tensor> rev(parts.rbegin(), parts.rend());
+          rev[0] = torch::sigmoid(rev[0]);
+          h = torch::cat(rev, 1);
+          break;
+        }
+        case OpCode::kReduce:
+          h = h - h.mean(1, true) + 0.1 * h.sum(0, true);
+          break;
+        case OpCode::kArgmaxGather:
+          h = h + h.gather(1, h.argmax(1, true));
+          break;
+        case OpCode::kAux:
+          if (in.size() > 1) h = h * in[1];
+          break;
+        case OpCode::kIndexIn:
+          if (in.size() > 2) h = h + h.gather(1, in[2]);
+          break;
+        case OpCode::kCount:
+          break;
+      }
+    }
+    if (in.size() == 1) return {h};
+    std::vector<torch::Tensor> out{h, in[1] * 0.9 + torch::tanh(h) * 0.1};
+    if (spec_.int_out) out.push_back(h.argmax(1, true));
+    return out;
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return run({x})[0]; }
+
+  BlockSpec spec_;
+  std::vector<torch::nn::Linear> linear, shared;
+  std::vector<torch::nn::Conv2d> conv;
+  std::vector<torch::Tensor> matrix, bias;
+  std::vector<torch::nn::LayerNorm> norm;
+  std::vector<torch::nn::BatchNorm1d> bn;
+};
+TORCH_MODULE(Block);
+
+// Everything one run produces that must not depend on the strategy.
+struct Outcome {
+  torch::Tensor loss;
+  std::vector<std::pair<std::string, torch::Tensor>> tensors;  // gradients, buffers, the RNG's next draws
+  // Per tensor: compared within kSumTolerance rather than bitwise. Only the gradients of parameters shared
+  // by several blocks: their contributions are summed in an order that depends on the schedule.
+  std::vector<bool> tolerant;
+  std::string error;  // a c10::Error, if the run threw
+};
+
+struct Instance {
+  torch::nn::Sequential seq;  // the blocks, in order (registered once each)
+  std::vector<Block> blocks;
+  std::vector<torch::nn::Linear> pool;
+  torch::Tensor x, aux;
+};
+
+Instance build(const Program& p) {
+  torch::manual_seed(static_cast<int64_t>(p.seed % 1000003));
+  Instance in;
+  for (int64_t k = 0; k < p.pool; ++k)
+    in.pool.push_back(torch::nn::Linear(p.width, p.width));
+  in.seq = torch::nn::Sequential();
+  for (const auto& spec : p.blocks) {
+    in.blocks.push_back(Block(p, spec, in.pool));
+    in.seq->push_back(in.blocks.back());
+  }
+  in.x = torch::randn({p.batch, p.width});
+  if (p.input_requires_grad) in.x.requires_grad_(true);
+  in.aux = torch::rand({p.batch, p.width}) + 0.5;
+  if (p.aux_requires_grad) in.aux.requires_grad_(true);
+  return in;
+}
+
+CheckpointOptions options_for(Mode m, const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                              bool preserve_rng) {
+  return CheckpointOptions()
+      .mode(m == 2 ? CheckpointMode::kReentrant : CheckpointMode::kNonReentrant)
+      .modules(modules)
+      .preserve_rng_state(preserve_rng);
+}
+
+bool any_requires_grad(const std::vector<torch::Tensor>& ts,
+                       const std::vector<std::shared_ptr<torch::nn::Module>>& ms) {
+  for (const auto& t : ts) {
+    if (t.defined() && t.requires_grad()) return true;
+  }
+  for (const auto& m : ms) {
+    for (const auto& p : m->parameters()) {
+      if (p.requires_grad()) return true;
+    }
+  }
+  return false;
+}
+
+// Runs block b (a region) with the given mode: kReentrant falls back to kNonReentrant where it would have
+// nothing to train (it refuses that by design), as a user would.
+std::vector<torch::Tensor> run_region(Instance& in, size_t b, Mode mode,
+                                      const std::vector<torch::Tensor>& args, bool preserve_rng) {
+  Block block = in.blocks[b];
+  if (mode == 0) return block->run(args);
+  std::vector<std::shared_ptr<torch::nn::Module>> modules{block.ptr()};
+  if (mode == 2 && !any_requires_grad(args, modules)) mode = 1;
+  return remat::checkpoint([block](const std::vector<torch::Tensor>& a) mutable { return block->run(a); },
+                           args, options_for(mode, modules, preserve_rng));
+}
+
+// The forward pass of the program under its strategy (plain when `plain`); returns the loss.
+torch::Tensor forward(const Program& p, Instance& in, bool plain) {
+  const size_t n = p.blocks.size();
+  std::vector<torch::Tensor> state{in.x};
+  if (p.regions) state.push_back(in.aux);
+  auto finish = [&](const std::vector<torch::Tensor>& s) {
+    torch::Tensor loss = s[0].pow(2).sum();
+    if (s.size() > 1) loss = loss + (s[1] * s[0]).sum();
+    if (s.size() > 2) loss = loss + s[0].gather(1, s[2]).sum();
+    return loss;
+  };
+  if (plain) {
+    for (size_t b = 0; b < n; ++b)
+      state = run_region(in, b, 0, state, p.preserve_rng);
+    return finish(state);
+  }
+  // Regions consume {h, aux} or {h, aux, idx}; an integer output of one block feeds the next.
+  auto step = [&](size_t b, Mode mode, std::vector<torch::Tensor> s) {
+    return run_region(in, b, mode, s, p.preserve_rng);
+  };
+  const remat::SequentialOptions seq_opts =
+      remat::SequentialOptions()
+          .checkpoint(CheckpointOptions().preserve_rng_state(p.preserve_rng))
+          .checkpoint_last_segment(p.checkpoint_last);
+  switch (p.strategy) {
+    case Strategy::kPerBlock:
+      for (size_t b = 0; b < n; ++b)
+        state = step(b, p.blocks[b].mode, state);
+      return finish(state);
+    case Strategy::kNested: {
+      size_t b = 0;
+      while (b < n) {
+        const int64_t g = p.blocks[b].group;
+        size_t e = b;
+        while (e < n && p.blocks[e].group == g)
+          ++e;
+        std::vector<std::shared_ptr<torch::nn::Module>> modules;
+        for (size_t k = b; k < e; ++k)
+          modules.push_back(in.blocks[k].ptr());
+        Mode outer = p.outer_modes[static_cast<size_t>(g)];
+        if (outer == 2 && !any_requires_grad(state, modules)) outer = 1;
+        const size_t first = b, last = e;
+        // Kept until the backward pass: it captures only what outlives it (the program and the instance).
+        Instance* inst = &in;
+        const Program* prog = &p;
+        auto group_fn = [inst, prog, first, last](const std::vector<torch::Tensor>& s0) {
+          std::vector<torch::Tensor> s = s0;
+          for (size_t k = first; k < last; ++k)
+            s = run_region(*inst, k, prog->blocks[k].mode, s, prog->preserve_rng);
+          return s;
+        };
+        state = remat::checkpoint(group_fn, state, options_for(outer, modules, p.preserve_rng));
+        b = e;
+      }
+      return finish(state);
+    }
+    case Strategy::kSequential:
+      return finish({remat::checkpoint_sequential(in.seq, p.segments, in.x, seq_opts)});
+    case Strategy::kSegments:
+      return finish({remat::checkpoint_segments(in.seq, p.starts, in.x, seq_opts)});
+    case Strategy::kPlan: {
+      std::vector<remat::StageFn> stages;
+      for (size_t b = 0; b < n; ++b) {
+        Block block = in.blocks[b];
+        stages.push_back(remat::StageFn{"b" + std::to_string(b),
+                                        [block](const torch::Tensor& t) mutable { return block->forward(t); },
+                                        block.ptr()});
+      }
+      const remat::Plan plan = make_random_plan(p.plan_seed, static_cast<int64_t>(n));
+      return finish(
+          {remat::run_plan(stages, plan, in.x, CheckpointOptions().preserve_rng_state(p.preserve_rng))});
+    }
+  }
+  return {};
+}
+
+// One complete run: build, forward, backward (or grad), then collect everything comparable.
+Outcome run(const Program& p, bool plain) {
+  Outcome out;
+  Instance in = build(p);
+  try {
+    torch::Tensor loss = forward(p, in, plain);
+    out.loss = loss.detach().clone();
+    std::vector<torch::Tensor> targets;
+    std::vector<std::string> names;
+    std::vector<bool> tolerant;
+    std::unordered_set<c10::TensorImpl*> shared_by_blocks;
+    for (int64_t k = 0; k < p.pool; ++k) {
+      int64_t users = 0;
+      for (const auto& b : p.blocks) {
+        users += std::any_of(b.ops.begin(), b.ops.end(),
+                             [&](const OpSpec& op) { return op.code == OpCode::kShared && op.shared == k; });
+      }
+      if (users < 2) continue;
+      for (const auto& t : in.pool[static_cast<size_t>(k)]->parameters())
+        shared_by_blocks.insert(t.unsafeGetTensorImpl());
+    }
+    for (const auto& np : in.seq->named_parameters()) {
+      targets.push_back(np.value());
+      names.push_back("grad " + np.key());
+      tolerant.push_back(shared_by_blocks.count(np.value().unsafeGetTensorImpl()) > 0);
+    }
+    if (in.x.requires_grad()) {
+      targets.push_back(in.x);
+      names.push_back("grad x");
+      tolerant.push_back(false);
+    }
+    if (p.regions && in.aux.requires_grad()) {
+      targets.push_back(in.aux);
+      names.push_back("grad aux");
+      tolerant.push_back(false);
+    }
+    const int rounds = p.second_backward ? 2 : 1;
+    std::vector<torch::Tensor> grads(targets.size());
+    for (int r = 0; r < rounds; ++r) {
+      const bool retain = r + 1 < rounds;
+      if (!loss.requires_grad()) break;
+      if (p.use_grad_api) {
+        auto g = torch::autograd::grad({loss}, targets, {}, retain, false, /*allow_unused=*/true);
+        for (size_t k = 0; k < g.size(); ++k) {
+          if (g[k].defined()) grads[k] = grads[k].defined() ? grads[k] + g[k] : g[k];
+        }
+      } else {
+        loss.backward({}, retain);
+      }
+    }
+    for (size_t k = 0; k < targets.size(); ++k) {
+      torch::Tensor g = p.use_grad_api ? grads[k] : targets[k].grad();
+      out.tensors.emplace_back(names[k], g.defined() ? g.detach().clone() : torch::Tensor());
+      out.tolerant.push_back(tolerant[k]);
+      if (p.use_grad_api && targets[k].grad().defined()) {
+        out.tensors.emplace_back(names[k] + " (.grad under autograd::grad)", targets[k].grad().clone());
+        out.tolerant.push_back(false);
+      }
+    }
+    for (const auto& nb : in.seq->named_buffers()) {
+      out.tensors.emplace_back("buffer " + nb.key(), nb.value().clone());
+      out.tolerant.push_back(false);
+    }
+    out.tensors.emplace_back("rng after the step", torch::rand({8}));
+    out.tolerant.push_back(false);
+  } catch (const c10::Error& e) {
+    out.error = e.what_without_backtrace();
+  }
+  return out;
+}
+
+// Relative tolerance for sums whose order depends on the schedule (see Outcome::tolerant).
+constexpr double kSumTolerance = 1e-5;
+
+// Empty when the outcomes agree; otherwise what differs.
+std::string compare(const Outcome& plain, const Outcome& got) {
+  std::ostringstream os;
+  if (!plain.error.empty())
+    return "";  // the program itself is invalid (the plain run throws): nothing to test
+  if (!got.error.empty()) return "the checkpointed run threw: " + got.error;
+  if (!plain.loss.equal(got.loss))
+    os << "loss " << plain.loss.item<double>() << " vs " << got.loss.item<double>() << "; ";
+  if (plain.tensors.size() != got.tensors.size()) {
+    os << plain.tensors.size() << " compared tensors vs " << got.tensors.size();
+    return os.str();
+  }
+  for (size_t k = 0; k < plain.tensors.size(); ++k) {
+    const auto& [name, a] = plain.tensors[k];
+    const auto& b = got.tensors[k].second;
+    if (a.defined() != b.defined()) {
+      os << name << " defined " << a.defined() << " vs " << b.defined() << "; ";
+    } else if (a.defined() && !a.equal(b)) {
+      const double diff = remat::testing::max_abs_diff(a, b);
+      const double scale = std::max(1.0, a.numel() ? a.abs().max().item<double>() : 0.0);
+      if (!plain.tolerant[k] || diff > kSumTolerance * scale) os << name << " differs by " << diff << "; ";
+    }
+  }
+  return os.str();
+}
+
+std::string check(const Program& p) {
+  return compare(run(p, true), run(p, false));
+}
+
+// Smaller programs that still fail: blocks removed, ops removed, options simplified, until nothing helps.
+Program shrink(Program p) {
+  bool progress = true;
+  int budget = 400;
+  auto try_candidate = [&](const Program& c) {
+    if (budget-- <= 0) return false;
+    if (c.blocks.empty()) return false;
+    if (!check(c).empty()) {
+      p = c;
+      return true;
+    }
+    return false;
+  };
+  while (progress && budget > 0) {
+    progress = false;
+    for (size_t b = 0; b < p.blocks.size() && !progress; ++b) {
+      Program c = p;
+      c.blocks.erase(c.blocks.begin() + static_cast<long>(b));
+      normalize(c);
+      progress = try_candidate(c);
+    }
+    for (size_t b = 0; b < p.blocks.size() && !progress; ++b) {
+      for (size_t k = 0; k < p.blocks[b].ops.size() && !progress; ++k) {
+        Program c = p;
+        c.blocks[b].ops.erase(c.blocks[b].ops.begin() + static_cast<long>(k));
+        progress = try_candidate(c);
+      }
+    }
+    for (int option = 0; option < 4 && !progress; ++option) {
+      Program c = p;
+      if (option == 0 && c.second_backward)
+        c.second_backward = false;
+      else if (option == 1 && c.use_grad_api)
+        c.use_grad_api = false;
+      else if (option == 2 && c.regions && c.aux_requires_grad)
+        c.aux_requires_grad = false;
+      else if (option == 3 && !c.input_requires_grad)
+        c.input_requires_grad = true;
+      else
+        continue;
+      progress = try_candidate(c);
+    }
+  }
+  return p;
+}
+
+uint64_t env_u64(const char* name, uint64_t fallback) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return fallback;
+  return std::strtoull(v, nullptr, 10);
+}
+
+// Runs programs of seeds [first, first + count) whose family matches `regions` (any when null); returns how
+// many ran. A failure is reported with its reproduction and the shrunk program.
+int64_t run_range(uint64_t first, uint64_t count, const bool* regions, bool verbose = false) {
+  int64_t ran = 0;
+  for (uint64_t seed = first; seed < first + count; ++seed) {
+    Program p = generate(seed);
+    if (regions != nullptr && p.regions != *regions) continue;
+    if (verbose) std::cout << "seed " << seed << ": " << p.str();
+    const std::string diff = check(p);
+    ++ran;
+    if (!diff.empty()) {
+      const Program small = shrink(p);
+      ADD_FAILURE() << "fuzz seed " << seed << ": " << diff << "\n  reproduce: REMAT_FUZZ_SEED=" << seed
+                    << " build/tests/remat_tests --gtest_filter=Fuzz.One\n  program: " << p.str()
+                    << "  smallest failing program the shrinker found (" << check(small) << "):\n  "
+                    << small.str();
+      return ran;
+    }
+  }
+  return ran;
+}
+
+// The fixed budget ./test runs: seeds 1..N, split by family so ctest runs them in parallel.
+constexpr uint64_t kBudget = 1500;
+
+TEST(Fuzz, Chains) {
+  const bool chains = false;
+  const int64_t ran = run_range(1, kBudget, &chains);
+  RecordProperty("programs", static_cast<int>(ran));
+  if (!HasFailure()) EXPECT_GT(ran, static_cast<int64_t>(kBudget / 2));
+}
+
+TEST(Fuzz, Regions) {
+  const bool regions = true;
+  const int64_t ran = run_range(1, kBudget, &regions);
+  RecordProperty("programs", static_cast<int>(ran));
+  if (!HasFailure()) EXPECT_GT(ran, static_cast<int64_t>(kBudget / 4));
+}
+
+TEST(Fuzz, One) {
+  const uint64_t seed = env_u64("REMAT_FUZZ_SEED", 1);
+  run_range(seed, 1, nullptr, /*verbose=*/true);
+}
+
+TEST(Fuzz, Long) {
+  const uint64_t seed = env_u64("REMAT_FUZZ_SEED", 1000000);
+  const uint64_t count = env_u64("REMAT_FUZZ_COUNT", 0);
+  if (count == 0) GTEST_SKIP() << "set REMAT_FUZZ_COUNT (and REMAT_FUZZ_SEED) to run a long fuzz";
+  const uint64_t chunk = 1000;
+  for (uint64_t s = seed; s < seed + count; s += chunk) {
+    run_range(s, std::min(chunk, seed + count - s), nullptr);
+    if (HasFailure()) return;
+    std::cout << "fuzz: " << (s + std::min(chunk, seed + count - s) - seed) << " programs passed"
+              << std::endl;
+  }
+}
+
+// The generator and the comparison can fail: a deliberately wrong strategy is caught.
+TEST(Fuzz, TheComparisonCatchesAWrongGradient) {
+  Program p = generate(3);
+  Outcome plain = run(p, true);
+  Outcome wrong = plain;
+  ASSERT_FALSE(wrong.tensors.empty());
+  wrong.tensors[0].second =
+      wrong.tensors[0].second.defined() ? wrong.tensors[0].second + 1e-7 : torch::ones({1});
+  EXPECT_NE(compare(plain, wrong), "");
+  // And a checkpointed run whose RNG is not preserved differs where the program draws random numbers.
+  for (uint64_t seed = 1; seed < 200; ++seed) {
+    Program q = generate(seed);
+    bool dropout = false;
+    for (const auto& b : q.blocks)
+      for (const auto& op : b.ops)
+        dropout = dropout || op.code == OpCode::kDropout;
+    if (!dropout || q.strategy != Strategy::kPerBlock) continue;
+    for (auto& b : q.blocks)
+      b.mode = 1;
+    q.preserve_rng = false;
+    Program with_rng = q;
+    with_rng.preserve_rng = true;
+    EXPECT_EQ(compare(run(with_rng, true), run(with_rng, false)), "") << with_rng.str();
+    // The plain run ignores preserve_rng; the checkpointed one draws fresh masks.
+    EXPECT_NE(compare(run(with_rng, true), run(q, false)), "") << q.str();
+    return;
+  }
+  FAIL() << "no per-block program with dropout in the first 200 seeds";
+}
+
+}  // namespace

@@ -211,6 +211,51 @@ TEST(Executor, AutogradGradAndRetainGraph) {
     EXPECT_LE(max_abs_diff(twice[i - 1], 2 * plain[i]), 1e-5);
 }
 
+// Found by the fuzz (seed 2): a stage kept in the forward pass (the last segment) owns a leaf whose .grad
+// survived into a second backward with retain_graph, so the input's gradient came out 3x instead of 2x.
+TEST(Executor, SecondBackwardWithRetainGraphAddsExactlyOneMoreGradient) {
+  torch::manual_seed(4);
+  torch::nn::Sequential seq(torch::nn::Linear(6, 6), torch::nn::Tanh(), torch::nn::Identity());
+  const auto x = torch::randn({3, 6}, torch::requires_grad());
+  seq->forward(x).pow(2).sum().backward();
+  const auto once = x.grad().clone();
+  const auto once_params = grads_of(*seq);
+  for (int64_t segments : {1, 2, 3}) {
+    clear_grads(*seq);
+    x.mutable_grad() = torch::Tensor();
+    auto loss = remat::checkpoint_sequential(seq, segments, x).pow(2).sum();
+    loss.backward({}, /*retain_graph=*/true);
+    loss.backward();
+    EXPECT_LE(max_abs_diff(x.grad(), 2 * once), 1e-6) << segments << " segments";
+    const auto twice = grads_of(*seq);
+    for (size_t i = 0; i < twice.size(); ++i)
+      EXPECT_LE(max_abs_diff(twice[i], 2 * once_params[i]), 1e-6) << segments << " segments, parameter " << i;
+  }
+}
+
+// Found by the fuzz (seed 240): a layer registered twice in one stage (a shared layer) listed its parameters
+// twice, and under torch::autograd::grad their gradient was summed twice.
+struct TwiceImpl : torch::nn::Module {
+  explicit TwiceImpl(torch::nn::Linear shared)
+      : a(register_module("a", shared)), b(register_module("b", std::move(shared))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return b(torch::relu(a(x))); }
+  torch::nn::Linear a, b;
+};
+TORCH_MODULE(Twice);
+
+TEST(Executor, ALayerRegisteredTwiceInAStageGetsItsGradientOnce) {
+  torch::manual_seed(5);
+  torch::nn::Linear shared(5, 5);
+  torch::nn::Sequential seq{Twice(shared), torch::nn::Tanh()};
+  const auto x = torch::randn({2, 5}, torch::requires_grad());
+  const std::vector<torch::Tensor> wrt{x, shared->weight, shared->bias};
+  const auto plain = torch::autograd::grad({seq->forward(x).sum()}, wrt);
+  for (int64_t segments : {1, 2}) {
+    const auto got = torch::autograd::grad({remat::checkpoint_sequential(seq, segments, x).sum()}, wrt);
+    expect_all_close(got, plain, 1e-6);
+  }
+}
+
 TEST(Executor, ParametersTrainedWhenTheInputNeedsNoGrad) {
   torch::manual_seed(3);
   torch::nn::Sequential seq(torch::nn::Linear(8, 8), torch::nn::Tanh(), torch::nn::Linear(8, 8));

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <optional>
 #include <sstream>
@@ -92,6 +93,51 @@ std::vector<c10::DeviceIndex> cuda_devices_of(const std::vector<at::Tensor>& ten
   return devices;
 }
 
+namespace {
+bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+at::Tensor generator_state(at::Generator gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+}  // namespace
+
+bool RngState::matches_current() const {
+  if (cpu.defined() && !same_bytes(cpu, generator_state(at::detail::getDefaultCPUGenerator()))) return false;
+  for (const auto& [index, state] : cuda) {
+    if (!same_bytes(state,
+                    generator_state(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, index)))))
+      return false;
+  }
+  return true;
+}
+
+bool RngState::same_as(const RngState& other) const {
+  if (cpu.defined() != other.cpu.defined() || cuda.size() != other.cuda.size()) return false;
+  if (cpu.defined() && !cpu.is_same(other.cpu) && !same_bytes(cpu, other.cpu)) return false;
+  for (size_t k = 0; k < cuda.size(); ++k) {
+    if (cuda[k].first != other.cuda[k].first || !same_bytes(cuda[k].second, other.cuda[k].second))
+      return false;
+  }
+  return true;
+}
+
+void check_rng_replayed(const RngState& end, const char* who, const std::string& what) {
+  TORCH_CHECK(end.empty() || end.matches_current(), who, ": ", what,
+              " drew other random numbers in its recompute than in the forward pass (the generator ended "
+              "in another state), so its dropout masks would differ and its gradients would be wrong. "
+              "Another thread drew from the same default generator while this region ran forward or was "
+              "recomputed, or the region draws a varying amount. Keep other threads from drawing while "
+              "checkpointed regions run, or set CheckpointOptions().preserve_rng_state(false) to accept "
+              "fresh masks (README: Threads).");
+}
+
+RngRollback::RngRollback(const RngState& start) : start_(start), uncaught_(std::uncaught_exceptions()) {}
+RngRollback::~RngRollback() {
+  if (std::uncaught_exceptions() > uncaught_ && !start_.empty()) start_.restore();
+}
+
 RngReplay::RngReplay(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices) {
   if (replay.empty()) return;
   saved_ = RngState::capture(cuda_devices);
@@ -136,7 +182,9 @@ AutocastScope::~AutocastScope() {
   apply_autocast(saved_);
 }
 
-BufferRestore::BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+BufferRestore::BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                             bool only_on_unwind)
+    : only_on_unwind_(only_on_unwind), uncaught_(std::uncaught_exceptions()) {
   if (modules.empty()) return;
   at::NoGradGuard no_grad;
   std::unordered_set<c10::TensorImpl*> seen;
@@ -150,6 +198,7 @@ BufferRestore::BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module
 
 BufferRestore::~BufferRestore() {
   if (saved_.empty()) return;
+  if (only_on_unwind_ && std::uncaught_exceptions() <= uncaught_) return;
   at::NoGradGuard no_grad;
   for (auto& [buffer, copy] : saved_)
     buffer.variable_data().copy_(copy);
@@ -307,8 +356,16 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& inputs) {
     std::vector<at::Tensor> outputs;
     {
+      // fn throwing leaves the RNG and the modules' buffers as they were.
+      RngRollback rng(rng_);
+      BufferRestore buffers(modules_, /*only_on_unwind=*/true);
       HookScope scope(this);
       outputs = fn_(inputs);
+    }
+    if (!rng_.empty()) {
+      rng_end_ = RngState::capture(cuda_devices_);
+      // A region that drew nothing needs no replay: its recompute leaves the generators alone.
+      if (rng_end_.same_as(rng_)) rng_ = rng_end_ = RngState();
     }
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     forward_done_ = true;
@@ -360,7 +417,13 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       AutocastScope autocast(autocast_);
       HookScope scope(&collector);
       at::AutoGradMode grad(true);
-      fn_(args);
+      try {
+        fn_(args);
+        if (forward_done_) check_rng_replayed(rng_end_, "remat::checkpoint", "a checkpointed region");
+      } catch (c10::Error& e) {
+        e.add_context("remat::checkpoint: while recomputing a checkpointed region in the backward pass");
+        throw;
+      }
     }
     TORCH_CHECK(static_cast<int64_t>(collected.size()) == limit, "remat::checkpoint: the recompute saved ",
                 collected.size(), " tensors for backward but the forward pass saved ", limit,
@@ -375,7 +438,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   std::vector<c10::DeviceIndex> cuda_devices_;
   bool check_;
   AutocastState autocast_;
-  RngState rng_;
+  RngState rng_, rng_end_;  // the generators at the start and at the end of the forward pass
   std::vector<TensorMeta> metas_;
   int64_t num_saved_ = 0;
   bool forward_done_ = false;
@@ -400,7 +463,7 @@ struct ReentrantState final : torch::CustomClassHolder {
   std::vector<bool> requires_grad;
   std::vector<c10::DeviceIndex> cuda_devices;
   bool check = true;
-  RngState rng;
+  RngState rng, rng_end;  // the generators at the start and at the end of the forward pass
   AutocastState autocast;
   std::vector<TensorMeta> output_metas;
 };
@@ -446,6 +509,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
     std::vector<at::Tensor> outputs;
     try {
+      // fn throwing leaves the RNG and the modules' buffers as they were.
+      RngRollback rng(st->rng);
+      BufferRestore buffers(st->modules, /*only_on_unwind=*/true);
       outputs = st->fn(in);
     } catch (const c10::Error& e) {
       // What torch::autograd::grad says when fn differentiates its own results, which have no graph here.
@@ -459,6 +525,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                   what, ")");
     }
     check_outputs(outputs);
+    if (!st->rng.empty()) {
+      st->rng_end = RngState::capture(st->cuda_devices);
+      // A region that drew nothing needs no replay: its recompute leaves the generators alone.
+      if (st->rng_end.same_as(st->rng)) st->rng = st->rng_end = RngState();
+    }
     if (st->check) {
       for (const auto& o : outputs)
         st->output_metas.push_back(TensorMeta::of(o));
@@ -494,7 +565,13 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       BufferRestore buffers(st->modules);
       AutocastScope autocast(st->autocast);
       at::AutoGradMode grad(true);
-      outputs = st->fn(args);
+      try {
+        outputs = st->fn(args);
+        check_rng_replayed(st->rng_end, "remat::checkpoint", "a checkpointed region");
+      } catch (c10::Error& e) {
+        e.add_context("remat::checkpoint: while recomputing a checkpointed region in the backward pass");
+        throw;
+      }
     }
     TORCH_CHECK(outputs.size() == grad_outputs.size(), "remat::checkpoint: the recompute returned ",
                 outputs.size(), " outputs but the forward pass returned ", grad_outputs.size());

@@ -38,6 +38,9 @@ struct MeterState {
   std::atomic<int64_t> active{0};
   std::atomic<int64_t> peak{0};
   std::atomic<int64_t> allocations{0};
+  std::atomic<int64_t> fail_countdown{0};  // > 0: the allocation that brings it to 0 is refused
+  std::atomic<int64_t> limit{-1};          // >= 0: allocations above this many active bytes are refused
+  std::atomic<int64_t> refused{0};
   c10::Allocator* base = nullptr;
   c10::DeleterFnPtr base_deleter = nullptr;
 
@@ -87,11 +90,25 @@ class CountingCpuAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t n) REMAT_ALLOCATE_CONST override {
     MeterState& s = state();
+    refuse_if_asked(s, n);
     void* p = s.base->raw_allocate(n);
     if (p != nullptr) s.add(p, n);
     return {p, p, &counting_delete, c10::Device(c10::DeviceType::CPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
+
+ private:
+  static void refuse_if_asked(MeterState& s, size_t n) {
+    bool refuse = false;
+    if (s.fail_countdown.load(std::memory_order_relaxed) > 0 && s.fail_countdown.fetch_sub(1) == 1)
+      refuse = true;
+    const int64_t limit = s.limit.load(std::memory_order_relaxed);
+    if (limit >= 0 && s.active.load() + static_cast<int64_t>(n) > limit) refuse = true;
+    if (!refuse) return;
+    s.refused.fetch_add(1);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "remat::memory (test limit): CPU allocation of ", n,
+                     " bytes refused (", s.active.load(), " bytes active, limit ", limit, ")");
+  }
 #if REMAT_ALLOCATOR_HAS_COPY_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -135,6 +152,15 @@ void cpu_meter_reset_peak() {
 }
 int64_t cpu_meter_allocations() {
   return state().allocations.load();
+}
+void cpu_meter_fail_at(int64_t n) {
+  state().fail_countdown.store(n > 0 ? n : 0);
+}
+void cpu_meter_limit(int64_t bytes) {
+  state().limit.store(bytes < 0 ? -1 : bytes);
+}
+int64_t cpu_meter_refused() {
+  return state().refused.load();
 }
 
 }  // namespace remat::detail

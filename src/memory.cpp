@@ -53,6 +53,23 @@ int64_t cpu_allocation_count() {
   return detail::cpu_meter_allocations();
 }
 
+namespace testing {
+void fail_cpu_allocation_at(int64_t n) {
+  TORCH_CHECK(detail::cpu_meter_installed(),
+              "remat::memory::testing::fail_cpu_allocation_at: call remat::memory::track_cpu() first");
+  TORCH_CHECK(n >= 0, "remat::memory::testing::fail_cpu_allocation_at: n must be >= 0, got ", n);
+  detail::cpu_meter_fail_at(n);
+}
+void limit_cpu_bytes(int64_t bytes) {
+  TORCH_CHECK(detail::cpu_meter_installed(),
+              "remat::memory::testing::limit_cpu_bytes: call remat::memory::track_cpu() first");
+  detail::cpu_meter_limit(bytes);
+}
+int64_t refused_cpu_allocations() {
+  return detail::cpu_meter_refused();
+}
+}  // namespace testing
+
 int64_t active_bytes(c10::Device device) {
   check_device(device);
   if (device.is_cpu()) return detail::cpu_meter_active_bytes();

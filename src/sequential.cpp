@@ -16,7 +16,9 @@ namespace {
 using detail::AutocastScope;
 using detail::AutocastState;
 using detail::BufferRestore;
+using detail::check_rng_replayed;
 using detail::RngReplay;
+using detail::RngRollback;
 using detail::RngState;
 using detail::TensorMeta;
 
@@ -35,7 +37,7 @@ struct ExecState final : torch::CustomClassHolder {
   std::vector<std::vector<at::Tensor>> stage_params;  // per stage, those that require grad
 
   // Per stage: the RNG state of its first run and its output's metadata.
-  std::vector<RngState> rng;
+  std::vector<RngState> rng, rng_end;  // at the start and at the end of its first run
   std::vector<bool> ran;
   std::vector<TensorMeta> metas;
 
@@ -106,6 +108,14 @@ void run_forward(ExecState& st, const Op& op) {
     next.plain = out;
     if (op.kind == OpKind::kForwardNoSave && i > 0 && in.plain.defined()) in.plain = at::Tensor();
   }
+  if (st.ran[i]) {
+    check_rng_replayed(st.rng_end[i], "remat::run_plan",
+                       "stage " + std::to_string(i) + " ('" + stage.name + "')");
+  } else if (st.preserve_rng) {
+    st.rng_end[i] = RngState::capture(st.cuda_devices);
+    // A stage that drew nothing needs no replay: its recomputes leave the generators alone.
+    if (st.rng_end[i].same_as(st.rng[i])) st.rng[i] = st.rng_end[i] = RngState();
+  }
   const TensorMeta meta = TensorMeta::of(out);
   if (!st.ran[i]) {
     st.metas[i] = meta;
@@ -168,8 +178,18 @@ struct ExecFunction : torch::autograd::Function<ExecFunction> {
                                                 c10::intrusive_ptr<ExecState> st) {
     (void)params;  // inputs of the node, so that torch::autograd::grad can ask for their gradients
     st->held[0].plain = input.detach();
-    for (size_t k = 0; k < st->loss_at; ++k)
-      run_forward(*st, st->plan.ops[k]);
+    {
+      // A stage that throws leaves the RNG and every stage's buffers as they were.
+      const RngState start = st->preserve_rng ? RngState::capture(st->cuda_devices) : RngState();
+      RngRollback rng(start);
+      std::vector<std::shared_ptr<torch::nn::Module>> modules;
+      for (const auto& stage : st->stages) {
+        if (stage.module) modules.push_back(stage.module);
+      }
+      BufferRestore buffers(modules, /*only_on_unwind=*/true);
+      for (size_t k = 0; k < st->loss_at; ++k)
+        run_forward(*st, st->plan.ops[k]);
+    }
     const int64_t n = st->plan.num_stages;
     at::Tensor output = value_of(st->held[n]);
     if (st->held[n].plain.defined()) st->held[n].plain = at::Tensor();  // the loss frees a plain a_n
@@ -199,10 +219,17 @@ struct ExecFunction : torch::autograd::Function<ExecFunction> {
     run->grad_at = run->plan.num_stages;
     const auto& ops = run->plan.ops;
     for (size_t k = run->loss_at + 1; k < ops.size(); ++k) {
-      if (ops[k].kind == OpKind::kBackward) {
-        run_backward(*run, ops[k].stage, accumulating, keep_graph, param_grads, param_index);
-      } else {
-        run_forward(*run, ops[k]);
+      try {
+        if (ops[k].kind == OpKind::kBackward) {
+          run_backward(*run, ops[k].stage, accumulating, keep_graph, param_grads, param_index);
+        } else {
+          run_forward(*run, ops[k]);
+        }
+      } catch (c10::Error& e) {
+        e.add_context("remat::run_plan: while running operation " + std::to_string(k) + " of the plan (" +
+                      op_name(ops[k].kind) + (ops[k].stage >= 0 ? std::to_string(ops[k].stage) : "") +
+                      ") in the backward pass");
+        throw;
       }
     }
     result[0] = run->input_requires_grad ? run->grad : at::Tensor();
@@ -260,6 +287,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->stats = std::move(stats);
   const size_t n = stages.size();
   st->rng.resize(n);
+  st->rng_end.resize(n);
   st->ran.assign(n, false);
   st->metas.resize(n);
   st->held.resize(n + 1);

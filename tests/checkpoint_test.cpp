@@ -250,6 +250,26 @@ TEST_P(CheckpointTest, DropoutMaskReplayedAndGlobalRngUntouched) {
   EXPECT_TRUE(torch::equal(after_plain, after_ckpt));
 }
 
+// What a chain of checkpoints keeps for RNG replay: regions that draw keep the generator's state at their
+// start and end, shared between neighbours (k regions: k + 1 states); regions that draw nothing keep none.
+TEST_P(CheckpointTest, ConsecutiveCheckpointsShareGeneratorStatesAndDrawlessOnesKeepNone) {
+  const int64_t state_bytes = at::detail::getDefaultCPUGenerator().get_state().nbytes();
+  constexpr int kRegions = 5;
+  auto kept = [&](bool dropout, bool preserve) {
+    auto x = torch::randn({1000}, torch::requires_grad());
+    const int64_t before = remat::memory::active_bytes();
+    torch::Tensor h = x;
+    for (int k = 0; k < kRegions; ++k) {
+      h = remat::checkpoint(
+          [dropout](const torch::Tensor& t) { return dropout ? torch::dropout(t, 0.5, true) * 2 : t * 2; }, h,
+          opts().preserve_rng_state(preserve));
+    }
+    return remat::memory::active_bytes() - before;
+  };
+  EXPECT_EQ(kept(true, true) - kept(true, false), (kRegions + 1) * state_bytes);
+  EXPECT_EQ(kept(false, true) - kept(false, false), 0);
+}
+
 TEST_P(CheckpointTest, WithoutPreservedRngTheMaskDiffers) {
   Block block(16);
   torch::nn::Dropout drop(0.5);

@@ -394,7 +394,8 @@ TEST(Revolve, SnapshotsBoundMemory) {
 TEST(Revolve, WithinABudgetTakesTheMostSnapshotsThatFit) {
   std::mt19937 rng(3);
   for (int trial = 0; trial < 20; ++trial) {
-    const Chain chain = trial % 2 ? remat::uniform_chain(40, 1.0, 2.0, 1000, 2500) : random_chain(rng, 30, 100);
+    const Chain chain =
+        trial % 2 ? remat::uniform_chain(40, 1.0, 2.0, 1000, 2500) : random_chain(rng, 30, 100);
     const int64_t least = remat::revolve(chain, 0).predicted.peak_bytes;
     const int64_t most = remat::revolve(chain, chain.size()).predicted.peak_bytes;
     const int64_t budget = least + (most - least) * (trial + 1) / 22;

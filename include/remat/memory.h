@@ -42,6 +42,19 @@ void reset_peak(c10::Device device = c10::kCPU);
 /// Number of storage allocations counted on the CPU since tracking started (a cheap op counter).
 int64_t cpu_allocation_count();
 
+/// Test hooks: make the counting CPU allocator fail, to test what a program does when memory runs out.
+/// A refused allocation throws c10::OutOfMemoryError (a c10::Error), as LibTorch's allocators do. Both
+/// throw c10::Error naming the function when track_cpu() has not run.
+namespace testing {
+/// Refuses the n-th CPU allocation from now (1: the next one), once; 0 disarms.
+void fail_cpu_allocation_at(int64_t n);
+/// Refuses every CPU allocation that would take the active bytes above `bytes`; a negative value removes
+/// the limit.
+void limit_cpu_bytes(int64_t bytes);
+/// Allocations refused by the two hooks above since tracking started.
+int64_t refused_cpu_allocations();
+}  // namespace testing
+
 /// Scope that resets the peak on entry and reports the peak above the bytes alive on entry:
 ///   remat::memory::PeakScope scope;  step();  int64_t over = scope.peak_over_base();
 class PeakScope {

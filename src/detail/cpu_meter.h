@@ -11,5 +11,10 @@ int64_t cpu_meter_active_bytes();
 int64_t cpu_meter_peak_bytes();
 void cpu_meter_reset_peak();
 int64_t cpu_meter_allocations();
+// Test hooks: refuse the n-th allocation from now (0: never) / every allocation above `bytes` active (< 0: no
+// limit). A refused allocation throws c10::OutOfMemoryError, as LibTorch's allocators do.
+void cpu_meter_fail_at(int64_t n);
+void cpu_meter_limit(int64_t bytes);
+int64_t cpu_meter_refused();
 
 }  // namespace remat::detail

@@ -21,7 +21,16 @@ struct RngState {
   static RngState capture(const std::vector<c10::DeviceIndex>& cuda_devices);
   void restore() const;
   bool empty() const { return !cpu.defined(); }
+  /// True when the generators are in exactly this state now.
+  bool matches_current() const;
+  /// True when both hold the same states (byte for byte).
+  bool same_as(const RngState& other) const;
 };
+
+/// Throws c10::Error naming `who` (and `what`, the region) when the generators are not in `end`, the state
+/// the forward pass left them in: the recompute drew other random numbers than the forward pass, so its
+/// dropout masks differ. Nothing is checked when `end` is empty (preserve_rng_state off).
+void check_rng_replayed(const RngState& end, const char* who, const std::string& what);
 
 /// Autocast (mixed precision) as it stands on this thread, for the CPU and CUDA device types: a recompute
 /// re-enters the state of the forward pass, as torch.utils.checkpoint does.
@@ -71,13 +80,32 @@ class RngReplay {
 /// may have saved them).
 class BufferRestore {
  public:
-  explicit BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules);
+  /// With only_on_unwind, the buffers are written back only when the scope is left by an exception (a
+  /// region that throws leaves its modules as they were).
+  explicit BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                         bool only_on_unwind = false);
   ~BufferRestore();
   BufferRestore(const BufferRestore&) = delete;
   BufferRestore& operator=(const BufferRestore&) = delete;
 
  private:
   std::vector<std::pair<at::Tensor, at::Tensor>> saved_;
+  bool only_on_unwind_ = false;
+  int uncaught_ = 0;
+};
+
+/// While alive: on an exception, the generators go back to where they were on construction (a region
+/// that throws leaves the RNG as it found it). Does nothing for an empty state.
+class RngRollback {
+ public:
+  explicit RngRollback(const RngState& start);
+  ~RngRollback();
+  RngRollback(const RngRollback&) = delete;
+  RngRollback& operator=(const RngRollback&) = delete;
+
+ private:
+  const RngState& start_;
+  int uncaught_;
 };
 
 /// Shape, dtype and device of a tensor.

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -24,12 +25,25 @@ void check_bytes(const Chain& chain, size_t i, const char* field, int64_t value)
 }
 
 void check_ms(const Chain& chain, size_t i, const char* field, double value) {
-  if (!std::isfinite(value) || value < 0) {
+  if (!std::isfinite(value) || value < 0 || value > kMaxStageMs) {
     std::ostringstream os;
     os << "remat::validate: " << stage_label(chain, i) << " has "
-       << (std::isfinite(value) ? "negative " : "non-finite ") << field << " (" << value << ")";
+       << (!std::isfinite(value) ? "non-finite "
+           : value < 0           ? "negative "
+                                 : "too large a ")
+       << field << " (" << value << (value > kMaxStageMs ? " ms; the limit is 1e12 ms" : "") << ")";
     throw std::invalid_argument(os.str());
   }
+}
+
+// Adds `value` to the chain's byte total, refusing totals above kMaxChainBytes (so that no sum the
+// simulator or the planners form can overflow int64).
+void add_bytes(int64_t& total, int64_t value, const std::string& what) {
+  if (value > kMaxChainBytes - total) {
+    throw std::invalid_argument("remat::validate: the chain's bytes add up to more than 2^60 (" + what +
+                                " brings them over); no real chain is that large");
+  }
+  total += value;
 }
 
 }  // namespace
@@ -40,6 +54,8 @@ void validate(const Chain& chain) {
     throw std::invalid_argument("remat::validate: negative input_bytes (" +
                                 std::to_string(chain.input_bytes) + ")");
   }
+  int64_t total = 0;
+  add_bytes(total, chain.input_bytes, "input_bytes");
   for (size_t i = 0; i < chain.stages.size(); ++i) {
     const Stage& s = chain.stages[i];
     check_ms(chain, i, "fwd_ms", s.fwd_ms);
@@ -54,6 +70,8 @@ void validate(const Chain& chain) {
                                   std::to_string(s.output_bytes) +
                                   "); what a stage keeps includes its output");
     }
+    for (int64_t v : {s.output_bytes, s.saved_bytes, s.fwd_tmp_bytes, s.bwd_tmp_bytes})
+      add_bytes(total, v, stage_label(chain, i));
   }
 }
 
@@ -90,6 +108,11 @@ T required(const nlohmann::json& j, const char* key, const std::string& where) {
     if (!v.is_number_integer()) {
       throw std::invalid_argument("remat::chain_from_json: " + where + ": \"" + key +
                                   "\" must be a whole number of bytes, got " + v.dump());
+    }
+    if (v.is_number_unsigned() &&
+        v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      throw std::invalid_argument("remat::chain_from_json: " + where + ": \"" + key + "\" is too large (" +
+                                  v.dump() + ")");
     }
   }
   return v.get<T>();

@@ -32,9 +32,11 @@ StepStats measure_step(torch::nn::Module& model, const std::function<torch::Tens
   const torch::Device device = options.device();
   auto run_loss = [&] {
     torch::Tensor loss = loss_fn();
-    TORCH_CHECK(loss.defined() && loss.numel() == 1,
-                "remat::measure_step: loss_fn must return a scalar tensor, got ",
-                loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+    TORCH_CHECK(loss.defined(),
+                "remat::measure_step: loss_fn must return a scalar tensor, got an undefined tensor");
+    TORCH_CHECK(loss.numel() == 1,
+                "remat::measure_step: loss_fn must return a scalar tensor, got a tensor of shape ",
+                loss.sizes());
     return loss;
   };
   auto sync = [&] {

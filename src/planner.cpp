@@ -340,7 +340,8 @@ namespace {
 Plan dp_plan(const Chain& chain, int64_t budget, int64_t slots) {
   const int64_t unit = std::max<int64_t>(1, budget / slots);
   const int64_t total = budget / unit;  // >= slots when budget >= slots
-  const Sizes<int64_t> z(chain, [unit](int64_t v) { return (v + unit - 1) / unit; });
+  // Rounded up without forming v + unit (budgets up to INT64_MAX are valid).
+  const Sizes<int64_t> z(chain, [unit](int64_t v) { return v / unit + (v % unit != 0 ? 1 : 0); });
   Plan plan;
   plan.num_stages = chain.size();
   const int64_t m = total - z.x[0];

@@ -17,8 +17,12 @@ check() {  # check NAME EXPECTED_EXIT(0|nonzero) NEEDLE -- command...
   fi
   echo "ok   $name"
 }
+# Help names each command's own options, not only the shared ones.
+declare -A own=([bench]="--strategy" [profile]="--repeats" [plan]="--budget" [max-batch]="--budget"
+                [sweep]="--budgets" [demo]="--steps")
 for cmd in bench profile plan max-batch sweep demo; do
   check "help-$cmd" 0 "--model" -- "$remat" "$cmd" --help
+  check "help-$cmd-own" 0 "${own[$cmd]}" -- "$remat" "$cmd" --help
 done
 check no-command nonzero "subcommand" -- "$remat"
 check bad-model nonzero "--model" -- "$remat" bench --model gpt
@@ -33,7 +37,59 @@ json=$("$remat" plan --model mlp --depth 6 --width 32 --budget 1MiB --json 2>/de
 for key in planner budget_bytes predicted_peak_bytes predicted_time_ms forward_calls ops; do
   if grep -q "\"$key\"" <<<"$json"; then echo "ok   plan-json-$key"; else echo "FAIL plan-json-$key: $json"; fail=1; fi
 done
-check bench-table 0 "grads" -- "$remat" bench --model mlp --depth 3 --width 16 --batch 4 --strategy none,all,sqrt --steps 1 --warmup 1
+# The bench table: one row per strategy, each saying its gradients equal those of "none".
+out=$("$remat" bench --model mlp --depth 3 --width 16 --batch 4 --strategy none,all,sqrt --steps 1 --warmup 1 2>&1)
+rc=$?
+rows=$(grep -cE '^(none|all|sqrt) .* equal ' <<<"$out")
+if [ $rc -eq 0 ] && [ "$rows" = 3 ] && ! grep -qE '^(none|all|sqrt) .* differ' <<<"$out"; then
+  echo "ok   bench-table"
+else
+  echo "FAIL bench-table: exit $rc, $rows rows with equal gradients: $out"; fail=1
+fi
 check profile-verdict 0 "verdict: checkpointing can save at most" -- "$remat" profile --model forum-cnn --batch 4 --repeats 1
-check sweep 0 "optimal" -- "$remat" sweep --model mlp --depth 4 --width 16 --budgets 3
+# The sweep: 3 optimal points and the baselines, the optimal overheads never growing with the budget.
+out=$("$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 2>/dev/null)
+opt=$(grep -c '^optimal ' <<<"$out")
+increasing=$(grep '^optimal ' <<<"$out" | awk '{gsub("%","",$NF); if (NR > 1 && $NF + 0 > prev + 1e-9) bad = 1; prev = $NF + 0} END {print bad + 0}')
+if [ "$opt" = 3 ] && [ "$increasing" = 0 ] && grep -q '^baseline  none' <<<"$out" && grep -q '^baseline  sqrt' <<<"$out"; then
+  echo "ok   sweep"
+else
+  echo "FAIL sweep: $opt optimal rows, increasing=$increasing: $out"; fail=1
+fi
+
+# Bad input: one line, non-zero exit, naming the value.
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+good='{"input_bytes": 1000, "stages": [{"fwd_ms": 1, "bwd_ms": 2, "output_bytes": 1000, "saved_bytes": 3000}]}'
+bad_chain() {  # bad_chain NAME NEEDLE JSON
+  printf '%s' "$3" >"$tmp/$1.json"
+  check "chain-$1" nonzero "$2" -- "$remat" plan --chain "$tmp/$1.json" --budget 1MiB
+}
+bad_chain malformed "malformed JSON" '{"input_bytes": 1000, "stages": ['
+bad_chain no-stages '"stages" must be an array' '{"input_bytes": 1000}'
+bad_chain missing-key 'has no "bwd_ms"' '{"input_bytes": 1, "stages": [{"fwd_ms": 1, "output_bytes": 1, "saved_bytes": 1}]}'
+bad_chain wrong-type '"fwd_ms" must be a number, got "fast"' '{"input_bytes": 1, "stages": [{"fwd_ms": "fast", "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1}]}'
+bad_chain negative "negative output_bytes (-5)" '{"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1, "output_bytes": -5, "saved_bytes": 1}]}'
+bad_chain fraction "whole number of bytes, got 1.5" '{"input_bytes": 1.5, "stages": [{"fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1}]}'
+bad_chain overflow "is too large (18446744073709551615)" '{"input_bytes": 18446744073709551615, "stages": [{"fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1}]}'
+bad_chain huge "2^60" '{"input_bytes": 9000000000000000000, "stages": [{"fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1}]}'
+bad_chain slow "too large a fwd_ms" '{"input_bytes": 1, "stages": [{"fwd_ms": 1e300, "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1}]}'
+bad_chain saved-below-output "saved_bytes (1) < output_bytes (9)" '{"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1, "output_bytes": 9, "saved_bytes": 1}]}'
+bad_chain empty "no stages" '{"input_bytes": 1, "stages": []}'
+printf '%s' "$good" >"$tmp/good.json"
+check chain-good 0 "predicted" -- "$remat" plan --chain "$tmp/good.json" --budget 1MiB
+check negative-budget nonzero "'-5MiB' is not a size" -- "$remat" plan --chain "$tmp/good.json" --budget -5MiB
+check nan-budget nonzero "is not a size" -- "$remat" plan --chain "$tmp/good.json" --budget nan
+check overflow-budget nonzero "too large" -- "$remat" plan --chain "$tmp/good.json" --budget 99999999999TiB
+check bad-unit nonzero "unknown unit" -- "$remat" plan --chain "$tmp/good.json" --budget 5furlongs
+check bad-segments nonzero "uniform:0" -- "$remat" bench --model mlp --depth 3 --width 16 --strategy uniform:0 --steps 1
+check bad-uniform nonzero "whole number" -- "$remat" bench --model mlp --depth 3 --width 16 --strategy uniform:x --steps 1
+check bad-depth nonzero "--depth" -- "$remat" bench --model mlp --depth 0
+check bad-width nonzero "--width" -- "$remat" bench --model mlp --width -3
+check bad-batch nonzero "--batch" -- "$remat" bench --model mlp --batch -1
+check bad-slots nonzero "--slots" -- "$remat" plan --chain "$tmp/good.json" --budget 1MiB --slots 0
+check bad-planner nonzero "unknown" -- "$remat" plan --chain "$tmp/good.json" --budget 1MiB --planner fastest
+check unwritable-json nonzero "cannot write" -- "$remat" plan --chain "$tmp/good.json" --budget 1MiB --out /nonexistent/dir/plan.json
+check unwritable-csv nonzero "/nonexistent/dir" -- "$remat" sweep --chain "$tmp/good.json" --budgets 3 --csv /nonexistent/dir/curve.csv
+check max-batch-nothing-fits nonzero "not even a batch of 1 fits" -- "$remat" max-batch --model mlp --depth 2 --width 16 --budget 1KiB --strategy none,all
 exit $fail

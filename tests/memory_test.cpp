@@ -14,9 +14,19 @@ class MemoryTest : public ::testing::Test {
 };
 
 TEST_F(MemoryTest, TrackCpuIsIdempotent) {
+  // A second call keeps the same counting allocator: counts go on, nothing is counted twice.
   remat::memory::track_cpu();
+  const int64_t before = remat::memory::active_bytes();
+  const int64_t count = remat::memory::cpu_allocation_count();
+  auto a = torch::empty({250}, torch::kFloat);
   remat::memory::track_cpu();
   EXPECT_TRUE(remat::memory::is_tracking_cpu());
+  auto b = torch::empty({250}, torch::kFloat);
+  EXPECT_EQ(remat::memory::active_bytes() - before, 2000);
+  EXPECT_EQ(remat::memory::cpu_allocation_count() - count, 2);
+  a = torch::Tensor();
+  b = torch::Tensor();
+  EXPECT_EQ(remat::memory::active_bytes(), before);
 }
 
 TEST_F(MemoryTest, CountsExactBytesOfStorages) {
@@ -56,12 +66,22 @@ TEST_F(MemoryTest, PeakScopeMeasuresAboveEntry) {
 }
 
 TEST_F(MemoryTest, KernelsThatUseRawAllocateWork) {
-  // gelu and friends allocate through Allocator::raw_allocate, which needs context == data.
+  // gelu and friends allocate through Allocator::raw_allocate, which needs context == data: the results are
+  // right and the bytes are counted and released like any other storage.
   auto x = torch::randn({64, 64}, torch::requires_grad());
-  auto y = torch::gelu(x).sum();
-  y.backward();
-  EXPECT_TRUE(x.grad().defined());
-  EXPECT_GT(remat::memory::cpu_allocation_count(), 0);
+  const int64_t before = remat::memory::active_bytes();
+  const int64_t count = remat::memory::cpu_allocation_count();
+  {
+    auto y = torch::gelu(x);
+    EXPECT_GE(remat::memory::active_bytes() - before, 64 * 64 * 4);
+    y.sum().backward();
+    auto expected = 0.5 * (1 + torch::erf(x.detach() / std::sqrt(2.0))) +
+                    x.detach() * torch::exp(-x.detach().pow(2) / 2) / std::sqrt(2 * M_PI);
+    EXPECT_LE(remat::testing::max_abs_diff(x.grad(), expected), 1e-5);
+  }
+  EXPECT_GT(remat::memory::cpu_allocation_count(), count);
+  x.mutable_grad() = torch::Tensor();
+  EXPECT_EQ(remat::memory::active_bytes(), before);
 }
 
 TEST_F(MemoryTest, UnsupportedDevicesAreClearErrors) {

@@ -14,6 +14,20 @@
 
 namespace {
 
+// Expects `stmt` to throw std::invalid_argument whose message contains every one of the needles.
+#define EXPECT_THROW_WITH_STD(stmt, ...)                                                 \
+  do {                                                                                   \
+    bool thrown_ = false;                                                                \
+    try {                                                                                \
+      stmt;                                                                              \
+    } catch (const std::invalid_argument& e_) {                                          \
+      thrown_ = true;                                                                    \
+      for (const std::string& needle_ : std::vector<std::string>{__VA_ARGS__})           \
+        EXPECT_NE(std::string(e_.what()).find(needle_), std::string::npos) << e_.what(); \
+    }                                                                                    \
+    EXPECT_TRUE(thrown_) << "expected std::invalid_argument from: " #stmt;               \
+  } while (0)
+
 using remat::Chain;
 using remat::Op;
 using remat::OpKind;
@@ -266,6 +280,89 @@ TEST(Optimal, NeverSlowerThanAFittingBaselineAndAlwaysWithinBudget) {
   }
 }
 
+// Properties on random chains: every plan a planner returns fits its budget when simulated, and the optimal
+// planner's predicted time never grows as the budget does.
+TEST(PlannerProperties, PlansFitTheirBudgetAndOptimalTimeNeverGrowsWithTheBudget) {
+  std::mt19937 rng(2024);
+  int64_t checked = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const Chain chain = random_chain(rng, 1 + trial % 24, trial % 2 ? 1 : 65536);
+    const int64_t lo = remat::min_feasible_budget(chain);
+    const int64_t hi = remat::simulate(chain, remat::no_checkpoint(chain)).peak_bytes;
+    double previous = std::numeric_limits<double>::infinity();
+    for (int k = 0; k <= 24; ++k) {
+      const int64_t budget = lo + (hi - lo) * k / 24;
+      const Plan opt = remat::optimal(chain, budget);
+      const auto sim = remat::simulate(chain, opt);
+      EXPECT_LE(sim.peak_bytes, budget) << "trial " << trial << " budget " << budget;
+      EXPECT_EQ(sim.peak_bytes, opt.predicted.peak_bytes);
+      EXPECT_LE(sim.time_ms, previous + 1e-9)
+          << "trial " << trial << ": optimal got slower as the budget grew to " << budget;
+      previous = std::min(previous, sim.time_ms);
+      const Plan rev = remat::revolve_within(chain, budget);
+      EXPECT_LE(remat::simulate(chain, rev).peak_bytes, budget) << "revolve_within, trial " << trial;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 80 * 25);
+}
+
+// Chains as large as validate() allows are planned without overflow; one byte more is refused.
+TEST(PlannerProperties, LargestValidChainsDoNotOverflow) {
+  const int64_t n = 8;
+  Chain chain;
+  const int64_t each = remat::kMaxChainBytes / (4 * n + 1);
+  chain.input_bytes = each;
+  for (int64_t i = 0; i < n; ++i)
+    chain.stages.push_back(Stage{"s" + std::to_string(i), 1e12, 1e12, each, each, each, each});
+  remat::validate(chain);
+  const auto none = remat::simulate(chain, remat::no_checkpoint(chain));
+  EXPECT_GT(none.peak_bytes, 0);
+  EXPECT_LE(none.peak_bytes, 2 * remat::kMaxChainBytes);
+  const int64_t lo = remat::min_feasible_budget(chain);
+  EXPECT_GT(lo, 0);
+  const Plan opt = remat::optimal(chain, std::numeric_limits<int64_t>::max());
+  EXPECT_LE(remat::simulate(chain, opt).peak_bytes, none.peak_bytes);
+  EXPECT_LE(remat::simulate(chain, remat::optimal(chain, lo)).peak_bytes, lo);
+  EXPECT_GT(remat::revolve_within(chain, none.peak_bytes).ops.size(), 0u);
+
+  Chain over = chain;
+  over.stages.back().bwd_tmp_bytes += remat::kMaxChainBytes;
+  EXPECT_THROW_WITH_STD(remat::validate(over), "2^60");
+  Chain slow = chain;
+  slow.stages[0].fwd_ms = 2e12;
+  EXPECT_THROW_WITH_STD(remat::validate(slow), "fwd_ms", "1e12");
+}
+
+TEST(Optimal, RefusesChainsTooLargeForItsTables) {
+  const Chain chain = remat::uniform_chain(3000, 1.0, 2.0, 1000, 3000);
+  EXPECT_THROW_WITH_STD(remat::optimal(chain, 10'000'000), "remat::optimal", "3000 stages", "fewer slots",
+                        "revolve");
+  // With few slots the same chain is planned.
+  remat::PlannerOptions few;
+  few.slots = 2;
+  EXPECT_NO_THROW(remat::optimal(remat::uniform_chain(300, 1.0, 2.0, 1000, 3000), 10'000'000, few));
+}
+
+TEST(Revolve, WithinABudgetBeyond512StagesFitsOrStatesTheMinimum) {
+  // Beyond 512 stages revolve_within estimates the snapshot count and verifies it.
+  const Chain chain = remat::uniform_chain(2000, 1.0, 2.0, 1000, 3000);
+  const int64_t zero = remat::revolve(chain, 0).predicted.peak_bytes;
+  for (int64_t budget : {zero, zero + 5000, zero + 50'000, zero + 500'000}) {
+    const Plan plan = remat::revolve_within(chain, budget);
+    EXPECT_LE(remat::simulate(chain, plan).peak_bytes, budget);
+  }
+  EXPECT_GT(remat::revolve_within(chain, zero + 500'000).predicted.time_ms,
+            remat::no_checkpoint(chain).predicted.time_ms);
+  try {
+    remat::revolve_within(chain, zero - 1);
+    ADD_FAILURE() << "a budget below zero snapshots' peak must be refused";
+  } catch (const remat::InfeasibleBudget& e) {
+    EXPECT_EQ(e.min_bytes(), zero);
+    EXPECT_NE(std::string(e.what()).find("revolve"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Optimal, RecomputesStagesSeveralTimesWhenMemoryIsTight) {
   const Chain chain = remat::uniform_chain(20, 1.0, 2.0, 1000, 3000);
   const Plan tight = remat::optimal(chain, remat::min_feasible_budget(chain) + 2000);
@@ -336,6 +433,12 @@ TEST(Baselines, SqrtNKeepsMemorySublinear) {
     const auto sq = remat::sqrt_n(chain).predicted.peak_bytes;
     EXPECT_LT(sq, none);
     EXPECT_LE(sq, 4 * static_cast<int64_t>(std::sqrt(double(n))) * 2000 + 10000) << n;
+    // ceil(sqrt(n)) segments: that many checkpointed segment starts minus the kept last one, each kept
+    // once (Fc), and every other stage run without keeping (Fn) in the forward pass.
+    const Plan plan = remat::sqrt_n(chain);
+    const auto k = static_cast<int64_t>(std::ceil(std::sqrt(double(n))));
+    EXPECT_EQ(plan.planner, "sqrt");
+    EXPECT_EQ(plan.ops, remat::uniform(chain, k).ops) << n;
   }
 }
 

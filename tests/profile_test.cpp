@@ -101,8 +101,10 @@ TEST_F(ProfileTest, ResidualMlpPlansRunWithinTenPercentOfThePrediction) {
     const int64_t peak = measured_peak(
         *exec, [&] { return exec->forward(x); }, x, weight);
     const double predicted = static_cast<double>(plan.predicted.peak_bytes);
-    EXPECT_NEAR(static_cast<double>(peak), predicted, 0.10 * predicted)
-        << plan.planner << " " << plan.to_string();
+    // The README's tolerance for small chains: the measured peak is at most 10% above the prediction (the
+    // executor holds up to about three activations that simulate() does not charge) and never below it.
+    EXPECT_GE(static_cast<double>(peak), 0.99 * predicted) << plan.planner << " " << plan.to_string();
+    EXPECT_LE(static_cast<double>(peak), 1.10 * predicted) << plan.planner << " " << plan.to_string();
     EXPECT_EQ(exec->forward_calls(), plan.predicted.forward_calls) << plan.planner;
     clear_grads(*seq);
     exec->forward(x).mul(weight).sum().backward();
@@ -141,7 +143,8 @@ TEST_F(ProfileTest, BertPlansRunWithinTenPercentOfThePrediction) {
     const int64_t peak = measured_peak(
         *bert, [&] { return bert->forward(ids); }, ids, weight);
     const double predicted = static_cast<double>(plan.predicted.peak_bytes);
-    EXPECT_NEAR(static_cast<double>(peak), predicted, 0.10 * predicted) << plan.to_string();
+    EXPECT_GE(static_cast<double>(peak), 0.99 * predicted) << plan.to_string();
+    EXPECT_LE(static_cast<double>(peak), 1.10 * predicted) << plan.to_string();
     clear_grads(*bert);
     torch::manual_seed(9);
     bert->forward(ids).mul(weight).sum().backward();

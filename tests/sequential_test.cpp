@@ -48,6 +48,10 @@ Reference plain_step(torch::nn::Sequential& seq, const torch::Tensor& x, uint64_
   return r;
 }
 
+remat::Chain unit_chain(int64_t n) {
+  return remat::uniform_chain(n, 1.0, 2.0, 1000, 3000);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // checkpoint_sequential
 
@@ -90,6 +94,47 @@ TEST(CheckpointSequential, BadSegmentsNameTheValueAndModuleCountBeforeAnyModuleR
   torch::nn::Sequential empty;
   EXPECT_THROW_WITH(remat::checkpoint_sequential(empty, 1, x), "empty", "0 modules", "segments was 1");
   EXPECT_EQ(*calls, 0);
+}
+
+TEST(CheckpointSequential, SegmentsAnywhereGiveEqualGradientsAndLeaveTheRngAsFound) {
+  torch::manual_seed(1);
+  auto seq = mixed_chain();  // dropout and BatchNorm inside
+  const auto x = torch::randn({10, 16}, torch::requires_grad());
+  for (const std::vector<int64_t>& starts :
+       std::vector<std::vector<int64_t>>{{0}, {0, 1}, {0, 3, 4}, {0, 2, 5, 7}}) {
+    for (auto& b : seq->buffers())
+      b.zero_();
+    const Reference ref = plain_step(seq, x, 8);
+    const auto rng_after_plain = torch::rand({4});
+    for (auto& b : seq->buffers())
+      b.zero_();
+    clear_grads(*seq);
+    x.mutable_grad() = torch::Tensor();
+    torch::manual_seed(8);
+    remat::checkpoint_segments(seq, starts, x).pow(2).sum().backward();
+    // The program's next random numbers are those of the plain run: the recomputes left the RNG as found.
+    EXPECT_TRUE(torch::rand({4}).equal(rng_after_plain)) << c10::IntArrayRef(starts);
+    expect_all_close(grads_of(*seq), ref.grads, 1e-6);
+    EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6) << c10::IntArrayRef(starts);
+    auto buffers = seq->buffers();
+    for (size_t i = 0; i < buffers.size(); ++i)
+      EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << c10::IntArrayRef(starts);
+  }
+}
+
+TEST(Executor, LeavesTheRngAsFound) {
+  torch::manual_seed(1);
+  auto seq = mixed_chain();
+  const auto x = torch::randn({10, 16}, torch::requires_grad());
+  const remat::Chain chain = unit_chain(static_cast<int64_t>(seq->size()));
+  for (const auto& plan : {remat::checkpoint_all(chain), remat::optimal(chain, 9000)}) {
+    plain_step(seq, x, 3);
+    const auto after_plain = torch::rand({4});
+    torch::manual_seed(3);
+    remat::CheckpointedSequential exec(seq, plan);
+    exec->forward(x).pow(2).sum().backward();
+    EXPECT_TRUE(torch::rand({4}).equal(after_plain)) << plan.to_string();
+  }
 }
 
 TEST(CheckpointSequential, RecomputesEachCheckpointedSegmentOnce) {
@@ -135,8 +180,24 @@ TEST(CheckpointSequential, KeepsOnlySegmentBoundariesAlive) {
 // ---------------------------------------------------------------------------------------------------------
 // The plan executor
 
-remat::Chain unit_chain(int64_t n) {
-  return remat::uniform_chain(n, 1.0, 2.0, 1000, 3000);
+
+// Forward calls per stage of one checkpointed step, counted by wrappers around the stages (not by the
+// executor).
+std::vector<int64_t> counted_calls(torch::nn::Sequential& seq, const torch::Tensor& x,
+                                   const remat::Plan& plan) {
+  auto counts = std::make_shared<std::vector<int64_t>>(seq->size(), 0);
+  std::vector<remat::StageFn> stages = remat::stages_of(seq);
+  for (size_t i = 0; i < stages.size(); ++i) {
+    remat::TensorFn inner = stages[i].fn;
+    stages[i].fn = [inner, counts, i](const torch::Tensor& t) {
+      ++(*counts)[i];
+      return inner(t);
+    };
+  }
+  clear_grads(*seq);
+  remat::run_plan(stages, plan, x).pow(2).sum().backward();
+  clear_grads(*seq);
+  return *counts;
 }
 
 TEST(Executor, EveryPlannerGivesEqualGradientsAndPredictedForwardCalls) {
@@ -166,6 +227,8 @@ TEST(Executor, EveryPlannerGivesEqualGradientsAndPredictedForwardCalls) {
     auto buffers = seq->buffers();
     for (size_t i = 0; i < buffers.size(); ++i)
       EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << plan.to_string();
+    // The executor's own counter agrees with one kept outside it.
+    EXPECT_EQ(counted_calls(seq, x, plan), plan.predicted.forward_calls) << plan.to_string();
   }
 }
 
@@ -272,8 +335,18 @@ TEST(Executor, ReplanIsOneCallAndBadPlansAreClearErrors) {
   torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::Tanh(), torch::nn::Linear(4, 4));
   const remat::Chain chain = unit_chain(3);
   remat::CheckpointedSequential exec(seq, remat::no_checkpoint(chain));
-  exec->replan(chain, remat::min_feasible_budget(chain));
+  const int64_t budget = remat::min_feasible_budget(chain);
+  exec->replan(chain, budget);
   EXPECT_EQ(exec->plan().planner, "optimal");
+  EXPECT_EQ(exec->plan().budget_bytes, budget);
+  EXPECT_LE(remat::simulate(chain, exec->plan()).peak_bytes, budget);
+  EXPECT_LT(remat::simulate(chain, exec->plan()).peak_bytes,
+            remat::no_checkpoint(chain).predicted.peak_bytes);
+  EXPECT_EQ(exec->plan().ops, remat::optimal(chain, budget).ops);
+  // The new plan is the one that runs.
+  const auto x = torch::randn({2, 4}, torch::requires_grad());
+  exec->forward(x).sum().backward();
+  EXPECT_EQ(exec->forward_calls(), exec->plan().predicted.forward_calls);
   EXPECT_THROW_WITH(exec->set_plan(remat::no_checkpoint(unit_chain(4))), "remat::CheckpointedSequential",
                     "4 stages", "3 modules");
   remat::Plan broken = remat::no_checkpoint(chain);

@@ -42,8 +42,15 @@ struct Chain {
   int64_t activation_bytes(int64_t i) const { return i == 0 ? input_bytes : stages[i - 1].output_bytes; }
 };
 
-/// Checks a chain: at least one stage; no negative or non-finite value; saved_bytes >= output_bytes.
-/// Throws std::invalid_argument naming remat::validate, the stage (index and name), the field and the value.
+/// The largest total of a chain's byte counts (input_bytes plus every stage's four byte fields) that
+/// validate() accepts: 2^60 bytes. Below it, no sum the simulator or the planners form overflows int64.
+constexpr int64_t kMaxChainBytes = int64_t{1} << 60;
+/// The largest fwd_ms or bwd_ms validate() accepts (milliseconds).
+constexpr double kMaxStageMs = 1e12;
+
+/// Checks a chain: at least one stage; no negative or non-finite value; times at most kMaxStageMs;
+/// saved_bytes >= output_bytes; byte counts adding up to at most kMaxChainBytes. Throws
+/// std::invalid_argument naming remat::validate, the stage (index and name), the field and the value.
 void validate(const Chain& chain);
 
 /// The chain as JSON: {"input_bytes": N, "stages": [{"name": "...", "fwd_ms": x, "bwd_ms": x,

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -405,6 +406,12 @@ int run_max_batch(const MaxBatchArgs& a) {
            r.batch == 0 ? "nothing fits" : (r.confirmed ? "yes" : "no")});
   }
   t.print(std::cout);
+  const bool any_fits = std::any_of(rows.begin(), rows.end(), [](const auto& r) { return r.batch > 0; });
+  if (!any_fits) {
+    std::cerr << "remat: max-batch: not even a batch of 1 fits " << remat::format_bytes(budget)
+              << " with any strategy (" << a.strategies << ")\n";
+    return 1;
+  }
   return 0;
 }
 

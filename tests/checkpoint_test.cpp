@@ -21,10 +21,6 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-std::string mode_name(const ::testing::TestParamInfo<CheckpointMode>& info) {
-  return info.param == CheckpointMode::kReentrant ? "Reentrant" : "NonReentrant";
-}
-
 class CheckpointTest : public ::testing::TestWithParam<CheckpointMode> {
  protected:
   void SetUp() override {
@@ -36,7 +32,7 @@ class CheckpointTest : public ::testing::TestWithParam<CheckpointMode> {
 
 INSTANTIATE_TEST_SUITE_P(Modes, CheckpointTest,
                          ::testing::Values(CheckpointMode::kNonReentrant, CheckpointMode::kReentrant),
-                         mode_name);
+                         remat::testing::mode_name);
 
 // ---------------------------------------------------------------------------------------------------------
 // Gradients equal the un-checkpointed run

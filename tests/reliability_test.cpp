@@ -22,10 +22,6 @@ using remat::testing::clear_grads;
 using remat::testing::grads_of;
 using remat::testing::max_abs_diff;
 
-std::string mode_name(const ::testing::TestParamInfo<CheckpointMode>& info) {
-  return info.param == CheckpointMode::kReentrant ? "Reentrant" : "NonReentrant";
-}
-
 // How a step checkpoints its blocks: remat::checkpoint per block in a mode, or the plan executor
 // (checkpoint_sequential).
 enum class Way { kNonReentrant, kReentrant, kSequential };
@@ -104,6 +100,24 @@ void expect_identical(const std::vector<torch::Tensor>& a, const std::vector<tor
     EXPECT_TRUE(a[i].equal(b[i])) << what << ": tensor " << i << " differs by " << max_abs_diff(a[i], b[i]);
 }
 
+// Runs body(t) for t in [0, n) on n threads at once; returns what each threw ("" when nothing).
+std::vector<std::string> run_threads(int n, const std::function<void(int)>& body) {
+  std::vector<std::string> errors(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < n; ++t) {
+    threads.emplace_back([&, t] {
+      try {
+        body(t);
+      } catch (const std::exception& e) {
+        errors[static_cast<size_t>(t)] = e.what();
+      }
+    });
+  }
+  for (auto& th : threads)
+    th.join();
+  return errors;
+}
+
 class Threads : public ::testing::TestWithParam<Way> {};
 INSTANTIATE_TEST_SUITE_P(Ways, Threads,
                          ::testing::Values(Way::kNonReentrant, Way::kReentrant, Way::kSequential), way_name);
@@ -122,19 +136,8 @@ TEST_P(Threads, ModelsTrainedAtTheSameTimeEqualTheSameRunsOneAfterAnother) {
   std::vector<torch::nn::Sequential> models;
   for (int t = 0; t < kThreads; ++t)
     models.push_back(make_model(100 + t, 4, 16, true, 0));
-  std::vector<std::thread> threads;
-  std::vector<std::string> errors(kThreads);
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      try {
-        together[t] = train(models[t], 200 + t, kSteps, GetParam());
-      } catch (const std::exception& e) {
-        errors[t] = e.what();
-      }
-    });
-  }
-  for (auto& th : threads)
-    th.join();
+  const auto errors =
+      run_threads(kThreads, [&](int t) { together[t] = train(models[t], 200 + t, kSteps, GetParam()); });
   for (int t = 0; t < kThreads; ++t) {
     EXPECT_EQ(errors[t], "");
     expect_identical(together[t], alone[t], "thread " + std::to_string(t));
@@ -165,20 +168,10 @@ TEST_P(Threads, DropoutIsExactWhileNoOtherThreadDraws) {
     models.push_back(make_model(300 + t, 3, 16, false, t == 0 ? 0.3 : 0.0));
   torch::manual_seed(77);
   std::vector<std::vector<torch::Tensor>> together(kThreads);
-  std::vector<std::string> errors(kThreads);
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      preserve_rng = t == 0;
-      try {
-        together[t] = train(models[t], 400 + t, kSteps, GetParam());
-      } catch (const std::exception& e) {
-        errors[t] = e.what();
-      }
-    });
-  }
-  for (auto& th : threads)
-    th.join();
+  const auto errors = run_threads(kThreads, [&](int t) {
+    preserve_rng = t == 0;
+    together[t] = train(models[t], 400 + t, kSteps, GetParam());
+  });
   for (int t = 0; t < kThreads; ++t) {
     EXPECT_EQ(errors[t], "");
     expect_identical(together[t], alone[t], "thread " + std::to_string(t));
@@ -222,18 +215,15 @@ TEST_P(Threads, OneModelSharedUnderAMutexEqualsTheStepsOneAfterAnother) {
     for (int s = 0; s < kSteps; ++s)
       alone[{t, s}] = step(input(t, s));
   std::mutex mutex;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < kThreads; ++t) {
-    threads.emplace_back([&, t] {
-      for (int s = 0; s < kSteps; ++s) {
-        auto x = input(t, s);
-        std::lock_guard<std::mutex> lock(mutex);
-        together[{t, s}] = step(x);
-      }
-    });
-  }
-  for (auto& th : threads)
-    th.join();
+  const auto errors = run_threads(kThreads, [&](int t) {
+    for (int s = 0; s < kSteps; ++s) {
+      auto x = input(t, s);
+      std::lock_guard<std::mutex> lock(mutex);  // the step and the map
+      together[{t, s}] = step(x);
+    }
+  });
+  for (const auto& e : errors)
+    EXPECT_EQ(e, "");
   for (const auto& [key, grads] : alone)
     expect_identical(together[key], grads,
                      "thread " + std::to_string(key.first) + " step " + std::to_string(key.second));

@@ -25,10 +25,6 @@ using remat::testing::grads_of;
 using remat::testing::max_abs_diff;
 namespace compat = remat::detail::compat;
 
-std::string mode_name(const ::testing::TestParamInfo<CheckpointMode>& info) {
-  return info.param == CheckpointMode::kReentrant ? "Reentrant" : "NonReentrant";
-}
-
 class SemanticsTest : public ::testing::TestWithParam<CheckpointMode> {
  protected:
   void SetUp() override { torch::manual_seed(0); }
@@ -37,7 +33,7 @@ class SemanticsTest : public ::testing::TestWithParam<CheckpointMode> {
 
 INSTANTIATE_TEST_SUITE_P(Modes, SemanticsTest,
                          ::testing::Values(CheckpointMode::kNonReentrant, CheckpointMode::kReentrant),
-                         mode_name);
+                         remat::testing::mode_name);
 
 // CPU autocast with bfloat16 for the lifetime of the scope, as torch.autocast("cpu") enters it.
 class CpuAutocast {

@@ -180,7 +180,6 @@ TEST(CheckpointSequential, KeepsOnlySegmentBoundariesAlive) {
 // ---------------------------------------------------------------------------------------------------------
 // The plan executor
 
-
 // Forward calls per stage of one checkpointed step, counted by wrappers around the stages (not by the
 // executor).
 std::vector<int64_t> counted_calls(torch::nn::Sequential& seq, const torch::Tensor& x,

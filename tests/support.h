@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <remat/checkpoint.h>
 #include <remat/memory.h>
 
 #include <string>
@@ -58,6 +59,11 @@ inline void expect_all_close(const std::vector<torch::Tensor>& a, const std::vec
 inline void clear_grads(torch::nn::Module& module) {
   for (auto& p : module.parameters())
     p.mutable_grad() = torch::Tensor();
+}
+
+/// Names the instances of tests parameterized by CheckpointMode: "NonReentrant", "Reentrant".
+inline std::string mode_name(const ::testing::TestParamInfo<remat::CheckpointMode>& info) {
+  return info.param == remat::CheckpointMode::kReentrant ? "Reentrant" : "NonReentrant";
 }
 
 /// Installs the CPU meter once per test process.

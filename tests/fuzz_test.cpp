@@ -10,6 +10,7 @@
 // A failure prints the seed, the command that reproduces it, the program, and the smallest failing program
 // the shrinker finds.
 
+#include <ATen/Parallel.h>
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
 #include <remat/plan.h>
@@ -728,10 +729,22 @@ int64_t run_range(uint64_t first, uint64_t count, const bool* regions, bool verb
   return ran;
 }
 
+// The programs are tiny: one intra-op thread runs them fastest, and keeps oneDNN's OpenMP teams from
+// spinning against the other tests ctest runs at the same time. Restored at the end of each test.
+class OneThread {
+ public:
+  OneThread() : previous_(at::get_num_threads()) { at::set_num_threads(1); }
+  ~OneThread() { at::set_num_threads(previous_); }
+
+ private:
+  int previous_;
+};
+
 // The fixed budget ./test runs: seeds 1..N, split by family so ctest runs them in parallel.
 constexpr uint64_t kBudget = 1500;
 
 TEST(Fuzz, Chains) {
+  OneThread one;
   const bool chains = false;
   const int64_t ran = run_range(1, kBudget, &chains);
   RecordProperty("programs", static_cast<int>(ran));
@@ -739,6 +752,7 @@ TEST(Fuzz, Chains) {
 }
 
 TEST(Fuzz, Regions) {
+  OneThread one;
   const bool regions = true;
   const int64_t ran = run_range(1, kBudget, &regions);
   RecordProperty("programs", static_cast<int>(ran));
@@ -746,11 +760,13 @@ TEST(Fuzz, Regions) {
 }
 
 TEST(Fuzz, One) {
+  OneThread one;
   const uint64_t seed = env_u64("REMAT_FUZZ_SEED", 1);
   run_range(seed, 1, nullptr, /*verbose=*/true);
 }
 
 TEST(Fuzz, Long) {
+  OneThread one;
   const uint64_t seed = env_u64("REMAT_FUZZ_SEED", 1000000);
   const uint64_t count = env_u64("REMAT_FUZZ_COUNT", 0);
   if (count == 0) GTEST_SKIP() << "set REMAT_FUZZ_COUNT (and REMAT_FUZZ_SEED) to run a long fuzz";

@@ -1,5 +1,5 @@
 # ctest: install remat from BUILD_DIR into a fresh prefix, build examples/consumer against it, run it.
-# Arguments: -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=...
+# Arguments: -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DTORCH_DIR=...] (the LibTorch remat was built with)
 file(REMOVE_RECURSE "${WORK_DIR}")
 function(step)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
@@ -8,7 +8,11 @@ function(step)
   endif()
 endfunction()
 step(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+set(torch_hint "")
+if(TORCH_DIR)
+  set(torch_hint "-DTorch_DIR=${TORCH_DIR}")
+endif()
 step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/consumer" -B "${WORK_DIR}/build" -G Ninja
-     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" ${torch_hint})
 step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 step("${WORK_DIR}/build/consumer")

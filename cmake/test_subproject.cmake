@@ -1,0 +1,20 @@
+# ctest: build examples/subproject, which adds remat with add_subdirectory, and run it; then configure it
+# again with Torch found by the application first (the other order users write).
+# Arguments: -DSOURCE_DIR=... -DWORK_DIR=... [-DTORCH_DIR=...]
+file(REMOVE_RECURSE "${WORK_DIR}")
+function(step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "subproject test: '${ARGN}' failed (${rc})")
+  endif()
+endfunction()
+set(torch_hint "")
+if(TORCH_DIR)
+  set(torch_hint "-DTorch_DIR=${TORCH_DIR}")
+endif()
+step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/subproject" -B "${WORK_DIR}/remat-first" -G Ninja
+     -DCMAKE_BUILD_TYPE=Release "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" ${torch_hint})
+step(${CMAKE_COMMAND} --build "${WORK_DIR}/remat-first")
+step("${WORK_DIR}/remat-first/app")
+step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/subproject" -B "${WORK_DIR}/torch-first" -G Ninja
+     -DCMAKE_BUILD_TYPE=Release "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" -DFIND_TORCH_FIRST=ON ${torch_hint})

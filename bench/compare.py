@@ -36,6 +36,9 @@ def merge(rounds):
         row["peak_bytes"] = max(x["peak_bytes"] for x in per_round)
         row["after_forward_bytes"] = max(x["after_forward_bytes"] for x in per_round)
     none = out["rows"][0]
+    if none["peak_bytes"] <= 0:
+        sys.exit(f"compare.py: {out.get('library', 'a program')} measured no memory at all for 'none': is "
+                 "libremat_meter.so built against the LibTorch of this Python's torch (REMAT_PYTHON)?")
     for row in out["rows"]:
         row["time_ratio"] = row["median_ms"] / none["median_ms"]
         row["peak_ratio"] = row["peak_bytes"] / none["peak_bytes"]

@@ -8,11 +8,14 @@ function(step)
   endif()
 endfunction()
 step(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
-set(torch_hint "")
+# The LibTorch remat was built with, found before any other on the machine: Torch's package directory and the
+# Caffe2 package beside it (which Torch loads, and would otherwise find in the system's directories first).
+set(torch_hints "")
 if(TORCH_DIR)
-  set(torch_hint "-DTorch_DIR=${TORCH_DIR}")
+  get_filename_component(caffe2_dir "${TORCH_DIR}/../Caffe2" ABSOLUTE)
+  set(torch_hints "-DTorch_DIR=${TORCH_DIR}" "-DCaffe2_DIR=${caffe2_dir}")
 endif()
 step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/consumer" -B "${WORK_DIR}/build" -G Ninja
-     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" ${torch_hint})
+     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" ${torch_hints})
 step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 step("${WORK_DIR}/build/consumer")

@@ -8,13 +8,16 @@ function(step)
     message(FATAL_ERROR "subproject test: '${ARGN}' failed (${rc})")
   endif()
 endfunction()
-set(torch_hint "")
+# The LibTorch remat was built with, found before any other on the machine: Torch's package directory and the
+# Caffe2 package beside it (which Torch loads, and would otherwise find in the system's directories first).
+set(torch_hints "")
 if(TORCH_DIR)
-  set(torch_hint "-DTorch_DIR=${TORCH_DIR}")
+  get_filename_component(caffe2_dir "${TORCH_DIR}/../Caffe2" ABSOLUTE)
+  set(torch_hints "-DTorch_DIR=${TORCH_DIR}" "-DCaffe2_DIR=${caffe2_dir}")
 endif()
 step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/subproject" -B "${WORK_DIR}/remat-first" -G Ninja
-     -DCMAKE_BUILD_TYPE=Release "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" ${torch_hint})
+     -DCMAKE_BUILD_TYPE=Release "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" ${torch_hints})
 step(${CMAKE_COMMAND} --build "${WORK_DIR}/remat-first")
 step("${WORK_DIR}/remat-first/app")
 step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/subproject" -B "${WORK_DIR}/torch-first" -G Ninja
-     -DCMAKE_BUILD_TYPE=Release "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" -DFIND_TORCH_FIRST=ON ${torch_hint})
+     -DCMAKE_BUILD_TYPE=Release "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" -DFIND_TORCH_FIRST=ON ${torch_hints})

@@ -12,3 +12,6 @@ fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 # Debian's python3-torch (for the side-by-side benchmark) lives in the system Python, not in a pyenv one.
 export REMAT_PYTHON="${REMAT_PYTHON:-/usr/bin/python3}"
+# The virtual environment of PyPI's torch 2.15 (scripts/setup --torch pypi, ./test --torch pypi): outside the
+# source tree, shared by every checkout.
+export REMAT_PYPI_VENV="${REMAT_PYPI_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/remat/torch-2.15}"

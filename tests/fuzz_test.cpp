@@ -748,6 +748,7 @@ TEST(Fuzz, Chains) {
   const bool chains = false;
   const int64_t ran = run_range(1, kBudget, &chains);
   RecordProperty("programs", static_cast<int>(ran));
+  std::cout << "fuzz: " << ran << " chain programs of seeds 1.." << kBudget << " ran" << std::endl;
   if (!HasFailure()) EXPECT_GT(ran, static_cast<int64_t>(kBudget / 2));
 }
 
@@ -756,6 +757,7 @@ TEST(Fuzz, Regions) {
   const bool regions = true;
   const int64_t ran = run_range(1, kBudget, &regions);
   RecordProperty("programs", static_cast<int>(ran));
+  std::cout << "fuzz: " << ran << " region programs of seeds 1.." << kBudget << " ran" << std::endl;
   if (!HasFailure()) EXPECT_GT(ran, static_cast<int64_t>(kBudget / 4));
 }
 

@@ -414,6 +414,8 @@ TEST_P(OutOfMemory, EveryAllocationOfAStepFailsCleanlyAndTheNextStepSucceeds) {
     EXPECT_EQ(remat::memory::active_bytes(), base) << "bytes leaked after allocation " << n << " failed";
   }
   EXPECT_EQ(remat::memory::testing::refused_cpu_allocations() - refused_before, allocations);
+  std::cout << "out of memory: each of the " << allocations << " CPU allocations of a step failed in turn"
+            << std::endl;
   // The next step succeeds and computes the same gradients (BatchNorm's statistics moved on with each
   // step, but the gradients use batch statistics only).
   step();

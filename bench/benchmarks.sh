@@ -83,6 +83,22 @@ print(next(x['peak_bytes'] for x in r if x['strategy']=='uniform:4'))")
       log "$remat" max-batch --model bert --layers 6 --hidden 512 --heads 8 --intermediate 2048 --seq 128 \
         --budget 1GiB --strategy none,all,sqrt,optimal
       ;;
+    pypi)  # PyTorch 2.15 and Hugging Face beside remat built on the LibTorch of the same wheel (./test --torch pypi)
+      py="$REMAT_PYPI_VENV/bin/python"
+      log "$py" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+      REMAT_PYTHON="$py" log "$py" bench/compare.py --build build-pypi --model bert \
+        --remat none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6 \
+        --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6,selective \
+        --steps 3 --warmup 1 --out "$out/bert-2.15"
+      log "$py" bench/pytorch_reference.py --meter build-pypi/libremat_meter.so --model hf-bert --strategy none,all \
+        --steps 3 --warmup 1
+      ;;
+    soak)  # 10,000 steps per mode (docs/RELIABILITY.md)
+      OMP_NUM_THREADS=1 log build/bin/remat_soak --steps 10000
+      ;;
+    fuzz)  # 200,000 random programs (docs/RELIABILITY.md)
+      REMAT_FUZZ_SEED=1000000 REMAT_FUZZ_COUNT=200000 log build/tests/remat_tests --gtest_filter=Fuzz.Long
+      ;;
     *) echo "unknown section $name" >&2; exit 2 ;;
   esac
 done

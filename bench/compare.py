@@ -55,7 +55,7 @@ def main():
     for flag in MODEL_FLAGS:
         p.add_argument("--" + flag)
     p.add_argument("--remat", default="none,all,sqrt,optimal:overhead=0.5", help="remat strategies")
-    p.add_argument("--pytorch", default="none,all", help="PyTorch strategies (none, all, all-reentrant, uniform:K)")
+    p.add_argument("--pytorch", default="none,all", help="PyTorch strategies (none, all, all-reentrant, uniform:K, selective on PyTorch >= 2.4)")
     p.add_argument("--steps", default="3")
     p.add_argument("--warmup", default="1")
     p.add_argument("--rounds", type=int, default=1)

@@ -7,7 +7,11 @@ with ctypes), so that both libraries are measured on the same scale. Steps of th
 `remat bench`, so that the machine's drift affects them alike.
 
 Strategies: none, all (per layer, use_reentrant=False), all-reentrant (per layer, use_reentrant=True),
-uniform:K (checkpoint_sequential with K segments).
+uniform:K (checkpoint_sequential with K segments), selective (PyTorch 2.4 and later: per layer with
+create_selective_checkpoint_contexts, saving the outputs of matrix multiplications and recomputing the rest).
+
+Model hf-bert is Hugging Face's BertModel (transformers) built from a BertConfig of the same sizes (random
+weights, nothing downloaded); its strategies are none and all (gradient_checkpointing_enable()).
 
     python3 bench/pytorch_reference.py --meter build/libremat_meter.so --model bert --strategy none,all --json out.json
 """
@@ -24,6 +28,35 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+try:  # PyTorch 2.4 and later
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    # The common selective policy: keep what the matrix multiplications produce, recompute everything else.
+    SAVED_OPS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+                 torch.ops.aten.baddbmm.default}
+
+    def _save_matmuls(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    SELECTIVE = partial(create_selective_checkpoint_contexts, _save_matmuls)
+except ImportError:
+    SELECTIVE = None
+
+
+def checkpointed(fn, *args, strategy):
+    """fn(*args) under a per-layer strategy: none, all, all-reentrant or selective."""
+    if strategy == "all":
+        return checkpoint(fn, *args, use_reentrant=False)
+    if strategy == "all-reentrant":
+        return checkpoint(fn, *args, use_reentrant=True)
+    if strategy == "selective":
+        if SELECTIVE is None:
+            sys.exit(f"pytorch_reference.py: 'selective' needs PyTorch 2.4 or later, this is {torch.__version__}")
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=SELECTIVE)
+    return fn(*args)
 
 
 class Meter:
@@ -123,12 +156,7 @@ class Bert(nn.Module):
             seq = nn.Sequential(*[MaskedLayer(layer, ext) for layer in self.layers])
             return checkpoint_sequential(seq, int(strategy[8:]), h)
         for layer in self.layers:
-            if strategy == "all":
-                h = checkpoint(layer, h, ext, use_reentrant=False)
-            elif strategy == "all-reentrant":
-                h = checkpoint(layer, h, ext, use_reentrant=True)
-            else:
-                h = layer(h, ext)
+            h = checkpointed(layer, h, ext, strategy=strategy)
         return h
 
 
@@ -154,13 +182,37 @@ class Mlp(nn.Module):
             return checkpoint_sequential(self.blocks, int(strategy[8:]), self.x)
         h = self.x
         for block in self.blocks:
-            if strategy == "all":
-                h = checkpoint(block, h, use_reentrant=False)
-            elif strategy == "all-reentrant":
-                h = checkpoint(block, h, use_reentrant=True)
-            else:
-                h = block(h)
+            h = checkpointed(block, h, strategy=strategy)
         return h
+
+
+class HfBert(nn.Module):
+    """Hugging Face's BertModel at the same sizes, random weights; eager attention, the same math as remat's."""
+
+    def __init__(self, c):
+        super().__init__()
+        from transformers import BertConfig, BertModel
+        config = BertConfig(vocab_size=c["vocab"], hidden_size=c["hidden"], num_hidden_layers=c["layers"],
+                            num_attention_heads=c["heads"], intermediate_size=c["intermediate"],
+                            max_position_embeddings=max(512, c["seq"]), hidden_dropout_prob=c["dropout"],
+                            attention_probs_dropout_prob=c["dropout"], attn_implementation="eager")
+        self.bert = BertModel(config, add_pooling_layer=False)
+        self.bert.train()
+        b, s = c["batch"], c["seq"]
+        self.ids = torch.randint(0, c["vocab"], (b, s))
+        self.mask = torch.ones(b, s, dtype=torch.long)
+        self.checkpointing = None
+
+    def forward(self, strategy):
+        if strategy not in ("none", "all"):
+            sys.exit(f"pytorch_reference.py: hf-bert has strategies none and all, not '{strategy}'")
+        if strategy != self.checkpointing:
+            if strategy == "all":
+                self.bert.gradient_checkpointing_enable()
+            else:
+                self.bert.gradient_checkpointing_disable()
+            self.checkpointing = strategy
+        return self.bert(input_ids=self.ids, attention_mask=self.mask).last_hidden_state
 
 
 def heavy_function(x, a, adds):
@@ -216,8 +268,8 @@ class Cifar(nn.Module):
 
 def describe(c):
     m = c["model"]
-    if m == "bert":
-        return (f"bert {c['layers']} layers x {c['hidden']} ({c['heads']} heads, ffn {c['intermediate']}), "
+    if m in ("bert", "hf-bert"):
+        return (f"{m} {c['layers']} layers x {c['hidden']} ({c['heads']} heads, ffn {c['intermediate']}), "
                 f"seq {c['seq']}, batch {c['batch']}, dropout {c['dropout']}")
     if m == "mlp":
         return f"mlp {c['depth']} residual blocks x {c['width']} (hidden {4 * c['width']}), batch {c['batch']}"
@@ -231,8 +283,9 @@ def describe(c):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--meter", required=True, help="path of libremat_meter.so")
-    p.add_argument("--model", default="bert", choices=["bert", "mlp", "heavy", "cifar"])
-    p.add_argument("--strategy", default="none,all", help="comma-separated: none, all, all-reentrant, uniform:K")
+    p.add_argument("--model", default="bert", choices=["bert", "hf-bert", "mlp", "heavy", "cifar"])
+    p.add_argument("--strategy", default="none,all",
+                   help="comma-separated: none, all, all-reentrant, uniform:K, selective (PyTorch >= 2.4)")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--heads", type=int, default=12)
@@ -255,8 +308,8 @@ def main():
     meter = Meter(a.meter)  # before any tensor, so that everything is counted
     torch.manual_seed(a.seed)
     c = vars(a).copy()
-    c["batch"] = a.batch or {"bert": 8, "mlp": 64, "cifar": 64, "heavy": 1}[a.model]
-    model = {"bert": Bert, "mlp": Mlp, "heavy": Heavy, "cifar": Cifar}[a.model](c)
+    c["batch"] = a.batch or {"bert": 8, "hf-bert": 8, "mlp": 64, "cifar": 64, "heavy": 1}[a.model]
+    model = {"bert": Bert, "hf-bert": HfBert, "mlp": Mlp, "heavy": Heavy, "cifar": Cifar}[a.model](c)
     strategies = [s for s in a.strategy.split(",") if s]
     if "none" not in strategies:
         strategies.insert(0, "none")

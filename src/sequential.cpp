@@ -1,9 +1,10 @@
 #include "remat/sequential.h"
 
 #include <torch/csrc/autograd/autograd.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -172,50 +173,67 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph,
   if (i > 0 && in.plain.defined()) in.plain = at::Tensor();
 }
 
-struct ExecFunction : torch::autograd::Function<ExecFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const at::Tensor& input, at::TensorList params,
-                                                c10::intrusive_ptr<ExecState> st) {
-    (void)params;  // inputs of the node, so that torch::autograd::grad can ask for their gradients
-    st->held[0].plain = input.detach();
-    {
-      // A stage that throws leaves the RNG and every stage's buffers as they were.
-      const RngState start = st->preserve_rng ? RngState::capture(st->cuda_devices) : RngState();
-      RngRollback rng(start);
-      std::vector<std::shared_ptr<torch::nn::Module>> modules;
-      for (const auto& stage : st->stages) {
-        if (stage.module) modules.push_back(stage.module);
-      }
-      BufferRestore buffers(modules, /*only_on_unwind=*/true);
-      for (size_t k = 0; k < st->loss_at; ++k)
-        run_forward(*st, st->plan.ops[k]);
+// The forward operations up to the loss; returns a_n (values, no graph).
+at::Tensor run_forward_pass(ExecState& st, const at::Tensor& input) {
+  at::AutoGradMode no_grad(false);  // Fa operations turn it on for their stage
+  st.held[0].plain = input.detach();
+  {
+    // A stage that throws leaves the RNG and every stage's buffers as they were.
+    const RngState start = st.preserve_rng ? RngState::capture(st.cuda_devices) : RngState();
+    RngRollback rng(start);
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    for (const auto& stage : st.stages) {
+      if (stage.module) modules.push_back(stage.module);
     }
-    const int64_t n = st->plan.num_stages;
-    at::Tensor output = value_of(st->held[n]);
-    if (st->held[n].plain.defined()) st->held[n].plain = at::Tensor();  // the loss frees a plain a_n
-    ctx->set_materialize_grads(false);
-    ctx->saved_data["state"] = c10::IValue::make_capsule(st);
-    return {output};
+    BufferRestore buffers(modules, /*only_on_unwind=*/true);
+    for (size_t k = 0; k < st.loss_at; ++k)
+      run_forward(st, st.plan.ops[k]);
+  }
+  const int64_t n = st.plan.num_stages;
+  // A fresh tensor (never one a stage handed out, which may be its own input or a module's tensor) that the
+  // node can own.
+  at::Tensor output = value_of(st.held[n]).detach();
+  if (st.held[n].plain.defined()) st.held[n].plain = at::Tensor();  // the loss frees a plain a_n
+  return output;
+}
+
+// The plan's backward pass as one autograd node. It is a plain Node rather than a custom Function because a
+// custom Function's backward receives a copy of its gradient, and LibTorch keeps the original alive until the
+// node returns: d_n would then stay for the whole backward pass, one activation above what simulate()
+// charges. Node::apply receives the engine's own list and takes d_n out of it, so d_n is freed after stage
+// n-1's backward, as the plan's model says.
+struct ExecNode final : torch::autograd::Node {
+  explicit ExecNode(c10::intrusive_ptr<ExecState> state) : state_(std::move(state)) {}
+
+  std::string name() const override { return "remat::RunPlanBackward"; }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    state_.reset();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grad_outputs) {
-    auto st = c10::static_intrusive_pointer_cast<ExecState>(ctx->saved_data["state"].toCapsule());
-    torch::autograd::variable_list result(1 + st->params.size() + 1);
-    if (!grad_outputs[0].defined()) return result;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(state_, "remat::run_plan: backward through a plan's graph a second time, after its saved ",
+                "activations were freed; pass retain_graph=true to the first backward");
+    at::Tensor d_n = std::move(grads[0]);
+    grads.clear();
+    const size_t num_params = state_->params.size();
+    torch::autograd::variable_list result(1 + num_params);
+    if (!d_n.defined()) return result;
     // With retain_graph, run on a copy so that a later backward finds the state of the loss again.
-    c10::intrusive_ptr<ExecState> run = st;
+    c10::intrusive_ptr<ExecState> run = state_;
     const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
-    if (keep_graph) run = c10::make_intrusive<ExecState>(*st);
+    if (keep_graph) run = c10::make_intrusive<ExecState>(*state_);
     const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
     const bool accumulating = exec_info == nullptr || exec_info->empty();
 
     std::unordered_map<c10::TensorImpl*, size_t> param_index;
-    for (size_t k = 0; k < run->params.size(); ++k)
+    for (size_t k = 0; k < num_params; ++k)
       param_index.emplace(run->params[k].unsafeGetTensorImpl(), k);
-    std::vector<at::Tensor> param_grads(run->params.size());
+    std::vector<at::Tensor> param_grads(num_params);
 
-    run->grad = grad_outputs[0];
+    run->grad = std::move(d_n);
     run->grad_at = run->plan.num_stages;
     const auto& ops = run->plan.ops;
     for (size_t k = run->loss_at + 1; k < ops.size(); ++k) {
@@ -233,11 +251,15 @@ struct ExecFunction : torch::autograd::Function<ExecFunction> {
       }
     }
     result[0] = run->input_requires_grad ? run->grad : at::Tensor();
-    for (size_t k = 0; k < param_grads.size(); ++k)
-      result[1 + k] = param_grads[k];
+    for (size_t k = 0; k < num_params; ++k)
+      result[1 + k] = std::move(param_grads[k]);
     run->grad = at::Tensor();
     return result;
   }
+
+ private:
+  std::mutex mutex_;
+  c10::intrusive_ptr<ExecState> state_;
 };
 
 }  // namespace
@@ -303,8 +325,16 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
       if (seen.emplace(p.unsafeGetTensorImpl(), st->params.size()).second) st->params.push_back(p);
     }
   }
-  const std::vector<at::Tensor> params = st->params;
-  return ExecFunction::apply(input, at::TensorList(params), st)[0];
+  std::vector<at::Tensor> node_inputs{input};
+  node_inputs.insert(node_inputs.end(), st->params.begin(), st->params.end());
+  at::Tensor output = run_forward_pass(*st, input);
+  if (torch::autograd::any_variable_requires_grad(node_inputs) &&
+      torch::autograd::isDifferentiableType(output.scalar_type())) {
+    auto node = std::shared_ptr<ExecNode>(new ExecNode(st), torch::autograd::deleteNode);
+    node->set_next_edges(torch::autograd::collect_next_edges(node_inputs));
+    torch::autograd::create_gradient_edge(output, std::move(node));
+  }
+  return output;
 }
 
 // -------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "detail/compat.h"
 #include "detail/region.h"
 
 namespace remat {
@@ -330,7 +331,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   at::Tensor output = run_forward_pass(*st, input);
   if (torch::autograd::any_variable_requires_grad(node_inputs) &&
       torch::autograd::isDifferentiableType(output.scalar_type())) {
-    auto node = std::shared_ptr<ExecNode>(new ExecNode(st), torch::autograd::deleteNode);
+    auto node = detail::compat::make_node<ExecNode>(st);
     node->set_next_edges(torch::autograd::collect_next_edges(node_inputs));
     torch::autograd::create_gradient_edge(output, std::move(node));
   }

@@ -13,8 +13,11 @@
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
+#include <torch/nn/modules/container/any.h>
+
 #include <functional>
 #include <memory>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -108,25 +111,203 @@ torch::Tensor checkpoint(F&& fn, const torch::Tensor& input, const CheckpointOpt
   return detail::checkpoint_tensor(TensorFn(std::forward<F>(fn)), input, options);
 }
 
-/// Checkpoints a module holder whose forward takes and returns one tensor (Linear, Sequential, your own
-/// TORCH_MODULE). The module is added to options.modules, so its parameters are trained and its buffers
-/// restored in both modes. The holder is copied (it shares the module), so it may go out of scope before
-/// the backward pass. Throws as the function overloads do, and when the holder is empty.
-template <typename ModuleHolder, std::enable_if_t<detail::is_module_holder<ModuleHolder>::value, int> = 0>
-torch::Tensor checkpoint(ModuleHolder& module, const torch::Tensor& input, CheckpointOptions options = {}) {
-  TORCH_CHECK(!module.is_empty(), "remat::checkpoint: the module holder is empty (nullptr)");
-  options.modules().push_back(module.ptr());
-  ModuleHolder holder = module;
-  return detail::checkpoint_tensor([holder](const torch::Tensor& x) mutable { return holder->forward(x); },
-                                   input, options);
+namespace detail {
+// Module-like arguments: a module holder (Linear, your TORCH_MODULE), a std::shared_ptr to a module type, a
+// torch::nn::AnyModule. module_ptr gives the module to declare; call_forward runs its forward.
+template <typename T>
+struct is_module_ptr : std::false_type {};
+template <typename M>
+struct is_module_ptr<std::shared_ptr<M>> : std::is_base_of<torch::nn::Module, M> {};
+template <typename T>
+inline constexpr bool is_module_like_v =
+    is_module_holder<std::decay_t<T>>::value || is_module_ptr<std::decay_t<T>>::value ||
+    std::is_same_v<std::decay_t<T>, torch::nn::AnyModule>;
+
+template <typename T>
+std::shared_ptr<torch::nn::Module> module_ptr(const T& m) {
+  if constexpr (is_module_ptr<T>::value) {
+    return m;
+  } else if constexpr (is_module_holder<T>::value) {
+    return m.is_empty() ? nullptr : m.ptr();
+  } else {
+    return m.is_empty() ? nullptr : m.ptr();
+  }
 }
 
-/// The same for a const or temporary holder: remat::checkpoint(Block(impl_ptr), x).
-template <typename ModuleHolder, std::enable_if_t<detail::is_module_holder<ModuleHolder>::value, int> = 0>
-torch::Tensor checkpoint(const ModuleHolder& module, const torch::Tensor& input,
-                         CheckpointOptions options = {}) {
-  ModuleHolder copy = module;
-  return checkpoint(copy, input, std::move(options));
+template <typename T, typename... Args>
+auto call_forward(T& m, Args&&... args) {
+  if constexpr (std::is_same_v<T, torch::nn::AnyModule>) {
+    return m.template forward<torch::Tensor>(std::forward<Args>(args)...);
+  } else {
+    return m->forward(std::forward<Args>(args)...);
+  }
+}
+
+// What forward returns when called with `count` tensors; void when it cannot be called so.
+template <typename T, typename Seq, typename = void>
+struct forward_result {
+  using type = void;
+};
+template <size_t I>
+using tensor_arg = const torch::Tensor&;
+template <typename T, size_t... I>
+struct forward_result<T, std::index_sequence<I...>,
+                      std::void_t<decltype(std::declval<T&>()->forward(std::declval<tensor_arg<I>>()...))>> {
+  using type = decltype(std::declval<T&>()->forward(std::declval<tensor_arg<I>>()...));
+};
+template <size_t... I>
+struct forward_result<torch::nn::AnyModule, std::index_sequence<I...>, void> {
+  using type = torch::Tensor;  // forward<torch::Tensor>; the argument types are checked when it runs
+};
+
+// The results a checkpointed module may return: a tensor, a vector of tensors, a tuple of tensors.
+template <typename R>
+struct is_tensors_result : std::false_type {};
+template <>
+struct is_tensors_result<torch::Tensor> : std::true_type {};
+template <>
+struct is_tensors_result<std::vector<torch::Tensor>> : std::true_type {};
+template <typename... T>
+struct is_tensors_result<std::tuple<T...>> : std::conjunction<std::is_same<T, torch::Tensor>...> {};
+
+inline std::vector<torch::Tensor> to_tensors(torch::Tensor t) {
+  return {std::move(t)};
+}
+inline std::vector<torch::Tensor> to_tensors(std::vector<torch::Tensor> v) {
+  return v;
+}
+template <typename... T>
+std::vector<torch::Tensor> to_tensors(std::tuple<T...> t) {
+  return std::apply([](auto&&... x) { return std::vector<torch::Tensor>{std::move(x)...}; }, std::move(t));
+}
+template <typename R, size_t... I>
+R tuple_from_tensors(std::vector<torch::Tensor>& v, std::index_sequence<I...>) {
+  return R{std::move(v.at(I))...};
+}
+template <typename R>
+R from_tensors(std::vector<torch::Tensor>&& v) {
+  if constexpr (std::is_same_v<R, torch::Tensor>) {
+    return std::move(v.at(0));
+  } else if constexpr (std::is_same_v<R, std::vector<torch::Tensor>>) {
+    return std::move(v);
+  } else {
+    return tuple_from_tensors<R>(v, std::make_index_sequence<std::tuple_size_v<R>>{});
+  }
+}
+
+// The arguments after the module: tensors, then optionally a CheckpointOptions.
+template <typename... Args>
+struct last_is_options : std::false_type {};
+template <typename A, typename... Rest>
+struct last_is_options<A, Rest...>
+    : std::is_same<std::decay_t<std::tuple_element_t<sizeof...(Rest), std::tuple<A, Rest...>>>,
+                   CheckpointOptions> {};
+
+template <typename... Args>
+struct module_call_args {
+  static constexpr size_t count = sizeof...(Args);
+  static constexpr bool last_is_options = detail::last_is_options<Args...>::value;
+  static constexpr size_t tensors = count - (last_is_options ? 1 : 0);
+  template <size_t... I>
+  static constexpr bool all_tensors(std::index_sequence<I...>) {
+    return (std::is_same_v<std::decay_t<std::tuple_element_t<I, std::tuple<Args...>>>, torch::Tensor> && ...);
+  }
+  static constexpr bool ok = tensors > 0 && all_tensors(std::make_index_sequence<tensors>{});
+};
+
+template <typename M, typename... Args>
+constexpr bool module_call_ok() {
+  using A = module_call_args<Args...>;
+  if constexpr (!is_module_like_v<M> || !A::ok) {
+    return false;
+  } else {
+    using R = typename forward_result<std::decay_t<M>, std::make_index_sequence<A::tensors>>::type;
+    return is_tensors_result<R>::value;
+  }
+}
+
+template <typename M, typename Tuple, size_t... I>
+auto checkpoint_module(const M& module, const Tuple& args, std::index_sequence<I...>) {
+  using R = typename forward_result<M, std::index_sequence<I...>>::type;
+  CheckpointOptions options;
+  if constexpr (std::tuple_size_v < Tuple >> sizeof...(I)) options = std::get<sizeof...(I)>(args);
+  std::shared_ptr<torch::nn::Module> declared = module_ptr(module);
+  TORCH_CHECK(declared != nullptr, "remat::checkpoint: the module is empty (nullptr)");
+  options.modules().push_back(std::move(declared));
+  if constexpr (sizeof...(I) == 1 && std::is_same_v<R, torch::Tensor>) {
+    return checkpoint_tensor(
+        [copy = module](const torch::Tensor& x) mutable { return call_forward(copy, x); }, std::get<0>(args),
+        options);
+  } else {
+    std::vector<torch::Tensor> outputs = checkpoint_tensors(
+        [copy = module](const std::vector<torch::Tensor>& in) mutable {
+          return to_tensors(call_forward(copy, in[I]...));
+        },
+        {std::get<I>(args)...}, options);
+    return from_tensors<R>(std::move(outputs));
+  }
+}
+
+template <typename F, typename... Args>
+constexpr bool checkpoint_call_ok() {
+  if constexpr (module_call_ok<F, Args...>()) {
+    return true;
+  } else if constexpr (sizeof...(Args) < 1 || sizeof...(Args) > 2) {
+    return false;
+  } else {
+    return is_tensor_fn_v<F> || is_tensors_fn_v<F>;
+  }
+}
+
+template <typename T>
+inline constexpr bool always_false_v = false;
+// What the refused call "returns": converts to anything, so that the static_assert is the only error.
+struct Refused {
+  template <typename T>
+  operator T() const;
+};
+}  // namespace detail
+
+/// Checkpoints a module's forward, for the modules containers hand out: a module holder (Linear,
+/// Sequential, your TORCH_MODULE), a std::shared_ptr to a module type (`seq->ptr<BlockImpl>(i)`,
+/// `std::make_shared<BlockImpl>()`), or a torch::nn::AnyModule (`for (auto& m : *seq)`; called through
+/// forward<torch::Tensor>). The arguments after the module are the tensors forward takes (one or several),
+/// optionally followed by CheckpointOptions. Returns what forward returns: a torch::Tensor, a
+/// std::vector<torch::Tensor> or a std::tuple of tensors.
+///
+///   auto y = remat::checkpoint(block, x);                          // holder
+///   auto z = remat::checkpoint(seq->ptr<BlockImpl>(0), x);        // shared_ptr<BlockImpl>
+///   auto [h, attn] = remat::checkpoint(layer, x, mask, remat::CheckpointOptions().mode(
+///                                                          remat::CheckpointMode::kReentrant));
+///
+/// The module is added to options.modules, so its parameters are trained and its buffers restored in both
+/// modes. The module is held by a copy of its handle (it shares the module), so the caller's handle may go
+/// out of scope before the backward pass. A std::shared_ptr<torch::nn::Module> (what Sequential's
+/// operator[] and ptr(i) return) has no forward to call: pass seq->ptr<BlockImpl>(i) or the AnyModule.
+/// Throws as the function overloads do, and c10::Error when the module is empty (nullptr).
+template <typename M, typename... Args,
+          std::enable_if_t<detail::module_call_ok<std::decay_t<M>, Args...>(), int> = 0>
+auto checkpoint(M&& module, Args&&... args) {
+  using A = detail::module_call_args<Args...>;
+  const std::decay_t<M> handle = module;
+  return detail::checkpoint_module(handle, std::forward_as_tuple(args...),
+                                   std::make_index_sequence<A::tensors>{});
+}
+
+/// Any other call: one error that says what remat::checkpoint accepts.
+template <typename F, typename... Args,
+          std::enable_if_t<!detail::checkpoint_call_ok<std::decay_t<F>, Args...>(), int> = 0>
+detail::Refused checkpoint(F&&, Args&&...) {
+  static_assert(
+      detail::always_false_v<F>,
+      "remat::checkpoint accepts (1) a function (const torch::Tensor&) -> torch::Tensor and one tensor; "
+      "(2) a function (const std::vector<torch::Tensor>&) -> std::vector<torch::Tensor> and a vector of "
+      "tensors; (3) a module holder (Linear, TORCH_MODULE), a std::shared_ptr<SomeModuleImpl> or a "
+      "torch::nn::AnyModule, then the tensors its forward takes, its forward returning a tensor, a "
+      "std::vector<torch::Tensor> or a std::tuple of tensors; each optionally followed by "
+      "remat::CheckpointOptions. A std::shared_ptr<torch::nn::Module> (Sequential's operator[] and "
+      "ptr(i)) has no forward: use seq->ptr<SomeModuleImpl>(i) or the Sequential's AnyModules.");
+  return {};
 }
 
 }  // namespace remat

@@ -6,9 +6,14 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/version.h>
 
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace remat::detail::compat {
@@ -84,5 +89,29 @@ class WarningCapture : public c10::WarningHandler {
  private:
   c10::WarningHandler* previous_;
 };
+
+/// An autograd node of type N (derived from torch::autograd::Node), owned as the engine owns nodes: by
+/// std::shared_ptr with LibTorch's non-recursive deleter in 1.13, by c10::intrusive_ptr in 2.x. Chosen from
+/// the type of Edge::function rather than a version number.
+template <typename Ptr>
+struct NodeOwner {
+  template <typename N, typename... Args>
+  static c10::intrusive_ptr<N> make(Args&&... args) {
+    return c10::make_intrusive<N>(std::forward<Args>(args)...);
+  }
+};
+template <>
+struct NodeOwner<std::shared_ptr<torch::autograd::Node>> {
+  template <typename N, typename... Args>
+  static std::shared_ptr<N> make(Args&&... args) {
+    // deleteNode is found by argument-dependent lookup when make is instantiated (only with 1.13's headers).
+    return std::shared_ptr<N>(new N(std::forward<Args>(args)...), [](N* node) { deleteNode(node); });
+  }
+};
+template <typename N, typename... Args>
+auto make_node(Args&&... args) {
+  using Ptr = std::decay_t<decltype(std::declval<torch::autograd::Edge>().function)>;
+  return NodeOwner<Ptr>::template make<N>(std::forward<Args>(args)...);
+}
 
 }  // namespace remat::detail::compat

@@ -65,6 +65,18 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
   }
 }
 
+// The executor is one autograd node of its own and takes the stages' modules from StageFn::module: it refuses
+// the options it cannot honour rather than ignore them.
+void check_executor_options(const CheckpointOptions& options, const char* who) {
+  TORCH_CHECK(options.mode() == CheckpointMode::kNonReentrant, who,
+              ": CheckpointOptions::mode kReentrant is not a mode of the plan executor, which recomputes "
+              "through one autograd node of its own; leave the mode at its default, or use "
+              "checkpoint_sequential / checkpoint_segments, which run each segment in the mode asked");
+  TORCH_CHECK(
+      options.modules().empty(), who, ": CheckpointOptions::modules has ", options.modules().size(),
+      " modules, but the plan executor takes each stage's module from StageFn::module; set them there");
+}
+
 at::Tensor value_of(const ExecState::Held& h) {
   return h.plain.defined() ? h.plain : h.output.detach();
 }
@@ -287,6 +299,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
                        const CheckpointOptions& options, std::shared_ptr<ExecutionStats> stats) {
   check_plan_fits(plan, stages.size(), "remat::run_plan", "there are ", "");
   TORCH_CHECK(input.defined(), "remat::run_plan: the input is an undefined tensor");
+  check_executor_options(options, "remat::run_plan");
   if (stats) stats->forward_calls.assign(stages.size(), 0);
   if (!at::GradMode::is_enabled()) {
     torch::Tensor h = input;
@@ -343,6 +356,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
 CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq, Plan plan,
                                                        CheckpointOptions options)
     : seq_(register_module("seq", std::move(seq))), options_(std::move(options)) {
+  check_executor_options(options_, "remat::CheckpointedSequential");
   set_plan(std::move(plan));
 }
 
@@ -370,13 +384,44 @@ torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<
                                   const torch::Tensor& input, const SequentialOptions& options) {
   TORCH_CHECK(!seq.is_empty() && seq->size() > 0,
               "remat::checkpoint_segments: the Sequential is empty (0 modules)");
-  Plan plan;
+  const int64_t n = static_cast<int64_t>(seq->size());
   try {
-    plan = segmented(static_cast<int64_t>(seq->size()), starts, options.checkpoint_last_segment());
+    segmented(n, starts, options.checkpoint_last_segment());  // checks the starts
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, "remat::checkpoint_segments: ", e.what(), " (", seq->size(), " modules)");
+    TORCH_CHECK(false, "remat::checkpoint_segments: ", e.what(), " (", n, " modules)");
   }
-  return run_plan(stages_of(seq), plan, input, options.checkpoint());
+  TORCH_CHECK(input.defined(), "remat::checkpoint_segments: the input is an undefined tensor");
+  // Each segment is one remat::checkpoint region in the mode asked, its modules declared (their buffers
+  // restored after the recompute; in kReentrant their parameters trained), as PyTorch's checkpoint_sequential
+  // does with use_reentrant. The last segment runs plainly unless asked.
+  torch::Tensor h = input;
+  for (size_t j = 0; j < starts.size(); ++j) {
+    const int64_t begin = starts[j];
+    const int64_t end = j + 1 < starts.size() ? starts[j + 1] : n;
+    const bool last = j + 1 == starts.size();
+    CheckpointOptions segment_options = options.checkpoint();
+    bool can_get_grad = h.requires_grad();
+    for (int64_t i = begin; i < end; ++i) {
+      auto module = seq->ptr(static_cast<size_t>(i));
+      segment_options.modules().push_back(module);
+      for (const auto& p : module->parameters())
+        can_get_grad = can_get_grad || p.requires_grad();
+    }
+    torch::nn::Sequential shared = seq;
+    auto run = [shared, begin, end](const torch::Tensor& x) mutable {
+      torch::Tensor y = x;
+      for (int64_t i = begin; i < end; ++i)
+        y = shared->begin()[static_cast<size_t>(i)].forward(y);
+      return y;
+    };
+    // A segment nothing in which can receive a gradient records no graph and keeps nothing: it runs as is.
+    if ((last && !options.checkpoint_last_segment()) || !at::GradMode::is_enabled() || !can_get_grad) {
+      h = run(h);
+    } else {
+      h = remat::checkpoint(run, h, segment_options);
+    }
+  }
+  return h;
 }
 
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,

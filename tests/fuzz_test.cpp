@@ -113,13 +113,14 @@ struct Program {
   bool aux_requires_grad = false;
   std::vector<BlockSpec> blocks;
   Strategy strategy = Strategy::kPerBlock;
-  std::vector<Mode> outer_modes;  // kNested, per group
-  int64_t segments = 1;           // kSequential
-  std::vector<int64_t> starts;    // kSegments
-  bool checkpoint_last = false;   // kSequential, kSegments
-  uint64_t plan_seed = 0;         // kPlan: the plan is made from this seed and the block count
-  bool use_grad_api = false;      // torch::autograd::grad instead of backward()
-  bool second_backward = false;   // retain_graph, then a second backward (gradients double)
+  std::vector<Mode> outer_modes;    // kNested, per group
+  int64_t segments = 1;             // kSequential
+  std::vector<int64_t> starts;      // kSegments
+  bool checkpoint_last = false;     // kSequential, kSegments
+  bool segments_reentrant = false;  // kSequential, kSegments: the segments' mode
+  uint64_t plan_seed = 0;           // kPlan: the plan is made from this seed and the block count
+  bool use_grad_api = false;        // torch::autograd::grad instead of backward()
+  bool second_backward = false;     // retain_graph, then a second backward (gradients double)
   bool preserve_rng = true;
 
   std::string str() const {
@@ -132,6 +133,8 @@ struct Program {
     if (strategy == Strategy::kSegments) os << "(starts " << c10::IntArrayRef(starts) << ")";
     if (strategy == Strategy::kPlan) os << "(plan seed " << plan_seed << ")";
     if (checkpoint_last) os << " last segment checkpointed";
+    if ((strategy == Strategy::kSequential || strategy == Strategy::kSegments) && segments_reentrant)
+      os << ", segments kReentrant";
     os << "; " << (use_grad_api ? "autograd::grad" : "backward()") << (second_backward ? " twice" : "")
        << (preserve_rng ? "" : ", rng not preserved") << "\n";
     for (size_t b = 0; b < blocks.size(); ++b) {
@@ -223,6 +226,8 @@ Program generate(uint64_t seed) {
   p.starts.insert(p.starts.begin(), 0);
   p.checkpoint_last = coin(0.3);
   p.plan_seed = rng();
+  p.segments_reentrant =
+      (p.plan_seed >> 7) & 1;  // from a draw already made: earlier seeds keep their programs
   p.use_grad_api = coin(0.35);
   p.second_backward = coin(0.25);
   p.preserve_rng = true;
@@ -497,7 +502,10 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
   };
   const remat::SequentialOptions seq_opts =
       remat::SequentialOptions()
-          .checkpoint(CheckpointOptions().preserve_rng_state(p.preserve_rng))
+          .checkpoint(CheckpointOptions()
+                          .preserve_rng_state(p.preserve_rng)
+                          .mode(p.segments_reentrant ? remat::CheckpointMode::kReentrant
+                                                     : remat::CheckpointMode::kNonReentrant))
           .checkpoint_last_segment(p.checkpoint_last);
   switch (p.strategy) {
     case Strategy::kPerBlock:

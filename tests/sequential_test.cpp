@@ -367,3 +367,55 @@ TEST(Executor, UnderNoGradRunsTheStagesOnce) {
 }
 
 }  // namespace
+
+namespace {
+// Records whether grad mode was on in each forward call.
+struct GradModeProbeImpl : torch::nn::Module {
+  GradModeProbeImpl() : fc(register_module("fc", torch::nn::Linear(6, 6))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    grad_enabled.push_back(torch::GradMode::is_enabled());
+    return torch::tanh(fc(x));
+  }
+  torch::nn::Linear fc;
+  std::vector<bool> grad_enabled;
+};
+TORCH_MODULE(GradModeProbe);
+}  // namespace
+
+TEST(CheckpointSequential, RunsTheSegmentsInTheModeAsked) {
+  for (const auto mode : {remat::CheckpointMode::kNonReentrant, remat::CheckpointMode::kReentrant}) {
+    torch::manual_seed(0);
+    GradModeProbe a, b, c, d;
+    torch::nn::Sequential seq(a, b, c, d);
+    const auto x = torch::randn({3, 6});  // no grad on the input: the parameters alone must be trained
+    seq->forward(x).pow(2).sum().backward();
+    const auto plain = grads_of(*seq);
+    clear_grads(*seq);
+    for (auto* m : {&a, &b, &c, &d})
+      (*m)->grad_enabled.clear();
+    const auto opts = remat::SequentialOptions().checkpoint(remat::CheckpointOptions().mode(mode));
+    remat::checkpoint_sequential(seq, 2, x, opts).pow(2).sum().backward();
+    expect_all_close(grads_of(*seq), plain, 0.0);
+    // The checkpointed segment (a, b): kReentrant runs it without grad first, kNonReentrant with grad;
+    // either way it runs again with grad in the backward pass. The last segment (c, d) runs once, with grad.
+    const bool first = mode == remat::CheckpointMode::kNonReentrant;
+    EXPECT_EQ(a->grad_enabled, (std::vector<bool>{first, true})) << static_cast<int>(mode);
+    EXPECT_EQ(b->grad_enabled, (std::vector<bool>{first, true})) << static_cast<int>(mode);
+    EXPECT_EQ(c->grad_enabled, (std::vector<bool>{true})) << static_cast<int>(mode);
+  }
+}
+
+TEST(Executor, RefusesOptionsItCannotHonour) {
+  auto seq = mixed_chain();
+  const auto x = torch::randn({4, 16}, torch::requires_grad());
+  const remat::Plan plan = remat::checkpoint_all(unit_chain(static_cast<int64_t>(seq->size())));
+  EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), plan, x,
+                                    remat::CheckpointOptions().mode(remat::CheckpointMode::kReentrant)),
+                    "remat::run_plan", "kReentrant", "checkpoint_sequential");
+  EXPECT_THROW_WITH(
+      remat::run_plan(remat::stages_of(seq), plan, x, remat::CheckpointOptions().modules({seq.ptr()})),
+      "remat::run_plan", "modules has 1", "StageFn::module");
+  EXPECT_THROW_WITH(remat::CheckpointedSequential(
+                        seq, plan, remat::CheckpointOptions().mode(remat::CheckpointMode::kReentrant)),
+                    "remat::CheckpointedSequential", "kReentrant");
+}

@@ -47,11 +47,13 @@ struct ExecutionStats {
 
 /// Runs `plan` over `stages` on `input` and returns the chain's output; its backward runs the rest of the
 /// plan. Under NoGradGuard it simply runs the stages in order. options.preserve_rng_state and
-/// options.determinism_check apply per stage; options.mode and options.modules do not (the executor is its
-/// own autograd Function and knows every stage's module). When `stats` is given, the forward calls per stage
-/// are counted into it (reset first), including those of the backward pass. Throws c10::Error naming
+/// options.determinism_check apply per stage. The executor is one autograd node of its own and takes each
+/// stage's module from StageFn::module: options.mode must stay kNonReentrant (the default) and
+/// options.modules empty, or it throws rather than ignore them. When `stats` is given, the forward calls per
+/// stage are counted into it (reset first), including those of the backward pass. Throws c10::Error naming
 /// remat::run_plan when the plan's stage count differs from stages.size(), the plan is invalid
-/// (remat::check_plan), the input is undefined, or a stage returns an undefined tensor.
+/// (remat::check_plan), the input is undefined, the options ask for kReentrant or list modules, or a stage
+/// returns an undefined tensor.
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
                        const CheckpointOptions& options = {},
                        std::shared_ptr<ExecutionStats> stats = nullptr);
@@ -60,7 +62,8 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
 class CheckpointedSequentialImpl : public torch::nn::Module {
  public:
   /// Wraps `seq` (registered as the submodule "seq", shared with the caller). Throws c10::Error when the
-  /// plan's stage count differs from seq's module count or the plan is invalid.
+  /// plan's stage count differs from seq's module count, the plan is invalid, or the options ask for what
+  /// the executor cannot honour (see run_plan).
   CheckpointedSequentialImpl(torch::nn::Sequential seq, Plan plan, CheckpointOptions options = {});
   /// Runs the plan (see run_plan).
   torch::Tensor forward(const torch::Tensor& input);
@@ -83,7 +86,9 @@ TORCH_MODULE(CheckpointedSequential);
 
 /// Options of checkpoint_sequential.
 struct SequentialOptions {
-  /// preserve_rng_state and determinism_check apply to every segment (mode and modules do not: see run_plan).
+  /// The options of every checkpointed segment: each runs as one remat::checkpoint region in options.mode
+  /// (kNonReentrant or kReentrant, as use_reentrant in PyTorch's checkpoint_sequential), with its modules
+  /// added to options.modules (buffers restored after the recompute; in kReentrant, parameters trained).
   TORCH_ARG(CheckpointOptions, checkpoint) = {};
   /// PyTorch leaves the last segment un-checkpointed: its activations are needed first in the backward pass,
   /// so keeping them costs no extra peak and saves its recompute. Set true to checkpoint it too.
@@ -94,8 +99,11 @@ struct SequentialOptions {
 /// first) and checkpoints each run but the last (unless asked), like torch.utils.checkpoint.
 /// checkpoint_sequential. PyTorch instead makes every run n / segments long and puts the whole remainder in
 /// the last run, which balances memory worse (10 modules in 4 segments: 2, 2, 2, 4 there; 3, 3, 2, 2 here).
-/// It is run_plan with uniform(). Throws c10::Error naming the value given and the module count, before any
-/// module runs, when seq is empty or segments < 1 or > the module count.
+/// Each checkpointed segment is a remat::checkpoint region in the mode of options.checkpoint (see
+/// SequentialOptions); a segment in which nothing can receive a gradient (input and parameters without
+/// requires_grad) records no graph and simply runs. For the plan executor over the same split, use
+/// run_plan(stages_of(seq), uniform(chain, segments)). Throws c10::Error naming the value given and the
+/// module count, before any module runs, when seq is empty or segments < 1 or > the module count.
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,
                                     const SequentialOptions& options = {});
 

@@ -185,7 +185,13 @@ void BertModelImpl::use_plan(Plan plan) {
 
 torch::Tensor BertModelImpl::forward(const torch::Tensor& ids, const torch::Tensor& mask,
                                      const torch::Tensor& types) {
-  if (plan_) return run_plan(stages(ids, mask, types), *plan_, ids, checkpoint_options_);
+  if (plan_) {
+    // The executor is its own mode: only the per-layer options that apply to it carry over.
+    const auto options = CheckpointOptions()
+                             .preserve_rng_state(checkpoint_options_.preserve_rng_state())
+                             .determinism_check(checkpoint_options_.determinism_check());
+    return run_plan(stages(ids, mask, types), *plan_, ids, options);
+  }
   check_inputs(ids, mask, types);
   const torch::Tensor ext = extended_mask(ids, mask);
   torch::Tensor h = embeddings(ids, token_types(ids, types));

@@ -110,7 +110,8 @@ class BertModelImpl : public torch::nn::Module, public Checkpointable {
                               const torch::Tensor& token_type_ids = {}, bool with_pooler = false);
 
   /// Runs forward() with a plan (remat/plan.h) over stages() instead of per-layer checkpointing: the plan
-  /// must have num_hidden_layers + 1 stages. Throws c10::Error when it does not.
+  /// must have num_hidden_layers + 1 stages; the preserve_rng_state and determinism_check of the last
+  /// gradient_checkpointing_enable apply. Throws c10::Error when it does not.
   void use_plan(Plan plan);
   /// Back to plain or per-layer checkpointed forward().
   void clear_plan() { plan_.reset(); }

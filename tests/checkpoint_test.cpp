@@ -528,6 +528,7 @@ TEST(CheckpointModule, EmptyHolderIsAnError) {
 // Every call shape compiles and picks the right overload
 
 TEST(CheckpointOverloads, EveryCallShapeCompiles) {
+  torch::manual_seed(0);
   torch::nn::Linear linear(4, 4);
   Block mine(4);
   torch::nn::Sequential seq(torch::nn::Linear(4, 4), torch::nn::ReLU());
@@ -564,7 +565,9 @@ TEST(CheckpointOverloads, EveryCallShapeCompiles) {
   (linear(x).sum() + mine(x).sum() + seq->forward(x).sum() + (x * 2).sum() + (x + a).sum() + x.sin().sum() +
    x.cos().sum() + x.sin().sum())
       .backward();
-  EXPECT_LE(max_abs_diff(got_x, x.grad()), 1e-6);
+  // x's gradient sums eight contributions, which the checkpointed run may add in another order (CI once saw
+  // 1.4e-6 with unseeded inputs).
+  EXPECT_LE(max_abs_diff(got_x, x.grad()), 1e-5);
   expect_all_close(got, grads_of(*linear), 1e-6);
   expect_all_close(got_mine, grads_of(*mine), 1e-6);
   expect_all_close(got_seq, grads_of(*seq), 1e-6);

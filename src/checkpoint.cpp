@@ -413,7 +413,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     {
       Collector collector(collected, limit, /*strict=*/forward_done_, check_ ? &metas_ : nullptr);
       RngReplay rng(rng_, cuda_devices_);
-      BufferRestore buffers(modules_);
+      StateRestore state(modules_, args);
       AutocastScope autocast(autocast_);
       HookScope scope(&collector);
       at::AutoGradMode grad(true);
@@ -467,39 +467,6 @@ struct ReentrantState final : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<TensorMeta> output_metas;
 };
-
-// Leaves that the recomputed graph reaches and that the checkpoint did not declare: parameters fn uses from
-// modules missing in options.modules. Only nodes created by the recompute are followed, so the walk stays
-// inside the region.
-struct Leaf {
-  at::Tensor variable;
-  torch::autograd::Node* accumulator;
-};
-std::vector<Leaf> undeclared_leaves(const std::vector<at::Tensor>& outputs,
-                                    const std::unordered_set<c10::TensorImpl*>& declared,
-                                    uint64_t first_sequence_nr) {
-  std::vector<Leaf> leaves;
-  std::vector<torch::autograd::Node*> stack;
-  std::unordered_set<torch::autograd::Node*> seen;
-  for (const auto& o : outputs) {
-    if (auto* fn = o.grad_fn().get(); fn != nullptr && seen.insert(fn).second) stack.push_back(fn);
-  }
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
-      const at::Tensor& v = acc->variable;
-      if (v.defined() && v.requires_grad() && !declared.count(v.unsafeGetTensorImpl()))
-        leaves.push_back({v, acc});
-      continue;
-    }
-    if (node->sequence_nr() < first_sequence_nr) continue;
-    for (const auto& edge : node->next_edges()) {
-      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
-    }
-  }
-  return leaves;
-}
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
@@ -562,7 +529,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> outputs;
     {
       RngReplay rng(st->rng, st->cuda_devices);
-      BufferRestore buffers(st->modules);
+      StateRestore state(st->modules, args);
       AutocastScope autocast(st->autocast);
       at::AutoGradMode grad(true);
       try {
@@ -622,7 +589,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     // does); under torch::autograd::grad they cannot be returned, so asking for one is reported.
     std::vector<Leaf> extra = undeclared_leaves(roots, declared, first_sequence_nr);
     if (!accumulating) {
-      warn_undeclared_asked(extra, *exec_info);
+      warn_undeclared_asked(extra,
+                            "remat::checkpoint: torch::autograd::grad was asked for a tensor "
+                            "that a kReentrant region cannot give a gradient to",
+                            "Add their modules to CheckpointOptions().modules({...}), checkpoint the module "
+                            "itself, or use CheckpointMode::kNonReentrant.");
       extra.clear();
     }
 
@@ -658,40 +629,6 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       g = g.defined() ? g + grads[k] : grads[k];
     }
     return result;
-  }
-
-  // Under torch::autograd::grad, an undeclared parameter the caller asked for gets no gradient through a
-  // kReentrant region: say so, once per shape. A parameter is taken as asked for when its gradient
-  // accumulator is captured, or when the caller asked for a tensor that had no autograd node at the time
-  // (the engine then captures an Identity placeholder: a parameter used only inside kReentrant regions,
-  // whose forward pass builds no graph, is such a tensor).
-  static void warn_undeclared_asked(
-      const std::vector<Leaf>& leaves,
-      const std::unordered_map<torch::autograd::Node*, torch::autograd::GraphTask::ExecInfo>& exec_info) {
-    if (leaves.empty()) return;
-    bool unreachable_asked = false;
-    for (const auto& [node, info] : exec_info) {
-      if (info.captures_ && dynamic_cast<torch::autograd::Identity*>(node) != nullptr)
-        unreachable_asked = true;
-    }
-    static std::mutex mutex;
-    static std::unordered_set<std::string> warned;
-    std::string shapes;
-    for (const Leaf& leaf : leaves) {
-      auto it = exec_info.find(leaf.accumulator);
-      const bool asked = it != exec_info.end() && it->second.captures_;
-      if (!asked && !unreachable_asked) continue;
-      std::ostringstream shape;
-      shape << leaf.variable.sizes();
-      std::lock_guard<std::mutex> lock(mutex);
-      if (warned.insert(shape.str()).second) shapes += (shapes.empty() ? "" : ", ") + shape.str();
-    }
-    if (shapes.empty()) return;
-    TORCH_WARN("remat::checkpoint: torch::autograd::grad was asked for a tensor that a kReentrant region ",
-               "cannot give a gradient to: the region uses parameters it does not declare (shapes ", shapes,
-               "), and those get no gradient through the region under torch::autograd::grad. Add their "
-               "modules to CheckpointOptions().modules({...}), checkpoint the module itself, or use "
-               "CheckpointMode::kNonReentrant.");
   }
 
   // Parameters of the modules that require grad, each once, in a stable order.
@@ -759,6 +696,66 @@ at::Tensor checkpoint_tensor(const TensorFn& fn, const at::Tensor& input, const 
   TORCH_CHECK(static_cast<bool>(fn), "remat::checkpoint: fn is empty (a default-constructed std::function)");
   TensorsFn wrapped = [fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; };
   return checkpoint_tensors(wrapped, {input}, options)[0];
+}
+
+// Leaves that the recomputed graph reaches and that the checkpoint did not declare: parameters fn uses from
+// modules missing in options.modules. Only nodes created by the recompute are followed, so the walk stays
+// inside the region.
+std::vector<Leaf> undeclared_leaves(const std::vector<at::Tensor>& outputs,
+                                    const std::unordered_set<c10::TensorImpl*>& declared,
+                                    uint64_t first_sequence_nr) {
+  std::vector<Leaf> leaves;
+  std::vector<torch::autograd::Node*> stack;
+  std::unordered_set<torch::autograd::Node*> seen;
+  for (const auto& o : outputs) {
+    if (auto* fn = o.grad_fn().get(); fn != nullptr && seen.insert(fn).second) stack.push_back(fn);
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      const at::Tensor& v = acc->variable;
+      if (v.defined() && v.requires_grad() && !declared.count(v.unsafeGetTensorImpl()))
+        leaves.push_back({v, acc});
+      continue;
+    }
+    if (node->sequence_nr() < first_sequence_nr) continue;
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+    }
+  }
+  return leaves;
+}
+
+// Under torch::autograd::grad, an undeclared parameter the caller asked for gets no gradient: say so, once
+// per message and shape. A parameter is taken as asked for when its gradient
+// accumulator is captured, or when the caller asked for a tensor that had no autograd node at the time
+// (the engine then captures an Identity placeholder: a parameter used only inside kReentrant regions,
+// whose forward pass builds no graph, is such a tensor).
+void warn_undeclared_asked(const std::vector<Leaf>& leaves, const char* what, const char* advice) {
+  const auto* info_map = torch::autograd::get_current_graph_task_exec_info();
+  if (leaves.empty() || info_map == nullptr) return;
+  const auto& exec_info = *info_map;
+  bool unreachable_asked = false;
+  for (const auto& [node, info] : exec_info) {
+    if (info.captures_ && dynamic_cast<torch::autograd::Identity*>(node) != nullptr) unreachable_asked = true;
+  }
+  static std::mutex mutex;
+  static std::unordered_set<std::string> warned;
+  std::string shapes;
+  for (const Leaf& leaf : leaves) {
+    auto it = exec_info.find(leaf.accumulator);
+    const bool asked = it != exec_info.end() && it->second.captures_;
+    if (!asked && !unreachable_asked) continue;
+    std::ostringstream shape;
+    shape << leaf.variable.sizes();
+    std::lock_guard<std::mutex> lock(mutex);
+    if (warned.insert(std::string(what) + shape.str()).second)
+      shapes += (shapes.empty() ? "" : ", ") + shape.str();
+  }
+  if (shapes.empty()) return;
+  TORCH_WARN(what, ": the region uses parameters it does not declare (shapes ", shapes,
+             "), and those get no gradient through it under torch::autograd::grad. ", advice);
 }
 
 }  // namespace detail

@@ -244,4 +244,26 @@ Plan plan_from_json(const std::string& text) {
   return plan;
 }
 
+Plan step_plan(const Plan& chain_plan) {
+  check_plan(chain_plan);
+  const int64_t n = chain_plan.num_stages;
+  Plan step;
+  step.num_stages = n + 2;
+  step.planner = chain_plan.planner.empty() ? "step" : "step(" + chain_plan.planner + ")";
+  step.budget_bytes = 0;
+  step.ops.push_back({OpKind::kForwardAll, 0});
+  for (const Op& op : chain_plan.ops) {
+    if (op.kind == OpKind::kLoss) {
+      step.ops.push_back({OpKind::kForwardAll, n + 1});
+      step.ops.push_back(op);
+      step.ops.push_back({OpKind::kBackward, n + 1});
+    } else {
+      step.ops.push_back({op.kind, op.stage + 1});
+    }
+  }
+  step.ops.push_back({OpKind::kBackward, 0});
+  check_plan(step);
+  return step;
+}
+
 }  // namespace remat

@@ -301,22 +301,77 @@ Plan checkpoint_all(const Chain& chain) {
   return finish(chain, segmented(chain.size(), every, /*checkpoint_last_segment=*/true), "all", 0);
 }
 
-Plan uniform(const Chain& chain, int64_t segments, bool checkpoint_last_segment) {
-  validate(chain);
-  const int64_t n = chain.size();
-  if (segments < 1 || segments > n) {
-    throw std::invalid_argument("remat::uniform: segments must be in [1, " + std::to_string(n) +
-                                "] (the chain has " + std::to_string(n) + " stages), got " +
+std::vector<int64_t> even_starts(int64_t num_stages, int64_t segments) {
+  if (segments < 1 || segments > num_stages) {
+    throw std::invalid_argument("remat::even_starts: segments must be in [1, " + std::to_string(num_stages) +
+                                "] (the chain has " + std::to_string(num_stages) + " stages), got " +
                                 std::to_string(segments));
   }
   std::vector<int64_t> starts;
-  const int64_t q = n / segments, r = n % segments;
+  const int64_t q = num_stages / segments, r = num_stages % segments;
   for (int64_t j = 0, at = 0; j < segments; ++j) {
     starts.push_back(at);
     at += q + (j < r ? 1 : 0);
   }
-  return finish(chain, segmented(n, starts, checkpoint_last_segment), "uniform:" + std::to_string(segments),
-                0);
+  return starts;
+}
+
+Plan uniform(const Chain& chain, int64_t segments, bool checkpoint_last_segment) {
+  validate(chain);
+  if (segments < 1 || segments > chain.size()) {
+    throw std::invalid_argument("remat::uniform: segments must be in [1, " + std::to_string(chain.size()) +
+                                "] (the chain has " + std::to_string(chain.size()) + " stages), got " +
+                                std::to_string(segments));
+  }
+  return balanced(chain, segments, Balance::kCount, checkpoint_last_segment);
+}
+
+std::vector<int64_t> balanced_starts(const Chain& chain, int64_t segments, Balance by) {
+  validate(chain);
+  const int64_t n = chain.size();
+  if (segments < 1 || segments > n) {
+    throw std::invalid_argument("remat::balanced_starts: segments must be in [1, " + std::to_string(n) +
+                                "] (the chain has " + std::to_string(n) + " stages), got " +
+                                std::to_string(segments));
+  }
+  if (by == Balance::kCount) return even_starts(n, segments);
+  // prefix[i]: the cost of stages [0, i). Sizes are < 2^60 and times < 1e12 ms per stage, so a long double
+  // sum is exact enough to compare splits.
+  std::vector<long double> prefix(static_cast<size_t>(n) + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const Stage& s = chain.stages[static_cast<size_t>(i)];
+    prefix[i + 1] = prefix[i] + (by == Balance::kMemory ? static_cast<long double>(s.saved_bytes) : s.fwd_ms);
+  }
+  // best[j][i]: the least largest cost of splitting stages [0, i) into j segments; cut[j][i]: where the last
+  // of them starts.
+  const long double inf = std::numeric_limits<long double>::infinity();
+  std::vector<std::vector<long double>> best(segments + 1, std::vector<long double>(n + 1, inf));
+  std::vector<std::vector<int64_t>> cut(segments + 1, std::vector<int64_t>(n + 1, -1));
+  best[0][0] = 0;
+  for (int64_t j = 1; j <= segments; ++j) {
+    for (int64_t i = j; i <= n; ++i) {
+      for (int64_t k = j - 1; k < i; ++k) {
+        if (best[j - 1][k] == inf) continue;
+        const long double cost = std::max(best[j - 1][k], prefix[i] - prefix[k]);
+        if (cost < best[j][i]) best[j][i] = cost, cut[j][i] = k;
+      }
+    }
+  }
+  std::vector<int64_t> starts(static_cast<size_t>(segments));
+  for (int64_t j = segments, i = n; j >= 1; --j) {
+    starts[static_cast<size_t>(j - 1)] = cut[j][i];
+    i = cut[j][i];
+  }
+  return starts;
+}
+
+Plan balanced(const Chain& chain, int64_t segments, Balance by, bool checkpoint_last_segment) {
+  const std::vector<int64_t> starts = balanced_starts(chain, segments, by);
+  const std::string name = by == Balance::kCount    ? "uniform:"
+                           : by == Balance::kMemory ? "balanced:"
+                                                    : "balanced-time:";
+  return finish(chain, segmented(chain.size(), starts, checkpoint_last_segment),
+                name + std::to_string(segments), 0);
 }
 
 Plan sqrt_n(const Chain& chain) {
@@ -587,11 +642,15 @@ Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_by
   if (planner == "all") return checkpoint_all(chain);
   if (planner == "sqrt") return sqrt_n(chain);
   if (planner.rfind("uniform:", 0) == 0) return uniform(chain, number_after("uniform:"));
+  if (planner.rfind("balanced:", 0) == 0) return balanced(chain, number_after("balanced:"), Balance::kMemory);
+  if (planner.rfind("balanced-time:", 0) == 0)
+    return balanced(chain, number_after("balanced-time:"), Balance::kTime);
   if (planner == "optimal") return optimal(chain, budget_bytes, options);
   if (planner == "revolve") return revolve_within(chain, budget_bytes);
   if (planner.rfind("revolve:", 0) == 0) return revolve(chain, number_after("revolve:"));
-  throw std::invalid_argument("remat::make_plan: unknown planner '" + planner +
-                              "' (none, all, sqrt, uniform:K, optimal, revolve, revolve:S)");
+  throw std::invalid_argument(
+      "remat::make_plan: unknown planner '" + planner +
+      "' (none, all, sqrt, uniform:K, balanced:K, balanced-time:K, optimal, revolve, revolve:S)");
 }
 
 }  // namespace remat

@@ -14,8 +14,6 @@
 namespace remat {
 namespace {
 
-constexpr const char* kWho = "remat::profile_chain";
-
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -37,8 +35,17 @@ class Restore {
     if (device.is_cuda()) cuda.push_back(device.index() < 0 ? 0 : device.index());
     rng_ = detail::RngState::capture(cuda);
     buffers_.emplace(modules_);
+    // A stage without its module may update state nobody declared: watch for it (this costs about a
+    // microsecond per operator, so only then).
+    for (const auto& s : stages) {
+      if (!s.module) {
+        state_.emplace(std::vector<std::shared_ptr<torch::nn::Module>>{}, std::vector<torch::Tensor>{});
+        break;
+      }
+    }
   }
   ~Restore() {
+    state_.reset();
     buffers_.reset();
     rng_.restore();
     for (auto& [p, g] : grads_)
@@ -57,12 +64,13 @@ class Restore {
   std::vector<std::pair<torch::Tensor, torch::Tensor>> grads_;
   detail::RngState rng_;
   std::optional<detail::BufferRestore> buffers_;
+  std::optional<detail::StateRestore> state_;
 };
 
 }  // namespace
 
-Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
-                    const ProfileOptions& options) {
+static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
+                            const ProfileOptions& options, const char* kWho) {
   TORCH_CHECK(!stages.empty(), kWho, ": no stages");
   TORCH_CHECK(sample_input.defined(), kWho, ": the sample input is an undefined tensor");
   TORCH_CHECK(options.warmup() >= 0, kWho, ": warmup must be >= 0, got ", options.warmup());
@@ -117,11 +125,13 @@ Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sam
       if (input_grad) targets.push_back(leaf);
       double b = 0;
       if (out.requires_grad() && !targets.empty()) {
-        torch::Tensor d = torch::ones_like(out);  // d_{i+1}, resident during the backward
+        torch::Tensor d = torch::ones_like(out);  // d_{i+1}
         sync();
         memory::PeakScope bwd_scope(device);
         const auto t1 = Clock::now();
-        torch::autograd::backward({out}, {d}, /*retain_graph=*/false, /*create_graph=*/false, targets);
+        // As the executor runs it: d handed over by move, so it is freed once the first node consumed it.
+        detail::backward_from(out, std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
+                              /*accumulate=*/true);
         sync();
         b = ms_since(t1);
         if (measure) {
@@ -139,6 +149,46 @@ Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sam
   }
   validate(chain);
   return chain;
+}
+
+Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
+                    const ProfileOptions& options) {
+  return profile_stages(stages, sample_input, options, "remat::profile_chain");
+}
+
+StepProfile profile_step(const StageFn& prefix, const std::vector<StageFn>& stages, const StageFn& suffix,
+                         const torch::Tensor& model_input, const ProfileOptions& options) {
+  TORCH_CHECK(!stages.empty(), "remat::profile_step: no stages");
+  std::vector<StageFn> all;
+  all.reserve(stages.size() + 2);
+  all.push_back(prefix);
+  all.insert(all.end(), stages.begin(), stages.end());
+  all.push_back(suffix);
+  if (all.front().name.empty()) all.front().name = "prefix";
+  if (all.back().name.empty()) all.back().name = "suffix";
+  StepProfile result;
+  result.step = profile_stages(all, model_input, options, "remat::profile_step");
+  result.chain.input_bytes = result.step.stages.front().output_bytes;
+  result.chain.stages.assign(result.step.stages.begin() + 1, result.step.stages.end() - 1);
+  validate(result.chain);
+  return result;
+}
+
+torch::Tensor chain_input(const StageFn& prefix, const torch::Tensor& model_input) {
+  TORCH_CHECK(model_input.defined(), "remat::chain_input: the model input is an undefined tensor");
+  std::vector<c10::DeviceIndex> cuda;
+  if (model_input.is_cuda()) cuda.push_back(std::max<c10::DeviceIndex>(0, model_input.device().index()));
+  const detail::RngState rng = detail::RngState::capture(cuda);
+  torch::Tensor out;
+  {
+    torch::NoGradGuard no_grad;
+    detail::StateRestore state({}, {model_input});
+    out = prefix.fn(model_input);
+  }
+  rng.restore();
+  TORCH_CHECK(out.defined(), "remat::chain_input: the prefix ('", prefix.name,
+              "') returned an undefined tensor");
+  return out;
 }
 
 Chain profile_chain(torch::nn::Sequential& seq, const torch::Tensor& sample_input,

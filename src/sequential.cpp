@@ -1,8 +1,12 @@
 #include "remat/sequential.h"
 
+#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <mutex>
 #include <optional>
@@ -13,16 +17,68 @@
 #include "detail/region.h"
 
 namespace remat {
+namespace detail {
+namespace {
+// The root of one stage's backward pass: hands the engine d_{i+1} by move, so that the engine holds it
+// alone and frees it once the stage's first backward node has consumed it, as one backward pass through
+// per-stage checkpoints does. (torch::autograd::backward keeps the gradient it is given alive for the whole
+// call: one activation more at every stage's backward, which kept the executor above per-block
+// kNonReentrant checkpointing.)
+struct GradSource final : torch::autograd::Node {
+  GradSource(at::Tensor grad, torch::autograd::Edge next, const at::Tensor& token) : grad_(std::move(grad)) {
+    add_next_edge(std::move(next));
+    add_input_metadata(token);
+  }
+  std::string name() const override { return "remat::StageGradient"; }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*token*/) override {
+    return {std::move(grad_)};
+  }
+  at::Tensor grad_;
+};
+
+}  // namespace
+
+// Backpropagates `grad` (taken by move) from `output` to the leaves `targets`: accumulated into their .grad
+// (accumulate), or returned (undefined for a target the graph does not reach).
+torch::autograd::variable_list backward_from(const at::Tensor& output, at::Tensor grad,
+                                             const std::vector<at::Tensor>& targets, bool keep_graph,
+                                             bool create_graph, bool accumulate) {
+  const at::Tensor token = at::zeros({}, output.options().dtype(at::kFloat).device(at::kCPU));
+  auto source =
+      compat::make_node<GradSource>(std::move(grad), torch::autograd::impl::gradient_edge(output), token);
+  torch::autograd::edge_list outputs;
+  outputs.reserve(targets.size());
+  for (const auto& t : targets) {
+    auto fn = t.grad_fn() ? t.grad_fn() : torch::autograd::impl::try_get_grad_accumulator(t);
+    if (fn) {
+      outputs.emplace_back(std::move(fn), t.grad_fn() ? t.output_nr() : 0);
+    } else {  // a leaf no node uses: nothing reaches it (LibTorch's run_backward does the same)
+      outputs.emplace_back(compat::make_node<torch::autograd::Identity>(), 0);
+    }
+  }
+  torch::autograd::edge_list roots;
+  roots.emplace_back(std::move(source), 0);
+  return torch::autograd::Engine::get_default_engine().execute(roots, {token}, keep_graph, create_graph,
+                                                               accumulate, outputs);
+}
+
+}  // namespace detail
+
 namespace {
 
 using detail::AutocastScope;
 using detail::AutocastState;
+using detail::backward_from;
 using detail::BufferRestore;
 using detail::check_rng_replayed;
+using detail::Leaf;
 using detail::RngReplay;
 using detail::RngRollback;
 using detail::RngState;
+using detail::StateRestore;
 using detail::TensorMeta;
+using detail::undeclared_leaves;
+using detail::warn_undeclared_asked;
 
 // What the executor holds between operations, and everything its backward needs.
 struct ExecState final : torch::CustomClassHolder {
@@ -47,7 +103,8 @@ struct ExecState final : torch::CustomClassHolder {
   // detached input leaf. Index i in 0..n.
   struct Held {
     at::Tensor plain;
-    at::Tensor leaf, output;  // abar
+    at::Tensor leaf, output;         // abar
+    uint64_t first_sequence_nr = 0;  // of the autograd nodes the stage's run with grad created
   };
   std::vector<Held> held;
   at::Tensor grad;  // d_j
@@ -91,13 +148,15 @@ void run_forward(ExecState& st, const Op& op) {
   // The first run of a stage draws its random numbers; later runs replay them, restore the buffers and run
   // under the forward pass's autocast state.
   std::optional<RngReplay> replay;
-  std::optional<BufferRestore> buffers;
+  std::optional<StateRestore> state;
   std::optional<AutocastScope> autocast;
   if (!st.ran[i]) {
     if (st.preserve_rng) st.rng[i] = RngState::capture(st.cuda_devices);
   } else {
     replay.emplace(st.rng[i], st.cuda_devices);
-    if (stage.module) buffers.emplace(std::vector<std::shared_ptr<torch::nn::Module>>{stage.module});
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    if (stage.module) modules.push_back(stage.module);
+    state.emplace(modules, std::vector<at::Tensor>{x});
     autocast.emplace(st.autocast);
   }
 
@@ -108,9 +167,11 @@ void run_forward(ExecState& st, const Op& op) {
     at::Tensor leaf = x;
     const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
     if (floating && (i > 0 || st.input_requires_grad)) leaf = x.detach().requires_grad_(true);
+    const uint64_t first_sequence_nr = at::sequence_number::peek();
     out = stage.fn(leaf);
     TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name,
                 "') returned an undefined tensor");
+    next.first_sequence_nr = first_sequence_nr;
     next.plain = at::Tensor();
     next.leaf = leaf;
     next.output = out;
@@ -162,16 +223,38 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph,
     for (const auto& p : st.stage_params[i])
       targets.push_back(p);
     const bool create_graph = at::GradMode::is_enabled();
+    // Parameters a stage's function uses without its StageFn::module declaring them: trained under
+    // backward() like the declared ones; under torch::autograd::grad the node cannot return them, and a
+    // caller asking for one is told.
+    std::unordered_set<c10::TensorImpl*> declared;
+    for (const auto& t : targets)
+      declared.insert(t.unsafeGetTensorImpl());
+    // (A parameter another stage declares is one of the node's inputs: its gradient is returned too.)
+    std::vector<Leaf> extra = undeclared_leaves({abar.output}, declared, abar.first_sequence_nr);
+    std::vector<Leaf> unreturnable;
+    for (Leaf& leaf : extra) {
+      if (accumulating || param_index.count(leaf.variable.unsafeGetTensorImpl()))
+        targets.push_back(leaf.variable);
+      else
+        unreturnable.push_back(std::move(leaf));
+    }
+    if (!accumulating) {
+      warn_undeclared_asked(unreturnable,
+                            "remat::run_plan: torch::autograd::grad was asked for a tensor that a stage "
+                            "cannot give a gradient to",
+                            "Give the stage the module that owns them (StageFn::module).");
+    }
     if (!targets.empty()) {
       if (accumulating) {
         // The leaf is the executor's own, but with retain_graph a later backward finds it again (the state is
         // copied, the tensors shared): start its gradient afresh, or the second pass would add the first's.
         if (leaf_grad) abar.leaf.mutable_grad() = at::Tensor();
-        torch::autograd::backward({abar.output}, {st.grad}, keep_graph, create_graph, targets);
+        backward_from(abar.output, std::move(st.grad), targets, keep_graph, create_graph,
+                      /*accumulate=*/true);
         if (leaf_grad) d_in = abar.leaf.grad();
       } else {
-        auto grads = torch::autograd::grad({abar.output}, targets, {st.grad}, keep_graph, create_graph,
-                                           /*allow_unused=*/true);
+        auto grads = backward_from(abar.output, std::move(st.grad), targets, keep_graph, create_graph,
+                                   /*accumulate=*/false);
         size_t k = 0;
         if (leaf_grad) d_in = grads[k++];
         for (; k < grads.size(); ++k)
@@ -277,19 +360,28 @@ struct ExecNode final : torch::autograd::Node {
 
 }  // namespace
 
+namespace {
+std::string short_type(const torch::nn::Module& module) {
+  std::string type = module.name();
+  const size_t colons = type.rfind("::");
+  if (colons != std::string::npos) type = type.substr(colons + 2);
+  if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
+  return type;
+}
+
+bool is_index(const std::string& s) {
+  return !s.empty() && s.size() < 10 && s.find_first_not_of("0123456789") == std::string::npos;
+}
+}  // namespace
+
 std::vector<StageFn> stages_of(torch::nn::Sequential& seq) {
   TORCH_CHECK(!seq.is_empty() && seq->size() > 0, "remat::stages_of: the Sequential is empty");
   std::vector<StageFn> stages;
   for (size_t i = 0; i < seq->size(); ++i) {
     auto module = seq->ptr(i);
-    std::string type = module->name();
-    for (const std::string prefix : {"torch::nn::"}) {
-      if (type.rfind(prefix, 0) == 0) type = type.substr(prefix.size());
-    }
-    if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
     torch::nn::Sequential shared = seq;
     stages.push_back(StageFn{
-        std::to_string(i) + ":" + type,
+        std::to_string(i) + ":" + short_type(*module),
         [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); }, module});
   }
   return stages;
@@ -380,20 +472,21 @@ torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
 
 // -------------------------------------------------------------------------------------------------------------
 
-torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<int64_t>& starts,
-                                  const torch::Tensor& input, const SequentialOptions& options) {
-  TORCH_CHECK(!seq.is_empty() && seq->size() > 0,
-              "remat::checkpoint_segments: the Sequential is empty (0 modules)");
-  const int64_t n = static_cast<int64_t>(seq->size());
+namespace {
+// checkpoint_segments over stages; `what` names the caller and `unit` what a stage is ("modules", "stages").
+torch::Tensor run_segments(const std::vector<StageFn>& stages, const std::vector<int64_t>& starts,
+                           const torch::Tensor& input, const SequentialOptions& options, const char* who,
+                           const char* unit) {
+  const int64_t n = static_cast<int64_t>(stages.size());
   try {
     segmented(n, starts, options.checkpoint_last_segment());  // checks the starts
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, "remat::checkpoint_segments: ", e.what(), " (", n, " modules)");
+    TORCH_CHECK(false, who, ": ", e.what(), " (", n, " ", unit, ")");
   }
-  TORCH_CHECK(input.defined(), "remat::checkpoint_segments: the input is an undefined tensor");
-  // Each segment is one remat::checkpoint region in the mode asked, its modules declared (their buffers
-  // restored after the recompute; in kReentrant their parameters trained), as PyTorch's checkpoint_sequential
-  // does with use_reentrant. The last segment runs plainly unless asked.
+  TORCH_CHECK(input.defined(), who, ": the input is an undefined tensor");
+  // Each segment is one remat::checkpoint region in the mode asked, its modules declared (in kReentrant their
+  // parameters trained under torch::autograd::grad too), as PyTorch's checkpoint_sequential does with
+  // use_reentrant. The last segment runs plainly unless asked.
   torch::Tensor h = input;
   for (size_t j = 0; j < starts.size(); ++j) {
     const int64_t begin = starts[j];
@@ -401,17 +494,22 @@ torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<
     const bool last = j + 1 == starts.size();
     CheckpointOptions segment_options = options.checkpoint();
     bool can_get_grad = h.requires_grad();
+    std::vector<TensorFn> fns;
     for (int64_t i = begin; i < end; ++i) {
-      auto module = seq->ptr(static_cast<size_t>(i));
-      segment_options.modules().push_back(module);
-      for (const auto& p : module->parameters())
+      const StageFn& stage = stages[static_cast<size_t>(i)];
+      fns.push_back(stage.fn);
+      if (!stage.module) {
+        can_get_grad = true;  // a lambda may use parameters nobody declared
+        continue;
+      }
+      segment_options.modules().push_back(stage.module);
+      for (const auto& p : stage.module->parameters())
         can_get_grad = can_get_grad || p.requires_grad();
     }
-    torch::nn::Sequential shared = seq;
-    auto run = [shared, begin, end](const torch::Tensor& x) mutable {
+    auto run = [fns](const torch::Tensor& x) {
       torch::Tensor y = x;
-      for (int64_t i = begin; i < end; ++i)
-        y = shared->begin()[static_cast<size_t>(i)].forward(y);
+      for (const auto& f : fns)
+        y = f(y);
       return y;
     };
     // A segment nothing in which can receive a gradient records no graph and keeps nothing: it runs as is.
@@ -424,6 +522,21 @@ torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<
   return h;
 }
 
+}  // namespace
+
+torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<int64_t>& starts,
+                                  const torch::Tensor& input, const SequentialOptions& options) {
+  TORCH_CHECK(!seq.is_empty() && seq->size() > 0,
+              "remat::checkpoint_segments: the Sequential is empty (0 modules)");
+  return run_segments(stages_of(seq), starts, input, options, "remat::checkpoint_segments", "modules");
+}
+
+torch::Tensor checkpoint_segments(const std::vector<StageFn>& stages, const std::vector<int64_t>& starts,
+                                  const torch::Tensor& input, const SequentialOptions& options) {
+  TORCH_CHECK(!stages.empty(), "remat::checkpoint_segments: no stages (0 stages)");
+  return run_segments(stages, starts, input, options, "remat::checkpoint_segments", "stages");
+}
+
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,
                                     const SequentialOptions& options) {
   const int64_t n = seq.is_empty() ? 0 : static_cast<int64_t>(seq->size());
@@ -431,13 +544,63 @@ torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments
               segments);
   TORCH_CHECK(segments >= 1 && segments <= n, "remat::checkpoint_sequential: segments must be in [1, ", n,
               "] (the Sequential has ", n, " modules), got ", segments);
-  std::vector<int64_t> starts;
-  const int64_t q = n / segments, r = n % segments;
-  for (int64_t j = 0, at = 0; j < segments; ++j) {
-    starts.push_back(at);
-    at += q + (j < r ? 1 : 0);
+  return run_segments(stages_of(seq), even_starts(n, segments), input, options,
+                      "remat::checkpoint_sequential", "modules");
+}
+
+torch::Tensor checkpoint_sequential(const std::vector<StageFn>& stages, int64_t segments,
+                                    const torch::Tensor& input, const SequentialOptions& options) {
+  const int64_t n = static_cast<int64_t>(stages.size());
+  TORCH_CHECK(n > 0, "remat::checkpoint_sequential: no stages (0 stages); segments was ", segments);
+  TORCH_CHECK(segments >= 1 && segments <= n, "remat::checkpoint_sequential: segments must be in [1, ", n,
+              "] (there are ", n, " stages), got ", segments);
+  return run_segments(stages, even_starts(n, segments), input, options, "remat::checkpoint_sequential",
+                      "stages");
+}
+
+std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths) {
+  constexpr const char* kWho = "remat::stages_at";
+  TORCH_CHECK(!paths.empty(), kWho, ": no paths given");
+  const auto named = root.named_modules(/*name_prefix=*/"", /*include_self=*/false);
+  auto sequential_at = [&](const std::string& path) -> torch::nn::Sequential {
+    const auto* found = named.find(path);
+    if (found == nullptr) return nullptr;
+    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(*found);
+    return seq ? torch::nn::Sequential(seq) : nullptr;
+  };
+  std::vector<StageFn> stages;
+  for (const std::string& path : paths) {
+    if (!named.contains(path)) {
+      std::string children;
+      for (const auto& item : root.named_children())
+        children += (children.empty() ? "" : ", ") + item.key();
+      TORCH_CHECK(false, kWho, ": '", path, "' names no submodule of ", root.name(),
+                  " (its children: ", children.empty() ? "none" : children,
+                  "; deeper ones are named with dots, as in \"layer1.0\")");
+    }
+    auto add = [&](const torch::nn::Sequential& seq, size_t i, const std::string& name) {
+      auto module = seq->ptr(i);
+      torch::nn::Sequential shared = seq;
+      stages.push_back(StageFn{
+          name + ":" + short_type(*module),
+          [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); }, module});
+    };
+    if (torch::nn::Sequential seq = sequential_at(path)) {
+      TORCH_CHECK(seq->size() > 0, kWho, ": the Sequential at '", path, "' is empty");
+      for (size_t i = 0; i < seq->size(); ++i)
+        add(seq, i, path + "." + std::to_string(i));
+      continue;
+    }
+    const size_t dot = path.rfind('.');
+    const std::string parent = dot == std::string::npos ? "" : path.substr(0, dot);
+    const std::string last = dot == std::string::npos ? path : path.substr(dot + 1);
+    torch::nn::Sequential seq = parent.empty() ? nullptr : sequential_at(parent);
+    TORCH_CHECK(seq && is_index(last), kWho, ": '", path, "' is a ", short_type(**named.find(path)),
+                ", which is neither a Sequential nor an element of one: remat cannot call its forward from a "
+                "path. Put it in a Sequential, or make a StageFn for it");
+    add(seq, static_cast<size_t>(std::stoul(last)), path);
   }
-  return checkpoint_segments(seq, starts, input, options);
+  return stages;
 }
 
 }  // namespace remat

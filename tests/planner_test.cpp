@@ -449,6 +449,106 @@ TEST(Baselines, SegmentedRejectsBadStarts) {
   EXPECT_NO_THROW(remat::segmented(5, {0, 1, 4}));
 }
 
+// The least largest segment cost over every split into k segments, by enumeration.
+double brute_min_max(const std::vector<double>& cost, int64_t k) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  double best = std::numeric_limits<double>::infinity();
+  std::function<void(int64_t, int64_t, double)> go = [&](int64_t start, int64_t left, double worst) {
+    if (left == 1) {
+      double s = 0;
+      for (int64_t i = start; i < n; ++i)
+        s += cost[i];
+      best = std::min(best, std::max(worst, s));
+      return;
+    }
+    double s = 0;
+    for (int64_t end = start + 1; end <= n - (left - 1); ++end) {
+      s += cost[end - 1];
+      go(end, left - 1, std::max(worst, s));
+    }
+  };
+  go(0, k, 0);
+  return best;
+}
+
+TEST(Baselines, BalancedStartsMinimiseTheLargestSegment) {
+  std::mt19937 rng(21);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t n = 1 + trial % 9;
+    const Chain chain = random_chain(rng, n, 1000);
+    for (auto by : {remat::Balance::kMemory, remat::Balance::kTime}) {
+      std::vector<double> cost;
+      for (const auto& s : chain.stages)
+        cost.push_back(by == remat::Balance::kMemory ? static_cast<double>(s.saved_bytes) : s.fwd_ms);
+      for (int64_t k = 1; k <= n; ++k) {
+        const auto starts = remat::balanced_starts(chain, k, by);
+        ASSERT_EQ(static_cast<int64_t>(starts.size()), k);
+        EXPECT_EQ(starts[0], 0);
+        double worst = 0;
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t end = j + 1 < k ? starts[j + 1] : n;
+          ASSERT_LT(starts[j], end);
+          double s = 0;
+          for (int64_t i = starts[j]; i < end; ++i)
+            s += cost[i];
+          worst = std::max(worst, s);
+        }
+        EXPECT_NEAR(worst, brute_min_max(cost, k), 1e-9 * (1 + worst)) << "n " << n << " k " << k;
+      }
+    }
+  }
+  // Count balance is checkpoint_sequential's split.
+  const Chain chain = remat::uniform_chain(10, 1, 2, 10, 20);
+  EXPECT_EQ(remat::balanced_starts(chain, 4, remat::Balance::kCount), (std::vector<int64_t>{0, 3, 6, 8}));
+  EXPECT_EQ(remat::even_starts(10, 4), (std::vector<int64_t>{0, 3, 6, 8}));
+  // Large early stages get short segments.
+  Chain pyramid;
+  pyramid.input_bytes = 64;
+  for (int64_t size : {64, 64, 64, 16, 16, 16, 4, 4, 4}) {
+    Stage s;
+    s.output_bytes = size;
+    s.saved_bytes = 3 * size;
+    s.fwd_ms = s.bwd_ms = 1;
+    pyramid.stages.push_back(s);
+  }
+  EXPECT_EQ(remat::balanced_starts(pyramid, 3, remat::Balance::kMemory), (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_EQ(remat::balanced(pyramid, 3, remat::Balance::kMemory).planner, "balanced:3");
+  EXPECT_EQ(remat::make_plan(pyramid, "balanced-time:3", 0).planner, "balanced-time:3");
+  EXPECT_THROW_WITH_STD(remat::balanced_starts(pyramid, 10, remat::Balance::kMemory),
+                        "remat::balanced_starts", "got 10");
+  EXPECT_THROW_WITH_STD(remat::balanced_starts(pyramid, 0, remat::Balance::kTime), "got 0");
+  EXPECT_THROW_WITH_STD(remat::make_plan(pyramid, "balanced:x", 0), "balanced:x");
+}
+
+// A plan embedded in its step: the prefix and suffix stages kept, the chain's ops shifted. Embedding
+// no_checkpoint is no_checkpoint of the step; any plan's step is valid and peaks at least at the chain's
+// peak shifted by what the prefix keeps.
+TEST(StepPlan, EmbedsThePlanBetweenPrefixAndSuffix) {
+  std::mt19937 rng(8);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int64_t n = 1 + trial % 8;
+    const Chain step = random_chain(rng, n + 2, 100);
+    Chain chain;
+    chain.input_bytes = step.stages.front().output_bytes;
+    chain.stages.assign(step.stages.begin() + 1, step.stages.end() - 1);
+    const Plan embedded = remat::step_plan(remat::no_checkpoint(chain));
+    EXPECT_EQ(embedded.ops, remat::no_checkpoint(step).ops);
+    for (const Plan& plan : {remat::checkpoint_all(chain), remat::sqrt_n(chain), remat::revolve(chain, 1)}) {
+      const Plan whole = remat::step_plan(plan);
+      EXPECT_EQ(whole.num_stages, n + 2);
+      const auto in_step = remat::simulate(step, whole);
+      const auto alone = remat::simulate(chain, plan);
+      EXPECT_GE(in_step.peak_bytes, alone.peak_bytes - chain.input_bytes + step.stages.front().saved_bytes);
+      EXPECT_NEAR(in_step.time_ms,
+                  alone.time_ms + step.stages.front().fwd_ms + step.stages.front().bwd_ms +
+                      step.stages.back().fwd_ms + step.stages.back().bwd_ms,
+                  1e-9);
+    }
+  }
+  EXPECT_EQ(remat::step_plan(remat::checkpoint_all(remat::uniform_chain(2, 1, 1, 1, 1))).to_string(),
+            "Fa0 Fc1 Fc2 Fa3 L B3 Fa2 B2 Fa1 B1 B0");
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Revolve
 

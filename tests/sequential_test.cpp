@@ -405,6 +405,37 @@ TEST(CheckpointSequential, RunsTheSegmentsInTheModeAsked) {
   }
 }
 
+// Stages given as lambdas with no StageFn::module: the executor must still train the parameters they use
+// under backward(), and leave BatchNorm's statistics updated once, as the plain run does.
+TEST(Executor, StagesWithoutTheirModuleAreTrainedAndUpdatedOnce) {
+  torch::manual_seed(0);
+  auto seq = mixed_chain();
+  const auto x = torch::randn({6, 16}, torch::requires_grad());
+  std::vector<remat::StageFn> stages;
+  for (auto& any : *seq) {
+    torch::nn::AnyModule m = any;
+    stages.push_back({"", [m](const torch::Tensor& t) mutable { return m.forward(t); }, nullptr});
+  }
+  const remat::Chain chain = unit_chain(static_cast<int64_t>(stages.size()));
+  for (const remat::Plan& plan : {remat::checkpoint_all(chain), remat::uniform(chain, 3)}) {
+    for (auto& b : seq->buffers())
+      b.zero_();
+    const Reference ref = plain_step(seq, x, 5);
+    for (auto& b : seq->buffers())
+      b.zero_();
+    clear_grads(*seq);
+    x.mutable_grad() = torch::Tensor();
+    torch::manual_seed(5);
+    remat::run_plan(stages, plan, x).pow(2).sum().backward();
+    expect_all_close(grads_of(*seq), ref.grads, 1e-6);
+    EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6);
+    const auto buffers = seq->buffers();
+    ASSERT_EQ(buffers.size(), 3u);
+    for (size_t i = 0; i < buffers.size(); ++i)
+      EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << "buffer " << i;
+  }
+}
+
 TEST(Executor, RefusesOptionsItCannotHonour) {
   auto seq = mixed_chain();
   const auto x = torch::randn({4, 16}, torch::requires_grad());

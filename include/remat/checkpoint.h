@@ -56,10 +56,12 @@ struct CheckpointOptions {
   /// Check that the recompute produces tensors of the same shape, dtype and device as the forward pass
   /// (kReentrant: the outputs; kNonReentrant: every saved tensor) and throw c10::Error naming the mismatch.
   TORCH_ARG(bool, determinism_check) = true;
-  /// Modules used inside fn. Their buffers (BatchNorm running statistics, num_batches_tracked) are restored
-  /// after each recompute, in both modes, so stateful layers are updated once per step. In kReentrant mode
-  /// their parameters also receive gradients through the checkpoint. For a kReentrant checkpoint nested in
-  /// a kReentrant lambda, list the inner modules here too (or checkpoint a container module).
+  /// Modules used inside fn. In kReentrant mode their parameters receive gradients through the checkpoint
+  /// under torch::autograd::grad too, and when fn throws in the forward pass their buffers are put back.
+  /// For a kReentrant checkpoint nested in a kReentrant lambda, list the inner modules here too (or
+  /// checkpoint a container module). Buffers need no declaring to be updated once: every recompute, in
+  /// both modes and in the plan executor, writes back any tensor from before it that it updated in place
+  /// (BatchNorm running statistics, num_batches_tracked, a captured counter), declared or not.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, modules) = {};
 };
 

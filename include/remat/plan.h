@@ -80,6 +80,14 @@ void check_plan(const Plan& plan);
 /// chain is invalid (remat::validate), when its size differs from plan.num_stages, or as check_plan.
 Simulation simulate(const Chain& chain, const Plan& plan);
 
+/// The whole training step around a plan for a chain that sits inside a bigger model: stage 0 is everything
+/// before the chain (the prefix), stages 1..n the chain, stage n+1 everything after it up to the loss (the
+/// suffix). The prefix and suffix run once and keep what they save, as without checkpointing:
+/// Fa0, chain_plan's forward operations shifted by one, Fa(n+1), L, B(n+1), the rest shifted, B0.
+/// simulate(step_chain, step_plan(plan)) predicts the step's peak as a meter sees it (the model's input
+/// included), beside simulate(chain, plan) for the chain alone. Throws as check_plan for an invalid plan.
+Plan step_plan(const Plan& chain_plan);
+
 /// The plan as JSON: {"num_stages": n, "planner": "...", "budget_bytes": N, "ops": ["Fc0", "Fn1", ..., "L",
 /// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}.
 std::string to_json(const Plan& plan);

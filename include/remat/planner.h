@@ -64,6 +64,30 @@ Plan uniform(const Chain& chain, int64_t segments, bool checkpoint_last_segment 
 /// Throws std::invalid_argument naming the bad start.
 Plan segmented(int64_t num_stages, const std::vector<int64_t>& starts, bool checkpoint_last_segment = false);
 
+/// Starts of `segments` contiguous runs of num_stages stages whose lengths differ by at most one, the longer
+/// ones first (the split of uniform() and checkpoint_sequential). Throws std::invalid_argument when
+/// segments < 1 or > num_stages.
+std::vector<int64_t> even_starts(int64_t num_stages, int64_t segments);
+
+/// What balanced_starts() balances.
+enum class Balance {
+  kCount,   ///< stages per segment (even_starts)
+  kMemory,  ///< the bytes a segment's stages keep for backward (sum of saved_bytes): what its recompute holds
+  kTime,    ///< a segment's forward time (sum of fwd_ms): what its recompute costs
+};
+
+/// Starts of `segments` contiguous segments of the chain (starts[0] == 0) that make the largest segment's
+/// cost (see Balance) as small as possible; among equal splits, the earliest cut points. On chains of
+/// unequal stages (a ResNet's full-resolution blocks beside its downsampled ones) kMemory evens out what
+/// each segment's recompute holds, where kCount lets the largest stages pile up in one segment. Exact
+/// (a dynamic program, O(segments * n^2)). Throws std::invalid_argument for an invalid chain or segments
+/// < 1 or > the stage count.
+std::vector<int64_t> balanced_starts(const Chain& chain, int64_t segments, Balance by);
+
+/// segmented() at balanced_starts(chain, segments, by), named "balanced:K" (kMemory), "balanced-time:K"
+/// (kTime) or "uniform:K" (kCount).
+Plan balanced(const Chain& chain, int64_t segments, Balance by, bool checkpoint_last_segment = false);
+
 /// Chen et al. 2016: ceil(sqrt(n)) uniform segments, the last one kept.
 Plan sqrt_n(const Chain& chain);
 
@@ -95,8 +119,9 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes);
 /// longer than 1500 stages: the peak of recomputing every stage from the input, an upper bound).
 int64_t min_feasible_budget(const Chain& chain);
 
-/// A planner by name, as the command line spells it: "none", "all", "sqrt", "uniform:K", "optimal",
-/// "revolve" (within the budget) or "revolve:S" (S snapshots). budget_bytes is used by optimal and revolve.
+/// A planner by name, as the command line spells it: "none", "all", "sqrt", "uniform:K", "balanced:K"
+/// (segments balanced by memory), "balanced-time:K", "optimal", "revolve" (within the budget) or
+/// "revolve:S" (S snapshots). budget_bytes is used by optimal and revolve.
 /// Throws std::invalid_argument for an unknown name, and what the planner throws.
 Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_bytes,
                const PlannerOptions& options = {});

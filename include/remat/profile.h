@@ -39,4 +39,25 @@ Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sam
 Chain profile_chain(torch::nn::Sequential& seq, const torch::Tensor& sample_input,
                     const ProfileOptions& options = {});
 
+/// A chain profiled where it sits in a model (a ResNet's layer1..layer3 between its stem and its head).
+struct StepProfile {
+  Chain chain;  ///< the chain's stages alone; input_bytes is the prefix's output (the chain's input)
+  Chain step;  ///< the whole step: stage 0 the prefix, then the chain's stages, last the suffix (to the loss)
+};
+
+/// Profiles `stages` inside a model: `prefix` maps the model's input to the chain's input, `suffix` the
+/// chain's output to the loss (one scalar); each is profiled as one stage. The step's predicted peak for a
+/// plan over the chain is simulate(result.step, step_plan(plan)).peak_bytes (remat/plan.h), comparable to
+/// a meter's peak over a step that includes the model's input. Nothing of the model changes: gradients,
+/// the RNG and every tensor a stage updates in place (BatchNorm statistics, declared or not) are put back.
+/// Throws as profile_chain, naming remat::profile_step.
+StepProfile profile_step(const StageFn& prefix, const std::vector<StageFn>& stages, const StageFn& suffix,
+                         const torch::Tensor& model_input, const ProfileOptions& options = {});
+
+/// The chain's input for a model input: runs `prefix` under NoGradGuard and returns its output, leaving the
+/// model as it was (in train mode too: BatchNorm statistics the prefix updates are written back) and the
+/// global RNG where it was. For profile_chain on a chain inside a model. Throws c10::Error naming
+/// remat::chain_input when the input is undefined or the prefix returns an undefined tensor.
+torch::Tensor chain_input(const StageFn& prefix, const torch::Tensor& model_input);
+
 }  // namespace remat

@@ -29,7 +29,10 @@
 namespace remat {
 
 /// One stage the executor runs: a tensor-to-tensor function, and the module that owns its parameters and
-/// buffers (null when it has none).
+/// buffers (null when it has none). The module is what the executor returns gradients for under
+/// torch::autograd::grad; parameters the function uses without a module are still trained under backward()
+/// (accumulated into .grad), and under torch::autograd::grad asking for one warns once, since the executor
+/// cannot return it. Buffers are updated once either way (a recompute writes back what it updated in place).
 struct StageFn {
   std::string name;
   TensorFn fn;
@@ -39,6 +42,23 @@ struct StageFn {
 /// The modules of a Sequential as stages (named by their position and type, e.g. "3:Linear"). The stages
 /// share the modules. Throws c10::Error naming the function when the Sequential is empty.
 std::vector<StageFn> stages_of(torch::nn::Sequential& seq);
+
+/// The stages of a chain whose modules live in several containers of one model, found by path from `root`
+/// (dotted, as root.named_modules() names them: "layer1", "encoder.layer", "layer2.0"): a path to a
+/// Sequential contributes each of its modules as a stage, in order; a path to an element of a Sequential
+/// ("layer1.0") contributes that module. The stages share the modules: nothing is registered, copied or
+/// re-parented, so root.parameters() (what the optimizer sees) lists every parameter once. Stage names are
+/// "<path>.<index>:<Type>" ("layer1.0:BasicBlock"). Use them with run_plan, profile_chain,
+/// checkpoint_sequential and checkpoint_segments.
+///
+///   auto stages = remat::stages_at(*resnet, {"layer1", "layer2", "layer3"});
+///   auto h = resnet->stem(x);
+///   h = remat::checkpoint_sequential(stages, 3, h);
+///
+/// Throws c10::Error naming remat::stages_at and the path when paths is empty, a path names no submodule
+/// (the message lists root's children), or names a module that is neither a Sequential nor an element of
+/// one (remat cannot call its forward through a type-erased pointer: make a StageFn for it).
+std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths);
 
 /// How many times each stage's forward ran, counted by the executor.
 struct ExecutionStats {
@@ -107,9 +127,20 @@ struct SequentialOptions {
 torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,
                                     const SequentialOptions& options = {});
 
+/// checkpoint_sequential over any stages (stages_at, stages_of, or your own): the same count-balanced split;
+/// each checkpointed segment declares its stages' modules. Throws as the Sequential version, naming the
+/// stage count.
+torch::Tensor checkpoint_sequential(const std::vector<StageFn>& stages, int64_t segments,
+                                    const torch::Tensor& input, const SequentialOptions& options = {});
+
 /// Any segmentation: segments start at `starts` (starts[0] == 0, strictly increasing, < module count).
-/// Throws c10::Error naming the bad start, before any module runs.
+/// For a split balanced by profiled memory or time, pass remat::balanced_starts(chain, segments, by)
+/// (remat/planner.h). Throws c10::Error naming the bad start, before any module runs.
 torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<int64_t>& starts,
+                                  const torch::Tensor& input, const SequentialOptions& options = {});
+
+/// checkpoint_segments over any stages. Throws as the Sequential version, naming the stage count.
+torch::Tensor checkpoint_segments(const std::vector<StageFn>& stages, const std::vector<int64_t>& starts,
                                   const torch::Tensor& input, const SequentialOptions& options = {});
 
 }  // namespace remat

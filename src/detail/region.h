@@ -4,10 +4,13 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace remat::detail {
@@ -94,6 +97,32 @@ class BufferRestore {
   int uncaught_ = 0;
 };
 
+/// While alive (around a recompute): every tensor that existed before the scope, requires no gradient and
+/// that an operator writes in place (BatchNorm's running statistics and `num_batches_tracked`, any buffer or
+/// captured tensor updated in place) is copied just before its first write, and written back through
+/// .data() on destruction, so a recompute leaves no trace in module state whether or not the module was
+/// declared. It watches the operators through a dispatcher fallback that is active on this thread only while
+/// a StateRestore is alive. `inputs` (the region's arguments) are not restored: an in-place op on them is the
+/// region's own work. Where the fallback cannot be installed (another library holds its dispatch key),
+/// `modules`' buffers are copied and written back instead, with a warning that undeclared ones are not.
+class StateRestore {
+ public:
+  StateRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+               const std::vector<at::Tensor>& inputs);
+  ~StateRestore();
+  StateRestore(const StateRestore&) = delete;
+  StateRestore& operator=(const StateRestore&) = delete;
+
+  /// The tensors restored so far (for tests and diagnostics).
+  size_t restored_count() const;
+
+  struct Watch;  // what the dispatcher fallback records (src/restore.cpp)
+
+ private:
+  std::unique_ptr<Watch> watch_;
+  std::optional<BufferRestore> fallback_;
+};
+
 /// While alive: on an exception, the generators go back to where they were on construction (a region
 /// that throws leaves the RNG as it found it). Does nothing for an empty state.
 class RngRollback {
@@ -107,6 +136,32 @@ class RngRollback {
   const RngState& start_;
   int uncaught_;
 };
+
+/// A leaf a recomputed graph reaches (a parameter) and the autograd node that accumulates its gradient.
+struct Leaf {
+  at::Tensor variable;
+  torch::autograd::Node* accumulator;
+};
+
+/// The leaves requiring grad that the graph of `outputs` reaches, not in `declared`: parameters a region uses
+/// without declaring them. Only nodes with sequence numbers >= first_sequence_nr (created by the recompute)
+/// are followed, so the walk stays inside the region.
+std::vector<Leaf> undeclared_leaves(const std::vector<at::Tensor>& outputs,
+                                    const std::unordered_set<c10::TensorImpl*>& declared,
+                                    uint64_t first_sequence_nr);
+
+/// Under torch::autograd::grad (called from a node's backward), when the caller asked for one of `leaves`,
+/// which cannot get its gradient there: warns once per message and shape, "<what>: the region uses
+/// parameters it does not declare (shapes ...) ... <advice>". Does nothing outside a graph task.
+void warn_undeclared_asked(const std::vector<Leaf>& leaves, const char* what, const char* advice);
+
+/// Backpropagates `grad`, taken by move, from `output` to the leaves `targets`: accumulated into their .grad
+/// (accumulate) or returned (undefined for a target the graph does not reach). Unlike
+/// torch::autograd::backward, nothing outside the engine keeps `grad` alive: it is freed as soon as the
+/// first backward node has consumed it, as in one backward pass through per-stage checkpoints.
+torch::autograd::variable_list backward_from(const at::Tensor& output, at::Tensor grad,
+                                             const std::vector<at::Tensor>& targets, bool keep_graph,
+                                             bool create_graph, bool accumulate);
 
 /// Shape, dtype and device of a tensor.
 struct TensorMeta {

@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -92,6 +92,16 @@ print(next(x['peak_bytes'] for x in r if x['strategy']=='uniform:4'))")
         --steps 3 --warmup 1 --out "$out/bert-2.15"
       log "$py" bench/pytorch_reference.py --meter build-pypi/libremat_meter.so --model hf-bert --strategy none,all \
         --steps 3 --warmup 1
+      ;;
+    resnet)  # the ResNet example: every way of checkpointing it, peak and same-round time ratio
+      log build/examples/example_resnet 64 5 5
+      log build/tests/remat_tests --gtest_filter=StateRestore.CostPerOperator
+      ;;
+    modes)  # kNonReentrant against kReentrant on BERT-base-sized layers (README: choosing a mode)
+      for round in 1 2 3; do
+        log "$remat" bench --model bert --layers 4 --hidden 768 --heads 12 --intermediate 3072 --seq 128 --batch 8 \
+          --strategy none,all,all-reentrant
+      done
       ;;
     soak)  # 10,000 steps per mode (docs/RELIABILITY.md)
       OMP_NUM_THREADS=1 log build/bin/remat_soak --steps 10000

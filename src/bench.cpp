@@ -229,7 +229,8 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
   if (s == "none" || s == "all" || s == "all-reentrant") return std::nullopt;
   try {
     if (s == "plan-all") return checkpoint_all(chain);
-    if (s == "sqrt" || s.rfind("uniform:", 0) == 0 || s.rfind("revolve:", 0) == 0)
+    if (s == "sqrt" || s.rfind("uniform:", 0) == 0 || s.rfind("revolve:", 0) == 0 ||
+        s.rfind("balanced:", 0) == 0 || s.rfind("balanced-time:", 0) == 0)
       return make_plan(chain, s, 0);
     if (s.rfind("optimal:", 0) == 0) {
       const std::string arg = s.substr(8);
@@ -280,8 +281,8 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
   }
   TORCH_CHECK(
       false, kWho, ": unknown strategy '", s,
-      "' (none, all, all-reentrant, plan-all, sqrt, uniform:K, revolve:S, optimal:SIZE, optimal:as=P, "
-      "optimal:overhead=F)");
+      "' (none, all, all-reentrant, plan-all, sqrt, uniform:K, balanced:K, balanced-time:K, revolve:S, "
+      "optimal:SIZE, optimal:as=P, optimal:overhead=F)");
 }
 
 Chain profile_workload(Workload& w, const ProfileOptions* profile) {

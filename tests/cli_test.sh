@@ -78,6 +78,23 @@ bad_chain saved-below-output "saved_bytes (1) < output_bytes (9)" '{"input_bytes
 bad_chain empty "no stages" '{"input_bytes": 1, "stages": []}'
 printf '%s' "$good" >"$tmp/good.json"
 check chain-good 0 "predicted" -- "$remat" plan --chain "$tmp/good.json" --budget 1MiB
+# A chain inside a model: the whole step as a chain of n+2 stages (prefix, chain, suffix with the loss).
+step='{"input_bytes": 100, "stages": [{"name": "stem", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000, "saved_bytes": 1500},
+  {"fwd_ms": 1, "bwd_ms": 2, "output_bytes": 1000, "saved_bytes": 3000},
+  {"fwd_ms": 1, "bwd_ms": 2, "output_bytes": 1000, "saved_bytes": 3000},
+  {"name": "head", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 4, "saved_bytes": 600}]}'
+printf '%s' "$step" >"$tmp/step.json"
+check step-text 0 "predicted peak of the whole step" -- "$remat" plan --step "$tmp/step.json" --planner all
+step_json=$("$remat" plan --step "$tmp/step.json" --planner all --json 2>/dev/null)
+step_peak=$(printf '%s' "$step_json" | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["step_predicted_peak_bytes"] - j["predicted_peak_bytes"])')
+# The step keeps the stem's 1500 saved bytes and the model input (100) below the chain, whose own input
+# (1000) is the stem's output: the step's peak is above the chain's.
+if [ "${step_peak:-0}" -gt 0 ] 2>/dev/null; then
+  echo "ok   step-peak ($step_peak bytes above the chain's)"
+else
+  echo "FAIL step-peak: the step's peak is not above the chain's: $step_json"; fail=1
+fi
+check step-mismatch nonzero "has 4 stages, but the chain has 1" -- "$remat" plan --chain "$tmp/good.json" --step "$tmp/step.json" --planner all
 check negative-budget nonzero "'-5MiB' is not a size" -- "$remat" plan --chain "$tmp/good.json" --budget -5MiB
 check nan-budget nonzero "is not a size" -- "$remat" plan --chain "$tmp/good.json" --budget nan
 check overflow-budget nonzero "too large" -- "$remat" plan --chain "$tmp/good.json" --budget 99999999999TiB

@@ -12,7 +12,8 @@
 /// - "none": no checkpointing.
 /// - "all": per-layer checkpointing through the model's gradient_checkpointing_enable() (kNonReentrant);
 ///   "all-reentrant": the same in kReentrant mode.
-/// - "uniform:K" (checkpoint_sequential with K segments), "sqrt", "revolve:S", "plan-all" (every stage a
+/// - "uniform:K" (checkpoint_sequential with K segments), "balanced:K" / "balanced-time:K" (K segments
+///   balanced by profiled memory / forward time), "sqrt", "revolve:S", "plan-all" (every stage a
 ///   checkpoint, through the executor): plans over the model's stages, run by the plan executor.
 /// - "optimal:SIZE" (a budget such as 300MiB), "optimal:as=P" (the budget P's plan predicts, e.g.
 /// as=uniform:4),

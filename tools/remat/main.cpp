@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -316,7 +317,7 @@ int run_profile(const ProfileArgs& a) {
 
 struct PlanArgs {
   ModelArgs model;
-  std::string chain, budget, planner = "optimal", out;
+  std::string chain, budget, planner = "optimal", out, step;
   int64_t slots = 500;
   bool json = false;
 };
@@ -327,8 +328,24 @@ int run_plan_command(const PlanArgs& a) {
     throw std::invalid_argument("--planner " + a.planner + " needs --budget SIZE");
   const int64_t budget = a.budget.empty() ? 0 : size_arg(a.budget, "--budget");
   remat::Chain chain;
+  std::optional<remat::Chain> step;
+  if (!a.step.empty()) {
+    step = remat::load_chain(a.step);
+    if (step->size() < 3)
+      throw std::invalid_argument("--step " + a.step +
+                                  ": a step chain has the prefix, at least one stage and the " +
+                                  "suffix, got " + std::to_string(step->size()) + " stages");
+  }
   if (!a.chain.empty()) {
     chain = remat::load_chain(a.chain);
+    if (step && step->size() != chain.size() + 2)
+      throw std::invalid_argument("--step " + a.step + " has " + std::to_string(step->size()) +
+                                  " stages, but the chain has " + std::to_string(chain.size()) +
+                                  " (a step chain has the chain's stages plus the prefix and the suffix)");
+  } else if (step) {
+    chain.input_bytes = step->stages.front().output_bytes;
+    chain.stages.assign(step->stages.begin() + 1, step->stages.end() - 1);
+    remat::validate(chain);
   } else {
     auto w = a.model.make();
     progress("profiling " + w->description());
@@ -360,6 +377,7 @@ int run_plan_command(const PlanArgs& a) {
     j["baseline_time_ms"] = none.predicted.time_ms;
     j["time_overhead"] = overhead;
     j["min_feasible_budget_bytes"] = remat::min_feasible_budget(chain);
+    if (step) j["step_predicted_peak_bytes"] = remat::simulate(*step, remat::step_plan(plan)).peak_bytes;
     std::cout << j.dump(2) << "\n";
     return 0;
   }
@@ -376,6 +394,13 @@ int run_plan_command(const PlanArgs& a) {
   std::cout << "predicted peak: " << remat::format_bytes(plan.predicted.peak_bytes)
             << " (without checkpointing " << remat::format_bytes(none.predicted.peak_bytes)
             << "; the least possible " << remat::format_bytes(remat::min_feasible_budget(chain)) << ")\n";
+  if (step) {
+    std::cout
+        << "predicted peak of the whole step (prefix, chain, suffix and loss, the model's input included): "
+        << remat::format_bytes(remat::simulate(*step, remat::step_plan(plan)).peak_bytes)
+        << " (without checkpointing "
+        << remat::format_bytes(remat::simulate(*step, remat::step_plan(none)).peak_bytes) << ")\n";
+  }
   std::cout << "predicted time: " << fixed(plan.predicted.time_ms, 2) << " ms per step, "
             << fixed(100 * overhead, 1) << "% over no checkpointing\n";
   int64_t recomputed = 0;
@@ -500,10 +525,10 @@ int main(int argc, char** argv) {
       "bench", "Train a model under checkpointing strategies: peak memory, step time, gradients");
   bench.model.add(bench_cmd);
   bench_cmd
-      ->add_option(
-          "--strategy", bench.strategies,
-          "comma-separated: none, all, all-reentrant, plan-all, sqrt, uniform:K, revolve:S, optimal:SIZE, "
-          "optimal:as=P, optimal:overhead=F, optimal:time=R")
+      ->add_option("--strategy", bench.strategies,
+                   "comma-separated: none, all, all-reentrant, plan-all, sqrt, uniform:K, balanced:K, "
+                   "balanced-time:K, revolve:S, optimal:SIZE, "
+                   "optimal:as=P, optimal:overhead=F, optimal:time=R")
       ->capture_default_str();
   bench_cmd->add_option("--steps", bench.steps, "timed steps (median reported)")
       ->check(CLI::Range(1, 100000))
@@ -537,11 +562,18 @@ int main(int argc, char** argv) {
                        "read the chain from this JSON file instead of profiling --model");
   plan_cmd->add_option("--budget", plan.budget,
                        "memory budget: bytes, or with a unit (512MiB, 1.5GiB, 300MB)");
-  plan_cmd->add_option("--planner", plan.planner, "optimal, revolve, revolve:S, sqrt, uniform:K, all or none")
+  plan_cmd
+      ->add_option("--planner", plan.planner,
+                   "optimal, revolve, revolve:S, sqrt, uniform:K, balanced:K, balanced-time:K, all or none")
       ->capture_default_str();
   plan_cmd->add_option("--slots", plan.slots, "optimal: memory discretisation")
       ->check(CLI::Range(1, 100000))
       ->capture_default_str();
+  plan_cmd->add_option(
+      "--step", plan.step,
+      "the whole step as a chain of n+2 stages (prefix, the chain's stages, suffix with the loss: "
+      "remat::profile_step's .step, saved with remat::save_chain): also predict the step's peak; "
+      "without --chain, the chain is its stages 1..n");
   plan_cmd->add_flag("--json", plan.json, "print one JSON object");
   plan_cmd->add_option("--out", plan.out, "also write the plan (remat::to_json) to this file");
 

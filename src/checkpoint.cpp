@@ -282,13 +282,19 @@ std::vector<at::Tensor> attached_inputs(const std::vector<at::Tensor>& saved,
 // Saved-tensor hooks of a recompute: store what autograd saves, in order, and hand the tensor back if the
 // recompute's own graph is used (fn calls torch::autograd::grad inside). That graph is thrown away with the
 // recompute, and with it the hooks.
+// Thrown from a pack hook to end a recompute once every tensor backward needs is back (early stopping);
+// caught by the recompute. Not a std::exception, so that fn's own handlers for errors do not take it.
+struct StopRecompute {};
+
 class Collector final : public HookSource {
  public:
   // Stores the first `limit` saved tensors (a recompute started before the forward pass finished sees more
   // than the forward pass has saved so far: those beyond `limit` are not kept). `strict`: more than `limit`
-  // is an error. `expected`: their metadata in the forward pass, checked when non-null.
-  Collector(std::vector<at::Tensor>& out, int64_t limit, bool strict, const std::vector<TensorMeta>* expected)
-      : out_(out), limit_(limit), strict_(strict), expected_(expected) {}
+  // is an error. `expected`: their metadata in the forward pass, checked when non-null. `stop`: throw
+  // StopRecompute as soon as `limit` tensors are stored (and again at any later save, should fn catch it).
+  Collector(std::vector<at::Tensor>& out, int64_t limit, bool strict, bool stop,
+            const std::vector<TensorMeta>* expected)
+      : out_(out), limit_(limit), strict_(strict), stop_(stop), expected_(expected) {}
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
     return std::make_unique<Hooks>(this);
@@ -301,20 +307,23 @@ class Collector final : public HookSource {
       // As autograd would save it: a tensor that does not require grad is kept as is (a custom Function gets
       // the very tensor it saved back), one that does is detached (unpacking re-attaches its grad_fn).
       saved = t.requires_grad() ? t.detach() : t;
-      collector->store(saved);
+      Collector* c = collector;
       collector = nullptr;  // the collector dies with the recompute; only pack may touch it
+      if (c->store(saved)) throw StopRecompute{};
     }
     at::Tensor call_unpack_hook() override { return saved; }
     Collector* collector;
     at::Tensor saved;
   };
 
-  void store(const at::Tensor& t) {
+  // Stores t; true when the recompute should stop now.
+  bool store(const at::Tensor& t) {
     const int64_t i = count_++;
     if (i >= limit_) {
+      if (stop_) return true;
       TORCH_CHECK(!strict_, "remat::checkpoint: the recompute saved more tensors for backward than ",
                   "the forward pass (", limit_, "); fn must do the same work each time it runs");
-      return;
+      return false;
     }
     if (expected_ != nullptr) {
       const TensorMeta now = TensorMeta::of(t);
@@ -324,11 +333,13 @@ class Collector final : public HookSource {
           " in the forward pass (set CheckpointOptions().determinism_check(false) to skip this check)");
     }
     out_.push_back(t);
+    return stop_ && count_ == limit_;
   }
 
   std::vector<at::Tensor>& out_;
   int64_t limit_;
   bool strict_;
+  bool stop_;
   const std::vector<TensorMeta>* expected_;
   int64_t count_ = 0;
 };
@@ -341,6 +352,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
         modules_(options.modules()),
         cuda_devices_(cuda_devices_of(inputs)),
         check_(options.determinism_check()),
+        early_stop_(options.early_stop()),
         autocast_(AutocastState::current()) {
     // The inputs are saved as autograd saves tensors, so that an enclosing checkpoint drops them too.
     inputs_.reserve(inputs.size());
@@ -365,7 +377,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     if (!rng_.empty()) {
       rng_end_ = RngState::capture(cuda_devices_);
       // A region that drew nothing needs no replay: its recompute leaves the generators alone.
-      if (rng_end_.same_as(rng_)) rng_ = rng_end_ = RngState();
+      if (rng_end_.same_as(rng_)) rng_ = rng_end_ = rng_last_save_ = RngState();
     }
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     forward_done_ = true;
@@ -386,6 +398,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   int64_t pack(const at::Tensor& t) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     if (check_) metas_.push_back(TensorMeta::of(t));
+    // Where the generators stand at each save: a recompute that stops early at the last one checks that it
+    // drew the same numbers up to there.
+    if (early_stop_ && !rng_.empty() && !forward_done_) rng_last_save_ = RngState::capture(cuda_devices_);
     return num_saved_++;
   }
 
@@ -411,15 +426,26 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     collected.reserve(num_saved_);
     const int64_t limit = num_saved_;
     {
-      Collector collector(collected, limit, /*strict=*/forward_done_, check_ ? &metas_ : nullptr);
+      // Early stopping only once the forward pass is complete: a recompute for a gradient fn takes of its own
+      // intermediate results runs fn up to where it is now.
+      Collector collector(collected, limit, /*strict=*/forward_done_, /*stop=*/forward_done_ && early_stop_,
+                          check_ ? &metas_ : nullptr);
       RngReplay rng(rng_, cuda_devices_);
       StateRestore state(modules_, args);
       AutocastScope autocast(autocast_);
       HookScope scope(&collector);
       at::AutoGradMode grad(true);
       try {
-        fn_(args);
-        if (forward_done_) check_rng_replayed(rng_end_, "remat::checkpoint", "a checkpointed region");
+        bool stopped = false;
+        try {
+          fn_(args);
+        } catch (const StopRecompute&) {
+          stopped = true;  // every tensor backward needs is back: the rest of fn is not run again
+        }
+        if (forward_done_) {
+          check_rng_replayed(stopped ? rng_last_save_ : rng_end_, "remat::checkpoint",
+                             "a checkpointed region");
+        }
       } catch (c10::Error& e) {
         e.add_context("remat::checkpoint: while recomputing a checkpointed region in the backward pass");
         throw;
@@ -437,8 +463,10 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   std::vector<std::shared_ptr<torch::nn::Module>> modules_;
   std::vector<c10::DeviceIndex> cuda_devices_;
   bool check_;
+  bool early_stop_;
   AutocastState autocast_;
   RngState rng_, rng_end_;  // the generators at the start and at the end of the forward pass
+  RngState rng_last_save_;  // and at its last save (with early stopping)
   std::vector<TensorMeta> metas_;
   int64_t num_saved_ = 0;
   bool forward_done_ = false;

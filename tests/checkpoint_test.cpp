@@ -706,3 +706,50 @@ TEST(StateRestore, CostPerOperator) {
   EXPECT_TRUE(x.equal(torch::ones({1})));
 }
 }  // namespace
+
+namespace {
+// Early stopping (kNonReentrant): the recompute ends once every tensor backward needs is back; what fn does
+// after its last saved tensor runs once, in the forward pass. Off, fn runs whole each time.
+TEST(EarlyStop, TheRecomputeEndsAtTheLastSavedTensor) {
+  for (bool early : {true, false}) {
+    int head = 0, tail = 0;
+    auto x = torch::randn({4, 8}, torch::requires_grad());
+    auto fn = [&](const torch::Tensor& t) {
+      ++head;
+      auto h = t.sin();  // saves t: the region's only saved tensor
+      ++tail;
+      return h * 2 + 1;  // saves nothing
+    };
+    remat::checkpoint(fn, x, CheckpointOptions().early_stop(early)).sum().backward();
+    EXPECT_EQ(head, 2) << early;
+    EXPECT_EQ(tail, early ? 1 : 2) << early;
+    EXPECT_LE(max_abs_diff(x.grad(), 2 * x.detach().cos()), 1e-6) << early;
+  }
+}
+
+TEST(EarlyStop, DropoutMasksAndStateAreAsWithoutIt) {
+  // A region whose last saved tensor is a dropout mask, followed by work that saves nothing: the stop comes
+  // right after the mask's draw; the RNG check compares with the forward pass at that same point.
+  torch::nn::Linear fc(8, 8);
+  torch::nn::BatchNorm1d bn(8);
+  auto run = [&](bool early) {
+    torch::manual_seed(3);
+    auto x = torch::randn({6, 8}, torch::requires_grad());
+    auto fn = [&](const torch::Tensor& t) { return torch::dropout(bn(fc(t)), 0.3, true) * 3; };
+    auto y = remat::checkpoint(fn, x, CheckpointOptions().early_stop(early));
+    y.pow(2).sum().backward();
+    std::vector<torch::Tensor> out{x.grad().clone(), torch::rand({4})};
+    for (const auto& b : bn->buffers())
+      out.push_back(b.clone());
+    return out;
+  };
+  const auto with = run(true);
+  for (auto& b : bn->buffers())
+    b.zero_();
+  bn->running_var.fill_(1);
+  const auto without = run(false);
+  ASSERT_EQ(with.size(), without.size());
+  for (size_t i = 0; i < with.size(); ++i)
+    EXPECT_TRUE(with[i].equal(without[i])) << i;  // gradients, the next random numbers, BatchNorm buffers
+}
+}  // namespace

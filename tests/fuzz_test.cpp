@@ -122,6 +122,7 @@ struct Program {
   bool use_grad_api = false;        // torch::autograd::grad instead of backward()
   bool second_backward = false;     // retain_graph, then a second backward (gradients double)
   bool preserve_rng = true;
+  bool early_stop = true;  // kNonReentrant regions' early stopping
 
   std::string str() const {
     std::ostringstream os;
@@ -136,7 +137,7 @@ struct Program {
     if ((strategy == Strategy::kSequential || strategy == Strategy::kSegments) && segments_reentrant)
       os << ", segments kReentrant";
     os << "; " << (use_grad_api ? "autograd::grad" : "backward()") << (second_backward ? " twice" : "")
-       << (preserve_rng ? "" : ", rng not preserved") << "\n";
+       << (preserve_rng ? "" : ", rng not preserved") << (early_stop ? "" : ", no early stop") << "\n";
     for (size_t b = 0; b < blocks.size(); ++b) {
       os << "  block " << b << " [" << mode_text(blocks[b].mode);
       if (strategy == Strategy::kNested) {
@@ -227,7 +228,8 @@ Program generate(uint64_t seed) {
   p.checkpoint_last = coin(0.3);
   p.plan_seed = rng();
   p.segments_reentrant =
-      (p.plan_seed >> 7) & 1;  // from a draw already made: earlier seeds keep their programs
+      (p.plan_seed >> 7) & 1;                // from a draw already made: earlier seeds keep their programs
+  p.early_stop = !((p.plan_seed >> 8) & 1);  // from a draw already made, as above
   p.use_grad_api = coin(0.35);
   p.second_backward = coin(0.25);
   p.preserve_rng = true;
@@ -448,11 +450,12 @@ Instance build(const Program& p) {
 }
 
 CheckpointOptions options_for(Mode m, const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                              bool preserve_rng) {
+                              bool preserve_rng, bool early_stop) {
   return CheckpointOptions()
       .mode(m == 2 ? CheckpointMode::kReentrant : CheckpointMode::kNonReentrant)
       .modules(modules)
-      .preserve_rng_state(preserve_rng);
+      .preserve_rng_state(preserve_rng)
+      .early_stop(early_stop);
 }
 
 bool any_requires_grad(const std::vector<torch::Tensor>& ts,
@@ -471,13 +474,14 @@ bool any_requires_grad(const std::vector<torch::Tensor>& ts,
 // Runs block b (a region) with the given mode: kReentrant falls back to kNonReentrant where it would have
 // nothing to train (it refuses that by design), as a user would.
 std::vector<torch::Tensor> run_region(Instance& in, size_t b, Mode mode,
-                                      const std::vector<torch::Tensor>& args, bool preserve_rng) {
+                                      const std::vector<torch::Tensor>& args, bool preserve_rng,
+                                      bool early_stop) {
   Block block = in.blocks[b];
   if (mode == 0) return block->run(args);
   std::vector<std::shared_ptr<torch::nn::Module>> modules{block.ptr()};
   if (mode == 2 && !any_requires_grad(args, modules)) mode = 1;
   return remat::checkpoint([block](const std::vector<torch::Tensor>& a) mutable { return block->run(a); },
-                           args, options_for(mode, modules, preserve_rng));
+                           args, options_for(mode, modules, preserve_rng, early_stop));
 }
 
 // The forward pass of the program under its strategy (plain when `plain`); returns the loss.
@@ -493,12 +497,12 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
   };
   if (plain) {
     for (size_t b = 0; b < n; ++b)
-      state = run_region(in, b, 0, state, p.preserve_rng);
+      state = run_region(in, b, 0, state, p.preserve_rng, p.early_stop);
     return finish(state);
   }
   // Regions consume {h, aux} or {h, aux, idx}; an integer output of one block feeds the next.
   auto step = [&](size_t b, Mode mode, std::vector<torch::Tensor> s) {
-    return run_region(in, b, mode, s, p.preserve_rng);
+    return run_region(in, b, mode, s, p.preserve_rng, p.early_stop);
   };
   const remat::SequentialOptions seq_opts =
       remat::SequentialOptions()
@@ -531,10 +535,10 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
         auto group_fn = [inst, prog, first, last](const std::vector<torch::Tensor>& s0) {
           std::vector<torch::Tensor> s = s0;
           for (size_t k = first; k < last; ++k)
-            s = run_region(*inst, k, prog->blocks[k].mode, s, prog->preserve_rng);
+            s = run_region(*inst, k, prog->blocks[k].mode, s, prog->preserve_rng, prog->early_stop);
           return s;
         };
-        state = remat::checkpoint(group_fn, state, options_for(outer, modules, p.preserve_rng));
+        state = remat::checkpoint(group_fn, state, options_for(outer, modules, p.preserve_rng, p.early_stop));
         b = e;
       }
       return finish(state);

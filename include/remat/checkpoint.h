@@ -53,6 +53,12 @@ struct CheckpointOptions {
   /// were, so the program's later random numbers are those of a run without checkpointing. With false, the
   /// recompute draws fresh numbers (masks may differ) and advances the generators.
   TORCH_ARG(bool, preserve_rng_state) = true;
+  /// kNonReentrant: end a recompute as soon as every tensor the backward pass needs from the region has been
+  /// recomputed (PyTorch 2.x's early stopping, on by default there too): what fn does after its last saved
+  /// tensor (a residual add, a reshape, side effects) is not run again. Gradients are unchanged. Set false
+  /// when fn must run to its end in every recompute. fn must not swallow all exceptions (catch (...))
+  /// around its operators, or the recompute runs on and ignores the rest. kReentrant always runs fn whole.
+  TORCH_ARG(bool, early_stop) = true;
   /// Check that the recompute produces tensors of the same shape, dtype and device as the forward pass
   /// (kReentrant: the outputs; kNonReentrant: every saved tensor) and throw c10::Error naming the mismatch.
   TORCH_ARG(bool, determinism_check) = true;

@@ -188,6 +188,8 @@ void configure(Workload& w, const std::string& strategy, const std::optional<Pla
     w.set_per_layer(CheckpointOptions());
   } else if (strategy == "all-reentrant") {
     w.set_per_layer(CheckpointOptions().mode(CheckpointMode::kReentrant));
+  } else if (strategy == "all-no-early-stop") {
+    w.set_per_layer(CheckpointOptions().early_stop(false));
   }
 }
 
@@ -226,7 +228,7 @@ std::unique_ptr<Workload> make_workload(const WorkloadConfig& c) {
 }
 
 std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
-  if (s == "none" || s == "all" || s == "all-reentrant") return std::nullopt;
+  if (s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop") return std::nullopt;
   try {
     if (s == "plan-all") return checkpoint_all(chain);
     if (s == "sqrt" || s.rfind("uniform:", 0) == 0 || s.rfind("revolve:", 0) == 0 ||
@@ -279,10 +281,10 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, kWho, ": strategy '", s, "': ", e.what());
   }
-  TORCH_CHECK(
-      false, kWho, ": unknown strategy '", s,
-      "' (none, all, all-reentrant, plan-all, sqrt, uniform:K, balanced:K, balanced-time:K, revolve:S, "
-      "optimal:SIZE, optimal:as=P, optimal:overhead=F)");
+  TORCH_CHECK(false, kWho, ": unknown strategy '", s,
+              "' (none, all, all-reentrant, all-no-early-stop, plan-all, sqrt, uniform:K, balanced:K, "
+              "balanced-time:K, revolve:S, "
+              "optimal:SIZE, optimal:as=P, optimal:overhead=F)");
 }
 
 Chain profile_workload(Workload& w, const ProfileOptions* profile) {
@@ -302,7 +304,7 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
   if (given) chain = *given;
   std::vector<std::optional<Plan>> plans;
   for (const auto& s : order) {
-    const bool needs_chain = !(s == "none" || s == "all" || s == "all-reentrant");
+    const bool needs_chain = !(s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop");
     if (needs_chain && !chain) {
       if (progress) progress("profiling " + w.description());
       chain = profile_workload(w, profile);

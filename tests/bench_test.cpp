@@ -48,7 +48,7 @@ std::vector<torch::Tensor> step_grads(remat::Workload& w, const std::optional<re
 TEST_F(BenchTest, EveryModelRunsEveryKindOfStrategyWithEqualGradients) {
   for (const std::string model : {"bert", "mlp", "cifar", "heavy", "forum-cnn"}) {
     auto w = remat::make_workload(tiny(model));
-    const std::vector<std::string> strategies{"all",  "all-reentrant", "plan-all",
+    const std::vector<std::string> strategies{"all",  "all-reentrant", "all-no-early-stop",   "plan-all",
                                               "sqrt", "uniform:2",     "optimal:overhead=0.5"};
     const auto rows = remat::bench(*w, strategies, remat::MeasureOptions().warmup(1).steps(1));
     ASSERT_EQ(rows.size(), strategies.size() + 1) << model;
@@ -62,11 +62,12 @@ TEST_F(BenchTest, EveryModelRunsEveryKindOfStrategyWithEqualGradients) {
     for (const auto& r : rows) {
       EXPECT_TRUE(r.grads_equal) << model << " " << r.strategy << " differs by " << r.max_grad_diff;
       EXPECT_EQ(r.stats.step_ms.size(), 1u);
-      EXPECT_EQ(r.plan.has_value(),
-                r.strategy != "none" && r.strategy != "all" && r.strategy != "all-reentrant");
+      EXPECT_EQ(r.plan.has_value(), r.strategy != "none" && r.strategy != "all" &&
+                                        r.strategy != "all-reentrant" && r.strategy != "all-no-early-stop");
       if (r.strategy == "all") w->set_per_layer(remat::CheckpointOptions());
       if (r.strategy == "all-reentrant")
         w->set_per_layer(remat::CheckpointOptions().mode(remat::CheckpointMode::kReentrant));
+      if (r.strategy == "all-no-early-stop") w->set_per_layer(remat::CheckpointOptions().early_stop(false));
       const auto got = step_grads(*w, r.plan);
       w->set_per_layer(std::nullopt);
       ASSERT_EQ(got.size(), reference.size());

@@ -11,7 +11,8 @@
 /// Strategies:
 /// - "none": no checkpointing.
 /// - "all": per-layer checkpointing through the model's gradient_checkpointing_enable() (kNonReentrant);
-///   "all-reentrant": the same in kReentrant mode.
+///   "all-reentrant": the same in kReentrant mode; "all-no-early-stop": kNonReentrant with
+///   CheckpointOptions().early_stop(false) (each recompute runs its layer to the end).
 /// - "uniform:K" (checkpoint_sequential with K segments), "balanced:K" / "balanced-time:K" (K segments
 ///   balanced by profiled memory / forward time), "sqrt", "revolve:S", "plan-all" (every stage a
 ///   checkpoint, through the executor): plans over the model's stages, run by the plan executor.
@@ -101,9 +102,9 @@ struct BenchRow {
 /// Progress messages (for stderr).
 using Progress = std::function<void(const std::string&)>;
 
-/// Resolves a plan strategy against a chain (see the top of this file). Returns nullopt for "none", "all" and
-/// "all-reentrant". Throws c10::Error naming the strategy when it is unknown or malformed, and what the
-/// planners throw (InfeasibleBudget for a budget below the minimum).
+/// Resolves a plan strategy against a chain (see the top of this file). Returns nullopt for "none", "all",
+/// "all-reentrant" and "all-no-early-stop". Throws c10::Error naming the strategy when it is unknown or
+/// malformed, and what the planners throw (InfeasibleBudget for a budget below the minimum).
 std::optional<Plan> plan_for(const std::string& strategy, const Chain& chain);
 
 /// Measures every strategy (and "none" first, as the reference, if it is not listed): median step time and

@@ -526,7 +526,8 @@ int main(int argc, char** argv) {
   bench.model.add(bench_cmd);
   bench_cmd
       ->add_option("--strategy", bench.strategies,
-                   "comma-separated: none, all, all-reentrant, plan-all, sqrt, uniform:K, balanced:K, "
+                   "comma-separated: none, all, all-reentrant, all-no-early-stop, plan-all, sqrt, uniform:K, "
+                   "balanced:K, "
                    "balanced-time:K, revolve:S, optimal:SIZE, "
                    "optimal:as=P, optimal:overhead=F, optimal:time=R")
       ->capture_default_str();

@@ -157,8 +157,10 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
 bool watch_available() {
   static const bool available = [] {
     try {
-      // Never destroyed: the fallback must outlive every static that may recompute at exit.
-      auto* lib = new torch::Library(torch::Library::IMPL, "_", kWatchKey, __FILE__, __LINE__);
+      // Deregistered at exit, after everything constructed later (LibTorch's dispatcher was constructed
+      // earlier, so it outlives this).
+      static std::optional<torch::Library> lib;
+      lib.emplace(torch::Library::IMPL, "_", kWatchKey, __FILE__, __LINE__);
       lib->fallback(torch::CppFunction::makeFromBoxedFunction<&watch_fallback>());
       return true;
     } catch (const c10::Error& e) {

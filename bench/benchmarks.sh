@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -101,6 +101,15 @@ print(next(x['peak_bytes'] for x in r if x['strategy']=='uniform:4'))")
       for round in 1 2 3; do
         log "$remat" bench --model bert --layers 4 --hidden 768 --heads 12 --intermediate 3072 --seq 128 --batch 8 \
           --strategy none,all,all-reentrant
+      done
+      ;;
+    earlystop)  # kNonReentrant early stopping on and off
+      for round in 1 2 3; do
+        log "$remat" bench --model mlp --depth 8 --width 1024 --batch 64 --strategy none,all,all-no-early-stop
+      done
+      for round in 1 2; do
+        log "$remat" bench --model bert --layers 4 --hidden 768 --heads 12 --intermediate 3072 --seq 128 --batch 8 \
+          --strategy none,all,all-no-early-stop
       done
       ;;
     soak)  # 10,000 steps per mode (docs/RELIABILITY.md)

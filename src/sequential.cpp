@@ -374,16 +374,22 @@ bool is_index(const std::string& s) {
 }
 }  // namespace
 
+namespace {
+// Module i of seq as a stage named "<name>:<Type>", sharing the module.
+StageFn stage_of(const torch::nn::Sequential& seq, size_t i, const std::string& name) {
+  auto module = seq->ptr(i);
+  torch::nn::Sequential shared = seq;
+  return StageFn{name + ":" + short_type(*module),
+                 [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); },
+                 module};
+}
+}  // namespace
+
 std::vector<StageFn> stages_of(torch::nn::Sequential& seq) {
   TORCH_CHECK(!seq.is_empty() && seq->size() > 0, "remat::stages_of: the Sequential is empty");
   std::vector<StageFn> stages;
-  for (size_t i = 0; i < seq->size(); ++i) {
-    auto module = seq->ptr(i);
-    torch::nn::Sequential shared = seq;
-    stages.push_back(StageFn{
-        std::to_string(i) + ":" + short_type(*module),
-        [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); }, module});
-  }
+  for (size_t i = 0; i < seq->size(); ++i)
+    stages.push_back(stage_of(seq, i, std::to_string(i)));
   return stages;
 }
 
@@ -578,17 +584,10 @@ std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::s
                   " (its children: ", children.empty() ? "none" : children,
                   "; deeper ones are named with dots, as in \"layer1.0\")");
     }
-    auto add = [&](const torch::nn::Sequential& seq, size_t i, const std::string& name) {
-      auto module = seq->ptr(i);
-      torch::nn::Sequential shared = seq;
-      stages.push_back(StageFn{
-          name + ":" + short_type(*module),
-          [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); }, module});
-    };
     if (torch::nn::Sequential seq = sequential_at(path)) {
       TORCH_CHECK(seq->size() > 0, kWho, ": the Sequential at '", path, "' is empty");
       for (size_t i = 0; i < seq->size(); ++i)
-        add(seq, i, path + "." + std::to_string(i));
+        stages.push_back(stage_of(seq, i, path + "." + std::to_string(i)));
       continue;
     }
     const size_t dot = path.rfind('.');
@@ -598,7 +597,7 @@ std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::s
     TORCH_CHECK(seq && is_index(last), kWho, ": '", path, "' is a ", short_type(**named.find(path)),
                 ", which is neither a Sequential nor an element of one: remat cannot call its forward from a "
                 "path. Put it in a Sequential, or make a StageFn for it");
-    add(seq, static_cast<size_t>(std::stoul(last)), path);
+    stages.push_back(stage_of(seq, static_cast<size_t>(std::stoul(last)), path));
   }
   return stages;
 }

@@ -3,6 +3,8 @@
 
 #include "support.h"
 
+#include <string>
+
 namespace {
 
 using remat::testing::clear_grads;
@@ -48,6 +50,30 @@ Reference plain_step(torch::nn::Sequential& seq, const torch::Tensor& x, uint64_
   return r;
 }
 
+// The plain step from zeroed BatchNorm statistics, then the model put back to that start (statistics zeroed,
+// no gradients) for the checkpointed run to be compared with it.
+Reference reference_from_zeroed_buffers(torch::nn::Sequential& seq, const torch::Tensor& x, uint64_t seed) {
+  for (auto& b : seq->buffers())
+    b.zero_();
+  Reference ref = plain_step(seq, x, seed);
+  for (auto& b : seq->buffers())
+    b.zero_();
+  clear_grads(*seq);
+  x.mutable_grad() = torch::Tensor();
+  return ref;
+}
+
+// The checkpointed step just run matches `ref`: parameter and input gradients, and every buffer exactly.
+void expect_step_matches(torch::nn::Sequential& seq, const torch::Tensor& x, const Reference& ref,
+                         const std::string& what) {
+  expect_all_close(grads_of(*seq), ref.grads, 1e-6);
+  EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6) << what;
+  const auto buffers = seq->buffers();
+  ASSERT_EQ(buffers.size(), ref.buffers.size()) << what;
+  for (size_t i = 0; i < buffers.size(); ++i)
+    EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << what << ", buffer " << i;
+}
+
 remat::Chain unit_chain(int64_t n) {
   return remat::uniform_chain(n, 1.0, 2.0, 1000, 3000);
 }
@@ -61,24 +87,13 @@ TEST(CheckpointSequential, EveryNumberOfSegmentsGivesEqualGradients) {
   const auto x = torch::randn({12, 16}, torch::requires_grad());
   for (bool last : {false, true}) {
     for (int64_t k = 1; k <= static_cast<int64_t>(seq->size()); ++k) {
-      // Fresh BatchNorm statistics for both runs.
-      for (auto& b : seq->buffers())
-        b.zero_();
-      const Reference ref = plain_step(seq, x, 42);
-      for (auto& b : seq->buffers())
-        b.zero_();
-      clear_grads(*seq);
-      x.mutable_grad() = torch::Tensor();
+      const Reference ref = reference_from_zeroed_buffers(seq, x, 42);
       torch::manual_seed(42);
       auto y =
           remat::checkpoint_sequential(seq, k, x, remat::SequentialOptions().checkpoint_last_segment(last));
       EXPECT_EQ(max_abs_diff(y, ref.output), 0.0) << "segments " << k;
       y.pow(2).sum().backward();
-      expect_all_close(grads_of(*seq), ref.grads, 1e-6);
-      EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6) << "segments " << k;
-      auto buffers = seq->buffers();
-      for (size_t i = 0; i < buffers.size(); ++i)
-        EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << k;
+      expect_step_matches(seq, x, ref, "segments " + std::to_string(k));
     }
   }
 }
@@ -102,23 +117,13 @@ TEST(CheckpointSequential, SegmentsAnywhereGiveEqualGradientsAndLeaveTheRngAsFou
   const auto x = torch::randn({10, 16}, torch::requires_grad());
   for (const std::vector<int64_t>& starts :
        std::vector<std::vector<int64_t>>{{0}, {0, 1}, {0, 3, 4}, {0, 2, 5, 7}}) {
-    for (auto& b : seq->buffers())
-      b.zero_();
-    const Reference ref = plain_step(seq, x, 8);
+    const Reference ref = reference_from_zeroed_buffers(seq, x, 8);
     const auto rng_after_plain = torch::rand({4});
-    for (auto& b : seq->buffers())
-      b.zero_();
-    clear_grads(*seq);
-    x.mutable_grad() = torch::Tensor();
     torch::manual_seed(8);
     remat::checkpoint_segments(seq, starts, x).pow(2).sum().backward();
     // The program's next random numbers are those of the plain run: the recomputes left the RNG as found.
     EXPECT_TRUE(torch::rand({4}).equal(rng_after_plain)) << c10::IntArrayRef(starts);
-    expect_all_close(grads_of(*seq), ref.grads, 1e-6);
-    EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6) << c10::IntArrayRef(starts);
-    auto buffers = seq->buffers();
-    for (size_t i = 0; i < buffers.size(); ++i)
-      EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << c10::IntArrayRef(starts);
+    expect_step_matches(seq, x, ref, "starts " + c10::str(c10::IntArrayRef(starts)));
   }
 }
 
@@ -210,22 +215,12 @@ TEST(Executor, EveryPlannerGivesEqualGradientsAndPredictedForwardCalls) {
   for (int64_t budget : {9000, 12000, 16000, 24000})
     plans.push_back(remat::optimal(chain, budget));
   for (const auto& plan : plans) {
-    for (auto& b : seq->buffers())
-      b.zero_();
-    const Reference ref = plain_step(seq, x, 5);
-    for (auto& b : seq->buffers())
-      b.zero_();
-    clear_grads(*seq);
-    x.mutable_grad() = torch::Tensor();
+    const Reference ref = reference_from_zeroed_buffers(seq, x, 5);
     remat::CheckpointedSequential exec(seq, plan);
     torch::manual_seed(5);
     exec->forward(x).pow(2).sum().backward();
-    expect_all_close(grads_of(*seq), ref.grads, 1e-6);
-    EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6) << plan.to_string();
+    expect_step_matches(seq, x, ref, plan.to_string());
     EXPECT_EQ(exec->forward_calls(), plan.predicted.forward_calls) << plan.to_string();
-    auto buffers = seq->buffers();
-    for (size_t i = 0; i < buffers.size(); ++i)
-      EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << plan.to_string();
     // The executor's own counter agrees with one kept outside it.
     EXPECT_EQ(counted_calls(seq, x, plan), plan.predicted.forward_calls) << plan.to_string();
   }
@@ -418,21 +413,11 @@ TEST(Executor, StagesWithoutTheirModuleAreTrainedAndUpdatedOnce) {
   }
   const remat::Chain chain = unit_chain(static_cast<int64_t>(stages.size()));
   for (const remat::Plan& plan : {remat::checkpoint_all(chain), remat::uniform(chain, 3)}) {
-    for (auto& b : seq->buffers())
-      b.zero_();
-    const Reference ref = plain_step(seq, x, 5);
-    for (auto& b : seq->buffers())
-      b.zero_();
-    clear_grads(*seq);
-    x.mutable_grad() = torch::Tensor();
+    const Reference ref = reference_from_zeroed_buffers(seq, x, 5);
     torch::manual_seed(5);
     remat::run_plan(stages, plan, x).pow(2).sum().backward();
-    expect_all_close(grads_of(*seq), ref.grads, 1e-6);
-    EXPECT_LE(max_abs_diff(x.grad(), ref.x_grad), 1e-6);
-    const auto buffers = seq->buffers();
-    ASSERT_EQ(buffers.size(), 3u);
-    for (size_t i = 0; i < buffers.size(); ++i)
-      EXPECT_TRUE(torch::equal(buffers[i], ref.buffers[i])) << "buffer " << i;
+    ASSERT_EQ(seq->buffers().size(), 3u);
+    expect_step_matches(seq, x, ref, plan.to_string());
   }
 }
 

@@ -21,6 +21,7 @@
 
 #include "detail/compat.h"
 #include "detail/hooks.h"
+#include "detail/nesting.h"
 #include "detail/region.h"
 
 namespace remat {
@@ -545,6 +546,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     auto st = c10::static_intrusive_pointer_cast<ReentrantState>(ctx->saved_data["state"].toCapsule());
+    detail::NestedBackward nested;  // the recompute's own backward pass runs inside this node
     const std::vector<at::Tensor> saved = ctx->get_saved_variables();
     // Under create_graph (double backward) the recompute is attached to the saved inputs (through a view per
     // input, so that an input passed twice gets each use's gradient once), and the gradients it returns are

@@ -3,11 +3,14 @@
 #include <ATen/SavedTensorHooks.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <map>
 #include <mutex>
 #include <typeinfo>
 #include <vector>
 
 #include "detail/hooks.h"
+#include "detail/nesting.h"
 
 namespace remat::detail {
 namespace {
@@ -59,6 +62,50 @@ HookScope::HookScope(HookSource* source) {
 }
 HookScope::~HookScope() {
   hook_stack.pop_back();
+}
+
+namespace {
+thread_local int t_nested_depth = 0;
+std::mutex listeners_mutex;
+std::atomic<int> listener_count{0};
+std::map<const void*, std::function<void()>>& listeners() {
+  static auto* map = new std::map<const void*, std::function<void()>>();  // outlives static destructors
+  return *map;
+}
+}  // namespace
+
+int nested_backward_depth() {
+  return t_nested_depth;
+}
+
+NestedBackward::NestedBackward() {
+  if (t_nested_depth == 0 && listener_count.load(std::memory_order_acquire) > 0) {
+    std::vector<std::function<void()>> calls;
+    {
+      std::lock_guard<std::mutex> lock(listeners_mutex);
+      for (const auto& entry : listeners())
+        calls.push_back(entry.second);
+    }
+    for (const auto& call : calls)
+      call();
+  }
+  ++t_nested_depth;
+}
+
+NestedBackward::~NestedBackward() {
+  --t_nested_depth;
+}
+
+void add_outer_backward_listener(const void* key, std::function<void()> fn) {
+  std::lock_guard<std::mutex> lock(listeners_mutex);
+  listeners()[key] = std::move(fn);
+  listener_count.store(static_cast<int>(listeners().size()), std::memory_order_release);
+}
+
+void remove_outer_backward_listener(const void* key) {
+  std::lock_guard<std::mutex> lock(listeners_mutex);
+  listeners().erase(key);
+  listener_count.store(static_cast<int>(listeners().size()), std::memory_order_release);
 }
 
 }  // namespace remat::detail

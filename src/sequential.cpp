@@ -14,6 +14,7 @@
 #include <unordered_set>
 
 #include "detail/compat.h"
+#include "detail/nesting.h"
 #include "detail/region.h"
 
 namespace remat {
@@ -329,6 +330,7 @@ struct ExecNode final : torch::autograd::Node {
       param_index.emplace(run->params[k].unsafeGetTensorImpl(), k);
     std::vector<at::Tensor> param_grads(num_params);
 
+    detail::NestedBackward nested;  // the stages' backward passes run inside this node
     run->grad = std::move(d_n);
     run->grad_at = run->plan.num_stages;
     const auto& ops = run->plan.ops;

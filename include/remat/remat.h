@@ -1,7 +1,8 @@
 #pragma once
 /// \file
 /// The umbrella header: the runtime, sequential checkpointing and the plan executor, the planners, the meter
-/// and the measuring helpers. Models are in <remat/models.h>.
+/// and the measuring helpers, and data parallel (remat/distributed.h) when this build has it. Models are in
+/// <remat/models.h>.
 
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
@@ -13,3 +14,6 @@
 #include <remat/sequential.h>
 #include <remat/units.h>
 #include <remat/version.h>
+#if REMAT_HAS_DISTRIBUTED
+#include <remat/distributed.h>
+#endif

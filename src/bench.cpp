@@ -513,4 +513,83 @@ std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(in
   return out;
 }
 
+#if REMAT_HAS_DISTRIBUTED
+DataParallelBench bench_data_parallel(Workload& w, const std::vector<std::string>& strategies,
+                                      distributed::ProcessGroup& group, const MeasureOptions& measure,
+                                      const distributed::DataParallelOptions& options,
+                                      const ProfileOptions* profile, const Progress& progress,
+                                      const Chain* given) {
+  constexpr const char* who = "remat::bench_data_parallel";
+  TORCH_CHECK(!strategies.empty(), who, ": no strategies");
+  std::optional<Chain> chain;
+  if (given) chain = *given;
+  std::vector<std::optional<Plan>> plans;
+  for (const auto& s : strategies) {
+    const bool needs_chain = !(s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop");
+    if (needs_chain && !chain) {
+      if (progress) progress("profiling " + w.description());
+      chain = profile_workload(w, profile);
+    }
+    plans.push_back(needs_chain ? plan_for(s, *chain) : std::nullopt);
+  }
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : w.module().parameters()) {
+      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  }
+  distributed::DataParallel dp(
+      w.module().shared_from_this(),
+      std::shared_ptr<distributed::ProcessGroup>(&group, [](distributed::ProcessGroup*) {}), options);
+  DataParallelBench out;
+  out.world_size = group.size();
+  const auto st = dp.stats();
+  out.gradient_bytes = st.bytes_per_step;
+  out.buckets = st.buckets;
+  out.all_reduce_ms = dp.time_all_reduce(5);
+  std::vector<at::Tensor> max_of(1), sum_of(1);
+  for (size_t k = 0; k < strategies.size(); ++k) {
+    if (progress) progress("data parallel over " + std::to_string(group.size()) + ": " + strategies[k]);
+    Runner runner{w, plans[k], plans[k] ? w.stages() : std::vector<StageFn>{}};
+    configure(w, strategies[k], plans[k]);
+    auto loss = [&] { return runner.step_loss(); };
+    if (measure.warmup() > 0)
+      measure_step(w.module(), loss, MeasureOptions(measure).steps(measure.warmup()).warmup(0));
+    group.barrier();
+    dp.reset_stats();
+    const StepStats s = measure_step(w.module(), loss, MeasureOptions(measure).warmup(0));
+    const auto d = dp.stats();
+    DataParallelBenchRow row;
+    row.strategy = strategies[k];
+    row.plan = plans[k];
+    // Per rank peaks (each rank fills its slot of a sum), and the slowest rank's times.
+    sum_of[0] = torch::zeros({group.size()}, torch::kLong);
+    sum_of[0][group.rank()] = s.peak_bytes;
+    group.all_reduce(sum_of);
+    for (int r = 0; r < group.size(); ++r)
+      row.peak_bytes.push_back(sum_of[0][r].item<int64_t>());
+    const double exposed = d.steps > 0 ? d.wait_seconds * 1e3 / double(d.steps) : 0.0;
+    max_of[0] = torch::tensor({s.median_ms, exposed}, torch::kDouble);
+    group.all_reduce(max_of, distributed::ReduceOp::kMax);
+    row.median_ms = max_of[0][0].item<double>();
+    row.exposed_all_reduce_ms = max_of[0][1].item<double>();
+    row.hidden_fraction = out.all_reduce_ms > 0
+                              ? std::clamp(1.0 - row.exposed_all_reduce_ms / out.all_reduce_ms, 0.0, 1.0)
+                              : 1.0;
+    // The gradients after the last step agree across ranks.
+    std::vector<at::Tensor> flat;
+    for (const auto& p : w.module().parameters())
+      if (p.grad().defined()) flat.push_back(p.grad().reshape({-1}).to(torch::kDouble));
+    const torch::Tensor all = torch::cat(flat);
+    std::vector<at::Tensor> hi{all.clone()}, lo{all.clone()};
+    group.all_reduce(hi, distributed::ReduceOp::kMax);
+    group.all_reduce(lo, distributed::ReduceOp::kMin);
+    row.grads_equal_across_ranks = (hi[0] - lo[0]).abs().max().item<double>() == 0.0;
+    out.rows.push_back(std::move(row));
+  }
+  w.set_per_layer(std::nullopt);
+  return out;
+}
+#endif
+
 }  // namespace remat

@@ -18,7 +18,7 @@ check() {  # check NAME EXPECTED_EXIT(0|nonzero) NEEDLE -- command...
   echo "ok   $name"
 }
 # Help names each command's own options, not only the shared ones.
-declare -A own=([bench]="--strategy" [profile]="--repeats" [plan]="--budget" [max-batch]="--budget"
+declare -A own=([bench]="--nproc" [profile]="--repeats" [plan]="--budget" [max-batch]="--budget"
                 [sweep]="--budgets" [demo]="--steps")
 for cmd in bench profile plan max-batch sweep demo; do
   check "help-$cmd" 0 "--model" -- "$remat" "$cmd" --help
@@ -46,6 +46,20 @@ if [ $rc -eq 0 ] && [ "$rows" = 3 ] && ! grep -qE '^(none|all|sqrt) .* differ' <
 else
   echo "FAIL bench-table: exit $rc, $rows rows with equal gradients: $out"; fail=1
 fi
+# Data parallel: remat launch passes torchrun's environment; bench --nproc 2 reports each strategy, with the
+# gradients equal across the ranks.
+check launch-env 0 "1 2 127.0.0.1" -- "$remat" launch --nproc-per-node 2 --master-port 0 -- sh -c 'test "$RANK" = 1 && echo "$RANK $WORLD_SIZE $MASTER_ADDR"; true'
+check launch-fail nonzero "" -- "$remat" launch --nproc-per-node 2 --master-port 0 -- sh -c 'exit 3'
+check launch-no-command nonzero "command" -- "$remat" launch --nproc-per-node 2
+out=$("$remat" bench --nproc 2 --model mlp --depth 3 --width 16 --batch 8 --strategy none,all,all-reentrant,sqrt --steps 2 --warmup 1 2>&1)
+rc=$?
+rows=$(grep -cE '^(none|all|all-reentrant|sqrt) .* equal' <<<"$out")
+if [ $rc -eq 0 ] && [ "$rows" = 4 ] && grep -q "2 processes (Gloo, loopback), global batch 8" <<<"$out"; then
+  echo "ok   bench-nproc"
+else
+  echo "FAIL bench-nproc: exit $rc, $rows rows with gradients equal across ranks: $out"; fail=1
+fi
+check bench-nproc-split nonzero "does not split evenly over 3 processes" -- "$remat" bench --nproc 3 --model mlp --depth 2 --width 8 --batch 4 --steps 1
 check profile-verdict 0 "verdict: checkpointing can save at most" -- "$remat" profile --model forum-cnn --batch 4 --repeats 1
 # The sweep: 3 optimal points and the baselines, the optimal overheads never growing with the budget.
 out=$("$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 2>/dev/null)

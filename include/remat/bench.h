@@ -25,6 +25,10 @@
 #include <remat/plan.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>
+#include <remat/version.h>
+#if REMAT_HAS_DISTRIBUTED
+#include <remat/distributed.h>
+#endif
 #include <torch/arg.h>
 
 #include <functional>
@@ -151,5 +155,39 @@ struct MaxBatch {
 std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(int64_t)>& make,
                                 int64_t budget_bytes, const std::vector<std::string>& strategies,
                                 const Progress& progress = {});
+
+#if REMAT_HAS_DISTRIBUTED
+/// One strategy trained data-parallel: what every rank measured.
+struct DataParallelBenchRow {
+  std::string strategy;
+  std::vector<int64_t> peak_bytes;  ///< per rank: bytes over its base during a step (buckets included)
+  double median_ms = 0;             ///< median step time, the slowest rank's (forward + backward + reduction)
+  double exposed_all_reduce_ms =
+      0;                       ///< per step, the slowest rank's wait for all-reduces at the end of backward
+  double hidden_fraction = 0;  ///< 1 - exposed / all_reduce_ms, in [0, 1]: communication behind backward
+  bool grads_equal_across_ranks = true;  ///< after the last step, every rank's gradients are the same
+  std::optional<Plan> plan;              ///< for plan strategies
+};
+
+/// What bench_data_parallel measured, and the figures every row shares.
+struct DataParallelBench {
+  int world_size = 1;
+  int64_t gradient_bytes = 0;  ///< all-reduced per step
+  int64_t buckets = 0;
+  double all_reduce_ms = 0;  ///< median time of all-reducing every bucket with nothing else running
+  std::vector<DataParallelBenchRow> rows;
+};
+
+/// Trains `workload` (this rank's share of the batch) under each strategy, as bench() does, with a
+/// distributed::DataParallel over `group` (a collective: every rank calls it with the same strategies, and
+/// its own workload of the same model). Plan strategies profile the chain first, before the DataParallel
+/// exists (`chain` when given). `options` are the DataParallel's. Throws what bench() throws and what the
+/// collectives throw.
+DataParallelBench bench_data_parallel(Workload& workload, const std::vector<std::string>& strategies,
+                                      distributed::ProcessGroup& group, const MeasureOptions& measure = {},
+                                      const distributed::DataParallelOptions& options = {},
+                                      const ProfileOptions* profile = nullptr, const Progress& progress = {},
+                                      const Chain* chain = nullptr);
+#endif
 
 }  // namespace remat

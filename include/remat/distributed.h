@@ -123,6 +123,12 @@ struct DataParallelStats {
 /// Averages a module's gradients across a ProcessGroup during backward(). One per module; the module is
 /// used as usual (module->forward, any remat checkpointing, the plan executor) and the optimizer steps it.
 ///
+/// Memory: the buckets hold one copy of the gradients for the DataParallel's lifetime, and the gradients
+/// live in them: after its first reduction a parameter's .grad() shares its bucket's storage (a plain tensor,
+/// not a view, so optimizers may detach_() and zero_() it), backward accumulates into it in place, and
+/// reducing copies nothing. A gradient that is set to none or replaced (zero_grad(true), assignment) is
+/// copied back into the bucket at the next reduction.
+///
 /// Every rank must run the same model through the same kind of step. A parameter must get its gradient in
 /// one backward pass per step: a parameter used by two kReentrant regions (or two plan stages) gets one
 /// gradient from each nested pass, and the second, arriving after its bucket's all-reduce started, makes

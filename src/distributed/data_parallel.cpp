@@ -102,17 +102,39 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
     });
   }
 
+  // The gradient of `p` as it lives in its bucket: a tensor sharing the bucket's storage (not an autograd
+  // view, so that optimizers may detach_() it), contiguous, of the parameter's shape.
+  at::Tensor bucket_grad(const Param& p) const {
+    const Bucket& b = buckets[p.bucket];
+    std::vector<int64_t> strides(static_cast<size_t>(p.variable.dim()), 1);
+    for (int64_t d = p.variable.dim() - 2; d >= 0; --d)
+      strides[d] = strides[d + 1] * std::max<int64_t>(p.variable.size(d + 1), 1);
+    at::Tensor t = at::empty({0}, b.buffer.options());
+    t.set_(b.buffer.storage(), b.buffer.storage_offset() + p.offset, p.variable.sizes(), strides);
+    return t;
+  }
+
+  bool lives_in_bucket(const Param& p, const at::Tensor& grad) const {
+    const Bucket& b = buckets[p.bucket];
+    return grad.defined() && grad.is_contiguous() && grad.scalar_type() == b.dtype &&
+           grad.sizes() == p.variable.sizes() &&
+           grad.data_ptr() == static_cast<char*>(b.buffer.data_ptr()) + p.offset * b.buffer.element_size();
+  }
+
+  // Moves the bucket's gradients into it (once a gradient lives there, backward accumulates in place and
+  // nothing is copied) and starts its all-reduce.
   void launch(Bucket& b) {
     at::NoGradGuard no_grad;
-    b.buffer = at::empty({b.numel}, at::TensorOptions().dtype(b.dtype).device(b.device));
     for (size_t i : b.params) {
-      const Param& p = params[i];
+      Param& p = params[i];
+      at::Tensor& grad = p.variable.mutable_grad();
+      if (lives_in_bucket(p, grad)) continue;
       at::Tensor slice = b.buffer.narrow(0, p.offset, p.variable.numel());
-      const at::Tensor& grad = p.variable.grad();
-      if (p.fired && grad.defined()) {
+      if (grad.defined()) {
         slice.copy_(grad.reshape({-1}));
+        grad = bucket_grad(p);
       } else {
-        slice.zero_();
+        slice.zero_();  // no gradient here (yet): this rank adds nothing
       }
     }
     b.work = group->all_reduce_async({b.buffer});
@@ -196,20 +218,19 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
       at::NoGradGuard no_grad;
       const double world = static_cast<double>(group->size());
       for (auto& b : buckets) {
-        b.buffer.div_(world);
+        b.buffer.div_(world);  // the gradients living in the bucket are now the group's averages
         for (size_t i : b.params) {
           Param& p = params[i];
-          if (used.defined() && used.data_ptr<int>()[i] == 0) continue;  // no rank used it
           if (!used.defined() && !p.fired) unused.push_back(p.name);
-          at::Tensor avg = b.buffer.narrow(0, p.offset, p.variable.numel()).view(p.variable.sizes());
           at::Tensor& grad = p.variable.mutable_grad();
+          if (lives_in_bucket(p, grad)) continue;
+          if (used.defined() && used.data_ptr<int>()[i] == 0) continue;  // no rank used it: keeps no gradient
           if (grad.defined()) {
-            grad.copy_(avg);
+            grad.copy_(b.buffer.narrow(0, p.offset, p.variable.numel()).view(p.variable.sizes()));
           } else {
-            grad = avg.clone(at::MemoryFormat::Contiguous);
+            grad = bucket_grad(p);  // another rank used it
           }
         }
-        b.buffer = at::Tensor();
         b.work.reset();
       }
     } catch (...) {
@@ -235,10 +256,8 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
   void reset_step() {
     in_step = false;
     finalize_queued = false;
-    for (auto& b : buckets) {
-      b.buffer = at::Tensor();
+    for (auto& b : buckets)
       b.work.reset();
-    }
   }
 };
 
@@ -377,6 +396,9 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, std::share
     b->numel += v.numel();
     b->params.push_back(i);
   }
+  // The buckets live as long as the DataParallel (and the gradients that come to live in them).
+  for (auto& b : state->buckets)
+    b.buffer = at::zeros({b.numel}, at::TensorOptions().dtype(b.dtype).device(b.device));
   state->stats.buckets = static_cast<int64_t>(state->buckets.size());
   for (const auto& b : state->buckets)
     state->stats.bytes_per_step += b.numel * static_cast<int64_t>(c10::elementSize(b.dtype));

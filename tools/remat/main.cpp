@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 #include <remat/bench.h>
+#include <remat/distributed.h>
 #include <remat/memory.h>
 #include <remat/planner.h>
 #include <remat/profile.h>
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -166,10 +168,92 @@ int64_t size_arg(const std::string& text, const char* flag) {
 struct BenchArgs {
   ModelArgs model;
   std::string strategies = "none,all,sqrt,optimal:overhead=0.5", json, csv, save_chain;
-  int64_t steps = 5, warmup = 2;
+  int64_t steps = 5, warmup = 2, nproc = 1;
+  bool data_parallel = false;     // --nproc given (even 1): train through DataParallel
+  std::vector<std::string> argv;  // the command line, for --nproc's processes
 };
 
+// One process of `remat bench --nproc N` (or of a launcher that set torchrun's environment): this rank's
+// share of the batch, data parallel; rank 0 prints.
+int run_bench_rank(const BenchArgs& a) {
+  auto group = remat::distributed::init_process_group();
+  const int n = group->size(), rank = group->rank();
+  // The machine's cores shared among its processes (torchrun gives each one thread by default).
+  if (const char* local = std::getenv("LOCAL_WORLD_SIZE")) {
+    const int procs = std::max(1, std::atoi(local));
+    at::set_num_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / procs));
+  }
+  int64_t global = a.model.batch;
+  if (global == 0) global = a.model.make()->input().size(0);  // the model's default batch
+  TORCH_CHECK(global % n == 0, "--batch ", global, " does not split evenly over ", n, " processes");
+  ModelArgs mine = a.model;
+  mine.seed = a.model.seed + static_cast<uint64_t>(rank);  // each rank its own rows
+  auto w = mine.make(global / n);
+  auto say = [rank](const std::string& m) {
+    if (rank == 0) progress(m);
+  };
+  say(w->description() + " on each of " + std::to_string(n) + " processes");
+  const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
+  // BERT's pooler takes no part in its forward(): let parameters go without a gradient.
+  const auto result = remat::bench_data_parallel(
+      *w, split(a.strategies), *group,
+      remat::MeasureOptions().warmup(a.warmup).steps(a.steps).device(torch::Device(a.model.device)),
+      remat::distributed::DataParallelOptions().find_unused_parameters(true), &profile, say);
+  if (rank != 0) return 0;
+  double none_ms = 0;
+  for (const auto& r : result.rows)
+    if (r.strategy == "none") none_ms = r.median_ms;
+  std::cout << w->description() << " per process; " << n << " processes (Gloo, loopback), global batch "
+            << global << "\ngradients: " << mib(result.gradient_bytes) << " MiB per step in "
+            << result.buckets << " buckets; all-reduce of them alone: " << fixed(result.all_reduce_ms, 1)
+            << " ms; " << a.steps << " timed steps after " << a.warmup << " warm-up\n\n";
+  remat::cli::Table t({"strategy", "peak MiB (max rank)", "median ms", "time/none", "exposed all-reduce ms",
+                       "hidden", "grads across ranks"});
+  nlohmann::ordered_json j;
+  j["model"] = w->description();
+  j["world_size"] = n;
+  j["global_batch"] = global;
+  j["gradient_bytes"] = result.gradient_bytes;
+  j["buckets"] = result.buckets;
+  j["all_reduce_ms"] = result.all_reduce_ms;
+  j["rows"] = nlohmann::ordered_json::array();
+  for (const auto& r : result.rows) {
+    const int64_t peak = *std::max_element(r.peak_bytes.begin(), r.peak_bytes.end());
+    t.add({r.strategy, mib(peak), fixed(r.median_ms, 1), none_ms > 0 ? fixed(r.median_ms / none_ms, 2) : "-",
+           fixed(r.exposed_all_reduce_ms, 1), n > 1 ? fixed(100 * r.hidden_fraction, 0) + "%" : "-",
+           r.grads_equal_across_ranks ? "equal" : "DIFFER"});
+    nlohmann::ordered_json row;
+    row["strategy"] = r.strategy;
+    row["peak_bytes"] = r.peak_bytes;
+    row["median_ms"] = r.median_ms;
+    row["exposed_all_reduce_ms"] = r.exposed_all_reduce_ms;
+    row["hidden_fraction"] = r.hidden_fraction;
+    row["grads_equal_across_ranks"] = r.grads_equal_across_ranks;
+    if (r.plan) row["plan"] = r.plan->to_string();
+    j["rows"].push_back(row);
+  }
+  t.print(std::cout);
+  std::cout
+      << "\npeak: bytes over the base during a step, the largest rank's (gradient buckets included); "
+         "exposed: the wait for all-reduces at the end of backward; hidden: the share of the all-reduce "
+         "time spent behind backward\n";
+  if (!a.json.empty()) write_file(a.json, j.dump(2) + "\n");
+  return 0;
+}
+
 int run_bench(const BenchArgs& a) {
+  if (std::getenv("REMAT_BENCH_RANK") != nullptr) return run_bench_rank(a);
+  if (a.data_parallel) {
+    // The same command in N processes with torchrun's environment; they run run_bench_rank.
+    TORCH_CHECK(a.save_chain.empty() && a.csv.empty(), "--nproc: --save-chain and --csv are not supported");
+    ::setenv("REMAT_BENCH_RANK", "1", 1);
+    std::vector<std::string> command = a.argv;
+    command[0] = "/proc/self/exe";
+    return remat::distributed::launch(
+        remat::distributed::LaunchOptions().nproc_per_node(a.nproc).master_port(0).failure_grace(
+            std::chrono::seconds(30)),
+        command);
+  }
   auto w = a.model.make();
   progress(w->description());
   const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
@@ -541,6 +625,32 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--csv", bench.csv, "also write the results as CSV to this file");
   bench_cmd->add_option("--save-chain", bench.save_chain,
                         "also write the model's profiled chain to this file");
+  bench_cmd
+      ->add_option(
+          "--nproc", bench.nproc,
+          "train data parallel (remat::distributed::DataParallel) in this many local processes (Gloo "
+          "over loopback), the batch split across them; 1 measures DataParallel's own cost")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+
+  std::vector<std::string> launch_command;
+  int64_t nproc_per_node = 1, nnodes = 1, node_rank = 0, master_port = 29500;
+  std::string master_addr = "127.0.0.1", log_dir;
+  auto* launch_cmd = app.add_subcommand(
+      "launch",
+      "Run a program in N processes with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)");
+  launch_cmd->add_option("--nproc-per-node", nproc_per_node, "processes on this machine")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  launch_cmd->add_option("--nnodes", nnodes, "machines")->check(CLI::Range(1, 100000))->capture_default_str();
+  launch_cmd->add_option("--node-rank", node_rank, "this machine's index")->capture_default_str();
+  launch_cmd->add_option("--master-addr", master_addr, "rank 0's address")->capture_default_str();
+  launch_cmd->add_option("--master-port", master_port, "rank 0's port (0: a free one, one machine only)")
+      ->check(CLI::Range(0, 65535))
+      ->capture_default_str();
+  launch_cmd->add_option("--log-dir", log_dir, "write each rank's output to LOG_DIR/rank_<RANK>.log");
+  launch_cmd->add_option("command", launch_command, "the program and its arguments (after --)")->required();
+  launch_cmd->prefix_command();
 
   ProfileArgs profile;
   auto* profile_cmd =
@@ -609,11 +719,25 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    bench.argv.assign(argv, argv + argc);
+    bench.data_parallel = bench_cmd->count("--nproc") > 0;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   try {
     if (*bench_cmd) return run_bench(bench);
+    if (*launch_cmd) {
+      for (const auto& extra : launch_cmd->remaining())
+        launch_command.push_back(extra);
+      return remat::distributed::launch(remat::distributed::LaunchOptions()
+                                            .nproc_per_node(nproc_per_node)
+                                            .nnodes(nnodes)
+                                            .node_rank(node_rank)
+                                            .master_addr(master_addr)
+                                            .master_port(master_port)
+                                            .log_dir(log_dir),
+                                        launch_command);
+    }
     if (*profile_cmd) return run_profile(profile);
     if (*plan_cmd) return run_plan_command(plan);
     if (*maxb_cmd) return run_max_batch(maxb);

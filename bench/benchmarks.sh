@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -18,6 +18,13 @@ for name in "${sections[@]}"; do
   : > "$out/$name.log"
   echo "=== $name ($(date -u +%FT%TZ))" | tee -a "$out/$name.log"
   case "$name" in
+    dataparallel)  # remat::distributed::DataParallel on 1, 2 and 4 local processes (Gloo over loopback)
+      for n in 1 2 4; do
+        log "$remat" bench --nproc "$n" --model bert --batch 8 \
+          --strategy none,all,all-reentrant,uniform:4,sqrt,optimal:overhead=0.5 --steps 3 --warmup 1 \
+          --json "$out/dataparallel-$n.json"
+      done
+      ;;
     machine)
       log uname -srm
       log nproc

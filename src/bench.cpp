@@ -569,6 +569,7 @@ DataParallelBench bench_data_parallel(Workload& w, const std::vector<std::string
     for (int r = 0; r < group.size(); ++r)
       row.peak_bytes.push_back(sum_of[0][r].item<int64_t>());
     const double exposed = d.steps > 0 ? d.wait_seconds * 1e3 / double(d.steps) : 0.0;
+    row.buckets_early = d.steps > 0 ? double(d.buckets_early) / double(d.steps) : 0.0;
     max_of[0] = torch::tensor({s.median_ms, exposed}, torch::kDouble);
     group.all_reduce(max_of, distributed::ReduceOp::kMax);
     row.median_ms = max_of[0][0].item<double>();
@@ -576,15 +577,15 @@ DataParallelBench bench_data_parallel(Workload& w, const std::vector<std::string
     row.hidden_fraction = out.all_reduce_ms > 0
                               ? std::clamp(1.0 - row.exposed_all_reduce_ms / out.all_reduce_ms, 0.0, 1.0)
                               : 1.0;
-    // The gradients after the last step agree across ranks.
-    std::vector<at::Tensor> flat;
-    for (const auto& p : w.module().parameters())
-      if (p.grad().defined()) flat.push_back(p.grad().reshape({-1}).to(torch::kDouble));
-    const torch::Tensor all = torch::cat(flat);
-    std::vector<at::Tensor> hi{all.clone()}, lo{all.clone()};
-    group.all_reduce(hi, distributed::ReduceOp::kMax);
-    group.all_reduce(lo, distributed::ReduceOp::kMin);
-    row.grads_equal_across_ranks = (hi[0] - lo[0]).abs().max().item<double>() == 0.0;
+    // The gradients after the last step agree across ranks (one parameter at a time: a copy of all of them
+    // would add the model's size twice over).
+    for (const auto& p : w.module().parameters()) {
+      if (!p.grad().defined()) continue;
+      std::vector<at::Tensor> hi{p.grad().clone()}, lo{p.grad().clone()};
+      group.all_reduce(hi, distributed::ReduceOp::kMax);
+      group.all_reduce(lo, distributed::ReduceOp::kMin);
+      if (!at::equal(hi[0], lo[0])) row.grads_equal_across_ranks = false;
+    }
     out.rows.push_back(std::move(row));
   }
   w.set_per_layer(std::nullopt);

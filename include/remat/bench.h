@@ -165,6 +165,7 @@ struct DataParallelBenchRow {
   double exposed_all_reduce_ms =
       0;                       ///< per step, the slowest rank's wait for all-reduces at the end of backward
   double hidden_fraction = 0;  ///< 1 - exposed / all_reduce_ms, in [0, 1]: communication behind backward
+  double buckets_early = 0;    ///< per step, rank 0's buckets whose all-reduce began before backward's end
   bool grads_equal_across_ranks = true;  ///< after the last step, every rank's gradients are the same
   std::optional<Plan> plan;              ///< for plan strategies
 };

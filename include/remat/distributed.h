@@ -10,8 +10,9 @@
 ///   loss.backward();                                              // gradients averaged over the group
 ///   optimizer.step();
 ///
-/// Gradients are reduced in buckets (about bucket_bytes each, parameters in reverse registration order, as
-/// DDP does): a bucket's all-reduce starts as soon as its last parameter has its gradient, on c10d's worker
+/// Gradients are reduced in buckets (about bucket_bytes each; in the first step, parameters in reverse
+/// registration order; from the second, as DDP does, in the order their gradients arrived in the first, rank
+/// 0's): a bucket's all-reduce starts as soon as its last parameter has its gradient, on c10d's worker
 /// threads, and overlaps the rest of the backward pass, recomputation included. This is not c10d::Reducer
 /// (DDP's): the Reducer counts a parameter ready on every firing of its gradient accumulator, including the
 /// firings with no gradient and the ones inside a kReentrant region's or the plan executor's nested backward

@@ -73,8 +73,71 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
   bool in_step = false;          // a synced step has started (some hook fired) and is not finished
   bool finalize_queued = false;  // its end is queued on the outermost graph task
   size_t fired = 0;
-  size_t next_bucket = 0;  // buckets launch in index order, the same on every rank
+  size_t next_bucket = 0;       // buckets launch in index order, the same on every rank
+  std::vector<size_t> arrival;  // parameters in the order their gradients arrived (first synced step)
+  bool rebuilt = false;         // buckets follow the arrival order
   DataParallelStats stats;
+
+  // Buckets over the parameters in `order`, each up to bucket_bytes of one dtype and device; the gradients
+  // that lived in the old buckets move to the new ones.
+  void assign_buckets(const std::vector<size_t>& order) {
+    std::vector<at::Tensor> kept(params.size());
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!buckets.empty() && lives_in_bucket(params[i], params[i].variable.grad()))
+        kept[i] = params[i].variable.grad();
+    buckets.clear();
+    for (size_t i : order) {
+      Param& p = params[i];
+      const at::Tensor& v = p.variable;
+      const int64_t bytes = v.numel() * static_cast<int64_t>(v.element_size());
+      Bucket* b = buckets.empty() ? nullptr : &buckets.back();
+      if (b == nullptr || b->dtype != v.scalar_type() || b->device != v.device() ||
+          (b->numel * static_cast<int64_t>(c10::elementSize(b->dtype)) + bytes > options.bucket_bytes() &&
+           !b->params.empty())) {
+        buckets.emplace_back();
+        b = &buckets.back();
+        b->dtype = v.scalar_type();
+        b->device = v.device();
+      }
+      p.bucket = buckets.size() - 1;
+      p.offset = b->numel;
+      b->numel += v.numel();
+      b->params.push_back(i);
+    }
+    // The buckets live as long as the DataParallel (and the gradients that come to live in them).
+    at::NoGradGuard no_grad;
+    for (auto& b : buckets)
+      b.buffer = at::zeros({b.numel}, at::TensorOptions().dtype(b.dtype).device(b.device));
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!kept[i].defined()) continue;
+      Param& p = params[i];
+      buckets[p.bucket].buffer.narrow(0, p.offset, p.variable.numel()).copy_(kept[i].reshape({-1}));
+      p.variable.mutable_grad() = bucket_grad(p);
+    }
+    stats.buckets = static_cast<int64_t>(buckets.size());
+    stats.bytes_per_step = 0;
+    for (const auto& b : buckets)
+      stats.bytes_per_step += b.numel * static_cast<int64_t>(c10::elementSize(b.dtype));
+  }
+
+  // After the first synced step, as DDP does: buckets in the order the gradients arrived (rank 0's order, so
+  // that every rank's buckets match), the parameters that got none last. Buckets then fill, and leave, in
+  // the order backward produces them, whatever the registration order and whichever parameters go unused.
+  void rebuild_buckets() {
+    std::vector<char> seen(params.size(), 0);
+    std::vector<int64_t> order;
+    for (size_t i : arrival)
+      if (!seen[i]) seen[i] = 1, order.push_back(static_cast<int64_t>(i));
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!seen[i]) order.push_back(static_cast<int64_t>(i));
+    std::vector<at::Tensor> t{at::tensor(order, at::kLong)};
+    group->broadcast(t, 0);
+    std::vector<size_t> rank0(params.size());
+    for (size_t k = 0; k < rank0.size(); ++k)
+      rank0[k] = static_cast<size_t>(t[0][static_cast<int64_t>(k)].item<int64_t>());
+    assign_buckets(rank0);
+    rebuilt = true;
+  }
 
   // The step begins (first hook of a synced backward pass): nothing to do but remember it.
   void begin_step() {
@@ -83,6 +146,7 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
     finalize_queued = false;
     fired = 0;
     next_bucket = 0;
+    arrival.clear();
     for (auto& p : params)
       p.fired = false;
     for (auto& b : buckets) {
@@ -175,6 +239,7 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
     }
     p.fired = true;
     ++fired;
+    if (!rebuilt) arrival.push_back(index);
     Bucket& b = buckets[p.bucket];
     if (--b.pending == 0) launch_ready();
   }
@@ -239,6 +304,7 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
     }
     reset_step();
     ++stats.steps;
+    if (!rebuilt) rebuild_buckets();
     stats.finalize_seconds += seconds_since(start);
     if (!unused.empty()) {
       std::string names;
@@ -378,30 +444,10 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, std::share
   }
 
   std::reverse(state->params.begin(), state->params.end());
-  for (size_t i = 0; i < state->params.size(); ++i) {
-    State::Param& p = state->params[i];
-    const at::Tensor& v = p.variable;
-    const int64_t bytes = v.numel() * static_cast<int64_t>(v.element_size());
-    State::Bucket* b = state->buckets.empty() ? nullptr : &state->buckets.back();
-    if (b == nullptr || b->dtype != v.scalar_type() || b->device != v.device() ||
-        (b->numel * static_cast<int64_t>(c10::elementSize(b->dtype)) + bytes > options.bucket_bytes() &&
-         !b->params.empty())) {
-      state->buckets.emplace_back();
-      b = &state->buckets.back();
-      b->dtype = v.scalar_type();
-      b->device = v.device();
-    }
-    p.bucket = state->buckets.size() - 1;
-    p.offset = b->numel;
-    b->numel += v.numel();
-    b->params.push_back(i);
-  }
-  // The buckets live as long as the DataParallel (and the gradients that come to live in them).
-  for (auto& b : state->buckets)
-    b.buffer = at::zeros({b.numel}, at::TensorOptions().dtype(b.dtype).device(b.device));
-  state->stats.buckets = static_cast<int64_t>(state->buckets.size());
-  for (const auto& b : state->buckets)
-    state->stats.bytes_per_step += b.numel * static_cast<int64_t>(c10::elementSize(b.dtype));
+  std::vector<size_t> order(state->params.size());
+  for (size_t i = 0; i < order.size(); ++i)
+    order[i] = i;
+  state->assign_buckets(order);
 
   std::weak_ptr<State> weak = state;
   for (size_t i = 0; i < state->params.size(); ++i) {

@@ -46,14 +46,14 @@ struct Launched {
 };
 
 // Runs DistributedWorker.Run with `scenario` in n processes.
-Launched run_workers(int n, const std::string& scenario) {
+Launched run_workers(int n, const std::string& scenario, dist::LaunchOptions options = {}) {
   const std::string dir = ::testing::TempDir() + "remat_dp_" + std::to_string(::getpid()) + "_" + scenario;
   ::setenv("REMAT_DP_SCENARIO", scenario.c_str(), 1);
   Launched out;
   const auto start = std::chrono::steady_clock::now();
-  out.status =
-      dist::launch(dist::LaunchOptions().nproc_per_node(n).master_port(0).log_dir(dir).failure_grace(60s),
-                   {self_exe(), "--gtest_filter=DistributedWorker.Run", "--gtest_brief=1"});
+  if (options.nnodes() == 1) options.master_port(0);
+  out.status = dist::launch(options.nproc_per_node(n).log_dir(dir).failure_grace(60s),
+                            {self_exe(), "--gtest_filter=DistributedWorker.Run", "--gtest_brief=1"});
   out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ::unsetenv("REMAT_DP_SCENARIO");
   for (int r = 0; r < n; ++r)
@@ -313,8 +313,18 @@ void worker_unused(dist::ProcessGroup& group) {
 TEST(DistributedWorker, Run) {
   const char* scenario = std::getenv("REMAT_DP_SCENARIO");
   if (scenario == nullptr) GTEST_SKIP() << "runs only inside the processes DataParallel's tests start";
-  auto group = dist::init_process_group(dist::InitOptions().timeout(30s));
   const std::string s = scenario;
+  if (s == "alone") {  // the other rank never comes
+    try {
+      dist::init_process_group(dist::InitOptions().timeout(3s));
+      ADD_FAILURE() << "init_process_group returned without the other rank";
+    } catch (const c10::Error& e) {
+      std::cerr << "worker caught: " << e.what_without_backtrace() << std::endl;
+      std::_Exit(5);
+    }
+    return;
+  }
+  auto group = dist::init_process_group(dist::InitOptions().timeout(30s));
   if (s == "match") worker_match(*group);
   if (s == "no_sync") worker_no_sync(*group);
   if (s == "kill") worker_kill(*group);
@@ -357,6 +367,20 @@ TEST(DataParallel, ARankThatDiesMakesTheOthersFailWithAMessage) {
         << all_logs(l);
   }
   EXPECT_LT(l.seconds, 45) << all_logs(l);
+}
+
+TEST(DataParallel, ARankThatNeverArrivesIsAnErrorWithinTheTimeout) {
+  // Rank 0 of 2 on "machine" 0 of 2: rank 1 never starts.
+  const int port = 20000 + static_cast<int>(::getpid() % 20000);
+  const Launched l = run_workers(1, "alone", dist::LaunchOptions().nnodes(2).node_rank(0).master_port(port));
+  EXPECT_EQ(l.status, 5) << all_logs(l);
+  // Rank 0 waits at the store or at Gloo's connection, depending on the LibTorch: either way it says so.
+  EXPECT_NE(l.logs[0].find("worker caught: remat::distributed::init_process_group: rank 0 of 2 could not"),
+            std::string::npos)
+      << all_logs(l);
+  EXPECT_NE(l.logs[0].find("3000 ms"), std::string::npos) << all_logs(l);
+  EXPECT_EQ(l.logs[0].find("Exception raised from"), std::string::npos) << "a backtrace: " << all_logs(l);
+  EXPECT_LT(l.seconds, 30) << all_logs(l);
 }
 
 TEST(DataParallel, DifferentModelsFailOnEveryRank) {

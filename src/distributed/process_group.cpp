@@ -31,11 +31,17 @@ struct ProcessGroup::Impl {
 
 namespace {
 
+// What an exception says, without c10's backtrace.
+std::string message_of(const std::exception& e) {
+  if (const auto* c10_error = dynamic_cast<const c10::Error*>(&e)) return c10_error->what_without_backtrace();
+  return e.what();
+}
+
 // A c10d error as this library's: which operation, on which rank, and what c10d said.
 [[noreturn]] void fail(const ProcessGroup::Impl& impl, const char* op, const std::exception& e) {
   TORCH_CHECK(false, "remat::distributed::", op, ": failed on rank ", impl.rank, " of ", impl.size,
               " (a peer rank exited or stopped answering, or the timeout of ", impl.timeout.count(),
-              " ms passed): ", e.what());
+              " ms passed): ", message_of(e));
 }
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
@@ -190,7 +196,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                 " could not meet the others at the TCPStore ", where, " within ", impl->timeout.count(),
                 " ms (",
                 impl->rank == 0 ? "a rank never arrived, or the port is taken" : "rank 0 never listened",
-                "): ", e.what());
+                "): ", message_of(e));
   }
   try {
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl->timeout);
@@ -207,7 +213,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "remat::distributed::init_process_group: rank ", impl->rank, " of ", impl->size,
                 " could not connect Gloo to the other ranks (store at ", where, ", timeout ",
-                impl->timeout.count(), " ms): ", e.what());
+                impl->timeout.count(), " ms): ", message_of(e));
   }
   return std::make_shared<ProcessGroup>(std::move(impl));
 }

@@ -70,7 +70,9 @@ class BertWorkload final : public ModelWorkload<models::BertModel> {
        << c_.intermediate() << "), seq " << c_.seq() << ", batch " << batch_ << ", dropout " << c_.dropout();
     return os.str();
   }
-  std::vector<StageFn> stages() override { return model_->stages(x_, mask_, types_); }
+  std::vector<StageFn> stages() override {
+    return model_->stages(x_, mask_, types_, false, c_.granularity());
+  }
   torch::Tensor forward() override { return model_->forward(x_, mask_, types_); }
 
  private:
@@ -218,6 +220,8 @@ torch::Tensor Workload::loss_of(const torch::Tensor& output) const {
 std::unique_ptr<Workload> make_workload(const WorkloadConfig& c) {
   const std::string& m = c.model();
   TORCH_CHECK(c.batch() >= 0, "remat::make_workload: batch must be >= 0, got ", c.batch());
+  TORCH_CHECK(c.granularity() == Granularity::kLayer || m == "bert", "remat::make_workload: model '", m,
+              "' has no sub-layer stages (Granularity::kSublayer is for bert)");
   torch::manual_seed(c.seed());  // the weights and inputs drawn below
   if (m == "bert") return std::make_unique<BertWorkload>(c);
   if (m == "mlp") return std::make_unique<MlpWorkload>(c);
@@ -231,6 +235,23 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
   if (s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop") return std::nullopt;
   try {
     if (s == "plan-all") return checkpoint_all(chain);
+    if (s == "selective") {
+      std::vector<int64_t> cores;
+      for (size_t i = 0; i < chain.stages.size(); ++i) {
+        const std::string& name = chain.stages[i].name;
+        const std::string suffix = ".attention_core";
+        if (name.size() >= suffix.size() &&
+            name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+          cores.push_back(static_cast<int64_t>(i));
+      }
+      TORCH_CHECK(!cores.empty(), kWho,
+                  ": 'selective' recomputes attention cores, and this chain has none (use ",
+                  "--model bert --granularity sublayer)");
+      Plan p = checkpoint_stages(chain.size(), cores);
+      p.planner = "selective";
+      p.predicted = simulate(chain, p);
+      return p;
+    }
     if (s == "sqrt" || s.rfind("uniform:", 0) == 0 || s.rfind("revolve:", 0) == 0 ||
         s.rfind("balanced:", 0) == 0 || s.rfind("balanced-time:", 0) == 0)
       return make_plan(chain, s, 0);

@@ -244,6 +244,36 @@ Plan plan_from_json(const std::string& text) {
   return plan;
 }
 
+Plan checkpoint_stages(int64_t n, const std::vector<int64_t>& stages) {
+  if (n < 1)
+    throw std::invalid_argument("remat::checkpoint_stages: num_stages must be >= 1, got " +
+                                std::to_string(n));
+  std::vector<char> recompute(static_cast<size_t>(n), 0);
+  for (int64_t i : stages) {
+    if (i < 0 || i >= n) {
+      throw std::invalid_argument("remat::checkpoint_stages: stage " + std::to_string(i) + " is not in [0, " +
+                                  std::to_string(n) + ")");
+    }
+    if (recompute[static_cast<size_t>(i)])
+      throw std::invalid_argument("remat::checkpoint_stages: stage " + std::to_string(i) +
+                                  " is listed twice");
+    recompute[static_cast<size_t>(i)] = 1;
+  }
+  Plan plan;
+  plan.num_stages = n;
+  for (int64_t i = 0; i < n; ++i)
+    plan.ops.push_back(
+        {recompute[static_cast<size_t>(i)] ? OpKind::kForwardCheckpoint : OpKind::kForwardAll, i});
+  plan.ops.push_back({OpKind::kLoss, -1});
+  for (int64_t i = n; i-- > 0;) {
+    if (recompute[static_cast<size_t>(i)]) plan.ops.push_back({OpKind::kForwardAll, i});
+    plan.ops.push_back({OpKind::kBackward, i});
+  }
+  plan.planner = "checkpoint_stages";
+  check_plan(plan);
+  return plan;
+}
+
 Plan step_plan(const Plan& chain_plan) {
   check_plan(chain_plan);
   const int64_t n = chain_plan.num_stages;

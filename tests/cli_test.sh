@@ -60,6 +60,10 @@ else
   echo "FAIL bench-nproc: exit $rc, $rows rows with gradients equal across ranks: $out"; fail=1
 fi
 check bench-nproc-split nonzero "does not split evenly over 3 processes" -- "$remat" bench --nproc 3 --model mlp --depth 2 --width 8 --batch 4 --steps 1
+# Sub-layer stages: the selective preset recomputes attention cores only, its gradients equal none's.
+check selective 0 "equal" -- "$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --granularity sublayer --strategy selective --steps 1 --warmup 0
+check selective-layer nonzero "this chain has none" -- "$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --strategy selective --steps 1 --warmup 0
+check granularity-mlp nonzero "no sub-layer stages" -- "$remat" bench --model mlp --granularity sublayer --steps 1
 check profile-verdict 0 "verdict: checkpointing can save at most" -- "$remat" profile --model forum-cnn --batch 4 --repeats 1
 # The sweep: 3 optimal points and the baselines, the optimal overheads never growing with the budget.
 out=$("$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 2>/dev/null)

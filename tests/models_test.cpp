@@ -117,6 +117,63 @@ TEST_F(ModelsTest, BertReentrantModeAndPlansGiveEqualGradients) {
                     "3 stages", "5");
 }
 
+TEST_F(ModelsTest, BertSublayerStagesComposeToTheLayerAndSelectiveCheckpointingRecomputesOnlyAttentionCores) {
+  torch::manual_seed(0);
+  remat::models::BertModel bert(small_bert());  // dropout 0.1: the masks must match too
+  const auto in = bert_inputs();
+  auto fwd = [&] { return bert->forward(in.ids, in.mask, in.types); };
+  const Step plain = step(*bert, fwd);
+
+  // The five pieces of each layer, run in order, are forward(): same output, same gradients.
+  auto stages = bert->stages(in.ids, in.mask, in.types, false, remat::Granularity::kSublayer);
+  ASSERT_EQ(stages.size(), 1u + 5u * 4u);
+  EXPECT_EQ(stages[1].name, "layer0.qkv");
+  EXPECT_EQ(stages[2].name, "layer0.attention_core");
+  EXPECT_EQ(stages[20].name, "layer3.ffn_down");
+  const Step chained = step(*bert, [&] {
+    torch::Tensor h = in.ids;
+    for (auto& s : stages)
+      h = s.fn(h);
+    return h;
+  });
+  EXPECT_EQ(max_abs_diff(chained.out, plain.out), 0.0);
+  expect_all_close(chained.grads, plain.grads, 1e-6);
+  // Each piece declares exactly the parameters it uses: together, every parameter of the layers once.
+  size_t declared = 0;
+  for (size_t i = 1; i < stages.size(); ++i)
+    declared += stages[i].module->parameters().size();
+  EXPECT_EQ(declared, 4u * bert->layers[0]->parameters().size());
+
+  // Selective (Megatron-style): the attention cores and nothing else are recomputed; less is kept than
+  // without checkpointing, more than with per-layer checkpointing; the step is the plain one.
+  bert->selective_checkpointing_enable();
+  EXPECT_EQ(bert->plan_granularity(), remat::Granularity::kSublayer);
+  const Step selective = step(*bert, fwd);
+  EXPECT_EQ(max_abs_diff(selective.out, plain.out), 0.0);
+  expect_all_close(selective.grads, plain.grads, 1e-6);
+  bert->clear_plan();
+  bert->gradient_checkpointing_enable();
+  const Step per_layer = step(*bert, fwd);
+  bert->gradient_checkpointing_disable();
+  EXPECT_LT(selective.kept, plain.kept);
+  EXPECT_GT(selective.kept, per_layer.kept);
+
+  auto stats = std::make_shared<remat::ExecutionStats>();
+  clear_grads(*bert);
+  remat::run_plan(stages, bert->selective_checkpointing_plan(), in.ids, {}, stats).pow(2).mean().backward();
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const bool core = stages[i].name.find(".attention_core") != std::string::npos;
+    EXPECT_EQ(stats->forward_calls[i], core ? 2 : 1) << stages[i].name;
+  }
+
+  // Any plan over the finer chain, through use_plan.
+  bert->use_plan(remat::sqrt_n(remat::uniform_chain(21, 1.0, 2.0, 1000, 5000)),
+                 remat::Granularity::kSublayer);
+  expect_all_close(step(*bert, fwd).grads, plain.grads, 1e-6);
+  bert->clear_plan();
+  EXPECT_THROW_WITH(bert->use_plan(bert->selective_checkpointing_plan()), "BertModel", "21 stages", "5");
+}
+
 TEST_F(ModelsTest, BertConfigurationErrorsNameTheValueAndTheLimit) {
   EXPECT_THROW_WITH(remat::models::BertModel(small_bert().hidden_size(70)), "hidden_size 70",
                     "num_attention_heads 4");

@@ -523,6 +523,21 @@ TEST(Baselines, BalancedStartsMinimiseTheLargestSegment) {
 // A plan embedded in its step: the prefix and suffix stages kept, the chain's ops shifted. Embedding
 // no_checkpoint is no_checkpoint of the step; any plan's step is valid and peaks at least at the chain's
 // peak shifted by what the prefix keeps.
+TEST(CheckpointStages, RecomputesExactlyTheListedStages) {
+  const remat::Chain chain = remat::uniform_chain(6, 1.0, 2.0, 100, 300);
+  const remat::Plan plan = remat::checkpoint_stages(6, {1, 4});
+  EXPECT_EQ(plan.to_string(), "Fa0 Fc1 Fa2 Fa3 Fc4 Fa5 L B5 Fa4 B4 B3 B2 Fa1 B1 B0");
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  EXPECT_EQ(sim.forward_calls, (std::vector<int64_t>{1, 2, 1, 1, 2, 1}));
+  // Keeping all but two stages' activations: between no checkpointing and checkpointing everything.
+  EXPECT_LT(sim.peak_bytes, remat::no_checkpoint(chain).predicted.peak_bytes);
+  EXPECT_GT(sim.peak_bytes, remat::checkpoint_all(chain).predicted.peak_bytes);
+  EXPECT_EQ(remat::checkpoint_stages(3, {}).to_string(), "Fa0 Fa1 Fa2 L B2 B1 B0");
+  EXPECT_THROW_WITH_STD(remat::checkpoint_stages(3, {3}), "checkpoint_stages", "stage 3", "[0, 3)");
+  EXPECT_THROW_WITH_STD(remat::checkpoint_stages(3, {1, 1}), "checkpoint_stages", "listed twice");
+  EXPECT_THROW_WITH_STD(remat::checkpoint_stages(0, {}), "checkpoint_stages", "num_stages");
+}
+
 TEST(StepPlan, EmbedsThePlanBetweenPrefixAndSuffix) {
   std::mt19937 rng(8);
   for (int trial = 0; trial < 100; ++trial) {

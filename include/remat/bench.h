@@ -16,6 +16,7 @@
 /// - "uniform:K" (checkpoint_sequential with K segments), "balanced:K" / "balanced-time:K" (K segments
 ///   balanced by profiled memory / forward time), "sqrt", "revolve:S", "plan-all" (every stage a
 ///   checkpoint, through the executor): plans over the model's stages, run by the plan executor.
+/// - "selective" (bert with Granularity::kSublayer): Megatron-style, only the attention cores recomputed.
 /// - "optimal:SIZE" (a budget such as 300MiB), "optimal:as=P" (the budget P's plan predicts, e.g.
 /// as=uniform:4),
 ///   "optimal:overhead=F" (the least memory whose predicted time overhead is at most F times that of "all").
@@ -63,6 +64,9 @@ struct WorkloadConfig {
   TORCH_ARG(std::string, variant) = "small";
   TORCH_ARG(std::string, placement) = "each-op";
   TORCH_ARG(torch::Device, device) = torch::kCPU;
+  /// bert: the chain's stages, per layer or per piece of a layer (kSublayer: five per layer, see
+  /// BertModel::stages). Other models have layers only.
+  TORCH_ARG(Granularity, granularity) = Granularity::kLayer;
   /// Seed of the weights and inputs.
   TORCH_ARG(uint64_t, seed) = 0;
 };

@@ -80,6 +80,13 @@ void check_plan(const Plan& plan);
 /// chain is invalid (remat::validate), when its size differs from plan.num_stages, or as check_plan.
 Simulation simulate(const Chain& chain, const Plan& plan);
 
+/// Checkpoints exactly the stages listed, each on its own: a listed stage keeps only its input in the
+/// forward pass and is recomputed right before its backward; every other stage keeps its activations
+/// (selective checkpointing, e.g. only the attention cores of a transformer's sub-layer stages). Needs no
+/// chain. Throws std::invalid_argument naming the stage when one is out of [0, num_stages) or listed twice,
+/// and when num_stages < 1.
+Plan checkpoint_stages(int64_t num_stages, const std::vector<int64_t>& stages);
+
 /// The whole training step around a plan for a chain that sits inside a bigger model: stage 0 is everything
 /// before the chain (the prefix), stages 1..n the chain, stage n+1 everything after it up to the loss (the
 /// suffix). The prefix and suffix run once and keep what they save, as without checkpointing:

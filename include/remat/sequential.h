@@ -28,6 +28,11 @@
 
 namespace remat {
 
+/// How finely a model offers itself as a chain of stages: whole layers (blocks), or the pieces of a layer
+/// (for a transformer: attention core, projections, feed-forward halves), which let a plan recompute some
+/// pieces of a layer and keep others.
+enum class Granularity { kLayer, kSublayer };
+
 /// One stage the executor runs: a tensor-to-tensor function, and the module that owns its parameters and
 /// buffers (null when it has none). The module is what the executor returns gradients for under
 /// torch::autograd::grad; parameters the function uses without a module are still trained under backward()

@@ -78,6 +78,37 @@ torch::Tensor BertLayerImpl::forward(const torch::Tensor& hidden, const torch::T
   return output_norm(hidden_dropout(output(torch::gelu(intermediate(attended)))) + attended);
 }
 
+torch::Tensor BertLayerImpl::qkv(const torch::Tensor& hidden) {
+  return torch::cat({query(hidden), key(hidden), value(hidden), hidden}, -1);
+}
+
+torch::Tensor BertLayerImpl::attention_core(const torch::Tensor& qkvh, const torch::Tensor& extended_mask) {
+  const int64_t batch = qkvh.size(0), seq = qkvh.size(1), width = qkvh.size(2) / 4;
+  auto heads = [&](int64_t part) {
+    return qkvh.narrow(-1, part * width, width).view({batch, seq, heads_, head_size_}).transpose(1, 2);
+  };
+  auto q = heads(0), k = heads(1), v = heads(2);
+  auto scores = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(head_size_));
+  auto probs = attention_dropout(torch::softmax(scores + extended_mask, -1));
+  auto context = torch::matmul(probs, v).transpose(1, 2).reshape({batch, seq, width});
+  return torch::cat({context, qkvh.narrow(-1, 3 * width, width)}, -1);
+}
+
+torch::Tensor BertLayerImpl::attention_out(const torch::Tensor& ch) {
+  const int64_t width = ch.size(2) / 2;
+  return attention_norm(hidden_dropout(attention_output(ch.narrow(-1, 0, width))) +
+                        ch.narrow(-1, width, width));
+}
+
+torch::Tensor BertLayerImpl::ffn_up(const torch::Tensor& attended) {
+  return torch::cat({torch::gelu(intermediate(attended)), attended}, -1);
+}
+
+torch::Tensor BertLayerImpl::ffn_down(const torch::Tensor& ga) {
+  const int64_t inner = output->options.in_features(), width = ga.size(2) - inner;
+  return output_norm(hidden_dropout(output(ga.narrow(-1, 0, inner))) + ga.narrow(-1, inner, width));
+}
+
 BertModelImpl::BertModelImpl(const BertConfig& c) : config_(c) {
   auto positive = [](const char* field, int64_t v) {
     TORCH_CHECK(v >= 1, kWho, ": ", field, " must be >= 1, got ", v);
@@ -153,8 +184,13 @@ void BertModelImpl::gradient_checkpointing_enable(CheckpointOptions options, int
   Checkpointable::gradient_checkpointing_enable(std::move(options));
 }
 
+int64_t BertModelImpl::stages_per_layer(Granularity granularity) {
+  return granularity == Granularity::kSublayer ? 5 : 1;
+}
+
 std::vector<StageFn> BertModelImpl::stages(const torch::Tensor& ids, const torch::Tensor& mask,
-                                           const torch::Tensor& types, bool with_pooler) {
+                                           const torch::Tensor& types, bool with_pooler,
+                                           Granularity granularity) {
   check_inputs(ids, mask, types);
   const torch::Tensor ext = extended_mask(ids, mask), tt = token_types(ids, types);
   std::vector<StageFn> out;
@@ -163,9 +199,36 @@ std::vector<StageFn> BertModelImpl::stages(const torch::Tensor& ids, const torch
                  embeddings.ptr()});
   for (size_t i = 0; i < layers->size(); ++i) {
     auto layer = BertLayer(layers->ptr<BertLayerImpl>(i));
-    out.push_back({"layer" + std::to_string(i),
-                   [layer, ext](const torch::Tensor& h) mutable { return layer->forward(h, ext); },
-                   layer.ptr()});
+    const std::string name = "layer" + std::to_string(i);
+    if (granularity == Granularity::kLayer) {
+      out.push_back({name, [layer, ext](const torch::Tensor& h) mutable { return layer->forward(h, ext); },
+                     layer.ptr()});
+      continue;
+    }
+    // Each piece declares the modules it uses (an unregistered holder: nothing is registered twice).
+    auto owner = [](std::initializer_list<std::pair<const char*, std::shared_ptr<torch::nn::Module>>> parts) {
+      auto m = std::make_shared<torch::nn::Module>("BertSublayer");
+      for (const auto& [n, part] : parts)
+        m->register_module(n, part);
+      return m;
+    };
+    out.push_back(
+        {name + ".qkv", [layer](const torch::Tensor& h) mutable { return layer->qkv(h); },
+         owner({{"query", layer->query.ptr()}, {"key", layer->key.ptr()}, {"value", layer->value.ptr()}})});
+    out.push_back({name + ".attention_core",
+                   [layer, ext](const torch::Tensor& x) mutable { return layer->attention_core(x, ext); },
+                   owner({{"attention_dropout", layer->attention_dropout.ptr()}})});
+    out.push_back({name + ".attention_out",
+                   [layer](const torch::Tensor& x) mutable { return layer->attention_out(x); },
+                   owner({{"attention_output", layer->attention_output.ptr()},
+                          {"attention_norm", layer->attention_norm.ptr()},
+                          {"hidden_dropout", layer->hidden_dropout.ptr()}})});
+    out.push_back({name + ".ffn_up", [layer](const torch::Tensor& x) mutable { return layer->ffn_up(x); },
+                   owner({{"intermediate", layer->intermediate.ptr()}})});
+    out.push_back({name + ".ffn_down", [layer](const torch::Tensor& x) mutable { return layer->ffn_down(x); },
+                   owner({{"output", layer->output.ptr()},
+                          {"output_norm", layer->output_norm.ptr()},
+                          {"hidden_dropout", layer->hidden_dropout.ptr()}})});
   }
   if (with_pooler) {
     torch::nn::Linear p = pooler;
@@ -176,11 +239,26 @@ std::vector<StageFn> BertModelImpl::stages(const torch::Tensor& ids, const torch
   return out;
 }
 
-void BertModelImpl::use_plan(Plan plan) {
-  TORCH_CHECK(plan.num_stages == config_.num_hidden_layers() + 1, kWho, ": the plan has ", plan.num_stages,
-              " stages; this model runs as ", config_.num_hidden_layers() + 1, " (embeddings and ",
-              config_.num_hidden_layers(), " layers)");
+void BertModelImpl::use_plan(Plan plan, Granularity granularity) {
+  const int64_t per = stages_per_layer(granularity), n = config_.num_hidden_layers() * per + 1;
+  TORCH_CHECK(plan.num_stages == n, kWho, ": the plan has ", plan.num_stages, " stages; this model runs as ",
+              n, " (embeddings and ", config_.num_hidden_layers(), " layers of ", per, " stage",
+              per > 1 ? "s" : "", ")");
   plan_ = std::move(plan);
+  plan_granularity_ = granularity;
+}
+
+Plan BertModelImpl::selective_checkpointing_plan() const {
+  std::vector<int64_t> cores;
+  for (int64_t i = 0; i < config_.num_hidden_layers(); ++i)
+    cores.push_back(1 + 5 * i + 1);  // after the embeddings: qkv, attention_core, ...
+  Plan plan = checkpoint_stages(config_.num_hidden_layers() * 5 + 1, cores);
+  plan.planner = "selective";
+  return plan;
+}
+
+void BertModelImpl::selective_checkpointing_enable() {
+  use_plan(selective_checkpointing_plan(), Granularity::kSublayer);
 }
 
 torch::Tensor BertModelImpl::forward(const torch::Tensor& ids, const torch::Tensor& mask,
@@ -190,7 +268,7 @@ torch::Tensor BertModelImpl::forward(const torch::Tensor& ids, const torch::Tens
     const auto options = CheckpointOptions()
                              .preserve_rng_state(checkpoint_options_.preserve_rng_state())
                              .determinism_check(checkpoint_options_.determinism_check());
-    return run_plan(stages(ids, mask, types), *plan_, ids, options);
+    return run_plan(stages(ids, mask, types, false, plan_granularity_), *plan_, ids, options);
   }
   check_inputs(ids, mask, types);
   const torch::Tensor ext = extended_mask(ids, mask);

@@ -66,7 +66,7 @@ void write_file(const std::string& path, const std::string& text) {
 
 // Options every model-taking command shares.
 struct ModelArgs {
-  std::string model = "bert", variant = "small", placement = "each-op", device = "cpu";
+  std::string model = "bert", variant = "small", placement = "each-op", device = "cpu", granularity = "layer";
   int64_t layers = 12, hidden = 768, heads = 12, intermediate = 3072, seq = 128, vocab = 30522, batch = 0;
   int64_t depth = 16, width = 1024, calls = 1000, adds = 100;
   double dropout = 0.1;
@@ -121,6 +121,11 @@ struct ModelArgs {
         ->check(CLI::IsMember({"cpu", "cuda"}))
         ->capture_default_str();
     app->add_option("--seed", seed, "seed of weights and inputs")->capture_default_str();
+    app->add_option("--granularity", granularity,
+                    "bert: the chain's stages, per layer or per piece of a layer (sublayer: attention core, "
+                    "projections, feed-forward halves)")
+        ->check(CLI::IsMember({"layer", "sublayer"}))
+        ->capture_default_str();
   }
 
   remat::WorkloadConfig config(int64_t batch_override = -1) const {
@@ -134,6 +139,7 @@ struct ModelArgs {
         .vocab(vocab)
         .dropout(dropout)
         .batch(batch_override >= 0 ? batch_override : batch)
+        .granularity(granularity == "sublayer" ? remat::Granularity::kSublayer : remat::Granularity::kLayer)
         .depth(depth)
         .width(width)
         .calls(calls)
@@ -612,7 +618,8 @@ int main(int argc, char** argv) {
   bench.model.add(bench_cmd);
   bench_cmd
       ->add_option("--strategy", bench.strategies,
-                   "comma-separated: none, all, all-reentrant, all-no-early-stop, plan-all, sqrt, uniform:K, "
+                   "comma-separated: none, all, all-reentrant, all-no-early-stop, plan-all, selective, sqrt, "
+                   "uniform:K, "
                    "balanced:K, "
                    "balanced-time:K, revolve:S, optimal:SIZE, "
                    "optimal:as=P, optimal:overhead=F, optimal:time=R")

@@ -70,6 +70,20 @@ class BertLayerImpl : public torch::nn::Module {
   /// hidden [batch, seq, hidden]; extended_mask [batch, 1, 1, seq], 0 where attended and -10000 where masked.
   torch::Tensor forward(const torch::Tensor& hidden, const torch::Tensor& extended_mask);
 
+  /// forward() in five pieces, the sub-layer stages (Granularity::kSublayer): each takes the previous one's
+  /// output, and the residual a later piece needs rides along, concatenated on the last dimension (H hidden,
+  /// I intermediate). Their composition equals forward(), dropout masks included.
+  /// qkv: hidden [B,S,H] -> [B,S,4H] (query | key | value | hidden).
+  torch::Tensor qkv(const torch::Tensor& hidden);
+  /// attention_core: scores, mask, softmax, dropout, context: [B,S,4H] -> [B,S,2H] (context | hidden).
+  torch::Tensor attention_core(const torch::Tensor& qkv_hidden, const torch::Tensor& extended_mask);
+  /// attention_out: projection, dropout, residual, LayerNorm: [B,S,2H] -> attended [B,S,H].
+  torch::Tensor attention_out(const torch::Tensor& context_hidden);
+  /// ffn_up: intermediate projection and GELU: attended [B,S,H] -> [B,S,I+H] (gelu | attended).
+  torch::Tensor ffn_up(const torch::Tensor& attended);
+  /// ffn_down: output projection, dropout, residual, LayerNorm: [B,S,I+H] -> [B,S,H].
+  torch::Tensor ffn_down(const torch::Tensor& gelu_attended);
+
   torch::nn::Linear query{nullptr}, key{nullptr}, value{nullptr}, attention_output{nullptr};
   torch::nn::Linear intermediate{nullptr}, output{nullptr};
   torch::nn::LayerNorm attention_norm{nullptr}, output_norm{nullptr};
@@ -105,17 +119,32 @@ class BertModelImpl : public torch::nn::Module, public Checkpointable {
   int64_t checkpoint_every_n_layers() const { return every_n_layers_; }
 
   /// The model as a chain of stages for the profiler and the plan executor: "embeddings" (input_ids to
-  /// hidden), "layer0".."layer{N-1}", and with_pooler a "pooler" head. The mask and token types are captured.
+  /// hidden), then per layer "layer{i}" (kLayer), or its five pieces "layer{i}.qkv", ".attention_core",
+  /// ".attention_out", ".ffn_up", ".ffn_down" (kSublayer, see BertLayerImpl::qkv), and with_pooler a "pooler"
+  /// head. The mask and token types are captured. kSublayer stages pass the residual along by concatenation,
+  /// which costs a copy per piece: it pays where a plan keeps some pieces and recomputes others (the
+  /// selective preset), not for plans that only cut at layer boundaries.
   std::vector<StageFn> stages(const torch::Tensor& input_ids, const torch::Tensor& attention_mask = {},
-                              const torch::Tensor& token_type_ids = {}, bool with_pooler = false);
+                              const torch::Tensor& token_type_ids = {}, bool with_pooler = false,
+                              Granularity granularity = Granularity::kLayer);
+  /// Stages per layer at a granularity (1 or 5).
+  static int64_t stages_per_layer(Granularity granularity);
 
   /// Runs forward() with a plan (remat/plan.h) over stages() instead of per-layer checkpointing: the plan
   /// must have num_hidden_layers + 1 stages; the preserve_rng_state and determinism_check of the last
   /// gradient_checkpointing_enable apply. Throws c10::Error when it does not.
-  void use_plan(Plan plan);
+  void use_plan(Plan plan, Granularity granularity = Granularity::kLayer);
+  /// Megatron-style selective checkpointing: runs forward() with use_plan over the sub-layer stages,
+  /// recomputing only each layer's attention core (scores, softmax, dropout, context: the [batch, heads, seq,
+  /// seq] tensors) and keeping everything else, projections included.
+  void selective_checkpointing_enable();
+  /// The plan of selective_checkpointing_enable: remat::checkpoint_stages over the ".attention_core" stages.
+  Plan selective_checkpointing_plan() const;
   /// Back to plain or per-layer checkpointed forward().
   void clear_plan() { plan_.reset(); }
   const std::optional<Plan>& plan() const { return plan_; }
+  /// The granularity of the plan in use.
+  Granularity plan_granularity() const { return plan_granularity_; }
 
   const BertConfig& config() const { return config_; }
   BertEmbeddings embeddings{nullptr};
@@ -131,6 +160,7 @@ class BertModelImpl : public torch::nn::Module, public Checkpointable {
   BertConfig config_;
   int64_t every_n_layers_ = 1;
   std::optional<Plan> plan_;
+  Granularity plan_granularity_ = Granularity::kLayer;
 };
 TORCH_MODULE(BertModel);
 

@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel sublayer)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -18,6 +18,14 @@ for name in "${sections[@]}"; do
   : > "$out/$name.log"
   echo "=== $name ($(date -u +%FT%TZ))" | tee -a "$out/$name.log"
   case "$name" in
+    sublayer)  # BERT-base on sub-layer stages against layer stages: selective, and the planner at PyTorch's peaks
+      for r in 1 2 3; do
+        log "$remat" bench --model bert --batch 8 --granularity sublayer \
+          --strategy none,all,selective,optimal:135.1MiB,optimal:258.1MiB --steps 3 --warmup 1 --json "$out/sub$r.json"
+        log "$remat" bench --model bert --batch 8 --granularity layer \
+          --strategy none,all,optimal:135.1MiB,optimal:258.1MiB --steps 3 --warmup 1 --json "$out/layer$r.json"
+      done
+      ;;
     dataparallel)  # remat::distributed::DataParallel on 1, 2 and 4 local processes (Gloo over loopback)
       for n in 1 2 4; do
         log "$remat" bench --nproc "$n" --model bert --batch 8 \

@@ -195,6 +195,19 @@ void configure(Workload& w, const std::string& strategy, const std::optional<Pla
   }
 }
 
+// Strategies that run through the model's own per-layer checkpointing (or none) need no chain.
+bool needs_chain(const std::string& s) {
+  return !(s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop");
+}
+
+// Gradients exist after a first step; allocate them up front so that no measured step counts them.
+void allocate_grads(Workload& w) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : w.module().parameters()) {
+    if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+  }
+}
+
 std::vector<torch::Tensor> grads_after_step(Workload& w, Runner& r, uint64_t seed) {
   torch::NoGradGuard no_grad;
   for (auto& p : w.module().parameters()) {
@@ -232,7 +245,7 @@ std::unique_ptr<Workload> make_workload(const WorkloadConfig& c) {
 }
 
 std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
-  if (s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop") return std::nullopt;
+  if (!needs_chain(s)) return std::nullopt;
   try {
     if (s == "plan-all") return checkpoint_all(chain);
     if (s == "selective") {
@@ -313,6 +326,26 @@ Chain profile_workload(Workload& w, const ProfileOptions* profile) {
   return profile_chain(w.stages(), w.input(), profile ? *profile : ProfileOptions());
 }
 
+namespace {
+// Each strategy's plan (nullopt for those without one), on `given` or on the chain profiled once if a plan
+// needs it.
+std::vector<std::optional<Plan>> plans_for(Workload& w, const std::vector<std::string>& strategies,
+                                           const ProfileOptions* profile, const Progress& progress,
+                                           const Chain* given) {
+  std::optional<Chain> chain;
+  if (given) chain = *given;
+  std::vector<std::optional<Plan>> plans;
+  for (const auto& s : strategies) {
+    if (needs_chain(s) && !chain) {
+      if (progress) progress("profiling " + w.description());
+      chain = profile_workload(w, profile);
+    }
+    plans.push_back(needs_chain(s) ? plan_for(s, *chain) : std::nullopt);
+  }
+  return plans;
+}
+}  // namespace
+
 std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strategies,
                             const MeasureOptions& measure, const ProfileOptions* profile,
                             const Progress& progress, const Chain* given) {
@@ -321,17 +354,7 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
   if (std::find(order.begin(), order.end(), "none") == order.end()) order.insert(order.begin(), "none");
   std::stable_partition(order.begin(), order.end(), [](const std::string& s) { return s == "none"; });
 
-  std::optional<Chain> chain;
-  if (given) chain = *given;
-  std::vector<std::optional<Plan>> plans;
-  for (const auto& s : order) {
-    const bool needs_chain = !(s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop");
-    if (needs_chain && !chain) {
-      if (progress) progress("profiling " + w.description());
-      chain = profile_workload(w, profile);
-    }
-    plans.push_back(needs_chain ? plan_for(s, *chain) : std::nullopt);
-  }
+  const std::vector<std::optional<Plan>> plans = plans_for(w, order, profile, progress, given);
 
   // Steps of the strategies are interleaved (one step of each in turn), so that a shared machine's drift
   // affects every strategy alike and the ratios to "none" hold.
@@ -347,13 +370,7 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
     return measure_step(
         w.module(), [&] { return runners[k].step_loss(); }, m);
   };
-  {
-    // Gradients exist after a first step; allocate them now so that no measured step counts them.
-    torch::NoGradGuard no_grad;
-    for (auto& p : w.module().parameters()) {
-      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    }
-  }
+  allocate_grads(w);
   if (progress) progress("warming up " + std::to_string(order.size()) + " strategies");
   for (size_t k = 0; k < order.size(); ++k) {
     if (measure.warmup() > 0) one_step(k, MeasureOptions(measure).steps(measure.warmup()).warmup(0));
@@ -542,23 +559,8 @@ DataParallelBench bench_data_parallel(Workload& w, const std::vector<std::string
                                       const Chain* given) {
   constexpr const char* who = "remat::bench_data_parallel";
   TORCH_CHECK(!strategies.empty(), who, ": no strategies");
-  std::optional<Chain> chain;
-  if (given) chain = *given;
-  std::vector<std::optional<Plan>> plans;
-  for (const auto& s : strategies) {
-    const bool needs_chain = !(s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop");
-    if (needs_chain && !chain) {
-      if (progress) progress("profiling " + w.description());
-      chain = profile_workload(w, profile);
-    }
-    plans.push_back(needs_chain ? plan_for(s, *chain) : std::nullopt);
-  }
-  {
-    torch::NoGradGuard no_grad;
-    for (auto& p : w.module().parameters()) {
-      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
-    }
-  }
+  const std::vector<std::optional<Plan>> plans = plans_for(w, strategies, profile, progress, given);
+  allocate_grads(w);
   distributed::DataParallel dp(
       w.module().shared_from_this(),
       std::shared_ptr<distributed::ProcessGroup>(&group, [](distributed::ProcessGroup*) {}), options);

@@ -73,6 +73,13 @@ class BertWorkload final : public ModelWorkload<models::BertModel> {
   std::vector<StageFn> stages() override {
     return model_->stages(x_, mask_, types_, false, c_.granularity());
   }
+  std::vector<int64_t> per_layer_stages() const override {
+    if (c_.granularity() != Granularity::kLayer) return {};
+    std::vector<int64_t> layers;
+    for (int64_t i = 1; i <= c_.layers(); ++i)
+      layers.push_back(i);  // stage 0 is the embeddings
+    return layers;
+  }
   torch::Tensor forward() override { return model_->forward(x_, mask_, types_); }
 
  private:
@@ -93,6 +100,12 @@ class MlpWorkload final : public ModelWorkload<models::ResidualMlp> {
     return os.str();
   }
   std::vector<StageFn> stages() override { return stages_of(model_->blocks()); }
+  std::vector<int64_t> per_layer_stages() const override {
+    std::vector<int64_t> blocks;
+    for (int64_t i = 0; i < c_.depth(); ++i)
+      blocks.push_back(i);
+    return blocks;
+  }
 };
 
 class CifarWorkload final : public ModelWorkload<models::CifarNet> {
@@ -331,7 +344,7 @@ namespace {
 // needs it.
 std::vector<std::optional<Plan>> plans_for(Workload& w, const std::vector<std::string>& strategies,
                                            const ProfileOptions* profile, const Progress& progress,
-                                           const Chain* given) {
+                                           const Chain* given, std::optional<Chain>* chain_used = nullptr) {
   std::optional<Chain> chain;
   if (given) chain = *given;
   std::vector<std::optional<Plan>> plans;
@@ -342,6 +355,7 @@ std::vector<std::optional<Plan>> plans_for(Workload& w, const std::vector<std::s
     }
     plans.push_back(needs_chain(s) ? plan_for(s, *chain) : std::nullopt);
   }
+  if (chain_used) *chain_used = std::move(chain);
   return plans;
 }
 }  // namespace
@@ -354,16 +368,26 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
   if (std::find(order.begin(), order.end(), "none") == order.end()) order.insert(order.begin(), "none");
   std::stable_partition(order.begin(), order.end(), [](const std::string& s) { return s == "none"; });
 
-  const std::vector<std::optional<Plan>> plans = plans_for(w, order, profile, progress, given);
+  std::optional<Chain> chain;
+  const std::vector<std::optional<Plan>> plans = plans_for(w, order, profile, progress, given, &chain);
 
   // Steps of the strategies are interleaved (one step of each in turn), so that a shared machine's drift
   // affects every strategy alike and the ratios to "none" hold.
   std::vector<BenchRow> rows(order.size());
   std::vector<Runner> runners;
+  const std::vector<int64_t> per_layer = w.per_layer_stages();
   for (size_t k = 0; k < order.size(); ++k) {
     rows[k].strategy = order[k];
     rows[k].plan = plans[k];
     runners.push_back(Runner{w, plans[k], plans[k] ? w.stages() : std::vector<StageFn>{}});
+    if (!chain) continue;
+    if (plans[k]) {
+      rows[k].predicted_time_ms = simulate(*chain, *plans[k]).time_ms;
+    } else if (order[k] == "none") {
+      rows[k].predicted_time_ms = simulate(*chain, no_checkpoint(*chain)).time_ms;
+    } else if (order[k] == "all" && !per_layer.empty()) {
+      rows[k].predicted_time_ms = per_call_time_ms(*chain, per_layer);
+    }
   }
   auto one_step = [&](size_t k, const MeasureOptions& m) {
     configure(w, order[k], plans[k]);
@@ -473,6 +497,14 @@ Chain scale_chain(const Chain& a, int64_t batch_a, const Chain& b, int64_t batch
     const Stage& sb = b.stages[i];
     s.fwd_ms = std::max(0.0, lerp(sa.fwd_ms, sb.fwd_ms));
     s.bwd_ms = std::max(0.0, lerp(sa.bwd_ms, sb.bwd_ms));
+    auto opt_ms = [&](const std::optional<double>& va,
+                      const std::optional<double>& vb) -> std::optional<double> {
+      if (!va || !vb) return std::nullopt;
+      return std::max(0.0, lerp(*va, *vb));
+    };
+    s.fwd_nosave_ms = opt_ms(sa.fwd_nosave_ms, sb.fwd_nosave_ms);
+    s.checkpoint_fwd_ms = opt_ms(sa.checkpoint_fwd_ms, sb.checkpoint_fwd_ms);
+    s.checkpoint_bwd_ms = opt_ms(sa.checkpoint_bwd_ms, sb.checkpoint_bwd_ms);
     s.output_bytes = bytes(sa.output_bytes, sb.output_bytes);
     s.saved_bytes = std::max(s.output_bytes, bytes(sa.saved_bytes, sb.saved_bytes));
     s.fwd_tmp_bytes = bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);

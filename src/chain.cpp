@@ -60,6 +60,9 @@ void validate(const Chain& chain) {
     const Stage& s = chain.stages[i];
     check_ms(chain, i, "fwd_ms", s.fwd_ms);
     check_ms(chain, i, "bwd_ms", s.bwd_ms);
+    if (s.fwd_nosave_ms) check_ms(chain, i, "fwd_nosave_ms", *s.fwd_nosave_ms);
+    if (s.checkpoint_fwd_ms) check_ms(chain, i, "checkpoint_fwd_ms", *s.checkpoint_fwd_ms);
+    if (s.checkpoint_bwd_ms) check_ms(chain, i, "checkpoint_bwd_ms", *s.checkpoint_bwd_ms);
     check_bytes(chain, i, "output_bytes", s.output_bytes);
     check_bytes(chain, i, "saved_bytes", s.saved_bytes);
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
@@ -88,6 +91,9 @@ std::string to_json(const Chain& chain) {
     js["saved_bytes"] = s.saved_bytes;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
+    if (s.fwd_nosave_ms) js["fwd_nosave_ms"] = *s.fwd_nosave_ms;
+    if (s.checkpoint_fwd_ms) js["checkpoint_fwd_ms"] = *s.checkpoint_fwd_ms;
+    if (s.checkpoint_bwd_ms) js["checkpoint_bwd_ms"] = *s.checkpoint_bwd_ms;
     j["stages"].push_back(js);
   }
   return j.dump(2);
@@ -155,6 +161,12 @@ Chain chain_from_json(const std::string& text) {
     s.saved_bytes = required<int64_t>(js, "saved_bytes", where);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
     s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
+    for (auto [key, field] :
+         {std::pair<const char*, std::optional<double>*>{"fwd_nosave_ms", &s.fwd_nosave_ms},
+          {"checkpoint_fwd_ms", &s.checkpoint_fwd_ms},
+          {"checkpoint_bwd_ms", &s.checkpoint_bwd_ms}}) {
+      if (js.contains(key)) *field = required<double>(js, key, where);
+    }
     chain.stages.push_back(std::move(s));
   }
   validate(chain);
@@ -182,8 +194,13 @@ Chain uniform_chain(int64_t n, double fwd_ms, double bwd_ms, int64_t output_byte
   chain.input_bytes = output_bytes;
   chain.stages.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {
-    chain.stages.push_back(
-        Stage{"stage" + std::to_string(i), fwd_ms, bwd_ms, output_bytes, saved_bytes, 0, 0});
+    Stage s;
+    s.name = "stage" + std::to_string(i);
+    s.fwd_ms = fwd_ms;
+    s.bwd_ms = bwd_ms;
+    s.output_bytes = output_bytes;
+    s.saved_bytes = saved_bytes;
+    chain.stages.push_back(std::move(s));
   }
   validate(chain);
   return chain;

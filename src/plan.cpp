@@ -138,7 +138,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           held[i] = kNone;
         }
         sim.forward_calls[i] += 1;
-        if (chain) sim.time_ms += chain->stages[i].fwd_ms;
+        if (chain) sim.time_ms += all ? chain->stages[i].fwd_ms : chain->stages[i].nosave_ms();
         break;
       }
       case OpKind::kLoss: {
@@ -272,6 +272,20 @@ Plan checkpoint_stages(int64_t n, const std::vector<int64_t>& stages) {
   plan.planner = "checkpoint_stages";
   check_plan(plan);
   return plan;
+}
+
+double per_call_time_ms(const Chain& chain, const std::vector<int64_t>& stages) {
+  validate(chain);
+  checkpoint_stages(chain.size(), stages);  // checks the list
+  std::vector<char> listed(chain.stages.size(), 0);
+  for (int64_t i : stages)
+    listed[static_cast<size_t>(i)] = 1;
+  double ms = 0;
+  for (size_t i = 0; i < chain.stages.size(); ++i) {
+    const Stage& s = chain.stages[i];
+    ms += listed[i] ? s.per_call_fwd_ms() + s.per_call_bwd_ms() : s.fwd_ms + s.bwd_ms;
+  }
+  return ms;
 }
 
 Plan step_plan(const Plan& chain_plan) {

@@ -32,7 +32,7 @@ template <typename T>
 struct Sizes {
   int64_t n = 0;  // real stages
   std::vector<T> x, xb, ft, bt;
-  std::vector<double> f, b;
+  std::vector<double> f, fn, b;  // forward with saving (Fa), without (Fn, Fc), backward
 
   template <typename Convert>
   Sizes(const Chain& chain, Convert convert) : n(chain.size()) {
@@ -41,6 +41,7 @@ struct Sizes {
     ft.assign(n + 1, 0);
     bt.assign(n + 1, 0);
     f.assign(n + 1, 0);
+    fn.assign(n + 1, 0);
     b.assign(n + 1, 0);
     for (int64_t i = 0; i <= n; ++i)
       x[i] = convert(chain.activation_bytes(i));
@@ -50,6 +51,7 @@ struct Sizes {
       ft[i] = convert(s.fwd_tmp_bytes);
       bt[i] = convert(s.bwd_tmp_bytes);
       f[i] = s.fwd_ms;
+      fn[i] = s.nosave_ms();
       b[i] = s.bwd_ms;
     }
   }
@@ -146,7 +148,7 @@ class Table {
         double sweep_ms = 0;
         int64_t sweep_peak = 0;
         for (int64_t sp = s + 1; sp <= t; ++sp) {
-          sweep_ms += z_.f[sp - 1];
+          sweep_ms += z_.fn[sp - 1];
           sweep_peak = std::max(sweep_peak, z_.sweep_step(s, sp - 1));
           const int64_t hold = z_.x[sp];
           const int64_t from = std::max(z_.x[t + 1] + sweep_peak, hold);

@@ -55,6 +55,35 @@ TEST(Chain, TmpKeysOptional) {
   EXPECT_EQ(c.stages[0].bwd_tmp_bytes, 0);
 }
 
+TEST(Chain, OptionalTimesRoundTripAndDefaultToTheForward) {
+  remat::Chain c = sample();
+  c.stages[1].fwd_nosave_ms = 1.25;
+  c.stages[1].checkpoint_fwd_ms = 1.5;
+  c.stages[1].checkpoint_bwd_ms = 5.75;
+  const std::string j = remat::to_json(c);
+  for (const char* key : {"\"fwd_nosave_ms\"", "\"checkpoint_fwd_ms\"", "\"checkpoint_bwd_ms\""})
+    EXPECT_NE(j.find(key), std::string::npos) << key;
+  const remat::Chain d = remat::chain_from_json(j);
+  EXPECT_FALSE(d.stages[0].fwd_nosave_ms.has_value());  // absent stays absent
+  EXPECT_EQ(remat::to_json(d), j);
+  EXPECT_DOUBLE_EQ(d.stages[1].nosave_ms(), 1.25);
+  EXPECT_DOUBLE_EQ(d.stages[1].per_call_fwd_ms(), 1.5);
+  EXPECT_DOUBLE_EQ(d.stages[1].per_call_bwd_ms(), 5.75);
+  // Unset: every forward costs fwd_ms, and a per-call checkpoint recomputes all of it.
+  EXPECT_DOUBLE_EQ(d.stages[0].nosave_ms(), 1.5);
+  EXPECT_DOUBLE_EQ(d.stages[0].per_call_fwd_ms(), 1.5);
+  EXPECT_DOUBLE_EQ(d.stages[0].per_call_bwd_ms(), 1.5 + 3.25);
+  auto bad = c;
+  bad.stages[1].checkpoint_bwd_ms = -1;
+  expect_invalid(bad, "stage 1 ('layer0') has negative checkpoint_bwd_ms");
+  bad.stages[1].checkpoint_bwd_ms = NAN;
+  expect_invalid(bad, "non-finite checkpoint_bwd_ms");
+  EXPECT_THROW(
+      remat::chain_from_json(
+          R"({"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1, "fwd_nosave_ms": "x"}]})"),
+      std::invalid_argument);
+}
+
 TEST(Chain, ValidationNamesTheStage) {
   expect_invalid(remat::Chain{}, "no stages");
   auto c = sample();

@@ -51,6 +51,25 @@ TEST(Plan, SimulateChargesTheModelExactly) {
   EXPECT_EQ(sim.forward_calls, (std::vector<int64_t>{2, 1}));
 }
 
+TEST(Plan, ForwardsWithoutSavingCostTheirOwnTime) {
+  auto c = two_stage();
+  c.stages[0].fwd_nosave_ms = 0.25;  // Fn and Fc cost this; Fa keeps costing fwd_ms
+  const auto sim = remat::simulate(c, parse(2, "Fc0 Fa1 L B1 Fa0 B0"));
+  EXPECT_DOUBLE_EQ(sim.time_ms, 0.25 + 3 + 2 + 5 + 1);
+}
+
+TEST(Plan, PerCallTimeChargesTheMeasuredCheckpointCosts) {
+  auto c = two_stage();
+  // Unset: a checkpointed stage costs a forward without saving plus a full recompute and its backward.
+  EXPECT_DOUBLE_EQ(remat::per_call_time_ms(c, {}), 1 + 2 + 3 + 5);
+  EXPECT_DOUBLE_EQ(remat::per_call_time_ms(c, {1}), 1 + 2 + (3 + 3 + 5));
+  c.stages[1].checkpoint_fwd_ms = 2.5;
+  c.stages[1].checkpoint_bwd_ms = 6.5;  // early stopping: less than fwd_ms + bwd_ms
+  EXPECT_DOUBLE_EQ(remat::per_call_time_ms(c, {1}), 1 + 2 + 2.5 + 6.5);
+  EXPECT_THROW(remat::per_call_time_ms(c, {2}), std::invalid_argument);
+  EXPECT_THROW(remat::per_call_time_ms(c, {1, 1}), std::invalid_argument);
+}
+
 TEST(Plan, CheckPlanNamesTheOperationAndWhatIsMissing) {
   auto expect_bad = [](int64_t n, const std::string& text, const std::string& needle) {
     try {

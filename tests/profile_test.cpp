@@ -6,6 +6,9 @@
 
 #include "support.h"
 
+#include <chrono>
+#include <thread>
+
 namespace {
 
 using remat::testing::clear_grads;
@@ -41,6 +44,31 @@ TEST_F(ProfileTest, MeasuresEveryFieldOfSimpleStages) {
   }
   // The backward of a Linear allocates its weight's gradient temporarily ([w, w] or [2w, w] floats).
   EXPECT_GE(chain.stages[3].bwd_tmp_bytes, 2 * w * w * 4);
+}
+
+// Each kind of forward is timed as it runs: Fn/Fc without grad, Fa with it, a per-call checkpoint's forward
+// with grad and nothing saved, and its backward with the recompute. A stage that sleeps only when grad is on
+// tells them apart.
+TEST_F(ProfileTest, TimesEachKindOfForwardAsItRuns) {
+  torch::nn::Linear lin(8, 8);
+  const remat::StageFn slow_with_grad{"slow-with-grad",
+                                      [lin](const torch::Tensor& x) mutable {
+                                        if (torch::GradMode::is_enabled())
+                                          std::this_thread::sleep_for(std::chrono::milliseconds(40));
+                                        return lin(x);
+                                      },
+                                      lin.ptr()};
+  const remat::Chain chain = remat::profile_chain({slow_with_grad}, torch::randn({4, 8}),
+                                                  remat::ProfileOptions().warmup(0).repeats(3));
+  const remat::Stage& s = chain.stages[0];
+  ASSERT_TRUE(s.fwd_nosave_ms && s.checkpoint_fwd_ms && s.checkpoint_bwd_ms);
+  EXPECT_GE(s.fwd_ms, 40);
+  EXPECT_LT(*s.fwd_nosave_ms, 20);
+  EXPECT_GE(*s.checkpoint_fwd_ms, 40);
+  EXPECT_LT(s.bwd_ms, 20);
+  EXPECT_GE(*s.checkpoint_bwd_ms, 40);  // the recompute runs with grad
+  // The per-call prediction uses them: one checkpointed stage costs its two runs with grad.
+  EXPECT_DOUBLE_EQ(remat::per_call_time_ms(chain, {0}), *s.checkpoint_fwd_ms + *s.checkpoint_bwd_ms);
 }
 
 TEST_F(ProfileTest, LeavesTheModelAsItWas) {

@@ -87,6 +87,10 @@ class Workload {
   virtual void set_per_layer(std::optional<CheckpointOptions> options) = 0;
   /// The model's output with the current setting (plain or per-layer).
   virtual torch::Tensor forward() = 0;
+  /// The chain stages (indices into stages()) that set_per_layer() checkpoints one remat::checkpoint call
+  /// each, for predicting its time (per_call_time_ms); empty when they are not single stages (bert at
+  /// Granularity::kSublayer, and the models whose per-layer setting is not one call per stage).
+  virtual std::vector<int64_t> per_layer_stages() const { return {}; }
   /// The loss of an output: the mean of its squares (in float); HeavyChain's is its output itself, as in its
   /// article (a linear loss keeps its 100,000 gradient contributions exact in float).
   virtual torch::Tensor loss_of(const torch::Tensor& output) const;
@@ -105,6 +109,10 @@ struct BenchRow {
   /// another order, which changes the last bits; a missing or wrong contribution is O(1).
   bool grads_equal = true;
   std::optional<Plan> plan;  ///< for plan strategies: the plan and its prediction
+  /// The step time the chain predicts (milliseconds), when bench had a chain: simulate()'s time for "none"
+  /// and plan strategies, per_call_time_ms() over Workload::per_layer_stages() for "all"; unset otherwise
+  /// ("all-reentrant", "all-no-early-stop", or no per-layer stages).
+  std::optional<double> predicted_time_ms;
 };
 
 /// Progress messages (for stderr).

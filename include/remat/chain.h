@@ -13,6 +13,7 @@
 /// remat/plan.h for how a schedule is charged.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,22 @@ struct Stage {
   int64_t fwd_tmp_bytes = 0;  ///< transient peak above that during its forward (bytes)
   int64_t bwd_tmp_bytes =
       0;  ///< transient peak during its backward, above its inputs, outputs and d_i (bytes)
+  /// The forward without saving for backward, as the plan executor runs Fn and Fc (under no-grad;
+  /// milliseconds). Unset: fwd_ms (fwd_ms is then the cost of every forward, as before these fields).
+  std::optional<double> fwd_nosave_ms;
+  /// The stage's forward under remat::checkpoint (kNonReentrant: run with grad, nothing saved;
+  /// milliseconds). Unset: fwd_nosave_ms.
+  std::optional<double> checkpoint_fwd_ms;
+  /// The stage's backward under remat::checkpoint: its recompute (early stopping included) plus its
+  /// backward (milliseconds). Unset: fwd_ms + bwd_ms.
+  std::optional<double> checkpoint_bwd_ms;
+
+  /// What Fn and Fc cost: fwd_nosave_ms, or fwd_ms when unset (milliseconds).
+  double nosave_ms() const { return fwd_nosave_ms ? *fwd_nosave_ms : fwd_ms; }
+  /// The forward of a stage checkpointed by remat::checkpoint (milliseconds).
+  double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
+  /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).
+  double per_call_bwd_ms() const { return checkpoint_bwd_ms ? *checkpoint_bwd_ms : fwd_ms + bwd_ms; }
 };
 
 /// The chain: its input a_0 and its stages in order.
@@ -45,7 +62,7 @@ struct Chain {
 /// The largest total of a chain's byte counts (input_bytes plus every stage's four byte fields) that
 /// validate() accepts: 2^60 bytes. Below it, no sum the simulator or the planners form overflows int64.
 constexpr int64_t kMaxChainBytes = int64_t{1} << 60;
-/// The largest fwd_ms or bwd_ms validate() accepts (milliseconds).
+/// The largest fwd_ms, bwd_ms or optional time validate() accepts (milliseconds).
 constexpr double kMaxStageMs = 1e12;
 
 /// Checks a chain: at least one stage; no negative or non-finite value; times at most kMaxStageMs;
@@ -54,10 +71,12 @@ constexpr double kMaxStageMs = 1e12;
 void validate(const Chain& chain);
 
 /// The chain as JSON: {"input_bytes": N, "stages": [{"name": "...", "fwd_ms": x, "bwd_ms": x,
-/// "output_bytes": N, "saved_bytes": N, "fwd_tmp_bytes": N, "bwd_tmp_bytes": N}, ...]}.
+/// "output_bytes": N, "saved_bytes": N, "fwd_tmp_bytes": N, "bwd_tmp_bytes": N}, ...]}, plus
+/// "fwd_nosave_ms", "checkpoint_fwd_ms" and "checkpoint_bwd_ms" for a stage that has them.
 std::string to_json(const Chain& chain);
 
-/// Parses and validates that JSON (the tmp keys are optional, default 0; "name" defaults to "stage<i>").
+/// Parses and validates that JSON (the tmp keys are optional, default 0; the three optional times may be
+/// absent; "name" defaults to "stage<i>").
 /// Throws std::invalid_argument naming the problem: malformed JSON, a missing or mistyped key, or what
 /// validate() rejects.
 Chain chain_from_json(const std::string& json);

@@ -18,7 +18,8 @@
 /// - L, the loss: needs a_n; creates d_n (size a_n) at zero time; a_n is freed if held as a plain a_n.
 /// - B(i), backward: needs abar_{i+1}, d_{i+1} and a_i (or abar_i); peak = resident + d_i + bwd_tmp_i;
 ///   afterwards abar_{i+1} and d_{i+1} are freed, and a_i too if it was held as a plain a_i (never a_0).
-/// Time is the sum of fwd_ms over every forward that runs (recomputations count each time) plus the
+/// Time is the sum over every forward that runs (recomputations count each time) of its cost, fwd_ms for Fa
+/// and Stage::nosave_ms() (fwd_nosave_ms, which the profiler measures under no-grad) for Fn and Fc, plus the
 /// sum of bwd_ms.
 
 #include <cstdint>
@@ -86,6 +87,14 @@ Simulation simulate(const Chain& chain, const Plan& plan);
 /// chain. Throws std::invalid_argument naming the stage when one is out of [0, num_stages) or listed twice,
 /// and when num_stages < 1.
 Plan checkpoint_stages(int64_t num_stages, const std::vector<int64_t>& stages);
+
+/// The predicted step time when the stages listed are each checkpointed by its own remat::checkpoint call
+/// (kNonReentrant, as gradient_checkpointing_enable does per layer) and the others run plainly: the sum of
+/// fwd_ms + bwd_ms over plain stages and of Stage::per_call_fwd_ms() + per_call_bwd_ms() over the listed
+/// ones (their recompute with early stopping, as the profiler measured it). The peak is that of
+/// simulate(chain, checkpoint_stages(...)). Milliseconds. Throws std::invalid_argument as validate() and
+/// checkpoint_stages().
+double per_call_time_ms(const Chain& chain, const std::vector<int64_t>& stages);
 
 /// The whole training step around a plan for a chain that sits inside a bigger model: stage 0 is everything
 /// before the chain (the prefix), stages 1..n the chain, stage n+1 everything after it up to the loss (the

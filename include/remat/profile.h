@@ -12,7 +12,12 @@
 /// are not counted, they are alive anyway); fwd_tmp_bytes is the peak above that during the forward;
 /// bwd_tmp_bytes is the peak during its backward above its input, saved tensors, output gradient and input
 /// gradient (the parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first
-/// step). fwd_ms and bwd_ms are medians of `repeats` timed runs after `warmup` untimed ones. The model is
+/// step). Times are medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages in
+/// the order of a training step (so that the caches hold what a step leaves there): a forward pass without
+/// saving (fwd_nosave_ms), then from the last stage to the first its forward with saving and its backward
+/// (fwd_ms, bwd_ms), then every stage under remat::checkpoint and the backward pass through them
+/// (checkpoint_fwd_ms, checkpoint_bwd_ms). The peak memory of profiling is that of checkpointing every stage
+/// plus one stage's saved tensors, not that of a plain step. The model is
 /// left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are restored.
 
 #include <remat/chain.h>

@@ -176,6 +176,7 @@ struct BenchArgs {
   std::string strategies = "none,all,sqrt,optimal:overhead=0.5", json, csv, save_chain;
   int64_t steps = 5, warmup = 2, nproc = 1;
   bool data_parallel = false;     // --nproc given (even 1): train through DataParallel
+  bool predict = false;           // --predict: profile a chain for every row's predicted time
   std::vector<std::string> argv;  // the command line, for --nproc's processes
 };
 
@@ -266,11 +267,13 @@ int run_bench(const BenchArgs& a) {
   progress(w->description());
   const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
   std::optional<remat::Chain> chain;
-  if (!a.save_chain.empty()) {
+  if (!a.save_chain.empty() || a.predict) {
     progress("profiling " + w->description());
     chain = remat::profile_workload(*w, &profile);
-    remat::save_chain(*chain, a.save_chain);
-    progress("chain written to " + a.save_chain);
+    if (!a.save_chain.empty()) {
+      remat::save_chain(*chain, a.save_chain);
+      progress("chain written to " + a.save_chain);
+    }
   }
   const auto rows = remat::bench(
       *w, split(a.strategies),
@@ -280,19 +283,26 @@ int run_bench(const BenchArgs& a) {
   std::cout << w->description() << "\n"
             << "base (parameters + gradients + inputs): " << remat::format_bytes(none.base_bytes) << "; "
             << a.steps << " timed steps after " << a.warmup << " warm-up\n\n";
+  const std::optional<double> none_predicted = rows.front().predicted_time_ms;
+  auto predicted_ratio = [&](const remat::BenchRow& r) -> std::string {
+    if (!r.predicted_time_ms || !none_predicted || *none_predicted <= 0) return "-";
+    return fixed(*r.predicted_time_ms / *none_predicted, 2);
+  };
   remat::cli::Table t({"strategy", "peak MiB", "kept MiB", "median ms", "fwd ms", "peak/none", "time/none",
-                       "grads", "predicted peak MiB"});
+                       "grads", "predicted peak MiB", "predicted ms", "predicted time/none"});
   for (const auto& r : rows) {
     t.add({r.strategy, mib(r.stats.peak_bytes), mib(r.stats.after_forward_bytes), fixed(r.stats.median_ms, 1),
            fixed(r.stats.median_forward_ms, 1),
            fixed(double(r.stats.peak_bytes) / double(none.peak_bytes), 3),
            fixed(r.stats.median_ms / none.median_ms, 2), grads_text(r),
-           r.plan ? mib(r.plan->predicted.peak_bytes - w->input().nbytes()) : std::string("-")});
+           r.plan ? mib(r.plan->predicted.peak_bytes - w->input().nbytes()) : std::string("-"),
+           r.predicted_time_ms ? fixed(*r.predicted_time_ms, 1) : std::string("-"), predicted_ratio(r)});
   }
   t.print(std::cout);
   std::cout << "\npeak: bytes over the base during a step; kept: alive after the forward pass; predicted: "
-               "the plan's "
-               "simulate() figure without the input\n";
+               "the plan's simulate() figures on the profiled chain (peak without the input; time of the "
+               "chain's stages, per_call_time_ms for 'all'); --predict profiles a chain for 'none' and 'all' "
+               "alone\n";
 
   nlohmann::ordered_json j;
   j["model"] = w->description();
@@ -317,6 +327,11 @@ int run_bench(const BenchArgs& a) {
     if (r.plan) {
       row["predicted_peak_bytes"] = r.plan->predicted.peak_bytes - int64_t(w->input().nbytes());
       row["plan"] = r.plan->to_string();
+    }
+    if (r.predicted_time_ms) {
+      row["predicted_ms"] = *r.predicted_time_ms;
+      if (none_predicted && *none_predicted > 0)
+        row["predicted_time_ratio"] = *r.predicted_time_ms / *none_predicted;
     }
     j["rows"].push_back(row);
     csv << r.strategy << "," << r.stats.peak_bytes << "," << r.stats.after_forward_bytes << ","
@@ -634,6 +649,9 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--csv", bench.csv, "also write the results as CSV to this file");
   bench_cmd->add_option("--save-chain", bench.save_chain,
                         "also write the model's profiled chain to this file");
+  bench_cmd->add_flag(
+      "--predict", bench.predict,
+      "profile the model's chain even when no strategy needs it, to predict every row's time");
   bench_cmd
       ->add_option(
           "--nproc", bench.nproc,

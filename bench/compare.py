@@ -9,6 +9,7 @@ Timing across two processes drifts on a shared machine: --rounds R alternates th
 for every row, the median over rounds of its per-round median.
 """
 import argparse
+import csv as csvmod
 import json
 import os
 import statistics
@@ -18,7 +19,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_FLAGS = ["layers", "hidden", "heads", "intermediate", "seq", "vocab", "dropout", "batch", "depth", "width",
-               "calls", "adds"]
+               "calls", "adds", "blocks"]
 
 
 def run(cmd):
@@ -51,7 +52,7 @@ def mib(b):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="bert", choices=["bert", "mlp", "heavy", "cifar"])
+    p.add_argument("--model", default="bert", choices=["bert", "mlp", "heavy", "cifar", "resnet"])
     for flag in MODEL_FLAGS:
         p.add_argument("--" + flag)
     p.add_argument("--remat", default="none,all,sqrt,optimal:overhead=0.5", help="remat strategies")
@@ -60,6 +61,12 @@ def main():
     p.add_argument("--warmup", default="1")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--plot", action="store_true", help="also sweep the optimal planner and draw the trade-off PNG")
+    p.add_argument("--frontier", action="store_true",
+                   help="run PyTorch first, then remat's optimal planner at every PyTorch point's measured peak; "
+                        "print the side-by-side frontier table and draw out/frontier.png")
+    p.add_argument("--granularity", default="layer", help="remat's chain: layer or sublayer (bert)")
+    p.add_argument("--hf", action="store_true",
+                   help="with --frontier: also Hugging Face's BertModel (none, gradient_checkpointing_enable)")
     p.add_argument("--out", default=os.path.join(ROOT, "out"), help="where JSON, CSV and PNG go")
     p.add_argument("--build", default=os.path.join(ROOT, "build"))
     a = p.parse_args()
@@ -71,6 +78,8 @@ def main():
         if getattr(a, flag) is not None:
             flags += ["--" + flag, getattr(a, flag)]
     chain = os.path.join(a.out, f"{a.model}-chain.json")
+    if a.frontier:
+        return frontier(a, python, flags, chain)
     remat_rounds, torch_rounds = [], []
     for r in range(a.rounds):
         rj, tj = os.path.join(a.out, f"remat-{r}.json"), os.path.join(a.out, f"pytorch-{r}.json")
@@ -113,6 +122,102 @@ def main():
         run([python, os.path.join(ROOT, "scripts", "plot_tradeoff.py"), csv, "--measured",
              os.path.join(a.out, "compare.json"), "-o", png])
         print(f"\ntrade-off plot written to {png}")
+
+
+def frontier(a, python, flags, chain):
+    """Every PyTorch option against remat's planner at that option's measured peak, in alternated rounds."""
+    remat_bin = os.path.join(a.build, "bin", "remat")
+    meter = os.path.join(a.build, "libremat_meter.so")
+    torch_rounds, hf_rounds, remat_rounds = [], [], []
+    remat_strategies = None
+    # The chain once, and from the planner's curve its floor: the least memory of any schedule. A PyTorch point
+    # below it gets remat's plan at the floor (and says so).
+    g = ["--granularity", a.granularity]
+    run([remat_bin, "profile", *flags, *g, "--repeats", "3", "--json", chain])
+    csv = os.path.join(a.out, f"{a.model}-tradeoff.csv")
+    title = f"{a.model} ({a.granularity} stages)"
+    run([remat_bin, "sweep", "--chain", chain, "--budgets", "32", "--csv", csv, "--title", title])
+    with open(csv) as f:
+        curve = list(csvmod.DictReader(line for line in f if not line.startswith("#")))
+    floor = min(int(r["predicted_peak_bytes"]) for r in curve if r["kind"] == "optimal")
+    for r in range(a.rounds):
+        tj = os.path.join(a.out, f"pytorch-{r}.json")
+        run([python, os.path.join(ROOT, "bench", "pytorch_reference.py"), "--meter", meter, *flags, "--strategy",
+             a.pytorch, "--steps", a.steps, "--warmup", a.warmup, "--json", tj])
+        torch_rounds.append(json.load(open(tj)))
+        if a.hf:
+            hj = os.path.join(a.out, f"hf-{r}.json")
+            hflags = ["--model", "hf-bert"] + flags[2:]
+            run([python, os.path.join(ROOT, "bench", "pytorch_reference.py"), "--meter", meter, *hflags,
+                 "--strategy", "none,all", "--steps", a.steps, "--warmup", a.warmup, "--json", hj])
+            hf_rounds.append(json.load(open(hj)))
+        if remat_strategies is None:  # the budgets: PyTorch's peaks of the first round
+            points = [row for res in [torch_rounds[0]] + hf_rounds[:1] for row in res["rows"]
+                      if row["strategy"] != "none"]
+            budgets = sorted({max(row["peak_bytes"], floor) for row in points})
+            remat_strategies = ["none", "all"] + [f"optimal:{b}" for b in budgets]
+            if a.remat and a.remat != p_default_remat():
+                remat_strategies += [s for s in a.remat.split(",") if s and s not in remat_strategies]
+        rj = os.path.join(a.out, f"remat-{r}.json")
+        run([remat_bin, "bench", *flags, *g, "--chain", chain, "--strategy", ",".join(remat_strategies),
+             "--steps", a.steps, "--warmup", a.warmup, "--json", rj])
+        remat_rounds.append(json.load(open(rj)))
+    rm, pt = merge(remat_rounds), merge(torch_rounds)
+    hf = merge(hf_rounds) if hf_rounds else None
+    rrows = {row["strategy"]: row for row in rm["rows"]}
+
+    print(f"\n{rm['model']} ({a.granularity} stages); {a.rounds} alternated round(s) of {a.steps} interleaved "
+          f"steps; peaks are bytes over parameters + gradients + inputs\n")
+    header = (f"{'PyTorch option':<34}{'peak MiB':>9}{'time/none':>10} | {'remat at that peak':>9}{'time/none':>10}"
+              f"{'predicted':>10}{'overhead vs PyTorch':>21}  verdict")
+    print(header + "\n" + "-" * len(header))
+    table = []
+    sources = [("PyTorch", pt)] + ([("Hugging Face", hf)] if hf else [])
+    for lib, res in sources:
+        for row in res["rows"]:
+            if row["strategy"] == "none":
+                continue
+            # The budget is the first round's peak; the row's peak is the largest over rounds.
+            first = next(x for x in (torch_rounds[0] if lib == "PyTorch" else hf_rounds[0])["rows"]
+                         if x["strategy"] == row["strategy"])
+            mine = rrows.get(f"optimal:{max(first['peak_bytes'], floor)}")
+            if mine is None:
+                continue
+            t, tr = row["time_ratio"], mine["time_ratio"]
+            pred = mine.get("predicted_time_ratio")
+            ratio = (tr - 1) / (t - 1) if t > 1 else float("inf")
+            if first["peak_bytes"] < floor:
+                verdict = f"below remat's floor ({mib(floor)} MiB): remat at its floor"
+            elif mine["peak_bytes"] > first["peak_bytes"]:
+                verdict = "over budget"
+            elif tr - 1 <= (t - 1) / 2:
+                verdict = "at most half the overhead"
+            elif pred is not None and pred - 1 > (t - 1) / 2:
+                verdict = f"halving impossible in the model (planner's best {100 * (pred - 1):.0f}%)"
+            elif tr <= t:
+                verdict = "faster, not half"
+            else:
+                verdict = "slower"
+            name = f"{lib}: {row['strategy']}"
+            print(f"{name:<34}{mib(row['peak_bytes']):>9}{t:>10.2f} | {mib(mine['peak_bytes']):>9}{tr:>10.2f}"
+                  f"{(pred or 0):>10.2f}{ratio:>21.2f}  {verdict}")
+            table.append({"library": lib, "floor_bytes": floor, "strategy": row["strategy"], "peak_bytes": row["peak_bytes"],
+                          "budget_bytes": first["peak_bytes"], "time_ratio": t,
+                          "remat_peak_bytes": mine["peak_bytes"], "remat_time_ratio": tr,
+                          "remat_predicted_time_ratio": pred, "overhead_ratio": ratio, "verdict": verdict})
+    summary = {"remat": rm, "pytorch": pt, "frontier": table}
+    if hf:
+        summary["hf"] = hf
+    with open(os.path.join(a.out, "compare.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    png = os.path.join(a.out, "frontier.png")
+    run([remat_bin, "sweep", "--chain", chain, "--budgets", "32", "--csv", csv, "--title",
+         rm["model"] + f" ({a.granularity} stages)", "--plot", png, "--frontier", os.path.join(a.out, "compare.json")])
+    print(f"\nfrontier plot written to {png}")
+
+
+def p_default_remat():
+    return "none,all,sqrt,optimal:overhead=0.5"
 
 
 if __name__ == "__main__":

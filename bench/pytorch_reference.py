@@ -186,6 +186,51 @@ class Mlp(nn.Module):
         return h
 
 
+class BasicBlock(nn.Module):
+    """remat::models::BasicBlock: two 3x3 convolutions with a BatchNorm each, a downsample where the shape changes."""
+
+    def __init__(self, i, o, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(i, o, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(o)
+        self.conv2 = nn.Conv2d(o, o, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(o)
+        self.downsample = None
+        if stride != 1 or i != o:
+            self.downsample = nn.Sequential(nn.Conv2d(i, o, 1, stride, bias=False), nn.BatchNorm2d(o))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+class ResNet(nn.Module):
+    """remat::models::ResNet: stem, layer1..layer3 of BasicBlocks (16, 32, 64 channels), pooling head."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+
+        def layer(i, o, stride):
+            return nn.Sequential(BasicBlock(i, o, stride), *[BasicBlock(o, o, 1) for _ in range(c["blocks"] - 1)])
+
+        self.layer1, self.layer2, self.layer3 = layer(16, 16, 1), layer(16, 32, 2), layer(32, 64, 2)
+        self.fc = nn.Linear(64, 10)
+        self.x = torch.randn(c["batch"], 3, 32, 32)
+
+    def forward(self, strategy):
+        h = F.relu(self.bn1(self.conv1(self.x)))
+        blocks = [*self.layer1, *self.layer2, *self.layer3]
+        if strategy.startswith("uniform:"):  # the nested stack flattened by hand, as users must
+            h = checkpoint_sequential(nn.Sequential(*blocks), int(strategy[8:]), h)
+        else:
+            for block in blocks:
+                h = checkpointed(block, h, strategy=strategy)
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
 class HfBert(nn.Module):
     """Hugging Face's BertModel at the same sizes, random weights; eager attention, the same math as remat's."""
 
@@ -275,6 +320,8 @@ def describe(c):
         return f"mlp {c['depth']} residual blocks x {c['width']} (hidden {4 * c['width']}), batch {c['batch']}"
     if m == "heavy":
         return f"heavy: {c['calls']} calls of {c['adds']} additions"
+    if m == "resnet":
+        return f"resnet (CIFAR, {3 * c['blocks']} BasicBlocks), batch {c['batch']}"
     return f"cifar (CifarNet), batch {c['batch']}"
 
 
@@ -283,7 +330,7 @@ def describe(c):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--meter", required=True, help="path of libremat_meter.so")
-    p.add_argument("--model", default="bert", choices=["bert", "hf-bert", "mlp", "heavy", "cifar"])
+    p.add_argument("--model", default="bert", choices=["bert", "hf-bert", "mlp", "heavy", "cifar", "resnet"])
     p.add_argument("--strategy", default="none,all",
                    help="comma-separated: none, all, all-reentrant, uniform:K, selective (PyTorch >= 2.4)")
     p.add_argument("--layers", type=int, default=12)
@@ -296,6 +343,7 @@ def main():
     p.add_argument("--batch", type=int, default=0)
     p.add_argument("--depth", type=int, default=16)
     p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--blocks", type=int, default=3)
     p.add_argument("--calls", type=int, default=1000)
     p.add_argument("--adds", type=int, default=100)
     p.add_argument("--steps", type=int, default=5)
@@ -308,8 +356,8 @@ def main():
     meter = Meter(a.meter)  # before any tensor, so that everything is counted
     torch.manual_seed(a.seed)
     c = vars(a).copy()
-    c["batch"] = a.batch or {"bert": 8, "hf-bert": 8, "mlp": 64, "cifar": 64, "heavy": 1}[a.model]
-    model = {"bert": Bert, "hf-bert": HfBert, "mlp": Mlp, "heavy": Heavy, "cifar": Cifar}[a.model](c)
+    c["batch"] = a.batch or {"bert": 8, "hf-bert": 8, "mlp": 64, "cifar": 64, "heavy": 1, "resnet": 64}[a.model]
+    model = {"bert": Bert, "hf-bert": HfBert, "mlp": Mlp, "heavy": Heavy, "cifar": Cifar, "resnet": ResNet}[a.model](c)
     strategies = [s for s in a.strategy.split(",") if s]
     if "none" not in strategies:
         strategies.insert(0, "none")

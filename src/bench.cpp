@@ -108,6 +108,49 @@ class MlpWorkload final : public ModelWorkload<models::ResidualMlp> {
   }
 };
 
+// A CIFAR-style ResNet: the chain is the stem, the nine (3 x blocks) BasicBlocks of layer1..layer3 (unequal:
+// layer1's keep four times layer3's activations) and the head; per-layer checkpointing is one
+// remat::checkpoint per block.
+class ResNetWorkload final : public ModelWorkload<models::ResNet> {
+ public:
+  explicit ResNetWorkload(const WorkloadConfig& c) : ModelWorkload(c, 64) {
+    TORCH_CHECK(c.blocks() >= 1, "remat::make_workload: blocks must be >= 1, got ", c.blocks());
+    place(models::ResNet(c.blocks()), torch::randn({batch_, 3, 32, 32}, on_device()));
+  }
+  std::string description() const override {
+    return "resnet (CIFAR, " + std::to_string(3 * c_.blocks()) + " BasicBlocks), batch " +
+           std::to_string(batch_);
+  }
+  std::vector<StageFn> stages() override {
+    auto m = model_;
+    std::vector<StageFn> out{
+        {"stem", [m](const torch::Tensor& x) mutable { return m->stem(x); }, stem_holder()}};
+    for (auto& s : stages_at(*model_, {"layer1", "layer2", "layer3"}))
+      out.push_back(std::move(s));
+    out.push_back({"head", [m](const torch::Tensor& h) mutable { return m->head(h); }, m->fc.ptr()});
+    return out;
+  }
+  std::vector<int64_t> per_layer_stages() const override {
+    std::vector<int64_t> blocks;
+    for (int64_t i = 1; i <= 3 * c_.blocks(); ++i)
+      blocks.push_back(i);
+    return blocks;
+  }
+
+ private:
+  // The stem's convolution and BatchNorm as one module, so that the executor restores the BatchNorm's
+  // statistics when it recomputes the stem.
+  std::shared_ptr<torch::nn::Module> stem_holder() {
+    if (!stem_) {
+      stem_ = std::make_shared<torch::nn::Module>("stem");
+      stem_->register_module("conv1", model_->conv1);
+      stem_->register_module("bn1", model_->bn1);
+    }
+    return stem_;
+  }
+  std::shared_ptr<torch::nn::Module> stem_;
+};
+
 class CifarWorkload final : public ModelWorkload<models::CifarNet> {
  public:
   explicit CifarWorkload(const WorkloadConfig& c) : ModelWorkload(c, 64) {
@@ -252,6 +295,7 @@ std::unique_ptr<Workload> make_workload(const WorkloadConfig& c) {
   if (m == "bert") return std::make_unique<BertWorkload>(c);
   if (m == "mlp") return std::make_unique<MlpWorkload>(c);
   if (m == "cifar") return std::make_unique<CifarWorkload>(c);
+  if (m == "resnet") return std::make_unique<ResNetWorkload>(c);
   if (m == "heavy") return std::make_unique<HeavyWorkload>(c);
   if (m == "forum-cnn") return std::make_unique<ForumWorkload>(c);
   TORCH_CHECK(false, "remat::make_workload: unknown model '", m, "' (bert, cifar, heavy, forum-cnn, mlp)");

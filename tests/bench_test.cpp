@@ -29,6 +29,7 @@ remat::WorkloadConfig tiny(const std::string& model) {
       .depth(4)
       .width(32)
       .calls(20)
+      .blocks(1)
       .adds(10);
 }
 
@@ -46,7 +47,7 @@ std::vector<torch::Tensor> step_grads(remat::Workload& w, const std::optional<re
 }
 
 TEST_F(BenchTest, EveryModelRunsEveryKindOfStrategyWithEqualGradients) {
-  for (const std::string model : {"bert", "mlp", "cifar", "heavy", "forum-cnn"}) {
+  for (const std::string model : {"bert", "mlp", "cifar", "heavy", "forum-cnn", "resnet"}) {
     auto w = remat::make_workload(tiny(model));
     const std::vector<std::string> strategies{"all",  "all-reentrant", "all-no-early-stop",   "plan-all",
                                               "sqrt", "uniform:2",     "optimal:overhead=0.5"};

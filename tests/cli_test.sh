@@ -78,6 +78,25 @@ fi
 # Bad input: one line, non-zero exit, naming the value.
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+# The frontier plot: remat sweep --plot draws a PNG through scripts/plot_tradeoff.py, the plain curve and, with
+# --frontier, compare.py --frontier's points (a hand-made compare.json with one PyTorch option here).
+cat >"$tmp/frontier.json" <<'JSON'
+{"remat": {"rows": [{"strategy": "none", "peak_bytes": 4000000, "time_ratio": 1.0},
+                    {"strategy": "all", "peak_bytes": 1000000, "time_ratio": 1.3}]},
+ "frontier": [{"library": "PyTorch", "strategy": "uniform:2", "peak_bytes": 2000000, "time_ratio": 1.2,
+               "remat_peak_bytes": 1900000, "remat_time_ratio": 1.08}]}
+JSON
+for mode in curve frontier; do
+  extra=()
+  [ "$mode" = frontier ] && extra=(--frontier "$tmp/frontier.json")
+  if "$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 --plot "$tmp/$mode.png" "${extra[@]}" >/dev/null 2>&1 &&
+    [ "$(head -c 4 "$tmp/$mode.png" | tail -c 3)" = PNG ]; then
+    echo "ok   sweep-plot-$mode"
+  else
+    echo "FAIL sweep-plot-$mode: no PNG at $tmp/$mode.png"; fail=1
+  fi
+done
+check sweep-plot-no-script nonzero "is not there" -- env REMAT_PLOT_SCRIPT=/nonexistent/plot.py "$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 --plot "$tmp/x.png"
 good='{"input_bytes": 1000, "stages": [{"fwd_ms": 1, "bwd_ms": 2, "output_bytes": 1000, "saved_bytes": 3000}]}'
 bad_chain() {  # bad_chain NAME NEEDLE JSON
   printf '%s' "$3" >"$tmp/$1.json"

@@ -2,6 +2,7 @@
 // A CIFAR-style ResNet as C++ users write it (the LibTorch tutorials' shape: BasicBlock with two BatchNorms,
 // a downsample Sequential, blocks held in layer1..layer3 Sequentials), and the ways remat checkpoints it.
 // Used by examples/resnet/main.cpp and tests/resnet_test.cpp.
+#include <remat/models/resnet.h>
 #include <remat/remat.h>
 
 #include <string>
@@ -9,63 +10,14 @@
 
 namespace resnet_example {
 
-struct BasicBlockImpl : torch::nn::Module {
-  BasicBlockImpl(int64_t in, int64_t out, int64_t stride)
-      : conv1(register_module(
-            "conv1",
-            torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false)))),
-        bn1(register_module("bn1", torch::nn::BatchNorm2d(out))),
-        conv2(register_module(
-            "conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1).bias(false)))),
-        bn2(register_module("bn2", torch::nn::BatchNorm2d(out))) {
-    if (stride != 1 || in != out) {
-      downsample = register_module(
-          "downsample",
-          torch::nn::Sequential(
-              torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
-              torch::nn::BatchNorm2d(out)));
-    }
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    auto out = torch::relu(bn1(conv1(x)));
-    out = bn2(conv2(out));
-    out = out + (downsample ? downsample->forward(x) : x);
-    return torch::relu(out);
-  }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::BatchNorm2d bn1, bn2;
-  torch::nn::Sequential downsample{nullptr};
-};
-TORCH_MODULE(BasicBlock);
-
-struct ResNetImpl : torch::nn::Module {
-  explicit ResNetImpl(int64_t blocks_per_layer = 3, int64_t classes = 10) {
-    conv1 = register_module("conv1",
-                            torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 16, 3).padding(1).bias(false)));
-    bn1 = register_module("bn1", torch::nn::BatchNorm2d(16));
-    layer1 = register_module("layer1", make_layer(16, 16, blocks_per_layer, 1));
-    layer2 = register_module("layer2", make_layer(16, 32, blocks_per_layer, 2));
-    layer3 = register_module("layer3", make_layer(32, 64, blocks_per_layer, 2));
-    fc = register_module("fc", torch::nn::Linear(64, classes));
-  }
-  static torch::nn::Sequential make_layer(int64_t in, int64_t out, int64_t blocks, int64_t stride) {
-    torch::nn::Sequential layer;
-    layer->push_back(BasicBlock(in, out, stride));
-    for (int64_t i = 1; i < blocks; ++i)
-      layer->push_back(BasicBlock(out, out, 1));
-    return layer;
-  }
-  torch::Tensor stem(const torch::Tensor& x) { return torch::relu(bn1(conv1(x))); }
-  torch::Tensor head(const torch::Tensor& h) { return fc(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1)); }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return head(layer3->forward(layer2->forward(layer1->forward(stem(x)))));
-  }
-  torch::nn::Conv2d conv1{nullptr};
-  torch::nn::BatchNorm2d bn1{nullptr};
-  torch::nn::Sequential layer1{nullptr}, layer2{nullptr}, layer3{nullptr};
-  torch::nn::Linear fc{nullptr};
-};
-TORCH_MODULE(ResNet);
+// The model: BasicBlock (two 3x3 convolutions with a BatchNorm each, a downsample Sequential where the shape
+// changes) and ResNet (stem, blocks in the Sequentials layer1..layer3, head), in the shape the LibTorch
+// tutorials give it. Its code is remat::models::ResNet (include/remat/models/resnet.h), which the benchmarks
+// use too; what follows is how a user checkpoints it.
+using remat::models::BasicBlock;
+using remat::models::BasicBlockImpl;
+using remat::models::ResNet;
+using remat::models::ResNetImpl;
 
 /// The ways the example checkpoints the blocks.
 enum class Way {

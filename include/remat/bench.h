@@ -42,7 +42,7 @@ namespace remat {
 
 /// Which model to build, and its size.
 struct WorkloadConfig {
-  /// "bert", "cifar", "heavy", "forum-cnn" or "mlp".
+  /// "bert", "cifar", "heavy", "forum-cnn", "mlp" or "resnet".
   TORCH_ARG(std::string, model) = "bert";
   /// bert: encoder layers, hidden size, heads, feed-forward size, sequence length, vocabulary, dropout.
   TORCH_ARG(int64_t, layers) = 12;
@@ -52,11 +52,14 @@ struct WorkloadConfig {
   TORCH_ARG(int64_t, seq) = 128;
   TORCH_ARG(int64_t, vocab) = 30522;
   TORCH_ARG(double, dropout) = 0.1;
-  /// Rows (bert: sequences) per batch; 0 means the model's default (bert 8, mlp 64, cifar 64, forum-cnn 100).
+  /// Rows (bert: sequences) per batch; 0 means the model's default (bert 8, mlp 64, cifar 64, forum-cnn 100,
+  /// resnet 64).
   TORCH_ARG(int64_t, batch) = 0;
   /// mlp: blocks and width.
   TORCH_ARG(int64_t, depth) = 16;
   TORCH_ARG(int64_t, width) = 1024;
+  /// resnet: BasicBlocks per layer (layer1..layer3; remat::models::ResNet).
+  TORCH_ARG(int64_t, blocks) = 3;
   /// heavy: calls of the function and additions per call.
   TORCH_ARG(int64_t, calls) = 1000;
   TORCH_ARG(int64_t, adds) = 100;

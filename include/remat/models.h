@@ -9,3 +9,4 @@
 #include <remat/models/forum_cnn.h>
 #include <remat/models/heavy_chain.h>
 #include <remat/models/residual_mlp.h>
+#include <remat/models/resnet.h>

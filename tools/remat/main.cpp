@@ -13,10 +13,15 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -68,13 +73,13 @@ void write_file(const std::string& path, const std::string& text) {
 struct ModelArgs {
   std::string model = "bert", variant = "small", placement = "each-op", device = "cpu", granularity = "layer";
   int64_t layers = 12, hidden = 768, heads = 12, intermediate = 3072, seq = 128, vocab = 30522, batch = 0;
-  int64_t depth = 16, width = 1024, calls = 1000, adds = 100;
+  int64_t depth = 16, width = 1024, calls = 1000, adds = 100, blocks = 3;
   double dropout = 0.1;
   uint64_t seed = 0;
 
   void add(CLI::App* app) {
-    app->add_option("--model", model, "bert, cifar, heavy, forum-cnn or mlp")
-        ->check(CLI::IsMember({"bert", "cifar", "heavy", "forum-cnn", "mlp"}))
+    app->add_option("--model", model, "bert, cifar, heavy, forum-cnn, mlp or resnet")
+        ->check(CLI::IsMember({"bert", "cifar", "heavy", "forum-cnn", "mlp", "resnet"}))
         ->capture_default_str();
     app->add_option("--layers", layers, "bert: encoder layers")
         ->check(CLI::Range(1, 1000))
@@ -104,6 +109,9 @@ struct ModelArgs {
         ->capture_default_str();
     app->add_option("--width", width, "mlp: block width")
         ->check(CLI::Range(1, 1 << 18))
+        ->capture_default_str();
+    app->add_option("--blocks", blocks, "resnet: BasicBlocks per layer (layer1..layer3)")
+        ->check(CLI::Range(1, 1000))
         ->capture_default_str();
     app->add_option("--calls", calls, "heavy: calls of the function")
         ->check(CLI::Range(1, 1000000))
@@ -144,6 +152,7 @@ struct ModelArgs {
         .width(width)
         .calls(calls)
         .adds(adds)
+        .blocks(blocks)
         .variant(variant)
         .placement(placement)
         .device(torch::Device(device))
@@ -173,7 +182,7 @@ int64_t size_arg(const std::string& text, const char* flag) {
 
 struct BenchArgs {
   ModelArgs model;
-  std::string strategies = "none,all,sqrt,optimal:overhead=0.5", json, csv, save_chain;
+  std::string strategies = "none,all,sqrt,optimal:overhead=0.5", json, csv, save_chain, chain;
   int64_t steps = 5, warmup = 2, nproc = 1;
   bool data_parallel = false;     // --nproc given (even 1): train through DataParallel
   bool predict = false;           // --predict: profile a chain for every row's predicted time
@@ -267,7 +276,11 @@ int run_bench(const BenchArgs& a) {
   progress(w->description());
   const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
   std::optional<remat::Chain> chain;
-  if (!a.save_chain.empty() || a.predict) {
+  if (!a.chain.empty()) {
+    chain = remat::load_chain(a.chain);
+    TORCH_CHECK(chain->size() == static_cast<int64_t>(w->stages().size()), "remat bench --chain: '", a.chain,
+                "' has ", chain->size(), " stages, but ", w->description(), " has ", w->stages().size());
+  } else if (!a.save_chain.empty() || a.predict) {
     progress("profiling " + w->description());
     chain = remat::profile_workload(*w, &profile);
     if (!a.save_chain.empty()) {
@@ -549,9 +562,33 @@ int run_max_batch(const MaxBatchArgs& a) {
 
 struct SweepArgs {
   ModelArgs model;
-  std::string chain, csv, title;
+  std::string chain, csv, title, plot, measured, frontier;
   int64_t budgets = 20;
 };
+
+// Runs scripts/plot_tradeoff.py (REMAT_PLOT_SCRIPT, or the one of the source tree this binary was built from)
+// with REMAT_PYTHON (default python3, which needs matplotlib).
+void draw_plot(const std::vector<std::string>& args) {
+  const char* env_script = std::getenv("REMAT_PLOT_SCRIPT");
+  const std::string script = env_script ? env_script : REMAT_PLOT_SCRIPT;
+  TORCH_CHECK(std::ifstream(script).good(), "remat sweep --plot: the plotting script '", script,
+              "' is not there; set REMAT_PLOT_SCRIPT to scripts/plot_tradeoff.py of remat's sources");
+  const char* env_python = std::getenv("REMAT_PYTHON");
+  std::vector<std::string> argv{env_python ? env_python : "python3", script};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& x : argv)
+    cargv.push_back(x.data());
+  cargv.push_back(nullptr);
+  pid_t pid = 0;
+  const int err = posix_spawnp(&pid, cargv[0], nullptr, nullptr, cargv.data(), ::environ);
+  TORCH_CHECK(err == 0, "remat sweep --plot: cannot run '", argv[0], "': ", std::strerror(err));
+  int status = 0;
+  waitpid(pid, &status, 0);
+  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "remat sweep --plot: '", argv[0], " ", script,
+              "' failed (exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+              "); it needs matplotlib");
+}
 
 int run_sweep(const SweepArgs& a) {
   remat::Chain chain;
@@ -574,10 +611,17 @@ int run_sweep(const SweepArgs& a) {
     csv << p.kind << "," << p.name << "," << p.budget_bytes << "," << p.predicted_peak_bytes << ","
         << p.predicted_time_ms << "," << p.overhead << "," << p.input_bytes << "\n";
   }
-  if (!a.csv.empty()) {
-    write_file(a.csv, csv.str());
-    std::cerr << "remat: trade-off curve written to " << a.csv << " (scripts/plot_tradeoff.py " << a.csv
+  const std::string csv_path = !a.csv.empty() ? a.csv : (a.plot.empty() ? "" : a.plot + ".csv");
+  if (!csv_path.empty()) {
+    write_file(csv_path, csv.str());
+    std::cerr << "remat: trade-off curve written to " << csv_path << " (scripts/plot_tradeoff.py " << csv_path
               << " draws it)\n";
+  }
+  if (!a.plot.empty()) {
+    std::vector<std::string> args{csv_path, "-o", a.plot};
+    if (!a.frontier.empty()) args.insert(args.end(), {"--frontier", a.frontier});
+    if (!a.measured.empty()) args.insert(args.end(), {"--measured", a.measured});
+    draw_plot(args);
   }
   remat::cli::Table t({"kind", "name", "budget MiB", "peak MiB", "time ms", "overhead"});
   for (const auto& p : points) {
@@ -649,6 +693,9 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--csv", bench.csv, "also write the results as CSV to this file");
   bench_cmd->add_option("--save-chain", bench.save_chain,
                         "also write the model's profiled chain to this file");
+  bench_cmd->add_option(
+      "--chain", bench.chain,
+      "plan on this chain (remat profile --json, --save-chain) instead of profiling the model");
   bench_cmd->add_flag(
       "--predict", bench.predict,
       "profile the model's chain even when no strategy needs it, to predict every row's time");
@@ -733,6 +780,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   sweep_cmd->add_option("--csv", sw.csv, "write the curve as CSV to this file");
   sweep_cmd->add_option("--title", sw.title, "title of the curve (default: the model or the chain file)");
+  sweep_cmd->add_option(
+      "--plot", sw.plot,
+      "draw the curve to this PNG (scripts/plot_tradeoff.py; REMAT_PYTHON with matplotlib)");
+  sweep_cmd->add_option("--measured", sw.measured,
+                        "with --plot: overlay the measured points of bench/compare.py's compare.json");
+  sweep_cmd->add_option(
+      "--frontier", sw.frontier,
+      "with --plot: draw the frontier of bench/compare.py --frontier's compare.json (PyTorch's "
+      "options, remat's planner measured at their peaks, the floor)");
 
   ModelArgs demo;
   int64_t demo_steps = 3;

@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel sublayer)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel sublayer timemodel frontier)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -18,6 +18,24 @@ for name in "${sections[@]}"; do
   : > "$out/$name.log"
   echo "=== $name ($(date -u +%FT%TZ))" | tee -a "$out/$name.log"
   case "$name" in
+    timemodel)  # the time model: each row's predicted step time (a fresh profile per round) beside the measured one
+      mkdir -p "$out/timemodel"
+      for r in 1 2 3; do
+        log "$remat" bench --model bert --batch 8 --predict \
+          --strategy none,all,uniform:4,sqrt,optimal:150MiB,optimal:300MiB --steps 3 --warmup 1 --json "$out/timemodel/bert-$r.json"
+        log "$remat" bench --model mlp --depth 16 --width 512 --predict \
+          --strategy none,all,uniform:4,sqrt,optimal:8MiB,optimal:12MiB --steps 15 --warmup 3 --json "$out/timemodel/mlp-$r.json"
+      done
+      ;;
+    frontier)  # every PyTorch 2.15 option against remat's planner at that option's peak (./test --torch pypi first)
+      py="$REMAT_PYPI_VENV/bin/python"
+      REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --build build-pypi --model resnet --batch 128 \
+        --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6 --steps 7 --warmup 2 --rounds 3 \
+        --out "$out/frontier-resnet"
+      REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --hf --build build-pypi --model bert --granularity layer \
+        --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6,selective --steps 3 --warmup 1 \
+        --rounds 3 --out "$out/frontier-bert"
+      ;;
     sublayer)  # BERT-base on sub-layer stages against layer stages: selective, and the planner at PyTorch's peaks
       for r in 1 2 3; do
         log "$remat" bench --model bert --batch 8 --granularity sublayer \

@@ -298,7 +298,8 @@ std::unique_ptr<Workload> make_workload(const WorkloadConfig& c) {
   if (m == "resnet") return std::make_unique<ResNetWorkload>(c);
   if (m == "heavy") return std::make_unique<HeavyWorkload>(c);
   if (m == "forum-cnn") return std::make_unique<ForumWorkload>(c);
-  TORCH_CHECK(false, "remat::make_workload: unknown model '", m, "' (bert, cifar, heavy, forum-cnn, mlp)");
+  TORCH_CHECK(false, "remat::make_workload: unknown model '", m,
+              "' (bert, cifar, heavy, forum-cnn, mlp, resnet)");
 }
 
 std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {

@@ -613,8 +613,12 @@ std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(in
       r.predicted_peak_bytes = predicted_peak(s, chain);
       if (progress) progress("'" + s + "': confirming batch " + std::to_string(r.batch));
       auto w = make(r.batch);
-      const Plan plan = plan_at(s, chain, budget);
-      Runner runner{*w, plan, w->stages()};
+      // "none" and "all" run as users run them (the plain model, the model's per-layer checkpointing), not
+      // through the plan executor, which may hold less.
+      std::optional<Plan> plan;
+      if (s != "none" && s != "all") plan = plan_at(s, chain, budget);
+      configure(*w, s, plan);
+      Runner runner{*w, plan, plan ? w->stages() : std::vector<StageFn>{}};
       const StepStats st = measure_step(
           w->module(), [&] { return runner.step_loss(); }, MeasureOptions().warmup(1).steps(1));
       r.measured_peak_bytes = st.peak_bytes + static_cast<int64_t>(w->input().nbytes());

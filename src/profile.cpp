@@ -170,7 +170,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         memory::PeakScope bwd_scope(device);
         const auto t1 = Clock::now();
         // As the executor runs it: d handed over by move, so it is freed once the first node consumed it.
-        detail::backward_from(out, std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
+        detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false,
+                              /*create_graph=*/false,
                               /*accumulate=*/true);
         sync();
         b = ms_since(t1);
@@ -199,7 +200,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         torch::Tensor d = torch::ones_like(outs[i]);
         sync();
         const auto t0 = Clock::now();
-        detail::backward_from(outs[i], std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
+        detail::backward_from(std::move(outs[i]), std::move(d), targets, /*keep_graph=*/false,
+                              /*create_graph=*/false,
                               /*accumulate=*/true);
         sync();
         cb = ms_since(t0);

@@ -41,12 +41,13 @@ struct GradSource final : torch::autograd::Node {
 
 // Backpropagates `grad` (taken by move) from `output` to the leaves `targets`: accumulated into their .grad
 // (accumulate), or returned (undefined for a target the graph does not reach).
-torch::autograd::variable_list backward_from(const at::Tensor& output, at::Tensor grad,
+torch::autograd::variable_list backward_from(at::Tensor output, at::Tensor grad,
                                              const std::vector<at::Tensor>& targets, bool keep_graph,
                                              bool create_graph, bool accumulate) {
   const at::Tensor token = at::zeros({}, output.options().dtype(at::kFloat).device(at::kCPU));
   auto source =
       compat::make_node<GradSource>(std::move(grad), torch::autograd::impl::gradient_edge(output), token);
+  output.reset();  // the edge holds the graph; the values may go once the nodes that saved them are done
   torch::autograd::edge_list outputs;
   outputs.reserve(targets.size());
   for (const auto& t : targets) {
@@ -250,12 +251,13 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph,
         // The leaf is the executor's own, but with retain_graph a later backward finds it again (the state is
         // copied, the tensors shared): start its gradient afresh, or the second pass would add the first's.
         if (leaf_grad) abar.leaf.mutable_grad() = at::Tensor();
-        backward_from(abar.output, std::move(st.grad), targets, keep_graph, create_graph,
+        backward_from(std::move(abar.output), std::move(st.grad), targets, keep_graph, create_graph,
                       /*accumulate=*/true);
         if (leaf_grad) d_in = abar.leaf.grad();
       } else {
-        auto grads = backward_from(abar.output, std::move(st.grad), targets, keep_graph, create_graph,
-                                   /*accumulate=*/false);
+        auto grads =
+            backward_from(std::move(abar.output), std::move(st.grad), targets, keep_graph, create_graph,
+                          /*accumulate=*/false);
         size_t k = 0;
         if (leaf_grad) d_in = grads[k++];
         for (; k < grads.size(); ++k)

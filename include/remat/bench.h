@@ -165,7 +165,9 @@ struct MaxBatch {
 
 /// Profiles the workload at two batch sizes, scales the chain linearly in the batch, finds the largest batch
 /// whose predicted peak fits `budget_bytes` for each strategy ("none", "all", "sqrt", "uniform:K",
-/// "optimal"), and confirms it with one real step (stepping the batch down while the step does not fit).
+/// "optimal"), and confirms it with one real step (stepping the batch down while the step does not fit):
+/// "none" and "all" as the model runs them (plain, and its per-layer checkpointing), the others through the
+/// plan executor.
 /// `make` builds the workload for a batch. Throws c10::Error for an unknown strategy.
 std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(int64_t)>& make,
                                 int64_t budget_bytes, const std::vector<std::string>& strategies,

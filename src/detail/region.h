@@ -158,8 +158,10 @@ void warn_undeclared_asked(const std::vector<Leaf>& leaves, const char* what, co
 /// Backpropagates `grad`, taken by move, from `output` to the leaves `targets`: accumulated into their .grad
 /// (accumulate) or returned (undefined for a target the graph does not reach). Unlike
 /// torch::autograd::backward, nothing outside the engine keeps `grad` alive: it is freed as soon as the
-/// first backward node has consumed it, as in one backward pass through per-stage checkpoints.
-torch::autograd::variable_list backward_from(const at::Tensor& output, at::Tensor grad,
+/// first backward node has consumed it, as in one backward pass through per-stage checkpoints. `output` is
+/// taken by value too: pass it by move, and its values are freed as soon as the nodes that saved them are
+/// done (a stage whose last operation saves its result, ReLU, holds it otherwise for its whole backward).
+torch::autograd::variable_list backward_from(at::Tensor output, at::Tensor grad,
                                              const std::vector<at::Tensor>& targets, bool keep_graph,
                                              bool create_graph, bool accumulate);
 

@@ -118,13 +118,29 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     return leaf;
   };
 
+  // A stage's backward from `out` with d_{i+1} = ones, as the executor runs it: the output and d handed over
+  // by move, so that each is freed once the nodes that need it are done. Returns its time; *peak gets its
+  // peak above what was alive before it (d included).
+  auto timed_backward = [&](torch::Tensor out, const std::vector<torch::Tensor>& targets, int64_t* peak) {
+    torch::Tensor d = torch::ones_like(out);
+    sync();
+    memory::PeakScope scope(device);
+    const auto t0 = Clock::now();
+    detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
+                          /*accumulate=*/true);
+    sync();
+    const double ms = ms_since(t0);
+    if (peak) *peak = scope.peak_over_base();
+    return ms;
+  };
+
   // Each repeat runs the stages in the order of a training step, so that what is in the caches when a
-  // stage runs is what a step leaves there (timing a stage over and over on its own measured it up to 15%
-  // faster than inside a step): a forward pass without saving (Fn, which also produces the stages' inputs
-  // on the first run), then from the last stage to the first its forward with saving and its backward
-  // (Fa, B: the peak of the executor's checkpoint-every-stage plan, far below a plain step's), then every
-  // stage under remat::checkpoint and the backward pass through them (per-call checkpointing, whose
-  // recompute stops early).
+  // stage runs is what a step leaves there (timing a stage over and over on its own predicted a residual
+  // MLP's plain step 13% short): a forward pass without saving (Fn, which also produces the stages' inputs on
+  // the first run), then from the last stage to the first its forward with saving and its backward (Fa, B:
+  // the peak of the executor's checkpoint-every-stage plan, far below a plain step's), then every stage under
+  // remat::checkpoint and the backward pass through them (per-call checkpointing, whose recompute stops
+  // early).
   std::vector<torch::Tensor> xs(n + 1);
   xs[0] = sample_input.detach();
   for (int64_t r = 0; r < options.warmup() + options.repeats(); ++r) {
@@ -165,20 +181,12 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       const std::vector<torch::Tensor> targets = targets_of(i, leaf);
       double b = 0;
       if (out.requires_grad() && !targets.empty()) {
-        torch::Tensor d = torch::ones_like(out);  // d_{i+1}
-        sync();
-        memory::PeakScope bwd_scope(device);
-        const auto t1 = Clock::now();
-        // As the executor runs it: d handed over by move, so it is freed once the first node consumed it.
-        detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false,
-                              /*create_graph=*/false,
-                              /*accumulate=*/true);
-        sync();
-        b = ms_since(t1);
+        int64_t peak = 0;
+        b = timed_backward(std::move(out), targets, &peak);
         if (measure) {
           const int64_t d_in =
               per[i].input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
-          s.bwd_tmp_bytes = std::max<int64_t>(0, bwd_scope.peak_over_base() - d_in);
+          s.bwd_tmp_bytes = std::max<int64_t>(0, peak - d_in);
         }
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
@@ -196,16 +204,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     for (size_t i = n; i-- > 0;) {
       const std::vector<torch::Tensor> targets = targets_of(i, leaves[i]);
       double cb = 0;
-      if (outs[i].requires_grad() && !targets.empty()) {
-        torch::Tensor d = torch::ones_like(outs[i]);
-        sync();
-        const auto t0 = Clock::now();
-        detail::backward_from(std::move(outs[i]), std::move(d), targets, /*keep_graph=*/false,
-                              /*create_graph=*/false,
-                              /*accumulate=*/true);
-        sync();
-        cb = ms_since(t0);
-      }
+      if (outs[i].requires_grad() && !targets.empty())
+        cb = timed_backward(std::move(outs[i]), targets, nullptr);
       outs[i] = leaves[i] = torch::Tensor();
       if (keep) per[i].ckpt_fwd.push_back(cf[i]), per[i].ckpt_bwd.push_back(cb);
     }

@@ -20,6 +20,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_FLAGS = ["layers", "hidden", "heads", "intermediate", "seq", "vocab", "dropout", "batch", "depth", "width",
                "calls", "adds", "blocks"]
+DEFAULT_REMAT = "none,all,sqrt,optimal:overhead=0.5"
 
 
 def run(cmd):
@@ -55,7 +56,7 @@ def main():
     p.add_argument("--model", default="bert", choices=["bert", "mlp", "heavy", "cifar", "resnet"])
     for flag in MODEL_FLAGS:
         p.add_argument("--" + flag)
-    p.add_argument("--remat", default="none,all,sqrt,optimal:overhead=0.5", help="remat strategies")
+    p.add_argument("--remat", default=DEFAULT_REMAT, help="remat strategies")
     p.add_argument("--pytorch", default="none,all", help="PyTorch strategies (none, all, all-reentrant, uniform:K, selective on PyTorch >= 2.4)")
     p.add_argument("--steps", default="3")
     p.add_argument("--warmup", default="1")
@@ -156,7 +157,7 @@ def frontier(a, python, flags, chain):
                       if row["strategy"] != "none"]
             budgets = sorted({max(row["peak_bytes"], floor) for row in points})
             remat_strategies = ["none", "all"] + [f"optimal:{b}" for b in budgets]
-            if a.remat and a.remat != p_default_remat():
+            if a.remat and a.remat != DEFAULT_REMAT:
                 remat_strategies += [s for s in a.remat.split(",") if s and s not in remat_strategies]
         rj = os.path.join(a.out, f"remat-{r}.json")
         run([remat_bin, "bench", *flags, *g, "--chain", chain, "--strategy", ",".join(remat_strategies),
@@ -214,10 +215,6 @@ def frontier(a, python, flags, chain):
     run([remat_bin, "sweep", "--chain", chain, "--budgets", "32", "--csv", csv, "--title",
          rm["model"] + f" ({a.granularity} stages)", "--plot", png, "--frontier", os.path.join(a.out, "compare.json")])
     print(f"\nfrontier plot written to {png}")
-
-
-def p_default_remat():
-    return "none,all,sqrt,optimal:overhead=0.5"
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ namespace remat::models {
 struct BasicBlockImpl : torch::nn::Module {
   /// `in` -> `out` channels; stride 1 or 2.
   BasicBlockImpl(int64_t in, int64_t out, int64_t stride);
+  /// [batch, in, H, W] -> [batch, out, H / stride, W / stride].
   torch::Tensor forward(const torch::Tensor& x);
   torch::nn::Conv2d conv1;
   torch::nn::BatchNorm2d bn1;
@@ -41,7 +42,9 @@ struct ResNetImpl : torch::nn::Module, Checkpointable {
   explicit ResNetImpl(int64_t blocks_per_layer = 3, int64_t classes = 10);
   /// A layer of `blocks` BasicBlocks, the first with the stride.
   static torch::nn::Sequential make_layer(int64_t in, int64_t out, int64_t blocks, int64_t stride);
+  /// The stem: [batch, 3, H, W] images -> [batch, 16, H, W].
   torch::Tensor stem(const torch::Tensor& x);
+  /// The head: layer3's [batch, 64, h, w] -> [batch, classes] logits.
   torch::Tensor head(const torch::Tensor& h);
   /// With gradient checkpointing on, every block is its own remat::checkpoint (with the options given).
   torch::Tensor forward(const torch::Tensor& x);

@@ -239,21 +239,25 @@ struct Runner {
   torch::Tensor step_loss() { return w.loss_of(plan ? run_plan(stages, *plan, w.input()) : w.forward()); }
 };
 
+}  // namespace
+
+std::optional<CheckpointOptions> per_layer_options(const std::string& strategy) {
+  if (strategy == "all") return CheckpointOptions();
+  if (strategy == "all-reentrant") return CheckpointOptions().mode(CheckpointMode::kReentrant);
+  if (strategy == "all-no-early-stop") return CheckpointOptions().early_stop(false);
+  if (strategy == "all-keep-matmul") return CheckpointOptions().keep({kMatmul});
+  return std::nullopt;
+}
+
+namespace {
+
 void configure(Workload& w, const std::string& strategy, const std::optional<Plan>& plan) {
-  if (plan || strategy == "none") {
-    w.set_per_layer(std::nullopt);
-  } else if (strategy == "all") {
-    w.set_per_layer(CheckpointOptions());
-  } else if (strategy == "all-reentrant") {
-    w.set_per_layer(CheckpointOptions().mode(CheckpointMode::kReentrant));
-  } else if (strategy == "all-no-early-stop") {
-    w.set_per_layer(CheckpointOptions().early_stop(false));
-  }
+  w.set_per_layer(plan ? std::nullopt : per_layer_options(strategy));
 }
 
 // Strategies that run through the model's own per-layer checkpointing (or none) need no chain.
 bool needs_chain(const std::string& s) {
-  return !(s == "none" || s == "all" || s == "all-reentrant" || s == "all-no-early-stop");
+  return !(s == "none" || per_layer_options(s));
 }
 
 // Gradients exist after a first step; allocate them up front so that no measured step counts them.
@@ -374,7 +378,7 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
     TORCH_CHECK(false, kWho, ": strategy '", s, "': ", e.what());
   }
   TORCH_CHECK(false, kWho, ": unknown strategy '", s,
-              "' (none, all, all-reentrant, all-no-early-stop, plan-all, sqrt, uniform:K, balanced:K, "
+              "' (none, all, all-reentrant, all-no-early-stop, all-keep-matmul, plan-all, sqrt, uniform:K, balanced:K, "
               "balanced-time:K, revolve:S, "
               "optimal:SIZE, optimal:as=P, optimal:overhead=F)");
 }

@@ -293,13 +293,29 @@ class Collector final : public HookSource {
   // than the forward pass has saved so far: those beyond `limit` are not kept). `strict`: more than `limit`
   // is an error. `expected`: their metadata in the forward pass, checked when non-null. `stop`: throw
   // StopRecompute as soon as `limit` tensors are stored (and again at any later save, should fn catch it).
+  // `replay`: answers remat::keep calls of the recompute (the frame's kept outputs); null runs them.
+  using Replay = std::function<std::vector<at::Tensor>(const std::string&, const KeepFn&,
+                                                       const std::vector<at::Tensor>&, Collector&)>;
   Collector(std::vector<at::Tensor>& out, int64_t limit, bool strict, bool stop,
-            const std::vector<TensorMeta>* expected)
-      : out_(out), limit_(limit), strict_(strict), stop_(stop), expected_(expected) {}
+            const std::vector<TensorMeta>* expected, Replay replay = nullptr)
+      : out_(out),
+        limit_(limit),
+        strict_(strict),
+        stop_(stop),
+        expected_(expected),
+        replay_(std::move(replay)) {}
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
     return std::make_unique<Hooks>(this);
   }
+
+  std::vector<at::Tensor> keep(const std::string& tag, const KeepFn& fn,
+                               const std::vector<at::Tensor>& inputs) override {
+    return replay_ ? replay_(tag, fn, inputs, *this) : fn(inputs);
+  }
+
+  // Saves t as autograd would have inside a call the recompute skips (may throw StopRecompute).
+  void save(const at::Tensor& t) { make_hooks()->call_pack_hook(t); }
 
  private:
   struct Hooks final : torch::autograd::SavedVariableHooks {
@@ -342,8 +358,58 @@ class Collector final : public HookSource {
   bool strict_;
   bool stop_;
   const std::vector<TensorMeta>* expected_;
+  Replay replay_;
   int64_t count_ = 0;
 };
+
+// One remat::keep call of a checkpoint's forward pass whose outputs are kept: the outputs, and how to give
+// back in the recompute each tensor autograd saved inside the call.
+struct KeptCall {
+  struct Saved {
+    // A view of input `input` (>= 0) or of output `output` (>= 0) with these sizes, strides and storage
+    // offset relative to it; otherwise `held` itself.
+    int64_t input = -1, output = -1;
+    std::vector<int64_t> sizes, strides;
+    int64_t offset = 0;
+    at::Tensor held;
+  };
+  std::string tag;
+  size_t num_inputs = 0;
+  std::vector<at::Tensor> outputs;  // detached; empty once released
+  std::vector<bool> output_requires_grad;
+  std::vector<int64_t> output_versions;
+  std::vector<Saved> saved;
+};
+
+int64_t version_of(const at::Tensor& t) {
+  return t.is_inference() ? 0 : static_cast<int64_t>(t._version());
+}
+
+void check_keep_inputs(const std::vector<at::Tensor>& inputs) {
+  for (size_t i = 0; i < inputs.size(); ++i)
+    TORCH_CHECK(inputs[i].defined(), "remat::keep: input ", i, " is an undefined tensor");
+}
+
+KeptCall::Saved recipe_of(const at::Tensor& t, const std::vector<at::Tensor>& inputs,
+                          const std::vector<at::Tensor>& outputs) {
+  KeptCall::Saved s;
+  auto alias = [&](const std::vector<at::Tensor>& of, int64_t& index) {
+    if (!t.has_storage()) return false;
+    for (size_t i = 0; i < of.size(); ++i) {
+      if (of[i].has_storage() && t.is_alias_of(of[i]) && !t.is_sparse()) {
+        index = static_cast<int64_t>(i);
+        s.sizes = t.sizes().vec();
+        s.strides = t.strides().vec();
+        s.offset = t.storage_offset() - of[i].storage_offset();
+        return true;
+      }
+    }
+    return false;
+  };
+  if (!alias(outputs, s.output) && !alias(inputs, s.input)) s.held = t.detach();
+  return s;
+}
+
 
 class Frame final : public HookSource, public std::enable_shared_from_this<Frame> {
  public:
@@ -354,6 +420,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
         cuda_devices_(cuda_devices_of(inputs)),
         check_(options.determinism_check()),
         early_stop_(options.early_stop()),
+        keep_tags_(options.keep()),
         autocast_(AutocastState::current()) {
     // The inputs are saved as autograd saves tensors, so that an enclosing checkpoint drops them too.
     inputs_.reserve(inputs.size());
@@ -364,6 +431,85 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
     return std::make_unique<Hooks>(shared_from_this());
+  }
+
+  // remat::keep in the forward pass: run fn, keep its outputs and learn how to give back what autograd saved
+  // inside it.
+  std::vector<at::Tensor> keep(const std::string& tag, const KeepFn& fn,
+                               const std::vector<at::Tensor>& inputs) override {
+    if (!keeps(tag) || capturing_ || forward_done_) return fn(inputs);
+    std::vector<int64_t> versions;
+    for (const auto& x : inputs)
+      versions.push_back(version_of(x));
+    const RngState before = rng_.empty() ? RngState() : RngState::capture(cuda_devices_);
+    std::vector<at::Tensor> outputs;
+    {
+      capturing_ = true;
+      struct Reset {
+        Frame* f;
+        ~Reset() {
+          f->capturing_ = false;
+          f->captured_.clear();
+        }
+      } reset{this};
+      outputs = fn(inputs);
+      for (size_t i = 0; i < outputs.size(); ++i)
+        TORCH_CHECK(outputs[i].defined(), "remat::keep('", tag, "'): fn returned an undefined tensor at ", i);
+      for (size_t i = 0; i < inputs.size(); ++i)
+        TORCH_CHECK(version_of(inputs[i]) == versions[i], "remat::keep('", tag, "'): fn modified input ", i,
+                    " in place; a kept call must leave its inputs as they were");
+      TORCH_CHECK(before.empty() || before.matches_current(), "remat::keep('", tag,
+                  "'): fn drew random numbers; a kept call must be deterministic (keep dropout outside it)");
+      KeptCall call;
+      call.tag = tag;
+      call.num_inputs = inputs.size();
+      for (const auto& t : captured_)
+        call.saved.push_back(recipe_of(t, inputs, outputs));
+      for (const auto& o : outputs) {
+        call.outputs.push_back(o.detach());
+        call.output_requires_grad.push_back(o.requires_grad());
+        call.output_versions.push_back(version_of(o));
+      }
+      std::lock_guard<std::recursive_mutex> lock(mutex_);
+      kept_.push_back(std::move(call));
+    }
+    return outputs;
+  }
+
+  // remat::keep in a recompute: hand back the kept outputs and what autograd saved inside the call, without
+  // running fn; fn runs when the forward pass did not keep this call or its outputs were released.
+  std::vector<at::Tensor> replay(const std::string& tag, const KeepFn& fn, const std::vector<at::Tensor>& inputs,
+                                 Collector& collector) {
+    if (!keeps(tag)) return fn(inputs);
+    const size_t k = replayed_++;
+    if (k >= kept_.size() || kept_[k].outputs.empty()) return fn(inputs);
+    const KeptCall& call = kept_[k];
+    TORCH_CHECK(call.tag == tag && call.num_inputs == inputs.size(), "remat::keep: call ", k,
+                " of the recompute is '", tag, "' with ", inputs.size(), " inputs, but was '", call.tag, "' with ",
+                call.num_inputs, " in the forward pass; fn must do the same work each time it runs");
+    for (size_t o = 0; o < call.outputs.size(); ++o)
+      TORCH_CHECK(version_of(call.outputs[o]) == call.output_versions[o], "remat::keep('", tag, "'): output ",
+                  o, " was modified in place after the call; a kept output must not be written to");
+    {
+      at::NoGradGuard no_grad;
+      for (const auto& sv : call.saved) {
+        if (sv.held.defined()) {
+          collector.save(sv.held);
+          continue;
+        }
+        const at::Tensor& base = sv.input >= 0 ? inputs[sv.input] : call.outputs[sv.output];
+        TORCH_CHECK(base.has_storage(), "remat::keep('", tag, "'): input ", sv.input,
+                    " has no storage in the recompute");
+        collector.save(base.as_strided(sv.sizes, sv.strides, base.storage_offset() + sv.offset));
+      }
+    }
+    std::vector<at::Tensor> outputs;
+    for (size_t o = 0; o < call.outputs.size(); ++o) {
+      at::Tensor out = call.outputs[o].detach();
+      if (call.output_requires_grad[o]) out.requires_grad_(true);
+      outputs.push_back(std::move(out));
+    }
+    return outputs;
   }
 
   std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& inputs) {
@@ -396,8 +542,13 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     int64_t index = -1;
   };
 
+  bool keeps(const std::string& tag) const {
+    return std::find(keep_tags_.begin(), keep_tags_.end(), tag) != keep_tags_.end();
+  }
+
   int64_t pack(const at::Tensor& t) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
+    if (capturing_) captured_.push_back(t);
     if (check_) metas_.push_back(TensorMeta::of(t));
     // Where the generators stand at each save: a recompute that stops early at the last one checks that it
     // drew the same numbers up to there.
@@ -429,8 +580,14 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     {
       // Early stopping only once the forward pass is complete: a recompute for a gradient fn takes of its own
       // intermediate results runs fn up to where it is now.
+      replayed_ = 0;
+      Collector::Replay replay;
+      if (!kept_.empty()) {
+        replay = [this](const std::string& tag, const KeepFn& fn, const std::vector<at::Tensor>& in,
+                        Collector& c) { return this->replay(tag, fn, in, c); };
+      }
       Collector collector(collected, limit, /*strict=*/forward_done_, /*stop=*/forward_done_ && early_stop_,
-                          check_ ? &metas_ : nullptr);
+                          check_ ? &metas_ : nullptr, std::move(replay));
       RngReplay rng(rng_, cuda_devices_);
       StateRestore state(modules_, args);
       AutocastScope autocast(autocast_);
@@ -456,6 +613,8 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
                 collected.size(), " tensors for backward but the forward pass saved ", limit,
                 "; fn must do the same work each time it runs");
     recomputed_ = std::move(collected);
+    // The kept outputs have served: a later recompute of this region (retain_graph) runs the calls again.
+    if (forward_done_) kept_.clear();
   }
 
   TensorsFn fn_;
@@ -465,6 +624,11 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   std::vector<c10::DeviceIndex> cuda_devices_;
   bool check_;
   bool early_stop_;
+  std::vector<std::string> keep_tags_;
+  std::vector<KeptCall> kept_;     // the forward pass's kept calls, in order
+  size_t replayed_ = 0;            // kept calls the running recompute has reached
+  bool capturing_ = false;         // inside a kept call of the forward pass
+  std::vector<at::Tensor> captured_;  // what autograd saved inside it, until the call returns
   AutocastState autocast_;
   RngState rng_, rng_end_;  // the generators at the start and at the end of the forward pass
   RngState rng_last_save_;  // and at its last save (with early stopping)
@@ -714,6 +878,9 @@ std::vector<at::Tensor> checkpoint_tensors(const TensorsFn& fn, const std::vecto
   if (!at::GradMode::is_enabled()) {
     outputs = fn(inputs);
   } else if (options.mode() == CheckpointMode::kReentrant) {
+    TORCH_CHECK(options.keep().empty(), "remat::checkpoint: CheckpointOptions::keep (", options.keep().size(),
+                " tag", options.keep().size() == 1 ? "" : "s", ", the first '", options.keep()[0],
+                "') needs CheckpointMode::kNonReentrant; kReentrant recomputes its region whole");
     outputs = run_reentrant(fn, inputs, options);
   } else {
     outputs = run_non_reentrant(fn, inputs, options);
@@ -727,6 +894,26 @@ at::Tensor checkpoint_tensor(const TensorFn& fn, const at::Tensor& input, const 
   TensorsFn wrapped = [fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; };
   return checkpoint_tensors(wrapped, {input}, options)[0];
 }
+
+}  // namespace detail
+
+std::vector<at::Tensor> keep(const std::string& tag, const TensorsFn& fn, const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(static_cast<bool>(fn), "remat::keep('", tag, "'): fn is empty (a default-constructed std::function)");
+  detail::check_keep_inputs(inputs);
+  detail::HookSource* source = detail::current_hook_source();
+  if (source == nullptr || !at::GradMode::is_enabled()) return fn(inputs);
+  return source->keep(tag, fn, inputs);
+}
+
+at::Tensor keep(const std::string& tag, const TensorFn& fn, const at::Tensor& input) {
+  TORCH_CHECK(static_cast<bool>(fn), "remat::keep('", tag, "'): fn is empty (a default-constructed std::function)");
+  TensorsFn wrapped = [&fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; };
+  auto outputs = keep(tag, wrapped, {input});
+  TORCH_CHECK(outputs.size() == 1, "remat::keep('", tag, "'): expected one output, got ", outputs.size());
+  return outputs[0];
+}
+
+namespace detail {
 
 // Leaves that the recomputed graph reaches and that the checkpoint did not declare: parameters fn uses from
 // modules missing in options.modules. Only nodes created by the recompute are followed, so the walk stays

@@ -57,6 +57,10 @@ void require_engine(const char* who) {
       "(at::SavedTensorDefaultHooks::enable()) or use CheckpointMode::kReentrant.");
 }
 
+HookSource* current_hook_source() {
+  return hook_stack.empty() ? nullptr : hook_stack.back();
+}
+
 HookScope::HookScope(HookSource* source) {
   hook_stack.push_back(source);
 }

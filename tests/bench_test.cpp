@@ -49,8 +49,9 @@ std::vector<torch::Tensor> step_grads(remat::Workload& w, const std::optional<re
 TEST_F(BenchTest, EveryModelRunsEveryKindOfStrategyWithEqualGradients) {
   for (const std::string model : {"bert", "mlp", "cifar", "heavy", "forum-cnn", "resnet"}) {
     auto w = remat::make_workload(tiny(model));
-    const std::vector<std::string> strategies{"all",  "all-reentrant", "all-no-early-stop",   "plan-all",
-                                              "sqrt", "uniform:2",     "optimal:overhead=0.5"};
+    const std::vector<std::string> strategies{"all",      "all-reentrant", "all-no-early-stop",
+                                              "all-keep-matmul", "plan-all",  "sqrt",
+                                              "uniform:2", "optimal:overhead=0.5"};
     const auto rows = remat::bench(*w, strategies, remat::MeasureOptions().warmup(1).steps(1));
     ASSERT_EQ(rows.size(), strategies.size() + 1) << model;
     EXPECT_EQ(rows[0].strategy, "none");
@@ -71,12 +72,8 @@ TEST_F(BenchTest, EveryModelRunsEveryKindOfStrategyWithEqualGradients) {
       if (r.plan)
         EXPECT_DOUBLE_EQ(*r.predicted_time_ms, r.plan->predicted.time_ms) << model << " " << r.strategy;
       if (r.predicted_time_ms) EXPECT_GT(*r.predicted_time_ms, 0) << model << " " << r.strategy;
-      EXPECT_EQ(r.plan.has_value(), r.strategy != "none" && r.strategy != "all" &&
-                                        r.strategy != "all-reentrant" && r.strategy != "all-no-early-stop");
-      if (r.strategy == "all") w->set_per_layer(remat::CheckpointOptions());
-      if (r.strategy == "all-reentrant")
-        w->set_per_layer(remat::CheckpointOptions().mode(remat::CheckpointMode::kReentrant));
-      if (r.strategy == "all-no-early-stop") w->set_per_layer(remat::CheckpointOptions().early_stop(false));
+      EXPECT_EQ(r.plan.has_value(), r.strategy != "none" && !remat::per_layer_options(r.strategy));
+      w->set_per_layer(remat::per_layer_options(r.strategy));
       const auto got = step_grads(*w, r.plan);
       w->set_per_layer(std::nullopt);
       ASSERT_EQ(got.size(), reference.size());

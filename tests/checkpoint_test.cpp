@@ -753,3 +753,190 @@ TEST(EarlyStop, DropoutMasksAndStateAreAsWithoutIt) {
     EXPECT_TRUE(with[i].equal(without[i])) << i;  // gradients, the next random numbers, BatchNorm buffers
 }
 }  // namespace
+
+namespace {
+// remat::keep: selective checkpointing at the level of operations. A block whose two linear layers are kept
+// calls: the recompute runs only GELU and the residual add.
+struct KeptBlock {
+  explicit KeptBlock(int64_t w) : fc1(w, 2 * w), fc2(2 * w, w) {}
+  torch::Tensor operator()(const torch::Tensor& x) {
+    auto h = remat::keep(
+        remat::kMatmul,
+        [&](const torch::Tensor& t) {
+          ++fc1_calls;
+          return fc1(t);
+        },
+        x);
+    auto g = torch::gelu(h);
+    ++gelu_calls;
+    auto y = remat::keep(
+        remat::kMatmul,
+        [&](const torch::Tensor& t) {
+          ++fc2_calls;
+          return fc2(t);
+        },
+        g);
+    return x + y;
+  }
+  CheckpointOptions options(std::vector<std::string> keep) const {
+    return CheckpointOptions().keep(std::move(keep)).modules({fc1.ptr(), fc2.ptr()});
+  }
+  torch::nn::Linear fc1, fc2;
+  int fc1_calls = 0, fc2_calls = 0, gelu_calls = 0;
+};
+
+TEST(Keep, GradientsEqualAndKeptCallsRunOnce) {
+  torch::manual_seed(0);
+  KeptBlock block(16);
+  auto x = torch::randn({8, 16}, torch::requires_grad());
+  block(x).pow(2).sum().backward();
+  std::vector<torch::Tensor> plain{x.grad().clone(), block.fc1->weight.grad().clone(),
+                                   block.fc2->weight.grad().clone(), block.fc2->bias.grad().clone()};
+  for (const auto& keep : {std::vector<std::string>{remat::kMatmul}, std::vector<std::string>{"other"}}) {
+    const bool kept = keep[0] == remat::kMatmul;
+    x.mutable_grad() = torch::Tensor();
+    for (auto& p : {block.fc1->weight, block.fc2->weight, block.fc2->bias})
+      p.mutable_grad() = torch::Tensor();
+    block.fc1_calls = block.fc2_calls = block.gelu_calls = 0;
+    remat::checkpoint([&](const torch::Tensor& t) { return block(t); }, x, block.options(keep))
+        .pow(2)
+        .sum()
+        .backward();
+    EXPECT_EQ(block.fc1_calls, kept ? 1 : 2) << keep[0];
+    EXPECT_EQ(block.fc2_calls, kept ? 1 : 2) << keep[0];
+    EXPECT_EQ(block.gelu_calls, 2) << keep[0];  // the cheap operation is recomputed either way
+    std::vector<torch::Tensor> got{x.grad(), block.fc1->weight.grad(), block.fc2->weight.grad(),
+                                   block.fc2->bias.grad()};
+    expect_all_close(got, plain, 0.0);
+  }
+}
+
+TEST(Keep, KeepsExactlyTheKeptOutputs) {
+  torch::manual_seed(0);
+  remat::testing::meter_on();
+  const int64_t b = 32, w = 64;
+  KeptBlock block(w);
+  auto x = torch::randn({b, w}, torch::requires_grad());
+  auto kept_bytes = [&](std::vector<std::string> keep) {
+    const int64_t before = remat::memory::active_bytes();
+    auto y = remat::checkpoint([&](const torch::Tensor& t) { return block(t); }, x,
+                               block.options(std::move(keep)).preserve_rng_state(false));
+    const int64_t kept = remat::memory::active_bytes() - before;
+    y.sum().backward();
+    return kept;
+  };
+  // Plain checkpointing keeps the output; keeping the matmuls adds fc1's output (2w) and fc2's (w). GELU's
+  // output, the input fc2 saves, is recomputed from fc1's kept output.
+  EXPECT_EQ(kept_bytes({}), b * w * 4);
+  EXPECT_EQ(kept_bytes({remat::kMatmul}), b * (w + 2 * w + w) * 4);
+  // Everything the step allocated is gone afterwards, the kept outputs included.
+  const int64_t before = remat::memory::active_bytes();
+  kept_bytes({remat::kMatmul});
+  EXPECT_EQ(remat::memory::active_bytes(), before);
+}
+
+TEST(Keep, DropoutOutsideKeptCallsIsReplayedAndRetainGraphRunsThemAgain) {
+  torch::manual_seed(1);
+  KeptBlock block(8);
+  auto x = torch::randn({6, 8}, torch::requires_grad());
+  auto fn = [&](const torch::Tensor& t) { return torch::dropout(block(torch::dropout(t, 0.3, true)), 0.3, true); };
+  torch::manual_seed(2);
+  auto plain_y = fn(x);
+  plain_y.sum().backward();
+  auto plain = x.grad().clone();
+  x.mutable_grad() = torch::Tensor();
+  torch::manual_seed(2);
+  block.fc1_calls = 0;
+  auto y = remat::checkpoint(fn, x, block.options({remat::kMatmul}));
+  EXPECT_TRUE(y.equal(plain_y));
+  y.sum().backward(/*gradient=*/{}, /*retain_graph=*/true);
+  EXPECT_EQ(max_abs_diff(x.grad(), plain), 0.0);
+  EXPECT_EQ(block.fc1_calls, 1);
+  // A second backward recomputes again; the kept outputs were freed after the first, so the calls run.
+  y.sum().backward();
+  EXPECT_EQ(block.fc1_calls, 2);
+  EXPECT_EQ(max_abs_diff(x.grad(), 2 * plain), 0.0);
+}
+
+TEST(Keep, EarlyStopInsideAKeptCallAndSeveralOutputs) {
+  // The region's last saved tensors are saved inside a kept call with two outputs (a view of an input and a
+  // parameter): the recompute hands them back and stops there.
+  torch::manual_seed(0);
+  torch::nn::Linear fc(8, 8);
+  auto x = torch::randn({4, 8}, torch::requires_grad());
+  int calls = 0, tail = 0;
+  auto fn = [&](const torch::Tensor& t) {
+    auto h = t.tanh();
+    auto outs = remat::keep(
+        "proj",
+        [&](const std::vector<torch::Tensor>& in) {
+          ++calls;
+          return std::vector<torch::Tensor>{fc(in[0].t().t()), in[0] * 2};
+        },
+        {h});
+    ++tail;
+    return outs[0] + outs[1];
+  };
+  fn(x).sum().backward();
+  auto plain = x.grad().clone();
+  x.mutable_grad() = torch::Tensor();
+  calls = tail = 0;
+  remat::checkpoint(fn, x, CheckpointOptions().keep({"proj"}).modules({fc.ptr()})).sum().backward();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(tail, 1);
+  EXPECT_LE(max_abs_diff(x.grad(), plain), 1e-6);
+}
+
+TEST(Keep, BadUseIsAClearError) {
+  torch::nn::Linear fc(4, 4);
+  auto x = torch::randn({2, 4}, torch::requires_grad());
+  auto expect_error = [](const std::function<void()>& f, const std::string& words) {
+    try {
+      f();
+      ADD_FAILURE() << "no error; expected: " << words;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  const auto keep = CheckpointOptions().keep({"k"});
+  expect_error(
+      [&] {
+        remat::checkpoint(
+            [&](const torch::Tensor& t) {
+              return remat::keep("k", [](const torch::Tensor& u) { return torch::dropout(u, 0.5, true); }, t);
+            },
+            x, keep);
+      },
+      "remat::keep('k'): fn drew random numbers");
+  expect_error(
+      [&] {
+        remat::checkpoint(
+            [&](const torch::Tensor& t) {
+              auto u = t * 1;
+              return remat::keep("k", [](const torch::Tensor& v) { return v.mul_(2); }, u);
+            },
+            x, keep);
+      },
+      "remat::keep('k'): fn modified input 0 in place");
+  expect_error([&] { remat::checkpoint(fc, x, CheckpointOptions(keep).mode(CheckpointMode::kReentrant)); },
+               "CheckpointOptions::keep (1 tag, the first 'k') needs CheckpointMode::kNonReentrant");
+  expect_error([&] { remat::keep("k", [](const torch::Tensor& u) { return u; }, torch::Tensor()); },
+               "remat::keep: input 0 is an undefined tensor");
+  expect_error([&] { remat::keep("k", remat::TensorFn(), x); }, "remat::keep('k'): fn is empty");
+  // A kept output written to before the backward pass.
+  torch::Tensor kept_out;
+  auto y = remat::checkpoint(
+      [&](const torch::Tensor& t) {
+        kept_out = remat::keep("k", [&](const torch::Tensor& u) { return fc(u); }, t);
+        return kept_out.tanh();
+      },
+      x, CheckpointOptions(keep).modules({fc.ptr()}));
+  {
+    torch::NoGradGuard no_grad;
+    kept_out.add_(1);
+  }
+  expect_error([&] { y.sum().backward(); }, "output 0 was modified in place after the call");
+  // Outside a checkpoint, and under NoGradGuard, keep simply runs fn.
+  EXPECT_TRUE(remat::keep("k", [](const torch::Tensor& u) { return u * 3; }, x).equal(x * 3));
+}
+}  // namespace

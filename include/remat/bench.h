@@ -12,7 +12,10 @@
 /// - "none": no checkpointing.
 /// - "all": per-layer checkpointing through the model's gradient_checkpointing_enable() (kNonReentrant);
 ///   "all-reentrant": the same in kReentrant mode; "all-no-early-stop": kNonReentrant with
-///   CheckpointOptions().early_stop(false) (each recompute runs its layer to the end).
+///   CheckpointOptions().early_stop(false) (each recompute runs its layer to the end);
+///   "all-keep-matmul": kNonReentrant with CheckpointOptions().keep({remat::kMatmul}), the outputs of the
+///   layers' matrix multiplications kept (PyTorch's selective checkpointing with the save-matmuls policy;
+///   bert and mlp tag theirs, on other models it is "all").
 /// - "uniform:K" (checkpoint_sequential with K segments), "balanced:K" / "balanced-time:K" (K segments
 ///   balanced by profiled memory / forward time), "sqrt", "revolve:S", "plan-all" (every stage a
 ///   checkpoint, through the executor): plans over the model's stages, run by the plan executor.
@@ -114,15 +117,19 @@ struct BenchRow {
   std::optional<Plan> plan;  ///< for plan strategies: the plan and its prediction
   /// The step time the chain predicts (milliseconds), when bench had a chain: simulate()'s time for "none"
   /// and plan strategies, per_call_time_ms() over Workload::per_layer_stages() for "all"; unset otherwise
-  /// ("all-reentrant", "all-no-early-stop", or no per-layer stages).
+  /// (the other per-layer strategies, or no per-layer stages).
   std::optional<double> predicted_time_ms;
 };
 
 /// Progress messages (for stderr).
 using Progress = std::function<void(const std::string&)>;
 
+/// The per-layer CheckpointOptions of a strategy that runs through the model's own checkpointing ("all",
+/// "all-reentrant", "all-no-early-stop", "all-keep-matmul"); nullopt for every other strategy.
+std::optional<CheckpointOptions> per_layer_options(const std::string& strategy);
+
 /// Resolves a plan strategy against a chain (see the top of this file). Returns nullopt for "none", "all",
-/// "all-reentrant" and "all-no-early-stop". Throws c10::Error naming the strategy when it is unknown or
+/// and the other per-layer strategies (per_layer_options). Throws c10::Error naming the strategy when it is unknown or
 /// malformed, and what the planners throw (InfeasibleBudget for a budget below the minimum).
 std::optional<Plan> plan_for(const std::string& strategy, const Chain& chain);
 

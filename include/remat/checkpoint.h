@@ -17,6 +17,7 @@
 
 #include <functional>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -69,6 +70,15 @@ struct CheckpointOptions {
   /// both modes and in the plan executor, writes back any tensor from before it that it updated in place
   /// (BatchNorm running statistics, num_batches_tracked, a captured counter), declared or not.
   TORCH_ARG(std::vector<std::shared_ptr<torch::nn::Module>>, modules) = {};
+  /// kNonReentrant: selective checkpointing at the level of operations (PyTorch's
+  /// create_selective_checkpoint_contexts with a policy that saves chosen ops). The outputs of every
+  /// remat::keep call inside fn whose tag is listed here are kept from the forward pass, and the recompute
+  /// hands them back instead of running the call again; everything else is recomputed as usual. remat's
+  /// models tag their matrix multiplications remat::kMatmul, so {remat::kMatmul} keeps the expensive
+  /// operations and recomputes the cheap ones between them (softmax, dropout, GELU, LayerNorm, residual
+  /// adds). Gradients are unchanged. Empty (the default): every call is recomputed. kReentrant throws
+  /// c10::Error when this is not empty.
+  TORCH_ARG(std::vector<std::string>, keep) = {};
 };
 
 /// A region with several inputs and outputs.
@@ -96,6 +106,28 @@ std::vector<torch::Tensor> checkpoint_tensors(const TensorsFn& fn, const std::ve
 torch::Tensor checkpoint_tensor(const TensorFn& fn, const torch::Tensor& input,
                                 const CheckpointOptions& options);
 }  // namespace detail
+
+/// The tag remat's models give their matrix multiplications (linear projections, attention scores and
+/// context): CheckpointOptions().keep({remat::kMatmul}) keeps their outputs, like PyTorch's selective
+/// checkpointing with a policy that saves mm, addmm and bmm.
+inline constexpr char kMatmul[] = "matmul";
+
+/// Marks a call inside a checkpointed function as one whose outputs a checkpoint may keep: returns
+/// fn(inputs). Inside remat::checkpoint (kNonReentrant) whose CheckpointOptions::keep lists `tag`, the
+/// forward pass keeps the outputs and the recompute returns them without running fn again. Anywhere else
+/// (outside a checkpoint, under NoGradGuard, a tag not listed, kReentrant, the plan executor) it just runs
+/// fn. fn must compute its outputs from `inputs` (and parameters) without drawing random numbers and
+/// without modifying its inputs in place: the tensors autograd saves inside fn are recomputed as views of
+/// `inputs` where they are views of them (a linear layer's input, a transposed operand), and kept where
+/// they are not (a parameter costs nothing; a copy fn makes costs its bytes, so pass operands in the
+/// layout fn uses). Kept outputs are freed after the region's first recompute; a second recompute of the
+/// region (retain_graph) runs fn again. Throws c10::Error naming remat::keep when fn is empty, inputs
+/// holds an undefined tensor, fn returns an undefined tensor, draws random numbers or writes to an input
+/// in place (while keeping), or when the recompute's calls do not match the forward pass's (tag, count).
+std::vector<torch::Tensor> keep(const std::string& tag, const TensorsFn& fn,
+                                const std::vector<torch::Tensor>& inputs);
+/// One tensor in, one tensor out; otherwise as above.
+torch::Tensor keep(const std::string& tag, const TensorFn& fn, const torch::Tensor& input);
 
 /// Runs fn(inputs) as a checkpointed region and returns its outputs. Gradients of the inputs and of every
 /// parameter used inside equal those of calling fn directly; the tensors fn's autograd graph would keep

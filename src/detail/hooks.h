@@ -10,16 +10,32 @@
 
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include <ATen/core/Tensor.h>
+
+#include <functional>
 #include <memory>
+#include <string>
+#include <vector>
 
 namespace remat::detail {
 
 /// Makes the hooks of every tensor autograd saves while it is the innermost source on this thread.
 class HookSource {
  public:
+  using KeepFn = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
   virtual ~HookSource() = default;
   virtual std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() = 0;
+  /// remat::keep(tag, fn, inputs) while this source is the innermost: a checkpoint's forward pass keeps the
+  /// outputs of the calls its options name, its recompute hands them back. By default fn simply runs.
+  virtual std::vector<at::Tensor> keep(const std::string& tag, const KeepFn& fn,
+                                       const std::vector<at::Tensor>& inputs) {
+    (void)tag;
+    return fn(inputs);
+  }
 };
+
+/// The innermost source on this thread, or nullptr.
+HookSource* current_hook_source();
 
 /// Installs remat's engine as LibTorch's default autograd engine (idempotent, thread-safe) when the default
 /// is still LibTorch's own, and checks that saved-tensor hooks will reach remat on this thread. Throws

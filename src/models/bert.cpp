@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "kept.h"
+
 namespace remat::models {
 namespace {
 
@@ -70,12 +72,18 @@ torch::Tensor BertLayerImpl::forward(const torch::Tensor& hidden, const torch::T
   auto heads = [&](const torch::Tensor& t) {
     return t.view({batch, seq, heads_, head_size_}).transpose(1, 2);
   };
-  auto q = heads(query(hidden)), k = heads(key(hidden)), v = heads(value(hidden));
-  auto scores = torch::matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(head_size_));
+  using detail::kept_linear;
+  using detail::kept_matmul;
+  // The matrix multiplications are marked for selective checkpointing (CheckpointOptions::keep), their
+  // operands made contiguous first (matmul would copy them anyway) so that what they save are views.
+  auto q = heads(kept_linear(query, hidden)).contiguous(), k = heads(kept_linear(key, hidden)).contiguous(),
+       v = heads(kept_linear(value, hidden)).contiguous();
+  auto scores = kept_matmul(q, k.transpose(-1, -2)) / std::sqrt(static_cast<double>(head_size_));
   auto probs = attention_dropout(torch::softmax(scores + extended_mask, -1));
-  auto context = torch::matmul(probs, v).transpose(1, 2).reshape({batch, seq, width});
-  auto attended = attention_norm(hidden_dropout(attention_output(context)) + hidden);
-  return output_norm(hidden_dropout(output(torch::gelu(intermediate(attended)))) + attended);
+  auto context = kept_matmul(probs, v).transpose(1, 2).reshape({batch, seq, width});
+  auto attended = attention_norm(hidden_dropout(kept_linear(attention_output, context)) + hidden);
+  return output_norm(hidden_dropout(kept_linear(output, torch::gelu(kept_linear(intermediate, attended)))) +
+                     attended);
 }
 
 torch::Tensor BertLayerImpl::qkv(const torch::Tensor& hidden) {

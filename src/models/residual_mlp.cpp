@@ -2,6 +2,8 @@
 
 #include <torch/nn/functional/activation.h>
 
+#include "kept.h"
+
 namespace remat::models {
 
 ResidualBlockImpl::ResidualBlockImpl(int64_t width, int64_t hidden, double dropout)
@@ -10,7 +12,7 @@ ResidualBlockImpl::ResidualBlockImpl(int64_t width, int64_t hidden, double dropo
       drop(register_module("drop", torch::nn::Dropout(dropout))) {}
 
 torch::Tensor ResidualBlockImpl::forward(const torch::Tensor& x) {
-  return x + drop(fc2(torch::gelu(fc1(x))));
+  return x + drop(detail::kept_linear(fc2, torch::gelu(detail::kept_linear(fc1, x))));
 }
 
 ResidualMlpImpl::ResidualMlpImpl(const ResidualMlpOptions& options) : options_(options) {

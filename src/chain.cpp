@@ -67,6 +67,26 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "saved_bytes", s.saved_bytes);
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
+    const int keep_fields = s.keep_saved_bytes.has_value() + s.keep_fwd_ms.has_value() + s.keep_bwd_ms.has_value();
+    if (keep_fields != 0 && keep_fields != 3) {
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
+                                  " has some of keep_saved_bytes, keep_fwd_ms and keep_bwd_ms but not all");
+    }
+    if (s.has_keep()) {
+      check_ms(chain, i, "keep_fwd_ms", *s.keep_fwd_ms);
+      check_ms(chain, i, "keep_bwd_ms", *s.keep_bwd_ms);
+      check_bytes(chain, i, "keep_saved_bytes", *s.keep_saved_bytes);
+      if (*s.keep_saved_bytes < s.output_bytes) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has keep_saved_bytes (" +
+                                    std::to_string(*s.keep_saved_bytes) + ") < output_bytes (" +
+                                    std::to_string(s.output_bytes) + ")");
+      }
+      add_bytes(total, *s.keep_saved_bytes, stage_label(chain, i));
+      if (chain.keep.empty()) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
+                                    " has keep_ fields but the chain names no keep tags");
+      }
+    }
     if (s.saved_bytes < s.output_bytes) {
       throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has saved_bytes (" +
                                   std::to_string(s.saved_bytes) + ") < output_bytes (" +
@@ -94,8 +114,14 @@ std::string to_json(const Chain& chain) {
     if (s.fwd_nosave_ms) js["fwd_nosave_ms"] = *s.fwd_nosave_ms;
     if (s.checkpoint_fwd_ms) js["checkpoint_fwd_ms"] = *s.checkpoint_fwd_ms;
     if (s.checkpoint_bwd_ms) js["checkpoint_bwd_ms"] = *s.checkpoint_bwd_ms;
+    if (s.has_keep()) {
+      js["keep_saved_bytes"] = *s.keep_saved_bytes;
+      js["keep_fwd_ms"] = *s.keep_fwd_ms;
+      js["keep_bwd_ms"] = *s.keep_bwd_ms;
+    }
     j["stages"].push_back(js);
   }
+  if (!chain.keep.empty()) j["keep"] = chain.keep;
   return j.dump(2);
 }
 
@@ -164,11 +190,15 @@ Chain chain_from_json(const std::string& text) {
     for (auto [key, field] :
          {std::pair<const char*, std::optional<double>*>{"fwd_nosave_ms", &s.fwd_nosave_ms},
           {"checkpoint_fwd_ms", &s.checkpoint_fwd_ms},
-          {"checkpoint_bwd_ms", &s.checkpoint_bwd_ms}}) {
+          {"checkpoint_bwd_ms", &s.checkpoint_bwd_ms},
+          {"keep_fwd_ms", &s.keep_fwd_ms},
+          {"keep_bwd_ms", &s.keep_bwd_ms}}) {
       if (js.contains(key)) *field = required<double>(js, key, where);
     }
+    if (js.contains("keep_saved_bytes")) s.keep_saved_bytes = required<int64_t>(js, "keep_saved_bytes", where);
     chain.stages.push_back(std::move(s));
   }
+  chain.keep = detail::string_array(j, "keep", "remat::chain_from_json");
   validate(chain);
   return chain;
 }

@@ -24,6 +24,8 @@ std::string op_name(OpKind kind) {
       return "L";
     case OpKind::kBackward:
       return "B";
+    case OpKind::kForwardKeep:
+      return "Fk";
   }
   return "?";
 }
@@ -54,7 +56,7 @@ Op parse_op(const std::string& text) {
   auto fail = [&] {
     throw std::invalid_argument(
         "remat::parse_op: '" + text +
-        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, L or B<i>, e.g. Fc0, Fa3, L, B3)");
+        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, L or B<i>, e.g. Fc0, Fa3, L, B3)");
   };
   if (text == "L") return Op{OpKind::kLoss, -1};
   size_t digits = 0;
@@ -65,6 +67,8 @@ Op parse_op(const std::string& text) {
     op.kind = OpKind::kForwardCheckpoint, digits = 2;
   } else if (text.rfind("Fa", 0) == 0) {
     op.kind = OpKind::kForwardAll, digits = 2;
+  } else if (text.rfind("Fk", 0) == 0) {
+    op.kind = OpKind::kForwardKeep, digits = 2;
   } else if (text.rfind("B", 0) == 0) {
     op.kind = OpKind::kBackward, digits = 1;
   } else {
@@ -80,7 +84,8 @@ Op parse_op(const std::string& text) {
 
 namespace {
 
-enum Held : uint8_t { kNone = 0, kPlain = 1, kFull = 2 };
+// kKept: what Fk keeps of stage i - 1 (its output and its kept calls' outputs).
+enum Held : uint8_t { kNone = 0, kPlain = 1, kFull = 2, kKept = 3 };
 
 // Runs a plan over the model of plan.h; charges memory and time when a chain is given, checks only otherwise.
 Simulation run(const Plan& plan, const Chain* chain, const char* who) {
@@ -98,8 +103,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   sim.forward_calls.assign(static_cast<size_t>(n), 0);
   sim.peak_bytes = current;
 
+  auto kept = [&](int64_t i) -> int64_t { return chain ? *chain->stages[i - 1].keep_saved_bytes : 0; };
   auto held_bytes = [&](int64_t i) -> int64_t {
-    return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : 0;
+    return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : held[i] == kKept ? kept(i) : 0;
   };
   auto charge = [&](int64_t peak, size_t k) {
     if (peak > sim.peak_bytes) {
@@ -121,24 +127,32 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     switch (op.kind) {
       case OpKind::kForwardNoSave:
       case OpKind::kForwardCheckpoint:
-      case OpKind::kForwardAll: {
+      case OpKind::kForwardAll:
+      case OpKind::kForwardKeep: {
         if (held[i] == kNone) fail("needs a_" + std::to_string(i) + ", which is not held");
         if (grad >= 0 && grad <= i) fail("runs after stage " + std::to_string(i) + "'s backward");
-        const bool all = op.kind == OpKind::kForwardAll;
-        if (held[i + 1] == kFull || (!all && held[i + 1] == kPlain)) {
+        const bool all = op.kind == OpKind::kForwardAll, keep = op.kind == OpKind::kForwardKeep;
+        if (held[i + 1] == kFull || held[i + 1] == kKept || (!all && !keep && held[i + 1] == kPlain)) {
           fail("recomputes a_" + std::to_string(i + 1) + ", which is already held");
         }
-        const int64_t out = all ? (chain ? chain->stages[i].saved_bytes : 0) : act(i + 1);
+        if (keep && chain && !chain->stages[i].has_keep()) {
+          fail("runs stage " + std::to_string(i) + " ('" + chain->stages[i].name +
+               "') with kept calls, but the chain has no keep_ fields for it (profile with keep tags)");
+        }
+        const int64_t out = all ? (chain ? chain->stages[i].saved_bytes : 0) : keep ? kept(i + 1) : act(i + 1);
         const int64_t tmp = chain ? chain->stages[i].fwd_tmp_bytes : 0;
         charge(current + out + tmp, k);
         current += out - held_bytes(i + 1);
-        held[i + 1] = all ? kFull : kPlain;
+        held[i + 1] = all ? kFull : keep ? kKept : kPlain;
         if (op.kind == OpKind::kForwardNoSave && held[i] == kPlain && i > 0) {
           current -= act(i);
           held[i] = kNone;
         }
         sim.forward_calls[i] += 1;
-        if (chain) sim.time_ms += all ? chain->stages[i].fwd_ms : chain->stages[i].nosave_ms();
+        if (chain) {
+          const Stage& st = chain->stages[i];
+          sim.time_ms += all ? st.fwd_ms : keep ? *st.keep_fwd_ms : st.nosave_ms();
+        }
         break;
       }
       case OpKind::kLoss: {
@@ -160,11 +174,14 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           fail("needs d_" + std::to_string(i + 1) + ", but the backward pass is at d_" +
                std::to_string(grad));
         }
-        if (held[i + 1] != kFull)
-          fail("needs abar_" + std::to_string(i + 1) + " (run Fa" + std::to_string(i) + " first)");
+        if (held[i + 1] != kFull && held[i + 1] != kKept)
+          fail("needs abar_" + std::to_string(i + 1) + " (run Fa" + std::to_string(i) + " or Fk" +
+               std::to_string(i) + " first)");
         if (held[i] == kNone) fail("needs a_" + std::to_string(i) + ", which is not held");
+        const bool after_keep = held[i + 1] == kKept;
+        const int64_t rest = after_keep ? saved(i + 1) - kept(i + 1) : 0;  // recomputed before the backward
         const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
-        charge(current + act(i) + tmp, k);
+        charge(current + rest + act(i) + tmp, k);
         current += act(i) - held_bytes(i + 1) - act(i + 1);
         held[i + 1] = kNone;
         grad = i;
@@ -172,7 +189,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           current -= act(i);
           held[i] = kNone;
         }
-        if (chain) sim.time_ms += chain->stages[i].bwd_ms;
+        if (chain) sim.time_ms += after_keep ? *chain->stages[i].keep_bwd_ms : chain->stages[i].bwd_ms;
         break;
       }
     }
@@ -213,6 +230,7 @@ std::string to_json(const Plan& plan) {
   p["time_ms"] = plan.predicted.time_ms;
   p["forward_calls"] = plan.predicted.forward_calls;
   j["predicted"] = p;
+  if (!plan.keep.empty()) j["keep"] = plan.keep;
   return j.dump(2);
 }
 
@@ -240,7 +258,10 @@ Plan plan_from_json(const std::string& text) {
     if (p.contains("forward_calls"))
       plan.predicted.forward_calls = p.at("forward_calls").get<std::vector<int64_t>>();
   }
+  plan.keep = detail::string_array(j, "keep", "remat::plan_from_json");
   check_plan(plan);
+  if (plan.count(OpKind::kForwardKeep) > 0 && plan.keep.empty())
+    fail("the plan has Fk operations but no \"keep\" tags to run them with");
   return plan;
 }
 
@@ -295,6 +316,7 @@ Plan step_plan(const Plan& chain_plan) {
   step.num_stages = n + 2;
   step.planner = chain_plan.planner.empty() ? "step" : "step(" + chain_plan.planner + ")";
   step.budget_bytes = 0;
+  step.keep = chain_plan.keep;
   step.ops.push_back({OpKind::kForwardAll, 0});
   for (const Op& op : chain_plan.ops) {
     if (op.kind == OpKind::kLoss) {

@@ -21,6 +21,7 @@ void push(Plan& plan, OpKind kind, int64_t stage) {
 Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget) {
   plan.planner = name;
   plan.budget_bytes = budget;
+  if (plan.count(OpKind::kForwardKeep) > 0) plan.keep = chain.keep;
   plan.predicted = simulate(chain, plan);
   return plan;
 }
@@ -33,6 +34,11 @@ struct Sizes {
   int64_t n = 0;  // real stages
   std::vector<T> x, xb, ft, bt;
   std::vector<double> f, fn, b;  // forward with saving (Fa), without (Fn, Fc), backward
+  // Fk: whether stage i has it, what it keeps (xk[i + 1], like xb), its forward and its backward (recompute
+  // included).
+  std::vector<char> hk;
+  std::vector<T> xk;
+  std::vector<double> fk, bk;
 
   template <typename Convert>
   Sizes(const Chain& chain, Convert convert) : n(chain.size()) {
@@ -43,6 +49,10 @@ struct Sizes {
     f.assign(n + 1, 0);
     fn.assign(n + 1, 0);
     b.assign(n + 1, 0);
+    hk.assign(n + 1, 0);
+    xk.assign(n + 2, 0);
+    fk.assign(n + 1, 0);
+    bk.assign(n + 1, 0);
     for (int64_t i = 0; i <= n; ++i)
       x[i] = convert(chain.activation_bytes(i));
     for (int64_t i = 0; i < n; ++i) {
@@ -53,6 +63,12 @@ struct Sizes {
       f[i] = s.fwd_ms;
       fn[i] = s.nosave_ms();
       b[i] = s.bwd_ms;
+      if (s.has_keep()) {
+        hk[i] = 1;
+        xk[i + 1] = convert(*s.keep_saved_bytes);
+        fk[i] = *s.keep_fwd_ms;
+        bk[i] = *s.keep_bwd_ms;
+      }
     }
   }
   // Memory to run the last stage t of a subchain alone: Fa(t) then B(t), d_{t+1} held.
@@ -63,9 +79,17 @@ struct Sizes {
   T keep_all_need(int64_t s, int64_t t) const {
     return std::max(x[t + 1] + xb[s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
   }
+  // Option K at s (stage s has Fk): Fk(s) with d_{t+1} held, and B(s) at the end, which recomputes the rest
+  // of abar_{s+1} first (so its peak is option A's).
+  T keep_some_need(int64_t s, int64_t t) const {
+    return std::max(x[t + 1] + xk[s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
+  }
   // The forward k of a sweep that starts at s (a_s is held by the caller, a_k for k > s by the sweep).
   T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + ft[k]; }
 };
+
+// The choices of the dynamic programs besides a checkpoint at s' > s.
+constexpr int32_t kKeepAll = -1, kKeepSome = -3;
 
 // Emits a schedule for subchain [s, t] in the shapes both dynamic programs use: choice -1 is "keep
 // everything of stage s" (Fa(s), the rest, B(s)); choice s' > s is "sweep to a_{s'}, keep it as a checkpoint,
@@ -76,6 +100,7 @@ struct Emitter {
   void keep_all_open(int64_t s) {
     if (s < n) push(plan, OpKind::kForwardAll, s);
   }
+  void keep_some_open(int64_t s) { push(plan, OpKind::kForwardKeep, s); }
   void keep_all_close(int64_t s) {
     if (s < n) {
       push(plan, OpKind::kBackward, s);
@@ -103,9 +128,14 @@ class Table {
   double at(int64_t s, int64_t t, int64_t m) const { return m < 0 ? kInf : row(s, t)[m]; }
   void emit(Emitter& e, int64_t s, int64_t t, int64_t m) const {
     const int32_t w = what(s, t)[m];
-    if (w == -1) {
-      e.keep_all_open(s);
-      if (s < t) emit(e, s + 1, t, m - z_.xb[s + 1]);
+    if (w == kKeepAll || w == kKeepSome) {
+      const bool all = w == kKeepAll;
+      if (all) {
+        e.keep_all_open(s);
+      } else {
+        e.keep_some_open(s);
+      }
+      if (s < t) emit(e, s + 1, t, m - (all ? z_.xb[s + 1] : z_.xk[s + 1]));
       e.keep_all_close(s);
     } else {
       const int64_t sp = w;
@@ -131,19 +161,22 @@ class Table {
         const int64_t t = s + len;
         double* c = row(s, t);
         int32_t* w = what(s, t);
-        // Keep everything of stage s.
-        const int64_t need = z_.keep_all_need(s, t);
-        if (len == 0) {
-          for (int64_t m = std::max<int64_t>(need, 0); m <= m_; ++m)
-            c[m] = z_.f[s] + z_.b[s], w[m] = -1;
-        } else {
-          const double* sub = row(s + 1, t);
-          const int64_t keep = z_.xb[s + 1];
-          for (int64_t m = std::max(need, keep); m <= m_; ++m) {
-            const double v = z_.f[s] + z_.b[s] + sub[m - keep];
-            if (v < c[m]) c[m] = v, w[m] = -1;
+        // Keep everything of stage s (Fa), or only its kept calls' outputs (Fk).
+        auto keep_option = [&](int64_t need, int64_t keep, double ms, int32_t choice) {
+          if (len == 0) {
+            for (int64_t m = std::max<int64_t>(need, 0); m <= m_; ++m) {
+              if (ms < c[m]) c[m] = ms, w[m] = choice;
+            }
+          } else {
+            const double* sub = row(s + 1, t);
+            for (int64_t m = std::max(need, keep); m <= m_; ++m) {
+              const double v = ms + sub[m - keep];
+              if (v < c[m]) c[m] = v, w[m] = choice;
+            }
           }
-        }
+        };
+        keep_option(z_.keep_all_need(s, t), z_.xb[s + 1], z_.f[s] + z_.b[s], kKeepAll);
+        if (z_.hk[s]) keep_option(z_.keep_some_need(s, t), z_.xk[s + 1], z_.fk[s] + z_.bk[s], kKeepSome);
         // Sweep to a checkpoint at sp.
         double sweep_ms = 0;
         int64_t sweep_peak = 0;
@@ -181,7 +214,12 @@ class MinMemory {
       for (int64_t s = 0; s + len <= n_; ++s) {
         const int64_t t = s + len;
         int64_t best = len == 0 ? z_.base(t) : std::max(z_.keep_all_need(s, t), z_.xb[s + 1] + get(s + 1, t));
-        int32_t choice = -1;
+        int32_t choice = kKeepAll;
+        if (z_.hk[s]) {
+          const int64_t some = len == 0 ? z_.keep_some_need(s, t)
+                                        : std::max(z_.keep_some_need(s, t), z_.xk[s + 1] + get(s + 1, t));
+          if (some < best) best = some, choice = kKeepSome;
+        }
         int64_t sweep_peak = 0;
         for (int64_t sp = s + 1; sp <= t; ++sp) {
           sweep_peak = std::max(sweep_peak, z_.sweep_step(s, sp - 1));
@@ -196,8 +234,12 @@ class MinMemory {
   int64_t total() const { return z_.x[0] + get(0, n_); }
   void emit(Emitter& e, int64_t s, int64_t t) const {
     const int32_t w = what_[index(s, t)];
-    if (w == -1) {
-      e.keep_all_open(s);
+    if (w == kKeepAll || w == kKeepSome) {
+      if (w == kKeepAll) {
+        e.keep_all_open(s);
+      } else {
+        e.keep_some_open(s);
+      }
       if (s < t) emit(e, s + 1, t);
       e.keep_all_close(s);
     } else {

@@ -93,7 +93,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     std::vector<torch::Tensor> params;  // those that require grad
     bool input_grad = false;
     CheckpointOptions per_call;
-    std::vector<double> fwd, bwd, nosave, ckpt_fwd, ckpt_bwd;
+    std::vector<double> fwd, bwd, nosave, ckpt_fwd, ckpt_bwd, keep_fwd, keep_bwd;
+    int64_t keep_saved = 0;
   };
   std::vector<Per> per(n);
   chain.stages.resize(n);
@@ -191,25 +192,40 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
     }
-    std::vector<torch::Tensor> leaves(n), outs(n);
-    std::vector<double> cf(n, 0);
-    for (size_t i = 0; i < n; ++i) {
-      leaves[i] = leaf_of(i, xs[i]);
-      sync();
-      const auto t0 = Clock::now();
-      outs[i] = checkpoint(stages[i].fn, leaves[i], per[i].per_call);
-      sync();
-      cf[i] = ms_since(t0);
-    }
-    for (size_t i = n; i-- > 0;) {
-      const std::vector<torch::Tensor> targets = targets_of(i, leaves[i]);
-      double cb = 0;
-      if (outs[i].requires_grad() && !targets.empty())
-        cb = timed_backward(std::move(outs[i]), targets, nullptr);
-      outs[i] = leaves[i] = torch::Tensor();
-      if (keep) per[i].ckpt_fwd.push_back(cf[i]), per[i].ckpt_bwd.push_back(cb);
+    // Every stage under remat::checkpoint, then the backward pass through them: with the per-call options,
+    // and again keeping the calls options.keep() names (Fk) when it names any.
+    auto checkpoint_pass = [&](bool kept, auto record) {
+      std::vector<torch::Tensor> leaves(n), outs(n);
+      std::vector<double> cf(n, 0);
+      for (size_t i = 0; i < n; ++i) {
+        leaves[i] = leaf_of(i, xs[i]);
+        CheckpointOptions o = per[i].per_call;
+        if (kept) o.keep(options.keep());
+        sync();
+        memory::PeakScope scope(device);
+        const auto t0 = Clock::now();
+        outs[i] = checkpoint(stages[i].fn, leaves[i], o);
+        sync();
+        cf[i] = ms_since(t0);
+        if (kept && measure) {
+          per[i].keep_saved = std::max(static_cast<int64_t>(outs[i].nbytes()), scope.active_over_base());
+        }
+      }
+      for (size_t i = n; i-- > 0;) {
+        const std::vector<torch::Tensor> targets = targets_of(i, leaves[i]);
+        double cb = 0;
+        if (outs[i].requires_grad() && !targets.empty())
+          cb = timed_backward(std::move(outs[i]), targets, nullptr);
+        outs[i] = leaves[i] = torch::Tensor();
+        if (keep) record(per[i], cf[i], cb);
+      }
+    };
+    checkpoint_pass(false, [](Per& p, double f, double b) { p.ckpt_fwd.push_back(f), p.ckpt_bwd.push_back(b); });
+    if (!options.keep().empty()) {
+      checkpoint_pass(true, [](Per& p, double f, double b) { p.keep_fwd.push_back(f), p.keep_bwd.push_back(b); });
     }
   }
+  chain.keep = options.keep();
   for (size_t i = 0; i < n; ++i) {
     Stage& s = chain.stages[i];
     s.fwd_ms = median(per[i].fwd);
@@ -217,6 +233,12 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     s.fwd_nosave_ms = median(per[i].nosave);
     s.checkpoint_fwd_ms = median(per[i].ckpt_fwd);
     s.checkpoint_bwd_ms = median(per[i].ckpt_bwd);
+    if (!options.keep().empty()) {
+      // What Fk keeps is at most what Fa does (the meter can see a few bytes more: the region's RNG state).
+      s.keep_saved_bytes = std::min(per[i].keep_saved, s.saved_bytes);
+      s.keep_fwd_ms = median(per[i].keep_fwd);
+      s.keep_bwd_ms = median(per[i].keep_bwd);
+    }
   }
   validate(chain);
   return chain;

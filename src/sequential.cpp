@@ -122,6 +122,9 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, who, ": invalid plan: ", e.what());
   }
+  TORCH_CHECK(plan.count(OpKind::kForwardKeep) == 0 || !plan.keep.empty(), who, ": the plan has ",
+              plan.count(OpKind::kForwardKeep),
+              " Fk operations but no remat::keep tags to run them with (Plan::keep is empty)");
 }
 
 // The executor is one autograd node of its own and takes the stages' modules from StageFn::module: it refuses
@@ -164,13 +167,23 @@ void run_forward(ExecState& st, const Op& op) {
 
   at::Tensor out;
   ExecState::Held& next = st.held[i + 1];
-  if (op.kind == OpKind::kForwardAll) {
+  if (op.kind == OpKind::kForwardAll || op.kind == OpKind::kForwardKeep) {
     at::AutoGradMode grad(true);
     at::Tensor leaf = x;
     const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
     if (floating && (i > 0 || st.input_requires_grad)) leaf = x.detach().requires_grad_(true);
     const uint64_t first_sequence_nr = at::sequence_number::peek();
-    out = stage.fn(leaf);
+    if (op.kind == OpKind::kForwardKeep) {
+      // Fk: the stage as a checkpoint that keeps its kept calls' outputs; B recomputes the rest through it.
+      auto options = CheckpointOptions()
+                         .keep(st.plan.keep)
+                         .preserve_rng_state(st.preserve_rng)
+                         .determinism_check(st.check);
+      if (stage.module) options.modules({stage.module});
+      out = checkpoint(stage.fn, leaf, options);
+    } else {
+      out = stage.fn(leaf);
+    }
     TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name,
                 "') returned an undefined tensor");
     next.first_sequence_nr = first_sequence_nr;

@@ -39,7 +39,17 @@ struct Stage {
   /// The stage's backward under remat::checkpoint: its recompute (early stopping included) plus its
   /// backward (milliseconds). Unset: fwd_ms + bwd_ms.
   std::optional<double> checkpoint_bwd_ms;
+  /// The stage run by Fk (remat/plan.h): under remat::checkpoint with CheckpointOptions::keep(Chain::keep),
+  /// so that it keeps only the outputs of its kept calls (its matrix multiplications). keep_saved_bytes is
+  /// what that leaves alive (its output plus the kept outputs; bytes, between output_bytes and
+  /// saved_bytes), keep_fwd_ms its forward, keep_bwd_ms its recompute of the rest plus its backward
+  /// (milliseconds). All three set, or none: a stage without them has no Fk.
+  std::optional<int64_t> keep_saved_bytes;
+  std::optional<double> keep_fwd_ms;    ///< see keep_saved_bytes
+  std::optional<double> keep_bwd_ms;    ///< see keep_saved_bytes
 
+  /// Whether the stage has the three keep_ fields (Fk can run it).
+  bool has_keep() const { return keep_saved_bytes.has_value(); }
   /// What Fn and Fc cost: fwd_nosave_ms, or fwd_ms when unset (milliseconds).
   double nosave_ms() const { return fwd_nosave_ms ? *fwd_nosave_ms : fwd_ms; }
   /// The forward of a stage checkpointed by remat::checkpoint (milliseconds).
@@ -52,6 +62,9 @@ struct Stage {
 struct Chain {
   int64_t input_bytes = 0;    ///< a_0 (bytes)
   std::vector<Stage> stages;  ///< in order; stage i reads a_i and produces a_{i+1}
+  /// The remat::keep tags the keep_ fields were measured with (CheckpointOptions::keep of Fk); empty when
+  /// no stage has them.
+  std::vector<std::string> keep;
 
   /// Number of stages.
   int64_t size() const { return static_cast<int64_t>(stages.size()); }
@@ -66,13 +79,15 @@ constexpr int64_t kMaxChainBytes = int64_t{1} << 60;
 constexpr double kMaxStageMs = 1e12;
 
 /// Checks a chain: at least one stage; no negative or non-finite value; times at most kMaxStageMs;
-/// saved_bytes >= output_bytes; byte counts adding up to at most kMaxChainBytes. Throws
+/// saved_bytes >= output_bytes; the keep_ fields all set or none, output_bytes <= keep_saved_bytes, and
+/// `keep` tags wherever a stage has them; byte counts adding up to at most kMaxChainBytes. Throws
 /// std::invalid_argument naming remat::validate, the stage (index and name), the field and the value.
 void validate(const Chain& chain);
 
 /// The chain as JSON: {"input_bytes": N, "stages": [{"name": "...", "fwd_ms": x, "bwd_ms": x,
 /// "output_bytes": N, "saved_bytes": N, "fwd_tmp_bytes": N, "bwd_tmp_bytes": N}, ...]}, plus
-/// "fwd_nosave_ms", "checkpoint_fwd_ms" and "checkpoint_bwd_ms" for a stage that has them.
+/// "fwd_nosave_ms", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_saved_bytes", "keep_fwd_ms" and
+/// "keep_bwd_ms" for a stage that has them, and "keep": ["matmul"] for a chain measured with keep tags.
 std::string to_json(const Chain& chain);
 
 /// Parses and validates that JSON (the tmp keys are optional, default 0; the three optional times may be

@@ -15,9 +15,15 @@
 /// - Fc(i), forward keeping its input (a checkpoint): as Fn(i), but a_i stays.
 /// - Fa(i), forward keeping everything for backward: needs a_i; peak = resident + abar_{i+1} + fwd_tmp_i;
 ///   afterwards abar_{i+1} is held (it includes a_{i+1}) and a_i stays.
+/// - Fk(i), forward keeping only its kept calls' outputs (remat::checkpoint with CheckpointOptions::keep,
+///   e.g. a layer's matrix multiplications): needs a_i and a stage with keep_ fields (Stage::has_keep);
+///   peak = resident + keep_saved_bytes_{i+1} + fwd_tmp_i; afterwards those bytes are held (they include
+///   a_{i+1}) and a_i stays. Time keep_fwd_ms.
 /// - L, the loss: needs a_n; creates d_n (size a_n) at zero time; a_n is freed if held as a plain a_n.
 /// - B(i), backward: needs abar_{i+1}, d_{i+1} and a_i (or abar_i); peak = resident + d_i + bwd_tmp_i;
 ///   afterwards abar_{i+1} and d_{i+1} are freed, and a_i too if it was held as a plain a_i (never a_0).
+///   After Fk(i), B(i) first recomputes the rest of abar_{i+1}: peak = resident + (saved_bytes_{i+1} -
+///   keep_saved_bytes_{i+1}) + d_i + bwd_tmp_i, time keep_bwd_ms (recompute and backward) instead of bwd_ms.
 /// Time is the sum over every forward that runs (recomputations count each time) of its cost, fwd_ms for Fa
 /// and Stage::nosave_ms() (fwd_nosave_ms, which the profiler measures under no-grad) for Fn and Fc, plus the
 /// sum of bwd_ms.
@@ -37,6 +43,7 @@ enum class OpKind {
   kForwardAll,         ///< Fa(i)
   kLoss,               ///< L
   kBackward,           ///< B(i)
+  kForwardKeep,        ///< Fk(i)
 };
 
 /// One operation; stage is -1 for the loss.
@@ -62,6 +69,8 @@ struct Plan {
   std::string planner;       ///< the planner that made it ("optimal", "uniform:4", ...); free text
   int64_t budget_bytes = 0;  ///< the budget it was made for; 0 when none (bytes)
   Simulation predicted;      ///< filled by the planners through simulate(); empty for a hand-made plan
+  /// The remat::keep tags Fk runs its stages with (the chain's Chain::keep); empty when the plan has no Fk.
+  std::vector<std::string> keep;
 
   /// "Fc0 Fn1 Fa2 L B2 Fa1 B1 Fa0 B0": operations separated by spaces.
   std::string to_string() const;
@@ -69,7 +78,7 @@ struct Plan {
   int64_t count(OpKind kind) const;
 };
 
-/// Short name of an operation kind: "Fn", "Fc", "Fa", "L", "B".
+/// Short name of an operation kind: "Fn", "Fc", "Fa", "Fk", "L", "B".
 std::string op_name(OpKind kind);
 
 /// Checks that a plan computes every gradient in the model of this file: each operation finds what it
@@ -105,14 +114,15 @@ double per_call_time_ms(const Chain& chain, const std::vector<int64_t>& stages);
 Plan step_plan(const Plan& chain_plan);
 
 /// The plan as JSON: {"num_stages": n, "planner": "...", "budget_bytes": N, "ops": ["Fc0", "Fn1", ..., "L",
-/// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}.
+/// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}, plus "keep": ["matmul"] for
+/// a plan with Fk.
 std::string to_json(const Plan& plan);
 
 /// Parses that JSON ("predicted" optional) and checks the plan. Throws std::invalid_argument naming the
 /// problem: malformed JSON, a missing key, an unknown operation, or what check_plan rejects.
 Plan plan_from_json(const std::string& json);
 
-/// Parses one operation: "Fn3", "Fc0", "Fa12", "L", "B4". Throws std::invalid_argument for anything else.
+/// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4". Throws std::invalid_argument for anything else.
 Op parse_op(const std::string& text);
 
 }  // namespace remat

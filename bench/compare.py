@@ -66,6 +66,9 @@ def main():
                    help="run PyTorch first, then remat's optimal planner at every PyTorch point's measured peak; "
                         "print the side-by-side frontier table and draw out/frontier.png")
     p.add_argument("--granularity", default="layer", help="remat's chain: layer or sublayer (bert)")
+    p.add_argument("--keep", default="",
+                   help="remat::keep tags to profile the chain with (matmul: the planner may keep a layer's "
+                        "matrix multiplications); remat's all-keep-matmul is measured too")
     p.add_argument("--hf", action="store_true",
                    help="with --frontier: also Hugging Face's BertModel (none, gradient_checkpointing_enable)")
     p.add_argument("--out", default=os.path.join(ROOT, "out"), help="where JSON, CSV and PNG go")
@@ -134,7 +137,8 @@ def frontier(a, python, flags, chain):
     # The chain once, and from the planner's curve its floor: the least memory of any schedule. A PyTorch point
     # below it gets remat's plan at the floor (and says so).
     g = ["--granularity", a.granularity]
-    run([remat_bin, "profile", *flags, *g, "--repeats", "3", "--json", chain])
+    keep = ["--keep", a.keep] if a.keep else []
+    run([remat_bin, "profile", *flags, *g, *keep, "--repeats", "3", "--json", chain])
     csv = os.path.join(a.out, f"{a.model}-tradeoff.csv")
     title = f"{a.model} ({a.granularity} stages)"
     run([remat_bin, "sweep", "--chain", chain, "--budgets", "32", "--csv", csv, "--title", title])
@@ -156,7 +160,8 @@ def frontier(a, python, flags, chain):
             points = [row for res in [torch_rounds[0]] + hf_rounds[:1] for row in res["rows"]
                       if row["strategy"] != "none"]
             budgets = sorted({max(row["peak_bytes"], floor) for row in points})
-            remat_strategies = ["none", "all"] + [f"optimal:{b}" for b in budgets]
+            remat_strategies = ["none", "all"] + (["all-keep-matmul"] if a.keep else []) + [
+                f"optimal:{b}" for b in budgets]
             if a.remat and a.remat != DEFAULT_REMAT:
                 remat_strategies += [s for s in a.remat.split(",") if s and s not in remat_strategies]
         rj = os.path.join(a.out, f"remat-{r}.json")

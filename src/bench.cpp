@@ -558,6 +558,14 @@ Chain scale_chain(const Chain& a, int64_t batch_a, const Chain& b, int64_t batch
     s.saved_bytes = std::max(s.output_bytes, bytes(sa.saved_bytes, sb.saved_bytes));
     s.fwd_tmp_bytes = bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
     s.bwd_tmp_bytes = bytes(sa.bwd_tmp_bytes, sb.bwd_tmp_bytes);
+    if (sa.has_keep() && sb.has_keep()) {
+      s.keep_fwd_ms = opt_ms(sa.keep_fwd_ms, sb.keep_fwd_ms);
+      s.keep_bwd_ms = opt_ms(sa.keep_bwd_ms, sb.keep_bwd_ms);
+      s.keep_saved_bytes = std::clamp(bytes(*sa.keep_saved_bytes, *sb.keep_saved_bytes), s.output_bytes,
+                                      s.saved_bytes);
+    } else {
+      s.keep_saved_bytes.reset(), s.keep_fwd_ms.reset(), s.keep_bwd_ms.reset();
+    }
   }
   return c;
 }
@@ -581,18 +589,19 @@ int64_t predicted_peak(const std::string& s, const Chain& chain) {
 }  // namespace
 
 std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(int64_t)>& make, int64_t budget,
-                                const std::vector<std::string>& strategies, const Progress& progress) {
+                                const std::vector<std::string>& strategies, const Progress& progress,
+                                const ProfileOptions* profile) {
   TORCH_CHECK(budget > 0, "remat::max_batch: the budget must be > 0 bytes, got ", budget);
   constexpr int64_t b1 = 2, b2 = 4;
   if (progress) progress("profiling at batch " + std::to_string(b1) + " and " + std::to_string(b2));
   Chain c1, c2;
   {
     auto w = make(b1);
-    c1 = profile_workload(*w);
+    c1 = profile_workload(*w, profile);
   }
   {
     auto w = make(b2);
-    c2 = profile_workload(*w);
+    c2 = profile_workload(*w, profile);
   }
   TORCH_CHECK(c2.input_bytes > c1.input_bytes,
               "remat::max_batch: the model's input does not grow with the batch");

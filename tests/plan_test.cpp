@@ -111,3 +111,65 @@ TEST(Plan, JsonRoundTrip) {
 }
 
 }  // namespace
+
+namespace {
+TEST(PlanKeep, FkChargesWhatItKeepsAndItsBackwardTheRecompute) {
+  auto c = two_stage();
+  c.keep = {"matmul"};
+  c.stages[1].keep_saved_bytes = 35;  // of saved_bytes 60: output 20 and 15 kept
+  c.stages[1].keep_fwd_ms = 3.5;
+  c.stages[1].keep_bwd_ms = 6.0;
+  const auto p = parse(2, "Fa0 Fk1 L B1 B0");
+  EXPECT_EQ(p.to_string(), "Fa0 Fk1 L B1 B0");
+  EXPECT_EQ(remat::parse_op("Fk12").kind, OpKind::kForwardKeep);
+  const auto sim = remat::simulate(c, p);
+  // Fa0: 10 + 150 + 7 = 167, then 160. Fk1: 160 + 35 + 13 = 208, then 195. L: 195 + 20 = 215.
+  // B1 recomputes the other 25 bytes: 215 + 25 + d_1 (100) + 17 = 357; frees 35, d_2: 260. B0: 260 + 10 + 11.
+  EXPECT_EQ(sim.peak_bytes, 357);
+  EXPECT_EQ(sim.peak_op, 3);
+  EXPECT_DOUBLE_EQ(sim.time_ms, 1 + 3.5 + 6.0 + 2);
+  EXPECT_EQ(sim.forward_calls, (std::vector<int64_t>{1, 1}));
+  // Stage 0 has no keep_ fields: Fk0 cannot be charged.
+  try {
+    remat::simulate(c, parse(2, "Fk0 Fa1 L B1 B0"));
+    ADD_FAILURE() << "Fk0 accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("operation 0 (Fk0) runs stage 0 ('s0') with kept calls"),
+              std::string::npos)
+        << e.what();
+  }
+  remat::check_plan(parse(2, "Fk0 Fa1 L B1 B0"));  // valid without a chain
+}
+
+TEST(PlanKeep, KeepTagsTravelThroughJsonAndAreRequired) {
+  auto c = two_stage();
+  c.keep = {"matmul"};
+  for (auto& s : c.stages) {
+    s.keep_saved_bytes = s.output_bytes;
+    s.keep_fwd_ms = s.fwd_ms;
+    s.keep_bwd_ms = s.fwd_ms + s.bwd_ms;
+  }
+  const remat::Chain back = remat::chain_from_json(remat::to_json(c));
+  EXPECT_EQ(back.keep, c.keep);
+  EXPECT_EQ(back.stages[1].keep_saved_bytes, 20);
+  EXPECT_EQ(back.stages[1].keep_bwd_ms, 8.0);
+  remat::Plan p = parse(2, "Fk0 Fk1 L B1 B0");
+  p.keep = {"matmul"};
+  EXPECT_EQ(remat::plan_from_json(remat::to_json(p)).keep, p.keep);
+  p.keep.clear();
+  EXPECT_THROW(remat::plan_from_json(remat::to_json(p)), std::invalid_argument);
+  // A stage with some keep_ fields, or keep_ fields without the chain's tags, is invalid.
+  auto partial = c;
+  partial.stages[0].keep_bwd_ms.reset();
+  EXPECT_THROW(remat::validate(partial), std::invalid_argument);
+  auto untagged = c;
+  untagged.keep.clear();
+  EXPECT_THROW(remat::validate(untagged), std::invalid_argument);
+  auto below = c;
+  below.stages[0].keep_saved_bytes = 99;  // < output_bytes 100
+  EXPECT_THROW(remat::validate(below), std::invalid_argument);
+  EXPECT_THROW(remat::chain_from_json(R"({"input_bytes": 1, "keep": [1], "stages": [{"fwd_ms": 1, "bwd_ms": 1,
+      "output_bytes": 1, "saved_bytes": 1}]})"),
+               std::invalid_argument);
+}
+}  // namespace

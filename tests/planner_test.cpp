@@ -55,6 +55,23 @@ Chain random_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
   return c;
 }
 
+// random_chain with Fk on most stages: it keeps part of what Fa keeps, and its backward costs a partial
+// recompute more.
+Chain random_keep_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
+  Chain c = random_chain(rng, n, unit);
+  std::uniform_real_distribution<double> part(0.0, 1.0);
+  for (size_t i = 0; i < c.stages.size(); ++i) {
+    Stage& s = c.stages[i];
+    if (i % 4 == 3) continue;
+    const double kept = part(rng);
+    s.keep_saved_bytes = s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
+    s.keep_fwd_ms = s.fwd_ms * (1 + 0.1 * part(rng));
+    s.keep_bwd_ms = s.bwd_ms + (1 - kept) * s.fwd_ms * (0.5 + part(rng));
+  }
+  c.keep = {"matmul"};
+  return c;
+}
+
 // The chain in slots, exactly as optimal() discretises it for a budget.
 Chain in_slots(const Chain& c, int64_t budget, int64_t slots, int64_t* total) {
   const int64_t unit = std::max<int64_t>(1, budget / std::min(slots, std::max<int64_t>(budget, 1)));
@@ -67,21 +84,25 @@ Chain in_slots(const Chain& c, int64_t budget, int64_t slots, int64_t* total) {
     s.saved_bytes = up(s.saved_bytes);
     s.fwd_tmp_bytes = up(s.fwd_tmp_bytes);
     s.bwd_tmp_bytes = up(s.bwd_tmp_bytes);
+    if (s.keep_saved_bytes) s.keep_saved_bytes = up(*s.keep_saved_bytes);
   }
   return d;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Exhaustive search over every valid schedule of the model in plan.h, written independently of simulate().
-// A state is what is held (per activation: 0 none, 1 a_i, 2 abar_i, 3 a_i kept as a checkpoint by Fc(i)) and
-// which gradient d_j exists, encoded as an integer so that the search runs on flat arrays.
+// A state is what is held (per activation: 0 none, 1 a_i, 2 abar_i, 3 a_i kept as a checkpoint by Fc(i), 4
+// what Fk(i - 1) keeps) and which gradient d_j exists, encoded as an integer so that the search runs on flat
+// arrays (base 5 when the chain has Fk, 4 otherwise).
 struct Search {
   const Chain& c;
   int64_t n;
   // Persistent schedules (the paper's class, which optimal() searches): a checkpoint stays until its
   // backward, so Fn may not free an activation that an Fc kept. Without it, every valid schedule of plan.h.
   bool persistent;
-  Search(const Chain& chain, bool persistent_only) : c(chain), n(chain.size()), persistent(persistent_only) {}
+  int64_t base;
+  Search(const Chain& chain, bool persistent_only)
+      : c(chain), n(chain.size()), persistent(persistent_only), base(chain.keep.empty() ? 4 : 5) {}
 
   struct State {
     std::vector<uint8_t> held;
@@ -90,24 +111,32 @@ struct Search {
   int64_t encode(const State& s) const {
     int64_t code = s.grad + 1;
     for (int64_t i = n; i >= 0; --i)
-      code = code * 4 + s.held[i];
+      code = code * base + s.held[i];
     return code;
   }
   State decode(int64_t code) const {
     State s;
     s.held.resize(n + 1);
     for (int64_t i = 0; i <= n; ++i)
-      s.held[i] = static_cast<uint8_t>(code % 4), code /= 4;
+      s.held[i] = static_cast<uint8_t>(code % base), code /= base;
     s.grad = code - 1;
     return s;
   }
-  int64_t states() const { return (int64_t{1} << (2 * (n + 1))) * (n + 2); }
+  int64_t states() const {
+    int64_t k = n + 2;
+    for (int64_t i = 0; i <= n; ++i)
+      k *= base;
+    return k;
+  }
 
   int64_t a(int64_t i) const { return c.activation_bytes(i); }
   int64_t memory(const State& s) const {
     int64_t m = 0;
     for (int64_t i = 0; i <= n; ++i) {
-      m += s.held[i] == 1 || s.held[i] == 3 ? a(i) : s.held[i] == 2 ? c.stages[i - 1].saved_bytes : 0;
+      m += s.held[i] == 1 || s.held[i] == 3 ? a(i)
+           : s.held[i] == 2                 ? c.stages[i - 1].saved_bytes
+           : s.held[i] == 4                 ? *c.stages[i - 1].keep_saved_bytes
+                                            : 0;
     }
     return m + (s.grad >= 0 ? a(s.grad) : 0);
   }
@@ -116,19 +145,20 @@ struct Search {
   void successors(const State& s, Visit&& visit) const {
     const int64_t cur = memory(s);
     for (int64_t i = 0; i < n; ++i) {
-      if (s.held[i] == 0 || (s.grad >= 0 && s.grad <= i) || s.held[i + 1] == 2) continue;
+      if (s.held[i] == 0 || (s.grad >= 0 && s.grad <= i) || s.held[i + 1] == 2 || s.held[i + 1] == 4) continue;
       const Stage& st = c.stages[i];
-      for (int kind = 0; kind < 3; ++kind) {  // Fn, Fc, Fa
+      for (int kind = 0; kind < 4; ++kind) {  // Fn, Fc, Fa, Fk
         if (kind < 2 && s.held[i + 1] != 0) continue;
         if (kind == 0 && persistent && s.held[i] == 3) continue;
+        if (kind == 3 && !st.has_keep()) continue;
         State t = s;
-        const int64_t out = kind == 2 ? st.saved_bytes : a(i + 1);
-        t.held[i + 1] = kind == 2 ? 2 : 1;
+        const int64_t out = kind == 2 ? st.saved_bytes : kind == 3 ? *st.keep_saved_bytes : a(i + 1);
+        t.held[i + 1] = kind == 2 ? 2 : kind == 3 ? 4 : 1;
         if (kind == 0 && (s.held[i] == 1 || s.held[i] == 3) && i > 0) t.held[i] = 0;
         if (kind == 1 && s.held[i] == 1) t.held[i] = 3;
-        static const char* names[] = {"Fn", "Fc", "Fa"};
+        static const char* names[] = {"Fn", "Fc", "Fa", "Fk"};
         visit(names[kind] + std::to_string(i), cur + out + st.fwd_tmp_bytes,
-              kind == 2 ? st.fwd_ms : st.nosave_ms(), t);
+              kind == 2 ? st.fwd_ms : kind == 3 ? *st.keep_fwd_ms : st.nosave_ms(), t);
       }
     }
     if (s.grad < 0 && s.held[n] != 0) {
@@ -139,12 +169,16 @@ struct Search {
     }
     if (s.grad >= 1) {
       const int64_t i = s.grad - 1;
-      if (s.held[i + 1] == 2 && s.held[i] != 0) {
+      if ((s.held[i + 1] == 2 || s.held[i + 1] == 4) && s.held[i] != 0) {
+        const Stage& st = c.stages[i];
+        const bool kept = s.held[i + 1] == 4;
         State t = s;
         t.held[i + 1] = 0;
         t.grad = i;
         if ((t.held[i] == 1 || t.held[i] == 3) && i > 0) t.held[i] = 0;
-        visit("B" + std::to_string(i), cur + a(i) + c.stages[i].bwd_tmp_bytes, c.stages[i].bwd_ms, t);
+        const int64_t rest = kept ? st.saved_bytes - *st.keep_saved_bytes : 0;
+        visit("B" + std::to_string(i), cur + rest + a(i) + st.bwd_tmp_bytes, kept ? *st.keep_bwd_ms : st.bwd_ms,
+              t);
       }
     }
   }
@@ -246,6 +280,49 @@ TEST(Optimal, EqualsExhaustiveSearchOnRandomChains) {
   // Freeing a checkpoint early and recomputing it later (outside the paper's class) sometimes wins.
   std::cout << "[ info ] non-persistent schedules were faster in " << non_persistent_better << " of "
             << compared << " trials\n";
+}
+
+TEST(Optimal, WithFkEqualsExhaustiveSearchOnRandomChains) {
+  // Fk (a stage keeping only its kept calls' outputs) is a third choice per stage: the dynamic program
+  // against every persistent schedule that may use it, its least memory against every schedule.
+  std::mt19937 rng(4321);
+  int compared = 0, used = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const int64_t n = 1 + trial % 6;
+    const Chain chain = random_keep_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    Chain without = chain;
+    for (auto& s : without.stages)
+      s.keep_saved_bytes.reset(), s.keep_fwd_ms.reset(), s.keep_bwd_ms.reset();
+    without.keep.clear();
+    const int64_t lo = remat::min_feasible_budget(chain);
+    EXPECT_EQ(lo, Search(chain, /*persistent_only=*/false).least_peak()) << "trial " << trial;
+    EXPECT_LE(lo, remat::min_feasible_budget(without)) << "trial " << trial;
+    const int64_t hi = remat::no_checkpoint(chain).predicted.peak_bytes;
+    std::uniform_int_distribution<int64_t> pick(lo, std::max(lo, hi));
+    const int64_t budget = pick(rng);
+    const int64_t slots = trial % 2 ? 40 : 500;
+    int64_t total = 0;
+    const Chain slotted = in_slots(chain, budget, slots, &total);
+    std::string path;
+    const double best = Search(slotted, /*persistent_only=*/true).fastest(total, &path);
+    remat::PlannerOptions opts;
+    opts.slots = slots;
+    opts.compare_baselines = false;
+    const Plan plan = remat::optimal(chain, budget, opts);
+    EXPECT_LE(plan.predicted.peak_bytes, budget);
+    EXPECT_EQ(plan.keep, plan.count(OpKind::kForwardKeep) > 0 ? chain.keep : std::vector<std::string>{});
+    used += plan.count(OpKind::kForwardKeep) > 0;
+    if (std::isfinite(best)) {
+      // Never slower than the best schedule without Fk in the same slots.
+      EXPECT_LE(best, Search(in_slots(without, budget, slots, &total), true).fastest(total) + 1e-9);
+      ++compared;
+      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * best)
+          << "trial " << trial << ": " << plan.to_string() << "\nexhaustive: " << path;
+      EXPECT_LE(remat::simulate(slotted, plan).peak_bytes, total) << "trial " << trial;
+    }
+  }
+  EXPECT_GT(compared, 60);
+  EXPECT_GT(used, 10);  // the choice is taken, not only offered
 }
 
 TEST(Optimal, MinFeasibleBudgetEqualsExhaustiveLeastPeak) {

@@ -1,5 +1,6 @@
 // The profiler measures chains exactly, and plans made from them run with the predicted peak and calls.
 #include <ATen/CPUGeneratorImpl.h>
+#include <remat/bench.h>
 #include <remat/models.h>
 #include <remat/planner.h>
 #include <remat/profile.h>
@@ -181,4 +182,51 @@ TEST_F(ProfileTest, BertPlansRunWithinTenPercentOfThePrediction) {
   }
 }
 
+}  // namespace
+
+namespace {
+// ProfileOptions::keep measures Fk exactly, and a plan of Fk stages trains as the plain step does, with the
+// predicted peak.
+TEST_F(ProfileTest, KeepMeasuresWhatFkKeepsAndFkPlansTrainAsThePlainStep) {
+  const int64_t b = 16, w = 32;
+  auto work = remat::make_workload(remat::WorkloadConfig().model("mlp").depth(4).width(w).batch(b));
+  const auto options = remat::ProfileOptions().warmup(1).repeats(2).keep({remat::kMatmul});
+  const remat::Chain chain = remat::profile_workload(*work, &options);
+  EXPECT_EQ(chain.keep, std::vector<std::string>{remat::kMatmul});
+  for (const auto& s : chain.stages) {
+    ASSERT_TRUE(s.has_keep()) << s.name;
+    // A block x + fc2(gelu(fc1(x))), hidden 4w (the workload's MLP has no dropout): Fa keeps fc1's output
+    // (GELU saves it), GELU's output (fc2 saves it) and the output; Fk keeps fc1's and fc2's outputs and the
+    // output, and recomputes GELU.
+    EXPECT_EQ(s.saved_bytes, b * (4 * w + 4 * w + w) * 4) << s.name;
+    EXPECT_EQ(*s.keep_saved_bytes, b * (4 * w + w + w) * 4) << s.name;
+    EXPECT_GT(*s.keep_bwd_ms, 0);
+  }
+  remat::Plan plan;
+  plan.num_stages = chain.size();
+  for (int64_t i = 0; i < chain.size(); ++i)
+    plan.ops.push_back({remat::OpKind::kForwardKeep, i});
+  plan.ops.push_back({remat::OpKind::kLoss, -1});
+  for (int64_t i = chain.size(); i-- > 0;)
+    plan.ops.push_back({remat::OpKind::kBackward, i});
+  plan.keep = chain.keep;
+  const auto predicted = remat::simulate(chain, plan);
+
+  auto step = [&](const std::optional<remat::Plan>& p) {
+    torch::manual_seed(5);
+    for (auto& param : work->module().parameters())
+      param.mutable_grad() = torch::Tensor();
+    auto out = p ? remat::run_plan(work->stages(), *p, work->input()) : work->forward();
+    work->loss_of(out).backward();
+    return grads_of(work->module());
+  };
+  const auto plain = step(std::nullopt);
+  expect_all_close(step(plan), plain, 1e-6);
+  const auto stats = remat::measure_step(
+      work->module(), [&] { return work->loss_of(remat::run_plan(work->stages(), plan, work->input())); },
+      remat::MeasureOptions().warmup(1).steps(1));
+  // The meter's peak includes the chain's input, as simulate's does; the loss adds its output's gradient.
+  EXPECT_NEAR(static_cast<double>(stats.peak_bytes), static_cast<double>(predicted.peak_bytes),
+              0.1 * static_cast<double>(predicted.peak_bytes));
+}
 }  // namespace

@@ -175,10 +175,11 @@ struct MaxBatch {
 /// "optimal"), and confirms it with one real step (stepping the batch down while the step does not fit):
 /// "none" and "all" as the model runs them (plain, and its per-layer checkpointing), the others through the
 /// plan executor.
-/// `make` builds the workload for a batch. Throws c10::Error for an unknown strategy.
+/// `make` builds the workload for a batch; `profile` the profiling options (defaults when null; its keep tags
+/// let "optimal" keep matrix multiplications). Throws c10::Error for an unknown strategy.
 std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(int64_t)>& make,
                                 int64_t budget_bytes, const std::vector<std::string>& strategies,
-                                const Progress& progress = {});
+                                const Progress& progress = {}, const ProfileOptions* profile = nullptr);
 
 #if REMAT_HAS_DISTRIBUTED
 /// One strategy trained data-parallel: what every rank measured.

@@ -72,6 +72,7 @@ void write_file(const std::string& path, const std::string& text) {
 // Options every model-taking command shares.
 struct ModelArgs {
   std::string model = "bert", variant = "small", placement = "each-op", device = "cpu", granularity = "layer";
+  std::string keep;  // remat::keep tags for Fk, comma-separated
   int64_t layers = 12, hidden = 768, heads = 12, intermediate = 3072, seq = 128, vocab = 30522, batch = 0;
   int64_t depth = 16, width = 1024, calls = 1000, adds = 100, blocks = 3;
   double dropout = 0.1;
@@ -134,6 +135,14 @@ struct ModelArgs {
                     "projections, feed-forward halves)")
         ->check(CLI::IsMember({"layer", "sublayer"}))
         ->capture_default_str();
+    app->add_option("--keep", keep,
+                    "remat::keep tags (comma-separated, e.g. matmul): also profile each stage keeping those "
+                    "calls' outputs, so that plans may keep a layer's matrix multiplications (Fk)");
+  }
+
+  /// Profiling options with the --keep tags.
+  remat::ProfileOptions profile_options(int64_t repeats = 3) const {
+    return remat::ProfileOptions().warmup(1).repeats(repeats).keep(split(keep));
   }
 
   remat::WorkloadConfig config(int64_t batch_override = -1) const {
@@ -209,7 +218,7 @@ int run_bench_rank(const BenchArgs& a) {
     if (rank == 0) progress(m);
   };
   say(w->description() + " on each of " + std::to_string(n) + " processes");
-  const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
+  const auto profile = a.model.profile_options();
   // BERT's pooler takes no part in its forward(): let parameters go without a gradient.
   const auto result = remat::bench_data_parallel(
       *w, split(a.strategies), *group,
@@ -274,7 +283,7 @@ int run_bench(const BenchArgs& a) {
   }
   auto w = a.model.make();
   progress(w->description());
-  const auto profile = remat::ProfileOptions().warmup(1).repeats(3);
+  const auto profile = a.model.profile_options();
   std::optional<remat::Chain> chain;
   if (!a.chain.empty()) {
     chain = remat::load_chain(a.chain);
@@ -369,7 +378,7 @@ struct ProfileArgs {
 int run_profile(const ProfileArgs& a) {
   auto w = a.model.make();
   progress("profiling " + w->description());
-  const auto options = remat::ProfileOptions().repeats(a.repeats);
+  const auto options = a.model.profile_options(a.repeats);
   const remat::Chain chain = remat::profile_workload(*w, &options);
   std::cout << w->description() << "\n\n";
   remat::cli::Table t({"stage", "fwd ms", "bwd ms", "output MiB", "saved MiB", "fwd tmp MiB", "bwd tmp MiB"});
@@ -469,7 +478,8 @@ int run_plan_command(const PlanArgs& a) {
   } else {
     auto w = a.model.make();
     progress("profiling " + w->description());
-    chain = remat::profile_workload(*w);
+    const auto profile = a.model.profile_options(5);
+    chain = remat::profile_workload(*w, &profile);
   }
   remat::PlannerOptions options;
   options.slots = a.slots;
@@ -541,8 +551,9 @@ struct MaxBatchArgs {
 int run_max_batch(const MaxBatchArgs& a) {
   if (a.model.model == "heavy") throw std::invalid_argument("--model heavy has no batch dimension");
   const int64_t budget = size_arg(a.budget, "--budget");
+  const auto profile = a.model.profile_options(5);
   const auto rows =
-      remat::max_batch([&](int64_t b) { return a.model.make(b); }, budget, split(a.strategies), progress);
+      remat::max_batch([&](int64_t b) { return a.model.make(b); }, budget, split(a.strategies), progress, &profile);
   std::cout << "largest batch whose activation peak (inputs included) fits " << remat::format_bytes(budget)
             << "\n\n";
   remat::cli::Table t({"strategy", "batch", "predicted peak MiB", "measured peak MiB", "confirmed"});
@@ -599,7 +610,8 @@ int run_sweep(const SweepArgs& a) {
   } else {
     auto w = a.model.make();
     progress("profiling " + w->description());
-    chain = remat::profile_workload(*w);
+    const auto profile = a.model.profile_options(5);
+    chain = remat::profile_workload(*w, &profile);
     title = w->description();
   }
   progress("planning at " + std::to_string(a.budgets) + " budgets");

@@ -33,8 +33,8 @@ for name in "${sections[@]}"; do
         --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6 --steps 7 --warmup 2 --rounds 3 \
         --out "$out/frontier-resnet"
       REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --hf --build build-pypi --model bert --granularity layer \
-        --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6,selective --steps 3 --warmup 1 \
-        --rounds 3 --out "$out/frontier-bert"
+        --keep matmul --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6,selective --steps 3 \
+        --warmup 1 --rounds 3 --out "$out/frontier-bert"
       ;;
     sublayer)  # BERT-base on sub-layer stages against layer stages: selective, and the planner at PyTorch's peaks
       for r in 1 2 3; do

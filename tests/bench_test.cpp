@@ -122,6 +122,9 @@ TEST_F(BenchTest, PlansMeasureWhatTheyPredict) {
       for (auto& s : chain.stages) {
         s.fwd_ms *= scale(gen);
         s.bwd_ms *= scale(gen);
+        // The forward without saving (what Fn and Fc cost) too, or its measured ratio to fwd_ms alone can
+        // decide most plans.
+        if (s.fwd_nosave_ms) *s.fwd_nosave_ms *= scale(gen);
       }
     }
     const auto rows = remat::bench(

@@ -123,6 +123,9 @@ struct Program {
   bool second_backward = false;     // retain_graph, then a second backward (gradients double)
   bool preserve_rng = true;
   bool early_stop = true;  // kNonReentrant regions' early stopping
+  // Matrix multiplications (linear, shared, conv, matmul) run as remat::keep(kMatmul) calls, kept by
+  // kNonReentrant regions; kPlan's chain has Fk.
+  bool keep = false;
 
   std::string str() const {
     std::ostringstream os;
@@ -137,7 +140,8 @@ struct Program {
     if ((strategy == Strategy::kSequential || strategy == Strategy::kSegments) && segments_reentrant)
       os << ", segments kReentrant";
     os << "; " << (use_grad_api ? "autograd::grad" : "backward()") << (second_backward ? " twice" : "")
-       << (preserve_rng ? "" : ", rng not preserved") << (early_stop ? "" : ", no early stop") << "\n";
+       << (preserve_rng ? "" : ", rng not preserved") << (early_stop ? "" : ", no early stop")
+       << (keep ? ", matmuls kept" : "") << "\n";
     for (size_t b = 0; b < blocks.size(); ++b) {
       os << "  block " << b << " [" << mode_text(blocks[b].mode);
       if (strategy == Strategy::kNested) {
@@ -230,6 +234,7 @@ Program generate(uint64_t seed) {
   p.segments_reentrant =
       (p.plan_seed >> 7) & 1;                // from a draw already made: earlier seeds keep their programs
   p.early_stop = !((p.plan_seed >> 8) & 1);  // from a draw already made, as above
+  p.keep = (p.plan_seed >> 9) & 1;           // likewise
   p.use_grad_api = coin(0.35);
   p.second_backward = coin(0.25);
   p.preserve_rng = true;
@@ -238,7 +243,7 @@ Program generate(uint64_t seed) {
 }
 
 // A random valid plan for n stages, from the planner layer: a random chain and one of its planners.
-remat::Plan make_random_plan(uint64_t seed, int64_t n) {
+remat::Plan make_random_plan(uint64_t seed, int64_t n, bool keep) {
   std::mt19937_64 rng(seed);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   remat::Chain chain;
@@ -252,8 +257,14 @@ remat::Plan make_random_plan(uint64_t seed, int64_t n) {
     s.saved_bytes = s.output_bytes + pick(0, 16) * 1024;
     s.fwd_tmp_bytes = pick(0, 4) * 1024;
     s.bwd_tmp_bytes = pick(0, 4) * 1024;
+    if (keep) {  // from the draws above: every seed keeps its chain
+      s.keep_saved_bytes = s.output_bytes + (s.saved_bytes - s.output_bytes) / 2;
+      s.keep_fwd_ms = s.fwd_ms;
+      s.keep_bwd_ms = s.bwd_ms + s.fwd_ms / 4;
+    }
     chain.stages.push_back(s);
   }
+  if (keep) chain.keep = {remat::kMatmul};
   switch (pick(0, 5)) {
     case 0:
       return remat::no_checkpoint(chain);
@@ -276,7 +287,7 @@ remat::Plan make_random_plan(uint64_t seed, int64_t n) {
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const Program& p, const BlockSpec& spec, const std::vector<torch::nn::Linear>& pool)
-      : spec_(spec) {
+      : spec_(spec), keep_(p.keep) {
     const int64_t w = p.width;
     int64_t k = 0;
     for (const auto& op : spec.ops) {
@@ -314,6 +325,11 @@ struct BlockImpl : torch::nn::Module {
 
   // The block on its inputs: {h} for a chain; {h, aux} or {h, aux, idx} for a region. Returns {h} for a
   // chain, {h, aux'} (+ {idx'} when int_out) for a region.
+  // A matrix multiplication: a remat::keep call when the program keeps them.
+  torch::Tensor mm(const remat::TensorFn& f, const torch::Tensor& x) {
+    return keep_ ? remat::keep(remat::kMatmul, f, x) : f(x);
+  }
+
   std::vector<torch::Tensor> run(const std::vector<torch::Tensor>& in) {
     torch::Tensor h = in[0];
     const int64_t b = h.size(0), w = h.size(1);
@@ -321,16 +337,17 @@ struct BlockImpl : torch::nn::Module {
     for (const auto& op : spec_.ops) {
       switch (op.code) {
         case OpCode::kLinear:
-          h = linear[li++](h);
+          h = mm([&](const torch::Tensor& t) { return linear[li](t); }, h), ++li;
           break;
         case OpCode::kShared:
-          h = shared[si++](h);
+          h = mm([&](const torch::Tensor& t) { return shared[si](t); }, h), ++si;
           break;
         case OpCode::kConv:
-          h = conv[ci++](h.reshape({b, 2, w / 4, 2})).reshape({b, w});
+          h = mm([&](const torch::Tensor& t) { return conv[ci](t); }, h.reshape({b, 2, w / 4, 2})).reshape({b, w});
+          ++ci;
           break;
         case OpCode::kMatmul:
-          h = h.matmul(matrix[mi++]);
+          h = mm([&](const torch::Tensor& t) { return t.matmul(matrix[mi]); }, h), ++mi;
           break;
         case OpCode::kAttention: {
           auto q = h.reshape({b, 2, w / 2});
@@ -407,6 +424,7 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) { return run({x})[0]; }
 
   BlockSpec spec_;
+  bool keep_ = false;
   std::vector<torch::nn::Linear> linear, shared;
   std::vector<torch::nn::Conv2d> conv;
   std::vector<torch::Tensor> matrix, bias;
@@ -450,12 +468,15 @@ Instance build(const Program& p) {
 }
 
 CheckpointOptions options_for(Mode m, const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                              bool preserve_rng, bool early_stop) {
+                              const Program& p) {
+  std::vector<std::string> keep;
+  if (p.keep && m != 2) keep.push_back(remat::kMatmul);
   return CheckpointOptions()
       .mode(m == 2 ? CheckpointMode::kReentrant : CheckpointMode::kNonReentrant)
       .modules(modules)
-      .preserve_rng_state(preserve_rng)
-      .early_stop(early_stop);
+      .preserve_rng_state(p.preserve_rng)
+      .early_stop(p.early_stop)
+      .keep(keep);
 }
 
 bool any_requires_grad(const std::vector<torch::Tensor>& ts,
@@ -474,14 +495,13 @@ bool any_requires_grad(const std::vector<torch::Tensor>& ts,
 // Runs block b (a region) with the given mode: kReentrant falls back to kNonReentrant where it would have
 // nothing to train (it refuses that by design), as a user would.
 std::vector<torch::Tensor> run_region(Instance& in, size_t b, Mode mode,
-                                      const std::vector<torch::Tensor>& args, bool preserve_rng,
-                                      bool early_stop) {
+                                      const std::vector<torch::Tensor>& args, const Program& p) {
   Block block = in.blocks[b];
   if (mode == 0) return block->run(args);
   std::vector<std::shared_ptr<torch::nn::Module>> modules{block.ptr()};
   if (mode == 2 && !any_requires_grad(args, modules)) mode = 1;
   return remat::checkpoint([block](const std::vector<torch::Tensor>& a) mutable { return block->run(a); },
-                           args, options_for(mode, modules, preserve_rng, early_stop));
+                           args, options_for(mode, modules, p));
 }
 
 // The forward pass of the program under its strategy (plain when `plain`); returns the loss.
@@ -497,19 +517,21 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
   };
   if (plain) {
     for (size_t b = 0; b < n; ++b)
-      state = run_region(in, b, 0, state, p.preserve_rng, p.early_stop);
+      state = run_region(in, b, 0, state, p);
     return finish(state);
   }
   // Regions consume {h, aux} or {h, aux, idx}; an integer output of one block feeds the next.
   auto step = [&](size_t b, Mode mode, std::vector<torch::Tensor> s) {
-    return run_region(in, b, mode, s, p.preserve_rng, p.early_stop);
+    return run_region(in, b, mode, s, p);
   };
   const remat::SequentialOptions seq_opts =
       remat::SequentialOptions()
           .checkpoint(CheckpointOptions()
                           .preserve_rng_state(p.preserve_rng)
                           .mode(p.segments_reentrant ? remat::CheckpointMode::kReentrant
-                                                     : remat::CheckpointMode::kNonReentrant))
+                                                     : remat::CheckpointMode::kNonReentrant)
+                          .keep(p.keep && !p.segments_reentrant ? std::vector<std::string>{remat::kMatmul}
+                                                                : std::vector<std::string>{}))
           .checkpoint_last_segment(p.checkpoint_last);
   switch (p.strategy) {
     case Strategy::kPerBlock:
@@ -535,10 +557,10 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
         auto group_fn = [inst, prog, first, last](const std::vector<torch::Tensor>& s0) {
           std::vector<torch::Tensor> s = s0;
           for (size_t k = first; k < last; ++k)
-            s = run_region(*inst, k, prog->blocks[k].mode, s, prog->preserve_rng, prog->early_stop);
+            s = run_region(*inst, k, prog->blocks[k].mode, s, *prog);
           return s;
         };
-        state = remat::checkpoint(group_fn, state, options_for(outer, modules, p.preserve_rng, p.early_stop));
+        state = remat::checkpoint(group_fn, state, options_for(outer, modules, p));
         b = e;
       }
       return finish(state);
@@ -555,7 +577,7 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
                                         [block](const torch::Tensor& t) mutable { return block->forward(t); },
                                         block.ptr()});
       }
-      const remat::Plan plan = make_random_plan(p.plan_seed, static_cast<int64_t>(n));
+      const remat::Plan plan = make_random_plan(p.plan_seed, static_cast<int64_t>(n), p.keep);
       return finish(
           {remat::run_plan(stages, plan, in.x, CheckpointOptions().preserve_rng_state(p.preserve_rng))});
     }

@@ -64,6 +64,23 @@ check bench-nproc-split nonzero "does not split evenly over 3 processes" -- "$re
 check selective 0 "equal" -- "$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --granularity sublayer --strategy selective --steps 1 --warmup 0
 check selective-layer nonzero "this chain has none" -- "$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --strategy selective --steps 1 --warmup 0
 check granularity-mlp nonzero "no sub-layer stages" -- "$remat" bench --model mlp --granularity sublayer --steps 1
+# --keep matmul: the profile shows what Fk keeps, and a plan at a middle budget keeps the matrix multiplications
+# of some layer (Fk) with gradients equal to none's.
+check profile-keep 0 "Fk kept MiB" -- "$remat" profile --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --keep matmul --repeats 1
+keepchain=$(mktemp)
+cat >"$keepchain" <<'EOF'
+{"input_bytes": 100, "keep": ["matmul"], "stages": [
+ {"name": "l0", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "keep_saved_bytes": 200, "keep_fwd_ms": 10, "keep_bwd_ms": 22},
+ {"name": "l1", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "keep_saved_bytes": 200, "keep_fwd_ms": 10, "keep_bwd_ms": 22},
+ {"name": "l2", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "keep_saved_bytes": 200, "keep_fwd_ms": 10, "keep_bwd_ms": 22}]}
+EOF
+check plan-keep 0 "schedule: Fk0 Fk1 Fa2 L B2 B1 B0" -- "$remat" plan --chain "$keepchain" --budget 2000
+check plan-keep-json 0 '"keep": [' -- "$remat" plan --chain "$keepchain" --budget 2000 --json
+rm -f "$keepchain"
+out=$("$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --keep matmul --strategy all-keep-matmul,optimal:overhead=0.5 --steps 1 --warmup 0 2>&1)
+rc=$?
+rows=$(grep -cE '^(all-keep-matmul|optimal:overhead=0.5) .* equal ' <<<"$out")
+if [ $rc -eq 0 ] && [ "$rows" = 2 ]; then echo "ok   bench-keep"; else echo "FAIL bench-keep: exit $rc: $out"; fail=1; fi
 check profile-verdict 0 "verdict: checkpointing can save at most" -- "$remat" profile --model forum-cnn --batch 4 --repeats 1
 # The sweep: 3 optimal points and the baselines, the optimal overheads never growing with the budget.
 out=$("$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 2>/dev/null)

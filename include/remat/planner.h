@@ -93,7 +93,8 @@ Plan sqrt_n(const Chain& chain);
 
 /// The fastest persistent schedule in the model of remat/plan.h whose peak fits budget_bytes: the paper's
 /// dynamic program, memory discretised into options.slots slots, multi-level (a stage may be recomputed
-/// several times). Persistent means a checkpoint, once kept, stays until its stage's backward; the tests
+/// several times). Stages with keep_ fields (Stage::has_keep) may also run as Fk, keeping only their kept
+/// calls' outputs; the plan then carries the chain's tags in Plan::keep. Persistent means a checkpoint, once kept, stays until its stage's backward; the tests
 /// check the result against an exhaustive search of all persistent schedules. (Freeing a checkpoint early and
 /// recomputing it later is sometimes faster still: the same search found that in about 1% of random
 /// 8-stage chains.) The result's predicted peak is <= budget_bytes. Cost: O(n^3 * slots) time and

@@ -381,7 +381,11 @@ int run_profile(const ProfileArgs& a) {
   const auto options = a.model.profile_options(a.repeats);
   const remat::Chain chain = remat::profile_workload(*w, &options);
   std::cout << w->description() << "\n\n";
-  remat::cli::Table t({"stage", "fwd ms", "bwd ms", "output MiB", "saved MiB", "fwd tmp MiB", "bwd tmp MiB"});
+  std::vector<std::string> columns{"stage",     "fwd ms",      "bwd ms",     "output MiB",
+                                   "saved MiB", "fwd tmp MiB", "bwd tmp MiB"};
+  const bool keep = !chain.keep.empty();
+  if (keep) columns.insert(columns.end(), {"Fk kept MiB", "Fk bwd ms"});
+  remat::cli::Table t(columns);
   const size_t shown = 40;
   for (size_t i = 0; i < chain.stages.size(); ++i) {
     if (chain.stages.size() > shown && i == shown / 2) {
@@ -389,8 +393,11 @@ int run_profile(const ProfileArgs& a) {
       i = chain.stages.size() - shown / 2;
     }
     const auto& s = chain.stages[i];
-    t.add({s.name, fixed(s.fwd_ms, 3), fixed(s.bwd_ms, 3), mib(s.output_bytes), mib(s.saved_bytes),
-           mib(s.fwd_tmp_bytes), mib(s.bwd_tmp_bytes)});
+    std::vector<std::string> row{s.name,           fixed(s.fwd_ms, 3),      fixed(s.bwd_ms, 3),
+                                 mib(s.output_bytes), mib(s.saved_bytes),    mib(s.fwd_tmp_bytes),
+                                 mib(s.bwd_tmp_bytes)};
+    if (keep && s.has_keep()) row.insert(row.end(), {mib(*s.keep_saved_bytes), fixed(*s.keep_bwd_ms, 3)});
+    t.add(row);
   }
   t.print(std::cout);
 
@@ -503,6 +510,7 @@ int run_plan_command(const PlanArgs& a) {
       j["ops"].push_back(
           op.kind == remat::OpKind::kLoss ? "L" : remat::op_name(op.kind) + std::to_string(op.stage));
     j["num_stages"] = chain.size();
+    if (!plan.keep.empty()) j["keep"] = plan.keep;
     j["baseline_peak_bytes"] = none.predicted.peak_bytes;
     j["baseline_time_ms"] = none.predicted.time_ms;
     j["time_overhead"] = overhead;

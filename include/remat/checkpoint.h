@@ -111,6 +111,9 @@ torch::Tensor checkpoint_tensor(const TensorFn& fn, const torch::Tensor& input,
 /// context): CheckpointOptions().keep({remat::kMatmul}) keeps their outputs, like PyTorch's selective
 /// checkpointing with a policy that saves mm, addmm and bmm.
 inline constexpr char kMatmul[] = "matmul";
+/// The tag remat's models give their convolutions (ResNet's 3x3 convolutions): CheckpointOptions().keep(
+/// {remat::kConv}) keeps their outputs and recomputes only BatchNorm and ReLU.
+inline constexpr char kConv[] = "conv";
 
 /// Marks a call inside a checkpointed function as one whose outputs a checkpoint may keep: returns
 /// fn(inputs). Inside remat::checkpoint (kNonReentrant) whose CheckpointOptions::keep lists `tag`, the

@@ -4,6 +4,8 @@
 
 #include "remat/checkpoint.h"
 
+#include "kept.h"
+
 namespace remat::models {
 
 namespace {
@@ -25,8 +27,9 @@ BasicBlockImpl::BasicBlockImpl(int64_t in, int64_t out, int64_t stride)
 }
 
 torch::Tensor BasicBlockImpl::forward(const torch::Tensor& x) {
-  auto out = torch::relu(bn1(conv1(x)));
-  out = bn2(conv2(out));
+  // The convolutions are marked for selective checkpointing (CheckpointOptions().keep({remat::kConv})).
+  auto out = torch::relu(bn1(detail::kept_conv(conv1, x)));
+  out = bn2(detail::kept_conv(conv2, out));
   out = out + (downsample ? downsample->forward(x) : x);
   return torch::relu(out);
 }

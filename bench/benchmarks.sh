@@ -29,7 +29,7 @@ for name in "${sections[@]}"; do
       ;;
     frontier)  # every PyTorch 2.15 option against remat's planner at that option's peak (./test --torch pypi first)
       py="$REMAT_PYPI_VENV/bin/python"
-      REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --build build-pypi --model resnet --batch 128 \
+      REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --build build-pypi --model resnet --batch 128 --keep conv \
         --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6 --steps 7 --warmup 2 --rounds 3 \
         --out "$out/frontier-resnet"
       REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --hf --build build-pypi --model bert --granularity layer \

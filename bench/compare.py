@@ -68,7 +68,8 @@ def main():
     p.add_argument("--granularity", default="layer", help="remat's chain: layer or sublayer (bert)")
     p.add_argument("--keep", default="",
                    help="remat::keep tags to profile the chain with (matmul: the planner may keep a layer's "
-                        "matrix multiplications); remat's all-keep-matmul is measured too")
+                        "matrix multiplications, conv its convolutions); remat's all-keep-matmul or all-keep-conv "
+                        "is measured too")
     p.add_argument("--hf", action="store_true",
                    help="with --frontier: also Hugging Face's BertModel (none, gradient_checkpointing_enable)")
     p.add_argument("--out", default=os.path.join(ROOT, "out"), help="where JSON, CSV and PNG go")
@@ -160,8 +161,8 @@ def frontier(a, python, flags, chain):
             points = [row for res in [torch_rounds[0]] + hf_rounds[:1] for row in res["rows"]
                       if row["strategy"] != "none"]
             budgets = sorted({max(row["peak_bytes"], floor) for row in points})
-            remat_strategies = ["none", "all"] + (["all-keep-matmul"] if a.keep else []) + [
-                f"optimal:{b}" for b in budgets]
+            kept = [f"all-keep-{t}" for t in a.keep.split(",") if t in ("matmul", "conv")]
+            remat_strategies = ["none", "all"] + kept + [f"optimal:{b}" for b in budgets]
             if a.remat and a.remat != DEFAULT_REMAT:
                 remat_strategies += [s for s in a.remat.split(",") if s and s not in remat_strategies]
         rj = os.path.join(a.out, f"remat-{r}.json")

@@ -246,6 +246,7 @@ std::optional<CheckpointOptions> per_layer_options(const std::string& strategy) 
   if (strategy == "all-reentrant") return CheckpointOptions().mode(CheckpointMode::kReentrant);
   if (strategy == "all-no-early-stop") return CheckpointOptions().early_stop(false);
   if (strategy == "all-keep-matmul") return CheckpointOptions().keep({kMatmul});
+  if (strategy == "all-keep-conv") return CheckpointOptions().keep({kConv});
   return std::nullopt;
 }
 
@@ -378,7 +379,7 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
     TORCH_CHECK(false, kWho, ": strategy '", s, "': ", e.what());
   }
   TORCH_CHECK(false, kWho, ": unknown strategy '", s,
-              "' (none, all, all-reentrant, all-no-early-stop, all-keep-matmul, plan-all, sqrt, uniform:K, balanced:K, "
+              "' (none, all, all-reentrant, all-no-early-stop, all-keep-matmul, all-keep-conv, plan-all, sqrt, uniform:K, balanced:K, "
               "balanced-time:K, revolve:S, "
               "optimal:SIZE, optimal:as=P, optimal:overhead=F)");
 }

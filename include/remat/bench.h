@@ -15,7 +15,8 @@
 ///   CheckpointOptions().early_stop(false) (each recompute runs its layer to the end);
 ///   "all-keep-matmul": kNonReentrant with CheckpointOptions().keep({remat::kMatmul}), the outputs of the
 ///   layers' matrix multiplications kept (PyTorch's selective checkpointing with the save-matmuls policy;
-///   bert and mlp tag theirs, on other models it is "all").
+///   bert and mlp tag theirs, on other models it is "all"); "all-keep-conv": the same with remat::kConv
+///   (resnet's convolutions).
 /// - "uniform:K" (checkpoint_sequential with K segments), "balanced:K" / "balanced-time:K" (K segments
 ///   balanced by profiled memory / forward time), "sqrt", "revolve:S", "plan-all" (every stage a
 ///   checkpoint, through the executor): plans over the model's stages, run by the plan executor.
@@ -125,7 +126,8 @@ struct BenchRow {
 using Progress = std::function<void(const std::string&)>;
 
 /// The per-layer CheckpointOptions of a strategy that runs through the model's own checkpointing ("all",
-/// "all-reentrant", "all-no-early-stop", "all-keep-matmul"); nullopt for every other strategy.
+/// "all-reentrant", "all-no-early-stop", "all-keep-matmul", "all-keep-conv"); nullopt for every other
+/// strategy.
 std::optional<CheckpointOptions> per_layer_options(const std::string& strategy);
 
 /// Resolves a plan strategy against a chain (see the top of this file). Returns nullopt for "none", "all",

@@ -379,7 +379,8 @@ std::optional<Plan> plan_for(const std::string& s, const Chain& chain) {
     TORCH_CHECK(false, kWho, ": strategy '", s, "': ", e.what());
   }
   TORCH_CHECK(false, kWho, ": unknown strategy '", s,
-              "' (none, all, all-reentrant, all-no-early-stop, all-keep-matmul, all-keep-conv, plan-all, sqrt, uniform:K, balanced:K, "
+              "' (none, all, all-reentrant, all-no-early-stop, all-keep-matmul, all-keep-conv, plan-all, "
+              "sqrt, uniform:K, balanced:K, "
               "balanced-time:K, revolve:S, "
               "optimal:SIZE, optimal:as=P, optimal:overhead=F)");
 }
@@ -562,8 +563,8 @@ Chain scale_chain(const Chain& a, int64_t batch_a, const Chain& b, int64_t batch
     if (sa.has_keep() && sb.has_keep()) {
       s.keep_fwd_ms = opt_ms(sa.keep_fwd_ms, sb.keep_fwd_ms);
       s.keep_bwd_ms = opt_ms(sa.keep_bwd_ms, sb.keep_bwd_ms);
-      s.keep_saved_bytes = std::clamp(bytes(*sa.keep_saved_bytes, *sb.keep_saved_bytes), s.output_bytes,
-                                      s.saved_bytes);
+      s.keep_saved_bytes =
+          std::clamp(bytes(*sa.keep_saved_bytes, *sb.keep_saved_bytes), s.output_bytes, s.saved_bytes);
     } else {
       s.keep_saved_bytes.reset(), s.keep_fwd_ms.reset(), s.keep_bwd_ms.reset();
     }

@@ -67,7 +67,8 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "saved_bytes", s.saved_bytes);
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
-    const int keep_fields = s.keep_saved_bytes.has_value() + s.keep_fwd_ms.has_value() + s.keep_bwd_ms.has_value();
+    const int keep_fields =
+        s.keep_saved_bytes.has_value() + s.keep_fwd_ms.has_value() + s.keep_bwd_ms.has_value();
     if (keep_fields != 0 && keep_fields != 3) {
       throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
                                   " has some of keep_saved_bytes, keep_fwd_ms and keep_bwd_ms but not all");
@@ -195,7 +196,8 @@ Chain chain_from_json(const std::string& text) {
           {"keep_bwd_ms", &s.keep_bwd_ms}}) {
       if (js.contains(key)) *field = required<double>(js, key, where);
     }
-    if (js.contains("keep_saved_bytes")) s.keep_saved_bytes = required<int64_t>(js, "keep_saved_bytes", where);
+    if (js.contains("keep_saved_bytes"))
+      s.keep_saved_bytes = required<int64_t>(js, "keep_saved_bytes", where);
     chain.stages.push_back(std::move(s));
   }
   chain.keep = detail::string_array(j, "keep", "remat::chain_from_json");

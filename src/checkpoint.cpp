@@ -362,6 +362,16 @@ class Collector final : public HookSource {
   int64_t count_ = 0;
 };
 
+// The grad_fn of a kept output handed back by a recompute: the call did not run, so there is no graph to
+// differentiate; running it throws c10::Error with `msg`.
+struct NoGraph final : torch::autograd::Node {
+  NoGraph(std::string msg, torch::autograd::edge_list&& next) : Node(std::move(next)), msg(std::move(msg)) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*grads*/) override {
+    TORCH_CHECK(false, msg);
+  }
+  std::string msg;
+};
+
 // One remat::keep call of a checkpoint's forward pass whose outputs are kept: the outputs, and how to give
 // back in the recompute each tensor autograd saved inside the call.
 struct KeptCall {
@@ -409,7 +419,6 @@ KeptCall::Saved recipe_of(const at::Tensor& t, const std::vector<at::Tensor>& in
   if (!alias(outputs, s.output) && !alias(inputs, s.input)) s.held = t.detach();
   return s;
 }
-
 
 class Frame final : public HookSource, public std::enable_shared_from_this<Frame> {
  public:
@@ -478,15 +487,18 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
 
   // remat::keep in a recompute: hand back the kept outputs and what autograd saved inside the call, without
   // running fn; fn runs when the forward pass did not keep this call or its outputs were released.
-  std::vector<at::Tensor> replay(const std::string& tag, const KeepFn& fn, const std::vector<at::Tensor>& inputs,
-                                 Collector& collector) {
+  std::vector<at::Tensor> replay(const std::string& tag, const KeepFn& fn,
+                                 const std::vector<at::Tensor>& inputs, Collector& collector) {
     if (!keeps(tag)) return fn(inputs);
     const size_t k = replayed_++;
-    if (k >= kept_.size() || kept_[k].outputs.empty()) return fn(inputs);
-    const KeptCall& call = kept_[k];
+    // A recompute during the forward pass (fn takes a gradient of its own results) runs the calls: a gradient
+    // through a kept call must reach its inputs.
+    if (!forward_done_ || k >= kept_.size() || kept_[k].outputs.empty()) return fn(inputs);
+    KeptCall& call = kept_[k];
     TORCH_CHECK(call.tag == tag && call.num_inputs == inputs.size(), "remat::keep: call ", k,
-                " of the recompute is '", tag, "' with ", inputs.size(), " inputs, but was '", call.tag, "' with ",
-                call.num_inputs, " in the forward pass; fn must do the same work each time it runs");
+                " of the recompute is '", tag, "' with ", inputs.size(), " inputs, but was '", call.tag,
+                "' with ", call.num_inputs,
+                " in the forward pass; fn must do the same work each time it runs");
     for (size_t o = 0; o < call.outputs.size(); ++o)
       TORCH_CHECK(version_of(call.outputs[o]) == call.output_versions[o], "remat::keep('", tag, "'): output ",
                   o, " was modified in place after the call; a kept output must not be written to");
@@ -497,18 +509,42 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
           collector.save(sv.held);
           continue;
         }
-        const at::Tensor& base = sv.input >= 0 ? inputs[sv.input] : call.outputs[sv.output];
+        // Detached: a view of the recompute's own tensor would hold its graph (and through it every leaf the
+        // graph reaches, such as a kept output only read by a copy) for as long as backward holds the view.
+        const at::Tensor base = (sv.input >= 0 ? inputs[sv.input] : call.outputs[sv.output]).detach();
         TORCH_CHECK(base.has_storage(), "remat::keep('", tag, "'): input ", sv.input,
                     " has no storage in the recompute");
         collector.save(base.as_strided(sv.sizes, sv.strides, base.storage_offset() + sv.offset));
       }
     }
+    // Outputs that required grad get a grad_fn that holds nothing, so that the operations after the call
+    // record their graph and save what they save. Not requires_grad_() on a leaf: its gradient accumulator
+    // would hold the output until the recompute's graph dies (a projection that only feeds a copy, kept
+    // through the rest of the layer's recompute). The recompute's graph is not run, unless fn takes a
+    // gradient in it, and one through a kept output is an error (the call did not run to record its graph).
     std::vector<at::Tensor> outputs;
+    std::shared_ptr<torch::autograd::Node> no_graph;
     for (size_t o = 0; o < call.outputs.size(); ++o) {
       at::Tensor out = call.outputs[o].detach();
-      if (call.output_requires_grad[o]) out.requires_grad_(true);
+      if (call.output_requires_grad[o]) {
+        // Edges to the call's inputs, so that a gradient towards them reaches this node and its message.
+        if (!no_graph) {
+          no_graph = std::make_shared<NoGraph>(
+              "remat::keep('" + tag +
+                  "'): fn takes a gradient through a kept call's output while the region is recomputed; the "
+                  "call is not run again there, so it has no graph. Leave this tag out of "
+                  "CheckpointOptions::keep for this region",
+              torch::autograd::collect_next_edges(inputs));
+        }
+        const uint32_t nr = no_graph->add_input_metadata(out);
+        torch::autograd::impl::set_gradient_edge(out, {no_graph, nr});
+      }
       outputs.push_back(std::move(out));
     }
+    // The frame lets go of them here: an output the recompute only reads (a projection the next operation
+    // copies) is freed as soon as the recompute is done with it. A later recompute (retain_graph) runs the
+    // call again.
+    call.outputs.clear(), call.saved.clear();
     return outputs;
   }
 
@@ -625,9 +661,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   bool check_;
   bool early_stop_;
   std::vector<std::string> keep_tags_;
-  std::vector<KeptCall> kept_;     // the forward pass's kept calls, in order
-  size_t replayed_ = 0;            // kept calls the running recompute has reached
-  bool capturing_ = false;         // inside a kept call of the forward pass
+  std::vector<KeptCall> kept_;        // the forward pass's kept calls, in order
+  size_t replayed_ = 0;               // kept calls the running recompute has reached
+  bool capturing_ = false;            // inside a kept call of the forward pass
   std::vector<at::Tensor> captured_;  // what autograd saved inside it, until the call returns
   AutocastState autocast_;
   RngState rng_, rng_end_;  // the generators at the start and at the end of the forward pass
@@ -897,8 +933,10 @@ at::Tensor checkpoint_tensor(const TensorFn& fn, const at::Tensor& input, const 
 
 }  // namespace detail
 
-std::vector<at::Tensor> keep(const std::string& tag, const TensorsFn& fn, const std::vector<at::Tensor>& inputs) {
-  TORCH_CHECK(static_cast<bool>(fn), "remat::keep('", tag, "'): fn is empty (a default-constructed std::function)");
+std::vector<at::Tensor> keep(const std::string& tag, const TensorsFn& fn,
+                             const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(static_cast<bool>(fn), "remat::keep('", tag,
+              "'): fn is empty (a default-constructed std::function)");
   detail::check_keep_inputs(inputs);
   detail::HookSource* source = detail::current_hook_source();
   if (source == nullptr || !at::GradMode::is_enabled()) return fn(inputs);
@@ -906,7 +944,8 @@ std::vector<at::Tensor> keep(const std::string& tag, const TensorsFn& fn, const 
 }
 
 at::Tensor keep(const std::string& tag, const TensorFn& fn, const at::Tensor& input) {
-  TORCH_CHECK(static_cast<bool>(fn), "remat::keep('", tag, "'): fn is empty (a default-constructed std::function)");
+  TORCH_CHECK(static_cast<bool>(fn), "remat::keep('", tag,
+              "'): fn is empty (a default-constructed std::function)");
   TensorsFn wrapped = [&fn](const std::vector<at::Tensor>& xs) { return std::vector<at::Tensor>{fn(xs[0])}; };
   auto outputs = keep(tag, wrapped, {input});
   TORCH_CHECK(outputs.size() == 1, "remat::keep('", tag, "'): expected one output, got ", outputs.size());

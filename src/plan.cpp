@@ -139,7 +139,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           fail("runs stage " + std::to_string(i) + " ('" + chain->stages[i].name +
                "') with kept calls, but the chain has no keep_ fields for it (profile with keep tags)");
         }
-        const int64_t out = all ? (chain ? chain->stages[i].saved_bytes : 0) : keep ? kept(i + 1) : act(i + 1);
+        const int64_t out = all    ? (chain ? chain->stages[i].saved_bytes : 0)
+                            : keep ? kept(i + 1)
+                                   : act(i + 1);
         const int64_t tmp = chain ? chain->stages[i].fwd_tmp_bytes : 0;
         charge(current + out + tmp, k);
         current += out - held_bytes(i + 1);

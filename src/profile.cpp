@@ -220,9 +220,11 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         if (keep) record(per[i], cf[i], cb);
       }
     };
-    checkpoint_pass(false, [](Per& p, double f, double b) { p.ckpt_fwd.push_back(f), p.ckpt_bwd.push_back(b); });
+    checkpoint_pass(false,
+                    [](Per& p, double f, double b) { p.ckpt_fwd.push_back(f), p.ckpt_bwd.push_back(b); });
     if (!options.keep().empty()) {
-      checkpoint_pass(true, [](Per& p, double f, double b) { p.keep_fwd.push_back(f), p.keep_bwd.push_back(b); });
+      checkpoint_pass(true,
+                      [](Per& p, double f, double b) { p.keep_fwd.push_back(f), p.keep_bwd.push_back(b); });
     }
   }
   chain.keep = options.keep();

@@ -839,7 +839,9 @@ TEST(Keep, DropoutOutsideKeptCallsIsReplayedAndRetainGraphRunsThemAgain) {
   torch::manual_seed(1);
   KeptBlock block(8);
   auto x = torch::randn({6, 8}, torch::requires_grad());
-  auto fn = [&](const torch::Tensor& t) { return torch::dropout(block(torch::dropout(t, 0.3, true)), 0.3, true); };
+  auto fn = [&](const torch::Tensor& t) {
+    return torch::dropout(block(torch::dropout(t, 0.3, true)), 0.3, true);
+  };
   torch::manual_seed(2);
   auto plain_y = fn(x);
   plain_y.sum().backward();
@@ -867,13 +869,12 @@ TEST(Keep, EarlyStopInsideAKeptCallAndSeveralOutputs) {
   int calls = 0, tail = 0;
   auto fn = [&](const torch::Tensor& t) {
     auto h = t.tanh();
-    auto outs = remat::keep(
-        "proj",
-        [&](const std::vector<torch::Tensor>& in) {
-          ++calls;
-          return std::vector<torch::Tensor>{fc(in[0].t().t()), in[0] * 2};
-        },
-        {h});
+    auto outs = remat::keep("proj",
+                            [&](const std::vector<torch::Tensor>& in) {
+                              ++calls;
+                              return std::vector<torch::Tensor>{fc(in[0].t().t()), in[0] * 2};
+                            },
+                            {h});
     ++tail;
     return outs[0] + outs[1];
   };
@@ -885,6 +886,38 @@ TEST(Keep, EarlyStopInsideAKeptCallAndSeveralOutputs) {
   EXPECT_EQ(calls, 1);
   EXPECT_EQ(tail, 1);
   EXPECT_LE(max_abs_diff(x.grad(), plain), 1e-6);
+}
+
+TEST(Keep, AGradientInsideFnThroughAKeptCall) {
+  // fn takes a gradient of its own result through a kept call. In the forward pass the call runs (the
+  // gradient reaches its input); in the recompute it does not, so there the same gradient is a clear error
+  // rather than a silently missing contribution.
+  torch::manual_seed(0);
+  torch::nn::Linear fc(4, 4);
+  auto x = torch::randn({3, 4}, torch::requires_grad());
+  auto fn = [&](const torch::Tensor& t) {
+    auto h = remat::keep(
+        "k", [&](const torch::Tensor& u) { return fc(u); }, t.tanh());
+    auto g =
+        torch::autograd::grad({h.pow(2).sum()}, {t}, {}, /*retain_graph=*/true, /*create_graph=*/true)[0];
+    return h.sum(1, true) * g;
+  };
+  const auto plain = fn(x);
+  auto y = remat::checkpoint(fn, x, CheckpointOptions().keep({"k"}).modules({fc.ptr()}));
+  EXPECT_LE(max_abs_diff(y, plain), 1e-6);
+  try {
+    y.sum().backward();
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("remat::keep('k'): fn takes a gradient through a kept call's output"),
+        std::string::npos)
+        << e.what();
+  }
+  // Without the tag in keep the same region trains.
+  x.mutable_grad() = torch::Tensor();
+  remat::checkpoint(fn, x, CheckpointOptions().modules({fc.ptr()})).sum().backward();
+  EXPECT_TRUE(x.grad().defined());
 }
 
 TEST(Keep, BadUseIsAClearError) {
@@ -903,7 +936,8 @@ TEST(Keep, BadUseIsAClearError) {
       [&] {
         remat::checkpoint(
             [&](const torch::Tensor& t) {
-              return remat::keep("k", [](const torch::Tensor& u) { return torch::dropout(u, 0.5, true); }, t);
+              return remat::keep(
+                  "k", [](const torch::Tensor& u) { return torch::dropout(u, 0.5, true); }, t);
             },
             x, keep);
       },
@@ -913,21 +947,27 @@ TEST(Keep, BadUseIsAClearError) {
         remat::checkpoint(
             [&](const torch::Tensor& t) {
               auto u = t * 1;
-              return remat::keep("k", [](const torch::Tensor& v) { return v.mul_(2); }, u);
+              return remat::keep(
+                  "k", [](const torch::Tensor& v) { return v.mul_(2); }, u);
             },
             x, keep);
       },
       "remat::keep('k'): fn modified input 0 in place");
   expect_error([&] { remat::checkpoint(fc, x, CheckpointOptions(keep).mode(CheckpointMode::kReentrant)); },
                "CheckpointOptions::keep (1 tag, the first 'k') needs CheckpointMode::kNonReentrant");
-  expect_error([&] { remat::keep("k", [](const torch::Tensor& u) { return u; }, torch::Tensor()); },
-               "remat::keep: input 0 is an undefined tensor");
+  expect_error(
+      [&] {
+        remat::keep(
+            "k", [](const torch::Tensor& u) { return u; }, torch::Tensor());
+      },
+      "remat::keep: input 0 is an undefined tensor");
   expect_error([&] { remat::keep("k", remat::TensorFn(), x); }, "remat::keep('k'): fn is empty");
   // A kept output written to before the backward pass.
   torch::Tensor kept_out;
   auto y = remat::checkpoint(
       [&](const torch::Tensor& t) {
-        kept_out = remat::keep("k", [&](const torch::Tensor& u) { return fc(u); }, t);
+        kept_out = remat::keep(
+            "k", [&](const torch::Tensor& u) { return fc(u); }, t);
         return kept_out.tanh();
       },
       x, CheckpointOptions(keep).modules({fc.ptr()}));
@@ -937,6 +977,8 @@ TEST(Keep, BadUseIsAClearError) {
   }
   expect_error([&] { y.sum().backward(); }, "output 0 was modified in place after the call");
   // Outside a checkpoint, and under NoGradGuard, keep simply runs fn.
-  EXPECT_TRUE(remat::keep("k", [](const torch::Tensor& u) { return u * 3; }, x).equal(x * 3));
+  EXPECT_TRUE(remat::keep(
+                  "k", [](const torch::Tensor& u) { return u * 3; }, x)
+                  .equal(x * 3));
 }
 }  // namespace

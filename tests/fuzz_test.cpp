@@ -343,7 +343,8 @@ struct BlockImpl : torch::nn::Module {
           h = mm([&](const torch::Tensor& t) { return shared[si](t); }, h), ++si;
           break;
         case OpCode::kConv:
-          h = mm([&](const torch::Tensor& t) { return conv[ci](t); }, h.reshape({b, 2, w / 4, 2})).reshape({b, w});
+          h = mm([&](const torch::Tensor& t) { return conv[ci](t); }, h.reshape({b, 2, w / 4, 2}))
+                  .reshape({b, w});
           ++ci;
           break;
         case OpCode::kMatmul:

@@ -64,7 +64,8 @@ Chain random_keep_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
     Stage& s = c.stages[i];
     if (i % 4 == 3) continue;
     const double kept = part(rng);
-    s.keep_saved_bytes = s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
+    s.keep_saved_bytes =
+        s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
     s.keep_fwd_ms = s.fwd_ms * (1 + 0.1 * part(rng));
     s.keep_bwd_ms = s.bwd_ms + (1 - kept) * s.fwd_ms * (0.5 + part(rng));
   }
@@ -145,7 +146,8 @@ struct Search {
   void successors(const State& s, Visit&& visit) const {
     const int64_t cur = memory(s);
     for (int64_t i = 0; i < n; ++i) {
-      if (s.held[i] == 0 || (s.grad >= 0 && s.grad <= i) || s.held[i + 1] == 2 || s.held[i + 1] == 4) continue;
+      if (s.held[i] == 0 || (s.grad >= 0 && s.grad <= i) || s.held[i + 1] == 2 || s.held[i + 1] == 4)
+        continue;
       const Stage& st = c.stages[i];
       for (int kind = 0; kind < 4; ++kind) {  // Fn, Fc, Fa, Fk
         if (kind < 2 && s.held[i + 1] != 0) continue;
@@ -158,7 +160,10 @@ struct Search {
         if (kind == 1 && s.held[i] == 1) t.held[i] = 3;
         static const char* names[] = {"Fn", "Fc", "Fa", "Fk"};
         visit(names[kind] + std::to_string(i), cur + out + st.fwd_tmp_bytes,
-              kind == 2 ? st.fwd_ms : kind == 3 ? *st.keep_fwd_ms : st.nosave_ms(), t);
+              kind == 2   ? st.fwd_ms
+              : kind == 3 ? *st.keep_fwd_ms
+                          : st.nosave_ms(),
+              t);
       }
     }
     if (s.grad < 0 && s.held[n] != 0) {
@@ -177,8 +182,8 @@ struct Search {
         t.grad = i;
         if ((t.held[i] == 1 || t.held[i] == 3) && i > 0) t.held[i] = 0;
         const int64_t rest = kept ? st.saved_bytes - *st.keep_saved_bytes : 0;
-        visit("B" + std::to_string(i), cur + rest + a(i) + st.bwd_tmp_bytes, kept ? *st.keep_bwd_ms : st.bwd_ms,
-              t);
+        visit("B" + std::to_string(i), cur + rest + a(i) + st.bwd_tmp_bytes,
+              kept ? *st.keep_bwd_ms : st.bwd_ms, t);
       }
     }
   }

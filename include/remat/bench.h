@@ -131,8 +131,8 @@ using Progress = std::function<void(const std::string&)>;
 std::optional<CheckpointOptions> per_layer_options(const std::string& strategy);
 
 /// Resolves a plan strategy against a chain (see the top of this file). Returns nullopt for "none", "all",
-/// and the other per-layer strategies (per_layer_options). Throws c10::Error naming the strategy when it is unknown or
-/// malformed, and what the planners throw (InfeasibleBudget for a budget below the minimum).
+/// and the other per-layer strategies (per_layer_options). Throws c10::Error naming the strategy when it is
+/// unknown or malformed, and what the planners throw (InfeasibleBudget for a budget below the minimum).
 std::optional<Plan> plan_for(const std::string& strategy, const Chain& chain);
 
 /// Measures every strategy (and "none" first, as the reference, if it is not listed): median step time and

@@ -45,8 +45,8 @@ struct Stage {
   /// saved_bytes), keep_fwd_ms its forward, keep_bwd_ms its recompute of the rest plus its backward
   /// (milliseconds). All three set, or none: a stage without them has no Fk.
   std::optional<int64_t> keep_saved_bytes;
-  std::optional<double> keep_fwd_ms;    ///< see keep_saved_bytes
-  std::optional<double> keep_bwd_ms;    ///< see keep_saved_bytes
+  std::optional<double> keep_fwd_ms;  ///< see keep_saved_bytes
+  std::optional<double> keep_bwd_ms;  ///< see keep_saved_bytes
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }

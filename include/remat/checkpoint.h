@@ -123,10 +123,14 @@ inline constexpr char kConv[] = "conv";
 /// without modifying its inputs in place: the tensors autograd saves inside fn are recomputed as views of
 /// `inputs` where they are views of them (a linear layer's input, a transposed operand), and kept where
 /// they are not (a parameter costs nothing; a copy fn makes costs its bytes, so pass operands in the
-/// layout fn uses). Kept outputs are freed after the region's first recompute; a second recompute of the
-/// region (retain_graph) runs fn again. Throws c10::Error naming remat::keep when fn is empty, inputs
-/// holds an undefined tensor, fn returns an undefined tensor, draws random numbers or writes to an input
-/// in place (while keeping), or when the recompute's calls do not match the forward pass's (tag, count).
+/// layout fn uses). Each kept output is freed once the region's first recompute has used it; a second
+/// recompute of the region (retain_graph) runs fn again, and so does a recompute during the forward pass
+/// (the region takes a gradient of its own results). A gradient the region takes of its own results through
+/// a kept output while it is recomputed in the backward pass throws c10::Error (the call did not run, so it
+/// has no graph): leave that tag out for such a region. Throws c10::Error naming remat::keep when fn is
+/// empty, inputs holds an undefined tensor, fn returns an undefined tensor, draws random numbers or writes to
+/// an input in place (while keeping), or when the recompute's calls do not match the forward pass's (tag,
+/// count).
 std::vector<torch::Tensor> keep(const std::string& tag, const TensorsFn& fn,
                                 const std::vector<torch::Tensor>& inputs);
 /// One tensor in, one tensor out; otherwise as above.

@@ -122,7 +122,8 @@ std::string to_json(const Plan& plan);
 /// problem: malformed JSON, a missing key, an unknown operation, or what check_plan rejects.
 Plan plan_from_json(const std::string& json);
 
-/// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4". Throws std::invalid_argument for anything else.
+/// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4". Throws std::invalid_argument for anything
+/// else.
 Op parse_op(const std::string& text);
 
 }  // namespace remat

@@ -12,14 +12,14 @@
 /// are not counted, they are alive anyway); fwd_tmp_bytes is the peak above that during the forward;
 /// bwd_tmp_bytes is the peak during its backward above its input, saved tensors, output gradient and input
 /// gradient (the parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first
-/// step). Times are medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages in
-/// the order of a training step (so that the caches hold what a step leaves there): a forward pass without
+/// step). Times are medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages
+/// in the order of a training step (so that the caches hold what a step leaves there): a forward pass without
 /// saving (fwd_nosave_ms), then from the last stage to the first its forward with saving and its backward
 /// (fwd_ms, bwd_ms), then every stage under remat::checkpoint and the backward pass through them
 /// (checkpoint_fwd_ms, checkpoint_bwd_ms), and with ProfileOptions::keep the same keeping the kept calls'
-/// outputs (keep_fwd_ms, keep_bwd_ms; keep_saved_bytes is what that leaves alive). The peak memory of profiling is that of checkpointing every stage
-/// plus one stage's saved tensors, not that of a plain step. The model is
-/// left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are restored.
+/// outputs (keep_fwd_ms, keep_bwd_ms; keep_saved_bytes is what that leaves alive). The peak memory of
+/// profiling is that of checkpointing every stage plus one stage's saved tensors, not that of a plain step.
+/// The model is left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are restored.
 
 #include <remat/chain.h>
 #include <remat/sequential.h>
@@ -33,10 +33,10 @@ struct ProfileOptions {
   TORCH_ARG(int64_t, warmup) = 1;
   /// Timed runs of each stage; the median is kept (>= 1).
   TORCH_ARG(int64_t, repeats) = 5;
-  /// remat::keep tags (e.g. {remat::kMatmul}): also measure every stage as Fk runs it, under remat::checkpoint
-  /// keeping those calls' outputs (Stage::keep_saved_bytes, keep_fwd_ms, keep_bwd_ms; Chain::keep), so that
-  /// the planners can keep a layer's matrix multiplications and recompute only the rest. One more pass per
-  /// run. Empty (the default): no Fk.
+  /// remat::keep tags (e.g. {remat::kMatmul}): also measure every stage as Fk runs it, under
+  /// remat::checkpoint keeping those calls' outputs (Stage::keep_saved_bytes, keep_fwd_ms, keep_bwd_ms;
+  /// Chain::keep), so that the planners can keep a layer's matrix multiplications and recompute only the
+  /// rest. One more pass per run. Empty (the default): no Fk.
   TORCH_ARG(std::vector<std::string>, keep) = {};
 };
 

@@ -27,7 +27,8 @@ inline std::vector<std::string> string_array(const nlohmann::json& j, const char
   for (const auto& v : k)
     strings = strings && v.is_string();
   if (!strings)
-    throw std::invalid_argument(std::string(who) + ": \"" + key + "\" must be an array of strings, got " + k.dump());
+    throw std::invalid_argument(std::string(who) + ": \"" + key + "\" must be an array of strings, got " +
+                                k.dump());
   return k.get<std::vector<std::string>>();
 }
 

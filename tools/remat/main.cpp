@@ -393,8 +393,12 @@ int run_profile(const ProfileArgs& a) {
       i = chain.stages.size() - shown / 2;
     }
     const auto& s = chain.stages[i];
-    std::vector<std::string> row{s.name,           fixed(s.fwd_ms, 3),      fixed(s.bwd_ms, 3),
-                                 mib(s.output_bytes), mib(s.saved_bytes),    mib(s.fwd_tmp_bytes),
+    std::vector<std::string> row{s.name,
+                                 fixed(s.fwd_ms, 3),
+                                 fixed(s.bwd_ms, 3),
+                                 mib(s.output_bytes),
+                                 mib(s.saved_bytes),
+                                 mib(s.fwd_tmp_bytes),
                                  mib(s.bwd_tmp_bytes)};
     if (keep && s.has_keep()) row.insert(row.end(), {mib(*s.keep_saved_bytes), fixed(*s.keep_bwd_ms, 3)});
     t.add(row);
@@ -560,8 +564,8 @@ int run_max_batch(const MaxBatchArgs& a) {
   if (a.model.model == "heavy") throw std::invalid_argument("--model heavy has no batch dimension");
   const int64_t budget = size_arg(a.budget, "--budget");
   const auto profile = a.model.profile_options(5);
-  const auto rows =
-      remat::max_batch([&](int64_t b) { return a.model.make(b); }, budget, split(a.strategies), progress, &profile);
+  const auto rows = remat::max_batch([&](int64_t b) { return a.model.make(b); }, budget, split(a.strategies),
+                                     progress, &profile);
   std::cout << "largest batch whose activation peak (inputs included) fits " << remat::format_bytes(budget)
             << "\n\n";
   remat::cli::Table t({"strategy", "batch", "predicted peak MiB", "measured peak MiB", "confirmed"});

@@ -523,13 +523,13 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     // through the rest of the layer's recompute). The recompute's graph is not run, unless fn takes a
     // gradient in it, and one through a kept output is an error (the call did not run to record its graph).
     std::vector<at::Tensor> outputs;
-    std::shared_ptr<torch::autograd::Node> no_graph;
+    decltype(compat::make_node<NoGraph>(std::string(), torch::autograd::edge_list())) no_graph;
     for (size_t o = 0; o < call.outputs.size(); ++o) {
       at::Tensor out = call.outputs[o].detach();
       if (call.output_requires_grad[o]) {
         // Edges to the call's inputs, so that a gradient towards them reaches this node and its message.
         if (!no_graph) {
-          no_graph = std::make_shared<NoGraph>(
+          no_graph = compat::make_node<NoGraph>(
               "remat::keep('" + tag +
                   "'): fn takes a gradient through a kept call's output while the region is recomputed; the "
                   "call is not run again there, so it has no graph. Leave this tag out of "
@@ -537,7 +537,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
               torch::autograd::collect_next_edges(inputs));
         }
         const uint32_t nr = no_graph->add_input_metadata(out);
-        torch::autograd::impl::set_gradient_edge(out, {no_graph, nr});
+        torch::autograd::impl::set_gradient_edge(out, torch::autograd::Edge(no_graph, nr));
       }
       outputs.push_back(std::move(out));
     }

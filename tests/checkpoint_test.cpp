@@ -760,23 +760,19 @@ namespace {
 struct KeptBlock {
   explicit KeptBlock(int64_t w) : fc1(w, 2 * w), fc2(2 * w, w) {}
   torch::Tensor operator()(const torch::Tensor& x) {
-    auto h = remat::keep(
-        remat::kMatmul,
-        [&](const torch::Tensor& t) {
-          ++fc1_calls;
-          return fc1(t);
-        },
-        x);
-    auto g = torch::gelu(h);
+    // fc(t) as a kept call that counts its runs.
+    auto kept = [](torch::nn::Linear& fc, int& calls, const torch::Tensor& t) {
+      return remat::keep(
+          remat::kMatmul,
+          [&](const torch::Tensor& u) {
+            ++calls;
+            return fc(u);
+          },
+          t);
+    };
+    auto g = torch::gelu(kept(fc1, fc1_calls, x));
     ++gelu_calls;
-    auto y = remat::keep(
-        remat::kMatmul,
-        [&](const torch::Tensor& t) {
-          ++fc2_calls;
-          return fc2(t);
-        },
-        g);
-    return x + y;
+    return x + kept(fc2, fc2_calls, g);
   }
   CheckpointOptions options(std::vector<std::string> keep) const {
     return CheckpointOptions().keep(std::move(keep)).modules({fc1.ptr(), fc2.ptr()});

@@ -247,39 +247,52 @@ struct Search {
   }
 };
 
+// One trial of optimal() against the exhaustive search: a random budget between the chain's least memory
+// and its plain step, 40 or 500 slots by the trial's parity. Checks that the plan fits the budget and, where
+// a persistent schedule fits the slots, that its time is the search's and it fits in slots.
+struct ExhaustiveTrial {
+  int64_t budget = 0, slots = 0, total = 0;  // total: the budget in slots
+  Chain slotted;                             // the chain in those slots
+  double best = 0;                           // the fastest persistent schedule's time (infinity: none)
+  Plan plan;                                 // optimal()'s
+};
+ExhaustiveTrial exhaustive_trial(const Chain& chain, std::mt19937& rng, int trial) {
+  ExhaustiveTrial t;
+  const int64_t lo = remat::min_feasible_budget(chain);
+  const int64_t hi = remat::no_checkpoint(chain).predicted.peak_bytes;
+  std::uniform_int_distribution<int64_t> pick(lo, std::max(lo, hi));
+  t.budget = pick(rng);
+  t.slots = trial % 2 ? 40 : 500;
+  t.slotted = in_slots(chain, t.budget, t.slots, &t.total);
+  std::string path;
+  t.best = Search(t.slotted, /*persistent_only=*/true).fastest(t.total, &path);
+  remat::PlannerOptions opts;
+  opts.slots = t.slots;
+  opts.compare_baselines = false;
+  t.plan = remat::optimal(chain, t.budget, opts);
+  EXPECT_LE(t.plan.predicted.peak_bytes, t.budget);
+  if (std::isfinite(t.best)) {
+    EXPECT_NEAR(t.plan.predicted.time_ms, t.best, 1e-9 * t.best)
+        << "trial " << trial << ": " << t.plan.to_string() << "\nexhaustive: " << path << "\nchain "
+        << remat::to_json(t.slotted) << " total " << t.total;
+    // And the plan fits in slots, as the dynamic program claims.
+    EXPECT_LE(remat::simulate(t.slotted, t.plan).peak_bytes, t.total) << "trial " << trial;
+  }
+  return t;
+}
+
 TEST(Optimal, EqualsExhaustiveSearchOnRandomChains) {
   std::mt19937 rng(1234);
   int compared = 0, non_persistent_better = 0;
   for (int trial = 0; trial < 120; ++trial) {
     const int64_t n = 1 + trial % 8;
     const Chain chain = random_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
-    const int64_t lo = remat::min_feasible_budget(chain);
-    const int64_t hi = remat::no_checkpoint(chain).predicted.peak_bytes;
-    std::uniform_int_distribution<int64_t> pick(lo, std::max(lo, hi));
-    const int64_t budget = pick(rng);
-    const int64_t slots = trial % 2 ? 40 : 500;
-    int64_t total = 0;
-    const Chain slotted = in_slots(chain, budget, slots, &total);
-    std::string path;
-    const double best = Search(slotted, /*persistent_only=*/true).fastest(total, &path);
+    const ExhaustiveTrial t = exhaustive_trial(chain, rng, trial);
     // Every schedule of plan.h, persistent or not: never slower than the persistent optimum.
-    const double general = Search(slotted, /*persistent_only=*/false).fastest(total);
-    EXPECT_LE(general, best + 1e-9);
-    if (general < best - 1e-9) ++non_persistent_better;
-
-    remat::PlannerOptions opts;
-    opts.slots = slots;
-    opts.compare_baselines = false;
-    const Plan plan = remat::optimal(chain, budget, opts);
-    EXPECT_LE(plan.predicted.peak_bytes, budget);
-    if (std::isfinite(best)) {
-      ++compared;
-      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * best)
-          << "trial " << trial << ": " << plan.to_string() << "\nexhaustive: " << path << "\nchain "
-          << remat::to_json(slotted) << " total " << total;
-      // And the plan fits in slots, as the dynamic program claims.
-      EXPECT_LE(remat::simulate(slotted, plan).peak_bytes, total) << "trial " << trial;
-    }
+    const double general = Search(t.slotted, /*persistent_only=*/false).fastest(t.total);
+    EXPECT_LE(general, t.best + 1e-9);
+    if (general < t.best - 1e-9) ++non_persistent_better;
+    compared += std::isfinite(t.best);
   }
   EXPECT_GT(compared, 100);
   // Freeing a checkpoint early and recomputing it later (outside the paper's class) sometimes wins.
@@ -302,28 +315,15 @@ TEST(Optimal, WithFkEqualsExhaustiveSearchOnRandomChains) {
     const int64_t lo = remat::min_feasible_budget(chain);
     EXPECT_EQ(lo, Search(chain, /*persistent_only=*/false).least_peak()) << "trial " << trial;
     EXPECT_LE(lo, remat::min_feasible_budget(without)) << "trial " << trial;
-    const int64_t hi = remat::no_checkpoint(chain).predicted.peak_bytes;
-    std::uniform_int_distribution<int64_t> pick(lo, std::max(lo, hi));
-    const int64_t budget = pick(rng);
-    const int64_t slots = trial % 2 ? 40 : 500;
-    int64_t total = 0;
-    const Chain slotted = in_slots(chain, budget, slots, &total);
-    std::string path;
-    const double best = Search(slotted, /*persistent_only=*/true).fastest(total, &path);
-    remat::PlannerOptions opts;
-    opts.slots = slots;
-    opts.compare_baselines = false;
-    const Plan plan = remat::optimal(chain, budget, opts);
-    EXPECT_LE(plan.predicted.peak_bytes, budget);
+    const ExhaustiveTrial t = exhaustive_trial(chain, rng, trial);
+    const Plan& plan = t.plan;
     EXPECT_EQ(plan.keep, plan.count(OpKind::kForwardKeep) > 0 ? chain.keep : std::vector<std::string>{});
     used += plan.count(OpKind::kForwardKeep) > 0;
-    if (std::isfinite(best)) {
+    if (std::isfinite(t.best)) {
       // Never slower than the best schedule without Fk in the same slots.
-      EXPECT_LE(best, Search(in_slots(without, budget, slots, &total), true).fastest(total) + 1e-9);
+      int64_t total = 0;
+      EXPECT_LE(t.best, Search(in_slots(without, t.budget, t.slots, &total), true).fastest(total) + 1e-9);
       ++compared;
-      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * best)
-          << "trial " << trial << ": " << plan.to_string() << "\nexhaustive: " << path;
-      EXPECT_LE(remat::simulate(slotted, plan).peak_bytes, total) << "trial " << trial;
     }
   }
   EXPECT_GT(compared, 60);

@@ -1,12 +1,9 @@
-# ctest: install remat from BUILD_DIR into a fresh prefix, build examples/consumer against it, run it.
+# ctest: install remat from BUILD_DIR into a fresh prefix, build examples/consumer against it (a program on the
+# umbrella remat::remat, one on remat::runtime alone) and examples/planner_consumer (remat::planner alone, Torch
+# out of reach), and run them.
 # Arguments: -DBUILD_DIR=... -DSOURCE_DIR=... -DWORK_DIR=... [-DTORCH_DIR=...] (the LibTorch remat was built with)
+include(${CMAKE_CURRENT_LIST_DIR}/consumer_steps.cmake)
 file(REMOVE_RECURSE "${WORK_DIR}")
-function(step)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "consumer test: '${ARGN}' failed (${rc})")
-  endif()
-endfunction()
 step(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
 # The LibTorch remat was built with, found before any other on the machine: Torch's package directory and the
 # Caffe2 package beside it (which Torch loads, and would otherwise find in the system's directories first).
@@ -19,3 +16,5 @@ step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/consumer" -B "${WORK_DIR}/build
      -DCMAKE_BUILD_TYPE=Release "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix" ${torch_hints})
 step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 step("${WORK_DIR}/build/consumer")
+step("${WORK_DIR}/build/consumer_runtime")
+planner_consumer("${WORK_DIR}/prefix" "${WORK_DIR}/planner")

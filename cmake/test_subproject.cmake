@@ -1,13 +1,8 @@
 # ctest: build examples/subproject, which adds remat with add_subdirectory, and run it; then configure it
 # again with Torch found by the application first (the other order users write).
 # Arguments: -DSOURCE_DIR=... -DWORK_DIR=... [-DTORCH_DIR=...]
+include(${CMAKE_CURRENT_LIST_DIR}/consumer_steps.cmake)
 file(REMOVE_RECURSE "${WORK_DIR}")
-function(step)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "subproject test: '${ARGN}' failed (${rc})")
-  endif()
-endfunction()
 # The LibTorch remat was built with, found before any other on the machine: Torch's package directory and the
 # Caffe2 package beside it (which Torch loads, and would otherwise find in the system's directories first).
 set(torch_hints "")

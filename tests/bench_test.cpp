@@ -176,20 +176,6 @@ TEST(BenchStrategies, PlanForParsesAndRejects) {
   EXPECT_THROW_WITH(remat::make_workload(remat::WorkloadConfig().model("gpt")), "unknown model 'gpt'");
 }
 
-TEST(BenchSweep, CurveIsMonotoneAndBaselinesArePoints) {
-  const remat::Chain chain = remat::uniform_chain(12, 1.0, 2.0, 1000, 4000);
-  const auto points = remat::sweep(chain, 10);
-  ASSERT_EQ(points.size(), 10u + 3 + 7);
-  for (size_t i = 1; i < 10; ++i) {
-    EXPECT_GE(points[i].budget_bytes, points[i - 1].budget_bytes);
-    EXPECT_LE(points[i].predicted_time_ms, points[i - 1].predicted_time_ms + 1e-9);
-    EXPECT_LE(points[i].predicted_peak_bytes, points[i].budget_bytes);
-  }
-  EXPECT_EQ(points[9].overhead, 0.0);
-  EXPECT_EQ(points[10].name, "none");
-  EXPECT_THROW_WITH(remat::sweep(chain, 1), "budgets must be >= 2");
-}
-
 TEST_F(BenchTest, MaxBatchGrowsWithCheckpointingAndIsConfirmed) {
   auto make = [](int64_t b) { return remat::make_workload(tiny("mlp").depth(8).width(64).batch(b)); };
   const auto rows = remat::max_batch(make, 4 << 20, {"none", "all", "optimal"});

@@ -119,10 +119,11 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes);
 /// longer than 1500 stages: the peak of recomputing every stage from the input, an upper bound).
 int64_t min_feasible_budget(const Chain& chain);
 
-/// A planner by name, as the command line spells it: "none", "all", "sqrt", "uniform:K", "balanced:K"
-/// (segments balanced by memory), "balanced-time:K", "optimal", "revolve" (within the budget) or
-/// "revolve:S" (S snapshots). budget_bytes is used by optimal and revolve.
-/// Throws std::invalid_argument for an unknown name, and what the planner throws.
+/// A planner by name, in the one strategy grammar of remat/strategy.h ("none", "all", "sqrt", "uniform:K",
+/// "balanced:K", "balanced-time:K", "optimal", "optimal:SIZE", "revolve", "revolve:S", ...):
+/// plan_strategy(parse_strategy(planner), chain, budget_bytes, options). budget_bytes is the budget of
+/// "optimal" and "revolve". Throws std::invalid_argument for an unknown or malformed name (naming it), and
+/// what the planner throws (InfeasibleBudget when nothing fits).
 Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_bytes,
                const PlannerOptions& options = {});
 

@@ -3,6 +3,7 @@
 // place, so that the rest of the code reads as if there were one LibTorch.
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -113,5 +114,26 @@ auto make_node(Args&&... args) {
   using Ptr = std::decay_t<decltype(std::declval<torch::autograd::Edge>().function)>;
   return NodeOwner<Ptr>::template make<N>(std::forward<Args>(args)...);
 }
+
+/// c10::Allocator as remat's CPU meter derives from it: LibTorch 2.3 made allocate() non-const and added the
+/// pure virtual copy_data(). Derived allocators implement allocate_bytes().
+class AllocatorBase : public c10::Allocator {
+ public:
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  c10::DataPtr allocate(size_t n) override {
+    return allocate_bytes(n);
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#else
+  c10::DataPtr allocate(size_t n) const override {
+    return allocate_bytes(n);
+  }
+#endif
+
+ protected:
+  virtual c10::DataPtr allocate_bytes(size_t n) const = 0;
+};
 
 }  // namespace remat::detail::compat

@@ -2,29 +2,27 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
 
+#include "planning.h"
 #include "remat/units.h"
 
+// The persistent dynamic program of Beaumont et al. 2019 (optimal) and its exact least-memory twin
+// (min_feasible_budget).
+
 namespace remat {
+
+using detail::finish;
+using detail::infeasible;
+using detail::kExactMinMemoryStages;
+using detail::push;
+using detail::recompute_from_input_peak;
+
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-void push(Plan& plan, OpKind kind, int64_t stage) {
-  plan.ops.push_back(Op{kind, stage});
-}
-
-Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget) {
-  plan.planner = name;
-  plan.budget_bytes = budget;
-  if (plan.count(OpKind::kForwardKeep) > 0) plan.keep = chain.keep;
-  plan.predicted = simulate(chain, plan);
-  return plan;
-}
 
 // ---------------------------------------------------------------------------------------------------------------
 // The chain as the dynamic programs see it: n + 1 stages, the last being the loss (no time, no memory of its
@@ -260,7 +258,9 @@ class MinMemory {
   std::vector<int32_t> what_;
 };
 
-constexpr int64_t kExactMinMemoryStages = 1500;
+}  // namespace
+
+namespace detail {
 
 // Recompute every stage from the input: the least memory when nothing may be kept but a_0 (O(n)).
 int64_t recompute_from_input_peak(const Chain& chain) {
@@ -275,9 +275,11 @@ int64_t recompute_from_input_peak(const Chain& chain) {
   return z.x[0] + worst;
 }
 
+namespace {
 std::string bytes_text(int64_t b) {
   return format_bytes(b) + " (" + std::to_string(b) + " bytes)";
 }
+}  // namespace
 
 [[noreturn]] void infeasible(const char* who, int64_t budget, int64_t min_bytes) {
   throw InfeasibleBudget(std::string(who) + ": no schedule fits a budget of " + bytes_text(budget) +
@@ -285,144 +287,15 @@ std::string bytes_text(int64_t b) {
                          budget, min_bytes);
 }
 
-}  // namespace
-
-// ---------------------------------------------------------------------------------------------------------------
-// Baselines
-
-Plan segmented(int64_t n, const std::vector<int64_t>& starts, bool checkpoint_last_segment) {
-  if (n < 1)
-    throw std::invalid_argument("remat::segmented: num_stages must be >= 1, got " + std::to_string(n));
-  if (starts.empty() || starts[0] != 0) {
-    throw std::invalid_argument("remat::segmented: the first segment must start at stage 0");
-  }
-  for (size_t j = 1; j < starts.size(); ++j) {
-    if (starts[j] <= starts[j - 1] || starts[j] >= n) {
-      throw std::invalid_argument("remat::segmented: segment start " + std::to_string(starts[j]) +
-                                  " (segment " + std::to_string(j) + ") must be after " +
-                                  std::to_string(starts[j - 1]) + " and below " + std::to_string(n));
-    }
-  }
-  Plan plan;
-  plan.num_stages = n;
-  const size_t k = starts.size();
-  auto end_of = [&](size_t j) { return j + 1 < k ? starts[j + 1] : n; };
-  auto checkpointed = [&](size_t j) { return j + 1 < k || checkpoint_last_segment; };
-  for (size_t j = 0; j < k; ++j) {
-    if (checkpointed(j)) {
-      push(plan, OpKind::kForwardCheckpoint, starts[j]);
-      for (int64_t i = starts[j] + 1; i < end_of(j); ++i)
-        push(plan, OpKind::kForwardNoSave, i);
-    } else {
-      for (int64_t i = starts[j]; i < end_of(j); ++i)
-        push(plan, OpKind::kForwardAll, i);
-    }
-  }
-  push(plan, OpKind::kLoss, -1);
-  for (size_t j = k; j-- > 0;) {
-    if (checkpointed(j)) {
-      for (int64_t i = starts[j]; i < end_of(j); ++i)
-        push(plan, OpKind::kForwardAll, i);
-    }
-    for (int64_t i = end_of(j) - 1; i >= starts[j]; --i)
-      push(plan, OpKind::kBackward, i);
-  }
-  plan.planner = "segmented";
-  check_plan(plan);
+Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget) {
+  plan.planner = name;
+  plan.budget_bytes = budget;
+  if (plan.count(OpKind::kForwardKeep) > 0) plan.keep = chain.keep;
+  plan.predicted = simulate(chain, plan);
   return plan;
 }
 
-Plan no_checkpoint(const Chain& chain) {
-  validate(chain);
-  return finish(chain, segmented(chain.size(), {0}), "none", 0);
-}
-
-Plan checkpoint_all(const Chain& chain) {
-  validate(chain);
-  std::vector<int64_t> every(static_cast<size_t>(chain.size()));
-  for (int64_t i = 0; i < chain.size(); ++i)
-    every[i] = i;  // every stage its own checkpointed segment
-  return finish(chain, segmented(chain.size(), every, /*checkpoint_last_segment=*/true), "all", 0);
-}
-
-std::vector<int64_t> even_starts(int64_t num_stages, int64_t segments) {
-  if (segments < 1 || segments > num_stages) {
-    throw std::invalid_argument("remat::even_starts: segments must be in [1, " + std::to_string(num_stages) +
-                                "] (the chain has " + std::to_string(num_stages) + " stages), got " +
-                                std::to_string(segments));
-  }
-  std::vector<int64_t> starts;
-  const int64_t q = num_stages / segments, r = num_stages % segments;
-  for (int64_t j = 0, at = 0; j < segments; ++j) {
-    starts.push_back(at);
-    at += q + (j < r ? 1 : 0);
-  }
-  return starts;
-}
-
-Plan uniform(const Chain& chain, int64_t segments, bool checkpoint_last_segment) {
-  validate(chain);
-  if (segments < 1 || segments > chain.size()) {
-    throw std::invalid_argument("remat::uniform: segments must be in [1, " + std::to_string(chain.size()) +
-                                "] (the chain has " + std::to_string(chain.size()) + " stages), got " +
-                                std::to_string(segments));
-  }
-  return balanced(chain, segments, Balance::kCount, checkpoint_last_segment);
-}
-
-std::vector<int64_t> balanced_starts(const Chain& chain, int64_t segments, Balance by) {
-  validate(chain);
-  const int64_t n = chain.size();
-  if (segments < 1 || segments > n) {
-    throw std::invalid_argument("remat::balanced_starts: segments must be in [1, " + std::to_string(n) +
-                                "] (the chain has " + std::to_string(n) + " stages), got " +
-                                std::to_string(segments));
-  }
-  if (by == Balance::kCount) return even_starts(n, segments);
-  // prefix[i]: the cost of stages [0, i). Sizes are < 2^60 and times < 1e12 ms per stage, so a long double
-  // sum is exact enough to compare splits.
-  std::vector<long double> prefix(static_cast<size_t>(n) + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    const Stage& s = chain.stages[static_cast<size_t>(i)];
-    prefix[i + 1] = prefix[i] + (by == Balance::kMemory ? static_cast<long double>(s.saved_bytes) : s.fwd_ms);
-  }
-  // best[j][i]: the least largest cost of splitting stages [0, i) into j segments; cut[j][i]: where the last
-  // of them starts.
-  const long double inf = std::numeric_limits<long double>::infinity();
-  std::vector<std::vector<long double>> best(segments + 1, std::vector<long double>(n + 1, inf));
-  std::vector<std::vector<int64_t>> cut(segments + 1, std::vector<int64_t>(n + 1, -1));
-  best[0][0] = 0;
-  for (int64_t j = 1; j <= segments; ++j) {
-    for (int64_t i = j; i <= n; ++i) {
-      for (int64_t k = j - 1; k < i; ++k) {
-        if (best[j - 1][k] == inf) continue;
-        const long double cost = std::max(best[j - 1][k], prefix[i] - prefix[k]);
-        if (cost < best[j][i]) best[j][i] = cost, cut[j][i] = k;
-      }
-    }
-  }
-  std::vector<int64_t> starts(static_cast<size_t>(segments));
-  for (int64_t j = segments, i = n; j >= 1; --j) {
-    starts[static_cast<size_t>(j - 1)] = cut[j][i];
-    i = cut[j][i];
-  }
-  return starts;
-}
-
-Plan balanced(const Chain& chain, int64_t segments, Balance by, bool checkpoint_last_segment) {
-  const std::vector<int64_t> starts = balanced_starts(chain, segments, by);
-  const std::string name = by == Balance::kCount    ? "uniform:"
-                           : by == Balance::kMemory ? "balanced:"
-                                                    : "balanced-time:";
-  return finish(chain, segmented(chain.size(), starts, checkpoint_last_segment),
-                name + std::to_string(segments), 0);
-}
-
-Plan sqrt_n(const Chain& chain) {
-  validate(chain);
-  const auto k = static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(chain.size()))));
-  return finish(chain, uniform(chain, std::min(k, chain.size())), "sqrt", 0);
-}
+}  // namespace detail
 
 // ---------------------------------------------------------------------------------------------------------------
 // Optimal
@@ -510,191 +383,6 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
     throw std::logic_error("remat::optimal: internal error: the schedule's peak exceeds the budget");
   }
   return best;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// Revolve
-
-namespace {
-
-// How far to advance from the current checkpoint when reversing `steps` steps with `s` snapshots counting the
-// current one (s >= 2): Griewank and Walther's binomial rule (Algorithm 799).
-int64_t revolve_advance(int64_t steps, int64_t s) {
-  int64_t reps = 0, range = 1;
-  while (range < steps) {
-    ++reps;
-    range = range * (reps + s) / reps;
-  }
-  const int64_t bino1 = range * reps / (s + reps);
-  const int64_t bino2 = s > 1 ? bino1 * s / (s + reps - 1) : 1;
-  const int64_t bino3 = s == 1 ? 0 : (s > 2 ? bino2 * (s - 1) / (s + reps - 2) : 1);
-  const int64_t bino4 = bino2 * (reps - 1) / s;
-  const int64_t bino5 = s < 3 ? 0 : (s > 3 ? bino3 * (s - 2) / reps : 1);
-  int64_t advance;
-  if (steps <= bino1 + bino3) {
-    advance = bino4;
-  } else if (steps >= range - bino5) {
-    advance = bino1;
-  } else {
-    advance = steps - bino2 - bino3;
-  }
-  return std::clamp<int64_t>(advance, 1, steps - 1);
-}
-
-struct RevolveEmitter {
-  Plan& plan;
-  int64_t n;
-  void tape_and_reverse(int64_t i) {
-    push(plan, OpKind::kForwardAll, i);
-    if (i == n - 1) push(plan, OpKind::kLoss, -1);  // the loss needs a_n: right after its first taping
-    push(plan, OpKind::kBackward, i);
-  }
-  void sweep(int64_t from, int64_t to) {
-    push(plan, OpKind::kForwardCheckpoint, from);
-    for (int64_t k = from + 1; k < to; ++k)
-      push(plan, OpKind::kForwardNoSave, k);
-  }
-  // Reverses stages [l, r) with a_l held and c free snapshots.
-  void reverse(int64_t l, int64_t r, int64_t c) {
-    while (r - l > 1 && c == 0) {
-      sweep(l, r - 1);
-      tape_and_reverse(r - 1);
-      --r;
-    }
-    if (r - l == 1) {
-      tape_and_reverse(l);
-      return;
-    }
-    const int64_t m = l + revolve_advance(r - l, c + 1);
-    sweep(l, m);
-    reverse(m, r, c - 1);
-    reverse(l, m, c);
-  }
-};
-
-// Forward steps of revolve on n steps with c free snapshots, without building it (t * n bound), to avoid
-// materialising quadratic schedules.
-double revolve_forward_estimate(int64_t n, int64_t c) {
-  const int64_t s = c + 1;
-  double range = 1;
-  int64_t reps = 0;
-  while (range < static_cast<double>(n)) {
-    ++reps;
-    range = range * static_cast<double>(reps + s) / static_cast<double>(reps);
-  }
-  return static_cast<double>(reps + 1) * static_cast<double>(n);
-}
-
-}  // namespace
-
-Plan revolve(const Chain& chain, int64_t snapshots) {
-  validate(chain);
-  if (snapshots < 0) {
-    throw std::invalid_argument("remat::revolve: snapshots must be >= 0, got " + std::to_string(snapshots));
-  }
-  Plan plan;
-  plan.num_stages = chain.size();
-  RevolveEmitter e{plan, chain.size()};
-  e.reverse(0, chain.size(), std::min(snapshots, chain.size()));
-  return finish(chain, std::move(plan), "revolve:" + std::to_string(snapshots), 0);
-}
-
-Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
-  validate(chain);
-  const int64_t n = chain.size();
-  constexpr double kMaxForwards = 5e7;
-  int64_t lo = 0;  // fewer snapshots than this make schedules too long to build
-  while (lo < n && revolve_forward_estimate(n, lo) > kMaxForwards)
-    ++lo;
-  if (n <= 512) {
-    // On a heterogeneous chain the peak need not grow with the snapshots (which activations they hold
-    // matters), so try them all, most first: more snapshots never cost time.
-    for (int64_t c = n; c >= lo; --c) {
-      Plan p = revolve(chain, c);
-      if (p.predicted.peak_bytes <= budget_bytes) {
-        p.budget_bytes = budget_bytes;
-        return p;
-      }
-    }
-    infeasible("remat::revolve_within", budget_bytes, min_feasible_budget(chain));
-  }
-  // Each snapshot holds one activation on top of recomputing from the input (revolve with none), so this many
-  // snapshots fit; usually it is the answer, and only it and its neighbour need building.
-  int64_t largest = 0;
-  for (int64_t i = 1; i <= n; ++i)
-    largest = std::max(largest, chain.activation_bytes(i));
-  const int64_t spare = budget_bytes - recompute_from_input_peak(chain);
-  int64_t guess = spare > 0 && largest > 0 ? std::min<int64_t>(n, spare / largest) : 0;
-  guess = std::max(guess, lo);
-  Plan fits = revolve(chain, guess);
-  int64_t ok = guess, bad = n + 1;  // revolve(ok) fits; revolve(bad) does not (n + 1: none known)
-  auto bisect = [&] {               // narrows (ok, bad) to neighbours, keeping the plan of ok in `fits`
-    while (bad - ok > 1 && bad <= n) {
-      const int64_t mid = ok + (bad - ok) / 2;
-      Plan p = revolve(chain, mid);
-      if (p.predicted.peak_bytes <= budget_bytes) {
-        ok = mid, fits = std::move(p);
-      } else {
-        bad = mid;
-      }
-    }
-  };
-  if (fits.predicted.peak_bytes > budget_bytes) {
-    bad = guess;
-    ok = lo - 1;
-    bisect();
-    if (ok < lo) {
-      infeasible("remat::revolve_within", budget_bytes,
-                 std::min(revolve(chain, lo).predicted.peak_bytes, min_feasible_budget(chain)));
-    }
-  } else {
-    for (int64_t step = 1; ok < n; step *= 2) {  // more snapshots while they fit
-      const int64_t next = std::min(n, ok + step);
-      Plan p = revolve(chain, next);
-      if (p.predicted.peak_bytes > budget_bytes) {
-        bad = next;
-        break;
-      }
-      ok = next, fits = std::move(p);
-    }
-    bisect();
-  }
-  fits.budget_bytes = budget_bytes;
-  return fits;
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-
-Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_bytes,
-               const PlannerOptions& options) {
-  auto number_after = [&](const std::string& prefix) -> int64_t {
-    const std::string rest = planner.substr(prefix.size());
-    size_t used = 0;
-    int64_t v = 0;
-    try {
-      v = std::stoll(rest, &used);
-    } catch (const std::logic_error&) {
-      used = 0;
-    }
-    if (rest.empty() || used != rest.size()) {
-      throw std::invalid_argument("remat::make_plan: '" + planner + "' needs a whole number after '" +
-                                  prefix + "'");
-    }
-    return v;
-  };
-  if (planner == "none") return no_checkpoint(chain);
-  if (planner == "all") return checkpoint_all(chain);
-  if (planner == "sqrt") return sqrt_n(chain);
-  if (planner.rfind("uniform:", 0) == 0) return uniform(chain, number_after("uniform:"));
-  if (planner.rfind("balanced:", 0) == 0) return balanced(chain, number_after("balanced:"), Balance::kMemory);
-  if (planner.rfind("balanced-time:", 0) == 0)
-    return balanced(chain, number_after("balanced-time:"), Balance::kTime);
-  if (planner == "optimal") return optimal(chain, budget_bytes, options);
-  if (planner == "revolve") return revolve_within(chain, budget_bytes);
-  if (planner.rfind("revolve:", 0) == 0) return revolve(chain, number_after("revolve:"));
-  throw std::invalid_argument(
-      "remat::make_plan: unknown planner '" + planner +
-      "' (none, all, sqrt, uniform:K, balanced:K, balanced-time:K, optimal, revolve, revolve:S)");
 }
 
 }  // namespace remat

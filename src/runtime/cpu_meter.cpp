@@ -9,21 +9,13 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
-#include <torch/version.h>
 
 #include <array>
 #include <atomic>
 #include <mutex>
 #include <unordered_map>
 
-// LibTorch 2.3 made Allocator::allocate non-const and added the pure virtual copy_data.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define REMAT_ALLOCATE_CONST
-#define REMAT_ALLOCATOR_HAS_COPY_DATA 1
-#else
-#define REMAT_ALLOCATE_CONST const
-#define REMAT_ALLOCATOR_HAS_COPY_DATA 0
-#endif
+#include "detail/compat.h"
 
 namespace remat::detail {
 namespace {
@@ -86,16 +78,18 @@ void counting_delete(void* p) {
   s.base_deleter(p);
 }
 
-class CountingCpuAllocator final : public c10::Allocator {
+class CountingCpuAllocator final : public compat::AllocatorBase {
  public:
-  c10::DataPtr allocate(size_t n) REMAT_ALLOCATE_CONST override {
+  c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
+
+ protected:
+  c10::DataPtr allocate_bytes(size_t n) const override {
     MeterState& s = state();
     refuse_if_asked(s, n);
     void* p = s.base->raw_allocate(n);
     if (p != nullptr) s.add(p, n);
     return {p, p, &counting_delete, c10::Device(c10::DeviceType::CPU)};
   }
-  c10::DeleterFnPtr raw_deleter() const override { return &counting_delete; }
 
  private:
   static void refuse_if_asked(MeterState& s, size_t n) {
@@ -109,11 +103,6 @@ class CountingCpuAllocator final : public c10::Allocator {
     TORCH_CHECK_WITH(OutOfMemoryError, false, "remat::memory (test limit): CPU allocation of ", n,
                      " bytes refused (", s.active.load(), " bytes active, limit ", limit, ")");
   }
-#if REMAT_ALLOCATOR_HAS_COPY_DATA
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-#endif
 };
 
 std::once_flag install_once;

@@ -2,7 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "detail/json.h"
+#include "json.h"
 
 #include <cctype>
 #include <sstream>
@@ -219,7 +219,8 @@ Simulation simulate(const Chain& chain, const Plan& plan) {
   return run(plan, &chain, "remat::simulate");
 }
 
-std::string to_json(const Plan& plan) {
+namespace detail {
+nlohmann::ordered_json plan_json(const Plan& plan) {
   nlohmann::ordered_json j;
   j["num_stages"] = plan.num_stages;
   j["planner"] = plan.planner;
@@ -233,7 +234,12 @@ std::string to_json(const Plan& plan) {
   p["forward_calls"] = plan.predicted.forward_calls;
   j["predicted"] = p;
   if (!plan.keep.empty()) j["keep"] = plan.keep;
-  return j.dump(2);
+  return j;
+}
+}  // namespace detail
+
+std::string to_json(const Plan& plan) {
+  return detail::plan_json(plan).dump(2);
 }
 
 Plan plan_from_json(const std::string& text) {

@@ -2,7 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "detail/json.h"
+#include "json.h"
 
 #include <cmath>
 #include <fstream>

@@ -1,11 +1,14 @@
 #pragma once
-// What the checkpoint runtime and the plan executor share about re-running a region: RNG states, module
-// buffers, and the shape/dtype/device of tensors for the determinism check.
+// What the checkpoint runtime (both modes) and the plan executor share about running a region again: RNG
+// states and their replay, autocast, module buffers, the one recompute set-up, the shape/dtype/device of
+// tensors for the determinism check, and the leaves a recomputed graph reaches. Implemented in region.cpp.
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/nn/module.h>
+
+#include "detail/restore.h"
 
 #include <memory>
 #include <optional>
@@ -34,6 +37,19 @@ struct RngState {
 /// the forward pass left them in: the recompute drew other random numbers than the forward pass, so its
 /// dropout masks differ. Nothing is checked when `end` is empty (preserve_rng_state off).
 void check_rng_replayed(const RngState& end, const char* who, const std::string& what);
+
+/// The generators a region's forward pass started and ended in, for its recomputes to replay. Empty (nothing
+/// replayed, nothing checked) when the region does not preserve the RNG state or drew no random number.
+struct RngRecord {
+  RngState start, end;
+
+  /// At the start of the forward pass: captures the generators (those of `cuda_devices` too).
+  void begin(const std::vector<c10::DeviceIndex>& cuda_devices);
+  /// At its end: captures where they stand; a region that drew nothing keeps nothing (its recompute leaves
+  /// the generators alone). Does nothing when begin() was not called.
+  void finish(const std::vector<c10::DeviceIndex>& cuda_devices);
+  bool empty() const { return start.empty(); }
+};
 
 /// Autocast (mixed precision) as it stands on this thread, for the CPU and CUDA device types: a recompute
 /// re-enters the state of the forward pass, as torch.utils.checkpoint does.
@@ -97,31 +113,38 @@ class BufferRestore {
   int uncaught_ = 0;
 };
 
-/// While alive (around a recompute): every tensor that existed before the scope, requires no gradient and
-/// that an operator writes in place (BatchNorm's running statistics and `num_batches_tracked`, any buffer or
-/// captured tensor updated in place) is copied just before its first write, and written back through
-/// .data() on destruction, so a recompute leaves no trace in module state whether or not the module was
-/// declared. It watches the operators through a dispatcher fallback that is active on this thread only while
-/// a StateRestore is alive. `inputs` (the region's arguments) are not restored: an in-place op on them is the
-/// region's own work. Where the fallback cannot be installed (another library holds its dispatch key),
-/// `modules`' buffers are copied and written back instead, with a warning that undeclared ones are not.
-class StateRestore {
+/// The one set-up every recompute runs under, in both checkpoint modes and in the plan executor: while alive,
+/// the generators are at `replay` (the region's forward-pass state, when non-empty), autocast is the forward
+/// pass's, and module state the recompute writes is restored on exit (StateRestore over `modules` and
+/// `inputs`). Grad mode is left to the caller.
+class RecomputeScope {
  public:
-  StateRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-               const std::vector<at::Tensor>& inputs);
-  ~StateRestore();
-  StateRestore(const StateRestore&) = delete;
-  StateRestore& operator=(const StateRestore&) = delete;
-
-  /// The tensors restored so far (for tests and diagnostics).
-  size_t restored_count() const;
-
-  struct Watch;  // what the dispatcher fallback records (src/restore.cpp)
+  RecomputeScope(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices,
+                 const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                 const std::vector<at::Tensor>& inputs, const AutocastState& autocast);
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
 
  private:
-  std::unique_ptr<Watch> watch_;
-  std::optional<BufferRestore> fallback_;
+  RngReplay rng_;
+  StateRestore state_;
+  AutocastScope autocast_;
 };
+
+/// The context remat adds to an error raised while a checkpoint's region is recomputed.
+inline constexpr char kRecomputeContext[] =
+    "remat::checkpoint: while recomputing a checkpointed region in the backward pass";
+
+/// Runs `f` (a checkpoint's recompute); a c10::Error it throws gets kRecomputeContext added.
+template <typename F>
+void with_recompute_context(F&& f) {
+  try {
+    f();
+  } catch (c10::Error& e) {
+    e.add_context(kRecomputeContext);
+    throw;
+  }
+}
 
 /// While alive: on an exception, the generators go back to where they were on construction (a region
 /// that throws leaves the RNG as it found it). Does nothing for an empty state.

@@ -1,5 +1,5 @@
 #pragma once
-// JSON parsing shared by chain.cpp and plan.cpp (nlohmann/json stays private to the library).
+// JSON shared by the planner library's sources (nlohmann/json stays private to the library).
 
 #include <nlohmann/json.hpp>
 
@@ -7,7 +7,14 @@
 #include <string>
 #include <vector>
 
+namespace remat {
+struct Plan;
+}
+
 namespace remat::detail {
+
+/// The plan's JSON object (what remat::to_json(plan) prints): the one writer of plans.
+nlohmann::ordered_json plan_json(const Plan& plan);
 
 /// Parses `text`, or throws std::invalid_argument "<who>: malformed JSON: ...".
 inline nlohmann::json parse_json(const std::string& text, const char* who) {

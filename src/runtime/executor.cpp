@@ -1,10 +1,13 @@
+// The plan executor: runs a Plan (remat/plan.h) over a chain of stages as one autograd node of its own. Its
+// forward runs the plan's operations up to the loss; its backward replays the rest, each stage's backward a
+// nested autograd call from the stage's output.
+
 #include "remat/sequential.h"
 
 #include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -18,66 +21,18 @@
 #include "detail/region.h"
 
 namespace remat {
-namespace detail {
-namespace {
-// The root of one stage's backward pass: hands the engine d_{i+1} by move, so that the engine holds it
-// alone and frees it once the stage's first backward node has consumed it, as one backward pass through
-// per-stage checkpoints does. (torch::autograd::backward keeps the gradient it is given alive for the whole
-// call: one activation more at every stage's backward, which kept the executor above per-block
-// kNonReentrant checkpointing.)
-struct GradSource final : torch::autograd::Node {
-  GradSource(at::Tensor grad, torch::autograd::Edge next, const at::Tensor& token) : grad_(std::move(grad)) {
-    add_next_edge(std::move(next));
-    add_input_metadata(token);
-  }
-  std::string name() const override { return "remat::StageGradient"; }
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*token*/) override {
-    return {std::move(grad_)};
-  }
-  at::Tensor grad_;
-};
-
-}  // namespace
-
-// Backpropagates `grad` (taken by move) from `output` to the leaves `targets`: accumulated into their .grad
-// (accumulate), or returned (undefined for a target the graph does not reach).
-torch::autograd::variable_list backward_from(at::Tensor output, at::Tensor grad,
-                                             const std::vector<at::Tensor>& targets, bool keep_graph,
-                                             bool create_graph, bool accumulate) {
-  const at::Tensor token = at::zeros({}, output.options().dtype(at::kFloat).device(at::kCPU));
-  auto source =
-      compat::make_node<GradSource>(std::move(grad), torch::autograd::impl::gradient_edge(output), token);
-  output.reset();  // the edge holds the graph; the values may go once the nodes that saved them are done
-  torch::autograd::edge_list outputs;
-  outputs.reserve(targets.size());
-  for (const auto& t : targets) {
-    auto fn = t.grad_fn() ? t.grad_fn() : torch::autograd::impl::try_get_grad_accumulator(t);
-    if (fn) {
-      outputs.emplace_back(std::move(fn), t.grad_fn() ? t.output_nr() : 0);
-    } else {  // a leaf no node uses: nothing reaches it (LibTorch's run_backward does the same)
-      outputs.emplace_back(compat::make_node<torch::autograd::Identity>(), 0);
-    }
-  }
-  torch::autograd::edge_list roots;
-  roots.emplace_back(std::move(source), 0);
-  return torch::autograd::Engine::get_default_engine().execute(roots, {token}, keep_graph, create_graph,
-                                                               accumulate, outputs);
-}
-
-}  // namespace detail
 
 namespace {
 
-using detail::AutocastScope;
 using detail::AutocastState;
 using detail::backward_from;
 using detail::BufferRestore;
 using detail::check_rng_replayed;
 using detail::Leaf;
-using detail::RngReplay;
+using detail::RecomputeScope;
+using detail::RngRecord;
 using detail::RngRollback;
 using detail::RngState;
-using detail::StateRestore;
 using detail::TensorMeta;
 using detail::undeclared_leaves;
 using detail::warn_undeclared_asked;
@@ -96,8 +51,8 @@ struct ExecState final : torch::CustomClassHolder {
   std::vector<at::Tensor> params;                     // the node's parameter inputs (require grad, each once)
   std::vector<std::vector<at::Tensor>> stage_params;  // per stage, those that require grad
 
-  // Per stage: the RNG state of its first run and its output's metadata.
-  std::vector<RngState> rng, rng_end;  // at the start and at the end of its first run
+  // Per stage: the RNG states of its first run (at its start and its end) and its output's metadata.
+  std::vector<RngRecord> rng;
   std::vector<bool> ran;
   std::vector<TensorMeta> metas;
 
@@ -152,17 +107,13 @@ void run_forward(ExecState& st, const Op& op) {
 
   // The first run of a stage draws its random numbers; later runs replay them, restore the buffers and run
   // under the forward pass's autocast state.
-  std::optional<RngReplay> replay;
-  std::optional<StateRestore> state;
-  std::optional<AutocastScope> autocast;
+  std::optional<RecomputeScope> recompute;
   if (!st.ran[i]) {
-    if (st.preserve_rng) st.rng[i] = RngState::capture(st.cuda_devices);
+    if (st.preserve_rng) st.rng[i].begin(st.cuda_devices);
   } else {
-    replay.emplace(st.rng[i], st.cuda_devices);
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     if (stage.module) modules.push_back(stage.module);
-    state.emplace(modules, std::vector<at::Tensor>{x});
-    autocast.emplace(st.autocast);
+    recompute.emplace(st.rng[i].start, st.cuda_devices, modules, std::vector<at::Tensor>{x}, st.autocast);
   }
 
   at::Tensor out;
@@ -199,12 +150,10 @@ void run_forward(ExecState& st, const Op& op) {
     if (op.kind == OpKind::kForwardNoSave && i > 0 && in.plain.defined()) in.plain = at::Tensor();
   }
   if (st.ran[i]) {
-    check_rng_replayed(st.rng_end[i], "remat::run_plan",
+    check_rng_replayed(st.rng[i].end, "remat::run_plan",
                        "stage " + std::to_string(i) + " ('" + stage.name + "')");
-  } else if (st.preserve_rng) {
-    st.rng_end[i] = RngState::capture(st.cuda_devices);
-    // A stage that drew nothing needs no replay: its recomputes leave the generators alone.
-    if (st.rng_end[i].same_as(st.rng[i])) st.rng[i] = st.rng_end[i] = RngState();
+  } else {
+    st.rng[i].finish(st.cuda_devices);
   }
   const TensorMeta meta = TensorMeta::of(out);
   if (!st.ran[i]) {
@@ -377,39 +326,6 @@ struct ExecNode final : torch::autograd::Node {
 
 }  // namespace
 
-namespace {
-std::string short_type(const torch::nn::Module& module) {
-  std::string type = module.name();
-  const size_t colons = type.rfind("::");
-  if (colons != std::string::npos) type = type.substr(colons + 2);
-  if (type.size() > 4 && type.compare(type.size() - 4, 4, "Impl") == 0) type.resize(type.size() - 4);
-  return type;
-}
-
-bool is_index(const std::string& s) {
-  return !s.empty() && s.size() < 10 && s.find_first_not_of("0123456789") == std::string::npos;
-}
-}  // namespace
-
-namespace {
-// Module i of seq as a stage named "<name>:<Type>", sharing the module.
-StageFn stage_of(const torch::nn::Sequential& seq, size_t i, const std::string& name) {
-  auto module = seq->ptr(i);
-  torch::nn::Sequential shared = seq;
-  return StageFn{name + ":" + short_type(*module),
-                 [shared, i](const torch::Tensor& x) mutable { return shared->begin()[i].forward(x); },
-                 module};
-}
-}  // namespace
-
-std::vector<StageFn> stages_of(torch::nn::Sequential& seq) {
-  TORCH_CHECK(!seq.is_empty() && seq->size() > 0, "remat::stages_of: the Sequential is empty");
-  std::vector<StageFn> stages;
-  for (size_t i = 0; i < seq->size(); ++i)
-    stages.push_back(stage_of(seq, i, std::to_string(i)));
-  return stages;
-}
-
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
                        const CheckpointOptions& options, std::shared_ptr<ExecutionStats> stats) {
   check_plan_fits(plan, stages.size(), "remat::run_plan", "there are ", "");
@@ -438,7 +354,6 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->stats = std::move(stats);
   const size_t n = stages.size();
   st->rng.resize(n);
-  st->rng_end.resize(n);
   st->ran.assign(n, false);
   st->metas.resize(n);
   st->held.resize(n + 1);
@@ -491,132 +406,6 @@ void CheckpointedSequentialImpl::replan(const Chain& chain, int64_t budget_bytes
 
 torch::Tensor CheckpointedSequentialImpl::forward(const torch::Tensor& input) {
   return run_plan(stages_of(seq_), plan_, input, options_, stats_);
-}
-
-// -------------------------------------------------------------------------------------------------------------
-
-namespace {
-// checkpoint_segments over stages; `what` names the caller and `unit` what a stage is ("modules", "stages").
-torch::Tensor run_segments(const std::vector<StageFn>& stages, const std::vector<int64_t>& starts,
-                           const torch::Tensor& input, const SequentialOptions& options, const char* who,
-                           const char* unit) {
-  const int64_t n = static_cast<int64_t>(stages.size());
-  try {
-    segmented(n, starts, options.checkpoint_last_segment());  // checks the starts
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK(false, who, ": ", e.what(), " (", n, " ", unit, ")");
-  }
-  TORCH_CHECK(input.defined(), who, ": the input is an undefined tensor");
-  // Each segment is one remat::checkpoint region in the mode asked, its modules declared (in kReentrant their
-  // parameters trained under torch::autograd::grad too), as PyTorch's checkpoint_sequential does with
-  // use_reentrant. The last segment runs plainly unless asked.
-  torch::Tensor h = input;
-  for (size_t j = 0; j < starts.size(); ++j) {
-    const int64_t begin = starts[j];
-    const int64_t end = j + 1 < starts.size() ? starts[j + 1] : n;
-    const bool last = j + 1 == starts.size();
-    CheckpointOptions segment_options = options.checkpoint();
-    bool can_get_grad = h.requires_grad();
-    std::vector<TensorFn> fns;
-    for (int64_t i = begin; i < end; ++i) {
-      const StageFn& stage = stages[static_cast<size_t>(i)];
-      fns.push_back(stage.fn);
-      if (!stage.module) {
-        can_get_grad = true;  // a lambda may use parameters nobody declared
-        continue;
-      }
-      segment_options.modules().push_back(stage.module);
-      for (const auto& p : stage.module->parameters())
-        can_get_grad = can_get_grad || p.requires_grad();
-    }
-    auto run = [fns](const torch::Tensor& x) {
-      torch::Tensor y = x;
-      for (const auto& f : fns)
-        y = f(y);
-      return y;
-    };
-    // A segment nothing in which can receive a gradient records no graph and keeps nothing: it runs as is.
-    if ((last && !options.checkpoint_last_segment()) || !at::GradMode::is_enabled() || !can_get_grad) {
-      h = run(h);
-    } else {
-      h = remat::checkpoint(run, h, segment_options);
-    }
-  }
-  return h;
-}
-
-}  // namespace
-
-torch::Tensor checkpoint_segments(torch::nn::Sequential& seq, const std::vector<int64_t>& starts,
-                                  const torch::Tensor& input, const SequentialOptions& options) {
-  TORCH_CHECK(!seq.is_empty() && seq->size() > 0,
-              "remat::checkpoint_segments: the Sequential is empty (0 modules)");
-  return run_segments(stages_of(seq), starts, input, options, "remat::checkpoint_segments", "modules");
-}
-
-torch::Tensor checkpoint_segments(const std::vector<StageFn>& stages, const std::vector<int64_t>& starts,
-                                  const torch::Tensor& input, const SequentialOptions& options) {
-  TORCH_CHECK(!stages.empty(), "remat::checkpoint_segments: no stages (0 stages)");
-  return run_segments(stages, starts, input, options, "remat::checkpoint_segments", "stages");
-}
-
-torch::Tensor checkpoint_sequential(torch::nn::Sequential& seq, int64_t segments, const torch::Tensor& input,
-                                    const SequentialOptions& options) {
-  const int64_t n = seq.is_empty() ? 0 : static_cast<int64_t>(seq->size());
-  TORCH_CHECK(n > 0, "remat::checkpoint_sequential: the Sequential is empty (0 modules); segments was ",
-              segments);
-  TORCH_CHECK(segments >= 1 && segments <= n, "remat::checkpoint_sequential: segments must be in [1, ", n,
-              "] (the Sequential has ", n, " modules), got ", segments);
-  return run_segments(stages_of(seq), even_starts(n, segments), input, options,
-                      "remat::checkpoint_sequential", "modules");
-}
-
-torch::Tensor checkpoint_sequential(const std::vector<StageFn>& stages, int64_t segments,
-                                    const torch::Tensor& input, const SequentialOptions& options) {
-  const int64_t n = static_cast<int64_t>(stages.size());
-  TORCH_CHECK(n > 0, "remat::checkpoint_sequential: no stages (0 stages); segments was ", segments);
-  TORCH_CHECK(segments >= 1 && segments <= n, "remat::checkpoint_sequential: segments must be in [1, ", n,
-              "] (there are ", n, " stages), got ", segments);
-  return run_segments(stages, even_starts(n, segments), input, options, "remat::checkpoint_sequential",
-                      "stages");
-}
-
-std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths) {
-  constexpr const char* kWho = "remat::stages_at";
-  TORCH_CHECK(!paths.empty(), kWho, ": no paths given");
-  const auto named = root.named_modules(/*name_prefix=*/"", /*include_self=*/false);
-  auto sequential_at = [&](const std::string& path) -> torch::nn::Sequential {
-    const auto* found = named.find(path);
-    if (found == nullptr) return nullptr;
-    auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(*found);
-    return seq ? torch::nn::Sequential(seq) : nullptr;
-  };
-  std::vector<StageFn> stages;
-  for (const std::string& path : paths) {
-    if (!named.contains(path)) {
-      std::string children;
-      for (const auto& item : root.named_children())
-        children += (children.empty() ? "" : ", ") + item.key();
-      TORCH_CHECK(false, kWho, ": '", path, "' names no submodule of ", root.name(),
-                  " (its children: ", children.empty() ? "none" : children,
-                  "; deeper ones are named with dots, as in \"layer1.0\")");
-    }
-    if (torch::nn::Sequential seq = sequential_at(path)) {
-      TORCH_CHECK(seq->size() > 0, kWho, ": the Sequential at '", path, "' is empty");
-      for (size_t i = 0; i < seq->size(); ++i)
-        stages.push_back(stage_of(seq, i, path + "." + std::to_string(i)));
-      continue;
-    }
-    const size_t dot = path.rfind('.');
-    const std::string parent = dot == std::string::npos ? "" : path.substr(0, dot);
-    const std::string last = dot == std::string::npos ? path : path.substr(dot + 1);
-    torch::nn::Sequential seq = parent.empty() ? nullptr : sequential_at(parent);
-    TORCH_CHECK(seq && is_index(last), kWho, ": '", path, "' is a ", short_type(**named.find(path)),
-                ", which is neither a Sequential nor an element of one: remat cannot call its forward from a "
-                "path. Put it in a Sequential, or make a StageFn for it");
-    stages.push_back(stage_of(seq, static_cast<size_t>(std::stoul(last)), path));
-  }
-  return stages;
 }
 
 }  // namespace remat

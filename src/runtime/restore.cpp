@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "detail/region.h"
+#include "detail/restore.h"
 
 namespace remat::detail {
 
@@ -181,7 +182,7 @@ bool watch_available() {
 StateRestore::StateRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                            const std::vector<at::Tensor>& inputs) {
   if (!watch_available()) {
-    fallback_.emplace(modules);
+    fallback_ = std::make_unique<BufferRestore>(modules);
     return;
   }
   watch_ = std::make_unique<Watch>();

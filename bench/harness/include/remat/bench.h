@@ -1,35 +1,28 @@
 #pragma once
 /// \file
-/// Benchmarks: a model, its input and loss (a Workload), trained under checkpointing strategies and measured
-/// with the exact meter. The remat command line is a thin layer over this header.
+/// The benchmark harness (private: built for the remat command, bench/ and the tests, not installed): a
+/// model, its input and loss (a Workload), trained under checkpointing strategies and measured with the exact
+/// meter. The remat command is a thin layer over this header.
 ///
 ///   remat::memory::track_cpu();
 ///   auto w = remat::make_workload(remat::WorkloadConfig().model("bert").layers(12).seq(128).batch(8));
 ///   auto rows = remat::bench(*w, {"none", "all", "sqrt", "optimal:overhead=0.5"});
 ///   for (auto& r : rows) std::cout << r.strategy << " " << r.stats.peak_bytes << "\n";
 ///
-/// Strategies:
-/// - "none": no checkpointing.
-/// - "all": per-layer checkpointing through the model's gradient_checkpointing_enable() (kNonReentrant);
-///   "all-reentrant": the same in kReentrant mode; "all-no-early-stop": kNonReentrant with
-///   CheckpointOptions().early_stop(false) (each recompute runs its layer to the end);
-///   "all-keep-matmul": kNonReentrant with CheckpointOptions().keep({remat::kMatmul}), the outputs of the
-///   layers' matrix multiplications kept (PyTorch's selective checkpointing with the save-matmuls policy;
-///   bert and mlp tag theirs, on other models it is "all"); "all-keep-conv": the same with remat::kConv
-///   (resnet's convolutions).
-/// - "uniform:K" (checkpoint_sequential with K segments), "balanced:K" / "balanced-time:K" (K segments
-///   balanced by profiled memory / forward time), "sqrt", "revolve:S", "plan-all" (every stage a
-///   checkpoint, through the executor): plans over the model's stages, run by the plan executor.
-/// - "selective" (bert with Granularity::kSublayer): Megatron-style, only the attention cores recomputed.
-/// - "optimal:SIZE" (a budget such as 300MiB), "optimal:as=P" (the budget P's plan predicts, e.g.
-/// as=uniform:4),
-///   "optimal:overhead=F" (the least memory whose predicted time overhead is at most F times that of "all").
+/// Strategies are the strings of remat/strategy.h, with one meaning everywhere. Here "none" trains the plain
+/// model; "all" and its variants (all-reentrant, all-no-early-stop, all-keep-TAG) run through the model's own
+/// per-layer checkpointing (gradient_checkpointing_enable with per_layer_options); every other strategy is a
+/// plan over the model's stages, run by the plan executor ("plan-all" is "all"'s schedule there). A model
+/// that does not tag TAG runs all-keep-TAG as "all". "optimal" and "revolve" need a budget: spell it
+/// (optimal:300MiB) or give a time target (optimal:overhead=0.5).
 
 #include <remat/chain.h>
 #include <remat/measure.h>
 #include <remat/plan.h>
 #include <remat/profile.h>
+#include <remat/report.h>
 #include <remat/sequential.h>
+#include <remat/strategy.h>
 #include <remat/version.h>
 #if REMAT_HAS_DISTRIBUTED
 #include <remat/distributed.h>
@@ -103,6 +96,9 @@ class Workload {
   virtual torch::Tensor loss_of(const torch::Tensor& output) const;
 };
 
+/// The models make_workload builds: "bert", "cifar", "heavy", "forum-cnn", "mlp", "resnet".
+const std::vector<std::string>& workload_models();
+
 /// Builds the workload. Throws c10::Error naming the field and value for an unknown model or a bad size.
 std::unique_ptr<Workload> make_workload(const WorkloadConfig& config);
 
@@ -116,6 +112,9 @@ struct BenchRow {
   /// another order, which changes the last bits; a missing or wrong contribution is O(1).
   bool grads_equal = true;
   std::optional<Plan> plan;  ///< for plan strategies: the plan and its prediction
+  /// The plan's predicted peak over the base (its chain's input left out, as the measured peak leaves it):
+  /// comparable to stats.peak_bytes (bytes). Set for plan strategies.
+  std::optional<int64_t> predicted_peak_bytes;
   /// The step time the chain predicts (milliseconds), when bench had a chain: simulate()'s time for "none"
   /// and plan strategies, per_call_time_ms() over Workload::per_layer_stages() for "all"; unset otherwise
   /// (the other per-layer strategies, or no per-layer stages).
@@ -125,14 +124,21 @@ struct BenchRow {
 /// Progress messages (for stderr).
 using Progress = std::function<void(const std::string&)>;
 
-/// The per-layer CheckpointOptions of a strategy that runs through the model's own checkpointing ("all",
-/// "all-reentrant", "all-no-early-stop", "all-keep-matmul", "all-keep-conv"); nullopt for every other
-/// strategy.
+/// Parses a strategy (remat::parse_strategy), as c10::Error naming remat::bench and the string when it is not
+/// one.
+Strategy bench_strategy(const std::string& strategy);
+
+/// The per-layer CheckpointOptions of a strategy that runs through the model's own checkpointing ("all" and
+/// its variants: kReentrant for all-reentrant, early_stop(false) for all-no-early-stop, keep({TAG}) for
+/// all-keep-TAG); nullopt for every other strategy.
+std::optional<CheckpointOptions> per_layer_options(const Strategy& strategy);
+/// per_layer_options(bench_strategy(strategy)). Throws as bench_strategy.
 std::optional<CheckpointOptions> per_layer_options(const std::string& strategy);
 
-/// Resolves a plan strategy against a chain (see the top of this file). Returns nullopt for "none", "all",
-/// and the other per-layer strategies (per_layer_options). Throws c10::Error naming the strategy when it is
-/// unknown or malformed, and what the planners throw (InfeasibleBudget for a budget below the minimum).
+/// Resolves a plan strategy against a chain (remat::plan_strategy). Returns nullopt for "none", "all" and
+/// the other per-layer strategies (per_layer_options), which the model runs itself. Throws c10::Error naming
+/// the strategy when it is unknown or malformed, or needs a budget ("optimal", "revolve"), and
+/// InfeasibleBudget when its budget is below the minimum.
 std::optional<Plan> plan_for(const std::string& strategy, const Chain& chain);
 
 /// Measures every strategy (and "none" first, as the reference, if it is not listed): median step time and
@@ -146,26 +152,21 @@ std::vector<BenchRow> bench(Workload& workload, const std::vector<std::string>& 
 /// The workload's chain, profiled (ProfileOptions defaults when null).
 Chain profile_workload(Workload& workload, const ProfileOptions* profile = nullptr);
 
-/// One point of a trade-off curve.
-struct SweepPoint {
-  std::string kind;                  ///< "optimal" or "baseline"
-  std::string name;                  ///< the planner
-  int64_t budget_bytes = 0;          ///< the budget it was planned for (0 for baselines)
-  int64_t predicted_peak_bytes = 0;  ///< simulate()'s peak, the chain's input included (bytes)
-  double predicted_time_ms = 0;      ///< simulate()'s time (milliseconds)
-  double overhead = 0;               ///< predicted time / predicted time without checkpointing - 1
-  int64_t input_bytes = 0;  ///< the chain's input: predicted_peak_bytes - input_bytes is comparable to a
-                            ///< measured peak over parameters, gradients and inputs
-};
+/// The rows as JSON (what `remat bench --json` writes): {"model": description, "base_bytes": N, "rows":
+/// [{"strategy", "peak_bytes", "after_forward_bytes", "median_ms", "step_ms", "forward_ms", "peak_ratio",
+/// "time_ratio", "grads_equal", "max_grad_diff", "max_grad_diff_relative", and for plans
+/// "predicted_peak_bytes" and "plan", with a predicted time "predicted_ms" and "predicted_time_ratio"}]}.
+/// Ratios are to the first row
+/// ("none").
+std::string bench_json(const std::string& description, const std::vector<BenchRow>& rows);
 
-/// The optimal planner at `budgets` budgets spread evenly from the chain's minimum to the peak without
-/// checkpointing, and the baselines (none, all, sqrt, uniform:2..8) as points. Predictions only.
-/// Throws c10::Error when budgets < 2.
-std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets);
+/// The rows as CSV (`remat bench --csv`): strategy, peak_bytes, after_forward_bytes, median_ms, peak_ratio,
+/// time_ratio, grads_equal, max_grad_diff, predicted_peak_bytes (0 without a plan).
+std::string bench_csv(const std::vector<BenchRow>& rows);
 
 /// The largest batch that fits a memory budget under a strategy.
 struct MaxBatch {
-  std::string strategy;              ///< none, all, sqrt, uniform:K or optimal
+  std::string strategy;              ///< as given
   int64_t batch = 0;                 ///< 0 when not even batch 1 fits
   int64_t predicted_peak_bytes = 0;  ///< at that batch, from the scaled profile
   int64_t measured_peak_bytes = 0;   ///< one real step at that batch (bytes over the base)
@@ -173,12 +174,13 @@ struct MaxBatch {
 };
 
 /// Profiles the workload at two batch sizes, scales the chain linearly in the batch, finds the largest batch
-/// whose predicted peak fits `budget_bytes` for each strategy ("none", "all", "sqrt", "uniform:K",
-/// "optimal"), and confirms it with one real step (stepping the batch down while the step does not fit):
-/// "none" and "all" as the model runs them (plain, and its per-layer checkpointing), the others through the
-/// plan executor.
-/// `make` builds the workload for a batch; `profile` the profiling options (defaults when null; its keep tags
-/// let "optimal" keep matrix multiplications). Throws c10::Error for an unknown strategy.
+/// whose predicted peak fits `budget_bytes` for each strategy, and confirms it with one real step (stepping
+/// the batch down while the step does not fit): "none" and the per-layer strategies as the model runs them
+/// (plain, and its per-layer checkpointing; predicted by their plans), the others through the plan
+/// executor. "optimal" and "revolve" plan within `budget_bytes` (their predicted peak is then the least any
+/// schedule needs, and the plan's). `make` builds the workload for a batch; `profile` the profiling options
+/// (defaults when null; its keep tags let "optimal" keep matrix multiplications). Throws c10::Error for a
+/// strategy that is not one (bench_strategy).
 std::vector<MaxBatch> max_batch(const std::function<std::unique_ptr<Workload>(int64_t)>& make,
                                 int64_t budget_bytes, const std::vector<std::string>& strategies,
                                 const Progress& progress = {}, const ProfileOptions* profile = nullptr);
@@ -216,6 +218,24 @@ DataParallelBench bench_data_parallel(Workload& workload, const std::vector<std:
                                       const distributed::DataParallelOptions& options = {},
                                       const ProfileOptions* profile = nullptr, const Progress& progress = {},
                                       const Chain* chain = nullptr);
+
+/// The result as JSON (`remat bench --nproc N --json`): {"model", "world_size", "global_batch",
+/// "gradient_bytes", "buckets", "all_reduce_ms", "rows": [{"strategy", "peak_bytes" (per rank), "median_ms",
+/// "exposed_all_reduce_ms", "hidden_fraction", "buckets_early", "grads_equal_across_ranks", "plan"}]}.
+std::string bench_json(const std::string& description, int64_t global_batch, const DataParallelBench& result);
+
+/// `remat bench --nproc N`: runs `argv` (this program and its arguments) again in `nproc` local processes
+/// with torchrun's environment (remat::distributed::launch, a free port, 30 s grace after a failure) and
+/// REMAT_BENCH_RANK set, so that each knows it is a rank (is_bench_rank). Returns the launch's exit status.
+int relaunch_as_ranks(int64_t nproc, std::vector<std::string> argv);
+
+/// Whether this process was started by relaunch_as_ranks.
+bool is_bench_rank();
+
+/// For one rank of N on this machine: shares its cores among the local processes (LOCAL_WORLD_SIZE; torchrun
+/// gives each one thread by default) and returns this rank's rows of `global_batch`. Throws c10::Error when
+/// the batch does not split evenly over `world_size` processes.
+int64_t rank_share(int64_t global_batch, int world_size);
 #endif
 
 }  // namespace remat

@@ -1,0 +1,32 @@
+# Install and export. find_package(remat) gives remat::planner always, and remat::runtime, remat::models and the
+# umbrella remat::remat when this install has them (built with LibTorch); COMPONENTS planner asks for the
+# planner alone, without looking for Torch. The planner's headers are installed in both cases; the runtime's
+# and the models' only with them.
+include(CMakePackageConfigHelpers)
+set(REMAT_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/remat)
+set(REMAT_PLANNER_HEADERS chain.h plan.h planner.h report.h strategy.h units.h)
+
+install(TARGETS remat_planner EXPORT rematPlannerTargets
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(EXPORT rematPlannerTargets NAMESPACE remat:: DESTINATION ${REMAT_CMAKE_DIR})
+list(TRANSFORM REMAT_PLANNER_HEADERS PREPEND include/remat/ OUTPUT_VARIABLE _remat_planner_headers)
+install(FILES ${_remat_planner_headers} ${PROJECT_BINARY_DIR}/include/remat/version.h
+        DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/remat)
+
+if(NOT REMAT_PLANNER_ONLY)
+  install(TARGETS remat_runtime remat_models remat EXPORT rematTargets
+    ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+    INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+  install(EXPORT rematTargets NAMESPACE remat:: DESTINATION ${REMAT_CMAKE_DIR})
+  install(TARGETS remat_meter LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+  install(DIRECTORY include/remat DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.h")
+endif()
+
+configure_package_config_file(cmake/rematConfig.cmake.in ${PROJECT_BINARY_DIR}/rematConfig.cmake
+  INSTALL_DESTINATION ${REMAT_CMAKE_DIR})
+write_basic_package_version_file(${PROJECT_BINARY_DIR}/rematConfigVersion.cmake COMPATIBILITY SameMinorVersion)
+install(FILES ${PROJECT_BINARY_DIR}/rematConfig.cmake ${PROJECT_BINARY_DIR}/rematConfigVersion.cmake
+  DESTINATION ${REMAT_CMAKE_DIR})

@@ -1,0 +1,33 @@
+#pragma once
+// What the planners share (private to the planner library): building a plan's operations, finishing it with
+// its prediction, and the error for a budget no schedule fits.
+
+#include <remat/chain.h>
+#include <remat/plan.h>
+
+#include <cstdint>
+#include <string>
+
+namespace remat::detail {
+
+/// Appends operation `kind` on `stage` (-1 for the loss).
+inline void push(Plan& plan, OpKind kind, int64_t stage) {
+  plan.ops.push_back(Op{kind, stage});
+}
+
+/// Names the plan, records its budget, gives it the chain's keep tags when it has Fk operations, and fills
+/// plan.predicted through simulate().
+Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget);
+
+/// Throws InfeasibleBudget "<who>: no schedule fits a budget of ...; the minimum for this chain is ...".
+[[noreturn]] void infeasible(const char* who, int64_t budget, int64_t min_bytes);
+
+/// The peak of recomputing every stage from the chain's input (nothing else kept): the least memory when only
+/// a_0 may be held (O(n)); an upper bound of min_feasible_budget().
+int64_t recompute_from_input_peak(const Chain& chain);
+
+/// Chains longer than this get min_feasible_budget() from recompute_from_input_peak() (the exact dynamic
+/// program is quadratic in memory).
+constexpr int64_t kExactMinMemoryStages = 1500;
+
+}  // namespace remat::detail

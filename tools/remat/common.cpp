@@ -1,0 +1,149 @@
+// What the remat command's subcommands share (common.h).
+
+#include "common.h"
+
+#include <remat/memory.h>
+#include <remat/units.h>
+#include <torch/cuda.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace remat::cli {
+
+void ModelArgs::add(CLI::App* app) {
+  std::string models;
+  for (const auto& m : workload_models())
+    models += (models.empty() ? "" : ", ") + m;
+  app->add_option("--model", model, models)->check(CLI::IsMember(workload_models()))->capture_default_str();
+  app->add_option("--layers", layers, "bert: encoder layers")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app->add_option("--hidden", hidden, "bert: hidden size")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app->add_option("--heads", heads, "bert: attention heads")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app->add_option("--intermediate", intermediate, "bert: feed-forward size")
+      ->check(CLI::Range(1, 1 << 18))
+      ->capture_default_str();
+  app->add_option("--seq", seq, "bert: sequence length")
+      ->check(CLI::Range(1, 1 << 16))
+      ->capture_default_str();
+  app->add_option("--vocab", vocab, "bert: vocabulary size")
+      ->check(CLI::Range(1, 1 << 24))
+      ->capture_default_str();
+  app->add_option("--dropout", dropout, "bert: dropout probability")
+      ->check(CLI::Range(0.0, 0.99))
+      ->capture_default_str();
+  app->add_option("--batch", batch, "rows per batch (0: the model's default)")->check(CLI::Range(0, 1 << 24));
+  app->add_option("--depth", depth, "mlp: residual blocks")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app->add_option("--width", width, "mlp: block width")->check(CLI::Range(1, 1 << 18))->capture_default_str();
+  app->add_option("--blocks", blocks, "resnet: BasicBlocks per layer (layer1..layer3)")
+      ->check(CLI::Range(1, 1000))
+      ->capture_default_str();
+  app->add_option("--calls", calls, "heavy: calls of the function")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app->add_option("--adds", adds, "heavy: additions per call")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+  app->add_option("--variant", variant, "forum-cnn: small or full")
+      ->check(CLI::IsMember({"small", "full"}))
+      ->capture_default_str();
+  app->add_option("--placement", placement, "forum-cnn: each-op, conv-relu, all-convs or heads")
+      ->check(CLI::IsMember({"each-op", "conv-relu", "all-convs", "heads"}))
+      ->capture_default_str();
+  app->add_option("--device", device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  app->add_option("--seed", seed, "seed of weights and inputs")->capture_default_str();
+  app->add_option("--granularity", granularity,
+                  "bert: the chain's stages, per layer or per piece of a layer (sublayer: attention core, "
+                  "projections, feed-forward halves)")
+      ->check(CLI::IsMember({"layer", "sublayer"}))
+      ->capture_default_str();
+  app->add_option("--keep", keep,
+                  "remat::keep tags (comma-separated, e.g. matmul): also profile each stage keeping those "
+                  "calls' outputs, so that plans may keep a layer's matrix multiplications (Fk)");
+}
+
+ProfileOptions ModelArgs::profile_options(int64_t repeats) const {
+  return ProfileOptions().warmup(1).repeats(repeats).keep(split(keep));
+}
+
+WorkloadConfig ModelArgs::config(int64_t batch_override) const {
+  return WorkloadConfig()
+      .model(model)
+      .layers(layers)
+      .hidden(hidden)
+      .heads(heads)
+      .intermediate(intermediate)
+      .seq(seq)
+      .vocab(vocab)
+      .dropout(dropout)
+      .batch(batch_override >= 0 ? batch_override : batch)
+      .granularity(granularity == "sublayer" ? Granularity::kSublayer : Granularity::kLayer)
+      .depth(depth)
+      .width(width)
+      .calls(calls)
+      .adds(adds)
+      .blocks(blocks)
+      .variant(variant)
+      .placement(placement)
+      .device(torch::Device(device))
+      .seed(seed);
+}
+
+std::unique_ptr<Workload> ModelArgs::make(int64_t batch_override) const {
+  if (device == "cuda") {
+    TORCH_CHECK(torch::cuda::is_available(), "--device cuda: no CUDA device is available");
+  } else {
+    memory::track_cpu();
+  }
+  return make_workload(config(batch_override));
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
+std::string mib(int64_t bytes) {
+  return format_mib(bytes);
+}
+
+void progress(const std::string& message) {
+  std::cerr << "remat: " << message << std::endl;
+}
+
+std::vector<std::string> split(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  for (std::string item; std::getline(ss, item, ',');) {
+    if (!item.empty()) out.push_back(item);
+  }
+  return out;
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  if (!out) throw std::invalid_argument("cannot write '" + path + "'");
+  out << text;
+}
+
+int64_t size_arg(const std::string& text, const char* flag) {
+  try {
+    return parse_size(text);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string(flag) + ": " + e.what());
+  }
+}
+
+}  // namespace remat::cli

@@ -1,0 +1,68 @@
+#pragma once
+// What the remat command's subcommands share: the options that pick a model, number formatting, and the shape
+// of a subcommand (its CLI11 options and what it runs). Each subcommand lives in <name>_command.cpp, parses
+// its arguments and calls the library.
+
+#include <remat/bench.h>
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "table.h"
+
+namespace remat::cli {
+
+/// A subcommand: its CLI11 app (options added) and what it runs once the command line is parsed (the exit
+/// status).
+struct Subcommand {
+  CLI::App* app = nullptr;
+  std::function<int()> run;
+};
+
+Subcommand add_bench(CLI::App& app, const std::vector<std::string>& argv);
+Subcommand add_launch(CLI::App& app);
+Subcommand add_profile(CLI::App& app);
+Subcommand add_plan(CLI::App& app);
+Subcommand add_max_batch(CLI::App& app);
+Subcommand add_sweep(CLI::App& app);
+Subcommand add_demo(CLI::App& app);
+
+/// The options every model-taking command shares (--model and its sizes, --device, --seed, --granularity,
+/// --keep).
+struct ModelArgs {
+  std::string model = "bert", variant = "small", placement = "each-op", device = "cpu", granularity = "layer";
+  std::string keep;  // remat::keep tags for Fk, comma-separated
+  int64_t layers = 12, hidden = 768, heads = 12, intermediate = 3072, seq = 128, vocab = 30522, batch = 0;
+  int64_t depth = 16, width = 1024, calls = 1000, adds = 100, blocks = 3;
+  double dropout = 0.1;
+  uint64_t seed = 0;
+
+  /// Adds the options to `app`.
+  void add(CLI::App* app);
+  /// Profiling options with the --keep tags.
+  ProfileOptions profile_options(int64_t repeats = 3) const;
+  /// The workload's configuration; batch_override >= 0 replaces --batch.
+  WorkloadConfig config(int64_t batch_override = -1) const;
+  /// The workload (the CPU meter installed, or a clear error when --device cuda has no device).
+  std::unique_ptr<Workload> make(int64_t batch_override = -1) const;
+};
+
+/// "%.*f".
+std::string fixed(double v, int digits);
+/// Bytes as MiB with one decimal (remat::format_mib).
+std::string mib(int64_t bytes);
+/// Prints "remat: <message>" on stderr (progress of long runs).
+void progress(const std::string& message);
+/// The comma-separated items of `text` (empty ones dropped).
+std::vector<std::string> split(const std::string& text);
+/// Writes `text` to `path`, or throws std::invalid_argument "cannot write '<path>'".
+void write_file(const std::string& path, const std::string& text);
+/// remat::parse_size, its error prefixed with the flag's name.
+int64_t size_arg(const std::string& text, const char* flag);
+
+}  // namespace remat::cli

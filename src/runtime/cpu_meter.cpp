@@ -15,7 +15,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "detail/compat.h"
+#include "detail/compat_c10.h"
 
 namespace remat::detail {
 namespace {

@@ -1,9 +1,10 @@
 #pragma once
 // What differs between the LibTorch versions remat supports (Debian's 1.13, the 2.x of PyPI's wheel), in one
-// place, so that the rest of the code reads as if there were one LibTorch.
+// place, so that the rest of the code reads as if there were one LibTorch. The part that needs c10 alone is
+// in compat_c10.h, included here: the meter library (libremat_meter, loaded into Python processes) links c10
+// only and includes that part alone (ATen's headers, which the rest needs, require C++20 in PyPI's 2.15).
 
 #include <ATen/autocast_mode.h>
-#include <c10/core/Allocator.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -16,6 +17,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "detail/compat_c10.h"
 
 namespace remat::detail::compat {
 
@@ -114,26 +117,5 @@ auto make_node(Args&&... args) {
   using Ptr = std::decay_t<decltype(std::declval<torch::autograd::Edge>().function)>;
   return NodeOwner<Ptr>::template make<N>(std::forward<Args>(args)...);
 }
-
-/// c10::Allocator as remat's CPU meter derives from it: LibTorch 2.3 made allocate() non-const and added the
-/// pure virtual copy_data(). Derived allocators implement allocate_bytes().
-class AllocatorBase : public c10::Allocator {
- public:
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-  c10::DataPtr allocate(size_t n) override {
-    return allocate_bytes(n);
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-#else
-  c10::DataPtr allocate(size_t n) const override {
-    return allocate_bytes(n);
-  }
-#endif
-
- protected:
-  virtual c10::DataPtr allocate_bytes(size_t n) const = 0;
-};
 
 }  // namespace remat::detail::compat

@@ -130,7 +130,7 @@ print(next(x['peak_bytes'] for x in r if x['strategy']=='uniform:4'))")
       log build/examples/example_resnet 64 5 5
       log build/tests/remat_tests --gtest_filter=StateRestore.CostPerOperator
       ;;
-    modes)  # kNonReentrant against kReentrant on BERT-base-sized layers (README: choosing a mode)
+    modes)  # kNonReentrant against kReentrant on BERT-base-sized layers (docs/checkpointing.md: choosing a mode)
       for round in 1 2 3; do
         log "$remat" bench --model bert --layers 4 --hidden 768 --heads 12 --intermediate 3072 --seq 128 --batch 8 \
           --strategy none,all,all-reentrant

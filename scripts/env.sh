@@ -13,7 +13,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 # glibc's malloc gives large freed blocks back to the kernel and takes fresh, zero-filled pages on the next
 # allocation: a training step that frees and reallocates its activations pays page faults for them, and a
 # stage-by-stage backward (the plan executor's) most: single runs here took a 16-block MLP's plan-all step from
-# 128 to 112 ms and a plain BERT-base step from 2872 to 2598 ms (README, "On a fresh Debian 12 machine"). Keep
+# 128 to 112 ms and a plain BERT-base step from 2872 to 2598 ms (docs/cpu-tuning.md). Keep
 # freed memory in the process, as a caching allocator does (PyTorch's CPU tuning guide uses jemalloc or
 # tcmalloc for this). Both libraries of every benchmark run under it; the memory meter counts tensor bytes, not
 # the process's size. A value already set wins.

@@ -131,8 +131,8 @@ TEST_F(ProfileTest, ResidualMlpPlansRunWithinTenPercentOfThePrediction) {
     const int64_t peak = measured_peak(
         *exec, [&] { return exec->forward(x); }, x, weight);
     const double predicted = static_cast<double>(plan.predicted.peak_bytes);
-    // The README's tolerance for small chains: the measured peak is at most 10% above the prediction (the
-    // executor holds up to about three activations that simulate() does not charge) and never below it.
+    // docs/planning.md's tolerance for small chains: the measured peak is at most 10% above the prediction
+    // (the executor holds up to about three activations that simulate() does not charge) and never below it.
     EXPECT_GE(static_cast<double>(peak), 0.99 * predicted) << plan.planner << " " << plan.to_string();
     EXPECT_LE(static_cast<double>(peak), 1.10 * predicted) << plan.planner << " " << plan.to_string();
     EXPECT_EQ(exec->forward_calls(), plan.predicted.forward_calls) << plan.planner;

@@ -150,9 +150,9 @@ TEST_P(Threads, ModelsTrainedAtTheSameTimeEqualTheSameRunsOneAfterAnother) {
 
 TEST_P(Threads, DropoutIsExactWhileNoOtherThreadDraws) {
   // Thread 0 trains with dropout; the others train without random ops at the same time, with
-  // preserve_rng_state(false) as the README says (a region whose forward pass saw the generator move, here
-  // because thread 0 drew, would replay it and disturb thread 0). Thread 0's masks are replayed exactly:
-  // its run equals the same run alone, and so do the others'.
+  // preserve_rng_state(false) as docs/checkpointing.md says (a region whose forward pass saw the generator
+  // move, here because thread 0 drew, would replay it and disturb thread 0). Thread 0's masks are replayed
+  // exactly: its run equals the same run alone, and so do the others'.
   constexpr int kThreads = 3;
   constexpr int64_t kSteps = 5;
   auto reference = [&](int t) {

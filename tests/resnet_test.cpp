@@ -139,10 +139,10 @@ TEST(ResNetExample, PlannerFloorReachesPerBlockCheckpointingAndTheStepIsPredicte
   const remat::Plan floor = remat::optimal(profile.chain, remat::min_feasible_budget(profile.chain));
   const int64_t per_block = peak(Way::kPerBlockModule, nullptr);
   const int64_t at_floor = peak(Way::kPlan, &floor);
-  // README: the executor at the planner's floor, and the plan that checkpoints every block, are within 2% of
-  // per-block kNonReentrant checkpointing. (The latter was a full-resolution activation above it until the
-  // executor handed each stage's output to its backward by move: the block's last ReLU saves its result, and
-  // the executor's reference kept it for the block's whole backward.)
+  // docs/planning.md: the executor at the planner's floor, and the plan that checkpoints every block, are
+  // within 2% of per-block kNonReentrant checkpointing. (The latter was a full-resolution activation above it
+  // until the executor handed each stage's output to its backward by move: the block's last ReLU saves its
+  // result, and the executor's reference kept it for the block's whole backward.)
   EXPECT_LE(static_cast<double>(at_floor), 1.02 * static_cast<double>(per_block))
       << "floor " << at_floor << " per block " << per_block;
   const remat::Plan all = remat::checkpoint_all(profile.chain);
@@ -155,7 +155,7 @@ TEST(ResNetExample, PlannerFloorReachesPerBlockCheckpointingAndTheStepIsPredicte
        {floor, remat::no_checkpoint(profile.chain), remat::uniform(profile.chain, 3)}) {
     const int64_t predicted = remat::simulate(profile.step, remat::step_plan(plan)).peak_bytes - input;
     const int64_t measured = peak(Way::kPlan, &plan);
-    // README: the whole step's predicted peak is within 3% of the meter's on this model.
+    // docs/planning.md: the whole step's predicted peak is within 3% of the meter's on this model.
     EXPECT_LE(std::abs(static_cast<double>(predicted - measured)), 0.03 * static_cast<double>(measured))
         << plan.to_string() << ": predicted " << predicted << ", measured " << measured;
   }

@@ -130,7 +130,7 @@ void check_rng_replayed(const RngState& end, const char* who, const std::string&
               "Another thread drew from the same default generator while this region ran forward or was "
               "recomputed, or the region draws a varying amount. Keep other threads from drawing while "
               "checkpointed regions run, or set CheckpointOptions().preserve_rng_state(false) to accept "
-              "fresh masks (README: Threads).");
+              "fresh masks (docs/checkpointing.md: Threads).");
 }
 
 RngRollback::RngRollback(const RngState& start) : start_(start), uncaught_(std::uncaught_exceptions()) {}

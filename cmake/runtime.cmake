@@ -18,6 +18,10 @@ set(REMAT_RUNTIME_SOURCES
   src/runtime/non_reentrant.cpp
   src/runtime/reentrant.cpp
   src/runtime/region.cpp
+  src/runtime/kept.cpp
+  src/runtime/policy.cpp
+  src/runtime/op_policy.cpp
+  src/runtime/watch.cpp
   src/runtime/restore.cpp
   src/runtime/engine.cpp
   src/runtime/memory.cpp

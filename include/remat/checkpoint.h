@@ -8,6 +8,7 @@
 ///   auto outs = remat::checkpoint(two_in_two_out, {a, b}, remat::CheckpointOptions().mode(
 ///                                                              remat::CheckpointMode::kReentrant));
 
+#include <remat/policy.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -79,6 +80,13 @@ struct CheckpointOptions {
   /// adds). Gradients are unchanged. Empty (the default): every call is recomputed. kReentrant throws
   /// c10::Error when this is not empty.
   TORCH_ARG(std::vector<std::string>, keep) = {};
+  /// kNonReentrant: selective checkpointing by an operator-level policy (remat/policy.h), with no edit to
+  /// fn: for each operator call inside fn the policy says whether its outputs are kept from the forward pass
+  /// (true) or recomputed; remat::policy::matmuls() keeps the matrix multiplications and convolutions. Kept
+  /// calls are handed back by the recompute as remat::keep's are, and combine with `keep` tags. Gradients
+  /// are unchanged. Empty (the default): every call is recomputed. kReentrant throws c10::Error when a policy
+  /// is set, and so does a process where another library holds remat's dispatcher key.
+  TORCH_ARG(Policy, policy) = {};
 };
 
 /// A region with several inputs and outputs.

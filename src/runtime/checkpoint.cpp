@@ -75,6 +75,9 @@ std::vector<at::Tensor> checkpoint_tensors(const TensorsFn& fn, const std::vecto
     TORCH_CHECK(options.keep().empty(), "remat::checkpoint: CheckpointOptions::keep (", options.keep().size(),
                 " tag", options.keep().size() == 1 ? "" : "s", ", the first '", options.keep()[0],
                 "') needs CheckpointMode::kNonReentrant; kReentrant recomputes its region whole");
+    TORCH_CHECK(options.policy().empty(), "remat::checkpoint: CheckpointOptions::policy ('",
+                options.policy().name(),
+                "') needs CheckpointMode::kNonReentrant; kReentrant recomputes its region whole");
     outputs = run_reentrant(fn, inputs, options);
   } else {
     outputs = run_non_reentrant(fn, inputs, options);

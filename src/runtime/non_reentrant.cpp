@@ -14,7 +14,10 @@
 #include "detail/checkpoint_modes.h"
 #include "detail/compat.h"
 #include "detail/hooks.h"
+#include "detail/kept.h"
+#include "detail/op_policy.h"
 #include "detail/region.h"
+#include "detail/watch.h"
 
 namespace remat::detail {
 namespace {
@@ -60,6 +63,7 @@ class Collector final : public HookSource {
   struct Hooks final : torch::autograd::SavedVariableHooks {
     explicit Hooks(Collector* c) : collector(c) {}
     void call_pack_hook(const at::Tensor& t) override {
+      WatchPause pause;  // the collector's own tensor work is not the region's
       // As autograd would save it: a tensor that does not require grad is kept as is (a custom Function gets
       // the very tensor it saved back), one that does is detached (unpacking re-attaches its grad_fn).
       saved = t.requires_grad() ? t.detach() : t;
@@ -101,59 +105,6 @@ class Collector final : public HookSource {
   int64_t count_ = 0;
 };
 
-// The grad_fn of a kept output handed back by a recompute: the call did not run, so there is no graph to
-// differentiate; running it throws c10::Error with `msg`.
-struct NoGraph final : torch::autograd::Node {
-  NoGraph(std::string msg, torch::autograd::edge_list&& next) : Node(std::move(next)), msg(std::move(msg)) {}
-  torch::autograd::variable_list apply(torch::autograd::variable_list&& /*grads*/) override {
-    TORCH_CHECK(false, msg);
-  }
-  std::string msg;
-};
-
-// One remat::keep call of a checkpoint's forward pass whose outputs are kept: the outputs, and how to give
-// back in the recompute each tensor autograd saved inside the call.
-struct KeptCall {
-  struct Saved {
-    // A view of input `input` (>= 0) or of output `output` (>= 0) with these sizes, strides and storage
-    // offset relative to it; otherwise `held` itself.
-    int64_t input = -1, output = -1;
-    std::vector<int64_t> sizes, strides;
-    int64_t offset = 0;
-    at::Tensor held;
-  };
-  std::string tag;
-  size_t num_inputs = 0;
-  std::vector<at::Tensor> outputs;  // detached; empty once released
-  std::vector<bool> output_requires_grad;
-  std::vector<int64_t> output_versions;
-  std::vector<Saved> saved;
-};
-
-int64_t version_of(const at::Tensor& t) {
-  return t.is_inference() ? 0 : static_cast<int64_t>(t._version());
-}
-
-KeptCall::Saved recipe_of(const at::Tensor& t, const std::vector<at::Tensor>& inputs,
-                          const std::vector<at::Tensor>& outputs) {
-  KeptCall::Saved s;
-  auto alias = [&](const std::vector<at::Tensor>& of, int64_t& index) {
-    if (!t.has_storage()) return false;
-    for (size_t i = 0; i < of.size(); ++i) {
-      if (of[i].has_storage() && t.is_alias_of(of[i]) && !t.is_sparse()) {
-        index = static_cast<int64_t>(i);
-        s.sizes = t.sizes().vec();
-        s.strides = t.strides().vec();
-        s.offset = t.storage_offset() - of[i].storage_offset();
-        return true;
-      }
-    }
-    return false;
-  };
-  if (!alias(outputs, s.output) && !alias(inputs, s.input)) s.held = t.detach();
-  return s;
-}
-
 class Frame final : public HookSource, public std::enable_shared_from_this<Frame> {
  public:
   Frame(TensorsFn fn, const std::vector<at::Tensor>& inputs, const CheckpointOptions& options)
@@ -170,6 +121,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     for (const auto& x : inputs)
       inputs_.emplace_back(x.detach(), /*is_output=*/false);
     if (options.preserve_rng_state()) rng_.begin(cuda_devices_);
+    if (!options.policy().empty())
+      op_policy_ =
+          std::make_unique<OpPolicyRecord>(options.policy(), options.preserve_rng_state(), cuda_devices_);
   }
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
@@ -195,6 +149,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
           f->captured_.clear();
         }
       } reset{this};
+      OpPolicyRecord::Pause pause(op_policy_.get());  // the call's operators belong to the kept call
       outputs = fn(inputs);
       for (size_t i = 0; i < outputs.size(); ++i)
         TORCH_CHECK(outputs[i].defined(), "remat::keep('", tag, "'): fn returned an undefined tensor at ", i);
@@ -203,16 +158,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
                     " in place; a kept call must leave its inputs as they were");
       TORCH_CHECK(before.empty() || before.matches_current(), "remat::keep('", tag,
                   "'): fn drew random numbers; a kept call must be deterministic (keep dropout outside it)");
-      KeptCall call;
-      call.tag = tag;
-      call.num_inputs = inputs.size();
-      for (const auto& t : captured_)
-        call.saved.push_back(recipe_of(t, inputs, outputs));
-      for (const auto& o : outputs) {
-        call.outputs.push_back(o.detach());
-        call.output_requires_grad.push_back(o.requires_grad());
-        call.output_versions.push_back(version_of(o));
-      }
+      KeptCall call = make_kept_call(tag, inputs, outputs, captured_);
       std::lock_guard<std::recursive_mutex> lock(mutex_);
       kept_.push_back(std::move(call));
     }
@@ -227,59 +173,22 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     const size_t k = replayed_++;
     // A recompute during the forward pass (fn takes a gradient of its own results) runs the calls: a gradient
     // through a kept call must reach its inputs.
-    if (!forward_done_ || k >= kept_.size() || kept_[k].outputs.empty()) return fn(inputs);
+    if (!forward_done_ || k >= kept_.size() || !kept_[k].held()) {
+      OpPolicyRecord::Pause pause(op_policy_.get());  // as in the forward pass, where the call was kept
+      return fn(inputs);
+    }
     KeptCall& call = kept_[k];
     TORCH_CHECK(call.tag == tag && call.num_inputs == inputs.size(), "remat::keep: call ", k,
                 " of the recompute is '", tag, "' with ", inputs.size(), " inputs, but was '", call.tag,
                 "' with ", call.num_inputs,
                 " in the forward pass; fn must do the same work each time it runs");
-    for (size_t o = 0; o < call.outputs.size(); ++o)
-      TORCH_CHECK(version_of(call.outputs[o]) == call.output_versions[o], "remat::keep('", tag, "'): output ",
-                  o, " was modified in place after the call; a kept output must not be written to");
-    {
-      at::NoGradGuard no_grad;
-      for (const auto& sv : call.saved) {
-        if (sv.held.defined()) {
-          collector.save(sv.held);
-          continue;
-        }
-        // Detached: a view of the recompute's own tensor would hold its graph (and through it every leaf the
-        // graph reaches, such as a kept output only read by a copy) for as long as backward holds the view.
-        const at::Tensor base = (sv.input >= 0 ? inputs[sv.input] : call.outputs[sv.output]).detach();
-        TORCH_CHECK(base.has_storage(), "remat::keep('", tag, "'): input ", sv.input,
-                    " has no storage in the recompute");
-        collector.save(base.as_strided(sv.sizes, sv.strides, base.storage_offset() + sv.offset));
-      }
-    }
-    // Outputs that required grad get a grad_fn that holds nothing, so that the operations after the call
-    // record their graph and save what they save. Not requires_grad_() on a leaf: its gradient accumulator
-    // would hold the output until the recompute's graph dies (a projection that only feeds a copy, kept
-    // through the rest of the layer's recompute). The recompute's graph is not run, unless fn takes a
-    // gradient in it, and one through a kept output is an error (the call did not run to record its graph).
-    std::vector<at::Tensor> outputs;
-    decltype(compat::make_node<NoGraph>(std::string(), torch::autograd::edge_list())) no_graph;
-    for (size_t o = 0; o < call.outputs.size(); ++o) {
-      at::Tensor out = call.outputs[o].detach();
-      if (call.output_requires_grad[o]) {
-        // Edges to the call's inputs, so that a gradient towards them reaches this node and its message.
-        if (!no_graph) {
-          no_graph = compat::make_node<NoGraph>(
-              "remat::keep('" + tag +
-                  "'): fn takes a gradient through a kept call's output while the region is recomputed; the "
-                  "call is not run again there, so it has no graph. Leave this tag out of "
-                  "CheckpointOptions::keep for this region",
-              torch::autograd::collect_next_edges(inputs));
-        }
-        const uint32_t nr = no_graph->add_input_metadata(out);
-        torch::autograd::impl::set_gradient_edge(out, torch::autograd::Edge(no_graph, nr));
-      }
-      outputs.push_back(std::move(out));
-    }
-    // The frame lets go of them here: an output the recompute only reads (a projection the next operation
-    // copies) is freed as soon as the recompute is done with it. A later recompute (retain_graph) runs the
-    // call again.
-    call.outputs.clear(), call.saved.clear();
-    return outputs;
+    return hand_back(
+        call, inputs, [&collector](const at::Tensor& t) { collector.save(t); }, "remat::keep('" + tag + "')",
+        "remat::keep('" + tag +
+            "'): fn takes a gradient through a kept call's output while the region is recomputed; the call "
+            "is "
+            "not run again there, so it has no graph. Leave this tag out of CheckpointOptions::keep for this "
+            "region");
   }
 
   std::vector<at::Tensor> run_forward(const std::vector<at::Tensor>& inputs) {
@@ -289,8 +198,10 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       RngRollback rng(rng_.start);
       BufferRestore buffers(modules_, /*only_on_unwind=*/true);
       HookScope scope(this);
+      const auto intercept = intercept_scope(op_policy_ ? op_policy_->forward_interceptor() : nullptr);
       outputs = fn_(inputs);
     }
+    if (op_policy_) op_policy_->forward_done();
     rng_.finish(cuda_devices_);
     if (rng_.empty()) rng_last_save_ = RngState();
     std::lock_guard<std::recursive_mutex> lock(mutex_);
@@ -303,11 +214,22 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
  private:
   struct Hooks final : torch::autograd::SavedVariableHooks {
     explicit Hooks(std::shared_ptr<Frame> f) : frame(std::move(f)) {}
-    void call_pack_hook(const at::Tensor& t) override { index = frame->pack(t); }
+    void call_pack_hook(const at::Tensor& t) override {
+      WatchPause pause;  // the frame's own tensor work is not the region's
+      index = frame->pack(t);
+    }
     at::Tensor call_unpack_hook() override { return frame->unpack(index); }
     std::shared_ptr<Frame> frame;
     int64_t index = -1;
   };
+
+  // The operators fn calls are this region's: its policy's interceptor sees them, or, without a policy, none
+  // of an enclosing region's does (kept calls belong to the innermost checkpoint). Nothing is installed when
+  // neither applies.
+  static std::unique_ptr<InterceptScope> intercept_scope(OpInterceptor* interceptor) {
+    if (interceptor == nullptr && !intercepting()) return nullptr;
+    return std::make_unique<InterceptScope>(interceptor, "remat::checkpoint");
+  }
 
   bool keeps(const std::string& tag) const {
     return std::find(keep_tags_.begin(), keep_tags_.end(), tag) != keep_tags_.end();
@@ -316,6 +238,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   int64_t pack(const at::Tensor& t) {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     if (capturing_) captured_.push_back(t);
+    if (op_policy_) op_policy_->saved(t);
     if (check_) metas_.push_back(TensorMeta::of(t));
     // Where the generators stand at each save: a recompute that stops early at the last one checks that it
     // drew the same numbers up to there.
@@ -357,6 +280,11 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
                           check_ ? &metas_ : nullptr, std::move(replay));
       RecomputeScope recompute(rng_.start, cuda_devices_, modules_, args, autocast_);
       HookScope scope(&collector);
+      std::unique_ptr<OpInterceptor> replay_ops;
+      if (op_policy_)
+        replay_ops =
+            op_policy_->recompute_interceptor([&collector](const at::Tensor& t) { collector.save(t); });
+      const auto intercept = intercept_scope(replay_ops.get());
       at::AutoGradMode grad(true);
       with_recompute_context([&] {
         bool stopped = false;
@@ -398,6 +326,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   int64_t num_saved_ = 0;
   bool forward_done_ = false;
   std::vector<at::Tensor> recomputed_;
+  std::unique_ptr<OpPolicyRecord> op_policy_;  // CheckpointOptions::policy's record, when there is one
   std::recursive_mutex mutex_;
 };
 

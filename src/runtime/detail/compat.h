@@ -5,6 +5,7 @@
 // only and includes that part alone (ATen's headers, which the rest needs, require C++20 in PyPI's 2.15).
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -60,6 +61,16 @@ inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
   }
 }
 #endif
+
+/// Whether the operator carries LibTorch 2.x's `pointwise` tag; false in 1.13, which has no operator tags.
+inline bool has_pointwise_tag(const c10::OperatorHandle& op) {
+#if TORCH_VERSION_MAJOR >= 2
+  return op.hasTag(at::Tag::pointwise);
+#else
+  (void)op;
+  return false;
+#endif
+}
 
 /// Collects the warnings (TORCH_WARN) raised on this thread while alive, instead of printing them.
 class WarningCapture : public c10::WarningHandler {

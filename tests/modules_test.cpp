@@ -1,6 +1,7 @@
 // remat::checkpoint on what containers hand out (std::shared_ptr<Impl>, AnyModule, holders) and on modules
 // whose forward takes several tensors or returns several.
 #include <remat/checkpoint.h>
+#include <remat/sequential.h>
 
 #include "support.h"
 
@@ -131,6 +132,13 @@ TEST_P(ModulesTest, WhatContainersHandOutTrainsLikeThePlainRun) {
          h = remat::checkpoint(NormBlock(seq->ptr<NormBlockImpl>(1)), h, opts());
          return remat::checkpoint(std::static_pointer_cast<NormBlockImpl>(seq->ptr(2)), h, opts());
        }},
+      {"Impl* (what ->as<Impl>() gives) and Impl&",
+       [&](torch::Tensor h) {
+         h = remat::checkpoint(seq->ptr(0)->as<NormBlockImpl>(), h, opts());
+         const NormBlockImpl* const_impl = seq->ptr(1)->as<NormBlockImpl>();
+         h = remat::checkpoint(const_cast<NormBlockImpl*>(const_impl), h, opts());
+         return remat::checkpoint(*seq->ptr<NormBlockImpl>(2), h, opts());
+       }},
   };
   for (const auto& [name, run] : ways) {
     SCOPED_TRACE(name);
@@ -187,6 +195,87 @@ TEST_P(ModulesTest, DefaultOptionsAndStructuredBindings) {
   (a + b).sum().backward();
   EXPECT_TRUE(x.grad().defined());
   EXPECT_EQ(pair->calls, 2);
+}
+
+// A model as LibTorch users write one: its blocks in a ModuleList. Each element checkpointed through
+// ->as<Impl>(), and the list as stages (stages_at<Impl>) for checkpoint_sequential and the plan executor,
+// train as the plain loop does; nothing is registered twice.
+struct ListModelImpl : torch::nn::Module {
+  ListModelImpl()
+      : blocks(register_module("h", torch::nn::ModuleList(NormBlock(8), NormBlock(8), NormBlock(8)))) {}
+  torch::nn::ModuleList blocks;
+};
+TORCH_MODULE(ListModel);
+
+TEST_P(ModulesTest, AModuleListsElementsAndTheListAsStages) {
+  ListModel model;
+  const auto x = torch::randn({5, 8}, torch::requires_grad());
+  const size_t params = model->parameters().size();
+  auto plain = [&] {
+    torch::Tensor h = x;
+    for (const auto& m : *model->blocks)
+      h = m->as<NormBlockImpl>()->forward(h);
+    return h;
+  };
+  // BatchNorm buffers move with every forward: compare gradients of steps that start from the same buffers.
+  const auto start = buffers_of(*model);
+  auto restore = [&] {
+    torch::NoGradGuard no_grad;
+    auto b = model->buffers();
+    for (size_t i = 0; i < b.size(); ++i)
+      b[i].copy_(start[i]);
+    clear_grads(*model);
+  };
+  restore();
+  plain().pow(2).mean().backward();
+  const auto grads = grads_of(*model);
+  const auto buffers = buffers_of(*model);
+  const auto stages = remat::stages_at<NormBlockImpl>(*model, {"h"});
+  ASSERT_EQ(stages.size(), 3u);
+  EXPECT_EQ(stages[1].name, "h.1:NormBlock");
+  const std::vector<std::pair<std::string, std::function<torch::Tensor()>>> ways = {
+      {"list[i]->as<Impl>()",
+       [&] {
+         torch::Tensor h = x;
+         for (size_t i = 0; i < model->blocks->size(); ++i)
+           h = remat::checkpoint((*model->blocks)[i]->as<NormBlockImpl>(), h, opts());
+         return h;
+       }},
+      {"stages_at<Impl> + checkpoint_sequential",
+       [&] {
+         return remat::checkpoint_sequential(
+             stages, 2, x, remat::SequentialOptions().checkpoint(opts()).checkpoint_last_segment(true));
+       }},
+      {"stages_at<Impl> + run_plan", [&] {
+         if (GetParam() == CheckpointMode::kReentrant) return remat::checkpoint_sequential(stages, 3, x);
+         return remat::run_plan(stages, remat::segmented(3, {0, 1, 2}, true), x);
+       }}};
+  for (const auto& [name, run] : ways) {
+    SCOPED_TRACE(name);
+    restore();
+    run().pow(2).mean().backward();
+    expect_all_close(grads_of(*model), grads, 0.0);
+    expect_all_close(buffers_of(*model), buffers, 0.0);
+  }
+  EXPECT_EQ(model->parameters().size(), params);  // nothing registered twice
+  // An element path, and the errors.
+  EXPECT_EQ(remat::stages_at<NormBlockImpl>(*model, {"h.2"}).size(), 1u);
+  EXPECT_THROW_WITH(remat::stages_at(*model, {"h"}), "remat::stages_at", "'h' is a ModuleList",
+                    "remat::stages_at<ElementImpl>(root, {\"h\"})");
+  EXPECT_THROW_WITH(remat::stages_at<torch::nn::LinearImpl>(*model, {"h"}), "'h.0' is a NormBlock, not a",
+                    "LinearImpl");
+  EXPECT_THROW_WITH(remat::stages_at<NormBlockImpl>(*model, {"h.7"}), "'h.7' names no submodule");
+  EXPECT_THROW_WITH(remat::stages_at<NormBlockImpl>(*model, {"h.0.fc"}), "'h.0.fc' is a Linear",
+                    "neither a Sequential or a ModuleList nor an element of one");
+}
+
+TEST(Modules, AnImplNotOwnedByASharedPtrIsRefused) {
+  NormBlockImpl on_stack(8);
+  const auto x = torch::randn({2, 8}, torch::requires_grad());
+  EXPECT_THROW_WITH(remat::checkpoint(on_stack, x), "remat::checkpoint", "is not owned by a std::shared_ptr");
+  EXPECT_THROW_WITH(remat::checkpoint(&on_stack, x), "is not owned by a std::shared_ptr");
+  EXPECT_THROW_WITH(remat::checkpoint(static_cast<NormBlockImpl*>(nullptr), x),
+                    "the module is a null pointer");
 }
 
 TEST(Modules, EmptyHandlesAreRefused) {

@@ -91,7 +91,7 @@ TEST(ResNetExample, StagesFoundByPathShareTheModules) {
   };
   expect_error({"layer4"}, "'layer4' names no submodule");
   expect_error({"layer4"}, "layer1, layer2, layer3");
-  expect_error({"layer1.0.conv1"}, "neither a Sequential nor an element of one");
+  expect_error({"layer1.0.conv1"}, "neither a Sequential or a ModuleList nor an element of one");
   expect_error({}, "no paths");
 }
 

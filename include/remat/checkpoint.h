@@ -178,6 +178,34 @@ inline constexpr bool is_module_like_v =
     is_module_holder<std::decay_t<T>>::value || is_module_ptr<std::decay_t<T>>::value ||
     std::is_same_v<std::decay_t<T>, torch::nn::AnyModule>;
 
+// A module's Impl given by raw pointer (`(*list)[i]->as<BlockImpl>()`) or by reference (`*block`):
+// checkpointed through the std::shared_ptr that owns it, as every registered module is owned.
+template <typename T>
+inline constexpr bool is_module_impl_ptr_v = std::is_pointer_v<std::decay_t<T>>&&
+    std::is_base_of_v<torch::nn::Module, std::remove_cv_t<std::remove_pointer_t<std::decay_t<T>>>>;
+template <typename T>
+inline constexpr bool is_module_impl_ref_v =
+    std::is_class_v<std::decay_t<T>>&& std::is_base_of_v<torch::nn::Module, std::decay_t<T>> &&
+    !is_module_holder<std::decay_t<T>>::value;
+template <typename T>
+using impl_of_t = std::remove_cv_t<std::remove_pointer_t<std::decay_t<T>>>;
+// The std::shared_ptr that owns `impl`. Throws c10::Error naming remat::checkpoint when none does.
+template <typename Impl>
+std::shared_ptr<Impl> owner_of(Impl* impl) {
+  TORCH_CHECK(impl != nullptr, "remat::checkpoint: the module is a null pointer");
+  std::shared_ptr<torch::nn::Module> owner;
+  try {
+    owner = impl->shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    TORCH_CHECK(
+        false, "remat::checkpoint: the ", impl->name(),
+        " given by pointer or reference is not owned by a std::shared_ptr (a module on the stack, or "
+        "a member that is not a registered submodule); remat keeps the module until the backward pass "
+        "through its owning pointer, so create it with std::make_shared or register it");
+  }
+  return std::shared_ptr<Impl>(owner, impl);
+}
+
 template <typename T>
 std::shared_ptr<torch::nn::Module> module_ptr(const T& m) {
   if constexpr (is_module_ptr<T>::value) {
@@ -273,7 +301,9 @@ struct module_call_args {
 template <typename M, typename... Args>
 constexpr bool module_call_ok() {
   using A = module_call_args<Args...>;
-  if constexpr (!is_module_like_v<M> || !A::ok) {
+  if constexpr (is_module_impl_ptr_v<M> || is_module_impl_ref_v<M>) {
+    return module_call_ok<std::shared_ptr<impl_of_t<M>>, Args...>();
+  } else if constexpr (!is_module_like_v<M> || !A::ok) {
     return false;
   } else {
     using R = typename forward_result<std::decay_t<M>, std::make_index_sequence<A::tensors>>::type;
@@ -316,53 +346,72 @@ constexpr bool checkpoint_call_ok() {
 
 template <typename T>
 inline constexpr bool always_false_v = false;
-// What the refused call "returns": converts to anything, so that the static_assert is the only error.
+// What the refused call "returns": converts to a tensor (declared, never defined), so that `x = ...` adds no
+// error of its own after the static_assert.
 struct Refused {
-  template <typename T>
-  operator T() const;
+  operator torch::Tensor() const;  // NOLINT(google-explicit-constructor)
 };
 }  // namespace detail
 
 /// Checkpoints a module's forward, for the modules containers hand out: a module holder (Linear,
 /// Sequential, your TORCH_MODULE), a std::shared_ptr to a module type (`seq->ptr<BlockImpl>(i)`,
-/// `std::make_shared<BlockImpl>()`), or a torch::nn::AnyModule (`for (auto& m : *seq)`; called through
-/// forward<torch::Tensor>). The arguments after the module are the tensors forward takes (one or several),
-/// optionally followed by CheckpointOptions. Returns what forward returns: a torch::Tensor, a
-/// std::vector<torch::Tensor> or a std::tuple of tensors.
+/// `std::make_shared<BlockImpl>()`), a torch::nn::AnyModule (`for (auto& m : *seq)`; called through
+/// forward<torch::Tensor>), or a module's Impl by pointer or reference (`(*list)[i]->as<BlockImpl>()` for a
+/// torch::nn::ModuleList, `*block`), which must be owned by a std::shared_ptr as every registered module is.
+/// The arguments after the module are the tensors forward takes (one or several), optionally followed by
+/// CheckpointOptions. Returns what forward returns: a torch::Tensor, a std::vector<torch::Tensor> or a
+/// std::tuple of tensors.
 ///
 ///   auto y = remat::checkpoint(block, x);                          // holder
 ///   auto z = remat::checkpoint(seq->ptr<BlockImpl>(0), x);        // shared_ptr<BlockImpl>
+///   for (auto& m : *list) x = remat::checkpoint(m->as<BlockImpl>(), x);   // a ModuleList's elements
 ///   auto [h, attn] = remat::checkpoint(layer, x, mask, remat::CheckpointOptions().mode(
 ///                                                          remat::CheckpointMode::kReentrant));
 ///
 /// The module is added to options.modules, so its parameters are trained and its buffers restored in both
 /// modes. The module is held by a copy of its handle (it shares the module), so the caller's handle may go
 /// out of scope before the backward pass. A std::shared_ptr<torch::nn::Module> (what Sequential's
-/// operator[] and ptr(i) return) has no forward to call: pass seq->ptr<BlockImpl>(i) or the AnyModule.
-/// Throws as the function overloads do, and c10::Error when the module is empty (nullptr).
+/// operator[] and ptr(i) return, and what a ModuleList holds) has no forward to call: pass
+/// seq->ptr<BlockImpl>(i), the AnyModule, or list[i]->as<BlockImpl>(). Throws as the function overloads do,
+/// and c10::Error when the module is empty (nullptr) or, given by pointer or reference, owned by no
+/// std::shared_ptr.
 template <typename M, typename... Args,
           std::enable_if_t<detail::module_call_ok<std::decay_t<M>, Args...>(), int> = 0>
 auto checkpoint(M&& module, Args&&... args) {
   using A = detail::module_call_args<Args...>;
-  const std::decay_t<M> handle = module;
-  return detail::checkpoint_module(handle, std::forward_as_tuple(args...),
-                                   std::make_index_sequence<A::tensors>{});
+  if constexpr (detail::is_module_impl_ptr_v<M>) {
+    const auto handle = detail::owner_of(module);
+    return detail::checkpoint_module(handle, std::forward_as_tuple(args...),
+                                     std::make_index_sequence<A::tensors>{});
+  } else if constexpr (detail::is_module_impl_ref_v<M>) {
+    const auto handle = detail::owner_of(&module);
+    return detail::checkpoint_module(handle, std::forward_as_tuple(args...),
+                                     std::make_index_sequence<A::tensors>{});
+  } else {
+    const std::decay_t<M> handle = module;
+    return detail::checkpoint_module(handle, std::forward_as_tuple(args...),
+                                     std::make_index_sequence<A::tensors>{});
+  }
 }
 
-/// Any other call: one error that says what remat::checkpoint accepts.
+/// Any other call: one error that says what remat::checkpoint accepts. Its return type is deduced, so the
+/// static_assert fires where the call is written, before any error the caller's use of the result would add.
 template <typename F, typename... Args,
           std::enable_if_t<!detail::checkpoint_call_ok<std::decay_t<F>, Args...>(), int> = 0>
-detail::Refused checkpoint(F&&, Args&&...) {
+auto checkpoint(F&&, Args&&...) {
   static_assert(
       detail::always_false_v<F>,
       "remat::checkpoint accepts (1) a function (const torch::Tensor&) -> torch::Tensor and one tensor; "
       "(2) a function (const std::vector<torch::Tensor>&) -> std::vector<torch::Tensor> and a vector of "
-      "tensors; (3) a module holder (Linear, TORCH_MODULE), a std::shared_ptr<SomeModuleImpl> or a "
-      "torch::nn::AnyModule, then the tensors its forward takes, its forward returning a tensor, a "
+      "tensors; (3) a module: a holder (Linear, TORCH_MODULE), a std::shared_ptr<SomeModuleImpl>, a "
+      "torch::nn::AnyModule, or a SomeModuleImpl* or SomeModuleImpl& (a ModuleList's element: "
+      "list[i]->as<SomeModuleImpl>()), then the tensors its forward takes, its forward returning a tensor, a "
       "std::vector<torch::Tensor> or a std::tuple of tensors; each optionally followed by "
-      "remat::CheckpointOptions. A std::shared_ptr<torch::nn::Module> (Sequential's operator[] and "
-      "ptr(i)) has no forward: use seq->ptr<SomeModuleImpl>(i) or the Sequential's AnyModules.");
-  return {};
+      "remat::CheckpointOptions. A std::shared_ptr<torch::nn::Module> (what a Sequential's or a ModuleList's "
+      "operator[] and ptr(i) return) has no forward: use ptr<SomeModuleImpl>(i), "
+      "list[i]->as<SomeModuleImpl>() "
+      "or the Sequential's AnyModules.");
+  return detail::Refused{};
 }
 
 }  // namespace remat

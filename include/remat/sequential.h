@@ -16,14 +16,18 @@
 /// buffers are restored after every later run (BatchNorm is updated once). It works under backward() and
 /// torch::autograd::grad, with retain_graph.
 
+#include <c10/util/Type.h>
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
 #include <remat/plan.h>
 #include <remat/planner.h>
 #include <torch/nn/modules/container/sequential.h>
 
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace remat {
@@ -54,16 +58,59 @@ std::vector<StageFn> stages_of(torch::nn::Sequential& seq);
 /// ("layer1.0") contributes that module. The stages share the modules: nothing is registered, copied or
 /// re-parented, so root.parameters() (what the optimizer sees) lists every parameter once. Stage names are
 /// "<path>.<index>:<Type>" ("layer1.0:BasicBlock"). Use them with run_plan, profile_chain,
-/// checkpoint_sequential and checkpoint_segments.
+/// checkpoint_sequential and checkpoint_segments. A ModuleList's elements need their type (stages_at<Impl>).
 ///
 ///   auto stages = remat::stages_at(*resnet, {"layer1", "layer2", "layer3"});
 ///   auto h = resnet->stem(x);
 ///   h = remat::checkpoint_sequential(stages, 3, h);
 ///
 /// Throws c10::Error naming remat::stages_at and the path when paths is empty, a path names no submodule
-/// (the message lists root's children), or names a module that is neither a Sequential nor an element of
-/// one (remat cannot call its forward through a type-erased pointer: make a StageFn for it).
+/// (the message lists root's children), names a ModuleList (use stages_at<ElementImpl>), or names a module
+/// that is neither a container nor an element of one (make a StageFn for it).
 std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths);
+
+namespace detail {
+template <typename Impl, typename = void>
+struct forwards_one_tensor : std::false_type {};
+template <typename Impl>
+struct forwards_one_tensor<
+    Impl, std::void_t<decltype(std::declval<Impl&>().forward(std::declval<const torch::Tensor&>()))>>
+    : std::is_same<decltype(std::declval<Impl&>().forward(std::declval<const torch::Tensor&>())),
+                   torch::Tensor> {};
+
+/// The stage of one container element, or nullopt when it is not of the type asked (for stages_at<Impl>).
+using ElementStage = std::function<std::optional<StageFn>(const std::shared_ptr<torch::nn::Module>& element,
+                                                          const std::string& name)>;
+std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths,
+                               const ElementStage& typed, const std::string& type);
+}  // namespace detail
+
+/// The stages at `paths` (as stages_at above), each element called as an `Impl` (the module type, BlockImpl
+/// for a TORCH_MODULE(Block)): what a torch::nn::ModuleList holds, or a Sequential. Its forward must take one
+/// tensor and return one.
+///
+///   auto blocks = remat::stages_at<BlockImpl>(*gpt, {"h"});       // gpt->h is a ModuleList of Blocks
+///   auto x = remat::checkpoint_sequential(blocks, 3, gpt->embed(ids));
+///
+/// Throws c10::Error as stages_at does, and naming the element and its type when an element is not an Impl.
+template <typename Impl>
+std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths) {
+  static_assert(std::is_base_of_v<torch::nn::Module, Impl>,
+                "remat::stages_at<Impl>: Impl is the module's type (BlockImpl for a TORCH_MODULE(Block))");
+  static_assert(
+      detail::forwards_one_tensor<Impl>::value,
+      "remat::stages_at<Impl>: Impl::forward must take one tensor and return one (make StageFns for other "
+      "modules)");
+  return detail::stages_at(
+      root, paths,
+      [](const std::shared_ptr<torch::nn::Module>& element,
+         const std::string& name) -> std::optional<StageFn> {
+        auto typed = std::dynamic_pointer_cast<Impl>(element);
+        if (!typed) return std::nullopt;
+        return StageFn{name, [typed](const torch::Tensor& x) { return typed->forward(x); }, element};
+      },
+      c10::demangle_type<Impl>());
+}
 
 /// How many times each stage's forward ran, counted by the executor.
 struct ExecutionStats {

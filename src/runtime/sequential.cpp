@@ -3,8 +3,11 @@
 
 #include "remat/sequential.h"
 
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <torch/nn/modules/container/modulelist.h>
 
 namespace remat {
 
@@ -129,7 +132,10 @@ torch::Tensor checkpoint_sequential(const std::vector<StageFn>& stages, int64_t 
                       "stages");
 }
 
-std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths) {
+namespace detail {
+
+std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths,
+                               const ElementStage& typed, const std::string& type) {
   constexpr const char* kWho = "remat::stages_at";
   TORCH_CHECK(!paths.empty(), kWho, ": no paths given");
   const auto named = root.named_modules(/*name_prefix=*/"", /*include_self=*/false);
@@ -139,7 +145,33 @@ std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::s
     auto seq = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(*found);
     return seq ? torch::nn::Sequential(seq) : nullptr;
   };
+  auto list_at = [&](const std::string& path) -> torch::nn::ModuleList {
+    const auto* found = named.find(path);
+    if (found == nullptr) return nullptr;
+    auto list = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(*found);
+    return list ? torch::nn::ModuleList(list) : nullptr;
+  };
   std::vector<StageFn> stages;
+  // Element i of the container at `container` (a Sequential or a ModuleList), as the stage named `name`.
+  auto add = [&](const std::string& container, size_t i, const std::string& name) {
+    torch::nn::Sequential seq = sequential_at(container);
+    torch::nn::ModuleList list = seq ? nullptr : list_at(container);
+    const size_t size = seq ? seq->size() : list->size();
+    TORCH_CHECK(i < size, kWho, ": '", name, "': the ", seq ? "Sequential" : "ModuleList", " at '", container,
+                "' has ", size, " modules");
+    const std::shared_ptr<torch::nn::Module> element = seq ? seq->ptr(i) : list->ptr(i);
+    if (typed) {
+      std::optional<StageFn> stage = typed(element, name + ":" + short_type(*element));
+      TORCH_CHECK(stage, kWho, "<", type, ">: '", name, "' is a ", short_type(*element), ", not a ", type);
+      stages.push_back(std::move(*stage));
+    } else {
+      TORCH_CHECK(seq, kWho, ": '", container,
+                  "' is a ModuleList, whose elements have no forward remat can call without their type: use "
+                  "remat::stages_at<ElementImpl>(root, {\"",
+                  container, "\"}) with the type of its elements (BlockImpl for a TORCH_MODULE(Block))");
+      stages.push_back(stage_of(seq, i, name));
+    }
+  };
   for (const std::string& path : paths) {
     if (!named.contains(path)) {
       std::string children;
@@ -149,22 +181,32 @@ std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::s
                   " (its children: ", children.empty() ? "none" : children,
                   "; deeper ones are named with dots, as in \"layer1.0\")");
     }
-    if (torch::nn::Sequential seq = sequential_at(path)) {
-      TORCH_CHECK(seq->size() > 0, kWho, ": the Sequential at '", path, "' is empty");
-      for (size_t i = 0; i < seq->size(); ++i)
-        stages.push_back(stage_of(seq, i, path + "." + std::to_string(i)));
+    torch::nn::Sequential seq = sequential_at(path);
+    torch::nn::ModuleList list = seq ? nullptr : list_at(path);
+    if (seq || list) {
+      const size_t size = seq ? seq->size() : list->size();
+      TORCH_CHECK(size > 0, kWho, ": the ", seq ? "Sequential" : "ModuleList", " at '", path, "' is empty");
+      for (size_t i = 0; i < size; ++i)
+        add(path, i, path + "." + std::to_string(i));
       continue;
     }
     const size_t dot = path.rfind('.');
     const std::string parent = dot == std::string::npos ? "" : path.substr(0, dot);
     const std::string last = dot == std::string::npos ? path : path.substr(dot + 1);
-    torch::nn::Sequential seq = parent.empty() ? nullptr : sequential_at(parent);
-    TORCH_CHECK(seq && is_index(last), kWho, ": '", path, "' is a ", short_type(**named.find(path)),
-                ", which is neither a Sequential nor an element of one: remat cannot call its forward from a "
-                "path. Put it in a Sequential, or make a StageFn for it");
-    stages.push_back(stage_of(seq, static_cast<size_t>(std::stoul(last)), path));
+    const bool in_container = !parent.empty() && (sequential_at(parent) || list_at(parent));
+    TORCH_CHECK(
+        in_container && is_index(last), kWho, ": '", path, "' is a ", short_type(**named.find(path)),
+        ", which is neither a Sequential or a ModuleList nor an element of one: remat cannot call its "
+        "forward from a path. Put it in a container, or make a StageFn for it");
+    add(parent, static_cast<size_t>(std::stoul(last)), path);
   }
   return stages;
+}
+
+}  // namespace detail
+
+std::vector<StageFn> stages_at(torch::nn::Module& root, const std::vector<std::string>& paths) {
+  return detail::stages_at(root, paths, nullptr, "");
 }
 
 }  // namespace remat

@@ -1,0 +1,18 @@
+# ctest: builds one compile_fail target, which must fail, with remat's static_assert as its first error.
+# Arguments: -DBUILD_DIR=... -DTARGET=... -DEXPECT=... [-DALSO=...] (substrings of the first error line)
+execute_process(COMMAND ${CMAKE_COMMAND} --build "${BUILD_DIR}" --target "${TARGET}"
+                RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+set(all "${out}\n${err}")
+if(rc EQUAL 0)
+  message(FATAL_ERROR "compile_fail: ${TARGET} compiled, but must not")
+endif()
+string(REGEX MATCH "[^\n]*error:[^\n]*" first "${all}")
+string(FIND "${first}" "${EXPECT}" at)
+set(also_at 0)
+if(ALSO)
+  string(FIND "${first}" "${ALSO}" also_at)
+endif()
+if(at EQUAL -1 OR also_at EQUAL -1)
+  message(FATAL_ERROR "compile_fail: the first error of ${TARGET} is not remat's static_assert:\n${first}\n\n${all}")
+endif()
+message(STATUS "compile_fail: ${TARGET} fails first with remat's static_assert")

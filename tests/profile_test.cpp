@@ -229,4 +229,24 @@ TEST_F(ProfileTest, KeepMeasuresWhatFkKeepsAndFkPlansTrainAsThePlainStep) {
   EXPECT_NEAR(static_cast<double>(stats.peak_bytes), static_cast<double>(predicted.peak_bytes),
               0.1 * static_cast<double>(predicted.peak_bytes));
 }
+
+// profile_step with keep tags: the chain inside the step carries the tags its keep_ fields were measured
+// with (it had none, and validate() refused every such chain).
+TEST_F(ProfileTest, ProfileStepWithKeepTagsGivesChainsThatValidate) {
+  auto work = remat::make_workload(remat::WorkloadConfig().model("mlp").depth(3).width(16).batch(4));
+  auto stages = work->stages();
+  const remat::StageFn prefix{"embed", [](const torch::Tensor& x) { return x * 2; }, nullptr};
+  const remat::StageFn suffix{"loss", [](const torch::Tensor& h) { return h.pow(2).mean(); }, nullptr};
+  const auto profile = remat::profile_step(prefix, stages, suffix, work->input(),
+                                           remat::ProfileOptions().warmup(0).repeats(1).keep({remat::kMatmul}));
+  EXPECT_EQ(profile.chain.keep, std::vector<std::string>{remat::kMatmul});
+  EXPECT_EQ(profile.step.keep, profile.chain.keep);
+  ASSERT_EQ(profile.chain.size(), 3);
+  for (const auto& s : profile.chain.stages)
+    EXPECT_TRUE(s.has_keep()) << s.name;
+  EXPECT_NO_THROW(remat::validate(profile.chain));
+  // And a plan that keeps the matrix multiplications comes from it.
+  const auto plan = remat::make_plan(profile.chain, "all-keep-matmul", 0);
+  EXPECT_EQ(plan.count(remat::OpKind::kForwardKeep), 3);
+}
 }  // namespace

@@ -11,6 +11,7 @@
 #include "remat/checkpoint.h"
 #include "remat/measure.h"
 #include "remat/memory.h"
+#include "remat/report.h"
 
 namespace remat {
 namespace {
@@ -263,9 +264,7 @@ StepProfile profile_step(const StageFn& prefix, const std::vector<StageFn>& stag
   if (all.back().name.empty()) all.back().name = "suffix";
   StepProfile result;
   result.step = profile_stages(all, model_input, options, "remat::profile_step");
-  result.chain.input_bytes = result.step.stages.front().output_bytes;
-  result.chain.stages.assign(result.step.stages.begin() + 1, result.step.stages.end() - 1);
-  validate(result.chain);
+  result.chain = chain_of_step(result.step);  // with the step's keep tags
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include <remat/checkpoint.h>
 #include <remat/sequential.h>
 #include <torch/csrc/autograd/engine.h>
+#include <unordered_set>
 
 #include <torch/version.h>
 
@@ -54,6 +55,52 @@ class CpuAutocast {
 
 // ---------------------------------------------------------------------------------------------------------
 // Autocast
+
+// PyTorch's check_graph_dies (TestNestedCheckpoint): once the region's input and output are gone, nothing of
+// the graph survives, the input's gradient accumulator included; with and without a backward pass.
+//
+// Ported to C++ with a weak reference to every node of the graph, LibTorch 2.x keeps the accumulator as long
+// as the weak reference to the node that saved the input lives: a node whose last strong reference goes while
+// weak ones remain releases its edges but keeps its saved variables (Node::release_resources), and a saved
+// variable packed through saved-tensor hooks, as every kNonReentrant region's are, holds its leaf's
+// accumulator (SavedVariable::save_metadata). Python's weakrefs to grad_fn take no such C++ reference. So the
+// accumulator is held by the observer's weak references and goes with them: bounded, and checked here on
+// both builds (1.13 frees a node's members with its last strong reference).
+TEST_P(SemanticsTest, TheGraphDiesWithItsTensors) {
+  for (const bool backward : {false, true}) {
+    for (const bool scalar : {true, false}) {
+      const std::string what = std::string(scalar ? "0-dim" : "1-dim") + " input, " +
+                               (backward ? "after" : "without") + " a backward pass";
+      remat::detail::compat::WeakNode accumulator;
+      std::vector<remat::detail::compat::WeakNode> others;  // the rest of the graph, as a C++ port holds it
+      for (const bool hold_others : {false, true}) {
+        others.clear();
+        {
+          const auto a =
+              scalar ? torch::tensor(1.5, torch::requires_grad()) : torch::randn({3}, torch::requires_grad());
+          auto out = remat::checkpoint([](const torch::Tensor& x) { return x.sin().exp().sin(); }, a,
+                                       remat::CheckpointOptions().mode(GetParam()));
+          accumulator = remat::detail::compat::WeakNode(torch::autograd::impl::try_get_grad_accumulator(a));
+          ASSERT_TRUE(accumulator.alive());
+          if (hold_others) {
+            std::vector<remat::detail::compat::WeakNode::Ptr> stack{out.grad_fn()};
+            while (!stack.empty()) {
+              auto node = stack.back();
+              stack.pop_back();
+              others.emplace_back(node);
+              for (const auto& e : node->next_edges())
+                if (e.function) stack.push_back(e.function);
+            }
+          }
+          if (backward) out.sum().backward();
+        }
+        if (!hold_others) EXPECT_FALSE(accumulator.alive()) << what;
+      }
+      others.clear();  // the port's weak references go: so does the accumulator
+      EXPECT_FALSE(accumulator.alive()) << what << ", once the weak references to the graph are gone";
+    }
+  }
+}
 
 TEST_P(SemanticsTest, AutocastIsReenteredInTheRecompute) {
   torch::nn::Linear fc1(16, 32), fc2(32, 8);

@@ -14,6 +14,7 @@
 #include <torch/version.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -128,5 +129,29 @@ auto make_node(Args&&... args) {
   using Ptr = std::decay_t<decltype(std::declval<torch::autograd::Edge>().function)>;
   return NodeOwner<Ptr>::template make<N>(std::forward<Args>(args)...);
 }
+
+/// A weak reference to an autograd node, of the pointer type that owns nodes in this version
+/// (std::weak_ptr in 1.13, c10::weak_intrusive_ptr in 2.x); empty by default.
+template <typename Ptr>
+struct WeakOf;
+template <>
+struct WeakOf<std::shared_ptr<torch::autograd::Node>> {
+  using type = std::weak_ptr<torch::autograd::Node>;
+};
+template <typename N>
+struct WeakOf<c10::intrusive_ptr<N>> {
+  using type = c10::weak_intrusive_ptr<N>;
+};
+class WeakNode {
+ public:
+  using Ptr = std::decay_t<decltype(std::declval<torch::autograd::Edge>().function)>;
+  WeakNode() = default;
+  explicit WeakNode(const Ptr& node) : weak_(node) {}
+  /// Whether the node is still alive.
+  bool alive() const { return weak_ && !weak_->expired(); }
+
+ private:
+  std::optional<typename WeakOf<Ptr>::type> weak_;
+};
 
 }  // namespace remat::detail::compat

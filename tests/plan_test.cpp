@@ -16,7 +16,7 @@ remat::Plan parse(int64_t n, const std::string& text) {
   while (at < text.size()) {
     size_t end = text.find(' ', at);
     if (end == std::string::npos) end = text.size();
-    p.ops.push_back(remat::parse_op(text.substr(at, end - at)));
+    p.ops.push_back(remat::parse_op(text.substr(at, end - at), p.policies));
     at = end + 1;
   }
   return p;
@@ -171,5 +171,80 @@ TEST(PlanKeep, KeepTagsTravelThroughJsonAndAreRequired) {
   EXPECT_THROW(remat::chain_from_json(R"({"input_bytes": 1, "keep": [1], "stages": [{"fwd_ms": 1, "bwd_ms": 1,
       "output_bytes": 1, "saved_bytes": 1}]})"),
                std::invalid_argument);
+}
+
+// Fk under an operator-level policy: the chain's costs under it, the name in the plan's text and JSON.
+TEST(PlanPolicy, FkUnderAPolicyChargesItsCostsAndTravelsByName) {
+  auto c = two_stage();
+  c.policies = {"matmuls", "attention_core"};
+  for (auto& s : c.stages) {
+    s.policies.push_back({"matmuls", s.output_bytes + 10, s.fwd_ms + 0.5, s.fwd_ms + s.bwd_ms});
+    s.policies.push_back({"attention_core", s.output_bytes + 20, s.fwd_ms, s.bwd_ms + 1.0});
+  }
+  const auto p = parse(2, "Fa0 Fk1[attention_core] L B1 B0");
+  EXPECT_EQ(p.policies, std::vector<std::string>{"attention_core"});
+  EXPECT_EQ(p.ops[1].policy, 0);
+  EXPECT_EQ(p.to_string(), "Fa0 Fk1[attention_core] L B1 B0");
+  const auto sim = remat::simulate(c, p);
+  // Fk1 keeps 20 + 20 = 40: 160 + 40 + 13 = 213, then 200; L: 220; B1 recomputes the other 20: 220 + 20 + 100
+  // + 17.
+  EXPECT_EQ(sim.peak_bytes, 357);
+  EXPECT_DOUBLE_EQ(sim.time_ms, 1 + 3.0 + (5.0 + 1.0) + 2);
+  // JSON both ways: the names in the ops, and the list.
+  const auto back = remat::plan_from_json(remat::to_json(p));
+  EXPECT_EQ(back.ops, p.ops);
+  EXPECT_EQ(back.policies, p.policies);
+  EXPECT_NE(remat::to_json(p).find("\"Fk1[attention_core]\""), std::string::npos);
+  const remat::Chain cb = remat::chain_from_json(remat::to_json(c));
+  EXPECT_EQ(cb.policies, c.policies);
+  ASSERT_EQ(cb.stages[1].policies.size(), 2u);
+  EXPECT_EQ(cb.stages[1].policies[1].saved_bytes, 40);
+  EXPECT_EQ(cb.stages[1].policies[0].fwd_ms, 3.5);
+  // A chain not profiled under the plan's policy cannot charge it.
+  auto other = c;
+  other.policies = {"matmuls", "recompute_pointwise"};
+  for (auto& s : other.stages)
+    s.policies[1].policy = "recompute_pointwise";
+  try {
+    remat::simulate(other, p);
+    ADD_FAILURE() << "no error";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("policy 'attention_core', which the chain was not profiled under"),
+              std::string::npos)
+        << e.what();
+  }
+  // parse_op alone cannot resolve a name; a malformed one is not an operation.
+  EXPECT_THROW(remat::parse_op("Fk1[matmuls]"), std::invalid_argument);
+  std::vector<std::string> names;
+  EXPECT_THROW(remat::parse_op("Fa1[matmuls]", names), std::invalid_argument);
+  EXPECT_THROW(remat::parse_op("Fk1[a b]", names), std::invalid_argument);
+  EXPECT_EQ(remat::parse_op("Fk1[x]", names).policy, 0);
+  EXPECT_EQ(remat::parse_op("Fk0[y]", names).policy, 1);
+  EXPECT_EQ(remat::parse_op("Fk0[x]", names).policy, 0);
+  // A plan naming a policy index it does not have is invalid.
+  auto broken = p;
+  broken.policies.clear();
+  EXPECT_THROW(remat::check_plan(broken), std::invalid_argument);
+}
+
+TEST(PlanPolicy, ValidationOfPolicyCosts) {
+  auto c = two_stage();
+  c.policies = {"matmuls"};
+  c.stages[0].policies.push_back({"matmuls", 120, 1.0, 3.0});
+  EXPECT_NO_THROW(remat::validate(c));  // stage 1 was not profiled under it: no Fk[matmuls] there
+  auto wrong = c;
+  wrong.stages[0].policies[0].policy = "other";
+  EXPECT_THROW(remat::validate(wrong), std::invalid_argument);
+  auto below = c;
+  below.stages[0].policies[0].saved_bytes = 99;
+  EXPECT_THROW(remat::validate(below), std::invalid_argument);
+  auto twice = c;
+  twice.policies = {"matmuls", "matmuls"};
+  twice.stages[0].policies.push_back({"matmuls", 120, 1.0, 3.0});
+  EXPECT_THROW(remat::validate(twice), std::invalid_argument);
+  auto unnamed = c;
+  unnamed.policies = {"no good"};
+  unnamed.stages[0].policies[0].policy = "no good";
+  EXPECT_THROW(remat::validate(unnamed), std::invalid_argument);
 }
 }  // namespace

@@ -61,6 +61,28 @@ Chain random_keep_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
   return c;
 }
 
+// random_keep_chain with two operator-level policies too, each on most stages, each keeping its own part.
+Chain random_policy_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
+  Chain c = random_keep_chain(rng, n, unit);
+  std::uniform_real_distribution<double> part(0.0, 1.0);
+  c.policies = {"alpha", "beta"};
+  for (size_t i = 0; i < c.stages.size(); ++i) {
+    Stage& s = c.stages[i];
+    if (i % 5 == 4) continue;  // a stage not profiled under the policies
+    for (const auto& name : c.policies) {
+      const double kept = part(rng);
+      remat::PolicyCost pc;
+      pc.policy = name;
+      pc.saved_bytes =
+          s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
+      pc.fwd_ms = s.fwd_ms * (1 + 0.1 * part(rng));
+      pc.bwd_ms = s.bwd_ms + (1 - kept) * s.fwd_ms * (0.5 + part(rng));
+      s.policies.push_back(pc);
+    }
+  }
+  return c;
+}
+
 // The chain in slots, exactly as optimal() discretises it for a budget.
 Chain in_slots(const Chain& c, int64_t budget, int64_t slots, int64_t* total) {
   const int64_t unit = std::max<int64_t>(1, budget / std::min(slots, std::max<int64_t>(budget, 1)));
@@ -74,15 +96,17 @@ Chain in_slots(const Chain& c, int64_t budget, int64_t slots, int64_t* total) {
     s.fwd_tmp_bytes = up(s.fwd_tmp_bytes);
     s.bwd_tmp_bytes = up(s.bwd_tmp_bytes);
     if (s.keep_saved_bytes) s.keep_saved_bytes = up(*s.keep_saved_bytes);
+    for (auto& p : s.policies)
+      p.saved_bytes = up(p.saved_bytes);
   }
   return d;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Exhaustive search over every valid schedule of the model in plan.h, written independently of simulate().
-// A state is what is held (per activation: 0 none, 1 a_i, 2 abar_i, 3 a_i kept as a checkpoint by Fc(i), 4
-// what Fk(i - 1) keeps) and which gradient d_j exists, encoded as an integer so that the search runs on flat
-// arrays (base 5 when the chain has Fk, 4 otherwise).
+// A state is what is held (per activation: 0 none, 1 a_i, 2 abar_i, 3 a_i kept as a checkpoint by Fc(i), 4 +
+// v what Fk(i - 1) keeps with variant v: 0 the keep tags, v >= 1 the chain's policy v - 1) and which gradient
+// d_j exists, encoded as an integer so that the search runs on flat arrays (base 4 + the variants).
 struct Search {
   const Chain& c;
   int64_t n;
@@ -90,8 +114,33 @@ struct Search {
   // backward, so Fn may not free an activation that an Fc kept. Without it, every valid schedule of plan.h.
   bool persistent;
   int64_t base;
+  int64_t variants;
   Search(const Chain& chain, bool persistent_only)
-      : c(chain), n(chain.size()), persistent(persistent_only), base(chain.keep.empty() ? 4 : 5) {}
+      : c(chain),
+        n(chain.size()),
+        persistent(persistent_only),
+        base(4 + static_cast<int64_t>(chain.policies.size()) + (chain.keep.empty() ? 0 : 1)),
+        variants(1 + static_cast<int64_t>(chain.policies.size())) {}
+  // Fk of stage i with variant v: whether the chain has it, what it keeps, its forward and its backward.
+  bool has(int64_t i, int64_t v) const {
+    const Stage& st = c.stages[i];
+    return v == 0 ? st.has_keep() : !st.policies.empty();
+  }
+  int64_t kept_bytes(int64_t i, int64_t v) const {
+    const Stage& st = c.stages[i];
+    return v == 0 ? *st.keep_saved_bytes : st.policies[v - 1].saved_bytes;
+  }
+  double kept_fwd(int64_t i, int64_t v) const {
+    const Stage& st = c.stages[i];
+    return v == 0 ? *st.keep_fwd_ms : st.policies[v - 1].fwd_ms;
+  }
+  double kept_bwd(int64_t i, int64_t v) const {
+    const Stage& st = c.stages[i];
+    return v == 0 ? *st.keep_bwd_ms : st.policies[v - 1].bwd_ms;
+  }
+  // The held code of variant v, and back (the tags' variant has a code only when the chain has tags).
+  uint8_t code_of(int64_t v) const { return static_cast<uint8_t>(4 + v - (c.keep.empty() ? 1 : 0)); }
+  int64_t variant_of(uint8_t code) const { return code - 4 + (c.keep.empty() ? 1 : 0); }
 
   struct State {
     std::vector<uint8_t> held;
@@ -124,7 +173,7 @@ struct Search {
     for (int64_t i = 0; i <= n; ++i) {
       m += s.held[i] == 1 || s.held[i] == 3 ? a(i)
            : s.held[i] == 2                 ? c.stages[i - 1].saved_bytes
-           : s.held[i] == 4                 ? *c.stages[i - 1].keep_saved_bytes
+           : s.held[i] >= 4                 ? kept_bytes(i - 1, variant_of(s.held[i]))
                                             : 0;
     }
     return m + (s.grad >= 0 ? a(s.grad) : 0);
@@ -134,22 +183,24 @@ struct Search {
   void successors(const State& s, Visit&& visit) const {
     const int64_t cur = memory(s);
     for (int64_t i = 0; i < n; ++i) {
-      if (s.held[i] == 0 || (s.grad >= 0 && s.grad <= i) || s.held[i + 1] == 2 || s.held[i + 1] == 4)
+      if (s.held[i] == 0 || (s.grad >= 0 && s.grad <= i) || s.held[i + 1] == 2 || s.held[i + 1] >= 4)
         continue;
       const Stage& st = c.stages[i];
-      for (int kind = 0; kind < 4; ++kind) {  // Fn, Fc, Fa, Fk
+      for (int64_t kind = 0; kind < 3 + variants; ++kind) {  // Fn, Fc, Fa, then Fk with each variant
+        const int64_t v = kind - 3;
         if (kind < 2 && s.held[i + 1] != 0) continue;
         if (kind == 0 && persistent && s.held[i] == 3) continue;
-        if (kind == 3 && !st.has_keep()) continue;
+        if (kind >= 3 && !has(i, v)) continue;
         State t = s;
-        const int64_t out = kind == 2 ? st.saved_bytes : kind == 3 ? *st.keep_saved_bytes : a(i + 1);
-        t.held[i + 1] = kind == 2 ? 2 : kind == 3 ? 4 : 1;
+        const int64_t out = kind == 2 ? st.saved_bytes : kind >= 3 ? kept_bytes(i, v) : a(i + 1);
+        t.held[i + 1] = kind == 2 ? 2 : kind >= 3 ? code_of(v) : 1;
         if (kind == 0 && (s.held[i] == 1 || s.held[i] == 3) && i > 0) t.held[i] = 0;
         if (kind == 1 && s.held[i] == 1) t.held[i] = 3;
-        static const char* names[] = {"Fn", "Fc", "Fa", "Fk"};
-        visit(names[kind] + std::to_string(i), cur + out + st.fwd_tmp_bytes,
+        static const char* names[] = {"Fn", "Fc", "Fa"};
+        visit((kind < 3 ? std::string(names[kind]) : "Fk" + std::to_string(v) + ":") + std::to_string(i),
+              cur + out + st.fwd_tmp_bytes,
               kind == 2   ? st.fwd_ms
-              : kind == 3 ? *st.keep_fwd_ms
+              : kind >= 3 ? kept_fwd(i, v)
                           : st.nosave_ms(),
               t);
       }
@@ -162,16 +213,17 @@ struct Search {
     }
     if (s.grad >= 1) {
       const int64_t i = s.grad - 1;
-      if ((s.held[i + 1] == 2 || s.held[i + 1] == 4) && s.held[i] != 0) {
+      if ((s.held[i + 1] == 2 || s.held[i + 1] >= 4) && s.held[i] != 0) {
         const Stage& st = c.stages[i];
-        const bool kept = s.held[i + 1] == 4;
+        const bool kept = s.held[i + 1] >= 4;
+        const int64_t v = kept ? variant_of(s.held[i + 1]) : -1;
         State t = s;
         t.held[i + 1] = 0;
         t.grad = i;
         if ((t.held[i] == 1 || t.held[i] == 3) && i > 0) t.held[i] = 0;
-        const int64_t rest = kept ? st.saved_bytes - *st.keep_saved_bytes : 0;
+        const int64_t rest = kept ? st.saved_bytes - kept_bytes(i, v) : 0;
         visit("B" + std::to_string(i), cur + rest + a(i) + st.bwd_tmp_bytes,
-              kept ? *st.keep_bwd_ms : st.bwd_ms, t);
+              kept ? kept_bwd(i, v) : st.bwd_ms, t);
       }
     }
   }
@@ -316,6 +368,66 @@ TEST(Optimal, WithFkEqualsExhaustiveSearchOnRandomChains) {
   }
   EXPECT_GT(compared, 60);
   EXPECT_GT(used, 10);  // the choice is taken, not only offered
+}
+
+TEST(Optimal, WithPoliciesEqualsExhaustiveSearchOnRandomChains) {
+  // The keep tags and two policies: three Fk variants per stage beside Fa and checkpointing, chosen per
+  // stage.
+  std::mt19937 rng(2468);
+  int compared = 0, policies_used = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t n = 1 + trial % 5;
+    const Chain chain = random_policy_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    EXPECT_EQ(remat::min_feasible_budget(chain), Search(chain, /*persistent_only=*/false).least_peak())
+        << "trial " << trial;
+    const ExhaustiveTrial t = exhaustive_trial(chain, rng, trial);
+    bool with_policy = false;
+    for (const Op& op : t.plan.ops)
+      with_policy = with_policy || (op.kind == OpKind::kForwardKeep && op.policy >= 0);
+    EXPECT_EQ(t.plan.policies, with_policy ? chain.policies : std::vector<std::string>{});
+    policies_used += with_policy;
+    compared += std::isfinite(t.best);
+  }
+  EXPECT_GT(compared, 35);  // the others: no persistent schedule fits the budget's slots
+  EXPECT_GT(policies_used, 10);
+}
+
+TEST(Optimal, ExcludedOperationsAreNeverUsed) {
+  std::mt19937 rng(97531);
+  for (int trial = 0; trial < 40; ++trial) {
+    const Chain chain = random_policy_chain(rng, 2 + trial % 5, 1000);
+    // The chain without policy beta, and without any Fk.
+    Chain no_beta = chain, no_fk = chain;
+    no_fk.keep.clear(), no_fk.policies.clear();
+    no_beta.policies = {"alpha"};
+    for (size_t i = 0; i < chain.stages.size(); ++i) {
+      Stage& nb = no_beta.stages[i];
+      if (!nb.policies.empty()) nb.policies.pop_back();
+      Stage& nf = no_fk.stages[i];
+      nf.keep_saved_bytes.reset(), nf.keep_fwd_ms.reset(), nf.keep_bwd_ms.reset(), nf.policies.clear();
+    }
+    remat::PlannerOptions beta, any, tags;
+    beta.exclude = {"Fk[beta]"};
+    any.exclude = {"Fk"};
+    tags.exclude = {"Fk[tags]", "Fk[alpha]", "Fk[beta]"};
+    EXPECT_EQ(remat::min_feasible_budget(chain, beta), remat::min_feasible_budget(no_beta)) << trial;
+    EXPECT_EQ(remat::min_feasible_budget(chain, any), remat::min_feasible_budget(no_fk)) << trial;
+    EXPECT_EQ(remat::min_feasible_budget(chain, tags), remat::min_feasible_budget(no_fk)) << trial;
+    const int64_t budget = remat::min_feasible_budget(no_fk) + trial * 100;
+    const Plan p = remat::optimal(chain, budget, beta);
+    for (const Op& op : p.ops)
+      EXPECT_FALSE(op.kind == OpKind::kForwardKeep && op.policy >= 0 && p.policies[op.policy] == "beta")
+          << trial;
+    EXPECT_DOUBLE_EQ(p.predicted.time_ms, remat::optimal(no_beta, budget).predicted.time_ms) << trial;
+    EXPECT_EQ(remat::optimal(chain, budget, any).count(OpKind::kForwardKeep), 0) << trial;
+    EXPECT_DOUBLE_EQ(remat::optimal(chain, budget, any).predicted.time_ms,
+                     remat::optimal(no_fk, budget).predicted.time_ms)
+        << trial;
+  }
+  remat::PlannerOptions bad;
+  bad.exclude = {"Fq"};
+  EXPECT_THROW_WITH_STD(remat::optimal(random_policy_chain(rng, 3), 1 << 20, bad), "cannot exclude 'Fq'",
+                        "Fk, Fk[tags] or Fk[POLICY]");
 }
 
 TEST(Optimal, MinFeasibleBudgetEqualsExhaustiveLeastPeak) {

@@ -237,8 +237,9 @@ TEST_F(ProfileTest, ProfileStepWithKeepTagsGivesChainsThatValidate) {
   auto stages = work->stages();
   const remat::StageFn prefix{"embed", [](const torch::Tensor& x) { return x * 2; }, nullptr};
   const remat::StageFn suffix{"loss", [](const torch::Tensor& h) { return h.pow(2).mean(); }, nullptr};
-  const auto profile = remat::profile_step(prefix, stages, suffix, work->input(),
-                                           remat::ProfileOptions().warmup(0).repeats(1).keep({remat::kMatmul}));
+  const auto profile =
+      remat::profile_step(prefix, stages, suffix, work->input(),
+                          remat::ProfileOptions().warmup(0).repeats(1).keep({remat::kMatmul}));
   EXPECT_EQ(profile.chain.keep, std::vector<std::string>{remat::kMatmul});
   EXPECT_EQ(profile.step.keep, profile.chain.keep);
   ASSERT_EQ(profile.chain.size(), 3);
@@ -248,5 +249,46 @@ TEST_F(ProfileTest, ProfileStepWithKeepTagsGivesChainsThatValidate) {
   // And a plan that keeps the matrix multiplications comes from it.
   const auto plan = remat::make_plan(profile.chain, "all-keep-matmul", 0);
   EXPECT_EQ(plan.count(remat::OpKind::kForwardKeep), 3);
+}
+
+// Policies profile untagged models for Fk[name]: the ResidualMlp profiled under policy::matmuls keeps what
+// its remat::keep tags keep (its two linears' outputs), plans run every stage as Fk[matmuls] with the plain
+// step's gradients, a custom policy resolves through CheckpointOptions::policy, and an unknown one is
+// refused.
+TEST_F(ProfileTest, PoliciesProfileFkAndPlansRunUnderThem) {
+  const int64_t b = 16, w = 32;
+  auto work = remat::make_workload(remat::WorkloadConfig().model("mlp").depth(3).width(w).batch(b));
+  const auto options = remat::ProfileOptions().warmup(0).repeats(1).policies(
+      {remat::policy::matmuls(), remat::Policy([](const std::string&) { return false; }).named("nothing")});
+  const remat::Chain chain = remat::profile_workload(*work, &options);
+  EXPECT_EQ(chain.policies, (std::vector<std::string>{"matmuls", "nothing"}));
+  for (const auto& s : chain.stages) {
+    ASSERT_EQ(s.policies.size(), 2u) << s.name;
+    EXPECT_EQ(s.policies[0].saved_bytes, b * (4 * w + w + w) * 4) << s.name;  // fc1's, fc2's and the output
+    EXPECT_EQ(s.policies[1].saved_bytes, s.output_bytes) << s.name;  // checkpointing: the output only
+  }
+  const auto twice = remat::ProfileOptions().policies({remat::policy::matmuls(), remat::policy::matmuls()});
+  EXPECT_THROW_WITH(remat::profile_workload(*work, &twice), "two policies are named 'matmuls'");
+
+  const remat::Plan plan = remat::make_plan(chain, "all-policy-matmuls", 0);
+  const remat::Plan custom = remat::make_plan(chain, "all-policy-nothing", 0);
+  auto step = [&](const std::optional<remat::Plan>& p, const remat::CheckpointOptions& o = {}) {
+    torch::manual_seed(5);
+    for (auto& param : work->module().parameters())
+      param.mutable_grad() = torch::Tensor();
+    auto out = p ? remat::run_plan(work->stages(), *p, work->input(), o) : work->forward();
+    work->loss_of(out).backward();
+    return grads_of(work->module());
+  };
+  const auto plain = step(std::nullopt);
+  expect_all_close(step(plan), plain, 0.0);
+  const auto nothing = remat::Policy([](const std::string&) { return false; }).named("nothing");
+  expect_all_close(step(custom, remat::CheckpointOptions().policy(nothing)), plain, 0.0);
+  EXPECT_THROW_WITH(step(custom), "remat::run_plan", "policy 'nothing', which is not one of remat's presets");
+  const auto stats = remat::measure_step(
+      work->module(), [&] { return work->loss_of(remat::run_plan(work->stages(), plan, work->input())); },
+      remat::MeasureOptions().warmup(1).steps(1));
+  EXPECT_NEAR(static_cast<double>(stats.peak_bytes), static_cast<double>(plan.predicted.peak_bytes),
+              0.1 * static_cast<double>(plan.predicted.peak_bytes));
 }
 }  // namespace

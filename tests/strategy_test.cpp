@@ -28,6 +28,12 @@ TEST(Strategy, ParsesEveryWord) {
   EXPECT_FALSE(parse_strategy("all-no-early-stop").early_stop);
   EXPECT_EQ(parse_strategy("all-keep-matmul").keep, std::vector<std::string>{"matmul"});
   EXPECT_EQ(parse_strategy("all-keep-conv").keep, std::vector<std::string>{"conv"});
+  EXPECT_EQ(parse_strategy("all-policy-matmuls").policy, "matmuls");
+  EXPECT_TRUE(parse_strategy("all-policy-matmuls").per_layer());
+  const auto excluded = parse_strategy("optimal:300MiB/no-Fk[matmuls]/no-Fk");
+  EXPECT_EQ(excluded.exclude, (std::vector<std::string>{"Fk[matmuls]", "Fk"}));
+  EXPECT_EQ(excluded.budget_bytes, 300 << 20);
+  EXPECT_EQ(excluded.text, "optimal:300MiB/no-Fk[matmuls]/no-Fk");
   EXPECT_EQ(parse_strategy("plan-all").kind, StrategyKind::kPlanAll);
   EXPECT_EQ(parse_strategy("selective").kind, StrategyKind::kSelective);
   EXPECT_EQ(parse_strategy("sqrt").kind, StrategyKind::kSqrt);
@@ -66,7 +72,9 @@ TEST(Strategy, WhatEachKindNeeds) {
 // The list in help texts and the parser agree: every word of kStrategyWords parses once its placeholders are
 // filled in.
 TEST(Strategy, EveryListedWordParses) {
-  std::stringstream words(remat::kStrategyWords);
+  std::string list = remat::kStrategyWords;
+  list = list.substr(0, list.find(';'));  // the modifiers come after the words
+  std::stringstream words(list);
   int parsed = 0;
   for (std::string w; std::getline(words, w, ',');) {
     w.erase(0, w.find_first_not_of(' '));
@@ -83,7 +91,7 @@ TEST(Strategy, EveryListedWordParses) {
     EXPECT_NO_THROW(parse_strategy(w)) << w;
     ++parsed;
   }
-  EXPECT_EQ(parsed, 18);
+  EXPECT_EQ(parsed, 19);
 }
 
 TEST(Strategy, MalformedStringsNameThemselvesAndWhatWasExpected) {
@@ -104,6 +112,9 @@ TEST(Strategy, MalformedStringsNameThemselvesAndWhatWasExpected) {
   EXPECT_THROW_WITH_STD(parse_strategy("optimal:as=fastest"), "unknown strategy 'fastest'");
   EXPECT_THROW_WITH_STD(parse_strategy("all-keep-"), "'all-keep-'", "remat::keep tag");
   EXPECT_THROW_WITH_STD(parse_strategy(""), "unknown strategy ''");
+  EXPECT_THROW_WITH_STD(parse_strategy("all-policy-"), "'all-policy-'", "a policy's name");
+  EXPECT_THROW_WITH_STD(parse_strategy("optimal:1MiB/fast"), "expected /no-Fk or /no-Fk[NAME]", "'/fast'");
+  EXPECT_THROW_WITH_STD(parse_strategy("optimal:1MiB/no-Fk[]"), "expected /no-Fk or /no-Fk[NAME]");
 }
 
 TEST(Strategy, EachStrategyIsThePlannerItNames) {
@@ -184,6 +195,23 @@ TEST(Strategy, KeepingEveryLayersMatmulsIsEveryStageAsFk) {
       chain.stages[1].keep_bwd_ms.reset();
   EXPECT_THROW_WITH_STD(plan_strategy(parse_strategy("all-keep-matmul"), chain), "stage 1",
                         "no keep_ fields");
+}
+
+TEST(Strategy, PoliciesPerLayerAndExclusions) {
+  remat::Chain chain = remat::uniform_chain(3, 1.0, 2.0, 100, 1000);
+  chain.policies = {"matmuls"};
+  for (auto& st : chain.stages)
+    st.policies.push_back({"matmuls", 300, 1.0, 2.5});
+  const remat::Plan p = plan_strategy(parse_strategy("all-policy-matmuls"), chain);
+  EXPECT_EQ(p.to_string(), "Fk0[matmuls] Fk1[matmuls] Fk2[matmuls] L B2 B1 B0");
+  EXPECT_EQ(p.policies, chain.policies);
+  EXPECT_THROW_WITH_STD(plan_strategy(parse_strategy("all-policy-attention_core"), chain),
+                        "needs a chain profiled under policy 'attention_core'");
+  // At a budget where Fk[matmuls] is the fastest schedule, /no-Fk[matmuls] plans without it.
+  const int64_t budget = p.predicted.peak_bytes;
+  EXPECT_GT(plan_strategy(parse_strategy("optimal"), chain, budget).count(remat::OpKind::kForwardKeep), 0);
+  for (const char* s : {"optimal/no-Fk[matmuls]", "optimal/no-Fk"})
+    EXPECT_EQ(plan_strategy(parse_strategy(s), chain, budget).count(remat::OpKind::kForwardKeep), 0) << s;
 }
 
 }  // namespace

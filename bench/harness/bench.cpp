@@ -87,6 +87,7 @@ std::optional<CheckpointOptions> per_layer_options(const Strategy& s) {
   if (s.reentrant) options.mode(CheckpointMode::kReentrant);
   if (!s.early_stop) options.early_stop(false);
   if (!s.keep.empty()) options.keep(s.keep);
+  if (!s.policy.empty()) options.policy(policy::preset(s.policy));
   return options;
 }
 

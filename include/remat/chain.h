@@ -19,6 +19,15 @@
 
 namespace remat {
 
+/// What a stage costs run as Fk under one operator-level policy (remat/policy.h; Fk[name] in a plan), as the
+/// profiler measured it with ProfileOptions::policies.
+struct PolicyCost {
+  std::string policy;       ///< the policy's name ("matmuls")
+  int64_t saved_bytes = 0;  ///< alive after the stage runs so (its output and the kept outputs; bytes)
+  double fwd_ms = 0;        ///< its forward (milliseconds)
+  double bwd_ms = 0;        ///< its recompute of the rest plus its backward (milliseconds)
+};
+
 /// One stage of a chain.
 struct Stage {
   std::string name;          ///< for people: "layer3", "2:Linear"
@@ -48,6 +57,10 @@ struct Stage {
   std::optional<double> keep_fwd_ms;  ///< see keep_saved_bytes
   std::optional<double> keep_bwd_ms;  ///< see keep_saved_bytes
 
+  /// Fk under each of the chain's policies (Chain::policies), in its order; empty when the stage was not
+  /// profiled under them (no Fk[name] for it).
+  std::vector<PolicyCost> policies;
+
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }
   /// What Fn and Fc cost: fwd_nosave_ms, or fwd_ms when unset (milliseconds).
@@ -65,6 +78,9 @@ struct Chain {
   /// The remat::keep tags the keep_ fields were measured with (CheckpointOptions::keep of Fk); empty when
   /// no stage has them.
   std::vector<std::string> keep;
+  /// The operator-level policies the stages' PolicyCost entries were measured under (names, each once;
+  /// Fk[name] in a plan); empty when none.
+  std::vector<std::string> policies;
 
   /// Number of stages.
   int64_t size() const { return static_cast<int64_t>(stages.size()); }
@@ -80,14 +96,21 @@ constexpr double kMaxStageMs = 1e12;
 
 /// Checks a chain: at least one stage; no negative or non-finite value; times at most kMaxStageMs;
 /// saved_bytes >= output_bytes; the keep_ fields all set or none, output_bytes <= keep_saved_bytes, and
-/// `keep` tags wherever a stage has them; byte counts adding up to at most kMaxChainBytes. Throws
-/// std::invalid_argument naming remat::validate, the stage (index and name), the field and the value.
+/// `keep` tags wherever a stage has them; policy names unique and valid, each stage's PolicyCost entries
+/// none or one per Chain::policies in its order, each with output_bytes <= saved_bytes; byte counts adding up
+/// to at most kMaxChainBytes. Throws std::invalid_argument naming remat::validate, the stage (index and
+/// name), the field and the value.
 void validate(const Chain& chain);
+
+/// Whether `name` can name a policy: non-empty, made of letters, digits, '_', '-' and '.'.
+bool valid_policy_name(const std::string& name);
 
 /// The chain as JSON: {"input_bytes": N, "stages": [{"name": "...", "fwd_ms": x, "bwd_ms": x,
 /// "output_bytes": N, "saved_bytes": N, "fwd_tmp_bytes": N, "bwd_tmp_bytes": N}, ...]}, plus
 /// "fwd_nosave_ms", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_saved_bytes", "keep_fwd_ms" and
-/// "keep_bwd_ms" for a stage that has them, and "keep": ["matmul"] for a chain measured with keep tags.
+/// "keep_bwd_ms" for a stage that has them, "keep": ["matmul"] for a chain measured with keep tags, and for
+/// one measured under policies "policies": ["matmuls"] with, per stage, "policies": [{"policy": "matmuls",
+/// "saved_bytes": N, "fwd_ms": x, "bwd_ms": x}].
 std::string to_json(const Chain& chain);
 
 /// Parses and validates that JSON (the tmp keys are optional, default 0; the three optional times may be

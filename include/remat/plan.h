@@ -50,7 +50,10 @@ enum class OpKind {
 struct Op {
   OpKind kind = OpKind::kForwardNoSave;  ///< what it does
   int64_t stage = -1;                    ///< the stage it runs, in [0, num_stages); -1 for the loss
-  bool operator==(const Op& o) const { return kind == o.kind && stage == o.stage; }
+  /// Fk only: the operator-level policy it keeps with (an index into Plan::policies; written Fk3[matmuls]),
+  /// or -1 for the remat::keep tags of Plan::keep (written Fk3).
+  int32_t policy = -1;
+  bool operator==(const Op& o) const { return kind == o.kind && stage == o.stage && policy == o.policy; }
   bool operator!=(const Op& o) const { return !(*this == o); }
 };
 
@@ -71,8 +74,10 @@ struct Plan {
   Simulation predicted;      ///< filled by the planners through simulate(); empty for a hand-made plan
   /// The remat::keep tags Fk runs its stages with (the chain's Chain::keep); empty when the plan has no Fk.
   std::vector<std::string> keep;
+  /// The operator-level policies its Fk[name] operations keep with (names; Op::policy indexes this).
+  std::vector<std::string> policies;
 
-  /// "Fc0 Fn1 Fa2 L B2 Fa1 B1 Fa0 B0": operations separated by spaces.
+  /// "Fc0 Fn1 Fa2 Fk3[matmuls] L B3 ...": operations separated by spaces.
   std::string to_string() const;
   /// Number of operations of the given kind.
   int64_t count(OpKind kind) const;
@@ -81,13 +86,19 @@ struct Plan {
 /// Short name of an operation kind: "Fn", "Fc", "Fa", "Fk", "L", "B".
 std::string op_name(OpKind kind);
 
+/// The text of one operation of `plan`: "Fn3", "Fk5", "Fk5[matmuls]", "L".
+std::string op_text(const Plan& plan, const Op& op);
+
 /// Checks that a plan computes every gradient in the model of this file: each operation finds what it
-/// needs, the loss comes once after a_n exists, and the plan ends with d_0. Throws std::invalid_argument
-/// naming remat::check_plan, the operation's index and text, and what is missing.
+/// needs, the loss comes once after a_n exists, and the plan ends with d_0; every Fk[name] names one of
+/// plan.policies. Throws std::invalid_argument naming remat::check_plan, the operation's index and text, and
+/// what is missing.
 void check_plan(const Plan& plan);
 
-/// Charges the plan against the chain (see the top of this file). Throws std::invalid_argument when the
-/// chain is invalid (remat::validate), when its size differs from plan.num_stages, or as check_plan.
+/// Charges the plan against the chain (see the top of this file); Fk[name] is charged what the chain measured
+/// under that policy (Stage::policies). Throws std::invalid_argument when the chain is invalid
+/// (remat::validate), when its size differs from plan.num_stages, when an Fk runs a stage the chain has no
+/// costs for (no keep_ fields, or not profiled under the policy), or as check_plan.
 Simulation simulate(const Chain& chain, const Plan& plan);
 
 /// Checkpoints exactly the stages listed, each on its own: a listed stage keeps only its input in the
@@ -115,15 +126,20 @@ Plan step_plan(const Plan& chain_plan);
 
 /// The plan as JSON: {"num_stages": n, "planner": "...", "budget_bytes": N, "ops": ["Fc0", "Fn1", ..., "L",
 /// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}, plus "keep": ["matmul"] for
-/// a plan with Fk.
+/// a plan with Fk, and "policies": ["matmuls"] for one with Fk[matmuls].
 std::string to_json(const Plan& plan);
 
-/// Parses that JSON ("predicted" optional) and checks the plan. Throws std::invalid_argument naming the
-/// problem: malformed JSON, a missing key, an unknown operation, or what check_plan rejects.
+/// Parses that JSON ("predicted" optional; "policies" optional, the Fk[name] operations naming them) and
+/// checks the plan. Throws std::invalid_argument naming the problem: malformed JSON, a missing key, an
+/// unknown operation, or what check_plan rejects.
 Plan plan_from_json(const std::string& json);
 
 /// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4". Throws std::invalid_argument for anything
-/// else.
+/// else, and for "Fk5[name]" (parse it with the plan's policies, below).
 Op parse_op(const std::string& text);
+
+/// Parses one operation of a plan whose policies are `policies`: also "Fk5[name]", whose name is appended to
+/// `policies` when it is not there yet. Throws std::invalid_argument as above, and for an invalid name.
+Op parse_op(const std::string& text, std::vector<std::string>& policies);
 
 }  // namespace remat

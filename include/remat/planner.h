@@ -31,6 +31,11 @@ struct PlannerOptions {
   /// Also simulate the baselines (exactly, in bytes) and return one when it fits the budget and is faster
   /// than the dynamic program's schedule, which can happen when rounding to slots costs a little memory.
   bool compare_baselines = true;
+  /// Operations the planner may not use: "Fk" (no Fk at all), "Fk[tags]" (no Fk with the remat::keep tags),
+  /// "Fk[NAME]" (no Fk under policy NAME; names the chain does not have are ignored). optimal() and
+  /// min_feasible_budget() honour it; the baselines and revolve use no Fk. Throws std::invalid_argument (from
+  /// the planner) for any other text.
+  std::vector<std::string> exclude;
 };
 
 /// Thrown when no schedule fits the budget. what() states the minimum.
@@ -94,7 +99,9 @@ Plan sqrt_n(const Chain& chain);
 /// The fastest persistent schedule in the model of remat/plan.h whose peak fits budget_bytes: the paper's
 /// dynamic program, memory discretised into options.slots slots, multi-level (a stage may be recomputed
 /// several times). Stages with keep_ fields (Stage::has_keep) may also run as Fk, keeping only their kept
-/// calls' outputs; the plan then carries the chain's tags in Plan::keep. Persistent means a checkpoint, once
+/// calls' outputs, and stages profiled under policies as Fk[NAME], each variant its own choice per stage; the
+/// plan then carries the chain's tags in Plan::keep and its policies in Plan::policies (options.exclude
+/// removes variants). Persistent means a checkpoint, once
 /// kept, stays until its stage's backward; the tests check the result against an exhaustive search of all
 /// persistent schedules. (Freeing a checkpoint early and recomputing it later is sometimes faster still: the
 /// same search found that in about 1% of random 8-stage chains.) The result's predicted peak is <=
@@ -115,9 +122,10 @@ Plan revolve(const Chain& chain, int64_t snapshots);
 /// not even zero snapshots fit.
 Plan revolve_within(const Chain& chain, int64_t budget_bytes);
 
-/// The smallest budget (bytes) for which optimal() finds a schedule, computed exactly in bytes (for chains
-/// longer than 1500 stages: the peak of recomputing every stage from the input, an upper bound).
-int64_t min_feasible_budget(const Chain& chain);
+/// The smallest budget (bytes) for which optimal() finds a schedule with these options (their exclusions),
+/// computed exactly in bytes (for chains longer than 1500 stages: the peak of recomputing every stage from
+/// the input, an upper bound).
+int64_t min_feasible_budget(const Chain& chain, const PlannerOptions& options = {});
 
 /// A planner by name, in the one strategy grammar of remat/strategy.h ("none", "all", "sqrt", "uniform:K",
 /// "balanced:K", "balanced-time:K", "optimal", "optimal:SIZE", "revolve", "revolve:S", ...):

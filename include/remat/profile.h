@@ -38,11 +38,17 @@ struct ProfileOptions {
   /// Chain::keep), so that the planners can keep a layer's matrix multiplications and recompute only the
   /// rest. One more pass per run. Empty (the default): no Fk.
   TORCH_ARG(std::vector<std::string>, keep) = {};
+  /// Operator-level policies (remat/policy.h, e.g. {remat::policy::matmuls()}): also measure every stage as
+  /// Fk[name] runs it, under remat::checkpoint with that policy (Stage::policies; Chain::policies), so that
+  /// the planners can choose per stage among keeping everything, each policy and checkpointing, on models
+  /// with no remat::keep tags. One more pass per policy and run. Names must differ.
+  TORCH_ARG(std::vector<Policy>, policies) = {};
 };
 
 /// Profiles the stages on `sample_input` (the chain's input a_0). Needs remat::memory::track_cpu() for a CPU
 /// input (it calls it). Throws c10::Error naming remat::profile_chain when stages is empty, the input is
-/// undefined, warmup < 0 or repeats < 1, or a stage returns an undefined tensor.
+/// undefined, warmup < 0 or repeats < 1, a policy is empty or two share a name, or a stage returns an
+/// undefined tensor.
 Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
                     const ProfileOptions& options = {});
 

@@ -11,6 +11,7 @@
 
 #include <remat/chain.h>
 #include <remat/plan.h>
+#include <remat/planner.h>
 
 #include <cstdint>
 #include <optional>
@@ -102,9 +103,10 @@ struct SweepPoint {
 };
 
 /// The optimal planner at `budgets` budgets spread evenly from the chain's minimum to the peak without
-/// checkpointing, and the baselines (none, all, sqrt, uniform:2..8) as points. Predictions only.
-/// Throws std::invalid_argument naming remat::sweep when budgets < 2, and for an invalid chain.
-std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets);
+/// checkpointing, and the baselines (none, all, sqrt, uniform:2..8) as points. Predictions only. `options` go
+/// to optimal() (its exclusions to min_feasible_budget() too). Throws std::invalid_argument naming
+/// remat::sweep when budgets < 2, and for an invalid chain or options.
+std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets, const PlannerOptions& options = {});
 
 /// The curve as CSV: a "# title" line, the header "kind,name,budget_bytes,predicted_peak_bytes,
 /// predicted_time_ms,overhead,input_bytes" and one line per point (what scripts/plot_tradeoff.py reads).

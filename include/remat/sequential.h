@@ -119,13 +119,15 @@ struct ExecutionStats {
 
 /// Runs `plan` over `stages` on `input` and returns the chain's output; its backward runs the rest of the
 /// plan. Under NoGradGuard it simply runs the stages in order. options.preserve_rng_state and
-/// options.determinism_check apply per stage. The executor is one autograd node of its own and takes each
+/// options.determinism_check apply per stage. Fk runs its stage under remat::checkpoint keeping the calls of
+/// Plan::keep's tags, Fk[name] under the policy named so: options.policy when it has that name, else remat's
+/// preset of that name (remat/policy.h). The executor is one autograd node of its own and takes each
 /// stage's module from StageFn::module: options.mode must stay kNonReentrant (the default) and
 /// options.modules empty, or it throws rather than ignore them. When `stats` is given, the forward calls per
 /// stage are counted into it (reset first), including those of the backward pass. Throws c10::Error naming
 /// remat::run_plan when the plan's stage count differs from stages.size(), the plan is invalid
-/// (remat::check_plan), the input is undefined, the options ask for kReentrant or list modules, or a stage
-/// returns an undefined tensor.
+/// (remat::check_plan), it keeps with a policy that is neither options.policy nor a preset, the input is
+/// undefined, the options ask for kReentrant or list modules, or a stage returns an undefined tensor.
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
                        const CheckpointOptions& options = {},
                        std::shared_ptr<ExecutionStats> stats = nullptr);

@@ -15,7 +15,8 @@
 ///   per layer; its variants run that way too: "all-reentrant" (CheckpointMode::kReentrant),
 ///   "all-no-early-stop" (each recompute runs its layer to the end), "all-keep-TAG" (kNonReentrant keeping
 ///   the outputs of the layers' remat::keep calls tagged TAG, e.g. all-keep-matmul; as a plan: every stage
-///   Fk).
+///   Fk), "all-policy-NAME" (kNonReentrant under the policy preset NAME, e.g. all-policy-matmuls; as a plan:
+///   every stage Fk[NAME]).
 /// - "plan-all": the schedule of "all", always run by the plan executor.
 /// - "selective": only the stages named "<...>.attention_core" checkpointed (Megatron's selective
 ///   recomputation; BERT's sub-layer chain has them).
@@ -26,6 +27,8 @@
 ///   (300MiB, 1.5GiB, bytes); "optimal:as=P" within the peak strategy P's plan predicts;
 ///   "optimal:overhead=F" the least memory whose predicted time overhead is at most F times that of "all";
 ///   "optimal:time=R" the least memory whose predicted time is at most R times that of "none".
+/// - Any of them followed by "/no-Fk" (the planner uses no Fk), "/no-Fk[NAME]" (no Fk under policy NAME) or
+///   "/no-Fk[tags]" (no Fk with the remat::keep tags), as many as wanted: optimal:300MiB/no-Fk[matmuls].
 
 #include <remat/chain.h>
 #include <remat/plan.h>
@@ -40,15 +43,15 @@ namespace remat {
 
 /// Every strategy word, as help texts and error messages list them.
 inline constexpr char kStrategyWords[] =
-    "none, all, all-reentrant, all-no-early-stop, all-keep-TAG, plan-all, selective, sqrt, uniform:K, "
-    "balanced:K, balanced-time:K, revolve, revolve:S, optimal, optimal:SIZE, optimal:as=P, "
-    "optimal:overhead=F, "
-    "optimal:time=R";
+    "none, all, all-reentrant, all-no-early-stop, all-keep-TAG, all-policy-NAME, plan-all, selective, sqrt, "
+    "uniform:K, balanced:K, balanced-time:K, revolve, revolve:S, optimal, optimal:SIZE, optimal:as=P, "
+    "optimal:overhead=F, optimal:time=R; each optionally followed by /no-Fk or /no-Fk[NAME]";
 
 /// What a strategy does (see the top of this file).
 enum class StrategyKind {
   kNone,          ///< "none"
-  kPerLayer,      ///< "all" and its variants "all-reentrant", "all-no-early-stop", "all-keep-TAG"
+  kPerLayer,      ///< "all" and its variants "all-reentrant", "all-no-early-stop", "all-keep-TAG",
+                  ///< "all-policy-NAME"
   kPlanAll,       ///< "plan-all"
   kSelective,     ///< "selective"
   kSqrt,          ///< "sqrt"
@@ -77,10 +80,14 @@ struct Strategy {
   int64_t budget_bytes = 0;                      ///< optimal:SIZE (bytes)
   double factor = 0;                             ///< F of optimal:overhead=F, R of optimal:time=R
   std::shared_ptr<const Strategy> as;            ///< P of optimal:as=P
-  /// Per-layer variants (kPerLayer): kReentrant mode, early stopping, and the remat::keep tags kept.
+  /// Per-layer variants (kPerLayer): kReentrant mode, early stopping, the remat::keep tags kept, and the
+  /// policy preset kept under ("" for none).
   bool reentrant = false;
   bool early_stop = true;
   std::vector<std::string> keep;
+  std::string policy;
+  /// What "/no-..." excludes, as PlannerOptions::exclude spells it ("Fk", "Fk[matmuls]").
+  std::vector<std::string> exclude;
 
   /// "all" or one of its variants: a model that checkpoints its own layers runs it that way.
   bool per_layer() const { return kind == StrategyKind::kPerLayer; }
@@ -102,7 +109,9 @@ Strategy parse_strategy(const std::string& text);
 
 /// The plan strategy `s` runs, on `chain`, filled with its prediction (simulate()). "none" is no_checkpoint;
 /// "all", "all-reentrant", "all-no-early-stop" and "plan-all" are checkpoint_all; "all-keep-TAG" runs every
-/// stage as Fk, which needs a chain profiled with TAG (Chain::keep) and keep_ fields on every stage.
+/// stage as Fk, which needs a chain profiled with TAG (Chain::keep) and keep_ fields on every stage;
+/// "all-policy-NAME" every stage as Fk[NAME], which needs a chain profiled under NAME (Chain::policies).
+/// s.exclude is added to options.exclude.
 /// `budget_bytes` is the budget of "optimal" and "revolve" (< 0: none given) and is ignored by the others.
 /// The plan's `planner` is the planner's own name ("uniform:4", "revolve:3"), the string itself for
 /// "optimal:..." and "selective". Throws InfeasibleBudget when no schedule fits the budget (stating the

@@ -4,6 +4,8 @@
 
 #include "json.h"
 
+#include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -47,6 +49,12 @@ void add_bytes(int64_t& total, int64_t value, const std::string& what) {
 }
 
 }  // namespace
+
+bool valid_policy_name(const std::string& name) {
+  return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
+  });
+}
 
 void validate(const Chain& chain) {
   if (chain.stages.empty()) throw std::invalid_argument("remat::validate: the chain has no stages");
@@ -96,6 +104,39 @@ void validate(const Chain& chain) {
     }
     for (int64_t v : {s.output_bytes, s.saved_bytes, s.fwd_tmp_bytes, s.bwd_tmp_bytes})
       add_bytes(total, v, stage_label(chain, i));
+    if (s.policies.empty()) continue;
+    if (s.policies.size() != chain.policies.size()) {
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " +
+                                  std::to_string(s.policies.size()) + " policy costs but the chain names " +
+                                  std::to_string(chain.policies.size()) + " policies");
+    }
+    for (size_t p = 0; p < s.policies.size(); ++p) {
+      const PolicyCost& c = s.policies[p];
+      if (c.policy != chain.policies[p]) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s policy cost " +
+                                    std::to_string(p) + " is for '" + c.policy + "' but the chain's policy " +
+                                    std::to_string(p) + " is '" + chain.policies[p] + "'");
+      }
+      check_ms(chain, i, "policy fwd_ms", c.fwd_ms);
+      check_ms(chain, i, "policy bwd_ms", c.bwd_ms);
+      check_bytes(chain, i, "policy saved_bytes", c.saved_bytes);
+      if (c.saved_bytes < s.output_bytes) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " under policy '" +
+                                    c.policy + "' has saved_bytes (" + std::to_string(c.saved_bytes) +
+                                    ") < output_bytes (" + std::to_string(s.output_bytes) + ")");
+      }
+      add_bytes(total, c.saved_bytes, stage_label(chain, i));
+    }
+  }
+  for (size_t p = 0; p < chain.policies.size(); ++p) {
+    if (!valid_policy_name(chain.policies[p])) {
+      throw std::invalid_argument("remat::validate: policy name '" + chain.policies[p] +
+                                  "' must be non-empty and made of letters, digits, '_', '-' and '.'");
+    }
+    for (size_t q = 0; q < p; ++q) {
+      if (chain.policies[q] == chain.policies[p])
+        throw std::invalid_argument("remat::validate: policy '" + chain.policies[p] + "' is named twice");
+    }
   }
 }
 
@@ -120,9 +161,21 @@ std::string to_json(const Chain& chain) {
       js["keep_fwd_ms"] = *s.keep_fwd_ms;
       js["keep_bwd_ms"] = *s.keep_bwd_ms;
     }
+    if (!s.policies.empty()) {
+      js["policies"] = nlohmann::ordered_json::array();
+      for (const PolicyCost& c : s.policies) {
+        nlohmann::ordered_json jc;
+        jc["policy"] = c.policy;
+        jc["saved_bytes"] = c.saved_bytes;
+        jc["fwd_ms"] = c.fwd_ms;
+        jc["bwd_ms"] = c.bwd_ms;
+        js["policies"].push_back(jc);
+      }
+    }
     j["stages"].push_back(js);
   }
   if (!chain.keep.empty()) j["keep"] = chain.keep;
+  if (!chain.policies.empty()) j["policies"] = chain.policies;
   return j.dump(2);
 }
 
@@ -198,9 +251,28 @@ Chain chain_from_json(const std::string& text) {
     }
     if (js.contains("keep_saved_bytes"))
       s.keep_saved_bytes = required<int64_t>(js, "keep_saved_bytes", where);
+    if (js.contains("policies")) {
+      const auto& jp = js.at("policies");
+      if (!jp.is_array())
+        throw std::invalid_argument("remat::chain_from_json: " + where + ": \"policies\" must be an array");
+      for (size_t p = 0; p < jp.size(); ++p) {
+        const std::string at = where + " policy " + std::to_string(p);
+        if (!jp[p].is_object() || !jp[p].contains("policy") || !jp[p].at("policy").is_string()) {
+          throw std::invalid_argument("remat::chain_from_json: " + at +
+                                      " must be an object with a \"policy\" name");
+        }
+        PolicyCost c;
+        c.policy = jp[p].at("policy").get<std::string>();
+        c.saved_bytes = required<int64_t>(jp[p], "saved_bytes", at);
+        c.fwd_ms = required<double>(jp[p], "fwd_ms", at);
+        c.bwd_ms = required<double>(jp[p], "bwd_ms", at);
+        s.policies.push_back(std::move(c));
+      }
+    }
     chain.stages.push_back(std::move(s));
   }
   chain.keep = detail::string_array(j, "keep", "remat::chain_from_json");
+  chain.policies = detail::string_array(j, "policies", "remat::chain_from_json");
   validate(chain);
   return chain;
 }

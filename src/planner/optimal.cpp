@@ -32,14 +32,17 @@ struct Sizes {
   int64_t n = 0;  // real stages
   std::vector<T> x, xb, ft, bt;
   std::vector<double> f, fn, b;  // forward with saving (Fa), without (Fn, Fc), backward
-  // Fk: whether stage i has it, what it keeps (xk[i + 1], like xb), its forward and its backward (recompute
-  // included).
-  std::vector<char> hk;
-  std::vector<T> xk;
-  std::vector<double> fk, bk;
+  // Fk, in variants: 0 keeps the remat::keep calls (the keep_ fields), v >= 1 keeps under the chain's policy
+  // v - 1. Per variant: whether stage i has it, what it keeps (xk[v][i + 1], like xb), its forward and its
+  // backward (recompute included).
+  int64_t variants = 0;
+  std::vector<std::vector<char>> hk;
+  std::vector<std::vector<T>> xk;
+  std::vector<std::vector<double>> fk, bk;
 
   template <typename Convert>
-  Sizes(const Chain& chain, Convert convert) : n(chain.size()) {
+  Sizes(const Chain& chain, Convert convert, const std::vector<char>& allowed)
+      : n(chain.size()), variants(1 + static_cast<int64_t>(chain.policies.size())) {
     x.assign(n + 2, 0);
     xb.assign(n + 2, 0);
     ft.assign(n + 1, 0);
@@ -47,10 +50,10 @@ struct Sizes {
     f.assign(n + 1, 0);
     fn.assign(n + 1, 0);
     b.assign(n + 1, 0);
-    hk.assign(n + 1, 0);
-    xk.assign(n + 2, 0);
-    fk.assign(n + 1, 0);
-    bk.assign(n + 1, 0);
+    hk.assign(variants, std::vector<char>(n + 1, 0));
+    xk.assign(variants, std::vector<T>(n + 2, 0));
+    fk.assign(variants, std::vector<double>(n + 1, 0));
+    bk.assign(variants, std::vector<double>(n + 1, 0));
     for (int64_t i = 0; i <= n; ++i)
       x[i] = convert(chain.activation_bytes(i));
     for (int64_t i = 0; i < n; ++i) {
@@ -61,11 +64,18 @@ struct Sizes {
       f[i] = s.fwd_ms;
       fn[i] = s.nosave_ms();
       b[i] = s.bwd_ms;
-      if (s.has_keep()) {
-        hk[i] = 1;
-        xk[i + 1] = convert(*s.keep_saved_bytes);
-        fk[i] = *s.keep_fwd_ms;
-        bk[i] = *s.keep_bwd_ms;
+      if (s.has_keep() && allowed[0]) {
+        hk[0][i] = 1;
+        xk[0][i + 1] = convert(*s.keep_saved_bytes);
+        fk[0][i] = *s.keep_fwd_ms;
+        bk[0][i] = *s.keep_bwd_ms;
+      }
+      for (size_t p = 0; p < s.policies.size(); ++p) {
+        if (!allowed[p + 1]) continue;
+        hk[p + 1][i] = 1;
+        xk[p + 1][i + 1] = convert(s.policies[p].saved_bytes);
+        fk[p + 1][i] = s.policies[p].fwd_ms;
+        bk[p + 1][i] = s.policies[p].bwd_ms;
       }
     }
   }
@@ -77,28 +87,61 @@ struct Sizes {
   T keep_all_need(int64_t s, int64_t t) const {
     return std::max(x[t + 1] + xb[s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
   }
-  // Option K at s (stage s has Fk): Fk(s) with d_{t+1} held, and B(s) at the end, which recomputes the rest
-  // of abar_{s+1} first (so its peak is option A's).
-  T keep_some_need(int64_t s, int64_t t) const {
-    return std::max(x[t + 1] + xk[s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
+  // Option K at s with variant v (stage s has it): Fk(s) with d_{t+1} held, and B(s) at the end, which
+  // recomputes the rest of abar_{s+1} first (so its peak is option A's).
+  T keep_some_need(int64_t v, int64_t s, int64_t t) const {
+    return std::max(x[t + 1] + xk[v][s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
   }
   // The forward k of a sweep that starts at s (a_s is held by the caller, a_k for k > s by the sweep).
   T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + ft[k]; }
 };
 
-// The choices of the dynamic programs besides a checkpoint at s' > s.
-constexpr int32_t kKeepAll = -1, kKeepSome = -3;
+// The choices of the dynamic programs besides a checkpoint at s' > s: keep everything of stage s (Fa), or
+// keep with Fk variant v (kKeepSome - v).
+constexpr int32_t kKeepAll = -1, kKeepSome = -10;
+bool is_keep_some(int32_t choice) {
+  return choice <= kKeepSome;
+}
+int64_t variant_of(int32_t choice) {
+  return kKeepSome - choice;
+}
+
+// Which Fk variants a planner may use (variant 0: the keep tags; v >= 1: the chain's policy v - 1), from
+// PlannerOptions::exclude: "Fk" excludes every one, "Fk[tags]" the keep tags, "Fk[NAME]" the policy NAME.
+std::vector<char> allowed_variants(const Chain& chain, const PlannerOptions& options) {
+  std::vector<char> allowed(1 + chain.policies.size(), 1);
+  for (const std::string& e : options.exclude) {
+    if (e == "Fk") {
+      std::fill(allowed.begin(), allowed.end(), 0);
+      continue;
+    }
+    const bool bracketed = e.size() > 4 && e.rfind("Fk[", 0) == 0 && e.back() == ']';
+    const std::string name = bracketed ? e.substr(3, e.size() - 4) : "";
+    if (!bracketed || !valid_policy_name(name)) {
+      throw std::invalid_argument("remat::optimal: cannot exclude '" + e +
+                                  "' (Fk, Fk[tags] or Fk[POLICY], e.g. Fk[matmuls])");
+    }
+    if (name == "tags") allowed[0] = 0;
+    for (size_t p = 0; p < chain.policies.size(); ++p)
+      if (chain.policies[p] == name) allowed[p + 1] = 0;
+  }
+  return allowed;
+}
 
 // Emits a schedule for subchain [s, t] in the shapes both dynamic programs use: choice -1 is "keep
-// everything of stage s" (Fa(s), the rest, B(s)); choice s' > s is "sweep to a_{s'}, keep it as a checkpoint,
-// do [s', t], then [s, s' - 1]". The loss stage n emits L.
+// everything of stage s" (Fa(s), the rest, B(s)); a keep-some choice is the same with Fk(s); choice s' > s is
+// "sweep to a_{s'}, keep it as a checkpoint, do [s', t], then [s, s' - 1]". The loss stage n emits L.
 struct Emitter {
   Plan& plan;
   int64_t n;
   void keep_all_open(int64_t s) {
     if (s < n) push(plan, OpKind::kForwardAll, s);
   }
-  void keep_some_open(int64_t s) { push(plan, OpKind::kForwardKeep, s); }
+  void keep_some_open(int64_t s, int64_t variant) {
+    Op op{OpKind::kForwardKeep, s};
+    op.policy = static_cast<int32_t>(variant - 1);
+    plan.ops.push_back(op);
+  }
   void keep_all_close(int64_t s) {
     if (s < n) {
       push(plan, OpKind::kBackward, s);
@@ -126,14 +169,14 @@ class Table {
   double at(int64_t s, int64_t t, int64_t m) const { return m < 0 ? kInf : row(s, t)[m]; }
   void emit(Emitter& e, int64_t s, int64_t t, int64_t m) const {
     const int32_t w = what(s, t)[m];
-    if (w == kKeepAll || w == kKeepSome) {
+    if (w == kKeepAll || is_keep_some(w)) {
       const bool all = w == kKeepAll;
       if (all) {
         e.keep_all_open(s);
       } else {
-        e.keep_some_open(s);
+        e.keep_some_open(s, variant_of(w));
       }
-      if (s < t) emit(e, s + 1, t, m - (all ? z_.xb[s + 1] : z_.xk[s + 1]));
+      if (s < t) emit(e, s + 1, t, m - (all ? z_.xb[s + 1] : z_.xk[variant_of(w)][s + 1]));
       e.keep_all_close(s);
     } else {
       const int64_t sp = w;
@@ -174,7 +217,11 @@ class Table {
           }
         };
         keep_option(z_.keep_all_need(s, t), z_.xb[s + 1], z_.f[s] + z_.b[s], kKeepAll);
-        if (z_.hk[s]) keep_option(z_.keep_some_need(s, t), z_.xk[s + 1], z_.fk[s] + z_.bk[s], kKeepSome);
+        for (int64_t v = 0; v < z_.variants; ++v) {
+          if (z_.hk[v][s])
+            keep_option(z_.keep_some_need(v, s, t), z_.xk[v][s + 1], z_.fk[v][s] + z_.bk[v][s],
+                        static_cast<int32_t>(kKeepSome - v));
+        }
         // Sweep to a checkpoint at sp.
         double sweep_ms = 0;
         int64_t sweep_peak = 0;
@@ -204,7 +251,10 @@ class Table {
 // The least memory of the same family of schedules, exactly in bytes (no time, no slots).
 class MinMemory {
  public:
-  explicit MinMemory(const Chain& chain) : z_(chain, [](int64_t v) { return v; }), n_(chain.size()) {
+  MinMemory(const Chain& chain, const std::vector<char>& allowed)
+      : z_(
+            chain, [](int64_t v) { return v; }, allowed),
+        n_(chain.size()) {
     const int64_t pairs = (n_ + 1) * (n_ + 2) / 2;
     need_.assign(static_cast<size_t>(pairs), 0);
     what_.assign(static_cast<size_t>(pairs), -1);
@@ -213,10 +263,12 @@ class MinMemory {
         const int64_t t = s + len;
         int64_t best = len == 0 ? z_.base(t) : std::max(z_.keep_all_need(s, t), z_.xb[s + 1] + get(s + 1, t));
         int32_t choice = kKeepAll;
-        if (z_.hk[s]) {
-          const int64_t some = len == 0 ? z_.keep_some_need(s, t)
-                                        : std::max(z_.keep_some_need(s, t), z_.xk[s + 1] + get(s + 1, t));
-          if (some < best) best = some, choice = kKeepSome;
+        for (int64_t v = 0; v < z_.variants; ++v) {
+          if (!z_.hk[v][s]) continue;
+          const int64_t some = len == 0
+                                   ? z_.keep_some_need(v, s, t)
+                                   : std::max(z_.keep_some_need(v, s, t), z_.xk[v][s + 1] + get(s + 1, t));
+          if (some < best) best = some, choice = static_cast<int32_t>(kKeepSome - v);
         }
         int64_t sweep_peak = 0;
         for (int64_t sp = s + 1; sp <= t; ++sp) {
@@ -232,11 +284,11 @@ class MinMemory {
   int64_t total() const { return z_.x[0] + get(0, n_); }
   void emit(Emitter& e, int64_t s, int64_t t) const {
     const int32_t w = what_[index(s, t)];
-    if (w == kKeepAll || w == kKeepSome) {
+    if (w == kKeepAll || is_keep_some(w)) {
       if (w == kKeepAll) {
         e.keep_all_open(s);
       } else {
-        e.keep_some_open(s);
+        e.keep_some_open(s, variant_of(w));
       }
       if (s < t) emit(e, s + 1, t);
       e.keep_all_close(s);
@@ -264,7 +316,8 @@ namespace detail {
 
 // Recompute every stage from the input: the least memory when nothing may be kept but a_0 (O(n)).
 int64_t recompute_from_input_peak(const Chain& chain) {
-  const Sizes<int64_t> z(chain, [](int64_t v) { return v; });
+  const Sizes<int64_t> z(
+      chain, [](int64_t v) { return v; }, std::vector<char>(1 + chain.policies.size(), 0));
   const int64_t n = chain.size();
   int64_t sweep_peak = 0, worst = z.base(n);
   for (int64_t t = 1; t <= n; ++t) {
@@ -290,7 +343,13 @@ std::string bytes_text(int64_t b) {
 Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget) {
   plan.planner = name;
   plan.budget_bytes = budget;
-  if (plan.count(OpKind::kForwardKeep) > 0) plan.keep = chain.keep;
+  bool tags = false, policies = false;
+  for (const Op& op : plan.ops) {
+    if (op.kind != OpKind::kForwardKeep) continue;
+    (op.policy < 0 ? tags : policies) = true;
+  }
+  if (tags) plan.keep = chain.keep;
+  if (policies) plan.policies = chain.policies;  // the emitted Op::policy indexes the chain's list
   plan.predicted = simulate(chain, plan);
   return plan;
 }
@@ -300,20 +359,22 @@ Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budg
 // ---------------------------------------------------------------------------------------------------------------
 // Optimal
 
-int64_t min_feasible_budget(const Chain& chain) {
+int64_t min_feasible_budget(const Chain& chain, const PlannerOptions& options) {
   validate(chain);
+  const std::vector<char> allowed = allowed_variants(chain, options);
   if (chain.size() > kExactMinMemoryStages) return recompute_from_input_peak(chain);
-  return MinMemory(chain).total();
+  return MinMemory(chain, allowed).total();
 }
 
 namespace {
 
 // The dynamic program's schedule for `slots` slots, or an empty plan when nothing fits in slots.
-Plan dp_plan(const Chain& chain, int64_t budget, int64_t slots) {
+Plan dp_plan(const Chain& chain, int64_t budget, int64_t slots, const std::vector<char>& allowed) {
   const int64_t unit = std::max<int64_t>(1, budget / slots);
   const int64_t total = budget / unit;  // >= slots when budget >= slots
   // Rounded up without forming v + unit (budgets up to INT64_MAX are valid).
-  const Sizes<int64_t> z(chain, [unit](int64_t v) { return v / unit + (v % unit != 0 ? 1 : 0); });
+  const Sizes<int64_t> z(
+      chain, [unit](int64_t v) { return v / unit + (v % unit != 0 ? 1 : 0); }, allowed);
   Plan plan;
   plan.num_stages = chain.size();
   const int64_t m = total - z.x[0];
@@ -349,9 +410,10 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
     throw std::invalid_argument("remat::optimal: negative budget (" + std::to_string(budget_bytes) +
                                 " bytes)");
   }
+  const std::vector<char> allowed = allowed_variants(chain, options);
   const int64_t slots = std::min(options.slots, std::max<int64_t>(budget_bytes, 1));
   check_dp_size(chain, slots);
-  Plan best = dp_plan(chain, budget_bytes, slots);
+  Plan best = dp_plan(chain, budget_bytes, slots, allowed);
   if (!best.ops.empty()) best = finish(chain, std::move(best), "optimal", budget_bytes);
 
   if (options.compare_baselines) {
@@ -368,7 +430,7 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
     }
   }
   if (best.ops.empty()) {
-    const int64_t min_bytes = min_feasible_budget(chain);
+    const int64_t min_bytes = min_feasible_budget(chain, options);
     if (budget_bytes < min_bytes) infeasible("remat::optimal", budget_bytes, min_bytes);
     // Rounding to slots lost the few bytes that separate the budget from the minimum: take the least-memory
     // schedule, computed exactly.
@@ -376,7 +438,7 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
     Plan plan;
     plan.num_stages = chain.size();
     Emitter e{plan, chain.size()};
-    MinMemory(chain).emit(e, 0, chain.size());
+    MinMemory(chain, allowed).emit(e, 0, chain.size());
     best = finish(chain, std::move(plan), "optimal", budget_bytes);
   }
   if (best.predicted.peak_bytes > budget_bytes) {

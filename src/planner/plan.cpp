@@ -4,9 +4,12 @@
 
 #include "json.h"
 
+#include <algorithm>
 #include <cctype>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 #include "remat/chain.h"
 
@@ -30,17 +33,21 @@ std::string op_name(OpKind kind) {
   return "?";
 }
 
-namespace {
-std::string op_text(const Op& op) {
-  return op.kind == OpKind::kLoss ? "L" : op_name(op.kind) + std::to_string(op.stage);
+std::string op_text(const Plan& plan, const Op& op) {
+  if (op.kind == OpKind::kLoss) return "L";
+  std::string text = op_name(op.kind) + std::to_string(op.stage);
+  if (op.kind == OpKind::kForwardKeep && op.policy >= 0) {
+    const auto p = static_cast<size_t>(op.policy);
+    text += "[" + (p < plan.policies.size() ? plan.policies[p] : "#" + std::to_string(op.policy)) + "]";
+  }
+  return text;
 }
-}  // namespace
 
 std::string Plan::to_string() const {
   std::string out;
   for (size_t i = 0; i < ops.size(); ++i) {
     if (i) out += ' ';
-    out += op_text(ops[i]);
+    out += op_text(*this, ops[i]);
   }
   return out;
 }
@@ -53,11 +60,33 @@ int64_t Plan::count(OpKind kind) const {
 }
 
 Op parse_op(const std::string& text) {
-  auto fail = [&] {
+  std::vector<std::string> none;
+  const Op op = parse_op(text, none);
+  if (!none.empty()) {
     throw std::invalid_argument(
         "remat::parse_op: '" + text +
-        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, L or B<i>, e.g. Fc0, Fa3, L, B3)");
+        "' names a policy, which only a plan's list of policies can resolve (parse it "
+        "with parse_op(text, policies), or read the plan with plan_from_json)");
+  }
+  return op;
+}
+
+Op parse_op(const std::string& full, std::vector<std::string>& policies) {
+  auto fail = [&] {
+    throw std::invalid_argument(
+        "remat::parse_op: '" + full +
+        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, Fk<i>[policy], L or B<i>, e.g. "
+        "Fc0, Fa3, Fk2[matmuls], L, B3)");
   };
+  std::string text = full;
+  std::optional<std::string> policy;
+  const size_t bracket = full.find('[');
+  if (bracket != std::string::npos) {
+    if (full.back() != ']' || full.rfind("Fk", 0) != 0) fail();
+    policy = full.substr(bracket + 1, full.size() - bracket - 2);
+    if (!valid_policy_name(*policy)) fail();
+    text = full.substr(0, bracket);
+  }
   if (text == "L") return Op{OpKind::kLoss, -1};
   size_t digits = 0;
   Op op;
@@ -79,6 +108,11 @@ Op parse_op(const std::string& text) {
     if (!std::isdigit(static_cast<unsigned char>(text[i]))) fail();
   }
   op.stage = std::stoll(text.substr(digits));
+  if (policy) {
+    const auto it = std::find(policies.begin(), policies.end(), *policy);
+    op.policy = static_cast<int32_t>(it - policies.begin());
+    if (it == policies.end()) policies.push_back(*policy);
+  }
   return op;
 }
 
@@ -94,8 +128,21 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   auto act = [&](int64_t i) -> int64_t { return chain ? chain->activation_bytes(i) : 0; };
   auto saved = [&](int64_t i) -> int64_t { return chain ? chain->stages[i - 1].saved_bytes : 0; };
 
+  // The chain's cost of each of the plan's policies (its index in Stage::policies).
+  std::vector<size_t> policy_at(plan.policies.size(), 0);
+  if (chain) {
+    for (size_t p = 0; p < plan.policies.size(); ++p) {
+      const auto it = std::find(chain->policies.begin(), chain->policies.end(), plan.policies[p]);
+      if (it == chain->policies.end()) {
+        throw std::invalid_argument(std::string(who) + ": the plan keeps with policy '" + plan.policies[p] +
+                                    "', which the chain was not profiled under (ProfileOptions::policies)");
+      }
+      policy_at[p] = static_cast<size_t>(it - chain->policies.begin());
+    }
+  }
   std::vector<Held> held(static_cast<size_t>(n + 1), kNone);
-  held[0] = kPlain;   // the chain's input, resident throughout
+  std::vector<int32_t> kept_with(static_cast<size_t>(n + 1), -1);  // for kKept: the Fk's policy
+  held[0] = kPlain;                                                // the chain's input, resident throughout
   int64_t grad = -1;  // index j of the gradient d_j held, -1 before the loss
   bool loss_done = false;
   int64_t current = act(0);
@@ -103,7 +150,15 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   sim.forward_calls.assign(static_cast<size_t>(n), 0);
   sim.peak_bytes = current;
 
-  auto kept = [&](int64_t i) -> int64_t { return chain ? *chain->stages[i - 1].keep_saved_bytes : 0; };
+  // What Fk of stage i - 1 keeps, and its forward and backward, with the policy `p` (-1: the keep tags).
+  auto fk = [&](int64_t i, int32_t p) -> std::tuple<int64_t, double, double> {
+    if (!chain) return {0, 0.0, 0.0};
+    const Stage& st = chain->stages[i - 1];
+    if (p < 0) return {*st.keep_saved_bytes, *st.keep_fwd_ms, *st.keep_bwd_ms};
+    const PolicyCost& c = st.policies[policy_at[static_cast<size_t>(p)]];
+    return {c.saved_bytes, c.fwd_ms, c.bwd_ms};
+  };
+  auto kept = [&](int64_t i) -> int64_t { return std::get<0>(fk(i, kept_with[i])); };
   auto held_bytes = [&](int64_t i) -> int64_t {
     return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : held[i] == kKept ? kept(i) : 0;
   };
@@ -117,9 +172,14 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   for (size_t k = 0; k < plan.ops.size(); ++k) {
     const Op& op = plan.ops[k];
     auto fail = [&](const std::string& why) {
-      throw std::invalid_argument(std::string(who) + ": operation " + std::to_string(k) + " (" + op_text(op) +
-                                  ") " + why);
+      throw std::invalid_argument(std::string(who) + ": operation " + std::to_string(k) + " (" +
+                                  op_text(plan, op) + ") " + why);
     };
+    if (op.policy != -1 && (op.kind != OpKind::kForwardKeep || op.policy < 0 ||
+                            static_cast<size_t>(op.policy) >= plan.policies.size())) {
+      fail("names policy " + std::to_string(op.policy) + ", but the plan has " +
+           std::to_string(plan.policies.size()) + " policies (and only Fk keeps with one)");
+    }
     const int64_t i = op.stage;
     if (op.kind != OpKind::kLoss && (i < 0 || i >= n)) {
       fail("names stage " + std::to_string(i) + ", but the plan has " + std::to_string(n) + " stages");
@@ -135,10 +195,16 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         if (held[i + 1] == kFull || held[i + 1] == kKept || (!all && !keep && held[i + 1] == kPlain)) {
           fail("recomputes a_" + std::to_string(i + 1) + ", which is already held");
         }
-        if (keep && chain && !chain->stages[i].has_keep()) {
+        if (keep && chain && op.policy < 0 && !chain->stages[i].has_keep()) {
           fail("runs stage " + std::to_string(i) + " ('" + chain->stages[i].name +
                "') with kept calls, but the chain has no keep_ fields for it (profile with keep tags)");
         }
+        if (keep && chain && op.policy >= 0 && chain->stages[i].policies.empty()) {
+          fail("runs stage " + std::to_string(i) + " ('" + chain->stages[i].name + "') under policy '" +
+               plan.policies[static_cast<size_t>(op.policy)] +
+               "', but the chain has no costs under it for it");
+        }
+        if (keep) kept_with[i + 1] = op.policy;
         const int64_t out = all    ? (chain ? chain->stages[i].saved_bytes : 0)
                             : keep ? kept(i + 1)
                                    : act(i + 1);
@@ -153,7 +219,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         sim.forward_calls[i] += 1;
         if (chain) {
           const Stage& st = chain->stages[i];
-          sim.time_ms += all ? st.fwd_ms : keep ? *st.keep_fwd_ms : st.nosave_ms();
+          sim.time_ms += all ? st.fwd_ms : keep ? std::get<1>(fk(i + 1, op.policy)) : st.nosave_ms();
         }
         break;
       }
@@ -191,7 +257,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           current -= act(i);
           held[i] = kNone;
         }
-        if (chain) sim.time_ms += after_keep ? *chain->stages[i].keep_bwd_ms : chain->stages[i].bwd_ms;
+        if (chain)
+          sim.time_ms += after_keep ? std::get<2>(fk(i + 1, kept_with[i + 1])) : chain->stages[i].bwd_ms;
         break;
       }
     }
@@ -227,13 +294,14 @@ nlohmann::ordered_json plan_json(const Plan& plan) {
   j["budget_bytes"] = plan.budget_bytes;
   j["ops"] = nlohmann::ordered_json::array();
   for (const Op& op : plan.ops)
-    j["ops"].push_back(op_text(op));
+    j["ops"].push_back(op_text(plan, op));
   nlohmann::ordered_json p;
   p["peak_bytes"] = plan.predicted.peak_bytes;
   p["time_ms"] = plan.predicted.time_ms;
   p["forward_calls"] = plan.predicted.forward_calls;
   j["predicted"] = p;
   if (!plan.keep.empty()) j["keep"] = plan.keep;
+  if (!plan.policies.empty()) j["policies"] = plan.policies;
   return j;
 }
 }  // namespace detail
@@ -255,9 +323,10 @@ Plan plan_from_json(const std::string& text) {
   if (j.contains("budget_bytes") && j.at("budget_bytes").is_number_integer()) {
     plan.budget_bytes = j.at("budget_bytes").get<int64_t>();
   }
+  plan.policies = detail::string_array(j, "policies", "remat::plan_from_json");
   for (const auto& o : j.at("ops")) {
     if (!o.is_string()) fail("every operation must be a string, got " + o.dump());
-    plan.ops.push_back(parse_op(o.get<std::string>()));
+    plan.ops.push_back(parse_op(o.get<std::string>(), plan.policies));
   }
   if (j.contains("predicted") && j.at("predicted").is_object()) {
     const auto& p = j.at("predicted");
@@ -268,8 +337,10 @@ Plan plan_from_json(const std::string& text) {
   }
   plan.keep = detail::string_array(j, "keep", "remat::plan_from_json");
   check_plan(plan);
-  if (plan.count(OpKind::kForwardKeep) > 0 && plan.keep.empty())
-    fail("the plan has Fk operations but no \"keep\" tags to run them with");
+  for (const Op& op : plan.ops) {
+    if (op.kind == OpKind::kForwardKeep && op.policy < 0 && plan.keep.empty())
+      fail("the plan has Fk operations but no \"keep\" tags to run them with");
+  }
   return plan;
 }
 
@@ -325,6 +396,7 @@ Plan step_plan(const Plan& chain_plan) {
   step.planner = chain_plan.planner.empty() ? "step" : "step(" + chain_plan.planner + ")";
   step.budget_bytes = 0;
   step.keep = chain_plan.keep;
+  step.policies = chain_plan.policies;
   step.ops.push_back({OpKind::kForwardAll, 0});
   for (const Op& op : chain_plan.ops) {
     if (op.kind == OpKind::kLoss) {
@@ -332,7 +404,9 @@ Plan step_plan(const Plan& chain_plan) {
       step.ops.push_back(op);
       step.ops.push_back({OpKind::kBackward, n + 1});
     } else {
-      step.ops.push_back({op.kind, op.stage + 1});
+      Op shifted = op;
+      ++shifted.stage;
+      step.ops.push_back(shifted);
     }
   }
   step.ops.push_back({OpKind::kBackward, 0});

@@ -124,7 +124,7 @@ MemoryBreakdown memory_breakdown(const Chain& chain, int64_t parameter_bytes, in
   return m;
 }
 
-std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets) {
+std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets, const PlannerOptions& options) {
   if (budgets < 2)
     throw std::invalid_argument("remat::sweep: budgets must be >= 2, got " + std::to_string(budgets));
   const Plan none = no_checkpoint(chain);
@@ -139,11 +139,11 @@ std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets) {
                       chain.input_bytes};
   };
   std::vector<SweepPoint> out;
-  const int64_t lo = min_feasible_budget(chain), hi = none.predicted.peak_bytes;
+  const int64_t lo = min_feasible_budget(chain, options), hi = none.predicted.peak_bytes;
   for (int64_t i = 0; i < budgets; ++i) {
     const int64_t budget =
         lo + static_cast<int64_t>(std::llround(double(hi - lo) * double(i) / double(budgets - 1)));
-    out.push_back(point("optimal", optimal(chain, budget), budget));
+    out.push_back(point("optimal", optimal(chain, budget, options), budget));
   }
   out.push_back(point("baseline", none, 0));
   out.push_back(point("baseline", checkpoint_all(chain), 0));

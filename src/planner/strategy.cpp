@@ -60,6 +60,33 @@ bool valid_tag(const std::string& tag) {
   });
 }
 
+// Every stage run as Fk under policy s.policy: the plan of "all-policy-NAME".
+Plan policy_every_stage(const Strategy& s, const Chain& chain) {
+  const auto it = std::find(chain.policies.begin(), chain.policies.end(), s.policy);
+  if (it == chain.policies.end()) {
+    throw std::invalid_argument(std::string(kPlan) + ": strategy '" + s.text + "' runs every stage as Fk[" +
+                                s.policy + "], which needs a chain profiled under policy '" + s.policy +
+                                "' (ProfileOptions::policies, --policy " + s.policy + ")");
+  }
+  Plan plan;
+  plan.num_stages = chain.size();
+  for (int64_t i = 0; i < chain.size(); ++i) {
+    if (chain.stages[static_cast<size_t>(i)].policies.empty()) {
+      throw std::invalid_argument(std::string(kPlan) + ": strategy '" + s.text + "': stage " +
+                                  std::to_string(i) + " ('" + chain.stages[static_cast<size_t>(i)].name +
+                                  "') was not profiled under the chain's policies, so it cannot run as Fk[" +
+                                  s.policy + "]");
+    }
+    Op op{OpKind::kForwardKeep, i};
+    op.policy = static_cast<int32_t>(it - chain.policies.begin());
+    plan.ops.push_back(op);
+  }
+  detail::push(plan, OpKind::kLoss, -1);
+  for (int64_t i = chain.size(); i-- > 0;)
+    detail::push(plan, OpKind::kBackward, i);
+  return detail::finish(chain, std::move(plan), s.text, 0);
+}
+
 // Every stage run as Fk, keeping the outputs of its calls tagged `tag`: the plan of "all-keep-TAG".
 Plan keep_every_stage(const Strategy& s, const Chain& chain) {
   if (chain.keep != s.keep) {
@@ -114,7 +141,7 @@ Plan optimal_within_time(const Strategy& s, const Chain& chain, const PlannerOpt
       s.budget == OptimalBudget::kOverhead
           ? none.predicted.time_ms + s.factor * (all.predicted.time_ms - none.predicted.time_ms)
           : s.factor * none.predicted.time_ms;
-  int64_t lo = min_feasible_budget(chain), hi = none.predicted.peak_bytes;
+  int64_t lo = min_feasible_budget(chain, options), hi = none.predicted.peak_bytes;
   if (optimal(chain, lo, options).predicted.time_ms > target) {
     while (hi - lo > std::max<int64_t>(1, hi / 2000)) {
       const int64_t mid = lo + (hi - lo) / 2;
@@ -126,7 +153,9 @@ Plan optimal_within_time(const Strategy& s, const Chain& chain, const PlannerOpt
   return optimal(chain, hi, options);
 }
 
-Plan resolve(const Strategy& s, const Chain& chain, int64_t budget, const PlannerOptions& options) {
+Plan resolve(const Strategy& s, const Chain& chain, int64_t budget, const PlannerOptions& given) {
+  PlannerOptions options = given;
+  options.exclude.insert(options.exclude.end(), s.exclude.begin(), s.exclude.end());
   if (s.needs_budget() && budget < 0) {
     throw std::invalid_argument(std::string(kPlan) + ": strategy '" + s.text +
                                 "' plans within a budget, and none was given");
@@ -136,6 +165,7 @@ Plan resolve(const Strategy& s, const Chain& chain, int64_t budget, const Planne
       return no_checkpoint(chain);
     case StrategyKind::kPerLayer:
       if (!s.keep.empty()) return keep_every_stage(s, chain);
+      if (!s.policy.empty()) return policy_every_stage(s, chain);
       return checkpoint_all(chain);
     case StrategyKind::kPlanAll:
       return checkpoint_all(chain);
@@ -175,11 +205,18 @@ Plan resolve(const Strategy& s, const Chain& chain, int64_t budget, const Planne
 
 }  // namespace
 
-Strategy parse_strategy(const std::string& text) {
+namespace {
+
+Strategy parse_base(const std::string& text) {
   Strategy s;
   s.text = text;
   if (text == "none") {
     s.kind = StrategyKind::kNone;
+  } else if (starts_with(text, "all-policy-")) {
+    s.kind = StrategyKind::kPerLayer;
+    s.policy = text.substr(11);
+    if (!valid_policy_name(s.policy))
+      bad(text, "expected a policy's name after 'all-policy-' (e.g. all-policy-matmuls)");
   } else if (text == "all" || text == "all-reentrant" || text == "all-no-early-stop" ||
              starts_with(text, "all-keep-")) {
     s.kind = StrategyKind::kPerLayer;
@@ -240,6 +277,28 @@ Strategy parse_strategy(const std::string& text) {
     throw std::invalid_argument(std::string(kParse) + ": unknown strategy '" + text + "' (" + kStrategyWords +
                                 ")");
   }
+  return s;
+}
+
+}  // namespace
+
+Strategy parse_strategy(const std::string& full) {
+  // "/no-..." modifiers after the strategy itself.
+  const size_t slash = full.find('/');
+  const std::string text = full.substr(0, slash);
+  std::vector<std::string> exclude;
+  for (size_t at = slash; at != std::string::npos;) {
+    const size_t next = full.find('/', at + 1);
+    const std::string m = full.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    const bool bracketed = m.size() > 7 && m.rfind("no-Fk[", 0) == 0 && m.back() == ']';
+    if (m != "no-Fk" && !(bracketed && valid_policy_name(m.substr(6, m.size() - 7))))
+      bad(full, "expected /no-Fk or /no-Fk[NAME] after the strategy, got '/" + m + "'");
+    exclude.push_back(m.substr(3));
+    at = next;
+  }
+  Strategy s = parse_base(text);
+  s.text = full;
+  s.exclude = std::move(exclude);
   return s;
 }
 

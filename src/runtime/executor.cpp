@@ -41,6 +41,7 @@ using detail::warn_undeclared_asked;
 struct ExecState final : torch::CustomClassHolder {
   std::vector<StageFn> stages;
   Plan plan;
+  std::vector<Policy> policies;  // plan.policies, resolved (Fk[name] runs under them)
   size_t loss_at = 0;
   bool preserve_rng = true;
   bool check = true;
@@ -77,9 +78,39 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, who, ": invalid plan: ", e.what());
   }
-  TORCH_CHECK(plan.count(OpKind::kForwardKeep) == 0 || !plan.keep.empty(), who, ": the plan has ",
-              plan.count(OpKind::kForwardKeep),
+  int64_t tag_fk = 0;
+  for (const Op& op : plan.ops)
+    tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0;
+  TORCH_CHECK(tag_fk == 0 || !plan.keep.empty(), who, ": the plan has ", tag_fk,
               " Fk operations but no remat::keep tags to run them with (Plan::keep is empty)");
+}
+
+// The policies of the plan's Fk[name] operations, by index into Plan::policies: CheckpointOptions::policy
+// when it has that name, else the preset of that name. A name no operation uses stays an empty Policy.
+std::vector<Policy> resolve_policies(const Plan& plan, const CheckpointOptions& options, const char* who) {
+  std::vector<bool> used(plan.policies.size(), false);
+  for (const Op& op : plan.ops)
+    if (op.policy >= 0) used.at(static_cast<size_t>(op.policy)) = true;
+  std::vector<Policy> out;
+  for (size_t k = 0; k < plan.policies.size(); ++k) {
+    const std::string& name = plan.policies[k];
+    if (!used[k]) {
+      out.emplace_back();
+      continue;
+    }
+    if (!options.policy().empty() && options.policy().name() == name) {
+      out.push_back(options.policy());
+      continue;
+    }
+    TORCH_CHECK(
+        name == "matmuls" || name == "attention_core" || name == "recompute_pointwise", who,
+        ": the plan keeps with policy '", name,
+        "', which is not one of remat's presets (matmuls, attention_core, recompute_pointwise): pass it as "
+        "CheckpointOptions().policy(...) named '",
+        name, "'");
+    out.push_back(policy::preset(name));
+  }
+  return out;
 }
 
 // The executor is one autograd node of its own and takes the stages' modules from StageFn::module: it refuses
@@ -126,10 +157,12 @@ void run_forward(ExecState& st, const Op& op) {
     const uint64_t first_sequence_nr = at::sequence_number::peek();
     if (op.kind == OpKind::kForwardKeep) {
       // Fk: the stage as a checkpoint that keeps its kept calls' outputs; B recomputes the rest through it.
-      auto options = CheckpointOptions()
-                         .keep(st.plan.keep)
-                         .preserve_rng_state(st.preserve_rng)
-                         .determinism_check(st.check);
+      auto options = CheckpointOptions().preserve_rng_state(st.preserve_rng).determinism_check(st.check);
+      if (op.policy < 0) {
+        options.keep(st.plan.keep);
+      } else {
+        options.policy(st.policies[static_cast<size_t>(op.policy)]);  // Fk[name]
+      }
       if (stage.module) options.modules({stage.module});
       out = checkpoint(stage.fn, leaf, options);
     } else {
@@ -343,6 +376,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   auto st = c10::make_intrusive<ExecState>();
   st->stages = stages;
   st->plan = plan;
+  st->policies = resolve_policies(plan, options, "remat::run_plan");
   for (size_t k = 0; k < plan.ops.size(); ++k) {
     if (plan.ops[k].kind == OpKind::kLoss) st->loss_at = k;
   }
@@ -393,6 +427,7 @@ CheckpointedSequentialImpl::CheckpointedSequentialImpl(torch::nn::Sequential seq
 void CheckpointedSequentialImpl::set_plan(Plan plan) {
   TORCH_CHECK(seq_->size() > 0, "remat::CheckpointedSequential: the Sequential is empty");
   check_plan_fits(plan, seq_->size(), "remat::CheckpointedSequential", "the Sequential has ", " modules");
+  resolve_policies(plan, options_, "remat::CheckpointedSequential");  // refused now rather than at forward()
   plan_ = std::move(plan);
 }
 

@@ -77,6 +77,14 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   TORCH_CHECK(sample_input.defined(), kWho, ": the sample input is an undefined tensor");
   TORCH_CHECK(options.warmup() >= 0, kWho, ": warmup must be >= 0, got ", options.warmup());
   TORCH_CHECK(options.repeats() >= 1, kWho, ": repeats must be >= 1, got ", options.repeats());
+  for (size_t p = 0; p < options.policies().size(); ++p) {
+    TORCH_CHECK(!options.policies()[p].empty(), kWho, ": policy ", p,
+                " of ProfileOptions::policies is empty");
+    for (size_t q = 0; q < p; ++q)
+      TORCH_CHECK(options.policies()[q].name() != options.policies()[p].name(), kWho,
+                  ": two policies are named '", options.policies()[p].name(),
+                  "'; a chain tells them apart by name");
+  }
   const c10::Device device = sample_input.device();
   if (device.is_cpu()) memory::track_cpu();
   auto sync = [&] {
@@ -96,8 +104,15 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     CheckpointOptions per_call;
     std::vector<double> fwd, bwd, nosave, ckpt_fwd, ckpt_bwd, keep_fwd, keep_bwd;
     int64_t keep_saved = 0;
+    std::vector<std::vector<double>> policy_fwd, policy_bwd;  // per policy of options.policies()
+    std::vector<int64_t> policy_saved;
   };
   std::vector<Per> per(n);
+  for (auto& p : per) {
+    p.policy_fwd.resize(options.policies().size());
+    p.policy_bwd.resize(options.policies().size());
+    p.policy_saved.assign(options.policies().size(), 0);
+  }
   chain.stages.resize(n);
   for (size_t i = 0; i < n; ++i) {
     const StageFn& stage = stages[i];
@@ -193,23 +208,26 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
     }
-    // Every stage under remat::checkpoint, then the backward pass through them: with the per-call options,
-    // and again keeping the calls options.keep() names (Fk) when it names any.
-    auto checkpoint_pass = [&](bool kept, auto record) {
+    // Every stage under remat::checkpoint, then the backward pass through them: with the per-call options
+    // (variant -2), again keeping the calls options.keep() names (-1, Fk) when it names any, and under each
+    // of options.policies() (p >= 0, Fk[name]).
+    auto checkpoint_pass = [&](int64_t variant, auto record) {
       std::vector<torch::Tensor> leaves(n), outs(n);
       std::vector<double> cf(n, 0);
       for (size_t i = 0; i < n; ++i) {
         leaves[i] = leaf_of(i, xs[i]);
         CheckpointOptions o = per[i].per_call;
-        if (kept) o.keep(options.keep());
+        if (variant == -1) o.keep(options.keep());
+        if (variant >= 0) o.policy(options.policies()[static_cast<size_t>(variant)]);
         sync();
         memory::PeakScope scope(device);
         const auto t0 = Clock::now();
         outs[i] = checkpoint(stages[i].fn, leaves[i], o);
         sync();
         cf[i] = ms_since(t0);
-        if (kept && measure) {
-          per[i].keep_saved = std::max(static_cast<int64_t>(outs[i].nbytes()), scope.active_over_base());
+        if (variant > -2 && measure) {
+          const int64_t kept = std::max(static_cast<int64_t>(outs[i].nbytes()), scope.active_over_base());
+          (variant == -1 ? per[i].keep_saved : per[i].policy_saved[static_cast<size_t>(variant)]) = kept;
         }
       }
       for (size_t i = n; i-- > 0;) {
@@ -221,14 +239,20 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         if (keep) record(per[i], cf[i], cb);
       }
     };
-    checkpoint_pass(false,
-                    [](Per& p, double f, double b) { p.ckpt_fwd.push_back(f), p.ckpt_bwd.push_back(b); });
+    checkpoint_pass(-2, [](Per& p, double f, double b) { p.ckpt_fwd.push_back(f), p.ckpt_bwd.push_back(b); });
     if (!options.keep().empty()) {
-      checkpoint_pass(true,
+      checkpoint_pass(-1,
                       [](Per& p, double f, double b) { p.keep_fwd.push_back(f), p.keep_bwd.push_back(b); });
+    }
+    for (size_t q = 0; q < options.policies().size(); ++q) {
+      checkpoint_pass(static_cast<int64_t>(q), [q](Per& p, double f, double b) {
+        p.policy_fwd[q].push_back(f), p.policy_bwd[q].push_back(b);
+      });
     }
   }
   chain.keep = options.keep();
+  for (const Policy& policy : options.policies())
+    chain.policies.push_back(policy.name());
   for (size_t i = 0; i < n; ++i) {
     Stage& s = chain.stages[i];
     s.fwd_ms = median(per[i].fwd);
@@ -241,6 +265,14 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       s.keep_saved_bytes = std::min(per[i].keep_saved, s.saved_bytes);
       s.keep_fwd_ms = median(per[i].keep_fwd);
       s.keep_bwd_ms = median(per[i].keep_bwd);
+    }
+    for (size_t q = 0; q < options.policies().size(); ++q) {
+      PolicyCost c;
+      c.policy = options.policies()[q].name();
+      c.saved_bytes = std::min(per[i].policy_saved[q], s.saved_bytes);
+      c.fwd_ms = median(per[i].policy_fwd[q]);
+      c.bwd_ms = median(per[i].policy_bwd[q]);
+      s.policies.push_back(std::move(c));
     }
   }
   validate(chain);

@@ -68,13 +68,20 @@ void ModelArgs::add(CLI::App* app) {
                   "projections, feed-forward halves)")
       ->check(CLI::IsMember({"layer", "sublayer"}))
       ->capture_default_str();
+  app->add_option(
+      "--policy", policies,
+      "operator-level policy presets (comma-separated: matmuls, attention_core, recompute_pointwise): "
+      "also profile each stage under them, so that plans may use Fk[NAME] on untagged models");
   app->add_option("--keep", keep,
                   "remat::keep tags (comma-separated, e.g. matmul): also profile each stage keeping those "
                   "calls' outputs, so that plans may keep a layer's matrix multiplications (Fk)");
 }
 
 ProfileOptions ModelArgs::profile_options(int64_t repeats) const {
-  return ProfileOptions().warmup(1).repeats(repeats).keep(split(keep));
+  std::vector<Policy> presets;
+  for (const auto& name : split(policies))
+    presets.push_back(policy::preset(name));
+  return ProfileOptions().warmup(1).repeats(repeats).keep(split(keep)).policies(presets);
 }
 
 WorkloadConfig ModelArgs::config(int64_t batch_override) const {
@@ -144,6 +151,20 @@ int64_t size_arg(const std::string& text, const char* flag) {
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(std::string(flag) + ": " + e.what());
   }
+}
+
+void add_exclude(CLI::App* app, std::string& exclude) {
+  app->add_option(
+      "--exclude", exclude,
+      "operations the planner may not use (comma-separated): Fk (none at all), Fk[tags] (none with the "
+      "keep tags), Fk[NAME] (none under policy NAME)");
+}
+
+PlannerOptions planner_options(const std::string& exclude, int64_t slots) {
+  PlannerOptions options;
+  options.slots = slots;
+  options.exclude = split(exclude);
+  return options;
 }
 
 }  // namespace remat::cli

@@ -36,7 +36,8 @@ Subcommand add_demo(CLI::App& app);
 /// --keep).
 struct ModelArgs {
   std::string model = "bert", variant = "small", placement = "each-op", device = "cpu", granularity = "layer";
-  std::string keep;  // remat::keep tags for Fk, comma-separated
+  std::string keep;      // remat::keep tags for Fk, comma-separated
+  std::string policies;  // policy presets for Fk[name], comma-separated
   int64_t layers = 12, hidden = 768, heads = 12, intermediate = 3072, seq = 128, vocab = 30522, batch = 0;
   int64_t depth = 16, width = 1024, calls = 1000, adds = 100, blocks = 3;
   double dropout = 0.1;
@@ -44,7 +45,7 @@ struct ModelArgs {
 
   /// Adds the options to `app`.
   void add(CLI::App* app);
-  /// Profiling options with the --keep tags.
+  /// Profiling options with the --keep tags and the --policy presets.
   ProfileOptions profile_options(int64_t repeats = 3) const;
   /// The workload's configuration; batch_override >= 0 replaces --batch.
   WorkloadConfig config(int64_t batch_override = -1) const;
@@ -64,5 +65,10 @@ std::vector<std::string> split(const std::string& text);
 void write_file(const std::string& path, const std::string& text);
 /// remat::parse_size, its error prefixed with the flag's name.
 int64_t size_arg(const std::string& text, const char* flag);
+
+/// Adds --exclude (operations the planner may not use: Fk, Fk[tags], Fk[NAME]) to `app`, into `exclude`.
+void add_exclude(CLI::App* app, std::string& exclude);
+/// Planner options with those exclusions (and `slots`).
+PlannerOptions planner_options(const std::string& exclude, int64_t slots = PlannerOptions().slots);
 
 }  // namespace remat::cli

@@ -13,7 +13,7 @@ namespace {
 
 struct PlanArgs {
   ModelArgs model;
-  std::string chain, budget, planner = "optimal", out, step;
+  std::string chain, budget, planner = "optimal", out, step, exclude;
   int64_t slots = 500;
   bool json = false;
 };
@@ -41,8 +41,7 @@ int run(const PlanArgs& a) {
                                 " stages, but the chain has " + std::to_string(chain.size()) +
                                 " (a step chain has the chain's stages plus the prefix and the suffix)");
   }
-  PlannerOptions options;
-  options.slots = a.slots;
+  const PlannerOptions options = planner_options(a.exclude, a.slots);
   const auto t0 = std::chrono::steady_clock::now();
   const Plan plan = plan_strategy(strategy, chain, budget, options);
   const double planning_ms =
@@ -98,6 +97,7 @@ Subcommand add_plan(CLI::App& app) {
       "the whole step as a chain of n+2 stages (prefix, the chain's stages, suffix with the loss: "
       "remat::profile_step's .step, saved with remat::save_chain): also predict the step's peak; "
       "without --chain, the chain is its stages 1..n");
+  add_exclude(cmd, a->exclude);
   cmd->add_flag("--json", a->json, "print one JSON object (the plan's JSON and the figures beside it)");
   cmd->add_option("--out", a->out, "also write the plan (remat::to_json) to this file");
   return {cmd, [a] { return run(*a); }};

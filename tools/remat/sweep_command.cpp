@@ -16,7 +16,7 @@ namespace {
 
 struct SweepArgs {
   ModelArgs model;
-  std::string chain, csv, title, plot, measured, frontier;
+  std::string chain, csv, title, plot, measured, frontier, exclude;
   int64_t budgets = 20;
 };
 
@@ -58,7 +58,7 @@ int run(const SweepArgs& a) {
     title = w->description();
   }
   progress("planning at " + std::to_string(a.budgets) + " budgets");
-  const auto points = sweep(chain, a.budgets);
+  const auto points = sweep(chain, a.budgets, planner_options(a.exclude));
   const std::string csv_path = !a.csv.empty() ? a.csv : (a.plot.empty() ? "" : a.plot + ".csv");
   if (!csv_path.empty()) {
     write_file(csv_path, sweep_csv(points, title));
@@ -92,6 +92,7 @@ Subcommand add_sweep(CLI::App& app) {
       ->check(CLI::Range(2, 10000))
       ->capture_default_str();
   cmd->add_option("--csv", a->csv, "write the curve as CSV to this file");
+  add_exclude(cmd, a->exclude);
   cmd->add_option("--title", a->title, "title of the curve (default: the model or the chain file)");
   cmd->add_option("--plot", a->plot,
                   "draw the curve to this PNG (scripts/plot_tradeoff.py; REMAT_PYTHON with matplotlib)");

@@ -130,7 +130,8 @@ Strategy bench_strategy(const std::string& strategy);
 
 /// The per-layer CheckpointOptions of a strategy that runs through the model's own checkpointing ("all" and
 /// its variants: kReentrant for all-reentrant, early_stop(false) for all-no-early-stop, keep({TAG}) for
-/// all-keep-TAG); nullopt for every other strategy.
+/// all-keep-TAG, policy(remat::policy::preset(NAME)) for all-policy-NAME); nullopt for every other strategy.
+/// Throws c10::Error for a NAME that is no preset.
 std::optional<CheckpointOptions> per_layer_options(const Strategy& strategy);
 /// per_layer_options(bench_strategy(strategy)). Throws as bench_strategy.
 std::optional<CheckpointOptions> per_layer_options(const std::string& strategy);

@@ -15,7 +15,9 @@
 #include <remat/checkpoint.h>
 #include <remat/plan.h>
 #include <remat/planner.h>
+#include <remat/policy.h>
 #include <remat/sequential.h>
+#include <remat/strategy.h>
 
 #include <cstdlib>
 #include <functional>
@@ -126,6 +128,10 @@ struct Program {
   // Matrix multiplications (linear, shared, conv, matmul) run as remat::keep(kMatmul) calls, kept by
   // kNonReentrant regions; kPlan's chain has Fk.
   bool keep = false;
+  // The operator-level policy of kNonReentrant regions and segments, and of kPlan's Fk[name] stages: 0 none,
+  // 1 matmuls, 2 recompute_pointwise, 3 "by-name", which keeps the operators whose name hashes odd with the
+  // seed (a different random set of kept operators per program: dropout, softmax, norms...).
+  int policy = 0;
 
   std::string str() const {
     std::ostringstream os;
@@ -141,7 +147,7 @@ struct Program {
       os << ", segments kReentrant";
     os << "; " << (use_grad_api ? "autograd::grad" : "backward()") << (second_backward ? " twice" : "")
        << (preserve_rng ? "" : ", rng not preserved") << (early_stop ? "" : ", no early stop")
-       << (keep ? ", matmuls kept" : "") << "\n";
+       << (keep ? ", matmuls kept" : "") << (policy ? ", policy " + policy_name() : "") << "\n";
     for (size_t b = 0; b < blocks.size(); ++b) {
       os << "  block " << b << " [" << mode_text(blocks[b].mode);
       if (strategy == Strategy::kNested) {
@@ -155,6 +161,20 @@ struct Program {
       os << "\n";
     }
     return os.str();
+  }
+
+  std::string policy_name() const {
+    static const char* names[] = {"", "matmuls", "recompute_pointwise", "by-name"};
+    return names[policy];
+  }
+  // The policy itself (an empty one for 0).
+  remat::Policy make_policy() const {
+    if (policy == 0) return {};
+    if (policy < 3) return remat::policy::preset(policy_name());
+    const uint64_t salt = seed;
+    return remat::Policy("by-name", [salt](const remat::OpCall& c) {
+      return ((std::hash<std::string>()(c.name) ^ salt) >> 3) & 1;
+    });
   }
 };
 
@@ -235,6 +255,7 @@ Program generate(uint64_t seed) {
       (p.plan_seed >> 7) & 1;                // from a draw already made: earlier seeds keep their programs
   p.early_stop = !((p.plan_seed >> 8) & 1);  // from a draw already made, as above
   p.keep = (p.plan_seed >> 9) & 1;           // likewise
+  p.policy = static_cast<int>((p.plan_seed >> 10) & 3);  // likewise
   p.use_grad_api = coin(0.35);
   p.second_backward = coin(0.25);
   p.preserve_rng = true;
@@ -243,7 +264,9 @@ Program generate(uint64_t seed) {
 }
 
 // A random valid plan for n stages, from the planner layer: a random chain and one of its planners.
-remat::Plan make_random_plan(uint64_t seed, int64_t n, bool keep) {
+// With a policy name, the chain has its costs too (no new draws) and the plan may run stages as Fk[name]:
+// "all" then runs every stage so.
+remat::Plan make_random_plan(uint64_t seed, int64_t n, bool keep, const std::string& policy = "") {
   std::mt19937_64 rng(seed);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   remat::Chain chain;
@@ -262,14 +285,20 @@ remat::Plan make_random_plan(uint64_t seed, int64_t n, bool keep) {
       s.keep_fwd_ms = s.fwd_ms;
       s.keep_bwd_ms = s.bwd_ms + s.fwd_ms / 4;
     }
+    if (!policy.empty()) {
+      s.policies.push_back(remat::PolicyCost{policy, s.output_bytes + (s.saved_bytes - s.output_bytes) / 3,
+                                             s.fwd_ms, s.bwd_ms + s.fwd_ms / 2});
+    }
     chain.stages.push_back(s);
   }
   if (keep) chain.keep = {remat::kMatmul};
+  if (!policy.empty()) chain.policies = {policy};
   switch (pick(0, 5)) {
     case 0:
       return remat::no_checkpoint(chain);
     case 1:
-      return remat::checkpoint_all(chain);
+      return policy.empty() ? remat::checkpoint_all(chain)
+                            : remat::make_plan(chain, "all-policy-" + policy, -1);
     case 2:
       return remat::uniform(chain, pick(1, n), pick(0, 1) == 1);
     case 3:
@@ -477,7 +506,8 @@ CheckpointOptions options_for(Mode m, const std::vector<std::shared_ptr<torch::n
       .modules(modules)
       .preserve_rng_state(p.preserve_rng)
       .early_stop(p.early_stop)
-      .keep(keep);
+      .keep(keep)
+      .policy(m == 1 ? p.make_policy() : remat::Policy());
 }
 
 bool any_requires_grad(const std::vector<torch::Tensor>& ts,
@@ -532,7 +562,8 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
                           .mode(p.segments_reentrant ? remat::CheckpointMode::kReentrant
                                                      : remat::CheckpointMode::kNonReentrant)
                           .keep(p.keep && !p.segments_reentrant ? std::vector<std::string>{remat::kMatmul}
-                                                                : std::vector<std::string>{}))
+                                                                : std::vector<std::string>{})
+                          .policy(p.segments_reentrant ? remat::Policy() : p.make_policy()))
           .checkpoint_last_segment(p.checkpoint_last);
   switch (p.strategy) {
     case Strategy::kPerBlock:
@@ -578,9 +609,11 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
                                         [block](const torch::Tensor& t) mutable { return block->forward(t); },
                                         block.ptr()});
       }
-      const remat::Plan plan = make_random_plan(p.plan_seed, static_cast<int64_t>(n), p.keep);
+      const remat::Plan plan =
+          make_random_plan(p.plan_seed, static_cast<int64_t>(n), p.keep, p.policy_name());
       return finish(
-          {remat::run_plan(stages, plan, in.x, CheckpointOptions().preserve_rng_state(p.preserve_rng))});
+          {remat::run_plan(stages, plan, in.x,
+                           CheckpointOptions().preserve_rng_state(p.preserve_rng).policy(p.make_policy()))});
     }
   }
   return {};
@@ -718,7 +751,7 @@ Program shrink(Program p) {
         progress = try_candidate(c);
       }
     }
-    for (int option = 0; option < 4 && !progress; ++option) {
+    for (int option = 0; option < 6 && !progress; ++option) {
       Program c = p;
       if (option == 0 && c.second_backward)
         c.second_backward = false;
@@ -728,6 +761,10 @@ Program shrink(Program p) {
         c.aux_requires_grad = false;
       else if (option == 3 && !c.input_requires_grad)
         c.input_requires_grad = true;
+      else if (option == 4 && c.policy != 0)
+        c.policy = 0;
+      else if (option == 5 && c.keep)
+        c.keep = false;
       else
         continue;
       progress = try_candidate(c);

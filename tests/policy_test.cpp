@@ -240,6 +240,73 @@ TEST(Policy, AnInPlaceWriteOfAKeptOutputIsPartOfTheCallOrReleasesIt) {
       << warnings.messages.back();
 }
 
+TEST(Policy, WritesToKeptOutputsHoldThroughASecondBackwardAndMakeThemTrainable) {
+  // Found by the fuzz test (tests/fuzz_test.cpp, which draws a policy per program). Each case: gradients
+  // equal to the plain run's after backward twice (retain_graph: the second recompute runs what the first
+  // handed back).
+  torch::manual_seed(0);
+  auto keep_all = remat::Policy([](const std::string&) { return true; }).named("everything");
+  torch::nn::Linear fc(6, 6);
+  const auto bias = torch::randn({6}, torch::requires_grad());
+  const auto constant = torch::randn({4, 6});
+  const auto x = torch::randn({4, 6}, torch::requires_grad());
+  struct Case {
+    const char* what;
+    std::function<torch::Tensor(const torch::Tensor&)> fn;
+    torch::Tensor input;
+    remat::CheckpointOptions options;
+  };
+  const Case cases[] = {
+      // A constant's product kept, then a trained bias added in place: the product is handed back requiring
+      // grad, so the recompute records and saves what the forward pass did.
+      {"constant product, bias added in place",
+       [&](const torch::Tensor& t) { return (2 * t).add_(bias).tanh(); }, constant,
+       remat::CheckpointOptions().policy(keep_all)},
+      // h + 0.5 (an add that calls another add) kept and written by mul_: in the second recompute it runs
+      // again,
+      // and so does the write, with the copy autograd makes of what mul_ overwrites.
+      {"a nested call's output written in place",
+       [](const torch::Tensor& t) { return (t + 0.5).mul_(torch::sigmoid(t)).sin(); }, x,
+       remat::CheckpointOptions().policy(keep_all)},
+      // remat::keep calls and a policy in one region: in the second recompute the keep call runs again, its
+      // operators still not asked.
+      {"keep tags and a policy",
+       [&](const torch::Tensor& t) {
+         return torch::tanh(remat::keep(
+                                remat::kMatmul, [&](const torch::Tensor& u) { return fc(u); }, t))
+             .exp();
+       },
+       x, remat::CheckpointOptions().keep({remat::kMatmul}).policy(remat::policy::matmuls())},
+  };
+  for (const Case& c : cases) {
+    std::vector<torch::Tensor> params{bias, x, fc->weight, fc->bias};
+    auto grads = [&](bool checkpointed) {
+      for (auto& t : params)
+        t.mutable_grad().reset();
+      auto y = checkpointed ? remat::checkpoint(c.fn, c.input, c.options) : c.fn(c.input);
+      auto loss = y.pow(2).sum();
+      loss.backward({}, /*retain_graph=*/true);
+      loss.backward();
+      std::vector<torch::Tensor> out;
+      for (auto& t : params)
+        out.push_back(t.grad().defined() ? t.grad().clone() : torch::Tensor());
+      return out;
+    };
+    const auto plain = grads(false);
+    std::vector<torch::Tensor> got;
+    try {
+      got = grads(true);
+    } catch (const c10::Error& e) {
+      ADD_FAILURE() << c.what << ": " << e.what_without_backtrace();
+      continue;
+    }
+    for (size_t i = 0; i < plain.size(); ++i) {
+      ASSERT_EQ(plain[i].defined(), got[i].defined()) << c.what << ": gradient " << i;
+      if (plain[i].defined()) EXPECT_EQ(max_abs_diff(plain[i], got[i]), 0.0) << c.what << ": gradient " << i;
+    }
+  }
+}
+
 TEST(Policy, KeptDropoutKeepsItsMaskAndTheGeneratorMovesOnAsInThePlainRun) {
   torch::manual_seed(0);
   std::vector<Block> blocks{Block(16, 2, 8, 0.3)};

@@ -272,7 +272,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       // intermediate results runs fn up to where it is now.
       replayed_ = 0;
       Collector::Replay replay;
-      if (!kept_.empty()) {
+      // Also once the kept calls have served (a second recompute, retain_graph): replay() then runs them,
+      // paused for the region's policy as in the forward pass, where the region kept them.
+      if (!keep_tags_.empty()) {
         replay = [this](const std::string& tag, const KeepFn& fn, const std::vector<at::Tensor>& in,
                         Collector& c) { return this->replay(tag, fn, in, c); };
       }

@@ -91,6 +91,18 @@ const void* storage_key(const at::Tensor& t) {
                                         : nullptr;
 }
 
+// Counts one more level of a nesting while alive.
+class Nested {
+ public:
+  explicit Nested(int& depth) : depth_(depth) { ++depth_; }
+  ~Nested() { --depth_; }
+  Nested(const Nested&) = delete;
+  Nested& operator=(const Nested&) = delete;
+
+ private:
+  int& depth_;
+};
+
 void warn_once(const std::string& message) {
   static std::mutex mutex;
   static std::set<std::string> warned;
@@ -145,7 +157,7 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
     if (r_.paused_ > 0 || absorbing_ > 0 || r_.forward_done_ || current_graph_task() != task_) return run();
     const c10::FunctionSchema& schema = op.schema();
     const auto args = torch::jit::last(*stack, schema.arguments().size());
-    if (!r_.kept_storages_.empty() && write_to_kept(op, stack, run, args)) return;
+    if (!r_.kept_storages_.empty() && write_to_kept(op, run, args)) return;
     if (!askable(schema)) return run();
 
     const std::vector<at::Tensor> inputs = tensors_of(args);
@@ -211,8 +223,8 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
   // runs now, and the recompute hands the outputs back as they are after it and skips it. Otherwise the kept
   // call cannot be handed back (its outputs would not be what the forward pass used after the call): it is
   // recomputed instead, with a warning. True when the write was run here.
-  bool write_to_kept(const c10::OperatorHandle& op, torch::jit::Stack* stack,
-                     const std::function<void()>& run, c10::ArrayRef<c10::IValue> args) {
+  bool write_to_kept(const c10::OperatorHandle& op, const std::function<void()>& run,
+                     c10::ArrayRef<c10::IValue> args) {
     const c10::FunctionSchema& schema = op.schema();
     std::vector<int64_t> owners;
     bool writes_other = false;
@@ -228,7 +240,7 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
     }
     if (owners.empty()) return false;
     if (owners.size() == 1 && !writes_other && returned_arguments(schema)) {
-      absorb(schema, stack, run, owners.front(), args);
+      absorb(schema, run, owners.front(), args);
       return true;
     }
     for (int64_t k : owners) {
@@ -246,10 +258,12 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
     return false;
   }
 
-  void absorb(const c10::FunctionSchema& schema, torch::jit::Stack* stack, const std::function<void()>& run,
-              int64_t owner, c10::ArrayRef<c10::IValue> args) {
-    (void)stack;
+  void absorb(const c10::FunctionSchema& schema, const std::function<void()>& run, int64_t owner,
+              c10::ArrayRef<c10::IValue> args) {
     const std::vector<at::Tensor> inputs = tensors_of(args);
+    std::vector<at::Tensor> written;  // `args` lives on the stack, which run() changes
+    for (size_t i : written_arguments(schema))
+      for_each_tensor(args[i], [&](const at::Tensor& t) { written.push_back(t); });
     const int64_t index = static_cast<int64_t>(r_.calls_.size());
     Call write{schema.name(), schema.overload_name()};
     write.owner = r_.kept_call_[static_cast<size_t>(owner)];
@@ -258,11 +272,7 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
     const size_t captured_from = r_.captured_.size();
     {
       Open open(r_, index);
-      ++absorbing_;
-      struct Done {
-        int& n;
-        ~Done() { --n; }
-      } done{absorbing_};
+      const Nested nested(absorbing_);
       run();
       r_.calls_[static_cast<size_t>(index)].end = static_cast<int64_t>(r_.calls_.size());
       WatchPause pause;
@@ -273,10 +283,15 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
       r_.kept_.push_back(std::move(kept));
       r_.kept_call_.push_back(index);
     }
-    // The owner's outputs are handed back as they are now.
+    // The owner's outputs are handed back as they are now: at their new version, and requiring grad when the
+    // write made them (a constant's product with a trained bias added in place).
     KeptCall& o = r_.kept_[static_cast<size_t>(owner)];
-    for (size_t i = 0; i < o.outputs.size(); ++i)
+    for (size_t i = 0; i < o.outputs.size(); ++i) {
       o.output_versions[i] = version_of(o.outputs[i]);
+      for (const at::Tensor& w : written)
+        if (w.requires_grad() && storage_key(w) == storage_key(o.outputs[i]))
+          o.output_requires_grad[i] = true;
+    }
   }
 
   void release(int64_t k) {
@@ -308,7 +323,7 @@ class OpPolicyRecord::Replay final : public OpInterceptor {
 
   void call(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::function<void()>& run,
             int /*depth*/) override {
-    if (!r_.forward_done_ || r_.paused_ > 0 || current_graph_task() != task_) return run();
+    if (!r_.forward_done_ || r_.paused_ > 0 || writing_ > 0 || current_graph_task() != task_) return run();
     const c10::FunctionSchema& schema = op.schema();
     if (askable(schema)) return asked(schema, stack, run);
     if (cursor_ < static_cast<int64_t>(r_.calls_.size()) &&
@@ -376,19 +391,24 @@ class OpPolicyRecord::Replay final : public OpInterceptor {
   void note_outputs(const c10::FunctionSchema& schema, torch::jit::Stack* stack, int64_t index) {
     for (const c10::IValue& v : torch::jit::last(*stack, schema.returns().size()))
       for_each_tensor(v, [&](const at::Tensor& t) {
-        // The first call that returned a storage made it (a view of it, if one is asked, returns it too).
-        if (const void* s = storage_key(t)) produced_.emplace(s, index);
+        // The first call that returned a storage made it: a call inside it is noted first, and an enclosing
+        // call that returns a view of it (matmul of mm's product) returns it too. The weak reference keeps a
+        // freed storage's address from being reused by a new one during the recompute.
+        if (const void* s = storage_key(t))
+          produced_.emplace(s, Producer{index, t.storage().getWeakStorageImpl()});
       });
   }
 
   bool writes_owner(const c10::FunctionSchema& schema, torch::jit::Stack* stack) const {
     const int64_t owner = r_.calls_[static_cast<size_t>(cursor_)].owner;
     const auto args = torch::jit::last(*stack, schema.arguments().size());
+    const int64_t owner_end = r_.calls_[static_cast<size_t>(owner)].end;
     bool all = true, any = false;
     for (size_t i : written_arguments(schema)) {
       for_each_tensor(args[i], [&](const at::Tensor& t) {
+        // The owner or a call inside it made the storage (aten::add returns what its inner call made).
         const auto it = produced_.find(storage_key(t));
-        const bool mine = it != produced_.end() && it->second == owner;
+        const bool mine = it != produced_.end() && it->second.index >= owner && it->second.index < owner_end;
         all = all && mine;
         any = any || mine;
       });
@@ -404,6 +424,9 @@ class OpPolicyRecord::Replay final : public OpInterceptor {
     const bool owner_back =
         std::find(handed_back_.begin(), handed_back_.end(), call.owner) != handed_back_.end();
     if (!owner_back || call.kept < 0) {
+      // Run as in the forward pass, where the calls inside the write (autograd's copy of what it overwrites)
+      // were not asked.
+      const Nested nested(writing_);
       run();
       cursor_ = call.end;
       return;
@@ -431,8 +454,13 @@ class OpPolicyRecord::Replay final : public OpInterceptor {
   std::function<void(const at::Tensor&)> save_;
   const void* task_;
   int64_t cursor_ = 0;
-  std::unordered_map<const void*, int64_t> produced_;  // a storage -> the asked call that returned it
-  std::vector<int64_t> handed_back_;                   // asked calls handed back in this recompute
+  int writing_ = 0;  // inside a write made part of a kept call that ran again: its calls are not asked
+  struct Producer {
+    int64_t index;                                      // the asked call
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // holds the address
+  };
+  std::unordered_map<const void*, Producer> produced_;  // a storage -> the asked call that returned it
+  std::vector<int64_t> handed_back_;                    // asked calls handed back in this recompute
 };
 
 // ------------------------------------------------------------------------------------------------------------

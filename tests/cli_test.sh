@@ -81,6 +81,29 @@ out=$("$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediat
 rc=$?
 rows=$(grep -cE '^(all-keep-matmul|optimal:overhead=0.5) .* equal ' <<<"$out")
 if [ $rc -eq 0 ] && [ "$rows" = 2 ]; then echo "ok   bench-keep"; else echo "FAIL bench-keep: exit $rc: $out"; fail=1; fi
+# --policy: the profile measures each stage under a policy preset, plans may run stages as Fk[NAME], and
+# --exclude or a strategy's /no-Fk[NAME] keeps them from it.
+check profile-policy 0 "Fk[matmuls] kept MiB" -- "$remat" profile --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --policy matmuls --repeats 1
+check bad-policy nonzero "'bogus' is not a policy preset" -- "$remat" plan --model mlp --depth 2 --width 8 --policy matmuls,bogus --budget 1MiB
+policychain=$(mktemp)
+cat >"$policychain" <<'EOF'
+{"input_bytes": 100, "policies": ["matmuls"], "stages": [
+ {"name": "l0", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "policies": [{"policy": "matmuls", "saved_bytes": 200, "fwd_ms": 10, "bwd_ms": 22}]},
+ {"name": "l1", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "policies": [{"policy": "matmuls", "saved_bytes": 200, "fwd_ms": 10, "bwd_ms": 22}]},
+ {"name": "l2", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "policies": [{"policy": "matmuls", "saved_bytes": 200, "fwd_ms": 10, "bwd_ms": 22}]}]}
+EOF
+check plan-policy 0 "schedule: Fk0[matmuls] Fk1[matmuls] Fa2 L B2 B1 B0" -- "$remat" plan --chain "$policychain" --budget 2000
+check plan-policy-json 0 '"stages_fk": 2' -- "$remat" plan --chain "$policychain" --budget 2000 --json
+check plan-exclude 0 "schedule: Fc0 Fc1 Fa2 L B2 Fa1 B1 Fa0 B0" -- "$remat" plan --chain "$policychain" --budget 2000 --exclude 'Fk[matmuls]'
+check plan-no-fk 0 "schedule: Fc0 Fc1 Fa2 L B2 Fa1 B1 Fa0 B0" -- "$remat" plan --chain "$policychain" --budget 2000 --planner 'optimal/no-Fk'
+check plan-all-policy 0 "schedule: Fk0[matmuls] Fk1[matmuls] Fk2[matmuls] L" -- "$remat" plan --chain "$policychain" --planner all-policy-matmuls
+check bad-exclude nonzero "cannot exclude 'Fq'" -- "$remat" plan --chain "$policychain" --budget 2000 --exclude Fq
+check all-policy-unprofiled nonzero "attention_core" -- "$remat" plan --chain "$policychain" --planner all-policy-attention_core
+rm -f "$policychain"
+out=$("$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --policy matmuls --strategy all-policy-matmuls,all-policy-attention_core,optimal:overhead=0.5 --steps 1 --warmup 0 2>&1)
+rc=$?
+rows=$(grep -cE '^(all-policy-matmuls|all-policy-attention_core|optimal:overhead=0.5) .* equal ' <<<"$out")
+if [ $rc -eq 0 ] && [ "$rows" = 3 ]; then echo "ok   bench-policy"; else echo "FAIL bench-policy: exit $rc: $out"; fail=1; fi
 check profile-verdict 0 "verdict: checkpointing can save at most" -- "$remat" profile --model forum-cnn --batch 4 --repeats 1
 # The sweep: 3 optimal points and the baselines, the optimal overheads never growing with the budget.
 out=$("$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 2>/dev/null)

@@ -113,6 +113,12 @@ Policy attention_core();
 /// "recompute_pointwise".
 Policy recompute_pointwise();
 
+/// The presets' names, comma-separated, as errors and help texts list them.
+inline constexpr char kPresetNames[] = "matmuls, attention_core, recompute_pointwise";
+
+/// Whether `name` is a preset's name.
+bool is_preset(const std::string& name);
+
 /// The preset of that name ("matmuls", "attention_core", "recompute_pointwise"). Throws c10::Error naming
 /// remat::policy::preset and the presets when there is none.
 Policy preset(const std::string& name);

@@ -28,6 +28,9 @@ struct PlanSummary {
   double time_overhead = 0;         ///< plan time / baseline time - 1 (0 when the baseline takes no time)
   int64_t min_feasible_budget_bytes = 0;  ///< min_feasible_budget(chain) (bytes)
   int64_t stages_recomputed = 0;          ///< stages whose forward runs more than once
+  /// Stages that run as Fk (Fk or Fk[name]: only their kept calls' outputs kept, the rest of the stage
+  /// recomputed inside its backward).
+  int64_t stages_fk = 0;
   /// For a chain inside a model (the whole step given, see step_plan): the step's predicted peak under the
   /// plan and without checkpointing (bytes, the model's input included).
   std::optional<int64_t> step_peak_bytes, step_baseline_peak_bytes;
@@ -41,8 +44,8 @@ PlanSummary summarize_plan(const Chain& chain, const Plan& plan, const Chain* st
 /// The JSON `remat plan --json` prints: the plan's own JSON (to_json(plan): "num_stages", "planner",
 /// "budget_bytes", "ops", "predicted", "keep") and beside it "predicted_peak_bytes", "predicted_time_ms",
 /// "forward_calls", "baseline_peak_bytes", "baseline_time_ms", "time_overhead", "min_feasible_budget_bytes",
-/// "stages_recomputed" and, with a step, "step_predicted_peak_bytes" and "step_baseline_peak_bytes".
-/// plan_from_json() reads it back.
+/// "stages_recomputed", "stages_fk" and, with a step, "step_predicted_peak_bytes" and
+/// "step_baseline_peak_bytes". plan_from_json() reads it back.
 std::string to_json(const PlanSummary& summary);
 
 /// The chain inside a step chain: stages 1..n of a step of n + 2 stages (prefix, the chain, suffix), its

@@ -28,6 +28,10 @@ PlanSummary summarize_plan(const Chain& chain, const Plan& plan, const Chain* st
   s.min_feasible_budget_bytes = min_feasible_budget(chain);
   for (int64_t calls : s.plan.predicted.forward_calls)
     s.stages_recomputed += calls > 1;
+  std::vector<bool> fk(static_cast<size_t>(plan.num_stages), false);
+  for (const Op& op : plan.ops)
+    if (op.kind == OpKind::kForwardKeep) fk.at(static_cast<size_t>(op.stage)) = true;
+  s.stages_fk = std::count(fk.begin(), fk.end(), true);
   if (step != nullptr) {
     s.step_peak_bytes = simulate(*step, step_plan(plan)).peak_bytes;
     s.step_baseline_peak_bytes = simulate(*step, step_plan(none)).peak_bytes;
@@ -45,6 +49,7 @@ std::string to_json(const PlanSummary& s) {
   j["time_overhead"] = s.time_overhead;
   j["min_feasible_budget_bytes"] = s.min_feasible_budget_bytes;
   j["stages_recomputed"] = s.stages_recomputed;
+  j["stages_fk"] = s.stages_fk;
   if (s.step_peak_bytes) j["step_predicted_peak_bytes"] = *s.step_peak_bytes;
   if (s.step_baseline_peak_bytes) j["step_baseline_peak_bytes"] = *s.step_baseline_peak_bytes;
   return j.dump(2);

@@ -102,12 +102,9 @@ std::vector<Policy> resolve_policies(const Plan& plan, const CheckpointOptions& 
       out.push_back(options.policy());
       continue;
     }
-    TORCH_CHECK(
-        name == "matmuls" || name == "attention_core" || name == "recompute_pointwise", who,
-        ": the plan keeps with policy '", name,
-        "', which is not one of remat's presets (matmuls, attention_core, recompute_pointwise): pass it as "
-        "CheckpointOptions().policy(...) named '",
-        name, "'");
+    TORCH_CHECK(policy::is_preset(name), who, ": the plan keeps with policy '", name,
+                "', which is not one of remat's presets (", policy::kPresetNames,
+                "): pass it as CheckpointOptions().policy(...) named '", name, "'");
     out.push_back(policy::preset(name));
   }
   return out;

@@ -250,12 +250,15 @@ Policy recompute_pointwise() {
   return Policy("recompute_pointwise", [](const OpCall& call) { return !pointwise(call); });
 }
 
+bool is_preset(const std::string& name) {
+  return name == "matmuls" || name == "attention_core" || name == "recompute_pointwise";
+}
+
 Policy preset(const std::string& name) {
   if (name == "matmuls") return matmuls();
   if (name == "attention_core") return attention_core();
   if (name == "recompute_pointwise") return recompute_pointwise();
-  TORCH_CHECK(false, "remat::policy::preset: no preset named '", name,
-              "' (matmuls, attention_core, recompute_pointwise)");
+  TORCH_CHECK(false, "remat::policy::preset: no preset named '", name, "' (", kPresetNames, ")");
 }
 
 }  // namespace policy

@@ -69,9 +69,17 @@ void ModelArgs::add(CLI::App* app) {
       ->check(CLI::IsMember({"layer", "sublayer"}))
       ->capture_default_str();
   app->add_option(
-      "--policy", policies,
-      "operator-level policy presets (comma-separated: matmuls, attention_core, recompute_pointwise): "
-      "also profile each stage under them, so that plans may use Fk[NAME] on untagged models");
+         "--policy", policies,
+         std::string("operator-level policy presets (comma-separated: ") + policy::kPresetNames +
+             "): also profile each stage under them, so that plans may use Fk[NAME] on untagged models")
+      ->check(
+          [](const std::string& text) -> std::string {
+            for (const auto& name : split(text))
+              if (!policy::is_preset(name))
+                return "'" + name + "' is not a policy preset (" + policy::kPresetNames + ")";
+            return "";
+          },
+          "PRESET[,PRESET...]");
   app->add_option("--keep", keep,
                   "remat::keep tags (comma-separated, e.g. matmul): also profile each stage keeping those "
                   "calls' outputs, so that plans may keep a layer's matrix multiplications (Fk)");

@@ -63,7 +63,8 @@ int run(const PlanArgs& a) {
   std::cout
       << "  Fc = forward keeping its input (a checkpoint), Fn = forward keeping nothing, Fa = forward "
          "keeping "
-         "everything for backward, Fk = forward keeping its kept calls' outputs, L = loss, B = backward\n";
+         "everything for backward, Fk = forward keeping its kept calls' outputs (Fk3[matmuls]: those policy "
+         "matmuls keeps), L = loss, B = backward\n";
   std::cout << "predicted peak: " << format_bytes(plan.predicted.peak_bytes) << " (without checkpointing "
             << format_bytes(s.baseline_peak_bytes) << "; the least possible "
             << format_bytes(s.min_feasible_budget_bytes) << ")\n";
@@ -76,6 +77,10 @@ int run(const PlanArgs& a) {
   std::cout << "predicted time: " << fixed(plan.predicted.time_ms, 2) << " ms per step, "
             << fixed(100 * s.time_overhead, 1) << "% over no checkpointing\n";
   std::cout << "stages recomputed: " << s.stages_recomputed << " of " << chain.size() << "\n";
+  if (s.stages_fk > 0) {
+    std::cout << "stages run as Fk (their kept calls' outputs kept, the rest recomputed in their backward): "
+              << s.stages_fk << " of " << chain.size() << "\n";
+  }
   return 0;
 }
 

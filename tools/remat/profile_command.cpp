@@ -24,6 +24,8 @@ int run(const ProfileArgs& a) {
                                    "saved MiB", "fwd tmp MiB", "bwd tmp MiB"};
   const bool keep = !chain.keep.empty();
   if (keep) columns.insert(columns.end(), {"Fk kept MiB", "Fk bwd ms"});
+  for (const auto& name : chain.policies)
+    columns.insert(columns.end(), {"Fk[" + name + "] kept MiB", "bwd ms"});
   Table t(columns);
   const size_t shown = 40;
   for (size_t i = 0; i < chain.stages.size(); ++i) {
@@ -39,7 +41,15 @@ int run(const ProfileArgs& a) {
                                  mib(s.saved_bytes),
                                  mib(s.fwd_tmp_bytes),
                                  mib(s.bwd_tmp_bytes)};
-    if (keep && s.has_keep()) row.insert(row.end(), {mib(*s.keep_saved_bytes), fixed(*s.keep_bwd_ms, 3)});
+    if (keep) {
+      row.insert(row.end(), {s.has_keep() ? mib(*s.keep_saved_bytes) : "-",
+                             s.has_keep() ? fixed(*s.keep_bwd_ms, 3) : "-"});
+    }
+    for (size_t k = 0; k < chain.policies.size(); ++k) {
+      const bool has = k < s.policies.size();
+      row.insert(row.end(),
+                 {has ? mib(s.policies[k].saved_bytes) : "-", has ? fixed(s.policies[k].bwd_ms, 3) : "-"});
+    }
     t.add(row);
   }
   t.print(std::cout);

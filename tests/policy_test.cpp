@@ -423,6 +423,33 @@ TEST(Policy, AnInnerCheckpointWithoutAPolicyRecomputesWhatIsInsideIt) {
   EXPECT_EQ(counter.counts["aten::exp"], 2);
 }
 
+// Another library holding the dispatcher key remat watches operators with: a policy is a clear error, not a
+// silent no-op. In a process of its own (a fresh copy of this binary), where the key is taken before remat
+// asks for it.
+TEST(PolicyDeathTest, AnotherLibraryHoldingTheDispatcherKeyIsAClearError) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        static torch::Library taken(torch::Library::IMPL, "_", remat::detail::kWatchKey, __FILE__, __LINE__);
+        taken.fallback(torch::CppFunction::makeFallthrough());
+        const auto x = torch::randn({4}, torch::requires_grad());
+        try {
+          remat::checkpoint([](const torch::Tensor& t) { return t.sin().exp(); }, x,
+                            remat::CheckpointOptions().policy(remat::policy::matmuls()));
+        } catch (const c10::Error& e) {
+          const std::string what = e.what_without_backtrace();
+          std::cerr << what << std::endl;
+          std::exit(what.find("an operator-level policy needs remat's dispatcher fallback") !=
+                                std::string::npos &&
+                            what.find("which another library in this process holds") != std::string::npos
+                        ? 0
+                        : 2);
+        }
+        std::exit(1);  // ran without its policy
+      },
+      ::testing::ExitedWithCode(0), "another library");
+}
+
 TEST(Policy, ErrorsNameTheProblem) {
   const auto x = torch::randn({4}, torch::requires_grad());
   auto fn = [](const torch::Tensor& t) { return t.exp(); };

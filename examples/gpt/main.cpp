@@ -1,0 +1,149 @@
+// A GPT written as LibTorch users write it (gpt.h: nanoGPT's model, blocks in a ModuleList), trained on
+// random token ids with AdamW, checkpointed without editing its blocks: per block on what the ModuleList
+// hands out, in both modes and under each operator-level policy preset, and as sequential segments over the
+// ModuleList. First it checks that every way gives the plain run's loss, gradients and next random draw,
+// bitwise (dropout on); then it measures each way's peak memory and step time, in rounds that alternate the
+// ways.
+//
+//   build/examples/example_gpt [layers width heads block batch steps rounds]
+//   build/examples/example_gpt 6 384 6 256 8 3 3      # the nanoGPT Shakespeare size (docs/BENCHMARKS.md)
+//
+// Exits 1 when a way differs from the plain run.
+#include <remat/measure.h>
+#include <remat/memory.h>
+#include <remat/policy.h>
+#include <remat/sequential.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <iomanip>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "gpt.h"
+
+using gpt_example::BlockImpl;
+using gpt_example::GPT;
+
+namespace {
+
+struct Way {
+  std::string name;
+  std::optional<remat::CheckpointOptions> per_block;  // GPTImpl::checkpointing
+  int64_t segments = 0;                               // > 0: checkpoint_sequential over the ModuleList
+};
+
+// The loss of one forward pass under `way`.
+torch::Tensor loss_of(GPT& gpt, const Way& way, const torch::Tensor& idx, const torch::Tensor& targets) {
+  gpt->checkpointing = way.per_block;
+  if (way.segments == 0) return gpt->loss(idx, targets);
+  // The ModuleList's blocks as stages, given their type; the embedding and the head around them.
+  const auto stages = remat::stages_at<BlockImpl>(*gpt, {"h"});
+  const auto logits = gpt->head(remat::checkpoint_sequential(stages, way.segments, gpt->embed(idx)));
+  return torch::nn::functional::cross_entropy(logits.view({-1, logits.size(-1)}), targets.view({-1}));
+}
+
+struct Outcome {
+  torch::Tensor loss, next_draw;
+  std::vector<torch::Tensor> grads;
+};
+
+// One step from the same weights and the same seed.
+Outcome one_step(const gpt_example::GPTConfig& config, const Way& way, const torch::Tensor& idx,
+                 const torch::Tensor& targets) {
+  torch::manual_seed(0);
+  GPT gpt(config);
+  torch::manual_seed(1);
+  Outcome o;
+  o.loss = loss_of(gpt, way, idx, targets);
+  o.loss.backward();
+  for (const auto& p : gpt->parameters())
+    o.grads.push_back(p.grad().clone());
+  o.next_draw = torch::rand({8});
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<int64_t> a{2, 64, 4, 64, 4, 1, 1};  // layers width heads block batch steps rounds
+  for (int i = 1; i < argc && i <= static_cast<int>(a.size()); ++i)
+    a[i - 1] = std::atoll(argv[i]);
+  if (std::any_of(a.begin(), a.end(), [](int64_t v) { return v < 1; }) || a[1] % a[2] != 0) {
+    std::cerr << "example_gpt: every argument must be >= 1 and the width a multiple of the heads\n";
+    return 2;
+  }
+  gpt_example::GPTConfig config;
+  config.n_layer = a[0], config.n_embd = a[1], config.n_head = a[2], config.block_size = a[3];
+  const int64_t batch = a[4], steps = a[5], rounds = a[6];
+  remat::memory::track_cpu();
+  torch::manual_seed(42);
+  const auto idx = torch::randint(config.vocab_size, {batch, config.block_size});
+  const auto targets = torch::randint(config.vocab_size, {batch, config.block_size});
+
+  using remat::CheckpointOptions;
+  // Half as many segments as blocks (at least two where there are two blocks): the last one is not
+  // checkpointed.
+  const int64_t segments = std::min(config.n_layer, std::max<int64_t>(2, (config.n_layer + 1) / 2));
+  const std::vector<Way> ways = {
+      {"none", std::nullopt},
+      {"per block (kNonReentrant)", CheckpointOptions()},
+      {"per block (kReentrant)", CheckpointOptions().mode(remat::CheckpointMode::kReentrant)},
+      {"per block, policy matmuls", CheckpointOptions().policy(remat::policy::matmuls())},
+      {"per block, policy attention_core", CheckpointOptions().policy(remat::policy::attention_core())},
+      {"per block, policy recompute_pointwise",
+       CheckpointOptions().policy(remat::policy::recompute_pointwise())},
+      {"checkpoint_sequential(" + std::to_string(segments) + ") over the ModuleList", std::nullopt, segments},
+  };
+
+  // Every way against the plain run, bitwise.
+  const Outcome plain = one_step(config, ways[0], idx, targets);
+  int failures = 0;
+  for (size_t w = 1; w < ways.size(); ++w) {
+    const Outcome o = one_step(config, ways[w], idx, targets);
+    bool same = torch::equal(o.loss, plain.loss) && torch::equal(o.next_draw, plain.next_draw) &&
+                o.grads.size() == plain.grads.size();
+    for (size_t i = 0; same && i < o.grads.size(); ++i)
+      same = torch::equal(o.grads[i], plain.grads[i]);
+    if (!same) {
+      std::cerr << "example_gpt: " << ways[w].name << " differs from the plain run\n";
+      ++failures;
+    }
+  }
+  if (failures > 0) return 1;
+  std::cout << "every way: loss, " << plain.grads.size()
+            << " gradients and the next random draw equal to the plain run's, bitwise\n\n";
+
+  // Peak memory and time, the ways alternated in each round; ratios against "none" of the same round.
+  torch::manual_seed(0);
+  GPT gpt(config);
+  torch::optim::AdamW adamw(gpt->parameters(), torch::optim::AdamWOptions(6e-4).weight_decay(0.1));
+  std::vector<std::vector<double>> ms(ways.size()), ratio(ways.size());
+  std::vector<int64_t> peak(ways.size(), 0), kept(ways.size(), 0);
+  for (int64_t round = 0; round < rounds; ++round) {
+    for (size_t w = 0; w < ways.size(); ++w) {
+      const auto stats = remat::measure_step(
+          *gpt, [&] { return loss_of(gpt, ways[w], idx, targets); },
+          remat::MeasureOptions().warmup(1).steps(steps));
+      adamw.step();
+      ms[w].push_back(stats.median_ms);
+      ratio[w].push_back(stats.median_ms / ms[0].back());
+      peak[w] = std::max(peak[w], stats.peak_bytes);
+      kept[w] = std::max(kept[w], stats.after_forward_bytes);
+    }
+  }
+  std::cout << "GPT " << config.n_layer << " layers x " << config.n_embd << " (" << config.n_head
+            << " heads), block " << config.block_size << ", batch " << batch << ", dropout " << config.dropout
+            << ", AdamW; " << rounds << " rounds of " << steps << " steps per way, medians\n"
+            << std::left << std::setw(46) << "way" << std::right << std::setw(10) << "peak MiB"
+            << std::setw(10) << "kept MiB" << std::setw(10) << "ms" << std::setw(8) << "x none\n";
+  for (size_t w = 0; w < ways.size(); ++w) {
+    std::cout << std::left << std::setw(46) << ways[w].name << std::right << std::fixed
+              << std::setprecision(1) << std::setw(10) << static_cast<double>(peak[w]) / (1 << 20)
+              << std::setw(10) << static_cast<double>(kept[w]) / (1 << 20) << std::setw(10)
+              << remat::median(ms[w]) << std::setw(8) << std::setprecision(2) << remat::median(ratio[w])
+              << "\n";
+  }
+  return 0;
+}

@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel sublayer timemodel frontier)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel sublayer timemodel frontier gpt compile)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -35,6 +35,20 @@ for name in "${sections[@]}"; do
       REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --hf --build build-pypi --model bert --granularity layer \
         --keep matmul --pytorch none,all,all-reentrant,uniform:2,uniform:3,uniform:4,uniform:6,selective --steps 3 \
         --warmup 1 --rounds 3 --out "$out/frontier-bert"
+      ;;
+    gpt)  # examples/gpt (remat, LibTorch 2.15) and bench/gpt_reference.py (PyTorch 2.15) alternated, 3 rounds
+      py="$REMAT_PYPI_VENV/bin/python"
+      for r in 1 2 3; do
+        log build-pypi/examples/example_gpt 6 384 6 256 8 3 1
+        log "$py" bench/gpt_reference.py --meter build-pypi/libremat_meter.so --layers 6 --width 384 --heads 6 \
+          --block 256 --batch 8 --steps 3 --rounds 1 --json "$out/gpt-pytorch-$r.json"
+      done
+      ;;
+    compile)  # BERT-base: torch.compile's activation_memory_budget against remat's planner with policies at its peaks
+      py="$REMAT_PYPI_VENV/bin/python"
+      REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --build build-pypi --model bert --granularity layer \
+        --policy matmuls,recompute_pointwise --pytorch none,compile:1.0,compile:0.5,compile:0.2,compile:0.0 \
+        --steps 3 --warmup 1 --rounds 3 --out "$out/compile-bert"
       ;;
     sublayer)  # BERT-base on sub-layer stages against layer stages: selective, and the planner at PyTorch's peaks
       for r in 1 2 3; do

@@ -57,7 +57,7 @@ def main():
     for flag in MODEL_FLAGS:
         p.add_argument("--" + flag)
     p.add_argument("--remat", default=DEFAULT_REMAT, help="remat strategies")
-    p.add_argument("--pytorch", default="none,all", help="PyTorch strategies (none, all, all-reentrant, uniform:K, selective on PyTorch >= 2.4)")
+    p.add_argument("--pytorch", default="none,all", help="PyTorch strategies (none, all, all-reentrant, uniform:K, selective and compile:BUDGET on PyTorch >= 2.4)")
     p.add_argument("--steps", default="3")
     p.add_argument("--warmup", default="1")
     p.add_argument("--rounds", type=int, default=1)
@@ -70,6 +70,9 @@ def main():
                    help="remat::keep tags to profile the chain with (matmul: the planner may keep a layer's "
                         "matrix multiplications, conv its convolutions); remat's all-keep-matmul or all-keep-conv "
                         "is measured too")
+    p.add_argument("--policy", default="",
+                   help="operator-level policy presets to profile the chain with (e.g. matmuls,recompute_pointwise: "
+                        "the planner may run a layer as Fk[NAME]); remat's all-policy-NAME is measured too")
     p.add_argument("--hf", action="store_true",
                    help="with --frontier: also Hugging Face's BertModel (none, gradient_checkpointing_enable)")
     p.add_argument("--out", default=os.path.join(ROOT, "out"), help="where JSON, CSV and PNG go")
@@ -139,6 +142,7 @@ def frontier(a, python, flags, chain):
     # below it gets remat's plan at the floor (and says so).
     g = ["--granularity", a.granularity]
     keep = ["--keep", a.keep] if a.keep else []
+    keep += ["--policy", a.policy] if a.policy else []
     run([remat_bin, "profile", *flags, *g, *keep, "--repeats", "3", "--json", chain])
     csv = os.path.join(a.out, f"{a.model}-tradeoff.csv")
     title = f"{a.model} ({a.granularity} stages)"
@@ -162,6 +166,7 @@ def frontier(a, python, flags, chain):
                       if row["strategy"] != "none"]
             budgets = sorted({max(row["peak_bytes"], floor) for row in points})
             kept = [f"all-keep-{t}" for t in a.keep.split(",") if t in ("matmul", "conv")]
+            kept += [f"all-policy-{n}" for n in a.policy.split(",") if n]
             remat_strategies = ["none", "all"] + kept + [f"optimal:{b}" for b in budgets]
             if a.remat and a.remat != DEFAULT_REMAT:
                 remat_strategies += [s for s in a.remat.split(",") if s and s not in remat_strategies]

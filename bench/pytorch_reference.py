@@ -8,7 +8,9 @@ with ctypes), so that both libraries are measured on the same scale. Steps of th
 
 Strategies: none, all (per layer, use_reentrant=False), all-reentrant (per layer, use_reentrant=True),
 uniform:K (checkpoint_sequential with K segments), selective (PyTorch 2.4 and later: per layer with
-create_selective_checkpoint_contexts, saving the outputs of matrix multiplications and recomputing the rest).
+create_selective_checkpoint_contexts, saving the outputs of matrix multiplications and recomputing the rest),
+compile:B (PyTorch 2.4 and later: the whole model under torch.compile with activation_memory_budget B, no
+checkpointing of its own; its first warm-up step, compilation included, is reported as compile_s).
 
 Model hf-bert is Hugging Face's BertModel (transformers) built from a BertConfig of the same sizes (random
 weights, nothing downloaded); its strategies are none and all (gradient_checkpointing_enable()).
@@ -44,6 +46,26 @@ try:  # PyTorch 2.4 and later
     SELECTIVE = partial(create_selective_checkpoint_contexts, _save_matmuls)
 except ImportError:
     SELECTIVE = None
+
+
+def compiled_runner(model, budget):
+    """model("none") compiled with torch.compile, with torch._functorch.config.activation_memory_budget = budget
+    (the min-cut partitioner's memory budget: 1.0 is compile's default, 0.0 recomputes all it can). Each budget
+    gets a code object of its own, since dynamo keeps its compiled graphs per code object, and is compiled and
+    run under its own budget, so that the strategies of one run can be interleaved."""
+    import types
+
+    def run():
+        return model("none")
+
+    code = run.__code__.replace(co_name=f"run_budget_{str(budget).replace('.', '_')}")
+    compiled = torch.compile(types.FunctionType(code, run.__globals__, code.co_name, None, run.__closure__))
+
+    def call(strategy):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return compiled()
+
+    return call
 
 
 def checkpointed(fn, *args, strategy):
@@ -359,6 +381,7 @@ def main():
     c["batch"] = a.batch or {"bert": 8, "hf-bert": 8, "mlp": 64, "cifar": 64, "heavy": 1, "resnet": 64}[a.model]
     model = {"bert": Bert, "hf-bert": HfBert, "mlp": Mlp, "heavy": Heavy, "cifar": Cifar, "resnet": ResNet}[a.model](c)
     strategies = [s for s in a.strategy.split(",") if s]
+    runners = {s: compiled_runner(model, float(s[8:])) for s in strategies if s.startswith("compile:")}
     if "none" not in strategies:
         strategies.insert(0, "none")
     for p_ in model.parameters():
@@ -370,7 +393,7 @@ def main():
         meter.reset_peak()
         base = meter.active()
         t0 = time.perf_counter()
-        out = model(strategy)
+        out = runners[strategy](strategy) if strategy in runners else model(strategy)
         forward_ms = (time.perf_counter() - t0) * 1000
         kept = meter.active() - base
         # The loss of remat's workloads: the mean of squares; HeavyChain's article backpropagates its output.
@@ -380,11 +403,14 @@ def main():
         return ms, forward_ms, meter.peak() - base, kept, base
 
     print(f"pytorch {torch.__version__}: {describe(c)}", file=sys.stderr)
-    for s in strategies:
-        for _ in range(a.warmup):
-            step(s)
     rows = {s: {"strategy": s, "step_ms": [], "forward_ms_all": [], "peak_bytes": 0, "after_forward_bytes": 0}
             for s in strategies}
+    for s in strategies:
+        for w in range(max(a.warmup, 1 if s in runners else 0)):
+            ms = step(s)[0]
+            if w == 0 and s in runners:
+                rows[s]["compile_s"] = ms / 1000  # the first step: compilation and one step
+                print(f"pytorch: {s} compiled and ran its first step in {ms / 1000:.1f} s", file=sys.stderr)
     base = 0
     for i in range(a.steps):
         print(f"pytorch: step {i + 1}/{a.steps} of every strategy", file=sys.stderr)

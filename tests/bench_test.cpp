@@ -50,7 +50,7 @@ TEST_F(BenchTest, EveryModelRunsEveryKindOfStrategyWithEqualGradients) {
   for (const std::string model : {"bert", "mlp", "cifar", "heavy", "forum-cnn", "resnet"}) {
     auto w = remat::make_workload(tiny(model));
     const std::vector<std::string> strategies{
-        "all",      "all-reentrant", "all-no-early-stop", "all-keep-matmul",     "all-keep-conv",
+        "all",      "all-reentrant", "all-no-early-stop", "all-keep-matmul",      "all-keep-conv",
         "plan-all", "sqrt",          "uniform:2",         "optimal:overhead=0.5", "all-policy-matmuls"};
     const auto rows = remat::bench(*w, strategies, remat::MeasureOptions().warmup(1).steps(1));
     ASSERT_EQ(rows.size(), strategies.size() + 1) << model;

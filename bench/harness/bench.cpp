@@ -138,7 +138,8 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
     const Strategy& s = parsed[k];
     // Per-layer checkpointing is predicted for "all" itself, whose recomputes stop early as the profiler
     // measured them; its variants run otherwise.
-    const bool plain_all = s.per_layer() && !s.reentrant && s.early_stop && s.keep.empty() && s.policy.empty();
+    const bool plain_all =
+        s.per_layer() && !s.reentrant && s.early_stop && s.keep.empty() && s.policy.empty();
     if (plans[k]) {
       rows[k].predicted_time_ms = simulate(*chain, *plans[k]).time_ms;
       rows[k].predicted_peak_bytes = plans[k]->predicted.peak_bytes - chain->input_bytes;

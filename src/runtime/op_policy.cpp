@@ -42,11 +42,6 @@ bool holds_tensors(const c10::TypePtr& t) {
   return false;
 }
 
-bool ends_with(const std::string& s, const char* suffix) {
-  const size_t n = std::char_traits<char>::length(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
-}
-
 // Whether a call of this operator can be kept, and so is asked: every return a tensor that aliases nothing,
 // no argument written, at least one tensor argument, and not a factory (empty_like, new_zeros, ...), whose
 // fresh result a later in-place operator fills. aten::_unsafe_view returns a view without saying so in its
@@ -64,19 +59,6 @@ bool askable(const c10::FunctionSchema& schema) {
   const std::string& name = schema.name();
   return tensor_argument && !ends_with(name, "_like") && name.rfind("aten::new_", 0) != 0 &&
          name != "aten::_unsafe_view";
-}
-
-template <class F>
-void for_each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isList()) {
-    const c10::List<c10::IValue> list = v.toList();
-    for (size_t k = 0; k < list.size(); ++k) {
-      const c10::IValue e = list.get(k);
-      if (e.isTensor()) f(e.toTensor());
-    }
-  }
 }
 
 std::vector<at::Tensor> tensors_of(c10::ArrayRef<c10::IValue> values) {

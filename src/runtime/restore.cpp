@@ -53,11 +53,6 @@ bool metadata_only(const std::string& name) {
   return names.count(name) > 0;
 }
 
-bool ends_with(const std::string& s, const char* suffix) {
-  const size_t n = std::char_traits<char>::length(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
-}
-
 // True when the operator writes argument i.
 bool writes(const c10::FunctionSchema& schema, size_t i, c10::ArrayRef<c10::IValue> args) {
   const c10::Argument& a = schema.arguments()[i];
@@ -69,19 +64,6 @@ bool writes(const c10::FunctionSchema& schema, size_t i, c10::ArrayRef<c10::IVal
     return training && args[*training].isBool() && args[*training].toBool();
   }
   return false;
-}
-
-template <class F>
-void for_each_tensor(const c10::IValue& v, F&& f) {
-  if (v.isTensor()) {
-    f(v.toTensor());
-  } else if (v.isList()) {
-    const c10::List<c10::IValue> list = v.toList();
-    for (size_t k = 0; k < list.size(); ++k) {
-      const c10::IValue e = list.get(k);
-      if (e.isTensor()) f(e.toTensor());
-    }
-  }
 }
 
 void note_storage(StateRestore::Watch& w, const at::Tensor& t, bool created_inside) {

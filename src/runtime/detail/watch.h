@@ -11,12 +11,33 @@
 
 #include <functional>
 #include <optional>
+#include <string>
 
 namespace remat::detail {
 
 /// The key of remat's fallback: LibTorch's TESTING_ONLY_GenericMode, a mode key above autograd that only
 /// LibTorch's own tests use.
 inline constexpr c10::DispatchKey kWatchKey = c10::DispatchKey::TESTING_ONLY_GenericMode;
+
+/// Calls f on each tensor of a boxed argument or return: the tensor itself, or the tensors of a list.
+template <class F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isList()) {
+    const c10::List<c10::IValue> list = v.toList();
+    for (size_t k = 0; k < list.size(); ++k) {
+      const c10::IValue e = list.get(k);
+      if (e.isTensor()) f(e.toTensor());
+    }
+  }
+}
+
+/// Whether an operator's name ends with `suffix` ("_like", "batch_norm").
+inline bool ends_with(const std::string& s, const char* suffix) {
+  const size_t n = std::char_traits<char>::length(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
 
 /// Registers the fallback once per process (thread-safe); false when another library holds the key.
 bool watch_available();

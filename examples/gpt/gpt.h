@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <remat/checkpoint.h>
+#include <remat/planned.h>
 
 #include <cmath>
 #include <optional>
@@ -117,6 +118,7 @@ struct GPTImpl : torch::nn::Module {
   /// The blocks, each checkpointed with `checkpointing` when it is set (the one remat-aware line: what the
   /// ModuleList hands out, given its type).
   torch::Tensor blocks(torch::Tensor x) {
+    if (planned) return (*planned)->forward(x);  // planning in place: the loop below, planned for a budget
     for (size_t i = 0; i < h->size(); ++i) {
       BlockImpl* block = (*h)[i]->as<BlockImpl>();
       x = checkpointing ? remat::checkpoint(block, x, *checkpointing) : block->forward(x);
@@ -140,6 +142,7 @@ struct GPTImpl : torch::nn::Module {
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
   std::optional<remat::CheckpointOptions> checkpointing;  // per block when set
+  std::optional<remat::Planned> planned;                  // the blocks planned in place when set
 };
 TORCH_MODULE(GPT);
 

@@ -15,9 +15,11 @@
 #include <remat/sequential.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -32,11 +34,37 @@ struct Way {
   std::string name;
   std::optional<remat::CheckpointOptions> per_block;  // GPTImpl::checkpointing
   int64_t segments = 0;                               // > 0: checkpoint_sequential over the ModuleList
+  double budget_fraction =
+      0;  // > 0: planned in place, budget = per block's peak + this x (plain's - per block's)
+};
+
+int64_t plain_peak = 0, per_block_peak = 0;  // the steps' peaks over what was alive when they began (bytes)
+
+int64_t budget_of(const Way& way) {
+  return per_block_peak +
+         static_cast<int64_t>(way.budget_fraction * static_cast<double>(plain_peak - per_block_peak));
+}
+
+// The Planned modules of one model, one per planned way, each made at its way's first use.
+struct PlannedWays {
+  std::map<std::string, remat::Planned> made;
+  remat::Planned get(GPT& gpt, const Way& way) {
+    auto it = made.find(way.name);
+    if (it == made.end()) {
+      it = made.emplace(way.name, remat::Planned(remat::stages_at<BlockImpl>(*gpt, {"h"}),
+                                                 remat::PlannedOptions().budget(budget_of(way))))
+               .first;
+    }
+    return it->second;
+  }
 };
 
 // The loss of one forward pass under `way`.
-torch::Tensor loss_of(GPT& gpt, const Way& way, const torch::Tensor& idx, const torch::Tensor& targets) {
+torch::Tensor loss_of(GPT& gpt, PlannedWays& planned, const Way& way, const torch::Tensor& idx,
+                      const torch::Tensor& targets) {
   gpt->checkpointing = way.per_block;
+  gpt->planned.reset();
+  if (way.budget_fraction > 0) gpt->planned = planned.get(gpt, way);
   if (way.segments == 0) return gpt->loss(idx, targets);
   // The ModuleList's blocks as stages, given their type; the embedding and the head around them.
   const auto stages = remat::stages_at<BlockImpl>(*gpt, {"h"});
@@ -45,23 +73,39 @@ torch::Tensor loss_of(GPT& gpt, const Way& way, const torch::Tensor& idx, const 
 }
 
 struct Outcome {
-  torch::Tensor loss, next_draw;
-  std::vector<torch::Tensor> grads;
+  std::vector<torch::Tensor> losses, next_draws, grads;
 };
 
-// One step from the same weights and the same seed.
-Outcome one_step(const gpt_example::GPTConfig& config, const Way& way, const torch::Tensor& idx,
-                 const torch::Tensor& targets) {
+// Two steps from the same weights and the same seeds (a planned way profiles in the first and runs its plan
+// in the second); the gradients set to none before each.
+Outcome two_steps(const gpt_example::GPTConfig& config, const Way& way, const torch::Tensor& idx,
+                  const torch::Tensor& targets) {
   torch::manual_seed(0);
   GPT gpt(config);
-  torch::manual_seed(1);
+  PlannedWays planned;
   Outcome o;
-  o.loss = loss_of(gpt, way, idx, targets);
-  o.loss.backward();
-  for (const auto& p : gpt->parameters())
-    o.grads.push_back(p.grad().clone());
-  o.next_draw = torch::rand({8});
+  for (int s = 0; s < 2; ++s) {
+    for (auto& p : gpt->parameters())
+      p.mutable_grad() = torch::Tensor();
+    torch::manual_seed(1 + s);
+    remat::memory::PeakScope scope;
+    o.losses.push_back(loss_of(gpt, planned, way, idx, targets));
+    o.losses.back().backward();
+    if (way.name == "none") plain_peak = std::max(plain_peak, scope.peak_over_base());
+    if (way.name == "per block (kNonReentrant)")
+      per_block_peak = std::max(per_block_peak, scope.peak_over_base());
+    for (const auto& p : gpt->parameters())
+      o.grads.push_back(p.grad().clone());
+    o.next_draws.push_back(torch::rand({8}));
+  }
   return o;
+}
+
+bool equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (!torch::equal(a[i], b[i])) return false;
+  return true;
 }
 
 }  // namespace
@@ -95,36 +139,49 @@ int main(int argc, char** argv) {
       {"per block, policy recompute_pointwise",
        CheckpointOptions().policy(remat::policy::recompute_pointwise())},
       {"checkpoint_sequential(" + std::to_string(segments) + ") over the ModuleList", std::nullopt, segments},
+      {"planned in place, budget 1/4 of the way", std::nullopt, 0, 0.25},
+      {"planned in place, budget 1/2 of the way", std::nullopt, 0, 0.5},
+      {"planned in place, budget 3/4 of the way", std::nullopt, 0, 0.75},
   };
 
   // Every way against the plain run, bitwise.
-  const Outcome plain = one_step(config, ways[0], idx, targets);
+  const Outcome plain = two_steps(config, ways[0], idx, targets);
   int failures = 0;
   for (size_t w = 1; w < ways.size(); ++w) {
-    const Outcome o = one_step(config, ways[w], idx, targets);
-    bool same = torch::equal(o.loss, plain.loss) && torch::equal(o.next_draw, plain.next_draw) &&
-                o.grads.size() == plain.grads.size();
-    for (size_t i = 0; same && i < o.grads.size(); ++i)
-      same = torch::equal(o.grads[i], plain.grads[i]);
+    const Outcome o = two_steps(config, ways[w], idx, targets);
+    const bool same =
+        equal(o.losses, plain.losses) && equal(o.next_draws, plain.next_draws) && equal(o.grads, plain.grads);
     if (!same) {
       std::cerr << "example_gpt: " << ways[w].name << " differs from the plain run\n";
       ++failures;
     }
   }
   if (failures > 0) return 1;
-  std::cout << "every way: loss, " << plain.grads.size()
+  std::cout << "every way, two steps (a planned way profiles in the first): losses, "
+            << plain.grads.size() / 2
             << " gradients and the next random draw equal to the plain run's, bitwise\n\n";
 
   // Peak memory and time, the ways alternated in each round; ratios against "none" of the same round.
   torch::manual_seed(0);
   GPT gpt(config);
+  PlannedWays planned;
   torch::optim::AdamW adamw(gpt->parameters(), torch::optim::AdamWOptions(6e-4).weight_decay(0.1));
   std::vector<std::vector<double>> ms(ways.size()), ratio(ways.size());
   std::vector<int64_t> peak(ways.size(), 0), kept(ways.size(), 0);
+  // A planned way's first training step profiles its stages in place: timed here, against the plain
+  // step's median below.
+  std::vector<double> first_ms(ways.size(), 0);
+  for (size_t w = 0; w < ways.size(); ++w) {
+    if (ways[w].budget_fraction <= 0) continue;
+    const auto t0 = std::chrono::steady_clock::now();
+    loss_of(gpt, planned, ways[w], idx, targets).backward();
+    first_ms[w] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    gpt->zero_grad();
+  }
   for (int64_t round = 0; round < rounds; ++round) {
     for (size_t w = 0; w < ways.size(); ++w) {
       const auto stats = remat::measure_step(
-          *gpt, [&] { return loss_of(gpt, ways[w], idx, targets); },
+          *gpt, [&] { return loss_of(gpt, planned, ways[w], idx, targets); },
           remat::MeasureOptions().warmup(1).steps(steps));
       adamw.step();
       ms[w].push_back(stats.median_ms);
@@ -144,6 +201,19 @@ int main(int argc, char** argv) {
               << std::setw(10) << static_cast<double>(kept[w]) / (1 << 20) << std::setw(10)
               << remat::median(ms[w]) << std::setw(8) << std::setprecision(2) << remat::median(ratio[w])
               << "\n";
+  }
+  for (size_t w = 0; w < ways.size(); ++w) {
+    if (ways[w].budget_fraction <= 0) continue;
+    const remat::PlannedImpl& p = *planned.get(gpt, ways[w]);
+    std::cout << "\n"
+              << ways[w].name << " (from per block's peak to plain's): budget " << std::setprecision(1)
+              << static_cast<double>(budget_of(ways[w])) / (1 << 20) << " MiB, predicted "
+              << static_cast<double>(p.predicted_peak_bytes()) / (1 << 20) << " MiB, last step "
+              << static_cast<double>(p.last_peak_bytes()) / (1 << 20)
+              << " MiB (both above the bytes alive when the blocks start); profiling step "
+              << std::setprecision(0) << first_ms[w] << " ms = " << std::setprecision(2)
+              << first_ms[w] / remat::median(ms[0]) << " plain steps; plan "
+              << (p.plan() ? p.plan()->to_string() : "none") << "\n";
   }
   return 0;
 }

@@ -9,6 +9,7 @@
 #include <remat/measure.h>
 #include <remat/memory.h>
 #include <remat/plan.h>
+#include <remat/planned.h>
 #include <remat/planner.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>

@@ -139,6 +139,12 @@ void cpu_meter_reset_peak() {
   MeterState& s = state();
   s.peak.store(s.active.load());
 }
+void cpu_meter_raise_peak(int64_t bytes) {
+  MeterState& s = state();
+  int64_t seen = s.peak.load();
+  while (bytes > seen && !s.peak.compare_exchange_weak(seen, bytes)) {
+  }
+}
 int64_t cpu_meter_allocations() {
   return state().allocations.load();
 }

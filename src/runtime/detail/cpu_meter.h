@@ -10,6 +10,9 @@ bool cpu_meter_installed();
 int64_t cpu_meter_active_bytes();
 int64_t cpu_meter_peak_bytes();
 void cpu_meter_reset_peak();
+// Raises the peak to at least `bytes`: a measurement nested in a caller's (remat::Planned) gives back the
+// caller's peak after resetting it.
+void cpu_meter_raise_peak(int64_t bytes);
 int64_t cpu_meter_allocations();
 // Test hooks: refuse the n-th allocation from now (0: never) / every allocation above `bytes` active (< 0: no
 // limit). A refused allocation throws c10::OutOfMemoryError, as LibTorch's allocators do.

@@ -213,6 +213,20 @@ TEST_F(PlannedTest, ANewShapeIsProfiledAndPlannedAnewAndAShapeSeenBeforeKeepsIts
   EXPECT_EQ((*net->planned)->profiling_steps(), 1);
 }
 
+TEST_F(PlannedTest, APlannedModuleGoneBeforeTheBackwardPassLeavesNothingDangling) {
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({4, 8, 8});
+  torch::manual_seed(0);
+  Net net(16, 3);
+  net->planned =
+      remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(1 << 30));
+  torch::Tensor loss = net->loss(x);  // the profiling step's forward: its hook waits for the backward pass
+  net->planned.reset();               // the only holder: the module is destroyed
+  loss.backward();                    // the hook writes to what it shares, not to the module (ASan checks)
+  for (const auto& p : net->parameters())
+    EXPECT_TRUE(p.grad().defined());
+}
+
 TEST_F(PlannedTest, EvalModeAndNoGradRunTheStagesPlainly) {
   torch::manual_seed(5);
   const torch::Tensor x = torch::randn({4, 8, 8});

@@ -89,7 +89,8 @@ class PlannedImpl : public torch::nn::Module {
  private:
   struct Shape {
     std::optional<Chain> chain;
-    std::optional<RestOfStep> rest;
+    // Written by a gradient hook, which may outlive this module: shared with it.
+    std::shared_ptr<std::optional<RestOfStep>> rest = std::make_shared<std::optional<RestOfStep>>();
     std::optional<Plan> plan;
     int64_t predicted = -1;
     int64_t grads_to_come = 0;

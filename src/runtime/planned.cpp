@@ -70,7 +70,7 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x) {
   TORCH_CHECK(x.device().is_cpu(), kWho, ": only CPU inputs for now, got one on ", x.device());
   Shape& shape = shapes_[x.sizes().vec()];
   last_ = &shape;
-  if (!shape.plan && shape.chain && shape.rest) make_plan(shape, static_cast<int64_t>(x.nbytes()));
+  if (!shape.plan && shape.chain && *shape.rest) make_plan(shape, static_cast<int64_t>(x.nbytes()));
   if (!shape.plan) {
     ++shape.steps_before_plan;
     return profiling_step(shape, x);
@@ -116,12 +116,12 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const torch::Tensor& x) 
   const int64_t at_return = memory::active_bytes();
   memory::reset_peak();
   const auto t0 = Clock::now();
-  Shape* s = &shape;
-  out.register_hook([s, at_return, peak_so_far, t0](const torch::Tensor& g) {
+  std::shared_ptr<std::optional<RestOfStep>> measured = shape.rest;
+  out.register_hook([measured, at_return, peak_so_far, t0](const torch::Tensor& g) {
     RestOfStep rest;
     rest.peak_bytes = std::max<int64_t>(0, memory::peak_bytes() - at_return);
     rest.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    s->rest = rest;
+    *measured = rest;
     detail::cpu_meter_raise_peak(peak_so_far);
     return g;
   });
@@ -138,7 +138,7 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
     for (const auto& p : s.module->parameters())
       if (p.requires_grad() && !p.grad().defined()) shape.grads_to_come += static_cast<int64_t>(p.nbytes());
   }
-  const Chain step = step_chain(*shape.chain, *shape.rest);
+  const Chain step = step_chain(*shape.chain, **shape.rest);
   // optimal() bounds the stages' own peak; the rest of the step comes on top of part of it, so the stages'
   // budget is lowered by what the whole step's prediction exceeds until it fits.
   int64_t chain_budget = options_.budget() + input_bytes;
@@ -159,7 +159,7 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
               step_peak_over_base(step, least, input_bytes) + shape.grads_to_come,
               " bytes (the step's peak above the bytes alive when forward() is called, with the rest of the "
               "step measured at ",
-              shape.rest->peak_bytes, " bytes)");
+              (*shape.rest)->peak_bytes, " bytes)");
 }
 
 bool PlannedImpl::is_planned() const {

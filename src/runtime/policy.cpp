@@ -5,9 +5,9 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <remat/chain.h>  // valid_policy_name: the one rule for policy names, in chains, plans and here
 
 #include <algorithm>
-#include <cctype>
 #include <string>
 #include <unordered_set>
 
@@ -16,12 +16,6 @@
 namespace remat {
 
 namespace {
-
-bool valid_name(const std::string& name) {
-  return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
-    return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
-  });
-}
 
 bool starts_with(const std::string& s, const char* prefix) {
   return s.rfind(prefix, 0) == 0;
@@ -199,7 +193,7 @@ bool pointwise(const OpCall& call) {
 }  // namespace
 
 Policy::Policy(std::string name, std::function<bool(const OpCall&)> decide) : name_(std::move(name)) {
-  TORCH_CHECK(valid_name(name_), "remat::Policy: the name '", name_,
+  TORCH_CHECK(valid_policy_name(name_), "remat::Policy: the name '", name_,
               "' must be non-empty and made of letters, digits, '_', '-' and '.'");
   TORCH_CHECK(static_cast<bool>(decide), "remat::Policy '", name_,
               "': the decision function is empty (a default-constructed std::function)");
@@ -208,7 +202,7 @@ Policy::Policy(std::string name, std::function<bool(const OpCall&)> decide) : na
 
 Policy Policy::named(std::string name) const {
   TORCH_CHECK(!empty(), "remat::Policy::named('", name, "'): there is no policy to name");
-  TORCH_CHECK(valid_name(name), "remat::Policy: the name '", name,
+  TORCH_CHECK(valid_policy_name(name), "remat::Policy: the name '", name,
               "' must be non-empty and made of letters, digits, '_', '-' and '.'");
   Policy p = *this;
   p.name_ = std::move(name);

@@ -106,10 +106,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const torch::Tensor& x) 
   }
   // Every stage checkpointed (the profiler's own memory bound), and the rest of the step measured from the
   // return to the moment the backward pass reaches the stages' output.
-  std::vector<int64_t> all(stages_.size());
-  for (size_t i = 0; i < all.size(); ++i)
-    all[i] = static_cast<int64_t>(i);
-  torch::Tensor out = run_plan(stages_, checkpoint_stages(static_cast<int64_t>(all.size()), all), x);
+  torch::Tensor out = run_plan(stages_, checkpoint_all(*shape.chain), x);
   detail::cpu_meter_raise_peak(outer_peak);
   if (!out.requires_grad()) return out;
   const int64_t peak_so_far = memory::peak_bytes();

@@ -100,6 +100,19 @@ NestedBackward::~NestedBackward() {
   --t_nested_depth;
 }
 
+namespace {
+std::atomic<int> profiler_count{0};
+}
+ProfilerRunning::ProfilerRunning() {
+  profiler_count.fetch_add(1, std::memory_order_acq_rel);
+}
+ProfilerRunning::~ProfilerRunning() {
+  profiler_count.fetch_sub(1, std::memory_order_acq_rel);
+}
+bool profiler_running() {
+  return profiler_count.load(std::memory_order_acquire) > 0;
+}
+
 void add_outer_backward_listener(const void* key, std::function<void()> fn) {
   std::lock_guard<std::mutex> lock(listeners_mutex);
   listeners()[key] = std::move(fn);

@@ -7,6 +7,7 @@
 #include <optional>
 #include <unordered_set>
 
+#include "detail/nesting.h"
 #include "detail/region.h"
 #include "remat/checkpoint.h"
 #include "remat/measure.h"
@@ -93,6 +94,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
 
   Restore restore(stages, device);
   restore.zero_grads();
+  detail::ProfilerRunning profiling;  // its gradients are put back: data parallel must not reduce them
   at::AutoGradMode grad_mode(true);
 
   Chain chain;

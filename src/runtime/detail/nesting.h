@@ -22,6 +22,18 @@ class NestedBackward {
   NestedBackward& operator=(const NestedBackward&) = delete;
 };
 
+/// Marks the profiler's runs for their lifetime (any thread: a process-wide count): the gradients their
+/// backward passes accumulate are put back afterwards, so remat::distributed neither counts nor reduces them.
+class ProfilerRunning {
+ public:
+  ProfilerRunning();
+  ~ProfilerRunning();
+  ProfilerRunning(const ProfilerRunning&) = delete;
+  ProfilerRunning& operator=(const ProfilerRunning&) = delete;
+};
+/// Whether a ProfilerRunning is alive.
+bool profiler_running();
+
 /// Registers `fn` under `key` (replacing one already there); remove it before what it captures dies.
 /// Listeners run with no remat lock held and must not register or remove listeners.
 void add_outer_backward_listener(const void* key, std::function<void()> fn);

@@ -217,6 +217,7 @@ struct DataParallel::State : std::enable_shared_from_this<DataParallel::State> {
   void on_gradient(size_t index, bool defined) {
     std::lock_guard<std::mutex> lock(mutex);
     if (!sync) return;
+    if (detail::profiler_running()) return;  // the profiler's gradients, put back when it is done
     const bool outermost = detail::nested_backward_depth() == 0;
     if (!defined) {
       // AccumulateGrad runs with no gradient, e.g. for a parameter a kReentrant region returns nothing for

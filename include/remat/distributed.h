@@ -27,6 +27,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -96,6 +97,16 @@ class ProcessGroup {
 /// backend for an unsupported one, and naming the address, the world size and the timeout when the other
 /// ranks do not arrive in time.
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
+
+/// For remat::PlannedOptions::agree (remat/planned.h): all-reduces the numbers a plan is made from to their
+/// maximum over `group`, so that remat::Planned makes the same plan on every rank, one that fits every
+/// rank's measured memory:
+///
+///   remat::PlannedOptions().budget(b).agree(remat::distributed::same_plan_on_every_rank(group))
+///
+/// A collective at each planning step: every rank must see the same input shapes in the same order. Throws
+/// c10::Error naming remat::distributed::same_plan_on_every_rank for a null group, and as all_reduce does.
+std::function<void(std::vector<torch::Tensor>&)> same_plan_on_every_rank(std::shared_ptr<ProcessGroup> group);
 
 /// How DataParallel reduces.
 struct DataParallelOptions {

@@ -19,10 +19,16 @@
 /// the profiling step included: the profiler puts the gradients, the buffers and the generators back as they
 /// were, and that step runs every stage under remat::checkpoint.
 ///
-/// Limits of this version (issue 22 is open): CPU only; stages take and return one tensor (no per-step extra
-/// arguments such as an attention mask); a new input shape is profiled again (shapes seen before keep their
-/// plan); one forward per step (the base is taken at each call); the meter's peak is reset and raised back
-/// around Planned's own measurements; under DataParallel each rank plans for itself.
+/// Stages that take per-step extra tensors (BERT's attention mask) are ArgsStageFns; forward(x, {mask})
+/// hands the same tensors to every stage of that call (recomputations included).
+///
+/// Eval mode (Planned's own flag or any stage module's, so model->eval() reaches it registered or not) and
+/// NoGradGuard run the stages plainly. A new input shape (the extra tensors' shapes included) is profiled
+/// again, in its own first training step; a shape seen before keeps its plan. use_profile() plans from a
+/// saved profile instead (chain(), written with to_json(), is the CLI's chain JSON).
+///
+/// Limits: CPU only; one forward per backward pass (the base is taken at each call); the meter's peak is
+/// reset and raised back around Planned's own measurements.
 
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
@@ -34,9 +40,11 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace remat {
@@ -51,6 +59,21 @@ struct PlannedOptions {
   TORCH_ARG(int64_t, profile_repeats) = 1;
   /// What the planner may use (e.g. exclude Fk).
   TORCH_ARG(PlannerOptions, planner) = {};
+  /// Under data parallel, makes every rank plan from the same numbers: called, at the same step on every
+  /// rank, with the numbers a plan is made from (an int64 tensor of byte counts and a float64 tensor of
+  /// times), it must replace them in place by their maximum across the ranks. Every rank then gets the
+  /// same plan, which fits each rank's measured memory. remat::distributed::same_plan_on_every_rank(group)
+  /// (remat/distributed.h) is one. Every rank must then see the same input shapes in the same order.
+  TORCH_ARG(std::function<void(std::vector<torch::Tensor>&)>, agree) = nullptr;
+};
+
+/// A stage that also takes the per-step extra tensors given to PlannedImpl::forward(x, args), e.g. an
+/// attention mask: fn(x, args) returns the stage's output. module, when set, is the module whose
+/// parameters and buffers the stage uses (as StageFn::module).
+struct ArgsStageFn {
+  std::string name;
+  std::function<torch::Tensor(const torch::Tensor& x, const std::vector<torch::Tensor>& args)> fn;
+  std::shared_ptr<torch::nn::Module> module;
 };
 
 /// What Planned measured of the rest of the step in its profiling step.
@@ -62,14 +85,27 @@ struct RestOfStep {
 
 class PlannedImpl : public torch::nn::Module {
  public:
-  /// Throws c10::Error naming remat::Planned when `stages` is empty or the budget is not positive.
+  /// Throws c10::Error naming remat::Planned when `stages` is empty, a stage has no function, or the
+  /// budget is not positive.
   PlannedImpl(std::vector<StageFn> stages, PlannedOptions options);
+  /// Stages that take the extra tensors of forward(x, args).
+  PlannedImpl(std::vector<ArgsStageFn> stages, PlannedOptions options);
 
-  /// Runs the stages on x: plainly in eval mode or under NoGradGuard; in training, the plan for x's shape,
-  /// or, for a shape without one, a profiling step (then planned at the next call). Throws c10::Error
-  /// naming remat::Planned for an undefined or non-CPU input, and, at planning time, when the budget is
-  /// below the least feasible one (named in the message; the step that measured it trained correctly).
-  torch::Tensor forward(const torch::Tensor& x);
+  /// Runs the stages on x (each ArgsStageFn also gets `args`): plainly in eval mode or under NoGradGuard;
+  /// in training, the plan for the shapes of x and args, or, for shapes without one, a profiling step (then
+  /// planned at the next call; with use_profile(), only the rest of the step is measured). Throws c10::Error
+  /// naming remat::Planned for an undefined or non-CPU input or argument, args given to stages that take
+  /// none, and, at planning time, when the budget is below the least feasible one (named in the message;
+  /// the step that measured it trained correctly).
+  torch::Tensor forward(const torch::Tensor& x, const std::vector<torch::Tensor>& args = {});
+
+  /// Plans inputs of `input_shape` (the shapes of x and then of each extra argument, as forward() gets
+  /// them) from `chain`, a profile of these stages saved before (load_chain() reads the CLI's JSON), instead
+  /// of profiling them: the first training step of that shape runs every stage checkpointed and measures
+  /// the rest of the step; the next runs the plan. Throws c10::Error naming remat::Planned when the chain's
+  /// stage count differs from the stages', when validate() rejects it, or when a plan is already in force for
+  /// that shape; and at that first step, when the chain's input_bytes differs from the input's.
+  void use_profile(const std::vector<std::vector<int64_t>>& input_shape, Chain chain);
 
   /// Whether a plan is in force for the shape of the last input.
   bool is_planned() const;
@@ -85,6 +121,8 @@ class PlannedImpl : public torch::nn::Module {
   int64_t last_peak_bytes() const;
   /// Training steps run before the plan for the last shape came into force.
   int64_t profiling_steps() const;
+  /// What the profiling step measured of the rest of the step for the last shape, or nullptr.
+  const RestOfStep* rest_of_step() const;
 
  private:
   struct Shape {
@@ -95,14 +133,19 @@ class PlannedImpl : public torch::nn::Module {
     int64_t predicted = -1;
     int64_t grads_to_come = 0;
     int64_t steps_before_plan = 0;
+    bool profile_loaded = false;  // the chain came from use_profile()
     std::shared_ptr<int64_t> last_peak = std::make_shared<int64_t>(-1);
   };
-  torch::Tensor profiling_step(Shape& shape, const torch::Tensor& x);
+  using Key = std::vector<std::vector<int64_t>>;
+  torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);
   void make_plan(Shape& shape, int64_t input_bytes);
+  std::vector<StageFn> bind(const std::vector<torch::Tensor>& args) const;
+  bool training_now() const;
 
-  std::vector<StageFn> stages_;
+  std::vector<ArgsStageFn> stages_;
+  bool takes_args_ = false;
   PlannedOptions options_;
-  std::map<std::vector<int64_t>, Shape> shapes_;
+  std::map<Key, Shape> shapes_;
   const Shape* last_ = nullptr;
 };
 TORCH_MODULE(Planned);

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "detail/cpu_meter.h"
+#include "remat/chain.h"
 #include "remat/memory.h"
 #include "remat/profile.h"
 
@@ -50,36 +51,127 @@ int64_t step_peak_over_base(const Chain& step, const Plan& plan, int64_t input_b
 
 }  // namespace
 
+namespace {
+
+std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
+  std::vector<ArgsStageFn> out;
+  out.reserve(stages.size());
+  for (StageFn& s : stages) {
+    TensorFn fn = std::move(s.fn);
+    ArgsStageFn a{std::move(s.name), nullptr, std::move(s.module)};
+    if (fn) a.fn = [fn](const torch::Tensor& x, const std::vector<torch::Tensor>&) { return fn(x); };
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+// The numbers a plan is made from, visited in one order on every rank (for PlannedOptions::agree).
+template <typename Bytes, typename Ms>
+void for_each_number(Chain& chain, RestOfStep& rest, int64_t& grads_to_come, Bytes bytes, Ms ms) {
+  bytes(chain.input_bytes);
+  bytes(rest.peak_bytes);
+  bytes(grads_to_come);
+  ms(rest.ms);
+  for (Stage& s : chain.stages) {
+    ms(s.fwd_ms), ms(s.bwd_ms);
+    bytes(s.output_bytes), bytes(s.saved_bytes), bytes(s.fwd_tmp_bytes), bytes(s.bwd_tmp_bytes);
+    for (auto* t :
+         {&s.fwd_nosave_ms, &s.checkpoint_fwd_ms, &s.checkpoint_bwd_ms, &s.keep_fwd_ms, &s.keep_bwd_ms})
+      if (t->has_value()) ms(**t);
+    if (s.keep_saved_bytes) bytes(*s.keep_saved_bytes);
+    for (PolicyCost& c : s.policies) {
+      bytes(c.saved_bytes);
+      ms(c.fwd_ms), ms(c.bwd_ms);
+    }
+  }
+}
+
+}  // namespace
+
 PlannedImpl::PlannedImpl(std::vector<StageFn> stages, PlannedOptions options)
-    : stages_(std::move(stages)), options_(std::move(options)) {
+    : PlannedImpl(taking_args(std::move(stages)), std::move(options)) {
+  takes_args_ = false;
+}
+
+PlannedImpl::PlannedImpl(std::vector<ArgsStageFn> stages, PlannedOptions options)
+    : stages_(std::move(stages)), takes_args_(true), options_(std::move(options)) {
   TORCH_CHECK(!stages_.empty(), kWho, ": no stages");
+  for (size_t i = 0; i < stages_.size(); ++i)
+    TORCH_CHECK(stages_[i].fn, kWho, ": stage ", i, " ('", stages_[i].name, "') has no function");
   TORCH_CHECK(options_.budget() > 0, kWho, ": the budget must be a positive number of bytes, got ",
               options_.budget());
   TORCH_CHECK(options_.profile_repeats() >= 1, kWho, ": profile_repeats must be >= 1, got ",
               options_.profile_repeats());
 }
 
-torch::Tensor PlannedImpl::forward(const torch::Tensor& x) {
+bool PlannedImpl::training_now() const {
+  if (!is_training() || !at::GradMode::is_enabled()) return false;
+  for (const ArgsStageFn& s : stages_)
+    if (s.module && !s.module->is_training()) return false;
+  return true;
+}
+
+std::vector<StageFn> PlannedImpl::bind(const std::vector<torch::Tensor>& args) const {
+  std::vector<StageFn> out;
+  out.reserve(stages_.size());
+  for (const ArgsStageFn& s : stages_) {
+    auto fn = s.fn;
+    out.push_back(StageFn{s.name, [fn, args](const torch::Tensor& x) { return fn(x, args); }, s.module});
+  }
+  return out;
+}
+
+void PlannedImpl::use_profile(const std::vector<std::vector<int64_t>>& input_shape, Chain chain) {
+  TORCH_CHECK(chain.size() == static_cast<int64_t>(stages_.size()), kWho, ": use_profile got a chain of ",
+              chain.size(), " stages for ", stages_.size(), " stages");
+  try {
+    validate(chain);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, kWho, ": use_profile: ", e.what());
+  }
+  Shape& shape = shapes_[input_shape];
+  TORCH_CHECK(!shape.plan, kWho, ": use_profile: a plan is already in force for this input shape");
+  shape.chain = std::move(chain);
+  *shape.rest = std::nullopt;
+  shape.profile_loaded = true;
+}
+
+torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<torch::Tensor>& args) {
   TORCH_CHECK(x.defined(), kWho, ": the input is an undefined tensor");
-  if (!is_training() || !at::GradMode::is_enabled()) {
+  TORCH_CHECK(takes_args_ || args.empty(), kWho, ": got ", args.size(),
+              " extra arguments for stages that take none (make ArgsStageFns to pass them)");
+  Key key{x.sizes().vec()};
+  for (size_t i = 0; i < args.size(); ++i) {
+    TORCH_CHECK(args[i].defined(), kWho, ": extra argument ", i, " is an undefined tensor");
+    key.push_back(args[i].sizes().vec());
+  }
+  const std::vector<StageFn> stages = bind(args);
+  if (!training_now()) {
     torch::Tensor h = x;
-    for (const StageFn& s : stages_)
+    for (const StageFn& s : stages)
       h = s.fn(h);
     return h;
   }
   TORCH_CHECK(x.device().is_cpu(), kWho, ": only CPU inputs for now, got one on ", x.device());
-  Shape& shape = shapes_[x.sizes().vec()];
+  for (size_t i = 0; i < args.size(); ++i)
+    TORCH_CHECK(args[i].device().is_cpu(), kWho, ": only CPU tensors for now, got extra argument ", i, " on ",
+                args[i].device());
+  Shape& shape = shapes_[key];
   last_ = &shape;
+  if (shape.profile_loaded && !*shape.rest)
+    TORCH_CHECK(shape.chain->input_bytes == static_cast<int64_t>(x.nbytes()), kWho,
+                ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
+                " but the input of that shape has ", x.nbytes(), " bytes");
   if (!shape.plan && shape.chain && *shape.rest) make_plan(shape, static_cast<int64_t>(x.nbytes()));
   if (!shape.plan) {
     ++shape.steps_before_plan;
-    return profiling_step(shape, x);
+    return profiling_step(shape, stages, x);
   }
   // The plan, and the step's peak above the base measured up to the backward pass through the stages.
   const int64_t outer_peak = memory::peak_bytes();
   const int64_t base = memory::active_bytes();
   memory::reset_peak();
-  torch::Tensor out = run_plan(stages_, *shape.plan, x);
+  torch::Tensor out = run_plan(stages, *shape.plan, x);
   if (x.requires_grad() && x.grad_fn()) {  // a hook on a leaf would stay for the steps after
     std::shared_ptr<int64_t> last = shape.last_peak;
     // The hook's tensor is x itself: it fires when the gradient of the stages' input is ready, after the
@@ -95,18 +187,19 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x) {
   return out;
 }
 
-torch::Tensor PlannedImpl::profiling_step(Shape& shape, const torch::Tensor& x) {
+torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageFn>& stages,
+                                          const torch::Tensor& x) {
   const int64_t outer_peak = memory::peak_bytes();
 
   if (!shape.chain) {
     // The profiler puts gradients, buffers and the generators back, so the step below is the plain run's.
     shape.chain = profile_chain(
-        stages_, x,
+        stages, x,
         ProfileOptions().warmup(0).repeats(options_.profile_repeats()).policies(options_.policies()));
   }
   // Every stage checkpointed (the profiler's own memory bound), and the rest of the step measured from the
   // return to the moment the backward pass reaches the stages' output.
-  torch::Tensor out = run_plan(stages_, checkpoint_all(*shape.chain), x);
+  torch::Tensor out = run_plan(stages, checkpoint_all(*shape.chain), x);
   detail::cpu_meter_raise_peak(outer_peak);
   if (!out.requires_grad()) return out;
   const int64_t peak_so_far = memory::peak_bytes();
@@ -130,10 +223,29 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
   // that plans (the profiling step may be the first, before any gradient exists): charged as alive from the
   // stages' backward pass on, an upper bound (they come one stage at a time).
   shape.grads_to_come = 0;
-  for (const StageFn& s : stages_) {
+  for (const ArgsStageFn& s : stages_) {
     if (!s.module) continue;
     for (const auto& p : s.module->parameters())
       if (p.requires_grad() && !p.grad().defined()) shape.grads_to_come += static_cast<int64_t>(p.nbytes());
+  }
+  if (options_.agree()) {
+    // Every rank plans from the maximum over the ranks of every number, and so makes the same plan.
+    std::vector<int64_t> b;
+    std::vector<double> t;
+    for_each_number(
+        *shape.chain, **shape.rest, shape.grads_to_come, [&](int64_t& v) { b.push_back(v); },
+        [&](double& v) { t.push_back(v); });
+    std::vector<torch::Tensor> numbers{torch::tensor(b, torch::kInt64), torch::tensor(t, torch::kFloat64)};
+    options_.agree()(numbers);
+    TORCH_CHECK(numbers.size() == 2 && numbers[0].numel() == static_cast<int64_t>(b.size()) &&
+                    numbers[1].numel() == static_cast<int64_t>(t.size()),
+                kWho, ": PlannedOptions::agree changed the number of values");
+    const auto* bi = numbers[0].to(torch::kInt64).contiguous().data_ptr<int64_t>();
+    const auto* ti = numbers[1].to(torch::kFloat64).contiguous().data_ptr<double>();
+    size_t i = 0, j = 0;
+    for_each_number(
+        *shape.chain, **shape.rest, shape.grads_to_come, [&](int64_t& v) { v = bi[i++]; },
+        [&](double& v) { v = ti[j++]; });
   }
   const Chain step = step_chain(*shape.chain, **shape.rest);
   // optimal() bounds the stages' own peak; the rest of the step comes on top of part of it, so the stages'
@@ -176,6 +288,9 @@ int64_t PlannedImpl::last_peak_bytes() const {
 }
 int64_t PlannedImpl::profiling_steps() const {
   return last_ ? last_->steps_before_plan : 0;
+}
+const RestOfStep* PlannedImpl::rest_of_step() const {
+  return last_ && *last_->rest ? &**last_->rest : nullptr;
 }
 
 }  // namespace remat

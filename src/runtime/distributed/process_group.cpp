@@ -218,4 +218,15 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   return std::make_shared<ProcessGroup>(std::move(impl));
 }
 
+std::function<void(std::vector<torch::Tensor>&)> same_plan_on_every_rank(
+    std::shared_ptr<ProcessGroup> group) {
+  TORCH_CHECK(group != nullptr, "remat::distributed::same_plan_on_every_rank: the group is null");
+  return [group](std::vector<torch::Tensor>& numbers) {
+    for (torch::Tensor& t : numbers) {  // one collective per tensor: Gloo reduces lists of one dtype and size
+      std::vector<torch::Tensor> one{t};
+      group->all_reduce(one, ReduceOp::kMax);
+    }
+  };
+}
+
 }  // namespace remat::distributed

@@ -186,6 +186,10 @@ torch::Tensor BertModelImpl::token_types(const torch::Tensor& ids, const torch::
   return types.defined() ? types.to(torch::kLong) : torch::zeros_like(ids, ids.options().dtype(torch::kLong));
 }
 
+void BertModelImpl::gradient_checkpointing_enable(PlannedOptions options) {
+  enable_planning(std::move(options), "remat::models::BertModel::gradient_checkpointing_enable");
+}
+
 void BertModelImpl::gradient_checkpointing_enable(CheckpointOptions options, int64_t every_n_layers) {
   TORCH_CHECK(every_n_layers >= 1, kWho, ": every_n_layers must be >= 1, got ", every_n_layers);
   every_n_layers_ = every_n_layers;
@@ -281,6 +285,22 @@ torch::Tensor BertModelImpl::forward(const torch::Tensor& ids, const torch::Tens
   check_inputs(ids, mask, types);
   const torch::Tensor ext = extended_mask(ids, mask);
   torch::Tensor h = embeddings(ids, token_types(ids, types));
+  if (planning()) {
+    if (planned_.is_empty()) {
+      std::vector<ArgsStageFn> layer_stages;
+      for (size_t i = 0; i < layers->size(); ++i) {
+        auto layer = BertLayer(layers->ptr<BertLayerImpl>(i));
+        layer_stages.push_back(
+            {"layer" + std::to_string(i),
+             [layer](const torch::Tensor& x, const std::vector<torch::Tensor>& args) mutable {
+               return layer->forward(x, args[0]);
+             },
+             layer.ptr()});
+      }
+      planned_ = Planned(std::move(layer_stages), *planned_options_);
+    }
+    return planned_->forward(h, {ext});
+  }
   for (size_t i = 0; i < layers->size(); ++i) {
     auto layer = BertLayer(layers->ptr<BertLayerImpl>(i));
     if (checkpointing_enabled_ && static_cast<int64_t>(i) % every_n_layers_ == 0) {

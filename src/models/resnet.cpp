@@ -62,8 +62,17 @@ torch::Tensor ResNetImpl::head(const torch::Tensor& h) {
   return fc(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
 }
 
+void ResNetImpl::gradient_checkpointing_enable(PlannedOptions options) {
+  enable_planning(std::move(options), "remat::models::ResNet::gradient_checkpointing_enable");
+}
+
 torch::Tensor ResNetImpl::forward(const torch::Tensor& x) {
   torch::Tensor h = stem(x);
+  if (planning()) {
+    if (planned_.is_empty())
+      planned_ = Planned(stages_at(*this, {"layer1", "layer2", "layer3"}), *planned_options_);
+    return head(planned_->forward(h));
+  }
   for (auto* layer : {&layer1, &layer2, &layer3}) {
     if (!checkpointing_enabled_) {
       h = (*layer)->forward(h);

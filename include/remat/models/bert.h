@@ -6,6 +6,7 @@
 ///   auto config = remat::models::BertConfig::base().num_hidden_layers(12);
 ///   remat::models::BertModel bert(config);
 ///   bert->gradient_checkpointing_enable();                    // every layer is a checkpoint
+///   bert->gradient_checkpointing_enable(remat::PlannedOptions().budget(1LL << 30));   // or planned, 1 GiB
 ///   auto hidden = bert->forward(input_ids, attention_mask);   // last_hidden_state [batch, seq, hidden]
 ///   hidden.mean().backward();
 
@@ -115,6 +116,18 @@ class BertModelImpl : public torch::nn::Module, public Checkpointable {
   /// Checkpoints every n-th encoder layer (layers 0, n, 2n, ...; every layer by default) with `options`.
   /// Throws c10::Error when every_n_layers < 1.
   void gradient_checkpointing_enable(CheckpointOptions options = {}, int64_t every_n_layers = 1);
+  /// Plans the encoder layers in place for a budget (remat::Planned, remat/planned.h; the attention mask
+  /// is passed to them as its extra argument): the first training step (per input shape) profiles them where
+  /// they run, the next runs the plan optimal() finds; the embeddings' output and what they saved are the
+  /// base the budget is above. Replaces per-layer checkpointing until the next
+  /// gradient_checkpointing_enable(CheckpointOptions). Throws c10::Error when the budget is not positive,
+  /// and, at the planning step, as PlannedImpl::forward does.
+  ///
+  ///   bert->gradient_checkpointing_enable(remat::PlannedOptions().budget(2LL << 30));   // 2 GiB
+  void gradient_checkpointing_enable(PlannedOptions options);
+  /// The layers' Planned (its plan, profile, predicted and measured peaks), or nullptr before the first
+  /// forward pass after gradient_checkpointing_enable(PlannedOptions).
+  const PlannedImpl* planned() const { return planned_.is_empty() ? nullptr : planned_.get(); }
   /// The n of gradient_checkpointing_enable.
   int64_t checkpoint_every_n_layers() const { return every_n_layers_; }
 

@@ -6,6 +6,10 @@
 ///   bool on = model->is_gradient_checkpointing();
 
 #include <remat/checkpoint.h>
+#include <remat/planned.h>
+
+#include <optional>
+#include <string>
 
 namespace remat::models {
 
@@ -18,6 +22,8 @@ class Checkpointable {
   void gradient_checkpointing_enable(CheckpointOptions options = {}) {
     checkpoint_options_ = std::move(options);
     checkpointing_enabled_ = true;
+    planned_options_.reset();
+    planned_ = nullptr;
   }
   /// Turns checkpointing off. Takes effect from the next forward pass.
   void gradient_checkpointing_disable() { checkpointing_enabled_ = false; }
@@ -27,8 +33,22 @@ class Checkpointable {
   const CheckpointOptions& gradient_checkpointing_options() const { return checkpoint_options_; }
 
  protected:
+  // For the models whose blocks can be planned in place (their
+  // gradient_checkpointing_enable(PlannedOptions)): the blocks' remat::Planned is made at the first forward
+  // pass after this, from the model's stages.
+  void enable_planning(PlannedOptions options, const char* who) {
+    TORCH_CHECK(options.budget() > 0, who, ": the budget must be a positive number of bytes, got ",
+                options.budget());
+    planned_options_ = std::move(options);
+    planned_ = nullptr;
+    checkpointing_enabled_ = true;
+  }
+  bool planning() const { return checkpointing_enabled_ && planned_options_.has_value(); }
+
   bool checkpointing_enabled_ = false;
   CheckpointOptions checkpoint_options_;
+  std::optional<PlannedOptions> planned_options_;
+  Planned planned_{nullptr};
 };
 
 }  // namespace remat::models

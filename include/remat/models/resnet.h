@@ -46,8 +46,19 @@ struct ResNetImpl : torch::nn::Module, Checkpointable {
   torch::Tensor stem(const torch::Tensor& x);
   /// The head: layer3's [batch, 64, h, w] -> [batch, classes] logits.
   torch::Tensor head(const torch::Tensor& h);
-  /// With gradient checkpointing on, every block is its own remat::checkpoint (with the options given).
+  /// With gradient checkpointing on, every block is its own remat::checkpoint (with the options given), or,
+  /// after gradient_checkpointing_enable(PlannedOptions), the blocks run planned in place.
   torch::Tensor forward(const torch::Tensor& x);
+  using Checkpointable::gradient_checkpointing_enable;
+  /// Plans the blocks of layer1..layer3 in place for a budget (remat::Planned, remat/planned.h): the first
+  /// training step (per input shape) profiles them where they run, the next runs the plan optimal() finds;
+  /// the stem's output and what it saved are the base the budget is above. Replaces per-block checkpointing
+  /// until the next gradient_checkpointing_enable(CheckpointOptions). Throws c10::Error when the budget is
+  /// not positive, and, at the planning step, as PlannedImpl::forward does.
+  void gradient_checkpointing_enable(PlannedOptions options);
+  /// The blocks' Planned, or nullptr before the first forward pass after
+  /// gradient_checkpointing_enable(PlannedOptions).
+  const PlannedImpl* planned() const { return planned_.is_empty() ? nullptr : planned_.get(); }
   torch::nn::Conv2d conv1{nullptr};
   torch::nn::BatchNorm2d bn1{nullptr};
   torch::nn::Sequential layer1{nullptr}, layer2{nullptr}, layer3{nullptr};

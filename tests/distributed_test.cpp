@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <remat/distributed.h>
 #include <remat/models.h>
+#include <remat/planned.h>
 #include <remat/planner.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>
@@ -78,6 +79,7 @@ constexpr int kSteps = 3;
 struct Trainee {
   std::shared_ptr<torch::nn::Module> module;
   std::function<torch::Tensor(int64_t begin, int64_t count)> loss;  // rows [begin, begin+count) of the batch
+  std::function<std::string()> plan;  // a Planned's plan in force, for the planned strategies
 };
 
 torch::Tensor mlp_input() {
@@ -87,6 +89,17 @@ torch::Tensor mlp_input() {
 torch::Tensor bert_input() {
   torch::manual_seed(12);
   return torch::randint(0, 50, {kGlobalBatch * 3, 8}, torch::kLong);
+}
+
+std::shared_ptr<dist::ProcessGroup> g_group;  // the worker's group, for the planned strategies
+
+// Planned's options under data parallel: the same plan on every rank.
+remat::PlannedOptions planned_options(int64_t budget) {
+  return remat::PlannedOptions().budget(budget).agree(dist::same_plan_on_every_rank(g_group));
+}
+
+std::string plan_of(const remat::PlannedImpl* p) {
+  return p && p->plan() ? p->plan()->to_string() : "no plan";
 }
 
 Trainee make_trainee(const std::string& strategy) {
@@ -105,6 +118,10 @@ Trainee make_trainee(const std::string& strategy) {
                                              .hidden_dropout_prob(0)
                                              .attention_probs_dropout_prob(0));
     if (strategy == "bert") bert->gradient_checkpointing_enable();
+    if (strategy == "bert-planned") {
+      bert->gradient_checkpointing_enable(planned_options(1 << 30));
+      t.plan = [bert] { return plan_of(bert->planned()); };
+    }
     if (strategy == "bert-reentrant")
       bert->gradient_checkpointing_enable(CheckpointOptions().mode(CheckpointMode::kReentrant));
     const torch::Tensor ids = bert_input();
@@ -138,6 +155,11 @@ Trainee make_trainee(const std::string& strategy) {
     for (const auto& p : mlp->parameters())
       p.mutable_grad() = torch::Tensor();
     forward = [stages, plan](const torch::Tensor& in) { return remat::run_plan(stages, plan, in); };
+  } else if (strategy == "planned") {
+    // Planned in place at a budget between checkpointing every block and none (of a 6-row shard).
+    auto planned = remat::Planned(remat::stages_of(mlp->blocks()), planned_options(6000));
+    forward = [planned](const torch::Tensor& in) mutable { return planned->forward(in); };
+    t.plan = [planned] { return plan_of(planned.get()); };
   } else if (strategy == "plan-all") {
     auto stages = remat::stages_of(mlp->blocks());
     const remat::Plan plan = remat::segmented(static_cast<int64_t>(stages.size()), {0, 1, 2, 3}, true);
@@ -153,8 +175,8 @@ Trainee make_trainee(const std::string& strategy) {
 }
 
 const std::vector<std::string> kStrategies = {
-    "none", "nonreentrant", "reentrant", "sequential",    "sequential-reentrant",
-    "plan", "plan-all",     "bert",      "bert-reentrant"};
+    "none",     "nonreentrant", "reentrant",      "sequential", "sequential-reentrant", "plan",
+    "plan-all", "bert",         "bert-reentrant", "planned",    "bert-planned"};
 
 // max |a - b| / max(1, max |b|) over every parameter.
 double relative_param_diff(torch::nn::Module& a, torch::nn::Module& b) {
@@ -221,6 +243,18 @@ void worker_match(dist::ProcessGroup& group) {
       opt.step();
     }
     EXPECT_LE(relative_param_diff(*t.module, *ref.module), 1e-5);
+    if (t.plan) {
+      // Planned: one profiling step, then one plan, the same on every rank.
+      const std::string plan = t.plan();
+      std::cerr << "rank " << group.rank() << " " << strategy << ": " << plan << std::endl;
+      EXPECT_NE(plan, "no plan");
+      std::vector<torch::Tensor> hi{
+          torch::tensor({static_cast<int64_t>(std::hash<std::string>()(plan) >> 1)})};
+      std::vector<torch::Tensor> lo{hi[0].clone()};
+      group.all_reduce(hi, dist::ReduceOp::kMax);
+      group.all_reduce(lo, dist::ReduceOp::kMin);
+      EXPECT_EQ(hi[0].item<int64_t>(), lo[0].item<int64_t>()) << "the ranks' plans differ";
+    }
   }
 }
 
@@ -325,12 +359,14 @@ TEST(DistributedWorker, Run) {
     return;
   }
   auto group = dist::init_process_group(dist::InitOptions().timeout(30s));
+  g_group = group;
   if (s == "match") worker_match(*group);
   if (s == "no_sync") worker_no_sync(*group);
   if (s == "kill") worker_kill(*group);
   if (s == "mismatch") worker_mismatch(*group);
   if (s == "unused") worker_unused(*group);
   group->barrier();
+  g_group.reset();
 }
 
 // ------------------------------------------------------------------------------------------------------------

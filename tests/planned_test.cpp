@@ -3,22 +3,29 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <remat/chain.h>
 #include <remat/memory.h>
+#include <remat/models.h>
 #include <remat/planned.h>
 #include <remat/sequential.h>
 
+#include <atomic>
+#include <memory>
 #include <optional>
+
+#include "autocast.h"
 
 namespace {
 
 struct BlockImpl : torch::nn::Module {
-  explicit BlockImpl(int64_t w) {
-    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({w})));
+  explicit BlockImpl(int64_t w, bool norm = true) {
+    // LibTorch 1.13's CPU LayerNorm takes no bfloat16 input with float weights: no norm under autocast.
+    if (norm) ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({w})));
     fc1 = register_module("fc1", torch::nn::Linear(w, 4 * w));
     fc2 = register_module("fc2", torch::nn::Linear(4 * w, w));
     drop = register_module("drop", torch::nn::Dropout(0.2));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return x + drop(fc2(torch::gelu(fc1(ln(x))))); }
+  torch::Tensor forward(const torch::Tensor& x) { return x + drop(fc2(torch::gelu(fc1(ln ? ln(x) : x)))); }
   torch::nn::LayerNorm ln{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
   torch::nn::Dropout drop{nullptr};
@@ -28,11 +35,11 @@ TORCH_MODULE(Block);
 // A model as users write it: an input projection, blocks in a ModuleList, a head; the loop over the blocks is
 // the one place that changes to use Planned.
 struct NetImpl : torch::nn::Module {
-  NetImpl(int64_t w, int64_t depth) {
+  NetImpl(int64_t w, int64_t depth, bool norm = true) {
     in = register_module("in", torch::nn::Linear(8, w));
     h = register_module("h", torch::nn::ModuleList());
     for (int64_t i = 0; i < depth; ++i)
-      h->push_back(Block(w));
+      h->push_back(Block(w, norm));
     head = register_module("head", torch::nn::Linear(w, 1));
   }
   torch::Tensor loss(const torch::Tensor& x) {
@@ -243,13 +250,315 @@ TEST_F(PlannedTest, EvalModeAndNoGradRunTheStagesPlainly) {
     EXPECT_TRUE(torch::equal(net->loss(x), plain));  // no profiling, no plan, no error for the budget
   }
   EXPECT_FALSE(planned->is_planned());
+  // model->eval() reaches the stages' modules: Planned, not registered here, follows them.
   net->eval();
-  planned->eval();
   net->planned.reset();
   const torch::Tensor eval_plain = net->loss(x);
   net->planned = planned;
+  EXPECT_TRUE(planned->is_training());
   EXPECT_TRUE(torch::equal(net->loss(x), eval_plain));
   EXPECT_FALSE(planned->is_planned());
+  // Planned's own eval flag, the model training (dropout on): the stages run plainly, nothing profiled.
+  planned->eval();
+  net->train();
+  net->planned.reset();
+  torch::manual_seed(4);
+  const torch::Tensor train_plain = net->loss(x);
+  net->planned = planned;
+  torch::manual_seed(4);
+  EXPECT_TRUE(torch::equal(net->loss(x), train_plain));
+  EXPECT_FALSE(planned->is_planned());
+  EXPECT_EQ(planned->chain(), nullptr);
+}
+
+// Stages that count their calls, for telling a profiling step from a step that only runs the stages.
+std::vector<remat::StageFn> counted(std::vector<remat::StageFn> stages,
+                                    std::shared_ptr<std::atomic<int>> calls) {
+  for (auto& s : stages) {
+    auto fn = s.fn;
+    s.fn = [fn, calls](const torch::Tensor& x) {
+      ++*calls;
+      return fn(x);
+    };
+  }
+  return stages;
+}
+
+TEST_F(PlannedTest, ASavedProfileIsUsedInsteadOfProfilingAndGivesTheSamePlan) {
+  const int64_t w = 32, depth = 5;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 32, 8});
+  const int64_t budget = plain_chain_peak(w, depth, x) / 2;
+  torch::manual_seed(0);
+  Net first(w, depth);
+  first->planned =
+      remat::Planned(remat::stages_at<BlockImpl>(*first, {"h"}), remat::PlannedOptions().budget(budget));
+  step(first, x);
+  step(first, x);
+  ASSERT_TRUE((*first->planned)->is_planned());
+  ASSERT_NE((*first->planned)->rest_of_step(), nullptr);
+  // Saved as the CLI's chain JSON, read back.
+  const std::string json = remat::to_json(*(*first->planned)->chain());
+  const remat::Chain saved = remat::chain_from_json(json);
+
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  auto calls = std::make_shared<std::atomic<int>>(0);
+  net->planned = remat::Planned(counted(remat::stages_at<BlockImpl>(*net, {"h"}), calls),
+                                remat::PlannedOptions().budget(budget));
+  // The shape of Planned's input (the blocks' input), not of the model's.
+  const std::vector<int64_t> blocks_input{8, 32, w};
+  (*net->planned)->use_profile({blocks_input}, saved);
+  for (int s = 0; s < 3; ++s) {
+    *calls = 0;
+    torch::manual_seed(300 + s);
+    const Step a = step(plain, x);
+    torch::manual_seed(300 + s);
+    const Step b = step(net, x);
+    expect_equal(a, b, "step " + std::to_string(s));
+    // Step 0 runs every stage checkpointed (a forward and a recompute each), no profiling runs.
+    if (s == 0) EXPECT_EQ(calls->load(), 2 * depth);
+  }
+  const remat::PlannedImpl& p = **net->planned;
+  ASSERT_TRUE(p.is_planned());
+  EXPECT_EQ(p.profiling_steps(), 1);
+  EXPECT_EQ(p.plan()->to_string(), (*first->planned)->plan()->to_string());
+
+  // Without a saved profile, the first step profiles: many more calls.
+  torch::manual_seed(0);
+  Net fresh(w, depth);
+  auto fresh_calls = std::make_shared<std::atomic<int>>(0);
+  fresh->planned = remat::Planned(counted(remat::stages_at<BlockImpl>(*fresh, {"h"}), fresh_calls),
+                                  remat::PlannedOptions().budget(budget));
+  step(fresh, x);
+  EXPECT_GT(fresh_calls->load(), 4 * depth);
+
+  // Bad profiles: the wrong number of stages, or another input size (found at that shape's first step).
+  remat::Chain short_chain = saved;
+  short_chain.stages.pop_back();
+  EXPECT_THROW((*fresh->planned)->use_profile({{4, 32, w}}, short_chain), c10::Error);
+  remat::Chain other = saved;
+  other.input_bytes *= 2;
+  const torch::Tensor y = torch::randn({4, 32, 8});
+  (*fresh->planned)->use_profile({{4, 32, w}}, other);
+  try {
+    step(fresh, y);
+    FAIL() << "a profile of another input size was used";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("input_bytes " + std::to_string(other.input_bytes)),
+              std::string::npos)
+        << e.what();
+  }
+  step(fresh, x);
+  EXPECT_THROW((*fresh->planned)->use_profile({blocks_input}, saved), c10::Error);  // already planned
+}
+
+// A block that takes a per-step extra tensor: a [T] gate on the sequence positions (as a mask would be).
+TEST_F(PlannedTest, StagesWithExtraTensorsGetThemEveryStepAndTheirShapesKeyThePlan) {
+  const int64_t w = 32, depth = 4;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 32, 8});
+  const torch::Tensor gate32 = (torch::rand({32, 1}) > 0.3).to(torch::kFloat);
+  const torch::Tensor gate16 = (torch::rand({16, 1}) > 0.3).to(torch::kFloat);
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  std::vector<remat::ArgsStageFn> stages;
+  for (size_t i = 0; i < net->h->size(); ++i) {
+    auto block = net->h->ptr<BlockImpl>(i);
+    stages.push_back({"gated" + std::to_string(i),
+                      [block](const torch::Tensor& h, const std::vector<torch::Tensor>& args) {
+                        return block->forward(h) * args.at(0);
+                      },
+                      block});
+  }
+  auto planned = remat::Planned(stages, remat::PlannedOptions().budget(1 << 30));
+  auto gated_loss = [&](Net& n, const torch::Tensor& in, const torch::Tensor& gate, bool use_planned) {
+    torch::Tensor a = torch::relu(n->in(in));
+    if (use_planned) {
+      a = planned->forward(a, {gate});
+    } else {
+      for (size_t i = 0; i < n->h->size(); ++i)
+        a = n->h->at<BlockImpl>(i).forward(a) * gate;
+    }
+    return n->head(a).pow(2).mean();
+  };
+  const std::vector<const torch::Tensor*> gates{&gate32, &gate32, &gate16, &gate16, &gate32};
+  const std::vector<bool> planned_after{false, true, false, true, true};
+  for (size_t s = 0; s < gates.size(); ++s) {
+    for (Net* n : {&plain, &net}) {
+      for (auto& p : (*n)->parameters())
+        p.mutable_grad() = torch::Tensor();
+    }
+    const torch::Tensor in = gates[s] == &gate16 ? x.narrow(1, 0, 16) : x;
+    torch::manual_seed(400 + static_cast<int64_t>(s));
+    const torch::Tensor la = gated_loss(plain, in, *gates[s], false);
+    la.backward();
+    torch::manual_seed(400 + static_cast<int64_t>(s));
+    const torch::Tensor lb = gated_loss(net, in, *gates[s], true);
+    lb.backward();
+    EXPECT_TRUE(torch::equal(la, lb)) << "step " << s;
+    const auto pa = plain->parameters(), pb = net->parameters();
+    for (size_t i = 0; i < pa.size(); ++i)
+      EXPECT_TRUE(torch::equal(pa[i].grad(), pb[i].grad())) << "step " << s << " gradient " << i;
+    EXPECT_EQ(planned->is_planned(), planned_after[s]) << "step " << s;
+  }
+  // Extra tensors for stages that take none: an error naming them.
+  auto one_arg = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(1));
+  EXPECT_THROW(one_arg->forward(x, {gate32}), c10::Error);
+  EXPECT_THROW(planned->forward(x, {torch::Tensor()}), c10::Error);
+}
+
+TEST_F(PlannedTest, GradientAccumulationAndCpuAutocastAreAsWithoutIt) {
+  const int64_t w = 32, depth = 4;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 32, 8});
+  torch::manual_seed(0);
+  Net plain(w, depth, false);
+  torch::manual_seed(0);
+  Net net(w, depth, false);
+  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                                remat::PlannedOptions().budget(plain_chain_peak(w, depth, x) / 3));
+  for (const bool autocast : {false, true}) {
+    for (int s = 0; s < 3; ++s) {
+      // Two micro-batches accumulated into the gradients, then read.
+      std::vector<std::vector<torch::Tensor>> grads;
+      std::vector<torch::Tensor> losses;
+      for (Net* n : {&plain, &net}) {
+        for (auto& p : (*n)->parameters())
+          p.mutable_grad() = torch::Tensor();
+        for (int micro = 0; micro < 2; ++micro) {
+          torch::manual_seed(500 + 10 * s + micro);
+          std::optional<remat::testing::CpuAutocast> scope;
+          if (autocast) scope.emplace();
+          torch::Tensor loss = (*n)->loss(x.narrow(0, 4 * micro, 4));
+          scope.reset();
+          loss.backward();
+          losses.push_back(loss.detach());
+        }
+        grads.emplace_back();
+        for (const auto& p : (*n)->parameters())
+          grads.back().push_back(p.grad().clone());
+      }
+      for (int micro = 0; micro < 2; ++micro)
+        EXPECT_TRUE(torch::equal(losses[micro], losses[2 + micro])) << autocast << " step " << s;
+      for (size_t i = 0; i < grads[0].size(); ++i)
+        EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << autocast << " step " << s << " gradient " << i;
+    }
+    EXPECT_TRUE((*net->planned)->is_planned());
+  }
+}
+
+// PlannedOptions::agree gets every number the plan is made from and the plan is made from what it returns.
+TEST_F(PlannedTest, AgreeReplacesTheNumbersThePlanIsMadeFrom) {
+  const int64_t w = 32, depth = 4;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 32, 8});
+  int agreed = 0;
+  int64_t seen_input_bytes = 0;
+  auto doubled = [&](std::vector<torch::Tensor>& numbers) {
+    ++agreed;
+    ASSERT_EQ(numbers.size(), 2u);
+    seen_input_bytes = numbers[0][0].item<int64_t>();
+    numbers[0].mul_(2);  // another rank that needs twice the memory
+  };
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                                remat::PlannedOptions().budget(1 << 30).agree(doubled));
+  step(net, x);
+  const int64_t measured_saved = (*net->planned)->chain()->stages[0].saved_bytes;
+  step(net, x);
+  step(net, x);
+  EXPECT_EQ(agreed, 1);                         // once, at the planning step
+  EXPECT_EQ(seen_input_bytes, 8 * 32 * w * 4);  // the chain's input: the blocks' float input, first
+  EXPECT_EQ((*net->planned)->chain()->stages[0].saved_bytes, 2 * measured_saved);
+  auto bad = [](std::vector<torch::Tensor>& numbers) { numbers.pop_back(); };
+  torch::manual_seed(0);
+  Net other(w, depth);
+  other->planned = remat::Planned(remat::stages_at<BlockImpl>(*other, {"h"}),
+                                  remat::PlannedOptions().budget(1 << 30).agree(bad));
+  step(other, x);
+  EXPECT_THROW(step(other, x), c10::Error);
+}
+
+// remat's own models in one line: gradient_checkpointing_enable(PlannedOptions).
+TEST_F(PlannedTest, BertAndResNetPlanTheirBlocksInOneLineAndTrainAsThePlainModel) {
+  using remat::models::BertConfig;
+  using remat::models::BertModel;
+  using remat::models::ResNet;
+  const auto config = BertConfig()
+                          .vocab_size(60)
+                          .hidden_size(32)
+                          .num_hidden_layers(4)
+                          .num_attention_heads(4)
+                          .intermediate_size(64)
+                          .max_position_embeddings(32);
+  torch::manual_seed(1);
+  const torch::Tensor ids = torch::randint(60, {4, 24});
+  torch::Tensor mask = torch::ones({4, 24});
+  mask.narrow(1, 18, 6).zero_();
+  torch::manual_seed(0);
+  BertModel plain(config);
+  torch::manual_seed(0);
+  BertModel bert(config);
+  bert->gradient_checkpointing_enable(remat::PlannedOptions().budget(1 << 30));  // the one line
+  EXPECT_EQ(bert->planned(), nullptr);
+  for (int s = 0; s < 3; ++s) {
+    std::vector<torch::Tensor> la, lb;
+    for (BertModel* m : {&plain, &bert}) {
+      (*m)->zero_grad();
+      torch::manual_seed(600 + s);
+      torch::Tensor loss = (*m)->forward(ids, mask).pow(2).mean();
+      loss.backward();
+      (m == &plain ? la : lb).push_back(loss);
+      (m == &plain ? la : lb).push_back(torch::rand({4}));
+    }
+    EXPECT_TRUE(torch::equal(la[0], lb[0]) && torch::equal(la[1], lb[1])) << "BERT step " << s;
+    const auto pa = plain->parameters(), pb = bert->parameters();
+    for (size_t i = 0; i < pa.size(); ++i) {
+      if (!pa[i].grad().defined()) continue;  // the pooler
+      EXPECT_TRUE(torch::equal(pa[i].grad(), pb[i].grad())) << "BERT step " << s << " gradient " << i;
+    }
+  }
+  ASSERT_NE(bert->planned(), nullptr);
+  EXPECT_TRUE(bert->planned()->is_planned());
+  EXPECT_EQ(bert->planned()->chain()->size(), 4);
+  EXPECT_EQ(bert->parameters().size(), plain->parameters().size());
+  bert->eval();
+  plain->eval();
+  EXPECT_TRUE(torch::equal(bert->forward(ids, mask), plain->forward(ids, mask)));
+  EXPECT_THROW(bert->gradient_checkpointing_enable(remat::PlannedOptions()), c10::Error);  // no budget
+
+  torch::manual_seed(0);
+  ResNet plain_net(1);
+  torch::manual_seed(0);
+  ResNet net(1);
+  net->gradient_checkpointing_enable(remat::PlannedOptions().budget(1 << 30));
+  torch::manual_seed(2);
+  const torch::Tensor images = torch::randn({4, 3, 16, 16});
+  for (int s = 0; s < 3; ++s) {
+    plain_net->zero_grad();
+    net->zero_grad();
+    torch::Tensor la = plain_net->forward(images).pow(2).mean();
+    la.backward();
+    torch::Tensor lb = net->forward(images).pow(2).mean();
+    lb.backward();
+    EXPECT_TRUE(torch::equal(la, lb)) << "ResNet step " << s;
+    const auto pa = plain_net->parameters(), pb = net->parameters();
+    for (size_t i = 0; i < pa.size(); ++i)
+      EXPECT_TRUE(torch::equal(pa[i].grad(), pb[i].grad())) << "ResNet step " << s << " gradient " << i;
+    const auto ba = plain_net->buffers(), bb = net->buffers();  // BatchNorm's statistics, updated once
+    for (size_t i = 0; i < ba.size(); ++i)
+      EXPECT_TRUE(torch::equal(ba[i], bb[i])) << "ResNet step " << s << " buffer " << i;
+  }
+  EXPECT_TRUE(net->planned()->is_planned());
+  EXPECT_EQ(net->planned()->chain()->size(), 3);
+  net->gradient_checkpointing_enable();  // back to per-block checkpointing
+  EXPECT_EQ(net->planned(), nullptr);
 }
 
 }  // namespace

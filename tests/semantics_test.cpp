@@ -13,6 +13,7 @@
 
 #include <atomic>
 
+#include "autocast.h"
 #include "detail/compat.h"
 #include "support.h"
 
@@ -36,22 +37,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, SemanticsTest,
                          ::testing::Values(CheckpointMode::kNonReentrant, CheckpointMode::kReentrant),
                          remat::testing::mode_name);
 
-// CPU autocast with bfloat16 for the lifetime of the scope, as torch.autocast("cpu") enters it.
-class CpuAutocast {
- public:
-  CpuAutocast() : was_(compat::autocast_enabled(c10::DeviceType::CPU)) {
-    compat::set_autocast_enabled(c10::DeviceType::CPU, true);
-    compat::set_autocast_dtype(c10::DeviceType::CPU, torch::kBFloat16);
-    at::autocast::increment_nesting();
-  }
-  ~CpuAutocast() {
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    compat::set_autocast_enabled(c10::DeviceType::CPU, was_);
-  }
-
- private:
-  bool was_;
-};
+using remat::testing::CpuAutocast;
 
 // ---------------------------------------------------------------------------------------------------------
 // Autocast

@@ -118,7 +118,7 @@ struct GPTImpl : torch::nn::Module {
   /// The blocks, each checkpointed with `checkpointing` when it is set (the one remat-aware line: what the
   /// ModuleList hands out, given its type).
   torch::Tensor blocks(torch::Tensor x) {
-    if (planned) return (*planned)->forward(x);  // planning in place: the loop below, planned for a budget
+    if (planned) return planned->forward(x);  // planning in place: the loop below, planned for a budget
     for (size_t i = 0; i < h->size(); ++i) {
       BlockImpl* block = (*h)[i]->as<BlockImpl>();
       x = checkpointing ? remat::checkpoint(block, x, *checkpointing) : block->forward(x);
@@ -142,7 +142,12 @@ struct GPTImpl : torch::nn::Module {
   torch::nn::ModuleList h{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
   std::optional<remat::CheckpointOptions> checkpointing;  // per block when set
-  std::optional<remat::Planned> planned;                  // the blocks planned in place when set
+  remat::Planned planned{nullptr};                        // the blocks planned in place when set
+
+  /// Planning in place, in one line: the blocks become a remat::Planned for `options`' budget.
+  void gradient_checkpointing_enable(const remat::PlannedOptions& options) {
+    planned = remat::Planned(remat::stages_at<BlockImpl>(*this, {"h"}), options);
+  }
 };
 TORCH_MODULE(GPT);
 

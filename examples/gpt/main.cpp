@@ -5,8 +5,11 @@
 // bitwise (dropout on); then it measures each way's peak memory and step time, in rounds that alternate the
 // ways.
 //
-//   build/examples/example_gpt [layers width heads block batch steps rounds]
+//   build/examples/example_gpt [layers width heads block batch steps rounds [budget MiB ...]]
 //   build/examples/example_gpt 6 384 6 256 8 3 3      # the nanoGPT Shakespeare size (docs/BENCHMARKS.md)
+//
+// Budgets after the seven numbers add planned ways at those budgets (MiB above the bytes alive when the
+// blocks start), beside the three between per block's peak and plain's.
 //
 // Exits 1 when a way differs from the plain run.
 #include <remat/measure.h>
@@ -20,6 +23,7 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,11 +40,14 @@ struct Way {
   int64_t segments = 0;                               // > 0: checkpoint_sequential over the ModuleList
   double budget_fraction =
       0;  // > 0: planned in place, budget = per block's peak + this x (plain's - per block's)
+  int64_t budget_bytes = 0;  // > 0: planned in place at this budget
+  bool planned() const { return budget_fraction > 0 || budget_bytes > 0; }
 };
 
 int64_t plain_peak = 0, per_block_peak = 0;  // the steps' peaks over what was alive when they began (bytes)
 
 int64_t budget_of(const Way& way) {
+  if (way.budget_bytes > 0) return way.budget_bytes;
   return per_block_peak +
          static_cast<int64_t>(way.budget_fraction * static_cast<double>(plain_peak - per_block_peak));
 }
@@ -51,9 +58,8 @@ struct PlannedWays {
   remat::Planned get(GPT& gpt, const Way& way) {
     auto it = made.find(way.name);
     if (it == made.end()) {
-      it = made.emplace(way.name, remat::Planned(remat::stages_at<BlockImpl>(*gpt, {"h"}),
-                                                 remat::PlannedOptions().budget(budget_of(way))))
-               .first;
+      gpt->gradient_checkpointing_enable(remat::PlannedOptions().budget(budget_of(way)));  // the one line
+      it = made.emplace(way.name, gpt->planned).first;
     }
     return it->second;
   }
@@ -63,8 +69,8 @@ struct PlannedWays {
 torch::Tensor loss_of(GPT& gpt, PlannedWays& planned, const Way& way, const torch::Tensor& idx,
                       const torch::Tensor& targets) {
   gpt->checkpointing = way.per_block;
-  gpt->planned.reset();
-  if (way.budget_fraction > 0) gpt->planned = planned.get(gpt, way);
+  gpt->planned = nullptr;
+  if (way.planned()) gpt->planned = planned.get(gpt, way);
   if (way.segments == 0) return gpt->loss(idx, targets);
   // The ModuleList's blocks as stages, given their type; the embedding and the head around them.
   const auto stages = remat::stages_at<BlockImpl>(*gpt, {"h"});
@@ -114,6 +120,14 @@ int main(int argc, char** argv) {
   std::vector<int64_t> a{2, 64, 4, 64, 4, 1, 1};  // layers width heads block batch steps rounds
   for (int i = 1; i < argc && i <= static_cast<int>(a.size()); ++i)
     a[i - 1] = std::atoll(argv[i]);
+  std::vector<double> budgets_mib;
+  for (int i = static_cast<int>(a.size()) + 1; i < argc; ++i) {
+    budgets_mib.push_back(std::atof(argv[i]));
+    if (!(budgets_mib.back() > 0)) {
+      std::cerr << "example_gpt: a budget must be a positive number of MiB, got '" << argv[i] << "'\n";
+      return 2;
+    }
+  }
   if (std::any_of(a.begin(), a.end(), [](int64_t v) { return v < 1; }) || a[1] % a[2] != 0) {
     std::cerr << "example_gpt: every argument must be >= 1 and the width a multiple of the heads\n";
     return 2;
@@ -130,7 +144,7 @@ int main(int argc, char** argv) {
   // Half as many segments as blocks (at least two where there are two blocks): the last one is not
   // checkpointed.
   const int64_t segments = std::min(config.n_layer, std::max<int64_t>(2, (config.n_layer + 1) / 2));
-  const std::vector<Way> ways = {
+  std::vector<Way> ways = {
       {"none", std::nullopt},
       {"per block (kNonReentrant)", CheckpointOptions()},
       {"per block (kReentrant)", CheckpointOptions().mode(remat::CheckpointMode::kReentrant)},
@@ -143,12 +157,27 @@ int main(int argc, char** argv) {
       {"planned in place, budget 1/2 of the way", std::nullopt, 0, 0.5},
       {"planned in place, budget 3/4 of the way", std::nullopt, 0, 0.75},
   };
+  for (const double mib : budgets_mib) {
+    std::ostringstream name;
+    name << "planned in place, budget " << std::fixed << std::setprecision(1) << mib << " MiB";
+    ways.push_back({name.str(), std::nullopt, 0, 0, static_cast<int64_t>(mib * (1 << 20))});
+  }
 
   // Every way against the plain run, bitwise.
   const Outcome plain = two_steps(config, ways[0], idx, targets);
   int failures = 0;
   for (size_t w = 1; w < ways.size(); ++w) {
-    const Outcome o = two_steps(config, ways[w], idx, targets);
+    Outcome o;
+    try {
+      o = two_steps(config, ways[w], idx, targets);
+    } catch (const c10::Error& e) {
+      if (!ways[w].planned()) throw;
+      // A budget below the least feasible one: refused at planning, named; the way is left out.
+      std::cout << ways[w].name << ": " << e.what_without_backtrace() << "\n";
+      ways.erase(ways.begin() + static_cast<std::ptrdiff_t>(w));
+      --w;
+      continue;
+    }
     const bool same =
         equal(o.losses, plain.losses) && equal(o.next_draws, plain.next_draws) && equal(o.grads, plain.grads);
     if (!same) {
@@ -172,7 +201,7 @@ int main(int argc, char** argv) {
   // step's median below.
   std::vector<double> first_ms(ways.size(), 0);
   for (size_t w = 0; w < ways.size(); ++w) {
-    if (ways[w].budget_fraction <= 0) continue;
+    if (!ways[w].planned()) continue;
     const auto t0 = std::chrono::steady_clock::now();
     loss_of(gpt, planned, ways[w], idx, targets).backward();
     first_ms[w] = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -203,10 +232,10 @@ int main(int argc, char** argv) {
               << "\n";
   }
   for (size_t w = 0; w < ways.size(); ++w) {
-    if (ways[w].budget_fraction <= 0) continue;
+    if (!ways[w].planned()) continue;
     const remat::PlannedImpl& p = *planned.get(gpt, ways[w]);
     std::cout << "\n"
-              << ways[w].name << " (from per block's peak to plain's): budget " << std::setprecision(1)
+              << ways[w].name << ": budget " << std::setprecision(1)
               << static_cast<double>(budget_of(ways[w])) / (1 << 20) << " MiB, predicted "
               << static_cast<double>(p.predicted_peak_bytes()) / (1 << 20) << " MiB, last step "
               << static_cast<double>(p.last_peak_bytes()) / (1 << 20)

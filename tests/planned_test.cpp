@@ -143,29 +143,35 @@ TEST_F(PlannedTest, TheStepsPeakIsWithinTheBudgetAndNearThePrediction) {
   torch::manual_seed(5);
   const torch::Tensor x = torch::randn({16, 32, 8});
   const int64_t plain_peak = plain_chain_peak(w, depth, x);
-  for (const double fraction : {0.3, 0.5, 0.8}) {
-    const auto budget = static_cast<int64_t>(fraction * static_cast<double>(plain_peak));
-    torch::manual_seed(0);
-    Net net(w, depth);
-    net->planned =
-        remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(budget));
-    step(net, x, false);  // gradients allocated before the profiling step, zeroed in place from then on
-    for (int s = 0; s < 3; ++s) {
-      step(net, x, false);
-      const int64_t measured = remat::memory::peak_bytes() - net->base_bytes;
-      if (s == 0) continue;
-      const remat::PlannedImpl& p = **net->planned;
-      ASSERT_TRUE(p.is_planned());
-      // The tolerance: 2% of the prediction either way.
-      const int64_t tolerance = p.predicted_peak_bytes() / 50;
-      EXPECT_LE(p.predicted_peak_bytes(), budget);
-      EXPECT_LE(measured, budget + tolerance) << "budget " << budget << " plan " << p.plan()->to_string();
-      EXPECT_NEAR(static_cast<double>(measured), static_cast<double>(p.predicted_peak_bytes()),
-                  static_cast<double>(tolerance))
-          << fraction << " " << p.plan()->to_string();
-      EXPECT_GT(p.last_peak_bytes(), 0);
+  // Gradients zeroed in place (allocated before the profiling step), or set to none before every step, so
+  // that the backward pass allocates them stage by stage (charged from each stage's backward on).
+  for (const bool to_none : {false, true})
+    for (const double fraction : {0.3, 0.5, 0.8}) {
+      SCOPED_TRACE(to_none ? "gradients set to none" : "gradients zeroed");
+      const auto budget = static_cast<int64_t>(fraction * static_cast<double>(plain_peak));
+      torch::manual_seed(0);
+      Net net(w, depth);
+      net->planned =
+          remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(budget));
+      step(net, x, to_none);
+      for (int s = 0; s < 3; ++s) {
+        step(net, x, to_none);
+        const int64_t measured = remat::memory::peak_bytes() - net->base_bytes;
+        if (s == 0) continue;
+        const remat::PlannedImpl& p = **net->planned;
+        ASSERT_TRUE(p.is_planned());
+        // The tolerance: 2% of the prediction either way.
+        const int64_t tolerance = p.predicted_peak_bytes() / 50;
+        EXPECT_LE(p.predicted_peak_bytes(), budget);
+        EXPECT_LE(measured, budget + tolerance) << "budget " << budget << " plan " << p.plan()->to_string();
+        // Above the prediction by at most 2%; below it by at most 2%, or 5% when the backward pass
+        // allocates the gradients (charged for the whole of their stage's backward operation).
+        EXPECT_LE(measured, p.predicted_peak_bytes() + tolerance) << fraction << " " << p.plan()->to_string();
+        EXPECT_GE(measured, p.predicted_peak_bytes() - (to_none ? 5 * tolerance / 2 : tolerance))
+            << fraction << " " << p.plan()->to_string();
+        EXPECT_GT(p.last_peak_bytes(), 0);
+      }
     }
-  }
 }
 
 TEST_F(PlannedTest, AnInfeasibleBudgetIsRefusedAtPlanningNamingTheLeastFeasibleOne) {

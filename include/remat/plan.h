@@ -63,6 +63,7 @@ struct Simulation {
   double time_ms = 0;                  ///< forward and backward time (milliseconds)
   std::vector<int64_t> forward_calls;  ///< how many times each stage's forward runs
   int64_t peak_op = -1;                ///< index in ops of the operation at the peak
+  std::vector<int64_t> op_peak_bytes;  ///< the peak during each operation, in the order of ops (bytes)
 };
 
 /// A schedule for a chain of num_stages stages.

@@ -162,7 +162,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   auto held_bytes = [&](int64_t i) -> int64_t {
     return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : held[i] == kKept ? kept(i) : 0;
   };
+  sim.op_peak_bytes.assign(plan.ops.size(), 0);
   auto charge = [&](int64_t peak, size_t k) {
+    sim.op_peak_bytes[k] = std::max(sim.op_peak_bytes[k], peak);
     if (peak > sim.peak_bytes) {
       sim.peak_bytes = peak;
       sim.peak_op = static_cast<int64_t>(k);

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <stdexcept>
 #include <string>
+#include <unordered_set>
 
 #include "detail/cpu_meter.h"
 #include "remat/chain.h"
@@ -44,9 +45,21 @@ Chain step_chain(const Chain& chain, const RestOfStep& rest) {
 }
 
 // The step's predicted peak above the base (the bytes alive when forward() is called, the stages' input
-// among them).
-int64_t step_peak_over_base(const Chain& step, const Plan& plan, int64_t input_bytes) {
-  return simulate(step, step_plan(plan)).peak_bytes - input_bytes;
+// among them). grads[i]: the bytes of stage i's parameter gradients not allocated yet, charged from its
+// backward operation on (AccumulateGrad allocates them during it), on top of each operation's peak.
+int64_t step_peak_over_base(const Chain& step, const Plan& plan, int64_t input_bytes,
+                            const std::vector<int64_t>& grads) {
+  const Plan ops = step_plan(plan);
+  const Simulation sim = simulate(step, ops);
+  int64_t arrived = 0, peak = 0;
+  for (size_t k = 0; k < ops.ops.size(); ++k) {
+    const Op& op = ops.ops[k];
+    // Step stage s is chain stage s - 1 (stage 0 is what comes before the chain).
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= static_cast<int64_t>(grads.size()))
+      arrived += grads[static_cast<size_t>(op.stage - 1)];
+    peak = std::max(peak, sim.op_peak_bytes[k] + arrived);
+  }
+  return peak - input_bytes;
 }
 
 }  // namespace
@@ -67,10 +80,12 @@ std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
 
 // The numbers a plan is made from, visited in one order on every rank (for PlannedOptions::agree).
 template <typename Bytes, typename Ms>
-void for_each_number(Chain& chain, RestOfStep& rest, int64_t& grads_to_come, Bytes bytes, Ms ms) {
+void for_each_number(Chain& chain, RestOfStep& rest, std::vector<int64_t>& grads_to_come, Bytes bytes,
+                     Ms ms) {
   bytes(chain.input_bytes);
   bytes(rest.peak_bytes);
-  bytes(grads_to_come);
+  for (int64_t& g : grads_to_come)
+    bytes(g);
   ms(rest.ms);
   for (Stage& s : chain.stages) {
     ms(s.fwd_ms), ms(s.bwd_ms);
@@ -220,13 +235,15 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
 
 void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
   // Parameter gradients the backward pass will allocate (zero_grad setting them to none), seen at the step
-  // that plans (the profiling step may be the first, before any gradient exists): charged as alive from the
-  // stages' backward pass on, an upper bound (they come one stage at a time).
-  shape.grads_to_come = 0;
-  for (const ArgsStageFn& s : stages_) {
-    if (!s.module) continue;
-    for (const auto& p : s.module->parameters())
-      if (p.requires_grad() && !p.grad().defined()) shape.grads_to_come += static_cast<int64_t>(p.nbytes());
+  // that plans (the profiling step may be the first, before any gradient exists): charged per stage, from
+  // that stage's backward operation on (a parameter shared by two stages is charged at the first).
+  shape.grads_to_come.assign(stages_.size(), 0);
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t i = stages_.size(); i-- > 0;) {  // the backward pass meets the last stage first
+    if (!stages_[i].module) continue;
+    for (const auto& p : stages_[i].module->parameters())
+      if (p.requires_grad() && !p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
+        shape.grads_to_come[i] += static_cast<int64_t>(p.nbytes());
   }
   if (options_.agree()) {
     // Every rank plans from the maximum over the ranks of every number, and so makes the same plan.
@@ -255,7 +272,7 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
   for (int attempt = 0; attempt < 64; ++attempt) {
     if (chain_budget < floor) break;
     Plan plan = optimal(*shape.chain, chain_budget, options_.planner());
-    const int64_t predicted = step_peak_over_base(step, plan, input_bytes) + shape.grads_to_come;
+    const int64_t predicted = step_peak_over_base(step, plan, input_bytes, shape.grads_to_come);
     if (predicted <= options_.budget()) {
       shape.plan = std::move(plan);
       shape.predicted = predicted;
@@ -265,7 +282,7 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
   }
   const Plan least = optimal(*shape.chain, floor, options_.planner());
   TORCH_CHECK(false, kWho, ": the budget of ", options_.budget(), " bytes is below the least feasible one, ",
-              step_peak_over_base(step, least, input_bytes) + shape.grads_to_come,
+              step_peak_over_base(step, least, input_bytes, shape.grads_to_come),
               " bytes (the step's peak above the bytes alive when forward() is called, with the rest of the "
               "step measured at ",
               (*shape.rest)->peak_bytes, " bytes)");

@@ -131,7 +131,6 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<std::optional<RestOfStep>> rest = std::make_shared<std::optional<RestOfStep>>();
     std::optional<Plan> plan;
     int64_t predicted = -1;
-    std::vector<int64_t> grads_to_come;  // per stage: its parameters' gradient bytes not allocated yet
     int64_t steps_before_plan = 0;
     bool profile_loaded = false;  // the chain came from use_profile()
     std::shared_ptr<int64_t> last_peak = std::make_shared<int64_t>(-1);

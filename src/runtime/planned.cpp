@@ -62,10 +62,6 @@ int64_t step_peak_over_base(const Chain& step, const Plan& plan, int64_t input_b
   return peak - input_bytes;
 }
 
-}  // namespace
-
-namespace {
-
 std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
   std::vector<ArgsStageFn> out;
   out.reserve(stages.size());
@@ -237,20 +233,20 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
   // Parameter gradients the backward pass will allocate (zero_grad setting them to none), seen at the step
   // that plans (the profiling step may be the first, before any gradient exists): charged per stage, from
   // that stage's backward operation on (a parameter shared by two stages is charged at the first).
-  shape.grads_to_come.assign(stages_.size(), 0);
+  std::vector<int64_t> grads_to_come(stages_.size(), 0);
   std::unordered_set<const c10::TensorImpl*> seen;
   for (size_t i = stages_.size(); i-- > 0;) {  // the backward pass meets the last stage first
     if (!stages_[i].module) continue;
     for (const auto& p : stages_[i].module->parameters())
       if (p.requires_grad() && !p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
-        shape.grads_to_come[i] += static_cast<int64_t>(p.nbytes());
+        grads_to_come[i] += static_cast<int64_t>(p.nbytes());
   }
   if (options_.agree()) {
     // Every rank plans from the maximum over the ranks of every number, and so makes the same plan.
     std::vector<int64_t> b;
     std::vector<double> t;
     for_each_number(
-        *shape.chain, **shape.rest, shape.grads_to_come, [&](int64_t& v) { b.push_back(v); },
+        *shape.chain, **shape.rest, grads_to_come, [&](int64_t& v) { b.push_back(v); },
         [&](double& v) { t.push_back(v); });
     std::vector<torch::Tensor> numbers{torch::tensor(b, torch::kInt64), torch::tensor(t, torch::kFloat64)};
     options_.agree()(numbers);
@@ -261,7 +257,7 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
     const auto* ti = numbers[1].to(torch::kFloat64).contiguous().data_ptr<double>();
     size_t i = 0, j = 0;
     for_each_number(
-        *shape.chain, **shape.rest, shape.grads_to_come, [&](int64_t& v) { v = bi[i++]; },
+        *shape.chain, **shape.rest, grads_to_come, [&](int64_t& v) { v = bi[i++]; },
         [&](double& v) { v = ti[j++]; });
   }
   const Chain step = step_chain(*shape.chain, **shape.rest);
@@ -272,7 +268,7 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
   for (int attempt = 0; attempt < 64; ++attempt) {
     if (chain_budget < floor) break;
     Plan plan = optimal(*shape.chain, chain_budget, options_.planner());
-    const int64_t predicted = step_peak_over_base(step, plan, input_bytes, shape.grads_to_come);
+    const int64_t predicted = step_peak_over_base(step, plan, input_bytes, grads_to_come);
     if (predicted <= options_.budget()) {
       shape.plan = std::move(plan);
       shape.predicted = predicted;
@@ -282,7 +278,7 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
   }
   const Plan least = optimal(*shape.chain, floor, options_.planner());
   TORCH_CHECK(false, kWho, ": the budget of ", options_.budget(), " bytes is below the least feasible one, ",
-              step_peak_over_base(step, least, input_bytes, shape.grads_to_come),
+              step_peak_over_base(step, least, input_bytes, grads_to_come),
               " bytes (the step's peak above the bytes alive when forward() is called, with the rest of the "
               "step measured at ",
               (*shape.rest)->peak_bytes, " bytes)");

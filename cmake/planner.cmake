@@ -7,6 +7,8 @@ add_library(remat_planner
   src/planner/plan.cpp
   src/planner/baselines.cpp
   src/planner/optimal.cpp
+  src/planner/per_layer.cpp
+  src/planner/step.cpp
   src/planner/revolve.cpp
   src/planner/strategy.cpp
   src/planner/report.cpp

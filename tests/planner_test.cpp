@@ -22,67 +22,6 @@ using remat::OpKind;
 using remat::Plan;
 using remat::Stage;
 
-Chain random_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
-  std::uniform_int_distribution<int64_t> size(1, 20), extra(0, 30), tmp(0, 8);
-  std::uniform_real_distribution<double> ms(0.5, 10.0);
-  Chain c;
-  c.input_bytes = size(rng) * unit;
-  for (int64_t i = 0; i < n; ++i) {
-    Stage s;
-    s.name = "s" + std::to_string(i);
-    s.fwd_ms = ms(rng);
-    s.bwd_ms = 2 * ms(rng);
-    s.output_bytes = size(rng) * unit;
-    s.saved_bytes = s.output_bytes + extra(rng) * unit;
-    s.fwd_tmp_bytes = tmp(rng) * unit;
-    s.bwd_tmp_bytes = tmp(rng) * unit;
-    // Most stages forward faster without saving (no graph to record); no draw, so the sequence is kept.
-    if (i % 3 != 0) s.fwd_nosave_ms = s.fwd_ms * (0.55 + 0.1 * static_cast<double>(i % 4));
-    c.stages.push_back(s);
-  }
-  return c;
-}
-
-// random_chain with Fk on most stages: it keeps part of what Fa keeps, and its backward costs a partial
-// recompute more.
-Chain random_keep_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
-  Chain c = random_chain(rng, n, unit);
-  std::uniform_real_distribution<double> part(0.0, 1.0);
-  for (size_t i = 0; i < c.stages.size(); ++i) {
-    Stage& s = c.stages[i];
-    if (i % 4 == 3) continue;
-    const double kept = part(rng);
-    s.keep_saved_bytes =
-        s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
-    s.keep_fwd_ms = s.fwd_ms * (1 + 0.1 * part(rng));
-    s.keep_bwd_ms = s.bwd_ms + (1 - kept) * s.fwd_ms * (0.5 + part(rng));
-  }
-  c.keep = {"matmul"};
-  return c;
-}
-
-// random_keep_chain with two operator-level policies too, each on most stages, each keeping its own part.
-Chain random_policy_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
-  Chain c = random_keep_chain(rng, n, unit);
-  std::uniform_real_distribution<double> part(0.0, 1.0);
-  c.policies = {"alpha", "beta"};
-  for (size_t i = 0; i < c.stages.size(); ++i) {
-    Stage& s = c.stages[i];
-    if (i % 5 == 4) continue;  // a stage not profiled under the policies
-    for (const auto& name : c.policies) {
-      const double kept = part(rng);
-      remat::PolicyCost pc;
-      pc.policy = name;
-      pc.saved_bytes =
-          s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
-      pc.fwd_ms = s.fwd_ms * (1 + 0.1 * part(rng));
-      pc.bwd_ms = s.bwd_ms + (1 - kept) * s.fwd_ms * (0.5 + part(rng));
-      s.policies.push_back(pc);
-    }
-  }
-  return c;
-}
-
 // The chain in slots, exactly as optimal() discretises it for a budget.
 Chain in_slots(const Chain& c, int64_t budget, int64_t slots, int64_t* total) {
   const int64_t unit = std::max<int64_t>(1, budget / std::min(slots, std::max<int64_t>(budget, 1)));

@@ -110,6 +110,23 @@ Plan sqrt_n(const Chain& chain);
 /// schedule fits, std::invalid_argument for an invalid chain or slots < 1.
 Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options = {});
 
+/// The fastest per-layer plan within budget_bytes: each stage on its own is kept whole (Fa), kept under one
+/// of its Fk variants (Fk[NAME] for the chain's policies, Fk for its keep tags; options.exclude removes
+/// them), or checkpointed (Fc, recomputed right before its backward), with no recomputation across stages:
+/// what per-layer torch.utils.checkpoint (non-reentrant, with or without a selective checkpointing policy)
+/// and remat::checkpoint per layer run, so that a plan can be applied layer by layer through a model's own
+/// checkpointing hooks. An exact dynamic program over Pareto frontiers (O(n * frontier * choices); the
+/// frontier of a chain of equal layers stays small). plan.predicted.peak_bytes is simulate()'s;
+/// plan.predicted.time_ms counts a checkpointed stage as run per call (Stage::per_call_fwd_ms() +
+/// per_call_bwd_ms()), a kept one as fwd_ms + bwd_ms and an Fk one as its variant's fwd_ms + bwd_ms.
+/// Throws InfeasibleBudget (stating per_layer_min_budget()) when no per-layer plan fits, and
+/// std::invalid_argument for an invalid chain, a negative budget or an unknown exclusion.
+///
+///   remat::Plan plan = remat::per_layer(chain, 300 << 20);   // "Fa0 Fk1[matmuls] Fc2 L Fa2 B2 B1 B0"
+Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options = {});
+/// The least predicted peak of any per-layer plan (bytes): the smallest budget per_layer() accepts. At least
+/// min_feasible_budget(), which may recompute across stages. Throws as per_layer().
+int64_t per_layer_min_budget(const Chain& chain, const PlannerOptions& options = {});
 /// Binomial checkpointing (Griewank and Walther's Revolve) with at most `snapshots` checkpoints held at once
 /// besides the chain's input: the fewest forward recomputations for a homogeneous chain, in O(n log n).
 /// For chains of thousands of stages, where optimal() is too slow. Throws std::invalid_argument when

@@ -106,28 +106,6 @@ int64_t variant_of(int32_t choice) {
   return kKeepSome - choice;
 }
 
-// Which Fk variants a planner may use (variant 0: the keep tags; v >= 1: the chain's policy v - 1), from
-// PlannerOptions::exclude: "Fk" excludes every one, "Fk[tags]" the keep tags, "Fk[NAME]" the policy NAME.
-std::vector<char> allowed_variants(const Chain& chain, const PlannerOptions& options) {
-  std::vector<char> allowed(1 + chain.policies.size(), 1);
-  for (const std::string& e : options.exclude) {
-    if (e == "Fk") {
-      std::fill(allowed.begin(), allowed.end(), 0);
-      continue;
-    }
-    const bool bracketed = e.size() > 4 && e.rfind("Fk[", 0) == 0 && e.back() == ']';
-    const std::string name = bracketed ? e.substr(3, e.size() - 4) : "";
-    if (!bracketed || !valid_policy_name(name)) {
-      throw std::invalid_argument("remat::optimal: cannot exclude '" + e +
-                                  "' (Fk, Fk[tags] or Fk[POLICY], e.g. Fk[matmuls])");
-    }
-    if (name == "tags") allowed[0] = 0;
-    for (size_t p = 0; p < chain.policies.size(); ++p)
-      if (chain.policies[p] == name) allowed[p + 1] = 0;
-  }
-  return allowed;
-}
-
 // Emits a schedule for subchain [s, t] in the shapes both dynamic programs use: choice -1 is "keep
 // everything of stage s" (Fa(s), the rest, B(s)); a keep-some choice is the same with Fk(s); choice s' > s is
 // "sweep to a_{s'}, keep it as a checkpoint, do [s', t], then [s, s' - 1]". The loss stage n emits L.
@@ -340,6 +318,26 @@ std::string bytes_text(int64_t b) {
                          budget, min_bytes);
 }
 
+std::vector<char> allowed_variants(const Chain& chain, const PlannerOptions& options, const char* who) {
+  std::vector<char> allowed(1 + chain.policies.size(), 1);
+  for (const std::string& e : options.exclude) {
+    if (e == "Fk") {
+      std::fill(allowed.begin(), allowed.end(), 0);
+      continue;
+    }
+    const bool bracketed = e.size() > 4 && e.rfind("Fk[", 0) == 0 && e.back() == ']';
+    const std::string name = bracketed ? e.substr(3, e.size() - 4) : "";
+    if (!bracketed || !valid_policy_name(name)) {
+      throw std::invalid_argument(std::string(who) + ": cannot exclude '" + e +
+                                  "' (Fk, Fk[tags] or Fk[POLICY], e.g. Fk[matmuls])");
+    }
+    if (name == "tags") allowed[0] = 0;
+    for (size_t p = 0; p < chain.policies.size(); ++p)
+      if (chain.policies[p] == name) allowed[p + 1] = 0;
+  }
+  return allowed;
+}
+
 Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget) {
   plan.planner = name;
   plan.budget_bytes = budget;
@@ -361,7 +359,7 @@ Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budg
 
 int64_t min_feasible_budget(const Chain& chain, const PlannerOptions& options) {
   validate(chain);
-  const std::vector<char> allowed = allowed_variants(chain, options);
+  const std::vector<char> allowed = detail::allowed_variants(chain, options, "remat::optimal");
   if (chain.size() > kExactMinMemoryStages) return recompute_from_input_peak(chain);
   return MinMemory(chain, allowed).total();
 }
@@ -410,7 +408,7 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
     throw std::invalid_argument("remat::optimal: negative budget (" + std::to_string(budget_bytes) +
                                 " bytes)");
   }
-  const std::vector<char> allowed = allowed_variants(chain, options);
+  const std::vector<char> allowed = detail::allowed_variants(chain, options, "remat::optimal");
   const int64_t slots = std::min(options.slots, std::max<int64_t>(budget_bytes, 1));
   check_dp_size(chain, slots);
   Plan best = dp_plan(chain, budget_bytes, slots, allowed);

@@ -4,9 +4,11 @@
 
 #include <remat/chain.h>
 #include <remat/plan.h>
+#include <remat/planner.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace remat::detail {
 
@@ -18,6 +20,11 @@ inline void push(Plan& plan, OpKind kind, int64_t stage) {
 /// Names the plan, records its budget, gives it the chain's keep tags when it has Fk operations, and fills
 /// plan.predicted through simulate().
 Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget);
+
+/// Which Fk variants a planner may use (variant 0: the keep tags; v >= 1: the chain's policy v - 1), from
+/// PlannerOptions::exclude: "Fk" excludes every one, "Fk[tags]" the keep tags, "Fk[NAME]" the policy NAME.
+/// Throws std::invalid_argument naming `who` for any other text.
+std::vector<char> allowed_variants(const Chain& chain, const PlannerOptions& options, const char* who);
 
 /// Throws InfeasibleBudget "<who>: no schedule fits a budget of ...; the minimum for this chain is ...".
 [[noreturn]] void infeasible(const char* who, int64_t budget, int64_t min_bytes);

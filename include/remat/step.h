@@ -1,0 +1,88 @@
+#pragma once
+/// \file
+/// Planning a chain for the whole training step around it: what runs before the chain (embeddings), what runs
+/// after it (the head, the loss) and the parameter gradients the backward pass allocates all count against
+/// the budget, as a meter reading the step's peak sees them. Plain numbers, no torch headers: remat::Planned
+/// (C++) and the Python package's in-place planning measure a StepContext where the chain runs and plan
+/// with plan_step().
+///
+///   remat::StepContext ctx;                       // measured in a profiling step
+///   ctx.rest_peak_bytes = 7 << 20;                // the head and the loss
+///   ctx.stage_grads_bytes = {...};                // gradients the backward pass will allocate, per stage
+///   remat::StepPlan p = remat::plan_step(chain, ctx, 300 << 20);   // p.plan, p.step_peak_bytes
+
+#include <remat/chain.h>
+#include <remat/plan.h>
+#include <remat/planner.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// What surrounds a chain in a training step. Byte counts are above the step's base, the bytes alive when
+/// the step begins (for remat::Planned, when its forward() is called).
+struct StepContext {
+  /// Whether the chain's input is part of the base (remat::Planned, whose base is taken with the input
+  /// alive) rather than made during the step.
+  bool input_in_base = false;
+  /// Held from the chain's start until the backward pass is through the part before the chain, besides the
+  /// chain's input: what that part (embeddings) saved for its backward (bytes).
+  int64_t before_saved_bytes = 0;
+  /// The peak of the part before the chain, its forward pass (bytes). The same under every plan.
+  int64_t before_peak_bytes = 0;
+  /// The peak of the backward pass of the part before the chain, which runs after the chain's whole
+  /// backward (bytes; the gradients allocated by then included). The same under every plan.
+  int64_t before_backward_peak_bytes = 0;
+  /// The rest of the step (the part after the chain, the loss, and the backward pass down to the chain's
+  /// output): its peak above what is alive when the chain returns (bytes) and its time (milliseconds).
+  int64_t rest_peak_bytes = 0;
+  double rest_ms = 0;
+  /// Parameter gradients the rest's backward allocates (bytes; 0 when they exist before the step), held
+  /// from then on.
+  int64_t rest_grads_bytes = 0;
+  /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 when they exist before the
+  /// step), held from then on. Empty, or one entry per stage.
+  std::vector<int64_t> stage_grads_bytes;
+};
+
+/// Checks a context against its chain: no negative value, stage_grads_bytes empty or of the chain's size.
+/// Throws std::invalid_argument naming remat::StepContext, the field and the value.
+void validate(const StepContext& context, const Chain& chain);
+
+/// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's
+/// input, holding before_saved_bytes more), the chain's stages, and last the rest of the step, charged as
+/// holding its peak from its forward to its backward (an upper bound: the loss and what it saves are usually
+/// gone sooner). Throws as validate().
+Chain step_chain(const Chain& chain, const StepContext& context);
+
+/// The step's predicted peak above its base under `plan` (a plan for `chain`, bytes): the largest of
+/// before_peak_bytes, before_backward_peak_bytes and every operation of step_plan(plan) on step_chain(),
+/// each with the gradients allocated by then (a stage's from its backward operation on, the rest's after the
+/// rest's backward), less the chain's input when input_in_base. Throws as validate() and simulate().
+int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan);
+
+/// A plan for the whole step and its predicted peak.
+struct StepPlan {
+  Plan plan;                    ///< a plan for the chain (plan.predicted is the chain's own)
+  int64_t step_peak_bytes = 0;  ///< step_peak_bytes(chain, context, plan) (bytes)
+  double step_time_ms = 0;      ///< plan.predicted.time_ms + context.rest_ms (milliseconds)
+};
+
+/// The fastest plan whose step_peak_bytes() is within budget_bytes. `planner` is "optimal" (optimal(): any
+/// schedule, recomputation across stages included) or "per-layer" (per_layer(): each stage kept, kept under
+/// an Fk variant, or checkpointed on its own). The chain's budget starts at budget_bytes (plus the input when
+/// input_in_base) and is lowered by what the step's prediction exceeds until it fits. Throws InfeasibleBudget
+/// naming remat::plan_step, the budget and the least feasible one (the step's peak under the planner's
+/// least-memory plan) when nothing fits, and std::invalid_argument for another planner name, and as
+/// validate() and the planner.
+StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                   const std::string& planner = "optimal", const PlannerOptions& options = {});
+
+/// The least budget plan_step() accepts with this planner (bytes): the step's peak under its least-memory
+/// plan. Throws as plan_step().
+int64_t min_step_budget(const Chain& chain, const StepContext& context,
+                        const std::string& planner = "optimal", const PlannerOptions& options = {});
+
+}  // namespace remat

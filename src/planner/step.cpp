@@ -1,0 +1,140 @@
+#include "remat/step.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "planning.h"
+#include "remat/units.h"
+
+namespace remat {
+namespace {
+
+constexpr const char* kWho = "remat::plan_step";
+
+bool is_per_layer(const std::string& planner) {
+  if (planner == "optimal") return false;
+  if (planner == "per-layer") return true;
+  throw std::invalid_argument(std::string(kWho) + ": unknown planner '" + planner +
+                              "' (optimal or per-layer)");
+}
+
+Plan least_memory_plan(const Chain& chain, bool per_layer_only, const PlannerOptions& options) {
+  return per_layer_only ? per_layer(chain, per_layer_min_budget(chain, options), options)
+                        : optimal(chain, min_feasible_budget(chain, options), options);
+}
+
+}  // namespace
+
+void validate(const StepContext& c, const Chain& chain) {
+  auto check = [](int64_t v, const char* field) {
+    if (v < 0)
+      throw std::invalid_argument(std::string("remat::StepContext: ") + field + " is negative (" +
+                                  std::to_string(v) + ")");
+  };
+  check(c.before_saved_bytes, "before_saved_bytes");
+  check(c.before_peak_bytes, "before_peak_bytes");
+  check(c.before_backward_peak_bytes, "before_backward_peak_bytes");
+  check(c.rest_peak_bytes, "rest_peak_bytes");
+  check(c.rest_grads_bytes, "rest_grads_bytes");
+  if (!(c.rest_ms >= 0))
+    throw std::invalid_argument("remat::StepContext: rest_ms must be >= 0, got " + std::to_string(c.rest_ms));
+  if (!c.stage_grads_bytes.empty() && static_cast<int64_t>(c.stage_grads_bytes.size()) != chain.size()) {
+    throw std::invalid_argument("remat::StepContext: stage_grads_bytes has " +
+                                std::to_string(c.stage_grads_bytes.size()) + " entries for a chain of " +
+                                std::to_string(chain.size()) + " stages");
+  }
+  for (int64_t g : c.stage_grads_bytes)
+    check(g, "an entry of stage_grads_bytes");
+}
+
+Chain step_chain(const Chain& chain, const StepContext& context) {
+  validate(chain);
+  validate(context, chain);
+  Chain step;
+  step.input_bytes = 0;
+  step.keep = chain.keep;
+  step.policies = chain.policies;
+  Stage before;
+  before.name = "before";
+  before.output_bytes = chain.input_bytes;
+  before.saved_bytes = chain.input_bytes + context.before_saved_bytes;
+  step.stages.push_back(before);
+  step.stages.insert(step.stages.end(), chain.stages.begin(), chain.stages.end());
+  Stage after;
+  after.name = "rest of the step";
+  after.output_bytes = 0;
+  after.saved_bytes = context.rest_peak_bytes;
+  after.fwd_ms = context.rest_ms;
+  step.stages.push_back(after);
+  return step;
+}
+
+int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan) {
+  const Chain step = step_chain(chain, context);
+  const Plan ops = step_plan(plan);
+  const Simulation sim = simulate(step, ops);
+  const int64_t n = chain.size();
+  int64_t arrived = 0, peak = std::max(context.before_peak_bytes, context.before_backward_peak_bytes);
+  bool rest_done = false;
+  for (size_t k = 0; k < ops.ops.size(); ++k) {
+    const Op& op = ops.ops[k];
+    // Step stage s is chain stage s - 1; stage n + 1 is the rest, whose measured peak has its own gradients.
+    if (rest_done) {
+      arrived += context.rest_grads_bytes;
+      rest_done = false;
+    }
+    if (op.kind == OpKind::kBackward && op.stage == n + 1) rest_done = true;
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n && !context.stage_grads_bytes.empty())
+      arrived += context.stage_grads_bytes[static_cast<size_t>(op.stage - 1)];
+    peak = std::max(
+        peak, sim.op_peak_bytes[k] + arrived - (context.input_in_base ? chain.input_bytes : int64_t{0}));
+  }
+  return peak;
+}
+
+StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                   const std::string& planner, const PlannerOptions& options) {
+  const bool layers = is_per_layer(planner);
+  validate(chain);
+  validate(context, chain);
+  if (budget_bytes <= 0)
+    throw std::invalid_argument(std::string(kWho) + ": the budget must be positive, got " +
+                                std::to_string(budget_bytes) + " bytes");
+  auto fits = [&](Plan plan, StepPlan* out) {
+    const int64_t peak = step_peak_bytes(chain, context, plan);
+    if (peak > budget_bytes) return peak;
+    out->step_time_ms = plan.predicted.time_ms + context.rest_ms;
+    out->plan = std::move(plan);
+    out->step_peak_bytes = peak;
+    return peak;
+  };
+  const int64_t floor = layers ? per_layer_min_budget(chain, options) : min_feasible_budget(chain, options);
+  // The planner bounds the chain's own peak; what surrounds it comes on top of part of it, so the chain's
+  // budget is lowered by what the step's prediction exceeds until it fits.
+  StepPlan out;
+  int64_t chain_budget = budget_bytes + (context.input_in_base ? chain.input_bytes : int64_t{0});
+  for (int attempt = 0; attempt < 64 && chain_budget >= floor; ++attempt) {
+    Plan plan = layers ? per_layer(chain, chain_budget, options) : optimal(chain, chain_budget, options);
+    const int64_t peak = fits(std::move(plan), &out);
+    if (peak <= budget_bytes) return out;
+    chain_budget -= std::max<int64_t>(peak - budget_bytes, 1);
+  }
+  const int64_t least = fits(least_memory_plan(chain, layers, options), &out);
+  if (least <= budget_bytes) return out;
+  throw InfeasibleBudget(
+      std::string(kWho) + ": the budget of " + format_bytes(budget_bytes) + " (" +
+          std::to_string(budget_bytes) + " bytes) is below the least feasible one, " + format_bytes(least) +
+          " (" + std::to_string(least) + " bytes): the step's peak above its base under the least-memory " +
+          planner + " plan, with the rest of the step measured at " + format_bytes(context.rest_peak_bytes),
+      budget_bytes, least);
+}
+
+int64_t min_step_budget(const Chain& chain, const StepContext& context, const std::string& planner,
+                        const PlannerOptions& options) {
+  const bool layers = is_per_layer(planner);
+  validate(chain);
+  validate(context, chain);
+  return step_peak_bytes(chain, context, least_memory_plan(chain, layers, options));
+}
+
+}  // namespace remat

@@ -1,0 +1,309 @@
+// The per-layer planner against exhaustive search, and planning for a whole step (remat/step.h). Plain C++.
+#include <gtest/gtest.h>
+
+#include <remat/planner.h>
+#include <remat/step.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+#include "planner_support.h"
+
+namespace {
+
+using remat::Chain;
+using remat::Op;
+using remat::OpKind;
+using remat::Plan;
+
+// Every per-layer plan of a chain: per stage Fa, Fc (recomputed before its backward) or one of its Fk
+// variants (the keep tags, each policy), with its per-call time.
+struct Candidate {
+  Plan plan;
+  int64_t peak = 0;
+  double ms = 0;
+};
+
+std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies) {
+  const int64_t n = chain.size();
+  std::vector<std::vector<Op>> options(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    const remat::Stage& s = chain.stages[static_cast<size_t>(j)];
+    options[j].push_back({OpKind::kForwardAll, j});
+    options[j].push_back({OpKind::kForwardCheckpoint, j});
+    if (keep_tags && s.has_keep()) options[j].push_back({OpKind::kForwardKeep, j});
+    if (policies) {
+      for (size_t p = 0; p < s.policies.size(); ++p) {
+        Op op{OpKind::kForwardKeep, j};
+        op.policy = static_cast<int32_t>(p);
+        options[j].push_back(op);
+      }
+    }
+  }
+  std::vector<Candidate> out;
+  std::vector<size_t> pick(static_cast<size_t>(n), 0);
+  while (true) {
+    Candidate c;
+    c.plan.num_stages = n;
+    c.plan.keep = chain.keep;
+    c.plan.policies = chain.policies;
+    for (int64_t j = 0; j < n; ++j) {
+      const Op op = options[j][pick[j]];
+      c.plan.ops.push_back(op);
+      const remat::Stage& s = chain.stages[static_cast<size_t>(j)];
+      if (op.kind == OpKind::kForwardAll) c.ms += s.fwd_ms + s.bwd_ms;
+      if (op.kind == OpKind::kForwardCheckpoint) c.ms += s.per_call_fwd_ms() + s.per_call_bwd_ms();
+      if (op.kind == OpKind::kForwardKeep && op.policy < 0) c.ms += *s.keep_fwd_ms + *s.keep_bwd_ms;
+      if (op.kind == OpKind::kForwardKeep && op.policy >= 0)
+        c.ms += s.policies[static_cast<size_t>(op.policy)].fwd_ms +
+                s.policies[static_cast<size_t>(op.policy)].bwd_ms;
+    }
+    c.plan.ops.push_back({OpKind::kLoss, -1});
+    for (int64_t j = n; j-- > 0;) {
+      if (c.plan.ops[static_cast<size_t>(j)].kind == OpKind::kForwardCheckpoint)
+        c.plan.ops.push_back({OpKind::kForwardAll, j});
+      c.plan.ops.push_back({OpKind::kBackward, j});
+    }
+    c.peak = remat::simulate(chain, c.plan).peak_bytes;
+    out.push_back(std::move(c));
+    int64_t j = 0;
+    while (j < n && ++pick[j] == options[j].size())
+      pick[j++] = 0;
+    if (j == n) break;
+  }
+  return out;
+}
+
+// Every stage's forward runs once or twice.
+bool forward_calls_at_most(const Plan& plan, int64_t times) {
+  std::vector<int64_t> calls(static_cast<size_t>(plan.num_stages), 0);
+  for (const Op& op : plan.ops)
+    if (op.kind != OpKind::kLoss && op.kind != OpKind::kBackward) ++calls[static_cast<size_t>(op.stage)];
+  return std::all_of(calls.begin(), calls.end(), [&](int64_t c) { return c >= 1 && c <= times; });
+}
+
+bool is_per_layer_shape(const Plan& plan) {
+  const int64_t n = plan.num_stages;
+  for (int64_t j = 0; j < n; ++j) {
+    const OpKind k = plan.ops[static_cast<size_t>(j)].kind;
+    if (k == OpKind::kForwardNoSave || plan.ops[static_cast<size_t>(j)].stage != j) return false;
+  }
+  return plan.ops[static_cast<size_t>(n)].kind == OpKind::kLoss && forward_calls_at_most(plan, 2);
+}
+
+}  // namespace
+
+TEST(PerLayer, EqualsExhaustiveSearchOnRandomChains) {
+  std::mt19937 rng(8642);
+  int with_fk = 0, with_fc = 0, with_fa = 0;
+  for (int trial = 0; trial < 120; ++trial) {
+    const int64_t n = 1 + trial % 6;
+    const Chain chain = random_policy_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    const std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+    for (const Candidate& c : all)
+      least = std::min(least, c.peak), most = std::max(most, c.peak);
+    EXPECT_EQ(remat::per_layer_min_budget(chain), least) << "trial " << trial;
+    std::uniform_int_distribution<int64_t> pick(least, most);
+    for (int b = 0; b < 4; ++b) {
+      const int64_t budget = b == 0 ? least : pick(rng);
+      double best = std::numeric_limits<double>::infinity();
+      for (const Candidate& c : all)
+        if (c.peak <= budget) best = std::min(best, c.ms);
+      const Plan plan = remat::per_layer(chain, budget);
+      EXPECT_LE(plan.predicted.peak_bytes, budget);
+      EXPECT_EQ(plan.predicted.peak_bytes, remat::simulate(chain, plan).peak_bytes);
+      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
+          << "trial " << trial << " budget " << budget;
+      EXPECT_TRUE(is_per_layer_shape(plan)) << plan.to_string();
+      EXPECT_EQ(plan.planner, "per-layer");
+      EXPECT_EQ(plan.budget_bytes, budget);
+      with_fk += plan.count(OpKind::kForwardKeep) > 0;
+      with_fc += plan.count(OpKind::kForwardCheckpoint) > 0;
+      with_fa += plan.count(OpKind::kForwardAll) > plan.count(OpKind::kForwardCheckpoint);
+    }
+    if (least > 0) {
+      try {
+        remat::per_layer(chain, least - 1);
+        ADD_FAILURE() << "a budget below the least per-layer peak was accepted";
+      } catch (const remat::InfeasibleBudget& e) {
+        EXPECT_EQ(e.min_bytes(), least);
+        EXPECT_NE(std::string(e.what()).find("remat::per_layer"), std::string::npos) << e.what();
+      }
+    }
+  }
+  // The search exercised every kind of choice.
+  EXPECT_GT(with_fk, 20);
+  EXPECT_GT(with_fc, 20);
+  EXPECT_GT(with_fa, 20);
+}
+
+TEST(PerLayer, HonoursExclusionsAndPerCallTimes) {
+  std::mt19937 rng(77);
+  for (int trial = 0; trial < 40; ++trial) {
+    Chain chain = random_policy_chain(rng, 2 + trial % 4, 1000);
+    for (auto& s : chain.stages) {  // checkpointing per call costs its own figures
+      s.checkpoint_fwd_ms = s.nosave_ms() * 1.1;
+      s.checkpoint_bwd_ms = s.bwd_ms + 0.7 * s.fwd_ms;
+    }
+    remat::PlannerOptions no_fk;
+    no_fk.exclude = {"Fk"};
+    const std::vector<Candidate> all = every_per_layer_plan(chain, false, false);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+    for (const Candidate& c : all)
+      least = std::min(least, c.peak), most = std::max(most, c.peak);
+    EXPECT_EQ(remat::per_layer_min_budget(chain, no_fk), least);
+    const int64_t budget = least + (most - least) / 2;
+    double best = std::numeric_limits<double>::infinity();
+    for (const Candidate& c : all)
+      if (c.peak <= budget) best = std::min(best, c.ms);
+    const Plan plan = remat::per_layer(chain, budget, no_fk);
+    EXPECT_EQ(plan.count(OpKind::kForwardKeep), 0);
+    EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * best);
+    // Excluding one policy leaves the other and the tags.
+    remat::PlannerOptions no_alpha;
+    no_alpha.exclude = {"Fk[alpha]"};
+    for (const Op& op : remat::per_layer(chain, budget, no_alpha).ops)
+      EXPECT_FALSE(op.kind == OpKind::kForwardKeep && op.policy >= 0 && chain.policies[op.policy] == "alpha");
+  }
+  remat::PlannerOptions bad;
+  bad.exclude = {"Fq"};
+  std::mt19937 r2(1);
+  EXPECT_THROW_WITH_STD(remat::per_layer(random_policy_chain(r2, 3), 1 << 20, bad), "remat::per_layer",
+                        "cannot exclude 'Fq'");
+  EXPECT_THROW_WITH_STD(remat::per_layer(random_chain(r2, 3), -1), "remat::per_layer", "negative budget");
+}
+
+TEST(PerLayer, ChainOfEqualLayersStaysFastAt96Layers) {
+  Chain chain = remat::uniform_chain(96, 2.0, 4.0, 1 << 20, 12 << 20);
+  for (auto& s : chain.stages) {
+    remat::PolicyCost c{"matmuls", 5 << 20, 2.1, 5.0};
+    s.policies.push_back(c);
+  }
+  chain.policies = {"matmuls"};
+  const int64_t least = remat::per_layer_min_budget(chain);
+  const int64_t most = remat::simulate(chain, remat::no_checkpoint(chain)).peak_bytes;
+  const Plan plan = remat::per_layer(chain, least + (most - least) / 3);
+  EXPECT_LE(plan.predicted.peak_bytes, least + (most - least) / 3);
+  EXPECT_GT(plan.count(OpKind::kForwardKeep), 0);
+  EXPECT_GT(plan.count(OpKind::kForwardCheckpoint), 0);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The whole step.
+
+TEST(Step, PeakIsTheStepChainsPlusGradientsAndTheSurroundings) {
+  std::mt19937 rng(31);
+  const Chain chain = random_chain(rng, 4, 1000);
+  const Plan plan = remat::checkpoint_all(chain);
+  remat::StepContext ctx;
+  // With nothing around it, the step is the chain inside the step chain.
+  EXPECT_EQ(remat::step_peak_bytes(chain, ctx, plan),
+            remat::simulate(remat::step_chain(chain, ctx), remat::step_plan(plan)).peak_bytes);
+  // The input in the base is not counted.
+  remat::StepContext in_base = ctx;
+  in_base.input_in_base = true;
+  EXPECT_EQ(remat::step_peak_bytes(chain, in_base, plan),
+            remat::step_peak_bytes(chain, ctx, plan) - chain.input_bytes);
+  // What the part before saved is held throughout the chain.
+  remat::StepContext before = ctx;
+  before.before_saved_bytes = 5000;
+  EXPECT_EQ(remat::step_peak_bytes(chain, before, plan), remat::step_peak_bytes(chain, ctx, plan) + 5000);
+  // The part before's own peaks are taken as measured.
+  remat::StepContext big = ctx;
+  big.before_backward_peak_bytes = 1 << 30;
+  EXPECT_EQ(remat::step_peak_bytes(chain, big, plan), 1 << 30);
+  big = ctx;
+  big.before_peak_bytes = 1 << 29;
+  EXPECT_EQ(remat::step_peak_bytes(chain, big, plan), 1 << 29);
+  // The rest of the step is held at its peak until its backward.
+  remat::StepContext rest = ctx;
+  rest.rest_peak_bytes = 1 << 20;
+  const int64_t base_peak = remat::step_peak_bytes(chain, ctx, plan);
+  EXPECT_GE(remat::step_peak_bytes(chain, rest, plan), base_peak);
+  EXPECT_LE(remat::step_peak_bytes(chain, rest, plan), base_peak + (1 << 20));
+  // Gradients: the last stage's arrive at its backward and stay; all of them are there at the first
+  // stage's backward.
+  remat::StepContext grads = ctx;
+  grads.stage_grads_bytes = {100000, 0, 0, 0};
+  const remat::Simulation sim = remat::simulate(remat::step_chain(chain, ctx), remat::step_plan(plan));
+  const Plan ops = remat::step_plan(plan);
+  int64_t expected = 0;
+  for (size_t k = 0; k < ops.ops.size(); ++k) {
+    const bool arrived = [&] {
+      for (size_t q = 0; q <= k; ++q)
+        if (ops.ops[q].kind == OpKind::kBackward && ops.ops[q].stage == 1) return true;
+      return false;
+    }();
+    expected = std::max(expected, sim.op_peak_bytes[k] + (arrived ? 100000 : 0));
+  }
+  EXPECT_EQ(remat::step_peak_bytes(chain, grads, plan), expected);
+  // The rest's gradients come after its backward, whose measured peak has them.
+  remat::StepContext rest_grads = ctx;
+  rest_grads.rest_grads_bytes = 100000;
+  int64_t expected_rest = 0;
+  bool after = false;
+  for (size_t k = 0; k < ops.ops.size(); ++k) {
+    expected_rest = std::max(expected_rest, sim.op_peak_bytes[k] + (after ? 100000 : 0));
+    if (ops.ops[k].kind == OpKind::kBackward && ops.ops[k].stage == chain.size() + 1) after = true;
+  }
+  EXPECT_EQ(remat::step_peak_bytes(chain, rest_grads, plan), expected_rest);
+}
+
+TEST(Step, PlanStepFitsTheStepAndNamesTheLeastBudget) {
+  std::mt19937 rng(4711);
+  for (int trial = 0; trial < 60; ++trial) {
+    const Chain chain = random_policy_chain(rng, 2 + trial % 6, 1000);
+    remat::StepContext ctx;
+    ctx.input_in_base = trial % 2 == 0;
+    ctx.before_saved_bytes = (trial % 3) * 7000;
+    ctx.rest_peak_bytes = (trial % 4) * 9000;
+    ctx.rest_grads_bytes = (trial % 5) * 3000;
+    ctx.stage_grads_bytes.assign(static_cast<size_t>(chain.size()), (trial % 2) * 2000);
+    for (const char* planner : {"optimal", "per-layer"}) {
+      const int64_t least = remat::min_step_budget(chain, ctx, planner);
+      const Plan none = remat::no_checkpoint(chain);
+      const int64_t most = remat::step_peak_bytes(chain, ctx, none);
+      ASSERT_LE(least, most);
+      for (int64_t budget : {least, least + (most - least) / 2, most}) {
+        const remat::StepPlan p = remat::plan_step(chain, ctx, budget, planner);
+        EXPECT_LE(p.step_peak_bytes, budget) << planner;
+        EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
+        EXPECT_DOUBLE_EQ(p.step_time_ms, p.plan.predicted.time_ms + ctx.rest_ms);
+        if (std::string(planner) == "per-layer")
+          EXPECT_TRUE(is_per_layer_shape(p.plan)) << p.plan.to_string();
+      }
+      // At the top, nothing is recomputed.
+      EXPECT_EQ(remat::plan_step(chain, ctx, most, planner).plan.count(OpKind::kForwardCheckpoint), 0);
+      if (least > 1) {
+        try {
+          remat::plan_step(chain, ctx, least - 1, planner);
+          ADD_FAILURE() << "plan_step accepted a budget below the least";
+        } catch (const remat::InfeasibleBudget& e) {
+          EXPECT_EQ(e.min_bytes(), least);
+          EXPECT_NE(std::string(e.what()).find("below the least feasible one"), std::string::npos);
+        }
+      }
+    }
+  }
+}
+
+TEST(Step, RefusesBadContextsAndPlanners) {
+  std::mt19937 rng(3);
+  const Chain chain = random_chain(rng, 3);
+  remat::StepContext ctx;
+  ctx.rest_peak_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::plan_step(chain, ctx, 100), "remat::StepContext", "rest_peak_bytes", "-1");
+  ctx = {};
+  ctx.stage_grads_bytes = {1, 2};
+  EXPECT_THROW_WITH_STD(remat::step_peak_bytes(chain, ctx, remat::checkpoint_all(chain)), "stage_grads_bytes",
+                        "2 entries", "3 stages");
+  ctx = {};
+  ctx.rest_ms = std::nan("");
+  EXPECT_THROW_WITH_STD(remat::plan_step(chain, ctx, 100), "rest_ms");
+  EXPECT_THROW_WITH_STD(remat::plan_step(chain, {}, 100, "sqrt"), "remat::plan_step",
+                        "unknown planner 'sqrt'");
+  EXPECT_THROW_WITH_STD(remat::plan_step(chain, {}, 0), "remat::plan_step", "positive");
+}

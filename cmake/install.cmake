@@ -4,7 +4,7 @@
 # and the models' only with them.
 include(CMakePackageConfigHelpers)
 set(REMAT_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/remat)
-set(REMAT_PLANNER_HEADERS chain.h plan.h planner.h report.h strategy.h units.h)
+set(REMAT_PLANNER_HEADERS chain.h plan.h planner.h report.h step.h strategy.h units.h)
 
 install(TARGETS remat_planner EXPORT rematPlannerTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}

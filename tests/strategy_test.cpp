@@ -67,6 +67,10 @@ TEST(Strategy, WhatEachKindNeeds) {
   EXPECT_TRUE(parse_strategy("revolve").needs_budget());
   EXPECT_FALSE(parse_strategy("optimal:1MiB").needs_budget());
   EXPECT_FALSE(parse_strategy("revolve:3").needs_budget());
+  EXPECT_TRUE(parse_strategy("per-layer").needs_budget());
+  EXPECT_FALSE(parse_strategy("per-layer:1MiB").needs_budget());
+  EXPECT_TRUE(parse_strategy("per-layer").needs_chain());
+  EXPECT_FALSE(parse_strategy("per-layer").per_layer());  // a plan, not "all"'s own per-layer calls
 }
 
 // The list in help texts and the parser agree: every word of kStrategyWords parses once its placeholders are
@@ -91,7 +95,7 @@ TEST(Strategy, EveryListedWordParses) {
     EXPECT_NO_THROW(parse_strategy(w)) << w;
     ++parsed;
   }
-  EXPECT_EQ(parsed, 19);
+  EXPECT_EQ(parsed, 21);
 }
 
 TEST(Strategy, MalformedStringsNameThemselvesAndWhatWasExpected) {
@@ -115,6 +119,7 @@ TEST(Strategy, MalformedStringsNameThemselvesAndWhatWasExpected) {
   EXPECT_THROW_WITH_STD(parse_strategy("all-policy-"), "'all-policy-'", "a policy's name");
   EXPECT_THROW_WITH_STD(parse_strategy("optimal:1MiB/fast"), "expected /no-Fk or /no-Fk[NAME]", "'/fast'");
   EXPECT_THROW_WITH_STD(parse_strategy("optimal:1MiB/no-Fk[]"), "expected /no-Fk or /no-Fk[NAME]");
+  EXPECT_THROW_WITH_STD(parse_strategy("per-layer:lots"), "'per-layer:lots'", "expected a size");
 }
 
 TEST(Strategy, EachStrategyIsThePlannerItNames) {
@@ -148,6 +153,10 @@ TEST(Strategy, EachStrategyIsThePlannerItNames) {
             none.predicted.time_ms + 0.5 * (all.predicted.time_ms - none.predicted.time_ms) + 1e-9);
   EXPECT_LT(plan("optimal:overhead=0.5").predicted.peak_bytes, none.predicted.peak_bytes);
   EXPECT_LE(plan("optimal:time=1.2").predicted.time_ms, 1.2 * none.predicted.time_ms + 1e-9);
+  EXPECT_EQ(plan("per-layer", 16000).ops, remat::per_layer(chain, 16000).ops);
+  EXPECT_EQ(plan("per-layer", 16000).planner, "per-layer");
+  EXPECT_EQ(plan("per-layer:20KiB").ops, remat::per_layer(chain, 20 * 1024).ops);
+  EXPECT_EQ(plan("per-layer:20KiB").planner, "per-layer:20KiB");
   // make_plan is the two steps in one.
   EXPECT_EQ(remat::make_plan(chain, "optimal:as=uniform:3", 0).ops, as.ops);
 }
@@ -157,6 +166,9 @@ TEST(Strategy, BudgetsAndRefusals) {
   EXPECT_THROW_WITH_STD(plan_strategy(parse_strategy("optimal"), chain), "remat::plan_strategy",
                         "'optimal' plans within a budget, and none was given");
   EXPECT_THROW_WITH_STD(plan_strategy(parse_strategy("revolve"), chain), "'revolve' plans within a budget");
+  EXPECT_THROW_WITH_STD(plan_strategy(parse_strategy("per-layer"), chain),
+                        "'per-layer' plans within a budget");
+  EXPECT_THROW(plan_strategy(parse_strategy("per-layer"), chain, 10), remat::InfeasibleBudget);
   EXPECT_THROW(plan_strategy(parse_strategy("optimal:10B"), chain), remat::InfeasibleBudget);
   EXPECT_THROW(plan_strategy(parse_strategy("optimal"), chain, 10), remat::InfeasibleBudget);
   EXPECT_THROW_WITH_STD(plan_strategy(parse_strategy("uniform:12"), chain), "strategy 'uniform:12'",

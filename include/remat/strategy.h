@@ -27,6 +27,9 @@
 ///   (300MiB, 1.5GiB, bytes); "optimal:as=P" within the peak strategy P's plan predicts;
 ///   "optimal:overhead=F" the least memory whose predicted time overhead is at most F times that of "all";
 ///   "optimal:time=R" the least memory whose predicted time is at most R times that of "none".
+/// - "per-layer": the fastest per-layer plan within the budget given beside the string (remat::per_layer:
+/// each
+///   stage kept, kept under an Fk variant, or checkpointed on its own); "per-layer:SIZE" within SIZE.
 /// - Any of them followed by "/no-Fk" (the planner uses no Fk), "/no-Fk[NAME]" (no Fk under policy NAME) or
 ///   "/no-Fk[tags]" (no Fk with the remat::keep tags), as many as wanted: optimal:300MiB/no-Fk[matmuls].
 
@@ -45,7 +48,8 @@ namespace remat {
 inline constexpr char kStrategyWords[] =
     "none, all, all-reentrant, all-no-early-stop, all-keep-TAG, all-policy-NAME, plan-all, selective, sqrt, "
     "uniform:K, balanced:K, balanced-time:K, revolve, revolve:S, optimal, optimal:SIZE, optimal:as=P, "
-    "optimal:overhead=F, optimal:time=R; each optionally followed by /no-Fk or /no-Fk[NAME]";
+    "optimal:overhead=F, optimal:time=R, per-layer, per-layer:SIZE; each optionally followed by /no-Fk or "
+    "/no-Fk[NAME]";
 
 /// What a strategy does (see the top of this file).
 enum class StrategyKind {
@@ -60,9 +64,10 @@ enum class StrategyKind {
   kBalancedTime,  ///< "balanced-time:K"
   kRevolve,       ///< "revolve:S", or "revolve" within the budget given
   kOptimal,       ///< "optimal" and "optimal:..."
+  kPerLayerBest,  ///< "per-layer" and "per-layer:SIZE" (remat::per_layer)
 };
 
-/// Where "optimal" takes its budget from.
+/// Where "optimal" (and "per-layer", kGiven or kBytes) takes its budget from.
 enum class OptimalBudget {
   kGiven,     ///< "optimal": the budget passed beside the string
   kBytes,     ///< "optimal:SIZE"
@@ -94,9 +99,10 @@ struct Strategy {
   /// Whether running it needs a chain: every strategy but "none" and the per-layer ones, which the
   /// benchmarks run without profiling.
   bool needs_chain() const { return kind != StrategyKind::kNone && kind != StrategyKind::kPerLayer; }
-  /// Whether plan_strategy() needs a budget beside the string ("optimal", "revolve").
+  /// Whether plan_strategy() needs a budget beside the string ("optimal", "per-layer", "revolve").
   bool needs_budget() const {
-    return (kind == StrategyKind::kOptimal && budget == OptimalBudget::kGiven) ||
+    return ((kind == StrategyKind::kOptimal || kind == StrategyKind::kPerLayerBest) &&
+            budget == OptimalBudget::kGiven) ||
            (kind == StrategyKind::kRevolve && count < 0);
   }
 };

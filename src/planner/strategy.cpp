@@ -181,6 +181,11 @@ Plan resolve(const Strategy& s, const Chain& chain, int64_t budget, const Planne
       return balanced(chain, s.count, Balance::kTime);
     case StrategyKind::kRevolve:
       return s.count < 0 ? revolve_within(chain, budget) : revolve(chain, s.count);
+    case StrategyKind::kPerLayerBest: {
+      Plan p = per_layer(chain, s.budget == OptimalBudget::kBytes ? s.budget_bytes : budget, options);
+      p.planner = s.text;
+      return p;
+    }
     case StrategyKind::kOptimal:
       break;
   }
@@ -248,6 +253,16 @@ Strategy parse_base(const std::string& text) {
   } else if (starts_with(text, "revolve:")) {
     s.kind = StrategyKind::kRevolve;
     s.count = count_after(text, "revolve:", 0, "the number of snapshots");
+  } else if (text == "per-layer") {
+    s.kind = StrategyKind::kPerLayerBest;
+  } else if (starts_with(text, "per-layer:")) {
+    s.kind = StrategyKind::kPerLayerBest;
+    s.budget = OptimalBudget::kBytes;
+    try {
+      s.budget_bytes = parse_size(text.substr(10));
+    } catch (const std::invalid_argument& e) {
+      bad(text, std::string("expected a size after 'per-layer:' (") + e.what() + ")");
+    }
   } else if (text == "optimal") {
     s.kind = StrategyKind::kOptimal;
   } else if (starts_with(text, "optimal:")) {

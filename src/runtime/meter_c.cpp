@@ -34,6 +34,10 @@ __attribute__((visibility("default"))) int64_t remat_meter_peak_bytes() {
 __attribute__((visibility("default"))) void remat_meter_reset_peak() {
   remat::detail::cpu_meter_reset_peak();
 }
+/// Raises the peak to `bytes` if it is below (puts back a peak a measurement reset).
+__attribute__((visibility("default"))) void remat_meter_raise_peak(int64_t bytes) {
+  remat::detail::cpu_meter_raise_peak(bytes);
+}
 /// Number of storage allocations counted so far.
 __attribute__((visibility("default"))) int64_t remat_meter_allocations() {
   return remat::detail::cpu_meter_allocations();

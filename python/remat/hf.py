@@ -1,0 +1,116 @@
+"""Hugging Face Transformers models, planned for a budget in one line.
+
+    import remat.hf
+    remat.hf.enable(model, budget="600MiB")      # instead of model.gradient_checkpointing_enable()
+
+The model's repeated layers (its ``GradientCheckpointingLayer`` modules: BertLayer, GPT2Block,
+LlamaDecoderLayer, ...) are found in module order, and Hugging Face's own checkpointing hook
+(``_set_gradient_checkpointing`` with a checkpointing function) routes each layer's call to remat, which runs it
+kept whole, checkpointed, or checkpointed keeping its matrix multiplications, as the plan for the budget says.
+``model.train()``, ``model.eval()`` (layers run plainly), ``torch.no_grad()`` and a ``Trainer`` work as
+before; ``remat.hf.disable(model)`` (or ``model.gradient_checkpointing_disable()``) turns it off.
+
+The budget is the whole training step's peak above the bytes alive when the model's forward is called, as
+remat's meter (CPU) or the CUDA allocator reads it. Without an example batch, the first training step profiles
+the layers where they run (every layer checkpointed, the plain run's gradients) and plans at the end of its
+backward pass; an infeasible budget raises remat.InfeasibleBudget there, naming the least feasible one. With
+``example=`` (the keyword arguments of one training batch, labels included so that the model returns a loss),
+that step runs inside enable() and the model's gradients, buffers and random generators are put back.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .inplace import LayerPlan
+from .profile import Restore
+
+__all__ = ["enable", "disable", "layers_of"]
+
+
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated layers: its transformers GradientCheckpointingLayer modules, in module order. Raises
+    TypeError when the model has none (a model that is not a Transformers model, or one too old to have them)."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError as e:
+        raise TypeError("remat.hf: needs transformers with GradientCheckpointingLayer (4.52 or later)") from e
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise TypeError(f"remat.hf: {type(model).__name__} has no GradientCheckpointingLayer modules; use "
+                        "remat.enable(model, layers, budget=...) with its layer list")
+    return layers
+
+
+def _layer_of_call(fn):
+    """The layer a checkpointing hook's function belongs to: partial(forward, layer, **kwargs) (transformers
+    5), or a bound method of the layer (older versions)."""
+    if isinstance(fn, partial):
+        if fn.args and isinstance(fn.args[0], nn.Module):
+            return fn.args[0]
+        return _layer_of_call(fn.func)
+    return getattr(fn, "__self__", None)
+
+
+def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, plan=None,
+           policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = ()) -> LayerPlan:
+    """Plans `model`'s layers for `budget` (bytes, an int, or a string with a unit such as "600MiB"): the whole
+    training step's peak above the bytes alive when its forward is called. Returns the LayerPlan (its plan,
+    choices, chain, predicted_peak_bytes, last_peak_bytes). example: one training batch's keyword arguments
+    (with labels) to profile and plan now rather than at the first training step. plan: a given per-layer plan
+    instead of a budget. policies: the selective policies a layer may run under ("matmuls"). exclude: what the
+    planner may not use ("Fk", "Fk[matmuls]"). Raises TypeError when the model has no layer list remat knows,
+    ValueError for a bad budget or plan, remat.InfeasibleBudget (naming the least feasible budget) when no plan
+    fits."""
+    layers = layers_of(model)
+    if not hasattr(model, "_set_gradient_checkpointing"):
+        raise TypeError(f"remat.hf.enable: {type(model).__name__} is not a transformers PreTrainedModel")
+    disable(model)
+    lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
+                   who="remat.hf.enable")
+
+    def checkpointing_func(fn, *args, **kwargs):
+        layer = _layer_of_call(fn)
+        i = lp.index.get(id(layer)) if layer is not None else None
+        if i is None:  # a module remat does not plan (a model-level flag): as Hugging Face runs it
+            from torch.utils.checkpoint import checkpoint
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return lp.dispatch(i, partial(fn, **kwargs) if kwargs else fn, *args)
+
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpointing_func)
+    model._remat_layer_plan = lp
+    if example is not None:
+        _profile_now(model, lp, example)
+    return lp
+
+
+def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping):
+    """One training step on `example`, run to plan, leaving the model as it was."""
+    if not isinstance(example, Mapping):
+        raise TypeError("remat.hf.enable: example must be the keyword arguments of one batch (a dict), got "
+                        f"{type(example).__name__}")
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.train()
+    try:
+        with Restore([model], device):
+            out = model(**example)
+            loss = out.loss if getattr(out, "loss", None) is not None else None
+            if loss is None:
+                raise ValueError("remat.hf.enable: the example batch gave no loss; include labels in it")
+            loss.backward()
+            del out, loss
+    finally:
+        model.train(was_training)
+
+
+def disable(model: nn.Module) -> None:
+    """Turns remat's planning off: the layers run plainly again (as after gradient_checkpointing_disable())."""
+    lp = getattr(model, "_remat_layer_plan", None)
+    if lp is not None:
+        lp.remove()
+        del model._remat_layer_plan
+        model._set_gradient_checkpointing(enable=False)

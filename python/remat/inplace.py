@@ -1,0 +1,414 @@
+"""Per-layer plans applied to a model's own layers, planned in place for a budget.
+
+``remat.enable(model, layers, budget=...)`` makes each of the model's layers run as a plan says: kept whole,
+checkpointed (``torch.utils.checkpoint``, non-reentrant), or checkpointed under a selective policy (keep the
+matrix multiplications), through each layer's forward (``remat.hf.enable`` uses Hugging Face's own
+checkpointing hook instead). The model's forward is not changed: it calls its layers as before.
+
+With a budget and no plan, the first training step (per input shape) profiles the layers where they run, on
+their real inputs, and measures what surrounds them in the step (what runs before them, the rest of the
+forward, the loss and the backward pass, and the gradients the backward pass allocates); at the end of that
+step's backward pass it plans (remat.plan_step with the per-layer planner) for the budget, and the steps after
+run the plan. The profiling step runs every layer checkpointed and gives the plain run's gradients.
+
+The budget bounds the step's peak as the meter reads it above the bytes alive when the model's forward is
+called (parameters, existing gradients, the batch, the optimizer's state are the base): what the layers keep,
+what runs before and after them, and the gradients the step allocates are inside it.
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import _core
+from .meter import meter_for
+from .policies import CHECKPOINT, KEEP, choices_of, policy_fn, run_layer
+from .profile import StageFn, profile
+
+__all__ = ["LayerPlan", "enable", "parse_budget"]
+
+
+def parse_budget(budget, who: str) -> int:
+    """A budget in bytes: an int, or a string with a unit ("300MiB", "1.5GiB"). Raises ValueError naming `who`
+    and the value otherwise, or when it is not positive."""
+    if isinstance(budget, bool):
+        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got {budget!r}")
+    if isinstance(budget, str):
+        try:
+            value = _core.parse_size(budget)
+        except ValueError as e:
+            raise ValueError(f"{who}: the budget '{budget}' is not a size ({e})") from None
+    elif isinstance(budget, int):
+        value = budget
+    else:
+        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got "
+                        f"{type(budget).__name__} {budget!r}")
+    if value <= 0:
+        raise ValueError(f"{who}: the budget must be a positive number of bytes, got {budget!r}")
+    return value
+
+
+def _queue_at_backward_end(fn: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class _Shape:
+    """What is known of one input shape: its profile, what surrounds the layers, the plan."""
+
+    def __init__(self):
+        self.chain: _core.Chain | None = None
+        self.context: _core.StepContext | None = None
+        self.plan: _core.Plan | None = None
+        self.choices: list[str] | None = None
+        self.predicted = -1
+        self.last_peak = -1
+        self.profiling_steps = 0
+        self.error: Exception | None = None
+
+
+class _Step:
+    """One training step's measurements."""
+
+    def __init__(self, meter, base: int, outer_peak: int, grads_none: set[int] | None):
+        self.meter = meter
+        self.base = base
+        self.outer_peak = outer_peak
+        self.true_peak = base  # the step's own peak (profiling's transients left out)
+        self.grads_none = grads_none  # ids of parameters whose .grad was None when the step began
+        self.shape: _Shape | None = None
+        self.calls: list = []  # profiling: (fn, args, x) per layer
+        self.at_layer0 = 0
+        self.before_peak = 0
+        self.rest: tuple[int, float] | None = None
+        self.rest_grads = 0
+        self.before_backward_peak = 0
+        self.input_in_base = False
+        self.done = False
+
+    def note_peak(self):
+        self.true_peak = max(self.true_peak, self.meter.peak())
+
+    def reset(self):
+        self.note_peak()
+        self.meter.reset_peak()
+
+    def finish(self):
+        self.note_peak()
+        self.meter.reset_peak()
+        self.meter.raise_peak(max(self.true_peak, self.outer_peak))
+        self.done = True
+
+
+class LayerPlan:
+    """The layers of a model run per layer as a plan says; made by remat.enable and remat.hf.enable.
+
+    Attributes and methods to read: is_planned(), plan (the Plan in force for the last input shape, its str()
+    the C++ Plan::to_string()), choices ("keep", "checkpoint" or a policy's name, per layer), chain (the
+    profile, a remat.Chain: chain.to_json() is the remat command's chain JSON), context (the StepContext
+    measured), predicted_peak_bytes, last_peak_bytes (the step's measured peak above its base, after a planned
+    step's backward pass), profiling_steps.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
+                 policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), who: str = "remat.enable"):
+        self.who = who
+        self.model = model
+        self.layers = list(layers)
+        if not self.layers:
+            raise ValueError(f"{who}: no layers")
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"{who}: layer {i} is a {type(layer).__name__}, not an nn.Module")
+        if len({id(m) for m in self.layers}) != len(self.layers):
+            raise ValueError(f"{who}: a layer is listed twice")
+        if (budget is None) == (plan is None):
+            raise ValueError(f"{who}: give a budget (planned in place) or a plan (applied as it is), not "
+                             f"{'both' if budget is not None else 'neither'}")
+        self.budget = parse_budget(budget, who) if budget is not None else None
+        if isinstance(policies, dict):
+            self.policies = dict(policies)
+        else:
+            self.policies = {name: policy_fn(name) for name in (policies or ())}
+        if repeats < 1:
+            raise ValueError(f"{who}: repeats must be >= 1, got {repeats}")
+        self.repeats = repeats
+        self.exclude = list(exclude)
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
+        self._shapes: dict[tuple, _Shape] = {}
+        self._fixed: _Shape | None = None
+        if plan is not None:
+            if plan.num_stages != len(self.layers):
+                raise ValueError(f"{who}: the plan is for {plan.num_stages} stages but there are "
+                                 f"{len(self.layers)} layers")
+            fixed = _Shape()
+            fixed.plan = plan
+            fixed.choices = choices_of(plan)
+            for c in fixed.choices:
+                if c not in (KEEP, CHECKPOINT) and c not in self.policies:
+                    self.policies[c] = policy_fn(c)
+            self._fixed = fixed
+        self._last: _Shape | None = self._fixed
+        self._step: _Step | None = None
+        self._handles = [model.register_forward_pre_hook(self._step_begins)]
+        self._params = [p for p in model.parameters()]
+
+    # -- what can be read ----------------------------------------------------------------------------------------
+    def is_planned(self) -> bool:
+        """Whether a plan is in force for the last input shape."""
+        return self._last is not None and self._last.choices is not None
+
+    @property
+    def plan(self):
+        return self._last.plan if self._last else None
+
+    @property
+    def choices(self):
+        return list(self._last.choices) if self._last and self._last.choices else None
+
+    @property
+    def chain(self):
+        return self._last.chain if self._last else None
+
+    @property
+    def context(self):
+        return self._last.context if self._last else None
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self._last.predicted if self._last else -1
+
+    @property
+    def last_peak_bytes(self) -> int:
+        return self._last.last_peak if self._last else -1
+
+    @property
+    def profiling_steps(self) -> int:
+        return self._last.profiling_steps if self._last else 0
+
+    def remove(self):
+        """Stops planning: the hooks go; the layers' forward is what it was (remat.enable) ."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def _training(self) -> bool:
+        return torch.is_grad_enabled() and self.model.training
+
+    def _step_begins(self, module, args):
+        if not self._training():
+            self._step = None
+            return
+        meter = meter_for(self._device_of(args))
+        grads_none = None
+        if self._fixed is None:
+            grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
+        outer = meter.peak()
+        meter.reset_peak()
+        self._step = _Step(meter, meter.active(), outer, grads_none)
+
+    def _device_of(self, args) -> torch.device:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                return a.device
+        for p in self._params:
+            return p.device
+        return torch.device("cpu")
+
+    def dispatch(self, i: int, fn: Callable, *args):
+        """Runs layer i's call fn(*args) (args[0] its input tensor) as the plan in force says, or profiles it."""
+        layer = self.layers[i]
+        if not (torch.is_grad_enabled() and layer.training):
+            return fn(*args)
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise TypeError(f"{self.who}: layer {i} ({type(layer).__name__}) was called without its input tensor "
+                            "as the first positional argument; remat follows the tensor passed there from layer "
+                            "to layer")
+        x = args[0]
+        step = self._step
+        if i == 0:
+            if step is None or step.shape is not None:  # layers called outside the model's forward
+                meter = meter_for(x.device)
+                grads_none = None if self._fixed else {id(p) for p in self._params if p.requires_grad and
+                                                       p.grad is None}
+                outer = meter.peak()
+                meter.reset_peak()
+                step = self._step = _Step(meter, meter.active(), outer, grads_none)
+                step.input_in_base = True  # the base is taken here, the layers' input alive
+            key = (tuple(x.shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
+            shape = self._fixed or self._shapes.setdefault(key, _Shape())
+            step.shape = shape
+            self._last = shape
+            if shape.error is not None:
+                raise shape.error
+        if step is None or step.shape is None:
+            raise RuntimeError(f"{self.who}: layer {i} ran before layer 0 in a training step; the layers must run "
+                               "in the order given")
+        shape = step.shape
+        if shape.choices is not None:
+            out = run_layer(shape.choices[i], fn, args, [layer], self.policies)
+            if i == len(self.layers) - 1 and isinstance(out, torch.Tensor) and out.requires_grad:
+                self._measure_planned_step(step, shape, out)
+            return out
+        return self._profiling_call(step, shape, i, fn, args, x)
+
+    # -- a planned step: its measured peak --------------------------------------------------------------------
+    def _measure_planned_step(self, step: _Step, shape: _Shape, out: torch.Tensor):
+        def at_end():
+            step.note_peak()
+            shape.last_peak = step.true_peak - step.base
+            step.finish()
+
+        def hook(g):
+            _queue_at_backward_end(at_end)
+            return g
+
+        out.register_hook(hook)
+
+    # -- a profiling step -------------------------------------------------------------------------------------
+    def _profiling_call(self, step: _Step, shape: _Shape, i: int, fn, args, x):
+        n = len(self.layers)
+        meter = step.meter
+        if i == 0:
+            step.note_peak()
+            step.at_layer0 = meter.active()
+            step.before_peak = step.true_peak - step.base
+        step.calls.append((fn, args, x))
+        out = run_layer(CHECKPOINT, fn, args, [self.layers[i]], self.policies)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) returned "
+                            f"{type(out).__name__}, not a tensor: remat plans layers whose output is one tensor "
+                            "(the next layer's input)")
+        if i < n - 1:
+            return out
+        shape.profiling_steps += 1
+        if shape.chain is None:
+            step.note_peak()
+            stage_fns, inputs, excluded = [], [], []
+            for j, (f, a, xj) in enumerate(step.calls):
+                rest = a[1:]
+                stage_fns.append(StageFn(lambda t, f=f, rest=rest: f(t, *rest),
+                                         f"{j}:{type(self.layers[j]).__name__}", self.layers[j]))
+                inputs.append(xj)
+                excluded.extend(t for t in rest if isinstance(t, torch.Tensor))
+            shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0, repeats=self.repeats,
+                                  inputs=inputs, excluded=excluded)
+            meter.reset_peak()  # profiling's own transients are not the step's
+        # The rest of the step: from here until the backward pass reaches this output.
+        step.reset()
+        at_return = meter.active()
+        t0 = time.perf_counter()
+        layer_params = {id(p) for m in self.layers for p in m.parameters()}
+        x0 = step.calls[0][2]
+
+        prefix_backward = x0.requires_grad and x0.grad_fn is not None
+
+        def finish_profiling():
+            # From the layers' input gradient to the end: the backward pass of what ran before the layers.
+            step.before_backward_peak = meter.peak() - step.base if prefix_backward else 0
+            step.note_peak()
+            try:
+                self._plan_shape(step, shape)
+            finally:
+                step.finish()
+                step.calls = []
+
+        def at_x0(g):
+            step.reset()
+            _queue_at_backward_end(finish_profiling)
+            return g
+
+        def at_out(g):
+            step.note_peak()
+            step.rest = (max(0, meter.peak() - at_return), (time.perf_counter() - t0) * 1e3)
+            if step.grads_none is not None:
+                step.rest_grads = sum(p.nbytes for p in self._params if id(p) in step.grads_none and
+                                      id(p) not in layer_params and p.grad is not None)
+            step.reset()
+            if not prefix_backward:
+                _queue_at_backward_end(finish_profiling)
+            return g
+
+        if out.requires_grad:
+            out.register_hook(at_out)
+            if prefix_backward:
+                x0.register_hook(at_x0)
+        return out
+
+    def _plan_shape(self, step: _Step, shape: _Shape):
+        chain = shape.chain
+        ctx = _core.StepContext()
+        ctx.input_in_base = step.input_in_base
+        x0 = step.calls[0][2]
+        ctx.before_saved_bytes = 0 if ctx.input_in_base else max(0, step.at_layer0 - step.base - x0.nbytes)
+        ctx.before_peak_bytes = max(0, step.before_peak)
+        ctx.before_backward_peak_bytes = max(0, step.before_backward_peak)
+        rest_peak, rest_ms = step.rest if step.rest is not None else (0, 0.0)
+        ctx.rest_peak_bytes = rest_peak
+        ctx.rest_ms = rest_ms
+        ctx.rest_grads_bytes = step.rest_grads
+        grads, seen = [0] * len(self.layers), set()
+        for j in reversed(range(len(self.layers))):  # the backward pass meets the last layer first
+            for p in self.layers[j].parameters():
+                if step.grads_none is not None and id(p) in step.grads_none and id(p) not in seen:
+                    seen.add(id(p))
+                    grads[j] += p.nbytes
+        ctx.stage_grads_bytes = grads
+        shape.context = ctx
+        try:
+            planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude)
+        except _core.InfeasibleBudget as e:
+            err = _core.InfeasibleBudget(
+                f"{self.who}: the budget of {_core.format_bytes(self.budget)} ({self.budget} bytes) is below the "
+                f"least feasible one, {_core.format_bytes(e.min_bytes)} ({e.min_bytes} bytes): the step's peak "
+                f"above the bytes alive when the model's forward is called, with every layer checkpointed (the "
+                f"layers keep their inputs, {_core.format_bytes(chain.input_bytes)} each at the input's size; what "
+                f"runs before them holds {_core.format_bytes(ctx.before_saved_bytes)}; the rest of the step peaks "
+                f"at {_core.format_bytes(ctx.rest_peak_bytes)}; the backward pass allocates "
+                f"{_core.format_bytes(sum(grads) + ctx.rest_grads_bytes)} of gradients in the layers and after "
+                "them)")
+            err.budget_bytes = self.budget
+            err.min_bytes = e.min_bytes
+            shape.error = err
+            raise err from None
+        shape.plan = planned.plan
+        shape.choices = choices_of(planned.plan)
+        shape.predicted = planned.step_peak_bytes
+
+
+def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
+           repeats: int = 1, exclude: Sequence[str] = ()) -> LayerPlan:
+    """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
+    as the first positional argument) per layer as planned: for `budget` (bytes, or a string such as "300MiB",
+    the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
+    training step per input shape), or as a given per-layer `plan` (remat.per_layer's). policies: the selective
+    policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).
+    Each layer's forward is wrapped (an instance attribute; LayerPlan.remove() puts it back). In eval mode or
+    under no_grad the layers run plainly. Raises ValueError/TypeError for bad arguments; at the end of the
+    profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits."""
+    lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude)
+    for i, layer in enumerate(lp.layers):
+        if "forward" in layer.__dict__:
+            lp.remove()
+            raise ValueError(f"remat.enable: layer {i}'s forward is already wrapped (remat.enable twice?)")
+        original = layer.forward
+
+        def wrapped(*args, __i=i, __original=original, **kwargs):
+            return lp.dispatch(__i, partial(__original, **kwargs), *args)
+
+        layer.forward = wrapped
+
+    def unwrap(layers=lp.layers):
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+    class _Unwrap:
+        def remove(self):
+            unwrap()
+
+    lp._handles.append(_Unwrap())
+    return lp

@@ -1,0 +1,149 @@
+"""Running one layer as a plan says: kept whole, checkpointed, or checkpointed under a selective policy.
+
+All three use PyTorch's own mechanisms: ``torch.utils.checkpoint.checkpoint`` (non-reentrant, RNG state
+preserved, so dropout masks are replayed) and ``create_selective_checkpoint_contexts`` for a policy. A
+recompute must not update a module's state a second time (BatchNorm's running statistics: PyTorch's recompute
+alone updates them twice), so every recompute runs inside a context that puts the layer's buffers back as the
+forward pass left them.
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+from typing import Callable, Iterable, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+try:  # torch 2.4 and later
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
+    raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
+
+__all__ = ["KEEP", "CHECKPOINT", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
+           "checkpoint_context", "run_layer"]
+
+KEEP = "keep"
+CHECKPOINT = "checkpoint"
+
+# The operators a "keep the matrix multiplications" policy saves, as PyTorch's selective checkpointing sees
+# them (below autograd: linear is t + addmm, matmul is mm or bmm).
+MATMUL_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+                        torch.ops.aten.baddbmm.default})
+
+
+def matmuls(ctx, op, *args, **kwargs):
+    """The selective policy "matmuls": save what the matrix multiplications produce, recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# Policies by the name a chain and a plan give them (Fk[matmuls]); the C++ library's preset of that name keeps
+# the same calls at the level LibTorch's dispatcher shows them.
+POLICIES: dict[str, Callable] = {"matmuls": matmuls}
+
+
+def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callable:
+    """The policy function named `name`, from `policies` first, then remat's presets. Raises ValueError naming
+    it when there is none."""
+    if policies and name in policies:
+        return policies[name]
+    if name in POLICIES:
+        return POLICIES[name]
+    raise ValueError(f"remat: the plan keeps with policy '{name}', which is neither given nor one of remat's "
+                     f"presets ({', '.join(sorted(POLICIES))})")
+
+
+class RestoreBuffers:
+    """A context that puts the buffers of `modules` back as they were when it was entered (a recompute must
+    not update BatchNorm's running statistics a second time)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module]):
+        self.buffers = []
+        seen = set()
+        for m in modules:
+            for b in m.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    self.buffers.append(b)
+        self.saved = None
+
+    def __enter__(self):
+        with torch.no_grad():
+            self.saved = [b.clone() for b in self.buffers]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved):
+                if b.shape == s.shape:
+                    b.data.copy_(s)  # .data: no version bump for graphs that saved the buffer
+        self.saved = None
+        return False
+
+
+def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None):
+    """A context_fn for torch.utils.checkpoint: the recompute restores the modules' buffers; with `policy`,
+    the forward and the recompute are also selective checkpointing's contexts for that policy."""
+
+    def context_fn():
+        restore = RestoreBuffers(modules) if modules else contextlib.nullcontext()
+        if policy is None:
+            return contextlib.nullcontext(), restore
+        fwd, rec = create_selective_checkpoint_contexts(policy)
+        stack = contextlib.ExitStack()
+
+        class _Both:
+            def __enter__(self):
+                stack.enter_context(restore)
+                stack.enter_context(rec)
+                return self
+
+            def __exit__(self, *exc):
+                return stack.__exit__(*exc)
+
+        return fwd, _Both()
+
+    return context_fn
+
+
+def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],
+              policies: dict[str, Callable] | None = None):
+    """Runs fn(*args) as `how` says: "keep" plainly, "checkpoint" under torch.utils.checkpoint, or a policy's
+    name under torch.utils.checkpoint with that selective policy. Outside training with grad, plainly."""
+    if how == KEEP or not torch.is_grad_enabled():
+        return fn(*args)
+    policy = None if how == CHECKPOINT else policy_fn(how, policies)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+                      context_fn=checkpoint_context(modules, policy))
+
+
+def choices_of(plan) -> list[str]:
+    """The per-layer choice of each stage of a per-layer plan (remat.per_layer's shape: each stage's first
+    forward is Fa, Fc or Fk[name], no Fn, and a checkpointed stage is recomputed only right before its
+    backward): "keep", "checkpoint" or the policy's name. Raises ValueError for a plan of another shape (a
+    full schedule: run it with remat.CheckpointedSequential)."""
+    from . import _core
+
+    n, ops = plan.num_stages, list(plan.ops)
+    K = _core.OpKind
+    out = []
+    for i in range(n):
+        op = ops[i] if i < len(ops) else None
+        if op is None or op.stage != i or op.kind not in (K.Fa, K.Fc, K.Fk):
+            raise ValueError(f"remat: plan '{plan}' is not a per-layer plan (its forward pass does not run each "
+                             "stage once, in order, as Fa, Fc or Fk[NAME]): run it with "
+                             "remat.CheckpointedSequential, or plan with remat.per_layer")
+        if op.kind == K.Fk and op.policy < 0:
+            raise ValueError(f"remat: plan '{plan}' keeps stage {i} with remat::keep tags, which only the C++ "
+                             "library has; plan with policies instead")
+        out.append(KEEP if op.kind == K.Fa else CHECKPOINT if op.kind == K.Fc else plan.policies[op.policy])
+    # Then the loss and each stage's backward, a checkpointed stage recomputed right before it.
+    want = [(K.L, -1)]
+    for i in reversed(range(n)):
+        if out[i] == CHECKPOINT:
+            want.append((K.Fa, i))
+        want.append((K.B, i))
+    if [(o.kind, o.stage) for o in ops[n:]] != want:
+        raise ValueError(f"remat: plan '{plan}' is not a per-layer plan (it recomputes across stages): run it "
+                         "with remat.CheckpointedSequential, or plan with remat.per_layer")
+    return out

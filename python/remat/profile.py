@@ -1,0 +1,403 @@
+"""Measuring a model's stages as a Chain: the figures the C++ profiler (remat::profile_chain) gives.
+
+For stage i, on its input: output_bytes is its output's size; saved_bytes is what running it with grad leaves
+alive: its output plus the storages its autograd graph saved, counted exactly with saved-tensor hooks, each
+storage once, its input, its parameters and buffers and the tensors it was given not counted (they are alive
+anyway); fwd_tmp_bytes is the meter's peak above that during the forward; bwd_tmp_bytes is the meter's peak
+during its backward above its input, what it saved, its output and the output's gradient (the parameter
+gradients pre-allocated, as after a first step). With policies, each stage also runs under
+torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's count) is its
+PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the stages in
+the order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage to the
+first its forward with saving and its backward (fwd_ms, bwd_ms), then every stage under
+torch.utils.checkpoint and the backward through them (checkpoint_fwd_ms, checkpoint_bwd_ms), then the same
+under each policy. Profiling holds what checkpointing every stage holds plus one stage's saved tensors, never
+a plain step's activations, and leaves the model as it was: gradients, buffers and the random generators are
+put back.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from . import _core
+from .meter import meter_for
+from .policies import checkpoint_context, policy_fn
+
+__all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
+
+
+@dataclass
+class StageFn:
+    """One stage: fn(x) returns its output tensor. module, when given, is the module whose parameters and
+    buffers the stage uses: profiling puts their gradients and buffers back, and recomputes restore the
+    buffers."""
+
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    name: str = ""
+    module: nn.Module | None = None
+
+    def __call__(self, x):
+        return self.fn(x)
+
+
+def stages_of(seq: nn.Sequential) -> list[StageFn]:
+    """The children of an nn.Sequential as stages, named "i:Type"."""
+    if not isinstance(seq, nn.Sequential):
+        raise TypeError(f"remat.stages_of: expected an nn.Sequential, got {type(seq).__name__}")
+    return [StageFn(m, f"{i}:{type(m).__name__}", m) for i, m in enumerate(seq)]
+
+
+def stages(modules: Iterable[nn.Module], call: Callable | None = None, names: Sequence[str] | None = None
+           ) -> list[StageFn]:
+    """Stages from modules (an nn.ModuleList, a list): stage i runs call(module_i, x), or module_i(x) when call
+    is None; e.g. call=lambda layer, x: layer(x, mask) for layers that take an attention mask."""
+    mods = list(modules)
+    if names is not None and len(names) != len(mods):
+        raise ValueError(f"remat.stages: {len(names)} names for {len(mods)} modules")
+    out = []
+    for i, m in enumerate(mods):
+        fn = m if call is None else (lambda x, m=m: call(m, x))
+        out.append(StageFn(fn, names[i] if names else f"{i}:{type(m).__name__}", m))
+    return out
+
+
+class Restore:
+    """Puts back, on exit, the gradients of the modules' parameters, their buffers, and the CPU and CUDA random
+    generators."""
+
+    def __init__(self, modules: Sequence[nn.Module], device: torch.device):
+        self.params, seen = [], set()
+        for m in modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+        bseen = set()
+        self.buffers = []
+        for m in modules:
+            for b in m.buffers():
+                if id(b) not in bseen:
+                    bseen.add(id(b))
+                    self.buffers.append(b)
+        self.device = device
+
+    def __enter__(self):
+        self.grads = [p.grad for p in self.params]
+        with torch.no_grad():
+            self.saved_buffers = [b.clone() for b in self.buffers]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
+            else None
+        return self
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved_buffers):
+                if b.shape == s.shape:
+                    b.data.copy_(s)  # .data: no version bump for graphs that saved the buffer
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        return False
+
+
+class _ZeroGrads:
+    """Zeroed gradients for one stage's parameters while its backward runs (as after a first training step, so
+    that the backward's peak does not include allocating them), and theirs put back after: one stage's
+    gradients at a time, never the whole model's."""
+
+    def __init__(self, params):
+        self.params = params
+
+    def __enter__(self):
+        self.saved = [p.grad for p in self.params]
+        with torch.no_grad():
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+        return self
+
+    def __exit__(self, *exc):
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
+        self.saved = None
+        return False
+
+
+class _SavedStorages:
+    """Saved-tensor hooks that count, once per storage, the bytes of what autograd saves, minus `excluded`
+    storages (alive anyway)."""
+
+    def __init__(self, excluded: set[int]):
+        self.excluded = excluded
+        self.sizes: dict[int, int] = {}
+
+    def pack(self, t):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+            if key and key not in self.excluded:
+                self.sizes[key] = st.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def _median(v: list[float]) -> float:
+    return float(statistics.median(v)) if v else 0.0
+
+
+def _policies(policies) -> dict[str, Callable]:
+    if policies is None:
+        return {}
+    if isinstance(policies, Mapping):
+        out = dict(policies)
+    else:
+        out = {name: policy_fn(name) for name in policies}
+    for name, fn in out.items():
+        if not isinstance(name, str) or not name or not all(c.isalnum() or c in "_-." for c in name):
+            raise ValueError(f"remat.profile: '{name}' cannot name a policy (letters, digits, '_', '-', '.')")
+        if not callable(fn):
+            raise TypeError(f"remat.profile: policy '{name}' is not callable")
+    return out
+
+
+def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
+            warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
+            excluded: Iterable[torch.Tensor] = ()) -> _core.Chain:
+    """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
+    returns the Chain the planners take (see the module's documentation for what each field is).
+
+    policies: selective policies to measure each stage under (names of remat's presets, "matmuls" by default,
+    or a dict name -> policy function as create_selective_checkpoint_contexts takes); () for none.
+    inputs: each stage's input, when known (planning in place records them); otherwise a forward pass without
+    saving makes them from example_input. excluded: tensors the stages read that are alive anyway (an
+    attention mask a closure holds), not counted as saved.
+
+    On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA with
+    the allocator's statistics. Raises ValueError for no stages, warmup < 0, repeats < 1 or a bad policy, and
+    TypeError naming the stage when one returns something other than a tensor.
+    """
+    stage_list = [s if isinstance(s, StageFn) else
+                  StageFn(s, f"{i}:{type(s).__name__}", s if isinstance(s, nn.Module) else None)
+                  for i, s in enumerate(stages)]
+    n = len(stage_list)
+    if n == 0:
+        raise ValueError("remat.profile: no stages")
+    if not isinstance(example_input, torch.Tensor):
+        raise TypeError(f"remat.profile: the example input must be a tensor, got {type(example_input).__name__}")
+    if warmup < 0 or repeats < 1:
+        raise ValueError(f"remat.profile: warmup must be >= 0 and repeats >= 1, got {warmup} and {repeats}")
+    if inputs is not None and len(inputs) != n:
+        raise ValueError(f"remat.profile: {len(inputs)} inputs for {n} stages")
+    pols = _policies(policies)
+    device = example_input.device
+    meter = meter_for(device)
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    modules = [s.module for s in stage_list if s.module is not None]
+    params = [[p for p in s.module.parameters() if p.requires_grad] if s.module is not None else []
+              for s in stage_list]
+    # Alive anyway: never counted as saved.
+    alive: set[int] = set()
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            alive.add(_storage_key(t))
+    for t in excluded:
+        if isinstance(t, torch.Tensor):
+            alive.add(_storage_key(t))
+
+    chain = _core.Chain()
+    chain.input_bytes = example_input.nbytes
+    names = [s.name or f"stage{i}" for i, s in enumerate(stage_list)]
+    xs: list[torch.Tensor | None] = [None] * (n + 1)
+    xs[0] = example_input.detach()
+    if inputs is not None:
+        for i in range(n):
+            xs[i] = inputs[i].detach()
+    input_grad = [False] * n
+    for i in range(n):
+        x = xs[i]
+        floating = x is not None and (x.is_floating_point() or x.is_complex())
+        input_grad[i] = floating and (i > 0 or example_input.requires_grad)
+
+    fields = [dict(fwd=[], bwd=[], nosave=[], ckpt_fwd=[], ckpt_bwd=[], out=0, saved=0, ftmp=0, btmp=0,
+                   pol={name: dict(fwd=[], bwd=[], saved=0) for name in pols}) for _ in range(n)]
+
+    def check_out(i, out):
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"remat.profile: stage {i} ('{names[i]}') returned {type(out).__name__}, not a tensor: "
+                            "a stage's output must be one tensor (the next stage's input)")
+        return out
+
+    def leaf_of(i):
+        leaf = xs[i].detach()
+        if input_grad[i]:
+            leaf.requires_grad_(True)
+        return leaf
+
+    def targets_of(i, leaf):
+        return params[i] + ([leaf] if input_grad[i] else [])
+
+    def contexts_of(i):
+        mods = [stage_list[i].module] if stage_list[i].module is not None else []
+        return lambda policy: checkpoint_context(mods, policy)
+
+    contexts = [contexts_of(i) for i in range(n)]
+
+    def timed_backward(out, targets, i):
+        """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive
+        before it (d included), less its input's gradient."""
+        with _ZeroGrads(params[i]):
+            d = torch.ones_like(out)
+            sync()
+            before = meter.active()
+            meter.reset_peak()
+            t0 = time.perf_counter()
+            torch.autograd.backward(out, d, inputs=targets)
+            sync()
+            ms = (time.perf_counter() - t0) * 1e3
+            peak = meter.peak() - before
+        return ms, peak
+
+    with Restore(modules, device):
+        with torch.enable_grad():
+            for r in range(warmup + repeats):
+                measure, keep = r == warmup, r >= warmup
+                # A forward pass without saving (which makes the stages' inputs when they are not given).
+                for i in range(n):
+                    with torch.no_grad():
+                        sync()
+                        t0 = time.perf_counter()
+                        out = check_out(i, stage_list[i](xs[i]))
+                        sync()
+                        f = (time.perf_counter() - t0) * 1e3
+                    if xs[i + 1] is None or (inputs is None and r == 0):
+                        xs[i + 1] = out
+                        if i + 1 < n:
+                            floating = out.is_floating_point() or out.is_complex()
+                            input_grad[i + 1] = floating
+                    if keep:
+                        fields[i]["nosave"].append(f)
+                    del out
+                # From the last stage to the first: its forward saving for backward, and its backward.
+                for i in reversed(range(n)):
+                    leaf = leaf_of(i)
+                    counter = _SavedStorages(alive | {_storage_key(leaf)})
+                    sync()
+                    base = meter.active()
+                    meter.reset_peak()
+                    t0 = time.perf_counter()
+                    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                        out = check_out(i, stage_list[i](leaf))
+                    sync()
+                    f = (time.perf_counter() - t0) * 1e3
+                    if measure:
+                        fwd_peak = meter.peak() - base
+                        out_key = _storage_key(out)
+                        saved = sum(counter.sizes.values())
+                        if out_key not in counter.sizes and out_key not in alive and out_key != _storage_key(leaf):
+                            saved += out.untyped_storage().nbytes()
+                        fields[i]["out"] = out.nbytes
+                        fields[i]["saved"] = max(out.nbytes, saved)
+                        fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
+                    targets = targets_of(i, leaf)
+                    b = 0.0
+                    if out.requires_grad and targets:
+                        b, peak = timed_backward(out, targets, i)
+                        if measure:
+                            d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
+                            # above what was alive before it: the input, what the stage saved, its output and d
+                            fields[i]["btmp"] = max(0, peak - d_in)
+                    if keep:
+                        fields[i]["fwd"].append(f)
+                        fields[i]["bwd"].append(b)
+                    del out, leaf
+                # Every stage under torch.utils.checkpoint, then the backward pass through them (what
+                # checkpointing every stage holds); then each stage under each policy, its backward right after
+                # its forward (one stage's kept tensors at a time).
+                leaves, outs, cf = [None] * n, [None] * n, [0.0] * n
+                for i in range(n):
+                    leaves[i] = leaf_of(i)
+                    sync()
+                    t0 = time.perf_counter()
+                    outs[i] = check_out(i, checkpoint(stage_list[i].fn, leaves[i], use_reentrant=False,
+                                                      preserve_rng_state=True, context_fn=contexts[i](None)))
+                    sync()
+                    cf[i] = (time.perf_counter() - t0) * 1e3
+                for i in reversed(range(n)):
+                    targets = targets_of(i, leaves[i])
+                    cb = timed_backward(outs[i], targets, i)[0] if outs[i].requires_grad and targets else 0.0
+                    outs[i] = leaves[i] = None
+                    if keep:
+                        fields[i]["ckpt_fwd"].append(cf[i])
+                        fields[i]["ckpt_bwd"].append(cb)
+                for name, fn in pols.items():
+                    for i in reversed(range(n)):
+                        leaf = leaf_of(i)
+                        sync()
+                        base = meter.active()
+                        t0 = time.perf_counter()
+                        out = check_out(i, checkpoint(stage_list[i].fn, leaf, use_reentrant=False,
+                                                      preserve_rng_state=True, context_fn=contexts[i](fn)))
+                        sync()
+                        f = (time.perf_counter() - t0) * 1e3
+                        if measure:
+                            fields[i]["pol"][name]["saved"] = max(out.nbytes, meter.active() - base)
+                        targets = targets_of(i, leaf)
+                        b = timed_backward(out, targets, i)[0] if out.requires_grad and targets else 0.0
+                        del out, leaf
+                        if keep:
+                            fields[i]["pol"][name]["fwd"].append(f)
+                            fields[i]["pol"][name]["bwd"].append(b)
+
+    chain.policies = list(pols)
+    stages_out = []
+    for i in range(n):
+        s = _core.Stage()
+        f = fields[i]
+        s.name = names[i]
+        s.output_bytes = f["out"]
+        s.saved_bytes = f["saved"]
+        s.fwd_tmp_bytes = f["ftmp"]
+        s.bwd_tmp_bytes = f["btmp"]
+        s.fwd_ms = _median(f["fwd"])
+        s.bwd_ms = _median(f["bwd"])
+        s.fwd_nosave_ms = _median(f["nosave"])
+        s.checkpoint_fwd_ms = _median(f["ckpt_fwd"])
+        s.checkpoint_bwd_ms = _median(f["ckpt_bwd"])
+        costs = []
+        for name in pols:
+            c = _core.PolicyCost()
+            c.policy = name
+            # What a policy keeps is at most what keeping everything does.
+            c.saved_bytes = min(f["pol"][name]["saved"], s.saved_bytes)
+            c.fwd_ms = _median(f["pol"][name]["fwd"])
+            c.bwd_ms = _median(f["pol"][name]["bwd"])
+            costs.append(c)
+        s.policies = costs
+        stages_out.append(s)
+    chain.stages = stages_out
+    chain.validate()
+    return chain

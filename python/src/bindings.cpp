@@ -1,0 +1,280 @@
+// remat._core: the torch-free planner library (remat::planner) bound for Python with nanobind. Plain numbers
+// and plain C++ only: nothing here touches LibTorch, so the module does not depend on torch's C++ ABI. Everything
+// that touches torch (profiling, applying plans, Hugging Face) is Python beside it, in the remat package.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+#include <remat/chain.h>
+#include <remat/plan.h>
+#include <remat/planner.h>
+#include <remat/report.h>
+#include <remat/step.h>
+#include <remat/strategy.h>
+#include <remat/units.h>
+
+#include <string>
+#include <vector>
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines, std::vector<std::string> exclude) {
+  remat::PlannerOptions o;
+  o.slots = slots;
+  o.compare_baselines = compare_baselines;
+  o.exclude = std::move(exclude);
+  return o;
+}
+
+// The Python class remat.InfeasibleBudget (a ValueError with budget_bytes and min_bytes), set at import.
+PyObject* infeasible_type = nullptr;
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "remat's planner library (chains, plans, planners, step planning, reports), bound from C++";
+  // Chains and plans held by a model's hooks (torch keeps modules alive until the interpreter's end) are still
+  // alive when the interpreter shuts down; that is not a leak of the binding's.
+  nb::set_leak_warnings(false);
+
+  infeasible_type = PyErr_NewExceptionWithDoc(
+      "remat._core.InfeasibleBudget",
+      "No plan fits the budget. Attributes: budget_bytes (the budget asked for) and min_bytes (the least "
+      "feasible one), both in bytes.",
+      PyExc_ValueError, nullptr);
+  m.attr("InfeasibleBudget") = nb::handle(infeasible_type);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const remat::InfeasibleBudget& e) {
+      nb::object err = nb::steal(PyObject_CallFunction(infeasible_type, "s", e.what()));
+      if (!err.is_valid()) return;  // the error set by the call stands
+      err.attr("budget_bytes") = e.budget_bytes();
+      err.attr("min_bytes") = e.min_bytes();
+      PyErr_SetObject(infeasible_type, err.ptr());
+    }
+  });
+
+  // ------------------------------------------------------------------------------------------------------------
+  // Chains
+
+  nb::class_<remat::PolicyCost>(m, "PolicyCost", "What a stage costs run as Fk under one policy (Fk[name]).")
+      .def(nb::init<>())
+      .def_rw("policy", &remat::PolicyCost::policy, "the policy's name")
+      .def_rw("saved_bytes", &remat::PolicyCost::saved_bytes, "alive after the stage runs so (bytes)")
+      .def_rw("fwd_ms", &remat::PolicyCost::fwd_ms, "its forward (milliseconds)")
+      .def_rw("bwd_ms", &remat::PolicyCost::bwd_ms, "its recompute of the rest plus its backward (ms)");
+
+  nb::class_<remat::Stage>(m, "Stage", "One stage of a chain: times in milliseconds, sizes in bytes.")
+      .def(nb::init<>())
+      .def_rw("name", &remat::Stage::name)
+      .def_rw("fwd_ms", &remat::Stage::fwd_ms, "forward time, saving for backward (milliseconds)")
+      .def_rw("bwd_ms", &remat::Stage::bwd_ms, "backward time (milliseconds)")
+      .def_rw("output_bytes", &remat::Stage::output_bytes, "the stage's output (bytes)")
+      .def_rw("saved_bytes", &remat::Stage::saved_bytes, "alive after running it with grad: output + saved")
+      .def_rw("fwd_tmp_bytes", &remat::Stage::fwd_tmp_bytes, "transient peak above that in its forward")
+      .def_rw("bwd_tmp_bytes", &remat::Stage::bwd_tmp_bytes, "transient peak in its backward")
+      .def_rw("fwd_nosave_ms", &remat::Stage::fwd_nosave_ms, "forward under no-grad (ms), or None")
+      .def_rw("checkpoint_fwd_ms", &remat::Stage::checkpoint_fwd_ms, "forward checkpointed per call (ms)")
+      .def_rw("checkpoint_bwd_ms", &remat::Stage::checkpoint_bwd_ms, "recompute + backward per call (ms)")
+      .def_rw("keep_saved_bytes", &remat::Stage::keep_saved_bytes)
+      .def_rw("keep_fwd_ms", &remat::Stage::keep_fwd_ms)
+      .def_rw("keep_bwd_ms", &remat::Stage::keep_bwd_ms)
+      .def_rw("policies", &remat::Stage::policies, "its costs under each of the chain's policies")
+      .def("per_call_fwd_ms", &remat::Stage::per_call_fwd_ms)
+      .def("per_call_bwd_ms", &remat::Stage::per_call_bwd_ms)
+      .def("__repr__", [](const remat::Stage& s) {
+        return "Stage('" + s.name + "', fwd_ms=" + std::to_string(s.fwd_ms) + ", bwd_ms=" +
+               std::to_string(s.bwd_ms) + ", output_bytes=" + std::to_string(s.output_bytes) +
+               ", saved_bytes=" + std::to_string(s.saved_bytes) + ")";
+      });
+
+  nb::class_<remat::Chain>(m, "Chain",
+                           "A chain of stages as plain numbers (the C++ remat::Chain; its JSON is the remat "
+                           "command's chain format, docs/chain-format.md).")
+      .def(nb::init<>())
+      .def_rw("input_bytes", &remat::Chain::input_bytes, "the chain's input a_0 (bytes)")
+      .def_rw("stages", &remat::Chain::stages)
+      .def_rw("keep", &remat::Chain::keep)
+      .def_rw("policies", &remat::Chain::policies, "the policies the stages' PolicyCost entries are under")
+      .def("size", &remat::Chain::size)
+      .def("__len__", &remat::Chain::size)
+      .def("activation_bytes", &remat::Chain::activation_bytes, "i"_a)
+      .def_static(
+          "from_json", [](const std::string& text) { return remat::chain_from_json(text); }, "text"_a,
+          "Parses and validates a chain's JSON. Raises ValueError naming the problem.")
+      .def("to_json", [](const remat::Chain& c) { return remat::to_json(c); })
+      .def("validate", [](const remat::Chain& c) { remat::validate(c); }, "Raises ValueError naming the stage.")
+      .def("__repr__", [](const remat::Chain& c) {
+        return "Chain(" + std::to_string(c.size()) + " stages, input_bytes=" + std::to_string(c.input_bytes) + ")";
+      });
+  m.def("load_chain", &remat::load_chain, "path"_a);
+  m.def("save_chain", &remat::save_chain, "chain"_a, "path"_a);
+  m.def("uniform_chain", &remat::uniform_chain, "n"_a, "fwd_ms"_a, "bwd_ms"_a, "output_bytes"_a, "saved_bytes"_a);
+
+  // ------------------------------------------------------------------------------------------------------------
+  // Plans
+
+  nb::enum_<remat::OpKind>(m, "OpKind")
+      .value("Fn", remat::OpKind::kForwardNoSave)
+      .value("Fc", remat::OpKind::kForwardCheckpoint)
+      .value("Fa", remat::OpKind::kForwardAll)
+      .value("L", remat::OpKind::kLoss)
+      .value("B", remat::OpKind::kBackward)
+      .value("Fk", remat::OpKind::kForwardKeep);
+
+  nb::class_<remat::Op>(m, "Op", "One operation of a plan: kind, stage (-1 for the loss), policy (Fk[name]).")
+      .def(nb::init<>())
+      .def_rw("kind", &remat::Op::kind)
+      .def_rw("stage", &remat::Op::stage)
+      .def_rw("policy", &remat::Op::policy)
+      .def("__eq__", [](const remat::Op& a, const remat::Op& b) { return a == b; });
+
+  nb::class_<remat::Simulation>(m, "Simulation", "Predicted figures of a plan on a chain.")
+      .def(nb::init<>())
+      .def_rw("peak_bytes", &remat::Simulation::peak_bytes)
+      .def_rw("time_ms", &remat::Simulation::time_ms)
+      .def_rw("forward_calls", &remat::Simulation::forward_calls)
+      .def_rw("peak_op", &remat::Simulation::peak_op)
+      .def_rw("op_peak_bytes", &remat::Simulation::op_peak_bytes);
+
+  nb::class_<remat::Plan>(m, "Plan",
+                          "A schedule (the C++ remat::Plan): str(plan) is Plan::to_string(), \"Fc0 Fn1 ... B0\".")
+      .def(nb::init<>())
+      .def_rw("num_stages", &remat::Plan::num_stages)
+      .def_rw("ops", &remat::Plan::ops)
+      .def_rw("planner", &remat::Plan::planner)
+      .def_rw("budget_bytes", &remat::Plan::budget_bytes)
+      .def_rw("predicted", &remat::Plan::predicted)
+      .def_rw("keep", &remat::Plan::keep)
+      .def_rw("policies", &remat::Plan::policies)
+      .def("to_string", &remat::Plan::to_string)
+      .def("__str__", &remat::Plan::to_string)
+      .def("__repr__", [](const remat::Plan& p) { return "Plan('" + p.to_string() + "')"; })
+      .def("count", &remat::Plan::count, "kind"_a)
+      .def("op_text", [](const remat::Plan& p, const remat::Op& op) { return remat::op_text(p, op); }, "op"_a)
+      .def("to_json", [](const remat::Plan& p) { return remat::to_json(p); })
+      .def_static(
+          "from_json", [](const std::string& text) { return remat::plan_from_json(text); }, "text"_a,
+          "Parses and checks a plan's JSON (also what `remat plan --json` prints). Raises ValueError.");
+  m.def("check_plan", &remat::check_plan, "plan"_a);
+  m.def("simulate", &remat::simulate, "chain"_a, "plan"_a);
+  m.def("checkpoint_stages", &remat::checkpoint_stages, "num_stages"_a, "stages"_a);
+  m.def("per_call_time_ms", &remat::per_call_time_ms, "chain"_a, "stages"_a);
+  m.def("step_plan", &remat::step_plan, "chain_plan"_a);
+
+  // ------------------------------------------------------------------------------------------------------------
+  // Planners (budgets in bytes; PlannerOptions as keyword arguments)
+
+  m.def("no_checkpoint", &remat::no_checkpoint, "chain"_a);
+  m.def("checkpoint_all", &remat::checkpoint_all, "chain"_a);
+  m.def("uniform", &remat::uniform, "chain"_a, "segments"_a, "checkpoint_last_segment"_a = false);
+  m.def("sqrt_n", &remat::sqrt_n, "chain"_a);
+  m.def("revolve", &remat::revolve, "chain"_a, "snapshots"_a);
+  m.def(
+      "optimal",
+      [](const remat::Chain& c, int64_t budget, int64_t slots, bool compare, std::vector<std::string> exclude) {
+        return remat::optimal(c, budget, planner_options(slots, compare, std::move(exclude)));
+      },
+      "chain"_a, "budget_bytes"_a, "slots"_a = 500, "compare_baselines"_a = true,
+      "exclude"_a = std::vector<std::string>{},
+      "The fastest schedule whose predicted peak fits budget_bytes (the chain's own peak, its input included). "
+      "Raises InfeasibleBudget naming the least feasible budget.");
+  m.def(
+      "min_feasible_budget",
+      [](const remat::Chain& c, std::vector<std::string> exclude) {
+        return remat::min_feasible_budget(c, planner_options(500, true, std::move(exclude)));
+      },
+      "chain"_a, "exclude"_a = std::vector<std::string>{});
+  m.def(
+      "per_layer",
+      [](const remat::Chain& c, int64_t budget, std::vector<std::string> exclude) {
+        return remat::per_layer(c, budget, planner_options(500, true, std::move(exclude)));
+      },
+      "chain"_a, "budget_bytes"_a, "exclude"_a = std::vector<std::string>{},
+      "The fastest per-layer plan (each stage kept, kept under a policy, or checkpointed on its own) within "
+      "budget_bytes. Raises InfeasibleBudget naming the least feasible budget.");
+  m.def(
+      "per_layer_min_budget",
+      [](const remat::Chain& c, std::vector<std::string> exclude) {
+        return remat::per_layer_min_budget(c, planner_options(500, true, std::move(exclude)));
+      },
+      "chain"_a, "exclude"_a = std::vector<std::string>{});
+  m.def(
+      "make_plan",
+      [](const remat::Chain& c, const std::string& strategy, int64_t budget, std::vector<std::string> exclude) {
+        return remat::make_plan(c, strategy, budget, planner_options(500, true, std::move(exclude)));
+      },
+      "chain"_a, "strategy"_a, "budget_bytes"_a = -1, "exclude"_a = std::vector<std::string>{},
+      "A plan by strategy word, in the grammar of the C++ library and the remat command (\"none\", \"all\", "
+      "\"uniform:4\", \"optimal:300MiB\", \"per-layer\", ...).");
+  m.attr("STRATEGY_WORDS") = remat::kStrategyWords;
+
+  // ------------------------------------------------------------------------------------------------------------
+  // The whole step
+
+  nb::class_<remat::StepContext>(m, "StepContext",
+                                 "What surrounds a chain in a training step (bytes above the step's base; ms).")
+      .def(nb::init<>())
+      .def_rw("input_in_base", &remat::StepContext::input_in_base)
+      .def_rw("before_saved_bytes", &remat::StepContext::before_saved_bytes)
+      .def_rw("before_peak_bytes", &remat::StepContext::before_peak_bytes)
+      .def_rw("before_backward_peak_bytes", &remat::StepContext::before_backward_peak_bytes)
+      .def_rw("rest_peak_bytes", &remat::StepContext::rest_peak_bytes)
+      .def_rw("rest_ms", &remat::StepContext::rest_ms)
+      .def_rw("rest_grads_bytes", &remat::StepContext::rest_grads_bytes)
+      .def_rw("stage_grads_bytes", &remat::StepContext::stage_grads_bytes);
+  nb::class_<remat::StepPlan>(m, "StepPlan", "A plan for a whole step and its predicted peak.")
+      .def_rw("plan", &remat::StepPlan::plan)
+      .def_rw("step_peak_bytes", &remat::StepPlan::step_peak_bytes)
+      .def_rw("step_time_ms", &remat::StepPlan::step_time_ms);
+  m.def("step_peak_bytes", &remat::step_peak_bytes, "chain"_a, "context"_a, "plan"_a);
+  m.def(
+      "plan_step",
+      [](const remat::Chain& c, const remat::StepContext& ctx, int64_t budget, const std::string& planner,
+         std::vector<std::string> exclude) {
+        return remat::plan_step(c, ctx, budget, planner, planner_options(500, true, std::move(exclude)));
+      },
+      "chain"_a, "context"_a, "budget_bytes"_a, "planner"_a = "optimal", "exclude"_a = std::vector<std::string>{});
+  m.def(
+      "min_step_budget",
+      [](const remat::Chain& c, const remat::StepContext& ctx, const std::string& planner,
+         std::vector<std::string> exclude) {
+        return remat::min_step_budget(c, ctx, planner, planner_options(500, true, std::move(exclude)));
+      },
+      "chain"_a, "context"_a, "planner"_a = "optimal", "exclude"_a = std::vector<std::string>{});
+
+  // ------------------------------------------------------------------------------------------------------------
+  // Reports and units
+
+  nb::class_<remat::MemoryBreakdown>(m, "MemoryBreakdown", "A training step's memory and what checkpointing can save.")
+      .def_rw("parameters", &remat::MemoryBreakdown::parameters)
+      .def_rw("gradients", &remat::MemoryBreakdown::gradients)
+      .def_rw("optimizer", &remat::MemoryBreakdown::optimizer)
+      .def_rw("inputs", &remat::MemoryBreakdown::inputs)
+      .def_rw("activations", &remat::MemoryBreakdown::activations)
+      .def_rw("least_activations", &remat::MemoryBreakdown::least_activations)
+      .def_rw("per_layer_activations", &remat::MemoryBreakdown::per_layer_activations)
+      .def_rw("optimizer_name", &remat::MemoryBreakdown::optimizer_name)
+      .def("total", &remat::MemoryBreakdown::total)
+      .def("saving", &remat::MemoryBreakdown::saving)
+      .def("weights", &remat::MemoryBreakdown::weights)
+      .def("weights_dominate", &remat::MemoryBreakdown::weights_dominate)
+      .def("percent", &remat::MemoryBreakdown::percent, "bytes"_a)
+      .def("verdict", &remat::MemoryBreakdown::verdict);
+  m.def(
+      "memory_breakdown",
+      [](const remat::Chain& c, int64_t params, int64_t trainable, const std::string& optimizer) {
+        return remat::memory_breakdown(c, params, trainable, remat::parse_optimizer(optimizer));
+      },
+      "chain"_a, "parameter_bytes"_a, "trainable_bytes"_a, "optimizer"_a = "adam");
+  m.def(
+      "summarize_plan_json",
+      [](const remat::Chain& c, const remat::Plan& p) { return remat::to_json(remat::summarize_plan(c, p)); },
+      "chain"_a, "plan"_a, "What `remat plan --json` prints for this plan on this chain.");
+  m.def("format_bytes", &remat::format_bytes, "bytes"_a);
+  m.def("parse_size", &remat::parse_size, "text"_a);
+}

@@ -1,0 +1,82 @@
+"""Shared helpers of the Python package's tests: models, a training step, and the plain run to compare with."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))  # pytorch_reference.py: the BERT the C++ library defines too
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def meter():
+    return remat.cpu_meter()
+
+
+def block(width=64, hidden=256, dropout=0.1, norm="layer"):
+    """A residual-MLP-like block: two linears, GELU, dropout, a norm (LayerNorm, or BatchNorm1d)."""
+    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, width),
+                         nn.LayerNorm(width) if norm == "layer" else nn.BatchNorm1d(width))
+
+
+def mlp(depth=6, width=64, hidden=256, seed=0, norm="layer"):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[block(width, hidden, norm=norm) for _ in range(depth)])
+
+
+def preallocate(model):
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+
+def train_step(model, x, meter=None, seed=1, loss_fn=None, set_to_none=False):
+    """One forward and backward pass from a fixed RNG state. Returns (loss, gradients, peak above the bytes
+    alive at the forward's call, the next random draw, buffers)."""
+    torch.manual_seed(seed)
+    if set_to_none:
+        model.zero_grad(set_to_none=True)
+    else:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+    base = meter.active() if meter else 0
+    if meter:
+        meter.reset_peak()
+    out = model(x)
+    loss = loss_fn(out) if loss_fn else out.float().square().mean()
+    loss.backward()
+    peak = meter.peak() - base if meter else 0
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return (loss.detach(), grads, peak, torch.rand(4), [b.clone() for b in model.buffers()])
+
+
+def assert_same_run(a, b):
+    """Loss, every gradient, the next random draw and every buffer bitwise equal."""
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    assert len(a[1]) == len(b[1])
+    for i, (g, h) in enumerate(zip(a[1], b[1])):
+        assert (g is None) == (h is None), i
+        if g is not None:
+            assert torch.equal(g, h), f"gradient {i} differs: max {float((g - h).abs().max())}"
+    assert torch.equal(a[3], b[3]), "the generator is not where the plain run leaves it"
+    for i, (x, y) in enumerate(zip(a[4], b[4])):
+        assert torch.equal(x, y), f"buffer {i} differs"
+
+
+def cli():
+    """The remat command of the C++ build of the same torch (the ./test --torch pypi phase sets REMAT_CLI)."""
+    path = os.environ.get("REMAT_CLI")
+    if not path or not Path(path).exists():
+        if os.environ.get("REMAT_TEST_STRICT"):  # ./test: never skipped
+            pytest.fail(f"REMAT_CLI is not the remat command: {path!r}")
+        pytest.skip("REMAT_CLI is not set to the remat command (./test --torch pypi sets it)")
+    return path

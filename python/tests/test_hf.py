@@ -1,0 +1,214 @@
+"""remat.hf.enable on Transformers models built from a config (nothing downloaded): BertModel (seed 001's model),
+GPT-2 and a Llama-architecture model. Every step, the profiling one included, gives the plain run's loss,
+gradients and next random draw, bitwise; the measured step peak stays within the budget and near the
+prediction; eval and no_grad run plainly; an infeasible budget names the least feasible one; a Trainer
+trains with it."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import remat  # noqa: E402
+import remat.hf  # noqa: E402
+
+# The measured peak above the prediction, at most (a share of the prediction): the profile's transients are
+# measured once per layer and the rest of the step at its first run.
+TOLERANCE = 0.05
+
+
+def bert():
+    cfg = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                  intermediate_size=256, max_position_embeddings=128)
+    return transformers.BertModel(cfg), dict(batch=4, seq=64, vocab=1000, loss="hidden")
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4, n_positions=128)
+    return transformers.GPT2LMHeadModel(cfg), dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+
+def llama():
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   attention_dropout=0.1)
+    return transformers.LlamaForCausalLM(cfg), dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+
+MODELS = {"bert": bert, "gpt2": gpt2, "llama": llama}
+
+
+def make(name):
+    torch.manual_seed(0)
+    model, spec = MODELS[name]()
+    model.train()
+    return model, spec
+
+
+def batch(spec, step):
+    g = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, spec["vocab"], (spec["batch"], spec["seq"]), generator=g)
+    if spec["loss"] == "lm":
+        return dict(input_ids=ids, labels=ids)
+    return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def step(model, spec, k, meter):
+    """Training step k as Trainer runs it: gradients set to none, forward, loss, backward."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1000 + k)
+    b = batch(spec, k)
+    base = meter.active()
+    meter.reset_peak()
+    out = model(**b)
+    loss = out.loss if spec["loss"] == "lm" else out.last_hidden_state.square().mean()
+    loss.backward()
+    peak = meter.peak() - base
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return loss.detach(), grads, peak, torch.rand(4)
+
+
+def same(a, b):
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    for i, (g, h) in enumerate(zip(a[1], b[1])):
+        assert (g is None) == (h is None), i
+        if g is not None:
+            assert torch.equal(g, h), f"gradient {i}: max difference {float((g - h).abs().max())}"
+    assert torch.equal(a[3], b[3])
+
+
+@pytest.fixture(scope="module")
+def plain_runs(meter):
+    runs = {}
+    for name in MODELS:
+        model, spec = make(name)
+        runs[name] = [step(model, spec, k, meter) for k in range(3)]
+    return runs
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("where", [0.15, 0.6])
+def test_enable_plans_in_place_and_every_step_is_the_plain_run(name, where, meter, plain_runs):
+    plain = plain_runs[name]
+    plain_peak = plain[1][2]
+    # A first, unplanned look at the floor: the least feasible budget for this model and batch.
+    probe, spec = make(name)
+    with pytest.raises(remat.InfeasibleBudget) as e:
+        remat.hf.enable(probe, budget=1024)
+        step(probe, spec, 0, meter)
+    floor = e.value.min_bytes
+    assert "below the least feasible one" in str(e.value) and str(floor) in str(e.value)
+    assert floor < plain_peak
+    budget = int(floor + where * (plain_peak - floor))
+
+    model, spec = make(name)
+    lp = remat.hf.enable(model, budget=budget)
+    assert not lp.is_planned()
+    runs = [step(model, spec, k, meter) for k in range(3)]
+    for k in range(3):
+        same(plain[k], runs[k])
+    assert lp.is_planned() and lp.profiling_steps == 1
+    assert len(lp.choices) == 4
+    predicted = lp.predicted_peak_bytes
+    assert predicted <= budget
+    for k in (1, 2):
+        assert runs[k][2] <= budget + TOLERANCE * predicted, (lp.choices, runs[k][2], predicted, budget)
+        assert runs[k][2] <= predicted * (1 + TOLERANCE), (lp.choices, runs[k][2], predicted)
+    assert lp.last_peak_bytes == runs[2][2]
+    # The profiling step itself stays near the floor, far from the plain step.
+    assert runs[0][2] < plain_peak
+    if where < 0.5:
+        assert "checkpoint" in lp.choices or "matmuls" in lp.choices
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_eval_no_grad_and_disable_run_plainly(name, meter):
+    model, spec = make(name)
+    lp = remat.hf.enable(model, budget="64MiB")
+    model.eval()
+    b = batch(spec, 0)
+    with torch.no_grad():
+        out = model(**b)
+    ref, _ = make(name)
+    ref.eval()
+    with torch.no_grad():
+        expected = ref(**b)
+    key = "loss" if spec["loss"] == "lm" else "last_hidden_state"
+    assert torch.equal(getattr(out, key), getattr(expected, key))
+    assert not lp.is_planned() and lp.profiling_steps == 0
+    model.train()
+    with torch.no_grad():
+        model(**b)
+    assert lp.profiling_steps == 0
+    remat.hf.disable(model)
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_example_batch_plans_at_enable_and_leaves_the_model_as_it_was(meter, plain_runs):
+    model, spec = make("gpt2")
+    rng = torch.get_rng_state()
+    lp = remat.hf.enable(model, budget=int(plain_runs["gpt2"][1][2] * 0.6), example=batch(spec, 0))
+    assert lp.is_planned()
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    runs = [step(model, spec, k, meter) for k in range(2)]
+    for k in range(2):
+        same(plain_runs["gpt2"][k], runs[k])
+
+
+def test_a_new_sequence_length_is_profiled_again(meter):
+    model, spec = make("gpt2")
+    lp = remat.hf.enable(model, budget="64MiB")
+    step(model, spec, 0, meter)
+    step(model, spec, 1, meter)
+    assert lp.is_planned()
+    short = dict(spec, seq=32)
+    ref, _ = make("gpt2")
+    expected = step(ref, short, 2, meter)
+    got = step(model, short, 2, meter)
+    same(expected, got)
+    assert lp.profiling_steps == 1 and lp.is_planned()  # that shape's own profiling step
+    step(model, spec, 3, meter)  # back to the first shape: its plan, no profiling
+    assert lp.profiling_steps == 1
+
+
+def test_bad_budgets_and_models_are_refused():
+    model, _ = make("bert")
+    with pytest.raises(ValueError, match="positive"):
+        remat.hf.enable(model, budget=0)
+    with pytest.raises(ValueError, match="not a size"):
+        remat.hf.enable(model, budget="lots")
+    with pytest.raises(TypeError, match="bytes"):
+        remat.hf.enable(model, budget=1.5)
+    with pytest.raises(TypeError, match="no GradientCheckpointingLayer"):
+        remat.hf.enable(torch.nn.Linear(2, 2), budget=1 << 20)
+
+
+def test_trainer_trains_with_it(tmp_path, meter):
+    from torch.utils.data import Dataset
+
+    class Data(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, 1000, (32,), generator=g)
+            return dict(input_ids=ids, labels=ids)
+
+    def train(plan):
+        model, _ = make("gpt2")
+        lp = remat.hf.enable(model, budget="64MiB") if plan else None
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / ("p" if plan else "n")), max_steps=3,
+                                              per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
+                                              report_to=[], save_strategy="no", use_cpu=True, seed=7,
+                                              dataloader_num_workers=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Data())
+        trainer.train()
+        return model, lp, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    plain_model, _, plain_losses = train(False)
+    model, lp, losses = train(True)
+    assert lp.is_planned()
+    assert losses == plain_losses
+    for p, q in zip(plain_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)

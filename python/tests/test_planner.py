@@ -1,0 +1,116 @@
+"""The planner library as Python sees it: the same chains, plans and JSON as the C++ library and the remat
+command, in both directions."""
+import json
+import subprocess
+
+import pytest
+
+import remat
+
+from conftest import cli
+
+
+def chain_of(n=8, unit=1 << 20):
+    c = remat.uniform_chain(n, 2.0, 4.0, unit, 6 * unit)
+    c.stages[3].saved_bytes = 11 * unit  # one heavier stage
+    return c
+
+
+def test_chain_json_round_trip_and_fields():
+    c = chain_of()
+    d = remat.Chain.from_json(c.to_json())
+    assert d.to_json() == c.to_json()
+    assert len(d) == 8 and d.input_bytes == 1 << 20
+    assert d.stages[3].saved_bytes == 11 << 20
+    assert json.loads(c.to_json())["stages"][0]["saved_bytes"] == 6 << 20
+
+
+def test_optimal_plan_string_is_the_cpp_one_and_fits():
+    c = chain_of()
+    budget = 20 << 20
+    p = remat.optimal(c, budget)
+    assert str(p) == p.to_string()
+    assert str(p).split()[-1] == "B0" and " L " in str(p)
+    assert p.predicted.peak_bytes <= budget
+    assert remat.simulate(c, p).peak_bytes == p.predicted.peak_bytes
+    q = remat.Plan.from_json(p.to_json())
+    assert str(q) == str(p)
+
+
+def test_infeasible_budget_names_the_least():
+    c = chain_of()
+    least = remat.min_feasible_budget(c)
+    with pytest.raises(remat.InfeasibleBudget) as e:
+        remat.optimal(c, least - 1)
+    assert e.value.min_bytes == least and e.value.budget_bytes == least - 1
+    assert "minimum for this chain" in str(e.value)
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(remat.InfeasibleBudget) as e:
+        remat.per_layer(c, remat.per_layer_min_budget(c) - 1)
+    assert e.value.min_bytes == remat.per_layer_min_budget(c)
+
+
+def test_bad_json_and_bad_strategy_are_value_errors():
+    with pytest.raises(ValueError, match="remat::chain_from_json"):
+        remat.Chain.from_json("{")
+    with pytest.raises(ValueError, match="unknown strategy 'fastest'"):
+        remat.make_plan(chain_of(), "fastest")
+    with pytest.raises(ValueError, match="parse_size"):
+        remat.parse_size("lots")
+
+
+def test_strategy_words_match_the_cpp_grammar():
+    c = chain_of()
+    assert str(remat.make_plan(c, "uniform:4")) == str(remat.uniform(c, 4))
+    assert str(remat.make_plan(c, "per-layer:30MiB")) == str(remat.per_layer(c, 30 << 20))
+    assert "per-layer" in remat.STRATEGY_WORDS
+
+
+def test_per_layer_plans_are_per_layer():
+    c = chain_of()
+    c.policies = ["matmuls"]
+    for s in c.stages:
+        pc = remat.PolicyCost()
+        pc.policy, pc.saved_bytes, pc.fwd_ms, pc.bwd_ms = "matmuls", s.saved_bytes // 2, s.fwd_ms, s.bwd_ms + 1.0
+        s.policies = [pc]
+    lo, hi = remat.per_layer_min_budget(c), remat.no_checkpoint(c).predicted.peak_bytes
+    seen = set()
+    for k in range(8):
+        p = remat.per_layer(c, lo + (hi - lo) * k // 7)
+        choices = remat.choices_of(p)
+        assert len(choices) == 8
+        seen.update(choices)
+    assert seen == {"keep", "checkpoint", "matmuls"}
+    with pytest.raises(ValueError, match="not a per-layer plan"):
+        remat.choices_of(remat.uniform(c, 2))
+
+
+def test_cli_reads_python_chains_and_python_reads_cli_plans(tmp_path):
+    remat_cli = cli()
+    c = chain_of()
+    path = tmp_path / "chain.json"
+    path.write_text(c.to_json())
+    out = subprocess.run([remat_cli, "plan", "--chain", str(path), "--budget", "20MiB", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    from_cli = remat.Plan.from_json(out)
+    assert str(from_cli) == str(remat.optimal(c, 20 << 20))
+    assert json.loads(out)["predicted_peak_bytes"] == remat.optimal(c, 20 << 20).predicted.peak_bytes
+    assert json.loads(remat.summarize_plan_json(c, from_cli))["stages_recomputed"] == \
+        json.loads(out)["stages_recomputed"]
+    per_layer = subprocess.run([remat_cli, "plan", "--chain", str(path), "--budget", "30MiB", "--planner",
+                                "per-layer", "--json"], capture_output=True, text=True, check=True).stdout
+    assert str(remat.Plan.from_json(per_layer)) == str(remat.per_layer(c, 30 << 20))
+
+
+def test_step_planning_fits_the_whole_step():
+    c = chain_of()
+    ctx = remat.StepContext()
+    ctx.before_saved_bytes = 3 << 20
+    ctx.rest_peak_bytes = 5 << 20
+    ctx.stage_grads_bytes = [1 << 20] * 8
+    least = remat.min_step_budget(c, ctx, "per-layer")
+    p = remat.plan_step(c, ctx, least + (4 << 20), "per-layer")
+    assert p.step_peak_bytes <= least + (4 << 20)
+    assert p.step_peak_bytes == remat.step_peak_bytes(c, ctx, p.plan)
+    with pytest.raises(remat.InfeasibleBudget, match="below the least feasible one"):
+        remat.plan_step(c, ctx, least - 1, "per-layer")

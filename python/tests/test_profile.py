@@ -1,0 +1,122 @@
+"""The Python profiler: exact kept bytes (saved-tensor hooks, each storage once), the meter's agreement, the C++
+profiler's figures on the BERT both define, and that profiling leaves the model as it was."""
+import json
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+
+from conftest import block, cli, mlp
+
+
+def test_saved_bytes_are_exact_on_a_block_counted_by_hand(meter):
+    torch.manual_seed(0)
+    b, w, h = 8, 64, 256
+    stage = nn.Sequential(nn.Linear(w, h), nn.GELU(), nn.Linear(h, w), nn.LayerNorm(w))
+    chain = remat.profile([stage], torch.randn(b, w), policies=(), repeats=1)
+    s = chain.stages[0]
+    f = 4  # float32
+    # linear1's output (GELU's input), GELU's output (linear2's input), linear2's output (LayerNorm's input),
+    # LayerNorm's mean and rstd, and the stage's output. The input and the parameters are alive anyway, and
+    # views of them (the transposed weights autograd saves) are not counted.
+    expected = b * h * f + b * h * f + b * w * f + 2 * b * f + b * w * f
+    assert s.output_bytes == b * w * f
+    assert s.saved_bytes == expected
+
+
+def test_hooks_agree_with_the_meter(meter):
+    torch.manual_seed(0)
+    model = mlp(depth=3)
+    x = torch.randn(16, 64)
+    chain = remat.profile(remat.stages_of(model), x, policies=(), repeats=1)
+    for i, stage in enumerate(model):
+        leaf = x.detach().requires_grad_(i > 0)
+        with torch.no_grad():
+            for m in list(model)[:i]:
+                leaf = m(leaf)
+        leaf = leaf.detach().requires_grad_(True)
+        base = meter.active()
+        out = stage(leaf)
+        assert meter.active() - base == chain.stages[i].saved_bytes, i
+        del out
+
+
+def test_policy_keeps_less_and_profiling_leaves_the_model_as_it_was(meter):
+    torch.manual_seed(0)
+    model = mlp(depth=3, norm="batch")
+    model.train()
+    x = torch.randn(16, 64)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    grads = [p.grad for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    rng = torch.get_rng_state()
+    base = meter.active()
+    chain = remat.profile(remat.stages_of(model), x, repeats=2)
+    assert chain.policies == ["matmuls"]
+    for s in chain.stages:
+        assert s.output_bytes <= s.policies[0].saved_bytes < s.saved_bytes
+        assert s.checkpoint_fwd_ms > 0 and s.checkpoint_bwd_ms > 0 and s.fwd_nosave_ms > 0
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert all(torch.equal(b, c) for b, c in zip(model.buffers(), buffers))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert meter.active() == base
+
+
+def test_profiling_holds_far_less_than_a_plain_step(meter):
+    torch.manual_seed(0)
+    model = mlp(depth=8, width=128, hidden=1024)
+    x = torch.randn(64, 128)
+    base = meter.active()
+    meter.reset_peak()
+    chain = remat.profile(remat.stages_of(model), x, repeats=1)
+    profiling_peak = meter.peak() - base
+    plain = remat.simulate(chain, remat.no_checkpoint(chain)).peak_bytes
+    one_stage = max(s.saved_bytes + s.fwd_tmp_bytes + s.bwd_tmp_bytes for s in chain.stages)
+    assert profiling_peak < plain / 2
+    assert profiling_peak <= remat.simulate(chain, remat.checkpoint_all(chain)).peak_bytes + 2 * one_stage
+
+
+def test_the_bert_both_libraries_define_profiles_to_the_same_bytes(tmp_path, meter):
+    remat_cli = cli()
+    import pytorch_reference as ref
+
+    c = dict(vocab=1000, hidden=64, layers=2, heads=4, intermediate=128, seq=16, batch=2, dropout=0.1)
+    out = tmp_path / "bert.json"
+    subprocess.run([remat_cli, "profile", "--model", "bert", "--layers", "2", "--hidden", "64", "--heads", "4",
+                    "--intermediate", "128", "--seq", "16", "--batch", "2", "--json", str(out)], check=True,
+                   capture_output=True, text=True)
+    cpp = json.loads(out.read_text())
+    torch.manual_seed(0)
+    bert = ref.Bert(c)
+    bert.train()
+    ext = ((1.0 - bert.mask) * -10000.0).unsqueeze(1).unsqueeze(2)
+    with torch.no_grad():
+        h = bert.embeddings(bert.ids, bert.types)
+    stages = remat.stages(bert.layers, call=lambda layer, x: layer(x, ext), names=["layer0", "layer1"])
+    chain = remat.profile(stages, h, policies=(), repeats=1, excluded=[ext])
+    cpp_layers = [s for s in cpp["stages"] if s["name"].startswith("layer")]
+    assert len(cpp_layers) == 2
+    for py, cc in zip(chain.stages, cpp_layers):
+        assert py.output_bytes == cc["output_bytes"], py.name
+        assert py.saved_bytes == cc["saved_bytes"], py.name
+
+
+def test_stage_errors_name_the_stage():
+    with pytest.raises(TypeError, match=r"stage 1 \('1:Tuple'\) returned tuple"):
+        class Tuple(nn.Module):
+            def forward(self, x):
+                return x, x
+
+        remat.profile([nn.Linear(4, 4), Tuple()], torch.randn(2, 4), policies=())
+    with pytest.raises(ValueError, match="no stages"):
+        remat.profile([], torch.randn(2, 4))
+    with pytest.raises(ValueError, match="repeats >= 1, got 1 and 0"):
+        remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), repeats=0)
+    with pytest.raises(ValueError, match="neither given nor one of remat's presets"):
+        remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), policies=("fastest",))
+    with pytest.raises(TypeError, match="expected an nn.Sequential"):
+        remat.stages_of([nn.Linear(4, 4)])

@@ -137,7 +137,7 @@ class PlannedImpl : public torch::nn::Module {
   };
   using Key = std::vector<std::vector<int64_t>>;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);
-  void make_plan(Shape& shape, int64_t input_bytes);
+  void make_plan(Shape& shape);
   std::vector<StageFn> bind(const std::vector<torch::Tensor>& args) const;
   bool training_now() const;
 

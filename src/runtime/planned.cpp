@@ -13,6 +13,7 @@
 #include "remat/chain.h"
 #include "remat/memory.h"
 #include "remat/profile.h"
+#include "remat/step.h"
 
 namespace remat {
 
@@ -20,47 +21,6 @@ namespace {
 
 constexpr const char* kWho = "remat::Planned";
 using Clock = std::chrono::steady_clock;
-
-// The whole step as a chain for simulate(): stage 0 what is before the stages (its output, the stages' input,
-// is alive from the start), the stages, and last the rest of the step, charged as holding its measured peak
-// from its forward to its backward (an upper bound: the loss and what it saves are usually gone sooner).
-Chain step_chain(const Chain& chain, const RestOfStep& rest) {
-  Chain step;
-  step.input_bytes = 0;
-  step.keep = chain.keep;
-  step.policies = chain.policies;
-  Stage before;
-  before.name = "before";
-  before.output_bytes = chain.input_bytes;
-  before.saved_bytes = chain.input_bytes;
-  step.stages.push_back(before);
-  step.stages.insert(step.stages.end(), chain.stages.begin(), chain.stages.end());
-  Stage after;
-  after.name = "rest of the step";
-  after.output_bytes = 0;
-  after.saved_bytes = rest.peak_bytes;
-  after.fwd_ms = rest.ms;
-  step.stages.push_back(after);
-  return step;
-}
-
-// The step's predicted peak above the base (the bytes alive when forward() is called, the stages' input
-// among them). grads[i]: the bytes of stage i's parameter gradients not allocated yet, charged from its
-// backward operation on (AccumulateGrad allocates them during it), on top of each operation's peak.
-int64_t step_peak_over_base(const Chain& step, const Plan& plan, int64_t input_bytes,
-                            const std::vector<int64_t>& grads) {
-  const Plan ops = step_plan(plan);
-  const Simulation sim = simulate(step, ops);
-  int64_t arrived = 0, peak = 0;
-  for (size_t k = 0; k < ops.ops.size(); ++k) {
-    const Op& op = ops.ops[k];
-    // Step stage s is chain stage s - 1 (stage 0 is what comes before the chain).
-    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= static_cast<int64_t>(grads.size()))
-      arrived += grads[static_cast<size_t>(op.stage - 1)];
-    peak = std::max(peak, sim.op_peak_bytes[k] + arrived);
-  }
-  return peak - input_bytes;
-}
 
 std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
   std::vector<ArgsStageFn> out;
@@ -76,13 +36,12 @@ std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
 
 // The numbers a plan is made from, visited in one order on every rank (for PlannedOptions::agree).
 template <typename Bytes, typename Ms>
-void for_each_number(Chain& chain, RestOfStep& rest, std::vector<int64_t>& grads_to_come, Bytes bytes,
-                     Ms ms) {
+void for_each_number(Chain& chain, StepContext& context, Bytes bytes, Ms ms) {
   bytes(chain.input_bytes);
-  bytes(rest.peak_bytes);
-  for (int64_t& g : grads_to_come)
+  bytes(context.rest_peak_bytes);
+  for (int64_t& g : context.stage_grads_bytes)
     bytes(g);
-  ms(rest.ms);
+  ms(context.rest_ms);
   for (Stage& s : chain.stages) {
     ms(s.fwd_ms), ms(s.bwd_ms);
     bytes(s.output_bytes), bytes(s.saved_bytes), bytes(s.fwd_tmp_bytes), bytes(s.bwd_tmp_bytes);
@@ -173,7 +132,7 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
     TORCH_CHECK(shape.chain->input_bytes == static_cast<int64_t>(x.nbytes()), kWho,
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
                 " but the input of that shape has ", x.nbytes(), " bytes");
-  if (!shape.plan && shape.chain && *shape.rest) make_plan(shape, static_cast<int64_t>(x.nbytes()));
+  if (!shape.plan && shape.chain && *shape.rest) make_plan(shape);
   if (!shape.plan) {
     ++shape.steps_before_plan;
     return profiling_step(shape, stages, x);
@@ -229,25 +188,30 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   return out;
 }
 
-void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
-  // Parameter gradients the backward pass will allocate (zero_grad setting them to none), seen at the step
-  // that plans (the profiling step may be the first, before any gradient exists): charged per stage, from
-  // that stage's backward operation on (a parameter shared by two stages is charged at the first).
-  std::vector<int64_t> grads_to_come(stages_.size(), 0);
+void PlannedImpl::make_plan(Shape& shape) {
+  // What surrounds the stages: the base is taken with their input alive; the rest of the step as measured;
+  // the parameter gradients the backward pass will allocate (zero_grad setting them to none), seen at the
+  // step that plans (the profiling step may be the first, before any gradient exists), charged per stage
+  // from that stage's backward operation on (a parameter shared by two stages at the first).
+  StepContext context;
+  context.input_in_base = true;
+  context.rest_peak_bytes = (*shape.rest)->peak_bytes;
+  context.rest_ms = (*shape.rest)->ms;
+  context.stage_grads_bytes.assign(stages_.size(), 0);
   std::unordered_set<const c10::TensorImpl*> seen;
   for (size_t i = stages_.size(); i-- > 0;) {  // the backward pass meets the last stage first
     if (!stages_[i].module) continue;
     for (const auto& p : stages_[i].module->parameters())
       if (p.requires_grad() && !p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
-        grads_to_come[i] += static_cast<int64_t>(p.nbytes());
+        context.stage_grads_bytes[i] += static_cast<int64_t>(p.nbytes());
   }
+  Chain chain = *shape.chain;
   if (options_.agree()) {
     // Every rank plans from the maximum over the ranks of every number, and so makes the same plan.
     std::vector<int64_t> b;
     std::vector<double> t;
     for_each_number(
-        *shape.chain, **shape.rest, grads_to_come, [&](int64_t& v) { b.push_back(v); },
-        [&](double& v) { t.push_back(v); });
+        chain, context, [&](int64_t& v) { b.push_back(v); }, [&](double& v) { t.push_back(v); });
     std::vector<torch::Tensor> numbers{torch::tensor(b, torch::kInt64), torch::tensor(t, torch::kFloat64)};
     options_.agree()(numbers);
     TORCH_CHECK(numbers.size() == 2 && numbers[0].numel() == static_cast<int64_t>(b.size()) &&
@@ -257,31 +221,25 @@ void PlannedImpl::make_plan(Shape& shape, int64_t input_bytes) {
     const auto* ti = numbers[1].to(torch::kFloat64).contiguous().data_ptr<double>();
     size_t i = 0, j = 0;
     for_each_number(
-        *shape.chain, **shape.rest, grads_to_come, [&](int64_t& v) { v = bi[i++]; },
-        [&](double& v) { v = ti[j++]; });
+        chain, context, [&](int64_t& v) { v = bi[i++]; }, [&](double& v) { v = ti[j++]; });
+    *shape.chain = chain;
+    (*shape.rest)->peak_bytes = context.rest_peak_bytes;
+    (*shape.rest)->ms = context.rest_ms;
   }
-  const Chain step = step_chain(*shape.chain, **shape.rest);
-  // optimal() bounds the stages' own peak; the rest of the step comes on top of part of it, so the stages'
-  // budget is lowered by what the whole step's prediction exceeds until it fits.
-  int64_t chain_budget = options_.budget() + input_bytes;
-  const int64_t floor = min_feasible_budget(*shape.chain, options_.planner());
-  for (int attempt = 0; attempt < 64; ++attempt) {
-    if (chain_budget < floor) break;
-    Plan plan = optimal(*shape.chain, chain_budget, options_.planner());
-    const int64_t predicted = step_peak_over_base(step, plan, input_bytes, grads_to_come);
-    if (predicted <= options_.budget()) {
-      shape.plan = std::move(plan);
-      shape.predicted = predicted;
-      return;
-    }
-    chain_budget -= std::max<int64_t>(predicted - options_.budget(), 1);
+  try {
+    StepPlan planned = plan_step(chain, context, options_.budget(), "optimal", options_.planner());
+    shape.plan = std::move(planned.plan);
+    shape.predicted = planned.step_peak_bytes;
+  } catch (const InfeasibleBudget& e) {
+    TORCH_CHECK(
+        false, kWho, ": the budget of ", options_.budget(), " bytes is below the least feasible one, ",
+        e.min_bytes(),
+        " bytes (the step's peak above the bytes alive when forward() is called, with the rest of the "
+        "step measured at ",
+        context.rest_peak_bytes, " bytes)");
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, kWho, ": ", e.what());
   }
-  const Plan least = optimal(*shape.chain, floor, options_.planner());
-  TORCH_CHECK(false, kWho, ": the budget of ", options_.budget(), " bytes is below the least feasible one, ",
-              step_peak_over_base(step, least, input_bytes, grads_to_come),
-              " bytes (the step's peak above the bytes alive when forward() is called, with the rest of the "
-              "step measured at ",
-              (*shape.rest)->peak_bytes, " bytes)");
 }
 
 bool PlannedImpl::is_planned() const {

@@ -87,6 +87,7 @@ class _Step:
         self.rest_grads = 0
         self.before_backward_peak = 0
         self.input_in_base = False
+        self.input_bytes = 0
         self.done = False
 
     def note_peak(self):
@@ -188,6 +189,26 @@ class LayerPlan:
     @property
     def profiling_steps(self) -> int:
         return self._last.profiling_steps if self._last else 0
+
+    def set_budget(self, budget) -> None:
+        """Plans again for another budget (bytes, or a size string) from what was measured, without profiling
+        again: every input shape already profiled gets its new plan at once. Raises remat.InfeasibleBudget
+        naming the least feasible budget when one of them has none (that shape keeps no plan and its next
+        training step raises the same error)."""
+        if self._fixed is not None:
+            raise ValueError(f"{self.who}: this LayerPlan runs a given plan; it has no budget to change")
+        self.budget = parse_budget(budget, self.who)
+        first_error = None
+        for shape in self._shapes.values():
+            if shape.chain is None or shape.context is None:
+                continue
+            shape.error = None
+            try:
+                self._plan_from(shape, shape.context)
+            except _core.InfeasibleBudget as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
 
     def remove(self):
         """Stops planning: the hooks go; the layers' forward is what it was (remat.enable) ."""
@@ -297,13 +318,17 @@ class LayerPlan:
                 excluded.extend(t for t in rest if isinstance(t, torch.Tensor))
             shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0, repeats=self.repeats,
                                   inputs=inputs, excluded=excluded)
+            del stage_fns, inputs, excluded
             meter.reset_peak()  # profiling's own transients are not the step's
+        # The layers' calls are not needed any more: holding their inputs would hold what the plain step frees.
+        step.input_bytes = step.calls[0][2].nbytes
+        x0 = step.calls[0][2]
+        step.calls = []
         # The rest of the step: from here until the backward pass reaches this output.
         step.reset()
         at_return = meter.active()
         t0 = time.perf_counter()
         layer_params = {id(p) for m in self.layers for p in m.parameters()}
-        x0 = step.calls[0][2]
 
         prefix_backward = x0.requires_grad and x0.grad_fn is not None
 
@@ -315,7 +340,6 @@ class LayerPlan:
                 self._plan_shape(step, shape)
             finally:
                 step.finish()
-                step.calls = []
 
         def at_x0(g):
             step.reset()
@@ -337,14 +361,14 @@ class LayerPlan:
             out.register_hook(at_out)
             if prefix_backward:
                 x0.register_hook(at_x0)
+        del x0
         return out
 
     def _plan_shape(self, step: _Step, shape: _Shape):
         chain = shape.chain
         ctx = _core.StepContext()
         ctx.input_in_base = step.input_in_base
-        x0 = step.calls[0][2]
-        ctx.before_saved_bytes = 0 if ctx.input_in_base else max(0, step.at_layer0 - step.base - x0.nbytes)
+        ctx.before_saved_bytes = 0 if ctx.input_in_base else max(0, step.at_layer0 - step.base - step.input_bytes)
         ctx.before_peak_bytes = max(0, step.before_peak)
         ctx.before_backward_peak_bytes = max(0, step.before_backward_peak)
         rest_peak, rest_ms = step.rest if step.rest is not None else (0, 0.0)
@@ -359,6 +383,10 @@ class LayerPlan:
                     grads[j] += p.nbytes
         ctx.stage_grads_bytes = grads
         shape.context = ctx
+        self._plan_from(shape, ctx)
+
+    def _plan_from(self, shape: _Shape, ctx):
+        chain = shape.chain
         try:
             planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude)
         except _core.InfeasibleBudget as e:
@@ -369,11 +397,13 @@ class LayerPlan:
                 f"layers keep their inputs, {_core.format_bytes(chain.input_bytes)} each at the input's size; what "
                 f"runs before them holds {_core.format_bytes(ctx.before_saved_bytes)}; the rest of the step peaks "
                 f"at {_core.format_bytes(ctx.rest_peak_bytes)}; the backward pass allocates "
-                f"{_core.format_bytes(sum(grads) + ctx.rest_grads_bytes)} of gradients in the layers and after "
+                f"{_core.format_bytes(sum(ctx.stage_grads_bytes) + ctx.rest_grads_bytes)} of gradients in the layers and after "
                 "them)")
             err.budget_bytes = self.budget
             err.min_bytes = e.min_bytes
             shape.error = err
+            shape.plan = shape.choices = None
+            shape.predicted = -1
             raise err from None
         shape.plan = planned.plan
         shape.choices = choices_of(planned.plan)

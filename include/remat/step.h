@@ -39,8 +39,9 @@ struct StepContext {
   /// output): its peak above what is alive when the chain returns (bytes) and its time (milliseconds).
   int64_t rest_peak_bytes = 0;
   double rest_ms = 0;
-  /// Parameter gradients the rest's backward allocates (bytes; 0 when they exist before the step), held
-  /// from then on.
+  /// What the rest's backward leaves held from then on to the step's end (bytes): the gradients of its
+  /// parameters it allocates, a partial gradient of a weight shared with the part before the chain (a tied
+  /// embedding's, summed at its last use), outputs the caller keeps (logits).
   int64_t rest_grads_bytes = 0;
   /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 when they exist before the
   /// step), held from then on. Empty, or one entry per stage.

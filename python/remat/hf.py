@@ -28,7 +28,7 @@ from torch import nn
 from .inplace import LayerPlan
 from .profile import Restore
 
-__all__ = ["enable", "disable", "layers_of"]
+__all__ = ["enable", "disable", "layers_of", "profile"]
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
@@ -55,12 +55,13 @@ def _layer_of_call(fn):
     return getattr(fn, "__self__", None)
 
 
-def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, plan=None,
+def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
            policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = ()) -> LayerPlan:
     """Plans `model`'s layers for `budget` (bytes, an int, or a string with a unit such as "600MiB"): the whole
     training step's peak above the bytes alive when its forward is called. Returns the LayerPlan (its plan,
     choices, chain, predicted_peak_bytes, last_peak_bytes). example: one training batch's keyword arguments
-    (with labels) to profile and plan now rather than at the first training step. plan: a given per-layer plan
+    (with labels) to profile and plan now rather than at the first training step; loss: for a model that
+    returns no loss (BertModel), a function from its outputs to the loss that step uses. plan: a given per-layer plan
     instead of a budget. policies: the selective policies a layer may run under ("matmuls"). exclude: what the
     planner may not use ("Fk", "Fk[matmuls]"). Raises TypeError when the model has no layer list remat knows,
     ValueError for a bad budget or plan, remat.InfeasibleBudget (naming the least feasible budget) when no plan
@@ -83,11 +84,13 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, pla
     model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpointing_func)
     model._remat_layer_plan = lp
     if example is not None:
-        _profile_now(model, lp, example)
+        _profile_now(model, lp, example, loss)
+    elif loss is not None:
+        raise ValueError("remat.hf.enable: loss= is the loss of the example batch; give example= too")
     return lp
 
 
-def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping):
+def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping, loss_fn=None):
     """One training step on `example`, run to plan, leaving the model as it was."""
     if not isinstance(example, Mapping):
         raise TypeError("remat.hf.enable: example must be the keyword arguments of one batch (a dict), got "
@@ -98,13 +101,26 @@ def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping):
     try:
         with Restore([model], device):
             out = model(**example)
-            loss = out.loss if getattr(out, "loss", None) is not None else None
+            loss = loss_fn(out) if loss_fn is not None else getattr(out, "loss", None)
             if loss is None:
-                raise ValueError("remat.hf.enable: the example batch gave no loss; include labels in it")
+                raise ValueError("remat.hf.enable: the example batch gave no loss; include labels in it, or "
+                                 "give loss=, a function from the model's outputs to the loss")
             loss.backward()
             del out, loss
     finally:
         model.train(was_training)
+
+
+def profile(model: nn.Module, example: Mapping, *, loss=None, policies=("matmuls",), repeats: int = 1):
+    """The chain of the model's layers (a remat.Chain: each layer's exact kept bytes and times, under each
+    policy too), profiled where they run in one training step on `example` (one batch's keyword arguments,
+    with labels, or loss= as for enable), and what surrounds them (the remat.StepContext). The model is left as
+    it was, remat's planning off. Returns (chain, context)."""
+    lp = enable(model, budget=1 << 62, example=example, loss=loss, policies=policies, repeats=repeats)
+    try:
+        return lp.chain, lp.context
+    finally:
+        disable(model)
 
 
 def disable(model: nn.Module) -> None:

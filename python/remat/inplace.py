@@ -111,7 +111,7 @@ class LayerPlan:
     the C++ Plan::to_string()), choices ("keep", "checkpoint" or a policy's name, per layer), chain (the
     profile, a remat.Chain: chain.to_json() is the remat command's chain JSON), context (the StepContext
     measured), predicted_peak_bytes, last_peak_bytes (the step's measured peak above its base, after a planned
-    step's backward pass), profiling_steps.
+    step's backward pass; -1 for a given plan, which is run without measuring), profiling_steps.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
@@ -221,13 +221,11 @@ class LayerPlan:
         return torch.is_grad_enabled() and self.model.training
 
     def _step_begins(self, module, args):
-        if not self._training():
+        if self._fixed is not None or not self._training():
             self._step = None
             return
         meter = meter_for(self._device_of(args))
-        grads_none = None
-        if self._fixed is None:
-            grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
+        grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
         outer = meter.peak()
         meter.reset_peak()
         self._step = _Step(meter, meter.active(), outer, grads_none)
@@ -249,19 +247,21 @@ class LayerPlan:
             raise TypeError(f"{self.who}: layer {i} ({type(layer).__name__}) was called without its input tensor "
                             "as the first positional argument; remat follows the tensor passed there from layer "
                             "to layer")
+        if self._fixed is not None:  # a given plan: nothing to measure
+            self._last = self._fixed
+            return run_layer(self._fixed.choices[i], fn, args, [layer], self.policies)
         x = args[0]
         step = self._step
         if i == 0:
             if step is None or step.shape is not None:  # layers called outside the model's forward
                 meter = meter_for(x.device)
-                grads_none = None if self._fixed else {id(p) for p in self._params if p.requires_grad and
-                                                       p.grad is None}
+                grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
                 outer = meter.peak()
                 meter.reset_peak()
                 step = self._step = _Step(meter, meter.active(), outer, grads_none)
                 step.input_in_base = True  # the base is taken here, the layers' input alive
             key = (tuple(x.shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
-            shape = self._fixed or self._shapes.setdefault(key, _Shape())
+            shape = self._shapes.setdefault(key, _Shape())
             step.shape = shape
             self._last = shape
             if shape.error is not None:
@@ -328,7 +328,6 @@ class LayerPlan:
         step.reset()
         at_return = meter.active()
         t0 = time.perf_counter()
-        layer_params = {id(p) for m in self.layers for p in m.parameters()}
 
         prefix_backward = x0.requires_grad and x0.grad_fn is not None
 
@@ -349,9 +348,10 @@ class LayerPlan:
         def at_out(g):
             step.note_peak()
             step.rest = (max(0, meter.peak() - at_return), (time.perf_counter() - t0) * 1e3)
-            if step.grads_none is not None:
-                step.rest_grads = sum(p.nbytes for p in self._params if id(p) in step.grads_none and
-                                      id(p) not in layer_params and p.grad is not None)
+            # What the rest of the step leaves held through the layers' backward, besides the gradient it
+            # hands them: its parameters' gradients, the partial gradient of a weight the layers' input also
+            # uses (a tied embedding's, summed only at its last use), the outputs the caller holds (logits).
+            step.rest_grads = max(0, meter.active() - at_return - g.nbytes)
             step.reset()
             if not prefix_backward:
                 _queue_at_backward_end(finish_profiling)

@@ -97,6 +97,8 @@ def test_enable_plans_in_place_and_every_step_is_the_plain_run(name, where, mete
         step(probe, spec, 0, meter)
     floor = e.value.min_bytes
     assert "below the least feasible one" in str(e.value) and str(floor) in str(e.value)
+    with pytest.raises(remat.InfeasibleBudget, match="below the least feasible one"):  # and again, not silently
+        step(probe, spec, 1, meter)
     assert floor < plain_peak
     budget = int(floor + where * (plain_peak - floor))
 
@@ -155,6 +157,20 @@ def test_example_batch_plans_at_enable_and_leaves_the_model_as_it_was(meter, pla
         same(plain_runs["gpt2"][k], runs[k])
 
 
+def test_profile_gives_the_layers_chain_and_leaves_planning_off(meter):
+    model, spec = make("bert")
+    chain, context = remat.hf.profile(model, batch(spec, 0), loss=lambda out: out.last_hidden_state.mean())
+    assert len(chain) == 4 and chain.policies == ["matmuls"]
+    hidden = 4 * 64 * 64 * 4  # batch x seq x width, float32
+    assert chain.input_bytes == hidden and all(s.output_bytes == hidden for s in chain.stages)
+    assert all(s.output_bytes < s.policies[0].saved_bytes < s.saved_bytes for s in chain.stages)
+    assert len(context.stage_grads_bytes) == 4 and context.before_saved_bytes > 0
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="gave no loss"):
+        remat.hf.profile(model, batch(spec, 0))
+
+
 def test_a_new_sequence_length_is_profiled_again(meter):
     model, spec = make("gpt2")
     lp = remat.hf.enable(model, budget="64MiB")
@@ -169,6 +185,26 @@ def test_a_new_sequence_length_is_profiled_again(meter):
     assert lp.profiling_steps == 1 and lp.is_planned()  # that shape's own profiling step
     step(model, spec, 3, meter)  # back to the first shape: its plan, no profiling
     assert lp.profiling_steps == 1
+
+
+def test_set_budget_plans_again_without_profiling(meter, plain_runs):
+    model, spec = make("gpt2")
+    plain_peak = plain_runs["gpt2"][1][2]
+    lp = remat.hf.enable(model, budget=2 * plain_peak)
+    step(model, spec, 0, meter)
+    c = lp.context
+    assert lp.choices == ["keep"] * 4, (plain_peak, lp.predicted_peak_bytes, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_grads_bytes, list(c.stage_grads_bytes), [(s.saved_bytes, s.fwd_tmp_bytes, s.bwd_tmp_bytes) for s in lp.chain.stages])  # twice the plain peak: nothing to recompute
+    floor = remat.min_step_budget(lp.chain, lp.context, "per-layer")
+    lp.set_budget(floor)
+    assert lp.choices != ["keep"] * 4 and lp.predicted_peak_bytes <= floor
+    got = step(model, spec, 1, meter)
+    same(plain_runs["gpt2"][1], got)
+    assert lp.profiling_steps == 1
+    assert got[2] <= floor * (1 + TOLERANCE)
+    with pytest.raises(remat.InfeasibleBudget):
+        lp.set_budget(floor - 1)
+    with pytest.raises(remat.InfeasibleBudget):
+        step(model, spec, 2, meter)
 
 
 def test_bad_budgets_and_models_are_refused():

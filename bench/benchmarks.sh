@@ -10,7 +10,7 @@ remat=build/bin/remat
 out=out/bench
 mkdir -p "$out"
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel sublayer timemodel frontier gpt compile)
+[ ${#sections[@]} -eq 0 ] && sections=(machine bert heavy small noise scale planner cifar forum demo maxbatch resnet modes earlystop dataparallel sublayer timemodel frontier gpt compile hf)
 
 log() { echo "\$ $*" | tee -a "$out/$name.log"; "$@" 2>&1 | grep -v -E "^(remat|pytorch): step " | tee -a "$out/$name.log"; }
 
@@ -49,6 +49,14 @@ for name in "${sections[@]}"; do
       REMAT_PYTHON="$py" log "$py" bench/compare.py --frontier --build build-pypi --model bert --granularity layer \
         --policy matmuls,recompute_pointwise --pytorch none,compile:1.0,compile:0.5,compile:0.2,compile:0.0 \
         --steps 3 --warmup 1 --rounds 3 --out "$out/compile-bert"
+      ;;
+    hf)  # the Python package on Hugging Face BERT-base and GPT-2 small: PyTorch's options, torch.compile's budgets
+         # and remat.hf.enable at each one's peak, 3 rounds in one process per model (pip install ./python first)
+      py="$REMAT_PYPI_VENV/bin/python"
+      for model in bert gpt2; do
+        log "$py" bench/hf_compare.py --model $model --layers 12 --seq 128 --batch 8 --rounds 3 --steps 3 \
+          --warmup 1 --json "$out/hf-$model.json"
+      done
       ;;
     sublayer)  # BERT-base on sub-layer stages against layer stages: selective, and the planner at PyTorch's peaks
       for r in 1 2 3; do

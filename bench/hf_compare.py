@@ -19,8 +19,10 @@ The ways:
                     LayerPlan.set_budget)
 
 First one measuring step per option gives the peaks remat plans for; then `--rounds` rounds, each running every
-way for `--warmup` + `--steps` steps in turn; a way's ratio is its median step over the same round's plain
-median; the table gives the median of the rounds' ratios and the peaks (the same in every round).
+way in turn: `--warmup` steps, then `--steps` pairs of a plain step and a step of the way; the way's ratio in
+a round is the median of its steps over the median of the plain steps paired with them (so that the machine's
+drift over a round, seen at 30% here, cancels); the table gives the median of the rounds' ratios and the peaks
+(the same in every round).
 
     python bench/hf_compare.py --model bert --rounds 3 --json out/hf-bert.json
 """
@@ -209,10 +211,11 @@ def main():
             return loss_of(rm(**batch))
         return budget, run
 
-    rows = list(ways) + [f"remat@{w}" for w in plans if "budget" in plans[w]]
-    results = {r: dict(ratios=[], ms=[], peak=0) for r in rows}
+    rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
+    results = {r: dict(ratios=[], ms=[], plain_ms=[], peak=0) for r in rows}
+    results["none"] = dict(ratios=[], ms=[], plain_ms=[], peak=peaks["none"])
+    plain_model, plain_run = ways["none"]
     for rnd in range(args.rounds):
-        plain_ms = None
         for r in rows:
             if r.startswith("remat@"):
                 lp.set_budget(plans[r[6:]]["budget"])
@@ -220,14 +223,23 @@ def main():
             else:
                 model, run = ways[r]
             measure(model, run, meter, args.warmup)
-            ms, peak = measure(model, run, meter, args.steps)
-            if r == "none":
-                plain_ms = ms
-            results[r]["ms"].append(ms)
+            # Each of the way's steps right after a plain step: the ratio of their medians is what the way
+            # costs, whatever the machine's speed does over the minutes a round takes.
+            ms, plain, peak = [], [], 0
+            for _ in range(args.steps):
+                plain.append(measure(plain_model, plain_run, meter, 1)[0])
+                t, p = measure(model, run, meter, 1)
+                ms.append(t)
+                peak = max(peak, p)
+            results[r]["ms"].append(statistics.median(ms))
+            results[r]["plain_ms"].append(statistics.median(plain))
+            results[r]["ratios"].append(statistics.median(ms) / statistics.median(plain))
             results[r]["peak"] = max(results[r]["peak"], peak)
-            print(f"round {rnd + 1} {r}: {ms:.0f} ms, {peak / 2**20:.1f} MiB", file=sys.stderr, flush=True)
-        for r in rows:
-            results[r]["ratios"].append(results[r]["ms"][-1] / plain_ms)
+            results["none"]["ms"].extend(plain)
+            print(f"round {rnd + 1} {r}: {statistics.median(ms):.0f} ms against {statistics.median(plain):.0f} ms "
+                  f"plain, {peak / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+    results["none"]["ratios"] = [1.0]
+    rows = ["none"] + rows
 
     eager_plain = statistics.median(results["none"]["ms"])
     compile_plain = statistics.median(results["compile:1.0"]["ms"]) if "compile:1.0" in results else None

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _core
-from .policies import RestoreBuffers, checkpoint_context, policy_fn
+from ._state import RestoreBuffers, RngState
+from .policies import checkpoint_context, policy_fn
 from .profile import StageFn
 
 __all__ = ["run_plan", "CheckpointedSequential"]
@@ -38,19 +39,6 @@ def _as_stages(stages) -> list[StageFn]:
         else:
             raise TypeError(f"remat.run_plan: stage {i} is a {type(s).__name__}, not callable")
     return out
-
-
-class _Rng:
-    """The CPU generator's state and those of the CUDA devices in use."""
-
-    def __init__(self, cuda_devices):
-        self.cpu = torch.get_rng_state()
-        self.cuda = [(d, torch.cuda.get_rng_state(d)) for d in cuda_devices]
-
-    def restore(self):
-        torch.set_rng_state(self.cpu)
-        for d, s in self.cuda:
-            torch.cuda.set_rng_state(s, d)
 
 
 class _Runner:
@@ -69,7 +57,7 @@ class _Runner:
                 name = plan.policies[op.policy]
                 self.policies[op.policy] = policy_fn(name, policies)
         self.held: list = [None] * (n + 1)  # ("plain", t) or ("abar", leaf, out)
-        self.rng: list[_Rng | None] = [None] * n
+        self.rng: list[RngState | None] = [None] * n
         self.ran = [False] * n
         self.grad = None
         self.input_requires_grad = False
@@ -88,13 +76,13 @@ class _Runner:
         mods = [stage.module] if stage.module is not None else []
         restore = None
         if self.ran[i]:
-            current = _Rng(self.cuda_devices)
+            current = RngState(self.cuda_devices)
             self.rng[i].restore()
             restore = RestoreBuffers(mods) if mods else None
             if restore:
                 restore.__enter__()
         else:
-            self.rng[i] = _Rng(self.cuda_devices)
+            self.rng[i] = RngState(self.cuda_devices)
         try:
             if op.kind in (K.Fa, K.Fk):
                 leaf = x

@@ -68,6 +68,8 @@ class _Shape:
         self.last_peak = -1
         self.profiling_steps = 0
         self.error: Exception | None = None
+        # The profiling step's own peak above its base: every layer checkpointed, measured, not predicted.
+        self.checkpointed_peak = -1
 
 
 class _Step:
@@ -185,6 +187,17 @@ class LayerPlan:
     @property
     def last_peak_bytes(self) -> int:
         return self._last.last_peak if self._last else -1
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The least budget a plan exists for, for the last input shape (bytes; -1 before its profiling step):
+        the step's predicted peak under the least-memory per-layer plan, or the profiling step's measured peak
+        (every layer checkpointed) when that is lower."""
+        shape = self._last
+        if shape is None or shape.chain is None or shape.context is None:
+            return -1
+        least = _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude)
+        return min(least, shape.checkpointed_peak) if shape.checkpointed_peak >= 0 else least
 
     @property
     def profiling_steps(self) -> int:
@@ -335,6 +348,7 @@ class LayerPlan:
             # From the layers' input gradient to the end: the backward pass of what ran before the layers.
             step.before_backward_peak = meter.peak() - step.base if prefix_backward else 0
             step.note_peak()
+            shape.checkpointed_peak = step.true_peak - step.base
             try:
                 self._plan_shape(step, shape)
             finally:
@@ -390,9 +404,18 @@ class LayerPlan:
         try:
             planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude)
         except _core.InfeasibleBudget as e:
+            if 0 <= shape.checkpointed_peak <= self.budget:
+                # The model charges a recompute as a whole stage run beside its output, which a per-call
+                # checkpoint's recompute (stopping early) never holds, so it can refuse a budget that every
+                # layer checkpointed fits: the profiling step ran exactly that and measured its peak.
+                shape.plan = _core.checkpoint_all(chain)
+                shape.choices = choices_of(shape.plan)
+                shape.predicted = shape.checkpointed_peak
+                return
+            least = min(e.min_bytes, shape.checkpointed_peak) if shape.checkpointed_peak >= 0 else e.min_bytes
             err = _core.InfeasibleBudget(
                 f"{self.who}: the budget of {_core.format_bytes(self.budget)} ({self.budget} bytes) is below the "
-                f"least feasible one, {_core.format_bytes(e.min_bytes)} ({e.min_bytes} bytes): the step's peak "
+                f"least feasible one, {_core.format_bytes(least)} ({least} bytes): the step's peak "
                 f"above the bytes alive when the model's forward is called, with every layer checkpointed (the "
                 f"layers keep their inputs, {_core.format_bytes(chain.input_bytes)} each at the input's size; what "
                 f"runs before them holds {_core.format_bytes(ctx.before_saved_bytes)}; the rest of the step peaks "
@@ -400,7 +423,7 @@ class LayerPlan:
                 f"{_core.format_bytes(sum(ctx.stage_grads_bytes) + ctx.rest_grads_bytes)} of gradients in the layers and after "
                 "them)")
             err.budget_bytes = self.budget
-            err.min_bytes = e.min_bytes
+            err.min_bytes = least
             shape.error = err
             shape.plan = shape.choices = None
             shape.predicted = -1

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from functools import partial
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from ._state import RestoreBuffers
 
 try:  # torch 2.4 and later
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -51,34 +53,6 @@ def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callabl
         return POLICIES[name]
     raise ValueError(f"remat: the plan keeps with policy '{name}', which is neither given nor one of remat's "
                      f"presets ({', '.join(sorted(POLICIES))})")
-
-
-class RestoreBuffers:
-    """A context that puts the buffers of `modules` back as they were when it was entered (a recompute must
-    not update BatchNorm's running statistics a second time)."""
-
-    def __init__(self, modules: Iterable[torch.nn.Module]):
-        self.buffers = []
-        seen = set()
-        for m in modules:
-            for b in m.buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    self.buffers.append(b)
-        self.saved = None
-
-    def __enter__(self):
-        with torch.no_grad():
-            self.saved = [b.clone() for b in self.buffers]
-        return self
-
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            for b, s in zip(self.buffers, self.saved):
-                if b.shape == s.shape:
-                    b.data.copy_(s)  # .data: no version bump for graphs that saved the buffer
-        self.saved = None
-        return False
 
 
 def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None):

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _core
+from ._state import RestoreBuffers, RngState
 from .meter import meter_for
 from .policies import checkpoint_context, policy_fn
 
@@ -79,34 +80,20 @@ class Restore:
                 if id(p) not in seen:
                     seen.add(id(p))
                     self.params.append(p)
-        bseen = set()
-        self.buffers = []
-        for m in modules:
-            for b in m.buffers():
-                if id(b) not in bseen:
-                    bseen.add(id(b))
-                    self.buffers.append(b)
+        self.buffers = RestoreBuffers(modules)
         self.device = device
 
     def __enter__(self):
         self.grads = [p.grad for p in self.params]
-        with torch.no_grad():
-            self.saved_buffers = [b.clone() for b in self.buffers]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
+        self.buffers.__enter__()
+        self.rng = RngState()
         return self
 
     def __exit__(self, *exc):
         for p, g in zip(self.params, self.grads):
             p.grad = g
-        with torch.no_grad():
-            for b, s in zip(self.buffers, self.saved_buffers):
-                if b.shape == s.shape:
-                    b.data.copy_(s)  # .data: no version bump for graphs that saved the buffer
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.buffers.__exit__(*exc)
+        self.rng.restore()
         return False
 
 

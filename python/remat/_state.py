@@ -1,0 +1,54 @@
+"""The state a recompute or a measurement must leave as it found it: buffers and random generators."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["RestoreBuffers", "RngState"]
+
+
+class RestoreBuffers:
+    """A context that puts the buffers of `modules` back as they were when it was entered (a recompute must not
+    update BatchNorm's running statistics a second time; a measurement must not update them at all). The
+    write goes through .data, so graphs that saved a buffer (BatchNorm's backward saves the statistics) see no
+    version change."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.buffers, seen = [], set()
+        for m in modules:
+            for b in m.buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    self.buffers.append(b)
+        self.saved = None
+
+    def __enter__(self):
+        with torch.no_grad():
+            self.saved = [b.clone() for b in self.buffers]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for b, s in zip(self.buffers, self.saved):
+                if b.shape == s.shape:
+                    b.data.copy_(s)
+        self.saved = None
+        return False
+
+
+class RngState:
+    """The CPU generator's state and those of CUDA devices (`cuda_devices`, or every initialised one when None)."""
+
+    def __init__(self, cuda_devices: Sequence[int] | None = None):
+        self.cpu = torch.get_rng_state()
+        if cuda_devices is None:
+            cuda_devices = (range(torch.cuda.device_count())
+                            if torch.cuda.is_available() and torch.cuda.is_initialized() else ())
+        self.cuda = [(d, torch.cuda.get_rng_state(d)) for d in cuda_devices]
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for d, s in self.cuda:
+            torch.cuda.set_rng_state(s, d)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <limits>
 #include <random>
 
@@ -288,6 +289,53 @@ TEST(Step, PlanStepFitsTheStepAndNamesTheLeastBudget) {
       }
     }
   }
+}
+
+// Per-layer planning for a whole step against every per-layer plan's step peak: plan_step finds the fastest
+// per-layer plan that fits the step, and min_step_budget the least step peak of any.
+TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
+  std::mt19937 rng(97);
+  int recomputing = 0;
+  for (int trial = 0; trial < 80; ++trial) {
+    const Chain chain = random_policy_chain(rng, 2 + trial % 5, 1000);
+    remat::StepContext ctx;
+    ctx.input_in_base = trial % 2 == 0;
+    ctx.before_saved_bytes = (trial % 3) * 7000;
+    ctx.before_peak_bytes = (trial % 7 == 0) * 30000;
+    ctx.rest_peak_bytes = (trial % 4) * 40000;
+    ctx.rest_grads_bytes = (trial % 5) * 10000;
+    ctx.stage_grads_bytes.assign(static_cast<size_t>(chain.size()), (trial % 2) * 2000);
+    std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+    for (Candidate& c : all) {
+      c.peak = remat::step_peak_bytes(chain, ctx, c.plan);
+      least = std::min(least, c.peak), most = std::max(most, c.peak);
+    }
+    ASSERT_EQ(remat::min_step_budget(chain, ctx, "per-layer"), least) << "trial " << trial;
+    std::uniform_int_distribution<int64_t> pick(least, most);
+    for (int b = 0; b < 5; ++b) {
+      const int64_t budget = b == 0 ? least : pick(rng);
+      double best = std::numeric_limits<double>::infinity();
+      for (const Candidate& c : all)
+        if (c.peak <= budget) best = std::min(best, c.ms);
+      const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer");
+      EXPECT_LE(p.step_peak_bytes, budget);
+      EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
+      EXPECT_NEAR(p.plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
+          << "trial " << trial << " budget " << budget << ": " << p.plan.to_string();
+      EXPECT_TRUE(is_per_layer_shape(p.plan)) << p.plan.to_string();
+      recomputing += p.plan.count(OpKind::kForwardCheckpoint) > 0;
+    }
+    if (least > 1) {
+      try {
+        remat::plan_step(chain, ctx, least - 1, "per-layer");
+        ADD_FAILURE() << "plan_step accepted a budget below the least";
+      } catch (const remat::InfeasibleBudget& e) {
+        EXPECT_EQ(e.min_bytes(), least);
+      }
+    }
+  }
+  EXPECT_GT(recomputing, 100);
 }
 
 TEST(Step, RefusesBadContextsAndPlanners) {

@@ -71,18 +71,20 @@ struct StepPlan {
   double step_time_ms = 0;      ///< plan.predicted.time_ms + context.rest_ms (milliseconds)
 };
 
-/// The fastest plan whose step_peak_bytes() is within budget_bytes. `planner` is "optimal" (optimal(): any
-/// schedule, recomputation across stages included) or "per-layer" (per_layer(): each stage kept, kept under
-/// an Fk variant, or checkpointed on its own). The chain's budget starts at budget_bytes (plus the input when
-/// input_in_base) and is lowered by what the step's prediction exceeds until it fits. Throws InfeasibleBudget
-/// naming remat::plan_step, the budget and the least feasible one (the step's peak under the planner's
-/// least-memory plan) when nothing fits, and std::invalid_argument for another planner name, and as
-/// validate() and the planner.
+/// A plan whose step_peak_bytes() is within budget_bytes. `planner` is "per-layer" (each stage kept, kept
+/// under an Fk variant, or checkpointed on its own): exactly the fastest such plan, per_layer()'s program run
+/// on the whole step (step_chain() with each stage's gradients charged). Or "optimal" (any schedule,
+/// recomputation across stages included): the fastest plan of optimal()'s frontier that fits, found by
+/// lowering the chain's budget one frontier plan at a time from budget_bytes (plus the input when
+/// input_in_base), then, after 256 plans, by what the step's prediction exceeds; a schedule that is slower
+/// for the chain alone yet lower for the step is not considered. Throws InfeasibleBudget naming
+/// remat::plan_step, the budget and the least feasible one (min_step_budget()) when nothing fits,
+/// std::invalid_argument for another planner name, and as validate() and the planner.
 StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
                    const std::string& planner = "optimal", const PlannerOptions& options = {});
 
-/// The least budget plan_step() accepts with this planner (bytes): the step's peak under its least-memory
-/// plan. Throws as plan_step().
+/// The least budget plan_step() accepts with this planner (bytes): for "per-layer" the least step peak of any
+/// per-layer plan; for "optimal" the step's peak under optimal()'s least-memory plan. Throws as plan_step().
 int64_t min_step_budget(const Chain& chain, const StepContext& context,
                         const std::string& planner = "optimal", const PlannerOptions& options = {});
 

@@ -1,9 +1,11 @@
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "planning.h"
 #include "remat/planner.h"
+#include "remat/step.h"
 
 // The per-layer planner: for each stage on its own, keep it (Fa), keep it under an Fk variant, or checkpoint
 // it (Fc, recomputed right before its backward): the choices per-layer torch.utils.checkpoint (with or
@@ -35,10 +37,12 @@ struct Choice {
   double ms = 0;     // its forward and backward, as run per call
 };
 
-std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<char>& allowed) {
+std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<char>& allowed,
+                               bool all_only) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   std::vector<Choice> out;
   out.push_back({OpKind::kForwardAll, -1, s.saved_bytes, s.fwd_ms + s.bwd_ms});
+  if (all_only) return out;
   out.push_back({OpKind::kForwardCheckpoint, -1, s.output_bytes, s.per_call_fwd_ms() + s.per_call_bwd_ms()});
   if (s.has_keep() && allowed[0])
     out.push_back({OpKind::kForwardKeep, 0, *s.keep_saved_bytes, *s.keep_fwd_ms + *s.keep_bwd_ms});
@@ -50,14 +54,25 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
   return out;
 }
 
-// The peak of stage j run as `c` above R_j (the bytes held before it).
-int64_t stage_need(const Chain& chain, int64_t j, const Choice& c) {
+// What a whole training step adds to a chain's stages (plan_step's per-layer case, on step_chain()): stages
+// that can only be kept (what comes before the chain and the rest of the step), and per stage the bytes that
+// have arrived by its backward (the gradients of its parameters and of those after it) and by its recompute
+// (those after it only).
+struct StepTerms {
+  std::vector<char> all_only;
+  std::vector<int64_t> at_backward, at_recompute;
+};
+
+// The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
+int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
+  const int64_t at_bwd = step ? step->at_backward[static_cast<size_t>(j)] : 0;
+  const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
   const int64_t fwd = c.held + s.fwd_tmp_bytes;
-  const int64_t bwd =
-      a_out + s.saved_bytes +
-      std::max(a_in + s.bwd_tmp_bytes, c.kind == OpKind::kForwardCheckpoint ? s.fwd_tmp_bytes : int64_t{0});
+  int64_t bwd = a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
+  if (c.kind == OpKind::kForwardCheckpoint)
+    bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
   return std::max(fwd, bwd);
 }
 
@@ -118,7 +133,8 @@ struct Solution {
 };
 
 // by_time: the fastest within `budget`; otherwise the least peak (budget ignored).
-Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget) {
+Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget,
+               const StepTerms* step = nullptr) {
   const int64_t n = chain.size();
   Solution sol;
   sol.choices.resize(static_cast<size_t>(n));
@@ -127,13 +143,14 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   auto time_key = [](const Point& p) { return p.ms; };
   auto peak_key = [](const Point& p) { return p.peak; };
   for (int64_t j = 0; j < n; ++j) {
-    sol.choices[static_cast<size_t>(j)] = choices_of(chain, j, allowed);
+    sol.choices[static_cast<size_t>(j)] =
+        choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)]);
     const auto& cs = sol.choices[static_cast<size_t>(j)];
     std::vector<Point> next;
     const auto& cur = sol.frontiers[static_cast<size_t>(j)];
     for (size_t k = 0; k < cur.size(); ++k) {
       for (size_t c = 0; c < cs.size(); ++c) {
-        const int64_t peak = std::max(cur[k].peak, cur[k].held + stage_need(chain, j, cs[c]));
+        const int64_t peak = std::max(cur[k].peak, cur[k].held + stage_need(chain, j, cs[c], step));
         if (by_time && peak > budget) continue;
         next.push_back({cur[k].held + cs[c].held, peak, cur[k].ms + cs[c].ms, static_cast<int64_t>(k),
                         static_cast<int64_t>(c)});
@@ -158,25 +175,32 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   return sol;
 }
 
-// The plan of a solution: forwards in order, the loss, then each stage's backward (a checkpointed stage's
-// recompute first).
-Plan emit(const Chain& chain, const Solution& sol, double* ms) {
-  const int64_t n = chain.size();
-  std::vector<const Choice*> picked(static_cast<size_t>(n));
+// The choices of a solution, per stage.
+std::vector<const Choice*> picks(const Solution& sol) {
+  const size_t n = sol.choices.size();
+  std::vector<const Choice*> picked(n);
   int64_t k = sol.best;
-  *ms = sol.frontiers[static_cast<size_t>(n)][static_cast<size_t>(k)].ms;
-  for (int64_t j = n; j-- > 0;) {
-    const Point& p = sol.frontiers[static_cast<size_t>(j) + 1][static_cast<size_t>(k)];
-    picked[static_cast<size_t>(j)] = &sol.choices[static_cast<size_t>(j)][static_cast<size_t>(p.choice)];
+  for (size_t j = n; j-- > 0;) {
+    const Point& p = sol.frontiers[j + 1][static_cast<size_t>(k)];
+    picked[j] = &sol.choices[j][static_cast<size_t>(p.choice)];
     k = p.parent;
   }
+  return picked;
+}
+
+// The plan of per-layer choices: forwards in order, the loss, then each stage's backward (a checkpointed
+// stage's recompute first). *ms is their time, checkpointed stages as run per call.
+Plan plan_of(const std::vector<const Choice*>& picked, double* ms) {
+  const int64_t n = static_cast<int64_t>(picked.size());
   Plan plan;
   plan.num_stages = n;
+  *ms = 0;
   for (int64_t j = 0; j < n; ++j) {
     const Choice& c = *picked[static_cast<size_t>(j)];
     Op op{c.kind, j};
     if (c.kind == OpKind::kForwardKeep) op.policy = static_cast<int32_t>(c.variant - 1);
     plan.ops.push_back(op);
+    *ms += c.ms;
   }
   push(plan, OpKind::kLoss, -1);
   for (int64_t j = n; j-- > 0;) {
@@ -185,6 +209,26 @@ Plan emit(const Chain& chain, const Solution& sol, double* ms) {
     push(plan, OpKind::kBackward, j);
   }
   return plan;
+}
+
+// The terms step_peak_bytes() adds to step_chain(chain, context)'s stages: the first (before the chain) and
+// the last (the rest of the step) only kept; the rest's gradients arrive after its backward, each chain
+// stage's at its own backward.
+StepTerms step_terms(const Chain& chain, const StepContext& context) {
+  const size_t n = static_cast<size_t>(chain.size());
+  StepTerms t;
+  t.all_only.assign(n + 2, 0);
+  t.all_only.front() = t.all_only.back() = 1;
+  t.at_backward.assign(n + 2, 0);
+  t.at_recompute.assign(n + 2, 0);
+  int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
+  for (size_t s = n + 1; s-- > 0;) {
+    const int64_t own = (s >= 1 && !context.stage_grads_bytes.empty()) ? context.stage_grads_bytes[s - 1] : 0;
+    t.at_recompute[s] = after;
+    t.at_backward[s] = after + own;
+    after += own;
+  }
+  return t;
 }
 
 }  // namespace
@@ -207,7 +251,7 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
     detail::infeasible("remat::per_layer", budget_bytes, solve(chain, allowed, false, 0).best_peak);
   }
   double ms = 0;
-  Plan plan = detail::finish(chain, emit(chain, sol, &ms), "per-layer", budget_bytes);
+  Plan plan = detail::finish(chain, plan_of(picks(sol), &ms), "per-layer", budget_bytes);
   // The program's peak is simulate()'s, or above it where a frontier was thinned.
   if (plan.predicted.peak_bytes > sol.best_peak) {
     throw std::logic_error("remat::per_layer: internal error: simulate()'s peak (" +
@@ -218,4 +262,36 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
   return plan;
 }
 
+namespace detail {
+
+std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                                      const PlannerOptions& options, int64_t* least_bytes) {
+  const Chain step = step_chain(chain, context);
+  const std::vector<char> allowed = allowed_variants(step, options, "remat::plan_step");
+  const StepTerms terms = step_terms(chain, context);
+  const int64_t base = context.input_in_base ? chain.input_bytes : 0;
+  const int64_t outside = std::max(context.before_peak_bytes, context.before_backward_peak_bytes);
+  Solution sol;
+  if (outside <= budget_bytes) sol = solve(step, allowed, true, budget_bytes + base, &terms);
+  if (sol.best < 0) {
+    *least_bytes = std::max(outside, solve(step, allowed, false, 0, &terms).best_peak - base);
+    return std::nullopt;
+  }
+  std::vector<const Choice*> picked = picks(sol);
+  picked = std::vector<const Choice*>(picked.begin() + 1, picked.end() - 1);  // the chain's stages
+  double ms = 0;
+  Plan plan = finish(chain, plan_of(picked, &ms), "per-layer", budget_bytes);
+  plan.predicted.time_ms = ms;
+  return plan;
+}
+
+int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options) {
+  const Chain step = step_chain(chain, context);
+  const StepTerms terms = step_terms(chain, context);
+  const Solution sol = solve(step, allowed_variants(step, options, "remat::plan_step"), false, 0, &terms);
+  return std::max(std::max(context.before_peak_bytes, context.before_backward_peak_bytes),
+                  sol.best_peak - (context.input_in_base ? chain.input_bytes : int64_t{0}));
+}
+
+}  // namespace detail
 }  // namespace remat

@@ -7,8 +7,13 @@
 #include <remat/planner.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
+
+namespace remat {
+struct StepContext;
+}
 
 namespace remat::detail {
 
@@ -36,5 +41,14 @@ int64_t recompute_from_input_peak(const Chain& chain);
 /// Chains longer than this get min_feasible_budget() from recompute_from_input_peak() (the exact dynamic
 /// program is quadratic in memory).
 constexpr int64_t kExactMinMemoryStages = 1500;
+
+/// plan_step()'s per-layer case, exact: the per-layer program run on step_chain(chain, context) (what comes
+/// before the chain and the rest of the step kept, each stage's gradients charged from its backward on, the
+/// rest's from after its backward), so that the plan is the fastest per-layer plan whose step_peak_bytes() is
+/// within budget_bytes. nullopt, with *least_bytes the least step peak of any per-layer plan, when none is.
+std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                                      const PlannerOptions& options, int64_t* least_bytes);
+/// The least step_peak_bytes() of any per-layer plan of `chain` in `context`.
+int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options);
 
 }  // namespace remat::detail

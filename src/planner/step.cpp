@@ -1,6 +1,7 @@
 #include "remat/step.h"
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
 
 #include "planning.h"
@@ -16,11 +17,6 @@ bool is_per_layer(const std::string& planner) {
   if (planner == "per-layer") return true;
   throw std::invalid_argument(std::string(kWho) + ": unknown planner '" + planner +
                               "' (optimal or per-layer)");
-}
-
-Plan least_memory_plan(const Chain& chain, bool per_layer_only, const PlannerOptions& options) {
-  return per_layer_only ? per_layer(chain, per_layer_min_budget(chain, options), options)
-                        : optimal(chain, min_feasible_budget(chain, options), options);
 }
 
 }  // namespace
@@ -100,33 +96,56 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
   if (budget_bytes <= 0)
     throw std::invalid_argument(std::string(kWho) + ": the budget must be positive, got " +
                                 std::to_string(budget_bytes) + " bytes");
-  auto fits = [&](Plan plan, StepPlan* out) {
+  StepPlan out;
+  auto fits = [&](Plan plan, StepPlan* to) {
     const int64_t peak = step_peak_bytes(chain, context, plan);
     if (peak > budget_bytes) return peak;
-    out->step_time_ms = plan.predicted.time_ms + context.rest_ms;
-    out->plan = std::move(plan);
-    out->step_peak_bytes = peak;
+    to->step_time_ms = plan.predicted.time_ms + context.rest_ms;
+    to->plan = std::move(plan);
+    to->step_peak_bytes = peak;
     return peak;
   };
-  const int64_t floor = layers ? per_layer_min_budget(chain, options) : min_feasible_budget(chain, options);
-  // The planner bounds the chain's own peak; what surrounds it comes on top of part of it, so the chain's
-  // budget is lowered by what the step's prediction exceeds until it fits.
-  StepPlan out;
+  auto refuse = [&](int64_t least) {
+    throw InfeasibleBudget(
+        std::string(kWho) + ": the budget of " + format_bytes(budget_bytes) + " (" +
+            std::to_string(budget_bytes) + " bytes) is below the least feasible one, " + format_bytes(least) +
+            " (" + std::to_string(least) + " bytes): the step's peak above its base under the least-memory " +
+            planner + " plan, with the rest of the step measured at " + format_bytes(context.rest_peak_bytes),
+        budget_bytes, least);
+  };
+  if (layers) {
+    // Exact: the per-layer program on the whole step.
+    int64_t least = 0;
+    std::optional<Plan> plan = detail::per_layer_in_step(chain, context, budget_bytes, options, &least);
+    if (!plan) refuse(least);
+    const int64_t peak = fits(std::move(*plan), &out);
+    if (peak > budget_bytes)
+      throw std::logic_error(std::string(kWho) + ": internal error: the per-layer plan's step peak (" +
+                             std::to_string(peak) + " bytes) exceeds the budget it was planned for (" +
+                             std::to_string(budget_bytes) + ")");
+    return out;
+  }
+  // The step's peak is at least the chain's (less the input when it is in the base), so no plan above the
+  // first chain budget fits. Walking down the optimal planner's frontier one plan at a time (each next chain
+  // budget one byte under the last plan's peak), the first plan that fits the step is the fastest of that
+  // frontier that does; after kWalk plans (long chains) the chain's budget is lowered by the step's excess
+  // instead, which skips plans that might have fitted. A plan off the chain's frontier (slower for the chain
+  // alone, yet lower for the step) is not considered.
+  constexpr int kWalk = 256;
+  const int64_t floor = min_feasible_budget(chain, options);
   int64_t chain_budget = budget_bytes + (context.input_in_base ? chain.input_bytes : int64_t{0});
-  for (int attempt = 0; attempt < 64 && chain_budget >= floor; ++attempt) {
-    Plan plan = layers ? per_layer(chain, chain_budget, options) : optimal(chain, chain_budget, options);
+  for (int attempt = 0; attempt < kWalk + 64 && chain_budget >= floor; ++attempt) {
+    Plan plan = optimal(chain, chain_budget, options);
+    const int64_t chain_peak = plan.predicted.peak_bytes;
     const int64_t peak = fits(std::move(plan), &out);
     if (peak <= budget_bytes) return out;
-    chain_budget -= std::max<int64_t>(peak - budget_bytes, 1);
+    chain_budget = attempt < kWalk ? std::min(chain_budget, chain_peak) - 1
+                                   : chain_budget - std::max<int64_t>(peak - budget_bytes, 1);
   }
-  const int64_t least = fits(least_memory_plan(chain, layers, options), &out);
+  const int64_t least = fits(optimal(chain, floor, options), &out);
   if (least <= budget_bytes) return out;
-  throw InfeasibleBudget(
-      std::string(kWho) + ": the budget of " + format_bytes(budget_bytes) + " (" +
-          std::to_string(budget_bytes) + " bytes) is below the least feasible one, " + format_bytes(least) +
-          " (" + std::to_string(least) + " bytes): the step's peak above its base under the least-memory " +
-          planner + " plan, with the rest of the step measured at " + format_bytes(context.rest_peak_bytes),
-      budget_bytes, least);
+  refuse(least);
+  return out;  // not reached
 }
 
 int64_t min_step_budget(const Chain& chain, const StepContext& context, const std::string& planner,
@@ -134,7 +153,8 @@ int64_t min_step_budget(const Chain& chain, const StepContext& context, const st
   const bool layers = is_per_layer(planner);
   validate(chain);
   validate(context, chain);
-  return step_peak_bytes(chain, context, least_memory_plan(chain, layers, options));
+  if (layers) return detail::per_layer_step_min(chain, context, options);
+  return step_peak_bytes(chain, context, optimal(chain, min_feasible_budget(chain, options), options));
 }
 
 }  // namespace remat

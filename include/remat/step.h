@@ -36,7 +36,8 @@ struct StepContext {
   /// backward (bytes; the gradients allocated by then included). The same under every plan.
   int64_t before_backward_peak_bytes = 0;
   /// The rest of the step (the part after the chain, the loss, and the backward pass down to the chain's
-  /// output): its peak above what is alive when the chain returns (bytes) and its time (milliseconds).
+  /// output): its peak above what is alive when the chain returns, up to and with the gradient it hands the
+  /// chain's output (bytes), and its time (milliseconds).
   int64_t rest_peak_bytes = 0;
   double rest_ms = 0;
   /// What the rest's backward leaves held from then on to the step's end (bytes): the gradients of its
@@ -54,8 +55,8 @@ void validate(const StepContext& context, const Chain& chain);
 
 /// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's
 /// input, holding before_saved_bytes more), the chain's stages, and last the rest of the step, charged as
-/// holding its peak from its forward to its backward (an upper bound: the loss and what it saves are usually
-/// gone sooner). Throws as validate().
+/// holding its peak, less the output's gradient that simulate() adds at its backward, from its forward to its
+/// backward (an upper bound: the loss and what it saves are usually gone sooner). Throws as validate().
 Chain step_chain(const Chain& chain, const StepContext& context);
 
 /// The step's predicted peak above its base under `plan` (a plan for `chain`, bytes): the largest of

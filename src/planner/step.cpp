@@ -59,7 +59,9 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   Stage after;
   after.name = "rest of the step";
   after.output_bytes = 0;
-  after.saved_bytes = context.rest_peak_bytes;
+  // The rest's backward hands the chain's output its gradient, which simulate() adds at that backward: the
+  // measured peak has it already, so the rest holds the peak less that gradient (the peak, at least that).
+  after.saved_bytes = std::max<int64_t>(0, context.rest_peak_bytes - chain.activation_bytes(chain.size()));
   after.fwd_ms = context.rest_ms;
   step.stages.push_back(after);
   return step;

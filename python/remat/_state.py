@@ -9,6 +9,16 @@ from torch import nn
 __all__ = ["RestoreBuffers", "RngState"]
 
 
+def each_once(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in order, each once (a parameter or buffer shared by several modules is met again)."""
+    out, seen = [], set()
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
 class RestoreBuffers:
     """A context that puts the buffers of `modules` back as they were when it was entered (a recompute must not
     update BatchNorm's running statistics a second time; a measurement must not update them at all). The
@@ -16,12 +26,7 @@ class RestoreBuffers:
     version change."""
 
     def __init__(self, modules: Iterable[nn.Module]):
-        self.buffers, seen = [], set()
-        for m in modules:
-            for b in m.buffers():
-                if id(b) not in seen:
-                    seen.add(id(b))
-                    self.buffers.append(b)
+        self.buffers = each_once(b for m in modules for b in m.buffers())
         self.saved = None
 
     def __enter__(self):

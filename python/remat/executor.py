@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _core
-from ._state import RestoreBuffers, RngState
+from ._state import RestoreBuffers, RngState, each_once
 from .policies import checkpoint_context, policy_fn
 from .profile import StageFn
 
@@ -193,12 +193,8 @@ def run_plan(stages: Sequence[StageFn | Callable], plan, x: torch.Tensor, *, pol
     if stats is not None:
         stats.clear()
         stats.append(runner.calls)
-    params, seen = [], set()
-    for s in stage_list:
-        for p in (s.module.parameters() if s.module is not None else ()):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                params.append(p)
+    params = each_once(p for s in stage_list if s.module is not None for p in s.module.parameters()
+                       if p.requires_grad)
     return _PlanFunction.apply(runner, x, *params)
 
 

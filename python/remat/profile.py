@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import _core
-from ._state import RestoreBuffers, RngState
+from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
 from .policies import checkpoint_context, policy_fn
 
@@ -74,12 +74,7 @@ class Restore:
     generators."""
 
     def __init__(self, modules: Sequence[nn.Module], device: torch.device):
-        self.params, seen = [], set()
-        for m in modules:
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params.append(p)
+        self.params = each_once(p for m in modules for p in m.parameters())
         self.buffers = RestoreBuffers(modules)
         self.device = device
 

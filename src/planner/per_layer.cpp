@@ -270,11 +270,11 @@ std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& con
   const std::vector<char> allowed = allowed_variants(step, options, "remat::plan_step");
   const StepTerms terms = step_terms(chain, context);
   const int64_t base = context.input_in_base ? chain.input_bytes : 0;
-  const int64_t outside = std::max(context.before_peak_bytes, context.before_backward_peak_bytes);
   Solution sol;
-  if (outside <= budget_bytes) sol = solve(step, allowed, true, budget_bytes + base, &terms);
+  if (std::max(context.before_peak_bytes, context.before_backward_peak_bytes) <= budget_bytes)
+    sol = solve(step, allowed, true, budget_bytes + base, &terms);
   if (sol.best < 0) {
-    *least_bytes = std::max(outside, solve(step, allowed, false, 0, &terms).best_peak - base);
+    *least_bytes = per_layer_step_min(chain, context, options);
     return std::nullopt;
   }
   std::vector<const Choice*> picked = picks(sol);

@@ -19,6 +19,16 @@ bool is_per_layer(const std::string& planner) {
                               "' (optimal or per-layer)");
 }
 
+[[noreturn]] void refuse(int64_t budget_bytes, int64_t least, const std::string& planner,
+                         const StepContext& context) {
+  throw InfeasibleBudget(
+      std::string(kWho) + ": the budget of " + format_bytes(budget_bytes) + " (" +
+          std::to_string(budget_bytes) + " bytes) is below the least feasible one, " + format_bytes(least) +
+          " (" + std::to_string(least) + " bytes): the step's peak above its base under the least-memory " +
+          planner + " plan, with the rest of the step measured at " + format_bytes(context.rest_peak_bytes),
+      budget_bytes, least);
+}
+
 }  // namespace
 
 void validate(const StepContext& c, const Chain& chain) {
@@ -107,19 +117,11 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
     to->step_peak_bytes = peak;
     return peak;
   };
-  auto refuse = [&](int64_t least) {
-    throw InfeasibleBudget(
-        std::string(kWho) + ": the budget of " + format_bytes(budget_bytes) + " (" +
-            std::to_string(budget_bytes) + " bytes) is below the least feasible one, " + format_bytes(least) +
-            " (" + std::to_string(least) + " bytes): the step's peak above its base under the least-memory " +
-            planner + " plan, with the rest of the step measured at " + format_bytes(context.rest_peak_bytes),
-        budget_bytes, least);
-  };
   if (layers) {
     // Exact: the per-layer program on the whole step.
     int64_t least = 0;
     std::optional<Plan> plan = detail::per_layer_in_step(chain, context, budget_bytes, options, &least);
-    if (!plan) refuse(least);
+    if (!plan) refuse(budget_bytes, least, planner, context);
     const int64_t peak = fits(std::move(*plan), &out);
     if (peak > budget_bytes)
       throw std::logic_error(std::string(kWho) + ": internal error: the per-layer plan's step peak (" +
@@ -146,8 +148,7 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
   }
   const int64_t least = fits(optimal(chain, floor, options), &out);
   if (least <= budget_bytes) return out;
-  refuse(least);
-  return out;  // not reached
+  refuse(budget_bytes, least, planner, context);
 }
 
 int64_t min_step_budget(const Chain& chain, const StepContext& context, const std::string& planner,

@@ -24,6 +24,8 @@ set(REMAT_RUNTIME_SOURCES
   src/runtime/watch.cpp
   src/runtime/restore.cpp
   src/runtime/engine.cpp
+  src/runtime/thread_state.cpp
+  src/runtime/nesting.cpp
   src/runtime/memory.cpp
   src/runtime/cpu_meter.cpp
   src/runtime/measure.cpp

@@ -17,6 +17,7 @@
 #include <unordered_set>
 
 #include "detail/compat.h"
+#include "detail/hooks.h"
 #include "detail/nesting.h"
 #include "detail/region.h"
 
@@ -29,13 +30,15 @@ using detail::backward_from;
 using detail::BufferRestore;
 using detail::check_rng_replayed;
 using detail::Leaf;
+using detail::NodeMark;
 using detail::RecomputeScope;
+using detail::region_reach;
+using detail::RegionReach;
 using detail::RngRecord;
 using detail::RngRollback;
 using detail::RngState;
 using detail::TensorMeta;
-using detail::undeclared_leaves;
-using detail::warn_undeclared_asked;
+using detail::UserPass;
 
 // What the executor holds between operations, and everything its backward needs.
 struct ExecState final : torch::CustomClassHolder {
@@ -61,8 +64,8 @@ struct ExecState final : torch::CustomClassHolder {
   // detached input leaf. Index i in 0..n.
   struct Held {
     at::Tensor plain;
-    at::Tensor leaf, output;         // abar
-    uint64_t first_sequence_nr = 0;  // of the autograd nodes the stage's run with grad created
+    at::Tensor leaf, output;  // abar
+    NodeMark mark;            // where the stage's run with grad began creating autograd nodes
   };
   std::vector<Held> held;
   at::Tensor grad;  // d_j
@@ -151,7 +154,7 @@ void run_forward(ExecState& st, const Op& op) {
     at::Tensor leaf = x;
     const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
     if (floating && (i > 0 || st.input_requires_grad)) leaf = x.detach().requires_grad_(true);
-    const uint64_t first_sequence_nr = at::sequence_number::peek();
+    const NodeMark mark = NodeMark::now();
     if (op.kind == OpKind::kForwardKeep) {
       // Fk: the stage as a checkpoint that keeps its kept calls' outputs; B recomputes the rest through it.
       auto options = CheckpointOptions().preserve_rng_state(st.preserve_rng).determinism_check(st.check);
@@ -167,7 +170,7 @@ void run_forward(ExecState& st, const Op& op) {
     }
     TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name,
                 "') returned an undefined tensor");
-    next.first_sequence_nr = first_sequence_nr;
+    next.mark = mark;
     next.plain = at::Tensor();
     next.leaf = leaf;
     next.output = out;
@@ -204,9 +207,10 @@ void accumulate_into(at::Tensor& sum, const at::Tensor& g) {
 
 // Stage i's backward: d_i from d_{i+1} through abar_{i+1}; parameter gradients accumulated into .grad (under
 // backward()) or summed into `param_grads` (under torch::autograd::grad, which returns them).
-void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph,
+void run_backward(ExecState& st, int64_t i, const UserPass& outer, bool keep_graph,
                   std::vector<at::Tensor>& param_grads,
                   const std::unordered_map<c10::TensorImpl*, size_t>& param_index) {
+  const bool accumulating = outer.accumulate;
   ExecState::Held& abar = st.held[i + 1];
   ExecState::Held& in = st.held[i];
   at::Tensor d_in;
@@ -219,25 +223,31 @@ void run_backward(ExecState& st, int64_t i, bool accumulating, bool keep_graph,
     const bool create_graph = at::GradMode::is_enabled();
     // Parameters a stage's function uses without its StageFn::module declaring them: trained under
     // backward() like the declared ones; under torch::autograd::grad the node cannot return them, and a
-    // caller asking for one is told.
+    // caller asking for one is refused. A tensor captured from outside the stage cannot get its gradient.
     std::unordered_set<c10::TensorImpl*> declared;
     for (const auto& t : targets)
       declared.insert(t.unsafeGetTensorImpl());
     // (A parameter another stage declares is one of the node's inputs: its gradient is returned too.)
-    std::vector<Leaf> extra = undeclared_leaves({abar.output}, declared, abar.first_sequence_nr);
+    RegionReach reach = region_reach({abar.output}, declared, &abar.mark);
+    const std::string who = "remat::run_plan: stage " + std::to_string(i) + " ('" + st.stages[i].name + "')";
+    detail::refuse_captured(reach, who.c_str(),
+                            "Make them the stage's input, or compute them inside the stage function.");
     std::vector<Leaf> unreturnable;
-    for (Leaf& leaf : extra) {
+    for (Leaf& leaf : reach.undeclared) {
       if (accumulating || param_index.count(leaf.variable.unsafeGetTensorImpl()))
         targets.push_back(leaf.variable);
       else
         unreturnable.push_back(std::move(leaf));
     }
     if (!accumulating) {
-      warn_undeclared_asked(unreturnable,
-                            "remat::run_plan: torch::autograd::grad was asked for a tensor that a stage "
-                            "cannot give a gradient to",
-                            "Give the stage the module that owns them (StageFn::module).");
+      detail::refuse_undeclared_asked(unreturnable, outer,
+                                      (who + ": torch::autograd::grad was asked for a tensor that the stage "
+                                             "cannot give a gradient to")
+                                          .c_str(),
+                                      "Give the stage the module that owns them (StageFn::module).");
     }
+    // The stage's pass serves the user's: regions nested in the stage accumulate or refuse as it asks.
+    detail::ServePass serve(outer);
     if (!targets.empty()) {
       if (accumulating) {
         // The leaf is the executor's own, but with retain_graph a later backward finds it again (the state is
@@ -316,8 +326,7 @@ struct ExecNode final : torch::autograd::Node {
     c10::intrusive_ptr<ExecState> run = state_;
     const bool keep_graph = torch::autograd::get_current_graph_task_keep_graph();
     if (keep_graph) run = c10::make_intrusive<ExecState>(*state_);
-    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-    const bool accumulating = exec_info == nullptr || exec_info->empty();
+    const UserPass outer = detail::user_pass();
 
     std::unordered_map<c10::TensorImpl*, size_t> param_index;
     for (size_t k = 0; k < num_params; ++k)
@@ -331,7 +340,7 @@ struct ExecNode final : torch::autograd::Node {
     for (size_t k = run->loss_at + 1; k < ops.size(); ++k) {
       try {
         if (ops[k].kind == OpKind::kBackward) {
-          run_backward(*run, ops[k].stage, accumulating, keep_graph, param_grads, param_index);
+          run_backward(*run, ops[k].stage, outer, keep_graph, param_grads, param_index);
         } else {
           run_forward(*run, ops[k]);
         }
@@ -370,6 +379,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
     }
     return h;
   }
+  detail::install_engine();  // marks the stages' nested passes (detail/nesting.h)
   auto st = c10::make_intrusive<ExecState>();
   st->stages = stages;
   st->plan = plan;

@@ -3,11 +3,12 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
+#include <atomic>
 #include <chrono>
 #include <optional>
 #include <unordered_set>
 
-#include "detail/nesting.h"
+#include "detail/profiling.h"
 #include "detail/region.h"
 #include "remat/checkpoint.h"
 #include "remat/measure.h"
@@ -15,6 +16,21 @@
 #include "remat/report.h"
 
 namespace remat {
+namespace detail {
+namespace {
+std::atomic<int> profiler_count{0};
+}
+ProfilerRunning::ProfilerRunning() {
+  profiler_count.fetch_add(1, std::memory_order_acq_rel);
+}
+ProfilerRunning::~ProfilerRunning() {
+  profiler_count.fetch_sub(1, std::memory_order_acq_rel);
+}
+bool profiler_running() {
+  return profiler_count.load(std::memory_order_acquire) > 0;
+}
+}  // namespace detail
+
 namespace {
 
 using Clock = std::chrono::steady_clock;

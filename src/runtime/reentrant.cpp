@@ -1,8 +1,11 @@
-// kReentrant checkpointing: a custom autograd Function runs the region under no-grad in the forward pass, and
-// its backward recomputes the region with grad and differentiates it with an inner autograd call (the inputs'
-// gradients returned through the node, the declared parameters' accumulated or returned).
+// kReentrant checkpointing: the region runs under no-grad in the forward pass, watched (remat's dispatcher
+// fallback) for the tensors it uses that require grad without being its inputs: parameters it does not
+// declare, tensors computed outside it. Those and the declared parameters become inputs of a custom autograd
+// Function's node, so that each gets its gradient through the node however deep regions nest, under
+// backward() and torch::autograd::grad alike. Its backward recomputes the region with grad and differentiates
+// it with an inner autograd call (the gradients returned through the node, or, for leaves under backward(),
+// accumulated as they are computed).
 
-#include <ATen/SequenceNumber.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -12,8 +15,10 @@
 #include <vector>
 
 #include "detail/checkpoint_modes.h"
+#include "detail/hooks.h"
 #include "detail/nesting.h"
 #include "detail/region.h"
+#include "detail/watch.h"
 
 namespace remat::detail {
 namespace {
@@ -37,7 +42,12 @@ std::vector<at::Tensor> attached_inputs(const std::vector<at::Tensor>& saved,
 struct ReentrantState final : torch::CustomClassHolder {
   TensorsFn fn;
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  std::vector<at::Tensor> params;  // declared parameters that require grad, in the node's input order
+  // The node's inputs besides the region's: declared parameters that require grad, then the tensors fn used
+  // that require grad (found by watching its forward pass), each once.
+  std::vector<at::Tensor> params;
+  bool any_non_leaf = false;        // among params: a tensor computed outside the region
+  bool watched = false;             // the forward pass was watched: params hold every tensor fn used
+  std::vector<at::Tensor> outputs;  // the forward pass's, handed to the Function (then released)
   std::vector<bool> requires_grad;
   std::vector<c10::DeviceIndex> cuda_devices;
   bool check = true;
@@ -52,25 +62,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
                                                 c10::intrusive_ptr<ReentrantState> st) {
     (void)params;  // inputs of the node so that the engine routes their gradients; fn uses them itself
     std::vector<at::Tensor> in(inputs.begin(), inputs.end());
-    std::vector<at::Tensor> outputs;
-    try {
-      // fn throwing leaves the RNG and the modules' buffers as they were.
-      RngRollback rng(st->rng.start);
-      BufferRestore buffers(st->modules, /*only_on_unwind=*/true);
-      outputs = st->fn(in);
-    } catch (const c10::Error& e) {
-      // What torch::autograd::grad says when fn differentiates its own results, which have no graph here.
-      const std::string what = e.what_without_backtrace();
-      if (what.find("does not require grad and does not have a grad_fn") == std::string::npos) throw;
-      TORCH_CHECK(false,
-                  "remat::checkpoint: fn takes a gradient of its own results (torch::autograd::grad or "
-                  "backward inside fn), which CheckpointMode::kReentrant cannot support: it runs fn under "
-                  "NoGradGuard in the forward pass, as PyTorch's use_reentrant=True does. Use "
-                  "CheckpointMode::kNonReentrant for such a region. (",
-                  what, ")");
-    }
-    check_outputs(outputs);
-    st->rng.finish(st->cuda_devices);
+    std::vector<at::Tensor> outputs = std::move(st->outputs);  // fn ran in run_reentrant
+    st->outputs.clear();
     if (st->check) {
       for (const auto& o : outputs)
         st->output_metas.push_back(TensorMeta::of(o));
@@ -91,6 +84,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_outputs) {
     auto st = c10::static_intrusive_pointer_cast<ReentrantState>(ctx->saved_data["state"].toCapsule());
+    // The user's pass this node serves: this very pass, or the one a nested pass of remat's was started for
+    // (inside another region, whose pass asks the engine for its own targets only).
+    const UserPass outer = user_pass();
     detail::NestedBackward nested;  // the recompute's own backward pass runs inside this node
     const std::vector<at::Tensor> saved = ctx->get_saved_variables();
     // Under create_graph (double backward) the recompute is attached to the saved inputs (through a view per
@@ -100,7 +96,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> args =
         create_graph ? attached_inputs(saved, st->requires_grad) : detached_inputs(saved, st->requires_grad);
 
-    const uint64_t first_sequence_nr = at::sequence_number::peek();
+    const NodeMark mark = NodeMark::now();
     std::vector<at::Tensor> outputs;
     {
       RecomputeScope recompute(st->rng.start, st->cuda_devices, st->modules, args, st->autocast);
@@ -139,8 +135,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> targets;
     std::vector<size_t> slot;  // where each target's gradient goes in `result`
     std::unordered_set<c10::TensorImpl*> declared;
+    std::unordered_set<const torch::autograd::Node*> stops;  // the views that lead to the real inputs
     for (size_t i = 0; i < n_inputs; ++i) {
       declared.insert(args[i].unsafeGetTensorImpl());
+      if (args[i].grad_fn()) stops.insert(args[i].grad_fn().get());
       if (args[i].requires_grad() && ctx->needs_input_grad(i)) {
         targets.push_back(args[i]);
         slot.push_back(i);
@@ -148,29 +146,37 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     for (size_t j = 0; j < params.size(); ++j) {
       declared.insert(params[j].unsafeGetTensorImpl());
+      if (params[j].grad_fn()) stops.insert(params[j].grad_fn().get());  // a tensor captured from outside
       if (ctx->needs_input_grad(n_inputs + j)) {
         targets.push_back(params[j]);
         slot.push_back(n_inputs + j);
       }
     }
-    const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
-    const bool accumulating = exec_info == nullptr || exec_info->empty();
+    const bool accumulating = outer.accumulate;
     // Leaves fn uses without declaring them: trained under backward() (as PyTorch's reentrant checkpoint
-    // does); under torch::autograd::grad they cannot be returned, so asking for one is reported.
-    std::vector<Leaf> extra = undeclared_leaves(roots, declared, first_sequence_nr);
+    // does), however deep the region is nested; under torch::autograd::grad they cannot be returned, so
+    // asking for one is an error. A tensor captured from outside the region cannot get its gradient at all.
+    // Found in the forward pass (st->watched), every tensor fn uses from outside is one of the node's inputs,
+    // where the walk stops; otherwise it stays inside the recompute by the mark.
+    RegionReach reach = region_reach(roots, declared, st->watched ? nullptr : &mark, stops);
+    refuse_captured(reach, "remat::checkpoint (kReentrant)",
+                    "Pass them to remat::checkpoint as inputs, or use CheckpointMode::kNonReentrant.");
+    std::vector<Leaf> extra = std::move(reach.undeclared);
     if (!accumulating) {
-      warn_undeclared_asked(extra,
-                            "remat::checkpoint: torch::autograd::grad was asked for a tensor "
-                            "that a kReentrant region cannot give a gradient to",
-                            "Add their modules to CheckpointOptions().modules({...}), checkpoint the module "
-                            "itself, or use CheckpointMode::kNonReentrant.");
+      refuse_undeclared_asked(extra, outer,
+                              "remat::checkpoint (kReentrant): torch::autograd::grad was asked for a tensor "
+                              "that a kReentrant region cannot give a gradient to",
+                              "Add their modules to CheckpointOptions().modules({...}), pass them as inputs, "
+                              "checkpoint the module itself, or use CheckpointMode::kNonReentrant.");
       extra.clear();
     }
+    // The passes run below serve the user's pass: regions nested in this one accumulate or refuse as it asks.
+    ServePass serve(outer);
 
-    if (accumulating && !create_graph) {
+    if (accumulating && !create_graph && !st->any_non_leaf) {
       // Under backward(): accumulate into .grad through the parameters' own AccumulateGrad nodes, as each
       // gradient is computed (the region's parameter gradients are never all alive at once); the inputs'
-      // gradients are returned.
+      // gradients are returned. (A captured non-leaf's gradient must be returned: the branch below.)
       for (const Leaf& leaf : extra)
         targets.push_back(leaf.variable);
       if (targets.empty()) return result;
@@ -219,8 +225,38 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 }  // namespace
 
+namespace {
+
+// Sees the tensors a region's forward pass hands to operators, and keeps those that require grad and are not
+// already the node's inputs, each once, in order.
+class CaptureWatcher final : public OpWatcher {
+ public:
+  CaptureWatcher(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& params) {
+    for (const auto& t : inputs)
+      known_.insert(t.unsafeGetTensorImpl());
+    for (const auto& t : params)
+      known_.insert(t.unsafeGetTensorImpl());
+  }
+  void before(const c10::OperatorHandle&, c10::ArrayRef<c10::IValue> args, int) override {
+    for (const auto& v : args) {
+      for_each_tensor(v, [&](const at::Tensor& t) {
+        if (t.defined() && t.requires_grad() && known_.insert(t.unsafeGetTensorImpl()).second)
+          captured.push_back(t);
+      });
+    }
+  }
+  void after(const c10::OperatorHandle&, c10::ArrayRef<c10::IValue>, int, bool) override {}
+  std::vector<at::Tensor> captured;
+
+ private:
+  std::unordered_set<c10::TensorImpl*> known_;
+};
+
+}  // namespace
+
 std::vector<at::Tensor> run_reentrant(const TensorsFn& fn, const std::vector<at::Tensor>& inputs,
                                       const CheckpointOptions& options) {
+  install_engine();  // marks the nested passes it runs (detail/nesting.h)
   auto st = c10::make_intrusive<ReentrantState>();
   st->fn = fn;
   st->modules = options.modules();
@@ -228,18 +264,56 @@ std::vector<at::Tensor> run_reentrant(const TensorsFn& fn, const std::vector<at:
   st->cuda_devices = cuda_devices_of(inputs);
   st->check = options.determinism_check();
   st->params = CheckpointFunction::declared_params(st->modules);
-  const bool any_input =
-      std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); });
-  TORCH_CHECK(
-      any_input || !st->params.empty(),
-      "remat::checkpoint: kReentrant mode with no input that requires grad and no parameter that does in "
-      "options.modules (",
-      options.modules().size(),
-      " modules): the weights fn uses would never be "
-      "trained (PyTorch's reentrant checkpoint silently freezes them). Checkpoint the module itself, list "
-      "the modules in CheckpointOptions().modules({...}), or use CheckpointMode::kNonReentrant");
   if (options.preserve_rng_state()) st->rng.begin(st->cuda_devices);
   st->autocast = AutocastState::current();
+
+  // The forward pass: fn under no-grad (as PyTorch's use_reentrant=True), watched for the tensors it uses.
+  // fn throwing, or a refusal below, leaves the RNG and the modules' buffers as they were. (Not the node's
+  // creation after it: an enclosing recompute may stop early when it saves the inputs, with nothing to undo.)
+  CaptureWatcher watcher(inputs, st->params);
+  bool watched = false;
+  bool any_input = false;
+  {
+    RngRollback rng(st->rng.start);
+    BufferRestore buffers(st->modules, /*only_on_unwind=*/true);
+    try {
+      at::NoGradGuard no_grad;
+      WatchScope watch(&watcher, "remat::checkpoint", /*required=*/false);
+      watched = watch.active();
+      st->watched = watched;
+      st->outputs = fn(inputs);
+    } catch (const c10::Error& e) {
+      // What torch::autograd::grad says when fn differentiates its own results, which have no graph here.
+      const std::string what = e.what_without_backtrace();
+      if (what.find("does not require grad and does not have a grad_fn") == std::string::npos) throw;
+      TORCH_CHECK(false,
+                  "remat::checkpoint: fn takes a gradient of its own results (torch::autograd::grad or "
+                  "backward inside fn), which CheckpointMode::kReentrant cannot support: it runs fn under "
+                  "NoGradGuard in the forward pass, as PyTorch's use_reentrant=True does. Use "
+                  "CheckpointMode::kNonReentrant for such a region. (",
+                  what, ")");
+    }
+    check_outputs(st->outputs);
+    for (auto& t : watcher.captured) {
+      st->any_non_leaf = st->any_non_leaf || !t.is_leaf();
+      st->params.push_back(std::move(t));
+    }
+    any_input =
+        std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& t) { return t.requires_grad(); });
+    // Without the watch (another library holds remat's dispatcher key), undeclared parameters are found in
+    // the backward pass only: with nothing to reach them through, they would never be trained.
+    TORCH_CHECK(
+        watched || any_input || !st->params.empty(),
+        "remat::checkpoint: kReentrant mode with no input that requires grad and no parameter that does in "
+        "options.modules (",
+        options.modules().size(),
+        " modules), and remat cannot watch the region's operators in this process: the weights fn uses would "
+        "never be trained (PyTorch's reentrant checkpoint silently freezes them). Checkpoint the module "
+        "itself, "
+        "list the modules in CheckpointOptions().modules({...}), or use CheckpointMode::kNonReentrant");
+    st->rng.finish(st->cuda_devices);
+  }
+  if (!any_input && st->params.empty()) return std::move(st->outputs);  // nothing to differentiate
   return CheckpointFunction::apply(at::TensorList(inputs), at::TensorList(st->params), st);
 }
 

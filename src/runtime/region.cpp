@@ -5,6 +5,8 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -240,61 +242,105 @@ RecomputeScope::RecomputeScope(const RngState& replay, const std::vector<c10::De
 // Leaves that the recomputed graph reaches and that the checkpoint did not declare: parameters fn uses from
 // modules missing in options.modules. Only nodes created by the recompute are followed, so the walk stays
 // inside the region.
-std::vector<Leaf> undeclared_leaves(const std::vector<at::Tensor>& outputs,
-                                    const std::unordered_set<c10::TensorImpl*>& declared,
-                                    uint64_t first_sequence_nr) {
-  std::vector<Leaf> leaves;
+NodeMark NodeMark::now() {
+  NodeMark mark;
+  mark.thread = at::RecordFunction::currentThreadId();
+  mark.first_sequence_nr = at::sequence_number::peek();
+  return mark;
+}
+
+NodeMark::Origin NodeMark::origin(const torch::autograd::Node& node) const {
+  if (node.thread_id() != thread) return Origin::kOtherThread;
+  return node.sequence_nr() >= first_sequence_nr ? Origin::kSince : Origin::kBefore;
+}
+
+namespace {
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < shape.size(); ++i)
+    out << (i ? ", " : "") << shape[i];
+  out << "]";
+  return out.str();
+}
+}  // namespace
+
+RegionReach region_reach(const std::vector<at::Tensor>& outputs,
+                         const std::unordered_set<c10::TensorImpl*>& declared, const NodeMark* mark,
+                         const std::unordered_set<const torch::autograd::Node*>& stops) {
+  RegionReach reach;
   std::vector<torch::autograd::Node*> stack;
   std::unordered_set<torch::autograd::Node*> seen;
-  for (const auto& o : outputs) {
-    if (auto* fn = o.grad_fn().get(); fn != nullptr && seen.insert(fn).second) stack.push_back(fn);
-  }
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
+  auto visit = [&](torch::autograd::Node* node, uint32_t input_nr) {
+    if (node == nullptr || !seen.insert(node).second || stops.count(node)) return;
     if (auto* acc = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
       const at::Tensor& v = acc->variable;
       if (v.defined() && v.requires_grad() && !declared.count(v.unsafeGetTensorImpl()))
-        leaves.push_back({v, acc});
-      continue;
+        reach.undeclared.push_back({v, acc});
+      return;
     }
-    if (node->sequence_nr() < first_sequence_nr) continue;
-    for (const auto& edge : node->next_edges()) {
-      if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+    const auto origin = mark ? mark->origin(*node) : NodeMark::Origin::kSince;
+    if (origin == NodeMark::Origin::kOtherThread) return;
+    if (origin == NodeMark::Origin::kBefore) {
+      // A tensor computed before the region ran, used inside without being an input.
+      reach.captured.push_back("shape " +
+                               shape_string(compat::input_shape(node->input_metadata(input_nr), 0)) +
+                               " (from " + node->name() + ")");
+      return;
     }
+    stack.push_back(node);
+  };
+  for (const auto& o : outputs)
+    visit(o.grad_fn().get(), o.output_nr());
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges())
+      visit(edge.function.get(), edge.input_nr);
   }
-  return leaves;
+  return reach;
 }
 
-// Under torch::autograd::grad, an undeclared parameter the caller asked for gets no gradient: say so, once
-// per message and shape. A parameter is taken as asked for when its gradient
-// accumulator is captured, or when the caller asked for a tensor that had no autograd node at the time
-// (the engine then captures an Identity placeholder: a parameter used only inside kReentrant regions,
-// whose forward pass builds no graph, is such a tensor).
-void warn_undeclared_asked(const std::vector<Leaf>& leaves, const char* what, const char* advice) {
-  const auto* info_map = torch::autograd::get_current_graph_task_exec_info();
-  if (leaves.empty() || info_map == nullptr) return;
-  const auto& exec_info = *info_map;
-  bool unreachable_asked = false;
+void refuse_captured(const RegionReach& reach, const char* who, const char* advice) {
+  if (reach.captured.empty()) return;
+  std::string list;
+  for (const auto& c : reach.captured)
+    list += (list.empty() ? "" : ", ") + c;
+  TORCH_CHECK(false, who, ": the region uses ", reach.captured.size() == 1 ? "a tensor" : "tensors", " (",
+              list, ") that require", reach.captured.size() == 1 ? "s" : "",
+              " grad and were computed outside it without being passed as inputs; their gradients cannot "
+              "flow back through the region's nested backward pass, and would be lost. ",
+              advice);
+}
+
+// A parameter is taken as asked for when its gradient accumulator is captured by the user's pass, or when
+// the user asked for a tensor that had no autograd node at the time (the engine then captures an Identity
+// placeholder: a parameter used only inside kReentrant regions, whose forward pass builds no graph, is such
+// a tensor).
+void refuse_undeclared_asked(const std::vector<Leaf>& leaves, const UserPass& pass, const char* what,
+                             const char* advice) {
+  if (leaves.empty() || pass.accumulate || pass.exec_info == nullptr) return;
+  const auto& exec_info = *pass.exec_info;
+  bool placeholder_asked = false;
   for (const auto& [node, info] : exec_info) {
-    if (info.captures_ && dynamic_cast<torch::autograd::Identity*>(node) != nullptr) unreachable_asked = true;
+    if (info.captures_ && dynamic_cast<torch::autograd::Identity*>(node) != nullptr) placeholder_asked = true;
   }
-  static std::mutex mutex;
-  static std::unordered_set<std::string> warned;
-  std::string shapes;
+  std::string asked;
   for (const Leaf& leaf : leaves) {
     auto it = exec_info.find(leaf.accumulator);
-    const bool asked = it != exec_info.end() && it->second.captures_;
-    if (!asked && !unreachable_asked) continue;
+    if (!(it != exec_info.end() && it->second.captures_) && !placeholder_asked) continue;
     std::ostringstream shape;
     shape << leaf.variable.sizes();
-    std::lock_guard<std::mutex> lock(mutex);
-    if (warned.insert(std::string(what) + shape.str()).second)
-      shapes += (shapes.empty() ? "" : ", ") + shape.str();
+    asked += (asked.empty() ? "" : ", ") + shape.str();
   }
-  if (shapes.empty()) return;
-  TORCH_WARN(what, ": the region uses parameters it does not declare (shapes ", shapes,
-             "), and those get no gradient through it under torch::autograd::grad. ", advice);
+  TORCH_CHECK(asked.empty(), what, ": the region uses tensors it does not declare (shapes ", asked, ")",
+              placeholder_asked
+                  ? ", and the call asked for a tensor that had no autograd graph when it began, "
+                    "which may be one of them"
+                  : "",
+              "; under torch::autograd::grad their gradients cannot be returned through the region, and "
+              "would be missing. ",
+              advice);
 }
 
 // ------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,13 @@
 // remat's dispatcher fallback (detail/watch.h): one boxed fallback on a mode key above autograd, which calls
 // the watchers installed on this thread before and after each operator, and lets the innermost interceptor
 // run it. The key is in a thread's dispatch key set only while a WatchScope or an InterceptScope is alive on
-// it, so other threads and other code pay nothing.
+// it (or on the thread that started the backward pass it runs), so other threads and other code pay nothing.
+// The watchers and interceptors are kept in remat's thread state, which autograd carries to the threads that
+// run backward passes: a pass started inside a scope is watched wherever it runs, as on the starting thread.
 
 #include "detail/watch.h"
+
+#include "detail/thread_state.h"
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -14,8 +18,6 @@
 namespace remat::detail {
 namespace {
 
-thread_local std::vector<OpWatcher*> t_watchers;
-thread_local std::vector<OpInterceptor*> t_interceptors;
 // How many watched operators are running on this thread: an operator called by another's kernel is nested.
 thread_local int t_depth = 0;
 // Set by an interceptor that handed the current call back instead of running it.
@@ -32,14 +34,15 @@ void watch_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, tor
   const c10::FunctionSchema& schema = op.schema();
   const int depth = t_depth;
   // Copies: a watcher may install or remove others (a recompute that starts inside a call).
-  const std::vector<OpWatcher*> watchers = t_watchers;
+  const ThreadState& state = thread_state();
+  const std::vector<OpWatcher*> watchers = state.watchers;
   for (OpWatcher* w : watchers)
     w->before(op, torch::jit::last(*stack, schema.arguments().size()), depth);
   auto run = [&] {
     Nest nest;
     op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kWatchKey), stack);
   };
-  OpInterceptor* interceptor = t_interceptors.empty() ? nullptr : t_interceptors.back();
+  OpInterceptor* interceptor = state.interceptors.empty() ? nullptr : state.interceptors.back();
   t_handed_back = false;
   if (interceptor != nullptr) {
     interceptor->call(op, stack, run, depth);
@@ -81,16 +84,13 @@ WatchScope::WatchScope(OpWatcher* watcher, const char* who, bool required) : wat
     return;
   }
   active_ = true;
-  t_watchers.push_back(watcher_);
+  scope_.emplace([watcher](ThreadState& s) { s.watchers.push_back(watcher); });
   include_.emplace(kWatchKey);
 }
 
 WatchScope::~WatchScope() {
-  if (!active_) return;
   include_.reset();
-  TORCH_INTERNAL_ASSERT(!t_watchers.empty() && t_watchers.back() == watcher_,
-                        "remat: watch scopes must nest");
-  t_watchers.pop_back();
+  scope_.reset();
 }
 
 InterceptScope::InterceptScope(OpInterceptor* interceptor, const char* who) {
@@ -99,19 +99,18 @@ InterceptScope::InterceptScope(OpInterceptor* interceptor, const char* who) {
       c10::toString(kWatchKey),
       "), which another library in this process holds; use remat::keep tags (CheckpointOptions::keep) "
       "instead");
-  t_interceptors.push_back(interceptor);
+  scope_.emplace([interceptor](ThreadState& s) { s.interceptors.push_back(interceptor); });
   include_.emplace(kWatchKey);
 }
 
 InterceptScope::~InterceptScope() {
   include_.reset();
-  TORCH_INTERNAL_ASSERT(!t_interceptors.empty(), "remat: intercept scopes must nest");
-  t_interceptors.pop_back();
+  scope_.reset();
 }
 
 bool intercepting() {
-  return std::any_of(t_interceptors.begin(), t_interceptors.end(),
-                     [](OpInterceptor* i) { return i != nullptr; });
+  const auto& interceptors = thread_state().interceptors;
+  return std::any_of(interceptors.begin(), interceptors.end(), [](OpInterceptor* i) { return i != nullptr; });
 }
 
 void note_handed_back() {

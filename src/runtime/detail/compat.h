@@ -9,6 +9,7 @@
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/version.h>
@@ -16,6 +17,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -71,6 +73,34 @@ inline bool has_pointwise_tag(const c10::OperatorHandle& op) {
   (void)op;
   return false;
 #endif
+}
+
+/// A c10::DebugInfoKind no other code uses, for remat's thread state. 1.13's kinds are an enum of a few
+/// values (any other value of its uint8_t is a kind of its own; remat takes 0xA7), later ones are
+/// identified by the address of a string_view. Chosen from the type rather than a version number.
+template <typename Kind = c10::DebugInfoKind>
+Kind private_debug_info_kind() {
+  if constexpr (std::is_enum_v<Kind>) {
+    return static_cast<Kind>(0xA7);
+  } else {
+    static constexpr std::string_view kName = "remat::detail::ThreadState";
+    return Kind(&kName);
+  }
+}
+
+/// The shape recorded in an autograd node's input metadata (the shape of the forward output whose gradient
+/// the input receives). 2.x exposes it; in 1.13 it is private, and a zero tensor of that shape is made
+/// (used on error paths only). Chosen by whether the accessor is reachable rather than a version number.
+template <typename Meta>
+auto input_shape(const Meta& meta, int) -> decltype(meta.shape_as_dim_vector(), std::vector<int64_t>()) {
+  std::vector<int64_t> shape;
+  for (const auto& s : meta.shape_as_dim_vector())
+    shape.push_back(s.expect_int());
+  return shape;
+}
+template <typename Meta>
+std::vector<int64_t> input_shape(const Meta& meta, long) {
+  return meta.zeros_like().sizes().vec();
 }
 
 /// Collects the warnings (TORCH_WARN) raised on this thread while alive, instead of printing them.

@@ -1,12 +1,14 @@
 #pragma once
 // Pure-C++ default saved-tensor hooks.
 //
-// LibTorch 1.13 wires default saved-tensor hooks only to Python. Every SavedVariable asks
+// LibTorch wires default saved-tensor hooks only to Python. Every SavedVariable asks
 // Engine::get_default_engine().get_default_saved_variable_hooks() for hooks when it is created, and that call
 // is virtual; torch::autograd::set_default_engine_stub is exported. remat installs a small Engine subclass
-// that answers from a thread-local stack of HookSources: the innermost source on the creating thread packs
-// the tensor. A process holds one default engine, so this cannot coexist with Python's (torch._C installs its
-// own).
+// (engine.cpp) that answers from a stack of HookSources in remat's thread state (thread_state.h, carried to
+// autograd's worker threads): the innermost source where the tensor is saved packs it. It runs no backward
+// pass itself: execution is forwarded to LibTorch's base engine, which owns the worker threads and device
+// queues whatever ran first. A process holds one default engine, so this cannot coexist with Python's
+// (torch._C installs its own).
 
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
@@ -16,6 +18,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include "detail/thread_state.h"
 
 namespace remat::detail {
 
@@ -38,19 +42,24 @@ class HookSource {
 HookSource* current_hook_source();
 
 /// Installs remat's engine as LibTorch's default autograd engine (idempotent, thread-safe) when the default
-/// is still LibTorch's own, and checks that saved-tensor hooks will reach remat on this thread. Throws
+/// is still LibTorch's own; true when remat's engine is the default afterwards. Every remat entry point that
+/// builds a graph calls it (both checkpoint modes, the executor), so the moment is the first such call.
+bool install_engine();
+
+/// install_engine(), then checks that saved-tensor hooks will reach remat on this thread. Throws
 /// c10::Error naming `who` when another engine is the default (PyTorch's Python engine, installed by `import
 /// torch` in this process: remat does not replace it) or when default saved-tensor hooks are disabled
 /// (at::SavedTensorDefaultHooks::disable): either way every activation would be kept, silently.
 void require_engine(const char* who);
 
-/// Pushes `source` on this thread's stack for the lifetime of the scope.
+/// Pushes `source` on this thread's stack (and on the stack of the backward passes started inside) for the
+/// lifetime of the scope.
 class HookScope {
  public:
   explicit HookScope(HookSource* source);
-  ~HookScope();
-  HookScope(const HookScope&) = delete;
-  HookScope& operator=(const HookScope&) = delete;
+
+ private:
+  ThreadStateScope scope_;
 };
 
 }  // namespace remat::detail

@@ -9,6 +9,7 @@
 #include <torch/nn/module.h>
 
 #include "detail/restore.h"
+#include "detail/thread_state.h"
 
 #include <memory>
 #include <optional>
@@ -160,23 +161,55 @@ class RngRollback {
   int uncaught_;
 };
 
+/// Where a region's run with grad (a recompute, an executor stage) starts creating autograd nodes. Sequence
+/// numbers count per thread, so the thread is part of the mark: a node of this thread numbered before the
+/// mark is certainly older than the run; a node of another thread may be the run's (made by a backward pass
+/// it started, which autograd may run on a worker thread) or not (the caller's graph, when the run is a
+/// recompute on a worker thread), and cannot be told apart by number.
+struct NodeMark {
+  uint64_t thread = 0;
+  uint64_t first_sequence_nr = 0;
+  /// The mark of this thread now.
+  static NodeMark now();
+  enum class Origin { kSince, kBefore, kOtherThread };
+  /// Where `node` comes from relative to the mark.
+  Origin origin(const torch::autograd::Node& node) const;
+};
+
 /// A leaf a recomputed graph reaches (a parameter) and the autograd node that accumulates its gradient.
 struct Leaf {
   at::Tensor variable;
   torch::autograd::Node* accumulator;
 };
 
-/// The leaves requiring grad that the graph of `outputs` reaches, not in `declared`: parameters a region uses
-/// without declaring them. Only nodes with sequence numbers >= first_sequence_nr (created by the recompute)
-/// are followed, so the walk stays inside the region.
-std::vector<Leaf> undeclared_leaves(const std::vector<at::Tensor>& outputs,
-                                    const std::unordered_set<c10::TensorImpl*>& declared,
-                                    uint64_t first_sequence_nr);
+/// What the graph of a region's run reaches beyond the region: the leaves requiring grad that it does not
+/// declare, and the tensors computed outside it that it uses without taking them as inputs.
+struct RegionReach {
+  std::vector<Leaf> undeclared;
+  /// "shape [2, 3] (from MulBackward0)" for each tensor that requires grad, was computed outside the region
+  /// and reaches it other than through its inputs.
+  std::vector<std::string> captured;
+};
 
-/// Under torch::autograd::grad (called from a node's backward), when the caller asked for one of `leaves`,
-/// which cannot get its gradient there: warns once per message and shape, "<what>: the region uses
-/// parameters it does not declare (shapes ...) ... <advice>". Does nothing outside a graph task.
-void warn_undeclared_asked(const std::vector<Leaf>& leaves, const char* what, const char* advice);
+/// Walks the graph of `outputs` and stops at `stops` (the region's own inputs and the tensors it was found to
+/// use, when they lead outside on purpose). Leaves requiring grad not in `declared` are undeclared. With a
+/// `mark`, the walk stays inside the run: it follows the nodes made since the mark, reports this thread's
+/// older nodes as captured tensors, and neither follows nor reports other threads' nodes (see NodeMark).
+/// Without one (every tensor the region uses from outside is among `stops`), it follows every node.
+RegionReach region_reach(const std::vector<at::Tensor>& outputs,
+                         const std::unordered_set<c10::TensorImpl*>& declared, const NodeMark* mark,
+                         const std::unordered_set<const torch::autograd::Node*>& stops = {});
+
+/// Throws c10::Error naming `who` when the region captured tensors that require grad from outside (their
+/// gradients cannot flow back through a region run as a nested backward pass): pass them as inputs instead.
+void refuse_captured(const RegionReach& reach, const char* who, const char* advice);
+
+/// Under a user pass that returns gradients (torch::autograd::grad) rather than accumulating them: throws
+/// c10::Error "<what>: ..." with their shapes and `advice` when the user asked for one of `leaves`, which
+/// cannot get its gradient through a nested pass, or asked for a tensor that had no autograd node when the
+/// pass started (the engine then captures a placeholder, and whether it is one of `leaves` cannot be told).
+void refuse_undeclared_asked(const std::vector<Leaf>& leaves, const UserPass& pass, const char* what,
+                             const char* advice);
 
 /// Backpropagates `grad`, taken by move, from `output` to the leaves `targets`: accumulated into their .grad
 /// (accumulate) or returned (undefined for a target the graph does not reach). Unlike

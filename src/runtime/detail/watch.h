@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 
+#include "detail/thread_state.h"
+
 namespace remat::detail {
 
 /// The key of remat's fallback: LibTorch's TESTING_ONLY_GenericMode, a mode key above autograd that only
@@ -42,7 +44,8 @@ inline bool ends_with(const std::string& s, const char* suffix) {
 /// Registers the fallback once per process (thread-safe); false when another library holds the key.
 bool watch_available();
 
-/// Sees every operator call on the thread that installed it, while installed (WatchScope).
+/// Sees every operator call on the thread that installed it, and in the backward passes started there, while
+/// installed (WatchScope).
 class OpWatcher {
  public:
   virtual ~OpWatcher() = default;
@@ -79,6 +82,7 @@ class WatchScope {
  private:
   OpWatcher* watcher_;
   bool active_ = false;
+  std::optional<ThreadStateScope> scope_;
   std::optional<c10::impl::IncludeDispatchKeyGuard> include_;
 };
 
@@ -93,6 +97,7 @@ class InterceptScope {
   InterceptScope& operator=(const InterceptScope&) = delete;
 
  private:
+  std::optional<ThreadStateScope> scope_;
   std::optional<c10::impl::IncludeDispatchKeyGuard> include_;
 };
 

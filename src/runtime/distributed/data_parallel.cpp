@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "detail/nesting.h"
+#include "detail/profiling.h"
 
 namespace remat::distributed {
 

@@ -28,6 +28,7 @@ set(REMAT_RUNTIME_SOURCES
   src/runtime/nesting.cpp
   src/runtime/memory.cpp
   src/runtime/cpu_meter.cpp
+  src/runtime/peak_window.cpp
   src/runtime/measure.cpp
   src/runtime/executor.cpp
   src/runtime/sequential.cpp
@@ -74,10 +75,11 @@ if(REMAT_HAS_DISTRIBUTED AND NOT REMAT_GLOO_INCLUDE_DIR STREQUAL "/usr/include")
                               "${REMAT_GLOO_INCLUDE_DIR}")
 endif()
 if(REMAT_WITH_CUDA)
-  # Only the meter's source: a target-wide definition would make the precompiled header, which the tests,
+  # Only the meter's sources: a target-wide definition would make the precompiled header, which the tests,
   # tools and examples reuse, differ from theirs (and GCC would silently not use it).
-  set_source_files_properties(src/runtime/memory.cpp PROPERTIES COMPILE_DEFINITIONS REMAT_WITH_CUDA=1
-                                                                SKIP_PRECOMPILE_HEADERS ON)
+  target_sources(remat_runtime PRIVATE src/runtime/cuda_meter.cpp)
+  set_source_files_properties(src/runtime/memory.cpp src/runtime/cuda_meter.cpp PROPERTIES
+                              COMPILE_DEFINITIONS REMAT_WITH_CUDA=1 SKIP_PRECOMPILE_HEADERS ON)
 endif()
 if(REMAT_USE_PCH)
   target_precompile_headers(remat_runtime PRIVATE src/runtime/detail/pch.h)
@@ -119,7 +121,7 @@ target_link_libraries(remat INTERFACE remat_runtime remat_models)
 
 # ---------------------------------------------------------------------------------------------------------------
 # The CPU meter alone, with a C interface, for Python (ctypes) processes: it needs c10 only.
-add_library(remat_meter SHARED src/runtime/cpu_meter.cpp src/runtime/meter_c.cpp)
+add_library(remat_meter SHARED src/runtime/cpu_meter.cpp src/runtime/peak_window.cpp src/runtime/meter_c.cpp)
 target_include_directories(remat_meter PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src/runtime)
 target_include_directories(remat_meter SYSTEM PRIVATE ${TORCH_INCLUDE_DIRS})
 target_compile_options(remat_meter PRIVATE ${REMAT_TORCH_CXX_FLAGS} -Wall -Wextra)

@@ -55,7 +55,42 @@ void limit_cpu_bytes(int64_t bytes);
 int64_t refused_cpu_allocations();
 }  // namespace testing
 
-/// Scope that resets the peak on entry and reports the peak above the bytes alive on entry:
+/// The highest bytes alive on `device` from the window's start to now, measured without resetting or lowering
+/// any statistic that another reader sees: neither peak_bytes() (reset_peak's) nor the CUDA caching
+/// allocator's own peak (torch.cuda.max_memory_allocated, c10::cuda::CUDACachingAllocator::getDeviceStats),
+/// so that a user's own figures are, after remat measured inside them, what they would have been without it.
+/// remat's profiler, measure_step and Planned measure with it.
+///
+///   remat::memory::PeakWindow window(device);  step();  int64_t over = window.peak_over_base();
+///
+/// CPU: the counting allocator's bytes (track_cpu() first; 0 before). CUDA: the bytes tensors request from
+/// the caching allocator, followed through its trace of allocations and frees (a tracker attached at the
+/// first CUDA window of the process; the native caching allocator only). The allocator rounds each block up
+/// (to 512 bytes and more), and its allocated-bytes statistic, which active_bytes() reads, counts the rounded
+/// sizes: the two differ by that rounding. Windows nest (up to 64 open per device at once) and may be used
+/// from any thread. Throws c10::Error for an unsupported device (as active_bytes), or when 64 windows are
+/// open.
+class PeakWindow {
+ public:
+  explicit PeakWindow(c10::Device device = c10::kCPU);
+  ~PeakWindow();
+  PeakWindow(const PeakWindow&) = delete;
+  PeakWindow& operator=(const PeakWindow&) = delete;
+  /// Peak since the start (or the last restart()) minus the bytes alive at the start (>= 0).
+  int64_t peak_over_base() const;
+  /// Bytes alive now minus the bytes alive at the start (may be negative).
+  int64_t active_over_base() const;
+  /// Starts the peak again from the bytes alive now; the base stays.
+  void restart();
+
+ private:
+  void* counter_;  // detail::PeakCounter
+  int slot_;
+  int64_t base_;
+};
+
+/// Scope that resets the peak on entry and reports the peak above the bytes alive on entry (resetting the
+/// device's statistic: what the caller asked for. To measure inside someone else's measurement, PeakWindow):
 ///   remat::memory::PeakScope scope;  step();  int64_t over = scope.peak_over_base();
 class PeakScope {
  public:

@@ -27,8 +27,13 @@
 /// again, in its own first training step; a shape seen before keeps its plan. use_profile() plans from a
 /// saved profile instead (chain(), written with to_json(), is the CLI's chain JSON).
 ///
-/// Limits: CPU only; one forward per backward pass (the base is taken at each call); the meter's peak is
-/// reset and raised back around Planned's own measurements.
+/// Devices: the CPU (with the counting allocator, remat::memory::track_cpu()) and CUDA (the bytes tensors
+/// request from the caching allocator); the input and the extra tensors on one device. Planned measures in
+/// remat::memory::PeakWindows: neither remat's peak_bytes() nor the caching allocator's own peak
+/// (max_memory_allocated) is reset or lowered. Times that feed the plan are taken with the device
+/// synchronized.
+///
+/// Limits: one forward per backward pass (the base is taken at each call).
 
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
@@ -94,7 +99,8 @@ class PlannedImpl : public torch::nn::Module {
   /// Runs the stages on x (each ArgsStageFn also gets `args`): plainly in eval mode or under NoGradGuard;
   /// in training, the plan for the shapes of x and args, or, for shapes without one, a profiling step (then
   /// planned at the next call; with use_profile(), only the rest of the step is measured). Throws c10::Error
-  /// naming remat::Planned for an undefined or non-CPU input or argument, args given to stages that take
+  /// naming remat::Planned for an undefined input or argument, one on a device other than cpu or cuda, extra
+  /// tensors on another device than the input, args given to stages that take
   /// none, and, at planning time, when the budget is below the least feasible one (named in the message;
   /// the step that measured it trained correctly).
   torch::Tensor forward(const torch::Tensor& x, const std::vector<torch::Tensor>& args = {});

@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "detail/compat_c10.h"
+#include "detail/peak_window.h"
 
 namespace remat::detail {
 namespace {
@@ -33,6 +34,7 @@ struct MeterState {
   std::atomic<int64_t> fail_countdown{0};  // > 0: the allocation that brings it to 0 is refused
   std::atomic<int64_t> limit{-1};          // >= 0: allocations above this many active bytes are refused
   std::atomic<int64_t> refused{0};
+  PeakCounter windows;  // the same count, for peak windows (remat's own measuring, which resets nothing)
   c10::Allocator* base = nullptr;
   c10::DeleterFnPtr base_deleter = nullptr;
 
@@ -49,6 +51,7 @@ struct MeterState {
     int64_t seen = peak.load();
     while (now > seen && !peak.compare_exchange_weak(seen, now)) {
     }
+    windows.add(static_cast<int64_t>(n));
   }
 
   void remove(void* p) {
@@ -62,6 +65,7 @@ struct MeterState {
       s.sizes.erase(it);
     }
     active.fetch_sub(static_cast<int64_t>(n));
+    windows.add(-static_cast<int64_t>(n));
   }
 };
 
@@ -156,6 +160,10 @@ void cpu_meter_limit(int64_t bytes) {
 }
 int64_t cpu_meter_refused() {
   return state().refused.load();
+}
+
+PeakCounter& cpu_meter_counter() {
+  return state().windows;
 }
 
 }  // namespace remat::detail

@@ -51,7 +51,8 @@ StepStats measure_step(torch::nn::Module& model, const std::function<torch::Tens
   for (int64_t i = 0; i < options.steps(); ++i) {
     zero_grads(model);
     sync();
-    memory::PeakScope scope(device);
+    const int64_t base = memory::active_bytes(device);
+    memory::PeakWindow scope(device);  // resets no statistic the caller reads
     const auto t0 = std::chrono::steady_clock::now();
     torch::Tensor loss = run_loss();
     sync();
@@ -61,7 +62,7 @@ StepStats measure_step(torch::nn::Module& model, const std::function<torch::Tens
     sync();
     const auto t1 = std::chrono::steady_clock::now();
     loss = torch::Tensor();
-    stats.base_bytes = scope.base_bytes();
+    stats.base_bytes = base;
     stats.after_forward_bytes = std::max(stats.after_forward_bytes, after_forward);
     stats.after_backward_bytes = scope.active_over_base();
     stats.peak_bytes = std::max(stats.peak_bytes, scope.peak_over_base());

@@ -5,10 +5,13 @@
 #include <algorithm>
 
 #include "detail/cpu_meter.h"
+#include "detail/peak_window.h"
 
 #ifdef REMAT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+
+#include "detail/cuda_meter.h"
 #endif
 
 namespace remat::memory {
@@ -99,6 +102,44 @@ void reset_peak(c10::Device device) {
 #ifdef REMAT_WITH_CUDA
   c10::cuda::CUDACachingAllocator::resetPeakStats(cuda_index(device));
 #endif
+}
+
+namespace {
+detail::PeakCounter& counter_of(c10::Device device) {
+  check_device(device);
+#ifdef REMAT_WITH_CUDA
+  if (device.is_cuda()) return detail::cuda_meter_counter(cuda_index(device));
+#endif
+  return detail::cpu_meter_counter();
+}
+}  // namespace
+
+PeakWindow::PeakWindow(c10::Device device) {
+  detail::PeakCounter& counter = counter_of(device);
+  slot_ = counter.open();
+  TORCH_CHECK(slot_ >= 0, "remat::memory::PeakWindow: ", detail::PeakCounter::kWindows,
+              " windows are open on ", device, " already");
+  counter_ = &counter;
+  base_ = counter.active();
+}
+
+PeakWindow::~PeakWindow() {
+  static_cast<detail::PeakCounter*>(counter_)->close(slot_);
+}
+
+int64_t PeakWindow::peak_over_base() const {
+  return std::max<int64_t>(0, static_cast<detail::PeakCounter*>(counter_)->peak(slot_) - base_);
+}
+
+int64_t PeakWindow::active_over_base() const {
+  return static_cast<detail::PeakCounter*>(counter_)->active() - base_;
+}
+
+void PeakWindow::restart() {
+  auto* counter = static_cast<detail::PeakCounter*>(counter_);
+  counter->close(slot_);
+  slot_ = counter->open();
+  TORCH_INTERNAL_ASSERT(slot_ >= 0, "remat::memory::PeakWindow::restart: no window slot");
 }
 
 PeakScope::PeakScope(c10::Device device) : device_(device), base_(0) {

@@ -10,6 +10,26 @@
 #include <exception>
 
 #include "detail/cpu_meter.h"
+#include "detail/peak_window.h"
+#ifdef REMAT_WITH_CUDA
+#include "detail/cuda_meter.h"
+#endif
+
+namespace {
+// The count of a device: -1 the CPU, 0 and up a CUDA device; nullptr where this library has no CUDA.
+remat::detail::PeakCounter* counter_of(int device) {
+  if (device < 0) return &remat::detail::cpu_meter_counter();
+#ifdef REMAT_WITH_CUDA
+  try {
+    return &remat::detail::cuda_meter_counter(device);
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+#else
+  return nullptr;
+#endif
+}
+}  // namespace
 
 extern "C" {
 
@@ -41,5 +61,35 @@ __attribute__((visibility("default"))) void remat_meter_raise_peak(int64_t bytes
 /// Number of storage allocations counted so far.
 __attribute__((visibility("default"))) int64_t remat_meter_allocations() {
   return remat::detail::cpu_meter_allocations();
+}
+
+/// Peak windows (remat's measuring that resets no statistic): `device` is -1 for the CPU, else a CUDA device
+/// index. 1 when this library can follow CUDA devices (built with the CUDA allocator's headers), else 0.
+__attribute__((visibility("default"))) int remat_meter_has_cuda() {
+#ifdef REMAT_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+/// Opens a window; returns its slot, or -1 (no slot free, or no such device in this library).
+__attribute__((visibility("default"))) int remat_meter_window_open(int device) {
+  auto* c = counter_of(device);
+  return c ? c->open() : -1;
+}
+/// The device's running count (its differences are exact; the CUDA count starts at 0 when first asked).
+__attribute__((visibility("default"))) int64_t remat_meter_window_active(int device) {
+  auto* c = counter_of(device);
+  return c ? c->active() : 0;
+}
+/// The window's peak of that count.
+__attribute__((visibility("default"))) int64_t remat_meter_window_peak(int device, int slot) {
+  auto* c = counter_of(device);
+  return c && slot >= 0 ? c->peak(slot) : 0;
+}
+/// Closes the window.
+__attribute__((visibility("default"))) void remat_meter_window_close(int device, int slot) {
+  auto* c = counter_of(device);
+  if (c && slot >= 0) c->close(slot);
 }
 }

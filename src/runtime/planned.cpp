@@ -3,13 +3,13 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
 
 #include <chrono>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
 
-#include "detail/cpu_meter.h"
 #include "remat/chain.h"
 #include "remat/memory.h"
 #include "remat/profile.h"
@@ -122,10 +122,12 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
       h = s.fn(h);
     return h;
   }
-  TORCH_CHECK(x.device().is_cpu(), kWho, ": only CPU inputs for now, got one on ", x.device());
+  const c10::Device device = x.device();
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), kWho, ": inputs on cpu or cuda are planned, got one on ",
+              device);
   for (size_t i = 0; i < args.size(); ++i)
-    TORCH_CHECK(args[i].device().is_cpu(), kWho, ": only CPU tensors for now, got extra argument ", i, " on ",
-                args[i].device());
+    TORCH_CHECK(args[i].device() == device, kWho, ": extra argument ", i, " is on ", args[i].device(),
+                " but the input is on ", device);
   Shape& shape = shapes_[key];
   last_ = &shape;
   if (shape.profile_loaded && !*shape.rest)
@@ -137,30 +139,30 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
     ++shape.steps_before_plan;
     return profiling_step(shape, stages, x);
   }
-  // The plan, and the step's peak above the base measured up to the backward pass through the stages.
-  const int64_t outer_peak = memory::peak_bytes();
-  const int64_t base = memory::active_bytes();
-  memory::reset_peak();
+  // The plan, and the step's peak above the base measured up to the backward pass through the stages (in a
+  // window: the statistics the caller reads are left alone).
+  auto window = std::make_shared<memory::PeakWindow>(device);
   torch::Tensor out = run_plan(stages, *shape.plan, x);
   if (x.requires_grad() && x.grad_fn()) {  // a hook on a leaf would stay for the steps after
     std::shared_ptr<int64_t> last = shape.last_peak;
     // The hook's tensor is x itself: it fires when the gradient of the stages' input is ready, after the
     // stages' backward pass.
-    x.register_hook([last, base, outer_peak](const torch::Tensor& g) {
-      *last = memory::peak_bytes() - base;
-      detail::cpu_meter_raise_peak(outer_peak);
+    x.register_hook([last, window](const torch::Tensor& g) {
+      *last = window->peak_over_base();
       return g;
     });
-  } else {
-    detail::cpu_meter_raise_peak(outer_peak);
   }
   return out;
 }
 
 torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageFn>& stages,
                                           const torch::Tensor& x) {
-  const int64_t outer_peak = memory::peak_bytes();
-
+  const c10::Device device = x.device();
+  // Device work runs asynchronously: the rest of the step is timed from the moment the stages' work is
+  // done to the moment the backward pass's work up to their output is.
+  auto sync = [device] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
   if (!shape.chain) {
     // The profiler puts gradients, buffers and the generators back, so the step below is the plain run's.
     shape.chain = profile_chain(
@@ -170,19 +172,17 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   // Every stage checkpointed (the profiler's own memory bound), and the rest of the step measured from the
   // return to the moment the backward pass reaches the stages' output.
   torch::Tensor out = run_plan(stages, checkpoint_all(*shape.chain), x);
-  detail::cpu_meter_raise_peak(outer_peak);
   if (!out.requires_grad()) return out;
-  const int64_t peak_so_far = memory::peak_bytes();
-  const int64_t at_return = memory::active_bytes();
-  memory::reset_peak();
+  sync();
+  auto window = std::make_shared<memory::PeakWindow>(device);
   const auto t0 = Clock::now();
   std::shared_ptr<std::optional<RestOfStep>> measured = shape.rest;
-  out.register_hook([measured, at_return, peak_so_far, t0](const torch::Tensor& g) {
+  out.register_hook([measured, window, t0, sync](const torch::Tensor& g) {
+    sync();
     RestOfStep rest;
-    rest.peak_bytes = std::max<int64_t>(0, memory::peak_bytes() - at_return);
+    rest.peak_bytes = window->peak_over_base();
     rest.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     *measured = rest;
-    detail::cpu_meter_raise_peak(peak_so_far);
     return g;
   });
   return out;

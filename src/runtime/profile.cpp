@@ -159,7 +159,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   auto timed_backward = [&](torch::Tensor out, const std::vector<torch::Tensor>& targets, int64_t* peak) {
     torch::Tensor d = torch::ones_like(out);
     sync();
-    memory::PeakScope scope(device);
+    memory::PeakWindow scope(device);
     const auto t0 = Clock::now();
     detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
                           /*accumulate=*/true);
@@ -202,7 +202,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       Stage& s = chain.stages[i];
       torch::Tensor leaf = leaf_of(i, xs[i]);
       sync();
-      memory::PeakScope fwd_scope(device);
+      memory::PeakWindow fwd_scope(device);
       const auto t0 = Clock::now();
       torch::Tensor out = stages[i].fn(leaf);
       sync();
@@ -238,7 +238,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         if (variant == -1) o.keep(options.keep());
         if (variant >= 0) o.policy(options.policies()[static_cast<size_t>(variant)]);
         sync();
-        memory::PeakScope scope(device);
+        memory::PeakWindow scope(device);
         const auto t0 = Clock::now();
         outs[i] = checkpoint(stages[i].fn, leaves[i], o);
         sync();

@@ -19,5 +19,9 @@ int64_t cpu_meter_allocations();
 void cpu_meter_fail_at(int64_t n);
 void cpu_meter_limit(int64_t bytes);
 int64_t cpu_meter_refused();
+// The meter's count as a PeakCounter: remat's own measurements open windows on it instead of resetting the
+// peak.
+class PeakCounter;
+PeakCounter& cpu_meter_counter();
 
 }  // namespace remat::detail

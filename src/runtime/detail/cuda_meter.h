@@ -1,0 +1,15 @@
+#pragma once
+// The CUDA side of peak windows (detail/peak_window.h): a running count of the bytes tensors request from the
+// CUDA caching allocator, per device, fed by the allocator's trace (an AllocatorTraceTracker, attached once
+// per process at the first use; it records nothing else and needs no history). Compiled only where LibTorch
+// has CUDA (REMAT_WITH_CUDA).
+
+#include "detail/peak_window.h"
+
+namespace remat::detail {
+
+/// The count of CUDA device `index` (0 <= index < 64), attaching the tracker at the first call. Counts the
+/// allocations and frees made after that call only: its absolute value is meaningless, its differences exact.
+PeakCounter& cuda_meter_counter(int index);
+
+}  // namespace remat::detail

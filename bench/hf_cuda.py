@@ -42,6 +42,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--json", default="")
+    ap.add_argument("--budgets", default="",
+                    help="two more budgets for remat, in bytes, comma-separated (the C++ benchmark's Planned ones)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also torch.compile with activation_memory_budget 0.5 (compile time reported)")
+    ap.add_argument("--skip-mid", action="store_true", help="no remat row halfway between hf's and plain peaks")
     args = ap.parse_args()
     dev = torch.device("cuda")
     cfg = transformers.BertConfig(hidden_size=args.hidden, num_hidden_layers=args.layers,
@@ -85,12 +90,25 @@ def main():
     sac.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, matmuls)})
     ways["sac"] = sac
+    compile_s = None
+    if args.compile:
+        import torch._functorch.config as functorch_config
+        functorch_config.activation_memory_budget = 0.5
+        compiled = torch.compile(copy.deepcopy(base_model))
+        t0 = time.perf_counter()
+        measure(compiled, 1)
+        compile_s = time.perf_counter() - t0
+        print(f"compile: {compile_s:.1f} s", file=sys.stderr, flush=True)
+        ways["compile"] = compiled
     peaks = {}
     for w, m in ways.items():
         measure(m, 1)
         peaks[w] = measure(m, 1)[1]
         print(f"{w}: peak {peaks[w] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    peaks["mid"] = (peaks["hf"] + peaks["none"]) // 2
+    if not args.skip_mid:
+        peaks["mid"] = (peaks["hf"] + peaks["none"]) // 2
+    for k, b in enumerate(x for x in args.budgets.split(",") if x):
+        peaks[f"b{k + 1}"] = int(b)
 
     # remat against the plain run: two steps each from the same weights and seeds.
     def grads(m):
@@ -102,7 +120,7 @@ def main():
     plain_a, plain_b = copy.deepcopy(base_model), copy.deepcopy(base_model)
     rm = copy.deepcopy(base_model)
     t0 = time.perf_counter()
-    lp = remat.hf.enable(rm, budget=peaks["mid"])
+    lp = remat.hf.enable(rm, budget=peaks.get("mid", peaks["sac"]))
     check = []
     for k in range(2):
         la = measure(plain_a, 1, seed=100 + k)[2]
@@ -119,7 +137,7 @@ def main():
         print(f"check {check[-1]}", file=sys.stderr, flush=True)
     del plain_a, plain_b
     plans = {}
-    for w in ("hf", "sac", "mid"):
+    for w in [w for w in peaks if w != "none"]:
         try:
             lp.set_budget(peaks[w])
         except remat.InfeasibleBudget as e:
@@ -129,7 +147,7 @@ def main():
         plans[w] = dict(budget=peaks[w], choices=lp.choices, predicted=lp.predicted_peak_bytes)
         print(f"remat@{w}: {lp.choices}", file=sys.stderr, flush=True)
 
-    rows = ["hf", "sac"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
+    rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
     res = {r: dict(ratios=[], ms=[], peak=0, remat_peak=0) for r in rows}
     plain_ms = []
     for rnd in range(args.rounds):
@@ -155,7 +173,8 @@ def main():
                   file=sys.stderr, flush=True)
     print(f"\nBERT {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}; plain step {statistics.median(plain_ms):.0f} ms, "
-          f"{peaks['none'] / 2**30:.2f} GiB; remat's profiling step {profile_s:.1f} s")
+          f"{peaks['none'] / 2**30:.2f} GiB; remat's profiling step {profile_s:.1f} s"
+          + (f"; torch.compile {compile_s:.1f} s" if compile_s is not None else ""))
     print(f"{'way':<14} {'peak GiB':>9} {'time/none':>9}  rounds")
     for r in rows:
         extra = ""
@@ -168,7 +187,8 @@ def main():
         with open(args.json, "w") as f:
             json.dump(dict(config=vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__,
                            transformers=transformers.__version__, plain_ms=statistics.median(plain_ms),
-                           peaks=peaks, profile_s=profile_s, check=check, plans=plans, rows=res), f, indent=1)
+                           peaks=peaks, profile_s=profile_s, compile_s=compile_s, check=check, plans=plans,
+                           rows=res), f, indent=1)
 
 
 if __name__ == "__main__":

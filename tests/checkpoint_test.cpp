@@ -624,34 +624,6 @@ TEST(CheckpointOverloads, EveryCallShapeCompiles) {
 
 }  // namespace
 
-namespace {
-
-// On CUDA the CUDA generator draws dropout's mask: it is replayed, and left as it was found.
-TEST(CheckpointCuda, DropoutMaskReplayedOnCudaInBothModes) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  const torch::Device dev(torch::kCUDA, 0);
-  for (auto mode : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant}) {
-    torch::manual_seed(0);
-    torch::nn::Linear fc(64, 64);
-    fc->to(dev);
-    const auto x = torch::randn({32, 64}, torch::TensorOptions().device(dev).requires_grad(true));
-    auto fn = [&](const torch::Tensor& t) { return torch::dropout(torch::gelu(fc(t)), 0.5, true); };
-    torch::manual_seed(7);
-    fn(x).pow(2).sum().backward();
-    const auto plain_x = x.grad().clone(), plain_w = fc->weight.grad().clone();
-    const auto after_plain = torch::rand({16}, torch::TensorOptions().device(dev));
-    x.mutable_grad() = torch::Tensor();
-    fc->weight.mutable_grad() = torch::Tensor();
-    torch::manual_seed(7);
-    remat::checkpoint(fn, x, CheckpointOptions().mode(mode).modules({fc.ptr()})).pow(2).sum().backward();
-    EXPECT_TRUE(torch::equal(x.grad(), plain_x));
-    EXPECT_TRUE(torch::equal(fc->weight.grad(), plain_w));
-    EXPECT_TRUE(torch::equal(torch::rand({16}, torch::TensorOptions().device(dev)), after_plain));
-  }
-}
-
-}  // namespace
-
 // ---------------------------------------------------------------------------------------------------------
 // StateRestore on its own: what a recompute writes back and what it leaves
 

@@ -1,5 +1,9 @@
 // Randomized differential testing: programs generated from a seed, each run plainly and under a random
-// checkpointing strategy, with every gradient, BatchNorm buffer and the RNG stream compared.
+// checkpointing strategy, with every gradient, BatchNorm buffer and the RNG stream compared. Programs may use
+// parameters their regions do not declare and a tensor computed outside every region (captured), and may
+// wrap their first block in nested regions of both modes, a few deep or past LibTorch's per-thread depth of
+// 60; the plain and the checkpointed run come in either order, so that backward passes of both kinds follow
+// each other in the process.
 //
 //   ./test                                   runs the fixed budget (Fuzz.Chains, Fuzz.Regions)
 //   REMAT_FUZZ_SEED=S REMAT_FUZZ_COUNT=N build/tests/remat_tests --gtest_filter=Fuzz.Long
@@ -132,6 +136,12 @@ struct Program {
   // 1 matmuls, 2 recompute_pointwise, 3 "by-name", which keeps the operators whose name hashes odd with the
   // seed (a different random set of kept operators per program: dropout, softmax, norms...).
   int policy = 0;
+  // Checkpointed regions do not declare their modules (kReentrant finds the parameters in its forward pass).
+  bool undeclared = false;
+  // Every block adds a tensor computed outside the blocks from a parameter (it requires grad), captured.
+  bool captured = false;
+  // kPerBlock and kNested: block 0 runs inside these nested regions, outermost first.
+  std::vector<Mode> wrap;
 
   std::string str() const {
     std::ostringstream os;
@@ -147,7 +157,15 @@ struct Program {
       os << ", segments kReentrant";
     os << "; " << (use_grad_api ? "autograd::grad" : "backward()") << (second_backward ? " twice" : "")
        << (preserve_rng ? "" : ", rng not preserved") << (early_stop ? "" : ", no early stop")
-       << (keep ? ", matmuls kept" : "") << (policy ? ", policy " + policy_name() : "") << "\n";
+       << (keep ? ", matmuls kept" : "") << (policy ? ", policy " + policy_name() : "")
+       << (undeclared ? ", modules undeclared" : "") << (captured ? ", a tensor captured" : "");
+    if (!wrap.empty()) {
+      os << ", block 0 wrapped " << wrap.size() << " deep (";
+      for (size_t k = 0; k < wrap.size() && k < 8; ++k)
+        os << (k ? " " : "") << mode_text(wrap[k]);
+      os << (wrap.size() > 8 ? " ...)" : ")");
+    }
+    os << "\n";
     for (size_t b = 0; b < blocks.size(); ++b) {
       os << "  block " << b << " [" << mode_text(blocks[b].mode);
       if (strategy == Strategy::kNested) {
@@ -256,6 +274,23 @@ Program generate(uint64_t seed) {
   p.early_stop = !((p.plan_seed >> 8) & 1);  // from a draw already made, as above
   p.keep = (p.plan_seed >> 9) & 1;           // likewise
   p.policy = static_cast<int>((p.plan_seed >> 10) & 3);  // likewise
+  p.undeclared = (p.plan_seed >> 12) & 1;                // likewise
+  // Likewise; not under the plan executor, which refuses a captured tensor that requires grad (an error
+  // naming it, tested in sequential_test.cpp): its stages run as nested backward passes.
+  p.captured = ((p.plan_seed >> 13) & 3) == 0 && p.strategy != Strategy::kPlan;
+  {
+    // Likewise: a quarter of the programs wrap their first block 1 to 4 deep; one in 32 wraps it 61 to 68
+    // deep.
+    const uint64_t bits = p.plan_seed * 0x9E3779B97F4A7C15ull;
+    size_t depth = 0;
+    if (((bits >> 20) & 31) == 0) {
+      depth = 61 + ((bits >> 25) & 7);
+    } else if (((bits >> 28) & 3) == 0) {
+      depth = 1 + ((bits >> 30) & 3);
+    }
+    for (size_t k = 0; k < depth; ++k)
+      p.wrap.push_back(static_cast<Mode>(1 + (((bits >> (33 + k % 31)) & 1) ^ ((k / 31) & 1))));
+  }
   p.use_grad_api = coin(0.35);
   p.second_backward = coin(0.25);
   p.preserve_rng = true;
@@ -315,8 +350,9 @@ remat::Plan make_random_plan(uint64_t seed, int64_t n, bool keep, const std::str
 // The modules of a program, built from its seed (the same weights in every run)
 
 struct BlockImpl : torch::nn::Module {
-  BlockImpl(const Program& p, const BlockSpec& spec, const std::vector<torch::nn::Linear>& pool)
-      : spec_(spec), keep_(p.keep) {
+  BlockImpl(const Program& p, const BlockSpec& spec, const std::vector<torch::nn::Linear>& pool,
+            const torch::Tensor* captured)
+      : spec_(spec), keep_(p.keep), captured_(p.captured ? captured : nullptr) {
     const int64_t w = p.width;
     int64_t k = 0;
     for (const auto& op : spec.ops) {
@@ -446,6 +482,7 @@ struct BlockImpl : torch::nn::Module {
           break;
       }
     }
+    if (captured_ != nullptr) h = h + *captured_;  // computed outside every region, requires grad
     if (in.size() == 1) return {h};
     std::vector<torch::Tensor> out{h, in[1] * 0.9 + torch::tanh(h) * 0.1};
     if (spec_.int_out) out.push_back(h.argmax(1, true));
@@ -455,6 +492,7 @@ struct BlockImpl : torch::nn::Module {
 
   BlockSpec spec_;
   bool keep_ = false;
+  const torch::Tensor* captured_ = nullptr;
   std::vector<torch::nn::Linear> linear, shared;
   std::vector<torch::nn::Conv2d> conv;
   std::vector<torch::Tensor> matrix, bias;
@@ -478,6 +516,8 @@ struct Instance {
   std::vector<Block> blocks;
   std::vector<torch::nn::Linear> pool;
   torch::Tensor x, aux;
+  torch::Tensor source;                     // a parameter outside the blocks (Program::captured)
+  std::unique_ptr<torch::Tensor> captured;  // computed from it at the forward's start; the blocks read it
 };
 
 Instance build(const Program& p) {
@@ -485,9 +525,11 @@ Instance build(const Program& p) {
   Instance in;
   for (int64_t k = 0; k < p.pool; ++k)
     in.pool.push_back(torch::nn::Linear(p.width, p.width));
+  in.captured = std::make_unique<torch::Tensor>();
+  if (p.captured) in.source = (torch::randn({p.width}) * 0.2).requires_grad_(true);
   in.seq = torch::nn::Sequential();
   for (const auto& spec : p.blocks) {
-    in.blocks.push_back(Block(p, spec, in.pool));
+    in.blocks.push_back(Block(p, spec, in.pool, in.captured.get()));
     in.seq->push_back(in.blocks.back());
   }
   in.x = torch::randn({p.batch, p.width});
@@ -503,41 +545,41 @@ CheckpointOptions options_for(Mode m, const std::vector<std::shared_ptr<torch::n
   if (p.keep && m != 2) keep.push_back(remat::kMatmul);
   return CheckpointOptions()
       .mode(m == 2 ? CheckpointMode::kReentrant : CheckpointMode::kNonReentrant)
-      .modules(modules)
+      .modules(p.undeclared ? std::vector<std::shared_ptr<torch::nn::Module>>{} : modules)
       .preserve_rng_state(p.preserve_rng)
       .early_stop(p.early_stop)
       .keep(keep)
       .policy(m == 1 ? p.make_policy() : remat::Policy());
 }
 
-bool any_requires_grad(const std::vector<torch::Tensor>& ts,
-                       const std::vector<std::shared_ptr<torch::nn::Module>>& ms) {
-  for (const auto& t : ts) {
-    if (t.defined() && t.requires_grad()) return true;
-  }
-  for (const auto& m : ms) {
-    for (const auto& p : m->parameters()) {
-      if (p.requires_grad()) return true;
-    }
-  }
-  return false;
-}
-
-// Runs block b (a region) with the given mode: kReentrant falls back to kNonReentrant where it would have
-// nothing to train (it refuses that by design), as a user would.
+// Runs block b (a region) with the given mode (kReentrant finds what it uses that requires grad, declared or
+// not, inputs requiring grad or not).
 std::vector<torch::Tensor> run_region(Instance& in, size_t b, Mode mode,
                                       const std::vector<torch::Tensor>& args, const Program& p) {
   Block block = in.blocks[b];
   if (mode == 0) return block->run(args);
   std::vector<std::shared_ptr<torch::nn::Module>> modules{block.ptr()};
-  if (mode == 2 && !any_requires_grad(args, modules)) mode = 1;
   return remat::checkpoint([block](const std::vector<torch::Tensor>& a) mutable { return block->run(a); },
                            args, options_for(mode, modules, p));
+}
+
+// Block 0 (as run_region with `mode`) inside p.wrap's regions from `level` in. Captures only what outlives
+// the backward pass (the instance and the program).
+std::vector<torch::Tensor> run_wrapped(Instance* in, const Program* p, size_t level, Mode mode,
+                                       const std::vector<torch::Tensor>& args) {
+  if (level == p->wrap.size()) return run_region(*in, 0, mode, args, *p);
+  std::vector<std::shared_ptr<torch::nn::Module>> modules{in->blocks[0].ptr()};
+  return remat::checkpoint(
+      [in, p, level, mode](const std::vector<torch::Tensor>& a) {
+        return run_wrapped(in, p, level + 1, mode, a);
+      },
+      args, options_for(p->wrap[level], modules, *p));
 }
 
 // The forward pass of the program under its strategy (plain when `plain`); returns the loss.
 torch::Tensor forward(const Program& p, Instance& in, bool plain) {
   const size_t n = p.blocks.size();
+  if (p.captured) *in.captured = torch::tanh(in.source) * 0.5;
   std::vector<torch::Tensor> state{in.x};
   if (p.regions) state.push_back(in.aux);
   auto finish = [&](const std::vector<torch::Tensor>& s) {
@@ -568,7 +610,7 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
   switch (p.strategy) {
     case Strategy::kPerBlock:
       for (size_t b = 0; b < n; ++b)
-        state = step(b, p.blocks[b].mode, state);
+        state = b == 0 ? run_wrapped(&in, &p, 0, p.blocks[0].mode, state) : step(b, p.blocks[b].mode, state);
       return finish(state);
     case Strategy::kNested: {
       size_t b = 0;
@@ -580,8 +622,7 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
         std::vector<std::shared_ptr<torch::nn::Module>> modules;
         for (size_t k = b; k < e; ++k)
           modules.push_back(in.blocks[k].ptr());
-        Mode outer = p.outer_modes[static_cast<size_t>(g)];
-        if (outer == 2 && !any_requires_grad(state, modules)) outer = 1;
+        const Mode outer = p.outer_modes[static_cast<size_t>(g)];
         const size_t first = b, last = e;
         // Kept until the backward pass: it captures only what outlives it (the program and the instance).
         Instance* inst = &in;
@@ -589,7 +630,8 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
         auto group_fn = [inst, prog, first, last](const std::vector<torch::Tensor>& s0) {
           std::vector<torch::Tensor> s = s0;
           for (size_t k = first; k < last; ++k)
-            s = run_region(*inst, k, prog->blocks[k].mode, s, *prog);
+            s = k == 0 ? run_wrapped(inst, prog, 0, prog->blocks[0].mode, s)
+                       : run_region(*inst, k, prog->blocks[k].mode, s, *prog);
           return s;
         };
         state = remat::checkpoint(group_fn, state, options_for(outer, modules, p));
@@ -655,6 +697,11 @@ Outcome run(const Program& p, bool plain) {
       names.push_back("grad aux");
       tolerant.push_back(false);
     }
+    if (p.captured) {  // every block adds it: contributions summed in a schedule's order
+      targets.push_back(in.source);
+      names.push_back("grad of the captured tensor's source");
+      tolerant.push_back(true);
+    }
     const int rounds = p.second_backward ? 2 : 1;
     std::vector<torch::Tensor> grads(targets.size());
     for (int r = 0; r < rounds; ++r) {
@@ -719,8 +766,14 @@ std::string compare(const Outcome& plain, const Outcome& got) {
   return os.str();
 }
 
+// The plain and the checkpointed run, in an order that varies with the seed.
 std::string check(const Program& p) {
-  return compare(run(p, true), run(p, false));
+  if (p.seed % 2) {
+    Outcome got = run(p, false);
+    return compare(run(p, true), got);
+  }
+  Outcome plain = run(p, true);
+  return compare(plain, run(p, false));
 }
 
 // Smaller programs that still fail: blocks removed, ops removed, options simplified, until nothing helps.
@@ -751,7 +804,12 @@ Program shrink(Program p) {
         progress = try_candidate(c);
       }
     }
-    for (int option = 0; option < 6 && !progress; ++option) {
+    if (!p.wrap.empty() && !progress) {  // a shallower wrap
+      Program c = p;
+      c.wrap.resize(c.wrap.size() > 4 ? c.wrap.size() / 2 : c.wrap.size() - 1);
+      progress = try_candidate(c);
+    }
+    for (int option = 0; option < 8 && !progress; ++option) {
       Program c = p;
       if (option == 0 && c.second_backward)
         c.second_backward = false;
@@ -765,6 +823,10 @@ Program shrink(Program p) {
         c.policy = 0;
       else if (option == 5 && c.keep)
         c.keep = false;
+      else if (option == 6 && c.undeclared)
+        c.undeclared = false;
+      else if (option == 7 && c.captured)
+        c.captured = false;
       else
         continue;
       progress = try_candidate(c);
@@ -851,6 +913,33 @@ TEST(Fuzz, Long) {
     std::cout << "fuzz: " << (s + std::min(chunk, seed + count - s) - seed) << " programs passed"
               << std::endl;
   }
+}
+
+// The two defects of remat's autograd mechanics as fixed programs: a kReentrant region whose function calls
+// another, both using a parameter neither declares (it got a wrong gradient, silently); and a
+// kNonReentrant block inside 80 nested kReentrant regions, after plain backward passes (it crashed on 2.15).
+TEST(Fuzz, RegressionCases) {
+  OneThread one;
+  Program nested;
+  nested.seed = 2;
+  nested.width = 8;
+  nested.pool = 1;
+  nested.undeclared = true;
+  nested.strategy = Strategy::kNested;
+  nested.outer_modes = {2};
+  for (Mode m : {0, 2}) {
+    BlockSpec b;
+    b.ops = {OpSpec{OpCode::kShared, 0}, OpSpec{OpCode::kGelu, 0}};
+    b.mode = m;
+    nested.blocks.push_back(b);
+  }
+  EXPECT_EQ(check(nested), "") << nested.str();
+  Program deep = nested;
+  deep.seed = 4;
+  deep.strategy = Strategy::kPerBlock;
+  deep.blocks[0].mode = 1;
+  deep.wrap.assign(80, 2);
+  EXPECT_EQ(check(deep), "") << deep.str();
 }
 
 // The generator and the comparison can fail: a deliberately wrong strategy is caught.

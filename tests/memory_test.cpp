@@ -92,18 +92,6 @@ TEST_F(MemoryTest, UnsupportedDevicesAreClearErrors) {
   }
 }
 
-TEST(MemoryCuda, CachingAllocatorStatistics) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  const auto dev = torch::Device(torch::kCUDA, 0);
-  const int64_t before = remat::memory::active_bytes(dev);
-  remat::memory::reset_peak(dev);
-  {
-    auto t = torch::empty({1 << 20}, torch::TensorOptions().device(dev));
-    EXPECT_GE(remat::memory::active_bytes(dev) - before, int64_t{4} << 20);
-  }
-  EXPECT_GE(remat::memory::peak_bytes(dev) - before, int64_t{4} << 20);
-}
-
 TEST_F(MemoryTest, CInterfaceLibraryCountsTheSame) {
   const char* path = std::getenv("REMAT_METER_LIB");
   if (path == nullptr) GTEST_SKIP() << "REMAT_METER_LIB not set (ctest sets it)";

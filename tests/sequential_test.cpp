@@ -421,6 +421,22 @@ TEST(Executor, StagesWithoutTheirModuleAreTrainedAndUpdatedOnce) {
   }
 }
 
+// A stage function that uses a tensor computed outside the plan (requiring grad) without taking it as its
+// input: the executor runs each stage's backward as a nested pass, which cannot hand that tensor's gradient
+// back; an error naming its shape, not a lost gradient.
+TEST(Executor, ACapturedTensorThatRequiresGradIsAnError) {
+  auto w = torch::randn({8}, torch::requires_grad());
+  auto scale = w * 2;  // outside the stages, requires grad
+  std::vector<remat::StageFn> stages;
+  for (int i = 0; i < 2; ++i)
+    stages.push_back({"s" + std::to_string(i),
+                      [&scale](const torch::Tensor& t) { return torch::tanh(t * scale); }, nullptr});
+  const auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto out = remat::run_plan(stages, remat::checkpoint_all(unit_chain(2)), x);
+  EXPECT_THROW_WITH(out.sum().backward(), "remat::run_plan: stage 1", "[8]", "computed outside",
+                    "stage's input");
+}
+
 TEST(Executor, RefusesOptionsItCannotHonour) {
   auto seq = mixed_chain();
   const auto x = torch::randn({4, 16}, torch::requires_grad());

@@ -234,7 +234,8 @@ TEST(Step, PeakIsTheStepChainsPlusGradientsAndTheSurroundings) {
   int64_t all_saved = 0;
   for (const remat::Stage& s : chain.stages)
     all_saved += s.saved_bytes;
-  EXPECT_EQ(remat::step_peak_bytes(chain, large, remat::no_checkpoint(chain)), all_saved + (int64_t{1} << 30));
+  EXPECT_EQ(remat::step_peak_bytes(chain, large, remat::no_checkpoint(chain)),
+            all_saved + (int64_t{1} << 30));
   // Gradients: the last stage's arrive at its backward and stay; all of them are there at the first
   // stage's backward.
   remat::StepContext grads = ctx;

@@ -75,11 +75,12 @@ class _Shape:
 class _Step:
     """One training step's measurements."""
 
-    def __init__(self, meter, base: int, outer_peak: int, grads_none: set[int] | None):
+    def __init__(self, meter, grads_none: set[int] | None):
         self.meter = meter
-        self.base = base
-        self.outer_peak = outer_peak
-        self.true_peak = base  # the step's own peak (profiling's transients left out)
+        # remat's own window on the device's count: the step's peak, without resetting what the user reads.
+        self.window = meter.window()
+        self.base = meter.count()
+        self.true_peak = self.base  # the step's own peak (profiling's transients left out)
         self.grads_none = grads_none  # ids of parameters whose .grad was None when the step began
         self.shape: _Shape | None = None
         self.calls: list = []  # profiling: (fn, args, x) per layer
@@ -92,18 +93,27 @@ class _Step:
         self.input_bytes = 0
         self.done = False
 
+    def peak(self) -> int:
+        """The window's peak since its last reset()."""
+        return self.window.peak()
+
     def note_peak(self):
-        self.true_peak = max(self.true_peak, self.meter.peak())
+        self.true_peak = max(self.true_peak, self.window.peak())
 
     def reset(self):
         self.note_peak()
-        self.meter.reset_peak()
+        self.window.restart()
 
     def finish(self):
         self.note_peak()
-        self.meter.reset_peak()
-        self.meter.raise_peak(max(self.true_peak, self.outer_peak))
+        self.window.close()
         self.done = True
+
+
+def _sync(device: torch.device) -> None:
+    """Waits for the device's work, so that a host clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class LayerPlan:
@@ -239,9 +249,7 @@ class LayerPlan:
             return
         meter = meter_for(self._device_of(args))
         grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
-        outer = meter.peak()
-        meter.reset_peak()
-        self._step = _Step(meter, meter.active(), outer, grads_none)
+        self._step = _Step(meter, grads_none)
 
     def _device_of(self, args) -> torch.device:
         for a in args:
@@ -269,9 +277,7 @@ class LayerPlan:
             if step is None or step.shape is not None:  # layers called outside the model's forward
                 meter = meter_for(x.device)
                 grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
-                outer = meter.peak()
-                meter.reset_peak()
-                step = self._step = _Step(meter, meter.active(), outer, grads_none)
+                step = self._step = _Step(meter, grads_none)
                 step.input_in_base = True  # the base is taken here, the layers' input alive
             key = (tuple(x.shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
             shape = self._shapes.setdefault(key, _Shape())
@@ -309,7 +315,7 @@ class LayerPlan:
         meter = step.meter
         if i == 0:
             step.note_peak()
-            step.at_layer0 = meter.active()
+            step.at_layer0 = meter.count()
             step.before_peak = step.true_peak - step.base
         step.calls.append((fn, args, x))
         out = run_layer(CHECKPOINT, fn, args, [self.layers[i]], self.policies)
@@ -332,21 +338,23 @@ class LayerPlan:
             shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0, repeats=self.repeats,
                                   inputs=inputs, excluded=excluded)
             del stage_fns, inputs, excluded
-            meter.reset_peak()  # profiling's own transients are not the step's
+            step.window.restart()  # profiling's own transients are not the step's
         # The layers' calls are not needed any more: holding their inputs would hold what the plain step frees.
         step.input_bytes = step.calls[0][2].nbytes
         x0 = step.calls[0][2]
         step.calls = []
         # The rest of the step: from here until the backward pass reaches this output.
         step.reset()
-        at_return = meter.active()
+        at_return = meter.count()
+        device = x0.device
+        _sync(device)  # the rest of the step is timed from the moment the layers' work is done
         t0 = time.perf_counter()
 
         prefix_backward = x0.requires_grad and x0.grad_fn is not None
 
         def finish_profiling():
             # From the layers' input gradient to the end: the backward pass of what ran before the layers.
-            step.before_backward_peak = meter.peak() - step.base if prefix_backward else 0
+            step.before_backward_peak = step.peak() - step.base if prefix_backward else 0
             step.note_peak()
             shape.checkpointed_peak = step.true_peak - step.base
             try:
@@ -361,11 +369,12 @@ class LayerPlan:
 
         def at_out(g):
             step.note_peak()
-            step.rest = (max(0, meter.peak() - at_return), (time.perf_counter() - t0) * 1e3)
+            _sync(device)
+            step.rest = (max(0, step.peak() - at_return), (time.perf_counter() - t0) * 1e3)
             # What the rest of the step leaves held through the layers' backward, besides the gradient it
             # hands them: its parameters' gradients, the partial gradient of a weight the layers' input also
             # uses (a tied embedding's, summed only at its last use), the outputs the caller holds (logits).
-            step.rest_grads = max(0, meter.active() - at_return - g.nbytes)
+            step.rest_grads = max(0, meter.count() - at_return - g.nbytes)
             step.reset()
             if not prefix_backward:
                 _queue_at_backward_end(finish_profiling)

@@ -173,8 +173,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     saving makes them from example_input. excluded: tensors the stages read that are alive anyway (an
     attention mask a closure holds), not counted as saved.
 
-    On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA with
-    the allocator's statistics. Raises ValueError for no stages, warmup < 0, repeats < 1 or a bad policy, and
+    On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
+    the bytes tensors request from the caching allocator; in peak windows either way, which reset no statistic
+    the caller reads (remat.meter). Raises ValueError for no stages, warmup < 0, repeats < 1 or a bad policy, and
     TypeError naming the stage when one returns something other than a tensor.
     """
     stage_list = [s if isinstance(s, StageFn) else
@@ -254,13 +255,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         with _ZeroGrads(params[i]):
             d = torch.ones_like(out)
             sync()
-            before = meter.active()
-            meter.reset_peak()
-            t0 = time.perf_counter()
-            torch.autograd.backward(out, d, inputs=targets)
-            sync()
-            ms = (time.perf_counter() - t0) * 1e3
-            peak = meter.peak() - before
+            before = meter.count()
+            with meter.window() as window:
+                t0 = time.perf_counter()
+                torch.autograd.backward(out, d, inputs=targets)
+                sync()
+                ms = (time.perf_counter() - t0) * 1e3
+                peak = window.peak() - before
         return ms, peak
 
     with Restore(modules, device):
@@ -288,15 +289,15 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     leaf = leaf_of(i)
                     counter = _SavedStorages(alive | {_storage_key(leaf)})
                     sync()
-                    base = meter.active()
-                    meter.reset_peak()
-                    t0 = time.perf_counter()
-                    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                        out = check_out(i, stage_list[i](leaf))
-                    sync()
-                    f = (time.perf_counter() - t0) * 1e3
+                    base = meter.count()
+                    with meter.window() as window:
+                        t0 = time.perf_counter()
+                        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                            out = check_out(i, stage_list[i](leaf))
+                        sync()
+                        f = (time.perf_counter() - t0) * 1e3
+                        fwd_peak = window.peak() - base
                     if measure:
-                        fwd_peak = meter.peak() - base
                         out_key = _storage_key(out)
                         saved = sum(counter.sizes.values())
                         if out_key not in counter.sizes and out_key not in alive and out_key != _storage_key(leaf):
@@ -339,14 +340,14 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     for i in reversed(range(n)):
                         leaf = leaf_of(i)
                         sync()
-                        base = meter.active()
+                        base = meter.count()
                         t0 = time.perf_counter()
                         out = check_out(i, checkpoint(stage_list[i].fn, leaf, use_reentrant=False,
                                                       preserve_rng_state=True, context_fn=contexts[i](fn)))
                         sync()
                         f = (time.perf_counter() - t0) * 1e3
                         if measure:
-                            fields[i]["pol"][name]["saved"] = max(out.nbytes, meter.active() - base)
+                            fields[i]["pol"][name]["saved"] = max(out.nbytes, meter.count() - base)
                         targets = targets_of(i, leaf)
                         b = timed_backward(out, targets, i)[0] if out.requires_grad and targets else 0.0
                         del out, leaf

@@ -306,10 +306,11 @@ void refuse_captured(const RegionReach& reach, const char* who, const char* advi
   std::string list;
   for (const auto& c : reach.captured)
     list += (list.empty() ? "" : ", ") + c;
-  TORCH_CHECK(false, who, ": the region uses ", reach.captured.size() == 1 ? "a tensor" : "tensors", " (",
-              list, ") that require", reach.captured.size() == 1 ? "s" : "",
-              " grad and were computed outside it without being passed as inputs; their gradients cannot "
-              "flow back through the region's nested backward pass, and would be lost. ",
+  const bool one = reach.captured.size() == 1;
+  TORCH_CHECK(false, who, ": the region uses ", one ? "a tensor" : "tensors", " (", list, ") that ",
+              one ? "requires" : "require", " grad and ", one ? "was" : "were",
+              " computed outside it without being passed as ", one ? "an input" : "inputs",
+              "; its gradient cannot flow back through the region's nested backward pass, and would be lost. ",
               advice);
 }
 

@@ -1,0 +1,115 @@
+"""The Python package on CUDA (skipped without a GPU; `./test --cuda` runs them on a lent one): per-layer plans
+and Hugging Face models planned in place give the plain run's losses and gradients, under fp32 and CUDA autocast
+(fp16, bf16); the step's peak stays within the budget; remat's measuring leaves torch.cuda's own peak statistic
+alone; the CUDA meter's windows count the bytes tensors request."""
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.meter import meter_for
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+DEV = torch.device("cuda", 0)
+
+
+def close(a, b, rtol):
+    scale = 1.0 + float(b.detach().abs().max())
+    return float((a - b).abs().max()) <= rtol * scale
+
+
+def mlp(depth=4, width=256):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
+                                         nn.Dropout(0.1), nn.Linear(4 * width, width)) for _ in range(depth)]).to(DEV)
+
+
+def step(model, x, seed, dtype=None):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+        loss = model(x).float().square().mean()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(4, device=DEV)
+
+
+def assert_steps_close(got, want, rtol):
+    assert close(got[0], want[0], rtol)
+    for i, (g, h) in enumerate(zip(got[1], want[1])):
+        assert close(g, h, rtol), f"gradient {i}: max difference {float((g - h).abs().max())}"
+    assert torch.equal(got[2], want[2]), "the CUDA generator is not where the plain run leaves it"
+
+
+def test_window_counts_requested_bytes_and_leaves_the_allocators_peak():
+    meter = meter_for(DEV)
+    torch.cuda.reset_peak_memory_stats(DEV)
+    big = torch.empty(32 << 20, device=DEV)  # 128 MiB: the user's peak
+    del big
+    user_peak = torch.cuda.max_memory_allocated(DEV)
+    with meter.window() as w:
+        base = meter.count()
+        a = torch.empty(1000, device=DEV)
+        b = torch.empty(250, device=DEV)
+        del b
+        assert meter.count() - base == 4000
+        assert w.peak() - base == 5000
+        del a
+    assert torch.cuda.max_memory_allocated(DEV) == user_peak
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_enable_on_cuda_is_the_plain_run_within_the_budget(dtype):
+    x = torch.randn(16, 128, 256, device=DEV)
+    plain = mlp()
+    want = [step(plain, x, 10 + k, dtype) for k in range(3)]
+    torch.cuda.reset_peak_memory_stats(DEV)
+    base = torch.cuda.memory_allocated(DEV)
+    step(plain, x, 10, dtype)
+    plain_peak = torch.cuda.max_memory_allocated(DEV) - base
+    model = mlp()
+    lp = remat.enable(model, list(model), budget=plain_peak // 2)
+    rtol = {None: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    for k in range(3):
+        big = torch.empty(plain_peak // 4 + (64 << 20), dtype=torch.uint8, device=DEV)
+        del big  # the user's own peak, above what the step reaches
+        user_peak = torch.cuda.max_memory_allocated(DEV)
+        got = step(model, x, 10 + k, dtype)
+        assert_steps_close(got, want[k], rtol)
+        assert torch.cuda.max_memory_allocated(DEV) >= user_peak, "remat reset the user's peak statistic"
+    assert lp.is_planned()
+    assert lp.last_peak_bytes <= plain_peak // 2 * 1.05, (lp.last_peak_bytes, plain_peak // 2, lp.choices)
+
+
+def test_hf_bert_on_cuda_every_step_the_plain_run():
+    transformers = pytest.importorskip("transformers")
+    import remat.hf
+
+    def bert():
+        torch.manual_seed(0)
+        cfg = transformers.BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=4,
+                                      num_attention_heads=4, intermediate_size=1024, max_position_embeddings=256)
+        return transformers.BertModel(cfg).to(DEV).train()
+
+    ids = torch.randint(0, 1000, (8, 128), generator=torch.Generator().manual_seed(3)).to(DEV)
+
+    def hf_step(model, k):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + k)
+        loss = model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state.square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], \
+            torch.rand(4, device=DEV)
+
+    plain = bert()
+    want = [hf_step(plain, k) for k in range(3)]
+    torch.cuda.reset_peak_memory_stats(DEV)
+    base = torch.cuda.memory_allocated(DEV)
+    hf_step(plain, 0)
+    plain_peak = torch.cuda.max_memory_allocated(DEV) - base
+    model = bert()
+    lp = remat.hf.enable(model, budget=int(plain_peak * 0.6))
+    for k in range(3):
+        assert_steps_close(hf_step(model, k), want[k], 1e-5)
+    assert lp.is_planned()
+    assert lp.last_peak_bytes <= plain_peak * 0.6 * 1.05

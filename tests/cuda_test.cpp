@@ -1,0 +1,509 @@
+// remat's runtime on CUDA: every feature against the plain run on the GPU. Each test skips without a CUDA
+// device, so the suite passes on CPU machines; `./test --cuda` runs them on a lent GPU (docs/testing.md).
+// Gradients are compared within a tolerance scaled to the reference's size, since cuBLAS and fused kernels
+// may pick other algorithms between two runs; dropout masks that differed would be off by O(1).
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <thread>
+
+#include <remat/memory.h>
+#include <remat/planned.h>
+#include <remat/planner.h>
+#include <remat/policy.h>
+#include <remat/profile.h>
+#include <remat/remat.h>
+#include <remat/sequential.h>
+
+#include "detail/compat.h"
+#include "support.h"
+
+namespace {
+
+using remat::CheckpointMode;
+using remat::CheckpointOptions;
+using remat::testing::max_abs_diff;
+
+class CudaTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  }
+  const torch::Device dev{torch::kCUDA, 0};
+  torch::TensorOptions on() const { return torch::TensorOptions().device(dev); }
+};
+
+// Within `rtol` of the reference's largest entry (and both defined, or both not).
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, double rtol, const std::string& what) {
+  ASSERT_EQ(got.defined(), want.defined()) << what;
+  if (!want.defined()) return;
+  const double scale = 1.0 + want.detach().abs().max().item<double>();
+  EXPECT_LE(max_abs_diff(got, want), rtol * scale) << what;
+}
+
+// A transformer-like block: LayerNorm, two projections, GELU, dropout; what most tests run.
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(int64_t w, double p = 0.1) {
+    ln = register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({w})));
+    fc1 = register_module("fc1", torch::nn::Linear(w, 4 * w));
+    fc2 = register_module("fc2", torch::nn::Linear(4 * w, w));
+    drop = register_module("drop", torch::nn::Dropout(p));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return x + drop(fc2(torch::gelu(fc1(ln(x))))); }
+  torch::nn::LayerNorm ln{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::nn::Dropout drop{nullptr};
+};
+TORCH_MODULE(Block);
+
+// Block i of `seq` under remat::checkpoint with `o` (its module declared).
+torch::Tensor checkpoint_block(torch::nn::Sequential& seq, size_t i, const torch::Tensor& h,
+                               CheckpointOptions o) {
+  auto block = seq[i]->as<BlockImpl>();
+  return remat::checkpoint([block](const torch::Tensor& t) { return block->forward(t); }, h,
+                           o.modules({seq[i]}));
+}
+
+torch::nn::Sequential blocks(int64_t depth, int64_t w, torch::Device dev) {
+  torch::nn::Sequential seq;
+  for (int64_t i = 0; i < depth; ++i)
+    seq->push_back(Block(w));
+  seq->to(dev);
+  return seq;
+}
+
+struct Grads {
+  std::vector<torch::Tensor> g;
+  torch::Tensor next_draw;  // the CUDA generator's next numbers: left as the plain run leaves it
+};
+
+// Runs `forward` on x (seeded), backward of the squared sum, and collects x's and the parameters' gradients.
+Grads run(torch::nn::Module& m, const torch::Tensor& x0,
+          const std::function<torch::Tensor(const torch::Tensor&)>& f) {
+  for (auto& p : m.parameters())
+    p.mutable_grad() = torch::Tensor();
+  auto x = x0.detach().clone().requires_grad_(true);
+  torch::manual_seed(11);
+  f(x).pow(2).sum().backward();
+  Grads out;
+  out.g.push_back(x.grad());
+  for (const auto& p : m.parameters())
+    out.g.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  out.next_draw = torch::rand({8}, x0.options());
+  return out;
+}
+
+void expect_same(const Grads& got, const Grads& want, double rtol, const std::string& what) {
+  ASSERT_EQ(got.g.size(), want.g.size()) << what;
+  for (size_t i = 0; i < got.g.size(); ++i)
+    expect_close(got.g[i], want.g[i], rtol, what + ", gradient " + std::to_string(i));
+  EXPECT_TRUE(torch::equal(got.next_draw, want.next_draw)) << what << ": the generator moved differently";
+}
+
+// On CUDA the CUDA generator draws dropout's mask: it is replayed, and left as it was found.
+TEST(CheckpointCuda, DropoutMaskReplayedOnCudaInBothModes) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device dev(torch::kCUDA, 0);
+  for (auto mode : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant}) {
+    torch::manual_seed(0);
+    torch::nn::Linear fc(64, 64);
+    fc->to(dev);
+    const auto x = torch::randn({32, 64}, torch::TensorOptions().device(dev).requires_grad(true));
+    auto fn = [&](const torch::Tensor& t) { return torch::dropout(torch::gelu(fc(t)), 0.5, true); };
+    torch::manual_seed(7);
+    fn(x).pow(2).sum().backward();
+    const auto plain_x = x.grad().clone(), plain_w = fc->weight.grad().clone();
+    const auto after_plain = torch::rand({16}, torch::TensorOptions().device(dev));
+    x.mutable_grad() = torch::Tensor();
+    fc->weight.mutable_grad() = torch::Tensor();
+    torch::manual_seed(7);
+    remat::checkpoint(fn, x, CheckpointOptions().mode(mode).modules({fc.ptr()})).pow(2).sum().backward();
+    EXPECT_TRUE(torch::equal(x.grad(), plain_x));
+    EXPECT_TRUE(torch::equal(fc->weight.grad(), plain_w));
+    EXPECT_TRUE(torch::equal(torch::rand({16}, torch::TensorOptions().device(dev)), after_plain));
+  }
+}
+
+TEST(MemoryCuda, CachingAllocatorStatistics) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const auto dev = torch::Device(torch::kCUDA, 0);
+  const int64_t before = remat::memory::active_bytes(dev);
+  remat::memory::reset_peak(dev);
+  {
+    auto t = torch::empty({1 << 20}, torch::TensorOptions().device(dev));
+    EXPECT_GE(remat::memory::active_bytes(dev) - before, int64_t{4} << 20);
+  }
+  EXPECT_GE(remat::memory::peak_bytes(dev) - before, int64_t{4} << 20);
+}
+
+// The defect of the first GPU run: a plain CUDA backward pass first, then every way remat runs a region, in
+// one process (kNonReentrant threw LibTorch's assertion on its device queues).
+TEST_F(CudaTest, PlainBackwardFirstThenEveryMode) {
+  torch::manual_seed(0);
+  auto seq = blocks(4, 64, dev);
+  const auto x = torch::randn({8, 16, 64}, on());
+  const Grads plain = run(*seq, x, [&](const torch::Tensor& t) { return seq->forward(t); });
+  auto stages = remat::stages_of(seq);
+  auto each = [&](CheckpointOptions o) {
+    return [&stages, o](const torch::Tensor& t) {
+      torch::Tensor h = t;
+      for (const auto& s : stages)
+        h = remat::checkpoint(s.fn, h, CheckpointOptions(o).modules({s.module}));
+      return h;
+    };
+  };
+  expect_same(run(*seq, x, each(CheckpointOptions())), plain, 1e-5, "kNonReentrant");
+  expect_same(run(*seq, x, each(CheckpointOptions().mode(CheckpointMode::kReentrant))), plain, 1e-5,
+              "kReentrant");
+  for (auto outer : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant}) {
+    for (auto inner : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant}) {
+      auto nested = [&](const torch::Tensor& t) {
+        return remat::checkpoint(
+            [&](const torch::Tensor& u) {
+              torch::Tensor h = stages[0].fn(u);
+              h = remat::checkpoint(stages[1].fn, h, CheckpointOptions().mode(inner));
+              return stages[3].fn(stages[2].fn(h));
+            },
+            t, CheckpointOptions().mode(outer));
+      };
+      expect_same(run(*seq, x, nested), plain, 1e-5, "nested");
+    }
+  }
+  expect_same(run(*seq, x, [&](const torch::Tensor& t) { return remat::checkpoint_sequential(seq, 2, t); }),
+              plain, 1e-5, "checkpoint_sequential");
+  const remat::Chain chain = remat::profile_chain(stages, x);
+  for (const auto& plan :
+       {remat::checkpoint_all(chain), remat::optimal(chain, remat::min_feasible_budget(chain))})
+    expect_same(run(*seq, x, [&](const torch::Tensor& t) { return remat::run_plan(stages, plan, t); }), plain,
+                1e-5, "run_plan " + plan.to_string());
+}
+
+// 80 nested kReentrant regions on CUDA: past LibTorch's per-thread depth, the device thread hands the deepest
+// passes to the engine's pool.
+TEST_F(CudaTest, DeeplyNestedRegions) {
+  torch::manual_seed(1);
+  auto w = torch::randn({32, 32}, on().requires_grad(true));
+  const auto x = torch::randn({4, 32}, on());
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&, int, bool)> nest =
+      [&](const torch::Tensor& h, const torch::Tensor& weight, int level, bool ckpt) -> torch::Tensor {
+    if (level == 80) return torch::tanh(h.mm(weight));
+    auto body = [&, level, ckpt](const std::vector<torch::Tensor>& in) {
+      return std::vector<torch::Tensor>{nest(torch::tanh(in[0]) * 0.9, in[1], level + 1, ckpt)};
+    };
+    return ckpt ? remat::checkpoint(body, {h, weight},
+                                    CheckpointOptions().mode(level % 2 ? CheckpointMode::kReentrant
+                                                                       : CheckpointMode::kNonReentrant))[0]
+                : body({h, weight})[0];
+  };
+  auto grads = [&](bool ckpt) {
+    w.mutable_grad() = torch::Tensor();
+    auto xx = x.clone().requires_grad_(true);
+    nest(xx, w, 0, ckpt).sum().backward();
+    return std::make_pair(xx.grad().clone(), w.grad().clone());
+  };
+  const auto plain = grads(false), got = grads(true);
+  expect_close(got.first, plain.first, 1e-5, "input");
+  expect_close(got.second, plain.second, 1e-5, "weight");
+}
+
+// Dropout's masks replayed from the CUDA generator under CUDA autocast in fp16 and bf16, both modes: the
+// recompute re-enters the forward pass's autocast state.
+TEST_F(CudaTest, AutocastFp16AndBf16BothModes) {
+  for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+    torch::manual_seed(2);
+    auto seq = blocks(2, 64, dev);
+    const auto x = torch::randn({8, 16, 64}, on());
+    auto under_autocast = [&](std::function<torch::Tensor(const torch::Tensor&)> f) {
+      return [f, dtype](const torch::Tensor& t) {
+        const bool was = remat::detail::compat::autocast_enabled(c10::DeviceType::CUDA);
+        remat::detail::compat::set_autocast_enabled(c10::DeviceType::CUDA, true);
+        remat::detail::compat::set_autocast_dtype(c10::DeviceType::CUDA, dtype);
+        at::autocast::increment_nesting();
+        torch::Tensor y = f(t).to(torch::kFloat);
+        if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+        remat::detail::compat::set_autocast_enabled(c10::DeviceType::CUDA, was);
+        return y;
+      };
+    };
+    const Grads plain = run(*seq, x, under_autocast([&](const torch::Tensor& t) { return seq->forward(t); }));
+    for (auto mode : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant}) {
+      auto ckpt = under_autocast([&, mode](const torch::Tensor& t) {
+        torch::Tensor h = t;
+        for (size_t i = 0; i < seq->size(); ++i)
+          h = checkpoint_block(seq, i, h, CheckpointOptions().mode(mode));
+        return h;
+      });
+      const Grads got = run(*seq, x, ckpt);
+      EXPECT_EQ(got.g[1].scalar_type(), torch::kFloat);
+      expect_same(got, plain, dtype == torch::kHalf ? 2e-3 : 2e-2,
+                  std::string(c10::toString(dtype)) +
+                      (mode == CheckpointMode::kReentrant ? " kReentrant" : " kNonReentrant"));
+    }
+  }
+}
+
+// torch::autograd::grad inside a kNonReentrant region (a gradient penalty, on the device thread), and
+// second-order gradients through a checkpoint in both modes.
+TEST_F(CudaTest, GradInsideARegionAndSecondOrder) {
+  torch::manual_seed(3);
+  auto w = torch::randn({16, 16}, on().requires_grad(true));
+  const auto x = torch::randn({4, 16}, on().requires_grad(true));
+  auto penalty = [&](const torch::Tensor& t) {
+    auto a = t.mm(w);
+    auto b = torch::tanh(a);
+    auto g = torch::autograd::grad({b.pow(2).sum()}, {a}, {}, true, true)[0];
+    return torch::sigmoid(b) + 0.1 * g;
+  };
+  auto grads_of = [&](const torch::Tensor& y) {
+    auto gs = torch::autograd::grad({y.pow(2).sum()}, {x, w});
+    return gs;
+  };
+  const auto plain = grads_of(penalty(x));
+  const auto got = grads_of(remat::checkpoint(penalty, x));
+  expect_close(got[0], plain[0], 1e-5, "penalty: x");
+  expect_close(got[1], plain[1], 1e-5, "penalty: w");
+
+  auto f = [&](const torch::Tensor& t) { return torch::tanh(t.mm(w)).pow(3); };
+  auto second = [&](const torch::Tensor& y) {
+    auto g = torch::autograd::grad({y.sum()}, {x}, {}, true, true)[0];
+    return torch::autograd::grad({g.pow(2).sum()}, {w})[0];
+  };
+  const auto want = second(f(x));
+  for (auto mode : {CheckpointMode::kNonReentrant, CheckpointMode::kReentrant})
+    expect_close(second(remat::checkpoint(f, x, CheckpointOptions().mode(mode))), want, 1e-5, "second order");
+}
+
+// Policies and remat::keep on CUDA operators, fused scaled-dot-product attention included; the kept products
+// are not run again by the recompute.
+TEST_F(CudaTest, PoliciesAndKeepOnCudaOperators) {
+  torch::manual_seed(4);
+  auto seq = blocks(2, 64, dev);
+  const auto x = torch::randn({8, 16, 64}, on());
+  const Grads plain = run(*seq, x, [&](const torch::Tensor& t) { return seq->forward(t); });
+  for (const remat::Policy& p :
+       {remat::policy::matmuls(), remat::policy::attention_core(), remat::policy::recompute_pointwise()}) {
+    auto f = [&, p](const torch::Tensor& t) {
+      torch::Tensor h = t;
+      for (size_t i = 0; i < seq->size(); ++i)
+        h = checkpoint_block(seq, i, h, CheckpointOptions().policy(p));
+      return h;
+    };
+    expect_same(run(*seq, x, f), plain, 1e-5, "policy " + p.name());
+  }
+  torch::nn::Linear fc(64, 64);
+  fc->to(dev);
+  auto kept = [&](const torch::Tensor& t) {
+    auto h = remat::keep(
+        "proj", [&](const torch::Tensor& u) { return fc(u); }, t);
+    return torch::gelu(h) * 2;
+  };
+  const Grads plain_keep = run(*fc, x, kept);
+  expect_same(run(*fc, x,
+                  [&](const torch::Tensor& t) {
+                    return remat::checkpoint(kept, t, CheckpointOptions().keep({"proj"}));
+                  }),
+              plain_keep, 1e-5, "remat::keep");
+#if TORCH_VERSION_MAJOR >= 2
+  const auto q = torch::randn({2, 4, 64, 32}, on().requires_grad(true));
+  auto attention = [](const torch::Tensor& t) {
+    return at::scaled_dot_product_attention(t, t * 2, t.cos(), {}, /*dropout_p=*/0.2, /*is_causal=*/true);
+  };
+  auto sdpa = [&](const std::optional<remat::Policy>& p) {
+    q.mutable_grad().reset();
+    torch::manual_seed(5);
+    auto y = p ? remat::checkpoint(attention, q, CheckpointOptions().policy(*p)) : attention(q);
+    y.pow(2).sum().backward();
+    return std::make_pair(q.grad().clone(), torch::rand({4}, on()));
+  };
+  const auto want = sdpa(std::nullopt);
+  for (const remat::Policy& p : {remat::policy::attention_core(), remat::policy::matmuls()}) {
+    const auto got = sdpa(p);
+    expect_close(got.first, want.first, 1e-4, "fused attention under " + p.name());
+    EXPECT_TRUE(torch::equal(got.second, want.second)) << p.name();
+  }
+#endif
+}
+
+// Early stopping on CUDA: the recompute ends once every tensor the backward pass needs is back (what comes
+// after the region's last save is not run again).
+TEST_F(CudaTest, EarlyStop) {
+  torch::manual_seed(6);
+  auto w = torch::randn({32, 32}, on().requires_grad(true));
+  const auto x = torch::randn({8, 32}, on().requires_grad(true));
+  int tails = 0;
+  auto f = [&](const torch::Tensor& t) {
+    auto h = torch::tanh(t.mm(w));
+    ++tails;  // after the last save: the output's own computation does not save
+    return h * 3;
+  };
+  auto y = remat::checkpoint(f, x, CheckpointOptions().early_stop(true));
+  EXPECT_EQ(tails, 1);
+  y.sum().backward();
+  EXPECT_EQ(tails, 1) << "the recompute ran past its last save";
+  auto w2 = w.detach().requires_grad_(true);
+  auto x2 = x.detach().requires_grad_(true);
+  (torch::tanh(x2.mm(w2)) * 3).sum().backward();
+  expect_close(w.grad(), w2.grad(), 1e-5, "w");
+  expect_close(x.grad(), x2.grad(), 1e-5, "x");
+}
+
+// The profiler on CUDA: each stage's bytes exact (the output's), times synchronized (a stage that waits on
+// the GPU is timed at its GPU time), and the caller's statistics untouched.
+TEST_F(CudaTest, ProfilerMeasuresWithoutTouchingTheCallersPeak) {
+  torch::manual_seed(7);
+  auto seq = blocks(3, 128, dev);
+  const auto x = torch::randn({16, 64, 128}, on());
+  {
+    auto big = torch::empty({64 << 20}, on());  // 256 MiB: the caller's peak
+  }
+  const int64_t before = remat::memory::peak_bytes(dev);
+  const remat::Chain chain = remat::profile_chain(remat::stages_of(seq), x);
+  EXPECT_EQ(remat::memory::peak_bytes(dev), before) << "the profiler reset or moved the caller's peak";
+  for (const auto& s : chain.stages) {
+    EXPECT_EQ(s.output_bytes, 16 * 64 * 128 * 4);
+    EXPECT_GT(s.saved_bytes, s.output_bytes);
+    EXPECT_GT(s.fwd_ms, 0.0);
+    EXPECT_GT(s.bwd_ms, 0.0);
+  }
+}
+
+// A peak window follows the bytes tensors request and leaves the allocator's statistics alone.
+TEST_F(CudaTest, PeakWindowLeavesTheAllocatorsPeakAlone) {
+  remat::memory::reset_peak(dev);
+  {
+    auto big = torch::empty({32 << 20}, on());  // 128 MiB
+  }
+  const int64_t user_peak = remat::memory::peak_bytes(dev);
+  remat::memory::PeakWindow outer(dev);
+  {
+    remat::memory::PeakWindow inner(dev);
+    auto a = torch::empty({1000}, on());  // 4000 bytes requested (the allocator rounds the block to 4096)
+    EXPECT_EQ(inner.active_over_base(), 4000);
+    {
+      auto b = torch::empty({250}, on());
+      EXPECT_EQ(inner.peak_over_base(), 5000);
+    }
+    EXPECT_EQ(inner.active_over_base(), 4000);
+    EXPECT_EQ(inner.peak_over_base(), 5000);
+  }
+  EXPECT_EQ(outer.peak_over_base(), 5000);
+  EXPECT_EQ(outer.active_over_base(), 0);
+  EXPECT_EQ(remat::memory::peak_bytes(dev), user_peak);
+}
+
+// remat::Planned on CUDA: every step the plain run's, the step's peak within the budget and near the
+// prediction, the caller's own peak statistic untouched, the rest of the step's time synchronized.
+struct NetImpl : torch::nn::Module {
+  NetImpl(int64_t w, int64_t depth) {
+    in = register_module("in", torch::nn::Linear(32, w));
+    h = register_module("h", torch::nn::ModuleList());
+    for (int64_t i = 0; i < depth; ++i)
+      h->push_back(Block(w));
+    head = register_module("head", torch::nn::Linear(w, 1));
+  }
+  torch::Tensor loss(const torch::Tensor& x, torch::Device dev) {
+    torch::Tensor a = torch::relu(in(x));
+    base = remat::memory::active_bytes(dev);
+    if (planned) {
+      a = (*planned)->forward(a);
+    } else {
+      for (size_t i = 0; i < h->size(); ++i)
+        a = (*h)[i]->as<BlockImpl>()->forward(a);
+    }
+    auto out = head(a);
+    if (slow_rest) {  // GPU work in the rest of the step that the host does not wait for
+      for (int i = 0; i < 20; ++i)
+        out = out + torch::matmul(filler, filler).mean() * 0;
+    }
+    return out.pow(2).mean();
+  }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::ModuleList h{nullptr};
+  std::optional<remat::Planned> planned;
+  int64_t base = 0;
+  bool slow_rest = false;
+  torch::Tensor filler;
+};
+TORCH_MODULE(Net);
+
+TEST_F(CudaTest, PlannedTrainsAsPlainWithinTheBudgetAndLeavesTheCallersPeak) {
+  const int64_t w = 256, depth = 6;
+  torch::manual_seed(8);
+  const auto x = torch::randn({16, 128, 32}, on());
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  plain->to(dev);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->to(dev);
+  std::vector<remat::StageFn> stages;
+  for (size_t i = 0; i < net->h->size(); ++i) {
+    auto block = net->h[i]->as<BlockImpl>();
+    stages.push_back({"block" + std::to_string(i),
+                      [block](const torch::Tensor& t) { return block->forward(t); }, net->h[i]});
+  }
+  // The plain step's peak over the base, for the budget.
+  auto step = [&](Net& n) {
+    for (auto& p : n->parameters())
+      p.mutable_grad() = torch::Tensor();
+    torch::manual_seed(9);
+    auto loss = n->loss(x, dev);
+    loss.backward();
+    std::vector<torch::Tensor> g{loss.detach()};
+    for (const auto& p : n->parameters())
+      g.push_back(p.grad().clone());
+    return g;
+  };
+  step(plain);
+  remat::memory::reset_peak(dev);
+  step(plain);
+  const int64_t plain_peak = remat::memory::peak_bytes(dev) - plain->base;
+  const int64_t budget = plain_peak / 2;
+  net->planned.emplace(stages, remat::PlannedOptions().budget(budget));
+  for (int s = 0; s < 3; ++s) {
+    const auto want = step(plain);
+    {
+      auto big = torch::empty({plain_peak / 2}, on());  // the caller's peak, far above the step's
+    }
+    const int64_t user_peak = remat::memory::peak_bytes(dev);
+    const auto got = step(net);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      expect_close(got[i], want[i], 1e-5, "step " + std::to_string(s) + " value " + std::to_string(i));
+    EXPECT_GE(remat::memory::peak_bytes(dev), user_peak) << "remat lowered the caller's peak";
+    if ((*net->planned)->is_planned()) {
+      EXPECT_LE((*net->planned)->predicted_peak_bytes(), budget);
+      EXPECT_LE((*net->planned)->last_peak_bytes(), budget + budget / 50)
+          << (*net->planned)->plan()->to_string();
+    }
+  }
+  EXPECT_TRUE((*net->planned)->is_planned());
+
+  // The rest of the step is timed with the device synchronized: GPU work the host does not wait for counts.
+  torch::manual_seed(0);
+  Net slow(w, depth);
+  slow->to(dev);
+  slow->slow_rest = true;
+  slow->filler = torch::randn({2048, 2048}, on());
+  std::vector<remat::StageFn> slow_stages;
+  for (size_t i = 0; i < slow->h->size(); ++i) {
+    auto block = slow->h[i]->as<BlockImpl>();
+    slow_stages.push_back({"b", [block](const torch::Tensor& t) { return block->forward(t); }, slow->h[i]});
+  }
+  slow->planned.emplace(slow_stages, remat::PlannedOptions().budget(plain_peak * 2));
+  step(slow);
+  torch::cuda::synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 20; ++i)
+    (void)(torch::matmul(slow->filler, slow->filler).mean() * 0);
+  torch::cuda::synchronize();
+  const double filler_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_NE((*slow->planned)->rest_of_step(), nullptr);
+  EXPECT_GE((*slow->planned)->rest_of_step()->ms, 0.5 * filler_ms);
+}
+
+}  // namespace

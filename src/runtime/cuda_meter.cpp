@@ -6,6 +6,7 @@
 #include "detail/cuda_meter.h"
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -23,11 +24,17 @@ PeakCounter* counters() {
 
 }  // namespace
 
+void cuda_allocator_ready() {
+  auto* allocator = c10::cuda::CUDACachingAllocator::get();
+  if (allocator != nullptr && !allocator->initialized()) allocator->init(c10::cuda::device_count());
+}
+
 PeakCounter& cuda_meter_counter(int index) {
   TORCH_CHECK(index >= 0 && index < kMaxDevices, "remat::memory: CUDA device index ", index,
               " out of range for remat's meter (0 to ", kMaxDevices - 1, ")");
   static std::once_flag attach;
   std::call_once(attach, [] {
+    cuda_allocator_ready();  // trackers are handed to the device allocators that exist
     c10::cuda::CUDACachingAllocator::attachAllocatorTraceTracker([](const auto& entry) {
       using Entry = std::decay_t<decltype(entry)>;
       const int device = static_cast<int>(entry.device_);

@@ -24,6 +24,7 @@ int cuda_index(c10::Device device) {
   const int index = device.has_index() ? device.index() : c10::cuda::current_device();
   TORCH_CHECK(index >= 0 && index < c10::cuda::device_count(), "remat::memory: CUDA device index ", index,
               " out of range (", c10::cuda::device_count(), " devices)");
+  detail::cuda_allocator_ready();  // before any allocation its statistics have no devices
   return index;
 }
 auto cuda_stats(c10::Device device) {

@@ -12,4 +12,9 @@ namespace remat::detail {
 /// allocations and frees made after that call only: its absolute value is meaningless, its differences exact.
 PeakCounter& cuda_meter_counter(int index);
 
+/// Initializes the CUDA caching allocator if nothing has yet (it is made at LibTorch's lazy CUDA
+/// initialization, the first allocation; before that its statistics and trackers have no device to answer
+/// for). Idempotent.
+void cuda_allocator_ready();
+
 }  // namespace remat::detail

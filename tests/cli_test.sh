@@ -37,6 +37,16 @@ json=$("$remat" plan --model mlp --depth 6 --width 32 --budget 1MiB --json 2>/de
 for key in planner budget_bytes predicted_peak_bytes predicted_time_ms forward_calls ops; do
   if grep -q "\"$key\"" <<<"$json"; then echo "ok   plan-json-$key"; else echo "FAIL plan-json-$key: $json"; fail=1; fi
 done
+# budget_bytes is the budget passed, for every planner (the plan's own is plan_budget_bytes: 0 for those that
+# take none).
+for planner in optimal per-layer sqrt uniform:3 all none revolve:2; do
+  j=$("$remat" plan --model mlp --depth 6 --width 32 --budget 4MiB --planner "$planner" --json 2>/dev/null)
+  if grep -q '"budget_bytes": 4194304' <<<"$j" && grep -q '"plan_budget_bytes"' <<<"$j"; then
+    echo "ok   plan-json-budget-$planner"
+  else
+    echo "FAIL plan-json-budget-$planner: $j"; fail=1
+  fi
+done
 # The bench table: one row per strategy, each saying its gradients equal those of "none".
 out=$("$remat" bench --model mlp --depth 3 --width 16 --batch 4 --strategy none,all,sqrt --steps 1 --warmup 1 2>&1)
 rc=$?

@@ -34,6 +34,9 @@ struct PlanSummary {
   /// For a chain inside a model (the whole step given, see step_plan): the step's predicted peak under the
   /// plan and without checkpointing (bytes, the model's input included).
   std::optional<int64_t> step_peak_bytes, step_baseline_peak_bytes;
+  /// The budget the caller passed (bytes), when one was: to_json prints it as "budget_bytes" (what scripts
+  /// written against `remat plan --json` read) and the plan's own as "plan_budget_bytes".
+  std::optional<int64_t> requested_budget_bytes;
 };
 
 /// The figures of `plan` on `chain`, and those of the whole step when `step` (the chain's stages plus a
@@ -45,7 +48,9 @@ PlanSummary summarize_plan(const Chain& chain, const Plan& plan, const Chain* st
 /// "budget_bytes", "ops", "predicted", "keep") and beside it "predicted_peak_bytes", "predicted_time_ms",
 /// "forward_calls", "baseline_peak_bytes", "baseline_time_ms", "time_overhead", "min_feasible_budget_bytes",
 /// "stages_recomputed", "stages_fk" and, with a step, "step_predicted_peak_bytes" and
-/// "step_baseline_peak_bytes". plan_from_json() reads it back.
+/// "step_baseline_peak_bytes". With requested_budget_bytes, "budget_bytes" is that budget and
+/// "plan_budget_bytes" the plan's own (0 for the planners that take none: sqrt, uniform:N, all, none).
+/// plan_from_json() reads it back (the plan's budget from "plan_budget_bytes" when present).
 std::string to_json(const PlanSummary& summary);
 
 /// The chain inside a step chain: stages 1..n of a step of n + 2 stages (prefix, the chain, suffix), its

@@ -322,7 +322,9 @@ Plan plan_from_json(const std::string& text) {
   Plan plan;
   plan.num_stages = j.at("num_stages").get<int64_t>();
   if (j.contains("planner") && j.at("planner").is_string()) plan.planner = j.at("planner").get<std::string>();
-  if (j.contains("budget_bytes") && j.at("budget_bytes").is_number_integer()) {
+  if (j.contains("plan_budget_bytes") && j.at("plan_budget_bytes").is_number_integer()) {
+    plan.budget_bytes = j.at("plan_budget_bytes").get<int64_t>();  // remat plan --json: the plan's own
+  } else if (j.contains("budget_bytes") && j.at("budget_bytes").is_number_integer()) {
     plan.budget_bytes = j.at("budget_bytes").get<int64_t>();
   }
   plan.policies = detail::string_array(j, "policies", "remat::plan_from_json");

@@ -41,6 +41,10 @@ PlanSummary summarize_plan(const Chain& chain, const Plan& plan, const Chain* st
 
 std::string to_json(const PlanSummary& s) {
   nlohmann::ordered_json j = detail::plan_json(s.plan);
+  if (s.requested_budget_bytes) {
+    j["budget_bytes"] = *s.requested_budget_bytes;
+    j["plan_budget_bytes"] = s.plan.budget_bytes;
+  }
   j["predicted_peak_bytes"] = s.plan.predicted.peak_bytes;
   j["predicted_time_ms"] = s.plan.predicted.time_ms;
   j["forward_calls"] = s.plan.predicted.forward_calls;

@@ -47,7 +47,8 @@ int run(const PlanArgs& a) {
   const double planning_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::cerr << "remat: planned " << chain.size() << " stages in " << fixed(planning_ms, 1) << " ms\n";
-  const PlanSummary s = summarize_plan(chain, plan, step ? &*step : nullptr);
+  PlanSummary s = summarize_plan(chain, plan, step ? &*step : nullptr);
+  if (budget >= 0) s.requested_budget_bytes = budget;
   if (!a.out.empty()) write_file(a.out, to_json(plan) + "\n");
   if (a.json) {
     std::cout << to_json(s) << "\n";

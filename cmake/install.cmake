@@ -16,7 +16,11 @@ install(FILES ${_remat_planner_headers} ${PROJECT_BINARY_DIR}/include/remat/vers
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/remat)
 
 if(NOT REMAT_PLANNER_ONLY)
-  install(TARGETS remat_runtime remat_models remat EXPORT rematTargets
+  set(_remat_installed remat_runtime remat_models remat)
+  if(REMAT_HAS_DISTRIBUTED)
+    list(APPEND _remat_installed remat_distributed)
+  endif()
+  install(TARGETS ${_remat_installed} EXPORT rematTargets
     ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
     LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
     INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})

@@ -42,8 +42,6 @@ find_path(REMAT_C10D_INCLUDE_DIR torch/csrc/distributed/c10d/ProcessGroupGloo.hp
           NO_DEFAULT_PATH)
 if(REMAT_GLOO_INCLUDE_DIR AND REMAT_C10D_INCLUDE_DIR)
   set(REMAT_HAS_DISTRIBUTED 1)
-  list(APPEND REMAT_RUNTIME_SOURCES src/runtime/distributed/process_group.cpp
-                                    src/runtime/distributed/data_parallel.cpp src/runtime/distributed/launch.cpp)
 else()
   set(REMAT_HAS_DISTRIBUTED 0)
   message(WARNING "remat: no gloo headers (libgloo-dev) or no c10d in this LibTorch: remat/distributed.h "
@@ -70,10 +68,6 @@ if(REMAT_TORCH_NVIDIA_LIBS)
   target_link_options(remat_runtime INTERFACE $<BUILD_INTERFACE:LINKER:-rpath-link,${_remat_rpath_link}>)
 endif()
 target_compile_options(remat_runtime PRIVATE -Wall -Wextra)
-if(REMAT_HAS_DISTRIBUTED AND NOT REMAT_GLOO_INCLUDE_DIR STREQUAL "/usr/include")
-  set_source_files_properties(src/runtime/distributed/process_group.cpp PROPERTIES INCLUDE_DIRECTORIES
-                              "${REMAT_GLOO_INCLUDE_DIR}")
-endif()
 if(REMAT_WITH_CUDA)
   # Only the meter's sources: a target-wide definition would make the precompiled header, which the tests,
   # tools and examples reuse, differ from theirs (and GCC would silently not use it).
@@ -94,6 +88,26 @@ function(remat_reuse_pch target)
     target_precompile_headers(${target} REUSE_FROM remat_runtime)
   endif()
 endfunction()
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data parallel (remat/distributed.h), a target of its own: remat::distributed, on the runtime (its nesting and
+# profiler flags) and c10d; never on the planner or the models. remat::remat brings it where it is built.
+if(REMAT_HAS_DISTRIBUTED)
+  add_library(remat_distributed src/runtime/distributed/process_group.cpp
+                                src/runtime/distributed/data_parallel.cpp src/runtime/distributed/launch.cpp)
+  add_library(remat::distributed ALIAS remat_distributed)
+  set_target_properties(remat_distributed PROPERTIES EXPORT_NAME distributed)
+  target_include_directories(remat_distributed PRIVATE ${PROJECT_SOURCE_DIR}/src/runtime)
+  target_link_libraries(remat_distributed PUBLIC remat_runtime)
+  target_compile_options(remat_distributed PRIVATE -Wall -Wextra)
+  if(NOT REMAT_GLOO_INCLUDE_DIR STREQUAL "/usr/include")
+    set_source_files_properties(src/runtime/distributed/process_group.cpp PROPERTIES INCLUDE_DIRECTORIES
+                                "${REMAT_GLOO_INCLUDE_DIR}")
+  endif()
+  if(REMAT_USE_PCH)
+    target_precompile_headers(remat_distributed REUSE_FROM remat_runtime)
+  endif()
+endif()
 
 # ---------------------------------------------------------------------------------------------------------------
 # The reference models
@@ -118,6 +132,9 @@ endif()
 add_library(remat INTERFACE)
 add_library(remat::remat ALIAS remat)
 target_link_libraries(remat INTERFACE remat_runtime remat_models)
+if(REMAT_HAS_DISTRIBUTED)
+  target_link_libraries(remat INTERFACE remat_distributed)
+endif()
 
 # ---------------------------------------------------------------------------------------------------------------
 # The CPU meter alone, with a C interface, for Python (ctypes) processes: it needs c10 only.

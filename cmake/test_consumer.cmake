@@ -17,4 +17,7 @@ step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/consumer" -B "${WORK_DIR}/build
 step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 step("${WORK_DIR}/build/consumer")
 step("${WORK_DIR}/build/consumer_runtime")
+if(EXISTS "${BUILD_DIR}/libremat_distributed.a" OR EXISTS "${BUILD_DIR}/libremat_distributed.so")
+  step("${WORK_DIR}/build/consumer_distributed")
+endif()
 planner_consumer("${WORK_DIR}/prefix" "${WORK_DIR}/planner")

@@ -29,9 +29,15 @@ KEEP = "keep"
 CHECKPOINT = "checkpoint"
 
 # The operators a "keep the matrix multiplications" policy saves, as PyTorch's selective checkpointing sees
-# them (below autograd: linear is t + addmm, matmul is mm or bmm).
+# them (below autograd: linear is t + addmm, or a matmul then the bias; matmul is mm or bmm; conv2d is
+# convolution). The C++ preset policy::matmuls() keeps the same products (linear, mm, addmm, bmm, baddbmm,
+# addbmm, addmv, mv, dot, vdot, convolution) where LibTorch's dispatcher shows them, above autograd, where a
+# linear is one call (its bias included): the same tensors kept, the same bytes (tests/test_profile.py
+# compares the two profilers' Fk[matmuls] bytes on BERT and on a ResNet).
 MATMUL_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-                        torch.ops.aten.baddbmm.default})
+                        torch.ops.aten.baddbmm.default, torch.ops.aten.addbmm.default,
+                        torch.ops.aten.addmv.default, torch.ops.aten.mv.default, torch.ops.aten.dot.default,
+                        torch.ops.aten.vdot.default, torch.ops.aten.convolution.default})
 
 
 def matmuls(ctx, op, *args, **kwargs):

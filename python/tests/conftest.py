@@ -17,6 +17,15 @@ sys.path.insert(0, str(REPO / "bench"))  # pytorch_reference.py: the BERT the C+
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def _collected():
+    """Garbage from earlier tests is collected before each test: freed during a measured step, it would lower
+    the step's measured peaks (seen when several test files share one process)."""
+    import gc
+    gc.collect()
+    yield
+
+
 @pytest.fixture(scope="session")
 def meter():
     return remat.cpu_meter()

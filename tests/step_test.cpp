@@ -366,3 +366,68 @@ TEST(Step, RefusesBadContextsAndPlanners) {
                         "unknown planner 'sqrt'");
   EXPECT_THROW_WITH_STD(remat::plan_step(chain, {}, 0), "remat::plan_step", "positive");
 }
+
+// The readings a profiling step takes (C++'s Planned and the Python package take the same ones) turn into one
+// StepContext. python/tests/test_planner.py checks the same numbers through the binding, against the same
+// expected context.
+TEST(Step, ReadingsTurnIntoTheContext) {
+  remat::StepReadings r;
+  r.base = 1000;
+  r.input_in_base = false;
+  r.at_chain = 1700;           // 700 above the base: the input (300) and 400 the part before holds
+  r.peak_before_chain = 1900;  // the part before peaked at 900 above the base
+  r.input_bytes = 300;
+  r.at_return = 2500;
+  r.rest_peak = 3100;       // the rest peaked 600 above the return
+  r.at_output_grad = 2800;  // 300 above the return: the output's gradient (200) and 100 more held
+  r.output_grad_bytes = 200;
+  r.rest_ms = 12.5;
+  r.peak_after_chain_backward = 2300;
+  r.step_peak = 3400;
+  r.stage_grads_bytes = {40, 50};
+  const remat::StepContext c = remat::step_context(r);
+  EXPECT_FALSE(c.input_in_base);
+  EXPECT_EQ(c.before_saved_bytes, 400);
+  EXPECT_EQ(c.before_peak_bytes, 900);
+  EXPECT_EQ(c.before_backward_peak_bytes, 1300);
+  EXPECT_EQ(c.rest_peak_bytes, 600);
+  EXPECT_EQ(c.rest_ms, 12.5);
+  EXPECT_EQ(c.rest_grads_bytes, 100);
+  EXPECT_EQ(c.stage_grads_bytes, (std::vector<int64_t>{40, 50}));
+  EXPECT_EQ(c.checkpoint_all_peak_bytes, 2400);
+  // With the input in the base (remat::Planned), nothing before the chain is held beside it; readings not
+  // taken (-1) are not charged.
+  r.input_in_base = true;
+  r.peak_after_chain_backward = -1;
+  r.step_peak = -1;
+  const remat::StepContext d = remat::step_context(r);
+  EXPECT_EQ(d.before_saved_bytes, 0);
+  EXPECT_EQ(d.before_backward_peak_bytes, 0);
+  EXPECT_EQ(d.checkpoint_all_peak_bytes, -1);
+  r.output_grad_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::step_context(r), "remat::step_context", "output_grad_bytes (-1)");
+}
+
+// Where the model refuses a budget that the measured every-stage-checkpointed step fits, plan_step runs that
+// schedule with the measured peak; below the measured peak it refuses, naming the lower of the two floors.
+TEST(Step, PlanStepFallsBackToTheMeasuredCheckpointAllPeak) {
+  std::mt19937 rng(9);
+  const Chain chain = random_chain(rng, 5, 1000);
+  remat::StepContext ctx;
+  const int64_t model_floor = remat::min_step_budget(chain, ctx, "per-layer");
+  ctx.checkpoint_all_peak_bytes = model_floor - 100;
+  EXPECT_EQ(remat::min_step_budget(chain, ctx, "per-layer"), model_floor - 100);
+  const remat::StepPlan p = remat::plan_step(chain, ctx, model_floor - 50, "per-layer");
+  EXPECT_EQ(p.plan.to_string(), remat::checkpoint_all(chain).to_string());
+  EXPECT_EQ(p.step_peak_bytes, model_floor - 100);
+  try {
+    remat::plan_step(chain, ctx, model_floor - 150, "per-layer");
+    FAIL() << "expected InfeasibleBudget";
+  } catch (const remat::InfeasibleBudget& e) {
+    EXPECT_EQ(e.min_bytes(), model_floor - 100);
+  }
+  // Above the model's floor the model decides, as without a measurement.
+  remat::StepContext plain;
+  EXPECT_EQ(remat::plan_step(chain, ctx, model_floor + 1000, "per-layer").plan.to_string(),
+            remat::plan_step(chain, plain, model_floor + 1000, "per-layer").plan.to_string());
+}

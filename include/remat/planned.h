@@ -41,6 +41,7 @@
 #include <remat/planner.h>
 #include <remat/policy.h>
 #include <remat/sequential.h>
+#include <remat/step.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -121,9 +122,8 @@ class PlannedImpl : public torch::nn::Module {
   const Chain* chain() const;
   /// The predicted step peak above the base for the plan in force (bytes), or -1.
   int64_t predicted_peak_bytes() const;
-  /// The measured step peak above the base of the last planned step, up to the end of the backward pass
-  /// through the stages (bytes), or -1 (measured when the input is the output of an autograd node, as an
-  /// embedding's is).
+  /// The measured step peak above the base of the last planned step, to the end of its backward pass
+  /// (bytes), or -1 before one ran.
   int64_t last_peak_bytes() const;
   /// Training steps run before the plan for the last shape came into force.
   int64_t profiling_steps() const;
@@ -135,6 +135,8 @@ class PlannedImpl : public torch::nn::Module {
     std::optional<Chain> chain;
     // Written by a gradient hook, which may outlive this module: shared with it.
     std::shared_ptr<std::optional<RestOfStep>> rest = std::make_shared<std::optional<RestOfStep>>();
+    // The profiling step's readings (remat/step.h), complete at the end of its backward pass.
+    std::shared_ptr<std::optional<StepReadings>> readings = std::make_shared<std::optional<StepReadings>>();
     std::optional<Plan> plan;
     int64_t predicted = -1;
     int64_t steps_before_plan = 0;

@@ -47,7 +47,52 @@ struct StepContext {
   /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 when they exist before the
   /// step), held from then on. Empty, or one entry per stage.
   std::vector<int64_t> stage_grads_bytes;
+  /// The step's peak measured with every stage checkpointed (the profiling step's schedule), above the base
+  /// (bytes), or -1 when not measured. plan_step() falls back to that schedule with this peak where the model
+  /// refuses a budget the measured step fits (the model charges a recompute as a whole stage run, which a
+  /// recompute that stops early never holds).
+  int64_t checkpoint_all_peak_bytes = -1;
 };
+
+/// What a meter read at named points of one training step around a chain with every stage checkpointed (a
+/// profiling step), turned into a StepContext by step_context(). Counts are a meter's running count of tensor
+/// bytes at those points (any origin: only differences are used); remat::Planned (C++) and the Python
+/// package's in-place planning take the same readings and turn them into a context with the same code.
+struct StepReadings {
+  /// The budget's base point: the count when the step begins. remat::Planned's is its forward() call, the
+  /// chain's input alive (input_in_base); the Python package's is the model's forward call, before the
+  /// chain's input exists.
+  int64_t base = 0;
+  bool input_in_base = false;
+  /// The count when the chain's first stage starts, and the highest count from the base to then (bytes).
+  int64_t at_chain = 0;
+  int64_t peak_before_chain = 0;
+  /// The chain's input (bytes).
+  int64_t input_bytes = 0;
+  /// The count when the chain returns; the highest count from then until the backward pass hands the chain's
+  /// output its gradient, that gradient included; the count at that moment, the gradient's bytes, and the
+  /// time between (milliseconds).
+  int64_t at_return = 0;
+  int64_t rest_peak = 0;
+  int64_t at_output_grad = 0;
+  int64_t output_grad_bytes = 0;
+  double rest_ms = 0;
+  /// The highest count from the chain's input gradient to the step's end (the backward pass of what runs
+  /// before the chain), or -1 when that part has no backward.
+  int64_t peak_after_chain_backward = -1;
+  /// The highest count of the whole step (the profiler's own transients left out), or -1 when not read.
+  int64_t step_peak = -1;
+  /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 for gradients alive before).
+  std::vector<int64_t> stage_grads_bytes;
+};
+
+/// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
+/// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
+/// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
+/// held besides the output's gradient), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
+/// the base). Negative differences are read as 0. Throws std::invalid_argument naming remat::step_context
+/// for a negative input_bytes, output_grad_bytes or rest_ms.
+StepContext step_context(const StepReadings& readings);
 
 /// Checks a context against its chain: no negative value, stage_grads_bytes empty or of the chain's size.
 /// Throws std::invalid_argument naming remat::StepContext, the field and the value.

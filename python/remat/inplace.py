@@ -86,9 +86,11 @@ class _Step:
         self.calls: list = []  # profiling: (fn, args, x) per layer
         self.at_layer0 = 0
         self.before_peak = 0
-        self.rest: tuple[int, float] | None = None
-        self.rest_grads = 0
-        self.before_backward_peak = 0
+        self.rest: tuple[int, float] | None = None  # (the rest's peak count, its time in ms)
+        self.at_return = 0
+        self.at_output_grad = 0
+        self.output_grad_bytes = 0
+        self.peak_after_backward = -1
         self.input_in_base = False
         self.input_bytes = 0
         self.done = False
@@ -206,8 +208,8 @@ class LayerPlan:
         shape = self._last
         if shape is None or shape.chain is None or shape.context is None:
             return -1
-        least = _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude)
-        return min(least, shape.checkpointed_peak) if shape.checkpointed_peak >= 0 else least
+        # The measured every-layer-checkpointed peak (context.checkpoint_all_peak_bytes) counts, as in plan_step.
+        return _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude)
 
     @property
     def profiling_steps(self) -> int:
@@ -345,7 +347,7 @@ class LayerPlan:
         step.calls = []
         # The rest of the step: from here until the backward pass reaches this output.
         step.reset()
-        at_return = meter.count()
+        at_return = step.at_return = meter.count()
         device = x0.device
         _sync(device)  # the rest of the step is timed from the moment the layers' work is done
         t0 = time.perf_counter()
@@ -354,7 +356,7 @@ class LayerPlan:
 
         def finish_profiling():
             # From the layers' input gradient to the end: the backward pass of what ran before the layers.
-            step.before_backward_peak = step.peak() - step.base if prefix_backward else 0
+            step.peak_after_backward = step.peak() if prefix_backward else -1
             step.note_peak()
             shape.checkpointed_peak = step.true_peak - step.base
             try:
@@ -370,11 +372,11 @@ class LayerPlan:
         def at_out(g):
             step.note_peak()
             _sync(device)
-            step.rest = (max(0, step.peak() - at_return), (time.perf_counter() - t0) * 1e3)
-            # What the rest of the step leaves held through the layers' backward, besides the gradient it
-            # hands them: its parameters' gradients, the partial gradient of a weight the layers' input also
-            # uses (a tied embedding's, summed only at its last use), the outputs the caller holds (logits).
-            step.rest_grads = max(0, meter.count() - at_return - g.nbytes)
+            # The rest's peak, its time, and what it leaves held through the layers' backward besides the
+            # gradient it hands them (its parameters' gradients, a tied embedding's partial gradient, the outputs
+            # the caller holds): the readings step_context() turns into the StepContext.
+            step.rest = (step.peak(), (time.perf_counter() - t0) * 1e3)
+            step.at_output_grad, step.output_grad_bytes = meter.count(), g.nbytes
             step.reset()
             if not prefix_backward:
                 _queue_at_backward_end(finish_profiling)
@@ -388,40 +390,40 @@ class LayerPlan:
         return out
 
     def _plan_shape(self, step: _Step, shape: _Shape):
-        chain = shape.chain
-        ctx = _core.StepContext()
-        ctx.input_in_base = step.input_in_base
-        ctx.before_saved_bytes = 0 if ctx.input_in_base else max(0, step.at_layer0 - step.base - step.input_bytes)
-        ctx.before_peak_bytes = max(0, step.before_peak)
-        ctx.before_backward_peak_bytes = max(0, step.before_backward_peak)
-        rest_peak, rest_ms = step.rest if step.rest is not None else (0, 0.0)
-        ctx.rest_peak_bytes = rest_peak
-        ctx.rest_ms = rest_ms
-        ctx.rest_grads_bytes = step.rest_grads
+        # The readings of the profiling step, turned into a StepContext by the planner library's code, the
+        # code remat::Planned uses (remat/step.h: step_context).
+        r = _core.StepReadings()
+        r.base = step.base
+        r.input_in_base = step.input_in_base
+        r.at_chain = step.at_layer0
+        r.peak_before_chain = step.base + step.before_peak
+        r.input_bytes = step.input_bytes
+        r.at_return = step.at_return
+        r.rest_peak, r.rest_ms = step.rest if step.rest is not None else (step.at_return, 0.0)
+        r.at_output_grad = step.at_output_grad if step.rest is not None else step.at_return
+        r.output_grad_bytes = step.output_grad_bytes
+        r.peak_after_chain_backward = step.peak_after_backward
+        r.step_peak = step.true_peak
         grads, seen = [0] * len(self.layers), set()
         for j in reversed(range(len(self.layers))):  # the backward pass meets the last layer first
             for p in self.layers[j].parameters():
                 if step.grads_none is not None and id(p) in step.grads_none and id(p) not in seen:
                     seen.add(id(p))
                     grads[j] += p.nbytes
-        ctx.stage_grads_bytes = grads
+        r.stage_grads_bytes = grads
+        shape.readings = r
+        ctx = _core.step_context(r)
         shape.context = ctx
         self._plan_from(shape, ctx)
 
     def _plan_from(self, shape: _Shape, ctx):
         chain = shape.chain
         try:
+            # Where the model refuses a budget that the profiling step's measured schedule (every layer
+            # checkpointed) fits, plan_step falls back to that schedule (ctx.checkpoint_all_peak_bytes).
             planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude)
         except _core.InfeasibleBudget as e:
-            if 0 <= shape.checkpointed_peak <= self.budget:
-                # The model charges a recompute as a whole stage run beside its output, which a per-call
-                # checkpoint's recompute (stopping early) never holds, so it can refuse a budget that every
-                # layer checkpointed fits: the profiling step ran exactly that and measured its peak.
-                shape.plan = _core.checkpoint_all(chain)
-                shape.choices = choices_of(shape.plan)
-                shape.predicted = shape.checkpointed_peak
-                return
-            least = min(e.min_bytes, shape.checkpointed_peak) if shape.checkpointed_peak >= 0 else e.min_bytes
+            least = e.min_bytes
             err = _core.InfeasibleBudget(
                 f"{self.who}: the budget of {_core.format_bytes(self.budget)} ({self.budget} bytes) is below the "
                 f"least feasible one, {_core.format_bytes(least)} ({least} bytes): the step's peak "

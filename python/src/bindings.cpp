@@ -1,6 +1,7 @@
 // remat._core: the torch-free planner library (remat::planner) bound for Python with nanobind. Plain numbers
-// and plain C++ only: nothing here touches LibTorch, so the module does not depend on torch's C++ ABI. Everything
-// that touches torch (profiling, applying plans, Hugging Face) is Python beside it, in the remat package.
+// and plain C++ only: nothing here touches LibTorch, so the module does not depend on torch's C++ ABI.
+// Everything that touches torch (profiling, applying plans, Hugging Face) is Python beside it, in the remat
+// package.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -21,7 +22,8 @@ using namespace nb::literals;
 
 namespace {
 
-remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines, std::vector<std::string> exclude) {
+remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines,
+                                      std::vector<std::string> exclude) {
   remat::PlannerOptions o;
   o.slots = slots;
   o.compare_baselines = compare_baselines;
@@ -36,8 +38,8 @@ PyObject* infeasible_type = nullptr;
 
 NB_MODULE(_core, m) {
   m.doc() = "remat's planner library (chains, plans, planners, step planning, reports), bound from C++";
-  // Chains and plans held by a model's hooks (torch keeps modules alive until the interpreter's end) are still
-  // alive when the interpreter shuts down; that is not a leak of the binding's.
+  // Chains and plans held by a model's hooks (torch keeps modules alive until the interpreter's end) are
+  // still alive when the interpreter shuts down; that is not a leak of the binding's.
   nb::set_leak_warnings(false);
 
   infeasible_type = PyErr_NewExceptionWithDoc(
@@ -87,8 +89,8 @@ NB_MODULE(_core, m) {
       .def("per_call_fwd_ms", &remat::Stage::per_call_fwd_ms)
       .def("per_call_bwd_ms", &remat::Stage::per_call_bwd_ms)
       .def("__repr__", [](const remat::Stage& s) {
-        return "Stage('" + s.name + "', fwd_ms=" + std::to_string(s.fwd_ms) + ", bwd_ms=" +
-               std::to_string(s.bwd_ms) + ", output_bytes=" + std::to_string(s.output_bytes) +
+        return "Stage('" + s.name + "', fwd_ms=" + std::to_string(s.fwd_ms) +
+               ", bwd_ms=" + std::to_string(s.bwd_ms) + ", output_bytes=" + std::to_string(s.output_bytes) +
                ", saved_bytes=" + std::to_string(s.saved_bytes) + ")";
       });
 
@@ -107,13 +109,17 @@ NB_MODULE(_core, m) {
           "from_json", [](const std::string& text) { return remat::chain_from_json(text); }, "text"_a,
           "Parses and validates a chain's JSON. Raises ValueError naming the problem.")
       .def("to_json", [](const remat::Chain& c) { return remat::to_json(c); })
-      .def("validate", [](const remat::Chain& c) { remat::validate(c); }, "Raises ValueError naming the stage.")
+      .def(
+          "validate", [](const remat::Chain& c) { remat::validate(c); },
+          "Raises ValueError naming the stage.")
       .def("__repr__", [](const remat::Chain& c) {
-        return "Chain(" + std::to_string(c.size()) + " stages, input_bytes=" + std::to_string(c.input_bytes) + ")";
+        return "Chain(" + std::to_string(c.size()) + " stages, input_bytes=" + std::to_string(c.input_bytes) +
+               ")";
       });
   m.def("load_chain", &remat::load_chain, "path"_a);
   m.def("save_chain", &remat::save_chain, "chain"_a, "path"_a);
-  m.def("uniform_chain", &remat::uniform_chain, "n"_a, "fwd_ms"_a, "bwd_ms"_a, "output_bytes"_a, "saved_bytes"_a);
+  m.def("uniform_chain", &remat::uniform_chain, "n"_a, "fwd_ms"_a, "bwd_ms"_a, "output_bytes"_a,
+        "saved_bytes"_a);
 
   // ------------------------------------------------------------------------------------------------------------
   // Plans
@@ -141,8 +147,8 @@ NB_MODULE(_core, m) {
       .def_rw("peak_op", &remat::Simulation::peak_op)
       .def_rw("op_peak_bytes", &remat::Simulation::op_peak_bytes);
 
-  nb::class_<remat::Plan>(m, "Plan",
-                          "A schedule (the C++ remat::Plan): str(plan) is Plan::to_string(), \"Fc0 Fn1 ... B0\".")
+  nb::class_<remat::Plan>(
+      m, "Plan", "A schedule (the C++ remat::Plan): str(plan) is Plan::to_string(), \"Fc0 Fn1 ... B0\".")
       .def(nb::init<>())
       .def_rw("num_stages", &remat::Plan::num_stages)
       .def_rw("ops", &remat::Plan::ops)
@@ -155,7 +161,8 @@ NB_MODULE(_core, m) {
       .def("__str__", &remat::Plan::to_string)
       .def("__repr__", [](const remat::Plan& p) { return "Plan('" + p.to_string() + "')"; })
       .def("count", &remat::Plan::count, "kind"_a)
-      .def("op_text", [](const remat::Plan& p, const remat::Op& op) { return remat::op_text(p, op); }, "op"_a)
+      .def(
+          "op_text", [](const remat::Plan& p, const remat::Op& op) { return remat::op_text(p, op); }, "op"_a)
       .def("to_json", [](const remat::Plan& p) { return remat::to_json(p); })
       .def_static(
           "from_json", [](const std::string& text) { return remat::plan_from_json(text); }, "text"_a,
@@ -176,12 +183,14 @@ NB_MODULE(_core, m) {
   m.def("revolve", &remat::revolve, "chain"_a, "snapshots"_a);
   m.def(
       "optimal",
-      [](const remat::Chain& c, int64_t budget, int64_t slots, bool compare, std::vector<std::string> exclude) {
+      [](const remat::Chain& c, int64_t budget, int64_t slots, bool compare,
+         std::vector<std::string> exclude) {
         return remat::optimal(c, budget, planner_options(slots, compare, std::move(exclude)));
       },
       "chain"_a, "budget_bytes"_a, "slots"_a = 500, "compare_baselines"_a = true,
       "exclude"_a = std::vector<std::string>{},
-      "The fastest schedule whose predicted peak fits budget_bytes (the chain's own peak, its input included). "
+      "The fastest schedule whose predicted peak fits budget_bytes (the chain's own peak, its input "
+      "included). "
       "Raises InfeasibleBudget naming the least feasible budget.");
   m.def(
       "min_feasible_budget",
@@ -205,7 +214,8 @@ NB_MODULE(_core, m) {
       "chain"_a, "exclude"_a = std::vector<std::string>{});
   m.def(
       "make_plan",
-      [](const remat::Chain& c, const std::string& strategy, int64_t budget, std::vector<std::string> exclude) {
+      [](const remat::Chain& c, const std::string& strategy, int64_t budget,
+         std::vector<std::string> exclude) {
         return remat::make_plan(c, strategy, budget, planner_options(500, true, std::move(exclude)));
       },
       "chain"_a, "strategy"_a, "budget_bytes"_a = -1, "exclude"_a = std::vector<std::string>{},
@@ -216,8 +226,8 @@ NB_MODULE(_core, m) {
   // ------------------------------------------------------------------------------------------------------------
   // The whole step
 
-  nb::class_<remat::StepContext>(m, "StepContext",
-                                 "What surrounds a chain in a training step (bytes above the step's base; ms).")
+  nb::class_<remat::StepContext>(
+      m, "StepContext", "What surrounds a chain in a training step (bytes above the step's base; ms).")
       .def(nb::init<>())
       .def_rw("input_in_base", &remat::StepContext::input_in_base)
       .def_rw("before_saved_bytes", &remat::StepContext::before_saved_bytes)
@@ -226,7 +236,27 @@ NB_MODULE(_core, m) {
       .def_rw("rest_peak_bytes", &remat::StepContext::rest_peak_bytes)
       .def_rw("rest_ms", &remat::StepContext::rest_ms)
       .def_rw("rest_grads_bytes", &remat::StepContext::rest_grads_bytes)
-      .def_rw("stage_grads_bytes", &remat::StepContext::stage_grads_bytes);
+      .def_rw("stage_grads_bytes", &remat::StepContext::stage_grads_bytes)
+      .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes);
+  nb::class_<remat::StepReadings>(
+      m, "StepReadings",
+      "A meter's readings at named points of a profiling step (counts of bytes, any "
+      "origin; ms); step_context() turns them into a StepContext, as in C++.")
+      .def(nb::init<>())
+      .def_rw("base", &remat::StepReadings::base)
+      .def_rw("input_in_base", &remat::StepReadings::input_in_base)
+      .def_rw("at_chain", &remat::StepReadings::at_chain)
+      .def_rw("peak_before_chain", &remat::StepReadings::peak_before_chain)
+      .def_rw("input_bytes", &remat::StepReadings::input_bytes)
+      .def_rw("at_return", &remat::StepReadings::at_return)
+      .def_rw("rest_peak", &remat::StepReadings::rest_peak)
+      .def_rw("at_output_grad", &remat::StepReadings::at_output_grad)
+      .def_rw("output_grad_bytes", &remat::StepReadings::output_grad_bytes)
+      .def_rw("rest_ms", &remat::StepReadings::rest_ms)
+      .def_rw("peak_after_chain_backward", &remat::StepReadings::peak_after_chain_backward)
+      .def_rw("step_peak", &remat::StepReadings::step_peak)
+      .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes);
+  m.def("step_context", &remat::step_context, "readings"_a);
   nb::class_<remat::StepPlan>(m, "StepPlan", "A plan for a whole step and its predicted peak.")
       .def_rw("plan", &remat::StepPlan::plan)
       .def_rw("step_peak_bytes", &remat::StepPlan::step_peak_bytes)
@@ -238,7 +268,8 @@ NB_MODULE(_core, m) {
          std::vector<std::string> exclude) {
         return remat::plan_step(c, ctx, budget, planner, planner_options(500, true, std::move(exclude)));
       },
-      "chain"_a, "context"_a, "budget_bytes"_a, "planner"_a = "optimal", "exclude"_a = std::vector<std::string>{});
+      "chain"_a, "context"_a, "budget_bytes"_a, "planner"_a = "optimal",
+      "exclude"_a = std::vector<std::string>{});
   m.def(
       "min_step_budget",
       [](const remat::Chain& c, const remat::StepContext& ctx, const std::string& planner,
@@ -250,7 +281,8 @@ NB_MODULE(_core, m) {
   // ------------------------------------------------------------------------------------------------------------
   // Reports and units
 
-  nb::class_<remat::MemoryBreakdown>(m, "MemoryBreakdown", "A training step's memory and what checkpointing can save.")
+  nb::class_<remat::MemoryBreakdown>(m, "MemoryBreakdown",
+                                     "A training step's memory and what checkpointing can save.")
       .def_rw("parameters", &remat::MemoryBreakdown::parameters)
       .def_rw("gradients", &remat::MemoryBreakdown::gradients)
       .def_rw("optimizer", &remat::MemoryBreakdown::optimizer)

@@ -114,3 +114,17 @@ def test_step_planning_fits_the_whole_step():
     assert p.step_peak_bytes == remat.step_peak_bytes(c, ctx, p.plan)
     with pytest.raises(remat.InfeasibleBudget, match="below the least feasible one"):
         remat.plan_step(c, ctx, least - 1, "per-layer")
+
+
+def test_step_readings_turn_into_the_same_context_as_in_cpp():
+    """The numbers of tests/step_test.cpp's ReadingsTurnIntoTheContext, through the binding: the one piece
+    of code (remat/step.h) that remat::Planned and the package's in-place planning both call."""
+    r = remat._core.StepReadings()
+    r.base, r.input_in_base, r.at_chain, r.peak_before_chain, r.input_bytes = 1000, False, 1700, 1900, 300
+    r.at_return, r.rest_peak, r.at_output_grad, r.output_grad_bytes, r.rest_ms = 2500, 3100, 2800, 200, 12.5
+    r.peak_after_chain_backward, r.step_peak, r.stage_grads_bytes = 2300, 3400, [40, 50]
+    c = remat._core.step_context(r)
+    assert (c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes) == \
+        (False, 400, 900, 1300)
+    assert (c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, list(c.stage_grads_bytes)) == (600, 12.5, 100, [40, 50])
+    assert c.checkpoint_all_peak_bytes == 2400

@@ -31,6 +31,27 @@ bool is_per_layer(const std::string& planner) {
 
 }  // namespace
 
+StepContext step_context(const StepReadings& r) {
+  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || !(r.rest_ms >= 0)) {
+    throw std::invalid_argument("remat::step_context: input_bytes (" + std::to_string(r.input_bytes) +
+                                "), output_grad_bytes (" + std::to_string(r.output_grad_bytes) +
+                                ") and rest_ms (" + std::to_string(r.rest_ms) + ") must be >= 0");
+  }
+  auto above = [](int64_t v, int64_t from) { return std::max<int64_t>(0, v - from); };
+  StepContext c;
+  c.input_in_base = r.input_in_base;
+  c.before_saved_bytes = r.input_in_base ? 0 : above(r.at_chain - r.input_bytes, r.base);
+  c.before_peak_bytes = above(r.peak_before_chain, r.base);
+  c.before_backward_peak_bytes =
+      r.peak_after_chain_backward < 0 ? 0 : above(r.peak_after_chain_backward, r.base);
+  c.rest_peak_bytes = above(r.rest_peak, r.at_return);
+  c.rest_ms = r.rest_ms;
+  c.rest_grads_bytes = above(r.at_output_grad - r.output_grad_bytes, r.at_return);
+  c.stage_grads_bytes = r.stage_grads_bytes;
+  c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
+  return c;
+}
+
 void validate(const StepContext& c, const Chain& chain) {
   auto check = [](int64_t v, const char* field) {
     if (v < 0)
@@ -100,8 +121,35 @@ int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Pl
   return peak;
 }
 
+namespace {
+StepPlan plan_step_by_model(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                            const std::string& planner, const PlannerOptions& options);
+}  // namespace
+
 StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
                    const std::string& planner, const PlannerOptions& options) {
+  try {
+    return plan_step_by_model(chain, context, budget_bytes, planner, options);
+  } catch (const InfeasibleBudget& e) {
+    // The model charges a recompute as a whole stage run beside its output, which a per-call checkpoint's
+    // recompute (stopping early) never holds, so it can refuse a budget that every stage checkpointed fits:
+    // the profiling step ran exactly that schedule and measured its peak.
+    if (context.checkpoint_all_peak_bytes < 0 || context.checkpoint_all_peak_bytes > budget_bytes) {
+      if (context.checkpoint_all_peak_bytes >= 0 && context.checkpoint_all_peak_bytes < e.min_bytes())
+        refuse(budget_bytes, context.checkpoint_all_peak_bytes, planner, context);
+      throw;
+    }
+    StepPlan out;
+    out.plan = checkpoint_all(chain);
+    out.step_peak_bytes = context.checkpoint_all_peak_bytes;
+    out.step_time_ms = out.plan.predicted.time_ms + context.rest_ms;
+    return out;
+  }
+}
+
+namespace {
+StepPlan plan_step_by_model(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                            const std::string& planner, const PlannerOptions& options) {
   const bool layers = is_per_layer(planner);
   validate(chain);
   validate(context, chain);
@@ -150,14 +198,18 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
   if (least <= budget_bytes) return out;
   refuse(budget_bytes, least, planner, context);
 }
+}  // namespace
 
 int64_t min_step_budget(const Chain& chain, const StepContext& context, const std::string& planner,
                         const PlannerOptions& options) {
   const bool layers = is_per_layer(planner);
   validate(chain);
   validate(context, chain);
-  if (layers) return detail::per_layer_step_min(chain, context, options);
-  return step_peak_bytes(chain, context, optimal(chain, min_feasible_budget(chain, options), options));
+  const int64_t model =
+      layers ? detail::per_layer_step_min(chain, context, options)
+             : step_peak_bytes(chain, context, optimal(chain, min_feasible_budget(chain, options), options));
+  // plan_step() accepts the measured every-stage-checkpointed peak too.
+  return context.checkpoint_all_peak_bytes >= 0 ? std::min(model, context.checkpoint_all_peak_bytes) : model;
 }
 
 }  // namespace remat

@@ -3,6 +3,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/cuda.h>
 
 #include <chrono>
@@ -41,6 +42,8 @@ void for_each_number(Chain& chain, StepContext& context, Bytes bytes, Ms ms) {
   bytes(context.rest_peak_bytes);
   for (int64_t& g : context.stage_grads_bytes)
     bytes(g);
+  bytes(context.rest_grads_bytes), bytes(context.before_backward_peak_bytes);
+  bytes(context.checkpoint_all_peak_bytes);
   ms(context.rest_ms);
   for (Stage& s : chain.stages) {
     ms(s.fwd_ms), ms(s.bwd_ms);
@@ -103,6 +106,7 @@ void PlannedImpl::use_profile(const std::vector<std::vector<int64_t>>& input_sha
   TORCH_CHECK(!shape.plan, kWho, ": use_profile: a plan is already in force for this input shape");
   shape.chain = std::move(chain);
   *shape.rest = std::nullopt;
+  *shape.readings = std::nullopt;
   shape.profile_loaded = true;
 }
 
@@ -134,21 +138,21 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
     TORCH_CHECK(shape.chain->input_bytes == static_cast<int64_t>(x.nbytes()), kWho,
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
                 " but the input of that shape has ", x.nbytes(), " bytes");
-  if (!shape.plan && shape.chain && *shape.rest) make_plan(shape);
+  if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
   if (!shape.plan) {
     ++shape.steps_before_plan;
     return profiling_step(shape, stages, x);
   }
-  // The plan, and the step's peak above the base measured up to the backward pass through the stages (in a
-  // window: the statistics the caller reads are left alone).
+  // The plan, and the step's peak above the base, measured to the end of its backward pass (in a window: the
+  // statistics the caller reads are left alone).
   auto window = std::make_shared<memory::PeakWindow>(device);
   torch::Tensor out = run_plan(stages, *shape.plan, x);
-  if (x.requires_grad() && x.grad_fn()) {  // a hook on a leaf would stay for the steps after
+  if (out.requires_grad()) {
     std::shared_ptr<int64_t> last = shape.last_peak;
-    // The hook's tensor is x itself: it fires when the gradient of the stages' input is ready, after the
-    // stages' backward pass.
-    x.register_hook([last, window](const torch::Tensor& g) {
-      *last = window->peak_over_base();
+    out.register_hook([last, window](const torch::Tensor& g) {
+      // At the end of the user's backward pass (what runs before the stages included).
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [last, window] { *last = window->peak_over_base(); });
       return g;
     });
   }
@@ -169,22 +173,45 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
         stages, x,
         ProfileOptions().warmup(0).repeats(options_.profile_repeats()).policies(options_.policies()));
   }
-  // Every stage checkpointed (the profiler's own memory bound), and the rest of the step measured from the
-  // return to the moment the backward pass reaches the stages' output.
+  // Every stage checkpointed (the profiler's own memory bound), read at the points remat/step.h names:
+  // StepReadings, which step_context() turns into the step's model, as the Python package does. The base is
+  // the count here, the stages' input alive (the budget counts from forward()).
+  auto step = std::make_shared<memory::PeakWindow>(device);
+  auto readings = std::make_shared<StepReadings>();
+  readings->input_in_base = true;
+  readings->input_bytes = static_cast<int64_t>(x.nbytes());
   torch::Tensor out = run_plan(stages, checkpoint_all(*shape.chain), x);
   if (!out.requires_grad()) return out;
   sync();
-  auto window = std::make_shared<memory::PeakWindow>(device);
+  readings->at_return = step->active_over_base();
+  auto rest = std::make_shared<memory::PeakWindow>(device);
   const auto t0 = Clock::now();
   std::shared_ptr<std::optional<RestOfStep>> measured = shape.rest;
-  out.register_hook([measured, window, t0, sync](const torch::Tensor& g) {
+  std::shared_ptr<std::optional<StepReadings>> done = shape.readings;
+  auto after = std::make_shared<std::unique_ptr<memory::PeakWindow>>();  // from the stages' input gradient on
+  out.register_hook([=](const torch::Tensor& g) {
     sync();
-    RestOfStep rest;
-    rest.peak_bytes = window->peak_over_base();
-    rest.ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    *measured = rest;
+    readings->rest_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    readings->rest_peak = readings->at_return + rest->peak_over_base();
+    readings->at_output_grad = step->active_over_base();
+    readings->output_grad_bytes = static_cast<int64_t>(g.nbytes());
+    *measured = RestOfStep{rest->peak_over_base(), readings->rest_ms};
+    // At the end of the user's backward pass: the step's peak, and that of what ran before the stages.
+    torch::autograd::Engine::get_default_engine().queue_callback([readings, step, after, done] {
+      readings->step_peak = step->peak_over_base();
+      if (*after)
+        readings->peak_after_chain_backward =
+            step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
+      *done = *readings;
+    });
     return g;
   });
+  if (x.requires_grad() && x.grad_fn()) {
+    x.register_hook([after, device](const torch::Tensor& g) {
+      *after = std::make_unique<memory::PeakWindow>(device);
+      return g;
+    });
+  }
   return out;
 }
 
@@ -193,18 +220,16 @@ void PlannedImpl::make_plan(Shape& shape) {
   // the parameter gradients the backward pass will allocate (zero_grad setting them to none), seen at the
   // step that plans (the profiling step may be the first, before any gradient exists), charged per stage
   // from that stage's backward operation on (a parameter shared by two stages at the first).
-  StepContext context;
-  context.input_in_base = true;
-  context.rest_peak_bytes = (*shape.rest)->peak_bytes;
-  context.rest_ms = (*shape.rest)->ms;
-  context.stage_grads_bytes.assign(stages_.size(), 0);
+  StepReadings readings = **shape.readings;
+  readings.stage_grads_bytes.assign(stages_.size(), 0);
   std::unordered_set<const c10::TensorImpl*> seen;
   for (size_t i = stages_.size(); i-- > 0;) {  // the backward pass meets the last stage first
     if (!stages_[i].module) continue;
     for (const auto& p : stages_[i].module->parameters())
       if (p.requires_grad() && !p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
-        context.stage_grads_bytes[i] += static_cast<int64_t>(p.nbytes());
+        readings.stage_grads_bytes[i] += static_cast<int64_t>(p.nbytes());
   }
+  StepContext context = step_context(readings);
   Chain chain = *shape.chain;
   if (options_.agree()) {
     // Every rank plans from the maximum over the ranks of every number, and so makes the same plan.

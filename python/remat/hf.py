@@ -56,14 +56,16 @@ def _layer_of_call(fn):
 
 
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
-           policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = ()) -> LayerPlan:
+           policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None) -> LayerPlan:
     """Plans `model`'s layers for `budget` (bytes, an int, or a string with a unit such as "600MiB"): the whole
     training step's peak above the bytes alive when its forward is called. Returns the LayerPlan (its plan,
     choices, chain, predicted_peak_bytes, last_peak_bytes). example: one training batch's keyword arguments
     (with labels) to profile and plan now rather than at the first training step; loss: for a model that
     returns no loss (BertModel), a function from its outputs to the loss that step uses. plan: a given per-layer plan
     instead of a budget. policies: the selective policies a layer may run under ("matmuls"). exclude: what the
-    planner may not use ("Fk", "Fk[matmuls]"). Raises TypeError when the model has no layer list remat knows,
+    planner may not use ("Fk", "Fk[matmuls]"). agree: every rank plans from the same numbers (each figure's
+    maximum over the ranks; None, the default: on when a torch.distributed group of more than one rank is
+    initialized), so that all run one plan. Raises TypeError when the model has no layer list remat knows,
     ValueError for a bad budget or plan, remat.InfeasibleBudget (naming the least feasible budget) when no plan
     fits."""
     layers = layers_of(model)
@@ -71,7 +73,7 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
         raise TypeError(f"remat.hf.enable: {type(model).__name__} is not a transformers PreTrainedModel")
     disable(model)
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
-                   who="remat.hf.enable")
+                   agree=agree, who="remat.hf.enable")
 
     def checkpointing_func(fn, *args, **kwargs):
         layer = _layer_of_call(fn)

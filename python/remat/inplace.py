@@ -112,6 +112,61 @@ class _Step:
         self.done = True
 
 
+def _numbers(chain, ctx):
+    """Every number a plan is made from, in one order on every rank: (ints, floats, write-back)."""
+    ints, floats, setters = [], [], []
+
+    def num(obj, attr, kind):
+        (ints if kind is int else floats).append(getattr(obj, attr))
+        setters.append((obj, attr, kind))
+
+    num(chain, "input_bytes", int)
+    for s in chain.stages:
+        for a in ("output_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes"):
+            num(s, a, int)
+        for a in ("fwd_ms", "bwd_ms"):
+            num(s, a, float)
+        for a in ("fwd_nosave_ms", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_fwd_ms", "keep_bwd_ms"):
+            if getattr(s, a) is not None:
+                num(s, a, float)
+        if s.keep_saved_bytes is not None:
+            num(s, "keep_saved_bytes", int)
+        for c in s.policies:
+            num(c, "saved_bytes", int)
+            num(c, "fwd_ms", float)
+            num(c, "bwd_ms", float)
+    for a in ("before_saved_bytes", "before_peak_bytes", "before_backward_peak_bytes", "rest_peak_bytes",
+              "rest_grads_bytes", "checkpoint_all_peak_bytes"):
+        num(ctx, a, int)
+    num(ctx, "rest_ms", float)
+    return ints, floats, setters
+
+
+def _agree(chain, ctx) -> None:
+    """Every rank plans from the same numbers: each the maximum over the ranks (a plan that fits each rank's
+    measurements), so that every rank runs the same plan. A collective: every rank calls it at the same point
+    (the end of the profiling step's backward pass)."""
+    import torch.distributed as dist
+    ints, floats, setters = _numbers(chain, ctx)
+    grads = list(ctx.stage_grads_bytes)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t_int = torch.tensor(ints + grads, dtype=torch.int64, device=device)
+    t_float = torch.tensor(floats, dtype=torch.float64, device=device)
+    sizes = torch.tensor([len(ints) + len(grads), len(floats)], dtype=torch.int64, device=device)
+    low = sizes.clone()
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    if not torch.equal(sizes, low):
+        raise RuntimeError("remat: the ranks measured different numbers of figures (different models or "
+                           "layer lists?); they cannot agree on one plan")
+    dist.all_reduce(t_int, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t_float, op=dist.ReduceOp.MAX)
+    vi, vf = iter(t_int.tolist()), iter(t_float.tolist())
+    for obj, attr, kind in setters:
+        setattr(obj, attr, next(vi) if kind is int else next(vf))
+    ctx.stage_grads_bytes = [next(vi) for _ in grads]
+
+
 def _sync(device: torch.device) -> None:
     """Waits for the device's work, so that a host clock read after it times that work."""
     if device.type == "cuda":
@@ -129,8 +184,13 @@ class LayerPlan:
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
-                 policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), who: str = "remat.enable"):
+                 policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
+                 who: str = "remat.enable"):
         self.who = who
+        if agree not in (None, True, False):
+            raise ValueError(f"{who}: agree must be True, False or None (on when torch.distributed is "
+                             f"initialized), got {agree!r}")
+        self.agree = agree
         self.model = model
         self.layers = list(layers)
         if not self.layers:
@@ -413,8 +473,19 @@ class LayerPlan:
         r.stage_grads_bytes = grads
         shape.readings = r
         ctx = _core.step_context(r)
+        if self._agreeing():
+            _agree(shape.chain, ctx)
         shape.context = ctx
         self._plan_from(shape, ctx)
+
+    def _agreeing(self) -> bool:
+        if self.agree is False:
+            return False
+        import torch.distributed as dist
+        on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        if self.agree and not on:
+            raise RuntimeError(f"{self.who}: agree=True needs an initialized torch.distributed process group")
+        return on
 
     def _plan_from(self, shape: _Shape, ctx):
         chain = shape.chain
@@ -445,7 +516,7 @@ class LayerPlan:
 
 
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
-           repeats: int = 1, exclude: Sequence[str] = ()) -> LayerPlan:
+           repeats: int = 1, exclude: Sequence[str] = (), agree=None) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
     as the first positional argument) per layer as planned: for `budget` (bytes, or a string such as "300MiB",
     the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
@@ -453,8 +524,12 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).
     Each layer's forward is wrapped (an instance attribute; LayerPlan.remove() puts it back). In eval mode or
     under no_grad the layers run plainly. Raises ValueError/TypeError for bad arguments; at the end of the
-    profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits."""
-    lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude)
+    profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits.
+    agree: every rank of a torch.distributed process group plans from the same numbers (each figure's maximum
+    over the ranks), so that all run the same plan, one that fits each (C++'s PlannedOptions::agree); None (the
+    default) turns it on when a process group of more than one rank is initialized."""
+    lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
+                   agree=agree)
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()

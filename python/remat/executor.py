@@ -214,6 +214,8 @@ class CheckpointedSequential(nn.Module):
             raise ValueError(f"remat.CheckpointedSequential: the plan is for {plan.num_stages} stages but there "
                              f"are {len(mods)} modules")
         _core.check_plan(plan)
+        for name in plan.policies:  # refused now rather than at the first forward()
+            policy_fn(name, policies)
         self.plan = plan
         self.policies = policies or {}
 

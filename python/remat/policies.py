@@ -49,6 +49,10 @@ def matmuls(ctx, op, *args, **kwargs):
 # the same calls at the level LibTorch's dispatcher shows them.
 POLICIES: dict[str, Callable] = {"matmuls": matmuls}
 
+# The C++ library's presets this package does not have: a chain or plan that names one is refused here (it is
+# neither kept whole nor recomputed whole in its place).
+CPP_ONLY_PRESETS = ("attention_core", "recompute_pointwise")
+
 
 def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callable:
     """The policy function named `name`, from `policies` first, then remat's presets. Raises ValueError naming
@@ -57,8 +61,11 @@ def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callabl
         return policies[name]
     if name in POLICIES:
         return POLICIES[name]
+    cpp_only = (f"; '{name}' is a preset of the C++ library only (remat::policy::{name}), which keeps calls at "
+                "the level of LibTorch's dispatcher above autograd: pass a function of your own under that name"
+                if name in CPP_ONLY_PRESETS else "")
     raise ValueError(f"remat: the plan keeps with policy '{name}', which is neither given nor one of remat's "
-                     f"presets ({', '.join(sorted(POLICIES))})")
+                     f"presets ({', '.join(sorted(POLICIES))}){cpp_only}")
 
 
 def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None):

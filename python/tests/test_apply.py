@@ -71,6 +71,25 @@ def _per_layer_plan(chain, choices):
     return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
 
 
+@pytest.mark.parametrize("name", ["attention_core", "recompute_pointwise"])
+def test_a_cpp_only_policy_in_a_plan_is_refused(name):
+    # The C++ library's presets this package lacks are errors where a plan meets them, in every way of running
+    # one, and nothing of the model changes.
+    plan = _per_layer_plan(None, ["checkpoint", name, "keep", "keep", "keep", "keep"])
+    m = mlp()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError, match=f"'{name}' is a preset of the C\\+\\+ library only"):
+        remat.enable(m, list(m), plan=plan)
+    with pytest.raises(ValueError, match=f"'{name}' is a preset of the C\\+\\+ library only"):
+        remat.CheckpointedSequential(list(m), plan)
+    with pytest.raises(ValueError, match=f"'{name}' is a preset of the C\\+\\+ library only"):
+        remat.run_plan(remat.stages_of(m), plan, x_of())
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert all(p.grad is None for p in m.parameters())
+    # With a function of the user's own under that name, the plan runs.
+    remat.run_plan(remat.stages_of(m), plan, x_of(), policies={name: remat.matmuls}).sum().backward()
+
+
 def test_per_layer_plans_for_budgets_fit_and_keep_the_prediction(meter, chain):
     expected = plain_run(meter)
     lo, hi = remat.per_layer_min_budget(chain), remat.no_checkpoint(chain).predicted.peak_bytes

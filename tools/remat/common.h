@@ -17,6 +17,9 @@
 
 namespace remat::cli {
 
+/// The plotting script of the source tree this binary was built from (scripts/plot_tradeoff.py).
+const char* built_plot_script();
+
 /// A subcommand: its CLI11 app (options added) and what it runs once the command line is parsed (the exit
 /// status).
 struct Subcommand {

@@ -24,7 +24,7 @@ struct SweepArgs {
 // with REMAT_PYTHON (default python3, which needs matplotlib).
 void draw_plot(const std::vector<std::string>& args) {
   const char* env_script = std::getenv("REMAT_PLOT_SCRIPT");
-  const std::string script = env_script ? env_script : REMAT_PLOT_SCRIPT;
+  const std::string script = env_script ? env_script : built_plot_script();
   TORCH_CHECK(std::ifstream(script).good(), "remat sweep --plot: the plotting script '", script,
               "' is not there; set REMAT_PLOT_SCRIPT to scripts/plot_tradeoff.py of remat's sources");
   const char* env_python = std::getenv("REMAT_PYTHON");

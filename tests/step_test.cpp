@@ -212,6 +212,12 @@ TEST(Step, PeakIsTheStepChainsPlusGradientsAndTheSurroundings) {
   remat::StepContext before = ctx;
   before.before_saved_bytes = 5000;
   EXPECT_EQ(remat::step_peak_bytes(chain, before, plan), remat::step_peak_bytes(chain, ctx, plan) + 5000);
+  // So is what the stages take or hand on beside their input and output (T5's position bias).
+  remat::StepContext side = ctx;
+  side.side_bytes = 7000;
+  EXPECT_EQ(remat::step_peak_bytes(chain, side, plan), remat::step_peak_bytes(chain, ctx, plan) + 7000);
+  side.side_bytes = -1;
+  EXPECT_THROW(remat::step_peak_bytes(chain, side, plan), std::invalid_argument);
   // The part before's own peaks are taken as measured.
   remat::StepContext big = ctx;
   big.before_backward_peak_bytes = 1 << 30;
@@ -385,6 +391,7 @@ TEST(Step, ReadingsTurnIntoTheContext) {
   r.peak_after_chain_backward = 2300;
   r.step_peak = 3400;
   r.stage_grads_bytes = {40, 50};
+  r.side_bytes = 64;
   const remat::StepContext c = remat::step_context(r);
   EXPECT_FALSE(c.input_in_base);
   EXPECT_EQ(c.before_saved_bytes, 400);
@@ -395,6 +402,7 @@ TEST(Step, ReadingsTurnIntoTheContext) {
   EXPECT_EQ(c.rest_grads_bytes, 100);
   EXPECT_EQ(c.stage_grads_bytes, (std::vector<int64_t>{40, 50}));
   EXPECT_EQ(c.checkpoint_all_peak_bytes, 2400);
+  EXPECT_EQ(c.side_bytes, 64);
   // With the input in the base (remat::Planned), nothing before the chain is held beside it; readings not
   // taken (-1) are not charged.
   r.input_in_base = true;

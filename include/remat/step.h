@@ -52,6 +52,11 @@ struct StepContext {
   /// refuses a budget the measured step fits (the model charges a recompute as a whole stage run, which a
   /// recompute that stops early never holds).
   int64_t checkpoint_all_peak_bytes = -1;
+  /// Tensors the chain's stages take or hand on beside their input and output, made during the step (T5's
+  /// position bias, which its first layer makes and every later layer takes; an encoder's output that every
+  /// decoder layer attends to), with the gradients the backward pass gathers for them: held from the chain's
+  /// start to its backward's end (bytes; 0 for a chain whose stages take one tensor and return one).
+  int64_t side_bytes = 0;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -84,14 +89,16 @@ struct StepReadings {
   int64_t step_peak = -1;
   /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 for gradients alive before).
   std::vector<int64_t> stage_grads_bytes;
+  /// What the stages take or hand on beside their input and output (StepContext::side_bytes; bytes).
+  int64_t side_bytes = 0;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
 /// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
 /// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
 /// held besides the output's gradient), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
-/// the base). Negative differences are read as 0. Throws std::invalid_argument naming remat::step_context
-/// for a negative input_bytes, output_grad_bytes or rest_ms.
+/// the base), side_bytes as read. Negative differences are read as 0. Throws std::invalid_argument naming
+/// remat::step_context for a negative input_bytes, output_grad_bytes, side_bytes or rest_ms.
 StepContext step_context(const StepReadings& readings);
 
 /// Checks a context against its chain: no negative value, stage_grads_bytes empty or of the chain's size.

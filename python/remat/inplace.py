@@ -56,6 +56,52 @@ def _queue_at_backward_end(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def _layer_output(out, who: str, i: int, layer: nn.Module) -> tuple[torch.Tensor, tuple]:
+    """What a layer returned, split into the tensor the next layer takes (the output itself, or a tuple's first
+    element, as Transformers' T5 blocks return it) and the rest it hands on. Raises TypeError otherwise."""
+    if isinstance(out, torch.Tensor):
+        return out, ()
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0], tuple(out[1:])
+    raise TypeError(f"{who}: layer {i} ({type(layer).__name__}) returned {type(out).__name__}, not a tensor or a "
+                    "tuple whose first element is one: remat plans layers whose output (or its first element) is "
+                    "the next layer's input")
+
+
+def _tensors_in(values, out: list) -> None:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            _tensors_in(v, out)
+
+
+def _taken_tensors(fn, args) -> list[torch.Tensor]:
+    """The tensors a layer's call takes besides its input (args[0]): the other positional arguments, and what
+    the call's partials bind (keyword arguments such as T5's position bias or a decoder's encoder states)."""
+    out: list[torch.Tensor] = []
+    _tensors_in(args[1:], out)
+    while isinstance(fn, partial):
+        _tensors_in(fn.args, out)
+        _tensors_in(fn.keywords.values(), out)
+        fn = fn.func
+    return out
+
+
+def _key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr() or id(t)
+    except RuntimeError:  # a tensor without storage (a wrapper subclass)
+        return id(t)
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except RuntimeError:
+        return t.nbytes
+
+
 class _Shape:
     """What is known of one input shape: its profile, what surrounds the layers, the plan."""
 
@@ -94,6 +140,26 @@ class _Step:
         self.input_in_base = False
         self.input_bytes = 0
         self.done = False
+        # What the layers take or hand on beside their input and output (StepContext.side_bytes): the storages
+        # the first layer takes (made before the layers: their gradients only are charged), and per storage
+        # made during the layers, its bytes and its gradient's.
+        self.before_chain: set[int] = set()
+        self.side: dict[int, int] = {}
+
+    def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
+        if i == 0:
+            self.before_chain = {_key(t) for t in taken}
+        keys_taken = set()
+        for t in taken:
+            k = _key(t)
+            keys_taken.add(k)
+            grad = t.nbytes if t.requires_grad else 0
+            held = grad if k in self.before_chain else _storage_bytes(t) + grad
+            self.side[k] = max(self.side.get(k, 0), held)
+        for t in handed:
+            if isinstance(t, torch.Tensor) and _key(t) not in keys_taken and _key(t) not in self.before_chain:
+                self.side[_key(t)] = max(self.side.get(_key(t), 0),
+                                         _storage_bytes(t) + (t.nbytes if t.requires_grad else 0))
 
     def peak(self) -> int:
         """The window's peak since its last reset()."""
@@ -136,7 +202,7 @@ def _numbers(chain, ctx):
             num(c, "fwd_ms", float)
             num(c, "bwd_ms", float)
     for a in ("before_saved_bytes", "before_peak_bytes", "before_backward_peak_bytes", "rest_peak_bytes",
-              "rest_grads_bytes", "checkpoint_all_peak_bytes"):
+              "rest_grads_bytes", "checkpoint_all_peak_bytes", "side_bytes"):
         num(ctx, a, int)
     num(ctx, "rest_ms", float)
     return ints, floats, setters
@@ -353,8 +419,10 @@ class LayerPlan:
         shape = step.shape
         if shape.choices is not None:
             out = run_layer(shape.choices[i], fn, args, [layer], self.policies)
-            if i == len(self.layers) - 1 and isinstance(out, torch.Tensor) and out.requires_grad:
-                self._measure_planned_step(step, shape, out)
+            if i == len(self.layers) - 1:
+                main, _ = _layer_output(out, self.who, i, layer)
+                if main.requires_grad:
+                    self._measure_planned_step(step, shape, main)
             return out
         return self._profiling_call(step, shape, i, fn, args, x)
 
@@ -380,23 +448,22 @@ class LayerPlan:
             step.at_layer0 = meter.count()
             step.before_peak = step.true_peak - step.base
         step.calls.append((fn, args, x))
-        out = run_layer(CHECKPOINT, fn, args, [self.layers[i]], self.policies)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) returned "
-                            f"{type(out).__name__}, not a tensor: remat plans layers whose output is one tensor "
-                            "(the next layer's input)")
+        returned = run_layer(CHECKPOINT, fn, args, [self.layers[i]], self.policies)
+        out, handed = _layer_output(returned, self.who, i, self.layers[i])
+        step.note_side(i, _taken_tensors(fn, args), handed)
         if i < n - 1:
-            return out
+            return returned
         shape.profiling_steps += 1
         if shape.chain is None:
             step.note_peak()
             stage_fns, inputs, excluded = [], [], []
             for j, (f, a, xj) in enumerate(step.calls):
                 rest = a[1:]
-                stage_fns.append(StageFn(lambda t, f=f, rest=rest: f(t, *rest),
-                                         f"{j}:{type(self.layers[j]).__name__}", self.layers[j]))
+                stage_fns.append(StageFn(lambda t, f=f, rest=rest, j=j: _layer_output(
+                    f(t, *rest), self.who, j, self.layers[j])[0], f"{j}:{type(self.layers[j]).__name__}",
+                    self.layers[j]))
                 inputs.append(xj)
-                excluded.extend(t for t in rest if isinstance(t, torch.Tensor))
+                excluded.extend(_taken_tensors(f, a))
             shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0, repeats=self.repeats,
                                   inputs=inputs, excluded=excluded)
             del stage_fns, inputs, excluded
@@ -446,8 +513,8 @@ class LayerPlan:
             out.register_hook(at_out)
             if prefix_backward:
                 x0.register_hook(at_x0)
-        del x0
-        return out
+        del x0, out
+        return returned
 
     def _plan_shape(self, step: _Step, shape: _Shape):
         # The readings of the profiling step, turned into a StepContext by the planner library's code, the
@@ -471,6 +538,7 @@ class LayerPlan:
                     seen.add(id(p))
                     grads[j] += p.nbytes
         r.stage_grads_bytes = grads
+        r.side_bytes = sum(step.side.values())
         shape.readings = r
         ctx = _core.step_context(r)
         if self._agreeing():

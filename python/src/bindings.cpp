@@ -237,7 +237,8 @@ NB_MODULE(_core, m) {
       .def_rw("rest_ms", &remat::StepContext::rest_ms)
       .def_rw("rest_grads_bytes", &remat::StepContext::rest_grads_bytes)
       .def_rw("stage_grads_bytes", &remat::StepContext::stage_grads_bytes)
-      .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes);
+      .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes)
+      .def_rw("side_bytes", &remat::StepContext::side_bytes);
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
       "A meter's readings at named points of a profiling step (counts of bytes, any "
@@ -255,7 +256,8 @@ NB_MODULE(_core, m) {
       .def_rw("rest_ms", &remat::StepReadings::rest_ms)
       .def_rw("peak_after_chain_backward", &remat::StepReadings::peak_after_chain_backward)
       .def_rw("step_peak", &remat::StepReadings::step_peak)
-      .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes);
+      .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
+      .def_rw("side_bytes", &remat::StepReadings::side_bytes);
   m.def("step_context", &remat::step_context, "readings"_a);
   nb::class_<remat::StepPlan>(m, "StepPlan", "A plan for a whole step and its predicted peak.")
       .def_rw("plan", &remat::StepPlan::plan)

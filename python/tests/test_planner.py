@@ -123,8 +123,9 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     r.base, r.input_in_base, r.at_chain, r.peak_before_chain, r.input_bytes = 1000, False, 1700, 1900, 300
     r.at_return, r.rest_peak, r.at_output_grad, r.output_grad_bytes, r.rest_ms = 2500, 3100, 2800, 200, 12.5
     r.peak_after_chain_backward, r.step_peak, r.stage_grads_bytes = 2300, 3400, [40, 50]
+    r.side_bytes = 64
     c = remat._core.step_context(r)
     assert (c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes) == \
         (False, 400, 900, 1300)
     assert (c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, list(c.stage_grads_bytes)) == (600, 12.5, 100, [40, 50])
-    assert c.checkpoint_all_peak_bytes == 2400
+    assert c.checkpoint_all_peak_bytes == 2400 and c.side_bytes == 64

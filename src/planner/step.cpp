@@ -32,10 +32,11 @@ bool is_per_layer(const std::string& planner) {
 }  // namespace
 
 StepContext step_context(const StepReadings& r) {
-  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || !(r.rest_ms >= 0)) {
+  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || r.side_bytes < 0 || !(r.rest_ms >= 0)) {
     throw std::invalid_argument("remat::step_context: input_bytes (" + std::to_string(r.input_bytes) +
                                 "), output_grad_bytes (" + std::to_string(r.output_grad_bytes) +
-                                ") and rest_ms (" + std::to_string(r.rest_ms) + ") must be >= 0");
+                                "), side_bytes (" + std::to_string(r.side_bytes) + ") and rest_ms (" +
+                                std::to_string(r.rest_ms) + ") must be >= 0");
   }
   auto above = [](int64_t v, int64_t from) { return std::max<int64_t>(0, v - from); };
   StepContext c;
@@ -49,6 +50,7 @@ StepContext step_context(const StepReadings& r) {
   c.rest_grads_bytes = above(r.at_output_grad - r.output_grad_bytes, r.at_return);
   c.stage_grads_bytes = r.stage_grads_bytes;
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
+  c.side_bytes = r.side_bytes;
   return c;
 }
 
@@ -63,6 +65,7 @@ void validate(const StepContext& c, const Chain& chain) {
   check(c.before_backward_peak_bytes, "before_backward_peak_bytes");
   check(c.rest_peak_bytes, "rest_peak_bytes");
   check(c.rest_grads_bytes, "rest_grads_bytes");
+  check(c.side_bytes, "side_bytes");
   if (!(c.rest_ms >= 0))
     throw std::invalid_argument("remat::StepContext: rest_ms must be >= 0, got " + std::to_string(c.rest_ms));
   if (!c.stage_grads_bytes.empty() && static_cast<int64_t>(c.stage_grads_bytes.size()) != chain.size()) {
@@ -84,7 +87,9 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   Stage before;
   before.name = "before";
   before.output_bytes = chain.input_bytes;
-  before.saved_bytes = chain.input_bytes + context.before_saved_bytes;
+  // What the stages take or hand on beside their input and output is held through the whole chain: charged
+  // with what the part before it holds.
+  before.saved_bytes = chain.input_bytes + context.before_saved_bytes + context.side_bytes;
   step.stages.push_back(before);
   step.stages.insert(step.stages.end(), chain.stages.begin(), chain.stages.end());
   Stage after;

@@ -1,0 +1,145 @@
+"""remat.hf.enable on encoder-decoder Transformers models built from a config (nothing downloaded): T5 and mT5,
+whose blocks return tuples (the hidden state, then the position bias the first block makes from a trained
+embedding and hands to every later block), BART and Whisper. Each has two layer lists (the encoder's, the
+decoder's), planned together for one budget; the decoder's layers attend to the encoder's output, whose
+gradient flows back into the encoder. Every step, the profiling one included, gives the plain run's loss,
+gradients and next random draw, bitwise; the measured step peak stays within the budget and near the
+prediction; eval and no_grad run plainly."""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import remat  # noqa: E402
+import remat.hf  # noqa: E402
+
+from test_hf import TOLERANCE, same  # noqa: E402
+
+LAYERS = 3  # per layer list
+
+
+def t5(cls="T5ForConditionalGeneration", config="T5Config"):
+    cfg = getattr(transformers, config)(vocab_size=1000, d_model=64, d_kv=16, d_ff=256, num_layers=LAYERS,
+                                        num_decoder_layers=LAYERS, num_heads=4, decoder_start_token_id=0,
+                                        pad_token_id=0)
+    return getattr(transformers, cls)(cfg)
+
+
+def mt5():
+    return t5("MT5ForConditionalGeneration", "MT5Config")
+
+
+def bart():
+    cfg = transformers.BartConfig(vocab_size=1000, d_model=64, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+                                  decoder_ffn_dim=256, max_position_embeddings=128)
+    return transformers.BartForConditionalGeneration(cfg)
+
+
+def whisper():
+    cfg = transformers.WhisperConfig(vocab_size=1000, d_model=64, encoder_layers=LAYERS, decoder_layers=LAYERS,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=256,
+                                     decoder_ffn_dim=256, num_mel_bins=16, max_source_positions=32,
+                                     max_target_positions=64, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+                                     decoder_start_token_id=0)
+    return transformers.WhisperForConditionalGeneration(cfg)
+
+
+MODELS = {"t5": t5, "mt5": mt5, "bart": bart, "whisper": whisper}
+
+
+def make(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    model.train()
+    return model
+
+
+def batch(name, k):
+    g = torch.Generator().manual_seed(100 + k)
+    labels = torch.randint(1, 1000, (4, 24), generator=g)
+    if name == "whisper":  # 16 mel bins, 64 frames: 32 positions after the encoder's strided convolution
+        return dict(input_features=torch.randn(4, 16, 64, generator=g), labels=labels)
+    return dict(input_ids=torch.randint(1, 1000, (4, 32), generator=g), labels=labels)
+
+
+def step(model, name, k, meter):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1000 + k)
+    b = batch(name, k)
+    base = meter.active()
+    meter.reset_peak()
+    loss = model(**b).loss
+    loss.backward()
+    peak = meter.peak() - base
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    return loss.detach(), grads, peak, torch.rand(4)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_both_layer_lists_planned_for_one_budget_and_every_step_is_the_plain_run(name, meter):
+    plain_model = make(name)
+    plain = [step(plain_model, name, k, meter) for k in range(3)]
+    plain_peak = plain[1][2]
+    hf_model = make(name)
+    hf_model.gradient_checkpointing_enable()
+    hf_peak = step(hf_model, name, 0, meter)[2]
+    del plain_model, hf_model
+
+    # The floor, from a first model's profiling step.
+    probe = make(name)
+    lp_probe = remat.hf.enable(probe, budget=1024)
+    with pytest.raises(remat.InfeasibleBudget) as e:
+        step(probe, name, 0, meter)
+    floor = e.value.min_bytes
+    assert floor < plain_peak
+    # What the layers take and hand on beside their input and output is charged: T5's position biases (each
+    # made by a first block) and every model's encoder output, which the decoder's layers attend to.
+    assert lp_probe.context.side_bytes > 0
+    del probe, lp_probe
+
+    # Just above the floor: the backward pass of Whisper's convolutions before the encoder's layers, where its
+    # step peaks with every layer checkpointed, measured 2.14 to 2.23 MiB in three runs of one process.
+    for where in (0.05, 0.5):
+        budget = int(floor + where * (plain_peak - floor))
+        model = make(name)
+        lp = remat.hf.enable(model, budget=budget)
+        runs = [step(model, name, k, meter) for k in range(3)]
+        for k in range(3):
+            same(plain[k], runs[k])
+        assert lp.is_planned() and lp.profiling_steps == 1
+        assert len(lp.choices) == 2 * LAYERS  # the encoder's and the decoder's layers in one plan
+        predicted = lp.predicted_peak_bytes
+        assert predicted <= budget
+        for k in (1, 2):
+            assert runs[k][2] <= budget + TOLERANCE * predicted, (where, lp.choices, runs[k][2], predicted, budget)
+            assert runs[k][2] <= predicted * (1 + TOLERANCE), (where, lp.choices, runs[k][2], predicted)
+        assert lp.last_peak_bytes == runs[2][2]
+        if where < 0.5:
+            assert "checkpoint" in lp.choices or "matmuls" in lp.choices
+    # A user can ask for the memory of the one switch remat replaces. Not yet on Whisper: its profiling step
+    # (every layer checkpointed, as gradient_checkpointing_enable() runs it) measured 2.49 to 2.58 MiB in three
+    # runs where gradient_checkpointing_enable() measured 2.41 to 2.43 MiB, both peaking in the backward pass
+    # of the convolutions before the encoder's layers (docs/python.md, Limits).
+    if name != "whisper":
+        assert floor <= hf_peak, (floor, hf_peak)
+
+
+@pytest.mark.parametrize("name", ["t5", "whisper"])
+def test_eval_and_no_grad_run_plainly(name, meter):
+    model = make(name)
+    lp = remat.hf.enable(model, budget="64MiB")
+    ref = make(name)
+    for m in (model, ref):
+        m.eval()
+    b = batch(name, 0)
+    with torch.no_grad():
+        assert torch.equal(model(**b).loss, ref(**b).loss)
+    model.train()
+    ref.train()
+    with torch.no_grad():
+        torch.manual_seed(5)
+        a = model(**b).loss
+        torch.manual_seed(5)
+        assert torch.equal(a, ref(**b).loss)
+    assert lp.profiling_steps == 0 and not lp.is_planned()

@@ -95,6 +95,19 @@ def _key(t: torch.Tensor) -> int:
         return id(t)
 
 
+def _sharded_layer(layers: Sequence[nn.Module]) -> int:
+    """The index of the first layer FSDP2 shards (fully_shard: an FSDPModule, or DTensor parameters), or -1."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return -1
+    for i, layer in enumerate(layers):
+        if isinstance(layer, FSDPModule) or any(isinstance(p, DTensor) for p in layer.parameters()):
+            return i
+    return -1
+
+
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
@@ -294,8 +307,19 @@ class LayerPlan:
             self._fixed = fixed
         self._last: _Shape | None = self._fixed
         self._step: _Step | None = None
+        if self._fixed is None:
+            self._refuse_sharded()
         self._handles = [model.register_forward_pre_hook(self._step_begins)]
         self._params = [p for p in model.parameters()]
+
+    def _refuse_sharded(self):
+        i = _sharded_layer(self.layers)
+        if i >= 0:
+            raise RuntimeError(
+                f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) is sharded by FSDP2 (fully_shard): "
+                "planning for a budget profiles each layer on its own, outside FSDP2's all-gathers, which its "
+                "sharded parameters do not allow yet; give a per-layer plan instead (plan=, e.g. remat.per_layer "
+                "of a chain profiled on one unsharded copy), which runs under FSDP2 as the plain run does")
 
     # -- what can be read ----------------------------------------------------------------------------------------
     def is_planned(self) -> bool:
@@ -408,6 +432,8 @@ class LayerPlan:
                 step = self._step = _Step(meter, grads_none)
                 step.input_in_base = True  # the base is taken here, the layers' input alive
             key = (tuple(x.shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
+            if key not in self._shapes:  # about to profile: the layers may have been sharded since enable()
+                self._refuse_sharded()
             shape = self._shapes.setdefault(key, _Shape())
             step.shape = shape
             self._last = shape

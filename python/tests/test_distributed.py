@@ -82,3 +82,97 @@ def test_ranks_agree_on_one_plan_under_ddp():
     r = run(agree=False)
     a, b = r["gathered"]
     assert a["chain"] != b["chain"]
+
+
+# FSDP2 (fully_shard on each decoder layer, then on the model, as torchtitan and accelerate shard): a given
+# per-layer plan runs as the plain FSDP2 run does, every step's loss and gradients bitwise; planning for a budget,
+# which profiles each layer on its own outside FSDP2's all-gathers, is refused with an error that names FSDP2,
+# whether the model was sharded before remat.hf.enable or after it, and the model is left as it was.
+def llama():
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   attention_dropout=0.1)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.train()
+    return model
+
+
+def per_layer_plan(choices):
+    import json
+    ops = [{"keep": f"Fa{i}", "checkpoint": f"Fc{i}"}.get(c, f"Fk{i}[{c}]") for i, c in enumerate(choices)]
+    ops.append("L")
+    for i in reversed(range(len(choices))):
+        if choices[i] == "checkpoint":
+            ops.append(f"Fa{i}")
+        ops.append(f"B{i}")
+    return remat.Plan.from_json(json.dumps({"num_stages": len(choices), "ops": ops}))
+
+
+def fsdp_worker(rank, port, out):
+    import remat.hf
+    from torch.distributed.fsdp import fully_shard
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(rank))
+
+        def shard(model):
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+
+        def train(model):
+            losses, grads = [], []
+            for k in range(3):
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(k)
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.detach())
+            grads = [p.grad.full_tensor() for p in model.parameters()]
+            return torch.stack(losses), grads
+
+        plain = llama()
+        shard(plain)
+        expected = train(plain)
+        planned = llama()
+        shard(planned)
+        lp = remat.hf.enable(planned, plan=per_layer_plan(["checkpoint", "matmuls", "keep", "checkpoint"]))
+        got = train(planned)
+        same = torch.equal(expected[0], got[0]) and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
+        errors = []
+        refused = llama()
+        shard(refused)
+        try:
+            remat.hf.enable(refused, budget="64MiB")
+        except RuntimeError as e:
+            errors.append(str(e))
+        untouched = not any(getattr(m, "gradient_checkpointing", False) for m in refused.modules())
+        late = llama()
+        remat.hf.enable(late, budget="64MiB")
+        shard(late)
+        try:
+            late(input_ids=ids, labels=ids)
+        except RuntimeError as e:
+            errors.append(str(e))
+        untouched = untouched and all(p.grad is None for p in late.parameters())
+        if rank == 0:
+            torch.save(dict(same=same, choices=lp.choices, errors=errors, untouched=untouched), out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_runs_a_given_plan_as_the_plain_run_and_refuses_to_plan():
+    pytest.importorskip("transformers")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(fsdp_worker, args=(free_port(), out), nprocs=2, join=True)
+        r = torch.load(out)
+    assert r["same"], "a step under FSDP2 with remat's plan differs from the plain FSDP2 run's"
+    assert r["choices"] == ["checkpoint", "matmuls", "keep", "checkpoint"]
+    assert len(r["errors"]) == 2 and all("sharded by FSDP2" in e and "LlamaDecoderLayer) is sharded" in e
+                                         for e in r["errors"]), r["errors"]
+    assert r["untouched"]

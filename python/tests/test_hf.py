@@ -52,11 +52,12 @@ def batch(spec, step):
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
-def step(model, spec, k, meter):
-    """Training step k as Trainer runs it: gradients set to none, forward, loss, backward."""
+def step(model, spec, k, meter, make_batch=None):
+    """Training step k as Trainer runs it: gradients set to none, forward, loss, backward. make_batch(spec, k):
+    the batch (batch() by default)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1000 + k)
-    b = batch(spec, k)
+    b = (make_batch or batch)(spec, k)
     base = meter.active()
     meter.reset_peak()
     out = model(**b)

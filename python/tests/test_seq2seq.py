@@ -14,6 +14,7 @@ import remat  # noqa: E402
 import remat.hf  # noqa: E402
 
 from test_hf import TOLERANCE, same  # noqa: E402
+from test_hf import step as hf_step  # noqa: E402
 
 LAYERS = 3  # per layer list
 
@@ -64,16 +65,8 @@ def batch(name, k):
 
 
 def step(model, name, k, meter):
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1000 + k)
-    b = batch(name, k)
-    base = meter.active()
-    meter.reset_peak()
-    loss = model(**b).loss
-    loss.backward()
-    peak = meter.peak() - base
-    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-    return loss.detach(), grads, peak, torch.rand(4)
+    """Training step k (test_hf's step on this file's batches; the loss is the model's)."""
+    return hf_step(model, dict(name=name, loss="lm"), k, meter, make_batch=lambda spec, k: batch(spec["name"], k))
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -176,3 +176,60 @@ def test_fsdp2_runs_a_given_plan_as_the_plain_run_and_refuses_to_plan():
     assert len(r["errors"]) == 2 and all("sharded by FSDP2" in e and "LlamaDecoderLayer) is sharded" in e
                                          for e in r["errors"]), r["errors"]
     assert r["untouched"]
+
+
+# transformers' Trainer on two processes (DDP on Gloo, CPU), as `torchrun --nproc-per-node 2 train.py` runs it:
+# with remat.hf.enable (a budget, planned in place in the first step, the ranks agreeing) every logged loss and
+# the trained weights equal the same run without it.
+def trainer_worker(rank, port, out, with_remat):
+    import transformers
+    from torch.utils.data import Dataset
+    import remat.hf
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+
+    class Data(Dataset):
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, 1000, (32,), generator=torch.Generator().manual_seed(i))
+            return dict(input_ids=ids, labels=ids)
+
+    model = llama()
+    lp = remat.hf.enable(model, budget="2MiB") if with_remat else None
+    args = transformers.TrainingArguments(output_dir=os.path.join(os.path.dirname(out), f"r{rank}"), max_steps=3,
+                                          per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
+                                          report_to=[], save_strategy="no", use_cpu=True, seed=7,
+                                          dataloader_num_workers=0, ddp_backend="gloo")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Data())
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if rank == 0:
+        torch.save(dict(losses=losses, weights=[p.detach().clone() for p in model.parameters()],
+                        planned=lp.is_planned() if lp else None, choices=lp.choices if lp else None,
+                        world=args.world_size, ddp=isinstance(trainer.model_wrapped,
+                                                              torch.nn.parallel.DistributedDataParallel),
+                        floor=lp.min_budget_bytes if lp else None,
+                        predicted=lp.predicted_peak_bytes if lp else None), out)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def test_trainer_on_two_processes_trains_as_without_remat():
+    pytest.importorskip("transformers")
+    runs = []
+    with tempfile.TemporaryDirectory() as d:
+        for with_remat in (False, True):
+            out = os.path.join(d, f"out{int(with_remat)}.pt")
+            mp.spawn(trainer_worker, args=(free_port(), out, with_remat), nprocs=2, join=True)
+            runs.append(torch.load(out))
+    plain, planned = runs
+    assert planned["planned"], "remat did not plan in the Trainer's first step"
+    assert planned["world"] == 2 and planned["ddp"], "the Trainer did not run DDP on two processes"
+    # 2 MiB is about 17% above this model's floor (1.71 MiB): some layers must be checkpointed.
+    assert "checkpoint" in planned["choices"] or "matmuls" in planned["choices"], planned["choices"]
+    assert planned["predicted"] <= 2 << 20
+    assert len(plain["losses"]) == 3 and planned["losses"] == plain["losses"]
+    assert all(torch.equal(a, b) for a, b in zip(plain["weights"], planned["weights"]))

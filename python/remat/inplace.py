@@ -108,6 +108,26 @@ def _sharded_layer(layers: Sequence[nn.Module]) -> int:
     return -1
 
 
+def _compiled_layer(model: nn.Module, layers: Sequence[nn.Module]) -> int:
+    """The index of the first layer that is compiled (layer.compile(), or torch.compile(layer) in the model's
+    place), or -1."""
+    wrapped = set()
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+        wrapped = {id(m._orig_mod) for m in model.modules() if isinstance(m, OptimizedModule)}
+    except ImportError:
+        pass
+    for i, layer in enumerate(layers):
+        if getattr(layer, "_compiled_call_impl", None) is not None or id(layer) in wrapped:
+            return i
+    return -1
+
+
+_COMPILED = ("is compiled (layer.compile() or torch.compile(layer)): remat runs each layer's call through its own "
+             "checkpointing, which torch.compile cannot trace yet; compile the model's other parts, or use "
+             "torch.compile's own activation_memory_budget for compiled layers")
+
+
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
@@ -307,6 +327,9 @@ class LayerPlan:
             self._fixed = fixed
         self._last: _Shape | None = self._fixed
         self._step: _Step | None = None
+        i = _compiled_layer(model, self.layers)
+        if i >= 0:
+            raise RuntimeError(f"{who}: layer {i} ({type(self.layers[i]).__name__}) {_COMPILED}")
         if self._fixed is None:
             self._refuse_sharded()
         self._handles = [model.register_forward_pre_hook(self._step_begins)]
@@ -396,6 +419,10 @@ class LayerPlan:
         return torch.is_grad_enabled() and self.model.training
 
     def _step_begins(self, module, args):
+        if self._training():  # layers compiled after enable(): refused before anything runs
+            i = _compiled_layer(self.model, self.layers)
+            if i >= 0:
+                raise RuntimeError(f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) {_COMPILED}")
         if self._fixed is not None or not self._training():
             self._step = None
             return

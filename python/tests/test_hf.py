@@ -3,6 +3,8 @@ GPT-2 and a Llama-architecture model. Every step, the profiling one included, gi
 gradients and next random draw, bitwise; the measured step peak stays within the budget and near the
 prediction; eval and no_grad run plainly; an infeasible budget names the least feasible one; a Trainer
 trains with it."""
+import gc
+
 import pytest
 import torch
 
@@ -273,3 +275,47 @@ def test_compiled_layers_are_refused_by_name(how, meter):
     with pytest.raises(RuntimeError, match=r"layer 1 \(GPT2Block\) is compiled"):
         step(model, spec, 0, meter)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(meter):
+    # Under autocast a checkpointed layer runs with autocast's weight cache off (its recompute too), so that it
+    # does not hold its weights' bf16 copies until the autocast region ends, which the per-layer model does not
+    # charge (each checkpointed layer's bf16 weights above the prediction before, measured).
+    def make_llama():
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       attention_dropout=0.1)
+        m = transformers.LlamaForCausalLM(cfg)
+        m.train()
+        return m
+
+    spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+    def run(model, k):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return step(model, spec, k, meter)
+
+    plain_model = make_llama()
+    plain = [run(plain_model, k) for k in range(3)]
+    hf_model = make_llama()
+    hf_model.gradient_checkpointing_enable()
+    hf_peak = run(hf_model, 1)[2]
+    del plain_model, hf_model
+    gc.collect()
+    for where in (0.2, 0.6):
+        budget = int(hf_peak + where * (plain[1][2] - hf_peak))
+        model = lp = None
+        gc.collect()  # the last model's cycles freed now, not inside a measured step (which lowers its peak)
+        model = make_llama()
+        lp = remat.hf.enable(model, budget=budget)
+        runs = [run(model, k) for k in range(3)]
+        for k in range(3):
+            same(plain[k], runs[k])
+        predicted = lp.predicted_peak_bytes
+        assert "checkpoint" in lp.choices or "matmuls" in lp.choices, lp.choices
+        for k in (1, 2):
+            assert runs[k][2] <= budget + TOLERANCE * predicted, (lp.choices, runs[k][2], predicted, budget)
+            assert runs[k][2] <= predicted * 1.02, (lp.choices, runs[k][2], predicted)
+        # The floor is at most the peak of the one switch remat replaces.
+        assert lp.min_budget_bytes <= hf_peak, (lp.min_budget_bytes, hf_peak)

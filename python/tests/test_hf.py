@@ -29,9 +29,9 @@ def gpt2():
     return transformers.GPT2LMHeadModel(cfg), dict(batch=4, seq=64, vocab=1000, loss="lm")
 
 
-def llama():
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+def llama(hidden=64):
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=4 * hidden,
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                    attention_dropout=0.1)
     return transformers.LlamaForCausalLM(cfg), dict(batch=4, seq=64, vocab=1000, loss="lm")
 
@@ -283,10 +283,7 @@ def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(mete
     # charge (each checkpointed layer's bf16 weights above the prediction before, measured).
     def make_llama():
         torch.manual_seed(0)
-        cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                       attention_dropout=0.1)
-        m = transformers.LlamaForCausalLM(cfg)
+        m, _ = llama(hidden=128)
         m.train()
         return m
 

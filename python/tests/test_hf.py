@@ -31,8 +31,8 @@ def gpt2():
 
 def llama(hidden=64):
     cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=hidden, intermediate_size=4 * hidden,
-                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   attention_dropout=0.1)
+                                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128, attention_dropout=0.1)
     return transformers.LlamaForCausalLM(cfg), dict(batch=4, seq=64, vocab=1000, loss="lm")
 
 

@@ -123,11 +123,6 @@ def _compiled_layer(model: nn.Module, layers: Sequence[nn.Module]) -> int:
     return -1
 
 
-_COMPILED = ("is compiled (layer.compile() or torch.compile(layer)): remat runs each layer's call through its own "
-             "checkpointing, which torch.compile cannot trace yet; compile the model's other parts, or use "
-             "torch.compile's own activation_memory_budget for compiled layers")
-
-
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
@@ -147,8 +142,6 @@ class _Shape:
         self.last_peak = -1
         self.profiling_steps = 0
         self.error: Exception | None = None
-        # The profiling step's own peak above its base: every layer checkpointed, measured, not predicted.
-        self.checkpointed_peak = -1
 
 
 class _Step:
@@ -182,17 +175,12 @@ class _Step:
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
         if i == 0:
             self.before_chain = {_key(t) for t in taken}
-        keys_taken = set()
-        for t in taken:
+        made = [t for t in handed if isinstance(t, torch.Tensor) and _key(t) not in self.before_chain]
+        for t in [*taken, *made]:
             k = _key(t)
-            keys_taken.add(k)
             grad = t.nbytes if t.requires_grad else 0
             held = grad if k in self.before_chain else _storage_bytes(t) + grad
             self.side[k] = max(self.side.get(k, 0), held)
-        for t in handed:
-            if isinstance(t, torch.Tensor) and _key(t) not in keys_taken and _key(t) not in self.before_chain:
-                self.side[_key(t)] = max(self.side.get(_key(t), 0),
-                                         _storage_bytes(t) + (t.nbytes if t.requires_grad else 0))
 
     def peak(self) -> int:
         """The window's peak since its last reset()."""
@@ -327,13 +315,20 @@ class LayerPlan:
             self._fixed = fixed
         self._last: _Shape | None = self._fixed
         self._step: _Step | None = None
-        i = _compiled_layer(model, self.layers)
-        if i >= 0:
-            raise RuntimeError(f"{who}: layer {i} ({type(self.layers[i]).__name__}) {_COMPILED}")
+        self._refuse_compiled()
         if self._fixed is None:
             self._refuse_sharded()
         self._handles = [model.register_forward_pre_hook(self._step_begins)]
         self._params = [p for p in model.parameters()]
+
+    def _refuse_compiled(self):
+        i = _compiled_layer(self.model, self.layers)
+        if i >= 0:
+            raise RuntimeError(f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) is compiled "
+                               "(layer.compile() or torch.compile(layer)): remat runs each layer's call through "
+                               "its own checkpointing, which torch.compile cannot trace yet; compile the model's "
+                               "other parts, or use torch.compile's own activation_memory_budget for compiled "
+                               "layers")
 
     def _refuse_sharded(self):
         i = _sharded_layer(self.layers)
@@ -420,9 +415,7 @@ class LayerPlan:
 
     def _step_begins(self, module, args):
         if self._training():  # layers compiled after enable(): refused before anything runs
-            i = _compiled_layer(self.model, self.layers)
-            if i >= 0:
-                raise RuntimeError(f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) {_COMPILED}")
+            self._refuse_compiled()
         if self._fixed is not None or not self._training():
             self._step = None
             return
@@ -538,7 +531,6 @@ class LayerPlan:
             # From the layers' input gradient to the end: the backward pass of what ran before the layers.
             step.peak_after_backward = step.peak() if prefix_backward else -1
             step.note_peak()
-            shape.checkpointed_peak = step.true_peak - step.base
             try:
                 self._plan_shape(step, shape)
             finally:
@@ -592,7 +584,6 @@ class LayerPlan:
                     grads[j] += p.nbytes
         r.stage_grads_bytes = grads
         r.side_bytes = sum(step.side.values())
-        shape.readings = r
         ctx = _core.step_context(r)
         if self._agreeing():
             _agree(shape.chain, ctx)

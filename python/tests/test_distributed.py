@@ -1,6 +1,7 @@
 """One plan on every rank: under DDP (two processes on Gloo, CPU), remat.enable plans from the same numbers on
 every rank (each figure's maximum over the ranks), so both run the same plan, and every step's loss is the
 plain DDP run's. Rank 1's first layer is made slower, so that the ranks' own measurements differ."""
+import gc
 import os
 import socket
 import tempfile
@@ -24,6 +25,15 @@ def free_port():
 def mlp():
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(4)])
+
+
+def leave_group():
+    """Every rank at one point, then the group destroyed: a rank that destroyed Gloo's group while another was
+    still in it, or whose DDP modules still held it, aborted now and then at exit ("terminate called without an
+    active exception", after its work was done). The caller drops its models first."""
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def worker(rank, port, agree, out):
@@ -60,8 +70,9 @@ def worker(rank, port, agree, out):
             torch.equal(a, b) for a, b in zip(results["plain"]["grads"], results["remat"]["grads"]))
         if rank == 0:
             torch.save(dict(gathered=gathered, same_steps=same_steps), out)
+        ddp = model = lp = None
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def run(agree):
@@ -161,8 +172,9 @@ def fsdp_worker(rank, port, out):
         untouched = untouched and all(p.grad is None for p in late.parameters())
         if rank == 0:
             torch.save(dict(same=same, choices=lp.choices, errors=errors, untouched=untouched), out)
+        plain = planned = refused = late = lp = None
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def test_fsdp2_runs_a_given_plan_as_the_plain_run_and_refuses_to_plan():
@@ -213,8 +225,9 @@ def trainer_worker(rank, port, out, with_remat):
                                                               torch.nn.parallel.DistributedDataParallel),
                         floor=lp.min_budget_bytes if lp else None,
                         predicted=lp.predicted_peak_bytes if lp else None), out)
+    trainer = model = lp = None
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        leave_group()
 
 
 def test_trainer_on_two_processes_trains_as_without_remat():

@@ -19,13 +19,14 @@ that step runs inside enable() and the model's gradients, buffers and random gen
 """
 from __future__ import annotations
 
+import inspect
 from functools import partial
 from typing import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from .inplace import LayerPlan
+from .inplace import CHOICES_ATTR, LayerPlan, compiled_call, eager_dispatch
 from .profile import Restore
 
 __all__ = ["enable", "disable", "layers_of", "profile"]
@@ -37,7 +38,7 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError as e:
-        raise TypeError("remat.hf: needs transformers with GradientCheckpointingLayer (4.52 or later)") from e
+        raise TypeError("remat.hf: needs transformers with GradientCheckpointingLayer (4.53 or later)") from e
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise TypeError(f"remat.hf: {type(model).__name__} has no GradientCheckpointingLayer modules; use "
@@ -55,6 +56,28 @@ def _layer_of_call(fn):
     return getattr(fn, "__self__", None)
 
 
+def _check_hook(model: nn.Module) -> None:
+    """remat reaches the layers through _set_gradient_checkpointing(enable, gradient_checkpointing_func), the hook
+    both public entry points (gradient_checkpointing_enable, and 5.24's activation_checkpointing_enable) call
+    with torch.utils.checkpoint: neither takes a function of the caller's (they pass keyword arguments to
+    torch.utils.checkpoint only), and remat's is what decides per layer. Tested on transformers 4.53.3, 5.23.0
+    and 5.24.0 (scripts/hf-versions). Raises TypeError naming the installed version where the hook differs."""
+    hook = getattr(model, "_set_gradient_checkpointing", None)
+    if hook is None:
+        raise TypeError(f"remat.hf.enable: {type(model).__name__} is not a transformers PreTrainedModel")
+    try:
+        params = inspect.signature(hook).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "gradient_checkpointing_func" not in params or "enable" not in params:
+        import transformers
+        raise TypeError(f"remat.hf.enable: {type(model).__name__}._set_gradient_checkpointing takes "
+                        f"({', '.join(params)}), not (enable, gradient_checkpointing_func), in transformers "
+                        f"{transformers.__version__}: remat.hf supports 4.53 to 5.24 and models written in their "
+                        "format (a model overriding the hook in the pre-4.35 format is not); use "
+                        "remat.enable(model, layers, budget=...) with its layer list")
+
+
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
            policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None) -> LayerPlan:
     """Plans `model`'s layers for `budget` (bytes, an int, or a string with a unit such as "600MiB"): the whole
@@ -69,14 +92,17 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     ValueError for a bad budget or plan, remat.InfeasibleBudget (naming the least feasible budget) when no plan
     fits."""
     layers = layers_of(model)
-    if not hasattr(model, "_set_gradient_checkpointing"):
-        raise TypeError(f"remat.hf.enable: {type(model).__name__} is not a transformers PreTrainedModel")
+    _check_hook(model)
     disable(model)
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, who="remat.hf.enable")
 
     def checkpointing_func(fn, *args, **kwargs):
         layer = _layer_of_call(fn)
+        if torch.compiler.is_compiling() and layer is not None and CHOICES_ATTR in layer.__dict__:
+            # A compiled layer (layer.compile(), torch.compile(layer)) being traced: the plan inside its graph.
+            call = partial(fn, **kwargs) if kwargs else fn
+            return compiled_call(layer, call, args, partial(eager_dispatch, lp, layer, call, args))
         i = lp.index.get(id(layer)) if layer is not None else None
         if i is None:  # a module remat does not plan (a model-level flag): as Hugging Face runs it
             from torch.utils.checkpoint import checkpoint

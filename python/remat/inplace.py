@@ -18,11 +18,13 @@ what runs before and after them, and the gradients the step allocates are inside
 from __future__ import annotations
 
 import time
+import types
 from functools import partial
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from . import _core
 from .meter import meter_for
@@ -108,19 +110,54 @@ def _sharded_layer(layers: Sequence[nn.Module]) -> int:
     return -1
 
 
-def _compiled_layer(model: nn.Module, layers: Sequence[nn.Module]) -> int:
-    """The index of the first layer that is compiled (layer.compile(), or torch.compile(layer) in the model's
-    place), or -1."""
-    wrapped = set()
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-        wrapped = {id(m._orig_mod) for m in model.modules() if isinstance(m, OptimizedModule)}
-    except ImportError:
-        pass
-    for i, layer in enumerate(layers):
-        if getattr(layer, "_compiled_call_impl", None) is not None or id(layer) in wrapped:
-            return i
-    return -1
+def _shape_key(args) -> tuple:
+    """The key plans are kept under: the shapes of a layer call's input and of its other positional tensors."""
+    return (tuple(args[0].shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
+
+
+# Compiled layers (layer.compile(), torch.compile(layer)): each planned layer carries its choices per input shape
+# as a plain attribute, which the traced call reads (dynamo guards on its value, so layers with the same choice
+# share one compiled graph and a new plan recompiles); None is the given plan's, for every shape.
+CHOICES_ATTR = "_remat_choices"
+
+
+def compiled_call(layer: nn.Module, fn: Callable, args: tuple, eager: Callable):
+    """Layer `layer`'s call fn(*args) while torch.compile traces it: as its plan for this input shape says,
+    through the checkpointing torch.compile traces (torch.utils.checkpoint, a policy as selective
+    checkpointing's context), or, where the layer has no plan for this shape yet (the profiling step, an
+    infeasible budget), eager(), which runs outside the compiled graph (a graph break)."""
+    choices = layer.__dict__.get(CHOICES_ATTR)
+    how = None
+    if choices is not None and args and isinstance(args[0], torch.Tensor):
+        how = choices.get(_shape_key(args), choices.get(None))
+    if how is None:
+        return eager()
+    if how == KEEP:
+        return fn(*args)
+    if how == CHECKPOINT:
+        return checkpoint(fn, *args, use_reentrant=False)
+    policy = choices.get(("policy", how))
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+
+@torch.compiler.disable
+def eager_dispatch(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
+    """lp.dispatch for `layer`, run outside torch.compile's graph (the profiling step of a compiled layer)."""
+    return lp.dispatch(lp.index[id(layer)], fn, *args)
+
+
+def _planned_forward(self: nn.Module, *args, **kwargs):
+    """The forward remat.enable gives each layer (bound to it): the class's forward, run as the plan says. One
+    function for every layer, so that torch.compile shares a graph between layers that run alike."""
+    fn = partial(type(self).forward, self, **kwargs)
+    lp = self.__dict__[LAYER_PLAN_ATTR]
+    if torch.compiler.is_compiling():
+        return compiled_call(self, fn, args, partial(eager_dispatch, lp, self, fn, args))
+    return lp.dispatch(lp.index[id(self)], fn, *args)
+
+
+LAYER_PLAN_ATTR = "_remat_layer_plan"
 
 
 def _storage_bytes(t: torch.Tensor) -> int:
@@ -133,7 +170,8 @@ def _storage_bytes(t: torch.Tensor) -> int:
 class _Shape:
     """What is known of one input shape: its profile, what surrounds the layers, the plan."""
 
-    def __init__(self):
+    def __init__(self, key: tuple | None = None):
+        self.key = key  # _shape_key's (None: a given plan's, for every shape)
         self.chain: _core.Chain | None = None
         self.context: _core.StepContext | None = None
         self.plan: _core.Plan | None = None
@@ -315,20 +353,26 @@ class LayerPlan:
             self._fixed = fixed
         self._last: _Shape | None = self._fixed
         self._step: _Step | None = None
-        self._refuse_compiled()
-        if self._fixed is None:
+        for layer in self.layers:
+            layer.__dict__[CHOICES_ATTR] = {}
+        if self._fixed is not None:
+            self._publish(self._fixed)
+        else:
             self._refuse_sharded()
         self._handles = [model.register_forward_pre_hook(self._step_begins)]
         self._params = [p for p in model.parameters()]
 
-    def _refuse_compiled(self):
-        i = _compiled_layer(self.model, self.layers)
-        if i >= 0:
-            raise RuntimeError(f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) is compiled "
-                               "(layer.compile() or torch.compile(layer)): remat runs each layer's call through "
-                               "its own checkpointing, which torch.compile cannot trace yet; compile the model's "
-                               "other parts, or use torch.compile's own activation_memory_budget for compiled "
-                               "layers")
+    def _publish(self, shape: _Shape) -> None:
+        """Hands shape's plan to the layers' compiled calls (compiled_call): each layer's choice under the shape's
+        key, and the policy functions the choices name."""
+        for layer, how in zip(self.layers, shape.choices or [None] * len(self.layers)):
+            choices = layer.__dict__.setdefault(CHOICES_ATTR, {})
+            if how is None:
+                choices.pop(shape.key, None)
+                continue
+            choices[shape.key] = how
+            if how not in (KEEP, CHECKPOINT):
+                choices[("policy", how)] = policy_fn(how, self.policies)
 
     def _refuse_sharded(self):
         i = _sharded_layer(self.layers)
@@ -408,14 +452,14 @@ class LayerPlan:
         for h in self._handles:
             h.remove()
         self._handles = []
+        for layer in self.layers:
+            layer.__dict__.pop(CHOICES_ATTR, None)
 
     # -- the step ------------------------------------------------------------------------------------------------
     def _training(self) -> bool:
         return torch.is_grad_enabled() and self.model.training
 
     def _step_begins(self, module, args):
-        if self._training():  # layers compiled after enable(): refused before anything runs
-            self._refuse_compiled()
         if self._fixed is not None or not self._training():
             self._step = None
             return
@@ -434,6 +478,8 @@ class LayerPlan:
     def dispatch(self, i: int, fn: Callable, *args):
         """Runs layer i's call fn(*args) (args[0] its input tensor) as the plan in force says, or profiles it."""
         layer = self.layers[i]
+        if torch.compiler.is_compiling():
+            return compiled_call(layer, fn, args, partial(eager_dispatch, self, layer, fn, args))
         if not (torch.is_grad_enabled() and layer.training):
             return fn(*args)
         if not args or not isinstance(args[0], torch.Tensor):
@@ -451,10 +497,10 @@ class LayerPlan:
                 grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
                 step = self._step = _Step(meter, grads_none)
                 step.input_in_base = True  # the base is taken here, the layers' input alive
-            key = (tuple(x.shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
+            key = _shape_key(args)
             if key not in self._shapes:  # about to profile: the layers may have been sharded since enable()
                 self._refuse_sharded()
-            shape = self._shapes.setdefault(key, _Shape())
+            shape = self._shapes.setdefault(key, _Shape(key))
             step.shape = shape
             self._last = shape
             if shape.error is not None:
@@ -621,10 +667,12 @@ class LayerPlan:
             shape.error = err
             shape.plan = shape.choices = None
             shape.predicted = -1
+            self._publish(shape)
             raise err from None
         shape.plan = planned.plan
         shape.choices = choices_of(planned.plan)
         shape.predicted = planned.step_peak_bytes
+        self._publish(shape)
 
 
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
@@ -634,7 +682,9 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
     training step per input shape), or as a given per-layer `plan` (remat.per_layer's). policies: the selective
     policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).
-    Each layer's forward is wrapped (an instance attribute; LayerPlan.remove() puts it back). In eval mode or
+    Each layer's forward is wrapped (an instance attribute running the class's forward; LayerPlan.remove()
+    puts it back). Layers compiled one by one (layer.compile(), torch.compile(layer)) run the plan inside their
+    compiled graphs (the profiling step runs them eagerly). In eval mode or
     under no_grad the layers run plainly. Raises ValueError/TypeError for bad arguments; at the end of the
     profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits.
     agree: every rank of a torch.distributed process group plans from the same numbers (each figure's maximum
@@ -645,17 +695,16 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()
-            raise ValueError(f"remat.enable: layer {i}'s forward is already wrapped (remat.enable twice?)")
-        original = layer.forward
-
-        def wrapped(*args, __i=i, __original=original, **kwargs):
-            return lp.dispatch(__i, partial(__original, **kwargs), *args)
-
-        layer.forward = wrapped
+            raise ValueError(f"remat.enable: layer {i}'s forward is already wrapped (remat.enable twice?); "
+                             "remat runs the class's forward")
+    for layer in lp.layers:
+        layer.__dict__[LAYER_PLAN_ATTR] = lp
+        layer.forward = types.MethodType(_planned_forward, layer)
 
     def unwrap(layers=lp.layers):
         for layer in layers:
             layer.__dict__.pop("forward", None)
+            layer.__dict__.pop(LAYER_PLAN_ATTR, None)
 
     class _Unwrap:
         def remove(self):

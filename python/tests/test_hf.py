@@ -70,6 +70,16 @@ def step(model, spec, k, meter, make_batch=None):
     return loss.detach(), grads, peak, torch.rand(4)
 
 
+def hf_checkpointing(model):
+    """Hugging Face's own per-layer checkpointing, non-reentrant (5.x's default; 4.x defaulted to reentrant),
+    through activation_checkpointing_enable where the installed transformers has it (5.24 deprecates
+    gradient_checkpointing_enable)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def same(a, b):
     assert torch.equal(a[0], b[0]), (a[0], b[0])
     for i, (g, h) in enumerate(zip(a[1], b[1])):
@@ -256,25 +266,70 @@ def test_trainer_trains_with_it(tmp_path, meter):
 
 
 
-@pytest.mark.parametrize("how", ["compile-then-enable", "enable-then-compile", "torch.compile-in-place"])
-def test_compiled_layers_are_refused_by_name(how, meter):
-    # remat's per-layer checkpointing cannot run inside a compiled layer yet (dynamo cannot trace its
-    # checkpoint's context): a clear error naming the layer, before anything runs, not dynamo's internal error.
-    model, spec = make("gpt2")
+def _compiled_gpt2(how):
+    # GPT-2 without dropout: torch.compile draws dropout masks by its own generator, and a graph with
+    # checkpointing draws them differently from one without (Hugging Face's own checkpointing too).
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=4, n_head=4, n_positions=128, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.train()
     layers = model.transformer.h
-    if how == "compile-then-enable":
-        layers[0].compile()
-        with pytest.raises(RuntimeError, match=r"layer 0 \(GPT2Block\) is compiled"):
-            remat.hf.enable(model, budget="64MiB")
-        return
-    remat.hf.enable(model, budget="64MiB")
-    if how == "enable-then-compile":
-        layers[1].compile()
-    else:
-        layers[1] = torch.compile(layers[1])
-    with pytest.raises(RuntimeError, match=r"layer 1 \(GPT2Block\) is compiled"):
-        step(model, spec, 0, meter)
-    assert all(p.grad is None for p in model.parameters())
+    for i in range(len(layers)):
+        if how == "layer.compile()":
+            layers[i].compile()
+        else:
+            layers[i] = torch.compile(layers[i])
+    return model, dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+
+@pytest.mark.parametrize("how", ["layer.compile()", "torch.compile(layer)"])
+def test_compiled_layers_run_the_plan_inside_their_graphs(how, meter):
+    # Layers compiled one by one run remat's plan inside their compiled graphs (dynamo traces the checkpointing
+    # the plan asks for, as selective checkpointing's context for a policy): every step after the profiling one
+    # is bitwise the plain compiled run's; the profiling step runs the layers eagerly (equal to rounding); a new
+    # plan recompiles the layers' graphs (the choice is guarded), and its memory shows the choice was run.
+    plain_model, spec = _compiled_gpt2(how)
+    plain = [step(plain_model, spec, k, meter) for k in range(4)]
+    model, _ = _compiled_gpt2(how)
+    lp = remat.hf.enable(model, budget="1GiB")
+    first = step(model, spec, 0, meter)
+    assert lp.is_planned() and lp.profiling_steps == 1
+    for g, h in zip(first[1], plain[0][1]):
+        torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
+    # A budget between the least and the plain step's: a plan mixing kept and checkpointed layers.
+    lo = lp.min_budget_bytes
+    budget = (lo + lp.predicted_peak_bytes) // 2
+    lp.set_budget(budget)
+    assert "keep" in lp.choices and "checkpoint" in lp.choices, lp.choices
+    mixed = [step(model, spec, k, meter) for k in (1, 2)]
+    for got, want in zip(mixed, plain[1:3]):
+        same(got, want)
+        assert got[2] <= budget * (1 + TOLERANCE), (got[2], budget)
+    lp.set_budget(lo)
+    assert lp.choices == ["checkpoint"] * 4
+    least = step(model, spec, 3, meter)
+    same(least, plain[3])
+    assert least[2] < mixed[1][2]
+    lp.remove()
+
+
+def test_compiled_layers_run_a_given_plan_with_a_policy(meter):
+    # A given plan with every choice, the matmuls policy included (selective checkpointing's context, traced
+    # by dynamo as a constant), from the first step: bitwise the plain compiled run, in less memory.
+    plain_model, spec = _compiled_gpt2("layer.compile()")
+    plain = [step(plain_model, spec, k, meter) for k in range(2)]
+    model, _ = _compiled_gpt2("layer.compile()")
+    from test_apply import _per_layer_plan
+    remat.hf.enable(model, plan=_per_layer_plan(None, ["checkpoint", "matmuls", "keep", "matmuls"]))
+    got = [step(model, spec, k, meter) for k in range(2)]
+    for a, b in zip(got, plain):
+        same(a, b)
+    keep_model, _ = _compiled_gpt2("layer.compile()")
+    remat.hf.enable(keep_model, plan=_per_layer_plan(None, ["keep"] * 4))
+    kept = step(keep_model, spec, 1, meter)
+    same(kept, plain[1])
+    assert got[1][2] < kept[2]
 
 
 def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(meter):
@@ -296,7 +351,7 @@ def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(mete
     plain_model = make_llama()
     plain = [run(plain_model, k) for k in range(3)]
     hf_model = make_llama()
-    hf_model.gradient_checkpointing_enable()
+    hf_checkpointing(hf_model)
     hf_peak = run(hf_model, 1)[2]
     del plain_model, hf_model
     gc.collect()

@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 import remat  # noqa: E402
 import remat.hf  # noqa: E402
 
-from test_hf import TOLERANCE, same  # noqa: E402
+from test_hf import TOLERANCE, hf_checkpointing, same  # noqa: E402
 from test_hf import step as hf_step  # noqa: E402
 
 LAYERS = 3  # per layer list
@@ -75,7 +75,7 @@ def test_both_layer_lists_planned_for_one_budget_and_every_step_is_the_plain_run
     plain = [step(plain_model, name, k, meter) for k in range(3)]
     plain_peak = plain[1][2]
     hf_model = make(name)
-    hf_model.gradient_checkpointing_enable()
+    hf_checkpointing(hf_model)
     hf_peak = step(hf_model, name, 0, meter)[2]
     del plain_model, hf_model
 

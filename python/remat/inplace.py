@@ -97,19 +97,6 @@ def _key(t: torch.Tensor) -> int:
         return id(t)
 
 
-def _sharded_layer(layers: Sequence[nn.Module]) -> int:
-    """The index of the first layer FSDP2 shards (fully_shard: an FSDPModule, or DTensor parameters), or -1."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return -1
-    for i, layer in enumerate(layers):
-        if isinstance(layer, FSDPModule) or any(isinstance(p, DTensor) for p in layer.parameters()):
-            return i
-    return -1
-
-
 def _shape_key(args) -> tuple:
     """The key plans are kept under: the shapes of a layer call's input and of its other positional tensors."""
     return (tuple(args[0].shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
@@ -160,6 +147,45 @@ def _planned_forward(self: nn.Module, *args, **kwargs):
 LAYER_PLAN_ATTR = "_remat_layer_plan"
 
 
+class _Gathered:
+    """While profiling: every FSDP2-sharded layer's parameters all-gathered (FSDPModule.unshard()), so that a
+    layer's forward can run outside its module call, and resharded after (reshard()). A transient of
+    profiling's own, as its other runs are: the window restarts after it."""
+
+    def __init__(self, layers: Sequence[nn.Module], meter):
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = None  # noqa: N806
+        self.meter = meter
+        self.per_layer = [[m for m in layer.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+                          for layer in layers]
+        self.modules = [m for ms in self.per_layer for m in ms]
+        self.gathered = [0] * len(layers)  # per layer: the bytes its all-gathered parameters take (measured)
+
+    def __enter__(self):
+        # Each module resharded first (the running layer is gathered now) and gathered again, its bytes read
+        # as the meter's count rises: the all-gathered parameters, in the dtype FSDP2 gathers them in.
+        for j, ms in enumerate(self.per_layer):
+            for m in ms:
+                m.reshard()
+                before = self.meter.count()
+                m.unshard()
+                self.gathered[j] += self.meter.count() - before
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self.modules):
+            m.reshard()
+        return False
+
+
+def _local_bytes(p: torch.Tensor) -> int:
+    """A parameter's bytes on this rank: its local shard's for a DTensor (FSDP2), else its own."""
+    to_local = getattr(p, "to_local", None)
+    return to_local().nbytes if callable(to_local) else p.nbytes
+
+
 def _storage_bytes(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
@@ -172,6 +198,7 @@ class _Shape:
 
     def __init__(self, key: tuple | None = None):
         self.key = key  # _shape_key's (None: a given plan's, for every shape)
+        self.gathered: list[int] = []  # per layer, FSDP2's all-gathered parameters' bytes (0: not sharded)
         self.chain: _core.Chain | None = None
         self.context: _core.StepContext | None = None
         self.plan: _core.Plan | None = None
@@ -357,9 +384,11 @@ class LayerPlan:
             layer.__dict__[CHOICES_ATTR] = {}
         if self._fixed is not None:
             self._publish(self._fixed)
-        else:
-            self._refuse_sharded()
-        self._handles = [model.register_forward_pre_hook(self._step_begins)]
+        # First among the model's forward pre-hooks: the step's base is read before FSDP2's root all-gathers its
+        # parameters (fully_shard prepends its hook too; _first_hook moves remat's back in front).
+        self._begin_hook = model.register_forward_pre_hook(self._step_begins, prepend=True)
+        self._handles = [self._begin_hook]
+        self._unmeasured = False  # this step runs every layer checkpointed, measuring nothing
         self._params = [p for p in model.parameters()]
 
     def _publish(self, shape: _Shape) -> None:
@@ -373,15 +402,6 @@ class LayerPlan:
             choices[shape.key] = how
             if how not in (KEEP, CHECKPOINT):
                 choices[("policy", how)] = policy_fn(how, self.policies)
-
-    def _refuse_sharded(self):
-        i = _sharded_layer(self.layers)
-        if i >= 0:
-            raise RuntimeError(
-                f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) is sharded by FSDP2 (fully_shard): "
-                "planning for a budget profiles each layer on its own, outside FSDP2's all-gathers, which its "
-                "sharded parameters do not allow yet; give a per-layer plan instead (plan=, e.g. remat.per_layer "
-                "of a chain profiled on one unsharded copy), which runs under FSDP2 as the plain run does")
 
     # -- what can be read ----------------------------------------------------------------------------------------
     def is_planned(self) -> bool:
@@ -459,8 +479,24 @@ class LayerPlan:
     def _training(self) -> bool:
         return torch.is_grad_enabled() and self.model.training
 
+    def _first_hook(self) -> bool:
+        """Moves remat's step-begin hook in front of the model's other forward pre-hooks (FSDP2, sharding after
+        enable(), prepends its own); True when it was not first, and another hook ran before it this step."""
+        hooks = self.model._forward_pre_hooks
+        if next(iter(hooks), None) == self._begin_hook.id:
+            return False
+        hooks.move_to_end(self._begin_hook.id, last=False)
+        return True
+
     def _step_begins(self, module, args):
+        self._unmeasured = False
         if self._fixed is not None or not self._training():
+            self._step = None
+            return
+        if self._first_hook():
+            # FSDP2 all-gathered the root's parameters before this step's base could be read: this step runs
+            # every layer checkpointed and measures nothing; the next one profiles.
+            self._unmeasured = True
             self._step = None
             return
         meter = meter_for(self._device_of(args))
@@ -486,6 +522,8 @@ class LayerPlan:
             raise TypeError(f"{self.who}: layer {i} ({type(layer).__name__}) was called without its input tensor "
                             "as the first positional argument; remat follows the tensor passed there from layer "
                             "to layer")
+        if self._unmeasured:
+            return run_layer(CHECKPOINT, fn, args, [layer], self.policies)
         if self._fixed is not None:  # a given plan: nothing to measure
             self._last = self._fixed
             return run_layer(self._fixed.choices[i], fn, args, [layer], self.policies)
@@ -498,8 +536,6 @@ class LayerPlan:
                 step = self._step = _Step(meter, grads_none)
                 step.input_in_base = True  # the base is taken here, the layers' input alive
             key = _shape_key(args)
-            if key not in self._shapes:  # about to profile: the layers may have been sharded since enable()
-                self._refuse_sharded()
             shape = self._shapes.setdefault(key, _Shape(key))
             step.shape = shape
             self._last = shape
@@ -556,8 +592,12 @@ class LayerPlan:
                     self.layers[j]))
                 inputs.append(xj)
                 excluded.extend(_taken_tensors(f, a))
-            shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0, repeats=self.repeats,
-                                  inputs=inputs, excluded=excluded)
+            with _Gathered(self.layers, meter) as gathered:
+                shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0,
+                                      repeats=self.repeats, inputs=inputs, excluded=excluded)
+            shape.gathered = list(gathered.gathered)
+            for st, g in zip(shape.chain.stages, gathered.gathered):
+                st.fwd_tmp_bytes += g
             del stage_fns, inputs, excluded
             step.window.restart()  # profiling's own transients are not the step's
         # The layers' calls are not needed any more: holding their inputs would hold what the plain step frees.
@@ -627,10 +667,22 @@ class LayerPlan:
             for p in self.layers[j].parameters():
                 if step.grads_none is not None and id(p) in step.grads_none and id(p) not in seen:
                     seen.add(id(p))
-                    grads[j] += p.nbytes
+                    grads[j] += _local_bytes(p)
         r.stage_grads_bytes = grads
         r.side_bytes = sum(step.side.values())
         ctx = _core.step_context(r)
+        if any(shape.gathered) and ctx.checkpoint_all_peak_bytes >= 0:
+            # FSDP2's backward transients (the running layer's gathered parameters, the next layer's prefetched
+            # ones, its unsharded gradients and the reduce-scatter's buffers) are not in the profile, which ran
+            # every layer gathered: the profiling step ran every layer checkpointed under FSDP2 and measured
+            # them, so the difference between its measured peak and the model's for that schedule is charged
+            # to each sharded layer's backward.
+            model = _core.step_peak_bytes(shape.chain, ctx, _core.checkpoint_all(shape.chain))
+            excess = ctx.checkpoint_all_peak_bytes - model
+            if excess > 0:
+                for st, g in zip(shape.chain.stages, shape.gathered):
+                    if g:
+                        st.bwd_tmp_bytes += excess
         if self._agreeing():
             _agree(shape.chain, ctx)
         shape.context = ctx

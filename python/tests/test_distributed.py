@@ -96,9 +96,9 @@ def test_ranks_agree_on_one_plan_under_ddp():
 
 
 # FSDP2 (fully_shard on each decoder layer, then on the model, as torchtitan and accelerate shard): a given
-# per-layer plan runs as the plain FSDP2 run does, every step's loss and gradients bitwise; planning for a budget,
-# which profiles each layer on its own outside FSDP2's all-gathers, is refused with an error that names FSDP2,
-# whether the model was sharded before remat.hf.enable or after it, and the model is left as it was.
+# per-layer plan runs as the plain FSDP2 run does, every step's loss and gradients bitwise; planning for a budget
+# (sharded before remat.hf.enable, and after it) gives the plain FSDP2 run's steps bitwise, the profiling one
+# included, and each planned step's measured peak within its budget, the ranks running one plan.
 def llama():
     import transformers
     torch.manual_seed(0)
@@ -135,59 +135,80 @@ def fsdp_worker(rank, port, out):
                 fully_shard(layer)
             fully_shard(model)
 
-        def train(model):
+        def train(model, steps):
             losses, grads = [], []
-            for k in range(3):
+            for k in steps:
                 model.zero_grad(set_to_none=True)
                 torch.manual_seed(k)
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 losses.append(loss.detach())
-            grads = [p.grad.full_tensor() for p in model.parameters()]
-            return torch.stack(losses), grads
+                grads.append([p.grad.to_local().clone() for p in model.parameters()])
+            return losses, grads
+
+        def equal(a, b):
+            return (all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+                    and all(torch.equal(g, h) for x, y in zip(a[1], b[1]) for g, h in zip(x, y)))
 
         plain = llama()
         shard(plain)
-        expected = train(plain)
+        expected = train(plain, range(6))
         planned = llama()
         shard(planned)
         lp = remat.hf.enable(planned, plan=per_layer_plan(["checkpoint", "matmuls", "keep", "checkpoint"]))
-        got = train(planned)
-        same = torch.equal(expected[0], got[0]) and all(torch.equal(a, b) for a, b in zip(expected[1], got[1]))
-        errors = []
-        refused = llama()
-        shard(refused)
-        try:
-            remat.hf.enable(refused, budget="64MiB")
-        except RuntimeError as e:
-            errors.append(str(e))
-        untouched = not any(getattr(m, "gradient_checkpointing", False) for m in refused.modules())
-        late = llama()
-        remat.hf.enable(late, budget="64MiB")
-        shard(late)
-        try:
-            late(input_ids=ids, labels=ids)
-        except RuntimeError as e:
-            errors.append(str(e))
-        untouched = untouched and all(p.grad is None for p in late.parameters())
+        given = dict(same=equal(expected, train(planned, range(3))), choices=lp.choices)
+        budgeted = {}
+        for order in ("shard-then-enable", "enable-then-shard"):
+            model = llama()
+            if order == "shard-then-enable":
+                shard(model)
+                lp = remat.hf.enable(model, budget=1 << 40)
+                first = train(model, [0])
+            else:
+                lp = remat.hf.enable(model, budget=1 << 40)
+                shard(model)
+                # FSDP2's hook ran before remat's could read the step's base: every layer checkpointed, unmeasured
+                first = train(model, [0])
+                assert lp.profiling_steps == 0 and not lp.is_planned()
+                first = train(model, [0])
+            rows = [dict(same=equal(first, train_like(expected, [0])), profiling_steps=lp.profiling_steps)]
+            lo, hi = lp.min_budget_bytes, lp.predicted_peak_bytes
+            for k, share in enumerate((0.0, 0.4, 1.0), start=1):
+                budget = int(lo + share * (hi - lo))
+                lp.set_budget(budget)
+                got = train(model, [k])
+                rows.append(dict(same=equal(got, train_like(expected, [k])), budget=budget,
+                                 predicted=lp.predicted_peak_bytes, peak=lp.last_peak_bytes, choices=lp.choices))
+            budgeted[order] = rows
+            model = lp = None
         if rank == 0:
-            torch.save(dict(same=same, choices=lp.choices, errors=errors, untouched=untouched), out)
-        plain = planned = refused = late = lp = None
+            torch.save(dict(given=given, budgeted=budgeted), out)
+        plain = planned = None
     finally:
         leave_group()
 
 
-def test_fsdp2_runs_a_given_plan_as_the_plain_run_and_refuses_to_plan():
+def train_like(expected, steps):
+    """Steps `steps` of a run's (losses, gradients)."""
+    return [expected[0][k] for k in steps], [expected[1][k] for k in steps]
+
+
+def test_fsdp2_runs_a_given_plan_and_plans_for_a_budget_as_the_plain_run():
     pytest.importorskip("transformers")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.pt")
         mp.spawn(fsdp_worker, args=(free_port(), out), nprocs=2, join=True)
         r = torch.load(out)
-    assert r["same"], "a step under FSDP2 with remat's plan differs from the plain FSDP2 run's"
-    assert r["choices"] == ["checkpoint", "matmuls", "keep", "checkpoint"]
-    assert len(r["errors"]) == 2 and all("sharded by FSDP2" in e and "LlamaDecoderLayer) is sharded" in e
-                                         for e in r["errors"]), r["errors"]
-    assert r["untouched"]
+    assert r["given"]["same"], "a step under FSDP2 with remat's plan differs from the plain FSDP2 run's"
+    assert r["given"]["choices"] == ["checkpoint", "matmuls", "keep", "checkpoint"]
+    for order, rows in r["budgeted"].items():
+        assert rows[0]["same"] and rows[0]["profiling_steps"] == 1, (order, rows[0])
+        for row in rows[1:]:
+            assert row["same"], (order, row)
+            # FSDP2's own peak varies from run to run on Gloo (when its collectives' buffers are freed): the same
+            # schedule measured 3.18 to 3.42 MB here, so the budget holds within 5% of the prediction.
+            assert 0 < row["peak"] <= row["budget"] + 0.05 * row["predicted"], (order, row)
+        assert rows[1]["choices"] != rows[-1]["choices"], (order, rows)
 
 
 # transformers' Trainer on two processes (DDP on Gloo, CPU), as `torchrun --nproc-per-node 2 train.py` runs it:

@@ -77,20 +77,30 @@ def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | No
         if policy is None:
             return contextlib.nullcontext(), restore
         fwd, rec = create_selective_checkpoint_contexts(policy)
-        stack = contextlib.ExitStack()
-
-        class _Both:
-            def __enter__(self):
-                stack.enter_context(restore)
-                stack.enter_context(rec)
-                return self
-
-            def __exit__(self, *exc):
-                return stack.__exit__(*exc)
-
-        return fwd, _Both()
+        return fwd, _Both(restore, rec)
 
     return context_fn
+
+
+class _Both:
+    """Two contexts entered in order, left in reverse. A class of the module's, not one made per call: a class
+    made inside context_fn is a reference cycle, which held selective checkpointing's cache (the tensors the
+    policy keeps) until Python's cycle collector ran: 1.5 MiB above the plan's prediction on a 6-layer Llama,
+    measured."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+        self.stack: contextlib.ExitStack | None = None
+
+    def __enter__(self):
+        self.stack = contextlib.ExitStack()
+        self.stack.enter_context(self.first)
+        self.stack.enter_context(self.second)
+        return self
+
+    def __exit__(self, *exc):
+        stack, self.stack = self.stack, None
+        return stack.__exit__(*exc)
 
 
 def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],

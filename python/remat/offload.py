@@ -1,0 +1,377 @@
+"""Offloading what autograd saves to host memory, and bringing it back ahead of its backward use.
+
+    pool = remat.offload.HostPool(max_bytes=8 << 30)          # reused across steps; pinned on CUDA
+    with remat.offload.offload(pool=pool, min_bytes=1 << 20):  # every tensor saved for backward of 1 MiB or more
+        loss = model(batch).loss
+    loss.backward()
+
+Inside the context, each tensor autograd saves (through ``torch.autograd.graph.saved_tensors_hooks``) of at least
+``min_bytes`` goes to a block of the host pool: on CUDA, copied on a side stream after the producing stream's work
+(an event orders them), the device tensor kept alive until the copy's event has completed, then released; on
+the CPU (where "device" and "host" are one memory, so that the mechanism is testable without a GPU), copied at
+once. Saved tensors that are parameters or buffers (alive anyway), or below the threshold, stay where they are.
+A storage saved by several operators is copied once. In the backward pass, unpacking a tensor brings it back
+to the device, and starts bringing back the ``lookahead`` tensors saved before it (the backward pass meets them
+next, in the reverse of the forward's order), so that its copy has overlapped the backward work between; a
+tensor is never read before its copy has landed (the copy engine's event is waited on first). A host block goes
+back to the pool when autograd drops the saved tensor (after the backward pass, or with the graph).
+
+The host bytes are the pool's: ``pool.in_use_bytes``, ``pool.peak_bytes`` (the most in use at once) and
+``pool.reserved_bytes`` (allocated, kept for reuse); ``max_bytes`` bounds what it allocates, and a tensor that
+would exceed it stays on the device (counted in ``Offload.kept_on_device``). ``pool.reserve(n)`` allocates
+ahead: on the CPU, a block allocated during a step is counted by remat's CPU meter like any tensor, so the
+tests reserve first and read the meter as the device's count.
+
+What this module does not do yet: plan which layers to offload (issue 33's planned choice), charge transfers
+in the time model, or run on a GPU in any test (its CUDA path follows the CPU one, with a side stream and
+events; no GPU was lent to the session that wrote it).
+"""
+from __future__ import annotations
+
+import weakref
+import torch
+
+__all__ = ["HostPool", "CopyEngine", "Offload", "offload"]
+
+_ALIGN = 512
+
+
+def _rounded(nbytes: int) -> int:
+    return max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+
+
+class HostPool:
+    """Blocks of host memory (pinned when `pin`, the default on a machine with CUDA), reused by size: a block
+    returned with give() serves the next take() of the same rounded size. max_bytes: the most it allocates
+    (None: no bound). Counts in bytes: reserved_bytes (allocated), in_use_bytes, peak_bytes (of in_use)."""
+
+    def __init__(self, max_bytes: int | None = None, pin: bool | None = None):
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"remat.offload.HostPool: max_bytes must be a number of bytes >= 0 or None, got "
+                             f"{max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self.reserved_bytes = 0
+        self.in_use_bytes = 0
+        self.peak_bytes = 0
+
+    def _allocate(self, size: int) -> torch.Tensor | None:
+        if self.max_bytes is not None and self.reserved_bytes + size > self.max_bytes:
+            return None
+        block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        self.reserved_bytes += size
+        return block
+
+    def reserve(self, nbytes: int, block_bytes: int) -> None:
+        """Allocates blocks of block_bytes (rounded) until nbytes are reserved, for later take()s of that
+        size. Raises ValueError beyond max_bytes."""
+        size = _rounded(block_bytes)
+        for _ in range(-(-nbytes // size)):
+            block = self._allocate(size)
+            if block is None:
+                raise ValueError(f"remat.offload.HostPool.reserve: {nbytes} bytes exceed max_bytes={self.max_bytes}")
+            self._free.setdefault(size, []).append(block)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A block of at least nbytes (uint8), or None when max_bytes does not allow one."""
+        size = _rounded(nbytes)
+        free = self._free.get(size)
+        block = free.pop() if free else self._allocate(size)
+        if block is None:
+            return None
+        self.in_use_bytes += size
+        self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        return block
+
+    def give(self, block: torch.Tensor) -> None:
+        self.in_use_bytes -= block.numel()
+        self._free.setdefault(block.numel(), []).append(block)
+
+    def release(self) -> None:
+        """Frees the blocks not in use."""
+        for blocks in self._free.values():
+            self.reserved_bytes -= sum(b.numel() for b in blocks)
+        self._free.clear()
+
+
+class _Done:
+    """A copy in flight: query() says whether it has completed, wait() waits for it (the current stream too,
+    on CUDA, so that its next work reads the copy)."""
+
+    def __init__(self, query, wait):
+        self.query, self.wait = query, wait
+
+
+class CopyEngine:
+    """Copies between the device and host blocks; copy() returns None when the copy has completed, else a
+    _Done to query and wait on. The CPU engine copies at once; the CUDA engine on a side stream, after the
+    current stream's work. `delay` (CPU, tests): a
+    copy is carried out only when waited on or when `delay` later copies have been started, and holds only a
+    weak reference to its source, so that reading a destination early, or releasing a source before its copy,
+    shows (wrong values, or an error naming it)."""
+
+    def __init__(self, device: torch.device, delay: int = 0):
+        self.device = device
+        self.delay = delay
+        self._pending: list[list] = []
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> _Done | None:
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            src.record_stream(self._stream) if src.is_cuda else None
+            dst.record_stream(self._stream) if dst.is_cuda else None
+
+            def wait_cuda():
+                torch.cuda.current_stream(self.device).wait_event(event)
+                event.synchronize()  # the caller may release the source or reuse the block next
+            return _Done(event.query, wait_cuda)
+        if self.delay <= 0:
+            dst.copy_(src)
+            return None
+        entry = [dst, weakref.ref(src), False]
+        self._pending.append(entry)
+        while len(self._pending) > self.delay:
+            self._complete(self._pending[0])
+
+        return _Done(lambda: entry[2], lambda: self._complete(entry))
+
+    def _complete(self, entry) -> None:
+        if entry[2]:
+            return
+        src = entry[1]()
+        if src is None:
+            raise RuntimeError("remat.offload: a copy's source was released before the copy completed")
+        entry[0].copy_(src)
+        entry[2] = True
+        self._pending = [e for e in self._pending if not e[2]]
+
+
+class _Entry:
+    """One offloaded storage: its host block, the view it was saved as, and the copies in flight."""
+
+    __slots__ = ("block", "dtype", "shape", "device", "to_host_done", "source", "original", "device_copy",
+                 "to_device_done", "host_view", "handles", "__weakref__")
+
+    def __init__(self):
+        self.block = None
+        self.source = None  # the device tensor, held until its copy to the host has completed
+        self.device_copy = None
+        self.to_device_done = None
+        self.to_host_done = None
+        self.host_view = None
+        self.handles = 0
+
+
+class _Handle:
+    """What autograd holds in place of an offloaded tensor; its death returns the host block."""
+
+    __slots__ = ("entry", "owner", "__weakref__")
+
+    def __init__(self, entry: _Entry, owner: "Offload"):
+        self.entry = entry
+        self.owner = owner
+        entry.handles += 1
+
+    def __del__(self):
+        try:
+            self.owner._drop(self.entry)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class Offload:
+    """The saved-tensor hooks of offload(); its counts: offloaded (tensors), offloaded_bytes, kept_on_device
+    (tensors the pool's bound left on the device), brought_back (copies to the device), prefetched (of them,
+    started before their tensor was asked for)."""
+
+    def __init__(self, pool: HostPool | None = None, min_bytes: int = 1 << 20, lookahead: int = 2,
+                 engine: CopyEngine | None = None):
+        if not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"remat.offload: min_bytes must be a number of bytes >= 0, got {min_bytes!r}")
+        if not isinstance(lookahead, int) or lookahead < 0:
+            raise ValueError(f"remat.offload: lookahead must be a count >= 0, got {lookahead!r}")
+        self.pool = pool if pool is not None else HostPool()
+        self.min_bytes = min_bytes
+        self.lookahead = lookahead
+        self.engine = engine
+        self._engines: dict[torch.device, CopyEngine] = {}
+        self._alive: set[int] = set()  # storages of the parameters and buffers: never offloaded
+        self._by_storage: dict[tuple, weakref.ref] = {}
+        self._order: list[weakref.ref] = []  # entries in the order they were saved
+        self._in_flight: list[_Entry] = []  # entries whose copy to the host may not have completed
+        self._index: dict[int, int] = {}
+        self.offloaded = self.offloaded_bytes = self.kept_on_device = self.brought_back = self.prefetched = 0
+        self._hooks = None
+
+    def keep_on_device(self, tensors) -> "Offload":
+        """Storages never offloaded (a model's parameters and buffers: offload() passes them)."""
+        for t in tensors:
+            try:
+                self._alive.add(t.untyped_storage().data_ptr())
+            except RuntimeError:
+                pass
+        return self
+
+    def _engine(self, device: torch.device) -> CopyEngine:
+        if self.engine is not None:
+            return self.engine
+        engine = self._engines.get(device)
+        if engine is None:
+            engine = self._engines[device] = CopyEngine(device)
+        return engine
+
+    # -- packing: the forward pass ---------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor):
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
+            return t  # parameters (alive anyway), subclasses, sparse and meta tensors stay
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return t
+        if ptr == 0 or ptr in self._alive or t.nbytes < self.min_bytes:
+            return t
+        if not t.is_contiguous():  # a view with gaps or another layout: kept (copies of contiguous data only)
+            return t
+        key = (ptr, t.storage_offset(), tuple(t.shape), t.dtype, t._version)
+        known = self._by_storage.get(key)
+        entry = known() if known is not None else None
+        if entry is not None and entry.original() is not t:
+            # Another tensor at a freed one's address (the allocator reuses it): not the same storage.
+            entry = None
+        if entry is None:
+            block = self.pool.take(t.nbytes)
+            if block is None:
+                self.kept_on_device += 1
+                return t
+            entry = _Entry()
+            entry.block, entry.dtype, entry.shape, entry.device = block, t.dtype, tuple(t.shape), t.device
+            host = block[: t.nbytes].view(t.dtype).view(t.shape)
+            entry.source = t.detach()
+            entry.original = weakref.ref(t)
+            entry.to_host_done = self._engine(t.device).copy(host, entry.source)
+            if entry.to_host_done is None:
+                entry.source = None  # copied already: the device tensor is autograd's no more
+            else:
+                self._in_flight.append(entry)
+            self._by_storage[key] = weakref.ref(entry)
+            self._index[id(entry)] = len(self._order)
+            self._order.append(weakref.ref(entry))
+            self.offloaded += 1
+            self.offloaded_bytes += t.nbytes
+        self._settle()
+        return _Handle(entry, self)
+
+    def _settle(self) -> None:
+        """Releases the device tensors whose copies to the host have completed (queried, not waited on); the
+        others stay until a later call finds them done, or until unpacked or dropped (which wait)."""
+        still = []
+        for entry in self._in_flight:
+            if entry.to_host_done is not None and entry.to_host_done.query():
+                entry.to_host_done = None
+                entry.source = None
+            elif entry.source is not None:
+                still.append(entry)
+        self._in_flight = still
+
+    # -- unpacking: the backward pass -------------------------------------------------------------------------
+    def _to_host_landed(self, entry: _Entry) -> None:
+        if entry.to_host_done is not None:
+            entry.to_host_done.wait()
+            entry.to_host_done = None
+        entry.source = None
+
+    def _start_to_device(self, entry: _Entry) -> None:
+        if entry.device_copy is not None and entry.device_copy() is not None:
+            return
+        self._to_host_landed(entry)
+        host = entry.block[: _nbytes(entry)].view(entry.dtype).view(entry.shape)
+        out = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
+        entry.to_device_done = self._engine(entry.device).copy(out, host)
+        entry.host_view = host  # the copy's source, held until it has landed
+        entry.device_copy = _Strong(out)
+        self.brought_back += 1
+
+    def unpack(self, h):
+        if not isinstance(h, _Handle):
+            return h
+        entry = h.entry
+        fresh = entry.device_copy is None or entry.device_copy() is None
+        if not fresh:
+            self.prefetched += 1
+        self._start_to_device(entry)
+        # The tensors saved before this one are the backward pass's next: start bringing them back.
+        i = self._index.get(id(entry))
+        if i is not None:
+            for ref in self._order[max(0, i - self.lookahead):i]:
+                other = ref()
+                if other is not None and other.block is not None:
+                    self._start_to_device(other)
+        out = entry.device_copy()
+        if entry.to_device_done is not None:
+            entry.to_device_done.wait()
+            entry.to_device_done = None
+        entry.host_view = None
+        # Held weakly from now on: autograd holds it while it needs it; a second unpack makes it again.
+        entry.device_copy = weakref.ref(out)
+        return out
+
+    def _drop(self, entry: _Entry) -> None:
+        entry.handles -= 1
+        if entry.handles > 0 or entry.block is None:
+            return
+        if entry.to_device_done is not None:
+            entry.to_device_done.wait()
+            entry.to_device_done = None
+        entry.host_view = None
+        self._to_host_landed(entry)
+        self.pool.give(entry.block)
+        entry.block = None
+        entry.device_copy = None
+
+    # -- the context ----------------------------------------------------------------------------------------
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        hooks, self._hooks = self._hooks, None
+        return hooks.__exit__(*exc)
+
+
+class _Strong:
+    """A strong reference callable like a weak one (a copy started by a prefetch, held until asked for)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def _nbytes(entry: _Entry) -> int:
+    n = 1
+    for s in entry.shape:
+        n *= s
+    return n * torch.empty((), dtype=entry.dtype).element_size()
+
+
+def offload(model: torch.nn.Module | None = None, *, pool: HostPool | None = None, min_bytes: int = 1 << 20,
+            lookahead: int = 2, engine: CopyEngine | None = None) -> Offload:
+    """A context in which what autograd saves goes to host memory (see the module's documentation): tensors of
+    at least min_bytes (bytes), never `model`'s parameters and buffers; `lookahead` tensors brought back ahead
+    in the backward pass. Returns the Offload (its counts; the pool's host bytes). Raises ValueError for a
+    negative min_bytes or lookahead."""
+    o = Offload(pool=pool, min_bytes=min_bytes, lookahead=lookahead, engine=engine)
+    if model is not None:
+        o.keep_on_device(list(model.parameters()) + list(model.buffers()))
+    return o

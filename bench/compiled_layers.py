@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import remat  # noqa: E402
 import remat.hf  # noqa: E402
-from hf_compare import build, compiled, grads_ready, measure  # noqa: E402
+from hf_compare import build, compiled, grads_ready, measure, paired_rounds  # noqa: E402
 
 
 def main():
@@ -97,29 +97,14 @@ def main():
               flush=True)
 
     rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
-    results = {r: dict(ratios=[], ms=[], peak=0) for r in rows}
-    plain_model, plain_run = ways["none"]
-    plain_all = []
-    for rnd in range(args.rounds):
-        for r in rows:
-            if r.startswith("remat@"):
-                lp.set_budget(plans[r[6:]]["budget"])
-                model, run = rm, (lambda: loss_of(rm(**batch)))
-            else:
-                model, run = ways[r]
-            measure(model, run, meter, args.warmup)
-            ms, plain, peak = [], [], 0
-            for _ in range(args.steps):
-                plain.append(measure(plain_model, plain_run, meter, 1)[0])
-                t, p = measure(model, run, meter, 1)
-                ms.append(t)
-                peak = max(peak, p)
-            results[r]["ms"].append(statistics.median(ms))
-            results[r]["ratios"].append(statistics.median(ms) / statistics.median(plain))
-            results[r]["peak"] = max(results[r]["peak"], peak)
-            plain_all.extend(plain)
-            print(f"round {rnd + 1} {r}: {statistics.median(ms):.0f} ms against {statistics.median(plain):.0f} ms "
-                  f"plain, {peak / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+
+    def way_of(r):
+        if r.startswith("remat@"):
+            lp.set_budget(plans[r[6:]]["budget"])
+            return rm, (lambda: loss_of(rm(**batch)))
+        return ways[r]
+
+    results, plain_all = paired_rounds(rows, way_of, ways["none"], meter, args.rounds, args.steps, args.warmup)
 
     print(f"\ngpt2: {args.layers} layers, batch {args.batch}, seq {args.seq}; eager plain step "
           f"{statistics.median(plain_all):.0f} ms, peak {peaks['none'] / 2**20:.1f} MiB; remat's profiling step "

@@ -155,6 +155,35 @@ def measure(model, run, meter, steps):
     return statistics.median(times), peak
 
 
+def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup):
+    """`rounds` rounds, each running every way of `rows` in turn (way_of(row) -> (model, run)): `warmup` steps,
+    then `steps` pairs of a plain step (plain: (model, run)) and a step of the way. Returns per row its rounds'
+    medians (ms), the paired plain steps' medians (plain_ms), their ratios and its largest peak, and every plain
+    step's time (ms). A way's ratio in a round is the median of its steps over the median of the plain steps
+    paired with them, so that the machine's drift over a round cancels."""
+    plain_model, plain_run = plain
+    results = {r: dict(ratios=[], ms=[], plain_ms=[], peak=0) for r in rows}
+    plain_all = []
+    for rnd in range(rounds):
+        for r in rows:
+            model, run = way_of(r)
+            measure(model, run, meter, warmup)
+            ms, paired, peak = [], [], 0
+            for _ in range(steps):
+                paired.append(measure(plain_model, plain_run, meter, 1)[0])
+                t, p = measure(model, run, meter, 1)
+                ms.append(t)
+                peak = max(peak, p)
+            results[r]["ms"].append(statistics.median(ms))
+            results[r]["plain_ms"].append(statistics.median(paired))
+            results[r]["ratios"].append(statistics.median(ms) / statistics.median(paired))
+            results[r]["peak"] = max(results[r]["peak"], peak)
+            plain_all.extend(paired)
+            print(f"round {rnd + 1} {r}: {statistics.median(ms):.0f} ms against {statistics.median(paired):.0f} ms "
+                  f"plain, {peak / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+    return results, plain_all
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="bert")
@@ -212,32 +241,15 @@ def main():
         return budget, run
 
     rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
-    results = {r: dict(ratios=[], ms=[], plain_ms=[], peak=0) for r in rows}
-    results["none"] = dict(ratios=[], ms=[], plain_ms=[], peak=peaks["none"])
-    plain_model, plain_run = ways["none"]
-    for rnd in range(args.rounds):
-        for r in rows:
-            if r.startswith("remat@"):
-                lp.set_budget(plans[r[6:]]["budget"])
-                model, run = rm, (lambda: loss_of(rm(**batch)))
-            else:
-                model, run = ways[r]
-            measure(model, run, meter, args.warmup)
-            # Each of the way's steps right after a plain step: the ratio of their medians is what the way
-            # costs, whatever the machine's speed does over the minutes a round takes.
-            ms, plain, peak = [], [], 0
-            for _ in range(args.steps):
-                plain.append(measure(plain_model, plain_run, meter, 1)[0])
-                t, p = measure(model, run, meter, 1)
-                ms.append(t)
-                peak = max(peak, p)
-            results[r]["ms"].append(statistics.median(ms))
-            results[r]["plain_ms"].append(statistics.median(plain))
-            results[r]["ratios"].append(statistics.median(ms) / statistics.median(plain))
-            results[r]["peak"] = max(results[r]["peak"], peak)
-            results["none"]["ms"].extend(plain)
-            print(f"round {rnd + 1} {r}: {statistics.median(ms):.0f} ms against {statistics.median(plain):.0f} ms "
-                  f"plain, {peak / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+
+    def way_of(r):
+        if r.startswith("remat@"):
+            lp.set_budget(plans[r[6:]]["budget"])
+            return rm, (lambda: loss_of(rm(**batch)))
+        return ways[r]
+
+    results, plain_all = paired_rounds(rows, way_of, ways["none"], meter, args.rounds, args.steps, args.warmup)
+    results["none"] = dict(ratios=[], ms=plain_all, plain_ms=[], peak=peaks["none"])
     results["none"]["ratios"] = [1.0]
     rows = ["none"] + rows
 

@@ -32,20 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import remat  # noqa: E402
-import remat.hf  # noqa: E402
-from hf_compare import build, compiled, grads_ready, measure, paired_rounds  # noqa: E402
+from hf_compare import (add_common_args, build, compiled, grads_ready, measure, remat_at_peaks,  # noqa: E402
+                        remat_rounds)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--compile", type=lambda s: [float(v) for v in s.split(",") if v], default=[1.0, 0.5, 0.2, 0.0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--json", default="")
+    add_common_args(ap, layers=6)
     args = ap.parse_args()
     meter = remat.cpu_meter()
     base, batch, loss_of, _ = build("gpt2", args)
@@ -77,34 +70,9 @@ def main():
         print(f"{w}: peak {peaks[w] / 2**20:.1f} MiB (first step {first_s[w]:.1f} s)", file=sys.stderr, flush=True)
 
     rm = layers_compiled()
-    grads_ready(rm)
-    t0 = time.perf_counter()
-    lp = remat.hf.enable(rm, budget=max(peaks.values()))
-    measure(rm, lambda: loss_of(rm(**batch)), meter, 1)
-    profile_s = time.perf_counter() - t0
-    plans = {}
-    for w in peaks:
-        if not w.startswith("compile:"):
-            continue
-        try:
-            lp.set_budget(peaks[w])
-        except remat.InfeasibleBudget as e:
-            print(f"remat@{w}: infeasible, least {e.min_bytes / 2**20:.1f} MiB", file=sys.stderr)
-            plans[w] = dict(infeasible=e.min_bytes)
-            continue
-        plans[w] = dict(budget=peaks[w], plan=str(lp.plan), choices=lp.choices, predicted=lp.predicted_peak_bytes)
-        print(f"remat@{w}: {lp.choices}, predicted {lp.predicted_peak_bytes / 2**20:.1f} MiB", file=sys.stderr,
-              flush=True)
-
-    rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
-
-    def way_of(r):
-        if r.startswith("remat@"):
-            lp.set_budget(plans[r[6:]]["budget"])
-            return rm, (lambda: loss_of(rm(**batch)))
-        return ways[r]
-
-    results, plain_all = paired_rounds(rows, way_of, ways["none"], meter, args.rounds, args.steps, args.warmup)
+    lp, plans, profile_s = remat_at_peaks(rm, batch, loss_of, meter,
+                                          {w: p for w, p in peaks.items() if w.startswith("compile:")})
+    rows, results, plain_all = remat_rounds(ways, rm, lp, plans, batch, loss_of, meter, args)
 
     print(f"\ngpt2: {args.layers} layers, batch {args.batch}, seq {args.seq}; eager plain step "
           f"{statistics.median(plain_all):.0f} ms, peak {peaks['none'] / 2**20:.1f} MiB; remat's profiling step "

@@ -155,6 +155,56 @@ def measure(model, run, meter, steps):
     return statistics.median(times), peak
 
 
+def add_common_args(ap, layers):
+    """The arguments hf_compare.py and compiled_layers.py share."""
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--compile", type=lambda s: [float(v) for v in s.split(",") if v], default=[1.0, 0.5, 0.2, 0.0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--json", default="")
+
+
+def remat_at_peaks(rm, batch, loss_of, meter, targets):
+    """remat.hf.enable on the model `rm`, profiled once (its first training step, on `batch`), planned for each
+    of `targets` (way -> its measured peak). Returns (the LayerPlan, per way its plan or the least feasible
+    budget, the profiling step's seconds)."""
+    grads_ready(rm)
+    t0 = time.perf_counter()
+    lp = remat.hf.enable(rm, budget=1 << 62)  # profiled at any budget; planned for each target after
+    measure(rm, lambda: loss_of(rm(**batch)), meter, 1)
+    profile_s = time.perf_counter() - t0
+    plans = {}
+    for w, peak in targets.items():
+        try:
+            lp.set_budget(peak)
+        except remat.InfeasibleBudget as e:
+            print(f"remat@{w}: infeasible, least {e.min_bytes / 2**20:.1f} MiB", file=sys.stderr)
+            plans[w] = dict(infeasible=e.min_bytes)
+            continue
+        plans[w] = dict(budget=peak, plan=str(lp.plan), choices=lp.choices, predicted=lp.predicted_peak_bytes)
+        print(f"remat@{w}: {lp.choices}, predicted {lp.predicted_peak_bytes / 2**20:.1f} MiB", file=sys.stderr,
+              flush=True)
+    return lp, plans, profile_s
+
+
+def remat_rounds(ways, rm, lp, plans, batch, loss_of, meter, args):
+    """paired_rounds over every way but "none" and remat at each feasible plan's budget. Returns (the rows,
+    the results, every plain step's time)."""
+    rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
+
+    def way_of(r):
+        if r.startswith("remat@"):
+            lp.set_budget(plans[r[6:]]["budget"])
+            return rm, (lambda: loss_of(rm(**batch)))
+        return ways[r]
+
+    results, plain_all = paired_rounds(rows, way_of, ways["none"], meter, args.rounds, args.steps, args.warmup)
+    return rows, results, plain_all
+
+
 def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup):
     """`rounds` rounds, each running every way of `rows` in turn (way_of(row) -> (model, run)): `warmup` steps,
     then `steps` pairs of a plain step (plain: (model, run)) and a step of the way. Returns per row its rounds'
@@ -187,15 +237,8 @@ def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="bert")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--segments", type=lambda s: [int(v) for v in s.split(",") if v], default=[2, 4, 6])
-    ap.add_argument("--compile", type=lambda s: [float(v) for v in s.split(",") if v], default=[1.0, 0.5, 0.2, 0.0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--json", default="")
+    add_common_args(ap, layers=12)
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     meter = remat.cpu_meter()
@@ -217,38 +260,8 @@ def main():
     # remat: profiled once (the first training step of remat.hf.enable, on the same batch), planned for each
     # option's peak.
     rm = copy.deepcopy(base_model)
-    grads_ready(rm)
-    t0 = time.perf_counter()
-    lp = remat.hf.enable(rm, budget=max(peaks.values()))
-    measure(rm, lambda: loss_of(rm(**batch)), meter, 1)
-    profile_s = time.perf_counter() - t0
-    plans = {}
-    for w in list(peaks):
-        if w == "none":
-            continue
-        try:
-            lp.set_budget(peaks[w])
-        except remat.InfeasibleBudget as e:
-            print(f"remat@{w}: infeasible, least {e.min_bytes / 2**20:.1f} MiB", file=sys.stderr)
-            plans[w] = dict(infeasible=e.min_bytes)
-            continue
-        plans[w] = dict(budget=peaks[w], plan=str(lp.plan), choices=lp.choices, predicted=lp.predicted_peak_bytes)
-        print(f"remat@{w}: {lp.choices}", file=sys.stderr, flush=True)
-
-    def remat_run(budget):
-        def run():
-            return loss_of(rm(**batch))
-        return budget, run
-
-    rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "budget" in plans[w]]
-
-    def way_of(r):
-        if r.startswith("remat@"):
-            lp.set_budget(plans[r[6:]]["budget"])
-            return rm, (lambda: loss_of(rm(**batch)))
-        return ways[r]
-
-    results, plain_all = paired_rounds(rows, way_of, ways["none"], meter, args.rounds, args.steps, args.warmup)
+    lp, plans, profile_s = remat_at_peaks(rm, batch, loss_of, meter, {w: p for w, p in peaks.items() if w != "none"})
+    rows, results, plain_all = remat_rounds(ways, rm, lp, plans, batch, loss_of, meter, args)
     results["none"] = dict(ratios=[], ms=plain_all, plain_ms=[], peak=peaks["none"])
     results["none"]["ratios"] = [1.0]
     rows = ["none"] + rows

@@ -156,7 +156,7 @@ class _Entry:
     """One offloaded storage: its host block, the view it was saved as, and the copies in flight."""
 
     __slots__ = ("block", "dtype", "shape", "device", "to_host_done", "source", "original", "device_copy",
-                 "to_device_done", "host_view", "handles", "__weakref__")
+                 "to_device_done", "host_view", "handles", "version", "__weakref__")
 
     def __init__(self):
         self.block = None
@@ -165,6 +165,7 @@ class _Entry:
         self.to_device_done = None
         self.to_host_done = None
         self.host_view = None
+        self.version = 0
         self.handles = 0
 
 
@@ -255,6 +256,7 @@ class Offload:
             host = block[: t.nbytes].view(t.dtype).view(t.shape)
             entry.source = t.detach()
             entry.original = weakref.ref(t)
+            entry.version = t._version
             entry.to_host_done = self._engine(t.device).copy(host, entry.source)
             if entry.to_host_done is None:
                 entry.source = None  # copied already: the device tensor is autograd's no more
@@ -275,6 +277,7 @@ class Offload:
         for entry in self._in_flight:
             if entry.to_host_done is not None and entry.to_host_done.query():
                 entry.to_host_done = None
+                self._check_unmodified(entry)
                 entry.source = None
             elif entry.source is not None:
                 still.append(entry)
@@ -285,7 +288,20 @@ class Offload:
         if entry.to_host_done is not None:
             entry.to_host_done.wait()
             entry.to_host_done = None
+            self._check_unmodified(entry)
         entry.source = None
+
+    @staticmethod
+    def _check_unmodified(entry: _Entry) -> None:
+        """A tensor written in place while its copy to the host was in flight may have been copied half old,
+        half new: an error, as autograd raises for a saved tensor modified in place (a copy made at once, on
+        the CPU, holds the values saved, and the gradient is the one autograd would have computed)."""
+        if entry.source is not None and entry.source._version != entry.version:
+            raise RuntimeError(
+                f"remat.offload: a tensor saved for backward ({entry.dtype}, shape {list(entry.shape)}) was "
+                "modified by an in-place operation while its copy to the host was in flight; its gradient "
+                "would read values half old, half new. Clone it before the in-place operation, or leave that "
+                "operation outside offload()")
 
     def _start_to_device(self, entry: _Entry) -> None:
         if entry.device_copy is not None and entry.device_copy() is not None:

@@ -136,3 +136,25 @@ def test_bad_arguments_are_refused():
         offload(lookahead=-2)
     with pytest.raises(ValueError, match="max_bytes"):
         HostPool(max_bytes=-5)
+
+
+def test_an_in_place_write_during_a_copy_is_an_error_not_a_wrong_gradient():
+    # Plain autograd refuses a saved tensor modified in place. Copied at once (the CPU), the host holds the
+    # values saved and the gradient is the one autograd would compute; with the copy in flight (the fake
+    # engine's late copies, CUDA's side stream), the write may land first: an error naming the tensor.
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(256, 256, requires_grad=True)
+
+    def step(o):
+        h = x @ w
+        with o:
+            y = h.sin()
+        h.mul_(2)  # what sin saved
+        y.sum().backward()
+
+    x.grad = w.grad = None
+    step(offload(min_bytes=0))
+    assert torch.equal(x.grad, (torch.cos(x.detach() @ w.detach())) @ w.detach().t())
+    late = offload(min_bytes=0, engine=CopyEngine(torch.device("cpu"), delay=100))
+    with pytest.raises(RuntimeError, match=r"modified by an in-place operation while its copy to the host"):
+        step(late)

@@ -97,6 +97,15 @@ def _key(t: torch.Tensor) -> int:
         return id(t)
 
 
+def _compiled_module(m):
+    """torch.compile(module)'s wrapper (an OptimizedModule): the module it compiles; anything else as it is."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return m
+    return m._orig_mod if isinstance(m, OptimizedModule) else m
+
+
 def _shape_key(args) -> tuple:
     """The key plans are kept under: the shapes of a layer call's input and of its other positional tensors."""
     return (tuple(args[0].shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
@@ -344,7 +353,9 @@ class LayerPlan:
                              f"initialized), got {agree!r}")
         self.agree = agree
         self.model = model
-        self.layers = list(layers)
+        # A layer given as torch.compile(layer)'s wrapper: its module, whose forward the wrapper's compiled
+        # call runs (and traces, remat's call inside).
+        self.layers = [_compiled_module(m) for m in layers]
         if not self.layers:
             raise ValueError(f"{who}: no layers")
         for i, layer in enumerate(self.layers):
@@ -747,8 +758,8 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()
-            raise ValueError(f"remat.enable: layer {i}'s forward is already wrapped (remat.enable twice?); "
-                             "remat runs the class's forward")
+            raise ValueError(f"remat.enable: layer {i}'s forward is already wrapped (remat.enable twice, or "
+                             "another library's wrapper?); remat runs the class's forward")
     for layer in lp.layers:
         layer.__dict__[LAYER_PLAN_ATTR] = lp
         layer.forward = types.MethodType(_planned_forward, layer)

@@ -159,3 +159,31 @@ def test_plans_that_do_not_fit_are_refused(chain):
         remat.CheckpointedSequential(list(m), remat.checkpoint_all(chain))
     with pytest.raises(ValueError, match="a layer is listed twice"):
         remat.enable(m, [m[0], m[0]], budget=1 << 20)
+
+
+def test_torch_compile_wrappers_in_the_layer_list_run_the_plan():
+    # torch.compile(layer) in a model's place (an OptimizedModule): remat plans the module it wraps, whose
+    # forward the compiled call traces with remat's choice inside; every choice, bitwise the plain compiled run.
+    import copy
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)) for _ in range(3)])
+    x = torch.randn(8, 64, requires_grad=True)
+
+    def compiled():
+        m = copy.deepcopy(base)
+        for i in range(len(m)):
+            m[i] = torch.compile(m[i])
+        return m
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    plain = run(compiled())
+    m = compiled()
+    lp = remat.enable(m, list(m), plan=_per_layer_plan(None, ["checkpoint", "matmuls", "keep"]))
+    assert lp.layers[0] is m[0]._orig_mod
+    for _ in range(2):
+        for g, h in zip(run(m), plain):
+            assert torch.equal(g, h)

@@ -292,25 +292,29 @@ def test_compiled_layers_run_the_plan_inside_their_graphs(how, meter):
     plain_model, spec = _compiled_gpt2(how)
     plain = [step(plain_model, spec, k, meter) for k in range(4)]
     model, _ = _compiled_gpt2(how)
-    lp = remat.hf.enable(model, budget="1GiB", policies=())  # keep or checkpoint: a mid budget mixes the two
+    lp = remat.hf.enable(model, budget="1GiB", policies=())  # keep or checkpoint
     first = step(model, spec, 0, meter)
     assert lp.is_planned() and lp.profiling_steps == 1
     for g, h in zip(first[1], plain[0][1]):
         torch.testing.assert_close(g, h, rtol=1e-5, atol=1e-6)
-    # A budget between the least and the plain step's: a plan mixing kept and checkpointed layers.
-    lo = lp.min_budget_bytes
-    budget = (lo + lp.predicted_peak_bytes) // 2
+    # Keeping a layer made free in the profile: the planner keeps as many layers as the budget fits, whatever
+    # the timings of a loaded machine say (a checkpointed plan measured fastest under CI's load once).
+    for st in lp.chain.stages:
+        st.fwd_ms = st.bwd_ms = 0.0
+    lo, hi = lp.min_budget_bytes, lp.predicted_peak_bytes
+    budget = (lo + hi) // 2
     lp.set_budget(budget)
-    assert "keep" in lp.choices and "checkpoint" in lp.choices, lp.choices
+    assert "keep" in lp.choices and "checkpoint" in lp.choices, (lp.choices, lo, hi)
     mixed = [step(model, spec, k, meter) for k in (1, 2)]
     for got, want in zip(mixed, plain[1:3]):
         same(got, want)
         assert got[2] <= budget * (1 + TOLERANCE), (got[2], budget)
-    lp.set_budget(lo)
-    assert lp.choices == ["checkpoint"] * 4
-    least = step(model, spec, 3, meter)
-    same(least, plain[3])
-    assert least[2] < mixed[1][2]
+    # A new plan, every layer kept: the layers' graphs recompile (the choice is guarded), more memory held.
+    lp.set_budget(hi)
+    assert lp.choices == ["keep"] * 4
+    again = step(model, spec, 3, meter)
+    same(again, plain[3])
+    assert again[2] > mixed[1][2], (again[2], mixed[1][2])
     lp.remove()
 
 

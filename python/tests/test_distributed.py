@@ -176,6 +176,7 @@ def fsdp_worker(rank, port, out):
             # the timings of a loaded machine.
             for st in lp.chain.stages:
                 st.fwd_ms = st.bwd_ms = 0.0
+            lp.set_budget(1 << 40)  # every layer kept now: its predicted peak
             lo, hi = lp.min_budget_bytes, lp.predicted_peak_bytes
             for k, share in enumerate((0.0, 0.4, 1.0), start=1):
                 budget = int(lo + share * (hi - lo))

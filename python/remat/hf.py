@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .inplace import CHOICES_ATTR, LayerPlan, compiled_call, eager_dispatch
+from .inplace import CHOICES_ATTR, LayerPlan, compiled_call
 from .profile import Restore
 
 __all__ = ["enable", "disable", "layers_of", "profile"]
@@ -101,8 +101,7 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
         layer = _layer_of_call(fn)
         if torch.compiler.is_compiling() and layer is not None and CHOICES_ATTR in layer.__dict__:
             # A compiled layer (layer.compile(), torch.compile(layer)) being traced: the plan inside its graph.
-            call = partial(fn, **kwargs) if kwargs else fn
-            return compiled_call(layer, call, args, partial(eager_dispatch, lp, layer, call, args))
+            return compiled_call(lp, layer, partial(fn, **kwargs) if kwargs else fn, args)
         i = lp.index.get(id(layer)) if layer is not None else None
         if i is None:  # a module remat does not plan (a model-level flag): as Hugging Face runs it
             from torch.utils.checkpoint import checkpoint

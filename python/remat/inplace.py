@@ -117,17 +117,17 @@ def _shape_key(args) -> tuple:
 CHOICES_ATTR = "_remat_choices"
 
 
-def compiled_call(layer: nn.Module, fn: Callable, args: tuple, eager: Callable):
+def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
     """Layer `layer`'s call fn(*args) while torch.compile traces it: as its plan for this input shape says,
     through the checkpointing torch.compile traces (torch.utils.checkpoint, a policy as selective
     checkpointing's context), or, where the layer has no plan for this shape yet (the profiling step, an
-    infeasible budget), eager(), which runs outside the compiled graph (a graph break)."""
+    infeasible budget), lp.dispatch outside the compiled graph (eager_dispatch, a graph break)."""
     choices = layer.__dict__.get(CHOICES_ATTR)
     how = None
     if choices is not None and args and isinstance(args[0], torch.Tensor):
         how = choices.get(_shape_key(args), choices.get(None))
     if how is None:
-        return eager()
+        return eager_dispatch(lp, layer, fn, args)
     if how == KEEP:
         return fn(*args)
     if how == CHECKPOINT:
@@ -149,7 +149,7 @@ def _planned_forward(self: nn.Module, *args, **kwargs):
     fn = partial(type(self).forward, self, **kwargs)
     lp = self.__dict__[LAYER_PLAN_ATTR]
     if torch.compiler.is_compiling():
-        return compiled_call(self, fn, args, partial(eager_dispatch, lp, self, fn, args))
+        return compiled_call(lp, self, fn, args)
     return lp.dispatch(lp.index[id(self)], fn, *args)
 
 
@@ -525,8 +525,6 @@ class LayerPlan:
     def dispatch(self, i: int, fn: Callable, *args):
         """Runs layer i's call fn(*args) (args[0] its input tensor) as the plan in force says, or profiles it."""
         layer = self.layers[i]
-        if torch.compiler.is_compiling():
-            return compiled_call(layer, fn, args, partial(eager_dispatch, self, layer, fn, args))
         if not (torch.is_grad_enabled() and layer.training):
             return fn(*args)
         if not args or not isinstance(args[0], torch.Tensor):

@@ -155,8 +155,8 @@ class CopyEngine:
 class _Entry:
     """One offloaded storage: its host block, the view it was saved as, and the copies in flight."""
 
-    __slots__ = ("block", "dtype", "shape", "device", "to_host_done", "source", "original", "device_copy",
-                 "to_device_done", "host_view", "handles", "version", "__weakref__")
+    __slots__ = ("block", "dtype", "shape", "nbytes", "device", "to_host_done", "source", "original",
+                 "device_copy", "to_device_done", "host_view", "handles", "version", "__weakref__")
 
     def __init__(self):
         self.block = None
@@ -253,6 +253,7 @@ class Offload:
                 return t
             entry = _Entry()
             entry.block, entry.dtype, entry.shape, entry.device = block, t.dtype, tuple(t.shape), t.device
+            entry.nbytes = t.nbytes
             host = block[: t.nbytes].view(t.dtype).view(t.shape)
             entry.source = t.detach()
             entry.original = weakref.ref(t)
@@ -292,6 +293,13 @@ class Offload:
         entry.source = None
 
     @staticmethod
+    def _to_device_landed(entry: _Entry) -> None:
+        if entry.to_device_done is not None:
+            entry.to_device_done.wait()
+            entry.to_device_done = None
+        entry.host_view = None
+
+    @staticmethod
     def _check_unmodified(entry: _Entry) -> None:
         """A tensor written in place while its copy to the host was in flight may have been copied half old,
         half new: an error, as autograd raises for a saved tensor modified in place (a copy made at once, on
@@ -307,7 +315,7 @@ class Offload:
         if entry.device_copy is not None and entry.device_copy() is not None:
             return
         self._to_host_landed(entry)
-        host = entry.block[: _nbytes(entry)].view(entry.dtype).view(entry.shape)
+        host = entry.block[: entry.nbytes].view(entry.dtype).view(entry.shape)
         out = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
         entry.to_device_done = self._engine(entry.device).copy(out, host)
         entry.host_view = host  # the copy's source, held until it has landed
@@ -330,10 +338,7 @@ class Offload:
                 if other is not None and other.block is not None:
                     self._start_to_device(other)
         out = entry.device_copy()
-        if entry.to_device_done is not None:
-            entry.to_device_done.wait()
-            entry.to_device_done = None
-        entry.host_view = None
+        self._to_device_landed(entry)
         # Held weakly from now on: autograd holds it while it needs it; a second unpack makes it again.
         entry.device_copy = weakref.ref(out)
         return out
@@ -342,10 +347,7 @@ class Offload:
         entry.handles -= 1
         if entry.handles > 0 or entry.block is None:
             return
-        if entry.to_device_done is not None:
-            entry.to_device_done.wait()
-            entry.to_device_done = None
-        entry.host_view = None
+        self._to_device_landed(entry)
         self._to_host_landed(entry)
         self.pool.give(entry.block)
         entry.block = None
@@ -353,6 +355,13 @@ class Offload:
 
     # -- the context ----------------------------------------------------------------------------------------
     def __enter__(self):
+        # An Offload entered again (a step after a step): what the earlier passes saved and autograd has
+        # dropped is forgotten, so that its bookkeeping does not grow with the steps.
+        alive = [(r, r()) for r in self._order]
+        self._order = [r for r, e in alive if e is not None]
+        self._index = {id(e): i for i, e in enumerate(e for _, e in alive if e is not None)}
+        del alive
+        self._by_storage = {k: r for k, r in self._by_storage.items() if r() is not None}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
@@ -372,13 +381,6 @@ class _Strong:
 
     def __call__(self):
         return self.t
-
-
-def _nbytes(entry: _Entry) -> int:
-    n = 1
-    for s in entry.shape:
-        n *= s
-    return n * torch.empty((), dtype=entry.dtype).element_size()
 
 
 def offload(model: torch.nn.Module | None = None, *, pool: HostPool | None = None, min_bytes: int = 1 << 20,

@@ -158,3 +158,16 @@ def test_an_in_place_write_during_a_copy_is_an_error_not_a_wrong_gradient():
     late = offload(min_bytes=0, engine=CopyEngine(torch.device("cpu"), delay=100))
     with pytest.raises(RuntimeError, match=r"modified by an in-place operation while its copy to the host"):
         step(late)
+
+
+def test_an_offload_entered_every_step_forgets_what_autograd_dropped(x):
+    # One Offload reused across steps keeps no bookkeeping of the steps before (it would grow with them).
+    model = mlp()
+    grads_ready(model)
+    plain = run(model, x)
+    o = offload(model, min_bytes=BATCH * WIDTH * 4)
+    for _ in range(3):
+        same(plain, run(model, x, o))
+        sizes = (len(o._order), len(o._index), len(o._by_storage))
+    same(plain, run(model, x, o))
+    assert (len(o._order), len(o._index), len(o._by_storage)) == sizes

@@ -84,3 +84,32 @@ inline remat::Chain random_policy_chain(std::mt19937& rng, int64_t n, int64_t un
   }
   return c;
 }
+
+// random_policy_chain profiled for offloading: bandwidths that make a stage's copies take about as long as a
+// stage's forward, and an OffloadCost for most ways of running most stages (part of what each keeps beyond
+// its output, its input saved or not, its output saved or not).
+inline remat::Chain random_offload_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
+  remat::Chain c = random_policy_chain(rng, n, unit);
+  std::uniform_real_distribution<double> part(0.0, 1.0);
+  std::bernoulli_distribution coin(0.5);
+  const double typical = 15.0 * static_cast<double>(unit) / 5e6;  // 15 units in 5 ms
+  c.to_host_gb_per_s = typical * (0.3 + 3 * part(rng));
+  c.to_device_gb_per_s = typical * (0.3 + 3 * part(rng));
+  auto cost = [&](int64_t kept, int64_t output, bool checkpointed) {
+    remat::OffloadCost o;
+    o.bytes = checkpointed ? 0 : static_cast<int64_t>(part(rng) * static_cast<double>(kept - output));
+    o.input = checkpointed || coin(rng);
+    o.output = !checkpointed && coin(rng);
+    return o;
+  };
+  for (size_t i = 0; i < c.stages.size(); ++i) {
+    remat::Stage& s = c.stages[i];
+    if (i % 5 == 2) continue;  // a stage not profiled for offloading
+    s.offload = cost(s.saved_bytes, s.output_bytes, false);
+    s.checkpoint_offload = cost(s.output_bytes, s.output_bytes, true);
+    if (s.has_keep()) s.keep_offload = cost(*s.keep_saved_bytes, s.output_bytes, false);
+    for (auto& p : s.policies)
+      if (coin(rng)) p.offload = cost(p.saved_bytes, s.output_bytes, false);
+  }
+  return c;
+}

@@ -450,4 +450,9 @@ TEST(Executor, RefusesOptionsItCannotHonour) {
   EXPECT_THROW_WITH(remat::CheckpointedSequential(
                         seq, plan, remat::CheckpointOptions().mode(remat::CheckpointMode::kReentrant)),
                     "remat::CheckpointedSequential", "kReentrant");
+  // An offloaded plan (the per-layer planner's, for Python) is refused, not run without offloading.
+  remat::Plan offloaded = plan;
+  offloaded.ops[0].offload = true;
+  EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), offloaded, x), "remat::run_plan", "Fc0@host",
+                    "C++ runtime does not run yet");
 }

@@ -25,21 +25,32 @@ struct Candidate {
   Plan plan;
   int64_t peak = 0;
   double ms = 0;
+  int64_t host = 0;
 };
 
-std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies) {
+// With `offload`, each way that has an OffloadCost also offloaded; its time and peak are simulate()'s (the
+// offloading tests' chains have no per-call times, so that simulate() charges what per_layer() does).
+std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies,
+                                            bool offload = false) {
   const int64_t n = chain.size();
   std::vector<std::vector<Op>> options(static_cast<size_t>(n));
   for (int64_t j = 0; j < n; ++j) {
     const remat::Stage& s = chain.stages[static_cast<size_t>(j)];
-    options[j].push_back({OpKind::kForwardAll, j});
-    options[j].push_back({OpKind::kForwardCheckpoint, j});
-    if (keep_tags && s.has_keep()) options[j].push_back({OpKind::kForwardKeep, j});
+    auto add = [&](Op op, bool can_offload) {
+      options[j].push_back(op);
+      if (offload && can_offload) {
+        op.offload = true;
+        options[j].push_back(op);
+      }
+    };
+    add({OpKind::kForwardAll, j}, s.offload.has_value());
+    add({OpKind::kForwardCheckpoint, j}, s.checkpoint_offload.has_value());
+    if (keep_tags && s.has_keep()) add({OpKind::kForwardKeep, j}, s.keep_offload.has_value());
     if (policies) {
       for (size_t p = 0; p < s.policies.size(); ++p) {
         Op op{OpKind::kForwardKeep, j};
         op.policy = static_cast<int32_t>(p);
-        options[j].push_back(op);
+        add(op, s.policies[p].offload.has_value());
       }
     }
   }
@@ -67,7 +78,9 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
         c.plan.ops.push_back({OpKind::kForwardAll, j});
       c.plan.ops.push_back({OpKind::kBackward, j});
     }
-    c.peak = remat::simulate(chain, c.plan).peak_bytes;
+    const remat::Simulation sim = remat::simulate(chain, c.plan);
+    c.peak = sim.peak_bytes;
+    if (offload) c.ms = sim.time_ms, c.host = sim.host_peak_bytes;
     out.push_back(std::move(c));
     int64_t j = 0;
     while (j < n && ++pick[j] == options[j].size())
@@ -190,6 +203,169 @@ TEST(PerLayer, ChainOfEqualLayersStaysFastAt96Layers) {
   EXPECT_LE(plan.predicted.peak_bytes, least + (most - least) / 3);
   EXPECT_GT(plan.count(OpKind::kForwardKeep), 0);
   EXPECT_GT(plan.count(OpKind::kForwardCheckpoint), 0);
+}
+
+TEST(PerLayerOffload, SimulateChargesOffloadingAsDocumented) {
+  // Three equal stages: input 10 bytes, output 10, Fa keeps 40 (30 beyond its output), forward 2 ms, backward
+  // 4 ms; offloading moves those 30 bytes and the stage's input (saved), its output not (stage 0 saves it).
+  Chain chain = remat::uniform_chain(3, 2.0, 4.0, 10, 40);
+  for (auto& s : chain.stages)
+    s.offload = remat::OffloadCost{30, true, false};
+  chain.stages[0].offload->output = true;  // stage 0 holds a_1 on the device
+  chain.to_host_gb_per_s = 40.0 / 3e6;     // 40 bytes in 3 ms
+  chain.to_device_gb_per_s = 40.0 / 5e6;   // 40 bytes in 5 ms
+  Plan plan = remat::checkpoint_stages(3, {});
+  plan.ops[1].offload = true;  // Fa0 Fa1@host Fa2 L B2 B1 B0
+  ASSERT_EQ(plan.to_string(), "Fa0 Fa1@host Fa2 L B2 B1 B0");
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  // Fa2 peaks at 10 + 3 x 40 with stage 1's 30 bytes still in flight; they leave after it (the 3 ms copy hid
+  // behind Fa2's 2 ms but for 1 ms) and come back at B2 (10 + 40 + 30 + 40 + d_3 + d_2 = 150); a_1 stays
+  // (stage 0 holds it). B1 waits for the rest of the 5 ms copy back that B2's 4 ms did not hide.
+  const std::vector<int64_t> peaks = {50, 90, 130, 110, 150, 110, 70};
+  EXPECT_EQ(sim.op_peak_bytes, peaks);
+  EXPECT_EQ(sim.peak_bytes, 150);
+  EXPECT_DOUBLE_EQ(sim.transfer_ms, 2.0);
+  EXPECT_DOUBLE_EQ(sim.time_ms, 3 * 6.0 + 2.0);
+  EXPECT_EQ(sim.host_peak_bytes, 40);
+  // Stage 0 offloaded as well: it no longer holds a_1, so stage 1's offloading takes a_1 off the device.
+  plan.ops[0].offload = true;
+  const remat::Simulation both = remat::simulate(chain, plan);
+  EXPECT_EQ(both.op_peak_bytes[2], 10 + 40 + 40 + 40 - 30);                 // stage 0's 30 left after Fa1
+  EXPECT_EQ(both.op_peak_bytes[3], 10 + 40 + 40 + 40 - 30 - 30 - 10 + 10);  // and stage 1's 30 and a_1 at L
+  EXPECT_EQ(both.host_peak_bytes, 30 + 10 + 10 + 40);  // stage 0: its bytes, a_0 and a_1; stage 1: 40
+}
+
+TEST(PerLayerOffload, EqualsExhaustiveSearchOnRandomChains) {
+  std::mt19937 rng(4242);
+  int offloaded = 0, bounded = 0, faster = 0;
+  for (int trial = 0; trial < 60; ++trial) {
+    const int64_t n = 1 + trial % 4;
+    const Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0, most_host = 0;
+    for (const Candidate& c : all) {
+      least = std::min(least, c.peak), most = std::max(most, c.peak), most_host = std::max(most_host, c.host);
+    }
+    remat::PlannerOptions options;
+    options.offload = true;
+    EXPECT_EQ(remat::per_layer_min_budget(chain, options), least) << "trial " << trial;
+    std::uniform_int_distribution<int64_t> pick(least, most), pick_host(0, most_host);
+    for (int b = 0; b < 4; ++b) {
+      const int64_t budget = b == 0 ? least : pick(rng);
+      options.max_host_bytes = b == 3 ? pick_host(rng) : -1;
+      double best = std::numeric_limits<double>::infinity();
+      for (const Candidate& c : all)
+        if (c.peak <= budget && (options.max_host_bytes < 0 || c.host <= options.max_host_bytes))
+          best = std::min(best, c.ms);
+      if (best ==
+          std::numeric_limits<double>::infinity()) {  // the host bound leaves nothing within the budget
+        EXPECT_THROW(remat::per_layer(chain, budget, options), remat::InfeasibleBudget);
+        continue;
+      }
+      const Plan plan = remat::per_layer(chain, budget, options);
+      const remat::Simulation sim = remat::simulate(chain, plan);
+      EXPECT_LE(plan.predicted.peak_bytes, budget);
+      EXPECT_EQ(plan.predicted.peak_bytes, sim.peak_bytes);
+      EXPECT_EQ(plan.predicted.host_peak_bytes, sim.host_peak_bytes);
+      if (options.max_host_bytes >= 0) {
+        EXPECT_LE(sim.host_peak_bytes, options.max_host_bytes);
+        ++bounded;
+      }
+      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
+          << "trial " << trial << " budget " << budget << " plan " << plan.to_string();
+      EXPECT_NEAR(plan.predicted.transfer_ms, sim.transfer_ms, 1e-9 * std::max(1.0, best));
+      EXPECT_TRUE(is_per_layer_shape(plan)) << plan.to_string();
+      // The plan as text and JSON reads back the same.
+      EXPECT_EQ(remat::plan_from_json(remat::to_json(plan)).ops, plan.ops);
+      const bool offloads =
+          std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.offload; });
+      offloaded += offloads;
+      if (offloads) {
+        // Without offloading the same budget costs more time, or is infeasible.
+        remat::PlannerOptions none;
+        try {
+          faster += remat::per_layer(chain, budget, none).predicted.time_ms > plan.predicted.time_ms + 1e-9;
+        } catch (const remat::InfeasibleBudget&) {
+          ++faster;
+        }
+      }
+    }
+  }
+  EXPECT_GT(offloaded, 20);
+  EXPECT_GT(bounded, 5);
+  EXPECT_GT(faster, 10);
+}
+
+TEST(PerLayerOffload, StepPlansMatchTheSimulatedStepAndOnlyAddChoices) {
+  std::mt19937 rng(99);
+  int lower = 0;
+  for (int trial = 0; trial < 30; ++trial) {
+    const Chain chain = random_offload_chain(rng, 3 + trial % 5, 1000);
+    remat::StepContext ctx;
+    ctx.before_saved_bytes = 5000;
+    ctx.rest_peak_bytes = 30000;
+    ctx.rest_ms = 4.0;
+    ctx.stage_grads_bytes.assign(static_cast<size_t>(chain.size()), 2000);
+    remat::PlannerOptions on;
+    on.offload = true;
+    const int64_t least_on = remat::min_step_budget(chain, ctx, "per-layer", on);
+    const int64_t least_off = remat::min_step_budget(chain, ctx, "per-layer");
+    EXPECT_LE(least_on, least_off);
+    lower += least_on < least_off;
+    for (int64_t budget : {least_on, (least_on + least_off) / 2, least_off, least_off * 2}) {
+      // plan_step checks that the program's step peak is the simulated step's (an internal error otherwise).
+      const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer", on);
+      EXPECT_LE(p.step_peak_bytes, budget);
+      EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
+      if (budget >= least_off) {
+        EXPECT_LE(p.step_time_ms, remat::plan_step(chain, ctx, budget, "per-layer").step_time_ms + 1e-9);
+      }
+    }
+  }
+  EXPECT_GT(lower, 5);
+}
+
+TEST(PerLayerOffload, RefusesWhatItCannotPlan) {
+  std::mt19937 rng(5);
+  Chain chain = random_offload_chain(rng, 3, 1000);
+  remat::PlannerOptions on;
+  on.offload = true;
+  EXPECT_THROW_WITH_STD(remat::optimal(chain, 1 << 30, on), "remat::optimal", "per-layer");
+  EXPECT_THROW_WITH_STD(remat::plan_step(chain, remat::StepContext{}, 1 << 30, "optimal", on), "per-layer");
+  remat::PlannerOptions bad = on;
+  bad.max_host_bytes = -2;
+  EXPECT_THROW_WITH_STD(remat::per_layer(chain, 1 << 30, bad), "max_host_bytes", "-2");
+  Chain slow = chain;
+  slow.to_host_gb_per_s = 0;
+  EXPECT_THROW_WITH_STD(remat::per_layer(slow, 1 << 30, on), "remat::per_layer", "bandwidths");
+  // A plan offloading what the chain has no costs for, or after the loss, or an Fn.
+  Plan plan = remat::checkpoint_stages(3, {});
+  plan.ops[0].offload = true;
+  EXPECT_THROW_WITH_STD(remat::simulate(slow, plan), "remat::simulate", "bandwidths");
+  Chain bare = chain;
+  bare.stages[0].offload.reset();
+  EXPECT_THROW_WITH_STD(remat::simulate(bare, plan), "remat::simulate", "Fa0@host", "no offload costs");
+  EXPECT_THROW_WITH_STD(remat::parse_op("Fn2@host"), "remat::parse_op", "Fn2@host");
+  EXPECT_THROW_WITH_STD(remat::parse_op("B2@host"), "remat::parse_op");
+  EXPECT_THROW_WITH_STD(remat::plan_from_json(R"({"num_stages": 1, "ops": ["Fc0", "L", "Fa0@host", "B0"]})"),
+                        "after the loss");
+  EXPECT_EQ(remat::parse_op("Fc3@host"), (Op{OpKind::kForwardCheckpoint, 3, -1, true}));
+  // Chains: the new keys round-trip, chains without them still parse, and bad values are refused naming them.
+  const Chain back = remat::chain_from_json(remat::to_json(chain));
+  EXPECT_EQ(remat::to_json(back), remat::to_json(chain));
+  EXPECT_DOUBLE_EQ(back.to_host_gb_per_s, chain.to_host_gb_per_s);
+  EXPECT_FALSE(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1,
+      "output_bytes": 1, "saved_bytes": 2}]})")
+                   .can_offload());
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1,
+      "output_bytes": 1, "saved_bytes": 2, "offload": {"bytes": 5}}]})"),
+                        "offload", "5", "beyond its output (1)");
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "to_host_gb_per_s": -1, "stages": [
+      {"fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 2}]})"),
+                        "to_host_gb_per_s");
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1,
+      "output_bytes": 1, "saved_bytes": 2, "offload": {"bytes": 0, "input": 3}}]})"),
+                        "\"input\" must be true or false");
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,21 @@
 
 namespace remat {
 
+/// What offloading a stage run one way moves to host memory (the stage's "@host" operations in a plan; see
+/// remat/plan.h): measured by the profiler under the offloading hooks, for one way of running the stage (Fa,
+/// Fk, Fk[name] or Fc).
+struct OffloadCost {
+  /// The bytes its saved tensors free on the device once copied to the host, besides its input and output
+  /// (>= 0; at most what that way keeps beyond the output; 0 for Fc, which keeps only its input).
+  int64_t bytes = 0;
+  /// Whether its input is among the tensors it saves (Fc's always is): offloaded, it goes to the host too,
+  /// and leaves the device unless the stage before keeps it there.
+  bool input = false;
+  /// Whether its output is among the tensors it saves: copied to the host too, though the next stage still
+  /// reads it on the device; and run without offloading, the stage holds its output on the device.
+  bool output = false;
+};
+
 /// What a stage costs run as Fk under one operator-level policy (remat/policy.h; Fk[name] in a plan), as the
 /// profiler measured it with ProfileOptions::policies.
 struct PolicyCost {
@@ -26,6 +41,8 @@ struct PolicyCost {
   int64_t saved_bytes = 0;  ///< alive after the stage runs so (its output and the kept outputs; bytes)
   double fwd_ms = 0;        ///< its forward (milliseconds)
   double bwd_ms = 0;        ///< its recompute of the rest plus its backward (milliseconds)
+  /// Offloading it (Fk[name]@host); unset: it cannot be offloaded.
+  std::optional<OffloadCost> offload;
 };
 
 /// One stage of a chain.
@@ -57,6 +74,12 @@ struct Stage {
   std::optional<double> keep_fwd_ms;  ///< see keep_saved_bytes
   std::optional<double> keep_bwd_ms;  ///< see keep_saved_bytes
 
+  /// Offloading the stage run as Fa (Fa@host), as Fk with the keep tags (Fk@host) and as Fc (its input:
+  /// Fc@host); unset: that way cannot be offloaded. Offloading also needs the chain's bandwidths.
+  std::optional<OffloadCost> offload;
+  std::optional<OffloadCost> keep_offload;        ///< see offload
+  std::optional<OffloadCost> checkpoint_offload;  ///< see offload
+
   /// Fk under each of the chain's policies (Chain::policies), in its order; empty when the stage was not
   /// profiled under them (no Fk[name] for it).
   std::vector<PolicyCost> policies;
@@ -81,6 +104,15 @@ struct Chain {
   /// The operator-level policies the stages' PolicyCost entries were measured under (names, each once;
   /// Fk[name] in a plan); empty when none.
   std::vector<std::string> policies;
+  /// The bandwidth of copies from the device to host memory and back, measured when profiling (GB/s, 10^9
+  /// bytes per second); 0 when not measured: the chain cannot be offloaded.
+  double to_host_gb_per_s = 0;
+  double to_device_gb_per_s = 0;  ///< see to_host_gb_per_s
+
+  /// Whether the chain can be offloaded: both bandwidths measured.
+  bool can_offload() const { return to_host_gb_per_s > 0 && to_device_gb_per_s > 0; }
+  /// The time of copying `bytes` to the host (to_host) or back (milliseconds; infinite when not measured).
+  double transfer_ms(int64_t bytes, bool to_host) const;
 
   /// Number of stages.
   int64_t size() const { return static_cast<int64_t>(stages.size()); }
@@ -97,9 +129,10 @@ constexpr double kMaxStageMs = 1e12;
 /// Checks a chain: at least one stage; no negative or non-finite value; times at most kMaxStageMs;
 /// saved_bytes >= output_bytes; the keep_ fields all set or none, output_bytes <= keep_saved_bytes, and
 /// `keep` tags wherever a stage has them; policy names unique and valid, each stage's PolicyCost entries
-/// none or one per Chain::policies in its order, each with output_bytes <= saved_bytes; byte counts adding up
-/// to at most kMaxChainBytes. Throws std::invalid_argument naming remat::validate, the stage (index and
-/// name), the field and the value.
+/// none or one per Chain::policies in its order, each with output_bytes <= saved_bytes; an OffloadCost's
+/// bytes at most what its way keeps beyond the output (0 for checkpoint_offload), bandwidths finite and >= 0;
+/// byte counts adding up to at most kMaxChainBytes. Throws std::invalid_argument naming remat::validate, the
+/// stage (index and name), the field and the value.
 void validate(const Chain& chain);
 
 /// Whether `name` can name a policy: non-empty, made of letters, digits, '_', '-' and '.'.
@@ -110,7 +143,9 @@ bool valid_policy_name(const std::string& name);
 /// "fwd_nosave_ms", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_saved_bytes", "keep_fwd_ms" and
 /// "keep_bwd_ms" for a stage that has them, "keep": ["matmul"] for a chain measured with keep tags, and for
 /// one measured under policies "policies": ["matmuls"] with, per stage, "policies": [{"policy": "matmuls",
-/// "saved_bytes": N, "fwd_ms": x, "bwd_ms": x}].
+/// "saved_bytes": N, "fwd_ms": x, "bwd_ms": x}]; for a chain profiled for offloading "to_host_gb_per_s" and
+/// "to_device_gb_per_s", with per stage "offload", "keep_offload", "checkpoint_offload" (and per policy entry
+/// "offload") as {"bytes": N, "input": bool, "output": bool}.
 std::string to_json(const Chain& chain);
 
 /// Parses and validates that JSON (the tmp keys are optional, default 0; the three optional times may be

@@ -27,6 +27,19 @@
 /// Time is the sum over every forward that runs (recomputations count each time) of its cost, fwd_ms for Fa
 /// and Stage::nosave_ms() (fwd_nosave_ms, which the profiler measures under no-grad) for Fn and Fc, plus the
 /// sum of bwd_ms.
+///
+/// Offloading (written with "@host": Fa3@host, Fk3[matmuls]@host, Fc3@host; before the loss only, a stage's
+/// only forward there): the forward is charged as without it; what the stage's OffloadCost says goes to host
+/// memory (its bytes, its input when it saves it, its output when it saves it) is copied while the next
+/// forward runs, and leaves the device when that forward ends (its input only if the stage before does not
+/// hold it there: that stage ran without offloading and saves its output, or its OffloadCost is unknown;
+/// never a_0). It comes back when the backward pass first reaches the stage after it (a recompute or a
+/// backward of stage i + 1) or the stage itself, and is on the device from then on. Time adds what the copies
+/// do not hide: the copy to the host beyond the next forward's time (all of it when the loss comes next), the
+/// copy back beyond the time of the operations between its return and the stage's first backward-phase
+/// operation. The bandwidths are the chain's (Chain::to_host_gb_per_s, to_device_gb_per_s).
+/// Simulation::host_peak_bytes counts what is on the host, each offloaded stage's bytes from its forward
+/// until its backward.
 
 #include <cstdint>
 #include <string>
@@ -53,7 +66,12 @@ struct Op {
   /// Fk only: the operator-level policy it keeps with (an index into Plan::policies; written Fk3[matmuls]),
   /// or -1 for the remat::keep tags of Plan::keep (written Fk3).
   int32_t policy = -1;
-  bool operator==(const Op& o) const { return kind == o.kind && stage == o.stage && policy == o.policy; }
+  /// Fa, Fk, Fc before the loss: what the stage saves goes to host memory and comes back for its backward
+  /// (written with "@host": Fa3@host).
+  bool offload = false;
+  bool operator==(const Op& o) const {
+    return kind == o.kind && stage == o.stage && policy == o.policy && offload == o.offload;
+  }
   bool operator!=(const Op& o) const { return !(*this == o); }
 };
 
@@ -64,6 +82,8 @@ struct Simulation {
   std::vector<int64_t> forward_calls;  ///< how many times each stage's forward runs
   int64_t peak_op = -1;                ///< index in ops of the operation at the peak
   std::vector<int64_t> op_peak_bytes;  ///< the peak during each operation, in the order of ops (bytes)
+  int64_t host_peak_bytes = 0;         ///< the most held in host memory by offloaded stages at once (bytes)
+  double transfer_ms = 0;  ///< of time_ms, the copies to and from the host that no computation hides (ms)
 };
 
 /// A schedule for a chain of num_stages stages.
@@ -87,19 +107,21 @@ struct Plan {
 /// Short name of an operation kind: "Fn", "Fc", "Fa", "Fk", "L", "B".
 std::string op_name(OpKind kind);
 
-/// The text of one operation of `plan`: "Fn3", "Fk5", "Fk5[matmuls]", "L".
+/// The text of one operation of `plan`: "Fn3", "Fk5", "Fk5[matmuls]", "Fa2@host", "L".
 std::string op_text(const Plan& plan, const Op& op);
 
 /// Checks that a plan computes every gradient in the model of this file: each operation finds what it
 /// needs, the loss comes once after a_n exists, and the plan ends with d_0; every Fk[name] names one of
-/// plan.policies. Throws std::invalid_argument naming remat::check_plan, the operation's index and text, and
-/// what is missing.
+/// plan.policies; an offloaded operation is an Fa, Fk or Fc before the loss and its stage's only forward
+/// there. Throws std::invalid_argument naming remat::check_plan, the operation's index and text, and what is
+/// missing.
 void check_plan(const Plan& plan);
 
 /// Charges the plan against the chain (see the top of this file); Fk[name] is charged what the chain measured
 /// under that policy (Stage::policies). Throws std::invalid_argument when the chain is invalid
 /// (remat::validate), when its size differs from plan.num_stages, when an Fk runs a stage the chain has no
-/// costs for (no keep_ fields, or not profiled under the policy), or as check_plan.
+/// costs for (no keep_ fields, or not profiled under the policy), when an offloaded operation has no
+/// OffloadCost for its way of running the stage or the chain no bandwidths, or as check_plan.
 Simulation simulate(const Chain& chain, const Plan& plan);
 
 /// Checkpoints exactly the stages listed, each on its own: a listed stage keeps only its input in the
@@ -127,7 +149,8 @@ Plan step_plan(const Plan& chain_plan);
 
 /// The plan as JSON: {"num_stages": n, "planner": "...", "budget_bytes": N, "ops": ["Fc0", "Fn1", ..., "L",
 /// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}, plus "keep": ["matmul"] for
-/// a plan with Fk, and "policies": ["matmuls"] for one with Fk[matmuls].
+/// a plan with Fk, "policies": ["matmuls"] for one with Fk[matmuls], and in "predicted" "host_peak_bytes"
+/// and "transfer_ms" for one that offloads.
 std::string to_json(const Plan& plan);
 
 /// Parses that JSON ("predicted" optional; "policies" optional, the Fk[name] operations naming them) and
@@ -135,7 +158,8 @@ std::string to_json(const Plan& plan);
 /// unknown operation, or what check_plan rejects.
 Plan plan_from_json(const std::string& json);
 
-/// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4". Throws std::invalid_argument for anything
+/// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4", and with "@host" after an Fa, Fk or Fc
+/// ("Fa12@host"). Throws std::invalid_argument for anything
 /// else, and for "Fk5[name]" (parse it with the plan's policies, below).
 Op parse_op(const std::string& text);
 

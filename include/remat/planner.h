@@ -36,6 +36,13 @@ struct PlannerOptions {
   /// min_feasible_budget() honour it; the baselines and revolve use no Fk. Throws std::invalid_argument (from
   /// the planner) for any other text.
   std::vector<std::string> exclude;
+  /// The per-layer planner (per_layer(), plan_step()'s "per-layer") may also offload a stage: run it as Fa,
+  /// Fk or Fc with what it saves sent to host memory (Fa3@host, ...; see remat/plan.h), where the chain has
+  /// the stage's OffloadCost for that way and both bandwidths. Planners that recompute across stages
+  /// (optimal(), min_feasible_budget(), plan_step()'s "optimal") refuse it (std::invalid_argument).
+  bool offload = false;
+  /// With offload: the most host memory the plan may hold (bytes; Simulation::host_peak_bytes); -1: no bound.
+  int64_t max_host_bytes = -1;
 };
 
 /// Thrown when no schedule fits the budget. what() states the minimum.
@@ -119,8 +126,14 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
 /// frontier of a chain of equal layers stays small). plan.predicted.peak_bytes is simulate()'s;
 /// plan.predicted.time_ms counts a checkpointed stage as run per call (Stage::per_call_fwd_ms() +
 /// per_call_bwd_ms()), a kept one as fwd_ms + bwd_ms and an Fk one as its variant's fwd_ms + bwd_ms.
+/// With options.offload, a stage may also run offloaded (Fa@host, Fk@host, Fk[NAME]@host, Fc@host: what it
+/// saves, or a checkpointed stage's input, copied to host memory while the next stage's forward runs and
+/// brought back while the stage after it runs its backward), its time the choice's plus the copies' time that
+/// the neighbouring stage's forward and backward do not hide (Chain::transfer_ms), its host bytes bounded by
+/// options.max_host_bytes; the same program, exact (the tests compare it with an exhaustive search).
 /// Throws InfeasibleBudget (stating per_layer_min_budget()) when no per-layer plan fits, and
-/// std::invalid_argument for an invalid chain, a negative budget or an unknown exclusion.
+/// std::invalid_argument for an invalid chain, a negative budget, an unknown exclusion, or offload on a chain
+/// without bandwidths (not profiled for offloading).
 ///
 ///   remat::Plan plan = remat::per_layer(chain, 300 << 20);   // "Fa0 Fk1[matmuls] Fc2 L Fa2 B2 B1 B0"
 Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options = {});

@@ -50,6 +50,30 @@ void add_bytes(int64_t& total, int64_t value, const std::string& what) {
 
 }  // namespace
 
+double Chain::transfer_ms(int64_t bytes, bool to_host) const {
+  const double gbps = to_host ? to_host_gb_per_s : to_device_gb_per_s;
+  if (bytes <= 0) return 0.0;
+  if (!(gbps > 0)) return std::numeric_limits<double>::infinity();
+  return static_cast<double>(bytes) / (gbps * 1e6);
+}
+
+namespace {
+
+// An OffloadCost of stage i for the way that keeps `kept` bytes (its output included).
+void check_offload(const Chain& chain, size_t i, const char* field, const std::optional<OffloadCost>& o,
+                   int64_t kept) {
+  if (!o) return;
+  check_bytes(chain, i, field, o->bytes);
+  const int64_t most = kept - chain.stages[i].output_bytes;
+  if (o->bytes > most) {
+    throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " + field + " bytes (" +
+                                std::to_string(o->bytes) + ") above what that way keeps beyond its output (" +
+                                std::to_string(most) + ")");
+  }
+}
+
+}  // namespace
+
 bool valid_policy_name(const std::string& name) {
   return !name.empty() && std::all_of(name.begin(), name.end(), [](char c) {
     return std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' || c == '.';
@@ -61,6 +85,14 @@ void validate(const Chain& chain) {
   if (chain.input_bytes < 0) {
     throw std::invalid_argument("remat::validate: negative input_bytes (" +
                                 std::to_string(chain.input_bytes) + ")");
+  }
+  for (auto [name, gbps] : {std::pair<const char*, double>{"to_host_gb_per_s", chain.to_host_gb_per_s},
+                            {"to_device_gb_per_s", chain.to_device_gb_per_s}}) {
+    if (!std::isfinite(gbps) || gbps < 0) {
+      std::ostringstream os;
+      os << "remat::validate: " << name << " must be a finite bandwidth >= 0 (GB/s), got " << gbps;
+      throw std::invalid_argument(os.str());
+    }
   }
   int64_t total = 0;
   add_bytes(total, chain.input_bytes, "input_bytes");
@@ -104,6 +136,13 @@ void validate(const Chain& chain) {
     }
     for (int64_t v : {s.output_bytes, s.saved_bytes, s.fwd_tmp_bytes, s.bwd_tmp_bytes})
       add_bytes(total, v, stage_label(chain, i));
+    check_offload(chain, i, "offload", s.offload, s.saved_bytes);
+    check_offload(chain, i, "checkpoint_offload", s.checkpoint_offload, s.output_bytes);
+    if (s.keep_offload && !s.has_keep()) {
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
+                                  " has keep_offload but no keep_ fields");
+    }
+    if (s.has_keep()) check_offload(chain, i, "keep_offload", s.keep_offload, *s.keep_saved_bytes);
     if (s.policies.empty()) continue;
     if (s.policies.size() != chain.policies.size()) {
       throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " +
@@ -126,6 +165,7 @@ void validate(const Chain& chain) {
                                     ") < output_bytes (" + std::to_string(s.output_bytes) + ")");
       }
       add_bytes(total, c.saved_bytes, stage_label(chain, i));
+      check_offload(chain, i, "policy offload", c.offload, c.saved_bytes);
     }
   }
   for (size_t p = 0; p < chain.policies.size(); ++p) {
@@ -139,6 +179,18 @@ void validate(const Chain& chain) {
     }
   }
 }
+
+namespace {
+
+nlohmann::ordered_json offload_json(const OffloadCost& o) {
+  nlohmann::ordered_json j;
+  j["bytes"] = o.bytes;
+  j["input"] = o.input;
+  j["output"] = o.output;
+  return j;
+}
+
+}  // namespace
 
 std::string to_json(const Chain& chain) {
   nlohmann::ordered_json j;
@@ -161,6 +213,9 @@ std::string to_json(const Chain& chain) {
       js["keep_fwd_ms"] = *s.keep_fwd_ms;
       js["keep_bwd_ms"] = *s.keep_bwd_ms;
     }
+    if (s.offload) js["offload"] = offload_json(*s.offload);
+    if (s.keep_offload) js["keep_offload"] = offload_json(*s.keep_offload);
+    if (s.checkpoint_offload) js["checkpoint_offload"] = offload_json(*s.checkpoint_offload);
     if (!s.policies.empty()) {
       js["policies"] = nlohmann::ordered_json::array();
       for (const PolicyCost& c : s.policies) {
@@ -169,6 +224,7 @@ std::string to_json(const Chain& chain) {
         jc["saved_bytes"] = c.saved_bytes;
         jc["fwd_ms"] = c.fwd_ms;
         jc["bwd_ms"] = c.bwd_ms;
+        if (c.offload) jc["offload"] = offload_json(*c.offload);
         js["policies"].push_back(jc);
       }
     }
@@ -176,6 +232,10 @@ std::string to_json(const Chain& chain) {
   }
   if (!chain.keep.empty()) j["keep"] = chain.keep;
   if (!chain.policies.empty()) j["policies"] = chain.policies;
+  if (chain.to_host_gb_per_s > 0 || chain.to_device_gb_per_s > 0) {
+    j["to_host_gb_per_s"] = chain.to_host_gb_per_s;
+    j["to_device_gb_per_s"] = chain.to_device_gb_per_s;
+  }
   return j.dump(2);
 }
 
@@ -207,6 +267,25 @@ T required(const nlohmann::json& j, const char* key, const std::string& where) {
 template <typename T>
 T optional(const nlohmann::json& j, const char* key, const std::string& where, T fallback) {
   return j.contains(key) ? required<T>(j, key, where) : fallback;
+}
+
+// {"bytes": N, "input": bool, "output": bool} under `key`, when present.
+std::optional<OffloadCost> offload_from(const nlohmann::json& j, const char* key, const std::string& where) {
+  if (!j.contains(key)) return std::nullopt;
+  const auto& o = j.at(key);
+  const std::string at = where + " \"" + key + "\"";
+  if (!o.is_object())
+    throw std::invalid_argument("remat::chain_from_json: " + at + " must be an object {\"bytes\": N, ...}");
+  OffloadCost c;
+  c.bytes = required<int64_t>(o, "bytes", at);
+  for (auto [name, field] : {std::pair<const char*, bool*>{"input", &c.input}, {"output", &c.output}}) {
+    if (!o.contains(name)) continue;
+    if (!o.at(name).is_boolean())
+      throw std::invalid_argument("remat::chain_from_json: " + at + ": \"" + name +
+                                  "\" must be true or false");
+    *field = o.at(name).get<bool>();
+  }
+  return c;
 }
 
 }  // namespace
@@ -251,6 +330,9 @@ Chain chain_from_json(const std::string& text) {
     }
     if (js.contains("keep_saved_bytes"))
       s.keep_saved_bytes = required<int64_t>(js, "keep_saved_bytes", where);
+    s.offload = offload_from(js, "offload", where);
+    s.keep_offload = offload_from(js, "keep_offload", where);
+    s.checkpoint_offload = offload_from(js, "checkpoint_offload", where);
     if (js.contains("policies")) {
       const auto& jp = js.at("policies");
       if (!jp.is_array())
@@ -266,6 +348,7 @@ Chain chain_from_json(const std::string& text) {
         c.saved_bytes = required<int64_t>(jp[p], "saved_bytes", at);
         c.fwd_ms = required<double>(jp[p], "fwd_ms", at);
         c.bwd_ms = required<double>(jp[p], "bwd_ms", at);
+        c.offload = offload_from(jp[p], "offload", at);
         s.policies.push_back(std::move(c));
       }
     }
@@ -273,6 +356,8 @@ Chain chain_from_json(const std::string& text) {
   }
   chain.keep = detail::string_array(j, "keep", "remat::chain_from_json");
   chain.policies = detail::string_array(j, "policies", "remat::chain_from_json");
+  chain.to_host_gb_per_s = optional<double>(j, "to_host_gb_per_s", "the chain", 0.0);
+  chain.to_device_gb_per_s = optional<double>(j, "to_device_gb_per_s", "the chain", 0.0);
   validate(chain);
   return chain;
 }

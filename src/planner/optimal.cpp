@@ -318,6 +318,15 @@ std::string bytes_text(int64_t b) {
                          budget, min_bytes);
 }
 
+void refuse_offload(const PlannerOptions& options, const char* who) {
+  if (options.offload) {
+    throw std::invalid_argument(
+        std::string(who) +
+        ": only the per-layer planner plans offloading (PlannerOptions::offload); use "
+        "remat::per_layer or plan_step(..., \"per-layer\")");
+  }
+}
+
 std::vector<char> allowed_variants(const Chain& chain, const PlannerOptions& options, const char* who) {
   std::vector<char> allowed(1 + chain.policies.size(), 1);
   for (const std::string& e : options.exclude) {
@@ -359,6 +368,7 @@ Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budg
 
 int64_t min_feasible_budget(const Chain& chain, const PlannerOptions& options) {
   validate(chain);
+  detail::refuse_offload(options, "remat::min_feasible_budget");
   const std::vector<char> allowed = detail::allowed_variants(chain, options, "remat::optimal");
   if (chain.size() > kExactMinMemoryStages) return recompute_from_input_peak(chain);
   return MinMemory(chain, allowed).total();
@@ -401,6 +411,7 @@ void check_dp_size(const Chain& chain, int64_t slots) {
 
 Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options) {
   validate(chain);
+  detail::refuse_offload(options, "remat::optimal");
   if (options.slots < 1) {
     throw std::invalid_argument("remat::optimal: slots must be >= 1, got " + std::to_string(options.slots));
   }

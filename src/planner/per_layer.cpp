@@ -29,27 +29,41 @@ namespace {
 using detail::push;
 
 // One choice for a stage: keep everything, checkpoint it, or an Fk variant (0: the keep tags; v >= 1: the
-// chain's policy v - 1).
+// chain's policy v - 1), each possibly offloaded.
 struct Choice {
   OpKind kind = OpKind::kForwardAll;
   int64_t variant = -1;
-  int64_t held = 0;  // bytes held after its forward
-  double ms = 0;     // its forward and backward, as run per call
+  int64_t held = 0;      // bytes held after its forward (before any of it leaves for the host)
+  double ms = 0;         // its forward and backward, as run per call
+  double fwd_ms = 0;     // its forward (what hides the previous stage's copy to the host)
+  double bwd_ms = 0;     // its recompute and backward (what hides the previous stage's copy back)
+  bool offload = false;  // what it saves goes to the host
+  const OffloadCost* cost = nullptr;  // the way's offload cost, offloaded or not (null: unknown)
 };
 
-std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<char>& allowed,
-                               bool all_only) {
+std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<char>& allowed, bool all_only,
+                               bool offload) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   std::vector<Choice> out;
-  out.push_back({OpKind::kForwardAll, -1, s.saved_bytes, s.fwd_ms + s.bwd_ms});
+  auto add = [&](Choice c, const std::optional<OffloadCost>& cost) {
+    c.ms = c.fwd_ms + c.bwd_ms;
+    c.cost = cost ? &*cost : nullptr;
+    out.push_back(c);
+    if (offload && c.cost) {
+      c.offload = true;
+      out.push_back(c);
+    }
+  };
+  add({OpKind::kForwardAll, -1, s.saved_bytes, 0, s.fwd_ms, s.bwd_ms}, s.offload);
   if (all_only) return out;
-  out.push_back({OpKind::kForwardCheckpoint, -1, s.output_bytes, s.per_call_fwd_ms() + s.per_call_bwd_ms()});
+  add({OpKind::kForwardCheckpoint, -1, s.output_bytes, 0, s.per_call_fwd_ms(), s.per_call_bwd_ms()},
+      s.checkpoint_offload);
   if (s.has_keep() && allowed[0])
-    out.push_back({OpKind::kForwardKeep, 0, *s.keep_saved_bytes, *s.keep_fwd_ms + *s.keep_bwd_ms});
+    add({OpKind::kForwardKeep, 0, *s.keep_saved_bytes, 0, *s.keep_fwd_ms, *s.keep_bwd_ms}, s.keep_offload);
   for (size_t p = 0; p < s.policies.size(); ++p) {
     if (!allowed[p + 1]) continue;
     const PolicyCost& c = s.policies[p];
-    out.push_back({OpKind::kForwardKeep, static_cast<int64_t>(p) + 1, c.saved_bytes, c.fwd_ms + c.bwd_ms});
+    add({OpKind::kForwardKeep, static_cast<int64_t>(p) + 1, c.saved_bytes, 0, c.fwd_ms, c.bwd_ms}, c.offload);
   }
   return out;
 }
@@ -76,53 +90,95 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   return std::max(fwd, bwd);
 }
 
-// A point of a frontier: R (bytes held), the peak so far, the time so far, and how it was reached.
+// A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
+// leaves once the next forward has run (pending; it comes back for the backward while this stage's runs),
+// the bytes its copies move each way, whether the previous stage holds its output (this stage's input) on the
+// device, the host bytes so far, the peak so far, the time so far, and how it was reached.
 struct Point {
   int64_t held = 0;
+  int64_t pending = 0;
+  int64_t copied = 0;
+  bool keeps_output = true;
+  int64_t host = 0;
   int64_t peak = 0;
   double ms = 0;
-  int64_t parent = -1;  // index in the previous stage's frontier
-  int64_t choice = -1;  // index in choices_of()
+  double transfer_ms = 0;  // of ms, the copies' time no computation hides
+  int64_t parent = -1;     // index in the previous stage's frontier
+  int64_t choice = -1;     // index in choices_of()
 };
 
 // Frontiers larger than this are thinned (see thin()).
 constexpr size_t kMaxFrontier = size_t{1} << 15;
 
-// Keeps the points no other point beats on both R and `key` (time when planning for a budget, peak when
-// looking for the least memory). Ties keep the first point.
+bool same_group(const Point& a, const Point& b) {
+  return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output;
+}
+
+// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
+// the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
+// for the least memory) and, when `host` bounds it, host bytes all at most its. Ties keep the first point.
 template <typename Key>
-std::vector<Point> pareto(std::vector<Point> points, Key key) {
+std::vector<Point> pareto(std::vector<Point> points, Key key, bool host) {
   std::stable_sort(points.begin(), points.end(), [&](const Point& a, const Point& b) {
-    return a.held != b.held ? a.held < b.held : key(a) < key(b);
+    if (a.pending != b.pending) return a.pending < b.pending;
+    if (a.copied != b.copied) return a.copied < b.copied;
+    if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
+    if (a.held != b.held) return a.held < b.held;
+    if (key(a) != key(b)) return key(a) < key(b);
+    return a.host < b.host;
   });
   std::vector<Point> out;
-  for (const Point& p : points)
-    if (out.empty() || key(p) < key(out.back())) out.push_back(p);
+  size_t group = 0;  // where the current group starts in out
+  for (const Point& p : points) {
+    if (!out.empty() && !same_group(out.back(), p)) group = out.size();
+    bool beaten = false;
+    if (!host) {
+      beaten = out.size() > group && !(key(p) < key(out.back()));
+    } else {
+      for (size_t k = group; k < out.size() && !beaten; ++k)
+        beaten = !(key(p) < key(out[k])) && out[k].host <= p.host;
+    }
+    if (!beaten) out.push_back(p);
+  }
   return out;
 }
 
-// A frontier past kMaxFrontier points keeps one point per band of R (the best key in it), its R raised to
-// the band's top: the program stays exact about feasibility (R only grows) and loses at most a band's worth
-// of memory. Never reached by chains of equal layers, whose R takes few values.
+// A group past kMaxFrontier points keeps one point per band of R (the best key in it), its R raised to the
+// band's top: the program stays exact about feasibility (R only grows) and loses at most a band's worth of
+// memory. Never reached by chains of equal layers, whose R takes few values.
 template <typename Key>
-std::vector<Point> thin(std::vector<Point> points, Key key) {
-  if (points.size() <= kMaxFrontier) return points;
-  const int64_t lo = points.front().held, hi = points.back().held;
-  const int64_t band = std::max<int64_t>(1, (hi - lo) / static_cast<int64_t>(kMaxFrontier / 2) + 1);
+std::vector<Point> thin(std::vector<Point> points, Key key, bool host) {
   std::vector<Point> out;
-  for (const Point& p : points) {
-    const int64_t top = lo + ((p.held - lo) / band + 1) * band - 1;
-    if (!out.empty() && out.back().held == top) {
-      if (key(p) < key(out.back())) {
-        out.back() = p;
-        out.back().held = top;
-      }
+  for (size_t first = 0; first < points.size();) {
+    size_t last = first;
+    while (last < points.size() && same_group(points[first], points[last]))
+      ++last;
+    if (last - first <= kMaxFrontier) {
+      out.insert(out.end(), points.begin() + static_cast<std::ptrdiff_t>(first),
+                 points.begin() + static_cast<std::ptrdiff_t>(last));
     } else {
-      out.push_back(p);
-      out.back().held = top;
+      const int64_t lo = points[first].held, hi = points[last - 1].held;
+      const int64_t band = std::max<int64_t>(1, (hi - lo) / static_cast<int64_t>(kMaxFrontier / 2) + 1);
+      std::vector<Point> banded;
+      for (size_t k = first; k < last; ++k) {
+        const Point& p = points[k];
+        const int64_t top = lo + ((p.held - lo) / band + 1) * band - 1;
+        if (!banded.empty() && banded.back().held == top) {
+          if (key(p) < key(banded.back())) {
+            banded.back() = p;
+            banded.back().held = top;
+          }
+        } else {
+          banded.push_back(p);
+          banded.back().held = top;
+        }
+      }
+      banded = pareto(std::move(banded), key, host);
+      out.insert(out.end(), banded.begin(), banded.end());
     }
+    first = last;
   }
-  return pareto(std::move(out), key);
+  return out;
 }
 
 struct Solution {
@@ -130,34 +186,70 @@ struct Solution {
   std::vector<std::vector<Choice>> choices;   // per stage
   int64_t best = -1;                          // index in frontiers[n], or -1
   int64_t best_peak = 0;
+  double best_ms = 0;           // its time, the last stage's copies included
+  double best_transfer_ms = 0;  // of which the copies no computation hides
 };
 
-// by_time: the fastest within `budget`; otherwise the least peak (budget ignored).
+// by_time: the fastest within `budget`; otherwise the least peak (budget ignored). offload: the choices may
+// offload (what options allow), the host bytes at most max_host (-1: no bound).
 Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget,
-               const StepTerms* step = nullptr) {
+               const StepTerms* step, bool offload, int64_t max_host) {
   const int64_t n = chain.size();
+  const bool bounded = offload && max_host >= 0;
   Solution sol;
   sol.choices.resize(static_cast<size_t>(n));
   sol.frontiers.resize(static_cast<size_t>(n) + 1);
-  sol.frontiers[0].push_back({chain.input_bytes, chain.input_bytes, 0.0, -1, -1});
+  Point start;
+  start.held = start.peak = chain.input_bytes;
+  sol.frontiers[0].push_back(start);
   auto time_key = [](const Point& p) { return p.ms; };
   auto peak_key = [](const Point& p) { return p.peak; };
+  // The copies of `copied` bytes beside a stage whose forward and backward take fwd and bwd milliseconds.
+  auto unhidden = [&](int64_t copied, double fwd, double bwd) {
+    if (copied == 0) return 0.0;
+    return std::max(0.0, chain.transfer_ms(copied, true) - fwd) +
+           std::max(0.0, chain.transfer_ms(copied, false) - bwd);
+  };
   for (int64_t j = 0; j < n; ++j) {
     sol.choices[static_cast<size_t>(j)] =
-        choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)]);
+        choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload);
     const auto& cs = sol.choices[static_cast<size_t>(j)];
+    const int64_t a_in = chain.activation_bytes(j), a_out = chain.stages[static_cast<size_t>(j)].output_bytes;
     std::vector<Point> next;
     const auto& cur = sol.frontiers[static_cast<size_t>(j)];
     for (size_t k = 0; k < cur.size(); ++k) {
+      const Point& p = cur[k];
       for (size_t c = 0; c < cs.size(); ++c) {
-        const int64_t peak = std::max(cur[k].peak, cur[k].held + stage_need(chain, j, cs[c], step));
-        if (by_time && peak > budget) continue;
-        next.push_back({cur[k].held + cs[c].held, peak, cur[k].ms + cs[c].ms, static_cast<int64_t>(k),
-                        static_cast<int64_t>(c)});
+        const Choice& ch = cs[c];
+        Point q;
+        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step));
+        if (by_time && q.peak > budget) continue;
+        const double wait = unhidden(p.copied, ch.fwd_ms, ch.bwd_ms);
+        q.ms = p.ms + ch.ms + wait;
+        q.transfer_ms = p.transfer_ms + wait;
+        q.held = p.held - p.pending + ch.held;
+        q.host = p.host;
+        if (ch.offload) {
+          const bool input_leaves = ch.cost->input && j > 0 && !p.keeps_output;
+          q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
+          q.copied = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
+          q.keeps_output = false;
+          q.host += q.copied;
+          if (bounded && q.host > max_host) continue;
+        } else if (!offload) {
+          q.keeps_output = true;  // read by offloaded choices only: one group without them
+        } else if (ch.kind == OpKind::kForwardCheckpoint) {
+          q.keeps_output = false;  // a checkpoint holds its input, not its output
+        } else {
+          q.keeps_output = ch.cost ? ch.cost->output : true;  // unknown: held, as before offloading
+        }
+        q.parent = static_cast<int64_t>(k);
+        q.choice = static_cast<int64_t>(c);
+        next.push_back(q);
       }
     }
-    next = by_time ? thin(pareto(std::move(next), time_key), time_key)
-                   : thin(pareto(std::move(next), peak_key), peak_key);
+    next = by_time ? thin(pareto(std::move(next), time_key, bounded), time_key, bounded)
+                   : thin(pareto(std::move(next), peak_key, bounded), peak_key, bounded);
     sol.frontiers[static_cast<size_t>(j) + 1] = std::move(next);
   }
   const auto& last = sol.frontiers[static_cast<size_t>(n)];
@@ -165,11 +257,15 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   for (size_t k = 0; k < last.size(); ++k) {
     const int64_t peak = std::max(last[k].peak, last[k].held + a_n);
     if (by_time && peak > budget) continue;
-    const bool better = sol.best < 0 || (by_time ? last[k].ms < last[static_cast<size_t>(sol.best)].ms
-                                                 : peak < sol.best_peak);
+    // A last stage's copies hide behind nothing: to the host and straight back.
+    const double wait = unhidden(last[k].copied, 0.0, 0.0);
+    const double ms = last[k].ms + wait;
+    const bool better = sol.best < 0 || (by_time ? ms < sol.best_ms : peak < sol.best_peak);
     if (better) {
       sol.best = static_cast<int64_t>(k);
       sol.best_peak = peak;
+      sol.best_ms = ms;
+      sol.best_transfer_ms = last[k].transfer_ms + wait;
     }
   }
   return sol;
@@ -199,6 +295,7 @@ Plan plan_of(const std::vector<const Choice*>& picked, double* ms) {
     const Choice& c = *picked[static_cast<size_t>(j)];
     Op op{c.kind, j};
     if (c.kind == OpKind::kForwardKeep) op.policy = static_cast<int32_t>(c.variant - 1);
+    op.offload = c.offload;
     plan.ops.push_back(op);
     *ms += c.ms;
   }
@@ -233,10 +330,28 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
 
 }  // namespace
 
+namespace {
+
+// The allowed Fk variants, after checking that offloading, when asked for, has what it needs.
+std::vector<char> allowed_for(const Chain& chain, const PlannerOptions& options, const char* who) {
+  if (options.offload && !chain.can_offload()) {
+    throw std::invalid_argument(std::string(who) +
+                                ": offloading needs the chain's measured bandwidths (to_host_gb_per_s, "
+                                "to_device_gb_per_s are 0): profile the chain for offloading");
+  }
+  if (options.max_host_bytes < -1) {
+    throw std::invalid_argument(std::string(who) + ": max_host_bytes must be >= 0, or -1 for no bound, got " +
+                                std::to_string(options.max_host_bytes));
+  }
+  return detail::allowed_variants(chain, options, who);
+}
+
+}  // namespace
+
 int64_t per_layer_min_budget(const Chain& chain, const PlannerOptions& options) {
   validate(chain);
-  const Solution sol = solve(chain, detail::allowed_variants(chain, options, "remat::per_layer"), false, 0);
-  return sol.best_peak;
+  const std::vector<char> allowed = allowed_for(chain, options, "remat::per_layer");
+  return solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes).best_peak;
 }
 
 Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options) {
@@ -245,10 +360,13 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
     throw std::invalid_argument("remat::per_layer: negative budget (" + std::to_string(budget_bytes) +
                                 " bytes)");
   }
-  const std::vector<char> allowed = detail::allowed_variants(chain, options, "remat::per_layer");
-  const Solution sol = solve(chain, allowed, true, budget_bytes);
+  const std::vector<char> allowed = allowed_for(chain, options, "remat::per_layer");
+  const Solution sol =
+      solve(chain, allowed, true, budget_bytes, nullptr, options.offload, options.max_host_bytes);
   if (sol.best < 0) {
-    detail::infeasible("remat::per_layer", budget_bytes, solve(chain, allowed, false, 0).best_peak);
+    detail::infeasible(
+        "remat::per_layer", budget_bytes,
+        solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes).best_peak);
   }
   double ms = 0;
   Plan plan = detail::finish(chain, plan_of(picks(sol), &ms), "per-layer", budget_bytes);
@@ -258,7 +376,9 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
                            std::to_string(plan.predicted.peak_bytes) + ") exceeds the program's (" +
                            std::to_string(sol.best_peak) + ")");
   }
-  plan.predicted.time_ms = ms;  // checkpointed stages as run per call (recompute with early stopping)
+  // Checkpointed stages as run per call (recompute with early stopping), the copies no neighbour hides.
+  plan.predicted.time_ms = sol.best_ms;
+  plan.predicted.transfer_ms = sol.best_transfer_ms;
   return plan;
 }
 
@@ -267,12 +387,12 @@ namespace detail {
 std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
                                       const PlannerOptions& options, int64_t* least_bytes) {
   const Chain step = step_chain(chain, context);
-  const std::vector<char> allowed = allowed_variants(step, options, "remat::plan_step");
+  const std::vector<char> allowed = allowed_for(step, options, "remat::plan_step");
   const StepTerms terms = step_terms(chain, context);
   const int64_t base = context.input_in_base ? chain.input_bytes : 0;
   Solution sol;
   if (std::max(context.before_peak_bytes, context.before_backward_peak_bytes) <= budget_bytes)
-    sol = solve(step, allowed, true, budget_bytes + base, &terms);
+    sol = solve(step, allowed, true, budget_bytes + base, &terms, options.offload, options.max_host_bytes);
   if (sol.best < 0) {
     *least_bytes = per_layer_step_min(chain, context, options);
     return std::nullopt;
@@ -281,14 +401,16 @@ std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& con
   picked = std::vector<const Choice*>(picked.begin() + 1, picked.end() - 1);  // the chain's stages
   double ms = 0;
   Plan plan = finish(chain, plan_of(picked, &ms), "per-layer", budget_bytes);
-  plan.predicted.time_ms = ms;
+  plan.predicted.time_ms = ms + sol.best_transfer_ms;
+  plan.predicted.transfer_ms = sol.best_transfer_ms;
   return plan;
 }
 
 int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options) {
   const Chain step = step_chain(chain, context);
   const StepTerms terms = step_terms(chain, context);
-  const Solution sol = solve(step, allowed_variants(step, options, "remat::plan_step"), false, 0, &terms);
+  const Solution sol = solve(step, allowed_for(step, options, "remat::plan_step"), false, 0, &terms,
+                             options.offload, options.max_host_bytes);
   return std::max(std::max(context.before_peak_bytes, context.before_backward_peak_bytes),
                   sol.best_peak - (context.input_in_base ? chain.input_bytes : int64_t{0}));
 }

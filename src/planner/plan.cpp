@@ -40,6 +40,7 @@ std::string op_text(const Plan& plan, const Op& op) {
     const auto p = static_cast<size_t>(op.policy);
     text += "[" + (p < plan.policies.size() ? plan.policies[p] : "#" + std::to_string(op.policy)) + "]";
   }
+  if (op.offload) text += "@host";
   return text;
 }
 
@@ -75,9 +76,18 @@ Op parse_op(const std::string& full, std::vector<std::string>& policies) {
   auto fail = [&] {
     throw std::invalid_argument(
         "remat::parse_op: '" + full +
-        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, Fk<i>[policy], L or B<i>, e.g. "
-        "Fc0, Fa3, Fk2[matmuls], L, B3)");
+        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, Fk<i>[policy], L or B<i>, Fa, Fk and Fc with "
+        "@host after them, e.g. Fc0, Fa3, Fk2[matmuls], Fa1@host, L, B3)");
   };
+  static const std::string kHost = "@host";
+  const bool offload =
+      full.size() > kHost.size() && full.compare(full.size() - kHost.size(), kHost.size(), kHost) == 0;
+  if (offload) {
+    if (!(full.rfind("Fa", 0) == 0 || full.rfind("Fk", 0) == 0 || full.rfind("Fc", 0) == 0)) fail();
+    Op op = parse_op(full.substr(0, full.size() - kHost.size()), policies);
+    op.offload = true;
+    return op;
+  }
   std::string text = full;
   std::optional<std::string> policy;
   const size_t bracket = full.find('[');
@@ -163,6 +173,38 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : held[i] == kKept ? kept(i) : 0;
   };
   sim.op_peak_bytes.assign(plan.ops.size(), 0);
+
+  // Offloading: per stage, what its offloaded forward sent to the host (see plan.h).
+  struct Away {
+    int64_t device = 0;  // bytes that leave the device (and come back)
+    int64_t copied = 0;  // bytes copied each way
+    enum { kNo, kInFlight, kGone, kBack } state = kNo;
+    double back_at = 0;  // the compute time (time_ms - transfer_ms) when it began coming back
+    bool charged = false;
+  };
+  std::vector<Away> away(static_cast<size_t>(n));
+  // Per boundary i: whether stage i - 1's forward holds a_i on the device through what it saves.
+  std::vector<char> keeps_output(static_cast<size_t>(n + 1), 1);
+  std::vector<char> forwarded(static_cast<size_t>(n), 0);  // a forward of the stage ran before the loss
+  int64_t host = 0;
+  auto offload_cost = [&](const Op& op) -> const OffloadCost* {
+    if (!chain) return nullptr;
+    const Stage& st = chain->stages[static_cast<size_t>(op.stage)];
+    if (op.kind == OpKind::kForwardAll) return st.offload ? &*st.offload : nullptr;
+    if (op.kind == OpKind::kForwardCheckpoint)
+      return st.checkpoint_offload ? &*st.checkpoint_offload : nullptr;
+    if (op.kind == OpKind::kForwardKeep) {
+      if (op.policy < 0) return st.keep_offload ? &*st.keep_offload : nullptr;
+      if (st.policies.empty()) return nullptr;
+      const auto& c = st.policies[policy_at[static_cast<size_t>(op.policy)]].offload;
+      return c ? &*c : nullptr;
+    }
+    return nullptr;
+  };
+  auto transfer = [&](int64_t bytes, bool to_host) {
+    return chain ? chain->transfer_ms(bytes, to_host) : 0.0;
+  };
+
   auto charge = [&](int64_t peak, size_t k) {
     sim.op_peak_bytes[k] = std::max(sim.op_peak_bytes[k], peak);
     if (peak > sim.peak_bytes) {
@@ -185,6 +227,45 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     const int64_t i = op.stage;
     if (op.kind != OpKind::kLoss && (i < 0 || i >= n)) {
       fail("names stage " + std::to_string(i) + ", but the plan has " + std::to_string(n) + " stages");
+    }
+    if (op.offload) {
+      if (op.kind != OpKind::kForwardAll && op.kind != OpKind::kForwardKeep &&
+          op.kind != OpKind::kForwardCheckpoint)
+        fail("offloads, but only Fa, Fk and Fc can");
+      if (loss_done) fail("offloads after the loss (only forwards before it can)");
+    }
+    if (!loss_done && op.kind != OpKind::kLoss && op.kind != OpKind::kBackward) {
+      if (forwarded[i] && (op.offload || away[i].state != Away::kNo))
+        fail("runs stage " + std::to_string(i) +
+             " a second time before the loss, and one of its forwards "
+             "offloads (an offloaded stage's forward must be its only one before the loss)");
+      forwarded[i] = 1;
+    }
+    // After the loss, the first operation of stage i or i + 1 brings stage i's offloaded bytes back; the
+    // first of stage i waits for its own.
+    if (loss_done && op.kind != OpKind::kLoss) {
+      for (int64_t s : {i - 1, i}) {
+        if (s < 0) continue;
+        Away& a = away[static_cast<size_t>(s)];
+        if (a.state == Away::kGone) {
+          current += a.device;
+          a.back_at = sim.time_ms - sim.transfer_ms;
+          a.state = Away::kBack;
+        } else if (a.state == Away::kInFlight) {  // never left: its copy to the host is waited for, then back
+          const double wait = transfer(a.copied, true);
+          sim.time_ms += wait, sim.transfer_ms += wait;
+          a.back_at = sim.time_ms - sim.transfer_ms;
+          a.state = Away::kBack;
+        }
+      }
+      Away& own = away[static_cast<size_t>(i)];
+      if (own.state == Away::kBack && !own.charged) {
+        // Only computation hides a copy: the waits for other copies share its link.
+        const double wait =
+            std::max(0.0, transfer(own.copied, false) - (sim.time_ms - sim.transfer_ms - own.back_at));
+        sim.time_ms += wait, sim.transfer_ms += wait;
+        own.charged = true;
+      }
     }
     switch (op.kind) {
       case OpKind::kForwardNoSave:
@@ -219,9 +300,41 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           held[i] = kNone;
         }
         sim.forward_calls[i] += 1;
+        double ms = 0;
         if (chain) {
           const Stage& st = chain->stages[i];
-          sim.time_ms += all ? st.fwd_ms : keep ? std::get<1>(fk(i + 1, op.policy)) : st.nosave_ms();
+          ms = all ? st.fwd_ms : keep ? std::get<1>(fk(i + 1, op.policy)) : st.nosave_ms();
+          sim.time_ms += ms;
+        }
+        // Copies to the host started before this forward have run beside it: what they freed leaves now.
+        for (Away& a : away) {
+          if (a.state != Away::kInFlight || &a == &away[static_cast<size_t>(i)]) continue;
+          current -= a.device;
+          const double wait = std::max(0.0, transfer(a.copied, true) - ms);
+          sim.time_ms += wait, sim.transfer_ms += wait;
+          a.state = Away::kGone;
+        }
+        if (op.offload) {
+          const OffloadCost* c = offload_cost(op);
+          if (chain && !c)
+            fail("offloads stage " + std::to_string(i) + " ('" + chain->stages[i].name +
+                 "'), but the chain has no offload costs for it run so (profile with offloading)");
+          if (chain && !chain->can_offload())
+            fail("offloads, but the chain has no measured bandwidths (to_host_gb_per_s, to_device_gb_per_s)");
+          Away& a = away[static_cast<size_t>(i)];
+          a = Away{};
+          if (c) {
+            const bool input_leaves = c->input && i > 0 && !keeps_output[i] && held[i] != kNone;
+            a.device = c->bytes + (input_leaves ? act(i) : 0);
+            a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
+          }
+          a.state = Away::kInFlight;
+          host += a.copied;
+          sim.host_peak_bytes = std::max(sim.host_peak_bytes, host);
+          keeps_output[i + 1] = 0;
+        } else {
+          const OffloadCost* c = (all || keep) ? offload_cost(op) : nullptr;
+          keeps_output[i + 1] = (all || keep) ? (c ? c->output : 1) : 0;
         }
         break;
       }
@@ -261,6 +374,10 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         }
         if (chain)
           sim.time_ms += after_keep ? std::get<2>(fk(i + 1, kept_with[i + 1])) : chain->stages[i].bwd_ms;
+        if (away[static_cast<size_t>(i)].state != Away::kNo) {  // autograd drops what it saved: host freed
+          host -= away[static_cast<size_t>(i)].copied;
+          away[static_cast<size_t>(i)] = Away{};
+        }
         break;
       }
     }
@@ -301,6 +418,12 @@ nlohmann::ordered_json plan_json(const Plan& plan) {
   p["peak_bytes"] = plan.predicted.peak_bytes;
   p["time_ms"] = plan.predicted.time_ms;
   p["forward_calls"] = plan.predicted.forward_calls;
+  const bool offloads =
+      std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.offload; });
+  if (offloads) {
+    p["host_peak_bytes"] = plan.predicted.host_peak_bytes;
+    p["transfer_ms"] = plan.predicted.transfer_ms;
+  }
   j["predicted"] = p;
   if (!plan.keep.empty()) j["keep"] = plan.keep;
   if (!plan.policies.empty()) j["policies"] = plan.policies;
@@ -338,6 +461,9 @@ Plan plan_from_json(const std::string& text) {
     if (p.contains("time_ms")) plan.predicted.time_ms = p.at("time_ms").get<double>();
     if (p.contains("forward_calls"))
       plan.predicted.forward_calls = p.at("forward_calls").get<std::vector<int64_t>>();
+    if (p.contains("host_peak_bytes"))
+      plan.predicted.host_peak_bytes = p.at("host_peak_bytes").get<int64_t>();
+    if (p.contains("transfer_ms")) plan.predicted.transfer_ms = p.at("transfer_ms").get<double>();
   }
   plan.keep = detail::string_array(j, "keep", "remat::plan_from_json");
   check_plan(plan);

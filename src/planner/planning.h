@@ -31,6 +31,10 @@ Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budg
 /// Throws std::invalid_argument naming `who` for any other text.
 std::vector<char> allowed_variants(const Chain& chain, const PlannerOptions& options, const char* who);
 
+/// Throws std::invalid_argument naming `who` when options.offload is set (planners that recompute across
+/// stages do not offload).
+void refuse_offload(const PlannerOptions& options, const char* who);
+
 /// Throws InfeasibleBudget "<who>: no schedule fits a budget of ...; the minimum for this chain is ...".
 [[noreturn]] void infeasible(const char* who, int64_t budget, int64_t min_bytes);
 

@@ -84,6 +84,8 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   step.input_bytes = 0;
   step.keep = chain.keep;
   step.policies = chain.policies;
+  step.to_host_gb_per_s = chain.to_host_gb_per_s;
+  step.to_device_gb_per_s = chain.to_device_gb_per_s;
   Stage before;
   before.name = "before";
   before.output_bytes = chain.input_bytes;

@@ -82,8 +82,12 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
     TORCH_CHECK(false, who, ": invalid plan: ", e.what());
   }
   int64_t tag_fk = 0;
-  for (const Op& op : plan.ops)
+  for (const Op& op : plan.ops) {
     tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0;
+    TORCH_CHECK(!op.offload, who, ": the plan offloads (", op_text(plan, op),
+                "), which the C++ runtime does not run yet; offloaded plans run in Python (remat.enable(..., "
+                "offload=True), remat.offload)");
+  }
   TORCH_CHECK(tag_fk == 0 || !plan.keep.empty(), who, ": the plan has ", tag_fk,
               " Fk operations but no remat::keep tags to run them with (Plan::keep is empty)");
 }

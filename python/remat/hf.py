@@ -79,7 +79,8 @@ def _check_hook(model: nn.Module) -> None:
 
 
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
-           policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None) -> LayerPlan:
+           policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False,
+           max_host_bytes=None, offload_min_bytes: int = 1 << 20) -> LayerPlan:
     """Plans `model`'s layers for `budget` (bytes, an int, or a string with a unit such as "600MiB"): the whole
     training step's peak above the bytes alive when its forward is called. Returns the LayerPlan (its plan,
     choices, chain, predicted_peak_bytes, last_peak_bytes). example: one training batch's keyword arguments
@@ -88,14 +89,18 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     instead of a budget. policies: the selective policies a layer may run under ("matmuls"). exclude: what the
     planner may not use ("Fk", "Fk[matmuls]"). agree: every rank plans from the same numbers (each figure's
     maximum over the ranks; None, the default: on when a torch.distributed group of more than one rank is
-    initialized), so that all run one plan. Raises TypeError when the model has no layer list remat knows,
+    initialized), so that all run one plan. offload=True: the planner may also offload layers to host memory
+    (not Hugging Face's "always offload": a layer is offloaded where that is the fastest way to fit the budget;
+    remat.enable's documentation says how), max_host_bytes bounding the host memory a plan holds.
+    Raises TypeError when the model has no layer list remat knows,
     ValueError for a bad budget or plan, remat.InfeasibleBudget (naming the least feasible budget) when no plan
     fits."""
     layers = layers_of(model)
     _check_hook(model)
     disable(model)
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
-                   agree=agree, who="remat.hf.enable")
+                   agree=agree, offload=offload, max_host_bytes=max_host_bytes,
+                   offload_min_bytes=offload_min_bytes, who="remat.hf.enable")
 
     def checkpointing_func(fn, *args, **kwargs):
         layer = _layer_of_call(fn)

@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from . import _core
 from .meter import meter_for
-from .policies import CHECKPOINT, KEEP, choices_of, policy_fn, run_layer
+from .offload import CopyEngine, HostPool, Offload
+from .policies import CHECKPOINT, KEEP, choices_of, policy_fn, run_layer, split_choice
 from .profile import StageFn, profile
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
@@ -126,7 +127,8 @@ def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
     how = None
     if choices is not None and args and isinstance(args[0], torch.Tensor):
         how = choices.get(_shape_key(args), choices.get(None))
-    if how is None:
+    if how is None or split_choice(how)[1]:
+        # No plan yet, or an offloaded choice (saved-tensor hooks are not traced): outside the graph.
         return eager_dispatch(lp, layer, fn, args)
     if how == KEEP:
         return fn(*args)
@@ -328,6 +330,12 @@ def _agree(chain, ctx) -> None:
     ctx.stage_grads_bytes = [next(vi) for _ in grads]
 
 
+def _prefetch_then(offload: Offload, grad):
+    """A gradient hook: starts bringing back what `offload` holds on the host, and lets the gradient through."""
+    offload.prefetch()
+    return grad
+
+
 def _sync(device: torch.device) -> None:
     """Waits for the device's work, so that a host clock read after it times that work."""
     if device.type == "cuda":
@@ -346,8 +354,23 @@ class LayerPlan:
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
                  policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
+                 offload: bool = False, max_host_bytes=None, offload_min_bytes: int = 1 << 20,
                  who: str = "remat.enable"):
         self.who = who
+        if offload not in (True, False):
+            raise ValueError(f"{who}: offload must be True or False, got {offload!r}")
+        self.offload = offload
+        if max_host_bytes is not None and not offload:
+            raise ValueError(f"{who}: max_host_bytes bounds what offloading holds in host memory; it needs "
+                             "offload=True")
+        self.max_host_bytes = parse_budget(max_host_bytes, who) if max_host_bytes is not None else None
+        if isinstance(offload_min_bytes, bool) or not isinstance(offload_min_bytes, int) or offload_min_bytes < 0:
+            raise ValueError(f"{who}: offload_min_bytes must be a number of bytes >= 0, got {offload_min_bytes!r}")
+        self.offload_min_bytes = offload_min_bytes
+        self.host_pool = HostPool()  # the host memory of offloaded layers, reused from step to step
+        self._engines: dict[torch.device, CopyEngine] = {}
+        self._offloads: dict[int, Offload] = {}  # this step's, per offloaded layer, until the next has run
+        self._step_offloads: list[Offload] = []  # this step's (offload_stats)
         if agree not in (None, True, False):
             raise ValueError(f"{who}: agree must be True, False or None (on when torch.distributed is "
                              f"initialized), got {agree!r}")
@@ -386,6 +409,7 @@ class LayerPlan:
             fixed.plan = plan
             fixed.choices = choices_of(plan)
             for c in fixed.choices:
+                c = split_choice(c)[0]
                 if c not in (KEEP, CHECKPOINT) and c not in self.policies:
                     self.policies[c] = policy_fn(c)
             self._fixed = fixed
@@ -411,8 +435,9 @@ class LayerPlan:
                 choices.pop(shape.key, None)
                 continue
             choices[shape.key] = how
-            if how not in (KEEP, CHECKPOINT):
-                choices[("policy", how)] = policy_fn(how, self.policies)
+            base = split_choice(how)[0]
+            if base not in (KEEP, CHECKPOINT):
+                choices[("policy", base)] = policy_fn(base, self.policies)
 
     # -- what can be read ----------------------------------------------------------------------------------------
     def is_planned(self) -> bool:
@@ -440,6 +465,21 @@ class LayerPlan:
         return self._last.predicted if self._last else -1
 
     @property
+    def predicted_host_bytes(self) -> int:
+        """The host memory the plan in force holds at most (bytes: its offloaded layers'; 0 when it offloads
+        none, -1 without a plan)."""
+        plan = self.plan
+        return plan.predicted.host_peak_bytes if plan is not None else -1
+
+    @property
+    def offload_stats(self) -> dict:
+        """The last step's offloading, summed over its offloaded layers (remat.offload.Offload's counts):
+        offloaded (tensors sent to the host), offloaded_bytes, brought_back (copies back to the device), prefetched
+        (of them, started before the backward pass asked for the tensor), kept_on_device."""
+        keys = ("offloaded", "offloaded_bytes", "brought_back", "prefetched", "kept_on_device")
+        return {k: sum(getattr(o, k) for o in self._step_offloads) for k in keys}
+
+    @property
     def last_peak_bytes(self) -> int:
         return self._last.last_peak if self._last else -1
 
@@ -452,7 +492,7 @@ class LayerPlan:
         if shape is None or shape.chain is None or shape.context is None:
             return -1
         # The measured every-layer-checkpointed peak (context.checkpoint_all_peak_bytes) counts, as in plan_step.
-        return _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude)
+        return _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude, **self._offload_options())
 
     @property
     def profiling_steps(self) -> int:
@@ -535,7 +575,7 @@ class LayerPlan:
             return run_layer(CHECKPOINT, fn, args, [layer], self.policies)
         if self._fixed is not None:  # a given plan: nothing to measure
             self._last = self._fixed
-            return run_layer(self._fixed.choices[i], fn, args, [layer], self.policies)
+            return self._run(i, self._fixed.choices[i], fn, args)
         x = args[0]
         step = self._step
         if i == 0:
@@ -555,13 +595,43 @@ class LayerPlan:
                                "in the order given")
         shape = step.shape
         if shape.choices is not None:
-            out = run_layer(shape.choices[i], fn, args, [layer], self.policies)
+            out = self._run(i, shape.choices[i], fn, args)
             if i == len(self.layers) - 1:
                 main, _ = _layer_output(out, self.who, i, layer)
                 if main.requires_grad:
                     self._measure_planned_step(step, shape, main)
             return out
         return self._profiling_call(step, shape, i, fn, args, x)
+
+    # -- a planned step: running a layer, offloaded or not ------------------------------------------------------
+    def _run(self, i: int, how: str, fn: Callable, args: tuple):
+        """Layer i's call as its choice says. Offloaded ("...@host"): under its own Offload's hooks, on the host
+        pool; the plan's memory model is kept: the previous layer's copies to the host are waited for once this
+        layer's forward has run, and when the backward pass reaches this layer's output the previous layer's
+        tensors start coming back (so that their copies overlap this layer's backward)."""
+        if i == 0:
+            self._offloads = {}
+            self._step_offloads = []
+        layer = self.layers[i]
+        o = None
+        if split_choice(how)[1]:
+            device = args[0].device
+            engine = self._engines.get(device)
+            if engine is None:
+                engine = self._engines[device] = CopyEngine(device)
+            o = Offload(pool=self.host_pool, min_bytes=self.offload_min_bytes, lookahead=0, engine=engine)
+            o.keep_on_device(self._params)
+        out = run_layer(how, fn, args, [layer], self.policies, offload=o)
+        prev = self._offloads.pop(i - 1, None)
+        if prev is not None:
+            prev.finish_copies()
+            main, _ = _layer_output(out, self.who, i, layer)
+            if main.requires_grad:
+                main.register_hook(partial(_prefetch_then, prev))
+        if o is not None:
+            self._offloads[i] = o
+            self._step_offloads.append(o)
+        return out
 
     # -- a planned step: its measured peak --------------------------------------------------------------------
     def _measure_planned_step(self, step: _Step, shape: _Shape, out: torch.Tensor):
@@ -603,7 +673,8 @@ class LayerPlan:
                 excluded.extend(_taken_tensors(f, a))
             with _Gathered(self.layers, meter) as gathered:
                 shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0,
-                                      repeats=self.repeats, inputs=inputs, excluded=excluded)
+                                      repeats=self.repeats, inputs=inputs, excluded=excluded,
+                                      offload_min_bytes=self.offload_min_bytes if self.offload else None)
             shape.gathered = list(gathered.gathered)
             for st, g in zip(shape.chain.stages, gathered.gathered):
                 st.fwd_tmp_bytes += g
@@ -706,12 +777,16 @@ class LayerPlan:
             raise RuntimeError(f"{self.who}: agree=True needs an initialized torch.distributed process group")
         return on
 
+    def _offload_options(self) -> dict:
+        return dict(offload=self.offload,
+                    max_host_bytes=self.max_host_bytes if self.max_host_bytes is not None else -1)
+
     def _plan_from(self, shape: _Shape, ctx):
         chain = shape.chain
         try:
             # Where the model refuses a budget that the profiling step's measured schedule (every layer
             # checkpointed) fits, plan_step falls back to that schedule (ctx.checkpoint_all_peak_bytes).
-            planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude)
+            planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude, **self._offload_options())
         except _core.InfeasibleBudget as e:
             least = e.min_bytes
             err = _core.InfeasibleBudget(
@@ -737,7 +812,8 @@ class LayerPlan:
 
 
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
-           repeats: int = 1, exclude: Sequence[str] = (), agree=None) -> LayerPlan:
+           repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
+           offload_min_bytes: int = 1 << 20) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
     as the first positional argument) per layer as planned: for `budget` (bytes, or a string such as "300MiB",
     the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
@@ -750,9 +826,16 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits.
     agree: every rank of a torch.distributed process group plans from the same numbers (each figure's maximum
     over the ranks), so that all run the same plan, one that fits each (C++'s PlannedOptions::agree); None (the
-    default) turns it on when a process group of more than one rank is initialized."""
+    default) turns it on when a process group of more than one rank is initialized.
+    offload=True: the planner may also offload a layer (its choice "keep@host" or "checkpoint@host": what it
+    saves, or a checkpointed layer's input, copied to host memory while the next layer runs and brought back
+    while the backward pass runs the layer after it; saved tensors of at least offload_min_bytes), where that
+    is the fastest way to fit the budget; the profiling step also measures what each layer would offload and the
+    copies' bandwidth each way. max_host_bytes (bytes, or a size string) bounds the host memory a plan holds
+    (LayerPlan.predicted_host_bytes; the pool's own counts in LayerPlan.host_pool)."""
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
-                   agree=agree)
+                   agree=agree, offload=offload, max_host_bytes=max_host_bytes,
+                   offload_min_bytes=offload_min_bytes)
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import weakref
 import torch
 
-__all__ = ["HostPool", "CopyEngine", "Offload", "offload"]
+__all__ = ["HostPool", "CopyEngine", "Offload", "offload", "offloadable", "measure_bandwidth"]
 
 _ALIGN = 512
 
@@ -59,7 +59,12 @@ class HostPool:
     def _allocate(self, size: int) -> torch.Tensor | None:
         if self.max_bytes is not None and self.reserved_bytes + size > self.max_bytes:
             return None
-        block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        if self.pin:
+            block = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        else:
+            # Memory of Python's, not torch's allocator: on a machine whose "device" is the CPU (the tests), remat's
+            # CPU meter, which counts torch's CPU allocations, counts the host's blocks apart (the pool's own counts).
+            block = torch.frombuffer(bytearray(size), dtype=torch.uint8)
         self.reserved_bytes += size
         return block
 
@@ -93,6 +98,51 @@ class HostPool:
         for blocks in self._free.values():
             self.reserved_bytes -= sum(b.numel() for b in blocks)
         self._free.clear()
+
+
+def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
+    """Whether offloading hooks send this saved tensor to the host: a plain strided tensor (not a parameter or
+    a subclass) of at least min_bytes, contiguous, whose storage is not one of `alive` (parameters, buffers)."""
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
+        return False
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return ptr != 0 and ptr not in alive and t.nbytes >= min_bytes and t.is_contiguous()
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
+    """The bandwidth of copies of nbytes from `device` to host memory (pinned where CUDA is) and back, as the
+    copy engine makes them: (to the host, to the device) in GB/s (10^9 bytes per second), medians of `repeats`.
+    On the CPU, a copy between two of its buffers."""
+    import statistics
+    import time
+    nbytes = max(1 << 16, int(nbytes))
+    pool = HostPool(pin=device.type == "cuda")
+    host = pool.take(nbytes)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    engine = CopyEngine(device)
+    times: dict[bool, list[float]] = {True: [], False: []}
+
+    def timed(dst, s, to_host):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        done = engine.copy(dst, s)
+        if done is not None:
+            done.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times[to_host].append(time.perf_counter() - t0)
+
+    for r in range(repeats + 1):  # the first round warms up
+        timed(host[:nbytes], src, True)
+        timed(src, host[:nbytes], False)
+        if r == 0:
+            times = {True: [], False: []}
+    pool.give(host)
+    return tuple(nbytes / max(statistics.median(times[d]), 1e-9) / 1e9 for d in (True, False))
 
 
 class _Done:
@@ -156,7 +206,7 @@ class _Entry:
     """One offloaded storage: its host block, the view it was saved as, and the copies in flight."""
 
     __slots__ = ("block", "dtype", "shape", "nbytes", "device", "to_host_done", "source", "original",
-                 "device_copy", "to_device_done", "host_view", "handles", "version", "__weakref__")
+                 "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "__weakref__")
 
     def __init__(self):
         self.block = None
@@ -167,6 +217,7 @@ class _Entry:
         self.host_view = None
         self.version = 0
         self.handles = 0
+        self.unpacked = False
 
 
 class _Handle:
@@ -229,17 +280,10 @@ class Offload:
 
     # -- packing: the forward pass ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor):
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
-            return t  # parameters (alive anyway), subclasses, sparse and meta tensors stay
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):
+        # Parameters (alive anyway), subclasses, sparse and meta tensors, small ones and views with gaps stay.
+        if not offloadable(t, self.min_bytes, self._alive):
             return t
-        if ptr == 0 or ptr in self._alive or t.nbytes < self.min_bytes:
-            return t
-        if not t.is_contiguous():  # a view with gaps or another layout: kept (copies of contiguous data only)
-            return t
+        ptr = t.untyped_storage().data_ptr()
         key = (ptr, t.storage_offset(), tuple(t.shape), t.dtype, t._version)
         known = self._by_storage.get(key)
         entry = known() if known is not None else None
@@ -326,9 +370,10 @@ class Offload:
         if not isinstance(h, _Handle):
             return h
         entry = h.entry
-        fresh = entry.device_copy is None or entry.device_copy() is None
-        if not fresh:
-            self.prefetched += 1
+        started = entry.device_copy is not None and entry.device_copy() is not None
+        if started and not entry.unpacked:
+            self.prefetched += 1  # its copy began before it was asked for
+        entry.unpacked = True
         self._start_to_device(entry)
         # The tensors saved before this one are the backward pass's next: start bringing them back.
         i = self._index.get(id(entry))
@@ -339,8 +384,8 @@ class Offload:
                     self._start_to_device(other)
         out = entry.device_copy()
         self._to_device_landed(entry)
-        # Held weakly from now on: autograd holds it while it needs it; a second unpack makes it again.
-        entry.device_copy = weakref.ref(out)
+        # Held until autograd drops the saved tensor (every node that saved this storage has run, or the graph is
+        # freed): a storage saved by two operators, unpacked by both, comes back once, as plain autograd holds it.
         return out
 
     def _drop(self, entry: _Entry) -> None:
@@ -352,6 +397,22 @@ class Offload:
         self.pool.give(entry.block)
         entry.block = None
         entry.device_copy = None
+
+    # -- what a planned step calls ------------------------------------------------------------------------------
+    def finish_copies(self) -> None:
+        """Waits for the copies to the host in flight and releases their device tensors (a planned step calls it
+        when the next layer's forward has run: the plan's memory model holds them until then)."""
+        for entry in self._in_flight:
+            self._to_host_landed(entry)
+        self._in_flight = []
+
+    def prefetch(self) -> None:
+        """Starts bringing back every tensor this Offload holds on the host (a planned step calls it when the
+        backward pass reaches the next layer, so that the copies overlap that layer's backward)."""
+        for ref in self._order:
+            entry = ref()
+            if entry is not None and entry.block is not None:
+                self._start_to_device(entry)
 
     # -- the context ----------------------------------------------------------------------------------------
     def __enter__(self):

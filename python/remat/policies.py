@@ -22,11 +22,19 @@ try:  # torch 2.4 and later
 except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
     raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
 
-__all__ = ["KEEP", "CHECKPOINT", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
+__all__ = ["KEEP", "CHECKPOINT", "HOST", "split_choice", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
            "checkpoint_context", "run_layer"]
 
 KEEP = "keep"
 CHECKPOINT = "checkpoint"
+# A choice offloaded (the plan's @host): "keep@host", "checkpoint@host".
+HOST = "@host"
+
+
+def split_choice(how: str) -> tuple[str, bool]:
+    """A layer's choice as (how it runs, whether what it saves goes to host memory): "keep@host" -> ("keep",
+    True)."""
+    return (how[:-len(HOST)], True) if how.endswith(HOST) else (how, False)
 
 # The operators a "keep the matrix multiplications" policy saves, as PyTorch's selective checkpointing sees
 # them (below autograd: linear is t + addmm, or a matmul then the bias; matmul is mm or bmm; conv2d is
@@ -104,9 +112,17 @@ class _Both:
 
 
 def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],
-              policies: dict[str, Callable] | None = None):
+              policies: dict[str, Callable] | None = None, offload=None):
     """Runs fn(*args) as `how` says: "keep" plainly, "checkpoint" under torch.utils.checkpoint, or a policy's
-    name under torch.utils.checkpoint with that selective policy. Outside training with grad, plainly."""
+    name under torch.utils.checkpoint with that selective policy; any of them with "@host" inside `offload` (a
+    remat.offload.Offload, whose hooks send what the layer saves to host memory). Outside training with grad,
+    plainly. Raises ValueError for an offloaded choice without an Offload."""
+    how, host = split_choice(how)
+    if host and torch.is_grad_enabled():
+        if offload is None:
+            raise ValueError(f"remat: the choice '{how}{HOST}' offloads, and no remat.offload.Offload was given")
+        with offload:
+            return run_layer(how, fn, args, modules, policies)
     if how == KEEP or not torch.is_grad_enabled():
         return fn(*args)
     policy = None if how == CHECKPOINT else policy_fn(how, policies)
@@ -126,7 +142,7 @@ def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn
 def choices_of(plan) -> list[str]:
     """The per-layer choice of each stage of a per-layer plan (remat.per_layer's shape: each stage's first
     forward is Fa, Fc or Fk[name], no Fn, and a checkpointed stage is recomputed only right before its
-    backward): "keep", "checkpoint" or the policy's name. Raises ValueError for a plan of another shape (a
+    backward): "keep", "checkpoint" or the policy's name, with "@host" after it where the plan offloads it. Raises ValueError for a plan of another shape (a
     full schedule: run it with remat.CheckpointedSequential)."""
     from . import _core
 
@@ -142,11 +158,12 @@ def choices_of(plan) -> list[str]:
         if op.kind == K.Fk and op.policy < 0:
             raise ValueError(f"remat: plan '{plan}' keeps stage {i} with remat::keep tags, which only the C++ "
                              "library has; plan with policies instead")
-        out.append(KEEP if op.kind == K.Fa else CHECKPOINT if op.kind == K.Fc else plan.policies[op.policy])
+        out.append((KEEP if op.kind == K.Fa else CHECKPOINT if op.kind == K.Fc else plan.policies[op.policy])
+                   + (HOST if op.offload else ""))
     # Then the loss and each stage's backward, a checkpointed stage recomputed right before it.
     want = [(K.L, -1)]
     for i in reversed(range(n)):
-        if out[i] == CHECKPOINT:
+        if split_choice(out[i])[0] == CHECKPOINT:
             want.append((K.Fa, i))
         want.append((K.B, i))
     if [(o.kind, o.stage) for o in ops[n:]] != want:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
+from .offload import measure_bandwidth, offloadable
 from .policies import checkpoint_context, policy_fn
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
@@ -118,9 +119,14 @@ class _SavedStorages:
     """Saved-tensor hooks that count, once per storage, the bytes of what autograd saves, minus `excluded`
     storages (alive anyway)."""
 
-    def __init__(self, excluded: set[int]):
+    def __init__(self, excluded: set[int], offload_min_bytes: int | None = None, alive: set[int] = frozenset()):
         self.excluded = excluded
         self.sizes: dict[int, int] = {}
+        # With offload_min_bytes: the storages offloading hooks would send to the host (remat.offload's
+        # predicate; `alive`, the parameters and buffers, never), each with whether the tensor covers it all.
+        self.offload_min_bytes = offload_min_bytes
+        self.alive = alive
+        self.offloaded: dict[int, tuple[int, bool]] = {}
 
     def pack(self, t):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
@@ -128,7 +134,21 @@ class _SavedStorages:
             key = st.data_ptr()
             if key and key not in self.excluded:
                 self.sizes[key] = st.nbytes()
+            if self.offload_min_bytes is not None and offloadable(t, self.offload_min_bytes, self.alive):
+                whole = t.storage_offset() == 0 and t.nbytes == st.nbytes()
+                self.offloaded[key] = (st.nbytes(), whole or self.offloaded.get(key, (0, False))[1])
         return t
+
+    def offload_cost(self, input_key: int, output_key: int, most: int) -> "_core.OffloadCost":
+        """What offloading this stage's saved tensors moves (remat/chain.h's OffloadCost): the storages freed
+        besides its input and output (those a saved tensor covers whole; at most `most` bytes), and whether its
+        input and output are among what it saves."""
+        c = _core.OffloadCost()
+        c.bytes = min(most, sum(nb for key, (nb, whole) in self.offloaded.items()
+                                if whole and key not in (input_key, output_key)))
+        c.input = input_key in self.offloaded
+        c.output = output_key in self.offloaded
+        return c
 
     @staticmethod
     def unpack(t):
@@ -163,7 +183,7 @@ def _policies(policies) -> dict[str, Callable]:
 
 def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
-            excluded: Iterable[torch.Tensor] = ()) -> _core.Chain:
+            excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -171,7 +191,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     or a dict name -> policy function as create_selective_checkpoint_contexts takes); () for none.
     inputs: each stage's input, when known (planning in place records them); otherwise a forward pass without
     saving makes them from example_input. excluded: tensors the stages read that are alive anyway (an
-    attention mask a closure holds), not counted as saved.
+    attention mask a closure holds), not counted as saved. offload_min_bytes: also profile for offloading
+    (remat.offload with that threshold): each stage's OffloadCost kept whole (Stage.offload) and checkpointed
+    (Stage.checkpoint_offload, its input), and the chain's bandwidths, measured by copying the largest tensor a
+    stage saves (at most 64 MiB) to host memory and back. Offloading what a policy keeps is not profiled
+    (selective checkpointing keeps it outside the saved-tensor hooks): no Fk[NAME]@host.
 
     On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
     the bytes tensors request from the caching allocator; in peak windows either way, which reset no statistic
@@ -287,7 +311,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 # From the last stage to the first: its forward saving for backward, and its backward.
                 for i in reversed(range(n)):
                     leaf = leaf_of(i)
-                    counter = _SavedStorages(alive | {_storage_key(leaf)})
+                    counter = _SavedStorages(alive | {_storage_key(leaf)}, offload_min_bytes, alive)
                     sync()
                     base = meter.count()
                     with meter.window() as window:
@@ -305,6 +329,15 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["out"] = out.nbytes
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
+                        if offload_min_bytes is not None:
+                            fields[i]["offload"] = counter.offload_cost(
+                                _storage_key(leaf), out_key, fields[i]["saved"] - out.nbytes)
+                            fields[i]["largest"] = max([nb for nb, _ in counter.offloaded.values()] + [0])
+                            ck = None
+                            if offloadable(leaf.detach(), offload_min_bytes, alive):
+                                ck = _core.OffloadCost()
+                                ck.input = True
+                            fields[i]["ckpt_offload"] = ck
                     targets = targets_of(i, leaf)
                     b = 0.0
                     if out.requires_grad and targets:
@@ -356,6 +389,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             fields[i]["pol"][name]["bwd"].append(b)
 
     chain.policies = list(pols)
+    if offload_min_bytes is not None:
+        largest = max([f.get("largest", 0) for f in fields] + [1 << 20])
+        chain.to_host_gb_per_s, chain.to_device_gb_per_s = measure_bandwidth(device, min(largest, 64 << 20))
     stages_out = []
     for i in range(n):
         s = _core.Stage()
@@ -380,6 +416,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             c.bwd_ms = _median(f["pol"][name]["bwd"])
             costs.append(c)
         s.policies = costs
+        if offload_min_bytes is not None:
+            s.offload = f.get("offload")
+            s.checkpoint_offload = f.get("ckpt_offload")
         stages_out.append(s)
     chain.stages = stages_out
     chain.validate()

@@ -22,12 +22,14 @@ using namespace nb::literals;
 
 namespace {
 
-remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines,
-                                      std::vector<std::string> exclude) {
+remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines, std::vector<std::string> exclude,
+                                      bool offload = false, int64_t max_host_bytes = -1) {
   remat::PlannerOptions o;
   o.slots = slots;
   o.compare_baselines = compare_baselines;
   o.exclude = std::move(exclude);
+  o.offload = offload;
+  o.max_host_bytes = max_host_bytes;
   return o;
 }
 
@@ -63,12 +65,21 @@ NB_MODULE(_core, m) {
   // ------------------------------------------------------------------------------------------------------------
   // Chains
 
+  nb::class_<remat::OffloadCost>(m, "OffloadCost",
+                                 "What offloading a stage run one way moves to host memory (bytes; flags).")
+      .def(nb::init<>())
+      .def_rw("bytes", &remat::OffloadCost::bytes,
+              "what its saved tensors free on the device besides its input and output (bytes)")
+      .def_rw("input", &remat::OffloadCost::input, "whether it saves its input")
+      .def_rw("output", &remat::OffloadCost::output, "whether it saves its output");
+
   nb::class_<remat::PolicyCost>(m, "PolicyCost", "What a stage costs run as Fk under one policy (Fk[name]).")
       .def(nb::init<>())
       .def_rw("policy", &remat::PolicyCost::policy, "the policy's name")
       .def_rw("saved_bytes", &remat::PolicyCost::saved_bytes, "alive after the stage runs so (bytes)")
       .def_rw("fwd_ms", &remat::PolicyCost::fwd_ms, "its forward (milliseconds)")
-      .def_rw("bwd_ms", &remat::PolicyCost::bwd_ms, "its recompute of the rest plus its backward (ms)");
+      .def_rw("bwd_ms", &remat::PolicyCost::bwd_ms, "its recompute of the rest plus its backward (ms)")
+      .def_rw("offload", &remat::PolicyCost::offload, "offloading it (an OffloadCost), or None");
 
   nb::class_<remat::Stage>(m, "Stage", "One stage of a chain: times in milliseconds, sizes in bytes.")
       .def(nb::init<>())
@@ -86,6 +97,9 @@ NB_MODULE(_core, m) {
       .def_rw("keep_fwd_ms", &remat::Stage::keep_fwd_ms)
       .def_rw("keep_bwd_ms", &remat::Stage::keep_bwd_ms)
       .def_rw("policies", &remat::Stage::policies, "its costs under each of the chain's policies")
+      .def_rw("offload", &remat::Stage::offload, "offloading it run as Fa (an OffloadCost), or None")
+      .def_rw("keep_offload", &remat::Stage::keep_offload, "offloading it run as Fk, or None")
+      .def_rw("checkpoint_offload", &remat::Stage::checkpoint_offload, "offloading it run as Fc, or None")
       .def("per_call_fwd_ms", &remat::Stage::per_call_fwd_ms)
       .def("per_call_bwd_ms", &remat::Stage::per_call_bwd_ms)
       .def("__repr__", [](const remat::Stage& s) {
@@ -102,6 +116,10 @@ NB_MODULE(_core, m) {
       .def_rw("stages", &remat::Chain::stages)
       .def_rw("keep", &remat::Chain::keep)
       .def_rw("policies", &remat::Chain::policies, "the policies the stages' PolicyCost entries are under")
+      .def_rw("to_host_gb_per_s", &remat::Chain::to_host_gb_per_s,
+              "copies to host memory (GB/s; 0: unmeasured)")
+      .def_rw("to_device_gb_per_s", &remat::Chain::to_device_gb_per_s, "copies back (GB/s; 0: unmeasured)")
+      .def("can_offload", &remat::Chain::can_offload)
       .def("size", &remat::Chain::size)
       .def("__len__", &remat::Chain::size)
       .def("activation_bytes", &remat::Chain::activation_bytes, "i"_a)
@@ -137,6 +155,7 @@ NB_MODULE(_core, m) {
       .def_rw("kind", &remat::Op::kind)
       .def_rw("stage", &remat::Op::stage)
       .def_rw("policy", &remat::Op::policy)
+      .def_rw("offload", &remat::Op::offload, "what the stage saves goes to host memory (written @host)")
       .def("__eq__", [](const remat::Op& a, const remat::Op& b) { return a == b; });
 
   nb::class_<remat::Simulation>(m, "Simulation", "Predicted figures of a plan on a chain.")
@@ -145,7 +164,10 @@ NB_MODULE(_core, m) {
       .def_rw("time_ms", &remat::Simulation::time_ms)
       .def_rw("forward_calls", &remat::Simulation::forward_calls)
       .def_rw("peak_op", &remat::Simulation::peak_op)
-      .def_rw("op_peak_bytes", &remat::Simulation::op_peak_bytes);
+      .def_rw("op_peak_bytes", &remat::Simulation::op_peak_bytes)
+      .def_rw("host_peak_bytes", &remat::Simulation::host_peak_bytes,
+              "host memory of offloaded stages (bytes)")
+      .def_rw("transfer_ms", &remat::Simulation::transfer_ms, "copies no computation hides (ms)");
 
   nb::class_<remat::Plan>(
       m, "Plan", "A schedule (the C++ remat::Plan): str(plan) is Plan::to_string(), \"Fc0 Fn1 ... B0\".")
@@ -200,18 +222,21 @@ NB_MODULE(_core, m) {
       "chain"_a, "exclude"_a = std::vector<std::string>{});
   m.def(
       "per_layer",
-      [](const remat::Chain& c, int64_t budget, std::vector<std::string> exclude) {
-        return remat::per_layer(c, budget, planner_options(500, true, std::move(exclude)));
+      [](const remat::Chain& c, int64_t budget, std::vector<std::string> exclude, bool offload,
+         int64_t max_host) {
+        return remat::per_layer(c, budget, planner_options(500, true, std::move(exclude), offload, max_host));
       },
-      "chain"_a, "budget_bytes"_a, "exclude"_a = std::vector<std::string>{},
+      "chain"_a, "budget_bytes"_a, "exclude"_a = std::vector<std::string>{}, "offload"_a = false,
+      "max_host_bytes"_a = -1,
       "The fastest per-layer plan (each stage kept, kept under a policy, or checkpointed on its own) within "
       "budget_bytes. Raises InfeasibleBudget naming the least feasible budget.");
   m.def(
       "per_layer_min_budget",
-      [](const remat::Chain& c, std::vector<std::string> exclude) {
-        return remat::per_layer_min_budget(c, planner_options(500, true, std::move(exclude)));
+      [](const remat::Chain& c, std::vector<std::string> exclude, bool offload, int64_t max_host) {
+        return remat::per_layer_min_budget(c,
+                                           planner_options(500, true, std::move(exclude), offload, max_host));
       },
-      "chain"_a, "exclude"_a = std::vector<std::string>{});
+      "chain"_a, "exclude"_a = std::vector<std::string>{}, "offload"_a = false, "max_host_bytes"_a = -1);
   m.def(
       "make_plan",
       [](const remat::Chain& c, const std::string& strategy, int64_t budget,
@@ -267,18 +292,21 @@ NB_MODULE(_core, m) {
   m.def(
       "plan_step",
       [](const remat::Chain& c, const remat::StepContext& ctx, int64_t budget, const std::string& planner,
-         std::vector<std::string> exclude) {
-        return remat::plan_step(c, ctx, budget, planner, planner_options(500, true, std::move(exclude)));
+         std::vector<std::string> exclude, bool offload, int64_t max_host) {
+        return remat::plan_step(c, ctx, budget, planner,
+                                planner_options(500, true, std::move(exclude), offload, max_host));
       },
       "chain"_a, "context"_a, "budget_bytes"_a, "planner"_a = "optimal",
-      "exclude"_a = std::vector<std::string>{});
+      "exclude"_a = std::vector<std::string>{}, "offload"_a = false, "max_host_bytes"_a = -1);
   m.def(
       "min_step_budget",
       [](const remat::Chain& c, const remat::StepContext& ctx, const std::string& planner,
-         std::vector<std::string> exclude) {
-        return remat::min_step_budget(c, ctx, planner, planner_options(500, true, std::move(exclude)));
+         std::vector<std::string> exclude, bool offload, int64_t max_host) {
+        return remat::min_step_budget(c, ctx, planner,
+                                      planner_options(500, true, std::move(exclude), offload, max_host));
       },
-      "chain"_a, "context"_a, "planner"_a = "optimal", "exclude"_a = std::vector<std::string>{});
+      "chain"_a, "context"_a, "planner"_a = "optimal", "exclude"_a = std::vector<std::string>{},
+      "offload"_a = false, "max_host_bytes"_a = -1);
 
   // ------------------------------------------------------------------------------------------------------------
   // Reports and units

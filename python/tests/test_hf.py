@@ -222,6 +222,33 @@ def test_set_budget_plans_again_without_profiling(meter, plain_runs):
         step(model, spec, 2, meter)
 
 
+def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):
+    # offload=True: "the planner may offload" (Hugging Face's offload=True always moves every layer's input).
+    # On this small Llama the least budget is the LM head's, which offloading cannot lower; offloading lets
+    # layers be kept (their saved tensors on the host) at budgets where keeping them on the device does not fit.
+    model, spec = make("llama")
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
+    same(plain_runs["llama"][0], step(model, spec, 0, meter))
+    chain = lp.chain
+    assert chain.can_offload() and all(st.offload is not None and st.offload.bytes > 0 for st in chain.stages)
+    # The plan from the budget alone, not from this machine's timings: keeping costs nothing, copies are free.
+    for st in chain.stages:
+        st.fwd_ms = st.bwd_ms = 0.0
+    chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
+    offloaded = remat.Plan.from_json(
+        '{"num_stages": 4, "ops": ["Fa0@host", "Fa1@host", "Fa2@host", "Fa3", "L", "B3", "B2", "B1", "B0"]}')
+    budget = remat.step_peak_bytes(chain, lp.context, offloaded)
+    assert budget < remat.step_peak_bytes(chain, lp.context, remat.no_checkpoint(chain))
+    lp.set_budget(budget)
+    assert all(c.startswith("keep") for c in lp.choices) and any(c.endswith("@host") for c in lp.choices)
+    for k in (1, 2):
+        got = step(model, spec, k, meter)
+        same(plain_runs["llama"][k], got)
+        assert got[2] <= lp.predicted_peak_bytes * (1 + TOLERANCE), (lp.choices, got[2], lp.predicted_peak_bytes)
+    assert lp.host_pool.peak_bytes >= lp.predicted_host_bytes > 0
+    assert lp.offload_stats["brought_back"] == lp.offload_stats["offloaded"] > 0
+
+
 def test_bad_budgets_and_models_are_refused():
     model, _ = make("bert")
     with pytest.raises(ValueError, match="positive"):

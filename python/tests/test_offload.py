@@ -8,6 +8,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import remat
+from remat import _core
 from remat.offload import CopyEngine, HostPool, offload
 
 WIDTH, BATCH = 256, 64  # a hidden state: 64 KiB
@@ -171,3 +172,128 @@ def test_an_offload_entered_every_step_forgets_what_autograd_dropped(x):
     for _ in range(3):
         same(plain, run(model, x, o))
         assert len(o._order) == one_step and len(o._index) == one_step and len(o._by_storage) <= one_step
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Offloading as a planned choice: remat.enable(..., offload=True).
+
+class Block(nn.Module):
+    """A transformer-like block's shape: its input saved by its first linear, its output a residual sum that no
+    operator saves."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.a, self.b, self.drop = nn.Linear(w, 4 * w), nn.Linear(4 * w, w), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.b(torch.nn.functional.gelu(self.a(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, w=128, n=5):
+        super().__init__()
+        self.inp = nn.Linear(w, w)
+        self.layers = nn.ModuleList(Block(w) for _ in range(n))
+        self.head = nn.Linear(w, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h).square().mean()
+
+
+def stack_step(model, x):
+    """One step: (loss, gradients, the step's peak above the bytes alive when it began)."""
+    meter = remat.cpu_meter()
+    model.zero_grad(set_to_none=False)
+    torch.manual_seed(3)
+    base = meter.count()
+    with meter.window() as window:
+        loss = model(x)
+        loss.backward()
+        peak = window.peak() - base
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], peak
+
+
+def planned_stack(**kwargs):
+    torch.manual_seed(0)
+    model = Stack()
+    grads_ready(model)
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))  # a hidden state: 128 KiB
+    plain = stack_step(model, x)
+    lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=True, offload_min_bytes=64 << 10,
+                      **kwargs)
+    same_step(plain, stack_step(model, x))  # the profiling step
+    return model, x, plain, lp
+
+
+def same_step(a, b):
+    assert torch.equal(a[0], b[0])
+    for g, h in zip(a[1], b[1]):
+        assert torch.equal(g, h), float((g - h).abs().max())
+
+
+def test_planned_offloading_fits_budgets_no_plan_without_it_fits():
+    model, x, plain, lp = planned_stack()
+    chain, ctx = lp.chain, lp.context
+    assert chain.can_offload() and chain.to_host_gb_per_s > 0 and chain.to_device_gb_per_s > 0
+    # Each block saves its input (the first linear's) and, beyond its output, its 512 KiB and 128 KiB hidden
+    # states; a checkpointed block's input goes to the host.
+    for st in chain.stages:
+        assert st.offload.input and not st.offload.output
+        assert st.offload.bytes == st.saved_bytes - st.output_bytes
+        assert st.checkpoint_offload.input and st.checkpoint_offload.bytes == 0
+    without = _core.min_step_budget(chain, ctx, "per-layer")  # the least budget without offloading
+    least = lp.min_budget_bytes
+    assert least < without
+    for budget in (least, (least + without) // 2):
+        lp.set_budget(budget)
+        assert any(c.endswith("@host") for c in lp.choices), lp.choices
+        pool = lp.host_pool
+        pool.peak_bytes = 0
+        got = stack_step(model, x)
+        same_step(plain, got)  # bitwise, dropout included
+        assert got[2] <= lp.predicted_peak_bytes <= budget, (got[2], lp.predicted_peak_bytes, budget)
+        assert lp.predicted_peak_bytes - got[2] < 0.1 * got[2]
+        # The host bytes the plan predicts are the pool's (blocks of these sizes are not rounded).
+        assert pool.peak_bytes == lp.predicted_host_bytes > 0 and pool.in_use_bytes == 0
+        stats = lp.offload_stats
+        assert stats["offloaded_bytes"] == pool.peak_bytes and stats["kept_on_device"] == 0
+        # Every tensor sent to the host comes back once; those of a layer followed by another start coming back
+        # when the backward pass reaches that one, before they are asked for (prefetched).
+        assert stats["brought_back"] == stats["offloaded"] > 0
+        assert not lp.choices[-1].endswith("@host") and stats["prefetched"] == stats["offloaded"]
+    # A plan given as it is (the same choices, offloaded ones included) runs the same.
+    plan = lp.plan
+    lp.remove()
+    given = remat.enable(model, list(model.layers), plan=plan)
+    assert given.choices == remat.choices_of(plan) and "@host" in str(plan)
+    same_step(plain, stack_step(model, x))
+    given.remove()
+
+
+def test_a_host_bound_holds_and_late_copies_are_waited_for():
+    model, x, plain, lp = planned_stack(max_host_bytes=200 << 10)
+    chain, ctx = lp.chain, lp.context
+    lp.set_budget(_core.min_step_budget(chain, ctx, "per-layer", offload=True, max_host_bytes=200 << 10))
+    assert 0 < lp.predicted_host_bytes <= 200 << 10 and sum(c.endswith("@host") for c in lp.choices) == 1
+    # Copies completed late (the fake engine carries one out only when waited on or two copies later, holding its
+    # source weakly): each layer's copies are waited for before the next but one runs, brought back ahead, and
+    # read only once landed.
+    lp._engines[x.device] = CopyEngine(x.device, delay=2)
+    lp.host_pool.peak_bytes = 0
+    got = stack_step(model, x)
+    same_step(plain, got)
+    assert got[2] <= lp.predicted_peak_bytes and lp.host_pool.peak_bytes <= 200 << 10
+
+
+def test_offloading_options_are_checked():
+    model = Stack(n=2)
+    with pytest.raises(ValueError, match="offload must be True or False"):
+        remat.enable(model, list(model.layers), budget="1GiB", offload="yes")
+    with pytest.raises(ValueError, match="max_host_bytes .* needs offload=True"):
+        remat.enable(model, list(model.layers), budget="1GiB", max_host_bytes="1MiB")
+    with pytest.raises(ValueError, match="offload_min_bytes"):
+        remat.enable(model, list(model.layers), budget="1GiB", offload=True, offload_min_bytes=-1)
+    assert "forward" not in model.layers[0].__dict__  # nothing left wrapped

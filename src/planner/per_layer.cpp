@@ -260,7 +260,15 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     // A last stage's copies hide behind nothing: to the host and straight back.
     const double wait = unhidden(last[k].copied, 0.0, 0.0);
     const double ms = last[k].ms + wait;
-    const bool better = sol.best < 0 || (by_time ? ms < sol.best_ms : peak < sol.best_peak);
+    // Between plans of the same time (an offloaded stage whose copies hide completely costs nothing more),
+    // the one holding less in host memory: copies that cost no time still take the link and the host's
+    // memory.
+    const int64_t host = last[k].host;
+    const bool better =
+        sol.best < 0 ||
+        (by_time ? ms < sol.best_ms || (ms == sol.best_ms && host < last[static_cast<size_t>(sol.best)].host)
+                 : peak < sol.best_peak ||
+                       (peak == sol.best_peak && host < last[static_cast<size_t>(sol.best)].host));
     if (better) {
       sol.best = static_cast<int64_t>(k);
       sol.best_peak = peak;

@@ -110,6 +110,21 @@ check plan-all-policy 0 "schedule: Fk0[matmuls] Fk1[matmuls] Fk2[matmuls] L" -- 
 check bad-exclude nonzero "cannot exclude 'Fq'" -- "$remat" plan --chain "$policychain" --budget 2000 --exclude Fq
 check all-policy-unprofiled nonzero "attention_core" -- "$remat" plan --chain "$policychain" --planner all-policy-attention_core
 rm -f "$policychain"
+# --offload lets the per-layer planner offload (stages profiled for it); --max-host bounds the host memory.
+offchain=$(mktemp)
+cat >"$offchain" <<'EOF'
+{"input_bytes": 100, "to_host_gb_per_s": 1000, "to_device_gb_per_s": 1000, "stages": [
+ {"name": "l0", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "offload": {"bytes": 900, "input": true}},
+ {"name": "l1", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "offload": {"bytes": 900, "input": true}},
+ {"name": "l2", "fwd_ms": 10, "bwd_ms": 20, "output_bytes": 100, "saved_bytes": 1000, "offload": {"bytes": 900, "input": true}}]}
+EOF
+check plan-offload 0 "schedule: Fa0@host Fa1@host Fa2 L B2 B1 B0" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --offload
+check plan-offload-json 0 '"host_peak_bytes": 2000' -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --offload --json
+check plan-no-offload 0 "schedule: Fc0 Fa1 Fa2 L B2 B1 Fa0 B0" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500
+check plan-max-host 0 "schedule: Fa0@host Fa1 Fa2 L B2 B1 B0" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --offload --max-host 1000
+check offload-optimal nonzero "only the per-layer planner plans offloading" -- "$remat" plan --chain "$offchain" --budget 2500 --offload
+check max-host-alone nonzero "needs --offload" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --max-host 1000
+rm -f "$offchain"
 out=$("$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --policy matmuls --strategy all-policy-matmuls,all-policy-attention_core,optimal:overhead=0.5 --steps 1 --warmup 0 2>&1)
 rc=$?
 rows=$(grep -cE '^(all-policy-matmuls|all-policy-attention_core|optimal:overhead=0.5) .* equal ' <<<"$out")

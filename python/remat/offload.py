@@ -13,18 +13,21 @@ once. Saved tensors that are parameters or buffers (alive anyway), or below the 
 A storage saved by several operators is copied once. In the backward pass, unpacking a tensor brings it back
 to the device, and starts bringing back the ``lookahead`` tensors saved before it (the backward pass meets them
 next, in the reverse of the forward's order), so that its copy has overlapped the backward work between; a
-tensor is never read before its copy has landed (the copy engine's event is waited on first). A host block goes
-back to the pool when autograd drops the saved tensor (after the backward pass, or with the graph).
+tensor is never read before its copy has landed (the copy engine's event is waited on first). The device copy
+is held until autograd drops the saved tensor; then its host block goes back to the pool (after the backward
+pass, or with the graph).
 
 The host bytes are the pool's: ``pool.in_use_bytes``, ``pool.peak_bytes`` (the most in use at once) and
 ``pool.reserved_bytes`` (allocated, kept for reuse); ``max_bytes`` bounds what it allocates, and a tensor that
-would exceed it stays on the device (counted in ``Offload.kept_on_device``). ``pool.reserve(n)`` allocates
-ahead: on the CPU, a block allocated during a step is counted by remat's CPU meter like any tensor, so the
-tests reserve first and read the meter as the device's count.
+would exceed it stays on the device (counted in ``Offload.kept_on_device``). Unpinned blocks (the CPU's) are
+Python's memory, not torch's allocator's: on a machine whose "device" is the CPU, remat's CPU meter counts the
+device's tensors and the pool counts the host's, apart.
 
-What this module does not do yet: plan which layers to offload (issue 33's planned choice), charge transfers
-in the time model, or run on a GPU in any test (its CUDA path follows the CPU one, with a side stream and
-events; no GPU was lent to the session that wrote it).
+Planned offloading (``remat.enable(..., offload=True)``, remat/plan.h's ``@host`` operations) runs each offloaded
+layer under an Offload of its own with ``lookahead=0`` and calls ``finish_copies()`` and ``prefetch()`` at the
+points the plan's memory model names. On the CPU the copies run in the caller's thread: they do not overlap
+computation as on a GPU's side stream, so there the time model's hiding of copies does not hold (the CPU runs
+exist for testing: what is moved, when it comes back, the gradients). No GPU has run this module yet.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 // remat plan: the schedule a strategy gives for a chain (profiled, or read from JSON), with its predicted
 // peak and time beside the baselines (remat::plan_strategy, remat::summarize_plan).
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 
@@ -13,9 +14,9 @@ namespace {
 
 struct PlanArgs {
   ModelArgs model;
-  std::string chain, budget, planner = "optimal", out, step, exclude;
+  std::string chain, budget, planner = "optimal", out, step, exclude, max_host;
   int64_t slots = 500;
-  bool json = false;
+  bool json = false, offload = false;
 };
 
 int run(const PlanArgs& a) {
@@ -41,7 +42,13 @@ int run(const PlanArgs& a) {
                                 " stages, but the chain has " + std::to_string(chain.size()) +
                                 " (a step chain has the chain's stages plus the prefix and the suffix)");
   }
-  const PlannerOptions options = planner_options(a.exclude, a.slots);
+  PlannerOptions options = planner_options(a.exclude, a.slots);
+  options.offload = a.offload;
+  if (!a.max_host.empty()) {
+    if (!a.offload)
+      throw std::invalid_argument("--max-host bounds what offloading holds; it needs --offload");
+    options.max_host_bytes = size_arg(a.max_host, "--max-host");
+  }
   const auto t0 = std::chrono::steady_clock::now();
   const Plan plan = plan_strategy(strategy, chain, budget, options);
   const double planning_ms =
@@ -65,7 +72,7 @@ int run(const PlanArgs& a) {
       << "  Fc = forward keeping its input (a checkpoint), Fn = forward keeping nothing, Fa = forward "
          "keeping "
          "everything for backward, Fk = forward keeping its kept calls' outputs (Fk3[matmuls]: those policy "
-         "matmuls keeps), L = loss, B = backward\n";
+         "matmuls keeps), L = loss, B = backward; @host: what the stage saves goes to host memory\n";
   std::cout << "predicted peak: " << format_bytes(plan.predicted.peak_bytes) << " (without checkpointing "
             << format_bytes(s.baseline_peak_bytes) << "; the least possible "
             << format_bytes(s.min_feasible_budget_bytes) << ")\n";
@@ -78,6 +85,13 @@ int run(const PlanArgs& a) {
   std::cout << "predicted time: " << fixed(plan.predicted.time_ms, 2) << " ms per step, "
             << fixed(100 * s.time_overhead, 1) << "% over no checkpointing\n";
   std::cout << "stages recomputed: " << s.stages_recomputed << " of " << chain.size() << "\n";
+  const int64_t offloaded =
+      std::count_if(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.offload; });
+  if (offloaded > 0) {
+    std::cout << "stages offloaded: " << offloaded << " of " << chain.size() << ", holding "
+              << format_bytes(plan.predicted.host_peak_bytes) << " of host memory; copies not hidden by "
+              << "computation: " << fixed(plan.predicted.transfer_ms, 2) << " ms\n";
+  }
   if (s.stages_fk > 0) {
     std::cout << "stages run as Fk (their kept calls' outputs kept, the rest recomputed in their backward): "
               << s.stages_fk << " of " << chain.size() << "\n";
@@ -104,6 +118,10 @@ Subcommand add_plan(CLI::App& app) {
       "remat::profile_step's .step, saved with remat::save_chain): also predict the step's peak; "
       "without --chain, the chain is its stages 1..n");
   add_exclude(cmd, a->exclude);
+  cmd->add_flag("--offload", a->offload,
+                "per-layer: the planner may also offload a stage's saved tensors to host memory (Fa3@host; "
+                "needs a chain profiled for offloading: its bandwidths and the stages' offload costs)");
+  cmd->add_option("--max-host", a->max_host, "with --offload: the most host memory the plan may hold (SIZE)");
   cmd->add_flag("--json", a->json, "print one JSON object (the plan's JSON and the figures beside it)");
   cmd->add_option("--out", a->out, "also write the plan (remat::to_json) to this file");
   return {cmd, [a] { return run(*a); }};

@@ -34,6 +34,7 @@ set(REMAT_RUNTIME_SOURCES
   src/runtime/sequential.cpp
   src/runtime/profile.cpp
   src/runtime/planned.cpp
+  src/runtime/offload.cpp
 )
 # Data parallel (remat/distributed.h) needs c10d's ProcessGroupGloo header, which includes gloo's headers:
 # libgloo-dev (scripts/setup installs it; LibTorch links gloo in, the headers are only for the declarations).

@@ -8,6 +8,7 @@
 #include <remat/checkpoint.h>
 #include <remat/measure.h>
 #include <remat/memory.h>
+#include <remat/offload.h>
 #include <remat/plan.h>
 #include <remat/planned.h>
 #include <remat/planner.h>

@@ -1,0 +1,161 @@
+#pragma once
+/// \file
+/// Offloading what autograd saves to host memory, and bringing it back for the backward pass: the C++ side of
+/// the Python package's remat.offload (PyTorch's torch.autograd.graph.save_on_cpu, with a reusable host pool,
+/// copies on a side stream, and prefetching).
+///
+///   auto pool = std::make_shared<remat::HostPool>(8LL << 30);   // reused across steps; pinned with CUDA
+///   torch::Tensor loss;
+///   {
+///     remat::Offload offload(remat::OffloadOptions().pool(pool).min_bytes(1 << 20).keep_on_device(params));
+///     loss = model->forward(x).sum();      // saved tensors of 1 MiB or more go to the host
+///   }
+///   loss.backward();                       // each comes back when the backward pass asks for it
+///
+/// While an Offload is alive on a thread (and in the backward passes started inside it), each tensor autograd
+/// saves there of at least min_bytes (contiguous, not a leaf that requires grad such as a parameter, not one
+/// of keep_on_device) is copied to a block of the host pool, and the saved tensor holds that block instead of
+/// the device tensor: on a GPU on a side stream after the producing stream's work (events order them; the
+/// device tensor is held until its copy has completed), on the CPU at once. A storage saved by several
+/// operators is copied once. Unpacking in the backward pass copies it back (waiting for its copy first, never
+/// reading it early) and holds the device copy until autograd drops the saved tensor; then the block returns
+/// to the pool. Inside a remat::checkpoint region the region's own hooks are the innermost and take what it
+/// saves (an Offload around a checkpoint sends only what the checkpoint itself saves to the host; one inside,
+/// what the region's operators save).
+///
+/// A tensor written in place while its copy to the host is in flight is an error (c10::Error naming it) when
+/// the copy completes, never a gradient computed from half-copied values; autograd's own version check does
+/// not see saved tensors behind hooks. On the CPU the copy is made at once, so the host holds the values
+/// saved.
+///
+/// Tested on the CPU with both LibTorch builds (the CPU as the device; the pool's blocks are memory remat's
+/// CPU meter does not count, so that it reads the device's bytes), including copies carried out late on
+/// purpose (OffloadOptions::copy_delay); the CUDA path (side stream, events, pinned blocks) follows the same
+/// code and has not run on a GPU yet.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace remat {
+
+namespace detail {
+class OffloadState;
+class HookScope;
+}  // namespace detail
+
+/// Host memory for offloaded tensors, in blocks reused by size (sizes rounded up to 512 bytes). Thread-safe.
+class HostPool {
+ public:
+  /// max_bytes: the most it allocates (bytes; -1: no bound). pin: page-locked blocks, which copies from a GPU
+  /// need to overlap computation; default: when CUDA is available. Throws c10::Error for max_bytes < -1.
+  explicit HostPool(int64_t max_bytes = -1, std::optional<bool> pin = std::nullopt);
+  ~HostPool();
+  HostPool(const HostPool&) = delete;
+  HostPool& operator=(const HostPool&) = delete;
+
+  /// A block (a uint8 tensor on the CPU) of at least nbytes, or an undefined tensor when max_bytes does not
+  /// allow one.
+  at::Tensor take(int64_t nbytes);
+  /// Returns a block taken from this pool, for reuse.
+  void give(const at::Tensor& block);
+  /// Allocates blocks of block_bytes until nbytes are free for take()s of that size. Throws c10::Error beyond
+  /// max_bytes.
+  void reserve(int64_t nbytes, int64_t block_bytes);
+  /// Frees the blocks not in use.
+  void release();
+
+  int64_t reserved_bytes() const;  ///< allocated (bytes)
+  int64_t in_use_bytes() const;    ///< taken and not given back (bytes)
+  int64_t peak_bytes() const;      ///< the most in use at once since construction or reset_peak() (bytes)
+  void reset_peak();
+  int64_t max_bytes() const { return max_bytes_; }
+  bool pinned() const { return pin_; }
+
+ private:
+  at::Tensor allocate(int64_t size);  // mu_ held
+  mutable std::mutex mu_;
+  int64_t max_bytes_;
+  bool pin_;
+  std::map<int64_t, std::vector<at::Tensor>> free_;
+  int64_t reserved_ = 0, in_use_ = 0, peak_ = 0;
+};
+
+/// Options of Offload, builder style.
+class OffloadOptions {
+ public:
+  /// Saved tensors smaller than this stay on the device (bytes; default 1 MiB).
+  OffloadOptions& min_bytes(int64_t bytes) {
+    min_bytes_ = bytes;
+    return *this;
+  }
+  /// The host pool (default: a new unbounded one per Offload).
+  OffloadOptions& pool(std::shared_ptr<HostPool> pool) {
+    pool_ = std::move(pool);
+    return *this;
+  }
+  /// Tensors whose storages are never offloaded (a model's parameters and buffers: alive anyway).
+  OffloadOptions& keep_on_device(std::vector<at::Tensor> tensors) {
+    keep_on_device_ = std::move(tensors);
+    return *this;
+  }
+  /// For tests on the CPU: a copy is carried out only when waited for or when this many later copies have
+  /// started, and it holds its source weakly, so that reading a copy early or releasing its source first
+  /// shows (wrong values, or an error). 0 (the default): at once.
+  OffloadOptions& copy_delay(int copies) {
+    copy_delay_ = copies;
+    return *this;
+  }
+  int64_t min_bytes() const { return min_bytes_; }
+  const std::shared_ptr<HostPool>& pool() const { return pool_; }
+  const std::vector<at::Tensor>& keep_on_device() const { return keep_on_device_; }
+  int copy_delay() const { return copy_delay_; }
+
+ private:
+  int64_t min_bytes_ = int64_t{1} << 20;
+  std::shared_ptr<HostPool> pool_;
+  std::vector<at::Tensor> keep_on_device_;
+  int copy_delay_ = 0;
+};
+
+/// What an Offload did.
+struct OffloadStats {
+  int64_t offloaded = 0;        ///< tensors copied to the host
+  int64_t offloaded_bytes = 0;  ///< their bytes
+  int64_t kept_on_device = 0;   ///< tensors the pool's bound left on the device
+  int64_t brought_back = 0;     ///< copies back to the device
+  int64_t prefetched = 0;       ///< of them, started by prefetch() before the backward pass asked
+};
+
+/// Sends what autograd saves to host memory while it is open (see the top of this file). A scope on the
+/// thread that constructs it: open from construction until close() or destruction, which must happen on that
+/// thread in the reverse order of other remat scopes; the tensors stay offloaded until autograd drops them.
+class Offload {
+ public:
+  /// Opens the scope. Throws c10::Error naming remat::Offload for min_bytes < 0 or copy_delay < 0, and when
+  /// saved-tensor hooks cannot reach remat (another autograd engine is the default: PyTorch's Python one).
+  explicit Offload(OffloadOptions options = {});
+  ~Offload();
+  Offload(const Offload&) = delete;
+  Offload& operator=(const Offload&) = delete;
+
+  /// Ends the scope (idempotent): nothing saved afterwards is offloaded. The object stays usable.
+  void close();
+  /// Waits for the copies to the host in flight and releases their device tensors.
+  void finish_copies();
+  /// Starts bringing back every tensor this Offload holds on the host (ahead of the backward pass).
+  void prefetch();
+  OffloadStats stats() const;
+  const std::shared_ptr<HostPool>& pool() const;
+
+ private:
+  std::shared_ptr<detail::OffloadState> state_;
+  std::unique_ptr<detail::HookScope> scope_;
+};
+
+}  // namespace remat

@@ -1,0 +1,432 @@
+// remat::Offload (remat/offload.h): saved-tensor hooks that send what autograd saves to a host pool and bring
+// it back for the backward pass, on a side stream where the device has streams (CUDA), at once on the CPU, or
+// late on purpose (OffloadOptions::copy_delay, for tests).
+
+#include "remat/offload.h"
+
+#include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <c10/core/Event.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <thread>
+#include <tuple>
+#include <unordered_map>
+
+#include "detail/hooks.h"
+#include "detail/watch.h"
+
+namespace remat {
+namespace {
+
+constexpr int64_t kAlign = 512;
+
+int64_t rounded(int64_t nbytes) {
+  return std::max(kAlign, (nbytes + kAlign - 1) / kAlign * kAlign);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------------------------
+// HostPool
+
+HostPool::HostPool(int64_t max_bytes, std::optional<bool> pin)
+    : max_bytes_(max_bytes), pin_(pin.value_or(at::hasCUDA())) {
+  TORCH_CHECK(max_bytes >= -1, "remat::HostPool: max_bytes must be >= 0, or -1 for no bound, got ",
+              max_bytes);
+}
+
+HostPool::~HostPool() = default;
+
+at::Tensor HostPool::allocate(int64_t size) {
+  if (max_bytes_ >= 0 && reserved_ + size > max_bytes_) return {};
+  at::Tensor block;
+  if (pin_) {
+    block = at::empty({size}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  } else {
+    // Memory of the C library's, not torch's CPU allocator: remat's CPU meter (which wraps that allocator)
+    // counts the device's tensors and this pool counts the host's, apart.
+    void* p = std::malloc(static_cast<size_t>(size));
+    TORCH_CHECK(p != nullptr, "remat::HostPool: cannot allocate ", size, " bytes of host memory");
+    block = at::from_blob(
+        p, {size}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+  }
+  reserved_ += size;
+  return block;
+}
+
+at::Tensor HostPool::take(int64_t nbytes) {
+  const int64_t size = rounded(nbytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  at::Tensor block;
+  auto it = free_.find(size);
+  if (it != free_.end() && !it->second.empty()) {
+    block = std::move(it->second.back());
+    it->second.pop_back();
+  } else {
+    block = allocate(size);
+    if (!block.defined()) return block;
+  }
+  in_use_ += size;
+  peak_ = std::max(peak_, in_use_);
+  return block;
+}
+
+void HostPool::give(const at::Tensor& block) {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_use_ -= block.numel();
+  free_[block.numel()].push_back(block);
+}
+
+void HostPool::reserve(int64_t nbytes, int64_t block_bytes) {
+  TORCH_CHECK(nbytes >= 0 && block_bytes > 0, "remat::HostPool::reserve: nbytes (", nbytes,
+              ") must be >= 0 and block_bytes (", block_bytes, ") > 0");
+  const int64_t size = rounded(block_bytes);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int64_t k = 0; k < (nbytes + size - 1) / size; ++k) {
+    at::Tensor block = allocate(size);
+    TORCH_CHECK(block.defined(), "remat::HostPool::reserve: ", nbytes, " bytes exceed max_bytes (",
+                max_bytes_, ")");
+    free_[size].push_back(std::move(block));
+  }
+}
+
+void HostPool::release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [size, blocks] : free_)
+    reserved_ -= size * static_cast<int64_t>(blocks.size());
+  free_.clear();
+}
+
+int64_t HostPool::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reserved_;
+}
+int64_t HostPool::in_use_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return in_use_;
+}
+int64_t HostPool::peak_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+void HostPool::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_ = in_use_;
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// The hooks
+
+namespace detail {
+
+// A copy in flight: query() whether it has completed, wait() for it (on a device with streams, the current
+// stream waits too, so that its next work reads the copy).
+struct Copy {
+  std::function<bool()> query;
+  std::function<void()> wait;
+};
+
+class OffloadState final : public HookSource, public std::enable_shared_from_this<OffloadState> {
+ public:
+  explicit OffloadState(OffloadOptions options) : options_(std::move(options)) {
+    if (!options_.pool()) options_.pool(std::make_shared<HostPool>());
+    for (const at::Tensor& t : options_.keep_on_device()) {
+      if (t.defined() && t.has_storage()) alive_.push_back(t.storage().data());
+    }
+  }
+
+  // One offloaded storage.
+  struct Entry {
+    std::shared_ptr<HostPool> pool;
+    at::Tensor block, host;  // the host block, and the view the tensor was saved as
+    at::Tensor source;       // the device tensor, held until its copy to the host has completed
+    at::Tensor device_copy;  // brought back
+    std::shared_ptr<Copy> to_host, to_device;
+    c10::weak_intrusive_ptr<c10::TensorImpl> original{c10::intrusive_ptr<c10::TensorImpl>()};
+    int64_t version = 0;
+    bool unpacked = false;
+    std::vector<int64_t> sizes;
+    at::ScalarType dtype = at::kFloat;
+    at::Device device = at::kCPU;
+    ~Entry() {
+      // Both copies done before the block is reused (errors are not raised here: autograd is dropping it).
+      try {
+        if (to_device) to_device->wait();
+        if (to_host) to_host->wait();
+      } catch (...) {
+      }
+      device_copy = source = host = at::Tensor();
+      if (block.defined()) pool->give(block);
+    }
+  };
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
+    return std::make_unique<Hooks>(shared_from_this());
+  }
+
+  std::shared_ptr<Entry> pack(const at::Tensor& t) {
+    if (!offloadable(t)) return nullptr;
+    WatchPause pause;  // the hooks' own tensor work is not the region's
+    c10::AutoGradMode no_grad(false);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const Key key{t.storage().data(), t.storage_offset(), t.sizes().vec(), t.scalar_type(), t._version()};
+    auto known = by_storage_.find(key);
+    if (known != by_storage_.end()) {
+      std::shared_ptr<Entry> e = known->second.lock();
+      if (e && e->original.lock().get() == t.unsafeGetTensorImpl()) return e;  // saved before: copied once
+    }
+    at::Tensor block = options_.pool()->take(t.nbytes());
+    if (!block.defined()) {
+      ++stats_.kept_on_device;
+      return nullptr;
+    }
+    auto e = std::make_shared<Entry>();
+    e->pool = options_.pool();
+    e->block = block;
+    e->sizes = t.sizes().vec();
+    e->dtype = t.scalar_type();
+    e->device = t.device();
+    e->host = block.narrow(0, 0, static_cast<int64_t>(t.nbytes())).view(e->dtype).view(e->sizes);
+    e->source = t.detach();
+    e->original = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+    e->version = t._version();
+    e->to_host = copy(e->host, e->source);
+    if (!e->to_host) {
+      e->source = at::Tensor();  // copied already
+    } else {
+      in_flight_.push_back(e);
+    }
+    by_storage_[key] = e;
+    order_.push_back(e);
+    ++stats_.offloaded;
+    stats_.offloaded_bytes += static_cast<int64_t>(t.nbytes());
+    settle();
+    return e;
+  }
+
+  at::Tensor unpack(Entry& e) {
+    WatchPause pause;
+    c10::AutoGradMode no_grad(false);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    const bool started = e.device_copy.defined();
+    if (started && !e.unpacked) ++stats_.prefetched;
+    e.unpacked = true;
+    start_to_device(e);
+    if (e.to_device) {
+      e.to_device->wait();
+      e.to_device = nullptr;
+    }
+    // Held until autograd drops the saved tensor: a storage saved by two operators comes back once.
+    return e.device_copy;
+  }
+
+  void finish_copies() {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    for (auto& w : in_flight_) {
+      if (auto e = w.lock()) landed_to_host(*e);
+    }
+    in_flight_.clear();
+  }
+
+  void prefetch() {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    for (auto& w : order_) {
+      if (auto e = w.lock()) start_to_device(*e);
+    }
+  }
+
+  OffloadStats stats() const {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    return stats_;
+  }
+
+  const std::shared_ptr<HostPool>& pool() const { return options_.pool(); }
+
+ private:
+  struct Hooks final : torch::autograd::SavedVariableHooks {
+    explicit Hooks(std::shared_ptr<OffloadState> s) : state(std::move(s)) {}
+    void call_pack_hook(const at::Tensor& t) override {
+      entry = state->pack(t);
+      // Not offloaded: kept as autograd keeps it (one that requires grad detached; unpacking re-attaches it).
+      if (!entry) kept = t.requires_grad() ? t.detach() : t;
+    }
+    at::Tensor call_unpack_hook() override { return entry ? state->unpack(*entry) : kept; }
+    std::shared_ptr<OffloadState> state;
+    std::shared_ptr<Entry> entry;
+    at::Tensor kept;
+  };
+
+  using Key = std::tuple<const void*, int64_t, std::vector<int64_t>, at::ScalarType, int64_t>;
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      size_t h = std::hash<const void*>()(std::get<0>(k)) ^ (std::hash<int64_t>()(std::get<1>(k)) << 1);
+      for (int64_t s : std::get<2>(k))
+        h = h * 31 + std::hash<int64_t>()(s);
+      return h ^ (static_cast<size_t>(std::get<3>(k)) << 3) ^ (std::hash<int64_t>()(std::get<4>(k)) << 5);
+    }
+  };
+
+  bool offloadable(const at::Tensor& t) const {
+    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta()) return false;
+    if (t.is_leaf() && t.requires_grad()) return false;  // a parameter, or an input that requires grad
+    const void* data = t.storage().data();
+    if (data == nullptr || std::find(alive_.begin(), alive_.end(), data) != alive_.end()) return false;
+    return static_cast<int64_t>(t.nbytes()) >= options_.min_bytes() && t.is_contiguous();
+  }
+
+  // dst <- src: done (null), or a Copy in flight.
+  std::shared_ptr<Copy> copy(const at::Tensor& dst, const at::Tensor& src) {
+    const at::Device device = src.device().is_cpu() ? dst.device() : src.device();
+    if (!device.is_cpu()) {
+      c10::impl::VirtualGuardImpl impl(device.type());
+      const c10::Stream current = impl.getStream(device);
+      auto it = side_.find(device);
+      if (it == side_.end()) it = side_.emplace(device, impl.getStreamFromGlobalPool(device, false)).first;
+      const c10::Stream side = it->second;
+      c10::Event ready(device.type());
+      ready.record(current);
+      ready.block(side);  // the copy starts after the work that produced its source
+      {
+        c10::StreamGuard guard(side);
+        const_cast<at::Tensor&>(dst).copy_(src, /*non_blocking=*/true);
+      }
+      auto done = std::make_shared<c10::Event>(device.type());
+      done->record(side);
+      // The destination may be a device tensor made on the current stream, freed after this copy's work.
+      if (!dst.device().is_cpu()) dst.record_stream(side);
+      return std::make_shared<Copy>(Copy{[done] { return done->query(); },
+                                         [done, current] {
+                                           done->block(current);
+                                           while (!done->query())
+                                             std::this_thread::yield();
+                                         }});
+    }
+    if (options_.copy_delay() <= 0) {
+      const_cast<at::Tensor&>(dst).copy_(src);
+      return nullptr;
+    }
+    // Late on purpose (tests): held weakly, carried out when waited for or `copy_delay` copies later.
+    auto p = std::make_shared<Pending>(
+        Pending{dst, c10::weak_intrusive_ptr<c10::TensorImpl>(src.getIntrusivePtr())});
+    pending_.push_back(p);
+    while (static_cast<int>(pending_.size()) > options_.copy_delay())
+      complete(*pending_.front());
+    std::weak_ptr<OffloadState> self = weak_from_this();
+    return std::make_shared<Copy>(Copy{[p] { return p->done; },
+                                       [p, self] {
+                                         if (auto s = self.lock()) s->complete(*p);
+                                       }});
+  }
+
+  struct Pending {
+    at::Tensor dst;
+    c10::weak_intrusive_ptr<c10::TensorImpl> src;
+    bool done = false;
+  };
+
+  void complete(Pending& p) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (p.done) return;
+    auto src = p.src.lock();
+    TORCH_CHECK(src, "remat::Offload: a copy's source was released before the copy completed");
+    c10::AutoGradMode no_grad(false);
+    p.dst.copy_(at::Tensor(std::move(src)));
+    p.done = true;
+    pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const auto& q) { return q->done; }),
+                   pending_.end());
+  }
+
+  // Releases the device tensors whose copies to the host have completed (queried, not waited for).
+  void settle() {
+    std::vector<std::weak_ptr<Entry>> still;
+    for (auto& w : in_flight_) {
+      auto e = w.lock();
+      if (!e || !e->source.defined()) continue;
+      if (e->to_host && e->to_host->query()) {
+        landed_to_host(*e);
+      } else {
+        still.push_back(w);
+      }
+    }
+    in_flight_ = std::move(still);
+  }
+
+  void landed_to_host(Entry& e) {
+    if (e.to_host) {
+      e.to_host->wait();
+      e.to_host = nullptr;
+      // Written in place while its copy was in flight: the host may hold half old, half new values.
+      TORCH_CHECK(!e.source.defined() || e.source._version() == e.version,
+                  "remat::Offload: a tensor saved for backward (", e.dtype, ", shape ", e.sizes,
+                  ") was modified by an in-place operation while its copy to the host was in flight; its "
+                  "gradient would read values half old, half new. Clone it before the in-place operation, or "
+                  "leave that operation outside the Offload");
+    }
+    e.source = at::Tensor();
+  }
+
+  void start_to_device(Entry& e) {
+    if (e.device_copy.defined() || !e.block.defined()) return;
+    landed_to_host(e);
+    e.device_copy = at::empty(e.sizes, at::TensorOptions().dtype(e.dtype).device(e.device));
+    e.to_device = copy(e.device_copy, e.host);
+    ++stats_.brought_back;
+  }
+
+  OffloadOptions options_;
+  std::vector<const void*> alive_;
+  mutable std::recursive_mutex mu_;
+  std::unordered_map<Key, std::weak_ptr<Entry>, KeyHash> by_storage_;
+  std::vector<std::weak_ptr<Entry>> order_, in_flight_;
+  std::deque<std::shared_ptr<Pending>> pending_;
+  std::unordered_map<at::Device, c10::Stream> side_;
+  OffloadStats stats_;
+};
+
+}  // namespace detail
+
+// ------------------------------------------------------------------------------------------------------------
+// Offload
+
+Offload::Offload(OffloadOptions options) {
+  TORCH_CHECK(options.min_bytes() >= 0, "remat::Offload: min_bytes must be >= 0, got ", options.min_bytes());
+  TORCH_CHECK(options.copy_delay() >= 0, "remat::Offload: copy_delay must be >= 0, got ",
+              options.copy_delay());
+  detail::require_engine("remat::Offload");
+  state_ = std::make_shared<detail::OffloadState>(std::move(options));
+  scope_ = std::make_unique<detail::HookScope>(state_.get());
+}
+
+Offload::~Offload() {
+  close();
+}
+
+void Offload::close() {
+  scope_.reset();
+}
+
+void Offload::finish_copies() {
+  state_->finish_copies();
+}
+
+void Offload::prefetch() {
+  state_->prefetch();
+}
+
+OffloadStats Offload::stats() const {
+  return state_->stats();
+}
+
+const std::shared_ptr<HostPool>& Offload::pool() const {
+  return state_->pool();
+}
+
+}  // namespace remat

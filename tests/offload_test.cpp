@@ -1,0 +1,264 @@
+// remat::Offload on the CPU (the CPU as the device; the host pool's blocks outside the meter): every step the
+// plain run's gradients bitwise, the bytes that leave the device exact, copies carried out late read only
+// once landed, nesting with checkpoint regions, torch::autograd::grad, the pool's bound, in-place writes.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <remat/checkpoint.h>
+#include <remat/memory.h>
+#include <remat/offload.h>
+
+#include "support.h"
+
+namespace {
+
+using remat::testing::meter_on;
+
+constexpr int64_t kWidth = 256, kBatch = 64, kHidden = kWidth * kBatch * 4;  // a hidden state: 64 KiB
+
+// Four blocks (linear, GELU, dropout), each a module of its own (for checkpointing block by block).
+struct Mlp {
+  std::vector<torch::nn::Sequential> blocks;
+  std::vector<torch::Tensor> parameters() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& b : blocks)
+      for (const auto& p : b->parameters())
+        out.push_back(p);
+    return out;
+  }
+};
+
+Mlp mlp() {
+  torch::manual_seed(0);
+  Mlp m;
+  for (int i = 0; i < 4; ++i) {
+    m.blocks.push_back(
+        torch::nn::Sequential(torch::nn::Linear(kWidth, kWidth),
+                              torch::nn::Functional([](const torch::Tensor& t) { return torch::gelu(t); }),
+                              torch::nn::Dropout(0.1)));
+  }
+  return m;
+}
+
+struct Step {
+  torch::Tensor loss;
+  std::vector<torch::Tensor> grads;
+  int64_t held = 0;               // bytes alive after the forward pass, above the step's start
+  remat::OffloadStats offloaded;  // the Offload's counts after the forward pass
+  torch::Tensor next_draw;
+};
+
+// One step; `open` makes the scope the forward pass runs in (none when null); ckpt: each block checkpointed;
+// use_grad: torch::autograd::grad instead of backward().
+Step run(Mlp& model, const torch::Tensor& x,
+         const std::function<std::unique_ptr<remat::Offload>()>& open = nullptr, bool ckpt = false,
+         bool use_grad = false) {
+  meter_on();
+  for (auto& p : model.parameters())
+    p.mutable_grad() = torch::zeros_like(p);
+  torch::manual_seed(7);
+  const int64_t base = remat::memory::active_bytes();
+  torch::Tensor out;
+  remat::OffloadStats stats;
+  {
+    std::unique_ptr<remat::Offload> scope = open ? open() : nullptr;
+    torch::Tensor h = x;
+    for (auto& block : model.blocks) {
+      h = ckpt ? remat::checkpoint([&](const torch::Tensor& in) { return block->forward(in); }, h)
+               : block->forward(h);
+    }
+    out = h;
+    if (scope) stats = scope->stats();
+  }
+  Step r;
+  r.offloaded = stats;
+  r.held = remat::memory::active_bytes() - base;
+  r.loss = out.square().mean();
+  if (use_grad) {
+    r.grads = torch::autograd::grad({r.loss}, model.parameters());
+  } else {
+    r.loss.backward();
+    for (auto& p : model.parameters())
+      r.grads.push_back(p.grad().clone());
+  }
+  r.loss = r.loss.detach();
+  r.next_draw = torch::rand({3});
+  return r;
+}
+
+void expect_same(const Step& a, const Step& b) {
+  EXPECT_TRUE(torch::equal(a.loss, b.loss));
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i)
+    EXPECT_TRUE(torch::equal(a.grads[i], b.grads[i])) << "gradient " << i;
+  EXPECT_TRUE(torch::equal(a.next_draw, b.next_draw));
+}
+
+torch::Tensor input() {
+  return torch::randn({kBatch, kWidth}, torch::TensorOptions().dtype(torch::kFloat));
+}
+
+}  // namespace
+
+TEST(Offload, SavedTensorsLeaveTheDeviceAndEveryStepIsThePlainRun) {
+  auto model = mlp();
+  const torch::Tensor x = input();
+  const Step plain = run(model, x);
+  auto pool = std::make_shared<remat::HostPool>();
+  remat::OffloadStats stats;
+  const Step got = run(model, x, [&] {
+    auto o = std::make_unique<remat::Offload>(
+        remat::OffloadOptions().pool(pool).min_bytes(kHidden).keep_on_device(model.parameters()));
+    return o;
+  });
+  expect_same(plain, got);
+  // Each linear's input (the batch too: its copy frees nothing, the caller holds it), each GELU's input and
+  // each dropout's mask where it is a float tensor (LibTorch 1.13) go to the host; the bool masks of 2.x (16
+  // KiB) stay; the copies free on the device exactly what they copied, less the batch.
+  const int64_t bytes = got.offloaded.offloaded_bytes;
+  EXPECT_TRUE(bytes == 8 * kHidden || bytes == 12 * kHidden) << bytes;
+  EXPECT_EQ(pool->peak_bytes(), bytes);
+  EXPECT_EQ(got.held, plain.held - (bytes - kHidden));
+  EXPECT_EQ(pool->in_use_bytes(), 0);
+  // A second step reuses the blocks.
+  const int64_t reserved = pool->reserved_bytes();
+  expect_same(plain, run(model, x, [&] {
+                return std::make_unique<remat::Offload>(
+                    remat::OffloadOptions().pool(pool).min_bytes(kHidden).keep_on_device(model.parameters()));
+              }));
+  EXPECT_EQ(pool->reserved_bytes(), reserved);
+}
+
+TEST(Offload, LateCopiesAreReadOnlyOnceLandedAndPrefetchStartsThem) {
+  // The copies are carried out only when waited for or `delay` copies later, and hold their sources weakly:
+  // reading early gives wrong gradients, releasing a source first raises.
+  auto model = mlp();
+  const torch::Tensor x = input();
+  const Step plain = run(model, x);
+  for (int delay : {1, 3, 100}) {
+    remat::Offload* seen = nullptr;
+    std::shared_ptr<remat::HostPool> pool = std::make_shared<remat::HostPool>();
+    std::unique_ptr<remat::Offload> keep;
+    const Step got = run(model, x, [&] {
+      auto o = std::make_unique<remat::Offload>(
+          remat::OffloadOptions().pool(pool).min_bytes(4096).copy_delay(delay).keep_on_device(
+              model.parameters()));
+      seen = o.get();
+      return o;
+    });
+    expect_same(plain, got);
+    (void)seen;
+  }
+  // prefetch() before the backward pass: every tensor's copy back started ahead, then read.
+  auto pool = std::make_shared<remat::HostPool>();
+  torch::manual_seed(7);
+  for (auto p : model.parameters())
+    p.mutable_grad() = torch::zeros_like(p);
+  remat::Offload o(
+      remat::OffloadOptions().pool(pool).min_bytes(4096).copy_delay(2).keep_on_device(model.parameters()));
+  torch::Tensor h = x;
+  for (auto& block : model.blocks)
+    h = block->forward(h);
+  torch::Tensor loss = h.square().mean();
+  o.close();
+  o.finish_copies();
+  o.prefetch();
+  loss.backward();
+  const remat::OffloadStats s = o.stats();
+  EXPECT_GT(s.offloaded, 0);
+  EXPECT_EQ(s.brought_back, s.offloaded);
+  EXPECT_EQ(s.prefetched, s.offloaded);
+  EXPECT_TRUE(torch::equal(loss.detach(), plain.loss));
+  for (size_t i = 0; i < plain.grads.size(); ++i)
+    EXPECT_TRUE(torch::equal(model.parameters()[i].grad(), plain.grads[i])) << i;
+}
+
+TEST(Offload, NestsWithCheckpointRegionsAndServesAutogradGrad) {
+  auto model = mlp();
+  const torch::Tensor x = input();
+  // Around checkpoint regions: the regions keep their inputs, which go to the host.
+  const Step plain_ckpt = run(model, x, nullptr, /*ckpt=*/true);
+  auto pool = std::make_shared<remat::HostPool>();
+  const Step got = run(
+      model, x,
+      [&] {
+        return std::make_unique<remat::Offload>(
+            remat::OffloadOptions().pool(pool).min_bytes(kHidden).keep_on_device(model.parameters()));
+      },
+      /*ckpt=*/true);
+  expect_same(plain_ckpt, got);
+  EXPECT_EQ(got.offloaded.offloaded, 4);  // the regions' inputs, the batch included
+  EXPECT_EQ(got.held, plain_ckpt.held - 3 * kHidden);
+  // An Offload inside a region (its forward and its recompute).
+  {
+    for (auto p : model.parameters())
+      p.mutable_grad() = torch::zeros_like(p);
+    torch::manual_seed(7);
+    torch::Tensor h = x;
+    for (auto& block : model.blocks) {
+      h = remat::checkpoint(
+          [&](const torch::Tensor& in) {
+            remat::Offload inner(
+                remat::OffloadOptions().min_bytes(kHidden).keep_on_device(model.parameters()));
+            return block->forward(in);
+          },
+          h);
+    }
+    torch::Tensor loss = h.square().mean();
+    loss.backward();
+    EXPECT_TRUE(torch::equal(loss.detach(), plain_ckpt.loss));
+    for (size_t i = 0; i < plain_ckpt.grads.size(); ++i)
+      EXPECT_TRUE(torch::equal(model.parameters()[i].grad(), plain_ckpt.grads[i])) << i;
+  }
+  // torch::autograd::grad, offloaded.
+  const Step plain = run(model, x, nullptr, false, /*use_grad=*/true);
+  expect_same(
+      plain, run(
+                 model, x,
+                 [&] { return std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(kHidden)); },
+                 false, true));
+}
+
+TEST(Offload, ThePoolsBoundKeepsTheRestOnTheDevice) {
+  auto model = mlp();
+  const torch::Tensor x = input();
+  const Step plain = run(model, x);
+  auto pool = std::make_shared<remat::HostPool>(3 * kHidden);
+  remat::OffloadStats stats;
+  const Step got = run(model, x, [&] {
+    return std::make_unique<remat::Offload>(
+        remat::OffloadOptions().pool(pool).min_bytes(kHidden).keep_on_device(model.parameters()));
+  });
+  expect_same(plain, got);
+  EXPECT_EQ(pool->reserved_bytes(), 3 * kHidden);
+  EXPECT_EQ(pool->in_use_bytes(), 0);
+}
+
+TEST(Offload, AnInPlaceWriteDuringACopyIsAnErrorNotAWrongGradient) {
+  const torch::Tensor x = torch::randn({64, 256}, torch::requires_grad());
+  const torch::Tensor w = torch::randn({256, 256}, torch::requires_grad());
+  auto step = [&](int delay) {
+    x.mutable_grad() = torch::Tensor();
+    torch::Tensor h = x.matmul(w);
+    torch::Tensor y;
+    {
+      remat::Offload o(remat::OffloadOptions().min_bytes(0).copy_delay(delay));
+      y = h.sin();
+    }
+    h.mul_(2);  // what sin saved
+    y.sum().backward();
+  };
+  step(0);  // copied at once: the values saved
+  EXPECT_TRUE(torch::allclose(x.grad(), torch::cos(x.detach().matmul(w.detach())).matmul(w.detach().t())));
+  EXPECT_THROW_WITH(step(100), "remat::Offload", "modified by an in-place operation while its copy");
+}
+
+TEST(Offload, RefusesBadOptions) {
+  EXPECT_THROW_WITH(remat::Offload(remat::OffloadOptions().min_bytes(-1)), "remat::Offload", "min_bytes",
+                    "-1");
+  EXPECT_THROW_WITH(remat::Offload(remat::OffloadOptions().copy_delay(-3)), "remat::Offload", "copy_delay",
+                    "-3");
+  EXPECT_THROW_WITH(remat::HostPool(-2), "remat::HostPool", "max_bytes", "-2");
+  remat::HostPool pool(1024, false);
+  EXPECT_THROW_WITH(pool.reserve(4096, 1024), "remat::HostPool::reserve", "max_bytes");
+}

@@ -625,3 +625,67 @@ TEST_F(PlannedTest, ATiedGptStaysWithinTheBudgetAndThePrediction) {
 }
 
 }  // namespace
+
+TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
+  // PlannerOptions::offload: the per-layer planner, each stage profiled for offloading; a plan with Fa@host
+  // runs those stages under remat::Offload on Planned's host pool. The plan is made from a profile whose
+  // checkpointing is made costly and whose copies are free, so that it follows the budget, not this machine's
+  // timings: at half the plain peak, stages are kept with what they save on the host.
+  const int64_t w = 64, depth = 6;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({16, 32, 8});
+  const int64_t budget = plain_chain_peak(w, depth, x) / 2;
+  remat::PlannerOptions offload;
+  offload.offload = true;
+  const auto options = remat::PlannedOptions().budget(budget).planner(offload).offload_min_bytes(64 << 10);
+  torch::manual_seed(0);
+  Net first(w, depth);
+  first->planned = remat::Planned(remat::stages_at<BlockImpl>(*first, {"h"}), options);
+  step(first, x);
+  remat::Chain chain = *(*first->planned)->chain();
+  ASSERT_TRUE(chain.can_offload());
+  for (auto& s : chain.stages) {
+    ASSERT_TRUE(s.offload.has_value()) << s.name;
+    // What Fa keeps beyond the output goes (fc1's and fc2's inputs, GELU's input; the dropout mask and
+    // LayerNorm's statistics are below the threshold); the output (a residual sum) is not saved, and its
+    // input (the executor's leaf) never goes.
+    EXPECT_GT(s.offload->bytes, (s.saved_bytes - s.output_bytes) / 2) << s.name;
+    EXPECT_FALSE(s.offload->output);
+    EXPECT_FALSE(s.offload->input);
+    s.checkpoint_fwd_ms = s.checkpoint_bwd_ms = 1e3;
+    s.fwd_nosave_ms = 1e3;
+  }
+  chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6;
+
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), options);
+  (*net->planned)->use_profile({{16, 32, w}}, chain);
+  for (int s = 0; s < 4; ++s) {
+    torch::manual_seed(400 + s);
+    const Step a = step(plain, x);
+    torch::manual_seed(400 + s);
+    const auto& pool = (*net->planned)->host_pool();
+    pool->reset_peak();
+    const Step b = step(net, x);
+    const int64_t measured = remat::memory::peak_bytes() - net->base_bytes;
+    expect_equal(a, b, "step " + std::to_string(s));
+    if (s < 2) continue;
+    const remat::PlannedImpl& p = **net->planned;
+    ASSERT_TRUE(p.is_planned());
+    const std::string plan = p.plan()->to_string();
+    EXPECT_NE(plan.find("@host"), std::string::npos) << plan;
+    EXPECT_LE(p.predicted_peak_bytes(), budget);
+    EXPECT_LE(measured, p.predicted_peak_bytes() + p.predicted_peak_bytes() / 50) << plan;
+    // The host bytes: the pool's peak is the plan's prediction (blocks rounded to 512 bytes).
+    EXPECT_GE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes) << plan;
+    EXPECT_LE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes + 512 * 8 * depth) << plan;
+    EXPECT_EQ(pool->in_use_bytes(), 0);
+  }
+  // Bad options.
+  EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                              remat::PlannedOptions().budget(budget).planner(offload).offload_min_bytes(-1)),
+               c10::Error);
+}

@@ -158,4 +158,15 @@ class Offload {
   std::unique_ptr<detail::HookScope> scope_;
 };
 
+/// The bandwidth of copies between a device and host memory (GB/s, 10^9 bytes per second).
+struct OffloadBandwidth {
+  double to_host_gb_per_s = 0;
+  double to_device_gb_per_s = 0;
+};
+
+/// Measures it as Offload copies: nbytes (at least 64 KiB) each way between `device` and a host block (pinned
+/// for CUDA), the median of `repeats` after one copy to warm up, the device synchronized around each. On the
+/// CPU, a copy between two of its buffers. Throws c10::Error naming remat::offload_bandwidth for repeats < 1.
+OffloadBandwidth offload_bandwidth(c10::Device device, int64_t nbytes = int64_t{64} << 20, int repeats = 3);
+
 }  // namespace remat

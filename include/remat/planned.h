@@ -37,6 +37,7 @@
 
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
+#include <remat/offload.h>
 #include <remat/plan.h>
 #include <remat/planner.h>
 #include <remat/policy.h>
@@ -63,8 +64,13 @@ struct PlannedOptions {
   TORCH_ARG(std::vector<Policy>, policies) = {};
   /// Timed runs per stage in the profile (>= 1); one costs about three plain steps of the stages.
   TORCH_ARG(int64_t, profile_repeats) = 1;
-  /// What the planner may use (e.g. exclude Fk).
+  /// What the planner may use (e.g. exclude Fk). With planner.offload, Planned plans with the per-layer
+  /// planner (the one that offloads: each stage kept, kept offloaded, kept under a policy or checkpointed),
+  /// profiles each stage for offloading, and runs Fa@host stages under remat::Offload on its host pool
+  /// (host_pool()); planner.max_host_bytes bounds that pool's use in the plan.
   TORCH_ARG(PlannerOptions, planner) = {};
+  /// With planner.offload: saved tensors smaller than this stay on the device (bytes, >= 0).
+  TORCH_ARG(int64_t, offload_min_bytes) = int64_t{1} << 20;
   /// Under data parallel, makes every rank plan from the same numbers: called, at the same step on every
   /// rank, with the numbers a plan is made from (an int64 tensor of byte counts and a float64 tensor of
   /// times), it must replace them in place by their maximum across the ranks. Every rank then gets the
@@ -129,6 +135,8 @@ class PlannedImpl : public torch::nn::Module {
   int64_t profiling_steps() const;
   /// What the profiling step measured of the rest of the step for the last shape, or nullptr.
   const RestOfStep* rest_of_step() const;
+  /// The host memory of offloaded stages (PlannerOptions::offload), reused from step to step.
+  const std::shared_ptr<HostPool>& host_pool() const { return host_pool_; }
 
  private:
   struct Shape {
@@ -150,6 +158,7 @@ class PlannedImpl : public torch::nn::Module {
   bool training_now() const;
 
   std::vector<ArgsStageFn> stages_;
+  std::shared_ptr<HostPool> host_pool_ = std::make_shared<HostPool>();
   bool takes_args_ = false;
   PlannedOptions options_;
   std::map<Key, Shape> shapes_;

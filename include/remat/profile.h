@@ -43,6 +43,13 @@ struct ProfileOptions {
   /// the planners can choose per stage among keeping everything, each policy and checkpointing, on models
   /// with no remat::keep tags. One more pass per policy and run. Names must differ.
   TORCH_ARG(std::vector<Policy>, policies) = {};
+  /// Also profile for offloading (>= 0: remat::Offload's min_bytes; -1, the default: no): what each stage run
+  /// as Fa frees on the device when what it saves goes to host memory (Stage::offload: its bytes; whether its
+  /// output was copied too, which the executor holds anyway; its input, a leaf of the executor's, is never
+  /// offloaded), and the copies'
+  /// bandwidth each way (Chain::to_host_gb_per_s, to_device_gb_per_s; remat::offload_bandwidth() on the
+  /// largest stage's saved bytes, 1 to 64 MiB). One more forward per stage.
+  TORCH_ARG(int64_t, offload_min_bytes) = -1;
 };
 
 /// Profiles the stages on `sample_input` (the chain's input a_0). Needs remat::memory::track_cpu() for a CPU

@@ -19,6 +19,7 @@
 #include <c10/util/Type.h>
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
+#include <remat/offload.h>
 #include <remat/plan.h>
 #include <remat/planner.h>
 #include <torch/nn/modules/container/sequential.h>
@@ -128,9 +129,15 @@ struct ExecutionStats {
 /// remat::run_plan when the plan's stage count differs from stages.size(), the plan is invalid
 /// (remat::check_plan), it keeps with a policy that is neither options.policy nor a preset, the input is
 /// undefined, the options ask for kReentrant or list modules, or a stage returns an undefined tensor.
+/// Fa<i>@host (the per-layer planner's offloading) runs stage i under a remat::Offload made with `offload`
+/// (its min_bytes and pool; the stage's module's parameters and buffers kept on the device): what the stage
+/// saves goes to host memory, its copies are waited for once the next forward has run, and they start coming
+/// back when the backward pass reaches stage i + 1 (remat/plan.h's model). Fk@host and Fc@host are refused
+/// (c10::Error): the C++ executor offloads what a stage's own operators save, not a checkpoint's kept outputs
+/// or held input (the Python package runs Fc@host).
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
-                       const CheckpointOptions& options = {},
-                       std::shared_ptr<ExecutionStats> stats = nullptr);
+                       const CheckpointOptions& options = {}, std::shared_ptr<ExecutionStats> stats = nullptr,
+                       const OffloadOptions& offload = {});
 
 /// A Sequential that trains according to a Plan.
 class CheckpointedSequentialImpl : public torch::nn::Module {

@@ -70,6 +70,13 @@ struct ExecState final : torch::CustomClassHolder {
   std::vector<Held> held;
   at::Tensor grad;  // d_j
   int64_t grad_at = -1;
+
+  // Offloading (Fa@host): per stage its Offload while what it saved is on the host; the stage whose copies to
+  // the host are in flight (waited for once the next forward has run); whether a stage's copies back started.
+  OffloadOptions offload;
+  std::vector<std::shared_ptr<Offload>> offloads;
+  int64_t in_flight = -1;
+  std::vector<char> prefetched;
 };
 
 // The plan is valid and has `count` stages ("...but <has> <count><unit>" otherwise).
@@ -84,9 +91,10 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
   int64_t tag_fk = 0;
   for (const Op& op : plan.ops) {
     tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0;
-    TORCH_CHECK(!op.offload, who, ": the plan offloads (", op_text(plan, op),
-                "), which the C++ runtime does not run yet; offloaded plans run in Python (remat.enable(..., "
-                "offload=True), remat.offload)");
+    TORCH_CHECK(
+        !op.offload || op.kind == OpKind::kForwardAll, who, ": the plan offloads ", op_text(plan, op),
+        ", which the C++ executor does not run: it offloads what a stage's own operators save (Fa@host), "
+        "not a checkpoint's kept outputs or held input (Fk@host, Fc@host run in the Python package)");
   }
   TORCH_CHECK(tag_fk == 0 || !plan.keep.empty(), who, ": the plan has ", tag_fk,
               " Fk operations but no remat::keep tags to run them with (Plan::keep is empty)");
@@ -159,6 +167,18 @@ void run_forward(ExecState& st, const Op& op) {
     const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
     if (floating && (i > 0 || st.input_requires_grad)) leaf = x.detach().requires_grad_(true);
     const NodeMark mark = NodeMark::now();
+    std::shared_ptr<Offload> offload;
+    if (op.offload) {
+      OffloadOptions o = st.offload;
+      std::vector<at::Tensor> keep = o.keep_on_device();
+      if (stage.module) {
+        for (const auto& p : stage.module->parameters())
+          keep.push_back(p);
+        for (const auto& b : stage.module->buffers())
+          keep.push_back(b);
+      }
+      offload = std::make_shared<Offload>(o.keep_on_device(std::move(keep)));
+    }
     if (op.kind == OpKind::kForwardKeep) {
       // Fk: the stage as a checkpoint that keeps its kept calls' outputs; B recomputes the rest through it.
       auto options = CheckpointOptions().preserve_rng_state(st.preserve_rng).determinism_check(st.check);
@@ -171,6 +191,11 @@ void run_forward(ExecState& st, const Op& op) {
       out = checkpoint(stage.fn, leaf, options);
     } else {
       out = stage.fn(leaf);
+    }
+    if (offload) {
+      offload->close();
+      st.offloads[i] = std::move(offload);
+      st.prefetched[i] = 0;
     }
     TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name,
                 "') returned an undefined tensor");
@@ -202,6 +227,12 @@ void run_forward(ExecState& st, const Op& op) {
                 " in its first run");
   }
   if (st.stats) st.stats->forward_calls[i] += 1;
+  // The previous offloaded stage's copies to the host have run beside this forward: its device tensors go.
+  if (st.in_flight >= 0 && st.in_flight != i) {
+    if (const auto& o = st.offloads[static_cast<size_t>(st.in_flight)]) o->finish_copies();
+    st.in_flight = -1;
+  }
+  if (op.offload) st.in_flight = i;
 }
 
 void accumulate_into(at::Tensor& sum, const at::Tensor& g) {
@@ -343,8 +374,15 @@ struct ExecNode final : torch::autograd::Node {
     const auto& ops = run->plan.ops;
     for (size_t k = run->loss_at + 1; k < ops.size(); ++k) {
       try {
+        // The backward pass reaches stage s: what stage s - 1 offloaded starts coming back.
+        const int64_t before = ops[k].stage - 1;
+        if (before >= 0 && run->offloads[static_cast<size_t>(before)] && !run->prefetched[before]) {
+          run->offloads[static_cast<size_t>(before)]->prefetch();
+          run->prefetched[static_cast<size_t>(before)] = 1;
+        }
         if (ops[k].kind == OpKind::kBackward) {
           run_backward(*run, ops[k].stage, outer, keep_graph, param_grads, param_index);
+          if (!keep_graph) run->offloads[static_cast<size_t>(ops[k].stage)] = nullptr;
         } else {
           run_forward(*run, ops[k]);
         }
@@ -370,7 +408,8 @@ struct ExecNode final : torch::autograd::Node {
 }  // namespace
 
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
-                       const CheckpointOptions& options, std::shared_ptr<ExecutionStats> stats) {
+                       const CheckpointOptions& options, std::shared_ptr<ExecutionStats> stats,
+                       const OffloadOptions& offload) {
   check_plan_fits(plan, stages.size(), "remat::run_plan", "there are ", "");
   TORCH_CHECK(input.defined(), "remat::run_plan: the input is an undefined tensor");
   check_executor_options(options, "remat::run_plan");
@@ -403,6 +442,10 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->metas.resize(n);
   st->held.resize(n + 1);
   st->stage_params.resize(n);
+  st->offload = offload;
+  if (!st->offload.pool()) st->offload.pool(std::make_shared<HostPool>());  // one pool for the step's stages
+  st->offloads.resize(n);
+  st->prefetched.assign(n, 0);
   std::unordered_map<c10::TensorImpl*, size_t> seen;
   for (size_t i = 0; i < n; ++i) {
     if (!stages[i].module) continue;

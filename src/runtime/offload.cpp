@@ -13,6 +13,7 @@
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <functional>
@@ -427,6 +428,44 @@ OffloadStats Offload::stats() const {
 
 const std::shared_ptr<HostPool>& Offload::pool() const {
   return state_->pool();
+}
+
+OffloadBandwidth offload_bandwidth(c10::Device device, int64_t nbytes, int repeats) {
+  TORCH_CHECK(repeats >= 1, "remat::offload_bandwidth: repeats must be >= 1, got ", repeats);
+  nbytes = std::max<int64_t>(nbytes, int64_t{64} << 10);
+  HostPool pool(-1, device.is_cuda());
+  const at::Tensor host = pool.take(nbytes).narrow(0, 0, nbytes);
+  const at::Tensor dev = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  std::optional<c10::impl::VirtualGuardImpl> impl;
+  if (!device.is_cpu()) impl.emplace(device.type());
+  auto sync = [&] {
+    if (!impl) return;
+    c10::Event e(device.type());
+    e.record(impl->getStream(device));
+    while (!e.query())
+      std::this_thread::yield();
+  };
+  std::vector<double> to_host, to_device;
+  c10::AutoGradMode no_grad(false);
+  for (int r = 0; r <= repeats; ++r) {
+    for (bool up : {true, false}) {
+      sync();
+      const auto t0 = std::chrono::steady_clock::now();
+      if (up) {
+        const_cast<at::Tensor&>(host).copy_(dev, /*non_blocking=*/impl.has_value());
+      } else {
+        const_cast<at::Tensor&>(dev).copy_(host, /*non_blocking=*/impl.has_value());
+      }
+      sync();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (r > 0) (up ? to_host : to_device).push_back(s);
+    }
+  }
+  auto gbps = [&](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return static_cast<double>(nbytes) / std::max(v[v.size() / 2], 1e-9) / 1e9;
+  };
+  return {gbps(to_host), gbps(to_device)};
 }
 
 }  // namespace remat

@@ -75,6 +75,11 @@ PlannedImpl::PlannedImpl(std::vector<ArgsStageFn> stages, PlannedOptions options
               options_.budget());
   TORCH_CHECK(options_.profile_repeats() >= 1, kWho, ": profile_repeats must be >= 1, got ",
               options_.profile_repeats());
+  TORCH_CHECK(options_.offload_min_bytes() >= 0, kWho, ": offload_min_bytes must be >= 0 (bytes), got ",
+              options_.offload_min_bytes());
+  TORCH_CHECK(options_.planner().max_host_bytes >= -1, kWho,
+              ": PlannerOptions::max_host_bytes must be >= 0, or -1 for no bound, got ",
+              options_.planner().max_host_bytes);
 }
 
 bool PlannedImpl::training_now() const {
@@ -146,7 +151,8 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
   // The plan, and the step's peak above the base, measured to the end of its backward pass (in a window: the
   // statistics the caller reads are left alone).
   auto window = std::make_shared<memory::PeakWindow>(device);
-  torch::Tensor out = run_plan(stages, *shape.plan, x);
+  torch::Tensor out = run_plan(stages, *shape.plan, x, {}, nullptr,
+                               OffloadOptions().min_bytes(options_.offload_min_bytes()).pool(host_pool_));
   if (out.requires_grad()) {
     std::shared_ptr<int64_t> last = shape.last_peak;
     out.register_hook([last, window](const torch::Tensor& g) {
@@ -169,9 +175,13 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   };
   if (!shape.chain) {
     // The profiler puts gradients, buffers and the generators back, so the step below is the plain run's.
-    shape.chain = profile_chain(
-        stages, x,
-        ProfileOptions().warmup(0).repeats(options_.profile_repeats()).policies(options_.policies()));
+    shape.chain =
+        profile_chain(stages, x,
+                      ProfileOptions()
+                          .warmup(0)
+                          .repeats(options_.profile_repeats())
+                          .policies(options_.policies())
+                          .offload_min_bytes(options_.planner().offload ? options_.offload_min_bytes() : -1));
   }
   // Every stage checkpointed (the profiler's own memory bound), read at the points remat/step.h names:
   // StepReadings, which step_context() turns into the step's model, as the Python package does. The base is
@@ -252,7 +262,10 @@ void PlannedImpl::make_plan(Shape& shape) {
     (*shape.rest)->ms = context.rest_ms;
   }
   try {
-    StepPlan planned = plan_step(chain, context, options_.budget(), "optimal", options_.planner());
+    // Offloading is planned by the per-layer planner; otherwise the optimal one (recomputation across
+    // stages).
+    StepPlan planned = plan_step(chain, context, options_.budget(),
+                                 options_.planner().offload ? "per-layer" : "optimal", options_.planner());
     shape.plan = std::move(planned.plan);
     shape.predicted = planned.step_peak_bytes;
   } catch (const InfeasibleBudget& e) {

@@ -1,5 +1,7 @@
 #include "remat/profile.h"
 
+#include "remat/offload.h"
+
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/cuda.h>
 
@@ -94,6 +96,9 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   TORCH_CHECK(sample_input.defined(), kWho, ": the sample input is an undefined tensor");
   TORCH_CHECK(options.warmup() >= 0, kWho, ": warmup must be >= 0, got ", options.warmup());
   TORCH_CHECK(options.repeats() >= 1, kWho, ": repeats must be >= 1, got ", options.repeats());
+  TORCH_CHECK(options.offload_min_bytes() >= -1, kWho,
+              ": offload_min_bytes must be >= 0 (bytes), or -1 not to profile offloading, got ",
+              options.offload_min_bytes());
   for (size_t p = 0; p < options.policies().size(); ++p) {
     TORCH_CHECK(!options.policies()[p].empty(), kWho, ": policy ", p,
                 " of ProfileOptions::policies is empty");
@@ -225,6 +230,36 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         }
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
+      // Offloading: the same forward under remat::Offload, its copies waited for; what stays on the device.
+      if (measure && options.offload_min_bytes() >= 0) {
+        std::vector<torch::Tensor> on_device;
+        if (stages[i].module) {
+          for (const auto& p : stages[i].module->parameters())
+            on_device.push_back(p);
+          for (const auto& b : stages[i].module->buffers())
+            on_device.push_back(b);
+        }
+        torch::Tensor probe = leaf_of(i, xs[i]);
+        sync();
+        memory::PeakWindow scope(device);
+        torch::Tensor kept_out;
+        int64_t copied = 0;
+        {
+          Offload offload(OffloadOptions().min_bytes(options.offload_min_bytes()).keep_on_device(on_device));
+          kept_out = stages[i].fn(probe);
+          offload.close();
+          offload.finish_copies();
+          copied = offload.stats().offloaded_bytes;
+        }
+        sync();
+        const int64_t stays = std::max(s.output_bytes, scope.active_over_base());
+        OffloadCost c;
+        c.bytes = std::max<int64_t>(0, s.saved_bytes - stays);
+        c.input = false;  // the executor's leaf requires grad: never offloaded
+        // Copied and not freed (the executor holds the output): the output, saved by the stage's graph.
+        c.output = copied - c.bytes >= s.output_bytes;
+        s.offload = c;
+      }
     }
     // Every stage under remat::checkpoint, then the backward pass through them: with the per-call options
     // (variant -2), again keeping the calls options.keep() names (-1, Fk) when it names any, and under each
@@ -269,6 +304,14 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     }
   }
   chain.keep = options.keep();
+  if (options.offload_min_bytes() >= 0) {
+    int64_t largest = int64_t{1} << 20;
+    for (const Stage& s : chain.stages)
+      largest = std::max(largest, s.saved_bytes);
+    const OffloadBandwidth bw = offload_bandwidth(device, std::min<int64_t>(largest, int64_t{64} << 20));
+    chain.to_host_gb_per_s = bw.to_host_gb_per_s;
+    chain.to_device_gb_per_s = bw.to_device_gb_per_s;
+  }
   for (const Policy& policy : options.policies())
     chain.policies.push_back(policy.name());
   for (size_t i = 0; i < n; ++i) {

@@ -7,10 +7,12 @@
 
 #include <chrono>
 #include <functional>
+#include <iostream>
 #include <optional>
 #include <thread>
 
 #include <remat/memory.h>
+#include <remat/offload.h>
 #include <remat/planned.h>
 #include <remat/planner.h>
 #include <remat/policy.h>
@@ -504,6 +506,113 @@ TEST_F(CudaTest, PlannedTrainsAsPlainWithinTheBudgetAndLeavesTheCallersPeak) {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_NE((*slow->planned)->rest_of_step(), nullptr);
   EXPECT_GE((*slow->planned)->rest_of_step()->ms, 0.5 * filler_ms);
+}
+
+TEST_F(CudaTest, OffloadIsThePlainRunAndFreesTheDevice) {
+  // remat::Offload's CUDA path: a side stream after the producing stream, events, pinned blocks, copies back
+  // waited for on the current stream. The same kernels on the same values: the plain run's gradients bitwise.
+  const int64_t w = 256;
+  torch::manual_seed(0);
+  auto seq = blocks(4, w, dev);
+  const auto x = torch::randn({32, 128, w}, on());
+  auto forward = [&](const torch::Tensor& t) { return seq->forward(t); };
+  const Grads want = run(*seq, x, forward);
+  auto pool = std::make_shared<remat::HostPool>();
+  EXPECT_TRUE(pool->pinned());
+  int64_t held_plain = 0, held_offloaded = 0;
+  remat::OffloadStats stats;
+  auto measure = [&](bool offload) {
+    for (auto& p : seq->parameters())
+      p.mutable_grad() = torch::Tensor();
+    auto leaf = x.detach().clone().requires_grad_(true);
+    torch::manual_seed(11);
+    torch::cuda::synchronize();
+    const int64_t base = remat::memory::active_bytes(dev);
+    torch::Tensor loss;
+    {
+      std::optional<remat::Offload> o;
+      if (offload)
+        o.emplace(remat::OffloadOptions().pool(pool).min_bytes(1 << 20).keep_on_device(seq->parameters()));
+      loss = seq->forward(leaf).pow(2).sum();
+      if (o) {
+        o->close();
+        o->finish_copies();
+        stats = o->stats();
+      }
+    }
+    torch::cuda::synchronize();
+    (offload ? held_offloaded : held_plain) = remat::memory::active_bytes(dev) - base;
+    loss.backward();
+    Grads out;
+    out.g.push_back(leaf.grad());
+    for (const auto& p : seq->parameters())
+      out.g.push_back(p.grad().clone());
+    out.next_draw = torch::rand({8}, x.options());
+    return out;
+  };
+  expect_same(measure(true), want, 0.0, "offloaded");
+  measure(false);
+  EXPECT_GT(stats.offloaded, 0);
+  EXPECT_EQ(pool->in_use_bytes(), 0);
+  // What went to the host left the device (the input's copy frees nothing: the caller holds it).
+  EXPECT_LE(held_offloaded, held_plain - (stats.offloaded_bytes - static_cast<int64_t>(x.nbytes())))
+      << held_plain << " " << stats.offloaded_bytes;
+  const remat::OffloadBandwidth bw = remat::offload_bandwidth(dev, 64 << 20);
+  EXPECT_GT(bw.to_host_gb_per_s, 1.0);
+  EXPECT_GT(bw.to_device_gb_per_s, 1.0);
+  std::cout << "offload bandwidth: " << bw.to_host_gb_per_s << " GB/s to the host, " << bw.to_device_gb_per_s
+            << " GB/s back\n";
+}
+
+TEST_F(CudaTest, PlannedOffloadsOnCudaWithinTheBudget) {
+  const int64_t w = 256, depth = 6;
+  torch::manual_seed(8);
+  const auto x = torch::randn({16, 128, 32}, on());
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  plain->to(dev);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->to(dev);
+  std::vector<remat::StageFn> stages;
+  for (size_t i = 0; i < net->h->size(); ++i) {
+    auto block = net->h[i]->as<BlockImpl>();
+    stages.push_back({"block" + std::to_string(i),
+                      [block](const torch::Tensor& t) { return block->forward(t); }, net->h[i]});
+  }
+  auto step = [&](Net& n) {
+    for (auto& p : n->parameters())
+      p.mutable_grad() = torch::Tensor();
+    torch::manual_seed(9);
+    auto loss = n->loss(x, dev);
+    loss.backward();
+    std::vector<torch::Tensor> g{loss.detach()};
+    for (const auto& p : n->parameters())
+      g.push_back(p.grad().clone());
+    return g;
+  };
+  step(plain);
+  remat::memory::reset_peak(dev);
+  step(plain);
+  const int64_t plain_peak = remat::memory::peak_bytes(dev) - plain->base;
+  const int64_t budget = plain_peak / 2;
+  remat::PlannerOptions offload;
+  offload.offload = true;
+  net->planned.emplace(stages, remat::PlannedOptions().budget(budget).planner(offload));
+  for (int s = 0; s < 3; ++s) {
+    const auto want = step(plain);
+    const auto got = step(net);
+    for (size_t i = 0; i < got.size(); ++i)
+      expect_close(got[i], want[i], 1e-5, "step " + std::to_string(s) + " value " + std::to_string(i));
+  }
+  ASSERT_TRUE((*net->planned)->is_planned());
+  const remat::Chain* chain = (*net->planned)->chain();
+  EXPECT_TRUE(chain->can_offload());
+  std::cout << "planned with offloading at half the plain peak: " << (*net->planned)->plan()->to_string()
+            << "; predicted " << (*net->planned)->predicted_peak_bytes() << ", measured "
+            << (*net->planned)->last_peak_bytes() << " bytes; bandwidth " << chain->to_host_gb_per_s << " / "
+            << chain->to_device_gb_per_s << " GB/s\n";
+  EXPECT_LE((*net->planned)->last_peak_bytes(), budget + budget / 50) << (*net->planned)->plan()->to_string();
 }
 
 }  // namespace

@@ -5,13 +5,15 @@
     plan = remat.per_layer(chain, 300 << 20)                    # keep, keep matmuls or checkpoint, per layer
     remat.enable(model, list(model), plan=plan)                 # applied with torch.utils.checkpoint
     remat.hf.enable(hf_model, budget="600MiB")                  # a Transformers model, in one line
+    remat.hf.enable(hf_model, budget="600MiB", offload=True)    # ... that may offload layers to host memory
 
 The planner is remat's C++ planner library (remat._core, no LibTorch inside): chains and plans are the same JSON
 as the C++ library and the ``remat`` command (``remat.Chain.from_json``, ``chain.to_json()``), and
 ``str(plan)`` is the C++ ``Plan::to_string()``. Budgets are bytes.
 """
-from . import _core
-from ._core import (STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, Op, OpKind, Plan, PolicyCost,
+from . import _core, offload
+from ._core import (STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, OffloadCost, Op, OpKind, Plan,
+                    PolicyCost,
                     Simulation, Stage, StepContext, StepPlan, check_plan, checkpoint_all, checkpoint_stages,
                     format_bytes, load_chain, make_plan, memory_breakdown, min_feasible_budget, min_step_budget,
                     no_checkpoint, optimal, parse_size, per_call_time_ms, per_layer, per_layer_min_budget,
@@ -28,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedSequential", "Chain", "InfeasibleBudget", "LayerPlan", "MATMUL_OPS", "MemoryBreakdown",
-    "MeterUnavailable", "Op", "OpKind", "POLICIES", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers",
+    "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers",
     "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "checkpoint_all",
     "checkpoint_context", "checkpoint_stages", "choices_of", "cpu_meter", "enable", "explain_placement",
     "format_bytes", "load_chain", "make_plan", "matmuls", "memory_breakdown", "memory_verdict", "meter_for",

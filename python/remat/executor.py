@@ -50,6 +50,10 @@ class _Runner:
         n = len(stages)
         self.policies = [None] * len(plan.policies)
         for op in self.ops:
+            if op.offload:
+                raise ValueError(f"remat.run_plan: operation {plan.op_text(op)} offloads, which the plan executor "
+                                 "does not run (it is not one run without offloading): run a per-layer plan that "
+                                 "offloads through remat.enable(model, layers, plan=plan)")
             if op.kind == _core.OpKind.Fk:
                 if op.policy < 0:
                     raise ValueError(f"remat.run_plan: operation {plan.op_text(op)} keeps with remat::keep tags, "

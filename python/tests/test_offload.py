@@ -297,3 +297,10 @@ def test_offloading_options_are_checked():
     with pytest.raises(ValueError, match="offload_min_bytes"):
         remat.enable(model, list(model.layers), budget="1GiB", offload=True, offload_min_bytes=-1)
     assert "forward" not in model.layers[0].__dict__  # nothing left wrapped
+
+
+def test_the_plan_executor_refuses_an_offloaded_plan():
+    plan = remat.Plan.from_json('{"num_stages": 2, "ops": ["Fa0@host", "Fa1", "L", "B1", "B0"]}')
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="Fa0@host offloads, which the plan executor does not run"):
+        remat.run_plan(remat.stages_of(model), plan, torch.randn(2, 4, requires_grad=True))

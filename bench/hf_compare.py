@@ -137,18 +137,36 @@ def compiled(model, batch, loss_of, budget):
     return call
 
 
+def grads_of(model):
+    """Copies of the parameters' gradients."""
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def max_diff(a, b):
+    """The largest difference between two lists of gradients."""
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def _sync():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def measure(model, run, meter, steps):
-    """`steps` steps; returns (median ms, peak above the bytes alive before the forward)."""
+    """`steps` steps; returns (median ms, peak above the bytes alive before the forward). On CUDA the device is
+    synchronized around each step, so that the time is the step's work."""
     times, peak = [0.0], 0
     if steps > 0:
         times = []
     for _ in range(steps):
         model.zero_grad(set_to_none=False)
+        _sync()
         base = meter.active()
         meter.reset_peak()
         t0 = time.perf_counter()
         loss = run()
         loss.backward()
+        _sync()
         times.append((time.perf_counter() - t0) * 1e3)
         peak = max(peak, meter.peak() - base)
         del loss

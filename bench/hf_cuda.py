@@ -30,6 +30,9 @@ import remat
 import remat.hf
 from remat.policies import matmuls
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from hf_compare import grads_of, max_diff  # noqa: E402
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -111,12 +114,6 @@ def main():
         peaks[f"b{k + 1}"] = int(b)
 
     # remat against the plain run: two steps each from the same weights and seeds.
-    def grads(m):
-        return [p.grad.detach().clone() for p in m.parameters()]
-
-    def max_diff(a, b):
-        return max(float((x - y).abs().max()) for x, y in zip(a, b))
-
     plain_a, plain_b = copy.deepcopy(base_model), copy.deepcopy(base_model)
     rm = copy.deepcopy(base_model)
     t0 = time.perf_counter()
@@ -124,11 +121,11 @@ def main():
     check = []
     for k in range(2):
         la = measure(plain_a, 1, seed=100 + k)[2]
-        ga = grads(plain_a)
+        ga = grads_of(plain_a)
         lb = measure(plain_b, 1, seed=100 + k)[2]
-        gb = grads(plain_b)
+        gb = grads_of(plain_b)
         lr = measure(rm, 1, seed=100 + k)[2]
-        gr = grads(rm)
+        gr = grads_of(rm)
         if k == 0:
             profile_s = time.perf_counter() - t0
         check.append(dict(step=k, loss_equal=bool(torch.equal(la, lr)), plain_loss_equal=bool(torch.equal(la, lb)),

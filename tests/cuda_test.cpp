@@ -431,38 +431,55 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
+// A Net on `dev` from seed 0 (two of them are the same model).
+Net seeded_net(int64_t w, int64_t depth, torch::Device dev) {
+  torch::manual_seed(0);
+  Net n(w, depth);
+  n->to(dev);
+  return n;
+}
+
+// The blocks of `net` as Planned's stages.
+std::vector<remat::StageFn> stages_of_net(Net& net) {
+  std::vector<remat::StageFn> out;
+  for (size_t i = 0; i < net->h->size(); ++i) {
+    auto block = net->h[i]->as<BlockImpl>();
+    out.push_back({"block" + std::to_string(i), [block](const torch::Tensor& t) { return block->forward(t); },
+                   net->h[i]});
+  }
+  return out;
+}
+
+// One training step of `n` (seeded); its loss and gradients.
+std::vector<torch::Tensor> net_step(Net& n, const torch::Tensor& x, torch::Device dev) {
+  for (auto& p : n->parameters())
+    p.mutable_grad() = torch::Tensor();
+  torch::manual_seed(9);
+  auto loss = n->loss(x, dev);
+  loss.backward();
+  std::vector<torch::Tensor> g{loss.detach()};
+  for (const auto& p : n->parameters())
+    g.push_back(p.grad().clone());
+  return g;
+}
+
+// The plain step's peak over the base (a second step: gradients allocated).
+int64_t plain_net_peak(Net& plain, const torch::Tensor& x, torch::Device dev) {
+  net_step(plain, x, dev);
+  remat::memory::reset_peak(dev);
+  net_step(plain, x, dev);
+  return remat::memory::peak_bytes(dev) - plain->base;
+}
+
 TEST_F(CudaTest, PlannedTrainsAsPlainWithinTheBudgetAndLeavesTheCallersPeak) {
   const int64_t w = 256, depth = 6;
   torch::manual_seed(8);
   const auto x = torch::randn({16, 128, 32}, on());
-  torch::manual_seed(0);
-  Net plain(w, depth);
-  plain->to(dev);
-  torch::manual_seed(0);
-  Net net(w, depth);
-  net->to(dev);
-  std::vector<remat::StageFn> stages;
-  for (size_t i = 0; i < net->h->size(); ++i) {
-    auto block = net->h[i]->as<BlockImpl>();
-    stages.push_back({"block" + std::to_string(i),
-                      [block](const torch::Tensor& t) { return block->forward(t); }, net->h[i]});
-  }
-  // The plain step's peak over the base, for the budget.
-  auto step = [&](Net& n) {
-    for (auto& p : n->parameters())
-      p.mutable_grad() = torch::Tensor();
-    torch::manual_seed(9);
-    auto loss = n->loss(x, dev);
-    loss.backward();
-    std::vector<torch::Tensor> g{loss.detach()};
-    for (const auto& p : n->parameters())
-      g.push_back(p.grad().clone());
-    return g;
-  };
-  step(plain);
-  remat::memory::reset_peak(dev);
-  step(plain);
-  const int64_t plain_peak = remat::memory::peak_bytes(dev) - plain->base;
+  Net plain = seeded_net(w, depth, dev);
+  Net net = seeded_net(w, depth, dev);
+  const std::vector<remat::StageFn> stages = stages_of_net(net);
+  auto step = [&](Net& n) { return net_step(n, x, dev); };
+  const int64_t plain_peak = plain_net_peak(plain, x, dev);
   const int64_t budget = plain_peak / 2;
   net->planned.emplace(stages, remat::PlannedOptions().budget(budget));
   for (int s = 0; s < 3; ++s) {
@@ -490,12 +507,7 @@ TEST_F(CudaTest, PlannedTrainsAsPlainWithinTheBudgetAndLeavesTheCallersPeak) {
   slow->to(dev);
   slow->slow_rest = true;
   slow->filler = torch::randn({2048, 2048}, on());
-  std::vector<remat::StageFn> slow_stages;
-  for (size_t i = 0; i < slow->h->size(); ++i) {
-    auto block = slow->h[i]->as<BlockImpl>();
-    slow_stages.push_back({"b", [block](const torch::Tensor& t) { return block->forward(t); }, slow->h[i]});
-  }
-  slow->planned.emplace(slow_stages, remat::PlannedOptions().budget(plain_peak * 2));
+  slow->planned.emplace(stages_of_net(slow), remat::PlannedOptions().budget(plain_peak * 2));
   step(slow);
   torch::cuda::synchronize();
   const auto t0 = std::chrono::steady_clock::now();
@@ -568,33 +580,11 @@ TEST_F(CudaTest, PlannedOffloadsOnCudaWithinTheBudget) {
   const int64_t w = 256, depth = 6;
   torch::manual_seed(8);
   const auto x = torch::randn({16, 128, 32}, on());
-  torch::manual_seed(0);
-  Net plain(w, depth);
-  plain->to(dev);
-  torch::manual_seed(0);
-  Net net(w, depth);
-  net->to(dev);
-  std::vector<remat::StageFn> stages;
-  for (size_t i = 0; i < net->h->size(); ++i) {
-    auto block = net->h[i]->as<BlockImpl>();
-    stages.push_back({"block" + std::to_string(i),
-                      [block](const torch::Tensor& t) { return block->forward(t); }, net->h[i]});
-  }
-  auto step = [&](Net& n) {
-    for (auto& p : n->parameters())
-      p.mutable_grad() = torch::Tensor();
-    torch::manual_seed(9);
-    auto loss = n->loss(x, dev);
-    loss.backward();
-    std::vector<torch::Tensor> g{loss.detach()};
-    for (const auto& p : n->parameters())
-      g.push_back(p.grad().clone());
-    return g;
-  };
-  step(plain);
-  remat::memory::reset_peak(dev);
-  step(plain);
-  const int64_t plain_peak = remat::memory::peak_bytes(dev) - plain->base;
+  Net plain = seeded_net(w, depth, dev);
+  Net net = seeded_net(w, depth, dev);
+  const std::vector<remat::StageFn> stages = stages_of_net(net);
+  auto step = [&](Net& n) { return net_step(n, x, dev); };
+  const int64_t plain_peak = plain_net_peak(plain, x, dev);
   const int64_t budget = plain_peak / 2;
   remat::PlannerOptions offload;
   offload.offload = true;

@@ -304,3 +304,27 @@ def test_the_plan_executor_refuses_an_offloaded_plan():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.raises(ValueError, match="Fa0@host offloads, which the plan executor does not run"):
         remat.run_plan(remat.stages_of(model), plan, torch.randn(2, 4, requires_grad=True))
+
+
+def test_cpu_autocast_and_autograd_grad_give_the_plain_runs_gradients(x):
+    # bf16 autocast (the saved tensors are the low-precision ones), and torch.autograd.grad instead of backward.
+    model = mlp()
+    params = list(model.parameters())
+
+    def grads(ctx):
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if ctx is None:
+                out = model(x)
+            else:
+                with ctx:
+                    out = model(x)
+        loss = out.float().square().mean()
+        return [loss.detach()] + list(torch.autograd.grad(loss, params))
+
+    plain = grads(None)
+    o = offload(model, min_bytes=BATCH * WIDTH * 2)
+    got = grads(o)
+    assert o.offloaded > 0
+    for a, b in zip(plain, got):
+        assert torch.equal(a, b)

@@ -17,6 +17,7 @@ what runs before and after them, and the gradients the step allocates are inside
 """
 from __future__ import annotations
 
+import gc
 import time
 import types
 from functools import partial
@@ -550,6 +551,11 @@ class LayerPlan:
             self._unmeasured = True
             self._step = None
             return
+        if not self._shapes or any(shape.chain is None for shape in self._shapes.values()):
+            # A step that may profile: garbage in reference cycles is collected before the base is read. Collected
+            # during the step, its tensors' frees would lower the count every reading is taken against (a
+            # dropped BertModel collected in a second one's profiling step measured that step 15.8 MB for 35.7).
+            gc.collect()
         meter = meter_for(self._device_of(args))
         grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
         self._step = _Step(meter, grads_none)

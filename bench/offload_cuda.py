@@ -150,7 +150,7 @@ def main():
     # are read against: a second BERT made in one process measured its floor 15.8 MB for 35.7 MB).
     gc.collect()
     plain_a, plain_b = copy.deepcopy(base_model), copy.deepcopy(base_model)
-    rm = build(args, dev)[0]  # made afresh (the same weights): a deep copy profiles its layers' gradients as new (see BENCHMARKS)
+    rm = build(args, dev)[0]  # afresh, gradients allocated as the others' (a deep copy drops .grad: see BENCHMARKS)
     lp = remat.hf.enable(rm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes)  # planned per row below
     check = []
     t0 = time.perf_counter()

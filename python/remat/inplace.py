@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 
 from . import _core
 from .meter import meter_for
-from .offload import CopyEngine, HostPool, Offload
+from .offload import CopyEngine, HostPool, Offload, storage_ptrs
 from .policies import CHECKPOINT, KEEP, choices_of, policy_fn, run_layer, split_choice
 from .profile import StageFn, profile
 
@@ -370,8 +370,9 @@ class LayerPlan:
         self.offload_min_bytes = offload_min_bytes
         self.host_pool = HostPool()  # the host memory of offloaded layers, reused from step to step
         self._engines: dict[torch.device, CopyEngine] = {}
-        self._offloads: dict[int, Offload] = {}  # this step's, per offloaded layer, until the next has run
-        self._step_offloads: list[Offload] = []  # this step's (offload_stats)
+        # This step's offloaded layers, (index, Offload) in order, and the storages they keep on the device.
+        self._step_offloads: list[tuple[int, Offload]] = []
+        self._keep_storages: set[int] | None = None
         if agree not in (None, True, False):
             raise ValueError(f"{who}: agree must be True, False or None (on when torch.distributed is "
                              f"initialized), got {agree!r}")
@@ -478,7 +479,7 @@ class LayerPlan:
         offloaded (tensors sent to the host), offloaded_bytes, brought_back (copies back to the device), prefetched
         (of them, started before the backward pass asked for the tensor), kept_on_device."""
         keys = ("offloaded", "offloaded_bytes", "brought_back", "prefetched", "kept_on_device")
-        return {k: sum(getattr(o, k) for o in self._step_offloads) for k in keys}
+        return {k: sum(getattr(o, k) for _, o in self._step_offloads) for k in keys}
 
     @property
     def last_peak_bytes(self) -> int:
@@ -616,8 +617,8 @@ class LayerPlan:
         layer's forward has run, and when the backward pass reaches this layer's output the previous layer's
         tensors start coming back (so that their copies overlap this layer's backward)."""
         if i == 0:
-            self._offloads = {}
             self._step_offloads = []
+            self._keep_storages = None
         layer = self.layers[i]
         o = None
         if split_choice(how)[1]:
@@ -625,18 +626,21 @@ class LayerPlan:
             engine = self._engines.get(device)
             if engine is None:
                 engine = self._engines[device] = CopyEngine(device)
+            # What the profile counted as alive anyway stays on the device: the parameters and buffers (their
+            # storages found once a step) and the tensors the call takes beside its input (a mask, a position bias).
+            if self._keep_storages is None:
+                self._keep_storages = storage_ptrs([*self.model.parameters(), *self.model.buffers()])
             o = Offload(pool=self.host_pool, min_bytes=self.offload_min_bytes, lookahead=0, engine=engine)
-            o.keep_on_device(self._params)
+            o.keep_on_device(_taken_tensors(fn, args), storages=self._keep_storages)
         out = run_layer(how, fn, args, [layer], self.policies, offload=o)
-        prev = self._offloads.pop(i - 1, None)
-        if prev is not None:
+        if self._step_offloads and self._step_offloads[-1][0] == i - 1:
+            prev = self._step_offloads[-1][1]
             prev.finish_copies()
             main, _ = _layer_output(out, self.who, i, layer)
             if main.requires_grad:
                 main.register_hook(partial(_prefetch_then, prev))
         if o is not None:
-            self._offloads[i] = o
-            self._step_offloads.append(o)
+            self._step_offloads.append((i, o))
         return out
 
     # -- a planned step: its measured peak --------------------------------------------------------------------

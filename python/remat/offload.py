@@ -34,7 +34,7 @@ from __future__ import annotations
 import weakref
 import torch
 
-__all__ = ["HostPool", "CopyEngine", "Offload", "offload", "offloadable", "measure_bandwidth"]
+__all__ = ["HostPool", "CopyEngine", "Offload", "offload", "offloadable", "measure_bandwidth", "storage_ptrs"]
 
 _ALIGN = 512
 
@@ -113,6 +113,17 @@ def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return ptr != 0 and ptr not in alive and t.nbytes >= min_bytes and t.is_contiguous()
+
+
+def storage_ptrs(tensors) -> set[int]:
+    """The data pointers of the tensors' storages (what Offload.keep_on_device keeps on the device)."""
+    out = set()
+    for t in tensors:
+        try:
+            out.add(t.untyped_storage().data_ptr())
+        except RuntimeError:
+            pass
+    return out
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
@@ -264,13 +275,10 @@ class Offload:
         self.offloaded = self.offloaded_bytes = self.kept_on_device = self.brought_back = self.prefetched = 0
         self._hooks = None
 
-    def keep_on_device(self, tensors) -> "Offload":
-        """Storages never offloaded (a model's parameters and buffers: offload() passes them)."""
-        for t in tensors:
-            try:
-                self._alive.add(t.untyped_storage().data_ptr())
-            except RuntimeError:
-                pass
+    def keep_on_device(self, tensors=(), storages: set[int] = frozenset()) -> "Offload":
+        """Storages never offloaded: those of `tensors` (a model's parameters and buffers: offload() passes
+        them), and `storages`, data pointers as storage_ptrs() gives them (a set made once for many Offloads)."""
+        self._alive |= storage_ptrs(tensors) | storages
         return self
 
     def _engine(self, device: torch.device) -> CopyEngine:
@@ -359,21 +367,21 @@ class Offload:
                 "operation outside offload()")
 
     def _start_to_device(self, entry: _Entry) -> None:
-        if entry.device_copy is not None and entry.device_copy() is not None:
+        if entry.device_copy is not None:
             return
         self._to_host_landed(entry)
         host = entry.block[: entry.nbytes].view(entry.dtype).view(entry.shape)
         out = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
         entry.to_device_done = self._engine(entry.device).copy(out, host)
         entry.host_view = host  # the copy's source, held until it has landed
-        entry.device_copy = _Strong(out)
+        entry.device_copy = out
         self.brought_back += 1
 
     def unpack(self, h):
         if not isinstance(h, _Handle):
             return h
         entry = h.entry
-        started = entry.device_copy is not None and entry.device_copy() is not None
+        started = entry.device_copy is not None
         if started and not entry.unpacked:
             self.prefetched += 1  # its copy began before it was asked for
         entry.unpacked = True
@@ -385,7 +393,7 @@ class Offload:
                 other = ref()
                 if other is not None and other.block is not None:
                     self._start_to_device(other)
-        out = entry.device_copy()
+        out = entry.device_copy
         self._to_device_landed(entry)
         # Held until autograd drops the saved tensor (every node that saved this storage has run, or the graph is
         # freed): a storage saved by two operators, unpacked by both, comes back once, as plain autograd holds it.
@@ -433,18 +441,6 @@ class Offload:
     def __exit__(self, *exc):
         hooks, self._hooks = self._hooks, None
         return hooks.__exit__(*exc)
-
-
-class _Strong:
-    """A strong reference callable like a weak one (a copy started by a prefetch, held until asked for)."""
-
-    __slots__ = ("t",)
-
-    def __init__(self, t):
-        self.t = t
-
-    def __call__(self):
-        return self.t
 
 
 def offload(model: torch.nn.Module | None = None, *, pool: HostPool | None = None, min_bytes: int = 1 << 20,

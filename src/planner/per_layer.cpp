@@ -336,10 +336,6 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   return t;
 }
 
-}  // namespace
-
-namespace {
-
 // The allowed Fk variants, after checking that offloading, when asked for, has what it needs.
 std::vector<char> allowed_for(const Chain& chain, const PlannerOptions& options, const char* who) {
   if (options.offload && !chain.can_offload()) {

@@ -297,7 +297,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       ready.block(side);  // the copy starts after the work that produced its source
       {
         c10::StreamGuard guard(side);
-        const_cast<at::Tensor&>(dst).copy_(src, /*non_blocking=*/true);
+        dst.copy_(src, /*non_blocking=*/true);
       }
       auto done = std::make_shared<c10::Event>(device.type());
       done->record(side);
@@ -311,7 +311,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
                                          }});
     }
     if (options_.copy_delay() <= 0) {
-      const_cast<at::Tensor&>(dst).copy_(src);
+      dst.copy_(src);
       return nullptr;
     }
     // Late on purpose (tests): held weakly, carried out when waited for or `copy_delay` copies later.
@@ -452,9 +452,9 @@ OffloadBandwidth offload_bandwidth(c10::Device device, int64_t nbytes, int repea
       sync();
       const auto t0 = std::chrono::steady_clock::now();
       if (up) {
-        const_cast<at::Tensor&>(host).copy_(dev, /*non_blocking=*/impl.has_value());
+        host.copy_(dev, /*non_blocking=*/impl.has_value());
       } else {
-        const_cast<at::Tensor&>(dev).copy_(host, /*non_blocking=*/impl.has_value());
+        dev.copy_(host, /*non_blocking=*/impl.has_value());
       }
       sync();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

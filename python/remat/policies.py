@@ -9,6 +9,7 @@ forward pass left them.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from functools import partial
 from typing import Callable, Sequence
 
@@ -22,13 +23,18 @@ try:  # torch 2.4 and later
 except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
     raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
 
-__all__ = ["KEEP", "CHECKPOINT", "HOST", "split_choice", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
+__all__ = ["KEEP", "CHECKPOINT", "HOST", "POLICY_OFFLOAD", "split_choice", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
            "checkpoint_context", "run_layer"]
 
 KEEP = "keep"
 CHECKPOINT = "checkpoint"
-# A choice offloaded (the plan's @host): "keep@host", "checkpoint@host".
+# A choice offloaded (the plan's @host): "keep@host", "checkpoint@host", "matmuls@host".
 HOST = "@host"
+
+# Whether torch.utils.checkpoint can route what a selective policy keeps through the enclosing saved-tensor hooks
+# (its respect_saved_tensors_hooks argument; PyTorch 2.15 has it). Without it selective checkpointing holds those
+# tensors in a cache of its own that no hook sees, and a policy's kept tensors cannot be offloaded.
+POLICY_OFFLOAD = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
 
 
 def split_choice(how: str) -> tuple[str, bool]:
@@ -115,17 +121,34 @@ def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn
               policies: dict[str, Callable] | None = None, offload=None):
     """Runs fn(*args) as `how` says: "keep" plainly, "checkpoint" under torch.utils.checkpoint, or a policy's
     name under torch.utils.checkpoint with that selective policy; any of them with "@host" inside `offload` (a
-    remat.offload.Offload, whose hooks send what the layer saves to host memory). Outside training with grad,
-    plainly. Raises ValueError for an offloaded choice without an Offload."""
+    remat.offload.Offload, whose hooks send what the layer saves to host memory: kept whole, what its
+    operators save; checkpointed, its input; under a policy, its input and what the policy keeps). Outside
+    training with grad, plainly. Raises ValueError for an offloaded choice without an Offload, and for a
+    policy's offloaded choice on a torch whose checkpoint cannot pass the policy's kept tensors to the hooks
+    (POLICY_OFFLOAD false)."""
     how, host = split_choice(how)
     if host and torch.is_grad_enabled():
         if offload is None:
             raise ValueError(f"remat: the choice '{how}{HOST}' offloads, and no remat.offload.Offload was given")
+        if how not in (KEEP, CHECKPOINT) and not POLICY_OFFLOAD:
+            raise ValueError(
+                f"remat: the choice '{how}{HOST}' offloads what policy '{how}' keeps, which this torch "
+                f"({torch.__version__}) cannot do: its torch.utils.checkpoint holds a policy's kept tensors "
+                "outside the saved-tensor hooks (it has no respect_saved_tensors_hooks); plan without "
+                "offloading policies' choices, or install a torch that has it")
         with offload:
-            return run_layer(how, fn, args, modules, policies)
+            return _run(how, fn, args, modules, policies, through_hooks=True)
+    return _run(how, fn, args, modules, policies)
+
+
+def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],
+         policies: dict[str, Callable] | None, through_hooks: bool = False):
     if how == KEEP or not torch.is_grad_enabled():
         return fn(*args)
     policy = None if how == CHECKPOINT else policy_fn(how, policies)
+    # Under a policy offloaded: what it keeps goes through the Offload's hooks (the checkpoint's input always
+    # does: torch.utils.checkpoint saves it outside its own hooks).
+    extra = {"respect_saved_tensors_hooks": True} if through_hooks and policy is not None else {}
     # Autocast's cache of cast weights off inside (torch.utils.checkpoint records it for the recompute): a
     # layer that does not keep its activations would otherwise hold its weights' low-precision copies until the
     # autocast region ends (each checkpointed layer's weights in bf16 above the prediction, measured). The
@@ -134,7 +157,7 @@ def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn
     torch.set_autocast_cache_enabled(False)
     try:
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=checkpoint_context(modules, policy))
+                          context_fn=checkpoint_context(modules, policy), **extra)
     finally:
         torch.set_autocast_cache_enabled(cache)
 

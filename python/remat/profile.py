@@ -17,6 +17,7 @@ put back.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from . import _core
 from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
 from .offload import measure_bandwidth, offloadable
-from .policies import checkpoint_context, policy_fn
+from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
 
@@ -194,8 +195,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     attention mask a closure holds), not counted as saved. offload_min_bytes: also profile for offloading
     (remat.offload with that threshold): each stage's OffloadCost kept whole (Stage.offload) and checkpointed
     (Stage.checkpoint_offload, its input), and the chain's bandwidths, measured by copying the largest tensor a
-    stage saves (at most 64 MiB) to host memory and back. Offloading what a policy keeps is not profiled
-    (selective checkpointing keeps it outside the saved-tensor hooks): no Fk[NAME]@host.
+    stage saves (at most 64 MiB) to host memory and back; under each policy, what offloading its kept tensors
+    and its input moves (PolicyCost.offload, Fk[NAME]@host), where torch's checkpoint can pass them to the
+    hooks (remat.policies.POLICY_OFFLOAD; otherwise unset: not offered).
 
     On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
     the bytes tensors request from the caching allocator; in peak windows either way, which reset no statistic
@@ -215,6 +217,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     if inputs is not None and len(inputs) != n:
         raise ValueError(f"remat.profile: {len(inputs)} inputs for {n} stages")
     pols = _policies(policies)
+    policy_offload = offload_min_bytes is not None and POLICY_OFFLOAD
     device = example_input.device
     meter = meter_for(device)
     cuda = device.type == "cuda"
@@ -372,15 +375,29 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 for name, fn in pols.items():
                     for i in reversed(range(n)):
                         leaf = leaf_of(i)
+                        # Offloading profiled: what the policy keeps passes through counting hooks (the
+                        # checkpoint's input always does), as it passes through an Offload's.
+                        counter = (_SavedStorages(alive | {_storage_key(leaf)}, offload_min_bytes, alive)
+                                   if policy_offload else None)
+                        hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
+                                 if counter else contextlib.nullcontext())
+                        extra = {"respect_saved_tensors_hooks": True} if counter else {}
                         sync()
                         base = meter.count()
                         t0 = time.perf_counter()
-                        out = check_out(i, checkpoint(stage_list[i].fn, leaf, use_reentrant=False,
-                                                      preserve_rng_state=True, context_fn=contexts[i](fn)))
+                        with hooks:
+                            out = check_out(i, checkpoint(stage_list[i].fn, leaf, use_reentrant=False,
+                                                          preserve_rng_state=True, context_fn=contexts[i](fn),
+                                                          **extra))
                         sync()
                         f = (time.perf_counter() - t0) * 1e3
                         if measure:
                             fields[i]["pol"][name]["saved"] = max(out.nbytes, meter.count() - base)
+                            if counter:
+                                fields[i]["pol"][name]["offload"] = counter.offload_cost(
+                                    _storage_key(leaf), _storage_key(out),
+                                    fields[i]["pol"][name]["saved"] - out.nbytes)
+                        del counter
                         targets = targets_of(i, leaf)
                         b = timed_backward(out, targets, i)[0] if out.requires_grad and targets else 0.0
                         del out, leaf
@@ -414,6 +431,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             c.saved_bytes = min(f["pol"][name]["saved"], s.saved_bytes)
             c.fwd_ms = _median(f["pol"][name]["fwd"])
             c.bwd_ms = _median(f["pol"][name]["bwd"])
+            if "offload" in f["pol"][name]:
+                c.offload = f["pol"][name]["offload"]
             costs.append(c)
         s.policies = costs
         if offload_min_bytes is not None:

@@ -275,6 +275,49 @@ def test_planned_offloading_fits_budgets_no_plan_without_it_fits():
     given.remove()
 
 
+def test_what_a_policy_keeps_goes_to_the_host_with_its_input():
+    # Fk[matmuls]@host: what selective checkpointing keeps (each block's two linears' outputs, 512 + 128 KiB)
+    # passes through the Offload's hooks with the checkpoint's input; the profile measures it, and a plan that
+    # offloads it runs bitwise within its predicted step peak, with the host bytes simulate() predicts. Without
+    # torch's respect_saved_tensors_hooks only the inputs would go (and the kept tensors stay above the
+    # prediction).
+    if not remat.POLICY_OFFLOAD:
+        pytest.skip(f"torch {torch.__version__}'s checkpoint cannot pass a policy's kept tensors to hooks")
+    model, x, plain, lp = planned_stack()
+    chain, ctx = lp.chain, lp.context
+    hidden = 256 * 128 * 4
+    for st in chain.stages:
+        (pc,) = st.policies
+        assert pc.policy == "matmuls" and pc.offload.input and not pc.offload.output
+        assert pc.offload.bytes == 5 * hidden
+    lp.remove()
+    text = ("Fk0[matmuls]@host Fk1[matmuls]@host Fc2@host Fk3[matmuls]@host Fa4 L "
+            "B4 B3 Fa2 B2 B1 B0").split()
+    plan = remat.Plan.from_json('{"num_stages": 5, "ops": %s}' % str(text).replace("'", '"'))
+    sim = remat.simulate(chain, plan)
+    predicted = remat.step_peak_bytes(chain, ctx, plan)
+    given = remat.enable(model, list(model.layers), plan=plan, offload_min_bytes=64 << 10)
+    assert given.choices == ["matmuls@host", "matmuls@host", "checkpoint@host", "matmuls@host", "keep"]
+    got = stack_step(model, x)
+    same_step(plain, got)
+    stats = given.offload_stats
+    # Three blocks' kept outputs and inputs, and the checkpointed block's input.
+    assert stats["offloaded_bytes"] == 3 * (5 * hidden + hidden) + hidden == sim.host_peak_bytes
+    assert given.host_pool.peak_bytes == sim.host_peak_bytes and given.host_pool.in_use_bytes == 0
+    assert stats["brought_back"] == stats["offloaded"] and stats["prefetched"] == stats["offloaded"]
+    assert got[2] <= predicted and predicted - got[2] < 0.12 * got[2], (got[2], predicted)
+    given.remove()
+    # Refused where torch's checkpoint cannot do it (the kept tensors would stay on the device, unpredicted).
+    remat.policies.POLICY_OFFLOAD = False
+    try:
+        given = remat.enable(model, list(model.layers), plan=plan, offload_min_bytes=64 << 10)
+        with pytest.raises(ValueError, match="'matmuls@host' offloads what policy 'matmuls' keeps"):
+            stack_step(model, x)
+        given.remove()
+    finally:
+        remat.policies.POLICY_OFFLOAD = True
+
+
 def test_a_host_bound_holds_and_late_copies_are_waited_for():
     model, x, plain, lp = planned_stack(max_host_bytes=200 << 10)
     chain, ctx = lp.chain, lp.context

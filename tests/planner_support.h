@@ -87,7 +87,8 @@ inline remat::Chain random_policy_chain(std::mt19937& rng, int64_t n, int64_t un
 
 // random_policy_chain profiled for offloading: bandwidths that make a stage's copies take about as long as a
 // stage's forward, and an OffloadCost for most ways of running most stages (part of what each keeps beyond
-// its output, its input saved or not, its output saved or not).
+// its output, its input saved or not, its output saved or not), and a runtime that holds kept stages'
+// outputs or not (Chain::holds_outputs).
 inline remat::Chain random_offload_chain(std::mt19937& rng, int64_t n, int64_t unit = 1) {
   remat::Chain c = random_policy_chain(rng, n, unit);
   std::uniform_real_distribution<double> part(0.0, 1.0);
@@ -111,5 +112,6 @@ inline remat::Chain random_offload_chain(std::mt19937& rng, int64_t n, int64_t u
     for (auto& p : s.policies)
       if (coin(rng)) p.offload = cost(p.saved_bytes, s.output_bytes, false);
   }
+  c.holds_outputs = coin(rng);  // the C++ executor's chains, or the Python package's
   return c;
 }

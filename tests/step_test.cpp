@@ -233,6 +233,18 @@ TEST(PerLayerOffload, SimulateChargesOffloadingAsDocumented) {
   EXPECT_EQ(both.op_peak_bytes[2], 10 + 40 + 40 + 40 - 30);                 // stage 0's 30 left after Fa1
   EXPECT_EQ(both.op_peak_bytes[3], 10 + 40 + 40 + 40 - 30 - 30 - 10 + 10);  // and stage 1's 30 and a_1 at L
   EXPECT_EQ(both.host_peak_bytes, 30 + 10 + 10 + 40);  // stage 0: its bytes, a_0 and a_1; stage 1: 40
+  // A runtime that holds a kept stage's output until its backward (the C++ executor): a_1 stays on the device
+  // though stage 0 is offloaded (a_1 is copied all the same: stage 0 saves it).
+  chain.holds_outputs = true;
+  const remat::Simulation held = remat::simulate(chain, plan);
+  EXPECT_EQ(held.op_peak_bytes[3], both.op_peak_bytes[3] + 10);
+  EXPECT_EQ(held.host_peak_bytes, both.host_peak_bytes);
+  // And without offloading stage 0, whose operators do not save a_1 here: held all the same.
+  chain.stages[0].offload->output = false;
+  plan.ops[0].offload = false;
+  EXPECT_EQ(remat::simulate(chain, plan).op_peak_bytes, sim.op_peak_bytes);
+  chain.holds_outputs = false;
+  EXPECT_EQ(remat::simulate(chain, plan).op_peak_bytes[3], sim.op_peak_bytes[3] - 10);
 }
 
 TEST(PerLayerOffload, EqualsExhaustiveSearchOnRandomChains) {
@@ -354,6 +366,12 @@ TEST(PerLayerOffload, RefusesWhatItCannotPlan) {
   const Chain back = remat::chain_from_json(remat::to_json(chain));
   EXPECT_EQ(remat::to_json(back), remat::to_json(chain));
   EXPECT_DOUBLE_EQ(back.to_host_gb_per_s, chain.to_host_gb_per_s);
+  Chain holding = chain;
+  holding.holds_outputs = !chain.holds_outputs;
+  EXPECT_EQ(remat::chain_from_json(remat::to_json(holding)).holds_outputs, holding.holds_outputs);
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "holds_outputs": 1, "stages": [
+      {"fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 2}]})"),
+                        "\"holds_outputs\" must be true or false");
   EXPECT_FALSE(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1,
       "output_bytes": 1, "saved_bytes": 2}]})")
                    .can_offload());

@@ -108,6 +108,12 @@ struct Chain {
   /// bytes per second); 0 when not measured: the chain cannot be offloaded.
   double to_host_gb_per_s = 0;
   double to_device_gb_per_s = 0;  ///< see to_host_gb_per_s
+  /// Whether the runtime holds the output of a stage run with grad (Fa, Fk, offloaded or not) on the device
+  /// until that stage's backward, whatever the stage's saved tensors hold: true for chains the C++ profiler
+  /// makes (the plan executor holds such an output as the root of the stage's backward), false for the Python
+  /// package's layers (an output stays only where something saves it). Read by offloading only: whether the
+  /// next stage's offloaded input (Fc@host, Fk@host) leaves the device.
+  bool holds_outputs = false;
 
   /// Whether the chain can be offloaded: both bandwidths measured.
   bool can_offload() const { return to_host_gb_per_s > 0 && to_device_gb_per_s > 0; }

@@ -119,6 +119,8 @@ NB_MODULE(_core, m) {
       .def_rw("to_host_gb_per_s", &remat::Chain::to_host_gb_per_s,
               "copies to host memory (GB/s; 0: unmeasured)")
       .def_rw("to_device_gb_per_s", &remat::Chain::to_device_gb_per_s, "copies back (GB/s; 0: unmeasured)")
+      .def_rw("holds_outputs", &remat::Chain::holds_outputs,
+              "the runtime holds a kept stage's output until its backward (C++ executor's chains)")
       .def("can_offload", &remat::Chain::can_offload)
       .def("size", &remat::Chain::size)
       .def("__len__", &remat::Chain::size)

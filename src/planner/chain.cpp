@@ -236,6 +236,7 @@ std::string to_json(const Chain& chain) {
     j["to_host_gb_per_s"] = chain.to_host_gb_per_s;
     j["to_device_gb_per_s"] = chain.to_device_gb_per_s;
   }
+  if (chain.holds_outputs) j["holds_outputs"] = true;
   return j.dump(2);
 }
 
@@ -358,6 +359,14 @@ Chain chain_from_json(const std::string& text) {
   chain.policies = detail::string_array(j, "policies", "remat::chain_from_json");
   chain.to_host_gb_per_s = optional<double>(j, "to_host_gb_per_s", "the chain", 0.0);
   chain.to_device_gb_per_s = optional<double>(j, "to_device_gb_per_s", "the chain", 0.0);
+  if (j.contains("holds_outputs")) {
+    if (!j.at("holds_outputs").is_boolean()) {
+      throw std::invalid_argument(
+          "remat::chain_from_json: the chain: \"holds_outputs\" must be true or false, got " +
+          j.at("holds_outputs").dump());
+    }
+    chain.holds_outputs = j.at("holds_outputs").get<bool>();
+  }
   validate(chain);
   return chain;
 }

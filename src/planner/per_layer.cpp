@@ -233,7 +233,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           const bool input_leaves = ch.cost->input && j > 0 && !p.keeps_output;
           q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
           q.copied = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
-          q.keeps_output = false;
+          // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
+          q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
           q.host += q.copied;
           if (bounded && q.host > max_host) continue;
         } else if (!offload) {
@@ -241,7 +242,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         } else if (ch.kind == OpKind::kForwardCheckpoint) {
           q.keeps_output = false;  // a checkpoint holds its input, not its output
         } else {
-          q.keeps_output = ch.cost ? ch.cost->output : true;  // unknown: held, as before offloading
+          // Unknown: held, as before offloading.
+          q.keeps_output = chain.holds_outputs || !ch.cost || ch.cost->output;
         }
         q.parent = static_cast<int64_t>(k);
         q.choice = static_cast<int64_t>(c);

@@ -331,10 +331,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           a.state = Away::kInFlight;
           host += a.copied;
           sim.host_peak_bytes = std::max(sim.host_peak_bytes, host);
-          keeps_output[i + 1] = 0;
+          // A runtime that holds a kept stage's output (Chain::holds_outputs) holds it offloaded too.
+          keeps_output[i + 1] = chain && chain->holds_outputs && (all || keep);
         } else {
           const OffloadCost* c = (all || keep) ? offload_cost(op) : nullptr;
-          keeps_output[i + 1] = (all || keep) ? (c ? c->output : 1) : 0;
+          keeps_output[i + 1] = (all || keep) ? (c && !(chain && chain->holds_outputs) ? c->output : 1) : 0;
         }
         break;
       }

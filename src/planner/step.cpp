@@ -86,6 +86,7 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   step.policies = chain.policies;
   step.to_host_gb_per_s = chain.to_host_gb_per_s;
   step.to_device_gb_per_s = chain.to_device_gb_per_s;
+  step.holds_outputs = chain.holds_outputs;
   Stage before;
   before.name = "before";
   before.output_bytes = chain.input_bytes;

@@ -450,10 +450,4 @@ TEST(Executor, RefusesOptionsItCannotHonour) {
   EXPECT_THROW_WITH(remat::CheckpointedSequential(
                         seq, plan, remat::CheckpointOptions().mode(remat::CheckpointMode::kReentrant)),
                     "remat::CheckpointedSequential", "kReentrant");
-  // A plan offloading a checkpointed stage's input (the Python package's Fc@host) is refused, not run without
-  // offloading.
-  remat::Plan offloaded = plan;
-  offloaded.ops[0].offload = true;
-  EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), offloaded, x), "remat::run_plan", "Fc0@host",
-                    "which the C++ executor does not run");
 }

@@ -19,9 +19,14 @@
 /// device tensor is held until its copy has completed), on the CPU at once. A storage saved by several
 /// operators is copied once. Unpacking in the backward pass copies it back (waiting for its copy first, never
 /// reading it early) and holds the device copy until autograd drops the saved tensor; then the block returns
-/// to the pool. Inside a remat::checkpoint region the region's own hooks are the innermost and take what it
-/// saves (an Offload around a checkpoint sends only what the checkpoint itself saves to the host; one inside,
-/// what the region's operators save).
+/// to the pool. A tensor whose storage another holder kept on the device (the stage before, whose output it
+/// is) and that was not written since is handed out as it is instead: no second copy on the device.
+///
+/// Inside a remat::checkpoint region (kNonReentrant) the region's own hooks are the innermost and take what
+/// its operators save. An Offload around a checkpoint gets what the checkpoint itself saves (its inputs) and,
+/// once the region's forward pass is done, what it keeps for the backward pass: the outputs of its kept calls
+/// (CheckpointOptions::keep tags, and the calls its policy keeps), with what autograd saved inside them; an
+/// Offload inside a region, what the region's operators save.
 ///
 /// A tensor written in place while its copy to the host is in flight is an error (c10::Error naming it) when
 /// the copy completes, never a gradient computed from half-copied values; autograd's own version check does
@@ -130,6 +135,9 @@ struct OffloadStats {
   int64_t kept_on_device = 0;   ///< tensors the pool's bound left on the device
   int64_t brought_back = 0;     ///< copies back to the device
   int64_t prefetched = 0;       ///< of them, started by prefetch() before the backward pass asked
+  /// Tensors found still on the device when they were needed back (another holder kept their storage there,
+  /// such as the stage before, whose output they are; not written since): handed out as they are, no copy.
+  int64_t found_on_device = 0;
 };
 
 /// Sends what autograd saves to host memory while it is open (see the top of this file). A scope on the

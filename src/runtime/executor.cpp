@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <mutex>
@@ -66,13 +67,17 @@ struct ExecState final : torch::CustomClassHolder {
     at::Tensor plain;
     at::Tensor leaf, output;  // abar
     NodeMark mark;            // where the stage's run with grad began creating autograd nodes
+    // a_i on the host (Fc@host: the checkpointed stage's input), saved as autograd saves a tensor under the
+    // stage's Offload, so that its hooks copy it and bring it back; read when neither of the above holds a_i.
+    std::shared_ptr<torch::autograd::SavedVariable> host;
   };
   std::vector<Held> held;
   at::Tensor grad;  // d_j
   int64_t grad_at = -1;
 
-  // Offloading (Fa@host): per stage its Offload while what it saved is on the host; the stage whose copies to
-  // the host are in flight (waited for once the next forward has run); whether a stage's copies back started.
+  // Offloading (Fa@host, Fk@host, Fc@host): per stage its Offload while what it saved is on the host; the
+  // stage whose copies to the host are in flight (waited for once the next forward has run); whether a
+  // stage's copies back started.
   OffloadOptions offload;
   std::vector<std::shared_ptr<Offload>> offloads;
   int64_t in_flight = -1;
@@ -91,10 +96,6 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
   int64_t tag_fk = 0;
   for (const Op& op : plan.ops) {
     tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0;
-    TORCH_CHECK(
-        !op.offload || op.kind == OpKind::kForwardAll, who, ": the plan offloads ", op_text(plan, op),
-        ", which the C++ executor does not run: it offloads what a stage's own operators save (Fa@host), "
-        "not a checkpoint's kept outputs or held input (Fk@host, Fc@host run in the Python package)");
   }
   TORCH_CHECK(tag_fk == 0 || !plan.keep.empty(), who, ": the plan has ", tag_fk,
               " Fk operations but no remat::keep tags to run them with (Plan::keep is empty)");
@@ -138,7 +139,26 @@ void check_executor_options(const CheckpointOptions& options, const char* who) {
 }
 
 at::Tensor value_of(const ExecState::Held& h) {
-  return h.plain.defined() ? h.plain : h.output.detach();
+  if (h.plain.defined()) return h.plain;
+  if (h.output.defined() || !h.host) return h.output.detach();
+  return h.host->unpack();  // brought back from the host (prefetched when the backward pass came near)
+}
+
+// The Offload of an offloaded forward of `stage` (open from here until close()): the executor's options, with
+// the stage module's parameters and buffers and `also` (tensors the stage holds anyway) kept on the device.
+std::shared_ptr<Offload> open_offload(const ExecState& st, const StageFn& stage,
+                                      std::vector<at::Tensor> also) {
+  OffloadOptions o = st.offload;
+  std::vector<at::Tensor> keep = o.keep_on_device();
+  if (stage.module) {
+    for (const auto& p : stage.module->parameters())
+      keep.push_back(p);
+    for (const auto& b : stage.module->buffers())
+      keep.push_back(b);
+  }
+  for (auto& t : also)
+    keep.push_back(std::move(t));
+  return std::make_shared<Offload>(o.keep_on_device(std::move(keep)));
 }
 
 // Runs the forward operation `op` of the plan.
@@ -167,18 +187,10 @@ void run_forward(ExecState& st, const Op& op) {
     const bool floating = at::isFloatingType(x.scalar_type()) || at::isComplexType(x.scalar_type());
     if (floating && (i > 0 || st.input_requires_grad)) leaf = x.detach().requires_grad_(true);
     const NodeMark mark = NodeMark::now();
+    // Offloaded: what the stage's operators save (Fa@host), or what its checkpoint keeps (Fk@host: the kept
+    // calls' outputs go through the Offload's hooks; its input, held by the executor, stays).
     std::shared_ptr<Offload> offload;
-    if (op.offload) {
-      OffloadOptions o = st.offload;
-      std::vector<at::Tensor> keep = o.keep_on_device();
-      if (stage.module) {
-        for (const auto& p : stage.module->parameters())
-          keep.push_back(p);
-        for (const auto& b : stage.module->buffers())
-          keep.push_back(b);
-      }
-      offload = std::make_shared<Offload>(o.keep_on_device(std::move(keep)));
-    }
+    if (op.offload) offload = open_offload(st, stage, {leaf});
     if (op.kind == OpKind::kForwardKeep) {
       // Fk: the stage as a checkpoint that keeps its kept calls' outputs; B recomputes the rest through it.
       auto options = CheckpointOptions().preserve_rng_state(st.preserve_rng).determinism_check(st.check);
@@ -210,6 +222,16 @@ void run_forward(ExecState& st, const Op& op) {
                 "') returned an undefined tensor");
     next.plain = out;
     if (op.kind == OpKind::kForwardNoSave && i > 0 && in.plain.defined()) in.plain = at::Tensor();
+    if (op.offload) {
+      // Fc@host: the input it holds for its recompute goes to the host (and leaves the device unless another
+      // holder keeps it there: the stage before holding it as its output, or the caller's input a_0).
+      auto offload = open_offload(st, stage, {});
+      in.host = std::make_shared<torch::autograd::SavedVariable>(x, /*is_output=*/false);
+      offload->close();
+      in.plain = at::Tensor();
+      st.offloads[i] = std::move(offload);
+      st.prefetched[i] = 0;
+    }
   }
   if (st.ran[i]) {
     check_rng_replayed(st.rng[i].end, "remat::run_plan",
@@ -307,6 +329,7 @@ void run_backward(ExecState& st, int64_t i, const UserPass& outer, bool keep_gra
   st.grad = d_in;
   st.grad_at = i;
   if (i > 0 && in.plain.defined()) in.plain = at::Tensor();
+  in.host = nullptr;  // a_i on the host served its recompute
 }
 
 // The forward operations up to the loss; returns a_n (values, no graph).

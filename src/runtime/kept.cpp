@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "detail/compat.h"
+#include "detail/hooks.h"
 
 namespace remat::detail {
 namespace {
@@ -62,22 +63,52 @@ KeptCall make_kept_call(std::string tag, const std::vector<at::Tensor>& inputs,
   return call;
 }
 
+void send_away(KeptCall& call, HookSource& sink) {
+  if (!call.held() || !call.away.empty()) return;
+  auto send = [&](at::Tensor& t) {
+    std::shared_ptr<torch::autograd::SavedVariableHooks> hooks = sink.make_hooks();
+    hooks->call_pack_hook(t);
+    call.away.push_back(std::move(hooks));
+    t = at::Tensor();
+  };
+  for (at::Tensor& o : call.outputs) {
+    call.counters.push_back(o.is_inference() ? c10::VariableVersion(c10::VariableVersion::DISABLED)
+                                             : torch::autograd::impl::version_counter(o));
+    send(o);
+  }
+  for (auto& sv : call.saved)
+    if (sv.held.defined()) send(sv.held);
+}
+
 std::vector<at::Tensor> hand_back(KeptCall& call, const std::vector<at::Tensor>& inputs,
                                   const std::function<void(const at::Tensor&)>& save, const std::string& who,
                                   const std::string& no_graph_message) {
-  for (size_t o = 0; o < call.outputs.size(); ++o)
-    TORCH_CHECK(version_of(call.outputs[o]) == call.output_versions[o], who, ": output ", o,
+  const bool away = !call.away.empty();
+  for (size_t o = 0; o < call.outputs.size(); ++o) {
+    const int64_t now = !away ? version_of(call.outputs[o])
+                        : call.counters[o].enabled()
+                            ? static_cast<int64_t>(call.counters[o].current_version())
+                            : 0;
+    TORCH_CHECK(now == call.output_versions[o], who, ": output ", o,
                 " was modified in place after the call; a kept output must not be written to");
+  }
+  // Sent away: back from the hooks (from host memory when an Offload sent them there).
+  std::vector<at::Tensor> kept_outputs = call.outputs;
+  size_t next = 0;
+  if (away) {
+    for (at::Tensor& o : kept_outputs)
+      o = call.away.at(next++)->call_unpack_hook();
+  }
   {
     at::NoGradGuard no_grad;
     for (const auto& sv : call.saved) {
-      if (sv.held.defined()) {
-        save(sv.held);
+      if (sv.held.defined() || (away && sv.input < 0 && sv.output < 0)) {
+        save(away ? call.away.at(next++)->call_unpack_hook() : sv.held);
         continue;
       }
       // Detached: a view of the recompute's own tensor would hold its graph (and through it every leaf the
       // graph reaches, such as a kept output only read by a copy) for as long as backward holds the view.
-      const at::Tensor base = (sv.input >= 0 ? inputs.at(sv.input) : call.outputs.at(sv.output)).detach();
+      const at::Tensor base = (sv.input >= 0 ? inputs.at(sv.input) : kept_outputs.at(sv.output)).detach();
       TORCH_CHECK(base.has_storage(), who, ": input ", sv.input, " has no storage in the recompute");
       save(base.as_strided(sv.sizes, sv.strides, base.storage_offset() + sv.offset));
     }
@@ -89,8 +120,8 @@ std::vector<at::Tensor> hand_back(KeptCall& call, const std::vector<at::Tensor>&
   // in it, and one through a kept output is an error (the call did not run to record its graph).
   std::vector<at::Tensor> outputs;
   decltype(compat::make_node<NoGraph>(std::string(), torch::autograd::edge_list())) no_graph;
-  for (size_t o = 0; o < call.outputs.size(); ++o) {
-    at::Tensor out = call.outputs[o].detach();
+  for (size_t o = 0; o < kept_outputs.size(); ++o) {
+    at::Tensor out = kept_outputs[o].detach();
     if (call.output_requires_grad[o]) {
       // Edges to the call's inputs, so that a gradient towards them reaches this node and its message.
       if (!no_graph) {

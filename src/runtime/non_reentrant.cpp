@@ -116,6 +116,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
         early_stop_(options.early_stop()),
         keep_tags_(options.keep()),
         autocast_(AutocastState::current()) {
+    // Where what the region keeps goes once its forward pass is done (an enclosing Offload's hooks), if
+    // anywhere: found now, before the region's own hooks are the innermost.
+    if (HookSource* outer = current_hook_source()) sink_ = outer->kept_sink();
     // The inputs are saved as autograd saves tensors, so that an enclosing checkpoint drops them too.
     inputs_.reserve(inputs.size());
     for (const auto& x : inputs)
@@ -129,6 +132,8 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
     return std::make_unique<Hooks>(shared_from_this());
   }
+  // A region nested in this one's forward pass sends what it keeps where this one does.
+  HookSource* kept_sink() override { return forward_done_ ? nullptr : sink_; }
 
   // remat::keep in the forward pass: run fn, keep its outputs and learn how to give back what autograd saved
   // inside it.
@@ -201,11 +206,16 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       const auto intercept = intercept_scope(op_policy_ ? op_policy_->forward_interceptor() : nullptr);
       outputs = fn_(inputs);
     }
-    if (op_policy_) op_policy_->forward_done();
+    if (op_policy_) op_policy_->forward_done(sink_);
     rng_.finish(cuda_devices_);
     if (rng_.empty()) rng_last_save_ = RngState();
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     forward_done_ = true;
+    if (sink_ != nullptr) {
+      for (KeptCall& k : kept_)
+        send_away(k, *sink_);
+    }
+    sink_ = nullptr;  // the sink's scope may end once the forward pass has returned
     // What a gradient taken inside fn had recomputed is not kept until the backward pass.
     recomputed_.clear();
     return outputs;
@@ -329,6 +339,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   bool forward_done_ = false;
   std::vector<at::Tensor> recomputed_;
   std::unique_ptr<OpPolicyRecord> op_policy_;  // CheckpointOptions::policy's record, when there is one
+  HookSource* sink_ = nullptr;                 // see kept_sink(); only during the forward pass
   std::recursive_mutex mutex_;
 };
 

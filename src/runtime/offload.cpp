@@ -152,6 +152,12 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     at::Tensor device_copy;  // brought back
     std::shared_ptr<Copy> to_host, to_device;
     c10::weak_intrusive_ptr<c10::TensorImpl> original{c10::intrusive_ptr<c10::TensorImpl>()};
+    // The device storage and the saved tensor's version counter: still alive at the backward pass (another
+    // holder kept it on the device) and not written since, it is handed out itself, nothing brought back.
+    c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
+    c10::VariableVersion counter;
+    int64_t offset = 0;
+    bool aliased = false;  // device_copy is that storage
     int64_t version = 0;
     bool unpacked = false;
     std::vector<int64_t> sizes;
@@ -172,6 +178,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
     return std::make_unique<Hooks>(shared_from_this());
   }
+  // A checkpoint region inside sends what it keeps here too (what remat::keep calls and a policy keep).
+  HookSource* kept_sink() override { return this; }
 
   std::shared_ptr<Entry> pack(const at::Tensor& t) {
     if (!offloadable(t)) return nullptr;
@@ -198,6 +206,9 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     e->host = block.narrow(0, 0, static_cast<int64_t>(t.nbytes())).view(e->dtype).view(e->sizes);
     e->source = t.detach();
     e->original = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+    e->storage = t.storage().getWeakStorageImpl();
+    e->counter = t.unsafeGetTensorImpl()->version_counter();
+    e->offset = t.storage_offset();
     e->version = t._version();
     e->to_host = copy(e->host, e->source);
     if (!e->to_host) {
@@ -218,9 +229,17 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     c10::AutoGradMode no_grad(false);
     std::lock_guard<std::recursive_mutex> lock(mu_);
     const bool started = e.device_copy.defined();
-    if (started && !e.unpacked) ++stats_.prefetched;
+    if (started && !e.unpacked && !e.aliased) ++stats_.prefetched;
     e.unpacked = true;
-    start_to_device(e);
+    if (e.aliased && !unchanged(e)) {
+      // Written in place since it was found alive: the values saved come from the host after all.
+      e.device_copy = at::Tensor();
+      e.aliased = false;
+      --stats_.found_on_device;
+      start_to_device(e, /*may_alias=*/false);
+    } else {
+      start_to_device(e);
+    }
     if (e.to_device) {
       e.to_device->wait();
       e.to_device = nullptr;
@@ -374,9 +393,25 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     e.source = at::Tensor();
   }
 
-  void start_to_device(Entry& e) {
+  static bool unchanged(const Entry& e) {
+    return e.counter.enabled() && static_cast<int64_t>(e.counter.current_version()) == e.version;
+  }
+
+  void start_to_device(Entry& e, bool may_alias = true) {
     if (e.device_copy.defined() || !e.block.defined()) return;
     landed_to_host(e);
+    // Still on the device (held there by another holder, such as the stage before, whose output it is) and
+    // not written since: that storage itself; a copy back would be a second one.
+    if (may_alias && unchanged(e)) {
+      if (c10::intrusive_ptr<c10::StorageImpl> alive = e.storage.lock()) {
+        at::Tensor t = at::empty({0}, at::TensorOptions().dtype(e.dtype).device(e.device));
+        t.set_(c10::Storage(std::move(alive)), e.offset, e.sizes);
+        e.device_copy = t;
+        e.aliased = true;
+        ++stats_.found_on_device;
+        return;
+      }
+    }
     e.device_copy = at::empty(e.sizes, at::TensorOptions().dtype(e.dtype).device(e.device));
     e.to_device = copy(e.device_copy, e.host);
     ++stats_.brought_back;

@@ -461,9 +461,13 @@ void OpPolicyRecord::saved(const at::Tensor& t) {
   if (!open_.empty() && paused_ == 0) captured_.push_back(t);
 }
 
-void OpPolicyRecord::forward_done() {
+void OpPolicyRecord::forward_done(HookSource* sink) {
   forward_done_ = true;
   calls_.shrink_to_fit();
+  if (sink == nullptr) return;
+  for (KeptCall& k : kept_)
+    send_away(k, *sink);
+  kept_storages_.clear();  // read by the forward pass only
 }
 
 std::unique_ptr<OpInterceptor> OpPolicyRecord::recompute_interceptor(

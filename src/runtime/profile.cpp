@@ -3,10 +3,12 @@
 #include "remat/offload.h"
 
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/cuda.h>
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <unordered_set>
 
@@ -38,6 +40,18 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double ms_since(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// What offloading one way of running a stage frees, from its run with and without an Offload: what left the
+// device (`freed`, at most what that way keeps beyond its output, `kept` - `output_bytes`); never its input
+// (the executor holds it); its output when the copies exceed what left by its size (saved by the stage:
+// copied, and held for the next stage all the same). Bytes.
+OffloadCost offload_cost(int64_t kept, int64_t freed, int64_t copied, int64_t output_bytes) {
+  OffloadCost c;
+  c.bytes = std::max<int64_t>(0, std::min(freed, kept - output_bytes));
+  c.input = false;
+  c.output = copied - c.bytes >= output_bytes;
+  return c;
 }
 
 // Puts back the parameters' gradients, the buffers and the global RNG as they were.
@@ -121,6 +135,11 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   Chain chain;
   chain.input_bytes = static_cast<int64_t>(sample_input.nbytes());
   const size_t n = stages.size();
+  // A stage's forward run alone, then again under an Offload with its copies waited for: what the second left
+  // alive less than the first (bytes), and what the Offload copied (bytes).
+  struct Away {
+    int64_t freed = 0, copied = 0;
+  };
   struct Per {
     std::vector<torch::Tensor> params;  // those that require grad
     bool input_grad = false;
@@ -129,12 +148,16 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     int64_t keep_saved = 0;
     std::vector<std::vector<double>> policy_fwd, policy_bwd;  // per policy of options.policies()
     std::vector<int64_t> policy_saved;
+    // Offloading profiled: the stage run as Fk (keep tags) and under each policy inside an Offload.
+    std::optional<Away> keep_away;
+    std::vector<std::optional<Away>> policy_away;
   };
   std::vector<Per> per(n);
   for (auto& p : per) {
     p.policy_fwd.resize(options.policies().size());
     p.policy_bwd.resize(options.policies().size());
     p.policy_saved.assign(options.policies().size(), 0);
+    p.policy_away.resize(options.policies().size());
   }
   chain.stages.resize(n);
   for (size_t i = 0; i < n; ++i) {
@@ -231,34 +254,63 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
       // Offloading: the same forward under remat::Offload, its copies waited for; what stays on the device.
+      // Then as Fk (the keep tags) and under each policy, what their checkpoints keep sent there.
       if (measure && options.offload_min_bytes() >= 0) {
-        std::vector<torch::Tensor> on_device;
-        if (stages[i].module) {
-          for (const auto& p : stages[i].module->parameters())
-            on_device.push_back(p);
-          for (const auto& b : stages[i].module->buffers())
-            on_device.push_back(b);
+        auto away = [&](const std::function<torch::Tensor(const torch::Tensor&)>& run) {
+          Away a;
+          int64_t alive[2] = {0, 0};
+          for (int offloading = 0; offloading < 2; ++offloading) {
+            std::vector<torch::Tensor> on_device;
+            if (stages[i].module) {
+              for (const auto& p : stages[i].module->parameters())
+                on_device.push_back(p);
+              for (const auto& b : stages[i].module->buffers())
+                on_device.push_back(b);
+            }
+            torch::Tensor probe = leaf_of(i, xs[i]);
+            on_device.push_back(probe);  // the executor holds a stage's input (Fa@host and Fk@host leave it)
+            sync();
+            memory::PeakWindow scope(device);
+            torch::Tensor out;
+            {
+              std::optional<Offload> offload;
+              if (offloading) {
+                offload.emplace(OffloadOptions()
+                                    .min_bytes(options.offload_min_bytes())
+                                    .keep_on_device(std::move(on_device)));
+              }
+              out = run(probe);
+              if (offload) {
+                offload->close();
+                offload->finish_copies();
+                a.copied = offload->stats().offloaded_bytes;
+              }
+            }
+            sync();
+            alive[offloading] = scope.active_over_base();
+          }
+          a.freed = std::max<int64_t>(0, alive[0] - alive[1]);
+          return a;
+        };
+        const Away all = away(stages[i].fn);
+        s.offload = offload_cost(s.saved_bytes, all.freed, all.copied, s.output_bytes);
+        if (!options.keep().empty()) {
+          per[i].keep_away = away([&](const torch::Tensor& t) {
+            return checkpoint(stages[i].fn, t, CheckpointOptions(per[i].per_call).keep(options.keep()));
+          });
         }
-        torch::Tensor probe = leaf_of(i, xs[i]);
-        sync();
-        memory::PeakWindow scope(device);
-        torch::Tensor kept_out;
-        int64_t copied = 0;
-        {
-          Offload offload(OffloadOptions().min_bytes(options.offload_min_bytes()).keep_on_device(on_device));
-          kept_out = stages[i].fn(probe);
-          offload.close();
-          offload.finish_copies();
-          copied = offload.stats().offloaded_bytes;
+        for (size_t q = 0; q < options.policies().size(); ++q) {
+          per[i].policy_away[q] = away([&](const torch::Tensor& t) {
+            return checkpoint(stages[i].fn, t,
+                              CheckpointOptions(per[i].per_call).policy(options.policies()[q]));
+          });
         }
-        sync();
-        const int64_t stays = std::max(s.output_bytes, scope.active_over_base());
-        OffloadCost c;
-        c.bytes = std::max<int64_t>(0, s.saved_bytes - stays);
-        c.input = false;  // the executor's leaf requires grad: never offloaded
-        // Copied and not freed (the executor holds the output): the output, saved by the stage's graph.
-        c.output = copied - c.bytes >= s.output_bytes;
-        s.offload = c;
+        // Fc@host: the input the executor holds for the stage's recompute, saved under an Offload as the
+        // executor saves it; offered when it goes (at least offload_min_bytes).
+        Offload held(OffloadOptions().min_bytes(options.offload_min_bytes()));
+        const torch::autograd::SavedVariable input(xs[i].detach(), /*is_output=*/false);
+        held.close();
+        if (held.stats().offloaded > 0) s.checkpoint_offload = OffloadCost{0, true, false};
       }
     }
     // Every stage under remat::checkpoint, then the backward pass through them: with the per-call options
@@ -304,6 +356,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     }
   }
   chain.keep = options.keep();
+  chain.holds_outputs = true;  // the plan executor holds a kept stage's output as the root of its backward
   if (options.offload_min_bytes() >= 0) {
     int64_t largest = int64_t{1} << 20;
     for (const Stage& s : chain.stages)
@@ -326,6 +379,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       s.keep_saved_bytes = std::min(per[i].keep_saved, s.saved_bytes);
       s.keep_fwd_ms = median(per[i].keep_fwd);
       s.keep_bwd_ms = median(per[i].keep_bwd);
+      if (const auto& a = per[i].keep_away)
+        s.keep_offload = offload_cost(*s.keep_saved_bytes, a->freed, a->copied, s.output_bytes);
     }
     for (size_t q = 0; q < options.policies().size(); ++q) {
       PolicyCost c;
@@ -333,6 +388,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       c.saved_bytes = std::min(per[i].policy_saved[q], s.saved_bytes);
       c.fwd_ms = median(per[i].policy_fwd[q]);
       c.bwd_ms = median(per[i].policy_bwd[q]);
+      if (const auto& a = per[i].policy_away[q])
+        c.offload = offload_cost(c.saved_bytes, a->freed, a->copied, s.output_bytes);
       s.policies.push_back(std::move(c));
     }
   }

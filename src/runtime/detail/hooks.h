@@ -36,6 +36,11 @@ class HookSource {
     (void)tag;
     return fn(inputs);
   }
+  /// Where a checkpoint region opened while this source is the innermost sends the tensors it keeps to the
+  /// backward pass (its kept calls' outputs, and what autograd saved inside them), once its forward pass is
+  /// done: an Offload's source is itself; a region's frame, the sink it found when it opened. nullptr (the
+  /// default, a recompute's): the region holds them itself.
+  virtual HookSource* kept_sink() { return nullptr; }
 };
 
 /// The innermost source on this thread, or nullptr.

@@ -4,6 +4,8 @@
 // operator call its policy keeps (kept.cpp; used by non_reentrant.cpp and op_policy.cpp).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/TensorImpl.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
 
 #include <cstdint>
 #include <functional>
@@ -31,12 +33,24 @@ struct KeptCall {
   std::vector<int64_t> output_versions;
   std::vector<Saved> saved;
   RngState rng_after;  // where the generators stood after the call, when it drew random numbers
+  // Sent away (send_away): the saved-tensor hooks holding each output, then each Saved::held, in order (the
+  // tensors themselves are let go); and the outputs' version counters, for the check that they were not
+  // written since.
+  std::vector<std::shared_ptr<torch::autograd::SavedVariableHooks>> away;
+  std::vector<c10::VariableVersion> counters;
 
   /// Whether its outputs are still held (not handed back or released).
   bool held() const { return !outputs.empty(); }
   /// Lets go of the outputs and what was kept of the saved tensors.
-  void release() { outputs.clear(), saved.clear(); }
+  void release() { outputs.clear(), saved.clear(), away.clear(), counters.clear(); }
 };
+
+class HookSource;
+
+/// Hands a held call's outputs and held saved tensors to `sink`'s saved-tensor hooks (an enclosing Offload's,
+/// which may send them to host memory) and lets go of them; hand_back() unpacks them. Once the region's
+/// forward pass is done: nothing may write them in place any more without the version check seeing it.
+void send_away(KeptCall& call, HookSource& sink);
 
 /// A tensor's version counter (0 for an inference tensor, which has none).
 int64_t version_of(const at::Tensor& t);

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "detail/hooks.h"
 #include "detail/kept.h"
 #include "detail/region.h"
 #include "detail/watch.h"
@@ -35,8 +36,9 @@ class OpPolicyRecord {
   /// A tensor autograd saves during the forward pass (the frame's pack hook): it belongs to the asked calls
   /// running now, if any.
   void saved(const at::Tensor& t);
-  /// The forward pass is over: what it kept is final.
-  void forward_done();
+  /// The forward pass is over: what it kept is final. With a sink (an enclosing Offload's hooks, see
+  /// HookSource::kept_sink), the kept calls' tensors are sent there.
+  void forward_done(HookSource* sink = nullptr);
 
   /// The interceptor of one recompute: kept calls are handed back through `save` (what autograd saved inside
   /// them, as the recompute's pack hook would have saved it). A recompute during the forward pass (fn takes a

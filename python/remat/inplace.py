@@ -477,8 +477,9 @@ class LayerPlan:
     def offload_stats(self) -> dict:
         """The last step's offloading, summed over its offloaded layers (remat.offload.Offload's counts):
         offloaded (tensors sent to the host), offloaded_bytes, brought_back (copies back to the device), prefetched
-        (of them, started before the backward pass asked for the tensor), kept_on_device."""
-        keys = ("offloaded", "offloaded_bytes", "brought_back", "prefetched", "kept_on_device")
+        (of them, started before the backward pass asked for the tensor), kept_on_device, found_on_device (still on
+        the device when needed back: not copied)."""
+        keys = ("offloaded", "offloaded_bytes", "brought_back", "prefetched", "kept_on_device", "found_on_device")
         return {k: sum(getattr(o, k) for _, o in self._step_offloads) for k in keys}
 
     @property

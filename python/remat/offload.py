@@ -15,7 +15,9 @@ to the device, and starts bringing back the ``lookahead`` tensors saved before i
 next, in the reverse of the forward's order), so that its copy has overlapped the backward work between; a
 tensor is never read before its copy has landed (the copy engine's event is waited on first). The device copy
 is held until autograd drops the saved tensor; then its host block goes back to the pool (after the backward
-pass, or with the graph).
+pass, or with the graph). A saved tensor still alive on the device when it is needed back (another holder kept
+it there, such as the layer before, whose output it is) and not written since is handed out as it is: no
+second copy on the device.
 
 The host bytes are the pool's: ``pool.in_use_bytes``, ``pool.peak_bytes`` (the most in use at once) and
 ``pool.reserved_bytes`` (allocated, kept for reuse); ``max_bytes`` bounds what it allocates, and a tensor that
@@ -220,7 +222,8 @@ class _Entry:
     """One offloaded storage: its host block, the view it was saved as, and the copies in flight."""
 
     __slots__ = ("block", "dtype", "shape", "nbytes", "device", "to_host_done", "source", "original",
-                 "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "__weakref__")
+                 "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "aliased",
+                 "__weakref__")
 
     def __init__(self):
         self.block = None
@@ -232,6 +235,7 @@ class _Entry:
         self.version = 0
         self.handles = 0
         self.unpacked = False
+        self.aliased = False  # device_copy is the saved tensor itself, found alive on the device
 
 
 class _Handle:
@@ -254,7 +258,8 @@ class _Handle:
 class Offload:
     """The saved-tensor hooks of offload(); its counts: offloaded (tensors), offloaded_bytes, kept_on_device
     (tensors the pool's bound left on the device), brought_back (copies to the device), prefetched (of them,
-    started before their tensor was asked for)."""
+    started before their tensor was asked for), found_on_device (tensors still alive on the device when needed
+    back, another holder having kept them, and not written since: handed out as they are, not copied)."""
 
     def __init__(self, pool: HostPool | None = None, min_bytes: int = 1 << 20, lookahead: int = 2,
                  engine: CopyEngine | None = None):
@@ -273,6 +278,7 @@ class Offload:
         self._in_flight: list[_Entry] = []  # entries whose copy to the host may not have completed
         self._index: dict[int, int] = {}
         self.offloaded = self.offloaded_bytes = self.kept_on_device = self.brought_back = self.prefetched = 0
+        self.found_on_device = 0
         self._hooks = None
 
     def keep_on_device(self, tensors=(), storages: set[int] = frozenset()) -> "Offload":
@@ -366,10 +372,18 @@ class Offload:
                 "would read values half old, half new. Clone it before the in-place operation, or leave that "
                 "operation outside offload()")
 
-    def _start_to_device(self, entry: _Entry) -> None:
+    def _start_to_device(self, entry: _Entry, may_alias: bool = True) -> None:
         if entry.device_copy is not None:
             return
         self._to_host_landed(entry)
+        # Still alive on the device (another holder kept it there: the layer before, whose output it is) and not
+        # written since: that tensor itself; a copy back would be a second one.
+        original = entry.original() if may_alias else None
+        if original is not None and original._version == entry.version:
+            entry.device_copy = original.detach()  # shares its version counter: a later write shows
+            entry.aliased = True
+            self.found_on_device += 1
+            return
         host = entry.block[: entry.nbytes].view(entry.dtype).view(entry.shape)
         out = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
         entry.to_device_done = self._engine(entry.device).copy(out, host)
@@ -382,10 +396,16 @@ class Offload:
             return h
         entry = h.entry
         started = entry.device_copy is not None
-        if started and not entry.unpacked:
+        if started and not entry.unpacked and not entry.aliased:
             self.prefetched += 1  # its copy began before it was asked for
         entry.unpacked = True
-        self._start_to_device(entry)
+        if entry.aliased and entry.device_copy._version != entry.version:
+            # Written in place since it was found alive: the values saved come from the host after all.
+            entry.device_copy, entry.aliased = None, False
+            self.found_on_device -= 1
+            self._start_to_device(entry, may_alias=False)
+        else:
+            self._start_to_device(entry)
         # The tensors saved before this one are the backward pass's next: start bringing them back.
         i = self._index.get(id(entry))
         if i is not None:

@@ -103,7 +103,8 @@ def test_delayed_copies_are_read_only_once_landed(x):
     for delay in (1, 3, 100):
         o = offload(model, min_bytes=1 << 12, lookahead=2, engine=CopyEngine(torch.device("cpu"), delay=delay))
         same(plain, run(model, x, o))
-        assert o.brought_back >= o.offloaded and o.prefetched > 0
+        # The batch (the first linear's input), alive in the caller, is handed out as it is, not copied back.
+        assert o.found_on_device == 1 and o.brought_back + 1 >= o.offloaded and o.prefetched > 0
 
 
 def test_checkpointed_layers_inputs_are_offloaded(x):
@@ -119,6 +120,42 @@ def test_checkpointed_layers_inputs_are_offloaded(x):
     same(plain, got)
     assert o.offloaded == 4  # the four layers' inputs, the batch included
     assert got[2] == plain[2] - 3 * BATCH * WIDTH * 4
+
+
+def test_a_saved_tensor_still_on_the_device_comes_back_as_itself(x):
+    # Another holder (the layer before, whose output it is; here the caller) keeps it on the device: a copy back
+    # would be a second one there. Written in place after it was saved, the saved values come from the host.
+    w = torch.randn(BATCH, WIDTH, requires_grad=True)
+    seen = []
+
+    class Mul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            seen.append(a.data_ptr())
+            return g * b, g * a
+
+    o = offload(min_bytes=1024)
+    with o:
+        y = Mul.apply(x, w)
+    y.sum().backward()
+    # Both saved tensors went to the host (w: no model was given to keep its tensors on the device), both came
+    # back as themselves.
+    assert seen == [x.data_ptr()] and o.offloaded == 2 and o.found_on_device == 2 and o.brought_back == 0
+    assert torch.equal(w.grad, x)
+    w.grad = None
+    h = x.clone()
+    with o:
+        y = Mul.apply(h, w)
+    o.prefetch()  # h is found alive here...
+    h.add_(1)  # ...and written before the backward pass reads it
+    y.sum().backward()
+    assert torch.equal(w.grad, x) and o.brought_back == 1 and o.found_on_device == 2 + 1  # counts add up
 
 
 def test_the_pool_bound_keeps_the_rest_on_the_device_and_a_second_backward_works(x):

@@ -156,7 +156,7 @@ def test_planned_offload_on_cuda_is_the_plain_run_within_the_prediction():
     # remat.enable(..., offload=True) on CUDA: the profile measures each layer's offload costs and the copies'
     # bandwidth; at the least budget with offloading (below the least without it, where the layers' inputs are
     # what remains) the plan offloads; every step the plain run's; the measured peak within 5% of the prediction;
-    # every tensor sent to the host comes back once.
+    # every tensor sent to the host comes back once (or is found still on the device).
     model = mlp(depth=6, width=512)
     x = torch.randn(32, 256, 512, device=DEV)
     want = [step(model, x, 10 + k) for k in range(4)]
@@ -178,6 +178,6 @@ def test_planned_offload_on_cuda_is_the_plain_run_within_the_prediction():
               f"host {lp.predicted_host_bytes} predicted, {lp.host_pool.peak_bytes} pool peak, {lp.offload_stats}")
         assert lp.last_peak_bytes <= lp.predicted_peak_bytes * 1.05
         stats = lp.offload_stats
-        assert stats["brought_back"] == stats["offloaded"]
+        assert stats["brought_back"] + stats["found_on_device"] == stats["offloaded"]
         if any(c.endswith("@host") for c in lp.choices):
             assert lp.host_pool.pin and lp.host_pool.peak_bytes >= lp.predicted_host_bytes > 0

@@ -125,6 +125,15 @@ check plan-max-host 0 "schedule: Fa0@host Fa1 Fa2 L B2 B1 B0" -- "$remat" plan -
 check offload-optimal nonzero "only the per-layer planner plans offloading" -- "$remat" plan --chain "$offchain" --budget 2500 --offload
 check max-host-alone nonzero "needs --offload" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --max-host 1000
 rm -f "$offchain"
+# A model profiled for offloading: the bandwidths, each way's costs, the executor's holding of outputs; plan
+# --offload on a model profiles for it by itself.
+offprofile=$(mktemp)
+check profile-offload 0 "" -- "$remat" profile --model mlp --depth 3 --width 128 --batch 64 --repeats 1 --policy matmuls --offload-min-bytes 16KiB --json "$offprofile"
+for key in '"to_host_gb_per_s"' '"holds_outputs": true' '"checkpoint_offload"' '"offload": {'; do
+  if grep -qF -- "$key" "$offprofile"; then echo "ok   profile-offload-$key"; else echo "FAIL profile-offload: no $key in $(cat "$offprofile")"; fail=1; fi
+done
+rm -f "$offprofile"
+check plan-offload-model 0 "schedule:" -- "$remat" plan --model mlp --depth 3 --width 128 --batch 64 --planner per-layer --budget 1GiB --offload
 out=$("$remat" bench --model bert --layers 2 --hidden 32 --heads 2 --intermediate 64 --seq 16 --batch 2 --policy matmuls --strategy all-policy-matmuls,all-policy-attention_core,optimal:overhead=0.5 --steps 1 --warmup 0 2>&1)
 rc=$?
 rows=$(grep -cE '^(all-policy-matmuls|all-policy-attention_core|optimal:overhead=0.5) .* equal ' <<<"$out")

@@ -83,13 +83,21 @@ void ModelArgs::add(CLI::App* app) {
   app->add_option("--keep", keep,
                   "remat::keep tags (comma-separated, e.g. matmul): also profile each stage keeping those "
                   "calls' outputs, so that plans may keep a layer's matrix multiplications (Fk)");
+  app->add_option("--offload-min-bytes", offload_min,
+                  "also profile for offloading (saved tensors of at least SIZE go to host memory; the "
+                  "bandwidths each way, each way of running a stage offloaded), so that plans may use @host");
 }
 
 ProfileOptions ModelArgs::profile_options(int64_t repeats) const {
   std::vector<Policy> presets;
   for (const auto& name : split(policies))
     presets.push_back(policy::preset(name));
-  return ProfileOptions().warmup(1).repeats(repeats).keep(split(keep)).policies(presets);
+  return ProfileOptions()
+      .warmup(1)
+      .repeats(repeats)
+      .keep(split(keep))
+      .policies(presets)
+      .offload_min_bytes(offload_min.empty() ? -1 : size_arg(offload_min, "--offload-min-bytes"));
 }
 
 WorkloadConfig ModelArgs::config(int64_t batch_override) const {

@@ -39,8 +39,9 @@ Subcommand add_demo(CLI::App& app);
 /// --keep).
 struct ModelArgs {
   std::string model = "bert", variant = "small", placement = "each-op", device = "cpu", granularity = "layer";
-  std::string keep;      // remat::keep tags for Fk, comma-separated
-  std::string policies;  // policy presets for Fk[name], comma-separated
+  std::string keep;         // remat::keep tags for Fk, comma-separated
+  std::string policies;     // policy presets for Fk[name], comma-separated
+  std::string offload_min;  // --offload-min-bytes: profile for offloading (SIZE; empty: not)
   int64_t layers = 12, hidden = 768, heads = 12, intermediate = 3072, seq = 128, vocab = 30522, batch = 0;
   int64_t depth = 16, width = 1024, calls = 1000, adds = 100, blocks = 3;
   double dropout = 0.1;
@@ -48,7 +49,7 @@ struct ModelArgs {
 
   /// Adds the options to `app`.
   void add(CLI::App* app);
-  /// Profiling options with the --keep tags and the --policy presets.
+  /// Profiling options with the --keep tags, the --policy presets and --offload-min-bytes.
   ProfileOptions profile_options(int64_t repeats = 3) const;
   /// The workload's configuration; batch_override >= 0 replaces --batch.
   WorkloadConfig config(int64_t batch_override = -1) const;

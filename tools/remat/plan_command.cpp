@@ -34,7 +34,9 @@ int run(const PlanArgs& a) {
   } else {
     auto w = a.model.make();
     progress("profiling " + w->description());
-    const auto profile = a.model.profile_options(5);
+    auto profile = a.model.profile_options(5);
+    // --offload plans offloading: the model is profiled for it (1 MiB and larger saved tensors by default).
+    if (a.offload && profile.offload_min_bytes() < 0) profile.offload_min_bytes(int64_t{1} << 20);
     chain = profile_workload(*w, &profile);
   }
   if (step && step->size() != chain.size() + 2) {
@@ -119,8 +121,9 @@ Subcommand add_plan(CLI::App& app) {
       "without --chain, the chain is its stages 1..n");
   add_exclude(cmd, a->exclude);
   cmd->add_flag("--offload", a->offload,
-                "per-layer: the planner may also offload a stage's saved tensors to host memory (Fa3@host; "
-                "needs a chain profiled for offloading: its bandwidths and the stages' offload costs)");
+                "per-layer: the planner may also offload a stage to host memory (Fa3@host, Fk3[NAME]@host, "
+                "Fc3@host; a --chain must have been profiled for offloading, a --model is profiled for it: "
+                "saved tensors of --offload-min-bytes, 1MiB by default)");
   cmd->add_option("--max-host", a->max_host, "with --offload: the most host memory the plan may hold (SIZE)");
   cmd->add_flag("--json", a->json, "print one JSON object (the plan's JSON and the figures beside it)");
   cmd->add_option("--out", a->out, "also write the plan (remat::to_json) to this file");

@@ -7,6 +7,7 @@
 #include <remat/memory.h>
 #include <remat/models.h>
 #include <remat/planned.h>
+#include <remat/policy.h>
 #include <remat/sequential.h>
 
 #include <atomic>
@@ -683,6 +684,39 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
     EXPECT_GE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes) << plan;
     EXPECT_LE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes + 512 * 8 * depth) << plan;
     EXPECT_EQ(pool->in_use_bytes(), 0);
+  }
+  // Under a policy: when keeping only the matmuls is what costs nothing, the plan keeps them on the host
+  // (Fk[matmuls]@host: each stage's checkpoint sends its kept products to the stage's Offload).
+  const auto with_policy = remat::PlannedOptions(options).policies({remat::policy::matmuls()});
+  torch::manual_seed(0);
+  Net second(w, depth);
+  second->planned = remat::Planned(remat::stages_at<BlockImpl>(*second, {"h"}), with_policy);
+  step(second, x);
+  remat::Chain kept = *(*second->planned)->chain();
+  for (auto& s : kept.stages) {
+    ASSERT_TRUE(s.policies.at(0).offload.has_value()) << s.name;
+    s.fwd_ms = s.bwd_ms = 1.0;
+    s.checkpoint_fwd_ms = s.checkpoint_bwd_ms = s.fwd_nosave_ms = 1e3;
+    s.policies[0].fwd_ms = s.policies[0].bwd_ms = 0.0;
+  }
+  kept.to_host_gb_per_s = kept.to_device_gb_per_s = 1e6;
+  torch::manual_seed(0);
+  Net third(w, depth);
+  third->planned = remat::Planned(remat::stages_at<BlockImpl>(*third, {"h"}), with_policy);
+  (*third->planned)->use_profile({{16, 32, w}}, kept);
+  for (int s = 0; s < 3; ++s) {
+    torch::manual_seed(500 + s);
+    const Step a = step(plain, x);
+    torch::manual_seed(500 + s);
+    const Step b = step(third, x);
+    const int64_t measured = remat::memory::peak_bytes() - third->base_bytes;
+    expect_equal(a, b, "policy step " + std::to_string(s));
+    if (s < 1) continue;
+    const remat::PlannedImpl& p = **third->planned;
+    const std::string plan = p.plan()->to_string();
+    EXPECT_NE(plan.find("[matmuls]@host"), std::string::npos) << plan;
+    EXPECT_LE(p.predicted_peak_bytes(), budget);
+    EXPECT_LE(measured, p.predicted_peak_bytes() + p.predicted_peak_bytes() / 50) << plan;
   }
   // Bad options.
   EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),

@@ -110,6 +110,8 @@ def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
     a subclass) of at least min_bytes, contiguous, whose storage is not one of `alive` (parameters, buffers)."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
         return False
+    # Unlike the C++ library's rule, a leaf that requires grad is not excluded: the profile stands in a layer's
+    # input (a non-leaf in the step) with such a leaf, and must see it go as the step's input would.
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):

@@ -9,7 +9,6 @@
 #include <functional>
 #include <iostream>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include <remat/memory.h>
@@ -648,11 +647,7 @@ TEST_F(CudaTest, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
   const std::vector<torch::Tensor> want = step(std::nullopt, nullptr, nullptr);
   for (const char* text : {"Fa0@host Fk1[matmuls]@host Fc2@host Fk3[matmuls] Fa4 L B4 B3 Fa2 B2 B1 B0",
                            "Fc0@host Fc1@host Fk2[matmuls]@host Fc3@host Fa4 L B4 Fa3 B3 B2 Fa1 B1 Fa0 B0"}) {
-    std::string ops;
-    std::istringstream words(text);
-    for (std::string word; words >> word;)
-      ops += (ops.empty() ? "\"" : ", \"") + word + "\"";
-    const remat::Plan plan = remat::plan_from_json("{\"num_stages\": 5, \"ops\": [" + ops + "]}");
+    const remat::Plan plan = remat::testing::plan_of_text(5, text);
     const remat::Simulation sim = remat::simulate(chain, plan);
     auto pool = std::make_shared<remat::HostPool>();
     int64_t peak = 0;

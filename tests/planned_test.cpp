@@ -660,31 +660,36 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
 
   torch::manual_seed(0);
   Net plain(w, depth);
-  torch::manual_seed(0);
-  Net net(w, depth);
-  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), options);
-  (*net->planned)->use_profile({{16, 32, w}}, chain);
-  for (int s = 0; s < 4; ++s) {
-    torch::manual_seed(400 + s);
-    const Step a = step(plain, x);
-    torch::manual_seed(400 + s);
-    const auto& pool = (*net->planned)->host_pool();
-    pool->reset_peak();
-    const Step b = step(net, x);
-    const int64_t measured = remat::memory::peak_bytes() - net->base_bytes;
-    expect_equal(a, b, "step " + std::to_string(s));
-    if (s < 2) continue;
-    const remat::PlannedImpl& p = **net->planned;
-    ASSERT_TRUE(p.is_planned());
-    const std::string plan = p.plan()->to_string();
-    EXPECT_NE(plan.find("@host"), std::string::npos) << plan;
-    EXPECT_LE(p.predicted_peak_bytes(), budget);
-    EXPECT_LE(measured, p.predicted_peak_bytes() + p.predicted_peak_bytes() / 50) << plan;
-    // The host bytes: the pool's peak is the plan's prediction (blocks rounded to 512 bytes).
-    EXPECT_GE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes) << plan;
-    EXPECT_LE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes + 512 * 8 * depth) << plan;
-    EXPECT_EQ(pool->in_use_bytes(), 0);
-  }
+  // A Planned net on `profile`: every step the plain one's; once planned, the plan has `needle`, the measured
+  // peak is within 2% of the prediction, and the pool's peak is the predicted host bytes (blocks rounded to
+  // 512 bytes).
+  auto run_on = [&](const remat::Chain& profile, const remat::PlannedOptions& o, const std::string& needle) {
+    torch::manual_seed(0);
+    Net net(w, depth);
+    net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), o);
+    (*net->planned)->use_profile({{16, 32, w}}, profile);
+    for (int s = 0; s < 4; ++s) {
+      torch::manual_seed(400 + s);
+      const Step a = step(plain, x);
+      torch::manual_seed(400 + s);
+      const auto& pool = (*net->planned)->host_pool();
+      pool->reset_peak();
+      const Step b = step(net, x);
+      const int64_t measured = remat::memory::peak_bytes() - net->base_bytes;
+      expect_equal(a, b, needle + " step " + std::to_string(s));
+      if (s < 2) continue;
+      const remat::PlannedImpl& p = **net->planned;
+      ASSERT_TRUE(p.is_planned());
+      const std::string plan = p.plan()->to_string();
+      EXPECT_NE(plan.find(needle), std::string::npos) << plan;
+      EXPECT_LE(p.predicted_peak_bytes(), budget);
+      EXPECT_LE(measured, p.predicted_peak_bytes() + p.predicted_peak_bytes() / 50) << plan;
+      EXPECT_GE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes) << plan;
+      EXPECT_LE(pool->peak_bytes(), p.plan()->predicted.host_peak_bytes + 512 * 8 * depth) << plan;
+      EXPECT_EQ(pool->in_use_bytes(), 0);
+    }
+  };
+  run_on(chain, options, "@host");
   // Under a policy: when keeping only the matmuls is what costs nothing, the plan keeps them on the host
   // (Fk[matmuls]@host: each stage's checkpoint sends its kept products to the stage's Offload).
   const auto with_policy = remat::PlannedOptions(options).policies({remat::policy::matmuls()});
@@ -700,26 +705,9 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
     s.policies[0].fwd_ms = s.policies[0].bwd_ms = 0.0;
   }
   kept.to_host_gb_per_s = kept.to_device_gb_per_s = 1e6;
-  torch::manual_seed(0);
-  Net third(w, depth);
-  third->planned = remat::Planned(remat::stages_at<BlockImpl>(*third, {"h"}), with_policy);
-  (*third->planned)->use_profile({{16, 32, w}}, kept);
-  for (int s = 0; s < 3; ++s) {
-    torch::manual_seed(500 + s);
-    const Step a = step(plain, x);
-    torch::manual_seed(500 + s);
-    const Step b = step(third, x);
-    const int64_t measured = remat::memory::peak_bytes() - third->base_bytes;
-    expect_equal(a, b, "policy step " + std::to_string(s));
-    if (s < 1) continue;
-    const remat::PlannedImpl& p = **third->planned;
-    const std::string plan = p.plan()->to_string();
-    EXPECT_NE(plan.find("[matmuls]@host"), std::string::npos) << plan;
-    EXPECT_LE(p.predicted_peak_bytes(), budget);
-    EXPECT_LE(measured, p.predicted_peak_bytes() + p.predicted_peak_bytes() / 50) << plan;
-  }
+  run_on(kept, with_policy, "[matmuls]@host");
   // Bad options.
-  EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+  EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*second, {"h"}),
                               remat::PlannedOptions().budget(budget).planner(offload).offload_min_bytes(-1)),
                c10::Error);
 }

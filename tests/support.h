@@ -6,7 +6,9 @@
 
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
+#include <remat/plan.h>
 
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,16 @@ namespace remat::testing {
     }                                                                                                   \
     EXPECT_TRUE(thrown_) << "expected c10::Error from: " #stmt;                                         \
   } while (0)
+
+/// The plan of `num_stages` stages whose operations `text` lists, space-separated ("Fa0@host Fc1 L B1 B0").
+inline remat::Plan plan_of_text(int64_t num_stages, const std::string& text) {
+  std::string ops;
+  std::istringstream words(text);
+  for (std::string word; words >> word;)
+    ops += (ops.empty() ? "\"" : ", \"") + word + "\"";
+  return remat::plan_from_json("{\"num_stages\": " + std::to_string(num_stages) + ", \"ops\": [" + ops +
+                               "]}");
+}
 
 /// Largest absolute difference between two tensors of the same shape (0 for two undefined tensors,
 /// infinity when only one is defined or the shapes differ).

@@ -314,6 +314,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           sim.time_ms += wait, sim.transfer_ms += wait;
           a.state = Away::kGone;
         }
+        // A runtime that holds a kept stage's output (Chain::holds_outputs) holds it, offloaded or not.
+        const bool runtime_holds = chain && chain->holds_outputs && (all || keep);
         if (op.offload) {
           const OffloadCost* c = offload_cost(op);
           if (chain && !c)
@@ -331,11 +333,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           a.state = Away::kInFlight;
           host += a.copied;
           sim.host_peak_bytes = std::max(sim.host_peak_bytes, host);
-          // A runtime that holds a kept stage's output (Chain::holds_outputs) holds it offloaded too.
-          keeps_output[i + 1] = chain && chain->holds_outputs && (all || keep);
+          keeps_output[i + 1] = runtime_holds;
         } else {
+          // Held through what the stage saves (unknown: held, as before offloading).
           const OffloadCost* c = (all || keep) ? offload_cost(op) : nullptr;
-          keeps_output[i + 1] = (all || keep) ? (c && !(chain && chain->holds_outputs) ? c->output : 1) : 0;
+          keeps_output[i + 1] = runtime_holds || ((all || keep) && (!c || c->output));
         }
         break;
       }

@@ -21,6 +21,7 @@
 #include "detail/hooks.h"
 #include "detail/nesting.h"
 #include "detail/region.h"
+#include "detail/stage_offload.h"
 
 namespace remat {
 
@@ -144,21 +145,11 @@ at::Tensor value_of(const ExecState::Held& h) {
   return h.host->unpack();  // brought back from the host (prefetched when the backward pass came near)
 }
 
-// The Offload of an offloaded forward of `stage` (open from here until close()): the executor's options, with
-// the stage module's parameters and buffers and `also` (tensors the stage holds anyway) kept on the device.
+// The Offload of an offloaded forward of `stage` (open from here until close()), with `also` (tensors the
+// executor holds anyway) kept on the device.
 std::shared_ptr<Offload> open_offload(const ExecState& st, const StageFn& stage,
                                       std::vector<at::Tensor> also) {
-  OffloadOptions o = st.offload;
-  std::vector<at::Tensor> keep = o.keep_on_device();
-  if (stage.module) {
-    for (const auto& p : stage.module->parameters())
-      keep.push_back(p);
-    for (const auto& b : stage.module->buffers())
-      keep.push_back(b);
-  }
-  for (auto& t : also)
-    keep.push_back(std::move(t));
-  return std::make_shared<Offload>(o.keep_on_device(std::move(keep)));
+  return std::make_shared<Offload>(detail::stage_offload_options(st.offload, stage, std::move(also)));
 }
 
 // Runs the forward operation `op` of the plan.
@@ -429,6 +420,22 @@ struct ExecNode final : torch::autograd::Node {
 };
 
 }  // namespace
+
+namespace detail {
+OffloadOptions stage_offload_options(OffloadOptions base, const StageFn& stage,
+                                     std::vector<at::Tensor> also) {
+  std::vector<at::Tensor> keep = base.keep_on_device();
+  if (stage.module) {
+    for (const auto& p : stage.module->parameters())
+      keep.push_back(p);
+    for (const auto& b : stage.module->buffers())
+      keep.push_back(b);
+  }
+  for (auto& t : also)
+    keep.push_back(std::move(t));
+  return base.keep_on_device(std::move(keep));
+}
+}  // namespace detail
 
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
                        const CheckpointOptions& options, std::shared_ptr<ExecutionStats> stats,

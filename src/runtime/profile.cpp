@@ -14,6 +14,7 @@
 
 #include "detail/profiling.h"
 #include "detail/region.h"
+#include "detail/stage_offload.h"
 #include "remat/checkpoint.h"
 #include "remat/measure.h"
 #include "remat/memory.h"
@@ -260,24 +261,16 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           Away a;
           int64_t alive[2] = {0, 0};
           for (int offloading = 0; offloading < 2; ++offloading) {
-            std::vector<torch::Tensor> on_device;
-            if (stages[i].module) {
-              for (const auto& p : stages[i].module->parameters())
-                on_device.push_back(p);
-              for (const auto& b : stages[i].module->buffers())
-                on_device.push_back(b);
-            }
             torch::Tensor probe = leaf_of(i, xs[i]);
-            on_device.push_back(probe);  // the executor holds a stage's input (Fa@host and Fk@host leave it)
             sync();
             memory::PeakWindow scope(device);
             torch::Tensor out;
             {
               std::optional<Offload> offload;
               if (offloading) {
-                offload.emplace(OffloadOptions()
-                                    .min_bytes(options.offload_min_bytes())
-                                    .keep_on_device(std::move(on_device)));
+                // As the executor opens it: its input, which the executor holds, stays (Fa@host, Fk@host).
+                offload.emplace(detail::stage_offload_options(
+                    OffloadOptions().min_bytes(options.offload_min_bytes()), stages[i], {probe}));
               }
               out = run(probe);
               if (offload) {
@@ -307,7 +300,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         }
         // Fc@host: the input the executor holds for the stage's recompute, saved under an Offload as the
         // executor saves it; offered when it goes (at least offload_min_bytes).
-        Offload held(OffloadOptions().min_bytes(options.offload_min_bytes()));
+        Offload held(detail::stage_offload_options(OffloadOptions().min_bytes(options.offload_min_bytes()),
+                                                   stages[i], {}));
         const torch::autograd::SavedVariable input(xs[i].detach(), /*is_output=*/false);
         held.close();
         if (held.stats().offloaded > 0) s.checkpoint_offload = OffloadCost{0, true, false};

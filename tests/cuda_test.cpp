@@ -471,17 +471,33 @@ int64_t plain_net_peak(Net& plain, const torch::Tensor& x, torch::Device dev) {
   return remat::memory::peak_bytes(dev) - plain->base;
 }
 
+// What the Planned CUDA tests share: 6 blocks of width 256 on an input from seed 8, a plain net and one to
+// plan (the same model), the blocks of the latter as stages, and a budget of half the plain step's peak.
+struct HalfPeak {
+  explicit HalfPeak(torch::Device d)
+      : dev(d),
+        x((torch::manual_seed(8), torch::randn({16, 128, 32}, torch::TensorOptions().device(d)))),
+        plain(seeded_net(w, depth, d)),
+        net(seeded_net(w, depth, d)),
+        stages(stages_of_net(net)),
+        plain_peak(plain_net_peak(plain, x, d)),
+        budget(plain_peak / 2) {}
+  std::vector<torch::Tensor> step(Net& n) { return net_step(n, x, dev); }
+
+  static constexpr int64_t w = 256, depth = 6;
+  torch::Device dev;
+  torch::Tensor x;
+  Net plain, net;
+  std::vector<remat::StageFn> stages;
+  int64_t plain_peak, budget;
+};
+
 TEST_F(CudaTest, PlannedTrainsAsPlainWithinTheBudgetAndLeavesTheCallersPeak) {
-  const int64_t w = 256, depth = 6;
-  torch::manual_seed(8);
-  const auto x = torch::randn({16, 128, 32}, on());
-  Net plain = seeded_net(w, depth, dev);
-  Net net = seeded_net(w, depth, dev);
-  const std::vector<remat::StageFn> stages = stages_of_net(net);
-  auto step = [&](Net& n) { return net_step(n, x, dev); };
-  const int64_t plain_peak = plain_net_peak(plain, x, dev);
-  const int64_t budget = plain_peak / 2;
-  net->planned.emplace(stages, remat::PlannedOptions().budget(budget));
+  HalfPeak t(dev);
+  Net &plain = t.plain, &net = t.net;
+  const int64_t plain_peak = t.plain_peak, budget = t.budget, w = HalfPeak::w, depth = HalfPeak::depth;
+  auto step = [&](Net& n) { return t.step(n); };
+  net->planned.emplace(t.stages, remat::PlannedOptions().budget(budget));
   for (int s = 0; s < 3; ++s) {
     const auto want = step(plain);
     {
@@ -577,18 +593,13 @@ TEST_F(CudaTest, OffloadIsThePlainRunAndFreesTheDevice) {
 }
 
 TEST_F(CudaTest, PlannedOffloadsOnCudaWithinTheBudget) {
-  const int64_t w = 256, depth = 6;
-  torch::manual_seed(8);
-  const auto x = torch::randn({16, 128, 32}, on());
-  Net plain = seeded_net(w, depth, dev);
-  Net net = seeded_net(w, depth, dev);
-  const std::vector<remat::StageFn> stages = stages_of_net(net);
-  auto step = [&](Net& n) { return net_step(n, x, dev); };
-  const int64_t plain_peak = plain_net_peak(plain, x, dev);
-  const int64_t budget = plain_peak / 2;
+  HalfPeak t(dev);
+  Net &plain = t.plain, &net = t.net;
+  const int64_t budget = t.budget;
+  auto step = [&](Net& n) { return t.step(n); };
   remat::PlannerOptions offload;
   offload.offload = true;
-  net->planned.emplace(stages, remat::PlannedOptions().budget(budget).planner(offload));
+  net->planned.emplace(t.stages, remat::PlannedOptions().budget(budget).planner(offload));
   for (int s = 0; s < 3; ++s) {
     const auto want = step(plain);
     const auto got = step(net);

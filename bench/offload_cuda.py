@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="paired steps per way and round (bert 1, llama 3)")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="offload_min_bytes")
+    ap.add_argument("--skip", default="", help="ways not to run, comma-separated (hf-offload, save_on_cpu)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of about 1.3B parameters, bf16, sequence 4096.
@@ -133,14 +134,21 @@ def main():
     sac.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, matmuls)})
     ways["sac"] = (sac, None)
+    skip = {w for w in args.skip.split(",") if w}
+    unknown = skip - {"hf-offload", "save_on_cpu"}
+    if unknown:
+        ap.error(f"--skip: {sorted(unknown)} are not ways this script may skip (hf-offload, save_on_cpu)")
     try:
+        if "hf-offload" in skip:
+            raise RuntimeError("skipped (--skip)")
         hfo = copy.deepcopy(base_model)
         hfo.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True})
         step(hfo)
         ways["hf-offload"] = (hfo, None)
     except Exception as e:  # not in this transformers
         print(f"hf-offload: not available ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
-    ways["save_on_cpu"] = (base_model, partial(torch.autograd.graph.save_on_cpu, pin_memory=cuda))
+    if "save_on_cpu" not in skip:
+        ways["save_on_cpu"] = (base_model, partial(torch.autograd.graph.save_on_cpu, pin_memory=cuda))
     peaks = {}
     for w, (m, ctx) in ways.items():
         step(m, ctx)
@@ -187,15 +195,24 @@ def main():
             lp.set_budget(b)
         plans[w] = dict(budget=b, asked=budgets[w], least=least, choices=lp.choices, predicted=lp.predicted_peak_bytes,
                         predicted_host=lp.predicted_host_bytes,
-                        predicted_ms=lp.plan.predicted.time_ms + lp.context.rest_ms,
+                        plan_ms=lp.plan.predicted.time_ms,
                         transfer_ms=lp.plan.predicted.transfer_ms)
         print(f"remat@{w}: {lp.choices}", file=sys.stderr, flush=True)
 
     rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "choices" in plans[w]]
     name = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    # The profiled chain and context, and every plan (text), to check the time model against the measured steps
+    # afterwards; and the plain step as the model predicts it (every layer kept).
+    for p in plans.values():
+        if "choices" in p:
+            lp.set_budget(p["budget"])
+            p["plan"] = str(lp.plan)
+    keep_all = remat.Plan.from_json(json.dumps(dict(num_stages=len(chain.stages), ops=[f"Fa{i}" for i in range(
+        len(chain.stages))] + ["L"] + [f"B{i}" for i in reversed(range(len(chain.stages)))])))
+    keep_plan_ms = remat.simulate(chain, keep_all).time_ms
     facts = dict(config=vars(args), device=name, torch=torch.__version__, transformers=transformers.__version__,
                  policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, bandwidth=bandwidth, profile_s=profile_s,
-                 check=check, plans=plans)
+                 check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms)
     if args.json:  # what is known before the timed rounds, in case they do not finish
         with open(args.json, "w") as f:
             json.dump(dict(facts, stage="planned"), f, indent=1)
@@ -225,13 +242,22 @@ def main():
     res, plain_all = paired_rounds(rows, way_of, (base_model, run_of(base_model, None)), meter, args.rounds,
                                    args.steps, warmup=1)
     plain_ms = plain_all
+    # Predicted step times: the plan's layers and copies, and the rest of the step as remat's first planned steps
+    # timed it again (the profiling step's own reading includes first-time costs).
+    rest_ms = lp.context.rest_ms
+    keep_ms = keep_plan_ms + rest_ms
+    for p in plans.values():
+        if "choices" in p:
+            p["predicted_ms"] = p["plan_ms"] + rest_ms
+    facts.update(rest_ms=rest_ms, predicted_plain_ms=keep_ms)
     for r in rows:
         res[r]["host_peak"] = host_peak[r]
     print(f"\n{args.model} {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, "
           f"{'bf16 autocast' if amp['enabled'] else 'fp32'}, {name}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}; plain step {statistics.median(plain_ms):.1f} ms, "
           f"{peaks['none'] / 2**30:.2f} GiB; bandwidth {bandwidth['to_host_gb_per_s']:.1f} GB/s to the host, "
-          f"{bandwidth['to_device_gb_per_s']:.1f} back; remat's profiling step {profile_s:.1f} s")
+          f"{bandwidth['to_device_gb_per_s']:.1f} back; remat's profiling step {profile_s:.1f} s; plain step "
+          f"predicted {keep_ms:.1f} ms")
     print(f"{'way':<16} {'peak GiB':>9} {'host GiB':>9} {'time/none':>9}  rounds")
     for r in rows:
         extra = ""

@@ -218,14 +218,30 @@ TEST(PerLayerOffload, SimulateChargesOffloadingAsDocumented) {
   plan.ops[1].offload = true;  // Fa0 Fa1@host Fa2 L B2 B1 B0
   ASSERT_EQ(plan.to_string(), "Fa0 Fa1@host Fa2 L B2 B1 B0");
   const remat::Simulation sim = remat::simulate(chain, plan);
-  // Fa2 peaks at 10 + 3 x 40 with stage 1's 30 bytes still in flight; they leave after it (the 3 ms copy hid
-  // behind Fa2's 2 ms but for 1 ms) and come back at B2 (10 + 40 + 30 + 40 + d_3 + d_2 = 150); a_1 stays
-  // (stage 0 holds it). B1 waits for the rest of the 5 ms copy back that B2's 4 ms did not hide.
+  // Fa2 peaks at 10 + 3 x 40 with stage 1's 30 bytes still in flight; they leave after it (the 3 ms copy began
+  // with Fa1's 2 ms and ended within Fa2's) and come back at B2 (10 + 40 + 30 + 40 + d_3 + d_2 = 150); a_1
+  // stays (stage 0 holds it). B1 waits for the rest of the 5 ms copy back that B2's 4 ms did not hide.
   const std::vector<int64_t> peaks = {50, 90, 130, 110, 150, 110, 70};
   EXPECT_EQ(sim.op_peak_bytes, peaks);
   EXPECT_EQ(sim.peak_bytes, 150);
-  EXPECT_DOUBLE_EQ(sim.transfer_ms, 2.0);
-  EXPECT_DOUBLE_EQ(sim.time_ms, 3 * 6.0 + 2.0);
+  EXPECT_DOUBLE_EQ(sim.transfer_ms, 1.0);
+  EXPECT_DOUBLE_EQ(sim.time_ms, 3 * 6.0 + 1.0);
+  // One link: with stages 0 and 1 both offloaded, stage 1's copy (3 ms) waits for stage 0's (3 ms, begun with
+  // Fa0): it begins 1 ms into Fa1, and 2 ms of it are left when Fa1 ends; Fa1 itself waits for nothing (stage
+  // 0's copy ended 1 ms into it), Fa2 hides 2 ms.
+  {
+    Plan two = plan;
+    two.ops[0].offload = true;
+    Chain c = chain;
+    c.stages[0].offload->output = false;
+    c.to_device_gb_per_s = 1e9;  // copies back take no time: the forward's alone
+    const remat::Simulation s2 = remat::simulate(c, two);
+    EXPECT_DOUBLE_EQ(s2.transfer_ms, 0.0);
+    c.stages[2].fwd_ms = 1.0;  // Fa2 hides 1 ms of the 2 left: 1 ms waited
+    EXPECT_DOUBLE_EQ(remat::simulate(c, two).transfer_ms, 1.0);
+    c.stages[1].fwd_ms = 0.5;  // Fa1 waits 0.5 ms for stage 0's copy; stage 1's then needs all 3 ms after it
+    EXPECT_DOUBLE_EQ(remat::simulate(c, two).transfer_ms, 0.5 + 2.0);
+  }
   EXPECT_EQ(sim.host_peak_bytes, 40);
   // Stage 0 offloaded as well: it no longer holds a_1, so stage 1's offloading takes a_1 off the device.
   plan.ops[0].offload = true;

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import weakref
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["HostPool", "CopyEngine", "Offload", "offload", "offloadable", "measure_bandwidth", "storage_ptrs"]
 
@@ -221,33 +222,41 @@ class CopyEngine:
 
 
 class _Entry:
-    """One offloaded storage: its host block, the view it was saved as, and the copies in flight."""
+    """One offloaded byte range of a storage (the bytes a saved tensor covers): its host block, the copies in
+    flight, and the device bytes once brought back. Saved tensors of one storage covering the same bytes (the
+    views of one input that several operators save, each its own view object) share it."""
 
-    __slots__ = ("block", "dtype", "shape", "nbytes", "device", "to_host_done", "source", "original",
+    __slots__ = ("block", "nbytes", "offset", "ptr", "device", "storage", "to_host_done", "source", "originals",
                  "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "aliased",
-                 "__weakref__")
+                 "alias_of", "pinned", "__weakref__")
 
     def __init__(self):
         self.block = None
         self.source = None  # the device tensor, held until its copy to the host has completed
-        self.device_copy = None
+        self.storage = None  # a weak reference to its storage: alive, the same storage at that address
+        self.originals: list[weakref.ref] = []  # the saved tensors, weakly: one alive is the storage on the device
+        self.device_copy = None  # the bytes on the device (uint8), once brought back or found there
         self.to_device_done = None
         self.to_host_done = None
         self.host_view = None
         self.version = 0
         self.handles = 0
         self.unpacked = False
-        self.aliased = False  # device_copy is the saved tensor itself, found alive on the device
+        self.aliased = False  # device_copy is the storage itself, found alive on the device
+        self.alias_of = None  # then: the tensor it was found through (its version counter shows later writes)
+        self.pinned = None  # a saved tensor autograd keeps on the device that holds this storage too
 
 
 class _Handle:
-    """What autograd holds in place of an offloaded tensor; its death returns the host block."""
+    """What autograd holds in place of an offloaded tensor (its entry, and the view it was saved as); its death
+    returns the host block once no other handle holds it."""
 
-    __slots__ = ("entry", "owner", "__weakref__")
+    __slots__ = ("entry", "owner", "dtype", "shape", "__weakref__")
 
-    def __init__(self, entry: _Entry, owner: "Offload"):
+    def __init__(self, entry: _Entry, owner: "Offload", t: torch.Tensor):
         self.entry = entry
         self.owner = owner
+        self.dtype, self.shape = t.dtype, t.shape
         entry.handles += 1
 
     def __del__(self):
@@ -257,11 +266,18 @@ class _Handle:
             pass
 
 
+def _bytes_of(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    """The bytes [offset, offset + nbytes) of t's storage, as a uint8 tensor over that storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), offset, (nbytes,), (1,))
+
+
 class Offload:
-    """The saved-tensor hooks of offload(); its counts: offloaded (tensors), offloaded_bytes, kept_on_device
-    (tensors the pool's bound left on the device), brought_back (copies to the device), prefetched (of them,
-    started before their tensor was asked for), found_on_device (tensors still alive on the device when needed
-    back, another holder having kept them, and not written since: handed out as they are, not copied)."""
+    """The saved-tensor hooks of offload(); its counts: offloaded (tensors sent to the host: byte ranges, one
+    for the views of one storage that cover the same bytes; not those of a storage another saved tensor keeps on
+    the device), offloaded_bytes, kept_on_device (tensors the pool's bound left on the device), brought_back (copies to the
+    device), prefetched (of them, started before their tensor was asked for), found_on_device (tensors still
+    alive on the device when needed back, another holder having kept them, and not written since: handed out
+    as they are, not copied)."""
 
     def __init__(self, pool: HostPool | None = None, min_bytes: int = 1 << 20, lookahead: int = 2,
                  engine: CopyEngine | None = None):
@@ -275,7 +291,11 @@ class Offload:
         self.engine = engine
         self._engines: dict[torch.device, CopyEngine] = {}
         self._alive: set[int] = set()  # storages of the parameters and buffers: never offloaded
-        self._by_storage: dict[tuple, weakref.ref] = {}
+        self._by_storage: dict[tuple, weakref.ref] = {}  # (pointer, byte offset, bytes, version) -> entry
+        self._at: dict[int, list[weakref.ref]] = {}  # storage pointer -> its entries
+        # Storage pointer -> a saved tensor this Offload left on the device (weakly: autograd holds it): that
+        # storage stays on the device whatever else saves it, so nothing of it is offloaded.
+        self._kept: dict[int, weakref.ref] = {}
         self._order: list[weakref.ref] = []  # entries in the order they were saved
         self._in_flight: list[_Entry] = []  # entries whose copy to the host may not have completed
         self._index: dict[int, int] = {}
@@ -298,41 +318,76 @@ class Offload:
         return engine
 
     # -- packing: the forward pass ---------------------------------------------------------------------------
+    def _keep(self, t) -> None:
+        """t is saved as itself: its storage stays on the device, and an entry of that storage already offloaded
+        is found there when needed back (its host block returned once its copy has landed)."""
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
+            return
+        try:
+            ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        if ptr == 0 or ptr in self._alive:
+            return
+        self._kept[ptr] = weakref.ref(t)
+        for ref in self._at.get(ptr, ()):
+            entry = ref()
+            if (entry is not None and entry.pinned is None and entry.storage is not None
+                    and not entry.storage.expired()):
+                # Not offloaded after all: its bytes stay on the device, found there when needed back.
+                entry.pinned = t
+                self.offloaded -= 1
+                self.offloaded_bytes -= entry.nbytes
+                if entry.to_host_done is None:
+                    self._to_host_landed(entry)  # its block back to the pool now (else once its copy lands)
+
+    def _kept_at(self, ptr: int):
+        ref = self._kept.get(ptr)
+        return ref() if ref is not None else None
+
     def pack(self, t: torch.Tensor):
-        # Parameters (alive anyway), subclasses, sparse and meta tensors, small ones and views with gaps stay.
+        # Parameters (alive anyway), subclasses, sparse and meta tensors, small ones and views with gaps stay, and
+        # so does any tensor of a storage that another saved tensor keeps on the device (copying it frees nothing).
         if not offloadable(t, self.min_bytes, self._alive):
+            self._keep(t)
             return t
-        ptr = t.untyped_storage().data_ptr()
-        key = (ptr, t.storage_offset(), tuple(t.shape), t.dtype, t._version)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if self._kept_at(ptr) is not None:
+            self._keep(t)
+            return t
+        offset = t.storage_offset() * t.element_size()
+        key = (ptr, offset, t.nbytes, t._version)
         known = self._by_storage.get(key)
         entry = known() if known is not None else None
-        if entry is not None and entry.original() is not t:
-            # Another tensor at a freed one's address (the allocator reuses it): not the same storage.
+        if entry is not None and (entry.storage is None or entry.storage.expired()):
+            # Another storage at a freed one's address (the allocator reuses it): not the same bytes.
             entry = None
         if entry is None:
             block = self.pool.take(t.nbytes)
             if block is None:
                 self.kept_on_device += 1
+                self._keep(t)
                 return t
             entry = _Entry()
-            entry.block, entry.dtype, entry.shape, entry.device = block, t.dtype, tuple(t.shape), t.device
-            entry.nbytes = t.nbytes
-            host = block[: t.nbytes].view(t.dtype).view(t.shape)
-            entry.source = t.detach()
-            entry.original = weakref.ref(t)
+            entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, t.nbytes, offset, ptr, t.device
+            entry.storage = StorageWeakRef(storage)
+            entry.source = t.detach().reshape(-1).view(torch.uint8)  # contiguous: its bytes, in order
             entry.version = t._version
-            entry.to_host_done = self._engine(t.device).copy(host, entry.source)
+            entry.to_host_done = self._engine(t.device).copy(block[: t.nbytes], entry.source)
             if entry.to_host_done is None:
                 entry.source = None  # copied already: the device tensor is autograd's no more
             else:
                 self._in_flight.append(entry)
             self._by_storage[key] = weakref.ref(entry)
+            self._at.setdefault(ptr, []).append(weakref.ref(entry))
             self._index[id(entry)] = len(self._order)
             self._order.append(weakref.ref(entry))
             self.offloaded += 1
             self.offloaded_bytes += t.nbytes
+        entry.originals.append(weakref.ref(t))
         self._settle()
-        return _Handle(entry, self)
+        return _Handle(entry, self, t)
 
     def _settle(self) -> None:
         """Releases the device tensors whose copies to the host have completed (queried, not waited on); the
@@ -340,9 +395,7 @@ class Offload:
         still = []
         for entry in self._in_flight:
             if entry.to_host_done is not None and entry.to_host_done.query():
-                entry.to_host_done = None
-                self._check_unmodified(entry)
-                entry.source = None
+                self._to_host_landed(entry)
             elif entry.source is not None:
                 still.append(entry)
         self._in_flight = still
@@ -354,6 +407,11 @@ class Offload:
             entry.to_host_done = None
             self._check_unmodified(entry)
         entry.source = None
+        if entry.pinned is not None and entry.block is not None and entry.device_copy is None:
+            # The storage stays on the device (autograd keeps it there through another saved tensor): the host
+            # copy is not needed; its block goes back to the pool.
+            self.pool.give(entry.block)
+            entry.block = None
 
     @staticmethod
     def _to_device_landed(entry: _Entry) -> None:
@@ -369,25 +427,40 @@ class Offload:
         the CPU, holds the values saved, and the gradient is the one autograd would have computed)."""
         if entry.source is not None and entry.source._version != entry.version:
             raise RuntimeError(
-                f"remat.offload: a tensor saved for backward ({entry.dtype}, shape {list(entry.shape)}) was "
-                "modified by an in-place operation while its copy to the host was in flight; its gradient "
-                "would read values half old, half new. Clone it before the in-place operation, or leave that "
-                "operation outside offload()")
+                f"remat.offload: a tensor saved for backward ({entry.nbytes} bytes) was modified by an in-place "
+                "operation while its copy to the host was in flight; its gradient would read values half old, "
+                "half new. Clone it before the in-place operation, or leave that operation outside offload()")
+
+    def _found(self, entry: _Entry):
+        """A tensor through which the entry's storage is still on the device, not written since its save."""
+        candidates = [r() for r in entry.originals] + [entry.pinned, self._kept_at(entry.ptr)]
+        for c in candidates:
+            if (c is not None and c.device == entry.device and c._version == entry.version
+                    and c.untyped_storage().data_ptr() == entry.ptr):
+                return c
+        return None
 
     def _start_to_device(self, entry: _Entry, may_alias: bool = True) -> None:
         if entry.device_copy is not None:
             return
+        if entry.storage is not None and not entry.storage.expired() and may_alias:
+            # Still alive on the device (another holder kept it there: the layer before, whose output it is, or a
+            # saved tensor autograd keeps as itself) and not written since: those bytes themselves; a copy back
+            # would be a second one.
+            found = self._found(entry)
+            if found is not None:
+                self._to_host_landed(entry)
+                entry.device_copy = _bytes_of(found, entry.offset, entry.nbytes)
+                entry.alias_of = found.detach()  # shares its version counter: a later write shows
+                entry.aliased = True
+                self.found_on_device += 1
+                return
         self._to_host_landed(entry)
-        # Still alive on the device (another holder kept it there: the layer before, whose output it is) and not
-        # written since: that tensor itself; a copy back would be a second one.
-        original = entry.original() if may_alias else None
-        if original is not None and original._version == entry.version:
-            entry.device_copy = original.detach()  # shares its version counter: a later write shows
-            entry.aliased = True
-            self.found_on_device += 1
-            return
-        host = entry.block[: entry.nbytes].view(entry.dtype).view(entry.shape)
-        out = torch.empty(entry.shape, dtype=entry.dtype, device=entry.device)
+        if entry.block is None:
+            raise RuntimeError("remat.offload: a saved tensor's bytes are neither on the host nor on the device "
+                               "(its storage was written or freed since it was found there)")
+        host = entry.block[: entry.nbytes]
+        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
         entry.to_device_done = self._engine(entry.device).copy(out, host)
         entry.host_view = host  # the copy's source, held until it has landed
         entry.device_copy = out
@@ -401,9 +474,9 @@ class Offload:
         if started and not entry.unpacked and not entry.aliased:
             self.prefetched += 1  # its copy began before it was asked for
         entry.unpacked = True
-        if entry.aliased and entry.device_copy._version != entry.version:
+        if entry.aliased and entry.alias_of._version != entry.version:
             # Written in place since it was found alive: the values saved come from the host after all.
-            entry.device_copy, entry.aliased = None, False
+            entry.device_copy, entry.alias_of, entry.aliased = None, None, False
             self.found_on_device -= 1
             self._start_to_device(entry, may_alias=False)
         else:
@@ -413,23 +486,24 @@ class Offload:
         if i is not None:
             for ref in self._order[max(0, i - self.lookahead):i]:
                 other = ref()
-                if other is not None and other.block is not None:
+                if other is not None and (other.block is not None or other.pinned is not None):
                     self._start_to_device(other)
-        out = entry.device_copy
+        out = entry.device_copy.view(h.dtype).view(h.shape)
         self._to_device_landed(entry)
-        # Held until autograd drops the saved tensor (every node that saved this storage has run, or the graph is
-        # freed): a storage saved by two operators, unpacked by both, comes back once, as plain autograd holds it.
+        # Held until autograd drops the saved tensor (every node that saved these bytes has run, or the graph is
+        # freed): bytes saved by two operators, unpacked by both, come back once, as plain autograd holds them.
         return out
 
     def _drop(self, entry: _Entry) -> None:
         entry.handles -= 1
-        if entry.handles > 0 or entry.block is None:
+        if entry.handles > 0:
             return
         self._to_device_landed(entry)
         self._to_host_landed(entry)
-        self.pool.give(entry.block)
-        entry.block = None
-        entry.device_copy = None
+        if entry.block is not None:
+            self.pool.give(entry.block)
+            entry.block = None
+        entry.device_copy = entry.alias_of = entry.pinned = None
 
     # -- what a planned step calls ------------------------------------------------------------------------------
     def finish_copies(self) -> None:
@@ -444,7 +518,7 @@ class Offload:
         backward pass reaches the next layer, so that the copies overlap that layer's backward)."""
         for ref in self._order:
             entry = ref()
-            if entry is not None and entry.block is not None:
+            if entry is not None and entry.handles > 0 and (entry.block is not None or entry.pinned is not None):
                 self._start_to_device(entry)
 
     # -- the context ----------------------------------------------------------------------------------------
@@ -456,6 +530,8 @@ class Offload:
         self._index = {id(e): i for i, e in enumerate(e for _, e in alive if e is not None)}
         del alive
         self._by_storage = {k: r for k, r in self._by_storage.items() if r() is not None}
+        self._at = {p: live for p, rs in self._at.items() if (live := [r for r in rs if r() is not None])}
+        self._kept = {p: r for p, r in self._kept.items() if r() is not None}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self

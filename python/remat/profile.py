@@ -128,6 +128,9 @@ class _SavedStorages:
         self.offload_min_bytes = offload_min_bytes
         self.alive = alive
         self.offloaded: dict[int, tuple[int, bool]] = {}
+        # Storages some saved tensor keeps on the device (one the hooks would not send: a view with gaps, a small
+        # one): the hooks offload nothing of them, as remat.offload.Offload does not.
+        self.kept: set[int] = set()
 
     def pack(self, t):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
@@ -135,9 +138,12 @@ class _SavedStorages:
             key = st.data_ptr()
             if key and key not in self.excluded:
                 self.sizes[key] = st.nbytes()
-            if self.offload_min_bytes is not None and offloadable(t, self.offload_min_bytes, self.alive):
-                whole = t.storage_offset() == 0 and t.nbytes == st.nbytes()
-                self.offloaded[key] = (st.nbytes(), whole or self.offloaded.get(key, (0, False))[1])
+            if self.offload_min_bytes is not None:
+                if offloadable(t, self.offload_min_bytes, self.alive):
+                    whole = t.storage_offset() == 0 and t.nbytes == st.nbytes()
+                    self.offloaded[key] = (st.nbytes(), whole or self.offloaded.get(key, (0, False))[1])
+                elif key and key not in self.alive:
+                    self.kept.add(key)
         return t
 
     def offload_cost(self, input_key: int, output_key: int, most: int) -> "_core.OffloadCost":
@@ -145,10 +151,10 @@ class _SavedStorages:
         besides its input and output (those a saved tensor covers whole; at most `most` bytes), and whether its
         input and output are among what it saves."""
         c = _core.OffloadCost()
-        c.bytes = min(most, sum(nb for key, (nb, whole) in self.offloaded.items()
-                                if whole and key not in (input_key, output_key)))
-        c.input = input_key in self.offloaded
-        c.output = output_key in self.offloaded
+        sent = {key: v for key, v in self.offloaded.items() if key not in self.kept}
+        c.bytes = min(most, sum(nb for key, (nb, whole) in sent.items() if whole and key not in (input_key, output_key)))
+        c.input = input_key in sent
+        c.output = output_key in sent
         return c
 
     @staticmethod

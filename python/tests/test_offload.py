@@ -355,6 +355,70 @@ def test_what_a_policy_keeps_goes_to_the_host_with_its_input():
         remat.policies.POLICY_OFFLOAD = True
 
 
+class ViewsBlock(nn.Module):
+    """Saves that share storages, as attention blocks' do: its input by two linears, each through a 2-D view of
+    its own (same bytes); h contiguous by gelu and as a transposed view by sin (a view with gaps: h stays on
+    the device, as a transposed key or an attention output saved by the fused kernel does)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.q, self.k, self.o = nn.Linear(w, w), nn.Linear(w, w), nn.Linear(w, w)
+
+    def forward(self, x):
+        h = self.q(x) * self.k(x)
+        return x + self.o(torch.nn.functional.gelu(h) + h.transpose(1, 2).sin().transpose(1, 2))
+
+
+def test_bytes_saved_through_several_views_go_once_and_a_storage_kept_on_the_device_goes_not():
+    # Before: the input went to the host once per view (and came back once per view), and h was copied though
+    # it stays on the device; the plan then predicted fewer host bytes, and a lower peak, than the step had.
+    torch.manual_seed(0)
+    w = 64
+    blocks = nn.Sequential(*[ViewsBlock(w) for _ in range(3)])
+    grads_ready(blocks)
+    x = torch.randn(4, 64, w, generator=torch.Generator().manual_seed(2))  # a hidden state: 64 KiB
+
+    def step(ctx=None):
+        blocks.zero_grad(set_to_none=False)
+        inp = x.clone().requires_grad_()
+        if ctx is None:
+            loss = blocks(inp).square().mean()
+        else:
+            with ctx:
+                loss = blocks(inp).square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in blocks.parameters()] + [inp.grad]
+
+    plain = step()
+    o = offload(blocks, min_bytes=x.nbytes)
+    got = step(o)
+    assert torch.equal(got[0], plain[0]) and all(torch.equal(a, b) for a, b in zip(got[1], plain[1]))
+    # Per block: the input once, q(x) and k(x) (saved by the product), the sum the last linear saves; not h
+    # (found on the device instead); and the last block's output, which the loss's square saves.
+    assert o.offloaded == 3 * 4 + 1 and o.offloaded_bytes == o.offloaded * x.nbytes == o.pool.peak_bytes
+    assert o.brought_back == o.offloaded and o.found_on_device == 3 and o.pool.in_use_bytes == 0
+
+    # Planned: the profile counts what the hooks send, so the pool's peak is the predicted host bytes and the
+    # step stays within its predicted peak.
+    model = Stack(w=w, n=4)
+    model.layers = nn.ModuleList(ViewsBlock(w) for _ in range(4))
+    grads_ready(model)
+    xs = torch.randn(4, 64, w, generator=torch.Generator().manual_seed(3))
+    plain = stack_step(model, xs)
+    lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=True, offload_min_bytes=xs.nbytes)
+    same_step(plain, stack_step(model, xs))  # the profiling step
+    for st in lp.chain.stages:
+        assert st.offload.input and st.offload.bytes == 3 * xs.nbytes
+    lp.set_budget(lp.min_budget_bytes)
+    assert any(c.endswith("@host") for c in lp.choices), lp.choices
+    lp.host_pool.peak_bytes = 0
+    got = stack_step(model, xs)
+    same_step(plain, got)
+    assert lp.host_pool.peak_bytes == lp.predicted_host_bytes > 0
+    assert got[2] <= lp.predicted_peak_bytes, (got[2], lp.predicted_peak_bytes)
+    lp.remove()
+
+
 def test_a_host_bound_holds_and_late_copies_are_waited_for():
     model, x, plain, lp = planned_stack(max_host_bytes=200 << 10)
     chain, ctx = lp.chain, lp.context

@@ -92,12 +92,15 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
 
 // A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
 // leaves once the next forward has run (pending; it comes back for the backward while this stage's runs),
-// the bytes its copies move each way, whether the previous stage holds its output (this stage's input) on the
-// device, the host bytes so far, the peak so far, the time so far, and how it was reached.
+// the bytes its copies move each way, the time its copies to the host still need once its forward is done
+// (link: they began with that forward, after what the link still had to copy), whether the previous stage
+// holds its output (this stage's input) on the device, the host bytes so far, the peak so far, the time so
+// far, and how it was reached.
 struct Point {
   int64_t held = 0;
   int64_t pending = 0;
   int64_t copied = 0;
+  double link = 0;
   bool keeps_output = true;
   int64_t host = 0;
   int64_t peak = 0;
@@ -116,9 +119,10 @@ bool same_group(const Point& a, const Point& b) {
 
 // Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
 // the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
-// for the least memory) and, when `host` bounds it, host bytes all at most its. Ties keep the first point.
+// for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with offloading)
+// the link's time still owed, all at most its. Ties keep the first point.
 template <typename Key>
-std::vector<Point> pareto(std::vector<Point> points, Key key, bool host) {
+std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::stable_sort(points.begin(), points.end(), [&](const Point& a, const Point& b) {
     if (a.pending != b.pending) return a.pending < b.pending;
     if (a.copied != b.copied) return a.copied < b.copied;
@@ -132,11 +136,11 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host) {
   for (const Point& p : points) {
     if (!out.empty() && !same_group(out.back(), p)) group = out.size();
     bool beaten = false;
-    if (!host) {
+    if (!host && !link) {
       beaten = out.size() > group && !(key(p) < key(out.back()));
     } else {
       for (size_t k = group; k < out.size() && !beaten; ++k)
-        beaten = !(key(p) < key(out[k])) && out[k].host <= p.host;
+        beaten = !(key(p) < key(out[k])) && (!host || out[k].host <= p.host) && (!link || out[k].link <= p.link);
     }
     if (!beaten) out.push_back(p);
   }
@@ -147,7 +151,7 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host) {
 // band's top: the program stays exact about feasibility (R only grows) and loses at most a band's worth of
 // memory. Never reached by chains of equal layers, whose R takes few values.
 template <typename Key>
-std::vector<Point> thin(std::vector<Point> points, Key key, bool host) {
+std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::vector<Point> out;
   for (size_t first = 0; first < points.size();) {
     size_t last = first;
@@ -173,7 +177,7 @@ std::vector<Point> thin(std::vector<Point> points, Key key, bool host) {
           banded.back().held = top;
         }
       }
-      banded = pareto(std::move(banded), key, host);
+      banded = pareto(std::move(banded), key, host, link);
       out.insert(out.end(), banded.begin(), banded.end());
     }
     first = last;
@@ -204,12 +208,13 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   sol.frontiers[0].push_back(start);
   auto time_key = [](const Point& p) { return p.ms; };
   auto peak_key = [](const Point& p) { return p.peak; };
-  // The copies of `copied` bytes beside a stage whose forward and backward take fwd and bwd milliseconds.
-  auto unhidden = [&](int64_t copied, double fwd, double bwd) {
-    if (copied == 0) return 0.0;
-    return std::max(0.0, chain.transfer_ms(copied, true) - fwd) +
-           std::max(0.0, chain.transfer_ms(copied, false) - bwd);
+  // The time model of the copies (see simulate()): a stage's copies to the host start with its forward, once
+  // the link has finished the previous stage's, and are waited for when the next stage's forward is done; its
+  // copies back start with the next stage's backward and are waited for when its own begins.
+  auto back_wait = [&](int64_t copied, double bwd) {
+    return copied == 0 ? 0.0 : std::max(0.0, chain.transfer_ms(copied, false) - bwd);
   };
+  const bool link = by_time && offload;
   for (int64_t j = 0; j < n; ++j) {
     sol.choices[static_cast<size_t>(j)] =
         choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload);
@@ -224,7 +229,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         Point q;
         q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step));
         if (by_time && q.peak > budget) continue;
-        const double wait = unhidden(p.copied, ch.fwd_ms, ch.bwd_ms);
+        const double wait = std::max(0.0, p.link - ch.fwd_ms) + back_wait(p.copied, ch.bwd_ms);
         q.ms = p.ms + ch.ms + wait;
         q.transfer_ms = p.transfer_ms + wait;
         q.held = p.held - p.pending + ch.held;
@@ -233,6 +238,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           const bool input_leaves = ch.cost->input && j > 0 && !p.keeps_output;
           q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
           q.copied = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
+          q.link = std::max(0.0, chain.transfer_ms(q.copied, true) - std::max(0.0, ch.fwd_ms - p.link));
           // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
           q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
           q.host += q.copied;
@@ -250,7 +256,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         next.push_back(q);
       }
     }
-    next = by_time ? thin(pareto(std::move(next), time_key, bounded), time_key, bounded)
+    next = by_time ? thin(pareto(std::move(next), time_key, bounded, link), time_key, bounded, link)
                    : thin(pareto(std::move(next), peak_key, bounded), peak_key, bounded);
     sol.frontiers[static_cast<size_t>(j) + 1] = std::move(next);
   }
@@ -259,8 +265,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   for (size_t k = 0; k < last.size(); ++k) {
     const int64_t peak = std::max(last[k].peak, last[k].held + a_n);
     if (by_time && peak > budget) continue;
-    // A last stage's copies hide behind nothing: to the host and straight back.
-    const double wait = unhidden(last[k].copied, 0.0, 0.0);
+    // A last stage's copies to the host are waited for at the loss, and come straight back.
+    const double wait = last[k].link + back_wait(last[k].copied, 0.0);
     const double ms = last[k].ms + wait;
     // Between plans of the same time (an offloaded stage whose copies hide completely costs nothing more),
     // the one holding less in host memory: copies that cost no time still take the link and the host's

@@ -187,6 +187,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   std::vector<char> keeps_output(static_cast<size_t>(n + 1), 1);
   std::vector<char> forwarded(static_cast<size_t>(n), 0);  // a forward of the stage ran before the loss
   int64_t host = 0;
+  // The time the copies to the host in flight still need after the last forward (one link: a stage's copies
+  // begin with its forward, once the link has finished those before them).
+  double link = 0;
   auto offload_cost = [&](const Op& op) -> const OffloadCost* {
     if (!chain) return nullptr;
     const Stage& st = chain->stages[static_cast<size_t>(op.stage)];
@@ -252,7 +255,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           a.back_at = sim.time_ms - sim.transfer_ms;
           a.state = Away::kBack;
         } else if (a.state == Away::kInFlight) {  // never left: its copy to the host is waited for, then back
-          const double wait = transfer(a.copied, true);
+          const double wait = link;
+          link = 0;
           sim.time_ms += wait, sim.transfer_ms += wait;
           a.back_at = sim.time_ms - sim.transfer_ms;
           a.state = Away::kBack;
@@ -306,14 +310,21 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           ms = all ? st.fwd_ms : keep ? std::get<1>(fk(i + 1, op.policy)) : st.nosave_ms();
           sim.time_ms += ms;
         }
-        // Copies to the host started before this forward have run beside it: what they freed leaves now.
+        // Copies to the host started before this forward have run beside it (and beside their own forward, from
+        // when the link was free): they are waited for now, and what they freed leaves.
+        const double owed = link;
+        bool waited = false;
         for (Away& a : away) {
           if (a.state != Away::kInFlight || &a == &away[static_cast<size_t>(i)]) continue;
           current -= a.device;
-          const double wait = std::max(0.0, transfer(a.copied, true) - ms);
-          sim.time_ms += wait, sim.transfer_ms += wait;
           a.state = Away::kGone;
+          waited = true;
         }
+        if (waited) {
+          const double wait = std::max(0.0, owed - ms);
+          sim.time_ms += wait, sim.transfer_ms += wait;
+        }
+        link = 0;
         // A runtime that holds a kept stage's output (Chain::holds_outputs) holds it, offloaded or not.
         const bool runtime_holds = chain && chain->holds_outputs && (all || keep);
         if (op.offload) {
@@ -331,6 +342,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }
           a.state = Away::kInFlight;
+          link = std::max(0.0, transfer(a.copied, true) - std::max(0.0, ms - (waited ? owed : 0.0)));
           host += a.copied;
           sim.host_peak_bytes = std::max(sim.host_peak_bytes, host);
           keeps_output[i + 1] = runtime_holds;

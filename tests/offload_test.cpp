@@ -324,6 +324,49 @@ TEST(Offload, ATensorStillOnTheDeviceComesBackAsItselfUnlessWrittenSince) {
   EXPECT_EQ(written.brought_back, 1);
 }
 
+TEST(Offload, BytesSavedThroughSeveralViewsGoOnceAndAStorageKeptOnTheDeviceGoesNot) {
+  // As in attention blocks: the input saved by two linears, each through a 2-D view of its own (same bytes);
+  // h saved contiguous by gelu and as a transposed view by sin (a view with gaps keeps h on the device).
+  // Before: the input went once per view (and came back once per view), and h was copied for nothing.
+  meter_on();
+  torch::manual_seed(0);
+  torch::nn::Linear q(64, 64), k(64, 64), o(64, 64);
+  const torch::Tensor x = torch::randn({4, 64, 64});  // 64 KiB
+  const int64_t bytes = x.numel() * 4;
+  auto step = [&](bool offloaded, remat::OffloadStats* stats) {
+    for (auto* m : {&q, &k, &o}) {
+      for (auto& p : (*m)->parameters())
+        p.mutable_grad() = torch::zeros_like(p);
+    }
+    const torch::Tensor in = x.clone().requires_grad_();
+    torch::Tensor loss;
+    {
+      std::optional<remat::Offload> scope;
+      if (offloaded) scope.emplace(remat::OffloadOptions().min_bytes(bytes));
+      const torch::Tensor a = in * 2;  // not a leaf: it may go
+      const torch::Tensor h = q(a) * k(a);
+      const torch::Tensor y = o(torch::gelu(h) + h.transpose(1, 2).sin().transpose(1, 2));
+      if (scope) *stats = scope->stats();
+      loss = y.sum();
+    }
+    loss.backward();
+    std::vector<torch::Tensor> grads{in.grad()};
+    for (auto* m : {&q, &k, &o}) {
+      for (auto& p : (*m)->parameters())
+        grads.push_back(p.grad().clone());
+    }
+    return grads;
+  };
+  remat::OffloadStats stats;
+  const auto plain = step(false, nullptr), got = step(true, &stats);
+  ASSERT_EQ(plain.size(), got.size());
+  for (size_t i = 0; i < plain.size(); ++i)
+    EXPECT_TRUE(torch::equal(plain[i], got[i])) << i;
+  // a once, q(a) and k(a) (the product saves both), the sum the last linear saves; not h.
+  EXPECT_EQ(stats.offloaded, 4);
+  EXPECT_EQ(stats.offloaded_bytes, 4 * bytes);
+}
+
 TEST(Offload, RefusesBadOptions) {
   EXPECT_THROW_WITH(remat::Offload(remat::OffloadOptions().min_bytes(-1)), "remat::Offload", "min_bytes",
                     "-1");

@@ -218,9 +218,9 @@ TEST(PerLayerOffload, SimulateChargesOffloadingAsDocumented) {
   plan.ops[1].offload = true;  // Fa0 Fa1@host Fa2 L B2 B1 B0
   ASSERT_EQ(plan.to_string(), "Fa0 Fa1@host Fa2 L B2 B1 B0");
   const remat::Simulation sim = remat::simulate(chain, plan);
-  // Fa2 peaks at 10 + 3 x 40 with stage 1's 30 bytes still in flight; they leave after it (the 3 ms copy began
-  // with Fa1's 2 ms and ended within Fa2's) and come back at B2 (10 + 40 + 30 + 40 + d_3 + d_2 = 150); a_1
-  // stays (stage 0 holds it). B1 waits for the rest of the 5 ms copy back that B2's 4 ms did not hide.
+  // Fa2 peaks at 10 + 3 x 40 with stage 1's 30 bytes still in flight; they leave after it (the 3 ms copy
+  // began with Fa1's 2 ms and ended within Fa2's) and come back at B2 (10 + 40 + 30 + 40 + d_3 + d_2 = 150);
+  // a_1 stays (stage 0 holds it). B1 waits for the rest of the 5 ms copy back that B2's 4 ms did not hide.
   const std::vector<int64_t> peaks = {50, 90, 130, 110, 150, 110, 70};
   EXPECT_EQ(sim.op_peak_bytes, peaks);
   EXPECT_EQ(sim.peak_bytes, 150);

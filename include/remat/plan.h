@@ -30,16 +30,17 @@
 ///
 /// Offloading (written with "@host": Fa3@host, Fk3[matmuls]@host, Fc3@host; before the loss only, a stage's
 /// only forward there): the forward is charged as without it; what the stage's OffloadCost says goes to host
-/// memory (its bytes, its input when it saves it, its output when it saves it) is copied while the next
-/// forward runs, and leaves the device when that forward ends (its input only if the stage before does not
-/// hold it there: that stage ran without offloading and saves its output, or its OffloadCost is unknown;
-/// never a_0). It comes back when the backward pass first reaches the stage after it (a recompute or a
-/// backward of stage i + 1) or the stage itself, and is on the device from then on. Time adds what the copies
-/// do not hide: the copy to the host beyond the next forward's time (all of it when the loss comes next), the
-/// copy back beyond the time of the operations between its return and the stage's first backward-phase
-/// operation. The bandwidths are the chain's (Chain::to_host_gb_per_s, to_device_gb_per_s).
-/// Simulation::host_peak_bytes counts what is on the host, each offloaded stage's bytes from its forward
-/// until its backward.
+/// memory (its bytes, its input when it saves it, its output when it saves it) is copied from the start of
+/// its own forward (once one link, shared by all copies to the host, has finished the copies before it)
+/// through the next forward, and leaves the device when that forward ends (its input only if the stage before
+/// does not hold it there: that stage ran without offloading and saves its output, or its OffloadCost is
+/// unknown; never a_0). It comes back when the backward pass first reaches the stage after it (a recompute or
+/// a backward of stage i + 1) or the stage itself, and is on the device from then on. Time adds what the
+/// copies do not hide: the copy to the host beyond its own forward (from when the link was free) and the next
+/// forward (what is left of it when the loss comes next: the runtimes wait for it there), the copy back
+/// beyond the time of the operations between its return and the stage's first backward-phase operation. The
+/// bandwidths are the chain's (Chain::to_host_gb_per_s, to_device_gb_per_s). Simulation::host_peak_bytes
+/// counts what is on the host, each offloaded stage's bytes from its forward until its backward.
 
 #include <cstdint>
 #include <string>

@@ -127,9 +127,10 @@ Plan optimal(const Chain& chain, int64_t budget_bytes, const PlannerOptions& opt
 /// plan.predicted.time_ms counts a checkpointed stage as run per call (Stage::per_call_fwd_ms() +
 /// per_call_bwd_ms()), a kept one as fwd_ms + bwd_ms and an Fk one as its variant's fwd_ms + bwd_ms.
 /// With options.offload, a stage may also run offloaded (Fa@host, Fk@host, Fk[NAME]@host, Fc@host: what it
-/// saves, or a checkpointed stage's input, copied to host memory while the next stage's forward runs and
-/// brought back while the stage after it runs its backward), its time the choice's plus the copies' time that
-/// the neighbouring stage's forward and backward do not hide (Chain::transfer_ms), its host bytes bounded by
+/// saves, or a checkpointed stage's input, copied to host memory from its own forward on, on one link with
+/// the other stages' copies, waited for when the next stage's forward ends, and brought back while the stage
+/// after it runs its backward), its time the choice's plus the copies' time that the forwards and the
+/// backward do not hide (Chain::transfer_ms; simulate()'s model, remat/plan.h), its host bytes bounded by
 /// options.max_host_bytes; the same program, exact (the tests compare it with an exhaustive search).
 /// Throws InfeasibleBudget (stating per_layer_min_budget()) when no per-layer plan fits, and
 /// std::invalid_argument for an invalid chain, a negative budget, an unknown exclusion, or offload on a chain

@@ -9,8 +9,10 @@ Inside the context, each tensor autograd saves (through ``torch.autograd.graph.s
 ``min_bytes`` goes to a block of the host pool: on CUDA, copied on a side stream after the producing stream's work
 (an event orders them), the device tensor kept alive until the copy's event has completed, then released; on
 the CPU (where "device" and "host" are one memory, so that the mechanism is testable without a GPU), copied at
-once. Saved tensors that are parameters or buffers (alive anyway), or below the threshold, stay where they are.
-A storage saved by several operators is copied once. In the backward pass, unpacking a tensor brings it back
+once. Saved tensors that are parameters or buffers (alive anyway), or below the threshold, stay where they are,
+and so does every saved tensor of a storage one of them keeps on the device (a view with gaps, such as a
+transposed key an attention kernel saves): copying it would free nothing. Bytes saved by several operators,
+each through a view of its own (an input three projections save), are copied once. In the backward pass, unpacking a tensor brings it back
 to the device, and starts bringing back the ``lookahead`` tensors saved before it (the backward pass meets them
 next, in the reverse of the forward's order), so that its copy has overlapped the backward work between; a
 tensor is never read before its copy has landed (the copy engine's event is waited on first). The device copy
@@ -29,7 +31,8 @@ Planned offloading (``remat.enable(..., offload=True)``, remat/plan.h's ``@host`
 layer under an Offload of its own with ``lookahead=0`` and calls ``finish_copies()`` and ``prefetch()`` at the
 points the plan's memory model names. On the CPU the copies run in the caller's thread: they do not overlap
 computation as on a GPU's side stream, so there the time model's hiding of copies does not hold (the CPU runs
-exist for testing: what is moved, when it comes back, the gradients). No GPU has run this module yet.
+exist for testing: what is moved, when it comes back, the gradients). On an H200 (PyTorch 2.11) the CUDA tests
+passed and planned steps came within 1.5% of their predicted times (docs/BENCHMARKS.md).
 """
 from __future__ import annotations
 

@@ -119,8 +119,8 @@ bool same_group(const Point& a, const Point& b) {
 
 // Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
 // the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
-// for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with offloading)
-// the link's time still owed, all at most its. Ties keep the first point.
+// for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
+// offloading) the link's time still owed, all at most its. Ties keep the first point.
 template <typename Key>
 std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::stable_sort(points.begin(), points.end(), [&](const Point& a, const Point& b) {
@@ -140,7 +140,8 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool li
       beaten = out.size() > group && !(key(p) < key(out.back()));
     } else {
       for (size_t k = group; k < out.size() && !beaten; ++k)
-        beaten = !(key(p) < key(out[k])) && (!host || out[k].host <= p.host) && (!link || out[k].link <= p.link);
+        beaten =
+            !(key(p) < key(out[k])) && (!host || out[k].host <= p.host) && (!link || out[k].link <= p.link);
     }
     if (!beaten) out.push_back(p);
   }

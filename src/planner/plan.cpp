@@ -310,8 +310,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           ms = all ? st.fwd_ms : keep ? std::get<1>(fk(i + 1, op.policy)) : st.nosave_ms();
           sim.time_ms += ms;
         }
-        // Copies to the host started before this forward have run beside it (and beside their own forward, from
-        // when the link was free): they are waited for now, and what they freed leaves.
+        // Copies to the host started before this forward have run beside it (and beside their own forward,
+        // from when the link was free): they are waited for now, and what they freed leaves.
         const double owed = link;
         bool waited = false;
         for (Away& a : away) {

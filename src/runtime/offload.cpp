@@ -144,24 +144,25 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     }
   }
 
-  // One offloaded storage.
+  // One offloaded byte range of a storage (the bytes a saved tensor covers). Saved tensors of one storage
+  // that cover the same bytes (the views of one input that several operators save, each its own view) share
+  // it.
   struct Entry {
     std::shared_ptr<HostPool> pool;
-    at::Tensor block, host;  // the host block, and the view the tensor was saved as
-    at::Tensor source;       // the device tensor, held until its copy to the host has completed
-    at::Tensor device_copy;  // brought back
+    at::Tensor block, host;  // the host block, and its first nbytes (uint8)
+    at::Tensor source;       // the device bytes (uint8), held until their copy to the host has completed
+    at::Tensor device_copy;  // the bytes on the device (uint8), brought back or found there
     std::shared_ptr<Copy> to_host, to_device;
-    c10::weak_intrusive_ptr<c10::TensorImpl> original{c10::intrusive_ptr<c10::TensorImpl>()};
     // The device storage and the saved tensor's version counter: still alive at the backward pass (another
     // holder kept it on the device) and not written since, it is handed out itself, nothing brought back.
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
     c10::VariableVersion counter;
-    int64_t offset = 0;
+    int64_t offset = 0;  // bytes into the storage
+    int64_t nbytes = 0;
     bool aliased = false;  // device_copy is that storage
+    bool pinned = false;  // another saved tensor keeps the storage on the device: its host copy is not needed
     int64_t version = 0;
     bool unpacked = false;
-    std::vector<int64_t> sizes;
-    at::ScalarType dtype = at::kFloat;
     at::Device device = at::kCPU;
     ~Entry() {
       // Both copies done before the block is reused (errors are not raised here: autograd is dropping it).
@@ -181,34 +182,41 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   // A checkpoint region inside sends what it keeps here too (what remat::keep calls and a policy keep).
   HookSource* kept_sink() override { return this; }
 
+  // Null: t stays as autograd keeps it (not offloadable, or of a storage another saved tensor keeps on the
+  // device: copying it would free nothing).
   std::shared_ptr<Entry> pack(const at::Tensor& t) {
-    if (!offloadable(t)) return nullptr;
     WatchPause pause;  // the hooks' own tensor work is not the region's
     c10::AutoGradMode no_grad(false);
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    const Key key{t.storage().data(), t.storage_offset(), t.sizes().vec(), t.scalar_type(), t._version()};
+    if (!offloadable(t) || kept_here(t)) {
+      keep(t);
+      return nullptr;
+    }
+    const int64_t nbytes = static_cast<int64_t>(t.nbytes());
+    const int64_t offset = t.storage_offset() * static_cast<int64_t>(t.itemsize());
+    const Key key{t.storage().data(), offset, nbytes, t._version()};
     auto known = by_storage_.find(key);
     if (known != by_storage_.end()) {
       std::shared_ptr<Entry> e = known->second.lock();
-      if (e && e->original.lock().get() == t.unsafeGetTensorImpl()) return e;  // saved before: copied once
+      // The same storage (alive, so no other one is at its address): those bytes went already.
+      if (e && e->storage.lock().get() == t.storage().unsafeGetStorageImpl()) return e;
     }
-    at::Tensor block = options_.pool()->take(t.nbytes());
+    at::Tensor block = options_.pool()->take(nbytes);
     if (!block.defined()) {
       ++stats_.kept_on_device;
+      keep(t);
       return nullptr;
     }
     auto e = std::make_shared<Entry>();
     e->pool = options_.pool();
     e->block = block;
-    e->sizes = t.sizes().vec();
-    e->dtype = t.scalar_type();
+    e->nbytes = nbytes;
     e->device = t.device();
-    e->host = block.narrow(0, 0, static_cast<int64_t>(t.nbytes())).view(e->dtype).view(e->sizes);
-    e->source = t.detach();
-    e->original = c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr());
+    e->host = block.narrow(0, 0, nbytes);
+    e->source = t.detach().reshape({-1}).view(at::kByte);  // contiguous: its bytes, in order
     e->storage = t.storage().getWeakStorageImpl();
     e->counter = t.unsafeGetTensorImpl()->version_counter();
-    e->offset = t.storage_offset();
+    e->offset = offset;
     e->version = t._version();
     e->to_host = copy(e->host, e->source);
     if (!e->to_host) {
@@ -216,15 +224,17 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     } else {
       in_flight_.push_back(e);
     }
+    if (order_.size() >= 2 * prune_at_) prune();
     by_storage_[key] = e;
+    at_[key_of(t)].push_back(e);
     order_.push_back(e);
     ++stats_.offloaded;
-    stats_.offloaded_bytes += static_cast<int64_t>(t.nbytes());
+    stats_.offloaded_bytes += nbytes;
     settle();
     return e;
   }
 
-  at::Tensor unpack(Entry& e) {
+  at::Tensor unpack(Entry& e, at::ScalarType dtype, const std::vector<int64_t>& sizes) {
     WatchPause pause;
     c10::AutoGradMode no_grad(false);
     std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -244,8 +254,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       e.to_device->wait();
       e.to_device = nullptr;
     }
-    // Held until autograd drops the saved tensor: a storage saved by two operators comes back once.
-    return e.device_copy;
+    // Held until autograd drops the saved tensor: bytes saved by two operators come back once.
+    return e.device_copy.view(dtype).view(sizes);
   }
 
   void finish_copies() {
@@ -275,24 +285,84 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     explicit Hooks(std::shared_ptr<OffloadState> s) : state(std::move(s)) {}
     void call_pack_hook(const at::Tensor& t) override {
       entry = state->pack(t);
-      // Not offloaded: kept as autograd keeps it (one that requires grad detached; unpacking re-attaches it).
-      if (!entry) kept = t.requires_grad() ? t.detach() : t;
+      if (entry) {
+        dtype = t.scalar_type();
+        sizes = t.sizes().vec();
+      } else {
+        // Not offloaded: kept as autograd keeps it (one that requires grad detached; unpacking re-attaches
+        // it).
+        kept = t.requires_grad() ? t.detach() : t;
+      }
     }
-    at::Tensor call_unpack_hook() override { return entry ? state->unpack(*entry) : kept; }
+    at::Tensor call_unpack_hook() override { return entry ? state->unpack(*entry, dtype, sizes) : kept; }
     std::shared_ptr<OffloadState> state;
     std::shared_ptr<Entry> entry;
+    at::ScalarType dtype = at::kFloat;  // the view it was saved as
+    std::vector<int64_t> sizes;
     at::Tensor kept;
   };
 
-  using Key = std::tuple<const void*, int64_t, std::vector<int64_t>, at::ScalarType, int64_t>;
+  // (storage data, byte offset, bytes, version)
+  using Key = std::tuple<const void*, int64_t, int64_t, int64_t>;
   struct KeyHash {
     size_t operator()(const Key& k) const {
-      size_t h = std::hash<const void*>()(std::get<0>(k)) ^ (std::hash<int64_t>()(std::get<1>(k)) << 1);
-      for (int64_t s : std::get<2>(k))
-        h = h * 31 + std::hash<int64_t>()(s);
-      return h ^ (static_cast<size_t>(std::get<3>(k)) << 3) ^ (std::hash<int64_t>()(std::get<4>(k)) << 5);
+      return std::hash<const void*>()(std::get<0>(k)) ^ (std::hash<int64_t>()(std::get<1>(k)) << 1) ^
+             (std::hash<int64_t>()(std::get<2>(k)) << 3) ^ (std::hash<int64_t>()(std::get<3>(k)) << 5);
     }
   };
+
+  static const void* key_of(const at::Tensor& t) { return t.storage().data(); }
+
+  // Whether another saved tensor that this Offload left on the device holds t's storage.
+  bool kept_here(const at::Tensor& t) const {
+    auto it = kept_.find(key_of(t));
+    return it != kept_.end() && it->second.lock().get() == t.storage().unsafeGetStorageImpl();
+  }
+
+  // t is saved as itself: its storage stays on the device, and an entry of that storage already offloaded is
+  // found there when needed back (its host block returned once its copy has landed).
+  void keep(const at::Tensor& t) {
+    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta()) return;
+    const void* data = key_of(t);
+    if (data == nullptr || std::find(alive_.begin(), alive_.end(), data) != alive_.end()) return;
+    if (kept_.size() >= 2 * prune_at_) prune();
+    kept_.insert_or_assign(data, t.storage().getWeakStorageImpl());
+    auto it = at_.find(data);
+    if (it == at_.end()) return;
+    for (auto& w : it->second) {
+      auto e = w.lock();
+      if (!e || e->pinned || e->storage.lock().get() != t.storage().unsafeGetStorageImpl()) continue;
+      // Not offloaded after all: its bytes stay on the device, found there when needed back.
+      e->pinned = true;
+      --stats_.offloaded;
+      stats_.offloaded_bytes -= e->nbytes;
+      if (!e->to_host) give_back_block(*e);  // now (else once its copy lands)
+    }
+  }
+
+  // Forgets what autograd has dropped (an Offload used step after step), so that the bookkeeping does not
+  // grow.
+  void prune() {
+    auto dead = [](const std::weak_ptr<Entry>& w) { return w.expired(); };
+    order_.erase(std::remove_if(order_.begin(), order_.end(), dead), order_.end());
+    for (auto it = by_storage_.begin(); it != by_storage_.end();)
+      it = it->second.expired() ? by_storage_.erase(it) : std::next(it);
+    for (auto it = at_.begin(); it != at_.end();) {
+      auto& v = it->second;
+      v.erase(std::remove_if(v.begin(), v.end(), dead), v.end());
+      it = v.empty() ? at_.erase(it) : std::next(it);
+    }
+    for (auto it = kept_.begin(); it != kept_.end();)
+      it = it->second.expired() ? kept_.erase(it) : std::next(it);
+    prune_at_ = std::max<size_t>({64, order_.size(), kept_.size()});
+  }
+
+  void give_back_block(Entry& e) {
+    if (!e.block.defined() || e.device_copy.defined()) return;
+    e.host = at::Tensor();
+    e.pool->give(e.block);
+    e.block = at::Tensor();
+  }
 
   bool offloadable(const at::Tensor& t) const {
     if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta()) return false;
@@ -384,13 +454,15 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       e.to_host->wait();
       e.to_host = nullptr;
       // Written in place while its copy was in flight: the host may hold half old, half new values.
-      TORCH_CHECK(!e.source.defined() || e.source._version() == e.version,
-                  "remat::Offload: a tensor saved for backward (", e.dtype, ", shape ", e.sizes,
-                  ") was modified by an in-place operation while its copy to the host was in flight; its "
-                  "gradient would read values half old, half new. Clone it before the in-place operation, or "
-                  "leave that operation outside the Offload");
+      TORCH_CHECK(
+          !e.source.defined() || e.source._version() == e.version,
+          "remat::Offload: a tensor saved for backward (", e.nbytes,
+          " bytes) was modified by an in-place operation while its copy to the host was in flight; its "
+          "gradient would read values half old, half new. Clone it before the in-place operation, or "
+          "leave that operation outside the Offload");
     }
     e.source = at::Tensor();
+    if (e.pinned) give_back_block(e);  // the storage stays on the device: the host copy is not needed
   }
 
   static bool unchanged(const Entry& e) {
@@ -398,21 +470,29 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   }
 
   void start_to_device(Entry& e, bool may_alias = true) {
-    if (e.device_copy.defined() || !e.block.defined()) return;
-    landed_to_host(e);
-    // Still on the device (held there by another holder, such as the stage before, whose output it is) and
-    // not written since: that storage itself; a copy back would be a second one.
+    if (e.device_copy.defined()) return;
+    // Still on the device (held there by another holder, such as the stage before, whose output it is, or a
+    // saved tensor autograd keeps as itself) and not written since: those bytes themselves; a copy back would
+    // be a second one.
     if (may_alias && unchanged(e)) {
       if (c10::intrusive_ptr<c10::StorageImpl> alive = e.storage.lock()) {
-        at::Tensor t = at::empty({0}, at::TensorOptions().dtype(e.dtype).device(e.device));
-        t.set_(c10::Storage(std::move(alive)), e.offset, e.sizes);
+        landed_to_host(e);
+        at::Tensor t = at::empty({0}, at::TensorOptions().dtype(at::kByte).device(e.device));
+        t.set_(c10::Storage(std::move(alive)), e.offset, {e.nbytes}, {1});
         e.device_copy = t;
         e.aliased = true;
         ++stats_.found_on_device;
         return;
       }
     }
-    e.device_copy = at::empty(e.sizes, at::TensorOptions().dtype(e.dtype).device(e.device));
+    if (!e.block.defined()) {
+      TORCH_CHECK(!e.pinned,
+                  "remat::Offload: a saved tensor's bytes are neither on the host nor on the device "
+                  "(its storage was written or freed since another saved tensor kept it there)");
+      return;
+    }
+    landed_to_host(e);
+    e.device_copy = at::empty({e.nbytes}, at::TensorOptions().dtype(at::kByte).device(e.device));
     e.to_device = copy(e.device_copy, e.host);
     ++stats_.brought_back;
   }
@@ -421,7 +501,11 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   std::vector<const void*> alive_;
   mutable std::recursive_mutex mu_;
   std::unordered_map<Key, std::weak_ptr<Entry>, KeyHash> by_storage_;
+  std::unordered_map<const void*, std::vector<std::weak_ptr<Entry>>> at_;  // a storage's entries
+  // Storages of saved tensors this Offload left on the device (weakly: autograd holds them).
+  std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> kept_;
   std::vector<std::weak_ptr<Entry>> order_, in_flight_;
+  size_t prune_at_ = 64;  // prune() once order_ holds twice this many
   std::deque<std::shared_ptr<Pending>> pending_;
   std::unordered_map<at::Device, c10::Stream> side_;
   OffloadStats stats_;

@@ -5,7 +5,8 @@ the plain step, Hugging Face's gradient_checkpointing_enable(), the same saving 
 checkpointing), Hugging Face's offload=True where the installed transformers has it, torch's save_on_cpu around
 the whole step, and remat.hf.enable(..., offload=True) at gradient_checkpointing_enable()'s measured peak and at
 two budgets between it and selective checkpointing's. Per way: the peak device memory above the bytes alive
-before the forward pass (the caching allocator's max_memory_allocated; remat's meter on the CPU), the
+before the forward pass (remat's meter window: on CUDA the bytes tensors request from the caching allocator,
+followed through its trace, or torch.cuda.max_memory_allocated where the meter library is missing), the
 synchronized step time paired with plain steps (medians of the rounds' ratios), for remat also the host pool's
 peak, the measured bandwidth each way, and the predicted step time beside the measured one.
 

@@ -109,18 +109,24 @@ class HostPool:
         self._free.clear()
 
 
-def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
-    """Whether offloading hooks send this saved tensor to the host: a plain strided tensor (not a parameter or
-    a subclass) of at least min_bytes, contiguous, whose storage is not one of `alive` (parameters, buffers)."""
+def _plain_ptr(t, alive: set[int]) -> int:
+    """The data pointer of a plain strided tensor's storage (not a parameter or a subclass), 0 for any other
+    tensor and for a storage of `alive` (parameters, buffers)."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
-        return False
-    # Unlike the C++ library's rule, a leaf that requires grad is not excluded: the profile stands in a layer's
-    # input (a non-leaf in the step) with such a leaf, and must see it go as the step's input would.
+        return 0
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
-        return False
-    return ptr != 0 and ptr not in alive and t.nbytes >= min_bytes and t.is_contiguous()
+        return 0
+    return 0 if ptr in alive else ptr
+
+
+def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
+    """Whether offloading hooks send this saved tensor to the host: a plain strided tensor (not a parameter or
+    a subclass) of at least min_bytes, contiguous, whose storage is not one of `alive` (parameters, buffers)."""
+    # Unlike the C++ library's rule, a leaf that requires grad is not excluded: the profile stands in a layer's
+    # input (a non-leaf in the step) with such a leaf, and must see it go as the step's input would.
+    return _plain_ptr(t, alive) != 0 and t.nbytes >= min_bytes and t.is_contiguous()
 
 
 def storage_ptrs(tensors) -> set[int]:
@@ -249,6 +255,10 @@ class _Entry:
         self.alias_of = None  # then: the tensor it was found through (its version counter shows later writes)
         self.pinned = None  # a saved tensor autograd keeps on the device that holds this storage too
 
+    def away(self) -> bool:
+        """Whether its bytes are to be brought back or found (not yet dropped by autograd)."""
+        return self.block is not None or self.pinned is not None
+
 
 class _Handle:
     """What autograd holds in place of an offloaded tensor (its entry, and the view it was saved as); its death
@@ -324,13 +334,8 @@ class Offload:
     def _keep(self, t) -> None:
         """t is saved as itself: its storage stays on the device, and an entry of that storage already offloaded
         is found there when needed back (its host block returned once its copy has landed)."""
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
-            return
-        try:
-            ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            return
-        if ptr == 0 or ptr in self._alive:
+        ptr = _plain_ptr(t, self._alive)
+        if ptr == 0:
             return
         self._kept[ptr] = weakref.ref(t)
         for ref in self._at.get(ptr, ()):
@@ -489,7 +494,7 @@ class Offload:
         if i is not None:
             for ref in self._order[max(0, i - self.lookahead):i]:
                 other = ref()
-                if other is not None and (other.block is not None or other.pinned is not None):
+                if other is not None and other.away():
                     self._start_to_device(other)
         out = entry.device_copy.view(h.dtype).view(h.shape)
         self._to_device_landed(entry)
@@ -521,7 +526,7 @@ class Offload:
         backward pass reaches the next layer, so that the copies overlap that layer's backward)."""
         for ref in self._order:
             entry = ref()
-            if entry is not None and entry.handles > 0 and (entry.block is not None or entry.pinned is not None):
+            if entry is not None and entry.away():
                 self._start_to_device(entry)
 
     # -- the context ----------------------------------------------------------------------------------------

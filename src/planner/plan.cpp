@@ -312,18 +312,14 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         }
         // Copies to the host started before this forward have run beside it (and beside their own forward,
         // from when the link was free): they are waited for now, and what they freed leaves.
-        const double owed = link;
-        bool waited = false;
+        // (`link` is owed only while a copy is in flight.)
         for (Away& a : away) {
           if (a.state != Away::kInFlight || &a == &away[static_cast<size_t>(i)]) continue;
           current -= a.device;
           a.state = Away::kGone;
-          waited = true;
         }
-        if (waited) {
-          const double wait = std::max(0.0, owed - ms);
-          sim.time_ms += wait, sim.transfer_ms += wait;
-        }
+        const double owed = link, wait = std::max(0.0, owed - ms);
+        sim.time_ms += wait, sim.transfer_ms += wait;
         link = 0;
         // A runtime that holds a kept stage's output (Chain::holds_outputs) holds it, offloaded or not.
         const bool runtime_holds = chain && chain->holds_outputs && (all || keep);
@@ -342,7 +338,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }
           a.state = Away::kInFlight;
-          link = std::max(0.0, transfer(a.copied, true) - std::max(0.0, ms - (waited ? owed : 0.0)));
+          link = std::max(0.0, transfer(a.copied, true) - std::max(0.0, ms - owed));
           host += a.copied;
           sim.host_peak_bytes = std::max(sim.host_peak_bytes, host);
           keeps_output[i + 1] = runtime_holds;

@@ -322,9 +322,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   // t is saved as itself: its storage stays on the device, and an entry of that storage already offloaded is
   // found there when needed back (its host block returned once its copy has landed).
   void keep(const at::Tensor& t) {
-    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta()) return;
-    const void* data = key_of(t);
-    if (data == nullptr || std::find(alive_.begin(), alive_.end(), data) != alive_.end()) return;
+    const void* data = plain_data(t);
+    if (data == nullptr) return;
     if (kept_.size() >= 2 * prune_at_) prune();
     kept_.insert_or_assign(data, t.storage().getWeakStorageImpl());
     auto it = at_.find(data);
@@ -364,12 +363,18 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     e.block = at::Tensor();
   }
 
-  bool offloadable(const at::Tensor& t) const {
-    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta()) return false;
-    if (t.is_leaf() && t.requires_grad()) return false;  // a parameter, or an input that requires grad
+  // The data of a strided tensor's storage, null for any other tensor and for a storage of keep_on_device.
+  const void* plain_data(const at::Tensor& t) const {
+    if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta()) return nullptr;
     const void* data = t.storage().data();
-    if (data == nullptr || std::find(alive_.begin(), alive_.end(), data) != alive_.end()) return false;
-    return static_cast<int64_t>(t.nbytes()) >= options_.min_bytes() && t.is_contiguous();
+    return std::find(alive_.begin(), alive_.end(), data) != alive_.end() ? nullptr : data;
+  }
+
+  bool offloadable(const at::Tensor& t) const {
+    if (t.defined() && t.is_leaf() && t.requires_grad())
+      return false;  // a parameter, or an input that requires grad
+    return plain_data(t) != nullptr && static_cast<int64_t>(t.nbytes()) >= options_.min_bytes() &&
+           t.is_contiguous();
   }
 
   // dst <- src: done (null), or a Copy in flight.

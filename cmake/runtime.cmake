@@ -19,6 +19,7 @@ set(REMAT_RUNTIME_SOURCES
   src/runtime/reentrant.cpp
   src/runtime/region.cpp
   src/runtime/kept.cpp
+  src/runtime/saved.cpp
   src/runtime/policy.cpp
   src/runtime/op_policy.cpp
   src/runtime/watch.cpp

@@ -704,6 +704,27 @@ TEST(EarlyStop, TheRecomputeEndsAtTheLastSavedTensor) {
   }
 }
 
+TEST(EarlyStop, ARecomputeThatWritesWhatItSavedGivesAutogradsErrorWithoutIt) {
+  // fn writes sigmoid's saved output in place: plain LibTorch raises. A recompute that stops at the last
+  // saved tensor hands back the values saved (the gradient of the forward pass as computed); one that runs on
+  // wrote them, and its hooks hand them back unchecked by autograd: remat raises autograd's error, never a
+  // gradient of the values written.
+  const torch::Tensor x = torch::randn({4, 8}, torch::requires_grad());
+  auto fn = [](const torch::Tensor& t) {
+    torch::Tensor y = t.sigmoid();
+    y.mul_(2);
+    return y;
+  };
+  const char* modified =
+      "one of the variables needed for gradient computation has been modified by an inplace operation";
+  EXPECT_THROW_WITH(fn(x).sum().backward(), modified);
+  remat::checkpoint(fn, x, CheckpointOptions().early_stop(true)).sum().backward();
+  const torch::Tensor s = x.detach().sigmoid();
+  EXPECT_LE(max_abs_diff(x.grad(), 2 * s * (1 - s)), 1e-6);
+  EXPECT_THROW_WITH(remat::checkpoint(fn, x, CheckpointOptions().early_stop(false)).sum().backward(),
+                    modified, "which is output 0 of Sigmoid", "remat::checkpoint's recompute");
+}
+
 TEST(EarlyStop, DropoutMasksAndStateAreAsWithoutIt) {
   // A region whose last saved tensor is a dropout mask, followed by work that saves nothing: the stop comes
   // right after the mask's draw; the RNG check compares with the forward pass at that same point.

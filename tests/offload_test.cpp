@@ -2,6 +2,7 @@
 // plain run's gradients bitwise, the bytes that leave the device exact, copies carried out late read only
 // once landed, nesting with checkpoint regions, torch::autograd::grad, the pool's bound, in-place writes.
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/torch.h>
 
 #include <remat/checkpoint.h>
@@ -14,6 +15,7 @@
 #include <remat/sequential.h>
 
 #include <optional>
+#include <thread>
 
 #include "autocast.h"
 #include "support.h"
@@ -365,6 +367,124 @@ TEST(Offload, BytesSavedThroughSeveralViewsGoOnceAndAStorageKeptOnTheDeviceGoesN
   // a once, q(a) and k(a) (the product saves both), the sum the last linear saves; not h.
   EXPECT_EQ(stats.offloaded, 4);
   EXPECT_EQ(stats.offloaded_bytes, 4 * bytes);
+}
+
+// The start of the error plain autograd raises for a saved tensor written in place since it was saved.
+constexpr const char* kModified =
+    "one of the variables needed for gradient computation has been modified by an inplace operation";
+
+TEST(Offload, AnInPlaceWriteToASavedTensorLeftOnTheDeviceIsAutogradsError) {
+  // Behind saved-tensor hooks autograd checks no version: each way a saved tensor stays on the device (below
+  // min_bytes, over the pool's bound, a view with gaps, a storage another saved tensor keeps there) gave the
+  // gradient of the values written, where plain LibTorch raises.
+  const torch::Tensor x = torch::randn({64, 256}, torch::requires_grad());
+  auto written = [&] {  // sigmoid saves its output, written after
+    torch::Tensor y = torch::sigmoid(x);
+    y.mul_(2);
+    return y.sum();
+  };
+  auto written_strided = [&] {  // the output of a transposed input: a view with gaps
+    torch::Tensor y = torch::sigmoid(x.t());
+    y.mul_(2);
+    return y.sum();
+  };
+  auto written_kept_by_a_view = [&] {  // h saved whole by gelu and through a transposed view by sin
+    torch::Tensor h = x * 2;
+    torch::Tensor loss = torch::gelu(h).sum() + h.t().sin().sum();
+    h.mul_(2);
+    return loss;
+  };
+  auto bounded = std::make_shared<remat::HostPool>(0, false);
+  const std::vector<std::pair<std::function<torch::Tensor()>, remat::OffloadOptions>> cases{
+      {written, remat::OffloadOptions().min_bytes(int64_t{1} << 30)},
+      {written, remat::OffloadOptions().min_bytes(0).pool(bounded)},
+      {written_strided, remat::OffloadOptions().min_bytes(0)},
+      {written_kept_by_a_view, remat::OffloadOptions().min_bytes(1024)},
+  };
+  for (const auto& [f, options] : cases) {
+    EXPECT_THROW_WITH(f().backward(), kModified, "is at version 1; expected version 0");
+    torch::Tensor loss;
+    {
+      remat::Offload o(options);
+      loss = f();
+    }
+    EXPECT_THROW_WITH(loss.backward(), kModified, "[CPUFloatType [", "is at version 1; expected version 0",
+                      "remat::Offload");
+  }
+  // The tensor named as autograd names it.
+  torch::Tensor loss;
+  {
+    remat::Offload o(remat::OffloadOptions().min_bytes(int64_t{1} << 30));
+    loss = written();
+  }
+  EXPECT_THROW_WITH(loss.backward(), "[CPUFloatType [64, 256]], which is output 0 of Sigmoid");
+}
+
+TEST(Offload, AStorageKeptOnTheDeviceByAViewFreedFirstStaysForItsOtherSave) {
+  // h saved whole by gelu (offloaded) and again through a transposed view by sin, which keeps h on the device
+  // (its host copy is dropped). sin's backward runs first and frees its view; gelu's must still find h there.
+  // Before: "a saved tensor's bytes are neither on the host nor on the device".
+  meter_on();
+  const torch::Tensor x = torch::randn({4, 64, 64}, torch::requires_grad());
+  auto step = [&](bool offloaded) {
+    x.mutable_grad() = torch::Tensor();
+    const int64_t base = remat::memory::active_bytes();
+    torch::Tensor loss;
+    {
+      std::optional<remat::Offload> o;
+      if (offloaded) o.emplace(remat::OffloadOptions().min_bytes(1024));
+      const torch::Tensor h = x * 2;
+      const torch::Tensor g = torch::gelu(h);
+      const torch::Tensor s = h.transpose(1, 2).sin();
+      loss = g.sum() + s.sum();
+      if (o) EXPECT_EQ(o->stats().offloaded, 0);  // h was not offloaded after all
+    }
+    loss.backward();
+    loss = torch::Tensor();
+    // Nothing held after the step but the input's gradient.
+    EXPECT_EQ(remat::memory::active_bytes() - base, static_cast<int64_t>(x.grad().nbytes())) << offloaded;
+    return x.grad().clone();
+  };
+  const torch::Tensor plain = step(false);
+  EXPECT_TRUE(torch::equal(step(true), plain));
+}
+
+TEST(Offload, ScopesEndInAnyOrder) {
+  // A training loop that replaces its Offload each step opens the new one before the old one ends: that
+  // aborted the process (an internal assert in a destructor). Each step's saves go to its own Offload, and
+  // every step is the plain run.
+  Mlp model = mlp();
+  const torch::Tensor x = input();
+  const Step plain = run(model, x);
+  auto pool = std::make_shared<remat::HostPool>();
+  auto no_hooks = [] {
+    return torch::autograd::Engine::get_default_engine().get_default_saved_variable_hooks() == nullptr;
+  };
+  {
+    std::unique_ptr<remat::Offload> off;
+    for (int step = 0; step < 3; ++step) {
+      off = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(1024).pool(pool));
+      const Step got = run(model, x);
+      expect_same(plain, got);
+      EXPECT_GT(off->stats().offloaded, 0) << step;
+    }
+  }
+  EXPECT_TRUE(no_hooks());
+  // Two scopes ended first-opened first: the other takes what is saved until it ends too.
+  auto a = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(0));
+  auto b = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(0));
+  a.reset();
+  const torch::Tensor xg = x.detach().requires_grad_();
+  torch::Tensor y = (xg * 2).sin();  // saves xg * 2
+  EXPECT_EQ(b->stats().offloaded, 1);
+  b.reset();
+  EXPECT_TRUE(no_hooks());
+  y.sum().backward();
+  EXPECT_TRUE(torch::allclose(xg.grad(), 2 * (xg.detach() * 2).cos()));
+  // Ended on another thread than its own: closed, its thread's hooks off.
+  auto c = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(0));
+  std::thread([&] { c.reset(); }).join();
+  EXPECT_TRUE(no_hooks());
 }
 
 TEST(Offload, RefusesBadOptions) {

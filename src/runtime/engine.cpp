@@ -11,6 +11,7 @@
 #include <c10/util/Exception.h>
 
 #include <mutex>
+#include <optional>
 #include <typeinfo>
 #include <utility>
 
@@ -25,9 +26,9 @@ using NodePtr = std::decay_t<decltype(std::declval<torch::autograd::Edge>().func
 
 struct RematEngine final : Engine {
   std::unique_ptr<torch::autograd::SavedVariableHooks> get_default_saved_variable_hooks() override {
-    const auto& hooks = thread_state().hooks;
-    if (hooks.empty() || !at::SavedTensorDefaultHooks::is_enabled()) return nullptr;
-    return hooks.back()->make_hooks();
+    if (!at::SavedTensorDefaultHooks::is_enabled()) return nullptr;
+    HookSource* source = current_hook_source();
+    return source != nullptr ? source->make_hooks() : nullptr;
   }
 
   torch::autograd::variable_list execute(const torch::autograd::edge_list& roots,

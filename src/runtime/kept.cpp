@@ -44,10 +44,6 @@ KeptCall::Saved recipe_of(const at::Tensor& t, const std::vector<at::Tensor>& in
 
 }  // namespace
 
-int64_t version_of(const at::Tensor& t) {
-  return t.is_inference() ? 0 : static_cast<int64_t>(t._version());
-}
-
 KeptCall make_kept_call(std::string tag, const std::vector<at::Tensor>& inputs,
                         const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& captured) {
   KeptCall call;

@@ -17,6 +17,7 @@
 #include "detail/kept.h"
 #include "detail/op_policy.h"
 #include "detail/region.h"
+#include "detail/saved.h"
 #include "detail/watch.h"
 
 namespace remat::detail {
@@ -38,9 +39,10 @@ class Collector final : public HookSource {
   // `replay`: answers remat::keep calls of the recompute (the frame's kept outputs); null runs them.
   using Replay = std::function<std::vector<at::Tensor>(const std::string&, const KeepFn&,
                                                        const std::vector<at::Tensor>&, Collector&)>;
-  Collector(std::vector<at::Tensor>& out, int64_t limit, bool strict, bool stop,
+  Collector(std::vector<at::Tensor>& out, std::vector<SavedAs>& out_as, int64_t limit, bool strict, bool stop,
             const std::vector<TensorMeta>* expected, Replay replay = nullptr)
       : out_(out),
+        out_as_(out_as),
         limit_(limit),
         strict_(strict),
         stop_(stop),
@@ -67,17 +69,22 @@ class Collector final : public HookSource {
       // As autograd would save it: a tensor that does not require grad is kept as is (a custom Function gets
       // the very tensor it saved back), one that does is detached (unpacking re-attaches its grad_fn).
       saved = t.requires_grad() ? t.detach() : t;
+      as = SavedAs::of(t);
       Collector* c = collector;
       collector = nullptr;  // the collector dies with the recompute; only pack may touch it
-      if (c->store(saved)) throw StopRecompute{};
+      if (c->store(saved, as)) throw StopRecompute{};
     }
-    at::Tensor call_unpack_hook() override { return saved; }
+    at::Tensor call_unpack_hook() override {
+      as.check_unmodified(saved, "remat::checkpoint's recompute");
+      return saved;
+    }
     Collector* collector;
     at::Tensor saved;
+    SavedAs as;
   };
 
   // Stores t; true when the recompute should stop now.
-  bool store(const at::Tensor& t) {
+  bool store(const at::Tensor& t, const SavedAs& as) {
     const int64_t i = count_++;
     if (i >= limit_) {
       if (stop_) return true;
@@ -93,10 +100,12 @@ class Collector final : public HookSource {
           " in the forward pass (set CheckpointOptions().determinism_check(false) to skip this check)");
     }
     out_.push_back(t);
+    out_as_.push_back(as);
     return stop_ && count_ == limit_;
   }
 
   std::vector<at::Tensor>& out_;
+  std::vector<SavedAs>& out_as_;
   int64_t limit_;
   bool strict_;
   bool stop_;
@@ -265,6 +274,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     TORCH_INTERNAL_ASSERT(index >= 0 && index < num_saved_, "remat::checkpoint: bad saved-tensor index ",
                           index);
     if (index >= static_cast<int64_t>(recomputed_.size()) || !recomputed_[index].defined()) recompute();
+    // Written in place after it was saved (by the recompute itself, when it runs past the write: early
+    // stopping off): autograd's error, as the plain run gives, never a gradient of the values written.
+    recomputed_as_[index].check_unmodified(recomputed_[index], "remat::checkpoint's recompute");
     return std::move(recomputed_[index]);
   }
 
@@ -275,6 +287,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       saved.push_back(sv.unpack());
     std::vector<at::Tensor> args = detached_inputs(saved, requires_grad_);
     std::vector<at::Tensor> collected;
+    std::vector<SavedAs> collected_as;
     collected.reserve(num_saved_);
     const int64_t limit = num_saved_;
     {
@@ -288,8 +301,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
         replay = [this](const std::string& tag, const KeepFn& fn, const std::vector<at::Tensor>& in,
                         Collector& c) { return this->replay(tag, fn, in, c); };
       }
-      Collector collector(collected, limit, /*strict=*/forward_done_, /*stop=*/forward_done_ && early_stop_,
-                          check_ ? &metas_ : nullptr, std::move(replay));
+      Collector collector(collected, collected_as, limit, /*strict=*/forward_done_,
+                          /*stop=*/forward_done_ && early_stop_, check_ ? &metas_ : nullptr,
+                          std::move(replay));
       RecomputeScope recompute(rng_.start, cuda_devices_, modules_, args, autocast_);
       HookScope scope(&collector);
       std::unique_ptr<OpInterceptor> replay_ops;
@@ -315,6 +329,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
                 collected.size(), " tensors for backward but the forward pass saved ", limit,
                 "; fn must do the same work each time it runs");
     recomputed_ = std::move(collected);
+    recomputed_as_ = std::move(collected_as);
     // The kept outputs have served: a later recompute of this region (retain_graph) runs the calls again.
     if (forward_done_) kept_.clear();
   }
@@ -338,6 +353,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   int64_t num_saved_ = 0;
   bool forward_done_ = false;
   std::vector<at::Tensor> recomputed_;
+  std::vector<SavedAs> recomputed_as_;         // what each was when saved
   std::unique_ptr<OpPolicyRecord> op_policy_;  // CheckpointOptions::policy's record, when there is one
   HookSource* sink_ = nullptr;                 // see kept_sink(); only during the forward pass
   std::recursive_mutex mutex_;

@@ -22,6 +22,7 @@
 #include <unordered_map>
 
 #include "detail/hooks.h"
+#include "detail/saved.h"
 #include "detail/watch.h"
 
 namespace remat {
@@ -160,7 +161,9 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     int64_t offset = 0;  // bytes into the storage
     int64_t nbytes = 0;
     bool aliased = false;  // device_copy is that storage
-    bool pinned = false;  // another saved tensor keeps the storage on the device: its host copy is not needed
+    // Another saved tensor keeps the storage on the device (a view of it with gaps): its host copy is not
+    // needed, and the entry holds the storage, as autograd would hold the tensor saved, until it is dropped.
+    c10::Storage kept_storage;
     int64_t version = 0;
     bool unpacked = false;
     at::Device device = at::kCPU;
@@ -234,7 +237,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     return e;
   }
 
-  at::Tensor unpack(Entry& e, at::ScalarType dtype, const std::vector<int64_t>& sizes) {
+  at::Tensor unpack(Entry& e, const SavedAs& saved) {
     WatchPause pause;
     c10::AutoGradMode no_grad(false);
     std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -248,14 +251,14 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       --stats_.found_on_device;
       start_to_device(e, /*may_alias=*/false);
     } else {
-      start_to_device(e);
+      start_to_device(e, /*may_alias=*/true, &saved);
     }
     if (e.to_device) {
       e.to_device->wait();
       e.to_device = nullptr;
     }
     // Held until autograd drops the saved tensor: bytes saved by two operators come back once.
-    return e.device_copy.view(dtype).view(sizes);
+    return e.device_copy.view(saved.dtype).view(saved.sizes);
   }
 
   void finish_copies() {
@@ -284,21 +287,24 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   struct Hooks final : torch::autograd::SavedVariableHooks {
     explicit Hooks(std::shared_ptr<OffloadState> s) : state(std::move(s)) {}
     void call_pack_hook(const at::Tensor& t) override {
+      saved = SavedAs::of(t);
       entry = state->pack(t);
-      if (entry) {
-        dtype = t.scalar_type();
-        sizes = t.sizes().vec();
-      } else {
+      if (!entry) {
         // Not offloaded: kept as autograd keeps it (one that requires grad detached; unpacking re-attaches
         // it).
         kept = t.requires_grad() ? t.detach() : t;
       }
     }
-    at::Tensor call_unpack_hook() override { return entry ? state->unpack(*entry, dtype, sizes) : kept; }
+    at::Tensor call_unpack_hook() override {
+      if (entry) return state->unpack(*entry, saved);
+      // Autograd does not check the version of a tensor its hooks hand back: written in place since it was
+      // saved, it would give a gradient computed from the values written.
+      saved.check_unmodified(kept, "remat::Offload");
+      return kept;
+    }
     std::shared_ptr<OffloadState> state;
     std::shared_ptr<Entry> entry;
-    at::ScalarType dtype = at::kFloat;  // the view it was saved as
-    std::vector<int64_t> sizes;
+    SavedAs saved;
     at::Tensor kept;
   };
 
@@ -330,9 +336,10 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     if (it == at_.end()) return;
     for (auto& w : it->second) {
       auto e = w.lock();
-      if (!e || e->pinned || e->storage.lock().get() != t.storage().unsafeGetStorageImpl()) continue;
-      // Not offloaded after all: its bytes stay on the device, found there when needed back.
-      e->pinned = true;
+      if (!e || e->kept_storage || e->storage.lock().get() != t.storage().unsafeGetStorageImpl()) continue;
+      // Not offloaded after all: its bytes stay on the device, found there when needed back (held by the
+      // entry: the saved tensor that keeps them may be dropped first).
+      e->kept_storage = t.storage();
       --stats_.offloaded;
       stats_.offloaded_bytes -= e->nbytes;
       if (!e->to_host) give_back_block(*e);  // now (else once its copy lands)
@@ -373,6 +380,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   bool offloadable(const at::Tensor& t) const {
     if (t.defined() && t.is_leaf() && t.requires_grad())
       return false;  // a parameter, or an input that requires grad
+    // A conjugate or negative view's bytes are not its values: it stays, with its bit, as autograd keeps it.
+    if (t.defined() && (t.is_conj() || t.is_neg())) return false;
     return plain_data(t) != nullptr && static_cast<int64_t>(t.nbytes()) >= options_.min_bytes() &&
            t.is_contiguous();
   }
@@ -467,14 +476,16 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
           "leave that operation outside the Offload");
     }
     e.source = at::Tensor();
-    if (e.pinned) give_back_block(e);  // the storage stays on the device: the host copy is not needed
+    if (e.kept_storage) give_back_block(e);  // the storage stays on the device: the host copy is not needed
   }
 
   static bool unchanged(const Entry& e) {
     return e.counter.enabled() && static_cast<int64_t>(e.counter.current_version()) == e.version;
   }
 
-  void start_to_device(Entry& e, bool may_alias = true) {
+  // `saved`: the tensor being unpacked, for the error raised when its bytes were kept on the device and
+  // written there since.
+  void start_to_device(Entry& e, bool may_alias = true, const SavedAs* saved = nullptr) {
     if (e.device_copy.defined()) return;
     // Still on the device (held there by another holder, such as the stage before, whose output it is, or a
     // saved tensor autograd keeps as itself) and not written since: those bytes themselves; a copy back would
@@ -491,10 +502,14 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       }
     }
     if (!e.block.defined()) {
-      TORCH_CHECK(!e.pinned,
-                  "remat::Offload: a saved tensor's bytes are neither on the host nor on the device "
-                  "(its storage was written or freed since another saved tensor kept it there)");
-      return;
+      // Kept on the device (its host block returned) and written there since: the values saved are gone.
+      TORCH_INTERNAL_ASSERT(e.kept_storage, "remat::Offload: an offloaded entry without its host block");
+      if (saved != nullptr) {
+        saved->check_version(
+            e.counter.enabled() ? static_cast<int64_t>(e.counter.current_version()) : e.version, e.device,
+            "remat::Offload");
+      }
+      return;  // a prefetch: the unpack raises
     }
     landed_to_host(e);
     e.device_copy = at::empty({e.nbytes}, at::TensorOptions().dtype(at::kByte).device(e.device));

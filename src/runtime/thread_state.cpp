@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 #include "detail/compat.h"
 #include "detail/hooks.h"
 
@@ -24,16 +26,55 @@ const ThreadState& thread_state() {
   return state != nullptr ? *state : *empty;
 }
 
-void ThreadStateScope::install(std::shared_ptr<ThreadState> next) {
-  mine_ = next.get();
-  guard_.emplace(state_kind(), std::move(next));
+// The scopes open on this thread, in the order they started.
+std::vector<ThreadStateScope*>& open_scopes() {
+  thread_local std::vector<ThreadStateScope*> open;
+  return open;
+}
+
+ThreadStateScope::ThreadStateScope(Edit edit) : edit_(std::move(edit)) {
+  install();
+  open_scopes().push_back(this);
+}
+
+void ThreadStateScope::install() {
+  auto next = std::make_shared<ThreadState>(thread_state());
+  edit_(*next);
+  prev_ = c10::ThreadLocalDebugInfo::current();
+  c10::ThreadLocalDebugInfo::_push(state_kind(), std::move(next));
+  node_ = c10::ThreadLocalDebugInfo::current();
 }
 
 ThreadStateScope::~ThreadStateScope() {
-  // A scope that ends out of order would take the ones started after it with it: a bug of remat's.
-  TORCH_INTERNAL_ASSERT(c10::ThreadLocalDebugInfo::get(state_kind()) == mine_,
-                        "remat: thread-state scopes must end in the reverse order of their start");
-  guard_.reset();
+  auto& open = open_scopes();
+  const auto it = std::find(open.begin(), open.end(), this);
+  if (it == open.end()) {
+    // Ended on another thread: that thread's state is not ours to change from here. Its hook entries are
+    // closed (HookScope), so nothing reaches what this scope installed.
+    TORCH_WARN_ONCE(
+        "remat: a scope (remat::Offload or a checkpoint region) ended on another thread than the "
+        "one it started on; it is closed, and its thread's state is restored when the scopes "
+        "around it end");
+    return;
+  }
+  const size_t i = static_cast<size_t>(it - open.begin());
+  if (i + 1 == open.size()) {  // in order: what was before it
+    c10::ThreadLocalDebugInfo::_forceCurrentDebugInfo(prev_);
+    open.pop_back();
+    return;
+  }
+  // Out of order: the scopes started after this one are installed again, each on top of the one before, from
+  // what was there before this one, so that this one's edit is gone and theirs stay. That needs this thread's
+  // debug info to be theirs alone above this one (nobody else's guard in between); otherwise this scope's
+  // hook entries are closed and the state is left to the scopes around it.
+  bool ours = c10::ThreadLocalDebugInfo::current() == open.back()->node_;
+  for (size_t j = i + 1; j < open.size(); ++j)
+    ours = ours && open[j]->prev_ == open[j - 1]->node_;
+  open.erase(it);
+  if (!ours) return;
+  c10::ThreadLocalDebugInfo::_forceCurrentDebugInfo(prev_);
+  for (size_t j = i; j < open.size(); ++j)
+    open[j]->install();
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -41,9 +82,20 @@ ThreadStateScope::~ThreadStateScope() {
 
 HookSource* current_hook_source() {
   const auto& hooks = thread_state().hooks;
-  return hooks.empty() ? nullptr : hooks.back();
+  for (auto it = hooks.rbegin(); it != hooks.rend(); ++it) {
+    if (it->open->load(std::memory_order_acquire)) return it->source;
+  }
+  return nullptr;
 }
 
-HookScope::HookScope(HookSource* source) : scope_([source](ThreadState& s) { s.hooks.push_back(source); }) {}
+HookScope::HookScope(HookSource* source)
+    : open_(std::make_shared<std::atomic<bool>>(true)),
+      scope_([source, open = std::shared_ptr<const std::atomic<bool>>(open_)](ThreadState& s) {
+        s.hooks.push_back({source, open});
+      }) {}
+
+HookScope::~HookScope() {
+  open_->store(false, std::memory_order_release);
+}
 
 }  // namespace remat::detail

@@ -58,12 +58,16 @@ bool install_engine();
 void require_engine(const char* who);
 
 /// Pushes `source` on this thread's stack (and on the stack of the backward passes started inside) for the
-/// lifetime of the scope.
+/// lifetime of the scope; its entry is closed when the scope ends, wherever a state still holds it.
 class HookScope {
  public:
   explicit HookScope(HookSource* source);
+  ~HookScope();
+  HookScope(const HookScope&) = delete;
+  HookScope& operator=(const HookScope&) = delete;
 
  private:
+  std::shared_ptr<std::atomic<bool>> open_;
   ThreadStateScope scope_;
 };
 

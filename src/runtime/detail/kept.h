@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "detail/region.h"
+#include "detail/saved.h"
 
 namespace remat::detail {
 
@@ -51,9 +52,6 @@ class HookSource;
 /// which may send them to host memory) and lets go of them; hand_back() unpacks them. Once the region's
 /// forward pass is done: nothing may write them in place any more without the version check seeing it.
 void send_away(KeptCall& call, HookSource& sink);
-
-/// A tensor's version counter (0 for an inference tensor, which has none).
-int64_t version_of(const at::Tensor& t);
 
 /// The record of a call that ran with `inputs`, returned `outputs`, and during which autograd saved
 /// `captured`: outputs detached, each saved tensor as a view of an input or an output where it is one.

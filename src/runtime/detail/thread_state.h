@@ -14,6 +14,8 @@
 
 #include <c10/util/ThreadLocalDebugInfo.h>
 
+#include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <unordered_map>
@@ -40,9 +42,17 @@ struct UserPass {
   const ExecInfoMap* exec_info = nullptr;
 };
 
+/// One entry of the hook stack: a source, and whether its scope is still open. A scope that could not take
+/// itself out of every state that holds it (it ended on another thread than the one it started on) closes its
+/// entry, so that no state still installed there reaches a source that may be gone.
+struct HookEntry {
+  HookSource* source = nullptr;
+  std::shared_ptr<const std::atomic<bool>> open;
+};
+
 /// remat's state on one thread. Immutable once installed: scopes install an edited copy.
 struct ThreadState final : c10::DebugInfoBase {
-  std::vector<HookSource*> hooks;            // innermost last: packs what autograd saves
+  std::vector<HookEntry> hooks;              // innermost last: packs what autograd saves
   std::vector<OpWatcher*> watchers;          // see every operator call (watch.cpp)
   std::vector<OpInterceptor*> interceptors;  // innermost last: runs each operator call (watch.cpp)
   int nested_backward_depth = 0;             // remat's nested backward passes around this point
@@ -58,24 +68,25 @@ struct ThreadState final : c10::DebugInfoBase {
 /// the backward pass this thread is running. An empty state when there is none.
 const ThreadState& thread_state();
 
-/// Installs a copy of the current state, changed by `edit`, for the lifetime of the scope. Scopes on one
-/// thread must end in the reverse order of their start (they are stack objects).
+/// Installs a copy of the current state, changed by `edit`, for the lifetime of the scope, on the thread that
+/// constructs it. Scopes may end in any order: one that ends while scopes started after it on this thread are
+/// still open (a remat::Offload replaced by the next step's before it is destroyed) takes its edit out, and
+/// those scopes are installed again, each on top of the one before, as if it had never been opened. A scope
+/// that ends on another thread closes its hook entries (HookEntry::open) and leaves its thread's state as it
+/// is. Never throws from its destructor.
 class ThreadStateScope {
  public:
-  template <class Edit>
-  explicit ThreadStateScope(Edit&& edit) {
-    auto next = std::make_shared<ThreadState>(thread_state());
-    std::forward<Edit>(edit)(*next);
-    install(std::move(next));
-  }
+  using Edit = std::function<void(ThreadState&)>;
+  explicit ThreadStateScope(Edit edit);
   ~ThreadStateScope();
   ThreadStateScope(const ThreadStateScope&) = delete;
   ThreadStateScope& operator=(const ThreadStateScope&) = delete;
 
  private:
-  void install(std::shared_ptr<ThreadState> next);
-  const ThreadState* mine_ = nullptr;
-  std::optional<c10::DebugInfoGuard> guard_;
+  void install();  // pushes the current state, edited, on this thread's debug info
+  Edit edit_;
+  std::shared_ptr<c10::ThreadLocalDebugInfo> prev_;  // this thread's debug info before the push
+  std::shared_ptr<c10::ThreadLocalDebugInfo> node_;  // and after it
 };
 
 }  // namespace remat::detail

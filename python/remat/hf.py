@@ -20,6 +20,8 @@ that step runs inside enable() and the model's gradients, buffers and random gen
 from __future__ import annotations
 
 import inspect
+import sys
+import warnings
 from functools import partial
 from typing import Mapping, Sequence
 
@@ -102,7 +104,27 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
                    offload_min_bytes=offload_min_bytes, who="remat.hf.enable")
 
-    def checkpointing_func(fn, *args, **kwargs):
+    type(model)._set_gradient_checkpointing(model, enable=True, gradient_checkpointing_func=_Checkpointing(lp))
+    model._remat_layer_plan = lp
+    # Hugging Face's own calls reach remat from now on (gradient_checkpointing_disable, a later
+    # gradient_checkpointing_enable): an instance attribute in front of the class's hook.
+    model.__dict__["_set_gradient_checkpointing"] = _Hook(model)
+    if example is not None:
+        _profile_now(model, lp, example, loss)
+    elif loss is not None:
+        raise ValueError("remat.hf.enable: loss= is the loss of the example batch; give example= too")
+    return lp
+
+
+class _Checkpointing:
+    """The checkpointing function remat gives Hugging Face's hook: each planned layer's call goes to the
+    LayerPlan (a class, not a closure, so that a model remat plans can be copied and pickled)."""
+
+    def __init__(self, lp: LayerPlan):
+        self.lp = lp
+
+    def __call__(self, fn, *args, **kwargs):
+        lp = self.lp
         layer = _layer_of_call(fn)
         if torch.compiler.is_compiling() and layer is not None and CHOICES_ATTR in layer.__dict__:
             # A compiled layer (layer.compile(), torch.compile(layer)) being traced: the plan inside its graph.
@@ -113,13 +135,57 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
             return checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return lp.dispatch(i, partial(fn, **kwargs) if kwargs else fn, *args)
 
-    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=checkpointing_func)
-    model._remat_layer_plan = lp
-    if example is not None:
-        _profile_now(model, lp, example, loss)
-    elif loss is not None:
-        raise ValueError("remat.hf.enable: loss= is the loss of the example batch; give example= too")
-    return lp
+
+_UNSET = object()
+
+
+class _Hook:
+    """In front of a planned model's _set_gradient_checkpointing (an instance attribute), so that Hugging Face's
+    own calls reach remat: gradient_checkpointing_disable() turns remat off as remat.hf.disable does, and a
+    call that gives the layers another checkpointing function (a later gradient_checkpointing_enable(),
+    Trainer(gradient_checkpointing=True)) turns remat off with a warning naming it, then does what it asks."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, enable: bool = True, gradient_checkpointing_func=_UNSET, **kwargs):
+        model = self.model
+        ours = isinstance(gradient_checkpointing_func, _Checkpointing) and \
+            gradient_checkpointing_func.lp is model.__dict__.get("_remat_layer_plan")
+        if not ours:
+            if enable:
+                warnings.warn(f"remat.hf: {_caller()} replaced remat's checkpointing of this "
+                              f"{type(model).__name__} with its own: remat no longer plans it (call "
+                              "remat.hf.enable after it to plan again, or leave gradient checkpointing to remat)",
+                              stacklevel=3)
+            _remove(model)
+        if gradient_checkpointing_func is not _UNSET:
+            kwargs["gradient_checkpointing_func"] = gradient_checkpointing_func
+        return type(model)._set_gradient_checkpointing(model, enable=enable, **kwargs)
+
+
+def _caller() -> str:
+    """Who called the model's checkpointing hook, for people: the Transformers call, and a Trainer above it."""
+    names = []
+    frame = sys._getframe(2)
+    while frame is not None and len(names) < 40:
+        names.append((frame.f_code.co_name, frame.f_code.co_filename))
+        frame = frame.f_back
+    calls = [n for n, _ in names if n.endswith("checkpointing_enable") and not n.startswith("_")]
+    call = calls[-1] if calls else None  # the outermost: the public call
+    what = f"model.{call}()" if call else "a call of the model's _set_gradient_checkpointing"
+    if any(f.replace("\\", "/").endswith("transformers/trainer.py") for _, f in names):
+        what = f"Trainer (TrainingArguments(gradient_checkpointing=True)), through {what},"
+    return what
+
+
+def _remove(model: nn.Module) -> None:
+    """Takes every part of remat off the model: the LayerPlan's hooks and the layers' attributes, the model's
+    attribute and its hook's stand-in (Hugging Face's own hook then runs as before)."""
+    lp = model.__dict__.pop("_remat_layer_plan", None)
+    if lp is not None:
+        lp.remove()
+    model.__dict__.pop("_set_gradient_checkpointing", None)
 
 
 def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping, loss_fn=None):
@@ -156,9 +222,8 @@ def profile(model: nn.Module, example: Mapping, *, loss=None, policies=("matmuls
 
 
 def disable(model: nn.Module) -> None:
-    """Turns remat's planning off: the layers run plainly again (as after gradient_checkpointing_disable())."""
-    lp = getattr(model, "_remat_layer_plan", None)
-    if lp is not None:
-        lp.remove()
-        del model._remat_layer_plan
-        model._set_gradient_checkpointing(enable=False)
+    """Turns remat's planning off: the layers run plainly again, and nothing of remat stays on the model (as after
+    model.gradient_checkpointing_disable(), which does the same)."""
+    if "_remat_layer_plan" in model.__dict__:
+        _remove(model)
+        type(model)._set_gradient_checkpointing(model, enable=False)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import gc
 import time
-import types
+import warnings
 from functools import partial
 from typing import Callable, Sequence
 
@@ -108,26 +108,61 @@ def _compiled_module(m):
     return m._orig_mod if isinstance(m, OptimizedModule) else m
 
 
-def _shape_key(args) -> tuple:
-    """The key plans are kept under: the shapes of a layer call's input and of its other positional tensors."""
-    return (tuple(args[0].shape), tuple(tuple(a.shape) for a in args[1:] if isinstance(a, torch.Tensor)))
+def _layer_key(fn, args) -> tuple:
+    """A layer call's shapes: its input's, and those of every other tensor it takes (positional, or bound by the
+    call's partials: a decoder's encoder states, an attention mask), with their dtypes."""
+    return tuple((tuple(t.shape), t.dtype) for t in (args[0], *_taken_tensors(fn, args)))
 
 
-# Compiled layers (layer.compile(), torch.compile(layer)): each planned layer carries its choices per input shape
-# as a plain attribute, which the traced call reads (dynamo guards on its value, so layers with the same choice
+def _describe(key: tuple) -> str:
+    """A _layer_key for people: "[4, 32, 64] float32, [4, 1, 32, 32] float32"."""
+    return ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in key)
+
+
+def _call_key(args, kwargs) -> tuple:
+    """A model call's shapes: those of every tensor it takes, positional or keyword (in lists, tuples and dicts
+    too), with their dtypes and where each was passed. A training step's plan is kept under it: a decoder's
+    length (its labels') shows here, where the first layer's input (the encoder's) does not show it."""
+    out: list = []
+
+    def walk(v, where):
+        if isinstance(v, torch.Tensor):
+            out.append((where, tuple(v.shape), v.dtype))
+        elif isinstance(v, (tuple, list)):
+            for j, e in enumerate(v):
+                walk(e, (where, j))
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k], (where, str(k)))
+
+    walk(args, "args")
+    walk(kwargs, "kwargs")
+    return tuple(out)
+
+
+# Compiled layers (layer.compile(), torch.compile(layer)): each planned layer carries its choices per step key as
+# a plain attribute, with the key of the step in progress (STEP) and, per step key, the shapes the layer was
+# profiled with, which the traced call reads (dynamo guards on their values, so layers with the same choice
 # share one compiled graph and a new plan recompiles); None is the given plan's, for every shape.
 CHOICES_ATTR = "_remat_choices"
+STEP = "step"
 
 
 def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
-    """Layer `layer`'s call fn(*args) while torch.compile traces it: as its plan for this input shape says,
+    """Layer `layer`'s call fn(*args) while torch.compile traces it: as its plan for this step's shapes says,
     through the checkpointing torch.compile traces (torch.utils.checkpoint, a policy as selective
-    checkpointing's context), or, where the layer has no plan for this shape yet (the profiling step, an
-    infeasible budget), lp.dispatch outside the compiled graph (eager_dispatch, a graph break)."""
+    checkpointing's context), or, where the layer has no plan for them (the profiling step, an infeasible
+    budget, a call whose shapes are not those the plan was made with), lp.dispatch outside the compiled graph
+    (eager_dispatch, a graph break)."""
     choices = layer.__dict__.get(CHOICES_ATTR)
     how = None
     if choices is not None and args and isinstance(args[0], torch.Tensor):
-        how = choices.get(_shape_key(args), choices.get(None))
+        key = choices.get(STEP)
+        how = choices.get(key) if key is not None else None
+        if how is not None and choices.get(("layer", key)) != _layer_key(fn, args):
+            how = None  # planned for other shapes: lp.dispatch decides
+        if how is None:
+            how = choices.get(None)
     if how is None or split_choice(how)[1]:
         # No plan yet, or an offloaded choice (saved-tensor hooks are not traced): outside the graph.
         return eager_dispatch(lp, layer, fn, args)
@@ -212,7 +247,9 @@ class _Shape:
     """What is known of one input shape: its profile, what surrounds the layers, the plan."""
 
     def __init__(self, key: tuple | None = None):
-        self.key = key  # _shape_key's (None: a given plan's, for every shape)
+        self.key = key  # the step's key (None: a given plan's, for every shape)
+        self.layer_keys: list[tuple] | None = None  # each layer call's _layer_key in the profiling step
+        self.warned = False  # a call off these shapes was warned of
         self.gathered: list[int] = []  # per layer, FSDP2's all-gathered parameters' bytes (0: not sharded)
         self.chain: _core.Chain | None = None
         self.context: _core.StepContext | None = None
@@ -247,6 +284,8 @@ class _Step:
         self.input_in_base = False
         self.input_bytes = 0
         self.done = False
+        self.key: tuple | None = None  # the model call's shapes (_call_key), when the step began there
+        self.off_plan = False  # a layer's call had shapes its plan was not made for: the rest is checkpointed
         # What the layers take or hand on beside their input and output (StepContext.side_bytes): the storages
         # the first layer takes (made before the layers: their gradients only are charged), and per storage
         # made during the layers, its bytes and its gradient's.
@@ -427,23 +466,41 @@ class LayerPlan:
             self._publish(self._fixed)
         # First among the model's forward pre-hooks: the step's base is read before FSDP2's root all-gathers its
         # parameters (fully_shard prepends its hook too; _first_hook moves remat's back in front).
-        self._begin_hook = model.register_forward_pre_hook(self._step_begins, prepend=True)
+        self._begin_hook = model.register_forward_pre_hook(self._step_begins, prepend=True, with_kwargs=True)
         self._handles = [self._begin_hook]
         self._unmeasured = False  # this step runs every layer checkpointed, measuring nothing
         self._params = [p for p in model.parameters()]
 
     def _publish(self, shape: _Shape) -> None:
         """Hands shape's plan to the layers' compiled calls (compiled_call): each layer's choice under the shape's
-        key, and the policy functions the choices name."""
-        for layer, how in zip(self.layers, shape.choices or [None] * len(self.layers)):
+        key, the shapes the layer was profiled with, and the policy functions the choices name."""
+        for i, (layer, how) in enumerate(zip(self.layers, shape.choices or [None] * len(self.layers))):
             choices = layer.__dict__.setdefault(CHOICES_ATTR, {})
             if how is None:
                 choices.pop(shape.key, None)
+                choices.pop(("layer", shape.key), None)
                 continue
             choices[shape.key] = how
+            if shape.layer_keys is not None:
+                choices[("layer", shape.key)] = shape.layer_keys[i]
             base = split_choice(how)[0]
             if base not in (KEEP, CHECKPOINT):
                 choices[("policy", base)] = policy_fn(base, self.policies)
+
+    # -- copies: copy.deepcopy(model), pickle, torch.save(model) ---------------------------------------------------
+    def __getstate__(self):
+        """A copy carries the plans and what they were made from (chains, contexts, per step key), and what the
+        copied model's layers need to run them; not the step in progress, the host pool's memory or the copy
+        engines (a copy starts its own)."""
+        state = dict(self.__dict__)
+        state.update(_step=None, _step_offloads=[], _keep_storages=None, _engines={}, _unmeasured=False)
+        del state["host_pool"], state["index"]  # a new pool; ids of the copy's layers
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.host_pool = HostPool()
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
 
     # -- what can be read ----------------------------------------------------------------------------------------
     def is_planned(self) -> bool:
@@ -546,7 +603,7 @@ class LayerPlan:
         hooks.move_to_end(self._begin_hook.id, last=False)
         return True
 
-    def _step_begins(self, module, args):
+    def _step_begins(self, module, args, kwargs):
         self._unmeasured = False
         if self._fixed is not None or not self._training():
             self._step = None
@@ -565,6 +622,15 @@ class LayerPlan:
         meter = meter_for(self._device_of(args))
         grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
         self._step = _Step(meter, grads_none)
+        self._step.key = ("model", _call_key(args, kwargs))
+        self._set_step_key(self._step.key)
+
+    def _set_step_key(self, key) -> None:
+        """Tells the layers' compiled calls which step is in progress (compiled_call reads its choices)."""
+        for layer in self.layers:
+            choices = layer.__dict__.get(CHOICES_ATTR)
+            if choices is not None and choices.get(STEP) != key:
+                choices[STEP] = key
 
     def _device_of(self, args) -> torch.device:
         for a in args:
@@ -583,8 +649,8 @@ class LayerPlan:
             raise TypeError(f"{self.who}: layer {i} ({type(layer).__name__}) was called without its input tensor "
                             "as the first positional argument; remat follows the tensor passed there from layer "
                             "to layer")
-        if self._unmeasured:
-            return run_layer(CHECKPOINT, fn, args, [layer], self.policies)
+        if self._unmeasured or (i > 0 and self._step is not None and self._step.off_plan):
+            return self._run(i, CHECKPOINT, fn, args)
         if self._fixed is not None:  # a given plan: nothing to measure
             self._last = self._fixed
             return self._run(i, self._fixed.choices[i], fn, args)
@@ -596,7 +662,10 @@ class LayerPlan:
                 grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
                 step = self._step = _Step(meter, grads_none)
                 step.input_in_base = True  # the base is taken here, the layers' input alive
-            key = _shape_key(args)
+            if step.key is None:  # the layers called outside the model's forward: the first one's shapes
+                step.key = ("layer 0", _layer_key(fn, args))
+                self._set_step_key(step.key)
+            key = step.key
             shape = self._shapes.setdefault(key, _Shape(key))
             step.shape = shape
             self._last = shape
@@ -607,6 +676,8 @@ class LayerPlan:
                                "in the order given")
         shape = step.shape
         if shape.choices is not None:
+            if shape.layer_keys is not None and _layer_key(fn, args) != shape.layer_keys[i]:
+                return self._off_plan(step, shape, i, fn, args)
             out = self._run(i, shape.choices[i], fn, args)
             if i == len(self.layers) - 1:
                 main, _ = _layer_output(out, self.who, i, layer)
@@ -614,6 +685,22 @@ class LayerPlan:
                     self._measure_planned_step(step, shape, main)
             return out
         return self._profiling_call(step, shape, i, fn, args, x)
+
+    def _off_plan(self, step: _Step, shape: _Shape, i: int, fn: Callable, args: tuple):
+        """Layer i's call has shapes other than those the step's plan was made with (shapes that follow the
+        values of the batch, or layers called outside the model's forward, whose step is keyed by the first
+        layer's shapes only): a plan made for other shapes is not run. This layer and the rest of the step run
+        checkpointed, measured by nothing."""
+        step.off_plan = True
+        if not shape.warned:
+            shape.warned = True
+            warnings.warn(
+                f"{self.who}: layer {i} ({type(self.layers[i]).__name__}) was called with shapes "
+                f"{_describe(_layer_key(fn, args))}, but this step's plan was made with "
+                f"{_describe(shape.layer_keys[i])} (steps are told apart by the shapes of the model's inputs, or "
+                "of the first layer's when the layers are called outside the model's forward); the rest of such "
+                "a step runs every layer checkpointed, and its peak is not what was planned", stacklevel=3)
+        return self._run(i, CHECKPOINT, fn, args)
 
     # -- a planned step: running a layer, offloaded or not ------------------------------------------------------
     def _run(self, i: int, how: str, fn: Callable, args: tuple):
@@ -694,6 +781,7 @@ class LayerPlan:
             return returned
         shape.profiling_steps += 1
         if shape.chain is None:
+            shape.layer_keys = [_layer_key(f, a) for f, a, _ in step.calls]
             step.note_peak()
             stage_fns, inputs, excluded = [], [], []
             for j, (f, a, xj) in enumerate(step.calls):
@@ -876,16 +964,19 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
                              "another library's wrapper?); remat runs the class's forward")
     for layer in lp.layers:
         layer.__dict__[LAYER_PLAN_ATTR] = lp
-        layer.forward = types.MethodType(_planned_forward, layer)
+        layer.forward = partial(_planned_forward, layer)  # a partial (unlike a bound method) pickles
 
-    def unwrap(layers=lp.layers):
-        for layer in layers:
+    lp._handles.append(_Unwrap(lp.layers))
+    return lp
+
+
+class _Unwrap:
+    """A handle of remat.enable's: removing it gives the layers their class's forward back."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def remove(self):
+        for layer in self.layers:
             layer.__dict__.pop("forward", None)
             layer.__dict__.pop(LAYER_PLAN_ATTR, None)
-
-    class _Unwrap:
-        def remove(self):
-            unwrap()
-
-    lp._handles.append(_Unwrap())
-    return lp

@@ -123,10 +123,62 @@ def _plain_ptr(t, alive: set[int]) -> int:
 
 def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
     """Whether offloading hooks send this saved tensor to the host: a plain strided tensor (not a parameter or
-    a subclass) of at least min_bytes, contiguous, whose storage is not one of `alive` (parameters, buffers)."""
+    a subclass) of at least min_bytes, contiguous, not a conjugate or negative view (its bytes are not its
+    values), whose storage is not one of `alive` (parameters, buffers)."""
     # Unlike the C++ library's rule, a leaf that requires grad is not excluded: the profile stands in a layer's
     # input (a non-leaf in the step) with such a leaf, and must see it go as the step's input would.
-    return _plain_ptr(t, alive) != 0 and t.nbytes >= min_bytes and t.is_contiguous()
+    return (_plain_ptr(t, alive) != 0 and t.nbytes >= min_bytes and t.is_contiguous() and not t.is_conj()
+            and not t.is_neg())
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version counter
+        return 0
+
+
+def _modified_error(t: torch.Tensor, saved_as: "_SavedAs", now: int) -> RuntimeError:
+    """Autograd's own error for a saved tensor written in place since it was saved: autograd does not check the
+    tensors saved-tensor hooks hand back, so remat does."""
+    of = f", which is output {saved_as.output_nr} of {saved_as.grad_fn}," if saved_as.grad_fn else ""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(saved_as.shape)}]{of} is at version {now}; expected version {saved_as.version} "
+        "instead. (remat.offload hands saved tensors back through saved-tensor hooks, where autograd does not "
+        "check their versions; remat does.) Clone the tensor before the in-place operation, or make that "
+        "operation out of place")
+
+
+class _SavedAs:
+    """What a saved tensor was when autograd saved it: its view (dtype, shape), its version, and what autograd's
+    error for a tensor written in place since names (its grad_fn's name and output number)."""
+
+    __slots__ = ("dtype", "shape", "version", "grad_fn", "output_nr")
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self.shape, self.version = t.dtype, t.shape, _version(t)
+        fn = t.grad_fn
+        self.grad_fn = type(fn).__name__ if fn is not None else None
+        self.output_nr = t.output_nr if fn is not None else 0
+
+
+class _Kept(_SavedAs):
+    """A saved tensor the hooks leave on the device, as autograd would keep it: detached (so that it holds no
+    graph: a tensor holding its own grad_fn through its saved self is a reference cycle, freed only by Python's
+    cycle collector), and checked for in-place writes when it is handed back."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: torch.Tensor, kept: torch.Tensor):
+        super().__init__(t)
+        self.tensor = kept
+
+    def get(self) -> torch.Tensor:
+        now = _version(self.tensor)
+        if now != self.version:
+            raise _modified_error(self.tensor, self, now)
+        return self.tensor
 
 
 def storage_ptrs(tensors) -> set[int]:
@@ -260,16 +312,16 @@ class _Entry:
         return self.block is not None or self.pinned is not None
 
 
-class _Handle:
+class _Handle(_SavedAs):
     """What autograd holds in place of an offloaded tensor (its entry, and the view it was saved as); its death
     returns the host block once no other handle holds it."""
 
-    __slots__ = ("entry", "owner", "dtype", "shape", "__weakref__")
+    __slots__ = ("entry", "owner", "__weakref__")
 
     def __init__(self, entry: _Entry, owner: "Offload", t: torch.Tensor):
+        super().__init__(t)
         self.entry = entry
         self.owner = owner
-        self.dtype, self.shape = t.dtype, t.shape
         entry.handles += 1
 
     def __del__(self):
@@ -282,6 +334,18 @@ class _Handle:
 def _bytes_of(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     """The bytes [offset, offset + nbytes) of t's storage, as a uint8 tensor over that storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), offset, (nbytes,), (1,))
+
+
+def _top_hooks():
+    """The innermost saved-tensor hooks on this thread, (pack, unpack), or None (none, or a torch without the
+    call that reads them)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        return top(True)
+    except TypeError:  # an older signature, without ignore_is_tracing
+        return top()
 
 
 class Offload:
@@ -331,23 +395,28 @@ class Offload:
         return engine
 
     # -- packing: the forward pass ---------------------------------------------------------------------------
-    def _keep(self, t) -> None:
-        """t is saved as itself: its storage stays on the device, and an entry of that storage already offloaded
-        is found there when needed back (its host block returned once its copy has landed)."""
+    def _keep(self, t) -> _Kept:
+        """t is saved as itself (what autograd holds: a _Kept): its storage stays on the device, and an entry of
+        that storage already offloaded is found there when needed back (its host block returned once its copy has
+        landed)."""
+        kept = t.detach()
+        saved = _Kept(t, kept)
         ptr = _plain_ptr(t, self._alive)
         if ptr == 0:
-            return
-        self._kept[ptr] = weakref.ref(t)
+            return saved
+        self._kept[ptr] = weakref.ref(kept)
         for ref in self._at.get(ptr, ()):
             entry = ref()
             if (entry is not None and entry.pinned is None and entry.storage is not None
                     and not entry.storage.expired()):
-                # Not offloaded after all: its bytes stay on the device, found there when needed back.
-                entry.pinned = t
+                # Not offloaded after all: its bytes stay on the device, found there when needed back (held by the
+                # entry: the saved tensor that keeps them may be dropped first).
+                entry.pinned = kept
                 self.offloaded -= 1
                 self.offloaded_bytes -= entry.nbytes
                 if entry.to_host_done is None:
                     self._to_host_landed(entry)  # its block back to the pool now (else once its copy lands)
+        return saved
 
     def _kept_at(self, ptr: int):
         ref = self._kept.get(ptr)
@@ -357,13 +426,11 @@ class Offload:
         # Parameters (alive anyway), subclasses, sparse and meta tensors, small ones and views with gaps stay, and
         # so does any tensor of a storage that another saved tensor keeps on the device (copying it frees nothing).
         if not offloadable(t, self.min_bytes, self._alive):
-            self._keep(t)
-            return t
+            return self._keep(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if self._kept_at(ptr) is not None:
-            self._keep(t)
-            return t
+            return self._keep(t)
         offset = t.storage_offset() * t.element_size()
         key = (ptr, offset, t.nbytes, t._version)
         known = self._by_storage.get(key)
@@ -375,8 +442,7 @@ class Offload:
             block = self.pool.take(t.nbytes)
             if block is None:
                 self.kept_on_device += 1
-                self._keep(t)
-                return t
+                return self._keep(t)
             entry = _Entry()
             entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, t.nbytes, offset, ptr, t.device
             entry.storage = StorageWeakRef(storage)
@@ -448,7 +514,9 @@ class Offload:
                 return c
         return None
 
-    def _start_to_device(self, entry: _Entry, may_alias: bool = True) -> None:
+    def _start_to_device(self, entry: _Entry, may_alias: bool = True, saved_as: _SavedAs | None = None) -> None:
+        """Starts bringing the entry's bytes back (or finds them on the device). `saved_as`: the tensor being
+        unpacked, named in the error raised when its bytes were kept on the device and written there since."""
         if entry.device_copy is not None:
             return
         if entry.storage is not None and not entry.storage.expired() and may_alias:
@@ -465,8 +533,11 @@ class Offload:
                 return
         self._to_host_landed(entry)
         if entry.block is None:
-            raise RuntimeError("remat.offload: a saved tensor's bytes are neither on the host nor on the device "
-                               "(its storage was written or freed since it was found there)")
+            # Kept on the device (its host block returned: another saved tensor holds the storage) and written
+            # there since: the values saved are gone.
+            if saved_as is None:
+                return  # a prefetch: the unpack raises
+            raise _modified_error(entry.pinned, saved_as, _version(entry.pinned))
         host = entry.block[: entry.nbytes]
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
         entry.to_device_done = self._engine(entry.device).copy(out, host)
@@ -475,6 +546,8 @@ class Offload:
         self.brought_back += 1
 
     def unpack(self, h):
+        if isinstance(h, _Kept):
+            return h.get()
         if not isinstance(h, _Handle):
             return h
         entry = h.entry
@@ -486,9 +559,9 @@ class Offload:
             # Written in place since it was found alive: the values saved come from the host after all.
             entry.device_copy, entry.alias_of, entry.aliased = None, None, False
             self.found_on_device -= 1
-            self._start_to_device(entry, may_alias=False)
+            self._start_to_device(entry, may_alias=False, saved_as=h)
         else:
-            self._start_to_device(entry)
+            self._start_to_device(entry, saved_as=h)
         # The tensors saved before this one are the backward pass's next: start bringing them back.
         i = self._index.get(id(entry))
         if i is not None:
@@ -531,6 +604,9 @@ class Offload:
 
     # -- the context ----------------------------------------------------------------------------------------
     def __enter__(self):
+        if self._hooks is not None:
+            raise RuntimeError("remat.offload: this Offload is open already; an Offload is one context at a time "
+                               "(make another for a context inside it)")
         # An Offload entered again (a step after a step): what the earlier passes saved and autograd has
         # dropped is forgotten, so that its bookkeeping does not grow with the steps.
         alive = [(r, r()) for r in self._order]
@@ -545,6 +621,15 @@ class Offload:
         return self
 
     def __exit__(self, *exc):
+        if self._hooks is None:
+            raise RuntimeError("remat.offload: __exit__ of an Offload that is not open")
+        top = _top_hooks()
+        if top is not None and top[0] != self.pack:
+            # torch pops the innermost hooks, whoever's they are: this Offload's would stay on, another's go.
+            raise RuntimeError(
+                "remat.offload: an Offload's context ends while saved-tensor hooks opened after it (another "
+                "Offload, torch.autograd.graph.saved_tensors_hooks, save_on_cpu) are still open; end those first "
+                "(contexts end in the reverse order of their start)")
         hooks, self._hooks = self._hooks, None
         return hooks.__exit__(*exc)
 

@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #include <remat/chain.h>
 #include <remat/plan.h>
@@ -129,6 +130,10 @@ NB_MODULE(_core, m) {
           "from_json", [](const std::string& text) { return remat::chain_from_json(text); }, "text"_a,
           "Parses and validates a chain's JSON. Raises ValueError naming the problem.")
       .def("to_json", [](const remat::Chain& c) { return remat::to_json(c); })
+      // pickle and copy.deepcopy (a model remat planned is copied with its plans): through the chain's JSON.
+      .def("__getstate__", [](const remat::Chain& c) { return remat::to_json(c); })
+      .def("__setstate__",
+           [](remat::Chain& c, const std::string& text) { new (&c) remat::Chain(remat::chain_from_json(text)); })
       .def(
           "validate", [](const remat::Chain& c) { remat::validate(c); },
           "Raises ValueError naming the stage.")
@@ -190,7 +195,21 @@ NB_MODULE(_core, m) {
       .def("to_json", [](const remat::Plan& p) { return remat::to_json(p); })
       .def_static(
           "from_json", [](const std::string& text) { return remat::plan_from_json(text); }, "text"_a,
-          "Parses and checks a plan's JSON (also what `remat plan --json` prints). Raises ValueError.");
+          "Parses and checks a plan's JSON (also what `remat plan --json` prints). Raises ValueError.")
+      // pickle and copy.deepcopy: the plan's JSON, and the predicted figures it does not carry.
+      .def("__getstate__",
+           [](const remat::Plan& p) {
+             return std::make_tuple(remat::to_json(p), p.predicted.peak_op, p.predicted.op_peak_bytes,
+                                    p.predicted.host_peak_bytes, p.predicted.transfer_ms);
+           })
+      .def("__setstate__",
+           [](remat::Plan& p, const std::tuple<std::string, int64_t, std::vector<int64_t>, int64_t, double>& s) {
+             new (&p) remat::Plan(remat::plan_from_json(std::get<0>(s)));
+             p.predicted.peak_op = std::get<1>(s);
+             p.predicted.op_peak_bytes = std::get<2>(s);
+             p.predicted.host_peak_bytes = std::get<3>(s);
+             p.predicted.transfer_ms = std::get<4>(s);
+           });
   m.def("check_plan", &remat::check_plan, "plan"_a);
   m.def("simulate", &remat::simulate, "chain"_a, "plan"_a);
   m.def("checkpoint_stages", &remat::checkpoint_stages, "num_stages"_a, "stages"_a);
@@ -265,7 +284,22 @@ NB_MODULE(_core, m) {
       .def_rw("rest_grads_bytes", &remat::StepContext::rest_grads_bytes)
       .def_rw("stage_grads_bytes", &remat::StepContext::stage_grads_bytes)
       .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes)
-      .def_rw("side_bytes", &remat::StepContext::side_bytes);
+      .def_rw("side_bytes", &remat::StepContext::side_bytes)
+      // pickle and copy.deepcopy: its fields.
+      .def("__getstate__",
+           [](const remat::StepContext& c) {
+             return std::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
+                                    c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes,
+                                    c.stage_grads_bytes, c.checkpoint_all_peak_bytes, c.side_bytes);
+           })
+      .def("__setstate__", [](remat::StepContext& c,
+                              const std::tuple<bool, int64_t, int64_t, int64_t, int64_t, double, int64_t,
+                                               std::vector<int64_t>, int64_t, int64_t>& s) {
+        new (&c) remat::StepContext();
+        std::tie(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes,
+                 c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, c.stage_grads_bytes,
+                 c.checkpoint_all_peak_bytes, c.side_bytes) = s;
+      });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
       "A meter's readings at named points of a profiling step (counts of bytes, any "

@@ -425,3 +425,93 @@ def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(mete
             assert runs[k][2] <= predicted * 1.02, (lp.choices, runs[k][2], predicted)
         # The floor is at most the peak of the one switch remat replaces.
         assert lp.min_budget_bytes <= hf_peak, (lp.min_budget_bytes, hf_peak)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What users do with an enabled model: copy it, save it, disable it, let Hugging Face enable its own.
+
+def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(meter, tmp_path):
+    # copy.deepcopy (an EMA copy, TRL's reference model) and torch.save raised on the planner's objects and
+    # remat's local functions. The copy is a working model with its own LayerPlan: the plan carried, nothing
+    # profiled again, every step the plain run's; the original plans on, apart.
+    import copy
+    plain_model, spec = make("gpt2")
+    plain = [step(plain_model, spec, k, meter) for k in range(3)]
+    model, spec = make("gpt2")
+    lp = remat.hf.enable(model, budget="1GiB")
+    same(step(model, spec, 0, meter), plain[0])  # the profiling step
+    lp.set_budget(lp.min_budget_bytes)
+    assert "keep" not in lp.choices, lp.choices
+    twin = copy.deepcopy(model)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    for m in (twin, loaded):
+        clp = m._remat_layer_plan
+        assert clp is not lp and clp.model is m and clp.is_planned() and clp.choices == lp.choices
+        assert all(a is b for a, b in zip(clp.layers, m.transformer.h))
+        same(step(m, spec, 1, meter), plain[1])
+        assert clp.profiling_steps == 1 and 0 < clp.last_peak_bytes <= lp.predicted_peak_bytes * (1 + TOLERANCE)
+    twin.gradient_checkpointing_disable()
+    assert "_remat_layer_plan" not in twin.__dict__ and lp.is_planned()
+    same(step(model, spec, 2, meter), plain[2])
+    same(step(twin, spec, 2, meter), plain[2])
+
+
+def _remat_left(model):
+    """What of remat is on the model: attributes named for it, the stand-in for its checkpointing hook, forward
+    pre-hooks, and the checkpointing functions its layers hold."""
+    left = [name for m in model.modules() for name in m.__dict__ if "remat" in name]
+    left += [name for name in model.__dict__ if name == "_set_gradient_checkpointing"]
+    left += [f"pre-hook {h!r}" for m in model.modules() for h in m._forward_pre_hooks.values()]
+    left += [f"layer function {type(m._gradient_checkpointing_func).__module__}"
+             for m in model.modules() if "remat" in type(getattr(m, "_gradient_checkpointing_func", None)).__module__]
+    return left
+
+
+def _checkpointing(model):
+    """Whether Hugging Face's checkpointing flag is on in a layer (is_gradient_checkpointing, deprecated in 5.x)."""
+    return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+def test_disabling_takes_all_of_remat_off_and_a_call_that_replaces_it_says_so(meter, tmp_path):
+    import warnings
+    plain_model, spec = make("bert")
+    plain = [step(plain_model, spec, k, meter) for k in range(2)]
+    # remat.hf.disable and Hugging Face's own call leave the same model: nothing of remat (remat's forward
+    # pre-hook stayed after gradient_checkpointing_disable()).
+    for off in ("remat.hf.disable", "gradient_checkpointing_disable"):
+        model, spec = make("bert")
+        remat.hf.enable(model, budget="1GiB")
+        assert _remat_left(model)
+        same(step(model, spec, 0, meter), plain[0])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # 5.x deprecates gradient_checkpointing_disable
+            remat.hf.disable(model) if off == "remat.hf.disable" else model.gradient_checkpointing_disable()
+        assert _remat_left(model) == [], off
+        assert not _checkpointing(model)
+        same(step(model, spec, 1, meter), plain[1])
+    # Hugging Face's own checkpointing enabled over remat's: remat stops planning and says so, naming the call.
+    model, spec = make("bert")
+    lp = remat.hf.enable(model, budget="1GiB")
+    with pytest.warns(UserWarning, match=r"model\.\w+_checkpointing_enable\(\) replaced remat's checkpointing"):
+        hf_checkpointing(model)
+    assert _remat_left(model) == [] and _checkpointing(model)
+    same(step(model, spec, 0, meter), plain[0])
+    assert lp.profiling_steps == 0
+    # ... through a Trainer asked for gradient checkpointing.
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return dict(input_ids=torch.arange(8) + i, labels=torch.arange(8) + i)
+
+    lm = transformers.BertForMaskedLM(model.config)
+    remat.hf.enable(lm, budget="1GiB")
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2,
+                                          report_to=[], save_strategy="no", use_cpu=True,
+                                          gradient_checkpointing=True, dataloader_num_workers=0)
+    with pytest.warns(UserWarning, match=r"Trainer \(TrainingArguments\(gradient_checkpointing=True\)\)"):
+        transformers.Trainer(model=lm, args=args, train_dataset=Data()).train()
+    assert _remat_left(lm) == []

@@ -509,3 +509,120 @@ def test_garbage_collected_during_the_profiling_step_does_not_lower_its_readings
     clean = readings(False)
     assert clean[0] > 1 << 20
     assert readings(True) == clean
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What users do: in-place writes, conjugate views, graphs kept or dropped, contexts ended out of order.
+
+MODIFIED = "one of the variables needed for gradient computation has been modified by an inplace operation"
+
+
+def test_an_in_place_write_to_a_saved_tensor_left_on_the_device_is_autograds_error():
+    # Behind saved-tensor hooks autograd checks no version: each way a saved tensor stays on the device (below
+    # min_bytes, over the pool's bound, a view with gaps, a storage another saved tensor keeps there) gave the
+    # gradient of the values written, where plain PyTorch raises.
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def written():  # sigmoid saves its output, written after
+        y = x.sigmoid()
+        y.mul_(2)
+        return y.sum()
+
+    def written_strided():  # the output of a transposed input: a view with gaps
+        y = x.t().sigmoid()
+        y.mul_(2)
+        return y.sum()
+
+    def written_kept_by_a_view():  # h saved whole by gelu and through a transposed view by sin
+        h = x * 2
+        loss = torch.nn.functional.gelu(h).sum() + h.t().sin().sum()
+        h.mul_(2)
+        return loss
+
+    cases = [(written, dict(min_bytes=1 << 30)), (written, dict(min_bytes=0, pool=HostPool(max_bytes=0))),
+             (written_strided, dict(min_bytes=0)), (written_kept_by_a_view, dict(min_bytes=1024))]
+    for f, options in cases:
+        with pytest.raises(RuntimeError, match=MODIFIED):
+            f().backward()
+        with offload(**options):
+            loss = f()
+        with pytest.raises(RuntimeError, match=MODIFIED + r".* is at version 1; expected version 0.*remat\.offload"):
+            loss.backward()
+    with offload(min_bytes=1 << 30):
+        loss = written()
+    with pytest.raises(RuntimeError, match=r"\[torch\.FloatTensor \[64, 256\]\], which is output 0 of Sigmoid"):
+        loss.backward()
+
+
+def test_a_storage_kept_on_the_device_by_a_view_freed_first_stays_for_its_other_save():
+    # h saved whole by gelu (offloaded) and through a transposed view by sin, which keeps h on the device: sin's
+    # backward runs first and frees its view; gelu's still finds h.
+    x = torch.randn(4, 64, 64, requires_grad=True)
+
+    def step(ctx):
+        x.grad = None
+        with ctx:
+            h = x * 2
+            loss = torch.nn.functional.gelu(h).sum() + h.transpose(1, 2).sin().sum()
+        loss.backward()
+        return x.grad.clone()
+
+    import contextlib
+    o = offload(min_bytes=1024)
+    assert torch.equal(step(contextlib.nullcontext()), step(o))
+    assert o.offloaded == 0
+
+
+def test_conjugate_and_negative_views_are_saved_with_their_bits():
+    x = torch.randn(64, 64, dtype=torch.complex64, requires_grad=True)
+
+    def step(ctx):
+        x.grad = None
+        with ctx:
+            y = x * x.conj()  # saves x.conj(), a conjugate view
+            z = x.conj().imag * x.real  # saves a negative view
+        (y.real.sum() + z.sum()).backward()
+        return x.grad.clone()
+
+    import contextlib
+    assert torch.equal(step(contextlib.nullcontext()), step(offload(min_bytes=0)))
+
+
+def test_what_stays_on_the_device_is_freed_with_its_graph_without_the_cycle_collector():
+    # A pack hook that returns its argument makes a cycle (saved tensor -> tensor -> grad_fn -> saved tensor):
+    # a graph kept by retain_graph, or a forward pass without a backward, held its tensors until Python's cycle
+    # collector ran. A plain run frees them at once.
+    meter = remat.cpu_meter()
+    x = torch.randn(64, 256, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        for backward in (False, True):
+            for options in (dict(min_bytes=1 << 30), dict(min_bytes=0)):
+                base = meter.count()
+                with offload(**options):
+                    y = x.sigmoid().exp()  # both outputs saved by their own nodes
+                    loss = y.sum()
+                if backward:
+                    loss.backward(retain_graph=True)
+                    x.grad = None
+                del y, loss
+                assert meter.count() == base, (backward, options)
+    finally:
+        gc.enable()
+
+
+def test_contexts_end_in_the_reverse_order_of_their_start():
+    a, b = offload(min_bytes=0), offload(min_bytes=0)
+    a.__enter__()
+    b.__enter__()
+    # torch would pop b's hooks and leave a's on: refused, nothing changed.
+    with pytest.raises(RuntimeError, match="end those first"):
+        a.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="open already"):
+        b.__enter__()
+    b.__exit__(None, None, None)
+    a.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match="not open"):
+        a.__exit__(None, None, None)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None  # no hooks left

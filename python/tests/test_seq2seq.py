@@ -133,3 +133,37 @@ def test_eval_and_no_grad_run_plainly(name, meter):
         torch.manual_seed(5)
         assert torch.equal(a, ref(**b).loss)
     assert lp.profiling_steps == 0 and not lp.is_planned()
+
+
+def test_a_step_with_longer_labels_is_planned_for_them(meter):
+    # Whisper's decoder runs as long as its labels, which its first planned layer (the encoder's) does not show:
+    # plans were kept under that layer's shapes, and a step with longer labels ran the short labels' plan (at
+    # the plain step's peak, over the budget) without profiling. Steps are told apart by the shapes of all the
+    # model's inputs now.
+    def batch_of(length):
+        def make_batch(spec, k):
+            g = torch.Generator().manual_seed(100 + k)
+            return dict(input_features=torch.randn(4, 16, 64, generator=g),
+                        labels=torch.randint(1, 1000, (4, length), generator=g))
+        return make_batch
+
+    short, long = batch_of(8), batch_of(60)
+
+    def run(model, k, make_batch):
+        return hf_step(model, dict(name="whisper", loss="lm"), k, meter, make_batch=make_batch)
+
+    plain_model = make("whisper")
+    plain = [run(plain_model, k, short if k < 2 else long) for k in range(4)]
+    hf_model = make("whisper")
+    hf_checkpointing(hf_model)
+    hf_peak = run(hf_model, 2, long)[2]
+    budget = (hf_peak + plain[2][2]) // 2
+    model = make("whisper")
+    lp = remat.hf.enable(model, budget=budget)
+    runs = [run(model, k, short if k < 2 else long) for k in range(4)]
+    for k in range(4):
+        same(plain[k], runs[k])
+    for k in (2, 3):
+        assert runs[k][2] <= budget + TOLERANCE * budget, (k, runs[k][2], budget, plain[k][2])
+    assert lp.profiling_steps == 1 and len(lp._shapes) == 2  # the long labels profiled in step 2
+    assert lp.last_peak_bytes == runs[3][2]

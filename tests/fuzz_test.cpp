@@ -3,7 +3,13 @@
 // parameters their regions do not declare and a tensor computed outside every region (captured), and may
 // wrap their first block in nested regions of both modes, a few deep or past LibTorch's per-thread depth of
 // 60; the plain and the checkpointed run come in either order, so that backward passes of both kinds follow
-// each other in the process.
+// each other in the process. Since issue 41 they also draw what users do around checkpointing: remat::Offload
+// scopes around blocks (random thresholds, a bounded pool, copies carried out late), opened and closed in
+// every order (one may stay open through the backward pass); views and transposes of saved tensors; complex
+// tensors with their conjugate and negative views saved; a saved tensor written in place (an invalid program:
+// remat must give the plain run's error or the gradient of the values saved, the valid twin's, never
+// another); micro-batches of several batch sizes accumulated into one step; autograd::grad over part of the
+// targets. The bytes alive after each step must be the plain run's (nothing leaked).
 //
 //   ./test                                   runs the fixed budget (Fuzz.Chains, Fuzz.Regions)
 //   REMAT_FUZZ_SEED=S REMAT_FUZZ_COUNT=N build/tests/remat_tests --gtest_filter=Fuzz.Long
@@ -17,6 +23,8 @@
 #include <ATen/Parallel.h>
 #include <remat/chain.h>
 #include <remat/checkpoint.h>
+#include <remat/memory.h>
+#include <remat/offload.h>
 #include <remat/plan.h>
 #include <remat/planner.h>
 #include <remat/policy.h>
@@ -62,15 +70,19 @@ enum class OpCode {
   kArgmaxGather,  // an integer intermediate: h + h.gather(argmax(h))
   kAux,           // h * aux (the region's second input, which may not require grad)
   kIndexIn,       // h + h.gather(idx), idx the integer output of the previous region
+  kSavedView,     // u = 2h; gelu(u) + sin(u^T)^T: u saved whole and through a transposed view
+  kComplex,       // h as complex c: |c|^2 (c * conj(c), a conjugate view saved) and imag(conj(c)) * real(c)
+                  // (a negative view saved)
+  kWriteSaved,    // s = sigmoid(h), written in place (s.mul_(2)) after sigmoid saved it: invalid
   kCount
 };
 
 const char* op_text(OpCode c) {
-  static const char* names[] = {"linear",     "shared",       "conv",      "matmul",     "attention",
-                                "gelu",       "relu",         "softmax",   "layer_norm", "batch_norm",
-                                "dropout",    "relu_",        "add_",      "mul_",       "transpose",
-                                "narrow+cat", "select+stack", "split+cat", "reduce",     "argmax+gather",
-                                "aux",        "gather(idx)"};
+  static const char* names[] = {"linear",     "shared",       "conv",       "matmul",     "attention",
+                                "gelu",       "relu",         "softmax",    "layer_norm", "batch_norm",
+                                "dropout",    "relu_",        "add_",       "mul_",       "transpose",
+                                "narrow+cat", "select+stack", "split+cat",  "reduce",     "argmax+gather",
+                                "aux",        "gather(idx)",  "saved-view", "complex",    "write-saved"};
   return names[static_cast<int>(c)];
 }
 
@@ -142,6 +154,50 @@ struct Program {
   bool captured = false;
   // kPerBlock and kNested: block 0 runs inside these nested regions, outermost first.
   std::vector<Mode> wrap;
+  // kPerBlock, the checkpointed run: remat::Offload scopes, each opened before block `open` and closed after
+  // block `close` (blocks.size(): after the backward pass); scopes closing at one point close in their order
+  // here, whatever the order they opened in.
+  struct OffloadScope {
+    size_t open = 0, close = 0;
+    int64_t min_bytes = 0;
+    bool bounded = false;  // a pool of 1 KiB: the rest stays on the device
+    int delay = 0;         // OffloadOptions::copy_delay
+  };
+  std::vector<OffloadScope> offloads;
+  // Micro-batches of these batch sizes, each a forward and backward pass, accumulated into one step (empty:
+  // one of `batch`).
+  std::vector<int64_t> micro;
+  bool partial_grad = false;  // autograd::grad asks for every other target only
+  bool twin = false;  // kWriteSaved writes a copy: the valid twin of a program that writes a saved tensor
+
+  // Whether a stage's input may require grad where the plain run's does not, so that its operations save
+  // tensors the plain run does not: a kReentrant region's outputs all require grad when an input does (a
+  // custom Function, as in PyTorch's reentrant checkpoint); the plan executor makes every stage's input a
+  // leaf that requires grad.
+  bool records_more_graph() const {
+    if (strategy == Strategy::kPlan) return true;
+    if (std::find(wrap.begin(), wrap.end(), 2) != wrap.end()) return true;
+    switch (strategy) {
+      case Strategy::kPerBlock:
+        return std::any_of(blocks.begin(), blocks.end(), [](const BlockSpec& b) { return b.mode == 2; });
+      case Strategy::kNested:
+        return std::any_of(blocks.begin(), blocks.end(), [](const BlockSpec& b) { return b.mode == 2; }) ||
+               std::find(outer_modes.begin(), outer_modes.end(), 2) != outer_modes.end();
+      case Strategy::kSequential:
+      case Strategy::kSegments:
+        return segments_reentrant;
+      case Strategy::kPlan:
+        return true;
+    }
+    return false;
+  }
+
+  bool writes_saved() const {
+    for (const auto& b : blocks)
+      for (const auto& op : b.ops)
+        if (op.code == OpCode::kWriteSaved) return true;
+    return false;
+  }
 
   std::string str() const {
     std::ostringstream os;
@@ -165,6 +221,14 @@ struct Program {
         os << (k ? " " : "") << mode_text(wrap[k]);
       os << (wrap.size() > 8 ? " ...)" : ")");
     }
+    for (const auto& o : offloads) {
+      os << ", Offload(min_bytes " << o.min_bytes << (o.bounded ? ", 1 KiB pool" : "")
+         << (o.delay ? ", copy delay " + std::to_string(o.delay) : "") << ") blocks " << o.open << ".."
+         << (o.close == blocks.size() ? std::string("backward") : std::to_string(o.close));
+    }
+    if (!micro.empty()) os << ", micro-batches " << c10::IntArrayRef(micro);
+    if (partial_grad) os << ", grad of every other target";
+    if (twin) os << ", twin";
     os << "\n";
     for (size_t b = 0; b < blocks.size(); ++b) {
       os << "  block " << b << " [" << mode_text(blocks[b].mode);
@@ -199,6 +263,14 @@ struct Program {
 // Whether the strategy's structure still fits the blocks (after the shrinker removed some).
 void normalize(Program& p) {
   const int64_t n = static_cast<int64_t>(p.blocks.size());
+  if (p.strategy != Strategy::kPerBlock) p.offloads.clear();
+  std::vector<Program::OffloadScope> scopes;
+  for (auto o : p.offloads) {
+    if (static_cast<int64_t>(o.open) >= n) continue;
+    o.close = std::min(std::max(o.close, o.open), static_cast<size_t>(n));
+    scopes.push_back(o);
+  }
+  p.offloads = scopes;
   if (p.strategy == Strategy::kSequential)
     p.segments = std::min<int64_t>(std::max<int64_t>(p.segments, 1), n);
   if (p.strategy == Strategy::kSegments) {
@@ -294,6 +366,38 @@ Program generate(uint64_t seed) {
   p.use_grad_api = coin(0.35);
   p.second_backward = coin(0.25);
   p.preserve_rng = true;
+  {
+    // What users do around checkpointing (issue 41), from a stream of its own: the draws above are unchanged.
+    std::mt19937_64 more(seed * 0xD1B54A32D192ED03ull + 41);
+    auto pick2 = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(more); };
+    auto coin2 = [&](double q) { return std::bernoulli_distribution(q)(more); };
+    auto insert = [&](OpCode code) {
+      auto& ops = p.blocks[static_cast<size_t>(pick2(0, n - 1))].ops;
+      ops.insert(ops.begin() + pick2(0, static_cast<int64_t>(ops.size())), OpSpec{code, 0});
+    };
+    if (coin2(0.3)) insert(OpCode::kSavedView);
+    if (coin2(0.25)) insert(OpCode::kComplex);
+    if (coin2(0.08)) insert(OpCode::kWriteSaved);
+    if (p.strategy == Strategy::kPerBlock && coin2(0.5)) {
+      const int64_t scopes = pick2(1, 3);
+      for (int64_t k = 0; k < scopes; ++k) {
+        Program::OffloadScope o;
+        o.open = static_cast<size_t>(pick2(0, n - 1));
+        o.close = static_cast<size_t>(pick2(static_cast<int64_t>(o.open), n));
+        static const int64_t thresholds[] = {0, 64, int64_t{1} << 30};
+        o.min_bytes = thresholds[pick2(0, 2)];
+        o.bounded = coin2(0.2);
+        o.delay = coin2(0.3) ? static_cast<int>(pick2(1, 3)) : 0;
+        p.offloads.push_back(o);
+      }
+    }
+    if (coin2(0.25)) {
+      const int64_t m = pick2(2, 3);
+      for (int64_t k = 0; k < m; ++k)
+        p.micro.push_back(pick2(2, 5));
+    }
+    p.partial_grad = p.use_grad_api && coin2(0.5);
+  }
   normalize(p);
   return p;
 }
@@ -352,7 +456,7 @@ remat::Plan make_random_plan(uint64_t seed, int64_t n, bool keep, const std::str
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const Program& p, const BlockSpec& spec, const std::vector<torch::nn::Linear>& pool,
             const torch::Tensor* captured)
-      : spec_(spec), keep_(p.keep), captured_(p.captured ? captured : nullptr) {
+      : spec_(spec), keep_(p.keep), twin_(p.twin), captured_(p.captured ? captured : nullptr) {
     const int64_t w = p.width;
     int64_t k = 0;
     for (const auto& op : spec.ops) {
@@ -478,6 +582,24 @@ struct BlockImpl : torch::nn::Module {
         case OpCode::kIndexIn:
           if (in.size() > 2) h = h + h.gather(1, in[2]);
           break;
+        case OpCode::kSavedView: {
+          const torch::Tensor u = h * 2;
+          h = torch::gelu(u) + torch::sin(u.t()).t();
+          break;
+        }
+        case OpCode::kComplex: {
+          const torch::Tensor c = torch::view_as_complex(h.contiguous().reshape({b, w / 2, 2}));
+          const torch::Tensor z = c * c.conj();
+          h = torch::cat({torch::real(z) * 0.5, torch::imag(c.conj()) * torch::real(c)}, 1);
+          break;
+        }
+        case OpCode::kWriteSaved: {
+          torch::Tensor t = torch::sigmoid(h);  // saves its output...
+          if (twin_) t = t.clone();
+          t.mul_(2);  // ...written here (the twin writes a copy)
+          h = t + h;
+          break;
+        }
         case OpCode::kCount:
           break;
       }
@@ -492,6 +614,7 @@ struct BlockImpl : torch::nn::Module {
 
   BlockSpec spec_;
   bool keep_ = false;
+  bool twin_ = false;
   const torch::Tensor* captured_ = nullptr;
   std::vector<torch::nn::Linear> linear, shared;
   std::vector<torch::nn::Conv2d> conv;
@@ -509,6 +632,9 @@ struct Outcome {
   // by several blocks: their contributions are summed in an order that depends on the schedule.
   std::vector<bool> tolerant;
   std::string error;  // a c10::Error, if the run threw
+  // Tensor bytes alive at the end (the model, its gradients, the inputs, what is compared): a step that
+  // leaves more than the plain one holds what it should have freed.
+  int64_t alive_after = 0;
 };
 
 struct Instance {
@@ -576,8 +702,10 @@ std::vector<torch::Tensor> run_wrapped(Instance* in, const Program* p, size_t le
       args, options_for(p->wrap[level], modules, *p));
 }
 
-// The forward pass of the program under its strategy (plain when `plain`); returns the loss.
-torch::Tensor forward(const Program& p, Instance& in, bool plain) {
+// The forward pass of the program under its strategy (plain when `plain`); returns the loss. Offload scopes
+// that stay open through the backward pass go to `after_backward`.
+torch::Tensor forward(const Program& p, Instance& in, bool plain,
+                      std::vector<std::unique_ptr<remat::Offload>>* after_backward) {
   const size_t n = p.blocks.size();
   if (p.captured) *in.captured = torch::tanh(in.source) * 0.5;
   std::vector<torch::Tensor> state{in.x};
@@ -608,10 +736,27 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
                           .policy(p.segments_reentrant ? remat::Policy() : p.make_policy()))
           .checkpoint_last_segment(p.checkpoint_last);
   switch (p.strategy) {
-    case Strategy::kPerBlock:
-      for (size_t b = 0; b < n; ++b)
+    case Strategy::kPerBlock: {
+      std::vector<std::unique_ptr<remat::Offload>> open(p.offloads.size());
+      for (size_t b = 0; b < n; ++b) {
+        for (size_t k = 0; k < p.offloads.size(); ++k) {
+          const Program::OffloadScope& o = p.offloads[k];
+          if (o.open != b) continue;
+          remat::OffloadOptions options;
+          options.min_bytes(o.min_bytes).copy_delay(o.delay);
+          if (o.bounded) options.pool(std::make_shared<remat::HostPool>(1024, false));
+          open[k] = std::make_unique<remat::Offload>(options);
+        }
         state = b == 0 ? run_wrapped(&in, &p, 0, p.blocks[0].mode, state) : step(b, p.blocks[b].mode, state);
+        for (size_t k = 0; k < p.offloads.size(); ++k) {
+          if (p.offloads[k].close == b) open[k].reset();  // in this order, whatever the order of opening
+        }
+      }
+      for (auto& o : open) {
+        if (o) after_backward->push_back(std::move(o));
+      }
       return finish(state);
+    }
     case Strategy::kNested: {
       size_t b = 0;
       while (b < n) {
@@ -661,14 +806,14 @@ torch::Tensor forward(const Program& p, Instance& in, bool plain) {
   return {};
 }
 
-// One complete run: build, forward, backward (or grad), then collect everything comparable.
+// One complete run: build, then per micro-batch forward and backward (or grad), then collect everything
+// comparable.
 Outcome run(const Program& p, bool plain) {
   Outcome out;
+  const int64_t at_start = remat::memory::active_bytes();
   Instance in = build(p);
   try {
-    torch::Tensor loss = forward(p, in, plain);
-    out.loss = loss.detach().clone();
-    std::vector<torch::Tensor> targets;
+    std::vector<torch::Tensor> targets;  // the parameters, then the captured tensor's source
     std::vector<std::string> names;
     std::vector<bool> tolerant;
     std::unordered_set<c10::TensorImpl*> shared_by_blocks;
@@ -687,36 +832,74 @@ Outcome run(const Program& p, bool plain) {
       names.push_back("grad " + np.key());
       tolerant.push_back(shared_by_blocks.count(np.value().unsafeGetTensorImpl()) > 0);
     }
-    if (in.x.requires_grad()) {
-      targets.push_back(in.x);
-      names.push_back("grad x");
-      tolerant.push_back(false);
-    }
-    if (p.regions && in.aux.requires_grad()) {
-      targets.push_back(in.aux);
-      names.push_back("grad aux");
-      tolerant.push_back(false);
-    }
     if (p.captured) {  // every block adds it: contributions summed in a schedule's order
       targets.push_back(in.source);
       names.push_back("grad of the captured tensor's source");
       tolerant.push_back(true);
     }
-    const int rounds = p.second_backward ? 2 : 1;
-    std::vector<torch::Tensor> grads(targets.size());
-    for (int r = 0; r < rounds; ++r) {
-      const bool retain = r + 1 < rounds;
-      if (!loss.requires_grad()) break;
-      if (p.use_grad_api) {
-        auto g = torch::autograd::grad({loss}, targets, {}, retain, false, /*allow_unused=*/true);
-        for (size_t k = 0; k < g.size(); ++k) {
-          if (g[k].defined()) grads[k] = grads[k].defined() ? grads[k] + g[k] : g[k];
+    const size_t num_params = targets.size();
+    std::vector<torch::Tensor> grads(num_params);  // autograd::grad's, summed over the micro-batches
+    const std::vector<int64_t> sizes = p.micro.empty() ? std::vector<int64_t>{p.batch} : p.micro;
+    for (size_t m = 0; m < sizes.size(); ++m) {
+      const std::string tag = p.micro.empty() ? "" : "[" + std::to_string(m) + "]";
+      if (!p.micro.empty()) {  // the micro-batch's inputs, drawn in the same order in every run
+        in.x = torch::randn({sizes[m], p.width}).requires_grad_(p.input_requires_grad);
+        in.aux = (torch::rand({sizes[m], p.width}) + 0.5).requires_grad_(p.aux_requires_grad);
+      }
+      std::vector<std::unique_ptr<remat::Offload>> after_backward;
+      torch::Tensor loss = forward(p, in, plain, &after_backward);
+      out.loss = out.loss.defined() ? out.loss + loss.detach() : loss.detach().clone();
+      std::vector<torch::Tensor> step_targets(targets.begin(), targets.begin() + num_params);
+      std::vector<std::string> step_names(names.begin(), names.begin() + num_params);
+      if (in.x.requires_grad()) {
+        step_targets.push_back(in.x);
+        step_names.push_back("grad x" + tag);
+      }
+      if (p.regions && in.aux.requires_grad()) {
+        step_targets.push_back(in.aux);
+        step_names.push_back("grad aux" + tag);
+      }
+      // autograd::grad over part of the graph: every other target.
+      std::vector<size_t> asked;
+      for (size_t k = 0; k < step_targets.size(); ++k) {
+        if (!p.partial_grad || k % 2 == 0) asked.push_back(k);
+      }
+      std::vector<torch::Tensor> step_grads(step_targets.size());
+      const int rounds = p.second_backward ? 2 : 1;
+      for (int r = 0; r < rounds; ++r) {
+        const bool retain = r + 1 < rounds;
+        if (!loss.requires_grad()) break;
+        if (p.use_grad_api) {
+          std::vector<torch::Tensor> want;
+          for (size_t k : asked)
+            want.push_back(step_targets[k]);
+          if (want.empty()) break;
+          auto g = torch::autograd::grad({loss}, want, {}, retain, false, /*allow_unused=*/true);
+          for (size_t j = 0; j < g.size(); ++j) {
+            torch::Tensor& acc = step_grads[asked[j]];
+            if (g[j].defined()) acc = acc.defined() ? acc + g[j] : g[j];
+          }
+        } else {
+          loss.backward({}, retain);
         }
-      } else {
-        loss.backward({}, retain);
+      }
+      loss = torch::Tensor();
+      after_backward.clear();  // Offload scopes open through the backward pass end now
+      for (size_t k = 0; k < num_params; ++k) {
+        if (step_grads[k].defined()) grads[k] = grads[k].defined() ? grads[k] + step_grads[k] : step_grads[k];
+      }
+      for (size_t k = num_params; k < step_targets.size(); ++k) {  // this micro-batch's inputs
+        torch::Tensor g = p.use_grad_api ? step_grads[k] : step_targets[k].grad();
+        out.tensors.emplace_back(step_names[k], g.defined() ? g.detach().clone() : torch::Tensor());
+        out.tolerant.push_back(false);
+        if (p.use_grad_api && step_targets[k].grad().defined()) {
+          out.tensors.emplace_back(step_names[k] + " (.grad under autograd::grad)",
+                                   step_targets[k].grad().clone());
+          out.tolerant.push_back(false);
+        }
       }
     }
-    for (size_t k = 0; k < targets.size(); ++k) {
+    for (size_t k = 0; k < num_params; ++k) {
       torch::Tensor g = p.use_grad_api ? grads[k] : targets[k].grad();
       out.tensors.emplace_back(names[k], g.defined() ? g.detach().clone() : torch::Tensor());
       out.tolerant.push_back(tolerant[k]);
@@ -731,8 +914,13 @@ Outcome run(const Program& p, bool plain) {
     }
     out.tensors.emplace_back("rng after the step", torch::rand({8}));
     out.tolerant.push_back(false);
+    out.alive_after = remat::memory::active_bytes() - at_start;
   } catch (const c10::Error& e) {
     out.error = e.what_without_backtrace();
+    // A backward pass that threw leaves its other nodes' tasks, with the gradients they were handed, in this
+    // thread's ready queue until the next backward pass here drops them (LibTorch's engine): one now, so
+    // that the next program's bytes are its own.
+    torch::ones({1}, torch::requires_grad()).sum().backward();
   }
   return out;
 }
@@ -748,6 +936,8 @@ std::string compare(const Outcome& plain, const Outcome& got) {
   if (!got.error.empty()) return "the checkpointed run threw: " + got.error;
   if (!plain.loss.equal(got.loss))
     os << "loss " << plain.loss.item<double>() << " vs " << got.loss.item<double>() << "; ";
+  if (plain.alive_after != got.alive_after)
+    os << "bytes alive after the step " << plain.alive_after << " vs " << got.alive_after << "; ";
   if (plain.tensors.size() != got.tensors.size()) {
     os << plain.tensors.size() << " compared tensors vs " << got.tensors.size();
     return os.str();
@@ -766,14 +956,37 @@ std::string compare(const Outcome& plain, const Outcome& got) {
   return os.str();
 }
 
+// Whether an error is autograd's for a saved tensor written in place, or remat's for one written while its
+// copy to the host was in flight.
+bool written_error(const std::string& e) {
+  return e.find("modified by an inplace operation") != std::string::npos ||
+         e.find("modified by an in-place operation while its copy") != std::string::npos;
+}
+
 // The plain and the checkpointed run, in an order that varies with the seed.
 std::string check(const Program& p) {
+  Outcome plain, got;
   if (p.seed % 2) {
-    Outcome got = run(p, false);
-    return compare(run(p, true), got);
+    got = run(p, false);
+    plain = run(p, true);
+  } else {
+    plain = run(p, true);
+    got = run(p, false);
   }
-  Outcome plain = run(p, true);
-  return compare(plain, run(p, false));
+  if (!plain.error.empty() && p.writes_saved() && !p.twin && written_error(plain.error)) {
+    // It writes a saved tensor: the plain run's error, or the gradient of the values saved (a recompute or a
+    // copy on the host still has them), which is its valid twin's; nothing else.
+    if (!got.error.empty())
+      return written_error(got.error) ? "" : "the checkpointed run threw another error: " + got.error;
+    Program twin = p;
+    twin.twin = true;
+    return compare(run(twin, true), got);
+  }
+  // A write to what operations save where the plain run saved nothing (their input requires grad only under
+  // remat: records_more_graph) is refused by autograd: a limit of those ways, docs/RELIABILITY.md.
+  if (plain.error.empty() && written_error(got.error) && p.writes_saved() && p.records_more_graph())
+    return "";
+  return compare(plain, got);
 }
 
 // Smaller programs that still fail: blocks removed, ops removed, options simplified, until nothing helps.
@@ -809,7 +1022,12 @@ Program shrink(Program p) {
       c.wrap.resize(c.wrap.size() > 4 ? c.wrap.size() / 2 : c.wrap.size() - 1);
       progress = try_candidate(c);
     }
-    for (int option = 0; option < 8 && !progress; ++option) {
+    for (size_t k = 0; k < p.offloads.size() && !progress; ++k) {
+      Program c = p;
+      c.offloads.erase(c.offloads.begin() + static_cast<long>(k));
+      progress = try_candidate(c);
+    }
+    for (int option = 0; option < 10 && !progress; ++option) {
       Program c = p;
       if (option == 0 && c.second_backward)
         c.second_backward = false;
@@ -827,6 +1045,10 @@ Program shrink(Program p) {
         c.undeclared = false;
       else if (option == 7 && c.captured)
         c.captured = false;
+      else if (option == 8 && !c.micro.empty())
+        c.micro.clear();
+      else if (option == 9 && c.partial_grad)
+        c.partial_grad = false;
       else
         continue;
       progress = try_candidate(c);
@@ -844,6 +1066,7 @@ uint64_t env_u64(const char* name, uint64_t fallback) {
 // Runs programs of seeds [first, first + count) whose family matches `regions` (any when null); returns how
 // many ran. A failure is reported with its reproduction and the shrunk program.
 int64_t run_range(uint64_t first, uint64_t count, const bool* regions, bool verbose = false) {
+  remat::testing::meter_on();  // Outcome::alive_after
   int64_t ran = 0;
   for (uint64_t seed = first; seed < first + count; ++seed) {
     Program p = generate(seed);
@@ -920,6 +1143,8 @@ TEST(Fuzz, Long) {
 // kNonReentrant block inside 80 nested kReentrant regions, after plain backward passes (it crashed on 2.15).
 TEST(Fuzz, RegressionCases) {
   OneThread one;
+  remat::testing::meter_on();
+  remat::testing::meter_on();
   Program nested;
   nested.seed = 2;
   nested.width = 8;
@@ -934,6 +1159,8 @@ TEST(Fuzz, RegressionCases) {
     nested.blocks.push_back(b);
   }
   EXPECT_EQ(check(nested), "") << nested.str();
+  EXPECT_EQ(check(nested), "") << "AGAIN " << nested.str();
+  EXPECT_EQ(check(nested), "") << "AGAIN2 " << nested.str();
   Program deep = nested;
   deep.seed = 4;
   deep.strategy = Strategy::kPerBlock;

@@ -240,6 +240,61 @@ TEST(Policy, AnInPlaceWriteOfAKeptOutputIsPartOfTheCallOrReleasesIt) {
       << warnings.messages.back();
 }
 
+TEST(Policy, AWriteToAKeptOutputTheCallSavedIsRecomputedNotHandedBackWritten) {
+  // Found by the fuzz: sigmoid, kept, saves its own output, which mul_ then writes (an invalid program: plain
+  // LibTorch raises). Made part of the call, the recompute handed sigmoid's saved output back written, and
+  // the gradient came from 2 * sigmoid, silently. Now the call is recomputed, with a warning: its recompute
+  // stops at sigmoid's save, and the gradient is the one of the values saved (the program writing a copy).
+  const auto x = torch::randn({6, 5}, torch::requires_grad());
+  auto keep_sigmoid = remat::Policy([](const std::string& op) { return op == "aten::sigmoid"; }).named("sig");
+  auto fn = [](const torch::Tensor& t) {
+    auto s = torch::sigmoid(t);
+    auto y = s * 3;
+    s.mul_(2);
+    return y + s;
+  };
+  EXPECT_THROW_WITH(fn(x).sum().backward(), "modified by an inplace operation");
+  x.mutable_grad().reset();
+  auto twin = [](const torch::Tensor& t) {
+    auto s = torch::sigmoid(t).clone();
+    auto y = s * 3;
+    s.mul_(2);
+    return y + s;
+  };
+  twin(x).sum().backward();
+  const auto want = x.grad().clone();
+  x.mutable_grad().reset();
+  remat::detail::compat::WarningCapture warnings;
+  remat::checkpoint(fn, x, remat::CheckpointOptions().policy(keep_sigmoid)).sum().backward();
+  EXPECT_TRUE(torch::equal(x.grad(), want)) << max_abs_diff(x.grad(), want);
+  ASSERT_FALSE(warnings.messages.empty());
+  EXPECT_NE(
+      warnings.messages.back().find("policy 'sig' kept the output of aten::sigmoid, which aten::mul_ then "
+                                    "writes in place although the call saved it"),
+      std::string::npos)
+      << warnings.messages.back();
+}
+
+TEST(Policy, AKeptCallsConjugateAndNegativeViewsComeBackWithTheirBits) {
+  // Found by the fuzz: c * c.conj() saves c.conj() (a conjugate view of c, its input), imag(conj(c)) a
+  // negative view. Kept by the policy, the saved views were rebuilt from the input without their bits, and
+  // the gradient came out wrong (by hundreds), silently.
+  const auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto fn = [](const torch::Tensor& t) {
+    const auto c = torch::view_as_complex(t.reshape({4, 4, 2}));
+    return torch::cat({torch::real(c * c.conj()), torch::imag(c.conj()) * torch::real(c)}, 1);
+  };
+  fn(x).pow(2).sum().backward();
+  const auto plain = x.grad().clone();
+  auto keep_all = remat::Policy([](const std::string&) { return true; }).named("everything");
+  for (const auto& policy :
+       {keep_all, remat::Policy([](const std::string& op) { return op == "aten::mul"; })}) {
+    x.mutable_grad().reset();
+    remat::checkpoint(fn, x, remat::CheckpointOptions().policy(policy)).pow(2).sum().backward();
+    EXPECT_TRUE(torch::equal(x.grad(), plain)) << policy.name() << ": " << max_abs_diff(x.grad(), plain);
+  }
+}
+
 TEST(Policy, WritesToKeptOutputsHoldThroughASecondBackwardAndMakeThemTrainable) {
   // Found by the fuzz test (tests/fuzz_test.cpp, which draws a policy per program). Each case: gradients
   // equal to the plain run's after backward twice (retain_graph: the second recompute runs what the first

@@ -268,6 +268,34 @@ TEST(Executor, AutogradGradAndRetainGraph) {
     EXPECT_LE(max_abs_diff(twice[i - 1], 2 * plain[i]), 1e-5);
 }
 
+TEST(Executor, AutogradGradOverPartOfTheGraphRunsOnlyWhatItAsksFor) {
+  // Found by the fuzz: under torch::autograd::grad for the last stage's weight alone, the executor ran every
+  // stage's whole backward (and the recomputes before them). A stage whose operations wrote a tensor they
+  // saved (a gradient the asked ones do not read, which the plain run never unpacks) raised autograd's error
+  // there.
+  torch::manual_seed(3);
+  torch::nn::Linear a(8, 8), b(8, 8);
+  int first_runs = 0;
+  std::vector<remat::StageFn> stages{
+      {"a", [&](const torch::Tensor& t) { return ++first_runs, a(t); }, a.ptr()},
+      {"b",
+       [&](const torch::Tensor& t) {
+         auto s = torch::sigmoid(t);  // saves s...
+         s.mul_(2);                   // ...written: only d/dt reads it
+         return b(s);
+       },
+       b.ptr()}};
+  const auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto plain_fn = [&](const torch::Tensor& t) { return stages[1].fn(stages[0].fn(t)); };
+  const auto plain = torch::autograd::grad({plain_fn(x).pow(2).sum()}, {b->weight});
+  EXPECT_THROW_WITH(plain_fn(x).pow(2).sum().backward(), "modified by an inplace operation");
+  first_runs = 0;
+  const auto got = torch::autograd::grad(
+      {remat::run_plan(stages, remat::checkpoint_all(unit_chain(2)), x).pow(2).sum()}, {b->weight});
+  EXPECT_TRUE(torch::equal(got[0], plain[0]));
+  EXPECT_EQ(first_runs, 1);  // stage a: its forward pass only, no recompute for a gradient nobody asked for
+}
+
 // Found by the fuzz (seed 2): a stage kept in the forward pass (the last segment) owns a leaf whose .grad
 // survived into a second backward with retain_graph, so the input's gradient came out 3x instead of 2x.
 TEST(Executor, SecondBackwardWithRetainGraphAddsExactlyOneMoreGradient) {

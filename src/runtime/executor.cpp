@@ -254,20 +254,26 @@ void accumulate_into(at::Tensor& sum, const at::Tensor& g) {
 }
 
 // Stage i's backward: d_i from d_{i+1} through abar_{i+1}; parameter gradients accumulated into .grad (under
-// backward()) or summed into `param_grads` (under torch::autograd::grad, which returns them).
+// backward()) or summed into `param_grads` (under torch::autograd::grad, which returns them). `needed`: per
+// parameter, whether the user's pass needs its gradient; `input_needed`: whether it needs d_i (a stage below,
+// or the chain's input).
 void run_backward(ExecState& st, int64_t i, const UserPass& outer, bool keep_graph,
                   std::vector<at::Tensor>& param_grads,
-                  const std::unordered_map<c10::TensorImpl*, size_t>& param_index) {
+                  const std::unordered_map<c10::TensorImpl*, size_t>& param_index,
+                  const std::vector<bool>& needed, bool input_needed) {
   const bool accumulating = outer.accumulate;
   ExecState::Held& abar = st.held[i + 1];
   ExecState::Held& in = st.held[i];
   at::Tensor d_in;
   if (abar.output.requires_grad() && st.grad.defined()) {
     std::vector<at::Tensor> targets;
-    const bool leaf_grad = abar.leaf.requires_grad();
+    const bool leaf_grad = abar.leaf.requires_grad() && input_needed;
     if (leaf_grad) targets.push_back(abar.leaf);
-    for (const auto& p : st.stage_params[i])
-      targets.push_back(p);
+    for (const auto& p : st.stage_params[i]) {
+      // Only what the user's pass asks for (torch::autograd::grad over part of the graph): the rest of the
+      // stage's backward is neither run nor able to fail (a saved tensor the asked gradients do not read).
+      if (needed[param_index.at(p.unsafeGetTensorImpl())]) targets.push_back(p);
+    }
     const bool create_graph = at::GradMode::is_enabled();
     // Parameters a stage's function uses without its StageFn::module declaring them: trained under
     // backward() like the declared ones; under torch::autograd::grad the node cannot return them, and a
@@ -381,6 +387,23 @@ struct ExecNode final : torch::autograd::Node {
     for (size_t k = 0; k < num_params; ++k)
       param_index.emplace(run->params[k].unsafeGetTensorImpl(), k);
     std::vector<at::Tensor> param_grads(num_params);
+    // What the pass needs (all of it under backward(); under torch::autograd::grad, what it asked for): per
+    // parameter, and per stage whether d_i is needed below it. Stages below the lowest one needed run
+    // nothing.
+    std::vector<bool> needed(num_params);
+    for (size_t k = 0; k < num_params; ++k)
+      needed[k] = task_should_compute_output(1 + k);
+    const int64_t n = run->plan.num_stages;
+    std::vector<bool> input_needed(static_cast<size_t>(n) + 1);  // input_needed[i]: d_i is needed
+    input_needed[0] = task_should_compute_output(0);
+    int64_t lowest = input_needed[0] ? 0 : n;  // the lowest stage whose backward is needed
+    for (int64_t i = 0; i < n; ++i) {
+      bool own = false;
+      for (const auto& p : run->stage_params[static_cast<size_t>(i)])
+        own = own || needed[param_index.at(p.unsafeGetTensorImpl())];
+      if (own || input_needed[static_cast<size_t>(i)]) lowest = std::min(lowest, i);
+      input_needed[static_cast<size_t>(i) + 1] = input_needed[static_cast<size_t>(i)] || own;
+    }
 
     detail::NestedBackward nested;  // the stages' backward passes run inside this node
     run->grad = std::move(d_n);
@@ -395,8 +418,11 @@ struct ExecNode final : torch::autograd::Node {
           run->prefetched[static_cast<size_t>(before)] = 1;
         }
         if (ops[k].kind == OpKind::kBackward) {
-          run_backward(*run, ops[k].stage, outer, keep_graph, param_grads, param_index);
-          if (!keep_graph) run->offloads[static_cast<size_t>(ops[k].stage)] = nullptr;
+          const int64_t s = ops[k].stage;
+          run_backward(*run, s, outer, keep_graph, param_grads, param_index, needed,
+                       input_needed[static_cast<size_t>(s)]);
+          if (!keep_graph) run->offloads[static_cast<size_t>(s)] = nullptr;
+          if (s <= lowest) break;  // nothing below is needed
         } else {
           run_forward(*run, ops[k]);
         }
@@ -407,7 +433,7 @@ struct ExecNode final : torch::autograd::Node {
         throw;
       }
     }
-    result[0] = run->input_requires_grad ? run->grad : at::Tensor();
+    result[0] = run->input_requires_grad && input_needed[0] ? run->grad : at::Tensor();
     for (size_t k = 0; k < num_params; ++k)
       result[1 + k] = std::move(param_grads[k]);
     run->grad = at::Tensor();

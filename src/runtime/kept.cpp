@@ -33,6 +33,8 @@ KeptCall::Saved recipe_of(const at::Tensor& t, const std::vector<at::Tensor>& in
         s.sizes = t.sizes().vec();
         s.strides = t.strides().vec();
         s.offset = t.storage_offset() - of[i].storage_offset();
+        s.conj = t.is_conj();
+        s.neg = t.is_neg();
         return true;
       }
     }
@@ -106,7 +108,11 @@ std::vector<at::Tensor> hand_back(KeptCall& call, const std::vector<at::Tensor>&
       // graph reaches, such as a kept output only read by a copy) for as long as backward holds the view.
       const at::Tensor base = (sv.input >= 0 ? inputs.at(sv.input) : kept_outputs.at(sv.output)).detach();
       TORCH_CHECK(base.has_storage(), who, ": input ", sv.input, " has no storage in the recompute");
-      save(base.as_strided(sv.sizes, sv.strides, base.storage_offset() + sv.offset));
+      at::Tensor view = base.as_strided(sv.sizes, sv.strides, base.storage_offset() + sv.offset);
+      // The view's bits, which as_strided takes from the base: the values it was saved with.
+      if (view.is_conj() != sv.conj) view = view.conj();
+      if (view.is_neg() != sv.neg) view = view._neg_view();
+      save(view);
     }
   }
   // Outputs that required grad get a grad_fn that holds nothing, so that the operations after the call

@@ -221,7 +221,11 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
       });
     }
     if (owners.empty()) return false;
-    if (owners.size() == 1 && !writes_other && returned_arguments(schema)) {
+    // The kept call saved for its backward an output this writes (sigmoid's): its saved values would be the
+    // written ones, where plain autograd raises. Not absorbed: recomputed, it gives the values saved, or
+    // autograd's error when the recompute runs past the write.
+    const bool writes_saved = owners.size() == 1 && saves_written_output(owners.front(), args, schema);
+    if (owners.size() == 1 && !writes_other && !writes_saved && returned_arguments(schema)) {
       absorb(schema, run, owners.front(), args);
       return true;
     }
@@ -229,7 +233,9 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
       std::string message =
           "remat::checkpoint: policy '" + r_.policy_.name() + "' kept the output of " +
           r_.kept_[static_cast<size_t>(k)].tag + ", which " + schema.name() +
-          " then writes in place together with other tensors; that call is recomputed instead";
+          (writes_saved ? " then writes in place although the call saved it for its backward pass"
+                        : " then writes in place together with other tensors") +
+          "; that call is recomputed instead";
       release(k);
       if (r_.open_.empty()) {
         warn_once(message);
@@ -238,6 +244,23 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
       }
     }
     return false;
+  }
+
+  // Whether kept call k saved one of its outputs that this call writes.
+  bool saves_written_output(int64_t k, c10::ArrayRef<c10::IValue> args,
+                            const c10::FunctionSchema& schema) const {
+    const KeptCall& kept = r_.kept_[static_cast<size_t>(k)];
+    bool found = false;
+    for (size_t i : written_arguments(schema)) {
+      for_each_tensor(args[i], [&](const at::Tensor& t) {
+        for (const auto& sv : kept.saved) {
+          if (sv.output >= 0 &&
+              storage_key(kept.outputs.at(static_cast<size_t>(sv.output))) == storage_key(t))
+            found = true;
+        }
+      });
+    }
+    return found;
   }
 
   void absorb(const c10::FunctionSchema& schema, const std::function<void()>& run, int64_t owner,

@@ -21,10 +21,12 @@ namespace remat::detail {
 struct KeptCall {
   struct Saved {
     // A view of input `input` (>= 0) or of output `output` (>= 0) with these sizes, strides and storage
-    // offset relative to it; otherwise `held` itself.
+    // offset relative to it, and its conjugate and negative bits (a conj() or imag() view's); otherwise
+    // `held` itself.
     int64_t input = -1, output = -1;
     std::vector<int64_t> sizes, strides;
     int64_t offset = 0;
+    bool conj = false, neg = false;
     at::Tensor held;
   };
   std::string tag;  // the remat::keep tag, or the operator's name

@@ -34,7 +34,12 @@
 /// A tensor written in place while its copy to the host is in flight is an error (c10::Error naming it) when
 /// the copy completes, never a gradient computed from half-copied values; autograd's own version check does
 /// not see saved tensors behind hooks. On the CPU the copy is made at once, so the host holds the values
-/// saved.
+/// saved. A saved tensor the Offload leaves on the device (below min_bytes, a view with gaps, over the pool's
+/// bound, a storage another saved tensor keeps there) and that is written in place after it was saved raises
+/// autograd's own error when it is needed (c10::Error: "one of the variables needed for gradient computation
+/// has been modified by an inplace operation: [CPUFloatType [64, 256]], which is output 0 of
+/// SigmoidBackward0, ..."), as the plain run does. Conjugate and negative views stay on the device with their
+/// bits.
 ///
 /// Tested on the CPU with both LibTorch builds (the CPU as the device; the pool's blocks are memory remat's
 /// CPU meter does not count, so that it reads the device's bytes), including copies carried out late on
@@ -144,8 +149,10 @@ struct OffloadStats {
 };
 
 /// Sends what autograd saves to host memory while it is open (see the top of this file). A scope on the
-/// thread that constructs it: open from construction until close() or destruction, which must happen on that
-/// thread in the reverse order of other remat scopes; the tensors stay offloaded until autograd drops them.
+/// thread that constructs it: open from construction until close() or destruction, in any order with other
+/// remat scopes (an Offload replaced by the next step's before it is destroyed: the newer one takes what is
+/// saved from then on); ended on another thread, it is closed (nothing more goes to it) with a warning. The
+/// tensors stay offloaded until autograd drops them.
 class Offload {
  public:
   /// Opens the scope. Throws c10::Error naming remat::Offload for min_bytes < 0 or copy_delay < 0, and when

@@ -25,6 +25,7 @@ from . import _core
 from ._state import RestoreBuffers, RngState, each_once
 from .policies import checkpoint_context, policy_fn
 from .profile import StageFn
+from .saved import version_checked
 
 __all__ = ["run_plan", "CheckpointedSequential"]
 
@@ -94,7 +95,8 @@ class _Runner:
                     leaf = x.detach().requires_grad_(True)
                 with torch.enable_grad():
                     if op.kind == K.Fk:
-                        out = checkpoint(stage.fn, leaf, use_reentrant=False, preserve_rng_state=True,
+                        out = checkpoint(version_checked(stage.fn), leaf, use_reentrant=False,
+                                         preserve_rng_state=True,
                                          context_fn=checkpoint_context(mods, self.policies[op.policy]))
                     else:
                         out = stage.fn(leaf)

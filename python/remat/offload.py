@@ -40,6 +40,8 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from .saved import Kept, SavedAs, modified_error, top_hooks, version_of
+
 __all__ = ["HostPool", "CopyEngine", "Offload", "offload", "offloadable", "measure_bandwidth", "storage_ptrs"]
 
 _ALIGN = 512
@@ -129,56 +131,6 @@ def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
     # input (a non-leaf in the step) with such a leaf, and must see it go as the step's input would.
     return (_plain_ptr(t, alive) != 0 and t.nbytes >= min_bytes and t.is_contiguous() and not t.is_conj()
             and not t.is_neg())
-
-
-def _version(t: torch.Tensor) -> int:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor: no version counter
-        return 0
-
-
-def _modified_error(t: torch.Tensor, saved_as: "_SavedAs", now: int) -> RuntimeError:
-    """Autograd's own error for a saved tensor written in place since it was saved: autograd does not check the
-    tensors saved-tensor hooks hand back, so remat does."""
-    of = f", which is output {saved_as.output_nr} of {saved_as.grad_fn}," if saved_as.grad_fn else ""
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{t.type()} {list(saved_as.shape)}]{of} is at version {now}; expected version {saved_as.version} "
-        "instead. (remat.offload hands saved tensors back through saved-tensor hooks, where autograd does not "
-        "check their versions; remat does.) Clone the tensor before the in-place operation, or make that "
-        "operation out of place")
-
-
-class _SavedAs:
-    """What a saved tensor was when autograd saved it: its view (dtype, shape), its version, and what autograd's
-    error for a tensor written in place since names (its grad_fn's name and output number)."""
-
-    __slots__ = ("dtype", "shape", "version", "grad_fn", "output_nr")
-
-    def __init__(self, t: torch.Tensor):
-        self.dtype, self.shape, self.version = t.dtype, t.shape, _version(t)
-        fn = t.grad_fn
-        self.grad_fn = type(fn).__name__ if fn is not None else None
-        self.output_nr = t.output_nr if fn is not None else 0
-
-
-class _Kept(_SavedAs):
-    """A saved tensor the hooks leave on the device, as autograd would keep it: detached (so that it holds no
-    graph: a tensor holding its own grad_fn through its saved self is a reference cycle, freed only by Python's
-    cycle collector), and checked for in-place writes when it is handed back."""
-
-    __slots__ = ("tensor",)
-
-    def __init__(self, t: torch.Tensor, kept: torch.Tensor):
-        super().__init__(t)
-        self.tensor = kept
-
-    def get(self) -> torch.Tensor:
-        now = _version(self.tensor)
-        if now != self.version:
-            raise _modified_error(self.tensor, self, now)
-        return self.tensor
 
 
 def storage_ptrs(tensors) -> set[int]:
@@ -312,7 +264,7 @@ class _Entry:
         return self.block is not None or self.pinned is not None
 
 
-class _Handle(_SavedAs):
+class _Handle(SavedAs):
     """What autograd holds in place of an offloaded tensor (its entry, and the view it was saved as); its death
     returns the host block once no other handle holds it."""
 
@@ -334,18 +286,6 @@ class _Handle(_SavedAs):
 def _bytes_of(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
     """The bytes [offset, offset + nbytes) of t's storage, as a uint8 tensor over that storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), offset, (nbytes,), (1,))
-
-
-def _top_hooks():
-    """The innermost saved-tensor hooks on this thread, (pack, unpack), or None (none, or a torch without the
-    call that reads them)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if top is None:
-        return None
-    try:
-        return top(True)
-    except TypeError:  # an older signature, without ignore_is_tracing
-        return top()
 
 
 class Offload:
@@ -395,12 +335,12 @@ class Offload:
         return engine
 
     # -- packing: the forward pass ---------------------------------------------------------------------------
-    def _keep(self, t) -> _Kept:
-        """t is saved as itself (what autograd holds: a _Kept): its storage stays on the device, and an entry of
+    def _keep(self, t) -> Kept:
+        """t is saved as itself (what autograd holds: a Kept): its storage stays on the device, and an entry of
         that storage already offloaded is found there when needed back (its host block returned once its copy has
         landed)."""
         kept = t.detach()
-        saved = _Kept(t, kept)
+        saved = Kept(t, kept)
         ptr = _plain_ptr(t, self._alive)
         if ptr == 0:
             return saved
@@ -514,7 +454,7 @@ class Offload:
                 return c
         return None
 
-    def _start_to_device(self, entry: _Entry, may_alias: bool = True, saved_as: _SavedAs | None = None) -> None:
+    def _start_to_device(self, entry: _Entry, may_alias: bool = True, saved_as: SavedAs | None = None) -> None:
         """Starts bringing the entry's bytes back (or finds them on the device). `saved_as`: the tensor being
         unpacked, named in the error raised when its bytes were kept on the device and written there since."""
         if entry.device_copy is not None:
@@ -537,7 +477,7 @@ class Offload:
             # there since: the values saved are gone.
             if saved_as is None:
                 return  # a prefetch: the unpack raises
-            raise _modified_error(entry.pinned, saved_as, _version(entry.pinned))
+            raise modified_error(entry.pinned, saved_as, version_of(entry.pinned), "remat.offload")
         host = entry.block[: entry.nbytes]
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
         entry.to_device_done = self._engine(entry.device).copy(out, host)
@@ -546,8 +486,8 @@ class Offload:
         self.brought_back += 1
 
     def unpack(self, h):
-        if isinstance(h, _Kept):
-            return h.get()
+        if isinstance(h, Kept):
+            return h.check(h.tensor, "remat.offload")
         if not isinstance(h, _Handle):
             return h
         entry = h.entry
@@ -623,7 +563,7 @@ class Offload:
     def __exit__(self, *exc):
         if self._hooks is None:
             raise RuntimeError("remat.offload: __exit__ of an Offload that is not open")
-        top = _top_hooks()
+        top = top_hooks()
         if top is not None and top[0] != self.pack:
             # torch pops the innermost hooks, whoever's they are: this Offload's would stay on, another's go.
             raise RuntimeError(

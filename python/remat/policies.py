@@ -17,6 +17,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ._state import RestoreBuffers
+from .saved import version_checked
 
 try:  # torch 2.4 and later
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -156,7 +157,8 @@ def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Modu
     cache = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
     try:
-        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True,
+        # version_checked: a recompute that writes what it saved raises autograd's error (remat/saved.py).
+        return checkpoint(version_checked(fn), *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=checkpoint_context(modules, policy), **extra)
     finally:
         torch.set_autocast_cache_enabled(cache)

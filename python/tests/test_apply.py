@@ -221,3 +221,95 @@ def test_the_rest_of_the_step_is_timed_again_on_the_first_planned_steps():
     for _ in range(3):
         step()
     assert lp.context.rest_ms < 100, lp.context.rest_ms
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What users do: a layer that writes what it saved, layers called outside the model, copies of the model.
+
+class _Writes(nn.Module):
+    """sigmoid's output (which sigmoid saves) written in place, then saved again by the second linear: an
+    invalid program (plain autograd raises), whose recompute runs past the write."""
+
+    def __init__(self, w=16):
+        super().__init__()
+        self.a, self.b = nn.Linear(w, w), nn.Linear(w, w)
+
+    def forward(self, x):
+        s = torch.sigmoid(self.a(x))
+        s.mul_(2)
+        return self.b(s)
+
+
+def test_a_layer_that_writes_what_it_saved_gets_autograds_error_not_a_wrong_gradient():
+    # torch.utils.checkpoint hands back what its recompute saved without checking its version: a recompute that
+    # runs past the write gave the gradient of the values written (2 * sigmoid), silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(_Writes(), _Writes())
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    for how in ("checkpoint", "matmuls"):
+        lp = remat.enable(model, list(model), plan=_per_layer_plan(None, [how, how]))
+        with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch\.FloatTensor \[4, 16\]\], "
+                                               r"which is output 0 of SigmoidBackward0.*recompute"):
+            model(x).sum().backward()
+        lp.remove()
+
+
+class _Scaled(nn.Module):
+    def __init__(self, w=16):
+        super().__init__()
+        self.lin = nn.Linear(w, w)
+
+    def forward(self, x, extra=None):
+        y = torch.nn.functional.gelu(self.lin(x))
+        return y * extra.mean() if extra is not None else y
+
+
+def test_layers_called_outside_the_model_with_other_shapes_run_no_plan_made_for_others():
+    # Called outside the model's forward, a step is known by its first layer's shapes only: a later layer whose
+    # keyword tensor has another shape is off the plan. It and the rest of the step run checkpointed, with a
+    # warning naming the layer and both shapes; every step is the plain run's.
+    torch.manual_seed(0)
+    layers = [_Scaled(), _Scaled(), _Scaled()]
+    container = nn.ModuleList(layers)
+    plain = [_Scaled(), _Scaled(), _Scaled()]
+    for p, q in zip(plain, layers):
+        p.load_state_dict(q.state_dict())
+    lp = remat.enable(container, layers, budget=1 << 40)
+    x = torch.randn(4, 16)
+
+    def step(ls, n):
+        for m in ls:
+            m.zero_grad(set_to_none=True)
+        h = x
+        for i, m in enumerate(ls):
+            h = m(h, extra=torch.arange(float(n)) if i == 1 else None)
+        h.square().sum().backward()
+        return [p.grad.clone() for m in ls for p in m.parameters()]
+
+    for n in (3, 3):
+        assert all(torch.equal(a, b) for a, b in zip(step(plain, n), step(layers, n)))
+    assert lp.is_planned()
+    with pytest.warns(UserWarning, match=r"layer 1 \(_Scaled\) was called with shapes \[4, 16\] float32, \[5\] "
+                                         r"float32, but this step's plan was made with \[4, 16\] float32, \[3\]"):
+        got = step(layers, 5)
+    assert all(torch.equal(a, b) for a, b in zip(step(plain, 5), got))
+
+
+def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
+    import copy
+    model = mlp()
+    preallocate(model)
+    x = x_of()
+    lp = remat.enable(model, list(model), budget=1 << 40)
+    train_step(model, x)  # the profiling step
+    lp.set_budget(lp.min_budget_bytes)
+    want = train_step(model, x)
+    torch.save(model, tmp_path / "m.pt")
+    for twin in (copy.deepcopy(model), torch.load(tmp_path / "m.pt", weights_only=False)):
+        clp = twin[0].__dict__[remat.inplace.LAYER_PLAN_ATTR]
+        assert clp is not lp and clp.model is twin and clp.choices == lp.choices and clp.profiling_steps == 1
+        assert_same_run(want, train_step(twin, x))
+        clp.remove()
+        assert "forward" not in twin[0].__dict__ and lp.is_planned()

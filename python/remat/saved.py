@@ -1,0 +1,161 @@
+"""What remat's saved-tensor hooks record of a tensor autograd saves, and the check they make when they hand it
+back: that it was not written in place since it was saved, which autograd checks of the tensors it keeps itself
+but not of those hooks hand back. Where remat hands back a tensor it did not copy (one an Offload leaves on the
+device; one torch.utils.checkpoint's recompute saved and then wrote, running past the write), a written tensor
+raises autograd's own error rather than giving a gradient of the values written (the C++ library's
+src/runtime/saved.cpp makes the same check)."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["SavedAs", "Kept", "version_of", "modified_error", "version_checked"]
+
+
+def version_of(t: torch.Tensor) -> int:
+    """A tensor's version counter (0 for an inference tensor, which has none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return 0
+
+
+class SavedAs:
+    """A saved tensor as autograd saved it: its view (dtype, shape), its version, and what autograd's error for a
+    tensor written in place since names (its grad_fn's name and output number)."""
+
+    __slots__ = ("dtype", "shape", "version", "grad_fn", "output_nr")
+
+    def __init__(self, t: torch.Tensor):
+        self.dtype, self.shape, self.version = t.dtype, t.shape, version_of(t)
+        fn = t.grad_fn
+        self.grad_fn = type(fn).__name__ if fn is not None else None
+        self.output_nr = t.output_nr if fn is not None else 0
+
+    def check(self, t: torch.Tensor, why: str) -> torch.Tensor:
+        """t itself, or autograd's error (RuntimeError) when it is not at the version saved; `why`: what handed it
+        back, for the error."""
+        now = version_of(t)
+        if now != self.version:
+            raise modified_error(t, self, now, why)
+        return t
+
+
+def modified_error(t: torch.Tensor, saved: SavedAs, now: int, why: str) -> RuntimeError:
+    """Autograd's error for a saved tensor written in place since it was saved (its words, so that it reads as the
+    plain run's), then what handed it back."""
+    of = f", which is output {saved.output_nr} of {saved.grad_fn}," if saved.grad_fn else ""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} {list(saved.shape)}]{of} is at version {now}; expected version {saved.version} instead. "
+        f"({why} hands saved tensors back through saved-tensor hooks, where autograd does not check their "
+        "versions; remat does.) Clone the tensor before the in-place operation, or make that operation out of "
+        "place")
+
+
+class Kept(SavedAs):
+    """A saved tensor hooks leave as it is, held as autograd would keep it: detached (so that it holds no graph:
+    a tensor holding its own grad_fn through its saved self is a reference cycle, freed only by Python's cycle
+    collector), and checked for in-place writes when it is handed back."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, t: torch.Tensor, kept: torch.Tensor):
+        super().__init__(t)
+        self.tensor = kept
+
+
+def top_hooks():
+    """The innermost saved-tensor hooks on this thread, (pack, unpack), or None (none, or a torch without the
+    call that reads them)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    try:
+        return top(True)
+    except TypeError:  # an older signature, without ignore_is_tracing
+        return top()
+
+
+class _Hooks:
+    """version_checked's hooks in front of `below` (the hooks in force when they were pushed). Marked as
+    torch.utils.checkpoint's own (its `_checkpoint_internal`, with the user's hooks below them in `_user_hooks`
+    while they are on the stack), so that selective checkpointing with respect_saved_tensors_hooks sends what a
+    policy keeps to the user's hooks (an Offload), not to these. The object itself is the pack hook."""
+
+    __slots__ = ("owner", "pack_below", "unpack_below", "_user_hooks")
+    _checkpoint_internal = True
+
+    def __init__(self, owner: "version_checked", below):
+        self.owner = owner
+        self.pack_below, self.unpack_below = below
+        hooks = below  # the user's hooks, as torch finds them below its own
+        while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+            hooks = getattr(hooks[0], "_user_hooks", None)
+        self._user_hooks = hooks
+
+
+class _Forward(_Hooks):
+    """The forward pass's hooks: each saved tensor packed by the hooks below, with its index among the forward's
+    saves; checked when those hand it back."""
+
+    __slots__ = ()
+
+    def __call__(self, t):
+        i = self.owner.saves
+        self.owner.saves += 1
+        return self.pack_below(t), i, SavedAs(t)
+
+    def unpack(self, packed):
+        inner, i, saved = packed
+        t = self.unpack_below(inner)  # the checkpoint's recompute runs here, when it has not yet
+        versions = self.owner.versions
+        if i < len(versions) and version_of(t) != versions[i]:
+            raise modified_error(t, saved, version_of(t), "torch.utils.checkpoint's recompute")
+        return t
+
+
+class _Recompute(_Hooks):
+    """A recompute's hooks: the version of each tensor it saves, in order (the forward's order: the checkpoint
+    matches its saves to the forward's by that order too)."""
+
+    __slots__ = ()
+
+    def __call__(self, t):
+        self.owner.versions.append(version_of(t))
+        return self.pack_below(t)  # may end the recompute (early stopping)
+
+    def unpack(self, packed):
+        return self.unpack_below(packed)
+
+
+class version_checked:
+    """fn, run behind saved-tensor hooks in front of those in force when it runs: torch.utils.checkpoint's, in a
+    checkpoint's forward pass and in its recompute. The checkpoint hands back what its recompute saved, and a
+    recompute that runs past an in-place write to a tensor it saved (sigmoid's output written by a later mul_;
+    early stopping ends a recompute at its last save, not when saves follow the write) gave the gradient of the
+    values written, where plain autograd raises. Each tensor the recompute hands back must be at the version the
+    recompute saved it at, or the hooks raise autograd's error. One object per checkpoint call: its first run
+    is the forward pass, later ones recomputes. Without hooks in force (no grad), fn runs as it is. A class, so
+    that what holds it copies and pickles."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.saves = 0  # the forward pass's saves so far
+        self.versions: list[int] = []  # the last recompute's saved tensors' versions, in order
+        self.ran = False
+
+    def __call__(self, *args, **kwargs):
+        below = top_hooks() if torch.is_grad_enabled() else None
+        if below is None:
+            return self.fn(*args, **kwargs)
+        if self.ran:
+            self.versions = []
+            hooks = _Recompute(self, below)
+        else:
+            self.ran = True
+            hooks = _Forward(self, below)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(hooks, hooks.unpack):
+                return self.fn(*args, **kwargs)
+        finally:
+            hooks._user_hooks = None  # only while on the stack (what torch's own hooks do): nothing held after

@@ -1,0 +1,348 @@
+"""Randomized property tests: programs drawn from a seed, each run plainly and under remat, compared.
+
+Offloading (remat.offload): a chain of small operators on a hidden state, among them views and transposes of
+saved tensors, complex tensors with conjugate and negative views, integer tensors (argmax and gather), an
+in-place write after a save (an invalid program: remat must give the plain run's error, or the gradient of the
+values saved, which is the valid twin's, never another), some of them checkpointed as remat.enable does it,
+under Offload contexts of random thresholds, pool bounds, late copies and lookahead, ended in a random order (an
+out-of-order end must be refused and change nothing; the test then ends them in order); micro-batches of
+several batch sizes accumulated; backward() once or twice with retain_graph, or torch.autograd.grad over part
+of the targets. Compared: the plain run's error, or every gradient bitwise; the device peak at most the plain
+run's (without checkpoint regions); and, with Python's cycle collector off, nothing left alive after the step.
+
+Planning in place (remat.enable): models whose layers change the width (shapes per layer) and take keyword
+tensors, trained over steps of several batch sizes (shapes per step), some steps of micro-batches of two
+sizes accumulated, planned for a budget (re-planned at the least budget once profiled) or under a given plan:
+every step bitwise the plain run's.
+
+REMAT_RANDOM_SEED and REMAT_RANDOM_COUNT run other seeds (a long run); a failure names its seed.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import random
+import warnings
+from functools import partial
+
+import pytest
+import torch
+from torch import nn
+
+import remat
+from remat.offload import CopyEngine, HostPool, Offload
+
+FIRST = int(os.environ.get("REMAT_RANDOM_SEED", "1"))
+COUNT = int(os.environ.get("REMAT_RANDOM_COUNT", "0"))
+
+OPS = ["linear", "gelu", "sin", "saved_view", "transpose", "complex", "gather", "relu_", "write_saved"]
+WRITTEN = ("modified by an inplace operation", "modified by an in-place operation while its copy")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Offloading programs
+
+def draw_offload_program(seed: int) -> dict:
+    r = random.Random(seed)
+    n = r.randint(2, 7)
+    ops = [r.choice(OPS[:-1]) for _ in range(n)]
+    if r.random() < 0.15:
+        ops.insert(r.randint(0, n), "write_saved")
+    width = 4 * r.randint(1, 3)
+    scopes = []
+    for _ in range(r.randint(0, 3)):
+        a = r.randint(0, len(ops) - 1)
+        scopes.append(dict(open=a, close=r.randint(a, len(ops) - 1), min_bytes=r.choice([0, 64, 1 << 30]),
+                           bounded=r.random() < 0.2, delay=r.choice([0, 0, 1, 3]), lookahead=r.randint(0, 2)))
+    regions = []  # torch.utils.checkpoint regions over op ranges, not overlapping
+    i = 0
+    while i < len(ops):
+        if r.random() < 0.2:
+            j = r.randint(i, len(ops) - 1)
+            regions.append((i, j))
+            i = j + 1
+        else:
+            i += 1
+    return dict(seed=seed, ops=ops, width=width, input_grad=r.random() < 0.8,
+                micro=[r.randint(2, 5) for _ in range(r.randint(1, 3))], scopes=scopes, regions=regions,
+                close_order=r.sample(range(len(scopes)), len(scopes)), twice=r.random() < 0.25,
+                grad_api=r.random() < 0.35, part=r.random() < 0.5)
+
+
+class Chain(nn.Module):
+    def __init__(self, p: dict):
+        super().__init__()
+        torch.manual_seed(p["seed"])
+        w = p["width"]
+        self.ops = p["ops"]
+        self.lin = nn.ModuleList(nn.Linear(w, w) for _ in self.ops)
+        self.twin = False
+
+    def op(self, k: int, h: torch.Tensor) -> torch.Tensor:
+        name, (b, w) = self.ops[k], h.shape
+        if name == "linear":
+            return self.lin[k](h)
+        if name == "gelu":
+            return torch.nn.functional.gelu(h)
+        if name == "sin":
+            return h.sin() * 0.9 + h * 0.1
+        if name == "saved_view":  # u saved whole by gelu and through a transposed view by sin
+            u = h * 2
+            return torch.nn.functional.gelu(u) + u.t().sin().t()
+        if name == "transpose":
+            return h.reshape(b, 2, w // 2).transpose(1, 2).reshape(b, w)
+        if name == "complex":  # c * conj(c) saves a conjugate view; imag(conj(c)) * real(c) a negative one
+            c = torch.view_as_complex(h.contiguous().reshape(b, w // 2, 2))
+            return torch.cat([(c * c.conj()).real * 0.5, c.conj().imag * c.real], 1)
+        if name == "gather":  # an integer tensor saved by gather
+            return h + h.gather(1, h.argmax(1, keepdim=True))
+        if name == "relu_":
+            return (h + 0.1).relu_()
+        if name == "write_saved":  # sigmoid saves its output, written after (the twin writes a copy)
+            s = h.sigmoid()
+            if self.twin:
+                s = s.clone()
+            s.mul_(2)
+            return s + h
+        raise AssertionError(name)
+
+    def run(self, h, k0, k1):
+        for k in range(k0, k1 + 1):
+            h = self.op(k, h)
+        return h
+
+
+def run_offload_program(p: dict, under_remat: bool, twin: bool = False) -> dict:
+    """One step of p's micro-batches: the error (a string) or the gradients, the step's peak, and the bytes the
+    step left alive besides the gradients it returns (nothing, in a plain run and in remat's)."""
+    meter = remat.cpu_meter()
+    start = meter.count()
+    out = _run_offload_program(p, under_remat, twin)
+    out["left"] = meter.count() - start - sum(g.nbytes for g in out["grads"] or () if g is not None)
+    return out
+
+
+def _run_offload_program(p: dict, under_remat: bool, twin: bool) -> dict:
+    meter = remat.cpu_meter()
+    model = Chain(p)
+    model.twin = twin
+    params = list(model.parameters())
+    torch.manual_seed(1000 + p["seed"])
+    inputs = [torch.randn(b, p["width"], requires_grad=p["input_grad"]) for b in p["micro"]]
+    base = meter.count()
+    out: dict = dict(error=None, grads=None, peak=0)
+    grads: list = []
+    try:
+        with meter.window() as window:
+            for x in inputs:
+                loss = _forward(model, p, x, under_remat)
+                targets = params + ([x] if x.requires_grad else [])
+                asked = targets[::2] if p["part"] else targets
+                for r in range(2 if p["twice"] else 1):
+                    retain = p["twice"] and r == 0
+                    if p["grad_api"]:
+                        gs = torch.autograd.grad(loss, asked, retain_graph=retain, allow_unused=True)
+                        grads += [None if g is None else g.clone() for g in gs]
+                    else:
+                        loss.backward(retain_graph=retain)
+                del loss
+            out["peak"] = window.peak() - base
+        grads += [None if t.grad is None else t.grad.clone() for t in params + inputs]
+        out["grads"] = grads
+    except RuntimeError as e:
+        out["error"] = str(e)
+        torch.ones(1, requires_grad=True).sum().backward()  # the engine drops what the failed pass left queued
+    return out
+
+
+def _forward(model: Chain, p: dict, x: torch.Tensor, under_remat: bool) -> torch.Tensor:
+    scopes = p["scopes"] if under_remat else []
+    order = p["close_order"] if under_remat else []
+    regions = dict(p["regions"]) if under_remat else {}
+    opened: list[tuple[int, Offload]] = []
+    h = x
+    k = 0
+    try:
+        while k < len(p["ops"]):
+            end = regions.get(k, k)  # a region runs ops k..end as one call
+            for s, sc in enumerate(scopes):
+                if k <= sc["open"] <= end:
+                    pool = HostPool(max_bytes=1024, pin=False) if sc["bounded"] else None
+                    o = Offload(pool=pool, min_bytes=sc["min_bytes"], lookahead=sc["lookahead"],
+                                engine=CopyEngine(torch.device("cpu"), delay=sc["delay"]))
+                    o.__enter__()
+                    opened.append((s, o))
+            if k in regions:  # checkpointed as remat.enable checkpoints a layer
+                h = remat.run_layer("checkpoint", partial(model.run, k0=k, k1=end), (h,), [model])
+            else:
+                h = model.op(k, h)
+            for s in [s for s in order if k <= scopes[s]["close"] <= end]:
+                _end(opened, s)
+            k = end + 1
+        return h.square().mean()
+    finally:
+        while opened:  # an exception inside: what is open ends, innermost first
+            opened.pop()[1].__exit__(None, None, None)
+
+
+def _end(opened: list, s: int) -> None:
+    """Ends scope s: out of order, remat refuses (nothing changes); the scopes opened after it end first (and so
+    are ended already when their own turn comes)."""
+    at = next((i for i, (t, _) in enumerate(opened) if t == s), None)
+    if at is None:
+        return
+    if at != len(opened) - 1:
+        with pytest.raises(RuntimeError, match="end those first"):
+            opened[at][1].__exit__(None, None, None)
+        while len(opened) > at + 1:
+            opened.pop()[1].__exit__(None, None, None)
+    opened.pop()[1].__exit__(None, None, None)
+
+
+def _same_grads(a: list, b: list) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} gradients against {len(b)}"
+    for i, (g, h) in enumerate(zip(a, b)):
+        if (g is None) != (h is None):
+            return f"gradient {i}: {g is None} against {h is None} for None"
+        if g is not None and not torch.equal(g, h):
+            return f"gradient {i} differs by {float((g - h).abs().max())}"
+    return ""
+
+
+def check_offload_program(p: dict) -> str:
+    """Empty when remat's run is what the plain run allows; otherwise what differs."""
+    plain = run_offload_program(p, False)
+    got = run_offload_program(p, True)
+    if got["left"] != 0 or plain["left"] != 0:
+        return f"bytes left alive after the step: {got['left']} (plain {plain['left']})"
+    if plain["error"] is not None:
+        if "write_saved" not in p["ops"] or not any(w in plain["error"] for w in WRITTEN):
+            return ""  # invalid for another reason: nothing to compare
+        if got["error"] is not None:  # the plain run's error
+            return "" if any(w in got["error"] for w in WRITTEN) else f"another error: {got['error']}"
+        twin = run_offload_program(p, False, twin=True)  # or the gradient of the values saved
+        return _same_grads(twin["grads"], got["grads"])
+    if got["error"] is not None:
+        return f"remat's run raised where the plain run did not: {got['error']}"
+    diff = _same_grads(plain["grads"], got["grads"])
+    if diff:
+        return diff
+    if not p["regions"] and got["peak"] > plain["peak"]:
+        return f"device peak {got['peak']} above the plain run's {plain['peak']}"
+    return ""
+
+
+def _seeds(default_first: int, default_count: int):
+    return range(FIRST, FIRST + COUNT) if COUNT else range(default_first, default_first + default_count)
+
+
+def test_random_offloading_programs_match_the_plain_run():
+    failures = []
+    gc.collect()
+    gc.disable()  # what is freed must be freed without the cycle collector
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for seed in _seeds(1, 150):
+                p = draw_offload_program(seed)
+                diff = check_offload_program(p)
+                if diff:
+                    failures.append(f"seed {seed}: {diff}\n  {p}")
+                    if len(failures) >= 3:
+                        break
+    finally:
+        gc.enable()
+    assert not failures, "\n".join(failures) + "\n(reproduce: REMAT_RANDOM_SEED=<seed> REMAT_RANDOM_COUNT=1)"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Planning in place
+
+class Layer(nn.Module):
+    """A layer that changes the width and takes a keyword tensor (a scale, like a mask or a position bias)."""
+
+    def __init__(self, w_in: int, w_out: int):
+        super().__init__()
+        self.a, self.b = nn.Linear(w_in, 2 * w_out), nn.Linear(2 * w_out, w_out)
+
+    def forward(self, x, scale=None):
+        h = torch.nn.functional.gelu(self.a(x))
+        y = self.b(h)
+        return y * scale if scale is not None else y
+
+
+class Net(nn.Module):
+    def __init__(self, widths: list[int], keyword: list[bool]):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(a, b) for a, b in zip(widths, widths[1:]))
+        self.keyword = keyword
+        self.scales = nn.ParameterList(nn.Parameter(torch.rand(b) + 0.5) for b in widths[1:])
+
+    def forward(self, x):
+        h = x
+        for layer, kw, s in zip(self.layers, self.keyword, self.scales):
+            h = layer(h, scale=s.expand(h.shape[0], -1)) if kw else layer(h)
+        return h.square().mean()
+
+
+def draw_planned_program(seed: int) -> dict:
+    r = random.Random(seed)
+    n = r.randint(2, 4)
+    widths = [r.choice([8, 16, 24]) for _ in range(n + 1)]
+    steps = []
+    for _ in range(r.randint(3, 5)):
+        steps.append([r.choice([2, 3, 6]) for _ in range(r.choice([1, 1, 2]))])  # micro-batch sizes
+    choices = [r.choice(["keep", "checkpoint", "matmuls"]) for _ in range(n)]
+    return dict(seed=seed, widths=widths, keyword=[r.random() < 0.5 for _ in range(n)], steps=steps,
+                given=r.random() < 0.3, choices=choices, least=r.random() < 0.5)
+
+
+def run_planned_program(p: dict, planned: bool) -> list:
+    torch.manual_seed(p["seed"])
+    model = Net(p["widths"], p["keyword"])
+    lp = None
+    if planned:
+        if p["given"]:
+            from test_apply import _per_layer_plan
+            lp = remat.enable(model, list(model.layers), plan=_per_layer_plan(None, p["choices"]))
+        else:
+            lp = remat.enable(model, list(model.layers), budget=1 << 40)
+    g = torch.Generator().manual_seed(100 + p["seed"])
+    runs = []
+    for k, sizes in enumerate(p["steps"]):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(k)
+        for b in sizes:  # micro-batches, accumulated
+            x = torch.randn(b, p["widths"][0], generator=g)
+            try:
+                loss = model(x)
+            except remat.InfeasibleBudget:  # a shape with no plan for the least budget of another
+                lp.set_budget(1 << 40)
+                loss = model(x)
+            try:
+                loss.backward()
+            except remat.InfeasibleBudget:  # a new shape's profiling step, at its end: the gradients are in
+                lp.set_budget(1 << 40)
+        runs.append([None if q.grad is None else q.grad.clone() for q in model.parameters()])
+        if lp is not None and p["least"] and not p["given"] and lp.is_planned():
+            try:  # a plan that checkpoints, for the next steps of this shape (other shapes may have none)
+                lp.set_budget(lp.min_budget_bytes)
+            except remat.InfeasibleBudget:
+                pass
+    return runs
+
+
+def test_random_planned_steps_match_the_plain_run():
+    failures = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for seed in _seeds(1, 25):
+            p = draw_planned_program(seed)
+            plain, got = run_planned_program(p, False), run_planned_program(p, True)
+            for k, (a, b) in enumerate(zip(plain, got)):
+                diff = _same_grads(a, b)
+                if diff:
+                    failures.append(f"seed {seed}, step {k}: {diff}\n  {p}")
+                    break
+    assert not failures, "\n".join(failures)

@@ -481,9 +481,19 @@ TEST(Offload, ScopesEndInAnyOrder) {
   EXPECT_TRUE(no_hooks());
   y.sum().backward();
   EXPECT_TRUE(torch::allclose(xg.grad(), 2 * (xg.detach() * 2).cos()));
-  // Ended on another thread than its own: closed, its thread's hooks off.
+  // Ended on another thread than its own: closed, its thread's hooks off; and, between two scopes of this
+  // thread, it leaves nothing they reach when they end in any order.
   auto c = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(0));
   std::thread([&] { c.reset(); }).join();
+  EXPECT_TRUE(no_hooks());
+  auto outer = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(0));
+  c = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(0));
+  std::thread([&] { c.reset(); }).join();
+  auto inner = std::make_unique<remat::Offload>(remat::OffloadOptions().min_bytes(0));
+  outer.reset();
+  y = (xg * 2).sin();
+  EXPECT_EQ(inner->stats().offloaded, 1);
+  inner.reset();
   EXPECT_TRUE(no_hooks());
 }
 

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <mutex>
 
 #include "detail/compat.h"
 #include "detail/hooks.h"
@@ -26,15 +27,27 @@ const ThreadState& thread_state() {
   return state != nullptr ? *state : *empty;
 }
 
-// The scopes open on this thread, in the order they started.
-std::vector<ThreadStateScope*>& open_scopes() {
-  thread_local std::vector<ThreadStateScope*> open;
-  return open;
+// The scopes open on one thread, in the order they started. A scope holds its thread's registry, so that one
+// ended on another thread can take itself out of it (under the lock) without leaving a dangling pointer
+// there.
+struct ThreadStateScope::Registry {
+  std::mutex mu;
+  std::vector<ThreadStateScope*> open;
+};
+
+namespace {
+
+const std::shared_ptr<ThreadStateScope::Registry>& this_thread_registry() {
+  thread_local const auto registry = std::make_shared<ThreadStateScope::Registry>();
+  return registry;
 }
 
-ThreadStateScope::ThreadStateScope(Edit edit) : edit_(std::move(edit)) {
+}  // namespace
+
+ThreadStateScope::ThreadStateScope(Edit edit) : edit_(std::move(edit)), registry_(this_thread_registry()) {
   install();
-  open_scopes().push_back(this);
+  std::lock_guard<std::mutex> lock(registry_->mu);
+  registry_->open.push_back(this);
 }
 
 void ThreadStateScope::install() {
@@ -46,15 +59,18 @@ void ThreadStateScope::install() {
 }
 
 ThreadStateScope::~ThreadStateScope() {
-  auto& open = open_scopes();
+  std::lock_guard<std::mutex> lock(registry_->mu);
+  auto& open = registry_->open;
   const auto it = std::find(open.begin(), open.end(), this);
-  if (it == open.end()) {
+  if (it == open.end()) return;  // never: a scope leaves its registry only here
+  if (registry_ != this_thread_registry()) {
     // Ended on another thread: that thread's state is not ours to change from here. Its hook entries are
-    // closed (HookScope), so nothing reaches what this scope installed.
+    // closed (HookScope), so nothing reaches what this scope installed; the state goes when the scopes around
+    // it end.
+    open.erase(it);
     TORCH_WARN_ONCE(
-        "remat: a scope (remat::Offload or a checkpoint region) ended on another thread than the "
-        "one it started on; it is closed, and its thread's state is restored when the scopes "
-        "around it end");
+        "remat: a scope (remat::Offload) ended on another thread than the one it started on; it is "
+        "closed, and its thread's state is restored when the scopes around it end");
     return;
   }
   const size_t i = static_cast<size_t>(it - open.begin());

@@ -82,9 +82,12 @@ class ThreadStateScope {
   ThreadStateScope(const ThreadStateScope&) = delete;
   ThreadStateScope& operator=(const ThreadStateScope&) = delete;
 
+  struct Registry;  // the scopes open on one thread (thread_state.cpp)
+
  private:
   void install();  // pushes the current state, edited, on this thread's debug info
   Edit edit_;
+  std::shared_ptr<Registry> registry_;               // the thread it started on
   std::shared_ptr<c10::ThreadLocalDebugInfo> prev_;  // this thread's debug info before the push
   std::shared_ptr<c10::ThreadLocalDebugInfo> node_;  // and after it
 };

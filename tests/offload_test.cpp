@@ -411,6 +411,18 @@ TEST(Offload, AnInPlaceWriteToASavedTensorLeftOnTheDeviceIsAutogradsError) {
     EXPECT_THROW_WITH(loss.backward(), kModified, "[CPUFloatType [", "is at version 1; expected version 0",
                       "remat::Offload");
   }
+  // The storage kept there, found alive by prefetch() and written after it.
+  {
+    torch::Tensor h = x * 2, loss;
+    {
+      remat::Offload o(remat::OffloadOptions().min_bytes(1024));
+      loss = torch::gelu(h).sum() + h.t().sin().sum();
+      o.close();
+      o.prefetch();
+    }
+    h.mul_(2);
+    EXPECT_THROW_WITH(loss.backward(), kModified, "remat::Offload");
+  }
   // The tensor named as autograd names it.
   torch::Tensor loss;
   {

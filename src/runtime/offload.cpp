@@ -249,7 +249,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       e.device_copy = at::Tensor();
       e.aliased = false;
       --stats_.found_on_device;
-      start_to_device(e, /*may_alias=*/false);
+      start_to_device(e, /*may_alias=*/false, &saved);
     } else {
       start_to_device(e, /*may_alias=*/true, &saved);
     }

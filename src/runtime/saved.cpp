@@ -23,7 +23,7 @@ SavedAs SavedAs::of(const at::Tensor& t) {
   s.version = version_of(t);
   const auto& fn = t.grad_fn();
   if (fn) {
-    s.grad_fn = fn;
+    s.grad_fn = compat::WeakNode(fn);
     s.grad_fn_type = &typeid(*fn);
     s.output_nr = t.output_nr();
   }

@@ -179,6 +179,8 @@ class WeakNode {
   explicit WeakNode(const Ptr& node) : weak_(node) {}
   /// Whether the node is still alive.
   bool alive() const { return weak_ && !weak_->expired(); }
+  /// The node, or null when it is gone (or none was given).
+  Ptr lock() const { return weak_ ? weak_->lock() : Ptr(); }
 
  private:
   std::optional<typename WeakOf<Ptr>::type> weak_;

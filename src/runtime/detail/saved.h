@@ -8,14 +8,12 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "detail/compat.h"
+
 #include <cstdint>
 #include <memory>
 #include <typeinfo>
 #include <vector>
-
-namespace torch::autograd {
-struct Node;
-}
 
 namespace remat::detail {
 
@@ -29,7 +27,7 @@ struct SavedAs {
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> sizes;
   int64_t version = 0;
-  std::weak_ptr<torch::autograd::Node> grad_fn;
+  compat::WeakNode grad_fn;
   const std::type_info* grad_fn_type = nullptr;
   uint32_t output_nr = 0;
 

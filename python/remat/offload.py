@@ -19,7 +19,10 @@ tensor is never read before its copy has landed (the copy engine's event is wait
 is held until autograd drops the saved tensor; then its host block goes back to the pool (after the backward
 pass, or with the graph). A saved tensor still alive on the device when it is needed back (another holder kept
 it there, such as the layer before, whose output it is) and not written since is handed out as it is: no
-second copy on the device.
+second copy on the device. What stays on the device is held detached (no reference cycle: it is freed with its
+graph) and checked when handed back: written in place since it was saved, it raises autograd's own error
+(remat/saved.py), which autograd does not raise behind hooks. Conjugate and negative views stay, with their bits.
+Contexts end in the reverse order of their start; one that does not is refused.
 
 The host bytes are the pool's: ``pool.in_use_bytes``, ``pool.peak_bytes`` (the most in use at once) and
 ``pool.reserved_bytes`` (allocated, kept for reuse); ``max_bytes`` bounds what it allocates, and a tensor that

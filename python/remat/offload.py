@@ -237,6 +237,13 @@ class CopyEngine:
         self._pending = [e for e in self._pending if not e[2]]
 
 
+# Storage pointer -> a saved tensor some Offload left on the device (weakly: autograd holds it, detached): another
+# Offload's entry of that storage is found there through it (it shares the saved tensor's version counter), as
+# the C++ library finds a storage alive through its weak reference and version counter; the original tensor may
+# be gone, and a copy brought back beside it would be a second one on the device.
+_KEPT_ANYWHERE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 class _Entry:
     """One offloaded byte range of a storage (the bytes a saved tensor covers): its host block, the copies in
     flight, and the device bytes once brought back. Saved tensors of one storage covering the same bytes (the
@@ -348,6 +355,7 @@ class Offload:
         if ptr == 0:
             return saved
         self._kept[ptr] = weakref.ref(kept)
+        _KEPT_ANYWHERE[ptr] = kept
         for ref in self._at.get(ptr, ()):
             entry = ref()
             if (entry is not None and entry.pinned is None and entry.storage is not None
@@ -450,7 +458,8 @@ class Offload:
 
     def _found(self, entry: _Entry):
         """A tensor through which the entry's storage is still on the device, not written since its save."""
-        candidates = [r() for r in entry.originals] + [entry.pinned, self._kept_at(entry.ptr)]
+        candidates = [r() for r in entry.originals] + [entry.pinned, self._kept_at(entry.ptr),
+                                                       _KEPT_ANYWHERE.get(entry.ptr)]
         for c in candidates:
             if (c is not None and c.device == entry.device and c._version == entry.version
                     and c.untyped_storage().data_ptr() == entry.ptr):

@@ -626,3 +626,19 @@ def test_contexts_end_in_the_reverse_order_of_their_start():
     with pytest.raises(RuntimeError, match="not open"):
         a.__exit__(None, None, None)
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None  # no hooks left
+
+
+def test_a_tensor_another_offload_keeps_on_the_device_comes_back_as_itself():
+    # Sent to the host by one Offload, kept on the device by another (which holds it detached, the tensor itself
+    # gone): found there through that one's tensor while it holds it (retain_graph keeps it through the backward
+    # pass), not copied back beside it (found by the property test: a second copy above the plain run's peak).
+    x = torch.randn(64, 256, requires_grad=True)
+    a, b = offload(min_bytes=0), offload(min_bytes=1 << 30)
+    with a:
+        y = (x * 2).relu_()  # relu_ saves its output: to the host
+    with b:
+        z = y.sin()  # saves y: left on the device
+    del y
+    z.sum().backward(retain_graph=True)
+    assert a.offloaded == 1 and a.found_on_device == 1 and a.brought_back == 0
+    assert torch.equal(x.grad, 2 * (x.detach() * 2).relu().cos() * (x.detach() > 0))

@@ -183,6 +183,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     bool charged = false;
   };
   std::vector<Away> away(static_cast<size_t>(n));
+  // The stages whose copies to the host may still be in flight (a superset: each is checked against its
+  // state), so that a forward visits those, not every stage (simulate() stays linear in the plan's length).
+  std::vector<int64_t> in_flight;
   // Per boundary i: whether stage i - 1's forward holds a_i on the device through what it saves.
   std::vector<char> keeps_output(static_cast<size_t>(n + 1), 1);
   std::vector<char> forwarded(static_cast<size_t>(n), 0);  // a forward of the stage ran before the loss
@@ -313,11 +316,18 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         // Copies to the host started before this forward have run beside it (and beside their own forward,
         // from when the link was free): they are waited for now, and what they freed leaves.
         // (`link` is owed only while a copy is in flight.)
-        for (Away& a : away) {
-          if (a.state != Away::kInFlight || &a == &away[static_cast<size_t>(i)]) continue;
+        size_t still = 0;
+        for (int64_t s : in_flight) {
+          Away& a = away[static_cast<size_t>(s)];
+          if (a.state != Away::kInFlight) continue;  // waited for after the loss, or its backward ran
+          if (s == i) {
+            in_flight[still++] = s;
+            continue;
+          }
           current -= a.device;
           a.state = Away::kGone;
         }
+        in_flight.resize(still);
         const double owed = link, wait = std::max(0.0, owed - ms);
         sim.time_ms += wait, sim.transfer_ms += wait;
         link = 0;
@@ -338,6 +348,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }
           a.state = Away::kInFlight;
+          in_flight.push_back(i);
           link = std::max(0.0, transfer(a.copied, true) - std::max(0.0, ms - owed));
           host += a.copied;
           sim.host_peak_bytes = std::max(sim.host_peak_bytes, host);

@@ -9,6 +9,7 @@ add_library(remat_planner
   src/planner/optimal.cpp
   src/planner/per_layer.cpp
   src/planner/step.cpp
+  src/planner/figures.cpp
   src/planner/revolve.cpp
   src/planner/strategy.cpp
   src/planner/report.cpp

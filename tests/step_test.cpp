@@ -649,3 +649,69 @@ TEST(Step, PlanStepFallsBackToTheMeasuredCheckpointAllPeak) {
   EXPECT_EQ(remat::plan_step(chain, ctx, model_floor + 1000, "per-layer").plan.to_string(),
             remat::plan_step(chain, plain, model_floor + 1000, "per-layer").plan.to_string());
 }
+
+// The figures ranks agree on (remat::plan_figures): every figure a plan depends on, the offload costs and the
+// bandwidths included; a maximum over two processes' figures, written back, is each time's and byte count's
+// largest, each bandwidth's smallest, an optional figure absent where either lacks it, a flag set where
+// either set it; structures that differ, and figures that are no flags where flags belong, are refused with
+// the chain unchanged.
+TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
+  std::mt19937 rng(21);
+  const Chain a = random_offload_chain(rng, 4, 1000);
+  remat::StepContext ca;
+  ca.rest_peak_bytes = 5000, ca.rest_ms = 2.5, ca.stage_grads_bytes = {10, 20, 30, 40};
+  // Round trip: the figures written back change nothing.
+  {
+    Chain c = a;
+    remat::StepContext x = ca;
+    remat::set_plan_figures(c, x, remat::plan_figures(a, ca));
+    EXPECT_EQ(remat::to_json(c), remat::to_json(a));
+    EXPECT_EQ(x.stage_grads_bytes, ca.stage_grads_bytes);
+    EXPECT_EQ(x.rest_ms, ca.rest_ms);
+  }
+  // Another process: slower stages, more bytes, a slower link, no Fk on stage 1, no offload cost on stage 2.
+  Chain b = a;
+  remat::StepContext cb = ca;
+  b.to_host_gb_per_s = a.to_host_gb_per_s / 4;
+  b.to_device_gb_per_s = a.to_device_gb_per_s * 2;
+  b.stages[0].fwd_ms += 1;
+  b.stages[0].saved_bytes += 7000;
+  b.stages[1].keep_saved_bytes.reset(), b.stages[1].keep_fwd_ms.reset(), b.stages[1].keep_bwd_ms.reset();
+  b.stages[1].keep_offload.reset();
+  b.stages[2].offload.reset();
+  cb.rest_ms = 1.0, cb.stage_grads_bytes[3] = 90;
+  const remat::PlanFigures fa = remat::plan_figures(a, ca), fb = remat::plan_figures(b, cb);
+  ASSERT_EQ(fa.ints.size(), fb.ints.size());
+  ASSERT_EQ(fa.reals.size(), fb.reals.size());
+  EXPECT_EQ(fa.ints[0], a.input_bytes);  // the chain's input first (PlannedOptions::agree's callers read it)
+  remat::PlanFigures m = fa;
+  for (size_t i = 0; i < m.ints.size(); ++i)
+    m.ints[i] = std::max(fa.ints[i], fb.ints[i]);
+  for (size_t i = 0; i < m.reals.size(); ++i)
+    m.reals[i] = std::max(fa.reals[i], fb.reals[i]);
+  Chain c = a;
+  remat::StepContext x = ca;
+  remat::set_plan_figures(c, x, m);
+  EXPECT_EQ(c.to_host_gb_per_s, b.to_host_gb_per_s);      // the slower of the two
+  EXPECT_EQ(c.to_device_gb_per_s, a.to_device_gb_per_s);  // the slower of the two
+  EXPECT_EQ(c.stages[0].fwd_ms, b.stages[0].fwd_ms);
+  EXPECT_EQ(c.stages[0].saved_bytes, b.stages[0].saved_bytes);
+  EXPECT_FALSE(c.stages[1].has_keep());
+  EXPECT_FALSE(c.stages[1].keep_offload.has_value());
+  EXPECT_FALSE(c.stages[2].offload.has_value());
+  EXPECT_EQ(c.stages[3].offload.has_value(), a.stages[3].offload.has_value());
+  if (a.stages[3].offload) EXPECT_EQ(c.stages[3].offload->bytes, a.stages[3].offload->bytes);
+  EXPECT_EQ(x.rest_ms, ca.rest_ms);
+  EXPECT_EQ(x.stage_grads_bytes, (std::vector<int64_t>{10, 20, 30, 90}));
+  EXPECT_EQ(c.holds_outputs, a.holds_outputs);
+  // Other structures, and a flag that is no flag, are refused; nothing changes.
+  Chain shorter = a;
+  shorter.stages.pop_back();
+  c = a, x = ca;
+  EXPECT_THROW_WITH_STD(remat::set_plan_figures(c, x, remat::plan_figures(shorter, ca)),
+                        "remat::set_plan_figures", "differ in stages");
+  remat::PlanFigures bad = fa;
+  bad.ints[1] = 2;  // Chain::holds_outputs
+  EXPECT_THROW_WITH_STD(remat::set_plan_figures(c, x, bad), "remat::set_plan_figures", "0 or 1, got 2");
+  EXPECT_EQ(remat::to_json(c), remat::to_json(a));
+}

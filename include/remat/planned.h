@@ -72,10 +72,13 @@ struct PlannedOptions {
   /// With planner.offload: saved tensors smaller than this stay on the device (bytes, >= 0).
   TORCH_ARG(int64_t, offload_min_bytes) = int64_t{1} << 20;
   /// Under data parallel, makes every rank plan from the same numbers: called, at the same step on every
-  /// rank, with the numbers a plan is made from (an int64 tensor of byte counts and a float64 tensor of
-  /// times), it must replace them in place by their maximum across the ranks. Every rank then gets the
-  /// same plan, which fits each rank's measured memory. remat::distributed::same_plan_on_every_rank(group)
-  /// (remat/distributed.h) is one. Every rank must then see the same input shapes in the same order.
+  /// rank, with the numbers a plan is made from (remat::plan_figures, remat/step.h: an int64 tensor of byte
+  /// counts and flags and a float64 tensor of times and negated bandwidths), it must replace them in place by
+  /// their maximum across the ranks. Every rank then gets the same plan, which fits each rank's measured
+  /// memory and its slowest link. Throws c10::Error naming remat::Planned when it changes their number or
+  /// makes figures no valid chain has (a flag other than 0 or 1).
+  /// remat::distributed::same_plan_on_every_rank(group) (remat/distributed.h) is one. Every rank must then
+  /// see the same input shapes in the same order.
   TORCH_ARG(std::function<void(std::vector<torch::Tensor>&)>, agree) = nullptr;
 };
 

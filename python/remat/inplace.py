@@ -319,47 +319,18 @@ class _Step:
         self.done = True
 
 
-def _numbers(chain, ctx):
-    """Every number a plan is made from, in one order on every rank: (ints, floats, write-back)."""
-    ints, floats, setters = [], [], []
-
-    def num(obj, attr, kind):
-        (ints if kind is int else floats).append(getattr(obj, attr))
-        setters.append((obj, attr, kind))
-
-    num(chain, "input_bytes", int)
-    for s in chain.stages:
-        for a in ("output_bytes", "saved_bytes", "fwd_tmp_bytes", "bwd_tmp_bytes"):
-            num(s, a, int)
-        for a in ("fwd_ms", "bwd_ms"):
-            num(s, a, float)
-        for a in ("fwd_nosave_ms", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_fwd_ms", "keep_bwd_ms"):
-            if getattr(s, a) is not None:
-                num(s, a, float)
-        if s.keep_saved_bytes is not None:
-            num(s, "keep_saved_bytes", int)
-        for c in s.policies:
-            num(c, "saved_bytes", int)
-            num(c, "fwd_ms", float)
-            num(c, "bwd_ms", float)
-    for a in ("before_saved_bytes", "before_peak_bytes", "before_backward_peak_bytes", "rest_peak_bytes",
-              "rest_grads_bytes", "checkpoint_all_peak_bytes", "side_bytes"):
-        num(ctx, a, int)
-    num(ctx, "rest_ms", float)
-    return ints, floats, setters
-
-
 def _agree(chain, ctx) -> None:
-    """Every rank plans from the same numbers: each the maximum over the ranks (a plan that fits each rank's
-    measurements), so that every rank runs the same plan. A collective: every rank calls it at the same point
-    (the end of the profiling step's backward pass)."""
+    """Every rank plans from the same figures, every figure a plan depends on (the planner library's
+    plan_figures(): times, bytes, the offload costs and the bandwidths), each the maximum over the ranks in
+    that encoding (a bandwidth the smallest), so that every rank runs the same plan, one that fits each rank's
+    measurements. A collective: every rank calls it at the same point (the end of the profiling step's backward
+    pass)."""
     import torch.distributed as dist
-    ints, floats, setters = _numbers(chain, ctx)
-    grads = list(ctx.stage_grads_bytes)
+    ints, reals = _core.plan_figures(chain, ctx)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    t_int = torch.tensor(ints + grads, dtype=torch.int64, device=device)
-    t_float = torch.tensor(floats, dtype=torch.float64, device=device)
-    sizes = torch.tensor([len(ints) + len(grads), len(floats)], dtype=torch.int64, device=device)
+    t_int = torch.tensor(ints, dtype=torch.int64, device=device)
+    t_real = torch.tensor(reals, dtype=torch.float64, device=device)
+    sizes = torch.tensor([len(ints), len(reals)], dtype=torch.int64, device=device)
     low = sizes.clone()
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
@@ -367,11 +338,8 @@ def _agree(chain, ctx) -> None:
         raise RuntimeError("remat: the ranks measured different numbers of figures (different models or "
                            "layer lists?); they cannot agree on one plan")
     dist.all_reduce(t_int, op=dist.ReduceOp.MAX)
-    dist.all_reduce(t_float, op=dist.ReduceOp.MAX)
-    vi, vf = iter(t_int.tolist()), iter(t_float.tolist())
-    for obj, attr, kind in setters:
-        setattr(obj, attr, next(vi) if kind is int else next(vf))
-    ctx.stage_grads_bytes = [next(vi) for _ in grads]
+    dist.all_reduce(t_real, op=dist.ReduceOp.MAX)
+    _core.set_plan_figures(chain, ctx, t_int.tolist(), t_real.tolist())
 
 
 def _prefetch_then(offload: Offload, grad):

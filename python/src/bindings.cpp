@@ -133,7 +133,9 @@ NB_MODULE(_core, m) {
       // pickle and copy.deepcopy (a model remat planned is copied with its plans): through the chain's JSON.
       .def("__getstate__", [](const remat::Chain& c) { return remat::to_json(c); })
       .def("__setstate__",
-           [](remat::Chain& c, const std::string& text) { new (&c) remat::Chain(remat::chain_from_json(text)); })
+           [](remat::Chain& c, const std::string& text) {
+             new (&c) remat::Chain(remat::chain_from_json(text));
+           })
       .def(
           "validate", [](const remat::Chain& c) { remat::validate(c); },
           "Raises ValueError naming the stage.")
@@ -203,7 +205,8 @@ NB_MODULE(_core, m) {
                                     p.predicted.host_peak_bytes, p.predicted.transfer_ms);
            })
       .def("__setstate__",
-           [](remat::Plan& p, const std::tuple<std::string, int64_t, std::vector<int64_t>, int64_t, double>& s) {
+           [](remat::Plan& p,
+              const std::tuple<std::string, int64_t, std::vector<int64_t>, int64_t, double>& s) {
              new (&p) remat::Plan(remat::plan_from_json(std::get<0>(s)));
              p.predicted.peak_op = std::get<1>(s);
              p.predicted.op_peak_bytes = std::get<2>(s);
@@ -289,17 +292,18 @@ NB_MODULE(_core, m) {
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return std::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
-                                    c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes,
-                                    c.stage_grads_bytes, c.checkpoint_all_peak_bytes, c.side_bytes);
+                                    c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
+                                    c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
+                                    c.side_bytes);
            })
-      .def("__setstate__", [](remat::StepContext& c,
-                              const std::tuple<bool, int64_t, int64_t, int64_t, int64_t, double, int64_t,
-                                               std::vector<int64_t>, int64_t, int64_t>& s) {
-        new (&c) remat::StepContext();
-        std::tie(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes,
-                 c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, c.stage_grads_bytes,
-                 c.checkpoint_all_peak_bytes, c.side_bytes) = s;
-      });
+      .def("__setstate__",
+           [](remat::StepContext& c, const std::tuple<bool, int64_t, int64_t, int64_t, int64_t, double,
+                                                      int64_t, std::vector<int64_t>, int64_t, int64_t>& s) {
+             new (&c) remat::StepContext();
+             std::tie(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
+                      c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes,
+                      c.stage_grads_bytes, c.checkpoint_all_peak_bytes, c.side_bytes) = s;
+           });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
       "A meter's readings at named points of a profiling step (counts of bytes, any "
@@ -320,6 +324,23 @@ NB_MODULE(_core, m) {
       .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
       .def_rw("side_bytes", &remat::StepReadings::side_bytes);
   m.def("step_context", &remat::step_context, "readings"_a);
+  m.def(
+      "plan_figures",
+      [](const remat::Chain& chain, const remat::StepContext& context) {
+        remat::PlanFigures f = remat::plan_figures(chain, context);
+        return std::make_tuple(std::move(f.ints), std::move(f.reals));
+      },
+      "chain"_a, "context"_a,
+      "Every figure a plan depends on, (ints, reals), encoded so that the elementwise maximum over processes "
+      "is the one they agree on (remat::plan_figures).");
+  m.def(
+      "set_plan_figures",
+      [](remat::Chain& chain, remat::StepContext& context, std::vector<int64_t> ints,
+         std::vector<double> reals) {
+        remat::set_plan_figures(chain, context, remat::PlanFigures{std::move(ints), std::move(reals)});
+      },
+      "chain"_a, "context"_a, "ints"_a, "reals"_a,
+      "Writes figures reduced by a maximum back (remat::set_plan_figures); ValueError when they do not fit.");
   nb::class_<remat::StepPlan>(m, "StepPlan", "A plan for a whole step and its predicted peak.")
       .def_rw("plan", &remat::StepPlan::plan)
       .def_rw("step_peak_bytes", &remat::StepPlan::step_peak_bytes)

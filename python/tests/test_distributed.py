@@ -1,7 +1,10 @@
 """One plan on every rank: under DDP (two processes on Gloo, CPU), remat.enable plans from the same numbers on
-every rank (each figure's maximum over the ranks), so both run the same plan, and every step's loss is the
-plain DDP run's. Rank 1's first layer is made slower, so that the ranks' own measurements differ."""
+every rank (each figure's maximum over the ranks, a bandwidth's minimum), so both run the same plan, and every
+step's loss is the plain DDP run's. Rank 1's first layer is made slower and its copies to and from the host are
+measured at a quarter of rank 0's speed, so that the ranks' own measurements differ; the layers may be
+offloaded, so the offload costs and bandwidths are among the figures."""
 import gc
+import importlib
 import os
 import socket
 import tempfile
@@ -43,6 +46,18 @@ def worker(rank, port, agree, out):
     try:
         if rank == 1:  # rank 1's first layer takes longer: its own timings differ from rank 0's
             mlp_layer_delay = lambda module, args: time.sleep(0.02)  # noqa: E731
+        measured = []  # the bandwidths this rank measured itself, (to host, to device) in GB/s
+        profiling = importlib.import_module("remat.profile")  # the module (remat.profile is its function)
+        own = profiling.measure_bandwidth
+
+        def measure(*args, **kwargs):
+            h, d = own(*args, **kwargs)
+            if rank == 1:  # rank 1's link is slower
+                h, d = h / 4, d / 4
+            measured.append((h, d))
+            return h, d
+
+        profiling.measure_bandwidth = measure
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
         results = {}
         for way in ("plain", "remat"):
@@ -51,7 +66,8 @@ def worker(rank, port, agree, out):
                 model[0].register_forward_pre_hook(mlp_layer_delay)
             lp = None
             if way == "remat":
-                lp = remat.enable(model, list(model), budget=600 << 10, agree=None if agree else False)
+                lp = remat.enable(model, list(model), budget=600 << 10, agree=None if agree else False,
+                                  offload=True, offload_min_bytes=0)
             ddp = nn.parallel.DistributedDataParallel(model)
             losses = []
             for step in range(3):
@@ -64,8 +80,10 @@ def worker(rank, port, agree, out):
             if lp is not None:
                 results["plan"] = str(lp.plan)
                 results["chain"] = lp.chain.to_json()
+                results["bandwidths"] = (lp.chain.to_host_gb_per_s, lp.chain.to_device_gb_per_s)
         gathered = [None, None]
-        dist.all_gather_object(gathered, dict(plan=results["plan"], chain=results["chain"]))
+        dist.all_gather_object(gathered, dict(plan=results["plan"], chain=results["chain"], measured=measured,
+                                              bandwidths=results["bandwidths"]))
         same_steps = torch.equal(results["plain"]["losses"], results["remat"]["losses"]) and all(
             torch.equal(a, b) for a, b in zip(results["plain"]["grads"], results["remat"]["grads"]))
         if rank == 0:
@@ -88,6 +106,10 @@ def test_ranks_agree_on_one_plan_under_ddp():
     a, b = r["gathered"]
     assert a["chain"] == b["chain"], "the ranks planned from different numbers"
     assert a["plan"] == b["plan"]
+    assert len(a["measured"]) == len(b["measured"]) == 1
+    # The bandwidths agreed on are the slower rank's (rank 1's, a quarter of its own measurement's speed).
+    assert a["bandwidths"] == b["measured"][0], (a["bandwidths"], a["measured"], b["measured"])
+    assert all(s < f for s, f in zip(b["measured"][0], a["measured"][0]))
     # Without agreeing, each rank plans from its own timings (rank 1's first layer is slower): the numbers
     # differ, which is what agreeing removes.
     r = run(agree=False)

@@ -35,30 +35,6 @@ std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
   return out;
 }
 
-// The numbers a plan is made from, visited in one order on every rank (for PlannedOptions::agree).
-template <typename Bytes, typename Ms>
-void for_each_number(Chain& chain, StepContext& context, Bytes bytes, Ms ms) {
-  bytes(chain.input_bytes);
-  bytes(context.rest_peak_bytes);
-  for (int64_t& g : context.stage_grads_bytes)
-    bytes(g);
-  bytes(context.rest_grads_bytes), bytes(context.before_backward_peak_bytes);
-  bytes(context.checkpoint_all_peak_bytes);
-  ms(context.rest_ms);
-  for (Stage& s : chain.stages) {
-    ms(s.fwd_ms), ms(s.bwd_ms);
-    bytes(s.output_bytes), bytes(s.saved_bytes), bytes(s.fwd_tmp_bytes), bytes(s.bwd_tmp_bytes);
-    for (auto* t :
-         {&s.fwd_nosave_ms, &s.checkpoint_fwd_ms, &s.checkpoint_bwd_ms, &s.keep_fwd_ms, &s.keep_bwd_ms})
-      if (t->has_value()) ms(**t);
-    if (s.keep_saved_bytes) bytes(*s.keep_saved_bytes);
-    for (PolicyCost& c : s.policies) {
-      bytes(c.saved_bytes);
-      ms(c.fwd_ms), ms(c.bwd_ms);
-    }
-  }
-}
-
 }  // namespace
 
 PlannedImpl::PlannedImpl(std::vector<StageFn> stages, PlannedOptions options)
@@ -242,21 +218,25 @@ void PlannedImpl::make_plan(Shape& shape) {
   StepContext context = step_context(readings);
   Chain chain = *shape.chain;
   if (options_.agree()) {
-    // Every rank plans from the maximum over the ranks of every number, and so makes the same plan.
-    std::vector<int64_t> b;
-    std::vector<double> t;
-    for_each_number(
-        chain, context, [&](int64_t& v) { b.push_back(v); }, [&](double& v) { t.push_back(v); });
-    std::vector<torch::Tensor> numbers{torch::tensor(b, torch::kInt64), torch::tensor(t, torch::kFloat64)};
+    // Every rank plans from the maximum over the ranks of every figure (PlanFigures' encoding: the smallest
+    // bandwidth), and so makes the same plan.
+    PlanFigures figures = plan_figures(chain, context);
+    const size_t n_ints = figures.ints.size(), n_reals = figures.reals.size();
+    std::vector<torch::Tensor> numbers{torch::tensor(figures.ints, torch::kInt64),
+                                       torch::tensor(figures.reals, torch::kFloat64)};
     options_.agree()(numbers);
-    TORCH_CHECK(numbers.size() == 2 && numbers[0].numel() == static_cast<int64_t>(b.size()) &&
-                    numbers[1].numel() == static_cast<int64_t>(t.size()),
+    TORCH_CHECK(numbers.size() == 2 && numbers[0].numel() == static_cast<int64_t>(n_ints) &&
+                    numbers[1].numel() == static_cast<int64_t>(n_reals),
                 kWho, ": PlannedOptions::agree changed the number of values");
-    const auto* bi = numbers[0].to(torch::kInt64).contiguous().data_ptr<int64_t>();
-    const auto* ti = numbers[1].to(torch::kFloat64).contiguous().data_ptr<double>();
-    size_t i = 0, j = 0;
-    for_each_number(
-        chain, context, [&](int64_t& v) { v = bi[i++]; }, [&](double& v) { v = ti[j++]; });
+    const torch::Tensor ints = numbers[0].to(torch::kInt64).contiguous();
+    const torch::Tensor reals = numbers[1].to(torch::kFloat64).contiguous();
+    figures.ints.assign(ints.data_ptr<int64_t>(), ints.data_ptr<int64_t>() + n_ints);
+    figures.reals.assign(reals.data_ptr<double>(), reals.data_ptr<double>() + n_reals);
+    try {
+      set_plan_figures(chain, context, figures);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, kWho, ": the figures the ranks agreed on make no valid chain: ", e.what());
+    }
     *shape.chain = chain;
     (*shape.rest)->peak_bytes = context.rest_peak_bytes;
     (*shape.rest)->ms = context.rest_ms;

@@ -1,0 +1,164 @@
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "remat/step.h"
+
+// The figures a plan depends on, for agreeing across processes (remat/step.h, PlanFigures): one walk over a
+// chain and its step context, used both to collect the figures and to write them back, so that the two
+// directions cannot fall out of step.
+
+namespace remat {
+namespace {
+
+constexpr const char* kWho = "remat::set_plan_figures";
+
+// Collects the figures.
+struct Collect {
+  PlanFigures out;
+  void bytes(const int64_t& v) { out.ints.push_back(v); }
+  void flag(const bool& v) { out.ints.push_back(v ? 1 : 0); }
+  void ms(const double& v) { out.reals.push_back(v); }
+  void bandwidth(const double& v) { out.reals.push_back(-v); }
+  void opt_ms(const std::optional<double>& v) {
+    out.ints.push_back(v ? 0 : 1);
+    out.reals.push_back(v ? *v : 0.0);
+  }
+  void opt_bytes(const std::optional<int64_t>& v) {
+    out.ints.push_back(v ? 0 : 1);
+    out.ints.push_back(v ? *v : 0);
+  }
+  void offload(const std::optional<OffloadCost>& v) {
+    out.ints.push_back(v ? 0 : 1);
+    out.ints.push_back(v ? v->bytes : 0);
+    out.ints.push_back(v && v->input ? 1 : 0);
+    out.ints.push_back(v && v->output ? 1 : 0);
+  }
+};
+
+// Writes them back, in the same order.
+struct Write {
+  const PlanFigures& in;
+  size_t i = 0, r = 0;
+  int64_t next_int() { return in.ints.at(i++); }
+  double next_real() { return in.reals.at(r++); }
+  bool next_flag() {
+    const int64_t v = next_int();
+    if (v != 0 && v != 1)
+      throw std::invalid_argument(std::string(kWho) + ": figure " + std::to_string(i - 1) +
+                                  " is a flag, 0 or 1, got " + std::to_string(v));
+    return v == 1;
+  }
+  void bytes(int64_t& v) { v = next_int(); }
+  void flag(bool& v) { v = next_flag(); }
+  void ms(double& v) { v = next_real(); }
+  void bandwidth(double& v) { v = -next_real(); }
+  void opt_ms(std::optional<double>& v) {
+    const bool absent = next_flag();
+    const double x = next_real();
+    v = absent ? std::nullopt : std::optional<double>(x);
+  }
+  void opt_bytes(std::optional<int64_t>& v) {
+    const bool absent = next_flag();
+    const int64_t x = next_int();
+    v = absent ? std::nullopt : std::optional<int64_t>(x);
+  }
+  void offload(std::optional<OffloadCost>& v) {
+    const bool absent = next_flag();
+    OffloadCost c;
+    c.bytes = next_int();
+    c.input = next_flag();
+    c.output = next_flag();
+    v = absent ? std::nullopt : std::optional<OffloadCost>(c);
+  }
+};
+
+// Visits every figure of `chain` and `context` in one order (the chain's input bytes first). C and X may be
+// const for collecting.
+template <typename C, typename X, typename V>
+void visit(C& chain, X& context, V& v) {
+  v.bytes(chain.input_bytes);
+  v.flag(chain.holds_outputs);
+  v.bandwidth(chain.to_host_gb_per_s);
+  v.bandwidth(chain.to_device_gb_per_s);
+  for (auto& s : chain.stages) {
+    v.ms(s.fwd_ms);
+    v.ms(s.bwd_ms);
+    v.bytes(s.output_bytes);
+    v.bytes(s.saved_bytes);
+    v.bytes(s.fwd_tmp_bytes);
+    v.bytes(s.bwd_tmp_bytes);
+    v.opt_ms(s.fwd_nosave_ms);
+    v.opt_ms(s.checkpoint_fwd_ms);
+    v.opt_ms(s.checkpoint_bwd_ms);
+    v.opt_bytes(s.keep_saved_bytes);
+    v.opt_ms(s.keep_fwd_ms);
+    v.opt_ms(s.keep_bwd_ms);
+    v.offload(s.offload);
+    v.offload(s.keep_offload);
+    v.offload(s.checkpoint_offload);
+    for (auto& c : s.policies) {
+      v.bytes(c.saved_bytes);
+      v.ms(c.fwd_ms);
+      v.ms(c.bwd_ms);
+      v.offload(c.offload);
+    }
+  }
+  v.flag(context.input_in_base);
+  v.bytes(context.before_saved_bytes);
+  v.bytes(context.before_peak_bytes);
+  v.bytes(context.before_backward_peak_bytes);
+  v.bytes(context.rest_peak_bytes);
+  v.ms(context.rest_ms);
+  v.bytes(context.rest_grads_bytes);
+  for (auto& g : context.stage_grads_bytes)
+    v.bytes(g);
+  v.bytes(context.checkpoint_all_peak_bytes);
+  v.bytes(context.side_bytes);
+}
+
+// An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima
+// taken from different processes may exceed.
+void lower_to_kept(std::optional<OffloadCost>& o, int64_t kept, int64_t output) {
+  if (o) o->bytes = std::max<int64_t>(0, std::min(o->bytes, kept - output));
+}
+
+}  // namespace
+
+PlanFigures plan_figures(const Chain& chain, const StepContext& context) {
+  Collect c;
+  visit(chain, context, c);
+  return std::move(c.out);
+}
+
+void set_plan_figures(Chain& chain, StepContext& context, const PlanFigures& figures) {
+  const PlanFigures mine = plan_figures(chain, context);
+  if (figures.ints.size() != mine.ints.size() || figures.reals.size() != mine.reals.size()) {
+    throw std::invalid_argument(
+        std::string(kWho) + ": " + std::to_string(figures.ints.size()) + " integer and " +
+        std::to_string(figures.reals.size()) + " real figures for a chain and context that have " +
+        std::to_string(mine.ints.size()) + " and " + std::to_string(mine.reals.size()) +
+        " (the processes' chains differ in stages, policies or stage_grads_bytes)");
+  }
+  Chain c = chain;
+  StepContext x = context;
+  Write w{figures};
+  visit(c, x, w);
+  for (Stage& s : c.stages) {
+    lower_to_kept(s.offload, s.saved_bytes, s.output_bytes);
+    lower_to_kept(s.checkpoint_offload, s.output_bytes, s.output_bytes);
+    if (s.keep_saved_bytes)
+      lower_to_kept(s.keep_offload, *s.keep_saved_bytes, s.output_bytes);
+    else
+      s.keep_offload.reset();  // no Fk on some process: no Fk@host either
+    for (PolicyCost& p : s.policies)
+      lower_to_kept(p.offload, p.saved_bytes, s.output_bytes);
+  }
+  validate(c);
+  validate(x, c);
+  chain = std::move(c);
+  context = std::move(x);
+}
+
+}  // namespace remat

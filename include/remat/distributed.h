@@ -98,9 +98,9 @@ class ProcessGroup {
 /// ranks do not arrive in time.
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 
-/// For remat::PlannedOptions::agree (remat/planned.h): all-reduces the numbers a plan is made from to their
-/// maximum over `group`, so that remat::Planned makes the same plan on every rank, one that fits every
-/// rank's measured memory:
+/// For remat::PlannedOptions::agree (remat/planned.h): all-reduces the numbers a plan is made from
+/// (remat::plan_figures, remat/step.h) to their maximum over `group`, so that remat::Planned makes the same
+/// plan on every rank, one that fits every rank's measured memory and its slowest measured link:
 ///
 ///   remat::PlannedOptions().budget(b).agree(remat::distributed::same_plan_on_every_rank(group))
 ///

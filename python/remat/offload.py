@@ -18,8 +18,9 @@ next, in the reverse of the forward's order), so that its copy has overlapped th
 tensor is never read before its copy has landed (the copy engine's event is waited on first). The device copy
 is held until autograd drops the saved tensor; then its host block goes back to the pool (after the backward
 pass, or with the graph). A saved tensor still alive on the device when it is needed back (another holder kept
-it there, such as the layer before, whose output it is) and not written since is handed out as it is: no
-second copy on the device. What stays on the device is held detached (no reference cycle: it is freed with its
+it there, such as the layer before, whose output it is, or a tensor autograd saved outside the context) and not
+written since (its version counter, which the entry shares through a tensor without storage) is handed out as
+it is: no second copy on the device. What stays on the device is held detached (no reference cycle: it is freed with its
 graph) and checked when handed back: written in place since it was saved, it raises autograd's own error
 (remat/saved.py), which autograd does not raise behind hooks. Conjugate and negative views stay, with their bits.
 Contexts end in the reverse order of their start; one that does not is refused.
@@ -251,7 +252,7 @@ class _Entry:
 
     __slots__ = ("block", "nbytes", "offset", "ptr", "device", "storage", "to_host_done", "source", "originals",
                  "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "aliased",
-                 "alias_of", "pinned", "__weakref__")
+                 "alias_of", "pinned", "counter", "__weakref__")
 
     def __init__(self):
         self.block = None
@@ -268,6 +269,7 @@ class _Entry:
         self.aliased = False  # device_copy is the storage itself, found alive on the device
         self.alias_of = None  # then: the tensor it was found through (its version counter shows later writes)
         self.pinned = None  # a saved tensor autograd keeps on the device that holds this storage too
+        self.counter = None  # a tensor without storage that shares the saved tensor's version counter
 
     def away(self) -> bool:
         """Whether its bytes are to be brought back or found (not yet dropped by autograd)."""
@@ -291,6 +293,29 @@ class _Handle(SavedAs):
             self.owner._drop(self.entry)
         except Exception:  # interpreter shutdown
             pass
+
+
+def _version_holder(t: torch.Tensor) -> torch.Tensor:
+    """A tensor with no storage that shares t's version counter: t's later in-place writes, through any tensor
+    that shares the counter (its views, the tensors autograd saved of it), show in its _version, and it keeps
+    none of t's bytes alive."""
+    v = t.detach()
+    with torch.autograd._unsafe_preserve_version_counter(v):
+        v.set_()
+    return v
+
+
+def _revived(entry: "_Entry"):
+    """The entry's storage, still alive on the device through a holder remat cannot see (a tensor autograd saved
+    outside every Offload), as a tensor that shares the saved tensor's version counter; None when it is not
+    alive or was written since the save."""
+    if entry.counter is None or entry.counter._version != entry.version or entry.storage.expired():
+        return None
+    storage = torch.UntypedStorage._new_with_weak_ptr(entry.storage.cdata)
+    r = entry.counter.detach().view(torch.uint8)
+    with torch.autograd._unsafe_preserve_version_counter(r):
+        r.set_(storage, 0, (storage.nbytes(),), (1,))
+    return r
 
 
 def _bytes_of(t: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
@@ -399,6 +424,7 @@ class Offload:
             entry.storage = StorageWeakRef(storage)
             entry.source = t.detach().reshape(-1).view(torch.uint8)  # contiguous: its bytes, in order
             entry.version = t._version
+            entry.counter = _version_holder(t)
             entry.to_host_done = self._engine(t.device).copy(block[: t.nbytes], entry.source)
             if entry.to_host_done is None:
                 entry.source = None  # copied already: the device tensor is autograd's no more
@@ -464,20 +490,20 @@ class Offload:
             if (c is not None and c.device == entry.device and c._version == entry.version
                     and c.untyped_storage().data_ptr() == entry.ptr):
                 return c
-        return None
+        return _revived(entry)
 
     def _start_to_device(self, entry: _Entry, may_alias: bool = True, saved_as: SavedAs | None = None) -> None:
         """Starts bringing the entry's bytes back (or finds them on the device). `saved_as`: the tensor being
         unpacked, named in the error raised when its bytes were kept on the device and written there since."""
         if entry.device_copy is not None:
             return
+        self._to_host_landed(entry)  # remat's own hold on the bytes ends: whatever holds them now is another's
         if entry.storage is not None and not entry.storage.expired() and may_alias:
-            # Still alive on the device (another holder kept it there: the layer before, whose output it is, or a
-            # saved tensor autograd keeps as itself) and not written since: those bytes themselves; a copy back
-            # would be a second one.
+            # Still alive on the device (another holder kept it there: the layer before, whose output it is, a
+            # saved tensor autograd keeps as itself, or one autograd saved outside every Offload) and not written
+            # since: those bytes themselves; a copy back would be a second one.
             found = self._found(entry)
             if found is not None:
-                self._to_host_landed(entry)
                 entry.device_copy = _bytes_of(found, entry.offset, entry.nbytes)
                 entry.alias_of = found.detach()  # shares its version counter: a later write shows
                 entry.aliased = True

@@ -461,6 +461,49 @@ TEST(Offload, AStorageKeptOnTheDeviceByAViewFreedFirstStaysForItsOtherSave) {
   EXPECT_TRUE(torch::equal(step(true), plain));
 }
 
+TEST(Offload, BytesAutogradSavedOutsideEveryOffloadAreFoundOnTheDeviceNotBroughtBack) {
+  // An in-place ReLU before the scope saves its output (ReluBackward holds those bytes); the linear layer
+  // inside saves the same tensor as its input. Its bytes never leave the device: the backward pass finds them
+  // there (the storage's weak reference and the saved tensor's version counter) instead of a second copy
+  // beside them. Written in place after the save, the plain run's error. (The Python package's long property
+  // run found it there; this holds the C++ library to it.)
+  meter_on();
+  torch::manual_seed(0);
+  torch::nn::Linear lin(256, 256);
+  const torch::Tensor x = torch::randn({64, 256}, torch::requires_grad());
+  auto step = [&](bool offloaded, bool write, remat::OffloadStats* stats) -> std::string {
+    x.mutable_grad() = torch::Tensor();
+    lin->zero_grad();
+    torch::Tensor y;
+    {
+      torch::Tensor h = (x * 2).relu_();
+      std::optional<remat::Offload> o;
+      if (offloaded) o.emplace(remat::OffloadOptions().min_bytes(0));
+      y = lin(h);
+      if (o) o->close();
+      if (write) h.mul_(2);
+      try {
+        y.square().mean().backward();
+      } catch (const c10::Error& e) {
+        return e.what();
+      }
+      if (o && stats) *stats = o->stats();
+    }
+    return "";
+  };
+  EXPECT_EQ(step(false, false, nullptr), "");
+  const torch::Tensor plain = x.grad().clone();
+  remat::OffloadStats stats;
+  EXPECT_EQ(step(true, false, &stats), "");
+  EXPECT_TRUE(torch::equal(x.grad(), plain));
+  EXPECT_GE(stats.offloaded, 1);
+  EXPECT_GE(stats.found_on_device, 1);
+  EXPECT_EQ(stats.brought_back + stats.found_on_device, stats.offloaded);
+  EXPECT_EQ(stats.brought_back, 0);
+  EXPECT_NE(step(false, true, nullptr).find("modified by an inplace operation"), std::string::npos);
+  EXPECT_NE(step(true, true, nullptr).find("modified by an inplace operation"), std::string::npos);
+}
+
 TEST(Offload, ScopesEndInAnyOrder) {
   // A training loop that replaces its Offload each step opens the new one before the old one ends: that
   // aborted the process (an internal assert in a destructor). Each step's saves go to its own Offload, and

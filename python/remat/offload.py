@@ -238,13 +238,6 @@ class CopyEngine:
         self._pending = [e for e in self._pending if not e[2]]
 
 
-# Storage pointer -> a saved tensor some Offload left on the device (weakly: autograd holds it, detached): another
-# Offload's entry of that storage is found there through it (it shares the saved tensor's version counter), as
-# the C++ library finds a storage alive through its weak reference and version counter; the original tensor may
-# be gone, and a copy brought back beside it would be a second one on the device.
-_KEPT_ANYWHERE: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
-
-
 class _Entry:
     """One offloaded byte range of a storage (the bytes a saved tensor covers): its host block, the copies in
     flight, and the device bytes once brought back. Saved tensors of one storage covering the same bytes (the
@@ -307,11 +300,14 @@ def _version_holder(t: torch.Tensor) -> torch.Tensor:
 
 def _revived(entry: "_Entry"):
     """The entry's storage, still alive on the device through a holder remat cannot see (a tensor autograd saved
-    outside every Offload), as a tensor that shares the saved tensor's version counter; None when it is not
-    alive or was written since the save."""
+    outside every Offload, or one another Offload left on the device), as a tensor that shares the saved
+    tensor's version counter; None when it is not alive, was written since the save, or no longer holds the
+    entry's bytes where they were (a storage resized in place)."""
     if entry.counter is None or entry.counter._version != entry.version or entry.storage.expired():
         return None
     storage = torch.UntypedStorage._new_with_weak_ptr(entry.storage.cdata)
+    if storage.data_ptr() != entry.ptr or storage.nbytes() < entry.offset + entry.nbytes:
+        return None
     r = entry.counter.detach().view(torch.uint8)
     with torch.autograd._unsafe_preserve_version_counter(r):
         r.set_(storage, 0, (storage.nbytes(),), (1,))
@@ -380,7 +376,6 @@ class Offload:
         if ptr == 0:
             return saved
         self._kept[ptr] = weakref.ref(kept)
-        _KEPT_ANYWHERE[ptr] = kept
         for ref in self._at.get(ptr, ()):
             entry = ref()
             if (entry is not None and entry.pinned is None and entry.storage is not None
@@ -484,8 +479,7 @@ class Offload:
 
     def _found(self, entry: _Entry):
         """A tensor through which the entry's storage is still on the device, not written since its save."""
-        candidates = [r() for r in entry.originals] + [entry.pinned, self._kept_at(entry.ptr),
-                                                       _KEPT_ANYWHERE.get(entry.ptr)]
+        candidates = [r() for r in entry.originals] + [entry.pinned, self._kept_at(entry.ptr)]
         for c in candidates:
             if (c is not None and c.device == entry.device and c._version == entry.version
                     and c.untyped_storage().data_ptr() == entry.ptr):

@@ -22,7 +22,9 @@ from ._core import (STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, Of
 from .executor import CheckpointedSequential, run_plan
 from .inplace import LayerPlan, enable
 from .meter import MeterUnavailable, cpu_meter, meter_for
-from .policies import MATMUL_OPS, POLICIES, POLICY_OFFLOAD, RestoreBuffers, checkpoint_context, choices_of, matmuls, run_layer
+from .policies import (MATMUL_OPS, POLICIES, POLICY_OFFLOAD, RestoreBuffers, checkpoint, checkpoint_context, choices_of,
+                       matmuls, run_layer)
+from .selective import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
 from .profile import Restore, StageFn, profile, stages, stages_of
 from .verdict import Placement, explain_placement, memory_verdict
 
@@ -30,8 +32,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedSequential", "Chain", "InfeasibleBudget", "LayerPlan", "MATMUL_OPS", "MemoryBreakdown",
-    "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers",
-    "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "checkpoint_all",
+    "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers",
+    "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "checkpoint",
+    "checkpoint_all",
     "checkpoint_context", "checkpoint_stages", "choices_of", "cpu_meter", "enable", "explain_placement",
     "format_bytes", "load_chain", "make_plan", "matmuls", "memory_breakdown", "memory_verdict", "meter_for",
     "min_feasible_budget", "min_step_budget", "no_checkpoint", "optimal", "parse_size", "per_call_time_ms",

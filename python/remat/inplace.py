@@ -918,7 +918,7 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     offload=True: the planner may also offload a layer (its choice "keep@host", "checkpoint@host" or a policy's,
     "matmuls@host": what it saves, a checkpointed layer's input, or a policy's kept tensors and its input,
     copied to host memory while the next layer runs and brought back while the backward pass runs the layer
-    after it; saved tensors of at least offload_min_bytes; a policy's only where remat.POLICY_OFFLOAD), where that
+    after it; saved tensors of at least offload_min_bytes), where that
     is the fastest way to fit the budget; the profiling step also measures what each layer would offload and the
     copies' bandwidth each way. max_host_bytes (bytes, or a size string) bounds the host memory a plan holds
     (LayerPlan.predicted_host_bytes; the pool's own counts in LayerPlan.host_pool)."""

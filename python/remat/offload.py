@@ -574,6 +574,14 @@ class Offload:
             if entry is not None and entry.away():
                 self._start_to_device(entry)
 
+    def bring_back(self, handles) -> None:
+        """Starts bringing back the bytes of `handles` (what pack() returned) that are on the host, in their
+        order; each is waited for where it is unpacked. remat's selective checkpointing calls it as a region's
+        recompute begins, for the outputs its policy sent to the host."""
+        for h in handles:
+            if isinstance(h, _Handle) and h.entry.away():
+                self._start_to_device(h.entry)
+
     # -- the context ----------------------------------------------------------------------------------------
     def __enter__(self):
         if self._hooks is not None:

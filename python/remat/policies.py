@@ -1,7 +1,8 @@
 """Running one layer as a plan says: kept whole, checkpointed, or checkpointed under a selective policy.
 
-All three use PyTorch's own mechanisms: ``torch.utils.checkpoint.checkpoint`` (non-reentrant, RNG state
-preserved, so dropout masks are replayed) and ``create_selective_checkpoint_contexts`` for a policy. A
+All three use ``torch.utils.checkpoint.checkpoint`` (non-reentrant, RNG state preserved, so dropout masks are
+replayed); a policy runs as remat's selective checkpointing (remat/selective.py: PyTorch's shape, with a third
+outcome, the host), as its ``context_fn``. A
 recompute must not update a module's state a second time (BatchNorm's running statistics: PyTorch's recompute
 alone updates them twice), so every recompute runs inside a context that puts the layer's buffers back as the
 forward pass left them.
@@ -9,15 +10,15 @@ forward pass left them.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from functools import partial
 from typing import Callable, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ._state import RestoreBuffers
 from .saved import version_checked
+from .selective import selective_contexts
 
 try:  # torch 2.4 and later
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -25,17 +26,18 @@ except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
     raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
 
 __all__ = ["KEEP", "CHECKPOINT", "HOST", "POLICY_OFFLOAD", "split_choice", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
-           "checkpoint_context", "run_layer"]
+           "checkpoint_context", "run_layer", "checkpoint", "checkpoint_region"]
 
 KEEP = "keep"
 CHECKPOINT = "checkpoint"
 # A choice offloaded (the plan's @host): "keep@host", "checkpoint@host", "matmuls@host".
 HOST = "@host"
 
-# Whether torch.utils.checkpoint can route what a selective policy keeps through the enclosing saved-tensor hooks
-# (its respect_saved_tensors_hooks argument; PyTorch 2.15 has it). Without it selective checkpointing holds those
-# tensors in a cache of its own that no hook sees, and a policy's kept tensors cannot be offloaded.
-POLICY_OFFLOAD = "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+# Whether a policy's kept tensors can be offloaded (the plan's Fk[name]@host). Always true since remat runs
+# selective checkpointing with its own dispatch modes (remat/selective.py), which send them through the layer's
+# Offload on any torch; before, only a torch.utils.checkpoint with respect_saved_tensors_hooks (PyTorch 2.15)
+# could. Kept, true, for the code that reads it.
+POLICY_OFFLOAD = True
 
 
 def split_choice(how: str) -> tuple[str, bool]:
@@ -83,15 +85,18 @@ def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callabl
                      f"presets ({', '.join(sorted(POLICIES))}){cpp_only}")
 
 
-def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None):
+def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None, offload=None,
+                       route_kept: bool = False):
     """A context_fn for torch.utils.checkpoint: the recompute restores the modules' buffers; with `policy`,
-    the forward and the recompute are also selective checkpointing's contexts for that policy."""
+    the forward and the recompute are also remat's selective checkpointing for that policy (remat/selective.py:
+    each call's output kept, sent to the host through `offload`, or recomputed; `route_kept`: what it keeps
+    goes to the host too)."""
 
     def context_fn():
         restore = RestoreBuffers(modules) if modules else contextlib.nullcontext()
         if policy is None:
             return contextlib.nullcontext(), restore
-        fwd, rec = create_selective_checkpoint_contexts(policy)
+        fwd, rec, _ = selective_contexts(policy, offload, route_kept)
         return fwd, _Both(restore, rec)
 
     return context_fn
@@ -123,33 +128,32 @@ def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn
     """Runs fn(*args) as `how` says: "keep" plainly, "checkpoint" under torch.utils.checkpoint, or a policy's
     name under torch.utils.checkpoint with that selective policy; any of them with "@host" inside `offload` (a
     remat.offload.Offload, whose hooks send what the layer saves to host memory: kept whole, what its
-    operators save; checkpointed, its input; under a policy, its input and what the policy keeps). Outside
-    training with grad, plainly. Raises ValueError for an offloaded choice without an Offload, and for a
-    policy's offloaded choice on a torch whose checkpoint cannot pass the policy's kept tensors to the hooks
-    (POLICY_OFFLOAD false)."""
+    operators save; checkpointed, its input; under a policy, its input and what the policy keeps). A policy
+    that answers MUST_CPU_OFFLOAD for some calls sends their outputs through `offload` whatever the choice
+    (remat/selective.py). Outside training with grad, plainly. Raises ValueError for an offloaded choice
+    without an Offload (and, from the forward pass, for a host answer without one)."""
     how, host = split_choice(how)
     if host and torch.is_grad_enabled():
         if offload is None:
             raise ValueError(f"remat: the choice '{how}{HOST}' offloads, and no remat.offload.Offload was given")
-        if how not in (KEEP, CHECKPOINT) and not POLICY_OFFLOAD:
-            raise ValueError(
-                f"remat: the choice '{how}{HOST}' offloads what policy '{how}' keeps, which this torch "
-                f"({torch.__version__}) cannot do: its torch.utils.checkpoint holds a policy's kept tensors "
-                "outside the saved-tensor hooks (it has no respect_saved_tensors_hooks); plan without "
-                "offloading policies' choices, or install a torch that has it")
         with offload:
-            return _run(how, fn, args, modules, policies, through_hooks=True)
-    return _run(how, fn, args, modules, policies)
+            return _run(how, fn, args, modules, policies, offload, route_kept=True)
+    return _run(how, fn, args, modules, policies, offload)
 
 
 def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],
-         policies: dict[str, Callable] | None, through_hooks: bool = False):
+         policies: dict[str, Callable] | None, offload=None, route_kept: bool = False):
     if how == KEEP or not torch.is_grad_enabled():
         return fn(*args)
     policy = None if how == CHECKPOINT else policy_fn(how, policies)
-    # Under a policy offloaded: what it keeps goes through the Offload's hooks (the checkpoint's input always
-    # does: torch.utils.checkpoint saves it outside its own hooks).
-    extra = {"respect_saved_tensors_hooks": True} if through_hooks and policy is not None else {}
+    return checkpoint_region(fn, args, modules, policy, offload, route_kept)
+
+
+def checkpoint_region(fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module] = (),
+                      policy: Callable | None = None, offload=None, route_kept: bool = False):
+    """fn(*args) under torch.utils.checkpoint (non-reentrant, RNG state preserved), the modules' buffers
+    restored for the recompute, under remat's selective checkpointing when `policy` is given (see
+    checkpoint_context)."""
     # Autocast's cache of cast weights off inside (torch.utils.checkpoint records it for the recompute): a
     # layer that does not keep its activations would otherwise hold its weights' low-precision copies until the
     # autocast region ends (each checkpointed layer's weights in bf16 above the prediction, measured). The
@@ -158,10 +162,25 @@ def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Modu
     torch.set_autocast_cache_enabled(False)
     try:
         # version_checked: a recompute that writes what it saved raises autograd's error (remat/saved.py).
-        return checkpoint(version_checked(fn), *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=checkpoint_context(modules, policy), **extra)
+        return _torch_checkpoint(version_checked(fn), *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=checkpoint_context(modules, policy, offload, route_kept))
     finally:
         torch.set_autocast_cache_enabled(cache)
+
+
+def checkpoint(fn: Callable, *args, policy: Callable | None = None, offload=None,
+               modules: Sequence[torch.nn.Module] = ()):
+    """fn(*args) checkpointed: nothing it saves is kept but its inputs, and the backward pass recomputes it
+    (torch.utils.checkpoint, non-reentrant, RNG state preserved, a recompute that writes what it saved refused
+    with autograd's error). With `policy` (a selective policy: CheckpointPolicy answers, remat.MUST_CPU_OFFLOAD
+    among them), each operator call's output is kept on the device, sent to host memory through `offload` (a
+    remat.offload.Offload), or recomputed (remat/selective.py). `modules`: whose buffers the recompute puts
+    back as the forward left them (BatchNorm's running statistics updated once). Outside grad mode, fn(*args).
+    Raises ValueError from the forward pass when the policy sends a call's output to the host and no offload
+    was given, TypeError for an answer that is none of those."""
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    return checkpoint_region(fn, args, modules, policy, offload)
 
 
 def choices_of(plan) -> list[str]:

@@ -32,6 +32,7 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
 from .offload import measure_bandwidth, offloadable
 from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
+from .selective import TO_HOST, outcome
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
 
@@ -185,7 +186,24 @@ def _policies(policies) -> dict[str, Callable]:
             raise ValueError(f"remat.profile: '{name}' cannot name a policy (letters, digits, '_', '-', '.')")
         if not callable(fn):
             raise TypeError(f"remat.profile: policy '{name}' is not callable")
-    return out
+    return {name: _NoHostAnswers(name, fn) for name, fn in out.items()}
+
+
+class _NoHostAnswers:
+    """A policy as the profiler runs it: a host answer (MUST_CPU_OFFLOAD) is refused, since the chain has no
+    figures for outputs a policy sends to the host itself (the planner does not choose per call yet)."""
+
+    def __init__(self, name: str, fn: Callable):
+        self.name, self.fn = name, fn
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        answer = self.fn(ctx, op, *args, **kwargs)
+        if outcome(answer, op, "remat.profile") == TO_HOST:
+            raise ValueError(f"remat.profile: policy '{self.name}' answered {answer} for {op}; a policy that sends "
+                             "calls' outputs to the host itself cannot be profiled or planned yet (run it with "
+                             "remat.checkpoint(..., policy=..., offload=...)); plans offload what a policy keeps "
+                             "with its '@host' choice")
+        return answer
 
 
 def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
@@ -202,8 +220,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     (remat.offload with that threshold): each stage's OffloadCost kept whole (Stage.offload) and checkpointed
     (Stage.checkpoint_offload, its input), and the chain's bandwidths, measured by copying the largest tensor a
     stage saves (at most 64 MiB) to host memory and back; under each policy, what offloading its kept tensors
-    and its input moves (PolicyCost.offload, Fk[NAME]@host), where torch's checkpoint can pass them to the
-    hooks (remat.policies.POLICY_OFFLOAD; otherwise unset: not offered).
+    and its input moves (PolicyCost.offload, Fk[NAME]@host; remat's selective checkpointing passes them on any
+    torch). A policy that answers MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
+    first such answer raises ValueError naming it.
 
     On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
     the bytes tensors request from the caching allocator; in peak windows either way, which reset no statistic
@@ -278,7 +297,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
 
     def contexts_of(i):
         mods = [stage_list[i].module] if stage_list[i].module is not None else []
-        return lambda policy: checkpoint_context(mods, policy)
+        return lambda policy, counter=None: checkpoint_context(mods, policy, counter, route_kept=counter is not None)
 
     contexts = [contexts_of(i) for i in range(n)]
 
@@ -382,19 +401,19 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     for i in reversed(range(n)):
                         leaf = leaf_of(i)
                         # Offloading profiled: what the policy keeps passes through counting hooks (the
-                        # checkpoint's input always does), as it passes through an Offload's.
+                        # checkpoint's input through them as hooks, what the policy keeps through remat's
+                        # selective checkpointing), as through an Offload.
                         counter = (_SavedStorages(alive | {_storage_key(leaf)}, offload_min_bytes, alive)
                                    if policy_offload else None)
                         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
                                  if counter else contextlib.nullcontext())
-                        extra = {"respect_saved_tensors_hooks": True} if counter else {}
                         sync()
                         base = meter.count()
                         t0 = time.perf_counter()
                         with hooks:
                             out = check_out(i, checkpoint(stage_list[i].fn, leaf, use_reentrant=False,
-                                                          preserve_rng_state=True, context_fn=contexts[i](fn),
-                                                          **extra))
+                                                          preserve_rng_state=True,
+                                                          context_fn=contexts[i](fn, counter)))
                         sync()
                         f = (time.perf_counter() - t0) * 1e3
                         if measure:

@@ -184,12 +184,10 @@ def test_planned_offload_on_cuda_is_the_plain_run_within_the_prediction():
 
 
 def test_a_policys_kept_tensors_offloaded_on_cuda_as_predicted():
-    # matmuls@host on CUDA: what selective checkpointing keeps passes through the Offload's hooks (side stream,
+    # matmuls@host on CUDA: what selective checkpointing keeps goes through the layer's Offload (remat/selective.py, on any torch) (side stream,
     # events, pinned blocks); a given plan mixing it with checkpoint@host gives the plain run's steps, the
     # pool's peak the simulated host bytes, the measured peak at most 10% above the prediction. (The CPU's
     # version: test_offload.py.)
-    if not remat.POLICY_OFFLOAD:
-        pytest.skip(f"torch {torch.__version__}'s checkpoint cannot pass a policy's kept tensors to hooks")
     model = mlp(depth=5, width=512)
     x = torch.randn(32, 256, 512, device=DEV)
     want = [step(model, x, 20 + k) for k in range(3)]

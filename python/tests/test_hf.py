@@ -248,11 +248,9 @@ def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):
     assert lp.host_pool.peak_bytes >= lp.predicted_host_bytes > 0
     stats = lp.offload_stats
     assert stats["brought_back"] + stats["found_on_device"] == stats["offloaded"] > 0
-    if not remat.POLICY_OFFLOAD:
-        return
     # Keeping only the matmuls costs nothing, keeping everything or checkpointing costs time: at the budget of
-    # the layers' matmuls kept on the host, the planner keeps them there (selective checkpointing's kept
-    # tensors through the Offload's hooks), bitwise.
+    # the layers' matmuls kept on the host, the planner keeps them there (remat's selective checkpointing
+    # sends its kept tensors through the layer's Offload), bitwise.
     for st in chain.stages:
         st.fwd_ms = st.bwd_ms = 1.0
         st.checkpoint_fwd_ms = st.checkpoint_bwd_ms = 1e3

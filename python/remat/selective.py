@@ -1,0 +1,221 @@
+"""Selective checkpointing with three outcomes for each operator call: its output kept on the device, sent to
+host memory, or recomputed.
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in remat.MATMUL_OPS:
+            return remat.MUST_CPU_OFFLOAD      # to the host as the forward makes it, back for the recompute
+        if op is torch.ops.aten.native_layer_norm.default:
+            return CheckpointPolicy.MUST_SAVE  # kept on the device
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    with remat.offload.offload(model) as o:      # the host pool, the copy engine, what stays (parameters)
+        y = remat.checkpoint(block, x, policy=policy, offload=o)
+
+A policy answers as ``torch.utils.checkpoint``'s selective policies do (``CheckpointPolicy``, or a bool: True
+is MUST_SAVE), with PyTorch's words for the third outcome: ``MUST_CPU_OFFLOAD`` or ``PREFER_CPU_OFFLOAD``.
+PyTorch 2.15 has those two words but its eager checkpoint recomputes what they name; 2.11 lacks them:
+``remat.MUST_CPU_OFFLOAD`` and ``remat.PREFER_CPU_OFFLOAD`` are torch's where it has them, remat's own where it
+does not, and either is accepted.
+
+The mechanism is remat's own pair of dispatch modes for ``torch.utils.checkpoint``'s ``context_fn`` (the shape of
+PyTorch's selective checkpointing, on any torch from 2.4): in the forward pass each call's output is kept
+(detached, its version recorded), packed by a ``remat.offload.Offload`` (which starts its copy to the host
+at once, and releases the device bytes when the copy has landed: never while it reads them), or forgotten; in
+the recompute, a kept output is handed back (autograd's error if written in place since), one sent to the host
+comes back through the Offload (every one of the region's is started when the recompute begins, each waited for
+before it is read), and the rest is recomputed from them. What an Offload decides itself applies to what it
+packs: below its ``min_bytes``, a parameter, a view with gaps or a storage another saved tensor keeps on the
+device stays on the device (its ``kept_on_device`` and the pool's bound count those it refuses).
+
+Outputs that alias an input (views, in-place operators) hold no bytes of their own: a host answer for one
+recomputes it (its bytes are its base's, whose own answer decides where they are). Operators with an ordered
+effect that torch says it can cache are kept whatever the answer, as PyTorch's eager selective checkpointing
+does. ``route_kept``: every kept output goes to the host too (what the plan's ``Fk[name]@host`` asks: all the
+policy keeps, offloaded).
+"""
+from __future__ import annotations
+
+import enum
+import inspect
+from collections import defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+import torch.utils.checkpoint as _ckpt
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .saved import Kept, SavedAs
+
+__all__ = ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "KEEP", "TO_HOST", "RECOMPUTE", "outcome", "SelectiveCache",
+           "selective_contexts"]
+
+
+class _HostWord(enum.Enum):
+    """The host words for a torch whose CheckpointPolicy lacks them (before 2.15)."""
+    MUST_CPU_OFFLOAD = 4
+    PREFER_CPU_OFFLOAD = 5
+
+
+MUST_CPU_OFFLOAD = getattr(CheckpointPolicy, "MUST_CPU_OFFLOAD", _HostWord.MUST_CPU_OFFLOAD)
+PREFER_CPU_OFFLOAD = getattr(CheckpointPolicy, "PREFER_CPU_OFFLOAD", _HostWord.PREFER_CPU_OFFLOAD)
+
+# The three outcomes.
+KEEP, TO_HOST, RECOMPUTE = "keep", "host", "recompute"
+
+_OUTCOMES = {CheckpointPolicy.MUST_SAVE: KEEP, CheckpointPolicy.PREFER_SAVE: KEEP,
+             CheckpointPolicy.MUST_RECOMPUTE: RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE: RECOMPUTE,
+             MUST_CPU_OFFLOAD: TO_HOST, PREFER_CPU_OFFLOAD: TO_HOST,
+             _HostWord.MUST_CPU_OFFLOAD: TO_HOST, _HostWord.PREFER_CPU_OFFLOAD: TO_HOST}
+
+# Operators PyTorch's selective checkpointing passes through uncounted (a recompute runs a different number of
+# them: detach; metadata operators of subclasses).
+_IGNORED = getattr(_ckpt, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+_CACHEABLE_EFFECT = getattr(_ckpt, "_is_cacheable_effect", None)
+_HAS_OP_OUTPUT = "op_output" in inspect.signature(_ckpt.SelectiveCheckpointContext.__init__).parameters
+
+
+def outcome(answer, op, who: str = "remat") -> str:
+    """KEEP, TO_HOST or RECOMPUTE for a policy's answer for `op`. Raises TypeError naming the operator and the
+    answer for anything else."""
+    if isinstance(answer, bool):
+        return KEEP if answer else RECOMPUTE
+    try:
+        return _OUTCOMES[answer]
+    except (KeyError, TypeError):
+        raise TypeError(f"{who}: a selective policy answered {answer!r} for {op}; the answers are "
+                        "CheckpointPolicy's (MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE), "
+                        "remat.MUST_CPU_OFFLOAD, remat.PREFER_CPU_OFFLOAD, or a bool") from None
+
+
+def _detached(x):
+    # As PyTorch's selective checkpointing detaches what it caches: a view's version counter stays its base's,
+    # and the cache holds no graph.
+    if not isinstance(x, torch.Tensor):
+        return x
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return x.detach()
+
+
+def _aliases(op) -> bool:
+    """Whether an output of `op` may alias an input (a view, an in-place or out= operator)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+_CONSUMED = object()
+
+
+class SelectiveCache:
+    """One checkpointed region's cache: per operator, per call, what its forward left (a Kept, the Offload's
+    handles, or None to recompute); and the counts: calls kept, sent to the host (``to_host``, packed by the
+    Offload: it may still keep some on the device), and recomputed."""
+
+    def __init__(self, policy, offload=None, route_kept: bool = False, who: str = "remat"):
+        self.policy, self.offload, self.route_kept, self.who = policy, offload, route_kept, who
+        self.entries: dict = defaultdict(dict)
+        self.handles: list = []  # the Offload's handles, in the forward's order
+        self.kept = self.to_host = self.recomputed = 0
+
+    def _store(self, op, args, kwargs, out):
+        ctx = (_ckpt.SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OP_OUTPUT
+               else _ckpt.SelectiveCheckpointContext(is_recompute=False))
+        answer = self.policy(ctx, op, *args, **kwargs)
+        how = outcome(answer, op, self.who)
+        if (how == RECOMPUTE and answer is not CheckpointPolicy.MUST_RECOMPUTE and _CACHEABLE_EFFECT is not None
+                and _CACHEABLE_EFFECT(op)):
+            how = KEEP  # as PyTorch: an ordered effect is cached, not replayed, unless told MUST_RECOMPUTE
+        if how == KEEP and self.route_kept:
+            how = TO_HOST
+        if how == TO_HOST and _aliases(op):
+            how = RECOMPUTE  # no bytes of its own
+        if how == RECOMPUTE:
+            self.recomputed += 1
+            return None
+        if how == KEEP:
+            self.kept += 1
+            return tree_map(lambda x: Kept(x, _detached(x)) if isinstance(x, torch.Tensor) else x, out)
+        if self.offload is None:
+            raise ValueError(f"{self.who}: a selective policy answered {how!r} (MUST_CPU_OFFLOAD or "
+                             f"PREFER_CPU_OFFLOAD) for {op}, and the checkpoint was given no "
+                             "remat.offload.Offload to send it with")
+        self.to_host += 1
+
+        def pack(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            h = self.offload.pack(_detached(x))
+            self.handles.append(h)
+            return h
+
+        return tree_map(pack, out)
+
+    def _load(self, stored):
+        def get(x):
+            if isinstance(x, Kept):
+                return x.check(x.tensor, f"{self.who} (selective checkpointing's cache)")
+            if isinstance(x, SavedAs):
+                return self.offload.unpack(x)  # what the Offload packed: brought back, or its own Kept
+            return x
+
+        return tree_map(get, stored)
+
+
+class _Forward(TorchDispatchMode):
+    def __init__(self, cache: SelectiveCache):
+        super().__init__()
+        self.cache = cache
+        self.counter: dict = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        idx = self.counter[func]
+        self.counter[func] += 1
+        self.cache.entries[func][idx] = self.cache._store(func, args, kwargs, out)
+        return out
+
+
+class _Recompute(TorchDispatchMode):
+    def __init__(self, cache: SelectiveCache):
+        super().__init__()
+        self.cache = cache
+        self.counter: dict = defaultdict(int)
+
+    def __enter__(self):
+        self.counter.clear()
+        bring_back = getattr(self.cache.offload, "bring_back", None)
+        if bring_back is not None and self.cache.handles:
+            bring_back(self.cache.handles)  # every copy started; each waited for where it is read
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in _IGNORED:
+            return func(*args, **kwargs)
+        idx = self.counter[func]
+        self.counter[func] += 1
+        calls = self.cache.entries.get(func)
+        if calls is None or idx not in calls:
+            raise RuntimeError(f"{self.cache.who}: the recompute called {func} (call {idx}), which the forward "
+                               "pass did not; the checkpointed function must run the same operators each time "
+                               "(it may depend on state that changed between the forward and the backward)")
+        stored = calls[idx]
+        if stored is _CONSUMED:
+            raise RuntimeError(f"{self.cache.who}: a region under selective checkpointing was recomputed a second "
+                               "time (a backward through it again, retain_graph); what it kept was handed out once")
+        if stored is None:
+            return func(*args, **kwargs)
+        calls[idx] = _CONSUMED
+        return self.cache._load(stored)
+
+
+def selective_contexts(policy, offload=None, route_kept: bool = False, who: str = "remat"):
+    """The (forward, recompute) context pair for torch.utils.checkpoint's context_fn, and their cache (its
+    counts). `policy(ctx, op, *args, **kwargs)` answers for each operator call (see the module); `offload`, a
+    remat.offload.Offload (or any object with its pack and unpack: the profiler passes counting hooks), sends
+    the host answers' outputs (a host answer without one raises ValueError naming
+    the operator); `route_kept`: the kept outputs go through it too."""
+    cache = SelectiveCache(policy, offload, route_kept, who)
+    return _Forward(cache), _Recompute(cache), cache

@@ -1,0 +1,111 @@
+"""Selective checkpointing with three outcomes per operator call (remat/selective.py): kept on the device, sent
+to the host, recomputed. The CPU is the device; the host pool is memory remat's CPU meter does not count."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+import remat
+from remat.offload import CopyEngine, HostPool, Offload
+from remat.selective import _HostWord
+
+LN = torch.ops.aten.native_layer_norm.default
+
+
+def block():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 64), nn.LayerNorm(64))
+
+
+def policy_with(host_word):
+    def policy(ctx, op, *args, **kwargs):
+        if op in remat.MATMUL_OPS:
+            return host_word
+        if op is LN:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+def keep_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in remat.MATMUL_OPS or op is LN else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def step(model, x, call=None, then=None):
+    """One forward and backward (dropout on, its seed fixed): the gradients, and the device bytes held between
+    the forward and the backward (after then(), when given: the bytes held before it, too)."""
+    meter = remat.cpu_meter()
+    for p in model.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_(True)
+    torch.manual_seed(1)
+    base = meter.count()
+    y = model(x) if call is None else call(model, x)
+    held = meter.count() - base
+    if then is not None:
+        then()
+        held = (held, meter.count() - base)
+    y.sin().sum().backward()
+    return [x.grad] + [p.grad for p in model.parameters()], held
+
+
+@pytest.mark.parametrize("word", [remat.MUST_CPU_OFFLOAD, remat.PREFER_CPU_OFFLOAD, _HostWord.MUST_CPU_OFFLOAD],
+                         ids=["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "remat's own word"])
+def test_each_call_kept_sent_to_the_host_or_recomputed_gives_the_plain_gradients(word):
+    model, x = block(), torch.randn(32, 64)
+    plain, _ = step(model, x)
+    # The same policy keeping the products on the device: the bytes the host answers free.
+    _, kept_held = step(model, x, lambda m, t: remat.checkpoint(m, t, policy=keep_matmuls))
+    pool = HostPool()
+    # A delayed copy engine: a copy lands only when waited for (or two later copies on), so that a tensor read
+    # before its copy landed, either way, gives a wrong gradient.
+    o = Offload(pool=pool, min_bytes=0, engine=CopyEngine(torch.device("cpu"), delay=2))
+    o.keep_on_device(list(model.parameters()))
+    got, (before, held) = step(model, x, lambda m, t: remat.checkpoint(m, t, policy=policy_with(word), offload=o),
+                               o.finish_copies)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    products = 32 * 256 * 4 + 32 * 64 * 4  # the two linears' outputs (addmm)
+    assert o.offloaded == 2 and o.offloaded_bytes == products == pool.peak_bytes
+    # Each landed before it was read, each came back once, started as the recompute began; none is left.
+    assert o.brought_back == 2 and o.prefetched == 2 and pool.in_use_bytes == 0
+    # On the device between the forward and the backward: while their copies are in flight, what keeping them
+    # held (a device tensor is never freed while its copy reads it); once landed, that less their bytes.
+    assert before == kept_held and held == kept_held - products, (before, held, kept_held)
+
+
+def test_a_host_answer_needs_an_offload_and_an_answer_must_be_one_of_the_words():
+    model, x = block(), torch.randn(8, 64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"answered 'host'.*aten\.addmm.*no remat\.offload\.Offload"):
+        remat.checkpoint(model, x, policy=policy_with(remat.MUST_CPU_OFFLOAD))
+    with pytest.raises(TypeError, match=r"answered 'save' for aten\.addmm"):
+        remat.checkpoint(model, x, policy=lambda ctx, op, *a, **k: "save" if op in remat.MATMUL_OPS else False)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_second_backward_through_the_region_is_refused_and_a_write_to_a_kept_output_is_autograds_error():
+    model, x = block(), torch.randn(8, 64, requires_grad=True)
+    o = Offload(min_bytes=0).keep_on_device(list(model.parameters()))
+    y = remat.checkpoint(model, x, policy=policy_with(remat.MUST_CPU_OFFLOAD), offload=o)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="recomputed a second time"):
+        y.sum().backward()
+
+    def writes(t):
+        h = torch.sigmoid(t)
+        out = h * 2
+        h.mul_(3)  # writes what the policy kept (sigmoid's output), after its use
+        return out
+
+    policy = lambda ctx, op, *a, **k: op is torch.ops.aten.sigmoid.default  # noqa: E731
+    y = remat.checkpoint(writes, x, policy=policy)
+    with pytest.raises(RuntimeError, match="is at version 1; expected version 0"):
+        y.sum().backward()
+
+
+def test_a_policy_that_answers_host_is_not_profiled_for_a_plan_yet():
+    # The chain has no figures for what a policy sends to the host itself: profiling one is refused by name
+    # (not profiled as if it kept or recomputed those calls).
+    model, x = block(), torch.randn(8, 64)
+    with pytest.raises(ValueError, match=r"policy 'half' answered .*CPU_OFFLOAD for aten\.addmm"):
+        remat.profile(remat.stages_of(model), x, policies={"half": policy_with(remat.MUST_CPU_OFFLOAD)},
+                      offload_min_bytes=0)

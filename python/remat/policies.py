@@ -58,8 +58,10 @@ MATMUL_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
 
 
 def matmuls(ctx, op, *args, **kwargs):
-    """The selective policy "matmuls": save what the matrix multiplications produce, recompute the rest."""
-    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """The selective policy "matmuls": save what the matrix multiplications produce, recompute the rest. Its
+    answer is a bool, as the C++ preset's: True is MUST_SAVE to torch.compile (as before), and to remat's eager
+    selective checkpointing a keep an enclosing Offload may take to the host (the plan's Fk[matmuls]@host)."""
+    return op in MATMUL_OPS
 
 
 # Policies by the name a chain and a plan give them (Fk[matmuls]); the C++ library's preset of that name keeps
@@ -86,11 +88,11 @@ def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callabl
 
 
 def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None, offload=None,
-                       route_kept: bool = False):
+                       route_kept: bool | None = None):
     """A context_fn for torch.utils.checkpoint: the recompute restores the modules' buffers; with `policy`,
     the forward and the recompute are also remat's selective checkpointing for that policy (remat/selective.py:
     each call's output kept, sent to the host through `offload`, or recomputed; `route_kept`: what it keeps
-    goes to the host too)."""
+    (but MUST_SAVE) goes to the host too; None: when the checkpoint is inside an Offload's context)."""
 
     def context_fn():
         restore = RestoreBuffers(modules) if modules else contextlib.nullcontext()
@@ -136,13 +138,13 @@ def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn
     if host and torch.is_grad_enabled():
         if offload is None:
             raise ValueError(f"remat: the choice '{how}{HOST}' offloads, and no remat.offload.Offload was given")
-        with offload:
-            return _run(how, fn, args, modules, policies, offload, route_kept=True)
+        with offload:  # what the policy keeps goes with it (remat/selective.py)
+            return _run(how, fn, args, modules, policies, offload)
     return _run(how, fn, args, modules, policies, offload)
 
 
 def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],
-         policies: dict[str, Callable] | None, offload=None, route_kept: bool = False):
+         policies: dict[str, Callable] | None, offload=None, route_kept: bool | None = None):
     if how == KEEP or not torch.is_grad_enabled():
         return fn(*args)
     policy = None if how == CHECKPOINT else policy_fn(how, policies)
@@ -150,7 +152,7 @@ def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Modu
 
 
 def checkpoint_region(fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module] = (),
-                      policy: Callable | None = None, offload=None, route_kept: bool = False):
+                      policy: Callable | None = None, offload=None, route_kept: bool | None = None):
     """fn(*args) under torch.utils.checkpoint (non-reentrant, RNG state preserved), the modules' buffers
     restored for the recompute, under remat's selective checkpointing when `policy` is given (see
     checkpoint_context)."""

@@ -26,11 +26,23 @@ before it is read), and the rest is recomputed from them. What an Offload decide
 packs: below its ``min_bytes``, a parameter, a view with gaps or a storage another saved tensor keeps on the
 device stays on the device (its ``kept_on_device`` and the pool's bound count those it refuses).
 
+Where an output goes, by the answer:
+
+- ``MUST_SAVE``: kept on the device, always.
+- ``PREFER_SAVE`` or True: kept on the device; but a region checkpointed inside an Offload's context (the
+  plan's ``Fk[name]@host``, which runs the layer so; or a user's ``with offload(...)``) sends it to the host
+  with everything else the region saves, as that Offload sends what autograd saves around it.
+- ``MUST_CPU_OFFLOAD``, ``PREFER_CPU_OFFLOAD``: to the host, through the Offload given to the checkpoint, or
+  else the enclosing one; with neither, ValueError naming the operator.
+- ``MUST_RECOMPUTE``, ``PREFER_RECOMPUTE`` or False: recomputed.
+
+The C++ library's operator policies answer the same words with the same meaning (remat/policy.h's
+remat::CheckpointPolicy; there the enclosing Offload is the remat::Offload scope open around the checkpoint).
+
 Outputs that alias an input (views, in-place operators) hold no bytes of their own: a host answer for one
 recomputes it (its bytes are its base's, whose own answer decides where they are). Operators with an ordered
 effect that torch says it can cache are kept whatever the answer, as PyTorch's eager selective checkpointing
-does. ``route_kept``: every kept output goes to the host too (what the plan's ``Fk[name]@host`` asks: all the
-policy keeps, offloaded).
+does.
 """
 from __future__ import annotations
 
@@ -105,12 +117,27 @@ def _aliases(op) -> bool:
 _CONSUMED = object()
 
 
+def _enclosing_offload():
+    """The remat.offload.Offload whose context is the innermost saved-tensor hooks here, or None."""
+    from .offload import Offload
+    from .saved import top_hooks
+
+    top = top_hooks()
+    owner = getattr(top[0], "__self__", None) if top is not None else None
+    return owner if isinstance(owner, Offload) else None
+
+
 class SelectiveCache:
     """One checkpointed region's cache: per operator, per call, what its forward left (a Kept, the Offload's
     handles, or None to recompute); and the counts: calls kept, sent to the host (``to_host``, packed by the
     Offload: it may still keep some on the device), and recomputed."""
 
-    def __init__(self, policy, offload=None, route_kept: bool = False, who: str = "remat"):
+    def __init__(self, policy, offload=None, route_kept: bool | None = None, who: str = "remat"):
+        if route_kept is None:
+            enclosing = _enclosing_offload()
+            route_kept = enclosing is not None
+            if offload is None:
+                offload = enclosing
         self.policy, self.offload, self.route_kept, self.who = policy, offload, route_kept, who
         self.entries: dict = defaultdict(dict)
         self.handles: list = []  # the Offload's handles, in the forward's order
@@ -124,7 +151,7 @@ class SelectiveCache:
         if (how == RECOMPUTE and answer is not CheckpointPolicy.MUST_RECOMPUTE and _CACHEABLE_EFFECT is not None
                 and _CACHEABLE_EFFECT(op)):
             how = KEEP  # as PyTorch: an ordered effect is cached, not replayed, unless told MUST_RECOMPUTE
-        if how == KEEP and self.route_kept:
+        if how == KEEP and self.route_kept and answer is not CheckpointPolicy.MUST_SAVE:
             how = TO_HOST
         if how == TO_HOST and _aliases(op):
             how = RECOMPUTE  # no bytes of its own
@@ -211,11 +238,13 @@ class _Recompute(TorchDispatchMode):
         return self.cache._load(stored)
 
 
-def selective_contexts(policy, offload=None, route_kept: bool = False, who: str = "remat"):
+def selective_contexts(policy, offload=None, route_kept: bool | None = None, who: str = "remat"):
     """The (forward, recompute) context pair for torch.utils.checkpoint's context_fn, and their cache (its
     counts). `policy(ctx, op, *args, **kwargs)` answers for each operator call (see the module); `offload`, a
     remat.offload.Offload (or any object with its pack and unpack: the profiler passes counting hooks), sends
-    the host answers' outputs (a host answer without one raises ValueError naming
-    the operator); `route_kept`: the kept outputs go through it too."""
+    the host answers' outputs (a host answer without one, nor an enclosing Offload, raises ValueError naming
+    the operator); `route_kept`: the PREFER_SAVE (or True) answers' outputs go through it too (None: when
+    called inside an Offload's context, which is then the offload where none is given). Call it where the
+    region begins (torch.utils.checkpoint calls its context_fn there)."""
     cache = SelectiveCache(policy, offload, route_kept, who)
     return _Forward(cache), _Recompute(cache), cache

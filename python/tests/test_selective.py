@@ -109,3 +109,29 @@ def test_a_policy_that_answers_host_is_not_profiled_for_a_plan_yet():
     with pytest.raises(ValueError, match=r"policy 'half' answered .*CPU_OFFLOAD for aten\.addmm"):
         remat.profile(remat.stages_of(model), x, policies={"half": policy_with(remat.MUST_CPU_OFFLOAD)},
                       offload_min_bytes=0)
+
+
+def test_inside_an_offloads_context_what_is_kept_goes_with_it_but_must_save():
+    # True (or PREFER_SAVE) keeps, and the enclosing Offload takes it to the host with the checkpoint's input
+    # (as it takes what autograd saves around it: the plan's Fk[name]@host); MUST_SAVE stays on the device;
+    # a host answer goes through the enclosing Offload when none is given.
+    model, x = block(), torch.randn(32, 64)
+    plain, _ = step(model, x)
+
+    def policy(ctx, op, *args, **kwargs):
+        if op is torch.ops.aten.addmm.default:
+            return args[1].shape[-1] == 64 or remat.MUST_CPU_OFFLOAD  # True for the first, host the second
+        return CheckpointPolicy.MUST_SAVE if op is LN else CheckpointPolicy.PREFER_RECOMPUTE
+
+    o = Offload(min_bytes=0).keep_on_device(list(model.parameters()))
+
+    def call(m, t):
+        with o:
+            return remat.checkpoint(m, t, policy=policy)
+
+    got, _ = step(model, x, call)
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    # The input and both products; not layer norm's outputs (32 x 64 floats, and its mean and rstd).
+    assert o.offloaded == 3 and o.offloaded_bytes == 32 * 64 * 4 + 32 * 256 * 4 + 32 * 64 * 4
+    # The input is found alive on the device (the caller holds it), the products come back.
+    assert o.kept_on_device == 0 and o.brought_back == 2 and o.found_on_device == 1

@@ -635,3 +635,79 @@ TEST(Offload, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
         << text;
   }
 }
+
+// Three outcomes per operator call (remat::CheckpointPolicy): each block checkpointed, its linear's output
+// answered `linear`, its GELU's kept on the device (kMustSave), its dropout recomputed.
+TEST(Offload, EachCallKeptSentToTheHostOrRecomputedGivesThePlainGradients) {
+  auto model = mlp();
+  const torch::Tensor x = input();
+  const Step plain = run(model, x);
+  auto policy_with = [](remat::CheckpointPolicy linear) {
+    return remat::Policy("three", [linear](const remat::OpCall& c) {
+      if (c.name == "aten::linear" || c.name == "aten::addmm")
+        return linear;  // addmm where linear is not seen
+      if (c.name == "aten::gelu") return remat::CheckpointPolicy::kMustSave;
+      return remat::CheckpointPolicy::kPreferRecompute;
+    });
+  };
+  auto step = [&](remat::CheckpointPolicy linear, bool offloading, int copy_delay = 0) {
+    const remat::Policy policy = policy_with(linear);
+    meter_on();
+    for (auto& p : model.parameters())
+      p.mutable_grad() = torch::zeros_like(p);
+    torch::manual_seed(7);
+    const int64_t base = remat::memory::active_bytes();
+    Step r;
+    torch::Tensor h = x;
+    {
+      std::optional<remat::Offload> scope;
+      if (offloading)
+        scope.emplace(remat::OffloadOptions()
+                          .min_bytes(kHidden)
+                          .copy_delay(copy_delay)
+                          .keep_on_device(model.parameters()));
+      for (auto& block : model.blocks)
+        h = remat::checkpoint([&](const torch::Tensor& in) { return block->forward(in); }, h,
+                              remat::CheckpointOptions().policy(policy));
+      if (scope) {
+        scope->finish_copies();
+        r.offloaded = scope->stats();
+      }
+    }
+    r.held = remat::memory::active_bytes() - base;
+    r.loss = h.square().mean();
+    r.loss.backward();
+    for (auto& p : model.parameters())
+      r.grads.push_back(p.grad().clone());
+    r.loss = r.loss.detach();
+    r.next_draw = torch::rand({3});
+    return r;
+  };
+  using P = remat::CheckpointPolicy;
+  const Step kept = step(P::kMustSave, false);
+  expect_same(plain, kept);
+  // Sent to the host through a copy engine that delays each copy until waited for (read early, or released
+  // before its copy: a wrong gradient, or an error): the plain run's step; the four linears' outputs and the
+  // blocks' inputs (the checkpoints save them through the Offload's hooks) leave, the GELUs' outputs stay.
+  for (int delay : {0, 2}) {
+    const Step host = step(P::kMustCpuOffload, true, delay);
+    expect_same(plain, host);
+    EXPECT_EQ(host.offloaded.offloaded, 8) << delay;
+    EXPECT_EQ(host.offloaded.offloaded_bytes, 8 * kHidden) << delay;
+    EXPECT_EQ(host.held, kept.held - 4 * kHidden - 3 * kHidden) << delay;  // the batch is the caller's
+  }
+  // Inside an Offload, kPreferSave (a bool policy's true) goes with it; kMustSave stays.
+  EXPECT_EQ(step(P::kPreferSave, true).offloaded.offloaded, 8);
+  const Step stays = step(P::kMustSave, true);
+  expect_same(plain, stays);
+  EXPECT_EQ(stays.offloaded.offloaded, 4);
+  EXPECT_EQ(stays.held, kept.held - 3 * kHidden);
+  // A host answer with no Offload open is refused by name; the gradients stay as they were.
+  for (auto& p : model.parameters())
+    p.mutable_grad() = torch::zeros_like(p);
+  EXPECT_THROW_WITH(remat::checkpoint([&](const torch::Tensor& in) { return model.blocks[0]->forward(in); },
+                                      x, remat::CheckpointOptions().policy(policy_with(P::kMustCpuOffload))),
+                    "policy 'three' answered MUST_CPU_OFFLOAD for aten::", ", and no remat::Offload is open");
+  for (auto& p : model.parameters())
+    EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+}

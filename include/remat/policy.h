@@ -50,10 +50,41 @@ struct OpCall {
   const std::vector<at::Tensor>& outputs;
 };
 
-/// A selective-checkpointing policy: true keeps the call's outputs, false recomputes the call. Every policy
-/// has a name, which chains and plans record (remat/chain.h, remat/plan.h) and the plan executor resolves
-/// (the presets' names always resolve). Copies share the decision function. The function must decide the
-/// same for the same call every time (the recompute relies on it), and is called on the thread that runs
+/// What a policy answers for a call, in PyTorch's words (torch.utils.checkpoint.CheckpointPolicy; the
+/// Python package accepts those and means the same by them):
+/// - kMustSave: the outputs are kept on the device, always.
+/// - kPreferSave (a bool policy's true): kept on the device; but inside a remat::Offload scope (the plan's
+///   `Fk[name]@host` runs the stage so) sent to the host with everything else the region saves.
+/// - kMustCpuOffload, kPreferCpuOffload: sent to the host by the remat::Offload scope open around the
+///   checkpoint (copied once the region's forward pass is done, brought back for the recompute); with no
+///   such scope open, the forward pass throws c10::Error naming the policy and the operator.
+/// - kMustRecompute, kPreferRecompute (a bool policy's false): recomputed.
+/// The MUST and PREFER forms differ only as said: the Offload does not take a kMustSave output.
+enum class CheckpointPolicy {
+  kMustSave,
+  kPreferSave,
+  kMustRecompute,
+  kPreferRecompute,
+  kMustCpuOffload,
+  kPreferCpuOffload
+};
+
+/// Whether the answer keeps the call's outputs from the forward pass (on the device or on the host).
+inline bool keeps(CheckpointPolicy p) {
+  return p != CheckpointPolicy::kMustRecompute && p != CheckpointPolicy::kPreferRecompute;
+}
+/// Whether the answer sends the call's outputs to the host.
+inline bool to_host(CheckpointPolicy p) {
+  return p == CheckpointPolicy::kMustCpuOffload || p == CheckpointPolicy::kPreferCpuOffload;
+}
+/// The answer's name as PyTorch spells it ("MUST_SAVE", "PREFER_CPU_OFFLOAD", ...).
+const char* to_string(CheckpointPolicy p);
+
+/// A selective-checkpointing policy: for each call, keep its outputs on the device, send them to the host, or
+/// recompute the call (CheckpointPolicy); a bool policy's true is kPreferSave, false kPreferRecompute. Every
+/// policy has a name, which chains and plans record (remat/chain.h, remat/plan.h) and the plan executor
+/// resolves (the presets' names always resolve). Copies share the decision function. The function must decide
+/// the same for the same call every time (the recompute relies on it), and is called on the thread that runs
 /// the region, with remat's dispatcher fallback paused (it may look at tensors freely).
 class Policy {
  public:
@@ -68,6 +99,8 @@ class Policy {
                [f = std::move(f)](const OpCall& call) mutable { return static_cast<bool>(f(call.name)); }) {}
   /// A policy that sees the call's inputs and outputs too.
   Policy(std::string name, std::function<bool(const OpCall&)> decide);
+  /// A policy with three outcomes (see CheckpointPolicy).
+  Policy(std::string name, std::function<CheckpointPolicy(const OpCall&)> decide);
 
   /// The same decisions under another name. Throws c10::Error naming remat::Policy when `name` is empty or
   /// holds characters other than letters, digits, '_', '-' and '.'.
@@ -76,12 +109,15 @@ class Policy {
   const std::string& name() const { return name_; }
   /// Whether this is no policy.
   bool empty() const { return !decide_; }
-  /// Asks the policy. Throws c10::Error naming remat::Policy when it is empty.
+  /// Asks the policy. Throws c10::Error naming remat::Policy when it is empty, or when the function answers
+  /// a value that is no CheckpointPolicy.
+  CheckpointPolicy decide(const OpCall& call) const;
+  /// Whether it keeps the call's outputs (on the device or the host): remat::keeps(decide(call)).
   bool keeps(const OpCall& call) const;
 
  private:
   std::string name_;
-  std::shared_ptr<std::function<bool(const OpCall&)>> decide_;
+  std::shared_ptr<std::function<CheckpointPolicy(const OpCall&)>> decide_;
 };
 
 /// The presets: policies that need no tagging of the model, right at the level their calls are asked in

@@ -135,7 +135,8 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     if (options.preserve_rng_state()) rng_.begin(cuda_devices_);
     if (!options.policy().empty())
       op_policy_ =
-          std::make_unique<OpPolicyRecord>(options.policy(), options.preserve_rng_state(), cuda_devices_);
+          std::make_unique<OpPolicyRecord>(options.policy(), options.preserve_rng_state(), cuda_devices_,
+                                           /*offloading=*/sink_ != nullptr);
   }
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {

@@ -154,7 +154,11 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
 
     WatchPause pause;
     const std::vector<at::Tensor> outputs = tensors_of(torch::jit::last(*stack, schema.returns().size()));
-    if (!r_.policy_.keeps(OpCall{call.name, call.overload, inputs, outputs})) return;
+    const CheckpointPolicy answer = r_.policy_.decide(OpCall{call.name, call.overload, inputs, outputs});
+    if (!keeps(answer)) return;
+    TORCH_CHECK(!to_host(answer) || r_.offloading_, "remat::checkpoint: policy '", r_.policy_.name(),
+                "' answered ", to_string(answer), " for ", call.name,
+                ", and no remat::Offload is open around the checkpoint to send its outputs to the host");
     // This call keeps the work of the calls inside it: they are not kept on their own, and what was released
     // inside it (a product written in place) needs no word.
     for (int64_t j = index + 1; j < call.end; ++j) {
@@ -172,6 +176,7 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
       if (const void* s = storage_key(o)) r_.kept_storages_[s] = call.kept;
     r_.kept_.push_back(std::move(kept));
     r_.kept_call_.push_back(index);
+    r_.must_stay_.push_back(answer == CheckpointPolicy::kMustSave);
   }
 
  private:
@@ -470,8 +475,12 @@ class OpPolicyRecord::Replay final : public OpInterceptor {
 
 // ------------------------------------------------------------------------------------------------------------
 
-OpPolicyRecord::OpPolicyRecord(Policy policy, bool preserve_rng, std::vector<c10::DeviceIndex> cuda_devices)
-    : policy_(std::move(policy)), preserve_rng_(preserve_rng), cuda_devices_(std::move(cuda_devices)) {}
+OpPolicyRecord::OpPolicyRecord(Policy policy, bool preserve_rng, std::vector<c10::DeviceIndex> cuda_devices,
+                               bool offloading)
+    : policy_(std::move(policy)),
+      preserve_rng_(preserve_rng),
+      cuda_devices_(std::move(cuda_devices)),
+      offloading_(offloading) {}
 
 OpPolicyRecord::~OpPolicyRecord() = default;
 
@@ -488,8 +497,8 @@ void OpPolicyRecord::forward_done(HookSource* sink) {
   forward_done_ = true;
   calls_.shrink_to_fit();
   if (sink == nullptr) return;
-  for (KeptCall& k : kept_)
-    send_away(k, *sink);
+  for (size_t k = 0; k < kept_.size(); ++k)
+    if (!must_stay_[k]) send_away(kept_[k], *sink);
   kept_storages_.clear();  // read by the forward pass only
 }
 

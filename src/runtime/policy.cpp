@@ -197,7 +197,37 @@ Policy::Policy(std::string name, std::function<bool(const OpCall&)> decide) : na
               "' must be non-empty and made of letters, digits, '_', '-' and '.'");
   TORCH_CHECK(static_cast<bool>(decide), "remat::Policy '", name_,
               "': the decision function is empty (a default-constructed std::function)");
-  decide_ = std::make_shared<std::function<bool(const OpCall&)>>(std::move(decide));
+  decide_ = std::make_shared<std::function<CheckpointPolicy(const OpCall&)>>(
+      [decide = std::move(decide)](const OpCall& call) {
+        return decide(call) ? CheckpointPolicy::kPreferSave : CheckpointPolicy::kPreferRecompute;
+      });
+}
+
+Policy::Policy(std::string name, std::function<CheckpointPolicy(const OpCall&)> decide)
+    : name_(std::move(name)) {
+  TORCH_CHECK(valid_policy_name(name_), "remat::Policy: the name '", name_,
+              "' must be non-empty and made of letters, digits, '_', '-' and '.'");
+  TORCH_CHECK(static_cast<bool>(decide), "remat::Policy '", name_,
+              "': the decision function is empty (a default-constructed std::function)");
+  decide_ = std::make_shared<std::function<CheckpointPolicy(const OpCall&)>>(std::move(decide));
+}
+
+const char* to_string(CheckpointPolicy p) {
+  switch (p) {
+    case CheckpointPolicy::kMustSave:
+      return "MUST_SAVE";
+    case CheckpointPolicy::kPreferSave:
+      return "PREFER_SAVE";
+    case CheckpointPolicy::kMustRecompute:
+      return "MUST_RECOMPUTE";
+    case CheckpointPolicy::kPreferRecompute:
+      return "PREFER_RECOMPUTE";
+    case CheckpointPolicy::kMustCpuOffload:
+      return "MUST_CPU_OFFLOAD";
+    case CheckpointPolicy::kPreferCpuOffload:
+      return "PREFER_CPU_OFFLOAD";
+  }
+  return "?";
 }
 
 Policy Policy::named(std::string name) const {
@@ -209,9 +239,16 @@ Policy Policy::named(std::string name) const {
   return p;
 }
 
-bool Policy::keeps(const OpCall& call) const {
+CheckpointPolicy Policy::decide(const OpCall& call) const {
   TORCH_CHECK(!empty(), "remat::Policy: asked about ", call.name, " but there is no policy");
-  return (*decide_)(call);
+  const CheckpointPolicy answer = (*decide_)(call);
+  TORCH_CHECK(static_cast<int>(answer) >= 0 && static_cast<int>(answer) <= 5, "remat::Policy '", name_,
+              "': answered ", static_cast<int>(answer), " for ", call.name, ", which is no CheckpointPolicy");
+  return answer;
+}
+
+bool Policy::keeps(const OpCall& call) const {
+  return remat::keeps(decide(call));
 }
 
 namespace policy {

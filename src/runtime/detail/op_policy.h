@@ -24,7 +24,10 @@ namespace remat::detail {
 
 class OpPolicyRecord {
  public:
-  OpPolicyRecord(Policy policy, bool preserve_rng, std::vector<c10::DeviceIndex> cuda_devices);
+  /// `offloading`: a remat::Offload scope is open around the region (its kept_sink), which takes the host
+  /// answers' outputs (and the kPreferSave ones) once the forward pass is done.
+  OpPolicyRecord(Policy policy, bool preserve_rng, std::vector<c10::DeviceIndex> cuda_devices,
+                 bool offloading = false);
   ~OpPolicyRecord();
   OpPolicyRecord(const OpPolicyRecord&) = delete;
   OpPolicyRecord& operator=(const OpPolicyRecord&) = delete;
@@ -37,7 +40,7 @@ class OpPolicyRecord {
   /// running now, if any.
   void saved(const at::Tensor& t);
   /// The forward pass is over: what it kept is final. With a sink (an enclosing Offload's hooks, see
-  /// HookSource::kept_sink), the kept calls' tensors are sent there.
+  /// HookSource::kept_sink), the kept calls' tensors are sent there, but those answered kMustSave.
   void forward_done(HookSource* sink = nullptr);
 
   /// The interceptor of one recompute: kept calls are handed back through `save` (what autograd saved inside
@@ -69,9 +72,11 @@ class OpPolicyRecord {
   Policy policy_;
   bool preserve_rng_;
   std::vector<c10::DeviceIndex> cuda_devices_;
-  std::vector<Call> calls_;           // every asked call of the forward pass, in the order asked
-  std::vector<KeptCall> kept_;        // the kept ones (Call::kept indexes this)
-  std::vector<int64_t> kept_call_;    // kept_ index -> calls_ index
+  std::vector<Call> calls_;         // every asked call of the forward pass, in the order asked
+  std::vector<KeptCall> kept_;      // the kept ones (Call::kept indexes this)
+  std::vector<int64_t> kept_call_;  // kept_ index -> calls_ index
+  std::vector<char> must_stay_;     // kept_ index -> answered kMustSave (never sent to the sink)
+  bool offloading_ = false;
   std::vector<int64_t> open_;         // asked calls running now (forward pass), outermost first
   std::vector<at::Tensor> captured_;  // what autograd saved while an asked call ran
   std::unordered_map<const void*, int64_t> kept_storages_;      // a kept output's storage -> its kept_ index

@@ -82,7 +82,9 @@ struct CheckpointOptions {
   TORCH_ARG(std::vector<std::string>, keep) = {};
   /// kNonReentrant: selective checkpointing by an operator-level policy (remat/policy.h), with no edit to
   /// fn: for each operator call inside fn the policy says whether its outputs are kept from the forward pass
-  /// (true) or recomputed; remat::policy::matmuls() keeps the matrix multiplications and convolutions. Kept
+  /// (true) or recomputed, or with a CheckpointPolicy also whether they go to the host (through the
+  /// remat::Offload open around the checkpoint; none open: the forward pass throws c10::Error naming the
+  /// operator); remat::policy::matmuls() keeps the matrix multiplications and convolutions. Kept
   /// calls are handed back by the recompute as remat::keep's are, and combine with `keep` tags. Gradients
   /// are unchanged. Empty (the default): every call is recomputed. kReentrant throws c10::Error when a policy
   /// is set, and so does a process where another library holds remat's dispatcher key.

@@ -3,7 +3,8 @@
 /// Operator-level policies for selective checkpointing, with no edit to a model's forward: the C++
 /// counterpart of PyTorch's create_selective_checkpoint_contexts policy functions. A policy is asked, for
 /// each operator call inside a kNonReentrant checkpoint, whether the call's outputs are kept from the forward
-/// pass (true) or recomputed (false).
+/// pass (true) or recomputed (false); or, in PyTorch's words (CheckpointPolicy), kept on the device, sent to
+/// the host, or recomputed.
 ///
 ///   auto y = remat::checkpoint(block, x, remat::CheckpointOptions().policy(remat::policy::matmuls()));
 ///   remat::Policy mine([](const std::string& op) { return op == "aten::addmm"; });   // by name

@@ -374,6 +374,10 @@ TEST(Executor, ReplanIsOneCallAndBadPlansAreClearErrors) {
   remat::Plan broken = remat::no_checkpoint(chain);
   broken.ops.pop_back();
   EXPECT_THROW_WITH(exec->set_plan(broken), "invalid plan", "d_0");
+  // A group assignment (Fk1{kh}): the C++ runtime does not carry it out yet, and says so.
+  remat::Plan grouped = remat::no_checkpoint(chain);
+  grouped.ops[1] = remat::parse_op("Fk1{kh}");
+  EXPECT_THROW_WITH(exec->set_plan(grouped), "under a group assignment (Fk1{kh})", "does not carry out yet");
   EXPECT_THROW_WITH(exec->replan(unit_chain(5), 1 << 20), "5 stages", "3 modules");
   EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), remat::no_checkpoint(chain), torch::Tensor()),
                     "remat::run_plan", "undefined");

@@ -31,7 +31,7 @@ struct Candidate {
 // With `offload`, each way that has an OffloadCost also offloaded; its time and peak are simulate()'s (the
 // offloading tests' chains have no per-call times, so that simulate() charges what per_layer() does).
 std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies,
-                                            bool offload = false) {
+                                            bool offload = false, bool groups = false) {
   const int64_t n = chain.size();
   std::vector<std::vector<Op>> options(static_cast<size_t>(n));
   for (int64_t j = 0; j < n; ++j) {
@@ -53,6 +53,19 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
         add(op, s.policies[p].offload.has_value());
       }
     }
+    // Every group assignment but all 'r' (Fc), 'h' only when offloading.
+    if (groups && !s.groups.empty()) {
+      const std::string letters = offload ? "rkh" : "rk";
+      size_t count = 1;
+      for (size_t g = 0; g < s.groups.size(); ++g)
+        count *= letters.size();
+      for (size_t code = 1; code < count; ++code) {
+        Op op{OpKind::kForwardKeep, j};
+        for (size_t g = 0, c = code; g < s.groups.size(); ++g, c /= letters.size())
+          op.groups += letters[c % letters.size()];
+        options[j].push_back(op);
+      }
+    }
   }
   std::vector<Candidate> out;
   std::vector<size_t> pick(static_cast<size_t>(n), 0);
@@ -67,7 +80,15 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
       const remat::Stage& s = chain.stages[static_cast<size_t>(j)];
       if (op.kind == OpKind::kForwardAll) c.ms += s.fwd_ms + s.bwd_ms;
       if (op.kind == OpKind::kForwardCheckpoint) c.ms += s.per_call_fwd_ms() + s.per_call_bwd_ms();
-      if (op.kind == OpKind::kForwardKeep && op.policy < 0) c.ms += *s.keep_fwd_ms + *s.keep_bwd_ms;
+      if (op.kind == OpKind::kForwardKeep && !op.groups.empty()) {
+        // A checkpoint whose recompute skips the kept and sent calls, charged by hand.
+        double skipped = 0;
+        for (size_t g = 0; g < op.groups.size(); ++g)
+          if (op.groups[g] != 'r') skipped += s.groups[g].recompute_ms;
+        c.ms += s.per_call_fwd_ms() + std::max(s.bwd_ms, s.per_call_bwd_ms() - skipped);
+      }
+      if (op.kind == OpKind::kForwardKeep && op.policy < 0 && op.groups.empty())
+        c.ms += *s.keep_fwd_ms + *s.keep_bwd_ms;
       if (op.kind == OpKind::kForwardKeep && op.policy >= 0)
         c.ms += s.policies[static_cast<size_t>(op.policy)].fwd_ms +
                 s.policies[static_cast<size_t>(op.policy)].bwd_ms;
@@ -105,6 +126,27 @@ bool is_per_layer_shape(const Plan& plan) {
     if (k == OpKind::kForwardNoSave || plan.ops[static_cast<size_t>(j)].stage != j) return false;
   }
   return plan.ops[static_cast<size_t>(n)].kind == OpKind::kLoss && forward_calls_at_most(plan, 2);
+}
+
+// Gives each stage of `chain` but every fourth 1 to 3 saved groups: random bytes that fit what it saves
+// beside its output, and random recompute times within its recompute.
+void add_random_groups(std::mt19937& rng, Chain& chain) {
+  std::uniform_real_distribution<double> part(0.0, 1.0);
+  for (size_t i = 0; i < chain.stages.size(); ++i) {
+    remat::Stage& s = chain.stages[i];
+    if (i % 4 == 3) continue;  // a stage not profiled with groups
+    const size_t g = 1 + static_cast<size_t>(part(rng) * 3) % 3;
+    int64_t left = s.saved_bytes - s.output_bytes;
+    const double recompute = std::max(0.0, s.per_call_bwd_ms() - s.bwd_ms);
+    for (size_t k = 0; k < g; ++k) {
+      remat::SavedGroup sg;
+      sg.name = "aten::op#" + std::to_string(k);
+      sg.bytes = static_cast<int64_t>(part(rng) * static_cast<double>(left) / 2);
+      left -= sg.bytes;
+      sg.recompute_ms = part(rng) * recompute / static_cast<double>(g);
+      s.groups.push_back(sg);
+    }
+  }
 }
 
 }  // namespace
@@ -714,4 +756,124 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   bad.ints[1] = 2;  // Chain::holds_outputs
   EXPECT_THROW_WITH_STD(remat::set_plan_figures(c, x, bad), "remat::set_plan_figures", "0 or 1, got 2");
   EXPECT_EQ(remat::to_json(c), remat::to_json(a));
+}
+
+TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {
+  // Each stage with groups may run under any group assignment (Fk3{khr}); the per-layer program, which keeps
+  // of them only those no other beats, finds what the search over every per-layer plan finds.
+  std::mt19937 rng(777);
+  int grouped = 0, sent = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t n = 1 + trial % 3;
+    const bool offload = trial % 2 == 1;
+    Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    add_random_groups(rng, chain);
+    const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, offload, true);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+    for (const Candidate& c : all)
+      least = std::min(least, c.peak), most = std::max(most, c.peak);
+    remat::PlannerOptions options;
+    options.offload = offload;
+    EXPECT_EQ(remat::per_layer_min_budget(chain, options), least) << "trial " << trial;
+    std::uniform_int_distribution<int64_t> pick(least, most);
+    for (int b = 0; b < 4; ++b) {
+      const int64_t budget = b == 0 ? least : pick(rng);
+      double best = std::numeric_limits<double>::infinity();
+      for (const Candidate& c : all)
+        if (c.peak <= budget) best = std::min(best, c.ms);
+      const Plan plan = remat::per_layer(chain, budget, options);
+      const remat::Simulation sim = remat::simulate(chain, plan);
+      EXPECT_LE(plan.predicted.peak_bytes, budget);
+      EXPECT_EQ(plan.predicted.peak_bytes, sim.peak_bytes);
+      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
+          << "trial " << trial << " budget " << budget << " plan " << plan.to_string();
+      EXPECT_TRUE(is_per_layer_shape(plan)) << plan.to_string();
+      EXPECT_EQ(remat::plan_from_json(remat::to_json(plan)).ops, plan.ops);
+      for (const Op& op : plan.ops) {
+        grouped += !op.groups.empty();
+        sent += op.groups.find('h') != std::string::npos;
+        EXPECT_TRUE(offload || op.groups.find('h') == std::string::npos) << plan.to_string();
+      }
+    }
+    // Without groups, no plan is faster.
+    remat::PlannerOptions without = options;
+    without.groups = false;
+    const int64_t budget = remat::per_layer_min_budget(chain, without);
+    EXPECT_GE(remat::per_layer(chain, budget, without).predicted.time_ms + 1e-9,
+              remat::per_layer(chain, budget, options).predicted.time_ms);
+  }
+  EXPECT_GT(grouped, 20);
+  EXPECT_GT(sent, 5);
+}
+
+TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
+  // Two stages; stage 0 has three groups (10, 20, 40 bytes; 1, 2, 4 ms) and runs as Fk0{khr}: it holds its
+  // output and the kept and sent groups after its forward (8 + 10 + 20), the sent one until stage 1's forward
+  // is done; its backward recomputes the rest (its per-call backward less the kept and sent groups' times).
+  Chain chain;
+  chain.input_bytes = 4;
+  chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e-6;  // 1000 bytes per second: 20 bytes, 20 ms
+  remat::Stage s0;
+  s0.name = "s0", s0.fwd_ms = 5, s0.bwd_ms = 10, s0.output_bytes = 8, s0.saved_bytes = 100;
+  s0.checkpoint_fwd_ms = 6, s0.checkpoint_bwd_ms = 18;
+  s0.groups = {{"aten::mm#0", 10, 1.0}, {"aten::mm#1", 20, 2.0}, {"aten::gelu#0", 40, 4.0}};
+  remat::Stage s1;
+  s1.name = "s1", s1.fwd_ms = 30, s1.bwd_ms = 40, s1.output_bytes = 8, s1.saved_bytes = 50;
+  chain.stages = {s0, s1};
+  const remat::PolicyCost c = remat::group_cost(chain.stages[0], "khr");
+  EXPECT_EQ(c.policy, "{khr}");
+  EXPECT_EQ(c.saved_bytes, 8 + 10 + 20);
+  EXPECT_EQ(c.fwd_ms, 6);
+  EXPECT_EQ(c.bwd_ms, 18 - 1 - 2);
+  ASSERT_TRUE(c.offload.has_value());
+  EXPECT_EQ(c.offload->bytes, 20);
+  EXPECT_FALSE(c.offload->input || c.offload->output);
+  EXPECT_FALSE(remat::group_cost(chain.stages[0], "krr").offload.has_value());
+  remat::Stage cheap = chain.stages[0];
+  for (auto& g : cheap.groups)
+    g.recompute_ms = 5;
+  EXPECT_EQ(remat::group_cost(cheap, "kkk").bwd_ms, 10);  // at least the backward itself
+  EXPECT_THROW(remat::group_cost(chain.stages[0], "kh"), std::invalid_argument);
+  EXPECT_THROW(remat::group_cost(chain.stages[0], "khx"), std::invalid_argument);
+
+  const Plan plan =
+      remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fk0{khr}", "Fa1", "L", "B1", "B0"]})");
+  EXPECT_EQ(plan.to_string(), "Fk0{khr} Fa1 L B1 B0");
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  // Fk0: 4 + 38; Fa1: 4 + 38 + 50, then the 20 sent bytes leave (their 20 ms copy hidden by 6 + 30 ms);
+  // L: 4 + 18 + 50 + d_2 (8); B1: the 20 bytes back as the backward reaches stage 1, + d_1 (8); B0: the
+  // rest recomputed (100 - 38), + d_0 (4), above a_0, what Fk0 holds and d_1.
+  EXPECT_EQ(sim.op_peak_bytes, (std::vector<int64_t>{42, 92, 80, 108, 4 + 38 + 8 + 62 + 4}));
+  EXPECT_EQ(sim.peak_bytes, 116);
+  EXPECT_EQ(sim.host_peak_bytes, 20);
+  // The copy back (20 ms) starts with B1 (40 ms): hidden.
+  EXPECT_DOUBLE_EQ(sim.time_ms, 6 + 30 + 40 + 15);
+  EXPECT_DOUBLE_EQ(sim.transfer_ms, 0);
+
+  // What a group assignment may not be.
+  for (const char* bad :
+       {"Fk0{khr}@host", "Fk0[matmuls]{khr}", "Fk0{}", "Fk0{kx}", "Fa0{k}", "Fk0{kkkkkkkkkkk}"})
+    EXPECT_THROW(remat::parse_op(bad), std::invalid_argument) << bad;
+  EXPECT_THROW_WITH_STD(
+      remat::simulate(
+          chain, remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fk0{kh}", "Fa1", "L", "B1", "B0"]})")),
+      "assigns 2 groups, but the chain's stage 0 ('s0') has 3 saved groups");
+  EXPECT_THROW_WITH_STD(
+      remat::simulate(
+          chain, remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fa0", "Fk1{k}", "L", "B1", "B0"]})")),
+      "assigns 1 groups, but the chain's stage 1 ('s1') has 0 saved groups");
+
+  // The chain's groups read and write as JSON, and are checked.
+  const Chain back = remat::chain_from_json(remat::to_json(chain));
+  ASSERT_EQ(back.stages[0].groups.size(), 3u);
+  EXPECT_EQ(back.stages[0].groups[2].name, "aten::gelu#0");
+  EXPECT_EQ(back.stages[0].groups[2].bytes, 40);
+  EXPECT_EQ(back.stages[0].groups[2].recompute_ms, 4.0);
+  Chain over = chain;
+  over.stages[0].groups[2].bytes = 63;  // 10 + 20 + 63 > 100 - 8
+  EXPECT_THROW_WITH_STD(remat::validate(over),
+                        "saved groups hold 93 bytes, more than it saves beside its output (92)");
+  Chain twice = chain;
+  twice.stages[0].groups[1].name = "aten::mm#0";
+  EXPECT_THROW_WITH_STD(remat::validate(twice), "names saved group 'aten::mm#0' twice");
 }

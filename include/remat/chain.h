@@ -45,6 +45,21 @@ struct PolicyCost {
   std::optional<OffloadCost> offload;
 };
 
+/// One group of a stage's saved tensors: the outputs of one operator call of its forward pass, which a group
+/// assignment keeps on the device ('k'), sends to the host ('h') or recomputes ('r') (a plan's `Fk3{khr}`;
+/// see group_cost() and docs/chain-format.md).
+struct SavedGroup {
+  /// The call, for people and for the runtime that carries the assignment out: the operator's name, '#', and
+  /// which of that operator's calls in the stage's forward pass it is, from 0 ("aten::addmm#2").
+  std::string name;
+  /// Its outputs' bytes: held on the device from the forward pass to the backward when kept, until their
+  /// copy to the host lands and again from their return when sent (>= 0).
+  int64_t bytes = 0;
+  /// The call's forward time (milliseconds, >= 0): what the recompute before the stage's backward saves when
+  /// the group is kept or sent rather than recomputed.
+  double recompute_ms = 0;
+};
+
 /// One stage of a chain.
 struct Stage {
   std::string name;          ///< for people: "layer3", "2:Linear"
@@ -83,6 +98,9 @@ struct Stage {
   /// Fk under each of the chain's policies (Chain::policies), in its order; empty when the stage was not
   /// profiled under them (no Fk[name] for it).
   std::vector<PolicyCost> policies;
+  /// The groups of its saved tensors, by the call that made them, in the order of its forward pass (at most
+  /// kMaxGroups); empty when it was not profiled so (no Fk{...} for it).
+  std::vector<SavedGroup> groups;
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }
@@ -93,6 +111,20 @@ struct Stage {
   /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).
   double per_call_bwd_ms() const { return checkpoint_bwd_ms ? *checkpoint_bwd_ms : fwd_ms + bwd_ms; }
 };
+
+/// The most groups a stage may have (a group assignment is one of 3^groups).
+inline constexpr size_t kMaxGroups = 10;
+
+/// What a stage costs run under a group assignment (a plan's Fk{...}): one character per group of
+/// Stage::groups, 'k' (kept on the device), 'h' (sent to the host) or 'r' (recomputed). The stage runs as a
+/// checkpoint whose recompute before the backward skips the kept and sent calls: `saved_bytes` is its output
+/// plus the kept and sent groups' bytes (what it holds once its forward has run, before any copy lands),
+/// `fwd_ms` its per-call forward (Stage::per_call_fwd_ms()), `bwd_ms` its per-call backward less the kept and
+/// sent groups' recompute_ms (at least bwd_ms: the backward itself), and `offload`, when a group is sent, the
+/// bytes that leave ({bytes: the sent groups' bytes, input: false, output: false}). `policy` is "{" +
+/// assignment + "}". Throws std::invalid_argument naming the stage for an assignment of another length or
+/// with other characters.
+PolicyCost group_cost(const Stage& stage, const std::string& assignment);
 
 /// The chain: its input a_0 and its stages in order.
 struct Chain {

@@ -70,8 +70,17 @@ struct Op {
   /// Fa, Fk, Fc before the loss: what the stage saves goes to host memory and comes back for its backward
   /// (written with "@host": Fa3@host).
   bool offload = false;
+  /// Fk only, before the loss: a group assignment (written Fk3{khr}): one character per group of the
+  /// stage's saved tensors (Stage::groups), 'k' kept on the device, 'h' sent to the host, 'r' recomputed; the
+  /// stage runs as a checkpoint whose recompute skips the kept and sent calls (remat::group_cost). Its sent
+  /// groups are offloaded as `@host` offloads (see simulate()); such an op carries no policy and no @host.
+  /// Empty: not one.
+  std::string groups;
+  /// Whether it sends anything to the host: offload, or a group assignment with an 'h'.
+  bool offloads() const { return offload || groups.find('h') != std::string::npos; }
   bool operator==(const Op& o) const {
-    return kind == o.kind && stage == o.stage && policy == o.policy && offload == o.offload;
+    return kind == o.kind && stage == o.stage && policy == o.policy && offload == o.offload &&
+           groups == o.groups;
   }
   bool operator!=(const Op& o) const { return !(*this == o); }
 };

@@ -43,6 +43,10 @@ struct PlannerOptions {
   bool offload = false;
   /// With offload: the most host memory the plan may hold (bytes; Simulation::host_peak_bytes); -1: no bound.
   int64_t max_host_bytes = -1;
+  /// The per-layer planner may run a stage that has saved groups (Stage::groups) under a group assignment
+  /// (Fk3{khr}: each group kept, sent to the host, or recomputed; 'h' only with offload), choosing among
+  /// every assignment for the least time within the budget. The other planners ignore groups.
+  bool groups = true;
 };
 
 /// Thrown when no schedule fits the budget. what() states the minimum.

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from . import _core
 from .meter import meter_for
 from .offload import CopyEngine, HostPool, Offload, storage_ptrs
-from .policies import CHECKPOINT, KEEP, choices_of, policy_fn, run_layer, split_choice
+from .policies import CHECKPOINT, KEEP, choices_of, is_groups, policy_fn, run_layer, split_choice
 from .profile import StageFn, profile
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
@@ -163,8 +163,9 @@ def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
             how = None  # planned for other shapes: lp.dispatch decides
         if how is None:
             how = choices.get(None)
-    if how is None or split_choice(how)[1]:
-        # No plan yet, or an offloaded choice (saved-tensor hooks are not traced): outside the graph.
+    if how is None or split_choice(how)[1] or is_groups(how):
+        # No plan yet, an offloaded choice (saved-tensor hooks are not traced), or a group assignment (remat's
+        # dispatch modes are not traced): outside the graph.
         return eager_dispatch(lp, layer, fn, args)
     if how == KEEP:
         return fn(*args)
@@ -367,8 +368,11 @@ class LayerPlan:
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
                  policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
                  offload: bool = False, max_host_bytes=None, offload_min_bytes: int = 1 << 20,
-                 who: str = "remat.enable"):
+                 groups: bool = False, who: str = "remat.enable"):
         self.who = who
+        if groups not in (True, False):
+            raise ValueError(f"{who}: groups must be True or False, got {groups!r}")
+        self.groups = groups
         if offload not in (True, False):
             raise ValueError(f"{who}: offload must be True or False, got {offload!r}")
         self.offload = offload
@@ -422,6 +426,10 @@ class LayerPlan:
             fixed.plan = plan
             fixed.choices = choices_of(plan)
             for c in fixed.choices:
+                if is_groups(c):
+                    raise ValueError(f"{who}: the plan runs a layer under a group assignment ('{c}'), whose groups "
+                                     "only the chain it was planned from names; give a budget with groups=True "
+                                     "(planned in place) instead")
                 c = split_choice(c)[0]
                 if c not in (KEEP, CHECKPOINT) and c not in self.policies:
                     self.policies[c] = policy_fn(c)
@@ -452,7 +460,7 @@ class LayerPlan:
             if shape.layer_keys is not None:
                 choices[("layer", shape.key)] = shape.layer_keys[i]
             base = split_choice(how)[0]
-            if base not in (KEEP, CHECKPOINT):
+            if base not in (KEEP, CHECKPOINT) and not is_groups(base):
                 choices[("policy", base)] = policy_fn(base, self.policies)
 
     # -- copies: copy.deepcopy(model), pickle, torch.save(model) ---------------------------------------------------
@@ -467,6 +475,7 @@ class LayerPlan:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("groups", False)  # a copy pickled before groups
         self.host_pool = HostPool()
         self.index = {id(m): i for i, m in enumerate(self.layers)}
 
@@ -646,7 +655,7 @@ class LayerPlan:
         if shape.choices is not None:
             if shape.layer_keys is not None and _layer_key(fn, args) != shape.layer_keys[i]:
                 return self._off_plan(step, shape, i, fn, args)
-            out = self._run(i, shape.choices[i], fn, args)
+            out = self._run(i, shape.choices[i], fn, args, shape)
             if i == len(self.layers) - 1:
                 main, _ = _layer_output(out, self.who, i, layer)
                 if main.requires_grad:
@@ -671,7 +680,7 @@ class LayerPlan:
         return self._run(i, CHECKPOINT, fn, args)
 
     # -- a planned step: running a layer, offloaded or not ------------------------------------------------------
-    def _run(self, i: int, how: str, fn: Callable, args: tuple):
+    def _run(self, i: int, how: str, fn: Callable, args: tuple, shape: "_Shape | None" = None):
         """Layer i's call as its choice says. Offloaded ("...@host"): under its own Offload's hooks, on the host
         pool; the plan's memory model is kept: the previous layer's copies to the host are waited for once this
         layer's forward has run, and when the backward pass reaches this layer's output the previous layer's
@@ -681,7 +690,12 @@ class LayerPlan:
             self._keep_storages = None
         layer = self.layers[i]
         o = None
-        if split_choice(how)[1]:
+        groups = None
+        if is_groups(how):
+            # A group assignment: its sent groups go through the layer's Offload (not opened as hooks: the
+            # layer's input and the rest stay, as the chain's group figures count them).
+            groups = [g.name for g in shape.chain.stages[i].groups]
+        if split_choice(how)[1] or (groups is not None and "h" in how):
             device = args[0].device
             engine = self._engines.get(device)
             if engine is None:
@@ -692,7 +706,7 @@ class LayerPlan:
                 self._keep_storages = storage_ptrs([*self.model.parameters(), *self.model.buffers()])
             o = Offload(pool=self.host_pool, min_bytes=self.offload_min_bytes, lookahead=0, engine=engine)
             o.keep_on_device(_taken_tensors(fn, args), storages=self._keep_storages)
-        out = run_layer(how, fn, args, [layer], self.policies, offload=o)
+        out = run_layer(how, fn, args, [layer], self.policies, offload=o, groups=groups)
         if self._step_offloads and self._step_offloads[-1][0] == i - 1:
             prev = self._step_offloads[-1][1]
             prev.finish_copies()
@@ -762,7 +776,8 @@ class LayerPlan:
             with _Gathered(self.layers, meter) as gathered:
                 shape.chain = profile(stage_fns, inputs[0], policies=self.policies, warmup=0,
                                       repeats=self.repeats, inputs=inputs, excluded=excluded,
-                                      offload_min_bytes=self.offload_min_bytes if self.offload else None)
+                                      offload_min_bytes=self.offload_min_bytes if self.offload else None,
+                                      groups=self.groups)
             shape.gathered = list(gathered.gathered)
             for st, g in zip(shape.chain.stages, gathered.gathered):
                 st.fwd_tmp_bytes += g
@@ -901,7 +916,7 @@ class LayerPlan:
 
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
-           offload_min_bytes: int = 1 << 20) -> LayerPlan:
+           offload_min_bytes: int = 1 << 20, groups: bool = False) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
     as the first positional argument) per layer as planned: for `budget` (bytes, or a string such as "300MiB",
     the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
@@ -921,10 +936,14 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     after it; saved tensors of at least offload_min_bytes), where that
     is the fastest way to fit the budget; the profiling step also measures what each layer would offload and the
     copies' bandwidth each way. max_host_bytes (bytes, or a size string) bounds the host memory a plan holds
-    (LayerPlan.predicted_host_bytes; the pool's own counts in LayerPlan.host_pool)."""
+    (LayerPlan.predicted_host_bytes; the pool's own counts in LayerPlan.host_pool).
+    groups=True: the profiling step also measures each layer's saved groups (the calls whose outputs autograd
+    saves, remat.profile's groups), and the planner may run a layer under a group assignment (its choice
+    "{khr}": each group kept on the device, sent to the host when offload=True, or recomputed, the rest of the
+    layer recomputed); off by default until measured on a GPU."""
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
-                   offload_min_bytes=offload_min_bytes)
+                   offload_min_bytes=offload_min_bytes, groups=groups)
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()

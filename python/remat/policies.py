@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from ._state import RestoreBuffers
 from .saved import version_checked
-from .selective import selective_contexts
+from .selective import GroupPolicy, selective_contexts
 
 try:  # torch 2.4 and later
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -125,29 +125,42 @@ class _Both:
         return stack.__exit__(*exc)
 
 
+def is_groups(how: str) -> bool:
+    """Whether a layer's choice is a group assignment ("{khr}", a plan's Fk3{khr})."""
+    return how.startswith("{")
+
+
 def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],
-              policies: dict[str, Callable] | None = None, offload=None):
+              policies: dict[str, Callable] | None = None, offload=None, groups: Sequence[str] | None = None):
     """Runs fn(*args) as `how` says: "keep" plainly, "checkpoint" under torch.utils.checkpoint, or a policy's
     name under torch.utils.checkpoint with that selective policy; any of them with "@host" inside `offload` (a
     remat.offload.Offload, whose hooks send what the layer saves to host memory: kept whole, what its
     operators save; checkpointed, its input; under a policy, its input and what the policy keeps). A policy
     that answers MUST_CPU_OFFLOAD for some calls sends their outputs through `offload` whatever the choice
-    (remat/selective.py). Outside training with grad, plainly. Raises ValueError for an offloaded choice
-    without an Offload (and, from the forward pass, for a host answer without one)."""
+    (remat/selective.py). A group assignment ("{khr}") runs under GroupPolicy(groups, "khr"), `groups` the
+    stage's saved groups' names (remat.Stage.groups), its sent groups through `offload`. Outside training with
+    grad, plainly. Raises ValueError for an offloaded choice without an Offload (and, from the forward pass,
+    for a host answer without one), and for a group assignment without the groups' names."""
     how, host = split_choice(how)
     if host and torch.is_grad_enabled():
         if offload is None:
             raise ValueError(f"remat: the choice '{how}{HOST}' offloads, and no remat.offload.Offload was given")
         with offload:  # what the policy keeps goes with it (remat/selective.py)
             return _run(how, fn, args, modules, policies, offload)
-    return _run(how, fn, args, modules, policies, offload)
+    return _run(how, fn, args, modules, policies, offload, groups=groups)
 
 
 def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module],
-         policies: dict[str, Callable] | None, offload=None, route_kept: bool | None = None):
+         policies: dict[str, Callable] | None, offload=None, route_kept: bool | None = None,
+         groups: Sequence[str] | None = None):
     if how == KEEP or not torch.is_grad_enabled():
         return fn(*args)
-    policy = None if how == CHECKPOINT else policy_fn(how, policies)
+    if is_groups(how):
+        if groups is None:
+            raise ValueError(f"remat: the group assignment '{how}' needs the stage's saved groups (its chain)")
+        policy = GroupPolicy(groups, how[1:-1])
+    else:
+        policy = None if how == CHECKPOINT else policy_fn(how, policies)
     return checkpoint_region(fn, args, modules, policy, offload, route_kept)
 
 
@@ -187,8 +200,9 @@ def checkpoint(fn: Callable, *args, policy: Callable | None = None, offload=None
 
 def choices_of(plan) -> list[str]:
     """The per-layer choice of each stage of a per-layer plan (remat.per_layer's shape: each stage's first
-    forward is Fa, Fc or Fk[name], no Fn, and a checkpointed stage is recomputed only right before its
-    backward): "keep", "checkpoint" or the policy's name, with "@host" after it where the plan offloads it. Raises ValueError for a plan of another shape (a
+    forward is Fa, Fc, Fk[name] or Fk{groups}, no Fn, and a checkpointed stage is recomputed only right before
+    its backward): "keep", "checkpoint" or the policy's name, with "@host" after it where the plan offloads it,
+    or a group assignment "{khr}". Raises ValueError for a plan of another shape (a
     full schedule: run it with remat.CheckpointedSequential)."""
     from . import _core
 
@@ -201,6 +215,9 @@ def choices_of(plan) -> list[str]:
             raise ValueError(f"remat: plan '{plan}' is not a per-layer plan (its forward pass does not run each "
                              "stage once, in order, as Fa, Fc or Fk[NAME]): run it with "
                              "remat.CheckpointedSequential, or plan with remat.per_layer")
+        if op.kind == K.Fk and op.groups:
+            out.append("{" + op.groups + "}")
+            continue
         if op.kind == K.Fk and op.policy < 0:
             raise ValueError(f"remat: plan '{plan}' keeps stage {i} with remat::keep tags, which only the C++ "
                              "library has; plan with policies instead")

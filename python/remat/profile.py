@@ -32,7 +32,8 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
 from .offload import measure_bandwidth, offloadable
 from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
-from .selective import TO_HOST, outcome
+from .selective import IGNORED, TO_HOST, _aliases, call_name, outcome
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
 
@@ -115,6 +116,87 @@ class _ZeroGrads:
             p.grad = g
         self.saved = None
         return False
+
+
+class _CallTimes(TorchDispatchMode):
+    """Each operator call of a forward pass, as remat's selective checkpointing names it ("aten::addmm#2"):
+    its outputs' storages (pointer -> bytes) unless it aliases an input, and its time alone (ms)."""
+
+    def __init__(self, sync):
+        super().__init__()
+        self.sync = sync
+        self.counts: dict = {}
+        self.calls: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in IGNORED:
+            return func(*args, **kwargs)
+        self.sync()
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.sync()
+        ms = (time.perf_counter() - t0) * 1e3
+        name = call_name(func)
+        idx = self.counts.get(name, 0)
+        self.counts[name] = idx + 1
+        storages, outs = {}, []
+        if _groupable(func, name, args, kwargs):
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+                    st = t.untyped_storage()
+                    storages[st.data_ptr()] = st.nbytes()
+                    outs.append((t, t._version))
+        self.calls.append((f"{name}#{idx}", storages, ms, outs))
+        return out
+
+
+def _groupable(func, name: str, args, kwargs) -> bool:
+    """Whether a call's outputs can be a saved group: as the C++ policies' askable calls, outputs that alias
+    no input, no argument written, a tensor among its arguments, and not a factory (empty_like, new_zeros),
+    whose fresh result a later in-place operator fills."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or _aliases(func):
+        return False
+    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+        return False
+    if not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
+        return False
+    return not (name.endswith("_like") or name.startswith("aten::new_") or name == "aten::_unsafe_view")
+
+
+def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int) -> list[tuple[str, int, float]]:
+    """The saved groups of fn(leaf): (call name, bytes, ms) of the calls whose outputs autograd saves (beside
+    `alive` storages and fn's output), in the forward's order; the largest kMaxGroups of them."""
+    saved: set[int] = set()
+
+    def pack(t):
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
+            saved.add(t.untyped_storage().data_ptr())
+        return t
+
+    times: dict[str, list[float]] = {}
+    found = None
+    for _ in range(repeats):
+        rec = _CallTimes(sync)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
+            out = fn(leaf)
+        out_key = out.untyped_storage().data_ptr()
+        if found is None:
+            found = []
+            for name, storages, _, outs in rec.calls:
+                own = {p: nb for p, nb in storages.items() if p not in alive and p != out_key}
+                # Written in place later in the forward pass (an in-place activation): its outputs cannot be
+                # handed back as they were.
+                written = any(t._version != v for t, v in outs)
+                if own and not written and any(p in saved for p in own) and len(own) == len(storages):
+                    found.append((name, sum(own.values())))
+        for name, _, ms, _ in rec.calls:
+            times.setdefault(name, []).append(ms)
+        del out, rec
+    largest = sorted(found, key=lambda g: -g[1])[: _core.MAX_GROUPS]
+    names = {g[0] for g in largest}
+    return [(name, nbytes, _median(times[name])) for name, nbytes in found if name in names]
 
 
 class _SavedStorages:
@@ -208,7 +290,8 @@ class _NoHostAnswers:
 
 def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
-            excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None) -> _core.Chain:
+            excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
+            groups: bool = False) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -221,7 +304,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     (Stage.checkpoint_offload, its input), and the chain's bandwidths, measured by copying the largest tensor a
     stage saves (at most 64 MiB) to host memory and back; under each policy, what offloading its kept tensors
     and its input moves (PolicyCost.offload, Fk[NAME]@host; remat's selective checkpointing passes them on any
-    torch). A policy that answers MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
+    torch). groups: also each stage's saved groups (Stage.groups, a plan's Fk3{khr}): the calls of its forward
+    pass whose outputs autograd saves (not views, not its output, not what is alive anyway), the largest
+    remat.chain's kMaxGroups (10) of them that fit what it saves beside its output, each with its outputs'
+    bytes and its time (the median of `repeats` runs, each call timed alone). A policy that answers
+    MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
 
     On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
@@ -429,6 +516,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         if keep:
                             fields[i]["pol"][name]["fwd"].append(f)
                             fields[i]["pol"][name]["bwd"].append(b)
+            if groups:
+                for i in range(n):
+                    leaf = leaf_of(i)
+                    fields[i]["groups"] = _measure_groups(
+                        lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
+                        alive | {_storage_key(leaf)}, sync, repeats)
+                    del leaf
 
     chain.policies = list(pols)
     if offload_min_bytes is not None:
@@ -460,6 +554,18 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 c.offload = f["pol"][name]["offload"]
             costs.append(c)
         s.policies = costs
+        if groups:
+            # At most what the stage saves beside its output (the smallest groups dropped past it).
+            room = s.saved_bytes - s.output_bytes
+            kept = sorted(f["groups"], key=lambda g: -g[1])
+            chosen, total = [], 0
+            for g in kept:
+                if total + g[1] <= room:
+                    chosen.append(g)
+                    total += g[1]
+            order = {g[0]: k for k, g in enumerate(f["groups"])}
+            s.groups = [_core.SavedGroup(name, nbytes, ms) for name, nbytes, ms in
+                        sorted(chosen, key=lambda g: order[g[0]])]
         if offload_min_bytes is not None:
             s.offload = f.get("offload")
             s.checkpoint_offload = f.get("ckpt_offload")

@@ -59,7 +59,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .saved import Kept, SavedAs
 
 __all__ = ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "KEEP", "TO_HOST", "RECOMPUTE", "outcome", "SelectiveCache",
-           "selective_contexts"]
+           "selective_contexts", "call_name", "GroupPolicy", "IGNORED"]
 
 
 class _HostWord(enum.Enum):
@@ -81,7 +81,7 @@ _OUTCOMES = {CheckpointPolicy.MUST_SAVE: KEEP, CheckpointPolicy.PREFER_SAVE: KEE
 
 # Operators PyTorch's selective checkpointing passes through uncounted (a recompute runs a different number of
 # them: detach; metadata operators of subclasses).
-_IGNORED = getattr(_ckpt, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+_IGNORED = IGNORED = getattr(_ckpt, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
 _CACHEABLE_EFFECT = getattr(_ckpt, "_is_cacheable_effect", None)
 _HAS_OP_OUTPUT = "op_output" in inspect.signature(_ckpt.SelectiveCheckpointContext.__init__).parameters
 
@@ -97,6 +97,35 @@ def outcome(answer, op, who: str = "remat") -> str:
         raise TypeError(f"{who}: a selective policy answered {answer!r} for {op}; the answers are "
                         "CheckpointPolicy's (MUST_SAVE, PREFER_SAVE, MUST_RECOMPUTE, PREFER_RECOMPUTE), "
                         "remat.MUST_CPU_OFFLOAD, remat.PREFER_CPU_OFFLOAD, or a bool") from None
+
+
+def call_name(op) -> str:
+    """An operator's qualified name as the C++ dispatcher gives it ("aten::addmm"), without the overload."""
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else str(op)
+
+
+class GroupPolicy:
+    """The policy of a group assignment (a plan's Fk3{khr}): the call named by group g of the stage
+    (remat.SavedGroup.name, "aten::addmm#2": the operator, and which of its calls in the stage's forward pass)
+    is kept on the device ('k': MUST_SAVE), sent to the host ('h': MUST_CPU_OFFLOAD) or recomputed ('r');
+    every other call is recomputed. It reads the call's name from the context remat's selective checkpointing
+    passes (ctx.call)."""
+
+    def __init__(self, names, assignment: str):
+        if len(names) != len(assignment) or set(assignment) - set("khr"):
+            raise ValueError(f"remat: the group assignment '{assignment}' does not fit the stage's "
+                             f"{len(names)} saved groups (one of k, h, r each)")
+        words = {"k": CheckpointPolicy.MUST_SAVE, "h": MUST_CPU_OFFLOAD, "r": CheckpointPolicy.PREFER_RECOMPUTE}
+        self.assignment = assignment
+        self.answers = {name: words[a] for name, a in zip(names, assignment)}
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        call = getattr(ctx, "call", None)
+        if call is None:
+            raise RuntimeError("remat: a group assignment's policy runs under remat's selective checkpointing "
+                               "only (it reads which call it is asked about)")
+        return self.answers.get(call, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def _detached(x):
@@ -140,12 +169,16 @@ class SelectiveCache:
                 offload = enclosing
         self.policy, self.offload, self.route_kept, self.who = policy, offload, route_kept, who
         self.entries: dict = defaultdict(dict)
+        self.calls: dict = defaultdict(int)  # calls so far per operator name (for ctx.call)
         self.handles: list = []  # the Offload's handles, in the forward's order
         self.kept = self.to_host = self.recomputed = 0
 
     def _store(self, op, args, kwargs, out):
         ctx = (_ckpt.SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OP_OUTPUT
                else _ckpt.SelectiveCheckpointContext(is_recompute=False))
+        name = call_name(op)
+        ctx.call = f"{name}#{self.calls[name]}"  # which call this is: "aten::addmm#2" (remat's addition)
+        self.calls[name] += 1
         answer = self.policy(ctx, op, *args, **kwargs)
         how = outcome(answer, op, self.who)
         if (how == RECOMPUTE and answer is not CheckpointPolicy.MUST_RECOMPUTE and _CACHEABLE_EFFECT is not None

@@ -24,8 +24,9 @@ using namespace nb::literals;
 namespace {
 
 remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines, std::vector<std::string> exclude,
-                                      bool offload = false, int64_t max_host_bytes = -1) {
+                                      bool offload = false, int64_t max_host_bytes = -1, bool groups = true) {
   remat::PlannerOptions o;
+  o.groups = groups;
   o.slots = slots;
   o.compare_baselines = compare_baselines;
   o.exclude = std::move(exclude);
@@ -82,6 +83,24 @@ NB_MODULE(_core, m) {
       .def_rw("bwd_ms", &remat::PolicyCost::bwd_ms, "its recompute of the rest plus its backward (ms)")
       .def_rw("offload", &remat::PolicyCost::offload, "offloading it (an OffloadCost), or None");
 
+  nb::class_<remat::SavedGroup>(m, "SavedGroup",
+                                "One group of a stage's saved tensors: the outputs of one operator call.")
+      .def(nb::init<>())
+      .def(
+          "__init__",
+          [](remat::SavedGroup* g, std::string name, int64_t bytes, double recompute_ms) {
+            new (g) remat::SavedGroup{std::move(name), bytes, recompute_ms};
+          },
+          "name"_a, "bytes"_a, "recompute_ms"_a)
+      .def_rw("name", &remat::SavedGroup::name, "the call: 'aten::addmm#2' (operator, its call index)")
+      .def_rw("bytes", &remat::SavedGroup::bytes, "its outputs' bytes")
+      .def_rw("recompute_ms", &remat::SavedGroup::recompute_ms, "the call's forward time (milliseconds)");
+
+  m.attr("MAX_GROUPS") = remat::kMaxGroups;
+  m.def("group_cost", &remat::group_cost, "stage"_a, "assignment"_a,
+        "What a stage costs under a group assignment ('khr': each group kept, sent to the host or "
+        "recomputed), as a PolicyCost. Raises ValueError for an assignment that does not fit the stage.");
+
   nb::class_<remat::Stage>(m, "Stage", "One stage of a chain: times in milliseconds, sizes in bytes.")
       .def(nb::init<>())
       .def_rw("name", &remat::Stage::name)
@@ -98,6 +117,7 @@ NB_MODULE(_core, m) {
       .def_rw("keep_fwd_ms", &remat::Stage::keep_fwd_ms)
       .def_rw("keep_bwd_ms", &remat::Stage::keep_bwd_ms)
       .def_rw("policies", &remat::Stage::policies, "its costs under each of the chain's policies")
+      .def_rw("groups", &remat::Stage::groups, "its saved groups (SavedGroup), in its forward's order")
       .def_rw("offload", &remat::Stage::offload, "offloading it run as Fa (an OffloadCost), or None")
       .def_rw("keep_offload", &remat::Stage::keep_offload, "offloading it run as Fk, or None")
       .def_rw("checkpoint_offload", &remat::Stage::checkpoint_offload, "offloading it run as Fc, or None")
@@ -165,6 +185,7 @@ NB_MODULE(_core, m) {
       .def_rw("stage", &remat::Op::stage)
       .def_rw("policy", &remat::Op::policy)
       .def_rw("offload", &remat::Op::offload, "what the stage saves goes to host memory (written @host)")
+      .def_rw("groups", &remat::Op::groups, "a group assignment ('khr', written Fk3{khr}), or ''")
       .def("__eq__", [](const remat::Op& a, const remat::Op& b) { return a == b; });
 
   nb::class_<remat::Simulation>(m, "Simulation", "Predicted figures of a plan on a chain.")
@@ -247,20 +268,25 @@ NB_MODULE(_core, m) {
   m.def(
       "per_layer",
       [](const remat::Chain& c, int64_t budget, std::vector<std::string> exclude, bool offload,
-         int64_t max_host) {
-        return remat::per_layer(c, budget, planner_options(500, true, std::move(exclude), offload, max_host));
+         int64_t max_host, bool groups) {
+        return remat::per_layer(c, budget,
+                                planner_options(500, true, std::move(exclude), offload, max_host, groups));
       },
       "chain"_a, "budget_bytes"_a, "exclude"_a = std::vector<std::string>{}, "offload"_a = false,
-      "max_host_bytes"_a = -1,
-      "The fastest per-layer plan (each stage kept, kept under a policy, or checkpointed on its own) within "
-      "budget_bytes. Raises InfeasibleBudget naming the least feasible budget.");
+      "max_host_bytes"_a = -1, "groups"_a = true,
+      "The fastest per-layer plan (each stage kept, kept under a policy, checkpointed on its own, or, where "
+      "it "
+      "has saved groups and `groups`, under a group assignment) within budget_bytes. Raises InfeasibleBudget "
+      "naming the least feasible budget.");
   m.def(
       "per_layer_min_budget",
-      [](const remat::Chain& c, std::vector<std::string> exclude, bool offload, int64_t max_host) {
-        return remat::per_layer_min_budget(c,
-                                           planner_options(500, true, std::move(exclude), offload, max_host));
+      [](const remat::Chain& c, std::vector<std::string> exclude, bool offload, int64_t max_host,
+         bool groups) {
+        return remat::per_layer_min_budget(
+            c, planner_options(500, true, std::move(exclude), offload, max_host, groups));
       },
-      "chain"_a, "exclude"_a = std::vector<std::string>{}, "offload"_a = false, "max_host_bytes"_a = -1);
+      "chain"_a, "exclude"_a = std::vector<std::string>{}, "offload"_a = false, "max_host_bytes"_a = -1,
+      "groups"_a = true);
   m.def(
       "make_plan",
       [](const remat::Chain& c, const std::string& strategy, int64_t budget,

@@ -135,3 +135,52 @@ def test_inside_an_offloads_context_what_is_kept_goes_with_it_but_must_save():
     assert o.offloaded == 3 and o.offloaded_bytes == 32 * 64 * 4 + 32 * 256 * 4 + 32 * 64 * 4
     # The input is found alive on the device (the caller holds it), the products come back.
     assert o.kept_on_device == 0 and o.brought_back == 2 and o.found_on_device == 1
+
+
+def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted():
+    # remat.enable(groups=True): the profiling step measures each block's saved groups (its calls whose outputs
+    # autograd saves), the planner may run a block as a group assignment ("{khr}"), and the step gives the
+    # plain run's gradients bitwise within the predicted peak, with the host bytes simulate() predicts.
+    from test_offload import planned_stack, same_step, stack_step
+
+    model, x, plain, lp = planned_stack(groups=True)
+    chain, ctx = lp.chain, lp.context
+    hidden = 256 * 128 * 4
+    for st in chain.stages:
+        names = [g.name for g in st.groups]
+        # The first product (GELU saves it) and GELU's output (the second product saves it); not dropout's mask
+        # (a factory's output, empty_like, that bernoulli_ fills in place), nor the block's output.
+        assert names == ["aten::addmm#0", "aten::gelu#0"], names
+        assert [g.bytes for g in st.groups] == [4 * hidden, 4 * hidden]
+        assert all(g.recompute_ms >= 0 for g in st.groups)
+    # Recomputing a block costs much (100 ms, half of it each group's call), keeping it whole (its forward
+    # saving everything: 5 ms) or under the matmuls policy more: at the budget of every block but the last sending both groups to the host, the
+    # planner sends them (the CPU's own timings would decide by noise). Every step is the plain run's,
+    # within the predicted peak, with the host bytes simulate() predicts.
+    for st in chain.stages:
+        st.bwd_ms = st.checkpoint_fwd_ms = 1.0
+        st.fwd_ms = 5.0
+        st.checkpoint_bwd_ms = 101.0
+        for g in st.groups:
+            g.recompute_ms = 50.0
+        st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
+    sent = remat.Plan.from_json('{"num_stages": 5, "ops": ["Fk0{hh}", "Fk1{hh}", "Fk2{hh}", "Fk3{hh}", '
+                                '"Fk4{kk}", "L", "B4", "B3", "B2", "B1", "B0"]}')
+    assert remat.simulate(chain, sent).host_peak_bytes == 4 * 8 * hidden
+    budget = remat.step_peak_bytes(chain, ctx, sent)
+    lp.set_budget(budget)
+    assert sum(c.startswith("{") and "h" in c for c in lp.choices) >= 3, lp.choices
+    sim = remat.simulate(chain, lp.plan)
+    pool = lp.host_pool
+    for k in range(2):
+        pool.peak_bytes = 0
+        got = stack_step(model, x)
+        same_step(plain, got)
+        assert got[2] <= lp.predicted_peak_bytes <= budget, (lp.choices, got[2], lp.predicted_peak_bytes)
+        assert lp.predicted_peak_bytes - got[2] < 0.1 * got[2]
+        assert pool.peak_bytes == sim.host_peak_bytes == lp.predicted_host_bytes, (lp.choices, pool.peak_bytes)
+    # The same chain without groups: that budget costs more time.
+    without = remat.per_layer(chain, remat.simulate(chain, lp.plan).peak_bytes, offload=True, groups=False)
+    assert without.predicted.time_ms > remat.per_layer(chain, remat.simulate(chain, lp.plan).peak_bytes,
+                                                       offload=True).predicted.time_ms
+    lp.remove()

@@ -143,6 +143,32 @@ void validate(const Chain& chain) {
                                   " has keep_offload but no keep_ fields");
     }
     if (s.has_keep()) check_offload(chain, i, "keep_offload", s.keep_offload, *s.keep_saved_bytes);
+    if (s.groups.size() > kMaxGroups) {
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " +
+                                  std::to_string(s.groups.size()) + " saved groups; at most " +
+                                  std::to_string(kMaxGroups) + " (each assignment is one of 3^groups)");
+    }
+    int64_t grouped = 0;
+    for (size_t g = 0; g < s.groups.size(); ++g) {
+      const SavedGroup& sg = s.groups[g];
+      if (sg.name.empty()) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s saved group " +
+                                    std::to_string(g) + " has no name");
+      }
+      for (size_t h = 0; h < g; ++h) {
+        if (s.groups[h].name == sg.name)
+          throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " names saved group '" +
+                                      sg.name + "' twice");
+      }
+      check_bytes(chain, i, "group bytes", sg.bytes);
+      check_ms(chain, i, "group recompute_ms", sg.recompute_ms);
+      add_bytes(grouped, sg.bytes, stage_label(chain, i));
+    }
+    if (grouped > s.saved_bytes - s.output_bytes) {
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s saved groups hold " +
+                                  std::to_string(grouped) + " bytes, more than it saves beside its output (" +
+                                  std::to_string(s.saved_bytes - s.output_bytes) + ")");
+    }
     if (s.policies.empty()) continue;
     if (s.policies.size() != chain.policies.size()) {
       throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " +
@@ -227,6 +253,11 @@ std::string to_json(const Chain& chain) {
         if (c.offload) jc["offload"] = offload_json(*c.offload);
         js["policies"].push_back(jc);
       }
+    }
+    if (!s.groups.empty()) {
+      js["groups"] = nlohmann::ordered_json::array();
+      for (const SavedGroup& g : s.groups)
+        js["groups"].push_back({{"name", g.name}, {"bytes", g.bytes}, {"recompute_ms", g.recompute_ms}});
     }
     j["stages"].push_back(js);
   }
@@ -353,6 +384,22 @@ Chain chain_from_json(const std::string& text) {
         s.policies.push_back(std::move(c));
       }
     }
+    if (js.contains("groups")) {
+      const auto& jg = js.at("groups");
+      if (!jg.is_array())
+        throw std::invalid_argument("remat::chain_from_json: " + where + ": \"groups\" must be an array");
+      for (size_t g = 0; g < jg.size(); ++g) {
+        const std::string at = where + " group " + std::to_string(g);
+        if (!jg[g].is_object() || !jg[g].contains("name") || !jg[g].at("name").is_string()) {
+          throw std::invalid_argument("remat::chain_from_json: " + at + " must be an object with a \"name\"");
+        }
+        SavedGroup sg;
+        sg.name = jg[g].at("name").get<std::string>();
+        sg.bytes = required<int64_t>(jg[g], "bytes", at);
+        sg.recompute_ms = required<double>(jg[g], "recompute_ms", at);
+        s.groups.push_back(std::move(sg));
+      }
+    }
     chain.stages.push_back(std::move(s));
   }
   chain.keep = detail::string_array(j, "keep", "remat::chain_from_json");
@@ -402,6 +449,40 @@ Chain uniform_chain(int64_t n, double fwd_ms, double bwd_ms, int64_t output_byte
   }
   validate(chain);
   return chain;
+}
+
+PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
+  if (assignment.size() != stage.groups.size()) {
+    throw std::invalid_argument("remat::group_cost: the assignment '" + assignment + "' has " +
+                                std::to_string(assignment.size()) + " characters, but stage '" + stage.name +
+                                "' has " + std::to_string(stage.groups.size()) + " saved groups");
+  }
+  PolicyCost c;
+  c.policy = "{" + assignment + "}";
+  int64_t kept = 0, sent = 0;
+  double skipped_ms = 0;
+  for (size_t g = 0; g < assignment.size(); ++g) {
+    const SavedGroup& sg = stage.groups[g];
+    switch (assignment[g]) {
+      case 'k':
+        kept += sg.bytes, skipped_ms += sg.recompute_ms;
+        break;
+      case 'h':
+        sent += sg.bytes, skipped_ms += sg.recompute_ms;
+        break;
+      case 'r':
+        break;
+      default:
+        throw std::invalid_argument(
+            "remat::group_cost: the assignment '" + assignment + "' has '" + std::string(1, assignment[g]) +
+            "'; each group is 'k' (kept), 'h' (sent to the host) or 'r' (recomputed)");
+    }
+  }
+  c.saved_bytes = stage.output_bytes + kept + sent;
+  c.fwd_ms = stage.per_call_fwd_ms();
+  c.bwd_ms = std::max(stage.bwd_ms, stage.per_call_bwd_ms() - skipped_ms);
+  if (assignment.find('h') != std::string::npos) c.offload = OffloadCost{sent, false, false};
+  return c;
 }
 
 }  // namespace remat

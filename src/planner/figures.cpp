@@ -104,6 +104,10 @@ void visit(C& chain, X& context, V& v) {
       v.ms(c.bwd_ms);
       v.offload(c.offload);
     }
+    for (auto& g : s.groups) {
+      v.bytes(g.bytes);
+      v.ms(g.recompute_ms);
+    }
   }
   v.flag(context.input_in_base);
   v.bytes(context.before_saved_bytes);
@@ -139,7 +143,7 @@ void set_plan_figures(Chain& chain, StepContext& context, const PlanFigures& fig
         std::string(kWho) + ": " + std::to_string(figures.ints.size()) + " integer and " +
         std::to_string(figures.reals.size()) + " real figures for a chain and context that have " +
         std::to_string(mine.ints.size()) + " and " + std::to_string(mine.reals.size()) +
-        " (the processes' chains differ in stages, policies or stage_grads_bytes)");
+        " (the processes' chains differ in stages, policies, saved groups or stage_grads_bytes)");
   }
   Chain c = chain;
   StepContext x = context;
@@ -154,6 +158,12 @@ void set_plan_figures(Chain& chain, StepContext& context, const PlanFigures& fig
       s.keep_offload.reset();  // no Fk on some process: no Fk@host either
     for (PolicyCost& p : s.policies)
       lower_to_kept(p.offload, p.saved_bytes, s.output_bytes);
+    // Groups' maxima from different processes may add up to more than the largest stage saves: what it
+    // saves is raised to hold them (validate()'s rule; the larger figure is the safe one).
+    int64_t grouped = 0;
+    for (const SavedGroup& g : s.groups)
+      grouped += g.bytes;
+    s.saved_bytes = std::max(s.saved_bytes, s.output_bytes + grouped);
   }
   validate(c);
   validate(x, c);

@@ -2,6 +2,8 @@
 #include <limits>
 #include <optional>
 #include <stdexcept>
+#include <string>
+#include <tuple>
 
 #include "planning.h"
 #include "remat/planner.h"
@@ -39,10 +41,65 @@ struct Choice {
   double bwd_ms = 0;     // its recompute and backward (what hides the previous stage's copy back)
   bool offload = false;  // what it saves goes to the host
   const OffloadCost* cost = nullptr;  // the way's offload cost, offloaded or not (null: unknown)
+  std::string groups;                 // a group assignment (Fk{...}), or empty
+  std::optional<OffloadCost> own;     // a group assignment's offload cost (cost points here once placed)
 };
 
+// The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
+// all r (that is Fc), keeping of those with the same kept and sent bytes the one that saves the most
+// recompute time, and of the rest those no other beats in kept bytes, sent bytes and time together (a plan's
+// peak and time only grow with each).
+std::vector<Choice> group_choices(const Stage& s, bool offload) {
+  const size_t g = s.groups.size();
+  std::vector<Choice> all;
+  if (g == 0) return all;
+  size_t count = 1;
+  for (size_t k = 0; k < g; ++k)
+    count *= offload ? 3 : 2;
+  struct Candidate {
+    int64_t kept, sent;
+    double ms;
+    std::string text;
+  };
+  std::vector<Candidate> cands;
+  for (size_t code = 0; code < count; ++code) {
+    std::string text(g, 'r');
+    size_t c = code;
+    int64_t kept = 0, sent = 0;
+    double skipped = 0;
+    for (size_t k = 0; k < g; ++k) {
+      const size_t digit = offload ? c % 3 : c % 2;
+      c /= offload ? 3 : 2;
+      if (digit == 1) text[k] = 'k', kept += s.groups[k].bytes, skipped += s.groups[k].recompute_ms;
+      if (digit == 2) text[k] = 'h', sent += s.groups[k].bytes, skipped += s.groups[k].recompute_ms;
+    }
+    if (text.find_first_not_of('r') == std::string::npos) continue;
+    cands.push_back({kept, sent, -skipped, text});
+  }
+  std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
+    return std::tie(a.kept, a.sent, a.ms) < std::tie(b.kept, b.sent, b.ms);
+  });
+  std::vector<Candidate> front;
+  for (const Candidate& c : cands) {
+    const bool beaten = std::any_of(front.begin(), front.end(), [&](const Candidate& f) {
+      return f.kept <= c.kept && f.sent <= c.sent && f.ms <= c.ms;
+    });
+    if (!beaten) front.push_back(c);
+  }
+  for (const Candidate& c : front) {
+    const PolicyCost cost = group_cost(s, c.text);
+    Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
+    ch.ms = ch.fwd_ms + ch.bwd_ms;
+    ch.groups = c.text;
+    ch.own = cost.offload;
+    ch.offload = cost.offload.has_value();
+    all.push_back(std::move(ch));
+  }
+  return all;
+}
+
 std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<char>& allowed, bool all_only,
-                               bool offload) {
+                               bool offload, bool groups) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   std::vector<Choice> out;
   auto add = [&](Choice c, const std::optional<OffloadCost>& cost) {
@@ -65,6 +122,12 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
     const PolicyCost& c = s.policies[p];
     add({OpKind::kForwardKeep, static_cast<int64_t>(p) + 1, c.saved_bytes, 0, c.fwd_ms, c.bwd_ms}, c.offload);
   }
+  if (groups) {
+    for (Choice& c : group_choices(s, offload))
+      out.push_back(std::move(c));
+  }
+  for (Choice& c : out)
+    if (c.own) c.cost = &*c.own;  // placed: the vector moves whole from here on, its elements stay
   return out;
 }
 
@@ -198,7 +261,7 @@ struct Solution {
 // by_time: the fastest within `budget`; otherwise the least peak (budget ignored). offload: the choices may
 // offload (what options allow), the host bytes at most max_host (-1: no bound).
 Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget,
-               const StepTerms* step, bool offload, int64_t max_host) {
+               const StepTerms* step, bool offload, int64_t max_host, bool groups) {
   const int64_t n = chain.size();
   const bool bounded = offload && max_host >= 0;
   Solution sol;
@@ -218,7 +281,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   const bool link = by_time && offload;
   for (int64_t j = 0; j < n; ++j) {
     sol.choices[static_cast<size_t>(j)] =
-        choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload);
+        choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload, groups);
     const auto& cs = sol.choices[static_cast<size_t>(j)];
     const int64_t a_in = chain.activation_bytes(j), a_out = chain.stages[static_cast<size_t>(j)].output_bytes;
     std::vector<Point> next;
@@ -311,8 +374,9 @@ Plan plan_of(const std::vector<const Choice*>& picked, double* ms) {
   for (int64_t j = 0; j < n; ++j) {
     const Choice& c = *picked[static_cast<size_t>(j)];
     Op op{c.kind, j};
-    if (c.kind == OpKind::kForwardKeep) op.policy = static_cast<int32_t>(c.variant - 1);
-    op.offload = c.offload;
+    if (c.kind == OpKind::kForwardKeep && c.groups.empty()) op.policy = static_cast<int32_t>(c.variant - 1);
+    op.offload = c.offload && c.groups.empty();  // a group assignment says itself what goes
+    op.groups = c.groups;
     plan.ops.push_back(op);
     *ms += c.ms;
   }
@@ -364,7 +428,8 @@ std::vector<char> allowed_for(const Chain& chain, const PlannerOptions& options,
 int64_t per_layer_min_budget(const Chain& chain, const PlannerOptions& options) {
   validate(chain);
   const std::vector<char> allowed = allowed_for(chain, options, "remat::per_layer");
-  return solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes).best_peak;
+  return solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes, options.groups)
+      .best_peak;
 }
 
 Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options) {
@@ -374,12 +439,13 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
                                 " bytes)");
   }
   const std::vector<char> allowed = allowed_for(chain, options, "remat::per_layer");
-  const Solution sol =
-      solve(chain, allowed, true, budget_bytes, nullptr, options.offload, options.max_host_bytes);
+  const Solution sol = solve(chain, allowed, true, budget_bytes, nullptr, options.offload,
+                             options.max_host_bytes, options.groups);
   if (sol.best < 0) {
     detail::infeasible(
         "remat::per_layer", budget_bytes,
-        solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes).best_peak);
+        solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes, options.groups)
+            .best_peak);
   }
   double ms = 0;
   Plan plan = detail::finish(chain, plan_of(picks(sol), &ms), "per-layer", budget_bytes);
@@ -405,7 +471,8 @@ std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& con
   const int64_t base = context.input_in_base ? chain.input_bytes : 0;
   Solution sol;
   if (std::max(context.before_peak_bytes, context.before_backward_peak_bytes) <= budget_bytes)
-    sol = solve(step, allowed, true, budget_bytes + base, &terms, options.offload, options.max_host_bytes);
+    sol = solve(step, allowed, true, budget_bytes + base, &terms, options.offload, options.max_host_bytes,
+                options.groups);
   if (sol.best < 0) {
     *least_bytes = per_layer_step_min(chain, context, options);
     return std::nullopt;
@@ -423,7 +490,7 @@ int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const
   const Chain step = step_chain(chain, context);
   const StepTerms terms = step_terms(chain, context);
   const Solution sol = solve(step, allowed_for(step, options, "remat::plan_step"), false, 0, &terms,
-                             options.offload, options.max_host_bytes);
+                             options.offload, options.max_host_bytes, options.groups);
   return std::max(std::max(context.before_peak_bytes, context.before_backward_peak_bytes),
                   sol.best_peak - (context.input_in_base ? chain.input_bytes : int64_t{0}));
 }

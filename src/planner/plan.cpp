@@ -40,6 +40,7 @@ std::string op_text(const Plan& plan, const Op& op) {
     const auto p = static_cast<size_t>(op.policy);
     text += "[" + (p < plan.policies.size() ? plan.policies[p] : "#" + std::to_string(op.policy)) + "]";
   }
+  if (!op.groups.empty()) text += "{" + op.groups + "}";
   if (op.offload) text += "@host";
   return text;
 }
@@ -76,16 +77,28 @@ Op parse_op(const std::string& full, std::vector<std::string>& policies) {
   auto fail = [&] {
     throw std::invalid_argument(
         "remat::parse_op: '" + full +
-        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, Fk<i>[policy], L or B<i>, Fa, Fk and Fc with "
-        "@host after them, e.g. Fc0, Fa3, Fk2[matmuls], Fa1@host, L, B3)");
+        "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, Fk<i>[policy], Fk<i>{groups}, L or B<i>, Fa, Fk "
+        "and Fc with @host after them, e.g. Fc0, Fa3, Fk2[matmuls], Fk2{khr}, Fa1@host, L, B3)");
   };
   static const std::string kHost = "@host";
   const bool offload =
       full.size() > kHost.size() && full.compare(full.size() - kHost.size(), kHost.size(), kHost) == 0;
   if (offload) {
     if (!(full.rfind("Fa", 0) == 0 || full.rfind("Fk", 0) == 0 || full.rfind("Fc", 0) == 0)) fail();
+    if (full.find('{') != std::string::npos) fail();  // a group assignment says what goes to the host
     Op op = parse_op(full.substr(0, full.size() - kHost.size()), policies);
     op.offload = true;
+    return op;
+  }
+  const size_t brace = full.find('{');
+  if (brace != std::string::npos) {
+    // A group assignment: Fk<i>{...}, one of k, h, r per group, at least one; no policy, no @host.
+    if (full.back() != '}' || full.rfind("Fk", 0) != 0 || full.find('[') != std::string::npos) fail();
+    std::string groups = full.substr(brace + 1, full.size() - brace - 2);
+    if (groups.empty() || groups.size() > kMaxGroups || groups.find_first_not_of("khr") != std::string::npos)
+      fail();
+    Op op = parse_op(full.substr(0, brace), policies);
+    op.groups = std::move(groups);
     return op;
   }
   std::string text = full;
@@ -151,8 +164,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     }
   }
   std::vector<Held> held(static_cast<size_t>(n + 1), kNone);
-  std::vector<int32_t> kept_with(static_cast<size_t>(n + 1), -1);  // for kKept: the Fk's policy
-  held[0] = kPlain;                                                // the chain's input, resident throughout
+  std::vector<int32_t> kept_with(static_cast<size_t>(n + 1), -1);    // for kKept: the Fk's policy
+  std::vector<std::string> kept_groups(static_cast<size_t>(n + 1));  // for kKept: its group assignment
+  held[0] = kPlain;                                                  // the chain's input, resident throughout
   int64_t grad = -1;  // index j of the gradient d_j held, -1 before the loss
   bool loss_done = false;
   int64_t current = act(0);
@@ -160,15 +174,20 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   sim.forward_calls.assign(static_cast<size_t>(n), 0);
   sim.peak_bytes = current;
 
-  // What Fk of stage i - 1 keeps, and its forward and backward, with the policy `p` (-1: the keep tags).
-  auto fk = [&](int64_t i, int32_t p) -> std::tuple<int64_t, double, double> {
+  // What Fk of stage i - 1 keeps, and its forward and backward, with the policy `p` (-1: the keep tags), or
+  // the group assignment `groups` when not empty.
+  auto fk = [&](int64_t i, int32_t p, const std::string& groups) -> std::tuple<int64_t, double, double> {
     if (!chain) return {0, 0.0, 0.0};
     const Stage& st = chain->stages[i - 1];
+    if (!groups.empty()) {
+      const PolicyCost c = group_cost(st, groups);
+      return {c.saved_bytes, c.fwd_ms, c.bwd_ms};
+    }
     if (p < 0) return {*st.keep_saved_bytes, *st.keep_fwd_ms, *st.keep_bwd_ms};
     const PolicyCost& c = st.policies[policy_at[static_cast<size_t>(p)]];
     return {c.saved_bytes, c.fwd_ms, c.bwd_ms};
   };
-  auto kept = [&](int64_t i) -> int64_t { return std::get<0>(fk(i, kept_with[i])); };
+  auto kept = [&](int64_t i) -> int64_t { return std::get<0>(fk(i, kept_with[i], kept_groups[i])); };
   auto held_bytes = [&](int64_t i) -> int64_t {
     return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : held[i] == kKept ? kept(i) : 0;
   };
@@ -193,9 +212,14 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   // The time the copies to the host in flight still need after the last forward (one link: a stage's copies
   // begin with its forward, once the link has finished those before them).
   double link = 0;
+  std::optional<OffloadCost> group_offload;  // offload_cost()'s of a group assignment
   auto offload_cost = [&](const Op& op) -> const OffloadCost* {
     if (!chain) return nullptr;
     const Stage& st = chain->stages[static_cast<size_t>(op.stage)];
+    if (!op.groups.empty()) {
+      group_offload = group_cost(st, op.groups).offload;
+      return group_offload ? &*group_offload : nullptr;
+    }
     if (op.kind == OpKind::kForwardAll) return st.offload ? &*st.offload : nullptr;
     if (op.kind == OpKind::kForwardCheckpoint)
       return st.checkpoint_offload ? &*st.checkpoint_offload : nullptr;
@@ -234,14 +258,28 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     if (op.kind != OpKind::kLoss && (i < 0 || i >= n)) {
       fail("names stage " + std::to_string(i) + ", but the plan has " + std::to_string(n) + " stages");
     }
-    if (op.offload) {
+    if (!op.groups.empty()) {
+      if (op.kind != OpKind::kForwardKeep || op.policy != -1 || op.offload)
+        fail("has a group assignment, which only Fk carries, with no policy and no @host");
+      if (op.groups.find_first_not_of("khr") != std::string::npos)
+        fail("has a group assignment with characters other than k, h and r");
+      if (loss_done) fail("has a group assignment after the loss (only forwards before it can)");
+      if (chain && op.stage >= 0 && op.stage < n &&
+          op.groups.size() != chain->stages[static_cast<size_t>(op.stage)].groups.size()) {
+        fail("assigns " + std::to_string(op.groups.size()) + " groups, but the chain's stage " +
+             std::to_string(op.stage) + " ('" + chain->stages[static_cast<size_t>(op.stage)].name +
+             "') has " + std::to_string(chain->stages[static_cast<size_t>(op.stage)].groups.size()) +
+             " saved groups (profile it with groups)");
+      }
+    }
+    if (op.offloads()) {
       if (op.kind != OpKind::kForwardAll && op.kind != OpKind::kForwardKeep &&
           op.kind != OpKind::kForwardCheckpoint)
         fail("offloads, but only Fa, Fk and Fc can");
       if (loss_done) fail("offloads after the loss (only forwards before it can)");
     }
     if (!loss_done && op.kind != OpKind::kLoss && op.kind != OpKind::kBackward) {
-      if (forwarded[i] && (op.offload || away[i].state != Away::kNo))
+      if (forwarded[i] && (op.offloads() || away[i].state != Away::kNo))
         fail("runs stage " + std::to_string(i) +
              " a second time before the loss, and one of its forwards "
              "offloads (an offloaded stage's forward must be its only one before the loss)");
@@ -285,7 +323,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         if (held[i + 1] == kFull || held[i + 1] == kKept || (!all && !keep && held[i + 1] == kPlain)) {
           fail("recomputes a_" + std::to_string(i + 1) + ", which is already held");
         }
-        if (keep && chain && op.policy < 0 && !chain->stages[i].has_keep()) {
+        if (keep && chain && op.policy < 0 && op.groups.empty() && !chain->stages[i].has_keep()) {
           fail("runs stage " + std::to_string(i) + " ('" + chain->stages[i].name +
                "') with kept calls, but the chain has no keep_ fields for it (profile with keep tags)");
         }
@@ -294,7 +332,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
                plan.policies[static_cast<size_t>(op.policy)] +
                "', but the chain has no costs under it for it");
         }
-        if (keep) kept_with[i + 1] = op.policy;
+        if (keep) kept_with[i + 1] = op.policy, kept_groups[i + 1] = op.groups;
         const int64_t out = all    ? (chain ? chain->stages[i].saved_bytes : 0)
                             : keep ? kept(i + 1)
                                    : act(i + 1);
@@ -310,7 +348,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         double ms = 0;
         if (chain) {
           const Stage& st = chain->stages[i];
-          ms = all ? st.fwd_ms : keep ? std::get<1>(fk(i + 1, op.policy)) : st.nosave_ms();
+          ms = all ? st.fwd_ms : keep ? std::get<1>(fk(i + 1, op.policy, op.groups)) : st.nosave_ms();
           sim.time_ms += ms;
         }
         // Copies to the host started before this forward have run beside it (and beside their own forward,
@@ -333,7 +371,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         link = 0;
         // A runtime that holds a kept stage's output (Chain::holds_outputs) holds it, offloaded or not.
         const bool runtime_holds = chain && chain->holds_outputs && (all || keep);
-        if (op.offload) {
+        if (op.offloads()) {
           const OffloadCost* c = offload_cost(op);
           if (chain && !c)
             fail("offloads stage " + std::to_string(i) + " ('" + chain->stages[i].name +
@@ -395,7 +433,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           held[i] = kNone;
         }
         if (chain)
-          sim.time_ms += after_keep ? std::get<2>(fk(i + 1, kept_with[i + 1])) : chain->stages[i].bwd_ms;
+          sim.time_ms += after_keep ? std::get<2>(fk(i + 1, kept_with[i + 1], kept_groups[i + 1]))
+                                    : chain->stages[i].bwd_ms;
         if (away[static_cast<size_t>(i)].state != Away::kNo) {  // autograd drops what it saved: host freed
           host -= away[static_cast<size_t>(i)].copied;
           away[static_cast<size_t>(i)] = Away{};
@@ -441,7 +480,7 @@ nlohmann::ordered_json plan_json(const Plan& plan) {
   p["time_ms"] = plan.predicted.time_ms;
   p["forward_calls"] = plan.predicted.forward_calls;
   const bool offloads =
-      std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.offload; });
+      std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.offloads(); });
   if (offloads) {
     p["host_peak_bytes"] = plan.predicted.host_peak_bytes;
     p["transfer_ms"] = plan.predicted.transfer_ms;
@@ -490,7 +529,7 @@ Plan plan_from_json(const std::string& text) {
   plan.keep = detail::string_array(j, "keep", "remat::plan_from_json");
   check_plan(plan);
   for (const Op& op : plan.ops) {
-    if (op.kind == OpKind::kForwardKeep && op.policy < 0 && plan.keep.empty())
+    if (op.kind == OpKind::kForwardKeep && op.policy < 0 && op.groups.empty() && plan.keep.empty())
       fail("the plan has Fk operations but no \"keep\" tags to run them with");
   }
   return plan;

@@ -96,7 +96,11 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
   }
   int64_t tag_fk = 0;
   for (const Op& op : plan.ops) {
-    tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0;
+    TORCH_CHECK(op.groups.empty(), who, ": the plan runs stage ", op.stage, " under a group assignment (",
+                op_text(plan, op),
+                "), which the C++ runtime does not carry out yet (the Python package's "
+                "remat.enable does); plan with PlannerOptions::groups = false");
+    tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0 && op.groups.empty();
   }
   TORCH_CHECK(tag_fk == 0 || !plan.keep.empty(), who, ": the plan has ", tag_fk,
               " Fk operations but no remat::keep tags to run them with (Plan::keep is empty)");

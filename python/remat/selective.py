@@ -248,6 +248,9 @@ class _Recompute(TorchDispatchMode):
         bring_back = getattr(self.cache.offload, "bring_back", None)
         if bring_back is not None and self.cache.handles:
             bring_back(self.cache.handles)  # every copy started; each waited for where it is read
+        # The entries hold the handles from here on, each until handed out: a handle kept here would hold its
+        # device copy until the region's graph is freed (a layer's sent outputs past its backward, measured).
+        self.cache.handles = []
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -84,6 +84,8 @@ def main():
     ap.add_argument("--steps", type=int, default=None, help="paired steps per way and round (bert 1, llama 3)")
     ap.add_argument("--min-bytes", type=int, default=1 << 20, help="offload_min_bytes")
     ap.add_argument("--skip", default="", help="ways not to run, comma-separated (hf-offload, save_on_cpu)")
+    ap.add_argument("--groups", action="store_true",
+                    help="remat plans each layer's saved groups too (remat.hf.enable(..., groups=True))")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
@@ -164,7 +166,8 @@ def main():
     gc.collect()
     plain_a, plain_b = copy.deepcopy(base_model), copy.deepcopy(base_model)
     rm = build(args, dev)[0]  # afresh, gradients allocated as the others' (a deep copy drops .grad: see BENCHMARKS)
-    lp = remat.hf.enable(rm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes)  # planned per row below
+    lp = remat.hf.enable(rm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes,
+                         groups=args.groups)  # planned per row below
     check = []
     t0 = time.perf_counter()
     for k in range(2):

@@ -58,11 +58,12 @@ struct Step {
   torch::Tensor next_draw;
 };
 
-// One step; `open` makes the scope the forward pass runs in (none when null); ckpt: each block checkpointed;
-// use_grad: torch::autograd::grad instead of backward().
+// One step; `open` makes the scope the forward pass runs in (none when null); ckpt: each block checkpointed
+// (with `options`); use_grad: torch::autograd::grad instead of backward(); finish: the scope's copies waited
+// for before its counts are read (and `held`).
 Step run(Mlp& model, const torch::Tensor& x,
          const std::function<std::unique_ptr<remat::Offload>()>& open = nullptr, bool ckpt = false,
-         bool use_grad = false) {
+         bool use_grad = false, const remat::CheckpointOptions& options = {}, bool finish = false) {
   meter_on();
   for (auto& p : model.parameters())
     p.mutable_grad() = torch::zeros_like(p);
@@ -74,10 +75,11 @@ Step run(Mlp& model, const torch::Tensor& x,
     std::unique_ptr<remat::Offload> scope = open ? open() : nullptr;
     torch::Tensor h = x;
     for (auto& block : model.blocks) {
-      h = ckpt ? remat::checkpoint([&](const torch::Tensor& in) { return block->forward(in); }, h)
+      h = ckpt ? remat::checkpoint([&](const torch::Tensor& in) { return block->forward(in); }, h, options)
                : block->forward(h);
     }
     out = h;
+    if (scope && finish) scope->finish_copies();
     if (scope) stats = scope->stats();
   }
   Step r;
@@ -651,37 +653,17 @@ TEST(Offload, EachCallKeptSentToTheHostOrRecomputedGivesThePlainGradients) {
     });
   };
   auto step = [&](remat::CheckpointPolicy linear, bool offloading, int copy_delay = 0) {
-    const remat::Policy policy = policy_with(linear);
-    meter_on();
-    for (auto& p : model.parameters())
-      p.mutable_grad() = torch::zeros_like(p);
-    torch::manual_seed(7);
-    const int64_t base = remat::memory::active_bytes();
-    Step r;
-    torch::Tensor h = x;
-    {
-      std::optional<remat::Offload> scope;
-      if (offloading)
-        scope.emplace(remat::OffloadOptions()
-                          .min_bytes(kHidden)
-                          .copy_delay(copy_delay)
-                          .keep_on_device(model.parameters()));
-      for (auto& block : model.blocks)
-        h = remat::checkpoint([&](const torch::Tensor& in) { return block->forward(in); }, h,
-                              remat::CheckpointOptions().policy(policy));
-      if (scope) {
-        scope->finish_copies();
-        r.offloaded = scope->stats();
-      }
+    std::function<std::unique_ptr<remat::Offload>()> open;
+    if (offloading) {
+      open = [&] {
+        return std::make_unique<remat::Offload>(remat::OffloadOptions()
+                                                    .min_bytes(kHidden)
+                                                    .copy_delay(copy_delay)
+                                                    .keep_on_device(model.parameters()));
+      };
     }
-    r.held = remat::memory::active_bytes() - base;
-    r.loss = h.square().mean();
-    r.loss.backward();
-    for (auto& p : model.parameters())
-      r.grads.push_back(p.grad().clone());
-    r.loss = r.loss.detach();
-    r.next_draw = torch::rand({3});
-    return r;
+    return run(model, x, open, /*ckpt=*/true, false, remat::CheckpointOptions().policy(policy_with(linear)),
+               /*finish=*/true);
   };
   using P = remat::CheckpointPolicy;
   const Step kept = step(P::kMustSave, false);

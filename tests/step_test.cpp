@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <random>
@@ -128,6 +129,33 @@ bool is_per_layer_shape(const Plan& plan) {
   return plan.ops[static_cast<size_t>(n)].kind == OpKind::kLoss && forward_calls_at_most(plan, 2);
 }
 
+// per_layer() with `options` against `all` (every per-layer plan, found exhaustively): the least peak, and at
+// four budgets from it up (that one first) the least time, each plan's peak (simulate()'s) and shape; `each`
+// sees every plan. Returns the least peak.
+int64_t expect_exhaustive(const Chain& chain, const std::vector<Candidate>& all,
+                          const remat::PlannerOptions& options, std::mt19937& rng, int trial,
+                          const std::function<void(const Plan&, int64_t)>& each) {
+  int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+  for (const Candidate& c : all)
+    least = std::min(least, c.peak), most = std::max(most, c.peak);
+  EXPECT_EQ(remat::per_layer_min_budget(chain, options), least) << "trial " << trial;
+  std::uniform_int_distribution<int64_t> pick(least, most);
+  for (int b = 0; b < 4; ++b) {
+    const int64_t budget = b == 0 ? least : pick(rng);
+    double best = std::numeric_limits<double>::infinity();
+    for (const Candidate& c : all)
+      if (c.peak <= budget) best = std::min(best, c.ms);
+    const Plan plan = remat::per_layer(chain, budget, options);
+    EXPECT_LE(plan.predicted.peak_bytes, budget);
+    EXPECT_EQ(plan.predicted.peak_bytes, remat::simulate(chain, plan).peak_bytes);
+    EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
+        << "trial " << trial << " budget " << budget << " plan " << plan.to_string();
+    EXPECT_TRUE(is_per_layer_shape(plan)) << plan.to_string();
+    each(plan, budget);
+  }
+  return least;
+}
+
 // Gives each stage of `chain` but every fourth 1 to 3 saved groups: random bytes that fit what it saves
 // beside its output, and random recompute times within its recompute.
 void add_random_groups(std::mt19937& rng, Chain& chain) {
@@ -158,28 +186,14 @@ TEST(PerLayer, EqualsExhaustiveSearchOnRandomChains) {
     const int64_t n = 1 + trial % 6;
     const Chain chain = random_policy_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
-    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
-    for (const Candidate& c : all)
-      least = std::min(least, c.peak), most = std::max(most, c.peak);
-    EXPECT_EQ(remat::per_layer_min_budget(chain), least) << "trial " << trial;
-    std::uniform_int_distribution<int64_t> pick(least, most);
-    for (int b = 0; b < 4; ++b) {
-      const int64_t budget = b == 0 ? least : pick(rng);
-      double best = std::numeric_limits<double>::infinity();
-      for (const Candidate& c : all)
-        if (c.peak <= budget) best = std::min(best, c.ms);
-      const Plan plan = remat::per_layer(chain, budget);
-      EXPECT_LE(plan.predicted.peak_bytes, budget);
-      EXPECT_EQ(plan.predicted.peak_bytes, remat::simulate(chain, plan).peak_bytes);
-      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
-          << "trial " << trial << " budget " << budget;
-      EXPECT_TRUE(is_per_layer_shape(plan)) << plan.to_string();
-      EXPECT_EQ(plan.planner, "per-layer");
-      EXPECT_EQ(plan.budget_bytes, budget);
-      with_fk += plan.count(OpKind::kForwardKeep) > 0;
-      with_fc += plan.count(OpKind::kForwardCheckpoint) > 0;
-      with_fa += plan.count(OpKind::kForwardAll) > plan.count(OpKind::kForwardCheckpoint);
-    }
+    const int64_t least = expect_exhaustive(
+        chain, all, remat::PlannerOptions(), rng, trial, [&](const Plan& plan, int64_t budget) {
+          EXPECT_EQ(plan.planner, "per-layer");
+          EXPECT_EQ(plan.budget_bytes, budget);
+          with_fk += plan.count(OpKind::kForwardKeep) > 0;
+          with_fc += plan.count(OpKind::kForwardCheckpoint) > 0;
+          with_fa += plan.count(OpKind::kForwardAll) > plan.count(OpKind::kForwardCheckpoint);
+        });
     if (least > 0) {
       try {
         remat::per_layer(chain, least - 1);
@@ -769,32 +783,16 @@ TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {
     Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
     add_random_groups(rng, chain);
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, offload, true);
-    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
-    for (const Candidate& c : all)
-      least = std::min(least, c.peak), most = std::max(most, c.peak);
     remat::PlannerOptions options;
     options.offload = offload;
-    EXPECT_EQ(remat::per_layer_min_budget(chain, options), least) << "trial " << trial;
-    std::uniform_int_distribution<int64_t> pick(least, most);
-    for (int b = 0; b < 4; ++b) {
-      const int64_t budget = b == 0 ? least : pick(rng);
-      double best = std::numeric_limits<double>::infinity();
-      for (const Candidate& c : all)
-        if (c.peak <= budget) best = std::min(best, c.ms);
-      const Plan plan = remat::per_layer(chain, budget, options);
-      const remat::Simulation sim = remat::simulate(chain, plan);
-      EXPECT_LE(plan.predicted.peak_bytes, budget);
-      EXPECT_EQ(plan.predicted.peak_bytes, sim.peak_bytes);
-      EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
-          << "trial " << trial << " budget " << budget << " plan " << plan.to_string();
-      EXPECT_TRUE(is_per_layer_shape(plan)) << plan.to_string();
+    expect_exhaustive(chain, all, options, rng, trial, [&](const Plan& plan, int64_t) {
       EXPECT_EQ(remat::plan_from_json(remat::to_json(plan)).ops, plan.ops);
       for (const Op& op : plan.ops) {
         grouped += !op.groups.empty();
         sent += op.groups.find('h') != std::string::npos;
         EXPECT_TRUE(offload || op.groups.find('h') == std::string::npos) << plan.to_string();
       }
-    }
+    });
     // Without groups, no plan is faster.
     remat::PlannerOptions without = options;
     without.groups = false;

@@ -82,7 +82,7 @@ def _check_hook(model: nn.Module) -> None:
 
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
            policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False,
-           max_host_bytes=None, offload_min_bytes: int = 1 << 20) -> LayerPlan:
+           max_host_bytes=None, offload_min_bytes: int = 1 << 20, groups: bool = False) -> LayerPlan:
     """Plans `model`'s layers for `budget` (bytes, an int, or a string with a unit such as "600MiB"): the whole
     training step's peak above the bytes alive when its forward is called. Returns the LayerPlan (its plan,
     choices, chain, predicted_peak_bytes, last_peak_bytes). example: one training batch's keyword arguments
@@ -93,7 +93,9 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     maximum over the ranks; None, the default: on when a torch.distributed group of more than one rank is
     initialized), so that all run one plan. offload=True: the planner may also offload layers to host memory
     (not Hugging Face's "always offload": a layer is offloaded where that is the fastest way to fit the budget;
-    remat.enable's documentation says how), max_host_bytes bounding the host memory a plan holds.
+    remat.enable's documentation says how), max_host_bytes bounding the host memory a plan holds. groups=True:
+    each layer's saved groups are measured and the planner may keep, send or recompute each (remat.enable's
+    groups).
     Raises TypeError when the model has no layer list remat knows,
     ValueError for a bad budget or plan, remat.InfeasibleBudget (naming the least feasible budget) when no plan
     fits."""
@@ -102,7 +104,7 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     disable(model)
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
-                   offload_min_bytes=offload_min_bytes, who="remat.hf.enable")
+                   offload_min_bytes=offload_min_bytes, groups=groups, who="remat.hf.enable")
 
     type(model)._set_gradient_checkpointing(model, enable=True, gradient_checkpointing_func=_Checkpointing(lp))
     model._remat_layer_plan = lp

@@ -165,9 +165,12 @@ def _groupable(func, name: str, args, kwargs) -> bool:
     return not (name.endswith("_like") or name.startswith("aten::new_") or name == "aten::_unsafe_view")
 
 
-def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int) -> list[tuple[str, int, float]]:
+def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_bytes: int | None = None,
+                    params: set[int] = frozenset()) -> list[tuple[str, int, float]]:
     """The saved groups of fn(leaf): (call name, bytes, ms) of the calls whose outputs autograd saves (beside
-    `alive` storages and fn's output), in the forward's order; the largest kMaxGroups of them."""
+    `alive` storages and fn's output), in the forward's order; the largest kMaxGroups of them. Profiling for
+    offloading (offload_min_bytes), only calls whose every output an Offload would send (remat.offload's
+    offloadable: contiguous, at least that large, not a parameter's): a group is sent whole or not at all."""
     saved: set[int] = set()
 
     def pack(t):
@@ -189,7 +192,10 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int) -> list[tuple
                 # Written in place later in the forward pass (an in-place activation): its outputs cannot be
                 # handed back as they were.
                 written = any(t._version != v for t, v in outs)
-                if own and not written and any(p in saved for p in own) and len(own) == len(storages):
+                sendable = offload_min_bytes is None or all(
+                    offloadable(t, offload_min_bytes, params) for t, _ in outs)
+                if (own and not written and sendable and any(p in saved for p in own)
+                        and len(own) == len(storages)):
                     found.append((name, sum(own.values())))
         for name, _, ms, _ in rec.calls:
             times.setdefault(name, []).append(ms)
@@ -307,7 +313,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     torch). groups: also each stage's saved groups (Stage.groups, a plan's Fk3{khr}): the calls of its forward
     pass whose outputs autograd saves (not views, not its output, not what is alive anyway), the largest
     remat.chain's kMaxGroups (10) of them that fit what it saves beside its output, each with its outputs'
-    bytes and its time (the median of `repeats` runs, each call timed alone). A policy that answers
+    bytes and its time (the median of `repeats` runs, each call timed alone); with offload_min_bytes, only
+    calls whose every output an Offload would send (contiguous, at least that large). A policy that answers
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
 
@@ -521,7 +528,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     leaf = leaf_of(i)
                     fields[i]["groups"] = _measure_groups(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
-                        alive | {_storage_key(leaf)}, sync, repeats)
+                        alive | {_storage_key(leaf)}, sync, repeats, offload_min_bytes, alive)
                     del leaf
 
     chain.policies = list(pols)

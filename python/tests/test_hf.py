@@ -269,6 +269,32 @@ def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):
     assert lp.host_pool.peak_bytes >= lp.predicted_host_bytes > 0
 
 
+def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
+    # groups=True on a Transformers decoder layer (attention, MLP, norms): its saved groups are measured, and
+    # a plan that sends or keeps them (recomputing a layer is made costly, so that one does) gives the plain
+    # run's steps within the predicted peak and host bytes.
+    model, spec = make("llama")
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
+    same(plain_runs["llama"][0], step(model, spec, 0, meter))
+    chain = lp.chain
+    assert all(0 < len(st.groups) <= remat._core.MAX_GROUPS for st in chain.stages), [len(st.groups) for st in chain.stages]
+    for st in chain.stages:
+        st.checkpoint_bwd_ms = st.bwd_ms + 100.0
+        for g in st.groups:
+            g.recompute_ms = 100.0 / len(st.groups)
+        st.fwd_ms = st.checkpoint_fwd_ms + 5.0  # keeping a layer whole costs more than sending its groups
+        st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
+    chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
+    lp.set_budget(lp.min_budget_bytes + (8 << 20))
+    assert any(c.startswith("{") for c in lp.choices), lp.choices
+    lp.host_pool.peak_bytes = 0
+    for k in (1, 2):
+        got = step(model, spec, k, meter)
+        same(plain_runs["llama"][k], got)
+        assert got[2] <= lp.predicted_peak_bytes * (1 + TOLERANCE), (lp.choices, got[2], lp.predicted_peak_bytes)
+    assert lp.host_pool.peak_bytes == lp.predicted_host_bytes, (lp.choices, lp.host_pool.peak_bytes)
+
+
 def test_bad_budgets_and_models_are_refused():
     model, _ = make("bert")
     with pytest.raises(ValueError, match="positive"):

@@ -292,6 +292,8 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
       r_.absorbed_[owner].push_back(static_cast<int64_t>(r_.kept_.size()));
       r_.kept_.push_back(std::move(kept));
       r_.kept_call_.push_back(index);
+      // Part of its owner: it goes where the owner's outputs go.
+      r_.must_stay_.push_back(r_.must_stay_[static_cast<size_t>(owner)]);
     }
     // The owner's outputs are handed back as they are now: at their new version, and requiring grad when the
     // write made them (a constant's product with a trained bias added in place).

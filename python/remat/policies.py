@@ -10,7 +10,6 @@ forward pass left them.
 from __future__ import annotations
 
 import contextlib
-from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -98,7 +97,7 @@ def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | No
         restore = RestoreBuffers(modules) if modules else contextlib.nullcontext()
         if policy is None:
             return contextlib.nullcontext(), restore
-        fwd, rec, _ = selective_contexts(policy, offload, route_kept)
+        fwd, rec = selective_contexts(policy, offload, route_kept)
         return fwd, _Both(restore, rec)
 
     return context_fn

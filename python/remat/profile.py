@@ -32,7 +32,7 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
 from .offload import measure_bandwidth, offloadable
 from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
-from .selective import IGNORED, TO_HOST, _aliases, call_name, outcome
+from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
@@ -125,7 +125,7 @@ class _CallTimes(TorchDispatchMode):
     def __init__(self, sync):
         super().__init__()
         self.sync = sync
-        self.counts: dict = {}
+        self.names = CallNames()
         self.calls: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -137,17 +137,15 @@ class _CallTimes(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.sync()
         ms = (time.perf_counter() - t0) * 1e3
-        name = call_name(func)
-        idx = self.counts.get(name, 0)
-        self.counts[name] = idx + 1
+        call = self.names.next(func)
         storages, outs = {}, []
-        if _groupable(func, name, args, kwargs):
+        if _groupable(func, call_name(func), args, kwargs):
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
                     st = t.untyped_storage()
                     storages[st.data_ptr()] = st.nbytes()
                     outs.append((t, t._version))
-        self.calls.append((f"{name}#{idx}", storages, ms, outs))
+        self.calls.append((call, storages, ms, outs))
         return out
 
 
@@ -279,7 +277,8 @@ def _policies(policies) -> dict[str, Callable]:
 
 class _NoHostAnswers:
     """A policy as the profiler runs it: a host answer (MUST_CPU_OFFLOAD) is refused, since the chain has no
-    figures for outputs a policy sends to the host itself (the planner does not choose per call yet)."""
+    figures for outputs a policy of one's own sends to the host itself (the planner's per-call choice goes
+    through saved groups instead: profile(groups=True))."""
 
     def __init__(self, name: str, fn: Callable):
         self.name, self.fn = name, fn

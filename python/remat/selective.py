@@ -59,7 +59,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from .saved import Kept, SavedAs
 
 __all__ = ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "KEEP", "TO_HOST", "RECOMPUTE", "outcome", "SelectiveCache",
-           "selective_contexts", "call_name", "GroupPolicy", "IGNORED"]
+           "selective_contexts", "call_name", "CallNames", "GroupPolicy", "IGNORED"]
 
 
 class _HostWord(enum.Enum):
@@ -81,7 +81,7 @@ _OUTCOMES = {CheckpointPolicy.MUST_SAVE: KEEP, CheckpointPolicy.PREFER_SAVE: KEE
 
 # Operators PyTorch's selective checkpointing passes through uncounted (a recompute runs a different number of
 # them: detach; metadata operators of subclasses).
-_IGNORED = IGNORED = getattr(_ckpt, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
+IGNORED = getattr(_ckpt, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default})
 _CACHEABLE_EFFECT = getattr(_ckpt, "_is_cacheable_effect", None)
 _HAS_OP_OUTPUT = "op_output" in inspect.signature(_ckpt.SelectiveCheckpointContext.__init__).parameters
 
@@ -103,6 +103,21 @@ def call_name(op) -> str:
     """An operator's qualified name as the C++ dispatcher gives it ("aten::addmm"), without the overload."""
     schema = getattr(op, "_schema", None)
     return schema.name if schema is not None else str(op)
+
+
+class CallNames:
+    """Names each operator call of one forward pass as a saved group names it: "aten::addmm#2", the operator's
+    name and how many calls of it came before. The profiler's measurement and the runtime's cache both name
+    calls here, so that a group measured is the call asked about."""
+
+    def __init__(self):
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def next(self, op) -> str:
+        name = call_name(op)
+        idx = self.counts[name]
+        self.counts[name] = idx + 1
+        return f"{name}#{idx}"
 
 
 class GroupPolicy:
@@ -158,8 +173,7 @@ def _enclosing_offload():
 
 class SelectiveCache:
     """One checkpointed region's cache: per operator, per call, what its forward left (a Kept, the Offload's
-    handles, or None to recompute); and the counts: calls kept, sent to the host (``to_host``, packed by the
-    Offload: it may still keep some on the device), and recomputed."""
+    handles, or None to recompute)."""
 
     def __init__(self, policy, offload=None, route_kept: bool | None = None, who: str = "remat"):
         if route_kept is None:
@@ -169,16 +183,13 @@ class SelectiveCache:
                 offload = enclosing
         self.policy, self.offload, self.route_kept, self.who = policy, offload, route_kept, who
         self.entries: dict = defaultdict(dict)
-        self.calls: dict = defaultdict(int)  # calls so far per operator name (for ctx.call)
+        self.names = CallNames()  # for ctx.call
         self.handles: list = []  # the Offload's handles, in the forward's order
-        self.kept = self.to_host = self.recomputed = 0
 
     def _store(self, op, args, kwargs, out):
         ctx = (_ckpt.SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OP_OUTPUT
                else _ckpt.SelectiveCheckpointContext(is_recompute=False))
-        name = call_name(op)
-        ctx.call = f"{name}#{self.calls[name]}"  # which call this is: "aten::addmm#2" (remat's addition)
-        self.calls[name] += 1
+        ctx.call = self.names.next(op)  # which call this is: "aten::addmm#2" (remat's addition)
         answer = self.policy(ctx, op, *args, **kwargs)
         how = outcome(answer, op, self.who)
         if (how == RECOMPUTE and answer is not CheckpointPolicy.MUST_RECOMPUTE and _CACHEABLE_EFFECT is not None
@@ -189,16 +200,13 @@ class SelectiveCache:
         if how == TO_HOST and _aliases(op):
             how = RECOMPUTE  # no bytes of its own
         if how == RECOMPUTE:
-            self.recomputed += 1
             return None
         if how == KEEP:
-            self.kept += 1
             return tree_map(lambda x: Kept(x, _detached(x)) if isinstance(x, torch.Tensor) else x, out)
         if self.offload is None:
             raise ValueError(f"{self.who}: a selective policy answered {how!r} (MUST_CPU_OFFLOAD or "
                              f"PREFER_CPU_OFFLOAD) for {op}, and the checkpoint was given no "
                              "remat.offload.Offload to send it with")
-        self.to_host += 1
 
         def pack(x):
             if not isinstance(x, torch.Tensor):
@@ -228,7 +236,7 @@ class _Forward(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
-        if func in _IGNORED:
+        if func in IGNORED:
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
         idx = self.counter[func]
@@ -255,7 +263,7 @@ class _Recompute(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
-        if func in _IGNORED:
+        if func in IGNORED:
             return func(*args, **kwargs)
         idx = self.counter[func]
         self.counter[func] += 1
@@ -275,12 +283,11 @@ class _Recompute(TorchDispatchMode):
 
 
 def selective_contexts(policy, offload=None, route_kept: bool | None = None, who: str = "remat"):
-    """The (forward, recompute) context pair for torch.utils.checkpoint's context_fn, and their cache (its
-    counts). `policy(ctx, op, *args, **kwargs)` answers for each operator call (see the module); `offload`, a
+    """The (forward, recompute) context pair for torch.utils.checkpoint's context_fn. `policy(ctx, op, *args, **kwargs)` answers for each operator call (see the module); `offload`, a
     remat.offload.Offload (or any object with its pack and unpack: the profiler passes counting hooks), sends
     the host answers' outputs (a host answer without one, nor an enclosing Offload, raises ValueError naming
     the operator); `route_kept`: the PREFER_SAVE (or True) answers' outputs go through it too (None: when
     called inside an Offload's context, which is then the offload where none is given). Call it where the
     region begins (torch.utils.checkpoint calls its context_fn there)."""
     cache = SelectiveCache(policy, offload, route_kept, who)
-    return _Forward(cache), _Recompute(cache), cache
+    return _Forward(cache), _Recompute(cache)

@@ -46,53 +46,48 @@ struct Choice {
 };
 
 // The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
-// all r (that is Fc), keeping of those with the same kept and sent bytes the one that saves the most
-// recompute time, and of the rest those no other beats in kept bytes, sent bytes and time together (a plan's
-// peak and time only grow with each).
+// all r (that is Fc), and of those the ones no other beats in kept bytes, sent bytes and time together (a
+// plan's peak and time only grow with each); their figures are group_cost()'s, as simulate() charges them.
 std::vector<Choice> group_choices(const Stage& s, bool offload) {
   const size_t g = s.groups.size();
   std::vector<Choice> all;
   if (g == 0) return all;
+  const std::string letters = offload ? "rkh" : "rk";
   size_t count = 1;
   for (size_t k = 0; k < g; ++k)
-    count *= offload ? 3 : 2;
+    count *= letters.size();
   struct Candidate {
     int64_t kept, sent;
     double ms;
     std::string text;
+    PolicyCost cost;
   };
   std::vector<Candidate> cands;
-  for (size_t code = 0; code < count; ++code) {
+  for (size_t code = 1; code < count; ++code) {  // code 0 is all r
     std::string text(g, 'r');
-    size_t c = code;
-    int64_t kept = 0, sent = 0;
-    double skipped = 0;
-    for (size_t k = 0; k < g; ++k) {
-      const size_t digit = offload ? c % 3 : c % 2;
-      c /= offload ? 3 : 2;
-      if (digit == 1) text[k] = 'k', kept += s.groups[k].bytes, skipped += s.groups[k].recompute_ms;
-      if (digit == 2) text[k] = 'h', sent += s.groups[k].bytes, skipped += s.groups[k].recompute_ms;
-    }
-    if (text.find_first_not_of('r') == std::string::npos) continue;
-    cands.push_back({kept, sent, -skipped, text});
+    for (size_t k = 0, c = code; k < g; ++k, c /= letters.size())
+      text[k] = letters[c % letters.size()];
+    PolicyCost cost = group_cost(s, text);
+    const int64_t sent = cost.offload ? cost.offload->bytes : 0;
+    cands.push_back({cost.saved_bytes - s.output_bytes - sent, sent, cost.fwd_ms + cost.bwd_ms,
+                     std::move(text), std::move(cost)});
   }
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
     return std::tie(a.kept, a.sent, a.ms) < std::tie(b.kept, b.sent, b.ms);
   });
-  std::vector<Candidate> front;
+  std::vector<const Candidate*> front;
   for (const Candidate& c : cands) {
-    const bool beaten = std::any_of(front.begin(), front.end(), [&](const Candidate& f) {
-      return f.kept <= c.kept && f.sent <= c.sent && f.ms <= c.ms;
+    const bool beaten = std::any_of(front.begin(), front.end(), [&](const Candidate* f) {
+      return f->kept <= c.kept && f->sent <= c.sent && f->ms <= c.ms;
     });
-    if (!beaten) front.push_back(c);
+    if (!beaten) front.push_back(&c);
   }
-  for (const Candidate& c : front) {
-    const PolicyCost cost = group_cost(s, c.text);
-    Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
+  for (const Candidate* c : front) {
+    Choice ch{OpKind::kForwardKeep, -1, c->cost.saved_bytes, 0, c->cost.fwd_ms, c->cost.bwd_ms};
     ch.ms = ch.fwd_ms + ch.bwd_ms;
-    ch.groups = c.text;
-    ch.own = cost.offload;
-    ch.offload = cost.offload.has_value();
+    ch.groups = c->text;
+    ch.own = c->cost.offload;
+    ch.offload = c->cost.offload.has_value();
     all.push_back(std::move(ch));
   }
   return all;

@@ -13,9 +13,9 @@ as the C++ library and the ``remat`` command (``remat.Chain.from_json``, ``chain
 """
 from . import _core, offload
 from ._core import (STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, OffloadCost, Op, OpKind, Plan,
-                    PolicyCost,
+                    PolicyCost, SavedGroup,
                     Simulation, Stage, StepContext, StepPlan, check_plan, checkpoint_all, checkpoint_stages,
-                    format_bytes, load_chain, make_plan, memory_breakdown, min_feasible_budget, min_step_budget,
+                    format_bytes, group_cost, load_chain, make_plan, memory_breakdown, min_feasible_budget, min_step_budget,
                     no_checkpoint, optimal, parse_size, per_call_time_ms, per_layer, per_layer_min_budget,
                     plan_step, revolve, save_chain, simulate, sqrt_n, step_peak_bytes, summarize_plan_json,
                     uniform, uniform_chain)
@@ -32,11 +32,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedSequential", "Chain", "InfeasibleBudget", "LayerPlan", "MATMUL_OPS", "MemoryBreakdown",
-    "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers",
+    "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers", "SavedGroup",
     "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "checkpoint",
     "checkpoint_all",
     "checkpoint_context", "checkpoint_stages", "choices_of", "cpu_meter", "enable", "explain_placement",
-    "format_bytes", "load_chain", "make_plan", "matmuls", "memory_breakdown", "memory_verdict", "meter_for",
+    "format_bytes", "group_cost", "load_chain", "make_plan", "matmuls", "memory_breakdown", "memory_verdict", "meter_for",
     "min_feasible_budget", "min_step_budget", "no_checkpoint", "optimal", "parse_size", "per_call_time_ms",
     "per_layer", "per_layer_min_budget", "plan_step", "profile", "revolve", "run_layer", "run_plan",
     "save_chain", "simulate", "sqrt_n", "stages", "stages_of", "step_peak_bytes", "summarize_plan_json",

@@ -153,6 +153,9 @@ def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted(
         assert names == ["aten::addmm#0", "aten::gelu#0"], names
         assert [g.bytes for g in st.groups] == [4 * hidden, 4 * hidden]
         assert all(g.recompute_ms >= 0 for g in st.groups)
+        # What the planner charges a stage under an assignment (remat.group_cost, as simulate() does).
+        c = remat.group_cost(st, "hk")
+        assert c.offload.bytes == 4 * hidden and c.saved_bytes == st.output_bytes + 8 * hidden
     # Recomputing a block costs much (100 ms, half of it each group's call), keeping it whole (its forward
     # saving everything: 5 ms) or under the matmuls policy more: at the budget of every block but the last sending both groups to the host, the
     # planner sends them (the CPU's own timings would decide by noise). Every step is the plain run's,

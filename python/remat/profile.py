@@ -174,7 +174,10 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     def pack(t):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
             saved.add(t.untyped_storage().data_ptr())
-        return t
+        # Detached: a saved output handed back as itself would hold its own grad_fn (a reference cycle
+        # through autograd's C++ that Python's collector cannot see, and no backward pass runs here to break
+        # it): the forward's graph, and all it saved, would stay alive after the measurement.
+        return t.detach()
 
     times: dict[str, list[float]] = {}
     found = None

@@ -378,6 +378,10 @@ TEST(Executor, ReplanIsOneCallAndBadPlansAreClearErrors) {
   remat::Plan grouped = remat::no_checkpoint(chain);
   grouped.ops[1] = remat::parse_op("Fk1{kh}");
   EXPECT_THROW_WITH(exec->set_plan(grouped), "under a group assignment (Fk1{kh})", "does not carry out yet");
+  // Nor a streamed stage (Fa1@stream).
+  remat::Plan streamed = remat::no_checkpoint(chain);
+  streamed.ops[1] = remat::parse_op("Fa1@stream");
+  EXPECT_THROW_WITH(exec->set_plan(streamed), "streams stage 1 (Fa1@stream)", "does not carry out yet");
   EXPECT_THROW_WITH(exec->replan(unit_chain(5), 1 << 20), "5 stages", "3 modules");
   EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), remat::no_checkpoint(chain), torch::Tensor()),
                     "remat::run_plan", "undefined");

@@ -45,6 +45,11 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
       }
     };
     add({OpKind::kForwardAll, j}, s.offload.has_value());
+    if (offload && s.offload && s.offload->can_stream()) {
+      Op op{OpKind::kForwardAll, j};
+      op.stream = true;
+      options[j].push_back(op);
+    }
     add({OpKind::kForwardCheckpoint, j}, s.checkpoint_offload.has_value());
     if (keep_tags && s.has_keep()) add({OpKind::kForwardKeep, j}, s.keep_offload.has_value());
     if (policies) {
@@ -174,6 +179,20 @@ void add_random_groups(std::mt19937& rng, Chain& chain) {
       sg.recompute_ms = part(rng) * recompute / static_cast<double>(g);
       s.groups.push_back(sg);
     }
+  }
+}
+
+// Gives each stage of `chain` with an offload cost, but every third, stream figures: a forward peak and a
+// backward peak each from a tenth of its kept bytes up to all of them, and a window up to a quarter.
+void add_random_streams(std::mt19937& rng, Chain& chain) {
+  std::uniform_real_distribution<double> part(0.1, 1.0);
+  for (size_t i = 0; i < chain.stages.size(); ++i) {
+    remat::Stage& s = chain.stages[i];
+    if (!s.offload || i % 3 == 1) continue;
+    const auto kept = static_cast<double>(s.saved_bytes + s.fwd_tmp_bytes);
+    s.offload->stream_fwd_bytes = static_cast<int64_t>(part(rng) * kept);
+    s.offload->stream_bwd_bytes = static_cast<int64_t>(part(rng) * kept);
+    s.offload->window_bytes = static_cast<int64_t>(part(rng) * kept / 4);
   }
 }
 
@@ -874,4 +893,96 @@ TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   Chain twice = chain;
   twice.stages[0].groups[1].name = "aten::mm#0";
   EXPECT_THROW_WITH_STD(remat::validate(twice), "names saved group 'aten::mm#0' twice");
+}
+
+TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {
+  // Stages with stream figures may also run streamed (Fa3@stream); the per-layer program finds what the
+  // search over every per-layer plan finds, and plan_step's step peak is the simulated step's.
+  std::mt19937 rng(5150);
+  int streamed = 0;
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t n = 1 + trial % 4;
+    Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    add_random_streams(rng, chain);
+    const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
+    remat::PlannerOptions options;
+    options.offload = true;
+    expect_exhaustive(chain, all, options, rng, trial, [&](const Plan& plan, int64_t) {
+      EXPECT_EQ(remat::plan_from_json(remat::to_json(plan)).ops, plan.ops);
+      EXPECT_EQ(plan.predicted.host_peak_bytes, remat::simulate(chain, plan).host_peak_bytes);
+      for (const Op& op : plan.ops)
+        streamed += op.stream;
+    });
+    remat::StepContext ctx;
+    ctx.before_saved_bytes = 50;
+    ctx.rest_peak_bytes = 300 * (trial % 3 == 0 ? 1 : 1000);
+    ctx.rest_ms = 4.0;
+    ctx.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+    const int64_t least = remat::min_step_budget(chain, ctx, "per-layer", options);
+    for (int64_t budget : {least, least * 2}) {
+      // plan_step checks that the program's step peak is the simulated step's (an internal error otherwise).
+      const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer", options);
+      EXPECT_LE(p.step_peak_bytes, budget);
+      EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
+    }
+  }
+  EXPECT_GT(streamed, 10);
+}
+
+TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
+  // The three stages of SimulateChargesOffloadingAsDocumented, stage 1 streamed: its forward peaks at 25
+  // above what is held (each copy waited for at once) plus its 6-byte window; after it, of the 30 bytes and
+  // a_1 it sends (stage 0, run plainly, does not save a_1 here), only the window is in flight; the window
+  // comes back as the backward reaches stage 2, and stage 1's backward peaks at 35 above what is held besides
+  // what it sent, plus the window ahead and a_1 back.
+  Chain chain = remat::uniform_chain(3, 2.0, 4.0, 10, 40);
+  for (auto& s : chain.stages)
+    s.offload = remat::OffloadCost{30, true, false};
+  remat::OffloadCost& o = *chain.stages[1].offload;
+  o.stream_fwd_bytes = 25, o.stream_bwd_bytes = 35, o.window_bytes = 6;
+  chain.to_host_gb_per_s = 40.0 / 3e6;
+  chain.to_device_gb_per_s = 40.0 / 5e6;
+  const Plan plan = remat::plan_from_json(
+      R"({"num_stages": 3, "ops": ["Fa0", "Fa1@stream", "Fa2", "L", "B2", "B1", "B0"]})");
+  EXPECT_EQ(plan.to_string(), "Fa0 Fa1@stream Fa2 L B2 B1 B0");
+  ASSERT_TRUE(plan.ops[1].stream && !plan.ops[1].offload && plan.ops[1].offloads());
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  // Fa0: 10 + 40. Fa1: 50 + 25 + 6. After it: 50 + 40 - (30 + 10) + 6 = 56 (a_1 left: stage 0 does not
+  // save it). Fa2: 56 + 40, then the window leaves: 90. L: + d_3 = 100. B2: the window back (106) + d_2 + 0:
+  // 116. After B2: 106 - 40 - 10 + 10 = 66. B1: 66 - 6 + 6 + 35 + a_1 (10) = 111; after it 66 + 40 - 6 ...
+  const std::vector<int64_t> peaks = {50, 81, 96, 100, 116, 111, 70};
+  EXPECT_EQ(sim.op_peak_bytes, peaks);
+  // The same copies as @host: its 40 bytes each way.
+  EXPECT_EQ(sim.host_peak_bytes, 40);
+  Plan host = plan;
+  host.ops[1].stream = false, host.ops[1].offload = true;
+  const remat::Simulation h = remat::simulate(chain, host);
+  EXPECT_DOUBLE_EQ(sim.time_ms, h.time_ms);
+  EXPECT_LT(sim.peak_bytes, h.peak_bytes);
+  // Only Fa streams, not with @host, and only a stage with stream figures.
+  for (const char* bad : {"Fk0@stream", "Fc0@stream", "Fa0@host@stream", "Fa0@stream@host", "Fk0[x]@stream"})
+    EXPECT_THROW(remat::parse_op(bad), std::invalid_argument) << bad;
+  EXPECT_THROW_WITH_STD(
+      remat::simulate(
+          chain, remat::plan_from_json(
+                     R"({"num_stages": 3, "ops": ["Fa0@stream", "Fa1", "Fa2", "L", "B2", "B1", "B0"]})")),
+      "streams stage 0 ('stage0'), but the chain has no stream figures for it");
+  Op both = plan.ops[1];
+  both.offload = true;
+  Plan twice = plan;
+  twice.ops[1] = both;
+  EXPECT_THROW_WITH_STD(remat::simulate(chain, twice), "streams, but only Fa can (and not with @host)");
+  // The figures read and write as JSON, and are checked.
+  const Chain back = remat::chain_from_json(remat::to_json(chain));
+  EXPECT_EQ(back.stages[1].offload->stream_fwd_bytes, 25);
+  EXPECT_EQ(back.stages[1].offload->stream_bwd_bytes, 35);
+  EXPECT_EQ(back.stages[1].offload->window_bytes, 6);
+  EXPECT_FALSE(back.stages[0].offload->can_stream());
+  Chain half = chain;
+  half.stages[1].offload->stream_bwd_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::validate(half),
+                        "has one of stream_fwd_bytes and stream_bwd_bytes but not the other");
+  Chain elsewhere = chain;
+  elsewhere.stages[1].checkpoint_offload = o;
+  EXPECT_THROW_WITH_STD(remat::validate(elsewhere), "has stream figures in checkpoint_offload");
 }

@@ -32,6 +32,20 @@ struct OffloadCost {
   /// Whether its output is among the tensors it saves: copied to the host too, though the next stage still
   /// reads it on the device; and run without offloading, the stage holds its output on the device.
   bool output = false;
+  /// Streaming (Stage::offload only; a plan's `Fa3@stream`): the same tensors sent to the host each as the
+  /// forward pass makes it, at most window_bytes in flight, and brought back each just ahead of its use in
+  /// the backward pass, at most window_bytes ahead; so the stage's backward holds its working set, not all it
+  /// saved. The forward's peak above the bytes alive before it (its input held), each copy waited for at once
+  /// (bytes; -1: not measured, the stage cannot be streamed).
+  int64_t stream_fwd_bytes = -1;
+  /// The backward's peak above the bytes alive before it (its output's gradient, what it kept on the device,
+  /// its input held), each tensor brought back where it is used, none ahead (bytes; -1: not measured).
+  int64_t stream_bwd_bytes = -1;
+  /// The most bytes the runtime holds in flight each way beside those peaks (copies to the host not yet
+  /// landed; tensors brought back ahead of their use), at least the largest tensor it sends (bytes, >= 0).
+  int64_t window_bytes = 0;
+  /// Whether the stream figures were measured.
+  bool can_stream() const { return stream_fwd_bytes >= 0 && stream_bwd_bytes >= 0; }
 };
 
 /// What a stage costs run as Fk under one operator-level policy (remat/policy.h; Fk[name] in a plan), as the

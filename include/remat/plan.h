@@ -76,11 +76,16 @@ struct Op {
   /// groups are offloaded as `@host` offloads (see simulate()); such an op carries no policy and no @host.
   /// Empty: not one.
   std::string groups;
-  /// Whether it sends anything to the host: offload, or a group assignment with an 'h'.
-  bool offloads() const { return offload || groups.find('h') != std::string::npos; }
+  /// Fa only, before the loss: streamed (written "@stream": Fa3@stream): what the stage saves goes to host
+  /// memory as its forward makes it and comes back tensor by tensor, each just ahead of its use in the
+  /// stage's backward, at most the stage's window in flight each way (the stage offload's stream figures, see
+  /// simulate()). Not with offload: an op is one or the other.
+  bool stream = false;
+  /// Whether it sends anything to the host: offload, stream, or a group assignment with an 'h'.
+  bool offloads() const { return offload || stream || groups.find('h') != std::string::npos; }
   bool operator==(const Op& o) const {
     return kind == o.kind && stage == o.stage && policy == o.policy && offload == o.offload &&
-           groups == o.groups;
+           stream == o.stream && groups == o.groups;
   }
   bool operator!=(const Op& o) const { return !(*this == o); }
 };

@@ -73,7 +73,17 @@ NB_MODULE(_core, m) {
       .def_rw("bytes", &remat::OffloadCost::bytes,
               "what its saved tensors free on the device besides its input and output (bytes)")
       .def_rw("input", &remat::OffloadCost::input, "whether it saves its input")
-      .def_rw("output", &remat::OffloadCost::output, "whether it saves its output");
+      .def_rw("output", &remat::OffloadCost::output, "whether it saves its output")
+      .def_rw(
+          "stream_fwd_bytes", &remat::OffloadCost::stream_fwd_bytes,
+          "streamed (Fa3@stream): its forward's peak above the bytes before it, each copy waited for at once "
+          "(bytes; -1: not measured)")
+      .def_rw("stream_bwd_bytes", &remat::OffloadCost::stream_bwd_bytes,
+              "streamed: its backward's peak above the bytes before it, each tensor brought back at its use "
+              "(bytes; -1: not measured)")
+      .def_rw("window_bytes", &remat::OffloadCost::window_bytes,
+              "streamed: the most bytes in flight each way beside those peaks (bytes)")
+      .def("can_stream", &remat::OffloadCost::can_stream, "whether the stream figures were measured");
 
   nb::class_<remat::PolicyCost>(m, "PolicyCost", "What a stage costs run as Fk under one policy (Fk[name]).")
       .def(nb::init<>())
@@ -186,6 +196,9 @@ NB_MODULE(_core, m) {
       .def_rw("policy", &remat::Op::policy)
       .def_rw("offload", &remat::Op::offload, "what the stage saves goes to host memory (written @host)")
       .def_rw("groups", &remat::Op::groups, "a group assignment ('khr', written Fk3{khr}), or ''")
+      .def_rw("stream", &remat::Op::stream,
+              "Fa only: what the stage saves streams to the host and back, each tensor just ahead of its use "
+              "(written @stream)")
       .def("__eq__", [](const remat::Op& a, const remat::Op& b) { return a == b; });
 
   nb::class_<remat::Simulation>(m, "Simulation", "Predicted figures of a plan on a chain.")

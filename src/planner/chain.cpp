@@ -64,6 +64,19 @@ void check_offload(const Chain& chain, size_t i, const char* field, const std::o
                    int64_t kept) {
   if (!o) return;
   check_bytes(chain, i, field, o->bytes);
+  if (o->stream_fwd_bytes != -1 || o->stream_bwd_bytes != -1 || o->window_bytes != 0) {
+    if (std::string(field) != "offload")
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has stream figures in " +
+                                  field + " (only the stage's offload, run as Fa, streams)");
+    if (!o->can_stream())
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
+                                  " has one of stream_fwd_bytes and stream_bwd_bytes but not the other (" +
+                                  std::to_string(o->stream_fwd_bytes) + ", " +
+                                  std::to_string(o->stream_bwd_bytes) + ")");
+    check_bytes(chain, i, "offload stream_fwd_bytes", o->stream_fwd_bytes);
+    check_bytes(chain, i, "offload stream_bwd_bytes", o->stream_bwd_bytes);
+    check_bytes(chain, i, "offload window_bytes", o->window_bytes);
+  }
   const int64_t most = kept - chain.stages[i].output_bytes;
   if (o->bytes > most) {
     throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " + field + " bytes (" +
@@ -213,6 +226,11 @@ nlohmann::ordered_json offload_json(const OffloadCost& o) {
   j["bytes"] = o.bytes;
   j["input"] = o.input;
   j["output"] = o.output;
+  if (o.can_stream()) {
+    j["stream_fwd_bytes"] = o.stream_fwd_bytes;
+    j["stream_bwd_bytes"] = o.stream_bwd_bytes;
+    j["window_bytes"] = o.window_bytes;
+  }
   return j;
 }
 
@@ -316,6 +334,16 @@ std::optional<OffloadCost> offload_from(const nlohmann::json& j, const char* key
       throw std::invalid_argument("remat::chain_from_json: " + at + ": \"" + name +
                                   "\" must be true or false");
     *field = o.at(name).get<bool>();
+  }
+  const bool fwd = o.contains("stream_fwd_bytes"), bwd = o.contains("stream_bwd_bytes");
+  if (fwd != bwd || (o.contains("window_bytes") && !fwd))
+    throw std::invalid_argument("remat::chain_from_json: " + at +
+                                ": \"stream_fwd_bytes\" and \"stream_bwd_bytes\" come together (with "
+                                "\"window_bytes\"), or not at all");
+  if (fwd) {
+    c.stream_fwd_bytes = required<int64_t>(o, "stream_fwd_bytes", at);
+    c.stream_bwd_bytes = required<int64_t>(o, "stream_bwd_bytes", at);
+    c.window_bytes = optional<int64_t>(o, "window_bytes", at, 0);
   }
   return c;
 }

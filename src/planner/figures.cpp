@@ -34,6 +34,12 @@ struct Collect {
     out.ints.push_back(v ? v->bytes : 0);
     out.ints.push_back(v && v->input ? 1 : 0);
     out.ints.push_back(v && v->output ? 1 : 0);
+    // Streaming: measured on every process, or on none (an absence flag's maximum is absence).
+    const bool stream = v && v->can_stream();
+    out.ints.push_back(stream ? 0 : 1);
+    out.ints.push_back(stream ? v->stream_fwd_bytes : 0);
+    out.ints.push_back(stream ? v->stream_bwd_bytes : 0);
+    out.ints.push_back(stream ? v->window_bytes : 0);
   }
 };
 
@@ -70,6 +76,9 @@ struct Write {
     c.bytes = next_int();
     c.input = next_flag();
     c.output = next_flag();
+    const bool no_stream = next_flag();
+    const int64_t fwd = next_int(), bwd = next_int(), window = next_int();
+    if (!no_stream) c.stream_fwd_bytes = fwd, c.stream_bwd_bytes = bwd, c.window_bytes = window;
     v = absent ? std::nullopt : std::optional<OffloadCost>(c);
   }
 };

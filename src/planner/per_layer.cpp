@@ -40,6 +40,7 @@ struct Choice {
   double fwd_ms = 0;     // its forward (what hides the previous stage's copy to the host)
   double bwd_ms = 0;     // its recompute and backward (what hides the previous stage's copy back)
   bool offload = false;  // what it saves goes to the host
+  bool stream = false;   // with offload: streamed (Fa@stream), each tensor back just ahead of its use
   const OffloadCost* cost = nullptr;  // the way's offload cost, offloaded or not (null: unknown)
   std::string groups;                 // a group assignment (Fk{...}), or empty
   std::optional<OffloadCost> own;     // a group assignment's offload cost (cost points here once placed)
@@ -108,6 +109,13 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
   };
   add({OpKind::kForwardAll, -1, s.saved_bytes, 0, s.fwd_ms, s.bwd_ms}, s.offload);
   if (all_only) return out;
+  if (offload && s.offload && s.offload->can_stream()) {
+    Choice c{OpKind::kForwardAll, -1, s.saved_bytes, 0, s.fwd_ms, s.bwd_ms};
+    c.ms = c.fwd_ms + c.bwd_ms;
+    c.offload = c.stream = true;
+    c.cost = &*s.offload;
+    out.push_back(c);
+  }
   add({OpKind::kForwardCheckpoint, -1, s.output_bytes, 0, s.per_call_fwd_ms(), s.per_call_bwd_ms()},
       s.checkpoint_offload);
   if (s.has_keep() && allowed[0])
@@ -141,6 +149,13 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_bwd = step ? step->at_backward[static_cast<size_t>(j)] : 0;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
+  if (c.stream) {
+    // Streamed (see simulate()): its measured peaks, each with a window beside it; the backward's above what
+    // the stage keeps on the device (its output included) and the gradient it is handed.
+    const OffloadCost& o = *c.cost;
+    return std::max(o.stream_fwd_bytes + o.window_bytes,
+                    a_out + s.saved_bytes - o.bytes + o.window_bytes + o.stream_bwd_bytes + at_bwd);
+  }
   const int64_t fwd = c.held + s.fwd_tmp_bytes;
   int64_t bwd = a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   if (c.kind == OpKind::kForwardCheckpoint)
@@ -297,6 +312,12 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           const bool input_leaves = ch.cost->input && j > 0 && !p.keeps_output;
           q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
           q.copied = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
+          if (ch.stream) {
+            // Only a window stays in flight past its forward (and comes back ahead of its backward).
+            const int64_t tail = std::min(ch.cost->window_bytes, q.pending);
+            q.held -= q.pending - tail;
+            q.pending = tail;
+          }
           q.link = std::max(0.0, chain.transfer_ms(q.copied, true) - std::max(0.0, ch.fwd_ms - p.link));
           // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
           q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
@@ -370,7 +391,8 @@ Plan plan_of(const std::vector<const Choice*>& picked, double* ms) {
     const Choice& c = *picked[static_cast<size_t>(j)];
     Op op{c.kind, j};
     if (c.kind == OpKind::kForwardKeep && c.groups.empty()) op.policy = static_cast<int32_t>(c.variant - 1);
-    op.offload = c.offload && c.groups.empty();  // a group assignment says itself what goes
+    op.offload = c.offload && c.groups.empty() && !c.stream;  // a group assignment says itself what goes
+    op.stream = c.stream;
     op.groups = c.groups;
     plan.ops.push_back(op);
     *ms += c.ms;

@@ -42,6 +42,7 @@ std::string op_text(const Plan& plan, const Op& op) {
   }
   if (!op.groups.empty()) text += "{" + op.groups + "}";
   if (op.offload) text += "@host";
+  if (op.stream) text += "@stream";
   return text;
 }
 
@@ -78,14 +79,23 @@ Op parse_op(const std::string& full, std::vector<std::string>& policies) {
     throw std::invalid_argument(
         "remat::parse_op: '" + full +
         "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, Fk<i>[policy], Fk<i>{groups}, L or B<i>, Fa, Fk "
-        "and Fc with @host after them, e.g. Fc0, Fa3, Fk2[matmuls], Fk2{khr}, Fa1@host, L, B3)");
+        "and Fc with @host after them, Fa with @stream, e.g. Fc0, Fa3, Fk2[matmuls], Fk2{khr}, Fa1@host, "
+        "Fa1@stream, L, B3)");
   };
-  static const std::string kHost = "@host";
+  static const std::string kHost = "@host", kStream = "@stream";
+  if (full.size() > kStream.size() &&
+      full.compare(full.size() - kStream.size(), kStream.size(), kStream) == 0) {
+    if (full.rfind("Fa", 0) != 0 || full.find_first_of("{[@") < full.size() - kStream.size()) fail();
+    Op op = parse_op(full.substr(0, full.size() - kStream.size()), policies);
+    op.stream = true;
+    return op;
+  }
   const bool offload =
       full.size() > kHost.size() && full.compare(full.size() - kHost.size(), kHost.size(), kHost) == 0;
   if (offload) {
     if (!(full.rfind("Fa", 0) == 0 || full.rfind("Fk", 0) == 0 || full.rfind("Fc", 0) == 0)) fail();
     if (full.find('{') != std::string::npos) fail();  // a group assignment says what goes to the host
+    if (full.find('@') != full.size() - kHost.size()) fail();  // one suffix (Fa3@stream@host is not one)
     Op op = parse_op(full.substr(0, full.size() - kHost.size()), policies);
     op.offload = true;
     return op;
@@ -200,6 +210,13 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     enum { kNo, kInFlight, kGone, kBack } state = kNo;
     double back_at = 0;  // the compute time (time_ms - transfer_ms) when it began coming back
     bool charged = false;
+    // Streamed (Fa@stream): of `device`, only `tail` (a window) is in flight after its forward and comes back
+    // ahead of its backward; the rest left as it was copied and comes back tensor by tensor within it.
+    bool stream = false;
+    int64_t tail = 0;
+    bool input_left = false;  // its input left the device with it (it comes back for its backward)
+    const OffloadCost* cost = nullptr;
+    int64_t moving() const { return stream ? tail : device; }
   };
   std::vector<Away> away(static_cast<size_t>(n));
   // The stages whose copies to the host may still be in flight (a superset: each is checked against its
@@ -272,6 +289,16 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
              " saved groups (profile it with groups)");
       }
     }
+    if (op.stream) {
+      if (op.kind != OpKind::kForwardAll || op.offload) fail("streams, but only Fa can (and not with @host)");
+      if (chain && op.stage >= 0 && op.stage < n) {
+        const auto& o = chain->stages[static_cast<size_t>(op.stage)].offload;
+        if (!o || !o->can_stream())
+          fail("streams stage " + std::to_string(i) + " ('" + chain->stages[static_cast<size_t>(i)].name +
+               "'), but the chain has no stream figures for it (stream_fwd_bytes, stream_bwd_bytes: profile "
+               "with offloading)");
+      }
+    }
     if (op.offloads()) {
       if (op.kind != OpKind::kForwardAll && op.kind != OpKind::kForwardKeep &&
           op.kind != OpKind::kForwardCheckpoint)
@@ -292,7 +319,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         if (s < 0) continue;
         Away& a = away[static_cast<size_t>(s)];
         if (a.state == Away::kGone) {
-          current += a.device;
+          current += a.moving();
           a.back_at = sim.time_ms - sim.transfer_ms;
           a.state = Away::kBack;
         } else if (a.state == Away::kInFlight) {  // never left: its copy to the host is waited for, then back
@@ -337,7 +364,13 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
                             : keep ? kept(i + 1)
                                    : act(i + 1);
         const int64_t tmp = chain ? chain->stages[i].fwd_tmp_bytes : 0;
-        charge(current + out + tmp, k);
+        if (op.stream && chain) {
+          // Streamed: its measured peak, each copy waited for at once, and the window in flight beside it.
+          const OffloadCost& o = *chain->stages[i].offload;
+          charge(current + o.stream_fwd_bytes + o.window_bytes, k);
+        } else {
+          charge(current + out + tmp, k);
+        }
         current += out - held_bytes(i + 1);
         held[i + 1] = all ? kFull : keep ? kKept : kPlain;
         if (op.kind == OpKind::kForwardNoSave && held[i] == kPlain && i > 0) {
@@ -362,7 +395,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             in_flight[still++] = s;
             continue;
           }
-          current -= a.device;
+          current -= a.moving();
           a.state = Away::kGone;
         }
         in_flight.resize(still);
@@ -384,6 +417,14 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             const bool input_leaves = c->input && i > 0 && !keeps_output[i] && held[i] != kNone;
             a.device = c->bytes + (input_leaves ? act(i) : 0);
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
+          }
+          if (op.stream && c) {
+            // Only a window stays in flight past its forward: the rest has left as it was copied.
+            a.stream = true;
+            a.tail = std::min(c->window_bytes, a.device);
+            a.input_left = c->input && i > 0 && !keeps_output[i] && held[i] != kNone;
+            a.cost = c;
+            current -= a.device - a.tail;
           }
           a.state = Away::kInFlight;
           in_flight.push_back(i);
@@ -424,7 +465,18 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const bool after_keep = held[i + 1] == kKept;
         const int64_t rest = after_keep ? saved(i + 1) - kept(i + 1) : 0;  // recomputed before the backward
         const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
-        charge(current + rest + act(i) + tmp, k);
+        Away& own = away[static_cast<size_t>(i)];
+        if (own.stream) {
+          // Streamed: its window came back ahead; within its backward each tensor comes back just ahead of
+          // its use (its measured peak, its input back if it left, a window ahead beside it). Then all it
+          // sent is accounted as back, as autograd drops it.
+          charge(current - own.tail + own.cost->window_bytes + own.cost->stream_bwd_bytes +
+                     (own.input_left ? act(i) : 0),
+                 k);
+          current += own.device - own.tail;
+        } else {
+          charge(current + rest + act(i) + tmp, k);
+        }
         current += act(i) - held_bytes(i + 1) - act(i + 1);
         held[i + 1] = kNone;
         grad = i;

@@ -100,6 +100,10 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
                 op_text(plan, op),
                 "), which the C++ runtime does not carry out yet (the Python package's "
                 "remat.enable does); plan with PlannerOptions::groups = false");
+    TORCH_CHECK(
+        !op.stream, who, ": the plan streams stage ", op.stage, " (", op_text(plan, op),
+        "), which the C++ runtime does not carry out yet (the Python package's remat.enable does); the "
+        "C++ profiler measures no stream figures, so its chains never plan it");
     tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0 && op.groups.empty();
   }
   TORCH_CHECK(tag_fk == 0 || !plan.keep.empty(), who, ": the plan has ", tag_fk,

@@ -51,10 +51,14 @@ class _Runner:
         n = len(stages)
         self.policies = [None] * len(plan.policies)
         for op in self.ops:
-            if op.offload:
+            if op.offload or op.stream:
                 raise ValueError(f"remat.run_plan: operation {plan.op_text(op)} offloads, which the plan executor "
                                  "does not run (it is not one run without offloading): run a per-layer plan that "
-                                 "offloads through remat.enable(model, layers, plan=plan)")
+                                 "offloads through remat.enable(model, layers, plan=plan), or one that streams "
+                                 "through remat.enable(model, layers, budget=..., offload=True)")
+            if op.groups:
+                raise ValueError(f"remat.run_plan: operation {plan.op_text(op)} is a group assignment, which the "
+                                 "plan executor does not run: plan it with remat.enable(..., groups=True)")
             if op.kind == _core.OpKind.Fk:
                 if op.policy < 0:
                     raise ValueError(f"remat.run_plan: operation {plan.op_text(op)} keeps with remat::keep tags, "

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from . import _core
 from .meter import meter_for
 from .offload import CopyEngine, HostPool, Offload, storage_ptrs
-from .policies import CHECKPOINT, KEEP, choices_of, is_groups, policy_fn, run_layer, split_choice
+from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, run_layer, split_choice
 from .profile import StageFn, profile
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
@@ -430,6 +430,10 @@ class LayerPlan:
                     raise ValueError(f"{who}: the plan runs a layer under a group assignment ('{c}'), whose groups "
                                      "only the chain it was planned from names; give a budget with groups=True "
                                      "(planned in place) instead")
+                if is_streamed(c):
+                    raise ValueError(f"{who}: the plan streams a layer ('{c}'), whose window only the chain it was "
+                                     "planned from gives; give a budget with offload=True (planned in place) "
+                                     "instead")
                 c = split_choice(c)[0]
                 if c not in (KEEP, CHECKPOINT) and c not in self.policies:
                     self.policies[c] = policy_fn(c)
@@ -704,7 +708,11 @@ class LayerPlan:
             # storages found once a step) and the tensors the call takes beside its input (a mask, a position bias).
             if self._keep_storages is None:
                 self._keep_storages = storage_ptrs([*self.model.parameters(), *self.model.buffers()])
-            o = Offload(pool=self.host_pool, min_bytes=self.offload_min_bytes, lookahead=0, engine=engine)
+            # Streamed ("keep@stream"): copies bounded by the chain's window each way, each tensor brought back
+            # ahead of its use; otherwise the whole layer comes back at once (prefetch()).
+            window = shape.chain.stages[i].offload.window_bytes if is_streamed(how) else None
+            o = Offload(pool=self.host_pool, min_bytes=self.offload_min_bytes, lookahead=0, engine=engine,
+                        window=window)
             o.keep_on_device(_taken_tensors(fn, args), storages=self._keep_storages)
         out = run_layer(how, fn, args, [layer], self.policies, offload=o, groups=groups)
         if self._step_offloads and self._step_offloads[-1][0] == i - 1:
@@ -781,6 +789,10 @@ class LayerPlan:
             shape.gathered = list(gathered.gathered)
             for st, g in zip(shape.chain.stages, gathered.gathered):
                 st.fwd_tmp_bytes += g
+                if g and st.offload is not None and st.offload.can_stream():
+                    o = st.offload
+                    o.stream_fwd_bytes += g
+                    st.offload = o
             del stage_fns, inputs, excluded
             step.window.restart()  # profiling's own transients are not the step's
         # The layers' calls are not needed any more: holding their inputs would hold what the plain step frees.
@@ -866,6 +878,10 @@ class LayerPlan:
                 for st, g in zip(shape.chain.stages, shape.gathered):
                     if g:
                         st.bwd_tmp_bytes += excess
+                        if st.offload is not None and st.offload.can_stream():
+                            o = st.offload
+                            o.stream_bwd_bytes += excess
+                            st.offload = o
         if self._agreeing():
             _agree(shape.chain, ctx)
         shape.context = ctx

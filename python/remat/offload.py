@@ -11,7 +11,8 @@ Inside the context, each tensor autograd saves (through ``torch.autograd.graph.s
 the CPU (where "device" and "host" are one memory, so that the mechanism is testable without a GPU), copied at
 once. Saved tensors that are parameters or buffers (alive anyway), or below the threshold, stay where they are,
 and so does every saved tensor of a storage one of them keeps on the device (a view with gaps, such as a
-transposed key an attention kernel saves): copying it would free nothing. Bytes saved by several operators,
+slice of a padded key): copying it would free nothing. Dense views that are not contiguous (a transposed query or
+attention output) are sent as their storage's bytes and come back as the same view. Bytes saved by several operators,
 each through a view of its own (an input three projections save), are copied once. In the backward pass, unpacking a tensor brings it back
 to the device, and starts bringing back the ``lookahead`` tensors saved before it (the backward pass meets them
 next, in the reverse of the forward's order), so that its copy has overlapped the backward work between; a
@@ -30,6 +31,12 @@ The host bytes are the pool's: ``pool.in_use_bytes``, ``pool.peak_bytes`` (the m
 would exceed it stays on the device (counted in ``Offload.kept_on_device``). Unpinned blocks (the CPU's) are
 Python's memory, not torch's allocator's: on a machine whose "device" is the CPU, remat's CPU meter counts the
 device's tensors and the pool counts the host's, apart.
+
+With ``window`` (bytes), an Offload streams: at most that much of its copies to the host is in flight (the
+oldest waited for past it; 0 waits for each at once), and in the backward pass the tensors saved before the one
+asked for come back ahead of their use up to that much (in place of ``lookahead``); ``prefetch()`` brings back
+that much. A layer's backward then holds its working set and a window, not everything the layer saved (the
+plan's ``Fa3@stream``).
 
 Planned offloading (``remat.enable(..., offload=True)``, remat/plan.h's ``@host`` operations) runs each offloaded
 layer under an Offload of its own with ``lookahead=0`` and calls ``finish_copies()`` and ``prefetch()`` at the
@@ -127,14 +134,28 @@ def _plain_ptr(t, alive: set[int]) -> int:
     return 0 if ptr in alive else ptr
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill one byte range without gaps or overlaps (contiguous, or a permutation of it)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
     """Whether offloading hooks send this saved tensor to the host: a plain strided tensor (not a parameter or
-    a subclass) of at least min_bytes, contiguous, not a conjugate or negative view (its bytes are not its
-    values), whose storage is not one of `alive` (parameters, buffers)."""
+    a subclass) of at least min_bytes, dense (its elements fill one byte range without gaps or overlaps:
+    contiguous, or a permutation of contiguous such as an attention kernel's transposed query), not a conjugate
+    or negative view (its bytes are not its values), whose storage is not one of `alive` (parameters,
+    buffers)."""
     # Unlike the C++ library's rule, a leaf that requires grad is not excluded: the profile stands in a layer's
     # input (a non-leaf in the step) with such a leaf, and must see it go as the step's input would.
-    return (_plain_ptr(t, alive) != 0 and t.nbytes >= min_bytes and t.is_contiguous() and not t.is_conj()
-            and not t.is_neg())
+    return (_plain_ptr(t, alive) != 0 and t.nbytes >= min_bytes and _dense(t)
+            and not t.is_conj() and not t.is_neg())
 
 
 def storage_ptrs(tensors) -> set[int]:
@@ -273,10 +294,11 @@ class _Handle(SavedAs):
     """What autograd holds in place of an offloaded tensor (its entry, and the view it was saved as); its death
     returns the host block once no other handle holds it."""
 
-    __slots__ = ("entry", "owner", "__weakref__")
+    __slots__ = ("entry", "owner", "stride", "__weakref__")
 
     def __init__(self, entry: _Entry, owner: "Offload", t: torch.Tensor):
         super().__init__(t)
+        self.stride = t.stride()  # within the entry's byte range (dense: its first element at the range's start)
         self.entry = entry
         self.owner = owner
         entry.handles += 1
@@ -328,11 +350,17 @@ class Offload:
     as they are, not copied)."""
 
     def __init__(self, pool: HostPool | None = None, min_bytes: int = 1 << 20, lookahead: int = 2,
-                 engine: CopyEngine | None = None):
+                 engine: CopyEngine | None = None, window: int | None = None):
         if not isinstance(min_bytes, int) or min_bytes < 0:
             raise ValueError(f"remat.offload: min_bytes must be a number of bytes >= 0, got {min_bytes!r}")
         if not isinstance(lookahead, int) or lookahead < 0:
             raise ValueError(f"remat.offload: lookahead must be a count >= 0, got {lookahead!r}")
+        if window is not None and (not isinstance(window, int) or window < 0):
+            raise ValueError(f"remat.offload: window must be a number of bytes >= 0 or None, got {window!r}")
+        # Streaming (a plan's Fa3@stream): at most `window` bytes of copies to the host in flight (the oldest
+        # waited for past it; 0: each waited for at once), and in the backward pass tensors brought back ahead
+        # of their use up to `window` bytes (in place of `lookahead`); prefetch() brings back that much.
+        self.window = window
         self.pool = pool if pool is not None else HostPool()
         self.min_bytes = min_bytes
         self.lookahead = lookahead
@@ -417,7 +445,8 @@ class Offload:
             entry = _Entry()
             entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, t.nbytes, offset, ptr, t.device
             entry.storage = StorageWeakRef(storage)
-            entry.source = t.detach().reshape(-1).view(torch.uint8)  # contiguous: its bytes, in order
+            # Its byte range, in storage order (a view: a later in-place write shows in its version).
+            entry.source = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
             entry.version = t._version
             entry.counter = _version_holder(t)
             entry.to_host_done = self._engine(t.device).copy(block[: t.nbytes], entry.source)
@@ -425,6 +454,8 @@ class Offload:
                 entry.source = None  # copied already: the device tensor is autograd's no more
             else:
                 self._in_flight.append(entry)
+                if self.window is not None:
+                    self._bound_in_flight()
             self._by_storage[key] = weakref.ref(entry)
             self._at.setdefault(ptr, []).append(weakref.ref(entry))
             self._index[id(entry)] = len(self._order)
@@ -445,6 +476,17 @@ class Offload:
             elif entry.source is not None:
                 still.append(entry)
         self._in_flight = still
+
+    def _bound_in_flight(self) -> None:
+        """Streaming: waits for the oldest copies to the host until at most `window` bytes are in flight."""
+        flying = [e for e in self._in_flight if e.source is not None]
+        total = sum(e.nbytes for e in flying)
+        for entry in flying:
+            if total <= self.window:
+                break
+            self._to_host_landed(entry)
+            total -= entry.nbytes
+        self._in_flight = [e for e in flying if e.source is not None]
 
     # -- unpacking: the backward pass -------------------------------------------------------------------------
     def _to_host_landed(self, entry: _Entry) -> None:
@@ -536,16 +578,37 @@ class Offload:
             self._start_to_device(entry, saved_as=h)
         # The tensors saved before this one are the backward pass's next: start bringing them back.
         i = self._index.get(id(entry))
-        if i is not None:
+        if i is not None and self.window is not None:
+            self._ahead(i)
+        elif i is not None:
             for ref in self._order[max(0, i - self.lookahead):i]:
                 other = ref()
                 if other is not None and other.away():
                     self._start_to_device(other)
-        out = entry.device_copy.view(h.dtype).view(h.shape)
+        out = entry.device_copy.view(h.dtype).as_strided(h.shape, h.stride)
         self._to_device_landed(entry)
         # Held until autograd drops the saved tensor (every node that saved these bytes has run, or the graph is
         # freed): bytes saved by two operators, unpacked by both, come back once, as plain autograd holds them.
         return out
+
+    def _ahead(self, i: int) -> None:
+        """Streaming: starts bringing back the tensors saved before the i-th (the backward pass's next), the
+        nearest first, while those brought back and not yet asked for stay within `window` bytes."""
+        ahead = 0
+        for ref in reversed(self._order[:i]):
+            other = ref()
+            if other is None or other.unpacked or other.aliased:
+                continue
+            if other.device_copy is not None:  # on its way already
+                ahead += other.nbytes
+                continue
+            if not other.away():
+                continue
+            if ahead + other.nbytes > self.window:
+                break
+            self._start_to_device(other)
+            if not other.aliased:
+                ahead += other.nbytes
 
     def _drop(self, entry: _Entry) -> None:
         entry.handles -= 1
@@ -568,7 +631,11 @@ class Offload:
 
     def prefetch(self) -> None:
         """Starts bringing back every tensor this Offload holds on the host (a planned step calls it when the
-        backward pass reaches the next layer, so that the copies overlap that layer's backward)."""
+        backward pass reaches the next layer, so that the copies overlap that layer's backward); streaming, only
+        the last saved (the backward pass's first) up to `window` bytes."""
+        if self.window is not None:
+            self._ahead(len(self._order))
+            return
         for ref in self._order:
             entry = ref()
             if entry is not None and entry.away():
@@ -615,12 +682,13 @@ class Offload:
 
 
 def offload(model: torch.nn.Module | None = None, *, pool: HostPool | None = None, min_bytes: int = 1 << 20,
-            lookahead: int = 2, engine: CopyEngine | None = None) -> Offload:
+            lookahead: int = 2, engine: CopyEngine | None = None, window: int | None = None) -> Offload:
     """A context in which what autograd saves goes to host memory (see the module's documentation): tensors of
     at least min_bytes (bytes), never `model`'s parameters and buffers; `lookahead` tensors brought back ahead
-    in the backward pass. Returns the Offload (its counts; the pool's host bytes). Raises ValueError for a
-    negative min_bytes or lookahead."""
-    o = Offload(pool=pool, min_bytes=min_bytes, lookahead=lookahead, engine=engine)
+    in the backward pass; with `window` (bytes), streamed instead: at most that much in flight to the host, and
+    tensors brought back ahead of their use up to that much (Offload's window). Returns the Offload (its counts;
+    the pool's host bytes). Raises ValueError for a negative min_bytes, lookahead or window."""
+    o = Offload(pool=pool, min_bytes=min_bytes, lookahead=lookahead, engine=engine, window=window)
     if model is not None:
         o.keep_on_device(list(model.parameters()) + list(model.buffers()))
     return o

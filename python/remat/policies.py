@@ -24,13 +24,16 @@ try:  # torch 2.4 and later
 except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
     raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
 
-__all__ = ["KEEP", "CHECKPOINT", "HOST", "POLICY_OFFLOAD", "split_choice", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
+__all__ = ["KEEP", "CHECKPOINT", "HOST", "STREAM", "POLICY_OFFLOAD", "split_choice", "is_streamed", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
            "checkpoint_context", "run_layer", "checkpoint", "checkpoint_region"]
 
 KEEP = "keep"
 CHECKPOINT = "checkpoint"
 # A choice offloaded (the plan's @host): "keep@host", "checkpoint@host", "matmuls@host".
 HOST = "@host"
+# A layer kept whole, streamed (the plan's Fa3@stream): "keep@stream". What it saves goes to host memory as its
+# forward makes it and comes back tensor by tensor, each just ahead of its use (remat.offload.Offload's window).
+STREAM = "@stream"
 
 # Whether a policy's kept tensors can be offloaded (the plan's Fk[name]@host). Always true since remat runs
 # selective checkpointing with its own dispatch modes (remat/selective.py), which send them through the layer's
@@ -41,8 +44,16 @@ POLICY_OFFLOAD = True
 
 def split_choice(how: str) -> tuple[str, bool]:
     """A layer's choice as (how it runs, whether what it saves goes to host memory): "keep@host" -> ("keep",
-    True)."""
-    return (how[:-len(HOST)], True) if how.endswith(HOST) else (how, False)
+    True), "keep@stream" -> ("keep", True)."""
+    for suffix in (HOST, STREAM):
+        if how.endswith(suffix):
+            return how[:-len(suffix)], True
+    return how, False
+
+
+def is_streamed(how: str) -> bool:
+    """Whether a layer's choice is streamed ("keep@stream", a plan's Fa3@stream)."""
+    return how.endswith(STREAM)
 
 # The operators a "keep the matrix multiplications" policy saves, as PyTorch's selective checkpointing sees
 # them (below autograd: linear is t + addmm, or a matmul then the bias; matmul is mm or bmm; conv2d is
@@ -201,7 +212,7 @@ def choices_of(plan) -> list[str]:
     """The per-layer choice of each stage of a per-layer plan (remat.per_layer's shape: each stage's first
     forward is Fa, Fc, Fk[name] or Fk{groups}, no Fn, and a checkpointed stage is recomputed only right before
     its backward): "keep", "checkpoint" or the policy's name, with "@host" after it where the plan offloads it,
-    or a group assignment "{khr}". Raises ValueError for a plan of another shape (a
+    "keep@stream" where it streams it, or a group assignment "{khr}". Raises ValueError for a plan of another shape (a
     full schedule: run it with remat.CheckpointedSequential)."""
     from . import _core
 
@@ -221,7 +232,7 @@ def choices_of(plan) -> list[str]:
             raise ValueError(f"remat: plan '{plan}' keeps stage {i} with remat::keep tags, which only the C++ "
                              "library has; plan with policies instead")
         out.append((KEEP if op.kind == K.Fa else CHECKPOINT if op.kind == K.Fc else plan.policies[op.policy])
-                   + (HOST if op.offload else ""))
+                   + (STREAM if op.stream else HOST if op.offload else ""))
     # Then the loss and each stage's backward, a checkpointed stage recomputed right before it.
     want = [(K.L, -1)]
     for i in reversed(range(n)):

@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
-from .offload import measure_bandwidth, offloadable
+from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -204,6 +204,31 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     largest = sorted(found, key=lambda g: -g[1])[: _core.MAX_GROUPS]
     names = {g[0] for g in largest}
     return [(name, nbytes, _median(times[name])) for name, nbytes in found if name in names]
+
+
+def _measure_stream(fn, leaf, targets, params, meter, min_bytes: int, alive: set[int]) -> tuple[int, int] | None:
+    """fn(leaf) run streamed: what it saves sent to the host as it is made, each copy waited for at once
+    (remat.offload.Offload with window 0, never the `alive` storages), then its backward with each tensor
+    brought back where it is used. Returns (the forward's peak above the bytes before it, the backward's peak
+    above the bytes before it, its output's gradient made), or None when it has no backward."""
+    o = Offload(pool=HostPool(), min_bytes=min_bytes, lookahead=0, window=0).keep_on_device(storages=alive)
+    before = meter.count()
+    with meter.window() as window:
+        with o:
+            out = fn(leaf)
+        o.finish_copies()
+        fwd = window.peak() - before
+    if not (out.requires_grad and targets):
+        return None
+    with _ZeroGrads(params):
+        d = torch.ones_like(out)
+        before = meter.count()
+        with meter.window() as window:
+            torch.autograd.backward(out, d, inputs=targets)
+            bwd = window.peak() - before
+    del out, d
+    o.pool.release()
+    return max(0, fwd), max(0, bwd)
 
 
 class _SavedStorages:
@@ -525,6 +550,16 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         if keep:
                             fields[i]["pol"][name]["fwd"].append(f)
                             fields[i]["pol"][name]["bwd"].append(b)
+            if offload_min_bytes is not None:
+                # Streamed (Fa3@stream): each stage's forward and backward peaks with what it saves sent as it is
+                # made (each copy waited for at once) and brought back where it is used (none ahead); the plan adds
+                # the window the runtime keeps in flight beside them.
+                for i in range(n):
+                    leaf = leaf_of(i)
+                    fields[i]["stream"] = _measure_stream(
+                        lambda t, i=i: check_out(i, stage_list[i](t)), leaf, targets_of(i, leaf), params[i],
+                        meter, offload_min_bytes, alive)
+                    del leaf
             if groups:
                 for i in range(n):
                     leaf = leaf_of(i)
@@ -577,6 +612,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         sorted(chosen, key=lambda g: order[g[0]])]
         if offload_min_bytes is not None:
             s.offload = f.get("offload")
+            if s.offload is not None and f.get("stream") is not None:
+                o = s.offload
+                o.stream_fwd_bytes, o.stream_bwd_bytes = f["stream"]
+                # The runtime's window: the largest tensor the stage sends (one copy in flight each way, or
+                # one tensor ahead, beside the one in use).
+                o.window_bytes = f.get("largest", 0)
+                s.offload = o
             s.checkpoint_offload = f.get("ckpt_offload")
         stages_out.append(s)
     chain.stages = stages_out

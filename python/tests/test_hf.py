@@ -240,7 +240,8 @@ def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):
     budget = remat.step_peak_bytes(chain, lp.context, offloaded)
     assert budget < remat.step_peak_bytes(chain, lp.context, remat.no_checkpoint(chain))
     lp.set_budget(budget)
-    assert all(c.startswith("keep") for c in lp.choices) and any(c.endswith("@host") for c in lp.choices)
+    # Kept, offloaded whole or streamed (the same copies; streaming holds less in the layers' backward).
+    assert all(c.startswith("keep") for c in lp.choices) and any(c.endswith(("@host", "@stream")) for c in lp.choices)
     for k in (1, 2):
         got = step(model, spec, k, meter)
         same(plain_runs["llama"][k], got)

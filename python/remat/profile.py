@@ -168,7 +168,7 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     """The saved groups of fn(leaf): (call name, bytes, ms) of the calls whose outputs autograd saves (beside
     `alive` storages and fn's output), in the forward's order; the largest kMaxGroups of them. Profiling for
     offloading (offload_min_bytes), only calls whose every output an Offload would send (remat.offload's
-    offloadable: contiguous, at least that large, not a parameter's): a group is sent whole or not at all."""
+    offloadable: dense, at least that large, not a parameter's): a group is sent whole or not at all."""
     saved: set[int] = set()
 
     def pack(t):
@@ -335,13 +335,15 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     attention mask a closure holds), not counted as saved. offload_min_bytes: also profile for offloading
     (remat.offload with that threshold): each stage's OffloadCost kept whole (Stage.offload) and checkpointed
     (Stage.checkpoint_offload, its input), and the chain's bandwidths, measured by copying the largest tensor a
-    stage saves (at most 64 MiB) to host memory and back; under each policy, what offloading its kept tensors
+    stage saves (at most 64 MiB) to host memory and back; each stage's streamed peaks (Stage.offload's
+    stream_fwd_bytes and stream_bwd_bytes: run with each saved tensor sent as it is made and brought back where it
+    is used, a plan's Fa3@stream) and window_bytes (the largest tensor it sends); under each policy, what offloading its kept tensors
     and its input moves (PolicyCost.offload, Fk[NAME]@host; remat's selective checkpointing passes them on any
     torch). groups: also each stage's saved groups (Stage.groups, a plan's Fk3{khr}): the calls of its forward
     pass whose outputs autograd saves (not views, not its output, not what is alive anyway), the largest
     remat.chain's kMaxGroups (10) of them that fit what it saves beside its output, each with its outputs'
     bytes and its time (the median of `repeats` runs, each call timed alone); with offload_min_bytes, only
-    calls whose every output an Offload would send (contiguous, at least that large). A policy that answers
+    calls whose every output an Offload would send (dense, at least that large). A policy that answers
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
 

@@ -789,6 +789,31 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   bad.ints[1] = 2;  // Chain::holds_outputs
   EXPECT_THROW_WITH_STD(remat::set_plan_figures(c, x, bad), "remat::set_plan_figures", "0 or 1, got 2");
   EXPECT_EQ(remat::to_json(c), remat::to_json(a));
+  // Stream figures: each the larger; measured on one process only, absent.
+  Chain s1 = a;
+  s1.stages[0].offload = remat::OffloadCost{5, false, false};
+  s1.stages[0].offload->stream_fwd_bytes = 10, s1.stages[0].offload->stream_bwd_bytes = 20;
+  s1.stages[0].offload->window_bytes = 5;
+  Chain s2 = s1;
+  s2.stages[0].offload->stream_bwd_bytes = 30, s2.stages[0].offload->window_bytes = 2;
+  auto agreed = [&](const Chain& p, const Chain& q) {
+    const remat::PlanFigures fp = remat::plan_figures(p, ca), fq = remat::plan_figures(q, ca);
+    remat::PlanFigures most = fp;
+    for (size_t i = 0; i < most.ints.size(); ++i)
+      most.ints[i] = std::max(fp.ints[i], fq.ints[i]);
+    Chain out = p;
+    remat::StepContext y = ca;
+    remat::set_plan_figures(out, y, most);
+    return *out.stages[0].offload;
+  };
+  const remat::OffloadCost both = agreed(s1, s2);
+  EXPECT_EQ(both.stream_fwd_bytes, 10);
+  EXPECT_EQ(both.stream_bwd_bytes, 30);
+  EXPECT_EQ(both.window_bytes, 5);
+  Chain s3 = s1;
+  s3.stages[0].offload->stream_fwd_bytes = s3.stages[0].offload->stream_bwd_bytes = -1;
+  s3.stages[0].offload->window_bytes = 0;
+  EXPECT_FALSE(agreed(s1, s3).can_stream());
 }
 
 TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {

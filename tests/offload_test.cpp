@@ -330,7 +330,8 @@ TEST(Offload, ATensorStillOnTheDeviceComesBackAsItselfUnlessWrittenSince) {
 
 TEST(Offload, BytesSavedThroughSeveralViewsGoOnceAndAStorageKeptOnTheDeviceGoesNot) {
   // As in attention blocks: the input saved by two linears, each through a 2-D view of its own (same bytes);
-  // h saved contiguous by gelu and as a transposed view by sin (a view with gaps keeps h on the device).
+  // h saved contiguous by gelu and as every other column by sin (a view with gaps keeps h on the device; a
+  // transposed view, dense, would go).
   // Before: the input went once per view (and came back once per view), and h was copied for nothing.
   meter_on();
   torch::manual_seed(0);
@@ -349,7 +350,10 @@ TEST(Offload, BytesSavedThroughSeveralViewsGoOnceAndAStorageKeptOnTheDeviceGoesN
       if (offloaded) scope.emplace(remat::OffloadOptions().min_bytes(bytes));
       const torch::Tensor a = in * 2;  // not a leaf: it may go
       const torch::Tensor h = q(a) * k(a);
-      const torch::Tensor y = o(torch::gelu(h) + h.transpose(1, 2).sin().transpose(1, 2));
+      using torch::indexing::Slice;
+      const torch::Tensor y =
+          o(torch::gelu(h) +
+            h.index({Slice(), Slice(), Slice(0, torch::indexing::None, 2)}).sin().repeat({1, 1, 2}));
       if (scope) *stats = scope->stats();
       loss = y.sum();
     }
@@ -385,14 +389,11 @@ TEST(Offload, AnInPlaceWriteToASavedTensorLeftOnTheDeviceIsAutogradsError) {
     y.mul_(2);
     return y.sum();
   };
-  auto written_strided = [&] {  // the output of a transposed input: a view with gaps
-    torch::Tensor y = torch::sigmoid(x.t());
-    y.mul_(2);
-    return y.sum();
-  };
-  auto written_kept_by_a_view = [&] {  // h saved whole by gelu and through a transposed view by sin
+  using torch::indexing::Slice;
+  auto written_kept_by_a_view = [&] {  // h saved whole by gelu and through a view with gaps by sin
     torch::Tensor h = x * 2;
-    torch::Tensor loss = torch::gelu(h).sum() + h.t().sin().sum();
+    torch::Tensor loss =
+        torch::gelu(h).sum() + h.index({Slice(), Slice(0, torch::indexing::None, 2)}).sin().sum();
     h.mul_(2);
     return loss;
   };
@@ -400,7 +401,6 @@ TEST(Offload, AnInPlaceWriteToASavedTensorLeftOnTheDeviceIsAutogradsError) {
   const std::vector<std::pair<std::function<torch::Tensor()>, remat::OffloadOptions>> cases{
       {written, remat::OffloadOptions().min_bytes(int64_t{1} << 30)},
       {written, remat::OffloadOptions().min_bytes(0).pool(bounded)},
-      {written_strided, remat::OffloadOptions().min_bytes(0)},
       {written_kept_by_a_view, remat::OffloadOptions().min_bytes(1024)},
   };
   for (const auto& [f, options] : cases) {
@@ -418,7 +418,7 @@ TEST(Offload, AnInPlaceWriteToASavedTensorLeftOnTheDeviceIsAutogradsError) {
     torch::Tensor h = x * 2, loss;
     {
       remat::Offload o(remat::OffloadOptions().min_bytes(1024));
-      loss = torch::gelu(h).sum() + h.t().sin().sum();
+      loss = torch::gelu(h).sum() + h.index({Slice(), Slice(0, torch::indexing::None, 2)}).sin().sum();
       o.close();
       o.prefetch();
     }
@@ -434,8 +434,26 @@ TEST(Offload, AnInPlaceWriteToASavedTensorLeftOnTheDeviceIsAutogradsError) {
   EXPECT_THROW_WITH(loss.backward(), "[CPUFloatType [64, 256]], which is output 0 of Sigmoid");
 }
 
+TEST(Offload, ADenseViewThatIsNotContiguousGoesAndComesBackAsTheSameView) {
+  // exp saves its output, here a transposed (dense, not contiguous) tensor: its storage's bytes go to the
+  // host and come back as the same view (it stayed on the device before 2026-11-28, as the Python package's
+  // did).
+  const torch::Tensor t = torch::randn({256, 64}, torch::requires_grad());
+  torch::Tensor y;
+  remat::OffloadStats stats;
+  {
+    remat::Offload o(remat::OffloadOptions().min_bytes(0));
+    y = (t.t() * 2).exp();
+    ASSERT_FALSE(y.is_contiguous());
+    stats = o.stats();
+  }
+  y.sum().backward();
+  EXPECT_EQ(stats.offloaded, 1);
+  EXPECT_TRUE(torch::equal(t.grad(), (t.t() * 2).exp().t() * 2));
+}
+
 TEST(Offload, AStorageKeptOnTheDeviceByAViewFreedFirstStaysForItsOtherSave) {
-  // h saved whole by gelu (offloaded) and again through a transposed view by sin, which keeps h on the device
+  // h saved whole by gelu (offloaded) and again through a view with gaps by sin, which keeps h on the device
   // (its host copy is dropped). sin's backward runs first and frees its view; gelu's must still find h there.
   // Before: "a saved tensor's bytes are neither on the host nor on the device".
   meter_on();
@@ -449,7 +467,9 @@ TEST(Offload, AStorageKeptOnTheDeviceByAViewFreedFirstStaysForItsOtherSave) {
       if (offloaded) o.emplace(remat::OffloadOptions().min_bytes(1024));
       const torch::Tensor h = x * 2;
       const torch::Tensor g = torch::gelu(h);
-      const torch::Tensor s = h.transpose(1, 2).sin();
+      const torch::Tensor s = h.index({torch::indexing::Slice(), torch::indexing::Slice(),
+                                       torch::indexing::Slice(0, torch::indexing::None, 2)})
+                                  .sin();
       loss = g.sum() + s.sum();
       if (o) EXPECT_EQ(o->stats().offloaded, 0);  // h was not offloaded after all
     }

@@ -13,17 +13,17 @@
 ///   loss.backward();                       // each comes back when the backward pass asks for it
 ///
 /// While an Offload is alive on a thread (and in the backward passes started inside it), each tensor autograd
-/// saves there of at least min_bytes (contiguous, not a leaf that requires grad such as a parameter, not one
-/// of keep_on_device) is copied to a block of the host pool, and the saved tensor holds that block instead of
-/// the device tensor: on a GPU on a side stream after the producing stream's work (events order them; the
-/// device tensor is held until its copy has completed), on the CPU at once. Bytes saved by several operators,
-/// each through a view of its own (an input three projections save), are copied once; a storage that another
-/// saved tensor keeps on the device (one not offloaded: a view with gaps, a small one) is not offloaded at
-/// all, since copying it would free nothing. Unpacking in the backward pass copies it back (waiting for its
-/// copy first, never reading it early) and holds the device copy until autograd drops the saved tensor; then
-/// the block returns to the pool. A tensor whose storage another holder kept on the device (the stage before,
-/// whose output it is) and that was not written since is handed out as it is instead: no second copy on the
-/// device.
+/// saves there of at least min_bytes (dense: contiguous or a permutation of it, such as a transposed query;
+/// not a leaf that requires grad such as a parameter, not one of keep_on_device) is copied to a block of the
+/// host pool, and the saved tensor holds that block instead of the device tensor: on a GPU on a side stream
+/// after the producing stream's work (events order them; the device tensor is held until its copy has
+/// completed), on the CPU at once. Bytes saved by several operators, each through a view of its own (an input
+/// three projections save), are copied once; a storage that another saved tensor keeps on the device (one not
+/// offloaded: a view with gaps, a small one) is not offloaded at all, since copying it would free nothing.
+/// Unpacking in the backward pass copies it back (waiting for its copy first, never reading it early) and
+/// holds the device copy until autograd drops the saved tensor; then the block returns to the pool. A tensor
+/// whose storage another holder kept on the device (the stage before, whose output it is) and that was not
+/// written since is handed out as it is instead: no second copy on the device.
 ///
 /// Inside a remat::checkpoint region (kNonReentrant) the region's own hooks are the innermost and take what
 /// its operators save. An Offload around a checkpoint gets what the checkpoint itself saves (its inputs) and,

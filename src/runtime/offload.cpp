@@ -216,7 +216,9 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     e->nbytes = nbytes;
     e->device = t.device();
     e->host = block.narrow(0, 0, nbytes);
-    e->source = t.detach().reshape({-1}).view(at::kByte);  // contiguous: its bytes, in order
+    // Its byte range in storage order (dense: contiguous, or a permutation of it), a view: a later in-place
+    // write shows in its version.
+    e->source = t.detach().as_strided({t.numel()}, {1}).view(at::kByte);
     e->storage = t.storage().getWeakStorageImpl();
     e->counter = t.unsafeGetTensorImpl()->version_counter();
     e->offset = offset;
@@ -258,7 +260,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       e.to_device = nullptr;
     }
     // Held until autograd drops the saved tensor: bytes saved by two operators come back once.
-    return e.device_copy.view(saved.dtype).view(saved.sizes);
+    // As it was saved: dense, its first element at the range's start.
+    return e.device_copy.view(saved.dtype).as_strided(saved.sizes, saved.strides, 0);
   }
 
   void finish_copies() {
@@ -382,8 +385,10 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       return false;  // a parameter, or an input that requires grad
     // A conjugate or negative view's bytes are not its values: it stays, with its bit, as autograd keeps it.
     if (t.defined() && (t.is_conj() || t.is_neg())) return false;
+    // Dense: its elements fill one byte range (contiguous, or a permutation of it such as a transposed
+    // query or attention output): that range goes, and comes back as the same view.
     return plain_data(t) != nullptr && static_cast<int64_t>(t.nbytes()) >= options_.min_bytes() &&
-           t.is_contiguous();
+           t.is_non_overlapping_and_dense();
   }
 
   // dst <- src: done (null), or a Copy in flight.

@@ -20,6 +20,7 @@ SavedAs SavedAs::of(const at::Tensor& t) {
   SavedAs s;
   s.dtype = t.scalar_type();
   s.sizes = t.sizes().vec();
+  if (t.defined() && t.layout() == at::kStrided) s.strides = t.strides().vec();
   s.version = version_of(t);
   const auto& fn = t.grad_fn();
   if (fn) {

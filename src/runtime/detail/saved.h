@@ -20,12 +20,13 @@ namespace remat::detail {
 /// A tensor's version counter (0 for an inference tensor, which has none).
 int64_t version_of(const at::Tensor& t);
 
-/// A saved tensor as autograd saved it: its view (dtype, sizes), its version, and what autograd's error names
-/// (its grad_fn, held weakly, with its type for when it is gone, as a recompute's graph is, and its output
-/// number).
+/// A saved tensor as autograd saved it: its view (dtype, sizes, strides), its version, and what autograd's
+/// error names (its grad_fn, held weakly, with its type for when it is gone, as a recompute's graph is, and
+/// its output number).
 struct SavedAs {
   at::ScalarType dtype = at::kFloat;
   std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;  ///< strided tensors only (empty for others)
   int64_t version = 0;
   compat::WeakNode grad_fn;
   const std::type_info* grad_fn_type = nullptr;

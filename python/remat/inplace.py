@@ -343,6 +343,16 @@ def _agree(chain, ctx) -> None:
     _core.set_plan_figures(chain, ctx, t_int.tolist(), t_real.tolist())
 
 
+def _add_to_stream(st, fwd: int = 0, bwd: int = 0) -> None:
+    """Adds to a stage's streamed peaks (bytes) what FSDP2's gathering adds to its forward and backward
+    transients, where the stage has them (its OffloadCost is a copy: written back)."""
+    if st.offload is not None and st.offload.can_stream():
+        o = st.offload
+        o.stream_fwd_bytes += fwd
+        o.stream_bwd_bytes += bwd
+        st.offload = o
+
+
 def _prefetch_then(offload: Offload, grad):
     """A gradient hook: starts bringing back what `offload` holds on the host, and lets the gradient through."""
     offload.prefetch()
@@ -789,10 +799,8 @@ class LayerPlan:
             shape.gathered = list(gathered.gathered)
             for st, g in zip(shape.chain.stages, gathered.gathered):
                 st.fwd_tmp_bytes += g
-                if g and st.offload is not None and st.offload.can_stream():
-                    o = st.offload
-                    o.stream_fwd_bytes += g
-                    st.offload = o
+                if g:
+                    _add_to_stream(st, fwd=g)
             del stage_fns, inputs, excluded
             step.window.restart()  # profiling's own transients are not the step's
         # The layers' calls are not needed any more: holding their inputs would hold what the plain step frees.
@@ -878,10 +886,7 @@ class LayerPlan:
                 for st, g in zip(shape.chain.stages, shape.gathered):
                     if g:
                         st.bwd_tmp_bytes += excess
-                        if st.offload is not None and st.offload.can_stream():
-                            o = st.offload
-                            o.stream_bwd_bytes += excess
-                            st.offload = o
+                        _add_to_stream(st, bwd=excess)
         if self._agreeing():
             _agree(shape.chain, ctx)
         shape.context = ctx

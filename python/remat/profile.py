@@ -206,11 +206,12 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     return [(name, nbytes, _median(times[name])) for name, nbytes in found if name in names]
 
 
-def _measure_stream(fn, leaf, targets, params, meter, min_bytes: int, alive: set[int]) -> tuple[int, int] | None:
+def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int]) -> tuple[int, int] | None:
     """fn(leaf) run streamed: what it saves sent to the host as it is made, each copy waited for at once
-    (remat.offload.Offload with window 0, never the `alive` storages), then its backward with each tensor
-    brought back where it is used. Returns (the forward's peak above the bytes before it, the backward's peak
-    above the bytes before it, its output's gradient made), or None when it has no backward."""
+    (remat.offload.Offload with window 0, never the `alive` storages), then backward(out) (the profile's
+    timed_backward: (ms, its peak above the bytes before it, its output's gradient made)), each tensor brought
+    back where it is used. Returns (the forward's peak above the bytes before it, the backward's), or None when
+    it has no backward (its output needs no gradient)."""
     o = Offload(pool=HostPool(), min_bytes=min_bytes, lookahead=0, window=0).keep_on_device(storages=alive)
     before = meter.count()
     with meter.window() as window:
@@ -218,15 +219,10 @@ def _measure_stream(fn, leaf, targets, params, meter, min_bytes: int, alive: set
             out = fn(leaf)
         o.finish_copies()
         fwd = window.peak() - before
-    if not (out.requires_grad and targets):
+    if not out.requires_grad:
         return None
-    with _ZeroGrads(params):
-        d = torch.ones_like(out)
-        before = meter.count()
-        with meter.window() as window:
-            torch.autograd.backward(out, d, inputs=targets)
-            bwd = window.peak() - before
-    del out, d
+    bwd = backward(out)[1]
+    del out
     o.pool.release()
     return max(0, fwd), max(0, bwd)
 
@@ -558,10 +554,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 # the window the runtime keeps in flight beside them.
                 for i in range(n):
                     leaf = leaf_of(i)
+                    targets = targets_of(i, leaf)
                     fields[i]["stream"] = _measure_stream(
-                        lambda t, i=i: check_out(i, stage_list[i](t)), leaf, targets_of(i, leaf), params[i],
-                        meter, offload_min_bytes, alive)
-                    del leaf
+                        lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
+                        lambda out, i=i, targets=targets: timed_backward(out, targets, i),
+                        meter, offload_min_bytes, alive) if targets else None
+                    del leaf, targets
             if groups:
                 for i in range(n):
                     leaf = leaf_of(i)

@@ -110,10 +110,8 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
   add({OpKind::kForwardAll, -1, s.saved_bytes, 0, s.fwd_ms, s.bwd_ms}, s.offload);
   if (all_only) return out;
   if (offload && s.offload && s.offload->can_stream()) {
-    Choice c{OpKind::kForwardAll, -1, s.saved_bytes, 0, s.fwd_ms, s.bwd_ms};
-    c.ms = c.fwd_ms + c.bwd_ms;
-    c.offload = c.stream = true;
-    c.cost = &*s.offload;
+    Choice c = out.back();  // Fa@host: the same forward, backward and copies, streamed
+    c.stream = true;
     out.push_back(c);
   }
   add({OpKind::kForwardCheckpoint, -1, s.output_bytes, 0, s.per_call_fwd_ms(), s.per_call_bwd_ms()},

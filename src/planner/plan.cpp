@@ -214,7 +214,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     // ahead of its backward; the rest left as it was copied and comes back tensor by tensor within it.
     bool stream = false;
     int64_t tail = 0;
-    bool input_left = false;  // its input left the device with it (it comes back for its backward)
+    bool input_left = false;  // its input left the device with it (back with it, or for a streamed backward)
     const OffloadCost* cost = nullptr;
     int64_t moving() const { return stream ? tail : device; }
   };
@@ -414,15 +414,14 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           Away& a = away[static_cast<size_t>(i)];
           a = Away{};
           if (c) {
-            const bool input_leaves = c->input && i > 0 && !keeps_output[i] && held[i] != kNone;
-            a.device = c->bytes + (input_leaves ? act(i) : 0);
+            a.input_left = c->input && i > 0 && !keeps_output[i] && held[i] != kNone;
+            a.device = c->bytes + (a.input_left ? act(i) : 0);
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }
           if (op.stream && c) {
             // Only a window stays in flight past its forward: the rest has left as it was copied.
             a.stream = true;
             a.tail = std::min(c->window_bytes, a.device);
-            a.input_left = c->input && i > 0 && !keeps_output[i] && held[i] != kNone;
             a.cost = c;
             current -= a.device - a.tail;
           }

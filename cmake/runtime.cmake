@@ -22,6 +22,7 @@ set(REMAT_RUNTIME_SOURCES
   src/runtime/saved.cpp
   src/runtime/policy.cpp
   src/runtime/op_policy.cpp
+  src/runtime/saved_groups.cpp
   src/runtime/watch.cpp
   src/runtime/restore.cpp
   src/runtime/engine.cpp

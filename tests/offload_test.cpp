@@ -713,3 +713,97 @@ TEST(Offload, EachCallKeptSentToTheHostOrRecomputedGivesThePlainGradients) {
   for (auto& p : model.parameters())
     EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
 }
+
+// Group assignments (Fk{khr}) in C++: the profiler finds each block's saved groups (fc1's product and GELU's
+// output: the calls whose outputs autograd saves, named as the policy sees them; fc2's product feeds
+// dropout's product, which saves only the mask), and
+// run_plan carries out any assignment of them: every step the plain step's gradients bitwise (dropout
+// recomputed), through a copy engine that delays each copy until waited for too; the measured peak within
+// the executor's tolerance of simulate()'s; the host pool's peak the simulated host bytes.
+TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
+  meter_on();
+  torch::manual_seed(0);
+  remat::models::ResidualMlp mlp(remat::models::ResidualMlpOptions().depth(3).width(kWidth).dropout(0.1));
+  auto& seq = mlp->blocks();
+  const torch::Tensor x = input(), weight = torch::randn({kBatch, kWidth});
+  const remat::Chain chain = remat::profile_chain(
+      seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  ASSERT_TRUE(chain.can_offload());
+  for (const auto& s : chain.stages) {
+    ASSERT_EQ(s.groups.size(), 2u) << s.name;
+    EXPECT_EQ(s.groups[0].name, "aten::addmm#0");  // the policy sees nn::Linear's addmm
+    EXPECT_EQ(s.groups[1].name, "aten::gelu#0");
+    EXPECT_EQ(s.groups[0].bytes, 4 * kHidden);
+    EXPECT_EQ(s.groups[1].bytes, 4 * kHidden);
+    for (const auto& g : s.groups)
+      EXPECT_GE(g.recompute_ms, 0.0);
+  }
+  auto step = [&](const std::optional<remat::Plan>& plan, const std::shared_ptr<remat::HostPool>& pool,
+                  int copy_delay) {
+    for (auto& p : seq->parameters())
+      p.mutable_grad() = torch::zeros_like(p);
+    torch::manual_seed(11);
+    Step r;
+    const int64_t base = remat::memory::active_bytes();
+    remat::memory::reset_peak();
+    const torch::Tensor out =
+        plan ? remat::run_plan(remat::stages_of(seq), *plan, x, {}, nullptr,
+                               remat::OffloadOptions().pool(pool).min_bytes(kHidden).copy_delay(copy_delay))
+             : seq->forward(x);
+    r.loss = (out * weight).sum();
+    r.loss.backward();
+    r.held = remat::memory::peak_bytes() - base + static_cast<int64_t>(x.nbytes());
+    r.loss = r.loss.detach();
+    for (auto& p : seq->parameters())
+      r.grads.push_back(p.grad().clone());
+    r.next_draw = torch::rand({3});
+    return r;
+  };
+  const Step plain = step(std::nullopt, nullptr, 0);
+  std::vector<std::vector<std::string>> names;
+  for (const auto& s : chain.stages) {
+    names.emplace_back();
+    for (const auto& g : s.groups)
+      names.back().push_back(g.name);
+  }
+  for (const char* text : {"Fk0{hh} Fk1{kk} Fk2{rr} L B2 B1 B0", "Fk0{hr} Fk1{rh} Fa2 L B2 B1 B0",
+                           "Fk0{kh} Fc1 Fk2{hk} L B2 Fa1 B1 B0"}) {
+    remat::Plan plan = remat::testing::plan_of_text(3, text);
+    plan.group_names = names;
+    const remat::Simulation sim = remat::simulate(chain, plan);
+    for (int delay : {0, 2}) {
+      auto pool = std::make_shared<remat::HostPool>();
+      const Step got = step(plan, pool, delay);
+      expect_same(plain, got);
+      EXPECT_GE(static_cast<double>(got.held), 0.99 * static_cast<double>(sim.peak_bytes)) << text;
+      EXPECT_LE(static_cast<double>(got.held), 1.10 * static_cast<double>(sim.peak_bytes)) << text;
+      EXPECT_EQ(pool->peak_bytes(), sim.host_peak_bytes) << text;
+      EXPECT_EQ(pool->in_use_bytes(), 0);
+    }
+  }
+  // A plan that assigns groups without naming them (parsed from text) is refused by name, before any stage
+  // runs.
+  const remat::Plan unnamed = remat::testing::plan_of_text(3, "Fk0{hh} Fa1 Fa2 L B2 B1 B0");
+  EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), unnamed, x), "remat::run_plan",
+                    "does not name the stage's saved groups");
+  // The per-layer planner assigns groups where they pay (keeping fc1's product saves its recompute for half
+  // of what keeping the block holds): at some budget between its least and the plain peak, its plan has one,
+  // names the groups, and runs as predicted.
+  remat::PlannerOptions options;
+  options.offload = true;
+  const int64_t least = remat::per_layer_min_budget(chain, options);
+  const int64_t most =
+      remat::simulate(chain, remat::testing::plan_of_text(3, "Fa0 Fa1 Fa2 L B2 B1 B0")).peak_bytes;
+  std::optional<remat::Plan> planned;
+  for (int k = 0; k <= 16 && !planned; ++k) {
+    remat::Plan p = remat::per_layer(chain, least + (most - least) * k / 16, options);
+    for (const auto& op : p.ops)
+      if (!op.groups.empty()) planned = p;
+  }
+  ASSERT_TRUE(planned.has_value());
+  EXPECT_EQ(planned->group_names, names) << planned->to_string();
+  auto pool = std::make_shared<remat::HostPool>();
+  const Step got = step(*planned, pool, 0);
+  expect_same(plain, got);
+  EXPECT_LE(static_cast<double>(got.held), 1.10 * static_cast<double>(planned->predicted.peak_bytes));
+}

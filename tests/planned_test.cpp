@@ -708,6 +708,24 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
   }
   kept.to_host_gb_per_s = kept.to_device_gb_per_s = 1e6;
   run_on(kept, with_policy, "[matmuls]@host");
+  // Group assignments (PlannedOptions::groups): when each block's saved groups are what pays to keep or send
+  // (no Fa@host; recomputing a group or the block costly), the plan assigns them (Fk{...}) and names them,
+  // and every step runs within 2% of its prediction.
+  const auto with_groups = remat::PlannedOptions(options).groups(true);
+  torch::manual_seed(0);
+  Net third(w, depth);
+  third->planned = remat::Planned(remat::stages_at<BlockImpl>(*third, {"h"}), with_groups);
+  step(third, x);
+  remat::Chain grouped = *(*third->planned)->chain();
+  for (auto& s : grouped.stages) {
+    ASSERT_FALSE(s.groups.empty()) << s.name;
+    s.offload.reset();
+    s.checkpoint_fwd_ms = s.checkpoint_bwd_ms = s.fwd_nosave_ms = 1e3;
+    for (auto& g : s.groups)
+      g.recompute_ms = 1e3 / static_cast<double>(s.groups.size());
+  }
+  grouped.to_host_gb_per_s = grouped.to_device_gb_per_s = 1e6;
+  run_on(grouped, with_groups, "{");
   // Bad options.
   EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*second, {"h"}),
                               remat::PlannedOptions().budget(budget).planner(offload).offload_min_bytes(-1)),

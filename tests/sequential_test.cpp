@@ -374,10 +374,11 @@ TEST(Executor, ReplanIsOneCallAndBadPlansAreClearErrors) {
   remat::Plan broken = remat::no_checkpoint(chain);
   broken.ops.pop_back();
   EXPECT_THROW_WITH(exec->set_plan(broken), "invalid plan", "d_0");
-  // A group assignment (Fk1{kh}): the C++ runtime does not carry it out yet, and says so.
+  // A group assignment (Fk1{kh}) whose groups the plan does not name (Plan::group_names) cannot be run.
   remat::Plan grouped = remat::no_checkpoint(chain);
   grouped.ops[1] = remat::parse_op("Fk1{kh}");
-  EXPECT_THROW_WITH(exec->set_plan(grouped), "under a group assignment (Fk1{kh})", "does not carry out yet");
+  EXPECT_THROW_WITH(exec->set_plan(grouped), "under a group assignment (Fk1{kh})",
+                    "does not name the stage's saved groups");
   // Nor a streamed stage (Fa1@stream).
   remat::Plan streamed = remat::no_checkpoint(chain);
   streamed.ops[1] = remat::parse_op("Fa1@stream");

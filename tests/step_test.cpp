@@ -918,6 +918,89 @@ TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   Chain twice = chain;
   twice.stages[0].groups[1].name = "aten::mm#0";
   EXPECT_THROW_WITH_STD(remat::validate(twice), "names saved group 'aten::mm#0' twice");
+
+  // The names travel with a planner's plan (Plan::group_names: what the C++ runtime runs by), through JSON
+  // and step_plan; a plan that names them otherwise than its chain, or not per stage, is refused.
+  remat::PlannerOptions options;
+  options.offload = true;
+  Chain costly = chain;
+  costly.stages[0].checkpoint_bwd_ms = 1e3;  // recomputing stage 0 whole is what groups avoid
+  costly.stages[0].groups[2].recompute_ms = 900;
+  const int64_t budget =
+      remat::simulate(
+          costly, remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fk0{kkr}", "Fa1", "L", "B1", "B0"]})"))
+          .peak_bytes;
+  ASSERT_LT(budget, remat::simulate(costly, remat::checkpoint_stages(2, {})).peak_bytes);
+  const Plan planned = remat::per_layer(costly, budget, options);
+  ASSERT_NE(planned.ops.front().groups, "") << planned.to_string();
+  const std::vector<std::vector<std::string>> names{{"aten::mm#0", "aten::mm#1", "aten::gelu#0"}, {}};
+  EXPECT_EQ(planned.group_names, names);
+  EXPECT_EQ(remat::plan_from_json(remat::to_json(planned)).group_names, names);
+  const Plan step = remat::step_plan(planned);
+  EXPECT_EQ(step.group_names, (std::vector<std::vector<std::string>>{{}, names[0], {}, {}}));
+  Plan renamed = planned;
+  renamed.group_names[0][1] = "aten::addmm#0";
+  EXPECT_THROW_WITH_STD(remat::simulate(costly, renamed),
+                        "names group 1 'aten::addmm#0', but the chain's stage 0 calls it 'aten::mm#1'");
+  Plan short_names = planned;
+  short_names.group_names.pop_back();
+  EXPECT_THROW_WITH_STD(remat::check_plan(short_names), "names saved groups for 1 stages but has 2");
+  short_names = planned;
+  short_names.group_names[0].pop_back();
+  EXPECT_THROW_WITH_STD(remat::check_plan(short_names), "but the plan names 2 for stage 0");
+
+  // What both profilers keep of the groups they find: the 10 largest, then the largest that fit, in order.
+  std::vector<remat::SavedGroup> found;
+  for (int g = 0; g < 12; ++g)
+    found.push_back({"aten::mul#" + std::to_string(g), g == 3 ? 50 : 10 + g, 0.0});
+  const std::vector<remat::SavedGroup> fit = remat::fit_groups(found, 50 + 21 + 20 + 19);
+  std::vector<std::string> kept;
+  for (const auto& g : fit)
+    kept.push_back(g.name);
+  EXPECT_EQ(kept, (std::vector<std::string>{"aten::mul#3", "aten::mul#9", "aten::mul#10", "aten::mul#11"}));
+  EXPECT_EQ(remat::fit_groups(found, 1 << 20).size(), remat::kMaxGroups);
+  EXPECT_THROW_WITH_STD(remat::fit_groups(found, -1), "remat::fit_groups: room_bytes must be >= 0");
+}
+
+TEST(OffloadSchedule, StatesWhenEachStagesCopiesAreWaitedForAndBroughtBack) {
+  // The one schedule both runtimes carry out, as simulate() charges it: copies to the host waited for once
+  // the next forward of another stage has run (or, still in flight at the loss, where the stage comes back),
+  // and brought back before the first operation after the loss of the stage after it (or of the stage
+  // itself).
+  using A = remat::OffloadPoint::Action;
+  using Points = std::vector<remat::OffloadPoint>;
+  auto plan = [](const char* ops) {
+    return remat::plan_from_json(std::string(R"({"num_stages": 3, "ops": [)") + ops + "]}");
+  };
+  remat::OffloadSchedule s =
+      remat::offload_schedule(plan(R"("Fa0@host", "Fa1", "Fa2@host", "L", "B2", "B1", "B0")"));
+  ASSERT_EQ(s.before.size(), 7u);
+  ASSERT_EQ(s.after.size(), 7u);
+  EXPECT_EQ(s.after[0], Points{});
+  EXPECT_EQ(s.after[1], (Points{{A::kWaitToHost, 0}}));
+  EXPECT_EQ(s.after[2], Points{});
+  EXPECT_EQ(s.before[4], (Points{{A::kWaitToHost, 2}, {A::kStartBack, 2}}));  // in flight at the loss
+  EXPECT_EQ(s.before[5], (Points{{A::kStartBack, 0}}));                       // B1 reaches stage 1
+  for (size_t k : {0, 1, 2, 3, 6})
+    EXPECT_EQ(s.before[k], Points{}) << k;
+  for (size_t k : {3, 4, 5, 6})
+    EXPECT_EQ(s.after[k], Points{}) << k;
+  // A recompute after the loss is the stage's first operation there: stage 0 comes back before it.
+  s = remat::offload_schedule(plan(R"("Fa0@host", "Fc1", "Fa2", "L", "B2", "Fa1", "B1", "B0")"));
+  EXPECT_EQ(s.after[1], (Points{{A::kWaitToHost, 0}}));
+  EXPECT_EQ(s.before[5], (Points{{A::kStartBack, 0}}));
+  EXPECT_EQ(s.before[6], Points{});
+  // Group assignments that send and checkpointed inputs sent are offloads too; a plan that sends nothing has
+  // no point.
+  s = remat::offload_schedule(plan(R"("Fk0{hk}", "Fc1@host", "Fa2", "L", "B2", "Fa1", "B1", "B0")"));
+  EXPECT_EQ(s.after[1], (Points{{A::kWaitToHost, 0}}));
+  EXPECT_EQ(s.after[2], (Points{{A::kWaitToHost, 1}}));
+  EXPECT_EQ(s.before[4], (Points{{A::kStartBack, 1}}));
+  EXPECT_EQ(s.before[5], (Points{{A::kStartBack, 0}}));
+  s = remat::offload_schedule(plan(R"("Fa0", "Fc1", "Fa2", "L", "B2", "Fa1", "B1", "B0")"));
+  for (size_t k = 0; k < 8; ++k)
+    EXPECT_TRUE(s.before[k].empty() && s.after[k].empty()) << k;
+  EXPECT_THROW(remat::offload_schedule(remat::Plan{}), std::invalid_argument);
 }
 
 TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {

@@ -129,6 +129,13 @@ struct Stage {
 /// The most groups a stage may have (a group assignment is one of 3^groups).
 inline constexpr size_t kMaxGroups = 10;
 
+/// The saved groups a profiler keeps of those it found in a stage's forward pass (`found`, in its order): the
+/// kMaxGroups largest, then, from the largest down, those that still fit in `room_bytes` (what the stage
+/// saves beside its output, Stage::saved_bytes - output_bytes: its groups cannot hold more), returned in the
+/// order found. Ties go to the earlier call. Both languages' profilers choose with it. Throws
+/// std::invalid_argument naming remat::fit_groups for a negative room or group bytes.
+std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t room_bytes);
+
 /// What a stage costs run under a group assignment (a plan's Fk{...}): one character per group of
 /// Stage::groups, 'k' (kept on the device), 'h' (sent to the host) or 'r' (recomputed). The stage runs as a
 /// checkpoint whose recompute before the backward skips the kept and sent calls: `saved_bytes` is its output

@@ -112,6 +112,11 @@ struct Plan {
   std::vector<std::string> keep;
   /// The operator-level policies its Fk[name] operations keep with (names; Op::policy indexes this).
   std::vector<std::string> policies;
+  /// Per stage, the names of its saved groups (the chain's Stage::groups' SavedGroup::name, in order), which
+  /// its Fk{...} operations assign: what the runtime runs them by (remat::group_policy). The planners fill it
+  /// when the plan has a group assignment; empty otherwise (and in a plan parsed from text, which the
+  /// executor then refuses to run with a group assignment).
+  std::vector<std::vector<std::string>> group_names;
 
   /// "Fc0 Fn1 Fa2 Fk3[matmuls] L B3 ...": operations separated by spaces.
   std::string to_string() const;
@@ -124,6 +129,35 @@ std::string op_name(OpKind kind);
 
 /// The text of one operation of `plan`: "Fn3", "Fk5", "Fk5[matmuls]", "Fa2@host", "L".
 std::string op_text(const Plan& plan, const Op& op);
+
+/// One point of a plan's offload schedule (offload_schedule()): what a runtime does about an offloaded
+/// stage's copies.
+struct OffloadPoint {
+  enum class Action {
+    kWaitToHost,  ///< wait for the stage's copies to the host; what they freed leaves the device
+    kStartBack,   ///< start bringing the stage's tensors back to the device
+  };
+  Action action = Action::kWaitToHost;
+  int64_t stage = -1;  ///< the offloaded stage
+  bool operator==(const OffloadPoint& o) const { return action == o.action && stage == o.stage; }
+  bool operator!=(const OffloadPoint& o) const { return !(*this == o); }
+};
+
+/// When the copies of a plan's offloaded stages are waited for and brought back: the one schedule that
+/// simulate() charges and both runtimes carry out (remat::run_plan, and the Python package's planned layers).
+/// A stage's copies to the host start with its forward; they are waited for once the next forward of another
+/// stage has run (`after` that operation); when the loss comes first, before the first operation after the
+/// loss of the stage or of the one after it, and brought back there. Otherwise they start coming back before
+/// the first operation after the loss of the stage after it (or of the stage itself, when that comes
+/// first): `before` that operation. Within a stage's backward each tensor is waited for where it is used.
+struct OffloadSchedule {
+  std::vector<std::vector<OffloadPoint>> before;  ///< per operation of the plan: before it runs
+  std::vector<std::vector<OffloadPoint>> after;   ///< per operation of the plan: once it has run
+};
+
+/// The plan's offload schedule (see OffloadSchedule; empty lists for a plan that offloads nothing). Throws
+/// std::invalid_argument as check_plan().
+OffloadSchedule offload_schedule(const Plan& plan);
 
 /// Checks that a plan computes every gradient in the model of this file: each operation finds what it
 /// needs, the loss comes once after a_n exists, and the plan ends with d_0; every Fk[name] names one of
@@ -164,11 +198,13 @@ Plan step_plan(const Plan& chain_plan);
 
 /// The plan as JSON: {"num_stages": n, "planner": "...", "budget_bytes": N, "ops": ["Fc0", "Fn1", ..., "L",
 /// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}, plus "keep": ["matmul"] for
-/// a plan with Fk, "policies": ["matmuls"] for one with Fk[matmuls], and in "predicted" "host_peak_bytes"
-/// and "transfer_ms" for one that offloads.
+/// a plan with Fk, "policies": ["matmuls"] for one with Fk[matmuls], "group_names": [[], ["aten::linear#0",
+/// ...], ...] for one with group names (Plan::group_names), and in "predicted" "host_peak_bytes" and
+/// "transfer_ms" for one that offloads.
 std::string to_json(const Plan& plan);
 
-/// Parses that JSON ("predicted" optional; "policies" optional, the Fk[name] operations naming them) and
+/// Parses that JSON ("predicted", "keep" and "group_names" optional; "policies" optional, the Fk[name]
+/// operations naming them) and
 /// checks the plan. Throws std::invalid_argument naming the problem: malformed JSON, a missing key, an
 /// unknown operation, or what check_plan rejects.
 Plan plan_from_json(const std::string& json);

@@ -71,6 +71,10 @@ struct PlannedOptions {
   TORCH_ARG(PlannerOptions, planner) = {};
   /// With planner.offload: saved tensors smaller than this stay on the device (bytes, >= 0).
   TORCH_ARG(int64_t, offload_min_bytes) = int64_t{1} << 20;
+  /// Also profile each stage's saved groups (ProfileOptions::groups) and plan with the per-layer planner,
+  /// which may run a stage under a group assignment (Fk3{khr}: each group kept, sent to the host with
+  /// planner.offload, or recomputed; remat::group_cost) beside its other ways.
+  TORCH_ARG(bool, groups) = false;
   /// Under data parallel, makes every rank plan from the same numbers: called, at the same step on every
   /// rank, with the numbers a plan is made from (remat::plan_figures, remat/step.h: an int64 tensor of byte
   /// counts and flags and a float64 tensor of times and negated bandwidths), it must replace them in place by

@@ -49,6 +49,11 @@ struct OpCall {
   const std::vector<at::Tensor>& inputs;
   /// The tensors it returned.
   const std::vector<at::Tensor>& outputs;
+  /// Which call it is: the name, '#', and how many asked calls of that operator the region's forward pass
+  /// made before it ("aten::addmm#2"), counted in the order the calls start, whatever the policy answered
+  /// (a call inside a kept one is still asked, and counted). A chain's saved groups are named so
+  /// (remat::SavedGroup::name), and group_policy() answers by it.
+  const std::string& call;
 };
 
 /// What a policy answers for a call, in PyTorch's words (torch.utils.checkpoint.CheckpointPolicy; the
@@ -120,6 +125,14 @@ class Policy {
   std::string name_;
   std::shared_ptr<std::function<CheckpointPolicy(const OpCall&)>> decide_;
 };
+
+/// The policy of a group assignment (a plan's `Fk3{khr}`, see remat::group_cost): the call named
+/// `names[g]` (OpCall::call, as the profiler names a stage's saved groups, remat::SavedGroup::name) is kept
+/// on the device for 'k' (kMustSave), sent to the host for 'h' (kMustCpuOffload: run it inside a
+/// remat::Offload, as the plan executor does) or recomputed for 'r' (kPreferRecompute); every other call is
+/// recomputed. Named "groups.<assignment>" ("groups.khr"). Throws c10::Error naming remat::group_policy when
+/// `assignment` is not one of 'k', 'h' or 'r' per name, or names repeat.
+Policy group_policy(const std::vector<std::string>& names, const std::string& assignment);
 
 /// The presets: policies that need no tagging of the model, right at the level their calls are asked in
 /// both LibTorch versions remat supports (see the top of this file).

@@ -50,6 +50,16 @@ struct ProfileOptions {
   /// bandwidth each way (Chain::to_host_gb_per_s, to_device_gb_per_s; remat::offload_bandwidth() on the
   /// largest stage's saved bytes, 1 to 64 MiB). One more forward per stage.
   TORCH_ARG(int64_t, offload_min_bytes) = -1;
+  /// Also measure each stage's saved groups (Stage::groups), so that the planners can assign each to be kept,
+  /// sent to the host or recomputed (a plan's Fk3{khr}, run under remat::group_policy; see
+  /// remat::group_cost): the operator calls a region's policy is asked about (remat/policy.h) whose outputs
+  /// autograd saves, outermost first (a call inside one found is not one), with storages of their own, not
+  /// written in place later, and with offload_min_bytes >= 0 only those whose every kept tensor an Offload
+  /// would send; each with what keeping it holds (its outputs and what autograd saved inside it beyond its
+  /// inputs' and outputs' storages, bytes) and its time (median of `repeats` runs, ms); then
+  /// remat::fit_groups keeps the largest that fit. `repeats` more forwards per stage. Needs remat's
+  /// dispatcher fallback, as policies do.
+  TORCH_ARG(bool, groups) = false;
 };
 
 /// Profiles the stages on `sample_input` (the chain's input a_0). Needs remat::memory::track_cpu() for a CPU

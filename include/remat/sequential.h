@@ -132,9 +132,12 @@ struct ExecutionStats {
 /// Fa<i>@host (the per-layer planner's offloading) runs stage i under a remat::Offload made with `offload`
 /// (its min_bytes and pool; the stage's module's parameters and buffers kept on the device): what the stage
 /// saves goes to host memory, its copies are waited for once the next forward has run, and they start coming
-/// back when the backward pass reaches stage i + 1 (remat/plan.h's model). Fk@host and Fc@host are refused
-/// (c10::Error): the C++ executor offloads what a stage's own operators save, not a checkpoint's kept outputs
-/// or held input (the Python package runs Fc@host).
+/// back when the backward pass reaches stage i + 1 (remat/plan.h's model). Fk<i>@host and Fk<i>[name]@host
+/// send what the stage's checkpoint keeps that way, Fc<i>@host the input held for its recompute.
+/// Fk<i>{khr} (a group assignment) runs the stage as a checkpoint under remat::group_policy over
+/// plan.group_names[i]: its 'k' groups kept on the device, its 'h' groups sent to the host as @host sends,
+/// the rest recomputed. Throws c10::Error naming remat::run_plan for a group assignment with no group names,
+/// and for a streamed stage (Fa<i>@stream: the C++ runtime does not carry it out; the Python package does).
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
                        const CheckpointOptions& options = {}, std::shared_ptr<ExecutionStats> stats = nullptr,
                        const OffloadOptions& offload = {});

@@ -256,6 +256,7 @@ class _Shape:
         self.context: _core.StepContext | None = None
         self.plan: _core.Plan | None = None
         self.choices: list[str] | None = None
+        self.points: tuple[list, list] | None = None  # the plan's offload schedule per layer (_layer_points)
         self.predicted = -1
         self.last_peak = -1
         self.profiling_steps = 0
@@ -353,10 +354,38 @@ def _add_to_stream(st, fwd: int = 0, bwd: int = 0) -> None:
         st.offload = o
 
 
-def _prefetch_then(offload: Offload, grad):
-    """A gradient hook: starts bringing back what `offload` holds on the host, and lets the gradient through."""
-    offload.prefetch()
+def _carry_out(points) -> None:
+    """Carries out offload-schedule points: (action, Offload) each, "wait_to_host" (its copies to the host waited
+    for, what they freed leaving the device) or "start_back" (what it holds on the host starts coming back)."""
+    for action, offload in points:
+        if action == "wait_to_host":
+            offload.finish_copies()
+        else:
+            offload.prefetch()
+
+
+def _carry_out_then(points, grad):
+    """A gradient hook: carries out the points (the backward pass has reached a layer), lets the gradient
+    through."""
+    _carry_out(points)
     return grad
+
+
+def _layer_points(plan) -> tuple[list, list]:
+    """The plan's offload schedule (remat::offload_schedule: the one simulate() charges and the C++ executor
+    carries out) per layer of a per-layer plan (choices_of's shape): after[i], the points carried out once layer
+    i's forward has run (ops[i]); at_backward[i], those carried out when the backward pass reaches layer i's
+    output (before its recompute or its backward), each (action, stage)."""
+    before, after = _core.offload_schedule(plan)
+    ops = list(plan.ops)
+    loss = next(k for k, op in enumerate(ops) if op.kind == _core.OpKind.L)
+    at_backward: list[list] = [[] for _ in range(plan.num_stages)]
+    for k in range(loss + 1, len(ops)):
+        at_backward[ops[k].stage].extend(before[k])
+        if after[k]:  # a recompute that waits for copies: no per-layer plan has one
+            raise RuntimeError(f"remat: internal error: plan '{plan}' waits for copies after operation {k}, "
+                               "which the planned layers cannot carry out")
+    return [list(after[i]) for i in range(plan.num_stages)], at_backward
 
 
 def _sync(device: torch.device) -> None:
@@ -435,6 +464,7 @@ class LayerPlan:
             fixed = _Shape()
             fixed.plan = plan
             fixed.choices = choices_of(plan)
+            fixed.points = _layer_points(plan)
             for c in fixed.choices:
                 if is_groups(c):
                     raise ValueError(f"{who}: the plan runs a layer under a group assignment ('{c}'), whose groups "
@@ -641,10 +671,11 @@ class LayerPlan:
                             "as the first positional argument; remat follows the tensor passed there from layer "
                             "to layer")
         if self._unmeasured or (i > 0 and self._step is not None and self._step.off_plan):
-            return self._run(i, CHECKPOINT, fn, args)
+            # (The schedule's points for the layers before still hold: their copies are waited for and come back.)
+            return self._run(i, CHECKPOINT, fn, args, self._step.shape if self._step is not None else None)
         if self._fixed is not None:  # a given plan: nothing to measure
             self._last = self._fixed
-            return self._run(i, self._fixed.choices[i], fn, args)
+            return self._run(i, self._fixed.choices[i], fn, args, self._fixed)
         x = args[0]
         step = self._step
         if i == 0:
@@ -691,14 +722,15 @@ class LayerPlan:
                 f"{_describe(shape.layer_keys[i])} (steps are told apart by the shapes of the model's inputs, or "
                 "of the first layer's when the layers are called outside the model's forward); the rest of such "
                 "a step runs every layer checkpointed, and its peak is not what was planned", stacklevel=3)
-        return self._run(i, CHECKPOINT, fn, args)
+        return self._run(i, CHECKPOINT, fn, args, shape)
 
     # -- a planned step: running a layer, offloaded or not ------------------------------------------------------
     def _run(self, i: int, how: str, fn: Callable, args: tuple, shape: "_Shape | None" = None):
         """Layer i's call as its choice says. Offloaded ("...@host"): under its own Offload's hooks, on the host
-        pool; the plan's memory model is kept: the previous layer's copies to the host are waited for once this
-        layer's forward has run, and when the backward pass reaches this layer's output the previous layer's
-        tensors start coming back (so that their copies overlap this layer's backward)."""
+        pool. With the step's shape, the plan's offload schedule is carried out (the planner's, which simulate()
+        charges): typically the previous layer's copies to the host are waited for once this layer's forward has
+        run, and when the backward pass reaches this layer's output the previous layer's tensors start coming
+        back (so that their copies overlap this layer's backward)."""
         if i == 0:
             self._step_offloads = []
             self._keep_storages = None
@@ -725,14 +757,19 @@ class LayerPlan:
                         window=window)
             o.keep_on_device(_taken_tensors(fn, args), storages=self._keep_storages)
         out = run_layer(how, fn, args, [layer], self.policies, offload=o, groups=groups)
-        if self._step_offloads and self._step_offloads[-1][0] == i - 1:
-            prev = self._step_offloads[-1][1]
-            prev.finish_copies()
-            main, _ = _layer_output(out, self.who, i, layer)
-            if main.requires_grad:
-                main.register_hook(partial(_prefetch_then, prev))
         if o is not None:
             self._step_offloads.append((i, o))
+        if shape is not None and shape.points is not None:
+            # The plan's offload schedule: the copies to the host in flight beside this forward are waited for
+            # now; what comes back when the backward pass reaches this layer's output starts then.
+            after, at_backward = shape.points
+            offloads = dict(self._step_offloads)
+            _carry_out([(action, offloads[s]) for action, s in after[i] if s in offloads])
+            points = [(action, offloads[s]) for action, s in at_backward[i] if s in offloads]
+            if points:
+                main, _ = _layer_output(out, self.who, i, layer)
+                if main.requires_grad:
+                    main.register_hook(partial(_carry_out_then, points))
         return out
 
     # -- a planned step: its measured peak --------------------------------------------------------------------
@@ -925,12 +962,13 @@ class LayerPlan:
             err.budget_bytes = self.budget
             err.min_bytes = least
             shape.error = err
-            shape.plan = shape.choices = None
+            shape.plan = shape.choices = shape.points = None
             shape.predicted = -1
             self._publish(shape)
             raise err from None
         shape.plan = planned.plan
         shape.choices = choices_of(planned.plan)
+        shape.points = _layer_points(planned.plan)
         shape.predicted = planned.step_peak_bytes
         self._publish(shape)
 

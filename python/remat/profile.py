@@ -166,7 +166,7 @@ def _groupable(func, name: str, args, kwargs) -> bool:
 def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_bytes: int | None = None,
                     params: set[int] = frozenset()) -> list[tuple[str, int, float]]:
     """The saved groups of fn(leaf): (call name, bytes, ms) of the calls whose outputs autograd saves (beside
-    `alive` storages and fn's output), in the forward's order; the largest kMaxGroups of them. Profiling for
+    `alive` storages and fn's output), in the forward's order (the planner's fit_groups chooses among them). Profiling for
     offloading (offload_min_bytes), only calls whose every output an Offload would send (remat.offload's
     offloadable: dense, at least that large, not a parameter's): a group is sent whole or not at all."""
     saved: set[int] = set()
@@ -201,9 +201,7 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
         for name, _, ms, _ in rec.calls:
             times.setdefault(name, []).append(ms)
         del out, rec
-    largest = sorted(found, key=lambda g: -g[1])[: _core.MAX_GROUPS]
-    names = {g[0] for g in largest}
-    return [(name, nbytes, _median(times[name])) for name, nbytes in found if name in names]
+    return [(name, nbytes, _median(times[name])) for name, nbytes in found]
 
 
 def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int]) -> tuple[int, int] | None:
@@ -599,17 +597,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             costs.append(c)
         s.policies = costs
         if groups:
-            # At most what the stage saves beside its output (the smallest groups dropped past it).
-            room = s.saved_bytes - s.output_bytes
-            kept = sorted(f["groups"], key=lambda g: -g[1])
-            chosen, total = [], 0
-            for g in kept:
-                if total + g[1] <= room:
-                    chosen.append(g)
-                    total += g[1]
-            order = {g[0]: k for k, g in enumerate(f["groups"])}
-            s.groups = [_core.SavedGroup(name, nbytes, ms) for name, nbytes, ms in
-                        sorted(chosen, key=lambda g: order[g[0]])]
+            # The largest, at most what the stage saves beside its output (the planner library's rule, which
+            # the C++ profiler applies too).
+            s.groups = _core.fit_groups([_core.SavedGroup(name, nbytes, ms) for name, nbytes, ms in f["groups"]],
+                                        max(0, s.saved_bytes - s.output_bytes))
         if offload_min_bytes is not None:
             s.offload = f.get("offload")
             if s.offload is not None and f.get("stream") is not None:

@@ -4,6 +4,7 @@
 // package.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -107,6 +108,11 @@ NB_MODULE(_core, m) {
       .def_rw("recompute_ms", &remat::SavedGroup::recompute_ms, "the call's forward time (milliseconds)");
 
   m.attr("MAX_GROUPS") = remat::kMaxGroups;
+  m.def("fit_groups", &remat::fit_groups, "found"_a, "room_bytes"_a,
+        "The saved groups a profiler keeps of those found (in the forward's order): the MAX_GROUPS largest, "
+        "then, from the largest down, those that fit in room_bytes; in the order found. Raises ValueError "
+        "for a "
+        "negative room or group bytes.");
   m.def("group_cost", &remat::group_cost, "stage"_a, "assignment"_a,
         "What a stage costs under a group assignment ('khr': each group kept, sent to the host or "
         "recomputed), as a PolicyCost. Raises ValueError for an assignment that does not fit the stage.");
@@ -222,6 +228,8 @@ NB_MODULE(_core, m) {
       .def_rw("predicted", &remat::Plan::predicted)
       .def_rw("keep", &remat::Plan::keep)
       .def_rw("policies", &remat::Plan::policies)
+      .def_rw("group_names", &remat::Plan::group_names,
+              "per stage, the names of its saved groups that its Fk{...} operations assign")
       .def("to_string", &remat::Plan::to_string)
       .def("__str__", &remat::Plan::to_string)
       .def("__repr__", [](const remat::Plan& p) { return "Plan('" + p.to_string() + "')"; })
@@ -248,6 +256,27 @@ NB_MODULE(_core, m) {
              p.predicted.transfer_ms = std::get<4>(s);
            });
   m.def("check_plan", &remat::check_plan, "plan"_a);
+  m.def(
+      "offload_schedule",
+      [](const remat::Plan& plan) {
+        const remat::OffloadSchedule s = remat::offload_schedule(plan);
+        using Points = std::vector<std::vector<std::tuple<std::string, int64_t>>>;
+        auto convert = [](const std::vector<std::vector<remat::OffloadPoint>>& in) {
+          Points out(in.size());
+          for (size_t k = 0; k < in.size(); ++k)
+            for (const remat::OffloadPoint& p : in[k])
+              out[k].emplace_back(
+                  p.action == remat::OffloadPoint::Action::kWaitToHost ? "wait_to_host" : "start_back",
+                  p.stage);
+          return out;
+        };
+        return std::make_pair(convert(s.before), convert(s.after));
+      },
+      "plan"_a,
+      "The plan's offload schedule (remat::offload_schedule): (before, after), per operation of the plan the "
+      "points carried out before it runs and once it has run, each (\"wait_to_host\" or \"start_back\", "
+      "stage). "
+      "Raises ValueError for an invalid plan.");
   m.def("simulate", &remat::simulate, "chain"_a, "plan"_a);
   m.def("checkpoint_stages", &remat::checkpoint_stages, "num_stages"_a, "stages"_a);
   m.def("per_call_time_ms", &remat::per_call_time_ms, "chain"_a, "stages"_a);

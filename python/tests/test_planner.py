@@ -129,3 +129,21 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
         (False, 400, 900, 1300)
     assert (c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, list(c.stage_grads_bytes)) == (600, 12.5, 100, [40, 50])
     assert c.checkpoint_all_peak_bytes == 2400 and c.side_bytes == 64
+
+
+def test_the_offload_schedule_is_the_planners_and_the_layers_carry_it_out_per_layer():
+    # One schedule for both runtimes: remat::offload_schedule, per operation; the planned layers read it per
+    # layer (after layer i's forward; when the backward pass reaches layer i's output).
+    from remat.inplace import _layer_points
+
+    plan = remat.Plan.from_json(json.dumps({"num_stages": 3, "ops": [
+        "Fa0@host", "Fa1", "Fc2@host", "L", "Fa2", "B2", "B1", "B0"]}))
+    before, after = remat._core.offload_schedule(plan)
+    assert after[1] == [("wait_to_host", 0)] and after[2] == []
+    assert before[4] == [("wait_to_host", 2), ("start_back", 2)]  # still in flight at the loss
+    assert before[6] == [("start_back", 0)]
+    after_forward, at_backward = _layer_points(plan)
+    assert after_forward == [[], [("wait_to_host", 0)], []]
+    assert at_backward == [[], [("start_back", 0)], [("wait_to_host", 2), ("start_back", 2)]]
+    with pytest.raises(ValueError):
+        remat._core.offload_schedule(remat.Plan())

@@ -479,6 +479,33 @@ Chain uniform_chain(int64_t n, double fwd_ms, double bwd_ms, int64_t output_byte
   return chain;
 }
 
+std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t room_bytes) {
+  if (room_bytes < 0)
+    throw std::invalid_argument("remat::fit_groups: room_bytes must be >= 0, got " +
+                                std::to_string(room_bytes));
+  std::vector<size_t> order(found.size());
+  for (size_t g = 0; g < found.size(); ++g) {
+    if (found[g].bytes < 0)
+      throw std::invalid_argument("remat::fit_groups: group '" + found[g].name + "' has " +
+                                  std::to_string(found[g].bytes) + " bytes");
+    order[g] = g;
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return found[a].bytes > found[b].bytes; });
+  if (order.size() > kMaxGroups) order.resize(kMaxGroups);
+  std::vector<char> chosen(found.size(), 0);
+  int64_t total = 0;
+  for (size_t g : order) {
+    if (total + found[g].bytes > room_bytes) continue;
+    chosen[g] = 1;
+    total += found[g].bytes;
+  }
+  std::vector<SavedGroup> out;
+  for (size_t g = 0; g < found.size(); ++g)
+    if (chosen[g]) out.push_back(found[g]);
+  return out;
+}
+
 PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
   if (assignment.size() != stage.groups.size()) {
     throw std::invalid_argument("remat::group_cost: the assignment '" + assignment + "' has " +

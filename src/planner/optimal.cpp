@@ -357,6 +357,14 @@ Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budg
   }
   if (tags) plan.keep = chain.keep;
   if (policies) plan.policies = chain.policies;  // the emitted Op::policy indexes the chain's list
+  if (std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return !op.groups.empty(); })) {
+    plan.group_names.clear();
+    for (const Stage& s : chain.stages) {
+      plan.group_names.emplace_back();
+      for (const SavedGroup& g : s.groups)
+        plan.group_names.back().push_back(g.name);
+    }
+  }
   plan.predicted = simulate(chain, plan);
   return plan;
 }

@@ -260,6 +260,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     }
   };
 
+  if (!plan.group_names.empty() && static_cast<int64_t>(plan.group_names.size()) != n) {
+    throw std::invalid_argument(std::string(who) + ": the plan names saved groups for " +
+                                std::to_string(plan.group_names.size()) + " stages but has " +
+                                std::to_string(n) + " (Plan::group_names: one list per stage)");
+  }
   for (size_t k = 0; k < plan.ops.size(); ++k) {
     const Op& op = plan.ops[k];
     auto fail = [&](const std::string& why) {
@@ -281,12 +286,27 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
       if (op.groups.find_first_not_of("khr") != std::string::npos)
         fail("has a group assignment with characters other than k, h and r");
       if (loss_done) fail("has a group assignment after the loss (only forwards before it can)");
+      if (!plan.group_names.empty() && op.stage >= 0 && op.stage < n &&
+          plan.group_names[static_cast<size_t>(op.stage)].size() != op.groups.size()) {
+        fail("assigns " + std::to_string(op.groups.size()) + " groups, but the plan names " +
+             std::to_string(plan.group_names[static_cast<size_t>(op.stage)].size()) + " for stage " +
+             std::to_string(op.stage) + " (Plan::group_names)");
+      }
       if (chain && op.stage >= 0 && op.stage < n &&
           op.groups.size() != chain->stages[static_cast<size_t>(op.stage)].groups.size()) {
         fail("assigns " + std::to_string(op.groups.size()) + " groups, but the chain's stage " +
              std::to_string(op.stage) + " ('" + chain->stages[static_cast<size_t>(op.stage)].name +
              "') has " + std::to_string(chain->stages[static_cast<size_t>(op.stage)].groups.size()) +
              " saved groups (profile it with groups)");
+      }
+      if (chain && !plan.group_names.empty() && op.stage >= 0 && op.stage < n) {
+        const auto& groups = chain->stages[static_cast<size_t>(op.stage)].groups;
+        const auto& names = plan.group_names[static_cast<size_t>(op.stage)];
+        for (size_t g = 0; g < groups.size() && g < names.size(); ++g) {
+          if (groups[g].name != names[g])
+            fail("names group " + std::to_string(g) + " '" + names[g] + "', but the chain's stage " +
+                 std::to_string(op.stage) + " calls it '" + groups[g].name + "' (a plan of another chain)");
+        }
       }
     }
     if (op.stream) {
@@ -539,6 +559,7 @@ nlohmann::ordered_json plan_json(const Plan& plan) {
   j["predicted"] = p;
   if (!plan.keep.empty()) j["keep"] = plan.keep;
   if (!plan.policies.empty()) j["policies"] = plan.policies;
+  if (!plan.group_names.empty()) j["group_names"] = plan.group_names;
   return j;
 }
 }  // namespace detail
@@ -578,12 +599,67 @@ Plan plan_from_json(const std::string& text) {
     if (p.contains("transfer_ms")) plan.predicted.transfer_ms = p.at("transfer_ms").get<double>();
   }
   plan.keep = detail::string_array(j, "keep", "remat::plan_from_json");
+  if (j.contains("group_names")) {
+    const auto& g = j.at("group_names");
+    if (!g.is_array()) fail("\"group_names\" must be an array (per stage) of arrays of strings");
+    for (const auto& names : g) {
+      if (!names.is_array()) fail("\"group_names\" must be an array (per stage) of arrays of strings");
+      plan.group_names.emplace_back();
+      for (const auto& name : names) {
+        if (!name.is_string()) fail("every group name must be a string, got " + name.dump());
+        plan.group_names.back().push_back(name.get<std::string>());
+      }
+    }
+  }
   check_plan(plan);
   for (const Op& op : plan.ops) {
     if (op.kind == OpKind::kForwardKeep && op.policy < 0 && op.groups.empty() && plan.keep.empty())
       fail("the plan has Fk operations but no \"keep\" tags to run them with");
   }
   return plan;
+}
+
+OffloadSchedule offload_schedule(const Plan& plan) {
+  check_plan(plan);
+  const int64_t n = plan.num_stages;
+  OffloadSchedule out;
+  out.before.resize(plan.ops.size());
+  out.after.resize(plan.ops.size());
+  enum State : char { kNone, kInFlight, kGone, kBack };
+  std::vector<char> state(static_cast<size_t>(n), kNone);
+  bool loss_done = false;
+  using Action = OffloadPoint::Action;
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    const Op& op = plan.ops[k];
+    if (op.kind == OpKind::kLoss) {
+      loss_done = true;
+      continue;
+    }
+    const int64_t i = op.stage;
+    // After the loss, the first operation of stage s or s + 1 brings stage s back (waiting first for its
+    // copies to the host when they are still in flight).
+    if (loss_done) {
+      for (int64_t s : {i - 1, i}) {
+        if (s < 0) continue;
+        char& st = state[static_cast<size_t>(s)];
+        if (st == kInFlight) out.before[k].push_back({Action::kWaitToHost, s});
+        if (st == kInFlight || st == kGone) {
+          out.before[k].push_back({Action::kStartBack, s});
+          st = kBack;
+        }
+      }
+    }
+    if (op.kind == OpKind::kBackward) continue;
+    // A forward: the copies to the host in flight beside it (of other stages) are waited for once it has run.
+    for (int64_t s = 0; s < n; ++s) {
+      if (s != i && state[static_cast<size_t>(s)] == kInFlight) {
+        out.after[k].push_back({Action::kWaitToHost, s});
+        state[static_cast<size_t>(s)] = kGone;
+      }
+    }
+    if (op.offloads()) state[static_cast<size_t>(i)] = kInFlight;
+  }
+  return out;
 }
 
 Plan checkpoint_stages(int64_t n, const std::vector<int64_t>& stages) {
@@ -639,6 +715,12 @@ Plan step_plan(const Plan& chain_plan) {
   step.budget_bytes = 0;
   step.keep = chain_plan.keep;
   step.policies = chain_plan.policies;
+  if (!chain_plan.group_names.empty()) {
+    step.group_names.emplace_back();
+    step.group_names.insert(step.group_names.end(), chain_plan.group_names.begin(),
+                            chain_plan.group_names.end());
+    step.group_names.emplace_back();
+  }
   step.ops.push_back({OpKind::kForwardAll, 0});
   for (const Op& op : chain_plan.ops) {
     if (op.kind == OpKind::kLoss) {

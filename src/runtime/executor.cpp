@@ -76,14 +76,26 @@ struct ExecState final : torch::CustomClassHolder {
   at::Tensor grad;  // d_j
   int64_t grad_at = -1;
 
-  // Offloading (Fa@host, Fk@host, Fc@host): per stage its Offload while what it saved is on the host; the
-  // stage whose copies to the host are in flight (waited for once the next forward has run); whether a
-  // stage's copies back started.
+  // Offloading (Fa@host, Fk@host, Fc@host, Fk{...h...}): per stage its Offload while what it saved is on the
+  // host; when its copies are waited for and brought back (the plan's offload schedule, which simulate()
+  // charges and the Python package follows too).
   OffloadOptions offload;
   std::vector<std::shared_ptr<Offload>> offloads;
-  int64_t in_flight = -1;
-  std::vector<char> prefetched;
+  OffloadSchedule schedule;
 };
+
+// Carries out the schedule's points at one operation.
+void carry_out(ExecState& st, const std::vector<OffloadPoint>& points) {
+  for (const OffloadPoint& p : points) {
+    const auto& o = st.offloads.at(static_cast<size_t>(p.stage));
+    if (!o) continue;
+    if (p.action == OffloadPoint::Action::kWaitToHost) {
+      o->finish_copies();
+    } else {
+      o->prefetch();
+    }
+  }
+}
 
 // The plan is valid and has `count` stages ("...but <has> <count><unit>" otherwise).
 void check_plan_fits(const Plan& plan, size_t count, const char* who, const char* has, const char* unit) {
@@ -96,10 +108,11 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
   }
   int64_t tag_fk = 0;
   for (const Op& op : plan.ops) {
-    TORCH_CHECK(op.groups.empty(), who, ": the plan runs stage ", op.stage, " under a group assignment (",
-                op_text(plan, op),
-                "), which the C++ runtime does not carry out yet (the Python package's "
-                "remat.enable does); plan with PlannerOptions::groups = false");
+    TORCH_CHECK(
+        op.groups.empty() || !plan.group_names.empty(), who, ": the plan runs stage ", op.stage,
+        " under a group assignment (", op_text(plan, op),
+        ") but does not name the stage's saved groups (Plan::group_names, which the planners fill from "
+        "a chain profiled with ProfileOptions::groups; a plan parsed from text has none)");
     TORCH_CHECK(
         !op.stream, who, ": the plan streams stage ", op.stage, " (", op_text(plan, op),
         "), which the C++ runtime does not carry out yet (the Python package's remat.enable does); the "
@@ -188,12 +201,15 @@ void run_forward(ExecState& st, const Op& op) {
     const NodeMark mark = NodeMark::now();
     // Offloaded: what the stage's operators save (Fa@host), or what its checkpoint keeps (Fk@host: the kept
     // calls' outputs go through the Offload's hooks; its input, held by the executor, stays).
+    // Fk{...}: its sent groups (answered kMustCpuOffload) go the same way, its kept ones (kMustSave) stay.
     std::shared_ptr<Offload> offload;
-    if (op.offload) offload = open_offload(st, stage, {leaf});
+    if (op.offloads()) offload = open_offload(st, stage, {leaf});
     if (op.kind == OpKind::kForwardKeep) {
       // Fk: the stage as a checkpoint that keeps its kept calls' outputs; B recomputes the rest through it.
       auto options = CheckpointOptions().preserve_rng_state(st.preserve_rng).determinism_check(st.check);
-      if (op.policy < 0) {
+      if (!op.groups.empty()) {
+        options.policy(group_policy(st.plan.group_names.at(static_cast<size_t>(i)), op.groups));  // Fk{khr}
+      } else if (op.policy < 0) {
         options.keep(st.plan.keep);
       } else {
         options.policy(st.policies[static_cast<size_t>(op.policy)]);  // Fk[name]
@@ -206,7 +222,6 @@ void run_forward(ExecState& st, const Op& op) {
     if (offload) {
       offload->close();
       st.offloads[i] = std::move(offload);
-      st.prefetched[i] = 0;
     }
     TORCH_CHECK(out.defined(), "remat::run_plan: stage ", i, " ('", stage.name,
                 "') returned an undefined tensor");
@@ -229,7 +244,6 @@ void run_forward(ExecState& st, const Op& op) {
       offload->close();
       in.plain = at::Tensor();
       st.offloads[i] = std::move(offload);
-      st.prefetched[i] = 0;
     }
   }
   if (st.ran[i]) {
@@ -248,12 +262,6 @@ void run_forward(ExecState& st, const Op& op) {
                 " in its first run");
   }
   if (st.stats) st.stats->forward_calls[i] += 1;
-  // The previous offloaded stage's copies to the host have run beside this forward: its device tensors go.
-  if (st.in_flight >= 0 && st.in_flight != i) {
-    if (const auto& o = st.offloads[static_cast<size_t>(st.in_flight)]) o->finish_copies();
-    st.in_flight = -1;
-  }
-  if (op.offload) st.in_flight = i;
 }
 
 void accumulate_into(at::Tensor& sum, const at::Tensor& g) {
@@ -350,8 +358,10 @@ at::Tensor run_forward_pass(ExecState& st, const at::Tensor& input) {
       if (stage.module) modules.push_back(stage.module);
     }
     BufferRestore buffers(modules, /*only_on_unwind=*/true);
-    for (size_t k = 0; k < st.loss_at; ++k)
+    for (size_t k = 0; k < st.loss_at; ++k) {
       run_forward(st, st.plan.ops[k]);
+      carry_out(st, st.schedule.after[k]);
+    }
   }
   const int64_t n = st.plan.num_stages;
   // A fresh tensor (never one a stage handed out, which may be its own input or a module's tensor) that the
@@ -419,12 +429,7 @@ struct ExecNode final : torch::autograd::Node {
     const auto& ops = run->plan.ops;
     for (size_t k = run->loss_at + 1; k < ops.size(); ++k) {
       try {
-        // The backward pass reaches stage s: what stage s - 1 offloaded starts coming back.
-        const int64_t before = ops[k].stage - 1;
-        if (before >= 0 && run->offloads[static_cast<size_t>(before)] && !run->prefetched[before]) {
-          run->offloads[static_cast<size_t>(before)]->prefetch();
-          run->prefetched[static_cast<size_t>(before)] = 1;
-        }
+        carry_out(*run, run->schedule.before[k]);  // the backward pass reaching a stage brings one back
         if (ops[k].kind == OpKind::kBackward) {
           const int64_t s = ops[k].stage;
           run_backward(*run, s, outer, keep_graph, param_grads, param_index, needed,
@@ -433,6 +438,7 @@ struct ExecNode final : torch::autograd::Node {
           if (s <= lowest) break;  // nothing below is needed
         } else {
           run_forward(*run, ops[k]);
+          carry_out(*run, run->schedule.after[k]);
         }
       } catch (c10::Error& e) {
         e.add_context("remat::run_plan: while running operation " + std::to_string(k) + " of the plan (" +
@@ -509,7 +515,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->offload = offload;
   if (!st->offload.pool()) st->offload.pool(std::make_shared<HostPool>());  // one pool for the step's stages
   st->offloads.resize(n);
-  st->prefetched.assign(n, 0);
+  st->schedule = offload_schedule(plan);
   std::unordered_map<c10::TensorImpl*, size_t> seen;
   for (size_t i = 0; i < n; ++i) {
     if (!stages[i].module) continue;

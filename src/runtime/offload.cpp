@@ -23,6 +23,7 @@
 
 #include "detail/hooks.h"
 #include "detail/saved.h"
+#include "detail/stage_offload.h"
 #include "detail/watch.h"
 
 namespace remat {
@@ -128,6 +129,16 @@ void HostPool::reset_peak() {
 // The hooks
 
 namespace detail {
+
+bool sendable(const at::Tensor& t, int64_t min_bytes) {
+  if (!t.defined() || t.layout() != at::kStrided || !t.has_storage() || t.is_meta()) return false;
+  if (t.is_leaf() && t.requires_grad()) return false;  // a parameter, or an input that requires grad
+  // A conjugate or negative view's bytes are not its values: it stays, with its bit, as autograd keeps it.
+  if (t.is_conj() || t.is_neg()) return false;
+  // Dense: its elements fill one byte range (contiguous, or a permutation of it such as a transposed query or
+  // attention output): that range goes, and comes back as the same view.
+  return static_cast<int64_t>(t.nbytes()) >= min_bytes && t.is_non_overlapping_and_dense();
+}
 
 // A copy in flight: query() whether it has completed, wait() for it (on a device with streams, the current
 // stream waits too, so that its next work reads the copy).
@@ -381,14 +392,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   }
 
   bool offloadable(const at::Tensor& t) const {
-    if (t.defined() && t.is_leaf() && t.requires_grad())
-      return false;  // a parameter, or an input that requires grad
-    // A conjugate or negative view's bytes are not its values: it stays, with its bit, as autograd keeps it.
-    if (t.defined() && (t.is_conj() || t.is_neg())) return false;
-    // Dense: its elements fill one byte range (contiguous, or a permutation of it such as a transposed
-    // query or attention output): that range goes, and comes back as the same view.
-    return plain_data(t) != nullptr && static_cast<int64_t>(t.nbytes()) >= options_.min_bytes() &&
-           t.is_non_overlapping_and_dense();
+    return plain_data(t) != nullptr && sendable(t, options_.min_bytes());
   }
 
   // dst <- src: done (null), or a Copy in flight.

@@ -16,6 +16,7 @@ namespace remat::detail {
 
 struct OpPolicyRecord::Call {
   std::string name, overload;
+  std::string call;   // "aten::addmm#2" (OpCall::call); empty for a write made part of a kept call
   int64_t end = 0;    // one past the last asked call made inside it
   int64_t kept = -1;  // its index in kept_, or -1
   // An in-place write to the outputs of the kept call `owner` (an index into calls_), made part of that call:
@@ -40,25 +41,6 @@ bool holds_tensors(const c10::TypePtr& t) {
   if (auto o = t->cast<c10::OptionalType>()) return holds_tensors(o->getElementType());
   if (auto l = t->cast<c10::ListType>()) return holds_tensors(l->getElementType());
   return false;
-}
-
-// Whether a call of this operator can be kept, and so is asked: every return a tensor that aliases nothing,
-// no argument written, at least one tensor argument, and not a factory (empty_like, new_zeros, ...), whose
-// fresh result a later in-place operator fills. aten::_unsafe_view returns a view without saying so in its
-// schema (matmul uses it on the product it reshapes).
-bool askable(const c10::FunctionSchema& schema) {
-  if (schema.returns().empty()) return false;
-  for (const c10::Argument& r : schema.returns()) {
-    if (!is_tensor_type(r.type()) || r.alias_info() != nullptr) return false;
-  }
-  bool tensor_argument = false;
-  for (const c10::Argument& a : schema.arguments()) {
-    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return false;
-    tensor_argument = tensor_argument || holds_tensors(a.type());
-  }
-  const std::string& name = schema.name();
-  return tensor_argument && !ends_with(name, "_like") && name.rfind("aten::new_", 0) != 0 &&
-         name != "aten::_unsafe_view";
 }
 
 std::vector<at::Tensor> tensors_of(c10::ArrayRef<c10::IValue> values) {
@@ -96,6 +78,25 @@ void warn_once(const std::string& message) {
 }
 
 }  // namespace
+
+// Whether a call of this operator can be kept, and so is asked: every return a tensor that aliases nothing,
+// no argument written, at least one tensor argument, and not a factory (empty_like, new_zeros, ...), whose
+// fresh result a later in-place operator fills. aten::_unsafe_view returns a view without saying so in its
+// schema (matmul uses it on the product it reshapes).
+bool askable(const c10::FunctionSchema& schema) {
+  if (schema.returns().empty()) return false;
+  for (const c10::Argument& r : schema.returns()) {
+    if (!is_tensor_type(r.type()) || r.alias_info() != nullptr) return false;
+  }
+  bool tensor_argument = false;
+  for (const c10::Argument& a : schema.arguments()) {
+    if (a.alias_info() != nullptr && a.alias_info()->isWrite()) return false;
+    tensor_argument = tensor_argument || holds_tensors(a.type());
+  }
+  const std::string& name = schema.name();
+  return tensor_argument && !ends_with(name, "_like") && name.rfind("aten::new_", 0) != 0 &&
+         name != "aten::_unsafe_view";
+}
 
 // The arguments an operator writes.
 std::vector<size_t> written_arguments(const c10::FunctionSchema& schema) {
@@ -145,6 +146,7 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
     const std::vector<at::Tensor> inputs = tensors_of(args);
     const int64_t index = static_cast<int64_t>(r_.calls_.size());
     r_.calls_.push_back(Call{schema.name(), schema.overload_name()});
+    r_.calls_.back().call = schema.name() + "#" + std::to_string(r_.counts_[schema.name()]++);
     const RngState before = rng_now();
     const size_t captured_from = r_.captured_.size();
     Open open(r_, index);
@@ -154,7 +156,8 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
 
     WatchPause pause;
     const std::vector<at::Tensor> outputs = tensors_of(torch::jit::last(*stack, schema.returns().size()));
-    const CheckpointPolicy answer = r_.policy_.decide(OpCall{call.name, call.overload, inputs, outputs});
+    const CheckpointPolicy answer =
+        r_.policy_.decide(OpCall{call.name, call.overload, inputs, outputs, call.call});
     if (!keeps(answer)) return;
     TORCH_CHECK(!to_host(answer) || r_.offloading_, "remat::checkpoint: policy '", r_.policy_.name(),
                 "' answered ", to_string(answer), " for ", call.name,

@@ -157,7 +157,8 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
                           .warmup(0)
                           .repeats(options_.profile_repeats())
                           .policies(options_.policies())
-                          .offload_min_bytes(options_.planner().offload ? options_.offload_min_bytes() : -1));
+                          .offload_min_bytes(options_.planner().offload ? options_.offload_min_bytes() : -1)
+                          .groups(options_.groups()));
   }
   // Every stage checkpointed (the profiler's own memory bound), read at the points remat/step.h names:
   // StepReadings, which step_context() turns into the step's model, as the Python package does. The base is
@@ -242,10 +243,11 @@ void PlannedImpl::make_plan(Shape& shape) {
     (*shape.rest)->ms = context.rest_ms;
   }
   try {
-    // Offloading is planned by the per-layer planner; otherwise the optimal one (recomputation across
-    // stages).
-    StepPlan planned = plan_step(chain, context, options_.budget(),
-                                 options_.planner().offload ? "per-layer" : "optimal", options_.planner());
+    // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
+    // (recomputation across stages).
+    const bool per_layer = options_.planner().offload || options_.groups();
+    StepPlan planned =
+        plan_step(chain, context, options_.budget(), per_layer ? "per-layer" : "optimal", options_.planner());
     shape.plan = std::move(planned.plan);
     shape.predicted = planned.step_peak_bytes;
   } catch (const InfeasibleBudget& e) {

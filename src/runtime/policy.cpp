@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "detail/compat.h"
@@ -249,6 +250,27 @@ CheckpointPolicy Policy::decide(const OpCall& call) const {
 
 bool Policy::keeps(const OpCall& call) const {
   return remat::keeps(decide(call));
+}
+
+Policy group_policy(const std::vector<std::string>& names, const std::string& assignment) {
+  TORCH_CHECK(!assignment.empty() && assignment.size() == names.size() &&
+                  assignment.find_first_not_of("khr") == std::string::npos,
+              "remat::group_policy: the assignment '", assignment, "' does not fit the ", names.size(),
+              " saved groups named (one of 'k', 'h' or 'r' each)");
+  auto answers = std::make_shared<std::unordered_map<std::string, CheckpointPolicy>>();
+  for (size_t g = 0; g < names.size(); ++g) {
+    const char a = assignment[g];
+    const CheckpointPolicy answer = a == 'k'   ? CheckpointPolicy::kMustSave
+                                    : a == 'h' ? CheckpointPolicy::kMustCpuOffload
+                                               : CheckpointPolicy::kPreferRecompute;
+    TORCH_CHECK(answers->emplace(names[g], answer).second, "remat::group_policy: the group '", names[g],
+                "' is named twice");
+  }
+  return Policy("groups." + assignment,
+                std::function<CheckpointPolicy(const OpCall&)>([answers](const OpCall& c) {
+                  const auto it = answers->find(c.call);
+                  return it == answers->end() ? CheckpointPolicy::kPreferRecompute : it->second;
+                }));
 }
 
 namespace policy {

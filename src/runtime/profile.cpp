@@ -14,6 +14,7 @@
 
 #include "detail/profiling.h"
 #include "detail/region.h"
+#include "detail/saved_groups.h"
 #include "detail/stage_offload.h"
 #include "remat/checkpoint.h"
 #include "remat/measure.h"
@@ -347,6 +348,23 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       checkpoint_pass(static_cast<int64_t>(q), [q](Per& p, double f, double b) {
         p.policy_fwd[q].push_back(f), p.policy_bwd[q].push_back(b);
       });
+    }
+  }
+  if (options.groups()) {
+    for (size_t i = 0; i < n; ++i) {
+      Stage& s = chain.stages[i];
+      const torch::Tensor leaf = leaf_of(i, xs[i]);
+      std::vector<torch::Tensor> alive{leaf};
+      if (stages[i].module) {
+        for (const auto& p : stages[i].module->parameters())
+          alive.push_back(p);
+        for (const auto& b : stages[i].module->buffers())
+          alive.push_back(b);
+      }
+      s.groups =
+          fit_groups(detail::measure_saved_groups(stages[i].fn, leaf, alive, options.offload_min_bytes(),
+                                                  options.repeats(), sync),
+                     std::max<int64_t>(0, s.saved_bytes - s.output_bytes));
     }
   }
   chain.keep = options.keep();

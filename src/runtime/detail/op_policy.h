@@ -22,6 +22,10 @@
 
 namespace remat::detail {
 
+/// Whether a call of this operator can be kept, and so is asked by a region's policy: every return a tensor
+/// that aliases nothing, no argument written, at least one tensor argument, and not a factory.
+bool askable(const c10::FunctionSchema& schema);
+
 class OpPolicyRecord {
  public:
   /// `offloading`: a remat::Offload scope is open around the region (its kept_sink), which takes the host
@@ -72,10 +76,11 @@ class OpPolicyRecord {
   Policy policy_;
   bool preserve_rng_;
   std::vector<c10::DeviceIndex> cuda_devices_;
-  std::vector<Call> calls_;         // every asked call of the forward pass, in the order asked
-  std::vector<KeptCall> kept_;      // the kept ones (Call::kept indexes this)
-  std::vector<int64_t> kept_call_;  // kept_ index -> calls_ index
-  std::vector<char> must_stay_;     // kept_ index -> answered kMustSave (never sent to the sink)
+  std::vector<Call> calls_;  // every asked call of the forward pass, in the order asked
+  std::unordered_map<std::string, int64_t> counts_;  // per operator, its asked calls so far (Call::call)
+  std::vector<KeptCall> kept_;                       // the kept ones (Call::kept indexes this)
+  std::vector<int64_t> kept_call_;                   // kept_ index -> calls_ index
+  std::vector<char> must_stay_;  // kept_ index -> answered kMustSave (never sent to the sink)
   bool offloading_ = false;
   std::vector<int64_t> open_;         // asked calls running now (forward pass), outermost first
   std::vector<at::Tensor> captured_;  // what autograd saved while an asked call ran

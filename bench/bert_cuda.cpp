@@ -10,6 +10,9 @@
 //
 // The budgets default to per-layer's peak plus 1/3 and 2/3 of the distance to the plain peak (--budgets A,B
 // in bytes). Planned's predicted peak is printed beside the peak its window measured (its last_peak_bytes).
+// --offload: Planned plans with PlannerOptions::offload (stages kept with what they save on the host, or
+// streamed, Fa@stream), and the budgets start at per-layer's peak itself (issue 42's point of comparison);
+// --groups: it also profiles each stage's saved groups and may assign them (Fk{khr}).
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -44,6 +47,7 @@ double median(std::vector<double> v) {
 struct Args {
   int64_t layers = 24, hidden = 1024, heads = 16, intermediate = 4096, seq = 512, batch = 64;
   int rounds = 3, steps = 1;
+  bool offload = false, groups = false;
   std::vector<int64_t> budgets;
   std::string json;
 };
@@ -74,6 +78,10 @@ Args parse(int argc, char** argv) {
       a.steps = std::stoi(next());
     else if (k == "--json")
       a.json = next();
+    else if (k == "--offload")
+      a.offload = true;
+    else if (k == "--groups")
+      a.groups = true;
     else if (k == "--budgets") {
       std::stringstream ss(next());
       std::string part;
@@ -169,12 +177,19 @@ int main(int argc, char** argv) {
   if (budgets.empty()) {
     const int64_t lo = ways[1].peak, hi = ways[0].peak;
     budgets = {lo + (hi - lo) / 3, lo + 2 * (hi - lo) / 3};
+    if (a.offload) budgets.insert(budgets.begin(), lo);
   }
+  remat::PlannerOptions planner;
+  planner.offload = a.offload;
   for (int64_t b : budgets) {
-    Way way("Planned " + std::to_string(b >> 20) + " MiB", nullptr, b);
-    way.set = [b](remat::models::BertModel& m) {
-      m->gradient_checkpointing_enable(
-          remat::PlannedOptions().budget(b).policies({remat::policy::matmuls()}));
+    Way way(std::string(a.offload ? "Planned+offload " : "Planned ") + std::to_string(b >> 20) + " MiB",
+            nullptr, b);
+    way.set = [b, planner, groups = a.groups](remat::models::BertModel& m) {
+      m->gradient_checkpointing_enable(remat::PlannedOptions()
+                                           .budget(b)
+                                           .policies({remat::policy::matmuls()})
+                                           .planner(planner)
+                                           .groups(groups));
     };
     ways.push_back(way);
   }

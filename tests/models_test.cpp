@@ -2,7 +2,9 @@
 // alive after the forward pass drop by what the placement should save (derived from the shapes).
 #include <ATen/CPUGeneratorImpl.h>
 #include <remat/models.h>
+#include <remat/offload.h>
 #include <remat/planner.h>
+#include <remat/profile.h>
 
 #include "support.h"
 
@@ -115,6 +117,46 @@ TEST_F(ModelsTest, BertReentrantModeAndPlansGiveEqualGradients) {
   bert->clear_plan();
   EXPECT_THROW_WITH(bert->use_plan(remat::no_checkpoint(remat::uniform_chain(3, 1, 1, 1, 1))), "BertModel",
                     "3 stages", "5");
+}
+
+// BERT's layers, profiled for offloading and by saved group, run under group assignments and streamed: every
+// step the plain one's bitwise (attention, softmax, dropout masks and the layer norms inside), the host pool
+// holding at least what simulate() predicts it holds.
+TEST_F(ModelsTest, BertLayersRunUnderGroupAssignmentsAndStreamedAsThePlainModel) {
+  torch::manual_seed(0);
+  remat::models::BertModel bert(small_bert());
+  const auto in = bert_inputs();
+  auto stages = bert->stages(in.ids, in.mask, in.types);
+  auto fwd = [&] { return bert->forward(in.ids, in.mask, in.types); };
+  const Step plain = step(*bert, fwd);
+  const remat::Chain chain = remat::profile_chain(
+      stages, in.ids, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(4096).groups(true));
+  remat::Plan plan = remat::testing::plan_of_text(5, "Fa0 Fk1{k} Fa2@stream Fk3{k} Fc4 L Fa4 B4 B3 B2 B1 B0");
+  for (int64_t i : {1, 3}) {
+    const auto& groups = chain.stages[static_cast<size_t>(i)].groups;
+    ASSERT_GE(groups.size(), 3u) << chain.stages[static_cast<size_t>(i)].name;
+    std::string assignment;
+    for (size_t g = 0; g < groups.size(); ++g)
+      assignment += i == 1 ? 'h' : "khr"[g % 3];
+    plan.ops[static_cast<size_t>(i)].groups = assignment;
+  }
+  for (const auto& st : chain.stages) {
+    plan.group_names.emplace_back();
+    for (const auto& g : st.groups)
+      plan.group_names.back().push_back(g.name);
+    plan.stream_windows.push_back(st.offload && st.offload->can_stream() ? st.offload->window_bytes : -1);
+  }
+  ASSERT_GT(plan.stream_windows[2], 0);
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  auto pool = std::make_shared<remat::HostPool>();
+  const Step got = step(*bert, [&] {
+    return remat::run_plan(stages, plan, in.ids, {}, nullptr,
+                           remat::OffloadOptions().min_bytes(4096).pool(pool));
+  });
+  EXPECT_EQ(max_abs_diff(got.out, plain.out), 0.0) << plan.to_string();
+  expect_all_close(got.grads, plain.grads, 0.0);
+  EXPECT_GE(pool->peak_bytes(), sim.host_peak_bytes) << plan.to_string();
+  EXPECT_EQ(pool->in_use_bytes(), 0);
 }
 
 TEST_F(ModelsTest, BertSublayerStagesComposeToTheLayerAndSelectiveCheckpointingRecomputesOnlyAttentionCores) {

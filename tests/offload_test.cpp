@@ -726,10 +726,10 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   remat::models::ResidualMlp mlp(remat::models::ResidualMlpOptions().depth(3).width(kWidth).dropout(0.1));
   auto& seq = mlp->blocks();
   const torch::Tensor x = input(), weight = torch::randn({kBatch, kWidth});
-  const remat::Chain chain = remat::profile_chain(
+  const remat::Chain profiled = remat::profile_chain(
       seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
-  ASSERT_TRUE(chain.can_offload());
-  for (const auto& s : chain.stages) {
+  ASSERT_TRUE(profiled.can_offload());
+  for (const auto& s : profiled.stages) {
     ASSERT_EQ(s.groups.size(), 2u) << s.name;
     EXPECT_EQ(s.groups[0].name, "aten::addmm#0");  // the policy sees nn::Linear's addmm
     EXPECT_EQ(s.groups[1].name, "aten::gelu#0");
@@ -761,7 +761,7 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   };
   const Step plain = step(std::nullopt, nullptr, 0);
   std::vector<std::vector<std::string>> names;
-  for (const auto& s : chain.stages) {
+  for (const auto& s : profiled.stages) {
     names.emplace_back();
     for (const auto& g : s.groups)
       names.back().push_back(g.name);
@@ -770,7 +770,7 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
                            "Fk0{kh} Fc1 Fk2{hk} L B2 Fa1 B1 B0"}) {
     remat::Plan plan = remat::testing::plan_of_text(3, text);
     plan.group_names = names;
-    const remat::Simulation sim = remat::simulate(chain, plan);
+    const remat::Simulation sim = remat::simulate(profiled, plan);
     for (int delay : {0, 2}) {
       auto pool = std::make_shared<remat::HostPool>();
       const Step got = step(plan, pool, delay);
@@ -791,6 +791,11 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   // names the groups, and runs as predicted.
   remat::PlannerOptions options;
   options.offload = true;
+  remat::Chain chain = profiled;  // streaming, which would win here, left out
+  for (auto& s : chain.stages) {
+    s.offload->stream_fwd_bytes = s.offload->stream_bwd_bytes = -1;
+    s.offload->window_bytes = 0;
+  }
   const int64_t least = remat::per_layer_min_budget(chain, options);
   const int64_t most =
       remat::simulate(chain, remat::testing::plan_of_text(3, "Fa0 Fa1 Fa2 L B2 B1 B0")).peak_bytes;
@@ -806,4 +811,48 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   const Step got = step(*planned, pool, 0);
   expect_same(plain, got);
   EXPECT_LE(static_cast<double>(got.held), 1.10 * static_cast<double>(planned->predicted.peak_bytes));
+}
+
+// A window (OffloadOptions::window, what a streamed stage runs with): at most that many bytes of copies in
+// flight to the host (a copy engine that holds every copy until waited for shows it: with window 0 the
+// forward leaves what copies at once leave), and in the backward pass the tensors saved before the one asked
+// for come back ahead within the window (prefetched), every step the plain run's.
+TEST(Offload, AWindowBoundsTheCopiesInFlightAndWhatComesBackAhead) {
+  auto model = mlp();
+  const torch::Tensor x = input();
+  const Step plain = run(model, x);
+  auto open_with = [&](int64_t window, int delay) {
+    return [&model, window, delay] {
+      return std::make_unique<remat::Offload>(
+          remat::OffloadOptions().min_bytes(kHidden).window(window).copy_delay(delay).keep_on_device(
+              model.parameters()));
+    };
+  };
+  const Step at_once = run(model, x, open_with(-1, 0));
+  const Step held = run(model, x, open_with(-1, 100));
+  const Step bounded = run(model, x, open_with(0, 100));
+  const Step two = run(model, x, open_with(2 * kHidden, 100));
+  for (const Step* s : {&at_once, &held, &bounded, &two})
+    expect_same(plain, *s);
+  EXPECT_GT(held.held, at_once.held);  // the copies' sources, held until waited for
+  EXPECT_EQ(bounded.held, at_once.held);
+  EXPECT_EQ(two.held, at_once.held + 2 * kHidden);  // the two last copies still in flight
+  // Coming back: with window 0 each tensor when asked for; with two hidden states, ahead of their use.
+  auto backward_stats = [&](int64_t window) {
+    remat::Offload o(
+        remat::OffloadOptions().min_bytes(kHidden).window(window).keep_on_device(model.parameters()));
+    torch::Tensor h = x;
+    for (auto& block : model.blocks)
+      h = block->forward(h);
+    o.close();
+    h.square().mean().backward();
+    return o.stats();
+  };
+  const remat::OffloadStats zero = backward_stats(0), ahead = backward_stats(2 * kHidden);
+  EXPECT_GT(zero.brought_back, 0);
+  EXPECT_EQ(zero.prefetched, 0);
+  EXPECT_EQ(ahead.brought_back, zero.brought_back);
+  EXPECT_GT(ahead.prefetched, 0);
+  EXPECT_THROW_WITH(remat::Offload(remat::OffloadOptions().window(-2)), "remat::Offload",
+                    "window must be >= 0");
 }

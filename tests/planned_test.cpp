@@ -655,8 +655,19 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
     EXPECT_GT(s.offload->bytes, (s.saved_bytes - s.output_bytes) / 2) << s.name;
     EXPECT_FALSE(s.offload->output);
     EXPECT_FALSE(s.offload->input);
+    // Its stream figures: the forward's peak streamed at most the plain forward's (its working set: what it
+    // saves leaves as it is made); the window, one of the hidden states it sends ([16, 32, 4w] floats).
+    ASSERT_TRUE(s.offload->can_stream()) << s.name;
+    EXPECT_LE(s.offload->stream_fwd_bytes, s.saved_bytes + s.fwd_tmp_bytes) << s.name;
+    EXPECT_EQ(s.offload->window_bytes, 16 * 32 * 4 * w * 4) << s.name;
     s.checkpoint_fwd_ms = s.checkpoint_bwd_ms = 1e3;
     s.fwd_nosave_ms = 1e3;
+  }
+  // Streamed, below: here each stage kept with what it saves on the host, whole (no stream figures).
+  const remat::Chain streamable = chain;
+  for (auto& s : chain.stages) {
+    s.offload->stream_fwd_bytes = s.offload->stream_bwd_bytes = -1;
+    s.offload->window_bytes = 0;
   }
   chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6;
 
@@ -692,6 +703,15 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
     }
   };
   run_on(chain, options, "@host");
+  // Streamed (Fa@stream, the plan's window per stage): each saved tensor sent as it is made and back just
+  // ahead of its use; every step the plain one's, within 2% above the prediction (which charges the window
+  // in full).
+  remat::Chain streaming = streamable;
+  for (auto& s : streaming.stages) {
+    s.checkpoint_fwd_ms = s.checkpoint_bwd_ms = s.fwd_nosave_ms = 1e3;
+  }
+  streaming.to_host_gb_per_s = streaming.to_device_gb_per_s = 1e6;
+  run_on(streaming, options, "@stream");
   // Under a policy: when keeping only the matmuls is what costs nothing, the plan keeps them on the host
   // (Fk[matmuls]@host: each stage's checkpoint sends its kept products to the stage's Offload).
   const auto with_policy = remat::PlannedOptions(options).policies({remat::policy::matmuls()});

@@ -379,10 +379,10 @@ TEST(Executor, ReplanIsOneCallAndBadPlansAreClearErrors) {
   grouped.ops[1] = remat::parse_op("Fk1{kh}");
   EXPECT_THROW_WITH(exec->set_plan(grouped), "under a group assignment (Fk1{kh})",
                     "does not name the stage's saved groups");
-  // Nor a streamed stage (Fa1@stream).
+  // Nor a streamed stage (Fa1@stream) whose window the plan does not give (Plan::stream_windows).
   remat::Plan streamed = remat::no_checkpoint(chain);
   streamed.ops[1] = remat::parse_op("Fa1@stream");
-  EXPECT_THROW_WITH(exec->set_plan(streamed), "streams stage 1 (Fa1@stream)", "does not carry out yet");
+  EXPECT_THROW_WITH(exec->set_plan(streamed), "streams stage 1 (Fa1@stream)", "gives no window for it");
   EXPECT_THROW_WITH(exec->replan(unit_chain(5), 1 << 20), "5 stages", "3 modules");
   EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), remat::no_checkpoint(chain), torch::Tensor()),
                     "remat::run_plan", "undefined");

@@ -124,7 +124,18 @@ class OffloadOptions {
     copy_delay_ = copies;
     return *this;
   }
+  /// Streaming (a plan's Fa3@stream): at most this many bytes of copies to the host in flight (past it the
+  /// oldest is waited for, its device bytes released; 0: each copy waited for at once), and in the backward
+  /// pass, when a tensor is needed back, the tensors saved before it brought back ahead, nearest first, up to
+  /// this many bytes beside it; prefetch() then brings back only the last saved up to this many bytes. -1
+  /// (the default): copies waited for only by finish_copies(), nothing brought back ahead but by prefetch(),
+  /// which brings back everything.
+  OffloadOptions& window(int64_t bytes) {
+    window_ = bytes;
+    return *this;
+  }
   int64_t min_bytes() const { return min_bytes_; }
+  int64_t window() const { return window_; }
   const std::shared_ptr<HostPool>& pool() const { return pool_; }
   const std::vector<at::Tensor>& keep_on_device() const { return keep_on_device_; }
   int copy_delay() const { return copy_delay_; }
@@ -134,6 +145,7 @@ class OffloadOptions {
   std::shared_ptr<HostPool> pool_;
   std::vector<at::Tensor> keep_on_device_;
   int copy_delay_ = 0;
+  int64_t window_ = -1;
 };
 
 /// What an Offload did.
@@ -146,6 +158,7 @@ struct OffloadStats {
   /// Tensors found still on the device when they were needed back (another holder kept their storage there,
   /// such as the stage before, whose output they are; not written since): handed out as they are, no copy.
   int64_t found_on_device = 0;
+  int64_t largest_bytes = 0;  ///< the largest tensor copied to the host (bytes): what a window must hold
 };
 
 /// Sends what autograd saves to host memory while it is open (see the top of this file). A scope on the
@@ -155,8 +168,9 @@ struct OffloadStats {
 /// tensors stay offloaded until autograd drops them.
 class Offload {
  public:
-  /// Opens the scope. Throws c10::Error naming remat::Offload for min_bytes < 0 or copy_delay < 0, and when
-  /// saved-tensor hooks cannot reach remat (another autograd engine is the default: PyTorch's Python one).
+  /// Opens the scope. Throws c10::Error naming remat::Offload for min_bytes < 0, copy_delay < 0 or window <
+  /// -1, and when saved-tensor hooks cannot reach remat (another autograd engine is the default: PyTorch's
+  /// Python one).
   explicit Offload(OffloadOptions options = {});
   ~Offload();
   Offload(const Offload&) = delete;

@@ -117,6 +117,11 @@ struct Plan {
   /// when the plan has a group assignment; empty otherwise (and in a plan parsed from text, which the
   /// executor then refuses to run with a group assignment).
   std::vector<std::vector<std::string>> group_names;
+  /// Per stage, the window its streamed run holds in flight each way (bytes: the chain's
+  /// OffloadCost::window_bytes, which simulate() charges; -1 where the chain has none): what the runtime runs
+  /// an Fa3@stream with (OffloadOptions::window). The planners fill it when the plan streams a stage; empty
+  /// otherwise (and in a plan parsed from text, which the executor then refuses to run with @stream).
+  std::vector<int64_t> stream_windows;
 
   /// "Fc0 Fn1 Fa2 Fk3[matmuls] L B3 ...": operations separated by spaces.
   std::string to_string() const;
@@ -199,14 +204,14 @@ Plan step_plan(const Plan& chain_plan);
 /// The plan as JSON: {"num_stages": n, "planner": "...", "budget_bytes": N, "ops": ["Fc0", "Fn1", ..., "L",
 /// "B0"], "predicted": {"peak_bytes": N, "time_ms": x, "forward_calls": [..]}}, plus "keep": ["matmul"] for
 /// a plan with Fk, "policies": ["matmuls"] for one with Fk[matmuls], "group_names": [[], ["aten::linear#0",
-/// ...], ...] for one with group names (Plan::group_names), and in "predicted" "host_peak_bytes" and
+/// ...], ...] for one with group names (Plan::group_names), "stream_windows": [-1, 65536, ...] for one with
+/// stream windows (Plan::stream_windows), and in "predicted" "host_peak_bytes" and
 /// "transfer_ms" for one that offloads.
 std::string to_json(const Plan& plan);
 
-/// Parses that JSON ("predicted", "keep" and "group_names" optional; "policies" optional, the Fk[name]
-/// operations naming them) and
-/// checks the plan. Throws std::invalid_argument naming the problem: malformed JSON, a missing key, an
-/// unknown operation, or what check_plan rejects.
+/// Parses that JSON ("predicted", "keep", "group_names" and "stream_windows" optional; "policies" optional,
+/// the Fk[name] operations naming them) and checks the plan. Throws std::invalid_argument naming the problem:
+/// malformed JSON, a missing key, an unknown operation, or what check_plan rejects.
 Plan plan_from_json(const std::string& json);
 
 /// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4", and with "@host" after an Fa, Fk or Fc

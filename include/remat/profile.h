@@ -48,7 +48,10 @@ struct ProfileOptions {
   /// output was copied too, which the executor holds anyway; its input, a leaf of the executor's, is never
   /// offloaded), and the copies'
   /// bandwidth each way (Chain::to_host_gb_per_s, to_device_gb_per_s; remat::offload_bandwidth() on the
-  /// largest stage's saved bytes, 1 to 64 MiB). One more forward per stage.
+  /// largest stage's saved bytes, 1 to 64 MiB); and the stage's stream figures
+  /// (OffloadCost::stream_fwd_bytes, stream_bwd_bytes: its forward's and backward's peaks above the bytes
+  /// before each, run under an Offload with window 0; window_bytes: the largest tensor it sends), so that the
+  /// per-layer planner may stream it (Fa3@stream). Two more forwards and one more backward per stage.
   TORCH_ARG(int64_t, offload_min_bytes) = -1;
   /// Also measure each stage's saved groups (Stage::groups), so that the planners can assign each to be kept,
   /// sent to the host or recomputed (a plan's Fk3{khr}, run under remat::group_policy; see

@@ -230,6 +230,8 @@ NB_MODULE(_core, m) {
       .def_rw("policies", &remat::Plan::policies)
       .def_rw("group_names", &remat::Plan::group_names,
               "per stage, the names of its saved groups that its Fk{...} operations assign")
+      .def_rw("stream_windows", &remat::Plan::stream_windows,
+              "per stage, the window a streamed run holds each way (bytes; -1 where none)")
       .def("to_string", &remat::Plan::to_string)
       .def("__str__", &remat::Plan::to_string)
       .def("__repr__", [](const remat::Plan& p) { return "Plan('" + p.to_string() + "')"; })

@@ -365,6 +365,11 @@ Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budg
         plan.group_names.back().push_back(g.name);
     }
   }
+  if (std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.stream; })) {
+    plan.stream_windows.clear();
+    for (const Stage& s : chain.stages)
+      plan.stream_windows.push_back(s.offload && s.offload->can_stream() ? s.offload->window_bytes : -1);
+  }
   plan.predicted = simulate(chain, plan);
   return plan;
 }

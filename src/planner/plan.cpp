@@ -260,6 +260,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     }
   };
 
+  if (!plan.stream_windows.empty() && static_cast<int64_t>(plan.stream_windows.size()) != n) {
+    throw std::invalid_argument(std::string(who) + ": the plan gives stream windows for " +
+                                std::to_string(plan.stream_windows.size()) + " stages but has " +
+                                std::to_string(n) + " (Plan::stream_windows: one per stage)");
+  }
   if (!plan.group_names.empty() && static_cast<int64_t>(plan.group_names.size()) != n) {
     throw std::invalid_argument(std::string(who) + ": the plan names saved groups for " +
                                 std::to_string(plan.group_names.size()) + " stages but has " +
@@ -311,6 +316,10 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     }
     if (op.stream) {
       if (op.kind != OpKind::kForwardAll || op.offload) fail("streams, but only Fa can (and not with @host)");
+      if (!plan.stream_windows.empty() && op.stage >= 0 && op.stage < n &&
+          plan.stream_windows[static_cast<size_t>(op.stage)] < 0)
+        fail("streams stage " + std::to_string(op.stage) +
+             ", but the plan gives it no window (Plan::stream_windows)");
       if (chain && op.stage >= 0 && op.stage < n) {
         const auto& o = chain->stages[static_cast<size_t>(op.stage)].offload;
         if (!o || !o->can_stream())
@@ -560,6 +569,7 @@ nlohmann::ordered_json plan_json(const Plan& plan) {
   if (!plan.keep.empty()) j["keep"] = plan.keep;
   if (!plan.policies.empty()) j["policies"] = plan.policies;
   if (!plan.group_names.empty()) j["group_names"] = plan.group_names;
+  if (!plan.stream_windows.empty()) j["stream_windows"] = plan.stream_windows;
   return j;
 }
 }  // namespace detail
@@ -609,6 +619,14 @@ Plan plan_from_json(const std::string& text) {
         if (!name.is_string()) fail("every group name must be a string, got " + name.dump());
         plan.group_names.back().push_back(name.get<std::string>());
       }
+    }
+  }
+  if (j.contains("stream_windows")) {
+    const auto& w = j.at("stream_windows");
+    if (!w.is_array()) fail("\"stream_windows\" must be an array of integers (bytes per stage)");
+    for (const auto& b : w) {
+      if (!b.is_number_integer()) fail("every stream window must be an integer (bytes), got " + b.dump());
+      plan.stream_windows.push_back(b.get<int64_t>());
     }
   }
   check_plan(plan);
@@ -720,6 +738,12 @@ Plan step_plan(const Plan& chain_plan) {
     step.group_names.insert(step.group_names.end(), chain_plan.group_names.begin(),
                             chain_plan.group_names.end());
     step.group_names.emplace_back();
+  }
+  if (!chain_plan.stream_windows.empty()) {
+    step.stream_windows.push_back(-1);
+    step.stream_windows.insert(step.stream_windows.end(), chain_plan.stream_windows.begin(),
+                               chain_plan.stream_windows.end());
+    step.stream_windows.push_back(-1);
   }
   step.ops.push_back({OpKind::kForwardAll, 0});
   for (const Op& op : chain_plan.ops) {

@@ -113,10 +113,10 @@ void check_plan_fits(const Plan& plan, size_t count, const char* who, const char
         " under a group assignment (", op_text(plan, op),
         ") but does not name the stage's saved groups (Plan::group_names, which the planners fill from "
         "a chain profiled with ProfileOptions::groups; a plan parsed from text has none)");
-    TORCH_CHECK(
-        !op.stream, who, ": the plan streams stage ", op.stage, " (", op_text(plan, op),
-        "), which the C++ runtime does not carry out yet (the Python package's remat.enable does); the "
-        "C++ profiler measures no stream figures, so its chains never plan it");
+    TORCH_CHECK(!op.stream || !plan.stream_windows.empty(), who, ": the plan streams stage ", op.stage, " (",
+                op_text(plan, op),
+                ") but gives no window for it (Plan::stream_windows, which the planners fill from a chain "
+                "profiled with offloading; a plan parsed from text has none)");
     tag_fk += op.kind == OpKind::kForwardKeep && op.policy < 0 && op.groups.empty();
   }
   TORCH_CHECK(tag_fk == 0 || !plan.keep.empty(), who, ": the plan has ", tag_fk,
@@ -168,9 +168,10 @@ at::Tensor value_of(const ExecState::Held& h) {
 
 // The Offload of an offloaded forward of `stage` (open from here until close()), with `also` (tensors the
 // executor holds anyway) kept on the device.
-std::shared_ptr<Offload> open_offload(const ExecState& st, const StageFn& stage,
-                                      std::vector<at::Tensor> also) {
-  return std::make_shared<Offload>(detail::stage_offload_options(st.offload, stage, std::move(also)));
+std::shared_ptr<Offload> open_offload(const ExecState& st, const StageFn& stage, std::vector<at::Tensor> also,
+                                      int64_t window = -1) {
+  return std::make_shared<Offload>(
+      detail::stage_offload_options(st.offload, stage, std::move(also)).window(window));
 }
 
 // Runs the forward operation `op` of the plan.
@@ -203,7 +204,10 @@ void run_forward(ExecState& st, const Op& op) {
     // calls' outputs go through the Offload's hooks; its input, held by the executor, stays).
     // Fk{...}: its sent groups (answered kMustCpuOffload) go the same way, its kept ones (kMustSave) stay.
     std::shared_ptr<Offload> offload;
-    if (op.offloads()) offload = open_offload(st, stage, {leaf});
+    // Fa@stream: the same, its copies within the plan's window each way, each tensor back ahead of its use.
+    if (op.offloads())
+      offload =
+          open_offload(st, stage, {leaf}, op.stream ? st.plan.stream_windows.at(static_cast<size_t>(i)) : -1);
     if (op.kind == OpKind::kForwardKeep) {
       // Fk: the stage as a checkpoint that keeps its kept calls' outputs; B recomputes the rest through it.
       auto options = CheckpointOptions().preserve_rng_state(st.preserve_rng).determinism_check(st.check);

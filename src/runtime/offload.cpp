@@ -246,6 +246,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     order_.push_back(e);
     ++stats_.offloaded;
     stats_.offloaded_bytes += nbytes;
+    stats_.largest_bytes = std::max(stats_.largest_bytes, nbytes);
+    if (options_.window() >= 0) bound_in_flight();
     settle();
     return e;
   }
@@ -266,6 +268,15 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     } else {
       start_to_device(e, /*may_alias=*/true, &saved);
     }
+    if (options_.window() >= 0) {
+      // Streaming: the tensors saved before this one (the backward pass's next) start coming back.
+      for (size_t k = order_.size(); k-- > 0;) {
+        if (order_[k].lock().get() == &e) {
+          ahead(k);
+          break;
+        }
+      }
+    }
     if (e.to_device) {
       e.to_device->wait();
       e.to_device = nullptr;
@@ -285,6 +296,10 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
 
   void prefetch() {
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (options_.window() >= 0) {  // streaming: the last saved, up to a window
+      ahead(order_.size());
+      return;
+    }
     for (auto& w : order_) {
       if (auto e = w.lock()) start_to_device(*e);
     }
@@ -457,6 +472,45 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
                    pending_.end());
   }
 
+  // Streaming: waits for the oldest copies to the host until at most a window of bytes is in flight.
+  void bound_in_flight() {
+    std::vector<std::shared_ptr<Entry>> flying;
+    int64_t total = 0;
+    for (auto& w : in_flight_) {
+      auto e = w.lock();
+      if (e && e->source.defined()) {
+        total += e->nbytes;
+        flying.push_back(std::move(e));
+      }
+    }
+    for (auto& e : flying) {
+      if (total <= options_.window()) break;
+      landed_to_host(*e);
+      total -= e->nbytes;
+    }
+    in_flight_.clear();
+    for (auto& e : flying)
+      if (e->source.defined()) in_flight_.push_back(e);
+  }
+
+  // Streaming: starts bringing back the tensors saved before the i-th of order_, the nearest first, while
+  // those on their way and not yet asked for stay within a window of bytes.
+  void ahead(size_t i) {
+    int64_t bytes = 0;
+    for (size_t k = i; k-- > 0;) {
+      auto other = order_[k].lock();
+      if (!other || other->unpacked || other->aliased) continue;
+      if (other->device_copy.defined()) {  // on its way already
+        bytes += other->nbytes;
+        continue;
+      }
+      if (!other->block.defined() || other->kept_storage) continue;  // not on the host
+      if (bytes + other->nbytes > options_.window()) break;
+      start_to_device(*other);
+      if (!other->aliased) bytes += other->nbytes;
+    }
+  }
+
   // Releases the device tensors whose copies to the host have completed (queried, not waited for).
   void settle() {
     std::vector<std::weak_ptr<Entry>> still;
@@ -549,6 +603,8 @@ Offload::Offload(OffloadOptions options) {
   TORCH_CHECK(options.min_bytes() >= 0, "remat::Offload: min_bytes must be >= 0, got ", options.min_bytes());
   TORCH_CHECK(options.copy_delay() >= 0, "remat::Offload: copy_delay must be >= 0, got ",
               options.copy_delay());
+  TORCH_CHECK(options.window() >= -1, "remat::Offload: window must be >= 0 (bytes), or -1 for none, got ",
+              options.window());
   detail::require_engine("remat::Offload");
   state_ = std::make_shared<detail::OffloadState>(std::move(options));
   scope_ = std::make_unique<detail::HookScope>(state_.get());

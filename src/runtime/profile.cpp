@@ -288,6 +288,30 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         };
         const Away all = away(stages[i].fn);
         s.offload = offload_cost(s.saved_bytes, all.freed, all.copied, s.output_bytes);
+        // Streamed (Fa@stream): the forward under an Offload that waits for each copy at once (window 0),
+        // then its backward with each tensor brought back where it is used: each one's peak above the bytes
+        // before it; the window the runtime holds beside them, the largest tensor the stage sends.
+        {
+          torch::Tensor probe = leaf_of(i, xs[i]);
+          Offload streamed(detail::stage_offload_options(
+              OffloadOptions().min_bytes(options.offload_min_bytes()).window(0), stages[i], {probe}));
+          sync();
+          memory::PeakWindow scope(device);
+          torch::Tensor out = stages[i].fn(probe);
+          streamed.close();
+          streamed.finish_copies();
+          sync();
+          const int64_t fwd = scope.peak_over_base();
+          const int64_t largest = streamed.stats().largest_bytes;
+          const std::vector<torch::Tensor> targets = targets_of(i, probe);
+          if (out.requires_grad() && !targets.empty() && largest > 0) {
+            int64_t bwd = 0;
+            timed_backward(std::move(out), targets, &bwd);
+            s.offload->stream_fwd_bytes = std::max<int64_t>(0, fwd);
+            s.offload->stream_bwd_bytes = std::max<int64_t>(0, bwd);
+            s.offload->window_bytes = largest;
+          }
+        }
         if (!options.keep().empty()) {
           per[i].keep_away = away([&](const torch::Tensor& t) {
             return checkpoint(stages[i].fn, t, CheckpointOptions(per[i].per_call).keep(options.keep()));

@@ -110,6 +110,32 @@ torch::Tensor input() {
   return torch::randn({kBatch, kWidth}, torch::TensorOptions().dtype(torch::kFloat));
 }
 
+// One step of a residual MLP's blocks: plain, or through run_plan with offloading on `pool` (min_bytes one
+// hidden state; `copy_delay` as OffloadOptions'). `held` is the peak above the step's start plus the input
+// the chain counts, as profile_test's plans are measured.
+Step plan_step(torch::nn::Sequential& seq, const torch::Tensor& x, const torch::Tensor& weight,
+               const std::optional<remat::Plan>& plan, const std::shared_ptr<remat::HostPool>& pool,
+               int copy_delay = 0) {
+  for (auto& p : seq->parameters())
+    p.mutable_grad() = torch::zeros_like(p);
+  torch::manual_seed(11);
+  Step r;
+  const int64_t base = remat::memory::active_bytes();
+  remat::memory::reset_peak();
+  const torch::Tensor out =
+      plan ? remat::run_plan(remat::stages_of(seq), *plan, x, {}, nullptr,
+                             remat::OffloadOptions().pool(pool).min_bytes(kHidden).copy_delay(copy_delay))
+           : seq->forward(x);
+  r.loss = (out * weight).sum();
+  r.loss.backward();
+  r.held = remat::memory::peak_bytes() - base + static_cast<int64_t>(x.nbytes());
+  r.loss = r.loss.detach();
+  for (auto& p : seq->parameters())
+    r.grads.push_back(p.grad().clone());
+  r.next_draw = torch::rand({3});
+  return r;
+}
+
 }  // namespace
 
 TEST(Offload, SavedTensorsLeaveTheDeviceAndEveryStepIsThePlainRun) {
@@ -612,24 +638,7 @@ TEST(Offload, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
     EXPECT_GE(s.offload->bytes, 8 * kHidden) << s.name;
   }
   auto step = [&](const std::optional<remat::Plan>& plan, const std::shared_ptr<remat::HostPool>& pool) {
-    for (auto& p : seq->parameters())
-      p.mutable_grad() = torch::zeros_like(p);
-    torch::manual_seed(11);
-    Step r;
-    const int64_t base = remat::memory::active_bytes();
-    remat::memory::reset_peak();
-    const torch::Tensor out = plan ? remat::run_plan(remat::stages_of(seq), *plan, x, {}, nullptr,
-                                                     remat::OffloadOptions().pool(pool).min_bytes(kHidden))
-                                   : seq->forward(x);
-    r.loss = (out * weight).sum();
-    r.loss.backward();
-    // As profile_test's plans are measured: the peak above the step's start, plus the input the chain counts.
-    r.held = remat::memory::peak_bytes() - base + static_cast<int64_t>(x.nbytes());
-    r.loss = r.loss.detach();
-    for (auto& p : seq->parameters())
-      r.grads.push_back(p.grad().clone());
-    r.next_draw = torch::rand({3});
-    return r;
+    return plan_step(seq, x, weight, plan, pool);
   };
   const Step plain = step(std::nullopt, nullptr);
   for (const char* text : {"Fa0@host Fk1[matmuls]@host Fc2@host Fk3[matmuls] Fa4 L B4 B3 Fa2 B2 B1 B0",
@@ -739,26 +748,7 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
       EXPECT_GE(g.recompute_ms, 0.0);
   }
   auto step = [&](const std::optional<remat::Plan>& plan, const std::shared_ptr<remat::HostPool>& pool,
-                  int copy_delay) {
-    for (auto& p : seq->parameters())
-      p.mutable_grad() = torch::zeros_like(p);
-    torch::manual_seed(11);
-    Step r;
-    const int64_t base = remat::memory::active_bytes();
-    remat::memory::reset_peak();
-    const torch::Tensor out =
-        plan ? remat::run_plan(remat::stages_of(seq), *plan, x, {}, nullptr,
-                               remat::OffloadOptions().pool(pool).min_bytes(kHidden).copy_delay(copy_delay))
-             : seq->forward(x);
-    r.loss = (out * weight).sum();
-    r.loss.backward();
-    r.held = remat::memory::peak_bytes() - base + static_cast<int64_t>(x.nbytes());
-    r.loss = r.loss.detach();
-    for (auto& p : seq->parameters())
-      r.grads.push_back(p.grad().clone());
-    r.next_draw = torch::rand({3});
-    return r;
-  };
+                  int copy_delay) { return plan_step(seq, x, weight, plan, pool, copy_delay); };
   const Step plain = step(std::nullopt, nullptr, 0);
   std::vector<std::vector<std::string>> names;
   for (const auto& s : profiled.stages) {

@@ -641,11 +641,15 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
   remat::PlannerOptions offload;
   offload.offload = true;
   const auto options = remat::PlannedOptions().budget(budget).planner(offload).offload_min_bytes(64 << 10);
-  torch::manual_seed(0);
-  Net first(w, depth);
-  first->planned = remat::Planned(remat::stages_at<BlockImpl>(*first, {"h"}), options);
-  step(first, x);
-  remat::Chain chain = *(*first->planned)->chain();
+  // The chain a Planned net profiles at its first step with options `o`.
+  auto profiled_with = [&](const remat::PlannedOptions& o) {
+    torch::manual_seed(0);
+    Net net(w, depth);
+    net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), o);
+    step(net, x);
+    return *(*net->planned)->chain();
+  };
+  remat::Chain chain = profiled_with(options);
   ASSERT_TRUE(chain.can_offload());
   for (auto& s : chain.stages) {
     ASSERT_TRUE(s.offload.has_value()) << s.name;
@@ -715,11 +719,7 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
   // Under a policy: when keeping only the matmuls is what costs nothing, the plan keeps them on the host
   // (Fk[matmuls]@host: each stage's checkpoint sends its kept products to the stage's Offload).
   const auto with_policy = remat::PlannedOptions(options).policies({remat::policy::matmuls()});
-  torch::manual_seed(0);
-  Net second(w, depth);
-  second->planned = remat::Planned(remat::stages_at<BlockImpl>(*second, {"h"}), with_policy);
-  step(second, x);
-  remat::Chain kept = *(*second->planned)->chain();
+  remat::Chain kept = profiled_with(with_policy);
   for (auto& s : kept.stages) {
     ASSERT_TRUE(s.policies.at(0).offload.has_value()) << s.name;
     s.fwd_ms = s.bwd_ms = 1.0;
@@ -732,11 +732,7 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
   // (no Fa@host; recomputing a group or the block costly), the plan assigns them (Fk{...}) and names them,
   // and every step runs within 2% of its prediction.
   const auto with_groups = remat::PlannedOptions(options).groups(true);
-  torch::manual_seed(0);
-  Net third(w, depth);
-  third->planned = remat::Planned(remat::stages_at<BlockImpl>(*third, {"h"}), with_groups);
-  step(third, x);
-  remat::Chain grouped = *(*third->planned)->chain();
+  remat::Chain grouped = profiled_with(with_groups);
   for (auto& s : grouped.stages) {
     ASSERT_FALSE(s.groups.empty()) << s.name;
     s.offload.reset();
@@ -747,7 +743,8 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
   grouped.to_host_gb_per_s = grouped.to_device_gb_per_s = 1e6;
   run_on(grouped, with_groups, "{");
   // Bad options.
-  EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*second, {"h"}),
+  Net bad(w, depth);
+  EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*bad, {"h"}),
                               remat::PlannedOptions().budget(budget).planner(offload).offload_min_bytes(-1)),
                c10::Error);
 }

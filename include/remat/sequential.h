@@ -131,13 +131,15 @@ struct ExecutionStats {
 /// undefined, the options ask for kReentrant or list modules, or a stage returns an undefined tensor.
 /// Fa<i>@host (the per-layer planner's offloading) runs stage i under a remat::Offload made with `offload`
 /// (its min_bytes and pool; the stage's module's parameters and buffers kept on the device): what the stage
-/// saves goes to host memory, its copies are waited for once the next forward has run, and they start coming
-/// back when the backward pass reaches stage i + 1 (remat/plan.h's model). Fk<i>@host and Fk<i>[name]@host
-/// send what the stage's checkpoint keeps that way, Fc<i>@host the input held for its recompute.
-/// Fk<i>{khr} (a group assignment) runs the stage as a checkpoint under remat::group_policy over
-/// plan.group_names[i]: its 'k' groups kept on the device, its 'h' groups sent to the host as @host sends,
-/// the rest recomputed. Throws c10::Error naming remat::run_plan for a group assignment with no group names,
-/// and for a streamed stage (Fa<i>@stream: the C++ runtime does not carry it out; the Python package does).
+/// saves goes to host memory, its copies are waited for and brought back at the points of the plan's offload
+/// schedule (remat::offload_schedule: once the next forward has run; when the backward pass reaches stage
+/// i + 1). Fk<i>@host and Fk<i>[name]@host send what the stage's checkpoint keeps that way, Fc<i>@host the
+/// input held for its recompute. Fk<i>{khr} (a group assignment) runs the stage as a checkpoint under
+/// remat::group_policy over plan.group_names[i]: its 'k' groups kept on the device, its 'h' groups sent to
+/// the host as @host sends, the rest recomputed. Fa<i>@stream runs the stage under an Offload with
+/// OffloadOptions::window(plan.stream_windows[i]). Throws c10::Error naming remat::run_plan for a group
+/// assignment whose groups the plan does not name, and for a streamed stage whose window it does not give
+/// (a plan parsed from text).
 torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, const torch::Tensor& input,
                        const CheckpointOptions& options = {}, std::shared_ptr<ExecutionStats> stats = nullptr,
                        const OffloadOptions& offload = {});

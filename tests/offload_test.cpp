@@ -776,16 +776,20 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   const remat::Plan unnamed = remat::testing::plan_of_text(3, "Fk0{hh} Fa1 Fa2 L B2 B1 B0");
   EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), unnamed, x), "remat::run_plan",
                     "does not name the stage's saved groups");
-  // The per-layer planner assigns groups where they pay (keeping fc1's product saves its recompute for half
-  // of what keeping the block holds): at some budget between its least and the plain peak, its plan has one,
-  // names the groups, and runs as predicted.
+  // The per-layer planner assigns groups where they pay: on a profile whose whole-stage ways are made costly
+  // (recomputing a block or a group slow, no whole-stage offloading or streaming; copies free), so that the
+  // plan follows the budget rather than this machine's timings, at some budget between its least and the
+  // plain peak its plan has a group assignment, names the groups, and runs as predicted.
   remat::PlannerOptions options;
   options.offload = true;
-  remat::Chain chain = profiled;  // streaming, which would win here, left out
+  remat::Chain chain = profiled;
   for (auto& s : chain.stages) {
-    s.offload->stream_fwd_bytes = s.offload->stream_bwd_bytes = -1;
-    s.offload->window_bytes = 0;
+    s.offload.reset();
+    s.checkpoint_fwd_ms = s.checkpoint_bwd_ms = s.fwd_nosave_ms = 1e3;
+    for (auto& g : s.groups)
+      g.recompute_ms = 1e3 / static_cast<double>(s.groups.size());
   }
+  chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6;
   const int64_t least = remat::per_layer_min_budget(chain, options);
   const int64_t most =
       remat::simulate(chain, remat::testing::plan_of_text(3, "Fa0 Fa1 Fa2 L B2 B1 B0")).peak_bytes;

@@ -60,8 +60,9 @@ struct ProfileOptions {
   /// written in place later, and with offload_min_bytes >= 0 only those whose every kept tensor an Offload
   /// would send; each with what keeping it holds (its outputs and what autograd saved inside it beyond its
   /// inputs' and outputs' storages, bytes) and its time (median of `repeats` runs, ms); then
-  /// remat::fit_groups keeps the largest that fit. `repeats` more forwards per stage. Needs remat's
-  /// dispatcher fallback, as policies do.
+  /// remat::fit_groups keeps the largest that fit. `repeats` more forwards per stage, each holding every
+  /// output of the stage's asked calls until it is read (more than the stage saves). Needs remat's dispatcher
+  /// fallback, as policies do.
   TORCH_ARG(bool, groups) = false;
 };
 

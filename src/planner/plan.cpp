@@ -260,16 +260,15 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     }
   };
 
-  if (!plan.stream_windows.empty() && static_cast<int64_t>(plan.stream_windows.size()) != n) {
-    throw std::invalid_argument(std::string(who) + ": the plan gives stream windows for " +
-                                std::to_string(plan.stream_windows.size()) + " stages but has " +
-                                std::to_string(n) + " (Plan::stream_windows: one per stage)");
-  }
-  if (!plan.group_names.empty() && static_cast<int64_t>(plan.group_names.size()) != n) {
-    throw std::invalid_argument(std::string(who) + ": the plan names saved groups for " +
-                                std::to_string(plan.group_names.size()) + " stages but has " +
-                                std::to_string(n) + " (Plan::group_names: one list per stage)");
-  }
+  // Per-stage lists: absent, or one entry per stage.
+  auto per_stage = [&](size_t size, const std::string& what, const char* field) {
+    if (size != 0 && static_cast<int64_t>(size) != n) {
+      throw std::invalid_argument(std::string(who) + ": the plan " + what + " for " + std::to_string(size) +
+                                  " stages but has " + std::to_string(n) + " (" + field + ": one per stage)");
+    }
+  };
+  per_stage(plan.stream_windows.size(), "gives stream windows", "Plan::stream_windows");
+  per_stage(plan.group_names.size(), "names saved groups", "Plan::group_names");
   for (size_t k = 0; k < plan.ops.size(); ++k) {
     const Op& op = plan.ops[k];
     auto fail = [&](const std::string& why) {
@@ -724,6 +723,19 @@ double per_call_time_ms(const Chain& chain, const std::vector<int64_t>& stages) 
   return ms;
 }
 
+namespace {
+// A per-stage list of a chain's plan as the step's: `pad` for the part before the chain and the rest after it
+// (empty stays empty).
+template <class T>
+std::vector<T> padded(const std::vector<T>& per_stage, const T& pad) {
+  if (per_stage.empty()) return {};
+  std::vector<T> out{pad};
+  out.insert(out.end(), per_stage.begin(), per_stage.end());
+  out.push_back(pad);
+  return out;
+}
+}  // namespace
+
 Plan step_plan(const Plan& chain_plan) {
   check_plan(chain_plan);
   const int64_t n = chain_plan.num_stages;
@@ -733,18 +745,8 @@ Plan step_plan(const Plan& chain_plan) {
   step.budget_bytes = 0;
   step.keep = chain_plan.keep;
   step.policies = chain_plan.policies;
-  if (!chain_plan.group_names.empty()) {
-    step.group_names.emplace_back();
-    step.group_names.insert(step.group_names.end(), chain_plan.group_names.begin(),
-                            chain_plan.group_names.end());
-    step.group_names.emplace_back();
-  }
-  if (!chain_plan.stream_windows.empty()) {
-    step.stream_windows.push_back(-1);
-    step.stream_windows.insert(step.stream_windows.end(), chain_plan.stream_windows.begin(),
-                               chain_plan.stream_windows.end());
-    step.stream_windows.push_back(-1);
-  }
+  step.group_names = padded(chain_plan.group_names, {});
+  step.stream_windows = padded(chain_plan.stream_windows, int64_t{-1});
   step.ops.push_back({OpKind::kForwardAll, 0});
   for (const Op& op : chain_plan.ops) {
     if (op.kind == OpKind::kLoss) {

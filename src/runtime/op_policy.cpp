@@ -43,18 +43,6 @@ bool holds_tensors(const c10::TypePtr& t) {
   return false;
 }
 
-std::vector<at::Tensor> tensors_of(c10::ArrayRef<c10::IValue> values) {
-  std::vector<at::Tensor> out;
-  for (const c10::IValue& v : values)
-    for_each_tensor(v, [&](const at::Tensor& t) { out.push_back(t); });
-  return out;
-}
-
-const void* storage_key(const at::Tensor& t) {
-  return t.defined() && t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
-                                        : nullptr;
-}
-
 // Counts one more level of a nesting while alive.
 class Nested {
  public:
@@ -78,6 +66,18 @@ void warn_once(const std::string& message) {
 }
 
 }  // namespace
+
+std::vector<at::Tensor> tensors_of(c10::ArrayRef<c10::IValue> values) {
+  std::vector<at::Tensor> out;
+  for (const c10::IValue& v : values)
+    for_each_tensor(v, [&](const at::Tensor& t) { out.push_back(t); });
+  return out;
+}
+
+const void* storage_key(const at::Tensor& t) {
+  return t.defined() && t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
+                                        : nullptr;
+}
 
 // Whether a call of this operator can be kept, and so is asked: every return a tensor that aliases nothing,
 // no argument written, at least one tensor argument, and not a factory (empty_like, new_zeros, ...), whose

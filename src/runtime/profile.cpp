@@ -378,13 +378,10 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     for (size_t i = 0; i < n; ++i) {
       Stage& s = chain.stages[i];
       const torch::Tensor leaf = leaf_of(i, xs[i]);
-      std::vector<torch::Tensor> alive{leaf};
-      if (stages[i].module) {
-        for (const auto& p : stages[i].module->parameters())
-          alive.push_back(p);
-        for (const auto& b : stages[i].module->buffers())
-          alive.push_back(b);
-      }
+      // Alive anyway: what an offloaded stage keeps on the device (its module's parameters and buffers, its
+      // input).
+      const std::vector<torch::Tensor> alive =
+          detail::stage_offload_options(OffloadOptions(), stages[i], {leaf}).keep_on_device();
       s.groups =
           fit_groups(detail::measure_saved_groups(stages[i].fn, leaf, alive, options.offload_min_bytes(),
                                                   options.repeats(), sync),

@@ -23,11 +23,6 @@
 namespace remat::detail {
 namespace {
 
-const void* key_of(const at::Tensor& t) {
-  return t.defined() && t.has_storage() ? static_cast<const void*>(t.storage().unsafeGetStorageImpl())
-                                        : nullptr;
-}
-
 int64_t storage_bytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.storage().nbytes());
 }
@@ -58,8 +53,8 @@ class Recorder final : public OpInterceptor, public HookSource {
       WatchPause pause;
       Recorded r;
       r.name = schema.name() + "#" + std::to_string(counts_[schema.name()]++);
-      for (const c10::IValue& v : torch::jit::last(*stack, schema.arguments().size()))
-        for_each_tensor(v, [&](const at::Tensor& t) { r.inputs.insert(key_of(t)); });
+      for (const at::Tensor& t : tensors_of(torch::jit::last(*stack, schema.arguments().size())))
+        r.inputs.insert(storage_key(t));
       calls_.push_back(std::move(r));
     }
     open_.push_back(index);
@@ -74,11 +69,9 @@ class Recorder final : public OpInterceptor, public HookSource {
     Recorded& r = calls_[index];
     r.ms = ms;
     r.end = calls_.size();
-    for (const c10::IValue& v : torch::jit::last(*stack, schema.returns().size())) {
-      for_each_tensor(v, [&](const at::Tensor& t) {
-        r.outputs.push_back(t.detach());
-        r.versions.push_back(t._version());
-      });
+    for (const at::Tensor& t : tensors_of(torch::jit::last(*stack, schema.returns().size()))) {
+      r.outputs.push_back(t.detach());
+      r.versions.push_back(t._version());
     }
   }
 
@@ -97,7 +90,7 @@ class Recorder final : public OpInterceptor, public HookSource {
       // Detached: a saved output held with its grad_fn would hold itself.
       held = t.detach();
       if (recorder == nullptr) return;
-      if (const void* k = key_of(t)) recorder->saved_.insert(k);
+      if (const void* k = storage_key(t)) recorder->saved_.insert(k);
       for (size_t i : recorder->open_)
         recorder->calls_[i].captured.push_back(held);
       recorder = nullptr;  // the recorder dies with the measurement; only pack may touch it
@@ -135,9 +128,9 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
     for (const Recorded& c : calls)
       times[c.name].push_back(c.ms);
     if (r > 0) continue;
-    std::unordered_set<const void*> off_limits{key_of(out)};
+    std::unordered_set<const void*> off_limits{storage_key(out)};
     for (const at::Tensor& t : alive)
-      off_limits.insert(key_of(t));
+      off_limits.insert(storage_key(t));
     std::unordered_set<const void*> counted;
     size_t inside_until = 0;  // calls before this index are inside a group found
     for (size_t k = 0; k < calls.size(); ++k) {
@@ -148,7 +141,7 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       int64_t bytes = 0;
       for (size_t o = 0; o < c.outputs.size(); ++o) {
         const at::Tensor& t = c.outputs[o];
-        const void* key = key_of(t);
+        const void* key = storage_key(t);
         if (key == nullptr || off_limits.count(key) || c.inputs.count(key)) own = false;
         written = written || t._version() != c.versions[o];
         any_saved = any_saved || recorder.saved().count(key);
@@ -159,7 +152,7 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       // What it holds besides: what autograd saved inside it, not an input's or an output's storage (those
       // are rebuilt as views), nor a tensor alive anyway.
       for (const at::Tensor& t : c.captured) {
-        const void* key = key_of(t);
+        const void* key = storage_key(t);
         if (key == nullptr || off_limits.count(key) || c.inputs.count(key) || mine.count(key)) continue;
         if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) whole = false;
         mine.insert(key);

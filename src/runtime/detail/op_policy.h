@@ -25,6 +25,10 @@ namespace remat::detail {
 /// Whether a call of this operator can be kept, and so is asked by a region's policy: every return a tensor
 /// that aliases nothing, no argument written, at least one tensor argument, and not a factory.
 bool askable(const c10::FunctionSchema& schema);
+/// The tensors among boxed values (a call's arguments or returns), lists' elements one by one.
+std::vector<at::Tensor> tensors_of(c10::ArrayRef<c10::IValue> values);
+/// A tensor's storage, as a key (null for an undefined tensor or one without storage).
+const void* storage_key(const at::Tensor& t);
 
 class OpPolicyRecord {
  public:

@@ -9,8 +9,8 @@
 
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
+#include <remat/planner/units.h>
 #include <remat/sequential.h>
-#include <remat/units.h>
 #include <torch/torch.h>
 
 #include <unistd.h>

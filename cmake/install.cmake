@@ -1,18 +1,21 @@
 # Install and export. find_package(remat) gives remat::planner always, and remat::runtime, remat::models and the
 # umbrella remat::remat when this install has them (built with LibTorch); COMPONENTS planner asks for the
-# planner alone, without looking for Torch. The planner's headers are installed in both cases; the runtime's
-# and the models' only with them.
+# planner alone, without looking for Torch. Headers are installed by folder, as include/remat lays them out by
+# target: include/remat/planner (torch-free) and the planner's forwarding headers at their old paths in both
+# cases; the rest of include/remat (the runtime's, models/, distributed/) only with LibTorch.
 include(CMakePackageConfigHelpers)
 set(REMAT_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/remat)
-set(REMAT_PLANNER_HEADERS chain.h plan.h planner.h report.h step.h strategy.h units.h)
+# <remat/chain.h> ... before the planner's headers had their folder: each now includes <remat/planner/...>.
+set(REMAT_PLANNER_FORWARDING_HEADERS chain.h plan.h planner.h report.h step.h strategy.h units.h)
 
 install(TARGETS remat_planner EXPORT rematPlannerTargets
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT rematPlannerTargets NAMESPACE remat:: DESTINATION ${REMAT_CMAKE_DIR})
-list(TRANSFORM REMAT_PLANNER_HEADERS PREPEND include/remat/ OUTPUT_VARIABLE _remat_planner_headers)
-install(FILES ${_remat_planner_headers} ${PROJECT_BINARY_DIR}/include/remat/version.h
+install(DIRECTORY include/remat/planner DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/remat FILES_MATCHING PATTERN "*.h")
+list(TRANSFORM REMAT_PLANNER_FORWARDING_HEADERS PREPEND include/remat/ OUTPUT_VARIABLE _remat_forwarding)
+install(FILES ${_remat_forwarding} ${PROJECT_BINARY_DIR}/include/remat/version.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/remat)
 
 if(NOT REMAT_PLANNER_ONLY)

@@ -3,6 +3,7 @@
 # can use it.
 add_library(remat_planner
   src/planner/units.cpp
+  src/planner/planner.cpp
   src/planner/chain.cpp
   src/planner/plan.cpp
   src/planner/baselines.cpp

@@ -14,29 +14,37 @@ message(STATUS "remat: LibTorch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX}, CUD
 # ---------------------------------------------------------------------------------------------------------------
 # The runtime
 set(REMAT_RUNTIME_SOURCES
-  src/runtime/checkpoint.cpp
-  src/runtime/non_reentrant.cpp
-  src/runtime/reentrant.cpp
-  src/runtime/region.cpp
-  src/runtime/kept.cpp
-  src/runtime/saved.cpp
-  src/runtime/policy.cpp
-  src/runtime/op_policy.cpp
-  src/runtime/saved_groups.cpp
-  src/runtime/watch.cpp
-  src/runtime/restore.cpp
-  src/runtime/engine.cpp
-  src/runtime/thread_state.cpp
-  src/runtime/nesting.cpp
-  src/runtime/memory.cpp
-  src/runtime/cpu_meter.cpp
-  src/runtime/peak_window.cpp
-  src/runtime/measure.cpp
-  src/runtime/executor.cpp
-  src/runtime/sequential.cpp
-  src/runtime/profile.cpp
-  src/runtime/planned.cpp
-  src/runtime/offload.cpp
+  # autograd mechanics: remat's engine, saved-tensor hook sources, per-thread state, nesting, the dispatcher
+  src/runtime/autograd/engine.cpp
+  src/runtime/autograd/hooks.cpp
+  src/runtime/autograd/thread_state.cpp
+  src/runtime/autograd/nesting.cpp
+  src/runtime/autograd/watch.cpp
+  src/runtime/autograd/saved.cpp
+  # checkpointing: the two modes and what their recomputes share
+  src/runtime/checkpoint/checkpoint.cpp
+  src/runtime/checkpoint/non_reentrant.cpp
+  src/runtime/checkpoint/reentrant.cpp
+  src/runtime/checkpoint/region.cpp
+  src/runtime/checkpoint/kept.cpp
+  src/runtime/checkpoint/restore.cpp
+  # policies: what each operator call's saved tensors become
+  src/runtime/policy/policy.cpp
+  src/runtime/policy/op_policy.cpp
+  # memory: the meters and measuring
+  src/runtime/memory/memory.cpp
+  src/runtime/memory/cpu_meter.cpp
+  src/runtime/memory/peak_window.cpp
+  src/runtime/memory/measure.cpp
+  # planning in place: profiling, the plan executor, checkpoint_sequential, remat::Planned
+  src/runtime/planning/profile.cpp
+  src/runtime/planning/saved_groups.cpp
+  src/runtime/planning/executor.cpp
+  src/runtime/planning/sequential.cpp
+  src/runtime/planning/planned.cpp
+  # offloading to host memory
+  src/runtime/offload/offload.cpp
+  src/runtime/offload/stage_offload.cpp
 )
 # Data parallel (remat/distributed.h) needs c10d's ProcessGroupGloo header, which includes gloo's headers:
 # libgloo-dev (scripts/setup installs it; LibTorch links gloo in, the headers are only for the declarations).
@@ -74,8 +82,8 @@ target_compile_options(remat_runtime PRIVATE -Wall -Wextra)
 if(REMAT_WITH_CUDA)
   # Only the meter's sources: a target-wide definition would make the precompiled header, which the tests,
   # tools and examples reuse, differ from theirs (and GCC would silently not use it).
-  target_sources(remat_runtime PRIVATE src/runtime/cuda_meter.cpp)
-  set_source_files_properties(src/runtime/memory.cpp src/runtime/cuda_meter.cpp PROPERTIES
+  target_sources(remat_runtime PRIVATE src/runtime/memory/cuda_meter.cpp)
+  set_source_files_properties(src/runtime/memory/memory.cpp src/runtime/memory/cuda_meter.cpp PROPERTIES
                               COMPILE_DEFINITIONS REMAT_WITH_CUDA=1 SKIP_PRECOMPILE_HEADERS ON)
 endif()
 if(REMAT_USE_PCH)
@@ -141,7 +149,8 @@ endif()
 
 # ---------------------------------------------------------------------------------------------------------------
 # The CPU meter alone, with a C interface, for Python (ctypes) processes: it needs c10 only.
-add_library(remat_meter SHARED src/runtime/cpu_meter.cpp src/runtime/peak_window.cpp src/runtime/meter_c.cpp)
+add_library(remat_meter SHARED src/runtime/memory/cpu_meter.cpp src/runtime/memory/peak_window.cpp
+                               src/runtime/memory/meter_c.cpp)
 target_include_directories(remat_meter PRIVATE ${PROJECT_SOURCE_DIR}/include ${PROJECT_SOURCE_DIR}/src/runtime)
 target_include_directories(remat_meter SYSTEM PRIVATE ${TORCH_INCLUDE_DIRS})
 target_compile_options(remat_meter PRIVATE ${REMAT_TORCH_CXX_FLAGS} -Wall -Wextra)

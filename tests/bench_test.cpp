@@ -1,7 +1,7 @@
 // The bench library: workloads for every model, strategies, sweeps and max-batch, on small sizes.
 #include <remat/bench.h>
 #include <remat/measure.h>
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/sequential.h>
 
 #include "support.h"

@@ -1,7 +1,7 @@
 // Chain: JSON in the documented keys, and validation that names the stage.
 #include <gtest/gtest.h>
 
-#include <remat/chain.h>
+#include <remat/planner/chain.h>
 
 #include <cmath>
 #include <cstdio>

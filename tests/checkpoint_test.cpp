@@ -1,7 +1,7 @@
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
 
-#include "detail/region.h"
+#include "checkpoint/region.h"
 #include "support.h"
 
 #include <algorithm>

@@ -14,7 +14,7 @@
 #include <remat/memory.h>
 #include <remat/offload.h>
 #include <remat/planned.h>
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/policy.h>
 #include <remat/profile.h>
 #include <remat/remat.h>

@@ -5,7 +5,7 @@
 #include <remat/distributed.h>
 #include <remat/models.h>
 #include <remat/planned.h>
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>
 #include <torch/optim/sgd.h>

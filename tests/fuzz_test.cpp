@@ -21,15 +21,15 @@
 // the shrinker finds.
 
 #include <ATen/Parallel.h>
-#include <remat/chain.h>
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
 #include <remat/offload.h>
-#include <remat/plan.h>
-#include <remat/planner.h>
+#include <remat/planner/chain.h>
+#include <remat/planner/plan.h>
+#include <remat/planner/planner.h>
+#include <remat/planner/strategy.h>
 #include <remat/policy.h>
 #include <remat/sequential.h>
-#include <remat/strategy.h>
 
 #include <cstdlib>
 #include <functional>

@@ -3,7 +3,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <remat/models.h>
 #include <remat/offload.h>
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/profile.h>
 
 #include "support.h"

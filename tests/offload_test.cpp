@@ -9,7 +9,7 @@
 #include <remat/memory.h>
 #include <remat/models.h>
 #include <remat/offload.h>
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/policy.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>

@@ -1,9 +1,9 @@
 // Plan: text, JSON, and simulate() charging exactly the model of plan.h.
 #include <gtest/gtest.h>
 
-#include <remat/chain.h>
-#include <remat/plan.h>
-#include <remat/planner.h>
+#include <remat/planner/chain.h>
+#include <remat/planner/plan.h>
+#include <remat/planner/planner.h>
 
 namespace {
 

@@ -3,10 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <remat/chain.h>
 #include <remat/memory.h>
 #include <remat/models.h>
 #include <remat/planned.h>
+#include <remat/planner/chain.h>
 #include <remat/policy.h>
 #include <remat/sequential.h>
 

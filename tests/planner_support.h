@@ -2,7 +2,7 @@
 // Helpers shared by the planner library's tests (plain C++: no LibTorch).
 
 #include <gtest/gtest.h>
-#include <remat/chain.h>
+#include <remat/planner/chain.h>
 
 #include <random>
 

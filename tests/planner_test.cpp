@@ -1,7 +1,7 @@
 // Planners against exhaustive search, baselines and the model of plan.h. Plain C++: fast and exhaustive.
 #include <gtest/gtest.h>
 
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 
 #include <algorithm>
 #include <cmath>

@@ -10,8 +10,8 @@
 
 #include <map>
 
+#include "autograd/watch.h"
 #include "detail/compat.h"
-#include "detail/watch.h"
 #include "support.h"
 
 namespace {

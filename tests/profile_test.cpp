@@ -2,7 +2,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <remat/bench.h>
 #include <remat/models.h>
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/profile.h>
 
 #include "support.h"

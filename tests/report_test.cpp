@@ -2,9 +2,9 @@
 // JSON, the memory of a step and the verdict, the trade-off curve.
 #include <gtest/gtest.h>
 
-#include <remat/planner.h>
-#include <remat/report.h>
-#include <remat/strategy.h>
+#include <remat/planner/planner.h>
+#include <remat/planner/report.h>
+#include <remat/planner/strategy.h>
 
 #include <algorithm>
 #include <string>

@@ -1,4 +1,4 @@
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/sequential.h>
 
 #include "support.h"

@@ -1,8 +1,8 @@
 // The per-layer planner against exhaustive search, and planning for a whole step (remat/step.h). Plain C++.
 #include <gtest/gtest.h>
 
-#include <remat/planner.h>
-#include <remat/step.h>
+#include <remat/planner/planner.h>
+#include <remat/planner/step.h>
 
 #include <algorithm>
 #include <cmath>

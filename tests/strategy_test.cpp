@@ -2,8 +2,8 @@
 // error naming it, and the plan each strategy resolves to equal to the planner it names.
 #include <gtest/gtest.h>
 
-#include <remat/planner.h>
-#include <remat/strategy.h>
+#include <remat/planner/planner.h>
+#include <remat/planner/strategy.h>
 
 #include <sstream>
 #include <string>

@@ -6,7 +6,7 @@
 
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
-#include <remat/plan.h>
+#include <remat/planner/plan.h>
 
 #include <sstream>
 #include <string>

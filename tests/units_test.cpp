@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include <remat/units.h>
+#include <remat/planner/units.h>
 
 namespace {
 

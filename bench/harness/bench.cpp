@@ -1,4 +1,4 @@
-// The benchmark harness: strategies resolved through the one grammar (remat/strategy.h), the measuring loop
+// The benchmark harness: strategies resolved through the one grammar (remat/planner/strategy.h), the measuring loop
 // (strategies interleaved step by step, gradients compared with "none"), and the rows as JSON and CSV.
 
 #include <algorithm>
@@ -9,7 +9,7 @@
 
 #include "harness.h"
 #include "remat/memory.h"
-#include "remat/planner.h"
+#include "remat/planner/planner.h"
 
 namespace remat {
 namespace {

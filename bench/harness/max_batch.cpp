@@ -6,7 +6,7 @@
 #include <limits>
 
 #include "harness.h"
-#include "remat/planner.h"
+#include "remat/planner/planner.h"
 
 namespace remat {
 namespace {

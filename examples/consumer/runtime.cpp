@@ -1,7 +1,7 @@
 // Builds against an installed remat's runtime alone (remat::runtime: checkpointing, the profiler, the plan
 // executor, and the planner it depends on; no models) and checks that a planned step trains like a plain one.
 #include <remat/memory.h>
-#include <remat/planner.h>
+#include <remat/planner/planner.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>
 

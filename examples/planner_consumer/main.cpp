@@ -1,8 +1,9 @@
 // Builds against remat's planner library alone (remat::planner, no LibTorch): a chain from JSON, a strategy
 // from its string, the plan, its prediction and its JSON read back.
-#include <remat/planner.h>
-#include <remat/report.h>
-#include <remat/strategy.h>
+#include <remat/planner/chain.h>  // the path before include/remat/planner/: a forwarding header that keeps working
+#include <remat/planner/planner.h>
+#include <remat/planner/report.h>
+#include <remat/planner/strategy.h>
 
 #include <iostream>
 

@@ -35,14 +35,14 @@
 ///
 /// Limits: one forward per backward pass (the base is taken at each call).
 
-#include <remat/chain.h>
 #include <remat/checkpoint.h>
 #include <remat/offload.h>
-#include <remat/plan.h>
-#include <remat/planner.h>
+#include <remat/planner/chain.h>
+#include <remat/planner/plan.h>
+#include <remat/planner/planner.h>
+#include <remat/planner/step.h>
 #include <remat/policy.h>
 #include <remat/sequential.h>
-#include <remat/step.h>
 #include <torch/arg.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -76,7 +76,7 @@ struct PlannedOptions {
   /// planner.offload, or recomputed; remat::group_cost) beside its other ways.
   TORCH_ARG(bool, groups) = false;
   /// Under data parallel, makes every rank plan from the same numbers: called, at the same step on every
-  /// rank, with the numbers a plan is made from (remat::plan_figures, remat/step.h: an int64 tensor of byte
+  /// rank, with the numbers a plan is made from (remat::plan_figures, remat/planner/step.h: an int64 tensor of byte
   /// counts and flags and a float64 tensor of times and negated bandwidths), it must replace them in place by
   /// their maximum across the ranks. Every rank then gets the same plan, which fits each rank's measured
   /// memory and its slowest link. Throws c10::Error naming remat::Planned when it changes their number or
@@ -150,7 +150,7 @@ class PlannedImpl : public torch::nn::Module {
     std::optional<Chain> chain;
     // Written by a gradient hook, which may outlive this module: shared with it.
     std::shared_ptr<std::optional<RestOfStep>> rest = std::make_shared<std::optional<RestOfStep>>();
-    // The profiling step's readings (remat/step.h), complete at the end of its backward pass.
+    // The profiling step's readings (remat/planner/step.h), complete at the end of its backward pass.
     std::shared_ptr<std::optional<StepReadings>> readings = std::make_shared<std::optional<StepReadings>>();
     std::optional<Plan> plan;
     int64_t predicted = -1;

@@ -1,6 +1,6 @@
 #pragma once
 /// \file
-/// Measuring a real model as a Chain (remat/chain.h): every field with the exact meter, times as medians.
+/// Measuring a real model as a Chain (remat/planner/chain.h): every field with the exact meter, times as medians.
 ///
 ///   remat::memory::track_cpu();
 ///   remat::Chain chain = remat::profile_chain(seq, x);                   // a Sequential
@@ -21,7 +21,7 @@
 /// profiling is that of checkpointing every stage plus one stage's saved tensors, not that of a plain step.
 /// The model is left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are restored.
 
-#include <remat/chain.h>
+#include <remat/planner/chain.h>
 #include <remat/sequential.h>
 #include <torch/arg.h>
 #include <torch/types.h>
@@ -85,7 +85,7 @@ struct StepProfile {
 
 /// Profiles `stages` inside a model: `prefix` maps the model's input to the chain's input, `suffix` the
 /// chain's output to the loss (one scalar); each is profiled as one stage. The step's predicted peak for a
-/// plan over the chain is simulate(result.step, step_plan(plan)).peak_bytes (remat/plan.h), comparable to
+/// plan over the chain is simulate(result.step, step_plan(plan)).peak_bytes (remat/planner/plan.h), comparable to
 /// a meter's peak over a step that includes the model's input. Nothing of the model changes: gradients,
 /// the RNG and every tensor a stage updates in place (BatchNorm statistics, declared or not) are put back.
 /// Throws as profile_chain, naming remat::profile_step.

@@ -38,8 +38,8 @@ import torch
 
 __all__ = ["Meter", "CpuMeter", "CudaMeter", "PeakWindow", "cpu_meter", "meter_for", "MeterUnavailable"]
 
-_SOURCES = ("cpu_meter.cpp", "meter_c.cpp", "peak_window.cpp", "cuda_meter.cpp", "detail/cpu_meter.h",
-            "detail/compat_c10.h", "detail/peak_window.h", "detail/cuda_meter.h")
+_SOURCES = ("cpu_meter.cpp", "meter_c.cpp", "peak_window.cpp", "cuda_meter.cpp", "memory/cpu_meter.h",
+            "detail/compat_c10.h", "memory/peak_window.h", "memory/cuda_meter.h")
 
 
 class MeterUnavailable(RuntimeError):

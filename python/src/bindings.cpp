@@ -8,13 +8,13 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
-#include <remat/chain.h>
-#include <remat/plan.h>
-#include <remat/planner.h>
-#include <remat/report.h>
-#include <remat/step.h>
-#include <remat/strategy.h>
-#include <remat/units.h>
+#include <remat/planner/chain.h>
+#include <remat/planner/plan.h>
+#include <remat/planner/planner.h>
+#include <remat/planner/report.h>
+#include <remat/planner/step.h>
+#include <remat/planner/strategy.h>
+#include <remat/planner/units.h>
 
 #include <string>
 #include <vector>

@@ -1,11 +1,11 @@
-#include "remat/planner.h"
+#include "remat/planner/baselines.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 
-#include "planning.h"
+#include "detail/planner.h"
 
 // The baselines: keep everything, per-layer checkpointing, segments (count-, memory- or time-balanced),
 // sqrt(n).

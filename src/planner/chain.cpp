@@ -1,8 +1,8 @@
-#include "remat/chain.h"
+#include "remat/planner/chain.h"
 
 #include <nlohmann/json.hpp>
 
-#include "json.h"
+#include "detail/json.h"
 
 #include <algorithm>
 #include <cctype>

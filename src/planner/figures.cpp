@@ -3,9 +3,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "remat/step.h"
+#include "remat/planner/figures.h"
 
-// The figures a plan depends on, for agreeing across processes (remat/step.h, PlanFigures): one walk over a
+// The figures a plan depends on, for agreeing across processes (remat/planner/step.h, PlanFigures): one walk over a
 // chain and its step context, used both to collect the figures and to write them back, so that the two
 // directions cannot fall out of step.
 

@@ -1,4 +1,4 @@
-#include "remat/planner.h"
+#include "remat/planner/optimal.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,8 +6,9 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "planning.h"
-#include "remat/units.h"
+#include "detail/optimal.h"
+#include "detail/planner.h"
+#include "remat/planner/units.h"
 
 // The persistent dynamic program of Beaumont et al. 2019 (optimal) and its exact least-memory twin
 // (min_feasible_budget).
@@ -304,74 +305,6 @@ int64_t recompute_from_input_peak(const Chain& chain) {
   }
   worst = std::max(worst, z.base(0));
   return z.x[0] + worst;
-}
-
-namespace {
-std::string bytes_text(int64_t b) {
-  return format_bytes(b) + " (" + std::to_string(b) + " bytes)";
-}
-}  // namespace
-
-[[noreturn]] void infeasible(const char* who, int64_t budget, int64_t min_bytes) {
-  throw InfeasibleBudget(std::string(who) + ": no schedule fits a budget of " + bytes_text(budget) +
-                             "; the minimum for this chain is " + bytes_text(min_bytes),
-                         budget, min_bytes);
-}
-
-void refuse_offload(const PlannerOptions& options, const char* who) {
-  if (options.offload) {
-    throw std::invalid_argument(
-        std::string(who) +
-        ": only the per-layer planner plans offloading (PlannerOptions::offload); use "
-        "remat::per_layer or plan_step(..., \"per-layer\")");
-  }
-}
-
-std::vector<char> allowed_variants(const Chain& chain, const PlannerOptions& options, const char* who) {
-  std::vector<char> allowed(1 + chain.policies.size(), 1);
-  for (const std::string& e : options.exclude) {
-    if (e == "Fk") {
-      std::fill(allowed.begin(), allowed.end(), 0);
-      continue;
-    }
-    const bool bracketed = e.size() > 4 && e.rfind("Fk[", 0) == 0 && e.back() == ']';
-    const std::string name = bracketed ? e.substr(3, e.size() - 4) : "";
-    if (!bracketed || !valid_policy_name(name)) {
-      throw std::invalid_argument(std::string(who) + ": cannot exclude '" + e +
-                                  "' (Fk, Fk[tags] or Fk[POLICY], e.g. Fk[matmuls])");
-    }
-    if (name == "tags") allowed[0] = 0;
-    for (size_t p = 0; p < chain.policies.size(); ++p)
-      if (chain.policies[p] == name) allowed[p + 1] = 0;
-  }
-  return allowed;
-}
-
-Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budget) {
-  plan.planner = name;
-  plan.budget_bytes = budget;
-  bool tags = false, policies = false;
-  for (const Op& op : plan.ops) {
-    if (op.kind != OpKind::kForwardKeep) continue;
-    (op.policy < 0 ? tags : policies) = true;
-  }
-  if (tags) plan.keep = chain.keep;
-  if (policies) plan.policies = chain.policies;  // the emitted Op::policy indexes the chain's list
-  if (std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return !op.groups.empty(); })) {
-    plan.group_names.clear();
-    for (const Stage& s : chain.stages) {
-      plan.group_names.emplace_back();
-      for (const SavedGroup& g : s.groups)
-        plan.group_names.back().push_back(g.name);
-    }
-  }
-  if (std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.stream; })) {
-    plan.stream_windows.clear();
-    for (const Stage& s : chain.stages)
-      plan.stream_windows.push_back(s.offload && s.offload->can_stream() ? s.offload->window_bytes : -1);
-  }
-  plan.predicted = simulate(chain, plan);
-  return plan;
 }
 
 }  // namespace detail

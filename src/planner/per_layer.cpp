@@ -1,3 +1,5 @@
+#include "remat/planner/per_layer.h"
+
 #include <algorithm>
 #include <limits>
 #include <optional>
@@ -5,16 +7,16 @@
 #include <string>
 #include <tuple>
 
-#include "planning.h"
-#include "remat/planner.h"
-#include "remat/step.h"
+#include "detail/per_layer.h"
+#include "detail/planner.h"
+#include "remat/planner/step.h"
 
 // The per-layer planner: for each stage on its own, keep it (Fa), keep it under an Fk variant, or checkpoint
 // it (Fc, recomputed right before its backward): the choices per-layer torch.utils.checkpoint (with or
 // without a selective policy) and remat::checkpoint per layer offer, chosen for the least time within a
 // budget by an exact dynamic program over Pareto frontiers.
 //
-// The peak of such a plan, in the model of remat/plan.h, with R_j = a_0 + the bytes held by stages 0..j-1
+// The peak of such a plan, in the model of remat/planner/plan.h, with R_j = a_0 + the bytes held by stages 0..j-1
 // (abar, what an Fk variant keeps, or a plain a_{j+1} for a checkpointed stage), is the largest of
 //   R_j + held_j + fwd_tmp_j                                         stage j's forward
 //   R_j + a_{j+1} + abar_{j+1} + max(a_j + bwd_tmp_j, fwd_tmp_j if j is checkpointed, else 0)

@@ -1,8 +1,9 @@
-#include "remat/plan.h"
+#include "remat/planner/plan.h"
 
 #include <nlohmann/json.hpp>
 
-#include "json.h"
+#include "detail/json.h"
+#include "detail/plan.h"
 
 #include <algorithm>
 #include <cctype>
@@ -11,7 +12,7 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "remat/chain.h"
+#include "remat/planner/chain.h"
 
 namespace remat {
 

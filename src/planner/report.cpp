@@ -1,4 +1,4 @@
-#include "remat/report.h"
+#include "remat/planner/report.h"
 
 #include <algorithm>
 #include <cmath>
@@ -6,9 +6,10 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "json.h"
-#include "remat/planner.h"
-#include "remat/units.h"
+#include "detail/json.h"
+#include "detail/plan.h"
+#include "remat/planner/planner.h"
+#include "remat/planner/units.h"
 
 namespace remat {
 

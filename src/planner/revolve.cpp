@@ -1,9 +1,10 @@
-#include "remat/planner.h"
+#include "remat/planner/revolve.h"
 
 #include <algorithm>
 #include <stdexcept>
 
-#include "planning.h"
+#include "detail/optimal.h"
+#include "detail/planner.h"
 
 // Binomial checkpointing (Griewank and Walther's Revolve) for long homogeneous chains.
 

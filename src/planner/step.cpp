@@ -1,11 +1,12 @@
-#include "remat/step.h"
+#include "remat/planner/step.h"
 
 #include <algorithm>
 #include <optional>
 #include <stdexcept>
 
-#include "planning.h"
-#include "remat/units.h"
+#include "detail/per_layer.h"
+#include "detail/planner.h"
+#include "remat/planner/units.h"
 
 namespace remat {
 namespace {

@@ -1,12 +1,12 @@
-#include "remat/strategy.h"
+#include "remat/planner/strategy.h"
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <stdexcept>
 
-#include "planning.h"
-#include "remat/units.h"
+#include "detail/planner.h"
+#include "remat/planner/units.h"
 
 namespace remat {
 namespace {
@@ -328,11 +328,6 @@ Plan plan_strategy(const Strategy& s, const Chain& chain, int64_t budget_bytes,
     if (starts_with(what, kPlan)) throw;
     throw std::invalid_argument(std::string(kPlan) + ": strategy '" + s.text + "': " + what);
   }
-}
-
-Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_bytes,
-               const PlannerOptions& options) {
-  return plan_strategy(parse_strategy(planner), chain, budget_bytes, options);
 }
 
 }  // namespace remat

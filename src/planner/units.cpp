@@ -1,4 +1,4 @@
-#include "remat/units.h"
+#include "remat/planner/units.h"
 
 #include <cctype>
 #include <cmath>

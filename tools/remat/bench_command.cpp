@@ -2,7 +2,7 @@
 // (remat::bench_data_parallel, the command relaunched as ranks).
 
 #include <remat/distributed.h>
-#include <remat/units.h>
+#include <remat/planner/units.h>
 
 #include <algorithm>
 #include <cstdio>

@@ -3,7 +3,7 @@
 #include "common.h"
 
 #include <remat/memory.h>
-#include <remat/units.h>
+#include <remat/planner/units.h>
 #include <torch/cuda.h>
 
 #include <cstdio>

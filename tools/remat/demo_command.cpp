@@ -2,7 +2,7 @@
 
 #include <iostream>
 
-#include <remat/units.h>
+#include <remat/planner/units.h>
 
 #include "common.h"
 

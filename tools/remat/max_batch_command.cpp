@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <iostream>
 
-#include <remat/units.h>
+#include <remat/planner/units.h>
 
 #include "common.h"
 

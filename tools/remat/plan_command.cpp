@@ -5,7 +5,7 @@
 #include <chrono>
 #include <iostream>
 
-#include <remat/units.h>
+#include <remat/planner/units.h>
 
 #include "common.h"
 

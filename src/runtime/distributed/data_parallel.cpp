@@ -1,6 +1,6 @@
 // DataParallel: bucketed gradient all-reduce on a ProcessGroup, driven by hooks on the parameters' gradient
 // accumulators, finished at the end of the user's outermost backward pass.
-#include "remat/distributed.h"
+#include "remat/distributed/data_parallel.h"
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -20,8 +20,8 @@
 #include <unordered_set>
 #include <utility>
 
-#include "detail/nesting.h"
-#include "detail/profiling.h"
+#include "autograd/nesting.h"
+#include "planning/profile.h"
 
 namespace remat::distributed {
 

@@ -1,6 +1,6 @@
 // launch(): torchrun's local part. Starts the processes of one machine with torchrun's environment and
 // supervises them: one failure stops the rest.
-#include "remat/distributed.h"
+#include "remat/distributed/launch.h"
 
 #include <c10/util/Exception.h>
 

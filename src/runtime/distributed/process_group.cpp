@@ -1,5 +1,5 @@
 // ProcessGroup and init_process_group: c10d's TCPStore rendezvous and ProcessGroupGloo.
-#include "remat/distributed.h"
+#include "remat/distributed/process_group.h"
 
 // ProcessGroupGloo.hpp declares its class only under USE_C10D_GLOO (LibTorch's own build defines it; its
 // CMake package does not). Its gloo types come from libgloo-dev's headers and are only ever held by pointer.

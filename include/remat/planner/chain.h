@@ -1,0 +1,227 @@
+#pragma once
+/// \file
+/// A chain of stages as plain numbers: what each stage costs in time and memory. Planners read it; the
+/// profiler (remat/profile.h) measures it from a real model. No torch headers.
+///
+///   remat::Chain chain = remat::load_chain("bert.json");     // the format of docs/chain-format.md
+///   remat::validate(chain);                                  // throws std::invalid_argument naming the
+///   stage
+///
+/// The memory model (the paper's, Beaumont et al. 2019): stage i reads a_i and produces a_{i+1}; a_0 is the
+/// chain's input (input_bytes), a_{i+1} has stage i's output_bytes, abar_{i+1} (stage i's saved_bytes) is
+/// a_{i+1} plus what stage i's autograd graph keeps, and the gradient d_i has the size of a_i. See
+/// remat/planner/plan.h for how a schedule is charged.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// What offloading a stage run one way moves to host memory (the stage's "@host" operations in a plan; see
+/// remat/planner/plan.h): measured by the profiler under the offloading hooks, for one way of running the stage (Fa,
+/// Fk, Fk[name] or Fc).
+struct OffloadCost {
+  /// The bytes its saved tensors free on the device once copied to the host, besides its input and output
+  /// (>= 0; at most what that way keeps beyond the output; 0 for Fc, which keeps only its input).
+  int64_t bytes = 0;
+  /// Whether its input is among the tensors it saves (Fc's always is): offloaded, it goes to the host too,
+  /// and leaves the device unless the stage before keeps it there.
+  bool input = false;
+  /// Whether its output is among the tensors it saves: copied to the host too, though the next stage still
+  /// reads it on the device; and run without offloading, the stage holds its output on the device.
+  bool output = false;
+  /// Streaming (Stage::offload only; a plan's `Fa3@stream`): the same tensors sent to the host each as the
+  /// forward pass makes it, at most window_bytes in flight, and brought back each just ahead of its use in
+  /// the backward pass, at most window_bytes ahead; so the stage's backward holds its working set, not all it
+  /// saved. The forward's peak above the bytes alive before it (its input held), each copy waited for at once
+  /// (bytes; -1: not measured, the stage cannot be streamed).
+  int64_t stream_fwd_bytes = -1;
+  /// The backward's peak above the bytes alive before it (its output's gradient, what it kept on the device,
+  /// its input held), each tensor brought back where it is used, none ahead (bytes; -1: not measured).
+  int64_t stream_bwd_bytes = -1;
+  /// The most bytes the runtime holds in flight each way beside those peaks (copies to the host not yet
+  /// landed; tensors brought back ahead of their use), at least the largest tensor it sends (bytes, >= 0).
+  int64_t window_bytes = 0;
+  /// Whether the stream figures were measured.
+  bool can_stream() const { return stream_fwd_bytes >= 0 && stream_bwd_bytes >= 0; }
+};
+
+/// What a stage costs run as Fk under one operator-level policy (remat/policy.h; Fk[name] in a plan), as the
+/// profiler measured it with ProfileOptions::policies.
+struct PolicyCost {
+  std::string policy;       ///< the policy's name ("matmuls")
+  int64_t saved_bytes = 0;  ///< alive after the stage runs so (its output and the kept outputs; bytes)
+  double fwd_ms = 0;        ///< its forward (milliseconds)
+  double bwd_ms = 0;        ///< its recompute of the rest plus its backward (milliseconds)
+  /// Offloading it (Fk[name]@host); unset: it cannot be offloaded.
+  std::optional<OffloadCost> offload;
+};
+
+/// One group of a stage's saved tensors: the outputs of one operator call of its forward pass, which a group
+/// assignment keeps on the device ('k'), sends to the host ('h') or recomputes ('r') (a plan's `Fk3{khr}`;
+/// see group_cost() and docs/chain-format.md).
+struct SavedGroup {
+  /// The call, for people and for the runtime that carries the assignment out: the operator's name, '#', and
+  /// which of that operator's calls in the stage's forward pass it is, from 0 ("aten::addmm#2").
+  std::string name;
+  /// Its outputs' bytes: held on the device from the forward pass to the backward when kept, until their
+  /// copy to the host lands and again from their return when sent (>= 0).
+  int64_t bytes = 0;
+  /// The call's forward time (milliseconds, >= 0): what the recompute before the stage's backward saves when
+  /// the group is kept or sent rather than recomputed.
+  double recompute_ms = 0;
+};
+
+/// One stage of a chain.
+struct Stage {
+  std::string name;          ///< for people: "layer3", "2:Linear"
+  double fwd_ms = 0;         ///< forward time (milliseconds)
+  double bwd_ms = 0;         ///< backward time (milliseconds)
+  int64_t output_bytes = 0;  ///< the stage's output a_{i+1}, which is the next stage's input (bytes)
+  int64_t saved_bytes = 0;   ///< abar_{i+1}: alive after running the stage with grad: its output plus all its
+                             ///< autograd graph keeps for its backward (bytes; >= output_bytes)
+  int64_t fwd_tmp_bytes = 0;  ///< transient peak above that during its forward (bytes)
+  int64_t bwd_tmp_bytes =
+      0;  ///< transient peak during its backward, above its inputs, outputs and d_i (bytes)
+  /// The forward without saving for backward, as the plan executor runs Fn and Fc (under no-grad;
+  /// milliseconds). Unset: fwd_ms (fwd_ms is then the cost of every forward, as before these fields).
+  std::optional<double> fwd_nosave_ms;
+  /// The stage's forward under remat::checkpoint (kNonReentrant: run with grad, nothing saved;
+  /// milliseconds). Unset: fwd_nosave_ms.
+  std::optional<double> checkpoint_fwd_ms;
+  /// The stage's backward under remat::checkpoint: its recompute (early stopping included) plus its
+  /// backward (milliseconds). Unset: fwd_ms + bwd_ms.
+  std::optional<double> checkpoint_bwd_ms;
+  /// The stage run by Fk (remat/planner/plan.h): under remat::checkpoint with CheckpointOptions::keep(Chain::keep),
+  /// so that it keeps only the outputs of its kept calls (its matrix multiplications). keep_saved_bytes is
+  /// what that leaves alive (its output plus the kept outputs; bytes, between output_bytes and
+  /// saved_bytes), keep_fwd_ms its forward, keep_bwd_ms its recompute of the rest plus its backward
+  /// (milliseconds). All three set, or none: a stage without them has no Fk.
+  std::optional<int64_t> keep_saved_bytes;
+  std::optional<double> keep_fwd_ms;  ///< see keep_saved_bytes
+  std::optional<double> keep_bwd_ms;  ///< see keep_saved_bytes
+
+  /// Offloading the stage run as Fa (Fa@host), as Fk with the keep tags (Fk@host) and as Fc (its input:
+  /// Fc@host); unset: that way cannot be offloaded. Offloading also needs the chain's bandwidths.
+  std::optional<OffloadCost> offload;
+  std::optional<OffloadCost> keep_offload;        ///< see offload
+  std::optional<OffloadCost> checkpoint_offload;  ///< see offload
+
+  /// Fk under each of the chain's policies (Chain::policies), in its order; empty when the stage was not
+  /// profiled under them (no Fk[name] for it).
+  std::vector<PolicyCost> policies;
+  /// The groups of its saved tensors, by the call that made them, in the order of its forward pass (at most
+  /// kMaxGroups); empty when it was not profiled so (no Fk{...} for it).
+  std::vector<SavedGroup> groups;
+
+  /// Whether the stage has the three keep_ fields (Fk can run it).
+  bool has_keep() const { return keep_saved_bytes.has_value(); }
+  /// What Fn and Fc cost: fwd_nosave_ms, or fwd_ms when unset (milliseconds).
+  double nosave_ms() const { return fwd_nosave_ms ? *fwd_nosave_ms : fwd_ms; }
+  /// The forward of a stage checkpointed by remat::checkpoint (milliseconds).
+  double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
+  /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).
+  double per_call_bwd_ms() const { return checkpoint_bwd_ms ? *checkpoint_bwd_ms : fwd_ms + bwd_ms; }
+};
+
+/// The most groups a stage may have (a group assignment is one of 3^groups).
+inline constexpr size_t kMaxGroups = 10;
+
+/// The saved groups a profiler keeps of those it found in a stage's forward pass (`found`, in its order): the
+/// kMaxGroups largest, then, from the largest down, those that still fit in `room_bytes` (what the stage
+/// saves beside its output, Stage::saved_bytes - output_bytes: its groups cannot hold more), returned in the
+/// order found. Ties go to the earlier call. Both languages' profilers choose with it. Throws
+/// std::invalid_argument naming remat::fit_groups for a negative room or group bytes.
+std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t room_bytes);
+
+/// What a stage costs run under a group assignment (a plan's Fk{...}): one character per group of
+/// Stage::groups, 'k' (kept on the device), 'h' (sent to the host) or 'r' (recomputed). The stage runs as a
+/// checkpoint whose recompute before the backward skips the kept and sent calls: `saved_bytes` is its output
+/// plus the kept and sent groups' bytes (what it holds once its forward has run, before any copy lands),
+/// `fwd_ms` its per-call forward (Stage::per_call_fwd_ms()), `bwd_ms` its per-call backward less the kept and
+/// sent groups' recompute_ms (at least bwd_ms: the backward itself), and `offload`, when a group is sent, the
+/// bytes that leave ({bytes: the sent groups' bytes, input: false, output: false}). `policy` is "{" +
+/// assignment + "}". Throws std::invalid_argument naming the stage for an assignment of another length or
+/// with other characters.
+PolicyCost group_cost(const Stage& stage, const std::string& assignment);
+
+/// The chain: its input a_0 and its stages in order.
+struct Chain {
+  int64_t input_bytes = 0;    ///< a_0 (bytes)
+  std::vector<Stage> stages;  ///< in order; stage i reads a_i and produces a_{i+1}
+  /// The remat::keep tags the keep_ fields were measured with (CheckpointOptions::keep of Fk); empty when
+  /// no stage has them.
+  std::vector<std::string> keep;
+  /// The operator-level policies the stages' PolicyCost entries were measured under (names, each once;
+  /// Fk[name] in a plan); empty when none.
+  std::vector<std::string> policies;
+  /// The bandwidth of copies from the device to host memory and back, measured when profiling (GB/s, 10^9
+  /// bytes per second); 0 when not measured: the chain cannot be offloaded.
+  double to_host_gb_per_s = 0;
+  double to_device_gb_per_s = 0;  ///< see to_host_gb_per_s
+  /// Whether the runtime holds the output of a stage run with grad (Fa, Fk, offloaded or not) on the device
+  /// until that stage's backward, whatever the stage's saved tensors hold: true for chains the C++ profiler
+  /// makes (the plan executor holds such an output as the root of the stage's backward), false for the Python
+  /// package's layers (an output stays only where something saves it). Read by offloading only: whether the
+  /// next stage's offloaded input (Fc@host, Fk@host) leaves the device.
+  bool holds_outputs = false;
+
+  /// Whether the chain can be offloaded: both bandwidths measured.
+  bool can_offload() const { return to_host_gb_per_s > 0 && to_device_gb_per_s > 0; }
+  /// The time of copying `bytes` to the host (to_host) or back (milliseconds; infinite when not measured).
+  double transfer_ms(int64_t bytes, bool to_host) const;
+
+  /// Number of stages.
+  int64_t size() const { return static_cast<int64_t>(stages.size()); }
+  /// Size of a_i in bytes, for i in [0, size()]: input_bytes for 0, stage i-1's output_bytes otherwise.
+  int64_t activation_bytes(int64_t i) const { return i == 0 ? input_bytes : stages[i - 1].output_bytes; }
+};
+
+/// The largest total of a chain's byte counts (input_bytes plus every stage's four byte fields) that
+/// validate() accepts: 2^60 bytes. Below it, no sum the simulator or the planners form overflows int64.
+constexpr int64_t kMaxChainBytes = int64_t{1} << 60;
+/// The largest fwd_ms, bwd_ms or optional time validate() accepts (milliseconds).
+constexpr double kMaxStageMs = 1e12;
+
+/// Checks a chain: at least one stage; no negative or non-finite value; times at most kMaxStageMs;
+/// saved_bytes >= output_bytes; the keep_ fields all set or none, output_bytes <= keep_saved_bytes, and
+/// `keep` tags wherever a stage has them; policy names unique and valid, each stage's PolicyCost entries
+/// none or one per Chain::policies in its order, each with output_bytes <= saved_bytes; an OffloadCost's
+/// bytes at most what its way keeps beyond the output (0 for checkpoint_offload), bandwidths finite and >= 0;
+/// byte counts adding up to at most kMaxChainBytes. Throws std::invalid_argument naming remat::validate, the
+/// stage (index and name), the field and the value.
+void validate(const Chain& chain);
+
+/// Whether `name` can name a policy: non-empty, made of letters, digits, '_', '-' and '.'.
+bool valid_policy_name(const std::string& name);
+
+/// The chain as JSON: {"input_bytes": N, "stages": [{"name": "...", "fwd_ms": x, "bwd_ms": x,
+/// "output_bytes": N, "saved_bytes": N, "fwd_tmp_bytes": N, "bwd_tmp_bytes": N}, ...]}, plus
+/// "fwd_nosave_ms", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_saved_bytes", "keep_fwd_ms" and
+/// "keep_bwd_ms" for a stage that has them, "keep": ["matmul"] for a chain measured with keep tags, and for
+/// one measured under policies "policies": ["matmuls"] with, per stage, "policies": [{"policy": "matmuls",
+/// "saved_bytes": N, "fwd_ms": x, "bwd_ms": x}]; for a chain profiled for offloading "to_host_gb_per_s" and
+/// "to_device_gb_per_s", with per stage "offload", "keep_offload", "checkpoint_offload" (and per policy entry
+/// "offload") as {"bytes": N, "input": bool, "output": bool}.
+std::string to_json(const Chain& chain);
+
+/// Parses and validates that JSON (the tmp keys are optional, default 0; the three optional times may be
+/// absent; "name" defaults to "stage<i>").
+/// Throws std::invalid_argument naming the problem: malformed JSON, a missing or mistyped key, or what
+/// validate() rejects.
+Chain chain_from_json(const std::string& json);
+
+/// Reads a chain from a JSON file. Throws std::invalid_argument when the file cannot be read, and as
+/// chain_from_json.
+Chain load_chain(const std::string& path);
+
+/// Writes a chain to a JSON file. Throws std::invalid_argument when the file cannot be written.
+void save_chain(const Chain& chain, const std::string& path);
+
+/// A homogeneous chain of n equal stages (for revolve and tests): each with the given times and sizes,
+/// input_bytes = output_bytes.
+Chain uniform_chain(int64_t n, double fwd_ms, double bwd_ms, int64_t output_bytes, int64_t saved_bytes);
+
+}  // namespace remat

@@ -1,0 +1,147 @@
+#pragma once
+/// \file
+/// Planning a chain for the whole training step around it: what runs before the chain (embeddings), what runs
+/// after it (the head, the loss) and the parameter gradients the backward pass allocates all count against
+/// the budget, as a meter reading the step's peak sees them. Plain numbers, no torch headers: remat::Planned
+/// (C++) and the Python package's in-place planning measure a StepContext where the chain runs and plan
+/// with plan_step().
+///
+///   remat::StepContext ctx;                       // measured in a profiling step
+///   ctx.rest_peak_bytes = 7 << 20;                // the head and the loss
+///   ctx.stage_grads_bytes = {...};                // gradients the backward pass will allocate, per stage
+///   remat::StepPlan p = remat::plan_step(chain, ctx, 300 << 20);   // p.plan, p.step_peak_bytes
+
+#include <remat/planner/chain.h>
+#include <remat/planner/plan.h>
+#include <remat/planner/planner.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace remat {
+
+/// What surrounds a chain in a training step. Byte counts are above the step's base, the bytes alive when
+/// the step begins (for remat::Planned, when its forward() is called).
+struct StepContext {
+  /// Whether the chain's input is part of the base (remat::Planned, whose base is taken with the input
+  /// alive) rather than made during the step.
+  bool input_in_base = false;
+  /// Held from the chain's start until the backward pass is through the part before the chain, besides the
+  /// chain's input: what that part (embeddings) saved for its backward (bytes).
+  int64_t before_saved_bytes = 0;
+  /// The peak of the part before the chain, its forward pass (bytes). The same under every plan.
+  int64_t before_peak_bytes = 0;
+  /// The peak of the backward pass of the part before the chain, which runs after the chain's whole
+  /// backward (bytes; the gradients allocated by then included). The same under every plan.
+  int64_t before_backward_peak_bytes = 0;
+  /// The rest of the step (the part after the chain, the loss, and the backward pass down to the chain's
+  /// output): its peak above what is alive when the chain returns, up to and with the gradient it hands the
+  /// chain's output (bytes), and its time (milliseconds).
+  int64_t rest_peak_bytes = 0;
+  double rest_ms = 0;
+  /// What the rest's backward leaves held from then on to the step's end (bytes): the gradients of its
+  /// parameters it allocates, a partial gradient of a weight shared with the part before the chain (a tied
+  /// embedding's, summed at its last use), outputs the caller keeps (logits).
+  int64_t rest_grads_bytes = 0;
+  /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 when they exist before the
+  /// step), held from then on. Empty, or one entry per stage.
+  std::vector<int64_t> stage_grads_bytes;
+  /// The step's peak measured with every stage checkpointed (the profiling step's schedule), above the base
+  /// (bytes), or -1 when not measured. plan_step() falls back to that schedule with this peak where the model
+  /// refuses a budget the measured step fits (the model charges a recompute as a whole stage run, which a
+  /// recompute that stops early never holds).
+  int64_t checkpoint_all_peak_bytes = -1;
+  /// Tensors the chain's stages take or hand on beside their input and output, made during the step (T5's
+  /// position bias, which its first layer makes and every later layer takes; an encoder's output that every
+  /// decoder layer attends to), with the gradients the backward pass gathers for them: held from the chain's
+  /// start to its backward's end (bytes; 0 for a chain whose stages take one tensor and return one).
+  int64_t side_bytes = 0;
+};
+
+/// What a meter read at named points of one training step around a chain with every stage checkpointed (a
+/// profiling step), turned into a StepContext by step_context(). Counts are a meter's running count of tensor
+/// bytes at those points (any origin: only differences are used); remat::Planned (C++) and the Python
+/// package's in-place planning take the same readings and turn them into a context with the same code.
+struct StepReadings {
+  /// The budget's base point: the count when the step begins. remat::Planned's is its forward() call, the
+  /// chain's input alive (input_in_base); the Python package's is the model's forward call, before the
+  /// chain's input exists.
+  int64_t base = 0;
+  bool input_in_base = false;
+  /// The count when the chain's first stage starts, and the highest count from the base to then (bytes).
+  int64_t at_chain = 0;
+  int64_t peak_before_chain = 0;
+  /// The chain's input (bytes).
+  int64_t input_bytes = 0;
+  /// The count when the chain returns; the highest count from then until the backward pass hands the chain's
+  /// output its gradient, that gradient included; the count at that moment, the gradient's bytes, and the
+  /// time between (milliseconds).
+  int64_t at_return = 0;
+  int64_t rest_peak = 0;
+  int64_t at_output_grad = 0;
+  int64_t output_grad_bytes = 0;
+  double rest_ms = 0;
+  /// The highest count from the chain's input gradient to the step's end (the backward pass of what runs
+  /// before the chain), or -1 when that part has no backward.
+  int64_t peak_after_chain_backward = -1;
+  /// The highest count of the whole step (the profiler's own transients left out), or -1 when not read.
+  int64_t step_peak = -1;
+  /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 for gradients alive before).
+  std::vector<int64_t> stage_grads_bytes;
+  /// What the stages take or hand on beside their input and output (StepContext::side_bytes; bytes).
+  int64_t side_bytes = 0;
+};
+
+/// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
+/// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
+/// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
+/// held besides the output's gradient), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
+/// the base), side_bytes as read. Negative differences are read as 0. Throws std::invalid_argument naming
+/// remat::step_context for a negative input_bytes, output_grad_bytes, side_bytes or rest_ms.
+StepContext step_context(const StepReadings& readings);
+
+/// Checks a context against its chain: no negative value, stage_grads_bytes empty or of the chain's size.
+/// Throws std::invalid_argument naming remat::StepContext, the field and the value.
+void validate(const StepContext& context, const Chain& chain);
+
+/// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's
+/// input, holding before_saved_bytes more), the chain's stages, and last the rest of the step, charged as
+/// holding its peak, less the output's gradient that simulate() adds at its backward, from its forward to its
+/// backward (an upper bound: the loss and what it saves are usually gone sooner). Throws as validate().
+Chain step_chain(const Chain& chain, const StepContext& context);
+
+/// The step's predicted peak above its base under `plan` (a plan for `chain`, bytes): the largest of
+/// before_peak_bytes, before_backward_peak_bytes and every operation of step_plan(plan) on step_chain(),
+/// each with the gradients allocated by then (a stage's from its backward operation on, the rest's after the
+/// rest's backward), less the chain's input when input_in_base. Throws as validate() and simulate().
+int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan);
+
+/// A plan for the whole step and its predicted peak.
+struct StepPlan {
+  Plan plan;                    ///< a plan for the chain (plan.predicted is the chain's own)
+  int64_t step_peak_bytes = 0;  ///< step_peak_bytes(chain, context, plan) (bytes)
+  double step_time_ms = 0;      ///< plan.predicted.time_ms + context.rest_ms (milliseconds)
+};
+
+/// A plan whose step_peak_bytes() is within budget_bytes. `planner` is "per-layer" (each stage kept, kept
+/// under an Fk variant, or checkpointed on its own): exactly the fastest such plan, per_layer()'s program run
+/// on the whole step (step_chain() with each stage's gradients charged). Or "optimal" (any schedule,
+/// recomputation across stages included): the fastest plan of optimal()'s frontier that fits, found by
+/// lowering the chain's budget one frontier plan at a time from budget_bytes (plus the input when
+/// input_in_base), then, after 256 plans, by what the step's prediction exceeds; a schedule that is slower
+/// for the chain alone yet lower for the step is not considered. Throws InfeasibleBudget naming
+/// remat::plan_step, the budget and the least feasible one (min_step_budget()) when nothing fits,
+/// std::invalid_argument for another planner name, and as validate() and the planner.
+StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                   const std::string& planner = "optimal", const PlannerOptions& options = {});
+
+/// The least budget plan_step() accepts with this planner (bytes): for "per-layer" the least step peak of any
+/// per-layer plan; for "optimal" the step's peak under optimal()'s least-memory plan. Throws as plan_step().
+int64_t min_step_budget(const Chain& chain, const StepContext& context,
+                        const std::string& planner = "optimal", const PlannerOptions& options = {});
+
+}  // namespace remat
+
+// plan_figures() and set_plan_figures(), declared here before they had a header of their own.
+#include <remat/planner/figures.h>

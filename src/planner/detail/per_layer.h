@@ -1,0 +1,23 @@
+#pragma once
+// The per-layer program within a step, for plan_step() (per_layer.cpp; private to the planner library).
+
+#include <remat/planner/chain.h>
+#include <remat/planner/plan.h>
+#include <remat/planner/planner.h>
+#include <remat/planner/step.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace remat::detail {
+
+/// plan_step()'s per-layer case, exact: the per-layer program run on step_chain(chain, context) (what comes
+/// before the chain and the rest of the step kept, each stage's gradients charged from its backward on, the
+/// rest's from after its backward), so that the plan is the fastest per-layer plan whose step_peak_bytes() is
+/// within budget_bytes. nullopt, with *least_bytes the least step peak of any per-layer plan, when none is.
+std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
+                                      const PlannerOptions& options, int64_t* least_bytes);
+/// The least step_peak_bytes() of any per-layer plan of `chain` in `context`.
+int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options);
+
+}  // namespace remat::detail

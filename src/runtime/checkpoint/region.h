@@ -1,0 +1,238 @@
+#pragma once
+// What the checkpoint runtime (both modes) and the plan executor share about running a region again: RNG
+// states and their replay, autocast, module buffers, the one recompute set-up, the shape/dtype/device of
+// tensors for the determinism check, and the leaves a recomputed graph reaches. Implemented in region.cpp.
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/nn/module.h>
+
+#include "autograd/thread_state.h"
+#include "checkpoint/restore.h"
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+namespace remat::detail {
+
+/// The CPU generator's state and that of the CUDA generators of `cuda_devices`.
+struct RngState {
+  at::Tensor cpu;
+  std::vector<std::pair<c10::DeviceIndex, at::Tensor>> cuda;
+
+  /// Captures the current states. Consecutive captures with no random draw between them share one tensor.
+  static RngState capture(const std::vector<c10::DeviceIndex>& cuda_devices);
+  void restore() const;
+  bool empty() const { return !cpu.defined(); }
+  /// True when the generators are in exactly this state now.
+  bool matches_current() const;
+  /// True when both hold the same states (byte for byte).
+  bool same_as(const RngState& other) const;
+};
+
+/// Throws c10::Error naming `who` (and `what`, the region) when the generators are not in `end`, the state
+/// the forward pass left them in: the recompute drew other random numbers than the forward pass, so its
+/// dropout masks differ. Nothing is checked when `end` is empty (preserve_rng_state off).
+void check_rng_replayed(const RngState& end, const char* who, const std::string& what);
+
+/// The generators a region's forward pass started and ended in, for its recomputes to replay. Empty (nothing
+/// replayed, nothing checked) when the region does not preserve the RNG state or drew no random number.
+struct RngRecord {
+  RngState start, end;
+
+  /// At the start of the forward pass: captures the generators (those of `cuda_devices` too).
+  void begin(const std::vector<c10::DeviceIndex>& cuda_devices);
+  /// At its end: captures where they stand; a region that drew nothing keeps nothing (its recompute leaves
+  /// the generators alone). Does nothing when begin() was not called.
+  void finish(const std::vector<c10::DeviceIndex>& cuda_devices);
+  bool empty() const { return start.empty(); }
+};
+
+/// Autocast (mixed precision) as it stands on this thread, for the CPU and CUDA device types: a recompute
+/// re-enters the state of the forward pass, as torch.utils.checkpoint does.
+struct AutocastState {
+  bool cpu_enabled = false;
+  bool cuda_enabled = false;
+  bool cache_enabled = true;
+  c10::ScalarType cpu_dtype = c10::ScalarType::BFloat16;
+  c10::ScalarType cuda_dtype = c10::ScalarType::Half;
+
+  static AutocastState current();
+  bool any() const { return cpu_enabled || cuda_enabled; }
+};
+
+/// While alive: autocast is in `state` (entered like torch.autocast: nesting counted, the cast cache cleared
+/// when the outermost autocast region ends); on destruction the previous state is back.
+class AutocastScope {
+ public:
+  explicit AutocastScope(const AutocastState& state);
+  ~AutocastScope();
+  AutocastScope(const AutocastScope&) = delete;
+  AutocastScope& operator=(const AutocastScope&) = delete;
+
+ private:
+  AutocastState saved_;
+  bool nested_ = false;
+};
+
+/// The CUDA device indices of the defined CUDA tensors in `tensors`, each once.
+std::vector<c10::DeviceIndex> cuda_devices_of(const std::vector<at::Tensor>& tensors);
+
+/// While alive: the generators are at `replay` (when non-empty); on destruction they are put back where they
+/// were on construction.
+class RngReplay {
+ public:
+  RngReplay(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices);
+  ~RngReplay();
+  RngReplay(const RngReplay&) = delete;
+  RngReplay& operator=(const RngReplay&) = delete;
+
+ private:
+  RngState saved_;
+};
+
+/// Copies of every buffer of `modules` (recursively, each buffer once) on construction, written back on
+/// destruction through .data(), so that their autograd version counters are not bumped (a recomputed graph
+/// may have saved them).
+class BufferRestore {
+ public:
+  /// With only_on_unwind, the buffers are written back only when the scope is left by an exception (a
+  /// region that throws leaves its modules as they were).
+  explicit BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                         bool only_on_unwind = false);
+  ~BufferRestore();
+  BufferRestore(const BufferRestore&) = delete;
+  BufferRestore& operator=(const BufferRestore&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, at::Tensor>> saved_;
+  bool only_on_unwind_ = false;
+  int uncaught_ = 0;
+};
+
+/// The one set-up every recompute runs under, in both checkpoint modes and in the plan executor: while alive,
+/// the generators are at `replay` (the region's forward-pass state, when non-empty), autocast is the forward
+/// pass's, and module state the recompute writes is restored on exit (StateRestore over `modules` and
+/// `inputs`). Grad mode is left to the caller.
+class RecomputeScope {
+ public:
+  RecomputeScope(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices,
+                 const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                 const std::vector<at::Tensor>& inputs, const AutocastState& autocast);
+  RecomputeScope(const RecomputeScope&) = delete;
+  RecomputeScope& operator=(const RecomputeScope&) = delete;
+
+ private:
+  RngReplay rng_;
+  StateRestore state_;
+  AutocastScope autocast_;
+};
+
+/// The context remat adds to an error raised while a checkpoint's region is recomputed.
+inline constexpr char kRecomputeContext[] =
+    "remat::checkpoint: while recomputing a checkpointed region in the backward pass";
+
+/// Runs `f` (a checkpoint's recompute); a c10::Error it throws gets kRecomputeContext added.
+template <typename F>
+void with_recompute_context(F&& f) {
+  try {
+    f();
+  } catch (c10::Error& e) {
+    e.add_context(kRecomputeContext);
+    throw;
+  }
+}
+
+/// While alive: on an exception, the generators go back to where they were on construction (a region
+/// that throws leaves the RNG as it found it). Does nothing for an empty state.
+class RngRollback {
+ public:
+  explicit RngRollback(const RngState& start);
+  ~RngRollback();
+  RngRollback(const RngRollback&) = delete;
+  RngRollback& operator=(const RngRollback&) = delete;
+
+ private:
+  const RngState& start_;
+  int uncaught_;
+};
+
+/// Where a region's run with grad (a recompute, an executor stage) starts creating autograd nodes. Sequence
+/// numbers count per thread, so the thread is part of the mark: a node of this thread numbered before the
+/// mark is certainly older than the run; a node of another thread may be the run's (made by a backward pass
+/// it started, which autograd may run on a worker thread) or not (the caller's graph, when the run is a
+/// recompute on a worker thread), and cannot be told apart by number.
+struct NodeMark {
+  uint64_t thread = 0;
+  uint64_t first_sequence_nr = 0;
+  /// The mark of this thread now.
+  static NodeMark now();
+  enum class Origin { kSince, kBefore, kOtherThread };
+  /// Where `node` comes from relative to the mark.
+  Origin origin(const torch::autograd::Node& node) const;
+};
+
+/// A leaf a recomputed graph reaches (a parameter) and the autograd node that accumulates its gradient.
+struct Leaf {
+  at::Tensor variable;
+  torch::autograd::Node* accumulator;
+};
+
+/// What the graph of a region's run reaches beyond the region: the leaves requiring grad that it does not
+/// declare, and the tensors computed outside it that it uses without taking them as inputs.
+struct RegionReach {
+  std::vector<Leaf> undeclared;
+  /// "shape [2, 3] (from MulBackward0)" for each tensor that requires grad, was computed outside the region
+  /// and reaches it other than through its inputs.
+  std::vector<std::string> captured;
+};
+
+/// Walks the graph of `outputs` and stops at `stops` (the region's own inputs and the tensors it was found to
+/// use, when they lead outside on purpose). Leaves requiring grad not in `declared` are undeclared. With a
+/// `mark`, the walk stays inside the run: it follows the nodes made since the mark, reports this thread's
+/// older nodes as captured tensors, and neither follows nor reports other threads' nodes (see NodeMark).
+/// Without one (every tensor the region uses from outside is among `stops`), it follows every node.
+RegionReach region_reach(const std::vector<at::Tensor>& outputs,
+                         const std::unordered_set<c10::TensorImpl*>& declared, const NodeMark* mark,
+                         const std::unordered_set<const torch::autograd::Node*>& stops = {});
+
+/// Throws c10::Error naming `who` when the region captured tensors that require grad from outside (their
+/// gradients cannot flow back through a region run as a nested backward pass): pass them as inputs instead.
+void refuse_captured(const RegionReach& reach, const char* who, const char* advice);
+
+/// Under a user pass that returns gradients (torch::autograd::grad) rather than accumulating them: throws
+/// c10::Error "<what>: ..." with their shapes and `advice` when the user asked for one of `leaves`, which
+/// cannot get its gradient through a nested pass, or asked for a tensor that had no autograd node when the
+/// pass started (the engine then captures a placeholder, and whether it is one of `leaves` cannot be told).
+void refuse_undeclared_asked(const std::vector<Leaf>& leaves, const UserPass& pass, const char* what,
+                             const char* advice);
+
+/// Backpropagates `grad`, taken by move, from `output` to the leaves `targets`: accumulated into their .grad
+/// (accumulate) or returned (undefined for a target the graph does not reach). Unlike
+/// torch::autograd::backward, nothing outside the engine keeps `grad` alive: it is freed as soon as the
+/// first backward node has consumed it, as in one backward pass through per-stage checkpoints. `output` is
+/// taken by value too: pass it by move, and its values are freed as soon as the nodes that saved them are
+/// done (a stage whose last operation saves its result, ReLU, holds it otherwise for its whole backward).
+torch::autograd::variable_list backward_from(at::Tensor output, at::Tensor grad,
+                                             const std::vector<at::Tensor>& targets, bool keep_graph,
+                                             bool create_graph, bool accumulate);
+
+/// Shape, dtype and device of a tensor.
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  c10::Device device = c10::kCPU;
+
+  static TensorMeta of(const at::Tensor& t);
+  bool operator==(const TensorMeta& o) const {
+    return sizes == o.sizes && dtype == o.dtype && device == o.device;
+  }
+  bool operator!=(const TensorMeta& o) const { return !(*this == o); }
+  std::string str() const;
+};
+
+}  // namespace remat::detail

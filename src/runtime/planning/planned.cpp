@@ -1,0 +1,287 @@
+// remat::Planned (remat/planned.h): profiling in place, planning for the step's budget, running the plan.
+#include "remat/planned.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/cuda.h>
+
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <unordered_set>
+
+#include "remat/memory.h"
+#include "remat/planner/chain.h"
+#include "remat/planner/step.h"
+#include "remat/profile.h"
+
+namespace remat {
+
+namespace {
+
+constexpr const char* kWho = "remat::Planned";
+using Clock = std::chrono::steady_clock;
+
+std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
+  std::vector<ArgsStageFn> out;
+  out.reserve(stages.size());
+  for (StageFn& s : stages) {
+    TensorFn fn = std::move(s.fn);
+    ArgsStageFn a{std::move(s.name), nullptr, std::move(s.module)};
+    if (fn) a.fn = [fn](const torch::Tensor& x, const std::vector<torch::Tensor>&) { return fn(x); };
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+}  // namespace
+
+PlannedImpl::PlannedImpl(std::vector<StageFn> stages, PlannedOptions options)
+    : PlannedImpl(taking_args(std::move(stages)), std::move(options)) {
+  takes_args_ = false;
+}
+
+PlannedImpl::PlannedImpl(std::vector<ArgsStageFn> stages, PlannedOptions options)
+    : stages_(std::move(stages)), takes_args_(true), options_(std::move(options)) {
+  TORCH_CHECK(!stages_.empty(), kWho, ": no stages");
+  for (size_t i = 0; i < stages_.size(); ++i)
+    TORCH_CHECK(stages_[i].fn, kWho, ": stage ", i, " ('", stages_[i].name, "') has no function");
+  TORCH_CHECK(options_.budget() > 0, kWho, ": the budget must be a positive number of bytes, got ",
+              options_.budget());
+  TORCH_CHECK(options_.profile_repeats() >= 1, kWho, ": profile_repeats must be >= 1, got ",
+              options_.profile_repeats());
+  TORCH_CHECK(options_.offload_min_bytes() >= 0, kWho, ": offload_min_bytes must be >= 0 (bytes), got ",
+              options_.offload_min_bytes());
+  TORCH_CHECK(options_.planner().max_host_bytes >= -1, kWho,
+              ": PlannerOptions::max_host_bytes must be >= 0, or -1 for no bound, got ",
+              options_.planner().max_host_bytes);
+}
+
+bool PlannedImpl::training_now() const {
+  if (!is_training() || !at::GradMode::is_enabled()) return false;
+  for (const ArgsStageFn& s : stages_)
+    if (s.module && !s.module->is_training()) return false;
+  return true;
+}
+
+std::vector<StageFn> PlannedImpl::bind(const std::vector<torch::Tensor>& args) const {
+  std::vector<StageFn> out;
+  out.reserve(stages_.size());
+  for (const ArgsStageFn& s : stages_) {
+    auto fn = s.fn;
+    out.push_back(StageFn{s.name, [fn, args](const torch::Tensor& x) { return fn(x, args); }, s.module});
+  }
+  return out;
+}
+
+void PlannedImpl::use_profile(const std::vector<std::vector<int64_t>>& input_shape, Chain chain) {
+  TORCH_CHECK(chain.size() == static_cast<int64_t>(stages_.size()), kWho, ": use_profile got a chain of ",
+              chain.size(), " stages for ", stages_.size(), " stages");
+  try {
+    validate(chain);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, kWho, ": use_profile: ", e.what());
+  }
+  Shape& shape = shapes_[input_shape];
+  TORCH_CHECK(!shape.plan, kWho, ": use_profile: a plan is already in force for this input shape");
+  shape.chain = std::move(chain);
+  *shape.rest = std::nullopt;
+  *shape.readings = std::nullopt;
+  shape.profile_loaded = true;
+}
+
+torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<torch::Tensor>& args) {
+  TORCH_CHECK(x.defined(), kWho, ": the input is an undefined tensor");
+  TORCH_CHECK(takes_args_ || args.empty(), kWho, ": got ", args.size(),
+              " extra arguments for stages that take none (make ArgsStageFns to pass them)");
+  Key key{x.sizes().vec()};
+  for (size_t i = 0; i < args.size(); ++i) {
+    TORCH_CHECK(args[i].defined(), kWho, ": extra argument ", i, " is an undefined tensor");
+    key.push_back(args[i].sizes().vec());
+  }
+  const std::vector<StageFn> stages = bind(args);
+  if (!training_now()) {
+    torch::Tensor h = x;
+    for (const StageFn& s : stages)
+      h = s.fn(h);
+    return h;
+  }
+  const c10::Device device = x.device();
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), kWho, ": inputs on cpu or cuda are planned, got one on ",
+              device);
+  for (size_t i = 0; i < args.size(); ++i)
+    TORCH_CHECK(args[i].device() == device, kWho, ": extra argument ", i, " is on ", args[i].device(),
+                " but the input is on ", device);
+  Shape& shape = shapes_[key];
+  last_ = &shape;
+  if (shape.profile_loaded && !*shape.rest)
+    TORCH_CHECK(shape.chain->input_bytes == static_cast<int64_t>(x.nbytes()), kWho,
+                ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
+                " but the input of that shape has ", x.nbytes(), " bytes");
+  if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
+  if (!shape.plan) {
+    ++shape.steps_before_plan;
+    return profiling_step(shape, stages, x);
+  }
+  // The plan, and the step's peak above the base, measured to the end of its backward pass (in a window: the
+  // statistics the caller reads are left alone).
+  auto window = std::make_shared<memory::PeakWindow>(device);
+  torch::Tensor out = run_plan(stages, *shape.plan, x, {}, nullptr,
+                               OffloadOptions().min_bytes(options_.offload_min_bytes()).pool(host_pool_));
+  if (out.requires_grad()) {
+    std::shared_ptr<int64_t> last = shape.last_peak;
+    out.register_hook([last, window](const torch::Tensor& g) {
+      // At the end of the user's backward pass (what runs before the stages included).
+      torch::autograd::Engine::get_default_engine().queue_callback(
+          [last, window] { *last = window->peak_over_base(); });
+      return g;
+    });
+  }
+  return out;
+}
+
+torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageFn>& stages,
+                                          const torch::Tensor& x) {
+  const c10::Device device = x.device();
+  // Device work runs asynchronously: the rest of the step is timed from the moment the stages' work is
+  // done to the moment the backward pass's work up to their output is.
+  auto sync = [device] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
+  if (!shape.chain) {
+    // The profiler puts gradients, buffers and the generators back, so the step below is the plain run's.
+    shape.chain =
+        profile_chain(stages, x,
+                      ProfileOptions()
+                          .warmup(0)
+                          .repeats(options_.profile_repeats())
+                          .policies(options_.policies())
+                          .offload_min_bytes(options_.planner().offload ? options_.offload_min_bytes() : -1)
+                          .groups(options_.groups()));
+  }
+  // Every stage checkpointed (the profiler's own memory bound), read at the points remat/planner/step.h names:
+  // StepReadings, which step_context() turns into the step's model, as the Python package does. The base is
+  // the count here, the stages' input alive (the budget counts from forward()).
+  auto step = std::make_shared<memory::PeakWindow>(device);
+  auto readings = std::make_shared<StepReadings>();
+  readings->input_in_base = true;
+  readings->input_bytes = static_cast<int64_t>(x.nbytes());
+  torch::Tensor out = run_plan(stages, checkpoint_all(*shape.chain), x);
+  if (!out.requires_grad()) return out;
+  sync();
+  readings->at_return = step->active_over_base();
+  auto rest = std::make_shared<memory::PeakWindow>(device);
+  const auto t0 = Clock::now();
+  std::shared_ptr<std::optional<RestOfStep>> measured = shape.rest;
+  std::shared_ptr<std::optional<StepReadings>> done = shape.readings;
+  auto after = std::make_shared<std::unique_ptr<memory::PeakWindow>>();  // from the stages' input gradient on
+  out.register_hook([=](const torch::Tensor& g) {
+    sync();
+    readings->rest_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    readings->rest_peak = readings->at_return + rest->peak_over_base();
+    readings->at_output_grad = step->active_over_base();
+    readings->output_grad_bytes = static_cast<int64_t>(g.nbytes());
+    *measured = RestOfStep{rest->peak_over_base(), readings->rest_ms};
+    // At the end of the user's backward pass: the step's peak, and that of what ran before the stages.
+    torch::autograd::Engine::get_default_engine().queue_callback([readings, step, after, done] {
+      readings->step_peak = step->peak_over_base();
+      if (*after)
+        readings->peak_after_chain_backward =
+            step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
+      *done = *readings;
+    });
+    return g;
+  });
+  if (x.requires_grad() && x.grad_fn()) {
+    x.register_hook([after, device](const torch::Tensor& g) {
+      *after = std::make_unique<memory::PeakWindow>(device);
+      return g;
+    });
+  }
+  return out;
+}
+
+void PlannedImpl::make_plan(Shape& shape) {
+  // What surrounds the stages: the base is taken with their input alive; the rest of the step as measured;
+  // the parameter gradients the backward pass will allocate (zero_grad setting them to none), seen at the
+  // step that plans (the profiling step may be the first, before any gradient exists), charged per stage
+  // from that stage's backward operation on (a parameter shared by two stages at the first).
+  StepReadings readings = **shape.readings;
+  readings.stage_grads_bytes.assign(stages_.size(), 0);
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t i = stages_.size(); i-- > 0;) {  // the backward pass meets the last stage first
+    if (!stages_[i].module) continue;
+    for (const auto& p : stages_[i].module->parameters())
+      if (p.requires_grad() && !p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
+        readings.stage_grads_bytes[i] += static_cast<int64_t>(p.nbytes());
+  }
+  StepContext context = step_context(readings);
+  Chain chain = *shape.chain;
+  if (options_.agree()) {
+    // Every rank plans from the maximum over the ranks of every figure (PlanFigures' encoding: the smallest
+    // bandwidth), and so makes the same plan.
+    PlanFigures figures = plan_figures(chain, context);
+    const size_t n_ints = figures.ints.size(), n_reals = figures.reals.size();
+    std::vector<torch::Tensor> numbers{torch::tensor(figures.ints, torch::kInt64),
+                                       torch::tensor(figures.reals, torch::kFloat64)};
+    options_.agree()(numbers);
+    TORCH_CHECK(numbers.size() == 2 && numbers[0].numel() == static_cast<int64_t>(n_ints) &&
+                    numbers[1].numel() == static_cast<int64_t>(n_reals),
+                kWho, ": PlannedOptions::agree changed the number of values");
+    const torch::Tensor ints = numbers[0].to(torch::kInt64).contiguous();
+    const torch::Tensor reals = numbers[1].to(torch::kFloat64).contiguous();
+    figures.ints.assign(ints.data_ptr<int64_t>(), ints.data_ptr<int64_t>() + n_ints);
+    figures.reals.assign(reals.data_ptr<double>(), reals.data_ptr<double>() + n_reals);
+    try {
+      set_plan_figures(chain, context, figures);
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, kWho, ": the figures the ranks agreed on make no valid chain: ", e.what());
+    }
+    *shape.chain = chain;
+    (*shape.rest)->peak_bytes = context.rest_peak_bytes;
+    (*shape.rest)->ms = context.rest_ms;
+  }
+  try {
+    // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
+    // (recomputation across stages).
+    const bool per_layer = options_.planner().offload || options_.groups();
+    StepPlan planned =
+        plan_step(chain, context, options_.budget(), per_layer ? "per-layer" : "optimal", options_.planner());
+    shape.plan = std::move(planned.plan);
+    shape.predicted = planned.step_peak_bytes;
+  } catch (const InfeasibleBudget& e) {
+    TORCH_CHECK(
+        false, kWho, ": the budget of ", options_.budget(), " bytes is below the least feasible one, ",
+        e.min_bytes(),
+        " bytes (the step's peak above the bytes alive when forward() is called, with the rest of the "
+        "step measured at ",
+        context.rest_peak_bytes, " bytes)");
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, kWho, ": ", e.what());
+  }
+}
+
+bool PlannedImpl::is_planned() const {
+  return last_ && last_->plan.has_value();
+}
+const Plan* PlannedImpl::plan() const {
+  return last_ && last_->plan ? &*last_->plan : nullptr;
+}
+const Chain* PlannedImpl::chain() const {
+  return last_ && last_->chain ? &*last_->chain : nullptr;
+}
+int64_t PlannedImpl::predicted_peak_bytes() const {
+  return last_ ? last_->predicted : -1;
+}
+int64_t PlannedImpl::last_peak_bytes() const {
+  return last_ ? *last_->last_peak : -1;
+}
+int64_t PlannedImpl::profiling_steps() const {
+  return last_ ? last_->steps_before_plan : 0;
+}
+const RestOfStep* PlannedImpl::rest_of_step() const {
+  return last_ && *last_->rest ? &**last_->rest : nullptr;
+}
+
+}  // namespace remat

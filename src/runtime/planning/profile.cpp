@@ -1,0 +1,476 @@
+#include "remat/profile.h"
+
+#include "remat/offload.h"
+
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/saved_variable.h>
+#include <torch/cuda.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <optional>
+#include <unordered_set>
+
+#include "checkpoint/region.h"
+#include "offload/stage_offload.h"
+#include "planning/profile.h"
+#include "planning/saved_groups.h"
+#include "remat/checkpoint.h"
+#include "remat/measure.h"
+#include "remat/memory.h"
+#include "remat/planner/report.h"
+
+namespace remat {
+namespace detail {
+namespace {
+std::atomic<int> profiler_count{0};
+}
+ProfilerRunning::ProfilerRunning() {
+  profiler_count.fetch_add(1, std::memory_order_acq_rel);
+}
+ProfilerRunning::~ProfilerRunning() {
+  profiler_count.fetch_sub(1, std::memory_order_acq_rel);
+}
+bool profiler_running() {
+  return profiler_count.load(std::memory_order_acquire) > 0;
+}
+}  // namespace detail
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// What offloading one way of running a stage frees, from its run with and without an Offload: what left the
+// device (`freed`, at most what that way keeps beyond its output, `kept` - `output_bytes`); never its input
+// (the executor holds it); its output when the copies exceed what left by its size (saved by the stage:
+// copied, and held for the next stage all the same). Bytes.
+OffloadCost offload_cost(int64_t kept, int64_t freed, int64_t copied, int64_t output_bytes) {
+  OffloadCost c;
+  c.bytes = std::max<int64_t>(0, std::min(freed, kept - output_bytes));
+  c.input = false;
+  c.output = copied - c.bytes >= output_bytes;
+  return c;
+}
+
+// Puts back the parameters' gradients, the buffers and the global RNG as they were.
+class Restore {
+ public:
+  Restore(const std::vector<StageFn>& stages, c10::Device device) {
+    std::unordered_set<c10::TensorImpl*> seen;
+    for (const auto& s : stages) {
+      if (!s.module) continue;
+      modules_.push_back(s.module);
+      for (auto& p : s.module->parameters()) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) grads_.emplace_back(p, p.grad());
+      }
+    }
+    std::vector<c10::DeviceIndex> cuda;
+    if (device.is_cuda()) cuda.push_back(device.index() < 0 ? 0 : device.index());
+    rng_ = detail::RngState::capture(cuda);
+    buffers_.emplace(modules_);
+    // A stage without its module may update state nobody declared: watch for it (this costs about a
+    // microsecond per operator, so only then).
+    for (const auto& s : stages) {
+      if (!s.module) {
+        state_.emplace(std::vector<std::shared_ptr<torch::nn::Module>>{}, std::vector<torch::Tensor>{});
+        break;
+      }
+    }
+  }
+  ~Restore() {
+    state_.reset();
+    buffers_.reset();
+    rng_.restore();
+    for (auto& [p, g] : grads_)
+      p.mutable_grad() = g;
+  }
+  // Pre-allocates zeroed gradients, as after a first training step.
+  void zero_grads() {
+    torch::NoGradGuard no_grad;
+    for (auto& [p, g] : grads_) {
+      if (p.requires_grad()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  }
+
+ private:
+  std::vector<std::shared_ptr<torch::nn::Module>> modules_;
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> grads_;
+  detail::RngState rng_;
+  std::optional<detail::BufferRestore> buffers_;
+  std::optional<detail::StateRestore> state_;
+};
+
+}  // namespace
+
+static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
+                            const ProfileOptions& options, const char* kWho) {
+  TORCH_CHECK(!stages.empty(), kWho, ": no stages");
+  TORCH_CHECK(sample_input.defined(), kWho, ": the sample input is an undefined tensor");
+  TORCH_CHECK(options.warmup() >= 0, kWho, ": warmup must be >= 0, got ", options.warmup());
+  TORCH_CHECK(options.repeats() >= 1, kWho, ": repeats must be >= 1, got ", options.repeats());
+  TORCH_CHECK(options.offload_min_bytes() >= -1, kWho,
+              ": offload_min_bytes must be >= 0 (bytes), or -1 not to profile offloading, got ",
+              options.offload_min_bytes());
+  for (size_t p = 0; p < options.policies().size(); ++p) {
+    TORCH_CHECK(!options.policies()[p].empty(), kWho, ": policy ", p,
+                " of ProfileOptions::policies is empty");
+    for (size_t q = 0; q < p; ++q)
+      TORCH_CHECK(options.policies()[q].name() != options.policies()[p].name(), kWho,
+                  ": two policies are named '", options.policies()[p].name(),
+                  "'; a chain tells them apart by name");
+  }
+  const c10::Device device = sample_input.device();
+  if (device.is_cpu()) memory::track_cpu();
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index() < 0 ? -1 : device.index());
+  };
+
+  Restore restore(stages, device);
+  restore.zero_grads();
+  detail::ProfilerRunning profiling;  // its gradients are put back: data parallel must not reduce them
+  at::AutoGradMode grad_mode(true);
+
+  Chain chain;
+  chain.input_bytes = static_cast<int64_t>(sample_input.nbytes());
+  const size_t n = stages.size();
+  // A stage's forward run alone, then again under an Offload with its copies waited for: what the second left
+  // alive less than the first (bytes), and what the Offload copied (bytes).
+  struct Away {
+    int64_t freed = 0, copied = 0;
+  };
+  struct Per {
+    std::vector<torch::Tensor> params;  // those that require grad
+    bool input_grad = false;
+    CheckpointOptions per_call;
+    std::vector<double> fwd, bwd, nosave, ckpt_fwd, ckpt_bwd, keep_fwd, keep_bwd;
+    int64_t keep_saved = 0;
+    std::vector<std::vector<double>> policy_fwd, policy_bwd;  // per policy of options.policies()
+    std::vector<int64_t> policy_saved;
+    // Offloading profiled: the stage run as Fk (keep tags) and under each policy inside an Offload.
+    std::optional<Away> keep_away;
+    std::vector<std::optional<Away>> policy_away;
+  };
+  std::vector<Per> per(n);
+  for (auto& p : per) {
+    p.policy_fwd.resize(options.policies().size());
+    p.policy_bwd.resize(options.policies().size());
+    p.policy_saved.assign(options.policies().size(), 0);
+    p.policy_away.resize(options.policies().size());
+  }
+  chain.stages.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const StageFn& stage = stages[i];
+    chain.stages[i].name = stage.name.empty() ? "stage" + std::to_string(i) : stage.name;
+    if (stage.module) {
+      for (const auto& p : stage.module->parameters()) {
+        if (p.requires_grad()) per[i].params.push_back(p);
+      }
+      per[i].per_call.modules({stage.module});
+    }
+  }
+  auto targets_of = [&](size_t i, const torch::Tensor& leaf) {
+    std::vector<torch::Tensor> targets = per[i].params;
+    if (per[i].input_grad) targets.push_back(leaf);
+    return targets;
+  };
+  auto leaf_of = [&](size_t i, const torch::Tensor& x) {
+    torch::Tensor leaf = x.detach();
+    if (per[i].input_grad) leaf.requires_grad_(true);
+    return leaf;
+  };
+
+  // A stage's backward from `out` with d_{i+1} = ones, as the executor runs it: the output and d handed over
+  // by move, so that each is freed once the nodes that need it are done. Returns its time; *peak gets its
+  // peak above what was alive before it (d included).
+  auto timed_backward = [&](torch::Tensor out, const std::vector<torch::Tensor>& targets, int64_t* peak) {
+    torch::Tensor d = torch::ones_like(out);
+    sync();
+    memory::PeakWindow scope(device);
+    const auto t0 = Clock::now();
+    detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
+                          /*accumulate=*/true);
+    sync();
+    const double ms = ms_since(t0);
+    if (peak) *peak = scope.peak_over_base();
+    return ms;
+  };
+
+  // Each repeat runs the stages in the order of a training step, so that what is in the caches when a
+  // stage runs is what a step leaves there (timing a stage over and over on its own predicted a plain step
+  // short, with the caches warmer than a step leaves them): a forward pass without saving (Fn, which also
+  // produces the stages' inputs on the first run), then from the last stage to the first its forward with
+  // saving and its backward (Fa, B: the peak of the executor's checkpoint-every-stage plan, far below a plain
+  // step's), then every stage under remat::checkpoint and the backward pass through them (per-call
+  // checkpointing, whose recompute stops early).
+  std::vector<torch::Tensor> xs(n + 1);
+  xs[0] = sample_input.detach();
+  for (int64_t r = 0; r < options.warmup() + options.repeats(); ++r) {
+    const bool measure = r == options.warmup();
+    const bool keep = r >= options.warmup();
+    for (size_t i = 0; i < n; ++i) {
+      torch::NoGradGuard no_grad;
+      sync();
+      const auto t0 = Clock::now();
+      torch::Tensor out = stages[i].fn(xs[i]);
+      sync();
+      const double f = ms_since(t0);
+      TORCH_CHECK(out.defined(), kWho, ": stage ", i, " ('", chain.stages[i].name,
+                  "') returned an undefined tensor");
+      if (r == 0) {
+        xs[i + 1] = out;
+        const bool floating =
+            at::isFloatingType(xs[i].scalar_type()) || at::isComplexType(xs[i].scalar_type());
+        per[i].input_grad = floating && (i > 0 || sample_input.requires_grad());
+      }
+      if (keep) per[i].nosave.push_back(f);
+    }
+    for (size_t i = n; i-- > 0;) {
+      Stage& s = chain.stages[i];
+      torch::Tensor leaf = leaf_of(i, xs[i]);
+      sync();
+      memory::PeakWindow fwd_scope(device);
+      const auto t0 = Clock::now();
+      torch::Tensor out = stages[i].fn(leaf);
+      sync();
+      const double f = ms_since(t0);
+      TORCH_CHECK(out.defined(), kWho, ": stage ", i, " ('", s.name, "') returned an undefined tensor");
+      if (measure) {
+        s.output_bytes = static_cast<int64_t>(out.nbytes());
+        s.saved_bytes = std::max(s.output_bytes, fwd_scope.active_over_base());
+        s.fwd_tmp_bytes = std::max<int64_t>(0, fwd_scope.peak_over_base() - s.saved_bytes);
+      }
+      const std::vector<torch::Tensor> targets = targets_of(i, leaf);
+      double b = 0;
+      if (out.requires_grad() && !targets.empty()) {
+        int64_t peak = 0;
+        b = timed_backward(std::move(out), targets, &peak);
+        if (measure) {
+          const int64_t d_in =
+              per[i].input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
+          s.bwd_tmp_bytes = std::max<int64_t>(0, peak - d_in);
+        }
+      }
+      if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
+      // Offloading: the same forward under remat::Offload, its copies waited for; what stays on the device.
+      // Then as Fk (the keep tags) and under each policy, what their checkpoints keep sent there.
+      if (measure && options.offload_min_bytes() >= 0) {
+        auto away = [&](const std::function<torch::Tensor(const torch::Tensor&)>& run) {
+          Away a;
+          int64_t alive[2] = {0, 0};
+          for (int offloading = 0; offloading < 2; ++offloading) {
+            torch::Tensor probe = leaf_of(i, xs[i]);
+            sync();
+            memory::PeakWindow scope(device);
+            torch::Tensor out;
+            {
+              std::optional<Offload> offload;
+              if (offloading) {
+                // As the executor opens it: its input, which the executor holds, stays (Fa@host, Fk@host).
+                offload.emplace(detail::stage_offload_options(
+                    OffloadOptions().min_bytes(options.offload_min_bytes()), stages[i], {probe}));
+              }
+              out = run(probe);
+              if (offload) {
+                offload->close();
+                offload->finish_copies();
+                a.copied = offload->stats().offloaded_bytes;
+              }
+            }
+            sync();
+            alive[offloading] = scope.active_over_base();
+          }
+          a.freed = std::max<int64_t>(0, alive[0] - alive[1]);
+          return a;
+        };
+        const Away all = away(stages[i].fn);
+        s.offload = offload_cost(s.saved_bytes, all.freed, all.copied, s.output_bytes);
+        // Streamed (Fa@stream): the forward under an Offload that waits for each copy at once (window 0),
+        // then its backward with each tensor brought back where it is used: each one's peak above the bytes
+        // before it; the window the runtime holds beside them, the largest tensor the stage sends.
+        {
+          torch::Tensor probe = leaf_of(i, xs[i]);
+          Offload streamed(detail::stage_offload_options(
+              OffloadOptions().min_bytes(options.offload_min_bytes()).window(0), stages[i], {probe}));
+          sync();
+          memory::PeakWindow scope(device);
+          torch::Tensor out = stages[i].fn(probe);
+          streamed.close();
+          streamed.finish_copies();
+          sync();
+          const int64_t fwd = scope.peak_over_base();
+          const int64_t largest = streamed.stats().largest_bytes;
+          const std::vector<torch::Tensor> targets = targets_of(i, probe);
+          if (out.requires_grad() && !targets.empty() && largest > 0) {
+            int64_t bwd = 0;
+            timed_backward(std::move(out), targets, &bwd);
+            s.offload->stream_fwd_bytes = std::max<int64_t>(0, fwd);
+            s.offload->stream_bwd_bytes = std::max<int64_t>(0, bwd);
+            s.offload->window_bytes = largest;
+          }
+        }
+        if (!options.keep().empty()) {
+          per[i].keep_away = away([&](const torch::Tensor& t) {
+            return checkpoint(stages[i].fn, t, CheckpointOptions(per[i].per_call).keep(options.keep()));
+          });
+        }
+        for (size_t q = 0; q < options.policies().size(); ++q) {
+          per[i].policy_away[q] = away([&](const torch::Tensor& t) {
+            return checkpoint(stages[i].fn, t,
+                              CheckpointOptions(per[i].per_call).policy(options.policies()[q]));
+          });
+        }
+        // Fc@host: the input the executor holds for the stage's recompute, saved under an Offload as the
+        // executor saves it; offered when it goes (at least offload_min_bytes).
+        Offload held(detail::stage_offload_options(OffloadOptions().min_bytes(options.offload_min_bytes()),
+                                                   stages[i], {}));
+        const torch::autograd::SavedVariable input(xs[i].detach(), /*is_output=*/false);
+        held.close();
+        if (held.stats().offloaded > 0) s.checkpoint_offload = OffloadCost{0, true, false};
+      }
+    }
+    // Every stage under remat::checkpoint, then the backward pass through them: with the per-call options
+    // (variant -2), again keeping the calls options.keep() names (-1, Fk) when it names any, and under each
+    // of options.policies() (p >= 0, Fk[name]).
+    auto checkpoint_pass = [&](int64_t variant, auto record) {
+      std::vector<torch::Tensor> leaves(n), outs(n);
+      std::vector<double> cf(n, 0);
+      for (size_t i = 0; i < n; ++i) {
+        leaves[i] = leaf_of(i, xs[i]);
+        CheckpointOptions o = per[i].per_call;
+        if (variant == -1) o.keep(options.keep());
+        if (variant >= 0) o.policy(options.policies()[static_cast<size_t>(variant)]);
+        sync();
+        memory::PeakWindow scope(device);
+        const auto t0 = Clock::now();
+        outs[i] = checkpoint(stages[i].fn, leaves[i], o);
+        sync();
+        cf[i] = ms_since(t0);
+        if (variant > -2 && measure) {
+          const int64_t kept = std::max(static_cast<int64_t>(outs[i].nbytes()), scope.active_over_base());
+          (variant == -1 ? per[i].keep_saved : per[i].policy_saved[static_cast<size_t>(variant)]) = kept;
+        }
+      }
+      for (size_t i = n; i-- > 0;) {
+        const std::vector<torch::Tensor> targets = targets_of(i, leaves[i]);
+        double cb = 0;
+        if (outs[i].requires_grad() && !targets.empty())
+          cb = timed_backward(std::move(outs[i]), targets, nullptr);
+        outs[i] = leaves[i] = torch::Tensor();
+        if (keep) record(per[i], cf[i], cb);
+      }
+    };
+    checkpoint_pass(-2, [](Per& p, double f, double b) { p.ckpt_fwd.push_back(f), p.ckpt_bwd.push_back(b); });
+    if (!options.keep().empty()) {
+      checkpoint_pass(-1,
+                      [](Per& p, double f, double b) { p.keep_fwd.push_back(f), p.keep_bwd.push_back(b); });
+    }
+    for (size_t q = 0; q < options.policies().size(); ++q) {
+      checkpoint_pass(static_cast<int64_t>(q), [q](Per& p, double f, double b) {
+        p.policy_fwd[q].push_back(f), p.policy_bwd[q].push_back(b);
+      });
+    }
+  }
+  if (options.groups()) {
+    for (size_t i = 0; i < n; ++i) {
+      Stage& s = chain.stages[i];
+      const torch::Tensor leaf = leaf_of(i, xs[i]);
+      // Alive anyway: what an offloaded stage keeps on the device (its module's parameters and buffers, its
+      // input).
+      const std::vector<torch::Tensor> alive =
+          detail::stage_offload_options(OffloadOptions(), stages[i], {leaf}).keep_on_device();
+      s.groups =
+          fit_groups(detail::measure_saved_groups(stages[i].fn, leaf, alive, options.offload_min_bytes(),
+                                                  options.repeats(), sync),
+                     std::max<int64_t>(0, s.saved_bytes - s.output_bytes));
+    }
+  }
+  chain.keep = options.keep();
+  chain.holds_outputs = true;  // the plan executor holds a kept stage's output as the root of its backward
+  if (options.offload_min_bytes() >= 0) {
+    int64_t largest = int64_t{1} << 20;
+    for (const Stage& s : chain.stages)
+      largest = std::max(largest, s.saved_bytes);
+    const OffloadBandwidth bw = offload_bandwidth(device, std::min<int64_t>(largest, int64_t{64} << 20));
+    chain.to_host_gb_per_s = bw.to_host_gb_per_s;
+    chain.to_device_gb_per_s = bw.to_device_gb_per_s;
+  }
+  for (const Policy& policy : options.policies())
+    chain.policies.push_back(policy.name());
+  for (size_t i = 0; i < n; ++i) {
+    Stage& s = chain.stages[i];
+    s.fwd_ms = median(per[i].fwd);
+    s.bwd_ms = median(per[i].bwd);
+    s.fwd_nosave_ms = median(per[i].nosave);
+    s.checkpoint_fwd_ms = median(per[i].ckpt_fwd);
+    s.checkpoint_bwd_ms = median(per[i].ckpt_bwd);
+    if (!options.keep().empty()) {
+      // What Fk keeps is at most what Fa does (the meter can see a few bytes more: the region's RNG state).
+      s.keep_saved_bytes = std::min(per[i].keep_saved, s.saved_bytes);
+      s.keep_fwd_ms = median(per[i].keep_fwd);
+      s.keep_bwd_ms = median(per[i].keep_bwd);
+      if (const auto& a = per[i].keep_away)
+        s.keep_offload = offload_cost(*s.keep_saved_bytes, a->freed, a->copied, s.output_bytes);
+    }
+    for (size_t q = 0; q < options.policies().size(); ++q) {
+      PolicyCost c;
+      c.policy = options.policies()[q].name();
+      c.saved_bytes = std::min(per[i].policy_saved[q], s.saved_bytes);
+      c.fwd_ms = median(per[i].policy_fwd[q]);
+      c.bwd_ms = median(per[i].policy_bwd[q]);
+      if (const auto& a = per[i].policy_away[q])
+        c.offload = offload_cost(c.saved_bytes, a->freed, a->copied, s.output_bytes);
+      s.policies.push_back(std::move(c));
+    }
+  }
+  validate(chain);
+  return chain;
+}
+
+Chain profile_chain(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
+                    const ProfileOptions& options) {
+  return profile_stages(stages, sample_input, options, "remat::profile_chain");
+}
+
+StepProfile profile_step(const StageFn& prefix, const std::vector<StageFn>& stages, const StageFn& suffix,
+                         const torch::Tensor& model_input, const ProfileOptions& options) {
+  TORCH_CHECK(!stages.empty(), "remat::profile_step: no stages");
+  std::vector<StageFn> all;
+  all.reserve(stages.size() + 2);
+  all.push_back(prefix);
+  all.insert(all.end(), stages.begin(), stages.end());
+  all.push_back(suffix);
+  if (all.front().name.empty()) all.front().name = "prefix";
+  if (all.back().name.empty()) all.back().name = "suffix";
+  StepProfile result;
+  result.step = profile_stages(all, model_input, options, "remat::profile_step");
+  result.chain = chain_of_step(result.step);  // with the step's keep tags
+  return result;
+}
+
+torch::Tensor chain_input(const StageFn& prefix, const torch::Tensor& model_input) {
+  TORCH_CHECK(model_input.defined(), "remat::chain_input: the model input is an undefined tensor");
+  std::vector<c10::DeviceIndex> cuda;
+  if (model_input.is_cuda()) cuda.push_back(std::max<c10::DeviceIndex>(0, model_input.device().index()));
+  const detail::RngState rng = detail::RngState::capture(cuda);
+  torch::Tensor out;
+  {
+    torch::NoGradGuard no_grad;
+    detail::StateRestore state({}, {model_input});
+    out = prefix.fn(model_input);
+  }
+  rng.restore();
+  TORCH_CHECK(out.defined(), "remat::chain_input: the prefix ('", prefix.name,
+              "') returned an undefined tensor");
+  return out;
+}
+
+Chain profile_chain(torch::nn::Sequential& seq, const torch::Tensor& sample_input,
+                    const ProfileOptions& options) {
+  return profile_chain(stages_of(seq), sample_input, options);
+}
+
+}  // namespace remat

@@ -1,0 +1,176 @@
+// The profiler's measuring of a stage's saved groups (planning/saved_groups.h).
+
+#include "planning/saved_groups.h"
+
+#include <ATen/core/stack.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/saved_variable_hooks.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+#include "autograd/hooks.h"
+#include "autograd/watch.h"
+#include "offload/offload.h"
+#include "policy/op_policy.h"
+#include "remat/measure.h"
+
+namespace remat::detail {
+namespace {
+
+int64_t storage_bytes(const at::Tensor& t) {
+  return static_cast<int64_t>(t.storage().nbytes());
+}
+
+// One asked call of the forward pass.
+struct Recorded {
+  std::string name;  // "aten::linear#0"
+  size_t end = 0;    // one past the last asked call made inside it
+  double ms = 0;
+  std::vector<at::Tensor> outputs;  // detached; dropped once the pass is read
+  std::vector<uint32_t> versions;   // the outputs' versions when the call returned
+  std::unordered_set<const void*> inputs;
+  std::vector<at::Tensor> captured;  // what autograd saved while it ran (detached)
+};
+
+// Records the asked calls of one forward pass (as a region's policy is asked about them, OpPolicyRecord) and
+// what autograd saves, each saved tensor also given to the asked calls running then.
+class Recorder final : public OpInterceptor, public HookSource {
+ public:
+  explicit Recorder(const std::function<void()>& sync) : sync_(sync) {}
+
+  void call(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::function<void()>& run,
+            int /*depth*/) override {
+    const c10::FunctionSchema& schema = op.schema();
+    if (!askable(schema)) return run();
+    const size_t index = calls_.size();
+    {
+      WatchPause pause;
+      Recorded r;
+      r.name = schema.name() + "#" + std::to_string(counts_[schema.name()]++);
+      for (const at::Tensor& t : tensors_of(torch::jit::last(*stack, schema.arguments().size())))
+        r.inputs.insert(storage_key(t));
+      calls_.push_back(std::move(r));
+    }
+    open_.push_back(index);
+    sync_();
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    sync_();
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    open_.pop_back();
+    WatchPause pause;
+    Recorded& r = calls_[index];
+    r.ms = ms;
+    r.end = calls_.size();
+    for (const at::Tensor& t : tensors_of(torch::jit::last(*stack, schema.returns().size()))) {
+      r.outputs.push_back(t.detach());
+      r.versions.push_back(t._version());
+    }
+  }
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
+    return std::make_unique<Hooks>(this);
+  }
+
+  std::vector<Recorded>& calls() { return calls_; }
+  const std::unordered_set<const void*>& saved() const { return saved_; }
+
+ private:
+  struct Hooks final : torch::autograd::SavedVariableHooks {
+    explicit Hooks(Recorder* r) : recorder(r) {}
+    void call_pack_hook(const at::Tensor& t) override {
+      WatchPause pause;
+      // Detached: a saved output held with its grad_fn would hold itself.
+      held = t.detach();
+      if (recorder == nullptr) return;
+      if (const void* k = storage_key(t)) recorder->saved_.insert(k);
+      for (size_t i : recorder->open_)
+        recorder->calls_[i].captured.push_back(held);
+      recorder = nullptr;  // the recorder dies with the measurement; only pack may touch it
+    }
+    at::Tensor call_unpack_hook() override { return held; }
+    Recorder* recorder;
+    at::Tensor held;
+  };
+
+  const std::function<void()>& sync_;
+  std::vector<Recorded> calls_;
+  std::vector<size_t> open_;
+  std::unordered_map<std::string, int64_t> counts_;
+  std::unordered_set<const void*> saved_;
+};
+
+}  // namespace
+
+std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(const at::Tensor&)>& fn,
+                                             const at::Tensor& leaf, const std::vector<at::Tensor>& alive,
+                                             int64_t offload_min_bytes, int64_t repeats,
+                                             const std::function<void()>& sync) {
+  std::vector<SavedGroup> found;
+  std::map<std::string, std::vector<double>> times;
+  for (int64_t r = 0; r < repeats; ++r) {
+    Recorder recorder(sync);
+    at::Tensor out;
+    {
+      at::AutoGradMode grad(true);
+      const HookScope hooks(&recorder);
+      const InterceptScope intercept(&recorder, "remat::profile_chain (saved groups)");
+      out = fn(leaf);
+    }
+    std::vector<Recorded>& calls = recorder.calls();
+    for (const Recorded& c : calls)
+      times[c.name].push_back(c.ms);
+    if (r > 0) continue;
+    std::unordered_set<const void*> off_limits{storage_key(out)};
+    for (const at::Tensor& t : alive)
+      off_limits.insert(storage_key(t));
+    std::unordered_set<const void*> counted;
+    size_t inside_until = 0;  // calls before this index are inside a group found
+    for (size_t k = 0; k < calls.size(); ++k) {
+      if (k < inside_until) continue;
+      const Recorded& c = calls[k];
+      bool own = !c.outputs.empty(), written = false, any_saved = false, whole = true;
+      std::unordered_set<const void*> mine;
+      int64_t bytes = 0;
+      for (size_t o = 0; o < c.outputs.size(); ++o) {
+        const at::Tensor& t = c.outputs[o];
+        const void* key = storage_key(t);
+        if (key == nullptr || off_limits.count(key) || c.inputs.count(key)) own = false;
+        written = written || t._version() != c.versions[o];
+        any_saved = any_saved || recorder.saved().count(key);
+        if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) whole = false;
+        if (key != nullptr && mine.insert(key).second) bytes += storage_bytes(t);
+      }
+      if (!own || written || !any_saved) continue;
+      // What it holds besides: what autograd saved inside it, not an input's or an output's storage (those
+      // are rebuilt as views), nor a tensor alive anyway.
+      for (const at::Tensor& t : c.captured) {
+        const void* key = storage_key(t);
+        if (key == nullptr || off_limits.count(key) || c.inputs.count(key) || mine.count(key)) continue;
+        if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) whole = false;
+        mine.insert(key);
+        bytes += storage_bytes(t);
+      }
+      if (!whole) continue;
+      bool shared = false;  // a storage another group holds already
+      for (const void* key : mine)
+        shared = shared || counted.count(key);
+      if (shared) continue;
+      counted.insert(mine.begin(), mine.end());
+      found.push_back(SavedGroup{c.name, bytes, 0.0});
+      inside_until = c.end;
+    }
+  }
+  for (SavedGroup& g : found)
+    g.recompute_ms = median(times[g.name]);
+  return found;
+}
+
+}  // namespace remat::detail

@@ -11,7 +11,7 @@ The planner is remat's C++ planner library (remat._core, no LibTorch inside): ch
 as the C++ library and the ``remat`` command (``remat.Chain.from_json``, ``chain.to_json()``), and
 ``str(plan)`` is the C++ ``Plan::to_string()``. Budgets are bytes.
 """
-from . import _core, offload
+from . import _core, inplace, offload  # inplace: the old path of enable and LayerPlan, kept working
 from ._core import (STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, OffloadCost, Op, OpKind, Plan,
                     PolicyCost, SavedGroup,
                     Simulation, Stage, StepContext, StepPlan, check_plan, checkpoint_all, checkpoint_stages,
@@ -20,7 +20,7 @@ from ._core import (STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, Of
                     plan_step, revolve, save_chain, simulate, sqrt_n, step_peak_bytes, summarize_plan_json,
                     uniform, uniform_chain)
 from .executor import CheckpointedSequential, run_plan
-from .inplace import LayerPlan, enable
+from .layer_plan import LayerPlan, enable
 from .meter import MeterUnavailable, cpu_meter, meter_for
 from .policies import (MATMUL_OPS, POLICIES, POLICY_OFFLOAD, RestoreBuffers, checkpoint, checkpoint_context, choices_of,
                        matmuls, run_layer)

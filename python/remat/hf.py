@@ -28,7 +28,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .inplace import CHOICES_ATTR, LayerPlan, compiled_call
+from .compiled import CHOICES_ATTR, compiled_call
+from .layer_plan import LayerPlan
 from .profile import Restore
 
 __all__ = ["enable", "disable", "layers_of", "profile"]
@@ -83,22 +84,16 @@ def _check_hook(model: nn.Module) -> None:
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
            policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False,
            max_host_bytes=None, offload_min_bytes: int = 1 << 20, groups: bool = False) -> LayerPlan:
-    """Plans `model`'s layers for `budget` (bytes, an int, or a string with a unit such as "600MiB"): the whole
-    training step's peak above the bytes alive when its forward is called. Returns the LayerPlan (its plan,
-    choices, chain, predicted_peak_bytes, last_peak_bytes). example: one training batch's keyword arguments
-    (with labels) to profile and plan now rather than at the first training step; loss: for a model that
-    returns no loss (BertModel), a function from its outputs to the loss that step uses. plan: a given per-layer plan
-    instead of a budget. policies: the selective policies a layer may run under ("matmuls"). exclude: what the
-    planner may not use ("Fk", "Fk[matmuls]"). agree: every rank plans from the same numbers (each figure's
-    maximum over the ranks; None, the default: on when a torch.distributed group of more than one rank is
-    initialized), so that all run one plan. offload=True: the planner may also offload layers to host memory
-    (not Hugging Face's "always offload": a layer is offloaded where that is the fastest way to fit the budget;
-    remat.enable's documentation says how), max_host_bytes bounding the host memory a plan holds. groups=True:
-    each layer's saved groups are measured and the planner may keep, send or recompute each (remat.enable's
-    groups).
-    Raises TypeError when the model has no layer list remat knows,
-    ValueError for a bad budget or plan, remat.InfeasibleBudget (naming the least feasible budget) when no plan
-    fits."""
+    """Plans `model`'s layers for `budget` and returns the LayerPlan (plan, choices, chain, predicted_peak_bytes,
+    last_peak_bytes). docs/python.md has the guide.
+
+    budget: the whole training step's peak above the bytes alive when the forward is called (bytes, or "600MiB").
+    example: one batch's keyword arguments (with labels): profile and plan now, not at the first training step.
+    loss: for a model that returns no loss (BertModel), its outputs -> the loss. plan: a given per-layer plan.
+    policies, exclude, agree, offload, max_host_bytes, offload_min_bytes, groups: as remat.enable's.
+
+    Raises TypeError when the model has no layer list remat knows, ValueError for a bad budget or plan, and
+    remat.InfeasibleBudget (naming the least feasible budget) when no plan fits."""
     layers = layers_of(model)
     _check_hook(model)
     disable(model)

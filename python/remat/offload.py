@@ -38,12 +38,12 @@ asked for come back ahead of their use up to that much (in place of ``lookahead`
 that much. A layer's backward then holds its working set and a window, not everything the layer saved (the
 plan's ``Fa3@stream``).
 
-Planned offloading (``remat.enable(..., offload=True)``, remat/plan.h's ``@host`` operations) runs each offloaded
+Planned offloading (``remat.enable(..., offload=True)``, remat/planner/plan.h's ``@host`` operations) runs each offloaded
 layer under an Offload of its own with ``lookahead=0`` and calls ``finish_copies()`` and ``prefetch()`` at the
 points the plan's memory model names. On the CPU the copies run in the caller's thread: they do not overlap
 computation as on a GPU's side stream, so there the time model's hiding of copies does not hold (the CPU runs
-exist for testing: what is moved, when it comes back, the gradients). On an H200 (PyTorch 2.11) the CUDA tests
-passed and planned steps came within 1.5% of their predicted times (docs/BENCHMARKS.md).
+exist for testing: what is moved, when it comes back, the gradients). docs/BENCHMARKS.md has the times
+measured on a GPU against the predicted ones.
 """
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ class _Entry:
 
     __slots__ = ("block", "nbytes", "offset", "ptr", "device", "storage", "to_host_done", "source", "originals",
                  "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "aliased",
-                 "alias_of", "pinned", "counter", "__weakref__")
+                 "alias_of", "held_by", "counter", "__weakref__")
 
     def __init__(self):
         self.block = None
@@ -282,12 +282,12 @@ class _Entry:
         self.unpacked = False
         self.aliased = False  # device_copy is the storage itself, found alive on the device
         self.alias_of = None  # then: the tensor it was found through (its version counter shows later writes)
-        self.pinned = None  # a saved tensor autograd keeps on the device that holds this storage too
+        self.held_by = None  # a saved tensor left on the device that holds this storage too (not sent after all)
         self.counter = None  # a tensor without storage that shares the saved tensor's version counter
 
     def away(self) -> bool:
         """Whether its bytes are to be brought back or found (not yet dropped by autograd)."""
-        return self.block is not None or self.pinned is not None
+        return self.block is not None or self.held_by is not None
 
 
 class _Handle(SavedAs):
@@ -366,12 +366,12 @@ class Offload:
         self.lookahead = lookahead
         self.engine = engine
         self._engines: dict[torch.device, CopyEngine] = {}
-        self._alive: set[int] = set()  # storages of the parameters and buffers: never offloaded
+        self._never_sent: set[int] = set()  # storages keep_on_device() names (parameters, buffers): never sent
         self._by_storage: dict[tuple, weakref.ref] = {}  # (pointer, byte offset, bytes, version) -> entry
         self._at: dict[int, list[weakref.ref]] = {}  # storage pointer -> its entries
         # Storage pointer -> a saved tensor this Offload left on the device (weakly: autograd holds it): that
         # storage stays on the device whatever else saves it, so nothing of it is offloaded.
-        self._kept: dict[int, weakref.ref] = {}
+        self._left_on_device: dict[int, weakref.ref] = {}
         self._order: list[weakref.ref] = []  # entries in the order they were saved
         self._in_flight: list[_Entry] = []  # entries whose copy to the host may not have completed
         self._index: dict[int, int] = {}
@@ -382,7 +382,7 @@ class Offload:
     def keep_on_device(self, tensors=(), storages: set[int] = frozenset()) -> "Offload":
         """Storages never offloaded: those of `tensors` (a model's parameters and buffers: offload() passes
         them), and `storages`, data pointers as storage_ptrs() gives them (a set made once for many Offloads)."""
-        self._alive |= storage_ptrs(tensors) | storages
+        self._never_sent |= storage_ptrs(tensors) | storages
         return self
 
     def _engine(self, device: torch.device) -> CopyEngine:
@@ -394,42 +394,42 @@ class Offload:
         return engine
 
     # -- packing: the forward pass ---------------------------------------------------------------------------
-    def _keep(self, t) -> Kept:
+    def _save_as_itself(self, t) -> Kept:
         """t is saved as itself (what autograd holds: a Kept): its storage stays on the device, and an entry of
         that storage already offloaded is found there when needed back (its host block returned once its copy has
         landed)."""
         kept = t.detach()
         saved = Kept(t, kept)
-        ptr = _plain_ptr(t, self._alive)
+        ptr = _plain_ptr(t, self._never_sent)
         if ptr == 0:
             return saved
-        self._kept[ptr] = weakref.ref(kept)
+        self._left_on_device[ptr] = weakref.ref(kept)
         for ref in self._at.get(ptr, ()):
             entry = ref()
-            if (entry is not None and entry.pinned is None and entry.storage is not None
+            if (entry is not None and entry.held_by is None and entry.storage is not None
                     and not entry.storage.expired()):
                 # Not offloaded after all: its bytes stay on the device, found there when needed back (held by the
                 # entry: the saved tensor that keeps them may be dropped first).
-                entry.pinned = kept
+                entry.held_by = kept
                 self.offloaded -= 1
                 self.offloaded_bytes -= entry.nbytes
                 if entry.to_host_done is None:
                     self._to_host_landed(entry)  # its block back to the pool now (else once its copy lands)
         return saved
 
-    def _kept_at(self, ptr: int):
-        ref = self._kept.get(ptr)
+    def _left_at(self, ptr: int):
+        ref = self._left_on_device.get(ptr)
         return ref() if ref is not None else None
 
     def pack(self, t: torch.Tensor):
         # Parameters (alive anyway), subclasses, sparse and meta tensors, small ones and views with gaps stay, and
         # so does any tensor of a storage that another saved tensor keeps on the device (copying it frees nothing).
-        if not offloadable(t, self.min_bytes, self._alive):
-            return self._keep(t)
+        if not offloadable(t, self.min_bytes, self._never_sent):
+            return self._save_as_itself(t)
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if self._kept_at(ptr) is not None:
-            return self._keep(t)
+        if self._left_at(ptr) is not None:
+            return self._save_as_itself(t)
         offset = t.storage_offset() * t.element_size()
         key = (ptr, offset, t.nbytes, t._version)
         known = self._by_storage.get(key)
@@ -441,7 +441,7 @@ class Offload:
             block = self.pool.take(t.nbytes)
             if block is None:
                 self.kept_on_device += 1
-                return self._keep(t)
+                return self._save_as_itself(t)
             entry = _Entry()
             entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, t.nbytes, offset, ptr, t.device
             entry.storage = StorageWeakRef(storage)
@@ -495,7 +495,7 @@ class Offload:
             entry.to_host_done = None
             self._check_unmodified(entry)
         entry.source = None
-        if entry.pinned is not None and entry.block is not None and entry.device_copy is None:
+        if entry.held_by is not None and entry.block is not None and entry.device_copy is None:
             # The storage stays on the device (autograd keeps it there through another saved tensor): the host
             # copy is not needed; its block goes back to the pool.
             self.pool.give(entry.block)
@@ -521,7 +521,7 @@ class Offload:
 
     def _found(self, entry: _Entry):
         """A tensor through which the entry's storage is still on the device, not written since its save."""
-        candidates = [r() for r in entry.originals] + [entry.pinned, self._kept_at(entry.ptr)]
+        candidates = [r() for r in entry.originals] + [entry.held_by, self._left_at(entry.ptr)]
         for c in candidates:
             if (c is not None and c.device == entry.device and c._version == entry.version
                     and c.untyped_storage().data_ptr() == entry.ptr):
@@ -551,7 +551,7 @@ class Offload:
             # there since: the values saved are gone.
             if saved_as is None:
                 return  # a prefetch: the unpack raises
-            raise modified_error(entry.pinned, saved_as, version_of(entry.pinned), "remat.offload")
+            raise modified_error(entry.held_by, saved_as, version_of(entry.held_by), "remat.offload")
         host = entry.block[: entry.nbytes]
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
         entry.to_device_done = self._engine(entry.device).copy(out, host)
@@ -619,7 +619,7 @@ class Offload:
         if entry.block is not None:
             self.pool.give(entry.block)
             entry.block = None
-        entry.device_copy = entry.alias_of = entry.pinned = None
+        entry.device_copy = entry.alias_of = entry.held_by = None
 
     # -- what a planned step calls ------------------------------------------------------------------------------
     def finish_copies(self) -> None:
@@ -662,7 +662,7 @@ class Offload:
         del alive
         self._by_storage = {k: r for k, r in self._by_storage.items() if r() is not None}
         self._at = {p: live for p, rs in self._at.items() if (live := [r for r in rs if r() is not None])}
-        self._kept = {p: r for p, r in self._kept.items() if r() is not None}
+        self._left_on_device = {p: r for p, r in self._left_on_device.items() if r() is not None}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self

@@ -117,8 +117,8 @@ def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | No
 class _Both:
     """Two contexts entered in order, left in reverse. A class of the module's, not one made per call: a class
     made inside context_fn is a reference cycle, which held selective checkpointing's cache (the tensors the
-    policy keeps) until Python's cycle collector ran: 1.5 MiB above the plan's prediction on a 6-layer Llama,
-    measured."""
+    policy keeps) until Python's cycle collector ran, above the plan's prediction (docs/BENCHMARKS.md, "Figures
+    behind the code")."""
 
     def __init__(self, first, second):
         self.first, self.second = first, second

@@ -256,7 +256,7 @@ class _SavedStorages:
         return t
 
     def offload_cost(self, input_key: int, output_key: int, most: int) -> "_core.OffloadCost":
-        """What offloading this stage's saved tensors moves (remat/chain.h's OffloadCost): the storages freed
+        """What offloading this stage's saved tensors moves (remat/planner/chain.h's OffloadCost): the storages freed
         besides its input and output (those a saved tensor covers whole; at most `most` bytes), and whether its
         input and output are among what it saves."""
         c = _core.OffloadCost()

@@ -462,7 +462,7 @@ def test_a_host_bound_holds_and_late_copies_are_waited_for():
     # Copies completed late (the fake engine carries one out only when waited on or two copies later, holding its
     # source weakly): each layer's copies are waited for before the next but one runs, brought back ahead, and
     # read only once landed.
-    lp._engines[x.device] = CopyEngine(x.device, delay=2)
+    lp.offloads.engines[x.device] = CopyEngine(x.device, delay=2)
     lp.host_pool.peak_bytes = 0
     got = stack_step(model, x)
     same_step(plain, got)
@@ -521,7 +521,7 @@ def test_streamed_layers_go_below_whole_layer_offloading_bitwise():
     for delay in (0, 2):
         if delay:
             # Copies carried out only when waited on or two copies later, their sources held weakly.
-            lp._engines[x.device] = CopyEngine(x.device, delay=delay)
+            lp.offloads.engines[x.device] = CopyEngine(x.device, delay=delay)
         lp.host_pool.peak_bytes = 0
         got = stack_step(model, x)
         same_step(plain, got)

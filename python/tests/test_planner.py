@@ -134,7 +134,7 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
 def test_the_offload_schedule_is_the_planners_and_the_layers_carry_it_out_per_layer():
     # One schedule for both runtimes: remat::offload_schedule, per operation; the planned layers read it per
     # layer (after layer i's forward; when the backward pass reaches layer i's output).
-    from remat.inplace import _layer_points
+    from remat.layer_offload import layer_points as _layer_points
 
     plan = remat.Plan.from_json(json.dumps({"num_stages": 3, "ops": [
         "Fa0@host", "Fa1", "Fc2@host", "L", "Fa2", "B2", "B1", "B0"]}))

@@ -1,0 +1,53 @@
+"""Distributed agreement: every rank of a torch.distributed process group plans from the same figures, so that
+all run the same plan, one that fits each rank's measurements (C++'s PlannedOptions::agree)."""
+from __future__ import annotations
+
+import torch
+
+from . import _core
+
+__all__ = ["agree", "agreeing", "check_agree"]
+
+
+def check_agree(agree, who: str):
+    """`agree` as LayerPlan takes it (True, False, or None: on when a process group of more than one rank is
+    initialized); raises ValueError naming `who` otherwise."""
+    if agree not in (None, True, False):
+        raise ValueError(f"{who}: agree must be True, False or None (on when torch.distributed is "
+                         f"initialized), got {agree!r}")
+    return agree
+
+
+def agreeing(agree, who: str) -> bool:
+    """Whether the ranks agree on this step's plan: `agree` (check_agree's), with None on when a process group
+    of more than one rank is initialized. Raises RuntimeError naming `who` for True without one."""
+    if agree is False:
+        return False
+    import torch.distributed as dist
+    on = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if agree and not on:
+        raise RuntimeError(f"{who}: agree=True needs an initialized torch.distributed process group")
+    return on
+
+
+def agree(chain, ctx) -> None:
+    """Every rank plans from the same figures, every figure a plan depends on (the planner library's
+    plan_figures(): times, bytes, the offload costs and the bandwidths), each the maximum over the ranks in
+    that encoding (a bandwidth the smallest), so that every rank runs the same plan, one that fits each rank's
+    measurements. A collective: every rank calls it at the same point (the end of the profiling step's backward
+    pass)."""
+    import torch.distributed as dist
+    ints, reals = _core.plan_figures(chain, ctx)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t_int = torch.tensor(ints, dtype=torch.int64, device=device)
+    t_real = torch.tensor(reals, dtype=torch.float64, device=device)
+    sizes = torch.tensor([len(ints), len(reals)], dtype=torch.int64, device=device)
+    low = sizes.clone()
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    if not torch.equal(sizes, low):
+        raise RuntimeError("remat: the ranks measured different numbers of figures (different models or "
+                           "layer lists?); they cannot agree on one plan")
+    dist.all_reduce(t_int, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t_real, op=dist.ReduceOp.MAX)
+    _core.set_plan_figures(chain, ctx, t_int.tolist(), t_real.tolist())

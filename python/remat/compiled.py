@@ -1,0 +1,97 @@
+"""Compiled layers under a plan: layers compiled one by one (``layer.compile()``, ``torch.compile(layer)``) run
+their plan's choice inside their compiled graphs.
+
+Each planned layer carries its choices per step key as a plain attribute (CHOICES_ATTR), with the key of the
+step in progress (STEP) and, per step key, the shapes the layer was profiled with, which the traced call reads:
+dynamo guards on their values, so layers with the same choice share one compiled graph and a new plan
+recompiles. The key None holds a given plan's choices, for every shape. What torch.compile cannot trace
+(remat's profiling step, offloaded layers, group assignments) runs outside the graph through LayerPlan.dispatch.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from .layer_calls import layer_key
+from .policies import CHECKPOINT, KEEP, is_groups, policy_fn, split_choice
+
+if TYPE_CHECKING:
+    from .layer_plan import LayerPlan
+    from .measure_step import Shape
+
+__all__ = ["CHOICES_ATTR", "STEP", "compiled_call", "compiled_module", "eager_dispatch", "publish", "set_step_key"]
+
+CHOICES_ATTR = "_remat_choices"
+STEP = "step"
+
+
+def compiled_module(m):
+    """torch.compile(module)'s wrapper (an OptimizedModule): the module it compiles; anything else as it is."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return m
+    return m._orig_mod if isinstance(m, OptimizedModule) else m
+
+
+def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
+    """Layer `layer`'s call fn(*args) while torch.compile traces it: as its plan for this step's shapes says,
+    through the checkpointing torch.compile traces (torch.utils.checkpoint, a policy as selective
+    checkpointing's context), or, where the layer has no plan for them (the profiling step, an infeasible
+    budget, a call whose shapes are not those the plan was made with), lp.dispatch outside the compiled graph
+    (eager_dispatch, a graph break)."""
+    choices = layer.__dict__.get(CHOICES_ATTR)
+    how = None
+    if choices is not None and args and isinstance(args[0], torch.Tensor):
+        key = choices.get(STEP)
+        how = choices.get(key) if key is not None else None
+        if how is not None and choices.get(("layer", key)) != layer_key(fn, args):
+            how = None  # planned for other shapes: lp.dispatch decides
+        if how is None:
+            how = choices.get(None)
+    if how is None or split_choice(how)[1] or is_groups(how):
+        # No plan yet, an offloaded choice (saved-tensor hooks are not traced), or a group assignment (remat's
+        # dispatch modes are not traced): outside the graph.
+        return eager_dispatch(lp, layer, fn, args)
+    if how == KEEP:
+        return fn(*args)
+    if how == CHECKPOINT:
+        return checkpoint(fn, *args, use_reentrant=False)
+    policy = choices.get(("policy", how))
+    return checkpoint(fn, *args, use_reentrant=False,
+                      context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+
+@torch.compiler.disable
+def eager_dispatch(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
+    """lp.dispatch for `layer`, run outside torch.compile's graph (the profiling step of a compiled layer)."""
+    return lp.dispatch(lp.index[id(layer)], fn, *args)
+
+
+def publish(layers: Sequence[nn.Module], shape: "Shape", policies: dict) -> None:
+    """Hands shape's plan to the layers' compiled calls (compiled_call): each layer's choice under the shape's
+    key, the shapes the layer was profiled with, and the policy functions the choices name."""
+    for i, (layer, how) in enumerate(zip(layers, shape.choices or [None] * len(layers))):
+        choices = layer.__dict__.setdefault(CHOICES_ATTR, {})
+        if how is None:
+            choices.pop(shape.key, None)
+            choices.pop(("layer", shape.key), None)
+            continue
+        choices[shape.key] = how
+        if shape.layer_keys is not None:
+            choices[("layer", shape.key)] = shape.layer_keys[i]
+        base = split_choice(how)[0]
+        if base not in (KEEP, CHECKPOINT) and not is_groups(base):
+            choices[("policy", base)] = policy_fn(base, policies)
+
+
+def set_step_key(layers: Sequence[nn.Module], key) -> None:
+    """Tells the layers' compiled calls which step is in progress (compiled_call reads its choices)."""
+    for layer in layers:
+        choices = layer.__dict__.get(CHOICES_ATTR)
+        if choices is not None and choices.get(STEP) != key:
+            choices[STEP] = key

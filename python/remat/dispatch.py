@@ -1,0 +1,123 @@
+"""The layers' dispatch: each planned layer's call, run as the plan in force says (kept, checkpointed, under a
+policy, offloaded), profiled in a profiling step, or checkpointed where no plan holds."""
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import nn
+
+from .compiled import compiled_call, set_step_key
+from .layer_calls import describe, layer_key, layer_output
+from .layer_offload import carry_out_then
+from .measure_step import Shape, Step, measure_planned_step, profiling_call
+from .meter import meter_for
+from .policies import CHECKPOINT, is_groups, run_layer
+
+if TYPE_CHECKING:
+    from .layer_plan import LayerPlan
+
+__all__ = ["LAYER_PLAN_ATTR", "dispatch", "planned_forward", "run"]
+
+LAYER_PLAN_ATTR = "_remat_layer_plan"
+
+
+# -- a layer's call -------------------------------------------------------------------------------------------------
+def planned_forward(self: nn.Module, *args, **kwargs):
+    """The forward remat.enable gives each layer (bound to it): the class's forward, run as the plan says. One
+    function for every layer, so that torch.compile shares a graph between layers that run alike."""
+    fn = partial(type(self).forward, self, **kwargs)
+    lp = self.__dict__[LAYER_PLAN_ATTR]
+    if torch.compiler.is_compiling():
+        return compiled_call(lp, self, fn, args)
+    return lp.dispatch(lp.index[id(self)], fn, *args)
+
+
+def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
+    """Runs layer i's call fn(*args) (args[0] its input tensor) as the plan in force says, or profiles it."""
+    layer = lp.layers[i]
+    if not (torch.is_grad_enabled() and layer.training):
+        return fn(*args)
+    if not args or not isinstance(args[0], torch.Tensor):
+        raise TypeError(f"{lp.who}: layer {i} ({type(layer).__name__}) was called without its input tensor "
+                        "as the first positional argument; remat follows the tensor passed there from layer "
+                        "to layer")
+    if lp._unmeasured or (i > 0 and lp._step is not None and lp._step.off_plan):
+        # (The schedule's points for the layers before still hold: their copies are waited for and come back.)
+        return run(lp, i, CHECKPOINT, fn, args, lp._step.shape if lp._step is not None else None)
+    if lp._fixed is not None:  # a given plan: nothing to measure
+        lp._last = lp._fixed
+        return run(lp, i, lp._fixed.choices[i], fn, args, lp._fixed)
+    x = args[0]
+    step = lp._step
+    if i == 0:
+        if step is None or step.shape is not None:  # layers called outside the model's forward
+            meter = meter_for(x.device)
+            grads_none = {id(p) for p in lp._params if p.requires_grad and p.grad is None}
+            step = lp._step = Step(meter, grads_none)
+            step.input_in_base = True  # the base is taken here, the layers' input alive
+        if step.key is None:  # the layers called outside the model's forward: the first one's shapes
+            step.key = ("layer 0", layer_key(fn, args))
+            set_step_key(lp.layers, step.key)
+        key = step.key
+        shape = lp._shapes.setdefault(key, Shape(key))
+        step.shape = shape
+        lp._last = shape
+        if shape.error is not None:
+            raise shape.error
+    if step is None or step.shape is None:
+        raise RuntimeError(f"{lp.who}: layer {i} ran before layer 0 in a training step; the layers must run "
+                           "in the order given")
+    shape = step.shape
+    if shape.choices is not None:
+        if shape.layer_keys is not None and layer_key(fn, args) != shape.layer_keys[i]:
+            return _off_plan(lp, step, shape, i, fn, args)
+        out = run(lp, i, shape.choices[i], fn, args, shape)
+        if i == len(lp.layers) - 1:
+            main, _ = layer_output(out, lp.who, i, layer)
+            if main.requires_grad:
+                measure_planned_step(step, shape, main)
+        return out
+    return profiling_call(lp, step, shape, i, fn, args, x)
+
+
+def _off_plan(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn: Callable, args: tuple):
+    """Layer i's call has shapes other than those the step's plan was made with (shapes that follow the values
+    of the batch, or layers called outside the model's forward, whose step is keyed by the first layer's shapes
+    only): a plan made for other shapes is not run. This layer and the rest of the step run checkpointed,
+    measured by nothing."""
+    step.off_plan = True
+    if not shape.warned:
+        shape.warned = True
+        warnings.warn(
+            f"{lp.who}: layer {i} ({type(lp.layers[i]).__name__}) was called with shapes "
+            f"{describe(layer_key(fn, args))}, but this step's plan was made with "
+            f"{describe(shape.layer_keys[i])} (steps are told apart by the shapes of the model's inputs, or "
+            "of the first layer's when the layers are called outside the model's forward); the rest of such "
+            "a step runs every layer checkpointed, and its peak is not what was planned", stacklevel=4)
+    return run(lp, i, CHECKPOINT, fn, args, shape)
+
+
+def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Shape | None" = None):
+    """Layer i's call as its choice says. Offloaded ("...@host"): under its own Offload's hooks, on the host
+    pool. With the step's shape, the plan's offload schedule is carried out (the planner's, which simulate()
+    charges): typically the previous layer's copies to the host are waited for once this layer's forward has
+    run, and when the backward pass reaches this layer's output the previous layer's tensors start coming
+    back (so that their copies overlap this layer's backward)."""
+    if i == 0:
+        lp.offloads.begin_step()
+    layer = lp.layers[i]
+    # A group assignment: its sent groups go through the layer's Offload (not opened as hooks: the layer's input
+    # and the rest stay, as the chain's group figures count them).
+    groups = [g.name for g in shape.chain.stages[i].groups] if is_groups(how) else None
+    o = lp.offloads.for_layer(i, how, fn, args, shape, lp.model)
+    out = run_layer(how, fn, args, [layer], lp.policies, offload=o, groups=groups)
+    if shape is not None and shape.points is not None:
+        due = lp.offloads.carry_out_after(i, shape.points)
+        if due:
+            main, _ = layer_output(out, lp.who, i, layer)
+            if main.requires_grad:
+                main.register_hook(partial(carry_out_then, due))
+    return out

@@ -1,0 +1,74 @@
+"""What a planned layer's call takes and hands on: its output split from what it passes along, the tensors it
+takes beside its input, and the shapes that key a step's plan."""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+__all__ = ["call_key", "describe", "layer_key", "layer_output", "taken_tensors"]
+
+
+def layer_output(out, who: str, i: int, layer: nn.Module) -> tuple[torch.Tensor, tuple]:
+    """What a layer returned, split into the tensor the next layer takes (the output itself, or a tuple's first
+    element, as Transformers' T5 blocks return it) and the rest it hands on. Raises TypeError otherwise."""
+    if isinstance(out, torch.Tensor):
+        return out, ()
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0], tuple(out[1:])
+    raise TypeError(f"{who}: layer {i} ({type(layer).__name__}) returned {type(out).__name__}, not a tensor or a "
+                    "tuple whose first element is one: remat plans layers whose output (or its first element) is "
+                    "the next layer's input")
+
+
+def _tensors_in(values, out: list) -> None:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            _tensors_in(v, out)
+
+
+def taken_tensors(fn, args) -> list[torch.Tensor]:
+    """The tensors a layer's call takes besides its input (args[0]): the other positional arguments, and what
+    the call's partials bind (keyword arguments such as T5's position bias or a decoder's encoder states)."""
+    out: list[torch.Tensor] = []
+    _tensors_in(args[1:], out)
+    while isinstance(fn, partial):
+        _tensors_in(fn.args, out)
+        _tensors_in(fn.keywords.values(), out)
+        fn = fn.func
+    return out
+
+
+def layer_key(fn, args) -> tuple:
+    """A layer call's shapes: its input's, and those of every other tensor it takes (positional, or bound by the
+    call's partials: a decoder's encoder states, an attention mask), with their dtypes."""
+    return tuple((tuple(t.shape), t.dtype) for t in (args[0], *taken_tensors(fn, args)))
+
+
+def describe(key: tuple) -> str:
+    """A layer_key for people: "[4, 32, 64] float32, [4, 1, 32, 32] float32"."""
+    return ", ".join(f"{list(shape)} {str(dtype).replace('torch.', '')}" for shape, dtype in key)
+
+
+def call_key(args, kwargs) -> tuple:
+    """A model call's shapes: those of every tensor it takes, positional or keyword (in lists, tuples and dicts
+    too), with their dtypes and where each was passed. A training step's plan is kept under it: a decoder's
+    length (its labels') shows here, where the first layer's input (the encoder's) does not show it."""
+    out: list = []
+
+    def walk(v, where):
+        if isinstance(v, torch.Tensor):
+            out.append((where, tuple(v.shape), v.dtype))
+        elif isinstance(v, (tuple, list)):
+            for j, e in enumerate(v):
+                walk(e, (where, j))
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k], (where, str(k)))
+
+    walk(args, "args")
+    walk(kwargs, "kwargs")
+    return tuple(out)

@@ -1,0 +1,395 @@
+"""Per-layer plans applied to a model's own layers, planned in place for a budget.
+
+``remat.enable(model, layers, budget=...)`` makes each of the model's layers run as a plan says: kept whole,
+checkpointed (``torch.utils.checkpoint``, non-reentrant), or checkpointed under a selective policy (keep the
+matrix multiplications), through each layer's forward (``remat.hf.enable`` uses Hugging Face's own
+checkpointing hook instead). The model's forward is not changed: it calls its layers as before.
+
+With a budget and no plan, the first training step (per input shape) profiles the layers where they run, on
+their real inputs, and measures what surrounds them in the step (what runs before them, the rest of the
+forward, the loss and the backward pass, and the gradients the backward pass allocates); at the end of that
+step's backward pass it plans (remat.plan_step with the per-layer planner) for the budget, and the steps after
+run the plan. The profiling step runs every layer checkpointed and gives the plain run's gradients.
+
+The budget bounds the step's peak as the meter reads it above the bytes alive when the model's forward is
+called (parameters, existing gradients, the batch, the optimizer's state are the base): what the layers keep,
+what runs before and after them, and the gradients the step allocates are inside it.
+"""
+from __future__ import annotations
+
+import gc
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import _core
+from . import agreement
+from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
+from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
+from .layer_calls import call_key
+from .layer_offload import LayerOffloads, layer_points
+from .measure_step import Shape, Step, step_context
+from .meter import meter_for
+from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
+
+__all__ = ["LayerPlan", "enable", "parse_budget"]
+
+
+def parse_budget(budget, who: str) -> int:
+    """A budget in bytes: an int, or a string with a unit ("300MiB", "1.5GiB"). Raises ValueError naming `who`
+    and the value otherwise, or when it is not positive."""
+    if isinstance(budget, bool):
+        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got {budget!r}")
+    if isinstance(budget, str):
+        try:
+            value = _core.parse_size(budget)
+        except ValueError as e:
+            raise ValueError(f"{who}: the budget '{budget}' is not a size ({e})") from None
+    elif isinstance(budget, int):
+        value = budget
+    else:
+        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got "
+                        f"{type(budget).__name__} {budget!r}")
+    if value <= 0:
+        raise ValueError(f"{who}: the budget must be a positive number of bytes, got {budget!r}")
+    return value
+
+
+class LayerPlan:
+    """The layers of a model run per layer as a plan says; made by remat.enable and remat.hf.enable.
+
+    Attributes and methods to read: is_planned(), plan (the Plan in force for the last input shape, its str()
+    the C++ Plan::to_string()), choices ("keep", "checkpoint" or a policy's name, per layer), chain (the
+    profile, a remat.Chain: chain.to_json() is the remat command's chain JSON), context (the StepContext
+    measured), predicted_peak_bytes, last_peak_bytes (the step's measured peak above its base, after a planned
+    step's backward pass; -1 for a given plan, which is run without measuring), profiling_steps.
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
+                 policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
+                 offload: bool = False, max_host_bytes=None, offload_min_bytes: int = 1 << 20,
+                 groups: bool = False, who: str = "remat.enable"):
+        self.who = who
+        if groups not in (True, False):
+            raise ValueError(f"{who}: groups must be True or False, got {groups!r}")
+        self.groups = groups
+        if offload not in (True, False):
+            raise ValueError(f"{who}: offload must be True or False, got {offload!r}")
+        if max_host_bytes is not None and not offload:
+            raise ValueError(f"{who}: max_host_bytes bounds what offloading holds in host memory; it needs "
+                             "offload=True")
+        if isinstance(offload_min_bytes, bool) or not isinstance(offload_min_bytes, int) or offload_min_bytes < 0:
+            raise ValueError(f"{who}: offload_min_bytes must be a number of bytes >= 0, got {offload_min_bytes!r}")
+        self.offloads = LayerOffloads(offload, parse_budget(max_host_bytes, who) if max_host_bytes is not None
+                                      else None, offload_min_bytes)
+        self.agree = agreement.check_agree(agree, who)
+        self.model = model
+        # A layer given as torch.compile(layer)'s wrapper: its module, whose forward the wrapper's compiled
+        # call runs (and traces, remat's call inside).
+        self.layers = [compiled_module(m) for m in layers]
+        if not self.layers:
+            raise ValueError(f"{who}: no layers")
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, nn.Module):
+                raise TypeError(f"{who}: layer {i} is a {type(layer).__name__}, not an nn.Module")
+        if len({id(m) for m in self.layers}) != len(self.layers):
+            raise ValueError(f"{who}: a layer is listed twice")
+        if (budget is None) == (plan is None):
+            raise ValueError(f"{who}: give a budget (planned in place) or a plan (applied as it is), not "
+                             f"{'both' if budget is not None else 'neither'}")
+        self.budget = parse_budget(budget, who) if budget is not None else None
+        if isinstance(policies, dict):
+            self.policies = dict(policies)
+        else:
+            self.policies = {name: policy_fn(name) for name in (policies or ())}
+        if repeats < 1:
+            raise ValueError(f"{who}: repeats must be >= 1, got {repeats}")
+        self.repeats = repeats
+        self.exclude = list(exclude)
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
+        self._shapes: dict[tuple, Shape] = {}
+        self._fixed: Shape | None = None
+        if plan is not None:
+            if plan.num_stages != len(self.layers):
+                raise ValueError(f"{who}: the plan is for {plan.num_stages} stages but there are "
+                                 f"{len(self.layers)} layers")
+            fixed = Shape()
+            fixed.plan = plan
+            fixed.choices = choices_of(plan)
+            fixed.points = layer_points(plan)
+            for c in fixed.choices:
+                if is_groups(c):
+                    raise ValueError(f"{who}: the plan runs a layer under a group assignment ('{c}'), whose groups "
+                                     "only the chain it was planned from names; give a budget with groups=True "
+                                     "(planned in place) instead")
+                if is_streamed(c):
+                    raise ValueError(f"{who}: the plan streams a layer ('{c}'), whose window only the chain it was "
+                                     "planned from gives; give a budget with offload=True (planned in place) "
+                                     "instead")
+                c = split_choice(c)[0]
+                if c not in (KEEP, CHECKPOINT) and c not in self.policies:
+                    self.policies[c] = policy_fn(c)
+            self._fixed = fixed
+        self._last: Shape | None = self._fixed
+        self._step: Step | None = None
+        for layer in self.layers:
+            layer.__dict__[CHOICES_ATTR] = {}
+        if self._fixed is not None:
+            publish(self.layers, self._fixed, self.policies)
+        # First among the model's forward pre-hooks: the step's base is read before FSDP2's root all-gathers its
+        # parameters (fully_shard prepends its hook too; _first_hook moves remat's back in front).
+        self._begin_hook = model.register_forward_pre_hook(self._step_begins, prepend=True, with_kwargs=True)
+        self._handles = [self._begin_hook]
+        self._unmeasured = False  # this step runs every layer checkpointed, measuring nothing
+        self._params = [p for p in model.parameters()]
+
+    # -- copies: copy.deepcopy(model), pickle, torch.save(model) ---------------------------------------------------
+    def __getstate__(self):
+        """A copy carries the plans and what they were made from (chains, contexts, per step key), and what the
+        copied model's layers need to run them; not the step in progress, nor the offloading's host memory or
+        copy engines (a copy starts its own: LayerOffloads' own copy)."""
+        state = dict(self.__dict__)
+        state.update(_step=None, _unmeasured=False)
+        del state["index"]  # ids of the copy's layers
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
+
+    # -- what can be read ----------------------------------------------------------------------------------------
+    def is_planned(self) -> bool:
+        """Whether a plan is in force for the last input shape."""
+        return self._last is not None and self._last.choices is not None
+
+    @property
+    def plan(self):
+        return self._last.plan if self._last else None
+
+    @property
+    def choices(self):
+        return list(self._last.choices) if self._last and self._last.choices else None
+
+    @property
+    def chain(self):
+        return self._last.chain if self._last else None
+
+    @property
+    def context(self):
+        return self._last.context if self._last else None
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self._last.predicted if self._last else -1
+
+    @property
+    def predicted_host_bytes(self) -> int:
+        """The host memory the plan in force holds at most (bytes: its offloaded layers'; 0 when it offloads
+        none, -1 without a plan)."""
+        plan = self.plan
+        return plan.predicted.host_peak_bytes if plan is not None else -1
+
+    @property
+    def offload_stats(self) -> dict:
+        """The last step's offloading, summed over its offloaded layers (remat.offload.Offload's counts):
+        offloaded (tensors sent to the host), offloaded_bytes, brought_back (copies back to the device), prefetched
+        (of them, started before the backward pass asked for the tensor), kept_on_device, found_on_device (still on
+        the device when needed back: not copied)."""
+        return self.offloads.stats()
+
+    @property
+    def host_pool(self):
+        """The host memory of offloaded layers (remat.offload.HostPool), reused from step to step."""
+        return self.offloads.host_pool
+
+    @property
+    def last_peak_bytes(self) -> int:
+        return self._last.last_peak if self._last else -1
+
+    @property
+    def min_budget_bytes(self) -> int:
+        """The least budget a plan exists for, for the last input shape (bytes; -1 before its profiling step):
+        the step's predicted peak under the least-memory per-layer plan, or the profiling step's measured peak
+        (every layer checkpointed) when that is lower."""
+        shape = self._last
+        if shape is None or shape.chain is None or shape.context is None:
+            return -1
+        # The measured every-layer-checkpointed peak (context.checkpoint_all_peak_bytes) counts, as in plan_step.
+        return _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude, **self.offloads.planner_options())
+
+    @property
+    def profiling_steps(self) -> int:
+        return self._last.profiling_steps if self._last else 0
+
+    def set_budget(self, budget) -> None:
+        """Plans again for another budget (bytes, or a size string) from what was measured, without profiling
+        again: every input shape already profiled gets its new plan at once. Raises remat.InfeasibleBudget
+        naming the least feasible budget when one of them has none (that shape keeps no plan and its next
+        training step raises the same error)."""
+        if self._fixed is not None:
+            raise ValueError(f"{self.who}: this LayerPlan runs a given plan; it has no budget to change")
+        self.budget = parse_budget(budget, self.who)
+        first_error = None
+        for shape in self._shapes.values():
+            if shape.chain is None or shape.context is None:
+                continue
+            shape.error = None
+            try:
+                self._plan_from(shape, shape.context)
+            except _core.InfeasibleBudget as e:
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+
+    def remove(self):
+        """Stops planning: the hooks go; the layers' forward is what it was (remat.enable) ."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for layer in self.layers:
+            layer.__dict__.pop(CHOICES_ATTR, None)
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def _training(self) -> bool:
+        return torch.is_grad_enabled() and self.model.training
+
+    def _first_hook(self) -> bool:
+        """Moves remat's step-begin hook in front of the model's other forward pre-hooks (FSDP2, sharding after
+        enable(), prepends its own); True when it was not first, and another hook ran before it this step."""
+        hooks = self.model._forward_pre_hooks
+        if next(iter(hooks), None) == self._begin_hook.id:
+            return False
+        hooks.move_to_end(self._begin_hook.id, last=False)
+        return True
+
+    def _step_begins(self, module, args, kwargs):
+        self._unmeasured = False
+        if self._fixed is not None or not self._training():
+            self._step = None
+            return
+        if self._first_hook():
+            # FSDP2 all-gathered the root's parameters before this step's base could be read: this step runs
+            # every layer checkpointed and measures nothing; the next one profiles.
+            self._unmeasured = True
+            self._step = None
+            return
+        if not self._shapes or any(shape.chain is None for shape in self._shapes.values()):
+            # A step that may profile: garbage in reference cycles is collected before the base is read. Collected
+            # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
+            # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
+            gc.collect()
+        meter = meter_for(self._device_of(args))
+        grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
+        self._step = Step(meter, grads_none)
+        self._step.key = ("model", call_key(args, kwargs))
+        set_step_key(self.layers, self._step.key)
+
+    def _device_of(self, args) -> torch.device:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                return a.device
+        for p in self._params:
+            return p.device
+        return torch.device("cpu")
+
+    def dispatch(self, i: int, fn: Callable, *args):
+        """Runs layer i's call fn(*args) (args[0] its input tensor) as the plan in force says, or profiles it
+        (remat.dispatch)."""
+        return dispatch(self, i, fn, *args)
+
+    # -- planning -------------------------------------------------------------------------------------------------
+    def _plan_shape(self, step: Step, shape: Shape):
+        """The end of a profiling step's backward pass: its step context measured, agreed on by the ranks, the
+        shape planned."""
+        ctx = step_context(self, step, shape)
+        if agreement.agreeing(self.agree, self.who):
+            agreement.agree(shape.chain, ctx)
+        shape.context = ctx
+        self._plan_from(shape, ctx)
+
+    def _plan_from(self, shape: Shape, ctx):
+        chain = shape.chain
+        try:
+            # Where the model refuses a budget that the profiling step's measured schedule (every layer
+            # checkpointed) fits, plan_step falls back to that schedule (ctx.checkpoint_all_peak_bytes).
+            planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude, **self.offloads.planner_options())
+        except _core.InfeasibleBudget as e:
+            least = e.min_bytes
+            err = _core.InfeasibleBudget(
+                f"{self.who}: the budget of {_core.format_bytes(self.budget)} ({self.budget} bytes) is below the "
+                f"least feasible one, {_core.format_bytes(least)} ({least} bytes): the step's peak "
+                f"above the bytes alive when the model's forward is called, with every layer checkpointed (the "
+                f"layers keep their inputs, {_core.format_bytes(chain.input_bytes)} each at the input's size; what "
+                f"runs before them holds {_core.format_bytes(ctx.before_saved_bytes)}; the rest of the step peaks "
+                f"at {_core.format_bytes(ctx.rest_peak_bytes)}; the backward pass allocates "
+                f"{_core.format_bytes(sum(ctx.stage_grads_bytes) + ctx.rest_grads_bytes)} of gradients in the layers and after "
+                "them)")
+            err.budget_bytes = self.budget
+            err.min_bytes = least
+            shape.error = err
+            shape.plan = shape.choices = shape.points = None
+            shape.predicted = -1
+            publish(self.layers, shape, self.policies)
+            raise err from None
+        shape.plan = planned.plan
+        shape.choices = choices_of(planned.plan)
+        shape.points = layer_points(planned.plan)
+        shape.predicted = planned.step_peak_bytes
+        publish(self.layers, shape, self.policies)
+
+
+def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
+           repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
+           offload_min_bytes: int = 1 << 20, groups: bool = False) -> LayerPlan:
+    """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
+    as the first positional argument) per layer as planned: for `budget` (bytes, or a string such as "300MiB",
+    the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
+    training step per input shape), or as a given per-layer `plan` (remat.per_layer's). policies: the selective
+    policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).
+    Each layer's forward is wrapped (an instance attribute running the class's forward; LayerPlan.remove()
+    puts it back). Layers compiled one by one (layer.compile(), torch.compile(layer)) run the plan inside their
+    compiled graphs (the profiling step runs them eagerly). In eval mode or
+    under no_grad the layers run plainly. Raises ValueError/TypeError for bad arguments; at the end of the
+    profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits.
+    agree: every rank of a torch.distributed process group plans from the same numbers (each figure's maximum
+    over the ranks), so that all run the same plan, one that fits each (C++'s PlannedOptions::agree); None (the
+    default) turns it on when a process group of more than one rank is initialized.
+    offload=True: the planner may also offload a layer (its choice "keep@host", "checkpoint@host" or a policy's,
+    "matmuls@host": what it saves, a checkpointed layer's input, or a policy's kept tensors and its input,
+    copied to host memory while the next layer runs and brought back while the backward pass runs the layer
+    after it; saved tensors of at least offload_min_bytes), where that
+    is the fastest way to fit the budget; the profiling step also measures what each layer would offload and the
+    copies' bandwidth each way. max_host_bytes (bytes, or a size string) bounds the host memory a plan holds
+    (LayerPlan.predicted_host_bytes; the pool's own counts in LayerPlan.host_pool).
+    groups=True: the profiling step also measures each layer's saved groups (the calls whose outputs autograd
+    saves, remat.profile's groups), and the planner may run a layer under a group assignment (its choice
+    "{khr}": each group kept on the device, sent to the host when offload=True, or recomputed, the rest of the
+    layer recomputed); off by default until measured on a GPU."""
+    lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
+                   agree=agree, offload=offload, max_host_bytes=max_host_bytes,
+                   offload_min_bytes=offload_min_bytes, groups=groups)
+    for i, layer in enumerate(lp.layers):
+        if "forward" in layer.__dict__:
+            lp.remove()
+            raise ValueError(f"remat.enable: layer {i}'s forward is already wrapped (remat.enable twice, or "
+                             "another library's wrapper?); remat runs the class's forward")
+    for layer in lp.layers:
+        layer.__dict__[LAYER_PLAN_ATTR] = lp
+        layer.forward = partial(planned_forward, layer)  # a partial (unlike a bound method) pickles
+
+    lp._handles.append(_Unwrap(lp.layers))
+    return lp
+
+
+class _Unwrap:
+    """A handle of remat.enable's: removing it gives the layers their class's forward back."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def remove(self):
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+            layer.__dict__.pop(LAYER_PLAN_ATTR, None)

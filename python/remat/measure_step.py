@@ -1,0 +1,326 @@
+"""The step's measurement: what one training step of planned layers reads (its base, peaks and times, what the
+layers take and hand on), the profiling step that profiles the layers where they run and measures what surrounds
+them, and what is known per input shape (its profile, step context and plan)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+from torch import nn
+
+from . import _core
+from .layer_calls import layer_key, layer_output, taken_tensors
+from .policies import CHECKPOINT, run_layer
+from .profile import StageFn, profile
+
+if TYPE_CHECKING:
+    from .layer_plan import LayerPlan
+
+__all__ = ["Gathered", "RETIMED_STEPS", "Shape", "Step", "measure_planned_step", "profiling_call", "step_context"]
+
+
+def queue_at_backward_end(fn: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr() or id(t)
+    except RuntimeError:  # a tensor without storage (a wrapper subclass)
+        return id(t)
+
+class Gathered:
+    """While profiling: every FSDP2-sharded layer's parameters all-gathered (FSDPModule.unshard()), so that a
+    layer's forward can run outside its module call, and resharded after (reshard()). A transient of
+    profiling's own, as its other runs are: the window restarts after it."""
+
+    def __init__(self, layers: Sequence[nn.Module], meter):
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = None  # noqa: N806
+        self.meter = meter
+        self.per_layer = [[m for m in layer.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+                          for layer in layers]
+        self.modules = [m for ms in self.per_layer for m in ms]
+        self.gathered = [0] * len(layers)  # per layer: the bytes its all-gathered parameters take (measured)
+
+    def __enter__(self):
+        # Each module resharded first (the running layer is gathered now) and gathered again, its bytes read
+        # as the meter's count rises: the all-gathered parameters, in the dtype FSDP2 gathers them in.
+        for j, ms in enumerate(self.per_layer):
+            for m in ms:
+                m.reshard()
+                before = self.meter.count()
+                m.unshard()
+                self.gathered[j] += self.meter.count() - before
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self.modules):
+            m.reshard()
+        return False
+
+def local_bytes(p: torch.Tensor) -> int:
+    """A parameter's bytes on this rank: its local shard's for a DTensor (FSDP2), else its own."""
+    to_local = getattr(p, "to_local", None)
+    return to_local().nbytes if callable(to_local) else p.nbytes
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except RuntimeError:
+        return t.nbytes
+
+RETIMED_STEPS = 3  # planned steps that time the rest of the step again
+
+
+class Shape:
+    """What is known of one input shape: its profile, what surrounds the layers, the plan."""
+
+    def __init__(self, key: tuple | None = None):
+        self.key = key  # the step's key (None: a given plan's, for every shape)
+        self.layer_keys: list[tuple] | None = None  # each layer call's layer_key in the profiling step
+        self.warned = False  # a call off these shapes was warned of
+        self.gathered: list[int] = []  # per layer, FSDP2's all-gathered parameters' bytes (0: not sharded)
+        self.chain: _core.Chain | None = None
+        self.context: _core.StepContext | None = None
+        self.plan: _core.Plan | None = None
+        self.choices: list[str] | None = None
+        self.points: tuple[list, list] | None = None  # the plan's offload schedule per layer (layer_points)
+        self.predicted = -1
+        self.last_peak = -1
+        self.profiling_steps = 0
+        self.rest_retimed = 0  # planned steps that took the rest's time again (the first RETIMED_STEPS do)
+        self.error: Exception | None = None
+
+
+class Step:
+    """One training step's measurements."""
+
+    def __init__(self, meter, grads_none: set[int] | None):
+        self.meter = meter
+        # remat's own window on the device's count: the step's peak, without resetting what the user reads.
+        self.window = meter.window()
+        self.base = meter.count()
+        self.true_peak = self.base  # the step's own peak (profiling's transients left out)
+        self.grads_none = grads_none  # ids of parameters whose .grad was None when the step began
+        self.shape: Shape | None = None
+        self.calls: list = []  # profiling: (fn, args, x) per layer
+        self.at_layer0 = 0
+        self.before_peak = 0
+        self.rest: tuple[int, float] | None = None  # (the rest's peak count, its time in ms)
+        self.at_return = 0
+        self.at_output_grad = 0
+        self.output_grad_bytes = 0
+        self.peak_after_backward = -1
+        self.input_in_base = False
+        self.input_bytes = 0
+        self.done = False
+        self.key: tuple | None = None  # the model call's shapes (call_key), when the step began there
+        self.off_plan = False  # a layer's call had shapes its plan was not made for: the rest is checkpointed
+        # What the layers take or hand on beside their input and output (StepContext.side_bytes): the storages
+        # the first layer takes (made before the layers: their gradients only are charged), and per storage
+        # made during the layers, its bytes and its gradient's.
+        self.before_chain: set[int] = set()
+        self.side: dict[int, int] = {}
+
+    def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
+        if i == 0:
+            self.before_chain = {storage_key(t) for t in taken}
+        made = [t for t in handed if isinstance(t, torch.Tensor) and storage_key(t) not in self.before_chain]
+        for t in [*taken, *made]:
+            k = storage_key(t)
+            grad = t.nbytes if t.requires_grad else 0
+            held = grad if k in self.before_chain else storage_bytes(t) + grad
+            self.side[k] = max(self.side.get(k, 0), held)
+
+    def peak(self) -> int:
+        """The window's peak since its last reset()."""
+        return self.window.peak()
+
+    def note_peak(self):
+        self.true_peak = max(self.true_peak, self.window.peak())
+
+    def reset(self):
+        self.note_peak()
+        self.window.restart()
+
+    def finish(self):
+        self.note_peak()
+        self.window.close()
+        self.done = True
+
+def add_to_stream(st, fwd: int = 0, bwd: int = 0) -> None:
+    """Adds to a stage's streamed peaks (bytes) what FSDP2's gathering adds to its forward and backward
+    transients, where the stage has them (its OffloadCost is a copy: written back)."""
+    if st.offload is not None and st.offload.can_stream():
+        o = st.offload
+        o.stream_fwd_bytes += fwd
+        o.stream_bwd_bytes += bwd
+        st.offload = o
+
+def sync(device: torch.device) -> None:
+    """Waits for the device's work, so that a host clock read after it times that work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor):
+    """Measures a planned step from its last layer's output `out` on: its peak (shape.last_peak, at the end
+    of its backward pass), and on the first planned steps the rest of the step's time again."""
+    def at_end():
+        step.note_peak()
+        shape.last_peak = step.true_peak - step.base
+        step.finish()
+
+    def hook(g):
+        queue_at_backward_end(at_end)
+        return g
+
+    out.register_hook(hook)
+    if shape.rest_retimed < RETIMED_STEPS and shape.context is not None:
+        # The rest of the step timed again on the first planned steps (two synchronizations each): the
+        # profiling step's reading includes what a step does the first time only (the allocator's first
+        # requests for the rest's tensors, the libraries' first calls), and so, measured, did the first
+        # planned step's on a CPU; later steps pay none of it. The least reading is the one the predicted
+        # step time uses; no plan depends on it (every plan adds the same rest).
+        shape.rest_retimed += 1
+        device = out.device
+        sync(device)
+        t0 = time.perf_counter()
+
+        def rest_timed(g):
+            sync(device)
+            shape.context.rest_ms = min(shape.context.rest_ms, (time.perf_counter() - t0) * 1e3)
+            return g
+
+        out.register_hook(rest_timed)
+
+def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, args, x):
+    """Layer i's call in a profiling step: run checkpointed; at the last layer, the layers profiled where they
+    ran (once per shape) and the rest of the step measured, planned at the end of its backward pass
+    (LayerPlan._plan_shape)."""
+    n = len(lp.layers)
+    meter = step.meter
+    if i == 0:
+        step.note_peak()
+        step.at_layer0 = meter.count()
+        step.before_peak = step.true_peak - step.base
+    step.calls.append((fn, args, x))
+    returned = run_layer(CHECKPOINT, fn, args, [lp.layers[i]], lp.policies)
+    out, handed = layer_output(returned, lp.who, i, lp.layers[i])
+    step.note_side(i, taken_tensors(fn, args), handed)
+    if i < n - 1:
+        return returned
+    shape.profiling_steps += 1
+    if shape.chain is None:
+        shape.layer_keys = [layer_key(f, a) for f, a, _ in step.calls]
+        step.note_peak()
+        stage_fns, inputs, excluded = [], [], []
+        for j, (f, a, xj) in enumerate(step.calls):
+            rest = a[1:]
+            stage_fns.append(StageFn(lambda t, f=f, rest=rest, j=j: layer_output(
+                f(t, *rest), lp.who, j, lp.layers[j])[0], f"{j}:{type(lp.layers[j]).__name__}",
+                lp.layers[j]))
+            inputs.append(xj)
+            excluded.extend(taken_tensors(f, a))
+        with Gathered(lp.layers, meter) as gathered:
+            shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
+                                  repeats=lp.repeats, inputs=inputs, excluded=excluded,
+                                  offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
+                                  groups=lp.groups)
+        shape.gathered = list(gathered.gathered)
+        for st, g in zip(shape.chain.stages, gathered.gathered):
+            st.fwd_tmp_bytes += g
+            if g:
+                add_to_stream(st, fwd=g)
+        del stage_fns, inputs, excluded
+        step.window.restart()  # profiling's own transients are not the step's
+    # The layers' calls are not needed any more: holding their inputs would hold what the plain step frees.
+    step.input_bytes = step.calls[0][2].nbytes
+    x0 = step.calls[0][2]
+    step.calls = []
+    # The rest of the step: from here until the backward pass reaches this output.
+    step.reset()
+    step.at_return = meter.count()
+    device = x0.device
+    sync(device)  # the rest of the step is timed from the moment the layers' work is done
+    t0 = time.perf_counter()
+
+    prefix_backward = x0.requires_grad and x0.grad_fn is not None
+
+    def finish_profiling():
+        # From the layers' input gradient to the end: the backward pass of what ran before the layers.
+        step.peak_after_backward = step.peak() if prefix_backward else -1
+        step.note_peak()
+        try:
+            lp._plan_shape(step, shape)
+        finally:
+            step.finish()
+
+    def at_x0(g):
+        step.reset()
+        queue_at_backward_end(finish_profiling)
+        return g
+
+    def at_out(g):
+        step.note_peak()
+        sync(device)
+        # The rest's peak, its time, and what it leaves held through the layers' backward besides the
+        # gradient it hands them (its parameters' gradients, a tied embedding's partial gradient, the outputs
+        # the caller holds): the readings step_context() turns into the StepContext.
+        step.rest = (step.peak(), (time.perf_counter() - t0) * 1e3)
+        step.at_output_grad, step.output_grad_bytes = meter.count(), g.nbytes
+        step.reset()
+        if not prefix_backward:
+            queue_at_backward_end(finish_profiling)
+        return g
+
+    if out.requires_grad:
+        out.register_hook(at_out)
+        if prefix_backward:
+            x0.register_hook(at_x0)
+    del x0, out
+    return returned
+
+def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
+    """The profiling step's readings, turned into a StepContext by the planner library's code (the code
+    remat::Planned uses: remat/planner/step.h's step_context), with FSDP2's backward transients charged to the
+    sharded layers' backward."""
+    r = _core.StepReadings()
+    r.base = step.base
+    r.input_in_base = step.input_in_base
+    r.at_chain = step.at_layer0
+    r.peak_before_chain = step.base + step.before_peak
+    r.input_bytes = step.input_bytes
+    r.at_return = step.at_return
+    r.rest_peak, r.rest_ms = step.rest if step.rest is not None else (step.at_return, 0.0)
+    r.at_output_grad = step.at_output_grad if step.rest is not None else step.at_return
+    r.output_grad_bytes = step.output_grad_bytes
+    r.peak_after_chain_backward = step.peak_after_backward
+    r.step_peak = step.true_peak
+    grads, seen = [0] * len(lp.layers), set()
+    for j in reversed(range(len(lp.layers))):  # the backward pass meets the last layer first
+        for p in lp.layers[j].parameters():
+            if step.grads_none is not None and id(p) in step.grads_none and id(p) not in seen:
+                seen.add(id(p))
+                grads[j] += local_bytes(p)
+    r.stage_grads_bytes = grads
+    r.side_bytes = sum(step.side.values())
+    ctx = _core.step_context(r)
+    if any(shape.gathered) and ctx.checkpoint_all_peak_bytes >= 0:
+        # FSDP2's backward transients (the running layer's gathered parameters, the next layer's prefetched
+        # ones, its unsharded gradients and the reduce-scatter's buffers) are not in the profile, which ran
+        # every layer gathered: the profiling step ran every layer checkpointed under FSDP2 and measured
+        # them, so the difference between its measured peak and the model's for that schedule is charged
+        # to each sharded layer's backward.
+        model = _core.step_peak_bytes(shape.chain, ctx, _core.checkpoint_all(shape.chain))
+        excess = ctx.checkpoint_all_peak_bytes - model
+        if excess > 0:
+            for st, g in zip(shape.chain.stages, shape.gathered):
+                if g:
+                    st.bwd_tmp_bytes += excess
+                    add_to_stream(st, bwd=excess)
+    return ctx

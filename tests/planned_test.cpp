@@ -7,6 +7,7 @@
 #include <remat/models.h>
 #include <remat/planned.h>
 #include <remat/planner/chain.h>
+#include <remat/planner/device.h>
 #include <remat/policy.h>
 #include <remat/sequential.h>
 
@@ -290,6 +291,89 @@ std::vector<remat::StageFn> counted(std::vector<remat::StageFn> stages,
     };
   }
   return stages;
+}
+
+// fit_device: the budget is remat::device_budget over what the device had when the profiling step began
+// (here a device of the test's making on the CPU), and the plan the one that budget in bytes gets from the
+// same profile; on a CPU input without such a device it is an error before anything runs.
+TEST_F(PlannedTest, FittingTheDevicePlansForWhatItHasFreeAsThatBudgetInBytesWould) {
+  const int64_t w = 32, depth = 5;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 32, 8});
+  const int64_t budget = plain_chain_peak(w, depth, x) / 2;
+  const int64_t margin = int64_t{256} << 20;  // remat::device_margin of a 4 GiB device
+  ASSERT_EQ(remat::device_margin(int64_t{4} << 30), margin);
+  auto device = [budget, margin](c10::Device) {
+    remat::memory::DeviceMemory m;
+    m.free_bytes = budget + margin;
+    m.total_bytes = int64_t{4} << 30;
+    return m;
+  };
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                                remat::PlannedOptions().fit_device(1.0).read_device(device));
+  for (int s = 0; s < 3; ++s) {
+    torch::manual_seed(400 + s);
+    const Step a = step(plain, x);
+    torch::manual_seed(400 + s);
+    const Step b = step(net, x);
+    expect_equal(a, b, "step " + std::to_string(s));
+  }
+  const remat::PlannedImpl& p = **net->planned;
+  ASSERT_TRUE(p.is_planned());
+  EXPECT_EQ(p.budget_bytes(), budget);
+  EXPECT_LE(p.predicted_peak_bytes(), budget);
+  // The saved profile planned for that budget in bytes gives the same plan.
+  torch::manual_seed(0);
+  Net twin(w, depth);
+  twin->planned =
+      remat::Planned(remat::stages_at<BlockImpl>(*twin, {"h"}), remat::PlannedOptions().budget(budget));
+  (*twin->planned)->use_profile({{8, 32, w}}, *p.chain());
+  step(twin, x);
+  step(twin, x);
+  ASSERT_TRUE((*twin->planned)->is_planned());
+  EXPECT_EQ((*twin->planned)->plan()->to_string(), p.plan()->to_string());
+
+  // A device with too little free: the message says how the budget was made.
+  torch::manual_seed(0);
+  Net small(w, depth);
+  small->planned = remat::Planned(remat::stages_at<BlockImpl>(*small, {"h"}),
+                                  remat::PlannedOptions().fit_device(0.5).read_device(device));
+  step(small, x);
+  try {
+    step(small, x);
+    FAIL() << "a budget below the least was accepted";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("remat::Planned: the budget of 0 bytes (fit_device 0.5"), std::string::npos) << what;
+    EXPECT_NE(what.find("less a margin of 268435456"), std::string::npos) << what;
+  }
+
+  // On the CPU without a device to read: an error before any stage runs, the gradients untouched.
+  torch::manual_seed(0);
+  Net cpu(w, depth);
+  cpu->planned =
+      remat::Planned(remat::stages_at<BlockImpl>(*cpu, {"h"}), remat::PlannedOptions().fit_device(1.0));
+  try {
+    step(cpu, x);
+    FAIL() << "fit_device on the CPU was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("remat::Planned: fit_device fits the step to a CUDA device's free "
+                                         "memory, but this input is on cpu"),
+              std::string::npos)
+        << e.what();
+  }
+  for (const auto& param : cpu->parameters())
+    EXPECT_FALSE(param.grad().defined());
+  EXPECT_THROW(
+      remat::Planned(remat::stages_at<BlockImpl>(*cpu, {"h"}), remat::PlannedOptions().fit_device(1.5)),
+      c10::Error);
+  EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*cpu, {"h"}),
+                              remat::PlannedOptions().budget(1 << 20).fit_device(0.9)),
+               c10::Error);
 }
 
 TEST_F(PlannedTest, ASavedProfileIsUsedInsteadOfProfilingAndGivesTheSamePlan) {

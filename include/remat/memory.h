@@ -89,6 +89,20 @@ class PeakWindow {
   int64_t base_;
 };
 
+/// A device's memory as a whole (bytes): what fitting a budget to the device reads
+/// (PlannedOptions::fit_device, remat::device_budget).
+struct DeviceMemory {
+  int64_t free_bytes = 0;       ///< free on the device: held by no caching allocator of any process
+  int64_t total_bytes = 0;      ///< the device's capacity
+  int64_t reserved_bytes = 0;   ///< held by this process's caching allocator
+  int64_t allocated_bytes = 0;  ///< of those, occupied by tensors
+};
+
+/// Reads a CUDA device's memory (cudaMemGetInfo, and the caching allocator's reserved and allocated
+/// bytes; reading resets no statistic). Throws c10::Error naming remat::memory::device_memory for any other
+/// device (a CPU has no capacity of its own to fill) and on a build without CUDA.
+DeviceMemory device_memory(c10::Device device);
+
 /// Scope that resets the peak on entry and reports the peak above the bytes alive on entry (resetting the
 /// device's statistic: what the caller asked for. To measure inside someone else's measurement, PeakWindow):
 ///   remat::memory::PeakScope scope;  step();  int64_t over = scope.peak_over_base();

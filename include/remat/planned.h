@@ -36,6 +36,7 @@
 /// Limits: one forward per backward pass (the base is taken at each call).
 
 #include <remat/checkpoint.h>
+#include <remat/memory.h>
 #include <remat/offload.h>
 #include <remat/planner/chain.h>
 #include <remat/planner/plan.h>
@@ -57,8 +58,18 @@
 namespace remat {
 
 struct PlannedOptions {
-  /// The step's peak above the bytes alive when forward() is called (bytes, > 0).
+  /// The step's peak above the bytes alive when forward() is called (bytes, > 0). Give it or fit_device.
   TORCH_ARG(int64_t, budget) = 0;
+  /// Instead of a budget in bytes, fit the device: this share, in (0, 1], of what the CUDA device has for the
+  /// step, read when each shape's profiling step begins (its free bytes and those its caching allocator holds
+  /// beyond its tensors) less what that step lost to fragmentation and a margin: remat::device_budget
+  /// (remat/planner/device.h), the rule of the Python package's budget="auto" (1.0) and "90%" (0.9). 0 (the
+  /// default): the budget in bytes. A profiling step on a CPU input throws c10::Error naming remat::Planned
+  /// and fit_device (a CPU has no capacity to fill: give budget in bytes), before any stage runs.
+  TORCH_ARG(double, fit_device) = 0;
+  /// How fit_device reads the device; null (the default): remat::memory::device_memory (remat/memory.h).
+  /// Tests give a device of their own making, on the CPU too.
+  TORCH_ARG(std::function<memory::DeviceMemory(c10::Device)>, read_device) = nullptr;
   /// Operator-level policies profiled as Fk[name], so that the plan may keep a stage's matrix
   /// multiplications (remat/policy.h).
   TORCH_ARG(std::vector<Policy>, policies) = {};
@@ -76,11 +87,11 @@ struct PlannedOptions {
   /// planner.offload, or recomputed; remat::group_cost) beside its other ways.
   TORCH_ARG(bool, groups) = false;
   /// Under data parallel, makes every rank plan from the same numbers: called, at the same step on every
-  /// rank, with the numbers a plan is made from (remat::plan_figures, remat/planner/step.h: an int64 tensor of byte
-  /// counts and flags and a float64 tensor of times and negated bandwidths), it must replace them in place by
-  /// their maximum across the ranks. Every rank then gets the same plan, which fits each rank's measured
-  /// memory and its slowest link. Throws c10::Error naming remat::Planned when it changes their number or
-  /// makes figures no valid chain has (a flag other than 0 or 1).
+  /// rank, with the numbers a plan is made from (remat::plan_figures, remat/planner/step.h: an int64 tensor
+  /// of byte counts and flags and a float64 tensor of times and negated bandwidths), it must replace them in
+  /// place by their maximum across the ranks. Every rank then gets the same plan, which fits each rank's
+  /// measured memory and its slowest link. Throws c10::Error naming remat::Planned when it changes their
+  /// number or makes figures no valid chain has (a flag other than 0 or 1).
   /// remat::distributed::same_plan_on_every_rank(group) (remat/distributed.h) is one. Every rank must then
   /// see the same input shapes in the same order.
   TORCH_ARG(std::function<void(std::vector<torch::Tensor>&)>, agree) = nullptr;
@@ -133,6 +144,9 @@ class PlannedImpl : public torch::nn::Module {
   const Plan* plan() const;
   /// The profile of the stages for the last input's shape, or nullptr.
   const Chain* chain() const;
+  /// The budget in force for the last input's shape (bytes): PlannedOptions::budget, or fit_device's as made
+  /// from that shape's profiling step (-1 before it is planned).
+  int64_t budget_bytes() const;
   /// The predicted step peak above the base for the plan in force (bytes), or -1.
   int64_t predicted_peak_bytes() const;
   /// The measured step peak above the base of the last planned step, to the end of its backward pass
@@ -157,6 +171,12 @@ class PlannedImpl : public torch::nn::Module {
     int64_t steps_before_plan = 0;
     bool profile_loaded = false;  // the chain came from use_profile()
     std::shared_ptr<int64_t> last_peak = std::make_shared<int64_t>(-1);
+    // fit_device: the device's memory when the profiling step began, and the budget made from it (bytes).
+    std::optional<memory::DeviceMemory> at_start;
+    c10::Device device = c10::kCPU;
+    std::shared_ptr<memory::PeakWindow> whole;  // from the profiling step's start to its planning
+    int64_t lost = 0;                           // what the allocator lost to fragmentation in that step
+    int64_t budget = -1;
   };
   using Key = std::vector<std::vector<int64_t>>;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);

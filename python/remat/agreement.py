@@ -6,7 +6,7 @@ import torch
 
 from . import _core
 
-__all__ = ["agree", "agreeing", "check_agree"]
+__all__ = ["agree", "agreeing", "check_agree", "least_room"]
 
 
 def check_agree(agree, who: str):
@@ -51,3 +51,15 @@ def agree(chain, ctx) -> None:
     dist.all_reduce(t_int, op=dist.ReduceOp.MAX)
     dist.all_reduce(t_real, op=dist.ReduceOp.MAX)
     _core.set_plan_figures(chain, ctx, t_int.tolist(), t_real.tolist())
+
+
+def least_room(room: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """A device budget's readings (free, cached, total, lost bytes) agreed on by the ranks: the least free, cached
+    and total, the most lost, so that one plan fits the tightest rank's device. A collective, as agree()."""
+    import torch.distributed as dist
+    free, cached, total, lost = room
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([free, cached, total, -lost], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    free, cached, total, neg_lost = t.tolist()
+    return free, cached, total, -neg_lost

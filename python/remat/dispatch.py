@@ -13,7 +13,6 @@ from .compiled import compiled_call, set_step_key
 from .layer_calls import describe, layer_key, layer_output
 from .layer_offload import carry_out_then
 from .measure_step import Shape, Step, measure_planned_step, profiling_call
-from .meter import meter_for
 from .policies import CHECKPOINT, is_groups, run_layer
 
 if TYPE_CHECKING:
@@ -54,9 +53,7 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     step = lp._step
     if i == 0:
         if step is None or step.shape is not None:  # layers called outside the model's forward
-            meter = meter_for(x.device)
-            grads_none = {id(p) for p in lp._params if p.requires_grad and p.grad is None}
-            step = lp._step = Step(meter, grads_none)
+            step = lp._step = lp._new_step(x.device)
             step.input_in_base = True  # the base is taken here, the layers' input alive
         if step.key is None:  # the layers called outside the model's forward: the first one's shapes
             step.key = ("layer 0", layer_key(fn, args))

@@ -2,6 +2,7 @@
 
     import remat.hf
     remat.hf.enable(model, budget="600MiB")      # instead of model.gradient_checkpointing_enable()
+    remat.hf.enable(model, budget="auto")        # or: fit what the GPU has free (also "90%")
 
 The model's repeated layers (its ``GradientCheckpointingLayer`` modules: BertLayer, GPT2Block,
 LlamaDecoderLayer, ...) are found in module order, and Hugging Face's own checkpointing hook
@@ -87,7 +88,8 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     """Plans `model`'s layers for `budget` and returns the LayerPlan (plan, choices, chain, predicted_peak_bytes,
     last_peak_bytes). docs/python.md has the guide.
 
-    budget: the whole training step's peak above the bytes alive when the forward is called (bytes, or "600MiB").
+    budget: the whole training step's peak above the bytes alive when the forward is called (bytes, or "600MiB"),
+    or a device budget: "auto" (what the GPU has free when the profiling step begins, less a margin) or "90%".
     example: one batch's keyword arguments (with labels): profile and plan now, not at the first training step.
     loss: for a model that returns no loss (BertModel), its outputs -> the loss. plan: a given per-layer plan.
     policies, exclude, agree, offload, max_host_bytes, offload_min_bytes, groups: as remat.enable's.

@@ -24,8 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import _core
-from . import agreement
+from . import _core, agreement, fit
 from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key
@@ -99,7 +98,10 @@ class LayerPlan:
         if (budget is None) == (plan is None):
             raise ValueError(f"{who}: give a budget (planned in place) or a plan (applied as it is), not "
                              f"{'both' if budget is not None else 'neither'}")
-        self.budget = parse_budget(budget, who) if budget is not None else None
+        # A budget in bytes, or a device budget ("auto", "90%"): the fraction of what the device has free when a
+        # profiling step begins (fit.py), each shape's budget made from its own profiling step's reading.
+        self.budget, self.fit = fit.parse_budget_spec(budget, who) if budget is not None else (None, None)
+        self._budget_text = budget if self.fit is not None else None
         if isinstance(policies, dict):
             self.policies = dict(policies)
         else:
@@ -220,17 +222,32 @@ class LayerPlan:
         return _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude, **self.offloads.planner_options())
 
     @property
+    def budget_bytes(self) -> int:
+        """The budget in force for the last input shape (bytes): the one given, or a device budget's ("auto",
+        "90%") as made from that shape's profiling step (-1 before it)."""
+        if self.fit is None:
+            return self.budget if self.budget is not None else -1
+        return self._last.budget if self._last is not None else -1
+
+    @property
     def profiling_steps(self) -> int:
         return self._last.profiling_steps if self._last else 0
 
     def set_budget(self, budget) -> None:
-        """Plans again for another budget (bytes, or a size string) from what was measured, without profiling
-        again: every input shape already profiled gets its new plan at once. Raises remat.InfeasibleBudget
-        naming the least feasible budget when one of them has none (that shape keeps no plan and its next
-        training step raises the same error)."""
+        """Plans again for another budget (bytes, a size string, or a device budget such as "auto" or "90%") from
+        what was measured, without profiling again: every input shape already profiled gets its new plan at
+        once. Raises remat.InfeasibleBudget naming the least feasible budget when one of them has none (that
+        shape keeps no plan and its next training step raises the same error), and ValueError for a device
+        budget when a shape was profiled without reading the device (under a budget in bytes)."""
         if self._fixed is not None:
             raise ValueError(f"{self.who}: this LayerPlan runs a given plan; it has no budget to change")
-        self.budget = parse_budget(budget, self.who)
+        spec = fit.parse_budget_spec(budget, self.who)
+        if spec[1] is not None and any(s.chain is not None and s.room is None for s in self._shapes.values()):
+            raise ValueError(f"{self.who}: set_budget({budget!r}) fits the device as read in each shape's profiling "
+                             "step, but a shape was profiled under a budget in bytes, without that reading; enable "
+                             "with the device budget instead")
+        self.budget, self.fit = spec
+        self._budget_text = budget if self.fit is not None else None
         first_error = None
         for shape in self._shapes.values():
             if shape.chain is None or shape.context is None:
@@ -280,11 +297,18 @@ class LayerPlan:
             # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
-        meter = meter_for(self._device_of(args))
-        grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
-        self._step = Step(meter, grads_none)
+        self._step = self._new_step(self._device_of(args))
         self._step.key = ("model", call_key(args, kwargs))
         set_step_key(self.layers, self._step.key)
+
+    def _new_step(self, device: torch.device) -> Step:
+        """A training step beginning now on `device`: its base read, and with a device budget what the device has
+        (fit.read_device, which raises on a device that has no capacity to fill)."""
+        reading = fit.read_device(device, self.who, self._budget_text) if self.fit is not None else None
+        grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
+        step = Step(meter_for(device), grads_none)
+        step.reading = reading
+        return step
 
     def _device_of(self, args) -> torch.device:
         for a in args:
@@ -304,21 +328,32 @@ class LayerPlan:
         """The end of a profiling step's backward pass: its step context measured, agreed on by the ranks, the
         shape planned."""
         ctx = step_context(self, step, shape)
-        if agreement.agreeing(self.agree, self.who):
+        agreeing = agreement.agreeing(self.agree, self.who)
+        if agreeing:
             agreement.agree(shape.chain, ctx)
+        if self.fit is not None:
+            r = step.reading.room
+            shape.room = (r.free_bytes, r.cached_bytes, r.total_bytes,
+                          fit.lost_bytes(step.reading, max(step.true_peak, step.profiling_peak) - step.base))
+            if agreeing:  # every rank plans for the room of the tightest
+                shape.room = agreement.least_room(shape.room)
         shape.context = ctx
         self._plan_from(shape, ctx)
 
     def _plan_from(self, shape: Shape, ctx):
         chain = shape.chain
+        budget = self.budget
+        if self.fit is not None:
+            budget = shape.budget = fit.fitted_budget(shape.room, self.fit)  # 0 when the margin takes all: refused
         try:
             # Where the model refuses a budget that the profiling step's measured schedule (every layer
             # checkpointed) fits, plan_step falls back to that schedule (ctx.checkpoint_all_peak_bytes).
-            planned = _core.plan_step(chain, ctx, self.budget, "per-layer", self.exclude, **self.offloads.planner_options())
+            planned = _core.plan_step(chain, ctx, max(budget, 1), "per-layer", self.exclude, **self.offloads.planner_options())
         except _core.InfeasibleBudget as e:
             least = e.min_bytes
             err = _core.InfeasibleBudget(
-                f"{self.who}: the budget of {_core.format_bytes(self.budget)} ({self.budget} bytes) is below the "
+                f"{self.who}: the budget of {_core.format_bytes(budget)} ({budget} bytes){self._fitted_words(shape)} "
+                f"is below the "
                 f"least feasible one, {_core.format_bytes(least)} ({least} bytes): the step's peak "
                 f"above the bytes alive when the model's forward is called, with every layer checkpointed (the "
                 f"layers keep their inputs, {_core.format_bytes(chain.input_bytes)} each at the input's size; what "
@@ -326,7 +361,7 @@ class LayerPlan:
                 f"at {_core.format_bytes(ctx.rest_peak_bytes)}; the backward pass allocates "
                 f"{_core.format_bytes(sum(ctx.stage_grads_bytes) + ctx.rest_grads_bytes)} of gradients in the layers and after "
                 "them)")
-            err.budget_bytes = self.budget
+            err.budget_bytes = budget
             err.min_bytes = least
             shape.error = err
             shape.plan = shape.choices = shape.points = None
@@ -340,11 +375,22 @@ class LayerPlan:
         publish(self.layers, shape, self.policies)
 
 
+    def _fitted_words(self, shape: Shape) -> str:
+        """How a device budget's bytes were made, for messages ("" for a budget in bytes)."""
+        if self.fit is None or shape.room is None:
+            return ""
+        free, cached, total, lost = shape.room
+        return (f" (budget={self._budget_text!r}: {self.fit:.0%} of the device's {_core.format_bytes(free)} free "
+                f"+ {_core.format_bytes(cached)} cached by its allocator - {_core.format_bytes(lost)} lost to "
+                f"fragmentation, less a margin of {_core.format_bytes(_core.device_margin(total))})")
+
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
            offload_min_bytes: int = 1 << 20, groups: bool = False) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
-    as the first positional argument) per layer as planned: for `budget` (bytes, or a string such as "300MiB",
+    as the first positional argument) per layer as planned: for `budget` (bytes, a string such as "300MiB", or a
+    device budget, "auto" or "90%": that share of what the CUDA device has free when the profiling step begins,
+    less a margin, remat.fit;
     the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
     training step per input shape), or as a given per-layer `plan` (remat.per_layer's). policies: the selective
     policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).

@@ -95,6 +95,10 @@ class Shape:
         self.profiling_steps = 0
         self.rest_retimed = 0  # planned steps that took the rest's time again (the first RETIMED_STEPS do)
         self.error: Exception | None = None
+        # A device budget's (budget="auto", "90%"): what the device had, (free, held, total, lost) bytes, read in
+        # the profiling step, and the budget in bytes made from it.
+        self.room: tuple[int, int, int, int] | None = None
+        self.budget = -1
 
 
 class Step:
@@ -106,6 +110,7 @@ class Step:
         self.window = meter.window()
         self.base = meter.count()
         self.true_peak = self.base  # the step's own peak (profiling's transients left out)
+        self.profiling_peak = self.base  # the peak of profiling's own runs in the step
         self.grads_none = grads_none  # ids of parameters whose .grad was None when the step began
         self.shape: Shape | None = None
         self.calls: list = []  # profiling: (fn, args, x) per layer
@@ -126,6 +131,7 @@ class Step:
         # made during the layers, its bytes and its gradient's.
         self.before_chain: set[int] = set()
         self.side: dict[int, int] = {}
+        self.reading = None  # a device budget's: what the device had when the step began (fit.read_device)
 
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
         if i == 0:
@@ -237,6 +243,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             if g:
                 add_to_stream(st, fwd=g)
         del stage_fns, inputs, excluded
+        step.profiling_peak = max(step.profiling_peak, step.window.peak())
         step.window.restart()  # profiling's own transients are not the step's
     # The layers' calls are not needed any more: holding their inputs would hold what the plain step frees.
     step.input_bytes = step.calls[0][2].nbytes

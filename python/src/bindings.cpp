@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 #include <remat/planner/chain.h>
+#include <remat/planner/device.h>
 #include <remat/planner/plan.h>
 #include <remat/planner/planner.h>
 #include <remat/planner/report.h>
@@ -466,4 +467,18 @@ NB_MODULE(_core, m) {
       "chain"_a, "plan"_a, "What `remat plan --json` prints for this plan on this chain.");
   m.def("format_bytes", &remat::format_bytes, "bytes"_a);
   m.def("parse_size", &remat::parse_size, "text"_a);
+
+  nb::class_<remat::DeviceRoom>(
+      m, "DeviceRoom",
+      "What a device has for a training step (bytes): free, held by the caching "
+      "allocator beyond its tensors, its capacity, and what the profiling step lost "
+      "to fragmentation (remat/planner/device.h).")
+      .def(nb::init<>())
+      .def_rw("free_bytes", &remat::DeviceRoom::free_bytes)
+      .def_rw("cached_bytes", &remat::DeviceRoom::cached_bytes)
+      .def_rw("total_bytes", &remat::DeviceRoom::total_bytes)
+      .def_rw("lost_bytes", &remat::DeviceRoom::lost_bytes);
+  m.def("device_budget", &remat::device_budget, "room"_a, "fraction"_a);
+  m.def("device_margin", &remat::device_margin, "total_bytes"_a);
+  m.def("parse_device_fraction", &remat::parse_device_fraction, "text"_a);
 }

@@ -37,7 +37,8 @@ class Checkpointable {
   // gradient_checkpointing_enable(PlannedOptions)): the blocks' remat::Planned is made at the first forward
   // pass after this, from the model's stages.
   void enable_planning(PlannedOptions options, const char* who) {
-    TORCH_CHECK(options.budget() > 0, who, ": the budget must be a positive number of bytes, got ",
+    TORCH_CHECK(options.budget() > 0 || options.fit_device() != 0, who,
+                ": the budget must be a positive number of bytes (or PlannedOptions::fit_device), got ",
                 options.budget());
     planned_options_ = std::move(options);
     planned_ = nullptr;

@@ -9,7 +9,10 @@
 
 #ifdef REMAT_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
 
 #include "memory/cuda_meter.h"
 #endif
@@ -73,6 +76,31 @@ int64_t refused_cpu_allocations() {
   return detail::cpu_meter_refused();
 }
 }  // namespace testing
+
+DeviceMemory device_memory(c10::Device device) {
+#ifdef REMAT_WITH_CUDA
+  TORCH_CHECK(device.is_cuda(), "remat::memory::device_memory: ", device,
+              " is not a CUDA device; a CPU has no capacity of its own to fill");
+  const int index = cuda_index(device);
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  size_t free = 0, total = 0;
+  {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(index));
+    C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  }
+  DeviceMemory m;
+  m.free_bytes = static_cast<int64_t>(free);
+  m.total_bytes = static_cast<int64_t>(total);
+  m.reserved_bytes = stats.reserved_bytes[kAggregate].current;
+  m.allocated_bytes = stats.allocated_bytes[kAggregate].current;
+  return m;
+#else
+  TORCH_CHECK(false, "remat::memory::device_memory: ", device,
+              (device.is_cpu() ? " is not a CUDA device; a CPU has no capacity of its own to fill"
+                               : " is not readable: this remat was built against a LibTorch without CUDA"));
+  return DeviceMemory{};
+#endif
+}
 
 int64_t active_bytes(c10::Device device) {
   check_device(device);

@@ -13,6 +13,7 @@
 
 #include "remat/memory.h"
 #include "remat/planner/chain.h"
+#include "remat/planner/device.h"
 #include "remat/planner/step.h"
 #include "remat/profile.h"
 
@@ -47,8 +48,14 @@ PlannedImpl::PlannedImpl(std::vector<ArgsStageFn> stages, PlannedOptions options
   TORCH_CHECK(!stages_.empty(), kWho, ": no stages");
   for (size_t i = 0; i < stages_.size(); ++i)
     TORCH_CHECK(stages_[i].fn, kWho, ": stage ", i, " ('", stages_[i].name, "') has no function");
-  TORCH_CHECK(options_.budget() > 0, kWho, ": the budget must be a positive number of bytes, got ",
-              options_.budget());
+  const bool fit = options_.fit_device() != 0;
+  TORCH_CHECK(!fit || (options_.fit_device() > 0 && options_.fit_device() <= 1), kWho,
+              ": fit_device must be a share in (0, 1] of what the device has, got ", options_.fit_device());
+  TORCH_CHECK(fit || options_.budget() > 0, kWho, ": the budget must be a positive number of bytes, got ",
+              options_.budget(), " (or fit the device: PlannedOptions::fit_device)");
+  TORCH_CHECK(!fit || options_.budget() == 0, kWho,
+              ": give a budget in bytes or fit_device, not both (budget ", options_.budget(), ", fit_device ",
+              options_.fit_device(), ")");
   TORCH_CHECK(options_.profile_repeats() >= 1, kWho, ": profile_repeats must be >= 1, got ",
               options_.profile_repeats());
   TORCH_CHECK(options_.offload_min_bytes() >= 0, kWho, ": offload_min_bytes must be >= 0 (bytes), got ",
@@ -121,6 +128,18 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
                 " but the input of that shape has ", x.nbytes(), " bytes");
   if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
   if (!shape.plan) {
+    if (options_.fit_device() != 0) {
+      // What the device has, read before anything of the step runs (a CPU has nothing to read: an error that
+      // leaves the model as it was).
+      TORCH_CHECK(options_.read_device() || device.is_cuda(), kWho, ": fit_device fits the step to a CUDA ",
+                  "device's free memory, but this input is on ", device,
+                  ", which has no capacity of its own to fill; give PlannedOptions::budget in bytes instead");
+      shape.at_start =
+          options_.read_device() ? options_.read_device()(device) : memory::device_memory(device);
+      shape.device = device;
+      shape.whole =
+          std::make_shared<memory::PeakWindow>(device);  // the step's peak, profiling's runs included
+    }
     ++shape.steps_before_plan;
     return profiling_step(shape, stages, x);
   }
@@ -160,9 +179,9 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
                           .offload_min_bytes(options_.planner().offload ? options_.offload_min_bytes() : -1)
                           .groups(options_.groups()));
   }
-  // Every stage checkpointed (the profiler's own memory bound), read at the points remat/planner/step.h names:
-  // StepReadings, which step_context() turns into the step's model, as the Python package does. The base is
-  // the count here, the stages' input alive (the budget counts from forward()).
+  // Every stage checkpointed (the profiler's own memory bound), read at the points remat/planner/step.h
+  // names: StepReadings, which step_context() turns into the step's model, as the Python package does. The
+  // base is the count here, the stages' input alive (the budget counts from forward()).
   auto step = std::make_shared<memory::PeakWindow>(device);
   auto readings = std::make_shared<StepReadings>();
   readings->input_in_base = true;
@@ -242,17 +261,59 @@ void PlannedImpl::make_plan(Shape& shape) {
     (*shape.rest)->peak_bytes = context.rest_peak_bytes;
     (*shape.rest)->ms = context.rest_ms;
   }
+  int64_t budget = options_.budget();
+  std::string fitted;  // how fit_device's budget was made, for the message
+  if (options_.fit_device() != 0) {
+    const memory::DeviceMemory& s = *shape.at_start;
+    if (shape.whole) {
+      // What the allocator holds now beyond what it needed: what it held when the step began, or the step's
+      // peak of tensors above them, whichever is more. Read once, at the first planning after the step.
+      const memory::DeviceMemory now =
+          options_.read_device() ? options_.read_device()(shape.device) : memory::device_memory(shape.device);
+      shape.lost = std::max<int64_t>(
+          0,
+          now.reserved_bytes - std::max(s.reserved_bytes, s.allocated_bytes + shape.whole->peak_over_base()));
+      shape.whole.reset();
+    }
+    DeviceRoom room;
+    room.free_bytes = s.free_bytes;
+    room.cached_bytes = std::max<int64_t>(0, s.reserved_bytes - s.allocated_bytes);
+    room.total_bytes = s.total_bytes;
+    room.lost_bytes = shape.lost;
+    if (options_.agree()) {
+      // One plan for the tightest rank's device: agree's maximum of the negated room is the least.
+      std::vector<torch::Tensor> numbers{torch::tensor(
+          std::vector<int64_t>{-room.free_bytes, -room.cached_bytes, -room.total_bytes, room.lost_bytes},
+          torch::kInt64)};
+      options_.agree()(numbers);
+      TORCH_CHECK(numbers.size() == 1 && numbers[0].numel() == 4, kWho,
+                  ": PlannedOptions::agree changed the number of values");
+      const torch::Tensor r = numbers[0].to(torch::kInt64).contiguous();
+      room.free_bytes = -r[0].item<int64_t>();
+      room.cached_bytes = -r[1].item<int64_t>();
+      room.total_bytes = -r[2].item<int64_t>();
+      room.lost_bytes = r[3].item<int64_t>();
+    }
+    try {
+      budget = shape.budget = device_budget(room, options_.fit_device());
+    } catch (const std::invalid_argument& e) {
+      TORCH_CHECK(false, kWho, ": ", e.what());
+    }
+    fitted = c10::str(" (fit_device ", options_.fit_device(), " of the device's ", room.free_bytes,
+                      " bytes free + ", room.cached_bytes, " cached by its allocator - ", room.lost_bytes,
+                      " lost to fragmentation, less a margin of ", device_margin(room.total_bytes), ")");
+  }
   try {
     // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
     // (recomputation across stages).
     const bool per_layer = options_.planner().offload || options_.groups();
-    StepPlan planned =
-        plan_step(chain, context, options_.budget(), per_layer ? "per-layer" : "optimal", options_.planner());
+    StepPlan planned = plan_step(chain, context, std::max<int64_t>(budget, 1),
+                                 per_layer ? "per-layer" : "optimal", options_.planner());
     shape.plan = std::move(planned.plan);
     shape.predicted = planned.step_peak_bytes;
   } catch (const InfeasibleBudget& e) {
     TORCH_CHECK(
-        false, kWho, ": the budget of ", options_.budget(), " bytes is below the least feasible one, ",
+        false, kWho, ": the budget of ", budget, " bytes", fitted, " is below the least feasible one, ",
         e.min_bytes(),
         " bytes (the step's peak above the bytes alive when forward() is called, with the rest of the "
         "step measured at ",
@@ -270,6 +331,10 @@ const Plan* PlannedImpl::plan() const {
 }
 const Chain* PlannedImpl::chain() const {
   return last_ && last_->chain ? &*last_->chain : nullptr;
+}
+int64_t PlannedImpl::budget_bytes() const {
+  if (options_.fit_device() == 0) return options_.budget();
+  return last_ ? last_->budget : -1;
 }
 int64_t PlannedImpl::predicted_peak_bytes() const {
   return last_ ? last_->predicted : -1;

@@ -1,0 +1,48 @@
+#pragma once
+/// \file
+/// A budget that names the device instead of bytes (device.cpp): "auto" or "90%", turned into bytes from what
+/// the device has free when a training step begins. One rule for the C++ library (PlannedOptions::fit_device)
+/// and the Python package (budget="auto"). No torch headers.
+///
+///   std::optional<double> f = remat::parse_device_fraction("90%");   // 0.9; "auto" is 1.0; "300MiB": none
+///   remat::DeviceRoom room{free, cached, total, lost};                   // read by the runtime
+///   int64_t budget = remat::device_budget(room, *f);                   // bytes, above the step's base
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace remat {
+
+/// What a device has for a training step, in bytes, read by the runtime when the step begins (after what the
+/// step's base holds is allocated) and, for lost_bytes, when its first step has run.
+struct DeviceRoom {
+  /// Free on the device (CUDA's cudaMemGetInfo): neither this process's caching allocator nor any other
+  /// holds it.
+  int64_t free_bytes = 0;
+  /// Cached by this process's caching allocator beyond what tensors occupy (reserved - allocated): the step's
+  /// tensors reuse it.
+  int64_t cached_bytes = 0;
+  /// The device's capacity.
+  int64_t total_bytes = 0;
+  /// What the allocator lost to fragmentation in the profiling step: its reserved bytes at the step's end
+  /// beyond the most the step's tensors occupied at once (never negative). 0 before it is measured.
+  int64_t lost_bytes = 0;
+};
+
+/// The margin device_budget() keeps free (bytes): 2% of the device's capacity, at least 256 MiB, for what no
+/// reading shows (the CUDA context and libraries' workspaces allocated later, other processes' growth).
+int64_t device_margin(int64_t total_bytes);
+
+/// The budget for a step on a device with `room` (bytes, above the step's base): `fraction` of what the step
+/// can use (free_bytes + cached_bytes - lost_bytes), less device_margin(total_bytes); at least 0. Throws
+/// std::invalid_argument naming remat::device_budget for a fraction outside (0, 1], or negative or
+/// inconsistent readings (free + cached above total).
+int64_t device_budget(const DeviceRoom& room, double fraction);
+
+/// The fraction a device budget names: "auto" is 1.0 (all the device has free, less the margin), "N%" is
+/// N / 100 for 0 < N <= 100 ("90%", "12.5%"). nullopt for any other text (a size such as "300MiB" is bytes,
+/// not a device budget). Throws std::invalid_argument naming the text for a percentage outside (0, 100].
+std::optional<double> parse_device_fraction(const std::string& text);
+
+}  // namespace remat

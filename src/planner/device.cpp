@@ -1,0 +1,52 @@
+// Budgets that name the device (remat/planner/device.h).
+
+#include "remat/planner/device.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace remat {
+
+int64_t device_margin(int64_t total_bytes) {
+  return std::max<int64_t>(int64_t{256} << 20, static_cast<int64_t>(std::ceil(0.02 * total_bytes)));
+}
+
+int64_t device_budget(const DeviceRoom& room, double fraction) {
+  const std::string who = "remat::device_budget";
+  if (!(fraction > 0 && fraction <= 1))
+    throw std::invalid_argument(who + ": the fraction must be in (0, 1], got " + std::to_string(fraction));
+  if (room.free_bytes < 0 || room.cached_bytes < 0 || room.total_bytes <= 0 || room.lost_bytes < 0 ||
+      room.free_bytes + room.cached_bytes > room.total_bytes)
+    throw std::invalid_argument(
+        who + ": the device's readings are not a device's: free " + std::to_string(room.free_bytes) +
+        ", cached " + std::to_string(room.cached_bytes) + ", total " + std::to_string(room.total_bytes) +
+        ", lost " + std::to_string(room.lost_bytes) + " bytes");
+  const int64_t usable = std::max<int64_t>(0, room.free_bytes + room.cached_bytes - room.lost_bytes);
+  const auto share = static_cast<int64_t>(std::floor(fraction * static_cast<double>(usable)));
+  return std::max<int64_t>(0, share - device_margin(room.total_bytes));
+}
+
+std::optional<double> parse_device_fraction(const std::string& text) {
+  std::string t;
+  for (char c : text)
+    if (!std::isspace(static_cast<unsigned char>(c))) t += static_cast<char>(std::tolower(c));
+  if (t == "auto") return 1.0;
+  if (t.empty() || t.back() != '%') return std::nullopt;
+  const std::string number = t.substr(0, t.size() - 1);
+  size_t used = 0;
+  double n = 0;
+  try {
+    n = std::stod(number, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != number.size() || !std::isfinite(n) || n <= 0 || n > 100)
+    throw std::invalid_argument("remat: the device budget '" + text +
+                                "' is not a percentage in (0%, 100%] (or \"auto\")");
+  return n / 100;
+}
+
+}  // namespace remat

@@ -1,0 +1,63 @@
+// Budgets that name the device (remat/planner/device.h): the one rule both languages fit a device with.
+
+#include <gtest/gtest.h>
+#include <remat/planner/device.h>
+
+#include <stdexcept>
+
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+TEST(DeviceBudget, IsTheFractionOfWhatTheStepCanUseLessTheMargin) {
+  // An 80 GiB card with 60 GiB free and 4 GiB cached by the allocator: 64 GiB usable, 2% of 80 GiB kept.
+  remat::DeviceRoom room{60 * kGiB, 4 * kGiB, 80 * kGiB, 0};
+  const int64_t margin = remat::device_margin(80 * kGiB);
+  EXPECT_EQ(margin, static_cast<int64_t>(0.02 * 80 * kGiB) + 1);  // ceil: 80 GiB * 2% is not whole bytes
+  EXPECT_EQ(remat::device_budget(room, 1.0), 64 * kGiB - margin);
+  EXPECT_EQ(remat::device_budget(room, 0.5), 32 * kGiB - margin);
+  // What the profiling step lost to fragmentation is not the step's.
+  room.lost_bytes = 3 * kGiB;
+  EXPECT_EQ(remat::device_budget(room, 1.0), 61 * kGiB - margin);
+  // A small device keeps at least 256 MiB, and a budget is never negative.
+  EXPECT_EQ(remat::device_margin(4 * kGiB), 256 * kMiB);
+  EXPECT_EQ(remat::device_budget(remat::DeviceRoom{100 * kMiB, 0, 4 * kGiB, 0}, 1.0), 0);
+}
+
+TEST(DeviceBudget, RefusesReadingsNoDeviceGivesAndFractionsOutsideOne) {
+  const remat::DeviceRoom room{kGiB, 0, 2 * kGiB, 0};
+  for (double f : {0.0, -0.5, 1.5}) {
+    try {
+      remat::device_budget(room, f);
+      ADD_FAILURE() << f;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("remat::device_budget: the fraction"), std::string::npos)
+          << e.what();
+    }
+  }
+  EXPECT_THROW(remat::device_budget(remat::DeviceRoom{2 * kGiB, kGiB, 2 * kGiB, 0}, 1.0),
+               std::invalid_argument);
+  EXPECT_THROW(remat::device_budget(remat::DeviceRoom{-1, 0, 2 * kGiB, 0}, 1.0), std::invalid_argument);
+  EXPECT_THROW(remat::device_budget(remat::DeviceRoom{0, 0, 0, 0}, 1.0), std::invalid_argument);
+}
+
+TEST(DeviceBudget, ParsesAutoAndPercentagesAndLeavesSizesAlone) {
+  EXPECT_EQ(remat::parse_device_fraction("auto"), 1.0);
+  EXPECT_EQ(remat::parse_device_fraction(" AUTO "), 1.0);
+  EXPECT_DOUBLE_EQ(*remat::parse_device_fraction("90%"), 0.9);
+  EXPECT_DOUBLE_EQ(*remat::parse_device_fraction("12.5%"), 0.125);
+  EXPECT_DOUBLE_EQ(*remat::parse_device_fraction("100%"), 1.0);
+  EXPECT_FALSE(remat::parse_device_fraction("300MiB").has_value());
+  EXPECT_FALSE(remat::parse_device_fraction("1024").has_value());
+  for (const char* bad : {"0%", "150%", "-5%", "x%", "%"}) {
+    try {
+      remat::parse_device_fraction(bad);
+      ADD_FAILURE() << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
+  }
+}
+
+}  // namespace

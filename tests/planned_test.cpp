@@ -96,6 +96,17 @@ void expect_equal(const Step& a, const Step& b, const std::string& what) {
     EXPECT_TRUE(torch::equal(a.grads[i], b.grads[i])) << what << ": gradient " << i;
 }
 
+// One step of each net from the same seed, the planned one's loss, gradients and next draw against the plain
+// one's.
+void expect_step_as_plain(Net& plain, Net& net, const torch::Tensor& x, uint64_t seed,
+                          const std::string& what) {
+  torch::manual_seed(seed);
+  const Step a = step(plain, x);
+  torch::manual_seed(seed);
+  const Step b = step(net, x);
+  expect_equal(a, b, what);
+}
+
 class PlannedTest : public ::testing::Test {
  protected:
   void SetUp() override { remat::memory::track_cpu(); }
@@ -126,11 +137,7 @@ TEST_F(PlannedTest, EveryStepIsThePlainRunsAndThePlanComesAfterOneProfilingStep)
       "planned",
       remat::Planned(remat::stages_at<BlockImpl>(*planned, {"h"}), remat::PlannedOptions().budget(budget)));
   for (int s = 0; s < 4; ++s) {
-    torch::manual_seed(100 + s);
-    const Step a = step(plain, x);
-    torch::manual_seed(100 + s);
-    const Step b = step(planned, x);
-    expect_equal(a, b, "step " + std::to_string(s));
+    expect_step_as_plain(plain, planned, x, 100 + s, "step " + std::to_string(s));
     if (s == 0) EXPECT_FALSE((*planned->planned)->is_planned());
     if (s >= 1) {
       EXPECT_TRUE((*planned->planned)->is_planned()) << "step " << s;
@@ -316,11 +323,7 @@ TEST_F(PlannedTest, FittingTheDevicePlansForWhatItHasFreeAsThatBudgetInBytesWoul
   net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
                                 remat::PlannedOptions().fit_device(1.0).read_device(device));
   for (int s = 0; s < 3; ++s) {
-    torch::manual_seed(400 + s);
-    const Step a = step(plain, x);
-    torch::manual_seed(400 + s);
-    const Step b = step(net, x);
-    expect_equal(a, b, "step " + std::to_string(s));
+    expect_step_as_plain(plain, net, x, 400 + s, "step " + std::to_string(s));
   }
   const remat::PlannedImpl& p = **net->planned;
   ASSERT_TRUE(p.is_planned());
@@ -405,11 +408,7 @@ TEST_F(PlannedTest, ASavedProfileIsUsedInsteadOfProfilingAndGivesTheSamePlan) {
   (*net->planned)->use_profile({blocks_input}, saved);
   for (int s = 0; s < 3; ++s) {
     *calls = 0;
-    torch::manual_seed(300 + s);
-    const Step a = step(plain, x);
-    torch::manual_seed(300 + s);
-    const Step b = step(net, x);
-    expect_equal(a, b, "step " + std::to_string(s));
+    expect_step_as_plain(plain, net, x, 300 + s, "step " + std::to_string(s));
     // Step 0 runs every stage checkpointed (a forward and a recompute each), no profiling runs.
     if (s == 0) EXPECT_EQ(calls->load(), 2 * depth);
   }

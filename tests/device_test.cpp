@@ -25,6 +25,19 @@ TEST(DeviceBudget, IsTheFractionOfWhatTheStepCanUseLessTheMargin) {
   EXPECT_EQ(remat::device_budget(remat::DeviceRoom{100 * kMiB, 0, 4 * kGiB, 0}, 1.0), 0);
 }
 
+TEST(DeviceBudget, FragmentationIsWhatTheAllocatorReservedBeyondWhatTheStepNeeded) {
+  // 2 GiB reserved, 1 GiB of it occupied when the step began: a step peaking 3 GiB above that needed 4 GiB.
+  EXPECT_EQ(remat::lost_to_fragmentation(2 * kGiB, kGiB, 3 * kGiB, 5 * kGiB), kGiB);
+  EXPECT_EQ(remat::lost_to_fragmentation(2 * kGiB, kGiB, 3 * kGiB, 4 * kGiB), 0);
+  // A step that fitted in what was reserved already lost what the allocator reserved on top.
+  EXPECT_EQ(remat::lost_to_fragmentation(8 * kGiB, kGiB, kGiB, 9 * kGiB), kGiB);
+  EXPECT_EQ(remat::lost_to_fragmentation(8 * kGiB, kGiB, kGiB, 8 * kGiB), 0);
+  EXPECT_EQ(
+      remat::describe_room(remat::DeviceRoom{3 * kGiB / 2, 4096, 4 * kGiB, 0}),
+      "the device's 1.50 GiB free + 4.00 KiB cached by its allocator - 0 B lost to fragmentation, less a "
+      "margin of 256.0 MiB");
+}
+
 TEST(DeviceBudget, RefusesReadingsNoDeviceGivesAndFractionsOutsideOne) {
   const remat::DeviceRoom room{kGiB, 0, 2 * kGiB, 0};
   for (double f : {0.0, -0.5, 1.5}) {

@@ -181,6 +181,8 @@ class PlannedImpl : public torch::nn::Module {
   using Key = std::vector<std::vector<int64_t>>;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);
   void make_plan(Shape& shape);
+  // fit_device's reading of the device: PlannedOptions::read_device, or remat::memory::device_memory.
+  memory::DeviceMemory read_device(c10::Device device) const;
   std::vector<StageFn> bind(const std::vector<torch::Tensor>& args) const;
   bool training_now() const;
 

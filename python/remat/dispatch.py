@@ -53,11 +53,11 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     step = lp._step
     if i == 0:
         if step is None or step.shape is not None:  # layers called outside the model's forward
-            step = lp._step = lp._new_step(x.device)
+            key = ("layer 0", layer_key(fn, args))  # outside the model's forward: the first layer's shapes
+            step = lp._step = lp._new_step(x.device, key)
             step.input_in_base = True  # the base is taken here, the layers' input alive
-        if step.key is None:  # the layers called outside the model's forward: the first one's shapes
-            step.key = ("layer 0", layer_key(fn, args))
-            set_step_key(lp.layers, step.key)
+            step.key = key
+            set_step_key(lp.layers, key)
         key = step.key
         shape = lp._shapes.setdefault(key, Shape(key))
         step.shape = shape

@@ -19,7 +19,8 @@ import torch
 
 from . import _core
 
-__all__ = ["DeviceReading", "fitted_budget", "lost_bytes", "parse_budget_spec", "pretend_device", "read_device"]
+__all__ = ["DeviceReading", "fitted_budget", "lost_bytes", "parse_budget", "parse_budget_spec", "pretend_device",
+           "read_device"]
 
 _pretended: dict | None = None
 
@@ -35,6 +36,26 @@ def pretend_device(free_bytes: int, total_bytes: int, cached_bytes: int = 0):
         yield
     finally:
         _pretended = before
+
+
+def parse_budget(budget, who: str) -> int:
+    """A budget in bytes: an int, or a string with a unit ("300MiB", "1.5GiB"). Raises ValueError naming `who`
+    and the value otherwise, or when it is not positive."""
+    if isinstance(budget, bool):
+        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got {budget!r}")
+    if isinstance(budget, str):
+        try:
+            value = _core.parse_size(budget)
+        except ValueError as e:
+            raise ValueError(f"{who}: the budget '{budget}' is not a size ({e})") from None
+    elif isinstance(budget, int):
+        value = budget
+    else:
+        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got "
+                        f"{type(budget).__name__} {budget!r}")
+    if value <= 0:
+        raise ValueError(f"{who}: the budget must be a positive number of bytes, got {budget!r}")
+    return value
 
 
 @dataclass
@@ -57,7 +78,6 @@ def parse_budget_spec(budget, who: str) -> tuple[int | None, float | None]:
             raise ValueError(f"{who}: {e}") from None
         if fraction is not None:
             return None, fraction
-    from .layer_plan import parse_budget
     return parse_budget(budget, who), None
 
 
@@ -85,13 +105,22 @@ def lost_bytes(reading: DeviceReading, peak_over_base: int) -> int:
     cached then, or the step's peak of tensors, whichever is more). 0 when pretended."""
     if reading.reserved is None:
         return 0
-    reserved = torch.cuda.memory_reserved(reading.device)
-    return max(0, reserved - max(reading.reserved, reading.allocated + peak_over_base))
+    return _core.lost_to_fragmentation(reading.reserved, reading.allocated, peak_over_base,
+                                       torch.cuda.memory_reserved(reading.device))
+
+
+def _room(room: tuple[int, int, int, int]) -> _core.DeviceRoom:
+    r = _core.DeviceRoom()
+    r.free_bytes, r.cached_bytes, r.total_bytes, r.lost_bytes = room
+    return r
 
 
 def fitted_budget(room: tuple[int, int, int, int], fraction: float) -> int:
     """The budget in bytes for `fraction` of what a device had, room = (free, cached, total, lost) bytes
     (remat._core.device_budget)."""
-    r = _core.DeviceRoom()
-    r.free_bytes, r.cached_bytes, r.total_bytes, r.lost_bytes = room
-    return _core.device_budget(r, fraction)
+    return _core.device_budget(_room(room), fraction)
+
+
+def describe(room: tuple[int, int, int, int]) -> str:
+    """The room for people (remat._core.describe_room: the words C++'s messages use too)."""
+    return _core.describe_room(_room(room))

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import _core, agreement, fit
+from .fit import parse_budget
 from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key
@@ -34,26 +35,6 @@ from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
-
-
-def parse_budget(budget, who: str) -> int:
-    """A budget in bytes: an int, or a string with a unit ("300MiB", "1.5GiB"). Raises ValueError naming `who`
-    and the value otherwise, or when it is not positive."""
-    if isinstance(budget, bool):
-        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got {budget!r}")
-    if isinstance(budget, str):
-        try:
-            value = _core.parse_size(budget)
-        except ValueError as e:
-            raise ValueError(f"{who}: the budget '{budget}' is not a size ({e})") from None
-    elif isinstance(budget, int):
-        value = budget
-    else:
-        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got "
-                        f"{type(budget).__name__} {budget!r}")
-    if value <= 0:
-        raise ValueError(f"{who}: the budget must be a positive number of bytes, got {budget!r}")
-    return value
 
 
 class LayerPlan:
@@ -297,14 +278,18 @@ class LayerPlan:
             # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
-        self._step = self._new_step(self._device_of(args))
-        self._step.key = ("model", call_key(args, kwargs))
-        set_step_key(self.layers, self._step.key)
+        key = ("model", call_key(args, kwargs))
+        self._step = self._new_step(self._device_of(args), key)
+        self._step.key = key
+        set_step_key(self.layers, key)
 
-    def _new_step(self, device: torch.device) -> Step:
-        """A training step beginning now on `device`: its base read, and with a device budget what the device has
-        (fit.read_device, which raises on a device that has no capacity to fill)."""
-        reading = fit.read_device(device, self.who, self._budget_text) if self.fit is not None else None
+    def _new_step(self, device: torch.device, key) -> Step:
+        """The training step under `key` beginning now on `device`: its base read, and, with a device budget and
+        no profile yet for that key (a step that profiles), what the device has (fit.read_device, which raises on
+        a device that has no capacity to fill)."""
+        shape = self._shapes.get(key)
+        profiles = shape is None or shape.chain is None
+        reading = fit.read_device(device, self.who, self._budget_text) if self.fit is not None and profiles else None
         grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
         step = Step(meter_for(device), grads_none)
         step.reading = reading
@@ -379,10 +364,7 @@ class LayerPlan:
         """How a device budget's bytes were made, for messages ("" for a budget in bytes)."""
         if self.fit is None or shape.room is None:
             return ""
-        free, cached, total, lost = shape.room
-        return (f" (budget={self._budget_text!r}: {self.fit:.0%} of the device's {_core.format_bytes(free)} free "
-                f"+ {_core.format_bytes(cached)} cached by its allocator - {_core.format_bytes(lost)} lost to "
-                f"fragmentation, less a margin of {_core.format_bytes(_core.device_margin(total))})")
+        return f" (budget={self._budget_text!r}: {self.fit:.0%} of {fit.describe(shape.room)})"
 
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,

@@ -480,5 +480,8 @@ NB_MODULE(_core, m) {
       .def_rw("lost_bytes", &remat::DeviceRoom::lost_bytes);
   m.def("device_budget", &remat::device_budget, "room"_a, "fraction"_a);
   m.def("device_margin", &remat::device_margin, "total_bytes"_a);
+  m.def("lost_to_fragmentation", &remat::lost_to_fragmentation, "reserved_then"_a, "allocated_then"_a,
+        "peak_over_then"_a, "reserved_now"_a);
+  m.def("describe_room", &remat::describe_room, "room"_a);
   m.def("parse_device_fraction", &remat::parse_device_fraction, "text"_a);
 }

@@ -8,10 +8,23 @@
 #include <stdexcept>
 #include <string>
 
+#include "remat/planner/units.h"
+
 namespace remat {
 
 int64_t device_margin(int64_t total_bytes) {
   return std::max<int64_t>(int64_t{256} << 20, static_cast<int64_t>(std::ceil(0.02 * total_bytes)));
+}
+
+int64_t lost_to_fragmentation(int64_t reserved_then, int64_t allocated_then, int64_t peak_over_then,
+                              int64_t reserved_now) {
+  return std::max<int64_t>(0, reserved_now - std::max(reserved_then, allocated_then + peak_over_then));
+}
+
+std::string describe_room(const DeviceRoom& room) {
+  return "the device's " + format_bytes(room.free_bytes) + " free + " + format_bytes(room.cached_bytes) +
+         " cached by its allocator - " + format_bytes(room.lost_bytes) +
+         " lost to fragmentation, less a margin of " + format_bytes(device_margin(room.total_bytes));
 }
 
 int64_t device_budget(const DeviceRoom& room, double fraction) {

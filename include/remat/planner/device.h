@@ -34,6 +34,16 @@ struct DeviceRoom {
 /// reading shows (the CUDA context and libraries' workspaces allocated later, other processes' growth).
 int64_t device_margin(int64_t total_bytes);
 
+/// What a caching allocator lost to fragmentation in a step (bytes, >= 0): its reserved bytes now beyond what
+/// it needed, which is what it had reserved when the step began, or what tensors occupied then plus the
+/// step's peak above that (peak_over_then), whichever is more. The runtimes read the four numbers.
+int64_t lost_to_fragmentation(int64_t reserved_then, int64_t allocated_then, int64_t peak_over_then,
+                              int64_t reserved_now);
+
+/// `room` for people, as the messages of both languages give it: "the device's 1.20 GiB free + 4.00 KiB
+/// cached by its allocator - 0 B lost to fragmentation, less a margin of 256.0 MiB".
+std::string describe_room(const DeviceRoom& room);
+
 /// The budget for a step on a device with `room` (bytes, above the step's base): `fraction` of what the step
 /// can use (free_bytes + cached_bytes - lost_bytes), less device_margin(total_bytes); at least 0. Throws
 /// std::invalid_argument naming remat::device_budget for a fraction outside (0, 1], or negative or

@@ -134,8 +134,7 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
       TORCH_CHECK(options_.read_device() || device.is_cuda(), kWho, ": fit_device fits the step to a CUDA ",
                   "device's free memory, but this input is on ", device,
                   ", which has no capacity of its own to fill; give PlannedOptions::budget in bytes instead");
-      shape.at_start =
-          options_.read_device() ? options_.read_device()(device) : memory::device_memory(device);
+      shape.at_start = read_device(device);
       shape.device = device;
       shape.whole =
           std::make_shared<memory::PeakWindow>(device);  // the step's peak, profiling's runs included
@@ -266,13 +265,9 @@ void PlannedImpl::make_plan(Shape& shape) {
   if (options_.fit_device() != 0) {
     const memory::DeviceMemory& s = *shape.at_start;
     if (shape.whole) {
-      // What the allocator holds now beyond what it needed: what it held when the step began, or the step's
-      // peak of tensors above them, whichever is more. Read once, at the first planning after the step.
-      const memory::DeviceMemory now =
-          options_.read_device() ? options_.read_device()(shape.device) : memory::device_memory(shape.device);
-      shape.lost = std::max<int64_t>(
-          0,
-          now.reserved_bytes - std::max(s.reserved_bytes, s.allocated_bytes + shape.whole->peak_over_base()));
+      // Read once, at the first planning after the step (the profiler's runs in the step's peak).
+      shape.lost = lost_to_fragmentation(s.reserved_bytes, s.allocated_bytes, shape.whole->peak_over_base(),
+                                         read_device(shape.device).reserved_bytes);
       shape.whole.reset();
     }
     DeviceRoom room;
@@ -299,9 +294,7 @@ void PlannedImpl::make_plan(Shape& shape) {
     } catch (const std::invalid_argument& e) {
       TORCH_CHECK(false, kWho, ": ", e.what());
     }
-    fitted = c10::str(" (fit_device ", options_.fit_device(), " of the device's ", room.free_bytes,
-                      " bytes free + ", room.cached_bytes, " cached by its allocator - ", room.lost_bytes,
-                      " lost to fragmentation, less a margin of ", device_margin(room.total_bytes), ")");
+    fitted = c10::str(" (fit_device ", options_.fit_device(), " of ", describe_room(room), ")");
   }
   try {
     // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
@@ -331,6 +324,9 @@ const Plan* PlannedImpl::plan() const {
 }
 const Chain* PlannedImpl::chain() const {
   return last_ && last_->chain ? &*last_->chain : nullptr;
+}
+memory::DeviceMemory PlannedImpl::read_device(c10::Device device) const {
+  return options_.read_device() ? options_.read_device()(device) : memory::device_memory(device);
 }
 int64_t PlannedImpl::budget_bytes() const {
   if (options_.fit_device() == 0) return options_.budget();

@@ -3,11 +3,13 @@
 // Everything that touches torch (profiling, applying plans, Hugging Face) is Python beside it, in the remat
 // package.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/function.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+#include <remat/planner/batch.h>
 #include <remat/planner/chain.h>
 #include <remat/planner/device.h>
 #include <remat/planner/plan.h>
@@ -484,4 +486,14 @@ NB_MODULE(_core, m) {
         "peak_over_then"_a, "reserved_now"_a);
   m.def("describe_room", &remat::describe_room, "room"_a);
   m.def("parse_device_fraction", &remat::parse_device_fraction, "text"_a);
+
+  m.def(
+      "chain_at_batch", &remat::chain_at_batch, "a"_a, "batch_a"_a, "b"_a, "batch_b"_a, "batch"_a,
+      "The chain at `batch` on the line through profiles at two batches (remat/planner/batch.h); ValueError "
+      "when they are not of one chain.");
+  m.def("context_at_batch", &remat::context_at_batch, "a"_a, "batch_a"_a, "b"_a, "batch_b"_a, "batch"_a,
+        "The step context at `batch`, as chain_at_batch carries the chain.");
+  m.def("largest_batch", &remat::largest_batch, "fits"_a, "limit"_a,
+        "The largest batch in [1, limit] that fits(batch) accepts, for a fits that accepts every batch below "
+        "one it accepts (0 when fits(1) is false).");
 }

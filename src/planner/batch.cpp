@@ -1,0 +1,181 @@
+// The largest batch (remat/planner/batch.h): profiles carried to another batch size, and the search.
+
+#include "remat/planner/batch.h"
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+namespace remat {
+namespace {
+
+// The line through (batch_a, va) and (batch_b, vb), read at batch.
+struct Line {
+  int64_t batch_a, batch_b, batch;
+  double at(double va, double vb) const {
+    return va + (vb - va) * double(batch - batch_a) / double(batch_b - batch_a);
+  }
+  int64_t bytes(int64_t va, int64_t vb) const {
+    return std::max<int64_t>(0, std::llround(at(double(va), double(vb))));
+  }
+  double ms(double va, double vb) const { return std::max(0.0, at(va, vb)); }
+  std::optional<double> ms(const std::optional<double>& va, const std::optional<double>& vb) const {
+    if (!va || !vb) return std::nullopt;
+    return ms(*va, *vb);
+  }
+};
+
+void check_batches(const char* who, int64_t batch_a, int64_t batch_b, int64_t batch) {
+  if (batch_a < 1 || batch_b < 1 || batch < 1)
+    throw std::invalid_argument(std::string(who) + ": batches must be >= 1, got " + std::to_string(batch_a) +
+                                ", " + std::to_string(batch_b) + " and " + std::to_string(batch));
+  if (batch_a == batch_b)
+    throw std::invalid_argument(std::string(who) +
+                                ": the two profiles must be at different batches, both are " +
+                                std::to_string(batch_a));
+}
+
+[[noreturn]] void differ(const std::string& what) {
+  throw std::invalid_argument("remat::chain_at_batch: the profiles are not of one chain: " + what);
+}
+
+std::optional<OffloadCost> offload_at(const std::optional<OffloadCost>& a,
+                                      const std::optional<OffloadCost>& b, const Line& line,
+                                      const std::string& where) {
+  if (!a || !b) return std::nullopt;
+  if (a->input != b->input || a->output != b->output)
+    differ(where + " offloads its input or output in one profile only");
+  OffloadCost c = *a;
+  c.bytes = line.bytes(a->bytes, b->bytes);
+  if (a->can_stream() && b->can_stream()) {
+    c.stream_fwd_bytes = line.bytes(a->stream_fwd_bytes, b->stream_fwd_bytes);
+    c.stream_bwd_bytes = line.bytes(a->stream_bwd_bytes, b->stream_bwd_bytes);
+  } else {
+    c.stream_fwd_bytes = c.stream_bwd_bytes = -1;
+  }
+  c.window_bytes = line.bytes(a->window_bytes, b->window_bytes);
+  return c;
+}
+
+}  // namespace
+
+Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t batch_b, int64_t batch) {
+  check_batches("remat::chain_at_batch", batch_a, batch_b, batch);
+  if (a.stages.size() != b.stages.size())
+    differ(std::to_string(a.stages.size()) + " stages against " + std::to_string(b.stages.size()));
+  if (a.policies != b.policies) differ("their policies differ");
+  if (a.keep != b.keep) differ("their keep tags differ");
+  const Line line{batch_a, batch_b, batch};
+  Chain c = a;
+  c.input_bytes = line.bytes(a.input_bytes, b.input_bytes);
+  const bool offload = a.can_offload() && b.can_offload();
+  c.to_host_gb_per_s = offload ? (a.to_host_gb_per_s + b.to_host_gb_per_s) / 2 : 0;
+  c.to_device_gb_per_s = offload ? (a.to_device_gb_per_s + b.to_device_gb_per_s) / 2 : 0;
+  for (size_t i = 0; i < c.stages.size(); ++i) {
+    Stage& s = c.stages[i];
+    const Stage& sa = a.stages[i];
+    const Stage& sb = b.stages[i];
+    const std::string where = "stage " + std::to_string(i) + " ('" + sa.name + "')";
+    if (sa.name != sb.name) differ(where + " is '" + sb.name + "' in the other");
+    s.fwd_ms = line.ms(sa.fwd_ms, sb.fwd_ms);
+    s.bwd_ms = line.ms(sa.bwd_ms, sb.bwd_ms);
+    s.fwd_nosave_ms = line.ms(sa.fwd_nosave_ms, sb.fwd_nosave_ms);
+    s.checkpoint_fwd_ms = line.ms(sa.checkpoint_fwd_ms, sb.checkpoint_fwd_ms);
+    s.checkpoint_bwd_ms = line.ms(sa.checkpoint_bwd_ms, sb.checkpoint_bwd_ms);
+    s.output_bytes = line.bytes(sa.output_bytes, sb.output_bytes);
+    s.saved_bytes = std::max(s.output_bytes, line.bytes(sa.saved_bytes, sb.saved_bytes));
+    s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
+    s.bwd_tmp_bytes = line.bytes(sa.bwd_tmp_bytes, sb.bwd_tmp_bytes);
+    if (sa.has_keep() && sb.has_keep()) {
+      s.keep_fwd_ms = line.ms(sa.keep_fwd_ms, sb.keep_fwd_ms);
+      s.keep_bwd_ms = line.ms(sa.keep_bwd_ms, sb.keep_bwd_ms);
+      s.keep_saved_bytes =
+          std::clamp(line.bytes(*sa.keep_saved_bytes, *sb.keep_saved_bytes), s.output_bytes, s.saved_bytes);
+    } else {
+      s.keep_saved_bytes.reset(), s.keep_fwd_ms.reset(), s.keep_bwd_ms.reset();
+    }
+    s.offload = offload_at(sa.offload, sb.offload, line, where);
+    s.keep_offload = offload_at(sa.keep_offload, sb.keep_offload, line, where);
+    s.checkpoint_offload = offload_at(sa.checkpoint_offload, sb.checkpoint_offload, line, where);
+    if (sa.policies.size() != sb.policies.size()) differ(where + " has policy costs in one profile only");
+    for (size_t p = 0; p < s.policies.size(); ++p) {
+      const PolicyCost& pa = sa.policies[p];
+      const PolicyCost& pb = sb.policies[p];
+      if (pa.policy != pb.policy)
+        differ(where + "'s policy '" + pa.policy + "' is '" + pb.policy + "' in the other");
+      PolicyCost& pc = s.policies[p];
+      pc.saved_bytes = std::clamp(line.bytes(pa.saved_bytes, pb.saved_bytes), s.output_bytes, s.saved_bytes);
+      pc.fwd_ms = line.ms(pa.fwd_ms, pb.fwd_ms);
+      pc.bwd_ms = line.ms(pa.bwd_ms, pb.bwd_ms);
+      pc.offload = offload_at(pa.offload, pb.offload, line, where + " under '" + pa.policy + "'");
+    }
+    if (sa.groups.size() != sb.groups.size()) differ(where + " has another number of saved groups");
+    for (size_t g = 0; g < s.groups.size(); ++g) {
+      if (sa.groups[g].name != sb.groups[g].name)
+        differ(where + "'s group " + std::to_string(g) + " is '" + sa.groups[g].name +
+               "' in one profile and '" + sb.groups[g].name + "' in the other");
+      s.groups[g].bytes = line.bytes(sa.groups[g].bytes, sb.groups[g].bytes);
+      s.groups[g].recompute_ms = line.ms(sa.groups[g].recompute_ms, sb.groups[g].recompute_ms);
+    }
+  }
+  return c;
+}
+
+StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepContext& b, int64_t batch_b,
+                             int64_t batch) {
+  check_batches("remat::context_at_batch", batch_a, batch_b, batch);
+  if (a.input_in_base != b.input_in_base)
+    throw std::invalid_argument(
+        "remat::context_at_batch: one context holds the chain's input in its base, the "
+        "other does not");
+  if (a.stage_grads_bytes.size() != b.stage_grads_bytes.size())
+    throw std::invalid_argument("remat::context_at_batch: the contexts are of " +
+                                std::to_string(a.stage_grads_bytes.size()) + " and " +
+                                std::to_string(b.stage_grads_bytes.size()) + " stages");
+  const Line line{batch_a, batch_b, batch};
+  StepContext c = a;
+  c.before_saved_bytes = line.bytes(a.before_saved_bytes, b.before_saved_bytes);
+  c.before_peak_bytes = line.bytes(a.before_peak_bytes, b.before_peak_bytes);
+  c.before_backward_peak_bytes = line.bytes(a.before_backward_peak_bytes, b.before_backward_peak_bytes);
+  c.rest_peak_bytes = line.bytes(a.rest_peak_bytes, b.rest_peak_bytes);
+  c.rest_ms = line.ms(a.rest_ms, b.rest_ms);
+  c.rest_grads_bytes = line.bytes(a.rest_grads_bytes, b.rest_grads_bytes);
+  for (size_t i = 0; i < c.stage_grads_bytes.size(); ++i)
+    c.stage_grads_bytes[i] = line.bytes(a.stage_grads_bytes[i], b.stage_grads_bytes[i]);
+  c.checkpoint_all_peak_bytes = a.checkpoint_all_peak_bytes >= 0 && b.checkpoint_all_peak_bytes >= 0
+                                    ? line.bytes(a.checkpoint_all_peak_bytes, b.checkpoint_all_peak_bytes)
+                                    : -1;
+  c.side_bytes = line.bytes(a.side_bytes, b.side_bytes);
+  return c;
+}
+
+int64_t largest_batch(const std::function<bool(int64_t)>& fits, int64_t limit) {
+  if (limit < 1)
+    throw std::invalid_argument("remat::largest_batch: the limit must be >= 1, got " + std::to_string(limit));
+  if (!fits(1)) return 0;
+  int64_t lo = 1, hi;  // fits(lo); hi: the least batch known not to fit, or limit + 1
+  for (int64_t next = 2;; next *= 2) {
+    if (next > limit) {
+      hi = limit + 1;
+      break;
+    }
+    if (!fits(next)) {
+      hi = next;
+      break;
+    }
+    lo = next;
+    if (next > limit / 2) {  // the next doubling passes the limit (and would overflow near INT64_MAX)
+      hi = limit + 1;
+      break;
+    }
+  }
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+}  // namespace remat

@@ -1,0 +1,141 @@
+// The largest batch (remat/planner/batch.h): profiles carried to another batch, and the search, shared by the
+// C++ harness (remat max-batch) and the Python package (remat.max_batch).
+
+#include <gtest/gtest.h>
+#include <remat/planner/batch.h>
+#include <remat/planner/per_layer.h>
+
+#include <stdexcept>
+#include <vector>
+
+namespace {
+
+// A chain whose figures are `fixed + per * batch`, with a policy, an offload and groups.
+remat::Chain chain_at(int64_t batch) {
+  remat::Chain c;
+  c.input_bytes = 1000 * batch;
+  c.policies = {"matmuls"};
+  c.keep = {"matmul"};
+  c.to_host_gb_per_s = batch == 2 ? 10 : 20;
+  c.to_device_gb_per_s = 12;
+  for (int i = 0; i < 3; ++i) {
+    remat::Stage s;
+    s.name = "layer" + std::to_string(i);
+    s.fwd_ms = 1 + 0.5 * batch;
+    s.bwd_ms = 2 + 1.0 * batch;
+    s.output_bytes = 1000 * batch;
+    s.saved_bytes = 6000 * batch;
+    s.fwd_tmp_bytes = 500 * batch;
+    s.bwd_tmp_bytes = 64 + 700 * batch;
+    s.keep_saved_bytes = 3000 * batch;
+    s.keep_fwd_ms = 1.0 * batch;
+    s.keep_bwd_ms = 2.0 * batch;
+    s.offload = remat::OffloadCost{5000 * batch, true, false, 2000 * batch, 3000 * batch, 256};
+    s.policies.push_back({"matmuls", 3000 * batch, 1.0 * batch, 2.0 * batch, std::nullopt});
+    s.groups = {{"aten::mm#0", 2000 * batch, 0.25 * batch}, {"aten::gelu#0", 1000 * batch, 0.01 * batch}};
+    c.stages.push_back(s);
+  }
+  return c;
+}
+
+TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
+  const remat::Chain a = chain_at(2), b = chain_at(4);
+  for (int64_t batch : {1, 3, 4, 48}) {
+    const remat::Chain c = remat::chain_at_batch(a, 2, b, 4, batch);
+    const remat::Chain want = chain_at(batch);
+    EXPECT_EQ(c.input_bytes, want.input_bytes);
+    ASSERT_EQ(c.stages.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      const auto& s = c.stages[i];
+      const auto& w = want.stages[i];
+      EXPECT_EQ(s.name, w.name);
+      EXPECT_DOUBLE_EQ(s.fwd_ms, w.fwd_ms);
+      EXPECT_DOUBLE_EQ(s.bwd_ms, w.bwd_ms);
+      EXPECT_EQ(s.saved_bytes, w.saved_bytes);
+      EXPECT_EQ(s.bwd_tmp_bytes, w.bwd_tmp_bytes);
+      EXPECT_EQ(*s.keep_saved_bytes, *w.keep_saved_bytes);
+      EXPECT_EQ(s.offload->bytes, w.offload->bytes);
+      EXPECT_EQ(s.offload->window_bytes, 256);
+      EXPECT_EQ(s.offload->stream_bwd_bytes, w.offload->stream_bwd_bytes);
+      EXPECT_EQ(s.policies[0].saved_bytes, w.policies[0].saved_bytes);
+      EXPECT_EQ(s.groups[0].bytes, w.groups[0].bytes);
+      EXPECT_DOUBLE_EQ(s.groups[1].recompute_ms, w.groups[1].recompute_ms);
+    }
+    EXPECT_DOUBLE_EQ(c.to_host_gb_per_s, 15);  // a device's, not the batch's: the mean of both readings
+  }
+  // Below the profiles, figures stop at 0 and saved bytes stay between the output's and all a stage saves.
+  remat::Chain a2 = a;
+  a2.stages[0].bwd_tmp_bytes = 5000;  // falls with the batch: 5000 at 2, 2864 at 4
+  const remat::Chain low = remat::chain_at_batch(a2, 2, b, 4, 1);
+  EXPECT_EQ(low.stages[0].bwd_tmp_bytes, 6068);
+  const remat::Chain far = remat::chain_at_batch(b, 4, a2, 2, 200);
+  EXPECT_EQ(far.stages[0].bwd_tmp_bytes, 0);
+}
+
+TEST(Batch, ProfilesOfDifferentChainsOrAtOneBatchAreRefused) {
+  const remat::Chain a = chain_at(2), b = chain_at(4);
+  remat::Chain other = b;
+  other.stages[1].name = "block1";
+  EXPECT_THROW(remat::chain_at_batch(a, 2, other, 4, 8), std::invalid_argument);
+  other = b;
+  other.stages[2].groups[0].name = "aten::addmm#0";
+  EXPECT_THROW(remat::chain_at_batch(a, 2, other, 4, 8), std::invalid_argument);
+  other = b;
+  other.stages.pop_back();
+  EXPECT_THROW(remat::chain_at_batch(a, 2, other, 4, 8), std::invalid_argument);
+  EXPECT_THROW(remat::chain_at_batch(a, 2, b, 2, 8), std::invalid_argument);
+  EXPECT_THROW(remat::chain_at_batch(a, 2, b, 4, 0), std::invalid_argument);
+  try {
+    remat::chain_at_batch(a, 2, b, 2, 8);
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("remat::chain_at_batch"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Batch, AContextIsCarriedOnTheSameLine) {
+  remat::StepContext a, b;
+  a.rest_peak_bytes = 100 + 10 * 2, b.rest_peak_bytes = 100 + 10 * 4;
+  a.rest_grads_bytes = b.rest_grads_bytes = 4096;  // parameters' gradients: the same at every batch
+  a.stage_grads_bytes = b.stage_grads_bytes = {512, 512};
+  a.rest_ms = 1, b.rest_ms = 2;
+  a.checkpoint_all_peak_bytes = 2000, b.checkpoint_all_peak_bytes = 4000;
+  const remat::StepContext c = remat::context_at_batch(a, 2, b, 4, 10);
+  EXPECT_EQ(c.rest_peak_bytes, 200);
+  EXPECT_EQ(c.rest_grads_bytes, 4096);
+  EXPECT_EQ(c.stage_grads_bytes, (std::vector<int64_t>{512, 512}));
+  EXPECT_DOUBLE_EQ(c.rest_ms, 5);
+  EXPECT_EQ(c.checkpoint_all_peak_bytes, 10000);
+  b.checkpoint_all_peak_bytes = -1;
+  EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 10).checkpoint_all_peak_bytes, -1);
+  b.stage_grads_bytes = {512};
+  EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
+}
+
+TEST(Batch, TheSearchFindsTheLargestAcceptedBatchInFewCalls) {
+  for (int64_t answer : {0, 1, 2, 3, 7, 8, 100, 1023, 1024, 5000}) {
+    int calls = 0;
+    const int64_t got = remat::largest_batch(
+        [&](int64_t b) {
+          ++calls;
+          return b <= answer;
+        },
+        4096);
+    EXPECT_EQ(got, std::min<int64_t>(answer, 4096)) << answer;
+    EXPECT_LE(calls, 2 * 13 + 2) << answer;
+  }
+  EXPECT_EQ(remat::largest_batch([](int64_t) { return true; }, 1), 1);
+  EXPECT_EQ(remat::largest_batch([](int64_t) { return true; }, 6), 6);
+  EXPECT_EQ(remat::largest_batch([](int64_t) { return true; }, int64_t{1} << 62), int64_t{1} << 62);
+  EXPECT_THROW(remat::largest_batch([](int64_t) { return true; }, 0), std::invalid_argument);
+  // The batches the per-layer planner accepts for a budget, on the carried chain.
+  const remat::Chain a = chain_at(2), b = chain_at(4);
+  const int64_t budget = 200000;
+  const int64_t best = remat::largest_batch(
+      [&](int64_t n) { return remat::per_layer_min_budget(remat::chain_at_batch(a, 2, b, 4, n)) <= budget; },
+      4096);
+  EXPECT_GT(best, 0);
+  EXPECT_LE(remat::per_layer_min_budget(remat::chain_at_batch(a, 2, b, 4, best)), budget);
+  EXPECT_GT(remat::per_layer_min_budget(remat::chain_at_batch(a, 2, b, 4, best + 1)), budget);
+}
+
+}  // namespace

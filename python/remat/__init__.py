@@ -6,6 +6,7 @@
     remat.enable(model, list(model), plan=plan)                 # applied with torch.utils.checkpoint
     remat.hf.enable(hf_model, budget="600MiB")                  # a Transformers model, in one line
     remat.hf.enable(hf_model, budget="600MiB", offload=True)    # ... that may offload layers to host memory
+    remat.max_batch(hf_model, make_batch, budget="auto")        # the largest batch that trains, and its plan
 
 The planner is remat's C++ planner library (remat._core, no LibTorch inside): chains and plans are the same JSON
 as the C++ library and the ``remat`` command (``remat.Chain.from_json``, ``chain.to_json()``), and
@@ -19,6 +20,7 @@ from ._core import (STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, Of
                     no_checkpoint, optimal, parse_size, per_call_time_ms, per_layer, per_layer_min_budget,
                     plan_step, revolve, save_chain, simulate, sqrt_n, step_peak_bytes, summarize_plan_json,
                     uniform, uniform_chain)
+from .batch import MaxBatch, max_batch
 from .executor import CheckpointedSequential, run_plan
 from .layer_plan import LayerPlan, enable
 from .meter import MeterUnavailable, cpu_meter, meter_for
@@ -31,12 +33,12 @@ from .verdict import Placement, explain_placement, memory_verdict
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointedSequential", "Chain", "InfeasibleBudget", "LayerPlan", "MATMUL_OPS", "MemoryBreakdown",
+    "CheckpointedSequential", "Chain", "InfeasibleBudget", "LayerPlan", "MATMUL_OPS", "MaxBatch", "MemoryBreakdown",
     "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers", "SavedGroup",
     "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "checkpoint",
     "checkpoint_all",
     "checkpoint_context", "checkpoint_stages", "choices_of", "cpu_meter", "enable", "explain_placement",
-    "format_bytes", "group_cost", "load_chain", "make_plan", "matmuls", "memory_breakdown", "memory_verdict", "meter_for",
+    "format_bytes", "group_cost", "load_chain", "make_plan", "matmuls", "max_batch", "memory_breakdown", "memory_verdict", "meter_for",
     "min_feasible_budget", "min_step_budget", "no_checkpoint", "optimal", "parse_size", "per_call_time_ms",
     "per_layer", "per_layer_min_budget", "plan_step", "profile", "revolve", "run_layer", "run_plan",
     "save_chain", "simulate", "sqrt_n", "stages", "stages_of", "step_peak_bytes", "summarize_plan_json",

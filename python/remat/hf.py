@@ -196,7 +196,7 @@ def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping, loss_fn=None
     was_training = model.training
     model.train()
     try:
-        with Restore([model], device):
+        with Restore([model], device, fresh_grads=True):
             out = model(**example)
             loss = loss_fn(out) if loss_fn is not None else getattr(out, "loss", None)
             if loss is None:

@@ -75,15 +75,23 @@ def stages(modules: Iterable[nn.Module], call: Callable | None = None, names: Se
 
 class Restore:
     """Puts back, on exit, the gradients of the modules' parameters, their buffers, and the CPU and CUDA random
-    generators."""
+    generators. fresh_grads=True: for a step that accumulates into the gradients (a whole training step), each
+    existing gradient is replaced by zeros for the step (a tensor as large, alive beside it) and the original put
+    back untouched; a parameter without one still has none."""
 
-    def __init__(self, modules: Sequence[nn.Module], device: torch.device):
+    def __init__(self, modules: Sequence[nn.Module], device: torch.device, fresh_grads: bool = False):
         self.params = each_once(p for m in modules for p in m.parameters())
         self.buffers = RestoreBuffers(modules)
         self.device = device
+        self.fresh_grads = fresh_grads
 
     def __enter__(self):
         self.grads = [p.grad for p in self.params]
+        if self.fresh_grads:
+            with torch.no_grad():
+                for p in self.params:
+                    if p.grad is not None:
+                        p.grad = torch.zeros_like(p.grad)
         self.buffers.__enter__()
         self.rng = RngState()
         return self
@@ -91,6 +99,7 @@ class Restore:
     def __exit__(self, *exc):
         for p, g in zip(self.params, self.grads):
             p.grad = g
+        self.grads = None
         self.buffers.__exit__(*exc)
         self.rng.restore()
         return False

@@ -170,6 +170,18 @@ def test_example_batch_plans_at_enable_and_leaves_the_model_as_it_was(meter, pla
         same(plain_runs["gpt2"][k], runs[k])
 
 
+def test_an_example_batch_leaves_existing_gradients_as_they_were():
+    # A model after a step of its own, gradients alive: profiling the example adds nothing to them.
+    model, spec = make("gpt2")
+    for i, p in enumerate(model.parameters()):
+        p.grad = torch.full_like(p, float(i))
+    grads = [(p.grad, p.grad.clone()) for p in model.parameters()]
+    lp = remat.hf.enable(model, budget=1 << 40, example=batch(spec, 0))
+    assert lp.is_planned()
+    assert all(p.grad is g and torch.equal(g, before) for p, (g, before) in zip(model.parameters(), grads))
+    remat.hf.disable(model)
+
+
 def test_profile_gives_the_layers_chain_and_leaves_planning_off(meter):
     model, spec = make("bert")
     chain, context = remat.hf.profile(model, batch(spec, 0), loss=lambda out: out.last_hidden_state.mean())

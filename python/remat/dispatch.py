@@ -14,6 +14,7 @@ from .layer_calls import describe, layer_key, layer_output
 from .layer_offload import carry_out_then
 from .measure_step import Shape, Step, measure_planned_step, profiling_call
 from .policies import CHECKPOINT, is_groups, run_layer
+from . import oom
 
 if TYPE_CHECKING:
     from .layer_plan import LayerPlan
@@ -71,7 +72,9 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     if shape.choices is not None:
         if shape.layer_keys is not None and layer_key(fn, args) != shape.layer_keys[i]:
             return _off_plan(lp, step, shape, i, fn, args)
-        out = run(lp, i, shape.choices[i], fn, args, shape)
+        if i == 0:
+            oom.running(lp)
+        out = run(lp, i, shape.choices[i], fn, args, shape, explained=True)
         if i == len(lp.layers) - 1:
             main, _ = layer_output(out, lp.who, i, layer)
             if main.requires_grad:
@@ -97,12 +100,14 @@ def _off_plan(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn: Callabl
     return run(lp, i, CHECKPOINT, fn, args, shape)
 
 
-def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Shape | None" = None):
+def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Shape | None" = None,
+        explained: bool = False):
     """Layer i's call as its choice says. Offloaded ("...@host"): under its own Offload's hooks, on the host
     pool. With the step's shape, the plan's offload schedule is carried out (the planner's, which simulate()
     charges): typically the previous layer's copies to the host are waited for once this layer's forward has
     run, and when the backward pass reaches this layer's output the previous layer's tensors start coming
-    back (so that their copies overlap this layer's backward)."""
+    back (so that their copies overlap this layer's backward). explained: a planned step's call, whose
+    out-of-memory errors carry remat's words (_Explained)."""
     if i == 0:
         lp.offloads.begin_step()
     layer = lp.layers[i]
@@ -110,7 +115,8 @@ def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Sh
     # and the rest stay, as the chain's group figures count them).
     groups = [g.name for g in shape.chain.stages[i].groups] if is_groups(how) else None
     o = lp.offloads.for_layer(i, how, fn, args, shape, lp.model)
-    out = run_layer(how, fn, args, [layer], lp.policies, offload=o, groups=groups)
+    out = run_layer(how, _Explained(lp, i, fn) if explained else fn, args, [layer], lp.policies, offload=o,
+                    groups=groups)
     if shape is not None and shape.points is not None:
         due = lp.offloads.carry_out_after(i, shape.points)
         if due:
@@ -118,3 +124,24 @@ def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Sh
             if main.requires_grad:
                 main.register_hook(partial(carry_out_then, due))
     return out
+
+
+class _Explained:
+    """A planned layer's call (its forward, and its recompute in the backward pass): an out-of-memory error
+    raised inside carries remat's words (remat.oom), and remat's observer leaves it to them."""
+
+    def __init__(self, lp: "LayerPlan", i: int, fn: Callable):
+        self.lp, self.i, self.fn = lp, i, fn
+
+    def __call__(self, *args):
+        oom._depth += 1
+        try:
+            return self.fn(*args)
+        except BaseException as e:
+            if oom.is_oom(e):
+                backward = torch._C._current_graph_task_id() != -1
+                oom.explain(self.lp, e, f"in layer {self.i}'s " + ("recompute (the backward pass)" if backward
+                                                                     else "forward"))
+            raise
+        finally:
+            oom._depth -= 1

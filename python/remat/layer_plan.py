@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from . import _core, agreement, fit
+from . import _core, agreement, fit, oom
 from .fit import parse_budget
 from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
@@ -50,8 +50,11 @@ class LayerPlan:
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
                  policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
                  offload: bool = False, max_host_bytes=None, offload_min_bytes: int = 1 << 20,
-                 groups: bool = False, who: str = "remat.enable"):
+                 groups: bool = False, replan_on_oom: bool = False, who: str = "remat.enable"):
         self.who = who
+        if replan_on_oom not in (True, False):
+            raise ValueError(f"{who}: replan_on_oom must be True or False, got {replan_on_oom!r}")
+        self.replan_on_oom = replan_on_oom
         if groups not in (True, False):
             raise ValueError(f"{who}: groups must be True or False, got {groups!r}")
         self.groups = groups
@@ -264,6 +267,7 @@ class LayerPlan:
 
     def _step_begins(self, module, args, kwargs):
         self._unmeasured = False
+        oom._active = None
         if self._fixed is not None or not self._training():
             self._step = None
             return
@@ -293,6 +297,9 @@ class LayerPlan:
         grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
         step = Step(meter_for(device), grads_none)
         step.reading = reading
+        step.device = device
+        if device.type == "cuda":
+            oom.attach_observer()
         return step
 
     def _device_of(self, args) -> torch.device:
@@ -368,7 +375,7 @@ class LayerPlan:
 
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
-           offload_min_bytes: int = 1 << 20, groups: bool = False) -> LayerPlan:
+           offload_min_bytes: int = 1 << 20, groups: bool = False, replan_on_oom: bool = False) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
     as the first positional argument) per layer as planned: for `budget` (bytes, a string such as "300MiB", or a
     device budget, "auto" or "90%": that share of what the CUDA device has free when the profiling step begins,
@@ -394,10 +401,14 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     groups=True: the profiling step also measures each layer's saved groups (the calls whose outputs autograd
     saves, remat.profile's groups), and the planner may run a layer under a group assignment (its choice
     "{khr}": each group kept on the device, sent to the host when offload=True, or recomputed, the rest of the
-    layer recomputed); off by default until measured on a GPU."""
+    layer recomputed); off by default until measured on a GPU.
+    replan_on_oom=True: an out-of-memory error in a planned step lowers the budget to the one that would have fit
+    and plans again, so that the next step runs (remat.oom; the error's note says what was done). Off by
+    default: either way the error carries remat's words (the plan, its predicted peak against the budget, what
+    the allocator reserved, the budget that would have fit)."""
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
-                   offload_min_bytes=offload_min_bytes, groups=groups)
+                   offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom)
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()

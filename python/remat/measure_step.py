@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 from torch import nn
 
-from . import _core
+from . import _core, oom
 from .layer_calls import layer_key, layer_output, taken_tensors
 from .policies import CHECKPOINT, run_layer
 from .profile import StageFn, profile
@@ -132,6 +132,7 @@ class Step:
         self.before_chain: set[int] = set()
         self.side: dict[int, int] = {}
         self.reading = None  # a device budget's: what the device had when the step began (fit.read_device)
+        self.device = None  # the device the step runs on
 
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
         if i == 0:
@@ -180,6 +181,7 @@ def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor):
         step.note_peak()
         shape.last_peak = step.true_peak - step.base
         step.finish()
+        oom._active = None  # the planned step is over: an error after it is not the plan's
 
     def hook(g):
         queue_at_backward_end(at_end)

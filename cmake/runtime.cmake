@@ -42,6 +42,7 @@ set(REMAT_RUNTIME_SOURCES
   src/runtime/planning/executor.cpp
   src/runtime/planning/sequential.cpp
   src/runtime/planning/planned.cpp
+  src/runtime/planning/out_of_memory.cpp
   # offloading to host memory
   src/runtime/offload/offload.cpp
   src/runtime/offload/stage_offload.cpp

@@ -8,6 +8,7 @@
 #include <remat/planned.h>
 #include <remat/planner/chain.h>
 #include <remat/planner/device.h>
+#include <remat/planner/units.h>
 #include <remat/policy.h>
 #include <remat/sequential.h>
 
@@ -298,6 +299,65 @@ std::vector<remat::StageFn> counted(std::vector<remat::StageFn> stages,
     };
   }
   return stages;
+}
+
+// Out of memory in a planned step (each allocation of a step failing in turn, remat's CPU test limit): where
+// the error rises inside the plan (its forward, or its backward node), it carries remat's words, the planner
+// library's (as the Python package's): the plan, the predicted peak against the budget, the device's reading,
+// the budget that would have fit. The next step runs.
+TEST_F(PlannedTest, OutOfMemoryInsideThePlanNamesThePlanAndTheBudgetThatWouldHaveFit) {
+  const int64_t w = 32, depth = 4;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 32, 8});
+  const int64_t budget = plain_chain_peak(w, depth, x) / 2;
+  auto device = [budget](c10::Device) {
+    remat::memory::DeviceMemory m;
+    m.free_bytes = budget / 4;  // what the device had left when the allocation failed
+    m.total_bytes = int64_t{4} << 30;
+    return m;
+  };
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                                remat::PlannedOptions().budget(budget).read_device(device));
+  step(net, x);  // profiles
+  step(net, x);
+  const remat::PlannedImpl& p = **net->planned;
+  ASSERT_TRUE(p.is_planned());
+  const std::string plan = p.plan()->to_string();
+  const int64_t before = remat::memory::cpu_allocation_count();
+  step(net, x);
+  const int64_t allocations = remat::memory::cpu_allocation_count() - before;
+  int forward = 0, backward = 0;
+  for (int64_t n = 1; n <= allocations; ++n) {
+    remat::memory::testing::fail_cpu_allocation_at(n);
+    try {
+      step(net, x);
+    } catch (const c10::OutOfMemoryError& e) {
+      const std::string what = e.what();
+      const bool in_forward =
+          what.find("remat::Planned: out of memory in the forward pass") != std::string::npos;
+      const bool in_backward =
+          what.find("remat::Planned: out of memory in the backward pass (the plan's operation ") !=
+          std::string::npos;
+      forward += in_forward;
+      backward += in_backward;
+      if (in_forward || in_backward) {
+        EXPECT_NE(what.find("in a step that ran the plan " + plan), std::string::npos) << what;
+        EXPECT_NE(what.find("for a budget of " + remat::format_bytes(budget) + " (" + std::to_string(budget) +
+                            " bytes)"),
+                  std::string::npos)
+            << what;
+        EXPECT_NE(what.find("the device had " + remat::format_bytes(budget / 4) + " free"), std::string::npos)
+            << what;
+        EXPECT_NE(what.find("a budget that would have fit: "), std::string::npos) << what;
+      }
+    }
+    remat::memory::testing::fail_cpu_allocation_at(0);
+  }
+  EXPECT_GT(forward, 0);
+  EXPECT_GT(backward, 0);
+  EXPECT_NO_THROW(step(net, x));
 }
 
 // fit_device: the budget is remat::device_budget over what the device had when the profiling step began

@@ -127,7 +127,10 @@ class PlannedImpl : public torch::nn::Module {
   /// naming remat::Planned for an undefined input or argument, one on a device other than cpu or cuda, extra
   /// tensors on another device than the input, args given to stages that take
   /// none, and, at planning time, when the budget is below the least feasible one (named in the message;
-  /// the step that measured it trained correctly).
+  /// the step that measured it trained correctly). An out-of-memory error (c10::OutOfMemoryError, or the CPU
+  /// allocator's) raised inside a planned step's plan, in its forward or its backward pass, carries remat's
+  /// words (remat::describe_out_of_memory: the plan, its predicted peak against the budget, what the step
+  /// held, the device's reading, the budget that would have fit).
   torch::Tensor forward(const torch::Tensor& x, const std::vector<torch::Tensor>& args = {});
 
   /// Plans inputs of `input_shape` (the shapes of x and then of each extra argument, as forward() gets
@@ -177,12 +180,16 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<memory::PeakWindow> whole;  // from the profiling step's start to its planning
     int64_t lost = 0;                           // what the allocator lost to fragmentation in that step
     int64_t budget = -1;
+    std::string budget_words;  // how fit_device's budget was made, for messages ("" for a budget in bytes)
   };
   using Key = std::vector<std::vector<int64_t>>;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);
   void make_plan(Shape& shape);
   // fit_device's reading of the device: PlannedOptions::read_device, or remat::memory::device_memory.
   memory::DeviceMemory read_device(c10::Device device) const;
+  // What a planned step of `shape` says when it runs out of memory (remat::describe_out_of_memory's words).
+  std::function<void(c10::Error&, const std::string&)> out_of_memory_words(
+      const Shape& shape, std::shared_ptr<memory::PeakWindow> window, c10::Device device) const;
   std::vector<StageFn> bind(const std::vector<torch::Tensor>& args) const;
   bool training_now() const;
 

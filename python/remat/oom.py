@@ -8,7 +8,10 @@ traceback) with:
 - what the step held above its base when the allocation failed, and the allocation;
 - what the caching allocator reserved beyond what tensors occupied, and what the device had free (CUDA);
 - the budget that would have fit: what the device could give the step (what it held plus what was free or
-  cached), less what the step needed beyond its prediction when it ran out (see ``fitted_budget``).
+  cached), less what the step needed beyond its prediction when it ran out.
+
+The rule and the words are the planner library's (``remat._core.budget_that_would_fit`` and
+``describe_out_of_memory``), which remat::Planned uses in C++.
 
 With ``replan_on_oom=True`` (remat.enable, remat.hf.enable; off by default) the LayerPlan lowers its budget to
 that one and plans again from what it measured (``LayerPlan.set_budget``), so that the next step runs; the
@@ -24,13 +27,12 @@ from __future__ import annotations
 import re
 import weakref
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from . import _core
 
-__all__ = ["OutOfMemory", "fitted_budget", "is_oom", "requested_bytes"]
+__all__ = ["is_oom", "requested_bytes"]
 
 _CPU_WORDS = "DefaultCPUAllocator: can't allocate memory"
 _REQUESTS = (re.compile(r"Tried to allocate ([0-9.]+) ?([KMGT]?i?B)"), re.compile(r"tried to allocate (\d+) bytes"))
@@ -51,113 +53,48 @@ def requested_bytes(e: BaseException) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def fitted_budget(budget: int, predicted: int, held: int, request: int, obtainable: int) -> int:
-    """The budget that would have fit (bytes, possibly <= 0: none would), for a step that ran out holding `held`
-    bytes above its base when `request` more could not be had, with `obtainable` bytes still free or cached on
-    the device then. What the device could give the step is held + obtainable; at that point the step needed
-    held + request, which is beyond its prediction by the amount the prediction was short; a plan must leave
-    that much room below the device's capacity. At most `budget`."""
-    capacity = held + obtainable
-    short = max(0, held + request - predicted)
-    return min(budget, capacity - short)
-
-
-@dataclass
-class OutOfMemory:
-    """What remat knew when a planned step ran out of memory (bytes; None: not known on this device)."""
-    who: str
-    plan: str
-    budget: int
-    budget_words: str
-    predicted: int
-    held: int
-    request: int | None
-    free: int | None
-    reserved: int | None
-    allocated: int | None
-    where: str
-
-    @property
-    def obtainable(self) -> int | None:
-        if self.free is None:
-            return None
-        return self.free + max(0, (self.reserved or 0) - (self.allocated or 0))
-
-    @property
-    def fitted(self) -> int | None:
-        """The budget that would have fit (fitted_budget), or None where the device's free bytes are not known."""
-        if self.obtainable is None:
-            return None
-        return fitted_budget(self.budget, self.predicted, self.held, self.request or 0, self.obtainable)
-
-    def words(self, replanned: str | None = None) -> str:
-        f = _core.format_bytes
-        lines = [f"{self.who}: out of memory {self.where}, in a step that ran the plan {self.plan}",
-                 f"  its predicted peak: {f(self.predicted)} ({self.predicted} bytes) above the step's base, for a "
-                 f"budget of {f(self.budget)} ({self.budget} bytes){self.budget_words}",
-                 f"  the step held {f(self.held)} above its base when "
-                 + (f"{f(self.request)} more could not be had" if self.request is not None else "an allocation failed")]
-        if self.reserved is not None:
-            lines.append(f"  the caching allocator reserved {f(self.reserved - self.allocated)} beyond the "
-                         f"{f(self.allocated)} its tensors occupied; the device had {f(self.free)} free")
-        else:
-            lines.append("  (the allocator's reserved and free bytes are not read on this device)")
-        fitted = self.fitted
-        if fitted is None:
-            lines.append("  the budget that would have fit is not known: this device does not report what it had free")
-        elif fitted > 0:
-            lines.append(f"  a budget that would have fit: {f(fitted)} ({fitted} bytes): what the device could give "
-                         "the step, less what the step needed beyond its prediction")
-        else:
-            lines.append("  no budget would have fit: the step ran out before it held more than it needed beyond "
-                         "its prediction")
-        if replanned is not None:
-            lines.append(f"  {replanned}")
-        elif fitted is not None and fitted > 0:
-            lines.append("  lp.set_budget(...) with it plans again without profiling; replan_on_oom=True does so "
-                         "on its own")
-        return "\n".join(lines)
-
-
-def read(lp, step, shape, e: BaseException | None, where: str, event=None) -> OutOfMemory:
+def read(lp, step, shape, e: BaseException | None, where: str, event=None) -> _core.OutOfMemory:
     """What remat knows of an out-of-memory error in `step` (running `shape`'s plan): the step's count, the
     allocator's (CUDA) or a pretended device's figures, the failed allocation (the observer's `event`, or the
-    error's message)."""
+    error's message); remat._core.OutOfMemory, which the planner library describes for both languages."""
     from . import fit
-    held = max(0, step.meter.count() - step.base)
+    o = _core.OutOfMemory()
+    o.who, o.where, o.plan = lp.who, where, str(shape.plan)
+    o.budget_bytes, o.budget_words = lp.budget_bytes, lp._fitted_words(shape)
+    o.predicted_peak_bytes = shape.predicted
+    o.held_bytes = max(0, step.meter.count() - step.base)
     request = event[1] if event is not None else (requested_bytes(e) if e is not None else None)
+    o.request_bytes = -1 if request is None else request
     device = step.device
-    free = reserved = allocated = None
     if fit._pretended is not None:
-        free = fit._pretended["free"] + fit._pretended["cached"]
-        reserved = allocated = 0
+        o.free_bytes = fit._pretended["free"] + fit._pretended["cached"]
+        o.reserved_bytes = o.allocated_bytes = 0
     elif device is not None and device.type == "cuda":
-        free = event[3] if event is not None else torch.cuda.mem_get_info(device)[0]
-        reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
-    return OutOfMemory(who=lp.who, plan=str(shape.plan), budget=lp.budget_bytes, budget_words=lp._fitted_words(shape),
-                       predicted=shape.predicted, held=held, request=request, free=free, reserved=reserved,
-                       allocated=allocated, where=where)
+        o.free_bytes = event[3] if event is not None else torch.cuda.mem_get_info(device)[0]
+        o.reserved_bytes = torch.cuda.memory_reserved(device)
+        o.allocated_bytes = torch.cuda.memory_allocated(device)
+    return o
 
 
-def respond(lp, oom: OutOfMemory) -> str:
-    """The words for `oom`, after planning again for the budget that would have fit when lp.replan_on_oom."""
-    replanned = None
-    if lp.replan_on_oom:
-        fitted = oom.fitted
-        if fitted is None:
-            replanned = "replan_on_oom: the budget that would have fit is not known; the plan is unchanged"
-        elif fitted <= 0:
-            replanned = "replan_on_oom: no budget would have fit; the plan is unchanged"
-        else:
-            try:
-                lp.set_budget(fitted)
-                replanned = (f"replan_on_oom: the budget is now {_core.format_bytes(fitted)} ({fitted} bytes); the "
-                             f"next step runs the plan {lp.plan}")
-            except _core.InfeasibleBudget as err:
-                replanned = (f"replan_on_oom: the budget is now {_core.format_bytes(fitted)}, below the least "
-                             f"feasible one ({_core.format_bytes(err.min_bytes)}): the next step raises "
-                             "remat.InfeasibleBudget")
-    return oom.words(replanned)
+def respond(lp, o) -> str:
+    """remat's words for `o`, after planning again for the budget that would have fit when lp.replan_on_oom."""
+    fitted = _core.budget_that_would_fit(o)
+    f = _core.format_bytes
+    if not lp.replan_on_oom:
+        last = ("lp.set_budget(...) with it plans again without profiling; replan_on_oom=True does so on its own"
+                if fitted > 0 else "")
+    elif fitted < 0:
+        last = "replan_on_oom: the budget that would have fit is not known; the plan is unchanged"
+    elif fitted == 0:
+        last = "replan_on_oom: no budget would have fit; the plan is unchanged"
+    else:
+        try:
+            lp.set_budget(fitted)
+            last = f"replan_on_oom: the budget is now {f(fitted)} ({fitted} bytes); the next step runs the plan {lp.plan}"
+        except _core.InfeasibleBudget as err:
+            last = (f"replan_on_oom: the budget is now {f(fitted)}, below the least feasible one "
+                    f"({f(err.min_bytes)}): the next step raises remat.InfeasibleBudget")
+    return _core.describe_out_of_memory(o, last)
 
 
 def explain(lp, e: BaseException, where: str) -> None:

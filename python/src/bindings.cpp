@@ -496,4 +496,22 @@ NB_MODULE(_core, m) {
   m.def("largest_batch", &remat::largest_batch, "fits"_a, "limit"_a,
         "The largest batch in [1, limit] that fits(batch) accepts, for a fits that accepts every batch below "
         "one it accepts (0 when fits(1) is false).");
+  nb::class_<remat::OutOfMemory>(
+      m, "OutOfMemory",
+      "What a runtime knew when a step it planned ran out of memory (bytes; -1: not "
+      "known; remat/planner/device.h).")
+      .def(nb::init<>())
+      .def_rw("who", &remat::OutOfMemory::who)
+      .def_rw("where", &remat::OutOfMemory::where)
+      .def_rw("plan", &remat::OutOfMemory::plan)
+      .def_rw("budget_bytes", &remat::OutOfMemory::budget_bytes)
+      .def_rw("budget_words", &remat::OutOfMemory::budget_words)
+      .def_rw("predicted_peak_bytes", &remat::OutOfMemory::predicted_peak_bytes)
+      .def_rw("held_bytes", &remat::OutOfMemory::held_bytes)
+      .def_rw("request_bytes", &remat::OutOfMemory::request_bytes)
+      .def_rw("free_bytes", &remat::OutOfMemory::free_bytes)
+      .def_rw("reserved_bytes", &remat::OutOfMemory::reserved_bytes)
+      .def_rw("allocated_bytes", &remat::OutOfMemory::allocated_bytes);
+  m.def("budget_that_would_fit", &remat::budget_that_would_fit, "oom"_a);
+  m.def("describe_out_of_memory", &remat::describe_out_of_memory, "oom"_a, "last"_a = "");
 }

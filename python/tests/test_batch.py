@@ -81,7 +81,7 @@ def test_predicted_alone_and_what_it_refuses(budget):
     # A device budget: the budget in bytes made from the device's reading in the first profiling step.
     with pretend_device(free_bytes=budget + remat._core.device_margin(4 << 30), total_bytes=4 << 30):
         auto = remat.max_batch(model, make_batch, "auto", layers=list(model), loss=loss_of, confirm=False)
-    assert auto.budget_bytes == budget and auto.batch == 20 and auto.choices == found.choices
+    assert auto.budget_bytes == budget and auto.batch == 20  # (its choices follow measured times: not compared)
     # Nothing fits a budget of one byte.
     none = remat.max_batch(model, make_batch, 1, layers=list(model), loss=loss_of)
     assert none.batch == 0 and none.plan is None and none.tried == []

@@ -112,12 +112,20 @@ def test_with_a_device_reading_replan_on_oom_plans_for_what_the_device_could_giv
     assert "reserved 0 B beyond the 0 B its tensors occupied" in text
     fitted = int(re.search(r"a budget that would have fit: .* \((\d+) bytes\)", text).group(1))
     # In the forward the step needed less than its prediction: the budget is what the device could give.
-    assert fitted == oom.fitted_budget(budget, lp_predicted(text), seen["held"], 8192, target - seen["held"]) == target
+    assert fitted == fits(budget, lp_predicted(text), seen["held"], 8192, target - seen["held"]) == target
     assert f"replan_on_oom: the budget is now {remat.format_bytes(fitted)} ({fitted} bytes)" in text
     assert lp.budget_bytes == fitted and lp.profiling_steps == 1 and str(lp.plan) in text
     model[2][0].when = None
     step(model)  # the next step runs the new plan, within the new budget
     assert 0 <= lp.last_peak_bytes <= fitted
+
+
+def fits(budget, predicted, held, request, free, reserved=-1, allocated=-1):
+    """The planner library's budget that would have fit, for these figures (bytes)."""
+    o = remat._core.OutOfMemory()
+    o.budget_bytes, o.predicted_peak_bytes, o.held_bytes, o.request_bytes = budget, predicted, held, request
+    o.free_bytes, o.reserved_bytes, o.allocated_bytes = free, reserved, allocated
+    return remat._core.budget_that_would_fit(o)
 
 
 def lp_predicted(text):
@@ -128,8 +136,11 @@ def lp_predicted(text):
 def test_the_rule_and_the_observer():
     # Held 100, 30 free: the device could give 130; needing 120 against a prediction of 110, the plan must leave
     # 10 more: 120. A budget under that stays.
-    assert oom.fitted_budget(budget=200, predicted=110, held=100, request=20, obtainable=30) == 120
-    assert oom.fitted_budget(budget=90, predicted=110, held=100, request=20, obtainable=30) == 90
+    assert fits(budget=200, predicted=110, held=100, request=20, free=30) == 120
+    assert fits(budget=90, predicted=110, held=100, request=20, free=30) == 90
+    # What the allocator cached beyond its tensors is the step's too; a device that reports nothing: not known.
+    assert fits(budget=200, predicted=110, held=100, request=20, free=10, reserved=50, allocated=30) == 120
+    assert fits(budget=200, predicted=110, held=100, request=20, free=-1) == -1
     assert oom.requested_bytes(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "
                                             "1234 bytes. Error code 12")) == 1234
     assert oom.is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp] DefaultCPUAllocator: can't allocate memory"))

@@ -62,4 +62,45 @@ std::optional<double> parse_device_fraction(const std::string& text) {
   return n / 100;
 }
 
+int64_t budget_that_would_fit(const OutOfMemory& oom) {
+  if (oom.free_bytes < 0) return -1;
+  const int64_t cached = oom.reserved_bytes >= 0 && oom.allocated_bytes >= 0
+                             ? std::max<int64_t>(0, oom.reserved_bytes - oom.allocated_bytes)
+                             : 0;
+  const int64_t capacity = oom.held_bytes + oom.free_bytes + cached;
+  const int64_t short_by = std::max<int64_t>(
+      0, oom.held_bytes + std::max<int64_t>(0, oom.request_bytes) - oom.predicted_peak_bytes);
+  return std::min(oom.budget_bytes, capacity - short_by);
+}
+
+std::string describe_out_of_memory(const OutOfMemory& oom, const std::string& last) {
+  auto both = [](int64_t bytes) { return format_bytes(bytes) + " (" + std::to_string(bytes) + " bytes)"; };
+  std::string s =
+      oom.who + ": out of memory " + oom.where + ", in a step that ran the plan " + oom.plan + "\n";
+  s += "  its predicted peak: " + both(oom.predicted_peak_bytes) +
+       " above the step's base, for a budget of " + both(oom.budget_bytes) + oom.budget_words + "\n";
+  s += "  the step held " + format_bytes(oom.held_bytes) + " above its base when " +
+       (oom.request_bytes >= 0 ? format_bytes(oom.request_bytes) + " more could not be had"
+                               : std::string("an allocation failed")) +
+       "\n";
+  if (oom.reserved_bytes >= 0 && oom.allocated_bytes >= 0 && oom.free_bytes >= 0)
+    s += "  the caching allocator reserved " +
+         format_bytes(std::max<int64_t>(0, oom.reserved_bytes - oom.allocated_bytes)) + " beyond the " +
+         format_bytes(oom.allocated_bytes) + " its tensors occupied; the device had " +
+         format_bytes(oom.free_bytes) + " free\n";
+  else
+    s += "  (the allocator's reserved and free bytes are not read on this device)\n";
+  const int64_t fits = budget_that_would_fit(oom);
+  if (fits < 0 && oom.free_bytes < 0)
+    s += "  the budget that would have fit is not known: this device does not report what it had free";
+  else if (fits > 0)
+    s += "  a budget that would have fit: " + both(fits) +
+         ": what the device could give the step, less what the step needed beyond its prediction";
+  else
+    s += "  no budget would have fit: the step ran out before it held more than it needed beyond its "
+         "prediction";
+  if (!last.empty()) s += "\n  " + last;
+  return s;
+}
+
 }  // namespace remat

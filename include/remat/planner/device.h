@@ -55,4 +55,33 @@ int64_t device_budget(const DeviceRoom& room, double fraction);
 /// not a device budget). Throws std::invalid_argument naming the text for a percentage outside (0, 100].
 std::optional<double> parse_device_fraction(const std::string& text);
 
+/// What a runtime knew when a step it planned ran out of device memory (bytes; -1 where it was not known),
+/// for describe_out_of_memory() and budget_that_would_fit(): remat::Planned (C++) and the Python package fill
+/// it in.
+struct OutOfMemory {
+  std::string who;                   ///< "remat::Planned", "remat.enable"
+  std::string where;                 ///< where it ran out: "in layer 2's forward"
+  std::string plan;                  ///< the plan the step ran (Plan::to_string())
+  int64_t budget_bytes = 0;          ///< the budget the plan was made for
+  std::string budget_words;          ///< how a device budget's bytes were made ("" for a budget in bytes)
+  int64_t predicted_peak_bytes = 0;  ///< the plan's predicted step peak above the step's base
+  int64_t held_bytes = 0;            ///< what the step held above its base when the allocation failed
+  int64_t request_bytes = -1;        ///< the allocation that failed
+  int64_t free_bytes = -1;           ///< free on the device then (-1: the device does not report it)
+  int64_t reserved_bytes = -1;       ///< the caching allocator's reserved bytes then
+  int64_t allocated_bytes = -1;      ///< of those, occupied by tensors
+};
+
+/// The budget that would have fit (bytes, <= 0 when none would; -1 when free_bytes is not known): what the
+/// device could give the step (held_bytes + free_bytes + what the allocator held beyond its tensors, reserved
+/// - allocated), less what the step needed at that point beyond its predicted peak (held + request -
+/// predicted, when positive); at most budget_bytes.
+int64_t budget_that_would_fit(const OutOfMemory& oom);
+
+/// remat's words for `oom` (lines, the first naming who and where, then the plan, its predicted peak against
+/// the budget, what the step held and the failed allocation, the allocator's reserve and the free bytes, the
+/// budget that would have fit), the same in both languages; `last`, when not empty, is a last line (the
+/// runtime's: what was done about it, or how to plan for the budget that would have fit).
+std::string describe_out_of_memory(const OutOfMemory& oom, const std::string& last = "");
+
 }  // namespace remat

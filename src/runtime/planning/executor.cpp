@@ -1,6 +1,6 @@
-// The plan executor: runs a Plan (remat/planner/plan.h) over a chain of stages as one autograd node of its own. Its
-// forward runs the plan's operations up to the loss; its backward replays the rest, each stage's backward a
-// nested autograd call from the stage's output.
+// The plan executor: runs a Plan (remat/planner/plan.h) over a chain of stages as one autograd node of its
+// own. Its forward runs the plan's operations up to the loss; its backward replays the rest, each stage's
+// backward a nested autograd call from the stage's output.
 
 #include "remat/executor.h"
 
@@ -25,6 +25,7 @@
 #include "checkpoint/region.h"
 #include "detail/compat.h"
 #include "offload/stage_offload.h"
+#include "planning/out_of_memory.h"
 
 namespace remat {
 
@@ -57,6 +58,8 @@ struct ExecState final : torch::CustomClassHolder {
   std::vector<c10::DeviceIndex> cuda_devices;
   AutocastState autocast;  // of the forward pass, re-entered by every recompute
   std::shared_ptr<ExecutionStats> stats;
+  // remat::Planned's words for an out-of-memory error in the backward pass (empty outside Planned).
+  detail::OutOfMemoryWords out_of_memory;
   std::vector<at::Tensor> params;                     // the node's parameter inputs (require grad, each once)
   std::vector<std::vector<at::Tensor>> stage_params;  // per stage, those that require grad
 
@@ -448,9 +451,12 @@ struct ExecNode final : torch::autograd::Node {
           carry_out(*run, run->schedule.after[k]);
         }
       } catch (c10::Error& e) {
+        const std::string op =
+            op_name(ops[k].kind) + (ops[k].stage >= 0 ? std::to_string(ops[k].stage) : std::string());
         e.add_context("remat::run_plan: while running operation " + std::to_string(k) + " of the plan (" +
-                      op_name(ops[k].kind) + (ops[k].stage >= 0 ? std::to_string(ops[k].stage) : "") +
-                      ") in the backward pass");
+                      op + ") in the backward pass");
+        if (run->out_of_memory && detail::is_out_of_memory(e))
+          run->out_of_memory(e, "in the backward pass (the plan's operation " + op + ")");
         throw;
       }
     }
@@ -497,6 +503,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->cuda_devices = detail::cuda_devices_of({input});
   st->autocast = AutocastState::current();
   st->stats = std::move(stats);
+  st->out_of_memory = detail::current_out_of_memory_words();
   const size_t n = stages.size();
   st->rng.resize(n);
   st->ran.assign(n, false);

@@ -17,6 +17,8 @@
 #include "remat/planner/step.h"
 #include "remat/profile.h"
 
+#include "planning/out_of_memory.h"
+
 namespace remat {
 
 namespace {
@@ -145,8 +147,16 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
   // The plan, and the step's peak above the base, measured to the end of its backward pass (in a window: the
   // statistics the caller reads are left alone).
   auto window = std::make_shared<memory::PeakWindow>(device);
-  torch::Tensor out = run_plan(stages, *shape.plan, x, {}, nullptr,
-                               OffloadOptions().min_bytes(options_.offload_min_bytes()).pool(host_pool_));
+  const detail::OutOfMemoryWords words = out_of_memory_words(shape, window, device);
+  torch::Tensor out;
+  try {
+    detail::OutOfMemoryScope scope(words);  // the plan's backward pass carries the words too
+    out = run_plan(stages, *shape.plan, x, {}, nullptr,
+                   OffloadOptions().min_bytes(options_.offload_min_bytes()).pool(host_pool_));
+  } catch (c10::Error& e) {
+    if (detail::is_out_of_memory(e)) words(e, "in the forward pass");
+    throw;
+  }
   if (out.requires_grad()) {
     std::shared_ptr<int64_t> last = shape.last_peak;
     out.register_hook([last, window](const torch::Tensor& g) {
@@ -296,6 +306,7 @@ void PlannedImpl::make_plan(Shape& shape) {
     }
     fitted = c10::str(" (fit_device ", options_.fit_device(), " of ", describe_room(room), ")");
   }
+  shape.budget_words = fitted;
   try {
     // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
     // (recomputation across stages).
@@ -325,6 +336,39 @@ const Plan* PlannedImpl::plan() const {
 const Chain* PlannedImpl::chain() const {
   return last_ && last_->chain ? &*last_->chain : nullptr;
 }
+detail::OutOfMemoryWords PlannedImpl::out_of_memory_words(const Shape& shape,
+                                                          std::shared_ptr<memory::PeakWindow> window,
+                                                          c10::Device device) const {
+  // Everything by value: the backward pass may run after this module is gone.
+  OutOfMemory known;
+  known.who = kWho;
+  known.plan = shape.plan->to_string();
+  known.budget_bytes = options_.fit_device() != 0 ? shape.budget : options_.budget();
+  known.budget_words = shape.budget_words;
+  known.predicted_peak_bytes = shape.predicted;
+  std::function<memory::DeviceMemory(c10::Device)> reader;
+  if (options_.read_device())
+    reader = options_.read_device();
+  else if (device.is_cuda())
+    reader = memory::device_memory;
+  return [known, window = std::move(window), device, reader](c10::Error& e, const std::string& where) {
+    OutOfMemory o = known;
+    o.where = where;
+    o.held_bytes = std::max<int64_t>(0, window->active_over_base());
+    if (reader) {
+      const memory::DeviceMemory m = reader(device);
+      o.free_bytes = m.free_bytes;
+      o.reserved_bytes = m.reserved_bytes;
+      o.allocated_bytes = m.allocated_bytes;
+    }
+    const int64_t fits = budget_that_would_fit(o);
+    e.add_context(describe_out_of_memory(o, fits > 0 ? "a Planned made with PlannedOptions().budget(" +
+                                                           std::to_string(fits) +
+                                                           ") plans for it (its first step profiles)"
+                                                     : std::string()));
+  };
+}
+
 memory::DeviceMemory PlannedImpl::read_device(c10::Device device) const {
   return options_.read_device() ? options_.read_device()(device) : memory::device_memory(device);
 }

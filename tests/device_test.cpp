@@ -74,3 +74,46 @@ TEST(DeviceBudget, ParsesAutoAndPercentagesAndLeavesSizesAlone) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(OutOfMemoryWords, TheBudgetThatWouldHaveFitIsWhatTheDeviceCouldGiveLessWhatThePredictionMissed) {
+  remat::OutOfMemory o;
+  o.who = "remat::Planned";
+  o.where = "in the forward pass";
+  o.plan = "Fc0 Fa1 L B1 Fa0 B0";
+  o.budget_bytes = 200 * kMiB;
+  o.predicted_peak_bytes = 110 * kMiB;
+  o.held_bytes = 100 * kMiB;
+  o.request_bytes = 20 * kMiB;
+  // A device that does not say what it had free: not known.
+  EXPECT_EQ(remat::budget_that_would_fit(o), -1);
+  std::string words = remat::describe_out_of_memory(o);
+  EXPECT_NE(words.find("the budget that would have fit is not known"), std::string::npos) << words;
+  // 100 held, 20 free and 10 cached beyond the allocator's tensors: 130 to give; needing 120 against a
+  // prediction of 110, the plan must leave 10 more: 120.
+  o.free_bytes = 20 * kMiB;
+  o.reserved_bytes = 40 * kMiB;
+  o.allocated_bytes = 30 * kMiB;
+  EXPECT_EQ(remat::budget_that_would_fit(o), 120 * kMiB);
+  words = remat::describe_out_of_memory(o, "what was done");
+  EXPECT_EQ(
+      words,
+      "remat::Planned: out of memory in the forward pass, in a step that ran the plan Fc0 Fa1 L B1 Fa0 B0\n"
+      "  its predicted peak: 110.0 MiB (115343360 bytes) above the step's base, for a budget of 200.0 MiB "
+      "(209715200 bytes)\n"
+      "  the step held 100.0 MiB above its base when 20.0 MiB more could not be had\n"
+      "  the caching allocator reserved 10.0 MiB beyond the 30.0 MiB its tensors occupied; the device had "
+      "20.0 MiB free\n"
+      "  a budget that would have fit: 120.0 MiB (125829120 bytes): what the device could give the step, "
+      "less what the step needed beyond its prediction\n"
+      "  what was done");
+  // Never above the budget; nothing when the step needed more than the device could give beyond it.
+  o.budget_bytes = 90 * kMiB;
+  EXPECT_EQ(remat::budget_that_would_fit(o), 90 * kMiB);
+  o.free_bytes = 0, o.reserved_bytes = o.allocated_bytes = 0, o.predicted_peak_bytes = 0;
+  EXPECT_LE(remat::budget_that_would_fit(o), 0);
+  EXPECT_NE(remat::describe_out_of_memory(o).find("no budget would have fit"), std::string::npos);
+}
+
+}  // namespace

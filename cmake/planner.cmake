@@ -6,6 +6,7 @@ add_library(remat_planner
   src/planner/planner.cpp
   src/planner/device.cpp
   src/planner/batch.cpp
+  src/planner/timeline.cpp
   src/planner/chain.cpp
   src/planner/plan.cpp
   src/planner/baselines.cpp

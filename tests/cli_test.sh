@@ -170,6 +170,15 @@ for mode in curve frontier; do
     echo "FAIL sweep-plot-$mode: no PNG at $tmp/$mode.png"; fail=1
   fi
 done
+# The step's picture: remat plan --plot draws it through python/remat/plot_step.py, its data beside it.
+if "$remat" plan --model mlp --depth 4 --width 16 --budget 256KiB --planner per-layer --plot "$tmp/step.png" \
+    >/dev/null 2>&1 && [ "$(head -c 4 "$tmp/step.png" | tail -c 3)" = PNG ] &&
+  grep -q '"budget_bytes": 262144' "$tmp/step.png.json" && grep -q '"op": "B(after)"' "$tmp/step.png.plain.json"; then
+  echo "ok   plan-plot"
+else
+  echo "FAIL plan-plot: no picture or data at $tmp/step.png"; fail=1
+fi
+check plan-plot-no-script nonzero "is not there" -- env REMAT_STEP_PLOT_SCRIPT=/nonexistent/plot.py "$remat" plan --model mlp --depth 4 --width 16 --budget 256KiB --planner per-layer --plot "$tmp/x.png"
 check sweep-plot-no-script nonzero "is not there" -- env REMAT_PLOT_SCRIPT=/nonexistent/plot.py "$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 --plot "$tmp/x.png"
 good='{"input_bytes": 1000, "stages": [{"fwd_ms": 1, "bwd_ms": 2, "output_bytes": 1000, "saved_bytes": 3000}]}'
 bad_chain() {  # bad_chain NAME NEEDLE JSON

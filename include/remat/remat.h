@@ -11,6 +11,7 @@
 #include <remat/planned.h>
 #include <remat/planner/chain.h>
 #include <remat/planner/batch.h>
+#include <remat/planner/timeline.h>
 #include <remat/planner/device.h>
 #include <remat/planner/plan.h>
 #include <remat/planner/planner.h>

@@ -217,6 +217,33 @@ class LayerPlan:
     def profiling_steps(self) -> int:
         return self._last.profiling_steps if self._last else 0
 
+    def timeline(self) -> dict:
+        """The plan in force's predicted step, operation by operation, for the last input shape (the planner
+        library's remat/planner/timeline.h): a dict with plan, peak_bytes, time_ms, budget_bytes, stages (each
+        layer's name and way: "Fa", "Fc", "Fk[matmuls]", with "@host" or "@stream") and points (each operation:
+        op, stage, backward, start_ms, end_ms, peak_bytes above the step's base). Raises ValueError before the
+        shape has a plan (and for a given plan, which has no profile)."""
+        import json
+        shape = self._last
+        if shape is None or shape.plan is None or shape.chain is None or shape.context is None:
+            raise ValueError(f"{self.who}: no plan with its profile yet (timeline and plot follow a profiling step "
+                             "under a budget)")
+        return json.loads(_core.step_timeline_json(shape.chain, shape.context, shape.plan, self.budget_bytes))
+
+    def plot(self, path, *, plain: bool = True, title: str | None = None) -> None:
+        """Draws the planned step's memory over time to `path` (.png, .svg, .pdf; needs matplotlib): the predicted
+        curve, each layer's forward and backward coloured by its way, the budget, the last measured peak, and with
+        `plain` the plain step's predicted curve beside it (remat.plot_step draws it; timeline() is the data).
+        Raises ValueError as timeline()."""
+        import json
+        from .plot_step import draw
+        t = self.timeline()
+        shape = self._last
+        compare = json.loads(_core.step_timeline_json(shape.chain, shape.context, _core.no_checkpoint(shape.chain))) \
+            if plain else None
+        draw(t, str(path), compare=compare, measured_peak=self.last_peak_bytes if self.last_peak_bytes >= 0 else None,
+             title=title)
+
     def set_budget(self, budget) -> None:
         """Plans again for another budget (bytes, a size string, or a device budget such as "auto" or "90%") from
         what was measured, without profiling again: every input shape already profiled gets its new plan at

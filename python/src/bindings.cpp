@@ -16,6 +16,7 @@
 #include <remat/planner/planner.h>
 #include <remat/planner/report.h>
 #include <remat/planner/step.h>
+#include <remat/planner/timeline.h>
 #include <remat/planner/strategy.h>
 #include <remat/planner/units.h>
 
@@ -514,4 +515,12 @@ NB_MODULE(_core, m) {
       .def_rw("allocated_bytes", &remat::OutOfMemory::allocated_bytes);
   m.def("budget_that_would_fit", &remat::budget_that_would_fit, "oom"_a);
   m.def("describe_out_of_memory", &remat::describe_out_of_memory, "oom"_a, "last"_a = "");
+  m.def(
+      "step_timeline_json",
+      [](const remat::Chain& chain, const remat::StepContext& context, const remat::Plan& plan,
+         int64_t budget_bytes) {
+        return remat::step_timeline_json(remat::step_timeline(chain, context, plan), budget_bytes);
+      },
+      "chain"_a, "context"_a, "plan"_a, "budget_bytes"_a = -1,
+      "The planned step's predicted course, operation by operation, as JSON (remat/planner/timeline.h).");
 }

@@ -203,6 +203,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : held[i] == kKept ? kept(i) : 0;
   };
   sim.op_peak_bytes.assign(plan.ops.size(), 0);
+  sim.op_end_ms.assign(plan.ops.size(), 0.0);
 
   // Offloading: per stage, what its offloaded forward sent to the host (see plan.h).
   struct Away {
@@ -271,6 +272,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   per_stage(plan.stream_windows.size(), "gives stream windows", "Plan::stream_windows");
   per_stage(plan.group_names.size(), "names saved groups", "Plan::group_names");
   for (size_t k = 0; k < plan.ops.size(); ++k) {
+    if (k > 0)
+      sim.op_end_ms[k - 1] = sim.time_ms;  // what the last operation charged, copies waited for included
     const Op& op = plan.ops[k];
     auto fail = [&](const std::string& why) {
       throw std::invalid_argument(std::string(who) + ": operation " + std::to_string(k) + " (" +
@@ -528,6 +531,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         std::string(who) + ": the plan ends before d_0 (" +
         (loss_done ? "the backward pass stops at d_" + std::to_string(grad) : std::string("no loss")) + ")");
   }
+  if (!sim.op_end_ms.empty()) sim.op_end_ms.back() = sim.time_ms;
   return sim;
 }
 

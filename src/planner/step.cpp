@@ -6,6 +6,7 @@
 
 #include "detail/per_layer.h"
 #include "detail/planner.h"
+#include "detail/step.h"
 #include "remat/planner/units.h"
 
 namespace remat {
@@ -107,12 +108,13 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   return step;
 }
 
-int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan) {
-  const Chain step = step_chain(chain, context);
-  const Plan ops = step_plan(plan);
-  const Simulation sim = simulate(step, ops);
+namespace detail {
+
+std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& context, const Plan& ops,
+                                   const Simulation& sim) {
   const int64_t n = chain.size();
-  int64_t arrived = 0, peak = std::max(context.before_peak_bytes, context.before_backward_peak_bytes);
+  std::vector<int64_t> peaks(ops.ops.size());
+  int64_t arrived = 0;
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
@@ -124,9 +126,20 @@ int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Pl
     if (op.kind == OpKind::kBackward && op.stage == n + 1) rest_done = true;
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n && !context.stage_grads_bytes.empty())
       arrived += context.stage_grads_bytes[static_cast<size_t>(op.stage - 1)];
-    peak = std::max(
-        peak, sim.op_peak_bytes[k] + arrived - (context.input_in_base ? chain.input_bytes : int64_t{0}));
+    peaks[k] = sim.op_peak_bytes[k] + arrived - (context.input_in_base ? chain.input_bytes : int64_t{0});
   }
+  return peaks;
+}
+
+}  // namespace detail
+
+int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan) {
+  const Chain step = step_chain(chain, context);
+  const Plan ops = step_plan(plan);
+  const Simulation sim = simulate(step, ops);
+  int64_t peak = std::max(context.before_peak_bytes, context.before_backward_peak_bytes);
+  for (int64_t p : detail::step_op_peaks(chain, context, ops, sim))
+    peak = std::max(peak, p);
   return peak;
 }
 

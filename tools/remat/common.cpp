@@ -2,6 +2,12 @@
 
 #include "common.h"
 
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstring>
+
 #include <remat/memory.h>
 #include <remat/planner/units.h>
 #include <torch/cuda.h>
@@ -181,6 +187,29 @@ PlannerOptions planner_options(const std::string& exclude, int64_t slots) {
   options.slots = slots;
   options.exclude = split(exclude);
   return options;
+}
+
+void run_plot_script(const std::string& who, const char* env_var, const std::string& built,
+                     const std::vector<std::string>& args) {
+  const char* env_script = std::getenv(env_var);
+  const std::string script = env_script ? env_script : built;
+  TORCH_CHECK(std::ifstream(script).good(), who, ": the plotting script '", script, "' is not there; set ",
+              env_var, " to ", built, " of remat's sources");
+  const char* env_python = std::getenv("REMAT_PYTHON");
+  std::vector<std::string> argv{env_python ? env_python : "python3", script};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::vector<char*> cargv;
+  for (auto& x : argv)
+    cargv.push_back(x.data());
+  cargv.push_back(nullptr);
+  pid_t pid = 0;
+  const int err = posix_spawnp(&pid, cargv[0], nullptr, nullptr, cargv.data(), ::environ);
+  TORCH_CHECK(err == 0, who, ": cannot run '", argv[0], "': ", std::strerror(err));
+  int status = 0;
+  waitpid(pid, &status, 0);
+  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, who, ": '", argv[0], " ", script,
+              "' failed (exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+              "); it needs matplotlib");
 }
 
 }  // namespace remat::cli

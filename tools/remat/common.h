@@ -19,6 +19,12 @@ namespace remat::cli {
 
 /// The plotting script of the source tree this binary was built from (scripts/plot_tradeoff.py).
 const char* built_plot_script();
+/// The step-picture script of the source tree this binary was built from (python/remat/plot_step.py).
+const char* built_step_plot_script();
+/// Runs a plotting script (`env_var`'s path, or `built`) with REMAT_PYTHON (default python3, which needs
+/// matplotlib) and `args`. Throws c10::Error naming `who` when the script is missing or fails.
+void run_plot_script(const std::string& who, const char* env_var, const std::string& built,
+                     const std::vector<std::string>& args);
 
 /// A subcommand: its CLI11 app (options added) and what it runs once the command line is parsed (the exit
 /// status).

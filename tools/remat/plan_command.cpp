@@ -5,6 +5,7 @@
 #include <chrono>
 #include <iostream>
 
+#include <remat/planner/timeline.h>
 #include <remat/planner/units.h>
 
 #include "common.h"
@@ -14,7 +15,7 @@ namespace {
 
 struct PlanArgs {
   ModelArgs model;
-  std::string chain, budget, planner = "optimal", out, step, exclude, max_host;
+  std::string chain, budget, planner = "optimal", out, step, exclude, max_host, plot;
   int64_t slots = 500;
   bool json = false, offload = false;
 };
@@ -59,6 +60,17 @@ int run(const PlanArgs& a) {
   PlanSummary s = summarize_plan(chain, plan, step ? &*step : nullptr);
   if (budget >= 0) s.requested_budget_bytes = budget;
   if (!a.out.empty()) write_file(a.out, to_json(plan) + "\n");
+  if (!a.plot.empty()) {
+    // The chain alone (the command has no step context): its timeline and the plain chain's, as JSON beside
+    // the picture, drawn by the Python package's plot_step.py (matplotlib only).
+    const StepContext alone;
+    const std::string data = a.plot + ".json", plain = a.plot + ".plain.json";
+    write_file(data, step_timeline_json(step_timeline(chain, alone, plan), budget) + "\n");
+    write_file(plain, step_timeline_json(step_timeline(chain, alone, no_checkpoint(chain))) + "\n");
+    run_plot_script("remat plan --plot", "REMAT_STEP_PLOT_SCRIPT", built_step_plot_script(),
+                    {data, "--compare", plain, "-o", a.plot});
+    progress("the step's picture drawn to " + a.plot + " (its data: " + data + ")");
+  }
   if (a.json) {
     std::cout << to_json(s) << "\n";
     return 0;
@@ -127,6 +139,11 @@ Subcommand add_plan(CLI::App& app) {
   cmd->add_option("--max-host", a->max_host, "with --offload: the most host memory the plan may hold (SIZE)");
   cmd->add_flag("--json", a->json, "print one JSON object (the plan's JSON and the figures beside it)");
   cmd->add_option("--out", a->out, "also write the plan (remat::to_json) to this file");
+  cmd->add_option(
+      "--plot", a->plot,
+      "also draw the planned chain's memory over time beside the plain chain's (PNG, SVG or PDF; "
+      "its data, remat/planner/timeline.h's JSON, beside it as FILE.json and FILE.plain.json; needs "
+      "python3 with matplotlib, or REMAT_PYTHON)");
   return {cmd, [a] { return run(*a); }};
 }
 

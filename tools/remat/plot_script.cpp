@@ -5,4 +5,7 @@ namespace remat::cli {
 const char* built_plot_script() {
   return REMAT_PLOT_SCRIPT;
 }
+const char* built_step_plot_script() {
+  return REMAT_STEP_PLOT_SCRIPT;
+}
 }  // namespace remat::cli

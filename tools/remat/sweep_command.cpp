@@ -1,11 +1,6 @@
 // remat sweep: the optimal planner's trade-off curve (remat::sweep), as a table, CSV and a plot drawn by
 // scripts/plot_tradeoff.py.
 
-#include <spawn.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
-#include <cstring>
 #include <fstream>
 #include <iostream>
 
@@ -19,30 +14,6 @@ struct SweepArgs {
   std::string chain, csv, title, plot, measured, frontier, exclude;
   int64_t budgets = 20;
 };
-
-// Runs scripts/plot_tradeoff.py (REMAT_PLOT_SCRIPT, or the one of the source tree this binary was built from)
-// with REMAT_PYTHON (default python3, which needs matplotlib).
-void draw_plot(const std::vector<std::string>& args) {
-  const char* env_script = std::getenv("REMAT_PLOT_SCRIPT");
-  const std::string script = env_script ? env_script : built_plot_script();
-  TORCH_CHECK(std::ifstream(script).good(), "remat sweep --plot: the plotting script '", script,
-              "' is not there; set REMAT_PLOT_SCRIPT to scripts/plot_tradeoff.py of remat's sources");
-  const char* env_python = std::getenv("REMAT_PYTHON");
-  std::vector<std::string> argv{env_python ? env_python : "python3", script};
-  argv.insert(argv.end(), args.begin(), args.end());
-  std::vector<char*> cargv;
-  for (auto& x : argv)
-    cargv.push_back(x.data());
-  cargv.push_back(nullptr);
-  pid_t pid = 0;
-  const int err = posix_spawnp(&pid, cargv[0], nullptr, nullptr, cargv.data(), ::environ);
-  TORCH_CHECK(err == 0, "remat sweep --plot: cannot run '", argv[0], "': ", std::strerror(err));
-  int status = 0;
-  waitpid(pid, &status, 0);
-  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "remat sweep --plot: '", argv[0], " ", script,
-              "' failed (exit status ", WIFEXITED(status) ? WEXITSTATUS(status) : -1,
-              "); it needs matplotlib");
-}
 
 int run(const SweepArgs& a) {
   Chain chain;
@@ -69,7 +40,7 @@ int run(const SweepArgs& a) {
     std::vector<std::string> args{csv_path, "-o", a.plot};
     if (!a.frontier.empty()) args.insert(args.end(), {"--frontier", a.frontier});
     if (!a.measured.empty()) args.insert(args.end(), {"--measured", a.measured});
-    draw_plot(args);
+    run_plot_script("remat sweep --plot", "REMAT_PLOT_SCRIPT", built_plot_script(), args);
   }
   Table t({"kind", "name", "budget MiB", "peak MiB", "time ms", "overhead"});
   for (const auto& p : points) {

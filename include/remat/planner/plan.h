@@ -8,8 +8,8 @@
 ///   std::cout << plan.to_string();                      // "Fc0 Fn1 Fa2 L B2 Fa1 B1 Fa0 B0"
 ///   remat::Simulation sim = remat::simulate(chain, plan);  // peak_bytes, time_ms, forward_calls
 ///
-/// Operations and how simulate() charges them (sizes as in remat/planner/chain.h; "resident" is everything held when
-/// the operation starts, always including the chain's input a_0):
+/// Operations and how simulate() charges them (sizes as in remat/planner/chain.h; "resident" is everything
+/// held when the operation starts, always including the chain's input a_0):
 /// - Fn(i), forward without keeping anything: needs a_i (or abar_i); peak = resident + a_{i+1} + fwd_tmp_i;
 ///   afterwards a_{i+1} is held and a_i is freed if it was held as a plain a_i (never a_0).
 /// - Fc(i), forward keeping its input (a checkpoint): as Fn(i), but a_i stays.
@@ -97,7 +97,10 @@ struct Simulation {
   std::vector<int64_t> forward_calls;  ///< how many times each stage's forward runs
   int64_t peak_op = -1;                ///< index in ops of the operation at the peak
   std::vector<int64_t> op_peak_bytes;  ///< the peak during each operation, in the order of ops (bytes)
-  int64_t host_peak_bytes = 0;         ///< the most held in host memory by offloaded stages at once (bytes)
+  /// When each operation ends, in the order of ops (milliseconds from the plan's start: time_ms so far, the
+  /// copies no computation hides included; all 0 without a chain, as check_plan() runs it).
+  std::vector<double> op_end_ms;
+  int64_t host_peak_bytes = 0;  ///< the most held in host memory by offloaded stages at once (bytes)
   double transfer_ms = 0;  ///< of time_ms, the copies to and from the host that no computation hides (ms)
 };
 

@@ -1,0 +1,18 @@
+#pragma once
+// What step.cpp shares with the rest of the planner library (timeline.cpp).
+
+#include <cstdint>
+#include <vector>
+
+#include "remat/planner/step.h"
+
+namespace remat::detail {
+
+// The step's peak during each operation of `ops` (step_plan() of a plan for `chain`) as simulated on
+// step_chain() (`sim`), above the step's base: the simulated peak with the gradients allocated by then, less
+// the chain's input when input_in_base (bytes; step_peak_bytes() is their maximum with the part before the
+// chain's own peaks).
+std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& context, const Plan& ops,
+                                   const Simulation& sim);
+
+}  // namespace remat::detail

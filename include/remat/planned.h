@@ -39,6 +39,7 @@
 #include <remat/memory.h>
 #include <remat/offload.h>
 #include <remat/planner/chain.h>
+#include <remat/planner/device.h>
 #include <remat/planner/plan.h>
 #include <remat/planner/planner.h>
 #include <remat/planner/step.h>
@@ -180,7 +181,9 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<memory::PeakWindow> whole;  // from the profiling step's start to its planning
     int64_t lost = 0;                           // what the allocator lost to fragmentation in that step
     int64_t budget = -1;
-    std::string budget_words;  // how fit_device's budget was made, for messages ("" for a budget in bytes)
+    // What an out-of-memory error in a step of the plan says of it (who, the plan, budget, prediction): made
+    // with the plan, shared by its steps' words.
+    std::shared_ptr<const OutOfMemory> out_of_memory;
   };
   using Key = std::vector<std::vector<int64_t>>;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);

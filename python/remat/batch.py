@@ -124,7 +124,7 @@ def max_batch(model: nn.Module, make_batch: Callable[[int], object], budget, *,
                      sizes=sizes)
     while found.batch > 0:
         planned = _core.plan_step(*at(found.batch), budget_bytes, "per-layer", list(exclude), **opts)
-        _take(found, planned)
+        _take(found, planned.plan, planned.step_peak_bytes, planned.step_time_ms)
         if not confirm:
             break
         found.tried.append(found.batch)
@@ -143,12 +143,12 @@ def max_batch(model: nn.Module, make_batch: Callable[[int], object], budget, *,
     return found
 
 
-def _take(found: MaxBatch, planned) -> None:
+def _take(found: MaxBatch, plan, peak_bytes: int, step_ms: float) -> None:
     from .policies import choices_of
-    found.plan = planned.plan
-    found.choices = choices_of(planned.plan)
-    found.predicted_peak_bytes = planned.step_peak_bytes
-    found.predicted_step_ms = planned.step_time_ms
+    found.plan = plan
+    found.choices = choices_of(plan)
+    found.predicted_peak_bytes = peak_bytes
+    found.predicted_step_ms = step_ms
 
 
 class _Runs:
@@ -220,8 +220,9 @@ class _Runs:
                 self._step(batch)  # profiles, and plans for the budget
             except _core.InfeasibleBudget as e:
                 return e.min_bytes
-            _take(found, _core.plan_step(lp.chain, lp.context, budget_bytes, "per-layer",
-                                         list(self.options["exclude"]), **self.planner_options))
+            # The plan the step made from this size's own profile (plan_step's: its time is the chain's and the
+            # rest of the step's).
+            _take(found, lp.plan, lp.predicted_peak_bytes, lp.plan.predicted.time_ms + lp.context.rest_ms)
             device = next(self.model.parameters()).device
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync()

@@ -138,10 +138,7 @@ class _Explained:
         try:
             return self.fn(*args)
         except BaseException as e:
-            if oom.is_oom(e):
-                backward = torch._C._current_graph_task_id() != -1
-                oom.explain(self.lp, e, f"in layer {self.i}'s " + ("recompute (the backward pass)" if backward
-                                                                     else "forward"))
+            oom.explain(self.lp, e, self.i)
             raise
         finally:
             oom._depth -= 1

@@ -294,7 +294,7 @@ class LayerPlan:
 
     def _step_begins(self, module, args, kwargs):
         self._unmeasured = False
-        oom._active = None
+        oom.over()
         if self._fixed is not None or not self._training():
             self._step = None
             return

@@ -181,7 +181,7 @@ def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor):
         step.note_peak()
         shape.last_peak = step.true_peak - step.base
         step.finish()
-        oom._active = None  # the planned step is over: an error after it is not the plan's
+        oom.over()  # the planned step is over: an error after it is not the plan's
 
     def hook(g):
         queue_at_backward_end(at_end)

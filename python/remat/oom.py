@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from . import _core
+from . import _core, fit
 
 __all__ = ["is_oom", "requested_bytes"]
 
@@ -57,7 +57,6 @@ def read(lp, step, shape, e: BaseException | None, where: str, event=None) -> _c
     """What remat knows of an out-of-memory error in `step` (running `shape`'s plan): the step's count, the
     allocator's (CUDA) or a pretended device's figures, the failed allocation (the observer's `event`, or the
     error's message); remat._core.OutOfMemory, which the planner library describes for both languages."""
-    from . import fit
     o = _core.OutOfMemory()
     o.who, o.where, o.plan = lp.who, where, str(shape.plan)
     o.budget_bytes, o.budget_words = lp.budget_bytes, lp._fitted_words(shape)
@@ -97,22 +96,33 @@ def respond(lp, o) -> str:
     return _core.describe_out_of_memory(o, last)
 
 
-def explain(lp, e: BaseException, where: str) -> None:
-    """Adds remat's words to out-of-memory error `e` raised in lp's planned step (once; nothing for other errors
-    or outside a planned step)."""
+def _planned(lp):
+    """lp's step in progress and its shape, when that step runs a plan made from a profile; else None (a
+    profiling step, every layer checkpointed, or a given plan: no prediction to speak of)."""
+    step = lp._step
+    shape = step.shape if step is not None else None
+    if shape is None or shape.plan is None or shape.context is None:
+        return None
+    return step, shape
+
+
+def explain(lp, e: BaseException, layer: int) -> None:
+    """Adds remat's words to `e`, raised in layer `layer`'s call in lp's planned step, when it is an
+    out-of-memory error (once; nothing for other errors or outside a planned step)."""
     if getattr(e, "_remat_explained", False) or not is_oom(e):
         return
     global _event
     event, _event = _event, None  # the observer's record of this error (CUDA)
-    step = lp._step
-    shape = step.shape if step is not None else None
-    if shape is None or shape.plan is None or shape.context is None:
-        return  # a profiling step (every layer checkpointed) or a given plan: no prediction to speak of
+    planned = _planned(lp)
+    if planned is None:
+        return
     try:
         e._remat_explained = True
     except AttributeError:
         return
-    text = respond(lp, read(lp, step, shape, e, where, event))
+    backward = torch._C._current_graph_task_id() != -1
+    where = f"in layer {layer}'s " + ("recompute (the backward pass)" if backward else "forward")
+    text = respond(lp, read(lp, *planned, e, where, event))
     if hasattr(e, "add_note"):
         e.add_note(text)
     else:  # Python 3.10
@@ -145,13 +155,12 @@ def observed(device, requested, allocated, free) -> None:
     lp = _active() if _active is not None else None
     if lp is None or _depth > 0:
         return
-    step = lp._step
-    shape = step.shape if step is not None else None
-    if shape is None or shape.plan is None or shape.context is None:
+    planned = _planned(lp)
+    if planned is None:
         return
     event, _event = _event, None
-    text = respond(lp, read(lp, step, shape, None, "outside remat's layers (a kept layer's backward, or after the "
-                                                   "layers)", event))
+    text = respond(lp, read(lp, *planned, None, "outside remat's layers (a kept layer's backward, or after the "
+                                                "layers)", event))
     warnings.warn(text, RuntimeWarning, stacklevel=2)
 
 
@@ -159,3 +168,9 @@ def running(lp) -> None:
     """lp's planned step runs from now until its backward pass ends (or the model's next call)."""
     global _active
     _active = weakref.ref(lp)
+
+
+def over() -> None:
+    """No planned step runs (its backward pass ended, or the model was called again)."""
+    global _active
+    _active = None

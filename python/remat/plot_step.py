@@ -43,12 +43,14 @@ def draw(timeline: dict, path: str, *, compare: dict | None = None, compare_labe
     from matplotlib.patches import Patch
 
     fig, ax = plt.subplots(figsize=(11, 5))
+    top = 0.0
     if compare is not None:
         xs, ys = _curve(compare)
         ax.plot(xs, ys, color="0.6", lw=1.2, ls="--", label=f"{compare_label} (predicted)")
+        top = max(ys)
     xs, ys = _curve(timeline)
     ax.plot(xs, ys, color="black", lw=1.6, label=f"planned step (predicted): {timeline['plan']}"[:110])
-    top = max([y for y in ys] + ([max(_curve(compare)[1])] if compare is not None else [0]))
+    top = max([top] + ys)
     budget = timeline.get("budget_bytes", -1)
     if budget is not None and budget >= 0:
         ax.axhline(budget / 2**20, color="#c44e52", lw=1.2, label=f"budget {budget / 2**20:.1f} MiB")

@@ -131,16 +131,19 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   return peaks;
 }
 
+int64_t step_peak_of(const StepContext& context, const std::vector<int64_t>& op_peaks) {
+  int64_t peak = std::max(context.before_peak_bytes, context.before_backward_peak_bytes);
+  for (int64_t p : op_peaks)
+    peak = std::max(peak, p);
+  return peak;
+}
+
 }  // namespace detail
 
 int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan) {
   const Chain step = step_chain(chain, context);
   const Plan ops = step_plan(plan);
-  const Simulation sim = simulate(step, ops);
-  int64_t peak = std::max(context.before_peak_bytes, context.before_backward_peak_bytes);
-  for (int64_t p : detail::step_op_peaks(chain, context, ops, sim))
-    peak = std::max(peak, p);
-  return peak;
+  return detail::step_peak_of(context, detail::step_op_peaks(chain, context, ops, simulate(step, ops)));
 }
 
 namespace {

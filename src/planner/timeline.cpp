@@ -4,21 +4,12 @@
 
 #include <algorithm>
 #include <cctype>
-#include <sstream>
 
 #include "detail/json.h"
 #include "detail/step.h"
 
 namespace remat {
 namespace {
-
-std::vector<std::string> tokens(const std::string& text) {
-  std::istringstream in(text);
-  std::vector<std::string> out;
-  for (std::string t; in >> t;)
-    out.push_back(t);
-  return out;
-}
 
 // "Fc3" -> "Fc", "Fk2[matmuls]@host" -> "Fk[matmuls]@host": a forward's way, without its stage number.
 std::string way_of(const std::string& token) {
@@ -41,36 +32,31 @@ StepTimeline step_timeline(const Chain& chain, const StepContext& context, const
   const int64_t n = chain.size();
   StepTimeline t;
   t.plan = plan.to_string();
-  const std::vector<std::string> words = tokens(t.plan);
   for (const Stage& s : chain.stages)
     t.names.push_back(s.name);
   t.ways.assign(static_cast<size_t>(n), "");
-  for (size_t k = 0; k < plan.ops.size() && k < words.size(); ++k) {
-    const Op& op = plan.ops[k];
+  for (const Op& op : plan.ops) {
     const bool forward = op.kind != OpKind::kBackward && op.kind != OpKind::kLoss;
     if (forward && t.ways[static_cast<size_t>(op.stage)].empty())
-      t.ways[static_cast<size_t>(op.stage)] = way_of(words[k]);
+      t.ways[static_cast<size_t>(op.stage)] = way_of(op_text(plan, op));
   }
-  // The step's operations against the chain plan's words: step_plan() adds the part before the chain first
-  // and last, and the rest of the step around the loss.
+  // The step's operations against the chain plan's: step_plan() adds the part before the chain first and
+  // last, and the rest of the step around the loss.
   double start = 0;
-  size_t word = 0;
+  size_t next = 0;  // the chain plan's next operation
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
     StepPoint p;
     p.backward = op.kind == OpKind::kBackward;
-    if (op.stage == 0) {
+    if (op.stage == 0 && op.kind != OpKind::kLoss) {
       p.stage = -1;
       p.op = p.backward ? "B(before)" : "before";
     } else if (op.stage == n + 1) {
       p.stage = n;
       p.op = p.backward ? "B(after)" : "after";
-    } else if (op.kind == OpKind::kLoss) {
-      p.stage = -2;
-      p.op = word < words.size() ? words[word++] : "L";
     } else {
-      p.stage = op.stage - 1;
-      p.op = word < words.size() ? words[word++] : "?";
+      p.stage = op.kind == OpKind::kLoss ? -2 : op.stage - 1;
+      p.op = op_text(plan, plan.ops[next++]);
     }
     p.start_ms = start;
     p.end_ms = std::max(start, sim.op_end_ms[k]);
@@ -78,7 +64,7 @@ StepTimeline step_timeline(const Chain& chain, const StepContext& context, const
     start = p.end_ms;
     t.points.push_back(std::move(p));
   }
-  t.peak_bytes = step_peak_bytes(chain, context, plan);
+  t.peak_bytes = detail::step_peak_of(context, peaks);
   t.time_ms = t.points.empty() ? 0 : t.points.back().end_ms;
   return t;
 }

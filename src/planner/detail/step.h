@@ -15,4 +15,7 @@ namespace remat::detail {
 std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& context, const Plan& ops,
                                    const Simulation& sim);
 
+// The step's peak from those (step_peak_bytes()): their maximum with the part before the chain's own peaks.
+int64_t step_peak_of(const StepContext& context, const std::vector<int64_t>& op_peaks);
+
 }  // namespace remat::detail

@@ -306,7 +306,6 @@ void PlannedImpl::make_plan(Shape& shape) {
     }
     fitted = c10::str(" (fit_device ", options_.fit_device(), " of ", describe_room(room), ")");
   }
-  shape.budget_words = fitted;
   try {
     // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
     // (recomputation across stages).
@@ -315,6 +314,13 @@ void PlannedImpl::make_plan(Shape& shape) {
                                  per_layer ? "per-layer" : "optimal", options_.planner());
     shape.plan = std::move(planned.plan);
     shape.predicted = planned.step_peak_bytes;
+    auto words = std::make_shared<OutOfMemory>();
+    words->who = kWho;
+    words->plan = shape.plan->to_string();
+    words->budget_bytes = budget;
+    words->budget_words = fitted;
+    words->predicted_peak_bytes = shape.predicted;
+    shape.out_of_memory = std::move(words);
   } catch (const InfeasibleBudget& e) {
     TORCH_CHECK(
         false, kWho, ": the budget of ", budget, " bytes", fitted, " is below the least feasible one, ",
@@ -340,19 +346,15 @@ detail::OutOfMemoryWords PlannedImpl::out_of_memory_words(const Shape& shape,
                                                           std::shared_ptr<memory::PeakWindow> window,
                                                           c10::Device device) const {
   // Everything by value: the backward pass may run after this module is gone.
-  OutOfMemory known;
-  known.who = kWho;
-  known.plan = shape.plan->to_string();
-  known.budget_bytes = options_.fit_device() != 0 ? shape.budget : options_.budget();
-  known.budget_words = shape.budget_words;
-  known.predicted_peak_bytes = shape.predicted;
+  std::shared_ptr<const OutOfMemory> known = shape.out_of_memory;
   std::function<memory::DeviceMemory(c10::Device)> reader;
   if (options_.read_device())
     reader = options_.read_device();
   else if (device.is_cuda())
     reader = memory::device_memory;
-  return [known, window = std::move(window), device, reader](c10::Error& e, const std::string& where) {
-    OutOfMemory o = known;
+  return [known = std::move(known), window = std::move(window), device, reader](c10::Error& e,
+                                                                                const std::string& where) {
+    OutOfMemory o = *known;
     o.where = where;
     o.held_bytes = std::max<int64_t>(0, window->active_over_base());
     if (reader) {

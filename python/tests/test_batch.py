@@ -103,3 +103,44 @@ def test_predicted_alone_and_what_it_refuses(budget):
     with pytest.raises(ValueError, match="remat already plans this model"):
         remat.max_batch(model, make_batch, budget, layers=list(model), loss=loss_of)
     lp.remove()
+
+
+class Embedded(torch.nn.Module):
+    """An embedding of 4000 rows before four blocks: its dense gradient (1,024,000 bytes, the same at every
+    batch) is the profiling step's largest moment at batches 2 and 4; the blocks' from about batch 24 on."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(4000, WIDTH)
+        self.layers = torch.nn.Sequential(*[block(WIDTH, 256) for _ in range(4)])
+
+    def forward(self, ids):
+        return self.layers(self.emb(ids))
+
+
+def make_ids(n):
+    return torch.randint(0, 4000, (n, 8), generator=torch.Generator().manual_seed(n))
+
+
+def test_a_peak_measured_at_small_batches_is_not_carried_to_large_ones():
+    def least_at(n):
+        model = Embedded()
+        preallocate(model)
+        lp = remat.enable(model, list(model.layers), budget=1 << 40)
+        loss_of(model(make_ids(n))).backward()
+        lp.remove()
+        return lp.min_budget_bytes, lp.context
+
+    (a, ctx_a), (b, ctx_b) = least_at(2), least_at(4)
+    # The premise: at batches 2 and 4 the embedding's gradient is the step's peak, nearly the same at both.
+    assert ctx_a.checkpoint_all_peak_bytes == ctx_a.before_backward_peak_bytes >= 1_024_000
+    assert b - a < 8192
+    budget = (least_at(32)[0] + least_at(33)[0]) // 2
+    model = Embedded()
+    preallocate(model)
+    found = remat.max_batch(model, make_ids, budget, layers=list(model.layers), loss=loss_of)
+    # A line through the peaks at 2 and 4 put the first try near batch 220 (a profiling step at seven times
+    # the batch that fits); the per-layer model alone predicts 30, where 32 fits (it charges a recompute as a
+    # whole layer run: issue 45).
+    assert 27 <= found.tried[0] <= 32 and found.confirmed, found

@@ -178,6 +178,28 @@ if "$remat" plan --model mlp --depth 4 --width 16 --budget 256KiB --planner per-
 else
   echo "FAIL plan-plot: no picture or data at $tmp/step.png"; fail=1
 fi
+# Progress: where stderr is not a terminal no bar is drawn and the profile's time is said by phase; on one
+# (script(1) gives the command a pseudo-terminal), a bar is drawn and erased; REMAT_PROGRESS=0 turns it off.
+progress_cmd=("$remat" plan --model mlp --depth 3 --width 16 --budget 256KiB --planner per-layer)
+piped=$(REMAT_PROGRESS= "${progress_cmd[@]}" 2>&1 >/dev/null)
+if grep -qE '^remat: profiled 3 stages in [0-9.]+ s \(forward without saving [0-9.]+ s, forward and backward [0-9.]+ s, checkpointed [0-9.]+ s\)$' <<<"$piped" &&
+  ! grep -q $'\r' <<<"$piped"; then
+  echo "ok   progress-piped"
+else
+  echo "FAIL progress-piped: $piped"; fail=1
+fi
+if command -v script >/dev/null; then
+  for forced in "" 0; do
+    script -qfec "env REMAT_PROGRESS=$forced ${progress_cmd[*]}" "$tmp/tty.txt" >/dev/null 2>&1 </dev/null
+    drawn=$(grep -c 'remat: profiling \[#*\.*\] ' "$tmp/tty.txt")
+    erased=$(grep -c $'\e\\[Kremat: profiled 3 stages' "$tmp/tty.txt")
+    if { [ -z "$forced" ] && [ "$drawn" -gt 0 ] && [ "$erased" = 1 ]; } || { [ "$forced" = 0 ] && [ "$drawn" = 0 ]; }; then
+      echo "ok   progress-terminal${forced:+-off}"
+    else
+      echo "FAIL progress-terminal${forced:+-off}: drawn $drawn, erased $erased: $(cat -v "$tmp/tty.txt")"; fail=1
+    fi
+  done
+fi
 check plan-plot-no-script nonzero "is not there" -- env REMAT_STEP_PLOT_SCRIPT=/nonexistent/plot.py "$remat" plan --model mlp --depth 4 --width 16 --budget 256KiB --planner per-layer --plot "$tmp/x.png"
 check sweep-plot-no-script nonzero "is not there" -- env REMAT_PLOT_SCRIPT=/nonexistent/plot.py "$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 --plot "$tmp/x.png"
 good='{"input_bytes": 1000, "stages": [{"fwd_ms": 1, "bwd_ms": 2, "output_bytes": 1000, "saved_bytes": 3000}]}'

@@ -48,6 +48,51 @@ TEST_F(ProfileTest, MeasuresEveryFieldOfSimpleStages) {
   EXPECT_GE(chain.stages[3].bwd_tmp_bytes + chain.stages[3].output_bytes, 2 * w * w * 4);
 }
 
+// ProfileOptions::progress gets every run of one stage in order, with its phase, and the phases' times add
+// up to the profile's; what it throws propagates with the model put back.
+TEST_F(ProfileTest, ReportsEveryRunOfOneStageByPhase) {
+  torch::nn::Sequential seq(torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Linear(32, 32));
+  const auto x = torch::randn({8, 32});
+  std::vector<remat::ProfileProgress> got;
+  remat::profile_chain(seq, x,
+                       remat::ProfileOptions()
+                           .warmup(1)
+                           .repeats(1)
+                           .policies({remat::policy::matmuls()})
+                           .offload_min_bytes(0)
+                           .progress([&](const remat::ProfileProgress& p) { got.push_back(p); }));
+  // Two rounds of: a forward without saving and a forward and backward per stage, then per stage a
+  // checkpointed forward and its recompute and backward, the same under the policy; offloading per stage
+  // once, and the bandwidth once.
+  const int64_t n = 3, total = 2 * n * (2 + 2 * 2) + n + 1;
+  ASSERT_EQ(static_cast<int64_t>(got.size()), total);
+  std::vector<std::string> phases;
+  double sum = 0;
+  for (int64_t k = 0; k < total; ++k) {
+    EXPECT_EQ(got[k].done, k + 1);
+    EXPECT_EQ(got[k].total, total);
+    EXPECT_EQ(got[k].stages, n);
+    if (phases.empty() || phases.back() != got[k].phase) phases.push_back(got[k].phase);
+    sum += got[k].phase_ms;
+  }
+  // The offloading figures are measured in the measured round, each stage's after its forward and backward.
+  EXPECT_EQ(phases, (std::vector<std::string>{"forward without saving", "forward and backward",
+                                              "checkpointed", "policy matmuls", "forward without saving",
+                                              "forward and backward", "offloading", "forward and backward",
+                                              "offloading", "forward and backward", "offloading",
+                                              "checkpointed", "policy matmuls", "bandwidth"}));
+  EXPECT_NEAR(sum, got.back().elapsed_ms, 1e-6 * got.back().elapsed_ms);
+  EXPECT_EQ(got.front().stage, "0:Linear");
+  // A callback that throws stops profiling; the gradients are as they were (none).
+  EXPECT_THROW_WITH(
+      remat::profile_chain(seq, x, remat::ProfileOptions().progress([](const remat::ProfileProgress& p) {
+        TORCH_CHECK(p.done != 4, "stop at 4");
+      })),
+      "stop at 4");
+  for (const auto& p : seq->parameters())
+    EXPECT_FALSE(p.grad().defined());
+}
+
 // Each kind of forward is timed as it runs: Fn/Fc without grad, Fa with it, a per-call checkpoint's forward
 // with grad and nothing saved, and its backward with the recompute. A stage that sleeps only when grad is on
 // tells them apart.

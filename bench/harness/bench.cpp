@@ -1,5 +1,6 @@
-// The benchmark harness: strategies resolved through the one grammar (remat/planner/strategy.h), the measuring loop
-// (strategies interleaved step by step, gradients compared with "none"), and the rows as JSON and CSV.
+// The benchmark harness: strategies resolved through the one grammar (remat/planner/strategy.h), the
+// measuring loop (strategies interleaved step by step, gradients compared with "none"), and the rows as JSON
+// and CSV.
 
 #include <algorithm>
 #include <cmath>
@@ -114,7 +115,7 @@ Chain profile_workload(Workload& w, const ProfileOptions* profile) {
 
 std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strategies,
                             const MeasureOptions& measure, const ProfileOptions* profile,
-                            const Progress& progress, const Chain* given) {
+                            const Progress& progress, const Chain* given, const CountedProgress& steps) {
   TORCH_CHECK(!strategies.empty(), kWho, ": no strategies");
   std::vector<std::string> order = strategies;
   if (std::find(order.begin(), order.end(), "none") == order.end()) order.insert(order.begin(), "none");
@@ -149,10 +150,15 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
       rows[k].predicted_time_ms = per_call_time_ms(*chain, per_layer);
     }
   }
+  const int64_t total_steps = static_cast<int64_t>(order.size()) * (measure.warmup() + measure.steps());
+  int64_t steps_done = 0;
   auto one_step = [&](size_t k, const MeasureOptions& m) {
     harness::configure(w, parsed[k], plans[k]);
-    return measure_step(
+    StepStats s = measure_step(
         w.module(), [&] { return runners[k].step_loss(); }, m);
+    steps_done += m.steps() + m.warmup();
+    if (steps) steps(steps_done, total_steps, "strategy " + order[k]);
+    return s;
   };
   harness::allocate_grads(w);
   if (progress) progress("warming up " + std::to_string(order.size()) + " strategies");
@@ -160,7 +166,7 @@ std::vector<BenchRow> bench(Workload& w, const std::vector<std::string>& strateg
     if (measure.warmup() > 0) one_step(k, MeasureOptions(measure).steps(measure.warmup()).warmup(0));
   }
   for (int64_t i = 0; i < measure.steps(); ++i) {
-    if (progress)
+    if (progress && !steps)
       progress("step " + std::to_string(i + 1) + "/" + std::to_string(measure.steps()) +
                " of every strategy");
     for (size_t k = 0; k < order.size(); ++k) {

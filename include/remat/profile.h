@@ -1,6 +1,7 @@
 #pragma once
 /// \file
-/// Measuring a real model as a Chain (remat/planner/chain.h): every field with the exact meter, times as medians.
+/// Measuring a real model as a Chain (remat/planner/chain.h): every field with the exact meter, times as
+/// medians.
 ///
 ///   remat::memory::track_cpu();
 ///   remat::Chain chain = remat::profile_chain(seq, x);                   // a Sequential
@@ -26,7 +27,25 @@
 #include <torch/arg.h>
 #include <torch/types.h>
 
+#include <functional>
+#include <string>
+
 namespace remat {
+
+/// How far remat::profile_chain has come, handed to ProfileOptions::progress after each run of one stage.
+struct ProfileProgress {
+  /// Runs of one stage finished (a forward, a forward and backward, a recompute and backward).
+  int64_t done = 0;
+  int64_t total = 0;  ///< the runs this profile makes in all (fixed when it begins; done reaches it last)
+  /// What the run just finished measured: "forward without saving", "forward and backward",
+  /// "checkpointed", "kept calls" (ProfileOptions::keep), "policy NAME", "offloading" (the offload costs and
+  /// stream figures of one stage), "groups" (one stage's saved groups), "bandwidth" (the copies' bandwidth).
+  std::string phase;
+  double phase_ms = 0;    ///< that run's wall-clock time (ms); summed by phase, where profiling's time goes
+  double elapsed_ms = 0;  ///< since profiling began (ms)
+  std::string stage;      ///< the stage's name ("" for bandwidth)
+  int64_t stages = 0;     ///< the stages profiled
+};
 
 struct ProfileOptions {
   /// Untimed runs of each stage first (>= 0).
@@ -64,6 +83,10 @@ struct ProfileOptions {
   /// output of the stage's asked calls until it is read (more than the stage saves). Needs remat's dispatcher
   /// fallback, as policies do.
   TORCH_ARG(bool, groups) = false;
+  /// Called after each run of one stage (remat::ProfileProgress), on the profiling thread; a progress bar,
+  /// or a sum of where the time goes. What it throws propagates (the model is put back first). Empty (the
+  /// default): nothing is called.
+  TORCH_ARG(std::function<void(const ProfileProgress&)>, progress) = nullptr;
 };
 
 /// Profiles the stages on `sample_input` (the chain's input a_0). Needs remat::memory::track_cpu() for a CPU
@@ -85,10 +108,10 @@ struct StepProfile {
 
 /// Profiles `stages` inside a model: `prefix` maps the model's input to the chain's input, `suffix` the
 /// chain's output to the loss (one scalar); each is profiled as one stage. The step's predicted peak for a
-/// plan over the chain is simulate(result.step, step_plan(plan)).peak_bytes (remat/planner/plan.h), comparable to
-/// a meter's peak over a step that includes the model's input. Nothing of the model changes: gradients,
-/// the RNG and every tensor a stage updates in place (BatchNorm statistics, declared or not) are put back.
-/// Throws as profile_chain, naming remat::profile_step.
+/// plan over the chain is simulate(result.step, step_plan(plan)).peak_bytes (remat/planner/plan.h),
+/// comparable to a meter's peak over a step that includes the model's input. Nothing of the model changes:
+/// gradients, the RNG and every tensor a stage updates in place (BatchNorm statistics, declared or not) are
+/// put back. Throws as profile_chain, naming remat::profile_step.
 StepProfile profile_step(const StageFn& prefix, const std::vector<StageFn>& stages, const StageFn& suffix,
                          const torch::Tensor& model_input, const ProfileOptions& options = {});
 

@@ -28,13 +28,14 @@ from .policies import (MATMUL_OPS, POLICIES, POLICY_OFFLOAD, RestoreBuffers, che
                        matmuls, run_layer)
 from .selective import MUST_CPU_OFFLOAD, PREFER_CPU_OFFLOAD
 from .profile import Restore, StageFn, profile, stages, stages_of
+from .progress import ProfileProgress
 from .verdict import Placement, explain_placement, memory_verdict
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedSequential", "Chain", "InfeasibleBudget", "LayerPlan", "MATMUL_OPS", "MaxBatch", "MemoryBreakdown",
-    "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "Restore", "RestoreBuffers", "SavedGroup",
+    "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "ProfileProgress", "Restore", "RestoreBuffers", "SavedGroup",
     "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "checkpoint",
     "checkpoint_all",
     "checkpoint_context", "checkpoint_stages", "choices_of", "cpu_meter", "enable", "explain_placement",

@@ -217,6 +217,14 @@ class LayerPlan:
     def profiling_steps(self) -> int:
         return self._last.profiling_steps if self._last else 0
 
+    @property
+    def profiling_time(self) -> dict[str, float]:
+        """Where the last input shape's profile spent its time: seconds by phase ("forward without saving",
+        "forward and backward", "checkpointed", "policy NAME", "offloading", "groups", "bandwidth";
+        remat.ProfileProgress), in the order they ran; {} before its profiling step. The profiling step's own
+        run of the layers, checkpointed, is not in it."""
+        return dict(self._last.profiling_time) if self._last else {}
+
     def timeline(self) -> dict:
         """The plan in force's predicted step, operation by operation, for the last input shape (the planner
         library's remat/planner/timeline.h): a dict with plan, peak_bytes, time_ms, budget_bytes, stages (each

@@ -13,6 +13,7 @@ from . import _core, oom
 from .layer_calls import layer_key, layer_output, taken_tensors
 from .policies import CHECKPOINT, run_layer
 from .profile import StageFn, profile
+from .progress import PhaseTimes, progress_bar
 
 if TYPE_CHECKING:
     from .layer_plan import LayerPlan
@@ -93,6 +94,7 @@ class Shape:
         self.predicted = -1
         self.last_peak = -1
         self.profiling_steps = 0
+        self.profiling_time: dict[str, float] = {}  # where its profile's time went: seconds by phase
         self.rest_retimed = 0  # planned steps that took the rest's time again (the first RETIMED_STEPS do)
         self.error: Exception | None = None
         # A device budget's (budget="auto", "90%"): what the device had, (free, held, total, lost) bytes, read in
@@ -234,11 +236,13 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                 lp.layers[j]))
             inputs.append(xj)
             excluded.extend(taken_tensors(f, a))
+        times = PhaseTimes(progress_bar(f"{lp.who}: profiling"))
         with Gathered(lp.layers, meter) as gathered:
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
-                                  groups=lp.groups)
+                                  groups=lp.groups, progress=times)
+        shape.profiling_time = times.seconds
         shape.gathered = list(gathered.gathered)
         for st, g in zip(shape.chain.stages, gathered.gathered):
             st.fwd_tmp_bytes += g

@@ -31,6 +31,7 @@ from . import _core
 from ._state import RestoreBuffers, RngState, each_once
 from .meter import meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
+from .progress import Reporter, progress_bar
 from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -327,7 +328,7 @@ class _NoHostAnswers:
 def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
-            groups: bool = False) -> _core.Chain:
+            groups: bool = False, progress=None) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -349,6 +350,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     calls whose every output an Offload would send (dense, at least that large). A policy that answers
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
+
+    progress: None (the default) draws a progress bar on stderr while profiling runs, erased when it ends and
+    not drawn where stderr is not a terminal (remat.progress); False draws nothing; a callable is called
+    with a remat.ProfileProgress after each run of one stage instead (its phase_ms summed by phase says where
+    profiling's time goes). What it raises propagates, the model put back first.
 
     On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
     the bytes tensors request from the caching allocator; in peak windows either way, which reset no statistic
@@ -402,6 +408,15 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         x = xs[i]
         floating = x is not None and (x.is_floating_point() or x.is_complex())
         input_grad[i] = floating and (i > 0 or example_input.requires_grad)
+
+    if progress is None:
+        progress = progress_bar("remat: profiling")
+    elif progress is False:
+        progress = None
+    elif not callable(progress):
+        raise TypeError(f"remat.profile: progress must be None, False or a callable, got {type(progress).__name__}")
+    report = Reporter(progress, n, (warmup + repeats) * n * (4 + len(pols)) +
+                      (n + 1 if offload_min_bytes is not None else 0) + (n if groups else 0))
 
     fields = [dict(fwd=[], bwd=[], nosave=[], ckpt_fwd=[], ckpt_bwd=[], out=0, saved=0, ftmp=0, btmp=0,
                    pol={name: dict(fwd=[], bwd=[], saved=0) for name in pols}) for _ in range(n)]
@@ -462,6 +477,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     if keep:
                         fields[i]["nosave"].append(f)
                     del out
+                    report("forward without saving", names[i])
                 # From the last stage to the first: its forward saving for backward, and its backward.
                 for i in reversed(range(n)):
                     leaf = leaf_of(i)
@@ -504,6 +520,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["fwd"].append(f)
                         fields[i]["bwd"].append(b)
                     del out, leaf
+                    report("forward and backward", names[i])
                 # Every stage under torch.utils.checkpoint, then the backward pass through them (what
                 # checkpointing every stage holds); then each stage under each policy, its backward right after
                 # its forward (one stage's kept tensors at a time).
@@ -516,6 +533,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                                                       preserve_rng_state=True, context_fn=contexts[i](None)))
                     sync()
                     cf[i] = (time.perf_counter() - t0) * 1e3
+                    report("checkpointed", names[i])
                 for i in reversed(range(n)):
                     targets = targets_of(i, leaves[i])
                     cb = timed_backward(outs[i], targets, i)[0] if outs[i].requires_grad and targets else 0.0
@@ -523,6 +541,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     if keep:
                         fields[i]["ckpt_fwd"].append(cf[i])
                         fields[i]["ckpt_bwd"].append(cb)
+                    report("checkpointed", names[i])
                 for name, fn in pols.items():
                     for i in reversed(range(n)):
                         leaf = leaf_of(i)
@@ -555,6 +574,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         if keep:
                             fields[i]["pol"][name]["fwd"].append(f)
                             fields[i]["pol"][name]["bwd"].append(b)
+                        report("policy " + name, names[i])
             if offload_min_bytes is not None:
                 # Streamed (Fa3@stream): each stage's forward and backward peaks with what it saves sent as it is
                 # made (each copy waited for at once) and brought back where it is used (none ahead); the plan adds
@@ -567,6 +587,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         lambda out, i=i, targets=targets: timed_backward(out, targets, i),
                         meter, offload_min_bytes, alive) if targets else None
                     del leaf, targets
+                    report("offloading", names[i])
             if groups:
                 for i in range(n):
                     leaf = leaf_of(i)
@@ -574,11 +595,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
                         alive | {_storage_key(leaf)}, sync, repeats, offload_min_bytes, alive)
                     del leaf
+                    report("groups", names[i])
 
     chain.policies = list(pols)
     if offload_min_bytes is not None:
         largest = max([f.get("largest", 0) for f in fields] + [1 << 20])
         chain.to_host_gb_per_s, chain.to_device_gb_per_s = measure_bandwidth(device, min(largest, 64 << 20))
+        report("bandwidth")
     stages_out = []
     for i in range(n):
         s = _core.Stage()

@@ -134,7 +134,8 @@ MemoryBreakdown memory_breakdown(const Chain& chain, int64_t parameter_bytes, in
   return m;
 }
 
-std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets, const PlannerOptions& options) {
+std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets, const PlannerOptions& options,
+                              const std::function<void(int64_t done, int64_t total)>& progress) {
   if (budgets < 2)
     throw std::invalid_argument("remat::sweep: budgets must be >= 2, got " + std::to_string(budgets));
   const Plan none = no_checkpoint(chain);
@@ -154,6 +155,7 @@ std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets, const Planner
     const int64_t budget =
         lo + static_cast<int64_t>(std::llround(double(hi - lo) * double(i) / double(budgets - 1)));
     out.push_back(point("optimal", optimal(chain, budget, options), budget));
+    if (progress) progress(i + 1, budgets);
   }
   out.push_back(point("baseline", none, 0));
   out.push_back(point("baseline", checkpoint_all(chain), 0));

@@ -9,6 +9,7 @@
 #include <iostream>
 
 #include "common.h"
+#include "progress_bar.h"
 
 namespace remat::cli {
 namespace {
@@ -47,7 +48,8 @@ int run_rank(const BenchArgs& a) {
     if (rank == 0) progress(m);
   };
   say(w->description() + " on each of " + std::to_string(n) + " processes");
-  const auto profile = a.model.profile_options();
+  auto profile = a.model.profile_options();
+  if (rank != 0) profile.progress(nullptr);  // one bar, rank 0's
   // BERT's pooler takes no part in its forward(): let parameters go without a gradient.
   const auto result =
       bench_data_parallel(*w, split(a.strategies), *group, measure_options(a),
@@ -100,8 +102,11 @@ int run(const BenchArgs& a, bool data_parallel, const std::vector<std::string>& 
       progress("chain written to " + a.save_chain);
     }
   }
+  ProgressBar bar("remat: steps");
   const auto rows =
-      bench(*w, split(a.strategies), measure_options(a), &profile, progress, chain ? &*chain : nullptr);
+      bench(*w, split(a.strategies), measure_options(a), &profile, progress, chain ? &*chain : nullptr,
+            [&](int64_t done, int64_t total, const std::string& what) { bar.update(done, total, what); });
+  bar.clear();
   const auto& none = rows.front().stats;
   std::cout << w->description() << "\n"
             << "base (parameters + gradients + inputs): " << format_bytes(none.base_bytes) << "; " << a.steps

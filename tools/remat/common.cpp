@@ -2,6 +2,8 @@
 
 #include "common.h"
 
+#include "progress_bar.h"
+
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -103,7 +105,8 @@ ProfileOptions ModelArgs::profile_options(int64_t repeats) const {
       .repeats(repeats)
       .keep(split(keep))
       .policies(presets)
-      .offload_min_bytes(offload_min.empty() ? -1 : size_arg(offload_min, "--offload-min-bytes"));
+      .offload_min_bytes(offload_min.empty() ? -1 : size_arg(offload_min, "--offload-min-bytes"))
+      .progress(profile_progress("remat: profiling"));
 }
 
 WorkloadConfig ModelArgs::config(int64_t batch_override) const {
@@ -149,6 +152,7 @@ std::string mib(int64_t bytes) {
 }
 
 void progress(const std::string& message) {
+  clear_progress_bar();
   std::cerr << "remat: " << message << std::endl;
 }
 

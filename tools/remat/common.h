@@ -55,7 +55,8 @@ struct ModelArgs {
 
   /// Adds the options to `app`.
   void add(CLI::App* app);
-  /// Profiling options with the --keep tags, the --policy presets and --offload-min-bytes.
+  /// Profiling options with the --keep tags, the --policy presets and --offload-min-bytes, and a progress bar
+  /// (progress_bar.h) that says where the time went when profiling ends.
   ProfileOptions profile_options(int64_t repeats = 3) const;
   /// The workload's configuration; batch_override >= 0 replaces --batch.
   WorkloadConfig config(int64_t batch_override = -1) const;

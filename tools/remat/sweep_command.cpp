@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "common.h"
+#include "progress_bar.h"
 
 namespace remat::cli {
 namespace {
@@ -29,7 +30,12 @@ int run(const SweepArgs& a) {
     title = w->description();
   }
   progress("planning at " + std::to_string(a.budgets) + " budgets");
-  const auto points = sweep(chain, a.budgets, planner_options(a.exclude));
+  std::vector<SweepPoint> points;
+  {
+    ProgressBar bar("remat: planning");
+    points = sweep(chain, a.budgets, planner_options(a.exclude),
+                   [&](int64_t done, int64_t total) { bar.update(done, total, "budgets"); });
+  }
   const std::string csv_path = !a.csv.empty() ? a.csv : (a.plot.empty() ? "" : a.plot + ".csv");
   if (!csv_path.empty()) {
     write_file(csv_path, sweep_csv(points, title));

@@ -56,6 +56,33 @@ OffloadCost offload_cost(int64_t kept, int64_t freed, int64_t copied, int64_t ou
   return c;
 }
 
+// Hands ProfileOptions::progress each finished run of one stage, with the time since the last (so that
+// summing by phase accounts for all of profiling's time).
+class Reporter {
+ public:
+  Reporter(const std::function<void(const ProfileProgress&)>& progress, int64_t stages, int64_t total)
+      : progress_(progress), stages_(stages), total_(total), start_(Clock::now()), last_(start_) {}
+  void operator()(const std::string& phase, const std::string& stage) {
+    if (!progress_) return;
+    const auto now = Clock::now();
+    ProfileProgress p;
+    p.done = ++done_;
+    p.total = total_;
+    p.stages = stages_;
+    p.phase = phase;
+    p.stage = stage;
+    p.phase_ms = std::chrono::duration<double, std::milli>(now - last_).count();
+    p.elapsed_ms = std::chrono::duration<double, std::milli>(now - start_).count();
+    last_ = now;
+    progress_(p);
+  }
+
+ private:
+  const std::function<void(const ProfileProgress&)>& progress_;
+  int64_t stages_, total_, done_ = 0;
+  Clock::time_point start_, last_;
+};
+
 // Puts back the parameters' gradients, the buffers and the global RNG as they were.
 class Restore {
  public:
@@ -137,8 +164,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   Chain chain;
   chain.input_bytes = static_cast<int64_t>(sample_input.nbytes());
   const size_t n = stages.size();
-  // A stage's forward run alone, then again under an Offload with its copies waited for: what the second left
-  // alive less than the first (bytes), and what the Offload copied (bytes).
+  // What offloading a stage's forward frees: the forward under an Offload with its copies waited for, what it
+  // left alive on the device less what the same run left without one (bytes), and what the Offload copied.
   struct Away {
     int64_t freed = 0, copied = 0;
   };
@@ -150,6 +177,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     int64_t keep_saved = 0;
     std::vector<std::vector<double>> policy_fwd, policy_bwd;  // per policy of options.policies()
     std::vector<int64_t> policy_saved;
+    int64_t fa_alive = 0;  // what Fa's forward left alive on the device (bytes; Fa@host's reference)
     // Offloading profiled: the stage run as Fk (keep tags) and under each policy inside an Offload.
     std::optional<Away> keep_away;
     std::vector<std::optional<Away>> policy_away;
@@ -208,6 +236,13 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   // checkpointing, whose recompute stops early).
   std::vector<torch::Tensor> xs(n + 1);
   xs[0] = sample_input.detach();
+  const bool profile_offload = options.offload_min_bytes() >= 0;
+  const int64_t checkpoint_passes =
+      1 + (options.keep().empty() ? 0 : 1) + static_cast<int64_t>(options.policies().size());
+  const int64_t stages_n = static_cast<int64_t>(n);
+  Reporter report(options.progress(), stages_n,
+                  (options.warmup() + options.repeats()) * stages_n * (2 + 2 * checkpoint_passes) +
+                      (profile_offload ? stages_n + 1 : 0) + (options.groups() ? stages_n : 0));
   for (int64_t r = 0; r < options.warmup() + options.repeats(); ++r) {
     const bool measure = r == options.warmup();
     const bool keep = r >= options.warmup();
@@ -227,6 +262,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         per[i].input_grad = floating && (i > 0 || sample_input.requires_grad());
       }
       if (keep) per[i].nosave.push_back(f);
+      report("forward without saving", chain.stages[i].name);
     }
     for (size_t i = n; i-- > 0;) {
       Stage& s = chain.stages[i];
@@ -240,7 +276,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       TORCH_CHECK(out.defined(), kWho, ": stage ", i, " ('", s.name, "') returned an undefined tensor");
       if (measure) {
         s.output_bytes = static_cast<int64_t>(out.nbytes());
-        s.saved_bytes = std::max(s.output_bytes, fwd_scope.active_over_base());
+        per[i].fa_alive = fwd_scope.active_over_base();
+        s.saved_bytes = std::max(s.output_bytes, per[i].fa_alive);
         s.fwd_tmp_bytes = std::max<int64_t>(0, fwd_scope.peak_over_base() - s.saved_bytes);
       }
       const std::vector<torch::Tensor> targets = targets_of(i, leaf);
@@ -255,13 +292,19 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         }
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
+      report("forward and backward", s.name);
       // Offloading: the same forward under remat::Offload, its copies waited for; what stays on the device.
       // Then as Fk (the keep tags) and under each policy, what their checkpoints keep sent there.
-      if (measure && options.offload_min_bytes() >= 0) {
-        auto away = [&](const std::function<torch::Tensor(const torch::Tensor&)>& run) {
+      if (measure && profile_offload) {
+        // `without`: what the run leaves alive without an Offload when already measured in the same
+        // conditions (Fa's, by the forward above), or null to measure it first. Fk's and each policy's are
+        // measured again here, the stage alone: in their checkpointed passes a region shares the RNG state
+        // of the region before it (5056 bytes on the CPU), which a stage run alone under an Offload holds.
+        auto away = [&](const std::function<torch::Tensor(const torch::Tensor&)>& run,
+                        const int64_t* without) {
           Away a;
-          int64_t alive[2] = {0, 0};
-          for (int offloading = 0; offloading < 2; ++offloading) {
+          int64_t alive[2] = {without ? *without : 0, 0};
+          for (int offloading = without ? 1 : 0; offloading < 2; ++offloading) {
             torch::Tensor probe = leaf_of(i, xs[i]);
             sync();
             memory::PeakWindow scope(device);
@@ -286,7 +329,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           a.freed = std::max<int64_t>(0, alive[0] - alive[1]);
           return a;
         };
-        const Away all = away(stages[i].fn);
+        const Away all = away(stages[i].fn, &per[i].fa_alive);
         s.offload = offload_cost(s.saved_bytes, all.freed, all.copied, s.output_bytes);
         // Streamed (Fa@stream): the forward under an Offload that waits for each copy at once (window 0),
         // then its backward with each tensor brought back where it is used: each one's peak above the bytes
@@ -313,15 +356,19 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           }
         }
         if (!options.keep().empty()) {
-          per[i].keep_away = away([&](const torch::Tensor& t) {
-            return checkpoint(stages[i].fn, t, CheckpointOptions(per[i].per_call).keep(options.keep()));
-          });
+          per[i].keep_away = away(
+              [&](const torch::Tensor& t) {
+                return checkpoint(stages[i].fn, t, CheckpointOptions(per[i].per_call).keep(options.keep()));
+              },
+              nullptr);
         }
         for (size_t q = 0; q < options.policies().size(); ++q) {
-          per[i].policy_away[q] = away([&](const torch::Tensor& t) {
-            return checkpoint(stages[i].fn, t,
-                              CheckpointOptions(per[i].per_call).policy(options.policies()[q]));
-          });
+          per[i].policy_away[q] = away(
+              [&](const torch::Tensor& t) {
+                return checkpoint(stages[i].fn, t,
+                                  CheckpointOptions(per[i].per_call).policy(options.policies()[q]));
+              },
+              nullptr);
         }
         // Fc@host: the input the executor holds for the stage's recompute, saved under an Offload as the
         // executor saves it; offered when it goes (at least offload_min_bytes).
@@ -330,6 +377,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         const torch::autograd::SavedVariable input(xs[i].detach(), /*is_output=*/false);
         held.close();
         if (held.stats().offloaded > 0) s.checkpoint_offload = OffloadCost{0, true, false};
+        report("offloading", s.name);
       }
     }
     // Every stage under remat::checkpoint, then the backward pass through them: with the per-call options
@@ -338,6 +386,10 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     auto checkpoint_pass = [&](int64_t variant, auto record) {
       std::vector<torch::Tensor> leaves(n), outs(n);
       std::vector<double> cf(n, 0);
+      const std::string phase = variant == -2 ? std::string("checkpointed")
+                                : variant == -1
+                                    ? std::string("kept calls")
+                                    : "policy " + options.policies()[static_cast<size_t>(variant)].name();
       for (size_t i = 0; i < n; ++i) {
         leaves[i] = leaf_of(i, xs[i]);
         CheckpointOptions o = per[i].per_call;
@@ -353,6 +405,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           const int64_t kept = std::max(static_cast<int64_t>(outs[i].nbytes()), scope.active_over_base());
           (variant == -1 ? per[i].keep_saved : per[i].policy_saved[static_cast<size_t>(variant)]) = kept;
         }
+        report(phase, chain.stages[i].name);
       }
       for (size_t i = n; i-- > 0;) {
         const std::vector<torch::Tensor> targets = targets_of(i, leaves[i]);
@@ -361,6 +414,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           cb = timed_backward(std::move(outs[i]), targets, nullptr);
         outs[i] = leaves[i] = torch::Tensor();
         if (keep) record(per[i], cf[i], cb);
+        report(phase, chain.stages[i].name);
       }
     };
     checkpoint_pass(-2, [](Per& p, double f, double b) { p.ckpt_fwd.push_back(f), p.ckpt_bwd.push_back(b); });
@@ -386,17 +440,19 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           fit_groups(detail::measure_saved_groups(stages[i].fn, leaf, alive, options.offload_min_bytes(),
                                                   options.repeats(), sync),
                      std::max<int64_t>(0, s.saved_bytes - s.output_bytes));
+      report("groups", s.name);
     }
   }
   chain.keep = options.keep();
   chain.holds_outputs = true;  // the plan executor holds a kept stage's output as the root of its backward
-  if (options.offload_min_bytes() >= 0) {
+  if (profile_offload) {
     int64_t largest = int64_t{1} << 20;
     for (const Stage& s : chain.stages)
       largest = std::max(largest, s.saved_bytes);
     const OffloadBandwidth bw = offload_bandwidth(device, std::min<int64_t>(largest, int64_t{64} << 20));
     chain.to_host_gb_per_s = bw.to_host_gb_per_s;
     chain.to_device_gb_per_s = bw.to_device_gb_per_s;
+    report("bandwidth", "");
   }
   for (const Policy& policy : options.policies())
     chain.policies.push_back(policy.name());

@@ -123,6 +123,8 @@ struct BenchRow {
 
 /// Progress messages (for stderr).
 using Progress = std::function<void(const std::string&)>;
+/// Progress of counted work, for a progress bar: `done` units of `total`, the last one's words.
+using CountedProgress = std::function<void(int64_t done, int64_t total, const std::string& what)>;
 
 /// Parses a strategy (remat::parse_strategy), as c10::Error naming remat::bench and the string when it is not
 /// one.
@@ -144,11 +146,13 @@ std::optional<Plan> plan_for(const std::string& strategy, const Chain& chain);
 
 /// Measures every strategy (and "none" first, as the reference, if it is not listed): median step time and
 /// peak bytes with MeasureOptions, then one more step under a fixed seed to compare gradients with "none".
-/// Plan strategies use `chain` when given, or profile the model once. Throws what plan_for and the steps
-/// throw.
+/// Plan strategies use `chain` when given, or profile the model once. `steps`, when given, is called after
+/// each step (warm-up and timed, of every strategy), and `progress` then no longer says each round of steps.
+/// Throws what plan_for and the steps throw.
 std::vector<BenchRow> bench(Workload& workload, const std::vector<std::string>& strategies,
                             const MeasureOptions& measure = {}, const ProfileOptions* profile = nullptr,
-                            const Progress& progress = {}, const Chain* chain = nullptr);
+                            const Progress& progress = {}, const Chain* chain = nullptr,
+                            const CountedProgress& steps = {});
 
 /// The workload's chain, profiled (ProfileOptions defaults when null).
 Chain profile_workload(Workload& workload, const ProfileOptions* profile = nullptr);

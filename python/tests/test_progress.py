@@ -1,0 +1,54 @@
+"""Progress while profiling: remat.profile's `progress` callback gets every run of one stage, in order, with
+phases whose times add up; the default bar is drawn on stderr only where asked (not a terminal under pytest
+unless REMAT_PROGRESS=1) and erased; a planned model's profiling step says where its profile's time went."""
+import pytest
+import torch
+
+import remat
+
+from conftest import mlp, train_step
+
+
+def test_the_callback_gets_every_run_of_one_stage_and_the_phases_add_up():
+    model = mlp(depth=3, width=32, hidden=64)
+    x = torch.randn(8, 32)
+    got = []
+    remat.profile(remat.stages_of(model), x, warmup=1, repeats=2, offload_min_bytes=0, progress=got.append)
+    n, rounds = 3, 3
+    # Each round: a forward without saving and a forward and backward per stage, then checkpointed (a forward,
+    # then a recompute and backward, per stage) and the policy (forward and backward per stage); then the
+    # offloading figures per stage and the bandwidth once.
+    total = rounds * n * (1 + 1 + 2 + 1) + n + 1
+    assert [p.done for p in got] == list(range(1, total + 1))
+    assert all(p.total == total and p.stages == n for p in got)
+    phases = list(dict.fromkeys(p.phase for p in got))
+    assert phases == ["forward without saving", "forward and backward", "checkpointed", "policy matmuls",
+                      "offloading", "bandwidth"]
+    assert sum(p.phase_ms for p in got) == pytest.approx(got[-1].elapsed_ms, rel=1e-6)
+    assert got[0].stage == "0:Sequential" and got[-1].stage == ""
+
+
+def test_the_bar_is_drawn_only_where_asked_and_bad_progress_is_refused(capfd, monkeypatch):
+    model = mlp(depth=2, width=16, hidden=32)
+    x = torch.randn(4, 16)
+    monkeypatch.delenv("REMAT_PROGRESS", raising=False)
+    remat.profile(remat.stages_of(model), x)  # stderr is not a terminal here: no bar
+    assert "remat: profiling" not in capfd.readouterr().err
+    monkeypatch.setenv("REMAT_PROGRESS", "1")
+    remat.profile(remat.stages_of(model), x)
+    assert "remat: profiling" in capfd.readouterr().err
+    remat.profile(remat.stages_of(model), x, progress=False)
+    assert capfd.readouterr().err == ""
+    with pytest.raises(TypeError, match="progress must be None, False or a callable, got int"):
+        remat.profile(remat.stages_of(model), x, progress=3)
+
+
+def test_a_planned_model_says_where_its_profile_spent_its_time():
+    model = mlp(depth=3, width=32, hidden=64)
+    lp = remat.enable(model, list(model), budget=1 << 40)
+    assert lp.profiling_time == {}
+    train_step(model, torch.randn(8, 32))
+    times = lp.profiling_time
+    assert list(times) == ["forward without saving", "forward and backward", "checkpointed", "policy matmuls"]
+    assert all(s > 0 for s in times.values())
+    lp.remove()

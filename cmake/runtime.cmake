@@ -119,6 +119,25 @@ if(REMAT_HAS_DISTRIBUTED)
   if(REMAT_USE_PCH)
     target_precompile_headers(remat_distributed REUSE_FROM remat_runtime)
   endif()
+  # NCCL (InitOptions().backend("nccl")): c10d's ProcessGroupNCCL, in a CUDA LibTorch whose headers carry it, with
+  # nccl.h: PyPI's torch wheel has both (nccl.h in the nvidia-nccl package beside it); or libnccl-dev's. Its
+  # header declares the class only under USE_C10D_NCCL, which LibTorch's own build defines: nccl.cpp alone gets it.
+  set(REMAT_HAS_NCCL 0)
+  if(REMAT_WITH_CUDA)
+    find_path(REMAT_C10D_NCCL_INCLUDE_DIR torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp PATHS ${TORCH_INCLUDE_DIRS}
+              NO_DEFAULT_PATH)
+    find_path(REMAT_NCCL_INCLUDE_DIR nccl.h HINTS "${TORCH_INSTALL_PREFIX}/../nvidia/nccl/include")
+    if(REMAT_C10D_NCCL_INCLUDE_DIR AND REMAT_NCCL_INCLUDE_DIR)
+      set(REMAT_HAS_NCCL 1)
+      target_sources(remat_distributed PRIVATE src/runtime/distributed/nccl.cpp)
+      set_source_files_properties(src/runtime/distributed/nccl.cpp PROPERTIES COMPILE_DEFINITIONS USE_C10D_NCCL=1
+                                  INCLUDE_DIRECTORIES "${REMAT_NCCL_INCLUDE_DIR}" SKIP_PRECOMPILE_HEADERS ON)
+    endif()
+  endif()
+  set_property(SOURCE src/runtime/distributed/process_group.cpp APPEND PROPERTY
+               COMPILE_DEFINITIONS REMAT_HAS_NCCL=${REMAT_HAS_NCCL})
+  set_source_files_properties(src/runtime/distributed/process_group.cpp PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+  message(STATUS "remat: data parallel on NCCL: ${REMAT_HAS_NCCL}")
 endif()
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,18 @@
 #include <remat/profile.h>
 #include <remat/remat.h>
 #include <remat/sequential.h>
+#include <remat/version.h>
+#if REMAT_HAS_DISTRIBUTED
+#include <remat/distributed.h>
+#include <remat/models.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#endif
 
 #include "detail/compat.h"
 #include "support.h"
@@ -674,5 +686,88 @@ TEST_F(CudaTest, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
     EXPECT_EQ(pool->in_use_bytes(), 0);
   }
 }
+
+#if REMAT_HAS_DISTRIBUTED
+// A TCP port nobody listens on now (the kernel's choice for port 0).
+int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  ::close(fd);
+  return ok ? ntohs(addr.sin_port) : 29500;
+}
+
+// C++ data parallel on NCCL (issue 44), world size 1: remat::distributed::DataParallel over a "nccl" group
+// gives the plain run's gradients under each way of running the model (the average over one rank is its
+// own), with the CPU tensors of its bookkeeping and of Planned's agreement going through the device.
+TEST_F(CudaTest, DataParallelOnNcclWithOneRankGivesThePlainGradientsUnderEveryStrategy) {
+  namespace dist = remat::distributed;
+  if (!dist::has_nccl()) GTEST_SKIP() << "this build has no NCCL";
+  for (const auto& [k, v] :
+       std::vector<std::pair<const char*, std::string>>{{"RANK", "0"},
+                                                        {"WORLD_SIZE", "1"},
+                                                        {"LOCAL_RANK", "0"},
+                                                        {"MASTER_ADDR", "127.0.0.1"},
+                                                        {"MASTER_PORT", std::to_string(free_tcp_port())}})
+    ::setenv(k, v.c_str(), 1);
+  auto group =
+      dist::init_process_group(dist::InitOptions().backend("nccl").timeout(std::chrono::seconds(60)));
+  EXPECT_EQ(group->backend(), "nccl");
+  group->barrier();
+  torch::manual_seed(3);
+  const torch::Tensor x = torch::randn({32, 64}, on());
+  for (const std::string strategy : {"none", "nonreentrant", "reentrant", "plan", "planned"}) {
+    auto make = [&] {
+      torch::manual_seed(0);
+      auto mlp = remat::models::ResidualMlp(
+          remat::models::ResidualMlpOptions().depth(4).width(64).hidden(128).dropout(0));
+      mlp->to(dev);
+      return mlp;
+    };
+    auto plain = make(), mlp = make();
+    std::function<torch::Tensor(const torch::Tensor&)> forward = [mlp](const torch::Tensor& in) mutable {
+      return mlp->forward(in);
+    };
+    if (strategy == "nonreentrant" || strategy == "reentrant") {
+      mlp->gradient_checkpointing_enable(CheckpointOptions().mode(
+          strategy == "reentrant" ? CheckpointMode::kReentrant : CheckpointMode::kNonReentrant));
+    } else if (strategy == "plan") {
+      auto stages = remat::stages_of(mlp->blocks());
+      const remat::Plan plan = remat::sqrt_n(remat::profile_chain(stages, x));
+      for (const auto& p : mlp->parameters())
+        p.mutable_grad() = torch::Tensor();
+      forward = [stages, plan](const torch::Tensor& in) { return remat::run_plan(stages, plan, in); };
+    } else if (strategy == "planned") {
+      auto planned = remat::Planned(
+          remat::stages_of(mlp->blocks()),
+          remat::PlannedOptions().budget(int64_t{1} << 30).agree(dist::same_plan_on_every_rank(group)));
+      forward = [planned](const torch::Tensor& in) mutable { return planned->forward(in); };
+    }
+    dist::DataParallel dp(mlp.ptr(), group);
+    for (int step = 0; step < 2; ++step) {  // Planned profiles the first step and plans the second
+      for (auto* m :
+           {static_cast<torch::nn::Module*>(plain.get()), static_cast<torch::nn::Module*>(mlp.get())})
+        for (auto& p : m->parameters())
+          p.mutable_grad() = torch::Tensor();
+      plain->forward(x).pow(2).mean().backward();
+      forward(x).pow(2).mean().backward();
+      const auto a = plain->parameters(), b = mlp->parameters();
+      for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_TRUE(b[i].grad().defined()) << strategy;
+        const double scale = std::max(1e-12, a[i].grad().abs().max().item<double>());
+        EXPECT_LE(max_abs_diff(a[i].grad(), b[i].grad()) / scale, 1e-5) << strategy << " step " << step;
+      }
+    }
+    EXPECT_EQ(dp.stats().steps, 2) << strategy;
+  }
+  for (const char* k : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"})
+    ::unsetenv(k);
+}
+#endif
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <remat/planner/planner.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>
+#include <torch/cuda.h>
 #include <torch/optim/sgd.h>
 
 #include <unistd.h>
@@ -457,11 +458,16 @@ TEST(DataParallel, InitProcessGroupNamesAMissingOrBadVariable) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("MASTER_PORT='http'"), std::string::npos) << e.what();
   }
-  try {
-    dist::init_process_group(dist::InitOptions().backend("nccl"));
-    ADD_FAILURE() << "no error";
-  } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("backend 'nccl'"), std::string::npos) << e.what();
+  // A backend that is none; NCCL where the build has none, or on a machine without a CUDA device.
+  ::setenv("MASTER_PORT", "29400", 1);
+  EXPECT_THROW_WITH(dist::init_process_group(dist::InitOptions().backend("mpi")), "backend 'mpi' is not one",
+                    "\"gloo\"", "\"nccl\"");
+  if (!dist::has_nccl()) {
+    EXPECT_THROW_WITH(dist::init_process_group(dist::InitOptions().backend("nccl")),
+                      "backend 'nccl' is not in this build");
+  } else if (torch::cuda::device_count() == 0) {
+    EXPECT_THROW_WITH(dist::init_process_group(dist::InitOptions().backend("nccl")),
+                      "puts local rank 0 on CUDA device 0, but this machine has 0 CUDA devices");
   }
   for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"})
     ::unsetenv(v);

@@ -17,8 +17,9 @@ namespace remat::distributed {
 
 /// How init_process_group connects.
 struct InitOptions {
-  /// "gloo" (CPU tensors, and CUDA tensors through host copies). "nccl" is not built into this version:
-  /// asking for it throws.
+  /// "gloo" (CPU tensors, and CUDA tensors through host copies) or "nccl" (CUDA tensors, each rank on CUDA
+  /// device LOCAL_RANK; where the build has it: has_nccl()). On NCCL, the CPU tensors given to all_reduce and
+  /// broadcast go to the rank's device and back; all_reduce_async takes CUDA tensors only.
   TORCH_ARG(std::string, backend) = "gloo";
   /// How long the rendezvous and each collective may wait for the other ranks before failing.
   TORCH_ARG(std::chrono::milliseconds, timeout) = std::chrono::minutes(5);
@@ -27,8 +28,8 @@ struct InitOptions {
 /// The reduction of ProcessGroup::all_reduce.
 enum class ReduceOp { kSum, kMin, kMax };
 
-/// A group of processes (c10d's ProcessGroupGloo over a TCPStore rendezvous). Shared by the DataParallel
-/// wrappers built on it; the connections close when the last owner lets go.
+/// A group of processes (c10d's ProcessGroupGloo or ProcessGroupNCCL over a TCPStore rendezvous). Shared by
+/// the DataParallel wrappers built on it; the connections close when the last owner lets go.
 class ProcessGroup {
  public:
   /// This process's rank in [0, size()).
@@ -37,7 +38,7 @@ class ProcessGroup {
   int size() const;
   /// LOCAL_RANK (the rank among this machine's processes), or rank() when the launcher did not set it.
   int local_rank() const;
-  /// "gloo".
+  /// "gloo" or "nccl".
   const std::string& backend() const;
   /// The collective timeout.
   std::chrono::milliseconds timeout() const;
@@ -60,8 +61,10 @@ class ProcessGroup {
     /// Whether it has finished (successfully or not) without blocking.
     virtual bool completed() = 0;
   };
-  /// Starts a sum all-reduce of `tensors` (in place) on c10d's worker threads and returns at once; the
-  /// tensors must stay untouched until wait() returns.
+  /// Starts a sum all-reduce of `tensors` (in place) on c10d's worker threads (NCCL: its stream) and returns
+  /// at once; the tensors must stay untouched until wait() returns. On NCCL, wait() makes the current CUDA
+  /// stream wait for the reduction (work queued after it on that stream sees the result; the host does not
+  /// wait). Throws c10::Error naming the device for a tensor not on CUDA under NCCL.
   std::shared_ptr<Work> all_reduce_async(std::vector<torch::Tensor> tensors);
 
   struct Impl;
@@ -75,13 +78,17 @@ class ProcessGroup {
 /// LOCAL_RANK when present. Rank 0 hosts the TCPStore at MASTER_ADDR:MASTER_PORT. Gloo binds to loopback when
 /// MASTER_ADDR is a loopback address, to GLOO_SOCKET_IFNAME when that is set, and to this machine's
 /// hostname otherwise. Throws c10::Error naming the variable for a missing or malformed one, naming the
-/// backend for an unsupported one, and naming the address, the world size and the timeout when the other
-/// ranks do not arrive in time.
+/// backend for an unsupported one (or "nccl" where the build has no NCCL, or LOCAL_RANK has no CUDA device),
+/// and naming the address, the world size and the timeout when the other ranks do not arrive in time.
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options = {});
 
+/// Whether this build has the NCCL backend: a CUDA LibTorch whose headers carry c10d's ProcessGroupNCCL, and
+/// nccl.h (PyPI's torch wheel has both; Debian's LibTorch is a CPU build).
+bool has_nccl();
+
 /// For remat::PlannedOptions::agree (remat/planned.h): all-reduces the numbers a plan is made from
-/// (remat::plan_figures, remat/planner/step.h) to their maximum over `group`, so that remat::Planned makes the same
-/// plan on every rank, one that fits every rank's measured memory and its slowest measured link:
+/// (remat::plan_figures, remat/planner/step.h) to their maximum over `group`, so that remat::Planned makes
+/// the same plan on every rank, one that fits every rank's measured memory and its slowest measured link:
 ///
 ///   remat::PlannedOptions().budget(b).agree(remat::distributed::same_plan_on_every_rank(group))
 ///

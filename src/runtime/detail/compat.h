@@ -187,3 +187,20 @@ class WeakNode {
 };
 
 }  // namespace remat::detail::compat
+
+namespace c10d {
+class Backend;
+class ProcessGroup;
+}  // namespace c10d
+
+namespace remat::detail::compat {
+
+/// The c10d class ProcessGroupGloo and ProcessGroupNCCL derive from, whose collectives remat calls: Backend
+/// from 2.0 on, ProcessGroup in 1.13 (declared here; its header comes with the backend's).
+#if TORCH_VERSION_MAJOR >= 2
+using C10dBackend = c10d::Backend;
+#else
+using C10dBackend = c10d::ProcessGroup;
+#endif
+
+}  // namespace remat::detail::compat

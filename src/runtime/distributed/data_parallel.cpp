@@ -423,6 +423,10 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, std::share
     if (!v.requires_grad() || !seen.insert(v.unsafeGetTensorImpl()).second) continue;
     TORCH_CHECK(v.layout() == at::kStrided, "remat::distributed::DataParallel: parameter '", item.key(),
                 "' is not dense (", v.layout(), "); only dense gradients are reduced");
+    TORCH_CHECK(state->group->backend() != "nccl" || v.is_cuda(),
+                "remat::distributed::DataParallel: parameter '", item.key(), "' is on ", v.device(),
+                ", but the group's backend is NCCL, which reduces CUDA tensors (use \"gloo\" for a model on "
+                "the CPU)");
     State::Param p;
     p.variable = v;
     p.name = item.key();

@@ -1,4 +1,5 @@
-// ProcessGroup and init_process_group: c10d's TCPStore rendezvous and ProcessGroupGloo.
+// ProcessGroup and init_process_group: c10d's TCPStore rendezvous, and ProcessGroupGloo or (where the build
+// has it: nccl.cpp) ProcessGroupNCCL.
 #include "remat/distributed/process_group.h"
 
 // ProcessGroupGloo.hpp declares its class only under USE_C10D_GLOO (LibTorch's own build defines it; its
@@ -10,6 +11,16 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <c10/util/Exception.h>
+#include <torch/cuda.h>
+
+#include "detail/compat.h"
+
+#ifndef REMAT_HAS_NCCL
+#define REMAT_HAS_NCCL 0
+#endif
+#if REMAT_HAS_NCCL
+#include "distributed/nccl.h"
+#endif
 
 #include <cerrno>
 #include <climits>
@@ -21,7 +32,9 @@ namespace remat::distributed {
 
 struct ProcessGroup::Impl {
   c10::intrusive_ptr<c10d::Store> store;
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  c10::intrusive_ptr<::remat::detail::compat::C10dBackend> pg;  // ProcessGroupGloo or ProcessGroupNCCL
+  bool nccl = false;
+  int device = -1;  // NCCL: the CUDA device of this rank (LOCAL_RANK)
   int rank = 0;
   int size = 1;
   int local_rank = 0;
@@ -56,9 +69,9 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   TORCH_CHECK(false, "remat::distributed: unknown ReduceOp ", static_cast<int>(op));
 }
 
-class GlooWork final : public ProcessGroup::Work {
+class BackendWork final : public ProcessGroup::Work {
  public:
-  GlooWork(std::shared_ptr<ProcessGroup::Impl> impl, c10::intrusive_ptr<c10d::Work> work)
+  BackendWork(std::shared_ptr<ProcessGroup::Impl> impl, c10::intrusive_ptr<c10d::Work> work)
       : impl_(std::move(impl)), work_(std::move(work)) {}
   void wait() override {
     try {
@@ -96,6 +109,36 @@ bool is_loopback(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
 }
 
+// NCCL reduces tensors on the rank's CUDA device: a CPU tensor given to all_reduce or broadcast
+// (DataParallel's bucket order, its used-parameter mask, the model check; a plan's figures) goes there and
+// back.
+class Staged {
+ public:
+  Staged(const ProcessGroup::Impl& impl, std::vector<torch::Tensor>& tensors) : given_(tensors) {
+    if (!impl.nccl) return;
+    for (auto& t : tensors) {
+      if (t.is_cuda()) {
+        on_device_.push_back(t);
+      } else {
+        on_device_.push_back(t.to(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(impl.device))));
+        staged_ = true;
+      }
+    }
+  }
+  std::vector<torch::Tensor>& tensors() { return staged_ ? on_device_ : given_; }
+  // Copies what came back into the CPU tensors given (a copy to host memory waits for the collective).
+  void finish() {
+    if (!staged_) return;
+    for (size_t i = 0; i < given_.size(); ++i)
+      if (!given_[i].is_cuda()) given_[i].copy_(on_device_[i]);
+  }
+
+ private:
+  std::vector<torch::Tensor>& given_;
+  std::vector<torch::Tensor> on_device_;
+  bool staged_ = false;
+};
+
 }  // namespace
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -121,17 +164,23 @@ void ProcessGroup::all_reduce(std::vector<torch::Tensor>& tensors, ReduceOp op) 
   opts.reduceOp = to_c10d(op);
   opts.timeout = impl_->timeout;
   try {
-    impl_->gloo->allreduce(tensors, opts)->wait(impl_->timeout);
+    Staged staged(*impl_, tensors);
+    impl_->pg->allreduce(staged.tensors(), opts)->wait(impl_->timeout);
+    staged.finish();
   } catch (const std::exception& e) {
     fail(*impl_, "all_reduce", e);
   }
 }
 
 std::shared_ptr<ProcessGroup::Work> ProcessGroup::all_reduce_async(std::vector<torch::Tensor> tensors) {
+  for (const auto& t : tensors)
+    TORCH_CHECK(!impl_->nccl || t.is_cuda(),
+                "remat::distributed::ProcessGroup::all_reduce_async: NCCL reduces CUDA tensors, got one on ",
+                t.device(), " (use the \"gloo\" backend for a model on the CPU)");
   c10d::AllreduceOptions opts;
   opts.timeout = impl_->timeout;
   try {
-    return std::make_shared<GlooWork>(impl_, impl_->gloo->allreduce(tensors, opts));
+    return std::make_shared<BackendWork>(impl_, impl_->pg->allreduce(tensors, opts));
   } catch (const std::exception& e) {
     fail(*impl_, "all_reduce", e);
   }
@@ -144,27 +193,44 @@ void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root) {
   opts.rootRank = root;
   opts.timeout = impl_->timeout;
   try {
-    impl_->gloo->broadcast(tensors, opts)->wait(impl_->timeout);
+    Staged staged(*impl_, tensors);
+    impl_->pg->broadcast(staged.tensors(), opts)->wait(impl_->timeout);
+    staged.finish();
   } catch (const std::exception& e) {
     fail(*impl_, "broadcast", e);
   }
 }
 
 void ProcessGroup::barrier() {
+  if (impl_->nccl) {
+    // An all-reduce of one number, read back on the host: every rank has arrived when it returns (NCCL's own
+    // barrier guesses each rank's device).
+    std::vector<torch::Tensor> one{torch::zeros({1})};
+    all_reduce(one);
+    return;
+  }
   c10d::BarrierOptions opts;
   opts.timeout = impl_->timeout;
   try {
-    impl_->gloo->barrier(opts)->wait(impl_->timeout);
+    impl_->pg->barrier(opts)->wait(impl_->timeout);
   } catch (const std::exception& e) {
     fail(*impl_, "barrier", e);
   }
 }
 
+bool has_nccl() {
+  return REMAT_HAS_NCCL != 0;
+}
+
 std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
-  TORCH_CHECK(options.backend() == "gloo", "remat::distributed::init_process_group: backend '",
-              options.backend(),
-              "' is not supported by this build; use \"gloo\" (it also reduces CUDA tensors, through host "
-              "copies)");
+  TORCH_CHECK(options.backend() == "gloo" || options.backend() == "nccl",
+              "remat::distributed::init_process_group: backend '", options.backend(),
+              "' is not one; use \"gloo\" (CPU tensors, and CUDA tensors through host copies) or \"nccl\" "
+              "(CUDA tensors)");
+  TORCH_CHECK(options.backend() != "nccl" || has_nccl(),
+              "remat::distributed::init_process_group: backend 'nccl' is not in this build (it needs a CUDA "
+              "LibTorch with c10d's ProcessGroupNCCL.hpp and nccl.h, as PyPI's torch wheel has: "
+              "./test --torch pypi builds against it); use \"gloo\"");
   TORCH_CHECK(options.timeout().count() > 0,
               "remat::distributed::init_process_group: timeout must be > 0 ms, got ",
               options.timeout().count());
@@ -183,6 +249,16 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
   const auto port = static_cast<std::uint16_t>(env_int("MASTER_PORT", 1, 65535, true, 0));
 
   const std::string where = addr + ":" + std::to_string(port);
+  if (options.backend() == "nccl") {
+    const auto devices = static_cast<int>(torch::cuda::device_count());
+    TORCH_CHECK(impl->local_rank < devices,
+                "remat::distributed::init_process_group: backend 'nccl' puts local "
+                "rank ",
+                impl->local_rank, " on CUDA device ", impl->local_rank, ", but this machine has ", devices,
+                " CUDA device", devices == 1 ? "" : "s");
+    impl->nccl = true;
+    impl->device = impl->local_rank;
+  }
   try {
     c10d::TCPStoreOptions store_options;
     store_options.port = port;
@@ -198,6 +274,17 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
                 impl->rank == 0 ? "a rank never arrived, or the port is taken" : "rank 0 never listened",
                 "): ", message_of(e));
   }
+#if REMAT_HAS_NCCL
+  if (impl->nccl) {
+    try {
+      impl->pg = detail::make_nccl(impl->store, impl->rank, impl->size, impl->timeout, impl->device);
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "remat::distributed::init_process_group: rank ", impl->rank, " of ", impl->size,
+                  " could not make NCCL's process group on CUDA device ", impl->device, ": ", message_of(e));
+    }
+    return std::make_shared<ProcessGroup>(std::move(impl));
+  }
+#endif
   try {
     auto gloo_options = c10d::ProcessGroupGloo::Options::create(impl->timeout);
     const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
@@ -208,8 +295,7 @@ std::shared_ptr<ProcessGroup> init_process_group(const InitOptions& options) {
     } else {
       gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
     }
-    impl->gloo =
-        c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, impl->rank, impl->size, gloo_options);
+    impl->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(impl->store, impl->rank, impl->size, gloo_options);
   } catch (const std::exception& e) {
     TORCH_CHECK(false, "remat::distributed::init_process_group: rank ", impl->rank, " of ", impl->size,
                 " could not connect Gloo to the other ranks (store at ", where, ", timeout ",

@@ -24,11 +24,6 @@
 #include <remat/distributed.h>
 #include <remat/models.h>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #endif
 
@@ -688,20 +683,6 @@ TEST_F(CudaTest, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
 }
 
 #if REMAT_HAS_DISTRIBUTED
-// A TCP port nobody listens on now (the kernel's choice for port 0).
-int free_tcp_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
-  ::close(fd);
-  return ok ? ntohs(addr.sin_port) : 29500;
-}
-
 // C++ data parallel on NCCL (issue 44), world size 1: remat::distributed::DataParallel over a "nccl" group
 // gives the plain run's gradients under each way of running the model (the average over one rank is its
 // own), with the CPU tensors of its bookkeeping and of Planned's agreement going through the device.
@@ -713,7 +694,7 @@ TEST_F(CudaTest, DataParallelOnNcclWithOneRankGivesThePlainGradientsUnderEverySt
                                                         {"WORLD_SIZE", "1"},
                                                         {"LOCAL_RANK", "0"},
                                                         {"MASTER_ADDR", "127.0.0.1"},
-                                                        {"MASTER_PORT", std::to_string(free_tcp_port())}})
+                                                        {"MASTER_PORT", std::to_string(dist::free_port())}})
     ::setenv(k, v.c_str(), 1);
   auto group =
       dist::init_process_group(dist::InitOptions().backend("nccl").timeout(std::chrono::seconds(60)));

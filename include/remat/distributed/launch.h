@@ -39,4 +39,9 @@ struct LaunchOptions {
 /// options or an empty command, and when a process cannot be started.
 int launch(const LaunchOptions& options, const std::vector<std::string>& command);
 
+/// A TCP port on loopback that nobody listens on now (the kernel's pick), for MASTER_PORT on one machine
+/// (another process may take it before the store binds it). Throws c10::Error naming
+/// remat::distributed::free_port when no socket can be bound.
+int free_port();
+
 }  // namespace remat::distributed

@@ -24,12 +24,10 @@
 extern char** environ;
 
 namespace remat::distributed {
-namespace {
 
-// A port nobody listens on now (the kernel's pick); the store binds it moments later.
 int free_port() {
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  TORCH_CHECK(fd >= 0, "remat::distributed::launch: socket() failed: ", std::strerror(errno));
+  TORCH_CHECK(fd >= 0, "remat::distributed::free_port: socket() failed: ", std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -39,9 +37,11 @@ int free_port() {
                   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   const int err = errno;
   ::close(fd);
-  TORCH_CHECK(ok, "remat::distributed::launch: could not find a free port: ", std::strerror(err));
+  TORCH_CHECK(ok, "remat::distributed::free_port: could not find a free port: ", std::strerror(err));
   return ntohs(addr.sin_port);
 }
+
+namespace {
 
 int exit_status(int status) {
   if (WIFEXITED(status)) return WEXITSTATUS(status);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include "common.h"
 #include "progress_bar.h"
@@ -102,11 +103,15 @@ int run(const BenchArgs& a, bool data_parallel, const std::vector<std::string>& 
       progress("chain written to " + a.save_chain);
     }
   }
-  ProgressBar bar("remat: steps");
+  // Made at the first step (bench profiles first, when it must): its clock and estimate count steps alone.
+  std::optional<ProgressBar> bar;
   const auto rows =
       bench(*w, split(a.strategies), measure_options(a), &profile, progress, chain ? &*chain : nullptr,
-            [&](int64_t done, int64_t total, const std::string& what) { bar.update(done, total, what); });
-  bar.clear();
+            [&](int64_t done, int64_t total, const std::string& what) {
+              if (!bar) bar.emplace("remat: steps");
+              bar->update(done, total, what);
+            });
+  bar.reset();
   const auto& none = rows.front().stats;
   std::cout << w->description() << "\n"
             << "base (parameters + gradients + inputs): " << format_bytes(none.base_bytes) << "; " << a.steps

@@ -64,7 +64,8 @@ class ProcessGroup {
   /// Starts a sum all-reduce of `tensors` (in place) on c10d's worker threads (NCCL: its stream) and returns
   /// at once; the tensors must stay untouched until wait() returns. On NCCL, wait() makes the current CUDA
   /// stream wait for the reduction (work queued after it on that stream sees the result; the host does not
-  /// wait). Throws c10::Error naming the device for a tensor not on CUDA under NCCL.
+  /// wait). Throws c10::Error naming the device for a tensor not on CUDA under NCCL, and for more than one
+  /// tensor there (c10d's NCCL group reduces one per call; all_reduce and broadcast loop over them).
   std::shared_ptr<Work> all_reduce_async(std::vector<torch::Tensor> tensors);
 
   struct Impl;

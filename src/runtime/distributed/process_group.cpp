@@ -163,6 +163,13 @@ void ProcessGroup::all_reduce(std::vector<torch::Tensor>& tensors, ReduceOp op) 
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
   opts.timeout = impl_->timeout;
+  if (impl_->nccl && tensors.size() > 1) {  // c10d's NCCL group takes one tensor per collective
+    for (auto& t : tensors) {
+      std::vector<torch::Tensor> one{t};
+      all_reduce(one, op);
+    }
+    return;
+  }
   try {
     Staged staged(*impl_, tensors);
     impl_->pg->allreduce(staged.tensors(), opts)->wait(impl_->timeout);
@@ -173,6 +180,9 @@ void ProcessGroup::all_reduce(std::vector<torch::Tensor>& tensors, ReduceOp op) 
 }
 
 std::shared_ptr<ProcessGroup::Work> ProcessGroup::all_reduce_async(std::vector<torch::Tensor> tensors) {
+  TORCH_CHECK(!impl_->nccl || tensors.size() == 1,
+              "remat::distributed::ProcessGroup::all_reduce_async: NCCL reduces one tensor per call, got ",
+              tensors.size());
   for (const auto& t : tensors)
     TORCH_CHECK(!impl_->nccl || t.is_cuda(),
                 "remat::distributed::ProcessGroup::all_reduce_async: NCCL reduces CUDA tensors, got one on ",
@@ -192,6 +202,13 @@ void ProcessGroup::broadcast(std::vector<torch::Tensor>& tensors, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = impl_->timeout;
+  if (impl_->nccl && tensors.size() > 1) {  // one tensor per collective, as above
+    for (auto& t : tensors) {
+      std::vector<torch::Tensor> one{t};
+      broadcast(one, root);
+    }
+    return;
+  }
   try {
     Staged staged(*impl_, tensors);
     impl_->pg->broadcast(staged.tensors(), opts)->wait(impl_->timeout);

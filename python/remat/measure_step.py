@@ -3,6 +3,7 @@ layers take and hand on), the profiling step that profiles the layers where they
 them, and what is known per input shape (its profile, step context and plan)."""
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -236,8 +237,9 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                 lp.layers[j]))
             inputs.append(xj)
             excluded.extend(taken_tensors(f, a))
-        times = PhaseTimes(progress_bar(f"{lp.who}: profiling"))
-        with Gathered(lp.layers, meter) as gathered:
+        bar = progress_bar(f"{lp.who}: profiling")
+        times = PhaseTimes(bar)
+        with Gathered(lp.layers, meter) as gathered, contextlib.closing(bar):
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,

@@ -409,8 +409,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         floating = x is not None and (x.is_floating_point() or x.is_complex())
         input_grad[i] = floating and (i > 0 or example_input.requires_grad)
 
+    own_bar = None  # the bar drawn here, erased however profiling ends
     if progress is None:
-        progress = progress_bar("remat: profiling")
+        progress = own_bar = progress_bar("remat: profiling")
     elif progress is False:
         progress = None
     elif not callable(progress):
@@ -457,7 +458,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 peak = window.peak() - before
         return ms, peak
 
-    with Restore(modules, device):
+    with Restore(modules, device), contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
             for r in range(warmup + repeats):
                 measure, keep = r == warmup, r >= warmup

@@ -35,27 +35,33 @@ def _bar_disabled():
     return None
 
 
-def progress_bar(desc: str) -> Callable[[ProfileProgress], None]:
-    """A `progress` callback for remat.profile that draws a tqdm bar on stderr, erased when the profile ends;
-    nothing where tqdm is not installed (it is one of remat's dependencies) or where the bar is disabled."""
-    state = {"bar": None}
+class progress_bar:
+    """A `progress` callback for remat.profile that draws a tqdm bar on stderr, erased when the profile ends (or
+    by close(), when it stops early); nothing where tqdm is not installed (it is one of remat's dependencies) or
+    where the bar is disabled."""
 
-    def update(p: ProfileProgress) -> None:
-        bar = state["bar"]
-        if bar is None:
+    def __init__(self, desc: str):
+        self.desc = desc
+        self.bar = None
+
+    def __call__(self, p: ProfileProgress) -> None:
+        if self.bar is None:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
                 return
-            bar = state["bar"] = tqdm(total=p.total, desc=desc, unit="run", leave=False,
-                                      disable=_bar_disabled(), dynamic_ncols=True)
-        bar.set_postfix_str(p.phase + (f" ({p.stage})" if p.stage else ""), refresh=False)
-        bar.update(p.done - bar.n)
+            self.bar = tqdm(total=p.total, desc=self.desc, unit="run", leave=False, disable=_bar_disabled(),
+                            dynamic_ncols=True)
+        self.bar.set_postfix_str(p.phase + (f" ({p.stage})" if p.stage else ""), refresh=False)
+        self.bar.update(p.done - self.bar.n)
         if p.done >= p.total:
-            bar.close()
-            state["bar"] = None
+            self.close()
 
-    return update
+    def close(self) -> None:
+        """Erases the bar, if drawn."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 class PhaseTimes:

@@ -41,6 +41,17 @@ def test_the_bar_is_drawn_only_where_asked_and_bad_progress_is_refused(capfd, mo
     assert capfd.readouterr().err == ""
     with pytest.raises(TypeError, match="progress must be None, False or a callable, got int"):
         remat.profile(remat.stages_of(model), x, progress=3)
+    # A profile that stops early erases its bar all the same (tqdm's close writes the line's erasure).
+    from remat.progress import progress_bar
+    closed = []
+    original = progress_bar.close
+    monkeypatch.setattr(progress_bar, "close", lambda self: (closed.append(self.bar is not None), original(self)))
+
+    def fails(x):
+        raise RuntimeError("stage fails")
+    with pytest.raises(RuntimeError, match="stage fails"):
+        remat.profile([lambda t: t * 2, fails], x)
+    assert closed == [True]
 
 
 def test_a_planned_model_says_where_its_profile_spent_its_time():

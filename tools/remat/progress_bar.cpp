@@ -54,6 +54,7 @@ std::string progress_line(const std::string& what, int64_t done, int64_t total, 
 
 ProgressBar::ProgressBar(std::string what)
     : what_(std::move(what)),
+      enabled_(progress_bars_enabled()),
       start_(std::chrono::steady_clock::now()),
       last_(start_ - std::chrono::seconds(1)) {}
 
@@ -62,7 +63,7 @@ ProgressBar::~ProgressBar() {
 }
 
 void ProgressBar::update(int64_t done, int64_t total, const std::string& detail) {
-  if (!progress_bars_enabled()) return;
+  if (!enabled_) return;
   const auto now = std::chrono::steady_clock::now();
   if (done < total && now - last_ < std::chrono::milliseconds(100)) return;
   last_ = now;

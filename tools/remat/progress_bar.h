@@ -34,6 +34,7 @@ class ProgressBar {
 
  private:
   std::string what_;
+  bool enabled_;  // progress_bars_enabled() when the bar was made
   bool drawn_ = false;
   std::chrono::steady_clock::time_point start_, last_;
 };

@@ -177,7 +177,6 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     int64_t keep_saved = 0;
     std::vector<std::vector<double>> policy_fwd, policy_bwd;  // per policy of options.policies()
     std::vector<int64_t> policy_saved;
-    int64_t fa_alive = 0;  // what Fa's forward left alive on the device (bytes; Fa@host's reference)
     // Offloading profiled: the stage run as Fk (keep tags) and under each policy inside an Offload.
     std::optional<Away> keep_away;
     std::vector<std::optional<Away>> policy_away;
@@ -274,10 +273,10 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       sync();
       const double f = ms_since(t0);
       TORCH_CHECK(out.defined(), kWho, ": stage ", i, " ('", s.name, "') returned an undefined tensor");
+      const int64_t fa_alive = fwd_scope.active_over_base();  // Fa@host's reference below
       if (measure) {
         s.output_bytes = static_cast<int64_t>(out.nbytes());
-        per[i].fa_alive = fwd_scope.active_over_base();
-        s.saved_bytes = std::max(s.output_bytes, per[i].fa_alive);
+        s.saved_bytes = std::max(s.output_bytes, fa_alive);
         s.fwd_tmp_bytes = std::max<int64_t>(0, fwd_scope.peak_over_base() - s.saved_bytes);
       }
       const std::vector<torch::Tensor> targets = targets_of(i, leaf);
@@ -329,7 +328,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           a.freed = std::max<int64_t>(0, alive[0] - alive[1]);
           return a;
         };
-        const Away all = away(stages[i].fn, &per[i].fa_alive);
+        const Away all = away(stages[i].fn, &fa_alive);
         s.offload = offload_cost(s.saved_bytes, all.freed, all.copied, s.output_bytes);
         // Streamed (Fa@stream): the forward under an Offload that waits for each copy at once (window 0),
         // then its backward with each tensor brought back where it is used: each one's peak above the bytes

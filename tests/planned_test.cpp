@@ -769,6 +769,12 @@ TEST_F(PlannedTest, ATiedGptStaysWithinTheBudgetAndThePrediction) {
     EXPECT_LE(p.last_peak_bytes(), budget) << f << ": " << p.plan()->to_string();
     EXPECT_LE(p.last_peak_bytes(), p.predicted_peak_bytes() + p.predicted_peak_bytes() / 50)
         << f << ": " << p.plan()->to_string();
+    // The prediction holds both ways: the error each planned step reports is within 2% (issue 45).
+    ASSERT_TRUE(p.prediction_error().has_value());
+    EXPECT_DOUBLE_EQ(*p.prediction_error(), double(p.last_peak_bytes() - p.predicted_peak_bytes()) /
+                                                double(p.predicted_peak_bytes()));
+    EXPECT_LE(std::abs(*p.prediction_error()), remat::kPredictionTolerance)
+        << f << ": " << p.plan()->to_string();
   }
 }
 

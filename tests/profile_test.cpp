@@ -5,6 +5,7 @@
 #include <remat/planner/planner.h>
 #include <remat/profile.h>
 
+#include "checkpoint/region.h"
 #include "support.h"
 
 #include <chrono>
@@ -116,6 +117,37 @@ TEST_F(ProfileTest, TimesEachKindOfForwardAsItRuns) {
   EXPECT_GE(*s.checkpoint_bwd_ms, 40);  // the recompute runs with grad
   // The per-call prediction uses them: one checkpointed stage costs its two runs with grad.
   EXPECT_DOUBLE_EQ(remat::per_call_time_ms(chain, {0}), *s.checkpoint_fwd_ms + *s.checkpoint_bwd_ms);
+}
+
+// A backward that makes its parameters' gradients (none before it, as after zero_grad) peaks before the last
+// of them is made: bwd_grads_tmp_bytes is that backward's peak, measured in the same run as bwd_tmp_bytes
+// (gradients pre-allocated) from where each gradient is handed over. Checked against the backward run so.
+TEST_F(ProfileTest, MeasuresTheBackwardsPeakHadItMadeItsGradients) {
+  torch::manual_seed(5);
+  torch::nn::Sequential seq(torch::nn::Linear(64, 256), torch::nn::ReLU(), torch::nn::Linear(256, 64));
+  const torch::Tensor x = torch::randn({512, 64});
+  const remat::Chain chain = remat::profile_chain(
+      {{"mlp", [seq](const torch::Tensor& t) mutable { return seq->forward(t); }, seq.ptr()}}, x,
+      remat::ProfileOptions().warmup(0).repeats(1));
+  const remat::Stage& s = chain.stages[0];
+  ASSERT_TRUE(s.bwd_grads_tmp_bytes.has_value());
+  int64_t grads = 0;
+  for (const auto& p : seq->parameters())
+    grads += static_cast<int64_t>(p.nbytes());
+  EXPECT_GE(*s.bwd_grads_tmp_bytes, s.bwd_tmp_bytes);
+  EXPECT_LT(*s.bwd_grads_tmp_bytes, s.bwd_tmp_bytes + grads);  // the last Linear's gradient comes last
+  // The backward run with the gradients made by it, as the profiler runs it (output and d handed over).
+  for (const auto& p : seq->parameters())
+    EXPECT_FALSE(p.grad().defined());
+  torch::Tensor out = seq->forward(x);
+  torch::Tensor d = torch::ones_like(out);
+  remat::memory::PeakWindow window;
+  std::vector<torch::Tensor> targets;
+  for (const auto& p : seq->parameters())
+    targets.push_back(p);
+  remat::detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false,
+                               /*create_graph=*/false, /*accumulate=*/true);
+  EXPECT_EQ(*s.bwd_grads_tmp_bytes, window.peak_over_base());
 }
 
 TEST_F(ProfileTest, LeavesTheModelAsItWas) {

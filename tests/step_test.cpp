@@ -555,6 +555,59 @@ TEST(Step, PeakIsTheStepChainsPlusGradientsAndTheSurroundings) {
   EXPECT_EQ(remat::step_peak_bytes(chain, rest_grads, plan), expected_rest);
 }
 
+TEST(Step, AStagesBackwardIsChargedTheGradientsItMadeByItsPeakAsMeasured) {
+  // Two equal stages kept, the last one's backward making gradients: that backward is the step's peak (the
+  // first stage's holds its gradients but no longer what the last one saved). With bwd_grads_tmp_bytes
+  // measured, its own gradients count at that peak only as much as the measurement says (at most all of them,
+  // never less than none); all of them are there from the end of that backward on.
+  Chain chain = remat::uniform_chain(2, 1.0, 2.0, 1000, 50000);
+  for (remat::Stage& s : chain.stages)
+    s.bwd_tmp_bytes = 20000;
+  remat::StepContext ctx;
+  ctx.stage_grads_bytes = {0, 30000};
+  const Plan keep = remat::no_checkpoint(chain);
+  const int64_t all = remat::step_peak_bytes(chain, ctx, keep);
+  remat::StepContext none = ctx;
+  none.stage_grads_bytes = {0, 0};
+  EXPECT_EQ(remat::step_peak_bytes(chain, none, keep), all - 30000);  // the last stage's backward is the peak
+  for (const auto& [measured, charged] : std::vector<std::pair<int64_t, int64_t>>{
+           {20000 + 4000, 4000}, {20000, 0}, {10000, 0}, {20000 + 30000, 30000}, {20000 + 90000, 30000}}) {
+    Chain c = chain;
+    c.stages[1].bwd_grads_tmp_bytes = measured;
+    EXPECT_EQ(c.stages[1].grads_charge_bytes(30000), charged);
+    EXPECT_EQ(c.stages[1].grads_charge_bytes(0), 0);
+    EXPECT_EQ(remat::step_peak_bytes(c, ctx, keep), all - 30000 + charged) << measured;
+    // The per-layer program charges it the same (plan_step throws on a disagreement), and the lower figure
+    // lets it keep both stages within a budget that charging all of them refuses.
+    const remat::StepPlan p = remat::plan_step(c, ctx, all - 30000 + charged, "per-layer");
+    EXPECT_EQ(p.plan.count(OpKind::kForwardCheckpoint), 0) << p.plan.to_string();
+    EXPECT_EQ(remat::chain_from_json(remat::to_json(c)).stages[1].bwd_grads_tmp_bytes, measured);
+  }
+  Chain unset = chain;
+  EXPECT_EQ(unset.stages[1].grads_charge_bytes(30000), 30000);
+  EXPECT_FALSE(remat::chain_from_json(remat::to_json(unset)).stages[1].bwd_grads_tmp_bytes.has_value());
+  Chain bad = chain;
+  bad.stages[0].bwd_grads_tmp_bytes = -1;
+  EXPECT_THROW(remat::validate(bad), std::invalid_argument);
+}
+
+TEST(Step, APlannedStepsMeasuredPeakIsCheckedAgainstItsPrediction) {
+  const remat::PredictionCheck above = remat::check_prediction(1000, 1050, 2000);
+  EXPECT_DOUBLE_EQ(above.error, 0.05);
+  EXPECT_TRUE(above.beyond);
+  EXPECT_EQ(above.replan_budget_bytes, 1950);                      // the budget less the overshoot
+  EXPECT_FALSE(remat::check_prediction(1000, 1020, 2000).beyond);  // within 2%
+  EXPECT_TRUE(remat::check_prediction(1000, 1020, 2000, 0.01).beyond);
+  const remat::PredictionCheck below = remat::check_prediction(1000, 900, 2000);
+  EXPECT_TRUE(below.beyond);
+  EXPECT_EQ(below.replan_budget_bytes, -1);  // never planned again for more
+  EXPECT_EQ(remat::check_prediction(1000, 4000, 2000).replan_budget_bytes, 0);
+  EXPECT_THROW(remat::check_prediction(0, 1, 1), std::invalid_argument);
+  EXPECT_THROW(remat::check_prediction(1, -1, 1), std::invalid_argument);
+  EXPECT_THROW(remat::check_prediction(1, 1, 0), std::invalid_argument);
+  EXPECT_THROW(remat::check_prediction(1, 1, 1, std::nan("")), std::invalid_argument);
+}
+
 TEST(Step, PlanStepFitsTheStepAndNamesTheLeastBudget) {
   std::mt19937 rng(4711);
   for (int trial = 0; trial < 60; ++trial) {
@@ -599,7 +652,14 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
   std::mt19937 rng(97);
   int recomputing = 0;
   for (int trial = 0; trial < 80; ++trial) {
-    const Chain chain = random_policy_chain(rng, 2 + trial % 5, 1000);
+    Chain chain = random_policy_chain(rng, 2 + trial % 5, 1000);
+    // Some backwards measured with their gradients made there: peaking before the last of them (below
+    // bwd_tmp_bytes plus all), or after (above: charged all).
+    if (trial % 3 != 0) {
+      std::uniform_int_distribution<int64_t> over(0, 3000);
+      for (remat::Stage& s : chain.stages)
+        s.bwd_grads_tmp_bytes = s.bwd_tmp_bytes + over(rng);
+    }
     remat::StepContext ctx;
     ctx.input_in_base = trial % 2 == 0;
     ctx.before_saved_bytes = (trial % 3) * 7000;
@@ -1012,6 +1072,8 @@ TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {
     const int64_t n = 1 + trial % 4;
     Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
     add_random_streams(rng, chain);
+    for (remat::Stage& s : chain.stages)
+      s.bwd_grads_tmp_bytes = s.bwd_tmp_bytes + 5;  // a streamed backward is charged all its gradients still
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
     remat::PlannerOptions options;
     options.offload = true;

@@ -156,6 +156,11 @@ class PlannedImpl : public torch::nn::Module {
   /// The measured step peak above the base of the last planned step, to the end of its backward pass
   /// (bytes), or -1 before one ran.
   int64_t last_peak_bytes() const;
+  /// The last planned step's measured peak against the prediction of its plan: (last_peak_bytes() -
+  /// predicted_peak_bytes()) / predicted_peak_bytes(), above 0 when the step held more
+  /// (remat::check_prediction's error, the rule the Python package follows); nullopt before a planned step of
+  /// the last shape was measured.
+  std::optional<double> prediction_error() const;
   /// Training steps run before the plan for the last shape came into force.
   int64_t profiling_steps() const;
   /// What the profiling step measured of the rest of the step for the last shape, or nullptr.

@@ -78,7 +78,7 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         if i == len(lp.layers) - 1:
             main, _ = layer_output(out, lp.who, i, layer)
             if main.requires_grad:
-                measure_planned_step(step, shape, main)
+                measure_planned_step(step, shape, main, lambda: lp._check_prediction(shape))
         return out
     return profiling_call(lp, step, shape, i, fn, args, x)
 

@@ -85,7 +85,7 @@ def _check_hook(model: nn.Module) -> None:
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
            policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False,
            max_host_bytes=None, offload_min_bytes: int = 1 << 20, groups: bool = False,
-           replan_on_oom: bool = False) -> LayerPlan:
+           replan_on_oom: bool = False, replan_on_overshoot: bool = False) -> LayerPlan:
     """Plans `model`'s layers for `budget` and returns the LayerPlan (plan, choices, chain, predicted_peak_bytes,
     last_peak_bytes). docs/python.md has the guide.
 
@@ -93,7 +93,8 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     or a device budget: "auto" (what the GPU has free when the profiling step begins, less a margin) or "90%".
     example: one batch's keyword arguments (with labels): profile and plan now, not at the first training step.
     loss: for a model that returns no loss (BertModel), its outputs -> the loss. plan: a given per-layer plan.
-    policies, exclude, agree, offload, max_host_bytes, offload_min_bytes, groups, replan_on_oom: as remat.enable's.
+    policies, exclude, agree, offload, max_host_bytes, offload_min_bytes, groups, replan_on_oom,
+    replan_on_overshoot: as remat.enable's.
 
     Raises TypeError when the model has no layer list remat knows, ValueError for a bad budget or plan, and
     remat.InfeasibleBudget (naming the least feasible budget) when no plan fits."""
@@ -103,7 +104,7 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
                    offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom,
-                   who="remat.hf.enable")
+                   replan_on_overshoot=replan_on_overshoot, who="remat.hf.enable")
 
     type(model)._set_gradient_checkpointing(model, enable=True, gradient_checkpointing_func=_Checkpointing(lp))
     model._remat_layer_plan = lp

@@ -18,6 +18,7 @@ what runs before and after them, and the gradients the step allocates are inside
 from __future__ import annotations
 
 import gc
+import warnings
 from functools import partial
 from typing import Callable, Sequence
 
@@ -50,11 +51,15 @@ class LayerPlan:
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
                  policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
                  offload: bool = False, max_host_bytes=None, offload_min_bytes: int = 1 << 20,
-                 groups: bool = False, replan_on_oom: bool = False, who: str = "remat.enable"):
+                 groups: bool = False, replan_on_oom: bool = False, replan_on_overshoot: bool = False,
+                 who: str = "remat.enable"):
         self.who = who
         if replan_on_oom not in (True, False):
             raise ValueError(f"{who}: replan_on_oom must be True or False, got {replan_on_oom!r}")
         self.replan_on_oom = replan_on_oom
+        if replan_on_overshoot not in (True, False):
+            raise ValueError(f"{who}: replan_on_overshoot must be True or False, got {replan_on_overshoot!r}")
+        self.replan_on_overshoot = replan_on_overshoot
         if groups not in (True, False):
             raise ValueError(f"{who}: groups must be True or False, got {groups!r}")
         self.groups = groups
@@ -193,6 +198,15 @@ class LayerPlan:
     @property
     def last_peak_bytes(self) -> int:
         return self._last.last_peak if self._last else -1
+
+    @property
+    def prediction_error(self) -> float | None:
+        """The last planned step's measured peak against the plan's prediction: (last_peak_bytes -
+        predicted_peak_bytes) / predicted_peak_bytes, above 0 when the step held more (a share; None before a
+        planned step of the last input shape was measured). Beyond remat.PREDICTION_TOLERANCE (2%) either way,
+        a warning says so once per input shape; with replan_on_overshoot=True a step that held more plans again
+        (see enable)."""
+        return self._last.prediction_error if self._last else None
 
     @property
     def min_budget_bytes(self) -> int:
@@ -367,11 +381,52 @@ class LayerPlan:
         shape.context = ctx
         self._plan_from(shape, ctx)
 
+    def _check_prediction(self, shape: Shape) -> None:
+        """The end of a planned step's backward pass: its measured peak checked against the prediction (the
+        planner library's rule, which remat::Planned follows too), a warning when beyond the tolerance, and
+        with replan_on_overshoot a new plan for the budget less the overshoot (once per input shape, so never
+        in a loop; a budget only goes down)."""
+        if shape.predicted <= 0 or shape.last_peak < 0 or self._fixed is not None:
+            return
+        budget = self.budget_bytes
+        check = _core.check_prediction(shape.predicted, shape.last_peak, max(budget, 1))
+        shape.prediction_error = check.error
+        if not check.beyond or shape.replanned:
+            return
+        f = _core.format_bytes
+        words = (f"{self.who}: the planned step held {f(shape.last_peak)} ({shape.last_peak} bytes) above its base, "
+                 f"{abs(check.error):.1%} {'above' if check.error > 0 else 'below'} the plan's prediction of "
+                 f"{f(shape.predicted)} (tolerance {_core.PREDICTION_TOLERANCE:.0%}; plan {shape.plan})")
+        if check.error < 0:
+            words += ("; the plan recomputes more than the budget needs (a step that held less is not planned "
+                      "again for more: nothing measured says a faster plan would fit)")
+        elif not self.replan_on_overshoot:
+            words += (f", budget {f(budget)}; replan_on_overshoot=True plans again for the budget less the "
+                      "overshoot")
+        else:
+            shape.replanned = True
+            lowered = budget - check.replan_budget_bytes
+            shape.lowered += lowered
+            try:
+                self._plan_from(shape, shape.context)
+                words += (f"; replan_on_overshoot: planned again below the budget by {f(lowered)}: the next step "
+                          f"runs the plan {shape.plan}, predicted {f(shape.predicted)}")
+            except _core.InfeasibleBudget as e:
+                shape.lowered -= lowered
+                shape.error = None
+                self._plan_from(shape, shape.context)  # the plan that ran, as before
+                words += (f"; replan_on_overshoot: no plan fits below the budget by {f(lowered)} (the least "
+                          f"feasible budget is {f(e.min_bytes)}); the plan is unchanged")
+        shape.replanned = True  # warned (and planned again) once per input shape
+        warnings.warn(words, RuntimeWarning, stacklevel=2)
+
     def _plan_from(self, shape: Shape, ctx):
         chain = shape.chain
         budget = self.budget
         if self.fit is not None:
             budget = shape.budget = fit.fitted_budget(shape.room, self.fit)  # 0 when the margin takes all: refused
+        # Below it by what a step measured above its prediction took (replan_on_overshoot).
+        budget -= shape.lowered
         try:
             # Where the model refuses a budget that the profiling step's measured schedule (every layer
             # checkpointed) fits, plan_step falls back to that schedule (ctx.checkpoint_all_peak_bytes).
@@ -410,7 +465,8 @@ class LayerPlan:
 
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
-           offload_min_bytes: int = 1 << 20, groups: bool = False, replan_on_oom: bool = False) -> LayerPlan:
+           offload_min_bytes: int = 1 << 20, groups: bool = False, replan_on_oom: bool = False,
+           replan_on_overshoot: bool = False) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
     as the first positional argument) per layer as planned: for `budget` (bytes, a string such as "300MiB", or a
     device budget, "auto" or "90%": that share of what the CUDA device has free when the profiling step begins,
@@ -440,10 +496,16 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     replan_on_oom=True: an out-of-memory error in a planned step lowers the budget to the one that would have fit
     and plans again, so that the next step runs (remat.oom; the error's note says what was done). Off by
     default: either way the error carries remat's words (the plan, its predicted peak against the budget, what
-    the allocator reserved, the budget that would have fit)."""
+    the allocator reserved, the budget that would have fit).
+    replan_on_overshoot=True: a planned step whose measured peak is above the plan's prediction by more than
+    remat.PREDICTION_TOLERANCE (2%) plans again for the budget less the overshoot, so that the next plan, held
+    above its prediction as much, stays within the budget; once per input shape (a step that held less is
+    reported, not planned again for more). Off by default: either way LayerPlan.prediction_error reports the
+    last step's error, and a warning says when it is beyond the tolerance."""
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
-                   offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom)
+                   offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom,
+                   replan_on_overshoot=replan_on_overshoot)
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()

@@ -94,6 +94,9 @@ class Shape:
         self.points: tuple[list, list] | None = None  # the plan's offload schedule per layer (layer_points)
         self.predicted = -1
         self.last_peak = -1
+        self.prediction_error: float | None = None  # the last planned step's (_core.check_prediction's error)
+        self.replanned = False  # planned again for a step that held more than predicted (once per shape)
+        self.lowered = 0  # what that took off the budget (bytes): every plan for this shape is made below it
         self.profiling_steps = 0
         self.profiling_time: dict[str, float] = {}  # where its profile's time went: seconds by phase
         self.rest_retimed = 0  # planned steps that took the rest's time again (the first RETIMED_STEPS do)
@@ -177,14 +180,17 @@ def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor):
+def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor, measured: Callable[[], None] = None):
     """Measures a planned step from its last layer's output `out` on: its peak (shape.last_peak, at the end
-    of its backward pass), and on the first planned steps the rest of the step's time again."""
+    of its backward pass, then measured() is called), and on the first planned steps the rest of the step's
+    time again."""
     def at_end():
         step.note_peak()
         shape.last_peak = step.true_peak - step.base
         step.finish()
         oom.over()  # the planned step is over: an error after it is not the plan's
+        if measured is not None:
+            measured()
 
     def hook(g):
         queue_at_backward_end(at_end)

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
-from .meter import meter_for
+from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
 from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
@@ -104,6 +104,47 @@ class Restore:
         self.buffers.__exit__(*exc)
         self.rng.restore()
         return False
+
+
+class _GradsPeak:
+    """While a stage's backward runs with its parameters' gradients pre-allocated (_ZeroGrads): the peak it would
+    have reached had it made those gradients (none before it, as after zero_grad(set_to_none=True)), above
+    `before` (bytes). Each parameter's gradient is handed to its hook before it is accumulated; made, it would
+    stay alive from then on where accumulated it is freed. So the count that backward would read is this one
+    plus the gradients handed over so far, and its peak the most, over the stretches between hooks, of each
+    stretch's peak plus what had been handed over before it."""
+
+    def __init__(self, meter, params, before: int):
+        self.meter, self.params, self.before = meter, params, before
+        self.made = 0  # the bytes of the gradients handed over so far
+        self.most = 0
+        self.window = None
+        self.handles = []
+
+    def _hook(self, g, nbytes):
+        self._close_stretch()
+        self.made += nbytes
+        return None
+
+    def _close_stretch(self):
+        self.most = max(self.most, self.window.peak() - self.before + self.made)
+        self.window.restart()
+
+    def __enter__(self):
+        self.window = self.meter.window().__enter__()
+        self.handles = [p.register_hook(lambda g, n=p.nbytes: self._hook(g, n)) for p in self.params]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self._close_stretch()
+        self.window.__exit__(*exc)
+        return False
+
+    def peak(self) -> int:
+        return self.most
 
 
 class _ZeroGrads:
@@ -443,20 +484,24 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
 
     contexts = [contexts_of(i) for i in range(n)]
 
-    def timed_backward(out, targets, i):
+    def timed_backward(out, targets, i, grads_peak=False):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive
-        before it (d included), less its input's gradient."""
+        before it (d included), and with `grads_peak` (else None) that peak had the backward made its
+        parameters' gradients (_GradsPeak)."""
         with _ZeroGrads(params[i]):
             d = torch.ones_like(out)
             sync()
             before = meter.count()
-            with meter.window() as window:
+            window = meter.window()
+            # Windows nest on remat's meters only (not on the CUDA allocator's statistic it falls back to).
+            grads_peak = grads_peak and isinstance(window, PeakWindow)
+            with window, (_GradsPeak(meter, params[i], before) if grads_peak else contextlib.nullcontext()) as made:
                 t0 = time.perf_counter()
                 torch.autograd.backward(out, d, inputs=targets)
                 sync()
                 ms = (time.perf_counter() - t0) * 1e3
                 peak = window.peak() - before
-        return ms, peak
+        return ms, peak, made.peak() if made is not None else None
 
     with Restore(modules, device), contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
@@ -512,11 +557,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     targets = targets_of(i, leaf)
                     b = 0.0
                     if out.requires_grad and targets:
-                        b, peak = timed_backward(out, targets, i)
+                        b, peak, grads_peak = timed_backward(out, targets, i, grads_peak=measure)
                         if measure:
                             d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
                             # above what was alive before it: the input, what the stage saved, its output and d
                             fields[i]["btmp"] = max(0, peak - d_in)
+                            if grads_peak is not None:
+                                fields[i]["bgtmp"] = max(0, grads_peak - d_in)
                     if keep:
                         fields[i]["fwd"].append(f)
                         fields[i]["bwd"].append(b)
@@ -612,6 +659,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.saved_bytes = f["saved"]
         s.fwd_tmp_bytes = f["ftmp"]
         s.bwd_tmp_bytes = f["btmp"]
+        if "bgtmp" in f:
+            s.bwd_grads_tmp_bytes = f["bgtmp"]
         s.fwd_ms = _median(f["fwd"])
         s.bwd_ms = _median(f["bwd"])
         s.fwd_nosave_ms = _median(f["nosave"])

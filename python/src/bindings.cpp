@@ -16,8 +16,8 @@
 #include <remat/planner/planner.h>
 #include <remat/planner/report.h>
 #include <remat/planner/step.h>
-#include <remat/planner/timeline.h>
 #include <remat/planner/strategy.h>
+#include <remat/planner/timeline.h>
 #include <remat/planner/units.h>
 
 #include <string>
@@ -130,6 +130,10 @@ NB_MODULE(_core, m) {
       .def_rw("saved_bytes", &remat::Stage::saved_bytes, "alive after running it with grad: output + saved")
       .def_rw("fwd_tmp_bytes", &remat::Stage::fwd_tmp_bytes, "transient peak above that in its forward")
       .def_rw("bwd_tmp_bytes", &remat::Stage::bwd_tmp_bytes, "transient peak in its backward")
+      .def_rw(
+          "bwd_grads_tmp_bytes", &remat::Stage::bwd_grads_tmp_bytes,
+          "that peak when the backward makes the parameters' gradients, those made by then counted (None: "
+          "not measured)")
       .def_rw("fwd_nosave_ms", &remat::Stage::fwd_nosave_ms, "forward under no-grad (ms), or None")
       .def_rw("checkpoint_fwd_ms", &remat::Stage::checkpoint_fwd_ms, "forward checkpointed per call (ms)")
       .def_rw("checkpoint_bwd_ms", &remat::Stage::checkpoint_bwd_ms, "recompute + backward per call (ms)")
@@ -514,6 +518,14 @@ NB_MODULE(_core, m) {
       .def_rw("reserved_bytes", &remat::OutOfMemory::reserved_bytes)
       .def_rw("allocated_bytes", &remat::OutOfMemory::allocated_bytes);
   m.def("budget_that_would_fit", &remat::budget_that_would_fit, "oom"_a);
+  nb::class_<remat::PredictionCheck>(m, "PredictionCheck")
+      .def_ro("error", &remat::PredictionCheck::error, "(measured - predicted) / predicted")
+      .def_ro("beyond", &remat::PredictionCheck::beyond, "|error| > the tolerance")
+      .def_ro("replan_budget_bytes", &remat::PredictionCheck::replan_budget_bytes,
+              "the budget to plan again for, or -1");
+  m.attr("PREDICTION_TOLERANCE") = remat::kPredictionTolerance;
+  m.def("check_prediction", &remat::check_prediction, "predicted_bytes"_a, "measured_bytes"_a,
+        "budget_bytes"_a, "tolerance"_a = remat::kPredictionTolerance);
   m.def("describe_out_of_memory", &remat::describe_out_of_memory, "oom"_a, "last"_a = "");
   m.def(
       "step_timeline_json",

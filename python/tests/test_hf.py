@@ -454,10 +454,14 @@ def test_compiled_layers_run_a_given_plan_with_a_policy(meter):
     assert got[1][2] < kept[2]
 
 
-def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(meter):
-    # Under autocast a checkpointed layer runs with autocast's weight cache off (its recompute too), so that it
-    # does not hold its weights' bf16 copies until the autocast region ends, which the per-layer model does not
-    # charge (each checkpointed layer's bf16 weights above the prediction before, measured).
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+def test_predictions_hold_within_two_percent_in_fp32_and_cpu_bf16_autocast(amp, meter):
+    # Issue 45: a Llama planned between Hugging Face's per-layer peak and the plain peak came in 2.6-6.9% below
+    # its predictions, which charged each layer's backward with all its parameters' gradients at its peak;
+    # gradients made by the step (zero_grad(set_to_none=True), as a Trainer does) arrive as the backward goes,
+    # and its peak comes before the last of them (Stage::bwd_grads_tmp_bytes, measured). Under autocast a
+    # checkpointed layer runs with autocast's weight cache off (its recompute too), so that it does not hold its
+    # weights' bf16 copies until the autocast region ends. Every step is the plain run's, bitwise.
     def make_llama():
         torch.manual_seed(0)
         m, _ = llama(hidden=128)
@@ -467,7 +471,7 @@ def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(mete
     spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
 
     def run(model, k):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
             return step(model, spec, k, meter)
 
     plain_model = make_llama()
@@ -477,22 +481,27 @@ def test_cpu_bf16_autocast_every_step_is_the_plain_run_and_the_budget_holds(mete
     hf_peak = run(hf_model, 1)[2]
     del plain_model, hf_model
     gc.collect()
+    model = make_llama()
+    lp = remat.hf.enable(model, budget=plain[1][2])
+    same(plain[0], run(model, 0))
+    assert lp.prediction_error is None
+    # The floor is at most the peak of the one switch remat replaces.
+    assert lp.min_budget_bytes <= hf_peak, (lp.min_budget_bytes, hf_peak)
+    # Each layer's backward peaks before its last gradient is made: measured above the peak with the gradients
+    # already there, below that plus all of them.
+    for st, grads in zip(lp.chain.stages, lp.context.stage_grads_bytes):
+        assert st.bwd_tmp_bytes <= st.bwd_grads_tmp_bytes < st.bwd_tmp_bytes + grads, (st.bwd_tmp_bytes, grads)
     for where in (0.2, 0.6):
         budget = int(hf_peak + where * (plain[1][2] - hf_peak))
-        model = lp = None
-        gc.collect()  # the last model's cycles freed now, not inside a measured step (which lowers its peak)
-        model = make_llama()
-        lp = remat.hf.enable(model, budget=budget)
-        runs = [run(model, k) for k in range(3)]
-        for k in range(3):
-            same(plain[k], runs[k])
-        predicted = lp.predicted_peak_bytes
+        lp.set_budget(budget)
         assert "checkpoint" in lp.choices or "matmuls" in lp.choices, lp.choices
+        runs = [run(model, k) for k in (1, 2)]
         for k in (1, 2):
-            assert runs[k][2] <= budget + TOLERANCE * predicted, (lp.choices, runs[k][2], predicted, budget)
-            assert runs[k][2] <= predicted * 1.02, (lp.choices, runs[k][2], predicted)
-        # The floor is at most the peak of the one switch remat replaces.
-        assert lp.min_budget_bytes <= hf_peak, (lp.min_budget_bytes, hf_peak)
+            same(plain[k], runs[k - 1])
+        predicted, measured = lp.predicted_peak_bytes, runs[1][2]
+        assert measured <= budget, (lp.choices, measured, budget)
+        assert abs(measured - predicted) <= 0.02 * predicted, (lp.choices, measured, predicted)
+        assert lp.last_peak_bytes == measured and lp.prediction_error == pytest.approx(measured / predicted - 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------

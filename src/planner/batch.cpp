@@ -88,6 +88,10 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.saved_bytes = std::max(s.output_bytes, line.bytes(sa.saved_bytes, sb.saved_bytes));
     s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
     s.bwd_tmp_bytes = line.bytes(sa.bwd_tmp_bytes, sb.bwd_tmp_bytes);
+    if (sa.bwd_grads_tmp_bytes && sb.bwd_grads_tmp_bytes)
+      s.bwd_grads_tmp_bytes = line.bytes(*sa.bwd_grads_tmp_bytes, *sb.bwd_grads_tmp_bytes);
+    else
+      s.bwd_grads_tmp_bytes.reset();
     if (sa.has_keep() && sb.has_keep()) {
       s.keep_fwd_ms = line.ms(sa.keep_fwd_ms, sb.keep_fwd_ms);
       s.keep_bwd_ms = line.ms(sa.keep_bwd_ms, sb.keep_bwd_ms);

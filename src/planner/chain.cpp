@@ -120,6 +120,10 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "saved_bytes", s.saved_bytes);
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
+    if (s.bwd_grads_tmp_bytes) {
+      check_bytes(chain, i, "bwd_grads_tmp_bytes", *s.bwd_grads_tmp_bytes);
+      add_bytes(total, *s.bwd_grads_tmp_bytes, stage_label(chain, i));
+    }
     const int keep_fields =
         s.keep_saved_bytes.has_value() + s.keep_fwd_ms.has_value() + s.keep_bwd_ms.has_value();
     if (keep_fields != 0 && keep_fields != 3) {
@@ -249,6 +253,7 @@ std::string to_json(const Chain& chain) {
     js["saved_bytes"] = s.saved_bytes;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
+    if (s.bwd_grads_tmp_bytes) js["bwd_grads_tmp_bytes"] = *s.bwd_grads_tmp_bytes;
     if (s.fwd_nosave_ms) js["fwd_nosave_ms"] = *s.fwd_nosave_ms;
     if (s.checkpoint_fwd_ms) js["checkpoint_fwd_ms"] = *s.checkpoint_fwd_ms;
     if (s.checkpoint_bwd_ms) js["checkpoint_bwd_ms"] = *s.checkpoint_bwd_ms;
@@ -380,6 +385,8 @@ Chain chain_from_json(const std::string& text) {
     s.saved_bytes = required<int64_t>(js, "saved_bytes", where);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
     s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
+    if (js.contains("bwd_grads_tmp_bytes"))
+      s.bwd_grads_tmp_bytes = required<int64_t>(js, "bwd_grads_tmp_bytes", where);
     for (auto [key, field] :
          {std::pair<const char*, std::optional<double>*>{"fwd_nosave_ms", &s.fwd_nosave_ms},
           {"checkpoint_fwd_ms", &s.checkpoint_fwd_ms},

@@ -5,8 +5,8 @@
 
 #include "remat/planner/figures.h"
 
-// The figures a plan depends on, for agreeing across processes (remat/planner/step.h, PlanFigures): one walk over a
-// chain and its step context, used both to collect the figures and to write them back, so that the two
+// The figures a plan depends on, for agreeing across processes (remat/planner/step.h, PlanFigures): one walk
+// over a chain and its step context, used both to collect the figures and to write them back, so that the two
 // directions cannot fall out of step.
 
 namespace remat {
@@ -98,6 +98,7 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(s.saved_bytes);
     v.bytes(s.fwd_tmp_bytes);
     v.bytes(s.bwd_tmp_bytes);
+    v.opt_bytes(s.bwd_grads_tmp_bytes);
     v.opt_ms(s.fwd_nosave_ms);
     v.opt_ms(s.checkpoint_fwd_ms);
     v.opt_ms(s.checkpoint_bwd_ms);

@@ -16,8 +16,8 @@
 // without a selective policy) and remat::checkpoint per layer offer, chosen for the least time within a
 // budget by an exact dynamic program over Pareto frontiers.
 //
-// The peak of such a plan, in the model of remat/planner/plan.h, with R_j = a_0 + the bytes held by stages 0..j-1
-// (abar, what an Fk variant keeps, or a plain a_{j+1} for a checkpointed stage), is the largest of
+// The peak of such a plan, in the model of remat/planner/plan.h, with R_j = a_0 + the bytes held by stages
+// 0..j-1 (abar, what an Fk variant keeps, or a plain a_{j+1} for a checkpointed stage), is the largest of
 //   R_j + held_j + fwd_tmp_j                                         stage j's forward
 //   R_j + a_{j+1} + abar_{j+1} + max(a_j + bwd_tmp_j, fwd_tmp_j if j is checkpointed, else 0)
 //                                                                    its recompute and backward (d_{j+1}
@@ -140,15 +140,19 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
 // (those after it only).
 struct StepTerms {
   std::vector<char> all_only;
-  std::vector<int64_t> at_backward, at_recompute;
+  std::vector<int64_t> at_recompute;
+  std::vector<int64_t> own;  // per stage, the gradients its own backward makes
 };
 
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
 int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
-  const int64_t at_bwd = step ? step->at_backward[static_cast<size_t>(j)] : 0;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
+  // Its own gradients at its backward's peak: as measured with them made there (Stage::grads_charge_bytes),
+  // or all of them for a streamed backward, whose peak comes elsewhere.
+  const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
+  const int64_t at_bwd = at_rec + (c.stream ? own : s.grads_charge_bytes(own));
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with a window beside it; the backward's above what
     // the stage keeps on the device (its output included) and the gradient it is handed.
@@ -414,13 +418,14 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   StepTerms t;
   t.all_only.assign(n + 2, 0);
   t.all_only.front() = t.all_only.back() = 1;
-  t.at_backward.assign(n + 2, 0);
   t.at_recompute.assign(n + 2, 0);
+  t.own.assign(n + 2, 0);
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
-    const int64_t own = (s >= 1 && !context.stage_grads_bytes.empty()) ? context.stage_grads_bytes[s - 1] : 0;
+    const int64_t own =
+        (s >= 1 && s <= n && !context.stage_grads_bytes.empty()) ? context.stage_grads_bytes[s - 1] : 0;
     t.at_recompute[s] = after;
-    t.at_backward[s] = after + own;
+    t.own[s] = own;
     after += own;
   }
   return t;

@@ -1,6 +1,7 @@
 #include "remat/planner/step.h"
 
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <stdexcept>
 
@@ -114,6 +115,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
                                    const Simulation& sim) {
   const int64_t n = chain.size();
   std::vector<int64_t> peaks(ops.ops.size());
+  // Step stages whose last forward streams them: their backward's peak is not where Fa's is.
+  std::vector<char> streamed(static_cast<size_t>(n) + 2, 0);
+  for (const Op& op : ops.ops)
+    if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 0 && op.stage <= n + 1)
+      streamed[static_cast<size_t>(op.stage)] = op.stream;
   int64_t arrived = 0;
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
@@ -124,9 +130,20 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       rest_done = false;
     }
     if (op.kind == OpKind::kBackward && op.stage == n + 1) rest_done = true;
-    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n && !context.stage_grads_bytes.empty())
-      arrived += context.stage_grads_bytes[static_cast<size_t>(op.stage - 1)];
-    peaks[k] = sim.op_peak_bytes[k] + arrived - (context.input_in_base ? chain.input_bytes : int64_t{0});
+    // A stage's backward adds its own gradients: at its peak, as measured with them made there
+    // (Stage::grads_charge_bytes; all of them for a streamed backward, whose peak comes elsewhere), and all
+    // of them once it is done.
+    int64_t made = 0, at_peak = 0;
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
+        !context.stage_grads_bytes.empty()) {
+      made = context.stage_grads_bytes[static_cast<size_t>(op.stage - 1)];
+      at_peak = streamed[static_cast<size_t>(op.stage)]
+                    ? made
+                    : chain.stages[static_cast<size_t>(op.stage - 1)].grads_charge_bytes(made);
+    }
+    peaks[k] =
+        sim.op_peak_bytes[k] + arrived + at_peak - (context.input_in_base ? chain.input_bytes : int64_t{0});
+    arrived += made;
   }
   return peaks;
 }
@@ -235,6 +252,22 @@ int64_t min_step_budget(const Chain& chain, const StepContext& context, const st
              : step_peak_bytes(chain, context, optimal(chain, min_feasible_budget(chain, options), options));
   // plan_step() accepts the measured every-stage-checkpointed peak too.
   return context.checkpoint_all_peak_bytes >= 0 ? std::min(model, context.checkpoint_all_peak_bytes) : model;
+}
+
+PredictionCheck check_prediction(int64_t predicted_bytes, int64_t measured_bytes, int64_t budget_bytes,
+                                 double tolerance) {
+  auto bad = [](const std::string& what) { throw std::invalid_argument("remat::check_prediction: " + what); };
+  if (predicted_bytes <= 0) bad("the prediction must be > 0 bytes, got " + std::to_string(predicted_bytes));
+  if (measured_bytes < 0) bad("the measured peak must be >= 0 bytes, got " + std::to_string(measured_bytes));
+  if (budget_bytes <= 0) bad("the budget must be > 0 bytes, got " + std::to_string(budget_bytes));
+  if (!(tolerance >= 0) || !std::isfinite(tolerance))
+    bad("the tolerance must be a finite share >= 0, got " + std::to_string(tolerance));
+  PredictionCheck c;
+  c.error = double(measured_bytes - predicted_bytes) / double(predicted_bytes);
+  c.beyond = std::abs(c.error) > tolerance;
+  if (c.beyond && measured_bytes > predicted_bytes)
+    c.replan_budget_bytes = std::max<int64_t>(0, budget_bytes - (measured_bytes - predicted_bytes));
+  return c;
 }
 
 }  // namespace remat

@@ -20,8 +20,8 @@
 namespace remat {
 
 /// What offloading a stage run one way moves to host memory (the stage's "@host" operations in a plan; see
-/// remat/planner/plan.h): measured by the profiler under the offloading hooks, for one way of running the stage (Fa,
-/// Fk, Fk[name] or Fc).
+/// remat/planner/plan.h): measured by the profiler under the offloading hooks, for one way of running the
+/// stage (Fa, Fk, Fk[name] or Fc).
 struct OffloadCost {
   /// The bytes its saved tensors free on the device once copied to the host, besides its input and output
   /// (>= 0; at most what that way keeps beyond the output; 0 for Fc, which keeps only its input).
@@ -85,6 +85,12 @@ struct Stage {
   int64_t fwd_tmp_bytes = 0;  ///< transient peak above that during its forward (bytes)
   int64_t bwd_tmp_bytes =
       0;  ///< transient peak during its backward, above its inputs, outputs and d_i (bytes)
+  /// The same peak when that backward makes the stage's parameter gradients (none before it, as after
+  /// zero_grad(set_to_none) in a training step), the gradients made by then counted (bytes, >= 0). A
+  /// backward's peak comes before the last of its gradients is made, so this is less than bwd_tmp_bytes plus
+  /// all of them. Unset: that sum. Used where the step's context says the stage's gradients are made by its
+  /// backward (StepContext::stage_grads_bytes), never above that sum (see grads_charge_bytes()).
+  std::optional<int64_t> bwd_grads_tmp_bytes;
   /// The forward without saving for backward, as the plan executor runs Fn and Fc (under no-grad;
   /// milliseconds). Unset: fwd_ms (fwd_ms is then the cost of every forward, as before these fields).
   std::optional<double> fwd_nosave_ms;
@@ -94,11 +100,11 @@ struct Stage {
   /// The stage's backward under remat::checkpoint: its recompute (early stopping included) plus its
   /// backward (milliseconds). Unset: fwd_ms + bwd_ms.
   std::optional<double> checkpoint_bwd_ms;
-  /// The stage run by Fk (remat/planner/plan.h): under remat::checkpoint with CheckpointOptions::keep(Chain::keep),
-  /// so that it keeps only the outputs of its kept calls (its matrix multiplications). keep_saved_bytes is
-  /// what that leaves alive (its output plus the kept outputs; bytes, between output_bytes and
-  /// saved_bytes), keep_fwd_ms its forward, keep_bwd_ms its recompute of the rest plus its backward
-  /// (milliseconds). All three set, or none: a stage without them has no Fk.
+  /// The stage run by Fk (remat/planner/plan.h): under remat::checkpoint with
+  /// CheckpointOptions::keep(Chain::keep), so that it keeps only the outputs of its kept calls (its matrix
+  /// multiplications). keep_saved_bytes is what that leaves alive (its output plus the kept outputs; bytes,
+  /// between output_bytes and saved_bytes), keep_fwd_ms its forward, keep_bwd_ms its recompute of the rest
+  /// plus its backward (milliseconds). All three set, or none: a stage without them has no Fk.
   std::optional<int64_t> keep_saved_bytes;
   std::optional<double> keep_fwd_ms;  ///< see keep_saved_bytes
   std::optional<double> keep_bwd_ms;  ///< see keep_saved_bytes
@@ -124,6 +130,15 @@ struct Stage {
   double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
   /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).
   double per_call_bwd_ms() const { return checkpoint_bwd_ms ? *checkpoint_bwd_ms : fwd_ms + bwd_ms; }
+  /// What the gradients its backward makes (`grads_bytes` of them, >= 0) add to that backward's peak above
+  /// bwd_tmp_bytes (bytes): bwd_grads_tmp_bytes - bwd_tmp_bytes where measured, within [0, grads_bytes];
+  /// grads_bytes otherwise, and 0 for none.
+  int64_t grads_charge_bytes(int64_t grads_bytes) const {
+    if (grads_bytes <= 0) return 0;
+    if (!bwd_grads_tmp_bytes) return grads_bytes;
+    const int64_t over = *bwd_grads_tmp_bytes - bwd_tmp_bytes;
+    return over < 0 ? 0 : (over < grads_bytes ? over : grads_bytes);
+  }
 };
 
 /// The most groups a stage may have (a group assignment is one of 3^groups).

@@ -141,6 +141,27 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
 int64_t min_step_budget(const Chain& chain, const StepContext& context,
                         const std::string& planner = "optimal", const PlannerOptions& options = {});
 
+/// The tolerance of check_prediction() by default: 2% of the prediction.
+inline constexpr double kPredictionTolerance = 0.02;
+
+/// A planned step's measured peak against its prediction, and what a runtime does about it (the rule both
+/// use: remat::Planned and the Python package's LayerPlan).
+struct PredictionCheck {
+  double error = 0;  ///< (measured - predicted) / predicted: above 0 when the step held more than predicted
+  bool beyond = false;  ///< |error| > the tolerance
+  /// When the step held more than predicted beyond the tolerance: the budget to plan again for, the budget
+  /// less the overshoot (measured - predicted; bytes, 0 when the overshoot takes it all), so that the next
+  /// plan, held above its own prediction as much, stays within the budget. -1 otherwise: a step that held
+  /// less is not planned again for more, since nothing measured says a faster plan would fit.
+  int64_t replan_budget_bytes = -1;
+};
+
+/// Checks a planned step's measured peak (`measured_bytes`, >= 0) against its prediction (`predicted_bytes`,
+/// > 0) under `budget_bytes` (> 0), with `tolerance` a share of the prediction (finite, >= 0). Throws
+/// std::invalid_argument naming remat::check_prediction and the value otherwise.
+PredictionCheck check_prediction(int64_t predicted_bytes, int64_t measured_bytes, int64_t budget_bytes,
+                                 double tolerance = kPredictionTolerance);
+
 }  // namespace remat
 
 // plan_figures() and set_plan_figures(), declared here before they had a header of their own.

@@ -384,6 +384,10 @@ int64_t PlannedImpl::predicted_peak_bytes() const {
 int64_t PlannedImpl::last_peak_bytes() const {
   return last_ ? *last_->last_peak : -1;
 }
+std::optional<double> PlannedImpl::prediction_error() const {
+  if (!last_ || last_->predicted <= 0 || *last_->last_peak < 0) return std::nullopt;
+  return check_prediction(last_->predicted, *last_->last_peak, std::max<int64_t>(1, budget_bytes())).error;
+}
 int64_t PlannedImpl::profiling_steps() const {
   return last_ ? last_->steps_before_plan : 0;
 }

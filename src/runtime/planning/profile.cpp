@@ -212,17 +212,48 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
 
   // A stage's backward from `out` with d_{i+1} = ones, as the executor runs it: the output and d handed over
   // by move, so that each is freed once the nodes that need it are done. Returns its time; *peak gets its
-  // peak above what was alive before it (d included).
-  auto timed_backward = [&](torch::Tensor out, const std::vector<torch::Tensor>& targets, int64_t* peak) {
+  // peak above what was alive before it (d included), and *grads_peak the peak it would have reached had it
+  // made the gradients of `params` (pre-allocated here; Stage::bwd_grads_tmp_bytes). Each parameter's
+  // gradient is handed to its hook before it is accumulated; made, it would stay alive from then on where
+  // accumulated it is freed. So that backward's count is this one plus the gradients handed over so far, and
+  // its peak the most, over the stretches between hooks, of each stretch's peak plus what was handed over
+  // before it.
+  auto timed_backward = [&](torch::Tensor out, const std::vector<torch::Tensor>& targets, int64_t* peak,
+                            const std::vector<torch::Tensor>* params = nullptr,
+                            int64_t* grads_peak = nullptr) {
     torch::Tensor d = torch::ones_like(out);
     sync();
     memory::PeakWindow scope(device);
+    std::optional<memory::PeakWindow> stretch;
+    int64_t made = 0, most = 0;
+    std::vector<std::pair<torch::Tensor, unsigned>> hooks;
+    if (grads_peak) {
+      stretch.emplace(device);
+      for (const torch::Tensor& p : *params) {
+        const int64_t nbytes = static_cast<int64_t>(p.nbytes());
+        hooks.emplace_back(p, p.register_hook([&, nbytes](const torch::Tensor&) {
+          most = std::max(most, stretch->peak_over_base() + made);
+          stretch->restart();
+          made += nbytes;
+        }));
+      }
+    }
     const auto t0 = Clock::now();
-    detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
-                          /*accumulate=*/true);
+    try {
+      detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false,
+                            /*create_graph=*/false,
+                            /*accumulate=*/true);
+    } catch (...) {
+      for (auto& [p, h] : hooks)
+        p.remove_hook(h);
+      throw;
+    }
     sync();
     const double ms = ms_since(t0);
+    for (auto& [p, h] : hooks)
+      p.remove_hook(h);
     if (peak) *peak = scope.peak_over_base();
+    if (grads_peak) *grads_peak = std::max(most, stretch->peak_over_base() + made);
     return ms;
   };
 
@@ -282,12 +313,13 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       const std::vector<torch::Tensor> targets = targets_of(i, leaf);
       double b = 0;
       if (out.requires_grad() && !targets.empty()) {
-        int64_t peak = 0;
-        b = timed_backward(std::move(out), targets, &peak);
+        int64_t peak = 0, grads_peak = 0;
+        b = timed_backward(std::move(out), targets, &peak, &per[i].params, measure ? &grads_peak : nullptr);
         if (measure) {
           const int64_t d_in =
               per[i].input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
           s.bwd_tmp_bytes = std::max<int64_t>(0, peak - d_in);
+          s.bwd_grads_tmp_bytes = std::max<int64_t>(0, grads_peak - d_in);
         }
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);

@@ -13,7 +13,9 @@
 /// are not counted, they are alive anyway); fwd_tmp_bytes is the peak above that during the forward;
 /// bwd_tmp_bytes is the peak during its backward above its input, saved tensors, output gradient and input
 /// gradient (the parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first
-/// step). Times are medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages
+/// step), and bwd_grads_tmp_bytes, from the same run, the peak it would have reached had it made those
+/// gradients (.grad undefined before it, as after zero_grad()): from a hook on each parameter, which gets its
+/// gradient before it is accumulated. Times are medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages
 /// in the order of a training step (so that the caches hold what a step leaves there): a forward pass without
 /// saving (fwd_nosave_ms), then from the last stage to the first its forward with saving and its backward
 /// (fwd_ms, bwd_ms), then every stage under remat::checkpoint and the backward pass through them

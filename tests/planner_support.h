@@ -79,6 +79,14 @@ inline remat::Chain random_policy_chain(std::mt19937& rng, int64_t n, int64_t un
           s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
       pc.fwd_ms = s.fwd_ms * (1 + 0.1 * part(rng));
       pc.bwd_ms = s.bwd_ms + (1 - kept) * s.fwd_ms * (0.5 + part(rng));
+      if (name == "beta" && i % 3 != 0) {
+        // Its backward's peak measured (PolicyCost::bwd_tmp_bytes): above or below what recomputing the rest
+        // and Fa's backward transient would hold.
+        const int64_t rest = s.saved_bytes - pc.saved_bytes + s.bwd_tmp_bytes;
+        pc.bwd_tmp_bytes =
+            std::max<int64_t>(0, rest + (i % 3 == 1 ? 1 : -1) * unit * static_cast<int64_t>(7 + i));
+        if (i % 2 == 0) pc.bwd_grads_tmp_bytes = *pc.bwd_tmp_bytes + unit * static_cast<int64_t>(3 * i);
+      }
       s.policies.push_back(pc);
     }
   }

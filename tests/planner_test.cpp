@@ -35,8 +35,10 @@ Chain in_slots(const Chain& c, int64_t budget, int64_t slots, int64_t* total) {
     s.fwd_tmp_bytes = up(s.fwd_tmp_bytes);
     s.bwd_tmp_bytes = up(s.bwd_tmp_bytes);
     if (s.keep_saved_bytes) s.keep_saved_bytes = up(*s.keep_saved_bytes);
-    for (auto& p : s.policies)
+    for (auto& p : s.policies) {
       p.saved_bytes = up(p.saved_bytes);
+      if (p.bwd_tmp_bytes) p.bwd_tmp_bytes = up(*p.bwd_tmp_bytes);
+    }
   }
   return d;
 }
@@ -160,8 +162,12 @@ struct Search {
         t.held[i + 1] = 0;
         t.grad = i;
         if ((t.held[i] == 1 || t.held[i] == 3) && i > 0) t.held[i] = 0;
+        // Under a policy whose backward's peak was measured, that peak above what it keeps; else the rest
+        // recomputed and Fa's backward transient.
+        const bool measured = kept && v >= 1 && st.policies[v - 1].bwd_tmp_bytes.has_value();
         const int64_t rest = kept ? st.saved_bytes - kept_bytes(i, v) : 0;
-        visit("B" + std::to_string(i), cur + rest + a(i) + st.bwd_tmp_bytes,
+        visit("B" + std::to_string(i),
+              cur + a(i) + (measured ? *st.policies[v - 1].bwd_tmp_bytes : rest + st.bwd_tmp_bytes),
               kept ? kept_bwd(i, v) : st.bwd_ms, t);
       }
     }

@@ -128,7 +128,7 @@ TEST_F(ProfileTest, MeasuresTheBackwardsPeakHadItMadeItsGradients) {
   const torch::Tensor x = torch::randn({512, 64});
   const remat::Chain chain = remat::profile_chain(
       {{"mlp", [seq](const torch::Tensor& t) mutable { return seq->forward(t); }, seq.ptr()}}, x,
-      remat::ProfileOptions().warmup(0).repeats(1));
+      remat::ProfileOptions().warmup(0).repeats(1).policies({remat::policy::matmuls()}));
   const remat::Stage& s = chain.stages[0];
   ASSERT_TRUE(s.bwd_grads_tmp_bytes.has_value());
   int64_t grads = 0;
@@ -148,6 +148,20 @@ TEST_F(ProfileTest, MeasuresTheBackwardsPeakHadItMadeItsGradients) {
   remat::detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false,
                                /*create_graph=*/false, /*accumulate=*/true);
   EXPECT_EQ(*s.bwd_grads_tmp_bytes, window.peak_over_base());
+  // Under the matmuls policy the backward recomputes the ReLU first: its own peaks, measured the same way,
+  // against the same backward run so, from what the policy keeps.
+  const remat::PolicyCost& c = s.policies.at(0);
+  ASSERT_TRUE(c.bwd_tmp_bytes && c.bwd_grads_tmp_bytes);
+  for (const bool made : {false, true}) {
+    for (const auto& p : seq->parameters())
+      p.mutable_grad() = made ? torch::Tensor() : torch::zeros_like(p);
+    torch::Tensor kept = remat::checkpoint([seq](const torch::Tensor& t) mutable { return seq->forward(t); },
+                                           x, remat::CheckpointOptions().policy(remat::policy::matmuls()));
+    torch::Tensor dk = torch::ones_like(kept);
+    remat::memory::PeakWindow w;
+    remat::detail::backward_from(std::move(kept), std::move(dk), targets, false, false, true);
+    EXPECT_EQ(made ? *c.bwd_grads_tmp_bytes : *c.bwd_tmp_bytes, w.peak_over_base()) << made;
+  }
 }
 
 TEST_F(ProfileTest, LeavesTheModelAsItWas) {

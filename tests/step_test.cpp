@@ -583,6 +583,25 @@ TEST(Step, AStagesBackwardIsChargedTheGradientsItMadeByItsPeakAsMeasured) {
     EXPECT_EQ(p.plan.count(OpKind::kForwardCheckpoint), 0) << p.plan.to_string();
     EXPECT_EQ(remat::chain_from_json(remat::to_json(c)).stages[1].bwd_grads_tmp_bytes, measured);
   }
+  // A policy's backward is measured on its own (PolicyCost::bwd_tmp_bytes, bwd_grads_tmp_bytes): both go
+  // through JSON, and the charge under it is its own pair's, or all the gradients without one.
+  Chain pol = chain;
+  pol.policies = {"matmuls"};
+  remat::PolicyCost pc;
+  pc.policy = "matmuls", pc.saved_bytes = 20000, pc.bwd_tmp_bytes = 45000, pc.bwd_grads_tmp_bytes = 52000;
+  pol.stages[1].policies = {pc};
+  pol.stages[1].bwd_grads_tmp_bytes = 21000;
+  const Chain back = remat::chain_from_json(remat::to_json(pol));
+  EXPECT_EQ(back.stages[1].policies[0].bwd_tmp_bytes, 45000);
+  EXPECT_EQ(back.stages[1].policies[0].bwd_grads_tmp_bytes, 52000);
+  EXPECT_EQ(back.stages[1].grads_charge_bytes(30000, 0), 7000);
+  EXPECT_EQ(back.stages[1].grads_charge_bytes(30000, -1), 1000);
+  EXPECT_EQ(back.stages[1].policy_bwd_bytes(0), 45000);
+  pol.stages[1].policies[0].bwd_grads_tmp_bytes.reset();
+  EXPECT_EQ(pol.stages[1].grads_charge_bytes(30000, 0), 30000);
+  pol.stages[1].policies[0].bwd_tmp_bytes.reset();
+  EXPECT_EQ(pol.stages[1].policy_bwd_bytes(0),
+            (50000 - 20000) + 20000);  // what it recomputes, Fa's transient
   Chain unset = chain;
   EXPECT_EQ(unset.stages[1].grads_charge_bytes(30000), 30000);
   EXPECT_FALSE(remat::chain_from_json(remat::to_json(unset)).stages[1].bwd_grads_tmp_bytes.has_value());

@@ -174,23 +174,30 @@ def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Modu
     return checkpoint_region(fn, args, modules, policy, offload, route_kept)
 
 
+@contextlib.contextmanager
+def autocast_cache_off():
+    """Autocast's cache of cast weights off inside, as around every region remat checkpoints
+    (torch.utils.checkpoint records it for the recompute): a layer that does not keep its activations would
+    otherwise hold its weights' low-precision copies until the autocast region ends (each checkpointed layer's
+    weights in bf16 above the prediction, measured). The values are the same; a weight used twice in the layer
+    is cast twice. The profiler runs its checkpointed passes so too, so that it measures what runs."""
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(cache)
+
+
 def checkpoint_region(fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module] = (),
                       policy: Callable | None = None, offload=None, route_kept: bool | None = None):
     """fn(*args) under torch.utils.checkpoint (non-reentrant, RNG state preserved), the modules' buffers
     restored for the recompute, under remat's selective checkpointing when `policy` is given (see
-    checkpoint_context)."""
-    # Autocast's cache of cast weights off inside (torch.utils.checkpoint records it for the recompute): a
-    # layer that does not keep its activations would otherwise hold its weights' low-precision copies until the
-    # autocast region ends (each checkpointed layer's weights in bf16 above the prediction, measured). The
-    # values are the same; a weight used twice in the layer is cast twice.
-    cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
+    checkpoint_context), autocast's weight cache off (autocast_cache_off)."""
+    with autocast_cache_off():
         # version_checked: a recompute that writes what it saved raises autograd's error (remat/saved.py).
         return _torch_checkpoint(version_checked(fn), *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=checkpoint_context(modules, policy, offload, route_kept))
-    finally:
-        torch.set_autocast_cache_enabled(cache)
+                                 context_fn=checkpoint_context(modules, policy, offload, route_kept))
 
 
 def checkpoint(fn: Callable, *args, policy: Callable | None = None, offload=None,

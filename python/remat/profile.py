@@ -32,7 +32,7 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
-from .policies import POLICY_OFFLOAD, checkpoint_context, policy_fn
+from .policies import POLICY_OFFLOAD, autocast_cache_off, checkpoint_context, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -577,8 +577,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     leaves[i] = leaf_of(i)
                     sync()
                     t0 = time.perf_counter()
-                    outs[i] = check_out(i, checkpoint(stage_list[i].fn, leaves[i], use_reentrant=False,
-                                                      preserve_rng_state=True, context_fn=contexts[i](None)))
+                    with autocast_cache_off():  # as the runtime's checkpointed layers run
+                        outs[i] = check_out(i, checkpoint(stage_list[i].fn, leaves[i], use_reentrant=False,
+                                                          preserve_rng_state=True, context_fn=contexts[i](None)))
                     sync()
                     cf[i] = (time.perf_counter() - t0) * 1e3
                     report("checkpointed", names[i])
@@ -603,7 +604,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         sync()
                         base = meter.count()
                         t0 = time.perf_counter()
-                        with hooks:
+                        with hooks, autocast_cache_off():  # as the runtime's checkpointed layers run
                             out = check_out(i, checkpoint(stage_list[i].fn, leaf, use_reentrant=False,
                                                           preserve_rng_state=True,
                                                           context_fn=contexts[i](fn, counter)))
@@ -617,7 +618,16 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                                     fields[i]["pol"][name]["saved"] - out.nbytes)
                         del counter
                         targets = targets_of(i, leaf)
-                        b = timed_backward(out, targets, i)[0] if out.requires_grad and targets else 0.0
+                        b = 0.0
+                        if out.requires_grad and targets:
+                            b, peak, grads_peak = timed_backward(out, targets, i, grads_peak=measure)
+                            if measure:
+                                # Above what it keeps, its output and d, its input's gradient apart (as btmp):
+                                # the recompute of what it does not keep included.
+                                d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
+                                fields[i]["pol"][name]["btmp"] = max(0, peak - d_in)
+                                if grads_peak is not None:
+                                    fields[i]["pol"][name]["bgtmp"] = max(0, grads_peak - d_in)
                         del out, leaf
                         if keep:
                             fields[i]["pol"][name]["fwd"].append(f)
@@ -674,6 +684,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             c.saved_bytes = min(f["pol"][name]["saved"], s.saved_bytes)
             c.fwd_ms = _median(f["pol"][name]["fwd"])
             c.bwd_ms = _median(f["pol"][name]["bwd"])
+            if "btmp" in f["pol"][name]:
+                c.bwd_tmp_bytes = f["pol"][name]["btmp"]
+            if "bgtmp" in f["pol"][name]:
+                c.bwd_grads_tmp_bytes = f["pol"][name]["bgtmp"]
             if "offload" in f["pol"][name]:
                 c.offload = f["pol"][name]["offload"]
             costs.append(c)

@@ -96,6 +96,10 @@ NB_MODULE(_core, m) {
       .def_rw("saved_bytes", &remat::PolicyCost::saved_bytes, "alive after the stage runs so (bytes)")
       .def_rw("fwd_ms", &remat::PolicyCost::fwd_ms, "its forward (milliseconds)")
       .def_rw("bwd_ms", &remat::PolicyCost::bwd_ms, "its recompute of the rest plus its backward (ms)")
+      .def_rw("bwd_tmp_bytes", &remat::PolicyCost::bwd_tmp_bytes,
+              "its backward's peak, recompute included, above what it keeps (bytes), or None")
+      .def_rw("bwd_grads_tmp_bytes", &remat::PolicyCost::bwd_grads_tmp_bytes,
+              "that peak when the backward makes the parameters' gradients (bytes), or None")
       .def_rw("offload", &remat::PolicyCost::offload, "offloading it (an OffloadCost), or None");
 
   nb::class_<remat::SavedGroup>(m, "SavedGroup",

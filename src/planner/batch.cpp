@@ -113,6 +113,14 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
       pc.saved_bytes = std::clamp(line.bytes(pa.saved_bytes, pb.saved_bytes), s.output_bytes, s.saved_bytes);
       pc.fwd_ms = line.ms(pa.fwd_ms, pb.fwd_ms);
       pc.bwd_ms = line.ms(pa.bwd_ms, pb.bwd_ms);
+      if (pa.bwd_tmp_bytes && pb.bwd_tmp_bytes)
+        pc.bwd_tmp_bytes = line.bytes(*pa.bwd_tmp_bytes, *pb.bwd_tmp_bytes);
+      else
+        pc.bwd_tmp_bytes.reset();
+      if (pa.bwd_grads_tmp_bytes && pb.bwd_grads_tmp_bytes)
+        pc.bwd_grads_tmp_bytes = line.bytes(*pa.bwd_grads_tmp_bytes, *pb.bwd_grads_tmp_bytes);
+      else
+        pc.bwd_grads_tmp_bytes.reset();
       pc.offload = offload_at(pa.offload, pb.offload, line, where + " under '" + pa.policy + "'");
     }
     if (sa.groups.size() != sb.groups.size()) differ(where + " has another number of saved groups");

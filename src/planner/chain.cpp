@@ -208,6 +208,13 @@ void validate(const Chain& chain) {
                                     ") < output_bytes (" + std::to_string(s.output_bytes) + ")");
       }
       add_bytes(total, c.saved_bytes, stage_label(chain, i));
+      for (const auto& [what, v] :
+           {std::pair<const char*, const std::optional<int64_t>*>{"policy bwd_tmp_bytes", &c.bwd_tmp_bytes},
+            {"policy bwd_grads_tmp_bytes", &c.bwd_grads_tmp_bytes}}) {
+        if (!*v) continue;
+        check_bytes(chain, i, what, **v);
+        add_bytes(total, **v, stage_label(chain, i));
+      }
       check_offload(chain, i, "policy offload", c.offload, c.saved_bytes);
     }
   }
@@ -273,6 +280,8 @@ std::string to_json(const Chain& chain) {
         jc["saved_bytes"] = c.saved_bytes;
         jc["fwd_ms"] = c.fwd_ms;
         jc["bwd_ms"] = c.bwd_ms;
+        if (c.bwd_tmp_bytes) jc["bwd_tmp_bytes"] = *c.bwd_tmp_bytes;
+        if (c.bwd_grads_tmp_bytes) jc["bwd_grads_tmp_bytes"] = *c.bwd_grads_tmp_bytes;
         if (c.offload) jc["offload"] = offload_json(*c.offload);
         js["policies"].push_back(jc);
       }
@@ -415,6 +424,9 @@ Chain chain_from_json(const std::string& text) {
         c.saved_bytes = required<int64_t>(jp[p], "saved_bytes", at);
         c.fwd_ms = required<double>(jp[p], "fwd_ms", at);
         c.bwd_ms = required<double>(jp[p], "bwd_ms", at);
+        if (jp[p].contains("bwd_tmp_bytes")) c.bwd_tmp_bytes = required<int64_t>(jp[p], "bwd_tmp_bytes", at);
+        if (jp[p].contains("bwd_grads_tmp_bytes"))
+          c.bwd_grads_tmp_bytes = required<int64_t>(jp[p], "bwd_grads_tmp_bytes", at);
         c.offload = offload_from(jp[p], "offload", at);
         s.policies.push_back(std::move(c));
       }

@@ -112,6 +112,8 @@ void visit(C& chain, X& context, V& v) {
       v.bytes(c.saved_bytes);
       v.ms(c.fwd_ms);
       v.ms(c.bwd_ms);
+      v.opt_bytes(c.bwd_tmp_bytes);
+      v.opt_bytes(c.bwd_grads_tmp_bytes);
       v.offload(c.offload);
     }
     for (auto& g : s.groups) {

@@ -40,6 +40,10 @@ struct Sizes {
   std::vector<std::vector<char>> hk;
   std::vector<std::vector<T>> xk;
   std::vector<std::vector<double>> fk, bk;
+  // A policy's measured backward peak (PolicyCost::bwd_tmp_bytes), where it has one: its backward holds what
+  // it keeps plus that, instead of what Fa keeps plus Fa's backward transient.
+  std::vector<std::vector<char>> hpb;
+  std::vector<std::vector<T>> pb;
 
   template <typename Convert>
   Sizes(const Chain& chain, Convert convert, const std::vector<char>& allowed)
@@ -55,6 +59,8 @@ struct Sizes {
     xk.assign(variants, std::vector<T>(n + 2, 0));
     fk.assign(variants, std::vector<double>(n + 1, 0));
     bk.assign(variants, std::vector<double>(n + 1, 0));
+    hpb.assign(variants, std::vector<char>(n + 1, 0));
+    pb.assign(variants, std::vector<T>(n + 1, 0));
     for (int64_t i = 0; i <= n; ++i)
       x[i] = convert(chain.activation_bytes(i));
     for (int64_t i = 0; i < n; ++i) {
@@ -77,6 +83,10 @@ struct Sizes {
         xk[p + 1][i + 1] = convert(s.policies[p].saved_bytes);
         fk[p + 1][i] = s.policies[p].fwd_ms;
         bk[p + 1][i] = s.policies[p].bwd_ms;
+        if (s.policies[p].bwd_tmp_bytes) {
+          hpb[p + 1][i] = 1;
+          pb[p + 1][i] = convert(*s.policies[p].bwd_tmp_bytes);
+        }
       }
     }
   }
@@ -89,9 +99,12 @@ struct Sizes {
     return std::max(x[t + 1] + xb[s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
   }
   // Option K at s with variant v (stage s has it): Fk(s) with d_{t+1} held, and B(s) at the end, which
-  // recomputes the rest of abar_{s+1} first (so its peak is option A's).
+  // recomputes the rest of abar_{s+1} first (so its peak is option A's, or what the policy's backward was
+  // measured to hold beyond what it keeps).
   T keep_some_need(int64_t v, int64_t s, int64_t t) const {
-    return std::max(x[t + 1] + xk[v][s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
+    const T backward =
+        hpb[v][s] ? xk[v][s + 1] + x[s + 1] + x[s] + pb[v][s] : xb[s + 1] + x[s + 1] + x[s] + bt[s];
+    return std::max(x[t + 1] + xk[v][s + 1] + ft[s], backward);
   }
   // The forward k of a sweep that starts at s (a_s is held by the caller, a_k for k > s by the sweep).
   T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + ft[k]; }

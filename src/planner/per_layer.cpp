@@ -149,10 +149,13 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
-  // Its own gradients at its backward's peak: as measured with them made there (Stage::grads_charge_bytes),
-  // or all of them for a streamed backward, whose peak comes elsewhere.
+  // Its own gradients at its backward's peak: as measured with them made there for its way
+  // (Stage::grads_charge_bytes: Fa and Fc as Fa, Fk under a policy as that policy), all of them for a way
+  // not measured so (streamed, the keep tags, a group assignment); as step_op_peaks() charges them.
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
-  const int64_t at_bwd = at_rec + (c.stream ? own : s.grads_charge_bytes(own));
+  const bool all = c.stream || (c.kind == OpKind::kForwardKeep && (!c.groups.empty() || c.variant < 1));
+  const int64_t at_bwd =
+      at_rec + (all ? own : s.grads_charge_bytes(own, c.kind == OpKind::kForwardKeep ? c.variant - 1 : -1));
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with a window beside it; the backward's above what
     // the stage keeps on the device (its output included) and the gradient it is handed.
@@ -161,7 +164,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     a_out + s.saved_bytes - o.bytes + o.window_bytes + o.stream_bwd_bytes + at_bwd);
   }
   const int64_t fwd = c.held + s.fwd_tmp_bytes;
-  int64_t bwd = a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
+  // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
+  const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
+  int64_t bwd = policy
+                    ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
+                    : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   if (c.kind == OpKind::kForwardCheckpoint)
     bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
   return std::max(fwd, bwd);

@@ -505,6 +505,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
                      (own.input_left ? act(i) : 0),
                  k);
           current += own.device - own.tail;
+        } else if (chain && after_keep && kept_groups[i + 1].empty() && kept_with[i + 1] >= 0) {
+          // Fk under a policy: its backward's own measured peak, recompute included (or its parts).
+          charge(current + act(i) +
+                     chain->stages[i].policy_bwd_bytes(policy_at[static_cast<size_t>(kept_with[i + 1])]),
+                 k);
         } else {
           charge(current + rest + act(i) + tmp, k);
         }

@@ -115,11 +115,28 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
                                    const Simulation& sim) {
   const int64_t n = chain.size();
   std::vector<int64_t> peaks(ops.ops.size());
-  // Step stages whose last forward streams them: their backward's peak is not where Fa's is.
-  std::vector<char> streamed(static_cast<size_t>(n) + 2, 0);
-  for (const Op& op : ops.ops)
-    if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 0 && op.stage <= n + 1)
-      streamed[static_cast<size_t>(op.stage)] = op.stream;
+  // How each step stage's backward is charged the gradients it makes (Stage::grads_charge_bytes): as its
+  // last forward ran it: -1 Fa or Fc (a checkpoint's recompute is Fa), p >= 0 Fk under the chain's policy p,
+  // kAll a way whose backward's point among its gradients was not measured (streamed, the keep tags, a group
+  // assignment): all of them at its peak.
+  constexpr int64_t kAll = -2;
+  std::vector<int64_t> way(static_cast<size_t>(n) + 2, -1);
+  for (const Op& op : ops.ops) {
+    if (op.kind == OpKind::kBackward || op.kind == OpKind::kLoss || op.stage < 0 || op.stage > n + 1)
+      continue;
+    int64_t w = -1;
+    if (op.stream) {
+      w = kAll;
+    } else if (op.kind == OpKind::kForwardKeep) {
+      w = kAll;
+      if (op.groups.empty() && op.policy >= 0 && static_cast<size_t>(op.policy) < ops.policies.size()) {
+        const auto it = std::find(chain.policies.begin(), chain.policies.end(),
+                                  ops.policies[static_cast<size_t>(op.policy)]);
+        if (it != chain.policies.end()) w = it - chain.policies.begin();
+      }
+    }
+    way[static_cast<size_t>(op.stage)] = w;
+  }
   int64_t arrived = 0;
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
@@ -137,9 +154,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         !context.stage_grads_bytes.empty()) {
       made = context.stage_grads_bytes[static_cast<size_t>(op.stage - 1)];
-      at_peak = streamed[static_cast<size_t>(op.stage)]
+      const Stage& st = chain.stages[static_cast<size_t>(op.stage - 1)];
+      const int64_t w = way[static_cast<size_t>(op.stage)];
+      at_peak = w == kAll || (w >= 0 && static_cast<size_t>(w) >= st.policies.size())
                     ? made
-                    : chain.stages[static_cast<size_t>(op.stage - 1)].grads_charge_bytes(made);
+                    : st.grads_charge_bytes(made, w);
     }
     peaks[k] =
         sim.op_peak_bytes[k] + arrived + at_peak - (context.input_in_base ? chain.input_bytes : int64_t{0});

@@ -55,6 +55,14 @@ struct PolicyCost {
   int64_t saved_bytes = 0;  ///< alive after the stage runs so (its output and the kept outputs; bytes)
   double fwd_ms = 0;        ///< its forward (milliseconds)
   double bwd_ms = 0;        ///< its recompute of the rest plus its backward (milliseconds)
+  /// The transient peak during its backward, the recompute of what it does not keep included, above its
+  /// input, what it keeps (saved_bytes), its output's gradient and its input's gradient (bytes, >= 0; the
+  /// parameter gradients pre-allocated, as for Stage::bwd_tmp_bytes). Unset: what it recomputes
+  /// (Stage::saved_bytes - saved_bytes) plus the stage's bwd_tmp_bytes (Stage::policy_bwd_bytes()).
+  std::optional<int64_t> bwd_tmp_bytes;
+  /// That peak when its backward makes the stage's parameter gradients, those made by then counted (bytes;
+  /// as Stage::bwd_grads_tmp_bytes, measured in the same run). Unset: all of them charged at its peak.
+  std::optional<int64_t> bwd_grads_tmp_bytes;
   /// Offloading it (Fk[name]@host); unset: it cannot be offloaded.
   std::optional<OffloadCost> offload;
 };
@@ -130,13 +138,27 @@ struct Stage {
   double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
   /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).
   double per_call_bwd_ms() const { return checkpoint_bwd_ms ? *checkpoint_bwd_ms : fwd_ms + bwd_ms; }
+  /// What Fk under policies[p] holds in its backward above what it keeps, its output's gradient and its
+  /// input's gradient (bytes): the policy's bwd_tmp_bytes where measured, else what it recomputes
+  /// (saved_bytes - policies[p].saved_bytes) plus bwd_tmp_bytes, as Fa's backward after that recompute.
+  int64_t policy_bwd_bytes(size_t p) const {
+    const PolicyCost& c = policies[p];
+    return c.bwd_tmp_bytes ? *c.bwd_tmp_bytes : (saved_bytes - c.saved_bytes) + bwd_tmp_bytes;
+  }
   /// What the gradients its backward makes (`grads_bytes` of them, >= 0) add to that backward's peak above
-  /// bwd_tmp_bytes (bytes): bwd_grads_tmp_bytes - bwd_tmp_bytes where measured, within [0, grads_bytes];
-  /// grads_bytes otherwise, and 0 for none.
-  int64_t grads_charge_bytes(int64_t grads_bytes) const {
+  /// bwd_tmp_bytes (bytes), the stage run as Fa or Fc (`policy` -1) or as Fk under policies[policy]: the
+  /// way's bwd_grads_tmp_bytes - bwd_tmp_bytes where both are measured, within [0, grads_bytes];
+  /// grads_bytes otherwise, and 0 for none. (A backward's peak comes at its own point among the gradients
+  /// it makes: each way is measured on its own.)
+  int64_t grads_charge_bytes(int64_t grads_bytes, int64_t policy = -1) const {
     if (grads_bytes <= 0) return 0;
-    if (!bwd_grads_tmp_bytes) return grads_bytes;
-    const int64_t over = *bwd_grads_tmp_bytes - bwd_tmp_bytes;
+    std::optional<int64_t> tmp = bwd_tmp_bytes, with = bwd_grads_tmp_bytes;
+    if (policy >= 0) {
+      const PolicyCost& c = policies[static_cast<size_t>(policy)];
+      tmp = c.bwd_tmp_bytes, with = c.bwd_grads_tmp_bytes;
+    }
+    if (!tmp || !with) return grads_bytes;
+    const int64_t over = *with - *tmp;
     return over < 0 ? 0 : (over < grads_bytes ? over : grads_bytes);
   }
 };

@@ -177,6 +177,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     int64_t keep_saved = 0;
     std::vector<std::vector<double>> policy_fwd, policy_bwd;  // per policy of options.policies()
     std::vector<int64_t> policy_saved;
+    std::vector<std::optional<int64_t>> policy_bwd_tmp;  // per policy, its backward's peak (when measured)
+    std::vector<std::optional<int64_t>> policy_bwd_grads_tmp;  // that peak had it made the gradients
     // Offloading profiled: the stage run as Fk (keep tags) and under each policy inside an Offload.
     std::optional<Away> keep_away;
     std::vector<std::optional<Away>> policy_away;
@@ -186,6 +188,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     p.policy_fwd.resize(options.policies().size());
     p.policy_bwd.resize(options.policies().size());
     p.policy_saved.assign(options.policies().size(), 0);
+    p.policy_bwd_tmp.assign(options.policies().size(), std::nullopt);
+    p.policy_bwd_grads_tmp.assign(options.policies().size(), std::nullopt);
     p.policy_away.resize(options.policies().size());
   }
   chain.stages.resize(n);
@@ -441,8 +445,22 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       for (size_t i = n; i-- > 0;) {
         const std::vector<torch::Tensor> targets = targets_of(i, leaves[i]);
         double cb = 0;
-        if (outs[i].requires_grad() && !targets.empty())
-          cb = timed_backward(std::move(outs[i]), targets, nullptr);
+        if (outs[i].requires_grad() && !targets.empty()) {
+          int64_t peak = 0, grads_peak = 0;
+          const bool measured = variant >= 0 && measure;
+          cb = timed_backward(std::move(outs[i]), targets, measured ? &peak : nullptr, &per[i].params,
+                              measured ? &grads_peak : nullptr);
+          if (variant >= 0 && measure) {
+            // Above what it keeps, its output and d, its input's gradient apart (as bwd_tmp_bytes): the
+            // recompute of what it does not keep included.
+            const int64_t d_in = per[i].input_grad && leaves[i].grad().defined()
+                                     ? static_cast<int64_t>(leaves[i].grad().nbytes())
+                                     : 0;
+            per[i].policy_bwd_tmp[static_cast<size_t>(variant)] = std::max<int64_t>(0, peak - d_in);
+            per[i].policy_bwd_grads_tmp[static_cast<size_t>(variant)] =
+                std::max<int64_t>(0, grads_peak - d_in);
+          }
+        }
         outs[i] = leaves[i] = torch::Tensor();
         if (keep) record(per[i], cf[i], cb);
         report(phase, chain.stages[i].name);
@@ -508,6 +526,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       c.saved_bytes = std::min(per[i].policy_saved[q], s.saved_bytes);
       c.fwd_ms = median(per[i].policy_fwd[q]);
       c.bwd_ms = median(per[i].policy_bwd[q]);
+      c.bwd_tmp_bytes = per[i].policy_bwd_tmp[q];
+      c.bwd_grads_tmp_bytes = per[i].policy_bwd_grads_tmp[q];
       if (const auto& a = per[i].policy_away[q])
         c.offload = offload_cost(c.saved_bytes, a->freed, a->copied, s.output_bytes);
       s.policies.push_back(std::move(c));

@@ -73,6 +73,9 @@ class LayerPlan:
         self.offloads = LayerOffloads(offload, parse_budget(max_host_bytes, who) if max_host_bytes is not None
                                       else None, offload_min_bytes)
         self.agree = agreement.check_agree(agree, who)
+        if replan_on_overshoot and agree:
+            raise ValueError(f"{who}: replan_on_overshoot plans again from one rank's measured peak, and ranks that "
+                             "agree must run one plan: not both (agree=False to plan each rank on its own)")
         self.model = model
         # A layer given as torch.compile(layer)'s wrapper: its module, whose forward the wrapper's compiled
         # call runs (and traces, remat's call inside).
@@ -370,6 +373,10 @@ class LayerPlan:
         shape planned."""
         ctx = step_context(self, step, shape)
         agreeing = agreement.agreeing(self.agree, self.who)
+        if agreeing and self.replan_on_overshoot:
+            raise ValueError(f"{self.who}: replan_on_overshoot plans again from one rank's measured peak, and the "
+                             "ranks of this process group agree on one plan: not both (agree=False to plan each "
+                             "rank on its own)")
         if agreeing:
             agreement.agree(shape.chain, ctx)
         if self.fit is not None:
@@ -501,7 +508,8 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     remat.PREDICTION_TOLERANCE (2%) plans again for the budget less the overshoot, so that the next plan, held
     above its prediction as much, stays within the budget; once per input shape (a step that held less is
     reported, not planned again for more). Off by default: either way LayerPlan.prediction_error reports the
-    last step's error, and a warning says when it is beyond the tolerance."""
+    last step's error, and a warning says when it is beyond the tolerance. Not with ranks that agree (one
+    rank's measurement would part their plans): ValueError."""
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
                    offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom,

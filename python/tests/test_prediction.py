@@ -79,6 +79,8 @@ def test_a_miss_is_reported_and_the_plan_kept_without_the_option(meter):
         assert said == []  # once per input shape
     with pytest.raises(ValueError, match="replan_on_overshoot must be True or False"):
         remat.enable(mlp(depth=2), list(mlp(depth=2)), budget=1 << 30, replan_on_overshoot="yes")
+    with pytest.raises(ValueError, match="ranks that agree must run one plan"):
+        remat.enable(mlp(depth=2), list(mlp(depth=2)), budget=1 << 30, replan_on_overshoot=True, agree=True)
 
 
 def test_check_prediction_is_the_planner_librarys_rule():

@@ -411,7 +411,6 @@ class LayerPlan:
             words += (f", budget {f(budget)}; replan_on_overshoot=True plans again for the budget less the "
                       "overshoot")
         else:
-            shape.replanned = True
             lowered = budget - check.replan_budget_bytes
             shape.lowered += lowered
             try:

@@ -503,6 +503,14 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 peak = window.peak() - before
         return ms, peak, made.peak() if made is not None else None
 
+    def measured_backward(out, targets, i, leaf):
+        """timed_backward with both peaks, each less its input's gradient (which the plan charges apart):
+        (ms, with the gradients pre-allocated, had it made them or None) (bwd_tmp_bytes, bwd_grads_tmp_bytes
+        and a policy's)."""
+        ms, peak, grads_peak = timed_backward(out, targets, i, grads_peak=True)
+        d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
+        return ms, max(0, peak - d_in), None if grads_peak is None else max(0, grads_peak - d_in)
+
     with Restore(modules, device), contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
             for r in range(warmup + repeats):
@@ -556,14 +564,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             fields[i]["ckpt_offload"] = ck
                     targets = targets_of(i, leaf)
                     b = 0.0
-                    if out.requires_grad and targets:
-                        b, peak, grads_peak = timed_backward(out, targets, i, grads_peak=measure)
-                        if measure:
-                            d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
-                            # above what was alive before it: the input, what the stage saved, its output and d
-                            fields[i]["btmp"] = max(0, peak - d_in)
-                            if grads_peak is not None:
-                                fields[i]["bgtmp"] = max(0, grads_peak - d_in)
+                    if out.requires_grad and targets and measure:
+                        # above what was alive before it: the input, what the stage saved, its output and d
+                        b, fields[i]["btmp"], grads_tmp = measured_backward(out, targets, i, leaf)
+                        if grads_tmp is not None:
+                            fields[i]["bgtmp"] = grads_tmp
+                    elif out.requires_grad and targets:
+                        b = timed_backward(out, targets, i)[0]
                     if keep:
                         fields[i]["fwd"].append(f)
                         fields[i]["bwd"].append(b)
@@ -619,15 +626,15 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         del counter
                         targets = targets_of(i, leaf)
                         b = 0.0
-                        if out.requires_grad and targets:
-                            b, peak, grads_peak = timed_backward(out, targets, i, grads_peak=measure)
-                            if measure:
-                                # Above what it keeps, its output and d, its input's gradient apart (as btmp):
-                                # the recompute of what it does not keep included.
-                                d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
-                                fields[i]["pol"][name]["btmp"] = max(0, peak - d_in)
-                                if grads_peak is not None:
-                                    fields[i]["pol"][name]["bgtmp"] = max(0, grads_peak - d_in)
+                        if out.requires_grad and targets and measure:
+                            # Above what it keeps, its output and d: the recompute of what it does not keep
+                            # included.
+                            pol = fields[i]["pol"][name]
+                            b, pol["btmp"], grads_tmp = measured_backward(out, targets, i, leaf)
+                            if grads_tmp is not None:
+                                pol["bgtmp"] = grads_tmp
+                        elif out.requires_grad and targets:
+                            b = timed_backward(out, targets, i)[0]
                         del out, leaf
                         if keep:
                             fields[i]["pol"][name]["fwd"].append(f)

@@ -20,6 +20,10 @@ struct Line {
   int64_t bytes(int64_t va, int64_t vb) const {
     return std::max<int64_t>(0, std::llround(at(double(va), double(vb))));
   }
+  std::optional<int64_t> bytes(const std::optional<int64_t>& va, const std::optional<int64_t>& vb) const {
+    if (!va || !vb) return std::nullopt;
+    return bytes(*va, *vb);
+  }
   double ms(double va, double vb) const { return std::max(0.0, at(va, vb)); }
   std::optional<double> ms(const std::optional<double>& va, const std::optional<double>& vb) const {
     if (!va || !vb) return std::nullopt;
@@ -88,10 +92,7 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.saved_bytes = std::max(s.output_bytes, line.bytes(sa.saved_bytes, sb.saved_bytes));
     s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
     s.bwd_tmp_bytes = line.bytes(sa.bwd_tmp_bytes, sb.bwd_tmp_bytes);
-    if (sa.bwd_grads_tmp_bytes && sb.bwd_grads_tmp_bytes)
-      s.bwd_grads_tmp_bytes = line.bytes(*sa.bwd_grads_tmp_bytes, *sb.bwd_grads_tmp_bytes);
-    else
-      s.bwd_grads_tmp_bytes.reset();
+    s.bwd_grads_tmp_bytes = line.bytes(sa.bwd_grads_tmp_bytes, sb.bwd_grads_tmp_bytes);
     if (sa.has_keep() && sb.has_keep()) {
       s.keep_fwd_ms = line.ms(sa.keep_fwd_ms, sb.keep_fwd_ms);
       s.keep_bwd_ms = line.ms(sa.keep_bwd_ms, sb.keep_bwd_ms);
@@ -113,14 +114,8 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
       pc.saved_bytes = std::clamp(line.bytes(pa.saved_bytes, pb.saved_bytes), s.output_bytes, s.saved_bytes);
       pc.fwd_ms = line.ms(pa.fwd_ms, pb.fwd_ms);
       pc.bwd_ms = line.ms(pa.bwd_ms, pb.bwd_ms);
-      if (pa.bwd_tmp_bytes && pb.bwd_tmp_bytes)
-        pc.bwd_tmp_bytes = line.bytes(*pa.bwd_tmp_bytes, *pb.bwd_tmp_bytes);
-      else
-        pc.bwd_tmp_bytes.reset();
-      if (pa.bwd_grads_tmp_bytes && pb.bwd_grads_tmp_bytes)
-        pc.bwd_grads_tmp_bytes = line.bytes(*pa.bwd_grads_tmp_bytes, *pb.bwd_grads_tmp_bytes);
-      else
-        pc.bwd_grads_tmp_bytes.reset();
+      pc.bwd_tmp_bytes = line.bytes(pa.bwd_tmp_bytes, pb.bwd_tmp_bytes);
+      pc.bwd_grads_tmp_bytes = line.bytes(pa.bwd_grads_tmp_bytes, pb.bwd_grads_tmp_bytes);
       pc.offload = offload_at(pa.offload, pb.offload, line, where + " under '" + pa.policy + "'");
     }
     if (sa.groups.size() != sb.groups.size()) differ(where + " has another number of saved groups");

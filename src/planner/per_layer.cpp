@@ -149,13 +149,12 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
-  // Its own gradients at its backward's peak: as measured with them made there for its way
-  // (Stage::grads_charge_bytes: Fa and Fc as Fa, Fk under a policy as that policy), all of them for a way
-  // not measured so (streamed, the keep tags, a group assignment); as step_op_peaks() charges them.
+  // Its own gradients at its backward's peak, as measured with them made there for its way
+  // (Stage::grads_way, the rule step_op_peaks() follows).
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
-  const bool all = c.stream || (c.kind == OpKind::kForwardKeep && (!c.groups.empty() || c.variant < 1));
   const int64_t at_bwd =
-      at_rec + (all ? own : s.grads_charge_bytes(own, c.kind == OpKind::kForwardKeep ? c.variant - 1 : -1));
+      at_rec + s.grads_charge_bytes(own, Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream,
+                                                          !c.groups.empty(), c.variant - 1));
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with a window beside it; the backward's above what
     // the stage keeps on the device (its output included) and the gradient it is handed.

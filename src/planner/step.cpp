@@ -115,27 +115,20 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
                                    const Simulation& sim) {
   const int64_t n = chain.size();
   std::vector<int64_t> peaks(ops.ops.size());
-  // How each step stage's backward is charged the gradients it makes (Stage::grads_charge_bytes): as its
-  // last forward ran it: -1 Fa or Fc (a checkpoint's recompute is Fa), p >= 0 Fk under the chain's policy p,
-  // kAll a way whose backward's point among its gradients was not measured (streamed, the keep tags, a group
-  // assignment): all of them at its peak.
-  constexpr int64_t kAll = -2;
+  // How each step stage's backward is charged the gradients it makes: as its last forward ran it
+  // (Stage::grads_way; a policy by its index in the chain).
   std::vector<int64_t> way(static_cast<size_t>(n) + 2, -1);
   for (const Op& op : ops.ops) {
     if (op.kind == OpKind::kBackward || op.kind == OpKind::kLoss || op.stage < 0 || op.stage > n + 1)
       continue;
-    int64_t w = -1;
-    if (op.stream) {
-      w = kAll;
-    } else if (op.kind == OpKind::kForwardKeep) {
-      w = kAll;
-      if (op.groups.empty() && op.policy >= 0 && static_cast<size_t>(op.policy) < ops.policies.size()) {
-        const auto it = std::find(chain.policies.begin(), chain.policies.end(),
-                                  ops.policies[static_cast<size_t>(op.policy)]);
-        if (it != chain.policies.end()) w = it - chain.policies.begin();
-      }
+    int64_t policy = -1;
+    if (op.policy >= 0 && static_cast<size_t>(op.policy) < ops.policies.size()) {
+      const auto it = std::find(chain.policies.begin(), chain.policies.end(),
+                                ops.policies[static_cast<size_t>(op.policy)]);
+      if (it != chain.policies.end()) policy = it - chain.policies.begin();
     }
-    way[static_cast<size_t>(op.stage)] = w;
+    way[static_cast<size_t>(op.stage)] =
+        Stage::grads_way(op.kind == OpKind::kForwardKeep, op.stream, !op.groups.empty(), policy);
   }
   int64_t arrived = 0;
   bool rest_done = false;
@@ -147,18 +140,14 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       rest_done = false;
     }
     if (op.kind == OpKind::kBackward && op.stage == n + 1) rest_done = true;
-    // A stage's backward adds its own gradients: at its peak, as measured with them made there
-    // (Stage::grads_charge_bytes; all of them for a streamed backward, whose peak comes elsewhere), and all
-    // of them once it is done.
+    // A stage's backward adds its own gradients: at its peak, as measured with them made there for the way
+    // it ran (Stage::grads_charge_bytes), and all of them once it is done.
     int64_t made = 0, at_peak = 0;
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         !context.stage_grads_bytes.empty()) {
       made = context.stage_grads_bytes[static_cast<size_t>(op.stage - 1)];
-      const Stage& st = chain.stages[static_cast<size_t>(op.stage - 1)];
-      const int64_t w = way[static_cast<size_t>(op.stage)];
-      at_peak = w == kAll || (w >= 0 && static_cast<size_t>(w) >= st.policies.size())
-                    ? made
-                    : st.grads_charge_bytes(made, w);
+      at_peak = chain.stages[static_cast<size_t>(op.stage - 1)].grads_charge_bytes(
+          made, way[static_cast<size_t>(op.stage)]);
     }
     peaks[k] =
         sim.op_peak_bytes[k] + arrived + at_peak - (context.input_in_base ? chain.input_bytes : int64_t{0});

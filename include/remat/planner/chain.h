@@ -146,12 +146,25 @@ struct Stage {
     return c.bwd_tmp_bytes ? *c.bwd_tmp_bytes : (saved_bytes - c.saved_bytes) + bwd_tmp_bytes;
   }
   /// What the gradients its backward makes (`grads_bytes` of them, >= 0) add to that backward's peak above
-  /// bwd_tmp_bytes (bytes), the stage run as Fa or Fc (`policy` -1) or as Fk under policies[policy]: the
-  /// way's bwd_grads_tmp_bytes - bwd_tmp_bytes where both are measured, within [0, grads_bytes];
-  /// grads_bytes otherwise, and 0 for none. (A backward's peak comes at its own point among the gradients
+  /// bwd_tmp_bytes (bytes), the stage run as Fa or Fc (`policy` -1) or as Fk under policies[policy] (see
+  /// grads_way()): the way's bwd_grads_tmp_bytes - bwd_tmp_bytes where both are measured, within
+  /// [0, grads_bytes]; grads_bytes otherwise (kGradsUnmeasured, a policy the stage has no cost for), and 0
+  /// for none. (A backward's peak comes at its own point among the gradients
   /// it makes: each way is measured on its own.)
+  /// The way argument of grads_charge_bytes() for a stage's last forward before its backward: `policy` (the
+  /// chain's index) for Fk under a policy, -1 for Fa and Fc (a checkpoint's recompute is Fa), and
+  /// kGradsUnmeasured for a way whose backward's point among its gradients is not measured (streamed, the
+  /// keep tags, a group assignment: all of them charged). The one rule step_peak_bytes() and the per-layer
+  /// program share.
+  static constexpr int64_t kGradsUnmeasured = -2;
+  static int64_t grads_way(bool keep, bool stream, bool groups, int64_t policy) {
+    if (stream || (keep && (groups || policy < 0))) return kGradsUnmeasured;
+    return keep ? policy : -1;
+  }
   int64_t grads_charge_bytes(int64_t grads_bytes, int64_t policy = -1) const {
     if (grads_bytes <= 0) return 0;
+    if (policy == kGradsUnmeasured || (policy >= 0 && static_cast<size_t>(policy) >= policies.size()))
+      return grads_bytes;
     std::optional<int64_t> tmp = bwd_tmp_bytes, with = bwd_grads_tmp_bytes;
     if (policy >= 0) {
       const PolicyCost& c = policies[static_cast<size_t>(policy)];

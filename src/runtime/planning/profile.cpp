@@ -133,6 +133,47 @@ class Restore {
 
 }  // namespace
 
+// While a stage's backward runs with its parameters' gradients pre-allocated: the peak it would have reached
+// had it made them (.grad undefined before it, as after zero_grad(); Stage::bwd_grads_tmp_bytes), above the
+// bytes alive when made. Each parameter's gradient is handed to its hook before it is accumulated; made, it
+// would stay alive from then on where accumulated it is freed. So that backward's count is this one plus the
+// gradients handed over so far, and its peak the most, over the stretches between hooks, of each stretch's
+// peak plus what was handed over before it. The hooks go with it (python/remat/profile.py's _GradsPeak is its
+// twin).
+namespace {
+class GradsPeak {
+ public:
+  GradsPeak(c10::Device device, const std::vector<torch::Tensor>& params) : stretch_(device) {
+    for (const torch::Tensor& p : params) {
+      const int64_t nbytes = static_cast<int64_t>(p.nbytes());
+      hooks_.emplace_back(p, p.register_hook([this, nbytes](const torch::Tensor&) {
+        close_stretch();
+        made_ += nbytes;
+      }));
+    }
+  }
+  ~GradsPeak() {
+    for (auto& [p, h] : hooks_)
+      p.remove_hook(h);
+  }
+  GradsPeak(const GradsPeak&) = delete;
+  GradsPeak& operator=(const GradsPeak&) = delete;
+  int64_t peak_over_base() {
+    close_stretch();
+    return most_;
+  }
+
+ private:
+  void close_stretch() {
+    most_ = std::max(most_, stretch_.peak_over_base() + made_);
+    stretch_.restart();
+  }
+  memory::PeakWindow stretch_;
+  int64_t made_ = 0, most_ = 0;
+  std::vector<std::pair<torch::Tensor, unsigned>> hooks_;
+};
+}  // namespace
+
 static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Tensor& sample_input,
                             const ProfileOptions& options, const char* kWho) {
   TORCH_CHECK(!stages.empty(), kWho, ": no stages");
@@ -217,48 +258,41 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   // A stage's backward from `out` with d_{i+1} = ones, as the executor runs it: the output and d handed over
   // by move, so that each is freed once the nodes that need it are done. Returns its time; *peak gets its
   // peak above what was alive before it (d included), and *grads_peak the peak it would have reached had it
-  // made the gradients of `params` (pre-allocated here; Stage::bwd_grads_tmp_bytes). Each parameter's
-  // gradient is handed to its hook before it is accumulated; made, it would stay alive from then on where
-  // accumulated it is freed. So that backward's count is this one plus the gradients handed over so far, and
-  // its peak the most, over the stretches between hooks, of each stretch's peak plus what was handed over
-  // before it.
+  // made the gradients of `params` (pre-allocated here; GradsPeak).
   auto timed_backward = [&](torch::Tensor out, const std::vector<torch::Tensor>& targets, int64_t* peak,
                             const std::vector<torch::Tensor>* params = nullptr,
                             int64_t* grads_peak = nullptr) {
     torch::Tensor d = torch::ones_like(out);
     sync();
     memory::PeakWindow scope(device);
-    std::optional<memory::PeakWindow> stretch;
-    int64_t made = 0, most = 0;
-    std::vector<std::pair<torch::Tensor, unsigned>> hooks;
-    if (grads_peak) {
-      stretch.emplace(device);
-      for (const torch::Tensor& p : *params) {
-        const int64_t nbytes = static_cast<int64_t>(p.nbytes());
-        hooks.emplace_back(p, p.register_hook([&, nbytes](const torch::Tensor&) {
-          most = std::max(most, stretch->peak_over_base() + made);
-          stretch->restart();
-          made += nbytes;
-        }));
-      }
-    }
+    std::optional<GradsPeak> made;
+    if (grads_peak) made.emplace(device, *params);
     const auto t0 = Clock::now();
-    try {
-      detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false,
-                            /*create_graph=*/false,
-                            /*accumulate=*/true);
-    } catch (...) {
-      for (auto& [p, h] : hooks)
-        p.remove_hook(h);
-      throw;
-    }
+    detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
+                          /*accumulate=*/true);
     sync();
     const double ms = ms_since(t0);
-    for (auto& [p, h] : hooks)
-      p.remove_hook(h);
     if (peak) *peak = scope.peak_over_base();
-    if (grads_peak) *grads_peak = std::max(most, stretch->peak_over_base() + made);
+    if (grads_peak) *grads_peak = made->peak_over_base();
     return ms;
+  };
+  // Stage i's backward peaks above what was alive before it, its input's gradient apart (the plan charges
+  // that apart): {with the gradients pre-allocated, had it made them} (bwd_tmp_bytes, bwd_grads_tmp_bytes and
+  // a policy's), and its time.
+  struct BackwardPeaks {
+    double ms = 0;
+    int64_t tmp = 0, grads_tmp = 0;
+  };
+  auto measured_backward = [&](size_t i, torch::Tensor out, const torch::Tensor& leaf,
+                               const std::vector<torch::Tensor>& targets) {
+    BackwardPeaks b;
+    int64_t peak = 0, grads_peak = 0;
+    b.ms = timed_backward(std::move(out), targets, &peak, &per[i].params, &grads_peak);
+    const int64_t d_in =
+        per[i].input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
+    b.tmp = std::max<int64_t>(0, peak - d_in);
+    b.grads_tmp = std::max<int64_t>(0, grads_peak - d_in);
+    return b;
   };
 
   // Each repeat runs the stages in the order of a training step, so that what is in the caches when a
@@ -317,13 +351,13 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       const std::vector<torch::Tensor> targets = targets_of(i, leaf);
       double b = 0;
       if (out.requires_grad() && !targets.empty()) {
-        int64_t peak = 0, grads_peak = 0;
-        b = timed_backward(std::move(out), targets, &peak, &per[i].params, measure ? &grads_peak : nullptr);
         if (measure) {
-          const int64_t d_in =
-              per[i].input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
-          s.bwd_tmp_bytes = std::max<int64_t>(0, peak - d_in);
-          s.bwd_grads_tmp_bytes = std::max<int64_t>(0, grads_peak - d_in);
+          const BackwardPeaks peaks = measured_backward(i, std::move(out), leaf, targets);
+          b = peaks.ms;
+          s.bwd_tmp_bytes = peaks.tmp;
+          s.bwd_grads_tmp_bytes = peaks.grads_tmp;
+        } else {
+          b = timed_backward(std::move(out), targets, nullptr);
         }
       }
       if (keep) per[i].fwd.push_back(f), per[i].bwd.push_back(b);
@@ -446,19 +480,14 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         const std::vector<torch::Tensor> targets = targets_of(i, leaves[i]);
         double cb = 0;
         if (outs[i].requires_grad() && !targets.empty()) {
-          int64_t peak = 0, grads_peak = 0;
-          const bool measured = variant >= 0 && measure;
-          cb = timed_backward(std::move(outs[i]), targets, measured ? &peak : nullptr, &per[i].params,
-                              measured ? &grads_peak : nullptr);
           if (variant >= 0 && measure) {
-            // Above what it keeps, its output and d, its input's gradient apart (as bwd_tmp_bytes): the
-            // recompute of what it does not keep included.
-            const int64_t d_in = per[i].input_grad && leaves[i].grad().defined()
-                                     ? static_cast<int64_t>(leaves[i].grad().nbytes())
-                                     : 0;
-            per[i].policy_bwd_tmp[static_cast<size_t>(variant)] = std::max<int64_t>(0, peak - d_in);
-            per[i].policy_bwd_grads_tmp[static_cast<size_t>(variant)] =
-                std::max<int64_t>(0, grads_peak - d_in);
+            // Above what it keeps, its output and d: the recompute of what it does not keep included.
+            const BackwardPeaks peaks = measured_backward(i, std::move(outs[i]), leaves[i], targets);
+            cb = peaks.ms;
+            per[i].policy_bwd_tmp[static_cast<size_t>(variant)] = peaks.tmp;
+            per[i].policy_bwd_grads_tmp[static_cast<size_t>(variant)] = peaks.grads_tmp;
+          } else {
+            cb = timed_backward(std::move(outs[i]), targets, nullptr);
           }
         }
         outs[i] = leaves[i] = torch::Tensor();

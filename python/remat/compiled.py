@@ -6,9 +6,12 @@ step in progress (STEP) and, per step key, the shapes the layer was profiled wit
 dynamo guards on their values, so layers with the same choice share one compiled graph and a new plan
 recompiles. The key None holds a given plan's choices, for every shape. What torch.compile cannot trace
 (remat's profiling step, offloaded layers, group assignments) runs outside the graph through LayerPlan.dispatch.
+The profiling step then profiles each compiled layer through its compiled call (compiled_entry), its choice set
+for each run as a plan with that choice sets it (forced_choice), so that the profile is the compiled graph's.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -23,7 +26,8 @@ if TYPE_CHECKING:
     from .layer_plan import LayerPlan
     from .measure_step import Shape
 
-__all__ = ["CHOICES_ATTR", "STEP", "compiled_call", "compiled_module", "eager_dispatch", "publish", "set_step_key"]
+__all__ = ["CHOICES_ATTR", "STEP", "compiled_call", "compiled_entry", "compiled_module", "eager_dispatch",
+           "forced_choice", "publish", "set_step_key"]
 
 CHOICES_ATTR = "_remat_choices"
 STEP = "step"
@@ -36,6 +40,50 @@ def compiled_module(m):
     except ImportError:
         return m
     return m._orig_mod if isinstance(m, OptimizedModule) else m
+
+
+def compiled_entry(model: nn.Module, layer: nn.Module, fn: Callable) -> tuple[Callable, dict] | None:
+    """How the profiler runs `layer` as it runs compiled: (the call that enters its compiled graph, the keyword
+    arguments the layer's call `fn` was given), or None when the layer does not run compiled or its call cannot
+    be made again. The call is the layer itself after layer.compile(), or the torch.compile(layer) wrapper that
+    holds it in `model`; fn is the partial of the layer's forward that remat's call was handed (Hugging Face's
+    checkpointing hook's, or remat.enable's planned forward), whose keywords are the call's own."""
+    entry = layer if getattr(layer, "_compiled_call_impl", None) is not None else None
+    if entry is None:
+        try:
+            from torch._dynamo.eval_frame import OptimizedModule
+        except ImportError:
+            return None
+        entry = next((m for m in model.modules() if isinstance(m, OptimizedModule) and m._orig_mod is layer), None)
+        if entry is None:
+            return None
+    keywords: dict = {}
+    while isinstance(fn, partial) and not fn.args:  # keywords bound on top of the forward's partial
+        keywords = {**fn.keywords, **keywords}
+        fn = fn.func
+    if not (isinstance(fn, partial) and len(fn.args) == 1 and fn.args[0] is layer):
+        return None
+    return entry, {**fn.keywords, **keywords}
+
+
+@contextlib.contextmanager
+def forced_choice(layer: nn.Module, key, layer_key_: tuple, how: str, policies: dict):
+    """While it is open, `layer`'s compiled call runs choice `how` (KEEP, CHECKPOINT or a policy's name) for
+    calls with the shapes `layer_key_` under step key `key`: the entries publish() makes, as a plan with that
+    choice would (so that the graph compiled for it is the one a planned step with that choice runs). Puts the
+    layer's choices back as they were on exit."""
+    choices = layer.__dict__.setdefault(CHOICES_ATTR, {})
+    before = dict(choices)
+    choices[STEP] = key
+    choices[key] = how
+    choices[("layer", key)] = layer_key_
+    if how not in (KEEP, CHECKPOINT):
+        choices[("policy", how)] = policy_fn(how, policies)
+    try:
+        yield
+    finally:
+        choices.clear()
+        choices.update(before)
 
 
 def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
@@ -68,8 +116,11 @@ def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
 
 @torch.compiler.disable
 def eager_dispatch(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
-    """lp.dispatch for `layer`, run outside torch.compile's graph (the profiling step of a compiled layer)."""
-    return lp.dispatch(lp.index[id(layer)], fn, *args)
+    """lp.dispatch for `layer`, run outside torch.compile's graph (the profiling step of a compiled layer). The
+    layer is noted as compiled (LayerPlan.compiled_layers): the profiling step profiles it through its graph."""
+    i = lp.index[id(layer)]
+    lp.compiled_layers.add(i)
+    return lp.dispatch(i, fn, *args)
 
 
 def publish(layers: Sequence[nn.Module], shape: "Shape", policies: dict) -> None:

@@ -31,7 +31,7 @@ from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import Shape, Step, step_context
+from .measure_step import Shape, Step, measure_planned_step, step_context, storage_key
 from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
@@ -103,6 +103,8 @@ class LayerPlan:
         self.repeats = repeats
         self.exclude = list(exclude)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
+        # The layers whose calls came from a compiled graph (compiled.eager_dispatch): profiled through it.
+        self.compiled_layers: set[int] = set()
         self._shapes: dict[tuple, Shape] = {}
         self._fixed: Shape | None = None
         if plan is not None:
@@ -135,7 +137,9 @@ class LayerPlan:
         # First among the model's forward pre-hooks: the step's base is read before FSDP2's root all-gathers its
         # parameters (fully_shard prepends its hook too; _first_hook moves remat's back in front).
         self._begin_hook = model.register_forward_pre_hook(self._step_begins, prepend=True, with_kwargs=True)
-        self._handles = [self._begin_hook]
+        # A forward hook: a planned step whose last layer ran inside its compiled graph (its call did not reach
+        # remat's dispatch) is measured from the model's outputs (_forward_ends).
+        self._handles = [self._begin_hook, model.register_forward_hook(self._forward_ends)]
         self._unmeasured = False  # this step runs every layer checkpointed, measuring nothing
         self._params = [p for p in model.parameters()]
 
@@ -337,7 +341,27 @@ class LayerPlan:
         key = ("model", call_key(args, kwargs))
         self._step = self._new_step(self._device_of(args), key)
         self._step.key = key
+        # The tensors the model is called with, alive at the base: a first layer that takes one of them as its
+        # input takes an input the base holds.
+        self._step.call_storages = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                                    if isinstance(t, torch.Tensor)}
         set_step_key(self.layers, key)
+
+    def _forward_ends(self, module, args, output):
+        """The model's forward is over. A planned step whose last layer did not reach remat's dispatch (it ran
+        inside its compiled graph) is measured from the outputs the backward pass starts at: its peak, checked
+        against the prediction at the end of that pass, as a step measured from its last layer is."""
+        step = self._step
+        if step is None or step.done or step.measured or step.off_plan or step.key is None:
+            return
+        shape = self._shapes.get(step.key)
+        if shape is None or shape.choices is None or step.shape not in (None, shape):
+            return
+        step.shape = shape
+        outs = [t for t in torch.utils._pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        if outs:
+            measure_planned_step(step, shape, outs, lambda: self._check_prediction(shape), retime=False)
 
     def _new_step(self, device: torch.device, key) -> Step:
         """The training step under `key` beginning now on `device`: its base read, and, with a device budget and
@@ -482,7 +506,7 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).
     Each layer's forward is wrapped (an instance attribute running the class's forward; LayerPlan.remove()
     puts it back). Layers compiled one by one (layer.compile(), torch.compile(layer)) run the plan inside their
-    compiled graphs (the profiling step runs them eagerly). In eval mode or
+    compiled graphs (the profiling step runs them eagerly, then profiles them through their graphs). In eval mode or
     under no_grad the layers run plainly. Raises ValueError/TypeError for bad arguments; at the end of the
     profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits.
     agree: every rank of a torch.distributed process group plans from the same numbers (each figure's maximum

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from . import _core, oom
+from .compiled import compiled_entry, forced_choice
 from .layer_calls import layer_key, layer_output, taken_tensors
 from .policies import CHECKPOINT, run_layer
 from .profile import StageFn, profile
@@ -128,8 +129,11 @@ class Step:
         self.output_grad_bytes = 0
         self.peak_after_backward = -1
         self.input_in_base = False
+        self.call_storages: set[int] = set()  # the storages of the tensors the model was called with
         self.input_bytes = 0
         self.done = False
+        self.measured = False  # a planned step whose measurement is set up (measure_planned_step)
+        self.at_end_queued = False
         self.key: tuple | None = None  # the model call's shapes (call_key), when the step began there
         self.off_plan = False  # a layer's call had shapes its plan was not made for: the rest is checkpointed
         # What the layers take or hand on beside their input and output (StepContext.side_bytes): the storages
@@ -180,10 +184,13 @@ def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
-def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor, measured: Callable[[], None] = None):
-    """Measures a planned step from its last layer's output `out` on: its peak (shape.last_peak, at the end
-    of its backward pass, then measured() is called), and on the first planned steps the rest of the step's
-    time again."""
+def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor | list[torch.Tensor],
+                         measured: Callable[[], None] = None, retime: bool = True):
+    """Measures a planned step from its last layer's output `out` on (or from the first of a list of the model's
+    outputs the backward pass reaches): its peak (shape.last_peak, at the end of its backward pass, then
+    measured() is called), and with `retime`, on the first planned steps, the rest of the step's time again."""
+    step.measured = True
+
     def at_end():
         step.note_peak()
         shape.last_peak = step.true_peak - step.base
@@ -193,11 +200,14 @@ def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor, measur
             measured()
 
     def hook(g):
-        queue_at_backward_end(at_end)
+        if not step.done and not step.at_end_queued:
+            step.at_end_queued = True
+            queue_at_backward_end(at_end)
         return g
 
-    out.register_hook(hook)
-    if shape.rest_retimed < RETIMED_STEPS and shape.context is not None:
+    for t in out if isinstance(out, list) else [out]:
+        t.register_hook(hook)
+    if retime and shape.rest_retimed < RETIMED_STEPS and shape.context is not None:
         # The rest of the step timed again on the first planned steps (two synchronizations each): the
         # profiling step's reading includes what a step does the first time only (the allocator's first
         # requests for the rest's tensors, the libraries' first calls), and so, measured, did the first
@@ -225,6 +235,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.note_peak()
         step.at_layer0 = meter.count()
         step.before_peak = step.true_peak - step.base
+        if storage_key(x) in step.call_storages:
+            step.input_in_base = True  # the model's own input, alive at the base
     step.calls.append((fn, args, x))
     returned = run_layer(CHECKPOINT, fn, args, [lp.layers[i]], lp.policies)
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])
@@ -236,16 +248,17 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         shape.layer_keys = [layer_key(f, a) for f, a, _ in step.calls]
         step.note_peak()
         stage_fns, inputs, excluded = [], [], []
+        gathered = Gathered(lp.layers, meter)
         for j, (f, a, xj) in enumerate(step.calls):
             rest = a[1:]
             stage_fns.append(StageFn(lambda t, f=f, rest=rest, j=j: layer_output(
                 f(t, *rest), lp.who, j, lp.layers[j])[0], f"{j}:{type(lp.layers[j]).__name__}",
-                lp.layers[j]))
+                lp.layers[j], compiled_stage(lp, shape, j, f, rest, bool(gathered.per_layer[j]))))
             inputs.append(xj)
             excluded.extend(taken_tensors(f, a))
         bar = progress_bar(f"{lp.who}: profiling")
         times = PhaseTimes(bar)
-        with Gathered(lp.layers, meter) as gathered, contextlib.closing(bar):
+        with gathered, contextlib.closing(bar):
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
@@ -305,6 +318,27 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             x0.register_hook(at_x0)
     del x0, out
     return returned
+
+def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sharded: bool):
+    """Layer j's StageFn.compiled in the profiling step: the layer run through its compiled call (compiled_entry)
+    under each choice the profiler asks for (forced_choice, the entries a plan with that choice publishes, so
+    that the graph compiled here is the one its planned steps run), or None for a layer that runs eagerly. A
+    compiled layer sharded by FSDP2 is profiled eagerly (its module call would reshard the parameters profiling
+    holds gathered); docs/python.md states it."""
+    if j not in lp.compiled_layers or sharded:
+        return None
+    found = compiled_entry(lp.model, lp.layers[j], fn)
+    if found is None:
+        return None
+    entry, keywords = found
+    layer, key, lkey = lp.layers[j], shape.key, shape.layer_keys[j]
+
+    def run(how: str, t: torch.Tensor) -> torch.Tensor:
+        with forced_choice(layer, key, lkey, how, lp.policies):
+            return layer_output(entry(t, *rest, **keywords), lp.who, j, layer)[0]
+
+    return run
+
 
 def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     """The profiling step's readings, turned into a StepContext by the planner library's code (the code

@@ -32,7 +32,7 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
-from .policies import POLICY_OFFLOAD, autocast_cache_off, checkpoint_context, policy_fn
+from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_context, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,6 +48,11 @@ class StageFn:
     fn: Callable[[torch.Tensor], torch.Tensor]
     name: str = ""
     module: nn.Module | None = None
+    # A stage that runs compiled: compiled(how, x) runs it as its compiled graph does under choice `how` (KEEP,
+    # CHECKPOINT or a policy's name) and returns its output tensor. Its kept, checkpointed and policy passes run
+    # through it, so that its figures are the compiled graph's; what runs outside the graph (offloaded choices,
+    # saved groups) is not profiled for it, and the planner offers it none.
+    compiled: Callable[[str, torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, x):
         return self.fn(x)
@@ -392,6 +397,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
 
+    A StageFn with `compiled` (a layer compiled one by one, as remat.enable's profiling step gives it) runs its
+    kept, checkpointed and policy passes through that call, after one untimed run of each (compiling); it gets no
+    offload or group figures.
+
     progress: None (the default) draws a progress bar on stderr while profiling runs, erased when it ends and
     not drawn where stderr is not a terminal (remat.progress); False draws nothing; a callable is called
     with a remat.ProfileProgress after each run of one stage instead (its phase_ms summed by phase says where
@@ -458,7 +467,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     elif not callable(progress):
         raise TypeError(f"remat.profile: progress must be None, False or a callable, got {type(progress).__name__}")
     report = Reporter(progress, n, (warmup + repeats) * n * (4 + len(pols)) +
-                      (n + 1 if offload_min_bytes is not None else 0) + (n if groups else 0))
+                      (n + 1 if offload_min_bytes is not None else 0) + (n if groups else 0) +
+                      sum(s.compiled is not None for s in stage_list))
 
     fields = [dict(fwd=[], bwd=[], nosave=[], ckpt_fwd=[], ckpt_bwd=[], out=0, saved=0, ftmp=0, btmp=0,
                    pol={name: dict(fwd=[], bwd=[], saved=0) for name in pols}) for _ in range(n)]
@@ -483,6 +493,20 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         return lambda policy, counter=None: checkpoint_context(mods, policy, counter, route_kept=counter is not None)
 
     contexts = [contexts_of(i) for i in range(n)]
+    compiled = [s.compiled is not None for s in stage_list]
+
+    def run_as(i, how, leaf, counter=None):
+        """Stage i on `leaf` as choice `how` runs it: compiled, inside its graph; else kept as it is, or under
+        torch.utils.checkpoint (with the policy `how` names, through remat's selective checkpointing)."""
+        st = stage_list[i]
+        if st.compiled is not None:
+            return check_out(i, st.compiled(how, leaf))
+        if how == KEEP:
+            return check_out(i, st(leaf))
+        with autocast_cache_off():  # as the runtime's checkpointed layers run
+            return check_out(i, checkpoint(st.fn, leaf, use_reentrant=False, preserve_rng_state=True,
+                                           context_fn=contexts[i](None if how == CHECKPOINT else pols[how],
+                                                                  counter)))
 
     def timed_backward(out, targets, i, grads_peak=False):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive
@@ -532,6 +556,20 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["nosave"].append(f)
                     del out
                     report("forward without saving", names[i])
+                if r == 0:
+                    # Each compiled stage run once under each choice, forward and backward, untimed: what compiles
+                    # its graphs (a choice's graph is compiled at its first call, its backward's at the first
+                    # backward through it) is not one of its timed runs.
+                    for i in range(n):
+                        if compiled[i]:
+                            for how in (KEEP, CHECKPOINT, *pols):
+                                leaf = leaf_of(i)
+                                out = run_as(i, how, leaf)
+                                targets = targets_of(i, leaf)
+                                if out.requires_grad and targets:
+                                    timed_backward(out, targets, i)
+                                del out, leaf
+                            report("compiling", names[i])
                 # From the last stage to the first: its forward saving for backward, and its backward.
                 for i in reversed(range(n)):
                     leaf = leaf_of(i)
@@ -541,7 +579,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     with meter.window() as window:
                         t0 = time.perf_counter()
                         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-                            out = check_out(i, stage_list[i](leaf))
+                            out = run_as(i, KEEP, leaf)
                         sync()
                         f = (time.perf_counter() - t0) * 1e3
                         fwd_peak = window.peak() - base
@@ -553,7 +591,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["out"] = out.nbytes
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
-                        if offload_min_bytes is not None:
+                        if offload_min_bytes is not None and not compiled[i]:
                             fields[i]["offload"] = counter.offload_cost(
                                 _storage_key(leaf), out_key, fields[i]["saved"] - out.nbytes)
                             fields[i]["largest"] = max([nb for nb, _ in counter.offloaded.values()] + [0])
@@ -584,9 +622,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     leaves[i] = leaf_of(i)
                     sync()
                     t0 = time.perf_counter()
-                    with autocast_cache_off():  # as the runtime's checkpointed layers run
-                        outs[i] = check_out(i, checkpoint(stage_list[i].fn, leaves[i], use_reentrant=False,
-                                                          preserve_rng_state=True, context_fn=contexts[i](None)))
+                    outs[i] = run_as(i, CHECKPOINT, leaves[i])
                     sync()
                     cf[i] = (time.perf_counter() - t0) * 1e3
                     report("checkpointed", names[i])
@@ -598,23 +634,21 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["ckpt_fwd"].append(cf[i])
                         fields[i]["ckpt_bwd"].append(cb)
                     report("checkpointed", names[i])
-                for name, fn in pols.items():
+                for name in pols:
                     for i in reversed(range(n)):
                         leaf = leaf_of(i)
                         # Offloading profiled: what the policy keeps passes through counting hooks (the
                         # checkpoint's input through them as hooks, what the policy keeps through remat's
                         # selective checkpointing), as through an Offload.
                         counter = (_SavedStorages(alive | {_storage_key(leaf)}, offload_min_bytes, alive)
-                                   if policy_offload else None)
+                                   if policy_offload and not compiled[i] else None)
                         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
                                  if counter else contextlib.nullcontext())
                         sync()
                         base = meter.count()
                         t0 = time.perf_counter()
-                        with hooks, autocast_cache_off():  # as the runtime's checkpointed layers run
-                            out = check_out(i, checkpoint(stage_list[i].fn, leaf, use_reentrant=False,
-                                                          preserve_rng_state=True,
-                                                          context_fn=contexts[i](fn, counter)))
+                        with hooks:
+                            out = run_as(i, name, leaf, counter)
                         sync()
                         f = (time.perf_counter() - t0) * 1e3
                         if measure:
@@ -645,6 +679,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 # made (each copy waited for at once) and brought back where it is used (none ahead); the plan adds
                 # the window the runtime keeps in flight beside them.
                 for i in range(n):
+                    if compiled[i]:
+                        report("offloading", names[i])
+                        continue
                     leaf = leaf_of(i)
                     targets = targets_of(i, leaf)
                     fields[i]["stream"] = _measure_stream(
@@ -655,6 +692,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     report("offloading", names[i])
             if groups:
                 for i in range(n):
+                    if compiled[i]:
+                        fields[i]["groups"] = []
+                        report("groups", names[i])
+                        continue
                     leaf = leaf_of(i)
                     fields[i]["groups"] = _measure_groups(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,

@@ -10,12 +10,15 @@ with its gradients made there and each policy's backward on its own (charged_all
 under CPU bf16 autocast.
 
 `--compiled` instead plans issue 45's GPT-2 (4 blocks of width 128, batch 8, sequence 128, dropout 0), each
-block compiled (layer.compile()) after remat.hf.enable at 0.6 of the plain compiled step's peak: the profile
-is the eager profiling step's, so the prediction is the eager step's.
+block compiled (layer.compile()) after remat.hf.enable, at shares of the plain compiled step's peak (`--at`,
+0.6 by default), twice in one run: with the layers profiled eagerly as before issue 45 (the profile's
+compiled passes switched off) and profiled through their compiled graphs. Each row gives the profiling step's
+time (compiling included), the plan, its prediction and measured peak, the median time of the planned steps
+and the plan's predicted step time.
 
     python bench/prediction_error.py --amp fp32
     python bench/prediction_error.py --amp bf16
-    python bench/prediction_error.py --compiled
+    python bench/prediction_error.py --compiled --at 0.4 0.6 0.8
 """
 from __future__ import annotations
 
@@ -106,8 +109,11 @@ def llama(args, meter):
           "predicted)")
 
 
-def compiled_gpt2(meter):
+def compiled_gpt2(args, meter):
+    import time
+
     import transformers
+    import remat.measure_step
 
     def make():
         torch.manual_seed(0)
@@ -117,24 +123,51 @@ def compiled_gpt2(meter):
         m.train()
         return m
 
+    def timed(m, s):
+        t0 = time.perf_counter()
+        peak = step(m, batch, meter, s, "fp32")
+        return peak, (time.perf_counter() - t0) * 1e3
+
     ids = torch.randint(0, 1000, (8, 128), generator=torch.Generator().manual_seed(1))
     batch = dict(input_ids=ids, labels=ids)
     m = make()
     for block in m.transformer.h:
         block.compile()
-    plain = [step(m, batch, meter, s, "fp32") for s in range(3)][2]
+    runs = [timed(m, s) for s in range(3 + args.steps)]
+    plain = runs[2][0]
+    plain_ms = sorted(ms for _, ms in runs[3:])[args.steps // 2]
     del m
     gc.collect()
-    m = make()
-    budget = int(0.6 * plain)
-    lp = remat.hf.enable(m, budget=budget)
-    for block in m.transformer.h:
-        block.compile()
-    measured = [step(m, batch, meter, s, "fp32") for s in range(4)][3]
-    p = lp.predicted_peak_bytes
-    print(f"compiled GPT-2 (4x128, batch 8, sequence 128, dropout 0), torch {torch.__version__}: plain compiled "
-          f"step {mib(plain)} MiB, budget {mib(budget)} MiB (0.6); plan {' '.join(lp.choices)}; predicted "
-          f"{mib(p)} MiB, measured {mib(measured)} MiB, error {(measured / p - 1) * 100:+.1f}%")
+    print(f"compiled GPT-2 (4x128, batch 8, sequence 128, dropout 0, each block layer.compile()d after "
+          f"remat.hf.enable), torch {torch.__version__}: plain compiled step {mib(plain)} MiB, {plain_ms:.1f} ms "
+          f"(median of {args.steps})")
+    print("| budget (of plain) | profiled | profiling step s | plan | predicted MiB | measured MiB | error | "
+          f"step ms (median of {args.steps}) | predicted step ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    as_compiled = remat.measure_step.compiled_stage
+    for where in args.at:
+        for profiled in ("eagerly", "compiled"):
+            # "eagerly": as before issue 45, each compiled layer profiled by its eager run.
+            remat.measure_step.compiled_stage = as_compiled if profiled == "compiled" else (lambda *a: None)
+            torch._dynamo.reset()
+            m = make()
+            budget = int(where * plain)
+            lp = remat.hf.enable(m, budget=budget)
+            for block in m.transformer.h:
+                block.compile()
+            profiling_s = timed(m, 0)[1] / 1e3
+            runs = [timed(m, s) for s in range(1, 3 + args.steps)]
+            measured = runs[1][0]
+            ms = sorted(t for _, t in runs[2:])[args.steps // 2]
+            p = lp.predicted_peak_bytes
+            print(f"| {where:.1f} ({mib(budget)} MiB) | {profiled} | {profiling_s:.1f} | "
+                  f"{' '.join(c[0] for c in lp.choices)} | {mib(p)} | {mib(measured)} | "
+                  f"{(measured / p - 1) * 100:+.1f}% | {ms:.1f} | {lp.timeline()['time_ms']:.1f} |")
+            lp.remove()
+            del m, lp
+            gc.collect()
+    remat.measure_step.compiled_stage = as_compiled
+    print("plan letters: k keep, c checkpoint, m matmuls; profiling step s includes compiling the layers' graphs")
 
 
 def main():
@@ -144,13 +177,18 @@ def main():
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--at", type=float, nargs="+", default=[0.2, 0.5, 0.8])
+    ap.add_argument("--at", type=float, nargs="+", default=None,
+                    help="budgets: between Hugging Face's peak and the plain one (default 0.2 0.5 0.8); with "
+                    "--compiled, shares of the plain compiled peak (default 0.6)")
     ap.add_argument("--compiled", action="store_true")
+    ap.add_argument("--steps", type=int, default=5, help="--compiled: planned steps timed per budget")
     args = ap.parse_args()
     meter = remat.cpu_meter()
     if args.compiled:
-        compiled_gpt2(meter)
+        args.at = args.at or [0.6]
+        compiled_gpt2(args, meter)
     else:
+        args.at = args.at or [0.2, 0.5, 0.8]
         llama(args, meter)
 
 

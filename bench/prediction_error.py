@@ -18,7 +18,9 @@ and the plan's predicted step time.
 
     python bench/prediction_error.py --amp fp32
     python bench/prediction_error.py --amp bf16
-    python bench/prediction_error.py --compiled --at 0.4 0.6 0.8
+    python bench/prediction_error.py --compiled --at 0.5 0.6 0.8 --steps 15
+    python bench/prediction_error.py --device cuda --amp fp16        # the GPU rows (scripts/gpu-session's
+    python bench/prediction_error.py --device cuda --compiled --amp bf16   # "predictions" part)
 """
 from __future__ import annotations
 
@@ -31,14 +33,20 @@ import remat
 import remat.hf
 
 
+DEVICE = torch.device("cpu")
+AMP = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def step(model, batch, meter, seed, amp):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     base = meter.active()
     meter.reset_peak()
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
+    with torch.autocast(DEVICE.type, dtype=AMP[amp] or torch.bfloat16, enabled=AMP[amp] is not None):
         loss = model(**batch).loss
     loss.backward()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
     return meter.peak() - base
 
 
@@ -71,11 +79,11 @@ def llama(args, meter):
         cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=args.width, intermediate_size=4 * args.width,
                                        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                                        max_position_embeddings=args.seq)
-        m = transformers.LlamaForCausalLM(cfg)
+        m = transformers.LlamaForCausalLM(cfg).to(DEVICE)
         m.train()
         return m
 
-    ids = torch.randint(0, 1000, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 1000, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     batch = dict(input_ids=ids, labels=ids)
     m = make()
     plain = [step(m, batch, meter, s, args.amp) for s in range(2)][1]
@@ -93,6 +101,7 @@ def llama(args, meter):
     lp = remat.hf.enable(m, budget=plain)
     step(m, batch, meter, 0, args.amp)  # the profiling step
     print(f"llama width {args.width}, {args.layers} layers, batch {args.batch}, sequence {args.seq}, {args.amp}, "
+          f"{DEVICE.type}, "
           f"torch {torch.__version__}: plain step {mib(plain)} MiB, Hugging Face's checkpointing {mib(hf)} MiB")
     print("| budget (between HF and plain) | plan | predicted MiB | measured MiB | error | before (as the model "
           "was) |")
@@ -119,16 +128,16 @@ def compiled_gpt2(args, meter):
         torch.manual_seed(0)
         cfg = transformers.GPT2Config(vocab_size=1000, n_embd=128, n_layer=4, n_head=4, n_positions=128,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        m = transformers.GPT2LMHeadModel(cfg)
+        m = transformers.GPT2LMHeadModel(cfg).to(DEVICE)
         m.train()
         return m
 
     def timed(m, s):
         t0 = time.perf_counter()
-        peak = step(m, batch, meter, s, "fp32")
+        peak = step(m, batch, meter, s, args.amp)
         return peak, (time.perf_counter() - t0) * 1e3
 
-    ids = torch.randint(0, 1000, (8, 128), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 1000, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     batch = dict(input_ids=ids, labels=ids)
     m = make()
     for block in m.transformer.h:
@@ -138,8 +147,8 @@ def compiled_gpt2(args, meter):
     plain_ms = sorted(ms for _, ms in runs[3:])[args.steps // 2]
     del m
     gc.collect()
-    print(f"compiled GPT-2 (4x128, batch 8, sequence 128, dropout 0, each block layer.compile()d after "
-          f"remat.hf.enable), torch {torch.__version__}: plain compiled step {mib(plain)} MiB, {plain_ms:.1f} ms "
+    print(f"compiled GPT-2 (4x128, batch {args.batch}, sequence {args.seq}, dropout 0, each block layer.compile()d "
+          f"after remat.hf.enable), {args.amp}, {DEVICE.type}, torch {torch.__version__}: plain compiled step {mib(plain)} MiB, {plain_ms:.1f} ms "
           f"(median of {args.steps})")
     print("| budget (of plain) | profiled | profiling step s | plan | predicted MiB | measured MiB | error | "
           f"step ms (median of {args.steps}) | predicted step ms |")
@@ -172,10 +181,11 @@ def compiled_gpt2(args, meter):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--amp", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--amp", choices=list(AMP), default="fp32", help="autocast's dtype (fp16: CUDA only)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the GPU rows)")
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=None, help="default 4 (--compiled: 8)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--at", type=float, nargs="+", default=None,
                     help="budgets: between Hugging Face's peak and the plain one (default 0.2 0.5 0.8); with "
@@ -183,7 +193,12 @@ def main():
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--steps", type=int, default=5, help="--compiled: planned steps timed per budget")
     args = ap.parse_args()
-    meter = remat.cpu_meter()
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if args.amp == "fp16" and DEVICE.type != "cuda":
+        ap.error("--amp fp16 runs on CUDA only (--device cuda)")
+    args.batch = args.batch or (8 if args.compiled else 4)
+    meter = remat.meter_for(DEVICE)
     if args.compiled:
         args.at = args.at or [0.6]
         compiled_gpt2(args, meter)

@@ -441,6 +441,86 @@ TEST_F(PlannedTest, FittingTheDevicePlansForWhatItHasFreeAsThatBudgetInBytesWoul
                c10::Error);
 }
 
+TEST_F(PlannedTest, AStepAboveItsPredictionIsPlannedAgainBelowTheBudgetOnce) {
+  // replan_on_overshoot (issue 45): a profile made wrong on purpose (each stage's saved bytes beyond its
+  // output scaled by 0.6, times that make keeping a stage faster than recomputing it) predicts less than the
+  // plan's steps hold. The step after the first planned one is planned again below the budget by the
+  // overshoot, and holds within the budget; once per input shape. Every step is the plain run's.
+  const int64_t w = 64, depth = 6;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({16, 32, 8});
+  const int64_t plain_peak = plain_chain_peak(w, depth, x);
+  torch::manual_seed(0);
+  Net first(w, depth);
+  first->planned =
+      remat::Planned(remat::stages_at<BlockImpl>(*first, {"h"}), remat::PlannedOptions().budget(plain_peak));
+  step(first, x);
+  step(first, x);
+  remat::Chain wrong = *(*first->planned)->chain();
+  for (remat::Stage& st : wrong.stages) {
+    st.saved_bytes = st.output_bytes + (st.saved_bytes - st.output_bytes) * 6 / 10;
+    st.policies.clear();
+    st.fwd_ms = 1;
+    st.fwd_nosave_ms = st.checkpoint_fwd_ms = 5;
+    st.bwd_ms = 2;
+    st.checkpoint_bwd_ms = 8;
+  }
+  const int64_t budget = plain_peak * 7 / 10;
+  auto make = [&](bool replan) {
+    torch::manual_seed(0);
+    Net net(w, depth);
+    net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                                  remat::PlannedOptions().budget(budget).replan_on_overshoot(replan));
+    (*net->planned)->use_profile({{16, 32, w}}, wrong);
+    return net;
+  };
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  Net net = make(true);
+  const remat::PlannedImpl& p = **net->planned;
+  expect_step_as_plain(plain, net, x, 400, "the step that measures the rest");
+  expect_step_as_plain(plain, net, x, 401, "the first planned step");
+  ASSERT_TRUE(p.is_planned());
+  const std::string first_plan = p.plan()->to_string();
+  const int64_t predicted = p.predicted_peak_bytes();
+  const int64_t overshoot = p.last_peak_bytes() - predicted;
+  ASSERT_TRUE(p.prediction_error().has_value());
+  ASSERT_GT(*p.prediction_error(), remat::kPredictionTolerance) << first_plan;
+  EXPECT_EQ(p.budget_lowered_bytes(), 0);
+  // The next step runs a plan made below the budget by the overshoot, and stays within the budget.
+  expect_step_as_plain(plain, net, x, 402, "the step planned again");
+  EXPECT_EQ(p.budget_lowered_bytes(), overshoot);
+  EXPECT_NE(p.plan()->to_string(), first_plan);
+  EXPECT_LE(p.predicted_peak_bytes(), budget - overshoot);
+  EXPECT_LE(p.last_peak_bytes(), budget) << p.plan()->to_string();
+  // Once per input shape: the new plan's own miss is not planned again.
+  const std::string second_plan = p.plan()->to_string();
+  expect_step_as_plain(plain, net, x, 403, "a later step");
+  EXPECT_EQ(p.plan()->to_string(), second_plan);
+
+  // Without the option the plan is kept.
+  Net kept = make(false);
+  step(kept, x);
+  step(kept, x);
+  step(kept, x);
+  EXPECT_EQ((*kept->planned)->plan()->to_string(), first_plan);
+  EXPECT_EQ((*kept->planned)->budget_lowered_bytes(), 0);
+  ASSERT_TRUE((*kept->planned)->prediction_error().has_value());
+  EXPECT_GT(*(*kept->planned)->prediction_error(), remat::kPredictionTolerance);
+
+  // Not with ranks that agree on one plan.
+  try {
+    remat::Planned(remat::stages_at<BlockImpl>(*kept, {"h"}),
+                   remat::PlannedOptions().budget(budget).replan_on_overshoot(true).agree(
+                       [](std::vector<torch::Tensor>&) {}));
+    FAIL() << "replan_on_overshoot with agree was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("remat::Planned: replan_on_overshoot plans again from one rank's"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST_F(PlannedTest, ASavedProfileIsUsedInsteadOfProfilingAndGivesTheSamePlan) {
   const int64_t w = 32, depth = 5;
   torch::manual_seed(5);

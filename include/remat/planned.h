@@ -96,6 +96,14 @@ struct PlannedOptions {
   /// remat::distributed::same_plan_on_every_rank(group) (remat/distributed.h) is one. Every rank must then
   /// see the same input shapes in the same order.
   TORCH_ARG(std::function<void(std::vector<torch::Tensor>&)>, agree) = nullptr;
+  /// When a planned step held more than its plan predicted, beyond kPredictionTolerance (the rule of
+  /// remat::check_prediction, remat/planner/step.h), its shape is planned again at its next step, below the
+  /// budget by what the step held above the prediction, so that the next plan, held above its own prediction
+  /// as much, stays within the budget. Once per input shape (it cannot loop), and a budget only goes down;
+  /// where no plan fits the lowered budget, the plan in force is kept. A step that held less is not planned
+  /// again for more. The Python package's replan_on_overshoot. Not with agree (one rank's measured peak would
+  /// part the ranks' plans): the constructor throws c10::Error naming remat::Planned.
+  TORCH_ARG(bool, replan_on_overshoot) = false;
 };
 
 /// A stage that also takes the per-step extra tensors given to PlannedImpl::forward(x, args), e.g. an
@@ -161,6 +169,9 @@ class PlannedImpl : public torch::nn::Module {
   /// (remat::check_prediction's error, the rule the Python package follows); nullopt before a planned step of
   /// the last shape was measured.
   std::optional<double> prediction_error() const;
+  /// What replan_on_overshoot took off the budget of the last input's shape (bytes; 0 when it has not planned
+  /// that shape again, or found no plan below the lowered budget).
+  int64_t budget_lowered_bytes() const;
   /// Training steps run before the plan for the last shape came into force.
   int64_t profiling_steps() const;
   /// What the profiling step measured of the rest of the step for the last shape, or nullptr.
@@ -186,6 +197,10 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<memory::PeakWindow> whole;  // from the profiling step's start to its planning
     int64_t lost = 0;                           // what the allocator lost to fragmentation in that step
     int64_t budget = -1;
+    // replan_on_overshoot: whether this shape's measured peak was checked (once), and what that took off its
+    // budget (bytes).
+    bool overshoot_checked = false;
+    int64_t lowered = 0;
     // What an out-of-memory error in a step of the plan says of it (who, the plan, budget, prediction): made
     // with the plan, shared by its steps' words.
     std::shared_ptr<const OutOfMemory> out_of_memory;
@@ -193,6 +208,7 @@ class PlannedImpl : public torch::nn::Module {
   using Key = std::vector<std::vector<int64_t>>;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);
   void make_plan(Shape& shape);
+  void replan_on_overshoot(Shape& shape);
   // fit_device's reading of the device: PlannedOptions::read_device, or remat::memory::device_memory.
   memory::DeviceMemory read_device(c10::Device device) const;
   // What a planned step of `shape` says when it runs out of memory (remat::describe_out_of_memory's words).

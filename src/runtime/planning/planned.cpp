@@ -62,6 +62,10 @@ PlannedImpl::PlannedImpl(std::vector<ArgsStageFn> stages, PlannedOptions options
               options_.profile_repeats());
   TORCH_CHECK(options_.offload_min_bytes() >= 0, kWho, ": offload_min_bytes must be >= 0 (bytes), got ",
               options_.offload_min_bytes());
+  TORCH_CHECK(
+      !(options_.replan_on_overshoot() && options_.agree()), kWho,
+      ": replan_on_overshoot plans again from one rank's measured peak, and ranks that agree must run one "
+      "plan: not both");
   TORCH_CHECK(options_.planner().max_host_bytes >= -1, kWho,
               ": PlannerOptions::max_host_bytes must be >= 0, or -1 for no bound, got ",
               options_.planner().max_host_bytes);
@@ -129,6 +133,8 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
                 " but the input of that shape has ", x.nbytes(), " bytes");
   if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
+  if (shape.plan && options_.replan_on_overshoot() && !shape.overshoot_checked && *shape.last_peak >= 0)
+    replan_on_overshoot(shape);
   if (!shape.plan) {
     if (options_.fit_device() != 0) {
       // What the device has, read before anything of the step runs (a CPU has nothing to read: an error that
@@ -306,6 +312,11 @@ void PlannedImpl::make_plan(Shape& shape) {
     }
     fitted = c10::str(" (fit_device ", options_.fit_device(), " of ", describe_room(room), ")");
   }
+  if (shape.lowered > 0) {
+    // replan_on_overshoot: below the budget by what a planned step held above its prediction.
+    budget -= shape.lowered;
+    fitted += c10::str(" (lowered by ", shape.lowered, " bytes: replan_on_overshoot)");
+  }
   try {
     // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
     // (recomputation across stages).
@@ -330,6 +341,28 @@ void PlannedImpl::make_plan(Shape& shape) {
         context.rest_peak_bytes, " bytes)");
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, kWho, ": ", e.what());
+  }
+}
+
+void PlannedImpl::replan_on_overshoot(Shape& shape) {
+  shape.overshoot_checked = true;  // once per input shape: the next plan's own miss is not planned again
+  const int64_t budget = budget_bytes();
+  const PredictionCheck check =
+      check_prediction(shape.predicted, *shape.last_peak, std::max<int64_t>(1, budget));
+  if (check.replan_budget_bytes < 0) return;  // within the tolerance, or the step held less
+  std::optional<Plan> plan = shape.plan;
+  const int64_t predicted = shape.predicted;
+  std::shared_ptr<const OutOfMemory> words = shape.out_of_memory;
+  shape.lowered = budget - check.replan_budget_bytes;
+  try {
+    make_plan(shape);
+    *shape.last_peak = -1;  // the plan in force has not been measured yet
+  } catch (const c10::Error&) {
+    // No plan fits below the lowered budget: the plan in force is kept.
+    shape.plan = std::move(plan);
+    shape.predicted = predicted;
+    shape.out_of_memory = std::move(words);
+    shape.lowered = 0;
   }
 }
 
@@ -387,6 +420,9 @@ int64_t PlannedImpl::last_peak_bytes() const {
 std::optional<double> PlannedImpl::prediction_error() const {
   if (!last_ || last_->predicted <= 0 || *last_->last_peak < 0) return std::nullopt;
   return check_prediction(last_->predicted, *last_->last_peak, std::max<int64_t>(1, budget_bytes())).error;
+}
+int64_t PlannedImpl::budget_lowered_bytes() const {
+  return last_ ? last_->lowered : 0;
 }
 int64_t PlannedImpl::profiling_steps() const {
   return last_ ? last_->steps_before_plan : 0;

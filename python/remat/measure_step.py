@@ -129,7 +129,6 @@ class Step:
         self.output_grad_bytes = 0
         self.peak_after_backward = -1
         self.input_in_base = False
-        self.call_storages: set[int] = set()  # the storages of the tensors the model was called with
         self.input_bytes = 0
         self.done = False
         self.measured = False  # a planned step whose measurement is set up (measure_planned_step)
@@ -235,8 +234,6 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.note_peak()
         step.at_layer0 = meter.count()
         step.before_peak = step.true_peak - step.base
-        if storage_key(x) in step.call_storages:
-            step.input_in_base = True  # the model's own input, alive at the base
     step.calls.append((fn, args, x))
     returned = run_layer(CHECKPOINT, fn, args, [lp.layers[i]], lp.policies)
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])

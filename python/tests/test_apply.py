@@ -203,7 +203,9 @@ def test_torch_compile_wrappers_are_profiled_through_their_graphs(meter):
     layers = [nn.Sequential(nn.Linear(64, 512), _Swish(), nn.Linear(512, 64)) for _ in range(3)]
     x = torch.randn(256, 64, requires_grad=True)
     eager_saved = remat.profile(layers, x, policies=(), progress=False).stages[0].saved_bytes
-    m = nn.Sequential(*[torch.compile(layer) for layer in layers])
+    # The layers' input made in the model's forward (a first layer taking the model's own input is predicted
+    # with that input counted above the base, a known overstatement: docs/python.md).
+    m = nn.Sequential(nn.Linear(64, 64), *[torch.compile(layer) for layer in layers])
 
     def run():
         m.zero_grad(set_to_none=True)
@@ -212,7 +214,7 @@ def test_torch_compile_wrappers_are_profiled_through_their_graphs(meter):
         m(x).square().mean().backward()
         return meter.peak() - base
 
-    lp = remat.enable(m, list(m), budget=1 << 40)
+    lp = remat.enable(m, list(m)[1:], budget=1 << 40)
     run()
     assert lp.compiled_layers == {0, 1, 2}
     for st in lp.chain.stages:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -321,11 +322,18 @@ def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sha
     under each choice the profiler asks for (forced_choice, the entries a plan with that choice publishes, so
     that the graph compiled here is the one its planned steps run), or None for a layer that runs eagerly. A
     compiled layer sharded by FSDP2 is profiled eagerly (its module call would reshard the parameters profiling
-    holds gathered); docs/python.md states it."""
-    if j not in lp.compiled_layers or sharded:
+    holds gathered), and so is one whose call cannot be made again; either is warned of, since its prediction
+    then overstates what the compiled layer holds (docs/python.md states both)."""
+    if j not in lp.compiled_layers:
         return None
-    found = compiled_entry(lp.model, lp.layers[j], fn)
+    found = None if sharded else compiled_entry(lp.model, lp.layers[j], fn)
     if found is None:
+        why = ("it is sharded by FSDP2 (its module call would reshard the parameters profiling holds gathered)"
+               if sharded else "remat cannot make its call again (its forward reached remat through another "
+               "call than remat's or Hugging Face's)")
+        warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) runs compiled but is profiled eagerly: "
+                      f"{why}; its predicted memory and times are its eager run's, which may overstate the "
+                      "compiled graph's", RuntimeWarning, stacklevel=2)
         return None
     entry, keywords = found
     layer, key, lkey = lp.layers[j], shape.key, shape.layer_keys[j]

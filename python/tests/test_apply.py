@@ -229,6 +229,24 @@ def test_torch_compile_wrappers_are_profiled_through_their_graphs(meter):
     lp.remove()
 
 
+def test_a_compiled_layer_whose_call_cannot_be_made_again_is_profiled_eagerly_with_a_warning(monkeypatch, meter):
+    # The profile's way into a compiled layer needs its call (remat's or Hugging Face's partial of the forward);
+    # a call it cannot make again leaves that layer profiled eagerly, and the profiling step says so.
+    import remat.measure_step
+    torch._dynamo.reset()  # a fresh count for dynamo's recompile limit (8 per function)
+    assert remat.compiled.compiled_entry(nn.Linear(2, 2), nn.Linear(2, 2), lambda x: x) is None
+    monkeypatch.setattr(remat.measure_step, "compiled_entry", lambda model, layer, fn: None)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), *[torch.compile(nn.Sequential(nn.Linear(64, 64), nn.GELU()))
+                                           for _ in range(2)])
+    lp = remat.enable(m, list(m)[1:], budget=1 << 40, policies=())
+    with pytest.warns(RuntimeWarning, match=r"layer 0 \(Sequential\) runs compiled but is profiled eagerly: "
+                      "remat cannot make its call again"):
+        m(torch.randn(32, 64)).sum().backward()
+    assert lp.is_planned() and lp.compiled_layers == {0, 1}
+    lp.remove()
+
+
 def test_the_rest_of_the_step_is_timed_again_on_the_first_planned_steps():
     # The head stalls 0.2 s on its first call only (as a first call pays once: the allocator's first requests, a
     # library's set-up). The profiling step's reading of the rest of the step includes the stall; the first

@@ -75,10 +75,7 @@ def forced_choice(layer: nn.Module, key, layer_key_: tuple, how: str, policies: 
     choices = layer.__dict__.setdefault(CHOICES_ATTR, {})
     before = dict(choices)
     choices[STEP] = key
-    choices[key] = how
-    choices[("layer", key)] = layer_key_
-    if how not in (KEEP, CHECKPOINT):
-        choices[("policy", how)] = policy_fn(how, policies)
+    _set_choice(choices, key, how, layer_key_, policies)
     try:
         yield
     finally:
@@ -132,12 +129,19 @@ def publish(layers: Sequence[nn.Module], shape: "Shape", policies: dict) -> None
             choices.pop(shape.key, None)
             choices.pop(("layer", shape.key), None)
             continue
-        choices[shape.key] = how
-        if shape.layer_keys is not None:
-            choices[("layer", shape.key)] = shape.layer_keys[i]
-        base = split_choice(how)[0]
-        if base not in (KEEP, CHECKPOINT) and not is_groups(base):
-            choices[("policy", base)] = policy_fn(base, policies)
+        _set_choice(choices, shape.key, how, shape.layer_keys[i] if shape.layer_keys is not None else None,
+                    policies)
+
+
+def _set_choice(choices: dict, key, how: str, layer_key_: tuple | None, policies: dict) -> None:
+    """The entries compiled_call reads for step key `key`: the choice `how`, the shapes the layer was profiled
+    with (None: not recorded), and the policy function the choice names (publish's and forced_choice's)."""
+    choices[key] = how
+    if layer_key_ is not None:
+        choices[("layer", key)] = layer_key_
+    base = split_choice(how)[0]
+    if base not in (KEEP, CHECKPOINT) and not is_groups(base):
+        choices[("policy", base)] = policy_fn(base, policies)
 
 
 def set_step_key(layers: Sequence[nn.Module], key) -> None:

@@ -466,9 +466,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         progress = None
     elif not callable(progress):
         raise TypeError(f"remat.profile: progress must be None, False or a callable, got {type(progress).__name__}")
+    compiled = [s.compiled is not None for s in stage_list]
     report = Reporter(progress, n, (warmup + repeats) * n * (4 + len(pols)) +
-                      (n + 1 if offload_min_bytes is not None else 0) + (n if groups else 0) +
-                      sum(s.compiled is not None for s in stage_list))
+                      (n + 1 if offload_min_bytes is not None else 0) + (n if groups else 0) + sum(compiled))
 
     fields = [dict(fwd=[], bwd=[], nosave=[], ckpt_fwd=[], ckpt_bwd=[], out=0, saved=0, ftmp=0, btmp=0,
                    pol={name: dict(fwd=[], bwd=[], saved=0) for name in pols}) for _ in range(n)]
@@ -493,13 +493,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         return lambda policy, counter=None: checkpoint_context(mods, policy, counter, route_kept=counter is not None)
 
     contexts = [contexts_of(i) for i in range(n)]
-    compiled = [s.compiled is not None for s in stage_list]
 
     def run_as(i, how, leaf, counter=None):
         """Stage i on `leaf` as choice `how` runs it: compiled, inside its graph; else kept as it is, or under
         torch.utils.checkpoint (with the policy `how` names, through remat's selective checkpointing)."""
         st = stage_list[i]
-        if st.compiled is not None:
+        if compiled[i]:
             return check_out(i, st.compiled(how, leaf))
         if how == KEEP:
             return check_out(i, st(leaf))

@@ -34,21 +34,23 @@ struct Candidate {
 std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies,
                                             bool offload = false, bool groups = false) {
   const int64_t n = chain.size();
-  std::vector<std::vector<Op>> options(static_cast<size_t>(n));
+  // Per stage, each way with its stream window (-1: not streamed).
+  std::vector<std::vector<std::pair<Op, int64_t>>> options(static_cast<size_t>(n));
   for (int64_t j = 0; j < n; ++j) {
     const remat::Stage& s = chain.stages[static_cast<size_t>(j)];
     auto add = [&](Op op, bool can_offload) {
-      options[j].push_back(op);
+      options[j].emplace_back(op, -1);
       if (offload && can_offload) {
         op.offload = true;
-        options[j].push_back(op);
+        options[j].emplace_back(op, -1);
       }
     };
     add({OpKind::kForwardAll, j}, s.offload.has_value());
-    if (offload && s.offload && s.offload->can_stream()) {
+    if (offload && s.offload && s.offload->can_stream()) {  // with the chain's window, and with none
       Op op{OpKind::kForwardAll, j};
       op.stream = true;
-      options[j].push_back(op);
+      options[j].emplace_back(op, s.offload->window_bytes);
+      if (s.offload->window_bytes > 0) options[j].emplace_back(op, 0);
     }
     add({OpKind::kForwardCheckpoint, j}, s.checkpoint_offload.has_value());
     if (keep_tags && s.has_keep()) add({OpKind::kForwardKeep, j}, s.keep_offload.has_value());
@@ -69,7 +71,7 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
         Op op{OpKind::kForwardKeep, j};
         for (size_t g = 0, c = code; g < s.groups.size(); ++g, c /= letters.size())
           op.groups += letters[c % letters.size()];
-        options[j].push_back(op);
+        options[j].emplace_back(op, -1);
       }
     }
   }
@@ -81,8 +83,9 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
     c.plan.keep = chain.keep;
     c.plan.policies = chain.policies;
     for (int64_t j = 0; j < n; ++j) {
-      const Op op = options[j][pick[j]];
+      const Op op = options[j][pick[j]].first;
       c.plan.ops.push_back(op);
+      c.plan.stream_windows.push_back(options[j][pick[j]].second);
       const remat::Stage& s = chain.stages[static_cast<size_t>(j)];
       if (op.kind == OpKind::kForwardAll) c.ms += s.fwd_ms + s.bwd_ms;
       if (op.kind == OpKind::kForwardCheckpoint) c.ms += s.per_call_fwd_ms() + s.per_call_bwd_ms();
@@ -99,6 +102,8 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
         c.ms += s.policies[static_cast<size_t>(op.policy)].fwd_ms +
                 s.policies[static_cast<size_t>(op.policy)].bwd_ms;
     }
+    if (std::none_of(c.plan.ops.begin(), c.plan.ops.end(), [](const Op& op) { return op.stream; }))
+      c.plan.stream_windows.clear();
     c.plan.ops.push_back({OpKind::kLoss, -1});
     for (int64_t j = n; j-- > 0;) {
       if (c.plan.ops[static_cast<size_t>(j)].kind == OpKind::kForwardCheckpoint)
@@ -1083,10 +1088,11 @@ TEST(OffloadSchedule, StatesWhenEachStagesCopiesAreWaitedForAndBroughtBack) {
 }
 
 TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {
-  // Stages with stream figures may also run streamed (Fa3@stream); the per-layer program finds what the
-  // search over every per-layer plan finds, and plan_step's step peak is the simulated step's.
+  // Stages with stream figures may also run streamed (Fa3@stream), with the chain's window or none; the
+  // per-layer program finds what the search over every per-layer plan finds, and plan_step's step peak is the
+  // simulated step's.
   std::mt19937 rng(5150);
-  int streamed = 0;
+  int streamed = 0, no_window = 0;
   for (int trial = 0; trial < 40; ++trial) {
     const int64_t n = 1 + trial % 4;
     Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
@@ -1099,8 +1105,10 @@ TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {
     expect_exhaustive(chain, all, options, rng, trial, [&](const Plan& plan, int64_t) {
       EXPECT_EQ(remat::plan_from_json(remat::to_json(plan)).ops, plan.ops);
       EXPECT_EQ(plan.predicted.host_peak_bytes, remat::simulate(chain, plan).host_peak_bytes);
+      EXPECT_EQ(remat::plan_from_json(remat::to_json(plan)).stream_windows, plan.stream_windows);
       for (const Op& op : plan.ops)
         streamed += op.stream;
+      no_window += std::count(plan.stream_windows.begin(), plan.stream_windows.end(), 0);
     });
     remat::StepContext ctx;
     ctx.before_saved_bytes = 50;
@@ -1116,6 +1124,7 @@ TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {
     }
   }
   EXPECT_GT(streamed, 10);
+  EXPECT_GT(no_window, 3);  // streamed with no window (chosen at tight budgets: less memory, more time)
 }
 
 TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
@@ -1123,7 +1132,7 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   // above what is held (each copy waited for at once) plus its 6-byte window; after it, of the 30 bytes and
   // a_1 it sends (stage 0, run plainly, does not save a_1 here), only the window is in flight; the window
   // comes back as the backward reaches stage 2, and stage 1's backward peaks at 35 above what is held besides
-  // what it sent, plus the window ahead and a_1 back.
+  // what it sent, plus the window ahead (a_1 back is among the 35: the profile sends the input too).
   Chain chain = remat::uniform_chain(3, 2.0, 4.0, 10, 40);
   for (auto& s : chain.stages)
     s.offload = remat::OffloadCost{30, true, false};
@@ -1138,8 +1147,8 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   const remat::Simulation sim = remat::simulate(chain, plan);
   // Fa0: 10 + 40. Fa1: 50 + 25 + 6. After it: 50 + 40 - (30 + 10) + 6 = 56 (a_1 left: stage 0 does not
   // save it). Fa2: 56 + 40, then the window leaves: 90. L: + d_3 = 100. B2: the window back (106) + d_2 + 0:
-  // 116. After B2: 106 - 40 - 10 + 10 = 66. B1: 66 - 6 + 6 + 35 + a_1 (10) = 111; after it 66 + 40 - 6 ...
-  const std::vector<int64_t> peaks = {50, 81, 96, 100, 116, 111, 70};
+  // 116. After B2: 106 - 40 - 10 + 10 = 66. B1: 66 - 6 + 6 + 35 = 101; after it 66 + 40 - 6 ...
+  const std::vector<int64_t> peaks = {50, 81, 96, 100, 116, 101, 70};
   EXPECT_EQ(sim.op_peak_bytes, peaks);
   // The same copies as @host: its 40 bytes each way.
   EXPECT_EQ(sim.host_peak_bytes, 40);
@@ -1148,6 +1157,32 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   const remat::Simulation h = remat::simulate(chain, host);
   EXPECT_DOUBLE_EQ(sim.time_ms, h.time_ms);
   EXPECT_LT(sim.peak_bytes, h.peak_bytes);
+  // With no window (Plan::stream_windows 0 for it), nothing is in flight or ahead beside its peaks: Fa1 75,
+  // after it 50, Fa2 90, L 100, B2 110, B1 60 + 35 = 95. Its copies are waited for as they are made
+  // and asked for: 3 ms to the host and 5 back on top of the 18 ms of work, where @host's hide all of the
+  // first behind Fa1 and Fa2 and 4 of the second behind B2.
+  Plan none = plan;
+  none.stream_windows = {-1, 0, -1};
+  const remat::Simulation z = remat::simulate(chain, none);
+  EXPECT_EQ(z.op_peak_bytes, (std::vector<int64_t>{50, 75, 90, 100, 110, 95, 70}));
+  EXPECT_DOUBLE_EQ(h.time_ms, 19.0);
+  EXPECT_DOUBLE_EQ(z.time_ms, 26.0);
+  EXPECT_DOUBLE_EQ(z.transfer_ms, 8.0);
+  EXPECT_EQ(z.host_peak_bytes, 40);
+  // The plan's window is what is charged: the chain's, given as such, charges as none given.
+  none.stream_windows = {-1, 6, -1};
+  EXPECT_EQ(remat::simulate(chain, none).op_peak_bytes, peaks);
+  // per_layer offers both: at the least budget no window, with room the window (the copies hidden).
+  remat::PlannerOptions options;
+  options.offload = true;
+  const int64_t least = remat::per_layer_min_budget(chain, options);
+  const Plan tight = remat::per_layer(chain, least, options);
+  ASSERT_EQ(tight.stream_windows.size(), 3u) << tight.to_string();
+  EXPECT_EQ(std::count(tight.stream_windows.begin(), tight.stream_windows.end(), 0), 1) << tight.to_string();
+  EXPECT_EQ(remat::plan_from_json(remat::to_json(tight)).stream_windows, tight.stream_windows);
+  const Plan roomy = remat::per_layer(chain, least + 6, options);
+  EXPECT_EQ(std::count(roomy.stream_windows.begin(), roomy.stream_windows.end(), 0), 0) << roomy.to_string();
+  EXPECT_LT(roomy.predicted.time_ms, tight.predicted.time_ms);
   // Only Fa streams, not with @host, and only a stage with stream figures.
   for (const char* bad : {"Fk0@stream", "Fc0@stream", "Fa0@host@stream", "Fa0@stream@host", "Fk0[x]@stream"})
     EXPECT_THROW(remat::parse_op(bad), std::invalid_argument) << bad;

@@ -11,7 +11,7 @@ from torch import nn
 from . import _core
 from .layer_calls import taken_tensors
 from .offload import CopyEngine, HostPool, Offload, storage_ptrs
-from .policies import is_groups, is_streamed, split_choice
+from .policies import is_groups, is_streamed, split_choice, stream_window
 
 __all__ = ["LayerOffloads", "carry_out", "carry_out_then", "layer_points"]
 
@@ -92,9 +92,10 @@ class LayerOffloads:
         # storages found once a step) and the tensors the call takes beside its input (a mask, a position bias).
         if self._never_sent is None:
             self._never_sent = storage_ptrs([*model.parameters(), *model.buffers()])
-        # Streamed ("keep@stream"): copies bounded by the chain's window each way, each tensor brought back
-        # ahead of its use; otherwise the whole layer comes back at once (prefetch()).
-        window = shape.chain.stages[i].offload.window_bytes if is_streamed(how) else None
+        # Streamed ("keep@stream", "keep@stream0"): copies bounded by the plan's window each way, each tensor
+        # brought back ahead of its use (at it, with no window); otherwise the whole layer comes back at once
+        # (prefetch()).
+        window = stream_window(shape.plan, shape.chain, i) if is_streamed(how) else None
         o = Offload(pool=self.host_pool, min_bytes=self.min_bytes, lookahead=0, engine=engine, window=window)
         o.keep_on_device(taken_tensors(fn, args), storages=self._never_sent)
         self._step.append((i, o))

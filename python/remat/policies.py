@@ -24,7 +24,7 @@ try:  # torch 2.4 and later
 except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
     raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
 
-__all__ = ["KEEP", "CHECKPOINT", "HOST", "STREAM", "POLICY_OFFLOAD", "split_choice", "is_streamed", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
+__all__ = ["KEEP", "CHECKPOINT", "HOST", "STREAM", "STREAM_NO_WINDOW", "POLICY_OFFLOAD", "split_choice", "is_streamed", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
            "checkpoint_context", "run_layer", "checkpoint", "checkpoint_region"]
 
 KEEP = "keep"
@@ -34,6 +34,10 @@ HOST = "@host"
 # A layer kept whole, streamed (the plan's Fa3@stream): "keep@stream". What it saves goes to host memory as its
 # forward makes it and comes back tensor by tensor, each just ahead of its use (remat.offload.Offload's window).
 STREAM = "@stream"
+# Streamed with no window (the plan's Fa3@stream with Plan.stream_windows 0): "keep@stream0". Each copy to the host
+# is waited for as the forward makes it and each tensor is brought back when the backward asks for it: the layer
+# holds its working set only, and nothing hides the copies' time. The planner chooses it where memory is tightest.
+STREAM_NO_WINDOW = "@stream0"
 
 # Whether a policy's kept tensors can be offloaded (the plan's Fk[name]@host). Always true since remat runs
 # selective checkpointing with its own dispatch modes (remat/selective.py), which send them through the layer's
@@ -44,16 +48,16 @@ POLICY_OFFLOAD = True
 
 def split_choice(how: str) -> tuple[str, bool]:
     """A layer's choice as (how it runs, whether what it saves goes to host memory): "keep@host" -> ("keep",
-    True), "keep@stream" -> ("keep", True)."""
-    for suffix in (HOST, STREAM):
+    True), "keep@stream" and "keep@stream0" -> ("keep", True)."""
+    for suffix in (HOST, STREAM, STREAM_NO_WINDOW):
         if how.endswith(suffix):
             return how[:-len(suffix)], True
     return how, False
 
 
 def is_streamed(how: str) -> bool:
-    """Whether a layer's choice is streamed ("keep@stream", a plan's Fa3@stream)."""
-    return how.endswith(STREAM)
+    """Whether a layer's choice is streamed ("keep@stream" or "keep@stream0", a plan's Fa3@stream)."""
+    return how.endswith((STREAM, STREAM_NO_WINDOW))
 
 # The operators a "keep the matrix multiplications" policy saves, as PyTorch's selective checkpointing sees
 # them (below autograd: linear is t + addmm, or a matmul then the bias; matmul is mm or bmm; conv2d is
@@ -215,11 +219,25 @@ def checkpoint(fn: Callable, *args, policy: Callable | None = None, offload=None
     return checkpoint_region(fn, args, modules, policy, offload)
 
 
+def stream_suffix(plan, i: int) -> str:
+    """How a plan streams stage i: "@stream0" where its window (Plan.stream_windows) is 0, else "@stream"."""
+    windows = plan.stream_windows
+    return STREAM_NO_WINDOW if windows and windows[i] == 0 else STREAM
+
+
+def stream_window(plan, chain, i: int) -> int:
+    """The window (bytes) a streamed stage i runs with: the plan's (Plan.stream_windows), else the chain's."""
+    windows = plan.stream_windows
+    if windows and windows[i] >= 0:
+        return windows[i]
+    return chain.stages[i].offload.window_bytes
+
+
 def choices_of(plan) -> list[str]:
     """The per-layer choice of each stage of a per-layer plan (remat.per_layer's shape: each stage's first
     forward is Fa, Fc, Fk[name] or Fk{groups}, no Fn, and a checkpointed stage is recomputed only right before
     its backward): "keep", "checkpoint" or the policy's name, with "@host" after it where the plan offloads it,
-    "keep@stream" where it streams it, or a group assignment "{khr}". Raises ValueError for a plan of another shape (a
+    "keep@stream" where it streams it ("keep@stream0" with no window: Plan.stream_windows 0), or a group assignment "{khr}". Raises ValueError for a plan of another shape (a
     full schedule: run it with remat.CheckpointedSequential)."""
     from . import _core
 
@@ -239,7 +257,7 @@ def choices_of(plan) -> list[str]:
             raise ValueError(f"remat: plan '{plan}' keeps stage {i} with remat::keep tags, which only the C++ "
                              "library has; plan with policies instead")
         out.append((KEEP if op.kind == K.Fa else CHECKPOINT if op.kind == K.Fc else plan.policies[op.policy])
-                   + (STREAM if op.stream else HOST if op.offload else ""))
+                   + (stream_suffix(plan, i) if op.stream else HOST if op.offload else ""))
     # Then the loss and each stage's backward, a checkpointed stage recomputed right before it.
     want = [(K.L, -1)]
     for i in reversed(range(n)):

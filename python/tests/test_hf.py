@@ -303,7 +303,7 @@ def test_streamed_decoder_layers_give_the_plain_run_below_whole_layer_offloading
     streamed = remat.step_peak_bytes(chain, lp.context, every("@stream"))
     assert streamed < remat.step_peak_bytes(chain, lp.context, every("@host"))
     lp.set_budget(streamed)
-    assert sum(c == "keep@stream" for c in lp.choices) >= 2, lp.choices
+    assert sum(c in ("keep@stream", "keep@stream0") for c in lp.choices) >= 2, lp.choices
     for k in (1, 2):
         got = step(model, spec, k, meter)
         same(plain_runs["llama"][k], got)

@@ -43,6 +43,8 @@ struct Choice {
   double bwd_ms = 0;     // its recompute and backward (what hides the previous stage's copy back)
   bool offload = false;  // what it saves goes to the host
   bool stream = false;   // with offload: streamed (Fa@stream), each tensor back just ahead of its use
+  int64_t window = -1;   // streamed: the bytes in flight each way (0: each copy waited for as it is made,
+                         // each tensor brought back at its use, the copies' whole time charged)
   const OffloadCost* cost = nullptr;  // the way's offload cost, offloaded or not (null: unknown)
   std::string groups;                 // a group assignment (Fk{...}), or empty
   std::optional<OffloadCost> own;     // a group assignment's offload cost (cost points here once placed)
@@ -114,7 +116,12 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
   if (offload && s.offload && s.offload->can_stream()) {
     Choice c = out.back();  // Fa@host: the same forward, backward and copies, streamed
     c.stream = true;
+    c.window = s.offload->window_bytes;
     out.push_back(c);
+    if (c.window > 0) {  // and with no window: less memory, the copies' time exposed
+      c.window = 0;
+      out.push_back(c);
+    }
   }
   add({OpKind::kForwardCheckpoint, -1, s.output_bytes, 0, s.per_call_fwd_ms(), s.per_call_bwd_ms()},
       s.checkpoint_offload);
@@ -145,7 +152,9 @@ struct StepTerms {
 };
 
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
-int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step) {
+// `input_left`: a streamed stage's input left the device with what it saves (it is in R_j, but its backward's
+// measured peak already holds it back).
+int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, bool input_left) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
@@ -156,11 +165,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
       at_rec + s.grads_charge_bytes(own, Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream,
                                                           !c.groups.empty(), c.variant - 1));
   if (c.stream) {
-    // Streamed (see simulate()): its measured peaks, each with a window beside it; the backward's above what
-    // the stage keeps on the device (its output included) and the gradient it is handed.
+    // Streamed (see simulate()): its measured peaks, each with its window beside it; the backward's above
+    // what the stage keeps on the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max(o.stream_fwd_bytes + o.window_bytes,
-                    a_out + s.saved_bytes - o.bytes + o.window_bytes + o.stream_bwd_bytes + at_bwd);
+    return std::max(o.stream_fwd_bytes + c.window, a_out + s.saved_bytes - o.bytes + c.window +
+                                                       o.stream_bwd_bytes + at_bwd - (input_left ? a_in : 0));
   }
   const int64_t fwd = c.held + s.fwd_tmp_bytes;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
@@ -311,27 +320,35 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       for (size_t c = 0; c < cs.size(); ++c) {
         const Choice& ch = cs[c];
         Point q;
-        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step));
+        const bool input_leaves = ch.offload && ch.cost->input && j > 0 && !p.keeps_output;
+        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, ch.stream && input_leaves));
         if (by_time && q.peak > budget) continue;
-        const double wait = std::max(0.0, p.link - ch.fwd_ms) + back_wait(p.copied, ch.bwd_ms);
+        double wait = std::max(0.0, p.link - ch.fwd_ms) + back_wait(p.copied, ch.bwd_ms);
+        // Streamed with no window: its copies each way are waited for as they are made or asked for, so
+        // nothing hides them (simulate()'s charge).
+        const bool exposed = ch.stream && ch.window == 0;
+        if (exposed) {
+          const int64_t c = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
+          wait += chain.transfer_ms(c, true) + chain.transfer_ms(c, false);
+        }
         q.ms = p.ms + ch.ms + wait;
         q.transfer_ms = p.transfer_ms + wait;
         q.held = p.held - p.pending + ch.held;
         q.host = p.host;
         if (ch.offload) {
-          const bool input_leaves = ch.cost->input && j > 0 && !p.keeps_output;
           q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
           q.copied = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
           if (ch.stream) {
             // Only a window stays in flight past its forward (and comes back ahead of its backward).
-            const int64_t tail = std::min(ch.cost->window_bytes, q.pending);
+            const int64_t tail = std::min(ch.window, q.pending);
             q.held -= q.pending - tail;
             q.pending = tail;
           }
           q.link = std::max(0.0, chain.transfer_ms(q.copied, true) - std::max(0.0, ch.fwd_ms - p.link));
+          q.host += q.copied;
+          if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
           // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
           q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
-          q.host += q.copied;
           if (bounded && q.host > max_host) continue;
         } else if (!offload) {
           q.keeps_output = true;  // read by offloaded choices only: one group without them
@@ -397,6 +414,10 @@ Plan plan_of(const std::vector<const Choice*>& picked, double* ms) {
   Plan plan;
   plan.num_stages = n;
   *ms = 0;
+  if (std::any_of(picked.begin(), picked.end(), [](const Choice* c) { return c->stream; })) {
+    for (const Choice* c : picked)
+      plan.stream_windows.push_back(c->stream ? c->window : -1);
+  }
   for (int64_t j = 0; j < n; ++j) {
     const Choice& c = *picked[static_cast<size_t>(j)];
     Op op{c.kind, j};

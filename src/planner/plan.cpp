@@ -215,6 +215,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     // Streamed (Fa@stream): of `device`, only `tail` (a window) is in flight after its forward and comes back
     // ahead of its backward; the rest left as it was copied and comes back tensor by tensor within it.
     bool stream = false;
+    int64_t window = 0;    // streamed: the window it runs with (the plan's, else the chain's)
+    bool exposed = false;  // streamed with no window: its copies waited for as made and as asked for
     int64_t tail = 0;
     bool input_left = false;  // its input left the device with it (back with it, or for a streamed backward)
     const OffloadCost* cost = nullptr;
@@ -252,6 +254,12 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   };
   auto transfer = [&](int64_t bytes, bool to_host) {
     return chain ? chain->transfer_ms(bytes, to_host) : 0.0;
+  };
+  // A streamed stage's window: the plan's (Plan::stream_windows), else the chain's.
+  auto window_of = [&](int64_t i) {
+    if (!plan.stream_windows.empty() && plan.stream_windows[static_cast<size_t>(i)] >= 0)
+      return plan.stream_windows[static_cast<size_t>(i)];
+    return chain->stages[static_cast<size_t>(i)].offload->window_bytes;
   };
 
   auto charge = [&](int64_t peak, size_t k) {
@@ -364,9 +372,10 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
       }
       Away& own = away[static_cast<size_t>(i)];
       if (own.state == Away::kBack && !own.charged) {
-        // Only computation hides a copy: the waits for other copies share its link.
-        const double wait =
-            std::max(0.0, transfer(own.copied, false) - (sim.time_ms - sim.transfer_ms - own.back_at));
+        // Only computation hides a copy: the waits for other copies share its link. With no window, each
+        // tensor comes back when its backward asks for it: nothing hides it.
+        const double hidden = own.exposed ? 0.0 : sim.time_ms - sim.transfer_ms - own.back_at;
+        const double wait = std::max(0.0, transfer(own.copied, false) - hidden);
         sim.time_ms += wait, sim.transfer_ms += wait;
         own.charged = true;
       }
@@ -399,7 +408,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         if (op.stream && chain) {
           // Streamed: its measured peak, each copy waited for at once, and the window in flight beside it.
           const OffloadCost& o = *chain->stages[i].offload;
-          charge(current + o.stream_fwd_bytes + o.window_bytes, k);
+          charge(current + o.stream_fwd_bytes + window_of(i), k);
         } else {
           charge(current + out + tmp, k);
         }
@@ -453,13 +462,21 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           if (op.stream && c) {
             // Only a window stays in flight past its forward: the rest has left as it was copied.
             a.stream = true;
-            a.tail = std::min(c->window_bytes, a.device);
+            a.window = window_of(i);
+            a.exposed = a.window == 0;
+            a.tail = std::min(a.window, a.device);
             a.cost = c;
             current -= a.device - a.tail;
           }
           a.state = Away::kInFlight;
           in_flight.push_back(i);
-          link = std::max(0.0, transfer(a.copied, true) - std::max(0.0, ms - owed));
+          if (a.exposed) {
+            // No window: each copy was waited for as the forward made it, so nothing hid them.
+            const double copies = transfer(a.copied, true);
+            sim.time_ms += copies, sim.transfer_ms += copies;
+          } else {
+            link = std::max(0.0, transfer(a.copied, true) - std::max(0.0, ms - owed));
+          }
           host += a.copied;
           sim.host_peak_bytes = std::max(sim.host_peak_bytes, host);
           keeps_output[i + 1] = runtime_holds;
@@ -499,11 +516,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         Away& own = away[static_cast<size_t>(i)];
         if (own.stream) {
           // Streamed: its window came back ahead; within its backward each tensor comes back just ahead of
-          // its use (its measured peak, its input back if it left, a window ahead beside it). Then all it
-          // sent is accounted as back, as autograd drops it.
-          charge(current - own.tail + own.cost->window_bytes + own.cost->stream_bwd_bytes +
-                     (own.input_left ? act(i) : 0),
-                 k);
+          // its use (its measured peak, which holds its input brought back: the profile sends it too; a
+          // window ahead beside it). Then all it sent is accounted as back, as autograd drops it.
+          charge(current - own.tail + own.window + own.cost->stream_bwd_bytes, k);
           current += own.device - own.tail;
         } else if (chain && after_keep && kept_groups[i + 1].empty() && kept_with[i + 1] >= 0) {
           // Fk under a policy: its backward's own measured peak, recompute included (or its parts).

@@ -39,7 +39,9 @@ struct OffloadCost {
   /// (bytes; -1: not measured, the stage cannot be streamed).
   int64_t stream_fwd_bytes = -1;
   /// The backward's peak above the bytes alive before it (its output's gradient, what it kept on the device,
-  /// its input held), each tensor brought back where it is used, none ahead (bytes; -1: not measured).
+  /// its input held), each tensor brought back where it is used, none ahead (bytes; -1: not measured). When
+  /// the stage sends its input (`input`), the copy brought back is among them: simulate() charges no other
+  /// for an input that left the device.
   int64_t stream_bwd_bytes = -1;
   /// The most bytes the runtime holds in flight each way beside those peaks (copies to the host not yet
   /// landed; tensors brought back ahead of their use), at least the largest tensor it sends (bytes, >= 0).

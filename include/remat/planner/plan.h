@@ -120,10 +120,14 @@ struct Plan {
   /// when the plan has a group assignment; empty otherwise (and in a plan parsed from text, which the
   /// executor then refuses to run with a group assignment).
   std::vector<std::vector<std::string>> group_names;
-  /// Per stage, the window its streamed run holds in flight each way (bytes: the chain's
-  /// OffloadCost::window_bytes, which simulate() charges; -1 where the chain has none): what the runtime runs
-  /// an Fa3@stream with (OffloadOptions::window). The planners fill it when the plan streams a stage; empty
-  /// otherwise (and in a plan parsed from text, which the executor then refuses to run with @stream).
+  /// Per stage, the window its streamed run holds in flight each way (bytes; -1 where it is not streamed):
+  /// what the runtime runs an Fa3@stream with (OffloadOptions::window) and simulate() charges. per_layer()
+  /// chooses, per streamed stage, the chain's OffloadCost::window_bytes (copies hidden behind the work
+  /// around them, as @host's) or 0: no window, each copy waited for as the forward makes it and each tensor
+  /// brought back when its backward asks for it, so the stage holds its working set only and the copies'
+  /// whole time is charged. The planners fill it when the plan streams a stage; empty otherwise (and in a
+  /// plan parsed from text, which the executor then refuses to run with @stream; simulate() then charges
+  /// the chain's window).
   std::vector<int64_t> stream_windows;
 
   /// "Fc0 Fn1 Fa2 Fk3[matmuls] L B3 ...": operations separated by spaces.

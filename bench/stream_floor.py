@@ -1,6 +1,6 @@
 """The least budget remat.hf.enable(..., offload=True) reaches on the CPU (the CPU as the device, remat's meter),
-against Hugging Face's per-layer checkpointing peak, with streamed layers (keep@stream) and without them (the
-same chain, its stream figures removed): the issue-42 configurations. Each planned step is checked bitwise
+against Hugging Face's per-layer checkpointing peak, with streamed layers (keep@stream, and keep@stream0 with no
+window) and without them (the same chain, its stream figures removed): the issue-42 configurations. Each planned step is checked bitwise
 against the plain run's.
 
     source scripts/env.sh; $REMAT_PYPI_VENV/bin/python bench/stream_floor.py [llama|neox] [--vocab N]
@@ -18,6 +18,7 @@ from remat import _core
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python" / "tests"))
 from test_hf import hf_checkpointing, same, step  # noqa: E402
+from test_offload import drop_stream_figures  # noqa: E402
 
 
 def make(arch, vocab):
@@ -52,13 +53,7 @@ def main():
     lp = remat.hf.enable(model, budget=1 << 40, offload=True)
     same(plain[0], step(model, spec, 0, meter))
     chain, ctx = lp.chain, lp.context
-    unstreamed = remat.Chain.from_json(chain.to_json())
-    for st in unstreamed.stages:
-        o = st.offload
-        if o is not None:
-            o.stream_fwd_bytes = o.stream_bwd_bytes = -1
-            o.window_bytes = 0
-            st.offload = o
+    unstreamed = drop_stream_figures(remat.Chain.from_json(chain.to_json()))
     without = _core.min_step_budget(unstreamed, ctx, "per-layer", offload=True)
     least = lp.min_budget_bytes
     lp.set_budget(least)

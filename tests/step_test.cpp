@@ -1169,6 +1169,19 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   EXPECT_DOUBLE_EQ(z.time_ms, 26.0);
   EXPECT_DOUBLE_EQ(z.transfer_ms, 8.0);
   EXPECT_EQ(z.host_peak_bytes, 40);
+  // Written @stream0, a text that reads back with its window.
+  EXPECT_EQ(none.to_string(), "Fa0 Fa1@stream0 Fa2 L B2 B1 B0");
+  const Plan text = remat::plan_from_json(
+      R"({"num_stages": 3, "ops": ["Fa0", "Fa1@stream0", "Fa2", "L", "B2", "B1", "B0"]})");
+  EXPECT_EQ(text.stream_windows, (std::vector<int64_t>{-1, 0, -1}));
+  EXPECT_EQ(remat::simulate(chain, text).op_peak_bytes, z.op_peak_bytes);
+  EXPECT_EQ(remat::plan_from_json(remat::to_json(none)).stream_windows, none.stream_windows);
+  EXPECT_THROW_WITH_STD(
+      remat::plan_from_json(R"({"num_stages": 3, "ops": ["Fa0", "Fa1@stream0", "Fa2", "L", "B2", "B1", "B0"],
+                                "stream_windows": [-1, 6, -1]})"),
+      "operation 1 ('Fa1@stream0') streams with no window, but \"stream_windows\" gives stage 1 6");
+  for (const char* bad : {"Fk0@stream0", "Fa0@host@stream0", "Fa0@stream00", "Fa0@stream1"})
+    EXPECT_THROW(remat::parse_op(bad), std::invalid_argument) << bad;
   // The plan's window is what is charged: the chain's, given as such, charges as none given.
   none.stream_windows = {-1, 6, -1};
   EXPECT_EQ(remat::simulate(chain, none).op_peak_bytes, peaks);

@@ -121,9 +121,9 @@ class LayerPlan:
                                      "only the chain it was planned from names; give a budget with groups=True "
                                      "(planned in place) instead")
                 if is_streamed(c):
-                    raise ValueError(f"{who}: the plan streams a layer ('{c}'), whose window only the chain it was "
-                                     "planned from gives; give a budget with offload=True (planned in place) "
-                                     "instead")
+                    raise ValueError(f"{who}: the plan streams a layer ('{c}'), which only a plan made in place "
+                                     "runs (its window and stream figures are the profiled chain's); give a "
+                                     "budget with offload=True instead")
                 c = split_choice(c)[0]
                 if c not in (KEEP, CHECKPOINT) and c not in self.policies:
                     self.policies[c] = policy_fn(c)

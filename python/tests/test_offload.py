@@ -535,6 +535,8 @@ def test_streamed_layers_go_below_whole_layer_offloading_bitwise():
         lp.set_budget(budget)
         assert sum(c == way for c in lp.choices) >= 3, lp.choices
         assert "@stream" in str(lp.plan)
+        # The plan's text says which: Fa3@stream0 where the window is 0.
+        assert str(lp.plan).count("@stream0") == lp.choices.count("keep@stream0")
         windows = list(lp.plan.stream_windows)
         assert all(w == (0 if c == "keep@stream0" else windowed[0]) for w, c in zip(windows, lp.choices) if w >= 0)
         for delay in (0, 2):
@@ -550,7 +552,7 @@ def test_streamed_layers_go_below_whole_layer_offloading_bitwise():
             # counts as held by the part before the blocks and the first streamed block frees; half not located).
             assert lp.predicted_peak_bytes - got[2] < 0.25 * got[2], (got[2], lp.predicted_peak_bytes)
             assert lp.host_pool.peak_bytes == lp.predicted_host_bytes > 0
-    # A plan given as it is cannot stream: the window is the chain's.
+    # A plan given as it is cannot stream: its stream figures are the profiled chain's.
     plan = lp.plan
     lp.remove()
     with pytest.raises(ValueError, match="streams a layer"):

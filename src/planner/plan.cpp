@@ -43,7 +43,13 @@ std::string op_text(const Plan& plan, const Op& op) {
   }
   if (!op.groups.empty()) text += "{" + op.groups + "}";
   if (op.offload) text += "@host";
-  if (op.stream) text += "@stream";
+  if (op.stream) {
+    // With no window (the plan's stream_windows 0 for the stage): @stream0, a text that runs as it reads.
+    const bool none = !plan.stream_windows.empty() && op.stage >= 0 &&
+                      static_cast<size_t>(op.stage) < plan.stream_windows.size() &&
+                      plan.stream_windows[static_cast<size_t>(op.stage)] == 0;
+    text += none ? "@stream0" : "@stream";
+  }
   return text;
 }
 
@@ -80,10 +86,14 @@ Op parse_op(const std::string& full, std::vector<std::string>& policies) {
     throw std::invalid_argument(
         "remat::parse_op: '" + full +
         "' is not an operation (Fn<i>, Fc<i>, Fa<i>, Fk<i>, Fk<i>[policy], Fk<i>{groups}, L or B<i>, Fa, Fk "
-        "and Fc with @host after them, Fa with @stream, e.g. Fc0, Fa3, Fk2[matmuls], Fk2{khr}, Fa1@host, "
-        "Fa1@stream, L, B3)");
+        "and Fc with @host after them, Fa with @stream or @stream0, e.g. Fc0, Fa3, Fk2[matmuls], Fk2{khr}, "
+        "Fa1@host, Fa1@stream, Fa1@stream0, L, B3)");
   };
-  static const std::string kHost = "@host", kStream = "@stream";
+  static const std::string kHost = "@host", kStream = "@stream", kStream0 = "@stream0";
+  // Fa3@stream0 (streamed with no window) is an Fa3@stream here; plan_from_json gives the plan its window.
+  if (full.size() > kStream0.size() &&
+      full.compare(full.size() - kStream0.size(), kStream0.size(), kStream0) == 0)
+    return parse_op(full.substr(0, full.size() - 1), policies);
   if (full.size() > kStream.size() &&
       full.compare(full.size() - kStream.size(), kStream.size(), kStream) == 0) {
     if (full.rfind("Fa", 0) != 0 || full.find_first_of("{[@") < full.size() - kStream.size()) fail();
@@ -618,9 +628,12 @@ Plan plan_from_json(const std::string& text) {
     plan.budget_bytes = j.at("budget_bytes").get<int64_t>();
   }
   plan.policies = detail::string_array(j, "policies", "remat::plan_from_json");
+  std::vector<char> no_window;  // per op: written @stream0
   for (const auto& o : j.at("ops")) {
     if (!o.is_string()) fail("every operation must be a string, got " + o.dump());
-    plan.ops.push_back(parse_op(o.get<std::string>(), plan.policies));
+    const std::string text = o.get<std::string>();
+    plan.ops.push_back(parse_op(text, plan.policies));
+    no_window.push_back(text.size() > 8 && text.compare(text.size() - 8, 8, "@stream0") == 0);
   }
   if (j.contains("predicted") && j.at("predicted").is_object()) {
     const auto& p = j.at("predicted");
@@ -652,6 +665,20 @@ Plan plan_from_json(const std::string& text) {
       if (!b.is_number_integer()) fail("every stream window must be an integer (bytes), got " + b.dump());
       plan.stream_windows.push_back(b.get<int64_t>());
     }
+  }
+  // An operation written @stream0 streams its stage with no window: the plan's window for it is 0.
+  for (size_t k = 0; k < plan.ops.size(); ++k) {
+    const int64_t s = plan.ops[k].stage;
+    if (!no_window[k] || s < 0 || s >= plan.num_stages) continue;
+    if (plan.stream_windows.empty()) plan.stream_windows.assign(static_cast<size_t>(plan.num_stages), -1);
+    if (plan.stream_windows.size() != static_cast<size_t>(plan.num_stages)) break;  // check_plan names it
+    int64_t& w = plan.stream_windows[static_cast<size_t>(s)];
+    if (w > 0 || (w < 0 && j.contains("stream_windows"))) {
+      fail("operation " + std::to_string(k) + " ('" + j.at("ops").at(k).get<std::string>() +
+           "') streams with no window, but \"stream_windows\" gives stage " + std::to_string(s) + " " +
+           std::to_string(w));
+    }
+    w = 0;
   }
   check_plan(plan);
   for (const Op& op : plan.ops) {

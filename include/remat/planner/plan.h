@@ -79,7 +79,8 @@ struct Op {
   /// Fa only, before the loss: streamed (written "@stream": Fa3@stream): what the stage saves goes to host
   /// memory as its forward makes it and comes back tensor by tensor, each just ahead of its use in the
   /// stage's backward, at most the stage's window in flight each way (the stage offload's stream figures, see
-  /// simulate()). Not with offload: an op is one or the other.
+  /// simulate()). Not with offload: an op is one or the other. Written "@stream0" (Fa3@stream0) where the
+  /// plan's window for the stage (Plan::stream_windows) is 0: streamed with no window.
   bool stream = false;
   /// Whether it sends anything to the host: offload, stream, or a group assignment with an 'h'.
   bool offloads() const { return offload || stream || groups.find('h') != std::string::npos; }
@@ -127,7 +128,7 @@ struct Plan {
   /// brought back when its backward asks for it, so the stage holds its working set only and the copies'
   /// whole time is charged. The planners fill it when the plan streams a stage; empty otherwise (and in a
   /// plan parsed from text, which the executor then refuses to run with @stream; simulate() then charges
-  /// the chain's window).
+  /// the chain's window). An operation written @stream0 gives its stage 0 here (plan_from_json).
   std::vector<int64_t> stream_windows;
 
   /// "Fc0 Fn1 Fa2 Fk3[matmuls] L B3 ...": operations separated by spaces.
@@ -217,12 +218,15 @@ Plan step_plan(const Plan& chain_plan);
 std::string to_json(const Plan& plan);
 
 /// Parses that JSON ("predicted", "keep", "group_names" and "stream_windows" optional; "policies" optional,
-/// the Fk[name] operations naming them) and checks the plan. Throws std::invalid_argument naming the problem:
-/// malformed JSON, a missing key, an unknown operation, or what check_plan rejects.
+/// the Fk[name] operations naming them) and checks the plan. An operation written "@stream0" sets its
+/// stage's window to 0 (filling "stream_windows" with -1 elsewhere when it is absent). Throws
+/// std::invalid_argument naming the problem: malformed JSON, a missing key, an unknown operation, an
+/// "@stream0" operation whose stage "stream_windows" gives another window, or what check_plan rejects.
 Plan plan_from_json(const std::string& json);
 
 /// Parses one operation: "Fn3", "Fc0", "Fa12", "Fk5", "L", "B4", and with "@host" after an Fa, Fk or Fc
-/// ("Fa12@host"). Throws std::invalid_argument for anything
+/// ("Fa12@host"), "@stream" or "@stream0" after an Fa (both give Op::stream; the window is the plan's),
+/// "Fk5{khr}". Throws std::invalid_argument for anything
 /// else, and for "Fk5[name]" (parse it with the plan's policies, below).
 Op parse_op(const std::string& text);
 

@@ -323,21 +323,21 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         const bool input_leaves = ch.offload && ch.cost->input && j > 0 && !p.keeps_output;
         q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, ch.stream && input_leaves));
         if (by_time && q.peak > budget) continue;
+        // The bytes its copies move each way.
+        const int64_t copied =
+            ch.offload ? ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0) : 0;
         double wait = std::max(0.0, p.link - ch.fwd_ms) + back_wait(p.copied, ch.bwd_ms);
         // Streamed with no window: its copies each way are waited for as they are made or asked for, so
         // nothing hides them (simulate()'s charge).
         const bool exposed = ch.stream && ch.window == 0;
-        if (exposed) {
-          const int64_t c = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
-          wait += chain.transfer_ms(c, true) + chain.transfer_ms(c, false);
-        }
+        if (exposed) wait += chain.transfer_ms(copied, true) + chain.transfer_ms(copied, false);
         q.ms = p.ms + ch.ms + wait;
         q.transfer_ms = p.transfer_ms + wait;
         q.held = p.held - p.pending + ch.held;
         q.host = p.host;
         if (ch.offload) {
           q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
-          q.copied = ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0);
+          q.copied = copied;
           if (ch.stream) {
             // Only a window stays in flight past its forward (and comes back ahead of its backward).
             const int64_t tail = std::min(ch.window, q.pending);

@@ -15,6 +15,16 @@
 #include "remat/planner/chain.h"
 
 namespace remat {
+namespace {
+
+// An Fa streamed with no window is written so (Fa3@stream0): its plan's window for the stage is 0.
+constexpr const char* kNoWindow = "@stream0";
+
+bool ends_with(const std::string& text, const std::string& suffix) {
+  return text.size() > suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
 
 std::string op_name(OpKind kind) {
   switch (kind) {
@@ -48,7 +58,7 @@ std::string op_text(const Plan& plan, const Op& op) {
     const bool none = !plan.stream_windows.empty() && op.stage >= 0 &&
                       static_cast<size_t>(op.stage) < plan.stream_windows.size() &&
                       plan.stream_windows[static_cast<size_t>(op.stage)] == 0;
-    text += none ? "@stream0" : "@stream";
+    text += none ? kNoWindow : "@stream";
   }
   return text;
 }
@@ -89,21 +99,16 @@ Op parse_op(const std::string& full, std::vector<std::string>& policies) {
         "and Fc with @host after them, Fa with @stream or @stream0, e.g. Fc0, Fa3, Fk2[matmuls], Fk2{khr}, "
         "Fa1@host, Fa1@stream, Fa1@stream0, L, B3)");
   };
-  static const std::string kHost = "@host", kStream = "@stream", kStream0 = "@stream0";
+  static const std::string kHost = "@host", kStream = "@stream";
   // Fa3@stream0 (streamed with no window) is an Fa3@stream here; plan_from_json gives the plan its window.
-  if (full.size() > kStream0.size() &&
-      full.compare(full.size() - kStream0.size(), kStream0.size(), kStream0) == 0)
-    return parse_op(full.substr(0, full.size() - 1), policies);
-  if (full.size() > kStream.size() &&
-      full.compare(full.size() - kStream.size(), kStream.size(), kStream) == 0) {
+  if (ends_with(full, kNoWindow)) return parse_op(full.substr(0, full.size() - 1), policies);
+  if (ends_with(full, kStream)) {
     if (full.rfind("Fa", 0) != 0 || full.find_first_of("{[@") < full.size() - kStream.size()) fail();
     Op op = parse_op(full.substr(0, full.size() - kStream.size()), policies);
     op.stream = true;
     return op;
   }
-  const bool offload =
-      full.size() > kHost.size() && full.compare(full.size() - kHost.size(), kHost.size(), kHost) == 0;
-  if (offload) {
+  if (ends_with(full, kHost)) {
     if (!(full.rfind("Fa", 0) == 0 || full.rfind("Fk", 0) == 0 || full.rfind("Fc", 0) == 0)) fail();
     if (full.find('{') != std::string::npos) fail();  // a group assignment says what goes to the host
     if (full.find('@') != full.size() - kHost.size()) fail();  // one suffix (Fa3@stream@host is not one)
@@ -633,7 +638,7 @@ Plan plan_from_json(const std::string& text) {
     if (!o.is_string()) fail("every operation must be a string, got " + o.dump());
     const std::string text = o.get<std::string>();
     plan.ops.push_back(parse_op(text, plan.policies));
-    no_window.push_back(text.size() > 8 && text.compare(text.size() - 8, 8, "@stream0") == 0);
+    no_window.push_back(ends_with(text, kNoWindow));
   }
   if (j.contains("predicted") && j.at("predicted").is_object()) {
     const auto& p = j.at("predicted");

@@ -73,12 +73,7 @@ Plan finish(const Chain& chain, Plan plan, const std::string& name, int64_t budg
         plan.group_names.back().push_back(g.name);
     }
   }
-  // A planner that chose each stage's window (per_layer: the chain's, or none) gave them; else the chain's.
-  if (plan.stream_windows.empty() &&
-      std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.stream; })) {
-    for (const Stage& s : chain.stages)
-      plan.stream_windows.push_back(s.offload && s.offload->can_stream() ? s.offload->window_bytes : -1);
-  }
+  // Plan::stream_windows: per_layer, the one planner that streams, chose each streamed stage's window.
   plan.predicted = simulate(chain, plan);
   return plan;
 }

@@ -839,6 +839,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   b.stages[1].keep_offload.reset();
   b.stages[2].offload.reset();
   cb.rest_ms = 1.0, cb.stage_grads_bytes[3] = 90;
+  ca.input_held_in_backward = false;  // one process read the chain's input freed, the other held
   const remat::PlanFigures fa = remat::plan_figures(a, ca), fb = remat::plan_figures(b, cb);
   ASSERT_EQ(fa.ints.size(), fb.ints.size());
   ASSERT_EQ(fa.reals.size(), fb.reals.size());
@@ -862,6 +863,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   if (a.stages[3].offload) EXPECT_EQ(c.stages[3].offload->bytes, a.stages[3].offload->bytes);
   EXPECT_EQ(x.rest_ms, ca.rest_ms);
   EXPECT_EQ(x.stage_grads_bytes, (std::vector<int64_t>{10, 20, 30, 90}));
+  EXPECT_TRUE(x.input_held_in_backward);  // held where any process holds it
   EXPECT_EQ(c.holds_outputs, a.holds_outputs);
   // Other structures, and a flag that is no flag, are refused; nothing changes.
   Chain shorter = a;
@@ -1125,6 +1127,68 @@ TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {
   }
   EXPECT_GT(streamed, 10);
   EXPECT_GT(no_window, 3);  // streamed with no window (chosen at tight budgets: less memory, more time)
+}
+
+TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHoldsIt) {
+  // Where nothing but the stages holds the chain's input in the backward pass (input_held_in_backward false),
+  // a first stage streamed takes it to the host from the loss on: every chain stage's backward is charged
+  // without it, and the step's per-layer program is the search over every per-layer plan's step peak.
+  std::mt19937 rng(4242);
+  int freed = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t n = 1 + trial % 4;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    add_random_streams(rng, chain);
+    chain.input_bytes = 2000 + 500 * (trial % 5);
+    remat::StepContext held;
+    held.before_saved_bytes = 5000;
+    held.rest_peak_bytes = 300 * (trial % 3);
+    held.rest_ms = 4.0;
+    held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+    remat::StepContext gone = held;
+    gone.input_held_in_backward = false;
+    remat::PlannerOptions options;
+    options.offload = true;
+    std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+    for (Candidate& c : all) {
+      const int64_t before = remat::step_peak_bytes(chain, held, c.plan);
+      c.peak = remat::step_peak_bytes(chain, gone, c.plan);
+      const bool first_streamed = c.plan.ops[0].stream;
+      // Only a first stage streamed changes the step's peak, and never raises it.
+      if (!first_streamed) EXPECT_EQ(c.peak, before) << c.plan.to_string();
+      EXPECT_LE(c.peak, before) << c.plan.to_string();
+      EXPECT_GE(c.peak, before - chain.input_bytes) << c.plan.to_string();
+      freed += c.peak < before;
+      c.ms = remat::simulate(remat::step_chain(chain, gone), remat::step_plan(c.plan)).time_ms;
+      least = std::min(least, c.peak), most = std::max(most, c.peak);
+    }
+    ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
+    std::uniform_int_distribution<int64_t> pick(least, most);
+    for (int b = 0; b < 3; ++b) {
+      const int64_t budget = b == 0 ? least : pick(rng);
+      double best = std::numeric_limits<double>::infinity();
+      for (const Candidate& c : all)
+        if (c.peak <= budget) best = std::min(best, c.ms);
+      // plan_step checks that the program's step peak is the simulated step's (an internal error otherwise).
+      const remat::StepPlan p = remat::plan_step(chain, gone, budget, "per-layer", options);
+      EXPECT_LE(p.step_peak_bytes, budget);
+      EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, gone, p.plan));
+      EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
+          << "trial " << trial << " budget " << budget << ": " << p.plan.to_string();
+    }
+  }
+  EXPECT_GT(freed, 20);
+  // The context's rules: held with input_in_base, read from the readings, agreed held where any rank holds
+  // it.
+  remat::StepContext both;
+  both.input_in_base = true, both.input_held_in_backward = false;
+  EXPECT_THROW_WITH_STD(remat::validate(both, Chain{}), "input_in_base says the chain's input is held");
+  remat::StepReadings r;
+  r.input_held_in_backward = false;
+  EXPECT_FALSE(remat::step_context(r).input_held_in_backward);
+  r.input_in_base = true;
+  EXPECT_TRUE(remat::step_context(r).input_held_in_backward);
 }
 
 TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _core, oom
 from .compiled import compiled_entry, forced_choice
@@ -131,6 +132,9 @@ class Step:
         self.peak_after_backward = -1
         self.input_in_base = False
         self.input_bytes = 0
+        # Whether the layers' input was alive once the first layer's backward was done (StepReadings'
+        # input_held_in_backward): held unless read otherwise.
+        self.input_held = True
         self.done = False
         self.measured = False  # a planned step whose measurement is set up (measure_planned_step)
         self.at_end_queued = False
@@ -282,9 +286,23 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     t0 = time.perf_counter()
 
     prefix_backward = x0.requires_grad and x0.grad_fn is not None
+    # Whether anything but the layers holds their input through the layers' backward pass (the part before
+    # them, what it saved, the caller): read as its storage's liveness once the first layer's backward is done
+    # (every layer's checkpoint has dropped it by then), else at the step's end. A Python variable of the
+    # model's forward holds it through the forward pass only.
+    try:
+        input_ref = StorageWeakRef(x0.untyped_storage())
+    except RuntimeError:  # a tensor without storage (a wrapper subclass): held, as when not read
+        input_ref = None
+
+    def read_input_held():
+        if input_ref is not None and not step.input_in_base:
+            step.input_held = not input_ref.expired()
 
     def finish_profiling():
         # From the layers' input gradient to the end: the backward pass of what ran before the layers.
+        if not prefix_backward:
+            read_input_held()
         step.peak_after_backward = step.peak() if prefix_backward else -1
         step.note_peak()
         try:
@@ -293,6 +311,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             step.finish()
 
     def at_x0(g):
+        read_input_held()
         step.reset()
         queue_at_backward_end(finish_profiling)
         return g
@@ -369,6 +388,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
                 grads[j] += local_bytes(p)
     r.stage_grads_bytes = grads
     r.side_bytes = sum(step.side.values())
+    r.input_held_in_backward = step.input_held
     ctx = _core.step_context(r)
     if any(shape.gathered) and ctx.checkpoint_all_peak_bytes >= 0:
         # FSDP2's backward transients (the running layer's gathered parameters, the next layer's prefetched

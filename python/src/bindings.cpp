@@ -370,22 +370,23 @@ NB_MODULE(_core, m) {
       .def_rw("stage_grads_bytes", &remat::StepContext::stage_grads_bytes)
       .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes)
       .def_rw("side_bytes", &remat::StepContext::side_bytes)
+      .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
       // pickle and copy.deepcopy: its fields.
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return std::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
                                     c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
                                     c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
-                                    c.side_bytes);
+                                    c.side_bytes, c.input_held_in_backward);
            })
-      .def("__setstate__",
-           [](remat::StepContext& c, const std::tuple<bool, int64_t, int64_t, int64_t, int64_t, double,
-                                                      int64_t, std::vector<int64_t>, int64_t, int64_t>& s) {
-             new (&c) remat::StepContext();
-             std::tie(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
-                      c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes,
-                      c.stage_grads_bytes, c.checkpoint_all_peak_bytes, c.side_bytes) = s;
-           });
+      .def("__setstate__", [](remat::StepContext& c,
+                              const std::tuple<bool, int64_t, int64_t, int64_t, int64_t, double, int64_t,
+                                               std::vector<int64_t>, int64_t, int64_t, bool>& s) {
+        new (&c) remat::StepContext();
+        std::tie(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes,
+                 c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, c.stage_grads_bytes,
+                 c.checkpoint_all_peak_bytes, c.side_bytes, c.input_held_in_backward) = s;
+      });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
       "A meter's readings at named points of a profiling step (counts of bytes, any "
@@ -404,7 +405,8 @@ NB_MODULE(_core, m) {
       .def_rw("peak_after_chain_backward", &remat::StepReadings::peak_after_chain_backward)
       .def_rw("step_peak", &remat::StepReadings::step_peak)
       .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
-      .def_rw("side_bytes", &remat::StepReadings::side_bytes);
+      .def_rw("side_bytes", &remat::StepReadings::side_bytes)
+      .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward);
   m.def("step_context", &remat::step_context, "readings"_a);
   m.def(
       "plan_figures",

@@ -1,6 +1,7 @@
 """The planner library as Python sees it: the same chains, plans and JSON as the C++ library and the remat
 command, in both directions."""
 import json
+import pickle
 import subprocess
 
 import pytest
@@ -128,7 +129,11 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     assert (c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes) == \
         (False, 400, 900, 1300)
     assert (c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, list(c.stage_grads_bytes)) == (600, 12.5, 100, [40, 50])
-    assert c.checkpoint_all_peak_bytes == 2400 and c.side_bytes == 64
+    assert c.checkpoint_all_peak_bytes == 2400 and c.side_bytes == 64 and c.input_held_in_backward
+    r.input_held_in_backward = False
+    c = remat._core.step_context(r)
+    assert not c.input_held_in_backward
+    assert not pickle.loads(pickle.dumps(c)).input_held_in_backward  # pickled with its fields
 
 
 def test_the_offload_schedule_is_the_planners_and_the_layers_carry_it_out_per_layer():

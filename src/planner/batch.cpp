@@ -159,6 +159,7 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
                                 : batch == batch_b ? b.checkpoint_all_peak_bytes
                                                    : -1;
   c.side_bytes = line.bytes(a.side_bytes, b.side_bytes);
+  c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
   return c;
 }
 

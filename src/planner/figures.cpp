@@ -132,6 +132,7 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(g);
   v.bytes(context.checkpoint_all_peak_bytes);
   v.bytes(context.side_bytes);
+  v.flag(context.input_held_in_backward);
 }
 
 // An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima

@@ -149,12 +149,16 @@ struct StepTerms {
   std::vector<char> all_only;
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
+  // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
+  // from every chain stage's backward once the first is streamed (step_op_peaks()'s input_freed_bytes()).
+  int64_t input_freed = 0;
 };
 
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
-// `input_left`: a streamed stage's input left the device with what it saves (it is in R_j, but its backward's
-// measured peak already holds it back).
-int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, bool input_left) {
+// `bwd_less`: bytes of R_j not on the device in its backward and recompute (a streamed stage's input that
+// left with what it saves, whose measured backward peak holds it back; the chain's input once the first
+// stage took it to the host).
+int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, int64_t bwd_less) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
@@ -168,8 +172,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     // Streamed (see simulate()): its measured peaks, each with its window beside it; the backward's above
     // what the stage keeps on the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max(o.stream_fwd_bytes + c.window, a_out + s.saved_bytes - o.bytes + c.window +
-                                                       o.stream_bwd_bytes + at_bwd - (input_left ? a_in : 0));
+    return std::max(o.stream_fwd_bytes + c.window,
+                    a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less);
   }
   const int64_t fwd = c.held + s.fwd_tmp_bytes;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
@@ -179,21 +183,23 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   if (c.kind == OpKind::kForwardCheckpoint)
     bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
-  return std::max(fwd, bwd);
+  return std::max(fwd, bwd - bwd_less);
 }
 
 // A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
 // leaves once the next forward has run (pending; it comes back for the backward while this stage's runs),
 // the bytes its copies move each way, the time its copies to the host still need once its forward is done
 // (link: they began with that forward, after what the link still had to copy), whether the previous stage
-// holds its output (this stage's input) on the device, the host bytes so far, the peak so far, the time so
-// far, and how it was reached.
+// holds its output (this stage's input) on the device, whether the chain's input left the device for the
+// backward pass (StepTerms::input_freed), the host bytes so far, the peak so far, the time so far, and how it
+// was reached.
 struct Point {
   int64_t held = 0;
   int64_t pending = 0;
   int64_t copied = 0;
   double link = 0;
   bool keeps_output = true;
+  bool input_gone = false;
   int64_t host = 0;
   int64_t peak = 0;
   double ms = 0;
@@ -206,10 +212,12 @@ struct Point {
 constexpr size_t kMaxFrontier = size_t{1} << 15;
 
 bool same_group(const Point& a, const Point& b) {
-  return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output;
+  return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output &&
+         a.input_gone == b.input_gone;
 }
 
-// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
+// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
+// input_gone), which
 // the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
 // for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
 // offloading) the link's time still owed, all at most its. Ties keep the first point.
@@ -219,6 +227,7 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool li
     if (a.pending != b.pending) return a.pending < b.pending;
     if (a.copied != b.copied) return a.copied < b.copied;
     if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
+    if (a.input_gone != b.input_gone) return a.input_gone < b.input_gone;
     if (a.held != b.held) return a.held < b.held;
     if (key(a) != key(b)) return key(a) < key(b);
     return a.host < b.host;
@@ -321,7 +330,12 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         const Choice& ch = cs[c];
         Point q;
         const bool input_leaves = ch.offload && ch.cost->input && j > 0 && !p.keeps_output;
-        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, ch.stream && input_leaves));
+        // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output).
+        q.input_gone = p.input_gone || (step && step->input_freed > 0 && j == 1 && ch.stream);
+        const bool chain_stage = step && j >= 1 && j + 1 < n;
+        const int64_t bwd_less =
+            (ch.stream && input_leaves ? a_in : 0) + (q.input_gone && chain_stage ? step->input_freed : 0);
+        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less));
         if (by_time && q.peak > budget) continue;
         // The bytes its copies move each way.
         const int64_t copied =
@@ -447,6 +461,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.all_only.front() = t.all_only.back() = 1;
   t.at_recompute.assign(n + 2, 0);
   t.own.assign(n + 2, 0);
+  t.input_freed = context.input_held_in_backward || context.input_in_base ? int64_t{0} : chain.input_bytes;
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
     const int64_t own =

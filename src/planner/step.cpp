@@ -54,6 +54,7 @@ StepContext step_context(const StepReadings& r) {
   c.stage_grads_bytes = r.stage_grads_bytes;
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
+  c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
   return c;
 }
 
@@ -69,6 +70,11 @@ void validate(const StepContext& c, const Chain& chain) {
   check(c.rest_peak_bytes, "rest_peak_bytes");
   check(c.rest_grads_bytes, "rest_grads_bytes");
   check(c.side_bytes, "side_bytes");
+  if (c.input_in_base && !c.input_held_in_backward)
+    throw std::invalid_argument(
+        "remat::StepContext: input_in_base says the chain's input is held through the step (it is part of "
+        "the "
+        "base), input_held_in_backward false that it is not");
   if (!(c.rest_ms >= 0))
     throw std::invalid_argument("remat::StepContext: rest_ms must be >= 0, got " + std::to_string(c.rest_ms));
   if (!c.stage_grads_bytes.empty() && static_cast<int64_t>(c.stage_grads_bytes.size()) != chain.size()) {
@@ -111,6 +117,15 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
 
 namespace detail {
 
+int64_t input_freed_bytes(const Chain& chain, const StepContext& context, const Plan& ops) {
+  if (context.input_held_in_backward || context.input_in_base) return 0;
+  for (const Op& op : ops.ops) {
+    if (op.kind == OpKind::kLoss) break;
+    if (op.stage == 1 && op.kind != OpKind::kBackward && op.stream) return chain.input_bytes;
+  }
+  return 0;
+}
+
 std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& context, const Plan& ops,
                                    const Simulation& sim) {
   const int64_t n = chain.size();
@@ -130,10 +145,16 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     way[static_cast<size_t>(op.stage)] =
         Stage::grads_way(op.kind == OpKind::kForwardKeep, op.stream, !op.groups.empty(), policy);
   }
+  // A first stage streamed before the loss takes the chain's input to the host when nothing else holds it
+  // (StepContext::input_held_in_backward): from the loss on, the chain stages' backward passes and recomputes
+  // run without it (the first one's measured peak holds it back).
+  const int64_t freed = input_freed_bytes(chain, context, ops);
+  bool after_loss = false;
   int64_t arrived = 0;
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
+    if (op.kind == OpKind::kLoss) after_loss = true;
     // Step stage s is chain stage s - 1; stage n + 1 is the rest, whose measured peak has its own gradients.
     if (rest_done) {
       arrived += context.rest_grads_bytes;
@@ -149,8 +170,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       at_peak = chain.stages[static_cast<size_t>(op.stage - 1)].grads_charge_bytes(
           made, way[static_cast<size_t>(op.stage)]);
     }
-    peaks[k] =
-        sim.op_peak_bytes[k] + arrived + at_peak - (context.input_in_base ? chain.input_bytes : int64_t{0});
+    const bool without_input = after_loss && op.stage >= 1 && op.stage <= n && op.kind != OpKind::kLoss;
+    peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak -
+               (context.input_in_base ? chain.input_bytes : int64_t{0}) - (without_input ? freed : 0);
     arrived += made;
   }
   return peaks;

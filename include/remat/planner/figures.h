@@ -16,10 +16,11 @@ namespace remat {
 /// Encoded so that the elementwise maximum over processes is the figure they agree on, a plan that fits every
 /// process's measurements: bytes and milliseconds their largest; a bandwidth its smallest (stored negated);
 /// an optional time, the keep_ fields or an offload cost absent where any process lacks it (a flag, 1 for
-/// absent, then the value, 0 when absent); a flag (input_in_base, holds_outputs, an offload cost's input and
-/// output) set where any process set it. remat::Planned's agree option (remat/planned.h) and the Python
-/// package's agreement across ranks all-reduce these with a maximum and write them back with
-/// set_plan_figures(). Names, keep tags and policy names are not figures: they must already agree.
+/// absent, then the value, 0 when absent); a flag (input_in_base, input_held_in_backward, holds_outputs, an
+/// offload cost's input and output) set where any process set it. remat::Planned's agree option
+/// (remat/planned.h) and the Python package's agreement across ranks all-reduce these with a maximum and
+/// write them back with set_plan_figures(). Names, keep tags and policy names are not figures: they must
+/// already agree.
 struct PlanFigures {
   std::vector<int64_t> ints;  ///< bytes, flags
   std::vector<double> reals;  ///< milliseconds, negated bandwidths (GB/s)

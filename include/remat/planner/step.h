@@ -57,6 +57,14 @@ struct StepContext {
   /// decoder layer attends to), with the gradients the backward pass gathers for them: held from the chain's
   /// start to its backward's end (bytes; 0 for a chain whose stages take one tensor and return one).
   int64_t side_bytes = 0;
+  /// Whether something besides the chain's stages holds the chain's input through their backward pass: the
+  /// part before the chain (what it saved), the caller, or not known (true, the default, and always with
+  /// input_in_base). False where, once the forward pass is over, only the stages hold it (the Python package
+  /// measures it: the input's storage is freed by the time the first stage's backward is done). A first stage
+  /// then streamed (Fa0@stream, Fa0@stream0: the Python package's runtime sends the stage's input with what
+  /// it saves) leaves the input on the host from the loss on: every chain stage's backward (and recompute) is
+  /// charged without it, the first stage's measured backward peak bringing it back.
+  bool input_held_in_backward = true;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -91,18 +99,23 @@ struct StepReadings {
   std::vector<int64_t> stage_grads_bytes;
   /// What the stages take or hand on beside their input and output (StepContext::side_bytes; bytes).
   int64_t side_bytes = 0;
+  /// Whether the chain's input was alive once the first stage's backward was done (or, where the part before
+  /// the chain has no backward, at the step's end; StepContext::input_held_in_backward). True when not read.
+  bool input_held_in_backward = true;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
 /// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
 /// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
 /// held besides the output's gradient), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
-/// the base), side_bytes as read. Negative differences are read as 0. Throws std::invalid_argument naming
-/// remat::step_context for a negative input_bytes, output_grad_bytes, side_bytes or rest_ms.
+/// the base), side_bytes and input_held_in_backward as read (held whatever was read with input_in_base).
+/// Negative differences are read as 0. Throws std::invalid_argument naming remat::step_context for a
+/// negative input_bytes, output_grad_bytes, side_bytes or rest_ms.
 StepContext step_context(const StepReadings& readings);
 
-/// Checks a context against its chain: no negative value, stage_grads_bytes empty or of the chain's size.
-/// Throws std::invalid_argument naming remat::StepContext, the field and the value.
+/// Checks a context against its chain: no negative value, stage_grads_bytes empty or of the chain's size,
+/// input_held_in_backward with input_in_base. Throws std::invalid_argument naming remat::StepContext, the
+/// field and the value.
 void validate(const StepContext& context, const Chain& chain);
 
 /// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's

@@ -3,6 +3,7 @@
 
 #include <remat/planner/planner.h>
 #include <remat/planner/step.h>
+#include <remat/planner/timeline.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1131,10 +1132,11 @@ TEST(PerLayerStream, EqualsExhaustiveSearchOnRandomChains) {
 
 TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHoldsIt) {
   // Where nothing but the stages holds the chain's input in the backward pass (input_held_in_backward false),
-  // a first stage streamed takes it to the host from the loss on: every chain stage's backward is charged
-  // without it, and the step's per-layer program is the search over every per-layer plan's step peak.
+  // a first stage streamed takes it to the host from the loss on: the rest's and every chain stage's backward
+  // is charged without it, and the step's per-layer program is the search over every per-layer plan's step
+  // peak.
   std::mt19937 rng(4242);
-  int freed = 0;
+  int freed = 0, timelines = 0;
   for (int trial = 0; trial < 24; ++trial) {
     const int64_t n = 1 + trial % 4;
     Chain chain = random_offload_chain(rng, n, 1000);
@@ -1160,6 +1162,20 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
       EXPECT_LE(c.peak, before) << c.plan.to_string();
       EXPECT_GE(c.peak, before - chain.input_bytes) << c.plan.to_string();
       freed += c.peak < before;
+      if (first_streamed && trial % 4 == 0) {
+        ++timelines;
+        // Operation by operation: the same up to the loss and in the part before the chain's backward, the
+        // input's bytes less in every other backward (the rest's included) and recompute.
+        const remat::StepTimeline a = remat::step_timeline(chain, held, c.plan),
+                                  b = remat::step_timeline(chain, gone, c.plan);
+        bool after_loss = false;
+        for (size_t k = 0; k < a.points.size(); ++k) {
+          after_loss = after_loss || a.points[k].op == "L";
+          const bool without = after_loss && a.points[k].op != "L" && a.points[k].op != "B(before)";
+          EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, without ? chain.input_bytes : 0)
+              << a.points[k].op << " in " << c.plan.to_string();
+        }
+      }
       c.ms = remat::simulate(remat::step_chain(chain, gone), remat::step_plan(c.plan)).time_ms;
       least = std::min(least, c.peak), most = std::max(most, c.peak);
     }
@@ -1179,6 +1195,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     }
   }
   EXPECT_GT(freed, 20);
+  EXPECT_GT(timelines, 5);
   // The context's rules: held with input_in_base, read from the readings, agreed held where any rank holds
   // it.
   remat::StepContext both;

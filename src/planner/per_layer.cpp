@@ -150,7 +150,8 @@ struct StepTerms {
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
   // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
-  // from every chain stage's backward once the first is streamed (step_op_peaks()'s input_freed_bytes()).
+  // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
+  // input_freed_bytes()).
   int64_t input_freed = 0;
 };
 
@@ -332,9 +333,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         const bool input_leaves = ch.offload && ch.cost->input && j > 0 && !p.keeps_output;
         // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output).
         q.input_gone = p.input_gone || (step && step->input_freed > 0 && j == 1 && ch.stream);
-        const bool chain_stage = step && j >= 1 && j + 1 < n;
+        // Without it: the backward of every stage after the part before the chain (the rest's included).
         const int64_t bwd_less =
-            (ch.stream && input_leaves ? a_in : 0) + (q.input_gone && chain_stage ? step->input_freed : 0);
+            (ch.stream && input_leaves ? a_in : 0) + (q.input_gone && j >= 1 ? step->input_freed : 0);
         q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less));
         if (by_time && q.peak > budget) continue;
         // The bytes its copies move each way.

@@ -146,8 +146,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         Stage::grads_way(op.kind == OpKind::kForwardKeep, op.stream, !op.groups.empty(), policy);
   }
   // A first stage streamed before the loss takes the chain's input to the host when nothing else holds it
-  // (StepContext::input_held_in_backward): from the loss on, the chain stages' backward passes and recomputes
-  // run without it (the first one's measured peak holds it back).
+  // (StepContext::input_held_in_backward): from the loss on, the rest's backward and the chain stages'
+  // backward passes and recomputes run without it (the first one's measured peak holds it back).
   const int64_t freed = input_freed_bytes(chain, context, ops);
   bool after_loss = false;
   int64_t arrived = 0;
@@ -170,7 +170,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       at_peak = chain.stages[static_cast<size_t>(op.stage - 1)].grads_charge_bytes(
           made, way[static_cast<size_t>(op.stage)]);
     }
-    const bool without_input = after_loss && op.stage >= 1 && op.stage <= n && op.kind != OpKind::kLoss;
+    const bool without_input = after_loss && op.stage >= 1 && op.kind != OpKind::kLoss;
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak -
                (context.input_in_base ? chain.input_bytes : int64_t{0}) - (without_input ? freed : 0);
     arrived += made;

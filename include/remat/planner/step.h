@@ -62,8 +62,11 @@ struct StepContext {
   /// input_in_base). False where, once the forward pass is over, only the stages hold it (the Python package
   /// measures it: the input's storage is freed by the time the first stage's backward is done). A first stage
   /// then streamed (Fa0@stream, Fa0@stream0: the Python package's runtime sends the stage's input with what
-  /// it saves) leaves the input on the host from the loss on: every chain stage's backward (and recompute) is
-  /// charged without it, the first stage's measured backward peak bringing it back.
+  /// it saves) leaves the input on the host from the loss on: the rest of the step's backward and every chain
+  /// stage's backward (and recompute) are charged without it, the first stage's measured backward peak
+  /// bringing it back. (A rest of the step that saved the chain's input has dropped it before the reading: it
+  /// would be charged too little; the Python package warns of a planned step more than 2% above its
+  /// prediction.)
   bool input_held_in_backward = true;
 };
 

@@ -15,8 +15,9 @@ int64_t input_freed_bytes(const Chain& chain, const StepContext& context, const 
 
 // The step's peak during each operation of `ops` (step_plan() of a plan for `chain`) as simulated on
 // step_chain() (`sim`), above the step's base: the simulated peak with the gradients allocated by then, less
-// the chain's input when input_in_base, and after the loss input_freed_bytes() in the chain stages'
-// operations (bytes; step_peak_bytes() is their maximum with the part before the chain's own peaks).
+// the chain's input when input_in_base, and after the loss input_freed_bytes() in the operations of the rest
+// of the step and the chain's stages (bytes; step_peak_bytes() is their maximum with the part before the
+// chain's own peaks).
 std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& context, const Plan& ops,
                                    const Simulation& sim);
 

@@ -123,6 +123,14 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
   return out;
 }
 
+// The least time of the plans in `all` whose peak is within `budget` (infinity where none is).
+double fastest_within(const std::vector<Candidate>& all, int64_t budget) {
+  double best = std::numeric_limits<double>::infinity();
+  for (const Candidate& c : all)
+    if (c.peak <= budget) best = std::min(best, c.ms);
+  return best;
+}
+
 // Every stage's forward runs once or twice.
 bool forward_calls_at_most(const Plan& plan, int64_t times) {
   std::vector<int64_t> calls(static_cast<size_t>(plan.num_stages), 0);
@@ -153,9 +161,7 @@ int64_t expect_exhaustive(const Chain& chain, const std::vector<Candidate>& all,
   std::uniform_int_distribution<int64_t> pick(least, most);
   for (int b = 0; b < 4; ++b) {
     const int64_t budget = b == 0 ? least : pick(rng);
-    double best = std::numeric_limits<double>::infinity();
-    for (const Candidate& c : all)
-      if (c.peak <= budget) best = std::min(best, c.ms);
+    const double best = fastest_within(all, budget);
     const Plan plan = remat::per_layer(chain, budget, options);
     EXPECT_LE(plan.predicted.peak_bytes, budget);
     EXPECT_EQ(plan.predicted.peak_bytes, remat::simulate(chain, plan).peak_bytes);
@@ -251,9 +257,7 @@ TEST(PerLayer, HonoursExclusionsAndPerCallTimes) {
       least = std::min(least, c.peak), most = std::max(most, c.peak);
     EXPECT_EQ(remat::per_layer_min_budget(chain, no_fk), least);
     const int64_t budget = least + (most - least) / 2;
-    double best = std::numeric_limits<double>::infinity();
-    for (const Candidate& c : all)
-      if (c.peak <= budget) best = std::min(best, c.ms);
+    const double best = fastest_within(all, budget);
     const Plan plan = remat::per_layer(chain, budget, no_fk);
     EXPECT_EQ(plan.count(OpKind::kForwardKeep), 0);
     EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * best);
@@ -702,9 +706,7 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
     std::uniform_int_distribution<int64_t> pick(least, most);
     for (int b = 0; b < 5; ++b) {
       const int64_t budget = b == 0 ? least : pick(rng);
-      double best = std::numeric_limits<double>::infinity();
-      for (const Candidate& c : all)
-        if (c.peak <= budget) best = std::min(best, c.ms);
+      const double best = fastest_within(all, budget);
       const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer");
       EXPECT_LE(p.step_peak_bytes, budget);
       EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
@@ -1183,9 +1185,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     std::uniform_int_distribution<int64_t> pick(least, most);
     for (int b = 0; b < 3; ++b) {
       const int64_t budget = b == 0 ? least : pick(rng);
-      double best = std::numeric_limits<double>::infinity();
-      for (const Candidate& c : all)
-        if (c.peak <= budget) best = std::min(best, c.ms);
+      const double best = fastest_within(all, budget);
       // plan_step checks that the program's step peak is the simulated step's (an internal error otherwise).
       const remat::StepPlan p = remat::plan_step(chain, gone, budget, "per-layer", options);
       EXPECT_LE(p.step_peak_bytes, budget);

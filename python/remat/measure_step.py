@@ -288,8 +288,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     prefix_backward = x0.requires_grad and x0.grad_fn is not None
     # Whether anything but the layers holds their input through the layers' backward pass (the part before
     # them, what it saved, the caller): read as its storage's liveness once the first layer's backward is done
-    # (every layer's checkpoint has dropped it by then), else at the step's end. A Python variable of the
-    # model's forward holds it through the forward pass only.
+    # (every layer's checkpoint has dropped it by then), else at the step's end. (A variable of the model's
+    # forward may hold it through the forward pass: the model charges it there whatever this reads.)
     try:
         input_ref = StorageWeakRef(x0.untyped_storage())
     except RuntimeError:  # a tensor without storage (a wrapper subclass): held, as when not read

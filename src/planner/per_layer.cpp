@@ -218,10 +218,9 @@ bool same_group(const Point& a, const Point& b) {
 }
 
 // Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
-// input_gone), which
-// the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
-// for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
-// offloading) the link's time still owed, all at most its. Ties keep the first point.
+// input_gone), which the future depends on beside R, no point with R, `key` (time when planning for a budget,
+// peak when looking for the least memory), when `host` bounds it host bytes, and when `link` (planning for
+// time with offloading) the link's time still owed, all at most its. Ties keep the first point.
 template <typename Key>
 std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::stable_sort(points.begin(), points.end(), [&](const Point& a, const Point& b) {

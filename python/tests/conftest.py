@@ -14,9 +14,7 @@ import remat
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # pytorch_reference.py: the BERT the C++ library defines too
 
-# ./test's thread count (one per test: ctest runs as many tests as there are cores), else at most two.
-_threads = os.environ.get("OMP_NUM_THREADS", "")
-torch.set_num_threads(int(_threads) if _threads.isdigit() and int(_threads) > 0 else max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(autouse=True)

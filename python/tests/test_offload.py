@@ -596,7 +596,7 @@ def test_streamed_layers_go_below_whole_layer_offloading_bitwise():
 
 
 def test_offloading_options_are_checked():
-    model = Stack(WIDTH, 2)
+    model = Stack(n=2)
     with pytest.raises(ValueError, match="offload must be True or False"):
         remat.enable(model, list(model.layers), budget="1GiB", offload="yes")
     with pytest.raises(ValueError, match="max_host_bytes .* needs offload=True"):

@@ -9,6 +9,7 @@
 
 #include "detail/per_layer.h"
 #include "detail/planner.h"
+#include "detail/step.h"
 #include "remat/planner/step.h"
 
 // The per-layer planner: for each stage on its own, keep it (Fa), keep it under an Fk variant, or checkpoint
@@ -334,7 +335,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.input_gone = p.input_gone || (step && step->input_freed > 0 && j == 1 && ch.stream);
         // Without it: the backward of every stage after the part before the chain (the rest's included).
         const int64_t bwd_less =
-            (ch.stream && input_leaves ? a_in : 0) + (q.input_gone && j >= 1 ? step->input_freed : 0);
+            (ch.stream && input_leaves ? a_in : 0) + (q.input_gone ? step->input_freed : 0);
         q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less));
         if (by_time && q.peak > budget) continue;
         // The bytes its copies move each way.
@@ -461,7 +462,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.all_only.front() = t.all_only.back() = 1;
   t.at_recompute.assign(n + 2, 0);
   t.own.assign(n + 2, 0);
-  t.input_freed = context.input_held_in_backward || context.input_in_base ? int64_t{0} : chain.input_bytes;
+  t.input_freed = detail::input_unheld_bytes(chain, context);
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
     const int64_t own =

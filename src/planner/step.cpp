@@ -117,11 +117,14 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
 
 namespace detail {
 
+int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
+  return context.input_held_in_backward || context.input_in_base ? 0 : chain.input_bytes;
+}
+
 int64_t input_freed_bytes(const Chain& chain, const StepContext& context, const Plan& ops) {
-  if (context.input_held_in_backward || context.input_in_base) return 0;
   for (const Op& op : ops.ops) {
     if (op.kind == OpKind::kLoss) break;
-    if (op.stage == 1 && op.kind != OpKind::kBackward && op.stream) return chain.input_bytes;
+    if (op.stage == 1 && op.kind != OpKind::kBackward && op.stream) return input_unheld_bytes(chain, context);
   }
   return 0;
 }

@@ -8,9 +8,12 @@
 
 namespace remat::detail {
 
+// The chain's input (bytes) where nothing but the stages holds it in the backward pass
+// (StepContext::input_held_in_backward false, input_in_base false), else 0.
+int64_t input_unheld_bytes(const Chain& chain, const StepContext& context);
+
 // The chain's input (bytes) that leaves the device from the loss on under `ops` (step_plan() of a plan for
-// `chain`): all of it where nothing but the stages holds it in the backward pass
-// (StepContext::input_held_in_backward false) and the first chain stage is streamed before the loss, else 0.
+// `chain`): input_unheld_bytes() where the first chain stage is streamed before the loss, else 0.
 int64_t input_freed_bytes(const Chain& chain, const StepContext& context, const Plan& ops);
 
 // The step's peak during each operation of `ops` (step_plan() of a plan for `chain`) as simulated on

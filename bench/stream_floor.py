@@ -65,6 +65,8 @@ def main():
     print(f"  least budget with streaming    {least / MiB:.1f} MiB ({least / hf:.2f}); measured at it "
           f"{got[2] / MiB:.1f} MiB ({got[2] / hf:.2f}), bitwise; host {lp.host_pool.peak_bytes / MiB:.1f} MiB "
           f"(predicted {lp.predicted_host_bytes / MiB:.1f})")
+    print(f"  predicted {lp.predicted_peak_bytes} bytes, measured {got[2]} bytes: the prediction "
+          f"{(lp.predicted_peak_bytes - got[2]) / got[2]:+.2%} of the measured peak")
     print(f"  choices {lp.choices}")
 
 

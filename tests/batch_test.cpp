@@ -30,7 +30,7 @@ remat::Chain chain_at(int64_t batch) {
     s.keep_saved_bytes = 3000 * batch;
     s.keep_fwd_ms = 1.0 * batch;
     s.keep_bwd_ms = 2.0 * batch;
-    s.offload = remat::OffloadCost{5000 * batch, true, false, 2000 * batch, 3000 * batch, 256};
+    s.offload = remat::OffloadCost{5000 * batch, true, false, 2000 * batch, 3000 * batch, 256, 3500 * batch};
     s.policies.push_back({"matmuls", 3000 * batch, 1.0 * batch, 2.0 * batch, std::nullopt});
     s.groups = {{"aten::mm#0", 2000 * batch, 0.25 * batch}, {"aten::gelu#0", 1000 * batch, 0.01 * batch}};
     c.stages.push_back(s);
@@ -57,6 +57,7 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
       EXPECT_EQ(s.offload->bytes, w.offload->bytes);
       EXPECT_EQ(s.offload->window_bytes, 256);
       EXPECT_EQ(s.offload->stream_bwd_bytes, w.offload->stream_bwd_bytes);
+      EXPECT_EQ(s.offload->stream_bwd_grads_bytes, w.offload->stream_bwd_grads_bytes);
       EXPECT_EQ(s.policies[0].saved_bytes, w.policies[0].saved_bytes);
       EXPECT_EQ(s.groups[0].bytes, w.groups[0].bytes);
       EXPECT_DOUBLE_EQ(s.groups[1].recompute_ms, w.groups[1].recompute_ms);
@@ -70,6 +71,13 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   EXPECT_EQ(low.stages[0].bwd_tmp_bytes, 6068);
   const remat::Chain far = remat::chain_at_batch(b, 4, a2, 2, 200);
   EXPECT_EQ(far.stages[0].bwd_tmp_bytes, 0);
+  // A streamed backward's peak with its gradients made, measured in one profile only: not measured.
+  remat::Chain unread = b;
+  unread.stages[1].offload->stream_bwd_grads_bytes = -1;
+  const remat::Chain half = remat::chain_at_batch(a, 2, unread, 4, 3);
+  EXPECT_EQ(half.stages[1].offload->stream_bwd_grads_bytes, -1);
+  EXPECT_EQ(half.stages[1].offload->stream_bwd_bytes, 9000);
+  EXPECT_EQ(half.stages[0].offload->stream_bwd_grads_bytes, 3500 * 3);
 }
 
 TEST(Batch, ProfilesOfDifferentChainsOrAtOneBatchAreRefused) {

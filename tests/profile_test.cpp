@@ -162,6 +162,19 @@ TEST_F(ProfileTest, MeasuresTheBackwardsPeakHadItMadeItsGradients) {
     remat::detail::backward_from(std::move(kept), std::move(dk), targets, false, false, true);
     EXPECT_EQ(made ? *c.bwd_grads_tmp_bytes : *c.bwd_tmp_bytes, w.peak_over_base()) << made;
   }
+  // Streamed (Fa@stream), the same pair: its backward's peak with what it saves brought back at its use
+  // (stream_bwd_bytes), and had it made its gradients, again before the last of them.
+  for (const auto& p : seq->parameters())
+    p.mutable_grad() = torch::Tensor();
+  const remat::Chain streamed = remat::profile_chain(
+      {{"mlp", [seq](const torch::Tensor& t) mutable { return seq->forward(t); }, seq.ptr()}}, x,
+      remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(1024));
+  const remat::OffloadCost& o = *streamed.stages[0].offload;
+  ASSERT_TRUE(o.can_stream());
+  EXPECT_GE(o.stream_bwd_grads_bytes, o.stream_bwd_bytes);
+  EXPECT_LT(o.stream_bwd_grads_bytes, o.stream_bwd_bytes + grads);
+  EXPECT_EQ(remat::chain_from_json(remat::to_json(streamed)).stages[0].offload->stream_bwd_grads_bytes,
+            o.stream_bwd_grads_bytes);
 }
 
 TEST_F(ProfileTest, LeavesTheModelAsItWas) {

@@ -195,7 +195,8 @@ void add_random_groups(std::mt19937& rng, Chain& chain) {
 }
 
 // Gives each stage of `chain` with an offload cost, but every third, stream figures: a forward peak and a
-// backward peak each from a tenth of its kept bytes up to all of them, and a window up to a quarter.
+// backward peak each from a tenth of its kept bytes up to all of them, and a window up to a quarter; every
+// other one also the backward's peak with its gradients made.
 void add_random_streams(std::mt19937& rng, Chain& chain) {
   std::uniform_real_distribution<double> part(0.1, 1.0);
   for (size_t i = 0; i < chain.stages.size(); ++i) {
@@ -205,6 +206,10 @@ void add_random_streams(std::mt19937& rng, Chain& chain) {
     s.offload->stream_fwd_bytes = static_cast<int64_t>(part(rng) * kept);
     s.offload->stream_bwd_bytes = static_cast<int64_t>(part(rng) * kept);
     s.offload->window_bytes = static_cast<int64_t>(part(rng) * kept / 4);
+    // Half of them with the backward's peak had it made its gradients: up to 5% above the measured one.
+    if (i % 2 == 0)
+      s.offload->stream_bwd_grads_bytes =
+          s.offload->stream_bwd_bytes + static_cast<int64_t>(part(rng) * kept / 20);
   }
 }
 
@@ -618,6 +623,56 @@ TEST(Step, AStagesBackwardIsChargedTheGradientsItMadeByItsPeakAsMeasured) {
   Chain bad = chain;
   bad.stages[0].bwd_grads_tmp_bytes = -1;
   EXPECT_THROW(remat::validate(bad), std::invalid_argument);
+
+  // Streamed (Fa1@stream): its measured backward peak and, where measured, that peak had it made its
+  // gradients (OffloadCost::stream_bwd_grads_bytes); unmeasured, all of them are charged there.
+  Chain st = chain;
+  st.to_host_gb_per_s = st.to_device_gb_per_s = 1.0;
+  for (remat::Stage& s : st.stages)
+    s.offload = remat::OffloadCost{40000, true, false};
+  remat::OffloadCost& o = *st.stages[1].offload;
+  o.stream_fwd_bytes = 30000, o.stream_bwd_bytes = 80000, o.window_bytes = 0;
+  const Plan streamed =
+      remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fa0", "Fa1@stream0", "L", "B1", "B0"]})");
+  const int64_t every = remat::step_peak_bytes(st, ctx, streamed);
+  EXPECT_EQ(st.stages[1].grads_charge_bytes(30000, remat::Stage::kGradsStreamed), 30000);
+  EXPECT_EQ(remat::step_peak_bytes(st, none, streamed), every - 30000);  // B1 is the step's peak
+  for (const auto& [measured, charged] : std::vector<std::pair<int64_t, int64_t>>{
+           {80000 + 6000, 6000}, {80000, 0}, {60000, 0}, {80000 + 30000, 30000}, {80000 + 90000, 30000}}) {
+    Chain c = st;
+    c.stages[1].offload->stream_bwd_grads_bytes = measured;
+    EXPECT_EQ(c.stages[1].grads_charge_bytes(30000, remat::Stage::kGradsStreamed), charged);
+    // Fa's own pair is not the streamed way's.
+    EXPECT_EQ(c.stages[1].grads_charge_bytes(30000, -1), 30000);
+    EXPECT_EQ(remat::step_peak_bytes(c, ctx, streamed), every - 30000 + charged) << measured;
+    const Chain back = remat::chain_from_json(remat::to_json(c));
+    EXPECT_EQ(back.stages[1].offload->stream_bwd_grads_bytes, measured);
+    // The per-layer program charges it the same (plan_step throws on a disagreement): at the streamed plan's
+    // step peak it finds a plan at least that low.
+    remat::PlannerOptions options;
+    options.offload = true;
+    const int64_t peak = remat::step_peak_bytes(c, ctx, streamed);
+    EXPECT_LE(remat::min_step_budget(c, ctx, "per-layer", options), peak);
+    const remat::StepPlan p = remat::plan_step(c, ctx, peak, "per-layer", options);
+    EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(c, ctx, p.plan));
+  }
+  EXPECT_FALSE(remat::chain_from_json(remat::to_json(st)).stages[1].offload->stream_bwd_grads_bytes >= 0);
+  EXPECT_EQ(remat::to_json(st).find("stream_bwd_grads_bytes"), std::string::npos);
+  // Checked: a negative figure other than -1. Without the stream figures it is not read (nothing streams)
+  // and not written; a chain text with it alone is refused.
+  Chain neg = st;
+  neg.stages[1].offload->stream_bwd_grads_bytes = -2;
+  EXPECT_THROW_WITH_STD(remat::validate(neg), "offload stream_bwd_grads_bytes");
+  Chain alone = st;
+  alone.stages[0].offload->stream_bwd_grads_bytes = 100;
+  remat::validate(alone);
+  EXPECT_EQ(alone.stages[0].grads_charge_bytes(30000, remat::Stage::kGradsStreamed), 30000);
+  EXPECT_EQ(remat::to_json(alone), remat::to_json(st));
+  EXPECT_THROW_WITH_STD(
+      remat::chain_from_json(
+          R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000,
+              "saved_bytes": 5000, "offload": {"bytes": 100, "stream_bwd_grads_bytes": 10}}]})"),
+      "remat::chain_from_json", "come together");
 }
 
 TEST(Step, APlannedStepsMeasuredPeakIsCheckedAgainstItsPrediction) {
@@ -899,6 +954,16 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   EXPECT_EQ(both.stream_fwd_bytes, 10);
   EXPECT_EQ(both.stream_bwd_bytes, 30);
   EXPECT_EQ(both.window_bytes, 5);
+  EXPECT_EQ(both.stream_bwd_grads_bytes, -1);
+  // The streamed backward's peak with its gradients made: the larger; measured on one process only, absent
+  // (all of the gradients charged).
+  s1.stages[0].offload->stream_bwd_grads_bytes = 24;
+  s2.stages[0].offload->stream_bwd_grads_bytes = 31;
+  EXPECT_EQ(agreed(s1, s2).stream_bwd_grads_bytes, 31);
+  Chain unread = s2;
+  unread.stages[0].offload->stream_bwd_grads_bytes = -1;
+  EXPECT_EQ(agreed(s1, unread).stream_bwd_grads_bytes, -1);
+  EXPECT_EQ(agreed(unread, s1).stream_bwd_grads_bytes, -1);
   Chain s3 = s1;
   s3.stages[0].offload->stream_fwd_bytes = s3.stages[0].offload->stream_bwd_bytes = -1;
   s3.stages[0].offload->window_bytes = 0;

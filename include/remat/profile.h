@@ -15,14 +15,15 @@
 /// gradient (the parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first
 /// step), and bwd_grads_tmp_bytes, from the same run, the peak it would have reached had it made those
 /// gradients (.grad undefined before it, as after zero_grad()): from a hook on each parameter, which gets its
-/// gradient before it is accumulated. Times are medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages
-/// in the order of a training step (so that the caches hold what a step leaves there): a forward pass without
-/// saving (fwd_nosave_ms), then from the last stage to the first its forward with saving and its backward
-/// (fwd_ms, bwd_ms), then every stage under remat::checkpoint and the backward pass through them
-/// (checkpoint_fwd_ms, checkpoint_bwd_ms), and with ProfileOptions::keep the same keeping the kept calls'
-/// outputs (keep_fwd_ms, keep_bwd_ms; keep_saved_bytes is what that leaves alive). The peak memory of
-/// profiling is that of checkpointing every stage plus one stage's saved tensors, not that of a plain step.
-/// The model is left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are restored.
+/// gradient before it is accumulated. Times are medians of `repeats` timed runs after `warmup` untimed ones,
+/// each run taking the stages in the order of a training step (so that the caches hold what a step leaves
+/// there): a forward pass without saving (fwd_nosave_ms), then from the last stage to the first its forward
+/// with saving and its backward (fwd_ms, bwd_ms), then every stage under remat::checkpoint and the backward
+/// pass through them (checkpoint_fwd_ms, checkpoint_bwd_ms), and with ProfileOptions::keep the same keeping
+/// the kept calls' outputs (keep_fwd_ms, keep_bwd_ms; keep_saved_bytes is what that leaves alive). The peak
+/// memory of profiling is that of checkpointing every stage plus one stage's saved tensors, not that of a
+/// plain step. The model is left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are
+/// restored.
 
 #include <remat/planner/chain.h>
 #include <remat/sequential.h>
@@ -71,7 +72,8 @@ struct ProfileOptions {
   /// bandwidth each way (Chain::to_host_gb_per_s, to_device_gb_per_s; remat::offload_bandwidth() on the
   /// largest stage's saved bytes, 1 to 64 MiB); and the stage's stream figures
   /// (OffloadCost::stream_fwd_bytes, stream_bwd_bytes: its forward's and backward's peaks above the bytes
-  /// before each, run under an Offload with window 0; window_bytes: the largest tensor it sends), so that the
+  /// before each, run under an Offload with window 0; stream_bwd_grads_bytes: that backward's had it made its
+  /// gradients; window_bytes: the largest tensor it sends), so that the
   /// per-layer planner may stream it (Fa3@stream). Two more forwards and one more backward per stage.
   TORCH_ARG(int64_t, offload_min_bytes) = -1;
   /// Also measure each stage's saved groups (Stage::groups), so that the planners can assign each to be kept,

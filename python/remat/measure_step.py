@@ -181,6 +181,8 @@ def add_to_stream(st, fwd: int = 0, bwd: int = 0) -> None:
         o = st.offload
         o.stream_fwd_bytes += fwd
         o.stream_bwd_bytes += bwd
+        if o.stream_bwd_grads_bytes >= 0:
+            o.stream_bwd_grads_bytes += bwd
         st.offload = o
 
 def sync(device: torch.device) -> None:

@@ -263,9 +263,10 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
 def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int]) -> tuple[int, int] | None:
     """fn(leaf) run streamed: what it saves sent to the host as it is made, each copy waited for at once
     (remat.offload.Offload with window 0, never the `alive` storages), then backward(out) (the profile's
-    timed_backward: (ms, its peak above the bytes before it, its output's gradient made)), each tensor brought
-    back where it is used. Returns (the forward's peak above the bytes before it, the backward's), or None when
-    it has no backward (its output needs no gradient)."""
+    timed_backward: (ms, its peak above the bytes before it, that peak had it made its parameters' gradients
+    or None)), each tensor brought back where it is used. Returns (the forward's peak above the bytes before
+    it, the backward's, the backward's with its gradients made or -1 unmeasured), or None when it has no
+    backward (its output needs no gradient)."""
     o = Offload(pool=HostPool(), min_bytes=min_bytes, lookahead=0, window=0).keep_on_device(storages=alive)
     before = meter.count()
     with meter.window() as window:
@@ -275,10 +276,10 @@ def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int]) 
         fwd = window.peak() - before
     if not out.requires_grad:
         return None
-    bwd = backward(out)[1]
+    _, bwd, grads = backward(out)
     del out
     o.pool.release()
-    return max(0, fwd), max(0, bwd)
+    return max(0, fwd), max(0, bwd), -1 if grads is None else max(0, grads)
 
 
 class _SavedStorages:
@@ -387,7 +388,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     (Stage.checkpoint_offload, its input), and the chain's bandwidths, measured by copying the largest tensor a
     stage saves (at most 64 MiB) to host memory and back; each stage's streamed peaks (Stage.offload's
     stream_fwd_bytes and stream_bwd_bytes: run with each saved tensor sent as it is made and brought back where it
-    is used, a plan's Fa3@stream) and window_bytes (the largest tensor it sends); under each policy, what offloading its kept tensors
+    is used, a plan's Fa3@stream; stream_bwd_grads_bytes, that backward's had it made its gradients, on remat's
+    meters) and window_bytes (the largest tensor it sends); under each policy, what offloading its kept tensors
     and its input moves (PolicyCost.offload, Fk[NAME]@host; remat's selective checkpointing passes them on any
     torch). groups: also each stage's saved groups (Stage.groups, a plan's Fk3{khr}): the calls of its forward
     pass whose outputs autograd saves (not views, not its output, not what is alive anyway), the largest
@@ -685,7 +687,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     targets = targets_of(i, leaf)
                     fields[i]["stream"] = _measure_stream(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
-                        lambda out, i=i, targets=targets: timed_backward(out, targets, i),
+                        lambda out, i=i, targets=targets: timed_backward(out, targets, i, grads_peak=True),
                         meter, offload_min_bytes, alive) if targets else None
                     del leaf, targets
                     report("offloading", names[i])
@@ -748,7 +750,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             s.offload = f.get("offload")
             if s.offload is not None and f.get("stream") is not None:
                 o = s.offload
-                o.stream_fwd_bytes, o.stream_bwd_bytes = f["stream"]
+                o.stream_fwd_bytes, o.stream_bwd_bytes, o.stream_bwd_grads_bytes = f["stream"]
                 # The runtime's window: the largest tensor the stage sends (one copy in flight each way, or
                 # one tensor ahead, beside the one in use).
                 o.window_bytes = f.get("largest", 0)

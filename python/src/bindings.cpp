@@ -86,6 +86,10 @@ NB_MODULE(_core, m) {
       .def_rw("stream_bwd_bytes", &remat::OffloadCost::stream_bwd_bytes,
               "streamed: its backward's peak above the bytes before it, each tensor brought back at its use "
               "(bytes; -1: not measured)")
+      .def_rw(
+          "stream_bwd_grads_bytes", &remat::OffloadCost::stream_bwd_grads_bytes,
+          "streamed: that backward's peak had it made the stage's parameter gradients, those made by then "
+          "counted (bytes; -1: not measured, all of them charged)")
       .def_rw("window_bytes", &remat::OffloadCost::window_bytes,
               "streamed: the most bytes in flight each way beside those peaks (bytes)")
       .def("can_stream", &remat::OffloadCost::can_stream, "whether the stream figures were measured");

@@ -552,6 +552,12 @@ def test_streamed_layers_go_below_whole_layer_offloading_bitwise():
         assert o.can_stream() and o.window_bytes == 256 * 256 * 4  # the largest tensor a block sends
         # Its backward holds a few of the eight hidden states it saves at a time (and its gradients' transients).
         assert 0 < o.stream_bwd_bytes < st.saved_bytes, (o.stream_bwd_bytes, st.saved_bytes)
+    # Had that backward made the block's gradients (as after zero_grad): its peak comes before the last of them
+    # (the model charges only those made by then).
+    grads = sum(p.nbytes for p in model.layers[0].parameters())
+    for st in chain.stages:
+        o = st.offload
+        assert o.stream_bwd_bytes <= o.stream_bwd_grads_bytes < o.stream_bwd_bytes + grads, (o.stream_bwd_grads_bytes, grads)
     unstreamed = drop_stream_figures(remat.Chain.from_json(chain.to_json()))
     without = _core.min_step_budget(unstreamed, ctx, "per-layer", offload=True)
     least = lp.min_budget_bytes

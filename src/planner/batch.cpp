@@ -56,8 +56,11 @@ std::optional<OffloadCost> offload_at(const std::optional<OffloadCost>& a,
   if (a->can_stream() && b->can_stream()) {
     c.stream_fwd_bytes = line.bytes(a->stream_fwd_bytes, b->stream_fwd_bytes);
     c.stream_bwd_bytes = line.bytes(a->stream_bwd_bytes, b->stream_bwd_bytes);
+    c.stream_bwd_grads_bytes = a->stream_bwd_grads_bytes >= 0 && b->stream_bwd_grads_bytes >= 0
+                                   ? line.bytes(a->stream_bwd_grads_bytes, b->stream_bwd_grads_bytes)
+                                   : -1;
   } else {
-    c.stream_fwd_bytes = c.stream_bwd_bytes = -1;
+    c.stream_fwd_bytes = c.stream_bwd_bytes = c.stream_bwd_grads_bytes = -1;
   }
   c.window_bytes = line.bytes(a->window_bytes, b->window_bytes);
   return c;

@@ -40,6 +40,10 @@ struct Collect {
     out.ints.push_back(stream ? v->stream_fwd_bytes : 0);
     out.ints.push_back(stream ? v->stream_bwd_bytes : 0);
     out.ints.push_back(stream ? v->window_bytes : 0);
+    // The streamed backward's peak with its gradients made: likewise measured everywhere, or unmeasured.
+    const bool grads = stream && v->stream_bwd_grads_bytes >= 0;
+    out.ints.push_back(grads ? 0 : 1);
+    out.ints.push_back(grads ? v->stream_bwd_grads_bytes : 0);
   }
 };
 
@@ -78,7 +82,10 @@ struct Write {
     c.output = next_flag();
     const bool no_stream = next_flag();
     const int64_t fwd = next_int(), bwd = next_int(), window = next_int();
+    const bool no_grads = next_flag();
+    const int64_t grads = next_int();
     if (!no_stream) c.stream_fwd_bytes = fwd, c.stream_bwd_bytes = bwd, c.window_bytes = window;
+    if (!no_stream && !no_grads) c.stream_bwd_grads_bytes = grads;
     v = absent ? std::nullopt : std::optional<OffloadCost>(c);
   }
 };

@@ -46,6 +46,12 @@ struct OffloadCost {
   /// The most bytes the runtime holds in flight each way beside those peaks (copies to the host not yet
   /// landed; tensors brought back ahead of their use), at least the largest tensor it sends (bytes, >= 0).
   int64_t window_bytes = 0;
+  /// Streaming: the backward's peak (stream_bwd_bytes) had it made the stage's parameter gradients (none
+  /// before it, as in a training step after zero_grad(set_to_none)), those made by then counted (bytes; -1:
+  /// not measured, and all of its gradients are charged at that peak). A backward's peak comes before the
+  /// last of its gradients is made, so this is at most stream_bwd_bytes plus all of them
+  /// (Stage::grads_charge_bytes() reads the two).
+  int64_t stream_bwd_grads_bytes = -1;
   /// Whether the stream figures were measured.
   bool can_stream() const { return stream_fwd_bytes >= 0 && stream_bwd_bytes >= 0; }
 };
@@ -148,19 +154,22 @@ struct Stage {
     return c.bwd_tmp_bytes ? *c.bwd_tmp_bytes : (saved_bytes - c.saved_bytes) + bwd_tmp_bytes;
   }
   /// What the gradients its backward makes (`grads_bytes` of them, >= 0) add to that backward's peak above
-  /// bwd_tmp_bytes (bytes), the stage run as Fa or Fc (`policy` -1) or as Fk under policies[policy] (see
-  /// grads_way()): the way's bwd_grads_tmp_bytes - bwd_tmp_bytes where both are measured, within
-  /// [0, grads_bytes]; grads_bytes otherwise (kGradsUnmeasured, a policy the stage has no cost for), and 0
-  /// for none. (A backward's peak comes at its own point among the gradients
-  /// it makes: each way is measured on its own.)
+  /// the peak measured without making them (bytes), for the way the stage ran (`policy`, see grads_way()):
+  /// the way's measured difference (bwd_grads_tmp_bytes - bwd_tmp_bytes for Fa and Fc, a policy's own two
+  /// for Fk under it, the offload's stream_bwd_grads_bytes - stream_bwd_bytes streamed) within
+  /// [0, grads_bytes]; grads_bytes where either is not measured (kGradsUnmeasured, a policy the stage has no
+  /// cost for), and 0 for none. (A backward's peak comes at its own point among the gradients it makes: each
+  /// way is measured on its own.)
   /// The way argument of grads_charge_bytes() for a stage's last forward before its backward: `policy` (the
-  /// chain's index) for Fk under a policy, -1 for Fa and Fc (a checkpoint's recompute is Fa), and
-  /// kGradsUnmeasured for a way whose backward's point among its gradients is not measured (streamed, the
-  /// keep tags, a group assignment: all of them charged). The one rule step_peak_bytes() and the per-layer
-  /// program share.
+  /// chain's index) for Fk under a policy, -1 for Fa and Fc (a checkpoint's recompute is Fa), kGradsStreamed
+  /// for Fa@stream, and kGradsUnmeasured for a way whose backward's point among its gradients is not
+  /// measured (the keep tags, a group assignment: all of them charged). The one rule step_peak_bytes() and
+  /// the per-layer program share.
   static constexpr int64_t kGradsUnmeasured = -2;
+  static constexpr int64_t kGradsStreamed = -3;
   static int64_t grads_way(bool keep, bool stream, bool groups, int64_t policy) {
-    if (stream || (keep && (groups || policy < 0))) return kGradsUnmeasured;
+    if (stream) return kGradsStreamed;
+    if (keep && (groups || policy < 0)) return kGradsUnmeasured;
     return keep ? policy : -1;
   }
   int64_t grads_charge_bytes(int64_t grads_bytes, int64_t policy = -1) const {
@@ -168,7 +177,11 @@ struct Stage {
     if (policy == kGradsUnmeasured || (policy >= 0 && static_cast<size_t>(policy) >= policies.size()))
       return grads_bytes;
     std::optional<int64_t> tmp = bwd_tmp_bytes, with = bwd_grads_tmp_bytes;
-    if (policy >= 0) {
+    if (policy == kGradsStreamed) {
+      if (!offload || offload->stream_bwd_bytes < 0 || offload->stream_bwd_grads_bytes < 0)
+        return grads_bytes;
+      tmp = offload->stream_bwd_bytes, with = offload->stream_bwd_grads_bytes;
+    } else if (policy >= 0) {
       const PolicyCost& c = policies[static_cast<size_t>(policy)];
       tmp = c.bwd_tmp_bytes, with = c.bwd_grads_tmp_bytes;
     }

@@ -402,7 +402,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         s.offload = offload_cost(s.saved_bytes, all.freed, all.copied, s.output_bytes);
         // Streamed (Fa@stream): the forward under an Offload that waits for each copy at once (window 0),
         // then its backward with each tensor brought back where it is used: each one's peak above the bytes
-        // before it; the window the runtime holds beside them, the largest tensor the stage sends.
+        // before it (the backward's also had it made its gradients); the window the runtime holds beside
+        // them, the largest tensor the stage sends.
         {
           torch::Tensor probe = leaf_of(i, xs[i]);
           Offload streamed(detail::stage_offload_options(
@@ -417,10 +418,11 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           const int64_t largest = streamed.stats().largest_bytes;
           const std::vector<torch::Tensor> targets = targets_of(i, probe);
           if (out.requires_grad() && !targets.empty() && largest > 0) {
-            int64_t bwd = 0;
-            timed_backward(std::move(out), targets, &bwd);
+            int64_t bwd = 0, grads_bwd = 0;
+            timed_backward(std::move(out), targets, &bwd, &per[i].params, &grads_bwd);
             s.offload->stream_fwd_bytes = std::max<int64_t>(0, fwd);
             s.offload->stream_bwd_bytes = std::max<int64_t>(0, bwd);
+            s.offload->stream_bwd_grads_bytes = std::max<int64_t>(0, grads_bwd);
             s.offload->window_bytes = largest;
           }
         }

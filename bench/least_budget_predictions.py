@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Predicted against measured step peaks at the least budget with offloading, on every Transformers architecture
+the test suite builds (docs/BENCHMARKS.md, "At the least budget with offloading").
+
+Each model is the test suite's (python/tests/test_hf.py and test_seq2seq.py: BERT, GPT-2, Llama, T5, BART,
+Whisper; GPT-NeoX of width 64, 4 layers, batch 4, sequence 64), built from a config with random weights on the
+CPU and trained as a Trainer does (gradients set to none before each step). remat.hf.enable(offload=True,
+offload_min_bytes=16 KiB) profiles it in one step; the budget is then set to the least feasible one
+(LayerPlan.min_budget_bytes) and two planned steps are measured with remat's CPU meter. Each row: the first
+layer's choice, whether the layers' input is read as held in the backward pass, the prediction, the larger
+measured peak, their error (measured less predicted, over predicted: negative where the model overstates), and,
+from the same profile, the prediction with each streamed backward charged all of its layer's gradients (the
+model before OffloadCost.stream_bwd_grads_bytes; the same plan, not the plan that model chose).
+
+    python bench/least_budget_predictions.py                   # every model
+    python bench/least_budget_predictions.py bert whisper
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
+
+import remat  # noqa: E402
+import remat.hf  # noqa: E402
+import test_hf  # noqa: E402
+import test_seq2seq  # noqa: E402
+
+transformers = test_hf.transformers
+
+
+def neox():
+    cfg = transformers.GPTNeoXConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
+                                     num_attention_heads=4, max_position_embeddings=128)
+    return transformers.GPTNeoXForCausalLM(cfg), dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+
+NAMES = ["bert", "gpt2", "llama", "neox", "t5", "bart", "whisper"]
+
+
+def charged_all(lp) -> int:
+    """The plan's predicted step peak with every streamed backward charged all of its layer's gradients."""
+    chain = remat.Chain.from_json(lp.chain.to_json())
+    for st in chain.stages:
+        if st.offload is not None:
+            o = st.offload
+            o.stream_bwd_grads_bytes = -1
+            st.offload = o
+    return remat.step_peak_bytes(chain, lp.context, lp.plan)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="*", help=f"of {', '.join(NAMES)} (default: every one)")
+    args = ap.parse_args()
+    unknown = [m for m in args.models if m not in NAMES]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(NAMES)}")
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    meter = remat.cpu_meter()
+    test_hf.MODELS["neox"] = neox
+    print("| model | first layer | input held | predicted (bytes) | measured (bytes) | error | all gradients charged |")
+    print("|---|---|---|---|---|---|---|")
+    for name in args.models or NAMES:
+        if name in test_hf.MODELS:
+            model, spec = test_hf.make(name)
+            run = partial(lambda m, s, k: test_hf.step(m, s, k, meter)[2], model, spec)
+        else:
+            model = test_seq2seq.make(name)
+            run = partial(lambda m, n, k: test_seq2seq.step(m, n, k, meter)[2], model, name)
+        lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
+        run(0)
+        lp.set_budget(lp.min_budget_bytes)
+        got = max(run(k) for k in (1, 2))
+        predicted = lp.predicted_peak_bytes
+        before = charged_all(lp)
+        print(f"| {name} | {lp.choices[0]} | {lp.context.input_held_in_backward} | {predicted} | {got} | "
+              f"{(got - predicted) / predicted:+.2%} | {before} ({(got - before) / before:+.2%}) |", flush=True)
+        lp.remove()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Predicted against measured step peaks at the least budget with offloading, on every Transformers architecture
-the test suite builds (docs/BENCHMARKS.md, "At the least budget with offloading").
+the test suite builds (docs/BENCHMARKS.md, "A streamed layer's backward charged the gradients it made by its
+peak", under "Streamed layers below per-layer checkpointing's peak").
 
 Each model is the test suite's (python/tests/test_hf.py and test_seq2seq.py: BERT, GPT-2, Llama, T5, BART,
 Whisper; GPT-NeoX of width 64, 4 layers, batch 4, sequence 64), built from a config with random weights on the

@@ -260,7 +260,7 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     return [(name, nbytes, _median(times[name])) for name, nbytes in found]
 
 
-def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int]) -> tuple[int, int] | None:
+def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int]) -> tuple[int, int, int] | None:
     """fn(leaf) run streamed: what it saves sent to the host as it is made, each copy waited for at once
     (remat.offload.Offload with window 0, never the `alive` storages), then backward(out) (the profile's
     timed_backward: (ms, its peak above the bytes before it, that peak had it made its parameters' gradients

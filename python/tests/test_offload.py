@@ -557,7 +557,8 @@ def test_streamed_layers_go_below_whole_layer_offloading_bitwise():
     grads = sum(p.nbytes for p in model.layers[0].parameters())
     for st in chain.stages:
         o = st.offload
-        assert o.stream_bwd_bytes <= o.stream_bwd_grads_bytes < o.stream_bwd_bytes + grads, (o.stream_bwd_grads_bytes, grads)
+        assert o.stream_bwd_bytes <= o.stream_bwd_grads_bytes < o.stream_bwd_bytes + grads, \
+            (o.stream_bwd_grads_bytes, grads)
     unstreamed = drop_stream_figures(remat.Chain.from_json(chain.to_json()))
     without = _core.min_step_budget(unstreamed, ctx, "per-layer", offload=True)
     least = lp.min_budget_bytes

@@ -41,9 +41,8 @@ struct Collect {
     out.ints.push_back(stream ? v->stream_bwd_bytes : 0);
     out.ints.push_back(stream ? v->window_bytes : 0);
     // The streamed backward's peak with its gradients made: likewise measured everywhere, or unmeasured.
-    const bool grads = stream && v->stream_bwd_grads_bytes >= 0;
-    out.ints.push_back(grads ? 0 : 1);
-    out.ints.push_back(grads ? v->stream_bwd_grads_bytes : 0);
+    opt_bytes(stream && v->stream_bwd_grads_bytes >= 0 ? std::optional<int64_t>(v->stream_bwd_grads_bytes)
+                                                       : std::nullopt);
   }
 };
 
@@ -82,10 +81,10 @@ struct Write {
     c.output = next_flag();
     const bool no_stream = next_flag();
     const int64_t fwd = next_int(), bwd = next_int(), window = next_int();
-    const bool no_grads = next_flag();
-    const int64_t grads = next_int();
+    std::optional<int64_t> grads;
+    opt_bytes(grads);
     if (!no_stream) c.stream_fwd_bytes = fwd, c.stream_bwd_bytes = bwd, c.window_bytes = window;
-    if (!no_stream && !no_grads) c.stream_bwd_grads_bytes = grads;
+    if (!no_stream && grads) c.stream_bwd_grads_bytes = *grads;
     v = absent ? std::nullopt : std::optional<OffloadCost>(c);
   }
 };

@@ -116,6 +116,15 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(c.checkpoint_all_peak_bytes, -1);
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 2).checkpoint_all_peak_bytes, 2000);
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 4).checkpoint_all_peak_bytes, 4000);
+  // What runs between stages: on the line, as the rest's peak.
+  a.between_backward_peak_bytes = {0, 1000 + 100 * 2}, b.between_backward_peak_bytes = {0, 1000 + 100 * 4};
+  a.between_grads_bytes = b.between_grads_bytes = {0, 64};
+  const remat::StepContext d = remat::context_at_batch(a, 2, b, 4, 10);
+  EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
+  EXPECT_EQ(d.between_grads_bytes, (std::vector<int64_t>{0, 64}));
+  b.between_backward_peak_bytes.clear();
+  EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
+  b.between_backward_peak_bytes = a.between_backward_peak_bytes;
   b.stage_grads_bytes = {512};
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
 }

@@ -30,6 +30,21 @@ struct Candidate {
   int64_t host = 0;
 };
 
+// Figures of what runs between stages (StepContext::between_*), from their own generator so that the chains'
+// draws stay as they were: on about half of the boundaries, a backward peak of up to `most` bytes with
+// gradients of up to a tenth of it.
+void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, int64_t most) {
+  ctx.between_backward_peak_bytes.assign(static_cast<size_t>(n), 0);
+  ctx.between_grads_bytes.assign(static_cast<size_t>(n), 0);
+  std::uniform_int_distribution<int64_t> peak(1, most);
+  std::bernoulli_distribution coin(0.5);
+  for (size_t j = 1; j < static_cast<size_t>(n); ++j) {
+    if (!coin(rng)) continue;
+    ctx.between_backward_peak_bytes[j] = peak(rng);
+    ctx.between_grads_bytes[j] = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
+  }
+}
+
 // With `offload`, each way that has an OffloadCost also offloaded; its time and peak are simulate()'s (the
 // offloading tests' chains have no per-call times, so that simulate() charges what per_layer() does).
 std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies,
@@ -733,8 +748,8 @@ TEST(Step, PlanStepFitsTheStepAndNamesTheLeastBudget) {
 // Per-layer planning for a whole step against every per-layer plan's step peak: plan_step finds the fastest
 // per-layer plan that fits the step, and min_step_budget the least step peak of any.
 TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
-  std::mt19937 rng(97);
-  int recomputing = 0;
+  std::mt19937 rng(97), between_rng(98);
+  int recomputing = 0, between_raised = 0;
   for (int trial = 0; trial < 80; ++trial) {
     Chain chain = random_policy_chain(rng, 2 + trial % 5, 1000);
     // Some backwards measured with their gradients made there: peaking before the last of them (below
@@ -751,6 +766,9 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
     ctx.rest_peak_bytes = (trial % 4) * 40000;
     ctx.rest_grads_bytes = (trial % 5) * 10000;
     ctx.stage_grads_bytes.assign(static_cast<size_t>(chain.size()), (trial % 2) * 2000);
+    // Something running between some stages (a decoder's embeddings between an encoder and the decoder).
+    const remat::StepContext sequential = ctx;
+    if (trial % 3 == 1) add_random_between(between_rng, ctx, chain.size(), 90000);
     std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
     int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
     for (Candidate& c : all) {
@@ -758,6 +776,7 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
       least = std::min(least, c.peak), most = std::max(most, c.peak);
     }
     ASSERT_EQ(remat::min_step_budget(chain, ctx, "per-layer"), least) << "trial " << trial;
+    between_raised += least > remat::min_step_budget(chain, sequential, "per-layer");
     std::uniform_int_distribution<int64_t> pick(least, most);
     for (int b = 0; b < 5; ++b) {
       const int64_t budget = b == 0 ? least : pick(rng);
@@ -780,6 +799,85 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
     }
   }
   EXPECT_GT(recomputing, 100);
+  EXPECT_GT(between_raised, 5) << between_raised;  // what runs between stages set the least budget
+}
+
+// What runs between two stages in the model's code (a decoder's embeddings between an encoder's layers and
+// the decoder's: Whisper's, whose tied embedding's dense gradient is made there) runs once the later stage's
+// backward is done: its peak is charged above what that leaves held (the later stage's input still held, its
+// input's gradient made) with every gradient arrived by then, and its own gradients stay from then on.
+TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
+  Chain chain;
+  chain.input_bytes = 100;
+  for (auto [out, saved] : {std::pair<int64_t, int64_t>{200, 300}, {50, 500}, {100, 400}}) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(chain.stages.size());
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = out, s.saved_bytes = saved;
+    chain.stages.push_back(s);
+  }
+  remat::StepContext ctx;
+  ctx.rest_grads_bytes = 7;
+  ctx.stage_grads_bytes = {10, 20, 40};
+  const Plan keep = remat::no_checkpoint(chain);
+  const int64_t sequential = remat::step_peak_bytes(chain, ctx, keep);
+  // Between stages 1 and 2: once stage 2's backward is done, held are the part before the chain (its
+  // output, the chain's input: 100), what stages 0 and 1 saved (300 + 500) and stage 2's input gradient
+  // (50), with the rest's gradients and stage 2's (7 + 40).
+  remat::StepContext between = ctx;
+  between.between_backward_peak_bytes = {0, 0, 100000};
+  between.between_grads_bytes = {0, 0, 0};
+  EXPECT_EQ(remat::step_peak_bytes(chain, between, keep), 100 + 300 + 500 + 50 + 7 + 40 + 100000);
+  const remat::StepTimeline t = remat::step_timeline(chain, between, keep);
+  const auto at = std::find_if(t.points.begin(), t.points.end(), [](const auto& p) { return p.op == "B2"; });
+  ASSERT_NE(at, t.points.end());
+  EXPECT_EQ(at->peak_bytes, 100 + 300 + 500 + 50 + 7 + 40 + 100000);
+  // Below what the step holds otherwise, it changes nothing; its gradients arrive with it: every backward
+  // after it holds them.
+  between.between_backward_peak_bytes[2] = 1;
+  EXPECT_EQ(remat::step_peak_bytes(chain, between, keep), sequential);
+  between.between_grads_bytes[2] = 3000;
+  const remat::StepTimeline g = remat::step_timeline(chain, between, keep),
+                            plain = remat::step_timeline(chain, ctx, keep);
+  ASSERT_EQ(g.points.size(), plain.points.size());
+  bool after = false;
+  for (size_t k = 0; k < g.points.size(); ++k) {
+    const bool gap = g.points[k].op == "B2";
+    EXPECT_EQ(g.points[k].peak_bytes - plain.points[k].peak_bytes, after ? 3000 : 0) << g.points[k].op;
+    after = after || gap;
+  }
+  EXPECT_GT(remat::step_peak_bytes(chain, between, keep), sequential);
+  // The per-layer program charges it as step_peak_bytes() does (its exhaustive tests: above), so that a
+  // budget it sets is planned for.
+  between.between_grads_bytes[2] = 0;
+  between.between_backward_peak_bytes[2] = 100000;
+  const int64_t least = remat::min_step_budget(chain, between, "per-layer");
+  EXPECT_GT(least, remat::min_step_budget(chain, ctx, "per-layer"));
+  EXPECT_LE(remat::plan_step(chain, between, least, "per-layer").step_peak_bytes, least);
+  // Readings: turned into the context as read (negative ones as 0); of one size with stage_grads_bytes.
+  remat::StepReadings r;
+  r.stage_grads_bytes = {1, 2, 3};
+  r.between_backward_peak_bytes = {0, -5, 300};
+  r.between_grads_bytes = {0, 0, 20};
+  const remat::StepContext c = remat::step_context(r);
+  EXPECT_EQ(c.between_backward_peak_bytes, (std::vector<int64_t>{0, 0, 300}));
+  EXPECT_EQ(c.between_grads_bytes, (std::vector<int64_t>{0, 0, 20}));
+  r.between_grads_bytes = {0, 0};
+  EXPECT_THROW_WITH_STD(remat::step_context(r), "remat::step_context", "between_grads_bytes (2)",
+                        "one entry per stage");
+  // A context's: one entry per stage, none negative, none below the first stage.
+  remat::StepContext bad = ctx;
+  bad.between_backward_peak_bytes = {0, 5};
+  EXPECT_THROW_WITH_STD(remat::step_peak_bytes(chain, bad, keep), "between_backward_peak_bytes has 2 entries",
+                        "3 stages");
+  bad.between_backward_peak_bytes = {0, -1, 0};
+  EXPECT_THROW_WITH_STD(remat::plan_step(chain, bad, 1 << 20), "remat::StepContext",
+                        "between_backward_peak_bytes", "-1");
+  bad.between_backward_peak_bytes = {9, 0, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_backward_peak_bytes's entry 0 is 9");
+  bad.between_backward_peak_bytes.clear();
+  bad.between_grads_bytes = {0, 0, 0, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_grads_bytes has 4 entries");
 }
 
 TEST(Step, RefusesBadContextsAndPlanners) {
@@ -922,6 +1020,25 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   EXPECT_EQ(x.rest_ms, ca.rest_ms);
   EXPECT_EQ(x.stage_grads_bytes, (std::vector<int64_t>{10, 20, 30, 90}));
   EXPECT_TRUE(x.input_held_in_backward);  // held where any process holds it
+  // What runs between stages: each figure the larger.
+  {
+    remat::StepContext ba = ca, bb = cb;
+    ba.between_backward_peak_bytes = {0, 100, 0, 7}, ba.between_grads_bytes = {0, 10, 0, 0};
+    bb.between_backward_peak_bytes = {0, 50, 0, 9}, bb.between_grads_bytes = {0, 20, 0, 0};
+    const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
+    ASSERT_EQ(pa.ints.size(), pb.ints.size());
+    remat::PlanFigures most = pa;
+    for (size_t i = 0; i < most.ints.size(); ++i)
+      most.ints[i] = std::max(pa.ints[i], pb.ints[i]);
+    for (size_t i = 0; i < most.reals.size(); ++i)
+      most.reals[i] = std::max(pa.reals[i], pb.reals[i]);
+    Chain y = a;
+    remat::StepContext z = ba;
+    remat::set_plan_figures(y, z, most);
+    EXPECT_EQ(z.between_backward_peak_bytes, (std::vector<int64_t>{0, 100, 0, 9}));
+    EXPECT_EQ(z.between_grads_bytes, (std::vector<int64_t>{0, 20, 0, 0}));
+    EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
+  }
   EXPECT_EQ(c.holds_outputs, a.holds_outputs);
   // Other structures, and a flag that is no flag, are refused; nothing changes.
   Chain shorter = a;
@@ -1202,7 +1319,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
   // a first stage streamed takes it to the host from the loss on: the rest's and every chain stage's backward
   // is charged without it, and the step's per-layer program is the search over every per-layer plan's step
   // peak.
-  std::mt19937 rng(4242);
+  std::mt19937 rng(4242), between_rng(4243);
   int freed = 0, timelines = 0;
   for (int trial = 0; trial < 24; ++trial) {
     const int64_t n = 1 + trial % 4;
@@ -1214,6 +1331,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     held.rest_peak_bytes = 300 * (trial % 3);
     held.rest_ms = 4.0;
     held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+    if (trial % 2 == 1) add_random_between(between_rng, held, n, 60000);  // charged without the input too
     remat::StepContext gone = held;
     gone.input_held_in_backward = false;
     remat::PlannerOptions options;

@@ -230,6 +230,8 @@ NB_MODULE(_core, m) {
       .def_rw("forward_calls", &remat::Simulation::forward_calls)
       .def_rw("peak_op", &remat::Simulation::peak_op)
       .def_rw("op_peak_bytes", &remat::Simulation::op_peak_bytes)
+      .def_rw("op_done_bytes", &remat::Simulation::op_done_bytes,
+              "held once each operation is done (bytes; a backward's with its input)")
       .def_rw("host_peak_bytes", &remat::Simulation::host_peak_bytes,
               "host memory of offloaded stages (bytes)")
       .def_rw("transfer_ms", &remat::Simulation::transfer_ms, "copies no computation hides (ms)");
@@ -375,21 +377,39 @@ NB_MODULE(_core, m) {
       .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes)
       .def_rw("side_bytes", &remat::StepContext::side_bytes)
       .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
-      // pickle and copy.deepcopy: its fields.
+      .def_rw("between_backward_peak_bytes", &remat::StepContext::between_backward_peak_bytes,
+              "per stage, the backward peak of what runs between the stage before it and it (bytes)")
+      .def_rw("between_grads_bytes", &remat::StepContext::between_grads_bytes,
+              "per stage, the parameter gradients what runs between the stage before it and it allocates "
+              "(bytes)")
+      // pickle and copy.deepcopy: its fields (a state of 11 fields, from before the between figures, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
-             return std::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
-                                    c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
-                                    c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
-                                    c.side_bytes, c.input_held_in_backward);
+             return nb::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
+                                   c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
+                                   c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
+                                   c.side_bytes, c.input_held_in_backward, c.between_backward_peak_bytes,
+                                   c.between_grads_bytes);
            })
-      .def("__setstate__", [](remat::StepContext& c,
-                              const std::tuple<bool, int64_t, int64_t, int64_t, int64_t, double, int64_t,
-                                               std::vector<int64_t>, int64_t, int64_t, bool>& s) {
+      .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
+        if (s.size() != 11 && s.size() != 13)
+          throw nb::value_error("remat.StepContext: a pickled state has 11 or 13 fields");
         new (&c) remat::StepContext();
-        std::tie(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes,
-                 c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, c.stage_grads_bytes,
-                 c.checkpoint_all_peak_bytes, c.side_bytes, c.input_held_in_backward) = s;
+        c.input_in_base = nb::cast<bool>(s[0]);
+        c.before_saved_bytes = nb::cast<int64_t>(s[1]);
+        c.before_peak_bytes = nb::cast<int64_t>(s[2]);
+        c.before_backward_peak_bytes = nb::cast<int64_t>(s[3]);
+        c.rest_peak_bytes = nb::cast<int64_t>(s[4]);
+        c.rest_ms = nb::cast<double>(s[5]);
+        c.rest_grads_bytes = nb::cast<int64_t>(s[6]);
+        c.stage_grads_bytes = nb::cast<std::vector<int64_t>>(s[7]);
+        c.checkpoint_all_peak_bytes = nb::cast<int64_t>(s[8]);
+        c.side_bytes = nb::cast<int64_t>(s[9]);
+        c.input_held_in_backward = nb::cast<bool>(s[10]);
+        if (s.size() == 13) {
+          c.between_backward_peak_bytes = nb::cast<std::vector<int64_t>>(s[11]);
+          c.between_grads_bytes = nb::cast<std::vector<int64_t>>(s[12]);
+        }
       });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
@@ -410,7 +430,9 @@ NB_MODULE(_core, m) {
       .def_rw("step_peak", &remat::StepReadings::step_peak)
       .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
       .def_rw("side_bytes", &remat::StepReadings::side_bytes)
-      .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward);
+      .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
+      .def_rw("between_backward_peak_bytes", &remat::StepReadings::between_backward_peak_bytes)
+      .def_rw("between_grads_bytes", &remat::StepReadings::between_grads_bytes);
   m.def("step_context", &remat::step_context, "readings"_a);
   m.def(
       "plan_figures",

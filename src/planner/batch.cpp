@@ -144,6 +144,13 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
     throw std::invalid_argument("remat::context_at_batch: the contexts are of " +
                                 std::to_string(a.stage_grads_bytes.size()) + " and " +
                                 std::to_string(b.stage_grads_bytes.size()) + " stages");
+  if (a.between_backward_peak_bytes.size() != b.between_backward_peak_bytes.size() ||
+      a.between_grads_bytes.size() != b.between_grads_bytes.size())
+    throw std::invalid_argument(
+        "remat::context_at_batch: one context has figures of what runs between the stages "
+        "(between_backward_peak_bytes, between_grads_bytes) for " +
+        std::to_string(a.between_backward_peak_bytes.size()) + " stages, the other for " +
+        std::to_string(b.between_backward_peak_bytes.size()));
   const Line line{batch_a, batch_b, batch};
   StepContext c = a;
   c.before_saved_bytes = line.bytes(a.before_saved_bytes, b.before_saved_bytes);
@@ -162,6 +169,12 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
                                 : batch == batch_b ? b.checkpoint_all_peak_bytes
                                                    : -1;
   c.side_bytes = line.bytes(a.side_bytes, b.side_bytes);
+  // What runs between two stages: a line through its two readings, as the rest's peak.
+  for (size_t i = 0; i < c.between_backward_peak_bytes.size(); ++i)
+    c.between_backward_peak_bytes[i] =
+        line.bytes(a.between_backward_peak_bytes[i], b.between_backward_peak_bytes[i]);
+  for (size_t i = 0; i < c.between_grads_bytes.size(); ++i)
+    c.between_grads_bytes[i] = line.bytes(a.between_grads_bytes[i], b.between_grads_bytes[i]);
   c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
   return c;
 }

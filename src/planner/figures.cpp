@@ -139,6 +139,10 @@ void visit(C& chain, X& context, V& v) {
   v.bytes(context.checkpoint_all_peak_bytes);
   v.bytes(context.side_bytes);
   v.flag(context.input_held_in_backward);
+  for (auto& b : context.between_backward_peak_bytes)
+    v.bytes(b);
+  for (auto& g : context.between_grads_bytes)
+    v.bytes(g);
 }
 
 // An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima
@@ -162,7 +166,8 @@ void set_plan_figures(Chain& chain, StepContext& context, const PlanFigures& fig
         std::string(kWho) + ": " + std::to_string(figures.ints.size()) + " integer and " +
         std::to_string(figures.reals.size()) + " real figures for a chain and context that have " +
         std::to_string(mine.ints.size()) + " and " + std::to_string(mine.reals.size()) +
-        " (the processes' chains differ in stages, policies, saved groups or stage_grads_bytes)");
+        " (the processes' chains differ in stages, policies, saved groups, stage_grads_bytes or the between "
+        "figures)");
   }
   Chain c = chain;
   StepContext x = context;

@@ -150,6 +150,9 @@ struct StepTerms {
   std::vector<char> all_only;
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
+  // Per stage: the backward peak of what runs between the stage before it and it (once its backward is done,
+  // above what that leaves held with every gradient arrived by then), -1 where nothing is charged there.
+  std::vector<int64_t> between;
   // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
   // input_freed_bytes()).
@@ -159,8 +162,9 @@ struct StepTerms {
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
 // `bwd_less`: bytes of R_j not on the device in its backward and recompute (a streamed stage's input that
 // left with what it saves, whose measured backward peak holds it back; the chain's input once the first
-// stage took it to the host).
-int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, int64_t bwd_less) {
+// stage took it to the host); `bwd_less_input`: whether the chain's input is among them.
+int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, int64_t bwd_less,
+                   bool bwd_less_input) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
@@ -170,12 +174,19 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const int64_t at_bwd =
       at_rec + s.grads_charge_bytes(own, Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream,
                                                           !c.groups.empty(), c.variant - 1));
+  // What runs between the stage before it and it, once its backward is done: above R_j and its input's
+  // gradient, every gradient arrived by then (its input back on the device; the chain's input still gone).
+  const int64_t between = step && step->between[static_cast<size_t>(j)] >= 0
+                              ? a_in + at_rec + own + step->between[static_cast<size_t>(j)] -
+                                    (bwd_less_input ? step->input_freed : 0)
+                              : 0;
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with its window beside it; the backward's above
     // what the stage keeps on the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max(o.stream_fwd_bytes + c.window,
-                    a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less);
+    return std::max({o.stream_fwd_bytes + c.window,
+                     a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less,
+                     between});
   }
   const int64_t fwd = c.held + s.fwd_tmp_bytes;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
@@ -185,7 +196,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   if (c.kind == OpKind::kForwardCheckpoint)
     bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
-  return std::max(fwd, bwd - bwd_less);
+  return std::max({fwd, bwd - bwd_less, between});
 }
 
 // A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
@@ -336,7 +347,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         // Without it: the backward of every stage after the part before the chain (the rest's included).
         const int64_t bwd_less =
             (ch.stream && input_leaves ? a_in : 0) + (q.input_gone ? step->input_freed : 0);
-        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less));
+        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less, q.input_gone));
         if (by_time && q.peak > budget) continue;
         // The bytes its copies move each way.
         const int64_t copied =
@@ -462,6 +473,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.all_only.front() = t.all_only.back() = 1;
   t.at_recompute.assign(n + 2, 0);
   t.own.assign(n + 2, 0);
+  t.between.assign(n + 2, -1);
   t.input_freed = detail::input_unheld_bytes(chain, context);
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
@@ -470,6 +482,13 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
     t.at_recompute[s] = after;
     t.own[s] = own;
     after += own;
+    // What runs between chain stages s - 2 and s - 1 (step_op_peaks()'s rule).
+    if (s >= 2 && s <= n) {
+      const int64_t between = detail::between_of(context.between_backward_peak_bytes, s - 1),
+                    grads = detail::between_of(context.between_grads_bytes, s - 1);
+      if (between > 0 || grads > 0) t.between[s] = between;
+      after += grads;
+    }
   }
   return t;
 }

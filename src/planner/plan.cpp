@@ -219,6 +219,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   };
   sim.op_peak_bytes.assign(plan.ops.size(), 0);
   sim.op_end_ms.assign(plan.ops.size(), 0.0);
+  sim.op_done_bytes.assign(plan.ops.size(), 0);
 
   // Offloading: per stage, what its offloaded forward sent to the host (see plan.h).
   struct Away {
@@ -546,6 +547,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         current += act(i) - held_bytes(i + 1) - act(i + 1);
         held[i + 1] = kNone;
         grad = i;
+        sim.op_done_bytes[k] = current;  // a_i still held
         if (held[i] == kPlain && i > 0) {
           current -= act(i);
           held[i] = kNone;
@@ -560,6 +562,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         break;
       }
     }
+    if (op.kind != OpKind::kBackward) sim.op_done_bytes[k] = current;
   }
   if (grad != 0) {
     throw std::invalid_argument(

@@ -41,6 +41,15 @@ StepContext step_context(const StepReadings& r) {
                                 "), side_bytes (" + std::to_string(r.side_bytes) + ") and rest_ms (" +
                                 std::to_string(r.rest_ms) + ") must be >= 0");
   }
+  const size_t between = r.between_backward_peak_bytes.size();
+  if (r.between_grads_bytes.size() != between ||
+      (between != 0 && !r.stage_grads_bytes.empty() && r.stage_grads_bytes.size() != between)) {
+    throw std::invalid_argument("remat::step_context: between_backward_peak_bytes (" +
+                                std::to_string(between) + " entries), between_grads_bytes (" +
+                                std::to_string(r.between_grads_bytes.size()) + ") and stage_grads_bytes (" +
+                                std::to_string(r.stage_grads_bytes.size()) +
+                                ") must be of one size, one entry per stage (or empty)");
+  }
   auto above = [](int64_t v, int64_t from) { return std::max<int64_t>(0, v - from); };
   StepContext c;
   c.input_in_base = r.input_in_base;
@@ -55,6 +64,10 @@ StepContext step_context(const StepReadings& r) {
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
   c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
+  for (int64_t v : r.between_backward_peak_bytes)
+    c.between_backward_peak_bytes.push_back(std::max<int64_t>(0, v));
+  for (int64_t v : r.between_grads_bytes)
+    c.between_grads_bytes.push_back(std::max<int64_t>(0, v));
   return c;
 }
 
@@ -84,6 +97,24 @@ void validate(const StepContext& c, const Chain& chain) {
   }
   for (int64_t g : c.stage_grads_bytes)
     check(g, "an entry of stage_grads_bytes");
+  auto per_stage = [&](const std::vector<int64_t>& v, const char* field) {
+    if (v.empty()) return;
+    if (static_cast<int64_t>(v.size()) != chain.size()) {
+      throw std::invalid_argument(std::string("remat::StepContext: ") + field + " has " +
+                                  std::to_string(v.size()) + " entries for a chain of " +
+                                  std::to_string(chain.size()) + " stages");
+    }
+    for (int64_t b : v)
+      check(b, field);
+    if (v[0] != 0) {
+      throw std::invalid_argument(std::string("remat::StepContext: ") + field + "'s entry 0 is " +
+                                  std::to_string(v[0]) +
+                                  ", not 0 (nothing runs between the part before the chain and its first "
+                                  "stage: that part's backward is before_backward_peak_bytes)");
+    }
+  };
+  per_stage(c.between_backward_peak_bytes, "between_backward_peak_bytes");
+  per_stage(c.between_grads_bytes, "between_grads_bytes");
 }
 
 Chain step_chain(const Chain& chain, const StepContext& context) {
@@ -116,6 +147,10 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
 }
 
 namespace detail {
+
+int64_t between_of(const std::vector<int64_t>& figures, size_t stage) {
+  return figures.empty() ? 0 : figures[stage];
+}
 
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
   return context.input_held_in_backward || context.input_in_base ? 0 : chain.input_bytes;
@@ -152,6 +187,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // (StepContext::input_held_in_backward): from the loss on, the rest's backward and the chain stages'
   // backward passes and recomputes run without it (the first one's measured peak holds it back).
   const int64_t freed = input_freed_bytes(chain, context, ops);
+  const int64_t base = context.input_in_base ? chain.input_bytes : int64_t{0};
   bool after_loss = false;
   int64_t arrived = 0;
   bool rest_done = false;
@@ -174,9 +210,20 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
           made, way[static_cast<size_t>(op.stage)]);
     }
     const bool without_input = after_loss && op.stage >= 1 && op.kind != OpKind::kLoss;
-    peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak -
-               (context.input_in_base ? chain.input_bytes : int64_t{0}) - (without_input ? freed : 0);
+    const int64_t less = base + (without_input ? freed : 0);
+    peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     arrived += made;
+    // What runs between chain stage s - 2 and s - 1 (between_backward_peak_bytes) runs once the later one's
+    // backward is done, above what it left held and every gradient arrived by then; its own gradients arrive
+    // with it.
+    const size_t j = static_cast<size_t>(op.stage - 1);
+    if (op.kind == OpKind::kBackward && op.stage >= 2 && op.stage <= n) {
+      const int64_t between = between_of(context.between_backward_peak_bytes, j),
+                    grads = between_of(context.between_grads_bytes, j);
+      if (between > 0 || grads > 0)
+        peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
+      arrived += grads;
+    }
   }
   return peaks;
 }

@@ -98,6 +98,9 @@ struct Simulation {
   std::vector<int64_t> forward_calls;  ///< how many times each stage's forward runs
   int64_t peak_op = -1;                ///< index in ops of the operation at the peak
   std::vector<int64_t> op_peak_bytes;  ///< the peak during each operation, in the order of ops (bytes)
+  /// What is held once each operation is done, in the order of ops (bytes); for a backward B_i, with a_i
+  /// still held where a recompute alone held it (the plan lets it go right after).
+  std::vector<int64_t> op_done_bytes;
   /// When each operation ends, in the order of ops (milliseconds from the plan's start: time_ms so far, the
   /// copies no computation hides included; all 0 without a chain, as check_plan() runs it).
   std::vector<double> op_end_ms;

@@ -68,6 +68,15 @@ struct StepContext {
   /// would be charged too little; the Python package warns of a planned step more than 2% above its
   /// prediction.)
   bool input_held_in_backward = true;
+  /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
+  /// between an encoder's layers and the decoder's, with a tied embedding's dense gradient; nothing in a
+  /// chain whose stages hand their output straight to the next): the peak of its backward pass, which runs
+  /// once stage j's backward is done, above what is held then (bytes), and the parameter gradients it
+  /// allocates, held from then on (bytes). Charged above the step as held when stage j's backward is done
+  /// (its input a_j still held: what runs between usually saved it), with every gradient arrived by then.
+  /// Entry 0 is 0 (what runs before the chain is before_backward_peak_bytes). Empty, or one entry per stage.
+  std::vector<int64_t> between_backward_peak_bytes;
+  std::vector<int64_t> between_grads_bytes;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -105,20 +114,26 @@ struct StepReadings {
   /// Whether the chain's input was alive once the first stage's backward was done (or, where the part before
   /// the chain has no backward, at the step's end; StepContext::input_held_in_backward). True when not read.
   bool input_held_in_backward = true;
+  /// Per chain stage: the backward pass of what runs between the stage before it and it, its peak above the
+  /// count when it began and the parameter gradients it allocated (StepContext::between_backward_peak_bytes,
+  /// between_grads_bytes; bytes). Empty where not read.
+  std::vector<int64_t> between_backward_peak_bytes;
+  std::vector<int64_t> between_grads_bytes;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
 /// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
 /// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
 /// held besides the output's gradient), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
-/// the base), side_bytes and input_held_in_backward as read (held whatever was read with input_in_base).
-/// Negative differences are read as 0. Throws std::invalid_argument naming remat::step_context for a
-/// negative input_bytes, output_grad_bytes, side_bytes or rest_ms.
+/// the base), side_bytes, input_held_in_backward (held whatever was read with input_in_base) and the between
+/// figures as read. Negative differences are read as 0. Throws std::invalid_argument naming
+/// remat::step_context for a negative input_bytes, output_grad_bytes, side_bytes or rest_ms, or between
+/// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 
-/// Checks a context against its chain: no negative value, stage_grads_bytes empty or of the chain's size,
-/// input_held_in_backward with input_in_base. Throws std::invalid_argument naming remat::StepContext, the
-/// field and the value.
+/// Checks a context against its chain: no negative value, stage_grads_bytes and the between figures empty or
+/// of the chain's size, the between figures' entry 0 zero, input_held_in_backward with input_in_base. Throws
+/// std::invalid_argument naming remat::StepContext, the field and the value.
 void validate(const StepContext& context, const Chain& chain);
 
 /// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's
@@ -130,7 +145,9 @@ Chain step_chain(const Chain& chain, const StepContext& context);
 /// The step's predicted peak above its base under `plan` (a plan for `chain`, bytes): the largest of
 /// before_peak_bytes, before_backward_peak_bytes and every operation of step_plan(plan) on step_chain(),
 /// each with the gradients allocated by then (a stage's from its backward operation on, the rest's after the
-/// rest's backward), less the chain's input when input_in_base. Throws as validate() and simulate().
+/// rest's backward, what runs between two stages' after its backward), and what runs between two stages
+/// (between_backward_peak_bytes) after the later one's backward, less the chain's input when input_in_base.
+/// Throws as validate() and simulate().
 int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan);
 
 /// A plan for the whole step and its predicted peak.

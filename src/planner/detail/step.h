@@ -8,6 +8,10 @@
 
 namespace remat::detail {
 
+// Entry `stage` of a per-stage figure of what runs between two stages
+// (StepContext::between_backward_peak_bytes, between_grads_bytes), 0 where the figure is empty.
+int64_t between_of(const std::vector<int64_t>& figures, size_t stage);
+
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass
 // (StepContext::input_held_in_backward false, input_in_base false), else 0.
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context);

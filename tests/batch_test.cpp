@@ -118,13 +118,19 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 4).checkpoint_all_peak_bytes, 4000);
   // What runs between stages: on the line, as the rest's peak.
   a.between_backward_peak_bytes = {0, 1000 + 100 * 2}, b.between_backward_peak_bytes = {0, 1000 + 100 * 4};
-  a.between_grads_bytes = b.between_grads_bytes = {0, 64};
+  // It frees more at each batch: its figure goes below 0 too.
+  a.between_held_bytes = {0, 64 - 10 * 2}, b.between_held_bytes = {0, 64 - 10 * 4};
+  a.between_forward_held_bytes = {0, 10 * 2}, b.between_forward_held_bytes = {0, 10 * 4};
   const remat::StepContext d = remat::context_at_batch(a, 2, b, 4, 10);
   EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
-  EXPECT_EQ(d.between_grads_bytes, (std::vector<int64_t>{0, 64}));
+  EXPECT_EQ(d.between_held_bytes, (std::vector<int64_t>{0, -36}));
+  EXPECT_EQ(d.between_forward_held_bytes, (std::vector<int64_t>{0, 100}));
   b.between_backward_peak_bytes.clear();
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
   b.between_backward_peak_bytes = a.between_backward_peak_bytes;
+  b.between_forward_held_bytes.clear();
+  EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
+  b.between_forward_held_bytes = a.between_forward_held_bytes;
   b.stage_grads_bytes = {512};
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
 }

@@ -31,17 +31,19 @@ struct Candidate {
 };
 
 // Figures of what runs between stages (StepContext::between_*), from their own generator so that the chains'
-// draws stay as they were: on about half of the boundaries, a backward peak of up to `most` bytes with
-// gradients of up to a tenth of it.
+// draws stay as they were: on about half of the boundaries, a backward peak of up to `most` bytes, leaving
+// held up to a tenth of it more or less, and a forward leaving up to a tenth of it held.
 void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, int64_t most) {
+  ctx.between_forward_held_bytes.assign(static_cast<size_t>(n), 0);
   ctx.between_backward_peak_bytes.assign(static_cast<size_t>(n), 0);
-  ctx.between_grads_bytes.assign(static_cast<size_t>(n), 0);
+  ctx.between_held_bytes.assign(static_cast<size_t>(n), 0);
   std::uniform_int_distribution<int64_t> peak(1, most);
   std::bernoulli_distribution coin(0.5);
   for (size_t j = 1; j < static_cast<size_t>(n); ++j) {
     if (!coin(rng)) continue;
     ctx.between_backward_peak_bytes[j] = peak(rng);
-    ctx.between_grads_bytes[j] = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
+    ctx.between_held_bytes[j] = std::uniform_int_distribution<int64_t>(-most / 10, most / 10)(rng);
+    ctx.between_forward_held_bytes[j] = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
   }
 }
 
@@ -825,31 +827,47 @@ TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
   // output, the chain's input: 100), what stages 0 and 1 saved (300 + 500) and stage 2's input gradient
   // (50), with the rest's gradients and stage 2's (7 + 40).
   remat::StepContext between = ctx;
+  between.between_forward_held_bytes = {0, 0, 0};
   between.between_backward_peak_bytes = {0, 0, 100000};
-  between.between_grads_bytes = {0, 0, 0};
+  between.between_held_bytes = {0, 0, 0};
   EXPECT_EQ(remat::step_peak_bytes(chain, between, keep), 100 + 300 + 500 + 50 + 7 + 40 + 100000);
   const remat::StepTimeline t = remat::step_timeline(chain, between, keep);
   const auto at = std::find_if(t.points.begin(), t.points.end(), [](const auto& p) { return p.op == "B2"; });
   ASSERT_NE(at, t.points.end());
   EXPECT_EQ(at->peak_bytes, 100 + 300 + 500 + 50 + 7 + 40 + 100000);
-  // Below what the step holds otherwise, it changes nothing; its gradients arrive with it: every backward
-  // after it holds them.
+  // Below what the step holds otherwise, it changes nothing; what it leaves held (its gradients, less what it
+  // frees that the model holds) is held by every operation after it.
   between.between_backward_peak_bytes[2] = 1;
   EXPECT_EQ(remat::step_peak_bytes(chain, between, keep), sequential);
-  between.between_grads_bytes[2] = 3000;
-  const remat::StepTimeline g = remat::step_timeline(chain, between, keep),
-                            plain = remat::step_timeline(chain, ctx, keep);
-  ASSERT_EQ(g.points.size(), plain.points.size());
-  bool after = false;
-  for (size_t k = 0; k < g.points.size(); ++k) {
-    const bool gap = g.points[k].op == "B2";
-    EXPECT_EQ(g.points[k].peak_bytes - plain.points[k].peak_bytes, after ? 3000 : 0) << g.points[k].op;
-    after = after || gap;
+  const remat::StepTimeline plain = remat::step_timeline(chain, ctx, keep);
+  for (int64_t held : {3000, -30}) {
+    between.between_held_bytes[2] = held;
+    const remat::StepTimeline g = remat::step_timeline(chain, between, keep);
+    ASSERT_EQ(g.points.size(), plain.points.size());
+    bool after = false;
+    for (size_t k = 0; k < g.points.size(); ++k) {
+      const bool gap = g.points[k].op == "B2";
+      EXPECT_EQ(g.points[k].peak_bytes - plain.points[k].peak_bytes, after ? held : 0) << g.points[k].op;
+      after = after || gap;
+    }
   }
+  between.between_held_bytes[2] = 3000;
   EXPECT_GT(remat::step_peak_bytes(chain, between, keep), sequential);
+  // What its forward leaves held is held from stage 2's forward on, by every operation after it.
+  between.between_held_bytes[2] = 0;
+  between.between_forward_held_bytes[2] = 500;
+  {
+    const remat::StepTimeline f = remat::step_timeline(chain, between, keep);
+    bool from = false;
+    for (size_t k = 0; k < f.points.size(); ++k) {
+      from = from || f.points[k].op.rfind("Fa2", 0) == 0;
+      EXPECT_EQ(f.points[k].peak_bytes - plain.points[k].peak_bytes, from ? 500 : 0) << f.points[k].op;
+    }
+  }
+  between.between_forward_held_bytes[2] = 0;
   // The per-layer program charges it as step_peak_bytes() does (its exhaustive tests: above), so that a
   // budget it sets is planned for.
-  between.between_grads_bytes[2] = 0;
+  between.between_held_bytes[2] = 0;
   between.between_backward_peak_bytes[2] = 100000;
   const int64_t least = remat::min_step_budget(chain, between, "per-layer");
   EXPECT_GT(least, remat::min_step_budget(chain, ctx, "per-layer"));
@@ -857,14 +875,19 @@ TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
   // Readings: turned into the context as read (negative ones as 0); of one size with stage_grads_bytes.
   remat::StepReadings r;
   r.stage_grads_bytes = {1, 2, 3};
+  r.between_forward_held_bytes = {0, 40, -1};
   r.between_backward_peak_bytes = {0, -5, 300};
-  r.between_grads_bytes = {0, 0, 20};
+  r.between_held_bytes = {0, 0, -20};
   const remat::StepContext c = remat::step_context(r);
+  EXPECT_EQ(c.between_forward_held_bytes, (std::vector<int64_t>{0, 40, 0}));
   EXPECT_EQ(c.between_backward_peak_bytes, (std::vector<int64_t>{0, 0, 300}));
-  EXPECT_EQ(c.between_grads_bytes, (std::vector<int64_t>{0, 0, 20}));
-  r.between_grads_bytes = {0, 0};
-  EXPECT_THROW_WITH_STD(remat::step_context(r), "remat::step_context", "between_grads_bytes (2)",
+  EXPECT_EQ(c.between_held_bytes, (std::vector<int64_t>{0, 0, -20}));  // it may free more than it makes
+  r.between_held_bytes = {0, 0};
+  EXPECT_THROW_WITH_STD(remat::step_context(r), "remat::step_context", "between_held_bytes (2)",
                         "one entry per stage");
+  r.between_held_bytes = {0, 0, 0};
+  r.between_forward_held_bytes = {0};
+  EXPECT_THROW_WITH_STD(remat::step_context(r), "remat::step_context", "between_forward_held_bytes (1");
   // A context's: one entry per stage, none negative, none below the first stage.
   remat::StepContext bad = ctx;
   bad.between_backward_peak_bytes = {0, 5};
@@ -875,9 +898,14 @@ TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
                         "between_backward_peak_bytes", "-1");
   bad.between_backward_peak_bytes = {9, 0, 0};
   EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_backward_peak_bytes's entry 0 is 9");
+  bad.between_backward_peak_bytes = {0, 0, 0};
+  bad.between_held_bytes = {0, -7, 0};
+  EXPECT_NO_THROW(remat::validate(bad, chain));
+  bad.between_held_bytes = {-7, 0, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_held_bytes's entry 0 is -7");
   bad.between_backward_peak_bytes.clear();
-  bad.between_grads_bytes = {0, 0, 0, 0};
-  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_grads_bytes has 4 entries");
+  bad.between_held_bytes = {0, 0, 0, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_held_bytes has 4 entries");
 }
 
 TEST(Step, RefusesBadContextsAndPlanners) {
@@ -1023,8 +1051,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   // What runs between stages: each figure the larger.
   {
     remat::StepContext ba = ca, bb = cb;
-    ba.between_backward_peak_bytes = {0, 100, 0, 7}, ba.between_grads_bytes = {0, 10, 0, 0};
-    bb.between_backward_peak_bytes = {0, 50, 0, 9}, bb.between_grads_bytes = {0, 20, 0, 0};
+    ba.between_backward_peak_bytes = {0, 100, 0, 7}, ba.between_held_bytes = {0, 10, 0, -40};
+    bb.between_backward_peak_bytes = {0, 50, 0, 9}, bb.between_held_bytes = {0, 20, 0, -60};
+    ba.between_forward_held_bytes = {0, 0, 5, 0}, bb.between_forward_held_bytes = {0, 0, 3, 1};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
     remat::PlanFigures most = pa;
@@ -1036,7 +1065,8 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     remat::StepContext z = ba;
     remat::set_plan_figures(y, z, most);
     EXPECT_EQ(z.between_backward_peak_bytes, (std::vector<int64_t>{0, 100, 0, 9}));
-    EXPECT_EQ(z.between_grads_bytes, (std::vector<int64_t>{0, 20, 0, 0}));
+    EXPECT_EQ(z.between_forward_held_bytes, (std::vector<int64_t>{0, 0, 5, 1}));
+    EXPECT_EQ(z.between_held_bytes, (std::vector<int64_t>{0, 20, 0, -40}));  // freeing less: the safe one
     EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
   }
   EXPECT_EQ(c.holds_outputs, a.holds_outputs);

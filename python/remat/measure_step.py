@@ -147,6 +147,17 @@ class Step:
         self.side: dict[int, int] = {}
         self.reading = None  # a device budget's: what the device had when the step began (fit.read_device)
         self.device = None  # the device the step runs on
+        # What runs between two layers in the model's code (StepContext.between_forward_held_bytes,
+        # between_backward_peak_bytes, between_held_bytes): per layer i, its output's storage key, a weak
+        # reference to it and its bytes (whether the next layer takes that output, whether it is freed in the
+        # backward between), the count when it returned and its autograd node's sequence number;
+        # the backward pass between layer i - 1 and i now running (i, the count when it began, the input
+        # gradient's storage key, weak reference and bytes, whether layer i - 1's output was alive then, layer
+        # i's input if what ran between made it); per layer the readings.
+        self.out_refs: dict[int, tuple] = {}
+        self.between_open: tuple | None = None
+        self.between: dict[int, tuple[int, int]] = {}
+        self.between_forward: dict[int, int] = {}
 
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
         if i == 0:
@@ -242,9 +253,16 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.at_layer0 = meter.count()
         step.before_peak = step.true_peak - step.base
     step.calls.append((fn, args, x))
+    taken = taken_tensors(fn, args)
+    # The count now, and what of it the layers take beside their input that was made since the last layer
+    # returned (charged as side_bytes): what runs between the two is read without it (watch_between).
+    at_call = meter.count()
+    side_made = sum(storage_bytes(t) for t in {storage_key(t): t for t in taken}.values()
+                    if i > 0 and storage_key(t) not in step.before_chain and storage_key(t) not in step.side)
     returned = run_layer(CHECKPOINT, fn, args, [lp.layers[i]], lp.policies)
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])
-    step.note_side(i, taken_tensors(fn, args), handed)
+    step.note_side(i, taken, handed)
+    watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
         return returned
     shape.profiling_steps += 1
@@ -338,6 +356,87 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     del x0, out
     return returned
 
+def sequence_nr(t: torch.Tensor) -> int | None:
+    """The sequence number of the autograd node that made `t` (later nodes have higher ones), or None."""
+    try:
+        return None if t.grad_fn is None else int(t.grad_fn._sequence_nr())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: torch.Tensor, at_call: int) -> None:
+    """In a profiling step, after layer i's call (`at_call`: the count when it was called, less what the layers
+    take beside their input that was made since the last one returned): where its input is not the last layer's
+    output, something of the model's code ran between them (a decoder's embeddings between an encoder's layers
+    and the decoder's), and is read (StepReadings.between_forward_held_bytes, between_backward_peak_bytes,
+    between_held_bytes): what its forward left held (the count's rise from the last layer's return to this call),
+    then in the backward pass, from this input's gradient to that output's, the peak above the count when it
+    began, and what it left held beyond what the model of the step holds. The model holds one gradient at the
+    boundary from layer i's backward on (the input's, then the output's, made there), the last layer's output to
+    that layer's backward, and this layer's input from its forward (what the forward between left held) to the
+    end: the count's change is read without those (what is left: the gradients it makes for parameters outside
+    the layers, less what it frees that its forward saved and the gradient of what the layers take beside their
+    input; a tied embedding's pending gradient is freed and their sum made, which changes nothing)."""
+    meter = step.meter
+    if i >= 1 and x.requires_grad and i - 1 in step.out_refs:
+        key, ref, _, returned_at, prev_nr = step.out_refs[i - 1]
+        if not (storage_key(x) == key and ref is not None and not ref.expired()):
+            step.between_forward[i] = max(0, at_call - returned_at)
+            try:
+                x_ref = StorageWeakRef(x.untyped_storage())
+            except RuntimeError:
+                x_ref = None
+            # This layer's input, made by what ran between (not before the last layer's output): held in the
+            # model from here to the end, freed by this layer's backward.
+            x_nr = sequence_nr(x)
+            made = x_nr is not None and prev_nr is not None and x_nr > prev_nr
+            x_between = (x_ref, storage_bytes(x)) if made else (None, 0)
+
+            def began(g, i=i, x_between=x_between):
+                step.reset()
+                try:
+                    g_ref = StorageWeakRef(g.untyped_storage())
+                except RuntimeError:
+                    g_ref = None
+                out_ref = step.out_refs[i - 1][1]
+                out_alive = out_ref is not None and not out_ref.expired()
+                step.between_open = (i, meter.count(), storage_key(g), g_ref, storage_bytes(g), out_alive, x_between)
+                return g
+
+            x.register_hook(began)
+    if i < len(lp.layers) - 1 and out.requires_grad:
+        try:
+            ref = StorageWeakRef(out.untyped_storage())
+        except RuntimeError:  # a tensor without storage (a wrapper subclass)
+            ref = None
+        step.out_refs[i] = (storage_key(out), ref, storage_bytes(out), meter.count(), sequence_nr(out))
+
+        def ended(g, i=i):
+            if step.between_open is not None and step.between_open[0] == i + 1:
+                _, at, g_key, g_ref, g_bytes, out_alive, (x_ref, x_bytes) = step.between_open
+                held = meter.count() - at
+                # The boundary's gradient: the input's, if it was freed here, is the model's until now...
+                dx_freed = g_ref is not None and g_ref.expired()
+                if dx_freed:
+                    held += g_bytes
+                # ...and the output's, made here, is the model's from now on.
+                if dx_freed or storage_key(g) != g_key:
+                    held -= storage_bytes(g)
+                # The last layer's output, freed here (by what saved it), the model frees at that layer's backward.
+                _, out_ref, out_bytes, _, _ = step.out_refs[i]
+                if out_alive and out_ref is not None and out_ref.expired():
+                    held += out_bytes
+                # This layer's input, which its backward freed, the model holds until here.
+                if x_ref is not None and x_ref.expired():
+                    held -= x_bytes
+                step.between[i + 1] = (step.peak() - at, held)
+                step.between_open = None
+                step.reset()
+            return g
+
+        out.register_hook(ended)
+
+
 def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sharded: bool):
     """Layer j's StageFn.compiled in the profiling step: the layer run through its compiled call (compiled_entry)
     under each choice the profiler asks for (forced_choice, the entries a plan with that choice publishes, so
@@ -391,6 +490,10 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.stage_grads_bytes = grads
     r.side_bytes = sum(step.side.values())
     r.input_held_in_backward = step.input_held
+    n = len(lp.layers)
+    r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
+    r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]
+    r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]
     ctx = _core.step_context(r)
     if any(shape.gathered) and ctx.checkpoint_all_peak_bytes >= 0:
         # FSDP2's backward transients (the running layer's gathered parameters, the next layer's prefetched

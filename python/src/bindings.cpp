@@ -377,23 +377,27 @@ NB_MODULE(_core, m) {
       .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes)
       .def_rw("side_bytes", &remat::StepContext::side_bytes)
       .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
+      .def_rw(
+          "between_forward_held_bytes", &remat::StepContext::between_forward_held_bytes,
+          "per stage, what the forward of what runs between the stage before it and it leaves held (bytes)")
       .def_rw("between_backward_peak_bytes", &remat::StepContext::between_backward_peak_bytes,
               "per stage, the backward peak of what runs between the stage before it and it (bytes)")
-      .def_rw("between_grads_bytes", &remat::StepContext::between_grads_bytes,
-              "per stage, the parameter gradients what runs between the stage before it and it allocates "
-              "(bytes)")
+      .def_rw(
+          "between_held_bytes", &remat::StepContext::between_held_bytes,
+          "per stage, what the backward of what runs between the stage before it and it leaves held beyond "
+          "the model (bytes; negative where it frees more)")
       // pickle and copy.deepcopy: its fields (a state of 11 fields, from before the between figures, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
                                    c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
                                    c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
-                                   c.side_bytes, c.input_held_in_backward, c.between_backward_peak_bytes,
-                                   c.between_grads_bytes);
+                                   c.side_bytes, c.input_held_in_backward, c.between_forward_held_bytes,
+                                   c.between_backward_peak_bytes, c.between_held_bytes);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
-        if (s.size() != 11 && s.size() != 13)
-          throw nb::value_error("remat.StepContext: a pickled state has 11 or 13 fields");
+        if (s.size() != 11 && s.size() != 14)
+          throw nb::value_error("remat.StepContext: a pickled state has 11 or 14 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -406,9 +410,10 @@ NB_MODULE(_core, m) {
         c.checkpoint_all_peak_bytes = nb::cast<int64_t>(s[8]);
         c.side_bytes = nb::cast<int64_t>(s[9]);
         c.input_held_in_backward = nb::cast<bool>(s[10]);
-        if (s.size() == 13) {
-          c.between_backward_peak_bytes = nb::cast<std::vector<int64_t>>(s[11]);
-          c.between_grads_bytes = nb::cast<std::vector<int64_t>>(s[12]);
+        if (s.size() == 14) {
+          c.between_forward_held_bytes = nb::cast<std::vector<int64_t>>(s[11]);
+          c.between_backward_peak_bytes = nb::cast<std::vector<int64_t>>(s[12]);
+          c.between_held_bytes = nb::cast<std::vector<int64_t>>(s[13]);
         }
       });
   nb::class_<remat::StepReadings>(
@@ -431,8 +436,9 @@ NB_MODULE(_core, m) {
       .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
       .def_rw("side_bytes", &remat::StepReadings::side_bytes)
       .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
+      .def_rw("between_forward_held_bytes", &remat::StepReadings::between_forward_held_bytes)
       .def_rw("between_backward_peak_bytes", &remat::StepReadings::between_backward_peak_bytes)
-      .def_rw("between_grads_bytes", &remat::StepReadings::between_grads_bytes);
+      .def_rw("between_held_bytes", &remat::StepReadings::between_held_bytes);
   m.def("step_context", &remat::step_context, "readings"_a);
   m.def(
       "plan_figures",

@@ -134,6 +134,19 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     c = remat._core.step_context(r)
     assert not c.input_held_in_backward
     assert not pickle.loads(pickle.dumps(c)).input_held_in_backward  # pickled with its fields
+    # What runs between two stages: as read (its backward may free more than it makes), pickled with the rest, and
+    # a state pickled before these figures existed still loads.
+    r.between_forward_held_bytes, r.between_backward_peak_bytes, r.between_held_bytes = [0, 30], [0, 500], [0, -20]
+    c = remat._core.step_context(r)
+    back = pickle.loads(pickle.dumps(c))
+    assert (list(back.between_forward_held_bytes), list(back.between_backward_peak_bytes),
+            list(back.between_held_bytes)) == ([0, 30], [0, 500], [0, -20])
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:11])
+    assert old.rest_peak_bytes == 600 and list(old.between_held_bytes) == []
+    r.between_held_bytes = [0]
+    with pytest.raises(ValueError, match="between_held_bytes"):
+        remat._core.step_context(r)
 
 
 def test_the_offload_schedule_is_the_planners_and_the_layers_carry_it_out_per_layer():

@@ -145,10 +145,11 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
                                 std::to_string(a.stage_grads_bytes.size()) + " and " +
                                 std::to_string(b.stage_grads_bytes.size()) + " stages");
   if (a.between_backward_peak_bytes.size() != b.between_backward_peak_bytes.size() ||
-      a.between_grads_bytes.size() != b.between_grads_bytes.size())
+      a.between_forward_held_bytes.size() != b.between_forward_held_bytes.size() ||
+      a.between_held_bytes.size() != b.between_held_bytes.size())
     throw std::invalid_argument(
         "remat::context_at_batch: one context has figures of what runs between the stages "
-        "(between_backward_peak_bytes, between_grads_bytes) for " +
+        "(between_forward_held_bytes, between_backward_peak_bytes, between_held_bytes) for " +
         std::to_string(a.between_backward_peak_bytes.size()) + " stages, the other for " +
         std::to_string(b.between_backward_peak_bytes.size()));
   const Line line{batch_a, batch_b, batch};
@@ -173,8 +174,12 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   for (size_t i = 0; i < c.between_backward_peak_bytes.size(); ++i)
     c.between_backward_peak_bytes[i] =
         line.bytes(a.between_backward_peak_bytes[i], b.between_backward_peak_bytes[i]);
-  for (size_t i = 0; i < c.between_grads_bytes.size(); ++i)
-    c.between_grads_bytes[i] = line.bytes(a.between_grads_bytes[i], b.between_grads_bytes[i]);
+  for (size_t i = 0; i < c.between_forward_held_bytes.size(); ++i)
+    c.between_forward_held_bytes[i] =
+        line.bytes(a.between_forward_held_bytes[i], b.between_forward_held_bytes[i]);
+  for (size_t i = 0; i < c.between_held_bytes.size(); ++i)  // signed: not floored at 0
+    c.between_held_bytes[i] =
+        std::llround(line.at(double(a.between_held_bytes[i]), double(b.between_held_bytes[i])));
   c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
   return c;
 }

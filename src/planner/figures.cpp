@@ -139,9 +139,11 @@ void visit(C& chain, X& context, V& v) {
   v.bytes(context.checkpoint_all_peak_bytes);
   v.bytes(context.side_bytes);
   v.flag(context.input_held_in_backward);
+  for (auto& f : context.between_forward_held_bytes)
+    v.bytes(f);
   for (auto& b : context.between_backward_peak_bytes)
     v.bytes(b);
-  for (auto& g : context.between_grads_bytes)
+  for (auto& g : context.between_held_bytes)
     v.bytes(g);
 }
 

@@ -153,6 +153,9 @@ struct StepTerms {
   // Per stage: the backward peak of what runs between the stage before it and it (once its backward is done,
   // above what that leaves held with every gradient arrived by then), -1 where nothing is charged there.
   std::vector<int64_t> between;
+  // Per stage: what runs between the stage before it and it leaves held in the forward, from its forward on
+  // (added to R before it).
+  std::vector<int64_t> forward_held;
   // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
   // input_freed_bytes()).
@@ -337,7 +340,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     std::vector<Point> next;
     const auto& cur = sol.frontiers[static_cast<size_t>(j)];
     for (size_t k = 0; k < cur.size(); ++k) {
-      const Point& p = cur[k];
+      // What runs between the stage before this one and it, in the forward: held from here on.
+      Point p = cur[k];
+      if (step) p.held += step->forward_held[static_cast<size_t>(j)];
       for (size_t c = 0; c < cs.size(); ++c) {
         const Choice& ch = cs[c];
         Point q;
@@ -474,6 +479,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.at_recompute.assign(n + 2, 0);
   t.own.assign(n + 2, 0);
   t.between.assign(n + 2, -1);
+  t.forward_held.assign(n + 2, 0);
   t.input_freed = detail::input_unheld_bytes(chain, context);
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
@@ -485,9 +491,10 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
     // What runs between chain stages s - 2 and s - 1 (step_op_peaks()'s rule).
     if (s >= 2 && s <= n) {
       const int64_t between = detail::between_of(context.between_backward_peak_bytes, s - 1),
-                    grads = detail::between_of(context.between_grads_bytes, s - 1);
-      if (between > 0 || grads > 0) t.between[s] = between;
-      after += grads;
+                    held = detail::between_of(context.between_held_bytes, s - 1);
+      if (between > 0 || held != 0) t.between[s] = between;
+      t.forward_held[s] = detail::between_of(context.between_forward_held_bytes, s - 1);
+      after += held + t.forward_held[s];  // the stages before it: held through their backward passes
     }
   }
   return t;

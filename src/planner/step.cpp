@@ -42,12 +42,13 @@ StepContext step_context(const StepReadings& r) {
                                 std::to_string(r.rest_ms) + ") must be >= 0");
   }
   const size_t between = r.between_backward_peak_bytes.size();
-  if (r.between_grads_bytes.size() != between ||
+  if (r.between_held_bytes.size() != between || r.between_forward_held_bytes.size() != between ||
       (between != 0 && !r.stage_grads_bytes.empty() && r.stage_grads_bytes.size() != between)) {
-    throw std::invalid_argument("remat::step_context: between_backward_peak_bytes (" +
-                                std::to_string(between) + " entries), between_grads_bytes (" +
-                                std::to_string(r.between_grads_bytes.size()) + ") and stage_grads_bytes (" +
-                                std::to_string(r.stage_grads_bytes.size()) +
+    throw std::invalid_argument("remat::step_context: between_forward_held_bytes (" +
+                                std::to_string(r.between_forward_held_bytes.size()) +
+                                " entries), between_backward_peak_bytes (" + std::to_string(between) +
+                                "), between_held_bytes (" + std::to_string(r.between_held_bytes.size()) +
+                                ") and stage_grads_bytes (" + std::to_string(r.stage_grads_bytes.size()) +
                                 ") must be of one size, one entry per stage (or empty)");
   }
   auto above = [](int64_t v, int64_t from) { return std::max<int64_t>(0, v - from); };
@@ -64,10 +65,11 @@ StepContext step_context(const StepReadings& r) {
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
   c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
+  for (int64_t v : r.between_forward_held_bytes)
+    c.between_forward_held_bytes.push_back(std::max<int64_t>(0, v));
   for (int64_t v : r.between_backward_peak_bytes)
     c.between_backward_peak_bytes.push_back(std::max<int64_t>(0, v));
-  for (int64_t v : r.between_grads_bytes)
-    c.between_grads_bytes.push_back(std::max<int64_t>(0, v));
+  c.between_held_bytes = r.between_held_bytes;  // signed: what runs between may free more than it makes
   return c;
 }
 
@@ -97,15 +99,17 @@ void validate(const StepContext& c, const Chain& chain) {
   }
   for (int64_t g : c.stage_grads_bytes)
     check(g, "an entry of stage_grads_bytes");
-  auto per_stage = [&](const std::vector<int64_t>& v, const char* field) {
+  auto per_stage = [&](const std::vector<int64_t>& v, const char* field, bool signed_figure) {
     if (v.empty()) return;
     if (static_cast<int64_t>(v.size()) != chain.size()) {
       throw std::invalid_argument(std::string("remat::StepContext: ") + field + " has " +
                                   std::to_string(v.size()) + " entries for a chain of " +
                                   std::to_string(chain.size()) + " stages");
     }
-    for (int64_t b : v)
-      check(b, field);
+    if (!signed_figure) {
+      for (int64_t b : v)
+        check(b, field);
+    }
     if (v[0] != 0) {
       throw std::invalid_argument(std::string("remat::StepContext: ") + field + "'s entry 0 is " +
                                   std::to_string(v[0]) +
@@ -113,8 +117,9 @@ void validate(const StepContext& c, const Chain& chain) {
                                   "stage: that part's backward is before_backward_peak_bytes)");
     }
   };
-  per_stage(c.between_backward_peak_bytes, "between_backward_peak_bytes");
-  per_stage(c.between_grads_bytes, "between_grads_bytes");
+  per_stage(c.between_forward_held_bytes, "between_forward_held_bytes", false);
+  per_stage(c.between_backward_peak_bytes, "between_backward_peak_bytes", false);
+  per_stage(c.between_held_bytes, "between_held_bytes", true);
 }
 
 Chain step_chain(const Chain& chain, const StepContext& context) {
@@ -190,6 +195,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   const int64_t base = context.input_in_base ? chain.input_bytes : int64_t{0};
   bool after_loss = false;
   int64_t arrived = 0;
+  std::vector<char> forwarded(static_cast<size_t>(n) + 2, 0);
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
@@ -200,6 +206,13 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       rest_done = false;
     }
     if (op.kind == OpKind::kBackward && op.stage == n + 1) rest_done = true;
+    // What runs between chain stage s - 2 and s - 1 in the forward is held from the later one's first forward
+    // on (between_forward_held_bytes).
+    if (!after_loss && op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 2 &&
+        op.stage <= n && !forwarded[static_cast<size_t>(op.stage)]) {
+      forwarded[static_cast<size_t>(op.stage)] = 1;
+      arrived += between_of(context.between_forward_held_bytes, static_cast<size_t>(op.stage - 1));
+    }
     // A stage's backward adds its own gradients: at its peak, as measured with them made there for the way
     // it ran (Stage::grads_charge_bytes), and all of them once it is done.
     int64_t made = 0, at_peak = 0;
@@ -214,15 +227,15 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     arrived += made;
     // What runs between chain stage s - 2 and s - 1 (between_backward_peak_bytes) runs once the later one's
-    // backward is done, above what it left held and every gradient arrived by then; its own gradients arrive
-    // with it.
+    // backward is done, above what it left held and every gradient arrived by then; what it leaves held
+    // (between_held_bytes, its gradients less what it frees) from then on.
     const size_t j = static_cast<size_t>(op.stage - 1);
     if (op.kind == OpKind::kBackward && op.stage >= 2 && op.stage <= n) {
       const int64_t between = between_of(context.between_backward_peak_bytes, j),
-                    grads = between_of(context.between_grads_bytes, j);
-      if (between > 0 || grads > 0)
+                    held = between_of(context.between_held_bytes, j);
+      if (between > 0 || held != 0)
         peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
-      arrived += grads;
+      arrived += held;
     }
   }
   return peaks;

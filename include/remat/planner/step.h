@@ -69,14 +69,23 @@ struct StepContext {
   /// prediction.)
   bool input_held_in_backward = true;
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
-  /// between an encoder's layers and the decoder's, with a tied embedding's dense gradient; nothing in a
-  /// chain whose stages hand their output straight to the next): the peak of its backward pass, which runs
-  /// once stage j's backward is done, above what is held then (bytes), and the parameter gradients it
-  /// allocates, held from then on (bytes). Charged above the step as held when stage j's backward is done
-  /// (its input a_j still held: what runs between usually saved it), with every gradient arrived by then.
+  /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output
+  /// straight to the next).
+  /// - between_forward_held_bytes: what its forward leaves held (bytes, >= 0: what it saves for its backward,
+  ///   stage j's input; not what the stages take beside their input, which side_bytes charges), from stage
+  ///   j's forward on.
+  /// - between_backward_peak_bytes: the peak of its backward pass, which runs once stage j's backward is
+  /// done,
+  ///   above what is held then (bytes, >= 0), charged above the step as held when stage j's backward is done
+  ///   (its input a_j still held), with every gradient arrived by then.
+  /// - between_held_bytes: what its backward leaves held from then on beyond what the model of the step holds
+  ///   (bytes; negative where it frees more): the gradients it allocates for parameters outside the stages,
+  ///   less what it frees of what its forward left held and of what the model holds to the end of the
+  ///   chain's backward (the gradient of what the stages take beside their input).
   /// Entry 0 is 0 (what runs before the chain is before_backward_peak_bytes). Empty, or one entry per stage.
+  std::vector<int64_t> between_forward_held_bytes;
   std::vector<int64_t> between_backward_peak_bytes;
-  std::vector<int64_t> between_grads_bytes;
+  std::vector<int64_t> between_held_bytes;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -114,11 +123,13 @@ struct StepReadings {
   /// Whether the chain's input was alive once the first stage's backward was done (or, where the part before
   /// the chain has no backward, at the step's end; StepContext::input_held_in_backward). True when not read.
   bool input_held_in_backward = true;
-  /// Per chain stage: the backward pass of what runs between the stage before it and it, its peak above the
-  /// count when it began and the parameter gradients it allocated (StepContext::between_backward_peak_bytes,
-  /// between_grads_bytes; bytes). Empty where not read.
+  /// Per chain stage: what runs between the stage before it and it, what its forward left held, its backward
+  /// pass's peak above the count when it began, and what that left held beyond the model
+  /// (StepContext::between_forward_held_bytes, between_backward_peak_bytes, between_held_bytes; bytes). Empty
+  /// where not read.
+  std::vector<int64_t> between_forward_held_bytes;
   std::vector<int64_t> between_backward_peak_bytes;
-  std::vector<int64_t> between_grads_bytes;
+  std::vector<int64_t> between_held_bytes;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
@@ -131,9 +142,9 @@ struct StepReadings {
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 
-/// Checks a context against its chain: no negative value, stage_grads_bytes and the between figures empty or
-/// of the chain's size, the between figures' entry 0 zero, input_held_in_backward with input_in_base. Throws
-/// std::invalid_argument naming remat::StepContext, the field and the value.
+/// Checks a context against its chain: no negative value (but between_held_bytes), stage_grads_bytes and the
+/// between figures empty or of the chain's size, the between figures' entry 0 zero, input_held_in_backward
+/// with input_in_base. Throws std::invalid_argument naming remat::StepContext, the field and the value.
 void validate(const StepContext& context, const Chain& chain);
 
 /// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's
@@ -145,7 +156,8 @@ Chain step_chain(const Chain& chain, const StepContext& context);
 /// The step's predicted peak above its base under `plan` (a plan for `chain`, bytes): the largest of
 /// before_peak_bytes, before_backward_peak_bytes and every operation of step_plan(plan) on step_chain(),
 /// each with the gradients allocated by then (a stage's from its backward operation on, the rest's after the
-/// rest's backward, what runs between two stages' after its backward), and what runs between two stages
+/// rest's backward, what runs between two stages' after its backward: between_held_bytes), what runs between
+/// two stages in the forward (between_forward_held_bytes) from the later one's forward on and in the backward
 /// (between_backward_peak_bytes) after the later one's backward, less the chain's input when input_in_base.
 /// Throws as validate() and simulate().
 int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan);

@@ -9,7 +9,7 @@
 namespace remat::detail {
 
 // Entry `stage` of a per-stage figure of what runs between two stages
-// (StepContext::between_backward_peak_bytes, between_grads_bytes), 0 where the figure is empty.
+// (StepContext::between_backward_peak_bytes, between_held_bytes), 0 where the figure is empty.
 int64_t between_of(const std::vector<int64_t>& figures, size_t stage);
 
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass

@@ -10,15 +10,23 @@ offload_min_bytes=16 KiB) profiles it in one step; the budget is then set to the
 (LayerPlan.min_budget_bytes) and two planned steps are measured with remat's CPU meter. Each row: the first
 layer's choice, whether the layers' input is read as held in the backward pass, the prediction, the larger
 measured peak, their error (measured less predicted, over predicted: negative where the model overstates), and,
-from the same profile, the prediction with each streamed backward charged all of its layer's gradients (the
-model before OffloadCost.stream_bwd_grads_bytes; the same plan, not the plan that model chose).
+from the same profile and plan (not the plan those models chose), the prediction with each streamed backward
+charged all of its layer's gradients (the model before OffloadCost.stream_bwd_grads_bytes) and without what runs
+between two layers (before the StepContext's between figures).
 
     python bench/least_budget_predictions.py                   # every model
     python bench/least_budget_predictions.py bert whisper
+    python bench/least_budget_predictions.py --top t5 bart whisper --labels 8
+
+--top plans for no budget instead (every layer kept, offload=False: the plain step's peak), and --labels sets the
+encoder-decoder models' label length (24 by default; test_seq2seq.py's step with longer labels starts at 8), to
+read what runs between their encoder and decoder where it is the step's peak (docs/BENCHMARKS.md, "What runs
+between the encoder and the decoder").
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import warnings
@@ -32,6 +40,7 @@ import remat  # noqa: E402
 import remat.hf  # noqa: E402
 import test_hf  # noqa: E402
 import test_seq2seq  # noqa: E402
+from test_hf import step as hf_step  # noqa: E402
 
 transformers = test_hf.transformers
 
@@ -45,6 +54,15 @@ def neox():
 NAMES = ["bert", "gpt2", "llama", "neox", "t5", "bart", "whisper"]
 
 
+def seq2seq_batch(spec, k, labels: int):
+    """test_seq2seq.batch with labels of the given length (the same draws at 24)."""
+    g = torch.Generator().manual_seed(100 + k)
+    ids = torch.randint(1, 1000, (4, labels), generator=g)
+    if spec["name"] == "whisper":
+        return dict(input_features=torch.randn(4, 16, 64, generator=g), labels=ids)
+    return dict(input_ids=torch.randint(1, 1000, (4, 32), generator=g), labels=ids)
+
+
 def charged_all(lp) -> int:
     """The plan's predicted step peak with every streamed backward charged all of its layer's gradients."""
     chain = remat.Chain.from_json(lp.chain.to_json())
@@ -56,10 +74,22 @@ def charged_all(lp) -> int:
     return remat.step_peak_bytes(chain, lp.context, lp.plan)
 
 
+def without_between(lp) -> int:
+    """The plan's predicted step peak without what runs between two layers (the StepContext's between figures
+    cleared: the model before 2026-11-30's second change)."""
+    ctx = copy.deepcopy(lp.context)
+    ctx.between_forward_held_bytes, ctx.between_backward_peak_bytes, ctx.between_held_bytes = [], [], []
+    return remat.step_peak_bytes(lp.chain, ctx, lp.plan)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="*", help=f"of {', '.join(NAMES)} (default: every one)")
+    ap.add_argument("--top", action="store_true", help="every layer kept (no budget, no offloading)")
+    ap.add_argument("--labels", type=int, default=24, help="the encoder-decoder models' label length (default 24)")
     args = ap.parse_args()
+    if args.labels < 1:
+        ap.error(f"--labels must be >= 1, got {args.labels}")
     unknown = [m for m in args.models if m not in NAMES]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: choose from {', '.join(NAMES)}")
@@ -67,23 +97,31 @@ def main():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     meter = remat.cpu_meter()
     test_hf.MODELS["neox"] = neox
-    print("| model | first layer | input held | predicted (bytes) | measured (bytes) | error | all gradients charged |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | first layer | input held | predicted (bytes) | measured (bytes) | error | all gradients charged "
+          "| without what runs between |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in args.models or NAMES:
         if name in test_hf.MODELS:
             model, spec = test_hf.make(name)
             run = partial(lambda m, s, k: test_hf.step(m, s, k, meter)[2], model, spec)
         else:
             model = test_seq2seq.make(name)
-            run = partial(lambda m, n, k: test_seq2seq.step(m, n, k, meter)[2], model, name)
-        lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
-        run(0)
-        lp.set_budget(lp.min_budget_bytes)
+            run = partial(lambda m, n, k: hf_step(m, dict(name=n, loss="lm"), k, meter, make_batch=partial(
+                seq2seq_batch, labels=args.labels))[2], model, name)
+        if args.top:
+            lp = remat.hf.enable(model, budget=1 << 40)
+            run(0)
+        else:
+            lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
+            run(0)
+            lp.set_budget(lp.min_budget_bytes)
         got = max(run(k) for k in (1, 2))
         predicted = lp.predicted_peak_bytes
         before = charged_all(lp)
+        alone = without_between(lp)
         print(f"| {name} | {lp.choices[0]} | {lp.context.input_held_in_backward} | {predicted} | {got} | "
-              f"{(got - predicted) / predicted:+.2%} | {before} ({(got - before) / before:+.2%}) |", flush=True)
+              f"{(got - predicted) / predicted:+.2%} | {before} ({(got - before) / before:+.2%}) | "
+              f"{alone} ({(got - alone) / alone:+.2%}) |", flush=True)
         lp.remove()
 
 

@@ -32,7 +32,8 @@ struct Candidate {
 
 // Figures of what runs between stages (StepContext::between_*), from their own generator so that the chains'
 // draws stay as they were: on about half of the boundaries, a backward peak of up to `most` bytes, leaving
-// held up to a tenth of it more or less, and a forward leaving up to a tenth of it held.
+// held up to a tenth of it more or less, and a forward leaving up to a tenth of it held; on about half of the
+// stages, gradients of what the stages take beside their input (side_grads_bytes) of up to a tenth of it.
 void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, int64_t most) {
   ctx.between_forward_held_bytes.assign(static_cast<size_t>(n), 0);
   ctx.between_backward_peak_bytes.assign(static_cast<size_t>(n), 0);
@@ -44,6 +45,12 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
     ctx.between_backward_peak_bytes[j] = peak(rng);
     ctx.between_held_bytes[j] = std::uniform_int_distribution<int64_t>(-most / 10, most / 10)(rng);
     ctx.between_forward_held_bytes[j] = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
+  }
+  // And what the stages take beside their input, with gradients arriving at some stages' backward passes.
+  ctx.side_grads_bytes.assign(static_cast<size_t>(n), 0);
+  for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
+    if (coin(rng)) ctx.side_grads_bytes[j] = std::uniform_int_distribution<int64_t>(1, most / 10)(rng);
+    ctx.side_bytes += ctx.side_grads_bytes[j];
   }
 }
 
@@ -908,6 +915,50 @@ TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
   EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_held_bytes has 4 entries");
 }
 
+// What the stages take beside their input (side_bytes: T5's position bias, an encoder's output the decoder's
+// layers attend to) is held through the chain, but its gradient only from the backward of the last stage that
+// takes it (side_grads_bytes), where it arrives.
+TEST(Step, TheGradientOfWhatTheStagesTakeBesideTheirInputArrivesAtTheLastTakersBackward) {
+  std::mt19937 rng(17);
+  const Chain chain = random_chain(rng, 4, 100);
+  remat::StepContext all;
+  all.side_bytes = 5000;
+  all.stage_grads_bytes = {10, 20, 30, 40};
+  remat::StepContext arriving = all;
+  arriving.side_grads_bytes = {0, 0, 1200, 0};
+  for (const Plan& plan : {remat::no_checkpoint(chain), remat::checkpoint_all(chain)}) {
+    const remat::StepTimeline a = remat::step_timeline(chain, all, plan),
+                              b = remat::step_timeline(chain, arriving, plan);
+    ASSERT_EQ(a.points.size(), b.points.size());
+    bool arrived = false;
+    for (size_t k = 0; k < a.points.size(); ++k) {
+      arrived = arrived || a.points[k].op == "B2";
+      EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, arrived ? 0 : 1200)
+          << a.points[k].op << " in " << plan.to_string();
+    }
+    EXPECT_EQ(remat::step_peak_bytes(chain, arriving, plan),
+              std::max(remat::step_peak_bytes(chain, all, plan) - 1200,
+                       std::max_element(b.points.begin(), b.points.end(), [](const auto& x, const auto& y) {
+                         return x.peak_bytes < y.peak_bytes;
+                       })->peak_bytes));
+  }
+  // The per-layer program charges it as step_peak_bytes() does (the exhaustive tests draw it too).
+  const int64_t least = remat::min_step_budget(chain, arriving, "per-layer");
+  EXPECT_LE(least, remat::min_step_budget(chain, all, "per-layer"));
+  EXPECT_LE(remat::plan_step(chain, arriving, least, "per-layer").step_peak_bytes, least);
+  // Readings carry it; a context's entries are one per stage, none negative, together at most side_bytes.
+  remat::StepReadings r;
+  r.side_bytes = 64, r.side_grads_bytes = {0, 32};
+  EXPECT_EQ(remat::step_context(r).side_grads_bytes, (std::vector<int64_t>{0, 32}));
+  remat::StepContext bad = all;
+  bad.side_grads_bytes = {0, 0, 1};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_grads_bytes has 3 entries", "4 stages");
+  bad.side_grads_bytes = {0, 0, -1, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "an entry of side_grads_bytes", "-1");
+  bad.side_grads_bytes = {0, 3000, 3000, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_grads_bytes adds up to 6000", "side_bytes (5000)");
+}
+
 TEST(Step, RefusesBadContextsAndPlanners) {
   std::mt19937 rng(3);
   const Chain chain = random_chain(rng, 3);
@@ -1054,6 +1105,8 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ba.between_backward_peak_bytes = {0, 100, 0, 7}, ba.between_held_bytes = {0, 10, 0, -40};
     bb.between_backward_peak_bytes = {0, 50, 0, 9}, bb.between_held_bytes = {0, 20, 0, -60};
     ba.between_forward_held_bytes = {0, 0, 5, 0}, bb.between_forward_held_bytes = {0, 0, 3, 1};
+    ba.side_bytes = bb.side_bytes = 100;
+    ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
     remat::PlanFigures most = pa;
@@ -1066,6 +1119,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     remat::set_plan_figures(y, z, most);
     EXPECT_EQ(z.between_backward_peak_bytes, (std::vector<int64_t>{0, 100, 0, 9}));
     EXPECT_EQ(z.between_forward_held_bytes, (std::vector<int64_t>{0, 0, 5, 1}));
+    EXPECT_EQ(z.side_grads_bytes, (std::vector<int64_t>{0, 0, 40, 2}));
     EXPECT_EQ(z.between_held_bytes, (std::vector<int64_t>{0, 20, 0, -40}));  // freeing less: the safe one
     EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
   }

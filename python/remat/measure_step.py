@@ -145,6 +145,9 @@ class Step:
         # made during the layers, its bytes and its gradient's.
         self.before_chain: set[int] = set()
         self.side: dict[int, int] = {}
+        # Per storage the layers take beside their input with a gradient: the last layer that takes it (whose
+        # backward its gradient arrives at: StepContext.side_grads_bytes) and the gradient's bytes.
+        self.side_grads: dict[int, tuple[int, int]] = {}
         self.reading = None  # a device budget's: what the device had when the step began (fit.read_device)
         self.device = None  # the device the step runs on
         # What runs between two layers in the model's code (StepContext.between_forward_held_bytes,
@@ -168,6 +171,11 @@ class Step:
             grad = t.nbytes if t.requires_grad else 0
             held = grad if k in self.before_chain else storage_bytes(t) + grad
             self.side[k] = max(self.side.get(k, 0), held)
+        for t in taken:
+            if t.requires_grad:
+                k = storage_key(t)
+                last, grad = self.side_grads.get(k, (-1, 0))
+                self.side_grads[k] = (max(last, i), max(grad, t.nbytes))
 
     def peak(self) -> int:
         """The window's peak since its last reset()."""
@@ -489,6 +497,10 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
                 grads[j] += local_bytes(p)
     r.stage_grads_bytes = grads
     r.side_bytes = sum(step.side.values())
+    side_grads = [0] * len(lp.layers)
+    for k, (last, grad) in step.side_grads.items():
+        side_grads[last] += min(grad, step.side.get(k, 0))
+    r.side_grads_bytes = side_grads
     r.input_held_in_backward = step.input_held
     n = len(lp.layers)
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]

@@ -376,6 +376,8 @@ NB_MODULE(_core, m) {
       .def_rw("stage_grads_bytes", &remat::StepContext::stage_grads_bytes)
       .def_rw("checkpoint_all_peak_bytes", &remat::StepContext::checkpoint_all_peak_bytes)
       .def_rw("side_bytes", &remat::StepContext::side_bytes)
+      .def_rw("side_grads_bytes", &remat::StepContext::side_grads_bytes,
+              "per stage, of side_bytes the gradients that arrive at its backward (bytes)")
       .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
       .def_rw(
           "between_forward_held_bytes", &remat::StepContext::between_forward_held_bytes,
@@ -393,11 +395,11 @@ NB_MODULE(_core, m) {
                                    c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
                                    c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
                                    c.side_bytes, c.input_held_in_backward, c.between_forward_held_bytes,
-                                   c.between_backward_peak_bytes, c.between_held_bytes);
+                                   c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
-        if (s.size() != 11 && s.size() != 14)
-          throw nb::value_error("remat.StepContext: a pickled state has 11 or 14 fields");
+        if (s.size() != 11 && s.size() != 15)
+          throw nb::value_error("remat.StepContext: a pickled state has 11 or 15 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -410,10 +412,11 @@ NB_MODULE(_core, m) {
         c.checkpoint_all_peak_bytes = nb::cast<int64_t>(s[8]);
         c.side_bytes = nb::cast<int64_t>(s[9]);
         c.input_held_in_backward = nb::cast<bool>(s[10]);
-        if (s.size() == 14) {
+        if (s.size() == 15) {
           c.between_forward_held_bytes = nb::cast<std::vector<int64_t>>(s[11]);
           c.between_backward_peak_bytes = nb::cast<std::vector<int64_t>>(s[12]);
           c.between_held_bytes = nb::cast<std::vector<int64_t>>(s[13]);
+          c.side_grads_bytes = nb::cast<std::vector<int64_t>>(s[14]);
         }
       });
   nb::class_<remat::StepReadings>(
@@ -435,6 +438,7 @@ NB_MODULE(_core, m) {
       .def_rw("step_peak", &remat::StepReadings::step_peak)
       .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
       .def_rw("side_bytes", &remat::StepReadings::side_bytes)
+      .def_rw("side_grads_bytes", &remat::StepReadings::side_grads_bytes)
       .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
       .def_rw("between_forward_held_bytes", &remat::StepReadings::between_forward_held_bytes)
       .def_rw("between_backward_peak_bytes", &remat::StepReadings::between_backward_peak_bytes)

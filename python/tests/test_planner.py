@@ -137,10 +137,11 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     # What runs between two stages: as read (its backward may free more than it makes), pickled with the rest, and
     # a state pickled before these figures existed still loads.
     r.between_forward_held_bytes, r.between_backward_peak_bytes, r.between_held_bytes = [0, 30], [0, 500], [0, -20]
+    r.side_grads_bytes = [0, 16]  # of side_bytes, the gradient arriving at the second stage's backward
     c = remat._core.step_context(r)
     back = pickle.loads(pickle.dumps(c))
     assert (list(back.between_forward_held_bytes), list(back.between_backward_peak_bytes),
-            list(back.between_held_bytes)) == ([0, 30], [0, 500], [0, -20])
+            list(back.between_held_bytes), list(back.side_grads_bytes)) == ([0, 30], [0, 500], [0, -20], [0, 16])
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:11])
     assert old.rest_peak_bytes == 600 and list(old.between_held_bytes) == []

@@ -96,6 +96,8 @@ def test_both_layer_lists_planned_for_one_budget_and_every_step_is_the_plain_run
     assert ctx.between_backward_peak_bytes[LAYERS] > 0 and ctx.between_forward_held_bytes[LAYERS] >= 0
     for j in set(range(2 * LAYERS)) - {LAYERS}:
         assert ctx.between_backward_peak_bytes[j] == ctx.between_forward_held_bytes[j] == ctx.between_held_bytes[j] == 0
+    # The encoder's output's gradient arrives at the last decoder layer's backward, and is charged from there.
+    assert ctx.side_grads_bytes[2 * LAYERS - 1] > 0 and sum(ctx.side_grads_bytes) <= ctx.side_bytes
     del probe, lp_probe, ctx
 
     # Just above the floor: the backward pass of Whisper's convolutions before the encoder's layers, where its

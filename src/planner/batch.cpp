@@ -146,10 +146,12 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
                                 std::to_string(b.stage_grads_bytes.size()) + " stages");
   if (a.between_backward_peak_bytes.size() != b.between_backward_peak_bytes.size() ||
       a.between_forward_held_bytes.size() != b.between_forward_held_bytes.size() ||
-      a.between_held_bytes.size() != b.between_held_bytes.size())
+      a.between_held_bytes.size() != b.between_held_bytes.size() ||
+      a.side_grads_bytes.size() != b.side_grads_bytes.size())
     throw std::invalid_argument(
         "remat::context_at_batch: one context has figures of what runs between the stages "
-        "(between_forward_held_bytes, between_backward_peak_bytes, between_held_bytes) for " +
+        "(between_forward_held_bytes, between_backward_peak_bytes, between_held_bytes) or of side gradients "
+        "(side_grads_bytes) for " +
         std::to_string(a.between_backward_peak_bytes.size()) + " stages, the other for " +
         std::to_string(b.between_backward_peak_bytes.size()));
   const Line line{batch_a, batch_b, batch};
@@ -170,6 +172,10 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
                                 : batch == batch_b ? b.checkpoint_all_peak_bytes
                                                    : -1;
   c.side_bytes = line.bytes(a.side_bytes, b.side_bytes);
+  int64_t side_grads = 0;
+  for (size_t i = 0; i < c.side_grads_bytes.size(); ++i)
+    side_grads += c.side_grads_bytes[i] = line.bytes(a.side_grads_bytes[i], b.side_grads_bytes[i]);
+  c.side_bytes = std::max(c.side_bytes, side_grads);  // a part of it (each line stops at 0 on its own)
   // What runs between two stages: a line through its two readings, as the rest's peak.
   for (size_t i = 0; i < c.between_backward_peak_bytes.size(); ++i)
     c.between_backward_peak_bytes[i] =

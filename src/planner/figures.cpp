@@ -138,6 +138,8 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(g);
   v.bytes(context.checkpoint_all_peak_bytes);
   v.bytes(context.side_bytes);
+  for (auto& g : context.side_grads_bytes)
+    v.bytes(g);
   v.flag(context.input_held_in_backward);
   for (auto& f : context.between_forward_held_bytes)
     v.bytes(f);

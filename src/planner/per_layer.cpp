@@ -150,6 +150,8 @@ struct StepTerms {
   std::vector<char> all_only;
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
+  std::vector<int64_t>
+      side;  // per stage, the gradients of what the stages take beside their input arriving there
   // Per stage: the backward peak of what runs between the stage before it and it (once its backward is done,
   // above what that leaves held with every gradient arrived by then), -1 where nothing is charged there.
   std::vector<int64_t> between;
@@ -174,13 +176,14 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // Its own gradients at its backward's peak, as measured with them made there for its way
   // (Stage::grads_way, the rule step_op_peaks() follows).
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
-  const int64_t at_bwd =
-      at_rec + s.grads_charge_bytes(own, Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream,
-                                                          !c.groups.empty(), c.variant - 1));
+  const int64_t side = step ? step->side[static_cast<size_t>(j)] : 0;
+  const int64_t at_bwd = at_rec + side +
+                         s.grads_charge_bytes(own, Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream,
+                                                                    !c.groups.empty(), c.variant - 1));
   // What runs between the stage before it and it, once its backward is done: above R_j and its input's
   // gradient, every gradient arrived by then (its input back on the device; the chain's input still gone).
   const int64_t between = step && step->between[static_cast<size_t>(j)] >= 0
-                              ? a_in + at_rec + own + step->between[static_cast<size_t>(j)] -
+                              ? a_in + at_rec + own + side + step->between[static_cast<size_t>(j)] -
                                     (bwd_less_input ? step->input_freed : 0)
                               : 0;
   if (c.stream) {
@@ -478,6 +481,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.all_only.front() = t.all_only.back() = 1;
   t.at_recompute.assign(n + 2, 0);
   t.own.assign(n + 2, 0);
+  t.side.assign(n + 2, 0);
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
   t.input_freed = detail::input_unheld_bytes(chain, context);
@@ -487,13 +491,14 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
         (s >= 1 && s <= n && !context.stage_grads_bytes.empty()) ? context.stage_grads_bytes[s - 1] : 0;
     t.at_recompute[s] = after;
     t.own[s] = own;
-    after += own;
+    if (s >= 1 && s <= n) t.side[s] = detail::stage_figure(context.side_grads_bytes, s - 1);
+    after += own + t.side[s];
     // What runs between chain stages s - 2 and s - 1 (step_op_peaks()'s rule).
     if (s >= 2 && s <= n) {
-      const int64_t between = detail::between_of(context.between_backward_peak_bytes, s - 1),
-                    held = detail::between_of(context.between_held_bytes, s - 1);
+      const int64_t between = detail::stage_figure(context.between_backward_peak_bytes, s - 1),
+                    held = detail::stage_figure(context.between_held_bytes, s - 1);
       if (between > 0 || held != 0) t.between[s] = between;
-      t.forward_held[s] = detail::between_of(context.between_forward_held_bytes, s - 1);
+      t.forward_held[s] = detail::stage_figure(context.between_forward_held_bytes, s - 1);
       after += held + t.forward_held[s];  // the stages before it: held through their backward passes
     }
   }

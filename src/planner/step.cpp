@@ -64,6 +64,7 @@ StepContext step_context(const StepReadings& r) {
   c.stage_grads_bytes = r.stage_grads_bytes;
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
+  c.side_grads_bytes = r.side_grads_bytes;
   c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
   for (int64_t v : r.between_forward_held_bytes)
     c.between_forward_held_bytes.push_back(std::max<int64_t>(0, v));
@@ -118,6 +119,23 @@ void validate(const StepContext& c, const Chain& chain) {
     }
   };
   per_stage(c.between_forward_held_bytes, "between_forward_held_bytes", false);
+  if (!c.side_grads_bytes.empty()) {
+    if (static_cast<int64_t>(c.side_grads_bytes.size()) != chain.size()) {
+      throw std::invalid_argument("remat::StepContext: side_grads_bytes has " +
+                                  std::to_string(c.side_grads_bytes.size()) + " entries for a chain of " +
+                                  std::to_string(chain.size()) + " stages");
+    }
+    int64_t sum = 0;
+    for (int64_t g : c.side_grads_bytes) {
+      check(g, "an entry of side_grads_bytes");
+      sum += g;
+    }
+    if (sum > c.side_bytes) {
+      throw std::invalid_argument("remat::StepContext: side_grads_bytes adds up to " + std::to_string(sum) +
+                                  " bytes, more than side_bytes (" + std::to_string(c.side_bytes) +
+                                  "), of which they are a part");
+    }
+  }
   per_stage(c.between_backward_peak_bytes, "between_backward_peak_bytes", false);
   per_stage(c.between_held_bytes, "between_held_bytes", true);
 }
@@ -137,7 +155,11 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   before.output_bytes = chain.input_bytes;
   // What the stages take or hand on beside their input and output is held through the whole chain: charged
   // with what the part before it holds.
-  before.saved_bytes = chain.input_bytes + context.before_saved_bytes + context.side_bytes;
+  // (Of those, the gradients that arrive at a stage's backward are charged from there: step_op_peaks().)
+  int64_t side_grads = 0;
+  for (int64_t g : context.side_grads_bytes)
+    side_grads += g;
+  before.saved_bytes = chain.input_bytes + context.before_saved_bytes + context.side_bytes - side_grads;
   step.stages.push_back(before);
   step.stages.insert(step.stages.end(), chain.stages.begin(), chain.stages.end());
   Stage after;
@@ -153,7 +175,7 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
 
 namespace detail {
 
-int64_t between_of(const std::vector<int64_t>& figures, size_t stage) {
+int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage) {
   return figures.empty() ? 0 : figures[stage];
 }
 
@@ -211,7 +233,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (!after_loss && op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 2 &&
         op.stage <= n && !forwarded[static_cast<size_t>(op.stage)]) {
       forwarded[static_cast<size_t>(op.stage)] = 1;
-      arrived += between_of(context.between_forward_held_bytes, static_cast<size_t>(op.stage - 1));
+      arrived += stage_figure(context.between_forward_held_bytes, static_cast<size_t>(op.stage - 1));
     }
     // A stage's backward adds its own gradients: at its peak, as measured with them made there for the way
     // it ran (Stage::grads_charge_bytes), and all of them once it is done.
@@ -222,6 +244,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       at_peak = chain.stages[static_cast<size_t>(op.stage - 1)].grads_charge_bytes(
           made, way[static_cast<size_t>(op.stage)]);
     }
+    // The gradients of what the stages take beside their input that arrive at this backward: at its peak.
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n) {
+      const int64_t side = stage_figure(context.side_grads_bytes, static_cast<size_t>(op.stage - 1));
+      made += side, at_peak += side;
+    }
     const bool without_input = after_loss && op.stage >= 1 && op.kind != OpKind::kLoss;
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
@@ -231,8 +258,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     // (between_held_bytes, its gradients less what it frees) from then on.
     const size_t j = static_cast<size_t>(op.stage - 1);
     if (op.kind == OpKind::kBackward && op.stage >= 2 && op.stage <= n) {
-      const int64_t between = between_of(context.between_backward_peak_bytes, j),
-                    held = between_of(context.between_held_bytes, j);
+      const int64_t between = stage_figure(context.between_backward_peak_bytes, j),
+                    held = stage_figure(context.between_held_bytes, j);
       if (between > 0 || held != 0)
         peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
       arrived += held;

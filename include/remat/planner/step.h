@@ -57,6 +57,10 @@ struct StepContext {
   /// decoder layer attends to), with the gradients the backward pass gathers for them: held from the chain's
   /// start to its backward's end (bytes; 0 for a chain whose stages take one tensor and return one).
   int64_t side_bytes = 0;
+  /// Per chain stage j: of side_bytes, the gradients that arrive at stage j's backward, the last stage that
+  /// takes the tensor (bytes): charged from that backward on, not from the chain's start, since no gradient
+  /// exists before it. Empty, or one entry per stage, together at most side_bytes.
+  std::vector<int64_t> side_grads_bytes;
   /// Whether something besides the chain's stages holds the chain's input through their backward pass: the
   /// part before the chain (what it saved), the caller, or not known (true, the default, and always with
   /// input_in_base). False where, once the forward pass is over, only the stages hold it (the Python package
@@ -118,8 +122,11 @@ struct StepReadings {
   int64_t step_peak = -1;
   /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 for gradients alive before).
   std::vector<int64_t> stage_grads_bytes;
-  /// What the stages take or hand on beside their input and output (StepContext::side_bytes; bytes).
+  /// What the stages take or hand on beside their input and output (StepContext::side_bytes; bytes), and of
+  /// it per stage the gradients that arrive at its backward (StepContext::side_grads_bytes; empty where not
+  /// read).
   int64_t side_bytes = 0;
+  std::vector<int64_t> side_grads_bytes;
   /// Whether the chain's input was alive once the first stage's backward was done (or, where the part before
   /// the chain has no backward, at the step's end; StepContext::input_held_in_backward). True when not read.
   bool input_held_in_backward = true;

@@ -8,9 +8,9 @@
 
 namespace remat::detail {
 
-// Entry `stage` of a per-stage figure of what runs between two stages
-// (StepContext::between_backward_peak_bytes, between_held_bytes), 0 where the figure is empty.
-int64_t between_of(const std::vector<int64_t>& figures, size_t stage);
+// Entry `stage` of a StepContext's per-stage figure that may be empty (the between figures,
+// side_grads_bytes), 0 where it is.
+int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage);
 
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass
 // (StepContext::input_held_in_backward false, input_in_base false), else 0.

@@ -123,12 +123,14 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   a.between_forward_held_bytes = {0, 10 * 2}, b.between_forward_held_bytes = {0, 10 * 4};
   a.side_bytes = 300, b.side_bytes = 500;
   a.side_grads_bytes = {0, 100 * 2}, b.side_grads_bytes = {0, 100 * 4};
+  a.outputs_held_in_backward = {true, false}, b.outputs_held_in_backward = {true, true};
   const remat::StepContext d = remat::context_at_batch(a, 2, b, 4, 10);
   EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
   EXPECT_EQ(d.between_held_bytes, (std::vector<int64_t>{0, -36}));
   EXPECT_EQ(d.between_forward_held_bytes, (std::vector<int64_t>{0, 100}));
   EXPECT_EQ(d.side_grads_bytes, (std::vector<int64_t>{0, 1000}));
   EXPECT_EQ(d.side_bytes, 1100);
+  EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));  // held where either is
   // Each line stops at 0 on its own: side_bytes is raised to hold its gradients.
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 1).side_grads_bytes, (std::vector<int64_t>{0, 100}));
   a.side_bytes = 100, b.side_bytes = 500;
@@ -139,6 +141,9 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   b.between_forward_held_bytes.clear();
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
   b.between_forward_held_bytes = a.between_forward_held_bytes;
+  b.outputs_held_in_backward.clear();
+  EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
+  b.outputs_held_in_backward = a.outputs_held_in_backward;
   b.stage_grads_bytes = {512};
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
 }

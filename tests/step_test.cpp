@@ -46,6 +46,11 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
     ctx.between_held_bytes[j] = std::uniform_int_distribution<int64_t>(-most / 10, most / 10)(rng);
     ctx.between_forward_held_bytes[j] = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
   }
+  // Stage inputs that nothing else holds once their stage's backward is done: let go of there where the stage
+  // before does not save them.
+  ctx.outputs_held_in_backward.assign(static_cast<size_t>(n), true);
+  for (size_t j = 1; j < static_cast<size_t>(n); ++j)
+    ctx.outputs_held_in_backward[j] = coin(rng);
   // And what the stages take beside their input, with gradients arriving at some stages' backward passes.
   ctx.side_grads_bytes.assign(static_cast<size_t>(n), 0);
   for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
@@ -1106,6 +1111,8 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     bb.between_backward_peak_bytes = {0, 50, 0, 9}, bb.between_held_bytes = {0, 20, 0, -60};
     ba.between_forward_held_bytes = {0, 0, 5, 0}, bb.between_forward_held_bytes = {0, 0, 3, 1};
     ba.side_bytes = bb.side_bytes = 100;
+    ba.outputs_held_in_backward = {true, false, false, false},
+    bb.outputs_held_in_backward = {true, false, true, false};
     ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
@@ -1120,6 +1127,8 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(z.between_backward_peak_bytes, (std::vector<int64_t>{0, 100, 0, 9}));
     EXPECT_EQ(z.between_forward_held_bytes, (std::vector<int64_t>{0, 0, 5, 1}));
     EXPECT_EQ(z.side_grads_bytes, (std::vector<int64_t>{0, 0, 40, 2}));
+    EXPECT_EQ(z.outputs_held_in_backward,
+              (std::vector<bool>{true, false, true, false}));                // held where any is
     EXPECT_EQ(z.between_held_bytes, (std::vector<int64_t>{0, 20, 0, -40}));  // freeing less: the safe one
     EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
   }
@@ -1473,6 +1482,94 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
   EXPECT_FALSE(remat::step_context(r).input_held_in_backward);
   r.input_in_base = true;
   EXPECT_TRUE(remat::step_context(r).input_held_in_backward);
+}
+
+// A stage's input that nothing but the stages holds once its backward is done (outputs_held_in_backward
+// false), and that the stage before it does not save (its way's offload cost's `output` false), is let go of
+// there, not held through the stage before's backward: in step_peak_bytes() and the per-layer program alike
+// (against every per-layer plan, offloaded and streamed ways included), and only for such ways.
+TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
+  std::mt19937 rng(777);
+  int lowered = 0, least_lowered = 0;
+  for (int trial = 0; trial < 30; ++trial) {
+    const int64_t n = 2 + trial % 3;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    add_random_streams(rng, chain);
+    chain.holds_outputs = false;
+    // An early backward that peaks (a large transient), so that what is held through it decides the peak.
+    chain.stages[static_cast<size_t>(trial % (n - 1))].bwd_tmp_bytes += 40000;
+    remat::StepContext held;
+    held.rest_peak_bytes = 3000;
+    held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+    remat::StepContext gone = held;
+    gone.outputs_held_in_backward.assign(static_cast<size_t>(n), false);
+    remat::PlannerOptions options;
+    options.offload = true;
+    std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
+    int64_t least = std::numeric_limits<int64_t>::max(), least_held = least, most = 0;
+    for (Candidate& c : all) {
+      const int64_t before = remat::step_peak_bytes(chain, held, c.plan);
+      c.peak = remat::step_peak_bytes(chain, gone, c.plan);
+      EXPECT_LE(c.peak, before) << c.plan.to_string();  // never more
+      lowered += c.peak < before;
+      least = std::min(least, c.peak), least_held = std::min(least_held, before),
+      most = std::max(most, c.peak);
+      c.ms = remat::simulate(remat::step_chain(chain, gone), remat::step_plan(c.plan)).time_ms;
+    }
+    ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
+    least_lowered += least < least_held;
+    std::uniform_int_distribution<int64_t> pick(least, most);
+    for (int b = 0; b < 3; ++b) {
+      const int64_t budget = b == 0 ? least : pick(rng);
+      const double best = fastest_within(all, budget);
+      const remat::StepPlan p = remat::plan_step(chain, gone, budget, "per-layer", options);
+      EXPECT_LE(p.step_peak_bytes, budget);
+      EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
+          << "trial " << trial << ": " << p.plan.to_string();
+    }
+  }
+  EXPECT_GT(lowered, 100);
+  EXPECT_GT(least_lowered, 5);
+  // By hand: three stages kept, none saving its output, stage 0's backward the peak. Its output a_1 goes once
+  // stage 1's backward is done: stage 0's backward holds 1000 bytes less. Not where the runtime holds
+  // outputs, nor where a stage saves its output, nor where something else holds it.
+  Chain c;
+  c.input_bytes = 100;
+  c.to_host_gb_per_s = c.to_device_gb_per_s = 1;
+  for (int i = 0; i < 3; ++i) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(i);
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = 1000, s.saved_bytes = 1500;
+    s.bwd_tmp_bytes = i == 0 ? 50000 : 0;
+    s.offload = remat::OffloadCost{400, true, false};
+    c.stages.push_back(s);
+  }
+  remat::StepContext ctx;
+  const Plan keep = remat::no_checkpoint(c);
+  const int64_t base = remat::step_peak_bytes(c, ctx, keep);
+  ctx.outputs_held_in_backward = {true, false, true};
+  EXPECT_EQ(remat::step_peak_bytes(c, ctx, keep), base - 1000);
+  ctx.outputs_held_in_backward = {true, true,
+                                  false};  // a_2 goes at stage 1's backward's end: after stage 0's
+  EXPECT_EQ(remat::step_peak_bytes(c, ctx, keep), base);
+  ctx.outputs_held_in_backward = {true, false, false};
+  EXPECT_EQ(remat::step_peak_bytes(c, ctx, keep), base - 1000);
+  Chain holding = c;
+  holding.holds_outputs = true;
+  EXPECT_EQ(remat::step_peak_bytes(holding, ctx, keep),
+            remat::step_peak_bytes(holding, remat::StepContext{}, keep));
+  Chain saving = c;
+  saving.stages[0].offload->output = true;
+  EXPECT_EQ(remat::step_peak_bytes(saving, ctx, keep), base);
+  EXPECT_EQ(remat::step_peak_bytes(c, ctx, remat::checkpoint_all(c)),
+            remat::step_peak_bytes(c, remat::StepContext{}, remat::checkpoint_all(c)));  // let go of already
+  remat::StepContext bad;
+  bad.outputs_held_in_backward = {false};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, c), "outputs_held_in_backward has 1 entries", "3 stages");
+  remat::StepReadings r;
+  r.outputs_held_in_backward = {true, false};
+  EXPECT_EQ(remat::step_context(r).outputs_held_in_backward, (std::vector<bool>{true, false}));
 }
 
 TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {

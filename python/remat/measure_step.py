@@ -161,6 +161,9 @@ class Step:
         self.between_open: tuple | None = None
         self.between: dict[int, tuple[int, int]] = {}
         self.between_forward: dict[int, int] = {}
+        # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
+        # unless read otherwise: StepContext.outputs_held_in_backward).
+        self.outputs_held: dict[int, bool] = {}
 
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
         if i == 0:
@@ -387,6 +390,13 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
     input; a tied embedding's pending gradient is freed and their sum made, which changes nothing)."""
     meter = step.meter
     if i >= 1 and x.requires_grad and i - 1 in step.out_refs:
+        # Whether anything holds the last layer's output once this layer's backward is done (every layer's
+        # checkpoint has let go of its input then): StepReadings.outputs_held_in_backward.
+        def read_held(g, i=i, out_ref=step.out_refs[i - 1][1]):
+            step.outputs_held[i] = out_ref is None or not out_ref.expired()
+            return g
+
+        x.register_hook(read_held)
         key, ref, _, returned_at, prev_nr = step.out_refs[i - 1]
         if not (storage_key(x) == key and ref is not None and not ref.expired()):
             step.between_forward[i] = max(0, at_call - returned_at)
@@ -502,6 +512,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
         side_grads[last] += min(grad, step.side.get(k, 0))
     r.side_grads_bytes = side_grads
     r.input_held_in_backward = step.input_held
+    r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, len(lp.layers))]
     n = len(lp.layers)
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]

@@ -315,12 +315,14 @@ class _SavedStorages:
     def offload_cost(self, input_key: int, output_key: int, most: int) -> "_core.OffloadCost":
         """What offloading this stage's saved tensors moves (remat/planner/chain.h's OffloadCost): the storages freed
         besides its input and output (those a saved tensor covers whole; at most `most` bytes), and whether its
-        input and output are among what it saves."""
+        input and output are among what it saves: the input where it is sent, the output where it is saved at all
+        (sent, or kept on the device as a small tensor or a view with gaps: the stage holds it either way, which
+        the step's model reads; a kept one's copy is then over-counted)."""
         c = _core.OffloadCost()
         sent = {key: v for key, v in self.offloaded.items() if key not in self.kept}
         c.bytes = min(most, sum(nb for key, (nb, whole) in sent.items() if whole and key not in (input_key, output_key)))
         c.input = input_key in sent
-        c.output = output_key in sent
+        c.output = output_key in sent or output_key in self.kept
         return c
 
     @staticmethod

@@ -379,6 +379,8 @@ NB_MODULE(_core, m) {
       .def_rw("side_grads_bytes", &remat::StepContext::side_grads_bytes,
               "per stage, of side_bytes the gradients that arrive at its backward (bytes)")
       .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
+      .def_rw("outputs_held_in_backward", &remat::StepContext::outputs_held_in_backward,
+              "per stage, whether anything besides the stages holds its input once its backward is done")
       .def_rw(
           "between_forward_held_bytes", &remat::StepContext::between_forward_held_bytes,
           "per stage, what the forward of what runs between the stage before it and it leaves held (bytes)")
@@ -395,11 +397,12 @@ NB_MODULE(_core, m) {
                                    c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
                                    c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
                                    c.side_bytes, c.input_held_in_backward, c.between_forward_held_bytes,
-                                   c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes);
+                                   c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes,
+                                   c.outputs_held_in_backward);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
-        if (s.size() != 11 && s.size() != 15)
-          throw nb::value_error("remat.StepContext: a pickled state has 11 or 15 fields");
+        if (s.size() != 11 && s.size() != 16)
+          throw nb::value_error("remat.StepContext: a pickled state has 11 or 16 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -412,11 +415,12 @@ NB_MODULE(_core, m) {
         c.checkpoint_all_peak_bytes = nb::cast<int64_t>(s[8]);
         c.side_bytes = nb::cast<int64_t>(s[9]);
         c.input_held_in_backward = nb::cast<bool>(s[10]);
-        if (s.size() == 15) {
+        if (s.size() == 16) {
           c.between_forward_held_bytes = nb::cast<std::vector<int64_t>>(s[11]);
           c.between_backward_peak_bytes = nb::cast<std::vector<int64_t>>(s[12]);
           c.between_held_bytes = nb::cast<std::vector<int64_t>>(s[13]);
           c.side_grads_bytes = nb::cast<std::vector<int64_t>>(s[14]);
+          c.outputs_held_in_backward = nb::cast<std::vector<bool>>(s[15]);
         }
       });
   nb::class_<remat::StepReadings>(
@@ -440,6 +444,7 @@ NB_MODULE(_core, m) {
       .def_rw("side_bytes", &remat::StepReadings::side_bytes)
       .def_rw("side_grads_bytes", &remat::StepReadings::side_grads_bytes)
       .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
+      .def_rw("outputs_held_in_backward", &remat::StepReadings::outputs_held_in_backward)
       .def_rw("between_forward_held_bytes", &remat::StepReadings::between_forward_held_bytes)
       .def_rw("between_backward_peak_bytes", &remat::StepReadings::between_backward_peak_bytes)
       .def_rw("between_held_bytes", &remat::StepReadings::between_held_bytes);

@@ -147,13 +147,17 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   if (a.between_backward_peak_bytes.size() != b.between_backward_peak_bytes.size() ||
       a.between_forward_held_bytes.size() != b.between_forward_held_bytes.size() ||
       a.between_held_bytes.size() != b.between_held_bytes.size() ||
-      a.side_grads_bytes.size() != b.side_grads_bytes.size())
+      a.side_grads_bytes.size() != b.side_grads_bytes.size() ||
+      a.outputs_held_in_backward.size() != b.outputs_held_in_backward.size())
     throw std::invalid_argument(
-        "remat::context_at_batch: one context has figures of what runs between the stages "
-        "(between_forward_held_bytes, between_backward_peak_bytes, between_held_bytes) or of side gradients "
-        "(side_grads_bytes) for " +
-        std::to_string(a.between_backward_peak_bytes.size()) + " stages, the other for " +
-        std::to_string(b.between_backward_peak_bytes.size()));
+        "remat::context_at_batch: the contexts' per-stage figures (between_forward_held_bytes, "
+        "between_backward_peak_bytes, between_held_bytes, side_grads_bytes, outputs_held_in_backward) differ "
+        "in "
+        "length: one has them for " +
+        std::to_string(a.between_backward_peak_bytes.size()) + "/" +
+        std::to_string(a.side_grads_bytes.size()) + "/" + std::to_string(a.outputs_held_in_backward.size()) +
+        " stages, the other for " + std::to_string(b.between_backward_peak_bytes.size()) + "/" +
+        std::to_string(b.side_grads_bytes.size()) + "/" + std::to_string(b.outputs_held_in_backward.size()));
   const Line line{batch_a, batch_b, batch};
   StepContext c = a;
   c.before_saved_bytes = line.bytes(a.before_saved_bytes, b.before_saved_bytes);
@@ -187,6 +191,8 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
     c.between_held_bytes[i] =
         std::llround(line.at(double(a.between_held_bytes[i]), double(b.between_held_bytes[i])));
   c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
+  for (size_t j = 0; j < c.outputs_held_in_backward.size(); ++j)
+    c.outputs_held_in_backward[j] = a.outputs_held_in_backward[j] || b.outputs_held_in_backward[j];
   return c;
 }
 

@@ -2,6 +2,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "remat/planner/figures.h"
 
@@ -140,6 +141,12 @@ void visit(C& chain, X& context, V& v) {
   v.bytes(context.side_bytes);
   for (auto& g : context.side_grads_bytes)
     v.bytes(g);
+  // vector<bool> hands out proxies: each flag through a bool, written back where the context is not const.
+  for (size_t j = 0; j < context.outputs_held_in_backward.size(); ++j) {
+    bool held = context.outputs_held_in_backward[j];
+    v.flag(held);
+    if constexpr (!std::is_const_v<X>) context.outputs_held_in_backward[j] = held;
+  }
   v.flag(context.input_held_in_backward);
   for (auto& f : context.between_forward_held_bytes)
     v.bytes(f);

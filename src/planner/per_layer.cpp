@@ -158,6 +158,9 @@ struct StepTerms {
   // Per stage: what runs between the stage before it and it leaves held in the forward, from its forward on
   // (added to R before it).
   std::vector<int64_t> forward_held;
+  // Per stage: whether nothing besides the stages holds its output once the next stage's backward is done
+  // (StepContext::outputs_held_in_backward): a way that does not save it lets go of it then.
+  std::vector<char> output_unheld;
   // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
   // input_freed_bytes()).
@@ -186,13 +189,19 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                               ? a_in + at_rec + own + side + step->between[static_cast<size_t>(j)] -
                                     (bwd_less_input ? step->input_freed : 0)
                               : 0;
+  // Its output, where neither its way saves it nor anything else holds it, is gone by its backward.
+  const int64_t gone = step && step->output_unheld[static_cast<size_t>(j)] &&
+                               c.kind != OpKind::kForwardCheckpoint && c.cost && !c.cost->output
+                           ? a_out
+                           : 0;
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with its window beside it; the backward's above
     // what the stage keeps on the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max({o.stream_fwd_bytes + c.window,
-                     a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less,
-                     between});
+    return std::max(
+        {o.stream_fwd_bytes + c.window,
+         a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone,
+         between});
   }
   const int64_t fwd = c.held + s.fwd_tmp_bytes;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
@@ -202,7 +211,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   if (c.kind == OpKind::kForwardCheckpoint)
     bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
-  return std::max({fwd, bwd - bwd_less, between});
+  return std::max({fwd, bwd - bwd_less - gone, between});
 }
 
 // A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
@@ -484,6 +493,9 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.side.assign(n + 2, 0);
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
+  t.output_unheld.assign(n + 2, 0);
+  for (size_t s = 1; s <= n; ++s)  // step stage s is chain stage s - 1, whose output is stage s's input
+    t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
   t.input_freed = detail::input_unheld_bytes(chain, context);
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {

@@ -66,6 +66,7 @@ StepContext step_context(const StepReadings& r) {
   c.side_bytes = r.side_bytes;
   c.side_grads_bytes = r.side_grads_bytes;
   c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
+  c.outputs_held_in_backward = r.outputs_held_in_backward;
   for (int64_t v : r.between_forward_held_bytes)
     c.between_forward_held_bytes.push_back(std::max<int64_t>(0, v));
   for (int64_t v : r.between_backward_peak_bytes)
@@ -119,6 +120,12 @@ void validate(const StepContext& c, const Chain& chain) {
     }
   };
   per_stage(c.between_forward_held_bytes, "between_forward_held_bytes", false);
+  if (!c.outputs_held_in_backward.empty() &&
+      static_cast<int64_t>(c.outputs_held_in_backward.size()) != chain.size()) {
+    throw std::invalid_argument("remat::StepContext: outputs_held_in_backward has " +
+                                std::to_string(c.outputs_held_in_backward.size()) +
+                                " entries for a chain of " + std::to_string(chain.size()) + " stages");
+  }
   if (!c.side_grads_bytes.empty()) {
     if (static_cast<int64_t>(c.side_grads_bytes.size()) != chain.size()) {
       throw std::invalid_argument("remat::StepContext: side_grads_bytes has " +
@@ -179,6 +186,27 @@ int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage) {
   return figures.empty() ? 0 : figures[stage];
 }
 
+bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
+  return !chain.holds_outputs && j >= 1 && j < chain.size() && !context.outputs_held_in_backward.empty() &&
+         !context.outputs_held_in_backward[static_cast<size_t>(j)];
+}
+
+bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
+  if (op.stage < 0 || op.stage >= chain.size()) return false;
+  const Stage& st = chain.stages[static_cast<size_t>(op.stage)];
+  auto unsaved = [](const std::optional<OffloadCost>& c) { return c && !c->output; };
+  if (op.kind == OpKind::kForwardAll) return unsaved(st.offload);
+  if (op.kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
+  if (!op.groups.empty()) return unsaved(group_cost(st, op.groups).offload);
+  if (op.policy < 0) return unsaved(st.keep_offload);
+  if (static_cast<size_t>(op.policy) >= ops.policies.size()) return false;
+  const auto it =
+      std::find(chain.policies.begin(), chain.policies.end(), ops.policies[static_cast<size_t>(op.policy)]);
+  if (it == chain.policies.end()) return false;
+  const size_t p = static_cast<size_t>(it - chain.policies.begin());
+  return p < st.policies.size() && unsaved(st.policies[p].offload);
+}
+
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
   return context.input_held_in_backward || context.input_in_base ? 0 : chain.input_bytes;
 }
@@ -218,10 +246,19 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   bool after_loss = false;
   int64_t arrived = 0;
   std::vector<char> forwarded(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: whether its way, as its last forward so far ran it, is known not to save its output; per
+  // chain boundary, the bytes of a_j let go of once stage j's backward was done (outputs_held_in_backward).
+  std::vector<char> leaves(static_cast<size_t>(n) + 2, 0);
+  std::vector<int64_t> let_go(static_cast<size_t>(n) + 1, 0);
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
     if (op.kind == OpKind::kLoss) after_loss = true;
+    if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 && op.stage <= n) {
+      Op in_chain = op;
+      in_chain.stage = op.stage - 1;
+      leaves[static_cast<size_t>(op.stage)] = leaves_output(chain, ops, in_chain);
+    }
     // Step stage s is chain stage s - 1; stage n + 1 is the rest, whose measured peak has its own gradients.
     if (rest_done) {
       arrived += context.rest_grads_bytes;
@@ -257,12 +294,23 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     // backward is done, above what it left held and every gradient arrived by then; what it leaves held
     // (between_held_bytes, its gradients less what it frees) from then on.
     const size_t j = static_cast<size_t>(op.stage - 1);
+    // Its output, let go of once the next stage's backward was done, the simulation lets go of now.
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage < n) {
+      arrived += let_go[j + 1];
+      let_go[j + 1] = 0;
+    }
     if (op.kind == OpKind::kBackward && op.stage >= 2 && op.stage <= n) {
       const int64_t between = stage_figure(context.between_backward_peak_bytes, j),
                     held = stage_figure(context.between_held_bytes, j);
       if (between > 0 || held != 0)
         peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
       arrived += held;
+      // Its input a_j, which nothing else holds and the stage before it does not save, goes now.
+      if (leaves[static_cast<size_t>(op.stage - 1)] &&
+          output_unheld(chain, context, static_cast<int64_t>(j))) {
+        let_go[j] = chain.activation_bytes(static_cast<int64_t>(j));
+        arrived -= let_go[j];
+      }
     }
   }
   return peaks;

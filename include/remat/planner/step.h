@@ -72,6 +72,16 @@ struct StepContext {
   /// would be charged too little; the Python package warns of a planned step more than 2% above its
   /// prediction.)
   bool input_held_in_backward = true;
+  /// Per chain stage j >= 1: whether anything besides the stages holds stage j's input a_j, stage j - 1's
+  /// output, once stage j's backward is done (the model's code, a list of hidden states it returns, what runs
+  /// between the two), or not known (true, the default; empty: all true). False where only the stages held it
+  /// then (the Python package reads its storage's liveness at that moment in the profiling step, every stage
+  /// checkpointed): where stage j - 1's way does not save its output either (its offload cost's `output`
+  /// false, as profiled for offloading) and the runtime does not hold outputs (Chain::holds_outputs false),
+  /// a_j is charged as freed once stage j's backward is done, not held through stage j - 1's backward. Entry
+  /// 0, the chain's input, is input_held_in_backward's, not read here; the chain's output's is the rest of
+  /// the step's (rest_grads_bytes). Empty, or one entry per stage.
+  std::vector<bool> outputs_held_in_backward;
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
   /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output
   /// straight to the next).
@@ -130,6 +140,9 @@ struct StepReadings {
   /// Whether the chain's input was alive once the first stage's backward was done (or, where the part before
   /// the chain has no backward, at the step's end; StepContext::input_held_in_backward). True when not read.
   bool input_held_in_backward = true;
+  /// Per chain stage: whether its input was alive once its backward was done (StepContext::
+  /// outputs_held_in_backward; empty where not read).
+  std::vector<bool> outputs_held_in_backward;
   /// Per chain stage: what runs between the stage before it and it, what its forward left held, its backward
   /// pass's peak above the count when it began, and what that left held beyond the model
   /// (StepContext::between_forward_held_bytes, between_backward_peak_bytes, between_held_bytes; bytes). Empty

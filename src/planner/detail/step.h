@@ -12,6 +12,15 @@ namespace remat::detail {
 // side_grads_bytes), 0 where it is.
 int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage);
 
+// Whether nothing besides the stages holds chain stage j's input a_j once stage j's backward is done
+// (StepContext::outputs_held_in_backward false for 1 <= j < n) and the runtime does not hold outputs.
+bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
+
+// Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
+// known not to save its output (its offload cost's `output` false): Fa, or Fk with the keep tags, a policy or
+// a group assignment; false for Fc and Fn, whose output is held plain.
+bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
+
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass
 // (StepContext::input_held_in_backward false, input_in_base false), else 0.
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context);

@@ -12,8 +12,9 @@ layer's choice, whether the layers' input is read as held in the backward pass, 
 measured peak, their error (measured less predicted, over predicted: negative where the model overstates), and,
 from the same profile and plan (not the plan those models chose), the prediction with each streamed backward
 charged all of its layer's gradients (the model before OffloadCost.stream_bwd_grads_bytes) and without what runs
-between two layers, the gradients of what the layers take beside their input charged from the first layer on
-(the model before the StepContext's between figures and side_grads_bytes).
+between two layers, the gradients of what the layers take beside their input charged from the first layer on,
+and each layer's output held through its own backward (the model before the StepContext's between figures,
+side_grads_bytes and outputs_held_in_backward).
 
     python bench/least_budget_predictions.py                   # every model
     python bench/least_budget_predictions.py bert whisper
@@ -76,12 +77,13 @@ def charged_all(lp) -> int:
 
 
 def without_between(lp) -> int:
-    """The plan's predicted step peak without what runs between two layers and with the gradients of what the
-    layers take beside their input charged from the first layer on (the StepContext's between figures and
-    side_grads_bytes cleared: the model before them)."""
+    """The plan's predicted step peak without what runs between two layers, with the gradients of what the
+    layers take beside their input charged from the first layer on, and every layer's output held through its
+    own backward (the StepContext's between figures, side_grads_bytes and outputs_held_in_backward cleared: the
+    model before them)."""
     ctx = copy.deepcopy(lp.context)
     ctx.between_forward_held_bytes, ctx.between_backward_peak_bytes, ctx.between_held_bytes = [], [], []
-    ctx.side_grads_bytes = []
+    ctx.side_grads_bytes, ctx.outputs_held_in_backward = [], []
     return remat.step_peak_bytes(lp.chain, ctx, lp.plan)
 
 
@@ -101,7 +103,7 @@ def main():
     meter = remat.cpu_meter()
     test_hf.MODELS["neox"] = neox
     print("| model | first layer | input held | predicted (bytes) | measured (bytes) | error | all gradients charged "
-          "| without the between figures and side_grads_bytes |")
+          "| without the between figures, side_grads_bytes, outputs_held_in_backward |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.models or NAMES:
         if name in test_hf.MODELS:

@@ -242,6 +242,16 @@ void add_random_streams(std::mt19937& rng, Chain& chain) {
   }
 }
 
+// Two processes' figures agreed as an all-reduce with a maximum agrees them: each the larger.
+remat::PlanFigures largest(const remat::PlanFigures& a, const remat::PlanFigures& b) {
+  remat::PlanFigures m = a;
+  for (size_t i = 0; i < m.ints.size(); ++i)
+    m.ints[i] = std::max(a.ints[i], b.ints[i]);
+  for (size_t i = 0; i < m.reals.size(); ++i)
+    m.reals[i] = std::max(a.reals[i], b.reals[i]);
+  return m;
+}
+
 }  // namespace
 
 TEST(PerLayer, EqualsExhaustiveSearchOnRandomChains) {
@@ -1084,11 +1094,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   ASSERT_EQ(fa.ints.size(), fb.ints.size());
   ASSERT_EQ(fa.reals.size(), fb.reals.size());
   EXPECT_EQ(fa.ints[0], a.input_bytes);  // the chain's input first (PlannedOptions::agree's callers read it)
-  remat::PlanFigures m = fa;
-  for (size_t i = 0; i < m.ints.size(); ++i)
-    m.ints[i] = std::max(fa.ints[i], fb.ints[i]);
-  for (size_t i = 0; i < m.reals.size(); ++i)
-    m.reals[i] = std::max(fa.reals[i], fb.reals[i]);
+  const remat::PlanFigures m = largest(fa, fb);
   Chain c = a;
   remat::StepContext x = ca;
   remat::set_plan_figures(c, x, m);
@@ -1116,11 +1122,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
-    remat::PlanFigures most = pa;
-    for (size_t i = 0; i < most.ints.size(); ++i)
-      most.ints[i] = std::max(pa.ints[i], pb.ints[i]);
-    for (size_t i = 0; i < most.reals.size(); ++i)
-      most.reals[i] = std::max(pa.reals[i], pb.reals[i]);
+    const remat::PlanFigures most = largest(pa, pb);
     Chain y = a;
     remat::StepContext z = ba;
     remat::set_plan_figures(y, z, most);

@@ -160,6 +160,25 @@ double fastest_within(const std::vector<Candidate>& all, int64_t budget) {
   return best;
 }
 
+// plan_step's per-layer plans for the step at the least budget and two drawn up to the most: each fits its
+// budget, its peak is step_peak_bytes()'s, and it is the fastest of `all` that fits (their peaks and times
+// filled in). plan_step checks that the program's step peak is the simulated step's (an internal error
+// otherwise).
+void expect_fastest_step_plans(const Chain& chain, const remat::StepContext& ctx,
+                               const std::vector<Candidate>& all, int64_t least, int64_t most,
+                               const remat::PlannerOptions& options, std::mt19937& rng, int trial) {
+  std::uniform_int_distribution<int64_t> pick(least, most);
+  for (int b = 0; b < 3; ++b) {
+    const int64_t budget = b == 0 ? least : pick(rng);
+    const double best = fastest_within(all, budget);
+    const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer", options);
+    EXPECT_LE(p.step_peak_bytes, budget);
+    EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
+    EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
+        << "trial " << trial << " budget " << budget << ": " << p.plan.to_string();
+  }
+}
+
 // Every stage's forward runs once or twice.
 bool forward_calls_at_most(const Plan& plan, int64_t times) {
   std::vector<int64_t> calls(static_cast<size_t>(plan.num_stages), 0);
@@ -1460,17 +1479,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
       least = std::min(least, c.peak), most = std::max(most, c.peak);
     }
     ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
-    std::uniform_int_distribution<int64_t> pick(least, most);
-    for (int b = 0; b < 3; ++b) {
-      const int64_t budget = b == 0 ? least : pick(rng);
-      const double best = fastest_within(all, budget);
-      // plan_step checks that the program's step peak is the simulated step's (an internal error otherwise).
-      const remat::StepPlan p = remat::plan_step(chain, gone, budget, "per-layer", options);
-      EXPECT_LE(p.step_peak_bytes, budget);
-      EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, gone, p.plan));
-      EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
-          << "trial " << trial << " budget " << budget << ": " << p.plan.to_string();
-    }
+    expect_fastest_step_plans(chain, gone, all, least, most, options, rng, trial);
   }
   EXPECT_GT(freed, 20);
   EXPECT_GT(timelines, 5);
@@ -1520,15 +1529,7 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
     }
     ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
     least_lowered += least < least_held;
-    std::uniform_int_distribution<int64_t> pick(least, most);
-    for (int b = 0; b < 3; ++b) {
-      const int64_t budget = b == 0 ? least : pick(rng);
-      const double best = fastest_within(all, budget);
-      const remat::StepPlan p = remat::plan_step(chain, gone, budget, "per-layer", options);
-      EXPECT_LE(p.step_peak_bytes, budget);
-      EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
-          << "trial " << trial << ": " << p.plan.to_string();
-    }
+    expect_fastest_step_plans(chain, gone, all, least, most, options, rng, trial);
   }
   EXPECT_GT(lowered, 100);
   EXPECT_GT(least_lowered, 5);

@@ -150,8 +150,8 @@ struct StepTerms {
   std::vector<char> all_only;
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
-  std::vector<int64_t>
-      side;  // per stage, the gradients of what the stages take beside their input arriving there
+  // Per stage: the gradients of what the stages take beside their input that arrive at its backward.
+  std::vector<int64_t> side;
   // Per stage: the backward peak of what runs between the stage before it and it (once its backward is done,
   // above what that leaves held with every gradient arrived by then), -1 where nothing is charged there.
   std::vector<int64_t> between;
@@ -499,12 +499,12 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.input_freed = detail::input_unheld_bytes(chain, context);
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
-    const int64_t own =
-        (s >= 1 && s <= n && !context.stage_grads_bytes.empty()) ? context.stage_grads_bytes[s - 1] : 0;
     t.at_recompute[s] = after;
-    t.own[s] = own;
-    if (s >= 1 && s <= n) t.side[s] = detail::stage_figure(context.side_grads_bytes, s - 1);
-    after += own + t.side[s];
+    if (s >= 1 && s <= n) {
+      t.own[s] = detail::stage_figure(context.stage_grads_bytes, s - 1);
+      t.side[s] = detail::stage_figure(context.side_grads_bytes, s - 1);
+    }
+    after += t.own[s] + t.side[s];
     // What runs between chain stages s - 2 and s - 1 (step_op_peaks()'s rule).
     if (s >= 2 && s <= n) {
       const int64_t between = detail::stage_figure(context.between_backward_peak_bytes, s - 1),

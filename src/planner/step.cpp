@@ -94,20 +94,34 @@ void validate(const StepContext& c, const Chain& chain) {
         "base), input_held_in_backward false that it is not");
   if (!(c.rest_ms >= 0))
     throw std::invalid_argument("remat::StepContext: rest_ms must be >= 0, got " + std::to_string(c.rest_ms));
-  if (!c.stage_grads_bytes.empty() && static_cast<int64_t>(c.stage_grads_bytes.size()) != chain.size()) {
-    throw std::invalid_argument("remat::StepContext: stage_grads_bytes has " +
-                                std::to_string(c.stage_grads_bytes.size()) + " entries for a chain of " +
-                                std::to_string(chain.size()) + " stages");
-  }
-  for (int64_t g : c.stage_grads_bytes)
-    check(g, "an entry of stage_grads_bytes");
-  auto per_stage = [&](const std::vector<int64_t>& v, const char* field, bool signed_figure) {
-    if (v.empty()) return;
-    if (static_cast<int64_t>(v.size()) != chain.size()) {
+  // A per-stage figure: empty, or one entry per stage.
+  auto sized = [&](size_t size, const char* field) {
+    if (size != 0 && static_cast<int64_t>(size) != chain.size()) {
       throw std::invalid_argument(std::string("remat::StepContext: ") + field + " has " +
-                                  std::to_string(v.size()) + " entries for a chain of " +
+                                  std::to_string(size) + " entries for a chain of " +
                                   std::to_string(chain.size()) + " stages");
     }
+  };
+  sized(c.stage_grads_bytes.size(), "stage_grads_bytes");
+  for (int64_t g : c.stage_grads_bytes)
+    check(g, "an entry of stage_grads_bytes");
+  sized(c.side_grads_bytes.size(), "side_grads_bytes");
+  int64_t side_grads = 0;
+  for (int64_t g : c.side_grads_bytes) {
+    check(g, "an entry of side_grads_bytes");
+    side_grads += g;
+  }
+  if (side_grads > c.side_bytes) {
+    throw std::invalid_argument("remat::StepContext: side_grads_bytes adds up to " +
+                                std::to_string(side_grads) + " bytes, more than side_bytes (" +
+                                std::to_string(c.side_bytes) + "), of which they are a part");
+  }
+  sized(c.outputs_held_in_backward.size(), "outputs_held_in_backward");
+  // What runs between two stages: nothing before the first (the part before the chain's backward is
+  // before_backward_peak_bytes).
+  auto between = [&](const std::vector<int64_t>& v, const char* field, bool signed_figure) {
+    sized(v.size(), field);
+    if (v.empty()) return;
     if (!signed_figure) {
       for (int64_t b : v)
         check(b, field);
@@ -119,32 +133,9 @@ void validate(const StepContext& c, const Chain& chain) {
                                   "stage: that part's backward is before_backward_peak_bytes)");
     }
   };
-  per_stage(c.between_forward_held_bytes, "between_forward_held_bytes", false);
-  if (!c.outputs_held_in_backward.empty() &&
-      static_cast<int64_t>(c.outputs_held_in_backward.size()) != chain.size()) {
-    throw std::invalid_argument("remat::StepContext: outputs_held_in_backward has " +
-                                std::to_string(c.outputs_held_in_backward.size()) +
-                                " entries for a chain of " + std::to_string(chain.size()) + " stages");
-  }
-  if (!c.side_grads_bytes.empty()) {
-    if (static_cast<int64_t>(c.side_grads_bytes.size()) != chain.size()) {
-      throw std::invalid_argument("remat::StepContext: side_grads_bytes has " +
-                                  std::to_string(c.side_grads_bytes.size()) + " entries for a chain of " +
-                                  std::to_string(chain.size()) + " stages");
-    }
-    int64_t sum = 0;
-    for (int64_t g : c.side_grads_bytes) {
-      check(g, "an entry of side_grads_bytes");
-      sum += g;
-    }
-    if (sum > c.side_bytes) {
-      throw std::invalid_argument("remat::StepContext: side_grads_bytes adds up to " + std::to_string(sum) +
-                                  " bytes, more than side_bytes (" + std::to_string(c.side_bytes) +
-                                  "), of which they are a part");
-    }
-  }
-  per_stage(c.between_backward_peak_bytes, "between_backward_peak_bytes", false);
-  per_stage(c.between_held_bytes, "between_held_bytes", true);
+  between(c.between_forward_held_bytes, "between_forward_held_bytes", false);
+  between(c.between_backward_peak_bytes, "between_backward_peak_bytes", false);
+  between(c.between_held_bytes, "between_held_bytes", true);
 }
 
 Chain step_chain(const Chain& chain, const StepContext& context) {
@@ -290,16 +281,17 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     arrived += made;
-    // What runs between chain stage s - 2 and s - 1 (between_backward_peak_bytes) runs once the later one's
-    // backward is done, above what it left held and every gradient arrived by then; what it leaves held
-    // (between_held_bytes, its gradients less what it frees) from then on.
-    const size_t j = static_cast<size_t>(op.stage - 1);
+    if (op.kind != OpKind::kBackward || op.stage < 1 || op.stage > n) continue;
+    const size_t j = static_cast<size_t>(op.stage - 1);  // the chain stage whose backward this is
     // Its output, let go of once the next stage's backward was done, the simulation lets go of now.
-    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage < n) {
+    if (op.stage < n) {
       arrived += let_go[j + 1];
       let_go[j + 1] = 0;
     }
-    if (op.kind == OpKind::kBackward && op.stage >= 2 && op.stage <= n) {
+    // What runs between chain stage s - 2 and s - 1 (between_backward_peak_bytes) runs once the later one's
+    // backward is done, above what it left held and every gradient arrived by then; what it leaves held
+    // (between_held_bytes, its gradients less what it frees) from then on.
+    if (op.stage >= 2) {
       const int64_t between = stage_figure(context.between_backward_peak_bytes, j),
                     held = stage_figure(context.between_held_bytes, j);
       if (between > 0 || held != 0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -71,6 +71,15 @@ def local_bytes(p: torch.Tensor) -> int:
     """A parameter's bytes on this rank: its local shard's for a DTensor (FSDP2), else its own."""
     to_local = getattr(p, "to_local", None)
     return to_local().nbytes if callable(to_local) else p.nbytes
+
+
+def storage_ref(t: torch.Tensor) -> StorageWeakRef | None:
+    """A weak reference to t's storage (`.expired()` once it is freed), or None for a tensor without storage (a
+    wrapper subclass)."""
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except RuntimeError:
+        return None
 
 
 def storage_bytes(t: torch.Tensor) -> int:
@@ -157,8 +166,8 @@ class Step:
         # the backward pass between layer i - 1 and i now running (i, the count when it began, the input
         # gradient's storage key, weak reference and bytes, whether layer i - 1's output was alive then, layer
         # i's input if what ran between made it); per layer the readings.
-        self.out_refs: dict[int, tuple] = {}
-        self.between_open: tuple | None = None
+        self.out_refs: dict[int, LayerOut] = {}
+        self.between_open: OpenBetween | None = None
         self.between: dict[int, tuple[int, int]] = {}
         self.between_forward: dict[int, int] = {}
         # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
@@ -321,10 +330,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     # them, what it saved, the caller): read as its storage's liveness once the first layer's backward is done
     # (every layer's checkpoint has dropped it by then), else at the step's end. (A variable of the model's
     # forward may hold it through the forward pass: the model charges it there whatever this reads.)
-    try:
-        input_ref = StorageWeakRef(x0.untyped_storage())
-    except RuntimeError:  # a tensor without storage (a wrapper subclass): held, as when not read
-        input_ref = None
+    input_ref = storage_ref(x0)  # None: held, as when not read
 
     def read_input_held():
         if input_ref is not None and not step.input_in_base:
@@ -367,6 +373,30 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     del x0, out
     return returned
 
+class LayerOut(NamedTuple):
+    """A profiled layer's output as watch_between reads it: its storage's key, a weak reference to it and its
+    bytes, the count when the layer returned, and its autograd node's sequence number."""
+    key: int
+    ref: StorageWeakRef | None
+    nbytes: int
+    returned_at: int
+    nr: int | None
+
+
+class OpenBetween(NamedTuple):
+    """The backward pass between layer i - 1 and layer i, while it runs: the count when it began, layer i's input
+    gradient (its storage's key, weak reference and bytes), whether layer i - 1's output was alive then, and layer
+    i's input where what ran between made it (its weak reference and bytes; None and 0 otherwise)."""
+    i: int
+    at: int
+    g_key: int
+    g_ref: StorageWeakRef | None
+    g_bytes: int
+    out_alive: bool
+    x_ref: StorageWeakRef | None
+    x_bytes: int
+
+
 def sequence_nr(t: torch.Tensor) -> int | None:
     """The sequence number of the autograd node that made `t` (later nodes have higher ones), or None."""
     try:
@@ -392,62 +422,52 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
     if i >= 1 and x.requires_grad and i - 1 in step.out_refs:
         # Whether anything holds the last layer's output once this layer's backward is done (every layer's
         # checkpoint has let go of its input then): StepReadings.outputs_held_in_backward.
-        def read_held(g, i=i, out_ref=step.out_refs[i - 1][1]):
+        prev = step.out_refs[i - 1]
+
+        def read_held(g, i=i, out_ref=prev.ref):
             step.outputs_held[i] = out_ref is None or not out_ref.expired()
             return g
 
         x.register_hook(read_held)
-        key, ref, _, returned_at, prev_nr = step.out_refs[i - 1]
-        if not (storage_key(x) == key and ref is not None and not ref.expired()):
-            step.between_forward[i] = max(0, at_call - returned_at)
-            try:
-                x_ref = StorageWeakRef(x.untyped_storage())
-            except RuntimeError:
-                x_ref = None
+        if not (storage_key(x) == prev.key and prev.ref is not None and not prev.ref.expired()):
+            step.between_forward[i] = max(0, at_call - prev.returned_at)
             # This layer's input, made by what ran between (not before the last layer's output): held in the
             # model from here to the end, freed by this layer's backward.
             x_nr = sequence_nr(x)
-            made = x_nr is not None and prev_nr is not None and x_nr > prev_nr
-            x_between = (x_ref, storage_bytes(x)) if made else (None, 0)
+            made = x_nr is not None and prev.nr is not None and x_nr > prev.nr
+            x_ref, x_bytes = (storage_ref(x), storage_bytes(x)) if made else (None, 0)
 
-            def began(g, i=i, x_between=x_between):
+            def began(g, i=i, out_ref=prev.ref, x_ref=x_ref, x_bytes=x_bytes):
                 step.reset()
-                try:
-                    g_ref = StorageWeakRef(g.untyped_storage())
-                except RuntimeError:
-                    g_ref = None
-                out_ref = step.out_refs[i - 1][1]
                 out_alive = out_ref is not None and not out_ref.expired()
-                step.between_open = (i, meter.count(), storage_key(g), g_ref, storage_bytes(g), out_alive, x_between)
+                step.between_open = OpenBetween(i, meter.count(), storage_key(g), storage_ref(g), storage_bytes(g),
+                                                out_alive, x_ref, x_bytes)
                 return g
 
             x.register_hook(began)
     if i < len(lp.layers) - 1 and out.requires_grad:
-        try:
-            ref = StorageWeakRef(out.untyped_storage())
-        except RuntimeError:  # a tensor without storage (a wrapper subclass)
-            ref = None
-        step.out_refs[i] = (storage_key(out), ref, storage_bytes(out), meter.count(), sequence_nr(out))
+        step.out_refs[i] = LayerOut(storage_key(out), storage_ref(out), storage_bytes(out), meter.count(),
+                                    sequence_nr(out))
 
         def ended(g, i=i):
-            if step.between_open is not None and step.between_open[0] == i + 1:
-                _, at, g_key, g_ref, g_bytes, out_alive, (x_ref, x_bytes) = step.between_open
-                held = meter.count() - at
+            o = step.between_open
+            if o is not None and o.i == i + 1:
+                held = meter.count() - o.at
                 # The boundary's gradient: the input's, if it was freed here, is the model's until now...
-                dx_freed = g_ref is not None and g_ref.expired()
+                dx_freed = o.g_ref is not None and o.g_ref.expired()
                 if dx_freed:
-                    held += g_bytes
+                    held += o.g_bytes
                 # ...and the output's, made here, is the model's from now on.
-                if dx_freed or storage_key(g) != g_key:
+                if dx_freed or storage_key(g) != o.g_key:
                     held -= storage_bytes(g)
                 # The last layer's output, freed here (by what saved it), the model frees at that layer's backward.
-                _, out_ref, out_bytes, _, _ = step.out_refs[i]
-                if out_alive and out_ref is not None and out_ref.expired():
-                    held += out_bytes
+                last = step.out_refs[i]
+                if o.out_alive and last.ref is not None and last.ref.expired():
+                    held += last.nbytes
                 # This layer's input, which its backward freed, the model holds until here.
-                if x_ref is not None and x_ref.expired():
-                    held -= x_bytes
-                step.between[i + 1] = (step.peak() - at, held)
+                if o.x_ref is not None and o.x_ref.expired():
+                    held -= o.x_bytes
+                step.between[i + 1] = (step.peak() - o.at, held)
                 step.between_open = None
                 step.reset()
             return g
@@ -512,8 +532,8 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
         side_grads[last] += min(grad, step.side.get(k, 0))
     r.side_grads_bytes = side_grads
     r.input_held_in_backward = step.input_held
-    r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, len(lp.layers))]
     n = len(lp.layers)
+    r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, n)]
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]
     r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]

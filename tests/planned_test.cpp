@@ -845,6 +845,11 @@ TEST_F(PlannedTest, ATiedGptStaysWithinTheBudgetAndThePrediction) {
     }
     const remat::PlannedImpl& p = *planned->planned;
     ASSERT_TRUE(p.is_planned());
+    // loss() lets go of the blocks' output, which ln_f saved: the head's backward frees it, as read when it
+    // hands the blocks its gradient (counted back into what the head leaves held, the model letting go of it
+    // once: without that the prediction was that output's bytes low through the blocks' backward).
+    ASSERT_NE(p.step_readings(), nullptr);
+    EXPECT_EQ(p.step_readings()->output_freed_bytes, 8 * c.block_size * c.n_embd * 4);
     EXPECT_LE(p.predicted_peak_bytes(), budget) << f;
     EXPECT_LE(p.last_peak_bytes(), budget) << f << ": " << p.plan()->to_string();
     EXPECT_LE(p.last_peak_bytes(), p.predicted_peak_bytes() + p.predicted_peak_bytes() / 50)

@@ -51,6 +51,7 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
   ctx.outputs_held_in_backward.assign(static_cast<size_t>(n), true);
   for (size_t j = 1; j < static_cast<size_t>(n); ++j)
     ctx.outputs_held_in_backward[j] = coin(rng);
+  ctx.output_held_in_backward = coin(rng);  // the chain's output, once the rest's backward is done
   // And what the stages take beside their input, with gradients arriving at some stages' backward passes.
   ctx.side_grads_bytes.assign(static_cast<size_t>(n), 0);
   for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
@@ -1138,6 +1139,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ba.side_bytes = bb.side_bytes = 100;
     ba.outputs_held_in_backward = {true, false, false, false},
     bb.outputs_held_in_backward = {true, false, true, false};
+    ba.output_held_in_backward = false;
     ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
@@ -1150,6 +1152,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(z.side_grads_bytes, (std::vector<int64_t>{0, 0, 40, 2}));
     EXPECT_EQ(z.outputs_held_in_backward,
               (std::vector<bool>{true, false, true, false}));                // held where any is
+    EXPECT_TRUE(z.output_held_in_backward);                                  // held where any is
     EXPECT_EQ(z.between_held_bytes, (std::vector<int64_t>{0, 20, 0, -40}));  // freeing less: the safe one
     EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
   }
@@ -1514,6 +1517,7 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
     held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
     remat::StepContext gone = held;
     gone.outputs_held_in_backward.assign(static_cast<size_t>(n), false);
+    gone.output_held_in_backward = false;
     remat::PlannerOptions options;
     options.offload = true;
     std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
@@ -1573,6 +1577,66 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
   remat::StepReadings r;
   r.outputs_held_in_backward = {true, false};
   EXPECT_EQ(remat::step_context(r).outputs_held_in_backward, (std::vector<bool>{true, false}));
+}
+
+// The chain's output, which the rest of the step saved and let go of in its backward (StepReadings::
+// output_freed_bytes: freed when the rest handed it its gradient), is counted back into what the rest leaves
+// held and let go of once by the model: once the rest's backward is done where the last stage's way does not
+// save it (StepContext::output_held_in_backward false), else at the last stage's backward, as before.
+TEST(PerLayerStream, TheChainsOutputThatTheRestLetsGoOfIsLetGoOfOnce) {
+  // The rest leaves 300 bytes of gradients, hands a gradient of 200 and has let go of the output's 1000.
+  remat::StepReadings r;
+  r.at_return = 10000, r.rest_peak = 15000, r.output_grad_bytes = 200;
+  r.at_output_grad = r.at_return + 300 + 200 - 1000;
+  EXPECT_EQ(remat::step_context(r).rest_grads_bytes, 0);  // read without the output: less than nothing
+  EXPECT_TRUE(remat::step_context(r).output_held_in_backward);
+  r.output_freed_bytes = 1000;
+  const remat::StepContext gone = remat::step_context(r);
+  EXPECT_EQ(gone.rest_grads_bytes, 300);
+  EXPECT_FALSE(gone.output_held_in_backward);
+  r.output_freed_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::step_context(r), "remat::step_context", "output_freed_bytes (-1)");
+  // Two stages kept, neither saving its output, the last one's backward the step's peak: with a_2 let go of
+  // once the rest's backward is done, it holds 1000 bytes less. Not where the last stage saves its output,
+  // nor where the runtime holds outputs, nor with the last stage checkpointed (a plain output, let go of
+  // there already); and never twice: once the last stage's backward is done, the step holds the same.
+  Chain c;
+  c.input_bytes = 100;
+  c.to_host_gb_per_s = c.to_device_gb_per_s = 1;
+  for (int i = 0; i < 2; ++i) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(i);
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = 1000, s.saved_bytes = 1500;
+    s.bwd_tmp_bytes = i == 1 ? 50000 : 0;
+    s.offload = remat::OffloadCost{400, true, false};
+    c.stages.push_back(s);
+  }
+  remat::StepContext held = gone;
+  held.output_held_in_backward = true;
+  const Plan keep = remat::no_checkpoint(c);
+  const int64_t base = remat::step_peak_bytes(c, held, keep);
+  EXPECT_EQ(remat::step_peak_bytes(c, gone, keep), base - 1000);
+  Chain saving = c;
+  saving.stages[1].offload->output = true;
+  EXPECT_EQ(remat::step_peak_bytes(saving, gone, keep), remat::step_peak_bytes(saving, held, keep));
+  Chain holding = c;
+  holding.holds_outputs = true;
+  EXPECT_EQ(remat::step_peak_bytes(holding, gone, keep), remat::step_peak_bytes(holding, held, keep));
+  const Plan last_checkpointed = remat::checkpoint_stages(2, {1});
+  EXPECT_EQ(remat::step_peak_bytes(c, gone, last_checkpointed),
+            remat::step_peak_bytes(c, held, last_checkpointed));
+  // Stage 0's backward the peak: a_2 is gone there either way.
+  Chain early = c;
+  early.stages[0].bwd_tmp_bytes = 90000, early.stages[1].bwd_tmp_bytes = 0;
+  EXPECT_EQ(remat::step_peak_bytes(early, gone, keep), remat::step_peak_bytes(early, held, keep));
+  // The per-layer program charges it alike: its least budget is that of the plan it finds.
+  remat::PlannerOptions options;
+  options.offload = true;
+  const remat::StepPlan least =
+      remat::plan_step(c, gone, remat::min_step_budget(c, gone, "per-layer", options), "per-layer", options);
+  EXPECT_EQ(least.step_peak_bytes, remat::step_peak_bytes(c, gone, least.plan));
+  EXPECT_LE(least.step_peak_bytes, base - 1000);
 }
 
 TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {

@@ -176,6 +176,9 @@ class PlannedImpl : public torch::nn::Module {
   int64_t profiling_steps() const;
   /// What the profiling step measured of the rest of the step for the last shape, or nullptr.
   const RestOfStep* rest_of_step() const;
+  /// The profiling step's readings for the last shape (remat/planner/step.h: what step_context() turned into
+  /// the step's model), or nullptr before that step's backward pass ended.
+  const StepReadings* step_readings() const;
   /// The host memory of offloaded stages (PlannerOptions::offload), reused from step to step.
   const std::shared_ptr<HostPool>& host_pool() const { return host_pool_; }
 

@@ -138,6 +138,7 @@ class Step:
         self.at_return = 0
         self.at_output_grad = 0
         self.output_grad_bytes = 0
+        self.output_freed = 0  # StepReadings.output_freed_bytes
         self.peak_after_backward = -1
         self.input_in_base = False
         self.input_bytes = 0
@@ -361,11 +362,15 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # the caller holds): the readings step_context() turns into the StepContext.
         step.rest = (step.peak(), (time.perf_counter() - t0) * 1e3)
         step.at_output_grad, step.output_grad_bytes = meter.count(), g.nbytes
+        # The layers' output, where the rest's backward let go of it (it saved it) and nothing else held it
+        # (StepReadings.output_freed_bytes): the count is that much lower than what the rest leaves held.
+        step.output_freed = out_bytes if out_ref is not None and out_ref.expired() else 0
         step.reset()
         if not prefix_backward:
             queue_at_backward_end(finish_profiling)
         return g
 
+    out_ref, out_bytes = storage_ref(out), storage_bytes(out)
     if out.requires_grad:
         out.register_hook(at_out)
         if prefix_backward:
@@ -517,6 +522,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.rest_peak, r.rest_ms = step.rest if step.rest is not None else (step.at_return, 0.0)
     r.at_output_grad = step.at_output_grad if step.rest is not None else step.at_return
     r.output_grad_bytes = step.output_grad_bytes
+    r.output_freed_bytes = step.output_freed
     r.peak_after_chain_backward = step.peak_after_backward
     r.step_peak = step.true_peak
     grads, seen = [0] * len(lp.layers), set()

@@ -382,6 +382,10 @@ NB_MODULE(_core, m) {
       .def_rw("outputs_held_in_backward", &remat::StepContext::outputs_held_in_backward,
               "per stage, whether anything besides the stages holds its input once its backward is done")
       .def_rw(
+          "output_held_in_backward", &remat::StepContext::output_held_in_backward,
+          "whether anything besides the rest of the step and the last stage holds the chain's output once "
+          "the rest's backward is done")
+      .def_rw(
           "between_forward_held_bytes", &remat::StepContext::between_forward_held_bytes,
           "per stage, what the forward of what runs between the stage before it and it leaves held (bytes)")
       .def_rw("between_backward_peak_bytes", &remat::StepContext::between_backward_peak_bytes,
@@ -390,7 +394,8 @@ NB_MODULE(_core, m) {
           "between_held_bytes", &remat::StepContext::between_held_bytes,
           "per stage, what the backward of what runs between the stage before it and it leaves held beyond "
           "the model (bytes; negative where it frees more)")
-      // pickle and copy.deepcopy: its fields (a state of 11 fields, from before the between figures, too).
+      // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, and of
+      // 16, from before output_held_in_backward, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
@@ -398,11 +403,11 @@ NB_MODULE(_core, m) {
                                    c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
                                    c.side_bytes, c.input_held_in_backward, c.between_forward_held_bytes,
                                    c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes,
-                                   c.outputs_held_in_backward);
+                                   c.outputs_held_in_backward, c.output_held_in_backward);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
-        if (s.size() != 11 && s.size() != 16)
-          throw nb::value_error("remat.StepContext: a pickled state has 11 or 16 fields");
+        if (s.size() != 11 && s.size() != 16 && s.size() != 17)
+          throw nb::value_error("remat.StepContext: a pickled state has 11, 16 or 17 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -415,13 +420,14 @@ NB_MODULE(_core, m) {
         c.checkpoint_all_peak_bytes = nb::cast<int64_t>(s[8]);
         c.side_bytes = nb::cast<int64_t>(s[9]);
         c.input_held_in_backward = nb::cast<bool>(s[10]);
-        if (s.size() == 16) {
+        if (s.size() >= 16) {
           c.between_forward_held_bytes = nb::cast<std::vector<int64_t>>(s[11]);
           c.between_backward_peak_bytes = nb::cast<std::vector<int64_t>>(s[12]);
           c.between_held_bytes = nb::cast<std::vector<int64_t>>(s[13]);
           c.side_grads_bytes = nb::cast<std::vector<int64_t>>(s[14]);
           c.outputs_held_in_backward = nb::cast<std::vector<bool>>(s[15]);
         }
+        if (s.size() == 17) c.output_held_in_backward = nb::cast<bool>(s[16]);
       });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
@@ -437,6 +443,7 @@ NB_MODULE(_core, m) {
       .def_rw("rest_peak", &remat::StepReadings::rest_peak)
       .def_rw("at_output_grad", &remat::StepReadings::at_output_grad)
       .def_rw("output_grad_bytes", &remat::StepReadings::output_grad_bytes)
+      .def_rw("output_freed_bytes", &remat::StepReadings::output_freed_bytes)
       .def_rw("rest_ms", &remat::StepReadings::rest_ms)
       .def_rw("peak_after_chain_backward", &remat::StepReadings::peak_after_chain_backward)
       .def_rw("step_peak", &remat::StepReadings::step_peak)

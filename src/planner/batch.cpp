@@ -193,6 +193,7 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
   for (size_t j = 0; j < c.outputs_held_in_backward.size(); ++j)
     c.outputs_held_in_backward[j] = a.outputs_held_in_backward[j] || b.outputs_held_in_backward[j];
+  c.output_held_in_backward = a.output_held_in_backward || b.output_held_in_backward;
   return c;
 }
 

@@ -148,6 +148,7 @@ void visit(C& chain, X& context, V& v) {
     if constexpr (!std::is_const_v<X>) context.outputs_held_in_backward[j] = held;
   }
   v.flag(context.input_held_in_backward);
+  v.flag(context.output_held_in_backward);
   for (auto& f : context.between_forward_held_bytes)
     v.bytes(f);
   for (auto& b : context.between_backward_peak_bytes)

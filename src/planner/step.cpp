@@ -35,9 +35,11 @@ bool is_per_layer(const std::string& planner) {
 }  // namespace
 
 StepContext step_context(const StepReadings& r) {
-  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || r.side_bytes < 0 || !(r.rest_ms >= 0)) {
+  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || r.output_freed_bytes < 0 || r.side_bytes < 0 ||
+      !(r.rest_ms >= 0)) {
     throw std::invalid_argument("remat::step_context: input_bytes (" + std::to_string(r.input_bytes) +
                                 "), output_grad_bytes (" + std::to_string(r.output_grad_bytes) +
+                                "), output_freed_bytes (" + std::to_string(r.output_freed_bytes) +
                                 "), side_bytes (" + std::to_string(r.side_bytes) + ") and rest_ms (" +
                                 std::to_string(r.rest_ms) + ") must be >= 0");
   }
@@ -60,7 +62,9 @@ StepContext step_context(const StepReadings& r) {
       r.peak_after_chain_backward < 0 ? 0 : above(r.peak_after_chain_backward, r.base);
   c.rest_peak_bytes = above(r.rest_peak, r.at_return);
   c.rest_ms = r.rest_ms;
-  c.rest_grads_bytes = above(r.at_output_grad - r.output_grad_bytes, r.at_return);
+  // The chain's output, where the rest's backward let go of it, is the model's to let go of (once).
+  c.rest_grads_bytes = above(r.at_output_grad - r.output_grad_bytes + r.output_freed_bytes, r.at_return);
+  c.output_held_in_backward = r.output_freed_bytes == 0;
   c.stage_grads_bytes = r.stage_grads_bytes;
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
@@ -178,7 +182,9 @@ int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage) {
 }
 
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
-  return !chain.holds_outputs && j >= 1 && j < chain.size() && !context.outputs_held_in_backward.empty() &&
+  if (chain.holds_outputs || j < 1 || j > chain.size()) return false;
+  if (j == chain.size()) return !context.output_held_in_backward;
+  return !context.outputs_held_in_backward.empty() &&
          !context.outputs_held_in_backward[static_cast<size_t>(j)];
 }
 
@@ -281,13 +287,19 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     arrived += made;
+    // The chain's output a_n, which nothing else holds and the last stage does not save, goes once the rest's
+    // backward is done (output_held_in_backward).
+    if (op.kind == OpKind::kBackward && op.stage == n + 1 && leaves[static_cast<size_t>(n)] &&
+        output_unheld(chain, context, n)) {
+      let_go[static_cast<size_t>(n)] = chain.activation_bytes(n);
+      arrived -= let_go[static_cast<size_t>(n)];
+    }
     if (op.kind != OpKind::kBackward || op.stage < 1 || op.stage > n) continue;
     const size_t j = static_cast<size_t>(op.stage - 1);  // the chain stage whose backward this is
-    // Its output, let go of once the next stage's backward was done, the simulation lets go of now.
-    if (op.stage < n) {
-      arrived += let_go[j + 1];
-      let_go[j + 1] = 0;
-    }
+    // Its output, let go of once the next stage's backward (or the rest's) was done, the simulation lets go
+    // of now.
+    arrived += let_go[j + 1];
+    let_go[j + 1] = 0;
     // What runs between chain stage s - 2 and s - 1 (between_backward_peak_bytes) runs once the later one's
     // backward is done, above what it left held and every gradient arrived by then; what it leaves held
     // (between_held_bytes, its gradients less what it frees) from then on.

@@ -42,7 +42,9 @@ struct StepContext {
   double rest_ms = 0;
   /// What the rest's backward leaves held from then on to the step's end (bytes): the gradients of its
   /// parameters it allocates, a partial gradient of a weight shared with the part before the chain (a tied
-  /// embedding's, summed at its last use), outputs the caller keeps (logits).
+  /// embedding's, summed at its last use), outputs the caller keeps (logits). Not less the chain's output
+  /// where the rest's backward lets go of it: the model lets go of that once, at the last stage's backward
+  /// or where output_held_in_backward says so.
   int64_t rest_grads_bytes = 0;
   /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 when they exist before the
   /// step), held from then on. Empty, or one entry per stage.
@@ -82,6 +84,13 @@ struct StepContext {
   /// 0, the chain's input, is input_held_in_backward's, not read here; the chain's output's is the rest of
   /// the step's (rest_grads_bytes). Empty, or one entry per stage.
   std::vector<bool> outputs_held_in_backward;
+  /// Whether anything besides the rest of the step and the last stage holds the chain's output a_n once the
+  /// rest's backward is done (the caller, a list of hidden states), or not known (true, the default). False
+  /// where its storage was freed by then (the rest saved it and let go of it, nothing else held it: the
+  /// Python package and remat::Planned read it in the profiling step): where the last stage's way does not
+  /// save its output (outputs_held_in_backward's rule) and the runtime does not hold outputs, a_n is charged
+  /// as freed once the rest's backward is done, not held through the last stage's backward.
+  bool output_held_in_backward = true;
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
   /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output
   /// straight to the next).
@@ -125,6 +134,11 @@ struct StepReadings {
   int64_t at_output_grad = 0;
   int64_t output_grad_bytes = 0;
   double rest_ms = 0;
+  /// The chain's output's bytes (its storage's) where that storage was freed by the time the rest handed it
+  /// its gradient (the rest's backward let go of it and nothing else held it), else 0 (alive, or not read):
+  /// at_output_grad is then that much lower than what the rest leaves held (StepContext::rest_grads_bytes,
+  /// output_held_in_backward).
+  int64_t output_freed_bytes = 0;
   /// The highest count from the chain's input gradient to the step's end (the backward pass of what runs
   /// before the chain), or -1 when that part has no backward.
   int64_t peak_after_chain_backward = -1;
@@ -155,10 +169,12 @@ struct StepReadings {
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
 /// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
 /// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
-/// held besides the output's gradient), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
+/// held besides the output's gradient, the output it let go of counted back), output_held_in_backward (false
+/// where output_freed_bytes > 0), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
 /// the base), side_bytes, input_held_in_backward (held whatever was read with input_in_base) and the between
 /// figures as read. Negative differences are read as 0. Throws std::invalid_argument naming
-/// remat::step_context for a negative input_bytes, output_grad_bytes, side_bytes or rest_ms, or between
+/// remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes, side_bytes or
+/// rest_ms, or between
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 

@@ -13,7 +13,8 @@ namespace remat::detail {
 int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage);
 
 // Whether nothing besides the stages holds chain stage j's input a_j once stage j's backward is done
-// (StepContext::outputs_held_in_backward false for 1 <= j < n) and the runtime does not hold outputs.
+// (StepContext::outputs_held_in_backward false for 1 <= j < n), or the chain's output a_n once the rest's
+// backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is

@@ -210,12 +210,17 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   std::shared_ptr<std::optional<RestOfStep>> measured = shape.rest;
   std::shared_ptr<std::optional<StepReadings>> done = shape.readings;
   auto after = std::make_shared<std::unique_ptr<memory::PeakWindow>>();  // from the stages' input gradient on
+  // The stages' output, read when the rest hands it its gradient: freed there where the rest saved it and
+  // nothing else (the caller) held it (StepReadings::output_freed_bytes).
+  const c10::weak_intrusive_ptr<c10::StorageImpl> out_storage = out.storage().getWeakStorageImpl();
+  const int64_t out_bytes = static_cast<int64_t>(out.storage().nbytes());
   out.register_hook([=](const torch::Tensor& g) {
     sync();
     readings->rest_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     readings->rest_peak = readings->at_return + rest->peak_over_base();
     readings->at_output_grad = step->active_over_base();
     readings->output_grad_bytes = static_cast<int64_t>(g.nbytes());
+    readings->output_freed_bytes = out_storage.expired() ? out_bytes : 0;
     *measured = RestOfStep{rest->peak_over_base(), readings->rest_ms};
     // At the end of the user's backward pass: the step's peak, and that of what ran before the stages.
     torch::autograd::Engine::get_default_engine().queue_callback([readings, step, after, done] {
@@ -429,6 +434,10 @@ int64_t PlannedImpl::profiling_steps() const {
 }
 const RestOfStep* PlannedImpl::rest_of_step() const {
   return last_ && *last_->rest ? &**last_->rest : nullptr;
+}
+
+const StepReadings* PlannedImpl::step_readings() const {
+  return last_ && *last_->readings ? &**last_->readings : nullptr;
 }
 
 }  // namespace remat

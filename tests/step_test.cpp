@@ -52,6 +52,8 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
   for (size_t j = 1; j < static_cast<size_t>(n); ++j)
     ctx.outputs_held_in_backward[j] = coin(rng);
   ctx.output_held_in_backward = coin(rng);  // the chain's output, once the rest's backward is done
+  // What a checkpoint holds beside its input (the generators' state) on about half of the contexts.
+  if (coin(rng)) ctx.checkpoint_state_bytes = std::uniform_int_distribution<int64_t>(1, most / 10)(rng);
   // And what the stages take beside their input, with gradients arriving at some stages' backward passes.
   ctx.side_grads_bytes.assign(static_cast<size_t>(n), 0);
   for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
@@ -1577,6 +1579,55 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
   remat::StepReadings r;
   r.outputs_held_in_backward = {true, false};
   EXPECT_EQ(remat::step_context(r).outputs_held_in_backward, (std::vector<bool>{true, false}));
+}
+
+// A stage run by a way that recomputes (Fc, a group assignment) holds the generators' state its checkpoint
+// saved (StepContext::checkpoint_state_bytes) from its forward to its backward's end; a kept stage and a
+// policy (whose measured saved_bytes holds it) do not. In step_peak_bytes() and the per-layer program alike.
+TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackward) {
+  Chain c;
+  c.input_bytes = 100;
+  for (int i = 0; i < 3; ++i) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(i);
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = 1000, s.saved_bytes = 3000;
+    s.groups = {remat::SavedGroup{"a", 2000, 0.5}};
+    c.stages.push_back(s);
+  }
+  remat::StepContext none;
+  none.rest_peak_bytes = 50000;  // the step's peak: at the rest, every forward's state held
+  remat::StepContext with = none;
+  with.checkpoint_state_bytes = 5056;
+  auto added = [&](const Chain& chain, const Plan& plan) {
+    return remat::step_peak_bytes(chain, with, plan) - remat::step_peak_bytes(chain, none, plan);
+  };
+  EXPECT_EQ(added(c, remat::checkpoint_all(c)), 3 * 5056);
+  EXPECT_EQ(added(c, remat::no_checkpoint(c)), 0);
+  EXPECT_EQ(added(c, remat::checkpoint_stages(3, {1})), 5056);
+  Plan groups = remat::no_checkpoint(c);
+  groups.ops[0].kind = OpKind::kForwardKeep, groups.ops[0].groups = "k";  // Fk0{k}: the rest recomputed
+  EXPECT_EQ(added(c, groups), 5056);
+  // Stage 0's backward the peak: the later stages' states are gone by then, its own is held.
+  Chain early = c;
+  early.stages[0].bwd_tmp_bytes = 90000;
+  EXPECT_EQ(added(early, remat::checkpoint_all(early)), 5056);
+  EXPECT_EQ(added(early, remat::checkpoint_stages(3, {1, 2})), 0);
+  // The per-layer program charges it alike: its least budget is that of the least plan of them all.
+  std::vector<Candidate> all = every_per_layer_plan(c, false, false, false, true);
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Candidate& k : all)
+    least = std::min(least, remat::step_peak_bytes(c, with, k.plan));
+  remat::PlannerOptions options;
+  options.groups = true;
+  EXPECT_EQ(remat::min_step_budget(c, with, "per-layer", options), least);
+  remat::StepReadings r;
+  r.checkpoint_state_bytes = 5056;
+  EXPECT_EQ(remat::step_context(r).checkpoint_state_bytes, 5056);
+  r.checkpoint_state_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::step_context(r), "checkpoint_state_bytes (-1)");
+  with.checkpoint_state_bytes = -2;
+  EXPECT_THROW_WITH_STD(remat::validate(with, c), "checkpoint_state_bytes is negative (-2)");
 }
 
 // The chain's output, which the rest of the step saved and let go of in its backward (StepReadings::

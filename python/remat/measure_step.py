@@ -15,7 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _core, oom
 from .compiled import compiled_entry, forced_choice
 from .layer_calls import layer_key, layer_output, taken_tensors
-from .policies import CHECKPOINT, run_layer
+from .policies import CHECKPOINT, checkpoint_region, run_layer
 from .profile import StageFn, profile
 from .progress import PhaseTimes, progress_bar
 
@@ -89,6 +89,26 @@ def storage_bytes(t: torch.Tensor) -> int:
         return t.nbytes
 
 RETIMED_STEPS = 3  # planned steps that time the rest of the step again
+
+_checkpoint_states: dict[tuple[str, int | None], int] = {}  # per device, checkpoint_state_bytes as measured
+
+
+def checkpoint_state_bytes(meter, device: torch.device) -> int:
+    """What a layer run checkpointed (checkpoint_region, as the runtime runs it) holds beside its input and output
+    until its backward is done (StepContext.checkpoint_state_bytes), measured once per device by `meter`: the
+    count's rise over a checkpointed call on a one-element tensor (one that saves it: a checkpoint that saves
+    nothing keeps nothing), less its output. It is the random generators'
+    states the checkpoint saves to replay its draws: host tensors, so 0 on a CUDA device, the CPU generator's
+    state (5,056 bytes) where the device is the CPU."""
+    key = (device.type, device.index)
+    if key not in _checkpoint_states:
+        with torch.enable_grad():  # read where a backward pass ends, in its callback
+            x = torch.zeros(1, device=device, requires_grad=True)
+            before = meter.count()
+            y = checkpoint_region(lambda t: t * t, (x,))  # saves its input: the checkpoint's state is kept
+            _checkpoint_states[key] = max(0, meter.count() - before - storage_bytes(y))
+            del y, x
+    return _checkpoint_states[key]
 
 
 class Shape:
@@ -523,6 +543,8 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.at_output_grad = step.at_output_grad if step.rest is not None else step.at_return
     r.output_grad_bytes = step.output_grad_bytes
     r.output_freed_bytes = step.output_freed
+    if step.device is not None:
+        r.checkpoint_state_bytes = checkpoint_state_bytes(step.meter, step.device)
     r.peak_after_chain_backward = step.peak_after_backward
     r.step_peak = step.true_peak
     grads, seen = [0] * len(lp.layers), set()

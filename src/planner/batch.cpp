@@ -194,6 +194,8 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   for (size_t j = 0; j < c.outputs_held_in_backward.size(); ++j)
     c.outputs_held_in_backward[j] = a.outputs_held_in_backward[j] || b.outputs_held_in_backward[j];
   c.output_held_in_backward = a.output_held_in_backward || b.output_held_in_backward;
+  // The generators' state a checkpoint saves: the same at every batch.
+  c.checkpoint_state_bytes = std::max(a.checkpoint_state_bytes, b.checkpoint_state_bytes);
   return c;
 }
 

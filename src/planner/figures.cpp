@@ -149,6 +149,7 @@ void visit(C& chain, X& context, V& v) {
   }
   v.flag(context.input_held_in_backward);
   v.flag(context.output_held_in_backward);
+  v.bytes(context.checkpoint_state_bytes);
   for (auto& f : context.between_forward_held_bytes)
     v.bytes(f);
   for (auto& b : context.between_backward_peak_bytes)

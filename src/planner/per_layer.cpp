@@ -161,6 +161,8 @@ struct StepTerms {
   // Per stage: whether nothing besides the stages holds its output once the next stage's backward is done
   // (StepContext::outputs_held_in_backward): a way that does not save it lets go of it then.
   std::vector<char> output_unheld;
+  // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
+  int64_t checkpoint_state = 0;
   // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
   // input_freed_bytes()).
@@ -176,6 +178,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
+  // The generators' state a checkpoint saved, held from its forward to its backward's end.
+  const int64_t state = step && detail::recomputes(c.kind, !c.groups.empty()) ? step->checkpoint_state : 0;
   // Its own gradients at its backward's peak, as measured with them made there for its way
   // (Stage::grads_way, the rule step_op_peaks() follows).
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
@@ -203,7 +207,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
          a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone,
          between});
   }
-  const int64_t fwd = c.held + s.fwd_tmp_bytes;
+  const int64_t fwd = c.held + s.fwd_tmp_bytes + state;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   int64_t bwd = policy
@@ -211,7 +215,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   if (c.kind == OpKind::kForwardCheckpoint)
     bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
-  return std::max({fwd, bwd - bwd_less - gone, between});
+  return std::max({fwd, bwd + state - bwd_less - gone, between});
 }
 
 // A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
@@ -377,6 +381,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.ms = p.ms + ch.ms + wait;
         q.transfer_ms = p.transfer_ms + wait;
         q.held = p.held - p.pending + ch.held;
+        if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
         q.host = p.host;
         if (ch.offload) {
           q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
@@ -497,6 +502,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   for (size_t s = 1; s <= n; ++s)  // step stage s is chain stage s - 1, whose output is stage s's input
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
   t.input_freed = detail::input_unheld_bytes(chain, context);
+  t.checkpoint_state = context.checkpoint_state_bytes;
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
     t.at_recompute[s] = after;

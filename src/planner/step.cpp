@@ -35,11 +35,12 @@ bool is_per_layer(const std::string& planner) {
 }  // namespace
 
 StepContext step_context(const StepReadings& r) {
-  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || r.output_freed_bytes < 0 || r.side_bytes < 0 ||
-      !(r.rest_ms >= 0)) {
+  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || r.output_freed_bytes < 0 ||
+      r.checkpoint_state_bytes < 0 || r.side_bytes < 0 || !(r.rest_ms >= 0)) {
     throw std::invalid_argument("remat::step_context: input_bytes (" + std::to_string(r.input_bytes) +
                                 "), output_grad_bytes (" + std::to_string(r.output_grad_bytes) +
                                 "), output_freed_bytes (" + std::to_string(r.output_freed_bytes) +
+                                "), checkpoint_state_bytes (" + std::to_string(r.checkpoint_state_bytes) +
                                 "), side_bytes (" + std::to_string(r.side_bytes) + ") and rest_ms (" +
                                 std::to_string(r.rest_ms) + ") must be >= 0");
   }
@@ -65,6 +66,7 @@ StepContext step_context(const StepReadings& r) {
   // The chain's output, where the rest's backward let go of it, is the model's to let go of (once).
   c.rest_grads_bytes = above(r.at_output_grad - r.output_grad_bytes + r.output_freed_bytes, r.at_return);
   c.output_held_in_backward = r.output_freed_bytes == 0;
+  c.checkpoint_state_bytes = r.checkpoint_state_bytes;
   c.stage_grads_bytes = r.stage_grads_bytes;
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
@@ -91,6 +93,7 @@ void validate(const StepContext& c, const Chain& chain) {
   check(c.rest_peak_bytes, "rest_peak_bytes");
   check(c.rest_grads_bytes, "rest_grads_bytes");
   check(c.side_bytes, "side_bytes");
+  check(c.checkpoint_state_bytes, "checkpoint_state_bytes");
   if (c.input_in_base && !c.input_held_in_backward)
     throw std::invalid_argument(
         "remat::StepContext: input_in_base says the chain's input is held through the step (it is part of "
@@ -181,6 +184,10 @@ int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage) {
   return figures.empty() ? 0 : figures[stage];
 }
 
+bool recomputes(OpKind kind, bool groups) {
+  return kind == OpKind::kForwardCheckpoint || (kind == OpKind::kForwardKeep && groups);
+}
+
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   if (chain.holds_outputs || j < 1 || j > chain.size()) return false;
   if (j == chain.size()) return !context.output_held_in_backward;
@@ -247,6 +254,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // chain boundary, the bytes of a_j let go of once stage j's backward was done (outputs_held_in_backward).
   std::vector<char> leaves(static_cast<size_t>(n) + 2, 0);
   std::vector<int64_t> let_go(static_cast<size_t>(n) + 1, 0);
+  // Per step stage: whether the generators' state its checkpoint saved is held (checkpoint_state_bytes).
+  std::vector<char> state_held(static_cast<size_t>(n) + 2, 0);
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
@@ -283,10 +292,22 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       const int64_t side = stage_figure(context.side_grads_bytes, static_cast<size_t>(op.stage - 1));
       made += side, at_peak += side;
     }
+    // A way that recomputes holds the generators' state its checkpoint saved from its forward on, through
+    // its recompute, to its backward's end.
+    if (context.checkpoint_state_bytes > 0 && op.stage >= 1 && op.stage <= n &&
+        !state_held[static_cast<size_t>(op.stage)] && recomputes(op.kind, !op.groups.empty())) {
+      state_held[static_cast<size_t>(op.stage)] = 1;
+      arrived += context.checkpoint_state_bytes;
+    }
     const bool without_input = after_loss && op.stage >= 1 && op.kind != OpKind::kLoss;
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     arrived += made;
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
+        state_held[static_cast<size_t>(op.stage)]) {
+      state_held[static_cast<size_t>(op.stage)] = 0;
+      arrived -= context.checkpoint_state_bytes;
+    }
     // The chain's output a_n, which nothing else holds and the last stage does not save, goes once the rest's
     // backward is done (output_held_in_backward).
     if (op.kind == OpKind::kBackward && op.stage == n + 1 && leaves[static_cast<size_t>(n)] &&

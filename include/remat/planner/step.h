@@ -91,6 +91,12 @@ struct StepContext {
   /// save its output (outputs_held_in_backward's rule) and the runtime does not hold outputs, a_n is charged
   /// as freed once the rest's backward is done, not held through the last stage's backward.
   bool output_held_in_backward = true;
+  /// What a stage run by a way that recomputes (Fc, a group assignment) holds beside its input from its
+  /// forward until its backward is done (bytes): the random generators' states its checkpoint saved to replay
+  /// its draws. They are host tensors: on a CUDA device 0; where the device is the CPU, the CPU generator's
+  /// state (5,056 bytes per checkpointed stage; the Python package measures it in the profiling step). 0 by
+  /// default (remat::Planned does not read it). A policy's measured saved_bytes holds it already.
+  int64_t checkpoint_state_bytes = 0;
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
   /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output
   /// straight to the next).
@@ -139,6 +145,9 @@ struct StepReadings {
   /// at_output_grad is then that much lower than what the rest leaves held (StepContext::rest_grads_bytes,
   /// output_held_in_backward).
   int64_t output_freed_bytes = 0;
+  /// What a checkpointed stage holds beside its input and output until its backward is done
+  /// (StepContext::checkpoint_state_bytes; bytes, 0 where not read).
+  int64_t checkpoint_state_bytes = 0;
   /// The highest count from the chain's input gradient to the step's end (the backward pass of what runs
   /// before the chain), or -1 when that part has no backward.
   int64_t peak_after_chain_backward = -1;
@@ -170,11 +179,11 @@ struct StepReadings {
 /// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
 /// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
 /// held besides the output's gradient, the output it let go of counted back), output_held_in_backward (false
-/// where output_freed_bytes > 0), stage_grads_bytes, and checkpoint_all_peak_bytes (step_peak above
-/// the base), side_bytes, input_held_in_backward (held whatever was read with input_in_base) and the between
-/// figures as read. Negative differences are read as 0. Throws std::invalid_argument naming
-/// remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes, side_bytes or
-/// rest_ms, or between
+/// where output_freed_bytes > 0), checkpoint_state_bytes, stage_grads_bytes, and checkpoint_all_peak_bytes
+/// (step_peak above the base), side_bytes, input_held_in_backward (held whatever was read with input_in_base)
+/// and the between figures as read. Negative differences are read as 0. Throws std::invalid_argument naming
+/// remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes,
+/// checkpoint_state_bytes, side_bytes or rest_ms, or between
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 

@@ -12,6 +12,11 @@ namespace remat::detail {
 // side_grads_bytes), 0 where it is.
 int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage);
 
+// Whether a stage's forward of this kind (with a group assignment or not) is a checkpoint's, which holds the
+// generators' state it saved until the stage's backward is done (StepContext::checkpoint_state_bytes): Fc and
+// a group assignment; not a policy's, whose measured saved_bytes holds it already.
+bool recomputes(OpKind kind, bool groups);
+
 // Whether nothing besides the stages holds chain stage j's input a_j once stage j's backward is done
 // (StepContext::outputs_held_in_backward false for 1 <= j < n), or the chain's output a_n once the rest's
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.

@@ -31,7 +31,7 @@ from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import Shape, Step, measure_planned_step, step_context
+from .measure_step import Shape, Step, measure_planned_step, step_context, storage_key
 from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
@@ -341,6 +341,8 @@ class LayerPlan:
         key = ("model", call_key(args, kwargs))
         self._step = self._new_step(self._device_of(args), key)
         self._step.key = key
+        self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                            if isinstance(t, torch.Tensor)}
         set_step_key(self.layers, key)
 
     def _forward_ends(self, module, args, output):

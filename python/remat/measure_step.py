@@ -161,6 +161,9 @@ class Step:
         self.output_freed = 0  # StepReadings.output_freed_bytes
         self.peak_after_backward = -1
         self.input_in_base = False
+        # The storages of the tensors the model was called with, alive before the base was read: a first layer
+        # that takes one of them (an nn.Sequential called on the batch) has its input in the base.
+        self.given: set[int] = set()
         self.input_bytes = 0
         # Whether the layers' input was alive once the first layer's backward was done (StepReadings'
         # input_held_in_backward): held unless read otherwise.
@@ -292,6 +295,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     if i == 0:
         step.note_peak()
         step.at_layer0 = meter.count()
+        if storage_key(x) in step.given:
+            step.input_in_base = True  # the model's own input, alive when its base was read
         step.before_peak = step.true_peak - step.base
     step.calls.append((fn, args, x))
     taken = taken_tensors(fn, args)

@@ -518,6 +518,8 @@ def test_the_profiling_step_reads_whether_anything_but_the_layers_holds_their_in
     lp = remat.enable(model, list(model.layers), budget=1 << 40)
     stack_step(model, x)
     assert lp.context.input_held_in_backward == (before != "linear")
+    # The caller's tensor was alive when the step's base was read: in the base, not charged above it again.
+    assert lp.context.input_in_base == (before == "none")
     lp.remove()
 
 

@@ -125,6 +125,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   a.side_grads_bytes = {0, 100 * 2}, b.side_grads_bytes = {0, 100 * 4};
   a.outputs_held_in_backward = {true, false}, b.outputs_held_in_backward = {true, true};
   a.output_held_in_backward = false;
+  a.outputs_held_to_end = {false, true}, b.outputs_held_to_end = {false, false};
   const remat::StepContext d = remat::context_at_batch(a, 2, b, 4, 10);
   EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
   EXPECT_EQ(d.between_held_bytes, (std::vector<int64_t>{0, -36}));
@@ -133,6 +134,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(d.side_bytes, 1100);
   EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));  // held where either is
   EXPECT_TRUE(d.output_held_in_backward);                                  // held where either is
+  EXPECT_EQ(d.outputs_held_to_end, (std::vector<bool>{false, true}));      // held where either is
   b.output_held_in_backward = false;
   EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).output_held_in_backward);
   b.output_held_in_backward = true;

@@ -54,6 +54,10 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
   ctx.output_held_in_backward = coin(rng);  // the chain's output, once the rest's backward is done
   // What a checkpoint holds beside its input (the generators' state) on about half of the contexts.
   if (coin(rng)) ctx.checkpoint_state_bytes = std::uniform_int_distribution<int64_t>(1, most / 10)(rng);
+  // Stage outputs something holds to the step's end (a list of hidden states), on about a quarter.
+  ctx.outputs_held_to_end.assign(static_cast<size_t>(n), false);
+  for (size_t j = 0; j < static_cast<size_t>(n); ++j)
+    ctx.outputs_held_to_end[j] = coin(rng) && coin(rng);
   // And what the stages take beside their input, with gradients arriving at some stages' backward passes.
   ctx.side_grads_bytes.assign(static_cast<size_t>(n), 0);
   for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
@@ -1142,6 +1146,8 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ba.outputs_held_in_backward = {true, false, false, false},
     bb.outputs_held_in_backward = {true, false, true, false};
     ba.output_held_in_backward = false;
+    ba.outputs_held_to_end = {false, true, false, false},
+    bb.outputs_held_to_end = {false, false, false, true};
     ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
@@ -1153,8 +1159,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(z.between_forward_held_bytes, (std::vector<int64_t>{0, 0, 5, 1}));
     EXPECT_EQ(z.side_grads_bytes, (std::vector<int64_t>{0, 0, 40, 2}));
     EXPECT_EQ(z.outputs_held_in_backward,
-              (std::vector<bool>{true, false, true, false}));                // held where any is
-    EXPECT_TRUE(z.output_held_in_backward);                                  // held where any is
+              (std::vector<bool>{true, false, true, false}));                         // held where any is
+    EXPECT_TRUE(z.output_held_in_backward);                                           // held where any is
+    EXPECT_EQ(z.outputs_held_to_end, (std::vector<bool>{false, true, false, true}));  // held where any is
     EXPECT_EQ(z.between_held_bytes, (std::vector<int64_t>{0, 20, 0, -40}));  // freeing less: the safe one
     EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
   }
@@ -1628,6 +1635,52 @@ TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackwa
   EXPECT_THROW_WITH_STD(remat::step_context(r), "checkpoint_state_bytes (-1)");
   with.checkpoint_state_bytes = -2;
   EXPECT_THROW_WITH_STD(remat::validate(with, c), "checkpoint_state_bytes is negative (-2)");
+}
+
+// A stage's output that something holds to the step's end (StepContext::outputs_held_to_end: a list of hidden
+// states the caller keeps) is charged again from where the model lets go of it: its stage's backward, or for
+// a checkpointed stage's plain output, the next stage's (its recompute then makes a second copy). In
+// step_peak_bytes() and the per-layer program alike.
+TEST(Step, AnOutputHeldToTheStepsEndIsChargedFromWhereTheModelLetsGoOfIt) {
+  Chain c;
+  c.input_bytes = 100;
+  for (int i = 0; i < 3; ++i) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(i);
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = 1000 * (i + 1), s.saved_bytes = 7000;
+    s.bwd_tmp_bytes = i == 0 ? 90000 : 0;  // stage 0's backward: the step's peak
+    c.stages.push_back(s);
+  }
+  remat::StepContext none;
+  remat::StepContext held = none;
+  held.outputs_held_to_end = {true, true, true};
+  auto added = [&](const remat::StepContext& ctx, const Plan& plan) {
+    return remat::step_peak_bytes(c, ctx, plan) - remat::step_peak_bytes(c, none, plan);
+  };
+  // Kept: a_1 is in stage 0's abar through its backward; a_2 and a_3 are held past their stages'.
+  EXPECT_EQ(added(held, remat::no_checkpoint(c)), 2000 + 3000);
+  // Checkpointed: stage 0's recompute makes a_1 again beside the one held.
+  EXPECT_EQ(added(held, remat::checkpoint_all(c)), 1000 + 2000 + 3000);
+  held.outputs_held_to_end = {false, false, true};  // the chain's output only (a caller's last_hidden_state)
+  EXPECT_EQ(added(held, remat::no_checkpoint(c)), 3000);
+  EXPECT_EQ(added(held, remat::checkpoint_all(c)), 3000);
+  // Held to the end, it is not let go of early either (output_held_in_backward false is overruled).
+  remat::StepContext both = held;
+  both.output_held_in_backward = false;
+  EXPECT_EQ(remat::step_peak_bytes(c, both, remat::no_checkpoint(c)),
+            remat::step_peak_bytes(c, held, remat::no_checkpoint(c)));
+  // The per-layer program charges it alike: its least budget is that of the least plan of them all.
+  held.outputs_held_to_end = {true, false, true};
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Candidate& k : every_per_layer_plan(c, false, false))
+    least = std::min(least, remat::step_peak_bytes(c, held, k.plan));
+  EXPECT_EQ(remat::min_step_budget(c, held, "per-layer"), least);
+  remat::StepReadings r;
+  r.outputs_held_to_end = {false, true};
+  EXPECT_EQ(remat::step_context(r).outputs_held_to_end, (std::vector<bool>{false, true}));
+  held.outputs_held_to_end = {true};
+  EXPECT_THROW_WITH_STD(remat::validate(held, c), "outputs_held_to_end has 1 entries", "3 stages");
 }
 
 // The chain's output, which the rest of the step saved and let go of in its backward (StepReadings::

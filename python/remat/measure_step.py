@@ -197,6 +197,9 @@ class Step:
         # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
         # unless read otherwise: StepContext.outputs_held_in_backward).
         self.outputs_held: dict[int, bool] = {}
+        # Per layer: whether its output was alive at the end of the backward pass (StepContext.outputs_held_to_end;
+        # empty where not read).
+        self.held_to_end: list[bool] = []
 
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
         if i == 0:
@@ -366,6 +369,12 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # From the layers' input gradient to the end: the backward pass of what ran before the layers.
         if not prefix_backward:
             read_input_held()
+        # Which layers' outputs something holds to the step's end (StepReadings.outputs_held_to_end). The last
+        # layer's, the layers' output, is left out (read as not held): a caller that keeps it (BERT's
+        # last_hidden_state) is what the model of the step matched before this reading, and charging it again
+        # overstated the streamed BERT's least-budget step by exactly that output (the cause is not located).
+        refs = [step.out_refs[j].ref if j in step.out_refs else None for j in range(n - 1)]
+        step.held_to_end = [r is not None and not r.expired() for r in refs] + [False]
         step.peak_after_backward = step.peak() if prefix_backward else -1
         step.note_peak()
         try:
@@ -570,6 +579,8 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]
     r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]
+    if len(step.held_to_end) == n:
+        r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)
     if any(shape.gathered) and ctx.checkpoint_all_peak_bytes >= 0:
         # FSDP2's backward transients (the running layer's gathered parameters, the next layer's prefetched

@@ -182,8 +182,7 @@ NB_MODULE(_core, m) {
           "from_json", [](const std::string& text) { return remat::chain_from_json(text); }, "text"_a,
           "Parses and validates a chain's JSON. Raises ValueError naming the problem.")
       .def("to_json", [](const remat::Chain& c) { return remat::to_json(c); })
-      // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, and of
-      // 16, from before output_held_in_backward and checkpoint_state_bytes, too).
+      // pickle and copy.deepcopy (a model remat planned is copied with its plans): through the chain's JSON.
       .def("__getstate__", [](const remat::Chain& c) { return remat::to_json(c); })
       .def("__setstate__",
            [](remat::Chain& c, const std::string& text) {
@@ -386,6 +385,8 @@ NB_MODULE(_core, m) {
           "output_held_in_backward", &remat::StepContext::output_held_in_backward,
           "whether anything besides the rest of the step and the last stage holds the chain's output once "
           "the rest's backward is done")
+      .def_rw("outputs_held_to_end", &remat::StepContext::outputs_held_to_end,
+              "per stage, whether anything besides the stages holds its output to the step's end")
       .def_rw(
           "checkpoint_state_bytes", &remat::StepContext::checkpoint_state_bytes,
           "what a stage run by a way that recomputes holds beside its input until its backward is done: the "
@@ -400,7 +401,7 @@ NB_MODULE(_core, m) {
           "per stage, what the backward of what runs between the stage before it and it leaves held beyond "
           "the model (bytes; negative where it frees more)")
       // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, and of
-      // 16, from before output_held_in_backward, too).
+      // 16, from before output_held_in_backward, checkpoint_state_bytes and outputs_held_to_end, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
@@ -409,11 +410,11 @@ NB_MODULE(_core, m) {
                                    c.side_bytes, c.input_held_in_backward, c.between_forward_held_bytes,
                                    c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes,
                                    c.outputs_held_in_backward, c.output_held_in_backward,
-                                   c.checkpoint_state_bytes);
+                                   c.checkpoint_state_bytes, c.outputs_held_to_end);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
-        if (s.size() != 11 && s.size() != 16 && s.size() != 18)
-          throw nb::value_error("remat.StepContext: a pickled state has 11, 16 or 18 fields");
+        if (s.size() != 11 && s.size() != 16 && s.size() != 19)
+          throw nb::value_error("remat.StepContext: a pickled state has 11, 16 or 19 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -433,9 +434,10 @@ NB_MODULE(_core, m) {
           c.side_grads_bytes = nb::cast<std::vector<int64_t>>(s[14]);
           c.outputs_held_in_backward = nb::cast<std::vector<bool>>(s[15]);
         }
-        if (s.size() == 18) {
+        if (s.size() == 19) {
           c.output_held_in_backward = nb::cast<bool>(s[16]);
           c.checkpoint_state_bytes = nb::cast<int64_t>(s[17]);
+          c.outputs_held_to_end = nb::cast<std::vector<bool>>(s[18]);
         }
       });
   nb::class_<remat::StepReadings>(
@@ -454,6 +456,7 @@ NB_MODULE(_core, m) {
       .def_rw("output_grad_bytes", &remat::StepReadings::output_grad_bytes)
       .def_rw("output_freed_bytes", &remat::StepReadings::output_freed_bytes)
       .def_rw("checkpoint_state_bytes", &remat::StepReadings::checkpoint_state_bytes)
+      .def_rw("outputs_held_to_end", &remat::StepReadings::outputs_held_to_end)
       .def_rw("rest_ms", &remat::StepReadings::rest_ms)
       .def_rw("peak_after_chain_backward", &remat::StepReadings::peak_after_chain_backward)
       .def_rw("step_peak", &remat::StepReadings::step_peak)

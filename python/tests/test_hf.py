@@ -637,8 +637,21 @@ def test_a_layers_output_that_nothing_holds_is_charged_as_freed_after_the_next_l
         same(plain_runs["bert"][k], run)
     peak = max(run[2] for run in runs)
     assert lp.predicted_peak_bytes * 0.995 <= peak <= lp.predicted_peak_bytes, (peak, lp.predicted_peak_bytes)
-    # A model that returns every layer's output holds them all: read so, and charged as held.
+    # No layer's output is held to the step's end (StepContext.outputs_held_to_end; the last, the layers' output,
+    # is not read) and the caller's last_hidden_state holds the layers' output past the loss's backward.
+    assert list(lp.context.outputs_held_to_end) == [False] * 4 and lp.context.output_held_in_backward
+    # A model that returns every layer's output holds them all, to the step's end: read so, and charged so. At the
+    # least budget with offloading (every layer streamed), the prediction is then the measured peak (it was 6.6%
+    # below it: the model let go of each hidden state at a layer's backward).
     held, spec = make("bert")
+
+    def hidden(s, k):
+        return dict(batch(s, k), output_hidden_states=True)
+
     lp = remat.hf.enable(held, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
-    step(held, spec, 0, meter, make_batch=lambda s, k: dict(batch(s, k), output_hidden_states=True))
+    step(held, spec, 0, meter, make_batch=hidden)
     assert list(lp.context.outputs_held_in_backward)[1:] == [True] * 3
+    assert list(lp.context.outputs_held_to_end) == [True] * 3 + [False]
+    lp.set_budget(lp.min_budget_bytes)
+    peak = max(step(held, spec, k, meter, make_batch=hidden)[2] for k in (1, 2))
+    assert lp.predicted_peak_bytes * 0.995 <= peak <= lp.predicted_peak_bytes, (peak, lp.predicted_peak_bytes)

@@ -147,14 +147,16 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     assert old.rest_peak_bytes == 600 and list(old.between_held_bytes) == []
     # The chain's output, let go of by the rest's backward: counted back into what the rest leaves held (the
     # model lets go of it once), read as not held, and pickled; a state of 16 fields loads as held.
-    r.output_freed_bytes, r.checkpoint_state_bytes = 24, 5056
+    r.output_freed_bytes, r.checkpoint_state_bytes, r.outputs_held_to_end = 24, 5056, [False, True]
     c = remat._core.step_context(r)
     assert c.rest_grads_bytes == 124 and not c.output_held_in_backward and c.checkpoint_state_bytes == 5056
     back = pickle.loads(pickle.dumps(c))
     assert not back.output_held_in_backward and back.checkpoint_state_bytes == 5056
+    assert list(back.outputs_held_to_end) == [False, True]
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:16])
     assert old.output_held_in_backward and old.checkpoint_state_bytes == 0 and list(old.side_grads_bytes) == [0, 16]
+    assert list(old.outputs_held_to_end) == []
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

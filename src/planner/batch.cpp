@@ -148,10 +148,12 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
       a.between_forward_held_bytes.size() != b.between_forward_held_bytes.size() ||
       a.between_held_bytes.size() != b.between_held_bytes.size() ||
       a.side_grads_bytes.size() != b.side_grads_bytes.size() ||
-      a.outputs_held_in_backward.size() != b.outputs_held_in_backward.size())
+      a.outputs_held_in_backward.size() != b.outputs_held_in_backward.size() ||
+      a.outputs_held_to_end.size() != b.outputs_held_to_end.size())
     throw std::invalid_argument(
         "remat::context_at_batch: the contexts' per-stage figures (between_forward_held_bytes, "
-        "between_backward_peak_bytes, between_held_bytes, side_grads_bytes, outputs_held_in_backward) differ "
+        "between_backward_peak_bytes, between_held_bytes, side_grads_bytes, outputs_held_in_backward, "
+        "outputs_held_to_end) differ "
         "in "
         "length: one has them for " +
         std::to_string(a.between_backward_peak_bytes.size()) + "/" +
@@ -194,6 +196,8 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   for (size_t j = 0; j < c.outputs_held_in_backward.size(); ++j)
     c.outputs_held_in_backward[j] = a.outputs_held_in_backward[j] || b.outputs_held_in_backward[j];
   c.output_held_in_backward = a.output_held_in_backward || b.output_held_in_backward;
+  for (size_t j = 0; j < c.outputs_held_to_end.size(); ++j)
+    c.outputs_held_to_end[j] = a.outputs_held_to_end[j] || b.outputs_held_to_end[j];
   // The generators' state a checkpoint saves: the same at every batch.
   c.checkpoint_state_bytes = std::max(a.checkpoint_state_bytes, b.checkpoint_state_bytes);
   return c;

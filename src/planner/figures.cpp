@@ -150,6 +150,11 @@ void visit(C& chain, X& context, V& v) {
   v.flag(context.input_held_in_backward);
   v.flag(context.output_held_in_backward);
   v.bytes(context.checkpoint_state_bytes);
+  for (size_t j = 0; j < context.outputs_held_to_end.size(); ++j) {
+    bool held = context.outputs_held_to_end[j];
+    v.flag(held);
+    if constexpr (!std::is_const_v<X>) context.outputs_held_to_end[j] = held;
+  }
   for (auto& f : context.between_forward_held_bytes)
     v.bytes(f);
   for (auto& b : context.between_backward_peak_bytes)

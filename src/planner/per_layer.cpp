@@ -163,6 +163,10 @@ struct StepTerms {
   std::vector<char> output_unheld;
   // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
   int64_t checkpoint_state = 0;
+  // Per stage: its output where something holds it to the step's end (outputs_held_to_end; 0 otherwise),
+  // charged again from where the simulation lets go of it: its own backward, or for a checkpointed stage's
+  // plain output, the next stage's (so its own recompute and backward are charged it too).
+  std::vector<int64_t> held_to_end;
   // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
   // input_freed_bytes()).
@@ -180,6 +184,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
   // The generators' state a checkpoint saved, held from its forward to its backward's end.
   const int64_t state = step && detail::recomputes(c.kind, !c.groups.empty()) ? step->checkpoint_state : 0;
+  const int64_t kept_to_end = step ? step->held_to_end[static_cast<size_t>(j)] : 0;
   // Its own gradients at its backward's peak, as measured with them made there for its way
   // (Stage::grads_way, the rule step_op_peaks() follows).
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
@@ -190,7 +195,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // What runs between the stage before it and it, once its backward is done: above R_j and its input's
   // gradient, every gradient arrived by then (its input back on the device; the chain's input still gone).
   const int64_t between = step && step->between[static_cast<size_t>(j)] >= 0
-                              ? a_in + at_rec + own + side + step->between[static_cast<size_t>(j)] -
+                              ? a_in + at_rec + own + side + kept_to_end +
+                                    step->between[static_cast<size_t>(j)] -
                                     (bwd_less_input ? step->input_freed : 0)
                               : 0;
   // Its output, where neither its way saves it nor anything else holds it, is gone by its backward.
@@ -215,6 +221,9 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   if (c.kind == OpKind::kForwardCheckpoint)
     bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
+  // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next
+  // stage's backward, held through its recompute and backward.
+  if (c.kind == OpKind::kForwardCheckpoint) bwd += kept_to_end;
   return std::max({fwd, bwd + state - bwd_less - gone, between});
 }
 
@@ -503,6 +512,9 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
   t.input_freed = detail::input_unheld_bytes(chain, context);
   t.checkpoint_state = context.checkpoint_state_bytes;
+  t.held_to_end.assign(n + 2, 0);
+  for (size_t s = 1; s <= n; ++s)
+    t.held_to_end[s] = detail::held_to_end_bytes(chain, context, static_cast<int64_t>(s) - 1);
   int64_t after = context.rest_grads_bytes;  // arrived once the backward pass is below stage s
   for (size_t s = n + 1; s-- > 0;) {
     t.at_recompute[s] = after;
@@ -510,7 +522,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
       t.own[s] = detail::stage_figure(context.stage_grads_bytes, s - 1);
       t.side[s] = detail::stage_figure(context.side_grads_bytes, s - 1);
     }
-    after += t.own[s] + t.side[s];
+    after += t.own[s] + t.side[s] + t.held_to_end[s];
     // What runs between chain stages s - 2 and s - 1 (step_op_peaks()'s rule).
     if (s >= 2 && s <= n) {
       const int64_t between = detail::stage_figure(context.between_backward_peak_bytes, s - 1),

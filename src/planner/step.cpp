@@ -67,6 +67,7 @@ StepContext step_context(const StepReadings& r) {
   c.rest_grads_bytes = above(r.at_output_grad - r.output_grad_bytes + r.output_freed_bytes, r.at_return);
   c.output_held_in_backward = r.output_freed_bytes == 0;
   c.checkpoint_state_bytes = r.checkpoint_state_bytes;
+  c.outputs_held_to_end = r.outputs_held_to_end;
   c.stage_grads_bytes = r.stage_grads_bytes;
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
@@ -124,6 +125,7 @@ void validate(const StepContext& c, const Chain& chain) {
                                 std::to_string(c.side_bytes) + "), of which they are a part");
   }
   sized(c.outputs_held_in_backward.size(), "outputs_held_in_backward");
+  sized(c.outputs_held_to_end.size(), "outputs_held_to_end");
   // What runs between two stages: nothing before the first (the part before the chain's backward is
   // before_backward_peak_bytes).
   auto between = [&](const std::vector<int64_t>& v, const char* field, bool signed_figure) {
@@ -188,8 +190,16 @@ bool recomputes(OpKind kind, bool groups) {
   return kind == OpKind::kForwardCheckpoint || (kind == OpKind::kForwardKeep && groups);
 }
 
+int64_t held_to_end_bytes(const Chain& chain, const StepContext& context, int64_t j) {
+  if (j < 0 || j >= chain.size() || context.outputs_held_to_end.empty() ||
+      !context.outputs_held_to_end[static_cast<size_t>(j)])
+    return 0;
+  return chain.stages[static_cast<size_t>(j)].output_bytes;
+}
+
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
-  if (chain.holds_outputs || j < 1 || j > chain.size()) return false;
+  if (chain.holds_outputs || j < 1 || j > chain.size() || held_to_end_bytes(chain, context, j - 1) > 0)
+    return false;
   if (j == chain.size()) return !context.output_held_in_backward;
   return !context.outputs_held_in_backward.empty() &&
          !context.outputs_held_in_backward[static_cast<size_t>(j)];
@@ -254,8 +264,19 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // chain boundary, the bytes of a_j let go of once stage j's backward was done (outputs_held_in_backward).
   std::vector<char> leaves(static_cast<size_t>(n) + 2, 0);
   std::vector<int64_t> let_go(static_cast<size_t>(n) + 1, 0);
-  // Per step stage: whether the generators' state its checkpoint saved is held (checkpoint_state_bytes).
+  // Per step stage: whether the generators' state its checkpoint saved is held (checkpoint_state_bytes); and
+  // whether its last forward so far made a plain output (Fc, Fn), which the simulation lets go of at the next
+  // stage's backward rather than at its own.
   std::vector<char> state_held(static_cast<size_t>(n) + 2, 0);
+  std::vector<char> plain(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: whether its output, held to the step's end, is charged again already (once: a
+  // checkpointed stage's recompute makes it again, and the simulation lets go of that copy at its backward).
+  std::vector<char> kept_to_end(static_cast<size_t>(n) + 2, 0);
+  auto held_to_end = [&](int64_t s) {  // step stage s's output, let go of by the simulation now
+    if (s < 1 || s > n || kept_to_end[static_cast<size_t>(s)]) return int64_t{0};
+    kept_to_end[static_cast<size_t>(s)] = 1;
+    return held_to_end_bytes(chain, context, s - 1);
+  };
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
@@ -264,6 +285,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       Op in_chain = op;
       in_chain.stage = op.stage - 1;
       leaves[static_cast<size_t>(op.stage)] = leaves_output(chain, ops, in_chain);
+      plain[static_cast<size_t>(op.stage)] =
+          op.kind == OpKind::kForwardCheckpoint || op.kind == OpKind::kForwardNoSave;
     }
     // Step stage s is chain stage s - 1; stage n + 1 is the rest, whose measured peak has its own gradients.
     if (rest_done) {
@@ -315,8 +338,14 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       let_go[static_cast<size_t>(n)] = chain.activation_bytes(n);
       arrived -= let_go[static_cast<size_t>(n)];
     }
+    // An output held to the step's end (outputs_held_to_end), from where the simulation lets go of it on:
+    // a plain one when the stage that takes it is done (the rest's backward for the chain's output, below for
+    // a chain stage's, once what runs between has run), another with its stage's abar.
+    if (op.kind == OpKind::kBackward && op.stage == n + 1 && plain[static_cast<size_t>(n)])
+      arrived += held_to_end(n);
     if (op.kind != OpKind::kBackward || op.stage < 1 || op.stage > n) continue;
     const size_t j = static_cast<size_t>(op.stage - 1);  // the chain stage whose backward this is
+    arrived += held_to_end(op.stage);                    // with its abar (a plain one is charged already)
     // Its output, let go of once the next stage's backward (or the rest's) was done, the simulation lets go
     // of now.
     arrived += let_go[j + 1];
@@ -336,6 +365,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         let_go[j] = chain.activation_bytes(static_cast<int64_t>(j));
         arrived -= let_go[j];
       }
+      // Its input a_j, a plain output held to the step's end, which the simulation lets go of now.
+      if (plain[static_cast<size_t>(op.stage - 1)]) arrived += held_to_end(op.stage - 1);
     }
   }
   return peaks;

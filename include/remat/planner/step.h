@@ -91,6 +91,13 @@ struct StepContext {
   /// save its output (outputs_held_in_backward's rule) and the runtime does not hold outputs, a_n is charged
   /// as freed once the rest's backward is done, not held through the last stage's backward.
   bool output_held_in_backward = true;
+  /// Per chain stage j: whether anything besides the stages holds its output (a_{j+1}; the chain's output for
+  /// the last stage) to the step's end (a list of hidden states the caller keeps, the caller's
+  /// last_hidden_state), past where the model lets go of it: it is charged again from there (stage j's
+  /// backward, or the next stage's where stage j is checkpointed, whose output is plain; the rest's for the
+  /// chain's output) to the step's end. The Python package reads each output's storage's liveness at the end
+  /// of the profiling step's backward pass. Empty (nothing held), or one entry per stage.
+  std::vector<bool> outputs_held_to_end;
   /// What a stage run by a way that recomputes (Fc, a group assignment) holds beside its input from its
   /// forward until its backward is done (bytes): the random generators' states its checkpoint saved to replay
   /// its draws. They are host tensors: on a CUDA device 0; where the device is the CPU, the CPU generator's
@@ -148,6 +155,9 @@ struct StepReadings {
   /// What a checkpointed stage holds beside its input and output until its backward is done
   /// (StepContext::checkpoint_state_bytes; bytes, 0 where not read).
   int64_t checkpoint_state_bytes = 0;
+  /// Per chain stage: whether its output was alive at the end of the step's backward pass
+  /// (StepContext::outputs_held_to_end; empty where not read).
+  std::vector<bool> outputs_held_to_end;
   /// The highest count from the chain's input gradient to the step's end (the backward pass of what runs
   /// before the chain), or -1 when that part has no backward.
   int64_t peak_after_chain_backward = -1;

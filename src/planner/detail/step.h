@@ -17,6 +17,10 @@ int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage);
 // a group assignment; not a policy's, whose measured saved_bytes holds it already.
 bool recomputes(OpKind kind, bool groups);
 
+// Chain stage j's output's bytes where it is held to the step's end (StepContext::outputs_held_to_end), else
+// 0 (and for j outside the chain).
+int64_t held_to_end_bytes(const Chain& chain, const StepContext& context, int64_t j);
+
 // Whether nothing besides the stages holds chain stage j's input a_j once stage j's backward is done
 // (StepContext::outputs_held_in_backward false for 1 <= j < n), or the chain's output a_n once the rest's
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.

@@ -373,8 +373,11 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # layer's, the layers' output, is left out (read as not held): a caller that keeps it (BERT's
         # last_hidden_state) is what the model of the step matched before this reading, and charging it again
         # overstated the streamed BERT's least-budget step by exactly that output (the cause is not located).
-        refs = [step.out_refs[j].ref if j in step.out_refs else None for j in range(n - 1)]
-        step.held_to_end = [r is not None and not r.expired() for r in refs] + [False]
+        # One the later layers take beside their input (an encoder's output, which the caller's output holds
+        # too) is charged to the end already, as side_bytes.
+        outs = [step.out_refs.get(j) for j in range(n - 1)]
+        step.held_to_end = [o is not None and o.ref is not None and not o.ref.expired() and o.key not in step.side
+                            for o in outs] + [False]
         step.peak_after_backward = step.peak() if prefix_backward else -1
         step.note_peak()
         try:

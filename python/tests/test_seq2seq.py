@@ -98,6 +98,9 @@ def test_both_layer_lists_planned_for_one_budget_and_every_step_is_the_plain_run
         assert ctx.between_backward_peak_bytes[j] == ctx.between_forward_held_bytes[j] == ctx.between_held_bytes[j] == 0
     # The encoder's output's gradient arrives at the last decoder layer's backward, and is charged from there.
     assert ctx.side_grads_bytes[2 * LAYERS - 1] > 0 and sum(ctx.side_grads_bytes) <= ctx.side_bytes
+    # The caller's output holds the encoder's output (encoder_last_hidden_state) to the step's end; it is charged
+    # there as what the decoder's layers take (side_bytes), not again as an output held to the end.
+    assert list(ctx.outputs_held_to_end) == [False] * (2 * LAYERS)
     del probe, lp_probe, ctx
 
     # Just above the floor: the backward pass of Whisper's convolutions before the encoder's layers, where its

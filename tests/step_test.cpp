@@ -278,6 +278,24 @@ remat::PlanFigures largest(const remat::PlanFigures& a, const remat::PlanFigures
   return m;
 }
 
+// `n` stages of outputs of 1000 bytes that no way saves (each offload cost's `output` false), stage `peak`'s
+// backward the step's peak (a transient of 50,000 bytes).
+Chain unsaved_outputs_chain(int n, int peak) {
+  Chain c;
+  c.input_bytes = 100;
+  c.to_host_gb_per_s = c.to_device_gb_per_s = 1;
+  for (int i = 0; i < n; ++i) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(i);
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = 1000, s.saved_bytes = 1500;
+    s.bwd_tmp_bytes = i == peak ? 50000 : 0;
+    s.offload = remat::OffloadCost{400, true, false};
+    c.stages.push_back(s);
+  }
+  return c;
+}
+
 }  // namespace
 
 TEST(PerLayer, EqualsExhaustiveSearchOnRandomChains) {
@@ -1549,18 +1567,7 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
   // By hand: three stages kept, none saving its output, stage 0's backward the peak. Its output a_1 goes once
   // stage 1's backward is done: stage 0's backward holds 1000 bytes less. Not where the runtime holds
   // outputs, nor where a stage saves its output, nor where something else holds it.
-  Chain c;
-  c.input_bytes = 100;
-  c.to_host_gb_per_s = c.to_device_gb_per_s = 1;
-  for (int i = 0; i < 3; ++i) {
-    remat::Stage s;
-    s.name = "s" + std::to_string(i);
-    s.fwd_ms = 1, s.bwd_ms = 2;
-    s.output_bytes = 1000, s.saved_bytes = 1500;
-    s.bwd_tmp_bytes = i == 0 ? 50000 : 0;
-    s.offload = remat::OffloadCost{400, true, false};
-    c.stages.push_back(s);
-  }
+  Chain c = unsaved_outputs_chain(3, 0);
   remat::StepContext ctx;
   const Plan keep = remat::no_checkpoint(c);
   const int64_t base = remat::step_peak_bytes(c, ctx, keep);
@@ -1704,18 +1711,7 @@ TEST(PerLayerStream, TheChainsOutputThatTheRestLetsGoOfIsLetGoOfOnce) {
   // once the rest's backward is done, it holds 1000 bytes less. Not where the last stage saves its output,
   // nor where the runtime holds outputs, nor with the last stage checkpointed (a plain output, let go of
   // there already); and never twice: once the last stage's backward is done, the step holds the same.
-  Chain c;
-  c.input_bytes = 100;
-  c.to_host_gb_per_s = c.to_device_gb_per_s = 1;
-  for (int i = 0; i < 2; ++i) {
-    remat::Stage s;
-    s.name = "s" + std::to_string(i);
-    s.fwd_ms = 1, s.bwd_ms = 2;
-    s.output_bytes = 1000, s.saved_bytes = 1500;
-    s.bwd_tmp_bytes = i == 1 ? 50000 : 0;
-    s.offload = remat::OffloadCost{400, true, false};
-    c.stages.push_back(s);
-  }
+  Chain c = unsaved_outputs_chain(2, 1);
   remat::StepContext held = gone;
   held.output_held_in_backward = true;
   const Plan keep = remat::no_checkpoint(c);

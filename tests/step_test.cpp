@@ -278,20 +278,29 @@ remat::PlanFigures largest(const remat::PlanFigures& a, const remat::PlanFigures
   return m;
 }
 
-// `n` stages of outputs of 1000 bytes that no way saves (each offload cost's `output` false), stage `peak`'s
-// backward the step's peak (a transient of 50,000 bytes).
-Chain unsaved_outputs_chain(int n, int peak) {
+// `n` stages of one and two milliseconds, each with an output of `output` bytes and `saved` bytes saved, on a
+// chain whose input is 100 bytes.
+Chain hand_chain(int n, int64_t output, int64_t saved) {
   Chain c;
   c.input_bytes = 100;
-  c.to_host_gb_per_s = c.to_device_gb_per_s = 1;
   for (int i = 0; i < n; ++i) {
     remat::Stage s;
     s.name = "s" + std::to_string(i);
     s.fwd_ms = 1, s.bwd_ms = 2;
-    s.output_bytes = 1000, s.saved_bytes = 1500;
-    s.bwd_tmp_bytes = i == peak ? 50000 : 0;
-    s.offload = remat::OffloadCost{400, true, false};
+    s.output_bytes = output, s.saved_bytes = saved;
     c.stages.push_back(s);
+  }
+  return c;
+}
+
+// `n` stages of outputs of 1000 bytes that no way saves (each offload cost's `output` false), stage `peak`'s
+// backward the step's peak (a transient of 50,000 bytes).
+Chain unsaved_outputs_chain(int n, int peak) {
+  Chain c = hand_chain(n, 1000, 1500);
+  c.to_host_gb_per_s = c.to_device_gb_per_s = 1;
+  for (int i = 0; i < n; ++i) {
+    c.stages[static_cast<size_t>(i)].bwd_tmp_bytes = i == peak ? 50000 : 0;
+    c.stages[static_cast<size_t>(i)].offload = remat::OffloadCost{400, true, false};
   }
   return c;
 }
@@ -1599,16 +1608,9 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
 // saved (StepContext::checkpoint_state_bytes) from its forward to its backward's end; a kept stage and a
 // policy (whose measured saved_bytes holds it) do not. In step_peak_bytes() and the per-layer program alike.
 TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackward) {
-  Chain c;
-  c.input_bytes = 100;
-  for (int i = 0; i < 3; ++i) {
-    remat::Stage s;
-    s.name = "s" + std::to_string(i);
-    s.fwd_ms = 1, s.bwd_ms = 2;
-    s.output_bytes = 1000, s.saved_bytes = 3000;
+  Chain c = hand_chain(3, 1000, 3000);
+  for (remat::Stage& s : c.stages)
     s.groups = {remat::SavedGroup{"a", 2000, 0.5}};
-    c.stages.push_back(s);
-  }
   remat::StepContext none;
   none.rest_peak_bytes = 50000;  // the step's peak: at the rest, every forward's state held
   remat::StepContext with = none;
@@ -1649,16 +1651,10 @@ TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackwa
 // a checkpointed stage's plain output, the next stage's (its recompute then makes a second copy). In
 // step_peak_bytes() and the per-layer program alike.
 TEST(Step, AnOutputHeldToTheStepsEndIsChargedFromWhereTheModelLetsGoOfIt) {
-  Chain c;
-  c.input_bytes = 100;
-  for (int i = 0; i < 3; ++i) {
-    remat::Stage s;
-    s.name = "s" + std::to_string(i);
-    s.fwd_ms = 1, s.bwd_ms = 2;
-    s.output_bytes = 1000 * (i + 1), s.saved_bytes = 7000;
-    s.bwd_tmp_bytes = i == 0 ? 90000 : 0;  // stage 0's backward: the step's peak
-    c.stages.push_back(s);
-  }
+  Chain c = hand_chain(3, 1000, 7000);
+  for (int i = 0; i < 3; ++i)
+    c.stages[static_cast<size_t>(i)].output_bytes = 1000 * (i + 1);
+  c.stages[0].bwd_tmp_bytes = 90000;  // stage 0's backward: the step's peak
   remat::StepContext none;
   remat::StepContext held = none;
   held.outputs_held_to_end = {true, true, true};

@@ -97,9 +97,9 @@ def checkpoint_state_bytes(meter, device: torch.device) -> int:
     """What a layer run checkpointed (checkpoint_region, as the runtime runs it) holds beside its input and output
     until its backward is done (StepContext.checkpoint_state_bytes), measured once per device by `meter`: the
     count's rise over a checkpointed call on a one-element tensor (one that saves it: a checkpoint that saves
-    nothing keeps nothing), less its output. It is the random generators'
-    states the checkpoint saves to replay its draws: host tensors, so 0 on a CUDA device, the CPU generator's
-    state (5,056 bytes) where the device is the CPU."""
+    nothing keeps nothing), less its output. It is the random generators' states the checkpoint saves to replay
+    its draws: host tensors, so 0 on a CUDA device, the CPU generator's state (5,056 bytes) where the device is
+    the CPU."""
     key = (device.type, device.index)
     if key not in _checkpoint_states:
         with torch.enable_grad():  # read where a backward pass ends, in its callback

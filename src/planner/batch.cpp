@@ -66,6 +66,22 @@ std::optional<OffloadCost> offload_at(const std::optional<OffloadCost>& a,
   return c;
 }
 
+// Per stage, held where either context holds it (two flag vectors of one size).
+std::vector<bool> held_where_either(const std::vector<bool>& a, const std::vector<bool>& b) {
+  std::vector<bool> held = a;
+  for (size_t j = 0; j < held.size(); ++j)
+    held[j] = a[j] || b[j];
+  return held;
+}
+
+// A context's per-stage figures' lengths, for an error: the between figures', side_grads_bytes',
+// outputs_held_in_backward's and outputs_held_to_end's.
+std::string per_stage_sizes(const StepContext& c) {
+  return std::to_string(c.between_backward_peak_bytes.size()) + "/" +
+         std::to_string(c.side_grads_bytes.size()) + "/" + std::to_string(c.outputs_held_in_backward.size()) +
+         "/" + std::to_string(c.outputs_held_to_end.size());
+}
+
 }  // namespace
 
 Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t batch_b, int64_t batch) {
@@ -151,15 +167,10 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
       a.outputs_held_in_backward.size() != b.outputs_held_in_backward.size() ||
       a.outputs_held_to_end.size() != b.outputs_held_to_end.size())
     throw std::invalid_argument(
-        "remat::context_at_batch: the contexts' per-stage figures (between_forward_held_bytes, "
-        "between_backward_peak_bytes, between_held_bytes, side_grads_bytes, outputs_held_in_backward, "
-        "outputs_held_to_end) differ "
-        "in "
-        "length: one has them for " +
-        std::to_string(a.between_backward_peak_bytes.size()) + "/" +
-        std::to_string(a.side_grads_bytes.size()) + "/" + std::to_string(a.outputs_held_in_backward.size()) +
-        " stages, the other for " + std::to_string(b.between_backward_peak_bytes.size()) + "/" +
-        std::to_string(b.side_grads_bytes.size()) + "/" + std::to_string(b.outputs_held_in_backward.size()));
+        "remat::context_at_batch: the contexts' per-stage figures (between_backward_peak_bytes and the other "
+        "between figures, side_grads_bytes, outputs_held_in_backward, outputs_held_to_end) differ in length: "
+        "one has them for " +
+        per_stage_sizes(a) + " stages, the other for " + per_stage_sizes(b));
   const Line line{batch_a, batch_b, batch};
   StepContext c = a;
   c.before_saved_bytes = line.bytes(a.before_saved_bytes, b.before_saved_bytes);
@@ -193,11 +204,9 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
     c.between_held_bytes[i] =
         std::llround(line.at(double(a.between_held_bytes[i]), double(b.between_held_bytes[i])));
   c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
-  for (size_t j = 0; j < c.outputs_held_in_backward.size(); ++j)
-    c.outputs_held_in_backward[j] = a.outputs_held_in_backward[j] || b.outputs_held_in_backward[j];
+  c.outputs_held_in_backward = held_where_either(a.outputs_held_in_backward, b.outputs_held_in_backward);
   c.output_held_in_backward = a.output_held_in_backward || b.output_held_in_backward;
-  for (size_t j = 0; j < c.outputs_held_to_end.size(); ++j)
-    c.outputs_held_to_end[j] = a.outputs_held_to_end[j] || b.outputs_held_to_end[j];
+  c.outputs_held_to_end = held_where_either(a.outputs_held_to_end, b.outputs_held_to_end);
   // The generators' state a checkpoint saves: the same at every batch.
   c.checkpoint_state_bytes = std::max(a.checkpoint_state_bytes, b.checkpoint_state_bytes);
   return c;

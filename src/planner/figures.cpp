@@ -92,6 +92,17 @@ struct Write {
 
 // Visits every figure of `chain` and `context` in one order (the chain's input bytes first). C and X may be
 // const for collecting.
+// Each flag of a vector<bool> (a const one when reading), through a bool: vector<bool> hands out proxies, so
+// each is written back where the vector is not const.
+template <typename B, typename V>
+void flags(B& bits, V& v) {
+  for (size_t j = 0; j < bits.size(); ++j) {
+    bool bit = bits[j];
+    v.flag(bit);
+    if constexpr (!std::is_const_v<B>) bits[j] = bit;
+  }
+}
+
 template <typename C, typename X, typename V>
 void visit(C& chain, X& context, V& v) {
   v.bytes(chain.input_bytes);
@@ -141,20 +152,11 @@ void visit(C& chain, X& context, V& v) {
   v.bytes(context.side_bytes);
   for (auto& g : context.side_grads_bytes)
     v.bytes(g);
-  // vector<bool> hands out proxies: each flag through a bool, written back where the context is not const.
-  for (size_t j = 0; j < context.outputs_held_in_backward.size(); ++j) {
-    bool held = context.outputs_held_in_backward[j];
-    v.flag(held);
-    if constexpr (!std::is_const_v<X>) context.outputs_held_in_backward[j] = held;
-  }
+  flags(context.outputs_held_in_backward, v);
   v.flag(context.input_held_in_backward);
   v.flag(context.output_held_in_backward);
   v.bytes(context.checkpoint_state_bytes);
-  for (size_t j = 0; j < context.outputs_held_to_end.size(); ++j) {
-    bool held = context.outputs_held_to_end[j];
-    v.flag(held);
-    if constexpr (!std::is_const_v<X>) context.outputs_held_to_end[j] = held;
-  }
+  flags(context.outputs_held_to_end, v);
   for (auto& f : context.between_forward_held_bytes)
     v.bytes(f);
   for (auto& b : context.between_backward_peak_bytes)

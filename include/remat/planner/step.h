@@ -81,8 +81,8 @@ struct StepContext {
   /// checkpointed): where stage j - 1's way does not save its output either (its offload cost's `output`
   /// false, as profiled for offloading) and the runtime does not hold outputs (Chain::holds_outputs false),
   /// a_j is charged as freed once stage j's backward is done, not held through stage j - 1's backward. Entry
-  /// 0, the chain's input, is input_held_in_backward's, not read here; the chain's output's is the rest of
-  /// the step's (rest_grads_bytes). Empty, or one entry per stage.
+  /// 0, the chain's input, is input_held_in_backward's, not read here; the chain's output's is
+  /// output_held_in_backward. Empty, or one entry per stage.
   std::vector<bool> outputs_held_in_backward;
   /// Whether anything besides the rest of the step and the last stage holds the chain's output a_n once the
   /// rest's backward is done (the caller, a list of hidden states), or not known (true, the default). False
@@ -96,7 +96,10 @@ struct StepContext {
   /// last_hidden_state), past where the model lets go of it: it is charged again from there (stage j's
   /// backward, or the next stage's where stage j is checkpointed, whose output is plain; the rest's for the
   /// chain's output) to the step's end. The Python package reads each output's storage's liveness at the end
-  /// of the profiling step's backward pass. Empty (nothing held), or one entry per stage.
+  /// of the profiling step's backward pass, but for the last stage's (read false: the caller's hold on the
+  /// chain's output is what the model matched already) and those the later stages take beside their input
+  /// (side_bytes charges them to the end already); remat::Planned does not read it. Empty (nothing held), or
+  /// one entry per stage.
   std::vector<bool> outputs_held_to_end;
   /// What a stage run by a way that recomputes (Fc, a group assignment) holds beside its input from its
   /// forward until its backward is done (bytes): the random generators' states its checkpoint saved to replay
@@ -197,9 +200,10 @@ struct StepReadings {
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 
-/// Checks a context against its chain: no negative value (but between_held_bytes), stage_grads_bytes and the
-/// between figures empty or of the chain's size, the between figures' entry 0 zero, input_held_in_backward
-/// with input_in_base. Throws std::invalid_argument naming remat::StepContext, the field and the value.
+/// Checks a context against its chain: no negative value (but between_held_bytes), every per-stage figure
+/// (stage_grads_bytes, side_grads_bytes, the flags per stage, the between figures) empty or of the chain's
+/// size, side_grads_bytes at most side_bytes, the between figures' entry 0 zero, input_held_in_backward with
+/// input_in_base. Throws std::invalid_argument naming remat::StepContext, the field and the value.
 void validate(const StepContext& context, const Chain& chain);
 
 /// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's

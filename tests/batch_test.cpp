@@ -78,6 +78,14 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   EXPECT_EQ(half.stages[1].offload->stream_bwd_grads_bytes, -1);
   EXPECT_EQ(half.stages[1].offload->stream_bwd_bytes, 9000);
   EXPECT_EQ(half.stages[0].offload->stream_bwd_grads_bytes, 3500 * 3);
+  // A stage's output saved in either profile: saved on the line (Stage::saves_output).
+  remat::Chain ua = a, ub = b;
+  ua.stages[0].saves_output = ua.stages[1].saves_output = false;
+  ub.stages[1].saves_output = false;
+  const remat::Chain line = remat::chain_at_batch(ua, 2, ub, 4, 3);
+  EXPECT_TRUE(line.stages[0].saves_output);
+  EXPECT_FALSE(line.stages[1].saves_output);
+  EXPECT_TRUE(line.stages[2].saves_output);
 }
 
 TEST(Batch, ProfilesOfDifferentChainsOrAtOneBatchAreRefused) {

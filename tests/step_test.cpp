@@ -66,6 +66,17 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
   }
 }
 
+// Stages whose graph does not save their output (Stage::saves_output false), about half, and on about a
+// quarter a forward transient as large as what the stage saves (so that a recompute, not the backward after
+// it, is the stage's peak there); from the context's generator so that the chains' draws stay as they were.
+void unsave_random_outputs(std::mt19937& rng, Chain& chain) {
+  std::bernoulli_distribution coin(0.5);
+  for (remat::Stage& s : chain.stages) {
+    s.saves_output = coin(rng);
+    if (coin(rng) && coin(rng)) s.fwd_tmp_bytes += s.saved_bytes;
+  }
+}
+
 // With `offload`, each way that has an OffloadCost also offloaded; its time and peak are simulate()'s (the
 // offloading tests' chains have no per-call times, so that simulate() charges what per_layer() does).
 std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies,
@@ -846,6 +857,7 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
     // Something running between some stages (a decoder's embeddings between an encoder and the decoder).
     const remat::StepContext sequential = ctx;
     if (trial % 3 == 1) add_random_between(between_rng, ctx, chain.size(), 90000);
+    unsave_random_outputs(between_rng, chain);
     std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
     int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
     for (Candidate& c : all) {
@@ -1193,6 +1205,19 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
   }
   EXPECT_EQ(c.holds_outputs, a.holds_outputs);
+  // A stage's output: saved where any process saw it saved (Stage::saves_output).
+  {
+    Chain ua = a, ub = a;
+    ua.stages[0].saves_output = ua.stages[1].saves_output = false;
+    ub.stages[1].saves_output = ub.stages[2].saves_output = false;
+    const remat::PlanFigures most = largest(remat::plan_figures(ua, ca), remat::plan_figures(ub, ca));
+    Chain y = ua;
+    remat::StepContext z = ca;
+    remat::set_plan_figures(y, z, most);
+    EXPECT_EQ((std::vector<bool>{y.stages[0].saves_output, y.stages[1].saves_output, y.stages[2].saves_output,
+                                 y.stages[3].saves_output}),
+              (std::vector<bool>{true, false, true, true}));
+  }
   // Other structures, and a flag that is no flag, are refused; nothing changes.
   Chain shorter = a;
   shorter.stages.pop_back();
@@ -1485,6 +1510,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     held.rest_ms = 4.0;
     held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
     if (trial % 2 == 1) add_random_between(between_rng, held, n, 60000);  // charged without the input too
+    unsave_random_outputs(between_rng, chain);
     remat::StepContext gone = held;
     gone.input_held_in_backward = false;
     remat::PlannerOptions options;
@@ -1684,6 +1710,71 @@ TEST(Step, AnOutputHeldToTheStepsEndIsChargedFromWhereTheModelLetsGoOfIt) {
   EXPECT_EQ(remat::step_context(r).outputs_held_to_end, (std::vector<bool>{false, true}));
   held.outputs_held_to_end = {true};
   EXPECT_THROW_WITH_STD(remat::validate(held, c), "outputs_held_to_end has 1 entries", "3 stages");
+}
+
+// A stage checkpointed per call whose graph does not save its output (Stage::saves_output false): its
+// recompute stops early (a runtime that does not hold outputs, Chain::holds_outputs false, the Python
+// package's), so its backward holds that output's bytes less than the simulation's abar; the recompute itself
+// is charged whole, with a second generators' state. Kept, such an output goes once the next stage's backward
+// is done where nothing else holds it. The per-layer program charges it alike.
+TEST(Step, ARecomputeThatStopsEarlyNeverMakesAnOutputTheStageDoesNotSave) {
+  Chain c = hand_chain(2, 1000, 7000);
+  c.stages[0].bwd_tmp_bytes = 90000;  // stage 0's backward: the step's peak
+  Chain unsaved = c;
+  unsaved.stages[0].saves_output = false;
+  const remat::StepContext ctx;
+  const Plan all = remat::checkpoint_all(c), keep = remat::no_checkpoint(c);
+  EXPECT_EQ(remat::step_peak_bytes(unsaved, ctx, all), remat::step_peak_bytes(c, ctx, all) - 1000);
+  // Kept, or under a runtime that holds outputs (the plan executor's recompute runs the stage whole): as
+  // before.
+  EXPECT_EQ(remat::step_peak_bytes(unsaved, ctx, keep), remat::step_peak_bytes(c, ctx, keep));
+  // Kept, with nothing else holding a_1 once stage 1's backward is done (outputs_held_in_backward): gone
+  // from stage 0's backward, as where its offload cost says it is not saved.
+  remat::StepContext unheld = ctx;
+  unheld.outputs_held_in_backward = {true, false};
+  EXPECT_EQ(remat::step_peak_bytes(unsaved, unheld, keep), remat::step_peak_bytes(c, unheld, keep) - 1000);
+  Chain holding = unsaved;
+  holding.holds_outputs = true;
+  EXPECT_EQ(remat::step_peak_bytes(holding, ctx, all), remat::step_peak_bytes(c, ctx, all));
+  // The recompute the step's peak (a forward transient, no backward one): charged whole, as before.
+  Chain recompute = unsaved;
+  recompute.stages[0].bwd_tmp_bytes = 0, recompute.stages[0].fwd_tmp_bytes = 90000;
+  Chain recompute_saved = recompute;
+  recompute_saved.stages[0].saves_output = true;
+  EXPECT_EQ(remat::step_peak_bytes(recompute, ctx, all), remat::step_peak_bytes(recompute_saved, ctx, all));
+  // There it holds two generators' states (StepContext::checkpoint_state_bytes): its checkpoint's, and the
+  // one it saves while it replays that.
+  remat::StepContext stated = ctx;
+  stated.checkpoint_state_bytes = 500;
+  EXPECT_EQ(remat::step_peak_bytes(recompute, stated, all) - remat::step_peak_bytes(recompute, ctx, all),
+            1000);
+  // The step's timeline says the same, at the stage's backward.
+  const remat::StepTimeline a = remat::step_timeline(c, ctx, all),
+                            b = remat::step_timeline(unsaved, ctx, all);
+  ASSERT_EQ(a.points.size(), b.points.size());
+  int lower = 0;
+  for (size_t k = 0; k < a.points.size(); ++k) {
+    EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, a.points[k].op == "B0" ? 1000 : 0)
+        << a.points[k].op;
+    lower += a.points[k].peak_bytes != b.points[k].peak_bytes;
+  }
+  EXPECT_EQ(lower, 1);
+  // The per-layer program: its least budget is that of the least plan of them all.
+  for (const Chain& chain : {unsaved, recompute, holding}) {
+    for (const remat::StepContext& context : {ctx, stated}) {
+      int64_t least = std::numeric_limits<int64_t>::max();
+      for (const Candidate& k : every_per_layer_plan(chain, false, false))
+        least = std::min(least, remat::step_peak_bytes(chain, context, k.plan));
+      EXPECT_EQ(remat::min_step_budget(chain, context, "per-layer"), least);
+    }
+  }
+  // Its JSON: written only where false, and a flag.
+  EXPECT_FALSE(remat::chain_from_json(remat::to_json(unsaved)).stages[0].saves_output);
+  EXPECT_TRUE(remat::chain_from_json(remat::to_json(unsaved)).stages[1].saves_output);
+  EXPECT_EQ(remat::to_json(c).find("saves_output"), std::string::npos);
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"name": "s", "fwd_ms": 1,
+    "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1, "saves_output": 0}]})"),
+                        "\"saves_output\" must be true or false");
 }
 
 // The chain's output, which the rest of the step saved and let go of in its backward (StepReadings::

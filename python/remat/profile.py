@@ -589,8 +589,14 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     if measure:
                         out_key = _storage_key(out)
                         saved = sum(counter.sizes.values())
-                        if out_key not in counter.sizes and out_key not in alive and out_key != _storage_key(leaf):
+                        unsaved = out_key not in counter.sizes and out_key not in alive and \
+                            out_key != _storage_key(leaf)
+                        if unsaved:
                             saved += out.untyped_storage().nbytes()
+                        # Whether its graph saves its output (Stage.saves_output): a checkpointed layer's recompute,
+                        # which stops early, never makes again one it does not. A compiled stage's saves are left
+                        # as saved.
+                        fields[i]["saves_out"] = compiled[i] or not unsaved
                         fields[i]["out"] = out.nbytes
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
@@ -718,6 +724,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.name = names[i]
         s.output_bytes = f["out"]
         s.saved_bytes = f["saved"]
+        s.saves_output = f.get("saves_out", True)
         s.fwd_tmp_bytes = f["ftmp"]
         s.bwd_tmp_bytes = f["btmp"]
         if "bgtmp" in f:

@@ -136,6 +136,9 @@ NB_MODULE(_core, m) {
       .def_rw("bwd_ms", &remat::Stage::bwd_ms, "backward time (milliseconds)")
       .def_rw("output_bytes", &remat::Stage::output_bytes, "the stage's output (bytes)")
       .def_rw("saved_bytes", &remat::Stage::saved_bytes, "alive after running it with grad: output + saved")
+      .def_rw("saves_output", &remat::Stage::saves_output,
+              "whether its output is among what its graph saves (false: a recompute that stops early never "
+              "makes it)")
       .def_rw("fwd_tmp_bytes", &remat::Stage::fwd_tmp_bytes, "transient peak above that in its forward")
       .def_rw("bwd_tmp_bytes", &remat::Stage::bwd_tmp_bytes, "transient peak in its backward")
       .def_rw(

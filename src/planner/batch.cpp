@@ -109,6 +109,7 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.checkpoint_bwd_ms = line.ms(sa.checkpoint_bwd_ms, sb.checkpoint_bwd_ms);
     s.output_bytes = line.bytes(sa.output_bytes, sb.output_bytes);
     s.saved_bytes = std::max(s.output_bytes, line.bytes(sa.saved_bytes, sb.saved_bytes));
+    s.saves_output = sa.saves_output || sb.saves_output;  // saved where either profile saw it saved
     s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
     s.bwd_tmp_bytes = line.bytes(sa.bwd_tmp_bytes, sb.bwd_tmp_bytes);
     s.bwd_grads_tmp_bytes = line.bytes(sa.bwd_grads_tmp_bytes, sb.bwd_grads_tmp_bytes);

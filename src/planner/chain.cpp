@@ -262,6 +262,7 @@ std::string to_json(const Chain& chain) {
     js["bwd_ms"] = s.bwd_ms;
     js["output_bytes"] = s.output_bytes;
     js["saved_bytes"] = s.saved_bytes;
+    if (!s.saves_output) js["saves_output"] = false;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
     if (s.bwd_grads_tmp_bytes) js["bwd_grads_tmp_bytes"] = *s.bwd_grads_tmp_bytes;
@@ -337,6 +338,15 @@ T optional(const nlohmann::json& j, const char* key, const std::string& where, T
   return j.contains(key) ? required<T>(j, key, where) : fallback;
 }
 
+// A true/false under `key`, `fallback` when absent.
+bool boolean(const nlohmann::json& j, const char* key, const std::string& where, bool fallback) {
+  if (!j.contains(key)) return fallback;
+  if (!j.at(key).is_boolean())
+    throw std::invalid_argument("remat::chain_from_json: " + where + ": \"" + key +
+                                "\" must be true or false, got " + j.at(key).dump());
+  return j.at(key).get<bool>();
+}
+
 // {"bytes": N, "input": bool, "output": bool} under `key`, when present.
 std::optional<OffloadCost> offload_from(const nlohmann::json& j, const char* key, const std::string& where) {
   if (!j.contains(key)) return std::nullopt;
@@ -397,6 +407,7 @@ Chain chain_from_json(const std::string& text) {
     s.bwd_ms = required<double>(js, "bwd_ms", where);
     s.output_bytes = required<int64_t>(js, "output_bytes", where);
     s.saved_bytes = required<int64_t>(js, "saved_bytes", where);
+    s.saves_output = boolean(js, "saves_output", where, true);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
     s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
     if (js.contains("bwd_grads_tmp_bytes"))
@@ -458,14 +469,7 @@ Chain chain_from_json(const std::string& text) {
   chain.policies = detail::string_array(j, "policies", "remat::chain_from_json");
   chain.to_host_gb_per_s = optional<double>(j, "to_host_gb_per_s", "the chain", 0.0);
   chain.to_device_gb_per_s = optional<double>(j, "to_device_gb_per_s", "the chain", 0.0);
-  if (j.contains("holds_outputs")) {
-    if (!j.at("holds_outputs").is_boolean()) {
-      throw std::invalid_argument(
-          "remat::chain_from_json: the chain: \"holds_outputs\" must be true or false, got " +
-          j.at("holds_outputs").dump());
-    }
-    chain.holds_outputs = j.at("holds_outputs").get<bool>();
-  }
+  chain.holds_outputs = boolean(j, "holds_outputs", "the chain", false);
   validate(chain);
   return chain;
 }

@@ -114,6 +114,7 @@ void visit(C& chain, X& context, V& v) {
     v.ms(s.bwd_ms);
     v.bytes(s.output_bytes);
     v.bytes(s.saved_bytes);
+    v.flag(s.saves_output);  // saved where any process saves it
     v.bytes(s.fwd_tmp_bytes);
     v.bytes(s.bwd_tmp_bytes);
     v.opt_bytes(s.bwd_grads_tmp_bytes);

@@ -199,11 +199,14 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                                     step->between[static_cast<size_t>(j)] -
                                     (bwd_less_input ? step->input_freed : 0)
                               : 0;
-  // Its output, where neither its way saves it nor anything else holds it, is gone by its backward.
-  const int64_t gone = step && step->output_unheld[static_cast<size_t>(j)] &&
-                               c.kind != OpKind::kForwardCheckpoint && c.cost && !c.cost->output
-                           ? a_out
-                           : 0;
+  // Its output, where neither its way saves it (as its offload cost says, or for Fa without one,
+  // Stage::saves_output) nor anything else holds it, is gone by its backward.
+  const bool unsaved =
+      c.cost ? !c.cost->output : c.kind == OpKind::kForwardAll && c.groups.empty() && !s.saves_output;
+  const int64_t gone =
+      step && step->output_unheld[static_cast<size_t>(j)] && c.kind != OpKind::kForwardCheckpoint && unsaved
+          ? a_out
+          : 0;
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with its window beside it; the backward's above
     // what the stage keeps on the device (its output included) and the gradient it is handed.
@@ -219,8 +222,13 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
-  if (c.kind == OpKind::kForwardCheckpoint)
-    bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec);
+  if (c.kind == OpKind::kForwardCheckpoint) {
+    // In a step, its backward after a recompute that stopped early holds no output its graph does not save
+    // (step_op_peaks()'s rule); the recompute itself is charged whole, with a second generators' state (the
+    // one the recompute saves while it replays the first).
+    if (step) bwd -= detail::recompute_unmade_bytes(chain, j);
+    bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec + state);
+  }
   // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next
   // stage's backward, held through its recompute and backward.
   if (c.kind == OpKind::kForwardCheckpoint) bwd += kept_to_end;

@@ -197,6 +197,12 @@ int64_t held_to_end_bytes(const Chain& chain, const StepContext& context, int64_
   return chain.stages[static_cast<size_t>(j)].output_bytes;
 }
 
+int64_t recompute_unmade_bytes(const Chain& chain, int64_t j) {
+  if (chain.holds_outputs || j < 0 || j >= chain.size()) return 0;
+  const Stage& s = chain.stages[static_cast<size_t>(j)];
+  return s.saves_output ? 0 : s.output_bytes;
+}
+
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   if (chain.holds_outputs || j < 1 || j > chain.size() || held_to_end_bytes(chain, context, j - 1) > 0)
     return false;
@@ -209,7 +215,7 @@ bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
   if (op.stage < 0 || op.stage >= chain.size()) return false;
   const Stage& st = chain.stages[static_cast<size_t>(op.stage)];
   auto unsaved = [](const std::optional<OffloadCost>& c) { return c && !c->output; };
-  if (op.kind == OpKind::kForwardAll) return unsaved(st.offload);
+  if (op.kind == OpKind::kForwardAll) return st.offload ? unsaved(st.offload) : !st.saves_output;
   if (op.kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
   if (!op.groups.empty()) return unsaved(group_cost(st, op.groups).offload);
   if (op.policy < 0) return unsaved(st.keep_offload);
@@ -269,6 +275,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // stage's backward rather than at its own.
   std::vector<char> state_held(static_cast<size_t>(n) + 2, 0);
   std::vector<char> plain(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: whether it ran Fc before the loss and has been recomputed since (a per-call checkpoint's
+  // recompute, which stops early where the runtime does not hold outputs: recompute_unmade_bytes()).
+  std::vector<char> checkpointed(static_cast<size_t>(n) + 2, 0), recomputed(static_cast<size_t>(n) + 2, 0);
   // Per step stage: whether its output, held to the step's end, is charged again already (once: a
   // checkpointed stage's recompute makes it again, and the simulation lets go of that copy at its backward).
   std::vector<char> kept_to_end(static_cast<size_t>(n) + 2, 0);
@@ -287,6 +296,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       leaves[static_cast<size_t>(op.stage)] = leaves_output(chain, ops, in_chain);
       plain[static_cast<size_t>(op.stage)] =
           op.kind == OpKind::kForwardCheckpoint || op.kind == OpKind::kForwardNoSave;
+      if (!after_loss) checkpointed[static_cast<size_t>(op.stage)] = op.kind == OpKind::kForwardCheckpoint;
+      recomputed[static_cast<size_t>(op.stage)] = after_loss && op.kind == OpKind::kForwardAll;
     }
     // Step stage s is chain stage s - 1; stage n + 1 is the rest, whose measured peak has its own gradients.
     if (rest_done) {
@@ -325,6 +336,15 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     const bool without_input = after_loss && op.stage >= 1 && op.kind != OpKind::kLoss;
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
+    // The backward of a stage checkpointed per call holds, after its recompute stopped early, no output its
+    // graph does not save (the simulation's abar holds it).
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
+        checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])
+      peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);
+    // Its recompute holds a second generators' state: the one it saves while it replays the first.
+    if (op.kind == OpKind::kForwardAll && after_loss && op.stage >= 1 && op.stage <= n &&
+        checkpointed[static_cast<size_t>(op.stage)] && state_held[static_cast<size_t>(op.stage)])
+      peaks[k] += context.checkpoint_state_bytes;
     arrived += made;
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         state_held[static_cast<size_t>(op.stage)]) {

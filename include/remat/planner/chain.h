@@ -137,6 +137,12 @@ struct Stage {
   /// The groups of its saved tensors, by the call that made them, in the order of its forward pass (at most
   /// kMaxGroups); empty when it was not profiled so (no Fk{...} for it).
   std::vector<SavedGroup> groups;
+  /// Whether its output is among the tensors its autograd graph saves (run as Fa). saved_bytes counts the
+  /// output either way (the model's abar holds it to the stage's backward); false, as the Python profiler
+  /// measures it, tells the step's model (remat/planner/step.h) that a recompute that stops early (Fc where
+  /// Chain::holds_outputs is false) never makes it again, so the stage's backward after that recompute holds
+  /// output_bytes less. Default true: charged as saved.
+  bool saves_output = true;
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }
@@ -229,8 +235,9 @@ struct Chain {
   /// Whether the runtime holds the output of a stage run with grad (Fa, Fk, offloaded or not) on the device
   /// until that stage's backward, whatever the stage's saved tensors hold: true for chains the C++ profiler
   /// makes (the plan executor holds such an output as the root of the stage's backward), false for the Python
-  /// package's layers (an output stays only where something saves it). Read by offloading only: whether the
-  /// next stage's offloaded input (Fc@host, Fk@host) leaves the device.
+  /// package's layers (an output stays only where something saves it, and a checkpointed stage runs as a
+  /// per-call checkpoint whose recompute stops early: Stage::saves_output). Read by offloading (whether the
+  /// next stage's offloaded input, Fc@host or Fk@host, leaves the device) and by the step's model.
   bool holds_outputs = false;
 
   /// Whether the chain can be offloaded: both bandwidths measured.

@@ -105,7 +105,8 @@ struct StepContext {
   /// forward until its backward is done (bytes): the random generators' states its checkpoint saved to replay
   /// its draws. They are host tensors: on a CUDA device 0; where the device is the CPU, the CPU generator's
   /// state (5,056 bytes per checkpointed stage; the Python package measures it in the profiling step). 0 by
-  /// default (remat::Planned does not read it). A policy's measured saved_bytes holds it already.
+  /// default (remat::Planned does not read it). A policy's measured saved_bytes holds it already. An Fc
+  /// stage's recompute holds it twice (the state it saves while it replays the first).
   int64_t checkpoint_state_bytes = 0;
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
   /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output

@@ -21,13 +21,20 @@ bool recomputes(OpKind kind, bool groups);
 // 0 (and for j outside the chain).
 int64_t held_to_end_bytes(const Chain& chain, const StepContext& context, int64_t j);
 
+// Chain stage j's output's bytes where a recompute of it that stops early never makes it again (its way Fc
+// under a runtime that does not hold outputs, Chain::holds_outputs false, and the stage's graph does not save
+// its output, Stage::saves_output false): its backward after that recompute holds that much less than the
+// simulation's abar. 0 otherwise (and for j outside the chain).
+int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
+
 // Whether nothing besides the stages holds chain stage j's input a_j once stage j's backward is done
 // (StepContext::outputs_held_in_backward false for 1 <= j < n), or the chain's output a_n once the rest's
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
-// known not to save its output (its offload cost's `output` false): Fa, or Fk with the keep tags, a policy or
+// known not to save its output (its offload cost's `output` false; Fa without one, Stage::saves_output
+// false): Fa, or Fk with the keep tags, a policy or
 // a group assignment; false for Fc and Fn, whose output is held plain.
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 

@@ -21,11 +21,17 @@ then, and output_held_in_backward true).
     python bench/least_budget_predictions.py                   # every model
     python bench/least_budget_predictions.py bert whisper
     python bench/least_budget_predictions.py --top t5 bart whisper --labels 8
+    python bench/least_budget_predictions.py --all-checkpointed
 
 --top plans for no budget instead (every layer kept, offload=False: the plain step's peak), and --labels sets the
 encoder-decoder models' label length (24 by default; test_seq2seq.py's step with longer labels starts at 8), to
 read what runs between their encoder and decoder where it is the step's peak (docs/BENCHMARKS.md, "What runs
 between the encoder and the decoder").
+
+--all-checkpointed compares, for every layer checkpointed (the profiling step's own schedule, offload=False),
+the peak the profiling step measured (StepContext.checkpoint_all_peak_bytes) with the model's prediction, and
+with the prediction had every layer's output been charged as saved (Stage.saves_output true: the model before
+it, whose recompute made the layer's output again).
 """
 from __future__ import annotations
 
@@ -99,11 +105,32 @@ def output_twice(lp) -> int:
     return remat.step_peak_bytes(lp.chain, ctx, lp.plan)
 
 
+def outputs_saved(chain) -> "remat.Chain":
+    """The chain with every stage's output charged as saved (Stage.saves_output true)."""
+    out = remat.Chain.from_json(chain.to_json())
+    for st in out.stages:
+        st.saves_output = True
+    return out
+
+
+def all_checkpointed(name, lp) -> None:
+    """One row of --all-checkpointed."""
+    chain, ctx = lp.chain, lp.context
+    every = remat.checkpoint_all(chain)
+    measured = ctx.checkpoint_all_peak_bytes
+    now, before = remat.step_peak_bytes(chain, ctx, every), remat.step_peak_bytes(outputs_saved(chain), ctx, every)
+    unsaved = sum(not st.saves_output for st in chain.stages)
+    print(f"| {name} | {unsaved} of {len(chain.stages)} | {measured} | {now} | {(measured - now) / now:+.2%} | "
+          f"{before} ({(measured - before) / before:+.2%}) |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="*", help=f"of {', '.join(NAMES)} (default: every one)")
     ap.add_argument("--top", action="store_true", help="every layer kept (no budget, no offloading)")
     ap.add_argument("--labels", type=int, default=24, help="the encoder-decoder models' label length (default 24)")
+    ap.add_argument("--all-checkpointed", action="store_true",
+                    help="every layer checkpointed: the profiling step's measured peak against the model's")
     args = ap.parse_args()
     if args.labels < 1:
         ap.error(f"--labels must be >= 1, got {args.labels}")
@@ -114,9 +141,17 @@ def main():
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     meter = remat.cpu_meter()
     test_hf.MODELS["neox"] = neox
-    print("| model | first layer | input held | predicted (bytes) | measured (bytes) | error | all gradients charged "
-          "| without the between figures, side_grads_bytes, outputs_held_in_backward | output let go of twice |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    if args.top and args.all_checkpointed:
+        ap.error("--top and --all-checkpointed are two different plans: choose one")
+    if args.all_checkpointed:
+        print("| model | layers whose output is not saved | measured (bytes) | predicted (bytes) | error "
+              "| every output charged as saved |")
+        print("|---|---|---|---|---|---|")
+    else:
+        print("| model | first layer | input held | predicted (bytes) | measured (bytes) | error "
+              "| all gradients charged | without the between figures, side_grads_bytes, outputs_held_in_backward "
+              "| output let go of twice |")
+        print("|---|---|---|---|---|---|---|---|---|")
     for name in args.models or NAMES:
         if name in test_hf.MODELS:
             model, spec = test_hf.make(name)
@@ -125,6 +160,12 @@ def main():
             model = test_seq2seq.make(name)
             run = partial(lambda m, n, k: hf_step(m, dict(name=n, loss="lm"), k, meter, make_batch=partial(
                 seq2seq_batch, labels=args.labels))[2], model, name)
+        if args.all_checkpointed:
+            lp = remat.hf.enable(model, budget=1 << 40)
+            run(0)
+            all_checkpointed(name, lp)
+            lp.remove()
+            continue
         if args.top:
             lp = remat.hf.enable(model, budget=1 << 40)
             run(0)

@@ -1104,14 +1104,25 @@ TEST(Step, ReadingsTurnIntoTheContext) {
 // schedule with the measured peak; below the measured peak it refuses, naming the lower of the two floors.
 TEST(Step, PlanStepFallsBackToTheMeasuredCheckpointAllPeak) {
   std::mt19937 rng(9);
-  const Chain chain = random_chain(rng, 5, 1000);
+  Chain chain = random_chain(rng, 5, 1000);
+  // Checkpointed per call, a stage costs other than Fn, Fa and B (its recompute stops early).
+  for (remat::Stage& s : chain.stages) {
+    s.checkpoint_fwd_ms = s.nosave_ms() * 1.1;
+    s.checkpoint_bwd_ms = (s.fwd_ms + s.bwd_ms) * 0.8;
+  }
   remat::StepContext ctx;
+  ctx.rest_ms = 3;
   const int64_t model_floor = remat::min_step_budget(chain, ctx, "per-layer");
   ctx.checkpoint_all_peak_bytes = model_floor - 100;
   EXPECT_EQ(remat::min_step_budget(chain, ctx, "per-layer"), model_floor - 100);
   const remat::StepPlan p = remat::plan_step(chain, ctx, model_floor - 50, "per-layer");
   EXPECT_EQ(p.plan.to_string(), remat::checkpoint_all(chain).to_string());
   EXPECT_EQ(p.step_peak_bytes, model_floor - 100);
+  // Its time is the per-layer program's for that plan: each stage checkpointed per call.
+  const double per_call = remat::per_call_time_ms(chain, {0, 1, 2, 3, 4});
+  EXPECT_DOUBLE_EQ(p.plan.predicted.time_ms, per_call);
+  EXPECT_DOUBLE_EQ(p.step_time_ms, per_call + 3);
+  EXPECT_GT(std::abs(remat::checkpoint_all(chain).predicted.time_ms - per_call), 1.0);
   try {
     remat::plan_step(chain, ctx, model_floor - 150, "per-layer");
     FAIL() << "expected InfeasibleBudget";

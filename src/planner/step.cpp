@@ -428,6 +428,12 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
     StepPlan out;
     out.plan = checkpoint_all(chain);
     out.step_peak_bytes = context.checkpoint_all_peak_bytes;
+    // Its time as the per-layer program charges a checkpointed stage (run per call, its recompute stopping
+    // early), as the profiling step ran it; not simulate()'s Fn, Fa and B.
+    std::vector<int64_t> every(static_cast<size_t>(chain.size()));
+    for (int64_t i = 0; i < chain.size(); ++i)
+      every[static_cast<size_t>(i)] = i;
+    out.plan.predicted.time_ms = per_call_time_ms(chain, every);
     out.step_time_ms = out.plan.predicted.time_ms + context.rest_ms;
     return out;
   }

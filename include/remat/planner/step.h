@@ -52,7 +52,8 @@ struct StepContext {
   /// The step's peak measured with every stage checkpointed (the profiling step's schedule), above the base
   /// (bytes), or -1 when not measured. plan_step() falls back to that schedule with this peak where the model
   /// refuses a budget the measured step fits (the model charges a recompute as a whole stage run, which a
-  /// recompute that stops early never holds).
+  /// recompute that stops early may not hold), and with the per-layer program's time for it
+  /// (per_call_time_ms() of every stage).
   int64_t checkpoint_all_peak_bytes = -1;
   /// Tensors the chain's stages take or hand on beside their input and output, made during the step (T5's
   /// position bias, which its first layer makes and every later layer takes; an encoder's output that every

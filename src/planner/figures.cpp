@@ -90,8 +90,6 @@ struct Write {
   }
 };
 
-// Visits every figure of `chain` and `context` in one order (the chain's input bytes first). C and X may be
-// const for collecting.
 // Each flag of a vector<bool> (a const one when reading), through a bool: vector<bool> hands out proxies, so
 // each is written back where the vector is not const.
 template <typename B, typename V>
@@ -103,6 +101,8 @@ void flags(B& bits, V& v) {
   }
 }
 
+// Visits every figure of `chain` and `context` in one order (the chain's input bytes first). C and X may be
+// const for collecting.
 template <typename C, typename X, typename V>
 void visit(C& chain, X& context, V& v) {
   v.bytes(chain.input_bytes);

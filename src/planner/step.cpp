@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <optional>
 #include <stdexcept>
 
@@ -211,11 +212,15 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
          !context.outputs_held_in_backward[static_cast<size_t>(j)];
 }
 
+bool fa_leaves_output(const Stage& s) {
+  return s.offload ? !s.offload->output : !s.saves_output;
+}
+
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
   if (op.stage < 0 || op.stage >= chain.size()) return false;
   const Stage& st = chain.stages[static_cast<size_t>(op.stage)];
   auto unsaved = [](const std::optional<OffloadCost>& c) { return c && !c->output; };
-  if (op.kind == OpKind::kForwardAll) return st.offload ? unsaved(st.offload) : !st.saves_output;
+  if (op.kind == OpKind::kForwardAll) return fa_leaves_output(st);
   if (op.kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
   if (!op.groups.empty()) return unsaved(group_cost(st, op.groups).offload);
   if (op.policy < 0) return unsaved(st.keep_offload);
@@ -342,8 +347,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);
     // Its recompute holds a second generators' state: the one it saves while it replays the first.
-    if (op.kind == OpKind::kForwardAll && after_loss && op.stage >= 1 && op.stage <= n &&
-        checkpointed[static_cast<size_t>(op.stage)] && state_held[static_cast<size_t>(op.stage)])
+    if (op.stage >= 1 && op.stage <= n && recomputed[static_cast<size_t>(op.stage)] &&
+        op.kind == OpKind::kForwardAll && checkpointed[static_cast<size_t>(op.stage)] &&
+        state_held[static_cast<size_t>(op.stage)])
       peaks[k] += context.checkpoint_state_bytes;
     arrived += made;
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
@@ -431,8 +437,7 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
     // Its time as the per-layer program charges a checkpointed stage (run per call, its recompute stopping
     // early), as the profiling step ran it; not simulate()'s Fn, Fa and B.
     std::vector<int64_t> every(static_cast<size_t>(chain.size()));
-    for (int64_t i = 0; i < chain.size(); ++i)
-      every[static_cast<size_t>(i)] = i;
+    std::iota(every.begin(), every.end(), int64_t{0});
     out.plan.predicted.time_ms = per_call_time_ms(chain, every);
     out.step_time_ms = out.plan.predicted.time_ms + context.rest_ms;
     return out;

@@ -32,10 +32,13 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
+// Whether stage `s` run as Fa is known not to save its output: its offload cost's `output` false, or, without
+// one, Stage::saves_output false (leaves_output()'s and the per-layer program's rule for Fa).
+bool fa_leaves_output(const Stage& s);
+
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
-// known not to save its output (its offload cost's `output` false; Fa without one, Stage::saves_output
-// false): Fa, or Fk with the keep tags, a policy or
-// a group assignment; false for Fc and Fn, whose output is held plain.
+// known not to save its output (its offload cost's `output` false; for Fa, fa_leaves_output()): Fa, or Fk
+// with the keep tags, a policy or a group assignment; false for Fc and Fn, whose output is held plain.
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass

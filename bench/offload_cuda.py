@@ -13,7 +13,7 @@ peak, the measured bandwidth each way, and the predicted step time beside the me
     python bench/offload_cuda.py --model bert --json out/offload-bert.json                  # BERT-large, fp32
     python bench/offload_cuda.py --model llama --seq 4096 --batch 2 --json out/offload-llama.json
     python bench/offload_cuda.py --device cpu --model bert --layers 2 --hidden 64 --heads 2 --intermediate 256 \\
-        --seq 32 --batch 2 --rounds 1    # the script itself, on a CPU
+        --seq 32 --batch 2 --rounds 1    # the script itself, on a CPU (a Llama: add --kv-heads 2)
 
 Before measuring, remat's first two steps are compared with the plain run's (the loss, and the gradients'
 largest difference beside two plain runs': CUDA's attention backward is not deterministic).
@@ -96,6 +96,10 @@ def main():
     for k, v in defaults[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.heads % args.kv_heads or args.hidden % args.heads:
+        ap.error(f"--heads {args.heads} must divide --hidden {args.hidden} and be a multiple of --kv-heads "
+                 f"{args.kv_heads} (the {args.model} default is {defaults[args.model]['kv_heads']}: give --kv-heads "
+                 "with --heads)")
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, remat.POLICY_OFFLOAD "

@@ -19,11 +19,10 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
-from .policies import checkpoint_context, policy_fn
+from .policies import checkpoint_context, policy_fn, torch_checkpoint
 from .profile import StageFn
 from .saved import version_checked
 
@@ -99,9 +98,9 @@ class _Runner:
                     leaf = x.detach().requires_grad_(True)
                 with torch.enable_grad():
                     if op.kind == K.Fk:
-                        out = checkpoint(version_checked(stage.fn), leaf, use_reentrant=False,
-                                         preserve_rng_state=True,
-                                         context_fn=checkpoint_context(mods, self.policies[op.policy]))
+                        out = torch_checkpoint(version_checked(stage.fn), leaf, use_reentrant=False,
+                                               preserve_rng_state=True,
+                                               context_fn=checkpoint_context(mods, self.policies[op.policy]))
                     else:
                         out = stage.fn(leaf)
                 self.check(i, out)

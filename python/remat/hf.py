@@ -31,6 +31,7 @@ from torch import nn
 
 from .compiled import CHOICES_ATTR, compiled_call
 from .layer_plan import LayerPlan
+from .policies import torch_checkpoint
 from .profile import Restore
 
 __all__ = ["enable", "disable", "layers_of", "profile"]
@@ -133,8 +134,7 @@ class _Checkpointing:
             return compiled_call(lp, layer, partial(fn, **kwargs) if kwargs else fn, args)
         i = lp.index.get(id(layer)) if layer is not None else None
         if i is None:  # a module remat does not plan (a model-level flag): as Hugging Face runs it
-            from torch.utils.checkpoint import checkpoint
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+            return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return lp.dispatch(i, partial(fn, **kwargs) if kwargs else fn, *args)
 
 

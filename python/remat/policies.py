@@ -10,10 +10,11 @@ forward pass left them.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Callable, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+import torch.utils.checkpoint as _torch_checkpoint_module
 
 from ._state import RestoreBuffers
 from .saved import version_checked
@@ -25,7 +26,7 @@ except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
     raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
 
 __all__ = ["KEEP", "CHECKPOINT", "HOST", "STREAM", "STREAM_NO_WINDOW", "POLICY_OFFLOAD", "split_choice", "is_streamed", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
-           "checkpoint_context", "run_layer", "checkpoint", "checkpoint_region"]
+           "checkpoint_context", "run_layer", "checkpoint", "checkpoint_region", "torch_checkpoint"]
 
 KEEP = "keep"
 CHECKPOINT = "checkpoint"
@@ -44,6 +45,44 @@ STREAM_NO_WINDOW = "@stream0"
 # Offload on any torch; before, only a torch.utils.checkpoint with respect_saved_tensors_hooks (PyTorch 2.15)
 # could. Kept, true, for the code that reads it.
 POLICY_OFFLOAD = True
+
+
+def torch_checkpoint(fn: Callable, *args, **kwargs):
+    """torch.utils.checkpoint.checkpoint(fn, *args, **kwargs), closed when fn raises.
+
+    Before PyTorch 2.13 (2.11 is what the lent GPU machines run), the non-reentrant checkpoint runs its pre- and
+    post-forward steps as a generator and does not close it when fn raises: while anything holds the exception's
+    traceback (`except ... as e` kept, pytest.raises, a notebook's sys.last_traceback), the generator stays
+    suspended inside its `with`, and the checkpoint's saved-tensor hooks (and a selective policy's dispatch mode)
+    stay installed. Every tensor the next step saves then goes to the failed call's frame: its backward recomputes
+    the failed call from its old inputs (measured: torch's CheckpointError on the next step after an out of memory
+    in a checkpointed layer's forward). Here the generator is closed as the exception leaves torch's checkpoint,
+    which pops what it installed, as PyTorch 2.13 and later do themselves. Every torch.utils.checkpoint remat
+    runs eagerly goes through this."""
+    try:
+        return _torch_checkpoint_module.checkpoint(fn, *args, **kwargs)
+    except BaseException as e:
+        close_failed_checkpoint(e.__traceback__)
+        raise
+
+
+_CHECKPOINT_CODE = inspect.unwrap(_torch_checkpoint_module.checkpoint).__code__
+
+
+def close_failed_checkpoint(tb) -> int:
+    """Closes every generator that a torch.utils.checkpoint frame in traceback `tb` left suspended (see
+    torch_checkpoint), the innermost first, so that what each installed is popped in the order it was pushed
+    (a checkpoint nested in a layer, run by torch.utils.checkpoint directly, is closed too). Returns how many."""
+    left = []
+    while tb is not None:
+        if tb.tb_frame.f_code is _CHECKPOINT_CODE:
+            gen = tb.tb_frame.f_locals.get("gen")
+            if inspect.isgenerator(gen) and inspect.getgeneratorstate(gen) == inspect.GEN_SUSPENDED:
+                left.append(gen)
+        tb = tb.tb_next
+    for gen in reversed(left):
+        gen.close()
+    return len(left)
 
 
 def split_choice(how: str) -> tuple[str, bool]:
@@ -200,8 +239,8 @@ def checkpoint_region(fn: Callable, args: Sequence, modules: Sequence[torch.nn.M
     checkpoint_context), autocast's weight cache off (autocast_cache_off)."""
     with autocast_cache_off():
         # version_checked: a recompute that writes what it saved raises autograd's error (remat/saved.py).
-        return _torch_checkpoint(version_checked(fn), *args, use_reentrant=False, preserve_rng_state=True,
-                                 context_fn=checkpoint_context(modules, policy, offload, route_kept))
+        return torch_checkpoint(version_checked(fn), *args, use_reentrant=False, preserve_rng_state=True,
+                                context_fn=checkpoint_context(modules, policy, offload, route_kept))
 
 
 def checkpoint(fn: Callable, *args, policy: Callable | None = None, offload=None,

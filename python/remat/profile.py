@@ -25,14 +25,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
-from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_context, policy_fn
+from .policies import (CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_context, policy_fn,
+                       torch_checkpoint)
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -507,9 +507,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         if how == KEEP:
             return check_out(i, st(leaf))
         with autocast_cache_off():  # as the runtime's checkpointed layers run
-            return check_out(i, checkpoint(st.fn, leaf, use_reentrant=False, preserve_rng_state=True,
-                                           context_fn=contexts[i](None if how == CHECKPOINT else pols[how],
-                                                                  counter)))
+            return check_out(i, torch_checkpoint(st.fn, leaf, use_reentrant=False, preserve_rng_state=True,
+                                                 context_fn=contexts[i](None if how == CHECKPOINT else pols[how],
+                                                                        counter)))
 
     def timed_backward(out, targets, i, grads_peak=False):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive

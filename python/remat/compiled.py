@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from .layer_plan import LayerPlan
     from .measure_step import Shape
 
-__all__ = ["CHOICES_ATTR", "STEP", "compiled_call", "compiled_entry", "compiled_module", "eager_dispatch",
-           "forced_choice", "publish", "set_step_key"]
+__all__ = ["CHOICES_ATTR", "STEP", "compiled_call", "compiled_call_of", "compiled_entry", "compiled_module",
+           "eager_dispatch", "forced_choice", "publish", "set_step_key"]
 
 CHOICES_ATTR = "_remat_choices"
 STEP = "step"
@@ -42,21 +42,27 @@ def compiled_module(m):
     return m._orig_mod if isinstance(m, OptimizedModule) else m
 
 
+def compiled_call_of(model: nn.Module, layer: nn.Module) -> nn.Module | None:
+    """The module whose call runs `layer` compiled: the layer itself after layer.compile(), or the
+    torch.compile(layer) wrapper that holds it in `model`; None for a layer that is not compiled on its own."""
+    if getattr(layer, "_compiled_call_impl", None) is not None:
+        return layer
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, OptimizedModule) and m._orig_mod is layer), None)
+
+
 def compiled_entry(model: nn.Module, layer: nn.Module, fn: Callable) -> tuple[Callable, dict] | None:
     """How the profiler runs `layer` as it runs compiled: (the call that enters its compiled graph, the keyword
     arguments the layer's call `fn` was given), or None when the layer does not run compiled or its call cannot
     be made again. The call is the layer itself after layer.compile(), or the torch.compile(layer) wrapper that
     holds it in `model`; fn is the partial of the layer's forward that remat's call was handed (Hugging Face's
     checkpointing hook's, or remat.enable's planned forward), whose keywords are the call's own."""
-    entry = layer if getattr(layer, "_compiled_call_impl", None) is not None else None
+    entry = compiled_call_of(model, layer)
     if entry is None:
-        try:
-            from torch._dynamo.eval_frame import OptimizedModule
-        except ImportError:
-            return None
-        entry = next((m for m in model.modules() if isinstance(m, OptimizedModule) and m._orig_mod is layer), None)
-        if entry is None:
-            return None
+        return None
     keywords: dict = {}
     while isinstance(fn, partial) and not fn.args:  # keywords bound on top of the forward's partial
         keywords = {**fn.keywords, **keywords}

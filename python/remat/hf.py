@@ -20,6 +20,7 @@ that step runs inside enable() and the model's gradients, buffers and random gen
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import warnings
@@ -29,7 +30,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .compiled import CHOICES_ATTR, compiled_call
+from .compiled import CHOICES_ATTR, compiled_call, compiled_call_of
 from .layer_plan import LayerPlan
 from .policies import torch_checkpoint
 from .profile import Restore
@@ -65,8 +66,8 @@ def _check_hook(model: nn.Module) -> None:
     """remat reaches the layers through _set_gradient_checkpointing(enable, gradient_checkpointing_func), the hook
     both public entry points (gradient_checkpointing_enable, and 5.24's activation_checkpointing_enable) call
     with torch.utils.checkpoint: neither takes a function of the caller's (they pass keyword arguments to
-    torch.utils.checkpoint only), and remat's is what decides per layer. Tested on transformers 4.53.3, 5.23.0
-    and 5.24.0 (scripts/hf-versions). Raises TypeError naming the installed version where the hook differs."""
+    torch.utils.checkpoint only), and remat's is what decides per layer. Tested on transformers 4.53.3, 5.17.0,
+    5.23.0 and 5.24.0 (scripts/hf-versions). Raises TypeError naming the installed version where the hook differs."""
     hook = getattr(model, "_set_gradient_checkpointing", None)
     if hook is None:
         raise TypeError(f"remat.hf.enable: {type(model).__name__} is not a transformers PreTrainedModel")
@@ -83,6 +84,34 @@ def _check_hook(model: nn.Module) -> None:
                         "remat.enable(model, layers, budget=...) with its layer list")
 
 
+@functools.cache
+def wraps_whole_call() -> bool:
+    """Whether the installed transformers checkpoints a GradientCheckpointingLayer's whole call (4.53 to 5.22:
+    its `__call__` is wrapped, module hooks and a compiled call inside the checkpoint) rather than its forward
+    (5.23 and later, which wrap `forward` inside the module call)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    return "__call__" in GradientCheckpointingLayer.__dict__
+
+
+def _check_compiled(model: nn.Module, layers: Sequence[nn.Module], where: str) -> None:
+    """Raises TypeError for a layer compiled on its own (layer.compile(), torch.compile(layer)) where transformers
+    wraps the layer's whole call (wraps_whole_call): there Hugging Face's hook runs outside the compiled graph,
+    around it, so no plan runs inside the graph and remat cannot profile it as it runs. Measured on the CPU with
+    transformers 4.53.3 and 5.17.0: predictions 12.8% above the step, the matmuls policy's gradients not the
+    compiled plain run's bitwise (6.5e-9 apart), and on PyTorch 2.11 torch.utils.checkpoint's CheckpointError on
+    a torch.compile(layer) planned step. Called with the model's layers or the one being called."""
+    if not layers or not wraps_whole_call():
+        return
+    for layer in layers:
+        if compiled_call_of(model, layer) is not None:
+            import transformers
+            raise TypeError(
+                f"{where}: layer {type(layer).__name__} is compiled on its own, and transformers "
+                f"{transformers.__version__} checkpoints a layer's whole call, around its compiled graph (4.53 to "
+                "5.22; 5.23 and later checkpoint its forward, inside the graph): remat plans compiled layers with "
+                "transformers 5.23 or later. Upgrade transformers, or enable remat on the layers uncompiled")
+
+
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
            policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False,
            max_host_bytes=None, offload_min_bytes: int = 1 << 20, groups: bool = False,
@@ -97,10 +126,12 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     policies, exclude, agree, offload, max_host_bytes, offload_min_bytes, groups, replan_on_oom,
     replan_on_overshoot: as remat.enable's.
 
-    Raises TypeError when the model has no layer list remat knows, ValueError for a bad budget or plan, and
-    remat.InfeasibleBudget (naming the least feasible budget) when no plan fits."""
+    Raises TypeError when the model has no layer list remat knows, or has layers compiled on their own under a
+    transformers before 5.23 (wraps_whole_call), ValueError for a bad budget or plan, and remat.InfeasibleBudget
+    (naming the least feasible budget) when no plan fits."""
     layers = layers_of(model)
     _check_hook(model)
+    _check_compiled(model, layers, "remat.hf.enable")
     disable(model)
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
@@ -133,6 +164,8 @@ class _Checkpointing:
             # A compiled layer (layer.compile(), torch.compile(layer)) being traced: the plan inside its graph.
             return compiled_call(lp, layer, partial(fn, **kwargs) if kwargs else fn, args)
         i = lp.index.get(id(layer)) if layer is not None else None
+        if i is not None and getattr(layer, "_compiled_call_impl", None) is not None:
+            _check_compiled(lp.model, [layer], "remat.hf")  # layer.compile() after remat.hf.enable
         if i is None:  # a module remat does not plan (a model-level flag): as Hugging Face runs it
             return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return lp.dispatch(i, partial(fn, **kwargs) if kwargs else fn, *args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from functools import partial
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
@@ -289,6 +290,20 @@ def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor | list[
 
         out.register_hook(rest_timed)
 
+def without_module_hooks(fn, layer: nn.Module):
+    """The call the profiler runs layer `layer` by, many times over: `fn` as remat was handed it, except where
+    Hugging Face's hook handed remat the layer's whole module call (transformers 4.53 to 5.22 wrap
+    GradientCheckpointingLayer.__call__: partial(nn.Module.__call__ bound to the layer, **kwargs)), whose module
+    hooks would run at each of the profiler's runs. There it is the layer's forward with the same keywords, as
+    5.23 and later hand remat. Measured with 5.17.0: output_hidden_states' capturing hooks recorded each profiling
+    run's output, and the profiling step returned 25 hidden states, not BERT's 5 (its prediction 24-61% high); the
+    profiler gathers FSDP2's parameters itself (Gathered), as for 5.23."""
+    if (isinstance(fn, partial) and not fn.args and getattr(fn.func, "__self__", None) is layer
+            and getattr(fn.func, "__func__", None) is nn.Module.__call__):
+        return partial(layer.forward, **fn.keywords)
+    return fn
+
+
 def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, args, x):
     """Layer i's call in a profiling step: run checkpointed; at the last layer, the layers profiled where they
     ran (once per shape) and the rest of the step measured, planned at the end of its backward pass
@@ -322,6 +337,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         gathered = Gathered(lp.layers, meter)
         for j, (f, a, xj) in enumerate(step.calls):
             rest = a[1:]
+            f = without_module_hooks(f, lp.layers[j])
             stage_fns.append(StageFn(lambda t, f=f, rest=rest, j=j: layer_output(
                 f(t, *rest), lp.who, j, lp.layers[j])[0], f"{j}:{type(lp.layers[j]).__name__}",
                 lp.layers[j], compiled_stage(lp, shape, j, f, rest, bool(gathered.per_layer[j]))))

@@ -25,8 +25,9 @@ try:  # torch 2.4 and later
 except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
     raise ImportError(f"remat needs torch 2.4 or later (selective checkpointing), this is {torch.__version__}") from e
 
-__all__ = ["KEEP", "CHECKPOINT", "HOST", "STREAM", "STREAM_NO_WINDOW", "POLICY_OFFLOAD", "split_choice", "is_streamed", "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers",
-           "checkpoint_context", "run_layer", "checkpoint", "checkpoint_region", "torch_checkpoint"]
+__all__ = ["KEEP", "CHECKPOINT", "HOST", "STREAM", "STREAM_NO_WINDOW", "POLICY_OFFLOAD", "split_choice", "is_streamed",
+           "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers", "checkpoint_context", "run_layer",
+           "checkpoint", "checkpoint_region", "torch_checkpoint"]
 
 KEEP = "keep"
 CHECKPOINT = "checkpoint"
@@ -276,8 +277,9 @@ def choices_of(plan) -> list[str]:
     """The per-layer choice of each stage of a per-layer plan (remat.per_layer's shape: each stage's first
     forward is Fa, Fc, Fk[name] or Fk{groups}, no Fn, and a checkpointed stage is recomputed only right before
     its backward): "keep", "checkpoint" or the policy's name, with "@host" after it where the plan offloads it,
-    "keep@stream" where it streams it ("keep@stream0" with no window: Plan.stream_windows 0), or a group assignment "{khr}". Raises ValueError for a plan of another shape (a
-    full schedule: run it with remat.CheckpointedSequential)."""
+    "keep@stream" where it streams it ("keep@stream0" with no window: Plan.stream_windows 0), or a group
+    assignment "{khr}". Raises ValueError for a plan of another shape (a full schedule: run it with
+    remat.CheckpointedSequential)."""
     from . import _core
 
     n, ops = plan.num_stages, list(plan.ops)

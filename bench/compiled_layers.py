@@ -32,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import remat  # noqa: E402
+import remat.hf  # noqa: E402
+import transformers  # noqa: E402
 from hf_compare import (add_common_args, build, compiled, grads_ready, measure, remat_at_peaks,  # noqa: E402
                         remat_rounds)
 
@@ -40,6 +42,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(ap, layers=6)
     args = ap.parse_args()
+    if remat.hf.wraps_whole_call():
+        sys.exit(f"compiled_layers.py: transformers {transformers.__version__} checkpoints a layer's whole call, "
+                 "around its compiled graph (before 5.23), where remat.hf.enable refuses layers compiled on their "
+                 "own (docs/python.md, Limits); run it with transformers 5.23 or later")
     meter = remat.cpu_meter()
     base, batch, loss_of, _ = build("gpt2", args)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 
 import torch
 
@@ -200,6 +201,11 @@ def main():
     args.batch = args.batch or (8 if args.compiled else 4)
     meter = remat.meter_for(DEVICE)
     if args.compiled:
+        if remat.hf.wraps_whole_call():
+            import transformers
+            sys.exit(f"prediction_error.py --compiled: transformers {transformers.__version__} checkpoints a layer's "
+                     "whole call, around its compiled graph (before 5.23), where remat.hf.enable refuses layers "
+                     "compiled on their own (docs/python.md, Limits); run it with transformers 5.23 or later")
         args.at = args.at or [0.6]
         compiled_gpt2(args, meter)
     else:

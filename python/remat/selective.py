@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_map
 import torch.utils.checkpoint as _ckpt
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .saved import Kept, SavedAs
+from .saved import Kept, SavedAs, version_of
 
 __all__ = ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "KEEP", "TO_HOST", "RECOMPUTE", "outcome", "SelectiveCache",
            "selective_contexts", "call_name", "CallNames", "GroupPolicy", "IGNORED"]
@@ -160,6 +160,29 @@ def _aliases(op) -> bool:
 
 _CONSUMED = object()
 
+_WRITES: dict = {}
+
+
+def _written(func, args, kwargs) -> list:
+    """The tensors operator `func` writes (its in-place and out= arguments), from its schema (cached per op)."""
+    names = _WRITES.get(func)
+    if names is None:
+        schema = getattr(func, "_schema", None)
+        names = _WRITES[func] = tuple(
+            (i, a.name) for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write) if schema is not None else ()
+    if not names:
+        return []
+    got = [args[i] if i < len(args) else kwargs.get(name) for i, name in names]
+    return [t for t in got if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor):
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
+        return None
+
 
 def _enclosing_offload():
     """The remat.offload.Offload whose context is the innermost saved-tensor hooks here, or None."""
@@ -185,6 +208,10 @@ class SelectiveCache:
         self.entries: dict = defaultdict(dict)
         self.names = CallNames()  # for ctx.call
         self.handles: list = []  # the Offload's handles, in the forward's order
+        # What the forward kept on the device, by storage: (op, call) per storage; and the calls whose storage the
+        # rest of the forward wrote in place (recomputed, not handed back: see _Forward).
+        self.stored_at: dict = defaultdict(list)
+        self.overwritten: set = set()
 
     def _store(self, op, args, kwargs, out):
         ctx = (_ckpt.SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OP_OUTPUT
@@ -238,10 +265,27 @@ class _Forward(TorchDispatchMode):
         kwargs = {} if kwargs is None else kwargs
         if func in IGNORED:
             return func(*args, **kwargs)
+        cache = self.cache
+        if cache.stored_at:
+            # An output kept on the device, written in place later in the region's forward. Through a view that
+            # shares its version counter, the check at the recompute raises autograd's error, as before. Through
+            # one that does not (aten::_unsafe_view: torch.matmul's output on more than two dimensions, written by
+            # `scores += bias` in transformers 4.53's T5 attention), nothing saw it: the recompute was handed the
+            # written values and wrote them again (T5's gradients up to 7e-3 from the plain run's, silently).
+            # Autograd cannot see such a write either, so the plain run is valid: the call is recomputed instead
+            # (_Recompute).
+            for t in _written(func, args, kwargs):
+                cache.overwritten.update(cache.stored_at.get(_storage(t), ()))
         out = func(*args, **kwargs)
         idx = self.counter[func]
         self.counter[func] += 1
-        self.cache.entries[func][idx] = self.cache._store(func, args, kwargs, out)
+        stored = cache.entries[func][idx] = cache._store(func, args, kwargs, out)
+        if stored is not None:
+            # What stays on the device (kept, or left there by the Offload), whose storage stays alive with it;
+            # what went to the host has its copy, which a later write does not reach.
+            kept = {_storage(k.tensor) for k in torch.utils._pytree.tree_leaves(stored) if isinstance(k, Kept)}
+            for key in kept - {None}:
+                cache.stored_at[key].append((func, idx))
         return out
 
 
@@ -279,6 +323,17 @@ class _Recompute(TorchDispatchMode):
         if stored is None:
             return func(*args, **kwargs)
         calls[idx] = _CONSUMED
+        if (func, idx) in self.cache.overwritten and not any(
+                version_of(k.tensor) != k.version for k in torch.utils._pytree.tree_leaves(stored)
+                if isinstance(k, Kept)):
+            # Written through an alias that does not share its version counter (_unsafe_view), which autograd
+            # cannot see either; a write that moved the version is autograd's error (_load), as before.
+            if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                raise RuntimeError(
+                    f"{self.cache.who}: selective checkpointing kept the output of {func} (call {idx}), which the "
+                    "forward pass then wrote in place, and the operator draws random numbers, so it cannot be "
+                    "recomputed in its place: have the policy recompute it, or write a copy of it")
+            return func(*args, **kwargs)  # its kept values were written since: made again (see _Forward)
         return self.cache._load(stored)
 
 

@@ -102,6 +102,34 @@ def test_a_second_backward_through_the_region_is_refused_and_a_write_to_a_kept_o
         y.sum().backward()
 
 
+def test_a_kept_output_written_through_an_alias_without_its_version_is_recomputed():
+    # torch.matmul on more than two dimensions returns bmm's output through aten::_unsafe_view, which does not
+    # share its version counter; transformers 4.53's T5 attention then adds its position bias to it in place.
+    # Autograd saves neither, so the plain run is valid; the matmuls policy kept bmm's output, the recompute was
+    # handed the biased values and biased them again: gradients 7e-3 from the plain run's, silently. Now the
+    # forward sees the write and the recompute makes the call again. Every way bitwise the plain run.
+    torch.manual_seed(0)
+    q, k = (torch.randn(2, 3, 8, 16, requires_grad=True) for _ in range(2))
+    bias = torch.randn(3, 8, 8)
+
+    def attention(q, k):
+        scores = torch.matmul(q, k.transpose(3, 2))
+        scores += bias
+        return scores.softmax(-1).matmul(k)
+
+    def grads(y):
+        y.sin().sum().backward()
+        got = [q.grad.clone(), k.grad.clone()]
+        q.grad = k.grad = None
+        return got
+
+    plain = grads(attention(q, k))
+    for policy in (keep_matmuls, policy_with(remat.MUST_CPU_OFFLOAD)):
+        got = grads(remat.checkpoint(attention, q, k, policy=policy,
+                                     offload=Offload(min_bytes=1 << 30)))  # all left on the device
+        assert all(torch.equal(a, b) for a, b in zip(plain, got))
+
+
 def test_a_policy_that_answers_host_is_not_profiled_for_a_plan_yet():
     # The chain has no figures for what a policy sends to the host itself: profiling one is refused by name
     # (not profiled as if it kept or recomputed those calls).

@@ -98,9 +98,10 @@ class _Runner:
                     leaf = x.detach().requires_grad_(True)
                 with torch.enable_grad():
                     if op.kind == K.Fk:
-                        out = torch_checkpoint(version_checked(stage.fn), leaf, use_reentrant=False,
-                                               preserve_rng_state=True,
-                                               context_fn=checkpoint_context(mods, self.policies[op.policy]))
+                        checked = version_checked(stage.fn)
+                        out = torch_checkpoint(checked, leaf, use_reentrant=False, preserve_rng_state=True,
+                                               context_fn=checkpoint_context(mods, self.policies[op.policy],
+                                                                             autograd_saved=checked.saved_storages))
                     else:
                         out = stage.fn(leaf)
                 self.check(i, out)

@@ -142,17 +142,19 @@ def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callabl
 
 
 def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None, offload=None,
-                       route_kept: bool | None = None):
+                       route_kept: bool | None = None, autograd_saved: set | None = None):
     """A context_fn for torch.utils.checkpoint: the recompute restores the modules' buffers; with `policy`,
     the forward and the recompute are also remat's selective checkpointing for that policy (remat/selective.py:
     each call's output kept, sent to the host through `offload`, or recomputed; `route_kept`: what it keeps
-    (but MUST_SAVE) goes to the host too; None: when the checkpoint is inside an Offload's context)."""
+    (but MUST_SAVE) goes to the host too; None: when the checkpoint is inside an Offload's context;
+    `autograd_saved`: the region's saved.version_checked's `saved_storages`, so that a kept output the forward
+    writes in place after the call, and autograd did not save, is recomputed rather than refused)."""
 
     def context_fn():
         restore = RestoreBuffers(modules) if modules else contextlib.nullcontext()
         if policy is None:
             return contextlib.nullcontext(), restore
-        fwd, rec = selective_contexts(policy, offload, route_kept)
+        fwd, rec = selective_contexts(policy, offload, route_kept, autograd_saved=autograd_saved)
         return fwd, _Both(restore, rec)
 
     return context_fn
@@ -240,8 +242,10 @@ def checkpoint_region(fn: Callable, args: Sequence, modules: Sequence[torch.nn.M
     checkpoint_context), autocast's weight cache off (autocast_cache_off)."""
     with autocast_cache_off():
         # version_checked: a recompute that writes what it saved raises autograd's error (remat/saved.py).
-        return torch_checkpoint(version_checked(fn), *args, use_reentrant=False, preserve_rng_state=True,
-                                context_fn=checkpoint_context(modules, policy, offload, route_kept))
+        checked = version_checked(fn)
+        return torch_checkpoint(checked, *args, use_reentrant=False, preserve_rng_state=True,
+                                context_fn=checkpoint_context(modules, policy, offload, route_kept,
+                                                              checked.saved_storages))
 
 
 def checkpoint(fn: Callable, *args, policy: Callable | None = None, offload=None,

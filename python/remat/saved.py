@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SavedAs", "Kept", "version_of", "modified_error", "version_checked"]
+__all__ = ["SavedAs", "Kept", "storage_of", "version_of", "modified_error", "version_checked"]
+
+
+def storage_of(t: torch.Tensor) -> int | None:
+    """The address of a tensor's storage, or None (a tensor without one: a wrapper subclass, an empty one)."""
+    try:
+        return t.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def version_of(t: torch.Tensor) -> int:
@@ -103,6 +111,9 @@ class _Forward(_Hooks):
     def __call__(self, t):
         i = self.owner.saves
         self.owner.saves += 1
+        key = storage_of(t)
+        if key is not None:
+            self.owner.saved_storages.add(key)
         return self.pack_below(t), i, SavedAs(t)
 
     def unpack(self, packed):
@@ -141,6 +152,10 @@ class version_checked:
     def __init__(self, fn):
         self.fn = fn
         self.saves = 0  # the forward pass's saves so far
+        # The storages of what the forward pass's autograd saved (selective checkpointing reads it: a kept output
+        # written in place after autograd saved it is autograd's error, as in the plain run; one written that
+        # autograd did not save is recomputed).
+        self.saved_storages: set[int] = set()
         self.versions: list[int] = []  # the last recompute's saved tensors' versions, in order
         self.ran = False
 

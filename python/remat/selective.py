@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_map
 import torch.utils.checkpoint as _ckpt
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .saved import Kept, SavedAs, version_of
+from .saved import Kept, SavedAs, storage_of, version_of
 
 __all__ = ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "KEEP", "TO_HOST", "RECOMPUTE", "outcome", "SelectiveCache",
            "selective_contexts", "call_name", "CallNames", "GroupPolicy", "IGNORED"]
@@ -177,11 +177,6 @@ def _written(func, args, kwargs) -> list:
     return [t for t in got if isinstance(t, torch.Tensor)]
 
 
-def _storage(t: torch.Tensor):
-    try:
-        return t.untyped_storage().data_ptr() or None
-    except (RuntimeError, NotImplementedError):  # a tensor without storage (a wrapper subclass)
-        return None
 
 
 def _enclosing_offload():
@@ -198,7 +193,8 @@ class SelectiveCache:
     """One checkpointed region's cache: per operator, per call, what its forward left (a Kept, the Offload's
     handles, or None to recompute)."""
 
-    def __init__(self, policy, offload=None, route_kept: bool | None = None, who: str = "remat"):
+    def __init__(self, policy, offload=None, route_kept: bool | None = None, who: str = "remat",
+                 autograd_saved: set | None = None):
         if route_kept is None:
             enclosing = _enclosing_offload()
             route_kept = enclosing is not None
@@ -212,6 +208,9 @@ class SelectiveCache:
         # rest of the forward wrote in place (recomputed, not handed back: see _Forward).
         self.stored_at: dict = defaultdict(list)
         self.overwritten: set = set()
+        # The storages the region's forward has had autograd save so far (saved.version_checked's), or None
+        # where the region runs without it.
+        self.autograd_saved = autograd_saved
 
     def _store(self, op, args, kwargs, out):
         ctx = (_ckpt.SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OP_OUTPUT
@@ -267,15 +266,17 @@ class _Forward(TorchDispatchMode):
             return func(*args, **kwargs)
         cache = self.cache
         if cache.stored_at:
-            # An output kept on the device, written in place later in the region's forward. Through a view that
-            # shares its version counter, the check at the recompute raises autograd's error, as before. Through
-            # one that does not (aten::_unsafe_view: torch.matmul's output on more than two dimensions, written by
-            # `scores += bias` in transformers 4.53's T5 attention), nothing saw it: the recompute was handed the
-            # written values and wrote them again (T5's gradients up to 7e-3 from the plain run's, silently).
-            # Autograd cannot see such a write either, so the plain run is valid: the call is recomputed instead
-            # (_Recompute).
+            # An output kept on the device, written in place later in the region's forward. Handed back, the
+            # recompute would get the written values and write them again. Through a view that shares its
+            # version counter, the check at the recompute raised autograd's error; through one that does not
+            # (aten::_unsafe_view: torch.matmul's output on more than two dimensions, written by `scores += bias`
+            # in transformers 4.53's T5 attention), nothing saw it (T5's gradients up to 7e-3 from the plain
+            # run's, silently). Where autograd had not saved the storage, the plain run is valid: the call is
+            # recomputed instead (_Recompute). Where it had, the plain run raises, and so does the check.
             for t in _written(func, args, kwargs):
-                cache.overwritten.update(cache.stored_at.get(_storage(t), ()))
+                key = storage_of(t)
+                if cache.autograd_saved is None or key not in cache.autograd_saved:
+                    cache.overwritten.update(cache.stored_at.get(key, ()))
         out = func(*args, **kwargs)
         idx = self.counter[func]
         self.counter[func] += 1
@@ -283,7 +284,7 @@ class _Forward(TorchDispatchMode):
         if stored is not None:
             # What stays on the device (kept, or left there by the Offload), whose storage stays alive with it;
             # what went to the host has its copy, which a later write does not reach.
-            kept = {_storage(k.tensor) for k in torch.utils._pytree.tree_leaves(stored) if isinstance(k, Kept)}
+            kept = {storage_of(k.tensor) for k in torch.utils._pytree.tree_leaves(stored) if isinstance(k, Kept)}
             for key in kept - {None}:
                 cache.stored_at[key].append((func, idx))
         return out
@@ -323,11 +324,13 @@ class _Recompute(TorchDispatchMode):
         if stored is None:
             return func(*args, **kwargs)
         calls[idx] = _CONSUMED
-        if (func, idx) in self.cache.overwritten and not any(
+        if (func, idx) in self.cache.overwritten and (self.cache.autograd_saved is not None or not any(
                 version_of(k.tensor) != k.version for k in torch.utils._pytree.tree_leaves(stored)
-                if isinstance(k, Kept)):
-            # Written through an alias that does not share its version counter (_unsafe_view), which autograd
-            # cannot see either; a write that moved the version is autograd's error (_load), as before.
+                if isinstance(k, Kept))):
+            # Written after the call, where autograd had not saved it: the plain run is valid, and the call is
+            # made again. Without knowing what autograd saved, only a write through an alias that does not
+            # share its version counter (which autograd cannot see either); one that moved the version is
+            # autograd's error (_load).
             if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
                 raise RuntimeError(
                     f"{self.cache.who}: selective checkpointing kept the output of {func} (call {idx}), which the "
@@ -337,12 +340,13 @@ class _Recompute(TorchDispatchMode):
         return self.cache._load(stored)
 
 
-def selective_contexts(policy, offload=None, route_kept: bool | None = None, who: str = "remat"):
+def selective_contexts(policy, offload=None, route_kept: bool | None = None, who: str = "remat",
+                       autograd_saved: set | None = None):
     """The (forward, recompute) context pair for torch.utils.checkpoint's context_fn. `policy(ctx, op, *args, **kwargs)` answers for each operator call (see the module); `offload`, a
     remat.offload.Offload (or any object with its pack and unpack: the profiler passes counting hooks), sends
     the host answers' outputs (a host answer without one, nor an enclosing Offload, raises ValueError naming
     the operator); `route_kept`: the PREFER_SAVE (or True) answers' outputs go through it too (None: when
     called inside an Offload's context, which is then the offload where none is given). Call it where the
     region begins (torch.utils.checkpoint calls its context_fn there)."""
-    cache = SelectiveCache(policy, offload, route_kept, who)
+    cache = SelectiveCache(policy, offload, route_kept, who, autograd_saved)
     return _Forward(cache), _Recompute(cache)

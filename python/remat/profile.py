@@ -33,6 +33,7 @@ from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
 from .policies import (CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_context, policy_fn,
                        torch_checkpoint)
+from .saved import version_checked
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -494,7 +495,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
 
     def contexts_of(i):
         mods = [stage_list[i].module] if stage_list[i].module is not None else []
-        return lambda policy, counter=None: checkpoint_context(mods, policy, counter, route_kept=counter is not None)
+        return lambda policy, counter=None, saved=None: checkpoint_context(mods, policy, counter,
+                                                                          route_kept=counter is not None,
+                                                                          autograd_saved=saved)
 
     contexts = [contexts_of(i) for i in range(n)]
 
@@ -506,10 +509,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             return check_out(i, st.compiled(how, leaf))
         if how == KEEP:
             return check_out(i, st(leaf))
+        checked = version_checked(st.fn)  # as the runtime's checkpoint_region runs a layer
         with autocast_cache_off():  # as the runtime's checkpointed layers run
-            return check_out(i, torch_checkpoint(st.fn, leaf, use_reentrant=False, preserve_rng_state=True,
+            return check_out(i, torch_checkpoint(checked, leaf, use_reentrant=False, preserve_rng_state=True,
                                                  context_fn=contexts[i](None if how == CHECKPOINT else pols[how],
-                                                                        counter)))
+                                                                        counter, checked.saved_storages)))
 
     def timed_backward(out, targets, i, grads_peak=False):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive

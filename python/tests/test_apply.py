@@ -314,6 +314,37 @@ def test_a_layer_that_writes_what_it_saved_gets_autograds_error_not_a_wrong_grad
         lp.remove()
 
 
+class _BiasInPlace(nn.Module):
+    """A product with its bias added in place: mm saves its inputs, not its output, so the plain run is valid."""
+
+    def __init__(self, w=16):
+        super().__init__()
+        self.w, self.b = nn.Parameter(torch.randn(w, w) / 4), nn.Parameter(torch.randn(w))
+
+    def forward(self, x):
+        y = x @ self.w
+        y += self.b
+        return torch.tanh(y)
+
+
+def test_a_layer_that_writes_a_kept_product_in_place_is_profiled_planned_and_run_as_the_plain_run():
+    # The matmuls policy keeps mm's output, which the layer then writes: handed back, the recompute would add the
+    # bias twice, and remat raised autograd's error instead, in the profiling step of a valid program. The call
+    # is now recomputed (remat/selective.py), in the profile as in the planned steps.
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[_BiasInPlace() for _ in range(4)]), torch.randn(8, 16)
+    model(x).square().mean().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    for kwargs in (dict(plan=_per_layer_plan(None, ["matmuls"] * 4)), dict(budget=1 << 40)):
+        lp = remat.enable(model, list(model), **kwargs)
+        for _ in range(2):
+            model.zero_grad()
+            model(x).square().mean().backward()
+            assert all(torch.equal(a, p.grad) for a, p in zip(plain, model.parameters()))
+        assert "matmuls" in lp.policies
+        lp.remove()
+
+
 class _Scaled(nn.Module):
     def __init__(self, w=16):
         super().__init__()

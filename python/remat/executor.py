@@ -22,9 +22,8 @@ from torch import nn
 
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
-from .policies import checkpoint_context, policy_fn, torch_checkpoint
+from .policies import checked_checkpoint, policy_fn
 from .profile import StageFn
-from .saved import version_checked
 
 __all__ = ["run_plan", "CheckpointedSequential"]
 
@@ -98,10 +97,7 @@ class _Runner:
                     leaf = x.detach().requires_grad_(True)
                 with torch.enable_grad():
                     if op.kind == K.Fk:
-                        checked = version_checked(stage.fn)
-                        out = torch_checkpoint(checked, leaf, use_reentrant=False, preserve_rng_state=True,
-                                               context_fn=checkpoint_context(mods, self.policies[op.policy],
-                                                                             autograd_saved=checked.saved_storages))
+                        out = checked_checkpoint(stage.fn, (leaf,), mods, self.policies[op.policy])
                     else:
                         out = stage.fn(leaf)
                 self.check(i, out)

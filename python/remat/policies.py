@@ -27,7 +27,7 @@ except ImportError as e:  # pragma: no cover - the package requires torch >= 2.4
 
 __all__ = ["KEEP", "CHECKPOINT", "HOST", "STREAM", "STREAM_NO_WINDOW", "POLICY_OFFLOAD", "split_choice", "is_streamed",
            "MATMUL_OPS", "matmuls", "POLICIES", "policy_fn", "RestoreBuffers", "checkpoint_context", "run_layer",
-           "checkpoint", "checkpoint_region", "torch_checkpoint"]
+           "checkpoint", "checked_checkpoint", "checkpoint_region", "torch_checkpoint"]
 
 KEEP = "keep"
 CHECKPOINT = "checkpoint"
@@ -235,17 +235,24 @@ def autocast_cache_off():
         torch.set_autocast_cache_enabled(cache)
 
 
+def checked_checkpoint(fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module] = (),
+                       policy: Callable | None = None, offload=None, route_kept: bool | None = None):
+    """fn(*args) under torch.utils.checkpoint (non-reentrant, RNG state preserved, torch_checkpoint), behind
+    version_checked's hooks (a recompute that writes what it saved raises autograd's error: remat/saved.py), the
+    modules' buffers restored for the recompute, under remat's selective checkpointing when `policy` is given,
+    told what the forward's autograd saved (see checkpoint_context). The plan executor's Fk runs so."""
+    checked = version_checked(fn)
+    return torch_checkpoint(checked, *args, use_reentrant=False, preserve_rng_state=True,
+                            context_fn=checkpoint_context(modules, policy, offload, route_kept,
+                                                          checked.saved_storages))
+
+
 def checkpoint_region(fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module] = (),
                       policy: Callable | None = None, offload=None, route_kept: bool | None = None):
-    """fn(*args) under torch.utils.checkpoint (non-reentrant, RNG state preserved), the modules' buffers
-    restored for the recompute, under remat's selective checkpointing when `policy` is given (see
-    checkpoint_context), autocast's weight cache off (autocast_cache_off)."""
+    """checked_checkpoint with autocast's weight cache off (autocast_cache_off): how the runtime and the
+    profiler run a checkpointed layer."""
     with autocast_cache_off():
-        # version_checked: a recompute that writes what it saved raises autograd's error (remat/saved.py).
-        checked = version_checked(fn)
-        return torch_checkpoint(checked, *args, use_reentrant=False, preserve_rng_state=True,
-                                context_fn=checkpoint_context(modules, policy, offload, route_kept,
-                                                              checked.saved_storages))
+        return checked_checkpoint(fn, args, modules, policy, offload, route_kept)
 
 
 def checkpoint(fn: Callable, *args, policy: Callable | None = None, offload=None,

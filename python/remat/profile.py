@@ -31,9 +31,7 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
-from .policies import (CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_context, policy_fn,
-                       torch_checkpoint)
-from .saved import version_checked
+from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, checkpoint_region, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -493,14 +491,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     def targets_of(i, leaf):
         return params[i] + ([leaf] if input_grad[i] else [])
 
-    def contexts_of(i):
-        mods = [stage_list[i].module] if stage_list[i].module is not None else []
-        return lambda policy, counter=None, saved=None: checkpoint_context(mods, policy, counter,
-                                                                          route_kept=counter is not None,
-                                                                          autograd_saved=saved)
-
-    contexts = [contexts_of(i) for i in range(n)]
-
     def run_as(i, how, leaf, counter=None):
         """Stage i on `leaf` as choice `how` runs it: compiled, inside its graph; else kept as it is, or under
         torch.utils.checkpoint (with the policy `how` names, through remat's selective checkpointing)."""
@@ -509,11 +499,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             return check_out(i, st.compiled(how, leaf))
         if how == KEEP:
             return check_out(i, st(leaf))
-        checked = version_checked(st.fn)  # as the runtime's checkpoint_region runs a layer
-        with autocast_cache_off():  # as the runtime's checkpointed layers run
-            return check_out(i, torch_checkpoint(checked, leaf, use_reentrant=False, preserve_rng_state=True,
-                                                 context_fn=contexts[i](None if how == CHECKPOINT else pols[how],
-                                                                        counter, checked.saved_storages)))
+        mods = [st.module] if st.module is not None else []
+        # As the runtime's checkpointed layers run; `counter`, when given, takes what is kept, as an Offload would.
+        return check_out(i, checkpoint_region(st.fn, (leaf,), mods, None if how == CHECKPOINT else pols[how],
+                                              counter, route_kept=counter is not None))
 
     def timed_backward(out, targets, i, grads_peak=False):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive

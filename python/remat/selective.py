@@ -177,8 +177,6 @@ def _written(func, args, kwargs) -> list:
     return [t for t in got if isinstance(t, torch.Tensor)]
 
 
-
-
 def _enclosing_offload():
     """The remat.offload.Offload whose context is the innermost saved-tensor hooks here, or None."""
     from .offload import Offload

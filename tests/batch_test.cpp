@@ -30,7 +30,8 @@ remat::Chain chain_at(int64_t batch) {
     s.keep_saved_bytes = 3000 * batch;
     s.keep_fwd_ms = 1.0 * batch;
     s.keep_bwd_ms = 2.0 * batch;
-    s.offload = remat::OffloadCost{5000 * batch, true, false, 2000 * batch, 3000 * batch, 256, 3500 * batch};
+    s.offload =
+        remat::OffloadCost{5000 * batch, true, false, 2000 * batch, 3000 * batch, 256, 3500 * batch, 128};
     s.policies.push_back({"matmuls", 3000 * batch, 1.0 * batch, 2.0 * batch, std::nullopt});
     s.groups = {{"aten::mm#0", 2000 * batch, 0.25 * batch}, {"aten::gelu#0", 1000 * batch, 0.01 * batch}};
     c.stages.push_back(s);
@@ -56,6 +57,7 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
       EXPECT_EQ(*s.keep_saved_bytes, *w.keep_saved_bytes);
       EXPECT_EQ(s.offload->bytes, w.offload->bytes);
       EXPECT_EQ(s.offload->window_bytes, 256);
+      EXPECT_EQ(s.offload->ahead_bytes, 128);
       EXPECT_EQ(s.offload->stream_bwd_bytes, w.offload->stream_bwd_bytes);
       EXPECT_EQ(s.offload->stream_bwd_grads_bytes, w.offload->stream_bwd_grads_bytes);
       EXPECT_EQ(s.policies[0].saved_bytes, w.policies[0].saved_bytes);
@@ -78,6 +80,14 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   EXPECT_EQ(half.stages[1].offload->stream_bwd_grads_bytes, -1);
   EXPECT_EQ(half.stages[1].offload->stream_bwd_bytes, 9000);
   EXPECT_EQ(half.stages[0].offload->stream_bwd_grads_bytes, 3500 * 3);
+  // What comes back ahead likewise, and within the window on the line.
+  unread.stages[1].offload->ahead_bytes = -1;
+  EXPECT_EQ(remat::chain_at_batch(a, 2, unread, 4, 3).stages[1].offload->ahead_bytes, -1);
+  remat::Chain wide = b;
+  wide.stages[0].offload->window_bytes = 512,
+  wide.stages[0].offload->ahead_bytes = 512;  // 128 at 2, 512 at 4
+  EXPECT_EQ(remat::chain_at_batch(a, 2, wide, 4, 3).stages[0].offload->ahead_bytes, 320);
+  EXPECT_EQ(remat::chain_at_batch(a, 2, wide, 4, 8).stages[0].offload->ahead_bytes, 1024);  // the window
   // A stage's output saved in either profile: saved on the line (Stage::saves_output).
   remat::Chain ua = a, ub = b;
   ua.stages[0].saves_output = ua.stages[1].saves_output = false;

@@ -807,6 +807,43 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   EXPECT_LE(static_cast<double>(got.held), 1.10 * static_cast<double>(planned->predicted.peak_bytes));
 }
 
+// What prefetch() brings back ahead of a streamed stage's backward (Offload::ahead_bytes, the chain's
+// OffloadCost::ahead_bytes): the last tensors saved, newest first, while they fit in the window. The stage
+// sends gelu's input (2w), fc2's input (2w) and tanh's output (w, its output), in that order (x, a leaf,
+// stays); the window is 2w. Its output, found on the device (the next stage holds it), takes nothing of the
+// window.
+TEST(Offload, AheadBytesIsWhatPrefetchBringsBack) {
+  meter_on();
+  torch::manual_seed(0);
+  const int64_t width = 64, rows = 256, w = width * rows * 4;
+  torch::nn::Linear fc1(width, 2 * width), fc2(2 * width, width);
+  std::vector<at::Tensor> params = fc1->parameters();
+  for (const auto& p : fc2->parameters())
+    params.push_back(p);
+  for (bool found : {false, true}) {
+    const torch::Tensor x = torch::randn({rows, width}).requires_grad_();
+    remat::Offload o(remat::OffloadOptions().min_bytes(1024).window(2 * w).keep_on_device(params));
+    torch::Tensor out = torch::tanh(fc2(torch::gelu(fc1(x))));
+    o.close();
+    o.finish_copies();
+    EXPECT_EQ(o.stats().offloaded, 3);
+    EXPECT_EQ(o.ahead_bytes(2 * w), w);
+    EXPECT_EQ(o.ahead_bytes(2 * w, {out}), 2 * w);
+    EXPECT_EQ(o.ahead_bytes(0), 0);
+    EXPECT_EQ(o.ahead_bytes(6 * w), 5 * w);
+    torch::Tensor loss = out.sum();
+    if (!found) out = torch::Tensor();  // its storage gone: only its copy on the host is left
+    const int64_t before = remat::memory::active_bytes();
+    o.prefetch();
+    EXPECT_EQ(remat::memory::active_bytes() - before, found ? 2 * w : w) << found;
+    EXPECT_EQ(o.stats().brought_back, 1);
+    EXPECT_EQ(o.stats().found_on_device, found ? 1 : 0);
+    loss.backward();
+    EXPECT_TRUE(x.grad().defined());
+    EXPECT_THROW_WITH(o.ahead_bytes(-1), "remat::Offload::ahead_bytes", "window must be >= 0");
+  }
+}
+
 // A window (OffloadOptions::window, what a streamed stage runs with): at most that many bytes of copies in
 // flight to the host (a copy engine that holds every copy until waited for shows it: with window 0 the
 // forward leaves what copies at once leave), and in the backward pass the tensors saved before the one asked

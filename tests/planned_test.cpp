@@ -900,6 +900,9 @@ TEST_F(PlannedTest, OffloadingPlansKeptStagesWithWhatTheySaveOnTheHost) {
     ASSERT_TRUE(s.offload->can_stream()) << s.name;
     EXPECT_LE(s.offload->stream_fwd_bytes, s.saved_bytes + s.fwd_tmp_bytes) << s.name;
     EXPECT_EQ(s.offload->window_bytes, 16 * 32 * 4 * w * 4) << s.name;
+    // What comes back ahead of its backward with that window: the last tensor it sends, dropout's mask (a
+    // float tensor of the hidden state's size); fc2's input, sent before it, would overfill the window.
+    EXPECT_EQ(s.offload->ahead_bytes, 16 * 32 * w * 4) << s.name;
     s.checkpoint_fwd_ms = s.checkpoint_bwd_ms = 1e3;
     s.fwd_nosave_ms = 1e3;
   }

@@ -262,7 +262,7 @@ void add_random_groups(std::mt19937& rng, Chain& chain) {
 
 // Gives each stage of `chain` with an offload cost, but every third, stream figures: a forward peak and a
 // backward peak each from a tenth of its kept bytes up to all of them, and a window up to a quarter; every
-// other one also the backward's peak with its gradients made.
+// other one also the backward's peak with its gradients made, and half of them what comes back ahead.
 void add_random_streams(std::mt19937& rng, Chain& chain) {
   std::uniform_real_distribution<double> part(0.1, 1.0);
   for (size_t i = 0; i < chain.stages.size(); ++i) {
@@ -276,6 +276,8 @@ void add_random_streams(std::mt19937& rng, Chain& chain) {
     if (i % 2 == 0)
       s.offload->stream_bwd_grads_bytes =
           s.offload->stream_bwd_bytes + static_cast<int64_t>(part(rng) * kept / 20);
+    // Some with what comes back ahead with the window measured: a third of it.
+    if (i % 4 < 2) s.offload->ahead_bytes = s.offload->window_bytes / 3;
   }
 }
 
@@ -778,6 +780,62 @@ TEST(Step, AStagesBackwardIsChargedTheGradientsItMadeByItsPeakAsMeasured) {
       "remat::chain_from_json", "come together");
 }
 
+TEST(Step, AStreamedStagesTailIsWhatComesBackAheadWithTheChainsWindow) {
+  // A streamed stage holds past its forward, and brings back ahead of its backward (while the stage after it
+  // runs its backward), what its runtime's prefetch() brings back: the chain's ahead_bytes where the plan
+  // streams it with the chain's window, else the window; at most what leaves the device.
+  Chain chain = remat::uniform_chain(2, 1.0, 2.0, 1000, 5000);
+  chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1.0;
+  for (remat::Stage& s : chain.stages)
+    s.offload = remat::OffloadCost{3000, true, false};
+  remat::OffloadCost& o = *chain.stages[0].offload;
+  o.stream_fwd_bytes = 2500, o.stream_bwd_bytes = 2600, o.window_bytes = 1200;
+  remat::validate(chain);
+  auto plan = [](int64_t window) {
+    return remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fa0@stream", "Fa1", "L", "B1", "B0"],
+        "stream_windows": [)" + std::to_string(window) +
+                                 ", -1]}");
+  };
+  constexpr size_t kFa1 = 1, kB1 = 3;
+  const remat::Simulation unmeasured = remat::simulate(chain, plan(1200));
+  for (int64_t ahead : {0, 400, 1200}) {
+    Chain c = chain;
+    c.stages[0].offload->ahead_bytes = ahead;
+    EXPECT_EQ(c.stages[0].offload->tail_bytes(1200, 3000), ahead);
+    EXPECT_EQ(c.stages[0].offload->tail_bytes(1200, 300), std::min<int64_t>(ahead, 300));
+    EXPECT_EQ(c.stages[0].offload->tail_bytes(700, 3000), 700);  // another window: the window
+    const remat::Simulation sim = remat::simulate(c, plan(1200));
+    // In flight beside the next forward, and back beside the next stage's backward: the tail.
+    EXPECT_EQ(unmeasured.op_peak_bytes[kFa1] - sim.op_peak_bytes[kFa1], 1200 - ahead) << ahead;
+    EXPECT_EQ(unmeasured.op_peak_bytes[kB1] - sim.op_peak_bytes[kB1], 1200 - ahead) << ahead;
+    EXPECT_EQ(sim.host_peak_bytes, unmeasured.host_peak_bytes);
+    // Streamed with another window, the window is charged, as without the figure.
+    EXPECT_EQ(remat::simulate(c, plan(700)).op_peak_bytes, remat::simulate(chain, plan(700)).op_peak_bytes);
+    // Written and read back; the per-layer program charges it as simulate() does (plan_step throws on a
+    // disagreement).
+    EXPECT_EQ(remat::chain_from_json(remat::to_json(c)).stages[0].offload->ahead_bytes, ahead);
+    remat::PlannerOptions options;
+    options.offload = true;
+    const int64_t peak = remat::simulate(c, plan(1200)).peak_bytes;
+    const Plan best = remat::per_layer(c, peak, options);
+    EXPECT_LE(best.predicted.peak_bytes, peak);
+    EXPECT_EQ(best.predicted.peak_bytes, remat::simulate(c, best).peak_bytes);
+  }
+  EXPECT_EQ(remat::chain_from_json(remat::to_json(chain)).stages[0].offload->ahead_bytes, -1);
+  EXPECT_EQ(remat::to_json(chain).find("ahead_bytes"), std::string::npos);
+  // Checked: at most the window, and -1 or a count of bytes; not read without the stream figures.
+  Chain bad = chain;
+  bad.stages[0].offload->ahead_bytes = 1201;
+  EXPECT_THROW_WITH_STD(remat::validate(bad), "ahead_bytes (1201) above its window_bytes (1200)");
+  bad.stages[0].offload->ahead_bytes = -2;
+  EXPECT_THROW_WITH_STD(remat::validate(bad), "offload ahead_bytes");
+  EXPECT_THROW_WITH_STD(
+      remat::chain_from_json(
+          R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000,
+              "saved_bytes": 5000, "offload": {"bytes": 100, "ahead_bytes": 10}}]})"),
+      "remat::chain_from_json", "come together");
+}
+
 TEST(Step, APlannedStepsMeasuredPeakIsCheckedAgainstItsPrediction) {
   const remat::PredictionCheck above = remat::check_prediction(1000, 1050, 2000);
   EXPECT_DOUBLE_EQ(above.error, 0.05);
@@ -1270,6 +1328,11 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   unread.stages[0].offload->stream_bwd_grads_bytes = -1;
   EXPECT_EQ(agreed(s1, unread).stream_bwd_grads_bytes, -1);
   EXPECT_EQ(agreed(unread, s1).stream_bwd_grads_bytes, -1);
+  // What comes back ahead: likewise.
+  s1.stages[0].offload->ahead_bytes = 3;
+  s2.stages[0].offload->ahead_bytes = 2;
+  EXPECT_EQ(agreed(s1, s2).ahead_bytes, 3);
+  EXPECT_EQ(agreed(s1, unread).ahead_bytes, -1);
   Chain s3 = s1;
   s3.stages[0].offload->stream_fwd_bytes = s3.stages[0].offload->stream_bwd_bytes = -1;
   s3.stages[0].offload->window_bytes = 0;

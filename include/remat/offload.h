@@ -182,6 +182,13 @@ class Offload {
   void finish_copies();
   /// Starts bringing back every tensor this Offload holds on the host (ahead of the backward pass).
   void prefetch();
+  /// Streaming: the bytes prefetch() would copy back now with a window of `window` bytes, starting nothing
+  /// (the last tensors saved, newest first, while they fit in it): the most of it whichever storages of
+  /// `maybe_found` (a stage's input and output, which may still be on the device then, and are found there,
+  /// not copied) are found. A plan charges it ahead of a streamed stage's backward and in flight past its
+  /// forward (OffloadCost::ahead_bytes). Throws c10::Error naming remat::Offload::ahead_bytes for a window
+  /// below 0 or more than 15 tensors in `maybe_found`.
+  int64_t ahead_bytes(int64_t window, const std::vector<at::Tensor>& maybe_found = {}) const;
   OffloadStats stats() const;
   const std::shared_ptr<HostPool>& pool() const;
 

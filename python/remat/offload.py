@@ -591,10 +591,14 @@ class Offload:
         # freed): bytes saved by two operators, unpacked by both, come back once, as plain autograd holds them.
         return out
 
-    def _ahead(self, i: int) -> None:
+    def _ahead(self, i: int, window: int | None = None, found: set[int] | None = None) -> int:
         """Streaming: starts bringing back the tensors saved before the i-th (the backward pass's next), the
-        nearest first, while those brought back and not yet asked for stay within `window` bytes."""
-        ahead = 0
+        nearest first, while those brought back and not yet asked for stay within `window` bytes (this
+        Offload's by default). With `found` (storage addresses), starts nothing and returns the bytes it would
+        copy back: the storages in it taken as found on the device (no copy, nothing of the window), as those
+        without a host block are."""
+        window = self.window if window is None else window
+        ahead = copied = 0
         for ref in reversed(self._order[:i]):
             other = ref()
             if other is None or other.unpacked or other.aliased:
@@ -604,11 +608,28 @@ class Offload:
                 continue
             if not other.away():
                 continue
-            if ahead + other.nbytes > self.window:
+            if found is not None and (other.block is None or other.ptr in found):
+                continue
+            if ahead + other.nbytes > window:
                 break
-            self._start_to_device(other)
+            if found is None:
+                self._start_to_device(other)
             if not other.aliased:
                 ahead += other.nbytes
+                copied += other.nbytes
+        return copied
+
+    def ahead_bytes(self, window: int, maybe_found=()) -> int:
+        """The bytes prefetch() would copy back now, streamed with `window` (bytes), starting nothing: the last
+        tensors saved, newest first, while they fit in it; the most of it whichever storages of `maybe_found`
+        (tensors: a layer's input and output, which may still be on the device when it runs, and are then
+        found there, not copied) are found. A plan charges it ahead of a streamed layer's backward and in flight
+        past its forward (the chain's OffloadCost.ahead_bytes). Raises ValueError for a window below 0."""
+        if not isinstance(window, int) or window < 0:
+            raise ValueError(f"remat.offload: ahead_bytes' window must be a number of bytes >= 0, got {window!r}")
+        ptrs = sorted(storage_ptrs(maybe_found))
+        return max(self._ahead(len(self._order), window, {p for k, p in enumerate(ptrs) if pick >> k & 1})
+                   for pick in range(1 << len(ptrs)))
 
     def _drop(self, entry: _Entry) -> None:
         entry.handles -= 1

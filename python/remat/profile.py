@@ -259,26 +259,29 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     return [(name, nbytes, _median(times[name])) for name, nbytes in found]
 
 
-def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int]) -> tuple[int, int, int] | None:
+def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
+                    window: int) -> tuple[int, int, int, int] | None:
     """fn(leaf) run streamed: what it saves sent to the host as it is made, each copy waited for at once
     (remat.offload.Offload with window 0, never the `alive` storages), then backward(out) (the profile's
     timed_backward: (ms, its peak above the bytes before it, that peak had it made its parameters' gradients
     or None)), each tensor brought back where it is used. Returns (the forward's peak above the bytes before
-    it, the backward's, the backward's with its gradients made or -1 unmeasured), or None when it has no
-    backward (its output needs no gradient)."""
+    it, the backward's, the backward's with its gradients made or -1 unmeasured, what the runtime's prefetch()
+    brings back ahead with `window`: Offload.ahead_bytes, the layer's input and output perhaps found on the
+    device), or None when it has no backward (its output needs no gradient)."""
     o = Offload(pool=HostPool(), min_bytes=min_bytes, lookahead=0, window=0).keep_on_device(storages=alive)
     before = meter.count()
-    with meter.window() as window:
+    with meter.window() as peak:
         with o:
             out = fn(leaf)
         o.finish_copies()
-        fwd = window.peak() - before
+        fwd = peak.peak() - before
     if not out.requires_grad:
         return None
+    ahead = o.ahead_bytes(window, maybe_found=(leaf, out))
     _, bwd, grads = backward(out)
     del out
     o.pool.release()
-    return max(0, fwd), max(0, bwd), -1 if grads is None else max(0, grads)
+    return max(0, fwd), max(0, bwd), -1 if grads is None else max(0, grads), ahead
 
 
 class _SavedStorages:
@@ -689,7 +692,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     fields[i]["stream"] = _measure_stream(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
                         lambda out, i=i, targets=targets: timed_backward(out, targets, i, grads_peak=True),
-                        meter, offload_min_bytes, alive) if targets else None
+                        meter, offload_min_bytes, alive, fields[i].get("largest", 0)) if targets else None
                     del leaf, targets
                     report("offloading", names[i])
             if groups:
@@ -752,10 +755,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             s.offload = f.get("offload")
             if s.offload is not None and f.get("stream") is not None:
                 o = s.offload
-                o.stream_fwd_bytes, o.stream_bwd_bytes, o.stream_bwd_grads_bytes = f["stream"]
+                o.stream_fwd_bytes, o.stream_bwd_bytes, o.stream_bwd_grads_bytes, ahead = f["stream"]
                 # The runtime's window: the largest tensor the stage sends (one copy in flight each way, or
-                # one tensor ahead, beside the one in use).
+                # one tensor ahead, beside the one in use); what it brings back ahead with it, within it.
                 o.window_bytes = f.get("largest", 0)
+                o.ahead_bytes = min(ahead, o.window_bytes)
                 s.offload = o
             s.checkpoint_offload = f.get("ckpt_offload")
         stages_out.append(s)

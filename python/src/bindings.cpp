@@ -92,7 +92,15 @@ NB_MODULE(_core, m) {
           "counted (bytes; -1: not measured, all of them charged)")
       .def_rw("window_bytes", &remat::OffloadCost::window_bytes,
               "streamed: the most bytes in flight each way beside those peaks (bytes)")
-      .def("can_stream", &remat::OffloadCost::can_stream, "whether the stream figures were measured");
+      .def_rw(
+          "ahead_bytes", &remat::OffloadCost::ahead_bytes,
+          "streamed with window_bytes: what comes back ahead of its backward, and the most in flight past "
+          "its forward (bytes; -1: not measured, the window charged)")
+      .def("can_stream", &remat::OffloadCost::can_stream, "whether the stream figures were measured")
+      .def(
+          "tail_bytes", &remat::OffloadCost::tail_bytes, "window"_a, "leaving"_a,
+          "streamed with `window` bytes, of `leaving` bytes that leave the device: what stays in flight past "
+          "its forward and comes back ahead of its backward (bytes)");
 
   nb::class_<remat::PolicyCost>(m, "PolicyCost", "What a stage costs run as Fk under one policy (Fk[name]).")
       .def(nb::init<>())

@@ -151,6 +151,39 @@ def test_a_window_bounds_what_is_in_flight_each_way(x):
         offload(window=-1)
 
 
+def test_ahead_bytes_is_what_prefetch_brings_back():
+    # What prefetch() brings back ahead of a streamed layer's backward: the last tensors saved, newest first,
+    # while they fit in the window, stopping at the first that does not (the plan charges it: the chain's
+    # OffloadCost.ahead_bytes). The layer saves x (w), gelu's input (2w), lin2's input (2w) and tanh's output
+    # (w, the layer's output), in that order; the window is 2w.
+    meter = remat.cpu_meter()
+    w = BATCH * WIDTH * 4
+    lin1, lin2 = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH)
+    for found in (False, True):
+        x = torch.randn(BATCH, WIDTH, requires_grad=True)
+        o = offload(min_bytes=1 << 12, window=2 * w).keep_on_device([*lin1.parameters(), *lin2.parameters()])
+        with o:
+            out = torch.tanh(lin2(torch.nn.functional.gelu(lin1(x))))
+        o.finish_copies()
+        assert o.offloaded == 4
+        # The output, found on the device when the backward comes (the next layer holds it), takes nothing of
+        # the window: lin2's input comes back in its stead.
+        assert o.ahead_bytes(2 * w) == w and o.ahead_bytes(2 * w, maybe_found=(out,)) == 2 * w
+        assert o.ahead_bytes(0) == 0 and o.ahead_bytes(6 * w) == 6 * w
+        loss = out.sum()
+        if not found:
+            del out  # its storage gone: only its copy on the host is left
+        before = meter.count()
+        o.prefetch()
+        assert meter.count() - before == (2 * w if found else w)
+        assert (o.brought_back, o.found_on_device) == ((1, 1) if found else (1, 0))
+        loss.backward()
+        assert torch.equal(x.grad, torch.autograd.grad(torch.tanh(lin2(torch.nn.functional.gelu(lin1(x)))).sum(),
+                                                       x)[0])
+    with pytest.raises(ValueError, match="ahead_bytes' window must be a number of bytes >= 0"):
+        o.ahead_bytes(-1)
+
+
 def test_checkpointed_layers_inputs_are_offloaded(x):
     # Under torch.utils.checkpoint the layers save nothing but their inputs, which the checkpoint saves
     # outside its own hooks: those go to the host.
@@ -610,6 +643,52 @@ def test_streamed_layers_go_below_whole_layer_offloading_bitwise():
     lp.remove()
     with pytest.raises(ValueError, match="streams a layer"):
         remat.enable(model, list(model.layers), plan=plan)
+
+
+class TailBlock(nn.Module):
+    """A DeepBlock and a LayerNorm: the last tensor it sends, the norm's input (a hidden state), is half the
+    largest (the window); the one sent before it is the largest."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.deep, self.norm = DeepBlock(w), nn.LayerNorm(w)
+
+    def forward(self, x):
+        return self.norm(self.deep(x))
+
+
+def test_a_streamed_layer_holds_ahead_of_its_backward_what_its_prefetch_brings_back():
+    # Streamed with the chain's window, a block brings back ahead of its backward (while the block after it runs
+    # its backward) the last tensors it sent that fit in the window, newest first: here the norm's input, half
+    # the window (the profile's ahead_bytes). The plan charges that, not the window: each streamed block's
+    # backward is predicted a hidden state lower than the window would have it, within what the step holds.
+    torch.manual_seed(0)
+    model = Stack(w=64, n=4)
+    model.layers = nn.ModuleList(TailBlock(64) for _ in range(4))
+    grads_ready(model)
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(2))
+    hidden = 256 * 64 * 4
+    plain = stack_step(model, x)
+    lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
+    same_step(plain, stack_step(model, x))
+    chain, ctx = lp.chain, lp.context
+    for st in chain.stages:
+        assert (st.offload.window_bytes, st.offload.ahead_bytes) == (2 * hidden, hidden)
+    windows = [2 * hidden] * 4
+    every = remat.Plan.from_json('{"num_stages": 4, "ops": [%s, "L", "B3", "B2", "B1", "B0"], "stream_windows": %s}'
+                                 % (", ".join(f'"Fa{i}@stream"' for i in range(4)), windows))
+    unmeasured = remat.Chain.from_json(chain.to_json())
+    for st in unmeasured.stages:
+        o = st.offload
+        o.ahead_bytes = -1
+        st.offload = o
+    predicted = remat.step_peak_bytes(chain, ctx, every)
+    assert remat.step_peak_bytes(unmeasured, ctx, every) - predicted == hidden
+    lp.set_budget(predicted)
+    assert str(lp.plan) == str(every), lp.plan
+    got = stack_step(model, x)
+    same_step(plain, got)
+    assert got[2] <= predicted, (got[2], predicted)
 
 
 def test_offloading_options_are_checked():

@@ -63,6 +63,10 @@ std::optional<OffloadCost> offload_at(const std::optional<OffloadCost>& a,
     c.stream_fwd_bytes = c.stream_bwd_bytes = c.stream_bwd_grads_bytes = -1;
   }
   c.window_bytes = line.bytes(a->window_bytes, b->window_bytes);
+  // What comes back ahead: on the line too, within the window there.
+  c.ahead_bytes = c.can_stream() && a->ahead_bytes >= 0 && b->ahead_bytes >= 0
+                      ? std::min(line.bytes(a->ahead_bytes, b->ahead_bytes), c.window_bytes)
+                      : -1;
   return c;
 }
 

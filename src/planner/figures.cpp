@@ -44,6 +44,8 @@ struct Collect {
     // The streamed backward's peak with its gradients made: likewise measured everywhere, or unmeasured.
     opt_bytes(stream && v->stream_bwd_grads_bytes >= 0 ? std::optional<int64_t>(v->stream_bwd_grads_bytes)
                                                        : std::nullopt);
+    // What comes back ahead of its backward: likewise (the largest is at most the largest window).
+    opt_bytes(stream && v->ahead_bytes >= 0 ? std::optional<int64_t>(v->ahead_bytes) : std::nullopt);
   }
 };
 
@@ -82,10 +84,12 @@ struct Write {
     c.output = next_flag();
     const bool no_stream = next_flag();
     const int64_t fwd = next_int(), bwd = next_int(), window = next_int();
-    std::optional<int64_t> grads;
+    std::optional<int64_t> grads, ahead;
     opt_bytes(grads);
+    opt_bytes(ahead);
     if (!no_stream) c.stream_fwd_bytes = fwd, c.stream_bwd_bytes = bwd, c.window_bytes = window;
     if (!no_stream && grads) c.stream_bwd_grads_bytes = *grads;
+    if (!no_stream && ahead) c.ahead_bytes = *ahead;
     v = absent ? std::nullopt : std::optional<OffloadCost>(c);
   }
 };

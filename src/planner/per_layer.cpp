@@ -404,8 +404,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
           q.copied = copied;
           if (ch.stream) {
-            // Only a window stays in flight past its forward (and comes back ahead of its backward).
-            const int64_t tail = std::min(ch.window, q.pending);
+            // Only its tail stays in flight past its forward (and comes back ahead of its backward).
+            const int64_t tail = ch.cost->tail_bytes(ch.window, q.pending);
             q.held -= q.pending - tail;
             q.pending = tail;
           }

@@ -228,8 +228,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     enum { kNo, kInFlight, kGone, kBack } state = kNo;
     double back_at = 0;  // the compute time (time_ms - transfer_ms) when it began coming back
     bool charged = false;
-    // Streamed (Fa@stream): of `device`, only `tail` (a window) is in flight after its forward and comes back
-    // ahead of its backward; the rest left as it was copied and comes back tensor by tensor within it.
+    // Streamed (Fa@stream): of `device`, only `tail` (at most a window: OffloadCost::tail_bytes) is in flight
+    // after its forward and comes back ahead of its backward; the rest left as it was copied and comes back
+    // tensor by tensor within it.
     bool stream = false;
     int64_t window = 0;    // streamed: the window it runs with (the plan's, else the chain's)
     bool exposed = false;  // streamed with no window: its copies waited for as made and as asked for
@@ -476,11 +477,12 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }
           if (op.stream && c) {
-            // Only a window stays in flight past its forward: the rest has left as it was copied.
+            // Only its tail (at most a window) stays in flight past its forward: the rest has left as it was
+            // copied.
             a.stream = true;
             a.window = window_of(i);
             a.exposed = a.window == 0;
-            a.tail = std::min(a.window, a.device);
+            a.tail = c->tail_bytes(a.window, a.device);
             a.cost = c;
             current -= a.device - a.tail;
           }

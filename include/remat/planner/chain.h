@@ -52,8 +52,22 @@ struct OffloadCost {
   /// last of its gradients is made, so this is at most stream_bwd_bytes plus all of them
   /// (Stage::grads_charge_bytes() reads the two).
   int64_t stream_bwd_grads_bytes = -1;
+  /// Streaming with window_bytes: what the runtime brings back ahead of the stage's backward, and the most
+  /// that stays in flight past its forward (bytes; -1: not measured, window_bytes charged for both). The
+  /// runtimes bring back the last tensors sent, newest first, while they fit in the window, so this is the
+  /// longest run of the stage's last-sent tensors within window_bytes (0 <= ahead_bytes <= window_bytes);
+  /// the profilers measure it (Offload's ahead_bytes()).
+  int64_t ahead_bytes = -1;
   /// Whether the stream figures were measured.
   bool can_stream() const { return stream_fwd_bytes >= 0 && stream_bwd_bytes >= 0; }
+  /// Streamed with a window of `window` bytes, of `leaving` bytes that leave the device: what stays in
+  /// flight past its forward and comes back ahead of its backward (bytes): ahead_bytes for the chain's own
+  /// window where measured, else the window; at most `leaving`. simulate() and the per-layer planner charge
+  /// it.
+  int64_t tail_bytes(int64_t window, int64_t leaving) const {
+    const int64_t ahead = window == window_bytes && ahead_bytes >= 0 ? ahead_bytes : window;
+    return ahead < leaving ? ahead : leaving;
+  }
 };
 
 /// What a stage costs run as Fk under one operator-level policy (remat/policy.h; Fk[name] in a plan), as the

@@ -495,9 +495,12 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   }
 
   // Streaming: starts bringing back the tensors saved before the i-th of order_, the nearest first, while
-  // those on their way and not yet asked for stay within a window of bytes.
-  void ahead(size_t i) {
-    int64_t bytes = 0;
+  // those on their way and not yet asked for stay within a window of bytes (the options' by default). With
+  // `found` (storages), starts nothing and returns the bytes it would copy back, those storages taken as
+  // found on the device (no copy, nothing of the window).
+  int64_t ahead(size_t i, int64_t window = -1, const std::vector<const c10::StorageImpl*>* found = nullptr) {
+    if (window < 0) window = options_.window();
+    int64_t bytes = 0, copied = 0;
     for (size_t k = i; k-- > 0;) {
       auto other = order_[k].lock();
       if (!other || other->unpacked || other->aliased) continue;
@@ -506,12 +509,37 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
         continue;
       }
       if (!other->block.defined() || other->held_storage) continue;  // not on the host
-      if (bytes + other->nbytes > options_.window()) break;
-      start_to_device(*other);
-      if (!other->aliased) bytes += other->nbytes;
+      if (found &&
+          std::find(found->begin(), found->end(), other->storage._unsafe_get_target()) != found->end())
+        continue;
+      if (bytes + other->nbytes > window) break;
+      if (!found) start_to_device(*other);
+      if (!other->aliased) bytes += other->nbytes, copied += other->nbytes;
     }
+    return copied;
   }
 
+ public:
+  // Offload::ahead_bytes.
+  int64_t ahead_bytes(int64_t window, const std::vector<at::Tensor>& maybe_found) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    std::vector<const c10::StorageImpl*> candidates;
+    for (const at::Tensor& t : maybe_found) {
+      if (t.defined() && t.has_storage()) candidates.push_back(t.storage().unsafeGetStorageImpl());
+    }
+    TORCH_CHECK(candidates.size() < 16, "remat::Offload::ahead_bytes: at most 15 tensors may be found, got ",
+                candidates.size());
+    int64_t most = 0;
+    for (size_t pick = 0; pick < (size_t{1} << candidates.size()); ++pick) {
+      std::vector<const c10::StorageImpl*> found;
+      for (size_t k = 0; k < candidates.size(); ++k)
+        if (pick >> k & 1) found.push_back(candidates[k]);
+      most = std::max(most, ahead(order_.size(), window, &found));
+    }
+    return most;
+  }
+
+ private:
   // Releases the device tensors whose copies to the host have completed (queried, not waited for).
   void settle() {
     std::vector<std::weak_ptr<Entry>> still;
@@ -625,6 +653,11 @@ void Offload::finish_copies() {
 
 void Offload::prefetch() {
   state_->prefetch();
+}
+
+int64_t Offload::ahead_bytes(int64_t window, const std::vector<at::Tensor>& maybe_found) const {
+  TORCH_CHECK(window >= 0, "remat::Offload::ahead_bytes: window must be >= 0 (bytes), got ", window);
+  return state_->ahead_bytes(window, maybe_found);
 }
 
 OffloadStats Offload::stats() const {

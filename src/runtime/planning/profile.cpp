@@ -403,7 +403,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         // Streamed (Fa@stream): the forward under an Offload that waits for each copy at once (window 0),
         // then its backward with each tensor brought back where it is used: each one's peak above the bytes
         // before it (the backward's also had it made its gradients); the window the runtime holds beside
-        // them, the largest tensor the stage sends.
+        // them, the largest tensor the stage sends, and what it brings back ahead with it.
         {
           torch::Tensor probe = leaf_of(i, xs[i]);
           Offload streamed(detail::stage_offload_options(
@@ -416,6 +416,9 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           sync();
           const int64_t fwd = scope.peak_over_base();
           const int64_t largest = streamed.stats().largest_bytes;
+          // What the runtime brings back ahead of its backward with that window (its input and output
+          // perhaps found on the device).
+          const int64_t ahead = largest > 0 ? streamed.ahead_bytes(largest, {probe, out}) : 0;
           const std::vector<torch::Tensor> targets = targets_of(i, probe);
           if (out.requires_grad() && !targets.empty() && largest > 0) {
             int64_t bwd = 0, grads_bwd = 0;
@@ -424,6 +427,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
             s.offload->stream_bwd_bytes = std::max<int64_t>(0, bwd);
             s.offload->stream_bwd_grads_bytes = std::max<int64_t>(0, grads_bwd);
             s.offload->window_bytes = largest;
+            s.offload->ahead_bytes = std::min(ahead, largest);
           }
         }
         if (!options.keep().empty()) {

@@ -1572,7 +1572,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
   // is charged without it, and the step's per-layer program is the search over every per-layer plan's step
   // peak.
   std::mt19937 rng(4242), between_rng(4243);
-  int freed = 0, timelines = 0;
+  int freed = 0, freed_whole = 0, timelines = 0;
   for (int trial = 0; trial < 24; ++trial) {
     const int64_t n = 1 + trial % 4;
     Chain chain = random_offload_chain(rng, n, 1000);
@@ -1595,11 +1595,13 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
       const int64_t before = remat::step_peak_bytes(chain, held, c.plan);
       c.peak = remat::step_peak_bytes(chain, gone, c.plan);
       const bool first_streamed = c.plan.ops[0].stream;
-      // Only a first stage streamed changes the step's peak, and never raises it.
-      if (!first_streamed) EXPECT_EQ(c.peak, before) << c.plan.to_string();
+      // Only a first stage streamed, or offloaded whole with its input (gone until its bytes come back),
+      // changes the step's peak, and never raises it.
+      if (!c.plan.ops[0].offloads()) EXPECT_EQ(c.peak, before) << c.plan.to_string();
       EXPECT_LE(c.peak, before) << c.plan.to_string();
       EXPECT_GE(c.peak, before - chain.input_bytes) << c.plan.to_string();
       freed += c.peak < before;
+      freed_whole += !first_streamed && c.peak < before;
       if (first_streamed && trial % 4 == 0) {
         ++timelines;
         // Operation by operation: the same up to the loss and in the part before the chain's backward, the
@@ -1621,6 +1623,7 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     expect_fastest_step_plans(chain, gone, all, least, most, options, rng, trial);
   }
   EXPECT_GT(freed, 20);
+  EXPECT_GT(freed_whole, 5);
   EXPECT_GT(timelines, 5);
   // The context's rules: held with input_in_base, read from the readings, agreed held where any rank holds
   // it.
@@ -1784,6 +1787,71 @@ TEST(Step, AnOutputHeldToTheStepsEndIsChargedFromWhereTheModelLetsGoOfIt) {
   EXPECT_EQ(remat::step_context(r).outputs_held_to_end, (std::vector<bool>{false, true}));
   held.outputs_held_to_end = {true};
   EXPECT_THROW_WITH_STD(remat::validate(held, c), "outputs_held_to_end has 1 entries", "3 stages");
+}
+
+// An input something holds to the step's end (Chain::inputs_held, which step_chain() sets from
+// StepContext::outputs_held_to_end: a caller's list of hidden states) stays on the device when its stage is
+// offloaded or streamed: copied to the host all the same, freed by none of it. simulate() and the per-layer
+// program charge it alike (against every per-layer plan, offloaded and streamed ways included).
+TEST(Step, AnInputHeldToTheStepsEndStaysOnTheDeviceWhenItsStageIsOffloaded) {
+  Chain c = remat::uniform_chain(3, 1.0, 2.0, 1000, 5000);
+  c.to_host_gb_per_s = c.to_device_gb_per_s = 1.0;
+  for (remat::Stage& s : c.stages)
+    s.offload = remat::OffloadCost{3000, true, false};
+  const Plan plan = remat::plan_from_json(R"({"num_stages": 3, "ops": ["Fa0", "Fa1@host", "Fa2", "L", "B2",
+      "B1", "B0"]})");
+  Chain held = c;
+  held.inputs_held = {false, true, false};
+  const remat::Simulation a = remat::simulate(c, plan), b = remat::simulate(held, plan);
+  // From when stage 1's copies have landed (after Fa2) to when they come back (B2), a_1 is on the device as
+  // well.
+  for (size_t k = 0; k < plan.ops.size(); ++k)
+    EXPECT_EQ(b.op_done_bytes[k] - a.op_done_bytes[k], k == 2 || k == 3 ? 1000 : 0) << k;
+  EXPECT_EQ(b.host_peak_bytes, a.host_peak_bytes);
+  EXPECT_EQ(remat::chain_from_json(remat::to_json(held)).inputs_held, held.inputs_held);
+  EXPECT_EQ(remat::to_json(c).find("inputs_held"), std::string::npos);
+  held.inputs_held = {true};
+  EXPECT_THROW_WITH_STD(remat::validate(held), "inputs_held has 1 entries but the chain has 3 stages");
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1,
+      "bwd_ms": 1, "output_bytes": 1000, "saved_bytes": 5000}], "inputs_held": [1]})"),
+                        "remat::chain_from_json", "inputs_held");
+  // The step: step stage s takes chain stage s - 2's output.
+  remat::StepContext ctx;
+  ctx.outputs_held_to_end = {true, false, true};
+  EXPECT_EQ(remat::step_chain(c, ctx).inputs_held, (std::vector<bool>{false, false, true, false, false}));
+  EXPECT_TRUE(remat::step_chain(c, remat::StepContext{}).inputs_held.empty());
+
+  std::mt19937 rng(8086);
+  int differ = 0;
+  for (int trial = 0; trial < 16; ++trial) {
+    const int64_t n = 2 + trial % 3;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    add_random_streams(rng, chain);
+    for (remat::Stage& s : chain.stages)
+      if (s.offload) s.offload->input = true;
+    remat::StepContext none;
+    none.before_saved_bytes = 5000;
+    none.rest_peak_bytes = 3000;
+    none.rest_ms = 4.0;
+    none.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+    remat::StepContext hs = none;
+    hs.outputs_held_to_end.assign(static_cast<size_t>(n), false);
+    for (int64_t j = 0; j < n; ++j)
+      hs.outputs_held_to_end[static_cast<size_t>(j)] = (trial + j) % 2 == 0;
+    remat::PlannerOptions options;
+    options.offload = true;
+    std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
+    for (Candidate& k : all) {
+      k.peak = remat::step_peak_bytes(chain, hs, k.plan);
+      differ += k.peak != remat::step_peak_bytes(chain, none, k.plan);
+      k.ms = remat::simulate(remat::step_chain(chain, hs), remat::step_plan(k.plan)).time_ms;
+      least = std::min(least, k.peak), most = std::max(most, k.peak);
+    }
+    ASSERT_EQ(remat::min_step_budget(chain, hs, "per-layer", options), least) << "trial " << trial;
+    expect_fastest_step_plans(chain, hs, all, least, most, options, rng, trial);
+  }
+  EXPECT_GT(differ, 100);
 }
 
 // A stage checkpointed per call whose graph does not save its output (Stage::saves_output false): its

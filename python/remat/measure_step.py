@@ -385,15 +385,13 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # From the layers' input gradient to the end: the backward pass of what ran before the layers.
         if not prefix_backward:
             read_input_held()
-        # Which layers' outputs something holds to the step's end (StepReadings.outputs_held_to_end). The last
-        # layer's, the layers' output, is left out (read as not held): a caller that keeps it (BERT's
-        # last_hidden_state) is what the model of the step matched before this reading, and charging it again
-        # overstated the streamed BERT's least-budget step by exactly that output (the cause is not located).
-        # One the later layers take beside their input (an encoder's output, which the caller's output holds
-        # too) is charged to the end already, as side_bytes.
+        # Which layers' outputs something holds to the step's end (StepReadings.outputs_held_to_end), the last
+        # layer's (the layers' output: BERT's last_hidden_state, which the caller keeps) too. One the later
+        # layers take beside their input (an encoder's output, which the caller's output holds too) is charged
+        # to the end already, as side_bytes.
         outs = [step.out_refs.get(j) for j in range(n - 1)]
         step.held_to_end = [o is not None and o.ref is not None and not o.ref.expired() and o.key not in step.side
-                            for o in outs] + [False]
+                            for o in outs] + [out_ref is not None and not out_ref.expired()]
         step.peak_after_backward = step.peak() if prefix_backward else -1
         step.note_peak()
         try:

@@ -110,6 +110,22 @@ class Restore:
         return False
 
 
+class _SeedGradient(torch.autograd.Function):
+    """A scalar root whose backward hands `out` a gradient of ones made there: held by autograd alone, freed
+    once its user has run, as the gradient a training step hands a layer is (a tensor of ones handed to
+    backward() would be held by the caller through the whole backward)."""
+
+    @staticmethod
+    def forward(ctx, out):
+        ctx.like = (out.shape, out.dtype, out.device)
+        return out.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.like
+        return torch.ones(shape, dtype=dtype, device=device)
+
+
 class _GradsPeak:
     """While a stage's backward runs with its parameters' gradients pre-allocated (_ZeroGrads): the peak it would
     have reached had it made those gradients (none before it, as after zero_grad(set_to_none=True)), above
@@ -509,18 +525,20 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
 
     def timed_backward(out, targets, i, grads_peak=False):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive
-        before it (d included), and with `grads_peak` (else None) that peak had the backward made its
-        parameters' gradients (_GradsPeak)."""
+        before it with d (d is made in the backward pass, held by autograd alone and freed once used, as a
+        training step's gradient is: _SeedGradient), and with `grads_peak` (else None) that peak had the
+        backward made its parameters' gradients (_GradsPeak)."""
         with _ZeroGrads(params[i]):
-            d = torch.ones_like(out)
+            root = _SeedGradient.apply(out)
+            seed = torch.zeros((), dtype=root.dtype, device=root.device)
             sync()
-            before = meter.count()
+            before = meter.count() + out.nbytes
             window = meter.window()
             # Windows nest on remat's meters only (not on the CUDA allocator's statistic it falls back to).
             grads_peak = grads_peak and isinstance(window, PeakWindow)
             with window, (_GradsPeak(meter, params[i], before) if grads_peak else contextlib.nullcontext()) as made:
                 t0 = time.perf_counter()
-                torch.autograd.backward(out, d, inputs=targets)
+                torch.autograd.backward(root, seed, inputs=targets)
                 sync()
                 ms = (time.perf_counter() - t0) * 1e3
                 peak = window.peak() - before

@@ -117,6 +117,11 @@ void validate(const Chain& chain) {
       throw std::invalid_argument(os.str());
     }
   }
+  if (!chain.inputs_held.empty() && chain.inputs_held.size() != chain.stages.size()) {
+    throw std::invalid_argument("remat::validate: inputs_held has " +
+                                std::to_string(chain.inputs_held.size()) + " entries but the chain has " +
+                                std::to_string(chain.stages.size()) + " stages (one per stage, or none)");
+  }
   int64_t total = 0;
   add_bytes(total, chain.input_bytes, "input_bytes");
   for (size_t i = 0; i < chain.stages.size(); ++i) {
@@ -313,6 +318,7 @@ std::string to_json(const Chain& chain) {
     j["to_device_gb_per_s"] = chain.to_device_gb_per_s;
   }
   if (chain.holds_outputs) j["holds_outputs"] = true;
+  if (!chain.inputs_held.empty()) j["inputs_held"] = chain.inputs_held;
   return j.dump(2);
 }
 
@@ -482,6 +488,20 @@ Chain chain_from_json(const std::string& text) {
   chain.to_host_gb_per_s = optional<double>(j, "to_host_gb_per_s", "the chain", 0.0);
   chain.to_device_gb_per_s = optional<double>(j, "to_device_gb_per_s", "the chain", 0.0);
   chain.holds_outputs = boolean(j, "holds_outputs", "the chain", false);
+  if (j.contains("inputs_held")) {
+    const auto& held = j.at("inputs_held");
+    if (!held.is_array())
+      throw std::invalid_argument(
+          "remat::chain_from_json: \"inputs_held\" must be an array of true or false");
+    for (const auto& b : held) {
+      if (!b.is_boolean())
+        throw std::invalid_argument(
+            "remat::chain_from_json: every entry of \"inputs_held\" must be true or "
+            "false, got " +
+            b.dump());
+      chain.inputs_held.push_back(b.get<bool>());
+    }
+  }
   validate(chain);
   return chain;
 }

@@ -169,7 +169,7 @@ struct StepTerms {
   std::vector<int64_t> held_to_end;
   // The chain's input where nothing but the stages holds it in the backward pass (bytes; 0 otherwise): gone
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
-  // input_freed_bytes()).
+  // input_gone_from()).
   int64_t input_freed = 0;
 };
 
@@ -248,7 +248,7 @@ struct Point {
   int64_t copied = 0;
   double link = 0;
   bool keeps_output = true;
-  bool input_gone = false;
+  int64_t input_gone_from = 0;  // from which stage on the chain's input is gone (detail::input_gone_from())
   int64_t host = 0;
   int64_t peak = 0;
   double ms = 0;
@@ -262,20 +262,20 @@ constexpr size_t kMaxFrontier = size_t{1} << 15;
 
 bool same_group(const Point& a, const Point& b) {
   return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output &&
-         a.input_gone == b.input_gone;
+         a.input_gone_from == b.input_gone_from;
 }
 
 // Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
-// input_gone), which the future depends on beside R, no point with R, `key` (time when planning for a budget,
-// peak when looking for the least memory), when `host` bounds it host bytes, and when `link` (planning for
-// time with offloading) the link's time still owed, all at most its. Ties keep the first point.
+// input_gone_from), which the future depends on beside R, no point with R, `key` (time when planning for a
+// budget, peak when looking for the least memory), when `host` bounds it host bytes, and when `link`
+// (planning for time with offloading) the link's time still owed, all at most its. Ties keep the first point.
 template <typename Key>
 std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::stable_sort(points.begin(), points.end(), [&](const Point& a, const Point& b) {
     if (a.pending != b.pending) return a.pending < b.pending;
     if (a.copied != b.copied) return a.copied < b.copied;
     if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
-    if (a.input_gone != b.input_gone) return a.input_gone < b.input_gone;
+    if (a.input_gone_from != b.input_gone_from) return a.input_gone_from < b.input_gone_from;
     if (a.held != b.held) return a.held < b.held;
     if (key(a) != key(b)) return key(a) < key(b);
     return a.host < b.host;
@@ -379,13 +379,18 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       for (size_t c = 0; c < cs.size(); ++c) {
         const Choice& ch = cs[c];
         Point q;
-        const bool input_leaves = ch.offload && ch.cost->input && j > 0 && !p.keeps_output;
-        // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output).
-        q.input_gone = p.input_gone || (step && step->input_freed > 0 && j == 1 && ch.stream);
-        // Without it: the backward of every stage after the part before the chain (the rest's included).
-        const int64_t bwd_less =
-            (ch.stream && input_leaves ? a_in : 0) + (q.input_gone ? step->input_freed : 0);
-        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less, q.input_gone));
+        const bool input_leaves =
+            ch.offload && ch.cost->input && j > 0 && !p.keeps_output && !chain.input_held(j);
+        // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output) for
+        // the whole backward pass; offloaded whole with it, until its bytes come back (step stage 2's
+        // backward).
+        q.input_gone_from = p.input_gone_from;
+        if (step && step->input_freed > 0 && j == 1)
+          q.input_gone_from = detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input);
+        // Without it: the backward of every stage from there on (the rest's included).
+        const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
+        const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
+        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less, gone));
         if (by_time && q.peak > budget) continue;
         // The bytes its copies move each way.
         const int64_t copied =

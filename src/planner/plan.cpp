@@ -472,7 +472,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           Away& a = away[static_cast<size_t>(i)];
           a = Away{};
           if (c) {
-            a.input_left = c->input && i > 0 && !keeps_output[i] && held[i] != kNone;
+            // Its input leaves with it unless something holds it on the device (the stage before, through
+            // what it saves; the step, to its end: Chain::inputs_held).
+            a.input_left = c->input && i > 0 && !keeps_output[i] && held[i] != kNone && !chain->input_held(i);
             a.device = c->bytes + (a.input_left ? act(i) : 0);
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }

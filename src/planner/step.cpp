@@ -158,6 +158,14 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   step.to_host_gb_per_s = chain.to_host_gb_per_s;
   step.to_device_gb_per_s = chain.to_device_gb_per_s;
   step.holds_outputs = chain.holds_outputs;
+  // Step stage s (chain stage s - 1) takes a_{s-1}, chain stage s - 2's output: held to the step's end where
+  // the context says so (outputs_held_to_end), or where the chain says its input is.
+  step.inputs_held.assign(static_cast<size_t>(chain.size()) + 2, false);
+  for (int64_t s = 1; s <= chain.size(); ++s)
+    step.inputs_held[static_cast<size_t>(s)] =
+        chain.input_held(s - 1) || (s >= 2 && detail::held_to_end_bytes(chain, context, s - 2) > 0);
+  if (std::find(step.inputs_held.begin(), step.inputs_held.end(), true) == step.inputs_held.end())
+    step.inputs_held.clear();
   Stage before;
   before.name = "before";
   before.output_bytes = chain.input_bytes;
@@ -216,30 +224,47 @@ bool fa_leaves_output(const Stage& s) {
   return s.offload ? !s.offload->output : !s.saves_output;
 }
 
-bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
-  if (op.stage < 0 || op.stage >= chain.size()) return false;
+std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& ops, const Op& op) {
+  if (op.stage < 0 || op.stage >= chain.size()) return std::nullopt;
   const Stage& st = chain.stages[static_cast<size_t>(op.stage)];
-  auto unsaved = [](const std::optional<OffloadCost>& c) { return c && !c->output; };
-  if (op.kind == OpKind::kForwardAll) return fa_leaves_output(st);
-  if (op.kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
-  if (!op.groups.empty()) return unsaved(group_cost(st, op.groups).offload);
-  if (op.policy < 0) return unsaved(st.keep_offload);
-  if (static_cast<size_t>(op.policy) >= ops.policies.size()) return false;
+  if (op.kind == OpKind::kForwardAll) return st.offload;
+  if (op.kind == OpKind::kForwardCheckpoint) return st.checkpoint_offload;
+  if (op.kind != OpKind::kForwardKeep) return std::nullopt;
+  if (!op.groups.empty()) return group_cost(st, op.groups).offload;
+  if (op.policy < 0) return st.keep_offload;
+  if (static_cast<size_t>(op.policy) >= ops.policies.size()) return std::nullopt;
   const auto it =
       std::find(chain.policies.begin(), chain.policies.end(), ops.policies[static_cast<size_t>(op.policy)]);
-  if (it == chain.policies.end()) return false;
+  if (it == chain.policies.end()) return std::nullopt;
   const size_t p = static_cast<size_t>(it - chain.policies.begin());
-  return p < st.policies.size() && unsaved(st.policies[p].offload);
+  return p < st.policies.size() ? st.policies[p].offload : std::nullopt;
+}
+
+bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
+  if (op.stage < 0 || op.stage >= chain.size()) return false;
+  if (op.kind == OpKind::kForwardAll) return fa_leaves_output(chain.stages[static_cast<size_t>(op.stage)]);
+  if (op.kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
+  const std::optional<OffloadCost> c = way_offload(chain, ops, op);
+  return c && !c->output;
 }
 
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
   return context.input_held_in_backward || context.input_in_base ? 0 : chain.input_bytes;
 }
 
-int64_t input_freed_bytes(const Chain& chain, const StepContext& context, const Plan& ops) {
+int64_t input_gone_from(bool streamed, bool offloaded_with_input) {
+  return streamed ? 1 : offloaded_with_input ? 3 : 0;
+}
+
+int64_t input_gone_from(const Chain& chain, const StepContext& context, const Plan& ops) {
+  if (input_unheld_bytes(chain, context) == 0) return 0;
   for (const Op& op : ops.ops) {
     if (op.kind == OpKind::kLoss) break;
-    if (op.stage == 1 && op.kind != OpKind::kBackward && op.stream) return input_unheld_bytes(chain, context);
+    if (op.stage != 1 || op.kind == OpKind::kBackward || !op.offloads()) continue;
+    Op in_chain = op;
+    in_chain.stage = 0;
+    const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
+    return input_gone_from(op.stream, c && c->input);
   }
   return 0;
 }
@@ -265,8 +290,12 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   }
   // A first stage streamed before the loss takes the chain's input to the host when nothing else holds it
   // (StepContext::input_held_in_backward): from the loss on, the rest's backward and the chain stages'
-  // backward passes and recomputes run without it (the first one's measured peak holds it back).
-  const int64_t freed = input_freed_bytes(chain, context, ops);
+  // backward passes and recomputes run without it (the first one's measured peak holds it back). Offloaded
+  // whole with its input, it takes it until its bytes come back, at the first operation after the loss of it
+  // or of the stage after it (simulate()'s schedule).
+  const int64_t gone_from = input_gone_from(chain, context, ops);
+  const int64_t freed = gone_from > 0 ? input_unheld_bytes(chain, context) : 0;
+  bool input_back = false;
   const int64_t base = context.input_in_base ? chain.input_bytes : int64_t{0};
   bool after_loss = false;
   int64_t arrived = 0;
@@ -338,7 +367,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       state_held[static_cast<size_t>(op.stage)] = 1;
       arrived += context.checkpoint_state_bytes;
     }
-    const bool without_input = after_loss && op.stage >= 1 && op.kind != OpKind::kLoss;
+    if (after_loss && gone_from > 1 && op.kind != OpKind::kLoss && (op.stage == 1 || op.stage == 2))
+      input_back = true;
+    const bool without_input = after_loss && !input_back && op.stage >= 1 && op.kind != OpKind::kLoss;
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     // The backward of a stage checkpointed per call holds, after its recompute stopped early, no output its

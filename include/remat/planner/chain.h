@@ -253,7 +253,16 @@ struct Chain {
   /// per-call checkpoint whose recompute stops early: Stage::saves_output). Read by offloading (whether the
   /// next stage's offloaded input, Fc@host or Fk@host, leaves the device) and by the step's model.
   bool holds_outputs = false;
+  /// Per stage, whether something besides the stages holds its input on the device to the step's end (a
+  /// caller's list of hidden states): offloading the stage copies its input but frees none of it. Empty (the
+  /// default): none. step_chain() sets it from StepContext::outputs_held_to_end (which ranks agree on); a
+  /// profiled chain leaves it empty. Read by simulate() and the per-layer planner.
+  std::vector<bool> inputs_held;
 
+  /// Whether stage i's input is held to the step's end (inputs_held).
+  bool input_held(int64_t i) const {
+    return i >= 0 && static_cast<size_t>(i) < inputs_held.size() && inputs_held[static_cast<size_t>(i)];
+  }
   /// Whether the chain can be offloaded: both bandwidths measured.
   bool can_offload() const { return to_host_gb_per_s > 0 && to_device_gb_per_s > 0; }
   /// The time of copying `bytes` to the host (to_host) or back (milliseconds; infinite when not measured).

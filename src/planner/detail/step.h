@@ -2,6 +2,7 @@
 // What step.cpp shares with the rest of the planner library (timeline.cpp).
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "remat/planner/step.h"
@@ -45,15 +46,22 @@ bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 // (StepContext::input_held_in_backward false, input_in_base false), else 0.
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context);
 
-// The chain's input (bytes) that leaves the device from the loss on under `ops` (step_plan() of a plan for
-// `chain`): input_unheld_bytes() where the first chain stage is streamed before the loss, else 0.
-int64_t input_freed_bytes(const Chain& chain, const StepContext& context, const Plan& ops);
+// The offload cost of the way `op` runs chain stage op.stage (Fa: Stage::offload; Fc: checkpoint_offload;
+// Fk: its keep tags', policy's or group assignment's), or none.
+std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& ops, const Op& op);
+
+// From which step stage on the chain's input, where nothing but the stages holds it (input_unheld_bytes()),
+// is off the device after the loss, by how step stage 1 (the chain's first) ran before it: 1 streamed (its
+// own measured backward holds it back), 3 offloaded whole with its input (until its bytes come back, as the
+// backward of step stage 2 begins), 0 otherwise (also where the input is held).
+int64_t input_gone_from(bool streamed, bool offloaded_with_input);
+int64_t input_gone_from(const Chain& chain, const StepContext& context, const Plan& ops);
 
 // The step's peak during each operation of `ops` (step_plan() of a plan for `chain`) as simulated on
 // step_chain() (`sim`), above the step's base: the simulated peak with the gradients allocated by then, less
-// the chain's input when input_in_base, and after the loss input_freed_bytes() in the operations of the rest
-// of the step and the chain's stages (bytes; step_peak_bytes() is their maximum with the part before the
-// chain's own peaks).
+// the chain's input when input_in_base, and after the loss, where input_gone_from() says it is gone, the
+// chain's input in the operations of the rest of the step and the chain's stages until it is back (bytes;
+// step_peak_bytes() is their maximum with the part before the chain's own peaks).
 std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& context, const Plan& ops,
                                    const Simulation& sim);
 

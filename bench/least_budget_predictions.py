@@ -73,15 +73,20 @@ def seq2seq_batch(spec, k, labels: int):
     return dict(input_ids=torch.randint(1, 1000, (4, 32), generator=g), labels=ids)
 
 
-def charged_all(lp) -> int:
-    """The plan's predicted step peak with every streamed backward charged all of its layer's gradients."""
+def without_offload_figure(lp, field: str) -> int:
+    """The plan's predicted step peak with one figure of every stage's offload cost unset (-1: unmeasured)."""
     chain = remat.Chain.from_json(lp.chain.to_json())
     for st in chain.stages:
         if st.offload is not None:
             o = st.offload
-            o.stream_bwd_grads_bytes = -1
+            setattr(o, field, -1)
             st.offload = o
     return remat.step_peak_bytes(chain, lp.context, lp.plan)
+
+
+def charged_all(lp) -> int:
+    """The plan's predicted step peak with every streamed backward charged all of its layer's gradients."""
+    return without_offload_figure(lp, "stream_bwd_grads_bytes")
 
 
 def without_between(lp) -> int:

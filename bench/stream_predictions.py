@@ -25,18 +25,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import remat  # noqa: E402
 import remat.hf  # noqa: E402
+from least_budget_predictions import without_offload_figure  # noqa: E402
 from test_hf import batch, make, step  # noqa: E402
 
 
 def without_ahead(lp) -> int:
     """The plan's predicted step peak with no stage's ahead_bytes: each streamed tail charged its window."""
-    chain = remat.Chain.from_json(lp.chain.to_json())
-    for st in chain.stages:
-        if st.offload is not None:
-            o = st.offload
-            o.ahead_bytes = -1
-            st.offload = o
-    return remat.step_peak_bytes(chain, lp.context, lp.plan)
+    return without_offload_figure(lp, "ahead_bytes")
 
 
 def main(argv=None) -> int:

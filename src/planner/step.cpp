@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "detail/per_layer.h"
+#include "detail/plan.h"
 #include "detail/planner.h"
 #include "detail/step.h"
 #include "remat/planner/units.h"
@@ -222,22 +223,6 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
 
 bool fa_leaves_output(const Stage& s) {
   return s.offload ? !s.offload->output : !s.saves_output;
-}
-
-std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& ops, const Op& op) {
-  if (op.stage < 0 || op.stage >= chain.size()) return std::nullopt;
-  const Stage& st = chain.stages[static_cast<size_t>(op.stage)];
-  if (op.kind == OpKind::kForwardAll) return st.offload;
-  if (op.kind == OpKind::kForwardCheckpoint) return st.checkpoint_offload;
-  if (op.kind != OpKind::kForwardKeep) return std::nullopt;
-  if (!op.groups.empty()) return group_cost(st, op.groups).offload;
-  if (op.policy < 0) return st.keep_offload;
-  if (static_cast<size_t>(op.policy) >= ops.policies.size()) return std::nullopt;
-  const auto it =
-      std::find(chain.policies.begin(), chain.policies.end(), ops.policies[static_cast<size_t>(op.policy)]);
-  if (it == chain.policies.end()) return std::nullopt;
-  const size_t p = static_cast<size_t>(it - chain.policies.begin());
-  return p < st.policies.size() ? st.policies[p].offload : std::nullopt;
 }
 
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {

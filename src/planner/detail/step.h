@@ -2,7 +2,6 @@
 // What step.cpp shares with the rest of the planner library (timeline.cpp).
 
 #include <cstdint>
-#include <optional>
 #include <vector>
 
 #include "remat/planner/step.h"
@@ -45,10 +44,6 @@ bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass
 // (StepContext::input_held_in_backward false, input_in_base false), else 0.
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context);
-
-// The offload cost of the way `op` runs chain stage op.stage (Fa: Stage::offload; Fc: checkpoint_offload;
-// Fk: its keep tags', policy's or group assignment's), or none.
-std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& ops, const Op& op);
 
 // From which step stage on the chain's input, where nothing but the stages holds it (input_unheld_bytes()),
 // is off the device after the loss, by how step stage 1 (the chain's first) ran before it: 1 streamed (its

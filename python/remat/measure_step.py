@@ -206,16 +206,24 @@ class Step:
         if i == 0:
             self.before_chain = {storage_key(t) for t in taken}
         made = [t for t in handed if isinstance(t, torch.Tensor) and storage_key(t) not in self.before_chain]
+        outs = self.layer_outputs()
         for t in [*taken, *made]:
             k = storage_key(t)
             grad = t.nbytes if t.requires_grad else 0
-            held = grad if k in self.before_chain else storage_bytes(t) + grad
+            # An earlier layer's output (an encoder's, which a decoder's layers take) is the chain's output of
+            # that stage, charged as such from that layer's forward on (and to the step's end where something
+            # holds it there: outputs_held_to_end): only its gradient is charged here.
+            held = grad if k in self.before_chain or k in outs else storage_bytes(t) + grad
             self.side[k] = max(self.side.get(k, 0), held)
         for t in taken:
             if t.requires_grad:
                 k = storage_key(t)
                 last, grad = self.side_grads.get(k, (-1, 0))
                 self.side_grads[k] = (max(last, i), max(grad, t.nbytes))
+
+    def layer_outputs(self) -> set[int]:
+        """The storage keys of the layers' outputs recorded so far (out_refs)."""
+        return {o.key for o in self.out_refs.values()}
 
     def peak(self) -> int:
         """The window's peak since its last reset()."""
@@ -319,10 +327,13 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     step.calls.append((fn, args, x))
     taken = taken_tensors(fn, args)
     # The count now, and what of it the layers take beside their input that was made since the last layer
-    # returned (charged as side_bytes): what runs between the two is read without it (watch_between).
+    # returned (charged as side_bytes): what runs between the two is read without it (watch_between). An
+    # earlier layer's output was made before then (and is charged as that layer's output).
     at_call = meter.count()
+    outs = step.layer_outputs()
     side_made = sum(storage_bytes(t) for t in {storage_key(t): t for t in taken}.values()
-                    if i > 0 and storage_key(t) not in step.before_chain and storage_key(t) not in step.side)
+                    if i > 0 and storage_key(t) not in step.before_chain and storage_key(t) not in step.side
+                    and storage_key(t) not in outs)
     returned = run_layer(CHECKPOINT, fn, args, [lp.layers[i]], lp.policies)
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])
     step.note_side(i, taken, handed)
@@ -386,11 +397,11 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         if not prefix_backward:
             read_input_held()
         # Which layers' outputs something holds to the step's end (StepReadings.outputs_held_to_end), the last
-        # layer's (the layers' output: BERT's last_hidden_state, which the caller keeps) too. One the later
-        # layers take beside their input (an encoder's output, which the caller's output holds too) is charged
-        # to the end already, as side_bytes.
+        # layer's (the layers' output: BERT's last_hidden_state, which the caller keeps) too, and one the later
+        # layers take beside their input (BART's encoder output, which the caller's output holds too: side_bytes
+        # charge only its gradient).
         outs = [step.out_refs.get(j) for j in range(n - 1)]
-        step.held_to_end = [o is not None and o.ref is not None and not o.ref.expired() and o.key not in step.side
+        step.held_to_end = [o is not None and o.ref is not None and not o.ref.expired()
                             for o in outs] + [out_ref is not None and not out_ref.expired()]
         step.peak_after_backward = step.peak() if prefix_backward else -1
         step.note_peak()

@@ -89,13 +89,16 @@ def main():
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
-    defaults = dict(bert=dict(layers=24, hidden=1024, heads=16, kv_heads=16, intermediate=4096, seq=512, batch=64,
-                              steps=1),
+    defaults = dict(bert=dict(layers=24, hidden=1024, heads=16, intermediate=4096, seq=512, batch=64, steps=1),
                     llama=dict(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, seq=4096, batch=2,
                                steps=3))
     for k, v in defaults[args.model].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.model == "bert":  # no grouped heads
+        if args.kv_heads not in (None, args.heads):
+            ap.error(f"--kv-heads {args.kv_heads}: BERT has no grouped heads (leave it out, or give --heads)")
+        args.kv_heads = args.heads
     if args.heads % args.kv_heads or args.hidden % args.heads:
         ap.error(f"--heads {args.heads} must divide --hidden {args.hidden} and be a multiple of --kv-heads "
                  f"{args.kv_heads} (the {args.model} default is {defaults[args.model]['kv_heads']}: give --kv-heads "

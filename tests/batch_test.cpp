@@ -141,6 +141,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   a.between_forward_held_bytes = {0, 10 * 2}, b.between_forward_held_bytes = {0, 10 * 4};
   a.side_bytes = 300, b.side_bytes = 500;
   a.side_grads_bytes = {0, 100 * 2}, b.side_grads_bytes = {0, 100 * 4};
+  a.side_freed_bytes = {50 * 2, 0}, b.side_freed_bytes = {50 * 4, 0};
   a.outputs_held_in_backward = {true, false}, b.outputs_held_in_backward = {true, true};
   a.output_held_in_backward = false;
   a.outputs_held_to_end = {false, true}, b.outputs_held_to_end = {false, false};
@@ -150,6 +151,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(d.between_forward_held_bytes, (std::vector<int64_t>{0, 100}));
   EXPECT_EQ(d.side_grads_bytes, (std::vector<int64_t>{0, 1000}));
   EXPECT_EQ(d.side_bytes, 1100);
+  EXPECT_EQ(d.side_freed_bytes, (std::vector<int64_t>{500, 0}));
   EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));  // held where either is
   EXPECT_TRUE(d.output_held_in_backward);                                  // held where either is
   EXPECT_EQ(d.outputs_held_to_end, (std::vector<bool>{false, true}));      // held where either is
@@ -163,6 +165,9 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   b.between_backward_peak_bytes.clear();
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
   b.between_backward_peak_bytes = a.between_backward_peak_bytes;
+  b.side_freed_bytes.clear();
+  EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
+  b.side_freed_bytes = {50 * 4, 0};
   b.between_forward_held_bytes.clear();
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
   b.between_forward_held_bytes = a.between_forward_held_bytes;

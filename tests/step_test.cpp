@@ -64,6 +64,16 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
     if (coin(rng)) ctx.side_grads_bytes[j] = std::uniform_int_distribution<int64_t>(1, most / 10)(rng);
     ctx.side_bytes += ctx.side_grads_bytes[j];
   }
+  // Of those tensors (and more, held from the chain's start), some let go of once a stage's backward is done.
+  const int64_t taken = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
+  ctx.side_bytes += taken;
+  ctx.side_freed_bytes.assign(static_cast<size_t>(n), 0);
+  int64_t left = ctx.side_bytes;
+  for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
+    if (!coin(rng) || left == 0) continue;
+    ctx.side_freed_bytes[j] = std::uniform_int_distribution<int64_t>(1, left)(rng);
+    left -= ctx.side_freed_bytes[j];
+  }
 }
 
 // Stages whose graph does not save their output (Stage::saves_output false), about half, and on about a
@@ -1097,6 +1107,47 @@ TEST(Step, TheGradientOfWhatTheStagesTakeBesideTheirInputArrivesAtTheLastTakersB
   EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_grads_bytes adds up to 6000", "side_bytes (5000)");
 }
 
+// What the stages take beside their input is let go of once the backward of the first stage that takes it
+// is done (T5's position bias), and a gradient of it once the stage that made it used it (side_freed_bytes):
+// every operation after that backward is charged that much less, in step_peak_bytes() and the per-layer
+// program alike.
+TEST(Step, WhatTheStagesTakeBesideTheirInputIsLetGoOfOnceItsStageIsDone) {
+  std::mt19937 rng(19);
+  const Chain chain = random_chain(rng, 4, 100);
+  remat::StepContext held;
+  held.side_bytes = 5000;
+  held.stage_grads_bytes = {10, 20, 30, 40};
+  held.side_grads_bytes = {0, 0, 1200, 0};
+  remat::StepContext freed = held;
+  freed.side_freed_bytes = {0, 1500, 0, 0};
+  for (const Plan& plan : {remat::no_checkpoint(chain), remat::checkpoint_all(chain)}) {
+    const remat::StepTimeline a = remat::step_timeline(chain, held, plan),
+                              b = remat::step_timeline(chain, freed, plan);
+    ASSERT_EQ(a.points.size(), b.points.size());
+    bool done = false;  // stage 1's backward is done
+    for (size_t k = 0; k < a.points.size(); ++k) {
+      EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, done ? 1500 : 0)
+          << a.points[k].op << " in " << plan.to_string();
+      done = done || a.points[k].op == "B1";
+    }
+  }
+  // The per-layer program charges it as step_peak_bytes() does (the exhaustive tests draw it too).
+  const int64_t least = remat::min_step_budget(chain, freed, "per-layer");
+  EXPECT_LE(least, remat::min_step_budget(chain, held, "per-layer"));
+  EXPECT_LE(remat::plan_step(chain, freed, least, "per-layer").step_peak_bytes, least);
+  // Readings carry it; a context's entries are one per stage, none negative, together at most side_bytes.
+  remat::StepReadings r;
+  r.side_bytes = 64, r.side_freed_bytes = {16, 0};
+  EXPECT_EQ(remat::step_context(r).side_freed_bytes, (std::vector<int64_t>{16, 0}));
+  remat::StepContext bad = freed;
+  bad.side_freed_bytes = {0, 1};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_freed_bytes has 2 entries", "4 stages");
+  bad.side_freed_bytes = {0, -1, 0, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "an entry of side_freed_bytes", "-1");
+  bad.side_freed_bytes = {3000, 0, 3000, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_freed_bytes adds up to 6000", "side_bytes (5000)");
+}
+
 TEST(Step, RefusesBadContextsAndPlanners) {
   std::mt19937 rng(3);
   const Chain chain = random_chain(rng, 3);
@@ -1257,6 +1308,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ba.outputs_held_to_end = {false, true, false, false},
     bb.outputs_held_to_end = {false, false, false, true};
     ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
+    ba.side_freed_bytes = {30, 0, 0, 0}, bb.side_freed_bytes = {20, 5, 0, 0};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
     const remat::PlanFigures most = largest(pa, pb);
@@ -1266,6 +1318,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(z.between_backward_peak_bytes, (std::vector<int64_t>{0, 100, 0, 9}));
     EXPECT_EQ(z.between_forward_held_bytes, (std::vector<int64_t>{0, 0, 5, 1}));
     EXPECT_EQ(z.side_grads_bytes, (std::vector<int64_t>{0, 0, 40, 2}));
+    EXPECT_EQ(z.side_freed_bytes, (std::vector<int64_t>{20, 0, 0, 0}));  // letting go of less: the safe one
     EXPECT_EQ(z.outputs_held_in_backward,
               (std::vector<bool>{true, false, true, false}));                         // held where any is
     EXPECT_TRUE(z.output_held_in_backward);                                           // held where any is

@@ -182,6 +182,14 @@ class Step:
         # Per storage the layers take beside their input with a gradient: the last layer that takes it (whose
         # backward its gradient arrives at: StepContext.side_grads_bytes) and the gradient's bytes.
         self.side_grads: dict[int, tuple[int, int]] = {}
+        # Per side storage: a weak reference to it (where side_bytes charge it) and to its gradient once that is
+        # whole (a hook on the tensor); what was found let go of: per layer the bytes found freed once its
+        # backward was done (StepContext.side_freed_bytes), and each storage or gradient found freed already
+        # (("s" or "g", key); found freed where what runs between two layers ran, it is between_held_bytes').
+        self.side_refs: dict[int, StorageWeakRef] = {}
+        self.side_grad_refs: dict[int, StorageWeakRef | None] = {}
+        self.side_freed: dict[int, int] = {}
+        self.side_gone: set[tuple[str, int]] = set()
         self.reading = None  # a device budget's: what the device had when the step began (fit.read_device)
         self.device = None  # the device the step runs on
         # What runs between two layers in the model's code (StepContext.between_forward_held_bytes,
@@ -215,11 +223,35 @@ class Step:
             # holds it there: outputs_held_to_end): only its gradient is charged here.
             held = grad if k in self.before_chain or k in outs else storage_bytes(t) + grad
             self.side[k] = max(self.side.get(k, 0), held)
+            if k in outs:  # its gradient is the chain's, that layer's output's (what runs between reads it)
+                continue
+            if held > grad and k not in self.side_refs:
+                ref = storage_ref(t)
+                if ref is not None:
+                    self.side_refs[k] = ref
+            if t.requires_grad and t.grad_fn is not None and k not in self.side_grad_refs:
+                self.side_grad_refs[k] = None
+                refs = self.side_grad_refs
+                t.register_hook(lambda g, k=k, refs=refs: refs.__setitem__(k, storage_ref(g)))
         for t in taken:
             if t.requires_grad:
                 k = storage_key(t)
                 last, grad = self.side_grads.get(k, (-1, 0))
                 self.side_grads[k] = (max(last, i), max(grad, t.nbytes))
+
+    def note_side_freed(self, i: int | None) -> None:
+        """What of side_bytes is found freed now, once layer i's backward is done (side_freed_bytes), or, with
+        i None, where what runs between two layers has run (its reading has it)."""
+        for kind, refs in (("s", self.side_refs), ("g", self.side_grad_refs)):
+            for k, ref in refs.items():
+                if ref is None or (kind, k) in self.side_gone or not ref.expired():
+                    continue
+                self.side_gone.add((kind, k))
+                if i is None:
+                    continue
+                grad = min(self.side_grads[k][1], self.side.get(k, 0)) if k in self.side_grads else 0
+                freed = grad if kind == "g" else self.side.get(k, 0) - grad
+                self.side_freed[i] = self.side_freed.get(i, 0) + freed
 
     def layer_outputs(self) -> set[int]:
         """The storage keys of the layers' outputs recorded so far (out_refs)."""
@@ -412,6 +444,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
 
     def at_x0(g):
         read_input_held()
+        step.note_side_freed(0)
         step.reset()
         queue_at_backward_end(finish_profiling)
         return g
@@ -486,6 +519,10 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
     the layers, less what it frees that its forward saved and the gradient of what the layers take beside their
     input; a tied embedding's pending gradient is freed and their sum made, which changes nothing)."""
     meter = step.meter
+    if i >= 1 and x.requires_grad and x.grad_fn is not None:
+        # What of side_bytes is let go of once this layer's backward is done: read as its input's gradient is
+        # whole (StepReadings.side_freed_bytes).
+        x.register_hook(lambda g, i=i: step.note_side_freed(i))
     if i >= 1 and x.requires_grad and i - 1 in step.out_refs:
         # Whether anything holds the last layer's output once this layer's backward is done (every layer's
         # checkpoint has let go of its input then): StepReadings.outputs_held_in_backward.
@@ -519,6 +556,7 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
         def ended(g, i=i):
             o = step.between_open
             if o is not None and o.i == i + 1:
+                step.note_side_freed(None)  # what it freed of side_bytes is in its reading
                 held = meter.count() - o.at
                 # The boundary's gradient: the input's, if it was freed here, is the model's until now...
                 dx_freed = o.g_ref is not None and o.g_ref.expired()
@@ -601,6 +639,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     for k, (last, grad) in step.side_grads.items():
         side_grads[last] += min(grad, step.side.get(k, 0))
     r.side_grads_bytes = side_grads
+    r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(len(lp.layers))] if step.side_freed else []
     r.input_held_in_backward = step.input_held
     n = len(lp.layers)
     r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, n)]

@@ -389,6 +389,8 @@ NB_MODULE(_core, m) {
       .def_rw("side_bytes", &remat::StepContext::side_bytes)
       .def_rw("side_grads_bytes", &remat::StepContext::side_grads_bytes,
               "per stage, of side_bytes the gradients that arrive at its backward (bytes)")
+      .def_rw("side_freed_bytes", &remat::StepContext::side_freed_bytes,
+              "per stage, of side_bytes what is let go of once its backward is done (bytes)")
       .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
       .def_rw("outputs_held_in_backward", &remat::StepContext::outputs_held_in_backward,
               "per stage, whether anything besides the stages holds its input once its backward is done")
@@ -411,8 +413,9 @@ NB_MODULE(_core, m) {
           "between_held_bytes", &remat::StepContext::between_held_bytes,
           "per stage, what the backward of what runs between the stage before it and it leaves held beyond "
           "the model (bytes; negative where it frees more)")
-      // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, and of
-      // 16, from before output_held_in_backward, checkpoint_state_bytes and outputs_held_to_end, too).
+      // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, of 16,
+      // from before output_held_in_backward, checkpoint_state_bytes and outputs_held_to_end, and of 19, from
+      // before side_freed_bytes, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
@@ -421,11 +424,11 @@ NB_MODULE(_core, m) {
                                    c.side_bytes, c.input_held_in_backward, c.between_forward_held_bytes,
                                    c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes,
                                    c.outputs_held_in_backward, c.output_held_in_backward,
-                                   c.checkpoint_state_bytes, c.outputs_held_to_end);
+                                   c.checkpoint_state_bytes, c.outputs_held_to_end, c.side_freed_bytes);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
-        if (s.size() != 11 && s.size() != 16 && s.size() != 19)
-          throw nb::value_error("remat.StepContext: a pickled state has 11, 16 or 19 fields");
+        if (s.size() != 11 && s.size() != 16 && s.size() != 19 && s.size() != 20)
+          throw nb::value_error("remat.StepContext: a pickled state has 11, 16, 19 or 20 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -445,11 +448,12 @@ NB_MODULE(_core, m) {
           c.side_grads_bytes = nb::cast<std::vector<int64_t>>(s[14]);
           c.outputs_held_in_backward = nb::cast<std::vector<bool>>(s[15]);
         }
-        if (s.size() == 19) {
+        if (s.size() >= 19) {
           c.output_held_in_backward = nb::cast<bool>(s[16]);
           c.checkpoint_state_bytes = nb::cast<int64_t>(s[17]);
           c.outputs_held_to_end = nb::cast<std::vector<bool>>(s[18]);
         }
+        if (s.size() == 20) c.side_freed_bytes = nb::cast<std::vector<int64_t>>(s[19]);
       });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
@@ -474,6 +478,7 @@ NB_MODULE(_core, m) {
       .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
       .def_rw("side_bytes", &remat::StepReadings::side_bytes)
       .def_rw("side_grads_bytes", &remat::StepReadings::side_grads_bytes)
+      .def_rw("side_freed_bytes", &remat::StepReadings::side_freed_bytes)
       .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
       .def_rw("outputs_held_in_backward", &remat::StepReadings::outputs_held_in_backward)
       .def_rw("between_forward_held_bytes", &remat::StepReadings::between_forward_held_bytes)

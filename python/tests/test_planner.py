@@ -157,6 +157,15 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old.__setstate__(c.__getstate__()[:16])
     assert old.output_held_in_backward and old.checkpoint_state_bytes == 0 and list(old.side_grads_bytes) == [0, 16]
     assert list(old.outputs_held_to_end) == []
+    # What the stages take beside their input, let go of once a stage's backward is done: carried, pickled; a
+    # state of 19 fields loads with none let go of.
+    r.side_freed_bytes = [0, 32]
+    c = remat._core.step_context(r)
+    back = pickle.loads(pickle.dumps(c))
+    assert list(back.side_freed_bytes) == [0, 32] and list(back.outputs_held_to_end) == [False, True]
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:19])
+    assert list(old.side_freed_bytes) == [] and list(old.outputs_held_to_end) == [False, True]
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

@@ -105,13 +105,17 @@ def test_both_layer_lists_planned_for_one_budget_and_every_step_is_the_plain_run
     held = [False] * (2 * LAYERS)
     held[LAYERS - 1] = name == "bart"
     assert list(ctx.outputs_held_to_end) == held
+    # What the layers take beside their input is let go of where it is (side_freed_bytes): T5's position biases
+    # and their gradients, in the encoder's and the decoder's backward passes; BART's and Whisper's encoder
+    # output and its gradient, never in a layer's backward (the caller holds the output; the gradient is the
+    # last encoder layer's output's, or is used up by the encoder's final norm, which runs between).
+    freed = list(ctx.side_freed_bytes)
+    assert (sum(freed) > 0) == (name in ("t5", "mt5")) and sum(freed) <= ctx.side_bytes, freed
     # The profiling step runs every layer checkpointed: its measured peak against the prediction for that plan,
-    # to the byte for BART (measured 1.19% above it before) and Whisper, never below it (T5: 1.09% above).
+    # within 0.1% both ways (BART was 1.19% above it, T5 1.09% below).
     chain = lp_probe.chain
     every = remat.step_peak_bytes(chain, ctx, remat.checkpoint_all(chain))
-    assert ctx.checkpoint_all_peak_bytes <= every * 1.001, (ctx.checkpoint_all_peak_bytes, every)
-    if name in ("bart", "whisper"):
-        assert ctx.checkpoint_all_peak_bytes >= every * 0.999, (ctx.checkpoint_all_peak_bytes, every)
+    assert every * 0.999 <= ctx.checkpoint_all_peak_bytes <= every * 1.001, (ctx.checkpoint_all_peak_bytes, every)
     del probe, lp_probe, ctx, chain
 
     # Just above the floor: the backward pass of Whisper's convolutions before the encoder's layers, where its

@@ -79,11 +79,12 @@ std::vector<bool> held_where_either(const std::vector<bool>& a, const std::vecto
 }
 
 // A context's per-stage figures' lengths, for an error: the between figures', side_grads_bytes',
-// outputs_held_in_backward's and outputs_held_to_end's.
+// side_freed_bytes', outputs_held_in_backward's and outputs_held_to_end's.
 std::string per_stage_sizes(const StepContext& c) {
   return std::to_string(c.between_backward_peak_bytes.size()) + "/" +
-         std::to_string(c.side_grads_bytes.size()) + "/" + std::to_string(c.outputs_held_in_backward.size()) +
-         "/" + std::to_string(c.outputs_held_to_end.size());
+         std::to_string(c.side_grads_bytes.size()) + "/" + std::to_string(c.side_freed_bytes.size()) + "/" +
+         std::to_string(c.outputs_held_in_backward.size()) + "/" +
+         std::to_string(c.outputs_held_to_end.size());
 }
 
 }  // namespace
@@ -169,11 +170,13 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
       a.between_forward_held_bytes.size() != b.between_forward_held_bytes.size() ||
       a.between_held_bytes.size() != b.between_held_bytes.size() ||
       a.side_grads_bytes.size() != b.side_grads_bytes.size() ||
+      a.side_freed_bytes.size() != b.side_freed_bytes.size() ||
       a.outputs_held_in_backward.size() != b.outputs_held_in_backward.size() ||
       a.outputs_held_to_end.size() != b.outputs_held_to_end.size())
     throw std::invalid_argument(
         "remat::context_at_batch: the contexts' per-stage figures (between_backward_peak_bytes and the other "
-        "between figures, side_grads_bytes, outputs_held_in_backward, outputs_held_to_end) differ in length: "
+        "between figures, side_grads_bytes, side_freed_bytes, outputs_held_in_backward, outputs_held_to_end) "
+        "differ in length: "
         "one has them for " +
         per_stage_sizes(a) + " stages, the other for " + per_stage_sizes(b));
   const Line line{batch_a, batch_b, batch};
@@ -197,7 +200,12 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   int64_t side_grads = 0;
   for (size_t i = 0; i < c.side_grads_bytes.size(); ++i)
     side_grads += c.side_grads_bytes[i] = line.bytes(a.side_grads_bytes[i], b.side_grads_bytes[i]);
-  c.side_bytes = std::max(c.side_bytes, side_grads);  // a part of it (each line stops at 0 on its own)
+  // What is let go of once a stage's backward is done: a line through its two readings, as side_bytes.
+  int64_t side_freed = 0;
+  for (size_t i = 0; i < c.side_freed_bytes.size(); ++i)
+    side_freed += c.side_freed_bytes[i] = line.bytes(a.side_freed_bytes[i], b.side_freed_bytes[i]);
+  // Each is a part of it (each line stops at 0 on its own).
+  c.side_bytes = std::max({c.side_bytes, side_grads, side_freed});
   // What runs between two stages: a line through its two readings, as the rest's peak.
   for (size_t i = 0; i < c.between_backward_peak_bytes.size(); ++i)
     c.between_backward_peak_bytes[i] =

@@ -22,6 +22,8 @@ struct Collect {
   void flag(const bool& v) { out.ints.push_back(v ? 1 : 0); }
   void ms(const double& v) { out.reals.push_back(v); }
   void bandwidth(const double& v) { out.reals.push_back(-v); }
+  // Bytes let go of: the least any process read (agreed on as the largest of their negatives).
+  void freed(const int64_t& v) { out.ints.push_back(-v); }
   void opt_ms(const std::optional<double>& v) {
     out.ints.push_back(v ? 0 : 1);
     out.reals.push_back(v ? *v : 0.0);
@@ -66,6 +68,7 @@ struct Write {
   void flag(bool& v) { v = next_flag(); }
   void ms(double& v) { v = next_real(); }
   void bandwidth(double& v) { v = -next_real(); }
+  void freed(int64_t& v) { v = -next_int(); }
   void opt_ms(std::optional<double>& v) {
     const bool absent = next_flag();
     const double x = next_real();
@@ -157,6 +160,8 @@ void visit(C& chain, X& context, V& v) {
   v.bytes(context.side_bytes);
   for (auto& g : context.side_grads_bytes)
     v.bytes(g);
+  for (auto& f : context.side_freed_bytes)
+    v.freed(f);
   flags(context.outputs_held_in_backward, v);
   v.flag(context.input_held_in_backward);
   v.flag(context.output_held_in_backward);

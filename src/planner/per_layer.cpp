@@ -150,8 +150,10 @@ struct StepTerms {
   std::vector<char> all_only;
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
-  // Per stage: the gradients of what the stages take beside their input that arrive at its backward.
+  // Per stage: the gradients of what the stages take beside their input that arrive at its backward, and
+  // what of those tensors and their gradients is let go of once it is done (side_freed_bytes).
   std::vector<int64_t> side;
+  std::vector<int64_t> side_freed;
   // Per stage: the backward peak of what runs between the stage before it and it (once its backward is done,
   // above what that leaves held with every gradient arrived by then), -1 where nothing is charged there.
   std::vector<int64_t> between;
@@ -194,8 +196,9 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                                                                     !c.groups.empty(), c.variant - 1));
   // What runs between the stage before it and it, once its backward is done: above R_j and its input's
   // gradient, every gradient arrived by then (its input back on the device; the chain's input still gone).
+  const int64_t freed = step ? step->side_freed[static_cast<size_t>(j)] : 0;
   const int64_t between = step && step->between[static_cast<size_t>(j)] >= 0
-                              ? a_in + at_rec + own + side + kept_to_end +
+                              ? a_in + at_rec + own + side - freed + kept_to_end +
                                     step->between[static_cast<size_t>(j)] -
                                     (bwd_less_input ? step->input_freed : 0)
                               : 0;
@@ -518,6 +521,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.at_recompute.assign(n + 2, 0);
   t.own.assign(n + 2, 0);
   t.side.assign(n + 2, 0);
+  t.side_freed.assign(n + 2, 0);
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
   t.output_unheld.assign(n + 2, 0);
@@ -534,8 +538,9 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
     if (s >= 1 && s <= n) {
       t.own[s] = detail::stage_figure(context.stage_grads_bytes, s - 1);
       t.side[s] = detail::stage_figure(context.side_grads_bytes, s - 1);
+      t.side_freed[s] = detail::stage_figure(context.side_freed_bytes, s - 1);
     }
-    after += t.own[s] + t.side[s] + t.held_to_end[s];
+    after += t.own[s] + t.side[s] + t.held_to_end[s] - t.side_freed[s];
     // What runs between chain stages s - 2 and s - 1 (step_op_peaks()'s rule).
     if (s >= 2 && s <= n) {
       const int64_t between = detail::stage_figure(context.between_backward_peak_bytes, s - 1),

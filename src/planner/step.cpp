@@ -74,6 +74,7 @@ StepContext step_context(const StepReadings& r) {
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
   c.side_grads_bytes = r.side_grads_bytes;
+  c.side_freed_bytes = r.side_freed_bytes;
   c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
   c.outputs_held_in_backward = r.outputs_held_in_backward;
   for (int64_t v : r.between_forward_held_bytes)
@@ -115,17 +116,22 @@ void validate(const StepContext& c, const Chain& chain) {
   sized(c.stage_grads_bytes.size(), "stage_grads_bytes");
   for (int64_t g : c.stage_grads_bytes)
     check(g, "an entry of stage_grads_bytes");
-  sized(c.side_grads_bytes.size(), "side_grads_bytes");
-  int64_t side_grads = 0;
-  for (int64_t g : c.side_grads_bytes) {
-    check(g, "an entry of side_grads_bytes");
-    side_grads += g;
-  }
-  if (side_grads > c.side_bytes) {
-    throw std::invalid_argument("remat::StepContext: side_grads_bytes adds up to " +
-                                std::to_string(side_grads) + " bytes, more than side_bytes (" +
-                                std::to_string(c.side_bytes) + "), of which they are a part");
-  }
+  // Parts of side_bytes, one per stage: none negative, together at most side_bytes.
+  auto side_part = [&](const std::vector<int64_t>& v, const char* field) {
+    sized(v.size(), field);
+    int64_t sum = 0;
+    for (int64_t g : v) {
+      check(g, (std::string("an entry of ") + field).c_str());
+      sum += g;
+    }
+    if (sum > c.side_bytes) {
+      throw std::invalid_argument(std::string("remat::StepContext: ") + field + " adds up to " +
+                                  std::to_string(sum) + " bytes, more than side_bytes (" +
+                                  std::to_string(c.side_bytes) + "), of which they are a part");
+    }
+  };
+  side_part(c.side_grads_bytes, "side_grads_bytes");
+  side_part(c.side_freed_bytes, "side_freed_bytes");
   sized(c.outputs_held_in_backward.size(), "outputs_held_in_backward");
   sized(c.outputs_held_to_end.size(), "outputs_held_to_end");
   // What runs between two stages: nothing before the first (the part before the chain's backward is
@@ -368,6 +374,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         state_held[static_cast<size_t>(op.stage)])
       peaks[k] += context.checkpoint_state_bytes;
     arrived += made;
+    // What the stages take beside their input, and gradients of it, let go of once this backward is done.
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
+      arrived -= stage_figure(context.side_freed_bytes, static_cast<size_t>(op.stage - 1));
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         state_held[static_cast<size_t>(op.stage)]) {
       state_held[static_cast<size_t>(op.stage)] = 0;

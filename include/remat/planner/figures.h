@@ -14,7 +14,8 @@ namespace remat {
 /// Every figure a plan of a chain within a step context depends on, as two lists in one order: the same
 /// order and counts on every process whose chain has the same stages, policies and stage_grads_bytes entries.
 /// Encoded so that the elementwise maximum over processes is the figure they agree on, a plan that fits every
-/// process's measurements: bytes and milliseconds their largest; a bandwidth its smallest (stored negated);
+/// process's measurements: bytes and milliseconds their largest; a bandwidth, and bytes let go of
+/// (StepContext::side_freed_bytes), their smallest (stored negated);
 /// an optional time, the keep_ fields or an offload cost absent where any process lacks it (a flag, 1 for
 /// absent, then the value, 0 when absent); a flag (input_in_base, input_held_in_backward, holds_outputs, an
 /// offload cost's input and output) set where any process set it. remat::Planned's agree option

@@ -64,6 +64,14 @@ struct StepContext {
   /// takes the tensor (bytes): charged from that backward on, not from the chain's start, since no gradient
   /// exists before it. Empty, or one entry per stage, together at most side_bytes.
   std::vector<int64_t> side_grads_bytes;
+  /// Per chain stage j: of side_bytes, what is let go of once stage j's backward is done (bytes): a tensor
+  /// the stages take beside their input that nothing holds past the backward of the first stage that takes it
+  /// (T5's position bias, once the encoder's second layer's backward is done), and a gradient of one, used up
+  /// by the backward of the stage that made the tensor (the position bias's, by its first layer's). Charged
+  /// from there on no more; what the backward of what runs between two stages frees is in
+  /// between_held_bytes, not here. Empty (nothing let go of: side_bytes held to the chain's end), or one
+  /// entry per stage, together at most side_bytes.
+  std::vector<int64_t> side_freed_bytes;
   /// Whether something besides the chain's stages holds the chain's input through their backward pass: the
   /// part before the chain (what it saved), the caller, or not known (true, the default, and always with
   /// input_in_base). False where, once the forward pass is over, only the stages hold it (the Python package
@@ -97,10 +105,9 @@ struct StepContext {
   /// last_hidden_state), past where the model lets go of it: it is charged again from there (stage j's
   /// backward, or the next stage's where stage j is checkpointed, whose output is plain; the rest's for the
   /// chain's output) to the step's end. The Python package reads each output's storage's liveness at the end
-  /// of the profiling step's backward pass, but for the last stage's (read false: the caller's hold on the
-  /// chain's output is what the model matched already) and those the later stages take beside their input
-  /// (side_bytes charges them to the end already); remat::Planned does not read it. Empty (nothing held), or
-  /// one entry per stage.
+  /// of the profiling step's backward pass (the last stage's too: the caller's last_hidden_state; and one the
+  /// later stages take beside their input, such as BART's encoder output, of which side_bytes then charge the
+  /// gradient alone); remat::Planned does not read it. Empty (nothing held), or one entry per stage.
   std::vector<bool> outputs_held_to_end;
   /// What a stage run by a way that recomputes (Fc, a group assignment) holds beside its input from its
   /// forward until its backward is done (bytes): the random generators' states its checkpoint saved to replay
@@ -175,6 +182,9 @@ struct StepReadings {
   /// read).
   int64_t side_bytes = 0;
   std::vector<int64_t> side_grads_bytes;
+  /// Per chain stage: of side_bytes, what was let go of once its backward was done
+  /// (StepContext::side_freed_bytes; empty where not read).
+  std::vector<int64_t> side_freed_bytes;
   /// Whether the chain's input was alive once the first stage's backward was done (or, where the part before
   /// the chain has no backward, at the step's end; StepContext::input_held_in_backward). True when not read.
   bool input_held_in_backward = true;
@@ -195,7 +205,8 @@ struct StepReadings {
 /// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
 /// held besides the output's gradient, the output it let go of counted back), output_held_in_backward (false
 /// where output_freed_bytes > 0), checkpoint_state_bytes, stage_grads_bytes, and checkpoint_all_peak_bytes
-/// (step_peak above the base), side_bytes, input_held_in_backward (held whatever was read with input_in_base)
+/// (step_peak above the base), side_bytes, side_grads_bytes, side_freed_bytes, input_held_in_backward (held
+/// whatever was read with input_in_base)
 /// and the between figures as read. Negative differences are read as 0. Throws std::invalid_argument naming
 /// remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes,
 /// checkpoint_state_bytes, side_bytes or rest_ms, or between
@@ -203,8 +214,9 @@ struct StepReadings {
 StepContext step_context(const StepReadings& readings);
 
 /// Checks a context against its chain: no negative value (but between_held_bytes), every per-stage figure
-/// (stage_grads_bytes, side_grads_bytes, the flags per stage, the between figures) empty or of the chain's
-/// size, side_grads_bytes at most side_bytes, the between figures' entry 0 zero, input_held_in_backward with
+/// (stage_grads_bytes, side_grads_bytes, side_freed_bytes, the flags per stage, the between figures) empty or
+/// of the chain's size, side_grads_bytes and side_freed_bytes each at most side_bytes in all, the between
+/// figures' entry 0 zero, input_held_in_backward with
 /// input_in_base. Throws std::invalid_argument naming remat::StepContext, the field and the value.
 void validate(const StepContext& context, const Chain& chain);
 

@@ -149,6 +149,14 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
   EXPECT_EQ(d.between_held_bytes, (std::vector<int64_t>{0, -36}));
   EXPECT_EQ(d.between_forward_held_bytes, (std::vector<int64_t>{0, 100}));
+  {  // what the forward between leaves held may be negative (it frees more), and is not floored at 0 either
+    remat::StepContext fa = a, fb = b;
+    fa.between_forward_held_bytes = {0, -30}, fb.between_forward_held_bytes = {0, -10};
+    EXPECT_EQ(remat::context_at_batch(fa, 2, fb, 4, 1).between_forward_held_bytes,
+              (std::vector<int64_t>{0, -40}));
+    EXPECT_EQ(remat::context_at_batch(fa, 2, fb, 4, 10).between_forward_held_bytes,
+              (std::vector<int64_t>{0, 50}));
+  }
   EXPECT_EQ(d.side_grads_bytes, (std::vector<int64_t>{0, 1000}));
   EXPECT_EQ(d.side_bytes, 1100);
   EXPECT_EQ(d.side_freed_bytes, (std::vector<int64_t>{500, 0}));

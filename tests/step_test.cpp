@@ -32,19 +32,24 @@ struct Candidate {
 
 // Figures of what runs between stages (StepContext::between_*), from their own generator so that the chains'
 // draws stay as they were: on about half of the boundaries, a backward peak of up to `most` bytes, leaving
-// held up to a tenth of it more or less, and a forward leaving up to a tenth of it held; on about half of the
-// stages, gradients of what the stages take beside their input (side_grads_bytes) of up to a tenth of it.
+// held up to a tenth of it more or less, and a forward leaving up to a tenth of it held (or freeing up to
+// that of what the part before the chain holds, before_saved_bytes); on about half of the stages, gradients
+// of what the stages take beside their input (side_grads_bytes) of up to a tenth of it.
 void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, int64_t most) {
   ctx.between_forward_held_bytes.assign(static_cast<size_t>(n), 0);
   ctx.between_backward_peak_bytes.assign(static_cast<size_t>(n), 0);
   ctx.between_held_bytes.assign(static_cast<size_t>(n), 0);
   std::uniform_int_distribution<int64_t> peak(1, most);
   std::bernoulli_distribution coin(0.5);
+  int64_t free_left = ctx.before_saved_bytes;
   for (size_t j = 1; j < static_cast<size_t>(n); ++j) {
     if (!coin(rng)) continue;
     ctx.between_backward_peak_bytes[j] = peak(rng);
     ctx.between_held_bytes[j] = std::uniform_int_distribution<int64_t>(-most / 10, most / 10)(rng);
-    ctx.between_forward_held_bytes[j] = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
+    // Negative where it frees what the part before the chain held (before_saved_bytes), at most that.
+    const int64_t can_free = std::min(free_left, most / 10);
+    ctx.between_forward_held_bytes[j] = std::uniform_int_distribution<int64_t>(-can_free, most / 10)(rng);
+    free_left += std::min<int64_t>(0, ctx.between_forward_held_bytes[j]);
   }
   // Stage inputs that nothing else holds once their stage's backward is done: let go of there where the stage
   // before does not save them.
@@ -1027,14 +1032,16 @@ TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
   const int64_t least = remat::min_step_budget(chain, between, "per-layer");
   EXPECT_GT(least, remat::min_step_budget(chain, ctx, "per-layer"));
   EXPECT_LE(remat::plan_step(chain, between, least, "per-layer").step_peak_bytes, least);
-  // Readings: turned into the context as read (negative ones as 0); of one size with stage_grads_bytes.
+  // Readings: turned into the context as read (a backward peak below 0 as 0; what the forward and the
+  // backward leave held may be negative: they may free more than they make); of one size with
+  // stage_grads_bytes.
   remat::StepReadings r;
   r.stage_grads_bytes = {1, 2, 3};
   r.between_forward_held_bytes = {0, 40, -1};
   r.between_backward_peak_bytes = {0, -5, 300};
   r.between_held_bytes = {0, 0, -20};
   const remat::StepContext c = remat::step_context(r);
-  EXPECT_EQ(c.between_forward_held_bytes, (std::vector<int64_t>{0, 40, 0}));
+  EXPECT_EQ(c.between_forward_held_bytes, (std::vector<int64_t>{0, 40, -1}));
   EXPECT_EQ(c.between_backward_peak_bytes, (std::vector<int64_t>{0, 0, 300}));
   EXPECT_EQ(c.between_held_bytes, (std::vector<int64_t>{0, 0, -20}));  // it may free more than it makes
   r.between_held_bytes = {0, 0};
@@ -1055,7 +1062,9 @@ TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
   EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_backward_peak_bytes's entry 0 is 9");
   bad.between_backward_peak_bytes = {0, 0, 0};
   bad.between_held_bytes = {0, -7, 0};
+  bad.between_forward_held_bytes = {0, -3, 0};
   EXPECT_NO_THROW(remat::validate(bad, chain));
+  bad.between_forward_held_bytes.clear();
   bad.between_held_bytes = {-7, 0, 0};
   EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_held_bytes's entry 0 is -7");
   bad.between_backward_peak_bytes.clear();

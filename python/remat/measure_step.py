@@ -534,7 +534,7 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
 
         x.register_hook(read_held)
         if not (storage_key(x) == prev.key and prev.ref is not None and not prev.ref.expired()):
-            step.between_forward[i] = max(0, at_call - prev.returned_at)
+            step.between_forward[i] = at_call - prev.returned_at  # negative where it freed more
             # This layer's input, made by what ran between (not before the last layer's output): held in the
             # model from here to the end, freed by this layer's backward.
             x_nr = sequence_nr(x)

@@ -201,3 +201,21 @@ def test_a_step_with_longer_labels_is_planned_for_them(meter):
         assert runs[k][2] <= budget + TOLERANCE * budget, (k, runs[k][2], budget, plain[k][2])
     assert lp.profiling_steps == 1 and len(lp._shapes) == 2  # the long labels profiled in step 2
     assert lp.last_peak_bytes == runs[3][2]
+
+
+def test_what_runs_between_may_leave_less_held_than_before_it(meter):
+    # With labels of 8, BART's decoder embeddings make less than what its encoder's forward held in the model's
+    # variables (the token embeddings, charged from the layers' start), which is freed as the encoder returns:
+    # what runs between leaves less held than before it, read as negative. Floored at 0, the plain step was
+    # predicted 1.7% above what it held; now within 1%, never below it.
+    def short(spec, k):
+        g = torch.Generator().manual_seed(100 + k)
+        return dict(input_ids=torch.randint(1, 1000, (4, 32), generator=g),
+                    labels=torch.randint(1, 1000, (4, 8), generator=g))
+
+    model = make("bart")
+    lp = remat.hf.enable(model, budget=1 << 40)
+    runs = [hf_step(model, dict(name="bart", loss="lm"), k, meter, make_batch=short) for k in range(2)]
+    assert lp.context.between_forward_held_bytes[LAYERS] < 0
+    predicted = lp.predicted_peak_bytes
+    assert predicted * 0.99 <= runs[1][2] <= predicted, (runs[1][2], predicted)

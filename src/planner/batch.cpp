@@ -210,9 +210,9 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   for (size_t i = 0; i < c.between_backward_peak_bytes.size(); ++i)
     c.between_backward_peak_bytes[i] =
         line.bytes(a.between_backward_peak_bytes[i], b.between_backward_peak_bytes[i]);
-  for (size_t i = 0; i < c.between_forward_held_bytes.size(); ++i)
-    c.between_forward_held_bytes[i] =
-        line.bytes(a.between_forward_held_bytes[i], b.between_forward_held_bytes[i]);
+  for (size_t i = 0; i < c.between_forward_held_bytes.size(); ++i)  // signed: not floored at 0
+    c.between_forward_held_bytes[i] = std::llround(
+        line.at(double(a.between_forward_held_bytes[i]), double(b.between_forward_held_bytes[i])));
   for (size_t i = 0; i < c.between_held_bytes.size(); ++i)  // signed: not floored at 0
     c.between_held_bytes[i] =
         std::llround(line.at(double(a.between_held_bytes[i]), double(b.between_held_bytes[i])));

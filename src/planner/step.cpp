@@ -77,8 +77,7 @@ StepContext step_context(const StepReadings& r) {
   c.side_freed_bytes = r.side_freed_bytes;
   c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
   c.outputs_held_in_backward = r.outputs_held_in_backward;
-  for (int64_t v : r.between_forward_held_bytes)
-    c.between_forward_held_bytes.push_back(std::max<int64_t>(0, v));
+  c.between_forward_held_bytes = r.between_forward_held_bytes;  // signed, as between_held_bytes
   for (int64_t v : r.between_backward_peak_bytes)
     c.between_backward_peak_bytes.push_back(std::max<int64_t>(0, v));
   c.between_held_bytes = r.between_held_bytes;  // signed: what runs between may free more than it makes
@@ -150,7 +149,7 @@ void validate(const StepContext& c, const Chain& chain) {
                                   "stage: that part's backward is before_backward_peak_bytes)");
     }
   };
-  between(c.between_forward_held_bytes, "between_forward_held_bytes", false);
+  between(c.between_forward_held_bytes, "between_forward_held_bytes", true);
   between(c.between_backward_peak_bytes, "between_backward_peak_bytes", false);
   between(c.between_held_bytes, "between_held_bytes", true);
 }

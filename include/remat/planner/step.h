@@ -119,9 +119,11 @@ struct StepContext {
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
   /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output
   /// straight to the next).
-  /// - between_forward_held_bytes: what its forward leaves held (bytes, >= 0: what it saves for its backward,
-  ///   stage j's input; not what the stages take beside their input, which side_bytes charges), from stage
-  ///   j's forward on.
+  /// - between_forward_held_bytes: what its forward leaves held (bytes: what it saves for its backward, stage
+  ///   j's input; not what the stages take beside their input, which side_bytes charges), from stage j's
+  ///   forward on; negative where it frees more (what the part before the chain held through the encoder's
+  ///   forward in the model's variables, before_saved_bytes charges from the chain's start, and is freed as
+  ///   the encoder returns: BART's with labels of 8).
   /// - between_backward_peak_bytes: the peak of its backward pass, which runs once stage j's backward is
   /// done,
   ///   above what is held then (bytes, >= 0), charged above the step as held when stage j's backward is done

@@ -1072,48 +1072,79 @@ TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
   EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "between_held_bytes has 4 entries");
 }
 
+// The predicted peaks of `plan`'s step operation by operation (step_timeline()'s points) under context `a`
+// less those under `b`, with each operation's name ("B2") and the index of operation `op`.
+struct PeakDifferences {
+  std::vector<std::string> ops;
+  std::vector<int64_t> by;
+  size_t at = 0;
+};
+PeakDifferences peak_differences(const Chain& chain, const remat::StepContext& a, const remat::StepContext& b,
+                                 const Plan& plan, const std::string& op) {
+  const remat::StepTimeline ta = remat::step_timeline(chain, a, plan),
+                            tb = remat::step_timeline(chain, b, plan);
+  EXPECT_EQ(ta.points.size(), tb.points.size());
+  PeakDifferences d;
+  for (size_t k = 0; k < ta.points.size() && k < tb.points.size(); ++k) {
+    d.ops.push_back(ta.points[k].op);
+    d.by.push_back(ta.points[k].peak_bytes - tb.points[k].peak_bytes);
+    if (ta.points[k].op == op) d.at = k;
+  }
+  return d;
+}
+
+// A per-stage part of side_bytes (`name`: side_grads_bytes, side_freed_bytes), set in `lower` and not in
+// `higher`, over a chain of 4 stages: the per-layer program charges it as step_peak_bytes() does, so that its
+// least budget is no higher and its plan there fits (the exhaustive tests draw it too); readings carry it; a
+// context's entries are one per stage, none negative, together at most side_bytes (5000 in `lower`).
+void expect_side_part(const Chain& chain, const remat::StepContext& higher, const remat::StepContext& lower,
+                      std::vector<int64_t> remat::StepContext::*field,
+                      std::vector<int64_t> remat::StepReadings::*reading, const std::string& name) {
+  const int64_t least = remat::min_step_budget(chain, lower, "per-layer");
+  EXPECT_LE(least, remat::min_step_budget(chain, higher, "per-layer"));
+  EXPECT_LE(remat::plan_step(chain, lower, least, "per-layer").step_peak_bytes, least);
+  remat::StepReadings r;
+  r.side_bytes = 64, r.*reading = {0, 32};
+  EXPECT_EQ(remat::step_context(r).*field, (std::vector<int64_t>{0, 32}));
+  remat::StepContext bad = lower;
+  bad.*field = {0, 0, 1};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), name + " has 3 entries", "4 stages");
+  bad.*field = {0, 0, -1, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "an entry of " + name, "-1");
+  bad.*field = {0, 3000, 3000, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), name + " adds up to 6000", "side_bytes (5000)");
+}
+
+// A context for a chain of 4 stages that take 5000 bytes beside their input (side_bytes), held to the end.
+remat::StepContext side_context() {
+  remat::StepContext c;
+  c.side_bytes = 5000;
+  c.stage_grads_bytes = {10, 20, 30, 40};
+  return c;
+}
+
 // What the stages take beside their input (side_bytes: T5's position bias, an encoder's output the decoder's
 // layers attend to) is held through the chain, but its gradient only from the backward of the last stage that
 // takes it (side_grads_bytes), where it arrives.
 TEST(Step, TheGradientOfWhatTheStagesTakeBesideTheirInputArrivesAtTheLastTakersBackward) {
   std::mt19937 rng(17);
   const Chain chain = random_chain(rng, 4, 100);
-  remat::StepContext all;
-  all.side_bytes = 5000;
-  all.stage_grads_bytes = {10, 20, 30, 40};
+  const remat::StepContext all = side_context();
   remat::StepContext arriving = all;
   arriving.side_grads_bytes = {0, 0, 1200, 0};
   for (const Plan& plan : {remat::no_checkpoint(chain), remat::checkpoint_all(chain)}) {
-    const remat::StepTimeline a = remat::step_timeline(chain, all, plan),
-                              b = remat::step_timeline(chain, arriving, plan);
-    ASSERT_EQ(a.points.size(), b.points.size());
-    bool arrived = false;
-    for (size_t k = 0; k < a.points.size(); ++k) {
-      arrived = arrived || a.points[k].op == "B2";
-      EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, arrived ? 0 : 1200)
-          << a.points[k].op << " in " << plan.to_string();
-    }
+    const PeakDifferences d = peak_differences(chain, all, arriving, plan, "B2");
+    for (size_t k = 0; k < d.by.size(); ++k)
+      EXPECT_EQ(d.by[k], k < d.at ? 1200 : 0) << d.ops[k] << " in " << plan.to_string();
+    const remat::StepTimeline b = remat::step_timeline(chain, arriving, plan);
     EXPECT_EQ(remat::step_peak_bytes(chain, arriving, plan),
               std::max(remat::step_peak_bytes(chain, all, plan) - 1200,
                        std::max_element(b.points.begin(), b.points.end(), [](const auto& x, const auto& y) {
                          return x.peak_bytes < y.peak_bytes;
                        })->peak_bytes));
   }
-  // The per-layer program charges it as step_peak_bytes() does (the exhaustive tests draw it too).
-  const int64_t least = remat::min_step_budget(chain, arriving, "per-layer");
-  EXPECT_LE(least, remat::min_step_budget(chain, all, "per-layer"));
-  EXPECT_LE(remat::plan_step(chain, arriving, least, "per-layer").step_peak_bytes, least);
-  // Readings carry it; a context's entries are one per stage, none negative, together at most side_bytes.
-  remat::StepReadings r;
-  r.side_bytes = 64, r.side_grads_bytes = {0, 32};
-  EXPECT_EQ(remat::step_context(r).side_grads_bytes, (std::vector<int64_t>{0, 32}));
-  remat::StepContext bad = all;
-  bad.side_grads_bytes = {0, 0, 1};
-  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_grads_bytes has 3 entries", "4 stages");
-  bad.side_grads_bytes = {0, 0, -1, 0};
-  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "an entry of side_grads_bytes", "-1");
-  bad.side_grads_bytes = {0, 3000, 3000, 0};
-  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_grads_bytes adds up to 6000", "side_bytes (5000)");
+  expect_side_part(chain, all, arriving, &remat::StepContext::side_grads_bytes,
+                   &remat::StepReadings::side_grads_bytes, "side_grads_bytes");
 }
 
 // What the stages take beside their input is let go of once the backward of the first stage that takes it
@@ -1123,38 +1154,17 @@ TEST(Step, TheGradientOfWhatTheStagesTakeBesideTheirInputArrivesAtTheLastTakersB
 TEST(Step, WhatTheStagesTakeBesideTheirInputIsLetGoOfOnceItsStageIsDone) {
   std::mt19937 rng(19);
   const Chain chain = random_chain(rng, 4, 100);
-  remat::StepContext held;
-  held.side_bytes = 5000;
-  held.stage_grads_bytes = {10, 20, 30, 40};
+  remat::StepContext held = side_context();
   held.side_grads_bytes = {0, 0, 1200, 0};
   remat::StepContext freed = held;
   freed.side_freed_bytes = {0, 1500, 0, 0};
   for (const Plan& plan : {remat::no_checkpoint(chain), remat::checkpoint_all(chain)}) {
-    const remat::StepTimeline a = remat::step_timeline(chain, held, plan),
-                              b = remat::step_timeline(chain, freed, plan);
-    ASSERT_EQ(a.points.size(), b.points.size());
-    bool done = false;  // stage 1's backward is done
-    for (size_t k = 0; k < a.points.size(); ++k) {
-      EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, done ? 1500 : 0)
-          << a.points[k].op << " in " << plan.to_string();
-      done = done || a.points[k].op == "B1";
-    }
+    const PeakDifferences d = peak_differences(chain, held, freed, plan, "B1");
+    for (size_t k = 0; k < d.by.size(); ++k)  // after stage 1's backward
+      EXPECT_EQ(d.by[k], k > d.at ? 1500 : 0) << d.ops[k] << " in " << plan.to_string();
   }
-  // The per-layer program charges it as step_peak_bytes() does (the exhaustive tests draw it too).
-  const int64_t least = remat::min_step_budget(chain, freed, "per-layer");
-  EXPECT_LE(least, remat::min_step_budget(chain, held, "per-layer"));
-  EXPECT_LE(remat::plan_step(chain, freed, least, "per-layer").step_peak_bytes, least);
-  // Readings carry it; a context's entries are one per stage, none negative, together at most side_bytes.
-  remat::StepReadings r;
-  r.side_bytes = 64, r.side_freed_bytes = {16, 0};
-  EXPECT_EQ(remat::step_context(r).side_freed_bytes, (std::vector<int64_t>{16, 0}));
-  remat::StepContext bad = freed;
-  bad.side_freed_bytes = {0, 1};
-  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_freed_bytes has 2 entries", "4 stages");
-  bad.side_freed_bytes = {0, -1, 0, 0};
-  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "an entry of side_freed_bytes", "-1");
-  bad.side_freed_bytes = {3000, 0, 3000, 0};
-  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_freed_bytes adds up to 6000", "side_bytes (5000)");
+  expect_side_part(chain, held, freed, &remat::StepContext::side_freed_bytes,
+                   &remat::StepReadings::side_freed_bytes, "side_freed_bytes");
 }
 
 TEST(Step, RefusesBadContextsAndPlanners) {

@@ -209,13 +209,15 @@ struct StepReadings {
 /// where output_freed_bytes > 0), checkpoint_state_bytes, stage_grads_bytes, and checkpoint_all_peak_bytes
 /// (step_peak above the base), side_bytes, side_grads_bytes, side_freed_bytes, input_held_in_backward (held
 /// whatever was read with input_in_base)
-/// and the between figures as read. Negative differences are read as 0. Throws std::invalid_argument naming
-/// remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes,
+/// and the between figures as read (what the forward and the backward between leave held signed; a
+/// backward's peak below 0 read as 0). Other negative differences are read as 0. Throws std::invalid_argument
+/// naming remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes,
 /// checkpoint_state_bytes, side_bytes or rest_ms, or between
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 
-/// Checks a context against its chain: no negative value (but between_held_bytes), every per-stage figure
+/// Checks a context against its chain: no negative value (but between_held_bytes and
+/// between_forward_held_bytes), every per-stage figure
 /// (stage_grads_bytes, side_grads_bytes, side_freed_bytes, the flags per stage, the between figures) empty or
 /// of the chain's size, side_grads_bytes and side_freed_bytes each at most side_bytes in all, the between
 /// figures' entry 0 zero, input_held_in_backward with

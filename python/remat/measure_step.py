@@ -210,11 +210,12 @@ class Step:
         # empty where not read).
         self.held_to_end: list[bool] = []
 
-    def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple):
+    def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple, outs: set[int]):
+        """What layer i took beside its input (`taken`) and handed on (`handed`), into side_bytes and the side
+        figures; `outs`: the earlier layers' outputs' storage keys (layer_outputs())."""
         if i == 0:
             self.before_chain = {storage_key(t) for t in taken}
         made = [t for t in handed if isinstance(t, torch.Tensor) and storage_key(t) not in self.before_chain]
-        outs = self.layer_outputs()
         for t in [*taken, *made]:
             k = storage_key(t)
             grad = t.nbytes if t.requires_grad else 0
@@ -249,9 +250,14 @@ class Step:
                 self.side_gone.add((kind, k))
                 if i is None:
                     continue
-                grad = min(self.side_grads[k][1], self.side.get(k, 0)) if k in self.side_grads else 0
+                grad = self.side_grad_bytes(k)
                 freed = grad if kind == "g" else self.side.get(k, 0) - grad
                 self.side_freed[i] = self.side_freed.get(i, 0) + freed
+
+    def side_grad_bytes(self, k: int) -> int:
+        """The gradient of side storage k that side_grads_bytes charge: its bytes, at most what side_bytes hold
+        for k; 0 where no layer takes it with a gradient."""
+        return min(self.side_grads[k][1], self.side.get(k, 0)) if k in self.side_grads else 0
 
     def layer_outputs(self) -> set[int]:
         """The storage keys of the layers' outputs recorded so far (out_refs)."""
@@ -368,7 +374,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                     and storage_key(t) not in outs)
     returned = run_layer(CHECKPOINT, fn, args, [lp.layers[i]], lp.policies)
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])
-    step.note_side(i, taken, handed)
+    step.note_side(i, taken, handed, outs)
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
         return returned
@@ -636,8 +642,8 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.stage_grads_bytes = grads
     r.side_bytes = sum(step.side.values())
     side_grads = [0] * len(lp.layers)
-    for k, (last, grad) in step.side_grads.items():
-        side_grads[last] += min(grad, step.side.get(k, 0))
+    for k, (last, _) in step.side_grads.items():
+        side_grads[last] += step.side_grad_bytes(k)
     r.side_grads_bytes = side_grads
     r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(len(lp.layers))] if step.side_freed else []
     r.input_held_in_backward = step.input_held

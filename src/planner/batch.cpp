@@ -17,9 +17,9 @@ struct Line {
   double at(double va, double vb) const {
     return va + (vb - va) * double(batch - batch_a) / double(batch_b - batch_a);
   }
-  int64_t bytes(int64_t va, int64_t vb) const {
-    return std::max<int64_t>(0, std::llround(at(double(va), double(vb))));
-  }
+  // Bytes that may be negative (what may free more than it makes): not floored at 0.
+  int64_t signed_bytes(int64_t va, int64_t vb) const { return std::llround(at(double(va), double(vb))); }
+  int64_t bytes(int64_t va, int64_t vb) const { return std::max<int64_t>(0, signed_bytes(va, vb)); }
   std::optional<int64_t> bytes(const std::optional<int64_t>& va, const std::optional<int64_t>& vb) const {
     if (!va || !vb) return std::nullopt;
     return bytes(*va, *vb);
@@ -181,14 +181,22 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
         per_stage_sizes(a) + " stages, the other for " + per_stage_sizes(b));
   const Line line{batch_a, batch_b, batch};
   StepContext c = a;
+  // A per-stage figure on the line, entry by entry (floored at 0 unless `signed_figure`), and its sum.
+  auto per_stage = [&](std::vector<int64_t> StepContext::*field, bool signed_figure = false) {
+    int64_t sum = 0;
+    std::vector<int64_t>& out = c.*field;
+    for (size_t i = 0; i < out.size(); ++i) {
+      const int64_t va = (a.*field)[i], vb = (b.*field)[i];
+      sum += out[i] = signed_figure ? line.signed_bytes(va, vb) : line.bytes(va, vb);
+    }
+    return sum;
+  };
   c.before_saved_bytes = line.bytes(a.before_saved_bytes, b.before_saved_bytes);
   c.before_peak_bytes = line.bytes(a.before_peak_bytes, b.before_peak_bytes);
   c.before_backward_peak_bytes = line.bytes(a.before_backward_peak_bytes, b.before_backward_peak_bytes);
   c.rest_peak_bytes = line.bytes(a.rest_peak_bytes, b.rest_peak_bytes);
   c.rest_ms = line.ms(a.rest_ms, b.rest_ms);
   c.rest_grads_bytes = line.bytes(a.rest_grads_bytes, b.rest_grads_bytes);
-  for (size_t i = 0; i < c.stage_grads_bytes.size(); ++i)
-    c.stage_grads_bytes[i] = line.bytes(a.stage_grads_bytes[i], b.stage_grads_bytes[i]);
   // A measured peak is the largest of the step's moments, and which moment is largest changes with the batch:
   // on a BERT of width 256 the embedding's dense gradient (the same at every batch) tops the step at batches
   // 2 and 4, the layers' recomputes from batch 16 on, so a line through two peaks is no peak at a third batch
@@ -196,26 +204,18 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   c.checkpoint_all_peak_bytes = batch == batch_a   ? a.checkpoint_all_peak_bytes
                                 : batch == batch_b ? b.checkpoint_all_peak_bytes
                                                    : -1;
+  per_stage(&StepContext::stage_grads_bytes);
   c.side_bytes = line.bytes(a.side_bytes, b.side_bytes);
-  int64_t side_grads = 0;
-  for (size_t i = 0; i < c.side_grads_bytes.size(); ++i)
-    side_grads += c.side_grads_bytes[i] = line.bytes(a.side_grads_bytes[i], b.side_grads_bytes[i]);
-  // What is let go of once a stage's backward is done: a line through its two readings, as side_bytes.
-  int64_t side_freed = 0;
-  for (size_t i = 0; i < c.side_freed_bytes.size(); ++i)
-    side_freed += c.side_freed_bytes[i] = line.bytes(a.side_freed_bytes[i], b.side_freed_bytes[i]);
-  // Each is a part of it (each line stops at 0 on its own).
+  // Of it, the gradients arriving and what is let go of per stage: each a part of it (each line stops at 0 on
+  // its own).
+  const int64_t side_grads = per_stage(&StepContext::side_grads_bytes),
+                side_freed = per_stage(&StepContext::side_freed_bytes);
   c.side_bytes = std::max({c.side_bytes, side_grads, side_freed});
-  // What runs between two stages: a line through its two readings, as the rest's peak.
-  for (size_t i = 0; i < c.between_backward_peak_bytes.size(); ++i)
-    c.between_backward_peak_bytes[i] =
-        line.bytes(a.between_backward_peak_bytes[i], b.between_backward_peak_bytes[i]);
-  for (size_t i = 0; i < c.between_forward_held_bytes.size(); ++i)  // signed: not floored at 0
-    c.between_forward_held_bytes[i] = std::llround(
-        line.at(double(a.between_forward_held_bytes[i]), double(b.between_forward_held_bytes[i])));
-  for (size_t i = 0; i < c.between_held_bytes.size(); ++i)  // signed: not floored at 0
-    c.between_held_bytes[i] =
-        std::llround(line.at(double(a.between_held_bytes[i]), double(b.between_held_bytes[i])));
+  // What runs between two stages: a line through its two readings, as the rest's peak; what its forward and
+  // its backward leave held signed (they may free more than they make).
+  per_stage(&StepContext::between_backward_peak_bytes);
+  per_stage(&StepContext::between_forward_held_bytes, true);
+  per_stage(&StepContext::between_held_bytes, true);
   c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
   c.outputs_held_in_backward = held_where_either(a.outputs_held_in_backward, b.outputs_held_in_backward);
   c.output_held_in_backward = a.output_held_in_backward || b.output_held_in_backward;

@@ -207,7 +207,10 @@ def test_what_runs_between_may_leave_less_held_than_before_it(meter):
     # With labels of 8, BART's decoder embeddings make less than what its encoder's forward held in the model's
     # variables (the token embeddings, charged from the layers' start), which is freed as the encoder returns:
     # what runs between leaves less held than before it, read as negative. Floored at 0, the plain step was
-    # predicted 1.7% above what it held; now within 1%, never below it.
+    # predicted 1.7% above what it held. Now it is never below it, and above it by at most one encoder output's
+    # gradient (the known miss: charged at the last decoder layer's backward peak, which comes before the layer's
+    # cross-attention makes it). A relative bound failed on CI, whose totals were 0.5 MiB smaller than this
+    # machine's for the same model (1.05% against 0.89%, the same 32 KiB).
     def short(spec, k):
         g = torch.Generator().manual_seed(100 + k)
         return dict(input_ids=torch.randint(1, 1000, (4, 32), generator=g),
@@ -218,4 +221,5 @@ def test_what_runs_between_may_leave_less_held_than_before_it(meter):
     runs = [hf_step(model, dict(name="bart", loss="lm"), k, meter, make_batch=short) for k in range(2)]
     assert lp.context.between_forward_held_bytes[LAYERS] < 0
     predicted = lp.predicted_peak_bytes
-    assert predicted * 0.99 <= runs[1][2] <= predicted, (runs[1][2], predicted)
+    encoder_output_grad = 4 * 32 * model.config.d_model * 4
+    assert 0 <= predicted - runs[1][2] <= encoder_output_grad, (runs[1][2], predicted)

@@ -26,6 +26,7 @@ remat::Chain chain_at(int64_t batch) {
     s.output_bytes = 1000 * batch;
     s.saved_bytes = 6000 * batch;
     s.fwd_tmp_bytes = 500 * batch;
+    s.fwd_nosave_tmp_bytes = 900 * batch;
     s.bwd_tmp_bytes = 64 + 700 * batch;
     s.keep_saved_bytes = 3000 * batch;
     s.keep_fwd_ms = 1.0 * batch;
@@ -54,6 +55,7 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
       EXPECT_DOUBLE_EQ(s.bwd_ms, w.bwd_ms);
       EXPECT_EQ(s.saved_bytes, w.saved_bytes);
       EXPECT_EQ(s.bwd_tmp_bytes, w.bwd_tmp_bytes);
+      EXPECT_EQ(s.fwd_nosave_tmp_bytes, w.fwd_nosave_tmp_bytes);
       EXPECT_EQ(*s.keep_saved_bytes, *w.keep_saved_bytes);
       EXPECT_EQ(s.offload->bytes, w.offload->bytes);
       EXPECT_EQ(s.offload->window_bytes, 256);
@@ -73,6 +75,13 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   EXPECT_EQ(low.stages[0].bwd_tmp_bytes, 6068);
   const remat::Chain far = remat::chain_at_batch(b, 4, a2, 2, 200);
   EXPECT_EQ(far.stages[0].bwd_tmp_bytes, 0);
+  // The forward without saving, measured in one profile only: the other's fwd_tmp_bytes stands in for it
+  // (1800 at 2, 2000 at 4), as the planners read it.
+  remat::Chain unmeasured = b;
+  unmeasured.stages[2].fwd_nosave_tmp_bytes.reset();
+  EXPECT_EQ(remat::chain_at_batch(a, 2, unmeasured, 4, 3).stages[2].fwd_nosave_tmp_bytes, 1900);
+  unmeasured.stages[2].fwd_tmp_bytes = 0;
+  EXPECT_EQ(remat::chain_at_batch(a, 2, unmeasured, 4, 3).stages[2].fwd_nosave_tmp_bytes, 900);
   // A streamed backward's peak with its gradients made, measured in one profile only: not measured.
   remat::Chain unread = b;
   unread.stages[1].offload->stream_bwd_grads_bytes = -1;

@@ -55,6 +55,21 @@ TEST(Chain, TmpKeysOptional) {
   EXPECT_EQ(c.stages[0].bwd_tmp_bytes, 0);
 }
 
+TEST(Chain, TheTransientWithoutSavingRoundTripsAndDefaultsToTheSavingOne) {
+  remat::Chain c = sample();
+  c.stages[1].fwd_nosave_tmp_bytes = 3000;
+  const std::string j = remat::to_json(c);
+  EXPECT_NE(j.find("\"fwd_nosave_tmp_bytes\": 3000"), std::string::npos) << j;
+  const remat::Chain d = remat::chain_from_json(j);
+  EXPECT_FALSE(d.stages[0].fwd_nosave_tmp_bytes.has_value());  // absent stays absent
+  EXPECT_EQ(d.stages[0].nosave_tmp_bytes(), 100);              // and reads as fwd_tmp_bytes
+  EXPECT_EQ(d.stages[1].nosave_tmp_bytes(), 3000);
+  EXPECT_EQ(remat::to_json(d), j);
+  auto bad = c;
+  bad.stages[1].fwd_nosave_tmp_bytes = -1;
+  expect_invalid(bad, "stage 1 ('layer0') has negative fwd_nosave_tmp_bytes");
+}
+
 TEST(Chain, OptionalTimesRoundTripAndDefaultToTheForward) {
   remat::Chain c = sample();
   c.stages[1].fwd_nosave_ms = 1.25;

@@ -58,6 +58,20 @@ TEST(Plan, ForwardsWithoutSavingCostTheirOwnTime) {
   EXPECT_DOUBLE_EQ(sim.time_ms, 0.25 + 3 + 2 + 5 + 1);
 }
 
+TEST(Plan, ForwardsWithoutSavingHoldTheirOwnTransient) {
+  auto c = two_stage();
+  const auto plan = parse(2, "Fc0 Fa1 L B1 Fa0 B0");
+  c.stages[0].fwd_nosave_tmp_bytes = 250;  // Fc0: 10 + 100 + 250; Fa0 keeps fwd_tmp_bytes (267, as above)
+  auto sim = remat::simulate(c, plan);
+  EXPECT_EQ(sim.peak_bytes, 360);
+  EXPECT_EQ(sim.peak_op, 0);
+  EXPECT_EQ(sim.op_peak_bytes[4], 267);
+  c.stages[0].fwd_nosave_tmp_bytes = 0;  // less than fwd_tmp_bytes: Fc0 at 110, the peak B1's again
+  sim = remat::simulate(c, plan);
+  EXPECT_EQ(sim.op_peak_bytes[0], 110);
+  EXPECT_EQ(sim.peak_bytes, 307);
+}
+
 TEST(Plan, PerCallTimeChargesTheMeasuredCheckpointCosts) {
   auto c = two_stage();
   // Unset: a checkpointed stage costs a forward without saving plus a full recompute and its backward.

@@ -40,6 +40,11 @@ inline remat::Chain random_chain(std::mt19937& rng, int64_t n, int64_t unit = 1)
     s.bwd_tmp_bytes = tmp(rng) * unit;
     // Most stages forward faster without saving (no graph to record); no draw, so the sequence is kept.
     if (i % 3 != 0) s.fwd_nosave_ms = s.fwd_ms * (0.55 + 0.1 * static_cast<double>(i % 4));
+    // Some forwards without saving hold less above their output than one that saves holds above what it
+    // saves, some more: on a quarter of the stages as much as the saving forward's whole peak, the most they
+    // can (each tensor such a forward holds, the saving one holds too); again without a draw.
+    if (i % 4 == 1) s.fwd_nosave_tmp_bytes = s.fwd_tmp_bytes / 2;
+    if (i % 4 == 3) s.fwd_nosave_tmp_bytes = s.saved_bytes - s.output_bytes + s.fwd_tmp_bytes;
     c.stages.push_back(s);
   }
   return c;

@@ -49,6 +49,23 @@ TEST_F(ProfileTest, MeasuresEveryFieldOfSimpleStages) {
   EXPECT_GE(chain.stages[3].bwd_tmp_bytes + chain.stages[3].output_bytes, 2 * w * w * 4);
 }
 
+// A stage whose forward without saving holds two tensors at once that a forward with saving keeps one of: the
+// feed-forward product and its ReLU (which saves its output; the product is let go of once the ReLU is done).
+TEST_F(ProfileTest, MeasuresWhatTheForwardWithoutSavingHoldsAboveItsOutput) {
+  const int64_t b = 16, w = 32, act = b * w * 4, wide = 4 * act;
+  torch::nn::Sequential block(torch::nn::Linear(w, 4 * w), torch::nn::ReLU(), torch::nn::Linear(4 * w, w));
+  const std::vector<remat::StageFn> stages{
+      {"block", [block](const torch::Tensor& x) mutable { return block->forward(x); }, block.ptr()}};
+  const remat::Chain chain =
+      remat::profile_chain(stages, torch::randn({b, w}), remat::ProfileOptions().repeats(1));
+  const remat::Stage& s = chain.stages.at(0);
+  EXPECT_EQ(s.saved_bytes, wide + act);    // the ReLU's output and the stage's
+  EXPECT_EQ(s.fwd_tmp_bytes, wide - act);  // at the ReLU: the product and its output, above those
+  ASSERT_TRUE(s.fwd_nosave_tmp_bytes.has_value());
+  EXPECT_EQ(*s.fwd_nosave_tmp_bytes, 2 * wide - act);  // the same peak, above the output alone
+  EXPECT_EQ(s.nosave_tmp_bytes(), s.fwd_tmp_bytes + wide);
+}
+
 // ProfileOptions::progress gets every run of one stage in order, with its phase, and the phases' times add
 // up to the profile's; what it throws propagates with the model put back.
 TEST_F(ProfileTest, ReportsEveryRunOfOneStageByPhase) {

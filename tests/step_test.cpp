@@ -81,14 +81,17 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
   }
 }
 
-// Stages whose graph does not save their output (Stage::saves_output false), about half, and on about a
-// quarter a forward transient as large as what the stage saves (so that a recompute, not the backward after
-// it, is the stage's peak there); from the context's generator so that the chains' draws stay as they were.
+// Stages whose graph does not save their output (Stage::saves_output false), about half, on about a quarter a
+// forward transient as large as what the stage saves (so that a recompute, not the backward after it, is the
+// stage's peak there), and on about half a forward without saving that holds as much as the saving one (its
+// most; then, where what runs between holds more in the forward pass than in the backward, a checkpointed
+// stage's forward can be its peak); from the context's generator so that the chains' draws stay as they were.
 void unsave_random_outputs(std::mt19937& rng, Chain& chain) {
   std::bernoulli_distribution coin(0.5);
   for (remat::Stage& s : chain.stages) {
     s.saves_output = coin(rng);
     if (coin(rng) && coin(rng)) s.fwd_tmp_bytes += s.saved_bytes;
+    if (coin(rng)) s.fwd_nosave_tmp_bytes = s.saved_bytes - s.output_bytes + s.fwd_tmp_bytes;
   }
 }
 
@@ -1126,6 +1129,42 @@ remat::StepContext side_context() {
 // What the stages take beside their input (side_bytes: T5's position bias, an encoder's output the decoder's
 // layers attend to) is held through the chain, but its gradient only from the backward of the last stage that
 // takes it (side_grads_bytes), where it arrives.
+TEST(Step, ACheckpointedStagesForwardHoldsWhatItsForwardWithoutSavingHolds) {
+  // Stage 0's forward runs while the part before the chain still holds 5000 bytes, let go of before stage 1's
+  // forward (a BART's token embeddings, through its encoder): there a checkpointed stage 0's forward, which
+  // holds its output and what its forward without saving holds above it, is the step's peak.
+  Chain chain;
+  chain.input_bytes = 100;
+  for (auto [out, saved] : {std::pair<int64_t, int64_t>{200, 300}, {50, 100}}) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(chain.stages.size());
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = out, s.saved_bytes = saved;
+    chain.stages.push_back(s);
+  }
+  remat::StepContext ctx;
+  ctx.before_saved_bytes = 5000;
+  ctx.between_forward_held_bytes = {0, -5000};
+  ctx.between_backward_peak_bytes = {0, 0};
+  ctx.between_held_bytes = {0, 0};
+  const Plan fc = remat::checkpoint_stages(2, {0});
+  const int64_t unmeasured = remat::step_peak_bytes(chain, ctx, fc);
+  chain.stages[0].fwd_nosave_tmp_bytes = 60;  // fwd_tmp_bytes 0: charged 60 more, and the peak
+  EXPECT_EQ(remat::step_peak_bytes(chain, ctx, fc), unmeasured + 60);
+  const remat::StepTimeline t = remat::step_timeline(chain, ctx, fc);
+  const auto at = std::find_if(t.points.begin(), t.points.end(), [](const auto& p) { return p.op == "Fc0"; });
+  ASSERT_NE(at, t.points.end());
+  EXPECT_EQ(at->peak_bytes, unmeasured + 60);
+  // Below keeping stage 0 (its forward holds 300), the least per-layer budget, as the per-layer program
+  // finds it and as the plans it chooses among are charged.
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Candidate& c : every_per_layer_plan(chain, false, false))
+    least = std::min(least, remat::step_peak_bytes(chain, ctx, c.plan));
+  EXPECT_EQ(least, unmeasured + 60);
+  EXPECT_EQ(remat::min_step_budget(chain, ctx, "per-layer"), least);
+  EXPECT_EQ(remat::plan_step(chain, ctx, least, "per-layer").plan.to_string(), fc.to_string());
+}
+
 TEST(Step, TheGradientOfWhatTheStagesTakeBesideTheirInputArrivesAtTheLastTakersBackward) {
   std::mt19937 rng(17);
   const Chain chain = random_chain(rng, 4, 100);
@@ -1292,6 +1331,12 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   b.stages[1].keep_saved_bytes.reset(), b.stages[1].keep_fwd_ms.reset(), b.stages[1].keep_bwd_ms.reset();
   b.stages[1].keep_offload.reset();
   b.stages[2].offload.reset();
+  // What the forwards without saving hold: more on the other for stage 1, unmeasured there for stage 3.
+  ASSERT_TRUE(a.stages[1].fwd_nosave_tmp_bytes && a.stages[3].fwd_nosave_tmp_bytes);
+  ASSERT_FALSE(a.stages[0].fwd_nosave_tmp_bytes);
+  b.stages[1].fwd_nosave_tmp_bytes = *a.stages[1].fwd_nosave_tmp_bytes + 700;
+  b.stages[3].fwd_nosave_tmp_bytes.reset();
+  b.stages[3].fwd_tmp_bytes = *a.stages[3].fwd_nosave_tmp_bytes + 300;
   cb.rest_ms = 1.0, cb.stage_grads_bytes[3] = 90;
   ca.input_held_in_backward = false;  // one process read the chain's input freed, the other held
   const remat::PlanFigures fa = remat::plan_figures(a, ca), fb = remat::plan_figures(b, cb);
@@ -1314,6 +1359,10 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   EXPECT_EQ(x.rest_ms, ca.rest_ms);
   EXPECT_EQ(x.stage_grads_bytes, (std::vector<int64_t>{10, 20, 30, 90}));
   EXPECT_TRUE(x.input_held_in_backward);  // held where any process holds it
+  // Measured where any process measured it, the largest each reads (fwd_tmp_bytes where it did not).
+  EXPECT_EQ(c.stages[1].fwd_nosave_tmp_bytes, b.stages[1].fwd_nosave_tmp_bytes);
+  EXPECT_EQ(c.stages[3].fwd_nosave_tmp_bytes, b.stages[3].fwd_tmp_bytes);
+  EXPECT_FALSE(c.stages[0].fwd_nosave_tmp_bytes.has_value());
   // What runs between stages: each figure the larger.
   {
     remat::StepContext ba = ca, bb = cb;

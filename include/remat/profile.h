@@ -11,6 +11,8 @@
 /// For stage i, on the output of the previous stages: output_bytes is its output's size; saved_bytes is what
 /// running it with grad leaves alive (its output plus what its autograd graph keeps; its input and parameters
 /// are not counted, they are alive anyway); fwd_tmp_bytes is the peak above that during the forward;
+/// fwd_nosave_tmp_bytes is the peak above its output during its forward without saving, under no-grad (as
+/// the plan executor runs Fn and Fc);
 /// bwd_tmp_bytes is the peak during its backward above its input, saved tensors, output gradient and input
 /// gradient (the parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first
 /// step), and bwd_grads_tmp_bytes, from the same run, the peak it would have reached had it made those

@@ -403,6 +403,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         shape.gathered = list(gathered.gathered)
         for st, g in zip(shape.chain.stages, gathered.gathered):
             st.fwd_tmp_bytes += g
+            if st.fwd_nosave_tmp_bytes is not None:
+                st.fwd_nosave_tmp_bytes += g
             if g:
                 add_to_stream(st, fwd=g)
         del stage_fns, inputs, excluded

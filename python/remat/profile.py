@@ -3,13 +3,15 @@
 For stage i, on its input: output_bytes is its output's size; saved_bytes is what running it with grad leaves
 alive: its output plus the storages its autograd graph saved, counted exactly with saved-tensor hooks, each
 storage once, its input, its parameters and buffers and the tensors it was given not counted (they are alive
-anyway); fwd_tmp_bytes is the meter's peak above that during the forward; bwd_tmp_bytes is the meter's peak
-during its backward above its input, what it saved, its output and the output's gradient (the parameter
-gradients pre-allocated, as after a first step). With policies, each stage also runs under
-torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's count) is its
-PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the stages in
-the order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage to the
-first its forward with saving and its backward (fwd_ms, bwd_ms), then every stage under
+anyway); fwd_tmp_bytes is the meter's peak above that during the forward; fwd_nosave_tmp_bytes is the meter's
+peak above its output during its forward without saving, the larger of that under no-grad and under
+torch.utils.checkpoint (as a checkpointed layer runs; what the checkpoint holds after it, its generators' state,
+not counted); bwd_tmp_bytes is the meter's peak during its backward above its input, what it saved, its output
+and the output's gradient (the parameter gradients pre-allocated, as after a first step). With policies, each
+stage also runs under torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's
+count) is its PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the
+stages in the order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage
+to the first its forward with saving and its backward (fwd_ms, bwd_ms), then every stage under
 torch.utils.checkpoint and the backward through them (checkpoint_fwd_ms, checkpoint_bwd_ms), then the same
 under each policy. Profiling holds what checkpointing every stage holds plus one stage's saved tensors, never
 a plain step's activations, and leaves the model as it was: gradients, buffers and the random generators are
@@ -492,7 +494,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     report = Reporter(progress, n, (warmup + repeats) * n * (4 + len(pols)) +
                       (n + 1 if offload_min_bytes is not None else 0) + (n if groups else 0) + sum(compiled))
 
-    fields = [dict(fwd=[], bwd=[], nosave=[], ckpt_fwd=[], ckpt_bwd=[], out=0, saved=0, ftmp=0, btmp=0,
+    fields = [dict(fwd=[], bwd=[], nosave=[], ckpt_fwd=[], ckpt_bwd=[], out=0, saved=0, ftmp=0, ntmp=0, btmp=0,
                    pol={name: dict(fwd=[], bwd=[], saved=0) for name in pols}) for _ in range(n)]
 
     def check_out(i, out):
@@ -558,12 +560,15 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 measure, keep = r == warmup, r >= warmup
                 # A forward pass without saving (which makes the stages' inputs when they are not given).
                 for i in range(n):
-                    with torch.no_grad():
+                    with torch.no_grad(), meter.window() as window:
                         sync()
+                        base = meter.count()
                         t0 = time.perf_counter()
                         out = check_out(i, stage_list[i](xs[i]))
                         sync()
                         f = (time.perf_counter() - t0) * 1e3
+                        if measure:
+                            fields[i]["ntmp"] = max(fields[i]["ntmp"], window.peak() - base - out.nbytes)
                     if xs[i + 1] is None or (inputs is None and r == 0):
                         xs[i + 1] = out
                         if i + 1 < n:
@@ -644,10 +649,16 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 for i in range(n):
                     leaves[i] = leaf_of(i)
                     sync()
-                    t0 = time.perf_counter()
-                    outs[i] = run_as(i, CHECKPOINT, leaves[i])
-                    sync()
-                    cf[i] = (time.perf_counter() - t0) * 1e3
+                    with meter.window() as window:
+                        t0 = time.perf_counter()
+                        outs[i] = run_as(i, CHECKPOINT, leaves[i])
+                        sync()
+                        cf[i] = (time.perf_counter() - t0) * 1e3
+                        peak = window.peak()
+                    if measure:
+                        # Above what stays: its output and what the checkpoint holds for its recompute (the
+                        # generators' state, which a step's context charges apart).
+                        fields[i]["ntmp"] = max(fields[i]["ntmp"], peak - meter.count())
                     report("checkpointed", names[i])
                 for i in reversed(range(n)):
                     targets = targets_of(i, leaves[i])
@@ -740,6 +751,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.saved_bytes = f["saved"]
         s.saves_output = f.get("saves_out", True)
         s.fwd_tmp_bytes = f["ftmp"]
+        s.fwd_nosave_tmp_bytes = max(0, f["ntmp"])
         s.bwd_tmp_bytes = f["btmp"]
         if "bgtmp" in f:
             s.bwd_grads_tmp_bytes = f["bgtmp"]

@@ -148,6 +148,9 @@ NB_MODULE(_core, m) {
               "whether its output is among what its graph saves (false: a recompute that stops early never "
               "makes it)")
       .def_rw("fwd_tmp_bytes", &remat::Stage::fwd_tmp_bytes, "transient peak above that in its forward")
+      .def_rw("fwd_nosave_tmp_bytes", &remat::Stage::fwd_nosave_tmp_bytes,
+              "transient peak above its output in its forward without saving, as Fn and Fc run it (None: "
+              "fwd_tmp_bytes)")
       .def_rw("bwd_tmp_bytes", &remat::Stage::bwd_tmp_bytes, "transient peak in its backward")
       .def_rw(
           "bwd_grads_tmp_bytes", &remat::Stage::bwd_grads_tmp_bytes,

@@ -27,6 +27,17 @@ def test_saved_bytes_are_exact_on_a_block_counted_by_hand(meter):
     assert s.saved_bytes == expected
 
 
+def test_the_forward_without_saving_is_measured_above_its_output(meter):
+    # The product and its ReLU are alive at once in both forwards; the one that saves keeps the ReLU's output
+    # (in saved_bytes), the one that does not keeps neither: both at its peak are above its output alone.
+    b, w = 16, 32
+    act, wide = b * w * 4, b * 4 * w * 4
+    stage = nn.Sequential(nn.Linear(w, 4 * w), nn.ReLU(), nn.Linear(4 * w, w))
+    s = remat.profile([stage], torch.randn(b, w), policies=(), repeats=1).stages[0]
+    assert (s.saved_bytes, s.fwd_tmp_bytes) == (wide + act, wide - act)
+    assert s.fwd_nosave_tmp_bytes == 2 * wide - act
+
+
 def test_hooks_agree_with_the_meter(meter):
     torch.manual_seed(0)
     model = mlp(depth=3)
@@ -104,6 +115,10 @@ def test_the_bert_both_libraries_define_profiles_to_the_same_bytes(tmp_path, met
     for py, cc in zip(chain.stages, cpp_layers):
         assert py.output_bytes == cc["output_bytes"], py.name
         assert py.saved_bytes == cc["saved_bytes"], py.name
+        # Both measure the forward without saving above its output, above what the saving one holds above what
+        # it saves (the two layers' code holds its temporaries differently: C++'s 24 KiB more at that peak).
+        assert py.fwd_nosave_tmp_bytes > py.fwd_tmp_bytes, py.name
+        assert cc["fwd_nosave_tmp_bytes"] > cc["fwd_tmp_bytes"], py.name
         # One meaning for "matmuls": the same products kept. The layers draw dropout masks, so both libraries
         # keep a copy of the generator's state per layer; Python's figure is 8 bytes above C++'s (a scalar
         # tensor selective checkpointing holds, not identified): far below any kept product.

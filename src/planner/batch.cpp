@@ -116,6 +116,11 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.saved_bytes = std::max(s.output_bytes, line.bytes(sa.saved_bytes, sb.saved_bytes));
     s.saves_output = sa.saves_output || sb.saves_output;  // saved where either profile saw it saved
     s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
+    // Where one profile measured it and the other did not, the other's stands in for it (as the planners read
+    // it).
+    s.fwd_nosave_tmp_bytes = std::nullopt;
+    if (sa.fwd_nosave_tmp_bytes || sb.fwd_nosave_tmp_bytes)
+      s.fwd_nosave_tmp_bytes = line.bytes(sa.nosave_tmp_bytes(), sb.nosave_tmp_bytes());
     s.bwd_tmp_bytes = line.bytes(sa.bwd_tmp_bytes, sb.bwd_tmp_bytes);
     s.bwd_grads_tmp_bytes = line.bytes(sa.bwd_grads_tmp_bytes, sb.bwd_grads_tmp_bytes);
     if (sa.has_keep() && sb.has_keep()) {

@@ -135,6 +135,10 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "saved_bytes", s.saved_bytes);
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
+    if (s.fwd_nosave_tmp_bytes) {
+      check_bytes(chain, i, "fwd_nosave_tmp_bytes", *s.fwd_nosave_tmp_bytes);
+      add_bytes(total, *s.fwd_nosave_tmp_bytes, stage_label(chain, i));
+    }
     if (s.bwd_grads_tmp_bytes) {
       check_bytes(chain, i, "bwd_grads_tmp_bytes", *s.bwd_grads_tmp_bytes);
       add_bytes(total, *s.bwd_grads_tmp_bytes, stage_label(chain, i));
@@ -277,6 +281,7 @@ std::string to_json(const Chain& chain) {
     js["saved_bytes"] = s.saved_bytes;
     if (!s.saves_output) js["saves_output"] = false;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
+    if (s.fwd_nosave_tmp_bytes) js["fwd_nosave_tmp_bytes"] = *s.fwd_nosave_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
     if (s.bwd_grads_tmp_bytes) js["bwd_grads_tmp_bytes"] = *s.bwd_grads_tmp_bytes;
     if (s.fwd_nosave_ms) js["fwd_nosave_ms"] = *s.fwd_nosave_ms;
@@ -428,6 +433,8 @@ Chain chain_from_json(const std::string& text) {
     s.saves_output = boolean(js, "saves_output", where, true);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
     s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
+    if (js.contains("fwd_nosave_tmp_bytes"))
+      s.fwd_nosave_tmp_bytes = required<int64_t>(js, "fwd_nosave_tmp_bytes", where);
     if (js.contains("bwd_grads_tmp_bytes"))
       s.bwd_grads_tmp_bytes = required<int64_t>(js, "bwd_grads_tmp_bytes", where);
     for (auto [key, field] :

@@ -32,6 +32,12 @@ struct Collect {
     out.ints.push_back(v ? 0 : 1);
     out.ints.push_back(v ? *v : 0);
   }
+  // Bytes measured on some processes, standing for `unset` where not: measured where any process measured
+  // them (a presence flag's maximum is presence), the largest of what each reads.
+  void measured_bytes(const std::optional<int64_t>& v, int64_t unset) {
+    out.ints.push_back(v ? 1 : 0);
+    out.ints.push_back(v.value_or(unset));
+  }
   void offload(const std::optional<OffloadCost>& v) {
     out.ints.push_back(v ? 0 : 1);
     out.ints.push_back(v ? v->bytes : 0);
@@ -79,6 +85,11 @@ struct Write {
     const int64_t x = next_int();
     v = absent ? std::nullopt : std::optional<int64_t>(x);
   }
+  void measured_bytes(std::optional<int64_t>& v, int64_t) {
+    const bool present = next_flag();
+    const int64_t x = next_int();
+    v = present ? std::optional<int64_t>(x) : std::nullopt;
+  }
   void offload(std::optional<OffloadCost>& v) {
     const bool absent = next_flag();
     OffloadCost c;
@@ -123,6 +134,7 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(s.saved_bytes);
     v.flag(s.saves_output);  // saved where any process saves it
     v.bytes(s.fwd_tmp_bytes);
+    v.measured_bytes(s.fwd_nosave_tmp_bytes, s.fwd_tmp_bytes);
     v.bytes(s.bwd_tmp_bytes);
     v.opt_bytes(s.bwd_grads_tmp_bytes);
     v.opt_ms(s.fwd_nosave_ms);

@@ -31,7 +31,7 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 template <typename T>
 struct Sizes {
   int64_t n = 0;  // real stages
-  std::vector<T> x, xb, ft, bt;
+  std::vector<T> x, xb, ft, nt, bt;
   std::vector<double> f, fn, b;  // forward with saving (Fa), without (Fn, Fc), backward
   // Fk, in variants: 0 keeps the remat::keep calls (the keep_ fields), v >= 1 keeps under the chain's policy
   // v - 1. Per variant: whether stage i has it, what it keeps (xk[v][i + 1], like xb), its forward and its
@@ -51,6 +51,7 @@ struct Sizes {
     x.assign(n + 2, 0);
     xb.assign(n + 2, 0);
     ft.assign(n + 1, 0);
+    nt.assign(n + 1, 0);
     bt.assign(n + 1, 0);
     f.assign(n + 1, 0);
     fn.assign(n + 1, 0);
@@ -67,6 +68,7 @@ struct Sizes {
       const Stage& s = chain.stages[i];
       xb[i + 1] = convert(s.saved_bytes);
       ft[i] = convert(s.fwd_tmp_bytes);
+      nt[i] = convert(s.nosave_tmp_bytes());
       bt[i] = convert(s.bwd_tmp_bytes);
       f[i] = s.fwd_ms;
       fn[i] = s.nosave_ms();
@@ -107,7 +109,7 @@ struct Sizes {
     return std::max(x[t + 1] + xk[v][s + 1] + ft[s], backward);
   }
   // The forward k of a sweep that starts at s (a_s is held by the caller, a_k for k > s by the sweep).
-  T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + ft[k]; }
+  T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + nt[k]; }
 };
 
 // The choices of the dynamic programs besides a checkpoint at s' > s: keep everything of stage s (Fa), or

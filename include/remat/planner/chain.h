@@ -157,11 +157,23 @@ struct Stage {
   /// Chain::holds_outputs is false) never makes it again, so the stage's backward after that recompute holds
   /// output_bytes less. Default true: charged as saved.
   bool saves_output = true;
+  /// The transient peak above its output during its forward without saving for backward, as Fn and Fc run it
+  /// (bytes, >= 0): under no-grad, as the plan executor runs them, and in the Python profiler also under a
+  /// checkpoint, as its per-layer plans run a checkpointed layer, the larger (the checkpoint's generators'
+  /// state not counted: a step's context charges it apart). It may exceed fwd_tmp_bytes by much: such a
+  /// forward lets go of each tensor once nothing reads it, but may hold several at once that its output is
+  /// smaller than (a layer's feed-forward product and its activation), which a forward that saves them counts
+  /// in saved_bytes. Unset: fwd_tmp_bytes (as before this field). Last of the fields, so that aggregate
+  /// initializers written before it mean what they did.
+  std::optional<int64_t> fwd_nosave_tmp_bytes;
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }
   /// What Fn and Fc cost: fwd_nosave_ms, or fwd_ms when unset (milliseconds).
   double nosave_ms() const { return fwd_nosave_ms ? *fwd_nosave_ms : fwd_ms; }
+  /// What Fn and Fc hold above their output at their forward's peak: fwd_nosave_tmp_bytes, or fwd_tmp_bytes
+  /// when unset (bytes).
+  int64_t nosave_tmp_bytes() const { return fwd_nosave_tmp_bytes.value_or(fwd_tmp_bytes); }
   /// The forward of a stage checkpointed by remat::checkpoint (milliseconds).
   double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
   /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).
@@ -294,12 +306,12 @@ bool valid_policy_name(const std::string& name);
 
 /// The chain as JSON: {"input_bytes": N, "stages": [{"name": "...", "fwd_ms": x, "bwd_ms": x,
 /// "output_bytes": N, "saved_bytes": N, "fwd_tmp_bytes": N, "bwd_tmp_bytes": N}, ...]}, plus
-/// "fwd_nosave_ms", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_saved_bytes", "keep_fwd_ms" and
-/// "keep_bwd_ms" for a stage that has them, "keep": ["matmul"] for a chain measured with keep tags, and for
-/// one measured under policies "policies": ["matmuls"] with, per stage, "policies": [{"policy": "matmuls",
-/// "saved_bytes": N, "fwd_ms": x, "bwd_ms": x}]; for a chain profiled for offloading "to_host_gb_per_s" and
-/// "to_device_gb_per_s", with per stage "offload", "keep_offload", "checkpoint_offload" (and per policy entry
-/// "offload") as {"bytes": N, "input": bool, "output": bool}.
+/// "fwd_nosave_ms", "fwd_nosave_tmp_bytes", "checkpoint_fwd_ms", "checkpoint_bwd_ms", "keep_saved_bytes",
+/// "keep_fwd_ms" and "keep_bwd_ms" for a stage that has them, "keep": ["matmul"] for a chain measured with
+/// keep tags, and for one measured under policies "policies": ["matmuls"] with, per stage, "policies":
+/// [{"policy": "matmuls", "saved_bytes": N, "fwd_ms": x, "bwd_ms": x}]; for a chain profiled for offloading
+/// "to_host_gb_per_s" and "to_device_gb_per_s", with per stage "offload", "keep_offload",
+/// "checkpoint_offload" (and per policy entry "offload") as {"bytes": N, "input": bool, "output": bool}.
 std::string to_json(const Chain& chain);
 
 /// Parses and validates that JSON (the tmp keys are optional, default 0; the three optional times may be

@@ -10,7 +10,8 @@
 ///
 /// Operations and how simulate() charges them (sizes as in remat/planner/chain.h; "resident" is everything
 /// held when the operation starts, always including the chain's input a_0):
-/// - Fn(i), forward without keeping anything: needs a_i (or abar_i); peak = resident + a_{i+1} + fwd_tmp_i;
+/// - Fn(i), forward without keeping anything: needs a_i (or abar_i); peak = resident + a_{i+1} +
+///   nosave_tmp_i (Stage::nosave_tmp_bytes(): fwd_nosave_tmp_bytes, or fwd_tmp_bytes when unmeasured);
 ///   afterwards a_{i+1} is held and a_i is freed if it was held as a plain a_i (never a_0).
 /// - Fc(i), forward keeping its input (a checkpoint): as Fn(i), but a_i stays.
 /// - Fa(i), forward keeping everything for backward: needs a_i; peak = resident + abar_{i+1} + fwd_tmp_i;

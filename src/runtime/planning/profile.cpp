@@ -216,6 +216,9 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     CheckpointOptions per_call;
     std::vector<double> fwd, bwd, nosave, ckpt_fwd, ckpt_bwd, keep_fwd, keep_bwd;
     int64_t keep_saved = 0;
+    // Its forward without saving: the peak above its output, under no-grad (as the plan executor runs Fn and
+    // Fc).
+    int64_t nosave_tmp = 0;
     std::vector<std::vector<double>> policy_fwd, policy_bwd;  // per policy of options.policies()
     std::vector<int64_t> policy_saved;
     std::vector<std::optional<int64_t>> policy_bwd_tmp;  // per policy, its backward's peak (when measured)
@@ -317,12 +320,17 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     for (size_t i = 0; i < n; ++i) {
       torch::NoGradGuard no_grad;
       sync();
+      memory::PeakWindow scope(device);
       const auto t0 = Clock::now();
       torch::Tensor out = stages[i].fn(xs[i]);
       sync();
       const double f = ms_since(t0);
       TORCH_CHECK(out.defined(), kWho, ": stage ", i, " ('", chain.stages[i].name,
                   "') returned an undefined tensor");
+      if (measure) {
+        per[i].nosave_tmp =
+            std::max(per[i].nosave_tmp, scope.peak_over_base() - static_cast<int64_t>(out.nbytes()));
+      }
       if (r == 0) {
         xs[i + 1] = out;
         const bool floating =
@@ -545,6 +553,7 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     s.fwd_ms = median(per[i].fwd);
     s.bwd_ms = median(per[i].bwd);
     s.fwd_nosave_ms = median(per[i].nosave);
+    s.fwd_nosave_tmp_bytes = per[i].nosave_tmp;
     s.checkpoint_fwd_ms = median(per[i].ckpt_fwd);
     s.checkpoint_bwd_ms = median(per[i].ckpt_bwd);
     if (!options.keep().empty()) {

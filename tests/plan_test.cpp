@@ -143,6 +143,13 @@ TEST(PlanKeep, FkChargesWhatItKeepsAndItsBackwardTheRecompute) {
   EXPECT_EQ(sim.peak_op, 3);
   EXPECT_DOUBLE_EQ(sim.time_ms, 1 + 3.5 + 6.0 + 2);
   EXPECT_EQ(sim.forward_calls, (std::vector<int64_t>{1, 1}));
+  // Its forward without saving measured: Fk1 holds above what it keeps at most the less of that (10 bytes:
+  // 160 + 35 + 10) and what Fa1 would hold beyond it (25 + 13 = 38: 160 + 35 + 38).
+  auto m = c;
+  m.stages[1].fwd_nosave_tmp_bytes = 10;
+  EXPECT_EQ(remat::simulate(m, p).op_peak_bytes[1], 205);
+  m.stages[1].fwd_nosave_tmp_bytes = 100;
+  EXPECT_EQ(remat::simulate(m, p).op_peak_bytes[1], 233);
   // Stage 0 has no keep_ fields: Fk0 cannot be charged.
   try {
     remat::simulate(c, parse(2, "Fk0 Fa1 L B1 B0"));

@@ -106,7 +106,8 @@ struct Sizes {
   T keep_some_need(int64_t v, int64_t s, int64_t t) const {
     const T backward =
         hpb[v][s] ? xk[v][s + 1] + x[s + 1] + x[s] + pb[v][s] : xb[s + 1] + x[s + 1] + x[s] + bt[s];
-    return std::max(x[t + 1] + xk[v][s + 1] + ft[s], backward);
+    // Its forward: what it keeps plus Stage::keep_fwd_tmp_bytes(), from the sizes in slots.
+    return std::max(x[t + 1] + xk[v][s + 1] + std::min(nt[s], xb[s + 1] - xk[v][s + 1] + ft[s]), backward);
   }
   // The forward k of a sweep that starts at s (a_s is held by the caller, a_k for k > s by the sweep).
   T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + nt[k]; }

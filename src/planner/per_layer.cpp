@@ -19,7 +19,7 @@
 //
 // The peak of such a plan, in the model of remat/planner/plan.h, with R_j = a_0 + the bytes held by stages
 // 0..j-1 (abar, what an Fk variant keeps, or a plain a_{j+1} for a checkpointed stage), is the largest of
-//   R_j + held_j + fwd_tmp_j (nosave_tmp_j if j is checkpointed)     stage j's forward
+//   R_j + held_j + fwd_tmp_j (nosave_tmp_j if checkpointed, keep_tmp_j under Fk)  stage j's forward
 //   R_j + a_{j+1} + abar_{j+1} + max(a_j + bwd_tmp_j, fwd_tmp_j if j is checkpointed, else 0)
 //                                                                    its recompute and backward (d_{j+1}
 //                                                                    held)
@@ -219,8 +219,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
          a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone,
          between});
   }
-  const int64_t fwd =
-      c.held + (c.kind == OpKind::kForwardCheckpoint ? s.nosave_tmp_bytes() : s.fwd_tmp_bytes) + state;
+  const int64_t fwd = c.held +
+                      (c.kind == OpKind::kForwardCheckpoint ? s.nosave_tmp_bytes()
+                       : c.kind == OpKind::kForwardKeep     ? s.keep_fwd_tmp_bytes(c.held)
+                                                            : s.fwd_tmp_bytes) +
+                      state;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   int64_t bwd = policy

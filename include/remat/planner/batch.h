@@ -27,9 +27,10 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
 
 /// The step context at `batch`, as chain_at_batch() does for the chain (bytes on the line through both,
 /// rounded, at least 0; rest_ms at least 0). The measured every-stage-checkpointed peak is kept only at
-/// batch_a and batch_b (-1 elsewhere: a peak is the step's largest moment, and which moment is largest changes
-/// with the batch, so it is not on a line). Throws std::invalid_argument naming remat::context_at_batch when the contexts
-/// differ in input_in_base or in their number of stages, when batch_a == batch_b, or when a batch is < 1.
+/// batch_a and batch_b (-1 elsewhere: a peak is the step's largest moment, and which moment is largest
+/// changes with the batch, so it is not on a line). Throws std::invalid_argument naming
+/// remat::context_at_batch when the contexts differ in input_in_base or in their number of stages, when
+/// batch_a == batch_b, or when a batch is < 1.
 StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepContext& b, int64_t batch_b,
                              int64_t batch);
 

@@ -12,6 +12,7 @@
 /// a_{i+1} plus what stage i's autograd graph keeps, and the gradient d_i has the size of a_i. See
 /// remat/planner/plan.h for how a schedule is charged.
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -174,6 +175,14 @@ struct Stage {
   /// What Fn and Fc hold above their output at their forward's peak: fwd_nosave_tmp_bytes, or fwd_tmp_bytes
   /// when unset (bytes).
   int64_t nosave_tmp_bytes() const { return fwd_nosave_tmp_bytes.value_or(fwd_tmp_bytes); }
+  /// What Fk (keep tags, a policy, a group assignment) that keeps `kept_bytes` (its output included) holds
+  /// above them at its forward's peak, charged as at most that: the least of nosave_tmp_bytes() (what it does
+  /// not keep it holds as a forward without saving does, and what it keeps was made by then or is to come)
+  /// and saved_bytes - kept_bytes + fwd_tmp_bytes (it holds no more than Fa, which keeps all of it). A chain
+  /// without fwd_nosave_tmp_bytes: fwd_tmp_bytes, as before (bytes).
+  int64_t keep_fwd_tmp_bytes(int64_t kept_bytes) const {
+    return std::min(nosave_tmp_bytes(), saved_bytes - kept_bytes + fwd_tmp_bytes);
+  }
   /// The forward of a stage checkpointed by remat::checkpoint (milliseconds).
   double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
   /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).

@@ -25,9 +25,9 @@ namespace remat {
 /// saves, or a checkpointed stage's input, copied to host memory from its own forward on, on one link with
 /// the other stages' copies, waited for when the next stage's forward ends, and brought back while the stage
 /// after it runs its backward), its time the choice's plus the copies' time that the forwards and the
-/// backward do not hide (Chain::transfer_ms; simulate()'s model, remat/planner/plan.h), its host bytes bounded by
-/// options.max_host_bytes; the same program, exact (the tests compare it with an exhaustive search).
-/// Throws InfeasibleBudget (stating per_layer_min_budget()) when no per-layer plan fits, and
+/// backward do not hide (Chain::transfer_ms; simulate()'s model, remat/planner/plan.h), its host bytes
+/// bounded by options.max_host_bytes; the same program, exact (the tests compare it with an exhaustive
+/// search). Throws InfeasibleBudget (stating per_layer_min_budget()) when no per-layer plan fits, and
 /// std::invalid_argument for an invalid chain, a negative budget, an unknown exclusion, or offload on a chain
 /// without bandwidths (not profiled for offloading).
 ///

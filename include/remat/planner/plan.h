@@ -18,8 +18,9 @@
 ///   afterwards abar_{i+1} is held (it includes a_{i+1}) and a_i stays.
 /// - Fk(i), forward keeping only its kept calls' outputs (remat::checkpoint with CheckpointOptions::keep,
 ///   e.g. a layer's matrix multiplications): needs a_i and a stage with keep_ fields (Stage::has_keep);
-///   peak = resident + keep_saved_bytes_{i+1} + fwd_tmp_i; afterwards those bytes are held (they include
-///   a_{i+1}) and a_i stays. Time keep_fwd_ms.
+///   peak = resident + keep_saved_bytes_{i+1} + Stage::keep_fwd_tmp_bytes(keep_saved_bytes_{i+1}) (at most
+///   what it holds above them: fwd_tmp_i for a chain without fwd_nosave_tmp_bytes); afterwards those bytes
+///   are held (they include a_{i+1}) and a_i stays. Time keep_fwd_ms.
 /// - L, the loss: needs a_n; creates d_n (size a_n) at zero time; a_n is freed if held as a plain a_n.
 /// - B(i), backward: needs abar_{i+1}, d_{i+1} and a_i (or abar_i); peak = resident + d_i + bwd_tmp_i;
 ///   afterwards abar_{i+1} and d_{i+1} are freed, and a_i too if it was held as a plain a_i (never a_0).

@@ -1,7 +1,8 @@
 #pragma once
 /// \file
-/// Planners: given a chain (remat/planner/chain.h), return a Plan (remat/planner/plan.h). They all have one shape, take the
-/// chain and budget as plain data, and fill plan.predicted through simulate(). No torch headers.
+/// Planners: given a chain (remat/planner/chain.h), return a Plan (remat/planner/plan.h). They all have one
+/// shape, take the chain and budget as plain data, and fill plan.predicted through simulate(). No torch
+/// headers.
 ///
 ///   remat::Chain chain = remat::profile_chain(seq, x);              // or load_chain("model.json")
 ///   remat::Plan plan = remat::optimal(chain, 256 << 20);            // fastest schedule within 256 MiB
@@ -37,9 +38,9 @@ struct PlannerOptions {
   /// the planner) for any other text.
   std::vector<std::string> exclude;
   /// The per-layer planner (per_layer(), plan_step()'s "per-layer") may also offload a stage: run it as Fa,
-  /// Fk or Fc with what it saves sent to host memory (Fa3@host, ...; see remat/planner/plan.h), where the chain has
-  /// the stage's OffloadCost for that way and both bandwidths. Planners that recompute across stages
-  /// (optimal(), min_feasible_budget(), plan_step()'s "optimal") refuse it (std::invalid_argument).
+  /// Fk or Fc with what it saves sent to host memory (Fa3@host, ...; see remat/planner/plan.h), where the
+  /// chain has the stage's OffloadCost for that way and both bandwidths. Planners that recompute across
+  /// stages (optimal(), min_feasible_budget(), plan_step()'s "optimal") refuse it (std::invalid_argument).
   bool offload = false;
   /// With offload: the most host memory the plan may hold (bytes; Simulation::host_peak_bytes); -1: no bound.
   int64_t max_host_bytes = -1;
@@ -63,8 +64,8 @@ class InfeasibleBudget : public std::invalid_argument {
   int64_t min_bytes_;
 };
 
-/// A planner by name, in the one strategy grammar of remat/planner/strategy.h ("none", "all", "sqrt", "uniform:K",
-/// "balanced:K", "balanced-time:K", "optimal", "optimal:SIZE", "revolve", "revolve:S", ...):
+/// A planner by name, in the one strategy grammar of remat/planner/strategy.h ("none", "all", "sqrt",
+/// "uniform:K", "balanced:K", "balanced-time:K", "optimal", "optimal:SIZE", "revolve", "revolve:S", ...):
 /// plan_strategy(parse_strategy(planner), chain, budget_bytes, options). budget_bytes is the budget of
 /// "optimal" and "revolve". Throws std::invalid_argument for an unknown or malformed name (naming it), and
 /// what the planner throws (InfeasibleBudget when nothing fits).

@@ -114,8 +114,8 @@ struct SweepPoint {
 /// The optimal planner at `budgets` budgets spread evenly from the chain's minimum to the peak without
 /// checkpointing, and the baselines (none, all, sqrt, uniform:2..8) as points. Predictions only. `options` go
 /// to optimal() (its exclusions to min_feasible_budget() too). Throws std::invalid_argument naming
-/// remat::sweep when budgets < 2, and for an invalid chain or options. `progress`, when given, is called after
-/// each budget is planned (done of total = budgets).
+/// remat::sweep when budgets < 2, and for an invalid chain or options. `progress`, when given, is called
+/// after each budget is planned (done of total = budgets).
 std::vector<SweepPoint> sweep(const Chain& chain, int64_t budgets, const PlannerOptions& options = {},
                               const std::function<void(int64_t done, int64_t total)>& progress = {});
 

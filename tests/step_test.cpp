@@ -30,6 +30,21 @@ struct Candidate {
   int64_t host = 0;
 };
 
+// A chain whose input is 100 bytes and whose stages (forward 1 ms, backward 2 ms) have these output and saved
+// bytes.
+Chain sized_chain(const std::vector<std::pair<int64_t, int64_t>>& sizes) {
+  Chain chain;
+  chain.input_bytes = 100;
+  for (auto [out, saved] : sizes) {
+    remat::Stage s;
+    s.name = "s" + std::to_string(chain.stages.size());
+    s.fwd_ms = 1, s.bwd_ms = 2;
+    s.output_bytes = out, s.saved_bytes = saved;
+    chain.stages.push_back(s);
+  }
+  return chain;
+}
+
 // Figures of what runs between stages (StepContext::between_*), from their own generator so that the chains'
 // draws stay as they were: on about half of the boundaries, a backward peak of up to `most` bytes, leaving
 // held up to a tenth of it more or less, and a forward leaving up to a tenth of it held (or freeing up to
@@ -972,15 +987,7 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
 // backward is done: its peak is charged above what that leaves held (the later stage's input still held, its
 // input's gradient made) with every gradient arrived by then, and its own gradients stay from then on.
 TEST(Step, WhatRunsBetweenTwoStagesIsChargedOnceTheLaterStagesBackwardIsDone) {
-  Chain chain;
-  chain.input_bytes = 100;
-  for (auto [out, saved] : {std::pair<int64_t, int64_t>{200, 300}, {50, 500}, {100, 400}}) {
-    remat::Stage s;
-    s.name = "s" + std::to_string(chain.stages.size());
-    s.fwd_ms = 1, s.bwd_ms = 2;
-    s.output_bytes = out, s.saved_bytes = saved;
-    chain.stages.push_back(s);
-  }
+  Chain chain = sized_chain({{200, 300}, {50, 500}, {100, 400}});
   remat::StepContext ctx;
   ctx.rest_grads_bytes = 7;
   ctx.stage_grads_bytes = {10, 20, 40};
@@ -1133,15 +1140,7 @@ TEST(Step, ACheckpointedStagesForwardHoldsWhatItsForwardWithoutSavingHolds) {
   // Stage 0's forward runs while the part before the chain still holds 5000 bytes, let go of before stage 1's
   // forward (a BART's token embeddings, through its encoder): there a checkpointed stage 0's forward, which
   // holds its output and what its forward without saving holds above it, is the step's peak.
-  Chain chain;
-  chain.input_bytes = 100;
-  for (auto [out, saved] : {std::pair<int64_t, int64_t>{200, 300}, {50, 100}}) {
-    remat::Stage s;
-    s.name = "s" + std::to_string(chain.stages.size());
-    s.fwd_ms = 1, s.bwd_ms = 2;
-    s.output_bytes = out, s.saved_bytes = saved;
-    chain.stages.push_back(s);
-  }
+  Chain chain = sized_chain({{200, 300}, {50, 100}});
   remat::StepContext ctx;
   ctx.before_saved_bytes = 5000;
   ctx.between_forward_held_bytes = {0, -5000};

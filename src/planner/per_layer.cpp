@@ -8,6 +8,7 @@
 #include <tuple>
 
 #include "detail/per_layer.h"
+#include "detail/plan.h"
 #include "detail/planner.h"
 #include "detail/step.h"
 #include "remat/planner/step.h"
@@ -219,11 +220,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
          a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone,
          between});
   }
-  const int64_t fwd = c.held +
-                      (c.kind == OpKind::kForwardCheckpoint ? s.nosave_tmp_bytes()
-                       : c.kind == OpKind::kForwardKeep     ? s.keep_fwd_tmp_bytes(c.held)
-                                                            : s.fwd_tmp_bytes) +
-                      state;
+  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   int64_t bwd = policy

@@ -408,12 +408,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const int64_t out = all    ? (chain ? chain->stages[i].saved_bytes : 0)
                             : keep ? kept(i + 1)
                                    : act(i + 1);
-        // Above what it leaves: a forward that saves, its transient beyond what it saves; one that does not
-        // (Fn, Fc), what it holds beyond its output at its peak.
-        const int64_t tmp = !chain ? 0
-                            : all  ? chain->stages[i].fwd_tmp_bytes
-                            : keep ? chain->stages[i].keep_fwd_tmp_bytes(out)
-                                   : chain->stages[i].nosave_tmp_bytes();
+        const int64_t tmp = chain ? detail::forward_tmp_bytes(chain->stages[i], op.kind, out) : 0;
         if (op.stream && chain) {
           // Streamed: its measured peak, each copy waited for at once, and the window in flight beside it.
           const OffloadCost& o = *chain->stages[i].offload;

@@ -6,8 +6,7 @@
 ///
 ///   remat::Strategy s = remat::parse_strategy("optimal:overhead=0.5");
 ///   remat::Plan plan = remat::plan_strategy(s, chain);      // the least memory within half "all"'s overhead
-///   remat::make_plan(chain, "uniform:4", 0);                // both steps in one call
-///   (remat/planner/planner.h)
+///   remat::make_plan(chain, "uniform:4", 0);                // both steps in one call (planner.h)
 ///
 /// The words (kStrategyWords lists them for help texts):
 /// - "none": keep everything (no checkpointing).

@@ -1,6 +1,7 @@
 #pragma once
-// The one writer of plans' JSON (plan.cpp), for the reports too, and the offload cost of an operation's way,
-// for simulate() and the step's model (private to the planner library).
+// The one writer of plans' JSON (plan.cpp), for the reports too, and the offload cost of an operation's way
+// and what its forward holds above what it leaves, for simulate() and the step's model (private to the
+// planner library).
 
 #include <remat/planner/chain.h>
 #include <remat/planner/plan.h>
@@ -14,6 +15,16 @@ namespace remat::detail {
 /// checkpoint_offload; Fk: its keep tags', its policy's, named in `plan`, or its group assignment's), or none
 /// (Fn, a stage out of range, a policy the chain lacks).
 std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& plan, const Op& op);
+
+/// What stage s's forward run as `kind` holds above what it leaves (`left`: abar for Fa, what Fk keeps, the
+/// output for Fn and Fc) at its peak, as plan.h charges it (bytes): fwd_tmp_bytes for a forward that saves
+/// everything, Stage::keep_fwd_tmp_bytes(left) for one that saves part, Stage::nosave_tmp_bytes() for one
+/// that saves nothing.
+inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left) {
+  if (kind == OpKind::kForwardAll) return s.fwd_tmp_bytes;
+  if (kind == OpKind::kForwardKeep) return s.keep_fwd_tmp_bytes(left);
+  return s.nosave_tmp_bytes();
+}
 
 /// The plan's JSON object (what remat::to_json(plan) prints): the one writer of plans.
 nlohmann::ordered_json plan_json(const Plan& plan);

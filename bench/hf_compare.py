@@ -223,12 +223,13 @@ def remat_rounds(ways, rm, lp, plans, batch, loss_of, meter, args):
     return rows, results, plain_all
 
 
-def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup):
+def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup, after_round=None):
     """`rounds` rounds, each running every way of `rows` in turn (way_of(row) -> (model, run)): `warmup` steps,
     then `steps` pairs of a plain step (plain: (model, run)) and a step of the way. Returns per row its rounds'
     medians (ms), the paired plain steps' medians (plain_ms), their ratios and its largest peak, and every plain
     step's time (ms). A way's ratio in a round is the median of its steps over the median of the plain steps
-    paired with them, so that the machine's drift over a round cancels."""
+    paired with them, so that the machine's drift over a round cancels. after_round(results, plain_all), if
+    given, is called after each round (to keep what is measured should the run be stopped)."""
     plain_model, plain_run = plain
     results = {r: dict(ratios=[], ms=[], plain_ms=[], peak=0) for r in rows}
     plain_all = []
@@ -249,6 +250,8 @@ def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup):
             plain_all.extend(paired)
             print(f"round {rnd + 1} {r}: {statistics.median(ms):.0f} ms against {statistics.median(paired):.0f} ms "
                   f"plain, {peak / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+        if after_round is not None:
+            after_round(results, plain_all)
     return results, plain_all
 
 

@@ -3,15 +3,20 @@
 BertModel at BERT-large's size (fp32) or a Llama-architecture model built from a config (bf16 autocast). Ways:
 the plain step, Hugging Face's gradient_checkpointing_enable(), the same saving matmuls (PyTorch's selective
 checkpointing), Hugging Face's offload=True where the installed transformers has it, torch's save_on_cpu around
-the whole step, and remat.hf.enable(..., offload=True) at gradient_checkpointing_enable()'s measured peak and at
-two budgets between it and selective checkpointing's. Per way: the peak device memory above the bytes alive
+the whole step, with --compile torch.compile's activation_memory_budget at the budgets given, and
+remat.hf.enable(..., offload=True) where --at says: by default at gradient_checkpointing_enable()'s measured
+peak and at two budgets between it and selective checkpointing's; also at any way's peak, and at remat's least
+feasible budget. Per way: the peak device memory above the bytes alive
 before the forward pass (remat's meter window: on CUDA the bytes tensors request from the caching allocator,
 followed through its trace, or torch.cuda.max_memory_allocated where the meter library is missing), the
 synchronized step time paired with plain steps (medians of the rounds' ratios), for remat also the host pool's
-peak, the measured bandwidth each way, and the predicted step time beside the measured one.
+peak, the measured bandwidth each way, and the predicted step time beside the measured one; and per row the
+bound that the measured bandwidths and the layers' forward time allow at its budget or peak (BOUND_TEXT below).
 
     python bench/offload_cuda.py --model bert --json out/offload-bert.json                  # BERT-large, fp32
     python bench/offload_cuda.py --model llama --seq 4096 --batch 2 --json out/offload-llama.json
+    python bench/offload_cuda.py --model bert --groups --compile 0.5,0.2 \
+        --at hf,sac,compile-0.5,compile-0.2,least --skip hf-offload,save_on_cpu    # issue 42's rows
     python bench/offload_cuda.py --device cpu --model bert --layers 2 --hidden 64 --heads 2 --intermediate 256 \\
         --seq 32 --batch 2 --rounds 1    # the script itself, on a CPU (a Llama: add --kv-heads 2)
 
@@ -38,7 +43,7 @@ import remat.hf
 from remat.policies import matmuls
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from hf_compare import grads_of, max_diff, paired_rounds  # noqa: E402  (the paired rounds every benchmark of this kind shares)
+from hf_compare import compiled, grads_of, max_diff, paired_rounds  # noqa: E402  (the paired rounds every benchmark of this kind shares)
 
 
 def build(args, dev):
@@ -68,6 +73,48 @@ def build(args, dev):
     return model, batch, loss_of
 
 
+BOUND_TEXT = ("the least step time / plain that the measured bandwidths and the layers' forward time allow at that "
+              "budget: what the plain step holds above it leaves for the host as fast as the link takes it during "
+              "the layers' forward and returns as fast during their backward, and the rest is recomputed, the "
+              "cheapest bytes first (the profiled groups' recompute time per byte, or a whole layer's where it has "
+              "none), taken fractionally; what is held where, and when, is ignored, so no plan can beat it")
+
+
+def physics_bound(chain, plain_peak, budget, plain_ms):
+    """The bound of BOUND_TEXT (a ratio to the plain step), from the profiled chain (its JSON object): None where
+    what must leave the device is more than the layers save."""
+    over = plain_peak - budget
+    if over <= 0:
+        return 1.0
+    stages = chain["stages"]
+    fwd_ms = sum(s["fwd_ms"] for s in stages)
+    bwd_ms = sum(s["bwd_ms"] for s in stages)
+    # GB/s x ms = 1e6 bytes; each byte sent must also come back.
+    hidden = min(chain.get("to_host_gb_per_s") or 0, chain.get("to_device_gb_per_s") or 0) * 1e6 * min(fwd_ms, bwd_ms)
+    rest = over - hidden
+    if rest <= 0:
+        return 1.0
+    pieces = []  # (ms per byte, bytes)
+    for s in stages:
+        groups = [g for g in s.get("groups", []) if g["bytes"] > 0]
+        if groups:
+            pieces += [(g["recompute_ms"] / g["bytes"], g["bytes"]) for g in groups]
+        elif s["saved_bytes"] > 0:
+            pieces.append((s["fwd_ms"] / s["saved_bytes"], s["saved_bytes"]))
+    extra_ms = 0.0
+    for per_byte, n in sorted(pieces):
+        take = min(n, rest)
+        extra_ms += per_byte * take
+        rest -= take
+        if rest <= 0:
+            return (plain_ms + extra_ms) / plain_ms
+    return None
+
+
+def _ratio(x):
+    return "-" if x is None else f"{x:.3f}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["bert", "llama"], default="bert")
@@ -86,6 +133,13 @@ def main():
     ap.add_argument("--skip", default="", help="ways not to run, comma-separated (hf-offload, save_on_cpu)")
     ap.add_argument("--groups", action="store_true",
                     help="remat plans each layer's saved groups too (remat.hf.enable(..., groups=True))")
+    ap.add_argument("--compile", default="",
+                    help="also torch.compile's activation_memory_budget at these budgets, comma-separated (ways "
+                         "compile-B; issue 42: 0.5,0.2), each compiled before the peaks are measured")
+    ap.add_argument("--at", default="hf,b1,b2",
+                    help="where remat runs, comma-separated: a way's name (its measured peak: hf, sac, compile-0.5, "
+                         "...), b1 and b2 (a third and two thirds of the way from hf's peak to sac's), least "
+                         "(remat's least feasible budget); rows remat@at-WAY, remat@b1, remat@b2, remat@least")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
@@ -115,8 +169,9 @@ def main():
         if cuda:
             torch.cuda.synchronize(dev)
 
-    def step(model, context=None, seed=None):
-        """One step: (ms, peak bytes above the base, loss)."""
+    def step(model, context=None, seed=None, forward=None):
+        """One step: (ms, peak bytes above the base, loss); `forward` (a compiled forward and loss) in place of
+        the model's own call."""
         model.zero_grad(set_to_none=False)
         if seed is not None:
             torch.manual_seed(seed)
@@ -125,7 +180,9 @@ def main():
         with meter.window() as window:
             t0 = time.perf_counter()
             with torch.autocast(**amp):
-                if context is not None:
+                if forward is not None:
+                    loss = forward()
+                elif context is not None:
                     with context():
                         loss = loss_of(model(**batch))
                 else:
@@ -137,6 +194,7 @@ def main():
         return ms, peak, loss.detach()
 
     ways = {"none": (base_model, None)}
+    forwards, compile_s = {}, {}  # the compiled ways' forwards, and each one's first step (its compile) in s
     hf = copy.deepcopy(base_model)
     hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ways["hf"] = (hf, None)
@@ -159,14 +217,32 @@ def main():
         print(f"hf-offload: not available ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     if "save_on_cpu" not in skip:
         ways["save_on_cpu"] = (base_model, partial(torch.autograd.graph.save_on_cpu, pin_memory=cuda))
+    for b in [float(x) for x in args.compile.split(",") if x]:
+        w = f"compile-{b:g}"
+        cm = copy.deepcopy(base_model)
+        for p in cm.parameters():  # a deep copy drops .grad; allocated as the others' are
+            p.grad = torch.zeros_like(p)
+        forwards[w] = compiled(cm, batch, loss_of, b)
+        t0 = time.perf_counter()
+        step(cm, forward=forwards[w])
+        compile_s[w] = time.perf_counter() - t0
+        print(f"{w}: compiled in {compile_s[w]:.1f} s", file=sys.stderr, flush=True)
+        ways[w] = (cm, None)
     peaks = {}
     for w, (m, ctx) in ways.items():
-        step(m, ctx)
-        peaks[w] = step(m, ctx)[1]
+        step(m, ctx, forward=forwards.get(w))
+        peaks[w] = step(m, ctx, forward=forwards.get(w))[1]
         print(f"{w}: peak {peaks[w] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    budgets = {"at-hf": peaks["hf"]}
-    for k, f in ((1, 1 / 3), (2, 2 / 3)):
-        budgets[f"b{k}"] = int(peaks["hf"] + f * (peaks["sac"] - peaks["hf"]))
+    budgets = {}
+    for a in [a for a in args.at.split(",") if a]:
+        if a in ("b1", "b2"):
+            budgets[a] = int(peaks["hf"] + int(a[1]) / 3 * (peaks["sac"] - peaks["hf"]))
+        elif a == "least":
+            budgets[a] = None  # found once remat has profiled
+        elif a in peaks and a != "none":
+            budgets[f"at-{a}"] = peaks[a]
+        else:
+            ap.error(f"--at: {a!r} is not b1, b2, least or a way of this run ({', '.join(w for w in peaks if w != 'none')})")
 
     # Nothing freed by the cycle collector inside remat's profiling step (a free there lowers the count its peaks
     # are read against: a second BERT made in one process measured its floor 15.8 MB for 35.7 MB).
@@ -191,8 +267,16 @@ def main():
     bandwidth = dict(to_host_gb_per_s=chain.to_host_gb_per_s, to_device_gb_per_s=chain.to_device_gb_per_s)
     print(f"bandwidth: {bandwidth}", file=sys.stderr, flush=True)
     plans = {}
+    least_budget = None
+    try:
+        lp.set_budget(1)
+    except remat.InfeasibleBudget as e:
+        least_budget = e.min_bytes
+    print(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB", file=sys.stderr, flush=True)
     for w, b in budgets.items():
         least = None
+        if b is None:
+            b = budgets[w] = least_budget
         try:
             lp.set_budget(b)
         except remat.InfeasibleBudget as e:
@@ -222,17 +306,20 @@ def main():
         len(chain.stages))] + ["L"] + [f"B{i}" for i in reversed(range(len(chain.stages)))])))
     keep_plan_ms = remat.simulate(chain, keep_all).time_ms
     facts = dict(config=vars(args), device=name, torch=torch.__version__, transformers=transformers.__version__,
-                 policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, bandwidth=bandwidth, profile_s=profile_s,
+                 policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, compile_s=compile_s, least_budget=least_budget,
+                 bandwidth=bandwidth, profile_s=profile_s,
                  check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms)
     if args.json:  # what is known before the timed rounds, in case they do not finish
         with open(args.json, "w") as f:
             json.dump(dict(facts, stage="planned"), f, indent=1)
     host_peak = {r: 0 for r in rows}
 
-    def run_of(model, ctx, row=None):
+    def run_of(model, ctx, row=None, forward=None):
         def run():
             with torch.autocast(**amp):
-                if ctx is None:
+                if forward is not None:
+                    loss = forward()
+                elif ctx is None:
                     loss = loss_of(model(**batch))
                 else:
                     with ctx():
@@ -248,10 +335,17 @@ def main():
             lp.host_pool.peak_bytes = 0
             return rm, run_of(rm, None, r)
         model, ctx = ways[r]
-        return model, run_of(model, ctx)
+        return model, run_of(model, ctx, forward=forwards.get(r))
+
+    def keep(results, plain_all):  # each round's results, should the run be stopped before the last
+        if args.json:
+            done = len(next(iter(results.values()))["ratios"])
+            with open(args.json, "w") as f:
+                json.dump(dict(facts, stage=f"{done} of {args.rounds} rounds", plain_ms=statistics.median(plain_all),
+                               rows=results), f, indent=1)
 
     res, plain_all = paired_rounds(rows, way_of, (base_model, run_of(base_model, None)), meter, args.rounds,
-                                   args.steps, warmup=1)
+                                   args.steps, warmup=1, after_round=keep)
     plain_ms = plain_all
     # Predicted step times: the plan's layers and copies, and the rest of the step as remat's first planned steps
     # timed it again (the profiling step's own reading includes first-time costs).
@@ -261,15 +355,19 @@ def main():
         if "choices" in p:
             p["predicted_ms"] = p["plan_ms"] + rest_ms
     facts.update(rest_ms=rest_ms, predicted_plain_ms=keep_ms)
+    plain_med = statistics.median(plain_ms)
     for r in rows:
         res[r]["host_peak"] = host_peak[r]
+        # What the measured bandwidths and forward time allow at this row's budget (remat's) or peak (the others').
+        res[r]["bound"] = physics_bound(facts["chain"], peaks["none"],
+                                        plans[r[6:]]["budget"] if r.startswith("remat@") else res[r]["peak"], plain_med)
     print(f"\n{args.model} {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, "
           f"{'bf16 autocast' if amp['enabled'] else 'fp32'}, {name}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}; plain step {statistics.median(plain_ms):.1f} ms, "
           f"{peaks['none'] / 2**30:.2f} GiB; bandwidth {bandwidth['to_host_gb_per_s']:.1f} GB/s to the host, "
           f"{bandwidth['to_device_gb_per_s']:.1f} back; remat's profiling step {profile_s:.1f} s; plain step "
           f"predicted {keep_ms:.1f} ms")
-    print(f"{'way':<16} {'peak GiB':>9} {'host GiB':>9} {'time/none':>9}  rounds")
+    print(f"{'way':<22} {'peak GiB':>9} {'host GiB':>9} {'time/none':>9} {'bound':>6}  rounds")
     for r in rows:
         extra = ""
         if r.startswith("remat@"):
@@ -277,9 +375,11 @@ def main():
             extra = (f"  (budget {p['budget'] / 2**30:.2f}{' (least; asked ' + format(p['asked'] / 2**30, '.2f') + ')' if p['least'] else ''}, predicted {p['predicted'] / 2**30:.2f} GiB, "
                      f"host {p['predicted_host'] / 2**30:.2f}; predicted {p['predicted_ms']:.1f} ms, measured "
                      f"{statistics.median(res[r]['ms']):.1f})")
-        print(f"{r:<16} {res[r]['peak'] / 2**30:9.2f} {res[r]['host_peak'] / 2**30:9.2f} "
-              f"{statistics.median(res[r]['ratios']):9.2f}  " + ", ".join(f"{v:.2f}" for v in res[r]["ratios"])
+        print(f"{r:<22} {res[r]['peak'] / 2**30:9.2f} {res[r]['host_peak'] / 2**30:9.2f} "
+              f"{statistics.median(res[r]['ratios']):9.2f} {_ratio(res[r]['bound']):>6}  " + ", ".join(f"{v:.2f}" for v in res[r]["ratios"])
               + extra)
+    print(f"remat's least feasible budget {least_budget / 2**30:.2f} GiB ({least_budget / peaks['hf']:.3f} of hf's "
+          f"peak); bound: {BOUND_TEXT}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(facts, stage="measured", plain_ms=statistics.median(plain_ms), rows=res), f, indent=1)

@@ -12,7 +12,9 @@
 // in bytes). Planned's predicted peak is printed beside the peak its window measured (its last_peak_bytes).
 // --offload: Planned plans with PlannerOptions::offload (stages kept with what they save on the host, or
 // streamed, Fa@stream), and the budgets start at per-layer's peak itself (issue 42's point of comparison);
-// --groups: it also profiles each stage's saved groups and may assign them (Fk{khr}).
+// --groups: it also profiles each stage's saved groups and may assign them (Fk{khr}). With --offload a way
+// at Planned's least feasible budget is added ("least"), and a budget below it is planned at it instead (its
+// JSON has "asked_budget"). --device cpu runs the same on the CPU (remat's CPU meter; to try the program).
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -31,6 +33,7 @@
 #include <remat/memory.h>
 #include <remat/models.h>
 #include <remat/planned.h>
+#include <remat/planner/step.h>
 #include <remat/policy.h>
 
 namespace {
@@ -47,7 +50,7 @@ double median(std::vector<double> v) {
 struct Args {
   int64_t layers = 24, hidden = 1024, heads = 16, intermediate = 4096, seq = 512, batch = 64;
   int rounds = 3, steps = 1;
-  bool offload = false, groups = false;
+  bool offload = false, groups = false, cpu = false;
   std::vector<int64_t> budgets;
   std::string json;
 };
@@ -82,7 +85,12 @@ Args parse(int argc, char** argv) {
       a.offload = true;
     else if (k == "--groups")
       a.groups = true;
-    else if (k == "--budgets") {
+    else if (k == "--device") {
+      const std::string d = next();
+      if (d != "cpu" && d != "cuda")
+        throw std::invalid_argument("remat_bert_cuda: --device " + d + ": cpu or cuda");
+      a.cpu = d == "cpu";
+    } else if (k == "--budgets") {
       std::stringstream ss(next());
       std::string part;
       while (std::getline(ss, part, ','))
@@ -100,6 +108,7 @@ struct Way {
   std::string name;
   std::function<void(remat::models::BertModel&)> set;
   int64_t budget = 0;                     // Planned's, or 0
+  int64_t asked = 0;                      // the budget asked for, where it was below the least feasible one
   remat::models::BertModel own{nullptr};  // Planned's own model (a Planned keeps its plan across steps)
   std::vector<double> ratios, ms, plain_ms;
   int64_t peak = 0;
@@ -111,11 +120,15 @@ struct Way {
 
 int main(int argc, char** argv) {
   const Args a = parse(argc, argv);
-  if (!torch::cuda::is_available()) {
+  if (!a.cpu && !torch::cuda::is_available()) {
     std::cerr << "remat_bert_cuda: no CUDA device\n";
     return 2;
   }
-  const torch::Device dev(torch::kCUDA, 0);
+  const torch::Device dev = a.cpu ? torch::Device(torch::kCPU) : torch::Device(torch::kCUDA, 0);
+  if (a.cpu) remat::memory::track_cpu();
+  const auto sync = [&] {
+    if (!a.cpu) torch::cuda::synchronize();
+  };
   torch::manual_seed(0);
   auto config = remat::models::BertConfig::large()
                     .num_hidden_layers(a.layers)
@@ -143,12 +156,12 @@ int main(int argc, char** argv) {
   auto step_of = [&](remat::models::BertModel& m, int64_t* peak) {
     for (auto& p : m->parameters())
       p.mutable_grad().zero_();
-    torch::cuda::synchronize();
+    sync();
     const int64_t base = remat::memory::active_bytes(dev);
     remat::memory::reset_peak(dev);
     const auto t0 = Clock::now();
     m->forward(ids, mask).square().mean().backward();
-    torch::cuda::synchronize();
+    sync();
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (peak) *peak = std::max(*peak, remat::memory::peak_bytes(dev) - base);
     return ms;
@@ -181,23 +194,49 @@ int main(int argc, char** argv) {
   }
   remat::PlannerOptions planner;
   planner.offload = a.offload;
-  for (int64_t b : budgets) {
-    Way way(std::string(a.offload ? "Planned+offload " : "Planned ") + std::to_string(b >> 20) + " MiB",
-            nullptr, b);
-    way.set = [b, planner, groups = a.groups](remat::models::BertModel& m) {
+  const auto planned_at = [planner, groups = a.groups](int64_t b) {
+    return [b, planner, groups](remat::models::BertModel& m) {
       m->gradient_checkpointing_enable(remat::PlannedOptions()
                                            .budget(b)
                                            .policies({remat::policy::matmuls()})
                                            .planner(planner)
                                            .groups(groups));
     };
-    ways.push_back(way);
-  }
-  // Planned profiles at its first step and plans at its second: run those before timing.
+  };
+  const auto planned_name = [&](int64_t b) {
+    return std::string(a.offload ? "Planned+offload " : "Planned ") + std::to_string(b >> 20) + " MiB";
+  };
+  for (int64_t b : budgets)
+    ways.emplace_back(planned_name(b), planned_at(b), b);
+  // Planned profiles at its first step and plans at its second: run those before timing. With --offload,
+  // the least feasible budget from the first profile (the same chain at every budget): a way below it is
+  // planned at it, and a way at it is added where none is at or below it.
+  int64_t least = -1;
   for (size_t w = 4; w < ways.size(); ++w) {
     ways[w].own = make();
     ways[w].set(ways[w].own);
     step_of(ways[w].own, nullptr);
+    if (a.offload && least < 0) {
+      const auto* planned = ways[w].own->planned();
+      TORCH_CHECK(planned != nullptr && planned->chain() != nullptr && planned->step_readings() != nullptr,
+                  "remat_bert_cuda: Planned has no profile after its profiling step");
+      least = remat::min_step_budget(*planned->chain(), remat::step_context(*planned->step_readings()),
+                                     "per-layer", planner);
+      std::fprintf(stderr, "remat_bert_cuda: Planned's least feasible budget %lld bytes (%.1f MiB)\n",
+                   static_cast<long long>(least), least / 1048576.0);
+      const bool listed =
+          std::any_of(ways.begin() + 4, ways.end(), [&](const Way& x) { return x.budget <= least; });
+      if (!listed) ways.emplace_back(planned_name(least) + " (least)", planned_at(least), least);
+    }
+    if (least >= 0 && ways[w].budget < least) {  // planned at the least instead
+      ways[w].asked = ways[w].budget;
+      ways[w].budget = least;
+      ways[w].name += " -> least";
+      ways[w].set = planned_at(least);
+      ways[w].own = make();
+      ways[w].set(ways[w].own);
+      step_of(ways[w].own, nullptr);
+    }
     step_of(ways[w].own, nullptr);
     const auto* planned = ways[w].own->planned();
     if (planned != nullptr && planned->plan() != nullptr) {
@@ -236,8 +275,10 @@ int main(int argc, char** argv) {
                 median(way.ms), ratio, way.predicted / 1048576.0, way.window_peak / 1048576.0);
     json << (w ? "," : "") << "{\"way\":\"" << way.name << "\",\"peak_bytes\":" << way.peak
          << ",\"median_ms\":" << median(way.ms) << ",\"median_ratio\":" << ratio
-         << ",\"budget\":" << way.budget << ",\"predicted_bytes\":" << way.predicted
-         << ",\"window_peak_bytes\":" << way.window_peak << ",\"plan\":\"" << way.plan << "\",\"ratios\":[";
+         << ",\"budget\":" << way.budget << ",\"asked_budget\":" << (way.asked ? way.asked : way.budget)
+         << ",\"least\":" << (way.budget > 0 && way.budget == least ? "true" : "false")
+         << ",\"predicted_bytes\":" << way.predicted << ",\"window_peak_bytes\":" << way.window_peak
+         << ",\"plan\":\"" << way.plan << "\",\"ratios\":[";
     for (size_t i = 0; i < way.ratios.size(); ++i)
       json << (i ? "," : "") << way.ratios[i];
     json << "]}";

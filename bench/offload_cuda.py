@@ -224,7 +224,14 @@ def main():
             p.grad = torch.zeros_like(p)
         forwards[w] = compiled(cm, batch, loss_of, b)
         t0 = time.perf_counter()
-        step(cm, forward=forwards[w])
+        try:
+            step(cm, forward=forwards[w])
+        except Exception as e:  # the compiler on this machine: the way is left out, the rest of the run goes on
+            print(f"{w}: not run ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr, flush=True)
+            compile_s[w] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            forwards.pop(w)
+            cm = None  # its memory back
+            continue
         compile_s[w] = time.perf_counter() - t0
         print(f"{w}: compiled in {compile_s[w]:.1f} s", file=sys.stderr, flush=True)
         ways[w] = (cm, None)
@@ -241,6 +248,8 @@ def main():
             budgets[a] = None  # found once remat has profiled
         elif a in peaks and a != "none":
             budgets[f"at-{a}"] = peaks[a]
+        elif a in compile_s:  # its compile failed (said above)
+            print(f"--at {a}: left out, {a} did not run", file=sys.stderr, flush=True)
         else:
             ap.error(f"--at: {a!r} is not b1, b2, least or a way of this run ({', '.join(w for w in peaks if w != 'none')})")
 

@@ -944,3 +944,18 @@ def test_a_tensor_another_offload_keeps_on_the_device_comes_back_as_itself():
     z.sum().backward(retain_graph=True)
     assert a.offloaded == 1 and a.found_on_device == 1 and a.brought_back == 0
     assert torch.equal(x.grad, 2 * (x.detach() * 2).relu().cos() * (x.detach() > 0))
+
+
+def test_the_gpu_tables_bound_sends_what_the_link_carries_and_recomputes_the_cheapest_rest():
+    # bench/offload_cuda.py's bound (issue 42's GPU table), by hand: 1 GB/s = 1e6 bytes a millisecond, 20 ms of
+    # forward: 2e7 bytes leave; the rest is recomputed cheapest first, a group's bytes or a whole layer's.
+    from offload_cuda import physics_bound
+    chain = dict(to_host_gb_per_s=1.0, to_device_gb_per_s=2.0, stages=[
+        dict(fwd_ms=10, bwd_ms=20, saved_bytes=5e7, groups=[dict(name="a", bytes=2e7, recompute_ms=1),
+                                                            dict(name="b", bytes=2e7, recompute_ms=8)]),
+        dict(fwd_ms=10, bwd_ms=20, saved_bytes=4e7)])
+    assert physics_bound(chain, 1e8, 1e8, 100) == 1.0                # nothing to leave
+    assert physics_bound(chain, 1e8, 8e7, 100) == 1.0                # 2e7 leave: all of it
+    # 5e7 over: 2e7 leave, 2e7 of group a (1 ms), 1e7 of the second layer (10 ms for 4e7: 2.5 ms).
+    assert physics_bound(chain, 1e8, 5e7, 100) == pytest.approx(1.035)
+    assert physics_bound(chain, 1e9, 0, 100) is None                  # more than the layers save

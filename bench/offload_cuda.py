@@ -21,7 +21,8 @@ bound that the measured bandwidths and the layers' forward time allow at its bud
         --seq 32 --batch 2 --rounds 1    # the script itself, on a CPU (a Llama: add --kv-heads 2)
 
 Before measuring, remat's first two steps are compared with the plain run's (the loss, and the gradients'
-largest difference beside two plain runs': CUDA's attention backward is not deterministic).
+largest difference beside two plain runs': CUDA's attention backward is not deterministic), and then one step
+of each plan measured (its JSON's plans[...]["check"]).
 """
 from __future__ import annotations
 
@@ -303,6 +304,18 @@ def main():
                         transfer_ms=lp.plan.predicted.transfer_ms)
         print(f"remat@{w}: {lp.choices}", file=sys.stderr, flush=True)
 
+    # Each plan's own step against a plain one of the same seed (the check above ran every layer kept, before
+    # the plans): the loss, and the gradients' largest difference beside two plain runs' (check's).
+    base_loss = step(base_model, seed=300)[2]
+    base_grads = grads_of(base_model)
+    for w, p in plans.items():
+        if "choices" in p:
+            lp.set_budget(p["budget"])
+            loss = step(rm, seed=300)[2]
+            p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
+                              grad_max_diff=max_diff(base_grads, grads_of(rm)))
+            print(f"remat@{w} against plain: {p['check']}", file=sys.stderr, flush=True)
+    del base_grads
     rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "choices" in plans[w]]
     name = torch.cuda.get_device_name(dev) if cuda else "CPU"
     # The profiled chain and context, and every plan (text), to check the time model against the measured steps

@@ -623,6 +623,35 @@ TEST_F(CudaTest, PlannedOffloadsOnCudaWithinTheBudget) {
   EXPECT_LE((*net->planned)->last_peak_bytes(), budget + budget / 50) << (*net->planned)->plan()->to_string();
 }
 
+// One step of `seq` on x, plainly or under run_plan with `plan` (its offloads from `pool`, tensors of 1 MiB
+// and more): the loss, the parameters' gradients and the CUDA generator's next draw; *peak (if given) the
+// step's peak above the bytes alive before it, plus x's (the chain counts its input).
+static std::vector<torch::Tensor> plan_step_on(torch::nn::Sequential& seq, const torch::Tensor& x,
+                                               const torch::Tensor& weight,
+                                               const std::optional<remat::Plan>& plan,
+                                               const std::shared_ptr<remat::HostPool>& pool, int64_t* peak) {
+  for (auto& p : seq->parameters())
+    p.mutable_grad() = torch::zeros_like(p);
+  torch::manual_seed(11);
+  torch::cuda::synchronize();
+  std::vector<torch::Tensor> out;
+  {
+    remat::memory::PeakWindow window(x.device());
+    const torch::Tensor y = plan ? remat::run_plan(remat::stages_of(seq), *plan, x, {}, nullptr,
+                                                   remat::OffloadOptions().pool(pool).min_bytes(1 << 20))
+                                 : seq->forward(x);
+    const torch::Tensor loss = (y * weight).sum();
+    loss.backward();
+    torch::cuda::synchronize();
+    if (peak) *peak = window.peak_over_base() + static_cast<int64_t>(x.nbytes());
+    out.push_back(loss.detach());
+  }
+  for (const auto& p : seq->parameters())
+    out.push_back(p.grad().clone());
+  out.push_back(torch::rand({8}, x.options()));
+  return out;
+}
+
 TEST_F(CudaTest, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
   // run_plan's Fa@host, Fk[matmuls]@host (the checkpoint's kept products sent to the stage's Offload) and
   // Fc@host (the held input saved under it) on CUDA: side stream, events, pinned blocks, a tensor still on
@@ -640,28 +669,7 @@ TEST_F(CudaTest, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
   ASSERT_TRUE(chain.can_offload());
   EXPECT_TRUE(chain.holds_outputs);
   auto step = [&](const std::optional<remat::Plan>& plan, const std::shared_ptr<remat::HostPool>& pool,
-                  int64_t* peak) {
-    for (auto& p : seq->parameters())
-      p.mutable_grad() = torch::zeros_like(p);
-    torch::manual_seed(11);
-    torch::cuda::synchronize();
-    std::vector<torch::Tensor> out;
-    {
-      remat::memory::PeakWindow window(dev);
-      const torch::Tensor y = plan ? remat::run_plan(remat::stages_of(seq), *plan, x, {}, nullptr,
-                                                     remat::OffloadOptions().pool(pool).min_bytes(1 << 20))
-                                   : seq->forward(x);
-      const torch::Tensor loss = (y * weight).sum();
-      loss.backward();
-      torch::cuda::synchronize();
-      if (peak) *peak = window.peak_over_base() + static_cast<int64_t>(x.nbytes());  // the chain counts a_0
-      out.push_back(loss.detach());
-    }
-    for (const auto& p : seq->parameters())
-      out.push_back(p.grad().clone());
-    out.push_back(torch::rand({8}, x.options()));
-    return out;
-  };
+                  int64_t* peak) { return plan_step_on(seq, x, weight, plan, pool, peak); };
   const std::vector<torch::Tensor> want = step(std::nullopt, nullptr, nullptr);
   for (const char* text : {"Fa0@host Fk1[matmuls]@host Fc2@host Fk3[matmuls] Fa4 L B4 B3 Fa2 B2 B1 B0",
                            "Fc0@host Fc1@host Fk2[matmuls]@host Fc3@host Fa4 L B4 Fa3 B3 B2 Fa1 B1 Fa0 B0"}) {
@@ -680,6 +688,53 @@ TEST_F(CudaTest, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
     EXPECT_EQ(pool->peak_bytes(), sim.host_peak_bytes) << text;
     EXPECT_EQ(pool->in_use_bytes(), 0);
   }
+}
+
+TEST_F(CudaTest, ThePlanExecutorRunsStreamedAndAssignedStagesWithinThePrediction) {
+  // Issue 42's outcomes in run_plan on CUDA: Fa@stream with the chain's window and with none (each saved
+  // tensor sent as it is made, back just ahead of its use), and Fk{...} group assignments with k, h and r.
+  // The plain run's values; the measured peak within 10% of simulate()'s (a streamed stage is charged its
+  // window in full: an upper bound); the pool's peak the simulated host bytes. (The CPU's versions:
+  // offload_test.cpp, models_test.cpp.)
+  const int64_t w = 256;
+  torch::manual_seed(0);
+  auto seq = blocks(5, w, dev);
+  const auto x = torch::randn({32, 128, w}, on());
+  const auto weight = torch::randn({32, 128, w}, on());
+  const remat::Chain chain = remat::profile_chain(
+      seq, x, remat::ProfileOptions().warmup(1).repeats(1).offload_min_bytes(1 << 20).groups(true));
+  remat::Plan plan =
+      remat::testing::plan_of_text(5, "Fa0@stream Fk1{k} Fk2{k} Fa3@stream Fa4 L B4 B3 B2 B1 B0");
+  for (size_t i : {1u, 2u}) {
+    const auto& groups = chain.stages[i].groups;
+    ASSERT_GE(groups.size(), 2u) << chain.stages[i].name;
+    std::string assignment;
+    for (size_t g = 0; g < groups.size(); ++g)
+      assignment += i == 1 ? 'h' : "rhk"[g % 3];
+    plan.ops[i].groups = assignment;
+  }
+  for (const auto& st : chain.stages) {
+    plan.group_names.emplace_back();
+    for (const auto& g : st.groups)
+      plan.group_names.back().push_back(g.name);
+    plan.stream_windows.push_back(st.offload && st.offload->can_stream() ? st.offload->window_bytes : -1);
+  }
+  ASSERT_GT(plan.stream_windows[0], 0);
+  plan.stream_windows[3] = 0;  // no window
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  const std::vector<torch::Tensor> want = plan_step_on(seq, x, weight, std::nullopt, nullptr, nullptr);
+  auto pool = std::make_shared<remat::HostPool>();
+  int64_t peak = 0;
+  const std::vector<torch::Tensor> got = plan_step_on(seq, x, weight, plan, pool, &peak);
+  for (size_t i = 0; i + 1 < got.size(); ++i)
+    expect_close(got[i], want[i], 1e-5, plan.to_string() + ": value " + std::to_string(i));
+  EXPECT_TRUE(torch::equal(got.back(), want.back())) << "the generator moved differently";
+  std::cout << plan.to_string() << ": measured " << peak << ", predicted " << sim.peak_bytes
+            << " bytes; host " << pool->peak_bytes() << ", predicted " << sim.host_peak_bytes << "\n";
+  EXPECT_LE(static_cast<double>(peak), 1.10 * static_cast<double>(sim.peak_bytes));
+  EXPECT_GE(static_cast<double>(peak), 0.85 * static_cast<double>(sim.peak_bytes));
+  EXPECT_EQ(pool->peak_bytes(), sim.host_peak_bytes);
+  EXPECT_EQ(pool->in_use_bytes(), 0);
 }
 
 #if REMAT_HAS_DISTRIBUTED

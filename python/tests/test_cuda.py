@@ -218,3 +218,73 @@ def test_a_policys_kept_tensors_offloaded_on_cuda_as_predicted():
         assert peak <= predicted * 1.10
     assert given.host_pool.pin and given.host_pool.peak_bytes == sim.host_peak_bytes
     given.remove()
+
+
+def streamed_and_assigned(dev):
+    """Issue 42's outcomes on `dev` (the CUDA test below; callable on the CPU to try it): a stack profiled with
+    offloading and groups; at the least budget, the plan remat chooses (streamed layers where the profile says
+    they fit: keep@stream0 at the tightest); then, with the chain's times set so that sending each layer's
+    groups to the host is the fastest way to a budget (test_selective.py's case), group assignments with
+    h. Every step the plain run's, the measured peak within 5% of the prediction, the host pool's peak the
+    predicted host bytes. Returns the two plans' choices."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.LayerNorm(512), nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                            for _ in range(5)]).to(dev)
+    x = torch.randn(16, 256, 512, device=dev)
+
+    def one(seed):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(4, device=dev)
+
+    want = [one(40 + k) for k in range(3)]
+    lp = remat.enable(model, list(model), budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 16)
+    assert_steps_close(one(40), want[0], 1e-5)  # the profiling step
+    chain, ctx = lp.chain, lp.context
+    for st in chain.stages:
+        assert st.offload is not None and st.offload.can_stream(), st.name
+        assert [g.name for g in st.groups] == ["aten::addmm#0", "aten::gelu#0"], [g.name for g in st.groups]
+    chosen = []
+
+    def run_plan():
+        sim = remat.simulate(chain, lp.plan)
+        for k in (1, 2):
+            lp.host_pool.peak_bytes = 0
+            assert_steps_close(one(40 + k), want[k], 1e-5)
+            print(f"{lp.choices}: measured {lp.last_peak_bytes}, predicted {lp.predicted_peak_bytes}; host "
+                  f"{lp.host_pool.peak_bytes}, predicted {sim.host_peak_bytes}; {lp.offload_stats}")
+            assert lp.last_peak_bytes <= lp.predicted_peak_bytes * 1.05
+            assert lp.host_pool.peak_bytes == lp.predicted_host_bytes
+        stats = lp.offload_stats
+        assert stats["brought_back"] + stats["found_on_device"] == stats["offloaded"]
+        chosen.append(list(lp.choices))
+
+    lp.set_budget(lp.min_budget_bytes)
+    run_plan()
+    for st in chain.stages:
+        st.bwd_ms = st.checkpoint_fwd_ms = 1.0
+        st.fwd_ms = 5.0
+        st.checkpoint_bwd_ms = 101.0
+        for g in st.groups:
+            g.recompute_ms = 50.0
+        st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
+        o = st.offload  # not streamed: the assignments' case (test_offload.py's drop_stream_figures)
+        o.stream_fwd_bytes = o.stream_bwd_bytes = -1
+        o.window_bytes = 0
+        st.offload = o
+    sent = remat.Plan.from_json('{"num_stages": 5, "ops": ["Fk0{hh}", "Fk1{hh}", "Fk2{hh}", "Fk3{hh}", '
+                                '"Fk4{kk}", "L", "B4", "B3", "B2", "B1", "B0"]}')
+    lp.set_budget(remat.step_peak_bytes(chain, ctx, sent))
+    assert sum(c.startswith("{") and "h" in c for c in lp.choices) >= 3, lp.choices
+    run_plan()
+    lp.remove()
+    return chosen
+
+
+def test_streamed_and_assigned_layers_on_cuda_are_the_plain_run_within_the_prediction():
+    # Issue 42's keep@stream, keep@stream0 and group assignments with h on CUDA (side stream, events, pinned
+    # blocks; each tensor back just ahead of its use). The CPU's versions: test_offload.py, test_selective.py.
+    least, assigned = streamed_and_assigned(DEV)
+    print(f"least budget's plan: {least}; assigned: {assigned}")

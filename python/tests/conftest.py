@@ -89,3 +89,16 @@ def cli():
             pytest.fail(f"REMAT_CLI is not the remat command: {path!r}")
         pytest.skip("REMAT_CLI is not set to the remat command (./test --torch pypi sets it)")
     return path
+
+
+def groups_to_the_host_pay(chain):
+    """Sets a profiled chain's times, in place, so that sending a layer's groups to the host is the fastest way
+    to a budget, whatever this machine's timings: recomputing a layer costs 100 ms (half of it each group's
+    call), keeping it whole 5 ms, keeping the matmuls policy's tensors 1 s (test_selective.py, test_cuda.py)."""
+    for st in chain.stages:
+        st.bwd_ms = st.checkpoint_fwd_ms = 1.0
+        st.fwd_ms = 5.0
+        st.checkpoint_bwd_ms = 101.0
+        for g in st.groups:
+            g.recompute_ms = 50.0
+        st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3

@@ -9,6 +9,8 @@ from torch import nn
 import remat
 from remat.meter import meter_for
 
+from conftest import groups_to_the_host_pay
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 DEV = torch.device("cuda", 0)
@@ -263,13 +265,8 @@ def streamed_and_assigned(dev):
 
     lp.set_budget(lp.min_budget_bytes)
     run_plan()
+    groups_to_the_host_pay(chain)
     for st in chain.stages:
-        st.bwd_ms = st.checkpoint_fwd_ms = 1.0
-        st.fwd_ms = 5.0
-        st.checkpoint_bwd_ms = 101.0
-        for g in st.groups:
-            g.recompute_ms = 50.0
-        st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
         o = st.offload  # not streamed: the assignments' case (test_offload.py's drop_stream_figures)
         o.stream_fwd_bytes = o.stream_bwd_bytes = -1
         o.window_bytes = 0

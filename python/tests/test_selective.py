@@ -9,6 +9,8 @@ import remat
 from remat.offload import CopyEngine, HostPool, Offload
 from remat.selective import _HostWord
 
+from conftest import groups_to_the_host_pay
+
 LN = torch.ops.aten.native_layer_norm.default
 
 
@@ -204,13 +206,7 @@ def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted(
     # saving everything: 5 ms) or under the matmuls policy more: at the budget of every block but the last sending both groups to the host, the
     # planner sends them (the CPU's own timings would decide by noise). Every step is the plain run's,
     # within the predicted peak, with the host bytes simulate() predicts.
-    for st in chain.stages:
-        st.bwd_ms = st.checkpoint_fwd_ms = 1.0
-        st.fwd_ms = 5.0
-        st.checkpoint_bwd_ms = 101.0
-        for g in st.groups:
-            g.recompute_ms = 50.0
-        st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
+    groups_to_the_host_pay(chain)
     sent = remat.Plan.from_json('{"num_stages": 5, "ops": ["Fk0{hh}", "Fk1{hh}", "Fk2{hh}", "Fk3{hh}", '
                                 '"Fk4{kk}", "L", "B4", "B3", "B2", "B1", "B0"]}')
     assert remat.simulate(chain, sent).host_peak_bytes == 4 * 8 * hidden

@@ -652,6 +652,20 @@ static std::vector<torch::Tensor> plan_step_on(torch::nn::Sequential& seq, const
   return out;
 }
 
+// The executor tests' model: five blocks of width 256 on `dev` (seeded), an input of 32 x 128 and the weight
+// of the loss's sum.
+struct FiveBlocks {
+  torch::nn::Sequential seq;
+  torch::Tensor x, weight;
+};
+static FiveBlocks five_blocks(torch::Device dev) {
+  torch::manual_seed(0);
+  FiveBlocks b{blocks(5, 256, dev), {}, {}};
+  b.x = torch::randn({32, 128, 256}, torch::TensorOptions().device(dev));
+  b.weight = torch::randn({32, 128, 256}, torch::TensorOptions().device(dev));
+  return b;
+}
+
 // A planned step (got) against the plain one (want): values within 1e-5, the generator where the plain run
 // leaves it; the measured peak between `lower` and 1.10 of simulate()'s; the pool's peak the simulated host
 // bytes, and nothing of it in use after the step.
@@ -674,11 +688,9 @@ TEST_F(CudaTest, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
   // Fc@host (the held input saved under it) on CUDA: side stream, events, pinned blocks, a tensor still on
   // the device handed out as itself. The plain run's values; the measured peak within 10% of simulate()'s and
   // not under 99% of it; the pool's peak the simulated host bytes. (The CPU's version: offload_test.cpp.)
-  const int64_t w = 256;
-  torch::manual_seed(0);
-  auto seq = blocks(5, w, dev);
-  const auto x = torch::randn({32, 128, w}, on());
-  const auto weight = torch::randn({32, 128, w}, on());
+  FiveBlocks b = five_blocks(dev);
+  auto& seq = b.seq;
+  const torch::Tensor &x = b.x, &weight = b.weight;
   const remat::Chain chain =
       remat::profile_chain(seq, x,
                            remat::ProfileOptions().warmup(1).repeats(1).offload_min_bytes(1 << 20).policies(
@@ -705,11 +717,9 @@ TEST_F(CudaTest, ThePlanExecutorRunsStreamedAndAssignedStagesWithinThePrediction
   // The plain run's values; the measured peak within 10% of simulate()'s (a streamed stage is charged its
   // window in full: an upper bound); the pool's peak the simulated host bytes. (The CPU's versions:
   // offload_test.cpp, models_test.cpp.)
-  const int64_t w = 256;
-  torch::manual_seed(0);
-  auto seq = blocks(5, w, dev);
-  const auto x = torch::randn({32, 128, w}, on());
-  const auto weight = torch::randn({32, 128, w}, on());
+  FiveBlocks b = five_blocks(dev);
+  auto& seq = b.seq;
+  const torch::Tensor &x = b.x, &weight = b.weight;
   const remat::Chain chain = remat::profile_chain(
       seq, x, remat::ProfileOptions().warmup(1).repeats(1).offload_min_bytes(1 << 20).groups(true));
   remat::Plan plan =
@@ -722,12 +732,7 @@ TEST_F(CudaTest, ThePlanExecutorRunsStreamedAndAssignedStagesWithinThePrediction
       assignment += i == 1 ? 'h' : "rhk"[g % 3];
     plan.ops[i].groups = assignment;
   }
-  for (const auto& st : chain.stages) {
-    plan.group_names.emplace_back();
-    for (const auto& g : st.groups)
-      plan.group_names.back().push_back(g.name);
-    plan.stream_windows.push_back(st.offload && st.offload->can_stream() ? st.offload->window_bytes : -1);
-  }
+  remat::testing::name_groups_and_windows(plan, chain);
   ASSERT_GT(plan.stream_windows[0], 0);
   plan.stream_windows[3] = 0;  // no window
   const remat::Simulation sim = remat::simulate(chain, plan);

@@ -140,12 +140,7 @@ TEST_F(ModelsTest, BertLayersRunUnderGroupAssignmentsAndStreamedAsThePlainModel)
       assignment += i == 1 ? 'h' : "khr"[g % 3];
     plan.ops[static_cast<size_t>(i)].groups = assignment;
   }
-  for (const auto& st : chain.stages) {
-    plan.group_names.emplace_back();
-    for (const auto& g : st.groups)
-      plan.group_names.back().push_back(g.name);
-    plan.stream_windows.push_back(st.offload && st.offload->can_stream() ? st.offload->window_bytes : -1);
-  }
+  remat::testing::name_groups_and_windows(plan, chain);
   ASSERT_GT(plan.stream_windows[2], 0);
   // With the chain's window for the streamed layer, then with none (each copy waited for as it is made, each
   // tensor brought back when its backward asks for it).

@@ -6,6 +6,7 @@
 
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
+#include <remat/planner/chain.h>
 #include <remat/planner/plan.h>
 
 #include <sstream>
@@ -38,6 +39,20 @@ inline remat::Plan plan_of_text(int64_t num_stages, const std::string& text) {
     ops += (ops.empty() ? "\"" : ", \"") + word + "\"";
   return remat::plan_from_json("{\"num_stages\": " + std::to_string(num_stages) + ", \"ops\": [" + ops +
                                "]}");
+}
+
+/// Gives `plan` what run_plan needs of the profiled `chain` to run its group assignments and streamed stages:
+/// each stage's group names (Plan::group_names) and the chain's window for each stage that can stream, -1
+/// for the others (Plan::stream_windows).
+inline void name_groups_and_windows(remat::Plan& plan, const remat::Chain& chain) {
+  plan.group_names.clear();
+  plan.stream_windows.clear();
+  for (const auto& st : chain.stages) {
+    plan.group_names.emplace_back();
+    for (const auto& g : st.groups)
+      plan.group_names.back().push_back(g.name);
+    plan.stream_windows.push_back(st.offload && st.offload->can_stream() ? st.offload->window_bytes : -1);
+  }
 }
 
 /// Largest absolute difference between two tensors of the same shape (0 for two undefined tensors,

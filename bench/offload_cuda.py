@@ -218,8 +218,157 @@ def main():
         print(f"hf-offload: not available ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     if "save_on_cpu" not in skip:
         ways["save_on_cpu"] = (base_model, partial(torch.autograd.graph.save_on_cpu, pin_memory=cuda))
-    for b in [float(x) for x in args.compile.split(",") if x]:
-        w = f"compile-{b:g}"
+    compile_budgets = [float(x) for x in args.compile.split(",") if x]
+    compile_names = [f"compile-{b:g}" for b in compile_budgets]
+    at = [a for a in args.at.split(",") if a]
+    for a in at:  # refused before anything is measured
+        if a not in ("b1", "b2", "least") and a not in compile_names and (a not in ways or a == "none"):
+            ap.error(f"--at: {a!r} is not b1, b2, least or a way of this run "
+                     f"({', '.join([w for w in ways if w != 'none'] + compile_names)})")
+    peaks = {}
+
+    def measure_peaks(names):
+        for w in names:
+            m, ctx = ways[w]
+            step(m, ctx, forward=forwards.get(w))
+            peaks[w] = step(m, ctx, forward=forwards.get(w))[1]
+            print(f"{w}: peak {peaks[w] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+
+    measure_peaks(list(ways))
+
+    # Nothing freed by the cycle collector inside remat's profiling step (a free there lowers the count its peaks
+    # are read against: a second BERT made in one process measured its floor 15.8 MB for 35.7 MB).
+    gc.collect()
+    plain_a, plain_b = copy.deepcopy(base_model), copy.deepcopy(base_model)
+    rm = build(args, dev)[0]  # afresh, gradients allocated as the others' (a deep copy drops .grad: see BENCHMARKS)
+    lp = remat.hf.enable(rm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes,
+                         groups=args.groups)  # planned per row below
+    check = []
+    t0 = time.perf_counter()
+    for k in range(2):
+        la, ga = step(plain_a, seed=100 + k)[2], grads_of(plain_a)
+        step(plain_b, seed=100 + k)
+        gb = grads_of(plain_b)
+        lr, gr = step(rm, seed=100 + k)[2], grads_of(rm)
+        if k == 0:
+            profile_s = time.perf_counter() - t0
+        check.append(dict(step=k, loss_equal=bool(torch.equal(la, lr)), grad_max_diff=max_diff(ga, gr),
+                          plain_grad_max_diff=max_diff(ga, gb)))
+        print(f"check {check[-1]}", file=sys.stderr, flush=True)
+    del plain_a, plain_b
+    chain = lp.chain
+    bandwidth = dict(to_host_gb_per_s=chain.to_host_gb_per_s, to_device_gb_per_s=chain.to_device_gb_per_s)
+    print(f"bandwidth: {bandwidth}", file=sys.stderr, flush=True)
+    least_budget = None
+    try:
+        lp.set_budget(1)
+    except remat.InfeasibleBudget as e:
+        least_budget = e.min_bytes
+    print(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB", file=sys.stderr, flush=True)
+    plans = {}
+    # Each plan's own step is compared with a plain one of the same seed (the check above ran every layer kept,
+    # before the plans): the loss, and the gradients' largest difference beside two plain runs' (check's).
+    base_loss = step(base_model, seed=300)[2]
+    base_grads = grads_of(base_model)
+
+    def plan_rows(names):
+        """Plans remat at each of `names` (--at's words); returns the rows planned."""
+        rows = []
+        for a in names:
+            if a in ("b1", "b2"):
+                w, b = a, int(peaks["hf"] + int(a[1]) / 3 * (peaks["sac"] - peaks["hf"]))
+            elif a == "least":
+                w, b = a, least_budget
+            elif a in peaks:
+                w, b = f"at-{a}", peaks[a]
+            else:  # a compiled way whose compile failed (said above)
+                print(f"--at {a}: left out, {a} did not run", file=sys.stderr, flush=True)
+                continue
+            least = None
+            try:
+                lp.set_budget(b)
+            except remat.InfeasibleBudget as e:
+                print(f"remat@{w}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB",
+                      file=sys.stderr, flush=True)
+                if w != "at-hf":
+                    plans[w] = dict(budget=b, infeasible=e.min_bytes)
+                    continue
+                # The row the issue's first target is read at: measured at remat's least budget instead, and
+                # marked so.
+                least, b = e.min_bytes, e.min_bytes
+                lp.set_budget(b)
+            p = plans[w] = dict(budget=b, asked=b if least is None else peaks["hf"], least=least,
+                                choices=lp.choices, predicted=lp.predicted_peak_bytes,
+                                predicted_host=lp.predicted_host_bytes, plan_ms=lp.plan.predicted.time_ms,
+                                transfer_ms=lp.plan.predicted.transfer_ms, plan=str(lp.plan))
+            print(f"remat@{w}: {lp.choices}", file=sys.stderr, flush=True)
+            loss = step(rm, seed=300)[2]
+            p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
+                              grad_max_diff=max_diff(base_grads, grads_of(rm)))
+            print(f"remat@{w} against plain: {p['check']}", file=sys.stderr, flush=True)
+            rows.append(f"remat@{w}")
+        return rows
+
+    name = torch.cuda.get_device_name(dev) if cuda else "CPU"
+    # The profiled chain and context, and every plan (text), to check the time model against the measured steps
+    # afterwards; and the plain step as the model predicts it (every layer kept).
+    keep_all = remat.Plan.from_json(json.dumps(dict(num_stages=len(chain.stages), ops=[f"Fa{i}" for i in range(
+        len(chain.stages))] + ["L"] + [f"B{i}" for i in reversed(range(len(chain.stages)))])))
+    keep_plan_ms = remat.simulate(chain, keep_all).time_ms
+    facts = dict(config=vars(args), device=name, torch=torch.__version__, transformers=transformers.__version__,
+                 policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, compile_s=compile_s, least_budget=least_budget,
+                 bandwidth=bandwidth, profile_s=profile_s,
+                 check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms)
+    host_peak = {}
+    res, plain_all = {}, []
+
+    def run_of(model, ctx, row=None, forward=None):
+        def run():
+            with torch.autocast(**amp):
+                if forward is not None:
+                    loss = forward()
+                elif ctx is None:
+                    loss = loss_of(model(**batch))
+                else:
+                    with ctx():
+                        loss = loss_of(model(**batch))
+            if row is not None:  # remat's host pool: its peak is at the end of the forward pass
+                host_peak[row] = max(host_peak.get(row, 0), lp.host_pool.peak_bytes)
+            return loss
+        return run
+
+    def way_of(r):
+        if r.startswith("remat@"):
+            lp.set_budget(plans[r[6:]]["budget"])
+            lp.host_pool.peak_bytes = 0
+            return rm, run_of(rm, None, r)
+        model, ctx = ways[r]
+        return model, run_of(model, ctx, forward=forwards.get(r))
+
+    def write(stage, rows, plain):
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(facts, stage=stage, plain_ms=statistics.median(plain) if plain else None, rows=rows),
+                          f, indent=1)
+
+    def timed(rows, phase):
+        """Paired rounds of `rows`, added to res; the JSON written after each round, should the run be stopped."""
+        def keep(results, plain):
+            done = len(next(iter(results.values()))["ratios"])
+            write(f"{phase}: {done} of {args.rounds} rounds", {**res, **results}, plain_all + plain)
+
+        r, plain = paired_rounds(rows, way_of, (base_model, run_of(base_model, None)), meter, args.rounds,
+                                 args.steps, warmup=1, after_round=keep)
+        res.update(r)
+        plain_all.extend(plain)
+
+    # First the ways that need no compiler, and remat at their peaks: what the issue's first targets are read at,
+    # measured whatever the compiles below take.
+    rows = [w for w in ways if w != "none"] + plan_rows([a for a in at if a not in compile_names])
+    write("planned", {}, [])
+    timed(rows, "uncompiled ways")
+    # Then torch.compile's ways, each compiled on its own first step, and remat at their peaks.
+    for b, w in zip(compile_budgets, compile_names):
         cm = copy.deepcopy(base_model)
         for p in cm.parameters():  # a deep copy drops .grad; allocated as the others' are
             p.grad = torch.zeros_like(p)
@@ -236,139 +385,13 @@ def main():
         compile_s[w] = time.perf_counter() - t0
         print(f"{w}: compiled in {compile_s[w]:.1f} s", file=sys.stderr, flush=True)
         ways[w] = (cm, None)
-    peaks = {}
-    for w, (m, ctx) in ways.items():
-        step(m, ctx, forward=forwards.get(w))
-        peaks[w] = step(m, ctx, forward=forwards.get(w))[1]
-        print(f"{w}: peak {peaks[w] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
-    budgets = {}
-    for a in [a for a in args.at.split(",") if a]:
-        if a in ("b1", "b2"):
-            budgets[a] = int(peaks["hf"] + int(a[1]) / 3 * (peaks["sac"] - peaks["hf"]))
-        elif a == "least":
-            budgets[a] = None  # found once remat has profiled
-        elif a in peaks and a != "none":
-            budgets[f"at-{a}"] = peaks[a]
-        elif a in compile_s:  # its compile failed (said above)
-            print(f"--at {a}: left out, {a} did not run", file=sys.stderr, flush=True)
-        else:
-            ap.error(f"--at: {a!r} is not b1, b2, least or a way of this run ({', '.join(w for w in peaks if w != 'none')})")
+        measure_peaks([w])
+    compiled_rows = [w for w in compile_names if w in ways]
+    compiled_rows += plan_rows([a for a in at if a in compile_names])
+    if compiled_rows:
+        timed(compiled_rows, "compiled ways")
+    rows = list(res)
 
-    # Nothing freed by the cycle collector inside remat's profiling step (a free there lowers the count its peaks
-    # are read against: a second BERT made in one process measured its floor 15.8 MB for 35.7 MB).
-    gc.collect()
-    plain_a, plain_b = copy.deepcopy(base_model), copy.deepcopy(base_model)
-    rm = build(args, dev)[0]  # afresh, gradients allocated as the others' (a deep copy drops .grad: see BENCHMARKS)
-    lp = remat.hf.enable(rm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes,
-                         groups=args.groups)  # planned per row below
-    check = []
-    t0 = time.perf_counter()
-    for k in range(2):
-        la, ga = step(plain_a, seed=100 + k)[2], grads_of(plain_a)
-        lb, gb = step(plain_b, seed=100 + k)[2], grads_of(plain_b)
-        lr, gr = step(rm, seed=100 + k)[2], grads_of(rm)
-        if k == 0:
-            profile_s = time.perf_counter() - t0
-        check.append(dict(step=k, loss_equal=bool(torch.equal(la, lr)), grad_max_diff=max_diff(ga, gr),
-                          plain_grad_max_diff=max_diff(ga, gb)))
-        print(f"check {check[-1]}", file=sys.stderr, flush=True)
-    del plain_a, plain_b
-    chain = lp.chain
-    bandwidth = dict(to_host_gb_per_s=chain.to_host_gb_per_s, to_device_gb_per_s=chain.to_device_gb_per_s)
-    print(f"bandwidth: {bandwidth}", file=sys.stderr, flush=True)
-    plans = {}
-    least_budget = None
-    try:
-        lp.set_budget(1)
-    except remat.InfeasibleBudget as e:
-        least_budget = e.min_bytes
-    print(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB", file=sys.stderr, flush=True)
-    for w, b in budgets.items():
-        least = None
-        if b is None:
-            b = budgets[w] = least_budget
-        try:
-            lp.set_budget(b)
-        except remat.InfeasibleBudget as e:
-            print(f"remat@{w}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB",
-                  file=sys.stderr, flush=True)
-            if w != "at-hf":
-                plans[w] = dict(budget=b, infeasible=e.min_bytes)
-                continue
-            # The row the issue's first target is read at: measured at remat's least budget instead, and marked so.
-            least, b = e.min_bytes, e.min_bytes
-            lp.set_budget(b)
-        plans[w] = dict(budget=b, asked=budgets[w], least=least, choices=lp.choices, predicted=lp.predicted_peak_bytes,
-                        predicted_host=lp.predicted_host_bytes,
-                        plan_ms=lp.plan.predicted.time_ms,
-                        transfer_ms=lp.plan.predicted.transfer_ms)
-        print(f"remat@{w}: {lp.choices}", file=sys.stderr, flush=True)
-
-    # Each plan's own step against a plain one of the same seed (the check above ran every layer kept, before
-    # the plans): the loss, and the gradients' largest difference beside two plain runs' (check's).
-    base_loss = step(base_model, seed=300)[2]
-    base_grads = grads_of(base_model)
-    for w, p in plans.items():
-        if "choices" in p:
-            lp.set_budget(p["budget"])
-            loss = step(rm, seed=300)[2]
-            p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
-                              grad_max_diff=max_diff(base_grads, grads_of(rm)))
-            print(f"remat@{w} against plain: {p['check']}", file=sys.stderr, flush=True)
-    del base_grads
-    rows = [w for w in ways if w != "none"] + [f"remat@{w}" for w in plans if "choices" in plans[w]]
-    name = torch.cuda.get_device_name(dev) if cuda else "CPU"
-    # The profiled chain and context, and every plan (text), to check the time model against the measured steps
-    # afterwards; and the plain step as the model predicts it (every layer kept).
-    for p in plans.values():
-        if "choices" in p:
-            lp.set_budget(p["budget"])
-            p["plan"] = str(lp.plan)
-    keep_all = remat.Plan.from_json(json.dumps(dict(num_stages=len(chain.stages), ops=[f"Fa{i}" for i in range(
-        len(chain.stages))] + ["L"] + [f"B{i}" for i in reversed(range(len(chain.stages)))])))
-    keep_plan_ms = remat.simulate(chain, keep_all).time_ms
-    facts = dict(config=vars(args), device=name, torch=torch.__version__, transformers=transformers.__version__,
-                 policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, compile_s=compile_s, least_budget=least_budget,
-                 bandwidth=bandwidth, profile_s=profile_s,
-                 check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms)
-    if args.json:  # what is known before the timed rounds, in case they do not finish
-        with open(args.json, "w") as f:
-            json.dump(dict(facts, stage="planned"), f, indent=1)
-    host_peak = {r: 0 for r in rows}
-
-    def run_of(model, ctx, row=None, forward=None):
-        def run():
-            with torch.autocast(**amp):
-                if forward is not None:
-                    loss = forward()
-                elif ctx is None:
-                    loss = loss_of(model(**batch))
-                else:
-                    with ctx():
-                        loss = loss_of(model(**batch))
-            if row is not None:  # remat's host pool: its peak is at the end of the forward pass
-                host_peak[row] = max(host_peak[row], lp.host_pool.peak_bytes)
-            return loss
-        return run
-
-    def way_of(r):
-        if r.startswith("remat@"):
-            lp.set_budget(plans[r[6:]]["budget"])
-            lp.host_pool.peak_bytes = 0
-            return rm, run_of(rm, None, r)
-        model, ctx = ways[r]
-        return model, run_of(model, ctx, forward=forwards.get(r))
-
-    def keep(results, plain_all):  # each round's results, should the run be stopped before the last
-        if args.json:
-            done = len(next(iter(results.values()))["ratios"])
-            with open(args.json, "w") as f:
-                json.dump(dict(facts, stage=f"{done} of {args.rounds} rounds", plain_ms=statistics.median(plain_all),
-                               rows=results), f, indent=1)
-
-    res, plain_all = paired_rounds(rows, way_of, (base_model, run_of(base_model, None)), meter, args.rounds,
-                                   args.steps, warmup=1, after_round=keep)
-    plain_ms = plain_all
     # Predicted step times: the plan's layers and copies, and the rest of the step as remat's first planned steps
     # timed it again (the profiling step's own reading includes first-time costs).
     rest_ms = lp.context.rest_ms
@@ -377,15 +400,15 @@ def main():
         if "choices" in p:
             p["predicted_ms"] = p["plan_ms"] + rest_ms
     facts.update(rest_ms=rest_ms, predicted_plain_ms=keep_ms)
-    plain_med = statistics.median(plain_ms)
+    plain_med = statistics.median(plain_all)
     for r in rows:
-        res[r]["host_peak"] = host_peak[r]
+        res[r]["host_peak"] = host_peak.get(r, 0)
         # What the measured bandwidths and forward time allow at this row's budget (remat's) or peak (the others').
         res[r]["bound"] = physics_bound(facts["chain"], peaks["none"],
                                         plans[r[6:]]["budget"] if r.startswith("remat@") else res[r]["peak"], plain_med)
     print(f"\n{args.model} {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, "
           f"{'bf16 autocast' if amp['enabled'] else 'fp32'}, {name}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}; plain step {statistics.median(plain_ms):.1f} ms, "
+          f"{transformers.__version__}; plain step {plain_med:.1f} ms, "
           f"{peaks['none'] / 2**30:.2f} GiB; bandwidth {bandwidth['to_host_gb_per_s']:.1f} GB/s to the host, "
           f"{bandwidth['to_device_gb_per_s']:.1f} back; remat's profiling step {profile_s:.1f} s; plain step "
           f"predicted {keep_ms:.1f} ms")
@@ -402,10 +425,7 @@ def main():
               + extra)
     print(f"remat's least feasible budget {least_budget / 2**30:.2f} GiB ({least_budget / peaks['hf']:.3f} of hf's "
           f"peak); bound: {BOUND_TEXT}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(facts, stage="measured", plain_ms=statistics.median(plain_ms), rows=res), f, indent=1)
-
+    write("measured", res, plain_all)
 
 if __name__ == "__main__":
     main()

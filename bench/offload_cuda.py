@@ -136,7 +136,7 @@ def main():
                     help="remat plans each layer's saved groups too (remat.hf.enable(..., groups=True))")
     ap.add_argument("--compile", default="",
                     help="also torch.compile's activation_memory_budget at these budgets, comma-separated (ways "
-                         "compile-B; issue 42: 0.5,0.2), each compiled before the peaks are measured")
+                         "compile-B; issue 42: 0.5,0.2), compiled and timed after the other ways' rounds")
     ap.add_argument("--at", default="hf,b1,b2",
                     help="where remat runs, comma-separated: a way's name (its measured peak: hf, sac, compile-0.5, "
                          "...), b1 and b2 (a third and two thirds of the way from hf's peak to sac's), least "

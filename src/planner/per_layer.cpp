@@ -1,7 +1,9 @@
 #include "remat/planner/per_layer.h"
 
 #include <algorithm>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -55,47 +57,59 @@ struct Choice {
 // The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
 // all r (that is Fc), and of those the ones no other beats in kept bytes, sent bytes and time together (a
 // plan's peak and time only grow with each); their figures are group_cost()'s, as simulate() charges them.
+// The 3^groups assignments are enumerated by their sums alone (the same sums, in the same order, as
+// group_cost() makes: the same doubles), and group_cost() is called for the ones kept.
 std::vector<Choice> group_choices(const Stage& s, bool offload) {
   const size_t g = s.groups.size();
   std::vector<Choice> all;
   if (g == 0) return all;
   const std::string letters = offload ? "rkh" : "rk";
+  const size_t base = letters.size();
   size_t count = 1;
   for (size_t k = 0; k < g; ++k)
-    count *= letters.size();
+    count *= base;
+  const double fwd_ms = s.per_call_fwd_ms(), per_call_bwd_ms = s.per_call_bwd_ms();
   struct Candidate {
     int64_t kept, sent;
     double ms;
-    std::string text;
-    PolicyCost cost;
+    size_t code;
   };
   std::vector<Candidate> cands;
+  cands.reserve(count - 1);
   for (size_t code = 1; code < count; ++code) {  // code 0 is all r
-    std::string text(g, 'r');
-    for (size_t k = 0, c = code; k < g; ++k, c /= letters.size())
-      text[k] = letters[c % letters.size()];
-    PolicyCost cost = group_cost(s, text);
-    const int64_t sent = cost.offload ? cost.offload->bytes : 0;
-    cands.push_back({cost.saved_bytes - s.output_bytes - sent, sent, cost.fwd_ms + cost.bwd_ms,
-                     std::move(text), std::move(cost)});
+    int64_t kept = 0, sent = 0;
+    double skipped_ms = 0;
+    for (size_t k = 0, c = code; k < g; ++k, c /= base) {
+      const size_t letter = c % base;
+      if (letter == 1) kept += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
+      if (letter == 2) sent += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
+    }
+    cands.push_back({kept, sent, fwd_ms + std::max(s.bwd_ms, per_call_bwd_ms - skipped_ms), code});
   }
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
     return std::tie(a.kept, a.sent, a.ms) < std::tie(b.kept, b.sent, b.ms);
   });
-  std::vector<const Candidate*> front;
+  // In that order, a candidate is beaten when one before it (kept no more) has sent no more and time no more.
+  // `stairs` holds, for the candidates taken so far, the least time at each sent amount, kept only where it
+  // is less than at every smaller amount: its times fall as the amounts rise, so the least time among those
+  // sending no more than x is the entry at the largest amount up to x.
+  std::map<int64_t, double> stairs;
   for (const Candidate& c : cands) {
-    const bool beaten = std::any_of(front.begin(), front.end(), [&](const Candidate* f) {
-      return f->kept <= c.kept && f->sent <= c.sent && f->ms <= c.ms;
-    });
-    if (!beaten) front.push_back(&c);
-  }
-  for (const Candidate* c : front) {
-    Choice ch{OpKind::kForwardKeep, -1, c->cost.saved_bytes, 0, c->cost.fwd_ms, c->cost.bwd_ms};
+    auto above = stairs.upper_bound(c.sent);
+    if (above != stairs.begin() && std::prev(above)->second <= c.ms) continue;  // beaten
+    std::string text(g, 'r');
+    for (size_t k = 0, code = c.code; k < g; ++k, code /= base)
+      text[k] = letters[code % base];
+    const PolicyCost cost = group_cost(s, text);
+    Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
     ch.ms = ch.fwd_ms + ch.bwd_ms;
-    ch.groups = c->text;
-    ch.own = c->cost.offload;
-    ch.offload = c->cost.offload.has_value();
+    ch.groups = std::move(text);
+    ch.own = cost.offload;
+    ch.offload = cost.offload.has_value();
     all.push_back(std::move(ch));
+    stairs[c.sent] = c.ms;
+    for (auto it = stairs.upper_bound(c.sent); it != stairs.end() && it->second >= c.ms;)
+      it = stairs.erase(it);
   }
   return all;
 }

@@ -259,11 +259,7 @@ def main():
     chain = lp.chain
     bandwidth = dict(to_host_gb_per_s=chain.to_host_gb_per_s, to_device_gb_per_s=chain.to_device_gb_per_s)
     print(f"bandwidth: {bandwidth}", file=sys.stderr, flush=True)
-    least_budget = None
-    try:
-        lp.set_budget(1)
-    except remat.InfeasibleBudget as e:
-        least_budget = e.min_bytes
+    least_budget = lp.min_budget_bytes
     print(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB", file=sys.stderr, flush=True)
     plans = {}
     # Each plan's own step is compared with a plain one of the same seed (the check above ran every layer kept,

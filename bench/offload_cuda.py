@@ -170,6 +170,17 @@ def main():
         if cuda:
             torch.cuda.synchronize(dev)
 
+    def loss_under(model, context=None, forward=None):
+        """The step's loss under autocast: by `forward` (a compiled forward and loss) where given, else by the
+        model's own call, inside `context` where given."""
+        with torch.autocast(**amp):
+            if forward is not None:
+                return forward()
+            if context is not None:
+                with context():
+                    return loss_of(model(**batch))
+            return loss_of(model(**batch))
+
     def step(model, context=None, seed=None, forward=None):
         """One step: (ms, peak bytes above the base, loss); `forward` (a compiled forward and loss) in place of
         the model's own call."""
@@ -180,14 +191,7 @@ def main():
         base = meter.count()
         with meter.window() as window:
             t0 = time.perf_counter()
-            with torch.autocast(**amp):
-                if forward is not None:
-                    loss = forward()
-                elif context is not None:
-                    with context():
-                        loss = loss_of(model(**batch))
-                else:
-                    loss = loss_of(model(**batch))
+            loss = loss_under(model, context, forward)
             loss.backward()
             sync()
             ms = (time.perf_counter() - t0) * 1e3
@@ -320,14 +324,7 @@ def main():
 
     def run_of(model, ctx, row=None, forward=None):
         def run():
-            with torch.autocast(**amp):
-                if forward is not None:
-                    loss = forward()
-                elif ctx is None:
-                    loss = loss_of(model(**batch))
-                else:
-                    with ctx():
-                        loss = loss_of(model(**batch))
+            loss = loss_under(model, ctx, forward)
             if row is not None:  # remat's host pool: its peak is at the end of the forward pass
                 host_peak[row] = max(host_peak.get(row, 0), lp.host_pool.peak_bytes)
             return loss

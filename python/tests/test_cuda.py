@@ -35,7 +35,7 @@ def step(model, x, seed, dtype=None):
     with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
         loss = model(x).float().square().mean()
     loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(4, device=DEV)
+    return loss.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(4, device=x.device)
 
 
 def assert_steps_close(got, want, rtol):
@@ -234,16 +234,9 @@ def streamed_and_assigned(dev):
                             for _ in range(5)]).to(dev)
     x = torch.randn(16, 256, 512, device=dev)
 
-    def one(seed):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(seed)
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in model.parameters()], torch.rand(4, device=dev)
-
-    want = [one(40 + k) for k in range(3)]
+    want = [step(model, x, 40 + k) for k in range(3)]
     lp = remat.enable(model, list(model), budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 16)
-    assert_steps_close(one(40), want[0], 1e-5)  # the profiling step
+    assert_steps_close(step(model, x, 40), want[0], 1e-5)  # the profiling step
     chain, ctx = lp.chain, lp.context
     for st in chain.stages:
         assert st.offload is not None and st.offload.can_stream(), st.name
@@ -254,7 +247,7 @@ def streamed_and_assigned(dev):
         sim = remat.simulate(chain, lp.plan)
         for k in (1, 2):
             lp.host_pool.peak_bytes = 0
-            assert_steps_close(one(40 + k), want[k], 1e-5)
+            assert_steps_close(step(model, x, 40 + k), want[k], 1e-5)
             print(f"{lp.choices}: measured {lp.last_peak_bytes}, predicted {lp.predicted_peak_bytes}; host "
                   f"{lp.host_pool.peak_bytes}, predicted {sim.host_peak_bytes}; {lp.offload_stats}")
             assert lp.last_peak_bytes <= lp.predicted_peak_bytes * 1.05

@@ -278,46 +278,71 @@ struct Point {
 // Frontiers larger than this are thinned (see thin()).
 constexpr size_t kMaxFrontier = size_t{1} << 15;
 
-bool same_group(const Point& a, const Point& b) {
-  return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output &&
-         a.input_gone_from == b.input_gone_from;
+// How long the chain's input is gone in the backward pass (StepTerms::input_freed), as an order: from stage
+// 1 on, then from stage 3 on, then never. Every later stage needs no more (stage_need()'s bwd_less_input) the
+// longer it is gone.
+int64_t gone_rank(const Point& p) {
+  return p.input_gone_from == 0 ? std::numeric_limits<int64_t>::min() : -p.input_gone_from;
 }
 
-// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
-// input_gone_from), which the future depends on beside R, no point with R, `key` (time when planning for a
-// budget, peak when looking for the least memory), when `host` bounds it host bytes, and when `link`
-// (planning for time with offloading) the link's time still owed, all at most its. Ties keep the first point.
+bool same_group(const Point& a, const Point& b) {
+  return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output;
+}
+
+// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
+// the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
+// for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
+// offloading) the link's time still owed, all at most its, and the chain's input gone as long (gone_rank()).
+// With `host` or `link`, a point whose input is gone longer beats it too where its host bytes are at most
+// its (so that the last stage's choice between equal times, the fewer host bytes, is still there to make);
+// without them, such points are kept apart as they were, and those frontiers stay linear. Ties keep the first
+// point.
 template <typename Key>
 std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::stable_sort(points.begin(), points.end(), [&](const Point& a, const Point& b) {
     if (a.pending != b.pending) return a.pending < b.pending;
     if (a.copied != b.copied) return a.copied < b.copied;
     if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
-    if (a.input_gone_from != b.input_gone_from) return a.input_gone_from < b.input_gone_from;
     if (a.held != b.held) return a.held < b.held;
     if (key(a) != key(b)) return key(a) < key(b);
+    if (a.input_gone_from != b.input_gone_from) return gone_rank(a) > gone_rank(b);
     return a.host < b.host;
   });
   std::vector<Point> out;
   size_t group = 0;  // where the current group starts in out
+  // Without `host` and `link`: per gone_rank() among the group's points kept so far, the least key (their R
+  // is at most the next point's, by the order above). At most three ranks.
+  using K = decltype(key(points.front()));
+  std::vector<std::pair<int64_t, K>> least;
   for (const Point& p : points) {
-    if (!out.empty() && !same_group(out.back(), p)) group = out.size();
-    bool beaten = false;
+    if (!out.empty() && !same_group(out.back(), p)) group = out.size(), least.clear();
+    const int64_t rank = gone_rank(p);
     if (!host && !link) {
-      beaten = out.size() > group && !(key(p) < key(out.back()));
-    } else {
-      for (size_t k = group; k < out.size() && !beaten; ++k)
-        beaten =
-            !(key(p) < key(out[k])) && (!host || out[k].host <= p.host) && (!link || out[k].link <= p.link);
+      auto it = std::find_if(least.begin(), least.end(), [&](const auto& e) { return e.first == rank; });
+      if (it != least.end() && !(key(p) < it->second)) continue;
+      if (it == least.end())
+        least.emplace_back(rank, key(p));
+      else
+        it->second = key(p);
+      out.push_back(p);
+      continue;
+    }
+    bool beaten = false;
+    for (size_t k = group; k < out.size() && !beaten; ++k) {
+      const Point& o = out[k];
+      beaten = !(key(p) < key(o)) && (!host || o.host <= p.host) && (!link || o.link <= p.link) &&
+               (o.input_gone_from == p.input_gone_from ||
+                (gone_rank(o) > rank && (key(o) < key(p) || o.host <= p.host)));
     }
     if (!beaten) out.push_back(p);
   }
   return out;
 }
 
-// A group past kMaxFrontier points keeps one point per band of R (the best key in it), its R raised to the
-// band's top: the program stays exact about feasibility (R only grows) and loses at most a band's worth of
-// memory. Never reached by chains of equal layers, whose R takes few values.
+// A group past kMaxFrontier points with the chain's input gone as long keeps one point per band of R (the
+// best key in it), its R raised to the band's top: the program stays exact about feasibility (R only grows)
+// and loses at most a band's worth of memory. Never reached by chains of equal layers, whose R takes few
+// values.
 template <typename Key>
 std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::vector<Point> out;
@@ -328,12 +353,26 @@ std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link
     if (last - first <= kMaxFrontier) {
       out.insert(out.end(), points.begin() + static_cast<std::ptrdiff_t>(first),
                  points.begin() + static_cast<std::ptrdiff_t>(last));
-    } else {
-      const int64_t lo = points[first].held, hi = points[last - 1].held;
+      first = last;
+      continue;
+    }
+    std::vector<int64_t> gone;  // the group's input_gone_from values, banded apart
+    for (size_t k = first; k < last; ++k)
+      if (std::find(gone.begin(), gone.end(), points[k].input_gone_from) == gone.end())
+        gone.push_back(points[k].input_gone_from);
+    std::vector<Point> kept;
+    for (const int64_t from : gone) {
+      std::vector<Point> part;  // in R's order
+      for (size_t k = first; k < last; ++k)
+        if (points[k].input_gone_from == from) part.push_back(points[k]);
+      if (part.size() <= kMaxFrontier) {
+        kept.insert(kept.end(), part.begin(), part.end());
+        continue;
+      }
+      const int64_t lo = part.front().held, hi = part.back().held;
       const int64_t band = std::max<int64_t>(1, (hi - lo) / static_cast<int64_t>(kMaxFrontier / 2) + 1);
       std::vector<Point> banded;
-      for (size_t k = first; k < last; ++k) {
-        const Point& p = points[k];
+      for (const Point& p : part) {
         const int64_t top = lo + ((p.held - lo) / band + 1) * band - 1;
         if (!banded.empty() && banded.back().held == top) {
           if (key(p) < key(banded.back())) {
@@ -345,9 +384,10 @@ std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link
           banded.back().held = top;
         }
       }
-      banded = pareto(std::move(banded), key, host, link);
-      out.insert(out.end(), banded.begin(), banded.end());
+      kept.insert(kept.end(), banded.begin(), banded.end());
     }
+    kept = pareto(std::move(kept), key, host, link);
+    out.insert(out.end(), kept.begin(), kept.end());
     first = last;
   }
   return out;

@@ -37,6 +37,9 @@ from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, poli
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
 
+# Plans kept per input shape for the budgets it was planned at (LayerPlan._planned).
+PLANS_KEPT = 16
+
 
 class LayerPlan:
     """The layers of a model run per layer as a plan says; made by remat.enable and remat.hf.enable.
@@ -458,7 +461,7 @@ class LayerPlan:
         try:
             # Where the model refuses a budget that the profiling step's measured schedule (every layer
             # checkpointed) fits, plan_step falls back to that schedule (ctx.checkpoint_all_peak_bytes).
-            planned = _core.plan_step(chain, ctx, max(budget, 1), "per-layer", self.exclude, **self.offloads.planner_options())
+            plan, predicted = self._planned(shape, ctx, max(budget, 1))
         except _core.InfeasibleBudget as e:
             least = e.min_bytes
             err = _core.InfeasibleBudget(
@@ -478,12 +481,30 @@ class LayerPlan:
             shape.predicted = -1
             publish(self.layers, shape, self.policies)
             raise err from None
-        shape.plan = planned.plan
-        shape.choices = choices_of(planned.plan)
-        shape.points = layer_points(planned.plan)
-        shape.predicted = planned.step_peak_bytes
+        shape.plan = plan
+        shape.choices = choices_of(plan)
+        shape.points = layer_points(plan)
+        shape.predicted = predicted
         publish(self.layers, shape, self.policies)
 
+
+    def _planned(self, shape: Shape, ctx, budget: int) -> tuple:
+        """_core.plan_step for `shape` at `budget` bytes, (plan, predicted step peak): planned again only where a figure the plan depends on
+        (_core.plan_figures), the budget or the planner's options changed since that shape last planned it, so
+        that set_budget back to an earlier budget (a benchmark's rounds) costs no planning. Raises
+        InfeasibleBudget as plan_step does (refusals are not kept)."""
+        options = self.offloads.planner_options()
+        ints, reals = _core.plan_figures(shape.chain, ctx)
+        key = (budget, tuple(self.exclude), tuple(sorted(options.items())), tuple(ints), tuple(reals))
+        if shape.planned_chain is not shape.chain:  # profiled again: its plans go
+            shape.planned_chain, shape.planned_at = shape.chain, {}
+        planned = shape.planned_at.get(key)
+        if planned is None:
+            step = _core.plan_step(shape.chain, ctx, budget, "per-layer", self.exclude, **options)
+            if len(shape.planned_at) >= PLANS_KEPT:
+                shape.planned_at.pop(next(iter(shape.planned_at)))
+            planned = shape.planned_at[key] = (step.plan, step.step_peak_bytes)
+        return planned
 
     def _fitted_words(self, shape: Shape) -> str:
         """How a device budget's bytes were made, for messages ("" for a budget in bytes)."""

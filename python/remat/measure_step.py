@@ -138,6 +138,9 @@ class Shape:
         # the profiling step, and the budget in bytes made from it.
         self.room: tuple[int, int, int, int] | None = None
         self.budget = -1
+        # The plans made for this shape's chain (LayerPlan._planned), by budget and figures, oldest first.
+        self.planned_chain: _core.Chain | None = None
+        self.planned_at: dict = {}
 
 
 class Step:

@@ -214,7 +214,7 @@ def test_a_new_sequence_length_is_profiled_again(meter):
     assert lp.profiling_steps == 1
 
 
-def test_set_budget_plans_again_without_profiling(meter, plain_runs):
+def test_set_budget_plans_again_without_profiling(meter, plain_runs, monkeypatch):
     model, spec = make("gpt2")
     plain_peak = plain_runs["gpt2"][1][2]
     lp = remat.hf.enable(model, budget=2 * plain_peak)
@@ -234,6 +234,22 @@ def test_set_budget_plans_again_without_profiling(meter, plain_runs):
         lp.set_budget(floor - 1)
     with pytest.raises(remat.InfeasibleBudget):
         step(model, spec, 2, meter)
+    # A budget planned before is not planned again while the figures the plan depends on are the same (the
+    # steps above timed the rest of the step again: new figures); a figure changed plans it again.
+    calls = []
+    plan_step = remat.layer_plan._core.plan_step
+    monkeypatch.setattr(remat.layer_plan._core, "plan_step", lambda *a, **k: calls.append(a[2]) or plan_step(*a, **k))
+    lp.set_budget(floor)
+    at_floor = str(lp.plan)
+    lp.set_budget(2 * plain_peak)
+    assert calls == [floor, 2 * plain_peak]
+    lp.set_budget(floor)
+    lp.set_budget(2 * plain_peak)
+    lp.set_budget(floor)
+    assert calls == [floor, 2 * plain_peak] and str(lp.plan) == at_floor and lp.predicted_peak_bytes <= floor
+    lp.context.rest_peak_bytes += 1
+    lp.set_budget(floor)
+    assert calls == [floor, 2 * plain_peak, floor]
 
 
 def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):

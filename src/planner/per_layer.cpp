@@ -429,6 +429,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     const auto& cs = sol.choices[static_cast<size_t>(j)];
     const int64_t a_in = chain.activation_bytes(j), a_out = chain.stages[static_cast<size_t>(j)].output_bytes;
     std::vector<Point> next;
+    next.reserve(sol.frontiers[static_cast<size_t>(j)].size() * cs.size());
     const auto& cur = sol.frontiers[static_cast<size_t>(j)];
     for (size_t k = 0; k < cur.size(); ++k) {
       // What runs between the stage before this one and it, in the forward: held from here on.

@@ -279,7 +279,7 @@ class LayerPlan:
     def set_budget(self, budget) -> None:
         """Plans again for another budget (bytes, a size string, or a device budget such as "auto" or "90%") from
         what was measured, without profiling again: every input shape already profiled gets its new plan at
-        once. Raises remat.InfeasibleBudget naming the least feasible budget when one of them has none (that
+        once (one it planned before at that budget, from the same figures, is used again). Raises remat.InfeasibleBudget naming the least feasible budget when one of them has none (that
         shape keeps no plan and its next training step raises the same error), and ValueError for a device
         budget when a shape was profiled without reading the device (under a budget in bytes)."""
         if self._fixed is not None:

@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """How long LayerPlan.set_budget takes with saved groups and offloading, the planner's largest search (issue
-42's GPU benchmark calls it before each remat row of each round): a 24-layer Hugging Face BertForMaskedLM from
-its config (hidden 64, 2 heads, ffn 256, vocabulary 128, batch 4, sequence 128, random weights), profiled on the
-CPU by remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=4096, groups=True): ten saved
-groups a layer. Plans at each budget twice, in turn, and prints each call's seconds (the second round's are
+42's GPU benchmark calls it before each remat row of each round): a Hugging Face BertForMaskedLM of --layers
+(24) from its config (hidden 64, 2 heads, ffn 256, vocabulary 128, batch 4, sequence 128, random weights),
+profiled on the CPU by remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=4096,
+groups=True): ten saved groups a layer. Plans at each budget twice, in turn, and prints each call's seconds (the second round's are
 plans kept from the first) and the plan's predicted peak. --chain saves the profiled chain (the remat command's
-chain JSON). docs/BENCHMARKS.md ("Planner speed") quotes one run:
+chain JSON). docs/BENCHMARKS.md ("Planner speed") quotes these runs:
 
     python bench/set_budget_speed.py --chain out/bench/bert24-groups.json
+    python bench/set_budget_speed.py --layers 48 --budgets 30000000     # and --layers 96: the time with depth
 """
 import argparse
 import time
@@ -23,9 +24,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budgets", default="16000000,20000000,30000000", help="bytes, comma-separated")
     ap.add_argument("--chain", help="write the profiled chain here")
+    ap.add_argument("--layers", type=int, default=24)
     args = ap.parse_args()
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=24, num_attention_heads=2, intermediate_size=256,
+    cfg = transformers.BertConfig(hidden_size=64, num_hidden_layers=args.layers, num_attention_heads=2, intermediate_size=256,
                                   vocab_size=128)
     model = transformers.BertForMaskedLM(cfg).train()
     ids = torch.randint(0, 128, (4, 128), generator=torch.Generator().manual_seed(0))

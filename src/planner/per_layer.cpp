@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "detail/per_layer.h"
 #include "detail/plan.h"
@@ -297,46 +298,77 @@ bool same_group(const Point& a, const Point& b) {
 // its (so that the last stage's choice between equal times, the fewer host bytes, is still there to make);
 // without them, such points are kept apart as they were, and those frontiers stay linear. Ties keep the first
 // point.
+// pareto()'s order: by group (pending, copied, keeps_output), then R, the key, the input gone longest first,
+// host bytes, and where all are equal as the points were made (parent, then choice).
+template <typename Key>
+bool in_order(const Point& a, const Point& b, Key key) {
+  if (a.pending != b.pending) return a.pending < b.pending;
+  if (a.copied != b.copied) return a.copied < b.copied;
+  if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
+  if (a.held != b.held) return a.held < b.held;
+  if (key(a) != key(b)) return key(a) < key(b);
+  if (a.input_gone_from != b.input_gone_from) return gone_rank(a) > gone_rank(b);
+  if (a.host != b.host) return a.host < b.host;
+  if (a.parent != b.parent) return a.parent < b.parent;
+  return a.choice < b.choice;
+}
+
+// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
+// the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
+// for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
+// offloading) the link's time still owed, all at most its, and the chain's input gone as long (gone_rank()).
+// With `host` or `link`, a point whose input is gone longer beats it too where its host bytes are at most
+// its (so that the last stage's choice between equal times, the fewer host bytes, is still there to make);
+// without them, such points are kept apart as they were, and those frontiers stay linear. Ties keep the first
+// point. The points come in in_order()'s order.
+template <typename Key>
+class Staircase {
+ public:
+  Staircase(Key key, bool host, bool link) : key_(key), host_(host), link_(link) {}
+
+  void push(const Point& p) {
+    if (!out_.empty() && !same_group(out_.back(), p)) group_ = out_.size(), least_.clear();
+    const int64_t rank = gone_rank(p);
+    if (!host_ && !link_) {
+      auto it = std::find_if(least_.begin(), least_.end(), [&](const auto& e) { return e.first == rank; });
+      if (it != least_.end() && !(key_(p) < it->second)) return;
+      if (it == least_.end())
+        least_.emplace_back(rank, key_(p));
+      else
+        it->second = key_(p);
+      out_.push_back(p);
+      return;
+    }
+    for (size_t k = group_; k < out_.size(); ++k) {
+      const Point& o = out_[k];
+      if (!(key_(p) < key_(o)) && (!host_ || o.host <= p.host) && (!link_ || o.link <= p.link) &&
+          (o.input_gone_from == p.input_gone_from ||
+           (gone_rank(o) > rank && (key_(o) < key_(p) || o.host <= p.host))))
+        return;
+    }
+    out_.push_back(p);
+  }
+
+  std::vector<Point> take() { return std::move(out_); }
+
+ private:
+  Key key_;
+  bool host_, link_;
+  std::vector<Point> out_;
+  size_t group_ = 0;  // where the current group starts in out_
+  // Without `host` and `link`: per gone_rank() among the group's points kept so far, the least key (their R
+  // is at most the next point's, by the order). At most three ranks.
+  std::vector<std::pair<int64_t, decltype(std::declval<Key>()(std::declval<const Point&>()))>> least_;
+};
+
 template <typename Key>
 std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
-  std::stable_sort(points.begin(), points.end(), [&](const Point& a, const Point& b) {
-    if (a.pending != b.pending) return a.pending < b.pending;
-    if (a.copied != b.copied) return a.copied < b.copied;
-    if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
-    if (a.held != b.held) return a.held < b.held;
-    if (key(a) != key(b)) return key(a) < key(b);
-    if (a.input_gone_from != b.input_gone_from) return gone_rank(a) > gone_rank(b);
-    return a.host < b.host;
-  });
-  std::vector<Point> out;
-  size_t group = 0;  // where the current group starts in out
-  // Without `host` and `link`: per gone_rank() among the group's points kept so far, the least key (their R
-  // is at most the next point's, by the order above). At most three ranks.
-  using K = decltype(key(points.front()));
-  std::vector<std::pair<int64_t, K>> least;
-  for (const Point& p : points) {
-    if (!out.empty() && !same_group(out.back(), p)) group = out.size(), least.clear();
-    const int64_t rank = gone_rank(p);
-    if (!host && !link) {
-      auto it = std::find_if(least.begin(), least.end(), [&](const auto& e) { return e.first == rank; });
-      if (it != least.end() && !(key(p) < it->second)) continue;
-      if (it == least.end())
-        least.emplace_back(rank, key(p));
-      else
-        it->second = key(p);
-      out.push_back(p);
-      continue;
-    }
-    bool beaten = false;
-    for (size_t k = group; k < out.size() && !beaten; ++k) {
-      const Point& o = out[k];
-      beaten = !(key(p) < key(o)) && (!host || o.host <= p.host) && (!link || o.link <= p.link) &&
-               (o.input_gone_from == p.input_gone_from ||
-                (gone_rank(o) > rank && (key(o) < key(p) || o.host <= p.host)));
-    }
-    if (!beaten) out.push_back(p);
-  }
-  return out;
+  std::sort(points.begin(), points.end(),
+            [&](const Point& a, const Point& b) { return in_order(a, b, key); });
+  Staircase<Key> kept(key, host, link);
+  for (const Point& p : points)
+    kept.push(p);
+  return kept.take();
 }
 
 // A group past kMaxFrontier points with the chain's input gone as long keeps one point per band of R (the

@@ -301,7 +301,7 @@ bool same_group(const Point& a, const Point& b) {
 // pareto()'s order: by group (pending, copied, keeps_output), then R, the key, the input gone longest first,
 // host bytes, and where all are equal as the points were made (parent, then choice).
 template <typename Key>
-bool in_order(const Point& a, const Point& b, Key key) {
+inline bool in_order(const Point& a, const Point& b, const Key& key) {
   if (a.pending != b.pending) return a.pending < b.pending;
   if (a.copied != b.copied) return a.copied < b.copied;
   if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;

@@ -290,14 +290,6 @@ bool same_group(const Point& a, const Point& b) {
   return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output;
 }
 
-// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
-// the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
-// for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
-// offloading) the link's time still owed, all at most its, and the chain's input gone as long (gone_rank()).
-// With `host` or `link`, a point whose input is gone longer beats it too where its host bytes are at most
-// its (so that the last stage's choice between equal times, the fewer host bytes, is still there to make);
-// without them, such points are kept apart as they were, and those frontiers stay linear. Ties keep the first
-// point.
 // pareto()'s order: by group (pending, copied, keeps_output), then R, the key, the input gone longest first,
 // host bytes, and where all are equal as the points were made (parent, then choice).
 template <typename Key>
@@ -320,55 +312,39 @@ inline bool in_order(const Point& a, const Point& b, const Key& key) {
 // With `host` or `link`, a point whose input is gone longer beats it too where its host bytes are at most
 // its (so that the last stage's choice between equal times, the fewer host bytes, is still there to make);
 // without them, such points are kept apart as they were, and those frontiers stay linear. Ties keep the first
-// point. The points come in in_order()'s order.
-template <typename Key>
-class Staircase {
- public:
-  Staircase(Key key, bool host, bool link) : key_(key), host_(host), link_(link) {}
-
-  void push(const Point& p) {
-    if (!out_.empty() && !same_group(out_.back(), p)) group_ = out_.size(), least_.clear();
-    const int64_t rank = gone_rank(p);
-    if (!host_ && !link_) {
-      auto it = std::find_if(least_.begin(), least_.end(), [&](const auto& e) { return e.first == rank; });
-      if (it != least_.end() && !(key_(p) < it->second)) return;
-      if (it == least_.end())
-        least_.emplace_back(rank, key_(p));
-      else
-        it->second = key_(p);
-      out_.push_back(p);
-      return;
-    }
-    for (size_t k = group_; k < out_.size(); ++k) {
-      const Point& o = out_[k];
-      if (!(key_(p) < key_(o)) && (!host_ || o.host <= p.host) && (!link_ || o.link <= p.link) &&
-          (o.input_gone_from == p.input_gone_from ||
-           (gone_rank(o) > rank && (key_(o) < key_(p) || o.host <= p.host))))
-        return;
-    }
-    out_.push_back(p);
-  }
-
-  std::vector<Point> take() { return std::move(out_); }
-
- private:
-  Key key_;
-  bool host_, link_;
-  std::vector<Point> out_;
-  size_t group_ = 0;  // where the current group starts in out_
-  // Without `host` and `link`: per gone_rank() among the group's points kept so far, the least key (their R
-  // is at most the next point's, by the order). At most three ranks.
-  std::vector<std::pair<int64_t, decltype(std::declval<Key>()(std::declval<const Point&>()))>> least_;
-};
-
+// point in in_order()'s order.
 template <typename Key>
 std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
   std::sort(points.begin(), points.end(),
             [&](const Point& a, const Point& b) { return in_order(a, b, key); });
-  Staircase<Key> kept(key, host, link);
-  for (const Point& p : points)
-    kept.push(p);
-  return kept.take();
+  std::vector<Point> out;
+  size_t group = 0;  // where the current group starts in out
+  // Without `host` and `link`: per gone_rank() among the group's points kept so far, the least key (their R
+  // is at most the next point's, by the order). At most three ranks.
+  std::vector<std::pair<int64_t, decltype(key(points.front()))>> least;
+  for (const Point& p : points) {
+    if (!out.empty() && !same_group(out.back(), p)) group = out.size(), least.clear();
+    const int64_t rank = gone_rank(p);
+    if (!host && !link) {
+      auto it = std::find_if(least.begin(), least.end(), [&](const auto& e) { return e.first == rank; });
+      if (it != least.end() && !(key(p) < it->second)) continue;
+      if (it == least.end())
+        least.emplace_back(rank, key(p));
+      else
+        it->second = key(p);
+      out.push_back(p);
+      continue;
+    }
+    bool beaten = false;
+    for (size_t k = group; k < out.size() && !beaten; ++k) {
+      const Point& o = out[k];
+      beaten = !(key(p) < key(o)) && (!host || o.host <= p.host) && (!link || o.link <= p.link) &&
+               (o.input_gone_from == p.input_gone_from ||
+                (gone_rank(o) > rank && (key(o) < key(p) || o.host <= p.host)));
+    }
+    if (!beaten) out.push_back(p);
+  }
+  return out;
 }
 
 // A group past kMaxFrontier points with the chain's input gone as long keeps one point per band of R (the
@@ -460,9 +436,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload, groups);
     const auto& cs = sol.choices[static_cast<size_t>(j)];
     const int64_t a_in = chain.activation_bytes(j), a_out = chain.stages[static_cast<size_t>(j)].output_bytes;
-    std::vector<Point> next;
-    next.reserve(sol.frontiers[static_cast<size_t>(j)].size() * cs.size());
     const auto& cur = sol.frontiers[static_cast<size_t>(j)];
+    std::vector<Point> next;
+    next.reserve(cur.size() * cs.size());
     for (size_t k = 0; k < cur.size(); ++k) {
       // What runs between the stage before this one and it, in the forward: held from here on.
       Point p = cur[k];

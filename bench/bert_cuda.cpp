@@ -212,10 +212,13 @@ int main(int argc, char** argv) {
   // the least feasible budget from the first profile (the same chain at every budget): a way below it is
   // planned at it, and a way at it is added where none is at or below it.
   int64_t least = -1;
+  const auto profile = [&](Way& way) {  // its own model, set, and its profiling step run
+    way.own = make();
+    way.set(way.own);
+    step_of(way.own, nullptr);
+  };
   for (size_t w = 4; w < ways.size(); ++w) {
-    ways[w].own = make();
-    ways[w].set(ways[w].own);
-    step_of(ways[w].own, nullptr);
+    profile(ways[w]);
     if (a.offload && least < 0) {
       const auto* planned = ways[w].own->planned();
       TORCH_CHECK(planned != nullptr && planned->chain() != nullptr && planned->step_readings() != nullptr,
@@ -233,9 +236,7 @@ int main(int argc, char** argv) {
       ways[w].budget = least;
       ways[w].name += " -> least";
       ways[w].set = planned_at(least);
-      ways[w].own = make();
-      ways[w].set(ways[w].own);
-      step_of(ways[w].own, nullptr);
+      profile(ways[w]);
     }
     step_of(ways[w].own, nullptr);
     const auto* planned = ways[w].own->planned();

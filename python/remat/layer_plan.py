@@ -279,9 +279,10 @@ class LayerPlan:
     def set_budget(self, budget) -> None:
         """Plans again for another budget (bytes, a size string, or a device budget such as "auto" or "90%") from
         what was measured, without profiling again: every input shape already profiled gets its new plan at
-        once (one it planned before at that budget, from the same figures, is used again). Raises remat.InfeasibleBudget naming the least feasible budget when one of them has none (that
-        shape keeps no plan and its next training step raises the same error), and ValueError for a device
-        budget when a shape was profiled without reading the device (under a budget in bytes)."""
+        once (one it planned before at that budget, from the same figures, is used again). Raises
+        remat.InfeasibleBudget naming the least feasible budget when one of them has none (that shape keeps no
+        plan and its next training step raises the same error), and ValueError for a device budget when a
+        shape was profiled without reading the device (under a budget in bytes)."""
         if self._fixed is not None:
             raise ValueError(f"{self.who}: this LayerPlan runs a given plan; it has no budget to change")
         spec = fit.parse_budget_spec(budget, self.who)
@@ -487,12 +488,11 @@ class LayerPlan:
         shape.predicted = predicted
         publish(self.layers, shape, self.policies)
 
-
     def _planned(self, shape: Shape, ctx, budget: int) -> tuple:
-        """_core.plan_step for `shape` at `budget` bytes, (plan, predicted step peak): planned again only where a figure the plan depends on
-        (_core.plan_figures), the budget or the planner's options changed since that shape last planned it, so
-        that set_budget back to an earlier budget (a benchmark's rounds) costs no planning. Raises
-        InfeasibleBudget as plan_step does (refusals are not kept)."""
+        """_core.plan_step for `shape` at `budget` bytes, (plan, predicted step peak): planned again only where
+        a figure the plan depends on (_core.plan_figures), the budget or the planner's options changed since
+        that shape last planned it, so that set_budget back to an earlier budget (a benchmark's rounds) costs
+        no planning. Raises InfeasibleBudget as plan_step does (refusals are not kept)."""
         options = self.offloads.planner_options()
         ints, reals = _core.plan_figures(shape.chain, ctx)
         key = (budget, tuple(self.exclude), tuple(sorted(options.items())), tuple(ints), tuple(reals))

@@ -142,6 +142,12 @@ class Shape:
         self.planned_chain: _core.Chain | None = None
         self.planned_at: dict = {}
 
+    def __setstate__(self, state):
+        """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): fields it
+        lacks take their defaults."""
+        self.__init__(state.get("key"))
+        self.__dict__.update(state)
+
 
 class Step:
     """One training step's measurements."""

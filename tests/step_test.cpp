@@ -12,6 +12,7 @@
 #include <limits>
 #include <random>
 
+#include "detail/per_layer.h"
 #include "planner_support.h"
 
 namespace {
@@ -1489,6 +1490,71 @@ TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {
   }
   EXPECT_GT(grouped, 20);
   EXPECT_GT(sent, 5);
+}
+
+TEST(PerLayer, LeavingOutTheCandidatesAnchorsBeatChangesNoPlan) {
+  // The per-layer program leaves out each candidate one of its anchors beats (detail/per_layer.h's filter).
+  // On random chains of 2 to 8 stages (a third of them one stage repeated, where anchors beat the most),
+  // with groups, streams, offloading (its host bytes bounded or not) and the chain's input held in the
+  // backward pass or not, every plan and least budget, in a step and on the chain alone, is the one the
+  // program finds with every candidate made and sorted.
+  std::mt19937 rng(2026), between_rng(2027);
+  int planned = 0, offloaded = 0;
+  for (int trial = 0; trial < 48; ++trial) {
+    const int64_t n = 2 + trial % 7;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    add_random_groups(rng, chain);
+    add_random_streams(rng, chain);
+    if (trial % 3 == 0) {
+      for (size_t i = 1; i < chain.stages.size(); ++i) {
+        const std::string name = chain.stages[i].name;
+        chain.stages[i] = chain.stages[0];
+        chain.stages[i].name = name;
+      }
+    }
+    chain.input_bytes = 2000 + 500 * (trial % 5);
+    remat::StepContext ctx;
+    ctx.before_saved_bytes = 5000;
+    ctx.rest_peak_bytes = 300 * (trial % 3);
+    ctx.rest_ms = 4.0;
+    ctx.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+    if (trial % 2 == 1) add_random_between(between_rng, ctx, n, 60000);
+    unsave_random_outputs(between_rng, chain);
+    ctx.input_held_in_backward = trial % 4 < 2;
+    remat::PlannerOptions options;
+    options.offload = trial % 5 != 0;
+    if (options.offload && trial % 4 == 3 && n <= 4)
+      options.max_host_bytes = 2000 * n;  // (longer: seconds a trial)
+    const int64_t least = remat::detail::per_layer_step_min(chain, ctx, options, true);
+    ASSERT_EQ(least, remat::detail::per_layer_step_min(chain, ctx, options, false)) << "trial " << trial;
+    for (int k = 0; k < 6; ++k) {
+      const int64_t budget = least + least * k / 5;
+      int64_t least_with = 0, least_without = 0;
+      const auto with = remat::detail::per_layer_in_step(chain, ctx, budget, options, &least_with, true);
+      const auto without =
+          remat::detail::per_layer_in_step(chain, ctx, budget, options, &least_without, false);
+      ASSERT_EQ(with.has_value(), without.has_value()) << "trial " << trial << " budget " << budget;
+      if (!with) {
+        EXPECT_EQ(least_with, least_without);
+        continue;
+      }
+      ++planned;
+      offloaded +=
+          std::any_of(with->ops.begin(), with->ops.end(), [](const Op& op) { return op.offloads(); });
+      EXPECT_EQ(remat::to_json(*with), remat::to_json(*without)) << "trial " << trial << " budget " << budget;
+      EXPECT_EQ(with->predicted.time_ms, without->predicted.time_ms);
+    }
+    // The chain alone, from its least budget up.
+    const int64_t alone = remat::per_layer_min_budget(chain, options);
+    for (int k = 0; k < 4; ++k) {
+      const int64_t budget = alone + alone * k / 3;
+      EXPECT_EQ(remat::to_json(remat::detail::per_layer_with(chain, budget, options, true)),
+                remat::to_json(remat::detail::per_layer_with(chain, budget, options, false)))
+          << "trial " << trial << " budget " << budget;
+    }
+  }
+  EXPECT_GT(planned, 150);
+  EXPECT_GT(offloaded, 50);
 }
 
 TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {

@@ -347,6 +347,22 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool li
   return out;
 }
 
+// Whether pareto() never keeps x where a is among its points (both candidates of one stage): a beats x as
+// pareto() does (same group, R, key, link and bounded host no worse, earlier in in_order()), and whatever
+// kept point beats a beats x too. With the chain's input gone as long, that needs, where a point whose input
+// is gone longer could beat a, a key strictly less or host bytes no more; with x's input gone less long
+// (allowed where pareto() compares ranks: with `host` or `link`), a key strictly less. Then leaving x out
+// changes nothing pareto() keeps.
+template <typename Key>
+inline bool filtered_by(const Point& a, const Point& x, const Key& key, bool host, bool link) {
+  if (!same_group(a, x) || a.held > x.held || key(x) < key(a) || (host && a.host > x.host) ||
+      (link && a.link > x.link))
+    return false;
+  if (a.input_gone_from == x.input_gone_from)
+    return (!(host || link) || key(a) < key(x) || a.host <= x.host) && in_order(a, x, key);
+  return (host || link) && gone_rank(a) > gone_rank(x) && key(a) < key(x);
+}
+
 // A group past kMaxFrontier points with the chain's input gone as long keeps one point per band of R (the
 // best key in it), its R raised to the band's top: the program stays exact about feasibility (R only grows)
 // and loses at most a band's worth of memory. Never reached by chains of equal layers, whose R takes few
@@ -411,9 +427,11 @@ struct Solution {
 };
 
 // by_time: the fastest within `budget`; otherwise the least peak (budget ignored). offload: the choices may
-// offload (what options allow), the host bytes at most max_host (-1: no bound).
+// offload (what options allow), the host bytes at most max_host (-1: no bound). filter: leave out the
+// candidates an anchor beats (filtered_by()); without, every candidate is made and sorted (the tests' check
+// that the filter changes no plan).
 Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget,
-               const StepTerms* step, bool offload, int64_t max_host, bool groups) {
+               const StepTerms* step, bool offload, int64_t max_host, bool groups, bool filter = true) {
   const int64_t n = chain.size();
   const bool bounded = offload && max_host >= 0;
   Solution sol;
@@ -437,67 +455,147 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     const auto& cs = sol.choices[static_cast<size_t>(j)];
     const int64_t a_in = chain.activation_bytes(j), a_out = chain.stages[static_cast<size_t>(j)].output_bytes;
     const auto& cur = sol.frontiers[static_cast<size_t>(j)];
-    std::vector<Point> next;
-    next.reserve(cur.size() * cs.size());
-    for (size_t k = 0; k < cur.size(); ++k) {
+    // Per choice, what does not depend on the point it follows: the bytes its copies move each way, their
+    // times, and its need (stage_need()) for each way its input and the chain's input may be gone, made when
+    // first asked for. Per point, its copies' time back.
+    struct Fixed {
+      int64_t copied = 0;
+      double to_host_ms = 0, to_device_ms = 0;
+      int64_t need[2][2] = {};
+      bool made[2][2] = {};
+    };
+    std::vector<Fixed> fixed(cs.size());
+    for (size_t c = 0; c < cs.size(); ++c) {
+      const Choice& ch = cs[c];
+      Fixed& f = fixed[c];
+      f.copied =
+          ch.offload ? ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0) : 0;
+      f.to_host_ms = chain.transfer_ms(f.copied, true);
+      f.to_device_ms = chain.transfer_ms(f.copied, false);
+    }
+    std::vector<double> back_ms(cur.size());
+    for (size_t k = 0; k < cur.size(); ++k)
+      back_ms[k] = chain.transfer_ms(cur[k].copied, false);
+    // Candidate (k, c): stage j run as cs[c] after cur[k]; false where it does not fit (the budget, the
+    // host).
+    auto make = [&](size_t k, size_t c, Point& q) {
+      const Point& p = cur[k];
       // What runs between the stage before this one and it, in the forward: held from here on.
-      Point p = cur[k];
-      if (step) p.held += step->forward_held[static_cast<size_t>(j)];
-      for (size_t c = 0; c < cs.size(); ++c) {
-        const Choice& ch = cs[c];
-        Point q;
-        const bool input_leaves =
-            ch.offload && ch.cost->input && j > 0 && !p.keeps_output && !chain.input_held(j);
-        // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output) for
-        // the whole backward pass; offloaded whole with it, until its bytes come back (step stage 2's
-        // backward).
-        q.input_gone_from = p.input_gone_from;
-        if (step && step->input_freed > 0 && j == 1)
-          q.input_gone_from = detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input);
-        // Without it: the backward of every stage from there on (the rest's included).
-        const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
+      const int64_t p_held = step ? p.held + step->forward_held[static_cast<size_t>(j)] : p.held;
+      const Choice& ch = cs[c];
+      Fixed& f = fixed[c];
+      const bool input_leaves =
+          ch.offload && ch.cost->input && j > 0 && !p.keeps_output && !chain.input_held(j);
+      // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output) for
+      // the whole backward pass; offloaded whole with it, until its bytes come back (step stage 2's
+      // backward).
+      q.input_gone_from = p.input_gone_from;
+      if (step && step->input_freed > 0 && j == 1)
+        q.input_gone_from = detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input);
+      // Without it: the backward of every stage from there on (the rest's included).
+      const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
+      if (!f.made[input_leaves][gone]) {
         const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
-        q.peak = std::max(p.peak, p.held + stage_need(chain, j, ch, step, bwd_less, gone));
-        if (by_time && q.peak > budget) continue;
-        // The bytes its copies move each way.
-        const int64_t copied =
-            ch.offload ? ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0) : 0;
-        double wait = std::max(0.0, p.link - ch.fwd_ms) + back_wait(p.copied, ch.bwd_ms);
-        // Streamed with no window: its copies each way are waited for as they are made or asked for, so
-        // nothing hides them (simulate()'s charge).
-        const bool exposed = ch.stream && ch.window == 0;
-        if (exposed) wait += chain.transfer_ms(copied, true) + chain.transfer_ms(copied, false);
-        q.ms = p.ms + ch.ms + wait;
-        q.transfer_ms = p.transfer_ms + wait;
-        q.held = p.held - p.pending + ch.held;
-        if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
-        q.host = p.host;
-        if (ch.offload) {
-          q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
-          q.copied = copied;
-          if (ch.stream) {
-            // Only its tail stays in flight past its forward (and comes back ahead of its backward).
-            const int64_t tail = ch.cost->tail_bytes(ch.window, q.pending);
-            q.held -= q.pending - tail;
-            q.pending = tail;
-          }
-          q.link = std::max(0.0, chain.transfer_ms(q.copied, true) - std::max(0.0, ch.fwd_ms - p.link));
-          q.host += q.copied;
-          if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
-          // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
-          q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
-          if (bounded && q.host > max_host) continue;
-        } else if (!offload) {
-          q.keeps_output = true;  // read by offloaded choices only: one group without them
-        } else if (ch.kind == OpKind::kForwardCheckpoint) {
-          q.keeps_output = false;  // a checkpoint holds its input, not its output
-        } else {
-          // Unknown: held, as before offloading.
-          q.keeps_output = chain.holds_outputs || !ch.cost || ch.cost->output;
+        f.need[input_leaves][gone] = stage_need(chain, j, ch, step, bwd_less, gone);
+        f.made[input_leaves][gone] = true;
+      }
+      q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone]);
+      if (by_time && q.peak > budget) return false;
+      const int64_t copied = f.copied;
+      double wait =
+          std::max(0.0, p.link - ch.fwd_ms) + (p.copied == 0 ? 0.0 : std::max(0.0, back_ms[k] - ch.bwd_ms));
+      // Streamed with no window: its copies each way are waited for as they are made or asked for, so
+      // nothing hides them (simulate()'s charge).
+      const bool exposed = ch.stream && ch.window == 0;
+      if (exposed) wait += f.to_host_ms + f.to_device_ms;
+      q.ms = p.ms + ch.ms + wait;
+      q.transfer_ms = p.transfer_ms + wait;
+      q.held = p_held - p.pending + ch.held;
+      if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
+      q.host = p.host;
+      if (ch.offload) {
+        q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
+        q.copied = copied;
+        if (ch.stream) {
+          // Only its tail stays in flight past its forward (and comes back ahead of its backward).
+          const int64_t tail = ch.cost->tail_bytes(ch.window, q.pending);
+          q.held -= q.pending - tail;
+          q.pending = tail;
         }
-        q.parent = static_cast<int64_t>(k);
-        q.choice = static_cast<int64_t>(c);
-        next.push_back(q);
+        q.link = std::max(0.0, f.to_host_ms - std::max(0.0, ch.fwd_ms - p.link));
+        q.host += q.copied;
+        if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
+        // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
+        q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
+        if (bounded && q.host > max_host) return false;
+      } else if (!offload) {
+        q.keeps_output = true;  // read by offloaded choices only: one group without them
+      } else if (ch.kind == OpKind::kForwardCheckpoint) {
+        q.keeps_output = false;  // a checkpoint holds its input, not its output
+      } else {
+        // Unknown: held, as before offloading.
+        q.keeps_output = chain.holds_outputs || !ch.cost || ch.cost->output;
+      }
+      q.parent = static_cast<int64_t>(k);
+      q.choice = static_cast<int64_t>(c);
+      return true;
+    };
+    // Anchors: each point of cur followed by the choice of the same index as its own (in a chain of equal
+    // layers, often where the frontier goes on), kept where no other beats them. A candidate an anchor
+    // beats by filtered_by() is never kept by pareto(), so it is not made at all: the same frontier from far
+    // fewer points to sort.
+    std::vector<Point> anchors;
+    for (size_t k = 0; k < cur.size() && filter; ++k) {
+      Point q;
+      if (cur[k].choice >= 0 && static_cast<size_t>(cur[k].choice) < cs.size() &&
+          make(k, static_cast<size_t>(cur[k].choice), q))
+        anchors.push_back(q);
+    }
+    anchors = by_time ? pareto(std::move(anchors), time_key, bounded, link)
+                      : pareto(std::move(anchors), peak_key, bounded);
+    // Per anchor, the least key of its group's anchors up to it (in R's order): below a candidate's key, none
+    // of them beats it.
+    std::vector<double> least_key(anchors.size());
+    for (size_t a = 0; a < anchors.size(); ++a) {
+      const double k = static_cast<double>(by_time ? time_key(anchors[a]) : peak_key(anchors[a]));
+      least_key[a] = a > 0 && same_group(anchors[a - 1], anchors[a]) ? std::min(least_key[a - 1], k) : k;
+    }
+    std::vector<int64_t> anchor_held(anchors.size());
+    for (size_t a = 0; a < anchors.size(); ++a)
+      anchor_held[a] = anchors[a].held;
+    std::vector<Point> next;
+    for (size_t c = 0; c < cs.size(); ++c) {
+      // anchors[first, last): the group of the last candidate; anchors[first, up): those of R up to its.
+      size_t first = 0, last = 0, up = 0;
+      int64_t up_held = 0;
+      for (size_t k = 0; k < cur.size(); ++k) {
+        Point q;
+        if (!make(k, c, q)) continue;
+        if (first == last || !same_group(anchors[first], q) || q.held < up_held) {
+          const auto range =
+              std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
+                return std::tie(a.pending, a.copied, a.keeps_output) <
+                       std::tie(b.pending, b.copied, b.keeps_output);
+              });
+          first = static_cast<size_t>(range.first - anchors.begin());
+          last = static_cast<size_t>(range.second - anchors.begin());
+          up = first;
+        }
+        // The points of cur follow one another in R's order within a group, and so do their candidates
+        // under one choice: `up` moves on.
+        up_held = q.held;
+        while (up < last && anchor_held[up] <= q.held)
+          ++up;
+        // From the anchor of largest R up to q's down: along a frontier, the one of least key.
+        size_t a = up;
+        bool beaten = false;
+        const double q_key = static_cast<double>(by_time ? time_key(q) : peak_key(q));
+        while (a > first && !beaten && !(least_key[a - 1] > q_key)) {
+          --a;
+          beaten = by_time ? filtered_by(anchors[a], q, time_key, bounded, link)
+                           : filtered_by(anchors[a], q, peak_key, bounded, false);
+        }
+        if (!beaten) next.push_back(q);
       }
     }
     next = by_time ? thin(pareto(std::move(next), time_key, bounded, link), time_key, bounded, link)
@@ -641,6 +739,12 @@ int64_t per_layer_min_budget(const Chain& chain, const PlannerOptions& options) 
 }
 
 Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options) {
+  return detail::per_layer_with(chain, budget_bytes, options, true);
+}
+
+namespace detail {
+
+Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options, bool filter) {
   validate(chain);
   if (budget_bytes < 0) {
     throw std::invalid_argument("remat::per_layer: negative budget (" + std::to_string(budget_bytes) +
@@ -648,15 +752,15 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
   }
   const std::vector<char> allowed = allowed_for(chain, options, "remat::per_layer");
   const Solution sol = solve(chain, allowed, true, budget_bytes, nullptr, options.offload,
-                             options.max_host_bytes, options.groups);
+                             options.max_host_bytes, options.groups, filter);
   if (sol.best < 0) {
-    detail::infeasible(
+    infeasible(
         "remat::per_layer", budget_bytes,
         solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes, options.groups)
             .best_peak);
   }
   double ms = 0;
-  Plan plan = detail::finish(chain, plan_of(picks(sol), &ms), "per-layer", budget_bytes);
+  Plan plan = finish(chain, plan_of(picks(sol), &ms), "per-layer", budget_bytes);
   // The program's peak is simulate()'s, or above it where a frontier was thinned.
   if (plan.predicted.peak_bytes > sol.best_peak) {
     throw std::logic_error("remat::per_layer: internal error: simulate()'s peak (" +
@@ -669,10 +773,8 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
   return plan;
 }
 
-namespace detail {
-
 std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
-                                      const PlannerOptions& options, int64_t* least_bytes) {
+                                      const PlannerOptions& options, int64_t* least_bytes, bool filter) {
   const Chain step = step_chain(chain, context);
   const std::vector<char> allowed = allowed_for(step, options, "remat::plan_step");
   const StepTerms terms = step_terms(chain, context);
@@ -680,9 +782,9 @@ std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& con
   Solution sol;
   if (std::max(context.before_peak_bytes, context.before_backward_peak_bytes) <= budget_bytes)
     sol = solve(step, allowed, true, budget_bytes + base, &terms, options.offload, options.max_host_bytes,
-                options.groups);
+                options.groups, filter);
   if (sol.best < 0) {
-    *least_bytes = per_layer_step_min(chain, context, options);
+    *least_bytes = per_layer_step_min(chain, context, options, filter);
     return std::nullopt;
   }
   std::vector<const Choice*> picked = picks(sol);
@@ -694,11 +796,12 @@ std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& con
   return plan;
 }
 
-int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options) {
+int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options,
+                           bool filter) {
   const Chain step = step_chain(chain, context);
   const StepTerms terms = step_terms(chain, context);
   const Solution sol = solve(step, allowed_for(step, options, "remat::plan_step"), false, 0, &terms,
-                             options.offload, options.max_host_bytes, options.groups);
+                             options.offload, options.max_host_bytes, options.groups, filter);
   return std::max(std::max(context.before_peak_bytes, context.before_backward_peak_bytes),
                   sol.best_peak - (context.input_in_base ? chain.input_bytes : int64_t{0}));
 }

@@ -15,9 +15,17 @@ namespace remat::detail {
 /// before the chain and the rest of the step kept, each stage's gradients charged from its backward on, the
 /// rest's from after its backward), so that the plan is the fastest per-layer plan whose step_peak_bytes() is
 /// within budget_bytes. nullopt, with *least_bytes the least step peak of any per-layer plan, when none is.
+///
+/// `filter` (here and below; true but in a test): the program leaves out each candidate that one of its
+/// anchors (each frontier point followed by the choice of the index it chose) beats in a way that every point
+/// beating the anchor beats it too, so that no frontier changes; false makes and sorts every candidate, the
+/// tests' reference for that.
 std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
-                                      const PlannerOptions& options, int64_t* least_bytes);
+                                      const PlannerOptions& options, int64_t* least_bytes, bool filter = true);
 /// The least step_peak_bytes() of any per-layer plan of `chain` in `context`.
-int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options);
+int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options,
+                           bool filter = true);
+/// per_layer(), with the filter as given.
+Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options, bool filter);
 
 }  // namespace remat::detail

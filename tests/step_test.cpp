@@ -111,6 +111,22 @@ void unsave_random_outputs(std::mt19937& rng, Chain& chain) {
   }
 }
 
+// A step around `chain` for trial `trial` of a random test: the chain's input of 2000 to 4000 bytes, what
+// comes before it and the rest of the step, on odd trials random figures of what runs between the stages
+// (add_random_between), and some stages' outputs unsaved (unsave_random_outputs), both drawn from `rng`.
+remat::StepContext random_step(std::mt19937& rng, Chain& chain, int trial) {
+  const int64_t n = chain.size();
+  chain.input_bytes = 2000 + 500 * (trial % 5);
+  remat::StepContext ctx;
+  ctx.before_saved_bytes = 5000;
+  ctx.rest_peak_bytes = 300 * (trial % 3);
+  ctx.rest_ms = 4.0;
+  ctx.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+  if (trial % 2 == 1) add_random_between(rng, ctx, n, 60000);
+  unsave_random_outputs(rng, chain);
+  return ctx;
+}
+
 // With `offload`, each way that has an OffloadCost also offloaded; its time and peak are simulate()'s (the
 // offloading tests' chains have no per-call times, so that simulate() charges what per_layer() does).
 std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, bool policies,
@@ -1512,14 +1528,7 @@ TEST(PerLayer, LeavingOutTheCandidatesAnchorsBeatChangesNoPlan) {
         chain.stages[i].name = name;
       }
     }
-    chain.input_bytes = 2000 + 500 * (trial % 5);
-    remat::StepContext ctx;
-    ctx.before_saved_bytes = 5000;
-    ctx.rest_peak_bytes = 300 * (trial % 3);
-    ctx.rest_ms = 4.0;
-    ctx.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
-    if (trial % 2 == 1) add_random_between(between_rng, ctx, n, 60000);
-    unsave_random_outputs(between_rng, chain);
+    remat::StepContext ctx = random_step(between_rng, chain, trial);
     ctx.input_held_in_backward = trial % 4 < 2;
     remat::PlannerOptions options;
     options.offload = trial % 5 != 0;
@@ -1763,14 +1772,8 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     const int64_t n = 1 + trial % 4;
     Chain chain = random_offload_chain(rng, n, 1000);
     add_random_streams(rng, chain);
-    chain.input_bytes = 2000 + 500 * (trial % 5);
-    remat::StepContext held;
-    held.before_saved_bytes = 5000;
-    held.rest_peak_bytes = 300 * (trial % 3);
-    held.rest_ms = 4.0;
-    held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
-    if (trial % 2 == 1) add_random_between(between_rng, held, n, 60000);  // charged without the input too
-    unsave_random_outputs(between_rng, chain);
+    // What runs between the stages (odd trials) is charged without the input too.
+    const remat::StepContext held = random_step(between_rng, chain, trial);
     remat::StepContext gone = held;
     gone.input_held_in_backward = false;
     remat::PlannerOptions options;

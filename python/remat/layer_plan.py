@@ -156,7 +156,17 @@ class LayerPlan:
         del state["index"]  # ids of the copy's layers
         return state
 
+    # Fields added since a LayerPlan first pickled, which a pickle from an earlier remat lacks, each with the
+    # value a LayerPlan made without its option has (a type: a new one of it).
+    _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
+                     _budget_text=None)
+
     def __setstate__(self, state):
+        """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
+        in _DEFAULTS it lacks take their defaults."""
+        for name, default in self._DEFAULTS.items():
+            if name not in state:
+                state[name] = default() if isinstance(default, type) else default
         self.__dict__.update(state)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
 

@@ -620,13 +620,20 @@ def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(
         assert all(a is b for a, b in zip(clp.layers, m.transformer.h))
         same(step(m, spec, 1, meter), plain[1])
         assert clp.profiling_steps == 1 and 0 < clp.last_peak_bytes <= lp.predicted_peak_bytes * (1 + TOLERANCE)
-    # A model saved before a shape had a field (here the plans it keeps, LayerPlan._planned): loaded, the field
-    # has its default and the plan can change.
+    # A model saved before a shape had a field (here the plans it keeps, LayerPlan._planned), or before the
+    # LayerPlan had the options added since it first pickled: loaded, each field has its default, the step is
+    # the plain run's and the plan can change.
     old = copy.deepcopy(model)
-    for shape in old._remat_layer_plan._shapes.values():
+    olp = old._remat_layer_plan
+    for shape in olp._shapes.values():
         del shape.planned_chain, shape.planned_at
+    for name in ("replan_on_oom", "replan_on_overshoot", "groups", "compiled_layers", "fit", "_budget_text"):
+        delattr(olp, name)
     torch.save(old, path)
-    loaded = torch.load(path, weights_only=False)._remat_layer_plan
+    loaded_model = torch.load(path, weights_only=False)
+    loaded = loaded_model._remat_layer_plan
+    assert not loaded.groups and loaded.compiled_layers == set() and loaded.fit is None
+    same(step(loaded_model, spec, 1, meter), plain[1])
     loaded.set_budget(1 << 40)
     assert loaded.is_planned() and loaded.predicted_peak_bytes <= 1 << 40
     assert all(s.planned_chain is s.chain and len(s.planned_at) == 1 for s in loaded._shapes.values())

@@ -77,13 +77,15 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   };
   std::vector<Candidate> cands;
   cands.reserve(count - 1);
+  std::vector<size_t> letter(g, 0);              // code's digits in base `base`, the lowest first
   for (size_t code = 1; code < count; ++code) {  // code 0 is all r
+    for (size_t k = 0; k < g && ++letter[k] == base; ++k)
+      letter[k] = 0;
     int64_t kept = 0, sent = 0;
     double skipped_ms = 0;
-    for (size_t k = 0, c = code; k < g; ++k, c /= base) {
-      const size_t letter = c % base;
-      if (letter == 1) kept += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
-      if (letter == 2) sent += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
+    for (size_t k = 0; k < g; ++k) {
+      if (letter[k] == 1) kept += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
+      if (letter[k] == 2) sent += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
     }
     cands.push_back({kept, sent, fwd_ms + std::max(s.bwd_ms, per_call_bwd_ms - skipped_ms), code});
   }

@@ -1509,11 +1509,11 @@ TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {
 }
 
 TEST(PerLayer, LeavingOutTheCandidatesAnchorsBeatChangesNoPlan) {
-  // The per-layer program leaves out each candidate one of its anchors beats (detail/per_layer.h's filter).
-  // On random chains of 2 to 8 stages (a third of them one stage repeated, where anchors beat the most),
-  // with groups, streams, offloading (its host bytes bounded or not) and the chain's input held in the
-  // backward pass or not, every plan and least budget, in a step and on the chain alone, is the one the
-  // program finds with every candidate made and sorted.
+  // The per-layer program leaves out each candidate one of its anchors beats, and each one slower than a
+  // rough plan (detail/per_layer.h's filter). On random chains of 2 to 8 stages (a third of them one stage
+  // repeated, where anchors beat the most), with groups, streams, offloading (its host bytes bounded or not)
+  // and the chain's input held in the backward pass or not, every plan and least budget, in a step and on the
+  // chain alone, is the one the program finds with every candidate made and sorted.
   std::mt19937 rng(2026), between_rng(2027);
   int planned = 0, offloaded = 0;
   for (int trial = 0; trial < 48; ++trial) {

@@ -1,6 +1,7 @@
 #include "remat/planner/per_layer.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -280,6 +281,9 @@ struct Point {
 
 // Frontiers larger than this are thinned (see thin()).
 constexpr size_t kMaxFrontier = size_t{1} << 15;
+// The rough program's (see solve()): two bands of R a group.
+constexpr size_t kRoughFrontier = 4;
+static_assert(kRoughFrontier >= 2, "thin() makes cap / 2 bands");
 
 // How long the chain's input is gone in the backward pass (StepTerms::input_freed), as an order: from stage
 // 1 on, then from stage 3 on, then never. Every later stage needs no more (stage_need()'s bwd_less_input) the
@@ -365,18 +369,18 @@ inline bool filtered_by(const Point& a, const Point& x, const Key& key, bool hos
   return (host || link) && gone_rank(a) > gone_rank(x) && key(a) < key(x);
 }
 
-// A group past kMaxFrontier points with the chain's input gone as long keeps one point per band of R (the
+// A group past `cap` points with the chain's input gone as long keeps one point per band of R (the
 // best key in it), its R raised to the band's top: the program stays exact about feasibility (R only grows)
 // and loses at most a band's worth of memory. Never reached by chains of equal layers, whose R takes few
 // values.
 template <typename Key>
-std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link = false) {
+std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link, size_t cap) {
   std::vector<Point> out;
   for (size_t first = 0; first < points.size();) {
     size_t last = first;
     while (last < points.size() && same_group(points[first], points[last]))
       ++last;
-    if (last - first <= kMaxFrontier) {
+    if (last - first <= cap) {
       out.insert(out.end(), points.begin() + static_cast<std::ptrdiff_t>(first),
                  points.begin() + static_cast<std::ptrdiff_t>(last));
       first = last;
@@ -391,12 +395,12 @@ std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link
       std::vector<Point> part;  // in R's order
       for (size_t k = first; k < last; ++k)
         if (points[k].input_gone_from == from) part.push_back(points[k]);
-      if (part.size() <= kMaxFrontier) {
+      if (part.size() <= cap) {
         kept.insert(kept.end(), part.begin(), part.end());
         continue;
       }
       const int64_t lo = part.front().held, hi = part.back().held;
-      const int64_t band = std::max<int64_t>(1, (hi - lo) / static_cast<int64_t>(kMaxFrontier / 2) + 1);
+      const int64_t band = std::max<int64_t>(1, (hi - lo) / static_cast<int64_t>(cap / 2) + 1);
       std::vector<Point> banded;
       for (const Point& p : part) {
         const int64_t top = lo + ((p.held - lo) / band + 1) * band - 1;
@@ -438,10 +442,18 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   const bool bounded = offload && max_host >= 0;
   Solution sol;
   sol.choices.resize(static_cast<size_t>(n));
-  sol.frontiers.resize(static_cast<size_t>(n) + 1);
-  Point start;
-  start.held = start.peak = chain.input_bytes;
-  sol.frontiers[0].push_back(start);
+  for (int64_t j = 0; j < n; ++j)
+    sol.choices[static_cast<size_t>(j)] =
+        choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload, groups);
+  // Per stage boundary j, the least time stages j.. can take: each stage's fastest choice, no copy waited
+  // for.
+  std::vector<double> rest(static_cast<size_t>(n) + 1, 0.0);
+  for (int64_t j = n; j-- > 0;) {
+    double least = std::numeric_limits<double>::infinity();
+    for (const Choice& c : sol.choices[static_cast<size_t>(j)])
+      least = std::min(least, c.ms);
+    rest[static_cast<size_t>(j)] = rest[static_cast<size_t>(j) + 1] + least;
+  }
   auto time_key = [](const Point& p) { return p.ms; };
   auto peak_key = [](const Point& p) { return p.peak; };
   // The time model of the copies (see simulate()): a stage's copies to the host start with its forward, once
@@ -451,183 +463,205 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     return copied == 0 ? 0.0 : std::max(0.0, chain.transfer_ms(copied, false) - bwd);
   };
   const bool link = by_time && offload;
-  for (int64_t j = 0; j < n; ++j) {
-    sol.choices[static_cast<size_t>(j)] =
-        choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload, groups);
-    const auto& cs = sol.choices[static_cast<size_t>(j)];
-    const int64_t a_in = chain.activation_bytes(j), a_out = chain.stages[static_cast<size_t>(j)].output_bytes;
-    const auto& cur = sol.frontiers[static_cast<size_t>(j)];
-    // Per choice, what does not depend on the point it follows: the bytes its copies move each way, their
-    // times, and its need (stage_need()) for each way its input and the chain's input may be gone, made when
-    // first asked for. Per point, its copies' time back.
-    struct Fixed {
-      int64_t copied = 0;
-      double to_host_ms = 0, to_device_ms = 0;
-      int64_t need[2][2] = {};
-      bool made[2][2] = {};
-    };
-    std::vector<Fixed> fixed(cs.size());
-    for (size_t c = 0; c < cs.size(); ++c) {
-      const Choice& ch = cs[c];
-      Fixed& f = fixed[c];
-      f.copied =
-          ch.offload ? ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0) : 0;
-      f.to_host_ms = chain.transfer_ms(f.copied, true);
-      f.to_device_ms = chain.transfer_ms(f.copied, false);
-    }
-    std::vector<double> back_ms(cur.size());
-    for (size_t k = 0; k < cur.size(); ++k)
-      back_ms[k] = chain.transfer_ms(cur[k].copied, false);
-    // Candidate (k, c): stage j run as cs[c] after cur[k]; false where it does not fit (the budget, the
-    // host).
-    auto make = [&](size_t k, size_t c, Point& q) {
-      const Point& p = cur[k];
-      // What runs between the stage before this one and it, in the forward: held from here on.
-      const int64_t p_held = step ? p.held + step->forward_held[static_cast<size_t>(j)] : p.held;
-      const Choice& ch = cs[c];
-      Fixed& f = fixed[c];
-      const bool input_leaves =
-          ch.offload && ch.cost->input && j > 0 && !p.keeps_output && !chain.input_held(j);
-      // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output) for
-      // the whole backward pass; offloaded whole with it, until its bytes come back (step stage 2's
-      // backward).
-      q.input_gone_from = p.input_gone_from;
-      if (step && step->input_freed > 0 && j == 1)
-        q.input_gone_from = detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input);
-      // Without it: the backward of every stage from there on (the rest's included).
-      const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
-      if (!f.made[input_leaves][gone]) {
-        const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
-        f.need[input_leaves][gone] = stage_need(chain, j, ch, step, bwd_less, gone);
-        f.made[input_leaves][gone] = true;
+  // The program, its frontiers thinned past `cap` points a group, leaving out the candidates whose time and
+  // the least the stages after them take exceed `bound` (ms).
+  auto run = [&](size_t cap, double bound) {
+    sol.frontiers.assign(static_cast<size_t>(n) + 1, {});
+    Point start;
+    start.held = start.peak = chain.input_bytes;
+    sol.frontiers[0].push_back(start);
+    sol.best = -1;
+    for (int64_t j = 0; j < n; ++j) {
+      const auto& cs = sol.choices[static_cast<size_t>(j)];
+      const int64_t a_in = chain.activation_bytes(j),
+                    a_out = chain.stages[static_cast<size_t>(j)].output_bytes;
+      const auto& cur = sol.frontiers[static_cast<size_t>(j)];
+      // Per choice, what does not depend on the point it follows: the bytes its copies move each way, their
+      // times, and its need (stage_need()) for each way its input and the chain's input may be gone, made
+      // when first asked for. Per point, its copies' time back.
+      struct Fixed {
+        int64_t copied = 0;
+        double to_host_ms = 0, to_device_ms = 0;
+        int64_t need[2][2] = {};
+        bool made[2][2] = {};
+      };
+      std::vector<Fixed> fixed(cs.size());
+      for (size_t c = 0; c < cs.size(); ++c) {
+        const Choice& ch = cs[c];
+        Fixed& f = fixed[c];
+        f.copied =
+            ch.offload ? ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0) : 0;
+        f.to_host_ms = chain.transfer_ms(f.copied, true);
+        f.to_device_ms = chain.transfer_ms(f.copied, false);
       }
-      q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone]);
-      if (by_time && q.peak > budget) return false;
-      const int64_t copied = f.copied;
-      double wait =
-          std::max(0.0, p.link - ch.fwd_ms) + (p.copied == 0 ? 0.0 : std::max(0.0, back_ms[k] - ch.bwd_ms));
-      // Streamed with no window: its copies each way are waited for as they are made or asked for, so
-      // nothing hides them (simulate()'s charge).
-      const bool exposed = ch.stream && ch.window == 0;
-      if (exposed) wait += f.to_host_ms + f.to_device_ms;
-      q.ms = p.ms + ch.ms + wait;
-      q.transfer_ms = p.transfer_ms + wait;
-      q.held = p_held - p.pending + ch.held;
-      if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
-      q.host = p.host;
-      if (ch.offload) {
-        q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
-        q.copied = copied;
-        if (ch.stream) {
-          // Only its tail stays in flight past its forward (and comes back ahead of its backward).
-          const int64_t tail = ch.cost->tail_bytes(ch.window, q.pending);
-          q.held -= q.pending - tail;
-          q.pending = tail;
+      std::vector<double> back_ms(cur.size());
+      for (size_t k = 0; k < cur.size(); ++k)
+        back_ms[k] = chain.transfer_ms(cur[k].copied, false);
+      // Candidate (k, c): stage j run as cs[c] after cur[k]; false where it does not fit (the budget, the
+      // host).
+      auto make = [&](size_t k, size_t c, Point& q) {
+        const Point& p = cur[k];
+        // What runs between the stage before this one and it, in the forward: held from here on.
+        const int64_t p_held = step ? p.held + step->forward_held[static_cast<size_t>(j)] : p.held;
+        const Choice& ch = cs[c];
+        Fixed& f = fixed[c];
+        const bool input_leaves =
+            ch.offload && ch.cost->input && j > 0 && !p.keeps_output && !chain.input_held(j);
+        // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output) for
+        // the whole backward pass; offloaded whole with it, until its bytes come back (step stage 2's
+        // backward).
+        q.input_gone_from = p.input_gone_from;
+        if (step && step->input_freed > 0 && j == 1)
+          q.input_gone_from = detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input);
+        // Without it: the backward of every stage from there on (the rest's included).
+        const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
+        if (!f.made[input_leaves][gone]) {
+          const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
+          f.need[input_leaves][gone] = stage_need(chain, j, ch, step, bwd_less, gone);
+          f.made[input_leaves][gone] = true;
         }
-        q.link = std::max(0.0, f.to_host_ms - std::max(0.0, ch.fwd_ms - p.link));
-        q.host += q.copied;
-        if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
-        // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
-        q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
-        if (bounded && q.host > max_host) return false;
-      } else if (!offload) {
-        q.keeps_output = true;  // read by offloaded choices only: one group without them
-      } else if (ch.kind == OpKind::kForwardCheckpoint) {
-        q.keeps_output = false;  // a checkpoint holds its input, not its output
-      } else {
-        // Unknown: held, as before offloading.
-        q.keeps_output = chain.holds_outputs || !ch.cost || ch.cost->output;
-      }
-      q.parent = static_cast<int64_t>(k);
-      q.choice = static_cast<int64_t>(c);
-      return true;
-    };
-    // Anchors: each point of cur followed by the choice of the same index as its own (in a chain of equal
-    // layers, often where the frontier goes on), kept where no other beats them. A candidate an anchor
-    // beats by filtered_by() is never kept by pareto(), so it is not made at all: the same frontier from far
-    // fewer points to sort.
-    std::vector<Point> anchors;
-    for (size_t k = 0; k < cur.size() && filter; ++k) {
-      Point q;
-      if (cur[k].choice >= 0 && static_cast<size_t>(cur[k].choice) < cs.size() &&
-          make(k, static_cast<size_t>(cur[k].choice), q))
-        anchors.push_back(q);
-    }
-    anchors = by_time ? pareto(std::move(anchors), time_key, bounded, link)
-                      : pareto(std::move(anchors), peak_key, bounded);
-    // Per anchor, the least key of its group's anchors up to it (in R's order): below a candidate's key, none
-    // of them beats it.
-    std::vector<double> least_key(anchors.size());
-    for (size_t a = 0; a < anchors.size(); ++a) {
-      const double k = static_cast<double>(by_time ? time_key(anchors[a]) : peak_key(anchors[a]));
-      least_key[a] = a > 0 && same_group(anchors[a - 1], anchors[a]) ? std::min(least_key[a - 1], k) : k;
-    }
-    std::vector<int64_t> anchor_held(anchors.size());
-    for (size_t a = 0; a < anchors.size(); ++a)
-      anchor_held[a] = anchors[a].held;
-    std::vector<Point> next;
-    for (size_t c = 0; c < cs.size(); ++c) {
-      // anchors[first, last): the group of the last candidate; anchors[first, up): those of R up to its.
-      size_t first = 0, last = 0, up = 0;
-      int64_t up_held = 0;
-      for (size_t k = 0; k < cur.size(); ++k) {
+        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone]);
+        if (by_time && q.peak > budget) return false;
+        const int64_t copied = f.copied;
+        double wait =
+            std::max(0.0, p.link - ch.fwd_ms) + (p.copied == 0 ? 0.0 : std::max(0.0, back_ms[k] - ch.bwd_ms));
+        // Streamed with no window: its copies each way are waited for as they are made or asked for, so
+        // nothing hides them (simulate()'s charge).
+        const bool exposed = ch.stream && ch.window == 0;
+        if (exposed) wait += f.to_host_ms + f.to_device_ms;
+        q.ms = p.ms + ch.ms + wait;
+        if (q.ms + rest[static_cast<size_t>(j) + 1] > bound) return false;
+        q.transfer_ms = p.transfer_ms + wait;
+        q.held = p_held - p.pending + ch.held;
+        if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
+        q.host = p.host;
+        if (ch.offload) {
+          q.pending = ch.cost->bytes + (input_leaves ? a_in : 0);
+          q.copied = copied;
+          if (ch.stream) {
+            // Only its tail stays in flight past its forward (and comes back ahead of its backward).
+            const int64_t tail = ch.cost->tail_bytes(ch.window, q.pending);
+            q.held -= q.pending - tail;
+            q.pending = tail;
+          }
+          q.link = std::max(0.0, f.to_host_ms - std::max(0.0, ch.fwd_ms - p.link));
+          q.host += q.copied;
+          if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
+          // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
+          q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
+          if (bounded && q.host > max_host) return false;
+        } else if (!offload) {
+          q.keeps_output = true;  // read by offloaded choices only: one group without them
+        } else if (ch.kind == OpKind::kForwardCheckpoint) {
+          q.keeps_output = false;  // a checkpoint holds its input, not its output
+        } else {
+          // Unknown: held, as before offloading.
+          q.keeps_output = chain.holds_outputs || !ch.cost || ch.cost->output;
+        }
+        q.parent = static_cast<int64_t>(k);
+        q.choice = static_cast<int64_t>(c);
+        return true;
+      };
+      // Anchors: each point of cur followed by the choice of the same index as its own (in a chain of equal
+      // layers, often where the frontier goes on), kept where no other beats them. A candidate an anchor
+      // beats by filtered_by() is never kept by pareto(), so it is not made at all: the same frontier from
+      // far fewer points to sort.
+      std::vector<Point> anchors;
+      for (size_t k = 0; k < cur.size() && filter; ++k) {
         Point q;
-        if (!make(k, c, q)) continue;
-        if (first == last || !same_group(anchors[first], q) || q.held < up_held) {
-          const auto range =
-              std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
-                return std::tie(a.pending, a.copied, a.keeps_output) <
-                       std::tie(b.pending, b.copied, b.keeps_output);
-              });
-          first = static_cast<size_t>(range.first - anchors.begin());
-          last = static_cast<size_t>(range.second - anchors.begin());
-          up = first;
+        if (cur[k].choice >= 0 && static_cast<size_t>(cur[k].choice) < cs.size() &&
+            make(k, static_cast<size_t>(cur[k].choice), q))
+          anchors.push_back(q);
+      }
+      anchors = by_time ? pareto(std::move(anchors), time_key, bounded, link)
+                        : pareto(std::move(anchors), peak_key, bounded);
+      // Per anchor, the least key of its group's anchors up to it (in R's order): below a candidate's key,
+      // none of them beats it.
+      std::vector<double> least_key(anchors.size());
+      for (size_t a = 0; a < anchors.size(); ++a) {
+        const double k = static_cast<double>(by_time ? time_key(anchors[a]) : peak_key(anchors[a]));
+        least_key[a] = a > 0 && same_group(anchors[a - 1], anchors[a]) ? std::min(least_key[a - 1], k) : k;
+      }
+      std::vector<int64_t> anchor_held(anchors.size());
+      for (size_t a = 0; a < anchors.size(); ++a)
+        anchor_held[a] = anchors[a].held;
+      std::vector<Point> next;
+      for (size_t c = 0; c < cs.size(); ++c) {
+        // anchors[first, last): the group of the last candidate; anchors[first, up): those of R up to its.
+        size_t first = 0, last = 0, up = 0;
+        int64_t up_held = 0;
+        for (size_t k = 0; k < cur.size(); ++k) {
+          Point q;
+          if (!make(k, c, q)) continue;
+          if (first == last || !same_group(anchors[first], q) || q.held < up_held) {
+            const auto range =
+                std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
+                  return std::tie(a.pending, a.copied, a.keeps_output) <
+                         std::tie(b.pending, b.copied, b.keeps_output);
+                });
+            first = static_cast<size_t>(range.first - anchors.begin());
+            last = static_cast<size_t>(range.second - anchors.begin());
+            up = first;
+          }
+          // The points of cur follow one another in R's order within a group, and so do their candidates
+          // under one choice: `up` moves on.
+          up_held = q.held;
+          while (up < last && anchor_held[up] <= q.held)
+            ++up;
+          // From the anchor of largest R up to q's down: along a frontier, the one of least key.
+          size_t a = up;
+          bool beaten = false;
+          const double q_key = static_cast<double>(by_time ? time_key(q) : peak_key(q));
+          while (a > first && !beaten && !(least_key[a - 1] > q_key)) {
+            --a;
+            beaten = by_time ? filtered_by(anchors[a], q, time_key, bounded, link)
+                             : filtered_by(anchors[a], q, peak_key, bounded, false);
+          }
+          if (!beaten) next.push_back(q);
         }
-        // The points of cur follow one another in R's order within a group, and so do their candidates
-        // under one choice: `up` moves on.
-        up_held = q.held;
-        while (up < last && anchor_held[up] <= q.held)
-          ++up;
-        // From the anchor of largest R up to q's down: along a frontier, the one of least key.
-        size_t a = up;
-        bool beaten = false;
-        const double q_key = static_cast<double>(by_time ? time_key(q) : peak_key(q));
-        while (a > first && !beaten && !(least_key[a - 1] > q_key)) {
-          --a;
-          beaten = by_time ? filtered_by(anchors[a], q, time_key, bounded, link)
-                           : filtered_by(anchors[a], q, peak_key, bounded, false);
-        }
-        if (!beaten) next.push_back(q);
+      }
+      next = by_time ? thin(pareto(std::move(next), time_key, bounded, link), time_key, bounded, link, cap)
+                     : thin(pareto(std::move(next), peak_key, bounded), peak_key, bounded, false, cap);
+      sol.frontiers[static_cast<size_t>(j) + 1] = std::move(next);
+    }
+    const auto& last = sol.frontiers[static_cast<size_t>(n)];
+    const int64_t a_n = chain.activation_bytes(n);
+    for (size_t k = 0; k < last.size(); ++k) {
+      const int64_t peak = std::max(last[k].peak, last[k].held + a_n);
+      if (by_time && peak > budget) continue;
+      // A last stage's copies to the host are waited for at the loss, and come straight back.
+      const double wait = last[k].link + back_wait(last[k].copied, 0.0);
+      const double ms = last[k].ms + wait;
+      // Between plans of the same time (an offloaded stage whose copies hide completely costs nothing more),
+      // the one holding less in host memory: copies that cost no time still take the link and the host's
+      // memory.
+      const int64_t host = last[k].host;
+      const bool better =
+          sol.best < 0 ||
+          (by_time
+               ? ms < sol.best_ms || (ms == sol.best_ms && host < last[static_cast<size_t>(sol.best)].host)
+               : peak < sol.best_peak ||
+                     (peak == sol.best_peak && host < last[static_cast<size_t>(sol.best)].host));
+      if (better) {
+        sol.best = static_cast<int64_t>(k);
+        sol.best_peak = peak;
+        sol.best_ms = ms;
+        sol.best_transfer_ms = last[k].transfer_ms + wait;
       }
     }
-    next = by_time ? thin(pareto(std::move(next), time_key, bounded, link), time_key, bounded, link)
-                   : thin(pareto(std::move(next), peak_key, bounded), peak_key, bounded);
-    sol.frontiers[static_cast<size_t>(j) + 1] = std::move(next);
+  };
+  double bound = std::numeric_limits<double>::infinity();
+  if (by_time && filter) {
+    // First a rough program, its frontiers thinned to kRoughFrontier points a group: its plan fits (thinning
+    // only raises R) and takes its time, so no candidate slower than that on its way to the end can be the
+    // fastest plan or tie with it (the bound a billionth above, for the sums' rounding).
+    run(kRoughFrontier, bound);
+    if (sol.best >= 0) bound = sol.best_ms + std::abs(sol.best_ms) * 1e-9;
   }
-  const auto& last = sol.frontiers[static_cast<size_t>(n)];
-  const int64_t a_n = chain.activation_bytes(n);
-  for (size_t k = 0; k < last.size(); ++k) {
-    const int64_t peak = std::max(last[k].peak, last[k].held + a_n);
-    if (by_time && peak > budget) continue;
-    // A last stage's copies to the host are waited for at the loss, and come straight back.
-    const double wait = last[k].link + back_wait(last[k].copied, 0.0);
-    const double ms = last[k].ms + wait;
-    // Between plans of the same time (an offloaded stage whose copies hide completely costs nothing more),
-    // the one holding less in host memory: copies that cost no time still take the link and the host's
-    // memory.
-    const int64_t host = last[k].host;
-    const bool better =
-        sol.best < 0 ||
-        (by_time ? ms < sol.best_ms || (ms == sol.best_ms && host < last[static_cast<size_t>(sol.best)].host)
-                 : peak < sol.best_peak ||
-                       (peak == sol.best_peak && host < last[static_cast<size_t>(sol.best)].host));
-    if (better) {
-      sol.best = static_cast<int64_t>(k);
-      sol.best_peak = peak;
-      sol.best_ms = ms;
-      sol.best_transfer_ms = last[k].transfer_ms + wait;
-    }
-  }
+  run(kMaxFrontier, bound);
+  // Past kMaxFrontier points a group the program itself is thinned, and may miss the rough plan's time.
+  if (sol.best < 0 && bound < std::numeric_limits<double>::infinity())
+    run(kMaxFrontier, std::numeric_limits<double>::infinity());
   return sol;
 }
 

@@ -18,10 +18,13 @@ namespace remat::detail {
 ///
 /// `filter` (here and below; true but in a test): the program leaves out each candidate that one of its
 /// anchors (each frontier point followed by the choice of the index it chose) beats in a way that every point
-/// beating the anchor beats it too, so that no frontier changes; false makes and sorts every candidate, the
-/// tests' reference for that.
+/// beating the anchor beats it too, so that no frontier changes; and, planning for time, each candidate that
+/// even the fastest choices after it would take past a plan a rough program found first (frontiers thinned to
+/// a few points), so that the fastest plan and its ties stay. False makes and sorts every candidate: the
+/// tests' reference, the plans the same.
 std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
-                                      const PlannerOptions& options, int64_t* least_bytes, bool filter = true);
+                                      const PlannerOptions& options, int64_t* least_bytes,
+                                      bool filter = true);
 /// The least step_peak_bytes() of any per-layer plan of `chain` in `context`.
 int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options,
                            bool filter = true);

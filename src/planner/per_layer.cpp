@@ -463,9 +463,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     return copied == 0 ? 0.0 : std::max(0.0, chain.transfer_ms(copied, false) - bwd);
   };
   const bool link = by_time && offload;
-  // The program, its frontiers thinned past `cap` points a group, leaving out the candidates whose time and
-  // the least the stages after them take exceed `bound` (ms).
-  auto run = [&](size_t cap, double bound) {
+  // The program, its frontiers thinned past `cap` points a group, leaving out the candidates whose peak
+  // exceeds `most` (bytes) and those whose time and the least the stages after them take exceed `bound` (ms).
+  auto run = [&](size_t cap, double bound, int64_t most) {
     sol.frontiers.assign(static_cast<size_t>(n) + 1, {});
     Point start;
     start.held = start.peak = chain.input_bytes;
@@ -521,7 +521,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           f.made[input_leaves][gone] = true;
         }
         q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone]);
-        if (by_time && q.peak > budget) return false;
+        if (q.peak > most) return false;
         const int64_t copied = f.copied;
         double wait =
             std::max(0.0, p.link - ch.fwd_ms) + (p.copied == 0 ? 0.0 : std::max(0.0, back_ms[k] - ch.bwd_ms));
@@ -650,18 +650,26 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       }
     }
   };
-  double bound = std::numeric_limits<double>::infinity();
-  if (by_time && filter) {
-    // First a rough program, its frontiers thinned to kRoughFrontier points a group: its plan fits (thinning
-    // only raises R) and takes its time, so no candidate slower than that on its way to the end can be the
-    // fastest plan or tie with it (the bound a billionth above, for the sums' rounding).
-    run(kRoughFrontier, bound);
-    if (sol.best >= 0) bound = sol.best_ms + std::abs(sol.best_ms) * 1e-9;
+  constexpr double kNone = std::numeric_limits<double>::infinity();
+  const int64_t fits = by_time ? budget : std::numeric_limits<int64_t>::max();
+  if (!filter) {
+    run(kMaxFrontier, kNone, fits);
+    return sol;
   }
-  run(kMaxFrontier, bound);
-  // Past kMaxFrontier points a group the program itself is thinned, and may miss the rough plan's time.
-  if (sol.best < 0 && bound < std::numeric_limits<double>::infinity())
-    run(kMaxFrontier, std::numeric_limits<double>::infinity());
+  // First a rough program, its frontiers thinned to kRoughFrontier points a group: its plan fits (thinning
+  // only raises R), with its time and peak. No candidate slower than that on its way to the end (the bound a
+  // billionth above, for the sums' rounding) can be the fastest plan or tie with it; when looking for the
+  // least peak, none whose peak so far is above that plan's.
+  run(kRoughFrontier, kNone, fits);
+  if (sol.best < 0) {
+    run(kMaxFrontier, kNone, fits);
+    return sol;
+  }
+  const double bound = by_time ? sol.best_ms + std::abs(sol.best_ms) * 1e-9 : kNone;
+  const int64_t most = by_time ? budget : sol.best_peak;
+  run(kMaxFrontier, bound, most);
+  // Past kMaxFrontier points a group the program itself is thinned, and may miss the rough plan.
+  if (sol.best < 0) run(kMaxFrontier, kNone, fits);
   return sol;
 }
 

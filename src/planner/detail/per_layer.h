@@ -18,9 +18,10 @@ namespace remat::detail {
 ///
 /// `filter` (here and below; true but in a test): the program leaves out each candidate that one of its
 /// anchors (each frontier point followed by the choice of the index it chose) beats in a way that every point
-/// beating the anchor beats it too, so that no frontier changes; and, planning for time, each candidate that
-/// even the fastest choices after it would take past a plan a rough program found first (frontiers thinned to
-/// a few points), so that the fastest plan and its ties stay. False makes and sorts every candidate: the
+/// beating the anchor beats it too, so that no frontier changes; and each candidate that even the fastest
+/// choices after it would take past the time of a plan a rough program found first (frontiers thinned to a
+/// few points), or, for the least peak, whose peak so far is above that plan's, so that the best plan and its
+/// ties stay. False makes and sorts every candidate: the
 /// tests' reference, the plans the same.
 std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
                                       const PlannerOptions& options, int64_t* least_bytes,

@@ -434,8 +434,8 @@ struct Solution {
 
 // by_time: the fastest within `budget`; otherwise the least peak (budget ignored). offload: the choices may
 // offload (what options allow), the host bytes at most max_host (-1: no bound). filter: leave out the
-// candidates an anchor beats (filtered_by()); without, every candidate is made and sorted (the tests' check
-// that the filter changes no plan).
+// candidates an anchor beats (filtered_by()) and, after a rough program, those its plan's time (or peak)
+// rules out; without, every candidate is made and sorted (the tests' check that neither changes a plan).
 Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget,
                const StepTerms* step, bool offload, int64_t max_host, bool groups, bool filter = true) {
   const int64_t n = chain.size();
@@ -578,13 +578,12 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       // Per anchor, the least key of its group's anchors up to it (in R's order): below a candidate's key,
       // none of them beats it.
       std::vector<double> least_key(anchors.size());
+      std::vector<int64_t> anchor_held(anchors.size());
       for (size_t a = 0; a < anchors.size(); ++a) {
         const double k = static_cast<double>(by_time ? time_key(anchors[a]) : peak_key(anchors[a]));
         least_key[a] = a > 0 && same_group(anchors[a - 1], anchors[a]) ? std::min(least_key[a - 1], k) : k;
-      }
-      std::vector<int64_t> anchor_held(anchors.size());
-      for (size_t a = 0; a < anchors.size(); ++a)
         anchor_held[a] = anchors[a].held;
+      }
       std::vector<Point> next;
       for (size_t c = 0; c < cs.size(); ++c) {
         // anchors[first, last): the group of the last candidate; anchors[first, up): those of R up to its.
@@ -593,7 +592,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         for (size_t k = 0; k < cur.size(); ++k) {
           Point q;
           if (!make(k, c, q)) continue;
-          if (first == last || !same_group(anchors[first], q) || q.held < up_held) {
+          if (first == last || !same_group(anchors[first], q)) {
             const auto range =
                 std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
                   return std::tie(a.pending, a.copied, a.keeps_output) <
@@ -602,6 +601,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
             first = static_cast<size_t>(range.first - anchors.begin());
             last = static_cast<size_t>(range.second - anchors.begin());
             up = first;
+          } else if (q.held < up_held) {
+            up = first;  // the next group of cur's points, into the same group of anchors
           }
           // The points of cur follow one another in R's order within a group, and so do their candidates
           // under one choice: `up` moves on.

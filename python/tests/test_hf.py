@@ -817,3 +817,24 @@ def test_a_checkpointed_layers_backward_is_charged_without_an_output_its_graph_d
         same(plain_runs["bert"][k], run)
     peak = max(run[2] for run in runs)
     assert lp.predicted_peak_bytes * 0.995 <= peak <= lp.predicted_peak_bytes, (peak, lp.predicted_peak_bytes)
+
+
+def test_a_first_layer_that_does_not_send_its_input_is_charged_it_streamed_or_not(meter, plain_runs):
+    # With offload=True at the default least size (1 MiB), this Llama's layers send nothing, their input (a 64
+    # KiB hidden state) included: streaming the first layer leaves the chain's input on the device, and the
+    # step is charged it as when the layer is kept. Before (fixed 2026-12-01), a first layer streamed was
+    # charged as taking the input to the host whatever it sent: 64 KiB less, and the planner, finding that
+    # plan as fast, chose it at an unlimited budget, its prediction 0.46% below the measured step.
+    model, spec = make("llama")
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True)
+    same(plain_runs["llama"][0], step(model, spec, 0, meter))
+    chain, ctx = lp.chain, lp.context
+    assert not ctx.input_held_in_backward and all(not st.offload.input for st in chain.stages)
+
+    def peak(first):
+        return remat.step_peak_bytes(chain, ctx, remat.Plan.from_json(
+            '{"num_stages": 4, "ops": ["%s", "Fa1", "Fa2", "Fa3", "L", "B3", "B2", "B1", "B0"]}' % first))
+
+    assert peak("Fa0@stream0") == peak("Fa0@host") == peak("Fa0")
+    got = max(step(model, spec, k, meter)[2] for k in (1, 2))
+    assert got <= lp.predicted_peak_bytes <= got * 1.001, (lp.choices, got, lp.predicted_peak_bytes)

@@ -507,8 +507,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         Fixed& f = fixed[c];
         const bool input_leaves =
             ch.offload && ch.cost->input && j > 0 && !p.keeps_output && !chain.input_held(j);
-        // Step stage 1 is the chain's first: streamed, it takes the chain's input (step stage 0's output) for
-        // the whole backward pass; offloaded whole with it, until its bytes come back (step stage 2's
+        // Step stage 1 is the chain's first: where it sends its input (step stage 0's output), streamed it
+        // takes it for the whole backward pass; offloaded whole, until its bytes come back (step stage 2's
         // backward).
         q.input_gone_from = p.input_gone_from;
         if (step && step->input_freed > 0 && j == 1)

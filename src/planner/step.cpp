@@ -242,8 +242,11 @@ int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
   return context.input_held_in_backward || context.input_in_base ? 0 : chain.input_bytes;
 }
 
-int64_t input_gone_from(bool streamed, bool offloaded_with_input) {
-  return streamed ? 1 : offloaded_with_input ? 3 : 0;
+int64_t input_gone_from(bool streamed, bool sends_input) {
+  // A stage that does not send its input (below the offload's least size, or not among what it saves)
+  // leaves it on the device, streamed or not.
+  if (!sends_input) return 0;
+  return streamed ? 1 : 3;
 }
 
 int64_t input_gone_from(const Chain& chain, const StepContext& context, const Plan& ops) {
@@ -278,11 +281,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     way[static_cast<size_t>(op.stage)] =
         Stage::grads_way(op.kind == OpKind::kForwardKeep, op.stream, !op.groups.empty(), policy);
   }
-  // A first stage streamed before the loss takes the chain's input to the host when nothing else holds it
-  // (StepContext::input_held_in_backward): from the loss on, the rest's backward and the chain stages'
-  // backward passes and recomputes run without it (the first one's measured peak holds it back). Offloaded
-  // whole with its input, it takes it until its bytes come back, at the first operation after the loss of it
-  // or of the stage after it (simulate()'s schedule).
+  // A first stage streamed before the loss, sending its input (OffloadCost::input), takes the chain's input
+  // to the host when nothing else holds it (StepContext::input_held_in_backward): from the loss on, the
+  // rest's backward and the chain stages' backward passes and recomputes run without it (the first one's
+  // measured peak holds it back). Offloaded whole with its input, it takes it until its bytes come back, at
+  // the first operation after the loss of it or of the stage after it (simulate()'s schedule).
   const int64_t gone_from = input_gone_from(chain, context, ops);
   const int64_t freed = gone_from > 0 ? input_unheld_bytes(chain, context) : 0;
   bool input_back = false;

@@ -46,10 +46,11 @@ bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context);
 
 // From which step stage on the chain's input, where nothing but the stages holds it (input_unheld_bytes()),
-// is off the device after the loss, by how step stage 1 (the chain's first) ran before it: 1 streamed (its
-// own measured backward holds it back), 3 offloaded whole with its input (until its bytes come back, as the
-// backward of step stage 2 begins), 0 otherwise (also where the input is held).
-int64_t input_gone_from(bool streamed, bool offloaded_with_input);
+// is off the device after the loss, by how step stage 1 (the chain's first) ran before it, sending its input
+// (its way's OffloadCost::input): 1 streamed (its own measured backward holds it back), 3 offloaded whole
+// (until its bytes come back, as the backward of step stage 2 begins); 0 otherwise (also where the input is
+// held, and where the stage does not send it: streamed or offloaded, it stays on the device).
+int64_t input_gone_from(bool streamed, bool sends_input);
 int64_t input_gone_from(const Chain& chain, const StepContext& context, const Plan& ops);
 
 // The step's peak during each operation of `ops` (step_plan() of a plan for `chain`) as simulated on

@@ -791,14 +791,14 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 c.bwd_tmp_bytes = f["pol"][name]["btmp"]
             if "bgtmp" in f["pol"][name]:
                 c.bwd_grads_tmp_bytes = f["pol"][name]["bgtmp"]
-            if "offload" in f["pol"][name]:
-                # Within what the way is charged as keeping beside its output, the rule above applied first, as
-                # the C++ profiler does (a Linear then a ReLU: the policy keeps the product, which keeping
-                # everything does not, and its offload was read as freeing more than the way keeps, which the
-                # chain's validation refused, so remat.enable(offload=True) raised at the profiling step).
-                o = f["pol"][name]["offload"]
-                o.bytes = min(o.bytes, max(0, c.saved_bytes - s.output_bytes))
-                c.offload = o
+            if "offload" in f["pol"][name] and f["pol"][name]["saved"] <= s.saved_bytes:
+                c.offload = f["pol"][name]["offload"]
+            # Else the policy, routed through an Offload, keeps more than keeping everything does (a Linear then a
+            # ReLU: it keeps the product, which ReLU's saving its output leaves unsaved), and sent, that comes back
+            # in the stage's backward, which the charge above leaves out: not offered offloaded (its offload
+            # cost also exceeded what the charge keeps, which the chain's validation refused, so
+            # remat.enable(offload=True) raised at the profiling step; then, held within it, the step stood 21%
+            # above its prediction).
             costs.append(c)
         s.policies = costs
         if groups:

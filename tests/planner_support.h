@@ -82,8 +82,14 @@ inline remat::Chain random_policy_chain(std::mt19937& rng, int64_t n, int64_t un
       pc.policy = name;
       pc.saved_bytes =
           s.output_bytes + static_cast<int64_t>(kept * static_cast<double>(s.saved_bytes - s.output_bytes));
+      // Now and then more than Fa keeps (a Linear then a ReLU: the policy keeps the product, which Fa frees):
+      // now below, now above Fa's forward transient beside it.
+      const bool more = name == "alpha" && i % 7 == 3;
+      if (more) pc.saved_bytes = s.saved_bytes + unit * static_cast<int64_t>(1 + i % 3 * 9);
       pc.fwd_ms = s.fwd_ms * (1 + 0.1 * part(rng));
       pc.bwd_ms = s.bwd_ms + (1 - kept) * s.fwd_ms * (0.5 + part(rng));
+      if (more)
+        pc.fwd_ms = s.fwd_ms * 0.5, pc.bwd_ms = s.bwd_ms * 0.5;  // and faster, or no plan would take it
       if (name == "beta" && i % 3 != 0) {
         // Its backward's peak measured (PolicyCost::bwd_tmp_bytes): above or below what recomputing the rest
         // and Fa's backward transient would hold.

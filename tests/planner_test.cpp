@@ -52,7 +52,7 @@ int64_t forward_tmp(const Stage& st, int64_t kind, int64_t kept) {
   const int64_t nosave = st.fwd_nosave_tmp_bytes ? *st.fwd_nosave_tmp_bytes : st.fwd_tmp_bytes;
   if (kind < 2) return nosave;
   if (kind == 2) return st.fwd_tmp_bytes;
-  return std::min(nosave, st.saved_bytes - kept + st.fwd_tmp_bytes);
+  return std::max<int64_t>(0, std::min(nosave, st.saved_bytes - kept + st.fwd_tmp_bytes));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ struct Search {
         // Under a policy whose backward's peak was measured, that peak above what it keeps; else the rest
         // recomputed and Fa's backward transient.
         const bool measured = kept && v >= 1 && st.policies[v - 1].bwd_tmp_bytes.has_value();
-        const int64_t rest = kept ? st.saved_bytes - kept_bytes(i, v) : 0;
+        const int64_t rest = kept ? std::max<int64_t>(0, st.saved_bytes - kept_bytes(i, v)) : 0;
         visit("B" + std::to_string(i),
               cur + a(i) + (measured ? *st.policies[v - 1].bwd_tmp_bytes : rest + st.bwd_tmp_bytes),
               kept ? kept_bwd(i, v) : st.bwd_ms, t);

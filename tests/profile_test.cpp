@@ -412,4 +412,41 @@ TEST_F(ProfileTest, PoliciesProfileFkAndPlansRunUnderThem) {
   EXPECT_NEAR(static_cast<double>(stats.peak_bytes), static_cast<double>(plan.predicted.peak_bytes),
               0.1 * static_cast<double>(plan.predicted.peak_bytes));
 }
+
+// A policy may keep more than keeping everything does: on a Linear then a ReLU, Fa keeps the output alone
+// (ReLU saves what it returns), the matmuls policy the product too. The profile charges what it keeps (it
+// charged at most Fa's, and a step of Fk[matmuls] on every stage held about half as much again as predicted),
+// and the difference the plans' peaks predict is the one measured.
+TEST_F(ProfileTest, APolicyThatKeepsMoreThanKeepingEverythingIsChargedWhatItKeeps) {
+  torch::manual_seed(2);
+  const int64_t b = 64, w = 64, out = b * w * 4;
+  torch::nn::ModuleList layers;
+  std::vector<remat::StageFn> stages;
+  for (int k = 0; k < 4; ++k) {
+    torch::nn::Linear lin(w, w);
+    layers->push_back(lin);
+    stages.push_back({"layer" + std::to_string(k),
+                      [lin](const torch::Tensor& t) mutable { return torch::relu(lin(t)); }, lin.ptr()});
+  }
+  const torch::Tensor x = torch::randn({b, w});
+  const remat::Chain chain = remat::profile_chain(
+      stages, x, remat::ProfileOptions().warmup(0).repeats(1).policies({remat::policy::matmuls()}));
+  for (const auto& s : chain.stages) {
+    EXPECT_EQ(s.saved_bytes, out) << s.name;
+    // The product and the output, and no more than the region's generator state beside them.
+    EXPECT_GE(s.policies.at(0).saved_bytes, 2 * out) << s.name;
+    EXPECT_LT(s.policies.at(0).saved_bytes, 2 * out + 8192) << s.name;
+  }
+  auto peak = [&](const remat::Plan& plan) {
+    return remat::measure_step(
+               *layers, [&] { return remat::run_plan(stages, plan, x).pow(2).mean(); },
+               remat::MeasureOptions().warmup(1).steps(1))
+        .peak_bytes;
+  };
+  const remat::Plan all = remat::make_plan(chain, "none", 0);
+  const remat::Plan kept = remat::make_plan(chain, "all-policy-matmuls", 0);
+  const int64_t predicted = kept.predicted.peak_bytes - all.predicted.peak_bytes;
+  EXPECT_GE(predicted, 3 * out);  // each stage's product, the last one's recomputed output aside
+  EXPECT_NEAR(static_cast<double>(peak(kept) - peak(all)), static_cast<double>(predicted), 8192.0) << predicted;
+}
 }  // namespace

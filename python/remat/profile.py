@@ -783,22 +783,17 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         for name in pols:
             c = _core.PolicyCost()
             c.policy = name
-            # What a policy keeps is at most what keeping everything does.
-            c.saved_bytes = min(f["pol"][name]["saved"], s.saved_bytes)
+            # What the policy keeps, as measured: it may keep more than keeping everything does (a Linear then
+            # a ReLU: the policy keeps the product, which ReLU's saving its output leaves unsaved).
+            c.saved_bytes = f["pol"][name]["saved"]
             c.fwd_ms = _median(f["pol"][name]["fwd"])
             c.bwd_ms = _median(f["pol"][name]["bwd"])
             if "btmp" in f["pol"][name]:
                 c.bwd_tmp_bytes = f["pol"][name]["btmp"]
             if "bgtmp" in f["pol"][name]:
                 c.bwd_grads_tmp_bytes = f["pol"][name]["bgtmp"]
-            if "offload" in f["pol"][name] and f["pol"][name]["saved"] <= s.saved_bytes:
+            if "offload" in f["pol"][name]:
                 c.offload = f["pol"][name]["offload"]
-            # Else the policy, routed through an Offload, keeps more than keeping everything does (a Linear then a
-            # ReLU: it keeps the product, which ReLU's saving its output leaves unsaved), and sent, that comes back
-            # in the stage's backward, which the charge above leaves out: not offered offloaded (its offload
-            # cost also exceeded what the charge keeps, which the chain's validation refused, so
-            # remat.enable(offload=True) raised at the profiling step; then, held within it, the step stood 21%
-            # above its prediction).
             costs.append(c)
         s.policies = costs
         if groups:

@@ -126,8 +126,7 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     if (sa.has_keep() && sb.has_keep()) {
       s.keep_fwd_ms = line.ms(sa.keep_fwd_ms, sb.keep_fwd_ms);
       s.keep_bwd_ms = line.ms(sa.keep_bwd_ms, sb.keep_bwd_ms);
-      s.keep_saved_bytes =
-          std::clamp(line.bytes(*sa.keep_saved_bytes, *sb.keep_saved_bytes), s.output_bytes, s.saved_bytes);
+      s.keep_saved_bytes = std::max(line.bytes(*sa.keep_saved_bytes, *sb.keep_saved_bytes), s.output_bytes);
     } else {
       s.keep_saved_bytes.reset(), s.keep_fwd_ms.reset(), s.keep_bwd_ms.reset();
     }
@@ -141,7 +140,8 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
       if (pa.policy != pb.policy)
         differ(where + "'s policy '" + pa.policy + "' is '" + pb.policy + "' in the other");
       PolicyCost& pc = s.policies[p];
-      pc.saved_bytes = std::clamp(line.bytes(pa.saved_bytes, pb.saved_bytes), s.output_bytes, s.saved_bytes);
+      // At least the output; it may exceed what Fa keeps (a policy that keeps a product Fa frees).
+      pc.saved_bytes = std::max(line.bytes(pa.saved_bytes, pb.saved_bytes), s.output_bytes);
       pc.fwd_ms = line.ms(pa.fwd_ms, pb.fwd_ms);
       pc.bwd_ms = line.ms(pa.bwd_ms, pb.bwd_ms);
       pc.bwd_tmp_bytes = line.bytes(pa.bwd_tmp_bytes, pb.bwd_tmp_bytes);

@@ -104,10 +104,13 @@ struct Sizes {
   // recomputes the rest of abar_{s+1} first (so its peak is option A's, or what the policy's backward was
   // measured to hold beyond what it keeps).
   T keep_some_need(int64_t v, int64_t s, int64_t t) const {
-    const T backward =
-        hpb[v][s] ? xk[v][s + 1] + x[s + 1] + x[s] + pb[v][s] : xb[s + 1] + x[s + 1] + x[s] + bt[s];
+    // (What a policy keeps may exceed what Fa does: then that, and nothing recomputed.)
+    const T backward = hpb[v][s] ? xk[v][s + 1] + x[s + 1] + x[s] + pb[v][s]
+                                 : std::max(xb[s + 1], xk[v][s + 1]) + x[s + 1] + x[s] + bt[s];
     // Its forward: what it keeps plus Stage::keep_fwd_tmp_bytes(), from the sizes in slots.
-    return std::max(x[t + 1] + xk[v][s + 1] + std::min(nt[s], xb[s + 1] - xk[v][s + 1] + ft[s]), backward);
+    return std::max(
+        x[t + 1] + xk[v][s + 1] + std::max(T(0), std::min(nt[s], xb[s + 1] - xk[v][s + 1] + ft[s])),
+        backward);
   }
   // The forward k of a sweep that starts at s (a_s is held by the caller, a_k for k > s by the sweep).
   T sweep_step(int64_t s, int64_t k) const { return (k == s ? T(0) : x[k]) + x[k + 1] + nt[k]; }

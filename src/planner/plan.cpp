@@ -518,7 +518,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
                std::to_string(i) + " first)");
         if (held[i] == kNone) fail("needs a_" + std::to_string(i) + ", which is not held");
         const bool after_keep = held[i + 1] == kKept;
-        const int64_t rest = after_keep ? saved(i + 1) - kept(i + 1) : 0;  // recomputed before the backward
+        // Recomputed before the backward (none where the way kept more than Fa does).
+        const int64_t rest = after_keep ? std::max<int64_t>(0, saved(i + 1) - kept(i + 1)) : 0;
         const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
         Away& own = away[static_cast<size_t>(i)];
         if (own.stream) {

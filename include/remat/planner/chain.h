@@ -178,10 +178,11 @@ struct Stage {
   /// What Fk (keep tags, a policy, a group assignment) that keeps `kept_bytes` (its output included) holds
   /// above them at its forward's peak, charged as at most that: the least of nosave_tmp_bytes() (what it does
   /// not keep it holds as a forward without saving does, and what it keeps was made by then or is to come)
-  /// and saved_bytes - kept_bytes + fwd_tmp_bytes (it holds no more than Fa, which keeps all of it). A chain
-  /// without fwd_nosave_tmp_bytes: fwd_tmp_bytes, as before (bytes).
+  /// and saved_bytes - kept_bytes + fwd_tmp_bytes (it holds no more than Fa, which keeps all of it), and not
+  /// below 0 (a policy may keep more than Fa: a product that Fa frees). A chain without
+  /// fwd_nosave_tmp_bytes: fwd_tmp_bytes, as before (bytes).
   int64_t keep_fwd_tmp_bytes(int64_t kept_bytes) const {
-    return std::min(nosave_tmp_bytes(), saved_bytes - kept_bytes + fwd_tmp_bytes);
+    return std::max<int64_t>(0, std::min(nosave_tmp_bytes(), saved_bytes - kept_bytes + fwd_tmp_bytes));
   }
   /// The forward of a stage checkpointed by remat::checkpoint (milliseconds).
   double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
@@ -189,10 +190,12 @@ struct Stage {
   double per_call_bwd_ms() const { return checkpoint_bwd_ms ? *checkpoint_bwd_ms : fwd_ms + bwd_ms; }
   /// What Fk under policies[p] holds in its backward above what it keeps, its output's gradient and its
   /// input's gradient (bytes): the policy's bwd_tmp_bytes where measured, else what it recomputes
-  /// (saved_bytes - policies[p].saved_bytes) plus bwd_tmp_bytes, as Fa's backward after that recompute.
+  /// (saved_bytes - policies[p].saved_bytes, none where the policy keeps more) plus bwd_tmp_bytes, as Fa's
+  /// backward after that recompute.
   int64_t policy_bwd_bytes(size_t p) const {
     const PolicyCost& c = policies[p];
-    return c.bwd_tmp_bytes ? *c.bwd_tmp_bytes : (saved_bytes - c.saved_bytes) + bwd_tmp_bytes;
+    return c.bwd_tmp_bytes ? *c.bwd_tmp_bytes
+                           : std::max<int64_t>(0, saved_bytes - c.saved_bytes) + bwd_tmp_bytes;
   }
   /// What the gradients its backward makes (`grads_bytes` of them, >= 0) add to that backward's peak above
   /// the peak measured without making them (bytes), for the way the stage ran (`policy`, see grads_way()):

@@ -557,8 +557,9 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     s.checkpoint_fwd_ms = median(per[i].ckpt_fwd);
     s.checkpoint_bwd_ms = median(per[i].ckpt_bwd);
     if (!options.keep().empty()) {
-      // What Fk keeps is at most what Fa does (the meter can see a few bytes more: the region's RNG state).
-      s.keep_saved_bytes = std::min(per[i].keep_saved, s.saved_bytes);
+      // As measured, as a policy's: the tags may keep more than Fa does (a product Fa frees), and the region
+      // holds its generator state.
+      s.keep_saved_bytes = per[i].keep_saved;
       s.keep_fwd_ms = median(per[i].keep_fwd);
       s.keep_bwd_ms = median(per[i].keep_bwd);
       if (const auto& a = per[i].keep_away)
@@ -567,7 +568,9 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     for (size_t q = 0; q < options.policies().size(); ++q) {
       PolicyCost c;
       c.policy = options.policies()[q].name();
-      c.saved_bytes = std::min(per[i].policy_saved[q], s.saved_bytes);
+      // As measured: a policy may keep more than Fa does (a Linear then a ReLU: the policy keeps the product,
+      // which Fa frees, ReLU saving its output).
+      c.saved_bytes = per[i].policy_saved[q];
       c.fwd_ms = median(per[i].policy_fwd[q]);
       c.bwd_ms = median(per[i].policy_bwd[q]);
       c.bwd_tmp_bytes = per[i].policy_bwd_tmp[q];

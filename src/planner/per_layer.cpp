@@ -198,8 +198,10 @@ struct StepTerms {
 // `bwd_less`: bytes of R_j not on the device in its backward and recompute (a streamed stage's input that
 // left with what it saves, whose measured backward peak holds it back; the chain's input once the first
 // stage took it to the host); `bwd_less_input`: whether the chain's input is among them.
+// `twice`: bytes its backward holds twice (its input, which left with it, beside the stage before's own copy,
+// brought back ahead: simulate()'s rule).
 int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, int64_t bwd_less,
-                   bool bwd_less_input) {
+                   bool bwd_less_input, int64_t twice) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
@@ -235,7 +237,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     const OffloadCost& o = *c.cost;
     return std::max(
         {o.stream_fwd_bytes + c.window,
-         a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone,
+         a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice,
          between});
   }
   const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state;
@@ -244,6 +246,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
+  bwd += twice;  // the backward's, not the recompute's below
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save
     // (step_op_peaks()'s rule); the recompute itself is charged whole, with a second generators' state (the
@@ -270,6 +273,9 @@ struct Point {
   int64_t copied = 0;
   double link = 0;
   bool keeps_output = true;
+  // Whether the previous stage brings its output (this stage's input) back ahead from the host, its own copy
+  // (simulate()'s Away::output_ahead).
+  bool output_ahead = false;
   int64_t input_gone_from = 0;  // from which stage on the chain's input is gone (detail::input_gone_from())
   int64_t host = 0;
   int64_t peak = 0;
@@ -293,16 +299,18 @@ int64_t gone_rank(const Point& p) {
 }
 
 bool same_group(const Point& a, const Point& b) {
-  return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output;
+  return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output &&
+         a.output_ahead == b.output_ahead;
 }
 
-// pareto()'s order: by group (pending, copied, keeps_output), then R, the key, the input gone longest first,
-// host bytes, and where all are equal as the points were made (parent, then choice).
+// pareto()'s order: by group (pending, copied, keeps_output, output_ahead), then R, the key, the input gone
+// longest first, host bytes, and where all are equal as the points were made (parent, then choice).
 template <typename Key>
 inline bool in_order(const Point& a, const Point& b, const Key& key) {
   if (a.pending != b.pending) return a.pending < b.pending;
   if (a.copied != b.copied) return a.copied < b.copied;
   if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
+  if (a.output_ahead != b.output_ahead) return a.output_ahead < b.output_ahead;
   if (a.held != b.held) return a.held < b.held;
   if (key(a) != key(b)) return key(a) < key(b);
   if (a.input_gone_from != b.input_gone_from) return gone_rank(a) > gone_rank(b);
@@ -311,7 +319,8 @@ inline bool in_order(const Point& a, const Point& b, const Key& key) {
   return a.choice < b.choice;
 }
 
-// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output), which
+// Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
+// output_ahead), which
 // the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
 // for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
 // offloading) the link's time still owed, all at most its, and the chain's input gone as long (gone_rank()).
@@ -482,8 +491,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       struct Fixed {
         int64_t copied = 0;
         double to_host_ms = 0, to_device_ms = 0;
-        int64_t need[2][2] = {};
-        bool made[2][2] = {};
+        int64_t need[2][2][2] = {};
+        bool made[2][2][2] = {};
       };
       std::vector<Fixed> fixed(cs.size());
       for (size_t c = 0; c < cs.size(); ++c) {
@@ -515,12 +524,14 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           q.input_gone_from = detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input);
         // Without it: the backward of every stage from there on (the rest's included).
         const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
-        if (!f.made[input_leaves][gone]) {
+        const bool twice = input_leaves && p.output_ahead;
+        if (!f.made[input_leaves][gone][twice]) {
           const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
-          f.need[input_leaves][gone] = stage_need(chain, j, ch, step, bwd_less, gone);
-          f.made[input_leaves][gone] = true;
+          f.need[input_leaves][gone][twice] =
+              stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0);
+          f.made[input_leaves][gone][twice] = true;
         }
-        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone]);
+        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone][twice]);
         if (q.peak > most) return false;
         const int64_t copied = f.copied;
         double wait =
@@ -549,6 +560,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
           // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
           q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
+          q.output_ahead = ch.cost->output && !exposed;
           if (bounded && q.host > max_host) return false;
         } else if (!offload) {
           q.keeps_output = true;  // read by offloaded choices only: one group without them
@@ -595,8 +607,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           if (first == last || !same_group(anchors[first], q)) {
             const auto range =
                 std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
-                  return std::tie(a.pending, a.copied, a.keeps_output) <
-                         std::tie(b.pending, b.copied, b.keeps_output);
+                  return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead) <
+                         std::tie(b.pending, b.copied, b.keeps_output, b.output_ahead);
                 });
             first = static_cast<size_t>(range.first - anchors.begin());
             last = static_cast<size_t>(range.second - anchors.begin());

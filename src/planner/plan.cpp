@@ -236,7 +236,10 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     bool exposed = false;  // streamed with no window: its copies waited for as made and as asked for
     int64_t tail = 0;
     bool input_left = false;  // its input left the device with it (back with it, or for a streamed backward)
-    OffloadCost cost;         // streamed: its offload cost
+    // Its output among what it sent, and brought back ahead of its backward (not streamed with no window):
+    // while the next stage's backward runs, beside that stage's own copy where its input left with it too.
+    bool output_ahead = false;
+    OffloadCost cost;  // streamed: its offload cost
     int64_t moving() const { return stream ? tail : device; }
   };
   std::vector<Away> away(static_cast<size_t>(n));
@@ -463,6 +466,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             // what it saves; the step, to its end: Chain::inputs_held).
             a.input_left = c->input && i > 0 && !keeps_output[i] && held[i] != kNone && !chain->input_held(i);
             a.device = c->bytes + (a.input_left ? act(i) : 0);
+            a.output_ahead = c->output;
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }
           if (op.stream && c) {
@@ -471,6 +475,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             a.stream = true;
             a.window = window_of(i);
             a.exposed = a.window == 0;
+            if (a.exposed) a.output_ahead = false;  // each tensor comes back when its backward asks for it
             a.tail = c->tail_bytes(a.window, a.device);
             a.cost = *c;
             current -= a.device - a.tail;
@@ -522,19 +527,26 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const int64_t rest = after_keep ? std::max<int64_t>(0, saved(i + 1) - kept(i + 1)) : 0;
         const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
         Away& own = away[static_cast<size_t>(i)];
+        // Its input a_i, which left with it, back beside the stage before's own copy of it (its output, which
+        // it sent too), brought back ahead while this backward runs: two copies until this one is done.
+        const int64_t twice = i > 0 && own.input_left && away[static_cast<size_t>(i - 1)].output_ahead &&
+                                      away[static_cast<size_t>(i - 1)].state == Away::kBack
+                                  ? act(i)
+                                  : 0;
         if (own.stream) {
           // Streamed: its window came back ahead; within its backward each tensor comes back just ahead of
           // its use (its measured peak, which holds its input brought back: the profile sends it too; a
           // window ahead beside it). Then all it sent is accounted as back, as autograd drops it.
-          charge(current - own.tail + own.window + own.cost.stream_bwd_bytes, k);
+          charge(current - own.tail + own.window + own.cost.stream_bwd_bytes + twice, k);
           current += own.device - own.tail;
         } else if (chain && after_keep && kept_groups[i + 1].empty() && kept_with[i + 1] >= 0) {
           // Fk under a policy: its backward's own measured peak, recompute included (or its parts).
           charge(current + act(i) +
-                     chain->stages[i].policy_bwd_bytes(policy_at[static_cast<size_t>(kept_with[i + 1])]),
+                     chain->stages[i].policy_bwd_bytes(policy_at[static_cast<size_t>(kept_with[i + 1])]) +
+                     twice,
                  k);
         } else {
-          charge(current + rest + act(i) + tmp, k);
+          charge(current + rest + act(i) + tmp + twice, k);
         }
         current += act(i) - held_bytes(i + 1) - act(i + 1);
         held[i + 1] = kNone;

@@ -6,7 +6,6 @@ import copy
 import gc
 import json
 import re
-import warnings
 
 import pytest
 import torch

@@ -466,7 +466,6 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             // what it saves; the step, to its end: Chain::inputs_held).
             a.input_left = c->input && i > 0 && !keeps_output[i] && held[i] != kNone && !chain->input_held(i);
             a.device = c->bytes + (a.input_left ? act(i) : 0);
-            a.output_ahead = c->output;
             a.copied = c->bytes + (c->input ? act(i) : 0) + (c->output ? act(i + 1) : 0);
           }
           if (op.stream && c) {
@@ -475,11 +474,12 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             a.stream = true;
             a.window = window_of(i);
             a.exposed = a.window == 0;
-            if (a.exposed) a.output_ahead = false;  // each tensor comes back when its backward asks for it
             a.tail = c->tail_bytes(a.window, a.device);
             a.cost = *c;
             current -= a.device - a.tail;
           }
+          // With no window each tensor comes back when its backward asks for it: its output not ahead.
+          a.output_ahead = c && c->output && !a.exposed;
           a.state = Away::kInFlight;
           in_flight.push_back(i);
           if (a.exposed) {
@@ -529,10 +529,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         Away& own = away[static_cast<size_t>(i)];
         // Its input a_i, which left with it, back beside the stage before's own copy of it (its output, which
         // it sent too), brought back ahead while this backward runs: two copies until this one is done.
-        const int64_t twice = i > 0 && own.input_left && away[static_cast<size_t>(i - 1)].output_ahead &&
-                                      away[static_cast<size_t>(i - 1)].state == Away::kBack
-                                  ? act(i)
-                                  : 0;
+        const Away* before = i > 0 ? &away[static_cast<size_t>(i - 1)] : nullptr;
+        const int64_t twice =
+            own.input_left && before && before->output_ahead && before->state == Away::kBack ? act(i) : 0;
         if (own.stream) {
           // Streamed: its window came back ahead; within its backward each tensor comes back just ahead of
           // its use (its measured peak, which holds its input brought back: the profile sends it too; a

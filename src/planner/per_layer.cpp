@@ -225,8 +225,10 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                               : 0;
   // Its output, where neither its way saves it (as its offload cost says; for Fa, fa_leaves_output()) nor
   // anything else holds it, is gone by its backward.
-  const bool unsaved =
-      c.kind == OpKind::kForwardAll ? detail::fa_leaves_output(s) : c.cost && !c.cost->output;
+  const bool unsaved = c.kind == OpKind::kForwardAll ? detail::fa_leaves_output(s)
+                       : c.kind == OpKind::kForwardKeep
+                           ? detail::keep_leaves_output(s, c.cost, !c.groups.empty())
+                           : false;
   const int64_t gone =
       step && step->output_unheld[static_cast<size_t>(j)] && c.kind != OpKind::kForwardCheckpoint && unsaved
           ? a_out

@@ -205,15 +205,17 @@ struct Stage {
   /// cost for), and 0 for none. (A backward's peak comes at its own point among the gradients it makes: each
   /// way is measured on its own.)
   /// The way argument of grads_charge_bytes() for a stage's last forward before its backward: `policy` (the
-  /// chain's index) for Fk under a policy, -1 for Fa and Fc (a checkpoint's recompute is Fa), kGradsStreamed
-  /// for Fa@stream, and kGradsUnmeasured for a way whose backward's point among its gradients is not
-  /// measured (the keep tags, a group assignment: all of them charged). The one rule step_peak_bytes() and
-  /// the per-layer program share.
+  /// chain's index) for Fk under a policy, -1 for Fa, Fc and a group assignment (a checkpoint's recompute
+  /// is Fa; a group assignment's backward, once its recomputed groups are made again before it and its sent
+  /// ones are back, is Fa's, over the same tensors), kGradsStreamed for Fa@stream, and kGradsUnmeasured
+  /// for the keep tags, whose backward's point among its gradients is not measured (all of them charged).
+  /// The one rule step_peak_bytes() and the per-layer program share.
   static constexpr int64_t kGradsUnmeasured = -2;
   static constexpr int64_t kGradsStreamed = -3;
   static int64_t grads_way(bool keep, bool stream, bool groups, int64_t policy) {
     if (stream) return kGradsStreamed;
-    if (keep && (groups || policy < 0)) return kGradsUnmeasured;
+    if (keep && groups) return -1;
+    if (keep && policy < 0) return kGradsUnmeasured;
     return keep ? policy : -1;
   }
   int64_t grads_charge_bytes(int64_t grads_bytes, int64_t policy = -1) const {

@@ -36,9 +36,16 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 // one, Stage::saves_output false (leaves_output()'s and the per-layer program's rule for Fa).
 bool fa_leaves_output(const Stage& s);
 
+// Whether stage `s` run as Fk (`cost`: that way's offload cost, null where it has none; `groups`: whether it
+// is a group assignment) is known not to save its output: the cost's `output` false, or, without a cost, a
+// group assignment of a stage whose Fa does not save its output (Stage::saves_output false: the output is no
+// group, and the assignment's recompute makes it again only where Fa saves it). leaves_output()'s and the
+// per-layer program's rule for Fk.
+bool keep_leaves_output(const Stage& s, const OffloadCost* cost, bool groups);
+
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
-// known not to save its output (its offload cost's `output` false; for Fa, fa_leaves_output()): Fa, or Fk
-// with the keep tags, a policy or a group assignment; false for Fc and Fn, whose output is held plain.
+// known not to save its output (for Fa, fa_leaves_output(); for Fk with the keep tags, a policy or a group
+// assignment, keep_leaves_output()); false for Fc and Fn, whose output is held plain.
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass

@@ -223,12 +223,9 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                                     step->between[static_cast<size_t>(j)] -
                                     (bwd_less_input ? step->input_freed : 0)
                               : 0;
-  // Its output, where neither its way saves it (as its offload cost says; for Fa, fa_leaves_output()) nor
-  // anything else holds it, is gone by its backward.
-  const bool unsaved = c.kind == OpKind::kForwardAll ? detail::fa_leaves_output(s)
-                       : c.kind == OpKind::kForwardKeep
-                           ? detail::keep_leaves_output(s, c.cost, !c.groups.empty())
-                           : false;
+  // Its output, where neither its way saves it (detail::way_leaves_output()) nor anything else holds it, is
+  // gone by its backward.
+  const bool unsaved = detail::way_leaves_output(s, c.kind, c.cost, !c.groups.empty());
   const int64_t gone =
       step && step->output_unheld[static_cast<size_t>(j)] && c.kind != OpKind::kForwardCheckpoint && unsaved
           ? a_out

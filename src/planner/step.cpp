@@ -226,21 +226,17 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
          !context.outputs_held_in_backward[static_cast<size_t>(j)];
 }
 
-bool fa_leaves_output(const Stage& s) {
-  return s.offload ? !s.offload->output : !s.saves_output;
-}
-
-bool keep_leaves_output(const Stage& s, const OffloadCost* cost, bool groups) {
+bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups) {
+  if (kind == OpKind::kForwardAll) return s.offload ? !s.offload->output : !s.saves_output;
+  if (kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
   return cost ? !cost->output : groups && !s.saves_output;
 }
 
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
   if (op.stage < 0 || op.stage >= chain.size()) return false;
-  if (op.kind == OpKind::kForwardAll) return fa_leaves_output(chain.stages[static_cast<size_t>(op.stage)]);
-  if (op.kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
   const std::optional<OffloadCost> c = way_offload(chain, ops, op);
-  return keep_leaves_output(chain.stages[static_cast<size_t>(op.stage)], c ? &*c : nullptr,
-                            !op.groups.empty());
+  return way_leaves_output(chain.stages[static_cast<size_t>(op.stage)], op.kind, c ? &*c : nullptr,
+                           !op.groups.empty());
 }
 
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {

@@ -32,20 +32,16 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
-// Whether stage `s` run as Fa is known not to save its output: its offload cost's `output` false, or, without
-// one, Stage::saves_output false (leaves_output()'s and the per-layer program's rule for Fa).
-bool fa_leaves_output(const Stage& s);
-
-// Whether stage `s` run as Fk (`cost`: that way's offload cost, null where it has none; `groups`: whether it
-// is a group assignment) is known not to save its output: the cost's `output` false, or, without a cost, a
-// group assignment of a stage whose Fa does not save its output (Stage::saves_output false: the output is no
-// group, and the assignment's recompute makes it again only where Fa saves it). leaves_output()'s and the
-// per-layer program's rule for Fk.
-bool keep_leaves_output(const Stage& s, const OffloadCost* cost, bool groups);
+// Whether stage `s` run as `kind` is known not to save its output, the one rule of leaves_output() and the
+// per-layer program: Fa as its offload cost's `output` says, or, without one, Stage::saves_output false; Fk
+// (the keep tags, a policy, a group assignment: `groups`) as its way's offload cost `cost` says (null where
+// it has none), and without one only a group assignment of a stage whose Fa does not save its output (the
+// output is no group, and the assignment's recompute makes it again only where Fa saves it); false for Fc
+// and Fn, whose output is held plain.
+bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups);
 
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
-// known not to save its output (for Fa, fa_leaves_output(); for Fk with the keep tags, a policy or a group
-// assignment, keep_leaves_output()); false for Fc and Fn, whose output is held plain.
+// known not to save its output (way_leaves_output(), with the way's offload cost).
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass

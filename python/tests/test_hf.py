@@ -367,7 +367,8 @@ def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
     n = len(chain.stages)
     for how in ("r", "k", "h", "rkh"):
         ops = [f"Fk{i}{{{(how * 10)[:len(chain.stages[i].groups)]}}}" for i in range(n)]
-        plan = remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops + ["L"] + [f"B{i}" for i in range(n)][::-1]}))
+        ops += ["L"] + [f"B{i}" for i in reversed(range(n))]
+        plan = remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
         predicted = remat.step_peak_bytes(chain, lp.context, plan)
         lp._planned = lambda shape, ctx, budget, plan=plan, predicted=predicted: (plan, predicted)
         lp.set_budget(1 << 39)

@@ -15,6 +15,11 @@ predicted, over predicted: negative where the model overstates).
 
     python bench/given_plan_predictions.py                 # 24 plans, seed 0
     python bench/given_plan_predictions.py --plans 40 --seed 3
+    python bench/given_plan_predictions.py --stack         # the Linear-ReLU stack, each way on every layer
+
+--stack runs instead python/tests/test_offload.py's 4-layer stack of Linear(128, 128) then ReLU (batch 256,
+loss the mean square; profiled with offload_min_bytes=64 KiB), whose layers save only their own input and
+output, under each way on every layer.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
 from test_hf import make, same, step  # noqa: E402
+from test_offload import MeanSquare, grads_ready, same_step, stack_step  # noqa: E402
 
 WAYS = ["Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host", "Fc{i}",
         "Fc{i}@host", "groups", "groups"]
@@ -56,12 +62,58 @@ def draw(chain, rng: random.Random) -> tuple[str, list[int]]:
     return " ".join(fwd + ["L"] + bwd), windows
 
 
+def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
+    """The plan of `ops` in place of the planner's: its prediction, and run_step()'s peak with copies made at
+    once and with copies delayed until waited for."""
+    plan = remat.Plan.from_json(json.dumps({"num_stages": len(chain.stages), "ops": ops,
+                                            "stream_windows": windows, "policies": list(chain.policies)}))
+    predicted = remat.step_peak_bytes(chain, lp.context, plan)
+    lp._planned = lambda shape, ctx, budget: (plan, predicted)
+    lp.set_budget(1 << 39)
+    cpu = torch.device("cpu")
+    peaks = []
+    for engine in (CopyEngine(cpu), CopyEngine(cpu, delay=100)):
+        lp.offloads.engines[cpu] = engine
+        peaks.append(run_step())
+    return predicted, peaks
+
+
+def stack() -> int:
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU()) for _ in range(4)]
+    model = torch.nn.Sequential(*layers, MeanSquare())
+    grads_ready(model)
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))
+    plain = stack_step(model, x)
+    lp = remat.enable(model, layers, budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
+    same_step(plain, stack_step(model, x))
+    chain = lp.chain
+
+    def run_step() -> int:
+        got = stack_step(model, x)
+        same_step(plain, got)
+        return got[2]
+
+    print(f"torch {torch.__version__}; test_offload.py's Linear-ReLU stack, 4 layers")
+    print(f"{'every layer':<22} {'predicted':>10} {'at once':>10} {'error':>7} {'delayed':>10} {'error':>7}")
+    for way in ("Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host"):
+        ops = [way.format(i=i).replace("@stream0", "@stream") for i in range(4)] + ["L", "B3", "B2", "B1", "B0"]
+        windows = [st.offload.window_bytes if way.endswith("@stream") else 0 for st in chain.stages]
+        predicted, (now, late) = run_given(lp, chain, ops, windows, run_step)
+        print(f"{way.format(i=''):<22} {predicted:>10} {now:>10} {now / predicted - 1:>+7.2%} {late:>10} "
+              f"{late / predicted - 1:>+7.2%}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plans", type=int, default=24, help="how many random plans")
     ap.add_argument("--seed", type=int, default=0, help="the plans' random seed")
+    ap.add_argument("--stack", action="store_true", help="the Linear-ReLU stack, each way on every layer")
     args = ap.parse_args(argv)
     warnings.simplefilter("ignore")
+    if args.stack:
+        return stack()
     meter = remat.cpu_meter()
     model, spec = make("llama")
     plain = [step(model, spec, k, meter) for k in range(2)]
@@ -69,7 +121,6 @@ def main(argv=None) -> int:
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
     same(plain[0], step(model, spec, 0, meter))
     chain = lp.chain
-    cpu = torch.device("cpu")
     rng = random.Random(args.seed)
     print(f"torch {torch.__version__}; test_hf.py's Llama, {len(chain.stages)} layers, "
           f"{[len(st.groups) for st in chain.stages]} saved groups")
@@ -78,19 +129,17 @@ def main(argv=None) -> int:
     for _ in range(args.plans):
         text, windows = draw(chain, rng)
         ops = text.split()
-        plan = remat.Plan.from_json(json.dumps({"num_stages": len(chain.stages), "ops": ops,
-                                                "stream_windows": windows, "policies": list(chain.policies)}))
-        predicted = remat.step_peak_bytes(chain, lp.context, plan)
-        lp._planned = lambda shape, ctx, budget, plan=plan, predicted=predicted: (plan, predicted)
-        lp.set_budget(1 << 39)
-        row = []
-        for name, engine in (("at once", CopyEngine(cpu)), ("delayed", CopyEngine(cpu, delay=100))):
-            lp.offloads.engines[cpu] = engine
+
+        def run_step() -> int:
             got = step(model, spec, 1, meter)
             same(plain[1], got)
-            error = got[2] / predicted - 1
-            errors[name].append(error)
-            row += [got[2], error]
+            return got[2]
+
+        predicted, peaks = run_given(lp, chain, ops, windows, run_step)
+        row = []
+        for name, peak in zip(errors, peaks):
+            errors[name].append(peak / predicted - 1)
+            row += [peak, errors[name][-1]]
         forward = " ".join(ops[: len(chain.stages)])
         print(f"{forward:<92} {predicted:>10} {row[0]:>10} {row[1]:>+7.2%} {row[2]:>10} {row[3]:>+7.2%}", flush=True)
     for name, e in errors.items():

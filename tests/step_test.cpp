@@ -2230,6 +2230,19 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   // The plan's window is what is charged: the chain's, given as such, charges as none given.
   none.stream_windows = {-1, 6, -1};
   EXPECT_EQ(remat::simulate(chain, none).op_peak_bytes, peaks);
+  // Beside its forward, the window holds only tensors that leave the device (OffloadCost::bytes): a stage
+  // that sends nothing but its input and output (a Linear-ReLU layer), which its forward holds anyway, peaks
+  // at 50 + 25 = 75 streamed with its window, as with none; one that sends 4 bytes beside them at 79. (Both
+  // were charged the whole window, 81, before 2026-12-01.) The per-layer program charges it the same.
+  for (int64_t leaving : {0, 4, 30}) {
+    Chain few = chain;
+    few.stages[1].offload->bytes = leaving;
+    EXPECT_EQ(remat::simulate(few, plan).op_peak_bytes[1], 75 + std::min<int64_t>(leaving, 6)) << leaving;
+    remat::PlannerOptions with_offload;
+    with_offload.offload = true;
+    const Plan best = remat::per_layer(few, remat::simulate(few, plan).peak_bytes, with_offload);
+    EXPECT_EQ(best.predicted.peak_bytes, remat::simulate(few, best).peak_bytes) << leaving;
+  }
   // per_layer offers both: at the least budget no window, with room the window (the copies hidden).
   remat::PlannerOptions options;
   options.offload = true;

@@ -1026,3 +1026,93 @@ def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_kee
     got = stack_step(model, x)
     same_step(plain, got)
     assert got[2] <= lp.predicted_peak_bytes, (lp.choices, got[2], lp.predicted_peak_bytes)
+
+
+# Streaming a stack whose layers save nothing but their input and output.
+class Phases:
+    """The peak of each phase of a step of `layers` (above the count when the first layer's forward begins),
+    marked by hooks: each layer's forward ("F0"), what runs from the last layer's output to the last layer's
+    backward ("loss": the rest's forward, the loss, its backward), each layer's backward ("B3", from its output's
+    gradient to the next one's; the first layer's to the step's end)."""
+
+    def __init__(self, layers, meter):
+        self.meter, self.marks, self.window, self.start, self.last = meter, [], None, 0, len(layers) - 1
+        self.handles = []
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self.mark(f"F{i}")))
+            self.handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self.forward_done(i, out)))
+
+    def forward_done(self, i, out):
+        self.mark("loss" if i == self.last else None)
+        out.register_hook(lambda g, i=i: self.mark(f"B{i}"))
+
+    def mark(self, name):
+        """Closes the phase in progress (its peak) and begins `name` (None: no phase)."""
+        if self.window is None:
+            self.window, self.start = self.meter.window(), self.meter.count()
+        elif self.marks and self.marks[-1][1] is None:
+            self.marks[-1][1] = self.window.peak() - self.start
+        self.marks.append([name, None])
+        self.window.restart()
+
+    def done(self) -> dict:
+        self.mark(None)
+        for h in self.handles:
+            h.remove()
+        self.window.close()
+        return {name: peak for name, peak in self.marks if name is not None}
+
+
+def predicted_phases(timeline: dict) -> dict:
+    """The prediction's peak per phase of Phases, from the step's timeline (remat.LayerPlan.timeline's points):
+    the rest's forward, the loss and the rest's backward are the phase "loss"; the backward of the part before
+    the chain (nothing here) is the first layer's, and a recompute (a forward after the loss) is its stage's
+    backward's."""
+    out, after_loss = {}, False
+    for p in timeline["points"]:
+        after_loss = after_loss or p["op"] == "L"
+        if p["op"] == "before":
+            continue
+        if p["op"] in ("after", "L", "B(after)"):
+            name = "loss"
+        elif p["op"] == "B(before)":
+            name = "B0"
+        else:  # a forward after the loss is a recompute, within its stage's backward phase
+            name = f"{'B' if p['backward'] or after_loss else 'F'}{p['stage']}"
+        out[name] = max(out.get(name, 0), p["peak_bytes"])
+    return out
+
+
+def test_a_streamed_layer_that_sends_only_its_input_and_output_is_charged_no_window_in_its_forward():
+    # The Linear-ReLU stack's layers save their input (the Linear's) and output (the ReLU's) alone: nothing else
+    # leaves the device (offload.bytes 0). Streamed with a window, their copies in flight are of tensors the
+    # forward holds anyway, so a forward holds its measured peak (each copy waited for at once) and nothing
+    # beside it. Charged the whole window before 2026-12-01, each streamed forward was predicted a hidden state
+    # (128 KiB) above what it held. Measured phase by phase, copies carried out only when waited for: the first
+    # two forwards hold their predictions to the byte (the later ones are charged the previous layer's input in
+    # flight past its forward, where its output is: a safe miss), and no phase holds more than predicted.
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(4)]
+    model = nn.Sequential(*layers, MeanSquare())
+    grads_ready(model)
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))
+    plain = stack_step(model, x)
+    lp = remat.enable(model, layers, budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
+    same_step(plain, stack_step(model, x))  # the profiling step
+    chain = lp.chain
+    for st in chain.stages:
+        assert st.offload.bytes == 0 and st.offload.window_bytes == x.nbytes and st.offload.can_stream()
+    ops = [f"Fa{i}@stream" for i in range(4)] + "L B3 B2 B1 B0".split()
+    plan = remat.Plan.from_json(json.dumps({"num_stages": 4, "ops": ops, "stream_windows": [x.nbytes] * 4}))
+    predicted = remat.step_peak_bytes(chain, lp.context, plan)
+    lp._planned = lambda shape, ctx, budget: (plan, predicted)
+    lp.set_budget(1 << 39)
+    assert lp.choices == ["keep@stream"] * 4, lp.choices
+    lp.offloads.engines[x.device] = CopyEngine(x.device, delay=100)
+    phases = Phases(layers, remat.cpu_meter())
+    got = stack_step(model, x)
+    same_step(plain, got)
+    measured, expected = phases.done(), predicted_phases(lp.timeline())
+    assert measured["F0"] == expected["F0"] and measured["F1"] == expected["F1"], (measured, expected)
+    assert all(peak <= expected[name] for name, peak in measured.items()), (measured, expected)
+    assert got[2] <= predicted

@@ -231,11 +231,12 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
           ? a_out
           : 0;
   if (c.stream) {
-    // Streamed (see simulate()): its measured peaks, each with its window beside it; the backward's above
-    // what the stage keeps on the device (its output included) and the gradient it is handed.
+    // Streamed (see simulate()): its measured peaks, each with its window beside it (the forward's, only what
+    // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
+    // the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
     return std::max(
-        {o.stream_fwd_bytes + c.window,
+        {o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window),
          a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice,
          between});
   }

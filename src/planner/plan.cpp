@@ -413,9 +413,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
                                    : act(i + 1);
         const int64_t tmp = chain ? detail::forward_tmp_bytes(chain->stages[i], op.kind, out) : 0;
         if (op.stream && chain) {
-          // Streamed: its measured peak, each copy waited for at once, and the window in flight beside it.
+          // Streamed: its measured peak, each copy waited for at once, and the copies in flight beside it.
           const OffloadCost& o = *chain->stages[i].offload;
-          charge(current + o.stream_fwd_bytes + window_of(i), k);
+          charge(current + o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, window_of(i)), k);
         } else {
           charge(current + out + tmp, k);
         }

@@ -26,6 +26,16 @@ inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left) {
   return s.nosave_tmp_bytes();
 }
 
+/// What a stage streamed with a window of `window` bytes (a plan's `Fa3@stream`) holds beside its forward's
+/// measured peak (OffloadCost::stream_fwd_bytes, each copy waited for at once), as simulate() and the
+/// per-layer planner charge it (bytes): its copies in flight, at most the window, and of them only tensors
+/// that leave the device (`cost.bytes`): its input and output, which may be in flight too, are held through
+/// its forward anyway. (A Linear-ReLU layer saves only those two: charged the whole window, its forward was
+/// predicted a hidden state above what it held.)
+inline int64_t stream_forward_window_bytes(const OffloadCost& cost, int64_t window) {
+  return window < cost.bytes ? window : cost.bytes;
+}
+
 /// The plan's JSON object (what remat::to_json(plan) prints): the one writer of plans.
 nlohmann::ordered_json plan_json(const Plan& plan);
 

@@ -19,7 +19,11 @@ predicted, over predicted: negative where the model overstates).
 
 --stack runs instead python/tests/test_offload.py's 4-layer stack of Linear(128, 128) then ReLU (batch 256,
 loss the mean square; profiled with offload_min_bytes=64 KiB), whose layers save only their own input and
-output, under each way on every layer.
+output, under each way on every layer. With --phases, each way's delayed step is also measured phase by phase
+(each layer's forward, the loss with its backward, each layer's backward, marked by module and gradient hooks
+that allocate nothing) beside the prediction's peak for that phase (remat/planner/timeline.h's points).
+
+    python bench/given_plan_predictions.py --stack --phases
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
 from test_hf import make, same, step  # noqa: E402
-from test_offload import MeanSquare, grads_ready, same_step, stack_step  # noqa: E402
+from test_offload import MeanSquare, Phases, grads_ready, predicted_phases, same_step, stack_step  # noqa: E402
 
 WAYS = ["Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host", "Fc{i}",
         "Fc{i}@host", "groups", "groups"]
@@ -78,7 +82,7 @@ def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
     return predicted, peaks
 
 
-def stack() -> int:
+def stack(phases: bool = False) -> int:
     torch.manual_seed(0)
     layers = [torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU()) for _ in range(4)]
     model = torch.nn.Sequential(*layers, MeanSquare())
@@ -102,6 +106,12 @@ def stack() -> int:
         predicted, (now, late) = run_given(lp, chain, ops, windows, run_step)
         print(f"{way.format(i=''):<22} {predicted:>10} {now:>10} {now / predicted - 1:>+7.2%} {late:>10} "
               f"{late / predicted - 1:>+7.2%}", flush=True)
+        if phases:  # copies delayed still (run_given's last engine)
+            marks = Phases(layers, remat.cpu_meter())
+            got = stack_step(model, x)
+            same_step(plain, got)
+            measured, expected = marks.done(), predicted_phases(lp.timeline())
+            print("    " + "  ".join(f"{name} {measured[name]}/{expected[name]}" for name in measured))
     return 0
 
 
@@ -110,10 +120,14 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", type=int, default=24, help="how many random plans")
     ap.add_argument("--seed", type=int, default=0, help="the plans' random seed")
     ap.add_argument("--stack", action="store_true", help="the Linear-ReLU stack, each way on every layer")
+    ap.add_argument("--phases", action="store_true",
+                    help="with --stack: each phase's peak, measured/predicted (copies delayed)")
     args = ap.parse_args(argv)
+    if args.phases and not args.stack:
+        ap.error("--phases is for --stack")
     warnings.simplefilter("ignore")
     if args.stack:
-        return stack()
+        return stack(args.phases)
     meter = remat.cpu_meter()
     model, spec = make("llama")
     plain = [step(model, spec, k, meter) for k in range(2)]

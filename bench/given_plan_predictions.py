@@ -42,7 +42,7 @@ import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
 from test_hf import make, same, step  # noqa: E402
-from test_offload import MeanSquare, Phases, grads_ready, predicted_phases, same_step, stack_step  # noqa: E402
+from test_offload import Phases, predicted_phases, relu_stack, same_step, stack_step  # noqa: E402
 
 WAYS = ["Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host", "Fc{i}",
         "Fc{i}@host", "groups", "groups"]
@@ -83,14 +83,7 @@ def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
 
 
 def stack(phases: bool = False) -> int:
-    torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU()) for _ in range(4)]
-    model = torch.nn.Sequential(*layers, MeanSquare())
-    grads_ready(model)
-    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))
-    plain = stack_step(model, x)
-    lp = remat.enable(model, layers, budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
-    same_step(plain, stack_step(model, x))
+    model, layers, x, plain, lp = relu_stack()
     chain = lp.chain
 
     def run_step() -> int:

@@ -967,12 +967,10 @@ class MeanSquare(nn.Module):
         return h.square().mean()
 
 
-def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_keeps():
-    # Linear then ReLU: keeping everything saves the output alone (ReLU saves what it returns), while the
-    # "matmuls" policy keeps the product too. Both profilers charged a policy at most what keeping everything
-    # keeps: with Fk[matmuls] on every layer the step held 52% more than predicted, and remat.enable(offload=True)
-    # raised at the profiling step (the policy's offload cost above that charge; found 2026-12-01). Now a
-    # policy is charged what it keeps, offloaded or not, and each step is the plain run's, within its prediction.
+def relu_stack():
+    """Four layers of Linear(128, 128) then ReLU and a mean-square loss, on a batch of 256 (a hidden state: 128
+    KiB), planned in place with offloading (offload_min_bytes 64 KiB) and profiled: (model, layers, batch, the
+    plain step, the LayerPlan)."""
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(4)]
     model = nn.Sequential(*layers, MeanSquare())
@@ -981,6 +979,16 @@ def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_kee
     plain = stack_step(model, x)
     lp = remat.enable(model, layers, budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
     same_step(plain, stack_step(model, x))  # the profiling step
+    return model, layers, x, plain, lp
+
+
+def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_keeps():
+    # Linear then ReLU: keeping everything saves the output alone (ReLU saves what it returns), while the
+    # "matmuls" policy keeps the product too. Both profilers charged a policy at most what keeping everything
+    # keeps: with Fk[matmuls] on every layer the step held 52% more than predicted, and remat.enable(offload=True)
+    # raised at the profiling step (the policy's offload cost above that charge; found 2026-12-01). Now a
+    # policy is charged what it keeps, offloaded or not, and each step is the plain run's, within its prediction.
+    model, layers, x, plain, lp = relu_stack()
     chain, ctx = lp.chain, lp.context
     for st in chain.stages:
         (pol,) = st.policies
@@ -1091,14 +1099,7 @@ def test_a_streamed_layer_that_sends_only_its_input_and_output_is_charged_no_win
     # (128 KiB) above what it held. Measured phase by phase, copies carried out only when waited for: the first
     # two forwards hold their predictions to the byte (the later ones are charged the previous layer's input in
     # flight past its forward, where its output is: a safe miss), and no phase holds more than predicted.
-    torch.manual_seed(0)
-    layers = [nn.Sequential(nn.Linear(128, 128), nn.ReLU()) for _ in range(4)]
-    model = nn.Sequential(*layers, MeanSquare())
-    grads_ready(model)
-    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))
-    plain = stack_step(model, x)
-    lp = remat.enable(model, layers, budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
-    same_step(plain, stack_step(model, x))  # the profiling step
+    model, layers, x, plain, lp = relu_stack()
     chain = lp.chain
     for st in chain.stages:
         assert st.offload.bytes == 0 and st.offload.window_bytes == x.nbytes and st.offload.can_stream()

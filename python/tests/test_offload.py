@@ -1036,7 +1036,7 @@ def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_kee
     assert got[2] <= lp.predicted_peak_bytes, (lp.choices, got[2], lp.predicted_peak_bytes)
 
 
-# Streaming a stack whose layers save nothing but their input and output.
+# A step's peak phase by phase, measured and predicted (also bench/given_plan_predictions.py --stack --phases).
 class Phases:
     """The peak of each phase of a step of `layers` (above the count when the first layer's forward begins),
     marked by hooks: each layer's forward ("F0"), what runs from the last layer's output to the last layer's

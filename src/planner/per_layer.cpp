@@ -52,8 +52,8 @@ struct Choice {
   int64_t window = -1;   // streamed: the bytes in flight each way (0: each copy waited for as it is made,
                          // each tensor brought back at its use, the copies' whole time charged)
   const OffloadCost* cost = nullptr;  // the way's offload cost, offloaded or not (null: unknown)
-  std::string groups;                 // a group assignment (Fk{...}), or empty
-  std::optional<OffloadCost> own;     // a group assignment's offload cost (cost points here once placed)
+  std::string groups{};               // a group assignment (Fk{...}), or empty
+  std::optional<OffloadCost> own{};   // a group assignment's offload cost (cost points here once placed)
 };
 
 // The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but

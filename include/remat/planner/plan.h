@@ -77,7 +77,7 @@ struct Op {
   /// stage runs as a checkpoint whose recompute skips the kept and sent calls (remat::group_cost). Its sent
   /// groups are offloaded as `@host` offloads (see simulate()); such an op carries no policy and no @host.
   /// Empty: not one.
-  std::string groups;
+  std::string groups{};
   /// Fa only, before the loss: streamed (written "@stream": Fa3@stream): what the stage saves goes to host
   /// memory as its forward makes it and comes back tensor by tensor, each just ahead of its use in the
   /// stage's backward, at most the stage's window in flight each way (the stage offload's stream figures, see

@@ -16,9 +16,9 @@ namespace remat::detail {
 
 struct OpPolicyRecord::Call {
   std::string name, overload;
-  std::string call;   // "aten::addmm#2" (OpCall::call); empty for a write made part of a kept call
-  int64_t end = 0;    // one past the last asked call made inside it
-  int64_t kept = -1;  // its index in kept_, or -1
+  std::string call{};  // "aten::addmm#2" (OpCall::call); empty for a write made part of a kept call
+  int64_t end = 0;     // one past the last asked call made inside it
+  int64_t kept = -1;   // its index in kept_, or -1
   // An in-place write to the outputs of the kept call `owner` (an index into calls_), made part of that call:
   // the recompute hands the owner's outputs back as they were after it, and skips it. `kept` then holds what
   // autograd saved inside the write.

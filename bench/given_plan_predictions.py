@@ -28,7 +28,6 @@ that allocate nothing) beside the prediction's peak for that phase (remat/planne
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -41,6 +40,7 @@ import torch  # noqa: E402
 import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
+from conftest import give_plan  # noqa: E402
 from test_hf import make, same, step  # noqa: E402
 from test_offload import Phases, predicted_phases, relu_stack, same_step, stack_step  # noqa: E402
 
@@ -69,11 +69,7 @@ def draw(chain, rng: random.Random) -> tuple[str, list[int]]:
 def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
     """The plan of `ops` in place of the planner's: its prediction, and run_step()'s peak with copies made at
     once and with copies delayed until waited for."""
-    plan = remat.Plan.from_json(json.dumps({"num_stages": len(chain.stages), "ops": ops,
-                                            "stream_windows": windows, "policies": list(chain.policies)}))
-    predicted = remat.step_peak_bytes(chain, lp.context, plan)
-    lp._planned = lambda shape, ctx, budget: (plan, predicted)
-    lp.set_budget(1 << 39)
+    _, predicted = give_plan(lp, ops, stream_windows=windows, policies=list(chain.policies))
     cpu = torch.device("cpu")
     peaks = []
     for engine in (CopyEngine(cpu), CopyEngine(cpu, delay=100)):

@@ -1,6 +1,7 @@
 """Shared helpers of the Python package's tests: models, a training step, and the plain run to compare with."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -102,3 +103,14 @@ def groups_to_the_host_pay(chain):
         for g in st.groups:
             g.recompute_ms = 50.0
         st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
+
+
+def give_plan(lp, ops, **fields):
+    """Replaces a profiled LayerPlan's planner with the plan of `ops` (the plan strings; `fields`: more of the plan's
+    JSON, as stream_windows and policies) and sets a budget it fits, as the tests and
+    bench/given_plan_predictions.py run a plan of their own in place: (the plan, its predicted step peak)."""
+    plan = remat.Plan.from_json(json.dumps({"num_stages": len(lp.chain.stages), "ops": ops, **fields}))
+    predicted = remat.step_peak_bytes(lp.chain, lp.context, plan)
+    lp._planned = lambda shape, ctx, budget: (plan, predicted)
+    lp.set_budget(1 << 39)
+    return plan, predicted

@@ -4,7 +4,6 @@ gradients and next random draw, bitwise; the measured step peak stays within the
 prediction; eval and no_grad run plainly; an infeasible budget names the least feasible one; a Trainer
 trains with it."""
 import gc
-import json
 from functools import partial
 
 import pytest
@@ -16,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
+from conftest import give_plan  # noqa: E402
 
 # The measured peak above the prediction, at most (a share of the prediction): the profile's transients are
 # measured once per layer and the rest of the step at its first run.
@@ -368,10 +368,7 @@ def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
     for how in ("r", "k", "h", "rkh"):
         ops = [f"Fk{i}{{{(how * 10)[:len(chain.stages[i].groups)]}}}" for i in range(n)]
         ops += ["L"] + [f"B{i}" for i in reversed(range(n))]
-        plan = remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
-        predicted = remat.step_peak_bytes(chain, lp.context, plan)
-        lp._planned = lambda shape, ctx, budget, plan=plan, predicted=predicted: (plan, predicted)
-        lp.set_budget(1 << 39)
+        _, predicted = give_plan(lp, ops)
         got = step(model, spec, 1, meter)
         same(plain_runs["llama"][1], got)
         assert 0.995 * predicted <= got[2] <= predicted, (how, got[2], predicted)

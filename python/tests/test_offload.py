@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat import _core
 from remat.offload import CopyEngine, HostPool, offload
+from conftest import give_plan
 
 WIDTH, BATCH = 256, 64  # a hidden state: 64 KiB
 
@@ -1019,11 +1020,8 @@ def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_kee
     lp = remat.enable(model, layers, budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
     stack_step(model, x)  # the profiling step
     ops = "Fa0@host Fa1@host Fa2@stream Fa3@stream L B3 B2 B1 B0".split()
-    plan = remat.Plan.from_json(json.dumps({"num_stages": 4, "ops": ops, "stream_windows": [0] * 4}))
-    predicted = remat.step_peak_bytes(lp.chain, lp.context, plan)
     planned = lp._planned
-    lp._planned = lambda shape, ctx, budget: (plan, predicted)
-    lp.set_budget(1 << 39)
+    _, predicted = give_plan(lp, ops, stream_windows=[0] * 4)
     assert lp.choices == ["keep@host", "keep@host", "keep@stream0", "keep@stream0"], lp.choices
     got = stack_step(model, x)
     same_step(plain, got)
@@ -1104,10 +1102,7 @@ def test_a_streamed_layer_that_sends_only_its_input_and_output_is_charged_no_win
     for st in chain.stages:
         assert st.offload.bytes == 0 and st.offload.window_bytes == x.nbytes and st.offload.can_stream()
     ops = [f"Fa{i}@stream" for i in range(4)] + "L B3 B2 B1 B0".split()
-    plan = remat.Plan.from_json(json.dumps({"num_stages": 4, "ops": ops, "stream_windows": [x.nbytes] * 4}))
-    predicted = remat.step_peak_bytes(chain, lp.context, plan)
-    lp._planned = lambda shape, ctx, budget: (plan, predicted)
-    lp.set_budget(1 << 39)
+    _, predicted = give_plan(lp, ops, stream_windows=[x.nbytes] * 4)
     assert lp.choices == ["keep@stream"] * 4, lp.choices
     lp.offloads.engines[x.device] = CopyEngine(x.device, delay=100)
     phases = Phases(layers, remat.cpu_meter())

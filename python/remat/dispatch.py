@@ -54,7 +54,8 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     step = lp._step
     if i == 0:
         if step is None or step.shape is not None:  # layers called outside the model's forward
-            key = ("layer 0", layer_key(fn, args))  # outside the model's forward: the first layer's shapes
+            # Outside the model's forward: the first layer's shapes (and the frozen parameters, as for the model's).
+            key = ("layer 0", layer_key(fn, args), lp._frozen())
             step = lp._step = lp._new_step(x.device, key)
             step.input_in_base = True  # the base is taken here, the layers' input alive
             step.key = key
@@ -69,6 +70,8 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         raise RuntimeError(f"{lp.who}: layer {i} ran before layer 0 in a training step; the layers must run "
                            "in the order given")
     shape = step.shape
+    if shape.no_backward:  # every layer frozen on an input that needs no gradient: nothing to plan
+        return fn(*args)
     if shape.choices is not None:
         if shape.layer_keys is not None and layer_key(fn, args) != shape.layer_keys[i]:
             return _off_plan(lp, step, shape, i, fn, args)

@@ -23,7 +23,7 @@ from torch import nn
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
 from .policies import checked_checkpoint, policy_fn
-from .profile import StageFn
+from .profile import StageFn, input_needs_grad
 
 __all__ = ["run_plan", "CheckpointedSequential"]
 
@@ -68,6 +68,7 @@ class _Runner:
         self.ran = [False] * n
         self.grad = None
         self.input_requires_grad = False
+        self.input_grads: list[bool] = []
         self.cuda_devices: list[int] = []
         self.calls = [0] * n
 
@@ -93,7 +94,7 @@ class _Runner:
         try:
             if op.kind in (K.Fa, K.Fk):
                 leaf = x
-                if (x.is_floating_point() or x.is_complex()) and (i > 0 or self.input_requires_grad):
+                if (x.is_floating_point() or x.is_complex()) and self.input_grads[i]:
                     leaf = x.detach().requires_grad_(True)
                 with torch.enable_grad():
                     if op.kind == K.Fk:
@@ -124,6 +125,11 @@ class _Runner:
 
     def forward(self, x: torch.Tensor):
         self.input_requires_grad = x.requires_grad
+        # Whether each stage's input needs a gradient (profile.input_needs_grad: a stage frozen on an input that
+        # needs none makes no graph, as the profiler measures it).
+        self.input_grads = [x.requires_grad]
+        for stage in self.stages[:-1]:
+            self.input_grads.append(input_needs_grad(self.input_grads[-1], stage))
         self.cuda_devices = [x.device.index or 0] if x.is_cuda else []
         self.held[0] = ("plain", x.detach())
         for op in self.ops[: self.loss_at]:

@@ -169,6 +169,20 @@ class LayerPlan:
                 state[name] = default() if isinstance(default, type) else default
         self.__dict__.update(state)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
+        # Step keys from before they named the frozen parameters: made for the parameters as they are now (an
+        # earlier remat planned them without telling frozen ones apart).
+        frozen = self._frozen()
+        for key in [k for k in self._shapes if len(k) == 2]:
+            shape = self._shapes.pop(key)
+            shape.key = (*key, frozen)
+            self._shapes[shape.key] = shape
+
+    def _frozen(self) -> tuple[int, ...]:
+        """The indices of the model's parameters that require no grad: part of every step's key. A layer frozen
+        on an input that needs no gradient makes no graph and saves nothing, so a plan is made for one set of
+        frozen parameters, and freezing or unfreezing any (gradual unfreezing, an adapter's weights) profiles
+        and plans again, as a new input shape does."""
+        return tuple(i for i, p in enumerate(self._params) if not p.requires_grad)
 
     # -- what can be read ----------------------------------------------------------------------------------------
     def is_planned(self) -> bool:
@@ -352,7 +366,7 @@ class LayerPlan:
             # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
-        key = ("model", call_key(args, kwargs))
+        key = ("model", call_key(args, kwargs), self._frozen())
         self._step = self._new_step(self._device_of(args), key)
         self._step.key = key
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))

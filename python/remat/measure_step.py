@@ -141,6 +141,8 @@ class Shape:
         # The plans made for this shape's chain (LayerPlan._planned), by budget and figures, oldest first.
         self.planned_chain: _core.Chain | None = None
         self.planned_at: dict = {}
+        # No layer's output needed a gradient in its profiling step (every layer frozen): they run as they are.
+        self.no_backward = False
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): fields it
@@ -386,6 +388,17 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     step.note_side(i, taken, handed, outs)
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
+        return returned
+    if not out.requires_grad:
+        # No layer's output needs a gradient (their parameters frozen, and their input needs none): nothing of
+        # theirs is in the backward pass, they save nothing for it, and there is nothing to plan. They run as
+        # they are for this step key; freezing or unfreezing parameters makes another (LayerPlan._frozen).
+        shape.no_backward = True
+        step.calls = []
+        step.finish()
+        warnings.warn(f"{lp.who}: no layer's output needs a gradient (each layer's parameters require none, and "
+                      "so does its input): the layers save nothing for a backward pass and run as they are, "
+                      "unplanned; a plan is made once a layer has parameters that require grad", stacklevel=4)
         return returned
     shape.profiling_steps += 1
     if shape.chain is None:

@@ -60,6 +60,15 @@ class StageFn:
         return self.fn(x)
 
 
+def input_needs_grad(before: bool, stage: StageFn) -> bool:
+    """Whether the output of `stage`, the next stage's input, needs a gradient: where its own input does
+    (`before`), where its module has a parameter that requires grad, or where it has no module (what it reads is
+    not known). Otherwise the stage is frozen on an input that needs none: run with grad, it makes no graph and
+    saves nothing, and the stages after it take an input that needs no gradient. The plan executor builds each
+    stage's graph by this rule and the profiler measures by it."""
+    return before or stage.module is None or any(p.requires_grad for p in stage.module.parameters())
+
+
 def stages_of(seq: nn.Sequential) -> list[StageFn]:
     """The children of an nn.Sequential as stages, named "i:Type"."""
     if not isinstance(seq, nn.Sequential):
@@ -494,11 +503,17 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     if inputs is not None:
         for i in range(n):
             xs[i] = inputs[i].detach()
+    # Whether each stage's input needs a gradient, as in a training step (input_needs_grad(), the plan
+    # executor's rule; planning in place also where the recorded input requires grad). A frozen stage on an
+    # input that needs none makes no graph, and is profiled so: nothing saved, no backward.
     input_grad = [False] * n
-    for i in range(n):
-        x = xs[i]
-        floating = x is not None and (x.is_floating_point() or x.is_complex())
-        input_grad[i] = floating and (i > 0 or example_input.requires_grad)
+    input_grad[0] = example_input.requires_grad and (example_input.is_floating_point() or example_input.is_complex())
+
+    def derive_input_grads():
+        needs = example_input.requires_grad
+        for i in range(1, n):
+            needs = input_needs_grad(needs, stage_list[i - 1]) or (inputs is not None and inputs[i].requires_grad)
+            input_grad[i] = (xs[i].is_floating_point() or xs[i].is_complex()) and needs
 
     own_bar = None  # the bar drawn here, erased however profiling ends
     if progress is None:
@@ -589,14 +604,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             fields[i]["ntmp"] = max(fields[i]["ntmp"], window.peak() - base - out.nbytes)
                     if xs[i + 1] is None or (inputs is None and r == 0):
                         xs[i + 1] = out
-                        if i + 1 < n:
-                            floating = out.is_floating_point() or out.is_complex()
-                            input_grad[i + 1] = floating
                     if keep:
                         fields[i]["nosave"].append(f)
                     del out
                     report("forward without saving", names[i])
                 if r == 0:
+                    derive_input_grads()
                     # Each compiled stage run once under each choice, forward and backward, untimed: what compiles
                     # its graphs (a choice's graph is compiled at its first call, its backward's at the first
                     # backward through it) is not one of its timed runs.

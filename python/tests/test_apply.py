@@ -132,6 +132,34 @@ def test_the_executor_runs_every_schedule_as_the_plain_run(meter, chain, norm):
         assert calls[0] == list(plan.predicted.forward_calls), str(plan)
 
 
+def test_frozen_stages_are_profiled_and_run_without_a_graph(meter):
+    # Fine-tuning freezes the lower stages: a stage whose parameters require no grad, on an input that needs none,
+    # makes no graph and saves nothing. The profiler and the executor took every stage after the first's input as
+    # needing a gradient, so the frozen stages saved what that gradient needs and were charged it (found
+    # 2026-12-01). Now both follow remat.profile.input_needs_grad: frozen stages are profiled saving nothing and
+    # run so, every schedule gives the plain run, within its prediction.
+    def frozen():
+        m = mlp()
+        for block in list(m)[:3]:
+            block.requires_grad_(False)
+        preallocate(m)
+        return m
+    expected = train_step(frozen(), x_of(), meter)
+    chain = remat.profile(remat.stages_of(frozen()), x_of(), repeats=1)
+    for i, st in enumerate(chain.stages):
+        if i < 3:  # its output alone, no backward
+            assert st.saved_bytes == st.output_bytes and st.bwd_ms == 0, (i, st.saved_bytes, st.output_bytes)
+        else:
+            assert st.saved_bytes > 3 * st.output_bytes, (i, st.saved_bytes)
+    lo, hi = remat.min_feasible_budget(chain), remat.no_checkpoint(chain).predicted.peak_bytes
+    for plan in [remat.no_checkpoint(chain), remat.checkpoint_all(chain)] + [
+            remat.optimal(chain, lo + (hi - lo) * k // 2) for k in range(3)]:
+        got = train_step(remat.CheckpointedSequential(list(frozen()), plan), x_of(), meter)
+        assert_same_run(expected, got)
+        predicted = plan.predicted.peak_bytes - chain.input_bytes
+        assert got[2] <= predicted * 1.05 + 64 * 1024, (str(plan), got[2], predicted)
+
+
 def test_eval_and_no_grad_run_plainly(meter, chain):
     m = mlp()
     remat.enable(m, list(m), plan=remat.checkpoint_all(chain))

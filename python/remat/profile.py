@@ -447,6 +447,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
 
+    Each stage runs with its input needing a gradient as in a training step: the first where example_input
+    requires grad, a later one by input_needs_grad() (or where its given input requires grad). A stage frozen on
+    an input that needs none (fine-tuning's lower layers) makes no graph, and is profiled so: its output alone
+    saved, no backward.
+
     A StageFn with `compiled` (a layer compiled one by one, as remat.enable's profiling step gives it) runs its
     kept, checkpointed and policy passes through that call, after one untimed run of each (compiling); it gets no
     offload or group figures.

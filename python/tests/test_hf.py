@@ -672,16 +672,17 @@ def _frozen(model, k):
     return model
 
 
-def _keep_all_then_least(model, spec, lp, meter, plain_keep, plain_least, below, above_bytes=0):
-    """A step under the budget in force (above every plan: keep-all), then one at the least budget, each the plain
-    run's (steps 1 and 2 of `step`, as plain_keep and plain_least are): the first within `below` (a share) under
-    its prediction and not above it, the second at most `above_bytes` above its prediction."""
-    for k, plain, low, high in ((1, plain_keep, 1 - below, 0), (2, plain_least, 0, above_bytes)):
+def _fastest_then_least(model, spec, lp, meter, plain_fastest, plain_least, below, above_bytes=0):
+    """A step under the budget in force (above every plan: the fastest plan, which the measured times choose),
+    then one at the least budget, each the plain run's (steps 1 and 2 of `step`, as plain_fastest and
+    plain_least are), each at most `above_bytes` above its prediction, the first also within `below` (a share)
+    under it."""
+    for k, plain, low in ((1, plain_fastest, 1 - below), (2, plain_least, 0)):
         if k == 2:
             lp.set_budget(lp.min_budget_bytes)
         got = step(model, spec, k, meter)
         same(plain, got)
-        assert low * lp.predicted_peak_bytes <= got[2] <= lp.predicted_peak_bytes + high, \
+        assert low * lp.predicted_peak_bytes <= got[2] <= lp.predicted_peak_bytes + above_bytes, \
             (lp.choices, got[2], lp.predicted_peak_bytes)
 
 
@@ -705,8 +706,9 @@ def test_frozen_layers_are_planned_as_they_run_and_unfreezing_plans_again(meter)
     for st in stages[:3]:  # the frozen layers: their output alone, no backward, no groups
         assert st.saved_bytes == st.output_bytes and st.bwd_ms == 0 and not st.groups, st.name
     assert stages[3].saved_bytes > 10 * stages[3].output_bytes
-    # Safe side by what the model holds of the frozen layers' inputs until their (empty) backward: 2.8% here.
-    _keep_all_then_least(model, spec, lp, meter, plain[1], plain[2], below=0.04)
+    # Safe side by what the model holds of the frozen layers' inputs until their (empty) backward (about 197 KiB:
+    # 2.8% with every layer kept; before, 36.5%).
+    _fastest_then_least(model, spec, lp, meter, plain[1], plain[2], below=0.06)
     lp.set_budget(1 << 40)
     model.requires_grad_(True)
     same(plain[3], step(model, spec, 3, meter))  # a new key: profiled
@@ -741,7 +743,8 @@ def test_a_peft_model_is_planned_through_its_base_model(meter):
     # LoRA (peft.get_peft_model) freezes the base model's weights and puts trainable adapters in its layers. The
     # PeftModel around it has no checkpointing hook of its own class (its attributes reach the base model's), and
     # remat.hf.enable raised AttributeError on it (found 2026-12-01). Now the base model is planned, its frozen
-    # embeddings and adapted layers profiled as they run: each step the plain run's, within its prediction.
+    # embeddings and adapted layers profiled as they run: each step the plain run's, within 1 KiB above its
+    # prediction.
     peft = pytest.importorskip("peft")
 
     def lora():
@@ -756,8 +759,8 @@ def test_a_peft_model_is_planned_through_its_base_model(meter):
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
     assert lp.model is model.get_base_model()
     same(plain[0], step(model, spec, 0, meter))
-    # (At the least budget, 64 bytes above the prediction at 4 MiB, with and without offloading: not located.)
-    _keep_all_then_least(model, spec, lp, meter, plain[1], plain[2], below=0.02, above_bytes=1024)
+    # (64 bytes above the prediction, at 4 to 6 MiB, whatever the plan: not located.)
+    _fastest_then_least(model, spec, lp, meter, plain[1], plain[2], below=0.02, above_bytes=1024)
     remat.hf.disable(model)
     assert not _remat_left(model)
 

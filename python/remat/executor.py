@@ -67,7 +67,6 @@ class _Runner:
         self.rng: list[RngState | None] = [None] * n
         self.ran = [False] * n
         self.grad = None
-        self.input_requires_grad = False
         self.input_grads: list[bool] = []
         self.cuda_devices: list[int] = []
         self.calls = [0] * n
@@ -124,7 +123,6 @@ class _Runner:
                             "not a tensor")
 
     def forward(self, x: torch.Tensor):
-        self.input_requires_grad = x.requires_grad
         # Whether each stage's input needs a gradient (profile.input_needs_grad: a stage frozen on an input that
         # needs none makes no graph, as the profiler measures it).
         self.input_grads = [x.requires_grad]

@@ -512,12 +512,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     # executor's rule; planning in place also where the recorded input requires grad). A frozen stage on an
     # input that needs none makes no graph, and is profiled so: nothing saved, no backward.
     input_grad = [False] * n
-    input_grad[0] = example_input.requires_grad and (example_input.is_floating_point() or example_input.is_complex())
 
     def derive_input_grads():
         needs = example_input.requires_grad
-        for i in range(1, n):
-            needs = input_needs_grad(needs, stage_list[i - 1]) or (inputs is not None and inputs[i].requires_grad)
+        for i in range(n):
+            if i > 0:
+                needs = input_needs_grad(needs, stage_list[i - 1]) or (inputs is not None and inputs[i].requires_grad)
             input_grad[i] = (xs[i].is_floating_point() or xs[i].is_complex()) and needs
 
     own_bar = None  # the bar drawn here, erased however profiling ends

@@ -672,6 +672,16 @@ def _frozen(model, k):
     return model
 
 
+def lora_llama():
+    """The test Llama as a LoRA model of peft's (r 8 on the attention's query and value, dropout 0.1), in training
+    mode, and its batch's spec (bench/frozen_layers.py's too)."""
+    import peft
+    model, spec = make("llama")
+    torch.manual_seed(5)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    return peft.get_peft_model(model, config).train(), spec
+
+
 def _fastest_then_least(model, spec, lp, meter, plain_fastest, plain_least, below, above_bytes=0):
     """A step under the budget in force (above every plan: the fastest plan, which the measured times choose),
     then one at the least budget, each the plain run's (steps 1 and 2 of `step`, as plain_fastest and
@@ -745,17 +755,10 @@ def test_a_peft_model_is_planned_through_its_base_model(meter):
     # remat.hf.enable raised AttributeError on it (found 2026-12-01). Now the base model is planned, its frozen
     # embeddings and adapted layers profiled as they run: each step the plain run's, within 1 KiB above its
     # prediction.
-    peft = pytest.importorskip("peft")
-
-    def lora():
-        model, spec = make("llama")
-        torch.manual_seed(5)
-        config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
-        return peft.get_peft_model(model, config).train(), spec
-
-    plain_model, spec = lora()
+    pytest.importorskip("peft")
+    plain_model, spec = lora_llama()
     plain = [step(plain_model, spec, k, meter) for k in range(3)]
-    model, spec = lora()
+    model, spec = lora_llama()
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
     assert lp.model is model.get_base_model()
     same(plain[0], step(model, spec, 0, meter))

@@ -18,6 +18,8 @@ what runs before and after them, and the gradients the step allocates are inside
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import warnings
 from functools import partial
 from typing import Callable, Sequence
@@ -31,7 +33,7 @@ from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import Shape, Step, measure_planned_step, step_context, storage_key
+from .measure_step import Shape, Step, TrainingCall, measure_planned_step, step_context, storage_key
 from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
@@ -144,6 +146,10 @@ class LayerPlan:
         # remat's dispatch) is measured from the model's outputs (_forward_ends).
         self._handles = [self._begin_hook, model.register_forward_hook(self._forward_ends)]
         self._unmeasured = False  # this step runs every layer checkpointed, measuring nothing
+        # The model's training calls whose graphs may be alive (TrainingCall), the last one this call's; whether
+        # a call inside an earlier one's step was said (_inside_earlier_call).
+        self._calls: list[TrainingCall] = []
+        self._inside_said = False
         self._params = [p for p in model.parameters()]
 
     # -- copies: copy.deepcopy(model), pickle, torch.save(model) ---------------------------------------------------
@@ -152,14 +158,14 @@ class LayerPlan:
         copied model's layers need to run them; not the step in progress, nor the offloading's host memory or
         copy engines (a copy starts its own: LayerOffloads' own copy)."""
         state = dict(self.__dict__)
-        state.update(_step=None, _unmeasured=False)
+        state.update(_step=None, _unmeasured=False, _calls=[])
         del state["index"]  # ids of the copy's layers
         return state
 
     # Fields added since a LayerPlan first pickled, which a pickle from an earlier remat lacks, each with the
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
-                     _budget_text=None)
+                     _budget_text=None, _calls=list, _inside_said=False)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -355,6 +361,15 @@ class LayerPlan:
         if self._fixed is not None or not self._training():
             self._step = None
             return
+        earlier = [c for c in self._calls if c.open()]
+        call = TrainingCall()
+        self._calls = [*earlier, call]
+        if earlier:
+            for c in earlier:
+                if c.step is not None:
+                    c.step.inside.append(call)
+            self._inside_earlier_call()
+            return
         if self._first_hook():
             # FSDP2 all-gathered the root's parameters before this step's base could be read: this step runs
             # every layer checkpointed and measures nothing; the next one profiles.
@@ -367,16 +382,40 @@ class LayerPlan:
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
         key = ("model", call_key(args, kwargs), self._frozen())
-        self._step = self._new_step(self._device_of(args), key)
+        self._step = call.step = self._new_step(self._device_of(args), key)
         self._step.key = key
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
         set_step_key(self.layers, key)
 
+    def _inside_earlier_call(self):
+        """A training call that began while an earlier one's graph was alive (two forwards before one backward
+        pass: a contrastive loss, a pair of batches): it runs inside the earlier call's step, every layer
+        checkpointed and nothing measured. The earlier call's step, from its base until its own backward pass and
+        this call's have ended (Step.after_inside), holds this call's run: a profiling step measures it there, so
+        the plan made from it charges it, and a planned step's peak checked against the prediction includes it.
+        Said once."""
+        self._unmeasured = True
+        self._step = None
+        set_step_key(self.layers, ("inside an earlier call",))  # no plan: compiled layers come to dispatch
+        if not self._inside_said:
+            self._inside_said = True
+            warnings.warn(
+                f"{self.who}: the model was called for training while the graph of an earlier training call was "
+                "alive (its backward pass had not run); such a call runs inside the earlier call's step: its "
+                "layers run checkpointed, and the earlier call's plan is made for, and its prediction checked "
+                "against, the step with this call in it, so that the budget holds for both together. Calling "
+                "the model once on the inputs concatenated lets remat plan them as one (docs/python.md, "
+                "\"Several calls before one backward pass\")", stacklevel=_caller_level())
+
     def _forward_ends(self, module, args, output):
-        """The model's forward is over. A planned step whose last layer did not reach remat's dispatch (it ran
-        inside its compiled graph) is measured from the outputs the backward pass starts at: its peak, checked
-        against the prediction at the end of that pass, as a step measured from its last layer is."""
+        """The model's forward is over. A training call's graph is marked (TrainingCall.tag). A planned step whose
+        last layer did not reach remat's dispatch (it ran inside its compiled graph) is measured from the outputs
+        the backward pass starts at: its peak, checked against the prediction at the end of that pass, as a step
+        measured from its last layer is."""
+        if self._calls and self._fixed is None and self._training():
+            for t in torch.utils._pytree.tree_leaves(output):
+                self._calls[-1].tag(t)
         step = self._step
         if step is None or step.done or step.measured or step.off_plan or step.key is None:
             return
@@ -603,3 +642,18 @@ class _Unwrap:
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
             layer.__dict__.pop(LAYER_PLAN_ATTR, None)
+
+
+_TORCH_MODULES = os.path.dirname(nn.Module.__init__.__code__.co_filename)
+_REMAT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel, for a warning given by its caller, that names the first line outside remat and
+    torch.nn's module calls: the line that called the model (a hook's warning)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) in (_TORCH_MODULES,
+                                                                                                      _REMAT):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+import weakref
 from functools import partial
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
@@ -23,11 +24,62 @@ from .progress import PhaseTimes, progress_bar
 if TYPE_CHECKING:
     from .layer_plan import LayerPlan
 
-__all__ = ["Gathered", "RETIMED_STEPS", "Shape", "Step", "measure_planned_step", "profiling_call", "step_context"]
+__all__ = ["Gathered", "RETIMED_STEPS", "Shape", "Step", "TrainingCall", "measure_planned_step", "profiling_call",
+           "step_context"]
 
 
 def queue_at_backward_end(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class _Token:
+    """What a training call leaves in its graph (TrainingCall.tag): alive as long as the graph is."""
+
+
+class TrainingCall:
+    """One training call of the model (under grad, in training mode), open from its forward until a backward
+    pass that reaches one of its outputs ends, or until its graph is freed without one (its outputs dropped). A
+    call that begins while an earlier one is open runs inside that call's step (LayerPlan._step_begins)."""
+
+    __slots__ = ("ended", "step", "_graph", "_waiting")
+
+    def __init__(self, step: "Step | None" = None):
+        self.ended = False
+        self.step = step  # the call's Step; None for a call inside an earlier one's
+        self._graph = None  # a weak reference to the _Token the call's graph holds
+        self._waiting: list[Callable[[], None]] = []
+
+    def tag(self, t) -> None:
+        """Marks the graph of `t`, one of the call's outputs: a token in its autograd node's metadata (one token
+        for all of the call's outputs), and a hook that ends the call at the end of a backward pass that reaches
+        it. Tensors without a graph are left as they are."""
+        if not isinstance(t, torch.Tensor) or t.grad_fn is None:
+            return
+        token = self._graph() if self._graph is not None else None
+        if token is None:
+            token = _Token()
+            self._graph = weakref.ref(token)
+        t.grad_fn.metadata["remat_call"] = token
+        t.register_hook(self._reached)
+
+    def _reached(self, g):
+        queue_at_backward_end(self._end)
+        return g
+
+    def _end(self):
+        self.ended = True
+        waiting, self._waiting = self._waiting, []
+        for fn in waiting:
+            fn()
+
+    def when_ended(self, fn: Callable[[], None]) -> None:
+        """Runs fn at the end of the backward pass that ends this call (never, where its graph is dropped
+        without one)."""
+        self._waiting.append(fn)
+
+    def open(self) -> bool:
+        """Whether the call's graph is alive and no backward pass through it has ended."""
+        return not self.ended and self._graph is not None and self._graph() is not None
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -220,6 +272,9 @@ class Step:
         # Per layer: whether its output was alive at the end of the backward pass (StepContext.outputs_held_to_end;
         # empty where not read).
         self.held_to_end: list[bool] = []
+        # The calls of the model that ran inside this step (began while this step's call was open): the step
+        # ends once they have (after_inside).
+        self.inside: list[TrainingCall] = []
 
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple, outs: set[int]):
         """What layer i took beside its input (`taken`) and handed on (`handed`), into side_bytes and the side
@@ -274,6 +329,20 @@ class Step:
         """The storage keys of the layers' outputs recorded so far (out_refs)."""
         return {o.key for o in self.out_refs.values()}
 
+    def inside_open(self) -> bool:
+        """Whether a call that ran inside this step is still open (its backward pass not yet ended)."""
+        return any(c.open() for c in self.inside)
+
+    def after_inside(self, fn: Callable[[], None]) -> None:
+        """Runs fn once every call that ran inside this step has ended: now, or at the end of the backward pass
+        that ends the last of them (a second call's, run after this call's own). A call whose graph is dropped
+        without a backward pass holds nothing any more, and is not waited for."""
+        pending = [c for c in self.inside if c.open()]
+        if not pending:
+            fn()
+        else:
+            pending[0].when_ended(lambda: self.after_inside(fn))
+
     def peak(self) -> int:
         """The window's peak since its last reset()."""
         return self.window.peak()
@@ -324,7 +393,8 @@ def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor | list[
     def hook(g):
         if not step.done and not step.at_end_queued:
             step.at_end_queued = True
-            queue_at_backward_end(at_end)
+            # The step ends with its backward pass, or later where a call inside it has its own after it.
+            queue_at_backward_end(partial(step.after_inside, at_end))
         return g
 
     for t in out if isinstance(out, list) else [out]:
@@ -465,7 +535,17 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         outs = [step.out_refs.get(j) for j in range(n - 1)]
         step.held_to_end = [o is not None and o.ref is not None and not o.ref.expired()
                             for o in outs] + [out_ref is not None and not out_ref.expired()]
-        step.peak_after_backward = step.peak() if prefix_backward else -1
+        after = step.peak() if prefix_backward else -1
+        if step.inside_open():
+            # A call that ran inside this step has its backward pass still to come: its peak, after the layers'
+            # backward pass, is this step's too (charged as the peak after the layers' backward).
+            step.reset()
+            step.after_inside(lambda: plan(max(after, step.peak())))
+        else:
+            plan(after)
+
+    def plan(peak_after_backward: int):
+        step.peak_after_backward = peak_after_backward
         step.note_peak()
         try:
             lp._plan_shape(step, shape)

@@ -33,7 +33,15 @@
 /// (max_memory_allocated) is reset or lowered. Times that feed the plan are taken with the device
 /// synchronized.
 ///
-/// Limits: one forward per backward pass (the base is taken at each call).
+/// Several calls before one backward pass (a contrastive or paired loss): a training call of forward() that
+/// begins while the graph of an earlier one is alive (no backward pass through its output has ended, and the
+/// output's graph has not been freed) runs inside the earlier call's step: every stage under
+/// remat::checkpoint, nothing measured or planned, and a warning (TORCH_WARN) says so once per module. The
+/// earlier call's step runs from its base until its own backward pass and those of the calls inside it have
+/// ended: its profiling step measures them (their backward passes after its own as the peak after its stages'
+/// backward pass), so its plan charges them, and a planned step's last_peak_bytes() includes them. The budget
+/// then holds for the calls together. A plan is made for the step as its profiling step ran it (the order of
+/// the backward passes, the calls inside).
 
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
@@ -132,7 +140,8 @@ class PlannedImpl : public torch::nn::Module {
 
   /// Runs the stages on x (each ArgsStageFn also gets `args`): plainly in eval mode or under NoGradGuard;
   /// in training, the plan for the shapes of x and args, or, for shapes without one, a profiling step (then
-  /// planned at the next call; with use_profile(), only the rest of the step is measured). Throws c10::Error
+  /// planned at the next call; with use_profile(), only the rest of the step is measured); a call that begins
+  /// while an earlier one's graph is alive runs inside that call's step (above). Throws c10::Error
   /// naming remat::Planned for an undefined input or argument, one on a device other than cpu or cuda, extra
   /// tensors on another device than the input, args given to stages that take
   /// none, and, at planning time, when the budget is below the least feasible one (named in the message;
@@ -209,7 +218,9 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<const OutOfMemory> out_of_memory;
   };
   using Key = std::vector<std::vector<int64_t>>;
-  torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x);
+  struct Call;
+  torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x,
+                               const std::shared_ptr<Call>& call);
   void make_plan(Shape& shape);
   void replan_on_overshoot(Shape& shape);
   // fit_device's reading of the device: PlannedOptions::read_device, or remat::memory::device_memory.
@@ -219,6 +230,10 @@ class PlannedImpl : public torch::nn::Module {
       const Shape& shape, std::shared_ptr<memory::PeakWindow> window, c10::Device device) const;
   std::vector<StageFn> bind(const std::vector<torch::Tensor>& args) const;
   bool training_now() const;
+  // The training calls of forward() that may be open (a Call, planned.cpp: open from the call until a
+  // backward pass through its output ends or its graph is freed), the last one the call in progress.
+  std::vector<std::shared_ptr<Call>> calls_;
+  bool inside_said_ = false;  // a call inside an earlier one's step was said (TORCH_WARN)
 
   std::vector<ArgsStageFn> stages_;
   std::shared_ptr<HostPool> host_pool_ = std::make_shared<HostPool>();

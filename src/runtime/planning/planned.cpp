@@ -17,6 +17,7 @@
 #include "remat/planner/step.h"
 #include "remat/profile.h"
 
+#include "detail/compat.h"
 #include "planning/out_of_memory.h"
 
 namespace remat {
@@ -25,6 +26,54 @@ namespace {
 
 constexpr const char* kWho = "remat::Planned";
 using Clock = std::chrono::steady_clock;
+
+// A training call of forward(), open from it until a backward pass that reaches its output ends, or until its
+// graph is freed without one (the output dropped).
+struct CallState {
+  bool ended = false;
+  detail::compat::WeakNode graph;              // the output's node: alive as long as the graph is
+  std::vector<std::function<void()>> waiting;  // run when the call ends
+  // The calls that ran inside this call's step (began while it was open): the step ends once they have.
+  std::vector<std::weak_ptr<CallState>> inside;
+  bool open() const { return !ended && graph.alive(); }
+};
+
+// Marks `call` as open while the graph of `out` is, until a backward pass that reaches `out` ends.
+void mark(const std::shared_ptr<CallState>& call, const torch::Tensor& out) {
+  if (!out.requires_grad() || !out.grad_fn()) return;
+  call->graph = detail::compat::WeakNode(out.grad_fn());
+  out.register_hook([call](const torch::Tensor& g) {
+    torch::autograd::Engine::get_default_engine().queue_callback([call] {
+      call->ended = true;
+      std::vector<std::function<void()>> waiting = std::move(call->waiting);
+      call->waiting.clear();
+      for (const auto& fn : waiting)
+        fn();
+    });
+    return g;
+  });
+}
+
+// Runs fn once every call that ran inside `call`'s step has ended: now, or at the end of the backward pass
+// that ends the last of them. A call whose graph was freed without one holds nothing, and is not waited for.
+void after_inside(const std::shared_ptr<CallState>& call, const std::function<void()>& fn) {
+  for (const auto& weak : call->inside) {
+    const std::shared_ptr<CallState> c = weak.lock();
+    if (c && c->open()) {
+      c->waiting.push_back([call, fn] { after_inside(call, fn); });
+      return;
+    }
+  }
+  fn();
+}
+
+bool inside_open(const CallState& call) {
+  for (const auto& weak : call.inside) {
+    const std::shared_ptr<CallState> c = weak.lock();
+    if (c && c->open()) return true;
+  }
+  return false;
+}
 
 std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
   std::vector<ArgsStageFn> out;
@@ -39,6 +88,8 @@ std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
 }
 
 }  // namespace
+
+struct PlannedImpl::Call : CallState {};
 
 PlannedImpl::PlannedImpl(std::vector<StageFn> stages, PlannedOptions options)
     : PlannedImpl(taking_args(std::move(stages)), std::move(options)) {
@@ -126,6 +177,31 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
   for (size_t i = 0; i < args.size(); ++i)
     TORCH_CHECK(args[i].device() == device, kWho, ": extra argument ", i, " is on ", args[i].device(),
                 " but the input is on ", device);
+  std::vector<std::shared_ptr<Call>> earlier;
+  for (const auto& c : calls_)
+    if (c->open()) earlier.push_back(c);
+  const auto call = std::make_shared<Call>();
+  calls_ = earlier;
+  calls_.push_back(call);
+  if (!earlier.empty()) {
+    // Inside an earlier call's step (two forwards before one backward pass): every stage checkpointed,
+    // nothing measured; that step holds this call's run, and ends once this call's backward pass has.
+    for (const auto& c : earlier)
+      c->inside.push_back(call);
+    if (!inside_said_) {
+      inside_said_ = true;
+      TORCH_WARN(
+          kWho, ": forward() was called for training while the graph of an earlier training call was ",
+          "alive (its backward pass had not run); such a call runs inside the earlier call's step: its ",
+          "stages run checkpointed, and the earlier call's plan is made for, and its peak measured over, ",
+          "the step with this call in it, so that the budget holds for both together (remat/planned.h)");
+    }
+    torch::Tensor h = x;
+    for (const StageFn& s : stages)
+      h = checkpoint(s.fn, h);
+    mark(call, h);
+    return h;
+  }
   Shape& shape = shapes_[key];
   last_ = &shape;
   if (shape.profile_loaded && !*shape.rest)
@@ -148,7 +224,9 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
           std::make_shared<memory::PeakWindow>(device);  // the step's peak, profiling's runs included
     }
     ++shape.steps_before_plan;
-    return profiling_step(shape, stages, x);
+    torch::Tensor out = profiling_step(shape, stages, x, call);
+    mark(call, out);
+    return out;
   }
   // The plan, and the step's peak above the base, measured to the end of its backward pass (in a window: the
   // statistics the caller reads are left alone).
@@ -165,18 +243,21 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
   }
   if (out.requires_grad()) {
     std::shared_ptr<int64_t> last = shape.last_peak;
-    out.register_hook([last, window](const torch::Tensor& g) {
-      // At the end of the user's backward pass (what runs before the stages included).
+    std::shared_ptr<CallState> self = call;
+    out.register_hook([last, window, self](const torch::Tensor& g) {
+      // At the end of the user's backward pass (what runs before the stages included), or later, where a call
+      // inside this step has its own after it.
       torch::autograd::Engine::get_default_engine().queue_callback(
-          [last, window] { *last = window->peak_over_base(); });
+          [last, window, self] { after_inside(self, [last, window] { *last = window->peak_over_base(); }); });
       return g;
     });
   }
+  mark(call, out);
   return out;
 }
 
 torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageFn>& stages,
-                                          const torch::Tensor& x) {
+                                          const torch::Tensor& x, const std::shared_ptr<Call>& call) {
   const c10::Device device = x.device();
   // Device work runs asynchronously: the rest of the step is timed from the moment the stages' work is
   // done to the moment the backward pass's work up to their output is.
@@ -223,12 +304,19 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
     readings->output_freed_bytes = out_storage.expired() ? out_bytes : 0;
     *measured = RestOfStep{rest->peak_over_base(), readings->rest_ms};
     // At the end of the user's backward pass: the step's peak, and that of what ran before the stages.
-    torch::autograd::Engine::get_default_engine().queue_callback([readings, step, after, done] {
-      readings->step_peak = step->peak_over_base();
-      if (*after)
-        readings->peak_after_chain_backward =
-            step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
-      *done = *readings;
+    std::shared_ptr<CallState> self = call;
+    torch::autograd::Engine::get_default_engine().queue_callback([readings, step, after, done, self, device] {
+      auto finish = [readings, step, after, done] {
+        readings->step_peak = step->peak_over_base();
+        if (*after)
+          readings->peak_after_chain_backward =
+              step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
+        *done = *readings;
+      };
+      // A call inside this step has its backward pass still to come: its peak, after the stages' backward
+      // pass, is this step's too (charged as the peak after the chain's backward pass).
+      if (inside_open(*self) && !*after) *after = std::make_unique<memory::PeakWindow>(device);
+      after_inside(self, finish);
     });
     return g;
   });

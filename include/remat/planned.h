@@ -34,7 +34,7 @@
 /// synchronized.
 ///
 /// Several calls before one backward pass (a contrastive or paired loss): a training call of forward() that
-/// begins while the graph of an earlier one is alive (no backward pass through its output has ended, and the
+/// begins while the graph of an earlier one is alive (no backward pass has reached its output, and the
 /// output's graph has not been freed) runs inside the earlier call's step: every stage under
 /// remat::checkpoint, nothing measured or planned, and a warning (TORCH_WARN) says so once per module. The
 /// earlier call's step runs from its base until its own backward pass and those of the calls inside it have
@@ -231,7 +231,7 @@ class PlannedImpl : public torch::nn::Module {
   std::vector<StageFn> bind(const std::vector<torch::Tensor>& args) const;
   bool training_now() const;
   // The training calls of forward() that may be open (a Call, planned.cpp: open from the call until a
-  // backward pass through its output ends or its graph is freed), the last one the call in progress.
+  // backward pass reaches its output or its graph is freed), the last one the call in progress.
   std::vector<std::shared_ptr<Call>> calls_;
   bool inside_said_ = false;  // a call inside an earlier one's step was said (TORCH_WARN)
 

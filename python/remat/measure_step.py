@@ -37,22 +37,24 @@ class _Token:
 
 
 class TrainingCall:
-    """One training call of the model (under grad, in training mode), open from its forward until a backward
-    pass that reaches one of its outputs ends, or until its graph is freed without one (its outputs dropped). A
-    call that begins while an earlier one is open runs inside that call's step (LayerPlan._step_begins)."""
+    """One training call of the model (under grad, in training mode), open from its forward until a backward pass
+    reaches one of its outputs, or until its graph is freed without one (its outputs dropped). A call that
+    begins while an earlier one is open runs inside that call's step (LayerPlan._step_begins). A backward pass
+    that reached it and raised (out of memory in a recompute) leaves it closed: the graph that the error holds
+    is not run again."""
 
-    __slots__ = ("ended", "step", "_graph", "_waiting")
+    __slots__ = ("reached", "step", "_graph", "_waiting")
 
-    def __init__(self, step: "Step | None" = None):
-        self.ended = False
-        self.step = step  # the call's Step; None for a call inside an earlier one's
+    def __init__(self):
+        self.reached = False  # a backward pass has reached one of the call's outputs
+        self.step: Step | None = None  # the call's Step; None for a call inside an earlier one's
         self._graph = None  # a weak reference to the _Token the call's graph holds
         self._waiting: list[Callable[[], None]] = []
 
     def tag(self, t) -> None:
         """Marks the graph of `t`, one of the call's outputs: a token in its autograd node's metadata (one token
-        for all of the call's outputs), and a hook that ends the call at the end of a backward pass that reaches
-        it. Tensors without a graph are left as they are."""
+        for all of the call's outputs), and a hook that closes the call when a backward pass reaches it. Tensors
+        without a graph are left as they are."""
         if not isinstance(t, torch.Tensor) or t.grad_fn is None:
             return
         token = self._graph() if self._graph is not None else None
@@ -63,23 +65,24 @@ class TrainingCall:
         t.register_hook(self._reached)
 
     def _reached(self, g):
-        queue_at_backward_end(self._end)
+        if not self.reached:
+            self.reached = True
+            queue_at_backward_end(self._end)
         return g
 
     def _end(self):
-        self.ended = True
         waiting, self._waiting = self._waiting, []
         for fn in waiting:
             fn()
 
     def when_ended(self, fn: Callable[[], None]) -> None:
-        """Runs fn at the end of the backward pass that ends this call (never, where its graph is dropped
-        without one)."""
+        """Runs fn at the end of the backward pass that reaches this call (never, where its graph is dropped
+        without one, or that pass raises)."""
         self._waiting.append(fn)
 
     def open(self) -> bool:
-        """Whether the call's graph is alive and no backward pass through it has ended."""
-        return not self.ended and self._graph is not None and self._graph() is not None
+        """Whether the call's graph is alive and no backward pass has reached it."""
+        return not self.reached and self._graph is not None and self._graph() is not None
 
 
 def storage_key(t: torch.Tensor) -> int:

@@ -27,29 +27,32 @@ namespace {
 constexpr const char* kWho = "remat::Planned";
 using Clock = std::chrono::steady_clock;
 
-// A training call of forward(), open from it until a backward pass that reaches its output ends, or until its
-// graph is freed without one (the output dropped).
+// A training call of forward(), open from it until a backward pass reaches its output, or until its graph is
+// freed without one (the output dropped). A backward pass that reached it and raised leaves it closed.
 struct CallState {
-  bool ended = false;
+  bool reached = false;                        // a backward pass has reached the call's output
   detail::compat::WeakNode graph;              // the output's node: alive as long as the graph is
-  std::vector<std::function<void()>> waiting;  // run when the call ends
+  std::vector<std::function<void()>> waiting;  // run at the end of the backward pass that reached it
   // The calls that ran inside this call's step (began while it was open): the step ends once they have.
   std::vector<std::weak_ptr<CallState>> inside;
-  bool open() const { return !ended && graph.alive(); }
+  bool open() const { return !reached && graph.alive(); }
 };
 
-// Marks `call` as open while the graph of `out` is, until a backward pass that reaches `out` ends.
+// Marks `call` as open while the graph of `out` is, until a backward pass reaches `out`; what waits for the
+// call runs at the end of that pass.
 void mark(const std::shared_ptr<CallState>& call, const torch::Tensor& out) {
   if (!out.requires_grad() || !out.grad_fn()) return;
   call->graph = detail::compat::WeakNode(out.grad_fn());
   out.register_hook([call](const torch::Tensor& g) {
-    torch::autograd::Engine::get_default_engine().queue_callback([call] {
-      call->ended = true;
-      std::vector<std::function<void()>> waiting = std::move(call->waiting);
-      call->waiting.clear();
-      for (const auto& fn : waiting)
-        fn();
-    });
+    if (!call->reached) {
+      call->reached = true;
+      torch::autograd::Engine::get_default_engine().queue_callback([call] {
+        std::vector<std::function<void()>> waiting = std::move(call->waiting);
+        call->waiting.clear();
+        for (const auto& fn : waiting)
+          fn();
+      });
+    }
     return g;
   });
 }

@@ -801,21 +801,31 @@ TEST_F(PlannedTest, BertAndResNetPlanTheirBlocksInOneLineAndTrainAsThePlainModel
 
 namespace {
 
+namespace {
+
+// A GPT of 4 layers and 4 heads with dropout 0.1, its vocabulary, sequence length and width as given.
+gpt_example::GPTConfig small_gpt(int64_t vocab, int64_t block_size, int64_t width) {
+  gpt_example::GPTConfig c;
+  c.vocab_size = vocab;
+  c.block_size = block_size;
+  c.n_layer = 4;
+  c.n_head = 4;
+  c.n_embd = width;
+  c.dropout = 0.1;
+  return c;
+}
+
+}  // namespace
+
 // examples/gpt's model as users write it, its head tied to its token embedding: the head's backward leaves
 // the embedding's partial gradient held through the blocks' backward (the embedding's gradient is summed at
 // its last use), which the step's model charges (StepContext::rest_grads_bytes, from the profiling step's
 // readings). Planned at three budgets between per-block checkpointing's peak and the plain step's, every
 // planned step's peak is within the budget and within 2% of the prediction.
 TEST_F(PlannedTest, ATiedGptStaysWithinTheBudgetAndThePrediction) {
-  gpt_example::GPTConfig c;
   // A large tied embedding beside short sequences: its partial gradient (4 MiB) outweighs the logits, and the
   // step's peak comes at the end of the blocks' backward, where the blocks' gradients have arrived beside it.
-  c.vocab_size = 4096;
-  c.block_size = 32;
-  c.n_layer = 4;
-  c.n_head = 4;
-  c.n_embd = 256;
-  c.dropout = 0.1;
+  const gpt_example::GPTConfig c = small_gpt(4096, 32, 256);
   torch::manual_seed(3);
   const auto idx = torch::randint(0, c.vocab_size, {8, c.block_size});
   const auto targets = torch::randint(0, c.vocab_size, {8, c.block_size});
@@ -1030,13 +1040,7 @@ TEST_F(PlannedTest, CallsBeforeOneBackwardPassRunInsideTheFirstCallsStepWhichHol
   // once the second call's backward pass has, and its plan is made for the step with the second call in it.
   // At the peak of the same two calls with every block checkpointed: every step the plain run's, within the
   // budget and 2% of the prediction, and the planned step's measured peak is the whole step's.
-  gpt_example::GPTConfig c;
-  c.vocab_size = 65;
-  c.block_size = 64;
-  c.n_layer = 4;
-  c.n_head = 4;
-  c.n_embd = 64;
-  c.dropout = 0.1;
+  const gpt_example::GPTConfig c = small_gpt(65, 64, 64);
   torch::manual_seed(3);
   const auto a = torch::randint(0, c.vocab_size, {2, c.block_size});
   const auto b = torch::randint(0, c.vocab_size, {8, c.block_size});

@@ -333,13 +333,14 @@ class Step:
         return {o.key for o in self.out_refs.values()}
 
     def inside_open(self) -> bool:
-        """Whether a call that ran inside this step is still open (its backward pass not yet ended)."""
+        """Whether a call that ran inside this step is still open (no backward pass has reached it yet)."""
         return any(c.open() for c in self.inside)
 
     def after_inside(self, fn: Callable[[], None]) -> None:
-        """Runs fn once every call that ran inside this step has ended: now, or at the end of the backward pass
-        that ends the last of them (a second call's, run after this call's own). A call whose graph is dropped
-        without a backward pass holds nothing any more, and is not waited for."""
+        """Runs fn once a backward pass has reached every call that ran inside this step, at the end of that pass:
+        now (it reached them in this call's own pass, or before), or at the end of the pass that reaches the last
+        of them (a second call's, run after this call's own). A call whose graph is dropped without a backward
+        pass holds nothing any more, and is not waited for."""
         pending = [c for c in self.inside if c.open()]
         if not pending:
             fn()

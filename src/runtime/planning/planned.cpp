@@ -57,8 +57,9 @@ void mark(const std::shared_ptr<CallState>& call, const torch::Tensor& out) {
   });
 }
 
-// Runs fn once every call that ran inside `call`'s step has ended: now, or at the end of the backward pass
-// that ends the last of them. A call whose graph was freed without one holds nothing, and is not waited for.
+// Runs fn once a backward pass has reached every call that ran inside `call`'s step, at the end of that pass:
+// now, or at the end of the pass that reaches the last of them. A call whose graph was freed without one
+// holds nothing, and is not waited for.
 void after_inside(const std::shared_ptr<CallState>& call, const std::function<void()>& fn) {
   for (const auto& weak : call->inside) {
     const std::shared_ptr<CallState> c = weak.lock();

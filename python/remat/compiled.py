@@ -31,6 +31,9 @@ __all__ = ["CHOICES_ATTR", "STEP", "compiled_call", "compiled_call_of", "compile
 
 CHOICES_ATTR = "_remat_choices"
 STEP = "step"
+# The step key of a call that runs inside an earlier call's step (LayerPlan._inside_earlier_call): every layer
+# checkpointed, whatever its shapes.
+INSIDE = ("inside an earlier call",)
 
 
 def compiled_module(m):
@@ -99,6 +102,8 @@ def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
     how = None
     if choices is not None and args and isinstance(args[0], torch.Tensor):
         key = choices.get(STEP)
+        if key == INSIDE:  # inside an earlier call's step: checkpointed in the graph, as a plan's choice would be
+            return checkpoint(fn, *args, use_reentrant=False)
         how = choices.get(key) if key is not None else None
         if how is not None and choices.get(("layer", key)) != layer_key(fn, args):
             how = None  # planned for other shapes: lp.dispatch decides

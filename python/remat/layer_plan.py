@@ -29,7 +29,7 @@ from torch import nn
 
 from . import _core, agreement, fit, oom
 from .fit import parse_budget
-from .compiled import CHOICES_ATTR, compiled_module, publish, set_step_key
+from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key
 from .layer_offload import LayerOffloads, layer_points
@@ -397,7 +397,7 @@ class LayerPlan:
         Said once."""
         self._unmeasured = True
         self._step = None
-        set_step_key(self.layers, ("inside an earlier call",))  # no plan: compiled layers come to dispatch
+        set_step_key(self.layers, INSIDE)  # compiled layers checkpoint in their graphs (compiled_call)
         if not self._inside_said:
             self._inside_said = True
             warnings.warn(

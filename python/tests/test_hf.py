@@ -512,6 +512,18 @@ def test_compiled_layers_run_the_plan_inside_their_graphs(how, meter):
     again = step(model, spec, 3, meter)
     same(again, plain[3])
     assert again[2] > mixed[1][2], (again[2], mixed[1][2])
+    # A second call before the backward pass runs inside the first's step, checkpointed in its compiled graph
+    # (before, through remat's eager dispatch: equal to rounding, not bitwise).
+    def two_calls_step(m):
+        m.zero_grad(set_to_none=True)
+        torch.manual_seed(1004)
+        loss = m(**batch(spec, 4)).loss + 0.5 * m(**batch(spec, 54)).loss
+        loss.backward()
+        return loss.detach(), [None if p.grad is None else p.grad.clone() for p in m.parameters()], 0, torch.rand(4)
+
+    want = two_calls_step(plain_model)
+    with pytest.warns(UserWarning, match="earlier training call"):
+        same(two_calls_step(model), want)
     lp.remove()
 
 

@@ -332,20 +332,21 @@ class Step:
         """The storage keys of the layers' outputs recorded so far (out_refs)."""
         return {o.key for o in self.out_refs.values()}
 
-    def inside_open(self) -> bool:
-        """Whether a call that ran inside this step is still open (no backward pass has reached it yet)."""
-        return any(c.open() for c in self.inside)
+    def open_inside(self) -> "TrainingCall | None":
+        """The first call that ran inside this step and is still open (no backward pass has reached it yet), or
+        None."""
+        return next((c for c in self.inside if c.open()), None)
 
     def after_inside(self, fn: Callable[[], None]) -> None:
         """Runs fn once a backward pass has reached every call that ran inside this step, at the end of that pass:
         now (it reached them in this call's own pass, or before), or at the end of the pass that reaches the last
         of them (a second call's, run after this call's own). A call whose graph is dropped without a backward
         pass holds nothing any more, and is not waited for."""
-        pending = [c for c in self.inside if c.open()]
-        if not pending:
+        pending = self.open_inside()
+        if pending is None:
             fn()
         else:
-            pending[0].when_ended(lambda: self.after_inside(fn))
+            pending.when_ended(lambda: self.after_inside(fn))
 
     def peak(self) -> int:
         """The window's peak since its last reset()."""
@@ -540,7 +541,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.held_to_end = [o is not None and o.ref is not None and not o.ref.expired()
                             for o in outs] + [out_ref is not None and not out_ref.expired()]
         after = step.peak() if prefix_backward else -1
-        if step.inside_open():
+        if step.open_inside() is not None:
             # A call that ran inside this step has its backward pass still to come: its peak, after the layers'
             # backward pass, is this step's too (charged as the peak after the layers' backward).
             step.reset()

@@ -514,16 +514,9 @@ def test_compiled_layers_run_the_plan_inside_their_graphs(how, meter):
     assert again[2] > mixed[1][2], (again[2], mixed[1][2])
     # A second call before the backward pass runs inside the first's step, checkpointed in its compiled graph
     # (before, through remat's eager dispatch: equal to rounding, not bitwise).
-    def two_calls_step(m):
-        m.zero_grad(set_to_none=True)
-        torch.manual_seed(1004)
-        loss = m(**batch(spec, 4)).loss + 0.5 * m(**batch(spec, 54)).loss
-        loss.backward()
-        return loss.detach(), [None if p.grad is None else p.grad.clone() for p in m.parameters()], 0, torch.rand(4)
-
-    want = two_calls_step(plain_model)
+    want = two_calls(plain_model, 4, "one", meter, first=64, second=64)
     with pytest.warns(UserWarning, match="earlier training call"):
-        same(two_calls_step(model), want)
+        same(two_calls(model, 4, "one", meter, first=64, second=64), want)
     lp.remove()
 
 
@@ -792,10 +785,10 @@ def paired_llama(hidden=64, layers=4):
 
 
 def two_calls(model, k, order, meter, batch=4, first=128, second=64):
-    """Step k with two training calls of paired_llama before their backward passes (a contrastive or paired
-    loss), on batches of `batch` sequences of lengths `first` and `second`. order "one": one backward pass for
-    both; "second first" or "first first": a backward pass for each, in that order. (loss, gradients, peak above
-    the first call's base, next draw)."""
+    """Step k with two training calls of a causal LM (paired_llama, or any whose vocabulary holds 128 tokens)
+    before their backward passes (a contrastive or paired loss), on batches of `batch` sequences of lengths
+    `first` and `second`. order "one": one backward pass for both; "second first" or "first first": a backward
+    pass for each, in that order. (loss, gradients, peak above the first call's base, next draw)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1000 + k)
     g = torch.Generator().manual_seed(100 + k)

@@ -57,26 +57,24 @@ void mark(const std::shared_ptr<CallState>& call, const torch::Tensor& out) {
   });
 }
 
+// The first call that ran inside `call`'s step and is still open, or null.
+std::shared_ptr<CallState> open_inside(const CallState& call) {
+  for (const auto& weak : call.inside) {
+    std::shared_ptr<CallState> c = weak.lock();
+    if (c && c->open()) return c;
+  }
+  return nullptr;
+}
+
 // Runs fn once a backward pass has reached every call that ran inside `call`'s step, at the end of that pass:
 // now, or at the end of the pass that reaches the last of them. A call whose graph was freed without one
 // holds nothing, and is not waited for.
 void after_inside(const std::shared_ptr<CallState>& call, const std::function<void()>& fn) {
-  for (const auto& weak : call->inside) {
-    const std::shared_ptr<CallState> c = weak.lock();
-    if (c && c->open()) {
-      c->waiting.push_back([call, fn] { after_inside(call, fn); });
-      return;
-    }
+  if (const std::shared_ptr<CallState> c = open_inside(*call)) {
+    c->waiting.push_back([call, fn] { after_inside(call, fn); });
+  } else {
+    fn();
   }
-  fn();
-}
-
-bool inside_open(const CallState& call) {
-  for (const auto& weak : call.inside) {
-    const std::shared_ptr<CallState> c = weak.lock();
-    if (c && c->open()) return true;
-  }
-  return false;
 }
 
 std::vector<ArgsStageFn> taking_args(std::vector<StageFn> stages) {
@@ -200,9 +198,8 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
           "stages run checkpointed, and the earlier call's plan is made for, and its peak measured over, ",
           "the step with this call in it, so that the budget holds for both together (remat/planned.h)");
     }
-    torch::Tensor h = x;
-    for (const StageFn& s : stages)
-      h = checkpoint(s.fn, h);
+    torch::Tensor h = checkpoint_sequential(stages, static_cast<int64_t>(stages.size()), x,
+                                            SequentialOptions().checkpoint_last_segment(true));
     mark(call, h);
     return h;
   }
@@ -319,7 +316,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
       };
       // A call inside this step has its backward pass still to come: its peak, after the stages' backward
       // pass, is this step's too (charged as the peak after the chain's backward pass).
-      if (inside_open(*self) && !*after) *after = std::make_unique<memory::PeakWindow>(device);
+      if (open_inside(*self) && !*after) *after = std::make_unique<memory::PeakWindow>(device);
       after_inside(self, finish);
     });
     return g;

@@ -236,6 +236,25 @@ TEST_F(PlannedTest, ANewShapeIsProfiledAndPlannedAnewAndAShapeSeenBeforeKeepsIts
     EXPECT_EQ((*net->planned)->is_planned(), planned_after[s]) << "step " << s;
   }
   EXPECT_EQ((*net->planned)->profiling_steps(), 1);
+  EXPECT_EQ((*net->planned)->profiled_shapes(), 2);
+  // Each new shape profiles again: as the step of the eighth begins (kProfiledShapesWarnedAt), a warning
+  // names the shapes, once; every step stays the plain run's.
+  ASSERT_EQ(remat::kProfiledShapesWarnedAt, 8);
+  for (const int64_t length : {16, 20, 24, 28, 36, 40, 44, 16}) {
+    const torch::Tensor x = torch::randn({8, length, 8});
+    remat::detail::compat::WarningCapture capture;
+    expect_step_as_plain(plain, net, x, 300 + length, "sequence " + std::to_string(length));
+    const int64_t shapes = (*net->planned)->profiled_shapes();
+    if (shapes == 8 && length == 40) {
+      ASSERT_EQ(capture.messages.size(), 1u);
+      EXPECT_NE(capture.messages[0].find("8 shapes so far (the input's shapes: [8, 16, 32], [8, 20, 32]"),
+                std::string::npos)
+          << capture.messages[0];
+    } else {
+      EXPECT_TRUE(capture.messages.empty()) << "sequence " << length << ": " << capture.messages[0];
+    }
+  }
+  EXPECT_EQ((*net->planned)->profiled_shapes(), 9);
 }
 
 TEST_F(PlannedTest, APlannedModuleGoneBeforeTheBackwardPassLeavesNothingDangling) {

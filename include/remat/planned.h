@@ -183,6 +183,11 @@ class PlannedImpl : public torch::nn::Module {
   int64_t budget_lowered_bytes() const;
   /// Training steps run before the plan for the last shape came into force.
   int64_t profiling_steps() const;
+  /// How many input shapes have been profiled (each in its own first training step; a shape planned from
+  /// use_profile() is not). As the step of the kProfiledShapesWarnedAt-th (8, remat/planner/step.h) begins, a
+  /// warning (TORCH_WARN, once per module) names the shapes and the seconds their profiles took: inputs
+  /// padded to a few lengths are profiled once per length.
+  int64_t profiled_shapes() const;
   /// What the profiling step measured of the rest of the step for the last shape, or nullptr.
   const RestOfStep* rest_of_step() const;
   /// The profiling step's readings for the last shape (remat/planner/step.h: what step_context() turned into
@@ -202,6 +207,7 @@ class PlannedImpl : public torch::nn::Module {
     int64_t predicted = -1;
     int64_t steps_before_plan = 0;
     bool profile_loaded = false;  // the chain came from use_profile()
+    double profile_seconds = 0;   // what profile_chain took for this shape
     std::shared_ptr<int64_t> last_peak = std::make_shared<int64_t>(-1);
     // fit_device: the device's memory when the profiling step began, and the budget made from it (bytes).
     std::optional<memory::DeviceMemory> at_start;
@@ -234,6 +240,9 @@ class PlannedImpl : public torch::nn::Module {
   // backward pass reaches its output or its graph is freed), the last one the call in progress.
   std::vector<std::shared_ptr<Call>> calls_;
   bool inside_said_ = false;  // a call inside an earlier one's step was said (TORCH_WARN)
+  // A new input shape's step begins: at the kProfiledShapesWarnedAt-th, the warning profiled_shapes() names.
+  void new_shape(const Key& key);
+  bool many_shapes_said_ = false;
 
   std::vector<ArgsStageFn> stages_;
   std::shared_ptr<HostPool> host_pool_ = std::make_shared<HostPool>();

@@ -266,6 +266,12 @@ int64_t min_step_budget(const Chain& chain, const StepContext& context,
 /// The tolerance of check_prediction() by default: 2% of the prediction.
 inline constexpr double kPredictionTolerance = 0.02;
 
+/// A planned model's input shapes (each profiled in its own first training step, which takes about three to
+/// four planned steps' time) at which a warning says what the shapes have cost and how to have fewer (batches
+/// padded to a few lengths): remat::Planned and the Python package's LayerPlan each warn once, as the step of
+/// this many-th shape begins.
+inline constexpr int kProfiledShapesWarnedAt = 8;
+
 /// A planned step's measured peak against its prediction, and what a runtime does about it (the rule both
 /// use: remat::Planned and the Python package's LayerPlan).
 struct PredictionCheck {

@@ -7,6 +7,8 @@
 #include <torch/cuda.h>
 
 #include <chrono>
+#include <iomanip>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <unordered_set>
@@ -212,6 +214,7 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
   if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
   if (shape.plan && options_.replan_on_overshoot() && !shape.overshoot_checked && *shape.last_peak >= 0)
     replan_on_overshoot(shape);
+  if (!shape.chain) new_shape(key);
   if (!shape.plan) {
     if (options_.fit_device() != 0) {
       // What the device has, read before anything of the step runs (a CPU has nothing to read: an error that
@@ -267,6 +270,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   };
   if (!shape.chain) {
     // The profiler puts gradients, buffers and the generators back, so the step below is the plain run's.
+    const auto t0 = Clock::now();
     shape.chain =
         profile_chain(stages, x,
                       ProfileOptions()
@@ -275,6 +279,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
                           .policies(options_.policies())
                           .offload_min_bytes(options_.planner().offload ? options_.offload_min_bytes() : -1)
                           .groups(options_.groups()));
+    shape.profile_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   }
   // Every stage checkpointed (the profiler's own memory bound), read at the points remat/planner/step.h
   // names: StepReadings, which step_context() turns into the step's model, as the Python package does. The
@@ -520,6 +525,48 @@ int64_t PlannedImpl::budget_lowered_bytes() const {
 }
 int64_t PlannedImpl::profiling_steps() const {
   return last_ ? last_->steps_before_plan : 0;
+}
+int64_t PlannedImpl::profiled_shapes() const {
+  int64_t n = 0;
+  for (const auto& [key, shape] : shapes_)
+    n += shape.chain && !shape.profile_loaded;
+  return n;
+}
+
+void PlannedImpl::new_shape(const Key& key) {
+  if (many_shapes_said_ || profiled_shapes() + 1 < kProfiledShapesWarnedAt) return;
+  many_shapes_said_ = true;
+  // The shapes, by the first tensor whose shape differs between them (the input's, or an extra argument's).
+  std::vector<const Key*> keys;
+  double seconds = 0;
+  for (const auto& [k, shape] : shapes_)
+    if (shape.chain && !shape.profile_loaded) {
+      keys.push_back(&k);
+      seconds += shape.profile_seconds;
+    }
+  keys.push_back(&key);
+  std::string which = "shapes of the input and the extra arguments";
+  std::ostringstream shapes;
+  for (size_t j = 0; j < key.size(); ++j) {
+    bool differ = false;
+    for (const Key* k : keys)
+      differ = differ || k->size() != key.size() || (*k)[j] != key[j];
+    if (!differ) continue;
+    which = j == 0 ? "the input's shapes" : "extra argument " + std::to_string(j - 1) + "'s shapes";
+    for (size_t i = 0; i < keys.size(); ++i) {
+      if (keys[i]->size() != key.size()) continue;
+      shapes << (shapes.tellp() > 0 ? ", " : ": ") << c10::IntArrayRef((*keys[i])[j]);
+    }
+    break;
+  }
+  std::ostringstream took;
+  took << std::fixed << std::setprecision(1) << seconds;
+  TORCH_WARN(
+      kWho, ": this training step's input shape is new, so its step profiles the stages, as the first step ",
+      "of each new shape does: ", keys.size(), " shapes so far (", which, shapes.str(), "), ", took.str(),
+      " s of profiling besides those steps' own runs. ",
+      "Inputs padded to a few lengths are profiled once per length; profiled_shapes() counts the shapes ",
+      "(remat/planned.h). Said once");
 }
 const RestOfStep* PlannedImpl::rest_of_step() const {
   return last_ && *last_->rest ? &**last_->rest : nullptr;

@@ -13,8 +13,8 @@ as the C++ library and the ``remat`` command (``remat.Chain.from_json``, ``chain
 ``str(plan)`` is the C++ ``Plan::to_string()``. Budgets are bytes.
 """
 from . import _core, inplace, offload  # inplace: the old path of enable and LayerPlan, kept working
-from ._core import (PREDICTION_TOLERANCE, STRATEGY_WORDS, Chain, InfeasibleBudget, MemoryBreakdown, OffloadCost,
-                    Op, OpKind, Plan, PolicyCost, SavedGroup,
+from ._core import (PREDICTION_TOLERANCE, PROFILED_SHAPES_WARNED_AT, STRATEGY_WORDS, Chain, InfeasibleBudget,
+                    MemoryBreakdown, OffloadCost, Op, OpKind, Plan, PolicyCost, SavedGroup,
                     Simulation, Stage, StepContext, StepPlan, check_plan, check_prediction, checkpoint_all, checkpoint_stages,
                     format_bytes, group_cost, load_chain, make_plan, memory_breakdown, min_feasible_budget, min_step_budget,
                     no_checkpoint, optimal, parse_size, per_call_time_ms, per_layer, per_layer_min_budget,
@@ -35,7 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointedSequential", "Chain", "InfeasibleBudget", "LayerPlan", "MATMUL_OPS", "MaxBatch", "MemoryBreakdown",
-    "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREDICTION_TOLERANCE", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "ProfileProgress", "Restore", "RestoreBuffers", "SavedGroup",
+    "MUST_CPU_OFFLOAD", "MeterUnavailable", "OffloadCost", "Op", "OpKind", "POLICIES", "POLICY_OFFLOAD", "PREDICTION_TOLERANCE", "PROFILED_SHAPES_WARNED_AT", "PREFER_CPU_OFFLOAD", "Placement", "Plan", "PolicyCost", "ProfileProgress", "Restore", "RestoreBuffers", "SavedGroup",
     "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "check_prediction", "checkpoint",
     "checkpoint_all",
     "checkpoint_context", "checkpoint_stages", "choices_of", "cpu_meter", "enable", "explain_placement",

@@ -50,7 +50,7 @@ class LayerPlan:
     the C++ Plan::to_string()), choices ("keep", "checkpoint" or a policy's name, per layer), chain (the
     profile, a remat.Chain: chain.to_json() is the remat command's chain JSON), context (the StepContext
     measured), predicted_peak_bytes, last_peak_bytes (the step's measured peak above its base, after a planned
-    step's backward pass; -1 for a given plan, which is run without measuring), profiling_steps.
+    step's backward pass; -1 for a given plan, which is run without measuring), profiling_steps, profiled_shapes.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
@@ -150,6 +150,7 @@ class LayerPlan:
         # a call inside an earlier one's step was said (_inside_earlier_call).
         self._calls: list[TrainingCall] = []
         self._inside_said = False
+        self._many_shapes_said = False  # _new_shape's warning was given
         self._params = [p for p in model.parameters()]
 
     # -- copies: copy.deepcopy(model), pickle, torch.save(model) ---------------------------------------------------
@@ -165,7 +166,7 @@ class LayerPlan:
     # Fields added since a LayerPlan first pickled, which a pickle from an earlier remat lacks, each with the
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
-                     _budget_text=None, _calls=list, _inside_said=False)
+                     _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -270,6 +271,13 @@ class LayerPlan:
     @property
     def profiling_steps(self) -> int:
         return self._last.profiling_steps if self._last else 0
+
+    @property
+    def profiled_shapes(self) -> int:
+        """How many input shapes (step keys: the shapes of the tensors the model's call takes, and which
+        parameters are frozen) have been profiled, each in its first training step; a copy counts those it
+        carries. At remat.PROFILED_SHAPES_WARNED_AT (8) a warning says what they cost (_new_shape)."""
+        return sum(1 for shape in self._shapes.values() if shape.chain is not None)
 
     @property
     def profiling_time(self) -> dict[str, float]:
@@ -382,11 +390,35 @@ class LayerPlan:
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
         key = ("model", call_key(args, kwargs), self._frozen())
+        self._new_shape(key)
         self._step = call.step = self._new_step(self._device_of(args), key)
         self._step.key = key
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
         set_step_key(self.layers, key)
+
+    def _new_shape(self, key):
+        """A training step under `key` begins. Where it is a new input shape, its step profiles the layers (several
+        planned steps' time: docs/python.md, "Many input shapes"): at the remat.PROFILED_SHAPES_WARNED_AT-th such
+        shape a warning says what the shapes cost so far and how to have fewer (batches padded to a few lengths).
+        Said once per model."""
+        shape = self._shapes.get(key)
+        if self._many_shapes_said or (shape is not None and (shape.chain is not None or shape.no_backward)):
+            return
+        profiled = [s for s in self._shapes.values() if s.chain is not None]
+        if len(profiled) + 1 < _core.PROFILED_SHAPES_WARNED_AT:
+            return
+        self._many_shapes_said = True
+        seconds = sum(sum(s.profiling_time.values()) for s in profiled)
+        warnings.warn(
+            f"{self.who}: this training step's input shape is new, so its step profiles the layers, as the first "
+            f"step of each new shape does: {len(profiled) + 1} shapes so far "
+            f"({_varying([s.key for s in profiled] + [key])}), {seconds:.1f} s of profiling besides those steps' "
+            "own runs. Batches padded to a few lengths are profiled "
+            "once per length (Hugging Face: DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64), or "
+            "padding=\"max_length\"); LayerPlan.profiled_shapes counts the shapes (docs/python.md, \"Many input "
+            "shapes\"). Said once",
+            stacklevel=_caller_level())
 
     def _inside_earlier_call(self):
         """A training call that began while an earlier one's graph was alive (two forwards before one backward
@@ -646,6 +678,36 @@ class _Unwrap:
 
 _TORCH_MODULES = os.path.dirname(nn.Module.__init__.__code__.co_filename)
 _REMAT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _varying(keys: list) -> str:
+    """The step keys' input shapes in words, for _new_shape's warning: the shapes of the first tensor whose shape
+    differs between them, named by where it was passed (input_ids: (8, 128), (8, 120), ...; the last eight), or
+    how many keys there are where they differ otherwise (other tensors, frozen parameters)."""
+    calls = [k[1] for k in keys]
+    if len({len(c) for c in calls}) == 1:
+        for j in range(len(calls[0])):
+            shapes = [tuple(c[j][-2]) for c in calls]
+            if len(set(shapes)) > 1:
+                more = "..., " if len(shapes) > 8 else ""
+                return f"{_where(keys[0][0], j, calls[0][j])}: {more}" + ", ".join(map(str, shapes[-8:]))
+    return "keys that differ in other tensors, or in which parameters are frozen"
+
+
+def _where(kind: str, j: int, entry: tuple) -> str:
+    """Where the j-th tensor of a step key (call_key's entry, or layer_key's for layers called outside the
+    model's forward) was passed: "input_ids", "args[0]", "the first layer's input"."""
+    if kind != "model":
+        return "the first layer's input" if j == 0 else f"tensor {j} of the first layer's call"
+
+    def name(where):
+        if not isinstance(where, tuple):
+            return str(where)
+        head, last = where
+        return (last if head == "kwargs" else f"{name(head)}.{last}") if isinstance(last, str) \
+            else f"{name(head)}[{last}]"
+
+    return name(entry[0])
 
 
 def _caller_level() -> int:

@@ -610,6 +610,7 @@ NB_MODULE(_core, m) {
       .def_ro("replan_budget_bytes", &remat::PredictionCheck::replan_budget_bytes,
               "the budget to plan again for, or -1");
   m.attr("PREDICTION_TOLERANCE") = remat::kPredictionTolerance;
+  m.attr("PROFILED_SHAPES_WARNED_AT") = remat::kProfiledShapesWarnedAt;
   m.def("check_prediction", &remat::check_prediction, "predicted_bytes"_a, "measured_bytes"_a,
         "budget_bytes"_a, "tolerance"_a = remat::kPredictionTolerance);
   m.def("describe_out_of_memory", &remat::describe_out_of_memory, "oom"_a, "last"_a = "");

@@ -2,12 +2,15 @@
 the executor of full schedules (remat.CheckpointedSequential). Every way gives the plain run's loss, gradients,
 next random draw and BatchNorm statistics, bitwise; recomputations are counted; measured peaks are checked
 against the predictions."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 import remat
 
+import conftest
 from conftest import assert_same_run, mlp, preallocate, train_step
 
 X = None
@@ -412,6 +415,31 @@ def test_layers_called_outside_the_model_with_other_shapes_run_no_plan_made_for_
                                          r"float32, but this step's plan was made with \[4, 16\] float32, \[3\]"):
         got = step(layers, 5)
     assert all(torch.equal(a, b) for a, b in zip(step(plain, 5), got))
+
+
+def test_each_new_input_shape_is_profiled_and_the_eighth_is_said_once():
+    # A batch of another size is another step key: its first step profiles the layers, every step the plain
+    # run's. As the eighth such shape's step begins (remat.PROFILED_SHAPES_WARNED_AT), a warning names the
+    # shapes and what their profiles took, once; a copy counts the shapes it carries.
+    import copy
+    assert remat.PROFILED_SHAPES_WARNED_AT == 8
+    model, plain = mlp(depth=3), mlp(depth=3)
+    lp = remat.enable(model, list(model), budget=1 << 40)
+    for n in (2, 3, 4, 5, 6, 7, 2, 8, 9, 10, 3):
+        x = x_of(batch=n)
+        if n == 9:
+            with pytest.warns(UserWarning, match=r"8 shapes so far \(args\[0\]: \(2, 64\), \(3, 64\), \(4, 64\), "
+                                                 r"\(5, 64\), \(6, 64\), \(7, 64\), \(8, 64\), \(9, 64\)\)") as said:
+                got = train_step(model, x, set_to_none=True)
+            assert len(said) == 1 and said[0].filename == conftest.__file__  # train_step's call of the model
+        else:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                got = train_step(model, x, set_to_none=True)
+            assert not [w for w in said if "shapes so far" in str(w.message)], n
+        assert_same_run(train_step(plain, x, set_to_none=True), got)
+    assert lp.profiled_shapes == 9 and lp.profiling_steps == 1
+    assert copy.deepcopy(model)[0].__dict__[remat.inplace.LAYER_PLAN_ATTR].profiled_shapes == 9
 
 
 def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):

@@ -776,7 +776,7 @@ def test_a_peft_model_is_planned_through_its_base_model(meter):
 
 def paired_llama(hidden=64, layers=4):
     """A Llama with a vocabulary of 128 (its LM head small beside the layers), random weights, in training mode:
-    the model two_calls calls (bench/calls_before_backward.py's too)."""
+    the model two_calls calls (bench/calls_before_backward.py's too), and bench/many_shapes.py's."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=4 * hidden,
                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,

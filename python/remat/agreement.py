@@ -6,7 +6,7 @@ import torch
 
 from . import _core
 
-__all__ = ["agree", "agreeing", "check_agree", "least_room"]
+__all__ = ["agree", "agreeing", "any_rank", "check_agree", "least_room"]
 
 
 def check_agree(agree, who: str):
@@ -51,6 +51,23 @@ def agree(chain, ctx) -> None:
     dist.all_reduce(t_int, op=dist.ReduceOp.MAX)
     dist.all_reduce(t_real, op=dist.ReduceOp.MAX)
     _core.set_plan_figures(chain, ctx, t_int.tolist(), t_real.tolist())
+
+
+_CONTROL: dict = {}  # the default process group any_rank last ran under, and its Gloo group (None: the default)
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank of the default process group: one all-reduce of one integer, on the CPU
+    (on the default group where it is Gloo's, else on a Gloo group made for it at the first call, a collective
+    too). Every rank calls it at the same point: the beginning of each training step of a planned model whose
+    ranks profile in lockstep (LayerPlan._profile_in_lockstep)."""
+    import torch.distributed as dist
+    world = dist.group.WORLD
+    if _CONTROL.get("world") is not world:  # (held: a group made again is another object)
+        _CONTROL.update(world=world, group=None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL["group"])
+    return bool(t.item())
 
 
 def least_room(room: tuple[int, int, int, int]) -> tuple[int, int, int, int]:

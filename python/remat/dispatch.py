@@ -56,6 +56,7 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         if step is None or step.shape is not None:  # layers called outside the model's forward
             # Outside the model's forward: the first layer's shapes (and the frozen parameters, as for the model's).
             key = ("layer 0", layer_key(fn, args), lp._frozen())
+            lp._profile_in_lockstep(key)
             lp._new_shape(key)
             step = lp._step = lp._new_step(x.device, key)
             step.input_in_base = True  # the base is taken here, the layers' input alive

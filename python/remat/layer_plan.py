@@ -390,12 +390,37 @@ class LayerPlan:
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
         key = ("model", call_key(args, kwargs), self._frozen())
+        self._profile_in_lockstep(key)
         self._new_shape(key)
         self._step = call.step = self._new_step(self._device_of(args), key)
         self._step.key = key
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
         set_step_key(self.layers, key)
+
+    def _profile_in_lockstep(self, key):
+        """Under a process group of more than one rank whose ranks agree on plans (agree), or whose layers FSDP2
+        shards: a training step under `key` begins, and the ranks profile together or not at all. Where any rank
+        profiles this step (its input shape is new to it), every rank does, one whose shape has a plan profiling
+        it again: the collectives of a profiling step (agreement.agree at the end of its backward pass, FSDP2's
+        all-gathers while the layers are profiled, least_room) then meet on every rank. Before (found
+        2026-12-02), a rank whose batch had another shape profiled alone, and its agreement met the other ranks'
+        next collective: Gloo aborted ("collective mismatch"), NCCL would hang or mix buffers. One all-reduce of
+        an integer per step (agreement.any_rank)."""
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            FSDPModule = None  # noqa: N806
+        sharded = FSDPModule is not None and any(isinstance(m, FSDPModule) for m in (self.model, *self.layers))
+        if not (sharded or agreement.agreeing(self.agree, self.who)):
+            return
+        shape = self._shapes.get(key)
+        new = shape is None or (shape.chain is None and not shape.no_backward)
+        if agreement.any_rank(new) and not new and not shape.no_backward:
+            self._shapes[key] = Shape(key)  # profiled again, with the ranks whose shape is new
 
     def _new_shape(self, key):
         """A training step under `key` begins. Where it is a new input shape, its step profiles the layers (several
@@ -625,7 +650,9 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     profiling step's backward pass, remat.InfeasibleBudget naming the least feasible budget when none fits.
     agree: every rank of a torch.distributed process group plans from the same numbers (each figure's maximum
     over the ranks), so that all run the same plan, one that fits each (C++'s PlannedOptions::agree); None (the
-    default) turns it on when a process group of more than one rank is initialized.
+    default) turns it on when a process group of more than one rank is initialized. The ranks then profile in
+    lockstep (one all-reduce of an integer as each training step begins): where any rank's input shape is new to
+    it, every rank profiles that step; so do the ranks of layers FSDP2 shards, agree or not.
     offload=True: the planner may also offload a layer (its choice "keep@host", "checkpoint@host" or a policy's,
     "matmuls@host": what it saves, a checkpointed layer's input, or a policy's kept tensors and its input,
     copied to host memory while the next layer runs and brought back while the backward pass runs the layer

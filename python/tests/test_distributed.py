@@ -39,7 +39,7 @@ def leave_group():
     dist.destroy_process_group()
 
 
-def worker(rank, port, agree, out):
+def worker(rank, port, agree, out, ragged=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -70,10 +70,12 @@ def worker(rank, port, agree, out):
                                   offload=True, offload_min_bytes=0)
             ddp = nn.parallel.DistributedDataParallel(model)
             losses = []
-            for step in range(3):
+            # ragged: rank 1's batches of the second and fourth steps are shorter (a shape only it sees).
+            for step, n in enumerate([8, 6 if ragged and rank == 1 else 8, 8, 6 if ragged and rank == 1 else 8]
+                                     if ragged else [8] * 3):
                 ddp.zero_grad(set_to_none=True)
                 torch.manual_seed(step)
-                loss = ddp(x).square().mean()
+                loss = ddp(x[:n]).square().mean()
                 loss.backward()
                 losses.append(loss.detach())
             results[way] = dict(losses=torch.stack(losses), grads=[p.grad.clone() for p in model.parameters()])
@@ -93,10 +95,10 @@ def worker(rank, port, agree, out):
         leave_group()
 
 
-def run(agree):
+def run(agree, ragged=False):
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.pt")
-        mp.spawn(worker, args=(free_port(), agree, out), nprocs=2, join=True)
+        mp.spawn(worker, args=(free_port(), agree, out, ragged), nprocs=2, join=True)
         return torch.load(out)
 
 
@@ -115,6 +117,18 @@ def test_ranks_agree_on_one_plan_under_ddp():
     r = run(agree=False)
     a, b = r["gathered"]
     assert a["chain"] != b["chain"]
+
+
+def test_ranks_whose_batches_differ_in_shape_profile_together():
+    # Rank 1's second batch has a shape rank 0 never sees. Before, rank 1 profiled alone and its agreement's
+    # all-reduce met rank 0's next collective: Gloo aborted the process ("collective mismatch"). Now the ranks
+    # profile together (rank 0 its own shape again) and plan from the same figures: every step the plain DDP
+    # run's, one plan on both ranks, each rank's link measured at both profiling steps.
+    r = run(agree=True, ragged=True)
+    assert r["same_steps"], "a remat step differs from the plain DDP run's"
+    a, b = r["gathered"]
+    assert a["plan"] == b["plan"]
+    assert len(a["measured"]) == len(b["measured"]) == 2
 
 
 # FSDP2 (fully_shard on each decoder layer, then on the model, as torchtitan and accelerate shard): a given

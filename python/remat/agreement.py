@@ -2,6 +2,8 @@
 all run the same plan, one that fits each rank's measurements (C++'s PlannedOptions::agree)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import _core
@@ -53,7 +55,9 @@ def agree(chain, ctx) -> None:
     _core.set_plan_figures(chain, ctx, t_int.tolist(), t_real.tolist())
 
 
-_CONTROL: dict = {}  # the default process group any_rank last ran under, and its Gloo group (None: the default)
+# The default process group any_rank last ran under, and the Gloo group it runs on (None: the default group), each
+# by weak reference: c10d holds them until destroy_process_group, and remat does not keep them alive after it.
+_CONTROL: dict = {}
 
 
 def any_rank(flag: bool) -> bool:
@@ -63,10 +67,15 @@ def any_rank(flag: bool) -> bool:
     ranks profile in lockstep (LayerPlan._profile_in_lockstep)."""
     import torch.distributed as dist
     world = dist.group.WORLD
-    if _CONTROL.get("world") is not world:  # (held: a group made again is another object)
-        _CONTROL.update(world=world, group=None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo"))
+    if dist.get_backend() == "gloo":
+        group = None
+    else:
+        held = _CONTROL.get("world")
+        if held is None or held() is not world:  # the first call under this group (a group made again is another)
+            _CONTROL.update(world=weakref.ref(world), group=weakref.ref(dist.new_group(backend="gloo")))
+        group = _CONTROL["group"]()
     t = torch.tensor([int(flag)], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CONTROL["group"])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 

@@ -384,13 +384,13 @@ class LayerPlan:
             self._unmeasured = True
             self._step = None
             return
+        key = ("model", call_key(args, kwargs), self._frozen())
+        self._profile_in_lockstep(key)
         if not self._shapes or any(shape.chain is None for shape in self._shapes.values()):
             # A step that may profile: garbage in reference cycles is collected before the base is read. Collected
             # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
-        key = ("model", call_key(args, kwargs), self._frozen())
-        self._profile_in_lockstep(key)
         self._new_shape(key)
         self._step = call.step = self._new_step(self._device_of(args), key)
         self._step.key = key

@@ -208,6 +208,8 @@ class PlannedImpl : public torch::nn::Module {
     int64_t steps_before_plan = 0;
     bool profile_loaded = false;  // the chain came from use_profile()
     double profile_seconds = 0;   // what profile_chain took for this shape
+    // Profiled in a training step of this shape (profiled_shapes() counts these).
+    bool profiled() const { return chain && !profile_loaded; }
     std::shared_ptr<int64_t> last_peak = std::make_shared<int64_t>(-1);
     // fit_device: the device's memory when the profiling step began, and the budget made from it (bytes).
     std::optional<memory::DeviceMemory> at_start;

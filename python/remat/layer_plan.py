@@ -33,7 +33,8 @@ from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_k
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import Shape, Step, TrainingCall, measure_planned_step, step_context, storage_key
+from .measure_step import (Shape, Step, TrainingCall, measure_planned_step, sharded_modules, step_context,
+                           storage_key)
 from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
@@ -410,25 +411,26 @@ class LayerPlan:
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
-        try:
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:
-            FSDPModule = None  # noqa: N806
-        sharded = FSDPModule is not None and any(isinstance(m, FSDPModule) for m in (self.model, *self.layers))
-        if not (sharded or agreement.agreeing(self.agree, self.who)):
+        if not (agreement.agreeing(self.agree, self.who)
+                or any(sharded_modules(m) for m in (self.model, *self.layers))):  # FSDP2 all-gathers in profiling
             return
+        new = self._profiles(key)
         shape = self._shapes.get(key)
-        new = shape is None or (shape.chain is None and not shape.no_backward)
         if agreement.any_rank(new) and not new and not shape.no_backward:
             self._shapes[key] = Shape(key)  # profiled again, with the ranks whose shape is new
+
+    def _profiles(self, key) -> bool:
+        """Whether a training step under `key` profiles the layers: its shape has no profile yet, and its layers
+        have a backward pass (not every layer frozen)."""
+        shape = self._shapes.get(key)
+        return shape is None or (shape.chain is None and not shape.no_backward)
 
     def _new_shape(self, key):
         """A training step under `key` begins. Where it is a new input shape, its step profiles the layers (several
         planned steps' time: docs/python.md, "Many input shapes"): at the remat.PROFILED_SHAPES_WARNED_AT-th such
         shape a warning says what the shapes cost so far and how to have fewer (batches padded to a few lengths).
         Said once per model."""
-        shape = self._shapes.get(key)
-        if self._many_shapes_said or (shape is not None and (shape.chain is not None or shape.no_backward)):
+        if self._many_shapes_said or not self._profiles(key):
             return
         profiled = [s for s in self._shapes.values() if s.chain is not None]
         if len(profiled) + 1 < _core.PROFILED_SHAPES_WARNED_AT:
@@ -709,8 +711,8 @@ _REMAT = os.path.dirname(os.path.abspath(__file__))
 
 def _varying(keys: list) -> str:
     """The step keys' input shapes in words, for _new_shape's warning: the shapes of the first tensor whose shape
-    differs between them, named by where it was passed (input_ids: (8, 128), (8, 120), ...; the last eight), or
-    how many keys there are where they differ otherwise (other tensors, frozen parameters)."""
+    differs between them, named by where it was passed (input_ids: (8, 128), (8, 120), ...; the last eight), or,
+    where no tensor's shape tells them apart, words that say they differ in other tensors or frozen parameters."""
     calls = [k[1] for k in keys]
     if len({len(c) for c in calls}) == 1:
         for j in range(len(calls[0])):

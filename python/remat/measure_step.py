@@ -91,19 +91,24 @@ def storage_key(t: torch.Tensor) -> int:
     except RuntimeError:  # a tensor without storage (a wrapper subclass)
         return id(t)
 
+def sharded_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules of `module` (itself included) that FSDP2 shards (FSDPModule), in module order; [] where this
+    torch has no FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
 class Gathered:
     """While profiling: every FSDP2-sharded layer's parameters all-gathered (FSDPModule.unshard()), so that a
     layer's forward can run outside its module call, and resharded after (reshard()). A transient of
     profiling's own, as its other runs are: the window restarts after it."""
 
     def __init__(self, layers: Sequence[nn.Module], meter):
-        try:
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:
-            FSDPModule = None  # noqa: N806
         self.meter = meter
-        self.per_layer = [[m for m in layer.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
-                          for layer in layers]
+        self.per_layer = [sharded_modules(layer) for layer in layers]
         self.modules = [m for ms in self.per_layer for m in ms]
         self.gathered = [0] * len(layers)  # per layer: the bytes its all-gathered parameters take (measured)
 

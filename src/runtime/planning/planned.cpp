@@ -529,22 +529,23 @@ int64_t PlannedImpl::profiling_steps() const {
 int64_t PlannedImpl::profiled_shapes() const {
   int64_t n = 0;
   for (const auto& [key, shape] : shapes_)
-    n += shape.chain && !shape.profile_loaded;
+    n += shape.profiled();
   return n;
 }
 
 void PlannedImpl::new_shape(const Key& key) {
-  if (many_shapes_said_ || profiled_shapes() + 1 < kProfiledShapesWarnedAt) return;
-  many_shapes_said_ = true;
-  // The shapes, by the first tensor whose shape differs between them (the input's, or an extra argument's).
+  if (many_shapes_said_) return;
   std::vector<const Key*> keys;
   double seconds = 0;
   for (const auto& [k, shape] : shapes_)
-    if (shape.chain && !shape.profile_loaded) {
+    if (shape.profiled()) {
       keys.push_back(&k);
       seconds += shape.profile_seconds;
     }
   keys.push_back(&key);
+  if (static_cast<int64_t>(keys.size()) < kProfiledShapesWarnedAt) return;
+  many_shapes_said_ = true;
+  // The shapes, by the first tensor whose shape differs between them (the input's, or an extra argument's).
   std::string which = "shapes of the input and the extra arguments";
   std::ostringstream shapes;
   for (size_t j = 0; j < key.size(); ++j) {

@@ -224,7 +224,10 @@ TEST_F(PlannedTest, ANewShapeIsProfiledAndPlannedAnewAndAShapeSeenBeforeKeepsIts
   torch::manual_seed(0);
   Net net(w, depth);
   net->planned =
-      remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(budget));
+      // Every new shape profiled: with borrow_plans the lengths below 48 would run the plan of 48 (the test
+      // after this one).
+      remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                     remat::PlannedOptions().budget(budget).borrow_plans(false));
   const std::vector<const torch::Tensor*> inputs{&x32, &x32, &x48, &x48, &x32, &x48};
   const std::vector<bool> planned_after{false, true, false, true, true, true};
   for (size_t s = 0; s < inputs.size(); ++s) {
@@ -255,6 +258,91 @@ TEST_F(PlannedTest, ANewShapeIsProfiledAndPlannedAnewAndAShapeSeenBeforeKeepsIts
     }
   }
   EXPECT_EQ((*net->planned)->profiled_shapes(), 9);
+}
+
+TEST_F(PlannedTest, ANewShapeThatAPlannedOneCoversRunsItsPlanAndOneThatHoldsMoreIsProfiled) {
+  const int64_t w = 32, depth = 4;
+  torch::manual_seed(5);
+  const torch::Tensor x48 = torch::randn({8, 48, 8}), x64 = torch::randn({8, 64, 8});
+  const int64_t budget = plain_chain_peak(w, depth, x48) / 2;
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->planned =
+      remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(budget));
+  remat::PlannedImpl& p = **net->planned;
+  expect_step_as_plain(plain, net, x48, 400, "the profiling step of 48");
+  expect_step_as_plain(plain, net, x48, 401, "48");
+  const std::string plan48 = p.plan()->to_string();
+  const int64_t predicted48 = p.predicted_peak_bytes();
+  // 32 and 40 positions, a batch of 6, and 6 of 44 run the plan of 48 at once (no profiling step), every step
+  // the plain run's, within that plan's prediction.
+  for (const auto& sizes :
+       std::vector<std::vector<int64_t>>{{8, 32, 8}, {8, 40, 8}, {6, 48, 8}, {6, 44, 8}}) {
+    const torch::Tensor x = torch::randn(sizes);
+    const std::string what = "shape " + c10::str(c10::IntArrayRef(sizes));
+    expect_step_as_plain(plain, net, x, 402, what);
+    EXPECT_TRUE(p.plan_borrowed()) << what;
+    EXPECT_EQ(p.plan()->to_string(), plan48) << what;
+    EXPECT_EQ(p.predicted_peak_bytes(), predicted48) << what;
+    EXPECT_EQ(p.profiling_steps(), 0) << what;
+    EXPECT_GT(p.last_peak_bytes(), 0) << what;
+    EXPECT_LE(p.last_peak_bytes(), predicted48) << what;
+    expect_step_as_plain(plain, net, x, 403, what + ", again");
+  }
+  EXPECT_EQ(p.profiled_shapes(), 1);
+  EXPECT_EQ(p.borrowed_shapes(), 4);
+  // 64 positions: longer than any planned shape, profiled; 56 then runs the plan of 64, and 36 still that of
+  // 48, the covering shape with the fewer elements.
+  expect_step_as_plain(plain, net, x64, 404, "the profiling step of 64");
+  EXPECT_FALSE(p.is_planned());
+  expect_step_as_plain(plain, net, x64, 405, "64");
+  const int64_t predicted64 = p.predicted_peak_bytes();
+  expect_step_as_plain(plain, net, torch::randn({8, 56, 8}), 406, "56");
+  EXPECT_TRUE(p.plan_borrowed());
+  EXPECT_EQ(p.predicted_peak_bytes(), predicted64);
+  expect_step_as_plain(plain, net, torch::randn({8, 36, 8}), 407, "36");
+  EXPECT_EQ(p.predicted_peak_bytes(), predicted48);
+  EXPECT_EQ(p.profiled_shapes(), 2);
+  EXPECT_EQ(p.borrowed_shapes(), 6);
+
+  // A stage whose memory does not only grow with its input: below 40 positions it also keeps its input
+  // repeated 64 times (tanh's output, saved for its backward pass). A step of 32 under the plan of 48 holds
+  // more than that plan predicts: a warning says so, and the next step of 32 profiles it.
+  torch::manual_seed(0);
+  Net odd(w, depth);
+  std::vector<remat::StageFn> stages = remat::stages_at<BlockImpl>(*odd, {"h"});
+  const remat::TensorFn block = stages[1].fn;
+  stages[1].fn = [block](const torch::Tensor& x) {
+    torch::Tensor h = block(x);
+    if (x.size(1) >= 40) return h;
+    const torch::Tensor t = x.repeat({1, 1, 64}).tanh();
+    return h + t.view({x.size(0), x.size(1), 64, x.size(2)}).sum(2);
+  };
+  odd->planned = remat::Planned(stages, remat::PlannedOptions().budget(int64_t{1} << 40));
+  remat::PlannedImpl& q = **odd->planned;
+  step(odd, x48);
+  step(odd, x48);
+  const torch::Tensor x32 = torch::randn({8, 32, 8});
+  step(odd, x32);
+  EXPECT_TRUE(q.plan_borrowed());
+  EXPECT_GT(q.last_peak_bytes(), q.predicted_peak_bytes() * 102 / 100);
+  {
+    remat::detail::compat::WarningCapture capture;
+    step(odd, x32);
+    ASSERT_EQ(capture.messages.size(), 1u);
+    EXPECT_NE(
+        capture.messages[0].find("a step of the input shape [8, 32, 32] ran the plan of a larger shape"),
+        std::string::npos)
+        << capture.messages[0];
+  }
+  EXPECT_FALSE(q.plan_borrowed());
+  EXPECT_FALSE(q.is_planned());  // this step profiled
+  EXPECT_EQ(q.profiled_shapes(), 2);
+  step(odd, x32);
+  EXPECT_TRUE(q.is_planned());
+  EXPECT_LE(q.last_peak_bytes(), q.predicted_peak_bytes() * 102 / 100);
 }
 
 TEST_F(PlannedTest, APlannedModuleGoneBeforeTheBackwardPassLeavesNothingDangling) {
@@ -640,7 +728,10 @@ TEST_F(PlannedTest, StagesWithExtraTensorsGetThemEveryStepAndTheirShapesKeyThePl
     return n->head(a).pow(2).mean();
   };
   const std::vector<const torch::Tensor*> gates{&gate32, &gate32, &gate16, &gate16, &gate32};
-  const std::vector<bool> planned_after{false, true, false, true, true};
+  // The gates' shapes key the plan too: the shorter one's first step runs the plan of the longer (a new shape
+  // that it covers: borrow_plans).
+  const std::vector<bool> planned_after{false, true, true, true, true},
+      borrowed{false, false, true, true, false};
   for (size_t s = 0; s < gates.size(); ++s) {
     for (Net* n : {&plain, &net}) {
       for (auto& p : (*n)->parameters())
@@ -658,6 +749,7 @@ TEST_F(PlannedTest, StagesWithExtraTensorsGetThemEveryStepAndTheirShapesKeyThePl
     for (size_t i = 0; i < pa.size(); ++i)
       EXPECT_TRUE(torch::equal(pa[i].grad(), pb[i].grad())) << "step " << s << " gradient " << i;
     EXPECT_EQ(planned->is_planned(), planned_after[s]) << "step " << s;
+    EXPECT_EQ(planned->plan_borrowed(), borrowed[s]) << "step " << s;
   }
   // Extra tensors for stages that take none: an error naming them.
   auto one_arg = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(1));

@@ -904,6 +904,24 @@ TEST(Step, APlannedStepsMeasuredPeakIsCheckedAgainstItsPrediction) {
   EXPECT_THROW(remat::check_prediction(1, 1, 1, std::nan("")), std::invalid_argument);
 }
 
+TEST(Step, ANewInputShapeBorrowsThePlanOfTheSmallestPlannedShapeThatCoversIt) {
+  using S = remat::InputShape;
+  const std::vector<S> planned{{{8, 64, 32}}, {{8, 48, 32}}, {{4, 128, 32}}, {{8, 48, 32}}};
+  EXPECT_EQ(remat::covering_shape(planned, {{8, 40, 32}}), 1);  // 48 and 64 cover it: the fewer elements
+  EXPECT_EQ(remat::covering_shape(planned, {{8, 48, 32}}), 1);  // equal covers; the first of a tie
+  EXPECT_EQ(remat::covering_shape(planned, {{2, 100, 32}}), 2);
+  EXPECT_EQ(remat::covering_shape(planned, {{8, 65, 32}}), -1);       // longer than every one
+  EXPECT_EQ(remat::covering_shape(planned, {{8, 40, 33}}), -1);       // wider
+  EXPECT_EQ(remat::covering_shape(planned, {{8, 40}}), -1);           // another rank
+  EXPECT_EQ(remat::covering_shape(planned, {{8, 40, 32}, {8}}), -1);  // another tensor
+  EXPECT_EQ(remat::covering_shape({}, {{1}}), -1);
+  // Every tensor is covered: an extra argument (a mask) longer than the planned shape's is not.
+  const std::vector<S> with_mask{{{8, 64, 32}, {8, 64}}, {{8, 32, 32}, {8, 32}}};
+  EXPECT_EQ(remat::covering_shape(with_mask, {{8, 30, 32}, {8, 30}}), 1);
+  EXPECT_EQ(remat::covering_shape(with_mask, {{8, 30, 32}, {8, 40}}), 0);
+  EXPECT_THROW(remat::covering_shape(planned, {{8, -1, 32}}), std::invalid_argument);
+}
+
 TEST(Step, PlanStepFitsTheStepAndNamesTheLeastBudget) {
   std::mt19937 rng(4711);
   for (int trial = 0; trial < 60; ++trial) {

@@ -24,7 +24,8 @@
 ///
 /// Eval mode (Planned's own flag or any stage module's, so model->eval() reaches it registered or not) and
 /// NoGradGuard run the stages plainly. A new input shape (the extra tensors' shapes included) is profiled
-/// again, in its own first training step; a shape seen before keeps its plan. use_profile() plans from a
+/// again, in its own first training step, unless a planned shape covers it (PlannedOptions::borrow_plans: no
+/// size larger, as a shorter sequence); a shape seen before keeps its plan. use_profile() plans from a
 /// saved profile instead (chain(), written with to_json(), is the CLI's chain JSON).
 ///
 /// Devices: the CPU (with the counting allocator, remat::memory::track_cpu()) and CUDA (the bytes tensors
@@ -112,6 +113,15 @@ struct PlannedOptions {
   /// again for more. The Python package's replan_on_overshoot. Not with agree (one rank's measured peak would
   /// part the ranks' plans): the constructor throws c10::Error naming remat::Planned.
   TORCH_ARG(bool, replan_on_overshoot) = false;
+  /// A training step of an input shape not seen before, which a shape with a plan covers (the same number of
+  /// tensors, each of the same rank, none of its sizes smaller: remat::covering_shape, remat/planner/step.h),
+  /// runs the plan of the covering shape with the fewest elements instead of profiling: a sequence shorter
+  /// than one planned, or a smaller last batch, costs no profiling step. Its step is measured: where it held
+  /// more than that plan's prediction, beyond kPredictionTolerance (a model whose memory does not grow with
+  /// its inputs' sizes), a warning (TORCH_WARN) says so and the shape's next training step profiles it. Such
+  /// a plan can recompute more than the smaller shape needs; false profiles every new shape. The Python
+  /// package's borrow_plans.
+  TORCH_ARG(bool, borrow_plans) = true;
 };
 
 /// A stage that also takes the per-step extra tensors given to PlannedImpl::forward(x, args), e.g. an
@@ -188,6 +198,12 @@ class PlannedImpl : public torch::nn::Module {
   /// warning (TORCH_WARN, once per module) names the shapes and the seconds their profiles took: inputs
   /// padded to a few lengths are profiled once per length.
   int64_t profiled_shapes() const;
+  /// How many input shapes run a plan borrowed from a larger shape (PlannedOptions::borrow_plans), not
+  /// profiled.
+  int64_t borrowed_shapes() const;
+  /// Whether the plan in force for the last input's shape is borrowed from a larger shape (its chain(),
+  /// predicted_peak_bytes() and step_readings() are then that shape's; its prediction bounds the step).
+  bool plan_borrowed() const;
   /// What the profiling step measured of the rest of the step for the last shape, or nullptr.
   const RestOfStep* rest_of_step() const;
   /// The profiling step's readings for the last shape (remat/planner/step.h: what step_context() turned into
@@ -209,7 +225,9 @@ class PlannedImpl : public torch::nn::Module {
     bool profile_loaded = false;  // the chain came from use_profile()
     double profile_seconds = 0;   // what profile_chain took for this shape
     // Profiled in a training step of this shape (profiled_shapes() counts these).
-    bool profiled() const { return chain && !profile_loaded; }
+    bool profiled() const { return chain && !profile_loaded && !borrowed; }
+    // The plan is a covering shape's (PlannedOptions::borrow_plans), copied with what it was made from.
+    bool borrowed = false;
     std::shared_ptr<int64_t> last_peak = std::make_shared<int64_t>(-1);
     // fit_device: the device's memory when the profiling step began, and the budget made from it (bytes).
     std::optional<memory::DeviceMemory> at_start;
@@ -244,6 +262,11 @@ class PlannedImpl : public torch::nn::Module {
   bool inside_said_ = false;  // a call inside an earlier one's step was said (TORCH_WARN)
   // A new input shape's step begins: at the kProfiledShapesWarnedAt-th, the warning profiled_shapes() names.
   void new_shape(const Key& key);
+  // A new input shape's step begins: with borrow_plans, the plan of the smallest planned shape that covers
+  // it.
+  void borrow(const Key& key);
+  // A borrowed plan's step held more than its prediction: the shape profiles at this step (true), warned.
+  bool borrowed_overshoot(const Key& key, Shape& shape);
   bool many_shapes_said_ = false;
 
   std::vector<ArgsStageFn> stages_;

@@ -553,4 +553,39 @@ PredictionCheck check_prediction(int64_t predicted_bytes, int64_t measured_bytes
   return c;
 }
 
+int64_t covering_shape(const std::vector<InputShape>& planned, const InputShape& shape) {
+  auto elements = [](const InputShape& s) {
+    int64_t n = 0;
+    for (const auto& sizes : s) {
+      int64_t m = 1;
+      for (const int64_t d : sizes) {
+        if (d < 0)
+          throw std::invalid_argument("remat::covering_shape: a size is negative (" + std::to_string(d) +
+                                      ")");
+        m *= d;
+      }
+      n += m;
+    }
+    return n;
+  };
+  elements(shape);
+  int64_t best = -1, best_elements = 0;
+  for (size_t j = 0; j < planned.size(); ++j) {
+    const InputShape& p = planned[j];
+    bool covers = p.size() == shape.size();
+    for (size_t t = 0; covers && t < p.size(); ++t) {
+      covers = p[t].size() == shape[t].size();
+      for (size_t d = 0; covers && d < p[t].size(); ++d)
+        covers = p[t][d] >= shape[t][d];
+    }
+    if (!covers) continue;
+    const int64_t n = elements(p);
+    if (best < 0 || n < best_elements) {
+      best = static_cast<int64_t>(j);
+      best_elements = n;
+    }
+  }
+  return best;
+}
+
 }  // namespace remat

@@ -272,6 +272,19 @@ inline constexpr double kPredictionTolerance = 0.02;
 /// this many-th shape begins.
 inline constexpr int kProfiledShapesWarnedAt = 8;
 
+/// A planned model's input shape: the sizes of each tensor its training call takes (the input's, then the
+/// others' in order).
+using InputShape = std::vector<std::vector<int64_t>>;
+
+/// The shape whose plan a training step of a new input shape `shape` runs, instead of profiling it
+/// (remat::Planned's PlannedOptions::borrow_plans and the Python package's borrow_plans, both on by default):
+/// among `planned`, a shape that covers it (as many tensors, each of the same rank and no size of it smaller
+/// than `shape`'s), the one with the fewest elements in all, the first of those on a tie; -1 when none covers
+/// it. A step of a covered shape makes no tensor larger than the covering shape's step made, so its plan's
+/// predicted peak bounds it (where a model's memory grows with its inputs' sizes; the runtimes measure it).
+/// Throws std::invalid_argument when a size is negative.
+int64_t covering_shape(const std::vector<InputShape>& planned, const InputShape& shape);
+
 /// A planned step's measured peak against its prediction, and what a runtime does about it (the rule both
 /// use: remat::Planned and the Python package's LayerPlan).
 struct PredictionCheck {

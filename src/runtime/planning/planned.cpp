@@ -152,6 +152,7 @@ void PlannedImpl::use_profile(const std::vector<std::vector<int64_t>>& input_sha
     TORCH_CHECK(false, kWho, ": use_profile: ", e.what());
   }
   Shape& shape = shapes_[input_shape];
+  if (shape.borrowed) shape = Shape();  // a plan of its own, from the profile given
   TORCH_CHECK(!shape.plan, kWho, ": use_profile: a plan is already in force for this input shape");
   shape.chain = std::move(chain);
   *shape.rest = std::nullopt;
@@ -205,14 +206,17 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
     mark(call, h);
     return h;
   }
+  if (options_.borrow_plans() && shapes_.count(key) == 0) borrow(key);
   Shape& shape = shapes_[key];
   last_ = &shape;
+  if (shape.borrowed) borrowed_overshoot(key, shape);
   if (shape.profile_loaded && !*shape.rest)
     TORCH_CHECK(shape.chain->input_bytes == static_cast<int64_t>(x.nbytes()), kWho,
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
                 " but the input of that shape has ", x.nbytes(), " bytes");
   if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
-  if (shape.plan && options_.replan_on_overshoot() && !shape.overshoot_checked && *shape.last_peak >= 0)
+  if (shape.plan && !shape.borrowed && options_.replan_on_overshoot() && !shape.overshoot_checked &&
+      *shape.last_peak >= 0)
     replan_on_overshoot(shape);
   if (!shape.chain) new_shape(key);
   if (!shape.plan) {
@@ -531,6 +535,63 @@ int64_t PlannedImpl::profiled_shapes() const {
   for (const auto& [key, shape] : shapes_)
     n += shape.profiled();
   return n;
+}
+
+int64_t PlannedImpl::borrowed_shapes() const {
+  int64_t n = 0;
+  for (const auto& [key, shape] : shapes_)
+    n += shape.borrowed;
+  return n;
+}
+bool PlannedImpl::plan_borrowed() const {
+  return last_ && last_->borrowed;
+}
+
+void PlannedImpl::borrow(const Key& key) {
+  std::vector<InputShape> planned;
+  std::vector<const Shape*> donors;
+  for (const auto& [k, shape] : shapes_)
+    if (shape.plan && !shape.borrowed) {
+      planned.push_back(k);
+      donors.push_back(&shape);
+    }
+  const int64_t j = covering_shape(planned, key);
+  if (j < 0) return;
+  // The covering shape's plan with what it was made from (its profile and readings, shared: never written
+  // again), measured on its own.
+  Shape shape = *donors[static_cast<size_t>(j)];
+  shape.borrowed = true;
+  shape.last_peak = std::make_shared<int64_t>(-1);
+  shape.steps_before_plan = 0;
+  shape.profile_seconds = 0;
+  shape.whole.reset();
+  shapes_.emplace(key, std::move(shape));
+}
+
+namespace {
+std::string describe_key(const std::vector<std::vector<int64_t>>& key) {
+  std::ostringstream out;
+  for (size_t j = 0; j < key.size(); ++j)
+    out << (j ? ", " : "") << c10::IntArrayRef(key[j]);
+  return out.str();
+}
+}  // namespace
+
+bool PlannedImpl::borrowed_overshoot(const Key& key, Shape& shape) {
+  if (*shape.last_peak < 0 || shape.predicted <= 0) return false;
+  const PredictionCheck check =
+      check_prediction(shape.predicted, *shape.last_peak, std::max<int64_t>(1, budget_bytes()));
+  if (!check.beyond || check.error <= 0) return false;
+  std::ostringstream above;
+  above << std::fixed << std::setprecision(1) << 100 * check.error;
+  TORCH_WARN(
+      kWho, ": a step of the input shape ", describe_key(key),
+      " ran the plan of a larger shape (PlannedOptions::borrow_plans) and held ", *shape.last_peak,
+      " bytes above its base, ", above.str(), "% above that plan's prediction of ", shape.predicted,
+      " bytes (this model's memory does not only grow with its inputs' sizes): this step profiles the ",
+      "shape, which is planned on its own from now on");
+  shape = Shape();
+  return true;
 }
 
 void PlannedImpl::new_shape(const Key& key) {

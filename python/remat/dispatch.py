@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .compiled import compiled_call, set_step_key
-from .layer_calls import describe, layer_key, layer_output
+from .layer_calls import covers, describe, layer_key, layer_output
 from .layer_offload import carry_out_then
 from .measure_step import Shape, Step, measure_planned_step, profiling_call
 from .policies import CHECKPOINT, is_groups, run_layer
@@ -56,6 +56,7 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         if step is None or step.shape is not None:  # layers called outside the model's forward
             # Outside the model's forward: the first layer's shapes (and the frozen parameters, as for the model's).
             key = ("layer 0", layer_key(fn, args), lp._frozen())
+            lp._borrow(key)
             lp._profile_in_lockstep(key)
             lp._new_shape(key)
             step = lp._step = lp._new_step(x.device, key)
@@ -75,7 +76,7 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     if shape.no_backward:  # every layer frozen on an input that needs no gradient: nothing to plan
         return fn(*args)
     if shape.choices is not None:
-        if shape.layer_keys is not None and layer_key(fn, args) != shape.layer_keys[i]:
+        if shape.layer_keys is not None and not _planned_for(shape, i, layer_key(fn, args)):
             return _off_plan(lp, step, shape, i, fn, args)
         if i == 0:
             oom.running(lp)
@@ -88,13 +89,24 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     return profiling_call(lp, step, shape, i, fn, args, x)
 
 
+def _planned_for(shape: "Shape", i: int, key: tuple) -> bool:
+    """Whether layer i's call shapes `key` are those the plan of `shape` was made for: the profiled ones, or for
+    a borrowed plan (LayerPlan.borrow_plans) shapes that the covering shape's cover."""
+    if shape.borrowed_from is None:
+        return key == shape.layer_keys[i]
+    return covers(shape.layer_keys[i], key)
+
+
 def _off_plan(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn: Callable, args: tuple):
     """Layer i's call has shapes other than those the step's plan was made with (shapes that follow the values
     of the batch, or layers called outside the model's forward, whose step is keyed by the first layer's shapes
     only): a plan made for other shapes is not run. This layer and the rest of the step run checkpointed,
-    measured by nothing."""
+    measured by nothing. A borrowed plan's shape is profiled at its next step instead (not warned: the plan was
+    remat's guess, not one made for these shapes)."""
     step.off_plan = True
-    if not shape.warned:
+    if shape.borrowed_from is not None:
+        lp._shapes[shape.key] = Shape(shape.key)
+    elif not shape.warned:
         shape.warned = True
         warnings.warn(
             f"{lp.who}: layer {i} ({type(lp.layers[i]).__name__}) was called with shapes "

@@ -7,7 +7,9 @@ from functools import partial
 import torch
 from torch import nn
 
-__all__ = ["call_key", "describe", "layer_key", "layer_output", "taken_tensors"]
+from . import _core
+
+__all__ = ["call_key", "covers", "describe", "key_form", "layer_key", "layer_output", "taken_tensors"]
 
 
 def layer_output(out, who: str, i: int, layer: nn.Module) -> tuple[torch.Tensor, tuple]:
@@ -72,3 +74,23 @@ def call_key(args, kwargs) -> tuple:
     walk(args, "args")
     walk(kwargs, "kwargs")
     return tuple(out)
+
+
+def key_form(key: tuple) -> tuple[tuple, list[list[int]]]:
+    """A step key's form (whether it is the model's call or the first layer's, each tensor's place, dtype and
+    rank, the frozen parameters) and its tensors' sizes: two keys of one form differ in sizes only."""
+    tag, entries, frozen = key
+    if tag == "model":  # call_key's entries: (where, shape, dtype)
+        form = tuple((where, dtype, len(shape)) for where, shape, dtype in entries)
+        sizes = [list(shape) for _, shape, _ in entries]
+    else:  # layer_key's: (shape, dtype)
+        form = tuple((dtype, len(shape)) for shape, dtype in entries)
+        sizes = [list(shape) for shape, _ in entries]
+    return (tag, form, frozen), sizes
+
+
+def covers(big: tuple, small: tuple) -> bool:
+    """Whether layer call shapes `big` (a layer_key) cover `small`: the same tensors, dtypes and ranks, and no
+    size of `big` smaller (remat.covering_shape, the rule the C++ library's Planned borrows plans by)."""
+    return (len(big) == len(small) and all(b[1] == s[1] and len(b[0]) == len(s[0]) for b, s in zip(big, small))
+            and _core.covering_shape([[list(b[0]) for b in big]], [list(s[0]) for s in small]) == 0)

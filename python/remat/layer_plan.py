@@ -31,10 +31,10 @@ from . import _core, agreement, fit, oom
 from .fit import parse_budget
 from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
-from .layer_calls import call_key
+from .layer_calls import call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import (Shape, Step, TrainingCall, measure_planned_step, sharded_modules, step_context,
-                           storage_key)
+from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, measure_planned_step, sharded_modules,
+                           step_context, storage_key)
 from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
@@ -51,15 +51,19 @@ class LayerPlan:
     the C++ Plan::to_string()), choices ("keep", "checkpoint" or a policy's name, per layer), chain (the
     profile, a remat.Chain: chain.to_json() is the remat command's chain JSON), context (the StepContext
     measured), predicted_peak_bytes, last_peak_bytes (the step's measured peak above its base, after a planned
-    step's backward pass; -1 for a given plan, which is run without measuring), profiling_steps, profiled_shapes.
+    step's backward pass; -1 for a given plan, which is run without measuring), profiling_steps, profiled_shapes,
+    borrowed_shapes, plan_borrowed.
     """
 
     def __init__(self, model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None,
                  policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
                  offload: bool = False, max_host_bytes=None, offload_min_bytes: int = 1 << 20,
                  groups: bool = False, replan_on_oom: bool = False, replan_on_overshoot: bool = False,
-                 who: str = "remat.enable"):
+                 borrow_plans: bool = True, who: str = "remat.enable"):
         self.who = who
+        if borrow_plans not in (True, False):
+            raise ValueError(f"{who}: borrow_plans must be True or False, got {borrow_plans!r}")
+        self.borrow_plans = borrow_plans
         if replan_on_oom not in (True, False):
             raise ValueError(f"{who}: replan_on_oom must be True or False, got {replan_on_oom!r}")
         self.replan_on_oom = replan_on_oom
@@ -167,7 +171,7 @@ class LayerPlan:
     # Fields added since a LayerPlan first pickled, which a pickle from an earlier remat lacks, each with the
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
-                     _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False)
+                     _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -278,7 +282,19 @@ class LayerPlan:
         """How many input shapes (step keys: the shapes of the tensors the model's call takes, and which
         parameters are frozen) have been profiled, each in its first training step; a copy counts those it
         carries. At remat.PROFILED_SHAPES_WARNED_AT (8) a warning says what they cost (_new_shape)."""
-        return sum(1 for shape in self._shapes.values() if shape.chain is not None)
+        return sum(1 for shape in self._shapes.values() if shape.chain is not None and shape.borrowed_from is None)
+
+    @property
+    def borrowed_shapes(self) -> int:
+        """How many input shapes run the plan of a larger shape (borrow_plans), not profiled."""
+        return sum(1 for shape in self._shapes.values() if shape.borrowed_from is not None)
+
+    @property
+    def plan_borrowed(self) -> bool:
+        """Whether the plan in force for the last input shape is a larger shape's (borrow_plans): its chain,
+        context, predicted_peak_bytes, timeline() and min_budget_bytes are then that shape's, and its prediction
+        bounds the step (prediction_error below 0)."""
+        return self._last is not None and self._last.borrowed_from is not None
 
     @property
     def profiling_time(self) -> dict[str, float]:
@@ -386,6 +402,7 @@ class LayerPlan:
             self._step = None
             return
         key = ("model", call_key(args, kwargs), self._frozen())
+        self._borrow(key)
         self._profile_in_lockstep(key)
         if not self._shapes or any(shape.chain is None for shape in self._shapes.values()):
             # A step that may profile: garbage in reference cycles is collected before the base is read. Collected
@@ -419,6 +436,32 @@ class LayerPlan:
         if agreement.any_rank(new) and not new and not shape.no_backward:
             self._shapes[key] = Shape(key)  # profiled again, with the ranks whose shape is new
 
+    def _borrow(self, key):
+        """A training step under `key` begins. Where its shape is new and a planned shape covers it (borrow_plans;
+        the same tensors, dtypes, ranks and frozen parameters, no size smaller: remat.covering_shape, the C++
+        library's rule too), the step runs the plan of the covering shape with the fewest elements, and its
+        shape keeps that plan and the profile it was made from (set_budget plans it from that profile): no
+        profiling step for a sequence shorter than one planned, or a smaller last batch. Its steps are measured
+        against that plan's prediction (_check_prediction). Not for layers compiled on their own (their graphs
+        are compiled per shape and profiled through)."""
+        if not self.borrow_plans or key in self._shapes or self.compiled_layers:
+            return
+        form, sizes = key_form(key)
+        planned = [s for s in self._shapes.values() if s.borrowed_from is None and s.choices is not None
+                   and s.chain is not None and s.context is not None and key_form(s.key)[0] == form]
+        j = _core.covering_shape([key_form(s.key)[1] for s in planned], sizes)
+        if j < 0:
+            return
+        donor = planned[j]
+        shape = Shape(key)
+        for name in ("layer_keys", "gathered", "chain", "context", "room", "budget", "lowered", "planned_chain",
+                     "planned_at", "plan", "choices", "points", "predicted"):
+            setattr(shape, name, getattr(donor, name))
+        shape.borrowed_from = donor
+        shape.rest_retimed = RETIMED_STEPS  # the covering shape's rest of the step is not timed again on this one
+        self._shapes[key] = shape
+        publish(self.layers, shape, self.policies)
+
     def _profiles(self, key) -> bool:
         """Whether a training step under `key` profiles the layers: its shape has no profile yet, and its layers
         have a backward pass (not every layer frozen)."""
@@ -432,7 +475,7 @@ class LayerPlan:
         Said once per model."""
         if self._many_shapes_said or not self._profiles(key):
             return
-        profiled = [s for s in self._shapes.values() if s.chain is not None]
+        profiled = [s for s in self._shapes.values() if s.chain is not None and s.borrowed_from is None]
         if len(profiled) + 1 < _core.PROFILED_SHAPES_WARNED_AT:
             return
         self._many_shapes_said = True
@@ -546,6 +589,19 @@ class LayerPlan:
         budget = self.budget_bytes
         check = _core.check_prediction(shape.predicted, shape.last_peak, max(budget, 1))
         shape.prediction_error = check.error
+        if shape.borrowed_from is not None:
+            # A larger shape's plan: below its prediction is what was expected. Above it (a model whose memory
+            # does not only grow with its inputs' sizes), the shape's next step profiles it.
+            if check.beyond and check.error > 0:
+                self._shapes[shape.key] = Shape(shape.key)
+                f = _core.format_bytes
+                warnings.warn(
+                    f"{self.who}: a step of a new input shape ran the plan of a larger shape (borrow_plans) and held "
+                    f"{f(shape.last_peak)} ({shape.last_peak} bytes) above its base, {check.error:.1%} above that "
+                    f"plan's prediction of {f(shape.predicted)} (this model's memory does not only grow with its "
+                    "inputs' sizes): the next step of this shape profiles it, and it is planned on its own from "
+                    "then on", RuntimeWarning, stacklevel=2)
+            return
         if not check.beyond or shape.replanned:
             return
         f = _core.format_bytes
@@ -637,7 +693,7 @@ class LayerPlan:
 def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
            offload_min_bytes: int = 1 << 20, groups: bool = False, replan_on_oom: bool = False,
-           replan_on_overshoot: bool = False) -> LayerPlan:
+           replan_on_overshoot: bool = False, borrow_plans: bool = True) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
     as the first positional argument) per layer as planned: for `budget` (bytes, a string such as "300MiB", or a
     device budget, "auto" or "90%": that share of what the CUDA device has free when the profiling step begins,
@@ -675,11 +731,16 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     above its prediction as much, stays within the budget; once per input shape (a step that held less is
     reported, not planned again for more). Off by default: either way LayerPlan.prediction_error reports the
     last step's error, and a warning says when it is beyond the tolerance. Not with ranks that agree (one
-    rank's measurement would part their plans): ValueError."""
+    rank's measurement would part their plans): ValueError.
+    borrow_plans=True (the default): a training step of a new input shape that a planned shape covers (the
+    same tensors, dtypes and ranks, no size larger: a shorter sequence, a smaller last batch) runs the plan of
+    the covering shape with the fewest elements instead of profiling (LayerPlan.borrowed_shapes,
+    plan_borrowed); a step that holds more than that plan predicted is warned of, and its shape profiled at its
+    next step. Such a plan can recompute more than the smaller shape needs; False profiles every new shape."""
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
                    offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom,
-                   replan_on_overshoot=replan_on_overshoot)
+                   replan_on_overshoot=replan_on_overshoot, borrow_plans=borrow_plans)
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()

@@ -203,6 +203,9 @@ class Shape:
         self.planned_at: dict = {}
         # No layer's output needed a gradient in its profiling step (every layer frozen): they run as they are.
         self.no_backward = False
+        # The planned shape whose plan (and the profile it was made from) this one runs, not profiled (a shape
+        # that covers it: LayerPlan.borrow_plans); None for a shape profiled itself.
+        self.borrowed_from: Shape | None = None
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): fields it

@@ -611,6 +611,9 @@ NB_MODULE(_core, m) {
               "the budget to plan again for, or -1");
   m.attr("PREDICTION_TOLERANCE") = remat::kPredictionTolerance;
   m.attr("PROFILED_SHAPES_WARNED_AT") = remat::kProfiledShapesWarnedAt;
+  m.def("covering_shape", &remat::covering_shape, "planned"_a, "shape"_a,
+        "Among the planned input shapes (each a list of tensor sizes), the index of the one whose plan a new "
+        "shape borrows (it covers it, with the fewest elements), or -1 (remat/planner/step.h).");
   m.def("check_prediction", &remat::check_prediction, "predicted_bytes"_a, "measured_bytes"_a,
         "budget_bytes"_a, "tolerance"_a = remat::kPredictionTolerance);
   m.def("describe_out_of_memory", &remat::describe_out_of_memory, "oom"_a, "last"_a = "");

@@ -442,6 +442,84 @@ def test_each_new_input_shape_is_profiled_and_the_eighth_is_said_once():
     assert copy.deepcopy(model)[0].__dict__[remat.inplace.LAYER_PLAN_ATTR].profiled_shapes == 9
 
 
+class _HoldsMoreWhenSmall(nn.Module):
+    """A layer whose memory does not only grow with its input: below 12 rows it also keeps its input repeated
+    64 times (tanh's output, saved for its backward pass)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        h = self.inner(x)
+        if x.shape[0] < 12:
+            h = h + x.repeat(1, 64).tanh().view(x.shape[0], 64, -1).sum(1)
+        return h
+
+
+def test_a_new_shape_that_a_planned_one_covers_runs_its_plan_and_one_that_holds_more_is_profiled(meter):
+    # borrow_plans (on by default): a batch no larger than a planned one runs, at once, the plan of the smallest
+    # planned shape that covers it (remat.covering_shape), every step the plain run's and within that plan's
+    # prediction, unwarned; a larger one is profiled.
+    def both(n, seed):
+        """A step of each model on a batch of n rows from one seed: the planned one's is the plain one's."""
+        assert_same_run(train_step(plain, x_of(batch=n), seed=seed, set_to_none=True),
+                        train_step(model, x_of(batch=n), seed=seed, set_to_none=True))
+
+    model, plain = mlp(depth=4), mlp(depth=4)
+    lp = remat.enable(model, list(model), budget=1 << 40)
+    both(64, 0)
+    # A plan that recomputes, feasible for 96 rows too: three quarters of the way from the least budget to the
+    # peak of every layer kept.
+    lp.set_budget(lp.min_budget_bytes + (lp.predicted_peak_bytes - lp.min_budget_bytes) * 3 // 4)
+    both(64, 1)
+    plan64, predicted64 = str(lp.plan), lp.predicted_peak_bytes
+    assert "c" in plan64 and lp.last_peak_bytes > 0
+    for n in (48, 32, 48):
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            both(n, n)
+        assert not said, [str(w.message) for w in said]
+        assert lp.plan_borrowed and str(lp.plan) == plan64 and lp.predicted_peak_bytes == predicted64, n
+        assert lp.profiling_steps == 0 and 0 < lp.last_peak_bytes <= predicted64, (n, lp.last_peak_bytes)
+    assert (lp.profiled_shapes, lp.borrowed_shapes) == (1, 2)
+    both(96, 2)
+    assert not lp.plan_borrowed and lp.profiling_steps == 1  # profiled, then planned
+    predicted96 = lp.predicted_peak_bytes
+    for n, predicted in ((80, predicted96), (40, predicted64)):  # the covering shape with the fewer elements
+        both(n, n)
+        assert lp.plan_borrowed and lp.predicted_peak_bytes == predicted, n
+    assert (lp.profiled_shapes, lp.borrowed_shapes) == (2, 4)
+    # borrow_plans=False: each new shape profiled.
+    model = mlp(depth=4)
+    lp = remat.enable(model, list(model), budget=1 << 40, borrow_plans=False)
+    for n in (16, 8):
+        train_step(model, x_of(batch=n), set_to_none=True)
+    assert (lp.profiled_shapes, lp.borrowed_shapes) == (2, 0)
+    with pytest.raises(ValueError, match="borrow_plans must be True or False"):
+        remat.enable(mlp(depth=2), list(mlp(depth=2)), budget=1 << 40, borrow_plans="yes")
+
+    # A layer that holds more for a smaller batch: its step under the plan of 16 holds more than predicted, a
+    # warning says so, and the next step of that shape profiles it; every step the plain run's.
+    def odd():
+        m = mlp(depth=3)
+        m[1] = _HoldsMoreWhenSmall(m[1])
+        return m
+
+    model, plain = odd(), odd()
+    lp = remat.enable(model, list(model), budget=1 << 40)
+    for seed in (0, 1):
+        both(16, seed)
+    with pytest.warns(RuntimeWarning, match=r"ran the plan of a larger shape \(borrow_plans\) and held .* above "
+                                            r"that plan's prediction"):
+        both(8, 2)
+    assert lp.last_peak_bytes > lp.predicted_peak_bytes
+    both(8, 3)
+    assert not lp.plan_borrowed and lp.profiling_steps == 1 and (lp.profiled_shapes, lp.borrowed_shapes) == (2, 0)
+    both(8, 4)
+    assert lp.prediction_error is not None and abs(lp.prediction_error) <= remat.PREDICTION_TOLERANCE
+
+
 def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
     import copy
     model = mlp()

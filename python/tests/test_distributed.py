@@ -58,7 +58,7 @@ def worker(rank, port, agree, out, ragged=False):
             return h, d
 
         profiling.measure_bandwidth = measure
-        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(10, 64, generator=torch.Generator().manual_seed(rank))
         results = {}
         for way in ("plain", "remat"):
             model = mlp()
@@ -70,22 +70,27 @@ def worker(rank, port, agree, out, ragged=False):
                                   offload=True, offload_min_bytes=0)
             ddp = nn.parallel.DistributedDataParallel(model)
             losses = []
-            # ragged: rank 1's batches of the second and fourth steps are shorter (a shape only it sees).
-            for step, n in enumerate([8, 6 if ragged and rank == 1 else 8, 8, 6 if ragged and rank == 1 else 8]
+            # ragged: rank 1's batches of the second and fourth steps are larger (a shape only it sees), and of
+            # the fifth smaller (one it borrows a plan for: no profiling step).
+            odd = rank == 1 and ragged
+            for step, n in enumerate([8, 10 if odd else 8, 8, 10 if odd else 8, 6 if odd else 8]
                                      if ragged else [8] * 3):
                 ddp.zero_grad(set_to_none=True)
                 torch.manual_seed(step)
                 loss = ddp(x[:n]).square().mean()
                 loss.backward()
                 losses.append(loss.detach())
+                if lp is not None and step == 3:  # both ranks' shapes last profiled at the second step
+                    results["plan"] = str(lp.plan)
             results[way] = dict(losses=torch.stack(losses), grads=[p.grad.clone() for p in model.parameters()])
             if lp is not None:
-                results["plan"] = str(lp.plan)
+                results.setdefault("plan", str(lp.plan))
                 results["chain"] = lp.chain.to_json()
                 results["bandwidths"] = (lp.chain.to_host_gb_per_s, lp.chain.to_device_gb_per_s)
+                results["borrowed"] = lp.borrowed_shapes
         gathered = [None, None]
         dist.all_gather_object(gathered, dict(plan=results["plan"], chain=results["chain"], measured=measured,
-                                              bandwidths=results["bandwidths"]))
+                                              bandwidths=results["bandwidths"], borrowed=results["borrowed"]))
         same_steps = torch.equal(results["plain"]["losses"], results["remat"]["losses"]) and all(
             torch.equal(a, b) for a, b in zip(results["plain"]["grads"], results["remat"]["grads"]))
         if rank == 0:
@@ -123,12 +128,14 @@ def test_ranks_whose_batches_differ_in_shape_profile_together():
     # Rank 1's second batch has a shape rank 0 never sees. Before, rank 1 profiled alone and its agreement's
     # all-reduce met rank 0's next collective: Gloo aborted the process ("collective mismatch"). Now the ranks
     # profile together (rank 0 its own shape again) and plan from the same figures: every step the plain DDP
-    # run's, one plan on both ranks, each rank's link measured at both profiling steps.
+    # run's, one plan on both ranks, each rank's link measured at both profiling steps. Rank 1's last batch, of
+    # a shape it borrows a plan for, profiles nothing: no rank does.
     r = run(agree=True, ragged=True)
     assert r["same_steps"], "a remat step differs from the plain DDP run's"
     a, b = r["gathered"]
     assert a["plan"] == b["plan"]
     assert len(a["measured"]) == len(b["measured"]) == 2
+    assert (a["borrowed"], b["borrowed"]) == (0, 1)
 
 
 # FSDP2 (fully_shard on each decoder layer, then on the model, as torchtitan and accelerate shard): a given

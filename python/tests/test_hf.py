@@ -201,20 +201,31 @@ def test_profile_gives_the_layers_chain_and_leaves_planning_off(meter):
         remat.hf.profile(model, batch(spec, 0))
 
 
-def test_a_new_sequence_length_is_profiled_again(meter):
-    model, spec = make("gpt2")
-    lp = remat.hf.enable(model, budget="64MiB")
-    step(model, spec, 0, meter)
-    step(model, spec, 1, meter)
-    assert lp.is_planned()
-    short = dict(spec, seq=32)
-    ref, _ = make("gpt2")
-    expected = step(ref, short, 2, meter)
-    got = step(model, short, 2, meter)
-    same(expected, got)
-    assert lp.profiling_steps == 1 and lp.is_planned()  # that shape's own profiling step
-    step(model, spec, 3, meter)  # back to the first shape: its plan, no profiling
-    assert lp.profiling_steps == 1
+def test_a_shorter_sequence_runs_the_longer_ones_plan_or_is_profiled_again(meter):
+    # borrow_plans (the default): the shorter sequence runs the longer one's plan, within its prediction, with
+    # no profiling step; without it, the shorter sequence's first step profiles. Either way every step the plain
+    # run's, and the first shape keeps its plan.
+    short = None
+    for borrow in (True, False):
+        model, spec = make("gpt2")
+        lp = remat.hf.enable(model, budget="64MiB", borrow_plans=borrow)
+        step(model, spec, 0, meter)
+        step(model, spec, 1, meter)
+        assert lp.is_planned()
+        predicted = lp.predicted_peak_bytes
+        short = dict(spec, seq=32)
+        ref, _ = make("gpt2")
+        expected = step(ref, short, 2, meter)
+        got = step(model, short, 2, meter)
+        same(expected, got)
+        if borrow:
+            assert lp.plan_borrowed and lp.profiling_steps == 0 and lp.predicted_peak_bytes == predicted
+            assert 0 < got[2] <= predicted, (got[2], predicted)
+        else:
+            assert lp.profiling_steps == 1 and lp.is_planned()  # that shape's own profiling step
+        step(model, spec, 3, meter)  # back to the first shape: its plan, no profiling
+        assert lp.profiling_steps == 1 and not lp.plan_borrowed
+        assert (lp.profiled_shapes, lp.borrowed_shapes) == ((1, 1) if borrow else (2, 0))
 
 
 def test_set_budget_plans_again_without_profiling(meter, plain_runs, monkeypatch):

@@ -7,10 +7,12 @@ The model: python/tests/test_hf.py's paired_llama(128, 6) (a Llama of 6 layers, 
 random weights), fp32 on the CPU. --steps batches of 8 sequences, each sequence's length drawn from one fixed
 generator (e to the power of a normal draw of mean 4 and deviation 0.6, about 55 tokens at the median, within
 8 and 256 tokens: sentences of a fine-tuning set), padded with attention mask 0 and labels -100. Each way runs the
-same batches with an SGD step: plainly, under Hugging Face's gradient_checkpointing_enable(), and under
-remat.hf.enable(model, budget=--budget); each with batches padded to their longest sequence and to a multiple of
---multiple, the ways in turn for --rounds rounds. Printed per way: the shapes, the profiled shapes
-(LayerPlan.profiled_shapes), and the medians over the rounds of the seconds of all steps (and as a share of the
+same batches with an SGD step: plainly, under Hugging Face's gradient_checkpointing_enable(), under
+remat.hf.enable(model, budget=--budget) (a shape that a planned one covers runs its plan: borrow_plans), and
+under it with borrow_plans=False (remat-each: every shape profiled); each with batches padded to their longest
+sequence and to a multiple of --multiple, the ways in turn for --rounds rounds. Printed per way: the shapes, the
+profiled shapes (LayerPlan.profiled_shapes), those that borrowed a plan (LayerPlan.borrowed_shapes), and the
+medians over the rounds of the seconds of all steps (and as a share of the
 plain way's, padded alike), of the steps that were each shape's first, and of the median step after those.
 Times only: the tests check the gradients.
 
@@ -55,8 +57,8 @@ def run(way: str, steps: int, multiple: int, budget: str):
     lp = None
     if way == "hf":
         model.gradient_checkpointing_enable()
-    elif way == "remat":
-        lp = remat.hf.enable(model, budget=budget)
+    elif way in ("remat", "remat-each"):
+        lp = remat.hf.enable(model, budget=budget, borrow_plans=way == "remat")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     seen, times, firsts = set(), [], []
     t_all = time.perf_counter()
@@ -70,7 +72,7 @@ def run(way: str, steps: int, multiple: int, budget: str):
             (times if ids.shape in seen else firsts).append(time.perf_counter() - t0)
             seen.add(ids.shape)
     total = time.perf_counter() - t_all
-    return len(seen), (lp.profiled_shapes if lp else 0), total, statistics.median(times) if times else float("nan"), \
+    return len(seen), (lp.profiled_shapes if lp else 0), (lp.borrowed_shapes if lp else 0), total, statistics.median(times) if times else float("nan"), \
         sum(firsts)
 
 
@@ -83,19 +85,19 @@ def main():
     args = ap.parse_args()
     print(f"remat {remat.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
           f"{args.steps} steps, batch 8, lengths 8 to 256; remat's budget {args.budget}; medians of {args.rounds} rounds")
-    print(f"{'way':<6} {'padded to':<14} {'shapes':>6} {'profiled':>8} {'all steps s':>11} {'/plain':>7} "
-          f"{'first steps s':>13} {'median later ms':>15}")
-    ways = [(multiple, way) for multiple in (1, args.multiple) for way in ("plain", "hf", "remat")]
+    print(f"{'way':<10} {'padded to':<14} {'shapes':>6} {'profiled':>8} {'borrowed':>8} {'all steps s':>11} "
+          f"{'/plain':>7} {'first steps s':>13} {'median later ms':>15}")
+    ways = [(multiple, way) for multiple in (1, args.multiple) for way in ("plain", "hf", "remat", "remat-each")]
     runs = {w: [] for w in ways}
     for _ in range(args.rounds):  # the ways in turn, round after round
         for w in ways:
             runs[w].append(run(w[1], args.steps, w[0], args.budget))
     for multiple, way in ways:
-        shapes, profiled = runs[(multiple, way)][0][:2]
-        total, median, firsts = (statistics.median(r[k] for r in runs[(multiple, way)]) for k in (2, 3, 4))
-        plain = statistics.median(r[2] for r in runs[(multiple, "plain")])
+        shapes, profiled, borrowed = runs[(multiple, way)][0][:3]
+        total, median, firsts = (statistics.median(r[k] for r in runs[(multiple, way)]) for k in (3, 4, 5))
+        plain = statistics.median(r[3] for r in runs[(multiple, "plain")])
         padded = "longest" if multiple == 1 else f"multiple of {multiple}"
-        print(f"{way:<6} {padded:<14} {shapes:>6} {profiled:>8} {total:>11.2f} {total / plain:>7.2f} "
+        print(f"{way:<10} {padded:<14} {shapes:>6} {profiled:>8} {borrowed:>8} {total:>11.2f} {total / plain:>7.2f} "
               f"{firsts:>13.2f} {median * 1000:>15.0f}")
 
 

@@ -126,6 +126,16 @@ int64_t plain_chain_peak(int64_t w, int64_t depth, const torch::Tensor& x) {
   return remat::memory::peak_bytes() - base;
 }
 
+// A plain net and one of the same weights whose blocks run under a Planned made with `options`.
+std::pair<Net, Net> plain_and_planned(int64_t w, int64_t depth, const remat::PlannedOptions& options) {
+  torch::manual_seed(0);
+  Net plain(w, depth);
+  torch::manual_seed(0);
+  Net net(w, depth);
+  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), options);
+  return {plain, net};
+}
+
 TEST_F(PlannedTest, EveryStepIsThePlainRunsAndThePlanComesAfterOneProfilingStep) {
   const int64_t w = 64, depth = 6;
   torch::manual_seed(5);
@@ -219,15 +229,9 @@ TEST_F(PlannedTest, ANewShapeIsProfiledAndPlannedAnewAndAShapeSeenBeforeKeepsIts
   torch::manual_seed(5);
   const torch::Tensor x32 = torch::randn({8, 32, 8}), x48 = torch::randn({8, 48, 8});
   const int64_t budget = plain_chain_peak(w, depth, x48) / 2;
-  torch::manual_seed(0);
-  Net plain(w, depth);
-  torch::manual_seed(0);
-  Net net(w, depth);
-  net->planned =
-      // Every new shape profiled: with borrow_plans the lengths below 48 would run the plan of 48 (the test
-      // after this one).
-      remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
-                     remat::PlannedOptions().budget(budget).borrow_plans(false));
+  // Every new shape profiled: with borrow_plans the lengths below 48 would run the plan of 48 (the test after
+  // this one).
+  auto [plain, net] = plain_and_planned(w, depth, remat::PlannedOptions().budget(budget).borrow_plans(false));
   const std::vector<const torch::Tensor*> inputs{&x32, &x32, &x48, &x48, &x32, &x48};
   const std::vector<bool> planned_after{false, true, false, true, true, true};
   for (size_t s = 0; s < inputs.size(); ++s) {
@@ -265,12 +269,7 @@ TEST_F(PlannedTest, ANewShapeThatAPlannedOneCoversRunsItsPlanAndOneThatHoldsMore
   torch::manual_seed(5);
   const torch::Tensor x48 = torch::randn({8, 48, 8}), x64 = torch::randn({8, 64, 8});
   const int64_t budget = plain_chain_peak(w, depth, x48) / 2;
-  torch::manual_seed(0);
-  Net plain(w, depth);
-  torch::manual_seed(0);
-  Net net(w, depth);
-  net->planned =
-      remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(budget));
+  auto [plain, net] = plain_and_planned(w, depth, remat::PlannedOptions().budget(budget));
   remat::PlannedImpl& p = **net->planned;
   expect_step_as_plain(plain, net, x48, 400, "the profiling step of 48");
   expect_step_as_plain(plain, net, x48, 401, "48");

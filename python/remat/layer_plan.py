@@ -438,8 +438,8 @@ class LayerPlan:
 
     def _borrow(self, key):
         """A training step under `key` begins. Where its shape is new and a planned shape covers it (borrow_plans;
-        the same tensors, dtypes, ranks and frozen parameters, no size smaller: remat.covering_shape, the C++
-        library's rule too), the step runs the plan of the covering shape with the fewest elements, and its
+        the same tensors, dtypes, ranks and frozen parameters, and none of the planned shape's sizes smaller than
+        the new one's: _core.covering_shape, the C++ library's rule too), the step runs the plan of the covering shape with the fewest elements, and its
         shape keeps that plan and the profile it was made from (set_budget plans it from that profile): no
         profiling step for a sequence shorter than one planned, or a smaller last batch. Its steps are measured
         against that plan's prediction (_check_prediction). Not for layers compiled on their own (their graphs

@@ -114,7 +114,8 @@ struct PlannedOptions {
   /// part the ranks' plans): the constructor throws c10::Error naming remat::Planned.
   TORCH_ARG(bool, replan_on_overshoot) = false;
   /// A training step of an input shape not seen before, which a shape with a plan covers (the same number of
-  /// tensors, each of the same rank, none of its sizes smaller: remat::covering_shape, remat/planner/step.h),
+  /// tensors, each of the same rank, none of the planned shape's sizes smaller than the new one's:
+  /// remat::covering_shape, remat/planner/step.h),
   /// runs the plan of the covering shape with the fewest elements instead of profiling: a sequence shorter
   /// than one planned, or a smaller last batch, costs no profiling step. Its step is measured: where it held
   /// more than that plan's prediction, beyond kPredictionTolerance (a model whose memory does not grow with

@@ -475,7 +475,7 @@ def test_a_new_shape_that_a_planned_one_covers_runs_its_plan_and_one_that_holds_
     lp.set_budget(lp.min_budget_bytes + (keep_all - lp.min_budget_bytes) * 3 // 4)
     both(64, 1)
     plan64, predicted64 = str(lp.plan), lp.predicted_peak_bytes
-    assert "c" in plan64 and lp.last_peak_bytes > 0
+    assert lp.choices != ["keep"] * 4 and lp.last_peak_bytes > 0  # checkpointed, or under a policy
     for n in (48, 32, 48):
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")

@@ -266,8 +266,9 @@ class PlannedImpl : public torch::nn::Module {
   // A new input shape's step begins: with borrow_plans, the plan of the smallest planned shape that covers
   // it.
   void borrow(const Key& key);
-  // A borrowed plan's step held more than its prediction: the shape profiles at this step (true), warned.
-  bool borrowed_overshoot(const Key& key, Shape& shape);
+  // Where a borrowed plan's last step held more than its prediction: warned, and the shape made new, so
+  // that this step profiles it.
+  void borrowed_overshoot(const Key& key, Shape& shape);
   bool many_shapes_said_ = false;
 
   std::vector<ArgsStageFn> stages_;

@@ -282,7 +282,7 @@ class LayerPlan:
         """How many input shapes (step keys: the shapes of the tensors the model's call takes, and which
         parameters are frozen) have been profiled, each in its first training step; a copy counts those it
         carries. At remat.PROFILED_SHAPES_WARNED_AT (8) a warning says what they cost (_new_shape)."""
-        return sum(1 for shape in self._shapes.values() if shape.chain is not None and shape.borrowed_from is None)
+        return sum(1 for shape in self._shapes.values() if shape.profiled())
 
     @property
     def borrowed_shapes(self) -> int:
@@ -439,20 +439,24 @@ class LayerPlan:
     def _borrow(self, key):
         """A training step under `key` begins. Where its shape is new and a planned shape covers it (borrow_plans;
         the same tensors, dtypes, ranks and frozen parameters, and none of the planned shape's sizes smaller than
-        the new one's: _core.covering_shape, the C++ library's rule too), the step runs the plan of the covering shape with the fewest elements, and its
-        shape keeps that plan and the profile it was made from (set_budget plans it from that profile): no
-        profiling step for a sequence shorter than one planned, or a smaller last batch. Its steps are measured
-        against that plan's prediction (_check_prediction). Not for layers compiled on their own (their graphs
-        are compiled per shape and profiled through)."""
+        the new one's: _core.covering_shape, the C++ library's rule too), the step runs the plan of the covering
+        shape with the fewest elements, and its shape keeps that plan and the profile it was made from
+        (set_budget plans it from that profile): no profiling step for a sequence shorter than one planned, or a
+        smaller last batch. Its steps are measured against that plan's prediction (_check_prediction). Not for
+        layers compiled on their own (their graphs are compiled per shape and profiled through)."""
         if not self.borrow_plans or key in self._shapes or self.compiled_layers:
             return
         form, sizes = key_form(key)
-        planned = [s for s in self._shapes.values() if s.borrowed_from is None and s.choices is not None
-                   and s.chain is not None and s.context is not None and key_form(s.key)[0] == form]
-        j = _core.covering_shape([key_form(s.key)[1] for s in planned], sizes)
+        planned = []  # (shape, its sizes): the planned shapes of this key's form
+        for s in self._shapes.values():
+            if s.borrowed_from is None and s.choices is not None and s.chain is not None and s.context is not None:
+                s_form, s_sizes = key_form(s.key)
+                if s_form == form:
+                    planned.append((s, s_sizes))
+        j = _core.covering_shape([s_sizes for _, s_sizes in planned], sizes)
         if j < 0:
             return
-        donor = planned[j]
+        donor = planned[j][0]
         shape = Shape(key)
         for name in ("layer_keys", "gathered", "chain", "context", "room", "budget", "lowered", "planned_chain",
                      "planned_at", "plan", "choices", "points", "predicted"):
@@ -475,7 +479,7 @@ class LayerPlan:
         Said once per model."""
         if self._many_shapes_said or not self._profiles(key):
             return
-        profiled = [s for s in self._shapes.values() if s.chain is not None and s.borrowed_from is None]
+        profiled = [s for s in self._shapes.values() if s.profiled()]
         if len(profiled) + 1 < _core.PROFILED_SHAPES_WARNED_AT:
             return
         self._many_shapes_said = True

@@ -207,6 +207,10 @@ class Shape:
         # that covers it: LayerPlan.borrow_plans); None for a shape profiled itself.
         self.borrowed_from: Shape | None = None
 
+    def profiled(self) -> bool:
+        """Profiled in a training step of its own (LayerPlan.profiled_shapes counts these; C++'s Shape::profiled)."""
+        return self.chain is not None and self.borrowed_from is None
+
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): fields it
         lacks take their defaults."""

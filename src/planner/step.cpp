@@ -568,7 +568,7 @@ int64_t covering_shape(const std::vector<InputShape>& planned, const InputShape&
     }
     return n;
   };
-  elements(shape);
+  elements(shape);  // its sizes checked
   int64_t best = -1, best_elements = 0;
   for (size_t j = 0; j < planned.size(); ++j) {
     const InputShape& p = planned[j];

@@ -577,11 +577,11 @@ std::string describe_key(const std::vector<std::vector<int64_t>>& key) {
 }
 }  // namespace
 
-bool PlannedImpl::borrowed_overshoot(const Key& key, Shape& shape) {
-  if (*shape.last_peak < 0 || shape.predicted <= 0) return false;
+void PlannedImpl::borrowed_overshoot(const Key& key, Shape& shape) {
+  if (*shape.last_peak < 0 || shape.predicted <= 0) return;
   const PredictionCheck check =
       check_prediction(shape.predicted, *shape.last_peak, std::max<int64_t>(1, budget_bytes()));
-  if (!check.beyond || check.error <= 0) return false;
+  if (!check.beyond || check.error <= 0) return;
   std::ostringstream above;
   above << std::fixed << std::setprecision(1) << 100 * check.error;
   TORCH_WARN(
@@ -591,7 +591,6 @@ bool PlannedImpl::borrowed_overshoot(const Key& key, Shape& shape) {
       " bytes (this model's memory does not only grow with its inputs' sizes): this step profiles the ",
       "shape, which is planned on its own from now on");
   shape = Shape();
-  return true;
 }
 
 void PlannedImpl::new_shape(const Key& key) {

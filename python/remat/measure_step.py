@@ -587,6 +587,14 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # The layers' output, where the rest's backward let go of it (it saved it) and nothing else held it
         # (StepReadings.output_freed_bytes): the count is that much lower than what the rest leaves held.
         step.output_freed = out_bytes if out_ref is not None and out_ref.expired() else 0
+        # The layers' parameter gradients that the rest's backward made: that of a call run inside this step
+        # (a paired loss) which a backward pass reached before this one's layers (its own pass, or this one:
+        # its nodes are later than this call's, so the engine runs its layers' backward first). They are in
+        # the rest's count already (in .grad, or in the engine's buffer that this call's gradient is added to),
+        # and the layers' backward adds into them as into gradients the step began with: not charged again.
+        if step.grads_none and any(c.reached for c in step.inside):
+            made = {id(p) for layer in lp.layers for p in layer.parameters()}
+            step.grads_none = {i for i in step.grads_none if i not in made}
         step.reset()
         if not prefix_backward:
             queue_at_backward_end(finish_profiling)

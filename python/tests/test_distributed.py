@@ -141,7 +141,8 @@ def test_ranks_whose_batches_differ_in_shape_profile_together():
 # FSDP2 (fully_shard on each decoder layer, then on the model, as torchtitan and accelerate shard): a given
 # per-layer plan runs as the plain FSDP2 run does, every step's loss and gradients bitwise; planning for a budget
 # (sharded before remat.hf.enable, and after it) gives the plain FSDP2 run's steps bitwise, the profiling one
-# included, and each planned step's measured peak within its budget, the ranks running one plan.
+# included, and each planned step's measured peak within its budget, the ranks running one plan; a rank's shorter
+# step borrows its longer shape's plan (borrow_plans), with no rank profiling.
 def llama():
     import transformers
     torch.manual_seed(0)
@@ -178,7 +179,10 @@ def fsdp_worker(rank, port, out):
                 fully_shard(layer)
             fully_shard(model)
 
-        def train(model, steps):
+        # Rank 1's last step is shorter: a shape new to it, which the plan of its sequences of 32 covers.
+        short = ids[:, :24] if rank == 1 else ids
+
+        def train(model, steps, ids=ids):
             losses, grads = [], []
             for k in steps:
                 model.zero_grad(set_to_none=True)
@@ -196,6 +200,7 @@ def fsdp_worker(rank, port, out):
         plain = llama()
         shard(plain)
         expected = train(plain, range(6))
+        expected_short = train(plain, [6], short)
         planned = llama()
         shard(planned)
         lp = remat.hf.enable(planned, plan=per_layer_plan(["checkpoint", "matmuls", "keep", "checkpoint"]))
@@ -227,6 +232,15 @@ def fsdp_worker(rank, port, out):
                 got = train(model, [k])
                 rows.append(dict(same=equal(got, train_like(expected, [k])), budget=budget,
                                  predicted=lp.predicted_peak_bytes, peak=lp.last_peak_bytes, choices=lp.choices))
+            if order == "shard-then-enable":
+                # The shorter step runs the plan of the sequences of 32 on rank 1, unprofiled on both ranks.
+                got = train(model, [6], short)
+                mine = dict(same=equal(got, expected_short), borrowed=lp.borrowed_shapes, borrowing=lp.plan_borrowed,
+                            profiling_steps=lp.profiling_steps, predicted=lp.predicted_peak_bytes,
+                            peak=lp.last_peak_bytes, budget=lp.budget_bytes)
+                both = [None, None]
+                dist.all_gather_object(both, mine)
+                rows.append(both)
             budgeted[order] = rows
             model = lp = None
         if rank == 0:
@@ -251,6 +265,14 @@ def test_fsdp2_runs_a_given_plan_and_plans_for_a_budget_as_the_plain_run():
     assert r["given"]["choices"] == ["checkpoint", "matmuls", "keep", "checkpoint"]
     for order, rows in r["budgeted"].items():
         assert rows[0]["same"] and rows[0]["profiling_steps"] == 1, (order, rows[0])
+        if order == "shard-then-enable":
+            # Rank 1's shorter step borrowed the plan of its sequences of 32: no rank profiled, the run the plain
+            # FSDP2 run's, its peak within that plan's prediction (and FSDP2's spread, below).
+            r0, r1 = rows.pop()
+            assert r0["same"] and r1["same"], (r0, r1)
+            assert (r0["borrowed"], r0["borrowing"], r1["borrowed"], r1["borrowing"]) == (0, False, 1, True), (r0, r1)
+            assert (r0["profiling_steps"], r1["profiling_steps"]) == (1, 0), (r0, r1)  # each of its last shape
+            assert 0 < r1["peak"] <= r1["predicted"] * 1.05 and r1["predicted"] <= r1["budget"], r1
         for k, row in enumerate(rows[1:]):
             assert row["same"], (order, row)
             # FSDP2's own peak varies from run to run on Gloo (when its collectives' buffers are freed): the same

@@ -12,8 +12,12 @@ if(TORCH_DIR)
 endif()
 # Built without optimization: what is tested is how remat joins another project's build (its targets, options
 # and Torch found in either order), and remat compiled again at -O3 was the longest test on a fresh machine.
+# And as a unity build (CMAKE_UNITY_BUILD, which an application may set for its whole tree): remat's sources
+# compile so too (two files' constants of the same name in one namespace did not, until 2026-12-02), in 12
+# compile steps instead of 55 (cold, 2 cores: 77 s against 175 s).
 step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/subproject" -B "${WORK_DIR}/remat-first" -G Ninja
-     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG" "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" ${torch_hints})
+     -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG" -DCMAKE_UNITY_BUILD=ON
+     "-DREMAT_SOURCE_DIR=${SOURCE_DIR}" ${torch_hints})
 step(${CMAKE_COMMAND} --build "${WORK_DIR}/remat-first")
 step("${WORK_DIR}/remat-first/app")
 step(${CMAKE_COMMAND} -S "${SOURCE_DIR}/examples/subproject" -B "${WORK_DIR}/torch-first" -G Ninja

@@ -2,7 +2,7 @@
 
 namespace remat::models {
 namespace {
-constexpr const char* kWho = "remat::models::ForumCnn";
+constexpr const char* kForumCnnWho = "remat::models::ForumCnn";
 torch::nn::Conv2d conv(int64_t in, int64_t out) {
   return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1));
 }
@@ -10,13 +10,14 @@ torch::nn::Conv2d conv(int64_t in, int64_t out) {
 
 ForumCnnImpl::ForumCnnImpl(const ForumCnnOptions& options) : options_(options) {
   const std::string& v = options.variant();
-  TORCH_CHECK(v == "small" || v == "full", kWho, ": unknown variant '", v, "' (small, full)");
+  TORCH_CHECK(v == "small" || v == "full", kForumCnnWho, ": unknown variant '", v, "' (small, full)");
   full_ = v == "full";
   const std::string& p = options.placement();
-  TORCH_CHECK(p == "each-op" || p == "conv-relu" || p == "all-convs" || p == "heads", kWho,
+  TORCH_CHECK(p == "each-op" || p == "conv-relu" || p == "all-convs" || p == "heads", kForumCnnWho,
               ": unknown placement '", p, "' (each-op, conv-relu, all-convs, heads)");
-  TORCH_CHECK(p != "heads" || full_, kWho, ": placement 'heads' needs the full variant (it has three heads)");
-  TORCH_CHECK(options.head_features() >= 0, kWho, ": head_features must be >= 0, got ",
+  TORCH_CHECK(p != "heads" || full_, kForumCnnWho,
+              ": placement 'heads' needs the full variant (it has three heads)");
+  TORCH_CHECK(options.head_features() >= 0, kForumCnnWho, ": head_features must be >= 0, got ",
               options.head_features());
   if (full_) height_ = 45, width_ = 43;
   conv1 = register_module("conv1", conv(20, 50));
@@ -42,7 +43,7 @@ torch::Tensor ForumCnnImpl::run(const TensorFn& fn, const torch::Tensor& x, bool
 }
 
 torch::Tensor ForumCnnImpl::forward(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 4 && x.size(1) == 20 && x.size(2) == height_ && x.size(3) == width_, kWho,
+  TORCH_CHECK(x.dim() == 4 && x.size(1) == 20 && x.size(2) == height_ && x.size(3) == width_, kForumCnnWho,
               ": input must be [batch, 20, ", height_, ", ", width_, "] for the ", options_.variant(),
               " variant, got ", x.sizes());
   const std::string& p = options_.placement();

@@ -13,7 +13,7 @@
 namespace remat {
 namespace {
 
-constexpr const char* kWho = "remat::set_plan_figures";
+constexpr const char* kSetFiguresWho = "remat::set_plan_figures";
 
 // Collects the figures.
 struct Collect {
@@ -66,7 +66,7 @@ struct Write {
   bool next_flag() {
     const int64_t v = next_int();
     if (v != 0 && v != 1)
-      throw std::invalid_argument(std::string(kWho) + ": figure " + std::to_string(i - 1) +
+      throw std::invalid_argument(std::string(kSetFiguresWho) + ": figure " + std::to_string(i - 1) +
                                   " is a flag, 0 or 1, got " + std::to_string(v));
     return v == 1;
   }
@@ -205,7 +205,7 @@ void set_plan_figures(Chain& chain, StepContext& context, const PlanFigures& fig
   const PlanFigures mine = plan_figures(chain, context);
   if (figures.ints.size() != mine.ints.size() || figures.reals.size() != mine.reals.size()) {
     throw std::invalid_argument(
-        std::string(kWho) + ": " + std::to_string(figures.ints.size()) + " integer and " +
+        std::string(kSetFiguresWho) + ": " + std::to_string(figures.ints.size()) + " integer and " +
         std::to_string(figures.reals.size()) + " real figures for a chain and context that have " +
         std::to_string(mine.ints.size()) + " and " + std::to_string(mine.reals.size()) +
         " (the processes' chains differ in stages, policies, saved groups, stage_grads_bytes or the between "

@@ -346,6 +346,39 @@ void worker_unused(dist::ProcessGroup& group) {
   EXPECT_EQ(dp.stats().steps, 1);
 }
 
+// Batches whose sizes differ between the ranks at some steps (a last batch, or batches padded to their own
+// longest sequence): rank 0 always 6 rows; rank 1 6, 8, 6, 8, then 3. Under agree a rank whose shape is new
+// to it makes every rank profile that step (rank 0 measures its planned shape again), and all plan at the
+// next call: every step the plain DataParallel run's. Rank 1's 3 rows run the plan of its 6 (borrowed), with
+// no profiling. Before, rank 1 profiled its 8 rows alone and its planning's collective met rank 0's gradient
+// all-reduce: Gloo aborted the process.
+void worker_ragged(dist::ProcessGroup& group) {
+  const std::vector<int64_t> rows =
+      group.rank() == 1 ? std::vector<int64_t>{6, 8, 6, 8, 3} : std::vector<int64_t>{6, 6, 6, 6, 6};
+  auto shared = std::shared_ptr<dist::ProcessGroup>(&group, [](dist::ProcessGroup*) {});
+  Trainee ref = make_trainee("none");
+  dist::DataParallel ref_dp(ref.module, shared);
+  torch::manual_seed(0);  // make_trainee's seed: the same weights
+  auto mlp = remat::models::ResidualMlp(remat::models::ResidualMlpOptions().depth(4).width(16).hidden(24));
+  auto planned = remat::Planned(remat::stages_of(mlp->blocks()), planned_options(30000));
+  dist::DataParallel dp(mlp.ptr(), shared);
+  const torch::Tensor x = mlp_input();
+  for (size_t k = 0; k < rows.size(); ++k) {
+    SCOPED_TRACE("step " + std::to_string(k));
+    const torch::Tensor in = x.narrow(0, group.rank() * 8, rows[k]);
+    ref.module->zero_grad();
+    ref.loss(group.rank() * 8, rows[k]).backward();
+    mlp->zero_grad();
+    planned->forward(in).pow(2).mean().backward();
+    expect_same_grads(*mlp, *ref.module, 0);
+  }
+  EXPECT_TRUE(planned->is_planned()) << plan_of(planned.get());
+  EXPECT_EQ(planned->profiled_shapes(), group.rank() == 1 ? 2 : 1);
+  EXPECT_EQ(planned->borrowed_shapes(), group.rank() == 1 ? 1 : 0);
+  EXPECT_EQ(planned->plan_borrowed(), group.rank() == 1);
+  std::cerr << "rank " << group.rank() << " ragged: " << plan_of(planned.get()) << std::endl;
+}
+
 TEST(DistributedWorker, Run) {
   const char* scenario = std::getenv("REMAT_DP_SCENARIO");
   if (scenario == nullptr) GTEST_SKIP() << "runs only inside the processes DataParallel's tests start";
@@ -367,6 +400,7 @@ TEST(DistributedWorker, Run) {
   if (s == "kill") worker_kill(*group);
   if (s == "mismatch") worker_mismatch(*group);
   if (s == "unused") worker_unused(*group);
+  if (s == "ragged") worker_ragged(*group);
   group->barrier();
   g_group.reset();
 }
@@ -376,6 +410,11 @@ TEST(DistributedWorker, Run) {
 
 TEST(DataParallel, TwoProcessesMatchOneProcessOnTheWholeBatch) {
   const Launched l = run_workers(2, "match");
+  EXPECT_EQ(l.status, 0) << all_logs(l);
+}
+
+TEST(DataParallel, RanksWhoseBatchesDifferInSizeProfileTogetherUnderPlanned) {
+  const Launched l = run_workers(2, "ragged");
   EXPECT_EQ(l.status, 0) << all_logs(l);
 }
 

@@ -44,6 +44,8 @@
 /// then holds for the calls together. A plan is made for the step as its profiling step ran it (the order of
 /// the backward passes, the calls inside).
 
+#include <exception>
+
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
 #include <remat/offload.h>
@@ -102,8 +104,12 @@ struct PlannedOptions {
   /// place by their maximum across the ranks. Every rank then gets the same plan, which fits each rank's
   /// measured memory and its slowest link. Throws c10::Error naming remat::Planned when it changes their
   /// number or makes figures no valid chain has (a flag other than 0 or 1).
-  /// remat::distributed::same_plan_on_every_rank(group) (remat/distributed.h) is one. Every rank must then
-  /// see the same input shapes in the same order.
+  /// remat::distributed::same_plan_on_every_rank(group) (remat/distributed.h) is one. It is also called at
+  /// the start of each training call with one int64 number (whether this rank's input shape has no plan):
+  /// where any rank's has none, every rank profiles that step (one whose shape is planned measures its step
+  /// again, its profile kept), and every rank plans at its next call, whatever that call's shape, so that
+  /// ranks whose batches differ in shape meet at the same collectives. A budget no plan fits is that shape's
+  /// error, thrown at its calls.
   TORCH_ARG(std::function<void(std::vector<torch::Tensor>&)>, agree) = nullptr;
   /// When a planned step held more than its plan predicted, beyond kPredictionTolerance (the rule of
   /// remat::check_prediction, remat/planner/step.h), its shape is planned again at its next step, below the
@@ -243,12 +249,18 @@ class PlannedImpl : public torch::nn::Module {
     // What an out-of-memory error in a step of the plan says of it (who, the plan, budget, prediction): made
     // with the plan, shared by its steps' words.
     std::shared_ptr<const OutOfMemory> out_of_memory;
+    // Under agree: the error of planning this shape (no plan fits the budget), raised at its calls.
+    std::exception_ptr plan_error;
   };
   using Key = std::vector<std::vector<int64_t>>;
   struct Call;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x,
                                const std::shared_ptr<Call>& call);
   void make_plan(Shape& shape);
+  // Under agree, at the start of a training call: the shapes the ranks' last step profiled planned (each
+  // rank its own, at the same call), and every rank profiling where any rank's shape has no plan.
+  void plan_in_lockstep();
+  void profile_in_lockstep(Shape& shape);
   void replan_on_overshoot(Shape& shape);
   // fit_device's reading of the device: PlannedOptions::read_device, or remat::memory::device_memory.
   memory::DeviceMemory read_device(c10::Device device) const;

@@ -206,10 +206,13 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
     mark(call, h);
     return h;
   }
+  if (options_.agree()) plan_in_lockstep();
   if (options_.borrow_plans() && shapes_.count(key) == 0) borrow(key);
   Shape& shape = shapes_[key];
   last_ = &shape;
   if (shape.borrowed) borrowed_overshoot(key, shape);
+  if (shape.plan_error) std::rethrow_exception(shape.plan_error);
+  if (options_.agree()) profile_in_lockstep(shape);
   if (shape.profile_loaded && !*shape.rest)
     TORCH_CHECK(shape.chain->input_bytes == static_cast<int64_t>(x.nbytes()), kWho,
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
@@ -445,6 +448,44 @@ void PlannedImpl::make_plan(Shape& shape) {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, kWho, ": ", e.what());
   }
+}
+
+void PlannedImpl::plan_in_lockstep() {
+  // Under agree every rank profiled at the same step (profile_in_lockstep), each its own shape: each plans it
+  // here, at the next call, whatever that call's shape, so that agree's collectives meet. A budget no plan
+  // fits is that shape's error, raised at its calls (the ranks agreed on the figures, so each refuses alike).
+  for (auto& [key, shape] : shapes_) {
+    if (shape.plan || !shape.chain || !*shape.readings || shape.plan_error) continue;
+    try {
+      make_plan(shape);
+    } catch (const c10::Error&) {
+      shape.plan_error = std::current_exception();
+    }
+  }
+}
+
+void PlannedImpl::profile_in_lockstep(Shape& shape) {
+  // One collective of one number per training call: whether this rank's shape has no plan (new to it, or a
+  // borrowed plan that held more than its prediction). Where any rank's has none, every rank profiles this
+  // step, one whose shape is planned measuring its step again (its profile kept), so that all plan together
+  // at the next call. Without it, a rank that profiled alone reached agree's collective while the others
+  // reached their next one (DataParallel's all-reduce): Gloo aborted, NCCL would hang.
+  const bool alone = !shape.plan;
+  std::vector<torch::Tensor> numbers{torch::tensor(std::vector<int64_t>{alone ? 1 : 0}, torch::kInt64)};
+  options_.agree()(numbers);
+  TORCH_CHECK(numbers.size() == 1 && numbers[0].numel() == 1, kWho,
+              ": PlannedOptions::agree changed the number of values");
+  if (alone || numbers[0].to(torch::kInt64).item<int64_t>() == 0) return;
+  if (shape.borrowed) {
+    shape = Shape();  // profiled on its own
+    return;
+  }
+  Shape again;
+  again.chain = std::move(shape.chain);
+  again.profile_loaded = shape.profile_loaded;
+  again.profile_seconds = shape.profile_seconds;
+  again.steps_before_plan = shape.steps_before_plan;
+  shape = std::move(again);
 }
 
 void PlannedImpl::replan_on_overshoot(Shape& shape) {

@@ -838,6 +838,24 @@ TEST_F(PlannedTest, AgreeReplacesTheNumbersThePlanIsMadeFrom) {
                                   remat::PlannedOptions().budget(1 << 30).agree(bad));
   step(other, x);
   EXPECT_THROW(step(other, x), c10::Error);
+  // A budget no plan fits: planned once, at the call after the profiling step (on every rank alike, the
+  // figures agreed), and that shape's error at each of its calls.
+  int planning = 0;
+  auto same = [&](std::vector<torch::Tensor>& numbers) { planning += numbers.size() == 2; };
+  torch::manual_seed(0);
+  Net tight(w, depth);
+  tight->planned = remat::Planned(remat::stages_at<BlockImpl>(*tight, {"h"}),
+                                  remat::PlannedOptions().budget(1).agree(same));
+  step(tight, x);
+  for (int k = 0; k < 2; ++k) {
+    try {
+      step(tight, x);
+      ADD_FAILURE() << "a budget of 1 byte was planned";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("below the least feasible one"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(planning, 1);
 }
 
 // remat's own models in one line: gradient_checkpointing_enable(PlannedOptions).

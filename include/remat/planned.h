@@ -193,7 +193,9 @@ class PlannedImpl : public torch::nn::Module {
   /// The last planned step's measured peak against the prediction of its plan: (last_peak_bytes() -
   /// predicted_peak_bytes()) / predicted_peak_bytes(), above 0 when the step held more
   /// (remat::check_prediction's error, the rule the Python package follows); nullopt before a planned step of
-  /// the last shape was measured.
+  /// the last shape was measured. Where it is beyond kPredictionTolerance, the shape's next call warns
+  /// (TORCH_WARN, once per input shape, as the Python package does), naming the plan, the measured and
+  /// predicted bytes and, above the prediction, the budget (and what replan_on_overshoot did).
   std::optional<double> prediction_error() const;
   /// What replan_on_overshoot took off the budget of the last input's shape (bytes; 0 when it has not planned
   /// that shape again, or found no plan below the lowered budget).
@@ -242,8 +244,9 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<memory::PeakWindow> whole;  // from the profiling step's start to its planning
     int64_t lost = 0;                           // what the allocator lost to fragmentation in that step
     int64_t budget = -1;
-    // replan_on_overshoot: whether this shape's measured peak was checked (once), and what that took off its
-    // budget (bytes).
+    // Whether a planned step of this shape held more or less than predicted, beyond the tolerance (said, and
+    // with replan_on_overshoot planned again, once), and what replan_on_overshoot took off its budget
+    // (bytes).
     bool overshoot_checked = false;
     int64_t lowered = 0;
     // What an out-of-memory error in a step of the plan says of it (who, the plan, budget, prediction): made
@@ -261,7 +264,9 @@ class PlannedImpl : public torch::nn::Module {
   // rank its own, at the same call), and every rank profiling where any rank's shape has no plan.
   void plan_in_lockstep();
   void profile_in_lockstep(Shape& shape);
-  void replan_on_overshoot(Shape& shape);
+  // A planned step's measured peak checked against its prediction (remat::check_prediction), at the shape's
+  // next call: beyond the tolerance, warned once per shape, and with replan_on_overshoot planned again.
+  void check_measured(const Key& key, Shape& shape);
   // fit_device's reading of the device: PlannedOptions::read_device, or remat::memory::device_memory.
   memory::DeviceMemory read_device(c10::Device device) const;
   // What a planned step of `shape` says when it runs out of memory (remat::describe_out_of_memory's words).

@@ -1,13 +1,16 @@
 // remat::Planned (remat/planned.h): profiling in place, planning for the step's budget, running the plan.
 #include "remat/planned.h"
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/cuda.h>
 
 #include <chrono>
+#include <cmath>
 #include <iomanip>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -28,6 +31,13 @@ namespace {
 
 constexpr const char* kWho = "remat::Planned";
 using Clock = std::chrono::steady_clock;
+
+// The bytes of the CPU generator's state (what a replay of a stage's draws keeps of it).
+size_t cpu_generator_state_bytes() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state().nbytes();
+}
 
 // A training call of forward(), open from it until a backward pass reaches its output, or until its graph is
 // freed without one (the output dropped). A backward pass that reached it and raised leaves it closed.
@@ -218,9 +228,7 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
                 " but the input of that shape has ", x.nbytes(), " bytes");
   if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
-  if (shape.plan && !shape.borrowed && options_.replan_on_overshoot() && !shape.overshoot_checked &&
-      *shape.last_peak >= 0)
-    replan_on_overshoot(shape);
+  check_measured(key, shape);
   if (!shape.chain) new_shape(key);
   if (!shape.plan) {
     if (options_.fit_device() != 0) {
@@ -295,6 +303,9 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   auto readings = std::make_shared<StepReadings>();
   readings->input_in_base = true;
   readings->input_bytes = static_cast<int64_t>(x.nbytes());
+  // What a stage that runs again holds to its backward's end beside its tensors: the generators' states its
+  // replay needs (remat::run_plan), host tensors, so only where the device is the CPU: the CPU generator's.
+  if (device.is_cpu()) readings->checkpoint_state_bytes = static_cast<int64_t>(cpu_generator_state_bytes());
   torch::Tensor out = run_plan(stages, checkpoint_all(*shape.chain), x);
   if (!out.requires_grad()) return out;
   sync();
@@ -488,28 +499,6 @@ void PlannedImpl::profile_in_lockstep(Shape& shape) {
   shape = std::move(again);
 }
 
-void PlannedImpl::replan_on_overshoot(Shape& shape) {
-  shape.overshoot_checked = true;  // once per input shape: the next plan's own miss is not planned again
-  const int64_t budget = budget_bytes();
-  const PredictionCheck check =
-      check_prediction(shape.predicted, *shape.last_peak, std::max<int64_t>(1, budget));
-  if (check.replan_budget_bytes < 0) return;  // within the tolerance, or the step held less
-  std::optional<Plan> plan = shape.plan;
-  const int64_t predicted = shape.predicted;
-  std::shared_ptr<const OutOfMemory> words = shape.out_of_memory;
-  shape.lowered = budget - check.replan_budget_bytes;
-  try {
-    make_plan(shape);
-    *shape.last_peak = -1;  // the plan in force has not been measured yet
-  } catch (const c10::Error&) {
-    // No plan fits below the lowered budget: the plan in force is kept.
-    shape.plan = std::move(plan);
-    shape.predicted = predicted;
-    shape.out_of_memory = std::move(words);
-    shape.lowered = 0;
-  }
-}
-
 bool PlannedImpl::is_planned() const {
   return last_ && last_->plan.has_value();
 }
@@ -632,6 +621,52 @@ void PlannedImpl::borrowed_overshoot(const Key& key, Shape& shape) {
       " bytes (this model's memory does not only grow with its inputs' sizes): this step profiles the ",
       "shape, which is planned on its own from now on");
   shape = Shape();
+}
+
+void PlannedImpl::check_measured(const Key& key, Shape& shape) {
+  if (!shape.plan || shape.borrowed || shape.overshoot_checked || *shape.last_peak < 0 ||
+      shape.predicted <= 0)
+    return;
+  const int64_t budget = budget_bytes();
+  const PredictionCheck check =
+      check_prediction(shape.predicted, *shape.last_peak, std::max<int64_t>(1, budget));
+  if (!check.beyond) return;
+  shape.overshoot_checked = true;  // said (and planned again) once per input shape: it cannot loop
+  std::ostringstream words;
+  words << kWho << ": a planned step of the input shape " << describe_key(key) << " held " << *shape.last_peak
+        << " bytes above its base, " << std::fixed << std::setprecision(1) << 100 * std::abs(check.error)
+        << "% " << (check.error > 0 ? "above" : "below") << " the plan's prediction of " << shape.predicted
+        << " bytes (tolerance " << std::setprecision(0) << 100 * kPredictionTolerance << "%; plan "
+        << shape.plan->to_string() << ")";
+  if (check.error < 0) {
+    words
+        << "; the plan recomputes more than the budget needs (a step that held less is not planned again for "
+           "more: nothing measured says a faster plan would fit)";
+  } else if (!options_.replan_on_overshoot()) {
+    words << ", budget " << budget
+          << " bytes; PlannedOptions::replan_on_overshoot plans again for the budget less the overshoot";
+  } else {
+    // Planned again below the budget by the overshoot; where no plan fits there, the plan in force is kept.
+    std::optional<Plan> plan = shape.plan;
+    const int64_t predicted = shape.predicted;
+    std::shared_ptr<const OutOfMemory> out_of_memory = shape.out_of_memory;
+    shape.lowered = budget - check.replan_budget_bytes;
+    try {
+      make_plan(shape);
+      *shape.last_peak = -1;  // the plan in force has not been measured yet
+      words << "; replan_on_overshoot: planned again below the budget by " << shape.lowered
+            << " bytes: the next step runs the plan " << shape.plan->to_string() << ", predicted "
+            << shape.predicted << " bytes";
+    } catch (const c10::Error&) {
+      words << "; replan_on_overshoot: no plan fits below the budget by " << shape.lowered
+            << " bytes; the plan is unchanged";
+      shape.plan = std::move(plan);
+      shape.predicted = predicted;
+      shape.out_of_memory = std::move(out_of_memory);
+      shape.lowered = 0;
+    }
+  }
+  TORCH_WARN(words.str());
 }
 
 void PlannedImpl::new_shape(const Key& key) {

@@ -44,8 +44,6 @@
 /// then holds for the calls together. A plan is made for the step as its profiling step ran it (the order of
 /// the backward passes, the calls inside).
 
-#include <exception>
-
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
 #include <remat/offload.h>
@@ -60,6 +58,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>

@@ -264,7 +264,8 @@ class PlannedImpl : public torch::nn::Module {
   void plan_in_lockstep();
   void profile_in_lockstep(Shape& shape);
   // A planned step's measured peak checked against its prediction (remat::check_prediction), at the shape's
-  // next call: beyond the tolerance, warned once per shape, and with replan_on_overshoot planned again.
+  // next call: beyond the tolerance, warned once per shape, and with replan_on_overshoot planned again; a
+  // borrowed plan's step above it warned, and the shape made new, so that this step profiles it.
   void check_measured(const Key& key, Shape& shape);
   // fit_device's reading of the device: PlannedOptions::read_device, or remat::memory::device_memory.
   memory::DeviceMemory read_device(c10::Device device) const;
@@ -282,9 +283,6 @@ class PlannedImpl : public torch::nn::Module {
   // A new input shape's step begins: with borrow_plans, the plan of the smallest planned shape that covers
   // it.
   void borrow(const Key& key);
-  // Where a borrowed plan's last step held more than its prediction: warned, and the shape made new, so
-  // that this step profiles it.
-  void borrowed_overshoot(const Key& key, Shape& shape);
   bool many_shapes_said_ = false;
 
   std::vector<ArgsStageFn> stages_;

@@ -220,7 +220,7 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
   if (options_.borrow_plans() && shapes_.count(key) == 0) borrow(key);
   Shape& shape = shapes_[key];
   last_ = &shape;
-  if (shape.borrowed) borrowed_overshoot(key, shape);
+  check_measured(key, shape);
   if (shape.plan_error) std::rethrow_exception(shape.plan_error);
   if (options_.agree()) profile_in_lockstep(shape);
   if (shape.profile_loaded && !*shape.rest)
@@ -228,7 +228,6 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
                 " but the input of that shape has ", x.nbytes(), " bytes");
   if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
-  check_measured(key, shape);
   if (!shape.chain) new_shape(key);
   if (!shape.plan) {
     if (options_.fit_device() != 0) {
@@ -607,37 +606,33 @@ std::string describe_key(const std::vector<std::vector<int64_t>>& key) {
 }
 }  // namespace
 
-void PlannedImpl::borrowed_overshoot(const Key& key, Shape& shape) {
-  if (*shape.last_peak < 0 || shape.predicted <= 0) return;
-  const PredictionCheck check =
-      check_prediction(shape.predicted, *shape.last_peak, std::max<int64_t>(1, budget_bytes()));
-  if (!check.beyond || check.error <= 0) return;
-  std::ostringstream above;
-  above << std::fixed << std::setprecision(1) << 100 * check.error;
-  TORCH_WARN(
-      kWho, ": a step of the input shape ", describe_key(key),
-      " ran the plan of a larger shape (PlannedOptions::borrow_plans) and held ", *shape.last_peak,
-      " bytes above its base, ", above.str(), "% above that plan's prediction of ", shape.predicted,
-      " bytes (this model's memory does not only grow with its inputs' sizes): this step profiles the ",
-      "shape, which is planned on its own from now on");
-  shape = Shape();
-}
-
 void PlannedImpl::check_measured(const Key& key, Shape& shape) {
-  if (!shape.plan || shape.borrowed || shape.overshoot_checked || *shape.last_peak < 0 ||
-      shape.predicted <= 0)
-    return;
+  if (!shape.plan || *shape.last_peak < 0 || shape.predicted <= 0) return;
   const int64_t budget = budget_bytes();
   const PredictionCheck check =
       check_prediction(shape.predicted, *shape.last_peak, std::max<int64_t>(1, budget));
-  if (!check.beyond) return;
+  std::ostringstream off;  // the share off the prediction, in percent
+  off << std::fixed << std::setprecision(1) << 100 * std::abs(check.error);
+  if (shape.borrowed) {
+    // A larger shape's plan: below its prediction is what was expected. Above it (a model whose memory does
+    // not only grow with its inputs' sizes), this step profiles the shape.
+    if (!check.beyond || check.error <= 0) return;
+    TORCH_WARN(
+        kWho, ": a step of the input shape ", describe_key(key),
+        " ran the plan of a larger shape (PlannedOptions::borrow_plans) and held ", *shape.last_peak,
+        " bytes above its base, ", off.str(), "% above that plan's prediction of ", shape.predicted,
+        " bytes (this model's memory does not only grow with its inputs' sizes): this step profiles the ",
+        "shape, which is planned on its own from now on");
+    shape = Shape();
+    return;
+  }
+  if (!check.beyond || shape.overshoot_checked) return;
   shape.overshoot_checked = true;  // said (and planned again) once per input shape: it cannot loop
   std::ostringstream words;
   words << kWho << ": a planned step of the input shape " << describe_key(key) << " held " << *shape.last_peak
-        << " bytes above its base, " << std::fixed << std::setprecision(1) << 100 * std::abs(check.error)
-        << "% " << (check.error > 0 ? "above" : "below") << " the plan's prediction of " << shape.predicted
-        << " bytes (tolerance " << std::setprecision(0) << 100 * kPredictionTolerance << "%; plan "
-        << shape.plan->to_string() << ")";
+        << " bytes above its base, " << off.str() << "% " << (check.error > 0 ? "above" : "below")
+        << " the plan's prediction of " << shape.predicted << " bytes (tolerance " << std::fixed
+        << std::setprecision(0) << 100 * kPredictionTolerance << "%; plan " << shape.plan->to_string() << ")";
   if (check.error < 0) {
     words
         << "; the plan recomputes more than the budget needs (a step that held less is not planned again for "

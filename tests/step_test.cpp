@@ -1345,6 +1345,35 @@ TEST(Step, PlanStepFallsBackToTheMeasuredCheckpointAllPeak) {
             remat::plan_step(chain, plain, model_floor + 1000, "per-layer").plan.to_string());
 }
 
+// A step that begins in another state of the parameter gradients (gradient accumulation): each stage charged
+// the gradients it makes in that state, and the measured every-stage-checkpointed peak, taken in the state
+// measured, raised by those made beyond it (never lowered: its peak may come before they are made).
+TEST(Step, AContextForAnotherStateOfTheGradientsChargesTheGradientsItMakes) {
+  std::mt19937 rng(9);
+  const Chain chain = random_chain(rng, 3, 1000);
+  remat::StepContext measured;
+  measured.stage_grads_bytes = {0, 0, 0};  // measured with the gradients there
+  measured.checkpoint_all_peak_bytes = 50000;
+  const std::vector<int64_t> none{400, 0, 300};
+  const remat::StepContext first = remat::context_for_grads(measured, none);
+  EXPECT_EQ(first.stage_grads_bytes, none);
+  EXPECT_EQ(first.checkpoint_all_peak_bytes, 50700);
+  const remat::Plan all = remat::checkpoint_all(chain);
+  const int64_t more =
+      remat::step_peak_bytes(chain, first, all) - remat::step_peak_bytes(chain, measured, all);
+  EXPECT_GT(more, 0);  // the model charges them (those made by its peak)
+  EXPECT_LE(more, 700);
+  const remat::StepContext back = remat::context_for_grads(first, {0, 0, 0});
+  EXPECT_EQ(back.stage_grads_bytes, measured.stage_grads_bytes);
+  EXPECT_EQ(back.checkpoint_all_peak_bytes, 50700);
+  remat::StepContext unmeasured;  // no entries and no measured peak: the gradients given, nothing raised
+  EXPECT_EQ(remat::context_for_grads(unmeasured, none).checkpoint_all_peak_bytes, -1);
+  EXPECT_THROW_WITH_STD(remat::context_for_grads(measured, {1, 2}), "remat::context_for_grads", "2 entries",
+                        "3 stages");
+  EXPECT_THROW_WITH_STD(remat::context_for_grads(measured, {1, -2, 3}), "remat::context_for_grads", "entry 1",
+                        "-2 bytes");
+}
+
 // The figures ranks agree on (remat::plan_figures): every figure a plan depends on, the offload costs and the
 // bandwidths included; a maximum over two processes' figures, written back, is each time's and byte count's
 // largest, each bandwidth's smallest, an optional figure absent where either lacks it, a flag set where

@@ -488,6 +488,9 @@ NB_MODULE(_core, m) {
       .def_rw("between_backward_peak_bytes", &remat::StepReadings::between_backward_peak_bytes)
       .def_rw("between_held_bytes", &remat::StepReadings::between_held_bytes);
   m.def("step_context", &remat::step_context, "readings"_a);
+  m.def("context_for_grads", &remat::context_for_grads, "context"_a, "stage_grads_bytes"_a,
+        "The context of a step that begins in another state of the parameter gradients "
+        "(remat/planner/step.h).");
   m.def(
       "plan_figures",
       [](const remat::Chain& chain, const remat::StepContext& context) {

@@ -84,6 +84,24 @@ StepContext step_context(const StepReadings& r) {
   return c;
 }
 
+StepContext context_for_grads(const StepContext& context, const std::vector<int64_t>& stage_grads_bytes) {
+  const std::vector<int64_t>& was = context.stage_grads_bytes;
+  if (!was.empty() && was.size() != stage_grads_bytes.size())
+    throw std::invalid_argument("remat::context_for_grads: " + std::to_string(stage_grads_bytes.size()) +
+                                " entries for a context of " + std::to_string(was.size()) + " stages");
+  int64_t added = 0;
+  for (size_t j = 0; j < stage_grads_bytes.size(); ++j) {
+    if (stage_grads_bytes[j] < 0)
+      throw std::invalid_argument("remat::context_for_grads: entry " + std::to_string(j) + " is " +
+                                  std::to_string(stage_grads_bytes[j]) + " bytes");
+    added += stage_grads_bytes[j] - (was.empty() ? 0 : was[j]);
+  }
+  StepContext c = context;
+  c.stage_grads_bytes = stage_grads_bytes;
+  if (c.checkpoint_all_peak_bytes >= 0 && added > 0) c.checkpoint_all_peak_bytes += added;
+  return c;
+}
+
 void validate(const StepContext& c, const Chain& chain) {
   auto check = [](int64_t v, const char* field) {
     if (v < 0)

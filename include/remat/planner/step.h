@@ -216,6 +216,15 @@ struct StepReadings {
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 
+/// The context of a step that begins in another state of the parameter gradients than the step `context` was
+/// measured in (gradient accumulation: the first micro-batch's backward makes the gradients, the others add
+/// to them): stage_grads_bytes (per stage, the gradients its backward makes in that state, bytes) replaced,
+/// and checkpoint_all_peak_bytes, the measured peak, raised by the gradients the state makes beyond the
+/// measured one's (an upper bound: its peak can come before all of them are made), as measured where it makes
+/// fewer. Throws std::invalid_argument naming remat::context_for_grads for a negative entry or one of another
+/// size than context.stage_grads_bytes (when that is not empty).
+StepContext context_for_grads(const StepContext& context, const std::vector<int64_t>& stage_grads_bytes);
+
 /// Checks a context against its chain: no negative value (but between_held_bytes and
 /// between_forward_held_bytes), every per-stage figure
 /// (stage_grads_bytes, side_grads_bytes, side_freed_bytes, the flags per stage, the between figures) empty or

@@ -142,6 +142,44 @@ TEST(Executor, LeavesTheRngAsFound) {
   }
 }
 
+// A stage that runs again keeps the generators' states of its first run for its replays (on the CPU, the CPU
+// generator's, 5,056 bytes): they go at its last run, before its backward. Before (found 2026-12-02), every
+// stage's stayed to the end of the backward pass, and a planned step whose peak came late in it (the
+// gradients made) held a state per stage above its prediction. Here, where stage 0 runs again in the backward
+// pass, stage 1's and 2's are gone (before, five states were held there); with retain_graph, a second
+// backward pass replays them all again.
+TEST(Executor, GeneratorStatesGoAtTheStagesLastRun) {
+  remat::memory::track_cpu();
+  const int64_t state = static_cast<int64_t>(at::detail::getDefaultCPUGenerator().get_state().nbytes());
+  auto held_at_replay = [](bool preserve, bool twice) {
+    int64_t calls = 0, held = -1;
+    std::vector<remat::StageFn> stages;
+    for (int i = 0; i < 4; ++i)
+      stages.push_back({"drop", [i, &calls, &held](const torch::Tensor& x) {
+                          if (i == 0 && ++calls == 2) held = remat::memory::active_bytes();
+                          return torch::dropout(x, 0.5, true);
+                        }});
+    const auto x = torch::randn({64}, torch::requires_grad());
+    torch::manual_seed(7);
+    const int64_t before = remat::memory::active_bytes();
+    auto loss = remat::run_plan(stages, remat::checkpoint_stages(4, {0, 1, 2}), x,
+                                remat::CheckpointOptions().preserve_rng_state(preserve))
+                    .sum();
+    loss.backward({}, /*retain_graph=*/twice);
+    const torch::Tensor once = x.grad().clone();
+    if (twice) {
+      loss.backward();
+      if (preserve) EXPECT_TRUE(torch::equal(x.grad(), 2 * once));  // the same masks replayed
+    }
+    return held - before;
+  };
+  // At stage 0's replay: its own start and end states, and the one its replay saves to put back after.
+  EXPECT_EQ(held_at_replay(true, false) - held_at_replay(false, false), 3 * state);
+  // With retain_graph the graph keeps every stage's for the next pass (four: neighbours share one), and the
+  // replay runs on a copy.
+  EXPECT_EQ(held_at_replay(true, true) - held_at_replay(false, true), 5 * state);
+}
+
 TEST(CheckpointSequential, RecomputesEachCheckpointedSegmentOnce) {
   auto calls = std::make_shared<int64_t>(0);
   torch::nn::Sequential seq;

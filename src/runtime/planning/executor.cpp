@@ -66,7 +66,8 @@ struct ExecState final : torch::CustomClassHolder {
   // Per stage: the RNG states of its first run (at its start and its end) and its output's metadata.
   std::vector<RngRecord> rng;
   std::vector<bool> ran;
-  std::vector<bool> runs_again;  // the plan runs the stage's forward more than once (its draws replayed)
+  std::vector<bool> runs_again;    // the plan runs the stage's forward more than once (its draws replayed)
+  std::vector<int> forwards_left;  // runs of the stage's forward the plan has still to make
   std::vector<TensorMeta> metas;
 
   // Held activations: plain a_i (values without graph), or abar_{i+1}: stage i's output with its graph from a
@@ -263,6 +264,9 @@ void run_forward(ExecState& st, const Op& op) {
   } else {
     st.rng[i].finish(st.cuda_devices);
   }
+  // After its last run the stage replays nothing: its generators' states go (a retain_graph backward runs on
+  // a copy of the state, which keeps them for the next pass).
+  if (--st.forwards_left[static_cast<size_t>(i)] == 0) st.rng[i] = RngRecord();
   const TensorMeta meta = TensorMeta::of(out);
   if (!st.ran[i]) {
     st.metas[i] = meta;
@@ -508,7 +512,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   const size_t n = stages.size();
   st->rng.resize(n);
   st->ran.assign(n, false);
-  // Only a stage whose forward runs again needs its generators' states (a record held to the step's end).
+  // Only a stage whose forward runs again needs its generators' states (a record held to its last run).
   std::vector<int> forwards(n, 0);
   for (const Op& op : plan.ops)
     if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 0 &&
@@ -517,6 +521,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->runs_again.assign(n, false);
   for (size_t i = 0; i < n; ++i)
     st->runs_again[i] = forwards[i] > 1;
+  st->forwards_left = std::move(forwards);
   st->metas.resize(n);
   st->held.resize(n + 1);
   st->stage_params.resize(n);

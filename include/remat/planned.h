@@ -43,6 +43,14 @@
 /// backward pass), so its plan charges them, and a planned step's last_peak_bytes() includes them. The budget
 /// then holds for the calls together. A plan is made for the step as its profiling step ran it (the order of
 /// the backward passes, the calls inside).
+///
+/// Gradient accumulation: a step's backward pass makes the stages' parameter gradients where they are none
+/// (after zero_grad, or at an accumulation's first micro-batch) and adds to them where they exist, and the two
+/// peak apart by up to the gradients' bytes. Each training call runs the plan for the gradients it begins
+/// without, made from the shape's one profile the first time a call begins that way (remat::context_for_grads)
+/// and kept. Where the budget fits one state but not the other (the gradients made), the call that begins in
+/// the other throws c10::Error naming remat::Planned, the least feasible budget and the gradients, before
+/// anything runs; the plan for the first stays in force.
 
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
@@ -104,11 +112,13 @@ struct PlannedOptions {
   /// measured memory and its slowest link. Throws c10::Error naming remat::Planned when it changes their
   /// number or makes figures no valid chain has (a flag other than 0 or 1).
   /// remat::distributed::same_plan_on_every_rank(group) (remat/distributed.h) is one. It is also called at
-  /// the start of each training call with one int64 number (whether this rank's input shape has no plan):
-  /// where any rank's has none, every rank profiles that step (one whose shape is planned measures its step
-  /// again, its profile kept), and every rank plans at its next call, whatever that call's shape, so that
-  /// ranks whose batches differ in shape meet at the same collectives. A budget no plan fits is that shape's
-  /// error, thrown at its calls.
+  /// the start of each training call with one int64 number (2: this rank's input shape has no plan; 1: it
+  /// has none for the parameter gradients this call begins without; else 0): where any rank's shape has
+  /// none, every rank profiles that step (one whose shape is planned measures its step again, its profile
+  /// kept), and every rank plans at its next call, whatever that call's shape, so that ranks whose batches
+  /// differ in shape meet at the same collectives; where any rank has no plan for its gradients, every rank
+  /// makes one at this call (a rank that has one meets the collectives with a plan it does not keep). A
+  /// budget no plan fits is that shape's error, thrown at its calls.
   TORCH_ARG(std::function<void(std::vector<torch::Tensor>&)>, agree) = nullptr;
   /// When a planned step held more than its plan predicted, beyond kPredictionTolerance (the rule of
   /// remat::check_prediction, remat/planner/step.h), its shape is planned again at its next step, below the
@@ -253,12 +263,33 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<const OutOfMemory> out_of_memory;
     // Under agree: the error of planning this shape (no plan fits the budget), raised at its calls.
     std::exception_ptr plan_error;
+    // The parameter gradients the plan in force charges to the stages' backward (bytes per stage: those that
+    // were none, for the backward pass to make, when it was made), and the plans made for the other states
+    // this shape's steps began in (gradient accumulation: none at the first micro-batch, present at the
+    // others), kept to be put back in force when a step begins in that state again.
+    std::vector<int64_t> grads_charged;
+    struct ForGrads {
+      std::vector<int64_t> grads_charged;
+      Plan plan;
+      int64_t predicted = -1;
+      std::shared_ptr<const OutOfMemory> out_of_memory;
+    };
+    std::vector<ForGrads> other_plans;
   };
   using Key = std::vector<std::vector<int64_t>>;
   struct Call;
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x,
                                const std::shared_ptr<Call>& call);
   void make_plan(Shape& shape);
+  // The bytes of the parameter gradients the stages' backward pass would make now (per stage: those of its
+  // module's parameters that require a gradient and have none; a parameter shared by two stages at the one
+  // the backward pass meets first).
+  std::vector<int64_t> grads_to_make() const;
+  // At the start of a planned step: the plan for the gradients it begins with (grads_to_make()) put in
+  // force, one made before or a new one (make_plan). Under agree, `lockstep` says every rank makes one at
+  // this call (some rank needs a new one): a rank whose plan fits its state meets agree's collectives with a
+  // plan it does not keep.
+  void plan_for_grads(Shape& shape, bool lockstep);
   // Under agree, at the start of a training call: the shapes the ranks' last step profiled planned (each
   // rank its own, at the same call), and every rank profiling where any rank's shape has no plan.
   void plan_in_lockstep();

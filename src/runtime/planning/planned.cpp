@@ -7,10 +7,12 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iomanip>
 #include <mutex>
+#include <numeric>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -227,7 +229,10 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
     TORCH_CHECK(shape.chain->input_bytes == static_cast<int64_t>(x.nbytes()), kWho,
                 ": the profile given to use_profile has input_bytes ", shape.chain->input_bytes,
                 " but the input of that shape has ", x.nbytes(), " bytes");
-  if (!shape.plan && shape.chain && *shape.readings) make_plan(shape);
+  if (!shape.plan && shape.chain && *shape.readings)
+    make_plan(shape);
+  else if (shape.plan && !options_.agree())
+    plan_for_grads(shape, false);
   if (!shape.chain) new_shape(key);
   if (!shape.plan) {
     if (options_.fit_device() != 0) {
@@ -302,6 +307,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   auto readings = std::make_shared<StepReadings>();
   readings->input_in_base = true;
   readings->input_bytes = static_cast<int64_t>(x.nbytes());
+  readings->stage_grads_bytes = grads_to_make();  // the gradients the state this step began in makes
   // What a stage that runs again holds to its backward's end beside its tensors: the generators' states its
   // replay needs (remat::run_plan), host tensors, so only where the device is the CPU: the CPU generator's.
   if (device.is_cpu()) readings->checkpoint_state_bytes = static_cast<int64_t>(cpu_generator_state_bytes());
@@ -354,19 +360,14 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
 
 void PlannedImpl::make_plan(Shape& shape) {
   // What surrounds the stages: the base is taken with their input alive; the rest of the step as measured;
-  // the parameter gradients the backward pass will allocate (zero_grad setting them to none), seen at the
-  // step that plans (the profiling step may be the first, before any gradient exists), charged per stage
-  // from that stage's backward operation on (a parameter shared by two stages at the first).
-  StepReadings readings = **shape.readings;
-  readings.stage_grads_bytes.assign(stages_.size(), 0);
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (size_t i = stages_.size(); i-- > 0;) {  // the backward pass meets the last stage first
-    if (!stages_[i].module) continue;
-    for (const auto& p : stages_[i].module->parameters())
-      if (p.requires_grad() && !p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
-        readings.stage_grads_bytes[i] += static_cast<int64_t>(p.nbytes());
-  }
-  StepContext context = step_context(readings);
+  // the parameter gradients the backward pass will allocate (those none now: zero_grad setting them to none,
+  // or gradient accumulation's first micro-batch), charged per stage from that stage's backward operation on
+  // (a parameter shared by two stages at the first); the profiling step's measured peak raised by those its
+  // state did not make (context_for_grads: the profiling step may be the first, before any gradient exists,
+  // or a later micro-batch, after they do).
+  const StepReadings& readings = **shape.readings;
+  const std::vector<int64_t> grads = grads_to_make();
+  StepContext context = context_for_grads(step_context(readings), grads);
   Chain chain = *shape.chain;
   if (options_.agree()) {
     // Every rank plans from the maximum over the ranks of every figure (PlanFigures' encoding: the smallest
@@ -441,6 +442,7 @@ void PlannedImpl::make_plan(Shape& shape) {
                                  per_layer ? "per-layer" : "optimal", options_.planner());
     shape.plan = std::move(planned.plan);
     shape.predicted = planned.step_peak_bytes;
+    shape.grads_charged = grads;
     auto words = std::make_shared<OutOfMemory>();
     words->who = kWho;
     words->plan = shape.plan->to_string();
@@ -458,6 +460,69 @@ void PlannedImpl::make_plan(Shape& shape) {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, kWho, ": ", e.what());
   }
+}
+
+std::vector<int64_t> PlannedImpl::grads_to_make() const {
+  std::vector<int64_t> bytes(stages_.size(), 0);
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (size_t i = stages_.size(); i-- > 0;) {  // the backward pass meets the last stage first
+    if (!stages_[i].module) continue;
+    for (const auto& p : stages_[i].module->parameters())
+      if (p.requires_grad() && !p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second)
+        bytes[i] += static_cast<int64_t>(p.nbytes());
+  }
+  return bytes;
+}
+
+namespace {
+// Whether `shape` has a plan for a step that begins with `grads` to make (PlannedImpl::grads_to_make).
+template <typename Shape>
+bool planned_for(const Shape& shape, const std::vector<int64_t>& grads) {
+  if (shape.grads_charged == grads) return true;
+  for (const auto& other : shape.other_plans)
+    if (other.grads_charged == grads) return true;
+  return false;
+}
+int64_t sum(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
+}  // namespace
+
+void PlannedImpl::plan_for_grads(Shape& shape, bool lockstep) {
+  const std::vector<int64_t> grads = grads_to_make();
+  auto meet = [&] {
+    // Under agree, some rank makes a plan at this call: agree's collectives met with a plan not kept.
+    Shape spare = shape;
+    make_plan(spare);
+  };
+  if (shape.grads_charged == grads) {
+    if (lockstep) meet();
+    return;
+  }
+  Shape::ForGrads in_force{shape.grads_charged, *shape.plan, shape.predicted, shape.out_of_memory};
+  auto& others = shape.other_plans;
+  const auto kept = std::find_if(others.begin(), others.end(),
+                                 [&](const Shape::ForGrads& o) { return o.grads_charged == grads; });
+  if (kept != others.end()) {
+    if (lockstep) meet();
+    shape.grads_charged = kept->grads_charged;
+    shape.plan = kept->plan;
+    shape.predicted = kept->predicted;
+    shape.out_of_memory = kept->out_of_memory;
+    *kept = std::move(in_force);
+    return;
+  }
+  try {
+    make_plan(shape);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, e.msg(), ". This step began with ", sum(grads),
+                " bytes of the stages' parameter gradients none, which its backward pass makes; the plan in ",
+                "force, ", in_force.plan.to_string(), ", was made for steps that began with ",
+                sum(in_force.grads_charged), " bytes of them none, and is kept for such steps");
+  }
+  others.push_back(std::move(in_force));
+  // A few states at most (gradient accumulation has two); the oldest made again if it comes back.
+  if (others.size() > 3) others.erase(others.begin());
 }
 
 void PlannedImpl::plan_in_lockstep() {
@@ -481,11 +546,22 @@ void PlannedImpl::profile_in_lockstep(Shape& shape) {
   // at the next call. Without it, a rank that profiled alone reached agree's collective while the others
   // reached their next one (DataParallel's all-reduce): Gloo aborted, NCCL would hang.
   const bool alone = !shape.plan;
-  std::vector<torch::Tensor> numbers{torch::tensor(std::vector<int64_t>{alone ? 1 : 0}, torch::kInt64)};
+  const bool new_plan = !alone && !planned_for(shape, grads_to_make());
+  std::vector<torch::Tensor> numbers{torch::tensor(std::vector<int64_t>{alone      ? 2
+                                                                        : new_plan ? 1
+                                                                                   : 0},
+                                                   torch::kInt64)};
   options_.agree()(numbers);
   TORCH_CHECK(numbers.size() == 1 && numbers[0].numel() == 1, kWho,
               ": PlannedOptions::agree changed the number of values");
-  if (alone || numbers[0].to(torch::kInt64).item<int64_t>() == 0) return;
+  const int64_t most = numbers[0].to(torch::kInt64).item<int64_t>();
+  if (alone) return;
+  if (most < 2) {
+    // Every rank's shape has a plan: the one for the gradients this step begins with, made at this call by
+    // every rank where any rank has none for its state.
+    plan_for_grads(shape, most == 1);
+    return;
+  }
   if (shape.borrowed) {
     shape = Shape();  // profiled on its own
     return;
@@ -648,7 +724,8 @@ void PlannedImpl::check_measured(const Key& key, Shape& shape) {
     shape.lowered = budget - check.replan_budget_bytes;
     try {
       make_plan(shape);
-      *shape.last_peak = -1;  // the plan in force has not been measured yet
+      shape.other_plans.clear();  // made for the budget before it was lowered
+      *shape.last_peak = -1;      // the plan in force has not been measured yet
       words << "; replan_on_overshoot: planned again below the budget by " << shape.lowered
             << " bytes: the next step runs the plan " << shape.plan->to_string() << ", predicted "
             << shape.predicted << " bytes";

@@ -8,7 +8,7 @@ import torch
 
 from . import _core
 
-__all__ = ["agree", "agreeing", "any_rank", "check_agree", "least_room"]
+__all__ = ["agree", "agreeing", "check_agree", "least_room", "most"]
 
 
 def check_agree(agree, who: str):
@@ -55,16 +55,16 @@ def agree(chain, ctx) -> None:
     _core.set_plan_figures(chain, ctx, t_int.tolist(), t_real.tolist())
 
 
-# The default process group any_rank last ran under, and the Gloo group it runs on (None: the default group), each
+# The default process group most() last ran under, and the Gloo group it runs on (None: the default group), each
 # by weak reference: c10d holds them until destroy_process_group, and remat does not keep them alive after it.
 _CONTROL: dict = {}
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether `flag` holds on any rank of the default process group: one all-reduce of one integer, on the CPU
-    (on the default group where it is Gloo's, else on a Gloo group made for it at the first call, a collective
-    too). Every rank calls it at the same point: the beginning of each training step of a planned model whose
-    ranks profile in lockstep (LayerPlan._profile_in_lockstep)."""
+def most(values: list[int]) -> list[int]:
+    """Each of `values` at its maximum over the ranks of the default process group: one all-reduce of as many
+    integers, on the CPU (on the default group where it is Gloo's, else on a Gloo group made for it at the first
+    call, a collective too). Every rank calls it at the same point with as many values: the beginning of each
+    training step of a planned model whose ranks profile in lockstep (LayerPlan._profile_in_lockstep)."""
     import torch.distributed as dist
     world = dist.group.WORLD
     if dist.get_backend() == "gloo":
@@ -74,9 +74,9 @@ def any_rank(flag: bool) -> bool:
         if held is None or held() is not world:  # the first call under this group (a group made again is another)
             _CONTROL.update(world=weakref.ref(world), group=weakref.ref(dist.new_group(backend="gloo")))
         group = _CONTROL["group"]()
-    t = torch.tensor([int(flag)], dtype=torch.int64)
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return t.tolist()
 
 
 def least_room(room: tuple[int, int, int, int]) -> tuple[int, int, int, int]:

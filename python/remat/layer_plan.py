@@ -33,8 +33,8 @@ from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_k
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, measure_planned_step, sharded_modules,
-                           step_context, storage_key)
+from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, layer_grads_bytes, measure_planned_step,
+                           sharded_modules, step_context, storage_key)
 from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
@@ -258,12 +258,14 @@ class LayerPlan:
     def min_budget_bytes(self) -> int:
         """The least budget a plan exists for, for the last input shape (bytes; -1 before its profiling step):
         the step's predicted peak under the least-memory per-layer plan, or the profiling step's measured peak
-        (every layer checkpointed) when that is lower."""
+        (every layer checkpointed) when that is lower, for the parameter gradients the last step began without
+        (_plan_for_grads)."""
         shape = self._last
         if shape is None or shape.chain is None or shape.context is None:
             return -1
         # The measured every-layer-checkpointed peak (context.checkpoint_all_peak_bytes) counts, as in plan_step.
-        return _core.min_step_budget(shape.chain, shape.context, "per-layer", self.exclude, **self.offloads.planner_options())
+        return _core.min_step_budget(shape.chain, self._context_in_force(shape), "per-layer", self.exclude,
+                                     **self.offloads.planner_options())
 
     @property
     def budget_bytes(self) -> int:
@@ -353,7 +355,7 @@ class LayerPlan:
                 continue
             shape.error = None
             try:
-                self._plan_from(shape, shape.context)
+                self._plan_from(shape, self._context_in_force(shape))
             except _core.InfeasibleBudget as e:
                 first_error = first_error or e
         if first_error is not None:
@@ -403,20 +405,70 @@ class LayerPlan:
             return
         key = ("model", call_key(args, kwargs), self._frozen())
         self._borrow(key)
-        self._profile_in_lockstep(key)
+        grads_none = self._grads_none()
+        self._profile_in_lockstep(key, grads_none)
+        self._plan_for_grads(key, grads_none)
         if not self._shapes or any(shape.chain is None for shape in self._shapes.values()):
             # A step that may profile: garbage in reference cycles is collected before the base is read. Collected
             # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
         self._new_shape(key)
-        self._step = call.step = self._new_step(self._device_of(args), key)
+        self._step = call.step = self._new_step(self._device_of(args), key, grads_none)
         self._step.key = key
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
         set_step_key(self.layers, key)
 
-    def _profile_in_lockstep(self, key):
+    def _grads_none(self) -> set[int]:
+        """The ids of the parameters that need a gradient and have none now (as after zero_grad())."""
+        return {id(p) for p in self._params if p.requires_grad and p.grad is None}
+
+    def _grads_charge(self, shape: Shape, grads: tuple) -> list[int]:
+        """What a plan for a step of `shape` that begins in the gradient state `grads` (Shape.grads_key's form)
+        charges to the layers' backward: the gradients they make, none where the rest of the step makes them."""
+        return [0] * len(grads) if shape.grads_in_rest else list(grads)
+
+    def _plan_for_grads(self, key, grads_none: set[int]) -> None:
+        """A training step under `key` begins with the parameter gradients of `grads_none` None: where its shape
+        is planned for another state (gradient accumulation: the first micro-batch makes the layers' gradients,
+        the others add to them, and a plan made at one is above or below the other's peak), the plan for this
+        one is put in force, made from the profile (and kept, LayerPlan._planned, for the next step in this
+        state). Where no plan fits, the plan in force is put back and InfeasibleBudget raised, naming the
+        gradients, before anything of the step runs."""
+        shape = self._shapes.get(key)
+        if shape is None or shape.grads_key is None or shape.context is None or shape.choices is None:
+            return
+        grads = tuple(layer_grads_bytes(self.layers, grads_none))
+        if grads == shape.grads_key:
+            return
+        before = shape.grads_key
+        charged = shape.charged.setdefault(grads, self._grads_charge(shape, grads))
+        shape.grads_key = grads
+        try:
+            self._plan_from(shape, self._context_in_force(shape))
+        except _core.InfeasibleBudget as e:
+            shape.grads_key = before
+            shape.error = None
+            self._plan_from(shape, self._context_in_force(shape))  # the plan in force, as before
+            err = _core.InfeasibleBudget(
+                f"{e}. This step began with {_core.format_bytes(sum(charged))} of the layers' parameter "
+                f"gradients None, which its backward pass makes; the plan in force, {shape.plan}, was made for "
+                f"steps that began with {_core.format_bytes(sum(shape.charged[before]))} of them None, and is kept "
+                "for such steps")
+            err.budget_bytes, err.min_bytes = e.budget_bytes, e.min_bytes
+            raise err from None
+
+    def _context_in_force(self, shape: Shape):
+        """The profile's StepContext for the gradient state in force (Shape.charged): the profiling step's own,
+        or one made from it (the planner library's context_for_grads, C++'s remat::Planned's rule too)."""
+        ctx = shape.context
+        charged = shape.charged.get(shape.grads_key)
+        if charged is None or charged == list(ctx.stage_grads_bytes):
+            return ctx
+        return _core.context_for_grads(ctx, charged)
+
+    def _profile_in_lockstep(self, key, grads_none: set[int]):
         """Under a process group of more than one rank whose ranks agree on plans (agree), or whose layers FSDP2
         shards: a training step under `key` begins, and the ranks profile together or not at all. Where any rank
         profiles this step (its input shape is new to it), every rank does, one whose shape has a plan profiling
@@ -424,17 +476,34 @@ class LayerPlan:
         all-gathers while the layers are profiled, least_room) then meet on every rank. Before (found
         2026-12-02), a rank whose batch had another shape profiled alone, and its agreement met the other ranks'
         next collective: Gloo aborted ("collective mismatch"), NCCL would hang or mix buffers. One all-reduce of
-        an integer per step (agreement.any_rank)."""
+        two integers per step (agreement.most).
+
+        Under agree, a step whose gradient state (_plan_for_grads) its shape has no plan for on some rank: every
+        rank takes the maximum over the ranks of the gradients to charge (one all-reduce), and the ranks that
+        need a plan make it from that, so that ranks in the same state make the same plan."""
         import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
-        if not (agreement.agreeing(self.agree, self.who)
-                or any(sharded_modules(m) for m in (self.model, *self.layers))):  # FSDP2 all-gathers in profiling
+        agreeing = agreement.agreeing(self.agree, self.who)
+        if not (agreeing or any(sharded_modules(m) for m in (self.model, *self.layers))):  # FSDP2 all-gathers
             return
         new = self._profiles(key)
         shape = self._shapes.get(key)
-        if agreement.any_rank(new) and not new and not shape.no_backward:
-            self._shapes[key] = Shape(key)  # profiled again, with the ranks whose shape is new
+        grads = needs = None
+        if not new and shape.grads_key is not None:
+            grads = tuple(layer_grads_bytes(self.layers, grads_none))
+            needs = agreeing and grads not in shape.charged
+        any_new, any_needs = agreement.most([int(new), int(bool(needs))])
+        if any_new:
+            if not new and not shape.no_backward:
+                self._shapes[key] = Shape(key)  # profiled again, with the ranks whose shape is new
+            return
+        if any_needs:
+            # A collective on every rank; what it says is kept only by the ranks that need it.
+            charged = agreement.most(self._grads_charge(shape, grads) if grads is not None
+                                     else [0] * len(self.layers))
+            if needs:
+                shape.charged[grads] = charged
 
     def _borrow(self, key):
         """A training step under `key` begins. Where its shape is new and a planned shape covers it (borrow_plans;
@@ -459,8 +528,9 @@ class LayerPlan:
         donor = planned[j][0]
         shape = Shape(key)
         for name in ("layer_keys", "gathered", "chain", "context", "room", "budget", "lowered", "planned_chain",
-                     "planned_at", "plan", "choices", "points", "predicted"):
+                     "planned_at", "plan", "choices", "points", "predicted", "grads_key", "grads_in_rest"):
             setattr(shape, name, getattr(donor, name))
+        shape.charged = dict(donor.charged)
         shape.borrowed_from = donor
         shape.rest_retimed = RETIMED_STEPS  # the covering shape's rest of the step is not timed again on this one
         self._shapes[key] = shape
@@ -534,15 +604,15 @@ class LayerPlan:
         if outs:
             measure_planned_step(step, shape, outs, lambda: self._check_prediction(shape), retime=False)
 
-    def _new_step(self, device: torch.device, key) -> Step:
+    def _new_step(self, device: torch.device, key, grads_none: set[int]) -> Step:
         """The training step under `key` beginning now on `device`: its base read, and, with a device budget and
         no profile yet for that key (a step that profiles), what the device has (fit.read_device, which raises on
         a device that has no capacity to fill)."""
         shape = self._shapes.get(key)
         profiles = shape is None or shape.chain is None
         reading = fit.read_device(device, self.who, self._budget_text) if self.fit is not None and profiles else None
-        grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
         step = Step(meter_for(device), grads_none)
+        step.grads_key = tuple(layer_grads_bytes(self.layers, grads_none))
         step.reading = reading
         step.device = device
         if device.type == "cuda":
@@ -581,6 +651,9 @@ class LayerPlan:
             if agreeing:  # every rank plans for the room of the tightest
                 shape.room = agreement.least_room(shape.room)
         shape.context = ctx
+        shape.grads_key = step.grads_key
+        shape.grads_in_rest = step.grads_in_rest
+        shape.charged = {step.grads_key: list(ctx.stage_grads_bytes)}
         self._plan_from(shape, ctx)
 
     def _check_prediction(self, shape: Shape) -> None:
@@ -622,13 +695,13 @@ class LayerPlan:
             lowered = budget - check.replan_budget_bytes
             shape.lowered += lowered
             try:
-                self._plan_from(shape, shape.context)
+                self._plan_from(shape, self._context_in_force(shape))
                 words += (f"; replan_on_overshoot: planned again below the budget by {f(lowered)}: the next step "
                           f"runs the plan {shape.plan}, predicted {f(shape.predicted)}")
             except _core.InfeasibleBudget as e:
                 shape.lowered -= lowered
                 shape.error = None
-                self._plan_from(shape, shape.context)  # the plan that ran, as before
+                self._plan_from(shape, self._context_in_force(shape))  # the plan that ran, as before
                 words += (f"; replan_on_overshoot: no plan fits below the budget by {f(lowered)} (the least "
                           f"feasible budget is {f(e.min_bytes)}); the plan is unchanged")
         shape.replanned = True  # warned (and planned again) once per input shape

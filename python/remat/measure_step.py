@@ -134,6 +134,19 @@ def local_bytes(p: torch.Tensor) -> int:
     return to_local().nbytes if callable(to_local) else p.nbytes
 
 
+def layer_grads_bytes(layers: Sequence[nn.Module], grads_none) -> list[int]:
+    """Per layer, the bytes of the parameter gradients its backward makes: those of its parameters that need a
+    gradient and whose ids are in `grads_none` (None when the step began), this rank's shard's under FSDP2; a
+    parameter that two layers use at the later one, which the backward pass meets first."""
+    grads, seen = [0] * len(layers), set()
+    for j in reversed(range(len(layers))):
+        for p in layers[j].parameters():
+            if id(p) in grads_none and id(p) not in seen:
+                seen.add(id(p))
+                grads[j] += local_bytes(p)
+    return grads
+
+
 def storage_ref(t: torch.Tensor) -> StorageWeakRef | None:
     """A weak reference to t's storage (`.expired()` once it is freed), or None for a tensor without storage (a
     wrapper subclass)."""
@@ -206,6 +219,14 @@ class Shape:
         # The planned shape whose plan (and the profile it was made from) this one runs, not profiled (a shape
         # that covers it: LayerPlan.borrow_plans); None for a shape profiled itself.
         self.borrowed_from: Shape | None = None
+        # The layers' parameter gradients a step of this shape begins without, per layer (bytes: layer_grads_bytes),
+        # as the step the plan in force is for began (None before a plan); per such state planned, the gradients
+        # its plan charges to the layers' backward (StepContext.stage_grads_bytes: gradient accumulation's first
+        # micro-batch makes them, the others add to them); and whether the rest of the step makes the layers'
+        # gradients before their backward (a paired loss: profiling_call), so that no state's plan charges them.
+        self.grads_key: tuple | None = None
+        self.charged: dict[tuple, list[int]] = {}
+        self.grads_in_rest = False
 
     def profiled(self) -> bool:
         """Profiled in a training step of its own (LayerPlan.profiled_shapes counts these; C++'s Shape::profiled)."""
@@ -229,6 +250,7 @@ class Step:
         self.true_peak = self.base  # the step's own peak (profiling's transients left out)
         self.profiling_peak = self.base  # the peak of profiling's own runs in the step
         self.grads_none = grads_none  # ids of parameters whose .grad was None when the step began
+        self.grads_in_rest = False  # the rest of the step made the layers' gradients (profiling_call's at_out)
         self.shape: Shape | None = None
         self.calls: list = []  # profiling: (fn, args, x) per layer
         self.at_layer0 = 0
@@ -595,6 +617,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         if step.grads_none and any(c.reached for c in step.inside):
             made = {id(p) for layer in lp.layers for p in layer.parameters()}
             step.grads_none = {i for i in step.grads_none if i not in made}
+            step.grads_in_rest = True
         step.reset()
         if not prefix_backward:
             queue_at_backward_end(finish_profiling)
@@ -762,13 +785,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
         r.checkpoint_state_bytes = checkpoint_state_bytes(step.meter, step.device)
     r.peak_after_chain_backward = step.peak_after_backward
     r.step_peak = step.true_peak
-    grads, seen = [0] * len(lp.layers), set()
-    for j in reversed(range(len(lp.layers))):  # the backward pass meets the last layer first
-        for p in lp.layers[j].parameters():
-            if step.grads_none is not None and id(p) in step.grads_none and id(p) not in seen:
-                seen.add(id(p))
-                grads[j] += local_bytes(p)
-    r.stage_grads_bytes = grads
+    r.stage_grads_bytes = layer_grads_bytes(lp.layers, step.grads_none or ())
     r.side_bytes = sum(step.side.values())
     side_grads = [0] * len(lp.layers)
     for k, (last, _) in step.side_grads.items():

@@ -82,6 +82,17 @@ def worker(rank, port, agree, out, ragged=False):
                 losses.append(loss.detach())
                 if lp is not None and step == 3:  # both ranks' shapes last profiled at the second step
                     results["plan"] = str(lp.plan)
+            if not ragged:
+                # Two micro-batches accumulated: the second begins with the gradients the first made, a state
+                # no plan is for yet on either rank: both make one, from the gradients agreed on.
+                ddp.zero_grad(set_to_none=True)
+                for micro in range(2):
+                    torch.manual_seed(10 + micro)
+                    loss = ddp(x[:8]).square().mean()
+                    loss.backward()
+                    losses.append(loss.detach())
+                    if lp is not None:
+                        results[f"micro{micro}"] = (str(lp.plan), lp.predicted_peak_bytes)
             results[way] = dict(losses=torch.stack(losses), grads=[p.grad.clone() for p in model.parameters()])
             if lp is not None:
                 results.setdefault("plan", str(lp.plan))
@@ -90,7 +101,8 @@ def worker(rank, port, agree, out, ragged=False):
                 results["borrowed"] = lp.borrowed_shapes
         gathered = [None, None]
         dist.all_gather_object(gathered, dict(plan=results["plan"], chain=results["chain"], measured=measured,
-                                              bandwidths=results["bandwidths"], borrowed=results["borrowed"]))
+                                              bandwidths=results["bandwidths"], borrowed=results["borrowed"],
+                                              micro=(results.get("micro0"), results.get("micro1"))))
         same_steps = torch.equal(results["plain"]["losses"], results["remat"]["losses"]) and all(
             torch.equal(a, b) for a, b in zip(results["plain"]["grads"], results["remat"]["grads"]))
         if rank == 0:
@@ -113,6 +125,9 @@ def test_ranks_agree_on_one_plan_under_ddp():
     a, b = r["gathered"]
     assert a["chain"] == b["chain"], "the ranks planned from different numbers"
     assert a["plan"] == b["plan"]
+    # Each micro-batch ran the plan for its gradients, the same on both ranks; the first's charges the
+    # gradients it makes.
+    assert a["micro"] == b["micro"] and a["micro"][0][1] > a["micro"][1][1], (a["micro"], b["micro"])
     assert len(a["measured"]) == len(b["measured"]) == 1
     # The bandwidths agreed on are the slower rank's (rank 1's, a quarter of its own measurement's speed).
     assert a["bandwidths"] == b["measured"][0], (a["bandwidths"], a["measured"], b["measured"])

@@ -324,7 +324,8 @@ def trainer_worker(rank, port, out, with_remat):
     args = transformers.TrainingArguments(output_dir=os.path.join(os.path.dirname(out), f"r{rank}"), max_steps=3,
                                           per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=1,
                                           report_to=[], save_strategy="no", use_cpu=True, seed=7,
-                                          dataloader_num_workers=0, ddp_backend="gloo")
+                                          dataloader_num_workers=0, ddp_backend="gloo",
+                                          gradient_accumulation_steps=2)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Data())
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -334,6 +335,8 @@ def trainer_worker(rank, port, out, with_remat):
                         world=args.world_size, ddp=isinstance(trainer.model_wrapped,
                                                               torch.nn.parallel.DistributedDataParallel),
                         floor=lp.min_budget_bytes if lp else None,
+                        # the gradient states its shape was planned for (the first micro-batch's, the second's)
+                        states=sorted(sum(g) for g in lp._last.charged) if lp else None,
                         predicted=lp.predicted_peak_bytes if lp else None), out)
     trainer = model = lp = None
     if torch.distributed.is_initialized():
@@ -354,5 +357,8 @@ def test_trainer_on_two_processes_trains_as_without_remat():
     # 2 MiB is about 17% above this model's floor (1.71 MiB): some layers must be checkpointed.
     assert "checkpoint" in planned["choices"] or "matmuls" in planned["choices"], planned["choices"]
     assert planned["predicted"] <= 2 << 20
+    # Two micro-batches a step (gradient_accumulation_steps=2): a plan for each, the first's charging the layers'
+    # gradients its backward makes, the second's none.
+    assert len(planned["states"]) == 2 and planned["states"][0] == 0 < planned["states"][1], planned["states"]
     assert len(plain["losses"]) == 3 and planned["losses"] == plain["losses"]
     assert all(torch.equal(a, b) for a, b in zip(plain["weights"], planned["weights"]))

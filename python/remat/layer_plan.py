@@ -215,7 +215,11 @@ class LayerPlan:
 
     @property
     def context(self):
-        return self._last.context if self._last else None
+        """What surrounds the layers in the last input shape's step (a StepContext), for the parameter gradients
+        the plan in force is for (_plan_for_grads): the profiling step's own where its steps begin as that one
+        did, else a copy made from it; None before its profiling step."""
+        shape = self._last
+        return self._context_in_force(shape) if shape is not None and shape.context is not None else None
 
     @property
     def predicted_peak_bytes(self) -> int:
@@ -317,7 +321,8 @@ class LayerPlan:
         if shape is None or shape.plan is None or shape.chain is None or shape.context is None:
             raise ValueError(f"{self.who}: no plan with its profile yet (timeline and plot follow a profiling step "
                              "under a budget)")
-        return json.loads(_core.step_timeline_json(shape.chain, shape.context, shape.plan, self.budget_bytes))
+        return json.loads(_core.step_timeline_json(shape.chain, self._context_in_force(shape), shape.plan,
+                                                   self.budget_bytes))
 
     def plot(self, path, *, plain: bool = True, title: str | None = None) -> None:
         """Draws the planned step's memory over time to `path` (.png, .svg, .pdf; needs matplotlib): the predicted
@@ -328,8 +333,8 @@ class LayerPlan:
         from .plot_step import draw
         t = self.timeline()
         shape = self._last
-        compare = json.loads(_core.step_timeline_json(shape.chain, shape.context, _core.no_checkpoint(shape.chain))) \
-            if plain else None
+        compare = json.loads(_core.step_timeline_json(shape.chain, self._context_in_force(shape),
+                                                      _core.no_checkpoint(shape.chain))) if plain else None
         draw(t, str(path), compare=compare, measured_peak=self.last_peak_bytes if self.last_peak_bytes >= 0 else None,
              title=title)
 

@@ -107,6 +107,9 @@ def _accumulated(m, batches, meter, lp=None):
         m(x).square().mean().backward()
         if lp is not None:
             readings.append((lp.predicted_peak_bytes, lp.last_peak_bytes))
+            if lp.is_planned():  # the timeline and the context are the plan's state's
+                assert lp.timeline()["peak_bytes"] == lp.predicted_peak_bytes
+                assert remat.step_peak_bytes(lp.chain, lp.context, lp.plan) == lp.predicted_peak_bytes
     return [p.grad.clone() for p in m.parameters()], readings
 
 

@@ -1983,6 +1983,16 @@ TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackwa
   early.stages[0].bwd_tmp_bytes = 90000;
   EXPECT_EQ(added(early, remat::checkpoint_all(early)), 5056);
   EXPECT_EQ(added(early, remat::checkpoint_stages(3, {1, 2})), 0);
+  // A stage whose forward the plan runs again without checkpointing it (Fn, then Fa in the backward pass:
+  // optimal()'s plans, run by remat::run_plan) holds it too, and its replay a second one.
+  Plan again;
+  again.num_stages = 3;
+  for (const char* op : {"Fa0", "Fn1", "Fa2", "L", "B2", "Fa1", "B1", "B0"})
+    again.ops.push_back(remat::parse_op(op));
+  EXPECT_EQ(added(c, again), 5056);
+  Chain replayed = c;  // its replay the peak: the stage's state and the one the replay saves
+  replayed.stages[1].fwd_tmp_bytes = 90000;
+  EXPECT_EQ(added(replayed, again), 2 * 5056);
   // The per-layer program charges it alike: its least budget is that of the least plan of them all.
   std::vector<Candidate> all = every_per_layer_plan(c, false, false, false, true);
   int64_t least = std::numeric_limits<int64_t>::max();

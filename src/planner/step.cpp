@@ -321,6 +321,12 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // stage's backward rather than at its own.
   std::vector<char> state_held(static_cast<size_t>(n) + 2, 0);
   std::vector<char> plain(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: its forward operations in the plan, and those run so far (a stage that runs again, Fn
+  // or Fc before a later forward, replays its draws from the states of its first run).
+  std::vector<int> forwards(static_cast<size_t>(n) + 2, 0), forwarded_so_far(static_cast<size_t>(n) + 2, 0);
+  for (const Op& op : ops.ops)
+    if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 && op.stage <= n)
+      ++forwards[static_cast<size_t>(op.stage)];
   // Per step stage: whether it ran Fc before the loss and has been recomputed since (a per-call checkpoint's
   // recompute, which stops early where the runtime does not hold outputs: recompute_unmade_bytes()).
   std::vector<char> checkpointed(static_cast<size_t>(n) + 2, 0), recomputed(static_cast<size_t>(n) + 2, 0);
@@ -372,10 +378,15 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       const int64_t side = stage_figure(context.side_grads_bytes, static_cast<size_t>(op.stage - 1));
       made += side, at_peak += side;
     }
-    // A way that recomputes holds the generators' state its checkpoint saved from its forward on, through
-    // its recompute, to its backward's end.
+    // A way that recomputes, or a stage whose forward runs again (Fn, Fc), holds the generators' state of
+    // its first run from its forward on, through its replays, to its backward's end.
+    const bool forward_op =
+        op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 && op.stage <= n;
+    const bool replay = forward_op && forwarded_so_far[static_cast<size_t>(op.stage)]++ > 0;
     if (context.checkpoint_state_bytes > 0 && op.stage >= 1 && op.stage <= n &&
-        !state_held[static_cast<size_t>(op.stage)] && recomputes(op.kind, !op.groups.empty())) {
+        !state_held[static_cast<size_t>(op.stage)] &&
+        (recomputes(op.kind, !op.groups.empty()) ||
+         (forward_op && forwards[static_cast<size_t>(op.stage)] > 1))) {
       state_held[static_cast<size_t>(op.stage)] = 1;
       arrived += context.checkpoint_state_bytes;
     }
@@ -389,11 +400,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);
-    // Its recompute holds a second generators' state: the one it saves while it replays the first.
-    if (op.stage >= 1 && op.stage <= n && recomputed[static_cast<size_t>(op.stage)] &&
-        op.kind == OpKind::kForwardAll && checkpointed[static_cast<size_t>(op.stage)] &&
-        state_held[static_cast<size_t>(op.stage)])
-      peaks[k] += context.checkpoint_state_bytes;
+    // A replay holds a second generators' state: the one it saves while it replays the first.
+    if (replay && state_held[static_cast<size_t>(op.stage)]) peaks[k] += context.checkpoint_state_bytes;
     arrived += made;
     // What the stages take beside their input, and gradients of it, let go of once this backward is done.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)

@@ -109,12 +109,13 @@ struct StepContext {
   /// later stages take beside their input, such as BART's encoder output, of which side_bytes then charge the
   /// gradient alone); remat::Planned does not read it. Empty (nothing held), or one entry per stage.
   std::vector<bool> outputs_held_to_end;
-  /// What a stage run by a way that recomputes (Fc, a group assignment) holds beside its input from its
-  /// forward until its backward is done (bytes): the random generators' states its checkpoint saved to replay
-  /// its draws. They are host tensors: on a CUDA device 0; where the device is the CPU, the CPU generator's
-  /// state (5,056 bytes per checkpointed stage; the Python package measures it in the profiling step). 0 by
-  /// default (remat::Planned does not read it). A policy's measured saved_bytes holds it already. An Fc
-  /// stage's recompute holds it twice (the state it saves while it replays the first).
+  /// What a stage run by a way that recomputes (Fc, a group assignment), or whose forward the plan runs more
+  /// than once (Fn before a later forward), holds beside its input from its first forward until its backward
+  /// is done (bytes): the random generators' state saved to replay its draws. They are host tensors: on a
+  /// CUDA device 0; where the device is the CPU, the CPU generator's state (5,056 bytes per such stage; the
+  /// Python package measures it in the profiling step, remat::Planned reads it on a CPU device). 0 by
+  /// default. A policy's measured saved_bytes holds it already. Each replay (a forward of the stage after its
+  /// first) holds it twice (the state it saves while it replays the first).
   int64_t checkpoint_state_bytes = 0;
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
   /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output

@@ -181,7 +181,7 @@ TEST_P(Threads, DropoutIsExactWhileNoOtherThreadDraws) {
 TEST_P(Threads, ADrawByAnotherThreadDuringTheForwardPassIsAClearError) {
   // Another thread draws from the default generator while a region with dropout runs forward: the recompute
   // would replay other numbers, so remat refuses instead of returning gradients for a mask never used.
-  if (GetParam() == Way::kSequential) GTEST_SKIP() << "covered by the function overloads";
+  // Sequential: remat::run_plan's stage run again (Fc0 L Fa0 B0), its end state kept as a digest.
   const auto mode =
       GetParam() == Way::kReentrant ? CheckpointMode::kReentrant : CheckpointMode::kNonReentrant;
   torch::nn::Linear fc(8, 8);
@@ -192,7 +192,9 @@ TEST_P(Threads, ADrawByAnotherThreadDuringTheForwardPassIsAClearError) {
     if (calls++ == 0) std::async(std::launch::async, [] { torch::rand({16}); }).wait();  // another thread
     return torch::dropout(h, 0.5, true);  // drawn after the other thread's numbers in the forward pass only
   };
-  auto y = remat::checkpoint(fn, x, CheckpointOptions().mode(mode).modules({fc.ptr()}));
+  auto y = GetParam() == Way::kSequential
+               ? remat::run_plan({remat::StageFn{"drop", fn, fc.ptr()}}, remat::checkpoint_stages(1, {0}), x)
+               : remat::checkpoint(fn, x, CheckpointOptions().mode(mode).modules({fc.ptr()}));
   EXPECT_THROW_WITH(y.sum().backward(), "drew other random numbers", "nother thread",
                     "preserve_rng_state(false)");
 }

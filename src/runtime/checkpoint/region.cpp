@@ -105,7 +105,25 @@ at::Tensor generator_state(at::Generator gen) {
 }
 }  // namespace
 
+namespace {
+uint64_t fnv1a(const at::Tensor& t) {
+  uint64_t h = 1469598103934665603ULL;
+  const auto* p = static_cast<const unsigned char*>(t.data_ptr());
+  for (size_t k = 0; k < t.nbytes(); ++k)
+    h = (h ^ p[k]) * 1099511628211ULL;
+  return h;
+}
+}  // namespace
+
+void RngState::digest() {
+  if (!cpu.defined()) return;
+  cpu_digest = fnv1a(cpu);
+  digested = true;
+  cpu = at::Tensor();
+}
+
 bool RngState::matches_current() const {
+  if (digested && fnv1a(generator_state(at::detail::getDefaultCPUGenerator())) != cpu_digest) return false;
   if (cpu.defined() && !same_bytes(cpu, generator_state(at::detail::getDefaultCPUGenerator()))) return false;
   for (const auto& [index, state] : cuda) {
     if (!same_bytes(state,
@@ -307,11 +325,12 @@ void refuse_captured(const RegionReach& reach, const char* who, const char* advi
   for (const auto& c : reach.captured)
     list += (list.empty() ? "" : ", ") + c;
   const bool one = reach.captured.size() == 1;
-  TORCH_CHECK(false, who, ": the region uses ", one ? "a tensor" : "tensors", " (", list, ") that ",
-              one ? "requires" : "require", " grad and ", one ? "was" : "were",
-              " computed outside it without being passed as ", one ? "an input" : "inputs",
-              "; its gradient cannot flow back through the region's nested backward pass, and would be lost. ",
-              advice);
+  TORCH_CHECK(
+      false, who, ": the region uses ", one ? "a tensor" : "tensors", " (", list, ") that ",
+      one ? "requires" : "require", " grad and ", one ? "was" : "were",
+      " computed outside it without being passed as ", one ? "an input" : "inputs",
+      "; its gradient cannot flow back through the region's nested backward pass, and would be lost. ",
+      advice);
 }
 
 // A parameter is taken as asked for when its gradient accumulator is captured by the user's pass, or when

@@ -27,9 +27,16 @@ struct RngState {
   /// Captures the current states. Consecutive captures with no random draw between them share one tensor.
   static RngState capture(const std::vector<c10::DeviceIndex>& cuda_devices);
   void restore() const;
-  bool empty() const { return !cpu.defined(); }
-  /// True when the generators are in exactly this state now.
+  bool empty() const { return !cpu.defined() && !digested; }
+  /// True when the generators are in exactly this state now (the CPU generator's by its digest, once
+  /// digested).
   bool matches_current() const;
+  /// Keeps the CPU generator's state as a 64-bit digest of its bytes and lets go of the tensor: for a state
+  /// only compared with later (matches_current), not restored. A state shared with another capture (a
+  /// neighbour's start) stays alive there.
+  void digest();
+  uint64_t cpu_digest = 0;
+  bool digested = false;
   /// True when both hold the same states (byte for byte).
   bool same_as(const RngState& other) const;
 };

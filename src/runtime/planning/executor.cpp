@@ -263,6 +263,9 @@ void run_forward(ExecState& st, const Op& op) {
                        "stage " + std::to_string(i) + " ('" + stage.name + "')");
   } else {
     st.rng[i].finish(st.cuda_devices);
+    // The end state is only compared with (check_rng_replayed): kept as a digest, so that a stage that runs
+    // again holds one state (its start), as Planned's model charges.
+    st.rng[i].end.digest();
   }
   // After its last run the stage replays nothing: its generators' states go (a retain_graph backward runs on
   // a copy of the state, which keeps them for the next pass).

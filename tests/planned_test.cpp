@@ -1278,6 +1278,7 @@ TEST_F(PlannedTest, CallsBeforeOneBackwardPassRunInsideTheFirstCallsStepWhichHol
     EXPECT_NE(said[0].find("earlier training call was alive"), std::string::npos) << said[0];
   }
 }
+
 // A budget that a step beginning with the gradients fits but one beginning without them (its backward makes
 // them) does not: that step throws before anything runs, naming the gradients, and the plan for steps with
 // them stays in force.

@@ -237,6 +237,10 @@ class Shape:
         lacks take their defaults."""
         self.__init__(state.get("key"))
         self.__dict__.update(state)
+        if self.grads_key is None and self.context is not None and self.choices is not None:
+            # Saved before plans followed the gradients: its plan is for what its profiling step charged.
+            self.grads_key = tuple(self.context.stage_grads_bytes)
+            self.charged = {self.grads_key: list(self.context.stage_grads_bytes)}
 
 
 class Step:

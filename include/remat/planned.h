@@ -45,12 +45,12 @@
 /// the backward passes, the calls inside).
 ///
 /// Gradient accumulation: a step's backward pass makes the stages' parameter gradients where they are none
-/// (after zero_grad, or at an accumulation's first micro-batch) and adds to them where they exist, and the two
-/// peak apart by up to the gradients' bytes. Each training call runs the plan for the gradients it begins
-/// without, made from the shape's one profile the first time a call begins that way (remat::context_for_grads)
-/// and kept. Where the budget fits one state but not the other (the gradients made), the call that begins in
-/// the other throws c10::Error naming remat::Planned, the least feasible budget and the gradients, before
-/// anything runs; the plan for the first stays in force.
+/// (after zero_grad, or at an accumulation's first micro-batch) and adds to them where they exist, and the
+/// two peak apart by up to the gradients' bytes. Each training call runs the plan for the gradients it begins
+/// without, made from the shape's one profile the first time a call begins that way
+/// (remat::context_for_grads) and kept. Where the budget fits one state but not the other (the gradients
+/// made), the call that begins in the other throws c10::Error naming remat::Planned, the least feasible
+/// budget and the gradients, before anything runs; the plan for the first stays in force.
 
 #include <remat/checkpoint.h>
 #include <remat/memory.h>
@@ -285,11 +285,11 @@ class PlannedImpl : public torch::nn::Module {
   // module's parameters that require a gradient and have none; a parameter shared by two stages at the one
   // the backward pass meets first).
   std::vector<int64_t> grads_to_make() const;
-  // At the start of a planned step: the plan for the gradients it begins with (grads_to_make()) put in
-  // force, one made before or a new one (make_plan). Under agree, `lockstep` says every rank makes one at
-  // this call (some rank needs a new one): a rank whose plan fits its state meets agree's collectives with a
-  // plan it does not keep.
-  void plan_for_grads(Shape& shape, bool lockstep);
+  // At the start of a planned step: the plan for the gradients it begins with (`grads`, grads_to_make()'s)
+  // put in force, one made before or a new one (make_plan). Under agree, `lockstep` says every rank makes one
+  // at this call (some rank needs a new one): a rank whose plan fits its state meets agree's collectives with
+  // a plan it does not keep.
+  void plan_for_grads(Shape& shape, const std::vector<int64_t>& grads, bool lockstep);
   // Under agree, at the start of a training call: the shapes the ranks' last step profiled planned (each
   // rank its own, at the same call), and every rank profiling where any rank's shape has no plan.
   void plan_in_lockstep();

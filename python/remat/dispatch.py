@@ -57,11 +57,11 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
             # Outside the model's forward: the first layer's shapes (and the frozen parameters, as for the model's).
             key = ("layer 0", layer_key(fn, args), lp._frozen())
             lp._borrow(key)
-            grads_none = lp._grads_none()
-            lp._profile_in_lockstep(key, grads_none)
-            lp._plan_for_grads(key, grads_none)
+            grads_none, grads = lp._grads_state()
+            lp._profile_in_lockstep(key, grads)
+            lp._plan_for_grads(key, grads)
             lp._new_shape(key)
-            step = lp._step = lp._new_step(x.device, key, grads_none)
+            step = lp._step = lp._new_step(x.device, key, grads_none, grads)
             step.input_in_base = True  # the base is taken here, the layers' input alive
             step.key = key
             set_step_key(lp.layers, key)

@@ -410,41 +410,42 @@ class LayerPlan:
             return
         key = ("model", call_key(args, kwargs), self._frozen())
         self._borrow(key)
-        grads_none = self._grads_none()
-        self._profile_in_lockstep(key, grads_none)
-        self._plan_for_grads(key, grads_none)
+        grads_none, grads = self._grads_state()
+        self._profile_in_lockstep(key, grads)
+        self._plan_for_grads(key, grads)
         if not self._shapes or any(shape.chain is None for shape in self._shapes.values()):
             # A step that may profile: garbage in reference cycles is collected before the base is read. Collected
             # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
             # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
             gc.collect()
         self._new_shape(key)
-        self._step = call.step = self._new_step(self._device_of(args), key, grads_none)
+        self._step = call.step = self._new_step(self._device_of(args), key, grads_none, grads)
         self._step.key = key
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
         set_step_key(self.layers, key)
 
-    def _grads_none(self) -> set[int]:
-        """The ids of the parameters that need a gradient and have none now (as after zero_grad())."""
-        return {id(p) for p in self._params if p.requires_grad and p.grad is None}
+    def _grads_state(self) -> tuple[set[int], tuple]:
+        """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
+        none (as after zero_grad()), and per layer their bytes (layer_grads_bytes: Shape.grads_key's form)."""
+        grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
+        return grads_none, tuple(layer_grads_bytes(self.layers, grads_none))
 
     def _grads_charge(self, shape: Shape, grads: tuple) -> list[int]:
         """What a plan for a step of `shape` that begins in the gradient state `grads` (Shape.grads_key's form)
         charges to the layers' backward: the gradients they make, none where the rest of the step makes them."""
         return [0] * len(grads) if shape.grads_in_rest else list(grads)
 
-    def _plan_for_grads(self, key, grads_none: set[int]) -> None:
-        """A training step under `key` begins with the parameter gradients of `grads_none` None: where its shape
-        is planned for another state (gradient accumulation: the first micro-batch makes the layers' gradients,
-        the others add to them, and a plan made at one is above or below the other's peak), the plan for this
-        one is put in force, made from the profile (and kept, LayerPlan._planned, for the next step in this
-        state). Where no plan fits, the plan in force is put back and InfeasibleBudget raised, naming the
-        gradients, before anything of the step runs."""
+    def _plan_for_grads(self, key, grads: tuple) -> None:
+        """A training step under `key` begins with `grads` of the layers' parameter gradients None (_grads_state's
+        bytes per layer): where its shape is planned for another state (gradient accumulation: the first
+        micro-batch makes the layers' gradients, the others add to them, and a plan made at one is above or below
+        the other's peak), the plan for this one is put in force, made from the profile (and kept,
+        LayerPlan._planned, for the next step in this state). Where no plan fits, the plan in force is put back
+        and InfeasibleBudget raised, naming the gradients, before anything of the step runs."""
         shape = self._shapes.get(key)
         if shape is None or shape.grads_key is None or shape.context is None or shape.choices is None:
             return
-        grads = tuple(layer_grads_bytes(self.layers, grads_none))
         if grads == shape.grads_key:
             return
         before = shape.grads_key
@@ -473,7 +474,7 @@ class LayerPlan:
             return ctx
         return _core.context_for_grads(ctx, charged)
 
-    def _profile_in_lockstep(self, key, grads_none: set[int]):
+    def _profile_in_lockstep(self, key, grads: tuple):
         """Under a process group of more than one rank whose ranks agree on plans (agree), or whose layers FSDP2
         shards: a training step under `key` begins, and the ranks profile together or not at all. Where any rank
         profiles this step (its input shape is new to it), every rank does, one whose shape has a plan profiling
@@ -494,19 +495,16 @@ class LayerPlan:
             return
         new = self._profiles(key)
         shape = self._shapes.get(key)
-        grads = needs = None
-        if not new and shape.grads_key is not None:
-            grads = tuple(layer_grads_bytes(self.layers, grads_none))
-            needs = agreeing and grads not in shape.charged
-        any_new, any_needs = agreement.most([int(new), int(bool(needs))])
+        planned = not new and shape.grads_key is not None
+        needs = planned and agreeing and grads not in shape.charged
+        any_new, any_needs = agreement.most([int(new), int(needs)])
         if any_new:
             if not new and not shape.no_backward:
                 self._shapes[key] = Shape(key)  # profiled again, with the ranks whose shape is new
             return
         if any_needs:
             # A collective on every rank; what it says is kept only by the ranks that need it.
-            charged = agreement.most(self._grads_charge(shape, grads) if grads is not None
-                                     else [0] * len(self.layers))
+            charged = agreement.most(self._grads_charge(shape, grads) if planned else [0] * len(self.layers))
             if needs:
                 shape.charged[grads] = charged
 
@@ -609,7 +607,7 @@ class LayerPlan:
         if outs:
             measure_planned_step(step, shape, outs, lambda: self._check_prediction(shape), retime=False)
 
-    def _new_step(self, device: torch.device, key, grads_none: set[int]) -> Step:
+    def _new_step(self, device: torch.device, key, grads_none: set[int], grads: tuple) -> Step:
         """The training step under `key` beginning now on `device`: its base read, and, with a device budget and
         no profile yet for that key (a step that profiles), what the device has (fit.read_device, which raises on
         a device that has no capacity to fill)."""
@@ -617,7 +615,7 @@ class LayerPlan:
         profiles = shape is None or shape.chain is None
         reading = fit.read_device(device, self.who, self._budget_text) if self.fit is not None and profiles else None
         step = Step(meter_for(device), grads_none)
-        step.grads_key = tuple(layer_grads_bytes(self.layers, grads_none))
+        step.grads_key = grads
         step.reading = reading
         step.device = device
         if device.type == "cuda":

@@ -321,12 +321,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // stage's backward rather than at its own.
   std::vector<char> state_held(static_cast<size_t>(n) + 2, 0);
   std::vector<char> plain(static_cast<size_t>(n) + 2, 0);
-  // Per step stage: its forward operations in the plan, and those run so far (a stage that runs again, Fn
-  // or Fc before a later forward, replays its draws from the states of its first run).
-  std::vector<int> forwards(static_cast<size_t>(n) + 2, 0), forwarded_so_far(static_cast<size_t>(n) + 2, 0);
-  for (const Op& op : ops.ops)
-    if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 && op.stage <= n)
-      ++forwards[static_cast<size_t>(op.stage)];
+  // Per step stage: its forward operations run so far (a stage whose forward runs again, sim.forward_calls
+  // above 1, replays its draws from the states of its first run).
+  std::vector<int64_t> forwarded_so_far(static_cast<size_t>(n) + 2, 0);
   // Per step stage: whether it ran Fc before the loss and has been recomputed since (a per-call checkpoint's
   // recompute, which stops early where the runtime does not hold outputs: recompute_unmade_bytes()).
   std::vector<char> checkpointed(static_cast<size_t>(n) + 2, 0), recomputed(static_cast<size_t>(n) + 2, 0);
@@ -386,7 +383,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (context.checkpoint_state_bytes > 0 && op.stage >= 1 && op.stage <= n &&
         !state_held[static_cast<size_t>(op.stage)] &&
         (recomputes(op.kind, !op.groups.empty()) ||
-         (forward_op && forwards[static_cast<size_t>(op.stage)] > 1))) {
+         (forward_op && sim.forward_calls[static_cast<size_t>(op.stage)] > 1))) {
       state_held[static_cast<size_t>(op.stage)] = 1;
       arrived += context.checkpoint_state_bytes;
     }

@@ -66,8 +66,9 @@ struct ExecState final : torch::CustomClassHolder {
   // Per stage: the RNG states of its first run (at its start and its end) and its output's metadata.
   std::vector<RngRecord> rng;
   std::vector<bool> ran;
-  std::vector<bool> runs_again;    // the plan runs the stage's forward more than once (its draws replayed)
-  std::vector<int> forwards_left;  // runs of the stage's forward the plan has still to make
+  // Runs of the stage's forward the plan has still to make (above 1 at its first run: its draws are
+  // replayed).
+  std::vector<int> forwards_left;
   std::vector<TensorMeta> metas;
 
   // Held activations: plain a_i (values without graph), or abar_{i+1}: stage i's output with its graph from a
@@ -193,7 +194,7 @@ void run_forward(ExecState& st, const Op& op) {
   // under the forward pass's autocast state.
   std::optional<RecomputeScope> recompute;
   if (!st.ran[i]) {
-    if (st.preserve_rng && st.runs_again[i]) st.rng[i].begin(st.cuda_devices);
+    if (st.preserve_rng && st.forwards_left[static_cast<size_t>(i)] > 1) st.rng[i].begin(st.cuda_devices);
   } else {
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     if (stage.module) modules.push_back(stage.module);
@@ -516,15 +517,11 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->rng.resize(n);
   st->ran.assign(n, false);
   // Only a stage whose forward runs again needs its generators' states (a record held to its last run).
-  std::vector<int> forwards(n, 0);
+  st->forwards_left.assign(n, 0);
   for (const Op& op : plan.ops)
     if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 0 &&
         static_cast<size_t>(op.stage) < n)
-      ++forwards[static_cast<size_t>(op.stage)];
-  st->runs_again.assign(n, false);
-  for (size_t i = 0; i < n; ++i)
-    st->runs_again[i] = forwards[i] > 1;
-  st->forwards_left = std::move(forwards);
+      ++st->forwards_left[static_cast<size_t>(op.stage)];
   st->metas.resize(n);
   st->held.resize(n + 1);
   st->stage_params.resize(n);

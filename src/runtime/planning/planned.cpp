@@ -232,7 +232,7 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
   if (!shape.plan && shape.chain && *shape.readings)
     make_plan(shape);
   else if (shape.plan && !options_.agree())
-    plan_for_grads(shape, false);
+    plan_for_grads(shape, grads_to_make(), false);
   if (!shape.chain) new_shape(key);
   if (!shape.plan) {
     if (options_.fit_device() != 0) {
@@ -475,21 +475,20 @@ std::vector<int64_t> PlannedImpl::grads_to_make() const {
 }
 
 namespace {
-// Whether `shape` has a plan for a step that begins with `grads` to make (PlannedImpl::grads_to_make).
+// The plan `shape` keeps for a step that begins with `grads` to make (PlannedImpl::grads_to_make) besides the
+// plan in force, or nullptr.
 template <typename Shape>
-bool planned_for(const Shape& shape, const std::vector<int64_t>& grads) {
-  if (shape.grads_charged == grads) return true;
-  for (const auto& other : shape.other_plans)
-    if (other.grads_charged == grads) return true;
-  return false;
+auto kept_for(Shape& shape, const std::vector<int64_t>& grads) -> decltype(&shape.other_plans.front()) {
+  for (auto& other : shape.other_plans)
+    if (other.grads_charged == grads) return &other;
+  return nullptr;
 }
 int64_t sum(const std::vector<int64_t>& v) {
   return std::accumulate(v.begin(), v.end(), int64_t{0});
 }
 }  // namespace
 
-void PlannedImpl::plan_for_grads(Shape& shape, bool lockstep) {
-  const std::vector<int64_t> grads = grads_to_make();
+void PlannedImpl::plan_for_grads(Shape& shape, const std::vector<int64_t>& grads, bool lockstep) {
   auto meet = [&] {
     // Under agree, some rank makes a plan at this call: agree's collectives met with a plan not kept.
     Shape spare = shape;
@@ -500,10 +499,7 @@ void PlannedImpl::plan_for_grads(Shape& shape, bool lockstep) {
     return;
   }
   Shape::ForGrads in_force{shape.grads_charged, *shape.plan, shape.predicted, shape.out_of_memory};
-  auto& others = shape.other_plans;
-  const auto kept = std::find_if(others.begin(), others.end(),
-                                 [&](const Shape::ForGrads& o) { return o.grads_charged == grads; });
-  if (kept != others.end()) {
+  if (Shape::ForGrads* kept = kept_for(shape, grads)) {
     if (lockstep) meet();
     shape.grads_charged = kept->grads_charged;
     shape.plan = kept->plan;
@@ -520,9 +516,9 @@ void PlannedImpl::plan_for_grads(Shape& shape, bool lockstep) {
                 "force, ", in_force.plan.to_string(), ", was made for steps that began with ",
                 sum(in_force.grads_charged), " bytes of them none, and is kept for such steps");
   }
-  others.push_back(std::move(in_force));
+  shape.other_plans.push_back(std::move(in_force));
   // A few states at most (gradient accumulation has two); the oldest made again if it comes back.
-  if (others.size() > 3) others.erase(others.begin());
+  if (shape.other_plans.size() > 3) shape.other_plans.erase(shape.other_plans.begin());
 }
 
 void PlannedImpl::plan_in_lockstep() {
@@ -546,7 +542,8 @@ void PlannedImpl::profile_in_lockstep(Shape& shape) {
   // at the next call. Without it, a rank that profiled alone reached agree's collective while the others
   // reached their next one (DataParallel's all-reduce): Gloo aborted, NCCL would hang.
   const bool alone = !shape.plan;
-  const bool new_plan = !alone && !planned_for(shape, grads_to_make());
+  const std::vector<int64_t> grads = grads_to_make();
+  const bool new_plan = !alone && shape.grads_charged != grads && !kept_for(shape, grads);
   std::vector<torch::Tensor> numbers{torch::tensor(std::vector<int64_t>{alone      ? 2
                                                                         : new_plan ? 1
                                                                                    : 0},
@@ -559,7 +556,7 @@ void PlannedImpl::profile_in_lockstep(Shape& shape) {
   if (most < 2) {
     // Every rank's shape has a plan: the one for the gradients this step begins with, made at this call by
     // every rank where any rank has none for its state.
-    plan_for_grads(shape, most == 1);
+    plan_for_grads(shape, grads, most == 1);
     return;
   }
   if (shape.borrowed) {

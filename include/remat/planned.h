@@ -23,9 +23,11 @@
 /// hands the same tensors to every stage of that call (recomputations included).
 ///
 /// Eval mode (Planned's own flag or any stage module's, so model->eval() reaches it registered or not) and
-/// NoGradGuard run the stages plainly. A new input shape (the extra tensors' shapes included) is profiled
-/// again, in its own first training step, unless a planned shape covers it (PlannedOptions::borrow_plans: no
-/// size larger, as a shorter sequence); a shape seen before keeps its plan. use_profile() plans from a
+/// NoGradGuard run the stages plainly. A new input shape (the extra tensors' shapes included; and a call of
+/// shapes seen before in other dtypes, or under another autocast state, which save other bytes) is profiled
+/// again, in its own first training step, unless a planned shape of the same dtypes and autocast state covers
+/// it (PlannedOptions::borrow_plans: no size larger, as a shorter sequence); a shape seen before keeps its
+/// plan. use_profile() plans from a
 /// saved profile instead (chain(), written with to_json(), is the CLI's chain JSON).
 ///
 /// Devices: the CPU (with the counting allocator, remat::memory::track_cpu()) and CUDA (the bytes tensors
@@ -72,6 +74,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace remat {
@@ -180,9 +183,13 @@ class PlannedImpl : public torch::nn::Module {
   /// Plans inputs of `input_shape` (the shapes of x and then of each extra argument, as forward() gets
   /// them) from `chain`, a profile of these stages saved before (load_chain() reads the CLI's JSON), instead
   /// of profiling them: the first training step of that shape runs every stage checkpointed and measures
-  /// the rest of the step; the next runs the plan. Throws c10::Error naming remat::Planned when the chain's
-  /// stage count differs from the stages', when validate() rejects it, or when a plan is already in force for
-  /// that shape; and at that first step, when the chain's input_bytes differs from the input's.
+  /// the rest of the step; the next runs the plan. The profile is taken by the first training call of these
+  /// sizes (whatever its dtypes and autocast state: a call of the same sizes in other dtypes or another
+  /// autocast state is a shape of its own, profiled); a shape of these sizes seen before but not planned from
+  /// a profile of its own (borrowing a plan, or its profiling step not yet done) is dropped for it. Throws
+  /// c10::Error naming remat::Planned when the chain's stage count differs from the stages', when validate()
+  /// rejects it, or when a plan is already in force for a shape of these sizes; and at that first step, when
+  /// the chain's input_bytes differs from the input's.
   void use_profile(const std::vector<std::vector<int64_t>>& input_shape, Chain chain);
 
   /// Whether a plan is in force for the shape of the last input.
@@ -276,8 +283,22 @@ class PlannedImpl : public torch::nn::Module {
     };
     std::vector<ForGrads> other_plans;
   };
-  using Key = std::vector<std::vector<int64_t>>;
+  // A training call's key, under which its shape's plan is kept: the sizes of the input and of each extra
+  // argument (InputShape), and their form: the tensors' dtypes, then the autocast state (per device type, cpu
+  // and cuda: its dtype where autocast is on, -1 where off). A call that differs in either is profiled and
+  // planned on its own (under autocast the same sizes save about half the bytes: a bfloat16 plan run in
+  // float32 would hold far above its prediction).
+  struct Key {
+    InputShape sizes;
+    std::vector<int64_t> form;
+    bool operator<(const Key& o) const { return std::tie(sizes, form) < std::tie(o.sizes, o.form); }
+  };
   struct Call;
+  // The key of a training call of x and args (throws c10::Error naming remat::Planned for an undefined
+  // argument), and a key in words: "[8, 32, 8] under cpu autocast to BFloat16", "[8, 32, 8] Double" (a
+  // float32 tensor's dtype unsaid).
+  static Key key_of(const torch::Tensor& x, const std::vector<torch::Tensor>& args);
+  static std::string describe_key(const Key& key);
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x,
                                const std::shared_ptr<Call>& call);
   void make_plan(Shape& shape);
@@ -321,6 +342,9 @@ class PlannedImpl : public torch::nn::Module {
   bool takes_args_ = false;
   PlannedOptions options_;
   std::map<Key, Shape> shapes_;
+  // Profiles given to use_profile() not yet taken: the first training call of those sizes whose key is new
+  // takes one.
+  std::map<InputShape, Chain> given_profiles_;
   const Shape* last_ = nullptr;
 };
 TORCH_MODULE(Planned);

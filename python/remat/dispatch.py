@@ -54,8 +54,9 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     step = lp._step
     if i == 0:
         if step is None or step.shape is not None:  # layers called outside the model's forward
-            # Outside the model's forward: the first layer's shapes (and the frozen parameters, as for the model's).
-            key = ("layer 0", layer_key(fn, args), lp._frozen())
+            # Outside the model's forward: the first layer's shapes (and the frozen parameters and the autocast
+            # state, as for the model's).
+            key = lp._step_key("layer 0", layer_key(fn, args))
             lp._borrow(key)
             grads_none, grads = lp._grads_state()
             lp._profile_in_lockstep(key, grads)

@@ -9,7 +9,8 @@ from torch import nn
 
 from . import _core
 
-__all__ = ["call_key", "covers", "describe", "key_form", "layer_key", "layer_output", "taken_tensors"]
+__all__ = ["autocast_state", "call_key", "covers", "describe", "key_form", "layer_key", "layer_output",
+           "taken_tensors"]
 
 
 def layer_output(out, who: str, i: int, layer: nn.Module) -> tuple[torch.Tensor, tuple]:
@@ -76,17 +77,27 @@ def call_key(args, kwargs) -> tuple:
     return tuple(out)
 
 
+def autocast_state() -> tuple:
+    """The autocast regions in force on the devices remat plans for: (device type, dtype) for each of "cpu" and
+    "cuda" whose autocast is on, () where none is. Part of every step's key: under autocast a layer saves its
+    matmuls' inputs and outputs in the lower precision, so the same shapes peak apart (a bfloat16 plan run in
+    float32 held 19% above its prediction, found 2026-12-02), and a step in each state is planned on its own."""
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))
+
+
 def key_form(key: tuple) -> tuple[tuple, list[list[int]]]:
     """A step key's form (whether it is the model's call or the first layer's, each tensor's place, dtype and
-    rank, the frozen parameters) and its tensors' sizes: two keys of one form differ in sizes only."""
-    tag, entries, frozen = key
+    rank, the frozen parameters, the autocast state) and its tensors' sizes: two keys of one form differ in
+    sizes only."""
+    tag, entries, frozen, autocast = key
     if tag == "model":  # call_key's entries: (where, shape, dtype)
         form = tuple((where, dtype, len(shape)) for where, shape, dtype in entries)
         sizes = [list(shape) for _, shape, _ in entries]
     else:  # layer_key's: (shape, dtype)
         form = tuple((dtype, len(shape)) for shape, dtype in entries)
         sizes = [list(shape) for shape, _ in entries]
-    return (tag, form, frozen), sizes
+    return (tag, form, frozen, autocast), sizes
 
 
 def covers(big: tuple, small: tuple) -> bool:

@@ -31,7 +31,7 @@ from . import _core, agreement, fit, oom
 from .fit import parse_budget
 from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
-from .layer_calls import call_key, key_form
+from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
 from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, layer_grads_bytes, measure_planned_step,
                            sharded_modules, step_context, storage_key)
@@ -181,13 +181,21 @@ class LayerPlan:
                 state[name] = default() if isinstance(default, type) else default
         self.__dict__.update(state)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
-        # Step keys from before they named the frozen parameters: made for the parameters as they are now (an
-        # earlier remat planned them without telling frozen ones apart).
+        # Step keys from before they named the frozen parameters (made for the parameters as they are now: an
+        # earlier remat planned them without telling frozen ones apart) or the autocast state (made without
+        # autocast: an earlier remat kept one plan for both, the first profiled).
         frozen = self._frozen()
-        for key in [k for k in self._shapes if len(k) == 2]:
+        for key in [k for k in self._shapes if len(k) < 4]:
             shape = self._shapes.pop(key)
-            shape.key = (*key, frozen)
+            shape.key = (*key, frozen, ()) if len(key) == 2 else (*key, ())
             self._shapes[shape.key] = shape
+
+    def _step_key(self, tag: str, entries: tuple) -> tuple:
+        """A training step's key, under which its plan is kept: `tag` ("model": the model's call, whose shapes
+        call_key gives; "layer 0": the first layer's, layer_key's, where the layers are called outside the
+        model's forward) and those `entries`, the frozen parameters (_frozen) and the autocast state
+        (layer_calls.autocast_state). A step that differs in any of them is profiled and planned on its own."""
+        return (tag, entries, self._frozen(), autocast_state())
 
     def _frozen(self) -> tuple[int, ...]:
         """The indices of the model's parameters that require no grad: part of every step's key. A layer frozen
@@ -408,7 +416,7 @@ class LayerPlan:
             self._unmeasured = True
             self._step = None
             return
-        key = ("model", call_key(args, kwargs), self._frozen())
+        key = self._step_key("model", call_key(args, kwargs))
         self._borrow(key)
         grads_none, grads = self._grads_state()
         self._profile_in_lockstep(key, grads)
@@ -861,7 +869,7 @@ def _varying(keys: list) -> str:
             if len(set(shapes)) > 1:
                 more = "..., " if len(shapes) > 8 else ""
                 return f"{_where(keys[0][0], j, calls[0][j])}: {more}" + ", ".join(map(str, shapes[-8:]))
-    return "keys that differ in other tensors, or in which parameters are frozen"
+    return "keys that differ in other tensors, in which parameters are frozen, or in the autocast state"
 
 
 def _where(kind: str, j: int, entry: tuple) -> str:

@@ -660,7 +660,7 @@ def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(
     olp = old._remat_layer_plan
     for shape in olp._shapes.values():
         del shape.planned_chain, shape.planned_at
-    # (and before step keys named the frozen parameters: two parts, not three)
+    # (and before step keys named the frozen parameters and the autocast state: two parts, not four)
     olp._shapes = {key[:2]: shape for key, shape in olp._shapes.items()}
     for key, shape in olp._shapes.items():
         shape.key = key
@@ -671,7 +671,7 @@ def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(
     loaded = loaded_model._remat_layer_plan
     assert not loaded.groups and loaded.compiled_layers == set() and loaded.fit is None
     same(step(loaded_model, spec, 1, meter), plain[1])
-    assert list(loaded._shapes) == [loaded._last.key] and len(loaded._last.key) == 3  # carried, not profiled again
+    assert list(loaded._shapes) == [loaded._last.key] and len(loaded._last.key) == 4  # carried, not profiled again
     loaded.set_budget(1 << 40)
     assert loaded.is_planned() and loaded.predicted_peak_bytes <= 1 << 40
     assert all(s.planned_chain is s.chain and len(s.planned_at) == 1 for s in loaded._shapes.values())

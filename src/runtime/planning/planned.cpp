@@ -163,24 +163,58 @@ void PlannedImpl::use_profile(const std::vector<std::vector<int64_t>>& input_sha
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, kWho, ": use_profile: ", e.what());
   }
-  Shape& shape = shapes_[input_shape];
-  if (shape.borrowed) shape = Shape();  // a plan of its own, from the profile given
-  TORCH_CHECK(!shape.plan, kWho, ": use_profile: a plan is already in force for this input shape");
-  shape.chain = std::move(chain);
-  *shape.rest = std::nullopt;
-  *shape.readings = std::nullopt;
-  shape.profile_loaded = true;
+  for (const auto& [key, shape] : shapes_)
+    TORCH_CHECK(key.sizes != input_shape || !shape.plan || shape.borrowed, kWho,
+                ": use_profile: a plan is already in force for this input shape (", describe_key(key), ")");
+  // The shapes of these sizes seen before (borrowing a plan, or not yet planned) give way to the profile: the
+  // next call of these sizes takes it.
+  for (auto it = shapes_.begin(); it != shapes_.end();) {
+    if (it->first.sizes != input_shape) {
+      ++it;
+      continue;
+    }
+    if (last_ == &it->second) last_ = nullptr;
+    it = shapes_.erase(it);
+  }
+  given_profiles_[input_shape] = std::move(chain);
+}
+
+PlannedImpl::Key PlannedImpl::key_of(const torch::Tensor& x, const std::vector<torch::Tensor>& args) {
+  Key key;
+  key.sizes.push_back(x.sizes().vec());
+  key.form.push_back(static_cast<int64_t>(x.scalar_type()));
+  for (size_t i = 0; i < args.size(); ++i) {
+    TORCH_CHECK(args[i].defined(), kWho, ": extra argument ", i, " is an undefined tensor");
+    key.sizes.push_back(args[i].sizes().vec());
+    key.form.push_back(static_cast<int64_t>(args[i].scalar_type()));
+  }
+  for (const c10::DeviceType d : {c10::DeviceType::CPU, c10::DeviceType::CUDA})
+    key.form.push_back(
+        detail::compat::autocast_enabled(d) ? static_cast<int64_t>(detail::compat::autocast_dtype(d)) : -1);
+  return key;
+}
+
+std::string PlannedImpl::describe_key(const Key& key) {
+  std::ostringstream out;
+  for (size_t j = 0; j < key.sizes.size(); ++j) {
+    out << (j ? ", " : "") << c10::IntArrayRef(key.sizes[j]);
+    if (j < key.form.size() && key.form[j] != static_cast<int64_t>(c10::ScalarType::Float))
+      out << " " << static_cast<c10::ScalarType>(key.form[j]);  // float32, the usual one, unsaid
+  }
+  const char* devices[] = {"cpu", "cuda"};
+  for (size_t d = 0; d < 2; ++d) {
+    const size_t at = key.sizes.size() + d;
+    if (at < key.form.size() && key.form[at] >= 0)
+      out << " under " << devices[d] << " autocast to " << static_cast<c10::ScalarType>(key.form[at]);
+  }
+  return out.str();
 }
 
 torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<torch::Tensor>& args) {
   TORCH_CHECK(x.defined(), kWho, ": the input is an undefined tensor");
   TORCH_CHECK(takes_args_ || args.empty(), kWho, ": got ", args.size(),
               " extra arguments for stages that take none (make ArgsStageFns to pass them)");
-  Key key{x.sizes().vec()};
-  for (size_t i = 0; i < args.size(); ++i) {
-    TORCH_CHECK(args[i].defined(), kWho, ": extra argument ", i, " is an undefined tensor");
-    key.push_back(args[i].sizes().vec());
-  }
+  const Key key = key_of(x, args);
   const std::vector<StageFn> stages = bind(args);
   if (!training_now()) {
     torch::Tensor h = x;
@@ -219,7 +253,17 @@ torch::Tensor PlannedImpl::forward(const torch::Tensor& x, const std::vector<tor
     return h;
   }
   if (options_.agree()) plan_in_lockstep();
-  if (options_.borrow_plans() && shapes_.count(key) == 0) borrow(key);
+  if (shapes_.count(key) == 0) {
+    auto given = given_profiles_.find(key.sizes);
+    if (given != given_profiles_.end()) {
+      Shape& shape = shapes_[key];
+      shape.chain = std::move(given->second);
+      shape.profile_loaded = true;
+      given_profiles_.erase(given);
+    } else if (options_.borrow_plans()) {
+      borrow(key);
+    }
+  }
   Shape& shape = shapes_[key];
   last_ = &shape;
   check_measured(key, shape);
@@ -653,11 +697,11 @@ void PlannedImpl::borrow(const Key& key) {
   std::vector<InputShape> planned;
   std::vector<const Shape*> donors;
   for (const auto& [k, shape] : shapes_)
-    if (shape.plan && !shape.borrowed) {
-      planned.push_back(k);
+    if (shape.plan && !shape.borrowed && k.form == key.form) {
+      planned.push_back(k.sizes);
       donors.push_back(&shape);
     }
-  const int64_t j = covering_shape(planned, key);
+  const int64_t j = covering_shape(planned, key.sizes);
   if (j < 0) return;
   // The covering shape's plan with what it was made from (its profile and readings, shared: never written
   // again), measured on its own.
@@ -669,15 +713,6 @@ void PlannedImpl::borrow(const Key& key) {
   shape.whole.reset();
   shapes_.emplace(key, std::move(shape));
 }
-
-namespace {
-std::string describe_key(const std::vector<std::vector<int64_t>>& key) {
-  std::ostringstream out;
-  for (size_t j = 0; j < key.size(); ++j)
-    out << (j ? ", " : "") << c10::IntArrayRef(key[j]);
-  return out.str();
-}
-}  // namespace
 
 void PlannedImpl::check_measured(const Key& key, Shape& shape) {
   if (!shape.plan || *shape.last_peak < 0 || shape.predicted <= 0) return;
@@ -750,18 +785,19 @@ void PlannedImpl::new_shape(const Key& key) {
   keys.push_back(&key);
   if (static_cast<int64_t>(keys.size()) < kProfiledShapesWarnedAt) return;
   many_shapes_said_ = true;
-  // The shapes, by the first tensor whose shape differs between them (the input's, or an extra argument's).
-  std::string which = "shapes of the input and the extra arguments";
+  // The shapes, by the first tensor whose shape differs between them (the input's, or an extra argument's);
+  // where none does, the keys differ in their dtypes or autocast state.
+  std::string which = "shapes of the input and the extra arguments, their dtypes or the autocast state";
   std::ostringstream shapes;
-  for (size_t j = 0; j < key.size(); ++j) {
+  for (size_t j = 0; j < key.sizes.size(); ++j) {
     bool differ = false;
     for (const Key* k : keys)
-      differ = differ || k->size() != key.size() || (*k)[j] != key[j];
+      differ = differ || k->sizes.size() != key.sizes.size() || k->sizes[j] != key.sizes[j];
     if (!differ) continue;
     which = j == 0 ? "the input's shapes" : "extra argument " + std::to_string(j - 1) + "'s shapes";
     for (size_t i = 0; i < keys.size(); ++i) {
-      if (keys[i]->size() != key.size()) continue;
-      shapes << (shapes.tellp() > 0 ? ", " : ": ") << c10::IntArrayRef((*keys[i])[j]);
+      if (keys[i]->sizes.size() != key.sizes.size()) continue;
+      shapes << (shapes.tellp() > 0 ? ", " : ": ") << c10::IntArrayRef(keys[i]->sizes[j]);
     }
     break;
   }

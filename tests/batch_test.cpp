@@ -154,6 +154,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   a.outputs_held_in_backward = {true, false}, b.outputs_held_in_backward = {true, true};
   a.output_held_in_backward = false;
   a.outputs_held_to_end = {false, true}, b.outputs_held_to_end = {false, false};
+  a.between_frees_output = {false, false}, b.between_frees_output = {false, true};
   const remat::StepContext d = remat::context_at_batch(a, 2, b, 4, 10);
   EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
   EXPECT_EQ(d.between_held_bytes, (std::vector<int64_t>{0, -36}));
@@ -172,6 +173,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));  // held where either is
   EXPECT_TRUE(d.output_held_in_backward);                                  // held where either is
   EXPECT_EQ(d.outputs_held_to_end, (std::vector<bool>{false, true}));      // held where either is
+  EXPECT_EQ(d.between_frees_output, (std::vector<bool>{false, true}));     // charged where either is
   b.output_held_in_backward = false;
   EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).output_held_in_backward);
   b.output_held_in_backward = true;
@@ -191,6 +193,9 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   b.outputs_held_in_backward.clear();
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
   b.outputs_held_in_backward = a.outputs_held_in_backward;
+  b.between_frees_output.clear();
+  EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
+  b.between_frees_output = a.between_frees_output;
   b.stage_grads_bytes = {512};
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
 }

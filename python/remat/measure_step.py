@@ -307,6 +307,10 @@ class Step:
         self.between_open: OpenBetween | None = None
         self.between: dict[int, tuple[int, int]] = {}
         self.between_forward: dict[int, int] = {}
+        # Per layer i >= 1 with something run between: whether it let go of layer i - 1's output, run
+        # checkpointed (StepContext.between_frees_output: a way that holds its output keeps it beside layer i's
+        # input).
+        self.between_frees: dict[int, bool] = {}
         # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
         # unless read otherwise: StepContext.outputs_held_in_backward).
         self.outputs_held: dict[int, bool] = {}
@@ -697,6 +701,7 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
         x.register_hook(read_held)
         if not (storage_key(x) == prev.key and prev.ref is not None and not prev.ref.expired()):
             step.between_forward[i] = at_call - prev.returned_at  # negative where it freed more
+            step.between_frees[i] = prev.ref is not None and prev.ref.expired()
             # This layer's input, made by what ran between (not before the last layer's output): held in the
             # model from here to the end, freed by this layer's backward.
             x_nr = sequence_nr(x)
@@ -802,6 +807,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]
     r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]
+    r.between_frees_output = [j in step.between and step.between_frees.get(j, False) for j in range(n)]
     if len(step.held_to_end) == n:
         r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)

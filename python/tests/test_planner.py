@@ -166,6 +166,14 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:19])
     assert list(old.side_freed_bytes) == [] and list(old.outputs_held_to_end) == [False, True]
+    # An output let go of by what runs between (a residual sum in the model's code): carried, pickled; a state
+    # of 20 fields loads with none let go of.
+    r.between_frees_output = [False, True]
+    c = remat._core.step_context(r)
+    assert list(pickle.loads(pickle.dumps(c)).between_frees_output) == [False, True]
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:20])
+    assert list(old.between_frees_output) == [] and list(old.side_freed_bytes) == [0, 32]
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

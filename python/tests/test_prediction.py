@@ -211,3 +211,48 @@ def test_an_autocast_step_is_planned_apart_from_a_float32_one(meter):
                 assert lp.prediction_error <= remat.PREDICTION_TOLERANCE, (autocast, s, str(lp.plan))
                 assert "Fc" in str(lp.plan), str(lp.plan)  # the budget makes it recompute
     assert lp.profiled_shapes == 2
+
+
+class _SumsOutside(torch.nn.Module):
+    """Feed-forward layers whose residual sum is the model's (`x = x + layer(x)`): each layer's output is let go
+    of between two layers, where nothing else holds it. With a sigmoid last, a layer's graph saves its output."""
+
+    def __init__(self, sigmoid, width=64, depth=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width),
+                                *([torch.nn.Sigmoid()] if sigmoid else []))
+            for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+@pytest.mark.parametrize("sigmoid,policy", [(True, None), (False, "matmuls")])
+def test_an_output_let_go_of_between_layers_is_charged_where_the_layers_way_holds_it(meter, sigmoid, policy):
+    # The model's code makes the next layer's input from a layer's output and lets go of it (read in the
+    # profiling step, every layer checkpointed: StepContext.between_frees_output). A way that holds the output
+    # (kept, where its graph saves it; kept under the matmuls policy, which keeps the last matmul's result)
+    # keeps it beside the next input. Before (found 2026-12-02), such steps held an output per such layer above
+    # their predictions: here 7.0% with every sigmoid layer kept, 9.6% with every layer kept under the policy.
+    plain, m = _SumsOutside(sigmoid), _SumsOutside(sigmoid)
+    x = torch.randn(256, 64)
+    lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(policy,) if policy else (),
+                      replan_on_overshoot=False)
+    for s in range(3):
+        runs = [train_step(model, x, meter, seed=s, set_to_none=True) for model in (plain, m)]
+        assert_same_run(*runs)
+        if s == 0:  # the profiling step: times that make the way under test the fastest, and Fc the slowest
+            for st in lp._last.chain.stages:
+                st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 2.0, 1.0, 4.0
+                for c in st.policies:
+                    c.fwd_ms, c.bwd_ms = 0.5, 1.5
+            lp.set_budget(1 << 40)
+            assert str(lp.plan) == ("Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0" if sigmoid else
+                                    "Fk0[matmuls] Fk1[matmuls] Fk2[matmuls] Fk3[matmuls] L B3 B2 B1 B0"), lp.plan
+        else:
+            assert abs(lp.prediction_error) <= remat.PREDICTION_TOLERANCE, (lp.plan, lp.prediction_error)
+    assert list(lp.context.between_frees_output) == [False, True, True, True]

@@ -182,6 +182,10 @@ struct StepTerms {
   // Per stage: whether nothing besides the stages holds its output once the next stage's backward is done
   // (StepContext::outputs_held_in_backward): a way that does not save it lets go of it then.
   std::vector<char> output_unheld;
+  // Per stage: whether what runs between it and the next let go of its output in the profiling step
+  // (detail::output_freed_between()): a way that holds its output is charged it beside the next stage's
+  // input, from its forward until its backward is done (detail::held_past_between_bytes()).
+  std::vector<char> frees_output;
   // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
   int64_t checkpoint_state = 0;
   // Per stage: its output where something holds it to the step's end (outputs_held_to_end; 0 otherwise),
@@ -193,6 +197,13 @@ struct StepTerms {
   // input_gone_from()).
   int64_t input_freed = 0;
 };
+
+// What step stage j run as `c` holds beside the next stage's input from its forward until its backward is
+// done (detail::held_past_between_bytes(), where step says what runs between lets go of its output).
+int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* step, int64_t j) {
+  if (!step || !step->frees_output[static_cast<size_t>(j)]) return 0;
+  return detail::held_past_between_bytes(s, c.kind, c.cost, !c.groups.empty(), c.offload || c.stream);
+}
 
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
 // `bwd_less`: bytes of R_j not on the device in its backward and recompute (a streamed stage's input that
@@ -240,13 +251,16 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
          a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice,
          between});
   }
-  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state;
+  // Its output beside the next stage's input, where what runs between them let go of it in the profiling
+  // step and its way holds it: from its forward until its backward is done (step_op_peaks()'s rule).
+  const int64_t past = past_between_bytes(s, c, step, j);
+  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state + past;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
-  bwd += twice;  // the backward's, not the recompute's below
+  bwd += twice + past;  // the backward's, not the recompute's below
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save
     // (step_op_peaks()'s rule); the recompute itself is charged whole, with a second generators' state (the
@@ -543,7 +557,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.ms = p.ms + ch.ms + wait;
         if (q.ms + rest[static_cast<size_t>(j) + 1] > bound) return false;
         q.transfer_ms = p.transfer_ms + wait;
-        q.held = p_held - p.pending + ch.held;
+        q.held = p_held - p.pending + ch.held +
+                 past_between_bytes(chain.stages[static_cast<size_t>(j)], ch, step, j);
         if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
         q.host = p.host;
         if (ch.offload) {
@@ -744,8 +759,11 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
   t.output_unheld.assign(n + 2, 0);
-  for (size_t s = 1; s <= n; ++s)  // step stage s is chain stage s - 1, whose output is stage s's input
+  t.frees_output.assign(n + 2, 0);
+  for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
+    t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
+  }
   t.input_freed = detail::input_unheld_bytes(chain, context);
   t.checkpoint_state = context.checkpoint_state_bytes;
   t.held_to_end.assign(n + 2, 0);

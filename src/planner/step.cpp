@@ -81,6 +81,7 @@ StepContext step_context(const StepReadings& r) {
   for (int64_t v : r.between_backward_peak_bytes)
     c.between_backward_peak_bytes.push_back(std::max<int64_t>(0, v));
   c.between_held_bytes = r.between_held_bytes;  // signed: what runs between may free more than it makes
+  c.between_frees_output = r.between_frees_output;
   return c;
 }
 
@@ -170,6 +171,12 @@ void validate(const StepContext& c, const Chain& chain) {
   between(c.between_forward_held_bytes, "between_forward_held_bytes", true);
   between(c.between_backward_peak_bytes, "between_backward_peak_bytes", false);
   between(c.between_held_bytes, "between_held_bytes", true);
+  sized(c.between_frees_output.size(), "between_frees_output");
+  if (!c.between_frees_output.empty() && c.between_frees_output[0]) {
+    throw std::invalid_argument(
+        "remat::StepContext: between_frees_output's entry 0 is true (nothing runs between the part before "
+        "the chain and its first stage)");
+  }
 }
 
 Chain step_chain(const Chain& chain, const StepContext& context) {
@@ -248,6 +255,17 @@ bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, boo
   if (kind == OpKind::kForwardAll) return s.offload ? !s.offload->output : !s.saves_output;
   if (kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
   return cost ? !cost->output : groups && !s.saves_output;
+}
+
+bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j) {
+  return j >= 0 && j + 1 < chain.size() && static_cast<size_t>(j) + 1 < context.between_frees_output.size() &&
+         context.between_frees_output[static_cast<size_t>(j) + 1];
+}
+
+int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
+                                bool offloaded) {
+  if ((kind != OpKind::kForwardAll && kind != OpKind::kForwardKeep) || groups || offloaded) return 0;
+  return way_leaves_output(s, kind, cost, false) ? 0 : s.output_bytes;
 }
 
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
@@ -335,10 +353,26 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     kept_to_end[static_cast<size_t>(s)] = 1;
     return held_to_end_bytes(chain, context, s - 1);
   };
+  // Per step stage: what its way holds beside the next stage's input where what runs between them let go of
+  // its output (held_past_between_bytes()), from its forward before the loss until its backward is done.
+  std::vector<int64_t> past_between(static_cast<size_t>(n) + 2, 0);
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
     if (op.kind == OpKind::kLoss) after_loss = true;
+    if (!after_loss && op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 &&
+        op.stage <= n) {
+      Op in_chain = op;
+      in_chain.stage = op.stage - 1;
+      const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
+      const int64_t past =
+          output_freed_between(chain, context, op.stage - 1)
+              ? held_past_between_bytes(chain.stages[static_cast<size_t>(op.stage - 1)], op.kind,
+                                        c ? &*c : nullptr, !op.groups.empty(), op.offload || op.stream)
+              : 0;
+      arrived += past - past_between[static_cast<size_t>(op.stage)];
+      past_between[static_cast<size_t>(op.stage)] = past;
+    }
     if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 && op.stage <= n) {
       Op in_chain = op;
       in_chain.stage = op.stage - 1;
@@ -403,6 +437,10 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     // What the stages take beside their input, and gradients of it, let go of once this backward is done.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
       arrived -= stage_figure(context.side_freed_bytes, static_cast<size_t>(op.stage - 1));
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n) {
+      arrived -= past_between[static_cast<size_t>(op.stage)];
+      past_between[static_cast<size_t>(op.stage)] = 0;
+    }
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         state_held[static_cast<size_t>(op.stage)]) {
       state_held[static_cast<size_t>(op.stage)] = 0;

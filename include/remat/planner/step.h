@@ -137,6 +137,18 @@ struct StepContext {
   std::vector<int64_t> between_forward_held_bytes;
   std::vector<int64_t> between_backward_peak_bytes;
   std::vector<int64_t> between_held_bytes;
+  /// Per chain stage j >= 1: whether what runs between stage j - 1 and stage j made stage j's input from
+  /// stage j - 1's output and let go of that output there (a residual sum in the model's code: `x = x +
+  /// layer(x)` over layers that do not add their own), as the Python package's profiling step reads it, every
+  /// stage checkpointed. The between figures are read so: a way of stage j - 1 that holds its output itself
+  /// (Fa whose graph saves it, Stage::saves_output; Fk under a policy, which may keep it among the matmuls'
+  /// results; not offloaded, streamed or a group assignment: held_past_between_bytes(), remat/planner/detail)
+  /// keeps it beside stage j's input, and is charged output_bytes more from its forward until its backward is
+  /// done. Before (found 2026-12-02), such a way was charged as if the output were stage j's input: a
+  /// residual MLP whose layers end in a sigmoid held output_bytes per kept layer above its prediction (7.0%
+  /// with four layers kept), one whose layers were kept under the matmuls policy 9.6%. Entry 0 is false.
+  /// Empty (none let go of), or one entry per stage.
+  std::vector<bool> between_frees_output;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -201,6 +213,9 @@ struct StepReadings {
   std::vector<int64_t> between_forward_held_bytes;
   std::vector<int64_t> between_backward_peak_bytes;
   std::vector<int64_t> between_held_bytes;
+  /// Per chain stage: whether what runs between the stage before it and it let go of that stage's output
+  /// (StepContext::between_frees_output; empty where not read).
+  std::vector<bool> between_frees_output;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's

@@ -40,6 +40,19 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 // and Fn, whose output is held plain.
 bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups);
 
+// Whether what runs between chain stage j and the next let go of stage j's output in the profiling step
+// (StepContext::between_frees_output[j + 1]; false for the last stage and j outside the chain).
+bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j);
+
+// What stage `s` run as `kind` (with `cost`, its way's offload cost or null; `groups`: a group assignment;
+// `offloaded`: offloaded or streamed) holds from its forward until its backward is done beyond what the
+// step's model charges it, where what runs between it and the next stage lets go of its output
+// (output_freed_between()): its output_bytes where its way is Fa or Fk (the keep tags, a policy), not
+// offloaded, and not known not to save its output (way_leaves_output()); else 0. The one rule of
+// step_op_peaks() and the per-layer program.
+int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
+                                bool offloaded);
+
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
 // known not to save its output (way_leaves_output(), with the way's offload cost).
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);

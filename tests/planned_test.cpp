@@ -883,6 +883,23 @@ TEST_F(PlannedTest, AutocastAndDtypeKeyAShapeApart) {
     }
   }
   EXPECT_EQ(p.profiled_shapes(), 3);
+
+  // A saved profile goes to the first call of its sizes, whatever its dtype (a chain records none; its
+  // input_bytes are checked against the input's); a later call of those sizes in another dtype is profiled on
+  // its own.
+  const remat::Chain saved = *p.chain();  // the float64 one
+  net->planned = remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                                remat::PlannedOptions().budget(p.budget_bytes()));
+  const remat::PlannedImpl& q = **net->planned;
+  (*net->planned)->use_profile({{8, 32, 32}}, saved);  // the blocks' input
+  for (int s = 0; s < 2; ++s)
+    step(net, x.to(torch::kDouble));
+  EXPECT_TRUE(q.is_planned());
+  EXPECT_EQ(q.profiled_shapes(), 0);
+  net->to(torch::kFloat);
+  step(net, x);
+  EXPECT_FALSE(q.is_planned());
+  EXPECT_EQ(q.profiled_shapes(), 1);
 }
 
 // On a CPU device a stage that runs again (Fc) keeps its generators' states for its replay: the CPU

@@ -2,6 +2,7 @@
 #include "remat/planned.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -32,6 +33,15 @@ namespace remat {
 namespace {
 
 constexpr const char* kWho = "remat::Planned";
+
+// While alive: autocast's cache of casts off (new casts not kept); on destruction as it was.
+struct AutocastCacheOff {
+  const bool was = at::autocast::is_autocast_cache_enabled();
+  AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(false); }
+  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(was); }
+  AutocastCacheOff(const AutocastCacheOff&) = delete;
+  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
+};
 using Clock = std::chrono::steady_clock;
 
 // The bytes of the CPU generator's state (what a replay of a stage's draws keeps of it).
@@ -333,6 +343,9 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   };
   if (!shape.chain) {
     // The profiler puts gradients, buffers and the generators back, so the step below is the plain run's.
+    // Autocast's cache off while it profiles (the Python package's rule too): its inputs are leaves that
+    // require grad, whose casts the cache would hold until the caller's autocast region ends.
+    const AutocastCacheOff cache_off;
     const auto t0 = Clock::now();
     shape.chain =
         profile_chain(stages, x,

@@ -505,6 +505,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       struct Fixed {
         int64_t copied = 0;
         double to_host_ms = 0, to_device_ms = 0;
+        int64_t past = 0;  // past_between_bytes()
         int64_t need[2][2][2] = {};
         bool made[2][2][2] = {};
       };
@@ -516,6 +517,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
             ch.offload ? ch.cost->bytes + (ch.cost->input ? a_in : 0) + (ch.cost->output ? a_out : 0) : 0;
         f.to_host_ms = chain.transfer_ms(f.copied, true);
         f.to_device_ms = chain.transfer_ms(f.copied, false);
+        f.past = past_between_bytes(chain.stages[static_cast<size_t>(j)], ch, step, j);
       }
       std::vector<double> back_ms(cur.size());
       for (size_t k = 0; k < cur.size(); ++k)
@@ -557,8 +559,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.ms = p.ms + ch.ms + wait;
         if (q.ms + rest[static_cast<size_t>(j) + 1] > bound) return false;
         q.transfer_ms = p.transfer_ms + wait;
-        q.held = p_held - p.pending + ch.held +
-                 past_between_bytes(chain.stages[static_cast<size_t>(j)], ch, step, j);
+        q.held = p_held - p.pending + ch.held + f.past;
         if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
         q.host = p.host;
         if (ch.offload) {

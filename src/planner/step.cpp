@@ -360,19 +360,6 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
     if (op.kind == OpKind::kLoss) after_loss = true;
-    if (!after_loss && op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 &&
-        op.stage <= n) {
-      Op in_chain = op;
-      in_chain.stage = op.stage - 1;
-      const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
-      const int64_t past =
-          output_freed_between(chain, context, op.stage - 1)
-              ? held_past_between_bytes(chain.stages[static_cast<size_t>(op.stage - 1)], op.kind,
-                                        c ? &*c : nullptr, !op.groups.empty(), op.offload || op.stream)
-              : 0;
-      arrived += past - past_between[static_cast<size_t>(op.stage)];
-      past_between[static_cast<size_t>(op.stage)] = past;
-    }
     if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 && op.stage <= n) {
       Op in_chain = op;
       in_chain.stage = op.stage - 1;
@@ -381,6 +368,18 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
           op.kind == OpKind::kForwardCheckpoint || op.kind == OpKind::kForwardNoSave;
       if (!after_loss) checkpointed[static_cast<size_t>(op.stage)] = op.kind == OpKind::kForwardCheckpoint;
       recomputed[static_cast<size_t>(op.stage)] = after_loss && op.kind == OpKind::kForwardAll;
+      // Before the loss: what its way holds beside the next stage's input, where what runs between lets go of
+      // its output, from now on (its last forward so far decides).
+      if (!after_loss) {
+        int64_t past = 0;
+        if (output_freed_between(chain, context, in_chain.stage)) {
+          const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
+          past = held_past_between_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
+                                         c ? &*c : nullptr, !op.groups.empty(), op.offload || op.stream);
+        }
+        arrived += past - past_between[static_cast<size_t>(op.stage)];
+        past_between[static_cast<size_t>(op.stage)] = past;
+      }
     }
     // Step stage s is chain stage s - 1; stage n + 1 is the rest, whose measured peak has its own gradients.
     if (rest_done) {

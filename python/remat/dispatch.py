@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from .compiled import compiled_call, set_step_key
+from .compiled import compiled_call
 from .layer_calls import covers, describe, layer_key, layer_output
 from .layer_offload import carry_out_then
 from .measure_step import Shape, Step, measure_planned_step, profiling_call
@@ -56,16 +56,8 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         if step is None or step.shape is not None:  # layers called outside the model's forward
             # Outside the model's forward: the first layer's shapes (and the frozen parameters and the autocast
             # state, as for the model's).
-            key = lp._step_key("layer 0", layer_key(fn, args))
-            lp._borrow(key)
-            grads_none, grads = lp._grads_state()
-            lp._profile_in_lockstep(key, grads)
-            lp._plan_for_grads(key, grads)
-            lp._new_shape(key)
-            step = lp._step = lp._new_step(x.device, key, grads_none, grads)
+            step = lp._step = lp._begin_step(lp._step_key("layer 0", layer_key(fn, args)), x.device)
             step.input_in_base = True  # the base is taken here, the layers' input alive
-            step.key = key
-            set_step_key(lp.layers, key)
         key = step.key
         shape = lp._shapes.setdefault(key, Shape(key))
         step.shape = shape

@@ -417,21 +417,9 @@ class LayerPlan:
             self._step = None
             return
         key = self._step_key("model", call_key(args, kwargs))
-        self._borrow(key)
-        grads_none, grads = self._grads_state()
-        self._profile_in_lockstep(key, grads)
-        self._plan_for_grads(key, grads)
-        if not self._shapes or any(shape.chain is None for shape in self._shapes.values()):
-            # A step that may profile: garbage in reference cycles is collected before the base is read. Collected
-            # during the step, its tensors' frees would lower the count every reading is taken against (a dropped
-            # model collected in another's profiling step: docs/BENCHMARKS.md, "Figures behind the code").
-            gc.collect()
-        self._new_shape(key)
-        self._step = call.step = self._new_step(self._device_of(args), key, grads_none, grads)
-        self._step.key = key
+        self._step = call.step = self._begin_step(key, self._device_of(args), collect_garbage=True)
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
-        set_step_key(self.layers, key)
 
     def _grads_state(self) -> tuple[set[int], tuple]:
         """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
@@ -614,6 +602,27 @@ class LayerPlan:
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         if outs:
             measure_planned_step(step, shape, outs, lambda: self._check_prediction(shape), retime=False)
+
+    def _begin_step(self, key, device: torch.device, collect_garbage: bool = False) -> Step:
+        """The training step under `key` beginning now on `device` (at the model's call, or at the first layer's
+        where the layers are called outside it): a plan borrowed for a new shape (_borrow), the ranks in
+        lockstep, the plan for the gradients it begins without put in force (which may raise InfeasibleBudget
+        before anything runs), the new-shape warning, and the step made (_new_step), its key published to
+        compiled layers. collect_garbage: where the step may profile, garbage in reference cycles is collected
+        before the base is read; collected during the step, its tensors' frees would lower the count every
+        reading is taken against (a dropped model collected in another's profiling step: docs/BENCHMARKS.md,
+        "Figures behind the code")."""
+        self._borrow(key)
+        grads_none, grads = self._grads_state()
+        self._profile_in_lockstep(key, grads)
+        self._plan_for_grads(key, grads)
+        if collect_garbage and (not self._shapes or any(shape.chain is None for shape in self._shapes.values())):
+            gc.collect()
+        self._new_shape(key)
+        step = self._new_step(device, key, grads_none, grads)
+        step.key = key
+        set_step_key(self.layers, key)
+        return step
 
     def _new_step(self, device: torch.device, key, grads_none: set[int], grads: tuple) -> Step:
         """The training step under `key` beginning now on `device`: its base read, and, with a device budget and

@@ -681,7 +681,8 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
     and the decoder's), and is read (StepReadings.between_forward_held_bytes, between_backward_peak_bytes,
     between_held_bytes): what its forward left held (the count's rise from the last layer's return to this call),
     then in the backward pass, from this input's gradient to that output's, the peak above the count when it
-    began, and what it left held beyond what the model of the step holds. The model holds one gradient at the
+    began (and above the bytes of the last layer's output, which the model holds for that gradient), and what it
+    left held beyond what the model of the step holds. The model holds one gradient at the
     boundary from layer i's backward on (the input's, then the output's, made there), the last layer's output to
     that layer's backward, and this layer's input from its forward (what the forward between left held) to the
     end: the count's change is read without those (what is left: the gradients it makes for parameters outside
@@ -742,7 +743,10 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
                 # This layer's input, which its backward freed, the model holds until here.
                 if o.x_ref is not None and o.x_ref.expired():
                     held -= o.x_bytes
-                step.between[i + 1] = (step.peak() - o.at, held)
+                # The peak above the model's count, which holds the input's gradient at the bytes of the last
+                # layer's output (the chain's a_i): one made larger by what ran between (a residual sum in fp32
+                # on a bf16 output) held the rest of it too.
+                step.between[i + 1] = (step.peak() - o.at + max(0, o.g_bytes - last.nbytes), held)
                 step.between_open = None
                 step.reset()
             return g

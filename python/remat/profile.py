@@ -7,7 +7,9 @@ anyway); fwd_tmp_bytes is the meter's peak above that during the forward; fwd_no
 peak above its output during its forward without saving, the larger of that under no-grad and under
 torch.utils.checkpoint (as a checkpointed layer runs; what the checkpoint holds after it, its generators' state,
 not counted); bwd_tmp_bytes is the meter's peak during its backward above its input, what it saved, its output
-and the output's gradient (the parameter gradients pre-allocated, as after a first step). With policies, each
+and the output's gradient (the parameter gradients pre-allocated, as after a first step), less its input's
+gradient up to the bytes the chain counts for that input (the chain's input, or stage i - 1's output: `inputs`
+larger than that output keep the rest of their gradient in the peak). With policies, each
 stage also runs under torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's
 count) is its PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the
 stages in the order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage
@@ -512,6 +514,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     # executor's rule; planning in place also where the recorded input requires grad). A frozen stage on an
     # input that needs none makes no graph, and is profiled so: nothing saved, no backward.
     input_grad = [False] * n
+    # Each stage's output bytes (the next stage's input as the chain counts it), from the first pass.
+    out_bytes = [0] * n
 
     def derive_input_grads():
         needs = example_input.requires_grad
@@ -584,11 +588,14 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         return ms, peak, made.peak() if made is not None else None
 
     def measured_backward(out, targets, i, leaf):
-        """timed_backward with both peaks, each less its input's gradient (which the plan charges apart):
-        (ms, with the gradients pre-allocated, had it made them or None) (bwd_tmp_bytes, bwd_grads_tmp_bytes
-        and a policy's)."""
+        """timed_backward with both peaks, each less its input's gradient as the plan charges it apart (the
+        chain's input, or the last stage's output: its bytes; an input made by code between two stages, larger
+        than the output the chain counts, as a residual sum in fp32 on a layer's bf16 output under autocast,
+        has the rest of its gradient left in the peak): (ms, with the gradients pre-allocated, had it made them
+        or None) (bwd_tmp_bytes, bwd_grads_tmp_bytes and a policy's)."""
         ms, peak, grads_peak = timed_backward(out, targets, i, grads_peak=True)
         d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
+        d_in = min(d_in, chain.input_bytes if i == 0 else out_bytes[i - 1])
         return ms, max(0, peak - d_in), None if grads_peak is None else max(0, grads_peak - d_in)
 
     with collector_paused(), Restore(modules, device), \
@@ -607,6 +614,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         f = (time.perf_counter() - t0) * 1e3
                         if measure:
                             fields[i]["ntmp"] = max(fields[i]["ntmp"], window.peak() - base - out.nbytes)
+                    out_bytes[i] = out.nbytes
                     if xs[i + 1] is None or (inputs is None and r == 0):
                         xs[i + 1] = out
                     if keep:

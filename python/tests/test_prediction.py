@@ -217,11 +217,12 @@ class _SumsOutside(torch.nn.Module):
     """Feed-forward layers whose residual sum is the model's (`x = x + layer(x)`): each layer's output is let go
     of between two layers, where nothing else holds it. With a sigmoid last, a layer's graph saves its output."""
 
-    def __init__(self, sigmoid, width=64, depth=4):
+    def __init__(self, sigmoid, width=64, depth=4, expand=4):
         super().__init__()
         torch.manual_seed(0)
+        h = expand * width
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width),
+            torch.nn.Sequential(torch.nn.Linear(width, h), torch.nn.GELU(), torch.nn.Linear(h, width),
                                 *([torch.nn.Sigmoid()] if sigmoid else []))
             for _ in range(depth))
 
@@ -271,6 +272,7 @@ def test_the_profilers_casts_are_not_held_through_the_callers_autocast_region(me
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = m(x)
         out.float().square().mean().backward()
+        del out  # (held into the next step, it would be in that step's base and freed during it)
         m.zero_grad(set_to_none=True)
         if s == 0:
             for st in lp._last.chain.stages:  # every layer kept: the fastest
@@ -279,3 +281,29 @@ def test_the_profilers_casts_are_not_held_through_the_callers_autocast_region(me
     assert str(lp.plan) == "Fa0 Fa1 L B1 B0"
     assert lp.prediction_error <= remat.PREDICTION_TOLERANCE, lp.prediction_error
     assert lp.context.rest_grads_bytes >= x.nbytes  # the gradient the sum keeps for the residual path
+
+
+def test_an_input_made_larger_between_layers_has_its_whole_gradient_charged(meter):
+    # Under autocast the layers return bf16 and the residual sum outside them makes the next layer's input in
+    # fp32: that input's gradient is twice the bytes of the output the chain counts at the boundary. The profiler
+    # took the whole gradient off the layer's backward peak, and the model charged back the output's bytes; what
+    # ran between was read likewise. Before (found 2026-12-03), every layer checkpointed held 4.5% above its
+    # prediction here (a layer's backward, its recompute's peak); now the rest of the gradient is left in both.
+    m = _SumsOutside(sigmoid=False, depth=2, expand=1)
+    x = torch.randn(1024, 64)
+    lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
+    for s in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(x)
+        out.float().square().mean().backward()
+        del out
+        m.zero_grad(set_to_none=True)
+        if s == 0:
+            for st in lp._last.chain.stages:  # every layer checkpointed: the fastest
+                st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 20.0, 1.0, 4.0
+            lp.set_budget(1 << 40)
+    assert str(lp.plan) == "Fc0 Fc1 L Fa1 B1 Fa0 B0"
+    assert lp.last_peak_bytes <= lp.predicted_peak_bytes, (lp.last_peak_bytes, lp.predicted_peak_bytes)
+    assert abs(lp.prediction_error) <= remat.PREDICTION_TOLERANCE, lp.prediction_error
+    # What ran between (the sum's backward, the cast of the gradient to bf16) held the whole fp32 gradient.
+    assert lp.context.between_backward_peak_bytes[1] >= x.nbytes

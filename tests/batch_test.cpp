@@ -177,6 +177,10 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   b.output_held_in_backward = false;
   EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).output_held_in_backward);
   b.output_held_in_backward = true;
+  EXPECT_FALSE(d.rest_frees_output);
+  b.rest_frees_output = true;  // charged where either let go of it
+  EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).rest_frees_output);
+  b.rest_frees_output = false;
   // Each line stops at 0 on its own: side_bytes is raised to hold its gradients.
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 1).side_grads_bytes, (std::vector<int64_t>{0, 100}));
   a.side_bytes = 100, b.side_bytes = 500;

@@ -584,7 +584,8 @@ class LayerPlan:
                 "\"Several calls before one backward pass\")", stacklevel=_caller_level())
 
     def _forward_ends(self, module, args, output):
-        """The model's forward is over. A training call's graph is marked (TrainingCall.tag). A planned step whose
+        """The model's forward is over. A training call's graph is marked (TrainingCall.tag). A profiling step reads
+        whether the layers' output is alive still (Step.rest_frees). A planned step whose
         last layer did not reach remat's dispatch (it ran inside its compiled graph) is measured from the outputs
         the backward pass starts at: its peak, checked against the prediction at the end of that pass, as a step
         measured from its last layer is."""
@@ -592,6 +593,11 @@ class LayerPlan:
             for t in torch.utils._pytree.tree_leaves(output):
                 self._calls[-1].tag(t)
         step = self._step
+        if step is not None and step.chain_out_ref is not None:
+            # A profiling step: whether the model's code let go of the layers' output before returning (a
+            # residual sum over the last layer: StepContext.rest_frees_output).
+            step.rest_frees = step.chain_out_ref.expired()
+            step.chain_out_ref = None
         if step is None or step.done or step.measured or step.off_plan or step.key is None:
             return
         shape = self._shapes.get(step.key)

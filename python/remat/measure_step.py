@@ -311,6 +311,11 @@ class Step:
         # checkpointed (StepContext.between_frees_output: a way that holds its output keeps it beside layer i's
         # input).
         self.between_frees: dict[int, bool] = {}
+        # The last layer's output (a weak reference to its storage, from its return in a profiling step), and
+        # whether the model's forward had let go of it by its end (StepContext.rest_frees_output: a residual sum
+        # over the last layer; a way that holds its output keeps it beside what the rest makes).
+        self.chain_out_ref: StorageWeakRef | None = None
+        self.rest_frees = False
         # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
         # unless read otherwise: StepContext.outputs_held_in_backward).
         self.outputs_held: dict[int, bool] = {}
@@ -635,6 +640,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         return g
 
     out_ref, out_bytes = storage_ref(out), storage_bytes(out)
+    step.chain_out_ref = out_ref  # read at the model's forward's end (LayerPlan._forward_ends)
     if out.requires_grad:
         out.register_hook(at_out)
         if prefix_backward:
@@ -740,9 +746,11 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
                 last = step.out_refs[i]
                 if o.out_alive and last.ref is not None and last.ref.expired():
                     held += last.nbytes
-                # This layer's input, which its backward freed, the model holds until here.
+                # This layer's input, which its backward freed, the model holds until here; where what ran between
+                # let go of the last layer's output (a residual sum outside the layers), the model holds that much
+                # of it as the last layer's output (the chain's a_i), which it lets go of itself.
                 if o.x_ref is not None and o.x_ref.expired():
-                    held -= o.x_bytes
+                    held -= o.x_bytes - (last.nbytes if step.between_frees.get(i + 1, False) else 0)
                 # The peak above the model's count, which holds the input's gradient at the bytes of the last
                 # layer's output (the chain's a_i): one made larger by what ran between (a residual sum in fp32
                 # on a bf16 output) held the rest of it too.
@@ -815,6 +823,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]
     r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]
     r.between_frees_output = [j in step.between and step.between_frees.get(j, False) for j in range(n)]
+    r.rest_frees_output = step.rest_frees
     if len(step.held_to_end) == n:
         r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)

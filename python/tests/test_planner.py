@@ -174,6 +174,14 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:20])
     assert list(old.between_frees_output) == [] and list(old.side_freed_bytes) == [0, 32]
+    # The chain's output let go of by the rest's forward: carried, pickled; a state of 21 fields loads with it
+    # not let go of.
+    r.rest_frees_output = True
+    c = remat._core.step_context(r)
+    assert pickle.loads(pickle.dumps(c)).rest_frees_output
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:21])
+    assert not old.rest_frees_output and list(old.between_frees_output) == [False, True]
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

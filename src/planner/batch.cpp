@@ -229,6 +229,7 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   c.outputs_held_to_end = held_where_either(a.outputs_held_to_end, b.outputs_held_to_end);
   // Charged where either let go of it (the charge is held_past_between_bytes()'s).
   c.between_frees_output = held_where_either(a.between_frees_output, b.between_frees_output);
+  c.rest_frees_output = a.rest_frees_output || b.rest_frees_output;
   // The generators' state a checkpoint saves: the same at every batch.
   c.checkpoint_state_bytes = std::max(a.checkpoint_state_bytes, b.checkpoint_state_bytes);
   return c;

@@ -186,6 +186,7 @@ void visit(C& chain, X& context, V& v) {
   for (auto& g : context.between_held_bytes)
     v.bytes(g);
   flags(context.between_frees_output, v);  // charged where any rank let go of it
+  v.flag(context.rest_frees_output);       // likewise
 }
 
 // An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima

@@ -184,7 +184,8 @@ struct StepTerms {
   std::vector<char> output_unheld;
   // Per stage: whether what runs between it and the next let go of its output in the profiling step
   // (detail::output_freed_between()): a way that holds its output is charged it beside the next stage's
-  // input, from its forward until its backward is done (detail::held_past_between_bytes()).
+  // input (the rest's peak, for the last), from the end of its forward until the next stage's backward is
+  // done (detail::held_past_between_bytes()).
   std::vector<char> frees_output;
   // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
   int64_t checkpoint_state = 0;
@@ -198,8 +199,9 @@ struct StepTerms {
   int64_t input_freed = 0;
 };
 
-// What step stage j run as `c` holds beside the next stage's input from its forward until its backward is
-// done (detail::held_past_between_bytes(), where step says what runs between lets go of its output).
+// What step stage j run as `c` holds beside the next stage's input from the end of its forward until the next
+// stage's backward is done (detail::held_past_between_bytes(), where step says what runs between lets go of
+// its output): in R of the stages after it.
 int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* step, int64_t j) {
   if (!step || !step->frees_output[static_cast<size_t>(j)]) return 0;
   return detail::held_past_between_bytes(s, c.kind, c.cost, !c.groups.empty(), c.offload || c.stream);
@@ -251,16 +253,16 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
          a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice,
          between});
   }
-  // Its output beside the next stage's input, where what runs between them let go of it in the profiling
-  // step and its way holds it: from its forward until its backward is done (step_op_peaks()'s rule).
-  const int64_t past = past_between_bytes(s, c, step, j);
-  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state + past;
+  // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
+  // step and its way holds it, is held from the end of its forward until the next stage's backward is done:
+  // in R of the stages after it, not here; step_op_peaks()'s rule.)
+  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
-  bwd += twice + past;  // the backward's, not the recompute's below
+  bwd += twice;  // the backward's, not the recompute's below
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save
     // (step_op_peaks()'s rule); the recompute itself is charged whole, with a second generators' state (the

@@ -82,6 +82,7 @@ StepContext step_context(const StepReadings& r) {
     c.between_backward_peak_bytes.push_back(std::max<int64_t>(0, v));
   c.between_held_bytes = r.between_held_bytes;  // signed: what runs between may free more than it makes
   c.between_frees_output = r.between_frees_output;
+  c.rest_frees_output = r.rest_frees_output;
   return c;
 }
 
@@ -258,6 +259,10 @@ bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, boo
 }
 
 bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j) {
+  // The chain's output, which the rest of the step let go of in its forward (StepContext::rest_frees_output):
+  // as a next stage's input made from a stage's output, unless the runtime or something else holds it.
+  if (j >= 0 && j == chain.size() - 1)
+    return context.rest_frees_output && !chain.holds_outputs && held_to_end_bytes(chain, context, j) == 0;
   return j >= 0 && j + 1 < chain.size() && static_cast<size_t>(j) + 1 < context.between_frees_output.size() &&
          context.between_frees_output[static_cast<size_t>(j) + 1];
 }
@@ -353,12 +358,15 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     kept_to_end[static_cast<size_t>(s)] = 1;
     return held_to_end_bytes(chain, context, s - 1);
   };
-  // Per step stage: what its way holds beside the next stage's input where what runs between them let go of
-  // its output (held_past_between_bytes()), from its forward before the loss until its backward is done.
+  // Per step stage: what its way holds beside the next stage's input (the rest's peak, for the last) where
+  // what runs between them let go of its output (held_past_between_bytes()), from the end of its forward
+  // before the loss until the next stage's backward (and what runs between, which lets go of that input) is
+  // done.
   std::vector<int64_t> past_between(static_cast<size_t>(n) + 2, 0);
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
+    int64_t past_after = 0;  // past_between's change, from the end of this forward
     if (op.kind == OpKind::kLoss) after_loss = true;
     if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 1 && op.stage <= n) {
       Op in_chain = op;
@@ -369,7 +377,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       if (!after_loss) checkpointed[static_cast<size_t>(op.stage)] = op.kind == OpKind::kForwardCheckpoint;
       recomputed[static_cast<size_t>(op.stage)] = after_loss && op.kind == OpKind::kForwardAll;
       // Before the loss: what its way holds beside the next stage's input, where what runs between lets go of
-      // its output, from now on (its last forward so far decides).
+      // its output, once this forward is done (its last forward so far decides).
       if (!after_loss) {
         int64_t past = 0;
         if (output_freed_between(chain, context, in_chain.stage)) {
@@ -377,7 +385,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
           past = held_past_between_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
                                          c ? &*c : nullptr, !op.groups.empty(), op.offload || op.stream);
         }
-        arrived += past - past_between[static_cast<size_t>(op.stage)];
+        past_after = past - past_between[static_cast<size_t>(op.stage)];
         past_between[static_cast<size_t>(op.stage)] = past;
       }
     }
@@ -432,14 +440,17 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);
     // A replay holds a second generators' state: the one it saves while it replays the first.
     if (replay && state_held[static_cast<size_t>(op.stage)]) peaks[k] += context.checkpoint_state_bytes;
-    arrived += made;
+    arrived += made + past_after;
     // What the stages take beside their input, and gradients of it, let go of once this backward is done.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
       arrived -= stage_figure(context.side_freed_bytes, static_cast<size_t>(op.stage - 1));
-    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n) {
-      arrived -= past_between[static_cast<size_t>(op.stage)];
-      past_between[static_cast<size_t>(op.stage)] = 0;
-    }
+    // The stage before's output held beside this stage's input (the rest's, for the last stage's), let go of
+    // once this backward (and what runs between, below) is done.
+    auto let_go_past = [&]() {
+      if (op.kind != OpKind::kBackward || op.stage < 2 || op.stage > n + 1) return;
+      arrived -= past_between[static_cast<size_t>(op.stage - 1)];
+      past_between[static_cast<size_t>(op.stage - 1)] = 0;
+    };
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         state_held[static_cast<size_t>(op.stage)]) {
       state_held[static_cast<size_t>(op.stage)] = 0;
@@ -457,6 +468,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     // a chain stage's, once what runs between has run), another with its stage's abar.
     if (op.kind == OpKind::kBackward && op.stage == n + 1 && plain[static_cast<size_t>(n)])
       arrived += held_to_end(n);
+    if (op.kind == OpKind::kBackward && op.stage == n + 1) let_go_past();
     if (op.kind != OpKind::kBackward || op.stage < 1 || op.stage > n) continue;
     const size_t j = static_cast<size_t>(op.stage - 1);  // the chain stage whose backward this is
     arrived += held_to_end(op.stage);                    // with its abar (a plain one is charged already)
@@ -482,6 +494,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       // Its input a_j, a plain output held to the step's end, which the simulation lets go of now.
       if (plain[static_cast<size_t>(op.stage - 1)]) arrived += held_to_end(op.stage - 1);
     }
+    let_go_past();
   }
   return peaks;
 }

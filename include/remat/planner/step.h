@@ -143,12 +143,25 @@ struct StepContext {
   /// stage checkpointed. The between figures are read so: a way of stage j - 1 that holds its output itself
   /// (Fa whose graph saves it, Stage::saves_output; Fk under a policy, which may keep it among the matmuls'
   /// results; not offloaded, streamed or a group assignment: held_past_between_bytes(), remat/planner/detail)
-  /// keeps it beside stage j's input, and is charged output_bytes more from its forward until its backward is
-  /// done. Before (found 2026-12-02), such a way was charged as if the output were stage j's input: a
-  /// residual MLP whose layers end in a sigmoid held output_bytes per kept layer above its prediction (7.0%
-  /// with four layers kept), one whose layers were kept under the matmuls policy 9.6%. Entry 0 is false.
-  /// Empty (none let go of), or one entry per stage.
+  /// keeps it beside stage j's input, and is charged output_bytes more from the end of its forward until
+  /// stage j's backward (and what runs between, which lets go of that input) is done. Before (found
+  /// 2026-12-02), such a way was charged as if the output were stage j's input: a residual MLP whose layers
+  /// end in a sigmoid held output_bytes per kept layer above its prediction (7.0% with four layers kept), one
+  /// whose layers were kept under the matmuls policy 9.6%; until 2026-12-03 the charge ran to stage j - 1's
+  /// own backward (above what it held there, on the safe side). Entry 0 is false. Empty (none let go of), or
+  /// one entry per stage.
   std::vector<bool> between_frees_output;
+  /// Whether the rest of the step made what it needs from the chain's output and let go of it in its forward
+  /// (a residual sum outside the layers: `x = x + layer(x)` over the last layer, as the Python package reads
+  /// it at the model's forward's end in the profiling step, every stage checkpointed). The rest's peak is
+  /// read so: the last stage's way that holds its output itself keeps it beside what the rest makes, and is
+  /// charged output_bytes more from the end of its forward until the rest's backward is done
+  /// (between_frees_output's rule, held_past_between_bytes(), unless the runtime holds outputs or something
+  /// holds the output to the step's end). Before (found 2026-12-03) it was not: a residual MLP whose last
+  /// layer was kept under the matmuls policy held 5.4% above its prediction. False (the default): not let go
+  /// of, or not read. (Read inside the model's forward only: a loss outside it that lets go of the output is
+  /// not read.)
+  bool rest_frees_output = false;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -216,6 +229,9 @@ struct StepReadings {
   /// Per chain stage: whether what runs between the stage before it and it let go of that stage's output
   /// (StepContext::between_frees_output; empty where not read).
   std::vector<bool> between_frees_output;
+  /// Whether the rest of the step let go of the chain's output in its forward (StepContext::
+  /// rest_frees_output; false where not read).
+  bool rest_frees_output = false;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's

@@ -41,12 +41,15 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups);
 
 // Whether what runs between chain stage j and the next let go of stage j's output in the profiling step
-// (StepContext::between_frees_output[j + 1]; false for the last stage and j outside the chain).
+// (StepContext::between_frees_output[j + 1]); for the last stage, whether the rest of the step let go of the
+// chain's output in its forward (StepContext::rest_frees_output), unless the runtime holds outputs or
+// something holds it to the step's end; false for j outside the chain.
 bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j);
 
 // What stage `s` run as `kind` (with `cost`, its way's offload cost or null; `groups`: a group assignment;
-// `offloaded`: offloaded or streamed) holds from its forward until its backward is done beyond what the
-// step's model charges it, where what runs between it and the next stage lets go of its output
+// `offloaded`: offloaded or streamed) holds from the end of its forward until the next stage's backward (and
+// what runs between them) is done beyond what the step's model charges it, where what runs between it and the
+// next stage (or the rest of the step) lets go of its output
 // (output_freed_between()): its output_bytes where its way is Fa or Fk (the keep tags, a policy), not
 // offloaded, and not known not to save its output (way_leaves_output()); else 0. The one rule of
 // step_op_peaks() and the per-layer program.

@@ -1065,45 +1065,40 @@ TEST(Step, AWayThatHoldsItsOutputKeepsItBesideTheInputMadeFromItBetween) {
     bool saves_output;
     int64_t extra;
   };
-  for (const Case& c :
-       {Case{"Fa0 Fa1 Fa2 L B2 B1 B0", true, 200}, Case{"Fa0 Fa1 Fa2 L B2 B1 B0", false, 0},
-        Case{"Fk0[matmuls] Fa1 Fa2 L B2 B1 B0", false, 200}, Case{"Fc0 Fa1 Fa2 L B2 B1 Fa0 B0", true, 0}}) {
-    chain.stages[0].saves_output = c.saves_output;
+  // Case c against `ctx` with `with` instead: stage `s`'s output charged c.extra more from the end of its
+  // forward (an op named Fa<s> or Fk<s>) to the backward `until`, that one included.
+  auto expect_held = [&](const Case& c, size_t s, const remat::StepContext& with, const std::string& until) {
+    chain.stages[s].saves_output = c.saves_output;
     const Plan p = plan(c.plan);
     const remat::StepTimeline before = remat::step_timeline(chain, ctx, p),
-                              after = remat::step_timeline(chain, freed, p);
+                              after = remat::step_timeline(chain, with, p);
     ASSERT_EQ(before.points.size(), after.points.size());
-    bool held = false;  // from the end of stage 0's forward to stage 1's backward, that one included
+    const std::string fa = "Fa" + std::to_string(s), fk = "Fk" + std::to_string(s);
+    bool held = false;
     for (size_t k = 0; k < after.points.size(); ++k) {
       const std::string& op = after.points[k].op;
       EXPECT_EQ(after.points[k].peak_bytes - before.points[k].peak_bytes, held ? c.extra : 0)
           << c.plan << " " << op;
-      held = (held || op == "Fa0" || op.rfind("Fk0", 0) == 0) && op != "B1";
+      held = (held || op == fa || op.rfind(fk, 0) == 0) && op != until;
     }
-    EXPECT_EQ(remat::step_peak_bytes(chain, freed, p) - remat::step_peak_bytes(chain, ctx, p),
+    EXPECT_EQ(remat::step_peak_bytes(chain, with, p) - remat::step_peak_bytes(chain, ctx, p),
               after.peak_bytes - before.peak_bytes);
-  }
+  };
+  for (const Case& c :
+       {Case{"Fa0 Fa1 Fa2 L B2 B1 B0", true, 200}, Case{"Fa0 Fa1 Fa2 L B2 B1 B0", false, 0},
+        Case{"Fk0[matmuls] Fa1 Fa2 L B2 B1 B0", false, 200}, Case{"Fc0 Fa1 Fa2 L B2 B1 Fa0 B0", true, 0}})
+    expect_held(c, 0, freed, "B1");
   // The chain's output let go of by the rest's forward (rest_frees_output): the last stage's way that holds
-  // it keeps it beside what the rest makes, from its forward to its backward; not where the runtime holds
-  // outputs, nor where something holds it to the step's end.
+  // it keeps it beside what the rest makes, from the end of its forward to the rest's backward; not where the
+  // runtime holds outputs, nor where something holds it to the step's end.
   chain.stages[2].policies = {pc};
   remat::StepContext rest = ctx;
   rest.rest_frees_output = true;
   for (const Case& c :
        {Case{"Fa0 Fa1 Fa2 L B2 B1 B0", true, 100}, Case{"Fa0 Fa1 Fa2 L B2 B1 B0", false, 0},
         Case{"Fa0 Fa1 Fk2[matmuls] L B2 B1 B0", false, 100}, Case{"Fa0 Fa1 Fc2 L Fa2 B2 B1 B0", true, 0}}) {
-    chain.stages[2].saves_output = c.saves_output;
+    expect_held(c, 2, rest, "B(after)");
     const Plan p = plan(c.plan);
-    const remat::StepTimeline before = remat::step_timeline(chain, ctx, p),
-                              after = remat::step_timeline(chain, rest, p);
-    ASSERT_EQ(before.points.size(), after.points.size());
-    bool held = false;  // from the end of stage 2's forward to the rest's backward, that one included
-    for (size_t k = 0; k < after.points.size(); ++k) {
-      const std::string& op = after.points[k].op;
-      EXPECT_EQ(after.points[k].peak_bytes - before.points[k].peak_bytes, held ? c.extra : 0)
-          << c.plan << " " << op;
-      held = (held || op == "Fa2" || op.rfind("Fk2", 0) == 0) && op != "B(after)";
-    }
     Chain holding = chain;
     holding.holds_outputs = true;
     EXPECT_EQ(remat::step_peak_bytes(holding, rest, p), remat::step_peak_bytes(holding, ctx, p)) << c.plan;

@@ -259,6 +259,28 @@ def test_an_output_let_go_of_between_layers_is_charged_where_the_layers_way_hold
     assert list(lp.context.between_frees_output) == [False, True, True, True]
 
 
+def _train_with_times(m, x, lp, times, autocast=False, steps=3):
+    """Steps of m on x (the first profiles), the stages' times set after the first by times(i, stage)."""
+    for s in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = m(x)
+        out.float().square().mean().backward()
+        del out  # (held into the next step, it would be in that step's base and freed during it)
+        m.zero_grad(set_to_none=True)
+        if s == 0:
+            for i, st in enumerate(lp._last.chain.stages):
+                times(i, st)
+            lp.set_budget(1 << 40)
+
+
+def _kept(i, st):  # times that make every layer kept the fastest
+    st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 2.0, 1.0, 4.0
+
+
+def _checkpointed(i, st):  # times that make every layer checkpointed the fastest
+    st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 20.0, 1.0, 4.0
+
+
 def test_the_profilers_casts_are_not_held_through_the_callers_autocast_region(meter):
     # The profiling step profiles the layers from inputs that are leaves requiring grad, whose casts autocast's
     # cache would keep until the caller's autocast region ends: four bf16 copies of the last layer's input held
@@ -268,16 +290,7 @@ def test_the_profilers_casts_are_not_held_through_the_callers_autocast_region(me
     m = _SumsOutside(sigmoid=False, depth=2)
     x = torch.randn(1024, 64)
     lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
-    for s in range(3):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = m(x)
-        out.float().square().mean().backward()
-        del out  # (held into the next step, it would be in that step's base and freed during it)
-        m.zero_grad(set_to_none=True)
-        if s == 0:
-            for st in lp._last.chain.stages:  # every layer kept: the fastest
-                st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 2.0, 1.0, 4.0
-            lp.set_budget(1 << 40)
+    _train_with_times(m, x, lp, _kept, autocast=True)
     assert str(lp.plan) == "Fa0 Fa1 L B1 B0"
     assert lp.prediction_error <= remat.PREDICTION_TOLERANCE, lp.prediction_error
     assert lp.context.rest_grads_bytes >= x.nbytes  # the gradient the sum keeps for the residual path
@@ -292,35 +305,12 @@ def test_an_input_made_larger_between_layers_has_its_whole_gradient_charged(mete
     m = _SumsOutside(sigmoid=False, depth=2, expand=1)
     x = torch.randn(1024, 64)
     lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
-    for s in range(3):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = m(x)
-        out.float().square().mean().backward()
-        del out
-        m.zero_grad(set_to_none=True)
-        if s == 0:
-            for st in lp._last.chain.stages:  # every layer checkpointed: the fastest
-                st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 20.0, 1.0, 4.0
-            lp.set_budget(1 << 40)
+    _train_with_times(m, x, lp, _checkpointed, autocast=True)
     assert str(lp.plan) == "Fc0 Fc1 L Fa1 B1 Fa0 B0"
     assert lp.last_peak_bytes <= lp.predicted_peak_bytes, (lp.last_peak_bytes, lp.predicted_peak_bytes)
     assert abs(lp.prediction_error) <= remat.PREDICTION_TOLERANCE, lp.prediction_error
     # What ran between (the sum's backward, the cast of the gradient to bf16) held the whole fp32 gradient.
     assert lp.context.between_backward_peak_bytes[1] >= x.nbytes
-
-
-def _train_with_times(m, x, lp, times, autocast=False, steps=3):
-    """Steps of m on x (the first profiles), the stages' times set after the first by times(i, stage)."""
-    for s in range(steps):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = m(x)
-        out.float().square().mean().backward()
-        del out
-        m.zero_grad(set_to_none=True)
-        if s == 0:
-            for i, st in enumerate(lp._last.chain.stages):
-                times(i, st)
-            lp.set_budget(1 << 40)
 
 
 def test_an_input_made_between_layers_from_the_last_output_is_let_go_of_once_in_the_backward(meter):
@@ -332,11 +322,7 @@ def test_an_input_made_between_layers_from_the_last_output_is_let_go_of_once_in_
     m = _SumsOutside(sigmoid=False, depth=3, expand=(1, 4, 1))
     x = torch.randn(1024, 64)
     lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
-
-    def checkpointed(i, st):
-        st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 20.0, 1.0, 4.0
-
-    _train_with_times(m, x, lp, checkpointed)
+    _train_with_times(m, x, lp, _checkpointed)
     assert str(lp.plan) == "Fc0 Fc1 Fc2 L Fa2 B2 Fa1 B1 Fa0 B0"
     assert lp.last_peak_bytes <= lp.predicted_peak_bytes, (lp.last_peak_bytes, lp.predicted_peak_bytes)
     assert abs(lp.prediction_error) <= remat.PREDICTION_TOLERANCE, lp.prediction_error

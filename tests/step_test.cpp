@@ -1039,7 +1039,7 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
 // save it, Fc, whose recompute after the loss meets no next input) is charged as before. Before (found
 // 2026-12-02), none was: a residual MLP whose layers end in a sigmoid held 7.3% above its prediction with
 // three layers kept. The rest of the step that lets go of the chain's output likewise (rest_frees_output,
-// found 2026-12-03).
+// found 2026-12-02).
 TEST(Step, AWayThatHoldsItsOutputKeepsItBesideTheInputMadeFromItBetween) {
   Chain chain = sized_chain({{200, 300}, {50, 500}, {100, 400}});
   chain.policies = {"matmuls"};

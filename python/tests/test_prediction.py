@@ -300,7 +300,7 @@ def test_an_input_made_larger_between_layers_has_its_whole_gradient_charged(mete
     # Under autocast the layers return bf16 and the residual sum outside them makes the next layer's input in
     # fp32: that input's gradient is twice the bytes of the output the chain counts at the boundary. The profiler
     # took the whole gradient off the layer's backward peak, and the model charged back the output's bytes; what
-    # ran between was read likewise. Before (found 2026-12-03), every layer checkpointed held 4.5% above its
+    # ran between was read likewise. Before (found 2026-12-02), every layer checkpointed held 4.5% above its
     # prediction here (a layer's backward, its recompute's peak); now the rest of the gradient is left in both.
     m = _SumsOutside(sigmoid=False, depth=2, expand=1)
     x = torch.randn(1024, 64)
@@ -317,7 +317,7 @@ def test_an_input_made_between_layers_from_the_last_output_is_let_go_of_once_in_
     # What runs between two layers made the next layer's input from the last layer's output and let go of it
     # (a residual sum outside the layers): the model holds that output for part of the input, and lets go of it
     # itself at the later layer's backward, where the reading of what runs between let go of the whole input as
-    # well. Before (found 2026-12-03) that output was let go of twice, and the backward passes after it held that
+    # well. Before (found 2026-12-02) that output was let go of twice, and the backward passes after it held that
     # much more than predicted: 6.9% above here in fp32, every layer checkpointed, the middle one the widest.
     m = _SumsOutside(sigmoid=False, depth=3, expand=(1, 4, 1))
     x = torch.randn(1024, 64)
@@ -331,7 +331,7 @@ def test_an_input_made_between_layers_from_the_last_output_is_let_go_of_once_in_
 def test_the_layers_output_let_go_of_by_the_rest_is_charged_where_the_last_layers_way_holds_it(meter):
     # The model's code sums its residual over the last layer too and lets go of that layer's output before it
     # returns (StepContext.rest_frees_output). A last layer kept under the matmuls policy keeps its output (its
-    # last matmul's result) beside what the rest of the step makes. Before (found 2026-12-03) the rest's peak,
+    # last matmul's result) beside what the rest of the step makes. Before (found 2026-12-02) the rest's peak,
     # read with that output let go of, was charged so: 5.4% above the prediction here.
     m = _SumsOutside(sigmoid=False, depth=3, expand=(1, 4, 1))
     x = torch.randn(512, 64)

@@ -147,9 +147,9 @@ struct StepContext {
   /// stage j's backward (and what runs between, which lets go of that input) is done. Before (found
   /// 2026-12-02), such a way was charged as if the output were stage j's input: a residual MLP whose layers
   /// end in a sigmoid held output_bytes per kept layer above its prediction (7.0% with four layers kept), one
-  /// whose layers were kept under the matmuls policy 9.6%; until 2026-12-03 the charge ran to stage j - 1's
-  /// own backward (above what it held there, on the safe side). Entry 0 is false. Empty (none let go of), or
-  /// one entry per stage.
+  /// whose layers were kept under the matmuls policy 9.6%; until a later change that day the charge ran to
+  /// stage j - 1's own backward (above what it held there, on the safe side). Entry 0 is false. Empty (none
+  /// let go of), or one entry per stage.
   std::vector<bool> between_frees_output;
   /// Whether the rest of the step made what it needs from the chain's output and let go of it in its forward
   /// (a residual sum outside the layers: `x = x + layer(x)` over the last layer, as the Python package reads
@@ -157,7 +157,7 @@ struct StepContext {
   /// read so: the last stage's way that holds its output itself keeps it beside what the rest makes, and is
   /// charged output_bytes more from the end of its forward until the rest's backward is done
   /// (between_frees_output's rule, held_past_between_bytes(), unless the runtime holds outputs or something
-  /// holds the output to the step's end). Before (found 2026-12-03) it was not: a residual MLP whose last
+  /// holds the output to the step's end). Before (found 2026-12-02) it was not: a residual MLP whose last
   /// layer was kept under the matmuls policy held 5.4% above its prediction. False (the default): not let go
   /// of, or not read. (Read inside the model's forward only: a loss outside it that lets go of the output is
   /// not read.)

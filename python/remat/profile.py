@@ -514,8 +514,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     # executor's rule; planning in place also where the recorded input requires grad). A frozen stage on an
     # input that needs none makes no graph, and is profiled so: nothing saved, no backward.
     input_grad = [False] * n
-    # Each stage's output bytes (the next stage's input as the chain counts it), from the first pass.
-    out_bytes = [0] * n
 
     def derive_input_grads():
         needs = example_input.requires_grad
@@ -595,7 +593,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         or None) (bwd_tmp_bytes, bwd_grads_tmp_bytes and a policy's)."""
         ms, peak, grads_peak = timed_backward(out, targets, i, grads_peak=True)
         d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
-        d_in = min(d_in, chain.input_bytes if i == 0 else out_bytes[i - 1])
+        d_in = min(d_in, chain.input_bytes if i == 0 else fields[i - 1]["out"])
         return ms, max(0, peak - d_in), None if grads_peak is None else max(0, grads_peak - d_in)
 
     with collector_paused(), Restore(modules, device), \
@@ -614,7 +612,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         f = (time.perf_counter() - t0) * 1e3
                         if measure:
                             fields[i]["ntmp"] = max(fields[i]["ntmp"], window.peak() - base - out.nbytes)
-                    out_bytes[i] = out.nbytes
+                    # Its output's bytes (Stage.output_bytes: the next stage's input as the chain counts it),
+                    # which the next stage's backward reads before this stage's runs (last stage first).
+                    fields[i]["out"] = out.nbytes
                     if xs[i + 1] is None or (inputs is None and r == 0):
                         xs[i + 1] = out
                     if keep:
@@ -660,7 +660,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # which stops early, never makes again one it does not. A compiled stage's saves are left
                         # as saved.
                         fields[i]["saves_out"] = compiled[i] or not unsaved
-                        fields[i]["out"] = out.nbytes
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
                         if offload_min_bytes is not None and not compiled[i]:

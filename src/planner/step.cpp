@@ -244,9 +244,14 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j) {
   return s.saves_output ? 0 : s.output_bytes;
 }
 
+// Whether a_j (1 <= j <= n) is held whatever the stages do: by the runtime (Chain::holds_outputs) or by
+// something to the step's end (outputs_held_to_end). output_unheld()'s and output_freed_between()'s rule.
+static bool held_regardless(const Chain& chain, const StepContext& context, int64_t j) {
+  return chain.holds_outputs || held_to_end_bytes(chain, context, j - 1) > 0;
+}
+
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
-  if (chain.holds_outputs || j < 1 || j > chain.size() || held_to_end_bytes(chain, context, j - 1) > 0)
-    return false;
+  if (j < 1 || j > chain.size() || held_regardless(chain, context, j)) return false;
   if (j == chain.size()) return !context.output_held_in_backward;
   return !context.outputs_held_in_backward.empty() &&
          !context.outputs_held_in_backward[static_cast<size_t>(j)];
@@ -262,7 +267,7 @@ bool output_freed_between(const Chain& chain, const StepContext& context, int64_
   // The chain's output, which the rest of the step let go of in its forward (StepContext::rest_frees_output):
   // as a next stage's input made from a stage's output, unless the runtime or something else holds it.
   if (j >= 0 && j == chain.size() - 1)
-    return context.rest_frees_output && !chain.holds_outputs && held_to_end_bytes(chain, context, j) == 0;
+    return context.rest_frees_output && !held_regardless(chain, context, j + 1);
   return j >= 0 && j + 1 < chain.size() && static_cast<size_t>(j) + 1 < context.between_frees_output.size() &&
          context.between_frees_output[static_cast<size_t>(j) + 1];
 }

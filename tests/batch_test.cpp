@@ -101,10 +101,16 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   remat::Chain ua = a, ub = b;
   ua.stages[0].saves_output = ua.stages[1].saves_output = false;
   ub.stages[1].saves_output = false;
+  // Likewise its input (Stage::saves_input).
+  ua.stages[0].saves_input = ua.stages[2].saves_input = false;
+  ub.stages[2].saves_input = false;
   const remat::Chain line = remat::chain_at_batch(ua, 2, ub, 4, 3);
   EXPECT_TRUE(line.stages[0].saves_output);
   EXPECT_FALSE(line.stages[1].saves_output);
   EXPECT_TRUE(line.stages[2].saves_output);
+  EXPECT_TRUE(line.stages[0].saves_input);
+  EXPECT_TRUE(line.stages[1].saves_input);
+  EXPECT_FALSE(line.stages[2].saves_input);
 }
 
 TEST(Batch, ProfilesOfDifferentChainsOrAtOneBatchAreRefused) {
@@ -155,6 +161,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   a.output_held_in_backward = false;
   a.outputs_held_to_end = {false, true}, b.outputs_held_to_end = {false, false};
   a.between_frees_output = {false, false}, b.between_frees_output = {false, true};
+  a.inputs_held_in_forward = {true, false}, b.inputs_held_in_forward = {true, true};
   const remat::StepContext d = remat::context_at_batch(a, 2, b, 4, 10);
   EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
   EXPECT_EQ(d.between_held_bytes, (std::vector<int64_t>{0, -36}));
@@ -171,6 +178,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(d.side_bytes, 1100);
   EXPECT_EQ(d.side_freed_bytes, (std::vector<int64_t>{500, 0}));
   EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));  // held where either is
+  EXPECT_EQ(d.inputs_held_in_forward, (std::vector<bool>{true, true}));    // held where either is
   EXPECT_TRUE(d.output_held_in_backward);                                  // held where either is
   EXPECT_EQ(d.outputs_held_to_end, (std::vector<bool>{false, true}));      // held where either is
   EXPECT_EQ(d.between_frees_output, (std::vector<bool>{false, true}));     // charged where either is

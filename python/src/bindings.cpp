@@ -147,6 +147,9 @@ NB_MODULE(_core, m) {
       .def_rw("saves_output", &remat::Stage::saves_output,
               "whether its output is among what its graph saves (false: a recompute that stops early never "
               "makes it)")
+      .def_rw("saves_input", &remat::Stage::saves_input,
+              "whether its graph, run as Fa, saves its input (false: a step lets go of it once its forward "
+              "is done, where nothing else holds it)")
       .def_rw("fwd_tmp_bytes", &remat::Stage::fwd_tmp_bytes, "transient peak above that in its forward")
       .def_rw("fwd_nosave_tmp_bytes", &remat::Stage::fwd_nosave_tmp_bytes,
               "transient peak above its output in its forward without saving, as Fn and Fc run it (None: "
@@ -397,6 +400,8 @@ NB_MODULE(_core, m) {
       .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
       .def_rw("outputs_held_in_backward", &remat::StepContext::outputs_held_in_backward,
               "per stage, whether anything besides the stages holds its input once its backward is done")
+      .def_rw("inputs_held_in_forward", &remat::StepContext::inputs_held_in_forward,
+              "per stage, whether anything besides the stages held its input past its forward")
       .def_rw(
           "output_held_in_backward", &remat::StepContext::output_held_in_backward,
           "whether anything besides the rest of the step and the last stage holds the chain's output once "
@@ -423,7 +428,7 @@ NB_MODULE(_core, m) {
       // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, of 16,
       // from before output_held_in_backward, checkpoint_state_bytes and outputs_held_to_end, of 19, from
       // before side_freed_bytes, of 20, from before between_frees_output, and of 21, from before
-      // rest_frees_output, too).
+      // rest_frees_output, and of 22, from before inputs_held_in_forward, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
@@ -433,12 +438,12 @@ NB_MODULE(_core, m) {
                                    c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes,
                                    c.outputs_held_in_backward, c.output_held_in_backward,
                                    c.checkpoint_state_bytes, c.outputs_held_to_end, c.side_freed_bytes,
-                                   c.between_frees_output, c.rest_frees_output);
+                                   c.between_frees_output, c.rest_frees_output, c.inputs_held_in_forward);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
         if (s.size() != 11 && s.size() != 16 && s.size() != 19 && s.size() != 20 && s.size() != 21 &&
-            s.size() != 22)
-          throw nb::value_error("remat.StepContext: a pickled state has 11, 16, 19, 20, 21 or 22 fields");
+            s.size() != 22 && s.size() != 23)
+          throw nb::value_error("remat.StepContext: a pickled state has 11, 16, 19, 20, 21, 22 or 23 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -465,7 +470,8 @@ NB_MODULE(_core, m) {
         }
         if (s.size() >= 20) c.side_freed_bytes = nb::cast<std::vector<int64_t>>(s[19]);
         if (s.size() >= 21) c.between_frees_output = nb::cast<std::vector<bool>>(s[20]);
-        if (s.size() == 22) c.rest_frees_output = nb::cast<bool>(s[21]);
+        if (s.size() >= 22) c.rest_frees_output = nb::cast<bool>(s[21]);
+        if (s.size() == 23) c.inputs_held_in_forward = nb::cast<std::vector<bool>>(s[22]);
       });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
@@ -493,6 +499,7 @@ NB_MODULE(_core, m) {
       .def_rw("side_freed_bytes", &remat::StepReadings::side_freed_bytes)
       .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
       .def_rw("outputs_held_in_backward", &remat::StepReadings::outputs_held_in_backward)
+      .def_rw("inputs_held_in_forward", &remat::StepReadings::inputs_held_in_forward)
       .def_rw("between_forward_held_bytes", &remat::StepReadings::between_forward_held_bytes)
       .def_rw("between_backward_peak_bytes", &remat::StepReadings::between_backward_peak_bytes)
       .def_rw("between_held_bytes", &remat::StepReadings::between_held_bytes)

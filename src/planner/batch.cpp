@@ -79,11 +79,13 @@ std::vector<bool> held_where_either(const std::vector<bool>& a, const std::vecto
 }
 
 // A context's per-stage figures' lengths, for an error: the between figures', side_grads_bytes',
-// side_freed_bytes', outputs_held_in_backward's, outputs_held_to_end's and between_frees_output's.
+// side_freed_bytes', outputs_held_in_backward's, inputs_held_in_forward's, outputs_held_to_end's and
+// between_frees_output's.
 std::string per_stage_sizes(const StepContext& c) {
   return std::to_string(c.between_backward_peak_bytes.size()) + "/" +
          std::to_string(c.side_grads_bytes.size()) + "/" + std::to_string(c.side_freed_bytes.size()) + "/" +
          std::to_string(c.outputs_held_in_backward.size()) + "/" +
+         std::to_string(c.inputs_held_in_forward.size()) + "/" +
          std::to_string(c.outputs_held_to_end.size()) + "/" + std::to_string(c.between_frees_output.size());
 }
 
@@ -115,6 +117,7 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.output_bytes = line.bytes(sa.output_bytes, sb.output_bytes);
     s.saved_bytes = std::max(s.output_bytes, line.bytes(sa.saved_bytes, sb.saved_bytes));
     s.saves_output = sa.saves_output || sb.saves_output;  // saved where either profile saw it saved
+    s.saves_input = sa.saves_input || sb.saves_input;     // likewise
     s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
     // Where one profile measured it and the other did not, the other's stands in for it (as the planners read
     // it).
@@ -177,11 +180,14 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
       a.side_grads_bytes.size() != b.side_grads_bytes.size() ||
       a.side_freed_bytes.size() != b.side_freed_bytes.size() ||
       a.outputs_held_in_backward.size() != b.outputs_held_in_backward.size() ||
+      a.inputs_held_in_forward.size() != b.inputs_held_in_forward.size() ||
       a.outputs_held_to_end.size() != b.outputs_held_to_end.size() ||
       a.between_frees_output.size() != b.between_frees_output.size())
     throw std::invalid_argument(
         "remat::context_at_batch: the contexts' per-stage figures (between_backward_peak_bytes and the other "
-        "between figures, side_grads_bytes, side_freed_bytes, outputs_held_in_backward, outputs_held_to_end, "
+        "between figures, side_grads_bytes, side_freed_bytes, outputs_held_in_backward, "
+        "inputs_held_in_forward, "
+        "outputs_held_to_end, "
         "between_frees_output) "
         "differ in length: "
         "one has them for " +
@@ -225,6 +231,7 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   per_stage(&StepContext::between_held_bytes, true);
   c.input_held_in_backward = a.input_held_in_backward || b.input_held_in_backward;  // held where either is
   c.outputs_held_in_backward = held_where_either(a.outputs_held_in_backward, b.outputs_held_in_backward);
+  c.inputs_held_in_forward = held_where_either(a.inputs_held_in_forward, b.inputs_held_in_forward);
   c.output_held_in_backward = a.output_held_in_backward || b.output_held_in_backward;
   c.outputs_held_to_end = held_where_either(a.outputs_held_to_end, b.outputs_held_to_end);
   // Charged where either let go of it (the charge is held_past_between_bytes()'s).

@@ -280,6 +280,7 @@ std::string to_json(const Chain& chain) {
     js["output_bytes"] = s.output_bytes;
     js["saved_bytes"] = s.saved_bytes;
     if (!s.saves_output) js["saves_output"] = false;
+    if (!s.saves_input) js["saves_input"] = false;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     if (s.fwd_nosave_tmp_bytes) js["fwd_nosave_tmp_bytes"] = *s.fwd_nosave_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
@@ -431,6 +432,7 @@ Chain chain_from_json(const std::string& text) {
     s.output_bytes = required<int64_t>(js, "output_bytes", where);
     s.saved_bytes = required<int64_t>(js, "saved_bytes", where);
     s.saves_output = boolean(js, "saves_output", where, true);
+    s.saves_input = boolean(js, "saves_input", where, true);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
     s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
     if (js.contains("fwd_nosave_tmp_bytes"))

@@ -133,6 +133,7 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(s.output_bytes);
     v.bytes(s.saved_bytes);
     v.flag(s.saves_output);  // saved where any process saves it
+    v.flag(s.saves_input);   // likewise
     v.bytes(s.fwd_tmp_bytes);
     v.measured_bytes(s.fwd_nosave_tmp_bytes, s.fwd_tmp_bytes);
     v.bytes(s.bwd_tmp_bytes);
@@ -175,6 +176,7 @@ void visit(C& chain, X& context, V& v) {
   for (auto& f : context.side_freed_bytes)
     v.freed(f);
   flags(context.outputs_held_in_backward, v);
+  flags(context.inputs_held_in_forward, v);  // held where any rank held it
   v.flag(context.input_held_in_backward);
   v.flag(context.output_held_in_backward);
   v.bytes(context.checkpoint_state_bytes);

@@ -187,6 +187,9 @@ struct StepTerms {
   // input (the rest's peak, for the last), from the end of its forward until the next stage's backward is
   // done (detail::held_past_between_bytes()).
   std::vector<char> frees_output;
+  // Per stage: whether its input may be let go of once its forward as Fa is done, where the stage before's
+  // way does not hold it (detail::input_let_go_in_forward()).
+  std::vector<char> input_let_go;
   // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
   int64_t checkpoint_state = 0;
   // Per stage: its output where something holds it to the step's end (outputs_held_to_end; 0 otherwise),
@@ -213,8 +216,10 @@ int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* ste
 // stage took it to the host); `bwd_less_input`: whether the chain's input is among them.
 // `twice`: bytes its backward holds twice (its input, which left with it, beside the stage before's own copy,
 // brought back ahead: simulate()'s rule).
+// `dropped`: its input's bytes where they were let go of once its forward was done (Point::output_let_go),
+// else 0: neither its backward nor what runs between holds them.
 int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, int64_t bwd_less,
-                   bool bwd_less_input, int64_t twice) {
+                   bool bwd_less_input, int64_t twice, int64_t dropped) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
@@ -234,7 +239,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const int64_t between = step && step->between[static_cast<size_t>(j)] >= 0
                               ? a_in + at_rec + own + side - freed + kept_to_end +
                                     step->between[static_cast<size_t>(j)] -
-                                    (bwd_less_input ? step->input_freed : 0)
+                                    (bwd_less_input ? step->input_freed : 0) - dropped
                               : 0;
   // Its output, where neither its way saves it (detail::way_leaves_output()) nor anything else holds it, is
   // gone by its backward.
@@ -273,7 +278,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next
   // stage's backward, held through its recompute and backward.
   if (c.kind == OpKind::kForwardCheckpoint) bwd += kept_to_end;
-  return std::max({fwd, bwd + state - bwd_less - gone, between});
+  return std::max({fwd, bwd + state - bwd_less - gone - dropped, between});
 }
 
 // A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
@@ -292,6 +297,10 @@ struct Point {
   // Whether the previous stage brings its output (this stage's input) back ahead from the host, its own copy
   // (simulate()'s Away::output_ahead).
   bool output_ahead = false;
+  // Whether the previous stage's way does not hold its output (this stage's input: it saves none of it, or it
+  // is plain), set only where this stage may let go of it (StepTerms::input_let_go): run as Fa, not
+  // offloaded, it does once its forward is done.
+  bool output_let_go = false;
   int64_t input_gone_from = 0;  // from which stage on the chain's input is gone (detail::input_gone_from())
   int64_t host = 0;
   int64_t peak = 0;
@@ -316,17 +325,19 @@ int64_t gone_rank(const Point& p) {
 
 bool same_group(const Point& a, const Point& b) {
   return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output &&
-         a.output_ahead == b.output_ahead;
+         a.output_ahead == b.output_ahead && a.output_let_go == b.output_let_go;
 }
 
-// pareto()'s order: by group (pending, copied, keeps_output, output_ahead), then R, the key, the input gone
-// longest first, host bytes, and where all are equal as the points were made (parent, then choice).
+// pareto()'s order: by group (pending, copied, keeps_output, output_ahead, output_let_go), then R, the key,
+// the input gone longest first, host bytes, and where all are equal as the points were made (parent, then
+// choice).
 template <typename Key>
 inline bool in_order(const Point& a, const Point& b, const Key& key) {
   if (a.pending != b.pending) return a.pending < b.pending;
   if (a.copied != b.copied) return a.copied < b.copied;
   if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
   if (a.output_ahead != b.output_ahead) return a.output_ahead < b.output_ahead;
+  if (a.output_let_go != b.output_let_go) return a.output_let_go < b.output_let_go;
   if (a.held != b.held) return a.held < b.held;
   if (key(a) != key(b)) return key(a) < key(b);
   if (a.input_gone_from != b.input_gone_from) return gone_rank(a) > gone_rank(b);
@@ -336,7 +347,7 @@ inline bool in_order(const Point& a, const Point& b, const Key& key) {
 }
 
 // Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
-// output_ahead), which
+// output_ahead, output_let_go), which
 // the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
 // for the least memory), when `host` bounds it host bytes, and when `link` (planning for time with
 // offloading) the link's time still owed, all at most its, and the chain's input gone as long (gone_rank()).
@@ -508,8 +519,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         int64_t copied = 0;
         double to_host_ms = 0, to_device_ms = 0;
         int64_t past = 0;  // past_between_bytes()
-        int64_t need[2][2][2] = {};
-        bool made[2][2][2] = {};
+        int64_t need[2][2][2][2] = {};
+        bool made[2][2][2][2] = {};
       };
       std::vector<Fixed> fixed(cs.size());
       for (size_t c = 0; c < cs.size(); ++c) {
@@ -543,13 +554,15 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         // Without it: the backward of every stage from there on (the rest's included).
         const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
         const bool twice = input_leaves && p.output_ahead;
-        if (!f.made[input_leaves][gone][twice]) {
+        // Its input, which it does not save and nothing else holds, let go of once its forward is done.
+        const bool dropped = p.output_let_go && ch.kind == OpKind::kForwardAll && !ch.offload && !ch.stream;
+        if (!f.made[input_leaves][gone][twice][dropped]) {
           const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
-          f.need[input_leaves][gone][twice] =
-              stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0);
-          f.made[input_leaves][gone][twice] = true;
+          f.need[input_leaves][gone][twice][dropped] =
+              stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0, dropped ? a_in : 0);
+          f.made[input_leaves][gone][twice][dropped] = true;
         }
-        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone][twice]);
+        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone][twice][dropped]);
         if (q.peak > most) return false;
         const int64_t copied = f.copied;
         double wait =
@@ -561,7 +574,13 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.ms = p.ms + ch.ms + wait;
         if (q.ms + rest[static_cast<size_t>(j) + 1] > bound) return false;
         q.transfer_ms = p.transfer_ms + wait;
-        q.held = p_held - p.pending + ch.held + f.past;
+        q.held = p_held - p.pending + ch.held + f.past - (dropped ? a_in : 0);
+        // Whether the next stage may let go of this one's output once its forward is done: this way does not
+        // hold it.
+        q.output_let_go = step && j + 1 < n && step->input_let_go[static_cast<size_t>(j) + 1] &&
+                          (ch.kind == OpKind::kForwardCheckpoint ||
+                           detail::way_leaves_output(chain.stages[static_cast<size_t>(j)], ch.kind, ch.cost,
+                                                     !ch.groups.empty()));
         if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
         q.host = p.host;
         if (ch.offload) {
@@ -625,8 +644,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           if (first == last || !same_group(anchors[first], q)) {
             const auto range =
                 std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
-                  return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead) <
-                         std::tie(b.pending, b.copied, b.keeps_output, b.output_ahead);
+                  return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead, a.output_let_go) <
+                         std::tie(b.pending, b.copied, b.keeps_output, b.output_ahead, b.output_let_go);
                 });
             first = static_cast<size_t>(range.first - anchors.begin());
             last = static_cast<size_t>(range.second - anchors.begin());
@@ -763,9 +782,11 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.forward_held.assign(n + 2, 0);
   t.output_unheld.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
+  t.input_let_go.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
+    t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);
   }
   t.input_freed = detail::input_unheld_bytes(chain, context);
   t.checkpoint_state = context.checkpoint_state_bytes;

@@ -77,6 +77,7 @@ StepContext step_context(const StepReadings& r) {
   c.side_freed_bytes = r.side_freed_bytes;
   c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
   c.outputs_held_in_backward = r.outputs_held_in_backward;
+  c.inputs_held_in_forward = r.inputs_held_in_forward;
   c.between_forward_held_bytes = r.between_forward_held_bytes;  // signed, as between_held_bytes
   for (int64_t v : r.between_backward_peak_bytes)
     c.between_backward_peak_bytes.push_back(std::max<int64_t>(0, v));
@@ -152,6 +153,7 @@ void validate(const StepContext& c, const Chain& chain) {
   side_part(c.side_grads_bytes, "side_grads_bytes");
   side_part(c.side_freed_bytes, "side_freed_bytes");
   sized(c.outputs_held_in_backward.size(), "outputs_held_in_backward");
+  sized(c.inputs_held_in_forward.size(), "inputs_held_in_forward");
   sized(c.outputs_held_to_end.size(), "outputs_held_to_end");
   // What runs between two stages: nothing before the first (the part before the chain's backward is
   // before_backward_peak_bytes).
@@ -255,6 +257,17 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   if (j == chain.size()) return !context.output_held_in_backward;
   return !context.outputs_held_in_backward.empty() &&
          !context.outputs_held_in_backward[static_cast<size_t>(j)];
+}
+
+bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int64_t j) {
+  if (j < 1 || j >= chain.size() || chain.stages[static_cast<size_t>(j)].saves_input) return false;
+  const size_t at = static_cast<size_t>(j);
+  if (context.inputs_held_in_forward.empty() || context.inputs_held_in_forward[at]) return false;
+  const bool between = stage_figure(context.between_forward_held_bytes, at) != 0 ||
+                       stage_figure(context.between_backward_peak_bytes, at) != 0 ||
+                       stage_figure(context.between_held_bytes, at) != 0 ||
+                       (at < context.between_frees_output.size() && context.between_frees_output[at]);
+  return !between && output_unheld(chain, context, j);
 }
 
 bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups) {
@@ -368,6 +381,21 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // before the loss until the next stage's backward (and what runs between, which lets go of that input) is
   // done.
   std::vector<int64_t> past_between(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: whether its input a_j was let go of once its forward before the loss was done
+  // (input_let_go_in_forward(): run as Fa, not offloaded, the stage before's way not holding it, its only
+  // forward, and its backward before any later forward of the stage before, as in a per-layer plan): charged
+  // back where the simulation lets go of a_j (the stage before's backward for its abar, below; this stage's
+  // backward for a plain one).
+  std::vector<char> dropped(static_cast<size_t>(n) + 2, 0);
+  auto backward_first = [&](size_t k, int64_t s) {
+    for (size_t m = k + 1; m < ops.ops.size(); ++m) {
+      const Op& o = ops.ops[m];
+      if (o.kind == OpKind::kBackward && o.stage == s) return true;
+      if (o.kind != OpKind::kBackward && o.kind != OpKind::kLoss && (o.stage == s - 1 || o.stage == s))
+        return false;
+    }
+    return false;
+  };
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
@@ -445,6 +473,16 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);
     // A replay holds a second generators' state: the one it saves while it replays the first.
     if (replay && state_held[static_cast<size_t>(op.stage)]) peaks[k] += context.checkpoint_state_bytes;
+    // Its input, which it does not save and nothing else holds, goes once this forward is done.
+    if (!after_loss && op.kind == OpKind::kForwardAll && !op.offloads() && op.stage >= 2 && op.stage <= n &&
+        (leaves[static_cast<size_t>(op.stage - 1)] || plain[static_cast<size_t>(op.stage - 1)]) &&
+        sim.forward_calls[static_cast<size_t>(op.stage)] == 1 &&
+        input_let_go_in_forward(chain, context, op.stage - 1) && backward_first(k, op.stage)) {
+      const int64_t a = chain.activation_bytes(op.stage - 1);
+      dropped[static_cast<size_t>(op.stage)] = 1;
+      arrived -= a;
+      if (!plain[static_cast<size_t>(op.stage - 1)]) let_go[static_cast<size_t>(op.stage - 1)] = a;
+    }
     arrived += made + past_after;
     // What the stages take beside their input, and gradients of it, let go of once this backward is done.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
@@ -490,14 +528,18 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       if (between > 0 || held != 0)
         peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
       arrived += held;
-      // Its input a_j, which nothing else holds and the stage before it does not save, goes now.
-      if (leaves[static_cast<size_t>(op.stage - 1)] &&
+      // Its input a_j, which nothing else holds and the stage before it does not save, goes now (unless gone
+      // since its forward).
+      if (leaves[static_cast<size_t>(op.stage - 1)] && !dropped[static_cast<size_t>(op.stage)] &&
           output_unheld(chain, context, static_cast<int64_t>(j))) {
         let_go[j] = chain.activation_bytes(static_cast<int64_t>(j));
         arrived -= let_go[j];
       }
       // Its input a_j, a plain output held to the step's end, which the simulation lets go of now.
       if (plain[static_cast<size_t>(op.stage - 1)]) arrived += held_to_end(op.stage - 1);
+      // Its input a_j, a plain output gone since its forward, which the simulation lets go of now.
+      if (plain[static_cast<size_t>(op.stage - 1)] && dropped[static_cast<size_t>(op.stage)])
+        arrived += chain.activation_bytes(static_cast<int64_t>(j));
     }
     let_go_past();
   }

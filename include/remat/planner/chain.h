@@ -165,8 +165,17 @@ struct Stage {
   /// forward lets go of each tensor once nothing reads it, but may hold several at once that its output is
   /// smaller than (a layer's feed-forward product and its activation), which a forward that saves them counts
   /// in saved_bytes. Unset: fwd_tmp_bytes (as before this field). Last of the fields, so that aggregate
-  /// initializers written before it mean what they did.
+  /// initializers written before it (and before saves_input) mean what they did.
   std::optional<int64_t> fwd_nosave_tmp_bytes;
+  /// Whether its autograd graph, run as Fa, saves its input: a tensor on the input's storage (a Linear or a
+  /// LayerNorm that reads it as it is). False, as the Python profiler measures it, where what it saves holds
+  /// none of it (a layer whose first operations save a cast of it, as a Linear under bf16 autocast saves the
+  /// bf16 copy of an fp32 input, or nothing of it): the step's model (remat/planner/step.h) lets go of the
+  /// input once the stage's forward as Fa is done, where nothing else holds it then
+  /// (StepContext::inputs_held_in_forward, outputs_held_in_backward) and the stage before does not hold it
+  /// either. Default true: the input charged as saved, to the stage's backward (as before this field). Last
+  /// of the fields, as fwd_nosave_tmp_bytes.
+  bool saves_input = true;
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }

@@ -93,6 +93,18 @@ struct StepContext {
   /// 0, the chain's input, is input_held_in_backward's, not read here; the chain's output's is
   /// output_held_in_backward. Empty, or one entry per stage.
   std::vector<bool> outputs_held_in_backward;
+  /// Per chain stage j >= 1: whether anything besides the stages held stage j's input a_j, taken as stage
+  /// j - 1 handed it on, from the end of stage j's forward on (the model's code, a list of hidden states,
+  /// what runs between the two, or an input made by what runs between rather than a_j itself), or not known
+  /// (true, the default; empty: all true). False where nothing did (the Python package reads whether the
+  /// input's Python object was alive at the next stage's call, or for the last stage's at the end of the
+  /// model's forward, in the profiling step; there the stages' checkpoints hold only an alias of it, and an
+  /// object the autograd graph holds stays alive): where stage j runs as Fa, not offloaded, does not save its
+  /// input (Stage::saves_input false), stage j - 1's way does not hold its output (it does not save it, or
+  /// it is a plain output), outputs_held_in_backward says nothing holds a_j in the backward pass and the
+  /// stage's backward comes before any later forward of stage j - 1 in the plan, a_j is charged as freed
+  /// once stage j's forward is done. Entry 0, the chain's input, is not read. Empty, or one entry per stage.
+  std::vector<bool> inputs_held_in_forward;
   /// Whether anything besides the rest of the step and the last stage holds the chain's output a_n once the
   /// rest's backward is done (the caller, a list of hidden states), or not known (true, the default). False
   /// where its storage was freed by then (the rest saved it and let go of it, nothing else held it: the
@@ -219,6 +231,9 @@ struct StepReadings {
   /// Per chain stage: whether its input was alive once its backward was done (StepContext::
   /// outputs_held_in_backward; empty where not read).
   std::vector<bool> outputs_held_in_backward;
+  /// Per chain stage: whether its input was alive past its forward (StepContext::inputs_held_in_forward;
+  /// empty where not read).
+  std::vector<bool> inputs_held_in_forward;
   /// Per chain stage: what runs between the stage before it and it, what its forward left held, its backward
   /// pass's peak above the count when it began, and what that left held beyond the model
   /// (StepContext::between_forward_held_bytes, between_backward_peak_bytes, between_held_bytes; bytes). Empty

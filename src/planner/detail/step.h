@@ -32,6 +32,14 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
+// Whether chain stage j's input a_j (1 <= j < n) is let go of once stage j's forward as Fa (not offloaded)
+// is done where the stage before's way does not hold it, as far as the chain and the context say: the stage
+// does not save its input (Stage::saves_input false), nothing else held it past that forward
+// (StepContext::inputs_held_in_forward false) nor holds it in the backward pass (output_unheld()), and
+// nothing runs between the two stages (no between figure at j: the input is a_j itself). The one rule of
+// step_op_peaks() and the per-layer program, which add the plan's conditions.
+bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int64_t j);
+
 // Whether stage `s` run as `kind` is known not to save its output, the one rule of leaves_output() and the
 // per-layer program: Fa as its offload cost's `output` says, or, without one, Stage::saves_output false; Fk
 // (the keep tags, a policy, a group assignment: `groups`) as its way's offload cost `cost` says (null where

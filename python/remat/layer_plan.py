@@ -585,7 +585,8 @@ class LayerPlan:
 
     def _forward_ends(self, module, args, output):
         """The model's forward is over. A training call's graph is marked (TrainingCall.tag). A profiling step reads
-        whether the layers' output is alive still (Step.rest_frees). A planned step whose
+        whether the layers' output is alive still (Step.rest_frees), and the last layer's input (Step.inputs_held).
+        A planned step whose
         last layer did not reach remat's dispatch (it ran inside its compiled graph) is measured from the outputs
         the backward pass starts at: its peak, checked against the prediction at the end of that pass, as a step
         measured from its last layer is."""
@@ -598,6 +599,10 @@ class LayerPlan:
             # residual sum over the last layer: StepContext.rest_frees_output).
             step.rest_frees = step.chain_out_ref.expired()
             step.chain_out_ref = None
+        if step is not None:
+            # A profiling step: whether anything held the last layer's input past its forward
+            # (StepContext.inputs_held_in_forward; not read where the model's forward did not end here: held).
+            step.last_input_alive(len(self.layers) - 1)
         if step is None or step.done or step.measured or step.off_plan or step.key is None:
             return
         shape = self._shapes.get(step.key)

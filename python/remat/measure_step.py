@@ -319,12 +319,53 @@ class Step:
         # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
         # unless read otherwise: StepContext.outputs_held_in_backward).
         self.outputs_held: dict[int, bool] = {}
+        # Per layer i >= 1: whether its input, the last layer's output object as handed on, was held past its
+        # forward (StepContext.inputs_held_in_forward; held unless read). The layers' checkpoints and the
+        # profiler's inputs take an alias of it (input_alias), so that only what else holds the object (the
+        # model's code, a list, the autograd graph, which keeps the object alive) keeps it. Read at the next
+        # layer's call: let go of where the object is dead by then and that layer takes the output of this one
+        # as handed on (nothing ran between them, as the model of the step has it). The last layer's: let go of
+        # where the object died before the count rose above its level at that layer's return (what ran while
+        # it was alive held no more than that layer's forward did), held where it was alive at the end of the
+        # model's forward (LayerPlan._forward_ends) or when the rest's backward began. A weak reference per
+        # input not read yet, the last layer's output object's, and the last layer's input's with a callback.
+        self.inputs_held: dict[int, bool] = {}
+        self.input_objs: dict[int, weakref.ref] = {}
+        self.last_out_obj: weakref.ref | None = None
+        self.last_input_watch: weakref.ref | None = None
         # Per layer: whether its output was alive at the end of the backward pass (StepContext.outputs_held_to_end;
         # empty where not read).
         self.held_to_end: list[bool] = []
         # The calls of the model that ran inside this step (began while this step's call was open): the step
         # ends once they have (after_inside).
         self.inside: list[TrainingCall] = []
+
+    def read_input_held(self, i: int, as_handed: bool) -> None:
+        """Layer i's input, at the next layer's call, which takes layer i's output as handed on or not."""
+        ref = self.input_objs.pop(i, None)
+        if ref is not None:
+            self.inputs_held[i] = ref() is not None or not as_handed
+
+    def watch_last_input(self, i: int, x: torch.Tensor) -> None:
+        """The last layer (i), returned, its input object `x`: read as it dies (at_return set)."""
+        if self.input_objs.pop(i, None) is None:
+            return
+
+        def died(_, i=i):
+            if i not in self.inputs_held:
+                try:
+                    self.inputs_held[i] = self.peak() > self.at_return
+                except Exception:  # (a callback's exception is only printed)
+                    self.inputs_held[i] = True
+
+        self.last_input_watch = weakref.ref(x, died)
+
+    def last_input_alive(self, i: int) -> None:
+        """The end of the model's forward, or the rest's backward beginning: the last layer's input (i), not dead
+        yet, held."""
+        if self.last_input_watch is not None and i not in self.inputs_held:
+            self.inputs_held[i] = True
+        self.last_input_watch = None
 
     def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple, outs: set[int]):
         """What layer i took beside its input (`taken`) and handed on (`handed`), into side_bytes and the side
@@ -495,7 +536,16 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         if storage_key(x) in step.given:
             step.input_in_base = True  # the model's own input, alive when its base was read
         step.before_peak = step.true_peak - step.base
-    step.calls.append((fn, args, x))
+    if i >= 1:
+        last = step.last_out_obj() if step.last_out_obj is not None else None
+        as_handed = last is not None and x is last
+        del last
+        step.read_input_held(i - 1, as_handed)  # now that this layer is called
+        if as_handed:
+            step.input_objs[i] = weakref.ref(x)
+    # The layer and the profiler take an alias of its input (Step.inputs_held), the same tensor's data.
+    run_args = (input_alias(x), *args[1:]) if i >= 1 else args
+    step.calls.append((fn, run_args, run_args[0]))
     taken = taken_tensors(fn, args)
     # The count now, and what of it the layers take beside their input that was made since the last layer
     # returned (charged as side_bytes): what runs between the two is read without it (watch_between). An
@@ -505,8 +555,10 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     side_made = sum(storage_bytes(t) for t in {storage_key(t): t for t in taken}.values()
                     if i > 0 and storage_key(t) not in step.before_chain and storage_key(t) not in step.side
                     and storage_key(t) not in outs)
-    returned = run_layer(CHECKPOINT, fn, args, [lp.layers[i]], lp.policies)
+    returned = run_layer(CHECKPOINT, fn, run_args, [lp.layers[i]], lp.policies)
+    del run_args
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])
+    step.last_out_obj = weakref.ref(out)
     step.note_side(i, taken, handed, outs)
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
@@ -564,6 +616,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     # The rest of the step: from here until the backward pass reaches this output.
     step.reset()
     step.at_return = meter.count()
+    step.watch_last_input(n - 1, x)
     device = x0.device
     sync(device)  # the rest of the step is timed from the moment the layers' work is done
     t0 = time.perf_counter()
@@ -615,6 +668,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         return g
 
     def at_out(g):
+        step.last_input_alive(n - 1)
         step.note_peak()
         sync(device)
         # The rest's peak, its time, and what it leaves held through the layers' backward besides the
@@ -647,6 +701,26 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             x0.register_hook(at_x0)
     del x0, out
     return returned
+
+class _Alias(torch.autograd.Function):
+    """Its input's data as another tensor object (a detached alias of its storage, its version counter shared),
+    the gradient passed straight through."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def input_alias(x: torch.Tensor) -> torch.Tensor:
+    """What a profiling step's checkpoint of a layer and the profiler take instead of the layer's input `x`: the
+    same data and gradient, another object, so that whether anything else holds x's object is read from it
+    (Step.inputs_held)."""
+    return _Alias.apply(x) if x.requires_grad else x.detach()
+
 
 class LayerOut(NamedTuple):
     """A profiled layer's output as watch_between reads it: its storage's key, a weak reference to it and its
@@ -819,6 +893,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.input_held_in_backward = step.input_held
     n = len(lp.layers)
     r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, n)]
+    r.inputs_held_in_forward = [True] + [step.inputs_held.get(j, True) for j in range(1, n)]
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]
     r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]

@@ -345,11 +345,15 @@ class _SavedStorages:
         # Storages some saved tensor keeps on the device (one the hooks would not send: a view with gaps, a small
         # one): the hooks offload nothing of them, as remat.offload.Offload does not.
         self.kept: set[int] = set()
+        # Every storage a saved tensor is on, `excluded` ones too (whether a stage saves its input:
+        # Stage.saves_input).
+        self.packed: set[int] = set()
 
     def pack(self, t):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
             st = t.untyped_storage()
             key = st.data_ptr()
+            self.packed.add(key)
             if key and key not in self.excluded:
                 self.sizes[key] = st.nbytes()
             if self.offload_min_bytes is not None:
@@ -660,6 +664,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # which stops early, never makes again one it does not. A compiled stage's saves are left
                         # as saved.
                         fields[i]["saves_out"] = compiled[i] or not unsaved
+                        # Whether it saves its input (Stage.saves_input): a tensor on its storage. A layer whose
+                        # Linear saves a cast of it (bf16 under autocast) does not: a step lets go of it once
+                        # the layer's forward is done, where nothing else holds it. A compiled stage's, as saved.
+                        fields[i]["saves_in"] = compiled[i] or _storage_key(leaf) in counter.packed
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
                         if offload_min_bytes is not None and not compiled[i]:
@@ -794,6 +802,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.output_bytes = f["out"]
         s.saved_bytes = f["saved"]
         s.saves_output = f.get("saves_out", True)
+        s.saves_input = f.get("saves_in", True)
         s.fwd_tmp_bytes = f["ftmp"]
         s.fwd_nosave_tmp_bytes = max(0, f["ntmp"])
         s.bwd_tmp_bytes = f["btmp"]

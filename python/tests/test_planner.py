@@ -182,6 +182,13 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:21])
     assert not old.rest_frees_output and list(old.between_frees_output) == [False, True]
+    # Inputs nothing held past their stage's forward: carried, pickled; a state of 22 fields loads with them held.
+    r.inputs_held_in_forward = [True, False]
+    c = remat._core.step_context(r)
+    assert list(pickle.loads(pickle.dumps(c)).inputs_held_in_forward) == [True, False]
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:22])
+    assert list(old.inputs_held_in_forward) == [] and old.rest_frees_output
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

@@ -347,3 +347,42 @@ def test_the_layers_output_let_go_of_by_the_rest_is_charged_where_the_last_layer
     assert lp.context.rest_frees_output
     assert lp.last_peak_bytes <= lp.predicted_peak_bytes, (lp.last_peak_bytes, lp.predicted_peak_bytes)
     assert abs(lp.prediction_error) <= remat.PREDICTION_TOLERANCE, lp.prediction_error
+
+
+class _ResidualKeepingInputs(_Residual):
+    """_Residual whose forward holds every layer's input in a list until it returns, after a last operation."""
+
+    def forward(self, x):
+        inputs = []
+        for layer in self.layers:
+            inputs.append(x)
+            x = layer(x)
+        return x * 1.0
+
+
+@pytest.mark.parametrize("ways", ["kept", "alternating"])
+def test_an_input_its_layer_does_not_save_is_let_go_of_once_its_forward_is_done(meter, ways):
+    # Under autocast a layer whose first operation is a Linear saves the bf16 cast of its fp32 input, not the
+    # input (Stage.saves_input false); where nothing else holds the input past the layer's forward
+    # (StepContext.inputs_held_in_forward, read in the profiling step) it goes then. Before (found 2026-12-02),
+    # it was charged to the layer's backward: 2.7-10.9% above the step's measured peak on plans keeping layers.
+    # A model that holds the inputs through its forward is read so, and charged as before.
+    x = torch.randn(1024, 64)
+
+    def times(i, st):  # every layer kept, or the even ones checkpointed (the odd ones' inputs plain outputs)
+        (_checkpointed if ways == "alternating" and i % 2 == 0 else _kept)(i, st)
+
+    plan = "Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0" if ways == "kept" else "Fc0 Fa1 Fc2 Fa3 L B3 Fa2 B2 B1 Fa0 B0"
+    for model, autocast in ((_Residual, True), (_Residual, False), (_ResidualKeepingInputs, True)):
+        m = model()
+        lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
+        _train_with_times(m, x, lp, times, autocast=autocast)
+        assert str(lp.plan) == plan
+        assert [s.saves_input for s in lp.chain.stages] == [not autocast] * 4
+        held = model is _ResidualKeepingInputs
+        assert list(lp.context.inputs_held_in_forward) == [True] + [held] * 3
+        if held:  # charged to the layers' backward passes: above what the step holds
+            assert lp.last_peak_bytes <= lp.predicted_peak_bytes, (lp.last_peak_bytes, lp.predicted_peak_bytes)
+        else:
+            assert abs(lp.prediction_error) <= 0.001, (autocast, lp.prediction_error)
+        lp.remove()

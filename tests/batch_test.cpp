@@ -162,6 +162,7 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   a.outputs_held_to_end = {false, true}, b.outputs_held_to_end = {false, false};
   a.between_frees_output = {false, false}, b.between_frees_output = {false, true};
   a.inputs_held_in_forward = {true, false}, b.inputs_held_in_forward = {true, true};
+  a.output_grad_held_in_backward = {true, false}, b.output_grad_held_in_backward = {false, false};
   const remat::StepContext d = remat::context_at_batch(a, 2, b, 4, 10);
   EXPECT_EQ(d.between_backward_peak_bytes, (std::vector<int64_t>{0, 2000}));
   EXPECT_EQ(d.between_held_bytes, (std::vector<int64_t>{0, -36}));
@@ -177,11 +178,12 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(d.side_grads_bytes, (std::vector<int64_t>{0, 1000}));
   EXPECT_EQ(d.side_bytes, 1100);
   EXPECT_EQ(d.side_freed_bytes, (std::vector<int64_t>{500, 0}));
-  EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));  // held where either is
-  EXPECT_EQ(d.inputs_held_in_forward, (std::vector<bool>{true, true}));    // held where either is
-  EXPECT_TRUE(d.output_held_in_backward);                                  // held where either is
-  EXPECT_EQ(d.outputs_held_to_end, (std::vector<bool>{false, true}));      // held where either is
-  EXPECT_EQ(d.between_frees_output, (std::vector<bool>{false, true}));     // charged where either is
+  EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));       // held where either is
+  EXPECT_EQ(d.inputs_held_in_forward, (std::vector<bool>{true, true}));         // held where either is
+  EXPECT_EQ(d.output_grad_held_in_backward, (std::vector<bool>{true, false}));  // likewise
+  EXPECT_TRUE(d.output_held_in_backward);                                       // held where either is
+  EXPECT_EQ(d.outputs_held_to_end, (std::vector<bool>{false, true}));           // held where either is
+  EXPECT_EQ(d.between_frees_output, (std::vector<bool>{false, true}));          // charged where either is
   b.output_held_in_backward = false;
   EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).output_held_in_backward);
   b.output_held_in_backward = true;

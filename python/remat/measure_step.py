@@ -333,12 +333,23 @@ class Step:
         self.input_objs: dict[int, weakref.ref] = {}
         self.last_out_obj: weakref.ref | None = None
         self.last_input_watch: weakref.ref | None = None
+        # The gradient the rest hands the layers' output (a weak reference to its storage), and per layer whether
+        # it was alive once that layer's backward was done (StepContext.output_grad_held_in_backward: a skip from
+        # an earlier layer's input to the head holds it in that input's gradient buffer), read as each layer's
+        # input gradient is ready (the first layer's at the end of the backward pass, or of its own).
+        self.out_grad_ref: StorageWeakRef | None = None
+        self.out_grad_held: dict[int, bool] = {}
         # Per layer: whether its output was alive at the end of the backward pass (StepContext.outputs_held_to_end;
         # empty where not read).
         self.held_to_end: list[bool] = []
         # The calls of the model that ran inside this step (began while this step's call was open): the step
         # ends once they have (after_inside).
         self.inside: list[TrainingCall] = []
+
+    def read_out_grad_held(self, i: int) -> None:
+        """Layer i's backward is done: whether the layers' output gradient is alive still."""
+        if self.out_grad_ref is not None and i not in self.out_grad_held:
+            self.out_grad_held[i] = not self.out_grad_ref.expired()
 
     def read_input_held(self, i: int, as_handed: bool) -> None:
         """Layer i's input, at the next layer's call, which takes layer i's output as handed on or not."""
@@ -543,6 +554,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.read_input_held(i - 1, as_handed)  # now that this layer is called
         if as_handed:
             step.input_objs[i] = weakref.ref(x)
+    if i >= 1 and x.requires_grad:
+        x.register_hook(partial(_out_grad_read, step, i))  # once this layer's backward is done
     # The layer and the profiler take an alias of its input (Step.inputs_held), the same tensor's data.
     run_args = (input_alias(x), *args[1:]) if i >= 1 else args
     step.calls.append((fn, run_args, run_args[0]))
@@ -636,6 +649,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # From the layers' input gradient to the end: the backward pass of what ran before the layers.
         if not prefix_backward:
             read_input_held()
+            step.read_out_grad_held(0)
         # Which layers' outputs something holds to the step's end (StepReadings.outputs_held_to_end), the last
         # layer's (the layers' output: BERT's last_hidden_state, which the caller keeps) too, and one the later
         # layers take beside their input (BART's encoder output, which the caller's output holds too: side_bytes
@@ -662,6 +676,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
 
     def at_x0(g):
         read_input_held()
+        step.read_out_grad_held(0)
         step.note_side_freed(0)
         step.reset()
         queue_at_backward_end(finish_profiling)
@@ -669,6 +684,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
 
     def at_out(g):
         step.last_input_alive(n - 1)
+        step.out_grad_ref = storage_ref(g)
         step.note_peak()
         sync(device)
         # The rest's peak, its time, and what it leaves held through the layers' backward besides the
@@ -701,6 +717,10 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             x0.register_hook(at_x0)
     del x0, out
     return returned
+
+def _out_grad_read(step: "Step", i: int, g):
+    step.read_out_grad_held(i)
+
 
 class _Alias(torch.autograd.Function):
     """Its input's data as another tensor object (a detached alias of its storage, its version counter shared),
@@ -894,6 +914,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     n = len(lp.layers)
     r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, n)]
     r.inputs_held_in_forward = [True] + [step.inputs_held.get(j, True) for j in range(1, n)]
+    r.output_grad_held_in_backward = [step.out_grad_held.get(j, False) for j in range(n)]
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]
     r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]

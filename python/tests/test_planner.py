@@ -189,6 +189,14 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:22])
     assert list(old.inputs_held_in_forward) == [] and old.rest_frees_output
+    # The layers' output gradient held past the last layer's backward: carried, pickled; a state of 23 fields
+    # loads with it let go of there.
+    r.output_grad_held_in_backward = [False, True]
+    c = remat._core.step_context(r)
+    assert list(pickle.loads(pickle.dumps(c)).output_grad_held_in_backward) == [False, True]
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:23])
+    assert list(old.output_grad_held_in_backward) == [] and list(old.inputs_held_in_forward) == [True, False]
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

@@ -79,13 +79,14 @@ std::vector<bool> held_where_either(const std::vector<bool>& a, const std::vecto
 }
 
 // A context's per-stage figures' lengths, for an error: the between figures', side_grads_bytes',
-// side_freed_bytes', outputs_held_in_backward's, inputs_held_in_forward's, outputs_held_to_end's and
-// between_frees_output's.
+// side_freed_bytes', outputs_held_in_backward's, inputs_held_in_forward's, output_grad_held_in_backward's,
+// outputs_held_to_end's and between_frees_output's.
 std::string per_stage_sizes(const StepContext& c) {
   return std::to_string(c.between_backward_peak_bytes.size()) + "/" +
          std::to_string(c.side_grads_bytes.size()) + "/" + std::to_string(c.side_freed_bytes.size()) + "/" +
          std::to_string(c.outputs_held_in_backward.size()) + "/" +
          std::to_string(c.inputs_held_in_forward.size()) + "/" +
+         std::to_string(c.output_grad_held_in_backward.size()) + "/" +
          std::to_string(c.outputs_held_to_end.size()) + "/" + std::to_string(c.between_frees_output.size());
 }
 
@@ -181,16 +182,14 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
       a.side_freed_bytes.size() != b.side_freed_bytes.size() ||
       a.outputs_held_in_backward.size() != b.outputs_held_in_backward.size() ||
       a.inputs_held_in_forward.size() != b.inputs_held_in_forward.size() ||
+      a.output_grad_held_in_backward.size() != b.output_grad_held_in_backward.size() ||
       a.outputs_held_to_end.size() != b.outputs_held_to_end.size() ||
       a.between_frees_output.size() != b.between_frees_output.size())
     throw std::invalid_argument(
         "remat::context_at_batch: the contexts' per-stage figures (between_backward_peak_bytes and the other "
         "between figures, side_grads_bytes, side_freed_bytes, outputs_held_in_backward, "
-        "inputs_held_in_forward, "
-        "outputs_held_to_end, "
-        "between_frees_output) "
-        "differ in length: "
-        "one has them for " +
+        "inputs_held_in_forward, output_grad_held_in_backward, outputs_held_to_end, between_frees_output) "
+        "differ in length: one has them for " +
         per_stage_sizes(a) + " stages, the other for " + per_stage_sizes(b));
   const Line line{batch_a, batch_b, batch};
   StepContext c = a;
@@ -237,6 +236,8 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   // Charged where either let go of it (the charge is held_past_between_bytes()'s).
   c.between_frees_output = held_where_either(a.between_frees_output, b.between_frees_output);
   c.rest_frees_output = a.rest_frees_output || b.rest_frees_output;
+  c.output_grad_held_in_backward =
+      held_where_either(a.output_grad_held_in_backward, b.output_grad_held_in_backward);
   // The generators' state a checkpoint saves: the same at every batch.
   c.checkpoint_state_bytes = std::max(a.checkpoint_state_bytes, b.checkpoint_state_bytes);
   return c;

@@ -187,8 +187,9 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(b);
   for (auto& g : context.between_held_bytes)
     v.bytes(g);
-  flags(context.between_frees_output, v);  // charged where any rank let go of it
-  v.flag(context.rest_frees_output);       // likewise
+  flags(context.between_frees_output, v);          // charged where any rank let go of it
+  v.flag(context.rest_frees_output);               // likewise
+  flags(context.output_grad_held_in_backward, v);  // held where any rank held it
 }
 
 // An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima

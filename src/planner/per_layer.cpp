@@ -811,6 +811,11 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
       after += held + t.forward_held[s];  // the stages before it: held through their backward passes
     }
   }
+  // The chain's output gradient, held once chain stage s's backward is done: through step stage s's recompute
+  // and backward (chain stage s - 1's; the part before the chain's for s = 0; step_op_peaks()'s rule).
+  for (size_t s = 0; s < n; ++s)
+    if (detail::output_grad_held(context, static_cast<int64_t>(s)))
+      t.at_recompute[s] += chain.activation_bytes(chain.size());
   return t;
 }
 

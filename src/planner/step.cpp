@@ -84,6 +84,7 @@ StepContext step_context(const StepReadings& r) {
   c.between_held_bytes = r.between_held_bytes;  // signed: what runs between may free more than it makes
   c.between_frees_output = r.between_frees_output;
   c.rest_frees_output = r.rest_frees_output;
+  c.output_grad_held_in_backward = r.output_grad_held_in_backward;
   return c;
 }
 
@@ -154,6 +155,7 @@ void validate(const StepContext& c, const Chain& chain) {
   side_part(c.side_freed_bytes, "side_freed_bytes");
   sized(c.outputs_held_in_backward.size(), "outputs_held_in_backward");
   sized(c.inputs_held_in_forward.size(), "inputs_held_in_forward");
+  sized(c.output_grad_held_in_backward.size(), "output_grad_held_in_backward");
   sized(c.outputs_held_to_end.size(), "outputs_held_to_end");
   // What runs between two stages: nothing before the first (the part before the chain's backward is
   // before_backward_peak_bytes).
@@ -257,6 +259,11 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   if (j == chain.size()) return !context.output_held_in_backward;
   return !context.outputs_held_in_backward.empty() &&
          !context.outputs_held_in_backward[static_cast<size_t>(j)];
+}
+
+bool output_grad_held(const StepContext& context, int64_t j) {
+  return j >= 0 && static_cast<size_t>(j) < context.output_grad_held_in_backward.size() &&
+         context.output_grad_held_in_backward[static_cast<size_t>(j)];
 }
 
 bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int64_t j) {
@@ -387,6 +394,10 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // back where the simulation lets go of a_j (the stage before's backward for its abar, below; this stage's
   // backward for a plain one).
   std::vector<char> dropped(static_cast<size_t>(n) + 2, 0);
+  // Whether the chain's output gradient is charged past the last stage's backward
+  // (output_grad_held_in_backward): from the end of the first backward whose entry is true to the end of the
+  // next one whose entry is false.
+  bool grad_held = false;
   auto backward_first = [&](size_t k, int64_t s) {
     for (size_t m = k + 1; m < ops.ops.size(); ++m) {
       const Op& o = ops.ops[m];
@@ -542,6 +553,10 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         arrived += chain.activation_bytes(static_cast<int64_t>(j));
     }
     let_go_past();
+    // The chain's output gradient, held past the last stage's backward or let go of now.
+    const bool held_now = output_grad_held(context, static_cast<int64_t>(j));
+    if (held_now != grad_held) arrived += held_now ? chain.activation_bytes(n) : -chain.activation_bytes(n);
+    grad_held = held_now;
   }
   return peaks;
 }

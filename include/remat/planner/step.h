@@ -174,6 +174,18 @@ struct StepContext {
   /// of, or not read. (Read inside the model's forward only: a loss outside it that lets go of the output is
   /// not read.)
   bool rest_frees_output = false;
+  /// Per chain stage j: whether the gradient the rest of the step hands the chain's output (d_n) is alive
+  /// still once stage j's backward is done, held by something besides the stages: the rest also takes an
+  /// earlier stage's input (a skip from a layer's input to the head, `return x + skip`), whose gradient its
+  /// backward hands on as the same tensor (an add's backward passes one gradient to both), held in that
+  /// input's gradient buffer until its stage's backward. Where true, d_n is charged (activation_bytes(n))
+  /// from the end of stage j's backward until the end of the next backward whose entry is false, in
+  /// step_op_peaks() and the per-layer program alike; the model lets go of it at the last stage's backward
+  /// otherwise. The Python package reads its storage's liveness as each layer's input gradient is ready (the
+  /// first layer's at the end of the backward pass) in the profiling step. Before (found 2026-12-02) it was
+  /// not read: four feed-forward layers with such a skip held 2.9-3.7% above their prediction. Empty (none
+  /// held), or one entry per stage.
+  std::vector<bool> output_grad_held_in_backward;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -247,6 +259,9 @@ struct StepReadings {
   /// Whether the rest of the step let go of the chain's output in its forward (StepContext::
   /// rest_frees_output; false where not read).
   bool rest_frees_output = false;
+  /// Per chain stage: whether the chain's output gradient was alive once its backward was done
+  /// (StepContext::output_grad_held_in_backward; empty where not read).
+  std::vector<bool> output_grad_held_in_backward;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's

@@ -32,6 +32,10 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
+// Whether the chain's output gradient is alive once chain stage j's backward is done
+// (StepContext::output_grad_held_in_backward; false where empty and for j outside it).
+bool output_grad_held(const StepContext& context, int64_t j);
+
 // Whether chain stage j's input a_j (1 <= j < n) is let go of once stage j's forward as Fa (not offloaded)
 // is done where the stage before's way does not hold it, as far as the chain and the context say: the stage
 // does not save its input (Stage::saves_input false), nothing else held it past that forward

@@ -130,7 +130,7 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
   for (remat::Stage& s : chain.stages)
     s.saves_input = coin(rng);
   ctx.inputs_held_in_forward.assign(chain.stages.size(), true);
-  for (size_t j = 1; j < chain.stages.size(); ++j)
+  for (size_t j = 0; j < chain.stages.size(); ++j)  // the chain's input's: held into the backward pass
     ctx.inputs_held_in_forward[j] = coin(rng);
   // And the chain's output gradient held past the last stage's backward (output_grad_held_in_backward) on
   // about a quarter of the stages.
@@ -1963,7 +1963,8 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     Chain chain = random_offload_chain(rng, n, 1000);
     add_random_streams(rng, chain);
     // What runs between the stages (odd trials) is charged without the input too.
-    const remat::StepContext held = random_step(between_rng, chain, trial);
+    remat::StepContext held = random_step(between_rng, chain, trial);
+    held.inputs_held_in_forward[0] = true;  // (a kept first stage lets go of it too: the test below)
     remat::StepContext gone = held;
     gone.input_held_in_backward = false;
     remat::PlannerOptions options;
@@ -2188,6 +2189,32 @@ TEST(PerLayerStream, AnInputItsStageDoesNotSaveIsLetGoOfOnceItsForwardIsDone) {
   Chain holding = c;
   holding.holds_outputs = true;
   EXPECT_EQ(lowered_at(holding, ctx, let, keep), "");
+  // The chain's input (entry 0: nothing held it into the backward pass), where nothing holds it in the
+  // backward pass either and the first stage, kept, saves none of it: gone from the loss on (the rest's
+  // backward and every chain stage's), as where that stage streamed takes it to the host. Not where it is in
+  // the base, held in the backward, saved by the first stage, or that stage is checkpointed.
+  Chain first = c;
+  first.stages[0].saves_input = false;
+  remat::StepContext unheld = ctx;
+  unheld.input_held_in_backward = false;
+  remat::StepContext gone_at_loss = unheld;
+  gone_at_loss.inputs_held_in_forward = {false, true, true};
+  const std::string in = std::to_string(first.input_bytes);
+  EXPECT_EQ(lowered_at(first, unheld, gone_at_loss, keep),
+            "B(after):" + in + " B2:" + in + " B1:" + in + " B0:" + in + " ");
+  EXPECT_EQ(lowered_at(first, unheld, gone_at_loss, "Fc0 Fa1 Fa2 L B2 B1 Fa0 B0"), "");
+  EXPECT_EQ(lowered_at(c, unheld, gone_at_loss, keep), "");  // stage 0 saves its input
+  remat::StepContext in_base = gone_at_loss;
+  in_base.input_in_base = true;
+  in_base.input_held_in_backward = true;
+  EXPECT_EQ(lowered_at(first, in_base, in_base, keep), "");
+  {
+    remat::StepContext a = gone_at_loss, b = gone_at_loss;
+    a.input_held_in_backward = true, b.input_held_in_backward = true;
+    remat::StepContext a_held = a;
+    a_held.inputs_held_in_forward = {true, true, true};
+    EXPECT_EQ(lowered_at(first, a_held, b, keep), "");  // held in the backward: as before
+  }
   // The per-layer program plans with it: a lower least budget.
   EXPECT_LT(remat::min_step_budget(c, let, "per-layer"), remat::min_step_budget(c, ctx, "per-layer"));
   // Read, sized and round-tripped.

@@ -603,6 +603,7 @@ class LayerPlan:
             # A profiling step: whether anything held the last layer's input past its forward
             # (StepContext.inputs_held_in_forward; not read where the model's forward did not end here: held).
             step.last_input_alive(len(self.layers) - 1)
+            step.first_input_read()
         if step is None or step.done or step.measured or step.off_plan or step.key is None:
             return
         shape = self._shapes.get(step.key)

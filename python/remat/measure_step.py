@@ -371,6 +371,13 @@ class Step:
 
         self.last_input_watch = weakref.ref(x, died)
 
+    def first_input_read(self) -> None:
+        """The end of the model's forward: whether the first layer's input object is alive still (held into the
+        backward pass: StepContext.inputs_held_in_forward's entry 0)."""
+        ref = self.input_objs.pop(0, None)
+        if ref is not None:
+            self.inputs_held[0] = ref() is not None
+
     def last_input_alive(self, i: int) -> None:
         """The end of the model's forward, or the rest's backward beginning: the last layer's input (i), not dead
         yet, held."""
@@ -551,14 +558,19 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         last = step.last_out_obj() if step.last_out_obj is not None else None
         as_handed = last is not None and x is last
         del last
-        step.read_input_held(i - 1, as_handed)  # now that this layer is called
+        if i >= 2:
+            step.read_input_held(i - 1, as_handed)  # now that this layer is called
         if as_handed:
             step.input_objs[i] = weakref.ref(x)
+    else:
+        step.input_objs[0] = weakref.ref(x)  # read at the end of the model's forward
     if i >= 1 and x.requires_grad:
         x.register_hook(partial(_out_grad_read, step, i))  # once this layer's backward is done
-    # The layer and the profiler take an alias of its input (Step.inputs_held), the same tensor's data.
-    run_args = (input_alias(x), *args[1:]) if i >= 1 else args
-    step.calls.append((fn, run_args, run_args[0]))
+    # The layer and the profiler take an alias of its input (Step.inputs_held), the same tensor's data (the
+    # first layer's call keeps the input itself, which the rest of the profiling step reads, until the layers
+    # are profiled).
+    run_args = (input_alias(x), *args[1:])
+    step.calls.append((fn, run_args, run_args[0]) if i >= 1 else (fn, args, x))
     taken = taken_tensors(fn, args)
     # The count now, and what of it the layers take beside their input that was made since the last layer
     # returned (charged as side_bytes): what runs between the two is read without it (watch_between). An
@@ -913,7 +925,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.input_held_in_backward = step.input_held
     n = len(lp.layers)
     r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, n)]
-    r.inputs_held_in_forward = [True] + [step.inputs_held.get(j, True) for j in range(1, n)]
+    r.inputs_held_in_forward = [step.inputs_held.get(j, True) for j in range(n)]
     r.output_grad_held_in_backward = [step.out_grad_held.get(j, False) for j in range(n)]
     r.between_forward_held_bytes = [step.between_forward.get(j, 0) if j in step.between else 0 for j in range(n)]
     r.between_backward_peak_bytes = [step.between.get(j, (0, 0))[0] for j in range(n)]

@@ -200,6 +200,9 @@ struct StepTerms {
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
   // input_gone_from()).
   int64_t input_freed = 0;
+  // Whether the first stage, kept (Fa, not offloaded), lets go of the chain's input by the backward pass
+  // (detail::first_input_let_go()): gone from step stage 1 on, as where it is streamed.
+  bool first_input_let_go = false;
 };
 
 // What step stage j run as `c` holds beside the next stage's input from the end of its forward until the next
@@ -550,7 +553,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         // backward).
         q.input_gone_from = p.input_gone_from;
         if (step && step->input_freed > 0 && j == 1)
-          q.input_gone_from = detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input);
+          q.input_gone_from = detail::input_gone_from(
+              ch.stream, ch.offload && ch.cost && ch.cost->input,
+              step->first_input_let_go && ch.kind == OpKind::kForwardAll && !ch.offload && !ch.stream);
         // Without it: the backward of every stage from there on (the rest's included).
         const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
         const bool twice = input_leaves && p.output_ahead;
@@ -789,6 +794,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);
   }
   t.input_freed = detail::input_unheld_bytes(chain, context);
+  t.first_input_let_go = detail::first_input_let_go(chain, context);
   t.checkpoint_state = context.checkpoint_state_bytes;
   t.held_to_end.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s)

@@ -309,7 +309,13 @@ int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
   return context.input_held_in_backward || context.input_in_base ? 0 : chain.input_bytes;
 }
 
-int64_t input_gone_from(bool streamed, bool sends_input) {
+bool first_input_let_go(const Chain& chain, const StepContext& context) {
+  return chain.size() > 0 && !chain.stages[0].saves_input && input_unheld_bytes(chain, context) > 0 &&
+         !context.inputs_held_in_forward.empty() && !context.inputs_held_in_forward[0];
+}
+
+int64_t input_gone_from(bool streamed, bool sends_input, bool let_go) {
+  if (let_go) return 1;
   // A stage that does not send its input (below the offload's least size, or not among what it saves)
   // leaves it on the device, streamed or not.
   if (!sends_input) return 0;
@@ -318,9 +324,18 @@ int64_t input_gone_from(bool streamed, bool sends_input) {
 
 int64_t input_gone_from(const Chain& chain, const StepContext& context, const Plan& ops) {
   if (input_unheld_bytes(chain, context) == 0) return 0;
+  int64_t forwards = 0;  // step stage 1's
+  for (const Op& op : ops.ops)
+    forwards += op.stage == 1 && op.kind != OpKind::kBackward && op.kind != OpKind::kLoss;
   for (const Op& op : ops.ops) {
     if (op.kind == OpKind::kLoss) break;
-    if (op.stage != 1 || op.kind == OpKind::kBackward || !op.offloads()) continue;
+    if (op.stage != 1 || op.kind == OpKind::kBackward) continue;
+    if (!op.offloads()) {
+      // Kept, its only forward, saving none of it, where nothing held it into the backward pass.
+      if (op.kind == OpKind::kForwardAll && forwards == 1 && first_input_let_go(chain, context))
+        return input_gone_from(false, false, true);
+      continue;
+    }
     Op in_chain = op;
     in_chain.stage = 0;
     const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);

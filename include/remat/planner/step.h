@@ -96,14 +96,20 @@ struct StepContext {
   /// Per chain stage j >= 1: whether anything besides the stages held stage j's input a_j, taken as stage
   /// j - 1 handed it on, from the end of stage j's forward on (the model's code, a list of hidden states,
   /// what runs between the two, or an input made by what runs between rather than a_j itself), or not known
-  /// (true, the default; empty: all true). False where nothing did (the Python package reads whether the
-  /// input's Python object was alive at the next stage's call, or for the last stage's at the end of the
-  /// model's forward, in the profiling step; there the stages' checkpoints hold only an alias of it, and an
-  /// object the autograd graph holds stays alive): where stage j runs as Fa, not offloaded, does not save its
-  /// input (Stage::saves_input false), stage j - 1's way does not hold its output (it does not save it, or
-  /// it is a plain output), outputs_held_in_backward says nothing holds a_j in the backward pass and the
-  /// stage's backward comes before any later forward of stage j - 1 in the plan, a_j is charged as freed
-  /// once stage j's forward is done. Entry 0, the chain's input, is not read. Empty, or one entry per stage.
+  /// (true, the default; empty: all true). False where nothing did (the Python package reads it in the
+  /// profiling step from a weak reference to the input's Python object, the stages' checkpoints holding an
+  /// alias of it and an object the autograd graph holds staying alive: dead at the next stage's call, that
+  /// stage taking stage j's output as handed on, or for the last stage's input dead before the count rose
+  /// above its level at that stage's return): where stage j runs as Fa, not offloaded, does not save its
+  /// input (Stage::saves_input false), stage j - 1's way does not hold its output (it does not save it, or it
+  /// is a plain output), outputs_held_in_backward says nothing holds a_j in the backward pass and the stage's
+  /// backward comes before any later forward of stage j - 1 in the plan, a_j is charged as freed once stage
+  /// j's forward is done. Entry 0, the chain's input: whether anything held it into the backward pass (the
+  /// Python package: its object alive at the end of the model's forward); where false, nothing holds it in
+  /// the backward pass (input_held_in_backward false, input_in_base false) and the first stage runs as Fa,
+  /// not offloaded, once, saving none of it, it is charged as gone from the loss on (the rest's backward
+  /// and every chain stage's, as where a first stage streamed takes it to the host). Empty, or one entry per
+  /// stage.
   std::vector<bool> inputs_held_in_forward;
   /// Whether anything besides the rest of the step and the last stage holds the chain's output a_n once the
   /// rest's backward is done (the caller, a list of hidden states), or not known (true, the default). False

@@ -585,11 +585,10 @@ class LayerPlan:
 
     def _forward_ends(self, module, args, output):
         """The model's forward is over. A training call's graph is marked (TrainingCall.tag). A profiling step reads
-        whether the layers' output is alive still (Step.rest_frees), and the last layer's input (Step.inputs_held).
-        A planned step whose
-        last layer did not reach remat's dispatch (it ran inside its compiled graph) is measured from the outputs
-        the backward pass starts at: its peak, checked against the prediction at the end of that pass, as a step
-        measured from its last layer is."""
+        whether the layers' output is alive still (Step.rest_frees), and the first and last layers' inputs
+        (Step.inputs_held). A planned step whose last layer did not reach remat's dispatch (it ran inside its
+        compiled graph) is measured from the outputs the backward pass starts at: its peak, checked against the
+        prediction at the end of that pass, as a step measured from its last layer is."""
         if self._calls and self._fixed is None and self._training():
             for t in torch.utils._pytree.tree_leaves(output):
                 self._calls[-1].tag(t)
@@ -600,8 +599,8 @@ class LayerPlan:
             step.rest_frees = step.chain_out_ref.expired()
             step.chain_out_ref = None
         if step is not None:
-            # A profiling step: whether anything held the last layer's input past its forward
-            # (StepContext.inputs_held_in_forward; not read where the model's forward did not end here: held).
+            # A profiling step: whether anything held the last layer's input past its forward, and the first
+            # layer's into the backward pass (StepContext.inputs_held_in_forward; held where not read).
             step.last_input_alive(len(self.layers) - 1)
             step.first_input_read()
         if step is None or step.done or step.measured or step.off_plan or step.key is None:

@@ -730,6 +730,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     del x0, out
     return returned
 
+
 def _out_grad_read(step: "Step", i: int, g):
     step.read_out_grad_held(i)
 

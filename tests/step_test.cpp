@@ -277,6 +277,29 @@ void expect_fastest_step_plans(const Chain& chain, const remat::StepContext& ctx
   }
 }
 
+// On every per-layer plan of `chain` (offloading and streaming included), the step's peak under `gone` (a
+// context that lets something go earlier than `held`) is never more than under `held`; counts the plans it
+// lowers and whether it lowers the least peak; the least budget and the fastest plans within budgets are the
+// exhaustive search's.
+void lower_on_every_plan(const Chain& chain, const remat::StepContext& held, const remat::StepContext& gone,
+                         std::mt19937& rng, int trial, int* lowered, int* least_lowered) {
+  remat::PlannerOptions options;
+  options.offload = true;
+  std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
+  int64_t least = std::numeric_limits<int64_t>::max(), least_held = least, most = 0;
+  for (Candidate& c : all) {
+    const int64_t before = remat::step_peak_bytes(chain, held, c.plan);
+    c.peak = remat::step_peak_bytes(chain, gone, c.plan);
+    EXPECT_LE(c.peak, before) << c.plan.to_string();  // never more
+    *lowered += c.peak < before;
+    least = std::min(least, c.peak), least_held = std::min(least_held, before), most = std::max(most, c.peak);
+    c.ms = remat::simulate(remat::step_chain(chain, gone), remat::step_plan(c.plan)).time_ms;
+  }
+  ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
+  *least_lowered += least < least_held;
+  expect_fastest_step_plans(chain, gone, all, least, most, options, rng, trial);
+}
+
 // Every stage's forward runs once or twice.
 bool forward_calls_at_most(const Plan& plan, int64_t times) {
   std::vector<int64_t> calls(static_cast<size_t>(plan.num_stages), 0);
@@ -2043,22 +2066,7 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
     remat::StepContext gone = held;
     gone.outputs_held_in_backward.assign(static_cast<size_t>(n), false);
     gone.output_held_in_backward = false;
-    remat::PlannerOptions options;
-    options.offload = true;
-    std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
-    int64_t least = std::numeric_limits<int64_t>::max(), least_held = least, most = 0;
-    for (Candidate& c : all) {
-      const int64_t before = remat::step_peak_bytes(chain, held, c.plan);
-      c.peak = remat::step_peak_bytes(chain, gone, c.plan);
-      EXPECT_LE(c.peak, before) << c.plan.to_string();  // never more
-      lowered += c.peak < before;
-      least = std::min(least, c.peak), least_held = std::min(least_held, before),
-      most = std::max(most, c.peak);
-      c.ms = remat::simulate(remat::step_chain(chain, gone), remat::step_plan(c.plan)).time_ms;
-    }
-    ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
-    least_lowered += least < least_held;
-    expect_fastest_step_plans(chain, gone, all, least, most, options, rng, trial);
+    lower_on_every_plan(chain, held, gone, rng, trial, &lowered, &least_lowered);
   }
   EXPECT_GT(lowered, 100);
   EXPECT_GT(least_lowered, 5);
@@ -2119,22 +2127,7 @@ TEST(PerLayerStream, AnInputItsStageDoesNotSaveIsLetGoOfOnceItsForwardIsDone) {
     held.output_held_in_backward = false;
     remat::StepContext gone = held;
     gone.inputs_held_in_forward.assign(static_cast<size_t>(n), false);
-    remat::PlannerOptions options;
-    options.offload = true;
-    std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
-    int64_t least = std::numeric_limits<int64_t>::max(), least_held = least, most = 0;
-    for (Candidate& c : all) {
-      const int64_t before = remat::step_peak_bytes(chain, held, c.plan);
-      c.peak = remat::step_peak_bytes(chain, gone, c.plan);
-      EXPECT_LE(c.peak, before) << c.plan.to_string();  // never more
-      lowered += c.peak < before;
-      least = std::min(least, c.peak), least_held = std::min(least_held, before),
-      most = std::max(most, c.peak);
-      c.ms = remat::simulate(remat::step_chain(chain, gone), remat::step_plan(c.plan)).time_ms;
-    }
-    ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
-    least_lowered += least < least_held;
-    expect_fastest_step_plans(chain, gone, all, least, most, options, rng, trial);
+    lower_on_every_plan(chain, held, gone, rng, trial, &lowered, &least_lowered);
   }
   EXPECT_GT(lowered, 100);
   EXPECT_GT(least_lowered, 5);

@@ -409,6 +409,17 @@ Chain hand_chain(int n, int64_t output, int64_t saved) {
   return c;
 }
 
+// A random chain of `n` offloadable stages, some streamable, whose runtime does not hold outputs, stage
+// `peak`'s backward given a large transient (40,000 bytes) so that what is held through it decides the step's
+// peak.
+Chain peaking_offload_chain(std::mt19937& rng, int64_t n, size_t peak) {
+  Chain chain = random_offload_chain(rng, n, 1000);
+  add_random_streams(rng, chain);
+  chain.holds_outputs = false;
+  chain.stages[peak].bwd_tmp_bytes += 40000;
+  return chain;
+}
+
 // `n` stages of outputs of 1000 bytes that no way saves (each offload cost's `output` false), stage `peak`'s
 // backward the step's peak (a transient of 50,000 bytes).
 Chain unsaved_outputs_chain(int n, int peak) {
@@ -2055,11 +2066,8 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
   int lowered = 0, least_lowered = 0;
   for (int trial = 0; trial < 30; ++trial) {
     const int64_t n = 2 + trial % 3;
-    Chain chain = random_offload_chain(rng, n, 1000);
-    add_random_streams(rng, chain);
-    chain.holds_outputs = false;
-    // An early backward that peaks (a large transient), so that what is held through it decides the peak.
-    chain.stages[static_cast<size_t>(trial % (n - 1))].bwd_tmp_bytes += 40000;
+    // An early backward that peaks, so that what is held through it decides the peak.
+    Chain chain = peaking_offload_chain(rng, n, static_cast<size_t>(trial % (n - 1)));
     remat::StepContext held;
     held.rest_peak_bytes = 3000;
     held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
@@ -2113,11 +2121,8 @@ TEST(PerLayerStream, AnInputItsStageDoesNotSaveIsLetGoOfOnceItsForwardIsDone) {
   int lowered = 0, least_lowered = 0;
   for (int trial = 0; trial < 30; ++trial) {
     const int64_t n = 2 + trial % 3;
-    Chain chain = random_offload_chain(rng, n, 1000);
-    add_random_streams(rng, chain);
-    chain.holds_outputs = false;
-    // A later backward that peaks (a large transient), so that what is held through it decides the peak.
-    chain.stages[static_cast<size_t>(1 + trial % (n - 1))].bwd_tmp_bytes += 40000;
+    // A later backward that peaks, so that what is held through it decides the peak.
+    Chain chain = peaking_offload_chain(rng, n, static_cast<size_t>(1 + trial % (n - 1)));
     for (remat::Stage& s : chain.stages)
       s.saves_input = trial % 4 == 3 && rng() % 2 == 0;
     remat::StepContext held;

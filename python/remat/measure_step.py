@@ -833,6 +833,12 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
                 return g
 
             x.register_hook(began)
+        elif at_call > prev.returned_at:
+            # The last layer's output handed on as it was, and something made between and held (a tensor the
+            # model's code keeps aside from a layer's input for later): held from this layer's forward on, as
+            # what runs between leaves held (its backward, if any, runs in the rest's: nothing read there).
+            step.between_forward[i] = at_call - prev.returned_at
+            step.between[i] = (0, 0)
     if i < len(lp.layers) - 1 and out.requires_grad:
         step.out_refs[i] = LayerOut(storage_key(out), storage_ref(out), storage_bytes(out), meter.count(),
                                     sequence_nr(out))

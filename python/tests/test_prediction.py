@@ -360,6 +360,21 @@ class _ResidualKeepingInputs(_Residual):
         return x * 1.0
 
 
+class _ResidualSavingAnInput(_Residual):
+    """_Residual whose forward saves the second layer's input in an operation of its own (sin saves its input):
+    the autograd graph alone holds that input past the layer's forward, through the backward pass. What the sin
+    makes is held aside to the forward's end: made between two layers whose second takes the first's output as
+    handed on (read since 2026-12-02 as what runs between leaves held; before, not read: 2.4% above the
+    prediction in fp32 on the plan keeping every layer)."""
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i == 1:
+                aside = x.sin()
+            x = layer(x)
+        return x + aside.mean()
+
+
 @pytest.mark.parametrize("ways", ["kept", "alternating"])
 def test_an_input_its_layer_does_not_save_is_let_go_of_once_its_forward_is_done(meter, ways):
     # Under autocast a layer whose first operation is a Linear saves the bf16 cast of its fp32 input, not the
@@ -373,15 +388,18 @@ def test_an_input_its_layer_does_not_save_is_let_go_of_once_its_forward_is_done(
         (_checkpointed if ways == "alternating" and i % 2 == 0 else _kept)(i, st)
 
     plan = "Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0" if ways == "kept" else "Fc0 Fa1 Fc2 Fa3 L B3 Fa2 B2 B1 Fa0 B0"
-    for model, autocast in ((_Residual, True), (_Residual, False), (_ResidualKeepingInputs, True)):
+    for model, autocast in ((_Residual, True), (_Residual, False), (_ResidualKeepingInputs, True),
+                            (_ResidualSavingAnInput, True), (_ResidualSavingAnInput, False)):
         m = model()
         lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
         _train_with_times(m, x, lp, times, autocast=autocast)
         assert str(lp.plan) == plan
         assert [s.saves_input for s in lp.chain.stages] == [not autocast] * 4
         held = model is _ResidualKeepingInputs
-        assert list(lp.context.inputs_held_in_forward) == [True] + [held] * 3
-        if held:  # charged to the layers' backward passes: above what the step holds
+        # (An object the autograd graph holds stays alive: read held.)
+        saved = model is _ResidualSavingAnInput
+        assert list(lp.context.inputs_held_in_forward) == [True, held or saved, held, held]
+        if held or saved:  # charged to the layers' backward passes: at or above what the step holds
             assert lp.last_peak_bytes <= lp.predicted_peak_bytes, (lp.last_peak_bytes, lp.predicted_peak_bytes)
         else:
             assert abs(lp.prediction_error) <= 0.001, (autocast, lp.prediction_error)

@@ -602,7 +602,7 @@ class LayerPlan:
             # A profiling step: whether anything held the last layer's input past its forward, and the first
             # layer's into the backward pass (StepContext.inputs_held_in_forward; held where not read).
             step.last_input_alive(len(self.layers) - 1)
-            step.first_input_read()
+            step.read_input_past_forward(0)
         if step is None or step.done or step.measured or step.off_plan or step.key is None:
             return
         shape = self._shapes.get(step.key)

@@ -351,8 +351,9 @@ class Step:
         if self.out_grad_ref is not None and i not in self.out_grad_held:
             self.out_grad_held[i] = not self.out_grad_ref.expired()
 
-    def read_input_held(self, i: int, as_handed: bool) -> None:
-        """Layer i's input, at the next layer's call, which takes layer i's output as handed on or not."""
+    def read_input_past_forward(self, i: int, as_handed: bool = True) -> None:
+        """Layer i's input, at the next layer's call, which takes layer i's output as handed on or not (the first
+        layer's at the end of the model's forward)."""
         ref = self.input_objs.pop(i, None)
         if ref is not None:
             self.inputs_held[i] = ref() is not None or not as_handed
@@ -370,13 +371,6 @@ class Step:
                     self.inputs_held[i] = True
 
         self.last_input_watch = weakref.ref(x, died)
-
-    def first_input_read(self) -> None:
-        """The end of the model's forward: whether the first layer's input object is alive still (held into the
-        backward pass: StepContext.inputs_held_in_forward's entry 0)."""
-        ref = self.input_objs.pop(0, None)
-        if ref is not None:
-            self.inputs_held[0] = ref() is not None
 
     def last_input_alive(self, i: int) -> None:
         """The end of the model's forward, or the rest's backward beginning: the last layer's input (i), not dead
@@ -559,13 +553,13 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         as_handed = last is not None and x is last
         del last
         if i >= 2:
-            step.read_input_held(i - 1, as_handed)  # now that this layer is called
+            step.read_input_past_forward(i - 1, as_handed)  # now that this layer is called
         if as_handed:
             step.input_objs[i] = weakref.ref(x)
     else:
         step.input_objs[0] = weakref.ref(x)  # read at the end of the model's forward
     if i >= 1 and x.requires_grad:
-        x.register_hook(partial(_out_grad_read, step, i))  # once this layer's backward is done
+        x.register_hook(lambda g, i=i: step.read_out_grad_held(i))  # once this layer's backward is done
     # The layer and the profiler take an alias of its input (Step.inputs_held), the same tensor's data (the
     # first layer's call keeps the input itself, which the rest of the profiling step reads, until the layers
     # are profiled).
@@ -654,6 +648,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     input_ref = storage_ref(x0)  # None: held, as when not read
 
     def read_input_held():
+        step.read_out_grad_held(0)  # the first layer's backward is done
         if input_ref is not None and not step.input_in_base:
             step.input_held = not input_ref.expired()
 
@@ -661,7 +656,6 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # From the layers' input gradient to the end: the backward pass of what ran before the layers.
         if not prefix_backward:
             read_input_held()
-            step.read_out_grad_held(0)
         # Which layers' outputs something holds to the step's end (StepReadings.outputs_held_to_end), the last
         # layer's (the layers' output: BERT's last_hidden_state, which the caller keeps) too, and one the later
         # layers take beside their input (BART's encoder output, which the caller's output holds too: side_bytes
@@ -688,7 +682,6 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
 
     def at_x0(g):
         read_input_held()
-        step.read_out_grad_held(0)
         step.note_side_freed(0)
         step.reset()
         queue_at_backward_end(finish_profiling)
@@ -729,10 +722,6 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             x0.register_hook(at_x0)
     del x0, out
     return returned
-
-
-def _out_grad_read(step: "Step", i: int, g):
-    step.read_out_grad_held(i)
 
 
 class _Alias(torch.autograd.Function):

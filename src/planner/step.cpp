@@ -231,14 +231,17 @@ int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage) {
   return figures.empty() ? 0 : figures[stage];
 }
 
+bool stage_flag(const std::vector<bool>& flags, int64_t stage, bool unread) {
+  if (flags.empty()) return unread;
+  return stage >= 0 && static_cast<size_t>(stage) < flags.size() && flags[static_cast<size_t>(stage)];
+}
+
 bool recomputes(OpKind kind, bool groups) {
   return kind == OpKind::kForwardCheckpoint || (kind == OpKind::kForwardKeep && groups);
 }
 
 int64_t held_to_end_bytes(const Chain& chain, const StepContext& context, int64_t j) {
-  if (j < 0 || j >= chain.size() || context.outputs_held_to_end.empty() ||
-      !context.outputs_held_to_end[static_cast<size_t>(j)])
-    return 0;
+  if (j < 0 || j >= chain.size() || !stage_flag(context.outputs_held_to_end, j, false)) return 0;
   return chain.stages[static_cast<size_t>(j)].output_bytes;
 }
 
@@ -257,23 +260,22 @@ static bool held_regardless(const Chain& chain, const StepContext& context, int6
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   if (j < 1 || j > chain.size() || held_regardless(chain, context, j)) return false;
   if (j == chain.size()) return !context.output_held_in_backward;
-  return !context.outputs_held_in_backward.empty() &&
-         !context.outputs_held_in_backward[static_cast<size_t>(j)];
+  return !stage_flag(context.outputs_held_in_backward, j, true);
 }
 
 bool output_grad_held(const StepContext& context, int64_t j) {
-  return j >= 0 && static_cast<size_t>(j) < context.output_grad_held_in_backward.size() &&
-         context.output_grad_held_in_backward[static_cast<size_t>(j)];
+  return stage_flag(context.output_grad_held_in_backward, j, false);
 }
 
 bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int64_t j) {
-  if (j < 1 || j >= chain.size() || chain.stages[static_cast<size_t>(j)].saves_input) return false;
+  if (j < 1 || j >= chain.size() || chain.stages[static_cast<size_t>(j)].saves_input ||
+      stage_flag(context.inputs_held_in_forward, j, true))
+    return false;
   const size_t at = static_cast<size_t>(j);
-  if (context.inputs_held_in_forward.empty() || context.inputs_held_in_forward[at]) return false;
   const bool between = stage_figure(context.between_forward_held_bytes, at) != 0 ||
                        stage_figure(context.between_backward_peak_bytes, at) != 0 ||
                        stage_figure(context.between_held_bytes, at) != 0 ||
-                       (at < context.between_frees_output.size() && context.between_frees_output[at]);
+                       output_freed_between(chain, context, j - 1);
   return !between && output_unheld(chain, context, j);
 }
 
@@ -288,8 +290,7 @@ bool output_freed_between(const Chain& chain, const StepContext& context, int64_
   // as a next stage's input made from a stage's output, unless the runtime or something else holds it.
   if (j >= 0 && j == chain.size() - 1)
     return context.rest_frees_output && !held_regardless(chain, context, j + 1);
-  return j >= 0 && j + 1 < chain.size() && static_cast<size_t>(j) + 1 < context.between_frees_output.size() &&
-         context.between_frees_output[static_cast<size_t>(j) + 1];
+  return j >= 0 && j + 1 < chain.size() && stage_flag(context.between_frees_output, j + 1, false);
 }
 
 int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
@@ -311,7 +312,7 @@ int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
 
 bool first_input_let_go(const Chain& chain, const StepContext& context) {
   return chain.size() > 0 && !chain.stages[0].saves_input && input_unheld_bytes(chain, context) > 0 &&
-         !context.inputs_held_in_forward.empty() && !context.inputs_held_in_forward[0];
+         !stage_flag(context.inputs_held_in_forward, 0, true);
 }
 
 int64_t input_gone_from(bool streamed, bool sends_input, bool let_go) {

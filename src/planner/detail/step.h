@@ -12,6 +12,10 @@ namespace remat::detail {
 // side_grads_bytes), 0 where it is.
 int64_t stage_figure(const std::vector<int64_t>& figures, size_t stage);
 
+// Entry `stage` of a StepContext's per-stage flag (outputs_held_in_backward, inputs_held_in_forward, ...):
+// `unread` where the flags are empty (not read), false for a stage outside them.
+bool stage_flag(const std::vector<bool>& flags, int64_t stage, bool unread);
+
 // Whether a stage's forward of this kind (with a group assignment or not) is a checkpoint's, which holds the
 // generators' state it saved until the stage's backward is done (StepContext::checkpoint_state_bytes): Fc and
 // a group assignment; not a policy's, whose measured saved_bytes holds it already.

@@ -923,6 +923,8 @@ TEST_F(PlannedTest, TheGeneratorStatesOfStagesThatRunAgainArePredictedOnTheCpu) 
   ASSERT_NE(p.step_readings(), nullptr);
   EXPECT_EQ(p.step_readings()->checkpoint_state_bytes,
             static_cast<int64_t>(at::detail::getDefaultCPUGenerator().get_state().nbytes()));
+  // The head's backward hands the blocks a whole gradient (StepReadings::output_grad_storage_bytes read).
+  EXPECT_EQ(p.step_readings()->output_grad_storage_bytes, p.step_readings()->output_grad_bytes);
   ASSERT_TRUE(p.prediction_error().has_value());
   EXPECT_LE(std::abs(*p.prediction_error()), remat::kPredictionTolerance)
       << p.plan()->to_string() << ": " << p.last_peak_bytes() << " against " << p.predicted_peak_bytes();

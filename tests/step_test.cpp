@@ -2546,6 +2546,32 @@ TEST(PerLayerStream, TheChainsOutputThatTheRestLetsGoOfIsLetGoOfOnce) {
   EXPECT_LE(least.step_peak_bytes, base - 1000);
 }
 
+// The gradient the rest hands the chain's output, an expanded view (a sum's backward broadcasts the loss's
+// one-element gradient; StepReadings::output_grad_storage_bytes below output_grad_bytes): its storage, which
+// the backward pass holds to its end, is left in what the rest leaves held, and the flags that it is alive
+// past stage backward passes are read as false (alive, it is a few bytes, not the whole gradient). Before
+// (found 2026-12-03), the whole gradient's bytes were taken off the count: the rest's own parameter gradients
+// read as not held, and four kept layers held 2.5% above their prediction.
+TEST(PerLayerStream, AnExpandedOutputGradientIsLeftInWhatTheRestHolds) {
+  remat::StepReadings r;
+  r.at_return = 10000, r.rest_peak = 15000, r.output_grad_bytes = 200;
+  r.output_grad_held_in_backward = {true, true};
+  r.at_output_grad = r.at_return + 300 + 200;  // a whole gradient beside 300 bytes of parameter gradients
+  for (int64_t storage : {int64_t{-1}, int64_t{200}, int64_t{4096}}) {  // not read, whole, a view of more
+    r.output_grad_storage_bytes = storage;
+    const remat::StepContext c = remat::step_context(r);
+    EXPECT_EQ(c.rest_grads_bytes, 300) << storage;
+    EXPECT_EQ(c.output_grad_held_in_backward, (std::vector<bool>{true, true})) << storage;
+  }
+  r.output_grad_storage_bytes = 4;  // the loss's gradient, broadcast
+  r.at_output_grad = r.at_return + 300 + 4;
+  const remat::StepContext c = remat::step_context(r);
+  EXPECT_EQ(c.rest_grads_bytes, 304);
+  EXPECT_TRUE(c.output_grad_held_in_backward.empty());
+  r.output_grad_storage_bytes = -2;
+  EXPECT_THROW_WITH_STD(remat::step_context(r), "remat::step_context", "output_grad_storage_bytes (-2)");
+}
+
 TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   // The three stages of SimulateChargesOffloadingAsDocumented, stage 1 streamed: its forward peaks at 25
   // above what is held (each copy waited for at once) plus its 6-byte window; after it, of the 30 bytes and

@@ -263,6 +263,7 @@ class Step:
         self.at_return = 0
         self.at_output_grad = 0
         self.output_grad_bytes = 0
+        self.output_grad_storage_bytes = -1
         self.output_freed = 0  # StepReadings.output_freed_bytes
         self.peak_after_backward = -1
         self.input_in_base = False
@@ -697,6 +698,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # the caller holds): the readings step_context() turns into the StepContext.
         step.rest = (step.peak(), (time.perf_counter() - t0) * 1e3)
         step.at_output_grad, step.output_grad_bytes = meter.count(), g.nbytes
+        step.output_grad_storage_bytes = storage_bytes(g)  # less where expanded (a sum's backward's)
         # The layers' output, where the rest's backward let go of it (it saved it) and nothing else held it
         # (StepReadings.output_freed_bytes): the count is that much lower than what the rest leaves held.
         step.output_freed = out_bytes if out_ref is not None and out_ref.expired() else 0
@@ -906,6 +908,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.rest_peak, r.rest_ms = step.rest if step.rest is not None else (step.at_return, 0.0)
     r.at_output_grad = step.at_output_grad if step.rest is not None else step.at_return
     r.output_grad_bytes = step.output_grad_bytes
+    r.output_grad_storage_bytes = step.output_grad_storage_bytes
     r.output_freed_bytes = step.output_freed
     if step.device is not None:
         r.checkpoint_state_bytes = checkpoint_state_bytes(step.meter, step.device)

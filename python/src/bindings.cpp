@@ -492,6 +492,7 @@ NB_MODULE(_core, m) {
       .def_rw("rest_peak", &remat::StepReadings::rest_peak)
       .def_rw("at_output_grad", &remat::StepReadings::at_output_grad)
       .def_rw("output_grad_bytes", &remat::StepReadings::output_grad_bytes)
+      .def_rw("output_grad_storage_bytes", &remat::StepReadings::output_grad_storage_bytes)
       .def_rw("output_freed_bytes", &remat::StepReadings::output_freed_bytes)
       .def_rw("checkpoint_state_bytes", &remat::StepReadings::checkpoint_state_bytes)
       .def_rw("outputs_held_to_end", &remat::StepReadings::outputs_held_to_end)

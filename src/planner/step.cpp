@@ -37,14 +37,15 @@ bool is_per_layer(const std::string& planner) {
 }  // namespace
 
 StepContext step_context(const StepReadings& r) {
-  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || r.output_freed_bytes < 0 ||
-      r.checkpoint_state_bytes < 0 || r.side_bytes < 0 || !(r.rest_ms >= 0)) {
+  if (r.input_bytes < 0 || r.output_grad_bytes < 0 || r.output_grad_storage_bytes < -1 ||
+      r.output_freed_bytes < 0 || r.checkpoint_state_bytes < 0 || r.side_bytes < 0 || !(r.rest_ms >= 0)) {
     throw std::invalid_argument("remat::step_context: input_bytes (" + std::to_string(r.input_bytes) +
                                 "), output_grad_bytes (" + std::to_string(r.output_grad_bytes) +
                                 "), output_freed_bytes (" + std::to_string(r.output_freed_bytes) +
                                 "), checkpoint_state_bytes (" + std::to_string(r.checkpoint_state_bytes) +
                                 "), side_bytes (" + std::to_string(r.side_bytes) + ") and rest_ms (" +
-                                std::to_string(r.rest_ms) + ") must be >= 0");
+                                std::to_string(r.rest_ms) + ") must be >= 0, output_grad_storage_bytes (" +
+                                std::to_string(r.output_grad_storage_bytes) + ") >= -1");
   }
   const size_t between = r.between_backward_peak_bytes.size();
   if (r.between_held_bytes.size() != between || r.between_forward_held_bytes.size() != between ||
@@ -65,8 +66,12 @@ StepContext step_context(const StepReadings& r) {
       r.peak_after_chain_backward < 0 ? 0 : above(r.peak_after_chain_backward, r.base);
   c.rest_peak_bytes = above(r.rest_peak, r.at_return);
   c.rest_ms = r.rest_ms;
-  // The chain's output, where the rest's backward let go of it, is the model's to let go of (once).
-  c.rest_grads_bytes = above(r.at_output_grad - r.output_grad_bytes + r.output_freed_bytes, r.at_return);
+  // The chain's output, where the rest's backward let go of it, is the model's to let go of (once). An
+  // expanded output gradient's storage is held to the end by the backward pass: the rest's.
+  const bool expanded_grad =
+      r.output_grad_storage_bytes >= 0 && r.output_grad_storage_bytes < r.output_grad_bytes;
+  c.rest_grads_bytes =
+      above(r.at_output_grad - (expanded_grad ? 0 : r.output_grad_bytes) + r.output_freed_bytes, r.at_return);
   c.output_held_in_backward = r.output_freed_bytes == 0;
   c.checkpoint_state_bytes = r.checkpoint_state_bytes;
   c.outputs_held_to_end = r.outputs_held_to_end;
@@ -84,7 +89,7 @@ StepContext step_context(const StepReadings& r) {
   c.between_held_bytes = r.between_held_bytes;  // signed: what runs between may free more than it makes
   c.between_frees_output = r.between_frees_output;
   c.rest_frees_output = r.rest_frees_output;
-  c.output_grad_held_in_backward = r.output_grad_held_in_backward;
+  if (!expanded_grad) c.output_grad_held_in_backward = r.output_grad_held_in_backward;
   return c;
 }
 

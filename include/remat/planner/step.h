@@ -217,6 +217,16 @@ struct StepReadings {
   int64_t at_output_grad = 0;
   int64_t output_grad_bytes = 0;
   double rest_ms = 0;
+  /// The bytes of the storage that gradient is a view of, or -1 (not read: taken as the gradient's own).
+  /// Less than output_grad_bytes where the gradient is an expanded view: a sum's backward hands the chain's
+  /// output the loss's one-element gradient broadcast to the output's shape, which the backward pass holds to
+  /// its end. step_context() then leaves that storage in rest_grads_bytes (held to the step's end) rather
+  /// than taking output_grad_bytes off it, and reads output_grad_held_in_backward as all false (the
+  /// gradient a stage's backward materializes is charged as the chain's output gradient until the last
+  /// stage's backward, as a whole one). Before (found 2026-12-03), output_grad_bytes was taken off the count
+  /// whatever its storage held: a rest of the step with a parameter beside such a sum read its gradient as
+  /// not held, and four kept layers held 2.5% above their prediction.
+  int64_t output_grad_storage_bytes = -1;
   /// The chain's output's bytes (its storage's) where that storage was freed by the time the rest handed it
   /// its gradient (the rest's backward let go of it and nothing else held it), else 0 (alive, or not read):
   /// at_output_grad is then that much lower than what the rest leaves held (StepContext::rest_grads_bytes,
@@ -280,7 +290,7 @@ struct StepReadings {
 /// and the between figures as read (what the forward and the backward between leave held signed; a
 /// backward's peak below 0 read as 0). Other negative differences are read as 0. Throws std::invalid_argument
 /// naming remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes,
-/// checkpoint_state_bytes, side_bytes or rest_ms, or between
+/// checkpoint_state_bytes, side_bytes or rest_ms, an output_grad_storage_bytes below -1, or between
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 

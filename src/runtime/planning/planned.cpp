@@ -387,6 +387,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
     readings->rest_peak = readings->at_return + rest->peak_over_base();
     readings->at_output_grad = step->active_over_base();
     readings->output_grad_bytes = static_cast<int64_t>(g.nbytes());
+    if (g.has_storage()) readings->output_grad_storage_bytes = static_cast<int64_t>(g.storage().nbytes());
     readings->output_freed_bytes = out_storage.expired() ? out_bytes : 0;
     *measured = RestOfStep{rest->peak_over_base(), readings->rest_ms};
     // At the end of the user's backward pass: the step's peak, and that of what ran before the stages.

@@ -9,7 +9,9 @@ torch.utils.checkpoint (as a checkpointed layer runs; what the checkpoint holds 
 not counted); bwd_tmp_bytes is the meter's peak during its backward above its input, what it saved, its output
 and the output's gradient (the parameter gradients pre-allocated, as after a first step), less its input's
 gradient up to the bytes the chain counts for that input (the chain's input, or stage i - 1's output: `inputs`
-larger than that output keep the rest of their gradient in the peak). With policies, each
+larger than that output keep the rest of their gradient in the peak; an input that takes no gradient, those
+bytes, which the step's model charges all the same). Where its graph saves its output, bwd_output_freed_bytes
+is how much lower that peak is with the graph alone holding the output (its backward run again so). With policies, each
 stage also runs under torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's
 count) is its PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the
 stages in the order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage
@@ -572,12 +574,19 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive
         before it with d (d is made in the backward pass, held by autograd alone and freed once used, as a
         training step's gradient is: _SeedGradient), and with `grads_peak` (else None) that peak had the
-        backward made its parameters' gradients (_GradsPeak)."""
+        backward made its parameters' gradients (_GradsPeak). `out` may be a list holding the output alone:
+        taken from it and let go of once the root is made, so that only the stage's graph holds the output
+        through its backward (output_freed_in_backward)."""
+        let_go = isinstance(out, list)
+        if let_go:
+            out = out.pop()
         with _ZeroGrads(params[i]):
             root = _SeedGradient.apply(out)
             seed = torch.zeros((), dtype=root.dtype, device=root.device)
             sync()
             before = meter.count() + out.nbytes
+            if let_go:
+                del out
             window = meter.window()
             # Windows nest on remat's meters only (not on the CUDA allocator's statistic it falls back to).
             grads_peak = grads_peak and isinstance(window, PeakWindow)
@@ -596,9 +605,29 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         has the rest of its gradient left in the peak): (ms, with the gradients pre-allocated, had it made them
         or None) (bwd_tmp_bytes, bwd_grads_tmp_bytes and a policy's)."""
         ms, peak, grads_peak = timed_backward(out, targets, i, grads_peak=True)
-        d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
-        d_in = min(d_in, chain.input_bytes if i == 0 else fields[i - 1]["out"])
+        counted = chain.input_bytes if i == 0 else fields[i - 1]["out"]
+        # A stage whose input takes no gradient (the model's own input) makes none, and the step's model charges
+        # one at its backward all the same: its peaks less those bytes too (a first layer taking the model's
+        # input was predicted that much above what it held in its backward before, found 2026-12-03).
+        d_in = (leaf.grad.nbytes if leaf.grad is not None else 0) if input_grad[i] else counted
+        d_in = min(d_in, counted)
         return ms, max(0, peak - d_in), None if grads_peak is None else max(0, grads_peak - d_in)
+
+    def output_freed_in_backward(i):
+        """How much lower stage i's backward peaks (bwd_tmp_bytes, and with its gradients made) are where its
+        graph alone holds its output, as in a step where nothing else does, than with the output held through
+        (Stage.bwd_output_freed_bytes, for a stage whose graph saves its output: the graph lets go of it once
+        the operations that saved it have run backward): the stage run again and its backward measured so;
+        the lesser of the two drops, at most the output's bytes."""
+        leaf = leaf_of(i)
+        counter = _SavedStorages(alive | {_storage_key(leaf)})
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            box = [run_as(i, KEEP, leaf)]
+        _, tmp, grads_tmp = measured_backward(box, targets_of(i, leaf), i, leaf)
+        drops = [fields[i]["btmp"] - tmp]
+        if grads_tmp is not None and "bgtmp" in fields[i]:
+            drops.append(fields[i]["bgtmp"] - grads_tmp)
+        return max(0, min(fields[i]["out"], *drops))
 
     with collector_paused(), Restore(modules, device), \
             contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
@@ -681,7 +710,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             fields[i]["ckpt_offload"] = ck
                     targets = targets_of(i, leaf)
                     b = 0.0
-                    if out.requires_grad and targets and measure:
+                    measured = out.requires_grad and targets and measure
+                    if measured:
                         # above what was alive before it: the input, what the stage saved, its output and d
                         b, fields[i]["btmp"], grads_tmp = measured_backward(out, targets, i, leaf)
                         if grads_tmp is not None:
@@ -692,6 +722,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["fwd"].append(f)
                         fields[i]["bwd"].append(b)
                     del out, leaf
+                    if measured and fields[i]["saves_out"] and not compiled[i]:
+                        fields[i]["out_freed"] = output_freed_in_backward(i)
                     report("forward and backward", names[i])
                 # Every stage under torch.utils.checkpoint, then the backward pass through them (what
                 # checkpointing every stage holds); then each stage under each policy, its backward right after
@@ -803,6 +835,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.saved_bytes = f["saved"]
         s.saves_output = f.get("saves_out", True)
         s.saves_input = f.get("saves_in", True)
+        s.bwd_output_freed_bytes = f.get("out_freed", 0)
         s.fwd_tmp_bytes = f["ftmp"]
         s.fwd_nosave_tmp_bytes = max(0, f["ntmp"])
         s.bwd_tmp_bytes = f["btmp"]

@@ -150,6 +150,9 @@ NB_MODULE(_core, m) {
       .def_rw("saves_input", &remat::Stage::saves_input,
               "whether its graph, run as Fa, saves its input (false: a step lets go of it once its forward "
               "is done, where nothing else holds it)")
+      .def_rw("bwd_output_freed_bytes", &remat::Stage::bwd_output_freed_bytes,
+              "how much lower its backward's peak, run as Fa, is where its graph alone holds its output, "
+              "which it lets go of once the operations that saved it have run backward (0: held through)")
       .def_rw("fwd_tmp_bytes", &remat::Stage::fwd_tmp_bytes, "transient peak above that in its forward")
       .def_rw("fwd_nosave_tmp_bytes", &remat::Stage::fwd_nosave_tmp_bytes,
               "transient peak above its output in its forward without saving, as Fn and Fc run it (None: "

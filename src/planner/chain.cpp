@@ -135,6 +135,12 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "saved_bytes", s.saved_bytes);
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
+    check_bytes(chain, i, "bwd_output_freed_bytes", s.bwd_output_freed_bytes);
+    if (s.bwd_output_freed_bytes > s.output_bytes) {
+      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
+                                  " has bwd_output_freed_bytes (" + std::to_string(s.bwd_output_freed_bytes) +
+                                  ") above its output_bytes (" + std::to_string(s.output_bytes) + ")");
+    }
     if (s.fwd_nosave_tmp_bytes) {
       check_bytes(chain, i, "fwd_nosave_tmp_bytes", *s.fwd_nosave_tmp_bytes);
       add_bytes(total, *s.fwd_nosave_tmp_bytes, stage_label(chain, i));
@@ -281,6 +287,7 @@ std::string to_json(const Chain& chain) {
     js["saved_bytes"] = s.saved_bytes;
     if (!s.saves_output) js["saves_output"] = false;
     if (!s.saves_input) js["saves_input"] = false;
+    if (s.bwd_output_freed_bytes != 0) js["bwd_output_freed_bytes"] = s.bwd_output_freed_bytes;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     if (s.fwd_nosave_tmp_bytes) js["fwd_nosave_tmp_bytes"] = *s.fwd_nosave_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
@@ -433,6 +440,8 @@ Chain chain_from_json(const std::string& text) {
     s.saved_bytes = required<int64_t>(js, "saved_bytes", where);
     s.saves_output = boolean(js, "saves_output", where, true);
     s.saves_input = boolean(js, "saves_input", where, true);
+    if (js.contains("bwd_output_freed_bytes"))
+      s.bwd_output_freed_bytes = required<int64_t>(js, "bwd_output_freed_bytes", where);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
     s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
     if (js.contains("fwd_nosave_tmp_bytes"))

@@ -190,6 +190,8 @@ struct StepTerms {
   // Per stage: whether its input may be let go of once its forward as Fa is done, where the stage before's
   // way does not hold it (detail::input_let_go_in_forward()).
   std::vector<char> input_let_go;
+  // Per stage: whether its backward may be charged its output let go of early (detail::output_freed_early()).
+  std::vector<char> freed_early;
   // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
   int64_t checkpoint_state = 0;
   // Per stage: its output where something holds it to the step's end (outputs_held_to_end; 0 otherwise),
@@ -245,12 +247,18 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                                     (bwd_less_input ? step->input_freed : 0) - dropped
                               : 0;
   // Its output, where neither its way saves it (detail::way_leaves_output()) nor anything else holds it, is
-  // gone by its backward.
+  // gone by its backward; one its graph alone holds, let go of early in it where output_freed_early() (a
+  // checkpointed stage's: the one its recompute made again, as Fa).
   const bool unsaved = detail::way_leaves_output(s, c.kind, c.cost, !c.groups.empty());
-  const int64_t gone =
-      step && step->output_unheld[static_cast<size_t>(j)] && c.kind != OpKind::kForwardCheckpoint && unsaved
-          ? a_out
+  const bool checkpointed = c.kind == OpKind::kForwardCheckpoint;
+  const int64_t early =
+      step && step->freed_early[static_cast<size_t>(j)]
+          ? detail::output_freed_in_backward_bytes(s, checkpointed ? OpKind::kForwardAll : c.kind,
+                                                   !c.groups.empty() && !checkpointed,
+                                                   (c.offload || c.stream) && !checkpointed)
           : 0;
+  const int64_t gone =
+      step && step->output_unheld[static_cast<size_t>(j)] && !checkpointed ? (unsaved ? a_out : early) : 0;
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with its window beside it (the forward's, only what
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
@@ -272,10 +280,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   bwd += twice;  // the backward's, not the recompute's below
   if (c.kind == OpKind::kForwardCheckpoint) {
-    // In a step, its backward after a recompute that stopped early holds no output its graph does not save
-    // (step_op_peaks()'s rule); the recompute itself is charged whole, with a second generators' state (the
-    // one the recompute saves while it replays the first).
-    if (step) bwd -= detail::recompute_unmade_bytes(chain, j);
+    // In a step, its backward after a recompute that stopped early holds no output its graph does not save,
+    // and one it saves only until its graph lets go of it (step_op_peaks()'s rule); the recompute itself is
+    // charged whole, with a second generators' state (the one the recompute saves while it replays the
+    // first).
+    if (step) bwd -= detail::recompute_unmade_bytes(chain, j) + early;
     bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec + state);
   }
   // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next
@@ -788,10 +797,12 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.output_unheld.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
+  t.freed_early.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);
+    t.freed_early[s] = detail::output_freed_early(chain, context, static_cast<int64_t>(s) - 1);
   }
   t.input_freed = detail::input_unheld_bytes(chain, context);
   t.first_input_let_go = detail::first_input_let_go(chain, context);

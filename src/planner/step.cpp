@@ -290,6 +290,18 @@ bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, boo
   return cost ? !cost->output : groups && !s.saves_output;
 }
 
+int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded) {
+  return kind == OpKind::kForwardAll && !groups && !offloaded && s.saves_output ? s.bwd_output_freed_bytes
+                                                                                : 0;
+}
+
+bool output_freed_early(const Chain& chain, const StepContext& context, int64_t j) {
+  if (chain.holds_outputs || j < 0 || j >= chain.size() || !output_unheld(chain, context, j + 1) ||
+      output_freed_between(chain, context, j))
+    return false;
+  return j + 1 < chain.size() || !output_grad_held(context, j);
+}
+
 bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j) {
   // The chain's output, which the rest of the step let go of in its forward (StepContext::rest_frees_output):
   // as a next stage's input made from a stage's output, unless the runtime or something else holds it.
@@ -415,6 +427,10 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // back where the simulation lets go of a_j (the stage before's backward for its abar, below; this stage's
   // backward for a plain one).
   std::vector<char> dropped(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: what its backward holds less than with its output held through it, as its last forward
+  // so far ran it, where output_freed_early() (output_freed_in_backward_bytes()): charged where it ran once
+  // (kept) or is a per-call checkpoint's recompute.
+  std::vector<int64_t> freed_in_backward(static_cast<size_t>(n) + 2, 0);
   // Whether the chain's output gradient is charged past the last stage's backward
   // (output_grad_held_in_backward): from the end of the first backward whose entry is true to the end of the
   // next one whose entry is false.
@@ -441,6 +457,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
           op.kind == OpKind::kForwardCheckpoint || op.kind == OpKind::kForwardNoSave;
       if (!after_loss) checkpointed[static_cast<size_t>(op.stage)] = op.kind == OpKind::kForwardCheckpoint;
       recomputed[static_cast<size_t>(op.stage)] = after_loss && op.kind == OpKind::kForwardAll;
+      freed_in_backward[static_cast<size_t>(op.stage)] =
+          output_freed_early(chain, context, in_chain.stage)
+              ? output_freed_in_backward_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
+                                               !op.groups.empty(), op.offloads())
+              : 0;
       // Before the loss: what its way holds beside the next stage's input, where what runs between lets go of
       // its output, once this forward is done (its last forward so far decides).
       if (!after_loss) {
@@ -498,8 +519,15 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     const bool without_input = after_loss && !input_back && op.stage >= 1 && op.kind != OpKind::kLoss;
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
+    // A kept stage whose graph alone holds its output lets go of it early in its backward, as does a stage
+    // checkpointed per call the output its recompute made again (its last forward, as Fa).
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
+        ((!leaves[static_cast<size_t>(op.stage)] && sim.forward_calls[static_cast<size_t>(op.stage)] == 1) ||
+         (checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])))
+      peaks[k] -= freed_in_backward[static_cast<size_t>(op.stage)];
     // The backward of a stage checkpointed per call holds, after its recompute stopped early, no output its
-    // graph does not save (the simulation's abar holds it).
+    // graph does not save (the simulation's abar holds it), and one it saves only until its graph lets go of
+    // it.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);

@@ -176,6 +176,19 @@ struct Stage {
   /// either. Default true: the input charged as saved, to the stage's backward (as before this field). Last
   /// of the fields, as fwd_nosave_tmp_bytes.
   bool saves_input = true;
+  /// Where its autograd graph saves its output (saves_output) and nothing besides the stages holds it in the
+  /// backward pass: how much lower the peak of its backward, run as Fa, is than with the output held through
+  /// it (bytes, 0 to output_bytes). The graph lets go of the output once the operations that saved it have
+  /// run backward: a stage that ends in one (a sigmoid, a ReLU, whose backward reads its result), which the
+  /// backward pass runs first, holds its output only at its backward's start. The Python profiler measures it
+  /// (the stage's backward run again with its graph alone holding the output: the lesser of the two peaks'
+  /// drops, with the parameter gradients pre-allocated and made); 0, the default and the C++ profiler's
+  /// (whose executor holds outputs): held through, as before this field. The step's model
+  /// (remat/planner/step.h) charges a kept stage's backward that much less where its context says nothing
+  /// else holds the output then (StepContext::outputs_held_in_backward, output_held_in_backward). Before
+  /// (found 2026-12-03), 4-layer MLPs ending in a sigmoid or a ReLU held 2.4-3.9% below their predictions on
+  /// every plan. Last of the fields, as fwd_nosave_tmp_bytes.
+  int64_t bwd_output_freed_bytes = 0;
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }

@@ -304,6 +304,19 @@ void lower_on_every_plan(const Chain& chain, const remat::StepContext& held, con
   expect_fastest_step_plans(chain, gone, all, least, most, options, rng, trial);
 }
 
+// lower_on_every_plan() from a step whose stages' outputs something holds in the backward pass (the
+// default) to one where nothing does (outputs_held_in_backward, output_held_in_backward false).
+void lower_where_outputs_unheld(const Chain& chain, std::mt19937& rng, int trial, int* lowered,
+                                int* least_lowered) {
+  remat::StepContext held;
+  held.rest_peak_bytes = 3000;
+  held.stage_grads_bytes.assign(chain.stages.size(), 20);
+  remat::StepContext gone = held;
+  gone.outputs_held_in_backward.assign(chain.stages.size(), false);
+  gone.output_held_in_backward = false;
+  lower_on_every_plan(chain, held, gone, rng, trial, lowered, least_lowered);
+}
+
 // Every stage's forward runs once or twice.
 bool forward_calls_at_most(const Plan& plan, int64_t times) {
   std::vector<int64_t> calls(static_cast<size_t>(plan.num_stages), 0);
@@ -2085,13 +2098,7 @@ TEST(PerLayerStream, AStagesInputThatNothingHoldsIsLetGoOfAfterItsBackward) {
     const int64_t n = 2 + trial % 3;
     // An early backward that peaks, so that what is held through it decides the peak.
     Chain chain = peaking_offload_chain(rng, n, static_cast<size_t>(trial % (n - 1)));
-    remat::StepContext held;
-    held.rest_peak_bytes = 3000;
-    held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
-    remat::StepContext gone = held;
-    gone.outputs_held_in_backward.assign(static_cast<size_t>(n), false);
-    gone.output_held_in_backward = false;
-    lower_on_every_plan(chain, held, gone, rng, trial, &lowered, &least_lowered);
+    lower_where_outputs_unheld(chain, rng, trial, &lowered, &least_lowered);
   }
   EXPECT_GT(lowered, 100);
   EXPECT_GT(least_lowered, 5);
@@ -2707,14 +2714,7 @@ TEST(PerLayerStream, AnOutputItsGraphLetsGoOfEarlyInItsBackwardIsChargedSo) {
       if (s.offload) s.offload->output = true;
       s.bwd_output_freed_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(rng);
     }
-    remat::StepContext held;
-    held.rest_peak_bytes = 3000;
-    held.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
-    held.outputs_held_in_backward.assign(static_cast<size_t>(n), true);
-    remat::StepContext gone = held;
-    gone.outputs_held_in_backward.assign(static_cast<size_t>(n), false);
-    gone.output_held_in_backward = false;
-    lower_on_every_plan(chain, held, gone, rng, trial, &lowered, &least_lowered);
+    lower_where_outputs_unheld(chain, rng, trial, &lowered, &least_lowered);
   }
   EXPECT_GT(lowered, 100);
   EXPECT_GT(least_lowered, 5);

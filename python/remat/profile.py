@@ -1,25 +1,23 @@
 """Measuring a model's stages as a Chain: the figures the C++ profiler (remat::profile_chain) gives.
 
-For stage i, on its input: output_bytes is its output's size; saved_bytes is what running it with grad leaves
-alive: its output plus the storages its autograd graph saved, counted exactly with saved-tensor hooks, each
-storage once, its input, its parameters and buffers and the tensors it was given not counted (they are alive
-anyway); fwd_tmp_bytes is the meter's peak above that during the forward; fwd_nosave_tmp_bytes is the meter's
-peak above its output during its forward without saving, the larger of that under no-grad and under
-torch.utils.checkpoint (as a checkpointed layer runs; what the checkpoint holds after it, its generators' state,
-not counted); bwd_tmp_bytes is the meter's peak during its backward above its input, what it saved, its output
-and the output's gradient (the parameter gradients pre-allocated, as after a first step), less its input's
-gradient up to the bytes the chain counts for that input (the chain's input, or stage i - 1's output: `inputs`
-larger than that output keep the rest of their gradient in the peak). Where its graph saves its output,
-bwd_output_freed_bytes
-is how much lower that peak is with the graph alone holding the output (its backward run again so). With policies, each
-stage also runs under torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's
-count) is its PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the
-stages in the order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage
-to the first its forward with saving and its backward (fwd_ms, bwd_ms), then every stage under
-torch.utils.checkpoint and the backward through them (checkpoint_fwd_ms, checkpoint_bwd_ms), then the same
-under each policy. Profiling holds what checkpointing every stage holds plus one stage's saved tensors, never
-a plain step's activations, and leaves the model as it was: gradients, buffers and the random generators are
-put back.
+For stage i, on its input: output_bytes is its output's size; saved_bytes is what running it with grad leaves alive:
+its output plus the storages its autograd graph saved, counted exactly with saved-tensor hooks, each storage once,
+its input, its parameters and buffers and the tensors it was given not counted (they are alive anyway);
+fwd_tmp_bytes is the meter's peak above that during the forward; fwd_nosave_tmp_bytes is the meter's peak above its
+output during its forward without saving, the larger of that under no-grad and under torch.utils.checkpoint (as a
+checkpointed layer runs; what the checkpoint holds after it, its generators' state, not counted); bwd_tmp_bytes is
+the meter's peak during its backward above its input, what it saved, its output and the output's gradient (the
+parameter gradients pre-allocated, as after a first step), less its input's gradient up to the bytes the chain
+counts for that input (the chain's input, or stage i - 1's output: `inputs` larger than that output keep the rest of
+their gradient in the peak). Where its graph saves its output, bwd_output_freed_bytes is how much lower that peak is
+with the graph alone holding the output (its backward run again so). With policies, each stage also runs under
+torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's count) is its
+PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the stages in the
+order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage to the first its
+forward with saving and its backward (fwd_ms, bwd_ms), then every stage under torch.utils.checkpoint and the
+backward through them (checkpoint_fwd_ms, checkpoint_bwd_ms), then the same under each policy. Profiling holds what
+checkpointing every stage holds plus one stage's saved tensors, never a plain step's activations, and leaves the
+model as it was: gradients, buffers and the random generators are put back.
 """
 from __future__ import annotations
 

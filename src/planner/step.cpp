@@ -526,8 +526,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
          (checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])))
       peaks[k] -= freed_in_backward[static_cast<size_t>(op.stage)];
     // The backward of a stage checkpointed per call holds, after its recompute stopped early, no output its
-    // graph does not save (the simulation's abar holds it), and one it saves only until its graph lets go of
-    // it.
+    // graph does not save (the simulation's abar holds it).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);

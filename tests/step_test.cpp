@@ -2085,6 +2085,12 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
   EXPECT_FALSE(remat::step_context(r).input_held_in_backward);
   r.input_in_base = true;
   EXPECT_TRUE(remat::step_context(r).input_held_in_backward);
+  // Freed by the time the rest handed the chain's output its gradient (input_freed_in_rest): the rest's
+  // readings let go of it already, so the model holds it (letting go of it from the loss on too took it off
+  // twice).
+  r.input_in_base = false;
+  r.input_freed_in_rest = true;
+  EXPECT_TRUE(remat::step_context(r).input_held_in_backward);
 }
 
 // A stage's input that nothing but the stages holds once its backward is done (outputs_held_in_backward

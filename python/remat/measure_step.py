@@ -274,6 +274,9 @@ class Step:
         # Whether the layers' input was alive once the first layer's backward was done (StepReadings'
         # input_held_in_backward): held unless read otherwise.
         self.input_held = True
+        # Whether the layers' input, alive when the last layer returned, was freed by the time the rest handed
+        # the layers' output its gradient (StepReadings.input_freed_in_rest).
+        self.input_freed_in_rest = False
         self.done = False
         self.measured = False  # a planned step whose measurement is set up (measure_planned_step)
         self.at_end_queued = False
@@ -702,6 +705,9 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # The layers' output, where the rest's backward let go of it (it saved it) and nothing else held it
         # (StepReadings.output_freed_bytes): the count is that much lower than what the rest leaves held.
         step.output_freed = out_bytes if out_ref is not None and out_ref.expired() else 0
+        # The layers' input, where it is gone by now (the model's forward held it in a variable until it
+        # returned, and nothing else did): the count has let go of it already (StepReadings.input_freed_in_rest).
+        step.input_freed_in_rest = input_ref is not None and not step.input_in_base and input_ref.expired()
         # The layers' parameter gradients that the rest's backward made: that of a call run inside this step
         # (a paired loss) which a backward pass reached before this one's layers (its own pass, or this one:
         # its nodes are later than this call's, so the engine runs its layers' backward first). They are in
@@ -922,6 +928,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.side_grads_bytes = side_grads
     r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(len(lp.layers))] if step.side_freed else []
     r.input_held_in_backward = step.input_held
+    r.input_freed_in_rest = step.input_freed_in_rest
     n = len(lp.layers)
     r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, n)]
     r.inputs_held_in_forward = [step.inputs_held.get(j, True) for j in range(n)]

@@ -507,6 +507,7 @@ NB_MODULE(_core, m) {
       .def_rw("side_grads_bytes", &remat::StepReadings::side_grads_bytes)
       .def_rw("side_freed_bytes", &remat::StepReadings::side_freed_bytes)
       .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
+      .def_rw("input_freed_in_rest", &remat::StepReadings::input_freed_in_rest)
       .def_rw("outputs_held_in_backward", &remat::StepReadings::outputs_held_in_backward)
       .def_rw("inputs_held_in_forward", &remat::StepReadings::inputs_held_in_forward)
       .def_rw("between_forward_held_bytes", &remat::StepReadings::between_forward_held_bytes)

@@ -80,7 +80,9 @@ StepContext step_context(const StepReadings& r) {
   c.side_bytes = r.side_bytes;
   c.side_grads_bytes = r.side_grads_bytes;
   c.side_freed_bytes = r.side_freed_bytes;
-  c.input_held_in_backward = r.input_held_in_backward || r.input_in_base;
+  // An input the rest's readings let go of already (input_freed_in_rest) is the model's to hold: charged as
+  // let go of from the loss on as well, it would be let go of twice.
+  c.input_held_in_backward = r.input_held_in_backward || r.input_in_base || r.input_freed_in_rest;
   c.outputs_held_in_backward = r.outputs_held_in_backward;
   c.inputs_held_in_forward = r.inputs_held_in_forward;
   c.between_forward_held_bytes = r.between_forward_held_bytes;  // signed, as between_held_bytes

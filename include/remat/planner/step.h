@@ -256,6 +256,15 @@ struct StepReadings {
   /// Whether the chain's input was alive once the first stage's backward was done (or, where the part before
   /// the chain has no backward, at the step's end; StepContext::input_held_in_backward). True when not read.
   bool input_held_in_backward = true;
+  /// Whether the chain's input, alive when the chain returned, was freed by the time the rest handed the
+  /// chain's output its gradient (false where not read): the model's forward held it in a variable until it
+  /// returned, and no stage's way holds it (its first stage has no backward: frozen, on an input that needs
+  /// no gradient). The rest's readings (rest_peak, at_output_grad) have let go of it already, so
+  /// step_context() reads it as held in the backward pass (input_held_in_backward): the model, which would
+  /// let go of it from the loss on, lets go of it once. Before (found 2026-12-03), it was let go of twice: a
+  /// model with its embeddings and first layer frozen held its input's bytes above its prediction (3.0-4.0%
+  /// on four feed-forward layers, 0.7-1.0% on the frozen-layer bench's Llama).
+  bool input_freed_in_rest = false;
   /// Per chain stage: whether its input was alive once its backward was done (StepContext::
   /// outputs_held_in_backward; empty where not read).
   std::vector<bool> outputs_held_in_backward;
@@ -286,7 +295,7 @@ struct StepReadings {
 /// held besides the output's gradient, the output it let go of counted back), output_held_in_backward (false
 /// where output_freed_bytes > 0), checkpoint_state_bytes, stage_grads_bytes, and checkpoint_all_peak_bytes
 /// (step_peak above the base), side_bytes, side_grads_bytes, side_freed_bytes, input_held_in_backward (held
-/// whatever was read with input_in_base)
+/// whatever was read with input_in_base or input_freed_in_rest)
 /// and the between figures as read (what the forward and the backward between leave held signed; a
 /// backward's peak below 0 read as 0). Other negative differences are read as 0. Throws std::invalid_argument
 /// naming remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes,

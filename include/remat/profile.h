@@ -15,17 +15,18 @@
 /// the plan executor runs Fn and Fc);
 /// bwd_tmp_bytes is the peak during its backward above its input, saved tensors, output gradient and input
 /// gradient (the parameter gradients' temporaries are in it: .grad is pre-allocated, as after the first
-/// step), and bwd_grads_tmp_bytes, from the same run, the peak it would have reached had it made those
-/// gradients (.grad undefined before it, as after zero_grad()): from a hook on each parameter, which gets its
-/// gradient before it is accumulated. Times are medians of `repeats` timed runs after `warmup` untimed ones,
-/// each run taking the stages in the order of a training step (so that the caches hold what a step leaves
-/// there): a forward pass without saving (fwd_nosave_ms), then from the last stage to the first its forward
-/// with saving and its backward (fwd_ms, bwd_ms), then every stage under remat::checkpoint and the backward
-/// pass through them (checkpoint_fwd_ms, checkpoint_bwd_ms), and with ProfileOptions::keep the same keeping
-/// the kept calls' outputs (keep_fwd_ms, keep_bwd_ms; keep_saved_bytes is what that leaves alive). The peak
-/// memory of profiling is that of checkpointing every stage plus one stage's saved tensors, not that of a
-/// plain step. The model is left as it was: gradients, buffers (BatchNorm statistics) and the global RNG are
-/// restored.
+/// step; a first stage whose sample input needs no gradient makes none, and its peaks are taken less the
+/// input's bytes all the same, which the step's model charges), and bwd_grads_tmp_bytes, from the same run,
+/// the peak it would have reached had it made those gradients (.grad undefined before it, as after
+/// zero_grad()): from a hook on each parameter, which gets its gradient before it is accumulated. Times are
+/// medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages in the order of a
+/// training step (so that the caches hold what a step leaves there): a forward pass without saving
+/// (fwd_nosave_ms), then from the last stage to the first its forward with saving and its backward (fwd_ms,
+/// bwd_ms), then every stage under remat::checkpoint and the backward pass through them (checkpoint_fwd_ms,
+/// checkpoint_bwd_ms), and with ProfileOptions::keep the same keeping the kept calls' outputs (keep_fwd_ms,
+/// keep_bwd_ms; keep_saved_bytes is what that leaves alive). The peak memory of profiling is that of
+/// checkpointing every stage plus one stage's saved tensors, not that of a plain step. The model is left as
+/// it was: gradients, buffers (BatchNorm statistics) and the global RNG are restored.
 
 #include <remat/planner/chain.h>
 #include <remat/sequential.h>

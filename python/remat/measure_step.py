@@ -323,6 +323,9 @@ class Step:
         # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
         # unless read otherwise: StepContext.outputs_held_in_backward).
         self.outputs_held: dict[int, bool] = {}
+        # Per layer i >= 1 whose input (the last layer's output as handed on) takes no gradient: a weak reference
+        # to its storage, read into outputs_held at the backward pass's end.
+        self.inputs_without_grad: dict[int, StorageWeakRef] = {}
         # Per layer i >= 1: whether its input, the last layer's output object as handed on, was held past its
         # forward (StepContext.inputs_held_in_forward; held unless read). The layers' checkpoints and the
         # profiler's inputs take an alias of it (input_alias), so that only what else holds the object (the
@@ -564,6 +567,14 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.input_objs[0] = weakref.ref(x)  # read at the end of the model's forward
     if i >= 1 and x.requires_grad:
         x.register_hook(lambda g, i=i: step.read_out_grad_held(i))  # once this layer's backward is done
+    elif i >= 1 and as_handed:
+        # An input that takes no gradient (a frozen layer's output, as handed on): no hook marks this layer's
+        # backward, and nothing it was made from runs a backward that could let go of it later, so whether
+        # something holds it once this layer's backward is done is read at the backward pass's end
+        # (StepContext.outputs_held_in_backward).
+        ref = storage_ref(x)
+        if ref is not None:
+            step.inputs_without_grad[i] = ref
     # The layer and the profiler take an alias of its input (Step.inputs_held), the same tensor's data (the
     # first layer's call keeps the input itself, which the rest of the profiling step reads, until the layers
     # are profiled).
@@ -664,6 +675,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # layer's (the layers' output: BERT's last_hidden_state, which the caller keeps) too, and one the later
         # layers take beside their input (BART's encoder output, which the caller's output holds too: side_bytes
         # charge only its gradient).
+        for j, ref in step.inputs_without_grad.items():
+            step.outputs_held.setdefault(j, not ref.expired())
         outs = [step.out_refs.get(j) for j in range(n - 1)]
         step.held_to_end = [o is not None and o.ref is not None and not o.ref.expired()
                             for o in outs] + [out_ref is not None and not out_ref.expired()]

@@ -9,8 +9,9 @@ checkpointed layer runs; what the checkpoint holds after it, its generators' sta
 the meter's peak during its backward above its input, what it saved, its output and the output's gradient (the
 parameter gradients pre-allocated, as after a first step), less its input's gradient up to the bytes the chain
 counts for that input (the chain's input, or stage i - 1's output: `inputs` larger than that output keep the rest of
-their gradient in the peak). Where its graph saves its output, bwd_output_freed_bytes is how much lower that peak is
-with the graph alone holding the output (its backward run again so). With policies, each stage also runs under
+their gradient in the peak; an input that takes no gradient, those bytes, which the step's model charges all the
+same). Where its graph saves its output, bwd_output_freed_bytes is how much lower that peak is with the graph alone
+holding the output (its backward run again so). With policies, each stage also runs under
 torch.utils.checkpoint with that selective policy, and what that leaves alive (the meter's count) is its
 PolicyCost's saved_bytes. Times are medians of `repeats` runs after `warmup`, each run taking the stages in the
 order of a training step: a forward pass without saving (fwd_nosave_ms), then from the last stage to the first its
@@ -603,8 +604,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         has the rest of its gradient left in the peak): (ms, with the gradients pre-allocated, had it made them
         or None) (bwd_tmp_bytes, bwd_grads_tmp_bytes and a policy's)."""
         ms, peak, grads_peak = timed_backward(out, targets, i, grads_peak=True)
-        d_in = leaf.grad.nbytes if input_grad[i] and leaf.grad is not None else 0
-        d_in = min(d_in, chain.input_bytes if i == 0 else fields[i - 1]["out"])
+        counted = chain.input_bytes if i == 0 else fields[i - 1]["out"]
+        # A stage whose input takes no gradient (the model's own input, a frozen layer's output) makes none,
+        # and the step's model charges one at its backward all the same: its peaks less those bytes too.
+        d_in = (leaf.grad.nbytes if leaf.grad is not None else 0) if input_grad[i] else counted
+        d_in = min(d_in, counted)
         return ms, max(0, peak - d_in), None if grads_peak is None else max(0, grads_peak - d_in)
 
     def output_freed_in_backward(i):

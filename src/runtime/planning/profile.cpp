@@ -291,8 +291,12 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     BackwardPeaks b;
     int64_t peak = 0, grads_peak = 0;
     b.ms = timed_backward(std::move(out), targets, &peak, &per[i].params, &grads_peak);
-    const int64_t d_in =
-        per[i].input_grad && leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes()) : 0;
+    // A stage whose input takes no gradient (the chain's input where the sample needs none) makes none, and
+    // the step's model charges one at its backward all the same: its peaks less its input's bytes too, as the
+    // Python profiler takes them.
+    const int64_t d_in = !per[i].input_grad      ? static_cast<int64_t>(leaf.nbytes())
+                         : leaf.grad().defined() ? static_cast<int64_t>(leaf.grad().nbytes())
+                                                 : 0;
     b.tmp = std::max<int64_t>(0, peak - d_in);
     b.grads_tmp = std::max<int64_t>(0, grads_peak - d_in);
     return b;

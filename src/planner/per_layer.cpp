@@ -202,8 +202,9 @@ struct StepTerms {
   // from the rest's and every chain stage's backward once the first is streamed (step_op_peaks()'s
   // input_gone_from()).
   int64_t input_freed = 0;
-  // Whether the first stage, kept (Fa, not offloaded), lets go of the chain's input by the backward pass
-  // (detail::first_input_let_go()): gone from step stage 1 on, as where it is streamed.
+  // Whether the first stage, run as Fa (kept, or offloaded or streamed not sending its input), lets go of the
+  // chain's input by the backward pass (detail::first_input_let_go()): gone from step stage 1 on, as where it
+  // is streamed.
   bool first_input_let_go = false;
 };
 
@@ -562,9 +563,10 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         // backward).
         q.input_gone_from = p.input_gone_from;
         if (step && step->input_freed > 0 && j == 1)
-          q.input_gone_from = detail::input_gone_from(
-              ch.stream, ch.offload && ch.cost && ch.cost->input,
-              step->first_input_let_go && ch.kind == OpKind::kForwardAll && !ch.offload && !ch.stream);
+          q.input_gone_from =
+              detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input,
+                                      step->first_input_let_go && ch.kind == OpKind::kForwardAll &&
+                                          !(ch.offload && ch.cost && ch.cost->input));
         // Without it: the backward of every stage from there on (the rest's included).
         const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
         const bool twice = input_leaves && p.output_ahead;

@@ -359,7 +359,11 @@ int64_t input_gone_from(const Chain& chain, const StepContext& context, const Pl
     Op in_chain = op;
     in_chain.stage = 0;
     const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
-    return input_gone_from(op.stream, c && c->input);
+    const bool sends = c && c->input;
+    // Streamed or offloaded whole as Fa, saving none of it (so sending none): let go of as where it is kept.
+    if (!sends && op.kind == OpKind::kForwardAll && forwards == 1 && first_input_let_go(chain, context))
+      return input_gone_from(false, false, true);
+    return input_gone_from(op.stream, sends);
   }
   return 0;
 }

@@ -106,9 +106,10 @@ bool first_input_let_go(const Chain& chain, const StepContext& context);
 // From which step stage on the chain's input, where nothing but the stages holds it (input_unheld_bytes()),
 // is off the device after the loss, by how step stage 1 (the chain's first) ran before it, sending its input
 // (its way's OffloadCost::input): 1 streamed (its own measured backward holds it back), 3 offloaded whole
-// (until its bytes come back, as the backward of step stage 2 begins); 1 where `let_go`: run as Fa, not
-// offloaded, its only forward, where first_input_let_go(): gone, not held back; 0 otherwise (also where the
-// input is held, and where the stage does not send it: streamed or offloaded, it stays on the device).
+// (until its bytes come back, as the backward of step stage 2 begins); 1 where `let_go`: run as Fa (kept, or
+// offloaded or streamed not sending it), its only forward, where first_input_let_go(): gone, not held back; 0
+// otherwise (also where the input is held, and where a stage that saves it does not send it: streamed or
+// offloaded, it stays on the device).
 int64_t input_gone_from(bool streamed, bool sends_input, bool let_go = false);
 int64_t input_gone_from(const Chain& chain, const StepContext& context, const Plan& ops);
 

@@ -265,10 +265,10 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
     // the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max(
-        {o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window),
-         a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice,
-         between});
+    return std::max({o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window),
+                     a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less -
+                         gone + twice - dropped,
+                     between});
   }
   // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
   // step and its way holds it, is held from the end of its forward until the next stage's backward is done:
@@ -570,8 +570,10 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         // Without it: the backward of every stage from there on (the rest's included).
         const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
         const bool twice = input_leaves && p.output_ahead;
-        // Its input, which it does not save and nothing else holds, let go of once its forward is done.
-        const bool dropped = p.output_let_go && ch.kind == OpKind::kForwardAll && !ch.offload && !ch.stream;
+        // Its input, which it does not save (kept, or offloaded or streamed not sending it) and nothing else
+        // holds, let go of once its forward is done.
+        const bool dropped =
+            p.output_let_go && ch.kind == OpKind::kForwardAll && !(ch.offload && ch.cost && ch.cost->input);
         if (!f.made[input_leaves][gone][twice][dropped]) {
           const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
           f.need[input_leaves][gone][twice][dropped] =

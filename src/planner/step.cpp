@@ -450,6 +450,14 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     }
     return false;
   };
+  // Whether step stage op.stage's way, offloaded or streamed, sends its input (its offload cost's `input`).
+  auto sends_input = [&](const Op& op) {
+    if (!op.offloads()) return false;
+    Op in_chain = op;
+    in_chain.stage = op.stage - 1;
+    const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
+    return c && c->input;
+  };
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
@@ -538,8 +546,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);
     // A replay holds a second generators' state: the one it saves while it replays the first.
     if (replay && state_held[static_cast<size_t>(op.stage)]) peaks[k] += context.checkpoint_state_bytes;
-    // Its input, which it does not save and nothing else holds, goes once this forward is done.
-    if (!after_loss && op.kind == OpKind::kForwardAll && !op.offloads() && op.stage >= 2 && op.stage <= n &&
+    // Its input, which it does not save (kept, or offloaded or streamed not sending it) and nothing else
+    // holds, goes once this forward is done.
+    if (!after_loss && op.kind == OpKind::kForwardAll && !sends_input(op) && op.stage >= 2 && op.stage <= n &&
         (leaves[static_cast<size_t>(op.stage - 1)] || plain[static_cast<size_t>(op.stage - 1)]) &&
         sim.forward_calls[static_cast<size_t>(op.stage)] == 1 &&
         input_let_go_in_forward(chain, context, op.stage - 1) && backward_first(k, op.stage)) {

@@ -556,24 +556,22 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         const int64_t p_held = step ? p.held + step->forward_held[static_cast<size_t>(j)] : p.held;
         const Choice& ch = cs[c];
         Fixed& f = fixed[c];
-        const bool input_leaves =
-            ch.offload && ch.cost->input && j > 0 && !p.keeps_output && !chain.input_held(j);
+        const bool sends_input = ch.offload && ch.cost && ch.cost->input;
+        const bool input_leaves = sends_input && j > 0 && !p.keeps_output && !chain.input_held(j);
         // Step stage 1 is the chain's first: where it sends its input (step stage 0's output), streamed it
         // takes it for the whole backward pass; offloaded whole, until its bytes come back (step stage 2's
         // backward).
         q.input_gone_from = p.input_gone_from;
         if (step && step->input_freed > 0 && j == 1)
-          q.input_gone_from =
-              detail::input_gone_from(ch.stream, ch.offload && ch.cost && ch.cost->input,
-                                      step->first_input_let_go && ch.kind == OpKind::kForwardAll &&
-                                          !(ch.offload && ch.cost && ch.cost->input));
+          q.input_gone_from = detail::input_gone_from(
+              ch.stream, sends_input,
+              step->first_input_let_go && ch.kind == OpKind::kForwardAll && !sends_input);
         // Without it: the backward of every stage from there on (the rest's included).
         const bool gone = q.input_gone_from > 0 && j >= q.input_gone_from;
         const bool twice = input_leaves && p.output_ahead;
         // Its input, which it does not save (kept, or offloaded or streamed not sending it) and nothing else
         // holds, let go of once its forward is done.
-        const bool dropped =
-            p.output_let_go && ch.kind == OpKind::kForwardAll && !(ch.offload && ch.cost && ch.cost->input);
+        const bool dropped = p.output_let_go && ch.kind == OpKind::kForwardAll && !sends_input;
         if (!f.made[input_leaves][gone][twice][dropped]) {
           const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
           f.need[input_leaves][gone][twice][dropped] =

@@ -342,6 +342,15 @@ int64_t input_gone_from(bool streamed, bool sends_input, bool let_go) {
   return streamed ? 1 : 3;
 }
 
+// Whether step stage op.stage's way, offloaded or streamed, sends its input (its offload cost's `input`).
+static bool sends_input(const Chain& chain, const Plan& ops, const Op& op) {
+  if (!op.offloads()) return false;
+  Op in_chain = op;
+  in_chain.stage = op.stage - 1;
+  const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
+  return c && c->input;
+}
+
 int64_t input_gone_from(const Chain& chain, const StepContext& context, const Plan& ops) {
   if (input_unheld_bytes(chain, context) == 0) return 0;
   int64_t forwards = 0;  // step stage 1's
@@ -350,20 +359,12 @@ int64_t input_gone_from(const Chain& chain, const StepContext& context, const Pl
   for (const Op& op : ops.ops) {
     if (op.kind == OpKind::kLoss) break;
     if (op.stage != 1 || op.kind == OpKind::kBackward) continue;
-    if (!op.offloads()) {
-      // Kept, its only forward, saving none of it, where nothing held it into the backward pass.
-      if (op.kind == OpKind::kForwardAll && forwards == 1 && first_input_let_go(chain, context))
-        return input_gone_from(false, false, true);
-      continue;
-    }
-    Op in_chain = op;
-    in_chain.stage = 0;
-    const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
-    const bool sends = c && c->input;
-    // Streamed or offloaded whole as Fa, saving none of it (so sending none): let go of as where it is kept.
+    const bool sends = sends_input(chain, ops, op);
+    // Run as Fa (kept, or offloaded or streamed not sending it), its only forward, saving none of it, where
+    // nothing held it into the backward pass: let go of.
     if (!sends && op.kind == OpKind::kForwardAll && forwards == 1 && first_input_let_go(chain, context))
       return input_gone_from(false, false, true);
-    return input_gone_from(op.stream, sends);
+    if (op.offloads()) return input_gone_from(op.stream, sends);
   }
   return 0;
 }
@@ -449,14 +450,6 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         return false;
     }
     return false;
-  };
-  // Whether step stage op.stage's way, offloaded or streamed, sends its input (its offload cost's `input`).
-  auto sends_input = [&](const Op& op) {
-    if (!op.offloads()) return false;
-    Op in_chain = op;
-    in_chain.stage = op.stage - 1;
-    const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
-    return c && c->input;
   };
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
@@ -548,7 +541,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (replay && state_held[static_cast<size_t>(op.stage)]) peaks[k] += context.checkpoint_state_bytes;
     // Its input, which it does not save (kept, or offloaded or streamed not sending it) and nothing else
     // holds, goes once this forward is done.
-    if (!after_loss && op.kind == OpKind::kForwardAll && !sends_input(op) && op.stage >= 2 && op.stage <= n &&
+    if (!after_loss && op.kind == OpKind::kForwardAll && !sends_input(chain, ops, op) && op.stage >= 2 &&
+        op.stage <= n &&
         (leaves[static_cast<size_t>(op.stage - 1)] || plain[static_cast<size_t>(op.stage - 1)]) &&
         sim.forward_calls[static_cast<size_t>(op.stage)] == 1 &&
         input_let_go_in_forward(chain, context, op.stage - 1) && backward_first(k, op.stage)) {

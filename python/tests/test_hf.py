@@ -779,8 +779,10 @@ def test_a_peft_model_is_planned_through_its_base_model(meter):
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
     assert lp.model is model.get_base_model()
     same(plain[0], step(model, spec, 0, meter))
-    # (64 bytes above the prediction, at 4 to 6 MiB, whatever the plan: not located.)
-    _fastest_then_least(model, spec, lp, meter, plain[1], plain[2], below=0.02, above_bytes=1024)
+    # Up to 64 bytes above the prediction, at 4 to 6 MiB: each adapter's `* scaling` (a Python float) saves an
+    # 8-byte wrapped number that autograd keeps without the saved-tensor hooks, so a checkpointed layer holds 16
+    # bytes (two adapters) the model does not charge, on a CPU device only (docs/python.md).
+    _fastest_then_least(model, spec, lp, meter, plain[1], plain[2], below=0.02, above_bytes=16 * 4)
     remat.hf.disable(model)
     assert not _remat_left(model)
 

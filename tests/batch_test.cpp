@@ -104,6 +104,8 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   // Likewise its input (Stage::saves_input).
   ua.stages[0].saves_input = ua.stages[2].saves_input = false;
   ub.stages[2].saves_input = false;
+  // And whether it has a backward (Stage::has_backward): where either profile has one.
+  ua.stages[0].has_backward = ub.stages[0].has_backward = ua.stages[1].has_backward = false;
   const remat::Chain line = remat::chain_at_batch(ua, 2, ub, 4, 3);
   EXPECT_TRUE(line.stages[0].saves_output);
   EXPECT_FALSE(line.stages[1].saves_output);
@@ -111,6 +113,8 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   EXPECT_TRUE(line.stages[0].saves_input);
   EXPECT_TRUE(line.stages[1].saves_input);
   EXPECT_FALSE(line.stages[2].saves_input);
+  EXPECT_FALSE(line.stages[0].has_backward);
+  EXPECT_TRUE(line.stages[1].has_backward);
 }
 
 TEST(Batch, ProfilesOfDifferentChainsOrAtOneBatchAreRefused) {

@@ -49,6 +49,24 @@ TEST_F(ProfileTest, MeasuresEveryFieldOfSimpleStages) {
   EXPECT_GE(chain.stages[3].bwd_tmp_bytes + chain.stages[3].output_bytes, 2 * w * w * 4);
 }
 
+// A first stage frozen on a sample that needs no gradient makes no graph: no backward (Stage::has_backward),
+// nothing saved but its output, and the per-layer planner keeps it at every budget; a stage with parameters
+// to train has a backward. (A later stage's input is taken as needing a gradient, as before.)
+TEST_F(ProfileTest, AFirstStageFrozenOnASampleWithoutAGradientHasNoBackward) {
+  const int64_t b = 16, w = 32;
+  torch::nn::Sequential seq(torch::nn::Linear(w, w), torch::nn::Tanh(), torch::nn::Linear(w, w));
+  for (auto& p : seq[0]->parameters())
+    p.set_requires_grad(false);
+  const remat::Chain chain =
+      remat::profile_chain(seq, torch::randn({b, w}), remat::ProfileOptions().warmup(0).repeats(1));
+  EXPECT_FALSE(chain.stages[0].has_backward);
+  EXPECT_EQ(chain.stages[0].saved_bytes, chain.stages[0].output_bytes);
+  EXPECT_TRUE(chain.stages[2].has_backward);
+  const int64_t least = remat::per_layer_min_budget(chain);
+  for (const int64_t budget : {least, least * 8})
+    EXPECT_EQ(remat::per_layer(chain, budget).ops[0].kind, remat::OpKind::kForwardAll) << budget;
+}
+
 // A stage whose forward without saving holds two tensors at once that a forward with saving keeps one of: the
 // feed-forward product and its ReLU (which saves its output; the product is let go of once the ReLU is done).
 TEST_F(ProfileTest, MeasuresWhatTheForwardWithoutSavingHoldsAboveItsOutput) {

@@ -177,6 +177,10 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
         options[j].emplace_back(op, -1);
       }
     };
+    if (!s.has_backward) {  // run as Fa whatever the way: kept, and nothing else (Stage::has_backward)
+      options[j].emplace_back(Op{OpKind::kForwardAll, j}, -1);
+      continue;
+    }
     add({OpKind::kForwardAll, j}, s.offload.has_value());
     if (offload && s.offload && s.offload->can_stream()) {  // with the chain's window, and with none
       Op op{OpKind::kForwardAll, j};
@@ -503,6 +507,64 @@ TEST(PerLayer, EqualsExhaustiveSearchOnRandomChains) {
   EXPECT_GT(with_fk, 20);
   EXPECT_GT(with_fc, 20);
   EXPECT_GT(with_fa, 20);
+}
+
+// A stage without a backward (Stage::has_backward false: a layer frozen on an input that needs no gradient)
+// makes no graph, so every way runs it as Fa does: the per-layer planner keeps it, at every budget, whatever
+// its figures say another way would save (offloading, streaming and group assignments offered), for the chain
+// and for the whole step; the other stages are planned as the exhaustive search over the ways left plans
+// them.
+TEST(PerLayer, KeepsAStageWithoutABackward) {
+  std::mt19937 rng(2031);
+  int other_way_before = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t n = 2 + trial % 3;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    add_random_groups(rng, chain);
+    add_random_streams(rng, chain);
+    const int64_t frozen = 1 + trial % (n - 1);  // a prefix, as frozen lower layers are
+    for (int64_t j = 0; j < frozen; ++j) {       // figures under which another way is the faster
+      remat::Stage& s = chain.stages[static_cast<size_t>(j)];
+      s.checkpoint_fwd_ms = 0.5 * s.fwd_ms, s.checkpoint_bwd_ms = 0.0;
+    }
+    remat::PlannerOptions options;
+    options.offload = true;
+    const int64_t most = remat::per_layer_min_budget(chain, options) * 4;
+    const Plan before = remat::per_layer(chain, most, options);
+    for (int64_t j = 0; j < frozen; ++j)
+      other_way_before += before.ops[static_cast<size_t>(j)].kind != OpKind::kForwardAll;
+    for (int64_t j = 0; j < frozen; ++j)
+      chain.stages[static_cast<size_t>(j)].has_backward = false;
+    const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true, true);
+    expect_exhaustive(chain, all, options, rng, trial, [&](const Plan& plan, int64_t) {
+      for (int64_t j = 0; j < frozen; ++j) {
+        const Op& op = plan.ops[static_cast<size_t>(j)];
+        EXPECT_TRUE(op.kind == OpKind::kForwardAll && !op.offload && !op.stream && op.groups.empty())
+            << "trial " << trial << ": " << plan.to_string();
+      }
+    });
+    remat::StepContext context;
+    context.rest_peak_bytes = 3000;
+    context.stage_grads_bytes.assign(static_cast<size_t>(n), 20);
+    const int64_t least = remat::min_step_budget(chain, context, "per-layer", options);
+    for (const int64_t budget : {least, least * 3}) {
+      const Plan plan = remat::plan_step(chain, context, budget, "per-layer", options).plan;
+      for (int64_t j = 0; j < frozen; ++j)
+        EXPECT_EQ(plan.ops[static_cast<size_t>(j)].kind, OpKind::kForwardAll) << plan.to_string();
+    }
+  }
+  EXPECT_GT(other_way_before, 10);  // the figures alone would have chosen another way
+  // Written only where false ("has_backward"), read back; a chain written before it has a backward
+  // everywhere.
+  Chain chain = hand_chain(2, 1000, 1500);
+  EXPECT_EQ(remat::to_json(chain).find("has_backward"), std::string::npos);
+  chain.stages[0].has_backward = false;
+  const Chain back = remat::chain_from_json(remat::to_json(chain));
+  EXPECT_FALSE(back.stages[0].has_backward);
+  EXPECT_TRUE(back.stages[1].has_backward);
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1,
+    "output_bytes": 1, "saved_bytes": 1, "has_backward": "no"}]})"),
+                        "\"has_backward\" must be true or false");
 }
 
 TEST(PerLayer, HonoursExclusionsAndPerCallTimes) {
@@ -1531,6 +1593,15 @@ TEST(Step, PlanStepFallsBackToTheMeasuredCheckpointAllPeak) {
   remat::StepContext plain;
   EXPECT_EQ(remat::plan_step(chain, ctx, model_floor + 1000, "per-layer").plan.to_string(),
             remat::plan_step(chain, plain, model_floor + 1000, "per-layer").plan.to_string());
+  // Stages without a backward ran checkpointed as kept (Stage::has_backward): the plan says kept, and its
+  // time is theirs kept; the optimal planner's is the schedule as it ran.
+  Chain frozen = chain;
+  frozen.stages[0].has_backward = frozen.stages[1].has_backward = false;
+  ctx.checkpoint_all_peak_bytes = remat::min_step_budget(frozen, plain, "per-layer") - 100;
+  const remat::StepPlan q = remat::plan_step(frozen, ctx, ctx.checkpoint_all_peak_bytes, "per-layer");
+  EXPECT_EQ(q.plan.to_string(), remat::checkpoint_stages(5, {2, 3, 4}).to_string());
+  EXPECT_EQ(q.step_peak_bytes, ctx.checkpoint_all_peak_bytes);
+  EXPECT_DOUBLE_EQ(q.plan.predicted.time_ms, remat::per_call_time_ms(frozen, {2, 3, 4}));
 }
 
 // A step that begins in another state of the parameter gradients (gradient accumulation): each stage charged
@@ -1667,6 +1738,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ua.stages[0].saves_output = ua.stages[1].saves_output = false;
     ub.stages[1].saves_output = ub.stages[2].saves_output = false;
     ua.stages[3].saves_input = ub.stages[3].saves_input = ub.stages[0].saves_input = false;  // and its input
+    ua.stages[0].has_backward = ub.stages[0].has_backward = ub.stages[1].has_backward = false;  // a backward
     const remat::PlanFigures most = largest(remat::plan_figures(ua, ca), remat::plan_figures(ub, ca));
     Chain y = ua;
     remat::StepContext z = ca;
@@ -1677,6 +1749,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ((std::vector<bool>{y.stages[0].saves_input, y.stages[1].saves_input, y.stages[2].saves_input,
                                  y.stages[3].saves_input}),
               (std::vector<bool>{true, true, true, false}));
+    EXPECT_EQ((std::vector<bool>{y.stages[0].has_backward, y.stages[1].has_backward, y.stages[2].has_backward,
+                                 y.stages[3].has_backward}),
+              (std::vector<bool>{false, true, true, true}));  // one where any process has one
   }
   // Other structures, and a flag that is no flag, are refused; nothing changes.
   Chain shorter = a;

@@ -18,7 +18,9 @@
 /// step; a first stage whose sample input needs no gradient makes none, and its peaks are taken less the
 /// input's bytes all the same, which the step's model charges), and bwd_grads_tmp_bytes, from the same run,
 /// the peak it would have reached had it made those gradients (.grad undefined before it, as after
-/// zero_grad()): from a hook on each parameter, which gets its gradient before it is accumulated. Times are
+/// zero_grad()): from a hook on each parameter, which gets its gradient before it is accumulated;
+/// has_backward is false for a stage whose output needs no gradient (a first stage frozen on a sample that
+/// needs none: every later stage's input is taken as needing one). Times are
 /// medians of `repeats` timed runs after `warmup` untimed ones, each run taking the stages in the order of a
 /// training step (so that the caches hold what a step leaves there): a forward pass without saving
 /// (fwd_nosave_ms), then from the last stage to the first its forward with saving and its backward (fwd_ms,

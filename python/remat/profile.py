@@ -457,7 +457,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     Each stage runs with its input needing a gradient as in a training step: the first where example_input
     requires grad, a later one by input_needs_grad() (or where its given input requires grad). A stage frozen on
     an input that needs none (fine-tuning's lower layers) makes no graph, and is profiled so: its output alone
-    saved, no backward.
+    saved, no backward (Stage.has_backward false: the per-layer planner keeps it).
 
     A StageFn with `compiled` (a layer compiled one by one, as remat.enable's profiling step gives it) runs its
     kept, checkpointed and policy passes through that call, after one untimed run of each (compiling); it gets no
@@ -695,6 +695,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # Linear saves a cast of it (bf16 under autocast) does not: a step lets go of it once
                         # the layer's forward is done, where nothing else holds it. A compiled stage's, as saved.
                         fields[i]["saves_in"] = compiled[i] or _storage_key(leaf) in counter.packed
+                        # Whether it has a backward (Stage.has_backward): a stage whose output needs no gradient
+                        # made no graph, and every way runs it as kept.
+                        fields[i]["has_bwd"] = out.requires_grad
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
                         if offload_min_bytes is not None and not compiled[i]:
@@ -833,6 +836,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.saved_bytes = f["saved"]
         s.saves_output = f.get("saves_out", True)
         s.saves_input = f.get("saves_in", True)
+        s.has_backward = f.get("has_bwd", True)
         s.bwd_output_freed_bytes = f.get("out_freed", 0)
         s.fwd_tmp_bytes = f["ftmp"]
         s.fwd_nosave_tmp_bytes = max(0, f["ntmp"])

@@ -153,6 +153,9 @@ NB_MODULE(_core, m) {
       .def_rw("bwd_output_freed_bytes", &remat::Stage::bwd_output_freed_bytes,
               "how much lower its backward's peak, run as Fa, is where its graph alone holds its output, "
               "which it lets go of once the operations that saved it have run backward (0: held through)")
+      .def_rw("has_backward", &remat::Stage::has_backward,
+              "whether it has a backward (false: its output needs no gradient, so every way runs it as Fa, "
+              "and the per-layer planner keeps it)")
       .def_rw("fwd_tmp_bytes", &remat::Stage::fwd_tmp_bytes, "transient peak above that in its forward")
       .def_rw("fwd_nosave_tmp_bytes", &remat::Stage::fwd_nosave_tmp_bytes,
               "transient peak above its output in its forward without saving, as Fn and Fc run it (None: "

@@ -562,6 +562,30 @@ def test_inputs_that_take_no_gradient_are_charged_as_they_are_held(meter, frozen
     assert list(lp.context.outputs_held_in_backward)[1:frozen + 1] == [False] * frozen
 
 
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_layer_without_a_backward_is_kept_whatever_its_times_say(meter, offload):
+    # A layer frozen on an input that needs no gradient makes no graph (Stage.has_backward false), so every way
+    # runs it as kept: the planner keeps it, with times under which checkpointing looks the faster. Before
+    # (found 2026-12-03), such layers were checkpointed (or offloaded) by the times alone, and charged an input
+    # held to a backward they do not have: every layer checkpointed, 11.5% below the prediction.
+    ids = torch.randint(0, 100, (8, 64))
+    m = _FrozenBelow(3)
+    kw = dict(offload=True, groups=True, offload_min_bytes=4096) if offload else {}
+    lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False, **kw)
+    _train_with_times(m, ids, lp, _checkpointed)
+    assert [s.has_backward for s in lp.chain.stages] == [False, False, False, True]
+    assert lp.choices[:3] == ["keep"] * 3, lp.choices
+    if not offload:
+        assert lp.choices[3] == "checkpoint"
+        assert abs(lp.prediction_error) <= 0.001, lp.prediction_error
+    lp.set_budget(lp.min_budget_bytes)  # and at the least budget
+    assert lp.choices[:3] == ["keep"] * 3, lp.choices
+    out = m(ids)
+    out.float().square().mean().backward()
+    del out
+    assert -0.001 <= lp.prediction_error <= 0, lp.prediction_error
+
+
 def test_a_post_norm_bert_under_autocast_lets_go_of_each_layers_input_once_its_forward_is_done(meter):
     # A BERT layer's first operations are Linears, which under bf16 autocast save the bf16 cast of its fp32 input;
     # its last LayerNorm saves the sum it normalizes, not the input. Nothing else holds a layer's input (the

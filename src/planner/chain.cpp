@@ -288,6 +288,7 @@ std::string to_json(const Chain& chain) {
     if (!s.saves_output) js["saves_output"] = false;
     if (!s.saves_input) js["saves_input"] = false;
     if (s.bwd_output_freed_bytes != 0) js["bwd_output_freed_bytes"] = s.bwd_output_freed_bytes;
+    if (!s.has_backward) js["has_backward"] = false;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     if (s.fwd_nosave_tmp_bytes) js["fwd_nosave_tmp_bytes"] = *s.fwd_nosave_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
@@ -440,6 +441,7 @@ Chain chain_from_json(const std::string& text) {
     s.saved_bytes = required<int64_t>(js, "saved_bytes", where);
     s.saves_output = boolean(js, "saves_output", where, true);
     s.saves_input = boolean(js, "saves_input", where, true);
+    s.has_backward = boolean(js, "has_backward", where, true);
     if (js.contains("bwd_output_freed_bytes"))
       s.bwd_output_freed_bytes = required<int64_t>(js, "bwd_output_freed_bytes", where);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);

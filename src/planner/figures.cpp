@@ -134,6 +134,7 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(s.saved_bytes);
     v.flag(s.saves_output);  // saved where any process saves it
     v.flag(s.saves_input);   // likewise
+    v.flag(s.has_backward);  // likewise
     v.freed(s.bwd_output_freed_bytes);
     v.bytes(s.fwd_tmp_bytes);
     v.measured_bytes(s.fwd_nosave_tmp_bytes, s.fwd_tmp_bytes);

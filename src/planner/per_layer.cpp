@@ -133,6 +133,10 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
   };
   add({OpKind::kForwardAll, -1, s.saved_bytes, 0, s.fwd_ms, s.bwd_ms}, s.offload);
   if (all_only) return out;
+  if (!s.has_backward) {  // no graph: every way runs it as Fa, kept (Stage::has_backward)
+    out.resize(1);
+    return out;
+  }
   if (offload && s.offload && s.offload->can_stream()) {
     Choice c = out.back();  // Fa@host: the same forward, backward and copies, streamed
     c.stream = true;

@@ -652,12 +652,17 @@ StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budge
       throw;
     }
     StepPlan out;
-    out.plan = checkpoint_all(chain);
+    // Every stage checkpointed, as the profiling step ran it. A stage without a backward ran so as kept
+    // (Stage::has_backward): the per-layer planner's plan says kept, as its program would.
+    std::vector<int64_t> every;
+    for (int64_t i = 0; i < chain.size(); ++i)
+      if (planner != "per-layer" || chain.stages[static_cast<size_t>(i)].has_backward) every.push_back(i);
+    out.plan = static_cast<int64_t>(every.size()) == chain.size()
+                   ? checkpoint_all(chain)
+                   : detail::finish(chain, checkpoint_stages(chain.size(), every), "all", 0);
     out.step_peak_bytes = context.checkpoint_all_peak_bytes;
     // Its time as the per-layer program charges a checkpointed stage (run per call, its recompute stopping
     // early), as the profiling step ran it; not simulate()'s Fn, Fa and B.
-    std::vector<int64_t> every(static_cast<size_t>(chain.size()));
-    std::iota(every.begin(), every.end(), int64_t{0});
     out.plan.predicted.time_ms = per_call_time_ms(chain, every);
     out.step_time_ms = out.plan.predicted.time_ms + context.rest_ms;
     return out;

@@ -189,6 +189,14 @@ struct Stage {
   /// (found 2026-12-03), 4-layer MLPs ending in a sigmoid or a ReLU held 2.4-3.9% below their predictions on
   /// every plan. Last of the fields, as fwd_nosave_tmp_bytes.
   int64_t bwd_output_freed_bytes = 0;
+  /// Whether the stage has a backward: false where its output needs no gradient (a layer frozen on an input
+  /// that needs none, as fine-tuning freezes the lower layers: no parameter of it and nothing it reads needs
+  /// a gradient), as both profilers measure it. Such a stage makes no autograd graph, so every way runs it as
+  /// Fa does (a checkpoint saves nothing and recomputes nothing, an offload sends nothing): the per-layer
+  /// planner (remat/planner/per_layer.h) keeps it, and offers no other way for it. The step's model charges a
+  /// way a plan gives it as it would a stage with a backward (above what the step holds). Default true. Last
+  /// of the fields, as fwd_nosave_tmp_bytes.
+  bool has_backward = true;
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }

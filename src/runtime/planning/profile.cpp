@@ -362,6 +362,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       }
       const std::vector<torch::Tensor> targets = targets_of(i, leaf);
       double b = 0;
+      // Whether it has a backward (Stage::has_backward): one whose output needs no gradient made no graph.
+      if (measure) s.has_backward = out.requires_grad();
       if (out.requires_grad() && !targets.empty()) {
         if (measure) {
           const BackwardPeaks peaks = measured_backward(i, std::move(out), leaf, targets);

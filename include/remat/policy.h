@@ -88,10 +88,10 @@ const char* to_string(CheckpointPolicy p);
 
 /// A selective-checkpointing policy: for each call, keep its outputs on the device, send them to the host, or
 /// recompute the call (CheckpointPolicy); a bool policy's true is kPreferSave, false kPreferRecompute. Every
-/// policy has a name, which chains and plans record (remat/planner/chain.h, remat/planner/plan.h) and the plan executor
-/// resolves (the presets' names always resolve). Copies share the decision function. The function must decide
-/// the same for the same call every time (the recompute relies on it), and is called on the thread that runs
-/// the region, with remat's dispatcher fallback paused (it may look at tensors freely).
+/// policy has a name, which chains and plans record (remat/planner/chain.h, remat/planner/plan.h) and the
+/// plan executor resolves (the presets' names always resolve). Copies share the decision function. The
+/// function must decide the same for the same call every time (the recompute relies on it), and is called on
+/// the thread that runs the region, with remat's dispatcher fallback paused (it may look at tensors freely).
 class Policy {
  public:
   /// No policy: nothing is kept (CheckpointOptions' default).

@@ -9,12 +9,12 @@
 #include <remat/memory.h>
 #include <remat/offload.h>
 #include <remat/planned.h>
-#include <remat/planner/chain.h>
 #include <remat/planner/batch.h>
-#include <remat/planner/timeline.h>
+#include <remat/planner/chain.h>
 #include <remat/planner/device.h>
 #include <remat/planner/plan.h>
 #include <remat/planner/planner.h>
+#include <remat/planner/timeline.h>
 #include <remat/planner/units.h>
 #include <remat/profile.h>
 #include <remat/sequential.h>

@@ -1,6 +1,6 @@
 // The remat command: one subcommand per file (<name>_command.cpp), each parsing its arguments and calling the
-// library (remat/planner/planner.h, remat/planner/strategy.h, remat/planner/report.h, remat/profile.h) or the benchmark harness
-// (remat/bench.h). Errors are one line on stderr and a non-zero exit.
+// library (remat/planner/planner.h, remat/planner/strategy.h, remat/planner/report.h, remat/profile.h) or the
+// benchmark harness (remat/bench.h). Errors are one line on stderr and a non-zero exit.
 
 #include <ATen/Parallel.h>
 

@@ -143,8 +143,8 @@ class BertModelImpl : public torch::nn::Module, public Checkpointable {
   /// Stages per layer at a granularity (1 or 5).
   static int64_t stages_per_layer(Granularity granularity);
 
-  /// Runs forward() with a plan (remat/planner/plan.h) over stages() instead of per-layer checkpointing: the plan
-  /// must have num_hidden_layers + 1 stages; the preserve_rng_state and determinism_check of the last
+  /// Runs forward() with a plan (remat/planner/plan.h) over stages() instead of per-layer checkpointing: the
+  /// plan must have num_hidden_layers + 1 stages; the preserve_rng_state and determinism_check of the last
   /// gradient_checkpointing_enable apply. Throws c10::Error when it does not.
   void use_plan(Plan plan, Granularity granularity = Granularity::kLayer);
   /// Megatron-style selective checkpointing: runs forward() with use_plan over the sub-layer stages,

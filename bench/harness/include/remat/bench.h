@@ -9,12 +9,12 @@
 ///   auto rows = remat::bench(*w, {"none", "all", "sqrt", "optimal:overhead=0.5"});
 ///   for (auto& r : rows) std::cout << r.strategy << " " << r.stats.peak_bytes << "\n";
 ///
-/// Strategies are the strings of remat/planner/strategy.h, with one meaning everywhere. Here "none" trains the plain
-/// model; "all" and its variants (all-reentrant, all-no-early-stop, all-keep-TAG) run through the model's own
-/// per-layer checkpointing (gradient_checkpointing_enable with per_layer_options); every other strategy is a
-/// plan over the model's stages, run by the plan executor ("plan-all" is "all"'s schedule there). A model
-/// that does not tag TAG runs all-keep-TAG as "all". "optimal" and "revolve" need a budget: spell it
-/// (optimal:300MiB) or give a time target (optimal:overhead=0.5).
+/// Strategies are the strings of remat/planner/strategy.h, with one meaning everywhere. Here "none" trains
+/// the plain model; "all" and its variants (all-reentrant, all-no-early-stop, all-keep-TAG) run through the
+/// model's own per-layer checkpointing (gradient_checkpointing_enable with per_layer_options); every other
+/// strategy is a plan over the model's stages, run by the plan executor ("plan-all" is "all"'s schedule
+/// there). A model that does not tag TAG runs all-keep-TAG as "all". "optimal" and "revolve" need a budget:
+/// spell it (optimal:300MiB) or give a time target (optimal:overhead=0.5).
 
 #include <remat/measure.h>
 #include <remat/planner/chain.h>

@@ -141,6 +141,11 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
   // (Stage::bwd_output_freed_bytes), about half, by up to the whole output.
   for (remat::Stage& s : chain.stages)
     if (coin(rng)) s.bwd_output_freed_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(rng);
+  // And stages that leave casts in autocast's cache until the chain's backward pass begins
+  // (Stage::autocast_cache_bytes), about a third, up to half their output.
+  for (remat::Stage& s : chain.stages)
+    if (coin(rng) && coin(rng))
+      s.autocast_cache_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes / 2)(rng);
 }
 
 // A step around `chain` for trial `trial` of a random test: the chain's input of 2000 to 4000 bytes, what
@@ -565,6 +570,36 @@ TEST(PerLayer, KeepsAStageWithoutABackward) {
   EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"fwd_ms": 1, "bwd_ms": 1,
     "output_bytes": 1, "saved_bytes": 1, "has_backward": "no"}]})"),
                         "\"has_backward\" must be true or false");
+}
+
+// What a stage's forward leaves in autocast's cache (Stage::autocast_cache_bytes) is charged from its first
+// forward before the loss, whatever its way, through the rest's backward (whose measured peak may be in its
+// forward): at every forward point after it, the loss and the rest's backward, at no chain stage's backward
+// or recompute; the per-layer planner plans with it (its exhaustive tests
+// draw it); written only where not 0, read back, refused negative.
+TEST(Step, AutocastsCachedCastsAreChargedUntilTheChainsBackwardPass) {
+  Chain plain = hand_chain(3, 1000, 1500), cached = plain;
+  cached.stages[0].autocast_cache_bytes = 100;
+  cached.stages[2].autocast_cache_bytes = 30;
+  remat::StepContext ctx;
+  ctx.rest_peak_bytes = 3000;
+  const Plan plan = ops_plan("Fa0 Fc1 Fa2 L B2 Fa1 B1 B0", 3);
+  const remat::StepTimeline a = remat::step_timeline(plain, ctx, plan),
+                            b = remat::step_timeline(cached, ctx, plan);
+  ASSERT_EQ(a.points.size(), b.points.size());
+  std::string more;
+  for (size_t k = 0; k < a.points.size(); ++k)
+    more += b.points[k].op + ":" + std::to_string(b.points[k].peak_bytes - a.points[k].peak_bytes) + " ";
+  EXPECT_EQ(
+      more,
+      "before:0 Fa0:100 Fc1:100 Fa2:130 after:130 L:130 B(after):130 B2:0 Fa1:0 B1:0 B0:0 B(before):0 ");
+  EXPECT_EQ(remat::step_peak_bytes(cached, ctx, plan), a.peak_bytes + 130);  // the rest's peak, with them
+  const Chain back = remat::chain_from_json(remat::to_json(cached));
+  EXPECT_EQ(back.stages[0].autocast_cache_bytes, 100);
+  EXPECT_EQ(back.stages[1].autocast_cache_bytes, 0);
+  EXPECT_EQ(remat::to_json(plain).find("autocast_cache_bytes"), std::string::npos);
+  cached.stages[1].autocast_cache_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::validate(cached), "negative autocast_cache_bytes");
 }
 
 TEST(PerLayer, HonoursExclusionsAndPerCallTimes) {
@@ -1739,6 +1774,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ub.stages[1].saves_output = ub.stages[2].saves_output = false;
     ua.stages[3].saves_input = ub.stages[3].saves_input = ub.stages[0].saves_input = false;  // and its input
     ua.stages[0].has_backward = ub.stages[0].has_backward = ub.stages[1].has_backward = false;  // a backward
+    ua.stages[1].autocast_cache_bytes = 40, ub.stages[1].autocast_cache_bytes = 70;             // the largest
     const remat::PlanFigures most = largest(remat::plan_figures(ua, ca), remat::plan_figures(ub, ca));
     Chain y = ua;
     remat::StepContext z = ca;
@@ -1752,6 +1788,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ((std::vector<bool>{y.stages[0].has_backward, y.stages[1].has_backward, y.stages[2].has_backward,
                                  y.stages[3].has_backward}),
               (std::vector<bool>{false, true, true, true}));  // one where any process has one
+    EXPECT_EQ(y.stages[1].autocast_cache_bytes, 70);
   }
   // Other structures, and a flag that is no flag, are refused; nothing changes.
   Chain shorter = a;

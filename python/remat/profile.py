@@ -306,6 +306,27 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     return [(name, nbytes, _median(times[name])) for name, nbytes in found]
 
 
+def _autocast_cached_bytes(fn, leaf, meter) -> int:
+    """What fn (a stage kept, as the runtime runs it: autocast's cache on) leaves in autocast's cache beside what
+    its graph saves (bytes): the casts of parameters the graph does not save (a Linear's bias; its weight where
+    its input takes no gradient), which the cache holds until the caller's autocast region ends. Run on a view
+    of `leaf` (autocast caches the casts of leaves that require grad, which a layer's input in a step is not),
+    the cache emptied after it (torch.clear_autocast_cache: the profiler runs with it off, so it holds nothing
+    of the stages')."""
+    x = leaf.view_as(leaf)
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(True)
+    try:
+        out = fn(x)
+        held = meter.count()
+        torch.clear_autocast_cache()
+        cached = held - meter.count()
+    finally:
+        torch.set_autocast_cache_enabled(was)
+    del out, x
+    return max(0, cached)
+
+
 def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
                     window: int) -> tuple[int, int, int, int] | None:
     """fn(leaf) run streamed: what it saves sent to the host as it is made, each copy waited for at once
@@ -700,6 +721,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["has_bwd"] = out.requires_grad
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
+                        # Under autocast, what a kept stage leaves in autocast's cache (the casts its graph does
+                        # not save), held from its forward until the caller's autocast region ends
+                        # (Stage.autocast_cache_bytes).
+                        if not compiled[i] and torch.is_autocast_enabled(device.type):
+                            fields[i]["cached"] = _autocast_cached_bytes(
+                                lambda t, i=i: run_as(i, KEEP, t), leaf, meter)
                         if offload_min_bytes is not None and not compiled[i]:
                             fields[i]["offload"] = counter.offload_cost(
                                 _storage_key(leaf), out_key, fields[i]["saved"] - out.nbytes)
@@ -834,6 +861,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.name = names[i]
         s.output_bytes = f["out"]
         s.saved_bytes = f["saved"]
+        s.autocast_cache_bytes = f.get("cached", 0)
         s.saves_output = f.get("saves_out", True)
         s.saves_input = f.get("saves_in", True)
         s.has_backward = f.get("has_bwd", True)

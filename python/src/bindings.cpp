@@ -153,6 +153,10 @@ NB_MODULE(_core, m) {
       .def_rw("bwd_output_freed_bytes", &remat::Stage::bwd_output_freed_bytes,
               "how much lower its backward's peak, run as Fa, is where its graph alone holds its output, "
               "which it lets go of once the operations that saved it have run backward (0: held through)")
+      .def_rw(
+          "autocast_cache_bytes", &remat::Stage::autocast_cache_bytes,
+          "under autocast, what its forward kept as it is leaves in autocast's cache beside what its graph "
+          "saves (bytes): charged from its forward through the rest of the step's backward")
       .def_rw("has_backward", &remat::Stage::has_backward,
               "whether it has a backward (false: its output needs no gradient, so every way runs it as Fa, "
               "and the per-layer planner keeps it)")

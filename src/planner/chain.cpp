@@ -136,6 +136,7 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
     check_bytes(chain, i, "bwd_output_freed_bytes", s.bwd_output_freed_bytes);
+    check_bytes(chain, i, "autocast_cache_bytes", s.autocast_cache_bytes);
     if (s.bwd_output_freed_bytes > s.output_bytes) {
       throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
                                   " has bwd_output_freed_bytes (" + std::to_string(s.bwd_output_freed_bytes) +
@@ -289,6 +290,7 @@ std::string to_json(const Chain& chain) {
     if (!s.saves_input) js["saves_input"] = false;
     if (s.bwd_output_freed_bytes != 0) js["bwd_output_freed_bytes"] = s.bwd_output_freed_bytes;
     if (!s.has_backward) js["has_backward"] = false;
+    if (s.autocast_cache_bytes != 0) js["autocast_cache_bytes"] = s.autocast_cache_bytes;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     if (s.fwd_nosave_tmp_bytes) js["fwd_nosave_tmp_bytes"] = *s.fwd_nosave_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
@@ -442,6 +444,8 @@ Chain chain_from_json(const std::string& text) {
     s.saves_output = boolean(js, "saves_output", where, true);
     s.saves_input = boolean(js, "saves_input", where, true);
     s.has_backward = boolean(js, "has_backward", where, true);
+    if (js.contains("autocast_cache_bytes"))
+      s.autocast_cache_bytes = required<int64_t>(js, "autocast_cache_bytes", where);
     if (js.contains("bwd_output_freed_bytes"))
       s.bwd_output_freed_bytes = required<int64_t>(js, "bwd_output_freed_bytes", where);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);

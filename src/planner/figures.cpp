@@ -135,6 +135,7 @@ void visit(C& chain, X& context, V& v) {
     v.flag(s.saves_output);  // saved where any process saves it
     v.flag(s.saves_input);   // likewise
     v.flag(s.has_backward);  // likewise
+    v.bytes(s.autocast_cache_bytes);
     v.freed(s.bwd_output_freed_bytes);
     v.bytes(s.fwd_tmp_bytes);
     v.measured_bytes(s.fwd_nosave_tmp_bytes, s.fwd_tmp_bytes);

@@ -451,6 +451,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     }
     return false;
   };
+  // Under autocast, what the chain stages' forwards left in autocast's cache (Stage::autocast_cache_bytes),
+  // charged whatever their way from each stage's first forward before the loss through the rest's backward
+  // (whose measured peak may be in the rest's forward, inside the caller's autocast region).
+  std::vector<char> cached_in(static_cast<size_t>(n) + 2, 0);
+  int64_t cached = 0;
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
     const Op& op = ops.ops[k];
@@ -521,6 +526,13 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       state_held[static_cast<size_t>(op.stage)] = 1;
       arrived += context.checkpoint_state_bytes;
     }
+    if (forward_op && !after_loss && !cached_in[static_cast<size_t>(op.stage)]) {
+      cached_in[static_cast<size_t>(op.stage)] = 1;
+      const int64_t c = chain.stages[static_cast<size_t>(op.stage - 1)].autocast_cache_bytes;
+      cached += c, arrived += c;
+    }
+    if (after_loss && op.kind != OpKind::kLoss && !(op.kind == OpKind::kBackward && op.stage == n + 1))
+      arrived -= cached, cached = 0;
     if (after_loss && gone_from > 1 && op.kind != OpKind::kLoss && (op.stage == 1 || op.stage == 2))
       input_back = true;
     const bool without_input = after_loss && !input_back && op.stage >= 1 && op.kind != OpKind::kLoss;

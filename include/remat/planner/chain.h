@@ -197,6 +197,17 @@ struct Stage {
   /// way a plan gives it as it would a stage with a backward (above what the step holds). Default true. Last
   /// of the fields, as fwd_nosave_tmp_bytes.
   bool has_backward = true;
+  /// Under autocast, what its forward, kept as it is (Fa), leaves in autocast's cache beside what its graph
+  /// saves (bytes, >= 0): the low-precision casts of parameters the graph does not save (a Linear's bias; its
+  /// weight where its input takes no gradient), which the cache holds until the caller's autocast region
+  /// ends. The Python profiler measures it where autocast is on (the C++ profiler leaves 0). The step's model
+  /// (remat/planner/step.h) charges it, whatever the stage's way, from the stage's first forward before the
+  /// loss through the rest of the step's backward (whose measured peak may be in its forward, inside the
+  /// region), not in the chain's backward pass (the region ending with the loss, as in a training step).
+  /// Before (found 2026-12-03), a small BERT under CPU bf16 autocast, every layer kept, peaked at its loss
+  /// 0.075% above its prediction (its biases), and a model whose first layer takes the model's own input
+  /// 0.58% (that layer's weight). Last of the fields, as fwd_nosave_tmp_bytes.
+  int64_t autocast_cache_bytes = 0;
 
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }

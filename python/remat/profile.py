@@ -721,12 +721,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["has_bwd"] = out.requires_grad
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
-                        # Under autocast, what a kept stage leaves in autocast's cache (the casts its graph does
-                        # not save), held from its forward until the caller's autocast region ends
-                        # (Stage.autocast_cache_bytes).
-                        if not compiled[i] and torch.is_autocast_enabled(device.type):
-                            fields[i]["cached"] = _autocast_cached_bytes(
-                                lambda t, i=i: run_as(i, KEEP, t), leaf, meter)
                         if offload_min_bytes is not None and not compiled[i]:
                             fields[i]["offload"] = counter.offload_cost(
                                 _storage_key(leaf), out_key, fields[i]["saved"] - out.nbytes)
@@ -752,6 +746,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     del out, leaf
                     if measured and fields[i]["saves_out"] and not compiled[i]:
                         fields[i]["out_freed"] = output_freed_in_backward(i)
+                    # Under autocast, what the stage kept leaves in autocast's cache (the casts its graph does
+                    # not save), held from its forward until the caller's autocast region ends
+                    # (Stage.autocast_cache_bytes): its forward again, once nothing of the one above is alive.
+                    if measure and not compiled[i] and torch.is_autocast_enabled(device.type):
+                        leaf = leaf_of(i)
+                        fields[i]["cached"] = _autocast_cached_bytes(lambda t, i=i: run_as(i, KEEP, t), leaf, meter)
+                        del leaf
                     report("forward and backward", names[i])
                 # Every stage under torch.utils.checkpoint, then the backward pass through them (what
                 # checkpointing every stage holds); then each stage under each policy, its backward right after

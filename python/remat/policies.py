@@ -221,18 +221,24 @@ def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Modu
 
 
 @contextlib.contextmanager
-def autocast_cache_off():
-    """Autocast's cache of cast weights off inside, as around every region remat checkpoints
-    (torch.utils.checkpoint records it for the recompute): a layer that does not keep its activations would
-    otherwise hold its weights' low-precision copies until the autocast region ends (each checkpointed layer's
-    weights in bf16 above the prediction, measured). The values are the same; a weight used twice in the layer
-    is cast twice. The profiler runs its checkpointed passes so too, so that it measures what runs."""
-    cache = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
+def autocast_cache(enabled: bool):
+    """Autocast's cache of cast weights on or off inside, as it was after."""
+    was = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(enabled)
     try:
         yield
     finally:
-        torch.set_autocast_cache_enabled(cache)
+        torch.set_autocast_cache_enabled(was)
+
+
+def autocast_cache_off():
+    """Autocast's cache of cast weights off inside (autocast_cache(False)), as around every region remat
+    checkpoints (torch.utils.checkpoint records it for the recompute): a layer that does not keep its
+    activations would otherwise hold its weights' low-precision copies until the autocast region ends (each
+    checkpointed layer's weights in bf16 above the prediction, measured). The values are the same; a weight used
+    twice in the layer is cast twice. The profiler runs its checkpointed passes so too, so that it measures what
+    runs."""
+    return autocast_cache(False)
 
 
 def checked_checkpoint(fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module] = (),

@@ -37,7 +37,7 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
-from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, checkpoint_region, policy_fn
+from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache, checkpoint_region, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -314,15 +314,11 @@ def _autocast_cached_bytes(fn, leaf, meter) -> int:
     the cache emptied after it (torch.clear_autocast_cache: the profiler runs with it off, so it holds nothing
     of the stages')."""
     x = leaf.view_as(leaf)
-    was = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(True)
-    try:
+    with autocast_cache(True):
         out = fn(x)
         held = meter.count()
         torch.clear_autocast_cache()
         cached = held - meter.count()
-    finally:
-        torch.set_autocast_cache_enabled(was)
     del out, x
     return max(0, cached)
 

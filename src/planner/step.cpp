@@ -452,9 +452,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     return false;
   };
   // Under autocast, what the chain stages' forwards left in autocast's cache (Stage::autocast_cache_bytes),
-  // charged whatever their way from each stage's first forward before the loss through the rest's backward
-  // (whose measured peak may be in the rest's forward, inside the caller's autocast region).
-  std::vector<char> cached_in(static_cast<size_t>(n) + 2, 0);
+  // charged whatever their way from each stage's first forward (before the loss: not a replay) through the
+  // rest's backward (whose measured peak may be in the rest's forward, inside the caller's autocast region).
   int64_t cached = 0;
   bool rest_done = false;
   for (size_t k = 0; k < ops.ops.size(); ++k) {
@@ -526,8 +525,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       state_held[static_cast<size_t>(op.stage)] = 1;
       arrived += context.checkpoint_state_bytes;
     }
-    if (forward_op && !after_loss && !cached_in[static_cast<size_t>(op.stage)]) {
-      cached_in[static_cast<size_t>(op.stage)] = 1;
+    if (forward_op && !after_loss && !replay) {
       const int64_t c = chain.stages[static_cast<size_t>(op.stage - 1)].autocast_cache_bytes;
       cached += c, arrived += c;
     }

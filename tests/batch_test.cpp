@@ -106,7 +106,12 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   ub.stages[2].saves_input = false;
   // And whether it has a backward (Stage::has_backward): where either profile has one.
   ua.stages[0].has_backward = ub.stages[0].has_backward = ua.stages[1].has_backward = false;
+  // And whether a policy holds the stage's output (PolicyCost::saves_output): where either profile saw it.
+  ua.stages[0].policies[0].saves_output = ub.stages[0].policies[0].saves_output = false;
+  ua.stages[1].policies[0].saves_output = false;
   const remat::Chain line = remat::chain_at_batch(ua, 2, ub, 4, 3);
+  EXPECT_FALSE(line.stages[0].policies[0].saves_output);
+  EXPECT_TRUE(line.stages[1].policies[0].saves_output);
   EXPECT_TRUE(line.stages[0].saves_output);
   EXPECT_FALSE(line.stages[1].saves_output);
   EXPECT_TRUE(line.stages[2].saves_output);

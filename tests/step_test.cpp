@@ -146,6 +146,11 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
   for (remat::Stage& s : chain.stages)
     if (coin(rng) && coin(rng))
       s.autocast_cache_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes / 2)(rng);
+  // And policies whose kept tensors do not hold their stage's output (PolicyCost::saves_output false), about
+  // half: where nothing else holds it, it is gone by the stage's backward.
+  for (remat::Stage& s : chain.stages)
+    for (remat::PolicyCost& c : s.policies)
+      c.saves_output = coin(rng);
 }
 
 // A step around `chain` for trial `trial` of a random test: the chain's input of 2000 to 4000 bytes, what
@@ -1194,6 +1199,14 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
     if (trial % 3 == 1) add_random_between(between_rng, ctx, chain.size(), 90000);
     unsave_random_outputs(between_rng, chain);
     unsave_random_inputs(static_cast<unsigned>(9000 + trial), chain, ctx);
+    // On odd trials, stages' outputs that nothing else holds in the backward pass (outputs_held_in_backward),
+    // about half: gone by their backward where their way does not hold them (a policy's included).
+    if (trial % 2 == 1) {
+      std::mt19937 held_rng(static_cast<unsigned>(11000 + trial));
+      ctx.outputs_held_in_backward.assign(static_cast<size_t>(chain.size()), true);
+      for (size_t j = 1; j < ctx.outputs_held_in_backward.size(); ++j)
+        ctx.outputs_held_in_backward[j] = std::bernoulli_distribution(0.5)(held_rng);
+    }
     std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
     int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
     for (Candidate& c : all) {
@@ -1775,6 +1788,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ua.stages[3].saves_input = ub.stages[3].saves_input = ub.stages[0].saves_input = false;  // and its input
     ua.stages[0].has_backward = ub.stages[0].has_backward = ub.stages[1].has_backward = false;  // a backward
     ua.stages[1].autocast_cache_bytes = 40, ub.stages[1].autocast_cache_bytes = 70;             // the largest
+    // A policy's hold on the output (PolicyCost::saves_output): held where any process's holds it.
+    ua.stages[2].policies[0].saves_output = ub.stages[2].policies[0].saves_output = false;
+    ua.stages[3].policies[1].saves_output = false;
     const remat::PlanFigures most = largest(remat::plan_figures(ua, ca), remat::plan_figures(ub, ca));
     Chain y = ua;
     remat::StepContext z = ca;
@@ -1789,6 +1805,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
                                  y.stages[3].has_backward}),
               (std::vector<bool>{false, true, true, true}));  // one where any process has one
     EXPECT_EQ(y.stages[1].autocast_cache_bytes, 70);
+    EXPECT_FALSE(y.stages[2].policies[0].saves_output);
+    EXPECT_TRUE(y.stages[2].policies[1].saves_output);
+    EXPECT_TRUE(y.stages[3].policies[1].saves_output);
   }
   // Other structures, and a flag that is no flag, are refused; nothing changes.
   Chain shorter = a;
@@ -2638,6 +2657,64 @@ TEST(Step, ARecomputeThatStopsEarlyNeverMakesAnOutputTheStageDoesNotSave) {
   EXPECT_THROW_WITH_STD(remat::chain_from_json(R"({"input_bytes": 1, "stages": [{"name": "s", "fwd_ms": 1,
     "bwd_ms": 1, "output_bytes": 1, "saved_bytes": 1, "saves_output": 0}]})"),
                         "\"saves_output\" must be true or false");
+}
+
+// A policy whose kept tensors do not hold the stage's output (PolicyCost::saves_output false: a BERT layer
+// under the matmuls policy, whose last call is a LayerNorm) leaves it, where nothing else holds it, gone by the
+// stage's backward, as Fa whose graph does not save it; held (the default, and the C++ profiler's) as before.
+// Before (found 2026-12-03), such a layer was charged its output through its backward: a small BERT, every
+// layer kept under the policy, 1.4% below its prediction.
+TEST(Step, APolicyThatDoesNotHoldItsOutputLeavesItGoneByItsBackward) {
+  // The policy's backward the least way of each stage, and stage 1's the step's peak.
+  Chain c = hand_chain(3, 1000, 7000);
+  c.policies = {"matmuls"};
+  for (remat::Stage& s : c.stages) {
+    s.bwd_tmp_bytes = 90000;
+    remat::PolicyCost pc;
+    pc.policy = "matmuls", pc.saved_bytes = 4000, pc.fwd_ms = 1, pc.bwd_ms = 3;
+    pc.bwd_tmp_bytes = s.name == "s1" ? 40000 : 20000;
+    s.policies = {pc};
+  }
+  Chain unheld = c;
+  unheld.stages[1].policies[0].saves_output = false;
+  remat::StepContext ctx;
+  ctx.outputs_held_in_backward = {true, false, false};
+  ctx.stage_grads_bytes = {10, 20, 40};
+  Plan p;
+  p.num_stages = c.size();
+  for (const char* op : {"Fa0", "Fk1[matmuls]", "Fa2", "L", "B2", "B1", "B0"})
+    p.ops.push_back(remat::parse_op(op, p.policies));
+  const remat::StepTimeline held = remat::step_timeline(c, ctx, p), gone = remat::step_timeline(unheld, ctx, p);
+  ASSERT_EQ(held.points.size(), gone.points.size());
+  for (size_t k = 0; k < held.points.size(); ++k)
+    EXPECT_EQ(held.points[k].peak_bytes - gone.points[k].peak_bytes, held.points[k].op == "B1" ? 1000 : 0)
+        << held.points[k].op;
+  // Held by something else in the backward pass (outputs_held_in_backward), or by the runtime: as before.
+  remat::StepContext kept = ctx;
+  kept.outputs_held_in_backward = {true, true, true};
+  EXPECT_EQ(remat::step_peak_bytes(unheld, kept, p), remat::step_peak_bytes(c, kept, p));
+  Chain holding = unheld;
+  holding.holds_outputs = true;
+  Chain holding_held = c;
+  holding_held.holds_outputs = true;
+  EXPECT_EQ(remat::step_peak_bytes(holding, ctx, p), remat::step_peak_bytes(holding_held, ctx, p));
+  // The per-layer program: its least budget is that of the least plan of them all, the policy among them.
+  for (const Chain& chain : {c, unheld}) {
+    int64_t least = std::numeric_limits<int64_t>::max();
+    for (const Candidate& k : every_per_layer_plan(chain, false, true))
+      least = std::min(least, remat::step_peak_bytes(chain, ctx, k.plan));
+    EXPECT_EQ(remat::min_step_budget(chain, ctx, "per-layer"), least);
+  }
+  EXPECT_EQ(remat::min_step_budget(c, ctx, "per-layer") - remat::min_step_budget(unheld, ctx, "per-layer"), 1000);
+  // Its JSON: written only where false; a flag; agreed as held where any process's policy holds it.
+  EXPECT_FALSE(remat::chain_from_json(remat::to_json(unheld)).stages[1].policies[0].saves_output);
+  EXPECT_TRUE(remat::chain_from_json(remat::to_json(unheld)).stages[0].policies[0].saves_output);
+  const std::string flag = "\"saves_output\": false";
+  EXPECT_NE(remat::to_json(unheld).find(flag), std::string::npos);
+  EXPECT_EQ(remat::to_json(c).find("saves_output"), std::string::npos);
+  std::string bad = remat::to_json(unheld);
+  bad.replace(bad.find(flag), flag.size(), "\"saves_output\": 0");
+  EXPECT_THROW_WITH_STD(remat::chain_from_json(bad), "\"saves_output\" must be true or false");
 }
 
 // The chain's output, which the rest of the step saved and let go of in its backward (StepReadings::

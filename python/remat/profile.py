@@ -644,6 +644,26 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             drops.append(fields[i]["bgtmp"] - grads_tmp)
         return max(0, min(fields[i]["out"], *drops))
 
+    def policy_holds_output(i, name):
+        """Whether stage i under policy `name` holds its output in what it keeps (PolicyCost.saves_output): the
+        stage run so again, its output let go of with its graph held; held where that left the output's storage
+        alive. A compiled stage's, and one whose output is its input or made no graph, as held."""
+        if compiled[i]:
+            return True
+        leaf = leaf_of(i)
+        out = run_as(i, name, leaf)
+        key = _storage_key(out)
+        if out.grad_fn is None or key in alive or key == _storage_key(leaf):
+            return True
+        nbytes = out.untyped_storage().nbytes()
+        node = out.grad_fn
+        sync()
+        before = meter.count()
+        del out
+        freed = before - meter.count()
+        del node, leaf
+        return freed < nbytes
+
     with collector_paused(), Restore(modules, device), \
             contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
@@ -802,6 +822,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         del counter
                         targets = targets_of(i, leaf)
                         b = 0.0
+                        out_grad = out.requires_grad
                         if out.requires_grad and targets and measure:
                             # Above what it keeps, its output and d: the recompute of what it does not keep
                             # included.
@@ -815,6 +836,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         if keep:
                             fields[i]["pol"][name]["fwd"].append(f)
                             fields[i]["pol"][name]["bwd"].append(b)
+                        if measure and out_grad:
+                            fields[i]["pol"][name]["saves_out"] = policy_holds_output(i, name)
                         report("policy " + name, names[i])
             if offload_min_bytes is not None:
                 # Streamed (Fa3@stream): each stage's forward and backward peaks with what it saves sent as it is
@@ -888,6 +911,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 c.bwd_grads_tmp_bytes = f["pol"][name]["bgtmp"]
             if "offload" in f["pol"][name]:
                 c.offload = f["pol"][name]["offload"]
+            c.saves_output = f["pol"][name].get("saves_out", True)
             costs.append(c)
         s.policies = costs
         if groups:

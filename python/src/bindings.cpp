@@ -112,7 +112,10 @@ NB_MODULE(_core, m) {
               "its backward's peak, recompute included, above what it keeps (bytes), or None")
       .def_rw("bwd_grads_tmp_bytes", &remat::PolicyCost::bwd_grads_tmp_bytes,
               "that peak when the backward makes the parameters' gradients (bytes), or None")
-      .def_rw("offload", &remat::PolicyCost::offload, "offloading it (an OffloadCost), or None");
+      .def_rw("offload", &remat::PolicyCost::offload, "offloading it (an OffloadCost), or None")
+      .def_rw("saves_output", &remat::PolicyCost::saves_output,
+              "whether what it keeps holds its output (False: gone by its backward where nothing else holds "
+              "it)");
 
   nb::class_<remat::SavedGroup>(m, "SavedGroup",
                                 "One group of a stage's saved tensors: the outputs of one operator call.")

@@ -156,6 +156,7 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
       pc.bwd_tmp_bytes = line.bytes(pa.bwd_tmp_bytes, pb.bwd_tmp_bytes);
       pc.bwd_grads_tmp_bytes = line.bytes(pa.bwd_grads_tmp_bytes, pb.bwd_grads_tmp_bytes);
       pc.offload = offload_at(pa.offload, pb.offload, line, where + " under '" + pa.policy + "'");
+      pc.saves_output = pa.saves_output || pb.saves_output;  // held where either profile saw it held
     }
     if (sa.groups.size() != sb.groups.size()) differ(where + " has another number of saved groups");
     for (size_t g = 0; g < s.groups.size(); ++g) {

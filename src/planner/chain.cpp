@@ -317,6 +317,7 @@ std::string to_json(const Chain& chain) {
         if (c.bwd_tmp_bytes) jc["bwd_tmp_bytes"] = *c.bwd_tmp_bytes;
         if (c.bwd_grads_tmp_bytes) jc["bwd_grads_tmp_bytes"] = *c.bwd_grads_tmp_bytes;
         if (c.offload) jc["offload"] = offload_json(*c.offload);
+        if (!c.saves_output) jc["saves_output"] = false;
         js["policies"].push_back(jc);
       }
     }
@@ -486,6 +487,7 @@ Chain chain_from_json(const std::string& text) {
         if (jp[p].contains("bwd_grads_tmp_bytes"))
           c.bwd_grads_tmp_bytes = required<int64_t>(jp[p], "bwd_grads_tmp_bytes", at);
         c.offload = offload_from(jp[p], "offload", at);
+        c.saves_output = boolean(jp[p], "saves_output", at, true);
         s.policies.push_back(std::move(c));
       }
     }
@@ -618,6 +620,7 @@ PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
     }
   }
   c.saved_bytes = stage.output_bytes + kept + sent;
+  c.saves_output = stage.saves_output;  // the output is no group: its recompute makes it where Fa saves it
   c.fwd_ms = stage.per_call_fwd_ms();
   c.bwd_ms = std::max(stage.bwd_ms, stage.per_call_bwd_ms() - skipped_ms);
   if (assignment.find('h') != std::string::npos) c.offload = OffloadCost{sent, false, false};

@@ -157,6 +157,7 @@ void visit(C& chain, X& context, V& v) {
       v.opt_bytes(c.bwd_tmp_bytes);
       v.opt_bytes(c.bwd_grads_tmp_bytes);
       v.offload(c.offload);
+      v.flag(c.saves_output);  // held where any process's policy holds it
     }
     for (auto& g : s.groups) {
       v.bytes(g.bytes);

@@ -56,6 +56,14 @@ struct Choice {
   std::optional<OffloadCost> own{};   // a group assignment's offload cost (cost points here once placed)
 };
 
+// The policy cost of choice `c` of stage `s`: Fk under a policy (variant >= 1), else null.
+const PolicyCost* policy_of(const Stage& s, const Choice& c) {
+  if (c.kind != OpKind::kForwardKeep || !c.groups.empty() || c.variant < 1 ||
+      static_cast<size_t>(c.variant - 1) >= s.policies.size())
+    return nullptr;
+  return &s.policies[static_cast<size_t>(c.variant - 1)];
+}
+
 // The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
 // all r (that is Fc), and of those the ones no other beats in kept bytes, sent bytes and time together (a
 // plan's peak and time only grow with each); their figures are group_cost()'s, as simulate() charges them.
@@ -184,8 +192,9 @@ struct StepTerms {
   // (added to R before it).
   std::vector<int64_t> forward_held;
   // Per stage: whether nothing besides the stages holds its output once the next stage's backward is done
-  // (StepContext::outputs_held_in_backward): a way that does not save it lets go of it then.
-  std::vector<char> output_unheld;
+  // (StepContext::outputs_held_in_backward) and no residual sum between holds its gradient
+  // (detail::output_gone_in_backward()): a way that does not save it lets go of it then.
+  std::vector<char> output_gone;
   // Per stage: whether what runs between it and the next let go of its output in the profiling step
   // (detail::output_freed_between()): a way that holds its output is charged it beside the next stage's
   // input (the rest's peak, for the last), from the end of its forward until the next stage's backward is
@@ -222,7 +231,8 @@ struct StepTerms {
 // its output): in R of the stages after it.
 int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* step, int64_t j) {
   if (!step || !step->frees_output[static_cast<size_t>(j)]) return 0;
-  return detail::held_past_between_bytes(s, c.kind, c.cost, !c.groups.empty(), c.offload || c.stream);
+  return detail::held_past_between_bytes(s, c.kind, c.cost, !c.groups.empty(), c.offload || c.stream,
+                                         policy_of(s, c));
 }
 
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
@@ -262,7 +272,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // Its output, where neither its way saves it (detail::way_leaves_output()) nor anything else holds it, is
   // gone by its backward; one its graph alone holds, let go of early in it where output_freed_early() (a
   // checkpointed stage's: the one its recompute made again, as Fa).
-  const bool unsaved = detail::way_leaves_output(s, c.kind, c.cost, !c.groups.empty());
+  const bool unsaved = detail::way_leaves_output(s, c.kind, c.cost, !c.groups.empty(), policy_of(s, c));
   const bool checkpointed = c.kind == OpKind::kForwardCheckpoint;
   const int64_t early =
       step && step->freed_early[static_cast<size_t>(j)]
@@ -271,7 +281,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                                                    (c.offload || c.stream) && !checkpointed)
           : 0;
   const int64_t gone =
-      step && step->output_unheld[static_cast<size_t>(j)] && !checkpointed ? (unsaved ? a_out : early) : 0;
+      step && step->output_gone[static_cast<size_t>(j)] && !checkpointed ? (unsaved ? a_out : early) : 0;
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with its window beside it (the forward's, only what
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
@@ -608,7 +618,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.output_let_go = step && j + 1 < n && step->input_let_go[static_cast<size_t>(j) + 1] &&
                           (ch.kind == OpKind::kForwardCheckpoint ||
                            detail::way_leaves_output(chain.stages[static_cast<size_t>(j)], ch.kind, ch.cost,
-                                                     !ch.groups.empty()));
+                                                     !ch.groups.empty(),
+                                                     policy_of(chain.stages[static_cast<size_t>(j)], ch)));
         if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
         q.host = p.host;
         if (ch.offload) {
@@ -808,12 +819,12 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.side_freed.assign(n + 2, 0);
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
-  t.output_unheld.assign(n + 2, 0);
+  t.output_gone.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
   t.freed_early.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
-    t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
+    t.output_gone[s] = detail::output_gone_in_backward(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);
     t.freed_early[s] = detail::output_freed_early(chain, context, static_cast<int64_t>(s) - 1);

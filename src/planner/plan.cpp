@@ -600,12 +600,20 @@ std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& plan, con
   if (op.kind != OpKind::kForwardKeep) return std::nullopt;
   if (!op.groups.empty()) return group_cost(st, op.groups).offload;
   if (op.policy < 0) return st.keep_offload;
-  if (static_cast<size_t>(op.policy) >= plan.policies.size()) return std::nullopt;
+  const PolicyCost* c = way_policy(chain, plan, op);
+  return c ? c->offload : std::nullopt;
+}
+
+const PolicyCost* way_policy(const Chain& chain, const Plan& plan, const Op& op) {
+  if (op.stage < 0 || op.stage >= chain.size() || op.kind != OpKind::kForwardKeep || !op.groups.empty() ||
+      op.policy < 0 || static_cast<size_t>(op.policy) >= plan.policies.size())
+    return nullptr;
+  const Stage& st = chain.stages[static_cast<size_t>(op.stage)];
   const auto it =
       std::find(chain.policies.begin(), chain.policies.end(), plan.policies[static_cast<size_t>(op.policy)]);
-  if (it == chain.policies.end()) return std::nullopt;
+  if (it == chain.policies.end()) return nullptr;
   const size_t p = static_cast<size_t>(it - chain.policies.begin());
-  return p < st.policies.size() ? st.policies[p].offload : std::nullopt;
+  return p < st.policies.size() ? &st.policies[p] : nullptr;
 }
 
 nlohmann::ordered_json plan_json(const Plan& plan) {

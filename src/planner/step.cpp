@@ -270,6 +270,10 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   return !stage_flag(context.outputs_held_in_backward, j, true);
 }
 
+bool output_gone_in_backward(const Chain& chain, const StepContext& context, int64_t j) {
+  return output_unheld(chain, context, j) && !output_freed_between(chain, context, j - 1);
+}
+
 bool output_grad_held(const StepContext& context, int64_t j) {
   return stage_flag(context.output_grad_held_in_backward, j, false);
 }
@@ -286,10 +290,13 @@ bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int
   return !between && output_unheld(chain, context, j);
 }
 
-bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups) {
+bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
+                       const PolicyCost* policy) {
   if (kind == OpKind::kForwardAll) return s.offload ? !s.offload->output : !s.saves_output;
   if (kind != OpKind::kForwardKeep) return false;  // Fc, Fn: a plain output, let go of already
-  return cost ? !cost->output : groups && !s.saves_output;
+  if (cost) return !cost->output;
+  if (groups) return !s.saves_output;
+  return policy && !policy->saves_output;
 }
 
 int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded) {
@@ -313,16 +320,16 @@ bool output_freed_between(const Chain& chain, const StepContext& context, int64_
 }
 
 int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
-                                bool offloaded) {
+                                bool offloaded, const PolicyCost* policy) {
   if ((kind != OpKind::kForwardAll && kind != OpKind::kForwardKeep) || groups || offloaded) return 0;
-  return way_leaves_output(s, kind, cost, false) ? 0 : s.output_bytes;
+  return way_leaves_output(s, kind, cost, false, policy) ? 0 : s.output_bytes;
 }
 
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
   if (op.stage < 0 || op.stage >= chain.size()) return false;
   const std::optional<OffloadCost> c = way_offload(chain, ops, op);
   return way_leaves_output(chain.stages[static_cast<size_t>(op.stage)], op.kind, c ? &*c : nullptr,
-                           !op.groups.empty());
+                           !op.groups.empty(), way_policy(chain, ops, op));
 }
 
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
@@ -480,7 +487,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         if (output_freed_between(chain, context, in_chain.stage)) {
           const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
           past = held_past_between_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
-                                         c ? &*c : nullptr, !op.groups.empty(), op.offload || op.stream);
+                                         c ? &*c : nullptr, !op.groups.empty(), op.offload || op.stream,
+                                         way_policy(chain, ops, in_chain));
         }
         past_after = past - past_between[static_cast<size_t>(op.stage)];
         past_between[static_cast<size_t>(op.stage)] = past;
@@ -580,7 +588,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     // The chain's output a_n, which nothing else holds and the last stage does not save, goes once the rest's
     // backward is done (output_held_in_backward).
     if (op.kind == OpKind::kBackward && op.stage == n + 1 && leaves[static_cast<size_t>(n)] &&
-        output_unheld(chain, context, n)) {
+        output_gone_in_backward(chain, context, n)) {
       let_go[static_cast<size_t>(n)] = chain.activation_bytes(n);
       arrived -= let_go[static_cast<size_t>(n)];
     }
@@ -609,7 +617,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       // Its input a_j, which nothing else holds and the stage before it does not save, goes now (unless gone
       // since its forward).
       if (leaves[static_cast<size_t>(op.stage - 1)] && !dropped[static_cast<size_t>(op.stage)] &&
-          output_unheld(chain, context, static_cast<int64_t>(j))) {
+          output_gone_in_backward(chain, context, static_cast<int64_t>(j))) {
         let_go[j] = chain.activation_bytes(static_cast<int64_t>(j));
         arrived -= let_go[j];
       }

@@ -88,6 +88,14 @@ struct PolicyCost {
   std::optional<int64_t> bwd_grads_tmp_bytes;
   /// Offloading it (Fk[name]@host); unset: it cannot be offloaded.
   std::optional<OffloadCost> offload;
+  /// Whether what it keeps holds its output (a layer whose last call is one the policy keeps, a matmul for
+  /// "matmuls"). saved_bytes counts the output either way. False, as the Python profiler measures it (its
+  /// forward again, the output let go of with its graph held: was the output's storage freed?), tells the
+  /// step's model (remat/planner/step.h) that where nothing else holds the output, it is gone by the stage's
+  /// backward, as Stage::saves_output false says for Fa. Default true: charged as held (the C++ profiler
+  /// leaves it so). Offloaded, the offload cost's `output` says the same. Last of the fields, so that
+  /// aggregate initializers written before it mean what they did.
+  bool saves_output = true;
 };
 
 /// One group of a stage's saved tensors: the outputs of one operator call of its forward pass, which a group

@@ -16,6 +16,11 @@ namespace remat::detail {
 /// (Fn, a stage out of range, a policy the chain lacks).
 std::optional<OffloadCost> way_offload(const Chain& chain, const Plan& plan, const Op& op);
 
+/// The policy cost of the way `op` runs stage op.stage of `chain`: Fk under a policy `plan` names and the
+/// chain profiled (Fk[name]), else null (Fa, Fc, Fn, the keep tags, a group assignment, a stage out of range,
+/// a policy the chain lacks).
+const PolicyCost* way_policy(const Chain& chain, const Plan& plan, const Op& op);
+
 /// What stage s's forward run as `kind` holds above what it leaves (`left`: abar for Fa, what Fk keeps, the
 /// output for Fn and Fc) at its peak, as plan.h charges it (bytes): fwd_tmp_bytes for a forward that saves
 /// everything, Stage::keep_fwd_tmp_bytes(left) for one that saves part, Stage::nosave_tmp_bytes() for one

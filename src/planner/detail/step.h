@@ -36,6 +36,17 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
+// Whether a_j (1 <= j <= n), where the way of the stage that made it does not save it, is gone by that
+// stage's backward: nothing besides the stages holds it (output_unheld()), and what runs between that stage
+// and the next (the rest, for the chain's output) did not make the next input from it (not
+// output_freed_between(): a residual sum outside the layers hands the output's gradient to the residual path
+// too, which holds it through the stage's backward, where the profile let go of it once used; a layer whose
+// backward peaks after that use holds it above its measured peak, which the output's bytes, the gradient's
+// size, stand in for). The one rule of step_op_peaks() and the per-layer program. Before (found 2026-12-03),
+// such an output was credited as gone there: layers ending in a GELU or a LayerNorm under `x = x +
+// layer(x)` held a gradient above their prediction, a sigmoid under the matmuls policy 3.1-4.4%.
+bool output_gone_in_backward(const Chain& chain, const StepContext& context, int64_t j);
+
 // Whether the chain's output gradient is alive once chain stage j's backward is done
 // (StepContext::output_grad_held_in_backward; false where empty and for j outside it).
 bool output_grad_held(const StepContext& context, int64_t j);
@@ -51,10 +62,13 @@ bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int
 // Whether stage `s` run as `kind` is known not to save its output, the one rule of leaves_output() and the
 // per-layer program: Fa as its offload cost's `output` says, or, without one, Stage::saves_output false; Fk
 // (the keep tags, a policy, a group assignment: `groups`) as its way's offload cost `cost` says (null where
-// it has none), and without one only a group assignment of a stage whose Fa does not save its output (the
-// output is no group, and the assignment's recompute makes it again only where Fa saves it); false for Fc
-// and Fn, whose output is held plain.
-bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups);
+// it has none), and without one a group assignment of a stage whose Fa does not save its output (the output
+// is no group, and the assignment's recompute makes it again only where Fa saves it) or a policy (`policy`,
+// its cost; null for the keep tags and a group assignment) whose PolicyCost::saves_output is false (before
+// 2026-12-03, a policy without an offload cost was charged its output held: a small BERT under the matmuls
+// policy, every layer kept, 1.4% below its prediction); false for Fc and Fn, whose output is held plain.
+bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
+                       const PolicyCost* policy);
 
 // What the backward of a stage run as `kind` holds less than with its output held through it: Fa, not
 // offloaded (`offloaded`: offloaded or streamed) and no group assignment, whose graph saves its output,
@@ -80,14 +94,14 @@ bool output_freed_early(const Chain& chain, const StepContext& context, int64_t 
 bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j);
 
 // What stage `s` run as `kind` (with `cost`, its way's offload cost or null; `groups`: a group assignment;
-// `offloaded`: offloaded or streamed) holds from the end of its forward until the next stage's backward (and
+// `offloaded`: offloaded or streamed; `policy`: its policy's cost, or null) holds from the end of its forward until the next stage's backward (and
 // what runs between them) is done beyond what the step's model charges it, where what runs between it and the
 // next stage (or the rest of the step) lets go of its output
 // (output_freed_between()): its output_bytes where its way is Fa or Fk (the keep tags, a policy), not
 // offloaded, and not known not to save its output (way_leaves_output()); else 0. The one rule of
 // step_op_peaks() and the per-layer program.
 int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
-                                bool offloaded);
+                                bool offloaded, const PolicyCost* policy);
 
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
 // known not to save its output (way_leaves_output(), with the way's offload cost).

@@ -109,7 +109,14 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   // And whether a policy holds the stage's output (PolicyCost::saves_output): where either profile saw it.
   ua.stages[0].policies[0].saves_output = ub.stages[0].policies[0].saves_output = false;
   ua.stages[1].policies[0].saves_output = false;
+  // And what holding its gradient adds (Stage::bwd_grad_held_bytes): on the line where either measured it
+  // (the other's stand-in its output's bytes), within the output; unset where neither did.
+  ua.stages[0].bwd_grad_held_bytes = 200, ub.stages[0].bwd_grad_held_bytes = 400;  // 100 a sample
+  ua.stages[1].bwd_grad_held_bytes = 0;                                            // the other: 4000
   const remat::Chain line = remat::chain_at_batch(ua, 2, ub, 4, 3);
+  EXPECT_EQ(line.stages[0].bwd_grad_held_bytes, 300);
+  EXPECT_EQ(line.stages[1].bwd_grad_held_bytes, 3000);  // 0 at 2 and 4000 at 4: clamped to the output
+  EXPECT_FALSE(line.stages[2].bwd_grad_held_bytes.has_value());
   EXPECT_FALSE(line.stages[0].policies[0].saves_output);
   EXPECT_TRUE(line.stages[1].policies[0].saves_output);
   EXPECT_TRUE(line.stages[0].saves_output);

@@ -151,6 +151,10 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
   for (remat::Stage& s : chain.stages)
     for (remat::PolicyCost& c : s.policies)
       c.saves_output = coin(rng);
+  // And what holding the gradient a stage is handed through its backward adds (Stage::bwd_grad_held_bytes,
+  // charged where a residual sum between let go of its output), measured on about half, up to the output.
+  for (remat::Stage& s : chain.stages)
+    if (coin(rng)) s.bwd_grad_held_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(rng);
 }
 
 // A step around `chain` for trial `trial` of a random test: the chain's input of 2000 to 4000 bytes, what
@@ -1791,6 +1795,10 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     // A policy's hold on the output (PolicyCost::saves_output): held where any process's holds it.
     ua.stages[2].policies[0].saves_output = ub.stages[2].policies[0].saves_output = false;
     ua.stages[3].policies[1].saves_output = false;
+    // What holding a stage's gradient adds (Stage::bwd_grad_held_bytes): measured where any process measured
+    // it (the others' stand-in, the output's bytes), the largest.
+    ua.stages[0].bwd_grad_held_bytes = 100, ub.stages[0].bwd_grad_held_bytes = 200;
+    ua.stages[1].bwd_grad_held_bytes = 100;
     const remat::PlanFigures most = largest(remat::plan_figures(ua, ca), remat::plan_figures(ub, ca));
     Chain y = ua;
     remat::StepContext z = ca;
@@ -1805,6 +1813,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
                                  y.stages[3].has_backward}),
               (std::vector<bool>{false, true, true, true}));  // one where any process has one
     EXPECT_EQ(y.stages[1].autocast_cache_bytes, 70);
+    EXPECT_EQ(y.stages[0].bwd_grad_held_bytes, 200);
+    EXPECT_EQ(y.stages[1].bwd_grad_held_bytes, y.stages[1].output_bytes);
+    EXPECT_FALSE(y.stages[2].bwd_grad_held_bytes.has_value());
     EXPECT_FALSE(y.stages[2].policies[0].saves_output);
     EXPECT_TRUE(y.stages[2].policies[1].saves_output);
     EXPECT_TRUE(y.stages[3].policies[1].saves_output);
@@ -2660,10 +2671,10 @@ TEST(Step, ARecomputeThatStopsEarlyNeverMakesAnOutputTheStageDoesNotSave) {
 }
 
 // A policy whose kept tensors do not hold the stage's output (PolicyCost::saves_output false: a BERT layer
-// under the matmuls policy, whose last call is a LayerNorm) leaves it, where nothing else holds it, gone by the
-// stage's backward, as Fa whose graph does not save it; held (the default, and the C++ profiler's) as before.
-// Before (found 2026-12-03), such a layer was charged its output through its backward: a small BERT, every
-// layer kept under the policy, 1.4% below its prediction.
+// under the matmuls policy, whose last call is a LayerNorm) leaves it, where nothing else holds it, gone by
+// the stage's backward, as Fa whose graph does not save it; held (the default, and the C++ profiler's) as
+// before. Before (found 2026-12-03), such a layer was charged its output through its backward: a small BERT,
+// every layer kept under the policy, 1.4% below its prediction.
 TEST(Step, APolicyThatDoesNotHoldItsOutputLeavesItGoneByItsBackward) {
   // The policy's backward the least way of each stage, and stage 1's the step's peak.
   Chain c = hand_chain(3, 1000, 7000);
@@ -2684,7 +2695,8 @@ TEST(Step, APolicyThatDoesNotHoldItsOutputLeavesItGoneByItsBackward) {
   p.num_stages = c.size();
   for (const char* op : {"Fa0", "Fk1[matmuls]", "Fa2", "L", "B2", "B1", "B0"})
     p.ops.push_back(remat::parse_op(op, p.policies));
-  const remat::StepTimeline held = remat::step_timeline(c, ctx, p), gone = remat::step_timeline(unheld, ctx, p);
+  const remat::StepTimeline held = remat::step_timeline(c, ctx, p),
+                            gone = remat::step_timeline(unheld, ctx, p);
   ASSERT_EQ(held.points.size(), gone.points.size());
   for (size_t k = 0; k < held.points.size(); ++k)
     EXPECT_EQ(held.points[k].peak_bytes - gone.points[k].peak_bytes, held.points[k].op == "B1" ? 1000 : 0)
@@ -2705,7 +2717,8 @@ TEST(Step, APolicyThatDoesNotHoldItsOutputLeavesItGoneByItsBackward) {
       least = std::min(least, remat::step_peak_bytes(chain, ctx, k.plan));
     EXPECT_EQ(remat::min_step_budget(chain, ctx, "per-layer"), least);
   }
-  EXPECT_EQ(remat::min_step_budget(c, ctx, "per-layer") - remat::min_step_budget(unheld, ctx, "per-layer"), 1000);
+  EXPECT_EQ(remat::min_step_budget(c, ctx, "per-layer") - remat::min_step_budget(unheld, ctx, "per-layer"),
+            1000);
   // Its JSON: written only where false; a flag; agreed as held where any process's policy holds it.
   EXPECT_FALSE(remat::chain_from_json(remat::to_json(unheld)).stages[1].policies[0].saves_output);
   EXPECT_TRUE(remat::chain_from_json(remat::to_json(unheld)).stages[0].policies[0].saves_output);
@@ -2715,6 +2728,52 @@ TEST(Step, APolicyThatDoesNotHoldItsOutputLeavesItGoneByItsBackward) {
   std::string bad = remat::to_json(unheld);
   bad.replace(bad.find(flag), flag.size(), "\"saves_output\": 0");
   EXPECT_THROW_WITH_STD(remat::chain_from_json(bad), "\"saves_output\" must be true or false");
+}
+
+// A residual sum outside the layers (`x = x + layer(x)`: StepContext::between_frees_output) hands a stage's
+// output gradient to the residual path too, which holds it through the stage's backward: where the stage's
+// way does not hold its output, the output is gone by that backward but for what holding the gradient adds
+// (Stage::bwd_grad_held_bytes; unmeasured, the output's bytes). Before (found 2026-12-03), the whole output
+// was credited: layers ending in a GELU or a LayerNorm under such a sum peaked a gradient above their
+// predictions.
+TEST(Step, AResidualSumOutsideTheLayersHoldsTheOutputsGradientThroughTheStagesBackward) {
+  Chain c = hand_chain(2, 1000, 7000);
+  c.stages[0].saves_output = false;
+  c.stages[0].bwd_tmp_bytes = 90000;  // stage 0's backward: the step's peak
+  remat::StepContext ctx;
+  ctx.outputs_held_in_backward = {true, false};
+  ctx.stage_grads_bytes = {10, 20};
+  remat::StepContext residual = ctx;
+  residual.between_frees_output = {false, true};
+  const Plan keep = remat::no_checkpoint(c);
+  const int64_t gone = remat::step_peak_bytes(c, ctx, keep);
+  EXPECT_EQ(remat::step_peak_bytes(c, residual, keep) - gone, 1000);  // unmeasured: the whole output
+  for (int64_t held : {0, 300, 1000}) {
+    Chain m = c;
+    m.stages[0].bwd_grad_held_bytes = held;
+    EXPECT_EQ(remat::step_peak_bytes(m, residual, keep) - gone, held);
+    EXPECT_EQ(remat::step_peak_bytes(m, ctx, keep), gone);  // without the sum: none
+    // The per-layer program: its least budget is that of the least plan of them all.
+    int64_t least = std::numeric_limits<int64_t>::max();
+    for (const Candidate& k : every_per_layer_plan(m, false, false))
+      least = std::min(least, remat::step_peak_bytes(m, residual, k.plan));
+    EXPECT_EQ(remat::min_step_budget(m, residual, "per-layer"), least) << held;
+  }
+  // A way that holds its output (Fa whose graph saves it) is charged it whole, as before.
+  Chain saving = c;
+  saving.stages[0].saves_output = true;
+  saving.stages[0].bwd_grad_held_bytes = 300;
+  EXPECT_EQ(remat::step_peak_bytes(saving, residual, keep), remat::step_peak_bytes(c, residual, keep));
+  // Its JSON: written where measured; within [0, output_bytes].
+  Chain m = c;
+  m.stages[0].bwd_grad_held_bytes = 300;
+  EXPECT_EQ(remat::chain_from_json(remat::to_json(m)).stages[0].bwd_grad_held_bytes, 300);
+  EXPECT_FALSE(remat::chain_from_json(remat::to_json(m)).stages[1].bwd_grad_held_bytes.has_value());
+  EXPECT_EQ(remat::to_json(c).find("bwd_grad_held_bytes"), std::string::npos);
+  m.stages[0].bwd_grad_held_bytes = 1001;
+  EXPECT_THROW_WITH_STD(remat::validate(m), "bwd_grad_held_bytes (1001)", "output_bytes (1000)");
+  m.stages[0].bwd_grad_held_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::validate(m), "negative bwd_grad_held_bytes", "(-1)");
 }
 
 // The chain's output, which the rest of the step saved and let go of in its backward (StepReadings::

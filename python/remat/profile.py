@@ -147,14 +147,18 @@ class _SeedGradient(torch.autograd.Function):
     backward() would be held by the caller through the whole backward)."""
 
     @staticmethod
-    def forward(ctx, out):
+    def forward(ctx, out, keep=None):
         ctx.like = (out.shape, out.dtype, out.device)
+        ctx.keep = keep
         return out.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad):
         shape, dtype, device = ctx.like
-        return torch.ones(shape, dtype=dtype, device=device)
+        made = torch.ones(shape, dtype=dtype, device=device)
+        if ctx.keep is not None:  # held through the backward, as a residual path outside the stage holds it
+            ctx.keep.append(made)
+        return made, None
 
 
 class _GradsPeak:
@@ -586,18 +590,20 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         return check_out(i, checkpoint_region(st.fn, (leaf,), mods, None if how == CHECKPOINT else pols[how],
                                               counter, route_kept=counter is not None))
 
-    def timed_backward(out, targets, i, grads_peak=False):
+    def timed_backward(out, targets, i, grads_peak=False, hold_grad=False):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive
         before it with d (d is made in the backward pass, held by autograd alone and freed once used, as a
         training step's gradient is: _SeedGradient), and with `grads_peak` (else None) that peak had the
         backward made its parameters' gradients (_GradsPeak). `out` may be a list holding the output alone:
         taken from it and let go of once the root is made, so that only the stage's graph holds the output
-        through its backward (output_freed_in_backward)."""
+        through its backward (output_freed_in_backward). With `hold_grad`, d is held through the backward
+        (grad_held_in_backward)."""
         let_go = isinstance(out, list)
         if let_go:
             out = out.pop()
+        kept = [] if hold_grad else None
         with _ZeroGrads(params[i]):
-            root = _SeedGradient.apply(out)
+            root = _SeedGradient.apply(out, kept)
             seed = torch.zeros((), dtype=root.dtype, device=root.device)
             sync()
             before = meter.count() + out.nbytes
@@ -614,13 +620,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 peak = window.peak() - before
         return ms, peak, made.peak() if made is not None else None
 
-    def measured_backward(out, targets, i, leaf):
+    def measured_backward(out, targets, i, leaf, hold_grad=False):
         """timed_backward with both peaks, each less its input's gradient as the plan charges it apart (the
         chain's input, or the last stage's output: its bytes; an input made by code between two stages, larger
         than the output the chain counts, as a residual sum in fp32 on a layer's bf16 output under autocast,
         has the rest of its gradient left in the peak): (ms, with the gradients pre-allocated, had it made them
         or None) (bwd_tmp_bytes, bwd_grads_tmp_bytes and a policy's)."""
-        ms, peak, grads_peak = timed_backward(out, targets, i, grads_peak=True)
+        ms, peak, grads_peak = timed_backward(out, targets, i, grads_peak=True, hold_grad=hold_grad)
         counted = chain.input_bytes if i == 0 else fields[i - 1]["out"]
         # A stage whose input takes no gradient (the model's own input, a frozen layer's output) makes none,
         # and the step's model charges one at its backward all the same: its peaks less those bytes too.
@@ -643,6 +649,16 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         if grads_tmp is not None and "bgtmp" in fields[i]:
             drops.append(fields[i]["bgtmp"] - grads_tmp)
         return max(0, min(fields[i]["out"], *drops))
+
+    def grad_held_in_backward(i):
+        """How much higher stage i's backward peak (bwd_tmp_bytes) is with the gradient it is handed held through
+        it than let go of once used (Stage.bwd_grad_held_bytes): what a residual sum outside the layers adds,
+        whose backward hands the output's gradient to the residual path too. The stage run again, kept, and its
+        backward measured so; within [0, its output's bytes]."""
+        leaf = leaf_of(i)
+        out = run_as(i, KEEP, leaf)
+        _, tmp, _ = measured_backward(out, targets_of(i, leaf), i, leaf, hold_grad=True)
+        return max(0, min(fields[i]["out"], tmp - fields[i]["btmp"]))
 
     def policy_holds_output(i, name):
         """Whether stage i under policy `name` holds its output in what it keeps (PolicyCost.saves_output): the
@@ -762,6 +778,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     del out, leaf
                     if measured and fields[i]["saves_out"] and not compiled[i]:
                         fields[i]["out_freed"] = output_freed_in_backward(i)
+                    if measured and not compiled[i]:
+                        fields[i]["grad_held"] = grad_held_in_backward(i)
                     # Under autocast, what the stage kept leaves in autocast's cache (the casts its graph does
                     # not save), held from its forward until the caller's autocast region ends
                     # (Stage.autocast_cache_bytes): its forward again, once nothing of the one above is alive.
@@ -886,6 +904,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.saves_input = f.get("saves_in", True)
         s.has_backward = f.get("has_bwd", True)
         s.bwd_output_freed_bytes = f.get("out_freed", 0)
+        s.bwd_grad_held_bytes = f.get("grad_held")
         s.fwd_tmp_bytes = f["ftmp"]
         s.fwd_nosave_tmp_bytes = max(0, f["ntmp"])
         s.bwd_tmp_bytes = f["btmp"]

@@ -217,13 +217,14 @@ class _SumsOutside(torch.nn.Module):
     """Feed-forward layers whose residual sum is the model's (`x = x + layer(x)`): each layer's output is let go
     of between two layers, where nothing else holds it. With a sigmoid last, a layer's graph saves its output."""
 
-    def __init__(self, sigmoid, width=64, depth=4, expand=4):
+    def __init__(self, sigmoid, width=64, depth=4, expand=4, last=None):
         super().__init__()
         torch.manual_seed(0)
         expands = [expand] * depth if isinstance(expand, int) else expand  # per layer: its hidden width's factor
+        last = last or (torch.nn.Sigmoid if sigmoid else None)  # a module class ending each layer, or none
         self.layers = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(width, e * width), torch.nn.GELU(), torch.nn.Linear(e * width, width),
-                                *([torch.nn.Sigmoid()] if sigmoid else []))
+                                *([last()] if last else []))
             for e in expands)
 
     def forward(self, x):
@@ -257,6 +258,85 @@ def test_an_output_let_go_of_between_layers_is_charged_where_the_layers_way_hold
         else:
             assert abs(lp.prediction_error) <= remat.PREDICTION_TOLERANCE, (lp.plan, lp.prediction_error)
     assert list(lp.context.between_frees_output) == [False, True, True, True]
+
+
+@pytest.mark.parametrize("last,policy,held", [(torch.nn.GELU, None, True), (torch.nn.Sigmoid, "matmuls", True),
+                                              (None, None, False)])
+def test_a_residual_sum_outside_the_layers_holds_the_outputs_gradient_through_its_backward(meter, last, policy,
+                                                                                            held):
+    # `x = x + layer(x)` hands a layer's output gradient to the residual path too, which holds it through the
+    # layer's backward, where the profile let go of it once used: Stage.bwd_grad_held_bytes, what that adds (a
+    # layer ending in a GELU or a sigmoid peaks after that use: the gradient's bytes; one ending in a Linear
+    # while using it: none). Where the layer's way does not hold its output (kept, a GELU's graph saves its
+    # input; under the matmuls policy, which keeps no sigmoid output: PolicyCost.saves_output false), the output
+    # is gone by its backward but for that. Before (found 2026-12-03), every GELU layer kept peaked a gradient
+    # above its prediction, and the sigmoid layers under the policy, once their output was read as not held,
+    # 3.1%.
+    plain, m = _SumsOutside(False, last=last), _SumsOutside(False, last=last)
+    x = torch.randn(256, 64)
+    lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(policy,) if policy else (),
+                      replan_on_overshoot=False)
+    for s in range(3):
+        runs = [train_step(model, x, meter, seed=s, set_to_none=True) for model in (plain, m)]
+        assert_same_run(*runs)
+        if s == 0:  # the profiling step: times that make the way under test the fastest
+            for st in lp._last.chain.stages:
+                st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 2.0, 1.0, 4.0
+                for c in st.policies:
+                    c.fwd_ms, c.bwd_ms = 0.5, 1.5
+            lp.set_budget(1 << 40)
+            assert str(lp.plan) == ("Fk0[matmuls] Fk1[matmuls] Fk2[matmuls] Fk3[matmuls] L B3 B2 B1 B0" if policy
+                                    else "Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0"), lp.plan
+        else:
+            assert abs(lp.prediction_error) <= 1e-3, (lp.plan, lp.prediction_error)
+    chain = lp._last.chain
+    assert [st.bwd_grad_held_bytes for st in chain.stages] == [st.output_bytes if held else 0 for st in chain.stages]
+    if policy:
+        assert [st.policies[0].saves_output for st in chain.stages] == [False] * 4
+    assert list(lp.context.between_frees_output) == [False, True, True, True]
+
+
+def test_a_policy_that_keeps_no_output_of_its_layer_leaves_it_gone_by_its_backward(meter):
+    # Layers whose last call the matmuls policy does not keep (a LayerNorm after their own residual sum, as a
+    # BERT layer's) hold no output under it (PolicyCost.saves_output false, measured); one ending in a Linear
+    # holds it (the kept product). Before (found 2026-12-03), every policy was charged its output through its
+    # backward: a small BERT under the policy, every layer kept, 1.4% below its prediction.
+    class PostNorm(torch.nn.Module):
+        def __init__(self, width=64):
+            super().__init__()
+            self.up, self.down, self.norm = (torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width),
+                                             torch.nn.LayerNorm(width))
+
+        def forward(self, x):
+            return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+    class Model(torch.nn.Module):
+        def __init__(self, last_linear):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = torch.nn.ModuleList(
+                torch.nn.Sequential(PostNorm(), torch.nn.Linear(64, 64)) if last_linear else PostNorm()
+                for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    x = torch.randn(256, 64)
+    for last_linear in (False, True):
+        m = Model(last_linear)
+        lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=("matmuls",), replan_on_overshoot=False)
+
+        def times(i, st):
+            st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 2.0, 1.0, 4.0
+            for c in st.policies:
+                c.fwd_ms, c.bwd_ms = 0.5, 1.5
+
+        _train_with_times(m, x, lp, times)
+        assert str(lp.plan) == "Fk0[matmuls] Fk1[matmuls] Fk2[matmuls] Fk3[matmuls] L B3 B2 B1 B0", lp.plan
+        assert [st.policies[0].saves_output for st in lp._last.chain.stages] == [last_linear] * 4
+        assert abs(lp.prediction_error) <= 1e-3, (last_linear, lp.plan, lp.prediction_error)
 
 
 def _train_with_times(m, x, lp, times, autocast=False, steps=3):

@@ -125,6 +125,12 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.bwd_output_freed_bytes = std::clamp<int64_t>(
         line.bytes(sa.bwd_output_freed_bytes, sb.bwd_output_freed_bytes), 0, s.output_bytes);
     s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);
+    // Where either profile measured it, the other's stand-in (its output's bytes) beside it, within the
+    // output.
+    s.bwd_grad_held_bytes = std::nullopt;
+    if (sa.bwd_grad_held_bytes || sb.bwd_grad_held_bytes)
+      s.bwd_grad_held_bytes =
+          std::clamp<int64_t>(line.bytes(sa.bwd_grad_held(), sb.bwd_grad_held()), 0, s.output_bytes);
     // Where one profile measured it and the other did not, the other's stands in for it (as the planners read
     // it).
     s.fwd_nosave_tmp_bytes = std::nullopt;

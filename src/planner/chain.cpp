@@ -142,6 +142,14 @@ void validate(const Chain& chain) {
                                   " has bwd_output_freed_bytes (" + std::to_string(s.bwd_output_freed_bytes) +
                                   ") above its output_bytes (" + std::to_string(s.output_bytes) + ")");
     }
+    if (s.bwd_grad_held_bytes) {
+      check_bytes(chain, i, "bwd_grad_held_bytes", *s.bwd_grad_held_bytes);
+      if (*s.bwd_grad_held_bytes > s.output_bytes) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
+                                    " has bwd_grad_held_bytes (" + std::to_string(*s.bwd_grad_held_bytes) +
+                                    ") above its output_bytes (" + std::to_string(s.output_bytes) + ")");
+      }
+    }
     if (s.fwd_nosave_tmp_bytes) {
       check_bytes(chain, i, "fwd_nosave_tmp_bytes", *s.fwd_nosave_tmp_bytes);
       add_bytes(total, *s.fwd_nosave_tmp_bytes, stage_label(chain, i));
@@ -289,6 +297,7 @@ std::string to_json(const Chain& chain) {
     if (!s.saves_output) js["saves_output"] = false;
     if (!s.saves_input) js["saves_input"] = false;
     if (s.bwd_output_freed_bytes != 0) js["bwd_output_freed_bytes"] = s.bwd_output_freed_bytes;
+    if (s.bwd_grad_held_bytes) js["bwd_grad_held_bytes"] = *s.bwd_grad_held_bytes;
     if (!s.has_backward) js["has_backward"] = false;
     if (s.autocast_cache_bytes != 0) js["autocast_cache_bytes"] = s.autocast_cache_bytes;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
@@ -449,6 +458,8 @@ Chain chain_from_json(const std::string& text) {
       s.autocast_cache_bytes = required<int64_t>(js, "autocast_cache_bytes", where);
     if (js.contains("bwd_output_freed_bytes"))
       s.bwd_output_freed_bytes = required<int64_t>(js, "bwd_output_freed_bytes", where);
+    if (js.contains("bwd_grad_held_bytes"))
+      s.bwd_grad_held_bytes = required<int64_t>(js, "bwd_grad_held_bytes", where);
     s.fwd_tmp_bytes = optional<int64_t>(js, "fwd_tmp_bytes", where, 0);
     s.bwd_tmp_bytes = optional<int64_t>(js, "bwd_tmp_bytes", where, 0);
     if (js.contains("fwd_nosave_tmp_bytes"))

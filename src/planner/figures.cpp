@@ -137,6 +137,7 @@ void visit(C& chain, X& context, V& v) {
     v.flag(s.has_backward);  // likewise
     v.bytes(s.autocast_cache_bytes);
     v.freed(s.bwd_output_freed_bytes);
+    v.measured_bytes(s.bwd_grad_held_bytes, s.output_bytes);
     v.bytes(s.fwd_tmp_bytes);
     v.measured_bytes(s.fwd_nosave_tmp_bytes, s.fwd_tmp_bytes);
     v.bytes(s.bwd_tmp_bytes);

@@ -216,7 +216,23 @@ struct Stage {
   /// 0.075% above its prediction (its biases), and a model whose first layer takes the model's own input
   /// 0.58% (that layer's weight). Last of the fields, as fwd_nosave_tmp_bytes.
   int64_t autocast_cache_bytes = 0;
+  /// How much higher its backward, run as Fa, peaks with the gradient it is handed held through it than with
+  /// that gradient let go of once used, as the profilers measure bwd_tmp_bytes (bytes, 0..output_bytes): what
+  /// a residual sum outside the layers (`x = x + layer(x)`, StepContext::between_frees_output) adds, whose
+  /// backward hands the output's gradient to the residual path too, which holds it through this stage's
+  /// backward. A layer whose backward peaks while it still uses that gradient (a Linear last) adds none; one
+  /// that peaks after (a GELU, a LayerNorm or a sigmoid last) adds the gradient's bytes. The step's model
+  /// (remat/planner/step.h) charges it, for every way, where such a sum let go of the stage's output and the
+  /// way does not hold that output (the output is then gone by this backward but for the gradient). Unset
+  /// (the C++ profiler, chains written before it): output_bytes, the gradient's size (bwd_grad_held()). Last
+  /// of the fields, as fwd_nosave_tmp_bytes.
+  std::optional<int64_t> bwd_grad_held_bytes;
 
+  /// bwd_grad_held_bytes where measured, else output_bytes; within [0, output_bytes] (bytes).
+  int64_t bwd_grad_held() const {
+    const int64_t v = bwd_grad_held_bytes.value_or(output_bytes);
+    return v < 0 ? 0 : (v > output_bytes ? output_bytes : v);
+  }
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }
   /// What Fn and Fc cost: fwd_nosave_ms, or fwd_ms when unset (milliseconds).

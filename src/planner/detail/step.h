@@ -36,16 +36,17 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
-// Whether a_j (1 <= j <= n), where the way of the stage that made it does not save it, is gone by that
-// stage's backward: nothing besides the stages holds it (output_unheld()), and what runs between that stage
-// and the next (the rest, for the chain's output) did not make the next input from it (not
-// output_freed_between(): a residual sum outside the layers hands the output's gradient to the residual path
-// too, which holds it through the stage's backward, where the profile let go of it once used; a layer whose
-// backward peaks after that use holds it above its measured peak, which the output's bytes, the gradient's
-// size, stand in for). The one rule of step_op_peaks() and the per-layer program. Before (found 2026-12-03),
-// such an output was credited as gone there: layers ending in a GELU or a LayerNorm under `x = x +
-// layer(x)` held a gradient above their prediction, a sigmoid under the matmuls policy 3.1-4.4%.
-bool output_gone_in_backward(const Chain& chain, const StepContext& context, int64_t j);
+// What of a_j (1 <= j <= n), where the way of the stage that made it does not save it, is gone by that
+// stage's backward (bytes): where nothing besides the stages holds it (output_unheld()), its bytes, less,
+// where what runs between that stage and the next (the rest, for the chain's output) made the next input from
+// it (output_freed_between(): a residual sum outside the layers, whose backward hands the output's gradient
+// to the residual path too, which holds it through the stage's backward, where the profile let go of it once
+// used), what holding that gradient adds to the stage's backward (Stage::bwd_grad_held(): unmeasured, the
+// output's bytes, the whole credit gone); else 0. The one rule of step_op_peaks() and the per-layer program.
+// Before (found 2026-12-03), the whole output was credited: layers ending in a GELU, a LayerNorm or a sigmoid
+// under `x = x + layer(x)` peaked a gradient above their predictions (a sigmoid under the matmuls policy,
+// once its output was read as not held, 3.1-4.4%).
+int64_t output_gone_bytes(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether the chain's output gradient is alive once chain stage j's backward is done
 // (StepContext::output_grad_held_in_backward; false where empty and for j outside it).
@@ -94,9 +95,9 @@ bool output_freed_early(const Chain& chain, const StepContext& context, int64_t 
 bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j);
 
 // What stage `s` run as `kind` (with `cost`, its way's offload cost or null; `groups`: a group assignment;
-// `offloaded`: offloaded or streamed; `policy`: its policy's cost, or null) holds from the end of its forward until the next stage's backward (and
-// what runs between them) is done beyond what the step's model charges it, where what runs between it and the
-// next stage (or the rest of the step) lets go of its output
+// `offloaded`: offloaded or streamed; `policy`: its policy's cost, or null) holds from the end of its forward
+// until the next stage's backward (and what runs between them) is done beyond what the step's model charges
+// it, where what runs between it and the next stage (or the rest of the step) lets go of its output
 // (output_freed_between()): its output_bytes where its way is Fa or Fk (the keep tags, a policy), not
 // offloaded, and not known not to save its output (way_leaves_output()); else 0. The one rule of
 // step_op_peaks() and the per-layer program.

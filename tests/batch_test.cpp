@@ -209,6 +209,10 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   b.rest_frees_output = true;  // charged where either let go of it
   EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).rest_frees_output);
   b.rest_frees_output = false;
+  a.rest_takes_last_input = false;  // taken where either took it (the default, not read: taken)
+  EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).rest_takes_last_input);
+  b.rest_takes_last_input = false;
+  EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).rest_takes_last_input);
   // Each line stops at 0 on its own: side_bytes is raised to hold its gradients.
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 1).side_grads_bytes, (std::vector<int64_t>{0, 100}));
   a.side_bytes = 100, b.side_bytes = 500;

@@ -155,6 +155,7 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
   // charged where a residual sum between let go of its output), measured on about half, up to the output.
   for (remat::Stage& s : chain.stages)
     if (coin(rng)) s.bwd_grad_held_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(rng);
+  ctx.rest_takes_last_input = coin(rng);  // and whether the rest takes the last stage's input too
 }
 
 // A step around `chain` for trial `trial` of a random test: the chain's input of 2000 to 4000 bytes, what
@@ -1599,6 +1600,35 @@ TEST(Step, ReadingsTurnIntoTheContext) {
   EXPECT_EQ(c.stage_grads_bytes, (std::vector<int64_t>{40, 50}));
   EXPECT_EQ(c.checkpoint_all_peak_bytes, 2400);
   EXPECT_EQ(c.side_bytes, 64);
+  // A rest that let go of what the part before made (the model's forward's locals, freed as it returned):
+  // less than it found, read signed (found 2026-12-03: read as 0, GPT-2's steps were 0.5-1.1% below their
+  // predictions), at most what the part before holds (400).
+  {
+    remat::StepReadings freeing = r;
+    freeing.at_output_grad = 2500 + 200 - 150;
+    EXPECT_EQ(remat::step_context(freeing).rest_grads_bytes, -150);
+    freeing.at_output_grad = 2500 + 200 - 1000;
+    EXPECT_EQ(remat::step_context(freeing).rest_grads_bytes, -400);
+    // Charged from the rest's backward on: every later point 150 lower than with the rest leaving nothing.
+    Chain chain = hand_chain(2, 1000, 7000);
+    chain.input_bytes = 300;
+    remat::StepContext none = c;
+    none.stage_grads_bytes.clear();
+    none.rest_grads_bytes = 0;
+    remat::StepContext less = none;
+    less.rest_grads_bytes = -150;
+    const Plan keep = remat::no_checkpoint(chain);
+    const remat::StepTimeline a = remat::step_timeline(chain, none, keep),
+                              b = remat::step_timeline(chain, less, keep);
+    ASSERT_EQ(a.points.size(), b.points.size());
+    bool after_rest = false;
+    for (size_t k = 0; k < a.points.size(); ++k) {
+      after_rest = after_rest || a.points[k].op == "B1";
+      EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, after_rest ? 150 : 0) << a.points[k].op;
+    }
+    less.rest_grads_bytes = -401;
+    EXPECT_THROW_WITH_STD(remat::validate(less, chain), "rest_grads_bytes (-401)", "before_saved_bytes 400");
+  }
   // With the input in the base (remat::Planned), nothing before the chain is held beside it; readings not
   // taken (-1) are not charged.
   r.input_in_base = true;
@@ -1760,6 +1790,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     ba.output_grad_held_in_backward = {false, true, false, false},
     bb.output_grad_held_in_backward = {true, false, false, false};
     ba.output_held_in_backward = false;
+    ba.rest_takes_last_input = false;  // bb's, not read: taken
     ba.outputs_held_to_end = {false, true, false, false},
     bb.outputs_held_to_end = {false, false, false, true};
     ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
@@ -1779,6 +1810,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(z.inputs_held_in_forward, (std::vector<bool>{true, true, false, true}));  // held where any is
     EXPECT_EQ(z.output_grad_held_in_backward, (std::vector<bool>{true, true, false, false}));  // likewise
     EXPECT_TRUE(z.output_held_in_backward);                                           // held where any is
+    EXPECT_TRUE(z.rest_takes_last_input);                                             // taken where any is
     EXPECT_EQ(z.outputs_held_to_end, (std::vector<bool>{false, true, false, true}));  // held where any is
     EXPECT_EQ(z.between_held_bytes, (std::vector<int64_t>{0, 20, 0, -40}));  // freeing less: the safe one
     EXPECT_THROW_WITH_STD(remat::set_plan_figures(y, z, remat::plan_figures(a, ca)), "the between figures");
@@ -2758,6 +2790,25 @@ TEST(Step, AResidualSumOutsideTheLayersHoldsTheOutputsGradientThroughTheStagesBa
     for (const Candidate& k : every_per_layer_plan(m, false, false))
       least = std::min(least, remat::step_peak_bytes(m, residual, k.plan));
     EXPECT_EQ(remat::min_step_budget(m, residual, "per-layer"), least) << held;
+  }
+  // The chain's output, where the rest let go of it (rest_frees_output): likewise where the rest takes the
+  // last stage's input too (rest_takes_last_input, a sum over the last layer), gone whole where it does not
+  // (a head that casts it under autocast).
+  {
+    Chain last = c;
+    last.stages[0].saves_output = true;
+    last.stages[1].saves_output = false;
+    last.stages[1].bwd_tmp_bytes = 90000;  // stage 1's backward: the step's peak
+    last.stages[1].bwd_grad_held_bytes = 300;
+    remat::StepContext rest;
+    rest.stage_grads_bytes = {10, 20};
+    rest.output_held_in_backward = false;
+    remat::StepContext sum = rest;
+    sum.rest_frees_output = true;
+    remat::StepContext cast = sum;
+    cast.rest_takes_last_input = false;
+    EXPECT_EQ(remat::step_peak_bytes(last, sum, keep) - remat::step_peak_bytes(last, rest, keep), 300);
+    EXPECT_EQ(remat::step_peak_bytes(last, cast, keep), remat::step_peak_bytes(last, rest, keep));
   }
   // A way that holds its output (Fa whose graph saves it) is charged it whole, as before.
   Chain saving = c;

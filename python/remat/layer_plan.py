@@ -33,8 +33,8 @@ from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_k
 from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, layer_grads_bytes, measure_planned_step,
-                           sharded_modules, step_context, storage_key)
+from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, layer_grads_bytes,
+                           measure_planned_step, sharded_modules, step_context, storage_key)
 from .meter import meter_for
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
@@ -598,6 +598,16 @@ class LayerPlan:
             # residual sum over the last layer: StepContext.rest_frees_output).
             step.rest_frees = step.chain_out_ref.expired()
             step.chain_out_ref = None
+            # And whether it took the last layer's input too (StepContext.rest_takes_last_input: a residual sum
+            # over the last layer, whose backward hands that input the output's gradient, held through the last
+            # layer's backward): its graph reaches that input's node other than through the layer's output.
+            if step.last_nodes is not None:
+                into, made = step.last_nodes
+                roots = [t.grad_fn for t in torch.utils._pytree.tree_leaves(output)
+                         if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+                step.rest_takes_input = graph_reaches(roots, into, made)
+        if step is not None:
+            step.last_nodes = None
         if step is not None:
             # A profiling step: whether anything held the last layer's input past its forward, and the first
             # layer's into the backward pass (StepContext.inputs_held_in_forward; held where not read).
@@ -759,7 +769,7 @@ class LayerPlan:
                 f"layers keep their inputs, {_core.format_bytes(chain.input_bytes)} each at the input's size; what "
                 f"runs before them holds {_core.format_bytes(ctx.before_saved_bytes)}; the rest of the step peaks "
                 f"at {_core.format_bytes(ctx.rest_peak_bytes)}; the backward pass allocates "
-                f"{_core.format_bytes(sum(ctx.stage_grads_bytes) + ctx.rest_grads_bytes)} of gradients in the layers and after "
+                f"{_core.format_bytes(sum(ctx.stage_grads_bytes) + max(0, ctx.rest_grads_bytes))} of gradients in the layers and after "
                 "them)")
             err.budget_bytes = budget
             err.min_bytes = least

@@ -320,6 +320,11 @@ class Step:
         # over the last layer; a way that holds its output keeps it beside what the rest makes).
         self.chain_out_ref: StorageWeakRef | None = None
         self.rest_frees = False
+        # The autograd nodes that made the last layer's input and its output (from its return in a profiling step),
+        # and whether the rest of the model's forward took that input too (StepContext.rest_takes_last_input: its
+        # graph reaches the input's node without passing through the output's; read at the forward's end).
+        self.last_nodes: tuple | None = None
+        self.rest_takes_input = True
         # Per layer i >= 1: whether the last layer's output was alive once layer i's backward was done (held
         # unless read otherwise: StepContext.outputs_held_in_backward).
         self.outputs_held: dict[int, bool] = {}
@@ -737,6 +742,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
 
     out_ref, out_bytes = storage_ref(out), storage_bytes(out)
     step.chain_out_ref = out_ref  # read at the model's forward's end (LayerPlan._forward_ends)
+    step.last_nodes = (x.grad_fn, out.grad_fn) if x.grad_fn is not None and out.grad_fn is not None else None
     if out.requires_grad:
         out.register_hook(at_out)
         if prefix_backward:
@@ -795,6 +801,24 @@ def sequence_nr(t: torch.Tensor) -> int | None:
         return None if t.grad_fn is None else int(t.grad_fn._sequence_nr())
     except (AttributeError, RuntimeError):
         return None
+
+
+def graph_reaches(roots, target, stop, most: int = 100000) -> bool:
+    """Whether the autograd graph from the nodes `roots` reaches the node `target` without passing through the
+    node `stop`; True where it would visit more than `most` nodes (not known: the safe reading)."""
+    seen: set[int] = set()
+    todo = [r for r in roots if r is not None]
+    while todo:
+        node = todo.pop()
+        if node is target:
+            return True
+        if node is stop or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if len(seen) > most:
+            return True
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return False
 
 
 def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: torch.Tensor, at_call: int) -> None:
@@ -951,6 +975,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.between_held_bytes = [step.between.get(j, (0, 0))[1] for j in range(n)]
     r.between_frees_output = [j in step.between and step.between_frees.get(j, False) for j in range(n)]
     r.rest_frees_output = step.rest_frees
+    r.rest_takes_last_input = step.rest_takes_input
     if len(step.held_to_end) == n:
         r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)

@@ -1079,3 +1079,48 @@ def test_a_first_layer_that_does_not_send_its_input_is_charged_it_streamed_or_no
     assert peak("Fa0@stream0") == peak("Fa0@host") == peak("Fa0")
     got = max(step(model, spec, k, meter)[2] for k in (1, 2))
     assert got <= lp.predicted_peak_bytes <= got * 1.001, (lp.choices, got, lp.predicted_peak_bytes)
+
+
+def test_what_the_rest_lets_go_of_from_before_the_layers_is_read_as_let_go_of(meter):
+    # GPT-2's forward holds its token and position embeddings (locals) until it returns, past the layers: the
+    # part before the layers holds them at the first layer's call (before_saved_bytes), and the rest of the step,
+    # from that return on, does not. Where the rest keeps less than that (a small vocabulary, the caller keeping
+    # only the loss), what it leaves held once it hands the layers their gradient is less than it found
+    # (StepContext.rest_grads_bytes, signed since 2026-12-03): read as 0 before, every plan's step was 0.5-1.1%
+    # below its prediction from the rest's backward on; now within 0.1%.
+    def gpt2():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=128, n_embd=128, n_layer=4, n_head=4, n_positions=128)
+        return transformers.GPT2LMHeadModel(cfg).train()
+
+    plain, model = gpt2(), gpt2()
+    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(1))
+    lp = remat.hf.enable(model, budget=1 << 40)
+
+    def train(m):
+        torch.manual_seed(2)
+        meter.reset_peak()
+        base = meter.active()
+        m(input_ids=ids, labels=ids).loss.backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return meter.peak() - base, grads
+
+    train(model)  # profiled; then times that make every layer kept the fastest
+    for st in lp._last.chain.stages:
+        st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 2.0, 1.0, 4.0
+        for c in st.policies:
+            c.fwd_ms, c.bwd_ms = 50.0, 50.0
+    lp.set_budget(1 << 40)
+    chain, ctx = lp.chain, lp.context
+    assert -ctx.before_saved_bytes <= ctx.rest_grads_bytes < 0, (ctx.rest_grads_bytes, ctx.before_saved_bytes)
+    every = remat.checkpoint_all(chain)
+    predicted, measured = remat.step_peak_bytes(chain, ctx, every), ctx.checkpoint_all_peak_bytes
+    assert abs(predicted / measured - 1) <= 1e-3, (predicted, measured)  # (0.5-1.1% high before)
+    # Every layer kept: the plain run's gradients, and what was predicted.
+    want = train(plain)[1]
+    for _ in range(2):
+        peak, grads = train(model)
+        assert all(torch.equal(a, b) for a, b in zip(want, grads))
+    assert str(lp.plan).startswith("Fa0 Fa1 Fa2 Fa3 L"), lp.plan
+    assert abs(peak / lp.predicted_peak_bytes - 1) <= 1e-3, (peak, lp.predicted_peak_bytes)

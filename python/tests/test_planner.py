@@ -197,6 +197,13 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:23])
     assert list(old.output_grad_held_in_backward) == [] and list(old.inputs_held_in_forward) == [True, False]
+    # Whether the rest takes the last stage's input: carried, pickled; a state of 24 fields loads with it taken.
+    r.rest_takes_last_input = False
+    c = remat._core.step_context(r)
+    assert not pickle.loads(pickle.dumps(c)).rest_takes_last_input
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:24])
+    assert old.rest_takes_last_input and list(old.output_grad_held_in_backward) == [False, True]
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

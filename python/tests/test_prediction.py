@@ -294,6 +294,68 @@ def test_a_residual_sum_outside_the_layers_holds_the_outputs_gradient_through_it
     if policy:
         assert [st.policies[0].saves_output for st in chain.stages] == [False] * 4
     assert list(lp.context.between_frees_output) == [False, True, True, True]
+    assert lp.context.rest_frees_output and lp.context.rest_takes_last_input  # the sum over the last layer
+
+
+class _PostNorm(torch.nn.Module):
+    """A feed-forward layer with its own residual sum and a LayerNorm last (BERT's shape)."""
+
+    def __init__(self, width=64, bias=True):
+        super().__init__()
+        self.up, self.down, self.norm = (torch.nn.Linear(width, 4 * width, bias=bias),
+                                         torch.nn.Linear(4 * width, width, bias=bias), torch.nn.LayerNorm(width))
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class _CastHead(torch.nn.Module):
+    """_PostNorm layers whose output a Linear head takes: under autocast the head saves a bf16 cast of it and
+    lets go of the fp32 output, as BERT's head does. Its Linears have no biases, so that autocast's cache holds
+    nothing the graph does not save (with an input that takes a gradient: Stage.autocast_cache_bytes 0)."""
+
+    def __init__(self, width=64, depth=4):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(_PostNorm(width, bias=False) for _ in range(depth))
+        self.head = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x).float().square().mean()
+
+
+def test_a_rest_that_lets_go_of_the_output_without_taking_the_last_input_holds_no_gradient_for_it(meter):
+    # The rest of the step lets go of the layers' output in its forward (StepContext.rest_frees_output: a head
+    # that saves a bf16 cast of it under autocast) but takes nothing else of the last layer's: its backward hands
+    # that layer a gradient nothing else holds (StepContext.rest_takes_last_input false, read from the rest's
+    # graph), and the last layer's output is gone by its backward whole. Charged the gradient a sum over the last
+    # layer holds (the reading's default), every plan was above what the step held.
+    m = _CastHead()
+    x = torch.randn(256, 64, requires_grad=True)
+    lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
+    for s in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x)
+        loss.backward()
+        del loss
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        if s == 0:  # every layer kept
+            for st in lp._last.chain.stages:
+                st.fwd_ms, st.bwd_ms, st.checkpoint_fwd_ms, st.checkpoint_bwd_ms = 1.0, 2.0, 1.0, 4.0
+            lp.set_budget(1 << 40)
+            assert str(lp.plan) == "Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0", lp.plan
+        else:
+            assert abs(lp.prediction_error) <= 1e-3, (lp.plan, lp.prediction_error)
+    ctx = lp.context
+    assert ctx.rest_frees_output and not ctx.rest_takes_last_input
+    assert [st.autocast_cache_bytes for st in lp._last.chain.stages] == [0] * 4
+    assert lp._last.chain.stages[-1].bwd_grad_held_bytes == lp._last.chain.stages[-1].output_bytes
+    taken = remat.StepContext.__new__(remat.StepContext)
+    taken.__setstate__(ctx.__getstate__()[:24])  # the reading's default: taken
+    assert remat.step_peak_bytes(lp.chain, taken, lp.plan) > lp.predicted_peak_bytes
 
 
 def test_a_policy_that_keeps_no_output_of_its_layer_leaves_it_gone_by_its_backward(meter):
@@ -301,21 +363,12 @@ def test_a_policy_that_keeps_no_output_of_its_layer_leaves_it_gone_by_its_backwa
     # BERT layer's) hold no output under it (PolicyCost.saves_output false, measured); one ending in a Linear
     # holds it (the kept product). Before (found 2026-12-03), every policy was charged its output through its
     # backward: a small BERT under the policy, every layer kept, 1.4% below its prediction.
-    class PostNorm(torch.nn.Module):
-        def __init__(self, width=64):
-            super().__init__()
-            self.up, self.down, self.norm = (torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width),
-                                             torch.nn.LayerNorm(width))
-
-        def forward(self, x):
-            return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
-
     class Model(torch.nn.Module):
         def __init__(self, last_linear):
             super().__init__()
             torch.manual_seed(0)
             self.layers = torch.nn.ModuleList(
-                torch.nn.Sequential(PostNorm(), torch.nn.Linear(64, 64)) if last_linear else PostNorm()
+                torch.nn.Sequential(_PostNorm(), torch.nn.Linear(64, 64)) if last_linear else _PostNorm()
                 for _ in range(4))
 
         def forward(self, x):

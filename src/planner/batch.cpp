@@ -220,7 +220,8 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   c.before_backward_peak_bytes = line.bytes(a.before_backward_peak_bytes, b.before_backward_peak_bytes);
   c.rest_peak_bytes = line.bytes(a.rest_peak_bytes, b.rest_peak_bytes);
   c.rest_ms = line.ms(a.rest_ms, b.rest_ms);
-  c.rest_grads_bytes = line.bytes(a.rest_grads_bytes, b.rest_grads_bytes);
+  c.rest_grads_bytes =  // signed: at most what the part before holds let go of
+      std::max(-c.before_saved_bytes, line.signed_bytes(a.rest_grads_bytes, b.rest_grads_bytes));
   // A measured peak is the largest of the step's moments, and which moment is largest changes with the batch:
   // on a BERT of width 256 the embedding's dense gradient (the same at every batch) tops the step at batches
   // 2 and 4, the layers' recomputes from batch 16 on, so a line through two peaks is no peak at a third batch
@@ -248,6 +249,7 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   // Charged where either let go of it (the charge is held_past_between_bytes()'s).
   c.between_frees_output = held_where_either(a.between_frees_output, b.between_frees_output);
   c.rest_frees_output = a.rest_frees_output || b.rest_frees_output;
+  c.rest_takes_last_input = a.rest_takes_last_input || b.rest_takes_last_input;
   c.output_grad_held_in_backward =
       held_where_either(a.output_grad_held_in_backward, b.output_grad_held_in_backward);
   // The generators' state a checkpoint saves: the same at every batch.

@@ -194,6 +194,7 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(g);
   flags(context.between_frees_output, v);          // charged where any rank let go of it
   v.flag(context.rest_frees_output);               // likewise
+  v.flag(context.rest_takes_last_input);           // taken where any rank's takes it
   flags(context.output_grad_held_in_backward, v);  // held where any rank held it
 }
 

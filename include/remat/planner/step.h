@@ -44,7 +44,10 @@ struct StepContext {
   /// parameters it allocates, a partial gradient of a weight shared with the part before the chain (a tied
   /// embedding's, summed at its last use), outputs the caller keeps (logits). Not less the chain's output
   /// where the rest's backward lets go of it: the model lets go of that once, at the last stage's backward
-  /// or where output_held_in_backward says so.
+  /// or where output_held_in_backward says so. Signed since 2026-12-03: less what the rest let go of that the
+  /// part before the chain made and the model's code held until its forward returned (GPT-2's token and
+  /// position embeddings), which before_saved_bytes charges until the part before's backward; at least
+  /// -before_saved_bytes (validate() throws std::invalid_argument below that).
   int64_t rest_grads_bytes = 0;
   /// Per chain stage: the parameter gradients its backward allocates (bytes; 0 when they exist before the
   /// step), held from then on. Empty, or one entry per stage.
@@ -180,6 +183,16 @@ struct StepContext {
   /// of, or not read. (Read inside the model's forward only: a loss outside it that lets go of the output is
   /// not read.)
   bool rest_frees_output = false;
+  /// Whether the rest of the step also takes the last stage's input (`x = x + layer(x)` over the last layer,
+  /// a skip from that input to the head): its backward hands that input a gradient, held in its gradient
+  /// buffer through the last stage's backward (for a sum, the chain's output gradient itself). Where the rest
+  /// let go of the chain's output too (rest_frees_output) and the last stage's way does not hold it, the
+  /// output is charged gone by that backward but for what holding its gradient adds
+  /// (Stage::bwd_grad_held_bytes, detail::output_gone_bytes()), as between stages; where false (a head that
+  /// casts the output under autocast and lets go of it, as BERT's), gone whole. The Python package reads it
+  /// in the profiling step (the rest's autograd graph reaches the last stage's input without passing through
+  /// the stage). True (the default, not read): charged so.
+  bool rest_takes_last_input = true;
   /// Per chain stage j: whether the gradient the rest of the step hands the chain's output (d_n) is alive
   /// still once stage j's backward is done, held by something besides the stages: the rest also takes an
   /// earlier stage's input (a skip from a layer's input to the head, `return x + skip`), whose gradient its
@@ -284,6 +297,9 @@ struct StepReadings {
   /// Whether the rest of the step let go of the chain's output in its forward (StepContext::
   /// rest_frees_output; false where not read).
   bool rest_frees_output = false;
+  /// Whether the rest of the step also takes the last stage's input (StepContext::rest_takes_last_input;
+  /// true where not read).
+  bool rest_takes_last_input = true;
   /// Per chain stage: whether the chain's output gradient was alive once its backward was done
   /// (StepContext::output_grad_held_in_backward; empty where not read).
   std::vector<bool> output_grad_held_in_backward;
@@ -292,7 +308,8 @@ struct StepReadings {
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's
 /// start besides its input; 0 with input_in_base), before_peak_bytes and before_backward_peak_bytes above the
 /// base, rest_peak_bytes above the chain's return, rest_ms, rest_grads_bytes (what the rest's backward leaves
-/// held besides the output's gradient, the output it let go of counted back), output_held_in_backward (false
+/// held besides the output's gradient, the output it let go of counted back; signed, at least
+/// -before_saved_bytes), output_held_in_backward (false
 /// where output_freed_bytes > 0), checkpoint_state_bytes, stage_grads_bytes, and checkpoint_all_peak_bytes
 /// (step_peak above the base), side_bytes, side_grads_bytes, side_freed_bytes, input_held_in_backward (held
 /// whatever was read with input_in_base or input_freed_in_rest)

@@ -38,10 +38,11 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
 // What of a_j (1 <= j <= n), where the way of the stage that made it does not save it, is gone by that
 // stage's backward (bytes): where nothing besides the stages holds it (output_unheld()), its bytes, less,
-// where what runs between that stage and the next (the rest, for the chain's output) made the next input from
-// it (output_freed_between(): a residual sum outside the layers, whose backward hands the output's gradient
-// to the residual path too, which holds it through the stage's backward, where the profile let go of it once
-// used), what holding that gradient adds to the stage's backward (Stage::bwd_grad_held(): unmeasured, the
+// where what runs between that stage and the next made the next input from it (output_freed_between(): a
+// residual sum outside the layers, whose backward hands the output's gradient to the residual path too, which
+// holds it through the stage's backward, where the profile let go of it once used; for the chain's output,
+// where the rest let go of it and takes the last stage's input too, StepContext::rest_takes_last_input), what
+// holding that gradient adds to the stage's backward (Stage::bwd_grad_held(): unmeasured, the
 // output's bytes, the whole credit gone); else 0. The one rule of step_op_peaks() and the per-layer program.
 // Before (found 2026-12-03), the whole output was credited: layers ending in a GELU, a LayerNorm or a sigmoid
 // under `x = x + layer(x)` peaked a gradient above their predictions (a sigmoid under the matmuls policy,

@@ -654,7 +654,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         """How much higher stage i's backward peak (bwd_tmp_bytes) is with the gradient it is handed held through
         it than let go of once used (Stage.bwd_grad_held_bytes): what a residual sum outside the layers adds,
         whose backward hands the output's gradient to the residual path too. The stage run again, kept, and its
-        backward measured so; within [0, its output's bytes]."""
+        backward measured so; within [0, its output's bytes]. 0 where its input takes no gradient (the model's own
+        input, a frozen layer's output): a sum over it (`x + layer(x)`) hands that input nothing."""
+        if not input_grad[i]:
+            return 0
         leaf = leaf_of(i)
         out = run_as(i, KEEP, leaf)
         _, tmp, _ = measured_backward(out, targets_of(i, leaf), i, leaf, hold_grad=True)

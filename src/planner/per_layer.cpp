@@ -192,9 +192,12 @@ struct StepTerms {
   // (added to R before it).
   std::vector<int64_t> forward_held;
   // Per stage: what of its output a way that does not save it lets go of once the next stage's backward is
-  // done, where nothing besides the stages holds it (StepContext::outputs_held_in_backward), less what a
-  // residual sum between that holds its gradient adds (detail::output_gone_bytes()).
+  // done, where nothing besides the stages holds it (StepContext::outputs_held_in_backward:
+  // detail::output_gone_bytes()).
   std::vector<int64_t> output_gone;
+  // Per stage: what its backward holds beyond its measured peak where a residual sum's path holds the
+  // gradient it is handed (detail::grad_held_bytes()).
+  std::vector<int64_t> grad_held;
   // Per stage: whether nothing besides the stages holds its output then (detail::output_unheld()): one its
   // graph alone holds is let go of early in its backward where output_freed_early().
   std::vector<char> output_unheld;
@@ -261,7 +264,9 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // (Stage::grads_way, the rule step_op_peaks() follows).
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
   const int64_t side = step ? step->side[static_cast<size_t>(j)] : 0;
-  const int64_t at_bwd = at_rec + side +
+  // What a residual sum's path holding the gradient it is handed adds to its backward.
+  const int64_t held_grad = step ? step->grad_held[static_cast<size_t>(j)] : 0;
+  const int64_t at_bwd = at_rec + side + held_grad +
                          s.grads_charge_bytes(own, Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream,
                                                                     !c.groups.empty(), c.variant - 1));
   // What runs between the stage before it and it, once its backward is done: above R_j and its input's
@@ -825,12 +830,14 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
   t.output_gone.assign(n + 2, 0);
+  t.grad_held.assign(n + 2, 0);
   t.output_unheld.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
   t.freed_early.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
     t.output_gone[s] = detail::output_gone_bytes(chain, context, static_cast<int64_t>(s));
+    t.grad_held[s] = detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1);
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);

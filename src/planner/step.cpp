@@ -283,11 +283,13 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
 }
 
 int64_t output_gone_bytes(const Chain& chain, const StepContext& context, int64_t j) {
-  if (!output_unheld(chain, context, j)) return 0;
-  const int64_t bytes = chain.activation_bytes(j);
-  const bool residual =
-      output_freed_between(chain, context, j - 1) && (j < chain.size() || context.rest_takes_last_input);
-  return residual ? bytes - chain.stages[static_cast<size_t>(j - 1)].bwd_grad_held() : bytes;
+  return output_unheld(chain, context, j) ? chain.activation_bytes(j) : 0;
+}
+
+int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j) {
+  if (j < 0 || j >= chain.size() || !output_freed_between(chain, context, j)) return 0;
+  if (j + 1 == chain.size() && !context.rest_takes_last_input) return 0;
+  return chain.stages[static_cast<size_t>(j)].bwd_grad_held();
 }
 
 bool output_grad_held(const StepContext& context, int64_t j) {
@@ -321,8 +323,7 @@ int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups,
 }
 
 bool output_freed_early(const Chain& chain, const StepContext& context, int64_t j) {
-  if (chain.holds_outputs || j < 0 || j >= chain.size() || !output_unheld(chain, context, j + 1) ||
-      output_freed_between(chain, context, j))
+  if (chain.holds_outputs || j < 0 || j >= chain.size() || !output_unheld(chain, context, j + 1))
     return false;
   return j + 1 < chain.size() || !output_grad_held(context, j);
 }
@@ -560,6 +561,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     const bool without_input = after_loss && !input_back && op.stage >= 1 && op.kind != OpKind::kLoss;
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
+    // The gradient a residual sum's path holds through a chain stage's backward (grad_held_bytes()).
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
+      peaks[k] += grad_held_bytes(chain, context, op.stage - 1);
     // A kept stage whose graph alone holds its output lets go of it early in its backward, as does a stage
     // checkpointed per call the output its recompute made again (its last forward, as Fa).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&

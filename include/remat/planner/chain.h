@@ -221,9 +221,10 @@ struct Stage {
   /// a residual sum outside the layers (`x = x + layer(x)`, StepContext::between_frees_output) adds, whose
   /// backward hands the output's gradient to the residual path too, which holds it through this stage's
   /// backward. A layer whose backward peaks while it still uses that gradient (a Linear last) adds none; one
-  /// that peaks after (a GELU, a LayerNorm or a sigmoid last) adds the gradient's bytes. The step's model
-  /// (remat/planner/step.h) charges it, for every way, where such a sum let go of the stage's output and the
-  /// way does not hold that output (the output is then gone by this backward but for the gradient). Unset
+  /// that peaks after (a GELU, a LayerNorm or a sigmoid last) adds the gradient's bytes; 0 where the stage's
+  /// input takes no gradient (the model's own input: a sum over it hands it nothing). The step's model
+  /// (remat/planner/step.h) charges it to the stage's backward, whatever its way, where such a sum let go of
+  /// the stage's output (detail::grad_held_bytes()). Unset
   /// (the C++ profiler, chains written before it): output_bytes, the gradient's size (bwd_grad_held()). Last
   /// of the fields, as fwd_nosave_tmp_bytes.
   std::optional<int64_t> bwd_grad_held_bytes;

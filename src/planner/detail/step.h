@@ -37,17 +37,20 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
 // What of a_j (1 <= j <= n), where the way of the stage that made it does not save it, is gone by that
-// stage's backward (bytes): where nothing besides the stages holds it (output_unheld()), its bytes, less,
-// where what runs between that stage and the next made the next input from it (output_freed_between(): a
-// residual sum outside the layers, whose backward hands the output's gradient to the residual path too, which
-// holds it through the stage's backward, where the profile let go of it once used; for the chain's output,
-// where the rest let go of it and takes the last stage's input too, StepContext::rest_takes_last_input), what
-// holding that gradient adds to the stage's backward (Stage::bwd_grad_held(): unmeasured, the
-// output's bytes, the whole credit gone); else 0. The one rule of step_op_peaks() and the per-layer program.
-// Before (found 2026-12-03), the whole output was credited: layers ending in a GELU, a LayerNorm or a sigmoid
-// under `x = x + layer(x)` peaked a gradient above their predictions (a sigmoid under the matmuls policy,
-// once its output was read as not held, 3.1-4.4%).
+// stage's backward (bytes): its bytes where nothing besides the stages holds it (output_unheld()), else 0.
+// The one rule of step_op_peaks() and the per-layer program.
 int64_t output_gone_bytes(const Chain& chain, const StepContext& context, int64_t j);
+
+// What chain stage j's backward holds beyond its measured peak, whatever its way, where something besides the
+// stage holds the gradient it is handed through it (bytes): where what runs between it and the next made the
+// next input from its output and let go of it (output_freed_between(): a residual sum outside the layers,
+// whose backward hands the output's gradient to the residual path too; over the last layer, where the rest
+// takes the last stage's input too, StepContext::rest_takes_last_input), Stage::bwd_grad_held() (the profile
+// measured that backward with the gradient let go of once used; unmeasured, the output's bytes); else 0. The
+// one rule of step_op_peaks() and the per-layer program. Before (found 2026-12-03) it was not charged: layers
+// ending in a GELU under `x = x + layer(x)` peaked 2.2-5.7% above their predictions, a sigmoid under the
+// matmuls policy 3.0%; a sigmoid kept was exact only because its output's early credit was withheld there.
+int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether the chain's output gradient is alive once chain stage j's backward is done
 // (StepContext::output_grad_held_in_backward; false where empty and for j outside it).
@@ -82,11 +85,11 @@ int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups,
 // Whether chain stage j's backward may be charged its output let go of early
 // (output_freed_in_backward_bytes(), measured in the profiler with the gradient the stage is handed let go of
 // once used): the runtime does not hold outputs, nothing besides the stages holds the output in the backward
-// pass (output_unheld()), nothing run between it and the next stage (or the rest, for the last) let go of the
-// output (output_freed_between(): a residual sum, whose backward hands the output's gradient to the residual
-// path too, which holds it through this backward), and, for the last stage, nothing holds the chain's output
-// gradient past its backward (output_grad_held(): a skip to the head). Before this rule (found 2026-12-03),
-// the credit on a residual sum outside layers ending in a sigmoid held 2.3-5.7% above the prediction.
+// pass (output_unheld()), and, for the last stage, nothing holds the chain's output gradient past its
+// backward (output_grad_held(): a skip to the head). Where a residual sum lets go of the output, the gradient
+// its path holds through this backward is charged apart (grad_held_bytes(); before it was, from earlier on
+// 2026-12-03, the credit was withheld there: a residual sum outside layers ending in a sigmoid had
+// held 2.3-5.7% above the prediction with it).
 bool output_freed_early(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether what runs between chain stage j and the next let go of stage j's output in the profiling step

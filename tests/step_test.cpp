@@ -2767,8 +2767,8 @@ TEST(Step, APolicyThatDoesNotHoldItsOutputLeavesItGoneByItsBackward) {
 // A residual sum outside the layers (`x = x + layer(x)`: StepContext::between_frees_output) hands a stage's
 // output gradient to the residual path too, which holds it through the stage's backward: what that adds
 // (Stage::bwd_grad_held_bytes; unmeasured, the output's bytes) is charged to the backward whatever the way,
-// the output's own credits as without the sum. Before (found 2026-12-03), nothing was: layers ending in a GELU
-// or a LayerNorm under such a sum peaked a gradient above their predictions.
+// the output's own credits as without the sum. Before (found 2026-12-03), nothing was: layers ending in a
+// GELU or a LayerNorm under such a sum peaked a gradient above their predictions.
 TEST(Step, AResidualSumOutsideTheLayersHoldsTheOutputsGradientThroughTheStagesBackward) {
   Chain c = hand_chain(2, 1000, 7000);
   c.stages[0].saves_output = false;

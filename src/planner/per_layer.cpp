@@ -191,16 +191,12 @@ struct StepTerms {
   // Per stage: what runs between the stage before it and it leaves held in the forward, from its forward on
   // (added to R before it).
   std::vector<int64_t> forward_held;
-  // Per stage: what of its output a way that does not save it lets go of once the next stage's backward is
-  // done, where nothing besides the stages holds it (StepContext::outputs_held_in_backward:
-  // detail::output_gone_bytes()).
-  std::vector<int64_t> output_gone;
+  // Per stage: whether nothing besides the stages holds its output once the next stage's backward is done
+  // (StepContext::outputs_held_in_backward): a way that does not save it lets go of it then.
+  std::vector<char> output_unheld;
   // Per stage: what its backward holds beyond its measured peak where a residual sum's path holds the
   // gradient it is handed (detail::grad_held_bytes()).
   std::vector<int64_t> grad_held;
-  // Per stage: whether nothing besides the stages holds its output then (detail::output_unheld()): one its
-  // graph alone holds is let go of early in its backward where output_freed_early().
-  std::vector<char> output_unheld;
   // Per stage: whether what runs between it and the next let go of its output in the profiling step
   // (detail::output_freed_between()): a way that holds its output is charged it beside the next stage's
   // input (the rest's peak, for the last), from the end of its forward until the next stage's backward is
@@ -288,10 +284,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                                                    !c.groups.empty() && !checkpointed,
                                                    (c.offload || c.stream) && !checkpointed)
           : 0;
-  const int64_t gone = !step || checkpointed ? 0
-                       : unsaved             ? step->output_gone[static_cast<size_t>(j)]
-                       : step->output_unheld[static_cast<size_t>(j)] ? early
-                                                                     : 0;
+  const int64_t gone =
+      step && step->output_unheld[static_cast<size_t>(j)] && !checkpointed ? (unsaved ? a_out : early) : 0;
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with its window beside it (the forward's, only what
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
@@ -829,14 +823,12 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.side_freed.assign(n + 2, 0);
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
-  t.output_gone.assign(n + 2, 0);
   t.grad_held.assign(n + 2, 0);
   t.output_unheld.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
   t.freed_early.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
-    t.output_gone[s] = detail::output_gone_bytes(chain, context, static_cast<int64_t>(s));
     t.grad_held[s] = detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1);
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);

@@ -282,10 +282,6 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   return !stage_flag(context.outputs_held_in_backward, j, true);
 }
 
-int64_t output_gone_bytes(const Chain& chain, const StepContext& context, int64_t j) {
-  return output_unheld(chain, context, j) ? chain.activation_bytes(j) : 0;
-}
-
 int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j) {
   if (j < 0 || j >= chain.size() || !output_freed_between(chain, context, j)) return 0;
   if (j + 1 == chain.size() && !context.rest_takes_last_input) return 0;
@@ -607,8 +603,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     }
     // The chain's output a_n, which nothing else holds and the last stage does not save, goes once the rest's
     // backward is done (output_held_in_backward).
-    if (op.kind == OpKind::kBackward && op.stage == n + 1 && leaves[static_cast<size_t>(n)]) {
-      let_go[static_cast<size_t>(n)] = output_gone_bytes(chain, context, n);
+    if (op.kind == OpKind::kBackward && op.stage == n + 1 && leaves[static_cast<size_t>(n)] &&
+        output_unheld(chain, context, n)) {
+      let_go[static_cast<size_t>(n)] = chain.activation_bytes(n);
       arrived -= let_go[static_cast<size_t>(n)];
     }
     // An output held to the step's end (outputs_held_to_end), from where the simulation lets go of it on:
@@ -635,8 +632,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       arrived += held;
       // Its input a_j, which nothing else holds and the stage before it does not save, goes now (unless gone
       // since its forward).
-      if (leaves[static_cast<size_t>(op.stage - 1)] && !dropped[static_cast<size_t>(op.stage)]) {
-        let_go[j] = output_gone_bytes(chain, context, static_cast<int64_t>(j));
+      if (leaves[static_cast<size_t>(op.stage - 1)] && !dropped[static_cast<size_t>(op.stage)] &&
+          output_unheld(chain, context, static_cast<int64_t>(j))) {
+        let_go[j] = chain.activation_bytes(static_cast<int64_t>(j));
         arrived -= let_go[j];
       }
       // Its input a_j, a plain output held to the step's end, which the simulation lets go of now.

@@ -186,12 +186,12 @@ struct StepContext {
   /// Whether the rest of the step also takes the last stage's input (`x = x + layer(x)` over the last layer,
   /// a skip from that input to the head): its backward hands that input a gradient, held in its gradient
   /// buffer through the last stage's backward (for a sum, the chain's output gradient itself). Where the rest
-  /// let go of the chain's output too (rest_frees_output) and the last stage's way does not hold it, the
-  /// output is charged gone by that backward but for what holding its gradient adds
-  /// (Stage::bwd_grad_held_bytes, detail::output_gone_bytes()), as between stages; where false (a head that
-  /// casts the output under autocast and lets go of it, as BERT's), gone whole. The Python package reads it
-  /// in the profiling step (the rest's autograd graph reaches the last stage's input without passing through
-  /// the stage). True (the default, not read): charged so.
+  /// let go of the chain's output too (rest_frees_output), the last stage's backward is charged what holding
+  /// that gradient adds (Stage::bwd_grad_held_bytes, detail::grad_held_bytes()), as between stages; where
+  /// false (a head that casts the output under autocast and lets go of it, as BERT's), nothing. Before it
+  /// (2026-12-03), BERT under CPU bf16 autocast was up to 1.8% below its prediction. The Python package reads
+  /// it in the profiling step (the rest's autograd graph reaches the last stage's input without passing
+  /// through the stage). True (the default, not read): charged so.
   bool rest_takes_last_input = true;
   /// Per chain stage j: whether the gradient the rest of the step hands the chain's output (d_n) is alive
   /// still once stage j's backward is done, held by something besides the stages: the rest also takes an

@@ -36,11 +36,6 @@ int64_t recompute_unmade_bytes(const Chain& chain, int64_t j);
 // backward is done (j == n: output_held_in_backward false), and the runtime does not hold outputs.
 bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 
-// What of a_j (1 <= j <= n), where the way of the stage that made it does not save it, is gone by that
-// stage's backward (bytes): its bytes where nothing besides the stages holds it (output_unheld()), else 0.
-// The one rule of step_op_peaks() and the per-layer program.
-int64_t output_gone_bytes(const Chain& chain, const StepContext& context, int64_t j);
-
 // What chain stage j's backward holds beyond its measured peak, whatever its way, where something besides the
 // stage holds the gradient it is handed through it (bytes): where what runs between it and the next made the
 // next input from its output and let go of it (output_freed_between(): a residual sum outside the layers,

@@ -608,7 +608,6 @@ class LayerPlan:
                 step.rest_takes_input = graph_reaches(roots, into, made)
         if step is not None:
             step.last_nodes = None
-        if step is not None:
             # A profiling step: whether anything held the last layer's input past its forward, and the first
             # layer's into the backward pass (StepContext.inputs_held_in_forward; held where not read).
             step.last_input_alive(len(self.layers) - 1)

@@ -858,7 +858,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             fields[i]["pol"][name]["fwd"].append(f)
                             fields[i]["pol"][name]["bwd"].append(b)
                         if measure and out_grad:
-                            fields[i]["pol"][name]["saves_out"] = policy_holds_output(i, name)
+                            # Where offloading was profiled, its cost's `output` says it already (and the step's
+                            # model reads that first); else the stage runs so once more.
+                            pol = fields[i]["pol"][name]
+                            pol["saves_out"] = pol["offload"].output if "offload" in pol \
+                                else policy_holds_output(i, name)
                         report("policy " + name, names[i])
             if offload_min_bytes is not None:
                 # Streamed (Fa3@stream): each stage's forward and backward peaks with what it saves sent as it is

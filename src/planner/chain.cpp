@@ -26,6 +26,16 @@ void check_bytes(const Chain& chain, size_t i, const char* field, int64_t value)
   }
 }
 
+// A figure of stage i that is part of its output (at most output_bytes).
+void check_within_output(const Chain& chain, size_t i, const char* field, int64_t value) {
+  const int64_t most = chain.stages[i].output_bytes;
+  if (value > most) {
+    throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " + field + " (" +
+                                std::to_string(value) + ") above its output_bytes (" + std::to_string(most) +
+                                ")");
+  }
+}
+
 void check_ms(const Chain& chain, size_t i, const char* field, double value) {
   if (!std::isfinite(value) || value < 0 || value > kMaxStageMs) {
     std::ostringstream os;
@@ -137,18 +147,10 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
     check_bytes(chain, i, "bwd_output_freed_bytes", s.bwd_output_freed_bytes);
     check_bytes(chain, i, "autocast_cache_bytes", s.autocast_cache_bytes);
-    if (s.bwd_output_freed_bytes > s.output_bytes) {
-      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
-                                  " has bwd_output_freed_bytes (" + std::to_string(s.bwd_output_freed_bytes) +
-                                  ") above its output_bytes (" + std::to_string(s.output_bytes) + ")");
-    }
+    check_within_output(chain, i, "bwd_output_freed_bytes", s.bwd_output_freed_bytes);
     if (s.bwd_grad_held_bytes) {
       check_bytes(chain, i, "bwd_grad_held_bytes", *s.bwd_grad_held_bytes);
-      if (*s.bwd_grad_held_bytes > s.output_bytes) {
-        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) +
-                                    " has bwd_grad_held_bytes (" + std::to_string(*s.bwd_grad_held_bytes) +
-                                    ") above its output_bytes (" + std::to_string(s.output_bytes) + ")");
-      }
+      check_within_output(chain, i, "bwd_grad_held_bytes", *s.bwd_grad_held_bytes);
     }
     if (s.fwd_nosave_tmp_bytes) {
       check_bytes(chain, i, "fwd_nosave_tmp_bytes", *s.fwd_nosave_tmp_bytes);

@@ -82,9 +82,9 @@ int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups,
 // once used): the runtime does not hold outputs, nothing besides the stages holds the output in the backward
 // pass (output_unheld()), and, for the last stage, nothing holds the chain's output gradient past its
 // backward (output_grad_held(): a skip to the head). Where a residual sum lets go of the output, the gradient
-// its path holds through this backward is charged apart (grad_held_bytes(); before it was, from earlier on
-// 2026-12-03, the credit was withheld there: a residual sum outside layers ending in a sigmoid had
-// held 2.3-5.7% above the prediction with it).
+// its path holds through this backward is charged apart (grad_held_bytes()). Until that charge (2026-12-03)
+// the credit was withheld there instead: with it, a residual sum outside layers ending in a sigmoid had held
+// 2.3-5.7% above the prediction.
 bool output_freed_early(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether what runs between chain stage j and the next let go of stage j's output in the profiling step

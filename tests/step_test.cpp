@@ -1212,6 +1212,23 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
       for (size_t j = 1; j < ctx.outputs_held_in_backward.size(); ++j)
         ctx.outputs_held_in_backward[j] = std::bernoulli_distribution(0.5)(held_rng);
     }
+    // On every fourth trial, the C++ executor's chain (Chain::holds_outputs), its kept stages' drops measured
+    // (Stage::bwd_output_freed_bytes), the rest of the step holding the chain's output or not, and some
+    // outputs held to the step's end: charged back where something besides the runtime holds an output.
+    if (trial % 4 == 3) {
+      std::mt19937 runtime_rng(static_cast<unsigned>(13000 + trial));
+      chain.holds_outputs = true;
+      for (remat::Stage& s : chain.stages)
+        s.bwd_output_freed_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(runtime_rng);
+      ctx.output_held_in_backward = trial % 8 == 3;
+      chain.stages.back().bwd_tmp_bytes += 200000;  // its backward the peak, where the charge shows
+      chain.stages.back().bwd_grads_tmp_bytes.reset();
+      for (remat::PolicyCost& pc : chain.stages.back().policies)
+        if (pc.bwd_tmp_bytes) *pc.bwd_tmp_bytes += 200000, pc.bwd_grads_tmp_bytes.reset();
+      ctx.outputs_held_to_end.assign(static_cast<size_t>(chain.size()), false);
+      for (size_t j = 0; j + 1 < ctx.outputs_held_to_end.size(); ++j)
+        ctx.outputs_held_to_end[j] = std::bernoulli_distribution(0.3)(runtime_rng);
+    }
     std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
     int64_t least = std::numeric_limits<int64_t>::max(), most = 0;
     for (Candidate& c : all) {
@@ -1778,6 +1795,19 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   EXPECT_EQ(c.stages[1].fwd_nosave_tmp_bytes, b.stages[1].fwd_nosave_tmp_bytes);
   EXPECT_EQ(c.stages[3].fwd_nosave_tmp_bytes, b.stages[3].fwd_tmp_bytes);
   EXPECT_FALSE(c.stages[0].fwd_nosave_tmp_bytes.has_value());
+  // What a stage's backward holds less with its output let go of (Stage::bwd_output_freed_bytes): a credit
+  // where the runtime does not hold outputs, agreed as the smaller; a charge where it does (the C++
+  // executor's, charged back where something else holds the output), the larger.
+  for (const bool holding : {false, true}) {
+    Chain p = a, q = a;
+    p.holds_outputs = q.holds_outputs = holding;
+    p.stages[0].bwd_output_freed_bytes = a.stages[0].output_bytes / 4;
+    q.stages[0].bwd_output_freed_bytes = a.stages[0].output_bytes / 2;
+    Chain r = p;
+    remat::StepContext y = ca;
+    remat::set_plan_figures(r, y, largest(remat::plan_figures(p, ca), remat::plan_figures(q, ca)));
+    EXPECT_EQ(r.stages[0].bwd_output_freed_bytes, (holding ? q : p).stages[0].bwd_output_freed_bytes);
+  }
   // What runs between stages: each figure the larger.
   {
     remat::StepContext ba = ca, bb = cb;
@@ -3093,4 +3123,63 @@ TEST(PerLayerStream, AnOutputItsGraphLetsGoOfEarlyInItsBackwardIsChargedSo) {
   EXPECT_THROW_WITH_STD(remat::validate(too_much), "bwd_output_freed_bytes (1001)", "output_bytes (1000)");
   too_much.stages[1].bwd_output_freed_bytes = -1;
   EXPECT_THROW_WITH_STD(remat::validate(too_much), "negative bwd_output_freed_bytes", "(-1)");
+}
+
+// A runtime that holds outputs (Chain::holds_outputs: the C++ executor) lets go of a kept stage's output as
+// that stage's backward begins, and its profiler measures each backward so; where something else holds the
+// output through it (the rest of the step, for the last stage: a loss that saves its input), the backward
+// is charged back what holding it adds: run as Fa, Stage::bwd_output_freed_bytes (the drop the C++ profiler
+// measures); under a policy, the output's bytes (unmeasured: at most that); checkpointed, its output, which
+// the runtime's recompute makes anew beside the one held, from that recompute on. Before (found 2026-12-03),
+// nothing was: BertModel's planned steps held one hidden state above their prediction (1.0-1.7%) at the
+// last layer's backward under every plan that kept or checkpointed that layer.
+TEST(Step, WhatHoldsAnOutputTheRuntimeLetsGoOfInItsBackwardIsChargedThere) {
+  Chain c = unsaved_outputs_chain(3, 2);
+  c.holds_outputs = true;
+  c.policies = {"matmuls"};
+  for (remat::Stage& s : c.stages) {
+    s.offload->output = true;
+    remat::PolicyCost pc;
+    pc.policy = "matmuls", pc.saved_bytes = 1200, pc.bwd_tmp_bytes = 50000;
+    s.policies = {pc};
+  }
+  c.stages[2].bwd_output_freed_bytes = 300;
+  remat::StepContext held;  // output_held_in_backward: the rest holds the chain's output
+  remat::StepContext let_go;
+  let_go.output_held_in_backward = false;
+  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2 L B2 B1 B0"), "B2:300 ");
+  c.stages[2].bwd_output_freed_bytes = 0;  // (and only it, for a kept way)
+  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2 L B2 B1 B0"), "");
+  c.stages[2].bwd_output_freed_bytes = 300;
+  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fk2[matmuls] L B2 B1 B0"), "B2:1000 ");
+  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fc2 L Fa2 B2 B1 B0"), "Fa2:1000 B2:1000 ");
+  // Not offloaded ways (not measured), nor the keep tags' or a stage before the last (nothing holds its
+  // output then but the runtime, unless something holds it to the step's end).
+  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2@host L B2 B1 B0"), "");
+  c.stages[1].bwd_output_freed_bytes = 200;
+  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2 L B2 B1 B0"), "B2:300 ");
+  // Stage 1's output held to the step's end: its drop charged at its backward (against the same chain
+  // without it), as the last stage's where the rest holds it.
+  remat::StepContext to_end = let_go;
+  to_end.outputs_held_to_end = {false, true, false};
+  Chain unmeasured = c;
+  unmeasured.stages[1].bwd_output_freed_bytes = 0;
+  const Plan keep = ops_plan("Fa0 Fa1 Fa2 L B2 B1 B0", 3);
+  const remat::StepTimeline a = remat::step_timeline(c, to_end, keep),
+                            b = remat::step_timeline(unmeasured, to_end, keep),
+                            a_let_go = remat::step_timeline(c, let_go, keep),
+                            b_let_go = remat::step_timeline(unmeasured, let_go, keep);
+  ASSERT_EQ(a.points.size(), b.points.size());
+  for (size_t k = 0; k < a.points.size(); ++k) {
+    EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, a.points[k].op == "B1" ? 200 : 0)
+        << a.points[k].op;
+    EXPECT_EQ(a_let_go.points[k].peak_bytes, b_let_go.points[k].peak_bytes) << a.points[k].op;
+  }
+  Chain python = c;
+  python.holds_outputs = false;
+  // A runtime that does not hold outputs (the Python package's, whose profiler measures each backward with
+  // its output held through it) reads the same drop the other way: credited where nothing holds the output
+  // (detail::output_freed_early()); the policy's and the recompute's charges are the holding runtime's alone.
+  EXPECT_EQ(lowered_at(python, held, let_go, "Fa0 Fa1 Fa2 L B2 B1 B0"), "B2:300 ");
+  EXPECT_EQ(lowered_at(python, held, let_go, "Fa0 Fa1 Fk2[matmuls] L B2 B1 B0"), "");
 }

@@ -136,7 +136,12 @@ void visit(C& chain, X& context, V& v) {
     v.flag(s.saves_input);   // likewise
     v.flag(s.has_backward);  // likewise
     v.bytes(s.autocast_cache_bytes);
-    v.freed(s.bwd_output_freed_bytes);
+    // A credit where the runtime does not hold outputs (agreed as the least), a charge where it does (the
+    // C++ executor's: the most; detail::output_held_back_bytes()).
+    if (chain.holds_outputs)
+      v.bytes(s.bwd_output_freed_bytes);
+    else
+      v.freed(s.bwd_output_freed_bytes);
     v.measured_bytes(s.bwd_grad_held_bytes, s.output_bytes);
     v.bytes(s.fwd_tmp_bytes);
     v.measured_bytes(s.fwd_nosave_tmp_bytes, s.fwd_tmp_bytes);

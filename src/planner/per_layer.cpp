@@ -207,6 +207,11 @@ struct StepTerms {
   std::vector<char> input_let_go;
   // Per stage: whether its backward may be charged its output let go of early (detail::output_freed_early()).
   std::vector<char> freed_early;
+  // Per stage: whether something besides a runtime that holds outputs holds its output through its backward
+  // (detail::output_held_past_runtime()), and what it holds beyond the simulation from its recompute as Fc on
+  // (detail::recomputed_output_held_bytes()).
+  std::vector<char> held_past_runtime;
+  std::vector<int64_t> recomputed_held;
   // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
   int64_t checkpoint_state = 0;
   // Per stage: what the chain stages' forwards up to its own left in autocast's cache
@@ -306,13 +311,21 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   bwd += twice;  // the backward's, not the recompute's below
+  // Its output, which the runtime lets go of as its backward begins, held through it by something else
+  // (kept: step_op_peaks()'s rule).
+  if (step && step->held_past_runtime[static_cast<size_t>(j)])
+    bwd +=
+        detail::output_held_back_bytes(s, c.kind, !c.groups.empty(), c.offload || c.stream, policy_of(s, c));
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save,
     // and one it saves only until its graph lets go of it (step_op_peaks()'s rule); the recompute itself is
     // charged whole, with a second generators' state (the one the recompute saves while it replays the
     // first).
+    // Where something besides the runtime holds its first output, the runtime's recompute makes it anew
+    // beside it (step_op_peaks()'s rule).
+    const int64_t anew = step ? step->recomputed_held[static_cast<size_t>(j)] : 0;
     if (step) bwd -= detail::recompute_unmade_bytes(chain, j) + early;
-    bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec + state);
+    bwd = std::max(bwd + anew, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec + state + anew);
   }
   // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next
   // stage's backward, held through its recompute and backward.
@@ -828,12 +841,16 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
   t.freed_early.assign(n + 2, 0);
+  t.held_past_runtime.assign(n + 2, 0);
+  t.recomputed_held.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
     t.grad_held[s] = detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1);
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);
     t.freed_early[s] = detail::output_freed_early(chain, context, static_cast<int64_t>(s) - 1);
+    t.held_past_runtime[s] = detail::output_held_past_runtime(chain, context, static_cast<int64_t>(s) - 1);
+    t.recomputed_held[s] = detail::recomputed_output_held_bytes(chain, context, static_cast<int64_t>(s) - 1);
   }
   t.input_freed = detail::input_unheld_bytes(chain, context);
   t.first_input_let_go = detail::first_input_let_go(chain, context);

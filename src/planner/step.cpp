@@ -318,6 +318,23 @@ int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups,
                                                                                 : 0;
 }
 
+bool output_held_past_runtime(const Chain& chain, const StepContext& context, int64_t j) {
+  if (!chain.holds_outputs || j < 0 || j >= chain.size()) return false;
+  return stage_flag(context.outputs_held_to_end, j, false) ||
+         (j + 1 == chain.size() && context.output_held_in_backward);
+}
+
+int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded,
+                               const PolicyCost* policy) {
+  if (groups || offloaded) return 0;
+  if (kind == OpKind::kForwardAll) return s.bwd_output_freed_bytes;
+  return kind == OpKind::kForwardKeep && policy ? s.output_bytes : 0;
+}
+
+int64_t recomputed_output_held_bytes(const Chain& chain, const StepContext& context, int64_t j) {
+  return output_held_past_runtime(chain, context, j) ? chain.stages[static_cast<size_t>(j)].output_bytes : 0;
+}
+
 bool output_freed_early(const Chain& chain, const StepContext& context, int64_t j) {
   if (chain.holds_outputs || j < 0 || j >= chain.size() || !output_unheld(chain, context, j + 1))
     return false;
@@ -458,6 +475,10 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // so far ran it, where output_freed_early() (output_freed_in_backward_bytes()): charged where it ran once
   // (kept) or is a per-call checkpoint's recompute.
   std::vector<int64_t> freed_in_backward(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: what its backward holds beyond its measured peak where something besides the runtime
+  // holds its output through it (output_held_back_bytes()), as its last forward so far ran it: charged where
+  // it ran once.
+  std::vector<int64_t> held_back(static_cast<size_t>(n) + 2, 0);
   // Whether the chain's output gradient is charged past the last stage's backward
   // (output_grad_held_in_backward): from the end of the first backward whose entry is true to the end of the
   // next one whose entry is false.
@@ -492,6 +513,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
           output_freed_early(chain, context, in_chain.stage)
               ? output_freed_in_backward_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
                                                !op.groups.empty(), op.offloads())
+              : 0;
+      held_back[static_cast<size_t>(op.stage)] =
+          output_held_past_runtime(chain, context, in_chain.stage)
+              ? output_held_back_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
+                                       !op.groups.empty(), op.offloads(), way_policy(chain, ops, in_chain))
               : 0;
       // Before the loss: what its way holds beside the next stage's input, where what runs between lets go of
       // its output, once this forward is done (its last forward so far decides).
@@ -560,6 +586,15 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     // The gradient a residual sum's path holds through a chain stage's backward (grad_held_bytes()).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
       peaks[k] += grad_held_bytes(chain, context, op.stage - 1);
+    // A stage kept whose output the runtime lets go of as its backward begins, which something else holds;
+    // one checkpointed, whose recompute makes its output anew beside the one something else holds.
+    if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
+        sim.forward_calls[static_cast<size_t>(op.stage)] == 1)
+      peaks[k] += held_back[static_cast<size_t>(op.stage)];
+    if ((op.kind == OpKind::kBackward || (after_loss && op.kind == OpKind::kForwardAll)) && op.stage >= 1 &&
+        op.stage <= n && checkpointed[static_cast<size_t>(op.stage)] &&
+        recomputed[static_cast<size_t>(op.stage)])
+      peaks[k] += recomputed_output_held_bytes(chain, context, op.stage - 1);
     // A kept stage whose graph alone holds its output lets go of it early in its backward, as does a stage
     // checkpointed per call the output its recompute made again (its last forward, as Fa).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&

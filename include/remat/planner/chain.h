@@ -122,8 +122,11 @@ struct Stage {
   int64_t saved_bytes = 0;   ///< abar_{i+1}: alive after running the stage with grad: its output plus all its
                              ///< autograd graph keeps for its backward (bytes; >= output_bytes)
   int64_t fwd_tmp_bytes = 0;  ///< transient peak above that during its forward (bytes)
-  int64_t bwd_tmp_bytes =
-      0;  ///< transient peak during its backward, above its inputs, outputs and d_i (bytes)
+  /// Transient peak during its backward, above its inputs, outputs and d_i (bytes): as the chain's runtime
+  /// runs it, with the output held through it where the runtime does not hold outputs (the Python package:
+  /// it stays while something saves it), let go of as the backward begins where it does
+  /// (Chain::holds_outputs: the C++ executor; bwd_output_freed_bytes is then what holding it adds).
+  int64_t bwd_tmp_bytes = 0;
   /// The same peak when that backward makes the stage's parameter gradients (none before it, as after
   /// zero_grad(set_to_none) in a training step), the gradients made by then counted (bytes, >= 0). A
   /// backward's peak comes before the last of its gradients is made, so this is less than bwd_tmp_bytes plus
@@ -190,12 +193,16 @@ struct Stage {
   /// run backward: a stage that ends in one (a sigmoid, a ReLU, whose backward reads its result), which the
   /// backward pass runs first, holds its output only at its backward's start. The Python profiler measures it
   /// (the stage's backward run again with its graph alone holding the output: the lesser of the two peaks'
-  /// drops, with the parameter gradients pre-allocated and made); 0, the default and the C++ profiler's
-  /// (whose executor holds outputs): held through, as before this field. The step's model
-  /// (remat/planner/step.h) charges a kept stage's backward that much less where its context says nothing
-  /// else holds the output then (StepContext::outputs_held_in_backward, output_held_in_backward). Before
-  /// (found 2026-12-03), 4-layer MLPs ending in a sigmoid or a ReLU held 2.4-3.9% below their predictions on
-  /// every plan. Last of the fields, as fwd_nosave_tmp_bytes.
+  /// drops, with the parameter gradients pre-allocated and made). The step's model (remat/planner/step.h)
+  /// charges a kept stage's backward that much less where its context says nothing else holds the output then
+  /// (StepContext::outputs_held_in_backward, output_held_in_backward). Before (found 2026-12-03), 4-layer
+  /// MLPs ending in a sigmoid or a ReLU held 2.4-3.9% below their predictions on every plan. The C++
+  /// profiler, whose executor lets go of a kept stage's output as its backward begins and whose bwd_tmp_bytes
+  /// is measured so (Chain::holds_outputs), measures it too, the other way (the backward run again with the
+  /// output held through it: the larger of the two drops), and the model charges it back where something else
+  /// holds the output through that backward (the rest of the step, for the last stage:
+  /// detail::output_held_back_bytes). 0, the default: nothing charged or credited. Last of the fields, as
+  /// fwd_nosave_tmp_bytes.
   int64_t bwd_output_freed_bytes = 0;
   /// Whether the stage has a backward: false where its output needs no gradient (a layer frozen on an input
   /// that needs none, as fine-tuning freezes the lower layers: no parameter of it and nothing it reads needs
@@ -340,7 +347,8 @@ struct Chain {
   double to_device_gb_per_s = 0;  ///< see to_host_gb_per_s
   /// Whether the runtime holds the output of a stage run with grad (Fa, Fk, offloaded or not) on the device
   /// until that stage's backward, whatever the stage's saved tensors hold: true for chains the C++ profiler
-  /// makes (the plan executor holds such an output as the root of the stage's backward), false for the Python
+  /// makes (the plan executor holds such an output as the root of the stage's backward, and lets go of it as
+  /// that backward begins: Stage::bwd_tmp_bytes is measured so), false for the Python
   /// package's layers (an output stays only where something saves it, and a checkpointed stage runs as a
   /// per-call checkpoint whose recompute stops early: Stage::saves_output). Read by offloading (whether the
   /// next stage's offloaded input, Fc@host or Fk@host, leaves the device) and by the step's model.

@@ -77,6 +77,35 @@ bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, boo
 // after its recompute (as Fa: the output it makes again, which its graph alone holds).
 int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded);
 
+// Whether chain stage j's output is held through that stage's backward by something besides a runtime that
+// holds outputs (Chain::holds_outputs: the C++ executor, which lets go of a kept stage's output as the
+// stage's backward begins, and whose profiler measures each backward so): the rest of the step, for the last
+// stage (StepContext::output_held_in_backward: a loss that saves its input), or something to the step's end
+// (outputs_held_to_end). False for a runtime that does not hold outputs (the Python package's profiler
+// measures each backward with its output held through it) and for j outside the chain.
+bool output_held_past_runtime(const Chain& chain, const StepContext& context, int64_t j);
+
+// What the backward of stage `s` run as `kind` (`groups`: a group assignment; `offloaded`: offloaded or
+// streamed; `policy`: its policy's cost, or null) holds beyond its measured peak where
+// output_held_past_runtime(): kept as Fa, Stage::bwd_output_freed_bytes (how much lower the runtime's run,
+// which lets go of the output, peaks than one that holds it through); under a policy, its output's bytes (the
+// C++ profiler measures no policy's drop: at most that); 0 otherwise (Fc and Fn, whose recompute makes an
+// output of its own that the runtime lets go of; the keep tags, a group assignment, offloaded or streamed
+// ways: not measured). The one rule of step_op_peaks() and the per-layer program, charged where the stage's
+// forward ran once. Before (found 2026-12-03) it was not charged: BertModel's planned steps, whose layers end
+// in a LayerNorm that does not save its output, held one hidden state above their prediction (1.0-1.5%) at
+// the last layer's backward, under every plan that kept that layer, with the matmuls policy or without.
+int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded,
+                               const PolicyCost* policy);
+
+// What chain stage j, checkpointed (Fc) and recomputed as Fa, holds beyond the simulation from that
+// recompute to the end of its backward where output_held_past_runtime(): the output of its first forward
+// (a runtime that holds outputs recomputes the output anew, a tensor of its own, where a per-call checkpoint
+// does not), its output's bytes; 0 otherwise. The one rule of step_op_peaks() and the per-layer program.
+// Before (found 2026-12-03) it was not charged: BertModel's last layer checkpointed under a loss that saves
+// its output held one hidden state above the prediction (1.0-1.7%).
+int64_t recomputed_output_held_bytes(const Chain& chain, const StepContext& context, int64_t j);
+
 // Whether chain stage j's backward may be charged its output let go of early
 // (output_freed_in_backward_bytes(), measured in the profiler with the gradient the stage is handed let go of
 // once used): the runtime does not hold outputs, nothing besides the stages holds the output in the backward

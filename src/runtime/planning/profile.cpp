@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -259,18 +260,20 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   };
 
   // A stage's backward from `out` with d_{i+1} = ones, as the executor runs it: the output and d handed over
-  // by move, so that each is freed once the nodes that need it are done. Returns its time; *peak gets its
-  // peak above what was alive before it (d included), and *grads_peak the peak it would have reached had it
-  // made the gradients of `params` (pre-allocated here; GradsPeak).
+  // by move, so that each is freed once the nodes that need it are done (hold_output: the output held through
+  // it instead, as where the rest of the step holds the chain's output: Stage::bwd_output_freed_bytes).
+  // Returns its time; *peak gets its peak above what was alive before it (d included), and *grads_peak the
+  // peak it would have reached had it made the gradients of `params` (pre-allocated here; GradsPeak).
   auto timed_backward = [&](torch::Tensor out, const std::vector<torch::Tensor>& targets, int64_t* peak,
-                            const std::vector<torch::Tensor>* params = nullptr,
-                            int64_t* grads_peak = nullptr) {
+                            const std::vector<torch::Tensor>* params = nullptr, int64_t* grads_peak = nullptr,
+                            bool hold_output = false) {
     torch::Tensor d = torch::ones_like(out);
     sync();
     memory::PeakWindow scope(device);
     std::optional<GradsPeak> made;
     if (grads_peak) made.emplace(device, *params);
     const auto t0 = Clock::now();
+    const torch::Tensor held = hold_output ? out : torch::Tensor();
     detail::backward_from(std::move(out), std::move(d), targets, /*keep_graph=*/false, /*create_graph=*/false,
                           /*accumulate=*/true);
     sync();
@@ -281,16 +284,17 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   };
   // Stage i's backward peaks above what was alive before it, its input's gradient apart (the plan charges
   // that apart): {with the gradients pre-allocated, had it made them} (bwd_tmp_bytes, bwd_grads_tmp_bytes and
-  // a policy's), and its time.
+  // a policy's), and its time; with its output let go of as it begins, as the executor runs a kept stage's
+  // backward, or held through it (hold_output).
   struct BackwardPeaks {
     double ms = 0;
     int64_t tmp = 0, grads_tmp = 0;
   };
   auto measured_backward = [&](size_t i, torch::Tensor out, const torch::Tensor& leaf,
-                               const std::vector<torch::Tensor>& targets) {
+                               const std::vector<torch::Tensor>& targets, bool hold_output = false) {
     BackwardPeaks b;
     int64_t peak = 0, grads_peak = 0;
-    b.ms = timed_backward(std::move(out), targets, &peak, &per[i].params, &grads_peak);
+    b.ms = timed_backward(std::move(out), targets, &peak, &per[i].params, &grads_peak, hold_output);
     // A stage whose input takes no gradient (the chain's input where the sample needs none) makes none, and
     // the step's model charges one at its backward all the same: its peaks less its input's bytes too, as the
     // Python profiler takes them.
@@ -370,6 +374,14 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
           b = peaks.ms;
           s.bwd_tmp_bytes = peaks.tmp;
           s.bwd_grads_tmp_bytes = peaks.grads_tmp;
+          // Again with the output held through it, as where the rest of the step holds the chain's output
+          // (a loss that saves it): how much lower the executor's run peaks (the larger of the two drops,
+          // with the gradients pre-allocated and made), which the step's model charges back there.
+          const torch::Tensor again = leaf_of(i, xs[i]);
+          const BackwardPeaks held = measured_backward(i, stages[i].fn(again), again, targets_of(i, again),
+                                                       /*hold_output=*/true);
+          s.bwd_output_freed_bytes = std::clamp<int64_t>(
+              std::max(held.tmp - peaks.tmp, held.grads_tmp - peaks.grads_tmp), 0, s.output_bytes);
         } else {
           b = timed_backward(std::move(out), targets, nullptr);
         }

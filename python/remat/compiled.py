@@ -12,6 +12,7 @@ for each run as a plan with that choice sets it (forced_choice), so that the pro
 from __future__ import annotations
 
 import contextlib
+import warnings
 from functools import partial
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -26,10 +27,13 @@ if TYPE_CHECKING:
     from .layer_plan import LayerPlan
     from .measure_step import Shape
 
-__all__ = ["CHOICES_ATTR", "STEP", "compiled_call", "compiled_call_of", "compiled_entry", "compiled_module",
-           "eager_dispatch", "forced_choice", "publish", "set_step_key"]
+__all__ = ["CHOICES_ATTR", "FORCED_ATTR", "STEP", "compiled_call", "compiled_call_of", "compiled_entry", "compiled_module",
+           "eager_dispatch", "forced_choice", "publish", "ran_eagerly", "set_step_key"]
 
 CHOICES_ATTR = "_remat_choices"
+# Set on a layer while forced_choice is open (a plain attribute apart from CHOICES_ATTR, which traced calls
+# read and dynamo guards on).
+FORCED_ATTR = "_remat_forced"
 STEP = "step"
 # The step key of a call that runs inside an earlier call's step (LayerPlan._inside_earlier_call): every layer
 # checkpointed, whatever its shapes.
@@ -85,9 +89,11 @@ def forced_choice(layer: nn.Module, key, layer_key_: tuple, how: str, policies: 
     before = dict(choices)
     choices[STEP] = key
     _set_choice(choices, key, how, layer_key_, policies)
+    layer.__dict__[FORCED_ATTR] = True
     try:
         yield
     finally:
+        layer.__dict__.pop(FORCED_ATTR, None)
         choices.clear()
         choices.update(before)
 
@@ -120,6 +126,25 @@ def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
     policy = choices.get(("policy", how))
     return checkpoint(fn, *args, use_reentrant=False,
                       context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+
+def ran_eagerly(lp: "LayerPlan", layer: nn.Module) -> None:
+    """Notes that torch.compile ran `layer`'s compiled call eagerly while the profiler forced a choice on it
+    (forced_choice): dynamo ran the call outside any graph, as it does once a function has reached
+    torch._dynamo.config.recompile_limit graphs (on PyTorch 2.11 every layer compiled on its own keeps its own
+    graphs, one per choice, where later versions share them between layers that run alike). That layer's
+    figures are then its eager run's, and the planned steps may run it either way: warns once per LayerPlan."""
+    if lp.compiled_ran_eagerly:
+        return
+    lp.compiled_ran_eagerly = True
+    limit = getattr(torch._dynamo.config, "recompile_limit", None)
+    warnings.warn(
+        f"{lp.who}: torch.compile ran layer {lp.index[id(layer)]}'s compiled call outside its graph while remat "
+        f"profiled it (dynamo's recompile limit, torch._dynamo.config.recompile_limit = {limit}, reached: the "
+        f"profiler compiles each choice of each layer, {len(lp.layers)} layers here): its figures are its eager "
+        "run's, and planned steps may run layers eagerly too, so the plan's prediction may not hold. Raise "
+        "torch._dynamo.config.recompile_limit (and accumulated_recompile_limit) above the layers' count times "
+        "the choices (kept, checkpointed, each policy) before the first step", RuntimeWarning, stacklevel=3)
 
 
 @torch.compiler.disable

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from .compiled import compiled_call
+from .compiled import FORCED_ATTR, compiled_call, ran_eagerly
 from .layer_calls import covers, describe, layer_key, layer_output
 from .layer_offload import carry_out_then
 from .measure_step import Shape, Step, measure_planned_step, profiling_call
@@ -30,7 +30,14 @@ def planned_forward(self: nn.Module, *args, **kwargs):
     function for every layer, so that torch.compile shares a graph between layers that run alike."""
     fn = partial(type(self).forward, self, **kwargs)
     lp = self.__dict__[LAYER_PLAN_ATTR]
+    # A choice forced by the profiler outside a trace: torch.compile ran the layer's compiled call eagerly (as
+    # it does past its recompile limit, torch._dynamo.config.recompile_limit), and the choice runs so, not as
+    # another call of the layer in the step (before 2026-12-03 an IndexError in the profiling step, on
+    # PyTorch 2.11 with three layers compiled one by one: its compiled wrappers share one code object).
     if torch.compiler.is_compiling():
+        return compiled_call(lp, self, fn, args)
+    if self.__dict__.get(FORCED_ATTR):
+        ran_eagerly(lp, self)
         return compiled_call(lp, self, fn, args)
     return lp.dispatch(lp.index[id(self)], fn, *args)
 

@@ -115,6 +115,9 @@ class LayerPlan:
         self.index = {id(m): i for i, m in enumerate(self.layers)}
         # The layers whose calls came from a compiled graph (compiled.eager_dispatch): profiled through it.
         self.compiled_layers: set[int] = set()
+        # Whether torch.compile ran a compiled layer's call eagerly while the profiler forced a choice on it
+        # (compiled.ran_eagerly: warned of once).
+        self.compiled_ran_eagerly = False
         self._shapes: dict[tuple, Shape] = {}
         self._fixed: Shape | None = None
         if plan is not None:

@@ -2,6 +2,7 @@
 the executor of full schedules (remat.CheckpointedSequential). Every way gives the plain run's loss, gradients,
 next random draw and BatchNorm statistics, bitwise; recomputations are counted; measured peaks are checked
 against the predictions."""
+import copy
 import warnings
 
 import pytest
@@ -258,6 +259,35 @@ def test_torch_compile_wrappers_are_profiled_through_their_graphs(meter):
     assert abs(measured / lp.predicted_peak_bytes - 1) <= remat.PREDICTION_TOLERANCE, \
         (measured, lp.predicted_peak_bytes)
     lp.remove()
+
+
+def test_a_compiled_call_run_eagerly_past_dynamos_recompile_limit_is_profiled_and_warned_of(meter):
+    # Once a function has reached torch._dynamo.config.recompile_limit graphs, dynamo runs its calls eagerly: the
+    # profiler's run of a compiled layer under a choice it forces then reaches remat's forward outside a trace.
+    # That run is the choice's (not another call of the layer in the step: before, on PyTorch 2.11, whose
+    # compiled layers keep a graph each per choice, an IndexError in the profiling step with three layers), and a
+    # RuntimeWarning names the limit. The steps train as the plain model.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(32, 64), _Swish(), nn.Linear(64, 32)) for _ in range(2)]
+    plain = nn.Sequential(nn.Linear(32, 32), *copy.deepcopy(layers))
+    m = nn.Sequential(nn.Linear(32, 32), *[torch.compile(layer) for layer in layers])
+    m[0].load_state_dict(plain[0].state_dict())
+    x = torch.randn(16, 32)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        lp = remat.enable(m, list(m)[1:], budget=1 << 40)
+        with pytest.warns(RuntimeWarning, match="recompile_limit = 1"):
+            m(x).square().mean().backward()
+        assert lp.chain is not None and lp.choices is not None
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            plain.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            plain(x).square().mean().backward()
+            for a, b in zip(m.parameters(), plain.parameters()):
+                torch.testing.assert_close(a.grad, b.grad)
+        lp.remove()
+    torch._dynamo.reset()
 
 
 def test_a_compiled_layer_whose_call_cannot_be_made_again_is_profiled_eagerly_with_a_warning(monkeypatch, meter):

@@ -3153,6 +3153,10 @@ TEST(Step, WhatHoldsAnOutputTheRuntimeLetsGoOfInItsBackwardIsChargedThere) {
   c.stages[2].bwd_output_freed_bytes = 300;
   EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fk2[matmuls] L B2 B1 B0"), "B2:1000 ");
   EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fc2 L Fa2 B2 B1 B0"), "Fa2:1000 B2:1000 ");
+  // (Not twice where it is held to the step's end too, which charges it through the recompute already.)
+  remat::StepContext held_to_end = held, let_go_to_end = let_go;
+  held_to_end.outputs_held_to_end = let_go_to_end.outputs_held_to_end = {false, false, true};
+  EXPECT_EQ(lowered_at(c, held_to_end, let_go_to_end, "Fa0 Fa1 Fc2 L Fa2 B2 B1 B0"), "");
   // Not offloaded ways (not measured), nor the keep tags' or a stage before the last (nothing holds its
   // output then but the runtime, unless something holds it to the step's end).
   EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2@host L B2 B1 B0"), "");

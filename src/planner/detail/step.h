@@ -99,9 +99,10 @@ int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool of
                                const PolicyCost* policy);
 
 // What chain stage j, checkpointed (Fc) and recomputed as Fa, holds beyond the simulation from that
-// recompute to the end of its backward where output_held_past_runtime(): the output of its first forward
-// (a runtime that holds outputs recomputes the output anew, a tensor of its own, where a per-call checkpoint
-// does not), its output's bytes; 0 otherwise. The one rule of step_op_peaks() and the per-layer program.
+// recompute to the end of its backward where a runtime that holds outputs recomputes the output anew (a
+// tensor of its own, where a per-call checkpoint does not) and the rest of the step holds the first (the
+// last stage, StepContext::output_held_in_backward): its output's bytes; 0 otherwise (an output held to the
+// step's end is charged through the recompute already, held_to_end_bytes()). The one rule of step_op_peaks() and the per-layer program.
 // Before (found 2026-12-03) it was not charged: BertModel's last layer checkpointed under a loss that saves
 // its output held one hidden state above the prediction (1.0-1.7%).
 int64_t recomputed_output_held_bytes(const Chain& chain, const StepContext& context, int64_t j);

@@ -102,9 +102,9 @@ int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool of
 // recompute to the end of its backward where a runtime that holds outputs recomputes the output anew (a
 // tensor of its own, where a per-call checkpoint does not) and the rest of the step holds the first (the
 // last stage, StepContext::output_held_in_backward): its output's bytes; 0 otherwise (an output held to the
-// step's end is charged through the recompute already, held_to_end_bytes()). The one rule of step_op_peaks() and the per-layer program.
-// Before (found 2026-12-03) it was not charged: BertModel's last layer checkpointed under a loss that saves
-// its output held one hidden state above the prediction (1.0-1.7%).
+// step's end is charged through the recompute already, held_to_end_bytes()). The one rule of step_op_peaks()
+// and the per-layer program. Before (found 2026-12-03) it was not charged: BertModel's last layer
+// checkpointed under a loss that saves its output held one hidden state above the prediction (1.0-1.7%).
 int64_t recomputed_output_held_bytes(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether chain stage j's backward may be charged its output let go of early

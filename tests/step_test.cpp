@@ -1221,7 +1221,15 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
       for (remat::Stage& s : chain.stages)
         s.bwd_output_freed_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(runtime_rng);
       ctx.output_held_in_backward = trial % 8 == 3;
-      chain.stages.back().bwd_tmp_bytes += 200000;  // its backward the peak, where the charge shows
+      ctx.checkpoint_state_bytes = std::uniform_int_distribution<int64_t>(1, 3000)(runtime_rng);
+      // Its backward the peak, where the charge shows; or, on every eighth trial, a forward (what the runtime
+      // holds through the forward pass, detail::forward_pass_state_bytes()).
+      remat::Stage& peaking = chain.stages[static_cast<size_t>(trial / 4) % chain.stages.size()];
+      if (trial % 8 == 7) {
+        peaking.fwd_tmp_bytes += 300000;
+        if (peaking.fwd_nosave_tmp_bytes) *peaking.fwd_nosave_tmp_bytes += 300000;
+      }
+      chain.stages.back().bwd_tmp_bytes += 200000;
       chain.stages.back().bwd_grads_tmp_bytes.reset();
       for (remat::PolicyCost& pc : chain.stages.back().policies)
         if (pc.bwd_tmp_bytes) *pc.bwd_tmp_bytes += 200000, pc.bwd_grads_tmp_bytes.reset();
@@ -2547,6 +2555,16 @@ TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackwa
   Chain replayed = c;  // its replay the peak: the stage's state and the one the replay saves
   replayed.stages[1].fwd_tmp_bytes = 90000;
   EXPECT_EQ(added(replayed, again), 2 * 5056);
+  // A runtime that holds outputs (the C++ executor) holds one state through the chain's forward pass (taken
+  // as it begins, to put the generators back should a stage throw): a forward the peak is charged it, kept or
+  // not; a runtime that does not, nothing. Before (found 2026-12-03), a small BertModel planned with every
+  // layer kept peaked in its last layer's forward 5,056 bytes above its prediction.
+  Chain forward_peak = c;
+  forward_peak.stages[2].fwd_tmp_bytes = 90000;
+  EXPECT_EQ(added(forward_peak, remat::no_checkpoint(forward_peak)), 0);
+  forward_peak.holds_outputs = true;
+  EXPECT_EQ(added(forward_peak, remat::no_checkpoint(forward_peak)), 5056);
+  EXPECT_EQ(added(forward_peak, remat::checkpoint_stages(3, {0})), 2 * 5056);  // stage 0's own too
   // The per-layer program charges it alike: its least budget is that of the least plan of them all.
   std::vector<Candidate> all = every_per_layer_plan(c, false, false, false, true);
   int64_t least = std::numeric_limits<int64_t>::max();

@@ -263,8 +263,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // What the forwards so far left in autocast's cache: in its forward; the rest's backward too. In its
   // forward, what the runtime holds through the forward pass (a chain stage's, step stages 1 to n).
   const int64_t cached = step ? step->cached_through[static_cast<size_t>(j)] : 0;
-  const int64_t pass_state =
-      step && j >= 1 && j + 1 < chain.size() ? step->forward_pass_state : 0;
+  const int64_t pass_state = step && j >= 1 && j + 1 < chain.size() ? step->forward_pass_state : 0;
   const int64_t cached_bwd = step && j + 1 == chain.size() ? cached : 0;
   // Its own gradients at its backward's peak, as measured with them made there for its way
   // (Stage::grads_way, the rule step_op_peaks() follows).
@@ -301,10 +300,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
     // the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max({o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window) + cached + pass_state,
-                     a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less -
-                         gone + twice - dropped,
-                     between});
+    return std::max(
+        {o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window) + cached + pass_state,
+         a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice -
+             dropped,
+         between});
   }
   // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
   // step and its way holds it, is held from the end of its forward until the next stage's backward is done:

@@ -1066,9 +1066,9 @@ TEST_F(PlannedTest, BertAndResNetPlanTheirBlocksInOneLineAndTrainAsThePlainModel
   ASSERT_NE(bert->planned(), nullptr);
   EXPECT_TRUE(bert->planned()->is_planned());
   EXPECT_EQ(bert->planned()->chain()->size(), 4);
-  // Its plan keeps every layer and peaks in the last layer's forward, where the executor holds the generators'
-  // state it took as the forward pass began (detail::forward_pass_state_bytes(); before 2026-12-03, 5,048 bytes
-  // above the prediction, 0.43%).
+  // Its plan keeps every layer and peaks in the last layer's forward, where the executor holds the
+  // generators' state it took as the forward pass began (detail::forward_pass_state_bytes(); before
+  // 2026-12-03, 5,048 bytes above the prediction, 0.43%).
   ASSERT_TRUE(bert->planned()->prediction_error().has_value());
   EXPECT_LE(std::abs(*bert->planned()->prediction_error()), 0.001)
       << bert->planned()->plan()->to_string() << ": " << bert->planned()->last_peak_bytes() << " against "

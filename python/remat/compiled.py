@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from .layer_plan import LayerPlan
     from .measure_step import Shape
 
-__all__ = ["CHOICES_ATTR", "FORCED_ATTR", "STEP", "compiled_call", "compiled_call_of", "compiled_entry", "compiled_module",
-           "eager_dispatch", "forced_choice", "publish", "ran_eagerly", "set_step_key"]
+__all__ = ["CHOICES_ATTR", "FORCED_ATTR", "STEP", "compiled_call", "compiled_call_of", "compiled_entry",
+           "compiled_module", "eager_dispatch", "forced_choice", "publish", "ran_eagerly", "set_step_key"]
 
 CHOICES_ATTR = "_remat_choices"
 # Set on a layer while forced_choice is open (a plain attribute apart from CHOICES_ATTR, which traced calls

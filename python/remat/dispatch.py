@@ -30,13 +30,13 @@ def planned_forward(self: nn.Module, *args, **kwargs):
     function for every layer, so that torch.compile shares a graph between layers that run alike."""
     fn = partial(type(self).forward, self, **kwargs)
     lp = self.__dict__[LAYER_PLAN_ATTR]
+    if torch.compiler.is_compiling():
+        return compiled_call(lp, self, fn, args)
     # A choice forced by the profiler outside a trace: torch.compile ran the layer's compiled call eagerly (as
     # it does past its recompile limit, torch._dynamo.config.recompile_limit), and the choice runs so, not as
     # another call of the layer in the step (before 2026-12-03 an IndexError in the profiling step, on
     # PyTorch 2.11 with three layers compiled one by one: their graphs, one per layer and choice there, count
     # against one code object's limit).
-    if torch.compiler.is_compiling():
-        return compiled_call(lp, self, fn, args)
     if self.__dict__.get(FORCED_ATTR):
         ran_eagerly(lp, self)
         return compiled_call(lp, self, fn, args)

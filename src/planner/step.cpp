@@ -337,9 +337,7 @@ int64_t forward_pass_state_bytes(const Chain& chain, const StepContext& context)
 
 int64_t recomputed_output_held_bytes(const Chain& chain, const StepContext& context, int64_t j) {
   // (One held to the step's end is charged through the recompute already: held_to_end_bytes().)
-  if (!chain.holds_outputs || j + 1 != chain.size() || !context.output_held_in_backward ||
-      held_to_end_bytes(chain, context, j) > 0)
-    return 0;
+  if (!output_held_past_runtime(chain, context, j) || held_to_end_bytes(chain, context, j) > 0) return 0;
   return chain.stages[static_cast<size_t>(j)].output_bytes;
 }
 

@@ -131,9 +131,9 @@ def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
 def ran_eagerly(lp: "LayerPlan", layer: nn.Module) -> None:
     """Notes that torch.compile ran `layer`'s compiled call eagerly while the profiler forced a choice on it
     (forced_choice): dynamo ran the call outside any graph, as it does once a function has reached
-    torch._dynamo.config.recompile_limit graphs (on PyTorch 2.11 every layer compiled on its own keeps its own
-    graphs, one per choice, where later versions share them between layers that run alike). That layer's
-    figures are then its eager run's, and the planned steps may run it either way: warns once per LayerPlan."""
+    torch._dynamo.config.recompile_limit graphs (the profiling step compiles each choice for each input shape;
+    layers that run alike share them, on PyTorch 2.11 since PlannedForward). That layer's figures are then its
+    eager run's, and the planned steps may run it either way: warns once per LayerPlan."""
     if lp.compiled_ran_eagerly:
         return
     lp.compiled_ran_eagerly = True
@@ -141,10 +141,11 @@ def ran_eagerly(lp: "LayerPlan", layer: nn.Module) -> None:
     warnings.warn(
         f"{lp.who}: torch.compile ran layer {lp.index[id(layer)]}'s compiled call outside its graph while remat "
         f"profiled it (dynamo's recompile limit, torch._dynamo.config.recompile_limit = {limit}, reached: the "
-        f"profiler compiles each choice of each layer, {len(lp.layers)} layers here): its figures are its eager "
-        "run's, and planned steps may run layers eagerly too, so the plan's prediction may not hold. Raise "
-        "torch._dynamo.config.recompile_limit (and accumulated_recompile_limit) above the layers' count times "
-        "the choices (kept, checkpointed, each policy) before the first step", RuntimeWarning, stacklevel=3)
+        "profiler compiles each choice of the layers, for each input shape): its figures are its eager run's, and "
+        "planned steps may run layers eagerly too, so the plan's prediction may not hold. Raise "
+        "torch._dynamo.config.recompile_limit (and accumulated_recompile_limit) above the choices (kept, "
+        "checkpointed, each policy) times the input shapes and the kinds of layer before the first step",
+        RuntimeWarning, stacklevel=3)
 
 
 @torch.compiler.disable

@@ -19,7 +19,7 @@ from . import oom
 if TYPE_CHECKING:
     from .layer_plan import LayerPlan
 
-__all__ = ["LAYER_PLAN_ATTR", "dispatch", "planned_forward", "run"]
+__all__ = ["LAYER_PLAN_ATTR", "PlannedForward", "dispatch", "planned_forward", "run"]
 
 LAYER_PLAN_ATTR = "_remat_layer_plan"
 
@@ -35,12 +35,29 @@ def planned_forward(self: nn.Module, *args, **kwargs):
     # A choice forced by the profiler outside a trace: torch.compile ran the layer's compiled call eagerly (as
     # it does past its recompile limit, torch._dynamo.config.recompile_limit), and the choice runs so, not as
     # another call of the layer in the step (before 2026-12-03 an IndexError in the profiling step, on
-    # PyTorch 2.11 with three layers compiled one by one: their graphs, one per layer and choice there, count
-    # against one code object's limit).
+    # PyTorch 2.11 with three layers compiled one by one, whose graphs were one per layer and choice there
+    # until PlannedForward, and count against one code object's limit).
     if self.__dict__.get(FORCED_ATTR):
         ran_eagerly(lp, self)
         return compiled_call(lp, self, fn, args)
     return lp.dispatch(lp.index[id(self)], fn, *args)
+
+
+class PlannedForward:
+    """What remat.enable sets as a layer's forward: PlannedForward(layer).forward, planned_forward bound to the
+    layer through this holder. A bound method of the holder, not a partial of planned_forward (remat before
+    2026-12-04, which copies pickled then still hold, and which still run): torch.compile on PyTorch 2.11 guards
+    a layer's own forward by identity where it is a partial (a graph per layer and choice: 24 layers under three
+    choices passed dynamo's recompile limit of 8 and ran eagerly), and by its function's code where it is a
+    bound method (one graph per choice, shared by the layers, as 2.15 shares them for either). It pickles and
+    deep-copies with its layer (getattr(holder, "forward") on the copy), which a method bound to the layer itself
+    would not (the layer has no attribute of planned_forward's name)."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def forward(self, *args, **kwargs):
+        return planned_forward(self.layer, *args, **kwargs)
 
 
 def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):

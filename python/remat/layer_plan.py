@@ -21,7 +21,6 @@ import gc
 import os
 import sys
 import warnings
-from functools import partial
 from typing import Callable, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 from . import _core, agreement, fit, oom
 from .fit import parse_budget
 from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key
-from .dispatch import LAYER_PLAN_ATTR, dispatch, planned_forward
+from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
 from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, layer_grads_bytes,
@@ -868,7 +867,7 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
                              "another library's wrapper?); remat runs the class's forward")
     for layer in lp.layers:
         layer.__dict__[LAYER_PLAN_ATTR] = lp
-        layer.forward = partial(planned_forward, layer)  # a partial (unlike a bound method) pickles
+        layer.forward = PlannedForward(layer).forward  # one graph per choice for every compiled layer
 
     lp._handles.append(_Unwrap(lp.layers))
     return lp

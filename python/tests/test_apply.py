@@ -585,3 +585,15 @@ def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
         assert_same_run(want, train_step(twin, x))
         clp.remove()
         assert "forward" not in twin[0].__dict__ and lp.is_planned()
+    # A copy pickled by remat before 2026-12-04 holds each layer's forward as partial(planned_forward, layer)
+    # (PlannedForward since): it still loads and runs its plan.
+    from functools import partial
+    for layer in model:
+        layer.forward = partial(remat.dispatch.planned_forward, layer)
+    torch.save(model, tmp_path / "old.pt")
+    for layer in model:
+        layer.forward = remat.dispatch.PlannedForward(layer).forward
+    twin = torch.load(tmp_path / "old.pt", weights_only=False)
+    assert isinstance(twin[0].forward, partial) and twin[0].forward.args[0] is twin[0]
+    preallocate(twin)
+    assert_same_run(want, train_step(twin, x))

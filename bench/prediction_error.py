@@ -7,7 +7,8 @@ and the plain step's (LayerPlan.set_budget from one profiling step). For each bu
 prediction, the step's measured peak (remat's CPU meter, the step after the plan's first), their error, and,
 from the same profile, the prediction as the model made it before the profile measured each backward's peak
 with its gradients made there and each policy's backward on its own (charged_all). `--amp bf16` runs the steps
-under CPU bf16 autocast.
+under CPU bf16 autocast. `--plans` adds given per-layer plans (one letter a layer), each predicted from the
+same profile and measured on a fresh model planned with it.
 
 `--compiled` instead plans issue 45's GPT-2 (4 blocks of width 128, batch 8, sequence 128, dropout 0), each
 block compiled (layer.compile()) after remat.hf.enable, at shares of the plain compiled step's peak (`--at`,
@@ -17,7 +18,7 @@ time (compiling included), the plan, its prediction and measured peak, the media
 and the plan's predicted step time.
 
     python bench/prediction_error.py --amp fp32
-    python bench/prediction_error.py --amp bf16
+    python bench/prediction_error.py --amp bf16 --plans cmmkmm cmkkkm
     python bench/prediction_error.py --compiled --at 0.5 0.6 0.8 --steps 15
     python bench/prediction_error.py --device cuda --amp fp16        # the GPU rows (scripts/gpu-session's
     python bench/prediction_error.py --device cuda --compiled --amp bf16   # "predictions" part)
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import sys
 
 import torch
@@ -115,8 +117,37 @@ def llama(args, meter):
         print(f"| {where:.1f} ({mib(budget)} MiB) | {' '.join(c[0] for c in lp.choices)} | {mib(p)} | "
               f"{mib(measured)} | {(measured / p - 1) * 100:+.2f}% | {mib(old)} MiB, "
               f"{(measured / old - 1) * 100:+.2f}% |")
+    if args.plans:
+        # Given per-layer plans (one letter a layer), predicted from the same profile and run on a fresh model
+        # that remat.hf.enable(plan=...) plans with them: the cases a budget's plan may not reach in one run.
+        chain, context = lp.chain, lp.context
+        lp.remove()
+        del m, lp
+        gc.collect()
+        print("| given plan | predicted MiB | measured MiB | error |")
+        print("|---|---|---|---|")
+        for letters in args.plans:
+            plan = per_layer_plan(letters)
+            p = remat.step_peak_bytes(chain, context, plan)
+            m = make()
+            remat.hf.enable(m, plan=plan)
+            measured = [step(m, batch, meter, s, args.amp) for s in (1, 2)][1]
+            print(f"| {' '.join(letters)} | {mib(p)} | {mib(measured)} | {(measured / p - 1) * 100:+.2f}% |")
+            del m
+            gc.collect()
     print("plan letters: k keep, c checkpoint, m matmuls (a measured error above 0: the step held more than "
           "predicted)")
+
+
+def per_layer_plan(letters: str):
+    """The per-layer plan that `letters` spell (k keep, c checkpoint, m the matmuls policy; one a layer)."""
+    n, ops = len(letters), []
+    for i, c in enumerate(letters):
+        ops.append({"k": f"Fa{i}", "c": f"Fc{i}", "m": f"Fk{i}[matmuls]"}[c])
+    ops.append("L")
+    for i in reversed(range(n)):
+        ops += [f"Fa{i}"] * (letters[i] == "c") + [f"B{i}"]
+    return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
 
 
 def compiled_gpt2(args, meter):
@@ -191,6 +222,9 @@ def main():
     ap.add_argument("--at", type=float, nargs="+", default=None,
                     help="budgets: between Hugging Face's peak and the plain one (default 0.2 0.5 0.8); with "
                     "--compiled, shares of the plain compiled peak (default 0.6)")
+    ap.add_argument("--plans", nargs="+", default=[],
+                    help="given per-layer plans of the Llama too, one letter a layer (k keep, c checkpoint, "
+                    "m matmuls), e.g. cmmkmm")
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--steps", type=int, default=5, help="--compiled: planned steps timed per budget")
     args = ap.parse_args()
@@ -199,6 +233,9 @@ def main():
     if args.amp == "fp16" and DEVICE.type != "cuda":
         ap.error("--amp fp16 runs on CUDA only (--device cuda)")
     args.batch = args.batch or (8 if args.compiled else 4)
+    for letters in args.plans:
+        if len(letters) != args.layers or set(letters) - set("kcm"):
+            ap.error(f"--plans {letters}: one of k, c, m per layer ({args.layers} layers)")
     meter = remat.meter_for(DEVICE)
     if args.compiled:
         if remat.hf.wraps_whole_call():

@@ -15,7 +15,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _core, oom
-from .compiled import compiled_entry, forced_choice
+from .compiled import compiled_call_of, compiled_entry, forced_choice
 from .layer_calls import layer_key, layer_output, taken_tensors
 from .policies import CHECKPOINT, autocast_cache_off, checkpoint_region, run_layer
 from .profile import StageFn, profile
@@ -914,15 +914,22 @@ def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sha
     under each choice the profiler asks for (forced_choice, the entries a plan with that choice publishes, so
     that the graph compiled here is the one its planned steps run), or None for a layer that runs eagerly. A
     compiled layer sharded by FSDP2 is profiled eagerly (its module call would reshard the parameters profiling
-    holds gathered), and so is one whose call cannot be made again; either is warned of, since its prediction
-    then overstates what the compiled layer holds (docs/python.md states both)."""
+    holds gathered), and so is one compiled only inside a module around it (torch.compile of the whole model,
+    which remat does not support) or whose call cannot be made again; each is warned of, since its prediction
+    then overstates what the compiled layer holds (docs/python.md states them)."""
     if j not in lp.compiled_layers:
         return None
     found = None if sharded else compiled_entry(lp.model, lp.layers[j], fn)
     if found is None:
-        why = ("it is sharded by FSDP2 (its module call would reshard the parameters profiling holds gathered)"
-               if sharded else "remat cannot make its call again (its forward reached remat through another "
-               "call than remat's or Hugging Face's)")
+        if sharded:
+            why = "it is sharded by FSDP2 (its module call would reshard the parameters profiling holds gathered)"
+        elif compiled_call_of(lp.model, lp.layers[j]) is None:
+            why = ("it is not compiled on its own but inside a compiled module around it (torch.compile of the "
+                   "whole model, which remat does not support: compile the layers one by one, layer.compile() or "
+                   "torch.compile(layer))")
+        else:
+            why = ("remat cannot make its call again (its forward reached remat through another call than "
+                   "remat's or Hugging Face's)")
         warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) runs compiled but is profiled eagerly: "
                       f"{why}; its predicted memory and times are its eager run's, which may overstate the "
                       "compiled graph's", RuntimeWarning, stacklevel=2)

@@ -318,6 +318,32 @@ def test_a_compiled_layer_whose_call_cannot_be_made_again_is_profiled_eagerly_wi
     lp.remove()
 
 
+def test_a_model_compiled_whole_is_warned_of_and_trains_as_the_plain_model(meter):
+    # torch.compile(model) around remat's layers (not supported: docs/python.md) traces each layer's planned
+    # forward inside the model's graph; the profile runs the layers eagerly, and the profiling step says why
+    # (before, it gave the reason of a layer compiled on its own whose call cannot be made again). The steps
+    # give the plain model's gradients.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2)])
+    m = copy.deepcopy(plain)
+    lp = remat.enable(m, list(m), budget=1 << 40, policies=())
+    compiled = torch.compile(m, backend="aot_eager")  # dynamo traces as with inductor, without its code generation
+    x = torch.randn(16, 32)
+    with pytest.warns(RuntimeWarning, match=r"layer 0 \(Sequential\) runs compiled but is profiled eagerly: it is "
+                      "not compiled on its own but inside a compiled module around it"):
+        compiled(x).square().mean().backward()
+    assert lp.is_planned() and lp.compiled_layers == {0, 1}
+    for _ in range(2):
+        for model in (plain, compiled):
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+        for a, b in zip(m.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+    lp.remove()
+    torch._dynamo.reset()
+
+
 def test_the_rest_of_the_step_is_timed_again_on_the_first_planned_steps():
     # The head stalls 0.2 s on its first call only (as a first call pays once: the allocator's first requests, a
     # library's set-up). The profiling step's reading of the rest of the step includes the stall; the first

@@ -180,8 +180,8 @@ def compiled_gpt2(args, meter):
     del m
     gc.collect()
     print(f"compiled GPT-2 (4x128, batch {args.batch}, sequence {args.seq}, dropout 0, each block layer.compile()d "
-          f"after remat.hf.enable), {args.amp}, {DEVICE.type}, torch {torch.__version__}: plain compiled step {mib(plain)} MiB, {plain_ms:.1f} ms "
-          f"(median of {args.steps})")
+          f"after remat.hf.enable), {args.amp}, {DEVICE.type}, torch {torch.__version__}: plain compiled step "
+          f"{mib(plain)} MiB, {plain_ms:.1f} ms (median of {args.steps})")
     print("| budget (of plain) | profiled | profiling step s | plan | predicted MiB | measured MiB | error | "
           f"step ms (median of {args.steps}) | predicted step ms |")
     print("|---|---|---|---|---|---|---|---|---|")

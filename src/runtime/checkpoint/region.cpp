@@ -66,6 +66,10 @@ void set_generator_state(at::Generator gen, const at::Tensor& state) {
 }
 }  // namespace
 
+void unshare_next_cpu_state() {
+  last_cpu_state.reset();
+}
+
 RngState RngState::capture(const std::vector<c10::DeviceIndex>& cuda_devices) {
   RngState s;
   s.cpu = capture_cpu_state();

@@ -41,6 +41,11 @@ struct RngState {
   bool same_as(const RngState& other) const;
 };
 
+/// The next capture on this thread makes a CPU state tensor of its own, shared with no earlier capture: the
+/// profiler measures each stage's region so (a region's start shares the state the region before it ended in
+/// when nothing drew between them, so that a stage measured after another would be measured without its own).
+void unshare_next_cpu_state();
+
 /// Throws c10::Error naming `who` (and `what`, the region) when the generators are not in `end`, the state
 /// the forward pass left them in: the recompute drew other random numbers than the forward pass, so its
 /// dropout masks differ. Nothing is checked when `end` is empty (preserve_rng_state off).

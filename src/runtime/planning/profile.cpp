@@ -497,6 +497,9 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
         if (variant == -1) o.keep(options.keep());
         if (variant >= 0) o.policy(options.policies()[static_cast<size_t>(variant)]);
         sync();
+        // What the region holds, its generators' states included: not shared with the stage before's region,
+        // as it would not be where that stage runs another way.
+        if (variant > -2 && measure) detail::unshare_next_cpu_state();
         memory::PeakWindow scope(device);
         const auto t0 = Clock::now();
         outs[i] = checkpoint(stages[i].fn, leaves[i], o);

@@ -46,12 +46,12 @@ def planned_forward(self: nn.Module, *args, **kwargs):
 class PlannedForward:
     """What remat.enable sets as a layer's forward: PlannedForward(layer).forward, planned_forward bound to the
     layer through this holder. A bound method of the holder, not a partial of planned_forward (remat before
-    2026-12-04, which copies pickled then still hold, and which still run): torch.compile on PyTorch 2.11 guards
-    a layer's own forward by identity where it is a partial (a graph per layer and choice: 24 layers under three
-    choices passed dynamo's recompile limit of 8 and ran eagerly), and by its function's code where it is a
-    bound method (one graph per choice, shared by the layers, as 2.15 shares them for either). It pickles and
-    deep-copies with its layer (getattr(holder, "forward") on the copy), which a method bound to the layer itself
-    would not (the layer has no attribute of planned_forward's name)."""
+    e85dea9 of 2026-12-03, which copies pickled then still hold, and which still run): torch.compile on PyTorch
+    2.11 guards a layer's own forward by identity where it is a partial (a graph per layer and choice: three
+    layers under three choices passed dynamo's recompile limit of 8 and ran eagerly), and by its function's code
+    where it is a bound method (one graph per choice, shared by the layers, as 2.15 shares them for either). It
+    pickles and deep-copies with its layer (getattr(holder, "forward") on the copy), which a method bound to the
+    layer itself would not (the layer has no attribute of planned_forward's name)."""
 
     def __init__(self, layer: nn.Module):
         self.layer = layer

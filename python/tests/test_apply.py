@@ -611,7 +611,7 @@ def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
         assert_same_run(want, train_step(twin, x))
         clp.remove()
         assert "forward" not in twin[0].__dict__ and lp.is_planned()
-    # A copy pickled by remat before 2026-12-04 holds each layer's forward as partial(planned_forward, layer)
+    # A copy pickled by remat before e85dea9 (2026-12-03) holds each layer's forward as partial(planned_forward, layer)
     # (PlannedForward since): it still loads and runs its plan.
     from functools import partial
     for layer in model:

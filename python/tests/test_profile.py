@@ -129,8 +129,8 @@ def test_the_bert_both_libraries_define_profiles_to_the_same_bytes(tmp_path, met
 
 
 # torch.utils.checkpoint keeps a copy of the CPU generator's state per checkpointed call (preserve_rng_state),
-# which the Python profiler's kept bytes include; remat's C++ regions share one state between consecutive
-# regions that draw nothing (the ResNet's blocks), so its per-stage figure there leaves it out.
+# which the Python profiler's kept bytes include; a remat C++ region that draws nothing (the ResNet's blocks)
+# keeps none, so its per-stage figure there leaves it out.
 RNG_STATE = torch.get_rng_state().nbytes
 
 

@@ -13,7 +13,7 @@
 // --offload: Planned plans with PlannerOptions::offload (stages kept with what they save on the host, or
 // streamed, Fa@stream), and the budgets start at per-layer's peak itself (issue 42's point of comparison);
 // --groups: it also profiles each stage's saved groups and may assign them (Fk{khr}). With --offload a way
-// at Planned's least feasible budget is added ("least"), and a budget below it is planned at it instead (its
+// at Planned's least feasible budget is added ("least"). A budget below it is planned at it instead (its
 // JSON has "asked_budget"). --device cpu runs the same on the CPU (remat's CPU meter; to try the program).
 
 #include <torch/cuda.h>
@@ -208,9 +208,10 @@ int main(int argc, char** argv) {
   };
   for (int64_t b : budgets)
     ways.emplace_back(planned_name(b), planned_at(b), b);
-  // Planned profiles at its first step and plans at its second: run those before timing. With --offload,
-  // the least feasible budget from the first profile (the same chain at every budget): a way below it is
-  // planned at it, and a way at it is added where none is at or below it.
+  // Planned profiles at its first step and plans at its second: run those before timing. The least feasible
+  // budget from the first profile (the same chain at every budget): a way below it is planned at it (before
+  // 2026-12-03, without --offload, such a budget stopped the program at its planning step); with --offload a
+  // way at it is added where none is at or below it.
   int64_t least = -1;
   const auto profile = [&](Way& way) {  // its own model, set, and its profiling step run
     way.own = make();
@@ -219,7 +220,7 @@ int main(int argc, char** argv) {
   };
   for (size_t w = 4; w < ways.size(); ++w) {
     profile(ways[w]);
-    if (a.offload && least < 0) {
+    if (least < 0) {
       const auto* planned = ways[w].own->planned();
       TORCH_CHECK(planned != nullptr && planned->chain() != nullptr && planned->step_readings() != nullptr,
                   "remat_bert_cuda: Planned has no profile after its profiling step");
@@ -229,7 +230,7 @@ int main(int argc, char** argv) {
                    static_cast<long long>(least), least / 1048576.0);
       const bool listed =
           std::any_of(ways.begin() + 4, ways.end(), [&](const Way& x) { return x.budget <= least; });
-      if (!listed) ways.emplace_back(planned_name(least) + " (least)", planned_at(least), least);
+      if (a.offload && !listed) ways.emplace_back(planned_name(least) + " (least)", planned_at(least), least);
     }
     if (least >= 0 && ways[w].budget < least) {  // planned at the least instead
       ways[w].asked = ways[w].budget;

@@ -983,6 +983,29 @@ def relu_stack():
     return model, layers, x, plain, lp
 
 
+def test_an_offloaded_layer_whose_graph_saves_its_output_is_charged_it_let_go_of_early_in_its_backward():
+    # A ReLU saves its output; sent to the host and brought back, the copy is let go of once the ReLU's backward
+    # has read it, before the Linear's weight gradient is made, as a kept layer's output is
+    # (Stage.bwd_output_freed_bytes). Before (found 2026-12-03), only a kept layer not offloaded was charged so:
+    # every layer Fa@host held 7.75% less than predicted, with copies made at once or delayed; a mixed plan,
+    # delayed (made at once, copies leave the device sooner than the model, which plans for late ones, lets go
+    # of them: below the prediction, docs/BENCHMARKS.md).
+    model, layers, x, plain, lp = relu_stack()
+    assert all(st.saves_output for st in lp.chain.stages)
+    assert all(st.bwd_output_freed_bytes > 0 for st in lp.chain.stages[1:])  # (the first makes no input gradient)
+    for text, delays in (("Fa0@host Fa1@host Fa2@host Fa3@host", (0, 100)), ("Fa0 Fa1@host Fc2 Fa3@host", (100,))):
+        fwd = text.split()
+        ops = fwd + ["L"] + [op for i in reversed(range(4))
+                             for op in [f"Fa{i}"] * fwd[i].startswith("Fc") + [f"B{i}"]]
+        _, predicted = give_plan(lp, ops)
+        for delay in delays:
+            lp.offloads.engines[x.device] = CopyEngine(x.device, delay=delay) if delay else CopyEngine(x.device)
+            got = stack_step(model, x)
+            same_step(plain, got)
+            assert predicted * 0.999 <= got[2] <= predicted, (text, delay, got[2], predicted)
+    lp.remove()
+
+
 def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_keeps():
     # Linear then ReLU: keeping everything saves the output alone (ReLU saves what it returns), while the
     # "matmuls" policy keeps the product too. Both profilers charged a policy at most what keeping everything

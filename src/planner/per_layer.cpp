@@ -287,12 +287,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // checkpointed stage's: the one its recompute made again, as Fa).
   const bool unsaved = detail::way_leaves_output(s, c.kind, c.cost, !c.groups.empty(), policy_of(s, c));
   const bool checkpointed = c.kind == OpKind::kForwardCheckpoint;
-  const int64_t early =
-      step && step->freed_early[static_cast<size_t>(j)]
-          ? detail::output_freed_in_backward_bytes(s, checkpointed ? OpKind::kForwardAll : c.kind,
-                                                   !c.groups.empty() && !checkpointed,
-                                                   (c.offload || c.stream) && !checkpointed)
-          : 0;
+  const int64_t early = step && step->freed_early[static_cast<size_t>(j)]
+                            ? detail::output_freed_in_backward_bytes(
+                                  s, checkpointed ? OpKind::kForwardAll : c.kind,
+                                  !c.groups.empty() && !checkpointed, c.stream && !checkpointed)
+                            : 0;
   const int64_t gone =
       step && step->output_unheld[static_cast<size_t>(j)] && !checkpointed ? (unsaved ? a_out : early) : 0;
   if (c.stream) {

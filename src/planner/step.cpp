@@ -313,9 +313,8 @@ bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, boo
   return policy && !policy->saves_output;
 }
 
-int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded) {
-  return kind == OpKind::kForwardAll && !groups && !offloaded && s.saves_output ? s.bwd_output_freed_bytes
-                                                                                : 0;
+int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups, bool streamed) {
+  return kind == OpKind::kForwardAll && !groups && !streamed && s.saves_output ? s.bwd_output_freed_bytes : 0;
 }
 
 bool output_held_past_runtime(const Chain& chain, const StepContext& context, int64_t j) {
@@ -518,7 +517,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       freed_in_backward[static_cast<size_t>(op.stage)] =
           output_freed_early(chain, context, in_chain.stage)
               ? output_freed_in_backward_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
-                                               !op.groups.empty(), op.offloads())
+                                               !op.groups.empty(), op.stream)
               : 0;
       held_back[static_cast<size_t>(op.stage)] =
           output_held_past_runtime(chain, context, in_chain.stage)

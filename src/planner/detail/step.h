@@ -70,12 +70,13 @@ bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int
 bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
                        const PolicyCost* policy);
 
-// What the backward of a stage run as `kind` holds less than with its output held through it: Fa, not
-// offloaded (`offloaded`: offloaded or streamed) and no group assignment, whose graph saves its output,
-// Stage::bwd_output_freed_bytes; 0 otherwise. The one rule of step_op_peaks() and the per-layer program,
+// What the backward of a stage run as `kind` holds less than with its output held through it: Fa, kept or
+// offloaded (the copy brought back is let go of as early; since 2026-12-03), not streamed (its backward's own
+// measured peak) and no group assignment, whose graph saves its output, Stage::bwd_output_freed_bytes; 0
+// otherwise. The one rule of step_op_peaks() and the per-layer program,
 // which charge it where output_freed_early() says so: a kept stage's backward, and a checkpointed stage's
 // after its recompute (as Fa: the output it makes again, which its graph alone holds).
-int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded);
+int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups, bool streamed);
 
 // Whether chain stage j's output is held through that stage's backward by something besides a runtime that
 // holds outputs (Chain::holds_outputs: the C++ executor, which lets go of a kept stage's output as the

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
+import os
 import sys
 
 import torch
 
 import remat
 import remat.hf
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
+from conftest import per_layer_plan  # noqa: E402  (the test suite's per-layer plan of given choices)
 
 
 DEVICE = torch.device("cpu")
@@ -127,7 +130,7 @@ def llama(args, meter):
         print("| given plan | predicted MiB | measured MiB | error |")
         print("|---|---|---|---|")
         for letters in args.plans:
-            plan = per_layer_plan(letters)
+            plan = per_layer_plan([{"k": "keep", "c": "checkpoint", "m": "matmuls"}[c] for c in letters])
             p = remat.step_peak_bytes(chain, context, plan)
             m = make()
             remat.hf.enable(m, plan=plan)
@@ -137,17 +140,6 @@ def llama(args, meter):
             gc.collect()
     print("plan letters: k keep, c checkpoint, m matmuls (a measured error above 0: the step held more than "
           "predicted)")
-
-
-def per_layer_plan(letters: str):
-    """The per-layer plan that `letters` spell (k keep, c checkpoint, m the matmuls policy; one a layer)."""
-    n, ops = len(letters), []
-    for i, c in enumerate(letters):
-        ops.append({"k": f"Fa{i}", "c": f"Fc{i}", "m": f"Fk{i}[matmuls]"}[c])
-    ops.append("L")
-    for i in reversed(range(n)):
-        ops += [f"Fa{i}"] * (letters[i] == "c") + [f"B{i}"]
-    return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
 
 
 def compiled_gpt2(args, meter):

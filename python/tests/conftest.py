@@ -105,6 +105,25 @@ def groups_to_the_host_pay(chain):
         st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
 
 
+def per_layer_ops(choices) -> list[str]:
+    """The plan strings of the per-layer plan of `choices` (remat.choices_of's inverse): each "keep",
+    "checkpoint" or a policy's name, with "@host" where offloaded; a checkpointed layer recomputed right before
+    its backward."""
+    ops = []
+    for i, c in enumerate(choices):
+        base, host = (c[: -len("@host")], "@host") if c.endswith("@host") else (c, "")
+        ops.append({"keep": f"Fa{i}", "checkpoint": f"Fc{i}"}.get(base, f"Fk{i}[{base}]") + host)
+    ops.append("L")
+    for i in reversed(range(len(choices))):
+        ops += [f"Fa{i}"] * choices[i].startswith("checkpoint") + [f"B{i}"]
+    return ops
+
+
+def per_layer_plan(choices):
+    """The per-layer plan of `choices` (per_layer_ops), through the planner's JSON."""
+    return remat.Plan.from_json(json.dumps({"num_stages": len(choices), "ops": per_layer_ops(choices)}))
+
+
 def give_plan(lp, ops, **fields):
     """Replaces a profiled LayerPlan's planner with the plan of `ops` (the plan strings; `fields`: more of the plan's
     JSON, as stream_windows and policies) and sets a budget it fits, as the tests and

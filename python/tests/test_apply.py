@@ -12,7 +12,7 @@ from torch import nn
 import remat
 
 import conftest
-from conftest import assert_same_run, mlp, preallocate, train_step
+from conftest import assert_same_run, mlp, per_layer_plan, preallocate, train_step
 
 X = None
 
@@ -43,7 +43,7 @@ def plain_run(meter, norm="layer"):
 ])
 def test_per_layer_choices_give_the_plain_run(meter, chain, norm, choices):
     ops = {"keep": "Fa", "checkpoint": "Fc", "matmuls": "Fk"}
-    plan = _per_layer_plan(chain, choices)
+    plan = per_layer_plan(choices)
     assert remat.choices_of(plan) == choices, str(plan)
     expected = plain_run(meter, norm)
     m = mlp(norm=norm)
@@ -60,26 +60,11 @@ def test_per_layer_choices_give_the_plain_run(meter, chain, norm, choices):
     del ops
 
 
-def _per_layer_plan(chain, choices):
-    """A per-layer plan with the given choices, through the planner's JSON."""
-    n = len(choices)
-    ops = []
-    for i, c in enumerate(choices):
-        ops.append({"keep": f"Fa{i}", "checkpoint": f"Fc{i}"}.get(c, f"Fk{i}[{c}]"))
-    ops.append("L")
-    for i in reversed(range(n)):
-        if choices[i] == "checkpoint":
-            ops.append(f"Fa{i}")
-        ops.append(f"B{i}")
-    import json
-    return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
-
-
 @pytest.mark.parametrize("name", ["attention_core", "recompute_pointwise"])
 def test_a_cpp_only_policy_in_a_plan_is_refused(name):
     # The C++ library's presets this package lacks are errors where a plan meets them, in every way of running
     # one, and nothing of the model changes.
-    plan = _per_layer_plan(None, ["checkpoint", name, "keep", "keep", "keep", "keep"])
+    plan = per_layer_plan(["checkpoint", name, "keep", "keep", "keep", "keep"])
     m = mlp()
     before = [p.detach().clone() for p in m.parameters()]
     with pytest.raises(ValueError, match=f"'{name}' is a preset of the C\\+\\+ library only"):
@@ -214,7 +199,7 @@ def test_torch_compile_wrappers_in_the_layer_list_run_the_plan():
 
     plain = run(compiled())
     m = compiled()
-    lp = remat.enable(m, list(m), plan=_per_layer_plan(None, ["checkpoint", "matmuls", "keep"]))
+    lp = remat.enable(m, list(m), plan=per_layer_plan(["checkpoint", "matmuls", "keep"]))
     assert lp.layers[0] is m[0]._orig_mod
     for _ in range(2):
         for g, h in zip(run(m), plain):
@@ -404,7 +389,7 @@ def test_a_layer_that_writes_what_it_saved_gets_autograds_error_not_a_wrong_grad
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x).sum().backward()
     for how in ("checkpoint", "matmuls"):
-        lp = remat.enable(model, list(model), plan=_per_layer_plan(None, [how, how]))
+        lp = remat.enable(model, list(model), plan=per_layer_plan([how, how]))
         with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch\.FloatTensor \[4, 16\]\], "
                                                r"which is output 0 of SigmoidBackward0.*recompute"):
             model(x).sum().backward()
@@ -432,7 +417,7 @@ def test_a_layer_that_writes_a_kept_product_in_place_is_profiled_planned_and_run
     model, x = nn.Sequential(*[_BiasInPlace() for _ in range(4)]), torch.randn(8, 16)
     model(x).square().mean().backward()
     plain = [p.grad.clone() for p in model.parameters()]
-    for kwargs in (dict(plan=_per_layer_plan(None, ["matmuls"] * 4)), dict(budget=1 << 40)):
+    for kwargs in (dict(plan=per_layer_plan(["matmuls"] * 4)), dict(budget=1 << 40)):
         lp = remat.enable(model, list(model), **kwargs)
         for _ in range(2):
             model.zero_grad()

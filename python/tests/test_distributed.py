@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import remat
+from conftest import per_layer_plan
 
 
 def free_port():
@@ -167,17 +168,6 @@ def llama():
     model = transformers.LlamaForCausalLM(cfg)
     model.train()
     return model
-
-
-def per_layer_plan(choices):
-    import json
-    ops = [{"keep": f"Fa{i}", "checkpoint": f"Fc{i}"}.get(c, f"Fk{i}[{c}]") for i, c in enumerate(choices)]
-    ops.append("L")
-    for i in reversed(range(len(choices))):
-        if choices[i] == "checkpoint":
-            ops.append(f"Fa{i}")
-        ops.append(f"B{i}")
-    return remat.Plan.from_json(json.dumps({"num_stages": len(choices), "ops": ops}))
 
 
 def fsdp_worker(rank, port, out):

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat import _core
 from remat.offload import CopyEngine, HostPool, offload
-from conftest import give_plan
+from conftest import give_plan, per_layer_ops
 
 WIDTH, BATCH = 256, 64  # a hidden state: 64 KiB
 
@@ -993,16 +993,13 @@ def test_an_offloaded_layer_whose_graph_saves_its_output_is_charged_it_let_go_of
     model, layers, x, plain, lp = relu_stack()
     assert all(st.saves_output for st in lp.chain.stages)
     assert all(st.bwd_output_freed_bytes > 0 for st in lp.chain.stages[1:])  # (the first makes no input gradient)
-    for text, delays in (("Fa0@host Fa1@host Fa2@host Fa3@host", (0, 100)), ("Fa0 Fa1@host Fc2 Fa3@host", (100,))):
-        fwd = text.split()
-        ops = fwd + ["L"] + [op for i in reversed(range(4))
-                             for op in [f"Fa{i}"] * fwd[i].startswith("Fc") + [f"B{i}"]]
-        _, predicted = give_plan(lp, ops)
+    for choices, delays in ((["keep@host"] * 4, (0, 100)), (["keep", "keep@host", "checkpoint", "keep@host"], (100,))):
+        _, predicted = give_plan(lp, per_layer_ops(choices))
         for delay in delays:
             lp.offloads.engines[x.device] = CopyEngine(x.device, delay=delay) if delay else CopyEngine(x.device)
             got = stack_step(model, x)
             same_step(plain, got)
-            assert predicted * 0.999 <= got[2] <= predicted, (text, delay, got[2], predicted)
+            assert predicted * 0.999 <= got[2] <= predicted, (choices, delay, got[2], predicted)
     lp.remove()
 
 

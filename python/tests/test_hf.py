@@ -566,13 +566,13 @@ def test_compiled_layers_run_a_given_plan_with_a_policy(meter):
     plain_model, spec = _compiled_gpt2("layer.compile()")
     plain = [step(plain_model, spec, k, meter) for k in range(2)]
     model, _ = _compiled_gpt2("layer.compile()")
-    from test_apply import _per_layer_plan
-    remat.hf.enable(model, plan=_per_layer_plan(None, ["checkpoint", "matmuls", "keep", "matmuls"]))
+    from conftest import per_layer_plan
+    remat.hf.enable(model, plan=per_layer_plan(["checkpoint", "matmuls", "keep", "matmuls"]))
     got = [step(model, spec, k, meter) for k in range(2)]
     for a, b in zip(got, plain):
         same(a, b)
     keep_model, _ = _compiled_gpt2("layer.compile()")
-    remat.hf.enable(keep_model, plan=_per_layer_plan(None, ["keep"] * 4))
+    remat.hf.enable(keep_model, plan=per_layer_plan(["keep"] * 4))
     kept = step(keep_model, spec, 1, meter)
     same(kept, plain[1])
     assert got[1][2] < kept[2]

@@ -307,8 +307,8 @@ def run_planned_program(p: dict, planned: bool) -> list:
     lp = None
     if planned:
         if p["given"]:
-            from test_apply import _per_layer_plan
-            lp = remat.enable(model, list(model.layers), plan=_per_layer_plan(None, p["choices"]))
+            from conftest import per_layer_plan
+            lp = remat.enable(model, list(model.layers), plan=per_layer_plan(p["choices"]))
         else:
             lp = remat.enable(model, list(model.layers), budget=1 << 40)
     g = torch.Generator().manual_seed(100 + p["seed"])

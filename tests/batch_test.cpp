@@ -213,6 +213,10 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).rest_takes_last_input);
   b.rest_takes_last_input = false;
   EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).rest_takes_last_input);
+  a.last_input_let_go_in_rest = true;  // let go of where both let go of it (the default, not read: held)
+  EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).last_input_let_go_in_rest);
+  b.last_input_let_go_in_rest = true;
+  EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).last_input_let_go_in_rest);
   // Each line stops at 0 on its own: side_bytes is raised to hold its gradients.
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 1).side_grads_bytes, (std::vector<int64_t>{0, 100}));
   a.side_bytes = 100, b.side_bytes = 500;

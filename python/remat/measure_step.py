@@ -156,6 +156,18 @@ def storage_ref(t: torch.Tensor) -> StorageWeakRef | None:
         return None
 
 
+def storage_users(t: torch.Tensor | StorageWeakRef) -> int | None:
+    """How many owners t's storage has (its use count: each tensor sharing it, less the reference this read
+    takes: a tensor's storage handle, a weak reference's lock; 0 where a weak reference's storage was freed), or
+    None where that is not known (a tensor without storage, a torch that does not tell)."""
+    try:
+        if isinstance(t, StorageWeakRef):
+            return max(0, int(torch._C._storage_Use_Count(t.cdata)) - 1)
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata)) - 1
+    except (RuntimeError, AttributeError, TypeError):
+        return None
+
+
 def storage_bytes(t: torch.Tensor) -> int:
     try:
         return t.untyped_storage().nbytes()
@@ -343,6 +355,17 @@ class Step:
         # input not read yet, the last layer's output object's, and the last layer's input's with a callback.
         self.inputs_held: dict[int, bool] = {}
         self.input_objs: dict[int, weakref.ref] = {}
+        # Per layer i >= 1 whose input what ran between made (a residual sum outside the layers: `x = x +
+        # layer(x)`), nothing else sharing its storage at the call: a weak reference to that storage, its bytes,
+        # and its owners once the layer's checkpoint and the profiler took their aliases (None once the layer's
+        # return found more). Read as inputs_held: let go of where, at the next layer's call, its object is dead,
+        # the storage's owners are those aliases only, and what ran between left held just that input less the
+        # output it let go of (between_forward_held_bytes is the input's bytes beyond a_i:
+        # input_let_go_extra_bytes() in the planner library). The last layer's, read as it dies (watch_last_input).
+        self.made_inputs: dict[int, MadeInput] = {}
+        # Whether the last layer's input, held past that layer's forward, died before the model's forward ended
+        # (StepContext.last_input_let_go_in_rest; for one made by what ran between, with the rule above).
+        self.last_in_rest = False
         self.last_out_obj: weakref.ref | None = None
         self.last_input_watch: weakref.ref | None = None
         # The gradient the rest hands the layers' output (a weak reference to its storage), and per layer whether
@@ -367,18 +390,39 @@ class Step:
         """Layer i's input, at the next layer's call, which takes layer i's output as handed on or not (the first
         layer's at the end of the model's forward)."""
         ref = self.input_objs.pop(i, None)
-        if ref is not None:
+        made = self.made_inputs.pop(i, None)
+        if ref is not None and made is not None:
+            self.inputs_held[i] = ref() is not None or not self.made_input_gone(i, made, 1)
+        elif ref is not None:
             self.inputs_held[i] = ref() is not None or not as_handed
+
+    def made_input_gone(self, i: int, made: MadeInput, less: int) -> bool:
+        """Whether layer i's input made by what ran between (its object dead) is gone but for the profiling
+        step's aliases: its storage has `less` owners fewer than made.owners (the object's own, where it let go
+        of it already), and what ran between left held that input less the output it let go of
+        (Step.made_inputs)."""
+        last = self.out_refs.get(i - 1)
+        return (made.owners is not None and storage_users(made.ref) == made.owners - less
+                and self.between_frees.get(i, False) and last is not None
+                and self.between_forward.get(i) == made.nbytes - last.nbytes)
 
     def watch_last_input(self, i: int, x: torch.Tensor) -> None:
         """The last layer (i), returned, its input object `x`: read as it dies (at_return set)."""
         if self.input_objs.pop(i, None) is None:
             return
+        made = self.made_inputs.pop(i, None)
+        if made is not None and made.owners is not None:  # its owners now, the profiling step's calls let go of
+            made = made._replace(owners=storage_users(x))
 
-        def died(_, i=i):
+        def died(_, i=i, made=made):
             if i not in self.inputs_held:
                 try:
-                    self.inputs_held[i] = self.peak() > self.at_return
+                    # (A weak reference's callback runs before the object lets go of its storage: its owners
+                    # are as they were.)
+                    gone = made is None or self.made_input_gone(i, made, 0)
+                    rose = self.peak() > self.at_return
+                    self.inputs_held[i] = rose or not gone
+                    self.last_in_rest = rose and gone
                 except Exception:  # (a callback's exception is only printed)
                     self.inputs_held[i] = True
 
@@ -568,6 +612,11 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             step.read_input_past_forward(i - 1, as_handed)  # now that this layer is called
         if as_handed:
             step.input_objs[i] = weakref.ref(x)
+        elif storage_users(x) == 1:  # made by what ran between, its storage its own
+            ref = storage_ref(x)
+            if ref is not None:
+                step.input_objs[i] = weakref.ref(x)
+                step.made_inputs[i] = MadeInput(ref, storage_bytes(x), None)
     else:
         step.input_objs[0] = weakref.ref(x)  # read at the end of the model's forward
     if i >= 1 and x.requires_grad:
@@ -585,6 +634,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     # are profiled).
     run_args = (input_alias(x), *args[1:])
     step.calls.append((fn, run_args, run_args[0]) if i >= 1 else (fn, args, x))
+    aliased = storage_users(x) if i in step.made_inputs else None
     taken = taken_tensors(fn, args)
     # The count now, and what of it the layers take beside their input that was made since the last layer
     # returned (charged as side_bytes): what runs between the two is read without it (watch_between). An
@@ -596,6 +646,9 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                     and storage_key(t) not in outs)
     returned = run_layer(CHECKPOINT, fn, run_args, [lp.layers[i]], lp.policies)
     del run_args
+    if aliased is not None:  # its owners at the call, unless the layer's run took more
+        made = step.made_inputs[i]
+        step.made_inputs[i] = made._replace(owners=aliased if storage_users(x) == aliased else None)
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])
     step.last_out_obj = weakref.ref(out)
     step.note_side(i, taken, handed, outs)
@@ -779,6 +832,15 @@ class LayerOut(NamedTuple):
     nbytes: int
     returned_at: int
     nr: int | None
+
+
+class MadeInput(NamedTuple):
+    """A profiled layer's input made by what ran between it and the layer before (Step.made_inputs): a weak
+    reference to its storage, its bytes, and the storage's owners with the profiling step's aliases (None: more
+    than those)."""
+    ref: StorageWeakRef
+    nbytes: int
+    owners: int | None
 
 
 class OpenBetween(NamedTuple):
@@ -983,6 +1045,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.between_frees_output = [j in step.between and step.between_frees.get(j, False) for j in range(n)]
     r.rest_frees_output = step.rest_frees
     r.rest_takes_last_input = step.rest_takes_input
+    r.last_input_let_go_in_rest = step.last_in_rest
     if len(step.held_to_end) == n:
         r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)

@@ -204,6 +204,14 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:24])
     assert old.rest_takes_last_input and list(old.output_grad_held_in_backward) == [False, True]
+    # Whether the last stage's input was let go of in the rest's forward: carried, pickled; a state of 25
+    # fields loads with it held.
+    r.last_input_let_go_in_rest = True
+    c = remat._core.step_context(r)
+    assert pickle.loads(pickle.dumps(c)).last_input_let_go_in_rest
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:25])
+    assert not old.last_input_let_go_in_rest and not old.rest_takes_last_input
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

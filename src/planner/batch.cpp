@@ -250,6 +250,7 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   c.between_frees_output = held_where_either(a.between_frees_output, b.between_frees_output);
   c.rest_frees_output = a.rest_frees_output || b.rest_frees_output;
   c.rest_takes_last_input = a.rest_takes_last_input || b.rest_takes_last_input;
+  c.last_input_let_go_in_rest = a.last_input_let_go_in_rest && b.last_input_let_go_in_rest;  // where both
   c.output_grad_held_in_backward =
       held_where_either(a.output_grad_held_in_backward, b.output_grad_held_in_backward);
   // The generators' state a checkpoint saves: the same at every batch.

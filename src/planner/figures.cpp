@@ -20,6 +20,9 @@ struct Collect {
   PlanFigures out;
   void bytes(const int64_t& v) { out.ints.push_back(v); }
   void flag(const bool& v) { out.ints.push_back(v ? 1 : 0); }
+  // A flag that lets go of something: set where every process's is (agreed on as the largest of their
+  // negations).
+  void let_go(const bool& v) { out.ints.push_back(v ? 0 : 1); }
   void ms(const double& v) { out.reals.push_back(v); }
   void bandwidth(const double& v) { out.reals.push_back(-v); }
   // Bytes let go of: the least any process read (agreed on as the largest of their negatives).
@@ -72,6 +75,7 @@ struct Write {
   }
   void bytes(int64_t& v) { v = next_int(); }
   void flag(bool& v) { v = next_flag(); }
+  void let_go(bool& v) { v = !next_flag(); }
   void ms(double& v) { v = next_real(); }
   void bandwidth(double& v) { v = -next_real(); }
   void freed(int64_t& v) { v = -next_int(); }
@@ -201,6 +205,7 @@ void visit(C& chain, X& context, V& v) {
   v.flag(context.rest_frees_output);               // likewise
   v.flag(context.rest_takes_last_input);           // taken where any rank's takes it
   flags(context.output_grad_held_in_backward, v);  // held where any rank held it
+  v.let_go(context.last_input_let_go_in_rest);        // let go of where every rank let go of it
 }
 
 // An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima

@@ -203,8 +203,15 @@ struct StepTerms {
   // done (detail::held_past_between_bytes()).
   std::vector<char> frees_output;
   // Per stage: whether its input may be let go of once its forward as Fa is done, where the stage before's
-  // way does not hold it (detail::input_let_go_in_forward()).
+  // way does not hold it (detail::input_let_go_in_forward()), and what it holds beyond a_j then
+  // (detail::input_let_go_extra_bytes(): let go of with it, R_j holds it as forward_held).
   std::vector<char> input_let_go;
+  std::vector<int64_t> input_extra;
+  // Whether the last chain stage's input, where it may go, goes once the rest's forward is done rather than
+  // its own (detail::last_input_let_go_in_rest()), and its bytes then (a_j and input_extra): gone from the
+  // rest's backward on.
+  bool last_in_rest = false;
+  int64_t rest_gone = 0;
   // Per stage: whether its backward may be charged its output let go of early (detail::output_freed_early()).
   std::vector<char> freed_early;
   // Per stage: whether something besides a runtime that holds outputs holds its output through its backward
@@ -355,7 +362,9 @@ struct Point {
   bool output_ahead = false;
   // Whether the previous stage's way does not hold its output (this stage's input: it saves none of it, or it
   // is plain), set only where this stage may let go of it (StepTerms::input_let_go): run as Fa, not
-  // offloaded, it does once its forward is done.
+  // offloaded, it does once its forward is done. At the rest (the step's last stage), whether the last chain
+  // stage's input goes once the rest's forward is done (StepTerms::last_in_rest): its backward runs without
+  // it.
   bool output_let_go = false;
   int64_t input_gone_from = 0;  // from which stage on the chain's input is gone (detail::input_gone_from())
   int64_t host = 0;
@@ -614,14 +623,20 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         const bool twice = input_leaves && p.output_ahead;
         // Its input, which it does not save (kept, or offloaded or streamed not sending it) and nothing else
         // holds, let go of once its forward is done.
-        const bool dropped = p.output_let_go && ch.kind == OpKind::kForwardAll && !sends_input;
-        if (!f.made[input_leaves][gone][twice][dropped]) {
-          const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0);
-          f.need[input_leaves][gone][twice][dropped] =
-              stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0, dropped ? a_in : 0);
-          f.made[input_leaves][gone][twice][dropped] = true;
+        // At the rest: the last chain stage's input, gone once its forward is done (Point::output_let_go).
+        const bool rest_less = p.output_let_go && j + 1 == n;
+        const bool dropped = p.output_let_go && !rest_less && ch.kind == OpKind::kForwardAll && !sends_input;
+        const bool in_rest = dropped && j + 2 == n && step->last_in_rest;  // gone once the rest's forward is
+        const int64_t dropped_bytes = dropped ? a_in + step->input_extra[static_cast<size_t>(j)] : 0;
+        const bool less = dropped || rest_less;
+        if (!f.made[input_leaves][gone][twice][less]) {
+          const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0) +
+                                   (rest_less ? step->rest_gone : 0);
+          f.need[input_leaves][gone][twice][less] =
+              stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0, dropped_bytes);
+          f.made[input_leaves][gone][twice][less] = true;
         }
-        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone][twice][dropped]);
+        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone][twice][less]);
         if (q.peak > most) return false;
         const int64_t copied = f.copied;
         double wait =
@@ -633,14 +648,15 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.ms = p.ms + ch.ms + wait;
         if (q.ms + rest[static_cast<size_t>(j) + 1] > bound) return false;
         q.transfer_ms = p.transfer_ms + wait;
-        q.held = p_held - p.pending + ch.held + f.past - (dropped ? a_in : 0);
+        q.held = p_held - p.pending + ch.held + f.past - (in_rest ? 0 : dropped_bytes);
         // Whether the next stage may let go of this one's output once its forward is done: this way does not
         // hold it.
-        q.output_let_go = step && j + 1 < n && step->input_let_go[static_cast<size_t>(j) + 1] &&
-                          (ch.kind == OpKind::kForwardCheckpoint ||
-                           detail::way_leaves_output(chain.stages[static_cast<size_t>(j)], ch.kind, ch.cost,
-                                                     !ch.groups.empty(),
-                                                     policy_of(chain.stages[static_cast<size_t>(j)], ch)));
+        q.output_let_go = (step && j + 1 < n && step->input_let_go[static_cast<size_t>(j) + 1] &&
+                           (ch.kind == OpKind::kForwardCheckpoint ||
+                            detail::way_leaves_output(
+                                chain.stages[static_cast<size_t>(j)], ch.kind, ch.cost, !ch.groups.empty(),
+                                policy_of(chain.stages[static_cast<size_t>(j)], ch)))) ||
+                          in_rest;
         if (step && detail::recomputes(ch.kind, !ch.groups.empty())) q.held += step->checkpoint_state;
         q.host = p.host;
         if (ch.offload) {
@@ -844,6 +860,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.output_unheld.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
+  t.input_extra.assign(n + 2, 0);
   t.freed_early.assign(n + 2, 0);
   t.held_past_runtime.assign(n + 2, 0);
   t.recomputed_held.assign(n + 2, 0);
@@ -852,9 +869,15 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);
+    t.input_extra[s] = detail::input_let_go_extra_bytes(chain, context, static_cast<int64_t>(s) - 1);
     t.freed_early[s] = detail::output_freed_early(chain, context, static_cast<int64_t>(s) - 1);
     t.held_past_runtime[s] = detail::output_held_past_runtime(chain, context, static_cast<int64_t>(s) - 1);
     t.recomputed_held[s] = detail::recomputed_output_held_bytes(chain, context, static_cast<int64_t>(s) - 1);
+  }
+  t.last_in_rest = n >= 1 && detail::last_input_let_go_in_rest(chain, context);
+  if (t.last_in_rest) {
+    t.input_let_go[n] = 1;
+    t.rest_gone = chain.activation_bytes(static_cast<int64_t>(n) - 1) + t.input_extra[n];
   }
   t.input_freed = detail::input_unheld_bytes(chain, context);
   t.first_input_let_go = detail::first_input_let_go(chain, context);

@@ -98,6 +98,7 @@ StepContext step_context(const StepReadings& r) {
   c.between_frees_output = r.between_frees_output;
   c.rest_frees_output = r.rest_frees_output;
   c.rest_takes_last_input = r.rest_takes_last_input;
+  c.last_input_let_go_in_rest = r.last_input_let_go_in_rest;
   if (!expanded_grad) c.output_grad_held_in_backward = r.output_grad_held_in_backward;
   return c;
 }
@@ -292,16 +293,34 @@ bool output_grad_held(const StepContext& context, int64_t j) {
   return stage_flag(context.output_grad_held_in_backward, j, false);
 }
 
-bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int64_t j) {
-  if (j < 1 || j >= chain.size() || chain.stages[static_cast<size_t>(j)].saves_input ||
-      stage_flag(context.inputs_held_in_forward, j, true))
-    return false;
+// input_let_go_in_forward() but the reading: whether chain stage j's input may go where nothing held it.
+static bool input_may_go(const Chain& chain, const StepContext& context, int64_t j) {
+  if (j < 1 || j >= chain.size() || chain.stages[static_cast<size_t>(j)].saves_input) return false;
   const size_t at = static_cast<size_t>(j);
   const bool between = stage_figure(context.between_forward_held_bytes, at) != 0 ||
                        stage_figure(context.between_backward_peak_bytes, at) != 0 ||
                        stage_figure(context.between_held_bytes, at) != 0 ||
                        output_freed_between(chain, context, j - 1);
-  return !between && output_unheld(chain, context, j);
+  // What runs between made the input: let go of where it made it from a_j and let go of a_j there.
+  if (between && (!output_freed_between(chain, context, j - 1) ||
+                  stage_figure(context.between_forward_held_bytes, at) < 0))
+    return false;
+  return output_unheld(chain, context, j);
+}
+
+bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int64_t j) {
+  return !stage_flag(context.inputs_held_in_forward, j, true) && input_may_go(chain, context, j);
+}
+
+bool last_input_let_go_in_rest(const Chain& chain, const StepContext& context) {
+  const int64_t j = chain.size() - 1;
+  return context.last_input_let_go_in_rest && stage_flag(context.inputs_held_in_forward, j, true) &&
+         input_may_go(chain, context, j);
+}
+
+int64_t input_let_go_extra_bytes(const Chain& chain, const StepContext& context, int64_t j) {
+  if (j < 1 || j >= chain.size() || !output_freed_between(chain, context, j - 1)) return 0;
+  return std::max<int64_t>(0, stage_figure(context.between_forward_held_bytes, static_cast<size_t>(j)));
 }
 
 bool way_leaves_output(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
@@ -476,6 +495,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // back where the simulation lets go of a_j (the stage before's backward for its abar, below; this stage's
   // backward for a plain one).
   std::vector<char> dropped(static_cast<size_t>(n) + 2, 0);
+  // The last stage's input where it goes once the rest's forward is done (last_input_let_go_in_rest()):
+  // minus its bytes, from the last stage's forward until then.
+  int64_t in_rest = 0;
   // Per step stage: what its backward holds less than with its output held through it, as its last forward
   // so far ran it, where output_freed_early() (output_freed_in_backward_bytes()): charged where it ran once
   // (kept) or is a per-call checkpoint's recompute.
@@ -620,13 +642,18 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (!after_loss && op.kind == OpKind::kForwardAll && !sends_input(chain, ops, op) && op.stage >= 2 &&
         op.stage <= n &&
         (leaves[static_cast<size_t>(op.stage - 1)] || plain[static_cast<size_t>(op.stage - 1)]) &&
-        sim.forward_calls[static_cast<size_t>(op.stage)] == 1 &&
-        input_let_go_in_forward(chain, context, op.stage - 1) && backward_first(k, op.stage)) {
-      const int64_t a = chain.activation_bytes(op.stage - 1);
-      dropped[static_cast<size_t>(op.stage)] = 1;
-      arrived -= a;
-      if (!plain[static_cast<size_t>(op.stage - 1)]) let_go[static_cast<size_t>(op.stage - 1)] = a;
+        sim.forward_calls[static_cast<size_t>(op.stage)] == 1 && backward_first(k, op.stage)) {
+      // Now, or for the last stage's input let go of in the rest's forward, once that is done.
+      const bool now = input_let_go_in_forward(chain, context, op.stage - 1);
+      if (now || (op.stage == n && last_input_let_go_in_rest(chain, context))) {
+        const int64_t a = chain.activation_bytes(op.stage - 1);
+        dropped[static_cast<size_t>(op.stage)] = 1;
+        (now ? arrived : in_rest) -= a + input_let_go_extra_bytes(chain, context, op.stage - 1);
+        if (!plain[static_cast<size_t>(op.stage - 1)]) let_go[static_cast<size_t>(op.stage - 1)] = a;
+      }
     }
+    if (!after_loss && op.stage == n + 1 && op.kind != OpKind::kBackward && op.kind != OpKind::kLoss)
+      arrived += in_rest, in_rest = 0;
     arrived += made + past_after;
     // What the stages take beside their input, and gradients of it, let go of once this backward is done.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
@@ -672,6 +699,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       if (between > 0 || held != 0)
         peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
       arrived += held;
+      // What of its input, gone since its forward, runs between made beyond a_j, which held lets go of.
+      if (dropped[static_cast<size_t>(op.stage)])
+        arrived += input_let_go_extra_bytes(chain, context, static_cast<int64_t>(j));
       // Its input a_j, which nothing else holds and the stage before it does not save, goes now (unless gone
       // since its forward).
       if (leaves[static_cast<size_t>(op.stage - 1)] && !dropped[static_cast<size_t>(op.stage)] &&

@@ -107,8 +107,15 @@ struct StepContext {
   /// input (Stage::saves_input false), stage j - 1's way does not hold its output (it does not save it, or it
   /// is a plain output), outputs_held_in_backward says nothing holds a_j in the backward pass and the stage's
   /// backward comes before any later forward of stage j - 1 in the plan, a_j is charged as freed once stage
-  /// j's forward is done. Entry 0, the chain's input: whether anything held it into the backward pass (the
-  /// Python package: its object alive at the end of the model's forward); where false, nothing holds it in
+  /// j's forward is done. Where what runs between made stage j's input from a_j and let go of a_j
+  /// (between_frees_output: a residual sum outside the layers), the entry is that input's, the sum's result
+  /// (the Python package: its object dead at the next stage's call and its storage owned by the stages'
+  /// aliases only, and what ran between left held just that result less a_j): where it is false, the result
+  /// goes whole (a_j and between_forward_held_bytes, which must not be negative) under the same conditions
+  /// (since 2026-12-03; before, such an entry was read as held). For the last stage's input let go of in
+  /// the rest's forward, see last_input_let_go_in_rest. Entry 0, the chain's input: whether anything held it
+  /// into the backward pass (the Python package: its object alive at the end of the model's forward); where
+  /// false, nothing holds it in
   /// the backward pass (input_held_in_backward false, input_in_base false) and the first stage runs as Fa,
   /// not offloaded, once, saving none of it, it is charged as gone from the loss on (the rest's backward
   /// and every chain stage's, as where a first stage streamed takes it to the host). Empty, or one entry per
@@ -205,6 +212,19 @@ struct StepContext {
   /// not read: four feed-forward layers with such a skip held 2.9-3.7% above their prediction. Empty (none
   /// held), or one entry per stage.
   std::vector<bool> output_grad_held_in_backward;
+  /// Whether the last stage's input, held past that stage's forward (inputs_held_in_forward's last entry
+  /// true), was let go of before the rest of the step's forward ended: a residual sum over the last layer
+  /// (`x = x + layer(x)`) makes its result while the input is alive and lets go of it after, which the rest's
+  /// measured peak, read with the input held, does not say when. Where true and the last stage's input may go
+  /// otherwise (inputs_held_in_forward's rule: run as Fa, not offloaded, not saving it, the stage before's
+  /// way not holding it, nothing holding it in the backward pass), it is charged through the rest's forward
+  /// and as gone from its end (the loss, the rest's backward and the last stage's backward without it), in
+  /// step_op_peaks() and the per-layer program alike. The Python package reads it in the profiling step: the
+  /// input's object dead before the model's forward ended and, for an input made by what ran between, its
+  /// storage held by nothing but the stages' aliases. Before (found 2026-12-03) it was not read: four layers
+  /// under `x = x + layer(x)` and CPU bf16 autocast, every layer kept, were 3.4% below their prediction
+  /// after inputs_held_in_forward let go of the other layers' inputs. False (the default, not read): held.
+  bool last_input_let_go_in_rest = false;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -303,6 +323,9 @@ struct StepReadings {
   /// Per chain stage: whether the chain's output gradient was alive once its backward was done
   /// (StepContext::output_grad_held_in_backward; empty where not read).
   std::vector<bool> output_grad_held_in_backward;
+  /// Whether the last stage's input was let go of in the rest's forward (StepContext::
+  /// last_input_let_go_in_rest; false where not read).
+  bool last_input_let_go_in_rest = false;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's

@@ -456,16 +456,15 @@ NB_MODULE(_core, m) {
       // last_input_let_go_in_rest, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
-             return nb::make_tuple(c.input_in_base, c.before_saved_bytes, c.before_peak_bytes,
-                                   c.before_backward_peak_bytes, c.rest_peak_bytes, c.rest_ms,
-                                   c.rest_grads_bytes, c.stage_grads_bytes, c.checkpoint_all_peak_bytes,
-                                   c.side_bytes, c.input_held_in_backward, c.between_forward_held_bytes,
-                                   c.between_backward_peak_bytes, c.between_held_bytes, c.side_grads_bytes,
-                                   c.outputs_held_in_backward, c.output_held_in_backward,
-                                   c.checkpoint_state_bytes, c.outputs_held_to_end, c.side_freed_bytes,
-                                   c.between_frees_output, c.rest_frees_output, c.inputs_held_in_forward,
-                                   c.output_grad_held_in_backward, c.rest_takes_last_input,
-                                   c.last_input_let_go_in_rest);
+             return nb::make_tuple(
+                 c.input_in_base, c.before_saved_bytes, c.before_peak_bytes, c.before_backward_peak_bytes,
+                 c.rest_peak_bytes, c.rest_ms, c.rest_grads_bytes, c.stage_grads_bytes,
+                 c.checkpoint_all_peak_bytes, c.side_bytes, c.input_held_in_backward,
+                 c.between_forward_held_bytes, c.between_backward_peak_bytes, c.between_held_bytes,
+                 c.side_grads_bytes, c.outputs_held_in_backward, c.output_held_in_backward,
+                 c.checkpoint_state_bytes, c.outputs_held_to_end, c.side_freed_bytes, c.between_frees_output,
+                 c.rest_frees_output, c.inputs_held_in_forward, c.output_grad_held_in_backward,
+                 c.rest_takes_last_input, c.last_input_let_go_in_rest);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
         if (s.size() != 11 && s.size() != 16 && s.size() != 19 && s.size() != 20 && s.size() != 21 &&

@@ -299,21 +299,25 @@ def test_a_residual_sum_outside_the_layers_holds_the_outputs_gradient_through_it
     assert lp.context.rest_frees_output and lp.context.rest_takes_last_input  # the sum over the last layer
 
 
-@pytest.mark.parametrize("aside", [False, True])
-def test_a_residual_sums_result_its_kept_layer_does_not_save_is_let_go_of_once_its_forward_is_done(meter, aside):
+@pytest.mark.parametrize("aside,sigmoid", [(False, False), (True, False), (False, True)])
+def test_a_residual_sums_result_its_kept_layer_does_not_save_is_let_go_of_once_its_forward_is_done(meter, aside,
+                                                                                                   sigmoid):
     # Under CPU bf16 autocast a kept layer saves the bf16 cast of its fp32 input, not the input, which the next
     # sum (`x = x + layer(x)`) replaces: each layer's input, the sum's result (a_i, and what the sum left held
     # beyond it), goes once the layer's forward is done (StepContext.inputs_held_in_forward), the last layer's
     # once the rest's forward is (StepContext.last_input_let_go_in_rest: the sum over that layer makes its
     # result first). Read from the input's object and its storage's owners (the profiling step's aliases only):
-    # a copy kept aside, another object on the same storage, holds it. Before (found 2026-12-03), every layer
-    # kept was 9.6% below its prediction.
+    # a copy kept aside, another object on the same storage, holds it. Layers ending in a sigmoid, whose graph
+    # saves its output, hold that output beside the sum's result, which goes alone. Before (found 2026-12-03),
+    # every layer kept was 9.6% below its prediction (the sigmoids', 10.5%).
     def make():
-        m = _SumsOutside(False, autocast=True)
+        m = _SumsOutside(sigmoid, autocast=True)
         m.aside_sums = aside  # held to the forward's end: charged through each layer's backward, safe
         return m
 
-    lp = _sums_kept(meter, make, None, 0.15 if aside else 1e-3)
+    # (With the sigmoids, 1.65% below is left: safe, not located.)
+    lp = _sums_kept(meter, make, None, 0.15 if aside else remat.PREDICTION_TOLERANCE if sigmoid else 1e-3)
+    assert lp.prediction_error <= 1e-3
     assert list(lp.context.inputs_held_in_forward) == [True, aside, aside, True]
     assert lp.context.last_input_let_go_in_rest is not aside
     assert [st.saves_input for st in lp.chain.stages] == [False] * 4  # the bf16 casts

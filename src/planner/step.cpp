@@ -639,17 +639,23 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (replay && state_held[static_cast<size_t>(op.stage)]) peaks[k] += context.checkpoint_state_bytes;
     // Its input, which it does not save (kept, or offloaded or streamed not sending it) and nothing else
     // holds, goes once this forward is done.
+    // Where what runs between made it (a residual sum) and the stage before's way holds its output beside it
+    // (past_between), the input is the sum's result alone: it goes as well, and the simulation's a_j stands
+    // for that output from this stage's backward on.
+    const bool beside = op.stage >= 2 && op.stage <= n && past_between[static_cast<size_t>(op.stage - 1)] > 0;
     if (!after_loss && op.kind == OpKind::kForwardAll && !sends_input(chain, ops, op) && op.stage >= 2 &&
         op.stage <= n &&
-        (leaves[static_cast<size_t>(op.stage - 1)] || plain[static_cast<size_t>(op.stage - 1)]) &&
+        (leaves[static_cast<size_t>(op.stage - 1)] || plain[static_cast<size_t>(op.stage - 1)] || beside) &&
         sim.forward_calls[static_cast<size_t>(op.stage)] == 1 && backward_first(k, op.stage)) {
       // Now, or for the last stage's input let go of in the rest's forward, once that is done.
       const bool now = input_let_go_in_forward(chain, context, op.stage - 1);
       if (now || (op.stage == n && last_input_let_go_in_rest(chain, context))) {
         const int64_t a = chain.activation_bytes(op.stage - 1);
-        dropped[static_cast<size_t>(op.stage)] = 1;
+        const bool own =
+            !leaves[static_cast<size_t>(op.stage - 1)] && !plain[static_cast<size_t>(op.stage - 1)];
+        dropped[static_cast<size_t>(op.stage)] = own ? 2 : 1;
         (now ? arrived : in_rest) -= a + input_let_go_extra_bytes(chain, context, op.stage - 1);
-        if (!plain[static_cast<size_t>(op.stage - 1)]) let_go[static_cast<size_t>(op.stage - 1)] = a;
+        if (!plain[static_cast<size_t>(op.stage - 1)] && !own) let_go[static_cast<size_t>(op.stage - 1)] = a;
       }
     }
     if (!after_loss && op.stage == n + 1 && op.kind != OpKind::kBackward && op.kind != OpKind::kLoss)
@@ -699,9 +705,12 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       if (between > 0 || held != 0)
         peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
       arrived += held;
-      // What of its input, gone since its forward, runs between made beyond a_j, which held lets go of.
+      // What of its input, gone since its forward, runs between made beyond a_j, which held lets go of; and
+      // a_j, where the stage before's way holds its output (the simulation's a_j from now on).
       if (dropped[static_cast<size_t>(op.stage)])
         arrived += input_let_go_extra_bytes(chain, context, static_cast<int64_t>(j));
+      if (dropped[static_cast<size_t>(op.stage)] == 2)
+        arrived += chain.activation_bytes(static_cast<int64_t>(j));
       // Its input a_j, which nothing else holds and the stage before it does not save, goes now (unless gone
       // since its forward).
       if (leaves[static_cast<size_t>(op.stage - 1)] && !dropped[static_cast<size_t>(op.stage)] &&

@@ -111,7 +111,8 @@ struct StepContext {
   /// (between_frees_output: a residual sum outside the layers), the entry is that input's, the sum's result
   /// (the Python package: its object dead at the next stage's call and its storage owned by the stages'
   /// aliases only, and what ran between left held just that result less a_j): where it is false, the result
-  /// goes whole (a_j and between_forward_held_bytes, which must not be negative) under the same conditions
+  /// goes whole (a_j and between_forward_held_bytes, which must not be negative) under the same conditions,
+  /// but that stage j - 1's way may hold its output (beside the result, charged apart: between_frees_output)
   /// (since 2026-12-03; before, such an entry was read as held). For the last stage's input let go of in
   /// the rest's forward, see last_input_let_go_in_rest. Entry 0, the chain's input: whether anything held it
   /// into the backward pass (the Python package: its object alive at the end of the model's forward); where

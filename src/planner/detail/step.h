@@ -58,8 +58,10 @@ bool output_grad_held(const StepContext& context, int64_t j);
 // nothing runs between the two stages (no between figure at j: the input is a_j itself) or what runs between
 // made it from a_j and let go of a_j there (a residual sum outside the layers: output_freed_between(j - 1),
 // between_forward_held_bytes not negative; the input let go of is then a_j and what that left held,
-// input_let_go_extra_bytes()). The one rule of step_op_peaks() and the per-layer program, which add the
-// plan's conditions.
+// input_let_go_extra_bytes(); where the stage before's way holds its output beside it,
+// held_past_between_bytes(), the result goes alone, and the model's a_j stands for that output from the
+// stage's backward on). The one rule of step_op_peaks() and the per-layer program, which add the plan's
+// conditions.
 bool input_let_go_in_forward(const Chain& chain, const StepContext& context, int64_t j);
 
 // Whether the last chain stage's input, held past its forward, may go once the rest's forward is done

@@ -217,6 +217,12 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_FALSE(remat::context_at_batch(a, 2, b, 4, 10).last_input_let_go_in_rest);
   b.last_input_let_go_in_rest = true;
   EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).last_input_let_go_in_rest);
+  a.residual_grad_shared = {true, false};  // shared (charged) where either's is
+  b.residual_grad_shared = {false, false};
+  EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 10).residual_grad_shared, (std::vector<bool>{true, false}));
+  b.residual_grad_shared.clear();  // read on one only: refused, as the other per-stage figures
+  EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
+  a.residual_grad_shared.clear();
   // Each line stops at 0 on its own: side_bytes is raised to hold its gradients.
   EXPECT_EQ(remat::context_at_batch(a, 2, b, 4, 1).side_grads_bytes, (std::vector<int64_t>{0, 100}));
   a.side_bytes = 100, b.side_bytes = 500;

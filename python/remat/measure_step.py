@@ -366,6 +366,11 @@ class Step:
         # Whether the last layer's input, held past that layer's forward, died before the model's forward ended
         # (StepContext.last_input_let_go_in_rest; for one made by what ran between, with the rule above).
         self.last_in_rest = False
+        # Per layer i: whether what takes its output after it handed that output its own path's gradient tensor
+        # (StepContext.residual_grad_shared; shared unless read): between layers, the output's gradient is the
+        # next layer's input's gradient tensor (read as the backward between ends); for the last layer, its
+        # output has its input's dtype (a sum in another dtype casts the gradient it hands the output).
+        self.grads_shared: dict[int, bool] = {}
         self.last_out_obj: weakref.ref | None = None
         self.last_input_watch: weakref.ref | None = None
         # The gradient the rest hands the layers' output (a weak reference to its storage), and per layer whether
@@ -651,6 +656,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.made_inputs[i] = made._replace(owners=aliased if storage_users(x) == aliased else None)
     out, handed = layer_output(returned, lp.who, i, lp.layers[i])
     step.last_out_obj = weakref.ref(out)
+    if i == n - 1:
+        step.grads_shared[i] = out.dtype == x.dtype
     step.note_side(i, taken, handed, outs)
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
@@ -964,6 +971,7 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
                 # layer's output (the chain's a_i): one made larger by what ran between (a residual sum in fp32
                 # on a bf16 output) held the rest of it too.
                 step.between[i + 1] = (step.peak() - o.at + max(0, o.g_bytes - last.nbytes), held)
+                step.grads_shared[i] = storage_key(g) == o.g_key
                 step.between_open = None
                 step.reset()
             return g
@@ -1046,6 +1054,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.rest_frees_output = step.rest_frees
     r.rest_takes_last_input = step.rest_takes_input
     r.last_input_let_go_in_rest = step.last_in_rest
+    r.residual_grad_shared = [step.grads_shared.get(j, True) for j in range(n)]
     if len(step.held_to_end) == n:
         r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)

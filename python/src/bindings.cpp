@@ -448,12 +448,14 @@ NB_MODULE(_core, m) {
               "per stage, whether the chain's output gradient is alive still once its backward is done")
       .def_rw("last_input_let_go_in_rest", &remat::StepContext::last_input_let_go_in_rest,
               "whether the last stage's input, held past its forward, was let go of in the rest's forward")
+      .def_rw("residual_grad_shared", &remat::StepContext::residual_grad_shared,
+              "per stage, whether what takes its output after it hands it its own path's gradient tensor")
       // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, of 16,
       // from before output_held_in_backward, checkpoint_state_bytes and outputs_held_to_end, of 19, from
       // before side_freed_bytes, of 20, from before between_frees_output, and of 21, from before
       // rest_frees_output, of 22, from before inputs_held_in_forward, and of 23, from before
-      // output_grad_held_in_backward, of 24, from before rest_takes_last_input, and of 25, from before
-      // last_input_let_go_in_rest, too).
+      // output_grad_held_in_backward, of 24, from before rest_takes_last_input, of 25, from before
+      // last_input_let_go_in_rest, and of 26, from before residual_grad_shared, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(
@@ -464,13 +466,14 @@ NB_MODULE(_core, m) {
                  c.side_grads_bytes, c.outputs_held_in_backward, c.output_held_in_backward,
                  c.checkpoint_state_bytes, c.outputs_held_to_end, c.side_freed_bytes, c.between_frees_output,
                  c.rest_frees_output, c.inputs_held_in_forward, c.output_grad_held_in_backward,
-                 c.rest_takes_last_input, c.last_input_let_go_in_rest);
+                 c.rest_takes_last_input, c.last_input_let_go_in_rest, c.residual_grad_shared);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
         if (s.size() != 11 && s.size() != 16 && s.size() != 19 && s.size() != 20 && s.size() != 21 &&
-            s.size() != 22 && s.size() != 23 && s.size() != 24 && s.size() != 25 && s.size() != 26)
+            s.size() != 22 && s.size() != 23 && s.size() != 24 && s.size() != 25 && s.size() != 26 &&
+            s.size() != 27)
           throw nb::value_error(
-              "remat.StepContext: a pickled state has 11, 16, 19, 20, 21, 22, 23, 24, 25 or 26 fields");
+              "remat.StepContext: a pickled state has 11, 16, 19, 20, 21, 22, 23, 24, 25, 26 or 27 fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -501,7 +504,8 @@ NB_MODULE(_core, m) {
         if (s.size() >= 23) c.inputs_held_in_forward = nb::cast<std::vector<bool>>(s[22]);
         if (s.size() >= 24) c.output_grad_held_in_backward = nb::cast<std::vector<bool>>(s[23]);
         if (s.size() >= 25) c.rest_takes_last_input = nb::cast<bool>(s[24]);
-        if (s.size() == 26) c.last_input_let_go_in_rest = nb::cast<bool>(s[25]);
+        if (s.size() >= 26) c.last_input_let_go_in_rest = nb::cast<bool>(s[25]);
+        if (s.size() == 27) c.residual_grad_shared = nb::cast<std::vector<bool>>(s[26]);
       });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
@@ -539,7 +543,8 @@ NB_MODULE(_core, m) {
       .def_rw("rest_frees_output", &remat::StepReadings::rest_frees_output)
       .def_rw("rest_takes_last_input", &remat::StepReadings::rest_takes_last_input)
       .def_rw("output_grad_held_in_backward", &remat::StepReadings::output_grad_held_in_backward)
-      .def_rw("last_input_let_go_in_rest", &remat::StepReadings::last_input_let_go_in_rest);
+      .def_rw("last_input_let_go_in_rest", &remat::StepReadings::last_input_let_go_in_rest)
+      .def_rw("residual_grad_shared", &remat::StepReadings::residual_grad_shared);
   m.def("step_context", &remat::step_context, "readings"_a);
   m.def("context_for_grads", &remat::context_for_grads, "context"_a, "stage_grads_bytes"_a,
         "The context of a step that begins in another state of the parameter gradients "

@@ -212,6 +212,14 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:25])
     assert not old.last_input_let_go_in_rest and not old.rest_takes_last_input
+    # Whether the residual path hands each output its own gradient: carried, pickled; a state of 26 fields loads
+    # with every one shared (empty).
+    r.residual_grad_shared = [False, True]
+    c = remat._core.step_context(r)
+    assert list(pickle.loads(pickle.dumps(c)).residual_grad_shared) == [False, True]
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:26])
+    assert list(old.residual_grad_shared) == [] and old.last_input_let_go_in_rest
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

@@ -297,6 +297,19 @@ def test_a_residual_sum_outside_the_layers_holds_the_outputs_gradient_through_it
     if policy:
         assert [st.policies[0].saves_output for st in chain.stages] == [False] * 4
     assert lp.context.rest_frees_output and lp.context.rest_takes_last_input  # the sum over the last layer
+    assert list(lp.context.residual_grad_shared) == [True] * 4  # one dtype: the sum hands on its own gradient
+
+
+@pytest.mark.parametrize("last", [torch.nn.GELU, torch.nn.Sigmoid])
+def test_a_residual_sum_in_another_dtype_hands_its_layers_a_gradient_of_their_own(meter, last):
+    # Under CPU bf16 autocast `x = x + layer(x)` adds a bf16 output into the fp32 residual: its backward hands
+    # the output a bf16 cast of the path's gradient, which the layer's backward lets go of once used
+    # (StepContext.residual_grad_shared false): no gradient held through that backward is charged. Before
+    # (found 2026-12-03), layers ending in a GELU or a sigmoid were 1.65% below their prediction here, every
+    # layer kept (1.9-2.8% on every plan of bench/residual_sums.py keeping the last layer).
+    lp = _sums_kept(meter, lambda: _SumsOutside(False, last=last, autocast=True), None, 1e-3)
+    assert list(lp.context.residual_grad_shared) == [False] * 4
+    assert all(st.bwd_grad_held_bytes for st in lp.chain.stages[1:])  # measured, not charged
 
 
 @pytest.mark.parametrize("aside,sigmoid", [(False, False), (True, False), (False, True)])
@@ -315,9 +328,7 @@ def test_a_residual_sums_result_its_kept_layer_does_not_save_is_let_go_of_once_i
         m.aside_sums = aside  # held to the forward's end: charged through each layer's backward, safe
         return m
 
-    # (With the sigmoids, 1.65% below is left: safe, not located.)
-    lp = _sums_kept(meter, make, None, 0.15 if aside else remat.PREDICTION_TOLERANCE if sigmoid else 1e-3)
-    assert lp.prediction_error <= 1e-3
+    lp = _sums_kept(meter, make, None, 0.15 if aside else 1e-3)
     assert list(lp.context.inputs_held_in_forward) == [True, aside, aside, True]
     assert lp.context.last_input_let_go_in_rest is not aside
     assert [st.saves_input for st in lp.chain.stages] == [False] * 4  # the bf16 casts

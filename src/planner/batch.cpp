@@ -80,14 +80,15 @@ std::vector<bool> held_where_either(const std::vector<bool>& a, const std::vecto
 
 // A context's per-stage figures' lengths, for an error: the between figures', side_grads_bytes',
 // side_freed_bytes', outputs_held_in_backward's, inputs_held_in_forward's, output_grad_held_in_backward's,
-// outputs_held_to_end's and between_frees_output's.
+// outputs_held_to_end's, between_frees_output's and residual_grad_shared's.
 std::string per_stage_sizes(const StepContext& c) {
   return std::to_string(c.between_backward_peak_bytes.size()) + "/" +
          std::to_string(c.side_grads_bytes.size()) + "/" + std::to_string(c.side_freed_bytes.size()) + "/" +
          std::to_string(c.outputs_held_in_backward.size()) + "/" +
          std::to_string(c.inputs_held_in_forward.size()) + "/" +
          std::to_string(c.output_grad_held_in_backward.size()) + "/" +
-         std::to_string(c.outputs_held_to_end.size()) + "/" + std::to_string(c.between_frees_output.size());
+         std::to_string(c.outputs_held_to_end.size()) + "/" + std::to_string(c.between_frees_output.size()) +
+         "/" + std::to_string(c.residual_grad_shared.size());
 }
 
 }  // namespace
@@ -196,11 +197,13 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
       a.inputs_held_in_forward.size() != b.inputs_held_in_forward.size() ||
       a.output_grad_held_in_backward.size() != b.output_grad_held_in_backward.size() ||
       a.outputs_held_to_end.size() != b.outputs_held_to_end.size() ||
-      a.between_frees_output.size() != b.between_frees_output.size())
+      a.between_frees_output.size() != b.between_frees_output.size() ||
+      a.residual_grad_shared.size() != b.residual_grad_shared.size())
     throw std::invalid_argument(
         "remat::context_at_batch: the contexts' per-stage figures (between_backward_peak_bytes and the other "
         "between figures, side_grads_bytes, side_freed_bytes, outputs_held_in_backward, "
-        "inputs_held_in_forward, output_grad_held_in_backward, outputs_held_to_end, between_frees_output) "
+        "inputs_held_in_forward, output_grad_held_in_backward, outputs_held_to_end, between_frees_output, "
+        "residual_grad_shared) "
         "differ in length: one has them for " +
         per_stage_sizes(a) + " stages, the other for " + per_stage_sizes(b));
   const Line line{batch_a, batch_b, batch};
@@ -250,7 +253,8 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   c.between_frees_output = held_where_either(a.between_frees_output, b.between_frees_output);
   c.rest_frees_output = a.rest_frees_output || b.rest_frees_output;
   c.rest_takes_last_input = a.rest_takes_last_input || b.rest_takes_last_input;
-  c.last_input_let_go_in_rest = a.last_input_let_go_in_rest && b.last_input_let_go_in_rest;  // where both
+  c.last_input_let_go_in_rest = a.last_input_let_go_in_rest && b.last_input_let_go_in_rest;    // where both
+  c.residual_grad_shared = held_where_either(a.residual_grad_shared, b.residual_grad_shared);  // charged so
   c.output_grad_held_in_backward =
       held_where_either(a.output_grad_held_in_backward, b.output_grad_held_in_backward);
   // The generators' state a checkpoint saves: the same at every batch.

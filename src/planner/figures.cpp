@@ -206,6 +206,7 @@ void visit(C& chain, X& context, V& v) {
   v.flag(context.rest_takes_last_input);           // taken where any rank's takes it
   flags(context.output_grad_held_in_backward, v);  // held where any rank held it
   v.let_go(context.last_input_let_go_in_rest);     // let go of where every rank let go of it
+  flags(context.residual_grad_shared, v);          // shared (charged) where any rank's is
 }
 
 // An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima

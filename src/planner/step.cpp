@@ -99,6 +99,7 @@ StepContext step_context(const StepReadings& r) {
   c.rest_frees_output = r.rest_frees_output;
   c.rest_takes_last_input = r.rest_takes_last_input;
   c.last_input_let_go_in_rest = r.last_input_let_go_in_rest;
+  c.residual_grad_shared = r.residual_grad_shared;
   if (!expanded_grad) c.output_grad_held_in_backward = r.output_grad_held_in_backward;
   return c;
 }
@@ -177,6 +178,7 @@ void validate(const StepContext& c, const Chain& chain) {
   sized(c.inputs_held_in_forward.size(), "inputs_held_in_forward");
   sized(c.output_grad_held_in_backward.size(), "output_grad_held_in_backward");
   sized(c.outputs_held_to_end.size(), "outputs_held_to_end");
+  sized(c.residual_grad_shared.size(), "residual_grad_shared");
   // What runs between two stages: nothing before the first (the part before the chain's backward is
   // before_backward_peak_bytes).
   auto between = [&](const std::vector<int64_t>& v, const char* field, bool signed_figure) {
@@ -286,6 +288,7 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
 int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j) {
   if (j < 0 || j >= chain.size() || !output_freed_between(chain, context, j)) return 0;
   if (j + 1 == chain.size() && !context.rest_takes_last_input) return 0;
+  if (!stage_flag(context.residual_grad_shared, j, true)) return 0;  // a copy, let go of once used
   return chain.stages[static_cast<size_t>(j)].bwd_grad_held();
 }
 

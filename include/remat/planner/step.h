@@ -226,6 +226,19 @@ struct StepContext {
   /// under `x = x + layer(x)` and CPU bf16 autocast, every layer kept, were 3.4% below their prediction
   /// after inputs_held_in_forward let go of the other layers' inputs. False (the default, not read): held.
   bool last_input_let_go_in_rest = false;
+  /// Per chain stage j: whether what takes its output after it (what runs between it and the next stage,
+  /// or the rest of the step for the last) hands that output the very gradient tensor its own path holds (an
+  /// add's backward passes one gradient to both: `x = x + layer(x)` in one dtype), rather than a tensor of
+  /// the output's own (a cast of it: under autocast, a bf16 layer output summed into an fp32 residual; a
+  /// scaled copy). Only where it does is the stage's backward charged the gradient held through it
+  /// (Stage::bwd_grad_held_bytes, detail::grad_held_bytes()): a copy is let go of once used, as profiled,
+  /// and the path's own gradient is the one the model holds at the boundary already. The Python package
+  /// reads it in the profiling step: between stages, whether the output's gradient is the next input's
+  /// gradient tensor; for the last stage, whether its output has its input's dtype (the rest's sum then
+  /// casts). Before (found 2026-12-03), layers ending in a GELU or a sigmoid under `x = x + layer(x)` and CPU
+  /// bf16 autocast were 1.9-2.8% below their predictions on every plan keeping the last layer. Empty (all
+  /// shared, the default: charged), or one entry per stage.
+  std::vector<bool> residual_grad_shared;
 };
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
@@ -327,6 +340,9 @@ struct StepReadings {
   /// Whether the last stage's input was let go of in the rest's forward (StepContext::
   /// last_input_let_go_in_rest; false where not read).
   bool last_input_let_go_in_rest = false;
+  /// Per chain stage: whether what takes its output after it hands it its own path's gradient tensor
+  /// (StepContext::residual_grad_shared; empty where not read).
+  std::vector<bool> residual_grad_shared;
 };
 
 /// The StepContext of `readings`: before_saved_bytes (what the part before the chain holds at the chain's

@@ -166,60 +166,26 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:19])
     assert list(old.side_freed_bytes) == [] and list(old.outputs_held_to_end) == [False, True]
-    # An output let go of by what runs between (a residual sum in the model's code): carried, pickled; a state
-    # of 20 fields loads with none let go of.
-    r.between_frees_output = [False, True]
-    c = remat._core.step_context(r)
-    assert list(pickle.loads(pickle.dumps(c)).between_frees_output) == [False, True]
-    old = remat._core.StepContext.__new__(remat._core.StepContext)
-    old.__setstate__(c.__getstate__()[:20])
-    assert list(old.between_frees_output) == [] and list(old.side_freed_bytes) == [0, 32]
-    # The chain's output let go of by the rest's forward: carried, pickled; a state of 21 fields loads with it
-    # not let go of.
-    r.rest_frees_output = True
-    c = remat._core.step_context(r)
-    assert pickle.loads(pickle.dumps(c)).rest_frees_output
-    old = remat._core.StepContext.__new__(remat._core.StepContext)
-    old.__setstate__(c.__getstate__()[:21])
-    assert not old.rest_frees_output and list(old.between_frees_output) == [False, True]
-    # Inputs nothing held past their stage's forward: carried, pickled; a state of 22 fields loads with them held.
-    r.inputs_held_in_forward = [True, False]
-    c = remat._core.step_context(r)
-    assert list(pickle.loads(pickle.dumps(c)).inputs_held_in_forward) == [True, False]
-    old = remat._core.StepContext.__new__(remat._core.StepContext)
-    old.__setstate__(c.__getstate__()[:22])
-    assert list(old.inputs_held_in_forward) == [] and old.rest_frees_output
-    # The layers' output gradient held past the last layer's backward: carried, pickled; a state of 23 fields
-    # loads with it let go of there.
-    r.output_grad_held_in_backward = [False, True]
-    c = remat._core.step_context(r)
-    assert list(pickle.loads(pickle.dumps(c)).output_grad_held_in_backward) == [False, True]
-    old = remat._core.StepContext.__new__(remat._core.StepContext)
-    old.__setstate__(c.__getstate__()[:23])
-    assert list(old.output_grad_held_in_backward) == [] and list(old.inputs_held_in_forward) == [True, False]
-    # Whether the rest takes the last stage's input: carried, pickled; a state of 24 fields loads with it taken.
-    r.rest_takes_last_input = False
-    c = remat._core.step_context(r)
-    assert not pickle.loads(pickle.dumps(c)).rest_takes_last_input
-    old = remat._core.StepContext.__new__(remat._core.StepContext)
-    old.__setstate__(c.__getstate__()[:24])
-    assert old.rest_takes_last_input and list(old.output_grad_held_in_backward) == [False, True]
-    # Whether the last stage's input was let go of in the rest's forward: carried, pickled; a state of 25
-    # fields loads with it held.
-    r.last_input_let_go_in_rest = True
-    c = remat._core.step_context(r)
-    assert pickle.loads(pickle.dumps(c)).last_input_let_go_in_rest
-    old = remat._core.StepContext.__new__(remat._core.StepContext)
-    old.__setstate__(c.__getstate__()[:25])
-    assert not old.last_input_let_go_in_rest and not old.rest_takes_last_input
-    # Whether the residual path hands each output its own gradient: carried, pickled; a state of 26 fields loads
-    # with every one shared (empty).
-    r.residual_grad_shared = [False, True]
-    c = remat._core.step_context(r)
-    assert list(pickle.loads(pickle.dumps(c)).residual_grad_shared) == [False, True]
-    old = remat._core.StepContext.__new__(remat._core.StepContext)
-    old.__setstate__(c.__getstate__()[:26])
-    assert list(old.residual_grad_shared) == [] and old.last_input_let_go_in_rest
+    # Each later field: carried, pickled; a state of the fields before it loads with its default, and the
+    # field before it as set. An output let go of by what runs between (a residual sum in the model's code);
+    # the chain's output let go of by the rest's forward; inputs nothing held past their stage's forward; the
+    # layers' output gradient held past the last layer's backward; whether the rest takes the last stage's
+    # input; whether the last stage's input was let go of in the rest's forward; whether the residual path
+    # hands each output its own gradient.
+    later = [("between_frees_output", [False, True], []), ("rest_frees_output", True, False),
+             ("inputs_held_in_forward", [True, False], []), ("output_grad_held_in_backward", [False, True], []),
+             ("rest_takes_last_input", False, True), ("last_input_let_go_in_rest", True, False),
+             ("residual_grad_shared", [False, True], [])]
+    value = lambda x: list(x) if not isinstance(x, bool) else x  # noqa: E731
+    before = ("side_freed_bytes", [0, 32])
+    for fields, (field, set_to, default) in enumerate(later, start=20):
+        setattr(r, field, set_to)
+        c = remat._core.step_context(r)
+        assert value(getattr(pickle.loads(pickle.dumps(c)), field)) == set_to, field
+        old = remat._core.StepContext.__new__(remat._core.StepContext)
+        old.__setstate__(c.__getstate__()[:fields])
+        assert value(getattr(old, field)) == default and value(getattr(old, before[0])) == before[1], field
+        before = (field, set_to)
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

@@ -59,16 +59,18 @@ def batch(spec, step):
     return dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
-def step(model, spec, k, meter, make_batch=None):
+def step(model, spec, k, meter, make_batch=None, amp=False):
     """Training step k as Trainer runs it: gradients set to none, forward, loss, backward. make_batch(spec, k):
-    the batch (batch() by default)."""
+    the batch (batch() by default). amp: the forward and the loss under CPU bf16 autocast, the backward after
+    the region (as Trainer and PyTorch's autocast guide run it)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1000 + k)
     b = (make_batch or batch)(spec, k)
     base = meter.active()
     meter.reset_peak()
-    out = model(**b)
-    loss = out.loss if spec["loss"] == "lm" else out.last_hidden_state.square().mean()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        out = model(**b)
+        loss = out.loss if spec["loss"] == "lm" else out.last_hidden_state.square().mean()
     loss.backward()
     peak = meter.peak() - base
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
@@ -595,8 +597,7 @@ def test_predictions_hold_within_two_percent_in_fp32_and_cpu_bf16_autocast(amp, 
     spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
 
     def run(model, k):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "bf16"):
-            return step(model, spec, k, meter)
+        return step(model, spec, k, meter, amp=amp == "bf16")
 
     plain_model = make_llama()
     plain = [run(plain_model, k) for k in range(3)]

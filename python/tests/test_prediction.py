@@ -216,12 +216,14 @@ def test_an_autocast_step_is_planned_apart_from_a_float32_one(meter):
 
 class _SumsOutside(torch.nn.Module):
     """Feed-forward layers whose residual sum is the model's (`x = x + layer(x)`): each layer's output is let go
-    of between two layers, where nothing else holds it. With a sigmoid last, a layer's graph saves its output."""
+    of between two layers, where nothing else holds it. With a sigmoid last, a layer's graph saves its output.
+    autocast: its forward under CPU bf16 autocast; aside: it takes a detached copy of each layer's input (another
+    object on its storage) once the layer returned, held to the forward's end."""
 
-    def __init__(self, sigmoid, width=64, depth=4, expand=4, last=None, autocast=False):
+    def __init__(self, sigmoid, width=64, depth=4, expand=4, last=None, autocast=False, aside=False):
         super().__init__()
         torch.manual_seed(0)
-        self.autocast = autocast  # its forward under CPU bf16 autocast
+        self.autocast, self.aside = autocast, aside
         expands = [expand] * depth if isinstance(expand, int) else expand  # per layer: its hidden width's factor
         last = last or (torch.nn.Sigmoid if sigmoid else None)  # a module class ending each layer, or none
         self.layers = torch.nn.ModuleList(
@@ -230,17 +232,15 @@ class _SumsOutside(torch.nn.Module):
             for e in expands)
 
     def forward(self, x):
-        aside = []  # with aside_sums, a detached copy of each layer's input (another object on its storage)
+        aside = []
         with torch.autocast("cpu", dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext():
             for layer in self.layers:
                 y = layer(x)
-                if self.aside_sums:  # taken once the layer returned
+                if self.aside:
                     aside.append(x.detach())
                 x = x + y
                 del y  # (let go of here, as by `x = x + layer(x)`)
         return x
-
-    aside_sums = False
 
 
 def _sums_kept(meter, make, policy, tolerance):
@@ -323,12 +323,8 @@ def test_a_residual_sums_result_its_kept_layer_does_not_save_is_let_go_of_once_i
     # a copy kept aside, another object on the same storage, holds it. Layers ending in a sigmoid, whose graph
     # saves its output, hold that output beside the sum's result, which goes alone. Before (found 2026-12-03),
     # every layer kept was 9.6% below its prediction (the sigmoids', 10.5%).
-    def make():
-        m = _SumsOutside(sigmoid, autocast=True)
-        m.aside_sums = aside  # held to the forward's end: charged through each layer's backward, safe
-        return m
-
-    lp = _sums_kept(meter, make, None, 0.15 if aside else 1e-3)
+    # (Copies held to the forward's end: the inputs charged through each layer's backward, safe.)
+    lp = _sums_kept(meter, lambda: _SumsOutside(sigmoid, autocast=True, aside=aside), None, 0.15 if aside else 1e-3)
     assert list(lp.context.inputs_held_in_forward) == [True, aside, aside, True]
     assert lp.context.last_input_let_go_in_rest is not aside
     assert [st.saves_input for st in lp.chain.stages] == [False] * 4  # the bf16 casts

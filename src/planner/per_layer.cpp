@@ -626,7 +626,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         // At the rest: the last chain stage's input, gone once its forward is done (Point::output_let_go).
         const bool rest_less = p.output_let_go && j + 1 == n;
         const bool dropped = p.output_let_go && !rest_less && ch.kind == OpKind::kForwardAll && !sends_input;
-        const bool in_rest = dropped && j + 2 == n && step->last_in_rest;  // gone once the rest's forward is
+        // The last chain stage's input, let go of once the rest's forward is done rather than its own.
+        const bool in_rest = dropped && j + 2 == n && step->last_in_rest;
         const int64_t dropped_bytes = dropped ? a_in + step->input_extra[static_cast<size_t>(j)] : 0;
         const bool less = dropped || rest_less;
         if (!f.made[input_leaves][gone][twice][less]) {

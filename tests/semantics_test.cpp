@@ -124,6 +124,43 @@ TEST_P(SemanticsTest, AutocastIsReenteredInTheRecompute) {
   EXPECT_FALSE(compat::autocast_enabled(c10::DeviceType::CPU));
 }
 
+// The region runs with autocast's cache off, its forward pass and its recompute: with the backward inside the
+// caller's autocast region, the gradients are the plain run's and nothing is left in the cache once the
+// backward is done. Before (2026-12-03), kReentrant's no-grad forward left a cast of the weight without
+// history there, which the recompute took on LibTorch 1.13: the weight got no gradient at all (PyPI's 2.15
+// makes a new cast); kNonReentrant left the cast held past the backward.
+TEST_P(SemanticsTest, AutocastsCacheIsOffInTheRegionWithTheBackwardInsideTheAutocastRegion) {
+  remat::memory::track_cpu();
+  // Its own weight, not a view of it: autocast caches the casts of leaves that require grad and are no views.
+  const auto w = torch::randn({64, 64}, torch::requires_grad());
+  auto fn = [&](const torch::Tensor& t) { return torch::relu(torch::mm(t, w)); };
+  const auto x = torch::randn({8, 64}, torch::requires_grad());
+  torch::Tensor plain_w, plain_x;
+  for (const bool checkpointed : {false, true}) {
+    w.mutable_grad() = torch::Tensor();
+    x.mutable_grad() = torch::Tensor();
+    const int64_t base = remat::memory::active_bytes();
+    {
+      CpuAutocast ac;
+      torch::Tensor y = checkpointed ? remat::checkpoint(fn, x, opts()) : fn(x);
+      y.to(torch::kFloat).pow(2).sum().backward();
+      y = torch::Tensor();
+      if (checkpointed) {
+        // Inside the region: nothing but the two gradients.
+        EXPECT_EQ(remat::memory::active_bytes() - base, w.nbytes() + x.nbytes());
+      }
+    }
+    ASSERT_TRUE(w.grad().defined()) << checkpointed;
+    if (!checkpointed) {
+      plain_w = w.grad().clone(), plain_x = x.grad().clone();
+      continue;
+    }
+    EXPECT_TRUE(torch::equal(w.grad(), plain_w));
+    EXPECT_TRUE(torch::equal(x.grad(), plain_x));
+  }
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
+}
+
 TEST_P(SemanticsTest, RegionRunWithoutAutocastIsRecomputedWithoutIt) {
   // The opposite case: backward() called inside an autocast region must not recompute in bfloat16 a region
   // whose forward pass ran in float32.

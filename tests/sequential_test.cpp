@@ -1,6 +1,7 @@
 #include <remat/planner/planner.h>
 #include <remat/sequential.h>
 
+#include "autocast.h"
 #include "support.h"
 
 #include <string>
@@ -526,4 +527,53 @@ TEST(Executor, RefusesOptionsItCannotHonour) {
   EXPECT_THROW_WITH(remat::CheckpointedSequential(
                         seq, plan, remat::CheckpointOptions().mode(remat::CheckpointMode::kReentrant)),
                     "remat::CheckpointedSequential", "kReentrant");
+}
+
+namespace {
+// Records whether autocast's cache was on in each forward call; multiplies by its own weight, not a view of
+// it (autocast caches the casts of leaves that require grad and are no views).
+struct CacheProbeImpl : torch::nn::Module {
+  CacheProbeImpl() : w(register_parameter("w", torch::randn({64, 64}))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    cache_on.push_back(at::autocast::is_autocast_cache_enabled());
+    return torch::relu(torch::mm(x, w));
+  }
+  torch::Tensor w;
+  std::vector<bool> cache_on;
+};
+TORCH_MODULE(CacheProbe);
+}  // namespace
+
+// Every stage of a training step runs with autocast's cache off, kept or not, its recompute too, so that none
+// leaves its weights' casts there until the caller's autocast region ends: where the backward runs inside
+// the region, a kept stage's casts would outlive its backward. Before (2026-12-03), the stages ran with the
+// caller's cache: both plans left the two weights' bf16 casts (2 x 8,192 bytes) held after the backward.
+// Under NoGradGuard the stages run with the caller's cache, as they would without remat.
+TEST(Executor, EveryStageOfATrainingStepRunsWithAutocastsCacheOff) {
+  remat::memory::track_cpu();
+  torch::manual_seed(0);
+  torch::nn::Sequential seq{CacheProbe(), CacheProbe()};
+  auto probe = [&](size_t i) { return seq->ptr(i)->as<CacheProbeImpl>(); };
+  const auto x = torch::randn({8, 64});
+  const remat::Chain chain = unit_chain(2);
+  for (const remat::Plan& plan : {remat::no_checkpoint(chain), remat::checkpoint_all(chain)}) {
+    clear_grads(*seq);
+    probe(0)->cache_on.clear(), probe(1)->cache_on.clear();
+    const int64_t base = remat::memory::active_bytes();
+    {
+      remat::testing::CpuAutocast autocast;
+      remat::run_plan(remat::stages_of(seq), plan, x).to(torch::kFloat).sum().backward();
+      // Inside the region: nothing but the weights' gradients is left.
+      EXPECT_EQ(remat::memory::active_bytes() - base, 2 * probe(0)->w.nbytes()) << plan.to_string();
+    }
+    const size_t runs = plan.to_string().find("Fc") == std::string::npos ? 1 : 2;
+    EXPECT_EQ(probe(0)->cache_on, std::vector<bool>(runs, false)) << plan.to_string();
+    EXPECT_EQ(probe(1)->cache_on, std::vector<bool>(runs, false)) << plan.to_string();
+  }
+  probe(0)->cache_on.clear();
+  torch::NoGradGuard no_grad;
+  remat::testing::CpuAutocast autocast;
+  remat::run_plan(remat::stages_of(seq), remat::checkpoint_all(chain), x);
+  EXPECT_EQ(probe(0)->cache_on, std::vector<bool>{true});
+  EXPECT_TRUE(at::autocast::is_autocast_cache_enabled());
 }

@@ -152,6 +152,10 @@ torch::Tensor keep(const std::string& tag, const TensorFn& fn, const torch::Tens
 /// captures by reference must outlive it) and may run twice: once now, once in the backward pass.
 /// Under NoGradGuard, or when nothing requires grad in kNonReentrant mode, it simply runs fn. The recompute
 /// runs under the RNG state (preserve_rng_state) and the autocast state (CPU and CUDA) of the forward pass.
+/// Both run with autocast's cache off (as the Python package's remat.checkpoint): the region's casts of its
+/// weights go with what saves them rather than stay until the caller's autocast region ends, and in
+/// kReentrant mode a cast made by the no-grad forward pass, which has no history, is never handed to the
+/// recompute (on LibTorch 1.13, with the backward inside the region, the weight's gradient was lost).
 /// Throws c10::Error naming remat::checkpoint and the value when inputs is empty or holds an undefined
 /// tensor (before fn runs), when fn returns no tensor or an undefined one, when kReentrant has nothing that
 /// could receive a gradient (no input requires grad and no module in options.modules has a parameter that

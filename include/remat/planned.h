@@ -18,7 +18,8 @@
 /// Every step gives the plain run's loss and gradients and leaves the generators where the plain run does,
 /// the profiling step included: the profiler puts the gradients, the buffers and the generators back as they
 /// were (and profiles with autocast's cache off, so that its inputs' casts are not held to the end of the
-/// caller's autocast region), and that step runs every stage under remat::checkpoint.
+/// caller's autocast region), and that step runs every stage under remat::checkpoint. Every step runs its
+/// stages with autocast's cache off, as the plan executor does (a stage leaves no casts there).
 ///
 /// Stages that take per-step extra tensors (BERT's attention mask) are ArgsStageFns; forward(x, {mask})
 /// hands the same tensors to every stage of that call (recomputations included).

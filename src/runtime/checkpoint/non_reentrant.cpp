@@ -368,6 +368,9 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
 std::vector<at::Tensor> run_non_reentrant(const TensorsFn& fn, const std::vector<at::Tensor>& inputs,
                                           const CheckpointOptions& options) {
   require_engine("remat::checkpoint");
+  // Autocast's cache off for the forward pass and, recorded in its autocast state, the recompute
+  // (AutocastCacheOff): the region's casts go with what saves them.
+  const AutocastCacheOff cache_off;
   auto frame = std::make_shared<Frame>(fn, inputs, options);
   return frame->run_forward(inputs);
 }

@@ -268,6 +268,10 @@ std::vector<at::Tensor> run_reentrant(const TensorsFn& fn, const std::vector<at:
   st->check = options.determinism_check();
   st->params = CheckpointFunction::declared_params(st->modules);
   if (options.preserve_rng_state()) st->rng.begin(st->cuda_devices);
+  // Autocast's cache off for the forward pass and, recorded in its autocast state, the recompute
+  // (AutocastCacheOff): a cast the cache kept from this no-grad forward has no history, and on LibTorch 1.13
+  // a recompute inside the same autocast region took it from the cache, its weight's gradient lost.
+  const AutocastCacheOff cache_off;
   st->autocast = AutocastState::current();
 
   // The forward pass: fn under no-grad (as PyTorch's use_reentrant=True), watched for the tensors it uses.

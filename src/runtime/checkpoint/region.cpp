@@ -206,6 +206,14 @@ AutocastScope::~AutocastScope() {
   apply_autocast(saved_);
 }
 
+AutocastCacheOff::AutocastCacheOff() : was_(at::autocast::is_autocast_cache_enabled()) {
+  at::autocast::set_autocast_cache_enabled(false);
+}
+
+AutocastCacheOff::~AutocastCacheOff() {
+  at::autocast::set_autocast_cache_enabled(was_);
+}
+
 BufferRestore::BufferRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                              bool only_on_unwind)
     : only_on_unwind_(only_on_unwind), uncaught_(std::uncaught_exceptions()) {

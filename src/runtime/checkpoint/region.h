@@ -91,6 +91,23 @@ class AutocastScope {
   bool nested_ = false;
 };
 
+/// While alive: autocast's cache of casts off (new casts not kept, as the Python package's
+/// autocast_cache_off()); on destruction as it was. Both modes' regions (their forward pass and, recorded in
+/// their autocast state, their recompute), the plan executor's stages in a training step, kept or not, and
+/// remat::Planned's profiling run so: a stage would otherwise leave its weights' low-precision casts in the
+/// cache until the caller's autocast region ends (a checkpointed one all of them, a kept one those its graph
+/// does not save, and past its backward those it does where the backward runs inside the region).
+class AutocastCacheOff {
+ public:
+  AutocastCacheOff();
+  ~AutocastCacheOff();
+  AutocastCacheOff(const AutocastCacheOff&) = delete;
+  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
+
+ private:
+  bool was_;
+};
+
 /// The CUDA device indices of the defined CUDA tensors in `tensors`, each once.
 std::vector<c10::DeviceIndex> cuda_devices_of(const std::vector<at::Tensor>& tensors);
 

@@ -31,6 +31,7 @@ namespace remat {
 
 namespace {
 
+using detail::AutocastCacheOff;
 using detail::AutocastState;
 using detail::backward_from;
 using detail::BufferRestore;
@@ -200,6 +201,8 @@ void run_forward(ExecState& st, const Op& op) {
     if (stage.module) modules.push_back(stage.module);
     recompute.emplace(st.rng[i].start, st.cuda_devices, modules, std::vector<at::Tensor>{x}, st.autocast);
   }
+  // Autocast's cache off, kept or not (the Python package's rule: detail::AutocastCacheOff).
+  const AutocastCacheOff cache_off;
 
   at::Tensor out;
   ExecState::Held& next = st.held[i + 1];

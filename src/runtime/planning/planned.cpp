@@ -25,6 +25,7 @@
 #include "remat/planner/step.h"
 #include "remat/profile.h"
 
+#include "checkpoint/region.h"
 #include "detail/compat.h"
 #include "planning/out_of_memory.h"
 
@@ -34,14 +35,6 @@ namespace {
 
 constexpr const char* kWho = "remat::Planned";
 
-// While alive: autocast's cache of casts off (new casts not kept); on destruction as it was.
-struct AutocastCacheOff {
-  const bool was = at::autocast::is_autocast_cache_enabled();
-  AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(false); }
-  ~AutocastCacheOff() { at::autocast::set_autocast_cache_enabled(was); }
-  AutocastCacheOff(const AutocastCacheOff&) = delete;
-  AutocastCacheOff& operator=(const AutocastCacheOff&) = delete;
-};
 using Clock = std::chrono::steady_clock;
 
 // The bytes of the CPU generator's state (what a replay of a stage's draws keeps of it).
@@ -345,7 +338,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
     // The profiler puts gradients, buffers and the generators back, so the step below is the plain run's.
     // Autocast's cache off while it profiles (the Python package's rule too): its inputs are leaves that
     // require grad, whose casts the cache would hold until the caller's autocast region ends.
-    const AutocastCacheOff cache_off;
+    const detail::AutocastCacheOff cache_off;
     const auto t0 = Clock::now();
     shape.chain =
         profile_chain(stages, x,

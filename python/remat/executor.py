@@ -22,7 +22,7 @@ from torch import nn
 
 from . import _core
 from ._state import RestoreBuffers, RngState, each_once
-from .policies import checked_checkpoint, policy_fn
+from .policies import autocast_cache_off, checked_checkpoint, policy_fn
 from .profile import StageFn, input_needs_grad
 
 __all__ = ["run_plan", "CheckpointedSequential"]
@@ -76,7 +76,6 @@ class _Runner:
         return h[1] if h[0] == "plain" else h[2].detach()
 
     def run_forward(self, op):
-        K = _core.OpKind
         i = op.stage
         stage = self.stages[i]
         x = self.value(i).detach()
@@ -91,24 +90,8 @@ class _Runner:
         else:
             self.rng[i] = RngState(self.cuda_devices)
         try:
-            if op.kind in (K.Fa, K.Fk):
-                leaf = x
-                if (x.is_floating_point() or x.is_complex()) and self.input_grads[i]:
-                    leaf = x.detach().requires_grad_(True)
-                with torch.enable_grad():
-                    if op.kind == K.Fk:
-                        out = checked_checkpoint(stage.fn, (leaf,), mods, self.policies[op.policy])
-                    else:
-                        out = stage.fn(leaf)
-                self.check(i, out)
-                self.held[i + 1] = ("abar", leaf, out)
-            else:
-                with torch.no_grad():
-                    out = stage.fn(x)
-                self.check(i, out)
-                self.held[i + 1] = ("plain", out)
-                if op.kind == K.Fn and i > 0 and self.held[i] is not None and self.held[i][0] == "plain":
-                    self.held[i] = None
+            with autocast_cache_off():  # as every layer remat runs
+                self._run_stage(op, i, x, mods)
         finally:
             if restore:
                 restore.__exit__(None, None, None)
@@ -116,6 +99,29 @@ class _Runner:
                 current.restore()
         self.ran[i] = True
         self.calls[i] += 1
+
+    def _run_stage(self, op, i, x, mods):
+        """Stage i's forward as op says, on x (its input, detached); mods: its module, as a list."""
+        K = _core.OpKind
+        stage = self.stages[i]
+        if op.kind in (K.Fa, K.Fk):
+            leaf = x
+            if (x.is_floating_point() or x.is_complex()) and self.input_grads[i]:
+                leaf = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                if op.kind == K.Fk:
+                    out = checked_checkpoint(stage.fn, (leaf,), mods, self.policies[op.policy])
+                else:
+                    out = stage.fn(leaf)
+            self.check(i, out)
+            self.held[i + 1] = ("abar", leaf, out)
+        else:
+            with torch.no_grad():
+                out = stage.fn(x)
+            self.check(i, out)
+            self.held[i + 1] = ("plain", out)
+            if op.kind == K.Fn and i > 0 and self.held[i] is not None and self.held[i][0] == "plain":
+                self.held[i] = None
 
     def check(self, i, out):
         if not isinstance(out, torch.Tensor):

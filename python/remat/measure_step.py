@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import _core, oom
 from .compiled import compiled_call_of, compiled_entry, forced_choice
 from .layer_calls import layer_key, layer_output, taken_tensors
-from .policies import CHECKPOINT, autocast_cache_off, checkpoint_region, run_layer
+from .policies import CHECKPOINT, checkpoint_region, run_layer
 from .profile import StageFn, profile
 from .progress import PhaseTimes, progress_bar
 
@@ -689,10 +689,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             excluded.extend(taken_tensors(f, a))
         bar = progress_bar(f"{lp.who}: profiling")
         times = PhaseTimes(bar)
-        # Autocast's cache off: the profiler's inputs are leaves that require grad, whose casts autocast would
-        # otherwise keep until the caller's autocast region ends (four of the last layer's input in bf16, held
-        # through the rest of the step's forward: what it read the rest to leave held was that much low).
-        with gathered, contextlib.closing(bar), autocast_cache_off():
+        with gathered, contextlib.closing(bar):
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,

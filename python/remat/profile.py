@@ -37,7 +37,7 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
-from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache, checkpoint_region, policy_fn
+from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_region, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -308,23 +308,6 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
             times.setdefault(name, []).append(ms)
         del out, rec
     return [(name, nbytes, _median(times[name])) for name, nbytes in found]
-
-
-def _autocast_cached_bytes(fn, leaf, meter) -> int:
-    """What fn (a stage kept, as the runtime runs it: autocast's cache on) leaves in autocast's cache beside what
-    its graph saves (bytes): the casts of parameters the graph does not save (a Linear's bias; its weight where
-    its input takes no gradient), which the cache holds until the caller's autocast region ends. Run on a view
-    of `leaf` (autocast caches the casts of leaves that require grad, which a layer's input in a step is not),
-    the cache emptied after it (torch.clear_autocast_cache: the profiler runs with it off, so it holds nothing
-    of the stages')."""
-    x = leaf.view_as(leaf)
-    with autocast_cache(True):
-        out = fn(x)
-        held = meter.count()
-        torch.clear_autocast_cache()
-        cached = held - meter.count()
-    del out, x
-    return max(0, cached)
 
 
 def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
@@ -683,7 +666,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         del node, leaf
         return freed < nbytes
 
-    with collector_paused(), Restore(modules, device), \
+    # Autocast's cache off, as the runtime runs every layer (policies.autocast_cache_off); the stages' inputs
+    # here are leaves that require grad, whose casts the cache would otherwise keep until the caller's autocast
+    # region ends (in a profiling step, four bf16 copies of the last layer's input held through the rest of
+    # its forward: what it read the rest to leave held was that much low).
+    with collector_paused(), Restore(modules, device), autocast_cache_off(), \
             contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
             for r in range(warmup + repeats):
@@ -783,13 +770,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["out_freed"] = output_freed_in_backward(i)
                     if measured and not compiled[i]:
                         fields[i]["grad_held"] = grad_held_in_backward(i)
-                    # Under autocast, what the stage kept leaves in autocast's cache (the casts its graph does
-                    # not save), held from its forward until the caller's autocast region ends
-                    # (Stage.autocast_cache_bytes): its forward again, once nothing of the one above is alive.
-                    if measure and not compiled[i] and torch.is_autocast_enabled(device.type):
-                        leaf = leaf_of(i)
-                        fields[i]["cached"] = _autocast_cached_bytes(lambda t, i=i: run_as(i, KEEP, t), leaf, meter)
-                        del leaf
                     report("forward and backward", names[i])
                 # Every stage under torch.utils.checkpoint, then the backward pass through them (what
                 # checkpointing every stage holds); then each stage under each policy, its backward right after
@@ -906,7 +886,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.name = names[i]
         s.output_bytes = f["out"]
         s.saved_bytes = f["saved"]
-        s.autocast_cache_bytes = f.get("cached", 0)
         s.saves_output = f.get("saves_out", True)
         s.saves_input = f.get("saves_in", True)
         s.has_backward = f.get("has_bwd", True)

@@ -463,18 +463,39 @@ class _LogSoftmaxHead(torch.nn.Module):
         return torch.log_softmax(self.head(x), -1).mean()
 
 
-def test_autocasts_cached_casts_of_kept_layers_are_charged(meter):
-    # Under autocast a kept layer leaves in autocast's cache the casts its graph does not save (its Linears'
-    # biases; the first layer's weight too, its input being the model's own, which takes no gradient), held
-    # until the caller's autocast region ends: here past the head's log-softmax, the step's peak. The profiler,
-    # which runs with the cache off, measures them apart and charges them as saved. Before (found 2026-12-03),
-    # this step held 35,328 bytes (0.58%) above its prediction: one bf16 weight and four layers' biases.
+def test_kept_layers_leave_nothing_in_autocasts_cache(meter):
+    # Under autocast a kept layer run with autocast's cache on would leave there the casts its graph does not
+    # save (its Linears' biases; the first layer's weight too, its input being the model's own, which takes no
+    # gradient), held until the caller's autocast region ends: here past the head's log-softmax, the step's peak.
+    # Found 2026-12-03: this step held 35,328 bytes (0.58%) above its prediction, one bf16 weight and four
+    # layers' biases; the profiler then measured them (Stage.autocast_cache_bytes) and the model charged them.
+    # Since, remat runs every layer with the cache off in training, kept too: nothing is left there, nothing is
+    # measured, and the prediction holds without that charge.
     m = _LogSoftmaxHead()
     x = torch.randn(512, 64)
     lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
     _train_with_times(m, x, lp, _kept, autocast=True)
     assert str(lp.plan) == "Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0"
+    assert [st.autocast_cache_bytes for st in lp.chain.stages] == [0] * 4
     assert -0.001 <= lp.prediction_error <= 0, lp.prediction_error
+
+
+def test_layers_run_with_autocasts_cache_off_in_training_only(meter):
+    # Kept or checkpointed, a layer in a training step runs with autocast's cache off; a forward without grad
+    # (generation, evaluation) keeps the caller's cache, whose casts its next calls reuse.
+    m = _LogSoftmaxHead()
+    x = torch.randn(64, 64)
+    lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
+    seen = []
+    m.layers[1].up.register_forward_pre_hook(lambda mod, args: seen.append(torch.is_autocast_cache_enabled()))
+    _train_with_times(m, x, lp, _kept, autocast=True, steps=2)
+    assert str(lp.plan) == "Fa0 Fa1 Fa2 Fa3 L B3 B2 B1 B0"
+    assert seen and not any(seen), seen
+    seen.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m(x)
+    assert seen == [True]
+    assert torch.is_autocast_cache_enabled()
 
 
 def test_the_profilers_casts_are_not_held_through_the_callers_autocast_region(meter):

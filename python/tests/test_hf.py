@@ -583,6 +583,17 @@ def test_compiled_layers_run_a_given_plan_with_a_policy(meter):
     assert got[1][2] < kept[2]
 
 
+# The prediction tests' Llama (hidden 128) and batch.
+_PREDICTION_SPEC = dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+
+def _prediction_llama():
+    torch.manual_seed(0)
+    m, _ = llama(hidden=128)
+    m.train()
+    return m
+
+
 @pytest.mark.parametrize("amp", ["fp32", "bf16"])
 def test_predictions_hold_within_two_percent_in_fp32_and_cpu_bf16_autocast(amp, meter):
     # Issue 45: a Llama planned between Hugging Face's per-layer peak and the plain peak came in 2.6-6.9% below
@@ -591,13 +602,7 @@ def test_predictions_hold_within_two_percent_in_fp32_and_cpu_bf16_autocast(amp, 
     # and its peak comes before the last of them (Stage::bwd_grads_tmp_bytes, measured). Under autocast a
     # checkpointed layer runs with autocast's weight cache off (its recompute too), so that it does not hold its
     # weights' bf16 copies until the autocast region ends. Every step is the plain run's, bitwise.
-    def make_llama():
-        torch.manual_seed(0)
-        m, _ = llama(hidden=128)
-        m.train()
-        return m
-
-    spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
+    make_llama, spec = _prediction_llama, _PREDICTION_SPEC
 
     def run(model, k):
         return step(model, spec, k, meter, amp=amp == "bf16")
@@ -639,13 +644,7 @@ def test_a_backward_inside_the_autocast_region_holds_no_kept_layers_casts(meter)
     # checkpointing the first three layers and keeping the last held 491,520 bytes (6.0%) above the prediction,
     # the last layer's weights through the other layers' backward passes.
 
-    def make_llama():
-        torch.manual_seed(0)
-        m, _ = llama(hidden=128)
-        m.train()
-        return m
-
-    spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
+    make_llama, spec = _prediction_llama, _PREDICTION_SPEC
 
     def run(model, k):
         return step(model, spec, k, meter, amp=True, backward_inside=True)

@@ -12,9 +12,9 @@
 /// plan up to the loss, its backward replays the rest (recomputations, then each stage's backward with a
 /// nested autograd call). Each stage replays the RNG state of its first run (dropout masks match), and module
 /// buffers are restored after every later run (BatchNorm is updated once). Every stage runs with autocast's
-/// cache off, so that none leaves its weights' casts there until the caller's autocast region ends (the
-/// values are the same; a weight used twice in one run is cast twice). It works under backward() and
-/// torch::autograd::grad, with retain_graph.
+/// cache off (outside NoGradGuard: under it the stages run as they are), so that none leaves its weights'
+/// casts there until the caller's autocast region ends (the values are the same; a weight used twice in one
+/// run is cast twice). It works under backward() and torch::autograd::grad, with retain_graph.
 
 #include <remat/checkpoint.h>
 #include <remat/offload.h>

@@ -344,8 +344,8 @@ class _PostNorm(torch.nn.Module):
 
 class _CastHead(torch.nn.Module):
     """_PostNorm layers whose output a Linear head takes: under autocast the head saves a bf16 cast of it and
-    lets go of the fp32 output, as BERT's head does. Its Linears have no biases, so that autocast's cache holds
-    nothing the graph does not save (with an input that takes a gradient: Stage.autocast_cache_bytes 0)."""
+    lets go of the fp32 output, as BERT's head does. Its Linears have no biases: written when a kept layer left
+    its biases' casts in autocast's cache (Stage.autocast_cache_bytes); since 2026-12-03 no layer leaves any."""
 
     def __init__(self, width=64, depth=4):
         super().__init__()

@@ -948,15 +948,19 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
             if o is not None and o.i == i + 1:
                 step.note_side_freed(None)  # what it freed of side_bytes is in its reading
                 held = meter.count() - o.at
-                # The boundary's gradient: the input's, if it was freed here, is the model's until now...
+                last = step.out_refs[i]
+                # The boundary's gradient: the input's, if it was freed here, is the model's until now, at the
+                # bytes of the last layer's output (the chain's a_i; one made larger by what ran between, as a
+                # residual sum's fp32 gradient of a bf16 output that nothing before the layers takes, held the
+                # rest as what ran between: counted back whole, the first layer's backward was charged that
+                # rest again, 2.5% high)...
                 dx_freed = o.g_ref is not None and o.g_ref.expired()
                 if dx_freed:
-                    held += o.g_bytes
+                    held += min(o.g_bytes, last.nbytes)
                 # ...and the output's, made here, is the model's from now on.
                 if dx_freed or storage_key(g) != o.g_key:
                     held -= storage_bytes(g)
                 # The last layer's output, freed here (by what saved it), the model frees at that layer's backward.
-                last = step.out_refs[i]
                 if o.out_alive and last.ref is not None and last.ref.expired():
                     held += last.nbytes
                 # This layer's input, which its backward freed, the model holds until here; where what ran between

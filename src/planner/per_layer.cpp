@@ -651,9 +651,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         q.transfer_ms = p.transfer_ms + wait;
         q.held = p_held - p.pending + ch.held + f.past - (in_rest ? 0 : dropped_bytes);
         // Whether the next stage may let go of this one's output once its forward is done: this way does not
-        // hold it.
-        // (Or holds it beside the next stage's input made from it, f.past: a residual sum's result, which
-        // goes alone.)
+        // hold it, or holds it beside the next stage's input made from it (f.past: a residual sum's result,
+        // which goes alone).
         q.output_let_go = (step && j + 1 < n && step->input_let_go[static_cast<size_t>(j) + 1] &&
                            (ch.kind == OpKind::kForwardCheckpoint || f.past > 0 ||
                             detail::way_leaves_output(

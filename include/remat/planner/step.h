@@ -136,7 +136,9 @@ struct StepContext {
   /// chain's output) to the step's end. The Python package reads each output's storage's liveness at the end
   /// of the profiling step's backward pass (the last stage's too: the caller's last_hidden_state; and one the
   /// later stages take beside their input, such as BART's encoder output, of which side_bytes then charge the
-  /// gradient alone); remat::Planned does not read it. Empty (nothing held), or one entry per stage.
+  /// gradient alone); remat::Planned reads the last entry (the caller's: a C++ temporary,
+  /// `model->forward(x).square().mean().backward()`, holds forward()'s result to the step's end), the others
+  /// false. Empty (nothing held), or one entry per stage.
   std::vector<bool> outputs_held_to_end;
   /// What a stage run by a way that recomputes (Fc, a group assignment), or whose forward the plan runs more
   /// than once (Fn before a later forward), holds beside its input from its first forward until its backward

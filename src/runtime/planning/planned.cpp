@@ -374,6 +374,7 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   // nothing else (the caller) held it (StepReadings::output_freed_bytes).
   const c10::weak_intrusive_ptr<c10::StorageImpl> out_storage = out.storage().getWeakStorageImpl();
   const int64_t out_bytes = static_cast<int64_t>(out.storage().nbytes());
+  const size_t stages_n = stages.size();
   out.register_hook([=](const torch::Tensor& g) {
     sync();
     readings->rest_ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -385,19 +386,28 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
     *measured = RestOfStep{rest->peak_over_base(), readings->rest_ms};
     // At the end of the user's backward pass: the step's peak, and that of what ran before the stages.
     std::shared_ptr<CallState> self = call;
-    torch::autograd::Engine::get_default_engine().queue_callback([readings, step, after, done, self, device] {
-      auto finish = [readings, step, after, done] {
-        readings->step_peak = step->peak_over_base();
-        if (*after)
-          readings->peak_after_chain_backward =
-              step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
-        *done = *readings;
-      };
-      // A call inside this step has its backward pass still to come: its peak, after the stages' backward
-      // pass, is this step's too (charged as the peak after the chain's backward pass).
-      if (open_inside(*self) && !*after) *after = std::make_unique<memory::PeakWindow>(device);
-      after_inside(self, finish);
-    });
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [readings, step, after, done, self, device, out_storage, stages_n] {
+          auto finish = [readings, step, after, done, out_storage, stages_n] {
+            readings->step_peak = step->peak_over_base();
+            // Whether the caller still holds the stages' output at the step's end (StepReadings::
+            // outputs_held_to_end, its last entry; the runtime holds no other stage's output past its
+            // backward): a C++ temporary does, `model->forward(x).square().mean().backward()` keeping the
+            // forward's result until the full expression ends. Before (found 2026-12-03), it was not read:
+            // such a step held that output above its prediction from the last stage's backward on (one hidden
+            // state, 1.5%, on a small BertModel whose peak was a recompute).
+            readings->outputs_held_to_end.assign(stages_n, false);
+            readings->outputs_held_to_end.back() = !out_storage.expired();
+            if (*after)
+              readings->peak_after_chain_backward =
+                  step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
+            *done = *readings;
+          };
+          // A call inside this step has its backward pass still to come: its peak, after the stages' backward
+          // pass, is this step's too (charged as the peak after the chain's backward pass).
+          if (open_inside(*self) && !*after) *after = std::make_unique<memory::PeakWindow>(device);
+          after_inside(self, finish);
+        });
     return g;
   });
   if (x.requires_grad() && x.grad_fn()) {

@@ -175,11 +175,14 @@ struct Search {
         t.grad = i;
         if ((t.held[i] == 1 || t.held[i] == 3) && i > 0) t.held[i] = 0;
         // Under a policy whose backward's peak was measured, that peak above what it keeps; else the rest
-        // recomputed and Fa's backward transient.
+        // recomputed and Fa's backward transient; with the keep tags, or the recompute of the rest with Fa's
+        // forward transient where that is more.
         const bool measured = kept && v >= 1 && st.policies[v - 1].bwd_tmp_bytes.has_value();
         const int64_t rest = kept ? std::max<int64_t>(0, st.saved_bytes - kept_bytes(i, v)) : 0;
+        const int64_t after =
+            kept && v == 0 ? std::max(a(i) + st.bwd_tmp_bytes, st.fwd_tmp_bytes) : a(i) + st.bwd_tmp_bytes;
         visit("B" + std::to_string(i),
-              cur + a(i) + (measured ? *st.policies[v - 1].bwd_tmp_bytes : rest + st.bwd_tmp_bytes),
+              cur + (measured ? a(i) + *st.policies[v - 1].bwd_tmp_bytes : rest + after),
               kept ? kept_bwd(i, v) : st.bwd_ms, t);
       }
     }

@@ -101,12 +101,15 @@ struct Sizes {
     return std::max(x[t + 1] + xb[s + 1] + ft[s], xb[s + 1] + x[s + 1] + x[s] + bt[s]);
   }
   // Option K at s with variant v (stage s has it): Fk(s) with d_{t+1} held, and B(s) at the end, which
-  // recomputes the rest of abar_{s+1} first (so its peak is option A's, or what the policy's backward was
-  // measured to hold beyond what it keeps).
+  // recomputes the rest of abar_{s+1} first (so its peak is option A's or that recompute's, or what the
+  // policy's backward was measured to hold beyond what it keeps).
   T keep_some_need(int64_t v, int64_t s, int64_t t) const {
-    // (What a policy keeps may exceed what Fa does: then that, and nothing recomputed.)
+    // (What a policy keeps may exceed what Fa does: then that, and nothing recomputed.) With the keep tags
+    // (v = 0), the larger of the backward and the recompute before it, which makes the rest as Fa's forward
+    // did (simulate()'s rule).
+    const T after = v == 0 ? std::max(x[s] + bt[s], ft[s]) : x[s] + bt[s];
     const T backward = hpb[v][s] ? xk[v][s + 1] + x[s + 1] + x[s] + pb[v][s]
-                                 : std::max(xb[s + 1], xk[v][s + 1]) + x[s + 1] + x[s] + bt[s];
+                                 : std::max(xb[s + 1], xk[v][s + 1]) + x[s + 1] + after;
     // Its forward: what it keeps plus Stage::keep_fwd_tmp_bytes(), from the sizes in slots.
     return std::max(
         x[t + 1] + xk[v][s + 1] + std::max(T(0), std::min(nt[s], xb[s + 1] - xk[v][s + 1] + ft[s])),

@@ -318,10 +318,14 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state + cached + pass_state;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
+  // With keep tags or a group assignment: the larger of its backward and the recompute before it, which makes
+  // what it did not keep as its forward did (simulate()'s rule).
+  const bool keeps = c.kind == OpKind::kForwardKeep && !policy;
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   bwd += twice;  // the backward's, not the recompute's below
+  if (keeps) bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_bwd);
   // Its output, which the runtime lets go of as its backward begins, held through it by something else
   // (kept: step_op_peaks()'s rule).
   if (step && step->held_past_runtime[static_cast<size_t>(j)])

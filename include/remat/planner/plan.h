@@ -25,7 +25,10 @@
 /// - B(i), backward: needs abar_{i+1}, d_{i+1} and a_i (or abar_i); peak = resident + d_i + bwd_tmp_i;
 ///   afterwards abar_{i+1} and d_{i+1} are freed, and a_i too if it was held as a plain a_i (never a_0).
 ///   After Fk(i), B(i) first recomputes the rest of abar_{i+1}: peak = resident + (saved_bytes_{i+1} -
-///   keep_saved_bytes_{i+1}) + d_i + bwd_tmp_i, time keep_bwd_ms (recompute and backward) instead of bwd_ms.
+///   keep_saved_bytes_{i+1}) + max(d_i + bwd_tmp_i, fwd_tmp_i) (the recompute holds its forward's transient,
+///   the backward d_i and its own; the larger since 2026-12-03), time keep_bwd_ms (recompute and backward)
+///   instead of bwd_ms. A group assignment (Fk(i){khr}) the same, with what it keeps and sends for
+///   keep_saved_bytes.
 /// Time is the sum over every forward that runs (recomputations count each time) of its cost, fwd_ms for Fa
 /// and Stage::nosave_ms() (fwd_nosave_ms, which the profiler measures under no-grad) for Fn and Fc, plus the
 /// sum of bwd_ms.

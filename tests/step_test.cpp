@@ -3287,10 +3287,10 @@ TEST(PerLayerStream, AnOutputItsGraphLetsGoOfEarlyInItsBackwardIsChargedSo) {
 // that stage's backward begins, and its profiler measures each backward so; where something else holds the
 // output through it (the rest of the step, for the last stage: a loss that saves its input), the backward
 // is charged back what holding it adds: run as Fa, Stage::bwd_output_freed_bytes (the drop the C++ profiler
-// measures); under a policy, the output's bytes (unmeasured: at most that); checkpointed, its output, which
-// the runtime's recompute makes anew beside the one held, from that recompute on. Before (found 2026-12-03),
-// nothing was: BertModel's planned steps held one hidden state above their prediction (1.0-1.7%) at the
-// last layer's backward under every plan that kept or checkpointed that layer.
+// measures); under a policy, offloaded or streamed, the output's bytes (unmeasured: at most that);
+// checkpointed, its output, which the runtime's recompute makes anew beside the one held, from that recompute
+// on. Before (found 2026-12-03), nothing was: BertModel's planned steps held one hidden state above their
+// prediction (1.0-1.7%) at the last layer's backward under every plan that kept or checkpointed that layer.
 TEST(Step, WhatHoldsAnOutputTheRuntimeLetsGoOfInItsBackwardIsChargedThere) {
   Chain c = unsaved_outputs_chain(3, 2);
   c.holds_outputs = true;
@@ -3315,9 +3315,9 @@ TEST(Step, WhatHoldsAnOutputTheRuntimeLetsGoOfInItsBackwardIsChargedThere) {
   remat::StepContext held_to_end = held, let_go_to_end = let_go;
   held_to_end.outputs_held_to_end = let_go_to_end.outputs_held_to_end = {false, false, true};
   EXPECT_EQ(lowered_at(c, held_to_end, let_go_to_end, "Fa0 Fa1 Fc2 L Fa2 B2 B1 B0"), "");
-  // Not offloaded ways (not measured), nor the keep tags' or a stage before the last (nothing holds its
-  // output then but the runtime, unless something holds it to the step's end).
-  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2@host L B2 B1 B0"), "");
+  // Offloaded or streamed (no drop measured): the output's bytes, as under a policy. Not a stage before the
+  // last (nothing holds its output then but the runtime, unless something holds it to the step's end).
+  EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2@host L B2 B1 B0"), "B2:1000 ");
   c.stages[1].bwd_output_freed_bytes = 200;
   EXPECT_EQ(lowered_at(c, held, let_go, "Fa0 Fa1 Fa2 L B2 B1 B0"), "B2:300 ");
   // Stage 1's output held to the step's end: its drop charged at its backward (against the same chain

@@ -301,6 +301,12 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                             : 0;
   const int64_t gone =
       step && step->output_unheld[static_cast<size_t>(j)] && !checkpointed ? (unsaved ? a_out : early) : 0;
+  // Its output, which the runtime lets go of as its backward begins, held through it by something else
+  // (step_op_peaks()'s rule).
+  const int64_t held_back =
+      step && step->held_past_runtime[static_cast<size_t>(j)]
+          ? detail::output_held_back_bytes(s, c.kind, !c.groups.empty(), c.offload || c.stream)
+          : 0;
   if (c.stream) {
     // Streamed (see simulate()): its measured peaks, each with its window beside it (the forward's, only what
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
@@ -309,7 +315,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     return std::max(
         {o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window) + cached + pass_state,
          a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice -
-             dropped,
+             dropped + held_back,
          between});
   }
   // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
@@ -326,11 +332,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   bwd += twice;  // the backward's, not the recompute's below
   if (keeps) bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_bwd);
-  // Its output, which the runtime lets go of as its backward begins, held through it by something else
-  // (kept: step_op_peaks()'s rule).
-  if (step && step->held_past_runtime[static_cast<size_t>(j)])
-    bwd +=
-        detail::output_held_back_bytes(s, c.kind, !c.groups.empty(), c.offload || c.stream, policy_of(s, c));
+  bwd += held_back;
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save,
     // and one it saves only until its graph lets go of it (step_op_peaks()'s rule); the recompute itself is

@@ -345,11 +345,10 @@ bool output_held_past_runtime(const Chain& chain, const StepContext& context, in
          (j + 1 == chain.size() && context.output_held_in_backward);
 }
 
-int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded,
-                               const PolicyCost* policy) {
-  if (groups || offloaded) return 0;
-  if (kind == OpKind::kForwardAll) return s.bwd_output_freed_bytes;
-  return kind == OpKind::kForwardKeep && policy ? s.output_bytes : 0;
+int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded) {
+  if (kind == OpKind::kForwardAll && !groups && !offloaded) return s.bwd_output_freed_bytes;
+  // Not measured (a policy, the keep tags, a group assignment, offloaded or streamed): at most the output.
+  return kind == OpKind::kForwardAll || kind == OpKind::kForwardKeep ? s.output_bytes : 0;
 }
 
 int64_t forward_pass_state_bytes(const Chain& chain, const StepContext& context) {
@@ -547,7 +546,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       held_back[static_cast<size_t>(op.stage)] =
           output_held_past_runtime(chain, context, in_chain.stage)
               ? output_held_back_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
-                                       !op.groups.empty(), op.offloads(), way_policy(chain, ops, in_chain))
+                                       !op.groups.empty(), op.offloads())
               : 0;
       // Before the loss: what its way holds beside the next stage's input, where what runs between lets go of
       // its output, once this forward is done (its last forward so far decides).

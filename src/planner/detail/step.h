@@ -109,17 +109,18 @@ int64_t output_freed_in_backward_bytes(const Stage& s, OpKind kind, bool groups,
 bool output_held_past_runtime(const Chain& chain, const StepContext& context, int64_t j);
 
 // What the backward of stage `s` run as `kind` (`groups`: a group assignment; `offloaded`: offloaded or
-// streamed; `policy`: its policy's cost, or null) holds beyond its measured peak where
-// output_held_past_runtime(): kept as Fa, Stage::bwd_output_freed_bytes (how much lower the runtime's run,
-// which lets go of the output, peaks than one that holds it through); under a policy, its output's bytes (the
-// C++ profiler measures no policy's drop: at most that); 0 otherwise (Fc and Fn, whose recompute makes an
-// output of its own that the runtime lets go of; the keep tags, a group assignment, offloaded or streamed
-// ways: not measured). The one rule of step_op_peaks() and the per-layer program, charged where the stage's
-// forward ran once. Before (found 2026-12-03) it was not charged: BertModel's planned steps, whose layers end
-// in a LayerNorm that does not save its output, held one hidden state above their prediction (1.0-1.5%) at
-// the last layer's backward, under every plan that kept that layer, with the matmuls policy or without.
-int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded,
-                               const PolicyCost* policy);
+// streamed) holds beyond its measured peak where output_held_past_runtime(): kept as Fa, not offloaded,
+// Stage::bwd_output_freed_bytes (how much lower the runtime's run, which lets go of the output, peaks than
+// one that holds it through); under a policy, the keep tags or a group assignment, and offloaded or streamed,
+// its output's bytes (the C++ profiler measures no drop for those: at most that); 0 for Fc and Fn (whose
+// recompute makes an output of its own that the runtime lets go of). The one rule of step_op_peaks() and the
+// per-layer program, charged where the stage's forward ran once. Before (found 2026-12-03) it was not
+// charged: BertModel's planned steps, whose layers end in a LayerNorm that does not save its output, held one
+// hidden state above their prediction (1.0-1.5%) at the last layer's backward, under every plan that kept
+// that layer, with the matmuls policy or without; and until later that day, not for the keep tags, group
+// assignments, offloaded or streamed ways: a BertModel whose last layer was streamed held one hidden state
+// above its prediction in its backward pass where the caller's temporary held the output.
+int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded);
 
 // What a runtime that holds outputs (Chain::holds_outputs: the C++ executor) holds beside the stages through
 // the chain's forward pass before the loss: the generators' state it takes as the pass begins, to put them

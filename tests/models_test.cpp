@@ -5,7 +5,6 @@
 #include <remat/offload.h>
 #include <remat/planner/planner.h>
 #include <remat/profile.h>
-#include <sstream>
 
 #include "support.h"
 
@@ -177,15 +176,12 @@ TEST_F(ModelsTest, BertLayersUnderAGroupAssignmentAreChargedTheirRecompute) {
       stages, in.ids, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(4096).groups(true));
   const torch::Tensor weight = torch::randn({4, 64, 64});
   // The step's peak less the plan's predicted peak (bytes); each Fk recomputes every group of its layer.
-  auto above = [&](const std::string& text) {
-    std::string full;
-    std::istringstream words(text);
-    for (std::string w; words >> w;) {
-      if (w.rfind("Fk", 0) == 0)
-        w += "{" + std::string(chain.stages[std::stoul(w.substr(2))].groups.size(), 'r') + "}";
-      full += (full.empty() ? "" : " ") + w;
+  auto above = [&](const char* text) {
+    remat::Plan plan = remat::testing::plan_of_text(chain.size(), text);
+    for (auto& op : plan.ops) {
+      if (op.kind == remat::OpKind::kForwardKeep)
+        op.groups = std::string(chain.stages[static_cast<size_t>(op.stage)].groups.size(), 'r');
     }
-    remat::Plan plan = remat::testing::plan_of_text(chain.size(), full);
     remat::testing::name_groups_and_windows(plan, chain);
     for (auto& p : bert->parameters())
       p.mutable_grad() = torch::zeros_like(p);  // allocated before, as a chain counts no parameter gradient
@@ -196,9 +192,9 @@ TEST_F(ModelsTest, BertLayersUnderAGroupAssignmentAreChargedTheirRecompute) {
     return held - remat::simulate(chain, plan).peak_bytes;
   };
   const int64_t checkpointed = above("Fc0 Fc1 Fc2 Fc3 Fa4 L B4 Fa3 B3 Fa2 B2 Fa1 B1 Fa0 B0");
-  for (const char* text :
-       {"Fc0 Fc1 Fc2 Fc3 Fk4 L B4 Fa3 B3 Fa2 B2 Fa1 B1 Fa0 B0", "Fa0 Fk1 Fk2 Fk3 Fk4 L B4 B3 B2 B1 B0",
-        "Fa0 Fc1 Fk2 Fc3 Fk4 L B4 Fa3 B3 B2 Fa1 B1 B0"}) {
+  for (const char* text : {"Fc0 Fc1 Fc2 Fc3 Fk4{r} L B4 Fa3 B3 Fa2 B2 Fa1 B1 Fa0 B0",
+                           "Fa0 Fk1{r} Fk2{r} Fk3{r} Fk4{r} L B4 B3 B2 B1 B0",
+                           "Fa0 Fc1 Fk2{r} Fc3 Fk4{r} L B4 Fa3 B3 B2 Fa1 B1 B0"}) {
     const int64_t got = above(text);
     EXPECT_LE(got, checkpointed + 1024) << text;
     EXPECT_GE(got, checkpointed - 1024) << text;

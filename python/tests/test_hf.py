@@ -21,6 +21,9 @@ from conftest import give_plan, per_layer_ops  # noqa: E402
 # The measured peak above the prediction, at most (a share of the prediction): the profile's transients are
 # measured once per layer and the rest of the step at its first run.
 TOLERANCE = 0.05
+# transformers 4.x (scripts/hf-versions runs these tests on 4.53.3): a few exact figures differ there, each
+# stated where it is asserted (docs/testing.md).
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
 
 
 def bert():
@@ -1114,7 +1117,11 @@ def test_a_first_layer_that_does_not_send_its_input_is_charged_it_streamed_or_no
 
     assert peak("Fa0@stream0") == peak("Fa0@host") == peak("Fa0")
     got = max(step(model, spec, k, meter)[2] for k in (1, 2))
-    assert got <= lp.predicted_peak_bytes <= got * 1.001, (lp.choices, got, lp.predicted_peak_bytes)
+    # transformers 4.x makes a causal mask before the layers (64 x 64 in fp32), which the model's forward lets go
+    # of when it returns: read as held by the part before the layers (before_saved_bytes) and charged to the
+    # step's end, where the peak is (16 KiB high, 0.12%; not read, a limit of 4.x only).
+    slack = 64 * 64 * 4 if TRANSFORMERS_4 else 0
+    assert got <= lp.predicted_peak_bytes <= got * 1.001 + slack, (lp.choices, got, lp.predicted_peak_bytes)
 
 
 def test_what_the_rest_lets_go_of_from_before_the_layers_is_read_as_let_go_of(meter):

@@ -394,6 +394,57 @@ def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
         assert 0.995 * predicted <= got[2] <= predicted, (how, got[2], predicted)
 
 
+@pytest.mark.parametrize("experts", ["eager", None])
+def test_mixture_of_experts_layers_routed_differently_each_step_give_the_plain_run(experts, meter):
+    # A Mixtral (router jitter noise: a random draw in each layer's forward) whose experts run as transformers'
+    # eager loop, one call per expert hit, so that what a layer calls and saves follows each step's routing, or
+    # as transformers' default (grouped_mm where it can dispatch: every expert in one call). Each way of running
+    # a layer (planned at the least budget, its groups recomputed, kept and sent, streamed, its matmuls on the
+    # host) gives the plain run's steps: the recompute replays the step's own draw and routing, whatever the
+    # profiling step's were; each peak within TOLERANCE of its prediction.
+    hit = []
+
+    def make_moe():
+        torch.manual_seed(0)
+        cfg = transformers.MixtralConfig(vocab_size=1000, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=16,
+                                         num_experts_per_tok=2, router_jitter_noise=0.1, max_position_embeddings=128,
+                                         experts_implementation=experts)
+        model = transformers.MixtralForCausalLM(cfg).train()
+        for layer in model.model.layers:  # the experts hit by each call of a layer's forward, the recompute's too
+            moe = getattr(layer, "mlp", None) or layer.block_sparse_moe  # (transformers 4.x's name)
+            moe.gate.register_forward_hook(lambda _, args, out: hit.append(int(torch.bincount(
+                (out[2] if isinstance(out, tuple) else out.topk(2).indices).flatten(), minlength=16).gt(0).sum())))
+        return model
+
+    spec = dict(batch=2, seq=16, vocab=1000, loss="lm")
+    plain = make_moe()
+    want = [step(plain, spec, k, meter) for k in range(3)]
+    model = make_moe()
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=1 << 10, groups=True)
+    hit.clear()
+    same(want[0], step(model, spec, 0, meter))
+    profiled = list(hit)
+    n = len(lp.chain.stages)
+    assert all(len(st.groups) > 0 for st in lp.chain.stages)
+    ways = [None,  # the planner's own, at the least budget
+            [f"Fk{i}{{{('rkh' * 10)[:len(lp.chain.stages[i].groups)]}}}" for i in range(n)],
+            [f"Fa{i}@stream" for i in range(n)], [f"Fk{i}[matmuls]@host" for i in range(n)]]
+    for way in ways:
+        if way is None:
+            lp.set_budget(lp.min_budget_bytes)
+            predicted = lp.predicted_peak_bytes
+        else:
+            predicted = give_plan(lp, way + ["L"] + [f"B{i}" for i in reversed(range(n))])[1]
+        for k in (1, 2):
+            hit.clear()
+            got = step(model, spec, k, meter)
+            same(want[k], got)
+            assert got[2] <= predicted * (1 + TOLERANCE), (str(lp.plan), got[2], predicted)
+            if experts == "eager":  # each layer's routing differs from the profiling step's
+                assert hit[:n] != profiled[:n], (hit, profiled)
+
+
 def test_bad_budgets_and_models_are_refused():
     model, _ = make("bert")
     with pytest.raises(ValueError, match="positive"):

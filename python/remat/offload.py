@@ -437,6 +437,12 @@ class Offload:
         if entry is not None and (entry.storage is None or entry.storage.expired()):
             # Another storage at a freed one's address (the allocator reuses it): not the same bytes.
             entry = None
+        if entry is not None and entry.handles <= 0:
+            # Saved before by an operator whose graph is gone (dropped in the forward, its host block back in the
+            # pool), the entry still alive while its copy was in flight: its bytes are nowhere now. Before (found
+            # 2026-12-04) it was taken again, and the unpack found neither a host copy nor a device tensor (an
+            # AttributeError with copies landing late: a DeepSeek-V3 layer streamed).
+            entry = None
         if entry is None:
             block = self.pool.take(t.nbytes)
             if block is None:
@@ -551,6 +557,9 @@ class Offload:
             # there since: the values saved are gone.
             if saved_as is None:
                 return  # a prefetch: the unpack raises
+            if entry.held_by is None:  # not reached: a saved tensor's bytes kept nowhere
+                raise RuntimeError(f"remat.offload: a tensor saved for backward ({entry.nbytes} bytes) is neither "
+                                   "on the host nor on the device; this is remat's error, please report it")
             raise modified_error(entry.held_by, saved_as, version_of(entry.held_by), "remat.offload")
         host = entry.block[: entry.nbytes]
         out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)

@@ -2,6 +2,7 @@
 meter counts the device's tensors): every step bitwise the plain run's, the bytes that left the device exact,
 copies delayed by a fake engine read only once landed, checkpointed layers' inputs offloaded, the pool's
 bound, a second backward pass."""
+import contextlib
 import copy
 import gc
 import json
@@ -278,6 +279,35 @@ def test_an_in_place_write_during_a_copy_is_an_error_not_a_wrong_gradient():
     with pytest.raises(RuntimeError, match=r"modified by an in-place operation while its copy to the host"):
         step(late)
 
+
+
+@pytest.mark.parametrize("delay", [0, 100])
+def test_a_tensor_saved_again_after_its_first_savers_graph_is_gone_comes_back(delay):
+    # A tensor saved by an operator whose graph the forward then drops (an output nobody keeps), and saved again by
+    # a later one: the first save's host block went back to the pool with its graph. With the copy still in flight
+    # the first entry was alive (the copies in flight hold it) and was taken for the second save: its unpack found
+    # its bytes neither on the host nor on the device (an AttributeError with late copies, found 2026-12-04 on a
+    # streamed DeepSeek-V3 layer). The gradient is the plain run's, at once and with late copies.
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.randn(256, 256, requires_grad=True)
+
+    def step(o):
+        x.grad = w.grad = None
+        with o:
+            h = x @ w
+            dropped = h.sin()  # saves h; its graph goes with it
+            del dropped
+            y = h.cos()  # saves h again: the same bytes, the same version
+            del h
+        y.sum().backward()
+        return x.grad.clone(), w.grad.clone()
+
+    want = step(contextlib.nullcontext())
+    o = offload(min_bytes=0, engine=CopyEngine(torch.device("cpu"), delay=delay))
+    got = step(o)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    # x and w (the matmul's), h twice (an entry each); back: the second h (x and w found where they are)
+    assert (o.offloaded, o.brought_back) == (4, 1), (o.offloaded, o.brought_back)
 
 def test_an_offload_entered_every_step_forgets_what_autograd_dropped(x):
     # One Offload reused across steps keeps no bookkeeping of the steps before (it would grow with them).

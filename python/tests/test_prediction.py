@@ -3,6 +3,7 @@ beyond remat.PREDICTION_TOLERANCE, and replan_on_overshoot, which plans again be
 held above its prediction, once per input shape. The profile is made wrong on purpose (its stages' saved bytes
 scaled) so that the model misses by a known share."""
 import contextlib
+import json
 import warnings
 
 import pytest
@@ -407,7 +408,15 @@ def test_a_rest_that_lets_go_of_the_output_without_taking_the_last_input_holds_n
     assert lp._last.chain.stages[-1].bwd_grad_held_bytes == lp._last.chain.stages[-1].output_bytes
     taken = remat.StepContext.__new__(remat.StepContext)
     taken.__setstate__(ctx.__getstate__()[:24])  # the reading's default: taken
-    assert remat.step_peak_bytes(lp.chain, taken, lp.plan) > lp.predicted_peak_bytes
+    # The last layer's backward is charged more so. (Not the step's peak where the rest's is higher: on some
+    # CPUs the head's backward peaks above it, and the whole step's figures were equal there.)
+
+    def last_backward(c):
+        points = json.loads(remat._core.step_timeline_json(lp.chain, c, lp.plan, 0))["points"]
+        return next(p["peak_bytes"] for p in points if p["op"] == "B3")
+
+    assert last_backward(taken) > last_backward(ctx)
+    assert remat.step_peak_bytes(lp.chain, taken, lp.plan) >= lp.predicted_peak_bytes
 
 
 def test_a_policy_that_keeps_no_output_of_its_layer_leaves_it_gone_by_its_backward(meter):

@@ -310,6 +310,18 @@ class Step:
         self.side_grad_refs: dict[int, StorageWeakRef | None] = {}
         self.side_freed: dict[int, int] = {}
         self.side_gone: set[tuple[str, int]] = set()
+        # Per storage a layer hands on that no layer has taken yet (GPT-J's and BLOOM's attention weights, which
+        # their blocks return and the model's code drops unless it collects attentions; T5's position bias,
+        # which the next block takes): a weak reference to it and its storage's bytes. Charged once a later layer
+        # takes it, or where something still holds it when the rest's backward hands the layers their gradient
+        # (charge_handed_side); else never (the model's code held it in a variable at most until the next
+        # layer's call returned: not charged there, a limit).
+        self.side_handed: dict[int, tuple[StorageWeakRef | None, int]] = {}
+        # Of those, what was alive when the last layer returned (the last layer's, which the model's code holds
+        # until its forward returns) and was let go of in the rest of the step: the rest's readings are taken
+        # above a count that held it (at_return), and the model charges it nowhere (handed_freed_in_rest).
+        self.handed_at_return: dict[int, int] = {}
+        self.handed_freed_in_rest = 0
         self.reading = None  # a device budget's: what the device had when the step began (fit.read_device)
         self.device = None  # the device the step runs on
         # What runs between two layers in the model's code (StepContext.between_forward_held_bytes,
@@ -446,6 +458,7 @@ class Step:
         if i == 0:
             self.before_chain = {storage_key(t) for t in taken}
         made = [t for t in handed if isinstance(t, torch.Tensor) and storage_key(t) not in self.before_chain]
+        taken_keys = {storage_key(t) for t in taken}
         for t in [*taken, *made]:
             k = storage_key(t)
             grad = t.nbytes if t.requires_grad else 0
@@ -453,6 +466,19 @@ class Step:
             # that stage, charged as such from that layer's forward on (and to the step's end where something
             # holds it there: outputs_held_to_end): only its gradient is charged here.
             held = grad if k in self.before_chain or k in outs else storage_bytes(t) + grad
+            handed_only = k not in taken_keys and k not in self.side and k not in outs
+            if handed_only:
+                # Handed on, taken by no layer yet: charged where a later layer takes it or something holds it
+                # once the rest's backward begins (side_handed). Before (found 2026-12-04) it was charged at
+                # once with its gradient: GPT-J's and BLOOM's attention weights, which the model's code drops,
+                # were charged from the chain's start through the last layer's backward (a 4-layer GPT-J's
+                # plans were 17-31% below their predictions, BLOOM's 19-28%).
+                ref = self.side_handed.get(k, (None, 0))[0]
+                if ref is None or ref.expired():  # (a storage let go of, its address another's now)
+                    ref = storage_ref(t)
+                self.side_handed[k] = (ref, storage_bytes(t))
+                continue
+            self.side_handed.pop(k, None)
             self.side[k] = max(self.side.get(k, 0), held)
             if k in outs:  # its gradient is the chain's, that layer's output's (what runs between reads it)
                 continue
@@ -469,6 +495,27 @@ class Step:
                 k = storage_key(t)
                 last, grad = self.side_grads.get(k, (-1, 0))
                 self.side_grads[k] = (max(last, i), max(grad, t.nbytes))
+
+    def charge_handed_side(self) -> None:
+        """What the layers handed on that no layer took and something still holds now, as the rest's backward
+        hands the layers their gradient (the caller's collected attentions), into side_bytes; the rest never
+        held (side_handed)."""
+        for k, (ref, size) in self.side_handed.items():
+            if ref is None or not ref.expired():
+                # Its storage: a gradient arrives at it inside its layer's backward, which the layer's profile
+                # measures (GPT-J's attention weights, a matmul's input there); one the rest's backward makes is
+                # among what the rest leaves held (rest_grads_bytes).
+                self.side[k] = max(self.side.get(k, 0), size)
+                if ref is not None:
+                    self.side_refs[k] = ref
+            elif k in self.handed_at_return:
+                self.handed_freed_in_rest += self.handed_at_return[k]
+        self.side_handed = {}
+
+    def note_handed_at_return(self) -> None:
+        """At the last layer's return: what of side_handed is alive now, by its storage's bytes."""
+        self.handed_at_return = {k: size for k, (ref, size) in self.side_handed.items()
+                                 if ref is not None and not ref.expired()}
 
     def note_side_freed(self, i: int | None) -> None:
         """What of side_bytes is found freed now, once layer i's backward is done (side_freed_bytes), or, with
@@ -648,7 +695,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     outs = step.layer_outputs()
     side_made = sum(storage_bytes(t) for t in {storage_key(t): t for t in taken}.values()
                     if i > 0 and storage_key(t) not in step.before_chain and storage_key(t) not in step.side
-                    and storage_key(t) not in outs)
+                    and storage_key(t) not in step.side_handed and storage_key(t) not in outs)
     returned = run_layer(CHECKPOINT, fn, run_args, [lp.layers[i]], lp.policies)
     del run_args
     if aliased is not None:  # its owners at the call, unless the layer's run took more
@@ -712,6 +759,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     # The rest of the step: from here until the backward pass reaches this output.
     step.reset()
     step.at_return = meter.count()
+    step.note_handed_at_return()
     step.watch_last_input(n - 1, x)
     device = x0.device
     sync(device)  # the rest of the step is timed from the moment the layers' work is done
@@ -768,6 +816,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
 
     def at_out(g):
         step.last_input_alive(n - 1)
+        step.charge_handed_side()
         step.out_grad_ref = storage_ref(g)
         step.note_peak()
         sync(device)
@@ -1025,7 +1074,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.at_chain = step.at_layer0
     r.peak_before_chain = step.base + step.before_peak
     r.input_bytes = step.input_bytes
-    r.at_return = step.at_return
+    r.at_return = step.at_return - step.handed_freed_in_rest
     r.rest_peak, r.rest_ms = step.rest if step.rest is not None else (step.at_return, 0.0)
     r.at_output_grad = step.at_output_grad if step.rest is not None else step.at_return
     r.output_grad_bytes = step.output_grad_bytes

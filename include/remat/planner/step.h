@@ -61,7 +61,10 @@ struct StepContext {
   /// Tensors the chain's stages take or hand on beside their input and output, made during the step (T5's
   /// position bias, which its first layer makes and every later layer takes; an encoder's output that every
   /// decoder layer attends to), with the gradients the backward pass gathers for them: held from the chain's
-  /// start to its backward's end (bytes; 0 for a chain whose stages take one tensor and return one).
+  /// start to its backward's end (bytes; 0 for a chain whose stages take one tensor and return one). What a
+  /// stage hands on that no stage takes counts only where something holds it into the backward pass (the
+  /// Python package: attention weights a caller collects, by their storage), not where the model's code drops
+  /// it (GPT-J's attention weights, since 2026-12-04).
   int64_t side_bytes = 0;
   /// Per chain stage j: of side_bytes, the gradients that arrive at stage j's backward, the last stage that
   /// takes the tensor (bytes): charged from that backward on, not from the chain's start, since no gradient

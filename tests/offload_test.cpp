@@ -354,6 +354,70 @@ TEST(Offload, ATensorStillOnTheDeviceComesBackAsItselfUnlessWrittenSince) {
   EXPECT_EQ(written.brought_back, 1);
 }
 
+// v @ w, saving both, with the alignment modulo 64 bytes of v's address in the forward and in the backward.
+struct MatmulSeeingAlignment : torch::autograd::Function<MatmulSeeingAlignment> {
+  static std::vector<int64_t>& seen() {
+    static std::vector<int64_t> s;
+    return s;
+  }
+  static int64_t align(const torch::Tensor& t) {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 64);
+  }
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& v,
+                               const torch::Tensor& w) {
+    ctx->save_for_backward({v, w});
+    seen().push_back(align(v));
+    return v.mm(w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    seen().push_back(align(saved[0]));
+    return {torch::Tensor(), saved[0].t().mm(g[0])};
+  }
+};
+
+TEST(Offload, ADenseViewAtAnOffsetComesBackAsItselfFoundOrBroughtBack) {
+  // A saved tensor that starts inside its storage (a slice one element in: 4 bytes, no multiple of 64), found
+  // on the device where its storage is still alive, or brought back from the host where it is not: its
+  // values, and a copy back starts at its address's alignment (64 bytes), so that kernels whose arithmetic
+  // depends on alignment (MKL's GEMM) compute on it as on the tensor saved.
+  meter_on();
+  torch::manual_seed(0);
+  const torch::Tensor w = torch::randn({64, 64}, torch::requires_grad());
+  const torch::Tensor values = torch::randn({64 * 64 + 1});
+  auto step = [&](bool offloaded, bool keep_base, remat::OffloadStats* stats) {
+    w.mutable_grad() = torch::Tensor();
+    torch::Tensor base = values.clone();
+    torch::Tensor loss;
+    {
+      std::optional<remat::Offload> scope;
+      if (offloaded) scope.emplace(remat::OffloadOptions().min_bytes(1024));
+      // Saves the view (sent) and w (a leaf that requires grad: stays).
+      loss = MatmulSeeingAlignment::apply(base.narrow(0, 1, 64 * 64).view({64, 64}), w).sum();
+      if (scope) {
+        scope->close();
+        if (!keep_base) base = torch::Tensor();  // only the saved view held its storage: gone now
+        scope->prefetch();
+        *stats = scope->stats();
+      }
+    }
+    loss.backward();
+    return w.grad().clone();
+  };
+  const torch::Tensor plain = step(false, true, nullptr);
+  for (bool keep_base : {true, false}) {
+    MatmulSeeingAlignment::seen().clear();
+    remat::OffloadStats stats;
+    const torch::Tensor got = step(true, keep_base, &stats);
+    EXPECT_TRUE(torch::equal(plain, got)) << keep_base;
+    EXPECT_EQ(stats.offloaded, 1) << keep_base;
+    EXPECT_EQ(stats.found_on_device, keep_base ? 1 : 0);
+    EXPECT_EQ(stats.brought_back, keep_base ? 0 : 1);
+    EXPECT_EQ(MatmulSeeingAlignment::seen(), (std::vector<int64_t>{4, 4})) << keep_base;
+  }
+}
+
 TEST(Offload, BytesSavedThroughSeveralViewsGoOnceAndAStorageKeptOnTheDeviceGoesNot) {
   // As in attention blocks: the input saved by two linears, each through a 2-D view of its own (same bytes);
   // h saved contiguous by gelu and as every other column by sin (a view with gaps keeps h on the device; a

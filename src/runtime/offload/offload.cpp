@@ -141,6 +141,20 @@ bool sendable(const at::Tensor& t, int64_t min_bytes) {
   return static_cast<int64_t>(t.nbytes()) >= min_bytes && t.is_non_overlapping_and_dense();
 }
 
+// The alignment a copy brought back keeps of its saved tensor's address (bytes): kernels whose arithmetic
+// depends on it (MKL's GEMM on the CPU outside its reproducible mode; cuBLAS picks kernels by it) compute on
+// it as on the tensor saved (the Python package's remat.offload does the same).
+constexpr int64_t kAlignment = 64;
+
+// nbytes of new device memory (uint8) starting at `align` modulo kAlignment.
+at::Tensor aligned_as(int64_t align, int64_t nbytes, c10::Device device) {
+  const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+  if (align == 0) return at::empty({nbytes}, options);
+  const at::Tensor buf = at::empty({nbytes + kAlignment}, options);
+  const auto at = static_cast<int64_t>(reinterpret_cast<uintptr_t>(buf.data_ptr()) % kAlignment);
+  return buf.narrow(0, ((align - at) % kAlignment + kAlignment) % kAlignment, nbytes);
+}
+
 // A copy in flight: query() whether it has completed, wait() for it (on a device with streams, the current
 // stream waits too, so that its next work reads the copy).
 struct Copy {
@@ -171,6 +185,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
     c10::VariableVersion counter;
     int64_t offset = 0;  // bytes into the storage
+    int64_t align = 0;   // the saved tensor's address modulo kAlignment, which a copy back keeps
     int64_t nbytes = 0;
     bool aliased = false;  // device_copy is that storage
     // Another saved tensor keeps the storage on the device (a view of it with gaps): its host copy is not
@@ -234,6 +249,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     e->storage = t.storage().getWeakStorageImpl();
     e->counter = t.unsafeGetTensorImpl()->version_counter();
     e->offset = offset;
+    e->align = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment);
     e->version = t._version();
     e->to_host = copy(e->host, e->source);
     if (!e->to_host) {
@@ -283,8 +299,12 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       e.to_device = nullptr;
     }
     // Held until autograd drops the saved tensor: bytes saved by two operators come back once.
-    // As it was saved: dense, its first element at the range's start.
-    return e.device_copy.view(saved.dtype).as_strided(saved.sizes, saved.strides, 0);
+    // As it was saved: dense, its first element at the range's start, which is where device_copy starts in
+    // its storage (an offset there where found on the device, or kept to align a copy back). Before (found
+    // 2026-12-04) the view was taken at the storage's start: a saved tensor at an offset into a storage still
+    // alive on the device came back with another tensor's values, and its gradients were silently wrong.
+    const at::Tensor bytes = e.device_copy.view(saved.dtype);
+    return bytes.as_strided(saved.sizes, saved.strides, bytes.storage_offset());
   }
 
   void finish_copies() {
@@ -604,7 +624,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       return;  // a prefetch: the unpack raises
     }
     landed_to_host(e);
-    e.device_copy = at::empty({e.nbytes}, at::TensorOptions().dtype(at::kByte).device(e.device));
+    e.device_copy = aligned_as(e.align, e.nbytes, e.device);
     e.to_device = copy(e.device_copy, e.host);
     ++stats_.brought_back;
   }

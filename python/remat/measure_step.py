@@ -630,6 +630,36 @@ def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor | list[
 
         out.register_hook(rest_timed)
 
+def graph_state(layers: Sequence[nn.Module]) -> list[tuple[int, str]]:
+    """The tensors of the step's graph that the layers' modules keep in plain attributes past their call (not
+    parameters or buffers): (layer index, "module.attribute") for each, such as RecurrentGemma's recurrent
+    states, which it keeps in training with use_cache=False too."""
+    found = []
+    for j, layer in enumerate(layers):
+        for name, module in layer.named_modules():
+            for attr, value in vars(module).items():
+                if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
+                        and value.grad_fn is not None:
+                    found.append((j, f"{name}.{attr}" if name else attr))
+    return found
+
+
+def warn_of_graph_state(lp: "LayerPlan") -> None:
+    """Warns, at a profiling step's last layer, where the layers keep part of the step's graph in their modules'
+    attributes: that part (and what its nodes saved) outlives the step until the next call replaces it, so a
+    step's memory depends on the step before it and on the plan (a recompute writes it again), which the plan's
+    prediction does not model (found 2026-12-04: a 4-layer RecurrentGemma's planned steps from 69% below to 40%
+    above their predictions)."""
+    found = graph_state(lp.layers)
+    if found:
+        j, where = found[0]
+        warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) keeps a tensor of the step's graph in "
+                      f"an attribute ({where}{f', and {len(found) - 1} more' if len(found) > 1 else ''}) past its "
+                      "call: it holds that part of the graph past the step, so a step's memory depends on the step "
+                      "before it and on the plan, and the predicted peaks may not hold (state kept across calls is "
+                      "not supported: docs/python.md, Limits)", RuntimeWarning, stacklevel=4)
+
+
 def without_module_hooks(fn, layer: nn.Module):
     """The call the profiler runs layer `layer` by, many times over: `fn` as remat was handed it, except where
     Hugging Face's hook handed remat the layer's whole module call (transformers 4.53 to 5.22 wrap
@@ -709,6 +739,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
         return returned
+    warn_of_graph_state(lp)
     if not out.requires_grad:
         # No layer's output needs a gradient (their parameters frozen, and their input needs none): nothing of
         # theirs is in the backward pass, they save nothing for it, and there is nothing to plan. They run as

@@ -608,3 +608,34 @@ def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
     assert isinstance(twin[0].forward, partial) and twin[0].forward.args[0] is twin[0]
     preallocate(twin)
     assert_same_run(want, train_step(twin, x))
+
+
+def test_layers_that_keep_part_of_the_graph_in_an_attribute_are_warned_of(meter):
+    # A layer that keeps a tensor of the step's graph in a plain attribute past its call (RecurrentGemma's
+    # recurrent states, kept in training too) holds that part of the graph, and what it saved, until its next
+    # call: a step's memory then depends on the step before it and on the plan. The profiling step says so; a
+    # model whose layers keep nothing of the graph (the same layers, the attribute a detached copy) is not
+    # warned of.
+    class Stateful(nn.Module):
+        def __init__(self, detach):
+            super().__init__()
+            self.lin, self.detach, self.state = nn.Linear(64, 64), detach, None
+
+        def forward(self, x):
+            h = torch.relu(self.lin(x))
+            self.state = h.detach() if self.detach else h
+            return h
+
+    for detach in (False, True):
+        torch.manual_seed(0)
+        layers = nn.ModuleList([Stateful(detach) for _ in range(3)])
+        model = nn.Sequential(*layers)
+        remat.enable(model, list(layers), budget=1 << 40)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model(x_of()).square().mean().backward()
+        said = [str(w.message) for w in seen if "keeps a tensor of the step's graph" in str(w.message)]
+        if detach:
+            assert not said, said
+        else:
+            assert len(said) == 1 and "layer 0 (Stateful)" in said[0] and "(state, and 2 more)" in said[0], said

@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""remat.hf.enable across Transformers architectures: every step against the plain run's, bitwise, and each
+planned step's peak against its prediction (docs/BENCHMARKS.md, "Transformers architectures, swept").
+
+Each model is built from a small config of its own architecture (4 layers, width 64, 4 heads, 2 key-value heads
+where it has them, intermediate 128, vocabulary 1000; nothing downloaded), trained on random tokens (batch 4,
+sequence 64; a causal LM's loss on its own labels, a masked LM's on the tokens), on the CPU. The plain run is the
+model called as a training loop calls it, with `use_cache=False` where the config has a cache (as Hugging Face's
+own checkpointing sets it, and remat.hf.enable with it: Jamba's plain run with its cache on takes another path,
+docs/python.md, "Limits"). remat.hf.enable(offload=True, groups=True, offload_min_bytes=1 KiB) profiles it in
+the first step; then, for each copy engine (copies made at once, the CPU's; and carried out only when waited
+for, `--delay`, as a GPU's may land late) and each budget (the least feasible, and a share of the way from it
+to the plain step's predicted peak), two steps, each compared with the plain run's bitwise (loss, every
+gradient, the next random draw) and its peak with the plan's prediction. Each row: the model, whether every
+step was bitwise, the least budget against gradient_checkpointing_enable()'s measured peak, and per engine the
+prediction errors' range (measured less predicted, over predicted: negative where the model overstates), and
+whether remat warned in the profiling step (the JSON has the words).
+
+    python bench/architectures.py                          # every architecture below
+    python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
+
+transformers 5.23 builds every architecture listed; an architecture the installed version lacks, or whose
+config fails to build, is reported as such and the sweep goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+import warnings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
+
+import torch  # noqa: E402
+
+import remat  # noqa: E402
+import remat.hf  # noqa: E402
+from remat.offload import CopyEngine  # noqa: E402
+
+COMMON = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=128, max_position_embeddings=256)
+# What an architecture's config needs beside COMMON to be small and valid.
+EXTRA = {
+    "phi3": dict(pad_token_id=0),
+    "gemma3_text": dict(head_dim=16, sliding_window=16, layer_types=["sliding_attention", "full_attention"] * 2),
+    "falcon": dict(new_decoder_architecture=True, num_kv_heads=2),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                        n_group=1, topk_group=1),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1),
+    "jamba": dict(num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_expand=2,
+                  use_mamba_kernels=False),
+    "mamba": dict(state_size=8, expand=2),
+    "bloom": dict(n_layer=4, n_head=4),
+    "opt": dict(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1),
+    "gptj": dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8),
+    "deberta-v2": dict(pad_token_id=0),
+}
+MASKED = {"roberta", "deberta-v2", "electra", "bert"}
+MODELS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "olmo2", "cohere", "starcoder2",
+          "granite", "gpt_neox", "falcon", "bloom", "opt", "gptj", "mixtral", "qwen3_moe", "gpt_oss",
+          "deepseek_v3", "mamba", "jamba", "recurrent_gemma", "bert", "roberta", "deberta-v2", "electra"]
+
+
+def build(kind: str):
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.AutoConfig.for_model(kind, **COMMON, **EXTRA.get(kind, {}))
+    auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+    return auto.from_config(cfg).train()
+
+
+def batch(model, k: int, size: tuple[int, int]) -> dict:
+    g = torch.Generator().manual_seed(100 + k)
+    ids = torch.randint(1, 1000, size, generator=g)
+    b = dict(input_ids=ids, labels=ids)
+    if getattr(model.config, "use_cache", None) is not None:
+        b["use_cache"] = False
+    return b
+
+
+def step(model, k: int, size, meter):
+    """Training step k as a loop runs it: (loss, gradients, peak above the step's base, the next random draw)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1000 + k)
+    b = batch(model, k, size)
+    base = meter.active()
+    meter.reset_peak()
+    model(**b).loss.backward()
+    peak = meter.peak() - base
+    return ([p.grad.clone() if p.grad is not None else None for p in model.parameters()], peak, torch.rand(4))
+
+
+def same(a, b) -> bool:
+    return all((g is None) == (h is None) and (g is None or torch.equal(g, h)) for g, h in zip(a[0], b[0])) \
+        and torch.equal(a[2], b[2])
+
+
+def sweep(kind: str, fractions, delays, size, meter) -> dict:
+    row = dict(model=kind)
+    plain = build(kind)
+    want = [step(plain, k, size, meter) for k in range(3)]
+    hf = build(kind)
+    if hasattr(hf, "activation_checkpointing_enable"):
+        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    row["hf_peak_bytes"] = step(hf, 0, size, meter)[1]
+    del plain, hf
+    model = build(kind)
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 10)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        bitwise = same(want[0], step(model, 0, size, meter))
+    row["warnings"] = [str(w.message) for w in seen if str(w.message).startswith("remat")]
+    row["least_bytes"] = lp.min_budget_bytes
+    top = remat.step_peak_bytes(lp.chain, lp.context, remat.no_checkpoint(lp.chain))
+    runs = []
+    for delay in delays:
+        lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=delay) if delay else \
+            CopyEngine(torch.device("cpu"))
+        for f in fractions:
+            lp.set_budget(int(lp.min_budget_bytes + f * (top - lp.min_budget_bytes)))
+            for k in (1, 2):
+                got = step(model, k, size, meter)
+                equal = same(want[k], got)
+                bitwise = bitwise and equal
+                runs.append(dict(delay=delay, fraction=f, step=k, plan=str(lp.plan), bitwise=equal, peak_bytes=got[1],
+                                 predicted_bytes=lp.predicted_peak_bytes,
+                                 error=got[1] / lp.predicted_peak_bytes - 1))
+    row.update(bitwise=bitwise, runs=runs)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(MODELS), help="model types, comma-separated (AutoConfig's names)")
+    ap.add_argument("--budgets", default="0,0.2,0.4,0.7",
+                    help="shares of the way from the least budget to the plain step's predicted peak")
+    ap.add_argument("--delay", type=int, default=100, help="the late engine's delay (copies waited for); 0: none")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--json", help="write every step's figures here")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    fractions = [float(f) for f in args.budgets.split(",")]
+    delays = [0] + ([args.delay] if args.delay else [])
+    meter = remat.cpu_meter()
+    import transformers
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}; batch {args.batch}, sequence "
+          f"{args.seq}; budgets {args.budgets} of the way up; copies at once and delayed {args.delay}")
+    rows = []
+    head = f"{'model':16} {'bitwise':8} {'least/hf':>8}   {'at once: error min..max':>24}   {'delayed':>16}   warned"
+    print(head)
+    for kind in args.models.split(","):
+        try:
+            row = sweep(kind, fractions, delays, (args.batch, args.seq), meter)
+        except Exception as e:  # an architecture this transformers lacks, or a config it refuses
+            print(f"{kind:16} not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            if os.environ.get("REMAT_DEBUG"):
+                traceback.print_exc()
+            rows.append(dict(model=kind, error=f"{type(e).__name__}: {e}"))
+            continue
+        rows.append(row)
+        cells = []
+        for delay in delays:
+            errs = [r["error"] for r in row["runs"] if r["delay"] == delay]
+            cells.append(f"{100 * min(errs):+7.2f}%..{100 * max(errs):+6.2f}%")
+        print(f"{kind:16} {'yes' if row['bitwise'] else 'NO':8} {row['least_bytes'] / row['hf_peak_bytes']:8.3f}   "
+              f"{cells[0]:>24}   {cells[-1] if len(cells) > 1 else '':>16}   {'yes' if row['warnings'] else 'no'}",
+              flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r.get("bitwise", True) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

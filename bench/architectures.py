@@ -18,6 +18,7 @@ whether remat warned in the profiling step (the JSON has the words).
 
     python bench/architectures.py                          # every architecture below
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
+    python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
 
 transformers 5.23 builds every architecture listed; an architecture the installed version lacks, or whose
 config fails to build, is reported as such and the sweep goes on.
@@ -85,6 +86,9 @@ def batch(model, k: int, size: tuple[int, int]) -> dict:
     return b
 
 
+AUTOCAST = None  # --autocast: the forward and the loss under CPU autocast to this dtype, the backward after
+
+
 def step(model, k: int, size, meter):
     """Training step k as a loop runs it: (loss, gradients, peak above the step's base, the next random draw)."""
     model.zero_grad(set_to_none=True)
@@ -92,7 +96,10 @@ def step(model, k: int, size, meter):
     b = batch(model, k, size)
     base = meter.active()
     meter.reset_peak()
-    model(**b).loss.backward()
+    with torch.autocast("cpu", dtype=AUTOCAST or torch.bfloat16, enabled=AUTOCAST is not None):
+        loss = model(**b).loss
+    loss.backward()
+    del loss
     peak = meter.peak() - base
     return ([p.grad.clone() if p.grad is not None else None for p in model.parameters()], peak, torch.rand(4))
 
@@ -146,8 +153,11 @@ def main() -> int:
     ap.add_argument("--delay", type=int, default=100, help="the late engine's delay (copies waited for); 0: none")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--autocast", choices=["bf16"], help="the forward and the loss under CPU autocast")
     ap.add_argument("--json", help="write every step's figures here")
     args = ap.parse_args()
+    global AUTOCAST
+    AUTOCAST = torch.bfloat16 if args.autocast == "bf16" else None
     warnings.simplefilter("ignore")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     fractions = [float(f) for f in args.budgets.split(",")]
@@ -155,7 +165,8 @@ def main() -> int:
     meter = remat.cpu_meter()
     import transformers
     print(f"transformers {transformers.__version__}, torch {torch.__version__}; batch {args.batch}, sequence "
-          f"{args.seq}; budgets {args.budgets} of the way up; copies at once and delayed {args.delay}")
+          f"{args.seq}; budgets {args.budgets} of the way up; copies at once and delayed {args.delay}"
+          + ("; forward and loss under CPU bf16 autocast" if AUTOCAST else ""))
     rows = []
     head = f"{'model':16} {'bitwise':8} {'least/hf':>8}   {'at once: error min..max':>24}   {'delayed':>16}   warned"
     print(head)

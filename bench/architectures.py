@@ -40,6 +40,8 @@ import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
 
+import test_hf  # noqa: E402  (python/tests: its comparison of two steps and Hugging Face's checkpointing)
+
 COMMON = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, max_position_embeddings=256)
 # What an architecture's config needs beside COMMON to be small and valid.
@@ -86,27 +88,33 @@ def batch(model, k: int, size: tuple[int, int]) -> dict:
     return b
 
 
-AUTOCAST = None  # --autocast: the forward and the loss under CPU autocast to this dtype, the backward after
+AUTOCAST = False  # --autocast bf16: the forward and the loss under CPU bf16 autocast, the backward after
 
 
 def step(model, k: int, size, meter):
-    """Training step k as a loop runs it: (loss, gradients, peak above the step's base, the next random draw)."""
+    """Training step k as a loop that keeps only the loss runs it (test_hf.step's, but the model's output let go
+    of before the backward): (loss, gradients, peak above the step's base, the next random draw), as test_hf.same
+    compares them."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1000 + k)
     b = batch(model, k, size)
     base = meter.active()
     meter.reset_peak()
-    with torch.autocast("cpu", dtype=AUTOCAST or torch.bfloat16, enabled=AUTOCAST is not None):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=AUTOCAST):
         loss = model(**b).loss
     loss.backward()
-    del loss
     peak = meter.peak() - base
-    return ([p.grad.clone() if p.grad is not None else None for p in model.parameters()], peak, torch.rand(4))
+    return (loss.detach(), [p.grad.clone() if p.grad is not None else None for p in model.parameters()], peak,
+            torch.rand(4))
 
 
 def same(a, b) -> bool:
-    return all((g is None) == (h is None) and (g is None or torch.equal(g, h)) for g, h in zip(a[0], b[0])) \
-        and torch.equal(a[2], b[2])
+    """Whether two steps are equal bitwise (test_hf.same: the loss, every gradient, the next random draw)."""
+    try:
+        test_hf.same(a, b)
+    except AssertionError:
+        return False
+    return True
 
 
 def sweep(kind: str, fractions, delays, size, meter) -> dict:
@@ -114,11 +122,8 @@ def sweep(kind: str, fractions, delays, size, meter) -> dict:
     plain = build(kind)
     want = [step(plain, k, size, meter) for k in range(3)]
     hf = build(kind)
-    if hasattr(hf, "activation_checkpointing_enable"):
-        hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    row["hf_peak_bytes"] = step(hf, 0, size, meter)[1]
+    test_hf.hf_checkpointing(hf)
+    row["hf_peak_bytes"] = step(hf, 0, size, meter)[2]
     del plain, hf
     model = build(kind)
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 10)
@@ -138,9 +143,9 @@ def sweep(kind: str, fractions, delays, size, meter) -> dict:
                 got = step(model, k, size, meter)
                 equal = same(want[k], got)
                 bitwise = bitwise and equal
-                runs.append(dict(delay=delay, fraction=f, step=k, plan=str(lp.plan), bitwise=equal, peak_bytes=got[1],
+                runs.append(dict(delay=delay, fraction=f, step=k, plan=str(lp.plan), bitwise=equal, peak_bytes=got[2],
                                  predicted_bytes=lp.predicted_peak_bytes,
-                                 error=got[1] / lp.predicted_peak_bytes - 1))
+                                 error=got[2] / lp.predicted_peak_bytes - 1))
     row.update(bitwise=bitwise, runs=runs)
     return row
 
@@ -157,7 +162,7 @@ def main() -> int:
     ap.add_argument("--json", help="write every step's figures here")
     args = ap.parse_args()
     global AUTOCAST
-    AUTOCAST = torch.bfloat16 if args.autocast == "bf16" else None
+    AUTOCAST = args.autocast == "bf16"
     warnings.simplefilter("ignore")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     fractions = [float(f) for f in args.budgets.split(",")]

@@ -354,6 +354,7 @@ def test_a_dense_view_at_an_offset_comes_back_with_its_values_and_its_alignment(
     assert (o.offloaded, o.found_on_device, o.brought_back) == ((2, 2, 0) if keep_base else (2, 1, 1))
     assert seen[0] == seen[1] == 4, seen
 
+
 def test_an_offload_entered_every_step_forgets_what_autograd_dropped(x):
     # One Offload reused across steps keeps no bookkeeping of the steps before (it would grow with them).
     model = mlp()

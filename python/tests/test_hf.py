@@ -445,7 +445,6 @@ def test_mixture_of_experts_layers_routed_differently_each_step_give_the_plain_r
                 assert hit[:n] != profiled[:n], (hit, profiled)
 
 
-
 @pytest.mark.parametrize("attentions", [False, True])
 def test_what_a_layer_hands_on_beside_its_output_is_charged_only_where_something_holds_it(attentions, meter):
     # GPT-J's blocks return their attention weights beside their output (BLOOM's too; GPT-J's no more from
@@ -491,6 +490,7 @@ def test_what_a_layer_hands_on_beside_its_output_is_charged_only_where_something
         assert got[2] <= predicted <= got[2] * 1.01, (got[2], predicted)
     else:  # a kept layer's weights are its saved tensors too: charged twice (a limit, on the safe side)
         assert got[2] <= predicted <= got[2] + 4 * weights + weights // 2, (got[2], predicted)
+
 
 def test_bad_budgets_and_models_are_refused():
     model, _ = make("bert")

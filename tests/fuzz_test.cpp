@@ -5,7 +5,8 @@
 // 60; the plain and the checkpointed run come in either order, so that backward passes of both kinds follow
 // each other in the process. Since issue 41 they also draw what users do around checkpointing: remat::Offload
 // scopes around blocks (random thresholds, a bounded pool, copies carried out late), opened and closed in
-// every order (one may stay open through the backward pass); views and transposes of saved tensors; complex
+// every order (one may stay open through the backward pass); views and transposes of saved tensors (since
+// 2026-12-04 also views at offsets into a storage and views with gaps, saved beside the whole); complex
 // tensors with their conjugate and negative views saved; a saved tensor written in place (an invalid program:
 // remat must give the plain run's error or the gradient of the values saved, the valid twin's, never
 // another); micro-batches of several batch sizes accumulated into one step; autograd::grad over part of the
@@ -74,15 +75,18 @@ enum class OpCode {
   kComplex,       // h as complex c: |c|^2 (c * conj(c), a conjugate view saved) and imag(conj(c)) * real(c)
                   // (a negative view saved)
   kWriteSaved,    // s = sigmoid(h), written in place (s.mul_(2)) after sigmoid saved it: invalid
+  kOffsetViews,  // u = 2h cut into its first and last rows (dense views, the second at an offset), each saved
+                 // itself and transposed, beside u whole
+  kOffsetGaps,   // kOffsetViews, and u's right half saved (a view with gaps, which keeps u on the device)
   kCount
 };
 
 const char* op_text(OpCode c) {
-  static const char* names[] = {"linear",     "shared",       "conv",       "matmul",     "attention",
-                                "gelu",       "relu",         "softmax",    "layer_norm", "batch_norm",
-                                "dropout",    "relu_",        "add_",       "mul_",       "transpose",
-                                "narrow+cat", "select+stack", "split+cat",  "reduce",     "argmax+gather",
-                                "aux",        "gather(idx)",  "saved-view", "complex",    "write-saved"};
+  static const char* names[] = {
+      "linear",      "shared",     "conv",         "matmul",      "attention",    "gelu",          "relu",
+      "softmax",     "layer_norm", "batch_norm",   "dropout",     "relu_",        "add_",          "mul_",
+      "transpose",   "narrow+cat", "select+stack", "split+cat",   "reduce",       "argmax+gather", "aux",
+      "gather(idx)", "saved-view", "complex",      "write-saved", "offset-views", "offset-gaps"};
   return names[static_cast<int>(c)];
 }
 
@@ -398,6 +402,20 @@ Program generate(uint64_t seed) {
     }
     p.partial_grad = p.use_grad_api && coin2(0.5);
   }
+  {
+    // Saved views at offsets (found 2026-12-04 in C++ remat::Offload: a dense view at an offset brought back
+    // or found on the device came back from its storage's start, a silently wrong gradient no program here
+    // drew), from a stream of their own: the draws above are unchanged.
+    std::mt19937_64 views(seed * 0x9FB21C651E98DF25ull + 42);
+    auto pick3 = [&](int64_t lo, int64_t hi) {
+      return std::uniform_int_distribution<int64_t>(lo, hi)(views);
+    };
+    for (OpCode code : {OpCode::kOffsetViews, OpCode::kOffsetGaps}) {
+      if (!std::bernoulli_distribution(0.25)(views)) continue;
+      auto& ops = p.blocks[static_cast<size_t>(pick3(0, n - 1))].ops;
+      ops.insert(ops.begin() + pick3(0, static_cast<int64_t>(ops.size())), OpSpec{code, 0});
+    }
+  }
   normalize(p);
   return p;
 }
@@ -598,6 +616,20 @@ struct BlockImpl : torch::nn::Module {
           if (twin_) t = t.clone();
           t.mul_(2);  // ...written here (the twin writes a copy)
           h = t + h;
+          break;
+        }
+        case OpCode::kOffsetViews:
+        case OpCode::kOffsetGaps: {
+          if (b < 2) break;
+          const torch::Tensor u = h * 2;
+          const torch::Tensor top = u.narrow(0, 0, b / 2), bottom = u.narrow(0, b / 2, b - b / 2);
+          torch::Tensor v = torch::cat({torch::sin(top) + torch::cos(top.t()).t(),
+                                        bottom * torch::sigmoid(bottom) + torch::sin(bottom.t()).t()},
+                                       0);
+          if (op.code == OpCode::kOffsetGaps) {
+            v = v + torch::cat({u.narrow(1, 0, w / 2), torch::sin(u.narrow(1, w / 2, w / 2))}, 1);
+          }
+          h = torch::gelu(u) + v;
           break;
         }
         case OpCode::kCount:

@@ -19,6 +19,12 @@ whether remat warned in the profiling step (the JSON has the words).
     python bench/architectures.py                          # every architecture below
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
+    python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)
+
+Without --deterministic, a model whose backward sums three or more gradients into one row of an indexed tensor
+(GPT-OSS's experts' biases, gathered per token) is not always bitwise against even its own plain run on a CPU
+with two threads or more: PyTorch sums them there by atomic adds from several threads, in whichever order they
+land (docs/BENCHMARKS.md, "Transformers architectures, swept").
 
 transformers 5.23 builds every architecture listed; an architecture the installed version lacks, or whose
 config fails to build, is reported as such and the sweep goes on.
@@ -160,7 +166,11 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--autocast", choices=["bf16"], help="the forward and the loss under CPU autocast")
     ap.add_argument("--json", help="write every step's figures here")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="torch.use_deterministic_algorithms(True): without it GPT-OSS's plain CPU step is itself not "
+                         "always the same (its experts' bias gradients, summed by parallel atomic adds)")
     args = ap.parse_args()
+    torch.use_deterministic_algorithms(args.deterministic)
     global AUTOCAST
     AUTOCAST = args.autocast == "bf16"
     warnings.simplefilter("ignore")
@@ -171,7 +181,8 @@ def main() -> int:
     import transformers
     print(f"transformers {transformers.__version__}, torch {torch.__version__}; batch {args.batch}, sequence "
           f"{args.seq}; budgets {args.budgets} of the way up; copies at once and delayed {args.delay}"
-          + ("; forward and loss under CPU bf16 autocast" if AUTOCAST else ""))
+          + ("; forward and loss under CPU bf16 autocast" if AUTOCAST else "")
+          + ("; deterministic algorithms" if args.deterministic else ""))
     rows = []
     head = f"{'model':16} {'bitwise':8} {'least/hf':>8}   {'at once: error min..max':>24}   {'delayed':>16}   warned"
     print(head)

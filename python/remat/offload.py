@@ -343,10 +343,10 @@ ALIGNMENT = 64
 
 
 def _aligned_as(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """nbytes of new device memory (uint8) that start at `address`'s alignment modulo ALIGNMENT. Before (found
-    2026-12-04), a copy of a tensor saved at an offset within its storage came back aligned otherwise, and GPT-OSS
-    steps streamed on the CPU were about 1 in 60 not bitwise (6 of 384; its experts' bias gradients up to 1.5e-8
-    off; none with MKL_CBWR=AUTO,STRICT)."""
+    """nbytes of new device memory (uint8) that start at `address`'s alignment modulo ALIGNMENT. Before (2026-12-04),
+    a copy of a tensor saved at an offset within its storage came back aligned otherwise. (Made for GPT-OSS's rare
+    non-bitwise steps on the CPU, which turned out to be PyTorch's own race in summing its experts' bias gradients,
+    as often in the plain run: docs/BENCHMARKS.md, "Transformers architectures, swept".)"""
     want = address % ALIGNMENT
     if want == 0:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)

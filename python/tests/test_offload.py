@@ -316,7 +316,8 @@ def test_a_dense_view_at_an_offset_comes_back_with_its_values_and_its_alignment(
     # where its storage is alive or brought back from the host where it is not: its values, and a copy back
     # starts at its address's alignment modulo 64 bytes, as the tensor saved did, so that kernels whose
     # arithmetic depends on alignment (MKL's GEMM outside its reproducible mode; cuBLAS's choice of kernel) run
-    # on it as on the tensor saved (before, found 2026-12-04, a streamed GPT-OSS step was 1 in 30 not bitwise).
+    # on it as on the tensor saved. (Added for GPT-OSS's rare non-bitwise steps on the CPU, found later that day to be
+    # PyTorch's own race in summing its experts' bias gradients, not alignment: docs/BENCHMARKS.md.)
     seen = []
 
     class Saves(torch.autograd.Function):

@@ -380,8 +380,8 @@ struct MatmulSeeingAlignment : torch::autograd::Function<MatmulSeeingAlignment> 
 TEST(Offload, ADenseViewAtAnOffsetComesBackAsItselfFoundOrBroughtBack) {
   // A saved tensor that starts inside its storage (a slice one element in: 4 bytes, no multiple of 64), found
   // on the device where its storage is still alive, or brought back from the host where it is not: its
-  // values, and a copy back starts at its address's alignment (64 bytes), so that kernels whose arithmetic
-  // depends on alignment (MKL's GEMM) compute on it as on the tensor saved.
+  // values, and a copy back starts at its address's alignment (modulo 64 bytes on the CPU, 256 on CUDA), so
+  // that kernels that compute or choose by alignment (MKL's GEMM, cuBLASLt) run on it as on the tensor saved.
   meter_on();
   torch::manual_seed(0);
   const torch::Tensor w = torch::randn({64, 64}, torch::requires_grad());
@@ -415,6 +415,8 @@ TEST(Offload, ADenseViewAtAnOffsetComesBackAsItselfFoundOrBroughtBack) {
     EXPECT_EQ(stats.found_on_device, keep_base ? 1 : 0);
     EXPECT_EQ(stats.brought_back, keep_base ? 0 : 1);
     EXPECT_EQ(MatmulSeeingAlignment::seen(), (std::vector<int64_t>{4, 4})) << keep_base;
+    // The copy back's block is the offset's residue larger (the CPU allocator's blocks are 64-byte aligned).
+    EXPECT_EQ(stats.alignment_bytes, keep_base ? 0 : 4) << keep_base;
   }
 }
 
@@ -463,6 +465,51 @@ TEST(Offload, BytesSavedThroughSeveralViewsGoOnceAndAStorageKeptOnTheDeviceGoesN
   // a once, q(a) and k(a) (the product saves both), the sum the last linear saves; not h.
   EXPECT_EQ(stats.offloaded, 4);
   EXPECT_EQ(stats.offloaded_bytes, 4 * bytes);
+}
+
+TEST(Offload, ATensorSavedWithinBytesSavedWholeBeforeItComesBackOnce) {
+  // An in-place ReLU saves its output whole; a Linear then saves the output's two halves of rows (dense views
+  // of the same bytes, the second at an offset). They share the whole's entry: sent once, brought back once,
+  // and with retain_graph (nothing dropped between the backward passes) the device holds them once, as the
+  // plain run does. Before (found 2026-12-04), the halves came back apart beside the whole: 64 KiB more.
+  meter_on();
+  torch::manual_seed(0);
+  torch::nn::Linear lin(64, 64);
+  const torch::Tensor x = torch::randn({256, 64}, torch::requires_grad());
+  auto step = [&](bool offloaded, remat::OffloadStats* stats, int64_t* peak) {
+    lin->zero_grad();
+    x.mutable_grad() = torch::Tensor();
+    const int64_t base = remat::memory::active_bytes();
+    std::optional<remat::Offload> scope;
+    if (offloaded) scope.emplace(remat::OffloadOptions().min_bytes(0).keep_on_device(lin->parameters()));
+    torch::Tensor loss;
+    {
+      const torch::Tensor r = (x * 2).relu_();  // saves r (64 KiB)
+      const auto halves = r.chunk(2, 0);  // rows 0-127 and 128-255 (32 KiB each, the second at an offset)
+      loss = (lin(halves[0]) * lin(halves[1])).sum();
+    }
+    if (scope) scope->close();
+    remat::memory::reset_peak();  // the backward passes' peak: where the copies come back
+    loss.backward({}, /*retain_graph=*/true);
+    loss.backward();
+    *peak = remat::memory::peak_bytes() - base;
+    if (scope) *stats = scope->stats();
+    std::vector<torch::Tensor> grads{x.grad().clone()};
+    for (const auto& p : lin->parameters())
+      grads.push_back(p.grad().clone());
+    return grads;
+  };
+  int64_t plain_peak = 0, peak = 0;
+  remat::OffloadStats stats;
+  const auto want = step(false, nullptr, &plain_peak);
+  const auto got = step(true, &stats, &peak);
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(torch::equal(want[i], got[i])) << i;
+  // r, and the product's factors (the outputs of lin, 32 KiB each); not the halves. Each back once.
+  EXPECT_EQ(stats.offloaded, 3);
+  EXPECT_EQ(stats.offloaded_bytes, 128 << 10);
+  EXPECT_EQ(stats.brought_back, 3);
+  EXPECT_LE(peak, plain_peak);
 }
 
 // The start of the error plain autograd raises for a saved tensor written in place since it was saved.

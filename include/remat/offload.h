@@ -18,12 +18,14 @@
 /// host pool, and the saved tensor holds that block instead of the device tensor: on a GPU on a side stream
 /// after the producing stream's work (events order them; the device tensor is held until its copy has
 /// completed), on the CPU at once. Bytes saved by several operators, each through a view of its own (an input
-/// three projections save), are copied once; a storage that another saved tensor keeps on the device (one not
-/// offloaded: a view with gaps, a small one) is not offloaded at all, since copying it would free nothing.
-/// Unpacking in the backward pass copies it back (waiting for its copy first, never reading it early) and
-/// holds the device copy until autograd drops the saved tensor; then the block returns to the pool. A tensor
-/// whose storage another holder kept on the device (the stage before, whose output it is) and that was not
-/// written since is handed out as it is instead: no second copy on the device.
+/// three projections save), are copied once, as are bytes saved within bytes saved whole before them (one
+/// entry, brought back once; a part saved before its whole has its own copy); a storage that another saved
+/// tensor keeps on the device (one not offloaded: a view with gaps, a small one) is not offloaded at all,
+/// since copying it would free nothing. Unpacking in the backward pass copies it back (waiting for its copy
+/// first, never reading it early) and holds the device copy until autograd drops the saved tensor; then the
+/// block returns to the pool. A tensor whose storage another holder kept on the device (the stage before,
+/// whose output it is) and that was not written since is handed out as it is instead: no second copy on the
+/// device.
 ///
 /// Inside a remat::checkpoint region (kNonReentrant) the region's own hooks are the innermost and take what
 /// its operators save. An Offload around a checkpoint gets what the checkpoint itself saves (its inputs) and,
@@ -159,6 +161,11 @@ struct OffloadStats {
   /// such as the stage before, whose output they are; not written since): handed out as they are, no copy.
   int64_t found_on_device = 0;
   int64_t largest_bytes = 0;  ///< the largest tensor copied to the host (bytes): what a window must hold
+  /// Device bytes allocated beyond the copies brought back so that each starts at its saved tensor's
+  /// alignment (modulo 256 on CUDA, whose cuBLASLt picks algorithms by it; 64 elsewhere): a tensor saved at
+  /// an offset into its storage comes back in a block up to the offset's residue larger (bytes; 0 for whole
+  /// tensors).
+  int64_t alignment_bytes = 0;
 };
 
 /// Sends what autograd saves to host memory while it is open (see the top of this file). A scope on the

@@ -54,7 +54,8 @@ class LayerOffloads:
     """The offloading of one LayerPlan's layers: its options, the host pool (reused from step to step), a copy
     engine per device, and this step's offloaded layers."""
 
-    STATS = ("offloaded", "offloaded_bytes", "brought_back", "prefetched", "kept_on_device", "found_on_device")
+    STATS = ("offloaded", "offloaded_bytes", "brought_back", "prefetched", "kept_on_device", "found_on_device",
+             "alignment_bytes")
 
     def __init__(self, offload: bool, max_host_bytes: int | None, min_bytes: int):
         self.enabled = offload

@@ -247,7 +247,8 @@ class LayerPlan:
         """The last step's offloading, summed over its offloaded layers (remat.offload.Offload's counts):
         offloaded (tensors sent to the host), offloaded_bytes, brought_back (copies back to the device), prefetched
         (of them, started before the backward pass asked for the tensor), kept_on_device, found_on_device (still on
-        the device when needed back: not copied)."""
+        the device when needed back: not copied), alignment_bytes (device bytes beyond the copies brought back that
+        keep each at its saved tensor's alignment)."""
         return self.offloads.stats()
 
     @property

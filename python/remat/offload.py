@@ -13,7 +13,8 @@ once. Saved tensors that are parameters or buffers (alive anyway), or below the 
 and so does every saved tensor of a storage one of them keeps on the device (a view with gaps, such as a
 slice of a padded key): copying it would free nothing. Dense views that are not contiguous (a transposed query or
 attention output) are sent as their storage's bytes and come back as the same view. Bytes saved by several operators,
-each through a view of its own (an input three projections save), are copied once. In the backward pass, unpacking a tensor brings it back
+each through a view of its own (an input three projections save), are copied once, as are bytes saved within bytes
+saved whole before them (one entry, brought back once). In the backward pass, unpacking a tensor brings it back
 to the device, and starts bringing back the ``lookahead`` tensors saved before it (the backward pass meets them
 next, in the reverse of the forward's order), so that its copy has overlapped the backward work between; a
 tensor is never read before its copy has landed (the copy engine's event is waited on first). The device copy
@@ -294,11 +295,13 @@ class _Handle(SavedAs):
     """What autograd holds in place of an offloaded tensor (its entry, and the view it was saved as); its death
     returns the host block once no other handle holds it."""
 
-    __slots__ = ("entry", "owner", "stride", "__weakref__")
+    __slots__ = ("entry", "owner", "stride", "shift", "__weakref__")
 
-    def __init__(self, entry: _Entry, owner: "Offload", t: torch.Tensor):
+    def __init__(self, entry: _Entry, owner: "Offload", t: torch.Tensor, shift: int = 0):
         super().__init__(t)
         self.stride = t.stride()  # within the entry's byte range (dense: its first element at the range's start)
+        # Elements from the range's start to its first (a tensor saved within bytes saved whole before it).
+        self.shift = shift
         self.entry = entry
         self.owner = owner
         entry.handles += 1
@@ -336,22 +339,35 @@ def _revived(entry: "_Entry"):
     return r
 
 
-# The alignment a copy brought back keeps of its saved tensor's address (bytes): kernels whose arithmetic
-# depends on it (MKL's GEMM on the CPU, outside its reproducible mode; cuBLAS picks kernels by it) then compute
-# on it as on the tensor saved.
-ALIGNMENT = 64
+# The alignment a copy brought back keeps of its saved tensor's address (bytes), by device: a kernel that chooses
+# or computes by alignment then runs on it as on the tensor saved. On CUDA, PyTorch hands cuBLASLt each operand's
+# alignment, the largest power of two up to 256 that divides its address, and cuBLASLt picks its algorithm by
+# it; on the CPU, MKL's arithmetic outside its reproducible mode may depend on 64-byte alignment.
+ALIGNMENT = {"cuda": 256}
+CPU_ALIGNMENT = 64
+
+
+def _alignment(device: torch.device) -> int:
+    return ALIGNMENT.get(device.type, CPU_ALIGNMENT)
 
 
 def _aligned_as(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """nbytes of new device memory (uint8) that start at `address`'s alignment modulo ALIGNMENT. Before (2026-12-04),
-    a copy of a tensor saved at an offset within its storage came back aligned otherwise. (Made for GPT-OSS's rare
-    non-bitwise steps on the CPU, which turned out to be PyTorch's own race in summing its experts' bias gradients,
-    as often in the plain run: docs/BENCHMARKS.md, "Transformers architectures, swept".)"""
-    want = address % ALIGNMENT
+    """nbytes of new device memory (uint8) that start at `address`'s alignment modulo _alignment(device): a
+    tensor saved at an offset into its storage comes back aligned as it was saved. Where that takes more than
+    nbytes, the slack is the returned view's storage's bytes beyond nbytes: at most the offset's residue (the
+    allocator's blocks are aligned), which the storage saved held before the tensor; a whole alignment where a
+    block is not. (Made on 2026-12-04 for GPT-OSS's rare non-bitwise steps on the CPU, which turned out to be
+    PyTorch's own race in summing its experts' bias gradients: docs/BENCHMARKS.md, "Transformers architectures,
+    swept".)"""
+    align = _alignment(device)
+    want = address % align
     if want == 0:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    buf = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device)
-    start = (want - buf.data_ptr()) % ALIGNMENT
+    buf = torch.empty(nbytes + want, dtype=torch.uint8, device=device)
+    if buf.data_ptr() % align:  # a block not aligned itself: room for any start
+        buf = None
+        buf = torch.empty(nbytes + align, dtype=torch.uint8, device=device)
+    start = (want - buf.data_ptr()) % align
     return buf[start:start + nbytes]
 
 
@@ -366,7 +382,8 @@ class Offload:
     the device), offloaded_bytes, kept_on_device (tensors the pool's bound left on the device), brought_back (copies to the
     device), prefetched (of them, started before their tensor was asked for), found_on_device (tensors still
     alive on the device when needed back, another holder having kept them, and not written since: handed out
-    as they are, not copied)."""
+    as they are, not copied), alignment_bytes (device bytes allocated beyond copies brought back so that each
+    starts at its saved tensor's alignment: a tensor saved at an offset into its storage; 0 for whole tensors)."""
 
     def __init__(self, pool: HostPool | None = None, min_bytes: int = 1 << 20, lookahead: int = 2,
                  engine: CopyEngine | None = None, window: int | None = None):
@@ -396,6 +413,7 @@ class Offload:
         self._index: dict[int, int] = {}
         self.offloaded = self.offloaded_bytes = self.kept_on_device = self.brought_back = self.prefetched = 0
         self.found_on_device = 0
+        self.alignment_bytes = 0
         self._hooks = None
 
     def keep_on_device(self, tensors=(), storages: set[int] = frozenset()) -> "Offload":
@@ -462,6 +480,9 @@ class Offload:
             # 2026-12-04) it was taken again, and the unpack found neither a host copy nor a device tensor (an
             # AttributeError with copies landing late: a DeepSeek-V3 layer streamed).
             entry = None
+        shift = 0
+        if entry is None:
+            entry, shift = self._covering(t, ptr, offset)
         if entry is None:
             block = self.pool.take(t.nbytes)
             if block is None:
@@ -489,7 +510,25 @@ class Offload:
             self.offloaded_bytes += t.nbytes
         entry.originals.append(weakref.ref(t))
         self._settle()
-        return _Handle(entry, self, t)
+        return _Handle(entry, self, t, shift)
+
+    def _covering(self, t: torch.Tensor, ptr: int, offset: int):
+        """(an entry of t's storage whose bytes, saved at t's version, hold all of t's, t's first element's
+        distance from that entry's start in elements), or (None, 0). A tensor saved within bytes saved before it
+        (a view of part of a tensor saved whole: chunks of an input that an in-place activation saved) shares
+        their entry, so that they come back once, as the plain run holds them once. Before (found 2026-12-04 by
+        python/tests/test_random.py), each came back apart, and where both were unpacked before either was
+        dropped (retain_graph), the part was on the device twice, above the plain run's peak. A part saved
+        before the whole still has an entry of its own (a limit)."""
+        size = t.element_size()
+        for ref in self._at.get(ptr, ()):
+            e = ref()
+            if (e is None or e.handles <= 0 or e.version != t._version or e.storage is None or e.storage.expired()
+                    or e.block is None or not e.offset <= offset <= e.offset + e.nbytes - t.nbytes
+                    or (offset - e.offset) % size or e.nbytes % size):
+                continue
+            return e, (offset - e.offset) // size
+        return None, 0
 
     def _settle(self) -> None:
         """Releases the device tensors whose copies to the host have completed (queried, not waited on); the
@@ -582,6 +621,7 @@ class Offload:
             raise modified_error(entry.held_by, saved_as, version_of(entry.held_by), "remat.offload")
         host = entry.block[: entry.nbytes]
         out = _aligned_as(entry.ptr + entry.offset, entry.nbytes, entry.device)
+        self.alignment_bytes += out.untyped_storage().nbytes() - entry.nbytes
         entry.to_device_done = self._engine(entry.device).copy(out, host)
         entry.host_view = host  # the copy's source, held until it has landed
         entry.device_copy = out
@@ -613,7 +653,8 @@ class Offload:
                 other = ref()
                 if other is not None and other.away():
                     self._start_to_device(other)
-        out = entry.device_copy.view(h.dtype).as_strided(h.shape, h.stride)
+        values = entry.device_copy.view(h.dtype)
+        out = values.as_strided(h.shape, h.stride, values.storage_offset() + h.shift)
         self._to_device_landed(entry)
         # Held until autograd drops the saved tensor (every node that saved these bytes has run, or the graph is
         # freed): bytes saved by two operators, unpacked by both, come back once, as plain autograd holds them.

@@ -314,10 +314,10 @@ def test_a_tensor_saved_again_after_its_first_savers_graph_is_gone_comes_back(de
 def test_a_dense_view_at_an_offset_comes_back_with_its_values_and_its_alignment(keep_base):
     # A saved tensor that starts one element into its storage (4 bytes: no multiple of 64), found on the device
     # where its storage is alive or brought back from the host where it is not: its values, and a copy back
-    # starts at its address's alignment modulo 64 bytes, as the tensor saved did, so that kernels whose
-    # arithmetic depends on alignment (MKL's GEMM outside its reproducible mode; cuBLAS's choice of kernel) run
-    # on it as on the tensor saved. (Added for GPT-OSS's rare non-bitwise steps on the CPU, found later that day to be
-    # PyTorch's own race in summing its experts' bias gradients, not alignment: docs/BENCHMARKS.md.)
+    # starts at its address's alignment modulo 64 bytes on the CPU (256 on CUDA), as the tensor saved did, so that
+    # kernels that compute or choose by alignment (MKL's GEMM outside its reproducible mode; cuBLASLt's choice of
+    # algorithm) run on it as on the tensor saved. (Added for GPT-OSS's rare non-bitwise steps on the CPU, found
+    # later that day to be PyTorch's own race in summing its experts' bias gradients: docs/BENCHMARKS.md.)
     seen = []
 
     class Saves(torch.autograd.Function):
@@ -354,6 +354,8 @@ def test_a_dense_view_at_an_offset_comes_back_with_its_values_and_its_alignment(
     # w too went, and is found where it is (the caller holds it)
     assert (o.offloaded, o.found_on_device, o.brought_back) == ((2, 2, 0) if keep_base else (2, 1, 1))
     assert seen[0] == seen[1] == 4, seen
+    # The copy back's block is the offset's residue larger (the CPU allocator's blocks are 64-byte aligned).
+    assert o.alignment_bytes == (0 if keep_base else 4), o.alignment_bytes
 
 
 def test_an_offload_entered_every_step_forgets_what_autograd_dropped(x):
@@ -1209,3 +1211,36 @@ def test_a_streamed_layer_that_sends_only_its_input_and_output_is_charged_no_win
     assert measured["F0"] == expected["F0"] and measured["F1"] == expected["F1"], (measured, expected)
     assert all(peak <= expected[name] for name, peak in measured.items()), (measured, expected)
     assert got[2] <= predicted
+
+
+def test_a_tensor_saved_within_bytes_saved_whole_before_it_comes_back_once():
+    # An in-place ReLU saves its output whole; a Linear then saves the output's two halves of rows (dense views of
+    # the same bytes, the second at an offset). They share the whole's entry: sent once, brought back once, and
+    # with retain_graph (nothing dropped between the backward passes) the device holds them once, as the plain
+    # run does. Before (found 2026-12-04 by test_random.py, seed 18889), the halves came back apart beside the
+    # whole: 64 KiB more. The C++ twin: Offload.ATensorSavedWithinBytesSavedWholeBeforeItComesBackOnce.
+    meter = remat.cpu_meter()
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 64)
+    x = torch.randn(256, 64, requires_grad=True)
+
+    def step(o):
+        lin.zero_grad(set_to_none=True)
+        x.grad = None
+        base = meter.count()
+        with o:
+            top, bottom = (x * 2).relu_().chunk(2, 0)  # r (64 KiB) saved by relu_; halves of 32 KiB
+            loss = (lin(top) * lin(bottom)).sum()
+            del top, bottom
+        meter.reset_peak()  # the backward passes' peak: where the copies come back
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return [x.grad.clone()] + [p.grad.clone() for p in lin.parameters()], meter.peak() - base
+
+    want, plain_peak = step(contextlib.nullcontext())
+    o = offload(lin, min_bytes=0)
+    got, peak = step(o)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    # r, and the product's factors (the outputs of lin, 32 KiB each); not the halves. Each back once.
+    assert (o.offloaded, o.offloaded_bytes, o.brought_back) == (3, 128 << 10, 3), (o.offloaded, o.brought_back)
+    assert peak <= plain_peak, (peak, plain_peak)

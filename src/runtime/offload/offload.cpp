@@ -141,18 +141,30 @@ bool sendable(const at::Tensor& t, int64_t min_bytes) {
   return static_cast<int64_t>(t.nbytes()) >= min_bytes && t.is_non_overlapping_and_dense();
 }
 
-// The alignment a copy brought back keeps of its saved tensor's address (bytes): kernels whose arithmetic
-// depends on it (MKL's GEMM on the CPU outside its reproducible mode; cuBLAS picks kernels by it) compute on
-// it as on the tensor saved (the Python package's remat.offload does the same).
-constexpr int64_t kAlignment = 64;
+// The alignment a copy brought back keeps of its saved tensor's address (bytes), by device: a kernel that
+// chooses or computes by alignment then runs on it as on the tensor saved. On CUDA, PyTorch hands cuBLASLt
+// each operand's alignment, the largest power of two up to 256 that divides its address, and cuBLASLt picks
+// its algorithm by it; on the CPU, MKL's arithmetic outside its reproducible mode may depend on 64-byte
+// alignment (the Python package's remat.offload keeps the same).
+int64_t alignment_of(c10::Device device) {
+  return device.is_cuda() ? 256 : 64;
+}
 
-// nbytes of new device memory (uint8) starting at `align` modulo kAlignment.
+// nbytes of new device memory (uint8) starting at `align` modulo alignment_of(device). Where that takes more
+// than nbytes, at most `align` more (the allocator's blocks are aligned): bytes the storage saved held before
+// the tensor; a whole alignment more where a block is not.
 at::Tensor aligned_as(int64_t align, int64_t nbytes, c10::Device device) {
   const auto options = at::TensorOptions().dtype(at::kByte).device(device);
   if (align == 0) return at::empty({nbytes}, options);
-  const at::Tensor buf = at::empty({nbytes + kAlignment}, options);
-  const auto at = static_cast<int64_t>(reinterpret_cast<uintptr_t>(buf.data_ptr()) % kAlignment);
-  return buf.narrow(0, ((align - at) % kAlignment + kAlignment) % kAlignment, nbytes);
+  const int64_t unit = alignment_of(device);
+  at::Tensor buf = at::empty({nbytes + align}, options);
+  if (reinterpret_cast<uintptr_t>(buf.data_ptr()) % static_cast<uintptr_t>(unit) != 0) {
+    buf = at::Tensor();  // a block not aligned itself: room for any start
+    buf = at::empty({nbytes + unit}, options);
+  }
+  const auto at =
+      static_cast<int64_t>(reinterpret_cast<uintptr_t>(buf.data_ptr()) % static_cast<uintptr_t>(unit));
+  return buf.narrow(0, ((align - at) % unit + unit) % unit, nbytes);
 }
 
 // A copy in flight: query() whether it has completed, wait() for it (on a device with streams, the current
@@ -185,7 +197,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     c10::weak_intrusive_ptr<c10::StorageImpl> storage{c10::intrusive_ptr<c10::StorageImpl>()};
     c10::VariableVersion counter;
     int64_t offset = 0;  // bytes into the storage
-    int64_t align = 0;   // the saved tensor's address modulo kAlignment, which a copy back keeps
+    int64_t align = 0;   // the saved tensor's address modulo alignment_of(device), which a copy back keeps
     int64_t nbytes = 0;
     bool aliased = false;  // device_copy is that storage
     // Another saved tensor keeps the storage on the device (a view of it with gaps): its host copy is not
@@ -214,7 +226,9 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
 
   // Null: t stays as autograd keeps it (not offloadable, or of a storage another saved tensor keeps on the
   // device: copying it would free nothing).
-  std::shared_ptr<Entry> pack(const at::Tensor& t) {
+  // `shift`: set to t's first element's distance (in elements) from the returned entry's start.
+  std::shared_ptr<Entry> pack(const at::Tensor& t, int64_t* shift) {
+    *shift = 0;
     WatchPause pause;  // the hooks' own tensor work is not the region's
     c10::AutoGradMode no_grad(false);
     std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -231,6 +245,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       // The same storage (alive, so no other one is at its address): those bytes went already.
       if (e && e->storage.lock().get() == t.storage().unsafeGetStorageImpl()) return e;
     }
+    if (std::shared_ptr<Entry> e = covering(t, offset, shift)) return e;
     at::Tensor block = options_.pool()->take(nbytes);
     if (!block.defined()) {
       ++stats_.kept_on_device;
@@ -249,7 +264,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     e->storage = t.storage().getWeakStorageImpl();
     e->counter = t.unsafeGetTensorImpl()->version_counter();
     e->offset = offset;
-    e->align = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment);
+    e->align = static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) %
+                                    static_cast<uintptr_t>(alignment_of(t.device())));
     e->version = t._version();
     e->to_host = copy(e->host, e->source);
     if (!e->to_host) {
@@ -269,7 +285,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     return e;
   }
 
-  at::Tensor unpack(Entry& e, const SavedAs& saved) {
+  at::Tensor unpack(Entry& e, const SavedAs& saved, int64_t shift) {
     WatchPause pause;
     c10::AutoGradMode no_grad(false);
     std::lock_guard<std::recursive_mutex> lock(mu_);
@@ -303,8 +319,8 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     // its storage (an offset there where found on the device, or kept to align a copy back). Before (found
     // 2026-12-04) the view was taken at the storage's start: a saved tensor at an offset into a storage still
     // alive on the device came back with another tensor's values, and its gradients were silently wrong.
-    const at::Tensor bytes = e.device_copy.view(saved.dtype);
-    return bytes.as_strided(saved.sizes, saved.strides, bytes.storage_offset());
+    const at::Tensor values = e.device_copy.view(saved.dtype);
+    return values.as_strided(saved.sizes, saved.strides, values.storage_offset() + shift);
   }
 
   void finish_copies() {
@@ -338,7 +354,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     explicit Hooks(std::shared_ptr<OffloadState> s) : state(std::move(s)) {}
     void call_pack_hook(const at::Tensor& t) override {
       saved = SavedAs::of(t);
-      entry = state->pack(t);
+      entry = state->pack(t, &shift);
       if (!entry) {
         // Not offloaded: kept as autograd keeps it (one that requires grad detached; unpacking re-attaches
         // it).
@@ -346,7 +362,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       }
     }
     at::Tensor call_unpack_hook() override {
-      if (entry) return state->unpack(*entry, saved);
+      if (entry) return state->unpack(*entry, saved, shift);
       // Autograd does not check the version of a tensor its hooks hand back: written in place since it was
       // saved, it would give a gradient computed from the values written.
       saved.check_unmodified(kept, "remat::Offload");
@@ -354,6 +370,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     }
     std::shared_ptr<OffloadState> state;
     std::shared_ptr<Entry> entry;
+    int64_t shift = 0;  // elements from the entry's start to the tensor's first (saved within it)
     SavedAs saved;
     at::Tensor kept;
   };
@@ -368,6 +385,31 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   };
 
   static const void* key_of(const at::Tensor& t) { return t.storage().data(); }
+
+  // An entry of t's storage whose bytes, saved at t's version, hold all of t's (`shift`: t's first element's
+  // distance from its start, in elements), or null. A tensor saved within bytes saved before it (a view of
+  // part of a tensor saved whole: chunks of an input that an in-place activation saved) shares their entry,
+  // so that they come back once, as the plain run holds them once. Before (found 2026-12-04 by the Python
+  // package's random test; the same code here), each came back apart, and where both were unpacked before
+  // either was dropped (retain_graph), the part was on the device twice. A part saved before the whole still
+  // has an entry of its own (a limit).
+  std::shared_ptr<Entry> covering(const at::Tensor& t, int64_t offset, int64_t* shift) {
+    auto it = at_.find(key_of(t));
+    if (it == at_.end()) return nullptr;
+    const auto size = static_cast<int64_t>(t.itemsize());
+    const auto nbytes = static_cast<int64_t>(t.nbytes());
+    for (auto& w : it->second) {
+      std::shared_ptr<Entry> e = w.lock();
+      if (!e || e->version != t._version() || !e->block.defined() || e->held_storage ||
+          e->storage.lock().get() != t.storage().unsafeGetStorageImpl() || offset < e->offset ||
+          offset + nbytes > e->offset + e->nbytes || (offset - e->offset) % size != 0 ||
+          e->nbytes % size != 0)
+        continue;
+      *shift = (offset - e->offset) / size;
+      return e;
+    }
+    return nullptr;
+  }
 
   // Whether another saved tensor that this Offload left on the device holds t's storage.
   bool left_here(const at::Tensor& t) const {
@@ -625,6 +667,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     }
     landed_to_host(e);
     e.device_copy = aligned_as(e.align, e.nbytes, e.device);
+    stats_.alignment_bytes += static_cast<int64_t>(e.device_copy.storage().nbytes()) - e.nbytes;
     e.to_device = copy(e.device_copy, e.host);
     ++stats_.brought_back;
   }

@@ -1,14 +1,17 @@
 """Randomized property tests: programs drawn from a seed, each run plainly and under remat, compared.
 
 Offloading (remat.offload): a chain of small operators on a hidden state, among them views and transposes of
-saved tensors, complex tensors with conjugate and negative views, integer tensors (argmax and gather), an
-in-place write after a save (an invalid program: remat must give the plain run's error, or the gradient of the
-values saved, which is the valid twin's, never another), some of them checkpointed as remat.enable does it,
-under Offload contexts of random thresholds, pool bounds, late copies and lookahead, ended in a random order (an
-out-of-order end must be refused and change nothing; the test then ends them in order); micro-batches of
-several batch sizes accumulated; backward() once or twice with retain_graph, or torch.autograd.grad over part
+saved tensors (since 2026-12-04 also views at offsets into a storage, views with gaps, expanded and strided
+views, permutations, one tensor saved through several views, bf16 casts), complex tensors with conjugate and
+negative views, integer tensors (argmax and gather), an in-place write after a save (an invalid program: remat
+must give the plain run's error, or the gradient of the values saved, which is the valid twin's, never another),
+some of them checkpointed as remat.enable does it, under Offload contexts of random thresholds, pool bounds,
+late copies, lookahead or a window (streaming), a prefetch before the backward pass or none, ended in a random
+order (an out-of-order end must be refused and change nothing; the test then ends them in order); micro-batches
+of several batch sizes accumulated; backward() once or twice with retain_graph, or torch.autograd.grad over part
 of the targets. Compared: the plain run's error, or every gradient bitwise; the device peak at most the plain
-run's (without checkpoint regions); and, with Python's cycle collector off, nothing left alive after the step.
+run's plus the bytes remat.offload allocated to keep alignments (without checkpoint regions); and, with Python's
+cycle collector off, nothing left alive after the step.
 
 Planning in place (remat.enable): models whose layers change the width (shapes per layer) and take keyword
 tensors, trained over steps of several batch sizes (shapes per step), some steps of micro-batches of two
@@ -36,6 +39,10 @@ FIRST = int(os.environ.get("REMAT_RANDOM_SEED", "1"))
 COUNT = int(os.environ.get("REMAT_RANDOM_COUNT", "0"))
 
 OPS = ["linear", "gelu", "sin", "saved_view", "transpose", "complex", "gather", "relu_", "write_saved"]
+# Drawn since 2026-12-04 from a stream of their own (earlier seeds keep their structure), each in place of an op
+# above: how a saved tensor may sit in its storage (a C++ defect of that day, a view at an offset handed back
+# from its storage's start, had no program here or in tests/fuzz_test.cpp to find it).
+SHAPES = ["rows", "rows_gaps", "cols", "expand", "strided", "twice", "chunks", "bf16", "permute"]
 WRITTEN = ("modified by an inplace operation", "modified by an in-place operation while its copy")
 
 
@@ -63,6 +70,13 @@ def draw_offload_program(seed: int) -> dict:
             i = j + 1
         else:
             i += 1
+    # Since 2026-12-04, from a stream of their own: saved tensors' shapes in their storages (SHAPES), and per
+    # scope a window (streaming: copies in flight bounded, tensors brought back ahead within it) and a
+    # prefetch() before the backward pass.
+    q = random.Random(seed * 7919 + 42)
+    ops = [q.choice(SHAPES) if op != "write_saved" and q.random() < 0.3 else op for op in ops]
+    for sc in scopes:
+        sc.update(window=q.choice([None, None, 0, 64, 4096]), prefetch=q.random() < 0.3)
     return dict(seed=seed, ops=ops, width=width, input_grad=r.random() < 0.8,
                 micro=[r.randint(2, 5) for _ in range(r.randint(1, 3))], scopes=scopes, regions=regions,
                 close_order=r.sample(range(len(scopes)), len(scopes)), twice=r.random() < 0.25,
@@ -98,6 +112,31 @@ class Chain(nn.Module):
             return h + h.gather(1, h.argmax(1, keepdim=True))
         if name == "relu_":
             return (h + 0.1).relu_()
+        if name == "rows":  # dense views at offsets (the last rows), each saved itself and transposed
+            top, bottom = h.narrow(0, 0, b // 2), h.narrow(0, b // 2, b - b // 2)
+            return torch.cat([top.sin() + top.t().cos().t(), bottom * bottom.sigmoid()], 0)
+        if name == "rows_gaps":  # rows, then the right half of the same storage saved: the rows found on the device
+            top, bottom = h.narrow(0, 0, b // 2), h.narrow(0, b // 2, b - b // 2)
+            y = torch.cat([top.sin(), bottom * bottom.sigmoid()], 0)
+            return y + torch.cat([h.narrow(1, 0, w // 2), h.narrow(1, w // 2, w - w // 2).cos()], 1)
+        if name == "cols":  # a view with gaps (the right half) saved: its storage stays on the device
+            return torch.cat([h.narrow(1, 0, w // 2), h.narrow(1, w // 2, w - w // 2).sin()], 1)
+        if name == "expand":  # an expanded view (overlapping, not dense) saved
+            return h + h[:1].expand(b, w).sin()
+        if name == "strided":  # every other column (gaps) saved
+            c = h[:, ::2].cos()
+            return h + torch.cat([c, c], 1)[:, :w]
+        if name == "twice":  # one tensor saved by two operators, and through a view of another shape
+            u = h * 2
+            return u.sin() + u.cos() + u.reshape(-1, 2).sin().reshape(b, w)
+        if name == "chunks":  # the rows' two halves through one Linear: its input saved as views at offsets
+            a, c = h.chunk(2, 0)
+            return torch.cat([self.lin[k](a), self.lin[k](c).tanh()], 0) if c.numel() else self.lin[k](a)
+        if name == "bf16":  # saved in another dtype
+            return (h.to(torch.bfloat16).sin() * 2).to(torch.float32)
+        if name == "permute":  # a dense permutation of a contiguous [2, b, w/2], saved by bmm
+            v = h.reshape(b, 2, w // 2).permute(1, 0, 2)
+            return torch.bmm(v, v.transpose(1, 2)).softmax(-1).bmm(v).permute(1, 0, 2).reshape(b, w)
         if name == "write_saved":  # sigmoid saves its output, written after (the twin writes a copy)
             s = h.sigmoid()
             if self.twin:
@@ -130,12 +169,13 @@ def _run_offload_program(p: dict, under_remat: bool, twin: bool) -> dict:
     torch.manual_seed(1000 + p["seed"])
     inputs = [torch.randn(b, p["width"], requires_grad=p["input_grad"]) for b in p["micro"]]
     base = meter.count()
-    out: dict = dict(error=None, grads=None, peak=0)
+    out: dict = dict(error=None, grads=None, peak=0, alignment=0)
     grads: list = []
+    made: list = []  # the Offloads of the step
     try:
         with meter.window() as window:
             for x in inputs:
-                loss = _forward(model, p, x, under_remat)
+                loss = _forward(model, p, x, under_remat, made)
                 targets = params + ([x] if x.requires_grad else [])
                 asked = targets[::2] if p["part"] else targets
                 for r in range(2 if p["twice"] else 1):
@@ -147,6 +187,7 @@ def _run_offload_program(p: dict, under_remat: bool, twin: bool) -> dict:
                         loss.backward(retain_graph=retain)
                 del loss
             out["peak"] = window.peak() - base
+        out["alignment"] = sum(o.alignment_bytes for o in made)
         grads += [None if t.grad is None else t.grad.clone() for t in params + inputs]
         out["grads"] = grads
     except RuntimeError as e:
@@ -155,11 +196,12 @@ def _run_offload_program(p: dict, under_remat: bool, twin: bool) -> dict:
     return out
 
 
-def _forward(model: Chain, p: dict, x: torch.Tensor, under_remat: bool) -> torch.Tensor:
+def _forward(model: Chain, p: dict, x: torch.Tensor, under_remat: bool, made: list) -> torch.Tensor:
     scopes = p["scopes"] if under_remat else []
     order = p["close_order"] if under_remat else []
     regions = dict(p["regions"]) if under_remat else {}
     opened: list[tuple[int, Offload]] = []
+    prefetch: list[Offload] = []
     h = x
     k = 0
     try:
@@ -169,9 +211,12 @@ def _forward(model: Chain, p: dict, x: torch.Tensor, under_remat: bool) -> torch
                 if k <= sc["open"] <= end:
                     pool = HostPool(max_bytes=1024, pin=False) if sc["bounded"] else None
                     o = Offload(pool=pool, min_bytes=sc["min_bytes"], lookahead=sc["lookahead"],
-                                engine=CopyEngine(torch.device("cpu"), delay=sc["delay"]))
+                                engine=CopyEngine(torch.device("cpu"), delay=sc["delay"]), window=sc.get("window"))
                     o.__enter__()
                     opened.append((s, o))
+                    made.append(o)
+                    if sc.get("prefetch"):
+                        prefetch.append(o)
             if k in regions:  # checkpointed as remat.enable checkpoints a layer
                 h = remat.run_layer("checkpoint", partial(model.run, k0=k, k1=end), (h,), [model])
             else:
@@ -179,6 +224,8 @@ def _forward(model: Chain, p: dict, x: torch.Tensor, under_remat: bool) -> torch
             for s in [s for s in order if k <= scopes[s]["close"] <= end]:
                 _end(opened, s)
             k = end + 1
+        for o in prefetch:  # ahead of the backward pass, as a plan's offloaded layer does
+            o.prefetch()
         return h.square().mean()
     finally:
         while opened:  # an exception inside: what is open ends, innermost first
@@ -231,8 +278,13 @@ def check_offload_program(p: dict) -> str:
     # Bytes saved under two Offloads go to the host and come back once per Offload; unpacked by both before
     # either drops them (retain_graph), both copies are on the device: a limit (docs/RELIABILITY.md).
     shared_limit = p["twice"] and len(p["scopes"]) > 1
-    if not p["regions"] and not shared_limit and got["peak"] > plain["peak"]:
-        return f"device peak {got['peak']} above the plain run's {plain['peak']}"
+    # A copy brought back of a tensor saved at an offset into its storage starts at that tensor's alignment, in a
+    # block up to the offset's residue larger (remat.offload's alignment_bytes, counted over the step: a bound of
+    # what is alive at the peak); where two views of one storage come back apart, above the plain run's peak by
+    # at most that (seeds 282, 3299, 3991 of the first 20,000 draws with views at offsets: 16 to 64 bytes).
+    if not p["regions"] and not shared_limit and got["peak"] > plain["peak"] + got["alignment"]:
+        return (f"device peak {got['peak']} above the plain run's {plain['peak']} (and {got['alignment']} bytes "
+                "allocated to keep alignments)")
     return ""
 
 

@@ -2,6 +2,8 @@
 and Hugging Face models planned in place give the plain run's losses and gradients, under fp32 and CUDA autocast
 (fp16, bf16); the step's peak stays within the budget; remat's measuring leaves torch.cuda's own peak statistic
 alone; the CUDA meter's windows count the bytes tensors request."""
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -152,6 +154,52 @@ def test_offload_on_cuda_is_the_plain_run_and_frees_the_device():
     held_plain = torch.cuda.memory_allocated(DEV) - base
     loss.backward()
     assert held_offload < held_plain - o.offloaded_bytes // 2, (held_offload, held_plain, o.offloaded_bytes)
+
+
+@pytest.mark.parametrize("keep_base", [True, False])
+def test_a_view_at_an_offset_comes_back_on_cuda_at_its_alignment_and_bitwise(keep_base):
+    # Tensors saved at offsets into one fp16 storage (2, 64 and 256 bytes in: cuBLASLt is handed each operand's
+    # alignment, the largest power of two up to 256 dividing its address, and picks its algorithm by it), found on
+    # the device where the storage is alive, brought back where it is not: each starts at its address modulo 256
+    # as saved (remat.offload's CUDA alignment), and the gradients are the plain run's bitwise.
+    from remat.offload import offload
+    seen = []
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v, w):
+            ctx.save_for_backward(v, w)
+            seen.append(v.data_ptr() % 256)
+            return v @ w
+
+        @staticmethod
+        def backward(ctx, g):
+            v, w = ctx.saved_tensors
+            seen.append(v.data_ptr() % 256)
+            return None, v.t() @ g
+
+    torch.manual_seed(0)
+    values = torch.randn(128 * 64 + 128, device=DEV, dtype=torch.float16)
+    w = torch.randn(64, 64, device=DEV, dtype=torch.float16, requires_grad=True)
+
+    def run(o):
+        w.grad = None
+        base = values.clone()
+        with o:
+            loss = sum(Saves.apply(base[k:k + 128 * 64].view(128, 64), w).float().sum() for k in (1, 32, 128))
+        if not keep_base:
+            del base
+        loss.backward()
+        torch.cuda.synchronize()
+        return w.grad.clone()
+
+    want = run(contextlib.nullcontext())
+    saved = list(seen[:3])
+    seen.clear()
+    o = offload(min_bytes=1024)
+    assert torch.equal(run(o), want)
+    assert seen[:3] == saved and sorted(seen[3:]) == sorted(saved), (saved, seen)
+    assert o.brought_back == (0 if keep_base else 3), o.brought_back
 
 
 def test_planned_offload_on_cuda_is_the_plain_run_within_the_prediction():

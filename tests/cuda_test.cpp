@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <iostream>
@@ -597,6 +598,74 @@ TEST_F(CudaTest, OffloadIsThePlainRunAndFreesTheDevice) {
   EXPECT_GT(bw.to_device_gb_per_s, 1.0);
   std::cout << "offload bandwidth: " << bw.to_host_gb_per_s << " GB/s to the host, " << bw.to_device_gb_per_s
             << " GB/s back\n";
+}
+
+// A matmul that records its first operand's address modulo 256 when it saves it and when it gets it back.
+struct MatmulSeeingAlignment256 : torch::autograd::Function<MatmulSeeingAlignment256> {
+  static std::vector<int64_t>& seen() {
+    static std::vector<int64_t> s;
+    return s;
+  }
+  static int64_t align(const torch::Tensor& t) {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 256);
+  }
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& v,
+                               const torch::Tensor& w) {
+    ctx->save_for_backward({v, w});
+    seen().push_back(align(v));
+    return v.mm(w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    seen().push_back(align(saved[0]));
+    return {torch::Tensor(), saved[0].t().mm(g[0])};
+  }
+};
+
+TEST_F(CudaTest, AViewAtAnOffsetComesBackAtItsAlignmentAndBitwise) {
+  // Tensors saved at offsets into one fp16 storage (2, 64 and 256 bytes in: PyTorch hands cuBLASLt each
+  // operand's alignment, the largest power of two up to 256 dividing its address, and cuBLASLt picks its
+  // algorithm by it), found on the device where the storage is alive, brought back where it is not: each
+  // starts at its address modulo 256 as saved, and the gradient is the plain run's bitwise.
+  torch::manual_seed(0);
+  const auto half = on().dtype(torch::kHalf);
+  const torch::Tensor values = torch::randn({128 * 64 + 128}, half);
+  const torch::Tensor w = torch::randn({64, 64}, half.requires_grad(true));
+  auto step = [&](bool offloaded, bool keep_base, remat::OffloadStats* stats) {
+    w.mutable_grad() = torch::Tensor();
+    torch::Tensor base = values.clone();
+    torch::Tensor loss;
+    std::optional<remat::Offload> scope;
+    if (offloaded) scope.emplace(remat::OffloadOptions().min_bytes(1024));
+    for (int64_t k : {1, 32, 128}) {
+      const torch::Tensor y = MatmulSeeingAlignment256::apply(base.narrow(0, k, 128 * 64).view({128, 64}), w);
+      loss = loss.defined() ? loss + y.to(torch::kFloat).sum() : y.to(torch::kFloat).sum();
+    }
+    if (scope) scope->close();
+    if (!keep_base) base = torch::Tensor();
+    loss.backward();
+    torch::cuda::synchronize();
+    if (scope) *stats = scope->stats();
+    return w.grad().clone();
+  };
+  for (bool keep_base : {true, false}) {
+    MatmulSeeingAlignment256::seen().clear();
+    const torch::Tensor want = step(false, true, nullptr);
+    const std::vector<int64_t> saved(MatmulSeeingAlignment256::seen().begin(),
+                                     MatmulSeeingAlignment256::seen().begin() + 3);
+    MatmulSeeingAlignment256::seen().clear();
+    remat::OffloadStats stats;
+    EXPECT_TRUE(torch::equal(step(true, keep_base, &stats), want)) << keep_base;
+    auto seen = MatmulSeeingAlignment256::seen();
+    ASSERT_EQ(seen.size(), 6u);
+    EXPECT_EQ(std::vector<int64_t>(seen.begin(), seen.begin() + 3), saved) << keep_base;
+    std::vector<int64_t> back(seen.begin() + 3, seen.end()), sorted_saved = saved;
+    std::sort(back.begin(), back.end());
+    std::sort(sorted_saved.begin(), sorted_saved.end());
+    EXPECT_EQ(back, sorted_saved) << keep_base;
+    EXPECT_EQ(stats.brought_back, keep_base ? 0 : 3) << keep_base;
+  }
 }
 
 TEST_F(CudaTest, PlannedOffloadsOnCudaWithinTheBudget) {

@@ -600,28 +600,7 @@ TEST_F(CudaTest, OffloadIsThePlainRunAndFreesTheDevice) {
             << " GB/s back\n";
 }
 
-// A matmul that records its first operand's address modulo 256 when it saves it and when it gets it back.
-struct MatmulSeeingAlignment256 : torch::autograd::Function<MatmulSeeingAlignment256> {
-  static std::vector<int64_t>& seen() {
-    static std::vector<int64_t> s;
-    return s;
-  }
-  static int64_t align(const torch::Tensor& t) {
-    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 256);
-  }
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& v,
-                               const torch::Tensor& w) {
-    ctx->save_for_backward({v, w});
-    seen().push_back(align(v));
-    return v.mm(w);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list g) {
-    const auto saved = ctx->get_saved_variables();
-    seen().push_back(align(saved[0]));
-    return {torch::Tensor(), saved[0].t().mm(g[0])};
-  }
-};
+using MatmulSeeingAlignment256 = remat::testing::MatmulSeeingAlignment<256>;
 
 TEST_F(CudaTest, AViewAtAnOffsetComesBackAtItsAlignmentAndBitwise) {
   // Tensors saved at offsets into one fp16 storage (2, 64 and 256 bytes in: PyTorch hands cuBLASLt each

@@ -355,27 +355,7 @@ TEST(Offload, ATensorStillOnTheDeviceComesBackAsItselfUnlessWrittenSince) {
 }
 
 // v @ w, saving both, with the alignment modulo 64 bytes of v's address in the forward and in the backward.
-struct MatmulSeeingAlignment : torch::autograd::Function<MatmulSeeingAlignment> {
-  static std::vector<int64_t>& seen() {
-    static std::vector<int64_t> s;
-    return s;
-  }
-  static int64_t align(const torch::Tensor& t) {
-    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % 64);
-  }
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& v,
-                               const torch::Tensor& w) {
-    ctx->save_for_backward({v, w});
-    seen().push_back(align(v));
-    return v.mm(w);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list g) {
-    const auto saved = ctx->get_saved_variables();
-    seen().push_back(align(saved[0]));
-    return {torch::Tensor(), saved[0].t().mm(g[0])};
-  }
-};
+using MatmulSeeingAlignment = remat::testing::MatmulSeeingAlignment<64>;
 
 TEST(Offload, ADenseViewAtAnOffsetComesBackAsItselfFoundOrBroughtBack) {
   // A saved tensor that starts inside its storage (a slice one element in: 4 bytes, no multiple of 64), found

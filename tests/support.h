@@ -98,4 +98,29 @@ inline void meter_on() {
   remat::memory::track_cpu();
 }
 
+/// A matmul v.mm(w) that records v's address modulo `Modulus` bytes when it saves v and when autograd hands v
+/// back for its backward pass (seen(), in that order): whether a saved tensor comes back at its alignment.
+template <int64_t Modulus>
+struct MatmulSeeingAlignment : torch::autograd::Function<MatmulSeeingAlignment<Modulus>> {
+  static std::vector<int64_t>& seen() {
+    static std::vector<int64_t> s;
+    return s;
+  }
+  static int64_t align(const torch::Tensor& t) {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(t.data_ptr()) % Modulus);
+  }
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& v,
+                               const torch::Tensor& w) {
+    ctx->save_for_backward({v, w});
+    seen().push_back(align(v));
+    return v.mm(w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    seen().push_back(align(saved[0]));
+    return {torch::Tensor(), saved[0].t().mm(g[0])};
+  }
+};
+
 }  // namespace remat::testing

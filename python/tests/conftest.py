@@ -124,6 +124,27 @@ def per_layer_plan(choices):
     return remat.Plan.from_json(json.dumps({"num_stages": len(choices), "ops": per_layer_ops(choices)}))
 
 
+def matmul_seeing_alignment(seen: list, modulus: int):
+    """A torch.autograd.Function computing v @ w that appends to `seen` v's address modulo `modulus` bytes when it
+    saves v and when autograd hands v back for its backward pass: whether a saved tensor comes back at its
+    alignment (test_offload.py on the CPU, test_cuda.py on CUDA; C++'s tests/support.h has the same)."""
+
+    class Saves(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, v, w):
+            ctx.save_for_backward(v, w)
+            seen.append(v.data_ptr() % modulus)
+            return v @ w
+
+        @staticmethod
+        def backward(ctx, g):
+            v, w = ctx.saved_tensors
+            seen.append(v.data_ptr() % modulus)
+            return None, v.t() @ g
+
+    return Saves
+
+
 def give_plan(lp, ops, **fields):
     """Replaces a profiled LayerPlan's planner with the plan of `ops` (the plan strings; `fields`: more of the plan's
     JSON, as stream_windows and policies) and sets a budget it fits, as the tests and

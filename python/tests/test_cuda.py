@@ -11,7 +11,7 @@ from torch import nn
 import remat
 from remat.meter import meter_for
 
-from conftest import give_plan, groups_to_the_host_pay, per_layer_ops
+from conftest import give_plan, groups_to_the_host_pay, matmul_seeing_alignment, per_layer_ops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -164,19 +164,7 @@ def test_a_view_at_an_offset_comes_back_on_cuda_at_its_alignment_and_bitwise(kee
     # as saved (remat.offload's CUDA alignment), and the gradients are the plain run's bitwise.
     from remat.offload import offload
     seen = []
-
-    class Saves(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v, w):
-            ctx.save_for_backward(v, w)
-            seen.append(v.data_ptr() % 256)
-            return v @ w
-
-        @staticmethod
-        def backward(ctx, g):
-            v, w = ctx.saved_tensors
-            seen.append(v.data_ptr() % 256)
-            return None, v.t() @ g
+    Saves = matmul_seeing_alignment(seen, 256)
 
     torch.manual_seed(0)
     values = torch.randn(128 * 64 + 128, device=DEV, dtype=torch.float16)

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat import _core
 from remat.offload import CopyEngine, HostPool, offload
-from conftest import give_plan, per_layer_ops
+from conftest import give_plan, matmul_seeing_alignment, per_layer_ops
 
 WIDTH, BATCH = 256, 64  # a hidden state: 64 KiB
 
@@ -319,19 +319,7 @@ def test_a_dense_view_at_an_offset_comes_back_with_its_values_and_its_alignment(
     # algorithm) run on it as on the tensor saved. (Added for GPT-OSS's rare non-bitwise steps on the CPU, found
     # later that day to be PyTorch's own race in summing its experts' bias gradients: docs/BENCHMARKS.md.)
     seen = []
-
-    class Saves(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, v, w):
-            ctx.save_for_backward(v, w)
-            seen.append(v.data_ptr() % 64)
-            return v @ w
-
-        @staticmethod
-        def backward(ctx, g):
-            v, w = ctx.saved_tensors
-            seen.append(v.data_ptr() % 64)
-            return None, v.t() @ g
+    Saves = matmul_seeing_alignment(seen, 64)
 
     torch.manual_seed(0)
     values = torch.randn(64 * 64 + 1)

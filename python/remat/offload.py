@@ -343,12 +343,13 @@ def _revived(entry: "_Entry"):
 # or computes by alignment then runs on it as on the tensor saved. On CUDA, PyTorch hands cuBLASLt each operand's
 # alignment, the largest power of two up to 256 that divides its address, and cuBLASLt picks its algorithm by
 # it; on the CPU, MKL's arithmetic outside its reproducible mode may depend on 64-byte alignment.
-ALIGNMENT = {"cuda": 256}
-CPU_ALIGNMENT = 64
+# (C++'s alignment_of in src/runtime/offload/offload.cpp.)
+ALIGNMENT = 64
+CUDA_ALIGNMENT = 256
 
 
 def _alignment(device: torch.device) -> int:
-    return ALIGNMENT.get(device.type, CPU_ALIGNMENT)
+    return CUDA_ALIGNMENT if device.type == "cuda" else ALIGNMENT
 
 
 def _aligned_as(address: int, nbytes: int, device: torch.device) -> torch.Tensor:

@@ -131,7 +131,7 @@ class Chain(nn.Module):
             return u.sin() + u.cos() + u.reshape(-1, 2).sin().reshape(b, w)
         if name == "chunks":  # the rows' two halves through one Linear: its input saved as views at offsets
             a, c = h.chunk(2, 0)
-            return torch.cat([self.lin[k](a), self.lin[k](c).tanh()], 0) if c.numel() else self.lin[k](a)
+            return torch.cat([self.lin[k](a), self.lin[k](c).tanh()], 0)  # b >= 2: both halves have rows
         if name == "bf16":  # saved in another dtype
             return (h.to(torch.bfloat16).sin() * 2).to(torch.float32)
         if name == "permute":  # a dense permutation of a contiguous [2, b, w/2], saved by bmm

@@ -726,6 +726,52 @@ TEST(PerLayerOffload, SimulateChargesOffloadingAsDocumented) {
   EXPECT_EQ(remat::simulate(chain, plan).op_peak_bytes[3], sim.op_peak_bytes[3] - 10);
 }
 
+TEST(PerLayerOffload, ARecomputeHoldsItsInputTwiceWhereTheStageBeforeBroughtItsOwnCopyBack) {
+  // Three equal stages (input and output 10 bytes, Fa keeps 40); offloaded, a stage sends 30 bytes, its input
+  // and its output; checkpointed to the host (Fc@host), its input. In Fa0 Fa1@host Fc2@host, a_2 leaves with
+  // stage 2 and stage 1 sends it too: once stage 2's backward begins, its recompute included, both copies are
+  // back (the Python runtime brings stage 1's back as stage 2's backward begins, before the recompute). The
+  // recompute's transient (30 bytes) makes it the stage's peak. Before 2026-12-04 only the backward was
+  // charged the second copy: the Linear-ReLU stack's Fa2@host Fc3@host held its recompute's generator state
+  // above its prediction with copies made at once.
+  Chain chain = remat::uniform_chain(3, 2.0, 4.0, 10, 40);
+  for (auto& s : chain.stages) {
+    s.offload = remat::OffloadCost{30, true, true};
+    s.checkpoint_offload = remat::OffloadCost{0, true, false};
+    s.fwd_tmp_bytes = 30;
+  }
+  chain.to_host_gb_per_s = 40.0 / 3e6;
+  chain.to_device_gb_per_s = 40.0 / 5e6;
+  auto peaks = [&](const char* text) { return remat::simulate(chain, ops_plan(text, 3)).op_peak_bytes; };
+  // Stage 1 kept on the device: its copy of a_2 is what it saves, one copy. Offloaded: a second (10 bytes)
+  // at the recompute (operation 4) and the backward (5) alike.
+  const std::vector<int64_t> one = peaks("Fa0 Fa1 Fc2@host L Fa2 B2 B1 B0");
+  const std::vector<int64_t> two = peaks("Fa0 Fa1@host Fc2@host L Fa2 B2 B1 B0");
+  // The recompute with one copy: a_0 10, stages 0 and 1's 40 each (a_2 among stage 1's), d_3 10, what it
+  // makes again 40 and its transient 30.
+  const std::vector<int64_t> expected_one = {80, 120, 130, 110, 170, 150, 110, 70};
+  EXPECT_EQ(one, expected_one);
+  EXPECT_EQ(two[4], 170 + 10);
+  EXPECT_EQ(two[5], 150 + 10);
+  // The per-layer program charges it as simulate() does: its least budget is the exhaustive search's.
+  remat::PlannerOptions options;
+  options.offload = true;
+  const std::vector<Candidate> all = every_per_layer_plan(chain, false, false, true);
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Candidate& c : all)
+    least = std::min(least, c.peak);
+  EXPECT_EQ(remat::per_layer_min_budget(chain, options), least);
+  for (const Candidate& c : all) {
+    double best = std::numeric_limits<double>::infinity();
+    for (const Candidate& d : all)
+      if (d.peak <= c.peak) best = std::min(best, d.ms);
+    const Plan plan = remat::per_layer(chain, c.peak, options);
+    EXPECT_EQ(plan.predicted.peak_bytes, remat::simulate(chain, plan).peak_bytes) << plan.to_string();
+    EXPECT_LE(plan.predicted.peak_bytes, c.peak) << plan.to_string();
+    EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9) << plan.to_string();
+  }
+}
+
 TEST(PerLayerOffload, EqualsExhaustiveSearchOnRandomChains) {
   std::mt19937 rng(4242);
   int offloaded = 0, bounded = 0, faster = 0;

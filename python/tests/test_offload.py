@@ -1201,6 +1201,32 @@ def test_a_streamed_layer_that_sends_only_its_input_and_output_is_charged_no_win
     assert got[2] <= predicted
 
 
+def test_a_recompute_after_an_offloaded_layer_holds_its_input_twice_as_its_backward_does():
+    # Layer 2 offloaded sends its ReLU's output (layer 3's input); layer 3 checkpointed with its input on the
+    # host sends it too. Layer 3's backward begins by bringing layer 2's copy back ahead, then recomputes from its
+    # own: both copies are on the device through the recompute, as through the backward. Before (found
+    # 2026-12-04), only the backward was charged the second copy; the recompute, which also holds the generator
+    # state it saves while it replays the first (5,056 bytes), peaked that much above its prediction with copies
+    # made at once (a GPU's copies back, which land during the recompute, are as early). Measured phase by
+    # phase: layer 3's backward to the byte made at once, at most its prediction delayed.
+    model, layers, x, plain, lp = relu_stack()
+    ops = "Fa0 Fa1 Fa2@host Fc3@host L Fa3 B3 B2 B1 B0".split()
+    _, predicted = give_plan(lp, ops)
+    assert lp.choices == ["keep", "keep", "keep@host", "checkpoint@host"], lp.choices
+    for delay in (0, 100):
+        lp.offloads.engines[x.device] = CopyEngine(x.device, delay=delay)
+        phases = Phases(layers, remat.cpu_meter())
+        # Made at once, layer 2's copies leave before the loss: the step is 12% below its prediction, warned of.
+        below = pytest.warns(RuntimeWarning, match="below the plan's prediction")
+        with contextlib.nullcontext() if delay else below:
+            got = stack_step(model, x)
+        same_step(plain, got)
+        measured, expected = phases.done(), predicted_phases(lp.timeline())
+        assert all(peak <= expected[name] for name, peak in measured.items()), (delay, measured, expected)
+        assert measured["B3"] == expected["B3"] or delay, (measured, expected)
+        assert got[2] <= predicted
+
+
 def test_a_tensor_saved_within_bytes_saved_whole_before_it_comes_back_once():
     # An in-place ReLU saves its output whole; a Linear then saves the output's two halves of rows (dense views of
     # the same bytes, the second at an offset). They share the whole's entry: sent once, brought back once, and

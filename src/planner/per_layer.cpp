@@ -255,8 +255,8 @@ int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* ste
 // `bwd_less`: bytes of R_j not on the device in its backward and recompute (a streamed stage's input that
 // left with what it saves, whose measured backward peak holds it back; the chain's input once the first
 // stage took it to the host); `bwd_less_input`: whether the chain's input is among them.
-// `twice`: bytes its backward holds twice (its input, which left with it, beside the stage before's own copy,
-// brought back ahead: simulate()'s rule).
+// `twice`: bytes its backward and its recompute hold twice (its input, which left with it, beside the stage
+// before's own copy, brought back ahead: simulate()'s rule).
 // `dropped`: its input's bytes where they were let go of once its forward was done (Point::output_let_go),
 // else 0: neither its backward nor what runs between holds them.
 int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, int64_t bwd_less,
@@ -330,19 +330,19 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
-  bwd += twice;  // the backward's, not the recompute's below
-  if (keeps) bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_bwd);
+  bwd += twice;  // and the recompute's below
+  if (keeps) bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_bwd + twice);
   bwd += held_back;
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save,
     // and one it saves only until its graph lets go of it (step_op_peaks()'s rule); the recompute itself is
     // charged whole, with a second generators' state (the one the recompute saves while it replays the
-    // first).
+    // first) and its input twice where it came back so (`twice`).
     // Where something besides the runtime holds its first output, the runtime's recompute makes it anew
     // beside it (step_op_peaks()'s rule).
     const int64_t anew = step ? step->recomputed_held[static_cast<size_t>(j)] : 0;
     if (step) bwd -= detail::recompute_unmade_bytes(chain, j) + early;
-    bwd = std::max(bwd + anew, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec + state + anew);
+    bwd = std::max(bwd + anew, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec + state + anew + twice);
   }
   // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next
   // stage's backward, held through its recompute and backward.

@@ -269,6 +269,17 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     return chain->stages[static_cast<size_t>(i)].offload->window_bytes;
   };
 
+  // Stage i's input a_i, which left with it, back beside the stage before's own copy of it (its output, which
+  // it sent too), brought back ahead once stage i's backward began: two copies until stage i's backward is
+  // done, its recompute included (after the loss, the first operation of stage i brings both back).
+  auto twice = [&](int64_t i) -> int64_t {
+    const Away* before = i > 0 ? &away[static_cast<size_t>(i - 1)] : nullptr;
+    return away[static_cast<size_t>(i)].input_left && before && before->output_ahead &&
+                   before->state == Away::kBack
+               ? act(i)
+               : 0;
+  };
+
   auto charge = [&](int64_t peak, size_t k) {
     sim.op_peak_bytes[k] = std::max(sim.op_peak_bytes[k], peak);
     if (peak > sim.peak_bytes) {
@@ -417,7 +428,10 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           const OffloadCost& o = *chain->stages[i].offload;
           charge(current + o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, window_of(i)), k);
         } else {
-          charge(current + out + tmp, k);
+          // After the loss, a recompute: with its input twice where it came back so (twice()). Before
+          // 2026-12-04 only the backward was charged that: the Linear-ReLU stack's Fa2@host Fc3@host held its
+          // recompute's generator state (5,056 bytes) above its prediction, with copies made at once.
+          charge(current + out + tmp + (loss_done ? twice(i) : 0), k);
         }
         current += out - held_bytes(i + 1);
         held[i + 1] = all ? kFull : keep ? kKept : kPlain;
@@ -527,22 +541,19 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const int64_t rest = after_keep ? std::max<int64_t>(0, saved(i + 1) - kept(i + 1)) : 0;
         const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
         Away& own = away[static_cast<size_t>(i)];
-        // Its input a_i, which left with it, back beside the stage before's own copy of it (its output, which
-        // it sent too), brought back ahead while this backward runs: two copies until this one is done.
-        const Away* before = i > 0 ? &away[static_cast<size_t>(i - 1)] : nullptr;
-        const int64_t twice =
-            own.input_left && before && before->output_ahead && before->state == Away::kBack ? act(i) : 0;
+        // Its input twice, where it came back so (twice()).
+        const int64_t two = twice(i);
         if (own.stream) {
           // Streamed: its window came back ahead; within its backward each tensor comes back just ahead of
           // its use (its measured peak, which holds its input brought back: the profile sends it too; a
           // window ahead beside it). Then all it sent is accounted as back, as autograd drops it.
-          charge(current - own.tail + own.window + own.cost.stream_bwd_bytes + twice, k);
+          charge(current - own.tail + own.window + own.cost.stream_bwd_bytes + two, k);
           current += own.device - own.tail;
         } else if (chain && after_keep && kept_groups[i + 1].empty() && kept_with[i + 1] >= 0) {
           // Fk under a policy: its backward's own measured peak, recompute included (or its parts).
           charge(current + act(i) +
                      chain->stages[i].policy_bwd_bytes(policy_at[static_cast<size_t>(kept_with[i + 1])]) +
-                     twice,
+                     two,
                  k);
         } else {
           // Fk with keep tags or a group assignment first recomputes what it did not keep, as its forward
@@ -551,7 +562,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           // attention makes 2.6 MiB of transients in its forward and 0.8 MiB in its backward, held 1.3 MiB
           // (6.5%) above its prediction in C++.
           const int64_t recompute = after_keep && chain ? chain->stages[i].fwd_tmp_bytes : 0;
-          charge(current + rest + std::max(act(i) + tmp + twice, recompute), k);
+          charge(current + rest + two + std::max(act(i) + tmp, recompute), k);
         }
         current += act(i) - held_bytes(i + 1) - act(i + 1);
         held[i + 1] = kNone;

@@ -118,8 +118,9 @@ def test_both_layer_lists_planned_for_one_budget_and_every_step_is_the_plain_run
         assert sum(freed) == (24 * 8 if TRANSFORMERS_4 else 0), freed
     # The profiling step runs every layer checkpointed: its measured peak against the prediction for that plan,
     # within 0.1% both ways (BART was 1.19% above it, T5 1.09% below). On transformers 4.x, T5's and mT5's are
-    # 24 KiB above (0.77%): located to phases, not to a tensor (12 KiB above from the loss's backward on, 24 KiB
-    # in the first two encoder layers' backward passes, where the peak is; a limit of 4.x only, docs/testing.md).
+    # 24 KiB above (0.77%): the first decoder block's cross-attention position bias, a leaf made inside it to
+    # require a gradient, which 4.x masks before handing it on, so that the graph alone holds it to the step's
+    # end, and its gradient from that block's backward on (12 KiB each; a limit of 4.x only, docs/testing.md).
     chain = lp_probe.chain
     every = remat.step_peak_bytes(chain, ctx, remat.checkpoint_all(chain))
     above = 24 * 1024 + 64 if TRANSFORMERS_4 and name in ("t5", "mt5") else 0

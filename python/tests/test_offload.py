@@ -6,7 +6,9 @@ import contextlib
 import copy
 import gc
 import json
+import random
 import re
+import warnings
 
 import pytest
 import torch
@@ -1225,6 +1227,40 @@ def test_a_recompute_after_an_offloaded_layer_holds_its_input_twice_as_its_backw
         assert all(peak <= expected[name] for name, peak in measured.items()), (delay, measured, expected)
         assert measured["B3"] == expected["B3"] or delay, (measured, expected)
         assert got[2] <= predicted
+
+
+STACK_WAYS = ("Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host",
+              "Fc{i}", "Fc{i}@host")
+
+
+def test_random_plans_of_the_stacks_ways_hold_at_most_their_prediction():
+    # The stack's four layers each run one of its eight ways, drawn at random, every plan with copies made at once
+    # and delayed: every step the plain run's, none above its prediction. Over all 4,096 such plans, 120 runs were
+    # above before 2026-12-04's charge of a recompute's second copy (up to 0.77%), none since; of these 100
+    # draws, seeds 59, 73 and 92 went above then (5 runs of 200; test_random.py's REMAT_RANDOM_SEED and
+    # REMAT_RANDOM_COUNT draw others).
+    from test_random import _seeds
+    model, layers, x, plain, lp = relu_stack()
+    chain, above = lp.chain, []
+    for seed in _seeds(1, 100):
+        rng = random.Random(seed)
+        fwd, bwd, windows = [], [], []
+        for i, st in enumerate(chain.stages):
+            op = rng.choice(STACK_WAYS).format(i=i)
+            windows.append(st.offload.window_bytes if op.endswith("@stream") else 0)
+            fwd.append(op.replace("@stream0", "@stream"))
+        for i in reversed(range(len(chain.stages))):
+            bwd += [f"Fa{i}", f"B{i}"] if fwd[i].startswith("Fc") else [f"B{i}"]
+        _, predicted = give_plan(lp, fwd + ["L"] + bwd, stream_windows=windows, policies=list(chain.policies))
+        for delay in (0, 100):
+            lp.offloads.engines[x.device] = CopyEngine(x.device, delay=delay)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # steps below their prediction, warned of
+                got = stack_step(model, x)
+            same_step(plain, got)
+            if got[2] > predicted:
+                above.append(f"seed {seed}, delay {delay}: {' '.join(fwd)} held {got[2]}, predicted {predicted}")
+    assert not above, "\n".join(above)
 
 
 def test_a_tensor_saved_within_bytes_saved_whole_before_it_comes_back_once():

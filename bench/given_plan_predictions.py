@@ -24,10 +24,17 @@ output, under each way on every layer. With --phases, each way's delayed step is
 that allocate nothing) beside the prediction's peak for that phase (remat/planner/timeline.h's points).
 
     python bench/given_plan_predictions.py --stack --phases
+
+--stack --every runs every plan of the stack's eight ways on its four layers (the ways of WAYS but the group
+assignments: 4,096 plans, each step with copies made at once and delayed, about 30 s) and counts, per engine, the
+steps above their prediction (each named) and those within 0.01% of it.
+
+    python bench/given_plan_predictions.py --stack --every
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import sys
@@ -104,6 +111,42 @@ def stack(phases: bool = False) -> int:
     return 0
 
 
+def every_stack_plan() -> int:
+    """Every plan of the stack's ways (WAYS without the group assignments, which the stack is not profiled
+    for), each step with copies made at once and delayed: the steps above their prediction, and how many are
+    within 0.01% of it."""
+    model, layers, x, plain, lp = relu_stack()
+    chain = lp.chain
+    ways = [w for w in WAYS if w != "groups"]
+
+    def run_step() -> int:
+        got = stack_step(model, x)
+        same_step(plain, got)
+        return got[2]
+
+    errors, above = {"at once": [], "delayed": []}, []
+    for combo in itertools.product(ways, repeat=len(chain.stages)):
+        fwd = [w.format(i=i) for i, w in enumerate(combo)]
+        windows = [st.offload.window_bytes if op.endswith("@stream") else 0 for st, op in zip(chain.stages, fwd)]
+        fwd = [op.replace("@stream0", "@stream") for op in fwd]
+        bwd = []
+        for i in reversed(range(len(fwd))):
+            bwd += [f"Fa{i}", f"B{i}"] if fwd[i].startswith("Fc") else [f"B{i}"]
+        predicted, peaks = run_given(lp, chain, fwd + ["L"] + bwd, windows, run_step)
+        for name, peak in zip(errors, peaks):
+            errors[name].append(peak / predicted - 1)
+            if peak > predicted:
+                above.append(f"{name}: {' '.join(combo).format(i='')} held {peak}, predicted {predicted}")
+    print(f"torch {torch.__version__}; test_offload.py's Linear-ReLU stack, every plan of {len(ways)} ways on "
+          f"{len(chain.stages)} layers ({len(errors['delayed'])} plans)")
+    for name, e in errors.items():
+        print(f"{name}: errors from {min(e):+.2%} to {max(e):+.2%}; {sum(x > 0 for x in e)} above the prediction; "
+              f"{sum(abs(x) < 1e-4 for x in e)} of {len(e)} within 0.01%")
+    for line in above:
+        print("above:", line)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plans", type=int, default=24, help="how many random plans")
@@ -111,10 +154,14 @@ def main(argv=None) -> int:
     ap.add_argument("--stack", action="store_true", help="the Linear-ReLU stack, each way on every layer")
     ap.add_argument("--phases", action="store_true",
                     help="with --stack: each phase's peak, measured/predicted (copies delayed)")
+    ap.add_argument("--every", action="store_true",
+                    help="with --stack: every plan of its ways mixed, counted (about 30 s)")
     args = ap.parse_args(argv)
-    if args.phases and not args.stack:
-        ap.error("--phases is for --stack")
+    if (args.phases or args.every) and not args.stack:
+        ap.error("--phases and --every are for --stack")
     warnings.simplefilter("ignore")
+    if args.stack and args.every:
+        return every_stack_plan()
     if args.stack:
         return stack(args.phases)
     meter = remat.cpu_meter()

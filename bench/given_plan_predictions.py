@@ -25,9 +25,9 @@ that allocate nothing) beside the prediction's peak for that phase (remat/planne
 
     python bench/given_plan_predictions.py --stack --phases
 
---stack --every runs every plan of the stack's eight ways on its four layers (the ways of WAYS but the group
-assignments: 4,096 plans, each step with copies made at once and delayed, about 30 s) and counts, per engine, the
-steps above their prediction (each named) and those within 0.01% of it.
+--stack --every runs every plan of the stack's eight ways on its four layers (test_offload.py's STACK_WAYS,
+those of WAYS but the group assignments: 4,096 plans, each step with copies made at once and delayed, about 30 s)
+and counts, per engine, the steps above their prediction (each named) and those within 0.01% of it.
 
     python bench/given_plan_predictions.py --stack --every
 """
@@ -47,9 +47,9 @@ import torch  # noqa: E402
 import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
-from conftest import give_plan  # noqa: E402
+from conftest import forwards_plan, give_plan  # noqa: E402
 from test_hf import make, same, step  # noqa: E402
-from test_offload import Phases, predicted_phases, relu_stack, same_step, stack_step  # noqa: E402
+from test_offload import STACK_WAYS, Phases, predicted_phases, relu_stack, same_step, stack_step  # noqa: E402
 
 WAYS = ["Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host", "Fc{i}",
         "Fc{i}@host", "groups", "groups"]
@@ -57,20 +57,14 @@ WAYS = ["Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]"
 
 def draw(chain, rng: random.Random) -> tuple[str, list[int]]:
     """A random per-layer plan's text and its stream windows (the chain's where streamed with one)."""
-    n = len(chain.stages)
-    fwd, bwd, windows = [], [], []
+    fwd = []
     for i, st in enumerate(chain.stages):
         way = rng.choice(WAYS)
         if way == "groups":
             way = "Fk{i}{{" + "".join(rng.choice("khr") for _ in st.groups) + "}}"
-        op = way.format(i=i)
-        windows.append(st.offload.window_bytes if op.endswith("@stream") else 0)
-        fwd.append(op.replace("@stream0", "@stream"))
-    for i in reversed(range(n)):
-        if fwd[i].startswith("Fc"):
-            bwd.append(f"Fa{i}")
-        bwd.append(f"B{i}")
-    return " ".join(fwd + ["L"] + bwd), windows
+        fwd.append(way.format(i=i))
+    ops, windows = forwards_plan(chain, fwd)
+    return " ".join(ops), windows
 
 
 def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
@@ -112,12 +106,11 @@ def stack(phases: bool = False) -> int:
 
 
 def every_stack_plan() -> int:
-    """Every plan of the stack's ways (WAYS without the group assignments, which the stack is not profiled
-    for), each step with copies made at once and delayed: the steps above their prediction, and how many are
-    within 0.01% of it."""
+    """Every plan of the stack's ways (test_offload.py's STACK_WAYS: WAYS without the group assignments, which
+    the stack is not profiled for), each step with copies made at once and delayed: the steps above their
+    prediction, and how many are within 0.01% of it."""
     model, layers, x, plain, lp = relu_stack()
     chain = lp.chain
-    ways = [w for w in WAYS if w != "groups"]
 
     def run_step() -> int:
         got = stack_step(model, x)
@@ -125,20 +118,15 @@ def every_stack_plan() -> int:
         return got[2]
 
     errors, above = {"at once": [], "delayed": []}, []
-    for combo in itertools.product(ways, repeat=len(chain.stages)):
-        fwd = [w.format(i=i) for i, w in enumerate(combo)]
-        windows = [st.offload.window_bytes if op.endswith("@stream") else 0 for st, op in zip(chain.stages, fwd)]
-        fwd = [op.replace("@stream0", "@stream") for op in fwd]
-        bwd = []
-        for i in reversed(range(len(fwd))):
-            bwd += [f"Fa{i}", f"B{i}"] if fwd[i].startswith("Fc") else [f"B{i}"]
-        predicted, peaks = run_given(lp, chain, fwd + ["L"] + bwd, windows, run_step)
+    for combo in itertools.product(STACK_WAYS, repeat=len(chain.stages)):
+        ops, windows = forwards_plan(chain, [w.format(i=i) for i, w in enumerate(combo)])
+        predicted, peaks = run_given(lp, chain, ops, windows, run_step)
         for name, peak in zip(errors, peaks):
             errors[name].append(peak / predicted - 1)
             if peak > predicted:
                 above.append(f"{name}: {' '.join(combo).format(i='')} held {peak}, predicted {predicted}")
-    print(f"torch {torch.__version__}; test_offload.py's Linear-ReLU stack, every plan of {len(ways)} ways on "
-          f"{len(chain.stages)} layers ({len(errors['delayed'])} plans)")
+    print(f"torch {torch.__version__}; test_offload.py's Linear-ReLU stack, every plan of {len(STACK_WAYS)} ways "
+          f"on {len(chain.stages)} layers ({len(errors['delayed'])} plans)")
     for name, e in errors.items():
         print(f"{name}: errors from {min(e):+.2%} to {max(e):+.2%}; {sum(x > 0 for x in e)} above the prediction; "
               f"{sum(abs(x) < 1e-4 for x in e)} of {len(e)} within 0.01%")

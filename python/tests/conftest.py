@@ -113,10 +113,25 @@ def per_layer_ops(choices) -> list[str]:
     for i, c in enumerate(choices):
         base, host = (c[: -len("@host")], "@host") if c.endswith("@host") else (c, "")
         ops.append({"keep": f"Fa{i}", "checkpoint": f"Fc{i}"}.get(base, f"Fk{i}[{base}]") + host)
-    ops.append("L")
-    for i in reversed(range(len(choices))):
-        ops += [f"Fa{i}"] * choices[i].startswith("checkpoint") + [f"B{i}"]
+    return ops + backward_ops(ops)
+
+
+def backward_ops(forwards) -> list[str]:
+    """What follows a per-layer plan's forwards (plan strings, one per layer): the loss, then each layer's
+    backward, a checkpointed one (Fc) recomputed right before it."""
+    ops = ["L"]
+    for i in reversed(range(len(forwards))):
+        ops += [f"Fa{i}"] * forwards[i].startswith("Fc") + [f"B{i}"]
     return ops
+
+
+def forwards_plan(chain, forwards) -> tuple[list[str], list[int]]:
+    """The per-layer plan whose forwards are `forwards` ("Fa0@stream", "Fa1@stream0", "Fc2@host", ...), as
+    give_plan takes it: its plan strings (backward_ops after them) and its stream windows (the chain's window
+    for "@stream", none for "@stream0", which runs as "@stream" with window 0)."""
+    windows = [st.offload.window_bytes if op.endswith("@stream") else 0 for st, op in zip(chain.stages, forwards)]
+    ops = [op.replace("@stream0", "@stream") for op in forwards]
+    return ops + backward_ops(ops), windows
 
 
 def per_layer_plan(choices):

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 import remat
 from remat import _core
 from remat.offload import CopyEngine, HostPool, offload
-from conftest import give_plan, matmul_seeing_alignment, per_layer_ops
+from conftest import forwards_plan, give_plan, matmul_seeing_alignment, per_layer_ops
 
 WIDTH, BATCH = 256, 64  # a hidden state: 64 KiB
 
@@ -1244,14 +1244,9 @@ def test_random_plans_of_the_stacks_ways_hold_at_most_their_prediction():
     chain, above = lp.chain, []
     for seed in _seeds(1, 100):
         rng = random.Random(seed)
-        fwd, bwd, windows = [], [], []
-        for i, st in enumerate(chain.stages):
-            op = rng.choice(STACK_WAYS).format(i=i)
-            windows.append(st.offload.window_bytes if op.endswith("@stream") else 0)
-            fwd.append(op.replace("@stream0", "@stream"))
-        for i in reversed(range(len(chain.stages))):
-            bwd += [f"Fa{i}", f"B{i}"] if fwd[i].startswith("Fc") else [f"B{i}"]
-        _, predicted = give_plan(lp, fwd + ["L"] + bwd, stream_windows=windows, policies=list(chain.policies))
+        fwd = [rng.choice(STACK_WAYS).format(i=i) for i in range(len(chain.stages))]
+        ops, windows = forwards_plan(chain, fwd)
+        _, predicted = give_plan(lp, ops, stream_windows=windows, policies=list(chain.policies))
         for delay in (0, 100):
             lp.offloads.engines[x.device] = CopyEngine(x.device, delay=delay)
             with warnings.catch_warnings():

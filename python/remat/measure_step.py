@@ -4,6 +4,7 @@ them, and what is known per input shape (its profile, step context and plan)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 import weakref
@@ -156,6 +157,38 @@ def storage_ref(t: torch.Tensor) -> StorageWeakRef | None:
         return None
 
 
+def live_storages(device: torch.device) -> dict[int, StorageWeakRef]:
+    """The storages on `device` of every plain tensor alive now as a Python object (the garbage collector's
+    objects; parameters and other subclasses left out), by storage_key(), each with a weak reference to it. Read
+    once per profiling step, at the first layer's call where it takes tensors beside its input: about 25 ms in a
+    process with transformers loaded (370,000 objects). (Not the calling frames' locals: reading them from
+    Python 3.11 or 3.12 holds what they refer to until the frame returns, which changed what the profiling step
+    measured.)"""
+    out: dict[int, StorageWeakRef] = {}
+    for o in gc.get_objects():
+        if type(o) is torch.Tensor:  # (type(), not isinstance(): an object's __class__ may be a property that
+            # warns, as torch.distributed.reduce_op's does)
+            try:
+                if o.device != device:
+                    continue
+                k = storage_key(o)
+                if k not in out:
+                    ref = storage_ref(o)
+                    if ref is not None:
+                        out[k] = ref
+            except RuntimeError:
+                continue
+    return out
+
+
+def storage_is(t: torch.Tensor, ref: StorageWeakRef) -> bool:
+    """Whether t's storage is the one `ref` refers to (not another at the same address since)."""
+    try:
+        return StorageWeakRef(t.untyped_storage()) == ref
+    except RuntimeError:
+        return False
+
+
 def storage_users(t: torch.Tensor | StorageWeakRef) -> int | None:
     """How many owners t's storage has (its use count: each tensor sharing it, less the reference this read
     takes: a tensor's storage handle, a weak reference's lock; 0 where a weak reference's storage was freed), or
@@ -298,6 +331,10 @@ class Step:
         # the first layer takes (made before the layers: their gradients only are charged), and per storage
         # made during the layers, its bytes and its gradient's.
         self.before_chain: set[int] = set()
+        # The storages of the tensors alive when the first layer is called (live_storages()): a storage a later
+        # layer takes first that was among them (Gemma-2's full-attention mask, made before the layers with the
+        # sliding one the first layer takes) is made before the layers too, and charged as before_chain's.
+        self.alive_at_chain: dict[int, StorageWeakRef] = {}
         self.side: dict[int, int] = {}
         # Per storage the layers take beside their input with a gradient: the last layer that takes it (whose
         # backward its gradient arrives at: StepContext.side_grads_bytes) and the gradient's bytes.
@@ -457,6 +494,17 @@ class Step:
         figures; `outs`: the earlier layers' outputs' storage keys (layer_outputs())."""
         if i == 0:
             self.before_chain = {storage_key(t) for t in taken}
+        else:
+            # Made before the layers (alive, the same storage, when the first layer was called): charged as
+            # the first layer's are, in before_saved_bytes (the step's count at the chain's start), not in
+            # side_bytes too. Before (found 2026-12-04), Gemma-2's full-attention mask was charged twice.
+            for t in taken:
+                k = storage_key(t)
+                ref = self.alive_at_chain.get(k)
+                if ref is not None and not ref.expired() and k not in self.side and k not in outs \
+                        and k not in self.side_handed and storage_is(t, ref):
+                    self.before_chain.add(k)
+            self.alive_at_chain = {k: r for k, r in self.alive_at_chain.items() if not r.expired()}
         made = [t for t in handed if isinstance(t, torch.Tensor) and storage_key(t) not in self.before_chain]
         taken_keys = {storage_key(t) for t in taken}
         for t in [*taken, *made]:
@@ -718,6 +766,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     step.calls.append((fn, run_args, run_args[0]) if i >= 1 else (fn, args, x))
     aliased = storage_users(x) if i in step.made_inputs else None
     taken = taken_tensors(fn, args)
+    if i == 0 and taken:  # (a layer that takes nothing beside its input: later ones are not looked at so)
+        step.alive_at_chain = live_storages(x.device)
     # The count now, and what of it the layers take beside their input that was made since the last layer
     # returned (charged as side_bytes): what runs between the two is read without it (watch_between). An
     # earlier layer's output was made before then (and is charged as that layer's output).

@@ -163,6 +163,11 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
   ctx.residual_grad_shared.assign(chain.stages.size(), true);
   for (size_t j = 0; j < chain.stages.size(); ++j)
     ctx.residual_grad_shared[j] = !(coin(rng) && coin(rng));
+  // And what a checkpointed stage's backward makes before its recompute begins
+  // (Stage::grads_before_recompute_bytes), on about half, up to twice the output.
+  for (remat::Stage& s : chain.stages)
+    if (coin(rng))
+      s.grads_before_recompute_bytes = std::uniform_int_distribution<int64_t>(0, 2 * s.output_bytes)(rng);
 }
 
 // A step around `chain` for trial `trial` of a random test: the chain's input of 2000 to 4000 bytes, what
@@ -2971,6 +2976,38 @@ TEST(Step, APolicyThatDoesNotHoldItsOutputLeavesItGoneByItsBackward) {
   std::string bad = remat::to_json(unheld);
   bad.replace(bad.find(flag), flag.size(), "\"saves_output\": 0");
   EXPECT_THROW_WITH_STD(remat::chain_from_json(bad), "\"saves_output\" must be true or false");
+}
+
+// A stage checkpointed per call is recomputed inside its backward, once the backward of its last operations
+// (which reads nothing saved: a mixture of experts' sum over each token's experts) made their gradients:
+// Stage::grads_before_recompute_bytes, charged to that recompute in a step, and in the per-layer program, not
+// to a kept stage nor to a plan run by the chain's executor (simulate(), which recomputes before the
+// backward). Before (found 2026-12-04), a 4-layer GPT-OSS whose last layer was checkpointed held 131,072
+// bytes above its recompute's charge.
+TEST(Step, ACheckpointedStagesRecomputeHoldsWhatItsBackwardMadeBeforeIt) {
+  Chain c = hand_chain(2, 1000, 7000);
+  c.stages[1].fwd_tmp_bytes = 90000;  // stage 1's recompute: the step's peak
+  remat::StepContext ctx;
+  ctx.stage_grads_bytes = {10, 20};
+  const Plan fc = ops_plan("Fa0 Fc1 L Fa1 B1 B0", 2), keep = remat::no_checkpoint(c);
+  Chain m = c;
+  m.stages[1].grads_before_recompute_bytes = 1500;
+  EXPECT_EQ(remat::step_peak_bytes(m, ctx, fc) - remat::step_peak_bytes(c, ctx, fc), 1500);
+  EXPECT_EQ(remat::step_peak_bytes(m, ctx, keep), remat::step_peak_bytes(c, ctx, keep));
+  EXPECT_EQ(remat::simulate(m, fc).peak_bytes, remat::simulate(c, fc).peak_bytes);
+  // The per-layer program charges it as the step does: its least budget is that of the least plan of them
+  // all.
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Candidate& k : every_per_layer_plan(m, false, false))
+    least = std::min(least, remat::step_peak_bytes(m, ctx, k.plan));
+  EXPECT_EQ(remat::min_step_budget(m, ctx, "per-layer"), least);
+  // Written where not 0, read back; a negative one refused.
+  const std::string js = remat::to_json(m);
+  EXPECT_NE(js.find("\"grads_before_recompute_bytes\": 1500"), std::string::npos);
+  EXPECT_EQ(remat::chain_from_json(js).stages[1].grads_before_recompute_bytes, 1500);
+  EXPECT_EQ(remat::to_json(c).find("grads_before_recompute_bytes"), std::string::npos);
+  m.stages[1].grads_before_recompute_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::validate(m), "negative grads_before_recompute_bytes");
 }
 
 // A residual sum outside the layers (`x = x + layer(x)`: StepContext::between_frees_output) hands a stage's

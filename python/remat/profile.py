@@ -560,27 +560,55 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     def targets_of(i, leaf):
         return params[i] + ([leaf] if input_grad[i] else [])
 
-    def run_as(i, how, leaf, counter=None):
+    def run_as(i, how, leaf, counter=None, calls=None):
         """Stage i on `leaf` as choice `how` runs it: compiled, inside its graph; else kept as it is, or under
-        torch.utils.checkpoint (with the policy `how` names, through remat's selective checkpointing)."""
+        torch.utils.checkpoint (with the policy `how` names, through remat's selective checkpointing). With
+        `calls` (a list), checkpointed: the meter's count appended to it at each call of the stage's function,
+        its forward's and its recompute's."""
         st = stage_list[i]
         if compiled[i]:
             return check_out(i, st.compiled(how, leaf))
         if how == KEEP:
             return check_out(i, st(leaf))
         mods = [st.module] if st.module is not None else []
+
+        def counted(*a):
+            calls.append(meter.count())
+            return st.fn(*a)
+
+        fn = st.fn if calls is None else counted
         # As the runtime's checkpointed layers run; `counter`, when given, takes what is kept, as an Offload would.
-        return check_out(i, checkpoint_region(st.fn, (leaf,), mods, None if how == CHECKPOINT else pols[how],
+        return check_out(i, checkpoint_region(fn, (leaf,), mods, None if how == CHECKPOINT else pols[how],
                                               counter, route_kept=counter is not None))
 
-    def timed_backward(out, targets, i, grads_peak=False, hold_grad=False):
+    def recompute_overhead():
+        """What a checkpoint's recompute holds before it calls the stage's function again, whatever the stage
+        (bytes): the count at that call above the backward's start (the gradient it is handed counted), for a
+        function whose backward first reads what it saved (t * t). On the CPU, the generators' state the
+        recompute saves while it replays the first, which the step's model charges apart
+        (StepContext.checkpoint_state_bytes)."""
+        x = torch.zeros(1, device=device, requires_grad=True)
+        seen = []
+
+        def square(t):
+            seen.append(meter.count())
+            return t * t
+
+        y = checkpoint_region(square, (x,))
+        g = torch.ones_like(y)
+        start = meter.count()
+        torch.autograd.backward(y, g)
+        del y, g, x
+        return seen[1] - start if len(seen) >= 2 else 0
+
+    def timed_backward(out, targets, i, grads_peak=False, hold_grad=False, starts=None):
         """Stage i's backward from `out` with d = ones; returns its time and its peak above what was alive
         before it with d (d is made in the backward pass, held by autograd alone and freed once used, as a
         training step's gradient is: _SeedGradient), and with `grads_peak` (else None) that peak had the
         backward made its parameters' gradients (_GradsPeak). `out` may be a list holding the output alone:
         taken from it and let go of once the root is made, so that only the stage's graph holds the output
         through its backward (output_freed_in_backward). With `hold_grad`, d is held through the backward
-        (grad_held_in_backward)."""
+        (grad_held_in_backward). With `starts` (a list), the count it reads its peak above is appended to it."""
         let_go = isinstance(out, list)
         if let_go:
             out = out.pop()
@@ -590,6 +618,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             seed = torch.zeros((), dtype=root.dtype, device=root.device)
             sync()
             before = meter.count() + out.nbytes
+            if starts is not None:
+                starts.append(before)
             if let_go:
                 del out
             window = meter.window()
@@ -775,12 +805,15 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 # checkpointing every stage holds); then each stage under each policy, its backward right after
                 # its forward (one stage's kept tensors at a time).
                 leaves, outs, cf = [None] * n, [None] * n, [0.0] * n
+                # Per stage, the count at each call of its function: its forward's, then its recompute's.
+                calls = [[] for _ in range(n)]
+                before_call = recompute_overhead() if measure else 0
                 for i in range(n):
                     leaves[i] = leaf_of(i)
                     sync()
                     with meter.window() as window:
                         t0 = time.perf_counter()
-                        outs[i] = run_as(i, CHECKPOINT, leaves[i])
+                        outs[i] = run_as(i, CHECKPOINT, leaves[i], calls=calls[i] if measure else None)
                         sync()
                         cf[i] = (time.perf_counter() - t0) * 1e3
                         peak = window.peak()
@@ -791,7 +824,17 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     report("checkpointed", names[i])
                 for i in reversed(range(n)):
                     targets = targets_of(i, leaves[i])
-                    cb = timed_backward(outs[i], targets, i)[0] if outs[i].requires_grad and targets else 0.0
+                    starts = []
+                    cb = timed_backward(outs[i], targets, i, hold_grad=True, starts=starts)[0] \
+                        if outs[i].requires_grad and targets else 0.0
+                    if measure and starts and len(calls[i]) >= 2 and not compiled[i]:
+                        # What its backward made before it asked for a tensor it did not keep, beyond the
+                        # gradient it was handed, held through (as a residual sum holds it; where nothing does
+                        # and the backward let go of it by then, the step is charged it all the same: safe)
+                        # (Stage.grads_before_recompute_bytes): the count as the recompute called its function,
+                        # above the one the backward began at.
+                        fields[i]["early"] = max(fields[i].get("early", 0), calls[i][1] - starts[0] - before_call)
+                    calls[i] = []
                     outs[i] = leaves[i] = None
                     if keep:
                         fields[i]["ckpt_fwd"].append(cf[i])
@@ -891,6 +934,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         s.has_backward = f.get("has_bwd", True)
         s.bwd_output_freed_bytes = f.get("out_freed", 0)
         s.bwd_grad_held_bytes = f.get("grad_held")
+        s.grads_before_recompute_bytes = max(0, f.get("early", 0))
         s.fwd_tmp_bytes = f["ftmp"]
         s.fwd_nosave_tmp_bytes = max(0, f["ntmp"])
         s.bwd_tmp_bytes = f["btmp"]

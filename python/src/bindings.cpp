@@ -156,6 +156,10 @@ NB_MODULE(_core, m) {
       .def_rw("bwd_output_freed_bytes", &remat::Stage::bwd_output_freed_bytes,
               "how much lower its backward's peak, run as Fa, is where its graph alone holds its output, "
               "which it lets go of once the operations that saved it have run backward (0: held through)")
+      .def_rw("grads_before_recompute_bytes", &remat::Stage::grads_before_recompute_bytes,
+              "checkpointed per call: what its backward holds beyond the gradient it is handed when its "
+              "recompute begins (bytes; the gradients of its last operations, whose backward reads nothing "
+              "saved; 0: none)")
       .def_rw("bwd_grad_held_bytes", &remat::Stage::bwd_grad_held_bytes,
               "how much higher its backward, run as Fa, peaks with the gradient it is handed held through it "
               "(as a residual sum outside the layers holds it) than with it let go of once used (bytes), or "

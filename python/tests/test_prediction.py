@@ -860,3 +860,44 @@ def test_a_post_norm_bert_under_autocast_lets_go_of_each_layers_input_once_its_f
     assert list(lp.context.inputs_held_in_forward) == [False] * 4
     assert not lp.context.input_held_in_backward
     assert abs(lp.prediction_error) <= 0.001, lp.prediction_error
+
+
+class _Combined(torch.nn.Module):
+    """A residual layer ending as a mixture of experts does, in a sum over each token's k outputs of a Linear:
+    that sum's backward and the reshape's before it read nothing saved and hand the Linear a copy of the
+    gradient k times the output's (an expanded gradient reshaped); the residual path holds the gradient the
+    layer is handed. Before the Linear, a transient 16 times the output that the layer does not save (a
+    detached repeat, summed)."""
+
+    def __init__(self, width=64, k=2):
+        super().__init__()
+        self.k = k
+        self.lin = torch.nn.Linear(width, k * width)
+
+    def forward(self, x):
+        t = x.detach().repeat(1, 16).sum(-1, keepdim=True)
+        z = self.lin(x + t)
+        return x + z.view(*x.shape[:-1], self.k, x.shape[-1]).sum(-2)
+
+
+def test_the_gradients_a_checkpointed_layers_backward_makes_before_its_recompute_are_charged(meter):
+    # torch.utils.checkpoint recomputes a layer once its backward first asks for a tensor the layer did not keep:
+    # the backward of its last operations, which reads nothing saved, has run by then, and what it made is held
+    # through the recompute (Stage.grads_before_recompute_bytes: here the copied gradient, twice the output's
+    # bytes, measured with the gradient the layer is handed held through, as its residual path holds it; the
+    # recompute's transient beside it is the step's peak). Found 2026-12-04: a 4-layer GPT-OSS with its
+    # last layer checkpointed held 131,072 bytes (its experts' combined gradient) above its recompute's charge.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*(_Combined() for _ in range(4)))
+    x = torch.randn(256, 64)
+    lp = remat.enable(m, list(m), budget=1 << 40, policies=(), replan_on_overshoot=False)
+    _train_with_times(m, x, lp, _checkpointed)
+    assert str(lp.plan) == "Fc0 Fc1 Fc2 Fc3 L Fa3 B3 Fa2 B2 Fa1 B1 Fa0 B0"
+    assert abs(lp.prediction_error) <= 1e-3, (lp.last_peak_bytes, lp.predicted_peak_bytes)
+    chain = lp.chain
+    assert [st.grads_before_recompute_bytes for st in chain.stages] == [2 * st.output_bytes for st in chain.stages]
+    # Without the figure the step is charged less than it held; kept, the layers' backward holds the copy as it
+    # is measured (bwd_tmp_bytes), and nothing changes.
+    for st in chain.stages:
+        st.grads_before_recompute_bytes = 0
+    assert remat.step_peak_bytes(chain, lp.context, lp.plan) < lp.last_peak_bytes

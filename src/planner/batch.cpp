@@ -123,6 +123,8 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.has_backward = sa.has_backward || sb.has_backward;  // likewise
     s.autocast_cache_bytes =
         std::max<int64_t>(0, line.bytes(sa.autocast_cache_bytes, sb.autocast_cache_bytes));
+    s.grads_before_recompute_bytes =
+        std::max<int64_t>(0, line.bytes(sa.grads_before_recompute_bytes, sb.grads_before_recompute_bytes));
     s.bwd_output_freed_bytes = std::clamp<int64_t>(
         line.bytes(sa.bwd_output_freed_bytes, sb.bwd_output_freed_bytes), 0, s.output_bytes);
     s.fwd_tmp_bytes = line.bytes(sa.fwd_tmp_bytes, sb.fwd_tmp_bytes);

@@ -147,6 +147,7 @@ void validate(const Chain& chain) {
     check_bytes(chain, i, "bwd_tmp_bytes", s.bwd_tmp_bytes);
     check_bytes(chain, i, "bwd_output_freed_bytes", s.bwd_output_freed_bytes);
     check_bytes(chain, i, "autocast_cache_bytes", s.autocast_cache_bytes);
+    check_bytes(chain, i, "grads_before_recompute_bytes", s.grads_before_recompute_bytes);
     check_within_output(chain, i, "bwd_output_freed_bytes", s.bwd_output_freed_bytes);
     if (s.bwd_grad_held_bytes) {
       check_bytes(chain, i, "bwd_grad_held_bytes", *s.bwd_grad_held_bytes);
@@ -302,6 +303,8 @@ std::string to_json(const Chain& chain) {
     if (s.bwd_grad_held_bytes) js["bwd_grad_held_bytes"] = *s.bwd_grad_held_bytes;
     if (!s.has_backward) js["has_backward"] = false;
     if (s.autocast_cache_bytes != 0) js["autocast_cache_bytes"] = s.autocast_cache_bytes;
+    if (s.grads_before_recompute_bytes != 0)
+      js["grads_before_recompute_bytes"] = s.grads_before_recompute_bytes;
     js["fwd_tmp_bytes"] = s.fwd_tmp_bytes;
     if (s.fwd_nosave_tmp_bytes) js["fwd_nosave_tmp_bytes"] = *s.fwd_nosave_tmp_bytes;
     js["bwd_tmp_bytes"] = s.bwd_tmp_bytes;
@@ -458,6 +461,8 @@ Chain chain_from_json(const std::string& text) {
     s.has_backward = boolean(js, "has_backward", where, true);
     if (js.contains("autocast_cache_bytes"))
       s.autocast_cache_bytes = required<int64_t>(js, "autocast_cache_bytes", where);
+    if (js.contains("grads_before_recompute_bytes"))
+      s.grads_before_recompute_bytes = required<int64_t>(js, "grads_before_recompute_bytes", where);
     if (js.contains("bwd_output_freed_bytes"))
       s.bwd_output_freed_bytes = required<int64_t>(js, "bwd_output_freed_bytes", where);
     if (js.contains("bwd_grad_held_bytes"))

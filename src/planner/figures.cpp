@@ -140,6 +140,7 @@ void visit(C& chain, X& context, V& v) {
     v.flag(s.saves_input);   // likewise
     v.flag(s.has_backward);  // likewise
     v.bytes(s.autocast_cache_bytes);
+    v.bytes(s.grads_before_recompute_bytes);
     // A credit where the runtime does not hold outputs (agreed as the least), a charge where it does (the
     // C++ executor's: the most; detail::output_held_back_bytes()).
     if (chain.holds_outputs)

@@ -626,6 +626,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         op.stage <= n && checkpointed[static_cast<size_t>(op.stage)] &&
         recomputed[static_cast<size_t>(op.stage)])
       peaks[k] += recomputed_output_held_bytes(chain, context, op.stage - 1);
+    // That recompute runs inside the stage's backward, once the backward of its last operations, which reads
+    // nothing saved, made their gradients (Stage::grads_before_recompute_bytes).
+    if (after_loss && op.kind == OpKind::kForwardAll && op.stage >= 1 && op.stage <= n &&
+        checkpointed[static_cast<size_t>(op.stage)] && recomputed[static_cast<size_t>(op.stage)])
+      peaks[k] += chain.stages[static_cast<size_t>(op.stage - 1)].grads_before_recompute_bytes;
     // A kept stage whose graph alone holds its output lets go of it early in its backward, as does a stage
     // checkpointed per call the output its recompute made again (its last forward, as Fa).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&

@@ -235,6 +235,18 @@ struct Stage {
   /// (the C++ profiler, chains written before it): output_bytes, the gradient's size (bwd_grad_held()). Last
   /// of the fields, as fwd_nosave_tmp_bytes.
   std::optional<int64_t> bwd_grad_held_bytes;
+  /// Checkpointed per call (Fc, with or without its input on the host, under torch.utils.checkpoint's
+  /// non-reentrant engine, which recomputes a stage when its backward first asks for a tensor it did not
+  /// keep): what that backward holds beyond the gradient it is handed when the recompute begins (bytes, >=
+  /// 0): the gradients its last operations made, whose backward reads nothing saved, as a mixture of experts'
+  /// sum over each token's chosen experts hands each of them the token's gradient (expanded and copied: top-k
+  /// times the output's bytes). The Python profiler measures it (the meter read as the stage's checkpointed
+  /// backward calls its function again); the C++ profiler leaves 0. The step's model (remat/planner/step.h)
+  /// charges it to such a stage's recompute after the loss, beside what the recompute holds. Before (found
+  /// 2026-12-04), a 4-layer GPT-OSS whose last layer was checkpointed held 131,072 bytes (twice its output)
+  /// above its recompute's charge. 0, the default: nothing charged (as before this field). Last of the
+  /// fields, as fwd_nosave_tmp_bytes.
+  int64_t grads_before_recompute_bytes = 0;
 
   /// bwd_grad_held_bytes where measured, else output_bytes; within [0, output_bytes] (bytes).
   int64_t bwd_grad_held() const {

@@ -453,8 +453,8 @@ def test_a_mask_made_before_the_layers_that_a_later_layer_takes_first_is_charged
     # Read now from the tensors alive when the first layer is called: charged once. (Kept layers, which do not
     # save the masks, let go of them at the forward's return and are charged them through the backward still: at
     # most 1% high here. With the layers that take them checkpointed, the step holds 96 bytes above its
-    # prediction: on the CPU only, the family of the numbers a checkpointed layer saves, docs/python.md, Limits;
-    # not located further.)
+    # prediction: on the CPU only, the three Python numbers each layer's graph saves outside the saved-tensor
+    # hooks, docs/python.md, Limits.)
     def gemma2():
         torch.manual_seed(0)
         cfg = transformers.Gemma2Config(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,

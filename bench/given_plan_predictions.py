@@ -39,6 +39,7 @@ import os
 import random
 import sys
 import warnings
+from functools import partial
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
 
@@ -67,6 +68,13 @@ def draw(chain, rng: random.Random) -> tuple[str, list[int]]:
     return " ".join(ops), windows
 
 
+def checked_stack_peak(model, x, plain) -> int:
+    """One step of the stack, checked bitwise against the plain run's: its peak."""
+    got = stack_step(model, x)
+    same_step(plain, got)
+    return got[2]
+
+
 def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
     """The plan of `ops` in place of the planner's: its prediction, and run_step()'s peak with copies made at
     once and with copies delayed until waited for."""
@@ -82,11 +90,7 @@ def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
 def stack(phases: bool = False) -> int:
     model, layers, x, plain, lp = relu_stack()
     chain = lp.chain
-
-    def run_step() -> int:
-        got = stack_step(model, x)
-        same_step(plain, got)
-        return got[2]
+    run_step = partial(checked_stack_peak, model, x, plain)
 
     print(f"torch {torch.__version__}; test_offload.py's Linear-ReLU stack, 4 layers")
     print(f"{'every layer':<22} {'predicted':>10} {'at once':>10} {'error':>7} {'delayed':>10} {'error':>7}")
@@ -111,11 +115,7 @@ def every_stack_plan() -> int:
     prediction, and how many are within 0.01% of it."""
     model, layers, x, plain, lp = relu_stack()
     chain = lp.chain
-
-    def run_step() -> int:
-        got = stack_step(model, x)
-        same_step(plain, got)
-        return got[2]
+    run_step = partial(checked_stack_peak, model, x, plain)
 
     errors, above = {"at once": [], "delayed": []}, []
     for combo in itertools.product(STACK_WAYS, repeat=len(chain.stages)):

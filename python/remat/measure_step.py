@@ -504,7 +504,6 @@ class Step:
                 if ref is not None and not ref.expired() and k not in self.side and k not in outs \
                         and k not in self.side_handed and storage_is(t, ref):
                     self.before_chain.add(k)
-            self.alive_at_chain = {k: r for k, r in self.alive_at_chain.items() if not r.expired()}
         made = [t for t in handed if isinstance(t, torch.Tensor) and storage_key(t) not in self.before_chain]
         taken_keys = {storage_key(t) for t in taken}
         for t in [*taken, *made]:

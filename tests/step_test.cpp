@@ -390,22 +390,24 @@ int64_t expect_exhaustive(const Chain& chain, const std::vector<Candidate>& all,
   return least;
 }
 
-// Gives each stage of `chain` but every fourth 1 to 3 saved groups: random bytes that fit what it saves
-// beside its output, and random recompute times within its recompute.
+// Gives each stage of `chain` but every fourth 1 to 3 saved groups: random bytes, each up to half of what it
+// saves beside its output (together up to one and a half times it: a group may be a call whose outputs
+// autograd does not save), and random recompute times within its recompute.
 void add_random_groups(std::mt19937& rng, Chain& chain) {
   std::uniform_real_distribution<double> part(0.0, 1.0);
   for (size_t i = 0; i < chain.stages.size(); ++i) {
     remat::Stage& s = chain.stages[i];
     if (i % 4 == 3) continue;  // a stage not profiled with groups
     const size_t g = 1 + static_cast<size_t>(part(rng) * 3) % 3;
-    int64_t left = s.saved_bytes - s.output_bytes;
+    const int64_t left = s.saved_bytes - s.output_bytes;
     const double recompute = std::max(0.0, s.per_call_bwd_ms() - s.bwd_ms);
     for (size_t k = 0; k < g; ++k) {
       remat::SavedGroup sg;
       sg.name = "aten::op#" + std::to_string(k);
       sg.bytes = static_cast<int64_t>(part(rng) * static_cast<double>(left) / 2);
-      left -= sg.bytes;
       sg.recompute_ms = part(rng) * recompute / static_cast<double>(g);
+      // Every other group, some of its bytes not saved by autograd.
+      if (part(rng) < 0.5) sg.unsaved_bytes = static_cast<int64_t>(part(rng) * static_cast<double>(sg.bytes));
       s.groups.push_back(sg);
     }
   }
@@ -2155,10 +2157,25 @@ TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   EXPECT_EQ(back.stages[0].groups[2].name, "aten::gelu#0");
   EXPECT_EQ(back.stages[0].groups[2].bytes, 40);
   EXPECT_EQ(back.stages[0].groups[2].recompute_ms, 4.0);
+  // Groups may hold more than the stage saves (a call whose outputs autograd does not save, kept so that the
+  // recompute skips it): such a chain is valid, and a group assignment keeping them all holds them all.
   Chain over = chain;
   over.stages[0].groups[2].bytes = 63;  // 10 + 20 + 63 > 100 - 8
-  EXPECT_THROW_WITH_STD(remat::validate(over),
-                        "saved groups hold 93 bytes, more than it saves beside its output (92)");
+  EXPECT_NO_THROW(remat::validate(over));
+  EXPECT_EQ(remat::group_cost(over.stages[0], "kkk").saved_bytes, 8 + 10 + 20 + 63);
+  // What of a group autograd does not save: written when not 0, read back, checked, and summed over the kept
+  // and sent groups.
+  over.stages[0].groups[2].unsaved_bytes = 33;
+  over.stages[0].groups[0].unsaved_bytes = 4;
+  const Chain over_back = remat::chain_from_json(remat::to_json(over));
+  EXPECT_EQ(over_back.stages[0].groups[2].unsaved_bytes, 33);
+  EXPECT_EQ(over_back.stages[0].groups[1].unsaved_bytes, 0);
+  EXPECT_EQ(remat::to_json(chain).find("unsaved_bytes"), std::string::npos);
+  EXPECT_EQ(remat::group_unsaved_bytes(over.stages[0], "khr"), 4);
+  EXPECT_EQ(remat::group_unsaved_bytes(over.stages[0], "rrh"), 33);
+  EXPECT_THROW_WITH_STD(remat::group_unsaved_bytes(over.stages[0], "kh"), "remat::group_cost");
+  over.stages[0].groups[2].unsaved_bytes = 64;
+  EXPECT_THROW_WITH_STD(remat::validate(over), "saved group 'aten::gelu#0' has unsaved_bytes 64");
   Chain twice = chain;
   twice.stages[0].groups[1].name = "aten::mm#0";
   EXPECT_THROW_WITH_STD(remat::validate(twice), "names saved group 'aten::mm#0' twice");
@@ -2204,6 +2221,34 @@ TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   EXPECT_EQ(kept, (std::vector<std::string>{"aten::mul#3", "aten::mul#9", "aten::mul#10", "aten::mul#11"}));
   EXPECT_EQ(remat::fit_groups(found, 1 << 20).size(), remat::kMaxGroups);
   EXPECT_THROW_WITH_STD(remat::fit_groups(found, -1), "remat::fit_groups: room_bytes must be >= 0");
+
+  // Both profilers' rule since 2026-12-05: the calls costly to recompute first (products, convolutions,
+  // attention), then the rest, each from the most bytes down, ties to the earlier call; in the order found.
+  std::vector<remat::SavedGroup> calls;
+  for (int g = 0; g < 8; ++g)
+    calls.push_back({"aten::gelu#" + std::to_string(g), 100 + g, 0.0});  // larger than every product
+  calls.push_back({"aten::addmm#0", 5, 0.0});
+  calls.push_back({"aten::mul#0", 100, 0.0});  // ties with gelu#0, after it
+  calls.push_back({"aten::_scaled_dot_product_efficient_attention#0", 7, 0.0});
+  calls.push_back({"aten::mm#0", 0, 0.0});
+  std::vector<std::string> chosen;
+  for (const auto& g : remat::fit_groups(calls))
+    chosen.push_back(g.name);
+  EXPECT_EQ(chosen,
+            (std::vector<std::string>{"aten::gelu#1", "aten::gelu#2", "aten::gelu#3", "aten::gelu#4",
+                                      "aten::gelu#5", "aten::gelu#6", "aten::gelu#7", "aten::addmm#0",
+                                      "aten::_scaled_dot_product_efficient_attention#0", "aten::mm#0"}));
+  calls[0].bytes = 107;  // now ahead of gelu#1 (101)
+  chosen.clear();
+  for (const auto& g : remat::fit_groups(calls))
+    chosen.push_back(g.name);
+  EXPECT_EQ(chosen.front(), "aten::gelu#0");
+  EXPECT_TRUE(remat::costly_to_recompute("aten::linear#3"));
+  EXPECT_TRUE(remat::costly_to_recompute("aten::_flash_attention_forward"));
+  EXPECT_FALSE(remat::costly_to_recompute("aten::gelu#0"));
+  EXPECT_FALSE(remat::costly_to_recompute("aten::mm_like#0"));
+  calls[1].bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::fit_groups(calls), "remat::fit_groups: group 'aten::gelu#1' has -1 bytes");
 }
 
 TEST(OffloadSchedule, StatesWhenEachStagesCopiesAreWaitedForAndBroughtBack) {

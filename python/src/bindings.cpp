@@ -122,20 +122,33 @@ NB_MODULE(_core, m) {
       .def(nb::init<>())
       .def(
           "__init__",
-          [](remat::SavedGroup* g, std::string name, int64_t bytes, double recompute_ms) {
-            new (g) remat::SavedGroup{std::move(name), bytes, recompute_ms};
+          [](remat::SavedGroup* g, std::string name, int64_t bytes, double recompute_ms,
+             int64_t unsaved_bytes) {
+            new (g) remat::SavedGroup{std::move(name), bytes, recompute_ms, unsaved_bytes};
           },
-          "name"_a, "bytes"_a, "recompute_ms"_a)
+          "name"_a, "bytes"_a, "recompute_ms"_a, "unsaved_bytes"_a = 0)
       .def_rw("name", &remat::SavedGroup::name, "the call: 'aten::addmm#2' (operator, its call index)")
       .def_rw("bytes", &remat::SavedGroup::bytes, "its outputs' bytes")
-      .def_rw("recompute_ms", &remat::SavedGroup::recompute_ms, "the call's forward time (milliseconds)");
+      .def_rw("recompute_ms", &remat::SavedGroup::recompute_ms, "the call's forward time (milliseconds)")
+      .def_rw("unsaved_bytes", &remat::SavedGroup::unsaved_bytes,
+              "of its bytes, those autograd does not save in the stage's plain forward");
+  m.def("group_unsaved_bytes", &remat::group_unsaved_bytes, "stage"_a, "assignment"_a,
+        "Of what a group assignment keeps and sends, the bytes the stage's plain forward does not save.");
 
   m.attr("MAX_GROUPS") = remat::kMaxGroups;
-  m.def("fit_groups", &remat::fit_groups, "found"_a, "room_bytes"_a,
-        "The saved groups a profiler keeps of those found (in the forward's order): the MAX_GROUPS largest, "
-        "then, from the largest down, those that fit in room_bytes; in the order found. Raises ValueError "
-        "for a "
-        "negative room or group bytes.");
+  m.def(
+      "fit_groups", nb::overload_cast<const std::vector<remat::SavedGroup>&>(&remat::fit_groups), "found"_a,
+      "The saved groups a profiler keeps of the calls found (in the forward's order): at most MAX_GROUPS, "
+      "the calls costly to recompute (costly_to_recompute) first, then the others, each from the most bytes "
+      "down; in the order found. Raises ValueError for negative group bytes.");
+  m.def("fit_groups", nb::overload_cast<const std::vector<remat::SavedGroup>&, int64_t>(&remat::fit_groups),
+        "found"_a, "room_bytes"_a,
+        "The profilers' rule before 2026-12-05: the MAX_GROUPS largest, then, from the largest down, those "
+        "that fit in room_bytes; in the order found. Raises ValueError for a negative room or group bytes.");
+  m.def(
+      "costly_to_recompute", &remat::costly_to_recompute, "call"_a,
+      "Whether a call ('aten::addmm#2') is of a matrix product, a convolution or an attention kernel, which "
+      "fit_groups ranks first.");
   m.def("group_cost", &remat::group_cost, "stage"_a, "assignment"_a,
         "What a stage costs under a group assignment ('khr': each group kept, sent to the host or "
         "recomputed), as a PolicyCost. Raises ValueError for an assignment that does not fit the stage.");

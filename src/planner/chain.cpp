@@ -9,6 +9,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -216,12 +217,12 @@ void validate(const Chain& chain) {
       }
       check_bytes(chain, i, "group bytes", sg.bytes);
       check_ms(chain, i, "group recompute_ms", sg.recompute_ms);
+      if (sg.unsaved_bytes < 0 || sg.unsaved_bytes > sg.bytes) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s saved group '" +
+                                    sg.name + "' has unsaved_bytes " + std::to_string(sg.unsaved_bytes) +
+                                    "; it must be within [0, bytes] = [0, " + std::to_string(sg.bytes) + "]");
+      }
       add_bytes(grouped, sg.bytes, stage_label(chain, i));
-    }
-    if (grouped > s.saved_bytes - s.output_bytes) {
-      throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s saved groups hold " +
-                                  std::to_string(grouped) + " bytes, more than it saves beside its output (" +
-                                  std::to_string(s.saved_bytes - s.output_bytes) + ")");
     }
     if (s.policies.empty()) continue;
     if (s.policies.size() != chain.policies.size()) {
@@ -337,8 +338,11 @@ std::string to_json(const Chain& chain) {
     }
     if (!s.groups.empty()) {
       js["groups"] = nlohmann::ordered_json::array();
-      for (const SavedGroup& g : s.groups)
-        js["groups"].push_back({{"name", g.name}, {"bytes", g.bytes}, {"recompute_ms", g.recompute_ms}});
+      for (const SavedGroup& g : s.groups) {
+        nlohmann::ordered_json jg = {{"name", g.name}, {"bytes", g.bytes}, {"recompute_ms", g.recompute_ms}};
+        if (g.unsaved_bytes != 0) jg["unsaved_bytes"] = g.unsaved_bytes;
+        js["groups"].push_back(jg);
+      }
     }
     j["stages"].push_back(js);
   }
@@ -522,6 +526,7 @@ Chain chain_from_json(const std::string& text) {
         sg.name = jg[g].at("name").get<std::string>();
         sg.bytes = required<int64_t>(jg[g], "bytes", at);
         sg.recompute_ms = required<double>(jg[g], "recompute_ms", at);
+        sg.unsaved_bytes = optional<int64_t>(jg[g], "unsaved_bytes", at, 0);
         s.groups.push_back(std::move(sg));
       }
     }
@@ -583,6 +588,43 @@ Chain uniform_chain(int64_t n, double fwd_ms, double bwd_ms, int64_t output_byte
   return chain;
 }
 
+bool costly_to_recompute(const std::string& call) {
+  static const std::set<std::string> kCostly{
+      // matrix products
+      "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addbmm", "aten::addmv", "aten::mv",
+      "aten::dot", "aten::vdot", "aten::matmul", "aten::linear", "aten::_grouped_mm", "aten::_scaled_mm",
+      // convolutions
+      "aten::convolution", "aten::_convolution", "aten::cudnn_convolution", "aten::mkldnn_convolution",
+      // attention
+      "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_attention_math",
+      "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
+      "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_cudnn_attention",
+      "aten::_scaled_dot_product_fused_attention_overrideable", "aten::_efficient_attention_forward",
+      "aten::_flash_attention_forward"};
+  return kCostly.count(call.substr(0, call.find('#'))) > 0;
+}
+
+std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found) {
+  std::vector<size_t> order(found.size());
+  for (size_t g = 0; g < found.size(); ++g) {
+    if (found[g].bytes < 0)
+      throw std::invalid_argument("remat::fit_groups: group '" + found[g].name + "' has " +
+                                  std::to_string(found[g].bytes) + " bytes");
+    order[g] = g;
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    const bool ca = costly_to_recompute(found[a].name), cb = costly_to_recompute(found[b].name);
+    if (ca != cb) return ca;
+    return found[a].bytes > found[b].bytes;
+  });
+  if (order.size() > kMaxGroups) order.resize(kMaxGroups);
+  std::sort(order.begin(), order.end());
+  std::vector<SavedGroup> out;
+  for (size_t g : order)
+    out.push_back(found[g]);
+  return out;
+}
+
 std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t room_bytes) {
   if (room_bytes < 0)
     throw std::invalid_argument("remat::fit_groups: room_bytes must be >= 0, got " +
@@ -608,6 +650,14 @@ std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t
   for (size_t g = 0; g < found.size(); ++g)
     if (chosen[g]) out.push_back(found[g]);
   return out;
+}
+
+int64_t group_unsaved_bytes(const Stage& stage, const std::string& assignment) {
+  group_cost(stage, assignment);  // its checks
+  int64_t unsaved = 0;
+  for (size_t g = 0; g < assignment.size(); ++g)
+    if (assignment[g] != 'r') unsaved += stage.groups[g].unsaved_bytes;
+  return unsaved;
 }
 
 PolicyCost group_cost(const Stage& stage, const std::string& assignment) {

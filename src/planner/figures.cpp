@@ -173,6 +173,7 @@ void visit(C& chain, X& context, V& v) {
     for (auto& g : s.groups) {
       v.bytes(g.bytes);
       v.ms(g.recompute_ms);
+      v.bytes(g.unsaved_bytes);  // the largest: held longest where any rank holds it
     }
   }
   v.flag(context.input_in_base);
@@ -247,12 +248,6 @@ void set_plan_figures(Chain& chain, StepContext& context, const PlanFigures& fig
       s.keep_offload.reset();  // no Fk on some process: no Fk@host either
     for (PolicyCost& p : s.policies)
       lower_to_kept(p.offload, p.saved_bytes, s.output_bytes);
-    // Groups' maxima from different processes may add up to more than the largest stage saves: what it
-    // saves is raised to hold them (validate()'s rule; the larger figure is the safe one).
-    int64_t grouped = 0;
-    for (const SavedGroup& g : s.groups)
-      grouped += g.bytes;
-    s.saved_bytes = std::max(s.saved_bytes, s.output_bytes + grouped);
   }
   validate(c);
   validate(x, c);

@@ -54,6 +54,7 @@ struct Choice {
   const OffloadCost* cost = nullptr;  // the way's offload cost, offloaded or not (null: unknown)
   std::string groups{};               // a group assignment (Fk{...}), or empty
   std::optional<OffloadCost> own{};   // a group assignment's offload cost (cost points here once placed)
+  int64_t unsaved = 0;                // a group assignment's group_unsaved_bytes()
 };
 
 // The policy cost of choice `c` of stage `s`: Fk under a policy (variant >= 1), else null.
@@ -80,7 +81,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     count *= base;
   const double fwd_ms = s.per_call_fwd_ms(), per_call_bwd_ms = s.per_call_bwd_ms();
   struct Candidate {
-    int64_t kept, sent;
+    int64_t unsaved, kept, sent;
     double ms;
     size_t code;
   };
@@ -90,38 +91,55 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   for (size_t code = 1; code < count; ++code) {  // code 0 is all r
     for (size_t k = 0; k < g && ++letter[k] == base; ++k)
       letter[k] = 0;
-    int64_t kept = 0, sent = 0;
+    int64_t kept = 0, sent = 0, unsaved = 0;
     double skipped_ms = 0;
     for (size_t k = 0; k < g; ++k) {
       if (letter[k] == 1) kept += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
       if (letter[k] == 2) sent += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
+      if (letter[k] != 0) unsaved += s.groups[k].unsaved_bytes;
     }
-    cands.push_back({kept, sent, fwd_ms + std::max(s.bwd_ms, per_call_bwd_ms - skipped_ms), code});
+    cands.push_back({unsaved, kept, sent, fwd_ms + std::max(s.bwd_ms, per_call_bwd_ms - skipped_ms), code});
   }
+  // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too: a candidate
+  // is beaten only by one with no more of them either. Sorted by them first, each amount is filtered apart.
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
-    return std::tie(a.kept, a.sent, a.ms) < std::tie(b.kept, b.sent, b.ms);
+    return std::tie(a.unsaved, a.kept, a.sent, a.ms) < std::tie(b.unsaved, b.kept, b.sent, b.ms);
   });
   // In that order, a candidate is beaten when one before it (kept no more) has sent no more and time no more.
   // `stairs` holds, for the candidates taken so far, the least time at each sent amount, kept only where it
   // is less than at every smaller amount: its times fall as the amounts rise, so the least time among those
   // sending no more than x is the entry at the largest amount up to x.
+  // Then a survivor is beaten by one of a smaller amount of unsaved bytes with kept, sent and time no more
+  // (`lower`: the survivors of the amounts before the current one).
   std::map<int64_t, double> stairs;
-  for (const Candidate& c : cands) {
+  std::vector<Candidate> lower, current;
+  for (size_t k = 0; k < cands.size(); ++k) {
+    const Candidate& c = cands[k];
+    if (k > 0 && cands[k - 1].unsaved != c.unsaved) {
+      stairs.clear();
+      lower.insert(lower.end(), current.begin(), current.end());
+      current.clear();
+    }
     auto above = stairs.upper_bound(c.sent);
     if (above != stairs.begin() && std::prev(above)->second <= c.ms) continue;  // beaten
+    stairs[c.sent] = c.ms;
+    for (auto it = stairs.upper_bound(c.sent); it != stairs.end() && it->second >= c.ms;)
+      it = stairs.erase(it);
+    current.push_back(c);
+    if (std::any_of(lower.begin(), lower.end(),
+                    [&](const Candidate& a) { return a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms; }))
+      continue;  // beaten by one that holds fewer unsaved bytes
     std::string text(g, 'r');
     for (size_t k = 0, code = c.code; k < g; ++k, code /= base)
       text[k] = letters[code % base];
     const PolicyCost cost = group_cost(s, text);
     Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
     ch.ms = ch.fwd_ms + ch.bwd_ms;
+    ch.unsaved = group_unsaved_bytes(s, text);
     ch.groups = std::move(text);
     ch.own = cost.offload;
     ch.offload = cost.offload.has_value();
     all.push_back(std::move(ch));
-    stairs[c.sent] = c.ms;
-    for (auto it = stairs.upper_bound(c.sent); it != stairs.end() && it->second >= c.ms;)
-      it = stairs.erase(it);
   }
   return all;
 }
@@ -321,7 +339,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
   // step and its way holds it, is held from the end of its forward until the next stage's backward is done:
   // in R of the stages after it, not here; step_op_peaks()'s rule.)
-  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held) + state + cached + pass_state;
+  const int64_t fwd =
+      c.held + detail::forward_tmp_bytes(s, c.kind, c.held, c.unsaved) + state + cached + pass_state;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   // With keep tags or a group assignment: the larger of its backward and the recompute before it, which makes
@@ -331,7 +350,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   bwd += twice;  // and the recompute's below
-  if (keeps) bwd = std::max(bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_bwd + twice);
+  // (A group assignment's recompute begins with all it kept, c.held, those Fa does not save included, and
+  // ends with what Fa saves: simulate()'s rule.)
+  if (keeps)
+    bwd = std::max(
+        {bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_bwd + twice, a_out + c.held + at_bwd + twice});
   bwd += held_back;
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save,

@@ -214,6 +214,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
     return {c.saved_bytes, c.fwd_ms, c.bwd_ms};
   };
   auto kept = [&](int64_t i) -> int64_t { return std::get<0>(fk(i, kept_with[i], kept_groups[i])); };
+  // Of what Fk of stage i - 1 keeps, what Fa does not save (group_unsaved_bytes()): 0 but for a group
+  // assignment.
+  auto unsaved = [&](int64_t i, const std::string& groups) -> int64_t {
+    return chain && !groups.empty() ? group_unsaved_bytes(chain->stages[i - 1], groups) : 0;
+  };
   auto held_bytes = [&](int64_t i) -> int64_t {
     return held[i] == kPlain ? act(i) : held[i] == kFull ? saved(i) : held[i] == kKept ? kept(i) : 0;
   };
@@ -422,7 +427,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const int64_t out = all    ? (chain ? chain->stages[i].saved_bytes : 0)
                             : keep ? kept(i + 1)
                                    : act(i + 1);
-        const int64_t tmp = chain ? detail::forward_tmp_bytes(chain->stages[i], op.kind, out) : 0;
+        const int64_t tmp = chain ? detail::forward_tmp_bytes(chain->stages[i], op.kind, out,
+                                                              keep ? unsaved(i + 1, op.groups) : 0)
+                                  : 0;
         if (op.stream && chain) {
           // Streamed: its measured peak, each copy waited for at once, and the copies in flight beside it.
           const OffloadCost& o = *chain->stages[i].offload;
@@ -537,8 +544,10 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
                std::to_string(i) + " first)");
         if (held[i] == kNone) fail("needs a_" + std::to_string(i) + ", which is not held");
         const bool after_keep = held[i + 1] == kKept;
+        // Of what the way keeps, what Fa does not save: held through the recompute, gone by the backward.
+        const int64_t beyond = after_keep ? unsaved(i + 1, kept_groups[i + 1]) : 0;
         // Recomputed before the backward (none where the way kept more than Fa does).
-        const int64_t rest = after_keep ? std::max<int64_t>(0, saved(i + 1) - kept(i + 1)) : 0;
+        const int64_t rest = after_keep ? std::max<int64_t>(0, saved(i + 1) - kept(i + 1) + beyond) : 0;
         const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
         Away& own = away[static_cast<size_t>(i)];
         // Its input twice, where it came back so (twice()).
@@ -561,8 +570,12 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           // Before (found 2026-12-03), only the backward: a BertModel layer's group assignment, whose
           // attention makes 2.6 MiB of transients in its forward and 0.8 MiB in its backward, held 1.3 MiB
           // (6.5%) above its prediction in C++.
+          // A group assignment's groups that Fa does not save (`beyond`, since 2026-12-05) are all back as
+          // its recompute begins (`current` holds them: what it keeps), used by it and let go of by its end,
+          // where it holds what Fa saves (current + rest - beyond) and its forward's transient; its backward
+          // holds what Fa saves.
           const int64_t recompute = after_keep && chain ? chain->stages[i].fwd_tmp_bytes : 0;
-          charge(current + rest + two + std::max(act(i) + tmp, recompute), k);
+          charge(current + two + std::max<int64_t>(0, rest - beyond + std::max(act(i) + tmp, recompute)), k);
         }
         current += act(i) - held_bytes(i + 1) - act(i + 1);
         held[i + 1] = kNone;

@@ -100,7 +100,10 @@ struct PolicyCost {
 
 /// One group of a stage's saved tensors: the outputs of one operator call of its forward pass, which a group
 /// assignment keeps on the device ('k'), sends to the host ('h') or recomputes ('r') (a plan's `Fk3{khr}`;
-/// see group_cost() and docs/chain-format.md).
+/// see group_cost() and docs/chain-format.md). The call's outputs need not be among what autograd saves: a
+/// product whose output only feeds a pointwise call (which saves a mask, or nothing) is a group too, kept or
+/// sent so that the recompute before the backward does not make it again. So a stage's groups may hold more
+/// bytes than the stage saves.
 struct SavedGroup {
   /// The call, for people and for the runtime that carries the assignment out: the operator's name, '#', and
   /// which of that operator's calls in the stage's forward pass it is, from 0 ("aten::addmm#2").
@@ -111,6 +114,12 @@ struct SavedGroup {
   /// The call's forward time (milliseconds, >= 0): what the recompute before the stage's backward saves when
   /// the group is kept or sent rather than recomputed.
   double recompute_ms = 0;
+  /// Of `bytes`, those autograd does not save in the stage's plain forward (Stage::saved_bytes does not count
+  /// them; 0 to `bytes`): outputs held only because the group is kept or sent, from the forward pass (a plain
+  /// forward frees them once used) until the recompute before the backward has used them. Last of the
+  /// fields, so that aggregate initializers written before it mean what they did; 0 in chains written
+  /// before 2026-12-05 (every group then was saved).
+  int64_t unsaved_bytes = 0;
 };
 
 /// One stage of a chain.
@@ -161,7 +170,8 @@ struct Stage {
   /// profiled under them (no Fk[name] for it).
   std::vector<PolicyCost> policies;
   /// The groups of its saved tensors, by the call that made them, in the order of its forward pass (at most
-  /// kMaxGroups); empty when it was not profiled so (no Fk{...} for it).
+  /// kMaxGroups; see SavedGroup: they may hold more than saved_bytes); empty when it was not profiled so (no
+  /// Fk{...} for it).
   std::vector<SavedGroup> groups;
   /// Whether its output is among the tensors its autograd graph saves (run as Fa). saved_bytes counts the
   /// output either way (the model's abar holds it to the stage's backward); false, as the Python profiler
@@ -266,8 +276,11 @@ struct Stage {
   /// and saved_bytes - kept_bytes + fwd_tmp_bytes (it holds no more than Fa, which keeps all of it), and not
   /// below 0 (a policy may keep more than Fa: a product that Fa frees). A chain without
   /// fwd_nosave_tmp_bytes: fwd_tmp_bytes, as before (bytes).
-  int64_t keep_fwd_tmp_bytes(int64_t kept_bytes) const {
-    return std::max<int64_t>(0, std::min(nosave_tmp_bytes(), saved_bytes - kept_bytes + fwd_tmp_bytes));
+  /// `unsaved_bytes`: of kept_bytes, what Fa does not save (a group assignment's, group_unsaved_bytes()),
+  /// which it holds beyond Fa's peak.
+  int64_t keep_fwd_tmp_bytes(int64_t kept_bytes, int64_t unsaved_bytes = 0) const {
+    return std::max<int64_t>(
+        0, std::min(nosave_tmp_bytes(), saved_bytes - kept_bytes + unsaved_bytes + fwd_tmp_bytes));
   }
   /// The forward of a stage checkpointed by remat::checkpoint (milliseconds).
   double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
@@ -325,11 +338,26 @@ struct Stage {
 /// The most groups a stage may have (a group assignment is one of 3^groups).
 inline constexpr size_t kMaxGroups = 10;
 
-/// The saved groups a profiler keeps of those it found in a stage's forward pass (`found`, in its order): the
-/// kMaxGroups largest, then, from the largest down, those that still fit in `room_bytes` (what the stage
-/// saves beside its output, Stage::saved_bytes - output_bytes: its groups cannot hold more), returned in the
-/// order found. Ties go to the earlier call. Both languages' profilers choose with it. Throws
-/// std::invalid_argument naming remat::fit_groups for a negative room or group bytes.
+/// Whether a call (a SavedGroup::name, "aten::addmm#2", or an operator's name alone) is of an operator whose
+/// recompute costs far more than its output takes to keep or to move: the matrix products (mm, addmm, bmm,
+/// baddbmm, addbmm, addmv, mv, dot, vdot, matmul, linear, _grouped_mm, _scaled_mm), the convolutions
+/// (convolution, _convolution, and cuDNN's and oneDNN's) and the attention kernels
+/// (scaled_dot_product_attention and each of its fused and math forms, _efficient_attention_forward,
+/// _flash_attention_forward). fit_groups() ranks them first.
+bool costly_to_recompute(const std::string& call);
+
+/// The saved groups both languages' profilers keep of the calls they found in a stage's forward pass
+/// (`found`, in its order; since 2026-12-05 every call with outputs of its own, whether or not autograd saves
+/// them: a group kept or sent skips its call in the recompute, which is what a call whose outputs only feed
+/// others is worth): at most kMaxGroups, the calls costly_to_recompute() first, then the others, each from
+/// the most bytes down (ties to the earlier call), returned in the order found. A deterministic rule (no
+/// times), so that ranks profiling the same model choose the same groups. Throws std::invalid_argument naming
+/// remat::fit_groups for a group of negative bytes.
+std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found);
+
+/// The profilers' rule before 2026-12-05, kept for callers of it: the kMaxGroups largest of `found`, then,
+/// from the largest down, those that still fit in `room_bytes`, returned in the order found (ties to the
+/// earlier call). Throws std::invalid_argument naming remat::fit_groups for a negative room or group bytes.
 std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t room_bytes);
 
 /// What a stage costs run under a group assignment (a plan's Fk{...}): one character per group of
@@ -342,6 +370,12 @@ std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t
 /// assignment + "}". Throws std::invalid_argument naming the stage for an assignment of another length or
 /// with other characters.
 PolicyCost group_cost(const Stage& stage, const std::string& assignment);
+
+/// Of what a group assignment keeps and sends (group_cost()'s saved_bytes), the bytes the stage's plain
+/// forward does not save: its kept and sent groups' SavedGroup::unsaved_bytes. A stage run so holds them from
+/// its forward pass until the recompute before its backward has used them; its backward itself holds what Fa
+/// saves. Throws std::invalid_argument as group_cost() does.
+int64_t group_unsaved_bytes(const Stage& stage, const std::string& assignment);
 
 /// The chain: its input a_0 and its stages in order.
 struct Chain {

@@ -24,10 +24,11 @@ const PolicyCost* way_policy(const Chain& chain, const Plan& plan, const Op& op)
 /// What stage s's forward run as `kind` holds above what it leaves (`left`: abar for Fa, what Fk keeps, the
 /// output for Fn and Fc) at its peak, as plan.h charges it (bytes): fwd_tmp_bytes for a forward that saves
 /// everything, Stage::keep_fwd_tmp_bytes(left) for one that saves part, Stage::nosave_tmp_bytes() for one
-/// that saves nothing.
-inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left) {
+/// that saves nothing. `unsaved`: of `left`, what Fa does not save (a group assignment's
+/// group_unsaved_bytes()).
+inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left, int64_t unsaved = 0) {
   if (kind == OpKind::kForwardAll) return s.fwd_tmp_bytes;
-  if (kind == OpKind::kForwardKeep) return s.keep_fwd_tmp_bytes(left);
+  if (kind == OpKind::kForwardKeep) return s.keep_fwd_tmp_bytes(left, unsaved);
   return s.nosave_tmp_bytes();
 }
 

@@ -97,9 +97,12 @@ def physics_bound(chain, plain_peak, budget, plain_ms):
         return 1.0
     pieces = []  # (ms per byte, bytes)
     for s in stages:
-        groups = [g for g in s.get("groups", []) if g["bytes"] > 0]
+        # What recomputing a group frees: the bytes of it autograd saves (since 2026-12-05 a group may be a call
+        # whose outputs it does not save: recomputing that frees nothing).
+        groups = [(g["recompute_ms"], g["bytes"] - g.get("unsaved_bytes", 0)) for g in s.get("groups", [])]
+        groups = [(ms, nbytes) for ms, nbytes in groups if nbytes > 0]
         if groups:
-            pieces += [(g["recompute_ms"] / g["bytes"], g["bytes"]) for g in groups]
+            pieces += [(ms / nbytes, nbytes) for ms, nbytes in groups]
         elif s["saved_bytes"] > 0:
             pieces.append((s["fwd_ms"] / s["saved_bytes"], s["saved_bytes"]))
     extra_ms = 0.0

@@ -815,8 +815,8 @@ TEST(Offload, EachCallKeptSentToTheHostOrRecomputedGivesThePlainGradients) {
 }
 
 // Group assignments (Fk{khr}) in C++: the profiler finds each block's saved groups (fc1's product and GELU's
-// output: the calls whose outputs autograd saves, named as the policy sees them; fc2's product feeds
-// dropout's product, which saves only the mask), and
+// output, which autograd saves; fc2's product, which it does not (dropout saves only its mask), and dropout's
+// output with its mask: the recompute skips each kept or sent; named as the policy sees them), and
 // run_plan carries out any assignment of them: every step the plain step's gradients bitwise (dropout
 // recomputed), through a copy engine that delays each copy until waited for too; the measured peak within
 // the executor's tolerance of simulate()'s; the host pool's peak the simulated host bytes.
@@ -830,11 +830,21 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
       seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
   ASSERT_TRUE(profiled.can_offload());
   for (const auto& s : profiled.stages) {
-    ASSERT_EQ(s.groups.size(), 2u) << s.name;
+    ASSERT_EQ(s.groups.size(), 4u) << s.name;
     EXPECT_EQ(s.groups[0].name, "aten::addmm#0");  // the policy sees nn::Linear's addmm
     EXPECT_EQ(s.groups[1].name, "aten::gelu#0");
+    EXPECT_EQ(s.groups[2].name, "aten::addmm#1");    // fc2's product: autograd does not save it
+    EXPECT_EQ(s.groups[3].name, "aten::dropout#0");  // its output and the mask made inside it
     EXPECT_EQ(s.groups[0].bytes, 4 * kHidden);
     EXPECT_EQ(s.groups[1].bytes, 4 * kHidden);
+    EXPECT_EQ(s.groups[2].bytes, kHidden);
+    EXPECT_EQ(s.groups[3].bytes, 2 * kHidden);
+    // What of them autograd does not save: fc2's product, and dropout's output (not its mask).
+    EXPECT_EQ(s.groups[0].unsaved_bytes + s.groups[1].unsaved_bytes, 0);
+    EXPECT_EQ(s.groups[2].unsaved_bytes, kHidden);
+    EXPECT_EQ(s.groups[3].unsaved_bytes, kHidden);
+    EXPECT_GT(s.groups[0].bytes + s.groups[1].bytes + s.groups[2].bytes + s.groups[3].bytes,
+              s.saved_bytes - s.output_bytes);  // more than the block saves
     for (const auto& g : s.groups)
       EXPECT_GE(g.recompute_ms, 0.0);
   }
@@ -847,8 +857,9 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
     for (const auto& g : s.groups)
       names.back().push_back(g.name);
   }
-  for (const char* text : {"Fk0{hh} Fk1{kk} Fk2{rr} L B2 B1 B0", "Fk0{hr} Fk1{rh} Fa2 L B2 B1 B0",
-                           "Fk0{kh} Fc1 Fk2{hk} L B2 Fa1 B1 B0"}) {
+  for (const char* text :
+       {"Fk0{hhhh} Fk1{kkkk} Fk2{rrrr} L B2 B1 B0", "Fk0{hrhr} Fk1{rhkh} Fa2 L B2 B1 B0",
+        "Fk0{khrk} Fc1 Fk2{hkkr} L B2 Fa1 B1 B0", "Fk0{rrkr} Fk1{rrrh} Fk2{rrhk} L B2 B1 B0"}) {
     remat::Plan plan = remat::testing::plan_of_text(3, text);
     plan.group_names = names;
     const remat::Simulation sim = remat::simulate(profiled, plan);
@@ -864,7 +875,7 @@ TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   }
   // A plan that assigns groups without naming them (parsed from text) is refused by name, before any stage
   // runs.
-  const remat::Plan unnamed = remat::testing::plan_of_text(3, "Fk0{hh} Fa1 Fa2 L B2 B1 B0");
+  const remat::Plan unnamed = remat::testing::plan_of_text(3, "Fk0{hhhh} Fa1 Fa2 L B2 B1 B0");
   EXPECT_THROW_WITH(remat::run_plan(remat::stages_of(seq), unnamed, x), "remat::run_plan",
                     "does not name the stage's saved groups");
   // The per-layer planner assigns groups where they pay: on a profile whose whole-stage ways are made costly

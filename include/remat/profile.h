@@ -83,14 +83,15 @@ struct ProfileOptions {
   TORCH_ARG(int64_t, offload_min_bytes) = -1;
   /// Also measure each stage's saved groups (Stage::groups), so that the planners can assign each to be kept,
   /// sent to the host or recomputed (a plan's Fk3{khr}, run under remat::group_policy; see
-  /// remat::group_cost): the operator calls a region's policy is asked about (remat/policy.h) whose outputs
-  /// autograd saves, outermost first (a call inside one found is not one), with storages of their own, not
-  /// written in place later, and with offload_min_bytes >= 0 only those whose every kept tensor an Offload
-  /// would send; each with what keeping it holds (its outputs and what autograd saved inside it beyond its
-  /// inputs' and outputs' storages, bytes) and its time (median of `repeats` runs, ms); then
-  /// remat::fit_groups keeps the largest that fit. `repeats` more forwards per stage, each holding every
-  /// output of the stage's asked calls until it is read (more than the stage saves). Needs remat's dispatcher
-  /// fallback, as policies do.
+  /// remat::group_cost): the operator calls a region's policy is asked about (remat/policy.h), whether or not
+  /// autograd saves their outputs (one kept or sent is a call the recompute skips), outermost first (a call
+  /// inside one found is not one), with storages of their own, not written in place later, and with
+  /// offload_min_bytes >= 0 only those whose every kept tensor an Offload would send; each with what keeping
+  /// it holds (its outputs and what autograd saved inside it beyond its inputs' and outputs' storages, bytes)
+  /// and its time (median of `repeats` runs, ms); then remat::fit_groups keeps at most kMaxGroups, the
+  /// products, convolutions and attention kernels first, then the largest. `repeats` more forwards per stage,
+  /// each holding every output of the stage's asked calls until it is read (more than the stage saves). Needs
+  /// remat's dispatcher fallback, as policies do.
   TORCH_ARG(bool, groups) = false;
   /// Called after each run of one stage (remat::ProfileProgress), on the profiling thread; a progress bar,
   /// or a sum of where the time goes. What it throws propagates (the model is put back first). Empty (the

@@ -16,7 +16,8 @@ from . import _core, inplace, offload  # inplace: the old path of enable and Lay
 from ._core import (PREDICTION_TOLERANCE, PROFILED_SHAPES_WARNED_AT, STRATEGY_WORDS, Chain, InfeasibleBudget,
                     MemoryBreakdown, OffloadCost, Op, OpKind, Plan, PolicyCost, SavedGroup,
                     Simulation, Stage, StepContext, StepPlan, check_plan, check_prediction, checkpoint_all, checkpoint_stages,
-                    format_bytes, group_cost, load_chain, make_plan, memory_breakdown, min_feasible_budget, min_step_budget,
+                    format_bytes, group_cost, group_unsaved_bytes, load_chain, make_plan, memory_breakdown,
+                    min_feasible_budget, min_step_budget,
                     no_checkpoint, optimal, parse_size, per_call_time_ms, per_layer, per_layer_min_budget,
                     plan_step, revolve, save_chain, simulate, sqrt_n, step_peak_bytes, summarize_plan_json,
                     uniform, uniform_chain)
@@ -39,7 +40,7 @@ __all__ = [
     "STRATEGY_WORDS", "Simulation", "Stage", "StageFn", "StepContext", "StepPlan", "check_plan", "check_prediction", "checkpoint",
     "checkpoint_all",
     "checkpoint_context", "checkpoint_stages", "choices_of", "cpu_meter", "enable", "explain_placement",
-    "format_bytes", "group_cost", "load_chain", "make_plan", "matmuls", "max_batch", "memory_breakdown", "memory_verdict", "meter_for",
+    "format_bytes", "group_cost", "group_unsaved_bytes", "load_chain", "make_plan", "matmuls", "max_batch", "memory_breakdown", "memory_verdict", "meter_for",
     "min_feasible_budget", "min_step_budget", "no_checkpoint", "optimal", "parse_size", "per_call_time_ms",
     "per_layer", "per_layer_min_budget", "plan_step", "profile", "revolve", "run_layer", "run_plan",
     "save_chain", "simulate", "sqrt_n", "stages", "stages_of", "step_peak_bytes", "summarize_plan_json",

@@ -270,16 +270,28 @@ def _groupable(func, name: str, args, kwargs) -> bool:
 
 
 def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_bytes: int | None = None,
-                    params: set[int] = frozenset()) -> list[tuple[str, int, float]]:
-    """The saved groups of fn(leaf): (call name, bytes, ms) of the calls whose outputs autograd saves (beside
-    `alive` storages and fn's output), in the forward's order (the planner's fit_groups chooses among them). Profiling for
-    offloading (offload_min_bytes), only calls whose every output an Offload would send (remat.offload's
-    offloadable: dense, at least that large, not a parameter's): a group is sent whole or not at all."""
+                    params: set[int] = frozenset()) -> list[tuple[str, int, float, int]]:
+    """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes) of the calls with outputs of their
+    own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a group kept or
+    sent is a call the recompute skips; of its bytes, those autograd does not save), those a recompute that
+    stops early makes (made before autograd's last save), in the forward's order; the planner's fit_groups
+    chooses among them. Outputs that hold
+    no bytes on leaf's device (an attention kernel's random seed on the host, an empty tensor) are left out.
+    Profiling for offloading (offload_min_bytes), only calls whose every other output an Offload would send
+    (remat.offload's offloadable: dense, at least that large, not a parameter's): a group is sent whole or not
+    at all."""
     saved: set[int] = set()
+    # How many calls the forward had made when autograd last saved a tensor: a recompute that stops early
+    # (torch.utils.checkpoint's, remat's) stops there, and never makes the calls after it again. (Autograd
+    # saves a call's inputs before the call reaches the dispatch mode and its outputs after it returns: the
+    # calls made before that save are those the recompute makes.)
+    last = {"rec": None, "calls": -1}
 
     def pack(t):
         if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
             saved.add(t.untyped_storage().data_ptr())
+        if last["rec"] is not None:
+            last["calls"] = len(last["rec"].calls)
         # Detached: a saved output handed back as itself would hold its own grad_fn (a reference cycle
         # through autograd's C++ that Python's collector cannot see, and no backward pass runs here to break
         # it): the forward's graph, and all it saved, would stay alive after the measurement.
@@ -288,26 +300,29 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     times: dict[str, list[float]] = {}
     found = None
     for _ in range(repeats):
-        rec = _CallTimes(sync)
+        rec = last["rec"] = _CallTimes(sync)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
             out = fn(leaf)
+        last["rec"] = None
         out_key = out.untyped_storage().data_ptr()
         if found is None:
             found = []
-            for name, storages, _, outs in rec.calls:
+            # The calls after the last save: no recompute makes them again, so keeping them saves nothing.
+            for name, _, _, outs in rec.calls[:max(0, last["calls"])]:
+                held = [(t, v) for t, v in outs if t.device == leaf.device and t.untyped_storage().nbytes() > 0]
+                storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in held}
                 own = {p: nb for p, nb in storages.items() if p not in alive and p != out_key}
                 # Written in place later in the forward pass (an in-place activation): its outputs cannot be
                 # handed back as they were.
-                written = any(t._version != v for t, v in outs)
+                written = any(t._version != v for t, v in held)
                 sendable = offload_min_bytes is None or all(
-                    offloadable(t, offload_min_bytes, params) for t, _ in outs)
-                if (own and not written and sendable and any(p in saved for p in own)
-                        and len(own) == len(storages)):
-                    found.append((name, sum(own.values())))
+                    offloadable(t, offload_min_bytes, params) for t, _ in held)
+                if own and not written and sendable and len(own) == len(storages):
+                    found.append((name, sum(own.values()), sum(nb for p, nb in own.items() if p not in saved)))
         for name, _, ms, _ in rec.calls:
             times.setdefault(name, []).append(ms)
         del out, rec
-    return [(name, nbytes, _median(times[name])) for name, nbytes in found]
+    return [(name, nbytes, _median(times[name]), unsaved) for name, nbytes, unsaved in found]
 
 
 def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
@@ -451,10 +466,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     meters) and window_bytes (the largest tensor it sends); under each policy, what offloading its kept tensors
     and its input moves (PolicyCost.offload, Fk[NAME]@host; remat's selective checkpointing passes them on any
     torch). groups: also each stage's saved groups (Stage.groups, a plan's Fk3{khr}): the calls of its forward
-    pass whose outputs autograd saves (not views, not its output, not what is alive anyway), the largest
-    remat.chain's kMaxGroups (10) of them that fit what it saves beside its output, each with its outputs'
-    bytes and its time (the median of `repeats` runs, each call timed alone); with offload_min_bytes, only
-    calls whose every output an Offload would send (dense, at least that large). A policy that answers
+    pass with outputs of their own (not views, not its output, not what is alive anyway), whether or not autograd
+    saves them, at most remat.chain's kMaxGroups (10) of them (fit_groups: the products, convolutions and
+    attention kernels first, then the largest), each with its outputs' bytes and its time (the median of
+    `repeats` runs, each call timed alone); with offload_min_bytes, only calls whose every output on the device
+    an Offload would send (dense, at least that large). A policy that answers
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
 
@@ -964,10 +980,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             costs.append(c)
         s.policies = costs
         if groups:
-            # The largest, at most what the stage saves beside its output (the planner library's rule, which
-            # the C++ profiler applies too).
-            s.groups = _core.fit_groups([_core.SavedGroup(name, nbytes, ms) for name, nbytes, ms in f["groups"]],
-                                        max(0, s.saved_bytes - s.output_bytes))
+            # The planner library's choice, which the C++ profiler makes too: the products, convolutions and
+            # attention kernels first, then the largest.
+            s.groups = _core.fit_groups([_core.SavedGroup(name, nbytes, ms, unsaved)
+                                         for name, nbytes, ms, unsaved in f["groups"]])
         if offload_min_bytes is not None:
             s.offload = f.get("offload")
             if s.offload is not None and f.get("stream") is not None:

@@ -153,8 +153,62 @@ def test_measuring_groups_leaves_nothing_of_the_forward_alive(meter):
     x = torch.randn(64, 64)
     before = meter.count()
     chain = remat.profile(remat.stages_of(model), x, groups=True, warmup=0, repeats=2)
-    assert [[g.name for g in st.groups] for st in chain.stages] == [["aten::relu#0"]] * 2
+    # (The first product too since 2026-12-05: ReLU does not save its input, and keeping it spares its recompute.)
+    assert [[g.name for g in st.groups] for st in chain.stages] == [["aten::addmm#0", "aten::relu#0"]] * 2
     assert meter.count() == before
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))) + x
+
+
+class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is self.op
+        return func(*args, **kwargs or {})
+
+
+def test_a_call_whose_output_autograd_does_not_save_is_a_group_and_kept_is_not_made_again():
+    # Since 2026-12-05 a saved group is any call with outputs of its own: fc1's product, which ReLU reads and
+    # does not save (it saves its own output), is one, all of its bytes unsaved; kept, the recompute before the
+    # backward does not make it again (one product fewer there), and the gradients are the plain run's. fc2's
+    # product comes after autograd's last save (fc2 saves its input before it runs): a recompute that stops
+    # early never makes it, so it is no group.
+    from remat.selective import GroupPolicy
+
+    model, x = _Residual(), torch.randn(32, 64)
+    chain = remat.profile(remat.stages_of(nn.Sequential(model)), x, groups=True, warmup=0, repeats=1)
+    groups = chain.stages[0].groups
+    assert [g.name for g in groups] == ["aten::addmm#0", "aten::relu#0"]
+    assert [g.bytes for g in groups] == [32 * 256 * 4] * 2
+    assert [g.unsaved_bytes for g in groups] == [32 * 256 * 4, 0]
+    assert chain.stages[0].saved_bytes - chain.stages[0].output_bytes < sum(g.bytes for g in groups)
+    assert remat.group_unsaved_bytes(chain.stages[0], "kr") == 32 * 256 * 4
+    assert remat.group_unsaved_bytes(chain.stages[0], "rk") == 0
+    plain, _ = step(model, x)
+    names = [g.name for g in groups]
+    for assignment, products in (("rr", 1), ("kr", 0), ("rk", 1), ("kk", 0)):
+        policy = GroupPolicy(names, assignment)
+        calls = _Calls(torch.ops.aten.addmm.default)
+        for p in model.parameters():
+            p.grad = None
+        t = x.detach().requires_grad_(True)
+        y = remat.checkpoint(model, t, policy=policy)
+        with calls:
+            y.sin().sum().backward()
+        assert calls.count == products, (assignment, calls.count)
+        got = [t.grad] + [p.grad for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(plain, got)), assignment
 
 
 def test_inside_an_offloads_context_what_is_kept_goes_with_it_but_must_save():
@@ -184,8 +238,8 @@ def test_inside_an_offloads_context_what_is_kept_goes_with_it_but_must_save():
 
 
 def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted():
-    # remat.enable(groups=True): the profiling step measures each block's saved groups (its calls whose outputs
-    # autograd saves), the planner may run a block as a group assignment ("{khr}"), and the step gives the
+    # remat.enable(groups=True): the profiling step measures each block's saved groups (its calls with outputs of
+    # their own), the planner may run a block as a group assignment ("{khr}"), and the step gives the
     # plain run's gradients bitwise within the predicted peak, with the host bytes simulate() predicts.
     from test_offload import planned_stack, same_step, stack_step
 
@@ -194,22 +248,24 @@ def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted(
     hidden = 256 * 128 * 4
     for st in chain.stages:
         names = [g.name for g in st.groups]
-        # The first product (GELU saves it) and GELU's output (the second product saves it); not dropout's mask
-        # (a factory's output, empty_like, that bernoulli_ fills in place), nor the block's output.
-        assert names == ["aten::addmm#0", "aten::gelu#0"], names
-        assert [g.bytes for g in st.groups] == [4 * hidden, 4 * hidden]
+        # The first product (GELU saves it), GELU's output (the second product saves it) and the second product
+        # (dropout reads it and saves only its mask: kept, the recompute does not make it again); not dropout's
+        # mask (a factory's output, empty_like, that bernoulli_ fills in place), nor the block's output.
+        assert names == ["aten::addmm#0", "aten::gelu#0", "aten::addmm#1"], names
+        assert [g.bytes for g in st.groups] == [4 * hidden, 4 * hidden, hidden]
+        assert [g.unsaved_bytes for g in st.groups] == [0, 0, hidden]
         assert all(g.recompute_ms >= 0 for g in st.groups)
         # What the planner charges a stage under an assignment (remat.group_cost, as simulate() does).
-        c = remat.group_cost(st, "hk")
+        c = remat.group_cost(st, "hkr")
         assert c.offload.bytes == 4 * hidden and c.saved_bytes == st.output_bytes + 8 * hidden
     # Recomputing a block costs much (100 ms, half of it each group's call), keeping it whole (its forward
-    # saving everything: 5 ms) or under the matmuls policy more: at the budget of every block but the last sending both groups to the host, the
+    # saving everything: 5 ms) or under the matmuls policy more: at the budget of every block but the last sending its groups to the host, the
     # planner sends them (the CPU's own timings would decide by noise). Every step is the plain run's,
     # within the predicted peak, with the host bytes simulate() predicts.
     groups_to_the_host_pay(chain)
-    sent = remat.Plan.from_json('{"num_stages": 5, "ops": ["Fk0{hh}", "Fk1{hh}", "Fk2{hh}", "Fk3{hh}", '
-                                '"Fk4{kk}", "L", "B4", "B3", "B2", "B1", "B0"]}')
-    assert remat.simulate(chain, sent).host_peak_bytes == 4 * 8 * hidden
+    sent = remat.Plan.from_json('{"num_stages": 5, "ops": ["Fk0{hhh}", "Fk1{hhh}", "Fk2{hhh}", "Fk3{hhh}", '
+                                '"Fk4{kkk}", "L", "B4", "B3", "B2", "B1", "B0"]}')
+    assert remat.simulate(chain, sent).host_peak_bytes == 4 * 9 * hidden
     budget = remat.step_peak_bytes(chain, ctx, sent)
     lp.set_budget(budget)
     assert sum(c.startswith("{") and "h" in c for c in lp.choices) >= 3, lp.choices

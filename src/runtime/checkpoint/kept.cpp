@@ -90,6 +90,14 @@ std::vector<at::Tensor> hand_back(KeptCall& call, const std::vector<at::Tensor>&
     TORCH_CHECK(now == call.output_versions[o], who, ": output ", o,
                 " was modified in place after the call; a kept output must not be written to");
   }
+  // The frame lets go of them when this returns, and as well when a save below ends the recompute (a
+  // recompute that stops early at its last saved tensor throws from that save): before 2026-12-05 such a
+  // call's outputs stayed held through the stage's backward (dropout's output and mask, kept and handed back
+  // last: two hidden states above the prediction of a group assignment that keeps it).
+  struct ReleaseOnExit {
+    KeptCall& call;
+    ~ReleaseOnExit() { call.release(); }
+  } release_on_exit{call};
   // Sent away: back from the hooks (from host memory when an Offload sent them there).
   std::vector<at::Tensor> kept_outputs = call.outputs;
   size_t next = 0;
@@ -137,10 +145,9 @@ std::vector<at::Tensor> hand_back(KeptCall& call, const std::vector<at::Tensor>&
     }
     outputs.push_back(std::move(out));
   }
-  // The frame lets go of them here: an output the recompute only reads (a projection the next operation
-  // copies) is freed as soon as the recompute is done with it. A later recompute (retain_graph) runs the
-  // call again.
-  call.release();
+  // The frame lets go of them here (release_on_exit): an output the recompute only reads (a projection the
+  // next operation copies) is freed as soon as the recompute is done with it. A later recompute
+  // (retain_graph) runs the call again.
   return outputs;
 }
 

@@ -549,10 +549,8 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
       // input).
       const std::vector<torch::Tensor> alive =
           detail::stage_offload_options(OffloadOptions(), stages[i], {leaf}).keep_on_device();
-      s.groups =
-          fit_groups(detail::measure_saved_groups(stages[i].fn, leaf, alive, options.offload_min_bytes(),
-                                                  options.repeats(), sync),
-                     std::max<int64_t>(0, s.saved_bytes - s.output_bytes));
+      s.groups = fit_groups(detail::measure_saved_groups(
+          stages[i].fn, leaf, alive, options.offload_min_bytes(), options.repeats(), sync));
       report("groups", s.name);
     }
   }

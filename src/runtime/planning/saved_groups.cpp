@@ -81,6 +81,10 @@ class Recorder final : public OpInterceptor, public HookSource {
 
   std::vector<Recorded>& calls() { return calls_; }
   const std::unordered_set<const void*>& saved() const { return saved_; }
+  /// How many asked calls had begun when autograd last saved a tensor (-1: none): a recompute that stops
+  /// early at its last save makes those calls only (autograd saves a call's inputs before the call is asked
+  /// about, and its outputs after it returns).
+  int64_t calls_at_last_save() const { return calls_at_last_save_; }
 
  private:
   struct Hooks final : torch::autograd::SavedVariableHooks {
@@ -91,6 +95,7 @@ class Recorder final : public OpInterceptor, public HookSource {
       held = t.detach();
       if (recorder == nullptr) return;
       if (const void* k = storage_key(t)) recorder->saved_.insert(k);
+      recorder->calls_at_last_save_ = static_cast<int64_t>(recorder->calls_.size());
       for (size_t i : recorder->open_)
         recorder->calls_[i].captured.push_back(held);
       recorder = nullptr;  // the recorder dies with the measurement; only pack may touch it
@@ -105,6 +110,7 @@ class Recorder final : public OpInterceptor, public HookSource {
   std::vector<size_t> open_;
   std::unordered_map<std::string, int64_t> counts_;
   std::unordered_set<const void*> saved_;
+  int64_t calls_at_last_save_ = -1;
 };
 
 }  // namespace
@@ -133,22 +139,34 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       off_limits.insert(storage_key(t));
     std::unordered_set<const void*> counted;
     size_t inside_until = 0;  // calls before this index are inside a group found
-    for (size_t k = 0; k < calls.size(); ++k) {
+    // Up to the last call a recompute that stops early makes: keeping one after it saves nothing.
+    const int64_t reached = recorder.calls_at_last_save();
+    for (size_t k = 0; k < calls.size() && static_cast<int64_t>(k) < reached; ++k) {
       if (k < inside_until) continue;
       const Recorded& c = calls[k];
-      bool own = !c.outputs.empty(), written = false, any_saved = false, whole = true;
+      // Every call with outputs of its own is a candidate, whether or not autograd saves them (kept or sent,
+      // the recompute skips it); outputs that hold no bytes on the leaf's device (a seed on the host, an
+      // empty tensor) are left out.
+      bool own = false, written = false, whole = true;
       std::unordered_set<const void*> mine;
-      int64_t bytes = 0;
+      int64_t bytes = 0, unsaved = 0;
       for (size_t o = 0; o < c.outputs.size(); ++o) {
         const at::Tensor& t = c.outputs[o];
         const void* key = storage_key(t);
-        if (key == nullptr || off_limits.count(key) || c.inputs.count(key)) own = false;
+        if (key == nullptr || t.device() != leaf.device() || storage_bytes(t) == 0) continue;
+        own = true;
+        if (off_limits.count(key) || c.inputs.count(key)) {
+          own = false;
+          break;
+        }
         written = written || t._version() != c.versions[o];
-        any_saved = any_saved || recorder.saved().count(key);
         if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) whole = false;
-        if (key != nullptr && mine.insert(key).second) bytes += storage_bytes(t);
+        if (mine.insert(key).second) {
+          bytes += storage_bytes(t);
+          if (!recorder.saved().count(key)) unsaved += storage_bytes(t);
+        }
       }
-      if (!own || written || !any_saved) continue;
+      if (!own || written) continue;
       // What it holds besides: what autograd saved inside it, not an input's or an output's storage (those
       // are rebuilt as views), nor a tensor alive anyway.
       for (const at::Tensor& t : c.captured) {
@@ -164,7 +182,7 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
         shared = shared || counted.count(key);
       if (shared) continue;
       counted.insert(mine.begin(), mine.end());
-      found.push_back(SavedGroup{c.name, bytes, 0.0});
+      found.push_back(SavedGroup{c.name, bytes, 0.0, unsaved});
       inside_until = c.end;
     }
   }

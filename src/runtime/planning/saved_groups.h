@@ -17,8 +17,10 @@ namespace remat::detail {
 /// Runs fn(leaf) `repeats` times with grad and returns, in the order the calls start, every group found: an
 /// asked call (remat/policy.h: the calls a region's policy is asked about) that is not inside another group,
 /// whose outputs are storages of its own (none of `alive`, nor fn's output), none written in place later in
-/// the pass, at least one saved by autograd; with `offload_min_bytes` >= 0, only a call whose every tensor
-/// kept with it would go to the host (detail::sendable): a group is sent whole or not at all. Its bytes are
+/// the pass, whether or not autograd saves them (outputs with no bytes on leaf's device left out), and begun
+/// no later than autograd's last save in the pass (a recompute that stops early makes no call after it); with
+/// `offload_min_bytes` >= 0, only a call whose every tensor kept with it would go to the host
+/// (detail::sendable): a group is sent whole or not at all. Its bytes are
 /// those of its outputs plus what autograd saved inside it that is neither an input's nor an output's storage
 /// (what a kept call holds, see remat/policy.h); its recompute_ms the median of its time (the calls inside it
 /// included), `sync` called around each. Choose among them with remat::fit_groups.

@@ -209,6 +209,13 @@ class SelectiveCache:
         # The storages the region's forward has had autograd save so far (saved.version_checked's), or None
         # where the region runs without it.
         self.autograd_saved = autograd_saved
+        # Per (op, its call index) kept or sent that draws random numbers: where its device's generator stood after it in
+        # the forward pass (_rng_after). The recompute, which starts from the forward's generator state, does
+        # not run it: handing it back moves the generator on as the call did, so that a random call after it
+        # that is recomputed (dropout) draws what it drew in the forward pass. Before (found on an H200 on
+        # 2026-12-05): an attention kernel with dropout kept and the dropout after it recomputed drew another
+        # mask, and BERT-large's gradients were 5e-3 from the plain run's with its loss equal.
+        self.rng_after: dict = {}
 
     def _store(self, op, args, kwargs, out):
         ctx = (_ckpt.SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OP_OUTPUT
@@ -279,6 +286,8 @@ class _Forward(TorchDispatchMode):
         idx = self.counter[func]
         self.counter[func] += 1
         stored = cache.entries[func][idx] = cache._store(func, args, kwargs, out)
+        if stored is not None and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            cache.rng_after[(func, idx)] = _rng_after(out)
         if stored is not None:
             # What stays on the device (kept, or left there by the Offload), whose storage stays alive with it;
             # what went to the host has its copy, which a later write does not reach.
@@ -335,7 +344,31 @@ class _Recompute(TorchDispatchMode):
                     "forward pass then wrote in place, and the operator draws random numbers, so it cannot be "
                     "recomputed in its place: have the policy recompute it, or write a copy of it")
             return func(*args, **kwargs)  # its kept values were written since: made again (see _Forward)
+        _set_rng(self.cache.rng_after.pop((func, idx), None))  # as the call moved it on in the forward pass
         return self.cache._load(stored)
+
+
+def _rng_after(out):
+    """The generator state of the device of `out`'s first tensor, now: (device, state), or None without one."""
+    for t in torch.utils._pytree.tree_leaves(out):
+        if isinstance(t, torch.Tensor):
+            if t.device.type == "cpu":
+                return t.device, torch.get_rng_state()
+            mod = getattr(torch, t.device.type, None)
+            if mod is not None and hasattr(mod, "get_rng_state"):
+                return t.device, mod.get_rng_state(t.device)
+            return None
+    return None
+
+
+def _set_rng(saved) -> None:
+    if saved is None:
+        return
+    device, state = saved
+    if device.type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        getattr(torch, device.type).set_rng_state(state, device)
 
 
 def selective_contexts(policy, offload=None, route_kept: bool | None = None, who: str = "remat",

@@ -211,6 +211,37 @@ def test_a_call_whose_output_autograd_does_not_save_is_a_group_and_kept_is_not_m
         assert all(torch.equal(a, b) for a, b in zip(plain, got)), assignment
 
 
+class _TwoDropouts(nn.Module):
+    # aten::native_dropout called as CUDA's dropout calls it (on the CPU, F.dropout draws with bernoulli_ instead).
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        h = torch.ops.aten.native_dropout(self.fc1(x), 0.5, True)[0]
+        return torch.ops.aten.native_dropout(self.fc2(torch.relu(h)), 0.5, True)[0]
+
+
+@pytest.mark.parametrize("word", [CheckpointPolicy.MUST_SAVE, remat.MUST_CPU_OFFLOAD], ids=["kept", "sent"])
+def test_a_random_call_kept_moves_the_generator_on_for_the_random_calls_recomputed_after_it(word):
+    # The first dropout kept (or sent), the second recomputed: the recompute, which starts from the forward's
+    # generator state and does not run the first, must draw the second's mask where the forward did. Before
+    # (found on an H200, where BERT's attention kernel and its dropouts are single random calls), it drew it
+    # from the state before the first: gradients 5e-3 from the plain run's, the loss equal.
+    model, x = _TwoDropouts(), torch.randn(32, 64)
+    plain, _ = step(model, x)
+    drop = torch.ops.aten.native_dropout.default
+
+    def policy(ctx, op, *args, **kwargs):
+        first = getattr(ctx, "call", None) == "aten::native_dropout#0"
+        return word if op is drop and first else CheckpointPolicy.PREFER_RECOMPUTE
+
+    o = Offload(min_bytes=0).keep_on_device(list(model.parameters()))
+    got, _ = step(model, x, lambda m, t: remat.checkpoint(m, t, policy=policy, offload=o))
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+
+
 def test_inside_an_offloads_context_what_is_kept_goes_with_it_but_must_save():
     # True (or PREFER_SAVE) keeps, and the enclosing Offload takes it to the host with the checkpoint's input
     # (as it takes what autograd saves around it: the plan's Fk[name]@host); MUST_SAVE stays on the device;

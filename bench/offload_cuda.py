@@ -97,7 +97,7 @@ def physics_bound(chain, plain_peak, budget, plain_ms):
         return 1.0
     pieces = []  # (ms per byte, bytes)
     for s in stages:
-        # What recomputing a group frees: the bytes of it autograd saves (since 2026-12-05 a group may be a call
+        # What recomputing a group frees: the bytes of it autograd saves (since 2026-12-04 a group may be a call
         # whose outputs it does not save: recomputing that frees nothing).
         groups = [(g["recompute_ms"], g["bytes"] - g.get("unsaved_bytes", 0)) for g in s.get("groups", [])]
         groups = [(ms, nbytes) for ms, nbytes in groups if nbytes > 0]
@@ -268,6 +268,11 @@ def main():
     print(f"bandwidth: {bandwidth}", file=sys.stderr, flush=True)
     least_budget = lp.min_budget_bytes
     print(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB", file=sys.stderr, flush=True)
+    if args.json:  # the profile now, should the planning or the rounds outrun the call (its stage says so)
+        with open(args.json, "w") as f:
+            json.dump(dict(config=vars(args), device=torch.cuda.get_device_name(dev) if cuda else "CPU",
+                           torch=torch.__version__, peaks=peaks, least_budget=least_budget, bandwidth=bandwidth,
+                           check=check, chain=json.loads(chain.to_json()), stage="profiled"), f, indent=1)
     plans = {}
     # Each plan's own step is compared with a plain one of the same seed (the check above ran every layer kept,
     # before the plans): the loss, and the gradients' largest difference beside two plain runs' (check's).
@@ -288,6 +293,7 @@ def main():
                 print(f"--at {a}: left out, {a} did not run", file=sys.stderr, flush=True)
                 continue
             least = None
+            t_plan = time.perf_counter()
             try:
                 lp.set_budget(b)
             except remat.InfeasibleBudget as e:
@@ -303,8 +309,9 @@ def main():
             p = plans[w] = dict(budget=b, asked=b if least is None else peaks["hf"], least=least,
                                 choices=lp.choices, predicted=lp.predicted_peak_bytes,
                                 predicted_host=lp.predicted_host_bytes, plan_ms=lp.plan.predicted.time_ms,
-                                transfer_ms=lp.plan.predicted.transfer_ms, plan=str(lp.plan))
-            print(f"remat@{w}: {lp.choices}", file=sys.stderr, flush=True)
+                                transfer_ms=lp.plan.predicted.transfer_ms, plan=str(lp.plan),
+                                plan_s=time.perf_counter() - t_plan)
+            print(f"remat@{w}: planned in {p['plan_s']:.1f} s: {lp.choices}", file=sys.stderr, flush=True)
             loss = step(rm, seed=300)[2]
             p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
                               grad_max_diff=max_diff(base_grads, grads_of(rm)))

@@ -153,7 +153,7 @@ def test_measuring_groups_leaves_nothing_of_the_forward_alive(meter):
     x = torch.randn(64, 64)
     before = meter.count()
     chain = remat.profile(remat.stages_of(model), x, groups=True, warmup=0, repeats=2)
-    # (The first product too since 2026-12-05: ReLU does not save its input, and keeping it spares its recompute.)
+    # (The first product too since 2026-12-04: ReLU does not save its input, and keeping it spares its recompute.)
     assert [[g.name for g in st.groups] for st in chain.stages] == [["aten::addmm#0", "aten::relu#0"]] * 2
     assert meter.count() == before
 
@@ -179,7 +179,7 @@ class _Calls(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_a_call_whose_output_autograd_does_not_save_is_a_group_and_kept_is_not_made_again():
-    # Since 2026-12-05 a saved group is any call with outputs of its own: fc1's product, which ReLU reads and
+    # Since 2026-12-04 a saved group is any call with outputs of its own: fc1's product, which ReLU reads and
     # does not save (it saves its own output), is one, all of its bytes unsaved; kept, the recompute before the
     # backward does not make it again (one product fewer there), and the gradients are the plain run's. fc2's
     # product comes after autograd's last save (fc2 saves its input before it runs): a recompute that stops
@@ -211,13 +211,8 @@ def test_a_call_whose_output_autograd_does_not_save_is_a_group_and_kept_is_not_m
         assert all(torch.equal(a, b) for a, b in zip(plain, got)), assignment
 
 
-class _TwoDropouts(nn.Module):
+class _TwoDropouts(_Residual):
     # aten::native_dropout called as CUDA's dropout calls it (on the CPU, F.dropout draws with bernoulli_ instead).
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 64)
-
     def forward(self, x):
         h = torch.ops.aten.native_dropout(self.fc1(x), 0.5, True)[0]
         return torch.ops.aten.native_dropout(self.fc2(torch.relu(h)), 0.5, True)[0]

@@ -604,7 +604,10 @@ bool costly_to_recompute(const std::string& call) {
   return kCostly.count(call.substr(0, call.find('#'))) > 0;
 }
 
-std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found) {
+namespace {
+
+// The indices of `found` in order, each group's bytes checked (fit_groups()'s error).
+std::vector<size_t> checked_indices(const std::vector<SavedGroup>& found) {
   std::vector<size_t> order(found.size());
   for (size_t g = 0; g < found.size(); ++g) {
     if (found[g].bytes < 0)
@@ -612,6 +615,13 @@ std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found) {
                                   std::to_string(found[g].bytes) + " bytes");
     order[g] = g;
   }
+  return order;
+}
+
+}  // namespace
+
+std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found) {
+  std::vector<size_t> order = checked_indices(found);
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     const bool ca = costly_to_recompute(found[a].name), cb = costly_to_recompute(found[b].name);
     if (ca != cb) return ca;
@@ -629,13 +639,7 @@ std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t
   if (room_bytes < 0)
     throw std::invalid_argument("remat::fit_groups: room_bytes must be >= 0, got " +
                                 std::to_string(room_bytes));
-  std::vector<size_t> order(found.size());
-  for (size_t g = 0; g < found.size(); ++g) {
-    if (found[g].bytes < 0)
-      throw std::invalid_argument("remat::fit_groups: group '" + found[g].name + "' has " +
-                                  std::to_string(found[g].bytes) + " bytes");
-    order[g] = g;
-  }
+  std::vector<size_t> order = checked_indices(found);
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return found[a].bytes > found[b].bytes; });
   if (order.size() > kMaxGroups) order.resize(kMaxGroups);

@@ -213,7 +213,7 @@ class SelectiveCache:
         # the forward pass (_rng_after). The recompute, which starts from the forward's generator state, does
         # not run it: handing it back moves the generator on as the call did, so that a random call after it
         # that is recomputed (dropout) draws what it drew in the forward pass. Before (found on an H200 on
-        # 2026-12-05): an attention kernel with dropout kept and the dropout after it recomputed drew another
+        # 2026-12-04): an attention kernel with dropout kept and the dropout after it recomputed drew another
         # mask, and BERT-large's gradients were 5e-3 from the plain run's with its loss equal.
         self.rng_after: dict = {}
 
@@ -349,14 +349,17 @@ class _Recompute(TorchDispatchMode):
 
 
 def _rng_after(out):
-    """The generator state of the device of `out`'s first tensor, now: (device, state), or None without one."""
+    """The generator state of the device of `out`'s first tensor, now: (device, its bytes), or None without one.
+    Held as Python bytes, not as the tensor get_rng_state returns: on a CPU device that tensor (5,056 bytes) would
+    sit among the device's bytes until the backward, which no figure counts (found in bench/architectures.py's
+    sweep: Phi-3's and Mixtral's steps 5,056 bytes above their predictions)."""
     for t in torch.utils._pytree.tree_leaves(out):
         if isinstance(t, torch.Tensor):
             if t.device.type == "cpu":
-                return t.device, torch.get_rng_state()
+                return t.device, torch.get_rng_state().numpy().tobytes()
             mod = getattr(torch, t.device.type, None)
             if mod is not None and hasattr(mod, "get_rng_state"):
-                return t.device, mod.get_rng_state(t.device)
+                return t.device, mod.get_rng_state(t.device).numpy().tobytes()
             return None
     return None
 
@@ -364,7 +367,8 @@ def _rng_after(out):
 def _set_rng(saved) -> None:
     if saved is None:
         return
-    device, state = saved
+    device, data = saved
+    state = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if device.type == "cpu":
         torch.set_rng_state(state)
     else:

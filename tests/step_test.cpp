@@ -2094,6 +2094,60 @@ TEST(PerLayer, LeavingOutTheCandidatesAnchorsBeatChangesNoPlan) {
   EXPECT_GT(offloaded, 50);
 }
 
+TEST(PerLayerGroups, PastFortyEightAssignmentsAStageKeepsTheFastest) {
+  // Ten groups of distinct bytes and times, offloading: more than 48 assignments that no other beats (counted
+  // here over all 3^10), of which the program plans with 48 (thin_group_choices), the fastest among them: at
+  // a budget that holds everything, its plan is as fast as the fastest assignment.
+  Chain chain;
+  chain.input_bytes = 64;
+  chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6;
+  remat::Stage st;
+  st.name = "s0", st.fwd_ms = 50, st.bwd_ms = 10, st.output_bytes = 64, st.saved_bytes = 64 + 6000;
+  st.checkpoint_fwd_ms = 6, st.checkpoint_bwd_ms = 10 + 60;
+  for (int g = 0; g < 10; ++g)
+    st.groups.push_back(
+        {"aten::mm#" + std::to_string(g), 100 + 37 * g * g, 1.0 + 0.7 * g, g % 3 == 0 ? 50 : 0});
+  chain.stages = {st};
+  double fastest = chain.stages[0].fwd_ms + chain.stages[0].bwd_ms;
+  struct Point {
+    int64_t kept, sent, unsaved;
+    double ms;
+  };
+  std::vector<Point> points;
+  std::string a(10, 'r');
+  for (int code = 0; code < 59049; ++code) {
+    for (int g = 0, c = code; g < 10; ++g, c /= 3)
+      a[static_cast<size_t>(g)] = "rkh"[c % 3];
+    const remat::PolicyCost c = remat::group_cost(chain.stages[0], a);
+    fastest = std::min(fastest, c.fwd_ms + c.bwd_ms);
+    int64_t kept = 0, sent = 0;
+    for (size_t g = 0; g < 10; ++g) {
+      if (a[g] == 'k') kept += chain.stages[0].groups[g].bytes;
+      if (a[g] == 'h') sent += chain.stages[0].groups[g].bytes;
+    }
+    points.push_back({kept, sent, remat::group_unsaved_bytes(chain.stages[0], a), c.fwd_ms + c.bwd_ms});
+  }
+  size_t unbeaten = 0;
+  for (const Point& p : points) {
+    bool beaten = false;
+    for (const Point& q : points) {
+      if (q.kept <= p.kept && q.sent <= p.sent && q.unsaved <= p.unsaved && q.ms <= p.ms &&
+          (q.kept < p.kept || q.sent < p.sent || q.unsaved < p.unsaved || q.ms < p.ms)) {
+        beaten = true;
+        break;
+      }
+    }
+    unbeaten += !beaten;
+    if (unbeaten > 48) break;
+  }
+  EXPECT_GT(unbeaten, 48u);
+  remat::PlannerOptions options;
+  options.offload = true;
+  const Plan plan = remat::per_layer(chain, int64_t{1} << 40, options);
+  EXPECT_FALSE(plan.ops[0].groups.empty()) << plan.to_string();
+  EXPECT_NEAR(plan.predicted.time_ms, fastest, 1e-9) << plan.to_string();
+}
+
 TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   // Two stages; stage 0 has three groups (10, 20, 40 bytes; 1, 2, 4 ms) and runs as Fk0{khr}: it holds its
   // output and the kept and sent groups after its forward (8 + 10 + 20), the sent one until stage 1's forward
@@ -2222,7 +2276,7 @@ TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   EXPECT_EQ(remat::fit_groups(found, 1 << 20).size(), remat::kMaxGroups);
   EXPECT_THROW_WITH_STD(remat::fit_groups(found, -1), "remat::fit_groups: room_bytes must be >= 0");
 
-  // Both profilers' rule since 2026-12-05: the calls costly to recompute first (products, convolutions,
+  // Both profilers' rule since 2026-12-04: the calls costly to recompute first (products, convolutions,
   // attention), then the rest, each from the most bytes down, ties to the earlier call; in the order found.
   std::vector<remat::SavedGroup> calls;
   for (int g = 0; g < 8; ++g)

@@ -65,38 +65,35 @@ const PolicyCost* policy_of(const Stage& s, const Choice& c) {
   return &s.policies[static_cast<size_t>(c.variant - 1)];
 }
 
-// The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
-// all r (that is Fc), and of those the ones no other beats in kept bytes, sent bytes and time together (a
-// plan's peak and time only grow with each); their figures are group_cost()'s, as simulate() charges them.
-// The 3^groups assignments are enumerated by their sums alone (the same sums, in the same order, as
-// group_cost() makes: the same doubles), and group_cost() is called for the ones kept.
 // The most group assignments of one stage the program plans with (kMaxGroupChoices).
 constexpr size_t kMaxGroupChoices = 48;
 
-// Past kMaxGroupChoices assignments no other beats, keeps kMaxGroupChoices of them: the fastest, and the rest
-// spread evenly over what they hold on the device (kept and sent bytes, then unsaved bytes), so that every
-// budget still finds assignments near its own. The program is then the best over those: on BERT-large's
-// H200 profile a stage has about 550 (ten groups, offloading) and planning took several times as long with
-// them all (2026-12-05).
+// Past kMaxGroupChoices assignments no other beats, keeps kMaxGroupChoices of them spread evenly over what
+// they hold on the device (kept and sent bytes, then unsaved bytes), the least and the most included (the
+// most holds every group, and is the fastest: keeping a group never costs time), so that every budget still
+// finds assignments near its own. The program is then the best over those: on BERT-large's H200 profile a
+// stage has about 550 (ten groups, offloading) and planning took several times as long with them all
+// (2026-12-04).
 std::vector<Choice> thin_group_choices(std::vector<Choice> all) {
   if (all.size() <= kMaxGroupChoices) return all;
   std::stable_sort(all.begin(), all.end(), [](const Choice& a, const Choice& b) {
     return std::tie(a.held, a.unsaved, a.ms) < std::tie(b.held, b.unsaved, b.ms);
   });
-  size_t fastest = 0;
-  for (size_t k = 1; k < all.size(); ++k)
-    if (all[k].ms < all[fastest].ms) fastest = k;
   std::vector<char> take(all.size(), 0);
-  take[fastest] = 1;
-  const size_t n = kMaxGroupChoices - 1;
-  for (size_t k = 0; k < n; ++k)
-    take[k * (all.size() - 1) / (n - 1)] = 1;
+  for (size_t k = 0; k < kMaxGroupChoices; ++k)
+    take[k * (all.size() - 1) / (kMaxGroupChoices - 1)] = 1;
   std::vector<Choice> out;
   for (size_t k = 0; k < all.size(); ++k)
     if (take[k]) out.push_back(std::move(all[k]));
   return out;
 }
 
+// The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
+// all r (that is Fc), and of those the ones no other beats in kept bytes, sent bytes and time together (a
+// plan's peak and time only grow with each); their figures are group_cost()'s, as simulate() charges them.
+// The 3^groups assignments are enumerated by their sums alone (the same sums, in the same order, as
+// group_cost() makes: the same doubles), and group_cost() is called for the ones kept; past kMaxGroupChoices,
+// thin_group_choices() keeps that many.
 std::vector<Choice> group_choices(const Stage& s, bool offload) {
   const size_t g = s.groups.size();
   std::vector<Choice> all;

@@ -820,6 +820,32 @@ TEST(Offload, EachCallKeptSentToTheHostOrRecomputedGivesThePlainGradients) {
 // run_plan carries out any assignment of them: every step the plain step's gradients bitwise (dropout
 // recomputed), through a copy engine that delays each copy until waited for too; the measured peak within
 // the executor's tolerance of simulate()'s; the host pool's peak the simulated host bytes.
+// A call made after autograd's last save in a stage's forward is no group: a recompute that stops early at
+// that save never makes it again, so keeping it would save no time and hold its outputs through the backward.
+// In fc2(relu(fc1(x))) + x, fc2 saves its input before its product is made: fc1's product (which ReLU does
+// not save: all of it unsaved) and ReLU's output are the groups, fc2's product is not.
+TEST(Offload, ACallAfterTheLastSaveIsNoGroup) {
+  meter_on();
+  torch::manual_seed(0);
+  torch::nn::Linear fc1(kWidth, 4 * kWidth), fc2(4 * kWidth, kWidth);
+  auto module = std::make_shared<torch::nn::Module>();
+  module->register_module("fc1", fc1);
+  module->register_module("fc2", fc2);
+  const auto l1 = fc1.ptr(), l2 = fc2.ptr();
+  const remat::StageFn stage{
+      "block", [=](const torch::Tensor& x) { return l2->forward(torch::relu(l1->forward(x))) + x; }, module};
+  const remat::Chain chain = remat::profile_chain(
+      {stage}, input(), remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  const auto& groups = chain.stages[0].groups;
+  std::vector<std::string> names;
+  for (const auto& g : groups)
+    names.push_back(g.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"aten::addmm#0", "aten::relu#0"}));
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0].unsaved_bytes, groups[0].bytes);
+  EXPECT_EQ(groups[1].unsaved_bytes, 0);
+}
+
 TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   meter_on();
   torch::manual_seed(0);

@@ -6,6 +6,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
 
+#include <algorithm>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -81,10 +82,17 @@ class Recorder final : public OpInterceptor, public HookSource {
 
   std::vector<Recorded>& calls() { return calls_; }
   const std::unordered_set<const void*>& saved() const { return saved_; }
-  /// How many asked calls had begun when autograd last saved a tensor (-1: none): a recompute that stops
-  /// early at its last save makes those calls only (autograd saves a call's inputs before the call is asked
-  /// about, and its outputs after it returns).
-  int64_t calls_at_last_save() const { return calls_at_last_save_; }
+  /// Whether a recompute that stops early, at autograd's last save of this pass, makes asked call `k` (or,
+  /// for a call that encloses that save, reaches it: kept, its hand-back makes that save): a call begun
+  /// before the innermost call open at that save, or one of the calls enclosing it; where no call was open,
+  /// a call begun before it. The innermost open call itself is not made: the save may be of its inputs,
+  /// before its work (counted out where it was of its outputs, after: a group missed, never one held in
+  /// vain).
+  bool reached(size_t k) const {
+    if (last_open_.empty()) return static_cast<int64_t>(k) < calls_at_last_save_;
+    if (k < last_open_.back()) return true;
+    return std::find(last_open_.begin(), last_open_.end() - 1, k) != last_open_.end() - 1;
+  }
 
  private:
   struct Hooks final : torch::autograd::SavedVariableHooks {
@@ -96,6 +104,7 @@ class Recorder final : public OpInterceptor, public HookSource {
       if (recorder == nullptr) return;
       if (const void* k = storage_key(t)) recorder->saved_.insert(k);
       recorder->calls_at_last_save_ = static_cast<int64_t>(recorder->calls_.size());
+      recorder->last_open_ = recorder->open_;
       for (size_t i : recorder->open_)
         recorder->calls_[i].captured.push_back(held);
       recorder = nullptr;  // the recorder dies with the measurement; only pack may touch it
@@ -111,6 +120,7 @@ class Recorder final : public OpInterceptor, public HookSource {
   std::unordered_map<std::string, int64_t> counts_;
   std::unordered_set<const void*> saved_;
   int64_t calls_at_last_save_ = -1;
+  std::vector<size_t> last_open_;  // the calls open at the last save, outermost first
 };
 
 }  // namespace
@@ -139,10 +149,10 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       off_limits.insert(storage_key(t));
     std::unordered_set<const void*> counted;
     size_t inside_until = 0;  // calls before this index are inside a group found
-    // Up to the last call a recompute that stops early makes: keeping one after it saves nothing.
-    const int64_t reached = recorder.calls_at_last_save();
-    for (size_t k = 0; k < calls.size() && static_cast<int64_t>(k) < reached; ++k) {
+    for (size_t k = 0; k < calls.size(); ++k) {
       if (k < inside_until) continue;
+      // The calls a recompute that stops early does not make: keeping one would save no time.
+      if (!recorder.reached(k)) continue;
       const Recorded& c = calls[k];
       // Every call with outputs of its own is a candidate, whether or not autograd saves them (kept or sent,
       // the recompute skips it); outputs that hold no bytes on the leaf's device (a seed on the host, an

@@ -17,8 +17,9 @@ namespace remat::detail {
 /// Runs fn(leaf) `repeats` times with grad and returns, in the order the calls start, every group found: an
 /// asked call (remat/policy.h: the calls a region's policy is asked about) that is not inside another group,
 /// whose outputs are storages of its own (none of `alive`, nor fn's output), none written in place later in
-/// the pass, whether or not autograd saves them (outputs with no bytes on leaf's device left out), and begun
-/// no later than autograd's last save in the pass (a recompute that stops early makes no call after it); with
+/// the pass, whether or not autograd saves them (outputs with no bytes on leaf's device left out), and made
+/// by a recompute that stops early at autograd's last save in the pass (not the innermost call open at that
+/// save, nor any after it; a call enclosing it is); with
 /// `offload_min_bytes` >= 0, only a call whose every tensor kept with it would go to the host
 /// (detail::sendable): a group is sent whole or not at all. Its bytes are
 /// those of its outputs plus what autograd saved inside it that is neither an input's nor an output's storage

@@ -143,7 +143,7 @@ NB_MODULE(_core, m) {
       "down; in the order found. Raises ValueError for negative group bytes.");
   m.def("fit_groups", nb::overload_cast<const std::vector<remat::SavedGroup>&, int64_t>(&remat::fit_groups),
         "found"_a, "room_bytes"_a,
-        "The profilers' rule before 2026-12-05: the MAX_GROUPS largest, then, from the largest down, those "
+        "The profilers' rule before 2026-12-04: the MAX_GROUPS largest, then, from the largest down, those "
         "that fit in room_bytes; in the order found. Raises ValueError for a negative room or group bytes.");
   m.def(
       "costly_to_recompute", &remat::costly_to_recompute, "call"_a,

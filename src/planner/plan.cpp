@@ -570,7 +570,7 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           // Before (found 2026-12-03), only the backward: a BertModel layer's group assignment, whose
           // attention makes 2.6 MiB of transients in its forward and 0.8 MiB in its backward, held 1.3 MiB
           // (6.5%) above its prediction in C++.
-          // A group assignment's groups that Fa does not save (`beyond`, since 2026-12-05) are all back as
+          // A group assignment's groups that Fa does not save (`beyond`, since 2026-12-04) are all back as
           // its recompute begins (`current` holds them: what it keeps), used by it and let go of by its end,
           // where it holds what Fa saves (current + rest - beyond) and its forward's transient; its backward
           // holds what Fa saves.

@@ -118,7 +118,7 @@ struct SavedGroup {
   /// them; 0 to `bytes`): outputs held only because the group is kept or sent, from the forward pass (a plain
   /// forward frees them once used) until the recompute before the backward has used them. Last of the
   /// fields, so that aggregate initializers written before it mean what they did; 0 in chains written
-  /// before 2026-12-05 (every group then was saved).
+  /// before 2026-12-04 (every group then was saved).
   int64_t unsaved_bytes = 0;
 };
 
@@ -347,7 +347,7 @@ inline constexpr size_t kMaxGroups = 10;
 bool costly_to_recompute(const std::string& call);
 
 /// The saved groups both languages' profilers keep of the calls they found in a stage's forward pass
-/// (`found`, in its order; since 2026-12-05 every call with outputs of its own, whether or not autograd saves
+/// (`found`, in its order; since 2026-12-04 every call with outputs of its own, whether or not autograd saves
 /// them: a group kept or sent skips its call in the recompute, which is what a call whose outputs only feed
 /// others is worth): at most kMaxGroups, the calls costly_to_recompute() first, then the others, each from
 /// the most bytes down (ties to the earlier call), returned in the order found. A deterministic rule (no
@@ -355,7 +355,7 @@ bool costly_to_recompute(const std::string& call);
 /// remat::fit_groups for a group of negative bytes.
 std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found);
 
-/// The profilers' rule before 2026-12-05, kept for callers of it: the kMaxGroups largest of `found`, then,
+/// The profilers' rule before 2026-12-04, kept for callers of it: the kMaxGroups largest of `found`, then,
 /// from the largest down, those that still fit in `room_bytes`, returned in the order found (ties to the
 /// earlier call). Throws std::invalid_argument naming remat::fit_groups for a negative room or group bytes.
 std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t room_bytes);

@@ -91,7 +91,7 @@ std::vector<at::Tensor> hand_back(KeptCall& call, const std::vector<at::Tensor>&
                 " was modified in place after the call; a kept output must not be written to");
   }
   // The frame lets go of them when this returns, and as well when a save below ends the recompute (a
-  // recompute that stops early at its last saved tensor throws from that save): before 2026-12-05 such a
+  // recompute that stops early at its last saved tensor throws from that save): before 2026-12-04 such a
   // call's outputs stayed held through the stage's backward (dropout's output and mask, kept and handed back
   // last: two hidden states above the prediction of a group assignment that keeps it).
   struct ReleaseOnExit {

@@ -268,9 +268,10 @@ def main():
     print(f"bandwidth: {bandwidth}", file=sys.stderr, flush=True)
     least_budget = lp.min_budget_bytes
     print(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB", file=sys.stderr, flush=True)
+    name = torch.cuda.get_device_name(dev) if cuda else "CPU"
     if args.json:  # the profile now, should the planning or the rounds outrun the call (its stage says so)
         with open(args.json, "w") as f:
-            json.dump(dict(config=vars(args), device=torch.cuda.get_device_name(dev) if cuda else "CPU",
+            json.dump(dict(config=vars(args), device=name,
                            torch=torch.__version__, peaks=peaks, least_budget=least_budget, bandwidth=bandwidth,
                            check=check, chain=json.loads(chain.to_json()), stage="profiled"), f, indent=1)
     plans = {}
@@ -319,7 +320,6 @@ def main():
             rows.append(f"remat@{w}")
         return rows
 
-    name = torch.cuda.get_device_name(dev) if cuda else "CPU"
     # The profiled chain and context, and every plan (text), to check the time model against the measured steps
     # afterwards; and the plain step as the model predicts it (every layer kept).
     keep_all = remat.Plan.from_json(json.dumps(dict(num_stages=len(chain.stages), ops=[f"Fa{i}" for i in range(

@@ -275,11 +275,10 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a group kept or
     sent is a call the recompute skips; of its bytes, those autograd does not save), those a recompute that
     stops early makes (made before autograd's last save), in the forward's order; the planner's fit_groups
-    chooses among them. Outputs that hold
-    no bytes on leaf's device (an attention kernel's random seed on the host, an empty tensor) are left out.
-    Profiling for offloading (offload_min_bytes), only calls whose every other output an Offload would send
-    (remat.offload's offloadable: dense, at least that large, not a parameter's): a group is sent whole or not
-    at all."""
+    chooses among them. Outputs that hold no bytes on leaf's device (an attention kernel's random seed on the
+    host, an empty tensor) are left out. Profiling for offloading (offload_min_bytes), only calls whose every
+    output left an Offload would send (remat.offload's offloadable: dense, at least that large, not a
+    parameter's): a group is sent whole or not at all."""
     saved: set[int] = set()
     # How many calls the forward had made when autograd last saved a tensor: a recompute that stops early
     # (torch.utils.checkpoint's, remat's) stops there, and never makes the calls after it again. (Autograd

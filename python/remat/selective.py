@@ -209,11 +209,11 @@ class SelectiveCache:
         # The storages the region's forward has had autograd save so far (saved.version_checked's), or None
         # where the region runs without it.
         self.autograd_saved = autograd_saved
-        # Per (op, its call index) kept or sent that draws random numbers: where its device's generator stood after it in
-        # the forward pass (_rng_after). The recompute, which starts from the forward's generator state, does
-        # not run it: handing it back moves the generator on as the call did, so that a random call after it
-        # that is recomputed (dropout) draws what it drew in the forward pass. Before (found on an H200 on
-        # 2026-12-04): an attention kernel with dropout kept and the dropout after it recomputed drew another
+        # Per (op, its call index) kept or sent that draws random numbers: where its device's generator stood
+        # after it in the forward pass (_rng_after). The recompute, which starts from the forward's generator
+        # state, does not run it: handing it back moves the generator on as the call did, so that a random call
+        # after it that is recomputed (dropout) draws what it drew in the forward pass. Before (found on an H200
+        # on 2026-12-04): an attention kernel with dropout kept and the dropout after it recomputed drew another
         # mask, and BERT-large's gradients were 5e-3 from the plain run's with its loss equal.
         self.rng_after: dict = {}
 

@@ -656,8 +656,27 @@ std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t
   return out;
 }
 
+namespace {
+
+// group_cost()'s checks of an assignment (group_unsaved_bytes() makes them too, in its words).
+void check_assignment(const Stage& stage, const std::string& assignment) {
+  if (assignment.size() != stage.groups.size()) {
+    throw std::invalid_argument("remat::group_cost: the assignment '" + assignment + "' has " +
+                                std::to_string(assignment.size()) + " characters, but stage '" + stage.name +
+                                "' has " + std::to_string(stage.groups.size()) + " saved groups");
+  }
+  const size_t bad = assignment.find_first_not_of("khr");
+  if (bad != std::string::npos) {
+    throw std::invalid_argument("remat::group_cost: the assignment '" + assignment + "' has '" +
+                                std::string(1, assignment[bad]) +
+                                "'; each group is 'k' (kept), 'h' (sent to the host) or 'r' (recomputed)");
+  }
+}
+
+}  // namespace
+
 int64_t group_unsaved_bytes(const Stage& stage, const std::string& assignment) {
-  group_cost(stage, assignment);  // its checks
+  check_assignment(stage, assignment);
   int64_t unsaved = 0;
   for (size_t g = 0; g < assignment.size(); ++g)
     if (assignment[g] != 'r') unsaved += stage.groups[g].unsaved_bytes;
@@ -665,11 +684,7 @@ int64_t group_unsaved_bytes(const Stage& stage, const std::string& assignment) {
 }
 
 PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
-  if (assignment.size() != stage.groups.size()) {
-    throw std::invalid_argument("remat::group_cost: the assignment '" + assignment + "' has " +
-                                std::to_string(assignment.size()) + " characters, but stage '" + stage.name +
-                                "' has " + std::to_string(stage.groups.size()) + " saved groups");
-  }
+  check_assignment(stage, assignment);
   PolicyCost c;
   c.policy = "{" + assignment + "}";
   int64_t kept = 0, sent = 0;
@@ -683,12 +698,8 @@ PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
       case 'h':
         sent += sg.bytes, skipped_ms += sg.recompute_ms;
         break;
-      case 'r':
+      default:  // 'r' (check_assignment)
         break;
-      default:
-        throw std::invalid_argument(
-            "remat::group_cost: the assignment '" + assignment + "' has '" + std::string(1, assignment[g]) +
-            "'; each group is 'k' (kept), 'h' (sent to the host) or 'r' (recomputed)");
     }
   }
   c.saved_bytes = stage.output_bytes + kept + sent;

@@ -159,7 +159,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     const PolicyCost cost = group_cost(s, text);
     Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
     ch.ms = ch.fwd_ms + ch.bwd_ms;
-    ch.unsaved = group_unsaved_bytes(s, text);
+    ch.unsaved = c.unsaved;
     ch.groups = std::move(text);
     ch.own = cost.offload;
     ch.offload = cost.offload.has_value();

@@ -436,12 +436,27 @@ constexpr size_t kMaxFrontier = size_t{1} << 15;
 // The rough program's (see solve()): two bands of R a group.
 constexpr size_t kRoughFrontier = 4;
 static_assert(kRoughFrontier >= 2, "thin() makes cap / 2 bands");
+// The most anchors a candidate is checked against (solve()).
+constexpr size_t kMaxWalk = 32;
 
 // How long the chain's input is gone in the backward pass (StepTerms::input_freed), as an order: from stage
 // 1 on, then from stage 3 on, then never. Every later stage needs no more (stage_need()'s bwd_less_input) the
 // longer it is gone.
+int64_t gone_rank(int64_t input_gone_from) {
+  return input_gone_from == 0 ? std::numeric_limits<int64_t>::min() : -input_gone_from;
+}
 int64_t gone_rank(const Point& p) {
-  return p.input_gone_from == 0 ? std::numeric_limits<int64_t>::min() : -p.input_gone_from;
+  return gone_rank(p.input_gone_from);
+}
+
+// The time so far with the link's time still owed (ms + link): where two points of one group are otherwise
+// alike, the one with less time and no more of this ends no later, whatever follows. A stage after a point
+// adds to its time max(0, link - its forward) (the wait) and leaves owed max(0, its copies' time - max(0, its
+// forward - link)), or none; both grow with link, and their sum by no more than link does. So if a.ms <=
+// b.ms and owed(a) <= owed(b), the same holds one stage on, and at the end, where the last link is waited for
+// (solve()). This beats more points than comparing link itself, with the same best plan.
+double owed(const Point& p) {
+  return p.ms + p.link;
 }
 
 bool same_group(const Point& a, const Point& b) {
@@ -467,6 +482,25 @@ inline bool in_order(const Point& a, const Point& b, const Key& key) {
   return a.choice < b.choice;
 }
 
+// The (key, owed()) pairs of points so far, as stairs: only those no other beats in both (each with a larger
+// key has a smaller owed()), so that whether one of them has both at most a point's (or a key less
+// than its) is one look-up.
+template <typename K>
+struct Stairs {
+  std::map<K, double> steps;
+  // Whether a pair so far has a key at most k (less than k where `strict`) and an owed() at most l.
+  bool covers(K k, double l, bool strict) const {
+    auto it = strict ? steps.lower_bound(k) : steps.upper_bound(k);
+    return it != steps.begin() && std::prev(it)->second <= l;
+  }
+  void add(K k, double l) {
+    if (covers(k, l, false)) return;
+    for (auto it = steps.lower_bound(k); it != steps.end() && it->second >= l;)
+      it = steps.erase(it);
+    steps[k] = l;
+  }
+};
+
 // Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
 // output_ahead, output_let_go), which
 // the future depends on beside R, no point with R, `key` (time when planning for a budget, peak when looking
@@ -485,8 +519,27 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool li
   // Without `host` and `link`: per gone_rank() among the group's points kept so far, the least key (their R
   // is at most the next point's, by the order). At most three ranks.
   std::vector<std::pair<int64_t, decltype(key(points.front()))>> least;
+  // With `link` alone: per input_gone_from value among the group's points kept so far, their (key, owed())
+  // stairs and, per key, their (owed(), host) pairs (a point whose input is gone longer beats another of an
+  // equal key only with host bytes no more).
+  using K = decltype(key(points.front()));
+  struct Gone {
+    int64_t from = 0;
+    Stairs<K> stairs{};
+    std::map<K, std::vector<std::pair<double, int64_t>>> at{};
+    bool tied(K k, double l, int64_t h) const {
+      const auto it = at.find(k);
+      return it != at.end() && std::any_of(it->second.begin(), it->second.end(),
+                                           [&](const auto& e) { return e.first <= l && e.second <= h; });
+    }
+    void add(K k, double l, int64_t h) {
+      stairs.add(k, l);
+      at[k].emplace_back(l, h);
+    }
+  };
+  std::vector<Gone> gones;
   for (const Point& p : points) {
-    if (!out.empty() && !same_group(out.back(), p)) group = out.size(), least.clear();
+    if (!out.empty() && !same_group(out.back(), p)) group = out.size(), least.clear(), gones.clear();
     const int64_t rank = gone_rank(p);
     if (!host && !link) {
       auto it = std::find_if(least.begin(), least.end(), [&](const auto& e) { return e.first == rank; });
@@ -499,9 +552,25 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool li
       continue;
     }
     bool beaten = false;
+    if (link && !host) {  // the same test, by stairs per input-gone value: a group may hold 10^4 points
+      for (Gone& g : gones) {
+        if (g.from == p.input_gone_from)
+          beaten = g.stairs.covers(key(p), owed(p), false);
+        else if (gone_rank(g.from) > rank)
+          beaten = g.stairs.covers(key(p), owed(p), true) || g.tied(key(p), owed(p), p.host);
+        if (beaten) break;
+      }
+      if (beaten) continue;
+      auto it = std::find_if(gones.begin(), gones.end(),
+                             [&](const Gone& g) { return g.from == p.input_gone_from; });
+      if (it == gones.end()) it = gones.insert(gones.end(), Gone{p.input_gone_from});
+      it->add(key(p), owed(p), p.host);
+      out.push_back(p);
+      continue;
+    }
     for (size_t k = group; k < out.size() && !beaten; ++k) {
       const Point& o = out[k];
-      beaten = !(key(p) < key(o)) && (!host || o.host <= p.host) && (!link || o.link <= p.link) &&
+      beaten = !(key(p) < key(o)) && (!host || o.host <= p.host) && (!link || owed(o) <= owed(p)) &&
                (o.input_gone_from == p.input_gone_from ||
                 (gone_rank(o) > rank && (key(o) < key(p) || o.host <= p.host)));
     }
@@ -519,7 +588,7 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool li
 template <typename Key>
 inline bool filtered_by(const Point& a, const Point& x, const Key& key, bool host, bool link) {
   if (!same_group(a, x) || a.held > x.held || key(x) < key(a) || (host && a.host > x.host) ||
-      (link && a.link > x.link))
+      (link && owed(a) > owed(x)))
     return false;
   if (a.input_gone_from == x.input_gone_from)
     return (!(host || link) || key(a) < key(x) || a.host <= x.host) && in_order(a, x, key);
@@ -796,7 +865,10 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           size_t a = up;
           bool beaten = false;
           const double q_key = static_cast<double>(by_time ? time_key(q) : peak_key(q));
-          while (a > first && !beaten && !(least_key[a - 1] > q_key)) {
+          // (At most kMaxWalk of them: a candidate let through is left out by pareto() all the same, and on
+          // frontiers of 10^5 points the walk cost more than the rest of the program.)
+          size_t walked = 0;
+          while (a > first && !beaten && !(least_key[a - 1] > q_key) && walked++ < kMaxWalk) {
             --a;
             beaten = by_time ? filtered_by(anchors[a], q, time_key, bounded, link)
                              : filtered_by(anchors[a], q, peak_key, bounded, false);

@@ -47,6 +47,21 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from hf_compare import compiled, grads_of, max_diff, paired_rounds  # noqa: E402  (the paired rounds every benchmark of this kind shares)
 
 
+_T0 = time.perf_counter()
+
+
+def say(text):
+    """A progress line on stderr, with the seconds since the script began (where a call that ran out spent its
+    time)."""
+    print(f"[{time.perf_counter() - _T0:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+def context_figures(ctx):
+    """A step context's figures (remat._core.StepContext's attributes), for the JSON: with the chain, the
+    plans can be made again on another machine (a StepContext() given them back)."""
+    return {k: getattr(ctx, k) for k in dir(ctx) if not k.startswith("_") and not callable(getattr(ctx, k))}
+
+
 def build(args, dev):
     torch.manual_seed(0)
     if args.model == "bert":
@@ -163,8 +178,8 @@ def main():
                  "with --heads)")
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, remat.POLICY_OFFLOAD "
-          f"{remat.POLICY_OFFLOAD}, {torch.cuda.get_device_name(dev) if cuda else 'CPU'}", file=sys.stderr, flush=True)
+    say(f"torch {torch.__version__}, transformers {transformers.__version__}, remat.POLICY_OFFLOAD "
+          f"{remat.POLICY_OFFLOAD}, {torch.cuda.get_device_name(dev) if cuda else 'CPU'}")
     meter = remat.meter_for(dev)
     base_model, batch, loss_of = build(args, dev)
     amp = dict(device_type=dev.type, dtype=torch.bfloat16, enabled=args.model == "llama")
@@ -222,7 +237,7 @@ def main():
         step(hfo)
         ways["hf-offload"] = (hfo, None)
     except Exception as e:  # not in this transformers
-        print(f"hf-offload: not available ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
+        say(f"hf-offload: not available ({type(e).__name__}: {e})")
     if "save_on_cpu" not in skip:
         ways["save_on_cpu"] = (base_model, partial(torch.autograd.graph.save_on_cpu, pin_memory=cuda))
     compile_budgets = [float(x) for x in args.compile.split(",") if x]
@@ -239,7 +254,7 @@ def main():
             m, ctx = ways[w]
             step(m, ctx, forward=forwards.get(w))
             peaks[w] = step(m, ctx, forward=forwards.get(w))[1]
-            print(f"{w}: peak {peaks[w] / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+            say(f"{w}: peak {peaks[w] / 2**30:.2f} GiB")
 
     measure_peaks(list(ways))
 
@@ -261,19 +276,20 @@ def main():
             profile_s = time.perf_counter() - t0
         check.append(dict(step=k, loss_equal=bool(torch.equal(la, lr)), grad_max_diff=max_diff(ga, gr),
                           plain_grad_max_diff=max_diff(ga, gb)))
-        print(f"check {check[-1]}", file=sys.stderr, flush=True)
+        say(f"check {check[-1]}")
     del plain_a, plain_b
     chain = lp.chain
     bandwidth = dict(to_host_gb_per_s=chain.to_host_gb_per_s, to_device_gb_per_s=chain.to_device_gb_per_s)
-    print(f"bandwidth: {bandwidth}", file=sys.stderr, flush=True)
+    say(f"bandwidth: {bandwidth}")
     least_budget = lp.min_budget_bytes
-    print(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB", file=sys.stderr, flush=True)
+    say(f"remat's least feasible budget: {least_budget / 2**30:.3f} GiB")
     name = torch.cuda.get_device_name(dev) if cuda else "CPU"
     if args.json:  # the profile now, should the planning or the rounds outrun the call (its stage says so)
         with open(args.json, "w") as f:
             json.dump(dict(config=vars(args), device=name,
                            torch=torch.__version__, peaks=peaks, least_budget=least_budget, bandwidth=bandwidth,
-                           check=check, chain=json.loads(chain.to_json()), stage="profiled"), f, indent=1)
+                           check=check, chain=json.loads(chain.to_json()), context=context_figures(lp.context),
+                           stage="profiled"), f, indent=1)
     plans = {}
     # Each plan's own step is compared with a plain one of the same seed (the check above ran every layer kept,
     # before the plans): the loss, and the gradients' largest difference beside two plain runs' (check's).
@@ -291,15 +307,15 @@ def main():
             elif a in peaks:
                 w, b = f"at-{a}", peaks[a]
             else:  # a compiled way whose compile failed (said above)
-                print(f"--at {a}: left out, {a} did not run", file=sys.stderr, flush=True)
+                say(f"--at {a}: left out, {a} did not run")
                 continue
             least = None
+            say(f"remat@{w}: planning at {b / 2**30:.3f} GiB")
             t_plan = time.perf_counter()
             try:
                 lp.set_budget(b)
             except remat.InfeasibleBudget as e:
-                print(f"remat@{w}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB",
-                      file=sys.stderr, flush=True)
+                say(f"remat@{w}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB")
                 if w != "at-hf":
                     plans[w] = dict(budget=b, infeasible=e.min_bytes)
                     continue
@@ -312,11 +328,11 @@ def main():
                                 predicted_host=lp.predicted_host_bytes, plan_ms=lp.plan.predicted.time_ms,
                                 transfer_ms=lp.plan.predicted.transfer_ms, plan=str(lp.plan),
                                 plan_s=time.perf_counter() - t_plan)
-            print(f"remat@{w}: planned in {p['plan_s']:.1f} s: {lp.choices}", file=sys.stderr, flush=True)
+            say(f"remat@{w}: planned in {p['plan_s']:.1f} s: {lp.choices}")
             loss = step(rm, seed=300)[2]
             p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
                               grad_max_diff=max_diff(base_grads, grads_of(rm)))
-            print(f"remat@{w} against plain: {p['check']}", file=sys.stderr, flush=True)
+            say(f"remat@{w} against plain: {p['check']}")
             rows.append(f"remat@{w}")
         return rows
 
@@ -328,7 +344,8 @@ def main():
     facts = dict(config=vars(args), device=name, torch=torch.__version__, transformers=transformers.__version__,
                  policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, compile_s=compile_s, least_budget=least_budget,
                  bandwidth=bandwidth, profile_s=profile_s,
-                 check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms)
+                 check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms,
+                 context=context_figures(lp.context))
     host_peak = {}
     res, plain_all = {}, []
 
@@ -380,13 +397,13 @@ def main():
         try:
             step(cm, forward=forwards[w])
         except Exception as e:  # the compiler on this machine: the way is left out, the rest of the run goes on
-            print(f"{w}: not run ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr, flush=True)
+            say(f"{w}: not run ({type(e).__name__}: {str(e)[:300]})")
             compile_s[w] = f"failed: {type(e).__name__}: {str(e)[:300]}"
             forwards.pop(w)
             cm = None  # its memory back
             continue
         compile_s[w] = time.perf_counter() - t0
-        print(f"{w}: compiled in {compile_s[w]:.1f} s", file=sys.stderr, flush=True)
+        say(f"{w}: compiled in {compile_s[w]:.1f} s")
         ways[w] = (cm, None)
         measure_peaks([w])
     compiled_rows = [w for w in compile_names if w in ways]

@@ -253,11 +253,12 @@ std::vector<Candidate> every_per_layer_plan(const Chain& chain, bool keep_tags, 
       if (op.kind == OpKind::kForwardAll) c.ms += s.fwd_ms + s.bwd_ms;
       if (op.kind == OpKind::kForwardCheckpoint) c.ms += s.per_call_fwd_ms() + s.per_call_bwd_ms();
       if (op.kind == OpKind::kForwardKeep && !op.groups.empty()) {
-        // A checkpoint whose recompute skips the kept and sent calls, charged by hand.
-        double skipped = 0;
+        // A checkpoint whose recompute skips the kept and sent calls (Stage::group_fwd_ms(), group_bwd_ms():
+        // the group runtime's times where measured).
+        double skipped = 0, redone = 0;
         for (size_t g = 0; g < op.groups.size(); ++g)
-          if (op.groups[g] != 'r') skipped += s.groups[g].recompute_ms;
-        c.ms += s.per_call_fwd_ms() + std::max(s.bwd_ms, s.per_call_bwd_ms() - skipped);
+          (op.groups[g] != 'r' ? skipped : redone) += s.groups[g].recompute_ms;
+        c.ms += s.group_fwd_ms() + s.group_bwd_ms(skipped, redone);
       }
       if (op.kind == OpKind::kForwardKeep && op.policy < 0 && op.groups.empty())
         c.ms += *s.keep_fwd_ms + *s.keep_bwd_ms;
@@ -383,7 +384,12 @@ int64_t expect_exhaustive(const Chain& chain, const std::vector<Candidate>& all,
     EXPECT_LE(plan.predicted.peak_bytes, budget);
     EXPECT_EQ(plan.predicted.peak_bytes, remat::simulate(chain, plan).peak_bytes);
     EXPECT_NEAR(plan.predicted.time_ms, best, 1e-9 * std::max(1.0, best))
-        << "trial " << trial << " budget " << budget << " plan " << plan.to_string();
+        << "trial " << trial << " budget " << budget << " plan " << plan.to_string() << [&] {
+             std::string t;
+             for (const Candidate& c : all)
+               if (c.peak <= budget && c.ms == best) t += " best " + c.plan.to_string();
+             return t;
+           }();
     EXPECT_TRUE(is_per_layer_shape(plan)) << plan.to_string();
     each(plan, budget);
   }
@@ -409,6 +415,12 @@ void add_random_groups(std::mt19937& rng, Chain& chain) {
       // Every other group, some of its bytes not saved by autograd.
       if (part(rng) < 0.5) sg.unsaved_bytes = static_cast<int64_t>(part(rng) * static_cast<double>(sg.bytes));
       s.groups.push_back(sg);
+    }
+    // Every fourth, the group runtime's own times measured (a Python dispatch mode's cost: more than per
+    // call).
+    if (i % 4 == 1) {
+      s.groups_fwd_ms = s.per_call_fwd_ms() * 1.5;
+      s.groups_bwd_ms = s.bwd_ms + 0.5 * recompute;
     }
   }
 }
@@ -2211,6 +2223,22 @@ TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   EXPECT_EQ(back.stages[0].groups[2].name, "aten::gelu#0");
   EXPECT_EQ(back.stages[0].groups[2].bytes, 40);
   EXPECT_EQ(back.stages[0].groups[2].recompute_ms, 4.0);
+  // The group runtime's own times, where measured (groups_fwd_ms, groups_bwd_ms): an assignment's forward is
+  // the first, its backward the second plus the recomputed groups' recompute_ms; simulate() charges them;
+  // written only where set, read back, and checked.
+  Chain measured = chain;
+  measured.stages[0].groups_fwd_ms = 9, measured.stages[0].groups_bwd_ms = 14;
+  EXPECT_EQ(remat::group_cost(measured.stages[0], "khr").fwd_ms, 9);
+  EXPECT_EQ(remat::group_cost(measured.stages[0], "khr").bwd_ms, 14 + 4);
+  EXPECT_EQ(remat::group_cost(measured.stages[0], "rrk").bwd_ms, 14 + 1 + 2);
+  EXPECT_DOUBLE_EQ(remat::simulate(measured, plan).time_ms, 9 + 30 + 40 + 18);
+  const Chain measured_back = remat::chain_from_json(remat::to_json(measured));
+  EXPECT_EQ(measured_back.stages[0].groups_fwd_ms, 9.0);
+  EXPECT_EQ(measured_back.stages[0].groups_bwd_ms, 14.0);
+  EXPECT_FALSE(measured_back.stages[1].groups_fwd_ms.has_value());
+  EXPECT_EQ(remat::to_json(chain).find("groups_fwd_ms"), std::string::npos);
+  measured.stages[0].groups_bwd_ms = -1;
+  EXPECT_THROW_WITH_STD(remat::validate(measured), "groups_bwd_ms");
   // Groups may hold more than the stage saves (a call whose outputs autograd does not save, kept so that the
   // recompute skips it): such a chain is valid, and a group assignment keeping them all holds them all.
   Chain over = chain;

@@ -37,8 +37,8 @@ from ._state import RestoreBuffers, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
-from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_region, policy_fn
-from .selective import IGNORED, TO_HOST, CallNames, _aliases, call_name, outcome
+from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_region, is_groups, policy_fn
+from .selective import IGNORED, TO_HOST, CallNames, GroupPolicy, _aliases, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
@@ -575,11 +575,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     def targets_of(i, leaf):
         return params[i] + ([leaf] if input_grad[i] else [])
 
-    def run_as(i, how, leaf, counter=None, calls=None):
+    def run_as(i, how, leaf, counter=None, calls=None, groups=None):
         """Stage i on `leaf` as choice `how` runs it: compiled, inside its graph; else kept as it is, or under
-        torch.utils.checkpoint (with the policy `how` names, through remat's selective checkpointing). With
-        `calls` (a list), checkpointed: the meter's count appended to it at each call of the stage's function,
-        its forward's and its recompute's."""
+        torch.utils.checkpoint (with the policy `how` names, or the group assignment "{khr}" over the saved
+        groups named `groups`, through remat's selective checkpointing). With `calls` (a list), checkpointed:
+        the meter's count appended to it at each call of the stage's function, its forward's and its
+        recompute's."""
         st = stage_list[i]
         if compiled[i]:
             return check_out(i, st.compiled(how, leaf))
@@ -593,8 +594,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
 
         fn = st.fn if calls is None else counted
         # As the runtime's checkpointed layers run; `counter`, when given, takes what is kept, as an Offload would.
-        return check_out(i, checkpoint_region(fn, (leaf,), mods, None if how == CHECKPOINT else pols[how],
-                                              counter, route_kept=counter is not None))
+        policy = None if how == CHECKPOINT else GroupPolicy(groups, how[1:-1]) if is_groups(how) else pols[how]
+        return check_out(i, checkpoint_region(fn, (leaf,), mods, policy, counter, route_kept=counter is not None))
 
     def recompute_overhead():
         """What a checkpoint's recompute holds before it calls the stage's function again, whatever the stage
@@ -921,14 +922,41 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             if groups:
                 for i in range(n):
                     if compiled[i]:
-                        fields[i]["groups"] = []
+                        fields[i]["groups"], fields[i]["fitted"] = [], []
                         report("groups", names[i])
                         continue
                     leaf = leaf_of(i)
                     fields[i]["groups"] = _measure_groups(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
                         alive | {_storage_key(leaf)}, sync, repeats, offload_min_bytes, alive)
+                    # The planner library's choice, which the C++ profiler makes too: the products,
+                    # convolutions and attention kernels first, then the largest.
+                    fitted = fields[i]["fitted"] = _core.fit_groups(
+                        [_core.SavedGroup(name, nbytes, ms, unsaved) for name, nbytes, ms, unsaved in fields[i]["groups"]])
+                    targets = targets_of(i, leaf)
                     del leaf
+                    # The stage as a group assignment runs it, every group kept (Stage.groups_fwd_ms,
+                    # groups_bwd_ms): remat's selective checkpointing, a dispatch mode in Python, costs time
+                    # beside every call of its forward and its recompute that the calls' own times leave out
+                    # (2-3 ms a layer on an H200's Llama, whose layers run 3 ms forward).
+                    if fitted and targets:
+                        how, times = "{" + "k" * len(fitted) + "}", []
+                        for r in range(warmup + repeats):
+                            leaf = leaf_of(i)
+                            sync()
+                            t0 = time.perf_counter()
+                            out = run_as(i, how, leaf, groups=[g.name for g in fitted])
+                            sync()
+                            f = (time.perf_counter() - t0) * 1e3
+                            if not out.requires_grad:
+                                break
+                            b = timed_backward(out, targets_of(i, leaf), i)[0]
+                            if r >= warmup:
+                                times.append((f, b))
+                            del out, leaf
+                        if times:
+                            fields[i]["groups_ms"] = (_median([f for f, _ in times]), _median([b for _, b in times]))
+                    del targets
                     report("groups", names[i])
 
     chain.policies = list(pols)
@@ -979,10 +1007,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             costs.append(c)
         s.policies = costs
         if groups:
-            # The planner library's choice, which the C++ profiler makes too: the products, convolutions and
-            # attention kernels first, then the largest.
-            s.groups = _core.fit_groups([_core.SavedGroup(name, nbytes, ms, unsaved)
-                                         for name, nbytes, ms, unsaved in f["groups"]])
+            s.groups = f["fitted"]
+            if "groups_ms" in f:
+                s.groups_fwd_ms, s.groups_bwd_ms = f["groups_ms"]
         if offload_min_bytes is not None:
             s.offload = f.get("offload")
             if s.offload is not None and f.get("stream") is not None:

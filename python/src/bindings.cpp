@@ -196,6 +196,10 @@ NB_MODULE(_core, m) {
       .def_rw("fwd_nosave_ms", &remat::Stage::fwd_nosave_ms, "forward under no-grad (ms), or None")
       .def_rw("checkpoint_fwd_ms", &remat::Stage::checkpoint_fwd_ms, "forward checkpointed per call (ms)")
       .def_rw("checkpoint_bwd_ms", &remat::Stage::checkpoint_bwd_ms, "recompute + backward per call (ms)")
+      .def_rw("groups_fwd_ms", &remat::Stage::groups_fwd_ms,
+              "forward as a group assignment runs it, every group kept (ms), or None")
+      .def_rw("groups_bwd_ms", &remat::Stage::groups_bwd_ms,
+              "its backward, recompute of the calls in no group included (ms), or None")
       .def_rw("keep_saved_bytes", &remat::Stage::keep_saved_bytes)
       .def_rw("keep_fwd_ms", &remat::Stage::keep_fwd_ms)
       .def_rw("keep_bwd_ms", &remat::Stage::keep_bwd_ms)

@@ -364,6 +364,13 @@ def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
     chain = lp.chain
     assert all(0 < len(st.groups) <= remat._core.MAX_GROUPS for st in chain.stages), [len(st.groups) for st in chain.stages]
     for st in chain.stages:
+        # The group runtime's own times, measured (its dispatch mode's cost beside the calls'), are what a group
+        # assignment is charged: its forward, and its backward plus the groups it recomputes.
+        assert st.groups_fwd_ms > 0 and st.groups_bwd_ms > 0, (st.groups_fwd_ms, st.groups_bwd_ms)
+        g = len(st.groups)
+        assert remat._core.group_cost(st, "k" * g).fwd_ms == st.groups_fwd_ms
+        assert remat._core.group_cost(st, "r" + "k" * (g - 1)).bwd_ms == st.groups_bwd_ms + st.groups[0].recompute_ms
+        st.groups_fwd_ms, st.groups_bwd_ms = st.checkpoint_fwd_ms, st.bwd_ms
         st.checkpoint_bwd_ms = st.bwd_ms + 100.0
         for g in st.groups:
             g.recompute_ms = 100.0 / len(st.groups)

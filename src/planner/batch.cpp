@@ -116,6 +116,8 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
     s.fwd_nosave_ms = line.ms(sa.fwd_nosave_ms, sb.fwd_nosave_ms);
     s.checkpoint_fwd_ms = line.ms(sa.checkpoint_fwd_ms, sb.checkpoint_fwd_ms);
     s.checkpoint_bwd_ms = line.ms(sa.checkpoint_bwd_ms, sb.checkpoint_bwd_ms);
+    s.groups_fwd_ms = line.ms(sa.groups_fwd_ms, sb.groups_fwd_ms);
+    s.groups_bwd_ms = line.ms(sa.groups_bwd_ms, sb.groups_bwd_ms);
     s.output_bytes = line.bytes(sa.output_bytes, sb.output_bytes);
     s.saved_bytes = std::max(s.output_bytes, line.bytes(sa.saved_bytes, sb.saved_bytes));
     s.saves_output = sa.saves_output || sb.saves_output;  // saved where either profile saw it saved

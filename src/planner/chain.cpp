@@ -142,6 +142,8 @@ void validate(const Chain& chain) {
     if (s.fwd_nosave_ms) check_ms(chain, i, "fwd_nosave_ms", *s.fwd_nosave_ms);
     if (s.checkpoint_fwd_ms) check_ms(chain, i, "checkpoint_fwd_ms", *s.checkpoint_fwd_ms);
     if (s.checkpoint_bwd_ms) check_ms(chain, i, "checkpoint_bwd_ms", *s.checkpoint_bwd_ms);
+    if (s.groups_fwd_ms) check_ms(chain, i, "groups_fwd_ms", *s.groups_fwd_ms);
+    if (s.groups_bwd_ms) check_ms(chain, i, "groups_bwd_ms", *s.groups_bwd_ms);
     check_bytes(chain, i, "output_bytes", s.output_bytes);
     check_bytes(chain, i, "saved_bytes", s.saved_bytes);
     check_bytes(chain, i, "fwd_tmp_bytes", s.fwd_tmp_bytes);
@@ -344,6 +346,8 @@ std::string to_json(const Chain& chain) {
         js["groups"].push_back(jg);
       }
     }
+    if (s.groups_fwd_ms) js["groups_fwd_ms"] = *s.groups_fwd_ms;
+    if (s.groups_bwd_ms) js["groups_bwd_ms"] = *s.groups_bwd_ms;
     j["stages"].push_back(js);
   }
   if (!chain.keep.empty()) j["keep"] = chain.keep;
@@ -482,7 +486,9 @@ Chain chain_from_json(const std::string& text) {
           {"checkpoint_fwd_ms", &s.checkpoint_fwd_ms},
           {"checkpoint_bwd_ms", &s.checkpoint_bwd_ms},
           {"keep_fwd_ms", &s.keep_fwd_ms},
-          {"keep_bwd_ms", &s.keep_bwd_ms}}) {
+          {"keep_bwd_ms", &s.keep_bwd_ms},
+          {"groups_fwd_ms", &s.groups_fwd_ms},
+          {"groups_bwd_ms", &s.groups_bwd_ms}}) {
       if (js.contains(key)) *field = required<double>(js, key, where);
     }
     if (js.contains("keep_saved_bytes"))
@@ -688,7 +694,7 @@ PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
   PolicyCost c;
   c.policy = "{" + assignment + "}";
   int64_t kept = 0, sent = 0;
-  double skipped_ms = 0;
+  double skipped_ms = 0, redone_ms = 0;
   for (size_t g = 0; g < assignment.size(); ++g) {
     const SavedGroup& sg = stage.groups[g];
     switch (assignment[g]) {
@@ -699,13 +705,14 @@ PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
         sent += sg.bytes, skipped_ms += sg.recompute_ms;
         break;
       default:  // 'r' (check_assignment)
+        redone_ms += sg.recompute_ms;
         break;
     }
   }
   c.saved_bytes = stage.output_bytes + kept + sent;
   c.saves_output = stage.saves_output;  // the output is no group: its recompute makes it where Fa saves it
-  c.fwd_ms = stage.per_call_fwd_ms();
-  c.bwd_ms = std::max(stage.bwd_ms, stage.per_call_bwd_ms() - skipped_ms);
+  c.fwd_ms = stage.group_fwd_ms();
+  c.bwd_ms = stage.group_bwd_ms(skipped_ms, redone_ms);
   if (assignment.find('h') != std::string::npos) c.offload = OffloadCost{sent, false, false};
   return c;
 }

@@ -170,6 +170,8 @@ void visit(C& chain, X& context, V& v) {
       v.offload(c.offload);
       v.flag(c.saves_output);  // held where any process's policy holds it
     }
+    v.opt_ms(s.groups_fwd_ms);
+    v.opt_ms(s.groups_bwd_ms);
     for (auto& g : s.groups) {
       v.bytes(g.bytes);
       v.ms(g.recompute_ms);

@@ -103,7 +103,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   size_t count = 1;
   for (size_t k = 0; k < g; ++k)
     count *= base;
-  const double fwd_ms = s.per_call_fwd_ms(), per_call_bwd_ms = s.per_call_bwd_ms();
+  const double fwd_ms = s.group_fwd_ms();
   struct Candidate {
     int64_t unsaved, kept, sent;
     double ms;
@@ -116,13 +116,14 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     for (size_t k = 0; k < g && ++letter[k] == base; ++k)
       letter[k] = 0;
     int64_t kept = 0, sent = 0, unsaved = 0;
-    double skipped_ms = 0;
+    double skipped_ms = 0, redone_ms = 0;
     for (size_t k = 0; k < g; ++k) {
       if (letter[k] == 1) kept += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
       if (letter[k] == 2) sent += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
+      if (letter[k] == 0) redone_ms += s.groups[k].recompute_ms;
       if (letter[k] != 0) unsaved += s.groups[k].unsaved_bytes;
     }
-    cands.push_back({unsaved, kept, sent, fwd_ms + std::max(s.bwd_ms, per_call_bwd_ms - skipped_ms), code});
+    cands.push_back({unsaved, kept, sent, fwd_ms + s.group_bwd_ms(skipped_ms, redone_ms), code});
   }
   // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too: a candidate
   // is beaten only by one with no more of them either. Sorted by them first, each amount is filtered apart.

@@ -173,6 +173,14 @@ struct Stage {
   /// kMaxGroups; see SavedGroup: they may hold more than saved_bytes); empty when it was not profiled so (no
   /// Fk{...} for it).
   std::vector<SavedGroup> groups;
+  /// The stage's forward and backward as a group assignment runs them, every group kept (milliseconds): the
+  /// runtime's selective checkpointing around each call included, and the backward with its recompute of the
+  /// calls in no group. Unset: per_call_fwd_ms() and per_call_bwd_ms() less the groups' recompute_ms (see
+  /// group_fwd_ms()). The Python profiler measures them, where a dispatch mode in Python costs time beside
+  /// every call (2-3 ms a layer on an H200's Llama, whose layers run 3 ms forward); the C++ profiler, whose
+  /// operator policies cost next to nothing, leaves them unset.
+  std::optional<double> groups_fwd_ms;
+  std::optional<double> groups_bwd_ms;  ///< see groups_fwd_ms
   /// Whether its output is among the tensors its autograd graph saves (run as Fa). saved_bytes counts the
   /// output either way (the model's abar holds it to the stage's backward); false, as the Python profiler
   /// measures it, tells the step's model (remat/planner/step.h) that a recompute that stops early (Fc where
@@ -286,6 +294,15 @@ struct Stage {
   double per_call_fwd_ms() const { return checkpoint_fwd_ms ? *checkpoint_fwd_ms : nosave_ms(); }
   /// The backward of a stage checkpointed by remat::checkpoint, recompute included (milliseconds).
   double per_call_bwd_ms() const { return checkpoint_bwd_ms ? *checkpoint_bwd_ms : fwd_ms + bwd_ms; }
+  /// A group assignment's forward (milliseconds): groups_fwd_ms where measured, else per_call_fwd_ms().
+  double group_fwd_ms() const { return groups_fwd_ms ? *groups_fwd_ms : per_call_fwd_ms(); }
+  /// A group assignment's backward, its recompute included (milliseconds), given the recompute_ms of the
+  /// groups it keeps or sends (`skipped_ms`) and of those it recomputes (`redone_ms`), each summed in the
+  /// groups' order: groups_bwd_ms + redone_ms where measured, else per_call_bwd_ms() - skipped_ms, at least
+  /// bwd_ms.
+  double group_bwd_ms(double skipped_ms, double redone_ms) const {
+    return groups_bwd_ms ? *groups_bwd_ms + redone_ms : std::max(bwd_ms, per_call_bwd_ms() - skipped_ms);
+  }
   /// What Fk under policies[p] holds in its backward above what it keeps, its output's gradient and its
   /// input's gradient (bytes): the policy's bwd_tmp_bytes where measured, else what it recomputes
   /// (saved_bytes - policies[p].saved_bytes, none where the policy keeps more) plus bwd_tmp_bytes, as Fa's

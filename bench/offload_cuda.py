@@ -116,10 +116,13 @@ def physics_bound(chain, plain_peak, budget, plain_ms):
         # whose outputs it does not save: recomputing that frees nothing).
         groups = [(g["recompute_ms"], g["bytes"] - g.get("unsaved_bytes", 0)) for g in s.get("groups", [])]
         groups = [(ms, nbytes) for ms, nbytes in groups if nbytes > 0]
-        if groups:
-            pieces += [(ms / nbytes, nbytes) for ms, nbytes in groups]
-        elif s["saved_bytes"] > 0:
-            pieces.append((s["fwd_ms"] / s["saved_bytes"], s["saved_bytes"]))
+        pieces += [(ms / nbytes, nbytes) for ms, nbytes in groups]
+        # What the groups leave of what the layer saves, at a whole layer's cost per byte (all of it where the
+        # layer has no groups; before 2026-12-04 (later) it was left out, and the bound read None wherever the
+        # groups held less than had to go: the Llama's).
+        rest_saved = s["saved_bytes"] - sum(nbytes for _, nbytes in groups)
+        if rest_saved > 0 and s["saved_bytes"] > 0:
+            pieces.append((s["fwd_ms"] / s["saved_bytes"], rest_saved))
     extra_ms = 0.0
     for per_byte, n in sorted(pieces):
         take = min(n, rest)

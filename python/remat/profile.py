@@ -719,6 +719,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     with collector_paused(), Restore(modules, device), autocast_cache_off(), \
             contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
+            if warmup == 0 and xs[0] is not None:
+                # With no warm-up run, the first stage's first call, untimed: a device's one-off costs at a
+                # process's first call (cuBLAS's handle and workspace, kernels loaded) would otherwise be its
+                # forward's time without saving (Stage.fwd_nosave_ms: 737 ms on the H200's Llama, whose layers
+                # run that forward in 2.7 ms, found 2026-12-04).
+                with torch.no_grad():
+                    check_out(0, stage_list[0](xs[0]))
             for r in range(warmup + repeats):
                 measure, keep = r == warmup, r >= warmup
                 # A forward pass without saving (which makes the stages' inputs when they are not given).

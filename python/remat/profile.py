@@ -469,7 +469,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     saves them, at most remat.chain's kMaxGroups (10) of them (fit_groups: the products, convolutions and
     attention kernels first, then the largest), each with its outputs' bytes and its time (the median of
     `repeats` runs, each call timed alone); with offload_min_bytes, only calls whose every output on the device
-    an Offload would send (dense, at least that large). A policy that answers
+    an Offload would send (dense, at least that large); and the stage's forward and backward as a group
+    assignment keeping every group runs them (Stage.groups_fwd_ms, groups_bwd_ms: remat's selective
+    checkpointing costs time beside each call, which the planner charges). A policy that answers
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
     first such answer raises ValueError naming it.
 
@@ -955,12 +957,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             out = run_as(i, how, leaf, groups=[g.name for g in fitted])
                             sync()
                             f = (time.perf_counter() - t0) * 1e3
-                            if not out.requires_grad:
+                            graph = out.requires_grad
+                            b = timed_backward(out, targets_of(i, leaf), i)[0] if graph else None
+                            del out, leaf
+                            if not graph:
                                 break
-                            b = timed_backward(out, targets_of(i, leaf), i)[0]
                             if r >= warmup:
                                 times.append((f, b))
-                            del out, leaf
                         if times:
                             fields[i]["groups_ms"] = (_median([f for f, _ in times]), _median([b for _, b in times]))
                     del targets

@@ -1027,8 +1027,11 @@ def test_the_gpu_tables_bound_sends_what_the_link_carries_and_recomputes_the_che
         dict(fwd_ms=10, bwd_ms=20, saved_bytes=4e7)])
     assert physics_bound(chain, 1e8, 1e8, 100) == 1.0                # nothing to leave
     assert physics_bound(chain, 1e8, 8e7, 100) == 1.0                # 2e7 leave: all of it
-    # 5e7 over: 2e7 leave, 2e7 of group a (1 ms), 1e7 of the second layer (10 ms for 4e7: 2.5 ms).
-    assert physics_bound(chain, 1e8, 5e7, 100) == pytest.approx(1.035)
+    # 5e7 over: 2e7 leave, 2e7 of group a (1 ms), 1e7 of what the first layer's groups leave of its 5e7, at the
+    # layer's cost (10 ms for 5e7: 2 ms), cheaper than the second layer's (10 ms for 4e7).
+    assert physics_bound(chain, 1e8, 5e7, 100) == pytest.approx(1.03)
+    # 9e7 over: 7e7 recomputed, group b (8 ms for 2e7) left for last: 1 + 2 + 10 ms.
+    assert physics_bound(chain, 1e8, 1e7, 100) == pytest.approx(1.13)
     assert physics_bound(chain, 1e9, 0, 100) is None                  # more than the layers save
 
 

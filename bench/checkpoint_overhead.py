@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""What remat's Python checkpoint costs beside torch.utils.checkpoint's, taken apart (docs/BENCHMARKS.md, "remat's
+checkpoint against torch's, per layer"): one Transformers Llama decoder layer (width 64, 4 heads, 2 key-value
+heads, sequence 16, batch 1) under CPU bf16 autocast, forward and backward, small enough that Python's costs
+show. Ways, each run in turn so that each sample is paired with a torch.utils.checkpoint step run just before it:
+
+- `plain`: the layer kept (the pair's difference is what torch's checkpoint adds);
+- `remat`: remat's checkpoint_region (how the runtime runs a checkpointed layer);
+- `context`: torch's checkpoint with remat's context function (the buffers put back for the recompute);
+- `hooks`: torch's checkpoint around remat's version_checked (saved-tensor hooks that refuse a tensor written in
+  place since it was saved, saved.py);
+- `cache`: torch's checkpoint inside autocast_cache_off.
+
+Each number is the median of the paired differences (ms), after 100 runs of each unmeasured. Pin it to one core
+(taskset) on a quiet machine.
+
+    taskset -c 1 python bench/checkpoint_overhead.py [--pairs 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.utils.checkpoint import checkpoint
+import transformers
+
+from remat.policies import autocast_cache_off, checkpoint_context, checkpoint_region
+from remat.saved import version_checked
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pairs", type=int, default=2000)
+    ap.add_argument("--threads", type=int, default=1, help="torch's threads (one: the core it is pinned to)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=1, vocab_size=100)
+    model = transformers.LlamaForCausalLM(cfg)
+    layer = model.model.layers[0]
+    x = torch.randn(1, 16, 64, requires_grad=True)
+    pos = model.model.rotary_emb(x, torch.arange(16)[None])
+
+    def fn(h):
+        out = layer(h, position_embeddings=pos)
+        return out[0] if isinstance(out, tuple) else out
+
+    def forward(way):
+        if way == "plain":
+            return fn(x)
+        if way == "torch":
+            return checkpoint(fn, x, use_reentrant=False)
+        if way == "remat":
+            return checkpoint_region(fn, (x,), [layer])
+        if way == "context":
+            return checkpoint(fn, x, use_reentrant=False, context_fn=checkpoint_context([layer]))
+        if way == "hooks":
+            return checkpoint(version_checked(fn), x, use_reentrant=False)
+        with autocast_cache_off():  # "cache"
+            return checkpoint(fn, x, use_reentrant=False)
+
+    def run(way):
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = forward(way)
+        y.sum().backward()
+        return (time.perf_counter() - t0) * 1e3
+
+    ways = ["plain", "remat", "context", "hooks", "cache"]
+    for _ in range(100):
+        for w in ["torch"] + ways:
+            run(w)
+    torch_ms, diffs = [], {w: [] for w in ways}
+    for _ in range(args.pairs):
+        for w in ways:
+            base = run("torch")
+            torch_ms.append(base)
+            diffs[w].append(run(w) - base)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
+          f"threads; torch's checkpointed step {statistics.median(torch_ms):.3f} ms (median of {len(torch_ms)})")
+    for w in ways:
+        print(f"{w:<8} {statistics.median(diffs[w]):+.3f} ms against torch's checkpoint (median of {args.pairs} pairs)")
+
+
+if __name__ == "__main__":
+    main()

@@ -88,6 +88,25 @@ std::vector<Choice> thin_group_choices(std::vector<Choice> all) {
   return out;
 }
 
+// (key, value) pairs added so far, as stairs: only those no other beats in both (each with a larger key has a
+// smaller value), so that whether one of them has a key at most k and a value at most l is one look-up
+// (group_choices(): sent bytes and time; pareto(): time and owed()).
+template <typename K>
+struct Stairs {
+  std::map<K, double> steps;
+  // Whether a pair so far has a key at most k (less than k where `strict`) and a value at most l.
+  bool covers(K k, double l, bool strict) const {
+    auto it = strict ? steps.lower_bound(k) : steps.upper_bound(k);
+    return it != steps.begin() && std::prev(it)->second <= l;
+  }
+  void add(K k, double l) {
+    if (covers(k, l, false)) return;
+    for (auto it = steps.lower_bound(k); it != steps.end() && it->second >= l;)
+      it = steps.erase(it);
+    steps[k] = l;
+  }
+};
+
 // The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
 // all r (that is Fc), and of those the ones no other beats in kept bytes, sent bytes and time together (a
 // plan's peak and time only grow with each); their figures are group_cost()'s, as simulate() charges them.
@@ -130,26 +149,21 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
     return std::tie(a.unsaved, a.kept, a.sent, a.ms) < std::tie(b.unsaved, b.kept, b.sent, b.ms);
   });
-  // In that order, a candidate is beaten when one before it (kept no more) has sent no more and time no more.
-  // `stairs` holds, for the candidates taken so far, the least time at each sent amount, kept only where it
-  // is less than at every smaller amount: its times fall as the amounts rise, so the least time among those
-  // sending no more than x is the entry at the largest amount up to x.
+  // In that order, a candidate is beaten when one before it (kept no more) has sent no more and time no more:
+  // `stairs` holds the (sent, time) pairs of the candidates taken so far.
   // Then a survivor is beaten by one of a smaller amount of unsaved bytes with kept, sent and time no more
   // (`lower`: the survivors of the amounts before the current one).
-  std::map<int64_t, double> stairs;
+  Stairs<int64_t> stairs;
   std::vector<Candidate> lower, current;
   for (size_t k = 0; k < cands.size(); ++k) {
     const Candidate& c = cands[k];
     if (k > 0 && cands[k - 1].unsaved != c.unsaved) {
-      stairs.clear();
+      stairs = {};
       lower.insert(lower.end(), current.begin(), current.end());
       current.clear();
     }
-    auto above = stairs.upper_bound(c.sent);
-    if (above != stairs.begin() && std::prev(above)->second <= c.ms) continue;  // beaten
-    stairs[c.sent] = c.ms;
-    for (auto it = stairs.upper_bound(c.sent); it != stairs.end() && it->second >= c.ms;)
-      it = stairs.erase(it);
+    if (stairs.covers(c.sent, c.ms, false)) continue;  // beaten
+    stairs.add(c.sent, c.ms);
     current.push_back(c);
     if (std::any_of(lower.begin(), lower.end(),
                     [&](const Candidate& a) { return a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms; }))
@@ -482,25 +496,6 @@ inline bool in_order(const Point& a, const Point& b, const Key& key) {
   if (a.parent != b.parent) return a.parent < b.parent;
   return a.choice < b.choice;
 }
-
-// The (key, owed()) pairs of points so far, as stairs: only those no other beats in both (each with a larger
-// key has a smaller owed()), so that whether one of them has both at most a point's (or a key less
-// than its) is one look-up.
-template <typename K>
-struct Stairs {
-  std::map<K, double> steps;
-  // Whether a pair so far has a key at most k (less than k where `strict`) and an owed() at most l.
-  bool covers(K k, double l, bool strict) const {
-    auto it = strict ? steps.lower_bound(k) : steps.upper_bound(k);
-    return it != steps.begin() && std::prev(it)->second <= l;
-  }
-  void add(K k, double l) {
-    if (covers(k, l, false)) return;
-    for (auto it = steps.lower_bound(k); it != steps.end() && it->second >= l;)
-      it = steps.erase(it);
-    steps[k] = l;
-  }
-};
 
 // Keeps the points no other point beats: within each group of equal (pending, copied, keeps_output,
 // output_ahead, output_let_go), which

@@ -182,7 +182,7 @@ def main():
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     say(f"torch {torch.__version__}, transformers {transformers.__version__}, remat.POLICY_OFFLOAD "
-          f"{remat.POLICY_OFFLOAD}, {torch.cuda.get_device_name(dev) if cuda else 'CPU'}")
+        f"{remat.POLICY_OFFLOAD}, {torch.cuda.get_device_name(dev) if cuda else 'CPU'}")
     meter = remat.meter_for(dev)
     base_model, batch, loss_of = build(args, dev)
     amp = dict(device_type=dev.type, dtype=torch.bfloat16, enabled=args.model == "llama")

@@ -721,7 +721,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     with collector_paused(), Restore(modules, device), autocast_cache_off(), \
             contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
-            if warmup == 0 and xs[0] is not None:
+            if warmup == 0:
                 # With no warm-up run, the first stage's first call, untimed: a device's one-off costs at a
                 # process's first call (cuBLAS's handle and workspace, kernels loaded) would otherwise be its
                 # forward's time without saving (Stage.fwd_nosave_ms: 737 ms on the H200's Llama, whose layers

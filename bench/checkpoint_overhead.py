@@ -9,12 +9,18 @@ show. Ways, each run in turn so that each sample is paired with a torch.utils.ch
 - `context`: torch's checkpoint with remat's context function (the buffers put back for the recompute);
 - `hooks`: torch's checkpoint around remat's version_checked (saved-tensor hooks that refuse a tensor written in
   place since it was saved, saved.py);
-- `cache`: torch's checkpoint inside autocast_cache_off.
+- `cache`: torch's checkpoint inside autocast_cache_off;
+- `modes`: torch's checkpoint with two dispatch modes that only run each call (what any Python dispatch mode
+  costs: the floor of selective checkpointing in Python);
+- `sac`: torch's own selective checkpointing (create_selective_checkpoint_contexts), the matrix products kept;
+- `selective`: remat's checkpoint_region under the policy `matmuls` (remat's selective cache: the matrix
+  products kept, the rest recomputed; how a plan's Fk[matmuls] and group assignments run);
+- `kept-all`: remat's checkpoint_region with every call kept (MUST_SAVE): the cache's dearest case.
 
 Each number is the median of the paired differences (ms), after 100 runs of each unmeasured. Pin it to one core
 (taskset) on a quiet machine.
 
-    taskset -c 1 python bench/checkpoint_overhead.py [--pairs 2000]
+    taskset -c 1 python bench/checkpoint_overhead.py [--pairs 2000] [--ways plain,remat,...]
 """
 from __future__ import annotations
 
@@ -23,16 +29,32 @@ import statistics
 import time
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 import transformers
 
-from remat.policies import autocast_cache_off, checkpoint_context, checkpoint_region
+from remat.policies import MATMUL_OPS, autocast_cache_off, checkpoint_context, checkpoint_region, matmuls
 from remat.saved import version_checked
+
+
+class _RunEach(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _sac_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _kept_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=2000)
+    ap.add_argument("--ways", default="plain,remat,context,hooks,cache,modes,sac,selective,kept-all",
+                    help="the ways to pair with torch's checkpoint, comma-separated")
     ap.add_argument("--threads", type=int, default=1, help="torch's threads (one: the core it is pinned to)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -59,6 +81,15 @@ def main():
             return checkpoint(fn, x, use_reentrant=False, context_fn=checkpoint_context([layer]))
         if way == "hooks":
             return checkpoint(version_checked(fn), x, use_reentrant=False)
+        if way == "modes":
+            return checkpoint(fn, x, use_reentrant=False, context_fn=lambda: (_RunEach(), _RunEach()))
+        if way == "sac":
+            return checkpoint(fn, x, use_reentrant=False,
+                              context_fn=lambda: create_selective_checkpoint_contexts(_sac_matmuls))
+        if way == "selective":
+            return checkpoint_region(fn, (x,), [layer], policy=matmuls)
+        if way == "kept-all":
+            return checkpoint_region(fn, (x,), [layer], policy=_kept_all)
         with autocast_cache_off():  # "cache"
             return checkpoint(fn, x, use_reentrant=False)
 
@@ -69,7 +100,7 @@ def main():
         y.sum().backward()
         return (time.perf_counter() - t0) * 1e3
 
-    ways = ["plain", "remat", "context", "hooks", "cache"]
+    ways = args.ways.split(",")
     for _ in range(100):
         for w in ["torch"] + ways:
             run(w)

@@ -114,7 +114,7 @@ class CallNames:
         self.counts: dict[str, int] = defaultdict(int)
 
     def next(self, op) -> str:
-        name = call_name(op)
+        name = _info(op).name
         idx = self.counts[name]
         self.counts[name] = idx + 1
         return f"{name}#{idx}"
@@ -143,38 +143,91 @@ class GroupPolicy:
         return self.answers.get(call, CheckpointPolicy.PREFER_RECOMPUTE)
 
 
+def _views_tracked():
+    """ADInplaceOrView back in the keys below a dispatch mode, for a detach whose output shares its input's version
+    counter (as a view does). A new guard each time: one object holds one C++ guard, and the forward and a
+    backward thread's recompute may be inside theirs at once."""
+    return torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False)
+
+
 def _detached(x):
     # As PyTorch's selective checkpointing detaches what it caches: a view's version counter stays its base's,
     # and the cache holds no graph.
     if not isinstance(x, torch.Tensor):
         return x
-    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+    with _views_tracked():
         return x.detach()
+
+
+class _OpInfo:
+    """What the dispatch modes read of an operator on each call, read from it once (its schema, its tags): the
+    dispatch modes run for every operator call of a checkpointed region, and their Python time is a step's time
+    where a layer's device work is short (docs/BENCHMARKS.md, "remat's checkpoint against torch's, per layer")."""
+
+    __slots__ = ("op", "name", "ignored", "aliases", "seeded", "writes", "cached_effect")
+
+    def __init__(self, op):
+        self.op = op  # held, so that the id keying _INFO stays this operator's
+        schema = getattr(op, "_schema", None)
+        self.name = schema.name if schema is not None else str(op)
+        self.ignored = op in IGNORED
+        self.aliases = schema is not None and any(r.alias_info is not None for r in schema.returns)
+        self.seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
+        # The arguments it writes (in-place and out=): (position, name).
+        self.writes = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                            if a.alias_info is not None and a.alias_info.is_write) if schema is not None else ()
+        # An ordered effect that torch's selective checkpointing caches rather than replays (an operator's effect
+        # is registered with it, before its first call).
+        self.cached_effect = _CACHEABLE_EFFECT is not None and bool(_CACHEABLE_EFFECT(op))
+
+
+_INFO: dict = {}
+
+
+def _info(op) -> _OpInfo:
+    info = _INFO.get(id(op))
+    if info is None or info.op is not op:
+        info = _INFO[id(op)] = _OpInfo(op)
+    return info
 
 
 def _aliases(op) -> bool:
     """Whether an output of `op` may alias an input (a view, an in-place or out= operator)."""
-    schema = getattr(op, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+    return _info(op).aliases
 
 
 _CONSUMED = object()
-
-_WRITES: dict = {}
+# What a kept call that returned no tensor (None: an ordered effect, aten::_print) left: its recompute hands back
+# None rather than running it again (a stored None means "recompute").
+_RETURNED_NONE = object()
 
 
 def _written(func, args, kwargs) -> list:
-    """The tensors operator `func` writes (its in-place and out= arguments), from its schema (cached per op)."""
-    names = _WRITES.get(func)
-    if names is None:
-        schema = getattr(func, "_schema", None)
-        names = _WRITES[func] = tuple(
-            (i, a.name) for i, a in enumerate(schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write) if schema is not None else ()
+    """The tensors operator `func` writes (its in-place and out= arguments), from its schema (read once)."""
+    names = _info(func).writes
     if not names:
         return []
     got = [args[i] if i < len(args) else kwargs.get(name) for i, name in names]
     return [t for t in got if isinstance(t, torch.Tensor)]
+
+
+def _map(f, out):
+    """tree_map(f, out) over tensors, without pytree for an operator's usual returns (a tensor; a tuple or list of
+    tensors and None): pytree's walk costs more than the rest of a call's bookkeeping."""
+    if isinstance(out, torch.Tensor):
+        return f(out)
+    if type(out) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in out):
+        return type(out)(f(x) if x is not None else None for x in out)
+    return tree_map(lambda x: f(x) if isinstance(x, torch.Tensor) else x, out)
+
+
+def _leaves(out) -> list:
+    """tree_leaves(out), as _map walks it."""
+    if type(out) in (tuple, list) and all(x is None or isinstance(x, (torch.Tensor, SavedAs)) for x in out):
+        return [x for x in out if x is not None]
+    if isinstance(out, (torch.Tensor, SavedAs)):
+        return [out]
+    return torch.utils._pytree.tree_leaves(out)
 
 
 def _enclosing_offload():
@@ -199,6 +252,7 @@ class SelectiveCache:
             if offload is None:
                 offload = enclosing
         self.policy, self.offload, self.route_kept, self.who = policy, offload, route_kept, who
+        self.who_cache = f"{who} (selective checkpointing's cache)"
         self.entries: dict = defaultdict(dict)
         self.names = CallNames()  # for ctx.call
         self.handles: list = []  # the Offload's handles, in the forward's order
@@ -217,45 +271,49 @@ class SelectiveCache:
         # mask, and BERT-large's gradients were 5e-3 from the plain run's with its loss equal.
         self.rng_after: dict = {}
 
-    def _store(self, op, args, kwargs, out):
+    def _store(self, op, info: _OpInfo, args, kwargs, out):
         ctx = (_ckpt.SelectiveCheckpointContext(is_recompute=False, op_output=out) if _HAS_OP_OUTPUT
                else _ckpt.SelectiveCheckpointContext(is_recompute=False))
         ctx.call = self.names.next(op)  # which call this is: "aten::addmm#2" (remat's addition)
         answer = self.policy(ctx, op, *args, **kwargs)
         how = outcome(answer, op, self.who)
-        if (how == RECOMPUTE and answer is not CheckpointPolicy.MUST_RECOMPUTE and _CACHEABLE_EFFECT is not None
-                and _CACHEABLE_EFFECT(op)):
+        if how == RECOMPUTE and info.cached_effect and answer is not CheckpointPolicy.MUST_RECOMPUTE:
             how = KEEP  # as PyTorch: an ordered effect is cached, not replayed, unless told MUST_RECOMPUTE
         if how == KEEP and self.route_kept and answer is not CheckpointPolicy.MUST_SAVE:
             how = TO_HOST
-        if how == TO_HOST and _aliases(op):
+        if how == TO_HOST and info.aliases:
             how = RECOMPUTE  # no bytes of its own
         if how == RECOMPUTE:
             return None
+        if out is None:
+            return _RETURNED_NONE
         if how == KEEP:
-            return tree_map(lambda x: Kept(x, _detached(x)) if isinstance(x, torch.Tensor) else x, out)
+            with _views_tracked():
+                return _map(lambda x: Kept(x, x.detach()), out)
         if self.offload is None:
             raise ValueError(f"{self.who}: a selective policy answered {how!r} (MUST_CPU_OFFLOAD or "
                              f"PREFER_CPU_OFFLOAD) for {op}, and the checkpoint was given no "
                              "remat.offload.Offload to send it with")
 
         def pack(x):
-            if not isinstance(x, torch.Tensor):
-                return x
             h = self.offload.pack(_detached(x))
             self.handles.append(h)
             return h
 
-        return tree_map(pack, out)
+        return _map(pack, out)
 
     def _load(self, stored):
         def get(x):
             if isinstance(x, Kept):
-                return x.check(x.tensor, f"{self.who} (selective checkpointing's cache)")
+                return x.check(x.tensor, self.who_cache)
             if isinstance(x, SavedAs):
                 return self.offload.unpack(x)  # what the Offload packed: brought back, or its own Kept
             return x
 
+        if isinstance(stored, SavedAs):
+            return get(stored)
+        if type(stored) in (tuple, list) and all(x is None or isinstance(x, SavedAs) for x in stored):
+            return type(stored)(get(x) for x in stored)  # as _map left a tensor's tuple or list
         return tree_map(get, stored)
 
 
@@ -263,14 +321,15 @@ class _Forward(TorchDispatchMode):
     def __init__(self, cache: SelectiveCache):
         super().__init__()
         self.cache = cache
-        self.counter: dict = defaultdict(int)
+        self.counter: dict = defaultdict(int)  # per operator (by id): its calls so far
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
-        if func in IGNORED:
+        info = _info(func)
+        if info.ignored:
             return func(*args, **kwargs)
         cache = self.cache
-        if cache.stored_at:
+        if cache.stored_at and info.writes:
             # An output kept on the device, written in place later in the region's forward. Handed back, the
             # recompute would get the written values and write them again. Through a view that shares its
             # version counter, the check at the recompute raised autograd's error; through one that does not
@@ -283,17 +342,20 @@ class _Forward(TorchDispatchMode):
                 if cache.autograd_saved is None or key not in cache.autograd_saved:
                     cache.overwritten.update(cache.stored_at.get(key, ()))
         out = func(*args, **kwargs)
-        idx = self.counter[func]
-        self.counter[func] += 1
-        stored = cache.entries[func][idx] = cache._store(func, args, kwargs, out)
-        if stored is not None and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            cache.rng_after[(func, idx)] = _rng_after(out)
+        counter = self.counter
+        idx = counter[id(func)]
+        counter[id(func)] = idx + 1
+        stored = cache.entries[func][idx] = cache._store(func, info, args, kwargs, out)
         if stored is not None:
+            if info.seeded:
+                cache.rng_after[(func, idx)] = _rng_after(out)
             # What stays on the device (kept, or left there by the Offload), whose storage stays alive with it;
             # what went to the host has its copy, which a later write does not reach.
-            kept = {storage_of(k.tensor) for k in torch.utils._pytree.tree_leaves(stored) if isinstance(k, Kept)}
-            for key in kept - {None}:
-                cache.stored_at[key].append((func, idx))
+            for k in _leaves(stored):
+                if isinstance(k, Kept):
+                    key = storage_of(k.tensor)
+                    if key is not None and (func, idx) not in cache.stored_at[key]:
+                        cache.stored_at[key].append((func, idx))
         return out
 
 
@@ -301,7 +363,7 @@ class _Recompute(TorchDispatchMode):
     def __init__(self, cache: SelectiveCache):
         super().__init__()
         self.cache = cache
-        self.counter: dict = defaultdict(int)
+        self.counter: dict = defaultdict(int)  # per operator (by id): its calls so far
 
     def __enter__(self):
         self.counter.clear()
@@ -315,37 +377,42 @@ class _Recompute(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {} if kwargs is None else kwargs
-        if func in IGNORED:
+        info = _info(func)
+        if info.ignored:
             return func(*args, **kwargs)
-        idx = self.counter[func]
-        self.counter[func] += 1
-        calls = self.cache.entries.get(func)
+        counter = self.counter
+        idx = counter[id(func)]
+        counter[id(func)] = idx + 1
+        cache = self.cache
+        calls = cache.entries.get(func)
         if calls is None or idx not in calls:
-            raise RuntimeError(f"{self.cache.who}: the recompute called {func} (call {idx}), which the forward "
+            raise RuntimeError(f"{cache.who}: the recompute called {func} (call {idx}), which the forward "
                                "pass did not; the checkpointed function must run the same operators each time "
                                "(it may depend on state that changed between the forward and the backward)")
         stored = calls[idx]
         if stored is _CONSUMED:
-            raise RuntimeError(f"{self.cache.who}: a region under selective checkpointing was recomputed a second "
+            raise RuntimeError(f"{cache.who}: a region under selective checkpointing was recomputed a second "
                                "time (a backward through it again, retain_graph); what it kept was handed out once")
         if stored is None:
             return func(*args, **kwargs)
         calls[idx] = _CONSUMED
-        if (func, idx) in self.cache.overwritten and (self.cache.autograd_saved is not None or not any(
-                version_of(k.tensor) != k.version for k in torch.utils._pytree.tree_leaves(stored)
-                if isinstance(k, Kept))):
+        if stored is _RETURNED_NONE:
+            return None
+        if cache.overwritten and (func, idx) in cache.overwritten and (cache.autograd_saved is not None or not any(
+                version_of(k.tensor) != k.version for k in _leaves(stored) if isinstance(k, Kept))):
             # Written after the call, where autograd had not saved it: the plain run is valid, and the call is
             # made again. Without knowing what autograd saved, only a write through an alias that does not
             # share its version counter (which autograd cannot see either); one that moved the version is
             # autograd's error (_load).
-            if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            if info.seeded:
                 raise RuntimeError(
-                    f"{self.cache.who}: selective checkpointing kept the output of {func} (call {idx}), which the "
+                    f"{cache.who}: selective checkpointing kept the output of {func} (call {idx}), which the "
                     "forward pass then wrote in place, and the operator draws random numbers, so it cannot be "
                     "recomputed in its place: have the policy recompute it, or write a copy of it")
             return func(*args, **kwargs)  # its kept values were written since: made again (see _Forward)
-        _set_rng(self.cache.rng_after.pop((func, idx), None))  # as the call moved it on in the forward pass
-        return self.cache._load(stored)
+        if info.seeded:
+            _set_rng(cache.rng_after.pop((func, idx), None))  # as the call moved it on in the forward pass
+        return cache._load(stored)
 
 
 def _rng_after(out):

@@ -218,6 +218,24 @@ class _TwoDropouts(_Residual):
         return torch.ops.aten.native_dropout(self.fc2(torch.relu(h)), 0.5, True)[0]
 
 
+@pytest.mark.skipif(remat.selective._CACHEABLE_EFFECT is None, reason="this torch's selective checkpointing "
+                    "has no ordered effects it caches (before 2.15)")
+def test_an_ordered_effect_runs_once_as_torchs_selective_checkpointing_runs_it(capfd):
+    # aten::_print is an ordered effect torch's selective checkpointing caches whatever the policy answers; it
+    # returns nothing, which remat's cache once took for "recompute", and the recompute printed again.
+    def f(x):
+        torch.ops.aten._print("remat-effect")
+        return (x.sin() * 2).sum()
+
+    recompute = lambda ctx, op, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE  # noqa: E731
+    x = torch.randn(4, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(f, x, use_reentrant=False, context_fn=lambda: (
+        torch.utils.checkpoint.create_selective_checkpoint_contexts(recompute))).backward()
+    torchs = capfd.readouterr().out.count("remat-effect")
+    remat.checkpoint(f, x, policy=recompute).backward()
+    assert capfd.readouterr().out.count("remat-effect") == torchs == 1
+
+
 @pytest.mark.parametrize("word", [CheckpointPolicy.MUST_SAVE, remat.MUST_CPU_OFFLOAD], ids=["kept", "sent"])
 def test_a_random_call_kept_moves_the_generator_on_for_the_random_calls_recomputed_after_it(word):
     # The first dropout kept (or sent), the second recomputed: the recompute, which starts from the forward's

@@ -17,10 +17,18 @@ show. Ways, each run in turn so that each sample is paired with a torch.utils.ch
   products kept, the rest recomputed; how a plan's Fk[matmuls] and group assignments run);
 - `kept-all`: remat's checkpoint_region with every call kept (MUST_SAVE): the cache's dearest case.
 
-Each number is the median of the paired differences (ms), after 100 runs of each unmeasured. Pin it to one core
-(taskset) on a quiet machine.
+Each number is the median of the paired differences (ms), after --warmup runs of each unmeasured. Pin it to one
+core (taskset) on a quiet machine.
 
     taskset -c 1 python bench/checkpoint_overhead.py [--pairs 2000] [--ways plain,remat,...]
+
+On a GPU, a real layer size and a chain of layers (the device synchronized before and after each step, each layer
+checkpointed on its own, so that Python's time beside a layer overlaps the device's work on the layers before
+it, as in a whole step); scripts/gpu-session's `overhead` part runs the H200 Llama's layer (bench/offload_cuda.py's
+`--model llama`):
+
+    python bench/checkpoint_overhead.py --device cuda --hidden 2048 --heads 16 --kv-heads 8 \
+        --intermediate 5632 --seq 4096 --batch 2 --chain 8 --pairs 40 --warmup 5 --ways plain,remat,modes,sac,selective
 """
 from __future__ import annotations
 
@@ -56,21 +64,38 @@ def main():
     ap.add_argument("--ways", default="plain,remat,context,hooks,cache,modes,sac,selective,kept-all",
                     help="the ways to pair with torch's checkpoint, comma-separated")
     ap.add_argument("--threads", type=int, default=1, help="torch's threads (one: the core it is pinned to)")
+    ap.add_argument("--warmup", type=int, default=100, help="unmeasured runs of each way first")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--chain", type=int, default=1, help="this many layers run in a row, each its own checkpoint")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, num_hidden_layers=1, vocab_size=100)
-    model = transformers.LlamaForCausalLM(cfg)
-    layer = model.model.layers[0]
-    x = torch.randn(1, 16, 64, requires_grad=True)
-    pos = model.model.rotary_emb(x, torch.arange(16)[None])
-
-    def fn(h):
-        out = layer(h, position_embeddings=pos)
-        return out[0] if isinstance(out, tuple) else out
+    dev = torch.device(args.device)
+    cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                   num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                                   num_hidden_layers=args.chain, vocab_size=100, max_position_embeddings=args.seq)
+    model = transformers.LlamaForCausalLM(cfg).to(dev)
+    x0 = torch.randn(args.batch, args.seq, args.hidden, device=dev, requires_grad=True)
+    pos = model.model.rotary_emb(x0, torch.arange(args.seq, device=dev)[None])
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def forward(way):
+        x = x0
+        for layer in model.model.layers:
+            x = one(way, layer, x)
+        return x
+
+    def one(way, layer, x):
+        def fn(h):
+            out = layer(h, position_embeddings=pos)
+            return out[0] if isinstance(out, tuple) else out
+
         if way == "plain":
             return fn(x)
         if way == "torch":
@@ -94,14 +119,16 @@ def main():
             return checkpoint(fn, x, use_reentrant=False)
 
     def run(way):
+        sync()
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             y = forward(way)
         y.sum().backward()
+        sync()
         return (time.perf_counter() - t0) * 1e3
 
     ways = args.ways.split(",")
-    for _ in range(100):
+    for _ in range(args.warmup):
         for w in ["torch"] + ways:
             run(w)
     torch_ms, diffs = [], {w: [] for w in ways}
@@ -110,8 +137,10 @@ def main():
             base = run("torch")
             torch_ms.append(base)
             diffs[w].append(run(w) - base)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} "
-          f"threads; torch's checkpointed step {statistics.median(torch_ms):.3f} ms (median of {len(torch_ms)})")
+    where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {where}; width {args.hidden}, "
+          f"sequence {args.seq}, batch {args.batch}, {args.chain} layer(s); torch's checkpointed step "
+          f"{statistics.median(torch_ms):.3f} ms (median of {len(torch_ms)})")
     for w in ways:
         print(f"{w:<8} {statistics.median(diffs[w]):+.3f} ms against torch's checkpoint (median of {args.pairs} pairs)")
 

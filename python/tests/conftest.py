@@ -15,7 +15,22 @@ import remat
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # pytorch_reference.py: the BERT the C++ library defines too
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def _threads() -> int:
+    """Torch's intra-op threads for the tests: $REMAT_TEST_THREADS, else two (or the cores, if fewer). ./test's
+    ctest runs the test files side by side, one per core, and sets it to 1 (tests/CMakeLists.txt): two OpenMP
+    teams spinning on the same two cores made test_seq2seq.py take 102 s beside test_hf.py against 13 s with one
+    thread each (15 s alone with two; measured 2026-12-04)."""
+    given = os.environ.get("REMAT_TEST_THREADS")
+    if given is None:
+        return max(1, min(2, os.cpu_count() or 1))
+    if not given.isdigit() or int(given) < 1:
+        raise ValueError(f"conftest: REMAT_TEST_THREADS must be a positive number of threads, not {given!r}")
+    return int(given)
+
+
+torch.set_num_threads(_threads())
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "bench"))  # pytorch_reference.py: the BERT the C++ library defines too
 
 
-
 def _threads() -> int:
     """Torch's intra-op threads for the tests: $REMAT_TEST_THREADS, else two (or the cores, if fewer). ./test's
     ctest runs the test files side by side, one per core, and sets it to 1 (tests/CMakeLists.txt): two OpenMP

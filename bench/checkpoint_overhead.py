@@ -15,7 +15,11 @@ show. Ways, each run in turn so that each sample is paired with a torch.utils.ch
 - `sac`: torch's own selective checkpointing (create_selective_checkpoint_contexts), the matrix products kept;
 - `selective`: remat's checkpoint_region under the policy `matmuls` (remat's selective cache: the matrix
   products kept, the rest recomputed; how a plan's Fk[matmuls] and group assignments run);
-- `kept-all`: remat's checkpoint_region with every call kept (MUST_SAVE): the cache's dearest case.
+- `kept-all`: remat's checkpoint_region with every call kept (MUST_SAVE): the cache's dearest case;
+- `plan-checkpoint`, `plan-host`: another copy of the layers under remat.enable with a given plan, every layer
+  "checkpoint" or every layer "checkpoint@host" (offload=True: each layer's input to the host and back, as the
+  runtime schedules it): remat's whole per-layer path, against torch's checkpoint of each layer (what Hugging
+  Face's gradient_checkpointing_enable() runs).
 
 Each number is the median of the paired differences (ms), after --warmup runs of each unmeasured. Pin it to one
 core (taskset) on a quiet machine.
@@ -28,19 +32,23 @@ it, as in a whole step); scripts/gpu-session's `overhead` part runs the H200 Lla
 `--model llama`):
 
     python bench/checkpoint_overhead.py --device cuda --hidden 2048 --heads 16 --kv-heads 8 \
-        --intermediate 5632 --seq 4096 --batch 2 --chain 8 --pairs 40 --warmup 5 --ways plain,remat,modes,sac,selective
+        --intermediate 5632 --seq 4096 --batch 2 --chain 8 --pairs 40 --warmup 5 \
+        --ways plain,remat,plan-checkpoint,plan-host,modes,sac,selective
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch import nn
 import transformers
 
+import remat
 from remat.policies import MATMUL_OPS, autocast_cache_off, checkpoint_context, checkpoint_region, matmuls
 from remat.saved import version_checked
 
@@ -58,11 +66,36 @@ def _kept_all(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE
 
 
+class _Layers(nn.Module):
+    """The layers in a row, as a model's forward runs them (remat.enable wraps each layer's call)."""
+
+    def __init__(self, layers, pos):
+        super().__init__()
+        self.layers = layers
+        self.pos = pos
+
+    def forward(self, x):
+        for layer in self.layers:
+            out = layer(x, position_embeddings=self.pos)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+
+def _given_plan(choice: str, n: int):
+    """The per-layer plan with `choice` ("checkpoint" or "checkpoint@host") on each of n layers."""
+    host = "@host" if choice.endswith("@host") else ""
+    ops = [f"Fc{i}{host}" for i in range(n)] + ["L"]
+    for i in reversed(range(n)):
+        ops += [f"Fa{i}", f"B{i}"]
+    return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--ways", default="plain,remat,context,hooks,cache,modes,sac,selective,kept-all",
-                    help="the ways to pair with torch's checkpoint, comma-separated")
+                    help="the ways to pair with torch's checkpoint, comma-separated (also: plan-checkpoint, "
+                    "plan-host)")
     ap.add_argument("--threads", type=int, default=1, help="torch's threads (one: the core it is pinned to)")
     ap.add_argument("--warmup", type=int, default=100, help="unmeasured runs of each way first")
     ap.add_argument("--device", default="cpu")
@@ -85,7 +118,18 @@ def main():
     pos = model.model.rotary_emb(x0, torch.arange(args.seq, device=dev)[None])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
+    planned = {}
+    for way, choice in (("plan-checkpoint", "checkpoint"), ("plan-host", "checkpoint@host")):
+        if way in args.ways.split(","):
+            copy = transformers.LlamaForCausalLM(cfg).to(dev)
+            runner = _Layers(copy.model.layers, pos)
+            remat.enable(runner, list(copy.model.layers), plan=_given_plan(choice, args.chain),
+                         offload=choice.endswith("@host"))
+            planned[way] = runner
+
     def forward(way):
+        if way in planned:
+            return planned[way](x0)
         x = x0
         for layer in model.model.layers:
             x = one(way, layer, x)

@@ -38,8 +38,9 @@ it, as in a whole step); scripts/gpu-session's `overhead` part runs the H200 Lla
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -51,6 +52,9 @@ import transformers
 import remat
 from remat.policies import MATMUL_OPS, autocast_cache_off, checkpoint_context, checkpoint_region, matmuls
 from remat.saved import version_checked
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
+from conftest import per_layer_plan  # noqa: E402  (the test suite's per-layer plan of given choices)
 
 
 class _RunEach(TorchDispatchMode):
@@ -79,15 +83,6 @@ class _Layers(nn.Module):
             out = layer(x, position_embeddings=self.pos)
             x = out[0] if isinstance(out, tuple) else out
         return x
-
-
-def _given_plan(choice: str, n: int):
-    """The per-layer plan with `choice` ("checkpoint" or "checkpoint@host") on each of n layers."""
-    host = "@host" if choice.endswith("@host") else ""
-    ops = [f"Fc{i}{host}" for i in range(n)] + ["L"]
-    for i in reversed(range(n)):
-        ops += [f"Fa{i}", f"B{i}"]
-    return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
 
 
 def main():
@@ -123,7 +118,7 @@ def main():
         if way in args.ways.split(","):
             copy = transformers.LlamaForCausalLM(cfg).to(dev)
             runner = _Layers(copy.model.layers, pos)
-            remat.enable(runner, list(copy.model.layers), plan=_given_plan(choice, args.chain),
+            remat.enable(runner, list(copy.model.layers), plan=per_layer_plan([choice] * args.chain),
                          offload=choice.endswith("@host"))
             planned[way] = runner
 

@@ -38,7 +38,7 @@ from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
 from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_region, is_groups, policy_fn
-from .selective import IGNORED, TO_HOST, CallNames, GroupPolicy, _aliases, call_name, outcome
+from .selective import IGNORED, TO_HOST, CallNames, GroupPolicy, _info, call_name, outcome
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
@@ -259,10 +259,8 @@ def _groupable(func, name: str, args, kwargs) -> bool:
     """Whether a call's outputs can be a saved group: as the C++ policies' askable calls, outputs that alias
     no input, no argument written, a tensor among its arguments, and not a factory (empty_like, new_zeros),
     whose fresh result a later in-place operator fills."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or _aliases(func):
-        return False
-    if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+    info = _info(func)
+    if getattr(func, "_schema", None) is None or info.aliases or info.writes:
         return False
     if not any(isinstance(t, torch.Tensor) for t in torch.utils._pytree.tree_leaves((args, kwargs))):
         return False

@@ -169,8 +169,9 @@ class _OpInfo:
     def __init__(self, op):
         self.op = op  # held, so that the id keying _INFO stays this operator's
         schema = getattr(op, "_schema", None)
-        self.name = schema.name if schema is not None else str(op)
+        self.name = call_name(op)
         self.ignored = op in IGNORED
+        # Whether an output may alias an input (a view, an in-place or out= operator).
         self.aliases = schema is not None and any(r.alias_info is not None for r in schema.returns)
         self.seeded = torch.Tag.nondeterministic_seeded in getattr(op, "tags", ())
         # The arguments it writes (in-place and out=): (position, name).
@@ -189,11 +190,6 @@ def _info(op) -> _OpInfo:
     if info is None or info.op is not op:
         info = _INFO[id(op)] = _OpInfo(op)
     return info
-
-
-def _aliases(op) -> bool:
-    """Whether an output of `op` may alias an input (a view, an in-place or out= operator)."""
-    return _info(op).aliases
 
 
 _CONSUMED = object()

@@ -36,14 +36,8 @@ from remat.policies import matmuls
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from hf_compare import build, grads_ready  # noqa: E402
 
-
-def per_layer_plan(choice: str, n: int):
-    ops = [f"Fc{i}" if choice == "C" else f"Fk{i}[matmuls]" for i in range(n)] + ["L"]
-    for i in reversed(range(n)):
-        if choice == "C":
-            ops.append(f"Fa{i}")
-        ops.append(f"B{i}")
-    return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
+sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/../python/tests")
+from conftest import per_layer_plan  # noqa: E402  (the test suite's per-layer plan of given choices)
 
 
 def median_interval(xs):
@@ -91,7 +85,7 @@ def main():
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
                 "use_reentrant": False, "context_fn": partial(create_selective_checkpoint_contexts, matmuls)})
         else:
-            remat.hf.enable(m, plan=per_layer_plan(kind, n))
+            remat.hf.enable(m, plan=per_layer_plan(["checkpoint" if kind == "C" else "matmuls"] * n))
         grads_ready(m)
         return m, (lambda m=m: loss_of(m(**batch)))
 

@@ -246,7 +246,7 @@ def checked_checkpoint(fn: Callable, args: Sequence, modules: Sequence[torch.nn.
     version_checked's hooks (a recompute that writes what it saved raises autograd's error: remat/saved.py), the
     modules' buffers restored for the recompute, under remat's selective checkpointing when `policy` is given,
     told what the forward's autograd saved (see checkpoint_context). The plan executor's Fk runs so."""
-    checked = version_checked(fn)
+    checked = version_checked(fn, track_storages=policy is not None)
     return torch_checkpoint(checked, *args, use_reentrant=False, preserve_rng_state=True,
                             context_fn=checkpoint_context(modules, policy, offload, route_kept,
                                                           checked.saved_storages))

@@ -48,10 +48,12 @@ class SavedAs:
         return t
 
 
-def modified_error(t: torch.Tensor, saved: SavedAs, now: int, why: str) -> RuntimeError:
+def modified_error(t: torch.Tensor, saved: SavedAs, now: int, why: str, of: str | None = None) -> RuntimeError:
     """Autograd's error for a saved tensor written in place since it was saved (its words, so that it reads as the
-    plain run's), then what handed it back."""
-    of = f", which is output {saved.output_nr} of {saved.grad_fn}," if saved.grad_fn else ""
+    plain run's), then what handed it back. `of`: what the error says made the tensor, in place of the grad_fn
+    `saved` names."""
+    if of is None:
+        of = f", which is output {saved.output_nr} of {saved.grad_fn}," if saved.grad_fn else ""
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"[{t.type()} {list(saved.shape)}]{of} is at version {now}; expected version {saved.version} instead. "
@@ -104,35 +106,42 @@ class _Hooks:
 
 class _Forward(_Hooks):
     """The forward pass's hooks: each saved tensor packed by the hooks below, with its index among the forward's
-    saves; checked when those hand it back."""
+    saves; checked when those hand it back. A saved tensor's record is (what the hooks below packed, its index),
+    nothing more: one object per saved tensor that lives to the backward pass (each one more is work for
+    Python's cycle collector in every step: docs/BENCHMARKS.md, "remat's whole per-layer path")."""
 
     __slots__ = ()
 
     def __call__(self, t):
-        i = self.owner.saves
-        self.owner.saves += 1
-        key = storage_of(t)
-        if key is not None:
-            self.owner.saved_storages.add(key)
-        return self.pack_below(t), i, SavedAs(t)
+        owner = self.owner
+        i = owner.saves
+        owner.saves = i + 1
+        if owner.saved_storages is not None:
+            key = storage_of(t)
+            if key is not None:
+                owner.saved_storages.add(key)
+        return self.pack_below(t), i
 
     def unpack(self, packed):
-        inner, i, saved = packed
+        inner, i = packed
         t = self.unpack_below(inner)  # the checkpoint's recompute runs here, when it has not yet
         versions = self.owner.versions
         if i < len(versions) and version_of(t) != versions[i]:
-            raise modified_error(t, saved, version_of(t), "torch.utils.checkpoint's recompute")
+            raise self.owner.written_error(t, i)
         return t
 
 
 class _Recompute(_Hooks):
     """A recompute's hooks: the version of each tensor it saves, in order (the forward's order: the checkpoint
-    matches its saves to the forward's by that order too)."""
+    matches its saves to the forward's by that order too), and the tensor itself until the recompute ends (see
+    version_checked.written_in_recompute)."""
 
     __slots__ = ()
 
     def __call__(self, t):
-        self.owner.versions.append(version_of(t))
+        owner = self.owner
+        owner.versions.append(t._version)  # autograd refuses an inference tensor before its hooks see it
+        owner.recomputed.append(t)
         return self.pack_below(t)  # may end the recompute (early stopping)
 
     def unpack(self, packed):
@@ -149,22 +158,49 @@ class version_checked:
     is the forward pass, later ones recomputes. Without hooks in force (no grad), fn runs as it is. A class, so
     that what holds it copies and pickles."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, track_storages: bool = False):
         self.fn = fn
         self.saves = 0  # the forward pass's saves so far
-        # The storages of what the forward pass's autograd saved (selective checkpointing reads it: a kept output
-        # written in place after autograd saved it is autograd's error, as in the plain run; one written that
-        # autograd did not save is recomputed).
-        self.saved_storages: set[int] = set()
+        # With track_storages, the storages of what the forward pass's autograd saved (selective checkpointing
+        # reads it: a kept output written in place after autograd saved it is autograd's error, as in the plain
+        # run; one written that autograd did not save is recomputed); else None.
+        self.saved_storages: set[int] | None = set() if track_storages else None
         self.versions: list[int] = []  # the last recompute's saved tensors' versions, in order
+        self.recomputed: list = []  # the tensors it saved, while it runs
+        # Of those the recompute wrote after it saved them, by index: the name of each one's grad_fn after the
+        # write, for the error. Read at the recompute's end: the grad_fn it had when saved (autograd's error names
+        # that one) would be read of every tensor as it is saved, 1.7 us a tensor on the CI machine's CPU, half
+        # of what these hooks cost together.
+        self.now_made_by: dict[int, str] = {}
         self.ran = False
+
+    def written_error(self, t: torch.Tensor, i: int) -> RuntimeError:
+        """Autograd's error for t, the recompute's i-th saved tensor as handed back, written since it was saved."""
+        saved = SavedAs.__new__(SavedAs)
+        saved.dtype, saved.shape, saved.version = t.dtype, t.shape, self.versions[i]
+        saved.grad_fn, saved.output_nr = None, 0
+        now_by = self.now_made_by.get(i)
+        of = f", whose grad_fn after the write is {now_by}," if now_by else None
+        return modified_error(t, saved, version_of(t), "torch.utils.checkpoint's recompute", of)
+
+    def written_in_recompute(self) -> None:
+        """At a recompute's end: the grad_fn of each tensor it saved and then wrote, for the error (now_made_by),
+        and the tensors let go of. A tensor written after this (by a backward function, through another saved
+        alias of it) is refused all the same, its error without that name."""
+        recomputed, self.recomputed = self.recomputed, []
+        for i, t in enumerate(recomputed):
+            if t._version != self.versions[i]:
+                fn = t.grad_fn
+                if fn is not None:
+                    self.now_made_by[i] = type(fn).__name__
 
     def __call__(self, *args, **kwargs):
         below = top_hooks() if torch.is_grad_enabled() else None
         if below is None:
             return self.fn(*args, **kwargs)
-        if self.ran:
-            self.versions = []
+        recompute = self.ran
+        if recompute:
+            self.versions, self.now_made_by = [], {}
             hooks = _Recompute(self, below)
         else:
             self.ran = True
@@ -174,3 +210,5 @@ class version_checked:
                 return self.fn(*args, **kwargs)
         finally:
             hooks._user_hooks = None  # only while on the stack (what torch's own hooks do): nothing held after
+            if recompute:  # ended, or stopped early by the checkpoint's hook below (an exception through here)
+                self.written_in_recompute()

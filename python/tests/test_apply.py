@@ -391,9 +391,49 @@ def test_a_layer_that_writes_what_it_saved_gets_autograds_error_not_a_wrong_grad
     for how in ("checkpoint", "matmuls"):
         lp = remat.enable(model, list(model), plan=per_layer_plan([how, how]))
         with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch\.FloatTensor \[4, 16\]\], "
-                                               r"which is output 0 of SigmoidBackward0.*recompute"):
+                                               r"whose grad_fn after the write is MulBackward0.*recompute"):
             model(x).sum().backward()
         lp.remove()
+
+
+class _ZeroesWhatItSaved(torch.autograd.Function):
+    """Doubles its input; its backward writes the input it saved (zeroes it) before another node reads it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        x, = ctx.saved_tensors
+        x.zero_()
+        return g * 2
+
+
+class _WritesInBackward(nn.Module):
+    def __init__(self, w=16):
+        super().__init__()
+        self.a = nn.Linear(w, w)
+
+    def forward(self, x):
+        return _ZeroesWhatItSaved.apply(torch.sigmoid(self.a(x)))
+
+
+def test_a_saved_tensor_written_after_the_recompute_ended_gets_autograds_error():
+    # The recompute ends with every tensor at the version it saved it at; a backward function then writes one
+    # (sigmoid's output, which its own backward reads next): plain autograd refuses, and so does the checkpoint's
+    # unpack, which checks each tensor's version as it hands it back, not only at the recompute's end.
+    torch.manual_seed(0)
+    model = nn.Sequential(_WritesInBackward(), _WritesInBackward())
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    lp = remat.enable(model, list(model), plan=per_layer_plan(["checkpoint", "checkpoint"]))
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch\.FloatTensor \[4, 16\]\] "
+                                           r"is at version 1; expected version 0.*recompute"):
+        model(x).sum().backward()
+    lp.remove()
 
 
 class _BiasInPlace(nn.Module):

@@ -107,8 +107,8 @@ class _Hooks:
 class _Forward(_Hooks):
     """The forward pass's hooks: each saved tensor packed by the hooks below, with its index among the forward's
     saves; checked when those hand it back. A saved tensor's record is (what the hooks below packed, its index),
-    nothing more: one object per saved tensor that lives to the backward pass (each one more is work for
-    Python's cycle collector in every step: docs/BENCHMARKS.md, "remat's whole per-layer path")."""
+    nothing more: it is made for every tensor autograd saves, and what only the error needs is found when it is
+    raised (docs/BENCHMARKS.md, "The version check's hooks cut")."""
 
     __slots__ = ()
 
@@ -166,11 +166,13 @@ class version_checked:
         # run; one written that autograd did not save is recomputed); else None.
         self.saved_storages: set[int] | None = set() if track_storages else None
         self.versions: list[int] = []  # the last recompute's saved tensors' versions, in order
-        self.recomputed: list = []  # the tensors it saved, while it runs
+        # The tensors the recompute saved, while it runs: what its graph holds anyway until it ends (all but
+        # what a branch whose result nothing uses saved, which its graph would let go of sooner).
+        self.recomputed: list = []
         # Of those the recompute wrote after it saved them, by index: the name of each one's grad_fn after the
         # write, for the error. Read at the recompute's end: the grad_fn it had when saved (autograd's error names
-        # that one) would be read of every tensor as it is saved, 1.7 us a tensor on the CI machine's CPU, half
-        # of what these hooks cost together.
+        # that one) would be read of every tensor as it is saved, 1.7 us a tensor on the CI machine's CPU, where
+        # the rest of these hooks cost about 5.
         self.now_made_by: dict[int, str] = {}
         self.ran = False
 

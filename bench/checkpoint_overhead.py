@@ -50,7 +50,7 @@ from torch import nn
 import transformers
 
 import remat
-from remat.policies import MATMUL_OPS, autocast_cache_off, checkpoint_context, checkpoint_region, matmuls
+from remat.policies import autocast_cache_off, checkpoint_context, checkpoint_region, matmuls
 from remat.saved import version_checked
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
@@ -60,10 +60,6 @@ from conftest import per_layer_plan  # noqa: E402  (the test suite's per-layer p
 class _RunEach(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
-
-
-def _sac_matmuls(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in MATMUL_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _kept_all(ctx, op, *args, **kwargs):
@@ -149,7 +145,7 @@ def main():
             return checkpoint(fn, x, use_reentrant=False, context_fn=lambda: (_RunEach(), _RunEach()))
         if way == "sac":
             return checkpoint(fn, x, use_reentrant=False,
-                              context_fn=lambda: create_selective_checkpoint_contexts(_sac_matmuls))
+                              context_fn=lambda: create_selective_checkpoint_contexts(matmuls))
         if way == "selective":
             return checkpoint_region(fn, (x,), [layer], policy=matmuls)
         if way == "kept-all":

@@ -207,14 +207,15 @@ def _written(func, args, kwargs) -> list:
     return [t for t in got if isinstance(t, torch.Tensor)]
 
 
-def _map(f, out):
-    """tree_map(f, out) over tensors, without pytree for an operator's usual returns (a tensor; a tuple or list of
-    tensors and None): pytree's walk costs more than the rest of a call's bookkeeping."""
-    if isinstance(out, torch.Tensor):
+def _map(f, out, kind=torch.Tensor):
+    """tree_map(f, out) over the leaves of type `kind` (tensors; what the cache stored for them: SavedAs), the rest
+    as they are, without pytree for an operator's usual returns (one leaf; a tuple or list of them and None):
+    pytree's walk costs more than the rest of a call's bookkeeping."""
+    if isinstance(out, kind):
         return f(out)
-    if type(out) in (tuple, list) and all(x is None or isinstance(x, torch.Tensor) for x in out):
+    if type(out) in (tuple, list) and all(x is None or isinstance(x, kind) for x in out):
         return type(out)(f(x) if x is not None else None for x in out)
-    return tree_map(lambda x: f(x) if isinstance(x, torch.Tensor) else x, out)
+    return tree_map(lambda x: f(x) if isinstance(x, kind) else x, out)
 
 
 def _leaves(out) -> list:
@@ -302,15 +303,9 @@ class SelectiveCache:
         def get(x):
             if isinstance(x, Kept):
                 return x.check(x.tensor, self.who_cache)
-            if isinstance(x, SavedAs):
-                return self.offload.unpack(x)  # what the Offload packed: brought back, or its own Kept
-            return x
+            return self.offload.unpack(x)  # what the Offload packed: brought back, or its own Kept
 
-        if isinstance(stored, SavedAs):
-            return get(stored)
-        if type(stored) in (tuple, list) and all(x is None or isinstance(x, SavedAs) for x in stored):
-            return type(stored)(get(x) for x in stored)  # as _map left a tensor's tuple or list
-        return tree_map(get, stored)
+        return _map(get, stored, SavedAs)
 
 
 class _Forward(TorchDispatchMode):

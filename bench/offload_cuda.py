@@ -162,6 +162,11 @@ def main():
                     help="where remat runs, comma-separated: a way's name (its measured peak: hf, sac, compile-0.5, "
                          "...), b1 and b2 (a third and two thirds of the way from hf's peak to sac's), least "
                          "(remat's least feasible budget); rows remat@at-WAY, remat@b1, remat@b2, remat@least")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="also profile a copy of the model with remat.profile's experimental timing=\"pipelined\" "
+                         "(the layers' work timed with the device held ahead of the host): its chain in the JSON "
+                         "(pipelined), and per remat row what it predicts of the plan measured and the plan it would "
+                         "choose there (predicted_ms_pipelined, replanned_pipelined)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
@@ -282,6 +287,23 @@ def main():
         say(f"check {check[-1]}")
     del plain_a, plain_b
     chain = lp.chain
+    piped = None
+    if args.pipelined:
+        # The same model profiled with pipelined timing (docs/planning.md, "Timing the layers"): its chain, to
+        # compare its predictions with the synchronized profile's (the plans measured below are the latter's).
+        gc.collect()
+        pm = build(args, dev)[0]
+        plp = remat.hf.enable(pm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes, groups=args.groups)
+        plp.profile_timing = "pipelined"
+        t0 = time.perf_counter()
+        step(pm, seed=100)
+        piped = dict(chain=plp.chain, profile_s=time.perf_counter() - t0)
+        say(f"pipelined profile: {piped['profile_s']:.1f} s")
+        remat.hf.disable(pm)
+        del pm, plp
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     bandwidth = dict(to_host_gb_per_s=chain.to_host_gb_per_s, to_device_gb_per_s=chain.to_device_gb_per_s)
     say(f"bandwidth: {bandwidth}")
     least_budget = lp.min_budget_bytes
@@ -331,6 +353,15 @@ def main():
                                 predicted_host=lp.predicted_host_bytes, plan_ms=lp.plan.predicted.time_ms,
                                 transfer_ms=lp.plan.predicted.transfer_ms, plan=str(lp.plan),
                                 plan_s=time.perf_counter() - t_plan)
+            if piped is not None:
+                # The plan measured, as the pipelined chain times it (its layers' part; the rest is the same),
+                # and the plan the pipelined chain would choose at this budget.
+                p["plan_ms_pipelined"] = p["plan_ms"] + remat.simulate(piped["chain"], lp.plan).time_ms - \
+                    remat.simulate(chain, lp.plan).time_ms
+                other = remat.plan_step(piped["chain"], lp.context, b, "per-layer", [],
+                                        **lp.offloads.planner_options())
+                p["replanned_pipelined"] = dict(plan=str(other.plan), plan_ms=other.plan.predicted.time_ms,
+                                                choices=remat.choices_of(other.plan))
             say(f"remat@{w}: planned in {p['plan_s']:.1f} s: {lp.choices}")
             loss = step(rm, seed=300)[2]
             p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
@@ -349,6 +380,8 @@ def main():
                  bandwidth=bandwidth, profile_s=profile_s,
                  check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms,
                  context=context_figures(lp.context))
+    if piped is not None:
+        facts["pipelined"] = dict(chain=json.loads(piped["chain"].to_json()), profile_s=piped["profile_s"])
     host_peak = {}
     res, plain_all = {}, []
 
@@ -422,6 +455,9 @@ def main():
     for p in plans.values():
         if "choices" in p:
             p["predicted_ms"] = p["plan_ms"] + rest_ms
+            if "plan_ms_pipelined" in p:
+                p["predicted_ms_pipelined"] = p["plan_ms_pipelined"] + rest_ms
+                p["replanned_pipelined"]["predicted_ms"] = p["replanned_pipelined"]["plan_ms"] + rest_ms
     facts.update(rest_ms=rest_ms, predicted_plain_ms=keep_ms)
     plain_med = statistics.median(plain_all)
     for r in rows:
@@ -443,6 +479,10 @@ def main():
             extra = (f"  (budget {p['budget'] / 2**30:.2f}{' (least; asked ' + format(p['asked'] / 2**30, '.2f') + ')' if p['least'] else ''}, predicted {p['predicted'] / 2**30:.2f} GiB, "
                      f"host {p['predicted_host'] / 2**30:.2f}; predicted {p['predicted_ms']:.1f} ms, measured "
                      f"{statistics.median(res[r]['ms']):.1f})")
+            if "predicted_ms_pipelined" in p:
+                q = p["replanned_pipelined"]
+                extra += (f" pipelined: predicted {p['predicted_ms_pipelined']:.1f} ms; would plan "
+                          f"{q['choices']} at {q['predicted_ms']:.1f} ms")
         print(f"{r:<22} {res[r]['peak'] / 2**30:9.2f} {res[r]['host_peak'] / 2**30:9.2f} "
               f"{statistics.median(res[r]['ratios']):9.2f} {_ratio(res[r]['bound']):>6}  " + ", ".join(f"{v:.2f}" for v in res[r]["ratios"])
               + extra)

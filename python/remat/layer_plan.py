@@ -110,6 +110,9 @@ class LayerPlan:
         if repeats < 1:
             raise ValueError(f"{who}: repeats must be >= 1, got {repeats}")
         self.repeats = repeats
+        # How the profiling step times the layers' work (remat.profile's `timing`): "synced", or, on CUDA, the
+        # experimental "pipelined" (the device held ahead of the host's queuing; docs/planning.md, "Times").
+        self.profile_timing = "synced"
         self.exclude = list(exclude)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
         # The layers whose calls came from a compiled graph (compiled.eager_dispatch): profiled through it.
@@ -173,7 +176,8 @@ class LayerPlan:
     # Fields added since a LayerPlan first pickled, which a pickle from an earlier remat lacks, each with the
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
-                     _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True)
+                     _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
+                     profile_timing="synced")
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields

@@ -820,7 +820,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
-                                  groups=lp.groups, progress=times)
+                                  groups=lp.groups, progress=times, timing=lp.profile_timing)
         shape.profiling_time = times.seconds
         shape.gathered = list(gathered.gathered)
         for st, g in zip(shape.chain.stages, gathered.gathered):

@@ -406,6 +406,100 @@ def _storage_key(t: torch.Tensor) -> int:
         return 0
 
 
+TIMINGS = ("synced", "pipelined")
+
+
+class _Timed:
+    ms: float = 0.0
+
+
+class _Clock:
+    """How the profiler times a stage's work (ms), by `timing`:
+
+    - "synced": the device synchronized before and after, the host's time between. On a CPU device the only way
+      (its work is done when the call returns). On CUDA it counts the host's time before the work's first kernel
+      (and between kernels, where the host is slower than the device), which a training step spends while the
+      device still runs the work before (the previous layer's): summed over layers, more than the step takes.
+    - "pipelined" (CUDA): the device held busy (torch.cuda._sleep) for longer than the host takes to queue the
+      work, then the work's own time on the device (CUDA events) and the host's time to queue it, the larger of
+      the two: the time the work adds to a step where the host runs ahead of the device. Where the host does not
+      finish queuing before the device reaches the work (a lead too short, or a call that waits for the device,
+      such as a copy waited for), the device's time from its start, with whatever the host made it wait.
+
+    The lead for stage i is four times the longest host time seen for its work so far (its first run's
+    synchronized, which counts the device's time too: a lead rarely too short), at most ten times that first
+    run's (at least 50 ms)."""
+
+    def __init__(self, device: torch.device, timing: str):
+        if timing not in TIMINGS:
+            raise ValueError(f"remat.profile: timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.pipelined = self.cuda and timing == "pipelined"
+        self._cycles_per_ms: float | None = None
+        self._host_ms: dict[int, float] = {}  # stage -> the longest host time seen for its work
+        self._first_ms: dict[int, float] = {}  # stage -> its first run's, synchronized
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def first(self, i: int, fn: Callable[[], object]) -> None:
+        """Pipelined: runs fn() once synchronized, its result let go of, for the host time stage i's leads start
+        from (its first run, whose time the device's one-off costs may inflate: a longer lead, safe)."""
+        if not self.pipelined:
+            return
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        del out
+        ms = (time.perf_counter() - t0) * 1e3
+        self._first_ms.setdefault(i, ms)
+        self._host_ms[i] = max(self._host_ms.get(i, 0.0), ms)
+
+    def _cycles(self, ms: float) -> int:
+        if self._cycles_per_ms is None:  # the device's clock, measured once: torch.cuda._sleep counts cycles
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.sync()
+            a.record()
+            torch.cuda._sleep(1 << 22)
+            b.record()
+            self.sync()
+            self._cycles_per_ms = (1 << 22) / max(a.elapsed_time(b), 1e-3)
+        return int(ms * self._cycles_per_ms)
+
+    @contextlib.contextmanager
+    def timed(self, i: int):
+        """Times the block, stage i's work: its `ms` once the block has run (the device synchronized)."""
+        t = _Timed()
+        self.sync()
+        if not self.pipelined:
+            t0 = time.perf_counter()
+            yield t
+            self.sync()
+            t.ms = (time.perf_counter() - t0) * 1e3
+            return
+        lead = min(4.0 * self._host_ms.get(i, 25.0) + 1.0, max(50.0, 10.0 * self._first_ms.get(i, 5.0)))
+        cycles = self._cycles(lead)
+        begin, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        begin.record()
+        torch.cuda._sleep(cycles)
+        start.record()
+        t0 = time.perf_counter()
+        yield t
+        host = (time.perf_counter() - t0) * 1e3
+        end.record()
+        self.sync()
+        slept, device = begin.elapsed_time(start), start.elapsed_time(end)
+        if host < slept:
+            t.ms = max(host, device)
+            self._host_ms[i] = max(self._host_ms.get(i, 0.0), host)
+        else:  # the device reached the work before the host had queued it: its time from there
+            t.ms = max(device, host - slept)
+            self._host_ms[i] = max(self._host_ms.get(i, 0.0), host - slept)
+
+
 def _median(v: list[float]) -> float:
     return float(statistics.median(v)) if v else 0.0
 
@@ -446,7 +540,7 @@ class _NoHostAnswers:
 def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
-            groups: bool = False, progress=None) -> _core.Chain:
+            groups: bool = False, progress=None, timing: str = "synced") -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -487,6 +581,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     with a remat.ProfileProgress after each run of one stage instead (its phase_ms summed by phase says where
     profiling's time goes). What it raises propagates, the model put back first.
 
+    timing: how each stage's work is timed (_Clock): "synced" (the default: the device synchronized before and
+    after, the host's time between), or "pipelined", on CUDA only (on a CPU device the same as "synced"),
+    experimental: the device held busy while the host queues the work, then the larger of the host's time to
+    queue it and the device's time to run it, what the work adds to a step where the host runs ahead of the
+    device (a synchronized run also counts the host's time before the first kernel, which a step overlaps with
+    the work before). The per-call times of `groups` are synchronized either way. ValueError for another.
+
     On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
     the bytes tensors request from the caching allocator; in peak windows either way, which reset no statistic
     the caller reads (remat.meter). Raises ValueError for no stages, warmup < 0, repeats < 1 or a bad policy, and
@@ -508,11 +609,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     policy_offload = offload_min_bytes is not None and POLICY_OFFLOAD
     device = example_input.device
     meter = meter_for(device)
-    cuda = device.type == "cuda"
-
-    def sync():
-        if cuda:
-            torch.cuda.synchronize(device)
+    clock = _Clock(device, timing)
+    sync = clock.sync
 
     modules = [s.module for s in stage_list if s.module is not None]
     params = [[p for p in s.module.parameters() if p.requires_grad] if s.module is not None else []
@@ -642,12 +740,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             # Windows nest on remat's meters only (not on the CUDA allocator's statistic it falls back to).
             grads_peak = grads_peak and isinstance(window, PeakWindow)
             with window, (_GradsPeak(meter, params[i], before) if grads_peak else contextlib.nullcontext()) as made:
-                t0 = time.perf_counter()
-                torch.autograd.backward(root, seed, inputs=targets)
-                sync()
-                ms = (time.perf_counter() - t0) * 1e3
+                with clock.timed(i) as t:
+                    torch.autograd.backward(root, seed, inputs=targets)
                 peak = window.peak() - before
-        return ms, peak, made.peak() if made is not None else None
+        return t.ms, peak, made.peak() if made is not None else None
 
     def measured_backward(out, targets, i, leaf, hold_grad=False):
         """timed_backward with both peaks, each less its input's gradient as the plan charges it apart (the
@@ -731,12 +827,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 # A forward pass without saving (which makes the stages' inputs when they are not given).
                 for i in range(n):
                     with torch.no_grad(), meter.window() as window:
-                        sync()
+                        if r == 0:  # pipelined timing: where stage i's leads start
+                            clock.first(i, lambda i=i: check_out(i, stage_list[i](xs[i])))
                         base = meter.count()
-                        t0 = time.perf_counter()
-                        out = check_out(i, stage_list[i](xs[i]))
-                        sync()
-                        f = (time.perf_counter() - t0) * 1e3
+                        with clock.timed(i) as t:
+                            out = check_out(i, stage_list[i](xs[i]))
+                        f = t.ms
                         if measure:
                             fields[i]["ntmp"] = max(fields[i]["ntmp"], window.peak() - base - out.nbytes)
                     # Its output's bytes (Stage.output_bytes: the next stage's input as the chain counts it),
@@ -770,11 +866,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     sync()
                     base = meter.count()
                     with meter.window() as window:
-                        t0 = time.perf_counter()
-                        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+                        with clock.timed(i) as t, \
+                                torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
                             out = run_as(i, KEEP, leaf)
-                        sync()
-                        f = (time.perf_counter() - t0) * 1e3
+                        f = t.ms
                         fwd_peak = window.peak() - base
                     if measure:
                         out_key = _storage_key(out)
@@ -835,10 +930,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     leaves[i] = leaf_of(i)
                     sync()
                     with meter.window() as window:
-                        t0 = time.perf_counter()
-                        outs[i] = run_as(i, CHECKPOINT, leaves[i], calls=calls[i] if measure else None)
-                        sync()
-                        cf[i] = (time.perf_counter() - t0) * 1e3
+                        with clock.timed(i) as t:
+                            outs[i] = run_as(i, CHECKPOINT, leaves[i], calls=calls[i] if measure else None)
+                        cf[i] = t.ms
                         peak = window.peak()
                     if measure:
                         # Above what stays: its output and what the checkpoint holds for its recompute (the
@@ -875,11 +969,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                                  if counter else contextlib.nullcontext())
                         sync()
                         base = meter.count()
-                        t0 = time.perf_counter()
-                        with hooks:
+                        with clock.timed(i) as t, hooks:
                             out = run_as(i, name, leaf, counter)
-                        sync()
-                        f = (time.perf_counter() - t0) * 1e3
+                        f = t.ms
                         if measure:
                             fields[i]["pol"][name]["saved"] = max(out.nbytes, meter.count() - base)
                             if counter:
@@ -950,11 +1042,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         how, times = "{" + "k" * len(fitted) + "}", []
                         for r in range(warmup + repeats):
                             leaf = leaf_of(i)
-                            sync()
-                            t0 = time.perf_counter()
-                            out = run_as(i, how, leaf, groups=[g.name for g in fitted])
-                            sync()
-                            f = (time.perf_counter() - t0) * 1e3
+                            with clock.timed(i) as t:
+                                out = run_as(i, how, leaf, groups=[g.name for g in fitted])
+                            f = t.ms
                             graph = out.requires_grad
                             b = timed_backward(out, targets_of(i, leaf), i)[0] if graph else None
                             del out, leaf

@@ -3,6 +3,7 @@ and Hugging Face models planned in place give the plain run's losses and gradien
 (fp16, bf16); the step's peak stays within the budget; remat's measuring leaves torch.cuda's own peak statistic
 alone; the CUDA meter's windows count the bytes tensors request."""
 import contextlib
+import time
 
 import pytest
 import torch
@@ -342,3 +343,50 @@ def test_a_backward_inside_the_cuda_autocast_region_holds_no_kept_layers_casts()
             assert_steps_close(run(10 + k), want[k], 2e-2)
         print(f"{ways}: predicted {predicted}, measured {lp.last_peak_bytes} ({lp.prediction_error:+.4f})")
         assert lp.last_peak_bytes <= predicted * 1.02, (ways, lp.last_peak_bytes, predicted)
+
+
+def test_pipelined_timing_leaves_out_the_host_time_a_step_overlaps():
+    # remat.profile(timing="pipelined"): a stage whose host takes 20 ms before queuing 20 ms of device work costs
+    # a step where the host runs ahead about 20 ms, which synchronized timing reads as 40; a stage that waits for
+    # the device in the middle (a host sync) costs its full 40 ms either way. The bytes are the same either way.
+    def cycles_per_ms():
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        torch.cuda._sleep(1 << 24)
+        b.record()
+        torch.cuda.synchronize()
+        return (1 << 24) / a.elapsed_time(b)
+
+    device_20ms = int(20 * cycles_per_ms())
+
+    class HostThenDevice(nn.Module):
+        def __init__(self, waits: bool):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+            self.waits = waits
+
+        def forward(self, x):
+            if self.waits:  # the device's work first, waited for, then the host's
+                torch.cuda._sleep(device_20ms)
+                torch.cuda.synchronize()
+                time.sleep(0.02)
+            else:
+                time.sleep(0.02)
+                torch.cuda._sleep(device_20ms)
+            return self.lin(x)
+
+    stages = [HostThenDevice(False).to(DEV), HostThenDevice(True).to(DEV)]
+    x = torch.randn(8, 64, device=DEV)
+    synced = remat.profile(stages, x, policies=(), warmup=1, repeats=3, progress=False)
+    piped = remat.profile(stages, x, policies=(), warmup=1, repeats=3, progress=False, timing="pipelined")
+    for a, b in zip(synced.stages, piped.stages):
+        print(f"{a.name}: synced {a.fwd_nosave_ms:.1f}/{a.fwd_ms:.1f}/{a.checkpoint_fwd_ms:.1f} ms, "
+              f"pipelined {b.fwd_nosave_ms:.1f}/{b.fwd_ms:.1f}/{b.checkpoint_fwd_ms:.1f} ms")
+        assert (a.saved_bytes, a.output_bytes, a.fwd_tmp_bytes) == (b.saved_bytes, b.output_bytes, b.fwd_tmp_bytes)
+    overlaps, waits = piped.stages
+    for ms in (synced.stages[0].fwd_nosave_ms, synced.stages[0].fwd_ms, synced.stages[1].fwd_nosave_ms,
+               waits.fwd_nosave_ms, waits.fwd_ms, waits.checkpoint_fwd_ms):
+        assert 38 < ms < 60, ms
+    for ms in (overlaps.fwd_nosave_ms, overlaps.fwd_ms, overlaps.checkpoint_fwd_ms):
+        assert 19 < ms < 30, ms

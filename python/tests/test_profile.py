@@ -188,6 +188,8 @@ def test_stage_errors_name_the_stage():
         remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), repeats=0)
     with pytest.raises(ValueError, match="neither given nor one of remat's presets"):
         remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), policies=("fastest",))
+    with pytest.raises(ValueError, match="timing must be one of synced, pipelined, got 'fast'"):
+        remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), timing="fast")
     with pytest.raises(TypeError, match="expected an nn.Sequential"):
         remat.stages_of([nn.Linear(4, 4)])
 

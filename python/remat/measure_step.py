@@ -1000,8 +1000,10 @@ def sequence_nr(t: torch.Tensor) -> int | None:
 
 def graph_reaches(roots, target, stop, most: int = 100000) -> bool:
     """Whether the autograd graph from the nodes `roots` reaches the node `target` without passing through the
-    node `stop`; True where it would visit more than `most` nodes (not known: the safe reading)."""
-    seen: set[int] = set()
+    node `stop`; True where it would visit more than `most` nodes (not known: the safe reading). The nodes visited
+    are held while it walks, so that no object made later can take a visited one's id (PyTorch keeps a node's
+    Python object while its graph lives, on 2.11 and 2.15 here: held, that holds on any version)."""
+    seen: dict[int, object] = {}
     todo = [r for r in roots if r is not None]
     while todo:
         node = todo.pop()
@@ -1009,7 +1011,7 @@ def graph_reaches(roots, target, stop, most: int = 100000) -> bool:
             return True
         if node is stop or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if len(seen) > most:
             return True
         todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)

@@ -35,6 +35,7 @@ from .layer_offload import LayerOffloads, layer_points
 from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, layer_grads_bytes,
                            measure_planned_step, sharded_modules, step_context, storage_key)
 from .meter import meter_for
+from .profile import TIMINGS
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
@@ -110,9 +111,7 @@ class LayerPlan:
         if repeats < 1:
             raise ValueError(f"{who}: repeats must be >= 1, got {repeats}")
         self.repeats = repeats
-        # How the profiling step times the layers' work (remat.profile's `timing`): "synced", or, on CUDA, the
-        # experimental "pipelined" (the device held ahead of the host's queuing; docs/planning.md, "Times").
-        self.profile_timing = "synced"
+        self._profile_timing = "synced"  # profile_timing
         self.exclude = list(exclude)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
         # The layers whose calls came from a compiled graph (compiled.eager_dispatch): profiled through it.
@@ -177,7 +176,7 @@ class LayerPlan:
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
-                     profile_timing="synced")
+                     _profile_timing="synced")
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -234,6 +233,19 @@ class LayerPlan:
         did, else a copy made from it; None before its profiling step."""
         shape = self._last
         return self._context_in_force(shape) if shape is not None and shape.context is not None else None
+
+    @property
+    def profile_timing(self) -> str:
+        """How the profiling steps time the layers' work (remat.profile's `timing`): "synced" (the default), or,
+        on CUDA, the experimental "pipelined" (the device held busy ahead of the host's queuing; docs/planning.md,
+        "Timing the layers"). Set it before the first step; ValueError naming the value for another."""
+        return self._profile_timing
+
+    @profile_timing.setter
+    def profile_timing(self, timing: str) -> None:
+        if timing not in TIMINGS:
+            raise ValueError(f"{self.who}: profile_timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+        self._profile_timing = timing
 
     @property
     def predicted_peak_bytes(self) -> int:

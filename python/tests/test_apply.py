@@ -178,6 +178,30 @@ def test_plans_that_do_not_fit_are_refused(chain):
         remat.enable(m, [m[0], m[0]], budget=1 << 20)
 
 
+def test_the_profile_timing_is_checked_and_is_the_profiling_steps(meter, monkeypatch):
+    # LayerPlan.profile_timing: remat.profile's timings only (refused before any step, the plan left as it
+    # was), and the one set is the profiling step's (on a CPU device "pipelined" times as "synced" does).
+    import sys
+    measure_step = sys.modules["remat.measure_step"]
+    expected = plain_run(meter)
+    m = mlp()
+    preallocate(m)
+    lp = remat.enable(m, list(m), budget=1 << 40)
+    with pytest.raises(ValueError, match="remat.enable: profile_timing must be one of synced, pipelined, got 'fast'"):
+        lp.profile_timing = "fast"
+    assert lp.profile_timing == "synced"
+    timings = []
+
+    def profile(*args, timing, **kwargs):
+        timings.append(timing)
+        return remat.profile(*args, timing=timing, **kwargs)
+
+    monkeypatch.setattr(measure_step, "profile", profile)
+    lp.profile_timing = "pipelined"
+    assert_same_run(expected, train_step(m, x_of(), meter))
+    assert timings == ["pipelined"] and lp.chain is not None
+
+
 def test_torch_compile_wrappers_in_the_layer_list_run_the_plan():
     # torch.compile(layer) in a model's place (an OptimizedModule): remat plans the module it wraps, whose
     # forward the compiled call traces with remat's choice inside; every choice, bitwise the plain compiled run.

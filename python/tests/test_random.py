@@ -15,8 +15,9 @@ cycle collector off, nothing left alive after the step.
 
 Planning in place (remat.enable): models whose layers change the width (shapes per layer) and take keyword
 tensors, trained over steps of several batch sizes (shapes per step), some steps of micro-batches of two
-sizes accumulated, planned for a budget (re-planned at the least budget once profiled) or under a given plan:
-every step bitwise the plain run's.
+sizes accumulated, planned for a budget (re-planned at the least budget once profiled; since the forty-second
+session with offloading and saved groups drawn, copies made at once or late) or under a given plan: every step
+bitwise the plain run's.
 
 REMAT_RANDOM_SEED and REMAT_RANDOM_COUNT run other seeds (a long run); a failure names its seed.
 """
@@ -349,8 +350,15 @@ def draw_planned_program(seed: int) -> dict:
     for _ in range(r.randint(3, 5)):
         steps.append([r.choice([2, 3, 6]) for _ in range(r.choice([1, 1, 2]))])  # micro-batch sizes
     choices = [r.choice(["keep", "checkpoint", "matmuls"]) for _ in range(n)]
-    return dict(seed=seed, widths=widths, keyword=[r.random() < 0.5 for _ in range(n)], steps=steps,
-                given=r.random() < 0.3, choices=choices, least=r.random() < 0.5)
+    p = dict(seed=seed, widths=widths, keyword=[r.random() < 0.5 for _ in range(n)], steps=steps,
+             given=r.random() < 0.3, choices=choices, least=r.random() < 0.5)
+    # Drawn since the forty-second session from a stream of their own (earlier seeds keep their structure): a plan
+    # made in place may also offload (every saved tensor may be sent: offload_min_bytes 1) and assign groups, its
+    # copies carried out at once or late (a copy engine that delays them, as a GPU's may land late).
+    o = random.Random(f"offload {seed}")
+    p.update(offload=o.random() < 0.5, groups=o.random() < 0.5, delay=o.choice([0, 0, 2, 100]),
+             above_least=o.choice([0.0, 0.0, 0.2, 0.5]))
+    return p
 
 
 def run_planned_program(p: dict, planned: bool) -> list:
@@ -362,7 +370,10 @@ def run_planned_program(p: dict, planned: bool) -> list:
             from conftest import per_layer_plan
             lp = remat.enable(model, list(model.layers), plan=per_layer_plan(p["choices"]))
         else:
-            lp = remat.enable(model, list(model.layers), budget=1 << 40)
+            lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=p.get("offload", False),
+                              groups=p.get("groups", False), offload_min_bytes=1)
+            if p.get("delay"):
+                lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=p["delay"])
     g = torch.Generator().manual_seed(100 + p["seed"])
     runs = []
     for k, sizes in enumerate(p["steps"]):
@@ -382,7 +393,9 @@ def run_planned_program(p: dict, planned: bool) -> list:
         runs.append([None if q.grad is None else q.grad.clone() for q in model.parameters()])
         if lp is not None and p["least"] and not p["given"] and lp.is_planned():
             try:  # a plan that checkpoints, for the next steps of this shape (other shapes may have none)
-                lp.set_budget(lp.min_budget_bytes)
+                least = lp.min_budget_bytes
+                top = remat.step_peak_bytes(lp.chain, lp.context, remat.no_checkpoint(lp.chain))
+                lp.set_budget(int(least + p.get("above_least", 0.0) * max(0, top - least)))
             except remat.InfeasibleBudget:
                 pass
     return runs

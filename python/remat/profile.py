@@ -226,11 +226,12 @@ class _ZeroGrads:
 
 class _CallTimes(TorchDispatchMode):
     """Each operator call of a forward pass, as remat's selective checkpointing names it ("aten::addmm#2"):
-    its outputs' storages (pointer -> bytes) unless it aliases an input, and its time alone (ms)."""
+    its outputs' storages (pointer -> bytes) unless it aliases an input, and its time alone (ms, the clock's
+    timed_call())."""
 
-    def __init__(self, sync):
+    def __init__(self, clock: "_Clock"):
         super().__init__()
-        self.sync = sync
+        self.clock = clock
         self.names = CallNames()
         self.calls: list = []
 
@@ -238,11 +239,9 @@ class _CallTimes(TorchDispatchMode):
         kwargs = {} if kwargs is None else kwargs
         if func in IGNORED:
             return func(*args, **kwargs)
-        self.sync()
-        t0 = time.perf_counter()
-        out = func(*args, **kwargs)
-        self.sync()
-        ms = (time.perf_counter() - t0) * 1e3
+        with self.clock.timed_call() as t:
+            out = func(*args, **kwargs)
+        ms = t.ms
         call = self.names.next(func)
         storages, outs = {}, []
         if _groupable(func, call_name(func), args, kwargs):
@@ -267,7 +266,7 @@ def _groupable(func, name: str, args, kwargs) -> bool:
     return not (name.endswith("_like") or name.startswith("aten::new_") or name == "aten::_unsafe_view")
 
 
-def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_bytes: int | None = None,
+def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, offload_min_bytes: int | None = None,
                     params: set[int] = frozenset()) -> list[tuple[str, int, float, int]]:
     """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes) of the calls with outputs of their
     own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a group kept or
@@ -297,7 +296,7 @@ def _measure_groups(fn, leaf, alive: set[int], sync, repeats: int, offload_min_b
     times: dict[str, list[float]] = {}
     found = None
     for _ in range(repeats):
-        rec = last["rec"] = _CallTimes(sync)
+        rec = last["rec"] = _CallTimes(clock)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), rec:
             out = fn(leaf)
         last["rec"] = None
@@ -439,6 +438,7 @@ class _Clock:
         self._cycles_per_ms: float | None = None
         self._host_ms: dict[int, float] = {}  # stage -> the longest host time seen for its work
         self._first_ms: dict[int, float] = {}  # stage -> its first run's, synchronized
+        self._call_host_ms = 0.0  # the longest host time seen for one operator call (timed_call)
 
     def sync(self) -> None:
         if self.cuda:
@@ -468,6 +468,35 @@ class _Clock:
             self.sync()
             self._cycles_per_ms = (1 << 22) / max(a.elapsed_time(b), 1e-3)
         return int(ms * self._cycles_per_ms)
+
+    @contextlib.contextmanager
+    def timed_call(self):
+        """Times the block, one operator call of a saved group's (its `ms` once the block has run): synced, its
+        time alone; pipelined, the device's time for it, which is what keeping its output saves a recompute that
+        runs through remat's selective checkpointing (its host's time is spent there either way: the stage's
+        groups_fwd_ms and groups_bwd_ms count it), after a lead of four times the longest host time seen for
+        a call (0.2 ms more, at most 5 ms)."""
+        t = _Timed()
+        self.sync()
+        if not self.pipelined:
+            t0 = time.perf_counter()
+            yield t
+            self.sync()
+            t.ms = (time.perf_counter() - t0) * 1e3
+            return
+        cycles = self._cycles(min(5.0, 0.2 + 4.0 * self._call_host_ms))
+        begin, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        begin.record()
+        torch.cuda._sleep(cycles)
+        start.record()
+        t0 = time.perf_counter()
+        yield t
+        host = (time.perf_counter() - t0) * 1e3
+        end.record()
+        self.sync()
+        slept, device = begin.elapsed_time(start), start.elapsed_time(end)
+        t.ms = device if host < slept else max(device, host - slept)
+        self._call_host_ms = max(self._call_host_ms, host if host < slept else host - slept)
 
     @contextlib.contextmanager
     def timed(self, i: int):
@@ -586,7 +615,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     experimental: the device held busy while the host queues the work, then the larger of the host's time to
     queue it and the device's time to run it, what the work adds to a step where the host runs ahead of the
     device (a synchronized run also counts the host's time before the first kernel, which a step overlaps with
-    the work before). The per-call times of `groups` are synchronized either way. ValueError for another.
+    the work before); each call of a saved group, the device's time for it. ValueError for another.
 
     On CPU the peaks are read with remat's meter (remat.meter.cpu_meter(), built at first use), on CUDA from
     the bytes tensors request from the caching allocator; in peak windows either way, which reset no statistic
@@ -1027,7 +1056,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     leaf = leaf_of(i)
                     fields[i]["groups"] = _measure_groups(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
-                        alive | {_storage_key(leaf)}, sync, repeats, offload_min_bytes, alive)
+                        alive | {_storage_key(leaf)}, clock, repeats, offload_min_bytes, alive)
                     # The planner library's choice, which the C++ profiler makes too: the products,
                     # convolutions and attention kernels first, then the largest.
                     fitted = fields[i]["fitted"] = _core.fit_groups(

@@ -374,16 +374,22 @@ def test_pipelined_timing_leaves_out_the_host_time_a_step_overlaps():
             else:
                 time.sleep(0.02)
                 torch.cuda._sleep(device_20ms)
-            return self.lin(x)
+            return torch.relu(self.lin(x))  # the product a saved group (a stage's output is none)
 
     stages = [HostThenDevice(False).to(DEV), HostThenDevice(True).to(DEV)]
     x = torch.randn(8, 64, device=DEV)
-    synced = remat.profile(stages, x, policies=(), warmup=1, repeats=3, progress=False)
-    piped = remat.profile(stages, x, policies=(), warmup=1, repeats=3, progress=False, timing="pipelined")
+    synced = remat.profile(stages, x, policies=(), warmup=1, repeats=3, progress=False, groups=True)
+    piped = remat.profile(stages, x, policies=(), warmup=1, repeats=3, progress=False, groups=True,
+                          timing="pipelined")
     for a, b in zip(synced.stages, piped.stages):
         print(f"{a.name}: synced {a.fwd_nosave_ms:.1f}/{a.fwd_ms:.1f}/{a.checkpoint_fwd_ms:.1f} ms, "
-              f"pipelined {b.fwd_nosave_ms:.1f}/{b.fwd_ms:.1f}/{b.checkpoint_fwd_ms:.1f} ms")
+              f"pipelined {b.fwd_nosave_ms:.1f}/{b.fwd_ms:.1f}/{b.checkpoint_fwd_ms:.1f} ms; groups "
+              f"{[(g.name, round(g.recompute_ms, 3)) for g in a.groups]} and "
+              f"{[(g.name, round(g.recompute_ms, 3)) for g in b.groups]}")
         assert (a.saved_bytes, a.output_bytes, a.fwd_tmp_bytes) == (b.saved_bytes, b.output_bytes, b.fwd_tmp_bytes)
+        # The layer's product (its one group): the device's time for an 8x64 by 64x64 product, well below 5 ms.
+        assert [g.name for g in a.groups] == [g.name for g in b.groups] == ["aten::addmm#0"]
+        assert 0 < b.groups[0].recompute_ms < 5
     overlaps, waits = piped.stages
     for ms in (synced.stages[0].fwd_nosave_ms, synced.stages[0].fwd_ms, synced.stages[1].fwd_nosave_ms,
                waits.fwd_nosave_ms, waits.fwd_ms, waits.checkpoint_fwd_ms):

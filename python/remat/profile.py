@@ -409,7 +409,8 @@ TIMINGS = ("synced", "pipelined")
 
 
 class _Timed:
-    ms: float = 0.0
+    """A timed block's figures (ms): `ms`, what it is taken to cost; pipelined, also `host`, `slept`, `device`."""
+    ms = host = slept = device = 0.0
 
 
 class _Clock:
@@ -470,63 +471,60 @@ class _Clock:
         return int(ms * self._cycles_per_ms)
 
     @contextlib.contextmanager
+    def _run(self, lead_ms: float | None):
+        """Runs the block after a synchronization. With no lead, `ms` is then the host's time to the device's next
+        synchronization; with one, the device sleeps lead_ms first and `host` (the host's time in the block),
+        `slept` and `device` (the device's time from the sleep's end to the block's end) are set."""
+        t = _Timed()
+        self.sync()
+        if lead_ms is None:
+            t0 = time.perf_counter()
+            yield t
+            self.sync()
+            t.ms = (time.perf_counter() - t0) * 1e3
+            return
+        cycles = self._cycles(lead_ms)
+        begin, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        begin.record()
+        torch.cuda._sleep(cycles)
+        start.record()
+        t0 = time.perf_counter()
+        yield t
+        t.host = (time.perf_counter() - t0) * 1e3
+        end.record()
+        self.sync()
+        t.slept, t.device = begin.elapsed_time(start), start.elapsed_time(end)
+
+    @contextlib.contextmanager
+    def timed(self, i: int):
+        """Times the block, stage i's work: its `ms` once the block has run (the device synchronized)."""
+        lead = min(4.0 * self._host_ms.get(i, 25.0) + 1.0, max(50.0, 10.0 * self._first_ms.get(i, 5.0))) \
+            if self.pipelined else None
+        with self._run(lead) as t:
+            yield t
+        if lead is None:
+            return
+        # Where the device reached the work before the host had queued it, the device's time from there, and the
+        # host's time less what it waited for the sleep.
+        host = t.host if t.host < t.slept else t.host - t.slept
+        t.ms = max(host, t.device)
+        self._host_ms[i] = max(self._host_ms.get(i, 0.0), host)
+
+    @contextlib.contextmanager
     def timed_call(self):
         """Times the block, one operator call of a saved group's (its `ms` once the block has run): synced, its
         time alone; pipelined, the device's time for it, which is what keeping its output saves a recompute that
         runs through remat's selective checkpointing (its host's time is spent there either way: the stage's
         groups_fwd_ms and groups_bwd_ms count it), after a lead of four times the longest host time seen for
         a call (0.2 ms more, at most 5 ms)."""
-        t = _Timed()
-        self.sync()
-        if not self.pipelined:
-            t0 = time.perf_counter()
+        lead = min(5.0, 0.2 + 4.0 * self._call_host_ms) if self.pipelined else None
+        with self._run(lead) as t:
             yield t
-            self.sync()
-            t.ms = (time.perf_counter() - t0) * 1e3
+        if lead is None:
             return
-        cycles = self._cycles(min(5.0, 0.2 + 4.0 * self._call_host_ms))
-        begin, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        begin.record()
-        torch.cuda._sleep(cycles)
-        start.record()
-        t0 = time.perf_counter()
-        yield t
-        host = (time.perf_counter() - t0) * 1e3
-        end.record()
-        self.sync()
-        slept, device = begin.elapsed_time(start), start.elapsed_time(end)
-        t.ms = device if host < slept else max(device, host - slept)
-        self._call_host_ms = max(self._call_host_ms, host if host < slept else host - slept)
-
-    @contextlib.contextmanager
-    def timed(self, i: int):
-        """Times the block, stage i's work: its `ms` once the block has run (the device synchronized)."""
-        t = _Timed()
-        self.sync()
-        if not self.pipelined:
-            t0 = time.perf_counter()
-            yield t
-            self.sync()
-            t.ms = (time.perf_counter() - t0) * 1e3
-            return
-        lead = min(4.0 * self._host_ms.get(i, 25.0) + 1.0, max(50.0, 10.0 * self._first_ms.get(i, 5.0)))
-        cycles = self._cycles(lead)
-        begin, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        begin.record()
-        torch.cuda._sleep(cycles)
-        start.record()
-        t0 = time.perf_counter()
-        yield t
-        host = (time.perf_counter() - t0) * 1e3
-        end.record()
-        self.sync()
-        slept, device = begin.elapsed_time(start), start.elapsed_time(end)
-        if host < slept:
-            t.ms = max(host, device)
-            self._host_ms[i] = max(self._host_ms.get(i, 0.0), host)
-        else:  # the device reached the work before the host had queued it: its time from there
-            t.ms = max(device, host - slept)
-            self._host_ms[i] = max(self._host_ms.get(i, 0.0), host - slept)
+        host = t.host if t.host < t.slept else t.host - t.slept
+        t.ms = t.device if t.host < t.slept else max(t.device, host)
+        self._call_host_ms = max(self._call_host_ms, host)
 
 
 def _median(v: list[float]) -> float:

@@ -463,9 +463,10 @@ class _Clock:
         if self._cycles_per_ms is None:  # the device's clock, measured once: torch.cuda._sleep counts cycles
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.sync()
-            a.record()
-            torch.cuda._sleep(1 << 22)
-            b.record()
+            with torch.cuda.device(self.device):  # its current stream (the stages' device may not be current)
+                a.record()
+                torch.cuda._sleep(1 << 22)
+                b.record()
             self.sync()
             self._cycles_per_ms = (1 << 22) / max(a.elapsed_time(b), 1e-3)
         return int(ms * self._cycles_per_ms)
@@ -485,13 +486,15 @@ class _Clock:
             return
         cycles = self._cycles(lead_ms)
         begin, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-        begin.record()
-        torch.cuda._sleep(cycles)
-        start.record()
+        stream = torch.cuda.current_stream(self.device)
+        begin.record(stream)
+        with torch.cuda.device(self.device):
+            torch.cuda._sleep(cycles)
+        start.record(stream)
         t0 = time.perf_counter()
         yield t
         t.host = (time.perf_counter() - t0) * 1e3
-        end.record()
+        end.record(torch.cuda.current_stream(self.device))
         self.sync()
         t.slept, t.device = begin.elapsed_time(start), start.elapsed_time(end)
 

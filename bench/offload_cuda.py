@@ -162,11 +162,13 @@ def main():
                     help="where remat runs, comma-separated: a way's name (its measured peak: hf, sac, compile-0.5, "
                          "...), b1 and b2 (a third and two thirds of the way from hf's peak to sac's), least "
                          "(remat's least feasible budget); rows remat@at-WAY, remat@b1, remat@b2, remat@least")
-    ap.add_argument("--pipelined", action="store_true",
-                    help="also profile a copy of the model with remat.profile's experimental timing=\"pipelined\" "
-                         "(the layers' work timed with the device held ahead of the host): its chain in the JSON "
-                         "(pipelined), and per remat row what it predicts of the plan measured and the plan it would "
-                         "choose there (predicted_ms_pipelined, replanned_pipelined)")
+    ap.add_argument("--timing", choices=["synced", "pipelined"], default="synced",
+                    help="how remat's profiling step times the layers (LayerPlan.profile_timing; pipelined: "
+                         "experimental, the device held ahead of the host): the plans measured are this profile's")
+    ap.add_argument("--compare-timing", action="store_true",
+                    help="also profile a copy of the model with the other timing: its chain in the JSON "
+                         "(other_timing), and per remat row what it predicts of the plan measured and the plan it "
+                         "would choose there (predicted_ms_other, replanned_other)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
@@ -273,6 +275,7 @@ def main():
     rm = build(args, dev)[0]  # afresh, gradients allocated as the others' (a deep copy drops .grad: see BENCHMARKS)
     lp = remat.hf.enable(rm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes,
                          groups=args.groups)  # planned per row below
+    lp.profile_timing = args.timing
     check = []
     t0 = time.perf_counter()
     for k in range(2):
@@ -288,17 +291,17 @@ def main():
     del plain_a, plain_b
     chain = lp.chain
     piped = None
-    if args.pipelined:
-        # The same model profiled with pipelined timing (docs/planning.md, "Timing the layers"): its chain, to
-        # compare its predictions with the synchronized profile's (the plans measured below are the latter's).
+    if args.compare_timing:
+        # The same model profiled with the other timing (docs/planning.md, "Timing the layers"): its chain, to
+        # compare its predictions with those of the profile whose plans are measured below.
         gc.collect()
         pm = build(args, dev)[0]
         plp = remat.hf.enable(pm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes, groups=args.groups)
-        plp.profile_timing = "pipelined"
+        plp.profile_timing = "synced" if args.timing == "pipelined" else "pipelined"
         t0 = time.perf_counter()
         step(pm, seed=100)
-        piped = dict(chain=plp.chain, profile_s=time.perf_counter() - t0)
-        say(f"pipelined profile: {piped['profile_s']:.1f} s")
+        piped = dict(timing=plp.profile_timing, chain=plp.chain, profile_s=time.perf_counter() - t0)
+        say(f"{piped['timing']} profile: {piped['profile_s']:.1f} s")
         remat.hf.disable(pm)
         del pm, plp
         gc.collect()
@@ -354,19 +357,19 @@ def main():
                                 transfer_ms=lp.plan.predicted.transfer_ms, plan=str(lp.plan),
                                 plan_s=time.perf_counter() - t_plan)
             if piped is not None:
-                # The plan measured, as the pipelined chain times it (its layers' part; the rest is the same),
-                # and the plan the pipelined chain would choose at this budget. (Its saved groups are the same
+                # The plan measured, as the other timing's chain times it (its layers' part; the rest is the
+                # same), and the plan that chain would choose at this budget. (Its saved groups are the same
                 # calls: fit_groups ranks them by kind and bytes.) What fails is said and left out of the row.
                 try:
-                    p["plan_ms_pipelined"] = p["plan_ms"] + remat.simulate(piped["chain"], lp.plan).time_ms - \
+                    p["plan_ms_other"] = p["plan_ms"] + remat.simulate(piped["chain"], lp.plan).time_ms - \
                         remat.simulate(chain, lp.plan).time_ms
                     other = remat.plan_step(piped["chain"], lp.context, b, "per-layer", [],
                                             **lp.offloads.planner_options())
-                    p["replanned_pipelined"] = dict(plan=str(other.plan), plan_ms=other.plan.predicted.time_ms,
-                                                    choices=remat.choices_of(other.plan))
+                    p["replanned_other"] = dict(plan=str(other.plan), plan_ms=other.plan.predicted.time_ms,
+                                                choices=remat.choices_of(other.plan))
                 except Exception as e:  # noqa: BLE001  (the row is measured all the same)
-                    p.pop("plan_ms_pipelined", None)
-                    say(f"remat@{w}: the pipelined profile's figures failed: {type(e).__name__}: {e}")
+                    p.pop("plan_ms_other", None)
+                    say(f"remat@{w}: the {piped['timing']} profile's figures failed: {type(e).__name__}: {e}")
             say(f"remat@{w}: planned in {p['plan_s']:.1f} s: {lp.choices}")
             loss = step(rm, seed=300)[2]
             p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
@@ -380,13 +383,14 @@ def main():
     keep_all = remat.Plan.from_json(json.dumps(dict(num_stages=len(chain.stages), ops=[f"Fa{i}" for i in range(
         len(chain.stages))] + ["L"] + [f"B{i}" for i in reversed(range(len(chain.stages)))])))
     keep_plan_ms = remat.simulate(chain, keep_all).time_ms
-    facts = dict(config=vars(args), device=name, torch=torch.__version__, transformers=transformers.__version__,
+    facts = dict(config=vars(args), device=name, timing=args.timing, torch=torch.__version__, transformers=transformers.__version__,
                  policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, compile_s=compile_s, least_budget=least_budget,
                  bandwidth=bandwidth, profile_s=profile_s,
                  check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms,
                  context=context_figures(lp.context))
     if piped is not None:
-        facts["pipelined"] = dict(chain=json.loads(piped["chain"].to_json()), profile_s=piped["profile_s"])
+        facts["other_timing"] = dict(timing=piped["timing"], chain=json.loads(piped["chain"].to_json()),
+                                     profile_s=piped["profile_s"])
     host_peak = {}
     res, plain_all = {}, []
 
@@ -460,9 +464,9 @@ def main():
     for p in plans.values():
         if "choices" in p:
             p["predicted_ms"] = p["plan_ms"] + rest_ms
-            if "plan_ms_pipelined" in p:
-                p["predicted_ms_pipelined"] = p["plan_ms_pipelined"] + rest_ms
-                p["replanned_pipelined"]["predicted_ms"] = p["replanned_pipelined"]["plan_ms"] + rest_ms
+            if "plan_ms_other" in p:
+                p["predicted_ms_other"] = p["plan_ms_other"] + rest_ms
+                p["replanned_other"]["predicted_ms"] = p["replanned_other"]["plan_ms"] + rest_ms
     facts.update(rest_ms=rest_ms, predicted_plain_ms=keep_ms)
     plain_med = statistics.median(plain_all)
     for r in rows:
@@ -484,9 +488,9 @@ def main():
             extra = (f"  (budget {p['budget'] / 2**30:.2f}{' (least; asked ' + format(p['asked'] / 2**30, '.2f') + ')' if p['least'] else ''}, predicted {p['predicted'] / 2**30:.2f} GiB, "
                      f"host {p['predicted_host'] / 2**30:.2f}; predicted {p['predicted_ms']:.1f} ms, measured "
                      f"{statistics.median(res[r]['ms']):.1f})")
-            if "predicted_ms_pipelined" in p:
-                q = p["replanned_pipelined"]
-                extra += (f" pipelined: predicted {p['predicted_ms_pipelined']:.1f} ms; would plan "
+            if "predicted_ms_other" in p:
+                q = p["replanned_other"]
+                extra += (f" {piped['timing']}: predicted {p['predicted_ms_other']:.1f} ms; would plan "
                           f"{q['choices']} at {q['predicted_ms']:.1f} ms")
         print(f"{r:<22} {res[r]['peak'] / 2**30:9.2f} {res[r]['host_peak'] / 2**30:9.2f} "
               f"{statistics.median(res[r]['ratios']):9.2f} {_ratio(res[r]['bound']):>6}  " + ", ".join(f"{v:.2f}" for v in res[r]["ratios"])

@@ -241,3 +241,47 @@ def test_no_collection_runs_while_profiling_and_the_collector_is_put_back():
     finally:
         gc.callbacks.remove(seen)
         gc.set_threshold(*thresholds)
+
+
+def test_the_pipelined_clock_reads_each_timed_block_as_documented(monkeypatch):
+    # profile._Clock's pipelined readings, which only CUDA runs (test_cuda.py measures them on a device): given a
+    # block's host time, the device's sleep ahead of it and the device's time from the sleep's end, a block the
+    # host queued within the sleep costs the larger of its host and device times; one the device reached first
+    # (a lead too short, or a wait for the device inside it), the device's time or the host's less the sleep.
+    # Each stage's lead: four times the longest host time seen for it, plus 1 ms, at most ten times its first
+    # synchronized run (at least 50 ms); a group's call's: four times the longest seen for a call, plus 0.2 ms,
+    # at most 5 ms.
+    import contextlib
+    import sys
+    P = sys.modules["remat.profile"]
+    clock = P._Clock(torch.device("cpu"), "pipelined")
+    assert not clock.pipelined  # a CPU device: synchronized timing, whatever was asked
+    clock.pipelined = True  # the CUDA readings, fed the figures below
+    leads, figures = [], []
+
+    @contextlib.contextmanager
+    def run(lead_ms):
+        leads.append(lead_ms)
+        t = P._Timed()
+        yield t
+        t.host, t.slept, t.device = figures.pop(0)
+
+    monkeypatch.setattr(clock, "_run", run)
+    clock._first_ms[0] = clock._host_ms[0] = 8.0  # stage 0's first run, synchronized: 8 ms
+
+    def timed(host, slept, device, call=False):
+        figures.append((host, slept, device))
+        with (clock.timed_call() if call else clock.timed(0)) as t:
+            pass
+        return t.ms
+
+    assert timed(3.0, 33.0, 5.0) == 5.0 and leads[-1] == 33.0  # device-bound: the device's 5 ms
+    assert timed(6.0, 33.0, 2.0) == 6.0  # host-bound: the host's 6 ms
+    assert timed(45.0, 33.0, 20.0) == 20.0  # the device reached it first: 20 ms from there (host 12 after)
+    assert clock._host_ms[0] == 12.0 and timed(1.0, 49.0, 1.0) == 1.0 and leads[-1] == 49.0  # 4 * 12 + 1
+    clock._host_ms[0] = 30.0
+    assert timed(1.0, 80.0, 1.0) == 1.0 and leads[-1] == 80.0  # at most 10 * 8 (and at least 50)
+    assert timed(0.05, 0.2, 0.02, call=True) == 0.02 and leads[-1] == 0.2  # a call: the device's time
+    assert timed(0.3, 0.4, 0.02, call=True) == 0.02 and leads[-1] == pytest.approx(0.4)  # 4 * 0.05 + 0.2
+    assert timed(9.0, 1.4, 3.0, call=True) == 7.6 and leads[-1] == pytest.approx(1.4)  # waited: host less sleep
+    assert timed(0.1, 5.0, 0.01, call=True) == 0.01 and leads[-1] == 5.0  # at most 5 ms

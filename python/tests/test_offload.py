@@ -1292,3 +1292,28 @@ def test_a_tensor_saved_within_bytes_saved_whole_before_it_comes_back_once():
     # r, and the product's factors (the outputs of lin, 32 KiB each); not the halves. Each back once.
     assert (o.offloaded, o.offloaded_bytes, o.brought_back) == (3, 128 << 10, 3), (o.offloaded, o.brought_back)
     assert peak <= plain_peak, (peak, plain_peak)
+
+
+def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_path):
+    # bench/offload_cuda.py end to end with the options scripts/gpu-session's next call gives it (groups, remat at
+    # hf's peak and its least budget, profiled with the pipelined timing and compared with the synchronized one),
+    # on a 2-layer Llama on the CPU: a Python error in its code paths would otherwise first show on a lent GPU.
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("transformers")
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "offload_cuda.py")
+    out = tmp_path / "offload.json"
+    args = ["--device", "cpu", "--model", "llama", "--layers", "2", "--hidden", "32", "--heads", "2", "--kv-heads",
+            "1", "--intermediate", "64", "--seq", "16", "--batch", "1", "--rounds", "1", "--steps", "1", "--groups",
+            "--timing", "pipelined", "--compare-timing", "--at", "hf,least", "--skip", "hf-offload,save_on_cpu"]
+    r = subprocess.run([sys.executable, bench, *args, "--json", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    d = json.loads(out.read_text())
+    assert d["stage"] == "measured" and d["timing"] == "pipelined" and d["other_timing"]["timing"] == "synced"
+    assert d["other_timing"]["chain"]["stages"] and set(d["rows"]) >= {"hf", "sac", "remat@at-hf", "remat@least"}
+    for row in ("at-hf", "least"):
+        plan = d["plans"][row]
+        assert plan["check"]["loss_equal"] and plan["predicted_ms"] > 0 and plan["predicted_ms_other"] > 0
+        assert plan["replanned_other"]["choices"] and plan["replanned_other"]["predicted_ms"] > 0

@@ -412,6 +412,16 @@ class _Timed:
     """A timed block's figures (ms): `ms`, what it is taken to cost; pipelined, also `host`, `slept`, `device`."""
     ms = host = slept = device = 0.0
 
+    @property
+    def reached(self) -> bool:
+        """Pipelined: whether the device reached the block before the host had queued it."""
+        return self.host >= self.slept
+
+    @property
+    def own(self) -> float:
+        """Pipelined: the host's time in the block less what it waited for the sleep."""
+        return self.host - self.slept if self.reached else self.host
+
 
 class _Clock:
     """How the profiler times a stage's work (ms), by `timing`:
@@ -450,14 +460,11 @@ class _Clock:
         from (its first run, whose time the device's one-off costs may inflate: a longer lead, safe)."""
         if not self.pipelined:
             return
-        self.sync()
-        t0 = time.perf_counter()
-        out = fn()
-        self.sync()
+        with self._run(None) as t:
+            out = fn()
         del out
-        ms = (time.perf_counter() - t0) * 1e3
-        self._first_ms.setdefault(i, ms)
-        self._host_ms[i] = max(self._host_ms.get(i, 0.0), ms)
+        self._first_ms.setdefault(i, t.ms)
+        self._host_ms[i] = max(self._host_ms.get(i, 0.0), t.ms)
 
     def _cycles(self, ms: float) -> int:
         if self._cycles_per_ms is None:  # the device's clock, measured once: torch.cuda._sleep counts cycles
@@ -507,11 +514,9 @@ class _Clock:
             yield t
         if lead is None:
             return
-        # Where the device reached the work before the host had queued it, the device's time from there, and the
-        # host's time less what it waited for the sleep.
-        host = t.host if t.host < t.slept else t.host - t.slept
-        t.ms = max(host, t.device)
-        self._host_ms[i] = max(self._host_ms.get(i, 0.0), host)
+        # Where the device reached the work first, its time from there, and the host's less the sleep.
+        t.ms = max(t.own, t.device)
+        self._host_ms[i] = max(self._host_ms.get(i, 0.0), t.own)
 
     @contextlib.contextmanager
     def timed_call(self):
@@ -525,9 +530,8 @@ class _Clock:
             yield t
         if lead is None:
             return
-        host = t.host if t.host < t.slept else t.host - t.slept
-        t.ms = t.device if t.host < t.slept else max(t.device, host)
-        self._call_host_ms = max(self._call_host_ms, host)
+        t.ms = max(t.device, t.own) if t.reached else t.device
+        self._call_host_ms = max(self._call_host_ms, t.own)
 
 
 def _median(v: list[float]) -> float:

@@ -846,6 +846,72 @@ TEST(Offload, ACallAfterTheLastSaveIsNoGroup) {
   EXPECT_EQ(groups[1].unsaved_bytes, 0);
 }
 
+// A block whose layer norm makes outputs below offload_min_bytes (its mean and reciprocal deviation).
+struct NormBlockImpl : torch::nn::Module {
+  NormBlockImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(kWidth, kWidth))),
+        norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})))),
+        fc2(register_module("fc2", torch::nn::Linear(kWidth, kWidth))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(norm(fc1(x))) + x; }
+  torch::nn::Linear fc1;
+  torch::nn::LayerNorm norm;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(NormBlock);
+
+// Profiled for offloading, a call with an output below offload_min_bytes is a group all the same, those bytes
+// its stays_bytes (an Offload keeps them on the device when the group is sent): layer norm's mean and
+// reciprocal deviation beside its output. Before 2026-12-05 such a call was no group. A plan sending it runs
+// bitwise the plain step, with the host bytes simulate() predicts (the mean and deviation not among them).
+TEST(Offload, ACallWithOutputsTooSmallToSendIsAGroupWhoseSmallOutputsStay) {
+  meter_on();
+  torch::manual_seed(0);
+  torch::nn::Sequential seq{NormBlock(), NormBlock()};
+  const torch::Tensor x = input(), weight = torch::randn({kBatch, kWidth});
+  const remat::Chain chain = remat::profile_chain(
+      seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  std::vector<std::vector<std::string>> names;
+  std::string sends;
+  for (const auto& s : chain.stages) {
+    const auto& groups = s.groups;
+    const auto norm_group = std::find_if(groups.begin(), groups.end(), [](const remat::SavedGroup& g) {
+      return g.name.find("layer_norm") != std::string::npos;
+    });
+    ASSERT_NE(norm_group, groups.end()) << s.name;
+    const int64_t stats = 2 * kBatch * 4;  // mean and reciprocal deviation: a float per row each
+    EXPECT_EQ(norm_group->bytes, kHidden + stats);
+    EXPECT_EQ(norm_group->stays_bytes, stats);
+    names.emplace_back();
+    sends.assign(groups.size(), 'r');
+    for (const auto& g : groups) {
+      names.back().push_back(g.name);
+      if (&g != &*norm_group) EXPECT_EQ(g.stays_bytes, 0) << g.name;
+    }
+    sends[static_cast<size_t>(norm_group - groups.begin())] = 'h';
+    const remat::PolicyCost cost = remat::group_cost(s, sends);
+    ASSERT_TRUE(cost.offload.has_value());
+    EXPECT_EQ(cost.offload->bytes, kHidden);
+  }
+  const Step plain = plan_step(seq, x, weight, std::nullopt, nullptr);
+  remat::Plan plan = remat::testing::plan_of_text(2, "Fk0{" + sends + "} Fa1 L B1 B0");
+  plan.group_names = names;
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  EXPECT_EQ(sim.host_peak_bytes, kHidden);
+  // The step here holds what the chain does not count beside the stages (the loss's product with `weight`):
+  // the same above simulate() for every plan, which the plan keeping everything measures.
+  const remat::Plan kept = remat::testing::plan_of_text(2, "Fa0 Fa1 L B1 B0");
+  const int64_t beside =
+      plan_step(seq, x, weight, kept, nullptr).held - remat::simulate(chain, kept).peak_bytes;
+  for (int delay : {0, 2}) {
+    auto pool = std::make_shared<remat::HostPool>();
+    const Step got = plan_step(seq, x, weight, plan, pool, delay);
+    expect_same(plain, got);
+    EXPECT_EQ(got.held - beside, sim.peak_bytes);
+    EXPECT_EQ(pool->peak_bytes(), sim.host_peak_bytes);
+    EXPECT_EQ(pool->in_use_bytes(), 0);
+  }
+}
+
 TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   meter_on();
   torch::manual_seed(0);

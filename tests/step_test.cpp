@@ -414,6 +414,9 @@ void add_random_groups(std::mt19937& rng, Chain& chain) {
       sg.recompute_ms = part(rng) * recompute / static_cast<double>(g);
       // Every other group, some of its bytes not saved by autograd.
       if (part(rng) < 0.5) sg.unsaved_bytes = static_cast<int64_t>(part(rng) * static_cast<double>(sg.bytes));
+      // Every second group, a quarter of its bytes staying on the device when sent (an Offload's small
+      // outputs; drawn from no random number, so that the draws after it are those of before).
+      if (k == 1) sg.stays_bytes = sg.bytes / 4;
       s.groups.push_back(sg);
     }
     // Every fourth, the group runtime's own times measured (a Python dispatch mode's cost: more than per
@@ -2258,6 +2261,28 @@ TEST(PerLayerGroups, SimulateChargesAGroupAssignmentAsDocumented) {
   EXPECT_THROW_WITH_STD(remat::group_unsaved_bytes(over.stages[0], "kh"), "remat::group_cost");
   over.stages[0].groups[2].unsaved_bytes = 64;
   EXPECT_THROW_WITH_STD(remat::validate(over), "saved group 'aten::gelu#0' has unsaved_bytes 64");
+  // What of a group stays on the device when it is sent (an Offload's small outputs): written when not 0,
+  // read back, checked; sent, it is held as kept (saved_bytes the same), and only the rest leaves.
+  Chain stays = chain;
+  stays.stages[0].groups[2].stays_bytes = 15;
+  const Chain stays_back = remat::chain_from_json(remat::to_json(stays));
+  EXPECT_EQ(stays_back.stages[0].groups[2].stays_bytes, 15);
+  EXPECT_EQ(stays_back.stages[0].groups[0].stays_bytes, 0);
+  EXPECT_EQ(remat::to_json(chain).find("stays_bytes"), std::string::npos);
+  const remat::PolicyCost sent = remat::group_cost(stays.stages[0], "rrh");
+  EXPECT_EQ(sent.saved_bytes, remat::group_cost(chain.stages[0], "rrh").saved_bytes);
+  ASSERT_TRUE(sent.offload.has_value());
+  EXPECT_EQ(sent.offload->bytes, 40 - 15);
+  EXPECT_FALSE(remat::group_cost(stays.stages[0], "rrk").offload.has_value());
+  // The simulated step holds the 15 bytes where the whole group's 40 left before (the plan sends group 2).
+  const remat::Plan sends =
+      remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fk0{rrh}", "Fa1", "L", "B1", "B0"]})");
+  EXPECT_EQ(remat::simulate(stays, sends).host_peak_bytes, 40 - 15);
+  EXPECT_EQ(remat::simulate(chain, sends).host_peak_bytes, 40);
+  stays.stages[0].groups[2].stays_bytes = 41;
+  EXPECT_THROW_WITH_STD(remat::validate(stays), "saved group 'aten::gelu#0' has stays_bytes 41");
+  stays.stages[0].groups[2].stays_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::validate(stays), "has stays_bytes -1");
   Chain twice = chain;
   twice.stages[0].groups[1].name = "aten::mm#0";
   EXPECT_THROW_WITH_STD(remat::validate(twice), "names saved group 'aten::mm#0' twice");

@@ -85,13 +85,13 @@ struct ProfileOptions {
   /// sent to the host or recomputed (a plan's Fk3{khr}, run under remat::group_policy; see
   /// remat::group_cost): the operator calls a region's policy is asked about (remat/policy.h), whether or not
   /// autograd saves their outputs (one kept or sent is a call the recompute skips), outermost first (a call
-  /// inside one found is not one), with storages of their own, not written in place later, and with
-  /// offload_min_bytes >= 0 only those whose every kept tensor an Offload would send; each with what keeping
-  /// it holds (its outputs and what autograd saved inside it beyond its inputs' and outputs' storages, bytes)
-  /// and its time (median of `repeats` runs, ms); then remat::fit_groups keeps at most kMaxGroups, the
-  /// products, convolutions and attention kernels first, then the largest. `repeats` more forwards per stage,
-  /// each holding every output of the stage's asked calls until it is read (more than the stage saves). Needs
-  /// remat's dispatcher fallback, as policies do.
+  /// inside one found is not one), with storages of their own, not written in place later; each with what
+  /// keeping it holds (its outputs and what autograd saved inside it beyond its inputs' and outputs'
+  /// storages, bytes), with offload_min_bytes >= 0 what of that an Offload would keep on the device were it
+  /// sent (SavedGroup::stays_bytes), and its time (median of `repeats` runs, ms); then remat::fit_groups
+  /// keeps at most kMaxGroups, the products, convolutions and attention kernels first, then the largest.
+  /// `repeats` more forwards per stage, each holding every output of the stage's asked calls until it is read
+  /// (more than the stage saves). Needs remat's dispatcher fallback, as policies do.
   TORCH_ARG(bool, groups) = false;
   /// Called after each run of one stage (remat::ProfileProgress), on the profiling thread; a progress bar,
   /// or a sum of where the time goes. What it throws propagates (the model is put back first). Empty (the

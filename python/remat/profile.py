@@ -268,14 +268,15 @@ def _groupable(func, name: str, args, kwargs) -> bool:
 
 def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, offload_min_bytes: int | None = None,
                     params: set[int] = frozenset()) -> list[tuple[str, int, float, int]]:
-    """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes) of the calls with outputs of their
+    """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes, stays bytes) of the calls with outputs of their
     own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a group kept or
     sent is a call the recompute skips; of its bytes, those autograd does not save), those a recompute that
     stops early makes (made before autograd's last save), in the forward's order; the planner's fit_groups
     chooses among them. Outputs that hold no bytes on leaf's device (an attention kernel's random seed on the
-    host, an empty tensor) are left out. Profiling for offloading (offload_min_bytes), only calls whose every
-    output left an Offload would send (remat.offload's offloadable: dense, at least that large, not a
-    parameter's): a group is sent whole or not at all."""
+    host, an empty tensor) are left out. Profiling for offloading (offload_min_bytes), the stays bytes are those
+    of the outputs an Offload would keep on the device (remat.offload's offloadable: dense, at least that large,
+    not a parameter's): sent, the group leaves them there (an attention kernel's log-sum-exp beside its output;
+    before 2026-12-05 such a call was no group, and the Llama's attention on the H200 was always recomputed)."""
     saved: set[int] = set()
     # How many calls the forward had made when autograd last saved a tensor: a recompute that stops early
     # (torch.utils.checkpoint's, remat's) stops there, and never makes the calls after it again. (Autograd
@@ -311,14 +312,16 @@ def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, of
                 # Written in place later in the forward pass (an in-place activation): its outputs cannot be
                 # handed back as they were.
                 written = any(t._version != v for t, v in held)
-                sendable = offload_min_bytes is None or all(
-                    offloadable(t, offload_min_bytes, params) for t, _ in held)
-                if own and not written and sendable and len(own) == len(storages):
-                    found.append((name, sum(own.values()), sum(nb for p, nb in own.items() if p not in saved)))
+                stays = {} if offload_min_bytes is None else {
+                    t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t, _ in held
+                    if not offloadable(t, offload_min_bytes, params)}
+                if own and not written and len(own) == len(storages):
+                    found.append((name, sum(own.values()), sum(nb for p, nb in own.items() if p not in saved),
+                                  sum(stays.values())))
         for name, _, ms, _ in rec.calls:
             times.setdefault(name, []).append(ms)
         del out, rec
-    return [(name, nbytes, _median(times[name]), unsaved) for name, nbytes, unsaved in found]
+    return [(name, nbytes, _median(times[name]), unsaved, stays) for name, nbytes, unsaved, stays in found]
 
 
 def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
@@ -594,8 +597,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     pass with outputs of their own (not views, not its output, not what is alive anyway), whether or not autograd
     saves them, at most remat.chain's kMaxGroups (10) of them (fit_groups: the products, convolutions and
     attention kernels first, then the largest), each with its outputs' bytes and its time (the median of
-    `repeats` runs, each call timed alone); with offload_min_bytes, only calls whose every output on the device
-    an Offload would send (dense, at least that large); and the stage's forward and backward as a group
+    `repeats` runs, each call timed alone); with offload_min_bytes, also the bytes of its outputs an Offload
+    would keep on the device were it sent (SavedGroup.stays_bytes: below that, or not dense); and the stage's forward and backward as a group
     assignment keeping every group runs them (Stage.groups_fwd_ms, groups_bwd_ms: remat's selective
     checkpointing costs time beside each call, which the planner charges). A policy that answers
     MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
@@ -1065,7 +1068,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     # The planner library's choice, which the C++ profiler makes too: the products,
                     # convolutions and attention kernels first, then the largest.
                     fitted = fields[i]["fitted"] = _core.fit_groups(
-                        [_core.SavedGroup(name, nbytes, ms, unsaved) for name, nbytes, ms, unsaved in fields[i]["groups"]])
+                        [_core.SavedGroup(*g) for g in fields[i]["groups"]])
                     targets = targets_of(i, leaf)
                     del leaf
                     # The stage as a group assignment runs it, every group kept (Stage.groups_fwd_ms,

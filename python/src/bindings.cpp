@@ -123,15 +123,17 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](remat::SavedGroup* g, std::string name, int64_t bytes, double recompute_ms,
-             int64_t unsaved_bytes) {
-            new (g) remat::SavedGroup{std::move(name), bytes, recompute_ms, unsaved_bytes};
+             int64_t unsaved_bytes, int64_t stays_bytes) {
+            new (g) remat::SavedGroup{std::move(name), bytes, recompute_ms, unsaved_bytes, stays_bytes};
           },
-          "name"_a, "bytes"_a, "recompute_ms"_a, "unsaved_bytes"_a = 0)
+          "name"_a, "bytes"_a, "recompute_ms"_a, "unsaved_bytes"_a = 0, "stays_bytes"_a = 0)
       .def_rw("name", &remat::SavedGroup::name, "the call: 'aten::addmm#2' (operator, its call index)")
       .def_rw("bytes", &remat::SavedGroup::bytes, "its outputs' bytes")
       .def_rw("recompute_ms", &remat::SavedGroup::recompute_ms, "the call's forward time (milliseconds)")
       .def_rw("unsaved_bytes", &remat::SavedGroup::unsaved_bytes,
-              "of its bytes, those autograd does not save in the stage's plain forward");
+              "of its bytes, those autograd does not save in the stage's plain forward")
+      .def_rw("stays_bytes", &remat::SavedGroup::stays_bytes,
+              "of its bytes, those that stay on the device when it is sent (an Offload keeps them there)");
   m.def("group_unsaved_bytes", &remat::group_unsaved_bytes, "stage"_a, "assignment"_a,
         "Of what a group assignment keeps and sends, the bytes the stage's plain forward does not save.");
 

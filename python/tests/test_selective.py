@@ -1,5 +1,7 @@
 """Selective checkpointing with three outcomes per operator call (remat/selective.py): kept on the device, sent
 to the host, recomputed. The CPU is the device; the host pool is memory remat's CPU meter does not count."""
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -326,4 +328,74 @@ def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted(
     without = remat.per_layer(chain, remat.simulate(chain, lp.plan).peak_bytes, offload=True, groups=False)
     assert without.predicted.time_ms > remat.per_layer(chain, remat.simulate(chain, lp.plan).peak_bytes,
                                                        offload=True).predicted.time_ms
+    lp.remove()
+
+
+class _Attention(nn.Module):
+    """A self-attention block on the CPU's attention kernel, whose outputs are the attention's (32 KiB here)
+    and its log-sum-exp (2 KiB)."""
+
+    def __init__(self, width: int = 64, heads: int = 4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, w))
+
+
+class _AttentionStack(nn.Module):
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(_Attention() for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.square().mean()
+
+
+def test_a_call_with_outputs_too_small_to_send_is_a_group_whose_small_outputs_stay():
+    # Profiled for offloading, a call with an output below offload_min_bytes (an attention kernel's log-sum-exp
+    # beside its output) is a group whose stays_bytes are that output's: sent, the rest leaves, it stays on the
+    # device. Before 2026-12-05 such a call was no group (the Llama's attention on the H200 was always
+    # recomputed). The step sending it is the plain run's bitwise, with the host bytes simulate() predicts
+    # (without the log-sum-exp) and within the predicted peak.
+    from test_offload import same_step, stack_step
+
+    torch.manual_seed(0)
+    model = _AttentionStack()
+    x = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(2))
+    plain = stack_step(model, x)
+    lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=True, offload_min_bytes=8 << 10,
+                      groups=True)
+    same_step(plain, stack_step(model, x))  # the profiling step
+    chain, ctx = lp.chain, lp.context
+    out, lse = 2 * 64 * 64 * 4, 2 * 4 * 64 * 4
+    for st in chain.stages:
+        attention = [g for g in st.groups if g.name.startswith("aten::_scaled_dot_product")]
+        assert len(attention) == 1, [g.name for g in st.groups]
+        assert (attention[0].bytes, attention[0].stays_bytes) == (out + lse, lse)
+        assert all(g.stays_bytes == 0 for g in st.groups if g is not attention[0])
+        which = "".join("h" if g.name == attention[0].name else "r" for g in st.groups)
+        assert remat.group_cost(st, which).offload.bytes == out
+    groups_to_the_host_pay(chain)
+    n = len(chain.stages)
+    sends = "".join("h" for _ in chain.stages[0].groups)
+    ops = [f"Fk{i}{{{sends}}}" for i in range(n - 1)] + [f"Fa{n - 1}", "L"] + [f"B{i}" for i in reversed(range(n))]
+    sent = remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
+    budget = remat.step_peak_bytes(chain, ctx, sent)
+    lp.set_budget(budget)
+    assert sum(c.startswith("{") and "h" in c for c in lp.choices) >= 2, lp.choices
+    sim = remat.simulate(chain, lp.plan)
+    pool = lp.host_pool
+    for _ in range(2):
+        pool.peak_bytes = 0
+        got = stack_step(model, x)
+        same_step(plain, got)
+        assert got[2] <= lp.predicted_peak_bytes <= budget, (lp.choices, got[2], lp.predicted_peak_bytes)
+        assert lp.predicted_peak_bytes - got[2] < 0.01 * got[2]  # exact to the byte on 2.15
+        assert pool.peak_bytes == sim.host_peak_bytes == lp.predicted_host_bytes, (lp.choices, pool.peak_bytes)
     lp.remove()

@@ -178,6 +178,8 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
       s.groups[g].recompute_ms = line.ms(sa.groups[g].recompute_ms, sb.groups[g].recompute_ms);
       s.groups[g].unsaved_bytes =
           std::min(s.groups[g].bytes, line.bytes(sa.groups[g].unsaved_bytes, sb.groups[g].unsaved_bytes));
+      s.groups[g].stays_bytes =
+          std::min(s.groups[g].bytes, line.bytes(sa.groups[g].stays_bytes, sb.groups[g].stays_bytes));
     }
   }
   return c;

@@ -224,6 +224,11 @@ void validate(const Chain& chain) {
                                     sg.name + "' has unsaved_bytes " + std::to_string(sg.unsaved_bytes) +
                                     "; it must be within [0, bytes] = [0, " + std::to_string(sg.bytes) + "]");
       }
+      if (sg.stays_bytes < 0 || sg.stays_bytes > sg.bytes) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s saved group '" +
+                                    sg.name + "' has stays_bytes " + std::to_string(sg.stays_bytes) +
+                                    "; it must be within [0, bytes] = [0, " + std::to_string(sg.bytes) + "]");
+      }
       add_bytes(grouped, sg.bytes, stage_label(chain, i));
     }
     if (s.policies.empty()) continue;
@@ -343,6 +348,7 @@ std::string to_json(const Chain& chain) {
       for (const SavedGroup& g : s.groups) {
         nlohmann::ordered_json jg = {{"name", g.name}, {"bytes", g.bytes}, {"recompute_ms", g.recompute_ms}};
         if (g.unsaved_bytes != 0) jg["unsaved_bytes"] = g.unsaved_bytes;
+        if (g.stays_bytes != 0) jg["stays_bytes"] = g.stays_bytes;
         js["groups"].push_back(jg);
       }
     }
@@ -533,6 +539,7 @@ Chain chain_from_json(const std::string& text) {
         sg.bytes = required<int64_t>(jg[g], "bytes", at);
         sg.recompute_ms = required<double>(jg[g], "recompute_ms", at);
         sg.unsaved_bytes = optional<int64_t>(jg[g], "unsaved_bytes", at, 0);
+        sg.stays_bytes = optional<int64_t>(jg[g], "stays_bytes", at, 0);
         s.groups.push_back(std::move(sg));
       }
     }
@@ -701,8 +708,8 @@ PolicyCost group_cost(const Stage& stage, const std::string& assignment) {
       case 'k':
         kept += sg.bytes, skipped_ms += sg.recompute_ms;
         break;
-      case 'h':
-        sent += sg.bytes, skipped_ms += sg.recompute_ms;
+      case 'h':  // what an Offload keeps on the device stays, as kept
+        kept += sg.stays_bytes, sent += sg.bytes - sg.stays_bytes, skipped_ms += sg.recompute_ms;
         break;
       default:  // 'r' (check_assignment)
         redone_ms += sg.recompute_ms;

@@ -176,6 +176,7 @@ void visit(C& chain, X& context, V& v) {
       v.bytes(g.bytes);
       v.ms(g.recompute_ms);
       v.bytes(g.unsaved_bytes);  // the largest: held longest where any rank holds it
+      v.bytes(g.stays_bytes);    // the largest: on the device where any rank's Offload keeps it there
     }
   }
   v.flag(context.input_in_base);

@@ -138,7 +138,9 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     double skipped_ms = 0, redone_ms = 0;
     for (size_t k = 0; k < g; ++k) {
       if (letter[k] == 1) kept += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
-      if (letter[k] == 2) sent += s.groups[k].bytes, skipped_ms += s.groups[k].recompute_ms;
+      if (letter[k] == 2)
+        kept += s.groups[k].stays_bytes, sent += s.groups[k].bytes - s.groups[k].stays_bytes,
+            skipped_ms += s.groups[k].recompute_ms;
       if (letter[k] == 0) redone_ms += s.groups[k].recompute_ms;
       if (letter[k] != 0) unsaved += s.groups[k].unsaved_bytes;
     }

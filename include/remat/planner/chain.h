@@ -120,6 +120,12 @@ struct SavedGroup {
   /// fields, so that aggregate initializers written before it mean what they did; 0 in chains written
   /// before 2026-12-04 (every group then was saved).
   int64_t unsaved_bytes = 0;
+  /// Of `bytes`, those that stay on the device when the group is sent (0 to `bytes`): outputs an Offload
+  /// keeps there (below its min_bytes, or not dense: an attention kernel's log-sum-exp beside its output, a
+  /// layer norm's mean and reciprocal deviation). Sent, the group holds them from the forward pass to the
+  /// backward as a kept one does, and only the rest leaves. Last of the fields; 0 in chains written before
+  /// 2026-12-05 (profiled for offloading, a call with such an output was no group then).
+  int64_t stays_bytes = 0;
 };
 
 /// One stage of a chain.
@@ -383,9 +389,9 @@ std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t
 /// plus the kept and sent groups' bytes (what it holds once its forward has run, before any copy lands),
 /// `fwd_ms` its per-call forward (Stage::per_call_fwd_ms()), `bwd_ms` its per-call backward less the kept and
 /// sent groups' recompute_ms (at least bwd_ms: the backward itself), and `offload`, when a group is sent, the
-/// bytes that leave ({bytes: the sent groups' bytes, input: false, output: false}). `policy` is "{" +
-/// assignment + "}". Throws std::invalid_argument naming the stage for an assignment of another length or
-/// with other characters.
+/// bytes that leave ({bytes: the sent groups' bytes less their SavedGroup::stays_bytes, which stay as kept
+/// ones do; input: false, output: false}). `policy` is "{" + assignment + "}". Throws std::invalid_argument
+/// naming the stage for an assignment of another length or with other characters.
 PolicyCost group_cost(const Stage& stage, const std::string& assignment);
 
 /// Of what a group assignment keeps and sends (group_cost()'s saved_bytes), the bytes the stage's plain

@@ -157,9 +157,11 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       // Every call with outputs of its own is a candidate, whether or not autograd saves them (kept or sent,
       // the recompute skips it); outputs that hold no bytes on the leaf's device (a seed on the host, an
       // empty tensor) are left out.
-      bool own = false, written = false, whole = true;
+      bool own = false, written = false;
       std::unordered_set<const void*> mine;
-      int64_t bytes = 0, unsaved = 0;
+      // stays: of bytes, what an Offload would keep on the device, were the group sent
+      // (SavedGroup::stays_bytes).
+      int64_t bytes = 0, unsaved = 0, stays = 0;
       for (size_t o = 0; o < c.outputs.size(); ++o) {
         const at::Tensor& t = c.outputs[o];
         const void* key = storage_key(t);
@@ -170,10 +172,10 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
           break;
         }
         written = written || t._version() != c.versions[o];
-        if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) whole = false;
         if (mine.insert(key).second) {
           bytes += storage_bytes(t);
           if (!recorder.saved().count(key)) unsaved += storage_bytes(t);
+          if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) stays += storage_bytes(t);
         }
       }
       if (!own || written) continue;
@@ -182,17 +184,16 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       for (const at::Tensor& t : c.captured) {
         const void* key = storage_key(t);
         if (key == nullptr || off_limits.count(key) || c.inputs.count(key) || mine.count(key)) continue;
-        if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) whole = false;
         mine.insert(key);
         bytes += storage_bytes(t);
+        if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) stays += storage_bytes(t);
       }
-      if (!whole) continue;
       bool shared = false;  // a storage another group holds already
       for (const void* key : mine)
         shared = shared || counted.count(key);
       if (shared) continue;
       counted.insert(mine.begin(), mine.end());
-      found.push_back(SavedGroup{c.name, bytes, 0.0, unsaved});
+      found.push_back(SavedGroup{c.name, bytes, 0.0, unsaved, stays});
       inside_until = c.end;
     }
   }

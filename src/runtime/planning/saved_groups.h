@@ -19,11 +19,12 @@ namespace remat::detail {
 /// whose outputs are storages of its own (none of `alive`, nor fn's output), none written in place later in
 /// the pass, whether or not autograd saves them (outputs with no bytes on leaf's device left out), and made
 /// by a recompute that stops early at autograd's last save in the pass (not the innermost call open at that
-/// save, nor any after it; a call enclosing it is); with `offload_min_bytes` >= 0, only a call whose every
-/// tensor kept with it would go to the host (detail::sendable): a group is sent whole or not at all. Its
-/// bytes are those of its outputs plus what autograd saved inside it that is neither an input's nor an
-/// output's storage (what a kept call holds, see remat/policy.h); its recompute_ms the median of its time
-/// (the calls inside it included), `sync` called around each. Choose among them with remat::fit_groups.
+/// save, nor any after it; a call enclosing it is). Its bytes are those of its outputs plus what autograd saved
+/// inside it that is neither an input's nor an output's storage (what a kept call holds, see remat/policy.h);
+/// with `offload_min_bytes` >= 0, its stays_bytes those of them an Offload would keep on the device, were the
+/// group sent (not detail::sendable; before 2026-12-05 such a call was no group); its recompute_ms the median
+/// of its time (the calls inside it included), `sync` called around each. Choose among them with
+/// remat::fit_groups.
 std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(const at::Tensor&)>& fn,
                                              const at::Tensor& leaf, const std::vector<at::Tensor>& alive,
                                              int64_t offload_min_bytes, int64_t repeats,

@@ -20,6 +20,7 @@
 #include <remat/planner/timeline.h>
 #include <remat/planner/units.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,38 @@ namespace nb = nanobind;
 using namespace nb::literals;
 
 namespace {
+
+// A list property of class elements (Chain.stages, Stage.groups, Stage.policies, Plan.ops). Python gets its
+// elements as references into the C++ vector (so that `chain.stages[0].bwd_ms = 1` writes through, as users
+// and the tests do); nanobind's def_rw setter moves the new list into the vector, which frees the elements
+// those references point into, and a later read of one was a crash or garbage (`held = list(st.groups);
+// st.groups = held[1:]; held[0].name`: a MemoryError, a segmentation fault in a longer script; found on
+// 2026-12-05). Where Python still refers to one of the old elements, they are kept (never freed: a few per
+// assignment), so that such a reference reads what it held, as any SavedGroup handed to the setter is copied
+// and no longer the list's.
+std::vector<std::shared_ptr<void>>& kept_elements() {
+  static std::vector<std::shared_ptr<void>> kept;
+  return kept;
+}
+
+template <class C, class T>
+auto list_get(std::vector<T> C::*p) {
+  return [p](const C& c) -> const std::vector<T>& { return c.*p; };
+}
+
+template <class C, class T>
+auto list_set(std::vector<T> C::*p) {
+  return [p](C& c, std::vector<T> value) {
+    std::vector<T>& old = c.*p;
+    for (const T& e : old) {
+      if (nb::find(e).is_valid()) {
+        kept_elements().push_back(std::make_shared<std::vector<T>>(std::move(old)));
+        break;
+      }
+    }
+    old = std::move(value);
+  };
+}
 
 remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines, std::vector<std::string> exclude,
                                       bool offload = false, int64_t max_host_bytes = -1, bool groups = true) {
@@ -205,8 +238,10 @@ NB_MODULE(_core, m) {
       .def_rw("keep_saved_bytes", &remat::Stage::keep_saved_bytes)
       .def_rw("keep_fwd_ms", &remat::Stage::keep_fwd_ms)
       .def_rw("keep_bwd_ms", &remat::Stage::keep_bwd_ms)
-      .def_rw("policies", &remat::Stage::policies, "its costs under each of the chain's policies")
-      .def_rw("groups", &remat::Stage::groups, "its saved groups (SavedGroup), in its forward's order")
+      .def_prop_rw("policies", list_get(&remat::Stage::policies), list_set(&remat::Stage::policies),
+                   "its costs under each of the chain's policies")
+      .def_prop_rw("groups", list_get(&remat::Stage::groups), list_set(&remat::Stage::groups),
+                   "its saved groups (SavedGroup), in its forward's order")
       .def_rw("offload", &remat::Stage::offload, "offloading it run as Fa (an OffloadCost), or None")
       .def_rw("keep_offload", &remat::Stage::keep_offload, "offloading it run as Fk, or None")
       .def_rw("checkpoint_offload", &remat::Stage::checkpoint_offload, "offloading it run as Fc, or None")
@@ -223,7 +258,7 @@ NB_MODULE(_core, m) {
                            "command's chain format, docs/chain-format.md).")
       .def(nb::init<>())
       .def_rw("input_bytes", &remat::Chain::input_bytes, "the chain's input a_0 (bytes)")
-      .def_rw("stages", &remat::Chain::stages)
+      .def_prop_rw("stages", list_get(&remat::Chain::stages), list_set(&remat::Chain::stages))
       .def_rw("keep", &remat::Chain::keep)
       .def_rw("policies", &remat::Chain::policies, "the policies the stages' PolicyCost entries are under")
       .def_rw("to_host_gb_per_s", &remat::Chain::to_host_gb_per_s,
@@ -297,7 +332,7 @@ NB_MODULE(_core, m) {
       m, "Plan", "A schedule (the C++ remat::Plan): str(plan) is Plan::to_string(), \"Fc0 Fn1 ... B0\".")
       .def(nb::init<>())
       .def_rw("num_stages", &remat::Plan::num_stages)
-      .def_rw("ops", &remat::Plan::ops)
+      .def_prop_rw("ops", list_get(&remat::Plan::ops), list_set(&remat::Plan::ops))
       .def_rw("planner", &remat::Plan::planner)
       .def_rw("budget_bytes", &remat::Plan::budget_bytes)
       .def_rw("predicted", &remat::Plan::predicted)

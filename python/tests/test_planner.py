@@ -26,6 +26,28 @@ def test_chain_json_round_trip_and_fields():
     assert json.loads(c.to_json())["stages"][0]["saved_bytes"] == 6 << 20
 
 
+def test_a_list_of_stages_or_groups_set_anew_leaves_the_elements_python_holds_readable():
+    # Elements of a chain's lists are references (writes go through); setting the list anew used to free the
+    # elements they point into (a MemoryError or a crash at the next read, 2026-12-05).
+    c = chain_of()
+    stage = c.stages[3]
+    stage.groups = [remat.SavedGroup("aten::mm#0", 10, 1.0), remat.SavedGroup("aten::mm#1", 20, 2.0, 5, 3)]
+    held = list(stage.groups)
+    held[1].recompute_ms = 2.5  # through the reference
+    assert stage.groups[1].recompute_ms == 2.5
+    stage.groups = [held[1]]
+    assert (held[0].name, held[0].bytes) == ("aten::mm#0", 10)  # what it held
+    assert [(g.name, g.bytes, g.unsaved_bytes, g.stays_bytes) for g in stage.groups] == [("aten::mm#1", 20, 5, 3)]
+    stages = list(c.stages)
+    c.stages = stages[:2]
+    assert stages[3].saved_bytes == 11 << 20 and stages[3].groups[0].name == "aten::mm#1"
+    assert len(c.stages) == 2
+    plan = remat.optimal(chain_of(), 1 << 40)
+    ops = list(plan.ops)
+    plan.ops = ops[:1]
+    assert str(ops[-1]) and len(plan.ops) == 1
+
+
 def test_optimal_plan_string_is_the_cpp_one_and_fits():
     c = chain_of()
     budget = 20 << 20

@@ -2017,6 +2017,22 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
   s3.stages[0].offload->stream_fwd_bytes = s3.stages[0].offload->stream_bwd_bytes = -1;
   s3.stages[0].offload->window_bytes = 0;
   EXPECT_FALSE(agreed(s1, s3).can_stream());
+  // A saved group's figures: the larger of each, what stays on the device when it is sent included (the more
+  // it keeps there, the more a plan sending it holds).
+  Chain g1 = a;
+  g1.stages[0].groups = {remat::SavedGroup{"aten::mm#0", 100, 2.0, 10, 4}};
+  Chain g2 = g1;
+  g2.stages[0].groups[0].recompute_ms = 3.0, g2.stages[0].groups[0].stays_bytes = 9;
+  {
+    Chain c = g1;
+    remat::StepContext x = ca;
+    remat::set_plan_figures(c, x, largest(remat::plan_figures(g1, ca), remat::plan_figures(g2, ca)));
+    const remat::SavedGroup& g = c.stages[0].groups[0];
+    EXPECT_EQ(g.bytes, 100);
+    EXPECT_EQ(g.recompute_ms, 3.0);
+    EXPECT_EQ(g.unsaved_bytes, 10);
+    EXPECT_EQ(g.stays_bytes, 9);
+  }
 }
 
 TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {

@@ -283,11 +283,30 @@ def test_inside_an_offloads_context_what_is_kept_goes_with_it_but_must_save():
     assert o.kept_on_device == 0 and o.brought_back == 2 and o.found_on_device == 1
 
 
+def runs_as_planned(lp, model, x, plain, budget: int, sending: int, within: float):
+    """Plans lp at `budget` (at least `sending` layers sending groups to the host), then runs two steps of
+    test_offload's stack_step: each the plain run's bitwise, at most the predicted peak and less than `within`
+    of it below, with the host bytes simulate() predicts."""
+    from test_offload import same_step, stack_step
+
+    lp.set_budget(budget)
+    assert sum(c.startswith("{") and "h" in c for c in lp.choices) >= sending, lp.choices
+    sim = remat.simulate(lp.chain, lp.plan)
+    pool = lp.host_pool
+    for _ in range(2):
+        pool.peak_bytes = 0
+        got = stack_step(model, x)
+        same_step(plain, got)
+        assert got[2] <= lp.predicted_peak_bytes <= budget, (lp.choices, got[2], lp.predicted_peak_bytes)
+        assert lp.predicted_peak_bytes - got[2] < within * got[2]
+        assert pool.peak_bytes == sim.host_peak_bytes == lp.predicted_host_bytes, (lp.choices, pool.peak_bytes)
+
+
 def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted():
     # remat.enable(groups=True): the profiling step measures each block's saved groups (its calls with outputs of
     # their own), the planner may run a block as a group assignment ("{khr}"), and the step gives the
     # plain run's gradients bitwise within the predicted peak, with the host bytes simulate() predicts.
-    from test_offload import planned_stack, same_step, stack_step
+    from test_offload import planned_stack
 
     model, x, plain, lp = planned_stack(groups=True)
     chain, ctx = lp.chain, lp.context
@@ -313,17 +332,7 @@ def test_the_planner_chooses_each_groups_outcome_and_the_step_runs_as_predicted(
                                 '"Fk4{kkk}", "L", "B4", "B3", "B2", "B1", "B0"]}')
     assert remat.simulate(chain, sent).host_peak_bytes == 4 * 9 * hidden
     budget = remat.step_peak_bytes(chain, ctx, sent)
-    lp.set_budget(budget)
-    assert sum(c.startswith("{") and "h" in c for c in lp.choices) >= 3, lp.choices
-    sim = remat.simulate(chain, lp.plan)
-    pool = lp.host_pool
-    for k in range(2):
-        pool.peak_bytes = 0
-        got = stack_step(model, x)
-        same_step(plain, got)
-        assert got[2] <= lp.predicted_peak_bytes <= budget, (lp.choices, got[2], lp.predicted_peak_bytes)
-        assert lp.predicted_peak_bytes - got[2] < 0.1 * got[2]
-        assert pool.peak_bytes == sim.host_peak_bytes == lp.predicted_host_bytes, (lp.choices, pool.peak_bytes)
+    runs_as_planned(lp, model, x, plain, budget, sending=3, within=0.1)
     # The same chain without groups: that budget costs more time.
     without = remat.per_layer(chain, remat.simulate(chain, lp.plan).peak_bytes, offload=True, groups=False)
     assert without.predicted.time_ms > remat.per_layer(chain, remat.simulate(chain, lp.plan).peak_bytes,
@@ -387,15 +396,5 @@ def test_a_call_with_outputs_too_small_to_send_is_a_group_whose_small_outputs_st
     ops = [f"Fk{i}{{{sends}}}" for i in range(n - 1)] + [f"Fa{n - 1}", "L"] + [f"B{i}" for i in reversed(range(n))]
     sent = remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
     budget = remat.step_peak_bytes(chain, ctx, sent)
-    lp.set_budget(budget)
-    assert sum(c.startswith("{") and "h" in c for c in lp.choices) >= 2, lp.choices
-    sim = remat.simulate(chain, lp.plan)
-    pool = lp.host_pool
-    for _ in range(2):
-        pool.peak_bytes = 0
-        got = stack_step(model, x)
-        same_step(plain, got)
-        assert got[2] <= lp.predicted_peak_bytes <= budget, (lp.choices, got[2], lp.predicted_peak_bytes)
-        assert lp.predicted_peak_bytes - got[2] < 0.01 * got[2]  # exact to the byte on 2.15
-        assert pool.peak_bytes == sim.host_peak_bytes == lp.predicted_host_bytes, (lp.choices, pool.peak_bytes)
+    runs_as_planned(lp, model, x, plain, budget, sending=2, within=0.01)  # exact to the byte on 2.15
     lp.remove()

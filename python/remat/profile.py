@@ -267,16 +267,16 @@ def _groupable(func, name: str, args, kwargs) -> bool:
 
 
 def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, offload_min_bytes: int | None = None,
-                    params: set[int] = frozenset()) -> list[tuple[str, int, float, int]]:
-    """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes, stays bytes) of the calls with outputs of their
-    own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a group kept or
-    sent is a call the recompute skips; of its bytes, those autograd does not save), those a recompute that
-    stops early makes (made before autograd's last save), in the forward's order; the planner's fit_groups
-    chooses among them. Outputs that hold no bytes on leaf's device (an attention kernel's random seed on the
-    host, an empty tensor) are left out. Profiling for offloading (offload_min_bytes), the stays bytes are those
-    of the outputs an Offload would keep on the device (remat.offload's offloadable: dense, at least that large,
-    not a parameter's): sent, the group leaves them there (an attention kernel's log-sum-exp beside its output;
-    before 2026-12-05 such a call was no group, and the Llama's attention on the H200 was always recomputed)."""
+                    params: set[int] = frozenset()) -> list[tuple[str, int, float, int, int]]:
+    """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes, stays bytes) of the calls with
+    outputs of their own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a
+    group kept or sent is a call the recompute skips; of its bytes, those autograd does not save), those a recompute
+    that stops early makes (made before autograd's last save), in the forward's order; the planner's fit_groups
+    chooses among them. Outputs that hold no bytes on leaf's device (an attention kernel's random seed on the host,
+    an empty tensor) are left out. Profiling for offloading (offload_min_bytes), the stays bytes are those of the
+    outputs an Offload would keep on the device (remat.offload's offloadable: dense, at least that large, not a
+    parameter's): sent, the group leaves them there (an attention kernel's log-sum-exp beside its output; before
+    2026-12-05 such a call was no group, and the Llama's attention on the H200 was always recomputed)."""
     saved: set[int] = set()
     # How many calls the forward had made when autograd last saved a tensor: a recompute that stops early
     # (torch.utils.checkpoint's, remat's) stops there, and never makes the calls after it again. (Autograd
@@ -598,11 +598,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     saves them, at most remat.chain's kMaxGroups (10) of them (fit_groups: the products, convolutions and
     attention kernels first, then the largest), each with its outputs' bytes and its time (the median of
     `repeats` runs, each call timed alone); with offload_min_bytes, also the bytes of its outputs an Offload
-    would keep on the device were it sent (SavedGroup.stays_bytes: below that, or not dense); and the stage's forward and backward as a group
-    assignment keeping every group runs them (Stage.groups_fwd_ms, groups_bwd_ms: remat's selective
-    checkpointing costs time beside each call, which the planner charges). A policy that answers
-    MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its
-    first such answer raises ValueError naming it.
+    would keep on the device were it sent (SavedGroup.stays_bytes: below that, or not dense); and the stage's
+    forward and backward as a group assignment keeping every group runs them (Stage.groups_fwd_ms,
+    groups_bwd_ms: remat's selective checkpointing costs time beside each call, which the planner charges). A
+    policy that answers MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its first such
+    answer raises ValueError naming it.
 
     Each stage runs with its input needing a gradient as in a training step: the first where example_input
     requires grad, a later one by input_needs_grad() (or where its given input requires grad). A stage frozen on

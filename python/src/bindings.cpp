@@ -47,17 +47,37 @@ auto list_get(std::vector<T> C::*p) {
   return [p](const C& c) -> const std::vector<T>& { return c.*p; };
 }
 
+// Moves `old`'s elements aside, kept, where Python refers to one of them (before `old` is assigned anew).
+template <class T>
+void keep_if_held(std::vector<T>& old) {
+  for (const T& e : old) {
+    if (nb::find(e).is_valid()) {
+      kept_elements().push_back(std::make_shared<std::vector<T>>(std::move(old)));
+      return;
+    }
+  }
+}
+
 template <class C, class T>
 auto list_set(std::vector<T> C::*p) {
   return [p](C& c, std::vector<T> value) {
-    std::vector<T>& old = c.*p;
-    for (const T& e : old) {
-      if (nb::find(e).is_valid()) {
-        kept_elements().push_back(std::make_shared<std::vector<T>>(std::move(old)));
-        break;
-      }
-    }
-    old = std::move(value);
+    keep_if_held(c.*p);
+    c.*p = std::move(value);
+  };
+}
+
+// A Plan member (StepPlan.plan): assigned in place, its ops likewise kept where held.
+template <class C>
+auto plan_get(remat::Plan C::*p) {
+  return [p](const C& c) -> const remat::Plan& { return c.*p; };
+}
+
+template <class C>
+auto plan_set(remat::Plan C::*p) {
+  return [p](C& c, const remat::Plan& value) {
+    if (&value == &(c.*p)) return;
+    keep_if_held((c.*p).ops);
+    c.*p = value;
   };
 }
 
@@ -625,7 +645,7 @@ NB_MODULE(_core, m) {
       "chain"_a, "context"_a, "ints"_a, "reals"_a,
       "Writes figures reduced by a maximum back (remat::set_plan_figures); ValueError when they do not fit.");
   nb::class_<remat::StepPlan>(m, "StepPlan", "A plan for a whole step and its predicted peak.")
-      .def_rw("plan", &remat::StepPlan::plan)
+      .def_prop_rw("plan", plan_get(&remat::StepPlan::plan), plan_set(&remat::StepPlan::plan))
       .def_rw("step_peak_bytes", &remat::StepPlan::step_peak_bytes)
       .def_rw("step_time_ms", &remat::StepPlan::step_time_ms);
   m.def("step_peak_bytes", &remat::step_peak_bytes, "chain"_a, "context"_a, "plan"_a);

@@ -45,7 +45,12 @@ def test_a_list_of_stages_or_groups_set_anew_leaves_the_elements_python_holds_re
     plan = remat.optimal(chain_of(), 1 << 40)
     ops = list(plan.ops)
     plan.ops = ops[:1]
-    assert str(ops[-1]) and len(plan.ops) == 1
+    assert (ops[-1].stage, ops[-2].stage, len(plan.ops)) == (0, 1, 1)  # B0 and B1, read after the list went
+    # A step plan's plan, set anew to a longer one (its ops moved to a larger buffer).
+    step = remat.plan_step(remat.uniform_chain(2, 2.0, 4.0, 1 << 20, 6 << 20), remat.StepContext(), 1 << 40, "per-layer")
+    ops = list(step.plan.ops)
+    step.plan = remat.plan_step(chain_of(), remat.StepContext(), 1 << 40, "per-layer").plan
+    assert [o.stage for o in ops] == [0, 1, -1, 1, 0] and len(step.plan.ops) == 17
 
 
 def test_optimal_plan_string_is_the_cpp_one_and_fits():

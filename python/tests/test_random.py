@@ -16,8 +16,8 @@ cycle collector off, nothing left alive after the step.
 Planning in place (remat.enable): models whose layers change the width (shapes per layer) and take keyword
 tensors, trained over steps of several batch sizes (shapes per step), some steps of micro-batches of two
 sizes accumulated, planned for a budget (re-planned at the least budget once profiled; since the forty-second
-session with offloading and saved groups drawn, copies made at once or late) or under a given plan: every step
-bitwise the plain run's.
+session with offloading and saved groups drawn, copies made at once or late; since the forty-third, a threshold
+below which saved tensors stay on the device) or under a given plan: every step bitwise the plain run's.
 
 REMAT_RANDOM_SEED and REMAT_RANDOM_COUNT run other seeds (a long run); a failure names its seed.
 """
@@ -321,20 +321,23 @@ def test_random_offloading_programs_match_the_plain_run():
 class Layer(nn.Module):
     """A layer that changes the width and takes a keyword tensor (a scale, like a mask or a position bias)."""
 
-    def __init__(self, w_in: int, w_out: int):
+    def __init__(self, w_in: int, w_out: int, norm: bool = False):
         super().__init__()
         self.a, self.b = nn.Linear(w_in, 2 * w_out), nn.Linear(2 * w_out, w_out)
+        self.norm = norm  # a layer norm after the GELU: a call with small outputs beside its output
 
     def forward(self, x, scale=None):
         h = torch.nn.functional.gelu(self.a(x))
+        if self.norm:
+            h = torch.nn.functional.layer_norm(h, h.shape[-1:])
         y = self.b(h)
         return y * scale if scale is not None else y
 
 
 class Net(nn.Module):
-    def __init__(self, widths: list[int], keyword: list[bool]):
+    def __init__(self, widths: list[int], keyword: list[bool], norm: bool = False):
         super().__init__()
-        self.layers = nn.ModuleList(Layer(a, b) for a, b in zip(widths, widths[1:]))
+        self.layers = nn.ModuleList(Layer(a, b, norm) for a, b in zip(widths, widths[1:]))
         self.keyword = keyword
         self.scales = nn.ParameterList(nn.Parameter(torch.rand(b) + 0.5) for b in widths[1:])
 
@@ -361,12 +364,19 @@ def draw_planned_program(seed: int) -> dict:
     o = random.Random(f"offload {seed}")
     p.update(offload=o.random() < 0.5, groups=o.random() < 0.5, delay=o.choice([0, 0, 2, 100]),
              above_least=o.choice([0.0, 0.0, 0.2, 0.5]))
+    # Since the forty-third session, from a third stream: a third of the programs offload only what is at least
+    # 256 bytes, so that smaller saved tensors stay on the device, and groups whose outputs do stay when sent
+    # (SavedGroup.stays_bytes); half of them have a layer norm in each layer (its mean and reciprocal deviation:
+    # a group sent in part).
+    m = random.Random(f"min_bytes {seed}")
+    p["min_bytes"] = m.choice([1, 1, 256])
+    p["norm"] = p["min_bytes"] > 1 and m.random() < 0.5
     return p
 
 
 def run_planned_program(p: dict, planned: bool) -> list:
     torch.manual_seed(p["seed"])
-    model = Net(p["widths"], p["keyword"])
+    model = Net(p["widths"], p["keyword"], p.get("norm", False))
     lp = None
     if planned:
         if p["given"]:
@@ -374,7 +384,7 @@ def run_planned_program(p: dict, planned: bool) -> list:
             lp = remat.enable(model, list(model.layers), plan=per_layer_plan(p["choices"]))
         else:
             lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=p.get("offload", False),
-                              groups=p.get("groups", False), offload_min_bytes=1)
+                              groups=p.get("groups", False), offload_min_bytes=p.get("min_bytes", 1))
             if p.get("delay"):
                 lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=p["delay"])
     g = torch.Generator().manual_seed(100 + p["seed"])

@@ -186,7 +186,13 @@ NB_MODULE(_core, m) {
       .def_rw("unsaved_bytes", &remat::SavedGroup::unsaved_bytes,
               "of its bytes, those autograd does not save in the stage's plain forward")
       .def_rw("stays_bytes", &remat::SavedGroup::stays_bytes,
-              "of its bytes, those that stay on the device when it is sent (an Offload keeps them there)");
+              "of its bytes, those that stay on the device when it is sent (an Offload keeps them there)")
+      .def("__repr__", [](const remat::SavedGroup& g) {
+        return "SavedGroup('" + g.name + "', bytes=" + std::to_string(g.bytes) +
+               ", recompute_ms=" + std::to_string(g.recompute_ms) +
+               ", unsaved_bytes=" + std::to_string(g.unsaved_bytes) +
+               ", stays_bytes=" + std::to_string(g.stays_bytes) + ")";
+      });
   m.def("group_unsaved_bytes", &remat::group_unsaved_bytes, "stage"_a, "assignment"_a,
         "Of what a group assignment keeps and sends, the bytes the stage's plain forward does not save.");
 

@@ -38,6 +38,8 @@ def test_a_list_of_stages_or_groups_set_anew_leaves_the_elements_python_holds_re
     stage.groups = [held[1]]
     assert (held[0].name, held[0].bytes) == ("aten::mm#0", 10)  # what it held
     assert [(g.name, g.bytes, g.unsaved_bytes, g.stays_bytes) for g in stage.groups] == [("aten::mm#1", 20, 5, 3)]
+    assert repr(stage.groups[0]) == ("SavedGroup('aten::mm#1', bytes=20, recompute_ms=2.500000, unsaved_bytes=5, "
+                                     "stays_bytes=3)")
     stages = list(c.stages)
     c.stages = stages[:2]
     assert stages[3].saved_bytes == 11 << 20 and stages[3].groups[0].name == "aten::mm#1"

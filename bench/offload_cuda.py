@@ -42,6 +42,7 @@ import transformers
 import remat
 import remat.hf
 from remat.policies import matmuls
+from remat.profile import TIMINGS
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from hf_compare import compiled, grads_of, max_diff, paired_rounds  # noqa: E402  (the paired rounds every benchmark of this kind shares)
@@ -162,7 +163,7 @@ def main():
                     help="where remat runs, comma-separated: a way's name (its measured peak: hf, sac, compile-0.5, "
                          "...), b1 and b2 (a third and two thirds of the way from hf's peak to sac's), least "
                          "(remat's least feasible budget); rows remat@at-WAY, remat@b1, remat@b2, remat@least")
-    ap.add_argument("--timing", choices=["synced", "pipelined"], default="synced",
+    ap.add_argument("--timing", choices=TIMINGS, default="synced",
                     help="how remat's profiling step times the layers (LayerPlan.profile_timing; pipelined: "
                          "experimental, the device held ahead of the host): the plans measured are this profile's")
     ap.add_argument("--compare-timing", action="store_true",

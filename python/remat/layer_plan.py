@@ -35,7 +35,7 @@ from .layer_offload import LayerOffloads, layer_points
 from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, layer_grads_bytes,
                            measure_planned_step, sharded_modules, step_context, storage_key)
 from .meter import meter_for
-from .profile import TIMINGS
+from .profile import checked_timing
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
@@ -243,9 +243,7 @@ class LayerPlan:
 
     @profile_timing.setter
     def profile_timing(self, timing: str) -> None:
-        if timing not in TIMINGS:
-            raise ValueError(f"{self.who}: profile_timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
-        self._profile_timing = timing
+        self._profile_timing = checked_timing(timing, f"{self.who}: profile_timing")
 
     @property
     def predicted_peak_bytes(self) -> int:

@@ -411,6 +411,14 @@ def _storage_key(t: torch.Tensor) -> int:
 TIMINGS = ("synced", "pipelined")
 
 
+def checked_timing(timing: str, what: str) -> str:
+    """`timing` if it is one of TIMINGS; else ValueError "`what` must be one of ..., got ..." (`what` names the
+    argument and its caller: "remat.profile: timing")."""
+    if timing not in TIMINGS:
+        raise ValueError(f"{what} must be one of {', '.join(TIMINGS)}, got {timing!r}")
+    return timing
+
+
 class _Timed:
     """A timed block's figures (ms): `ms`, what it is taken to cost; pipelined, also `host`, `slept`, `device`."""
     ms = host = slept = device = 0.0
@@ -444,8 +452,7 @@ class _Clock:
     run's (at least 50 ms)."""
 
     def __init__(self, device: torch.device, timing: str):
-        if timing not in TIMINGS:
-            raise ValueError(f"remat.profile: timing must be one of {', '.join(TIMINGS)}, got {timing!r}")
+        checked_timing(timing, "remat.profile: timing")
         self.device = device
         self.cuda = device.type == "cuda"
         self.pipelined = self.cuda and timing == "pipelined"

@@ -42,9 +42,10 @@ std::vector<std::shared_ptr<void>>& kept_elements() {
   return kept;
 }
 
-template <class C, class T>
-auto list_get(std::vector<T> C::*p) {
-  return [p](const C& c) -> const std::vector<T>& { return c.*p; };
+// The getter def_rw makes: the member by reference (its elements handed out as references into it).
+template <class C, class D>
+auto member_get(D C::*p) {
+  return [p](const C& c) -> const D& { return c.*p; };
 }
 
 // Moves `old`'s elements aside, kept, where Python refers to one of them (before `old` is assigned anew).
@@ -67,11 +68,6 @@ auto list_set(std::vector<T> C::*p) {
 }
 
 // A Plan member (StepPlan.plan): assigned in place, its ops likewise kept where held.
-template <class C>
-auto plan_get(remat::Plan C::*p) {
-  return [p](const C& c) -> const remat::Plan& { return c.*p; };
-}
-
 template <class C>
 auto plan_set(remat::Plan C::*p) {
   return [p](C& c, const remat::Plan& value) {
@@ -264,9 +260,9 @@ NB_MODULE(_core, m) {
       .def_rw("keep_saved_bytes", &remat::Stage::keep_saved_bytes)
       .def_rw("keep_fwd_ms", &remat::Stage::keep_fwd_ms)
       .def_rw("keep_bwd_ms", &remat::Stage::keep_bwd_ms)
-      .def_prop_rw("policies", list_get(&remat::Stage::policies), list_set(&remat::Stage::policies),
+      .def_prop_rw("policies", member_get(&remat::Stage::policies), list_set(&remat::Stage::policies),
                    "its costs under each of the chain's policies")
-      .def_prop_rw("groups", list_get(&remat::Stage::groups), list_set(&remat::Stage::groups),
+      .def_prop_rw("groups", member_get(&remat::Stage::groups), list_set(&remat::Stage::groups),
                    "its saved groups (SavedGroup), in its forward's order")
       .def_rw("offload", &remat::Stage::offload, "offloading it run as Fa (an OffloadCost), or None")
       .def_rw("keep_offload", &remat::Stage::keep_offload, "offloading it run as Fk, or None")
@@ -284,7 +280,7 @@ NB_MODULE(_core, m) {
                            "command's chain format, docs/chain-format.md).")
       .def(nb::init<>())
       .def_rw("input_bytes", &remat::Chain::input_bytes, "the chain's input a_0 (bytes)")
-      .def_prop_rw("stages", list_get(&remat::Chain::stages), list_set(&remat::Chain::stages))
+      .def_prop_rw("stages", member_get(&remat::Chain::stages), list_set(&remat::Chain::stages))
       .def_rw("keep", &remat::Chain::keep)
       .def_rw("policies", &remat::Chain::policies, "the policies the stages' PolicyCost entries are under")
       .def_rw("to_host_gb_per_s", &remat::Chain::to_host_gb_per_s,
@@ -358,7 +354,7 @@ NB_MODULE(_core, m) {
       m, "Plan", "A schedule (the C++ remat::Plan): str(plan) is Plan::to_string(), \"Fc0 Fn1 ... B0\".")
       .def(nb::init<>())
       .def_rw("num_stages", &remat::Plan::num_stages)
-      .def_prop_rw("ops", list_get(&remat::Plan::ops), list_set(&remat::Plan::ops))
+      .def_prop_rw("ops", member_get(&remat::Plan::ops), list_set(&remat::Plan::ops))
       .def_rw("planner", &remat::Plan::planner)
       .def_rw("budget_bytes", &remat::Plan::budget_bytes)
       .def_rw("predicted", &remat::Plan::predicted)
@@ -651,7 +647,7 @@ NB_MODULE(_core, m) {
       "chain"_a, "context"_a, "ints"_a, "reals"_a,
       "Writes figures reduced by a maximum back (remat::set_plan_figures); ValueError when they do not fit.");
   nb::class_<remat::StepPlan>(m, "StepPlan", "A plan for a whole step and its predicted peak.")
-      .def_prop_rw("plan", plan_get(&remat::StepPlan::plan), plan_set(&remat::StepPlan::plan))
+      .def_prop_rw("plan", member_get(&remat::StepPlan::plan), plan_set(&remat::StepPlan::plan))
       .def_rw("step_peak_bytes", &remat::StepPlan::step_peak_bytes)
       .def_rw("step_time_ms", &remat::StepPlan::step_time_ms);
   m.def("step_peak_bytes", &remat::step_peak_bytes, "chain"_a, "context"_a, "plan"_a);

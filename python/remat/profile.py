@@ -907,7 +907,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 for i in reversed(range(n)):
                     leaf = leaf_of(i)
                     counter = _SavedStorages(alive | {_storage_key(leaf)}, offload_min_bytes, alive)
-                    sync()
                     base = meter.count()
                     with meter.window() as window:
                         with clock.timed(i) as t, \
@@ -972,7 +971,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                 before_call = recompute_overhead() if measure else 0
                 for i in range(n):
                     leaves[i] = leaf_of(i)
-                    sync()
                     with meter.window() as window:
                         with clock.timed(i) as t:
                             outs[i] = run_as(i, CHECKPOINT, leaves[i], calls=calls[i] if measure else None)
@@ -1011,7 +1009,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                                    if policy_offload and not compiled[i] else None)
                         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
                                  if counter else contextlib.nullcontext())
-                        sync()
                         base = meter.count()
                         with clock.timed(i) as t, hooks:
                             out = run_as(i, name, leaf, counter)

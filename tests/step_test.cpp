@@ -2899,14 +2899,39 @@ TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackwa
   forward_peak.holds_outputs = true;
   EXPECT_EQ(added(forward_peak, remat::no_checkpoint(forward_peak)), 5056);
   EXPECT_EQ(added(forward_peak, remat::checkpoint_stages(3, {0})), 2 * 5056);  // stage 0's own too
+  // A group assignment's backward first recomputes what it did not keep: where that recompute is the peak, it
+  // holds a second state there, the one it saves while it replays the first; where its backward after it is,
+  // one. Before (found 2026-12-05 by test_random's drawn group assignments on the CPU, which held up to one
+  // state above their predictions), one either way.
+  Chain recompute_peak = c;
+  recompute_peak.stages[0].fwd_tmp_bytes = 90000;
+  EXPECT_EQ(added(recompute_peak, groups), 2 * 5056);
+  EXPECT_EQ(
+      remat::simulate(recompute_peak, groups)
+          .op_recompute_peak_bytes[static_cast<size_t>(remat::simulate(recompute_peak, groups).peak_op)],
+      remat::simulate(recompute_peak, groups).peak_bytes);
+  EXPECT_EQ(added(early, groups), 5056);
   // The per-layer program charges it alike: its least budget is that of the least plan of them all.
-  std::vector<Candidate> all = every_per_layer_plan(c, false, false, false, true);
-  int64_t least = std::numeric_limits<int64_t>::max();
-  for (const Candidate& k : all)
-    least = std::min(least, remat::step_peak_bytes(c, with, k.plan));
-  remat::PlannerOptions options;
-  options.groups = true;
-  EXPECT_EQ(remat::min_step_budget(c, with, "per-layer", options), least);
+  for (const Chain* chain : {&c, &recompute_peak}) {
+    std::vector<Candidate> all = every_per_layer_plan(*chain, false, false, false, true);
+    int64_t least = std::numeric_limits<int64_t>::max();
+    for (const Candidate& k : all)
+      least = std::min(least, remat::step_peak_bytes(*chain, with, k.plan));
+    remat::PlannerOptions options;
+    options.groups = true;
+    EXPECT_EQ(remat::min_step_budget(*chain, with, "per-layer", options), least);
+    for (const Candidate& k : all) {  // and never plans above a budget, at each plan's peak or just below
+      for (int64_t below : {0, 1}) {
+        const int64_t budget = remat::step_peak_bytes(*chain, with, k.plan) - below;
+        try {
+          EXPECT_LE(remat::plan_step(*chain, with, budget, "per-layer", options).step_peak_bytes, budget)
+              << k.plan.to_string();
+        } catch (const remat::InfeasibleBudget&) {
+          EXPECT_LT(budget, least);
+        }
+      }
+    }
+  }
   remat::StepReadings r;
   r.checkpoint_state_bytes = 5056;
   EXPECT_EQ(remat::step_context(r).checkpoint_state_bytes, 5056);

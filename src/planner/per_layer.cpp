@@ -392,10 +392,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
                     : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
   bwd += twice;  // and the recompute's below
   // (A group assignment's recompute begins with all it kept, c.held, those Fa does not save included, and
-  // ends with what Fa saves: simulate()'s rule.)
+  // ends with what Fa saves: simulate()'s rule; with a second generators' state while it runs, the one it
+  // saves while it replays the first: step_op_peaks()'s rule.)
   if (keeps)
     bwd = std::max(
-        {bwd, a_out + s.saved_bytes + s.fwd_tmp_bytes + at_bwd + twice, a_out + c.held + at_bwd + twice});
+        bwd, std::max(a_out + s.saved_bytes + s.fwd_tmp_bytes, a_out + c.held) + at_bwd + twice + state);
   bwd += held_back;
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save,

@@ -106,6 +106,10 @@ struct Simulation {
   /// What is held once each operation is done, in the order of ops (bytes); for a backward B_i, with a_i
   /// still held where a recompute alone held it (the plan lets it go right after).
   std::vector<int64_t> op_done_bytes;
+  /// For a backward B_i that first recomputes what its way did not keep (Fk with keep tags or a group
+  /// assignment), the peak while that recompute runs (bytes; op_peak_bytes holds the larger of it and the
+  /// backward's own); 0 for every other operation. The step's model adds to it what only a recompute holds.
+  std::vector<int64_t> op_recompute_peak_bytes;
   /// When each operation ends, in the order of ops (milliseconds from the plan's start: time_ms so far, the
   /// copies no computation hides included; all 0 without a chain, as check_plan() runs it).
   std::vector<double> op_end_ms;

@@ -149,7 +149,8 @@ struct StepContext {
   /// CUDA device 0; where the device is the CPU, the CPU generator's state (5,056 bytes per such stage; the
   /// Python package measures it in the profiling step, remat::Planned reads it on a CPU device). 0 by
   /// default. A policy's measured saved_bytes holds it already. Each replay (a forward of the stage after its
-  /// first) holds it twice (the state it saves while it replays the first).
+  /// first) holds it twice (the state it saves while it replays the first), as does the recompute a group
+  /// assignment's backward runs first, at that recompute's peak (Simulation::op_recompute_peak_bytes).
   int64_t checkpoint_state_bytes = 0;
   /// Per chain stage j: what runs between stage j - 1 and stage j in the model's code (a decoder's embeddings
   /// between an encoder's layers and the decoder's; nothing in a chain whose stages hand their output

@@ -17,7 +17,9 @@ Planning in place (remat.enable): models whose layers change the width (shapes p
 tensors, trained over steps of several batch sizes (shapes per step), some steps of micro-batches of two
 sizes accumulated, planned for a budget (re-planned at the least budget once profiled; since the forty-second
 session with offloading and saved groups drawn, copies made at once or late; since the forty-third, a threshold
-below which saved tensors stay on the device) or under a given plan: every step bitwise the plain run's.
+below which saved tensors stay on the device) or under a given plan: every step bitwise the plain run's. Since
+the forty-fourth session some run a plan drawn after their profiling step (each layer's groups kept, sent or
+recomputed at random): each of their steps also within its predicted device peak, with the host bytes predicted.
 
 REMAT_RANDOM_SEED and REMAT_RANDOM_COUNT run other seeds (a long run); a failure names its seed.
 """
@@ -371,7 +373,53 @@ def draw_planned_program(seed: int) -> dict:
     m = random.Random(f"min_bytes {seed}")
     p["min_bytes"] = m.choice([1, 1, 256])
     p["norm"] = p["min_bytes"] > 1 and m.random() < 0.5
+    # Since the forty-fourth session, from a fourth stream: half of the programs planned with offloading and groups
+    # run, after their profiling step, a plan drawn rather than chosen: each layer a group assignment whose every
+    # group is kept, sent or recomputed at random (or, where the layer has none, kept or checkpointed whole), so
+    # that sent groups whose small outputs stay on the device, and mixes the CPU's timings never choose, run
+    # (the planner's choice had sent none such in seeds 1 to 300).
+    d = random.Random(f"drawn {seed}")
+    p["drawn"] = p["offload"] and p["groups"] and not p["given"] and d.random() < 0.5
     return p
+
+
+class TensorBytesPool(HostPool):
+    """A HostPool that also counts the bytes of the tensors it holds (the pool itself counts its blocks, each
+    rounded up to 512 bytes): what the planner's host figures count. peak_tensor_bytes: the most at once."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.tensor_bytes = self.peak_tensor_bytes = 0
+
+    def take(self, nbytes: int):
+        block = super().take(nbytes)
+        if block is not None:
+            self.sizes[id(block)] = nbytes
+            self.tensor_bytes += nbytes
+            self.peak_tensor_bytes = max(self.peak_tensor_bytes, self.tensor_bytes)
+        return block
+
+    def give(self, block) -> None:
+        self.tensor_bytes -= self.sizes.pop(id(block))
+        super().give(block)
+
+
+def _profiling_steps(lp) -> int:
+    """The profiling steps lp has run, over every input shape."""
+    return sum(shape.profiling_steps for shape in lp._shapes.values())
+
+
+def drawn_plan(lp, seed: int) -> list:
+    """A plan's ops for lp's profiled chain: each stage a group assignment drawn from `seed` (each group 'k', 'h'
+    or 'r'), or Fa or Fc where the stage has no group."""
+    r = random.Random(f"assignment {seed}")
+    ops = []
+    for i, st in enumerate(lp.chain.stages):
+        ops.append("Fk%d{%s}" % (i, "".join(r.choice("khr") for _ in st.groups)) if st.groups
+                   else r.choice(["Fa%d", "Fc%d"]) % i)
+    from conftest import backward_ops
+    return ops + backward_ops(ops)
 
 
 def run_planned_program(p: dict, planned: bool) -> list:
@@ -385,12 +433,16 @@ def run_planned_program(p: dict, planned: bool) -> list:
         else:
             lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=p.get("offload", False),
                               groups=p.get("groups", False), offload_min_bytes=p.get("min_bytes", 1))
+            lp.offloads.host_pool = TensorBytesPool()
             if p.get("delay"):
                 lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=p["delay"])
     g = torch.Generator().manual_seed(100 + p["seed"])
     runs = []
     for k, sizes in enumerate(p["steps"]):
         model.zero_grad(set_to_none=True)
+        if lp is not None and lp.host_pool is not None:
+            lp.host_pool.peak_tensor_bytes = 0
+            profiled = _profiling_steps(lp)
         torch.manual_seed(k)
         for b in sizes:  # micro-batches, accumulated
             x = torch.randn(b, p["widths"][0], generator=g)
@@ -404,6 +456,18 @@ def run_planned_program(p: dict, planned: bool) -> list:
             except remat.InfeasibleBudget:  # a new shape's profiling step, at its end: the gradients are in
                 lp.set_budget(1 << 40)
         runs.append([None if q.grad is None else q.grad.clone() for q in model.parameters()])
+        if lp is not None and p.get("drawn") and lp.is_planned():
+            if k == 0:  # profiled: every later step (and every shape profiled later) runs the drawn plan
+                from conftest import give_plan
+                give_plan(lp, drawn_plan(lp, p["seed"]))
+            elif len(sizes) == 1 and not lp.plan_borrowed and _profiling_steps(lp) == profiled:
+                # A step of one micro-batch, not profiling, whose shape has its own profile: its device peak at
+                # most the plan's prediction for that shape, its host bytes as predicted.
+                peak, want = lp.last_peak_bytes, remat.step_peak_bytes(lp.chain, lp.context, lp.plan)
+                assert 0 <= peak <= want, f"seed {p['seed']}, step {k}: peak {peak}, {want} predicted ({lp.plan})"
+                got, want = lp.host_pool.peak_tensor_bytes, remat.simulate(lp.chain, lp.plan).host_peak_bytes
+                assert got == want, f"seed {p['seed']}, step {k}: {got} host bytes, {want} predicted ({lp.plan})"
+            continue
         if lp is not None and p["least"] and not p["given"] and lp.is_planned():
             try:  # a plan that checkpoints, for the next steps of this shape (other shapes may have none)
                 least = lp.min_budget_bytes

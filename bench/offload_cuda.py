@@ -168,8 +168,9 @@ def main():
                          "experimental, the device held ahead of the host): the plans measured are this profile's")
     ap.add_argument("--compare-timing", action="store_true",
                     help="also profile a copy of the model with the other timing: its chain in the JSON "
-                         "(other_timing), and per remat row what it predicts of the plan measured and the plan it "
-                         "would choose there (predicted_ms_other, replanned_other)")
+                         "(other_timing), and per remat row what it predicts of the plan measured (an estimate: "
+                         "the plan's time scaled by simulate()'s ratio of the two chains) and the plan it would "
+                         "choose there (predicted_ms_other, replanned_other)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
@@ -362,8 +363,13 @@ def main():
                 # same), and the plan that chain would choose at this budget. (Its saved groups are the same
                 # calls: fit_groups ranks them by kind and bytes.) What fails is said and left out of the row.
                 try:
-                    p["plan_ms_other"] = p["plan_ms"] + remat.simulate(piped["chain"], lp.plan).time_ms - \
-                        remat.simulate(chain, lp.plan).time_ms
+                    # The per-layer program's time for the plan (plan_ms; it charges a checkpointed layer its
+                    # per-call figures) scaled by simulate()'s ratio of the two chains (simulate() charges it
+                    # its forward and backward): an estimate, as no function gives the program's time for a plan
+                    # it did not choose. (Before, plan_ms plus simulate()'s difference, which a layer timed long
+                    # on a busy CPU made negative.)
+                    p["plan_ms_other"] = p["plan_ms"] * remat.simulate(piped["chain"], lp.plan).time_ms / \
+                        max(1e-9, remat.simulate(chain, lp.plan).time_ms)
                     other = remat.plan_step(piped["chain"], lp.context, b, "per-layer", [],
                                             **lp.offloads.planner_options())
                     p["replanned_other"] = dict(plan=str(other.plan), plan_ms=other.plan.predicted.time_ms,

@@ -168,9 +168,9 @@ def main():
                          "experimental, the device held ahead of the host): the plans measured are this profile's")
     ap.add_argument("--compare-timing", action="store_true",
                     help="also profile a copy of the model with the other timing: its chain in the JSON "
-                         "(other_timing), and per remat row what it predicts of the plan measured (an estimate: "
-                         "the plan's time scaled by simulate()'s ratio of the two chains) and the plan it would "
-                         "choose there (predicted_ms_other, replanned_other)")
+                         "(other_timing), and per remat row what it predicts of the plan measured "
+                         "(remat.step_time_ms) and the plan it would choose there (predicted_ms_other, "
+                         "replanned_other)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
@@ -363,13 +363,12 @@ def main():
                 # same), and the plan that chain would choose at this budget. (Its saved groups are the same
                 # calls: fit_groups ranks them by kind and bytes.) What fails is said and left out of the row.
                 try:
-                    # The per-layer program's time for the plan (plan_ms; it charges a checkpointed layer its
-                    # per-call figures) scaled by simulate()'s ratio of the two chains (simulate() charges it
-                    # its forward and backward): an estimate, as no function gives the program's time for a plan
-                    # it did not choose. (Before, plan_ms plus simulate()'s difference, which a layer timed long
-                    # on a busy CPU made negative.)
-                    p["plan_ms_other"] = p["plan_ms"] * remat.simulate(piped["chain"], lp.plan).time_ms / \
-                        max(1e-9, remat.simulate(chain, lp.plan).time_ms)
+                    # As the planner charges the plan on that chain (remat.step_time_ms, the rest left out: it
+                    # is added below). Before, plan_ms plus the difference of simulate()'s times on the two
+                    # chains, which charges a checkpointed layer otherwise (its forward and whole recompute,
+                    # not its per-call figures): an estimate, negative on a busy CPU.
+                    p["plan_ms_other"] = remat.step_time_ms(piped["chain"], lp.context, lp.plan) - \
+                        lp.context.rest_ms
                     other = remat.plan_step(piped["chain"], lp.context, b, "per-layer", [],
                                             **lp.offloads.planner_options())
                     p["replanned_other"] = dict(plan=str(other.plan), plan_ms=other.plan.predicted.time_ms,

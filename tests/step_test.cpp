@@ -308,6 +308,9 @@ void expect_fastest_step_plans(const Chain& chain, const remat::StepContext& ctx
     const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer", options);
     EXPECT_LE(p.step_peak_bytes, budget);
     EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
+    // The program's time for the plan it chose, charged again as a plan given (step_time_ms()).
+    EXPECT_NEAR(remat::step_time_ms(chain, ctx, p.plan), p.step_time_ms, 1e-9 * std::max(1.0, p.step_time_ms))
+        << p.plan.to_string();
     EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
         << "trial " << trial << " budget " << budget << ": " << p.plan.to_string();
   }
@@ -330,6 +333,10 @@ void lower_on_every_plan(const Chain& chain, const remat::StepContext& held, con
     *lowered += c.peak < before;
     least = std::min(least, c.peak), least_held = std::min(least_held, before), most = std::max(most, c.peak);
     c.ms = remat::simulate(remat::step_chain(chain, gone), remat::step_plan(c.plan)).time_ms;
+    // Every plan charged as the program charges it (step_time_ms(): no per-call figures here, so
+    // simulate()'s).
+    EXPECT_NEAR(remat::step_time_ms(chain, gone, c.plan), c.ms, 1e-9 * std::max(1.0, c.ms))
+        << c.plan.to_string();
   }
   ASSERT_EQ(remat::min_step_budget(chain, gone, "per-layer", options), least) << "trial " << trial;
   *least_lowered += least < least_held;
@@ -529,6 +536,15 @@ TEST(PerLayer, EqualsExhaustiveSearchOnRandomChains) {
     const int64_t n = 1 + trial % 6;
     const Chain chain = random_policy_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true);
+    // Every plan as the program charges it (step_time_ms(): checkpointed stages by their per-call figures,
+    // keep tags, each policy), in a step of nothing else and with a rest.
+    remat::StepContext rest;
+    rest.rest_ms = 2.5;
+    for (const Candidate& c : all) {
+      EXPECT_NEAR(remat::step_time_ms(chain, remat::StepContext{}, c.plan), c.ms, 1e-9 * std::max(1.0, c.ms))
+          << "trial " << trial << ": " << c.plan.to_string();
+      EXPECT_NEAR(remat::step_time_ms(chain, rest, c.plan), c.ms + 2.5, 1e-9 * std::max(1.0, c.ms));
+    }
     const int64_t least = expect_exhaustive(
         chain, all, remat::PlannerOptions(), rng, trial, [&](const Plan& plan, int64_t budget) {
           EXPECT_EQ(plan.planner, "per-layer");
@@ -935,6 +951,39 @@ TEST(PerLayerOffload, RefusesWhatItCannotPlan) {
 
 // ---------------------------------------------------------------------------------------------------------------
 // The whole step.
+
+TEST(Step, StepTimeChargesAGivenPerLayerPlanAsThePlannerDoesAndRefusesOtherPlans) {
+  // A checkpointed stage by its per-call figures (its recompute stops early), as plan_step() charges it,
+  // where simulate() charges its forward and its whole recompute; the rest of the step added.
+  Chain c = hand_chain(3, 1000, 3000);  // each stage: forward 1 ms, backward 2 ms
+  c.stages[1].checkpoint_fwd_ms = 0.25, c.stages[1].checkpoint_bwd_ms = 2.75;
+  remat::StepContext ctx;
+  ctx.rest_ms = 0.5;
+  const Plan plan = remat::checkpoint_stages(3, {1});  // Fa0 Fc1 Fa2 L B2 Fa1 B1 B0
+  EXPECT_DOUBLE_EQ(remat::step_time_ms(c, ctx, plan), 3 + 3 + 3 + 0.5);
+  EXPECT_DOUBLE_EQ(remat::simulate(c, plan).time_ms, 3 + 4 + 3);
+  EXPECT_DOUBLE_EQ(remat::step_time_ms(c, ctx, remat::plan_step(c, ctx, 1 << 30, "per-layer").plan),
+                   remat::plan_step(c, ctx, 1 << 30, "per-layer").step_time_ms);
+  // Not a per-layer plan: a stage's forward run twice (revolve's), or the backward out of order.
+  Plan twice;
+  twice.num_stages = 3;
+  for (const char* op : {"Fa0", "Fn1", "Fa2", "L", "B2", "Fa1", "B1", "B0"})
+    twice.ops.push_back(remat::parse_op(op));
+  EXPECT_THROW_WITH_STD(remat::step_time_ms(c, ctx, twice), "is not a per-layer plan");
+  Plan order = plan;
+  std::swap(order.ops[4], order.ops[5]);  // Fa1 before B2
+  EXPECT_THROW_WITH_STD(remat::step_time_ms(c, ctx, order), "is not a per-layer plan");
+  EXPECT_THROW_WITH_STD(remat::step_time_ms(c, ctx, remat::checkpoint_stages(2, {1})),
+                        "the plan is for 2 stages");
+  // A way the chain has no figures for: a group assignment where the stage has no groups, offloading with no
+  // bandwidths measured.
+  Plan groups = remat::no_checkpoint(c);
+  groups.ops[1].kind = OpKind::kForwardKeep, groups.ops[1].groups = "k";
+  EXPECT_THROW_WITH_STD(remat::step_time_ms(c, ctx, groups), "stage 1 ('s1') as Fk1{k}");
+  Plan host = remat::no_checkpoint(c);
+  host.ops[0].offload = true;
+  EXPECT_THROW_WITH_STD(remat::step_time_ms(c, ctx, host), "remat::step_time_ms: offloading needs");
+}
 
 TEST(Step, PeakIsTheStepChainsPlusGradientsAndTheSurroundings) {
   std::mt19937 rng(31);
@@ -2046,6 +2095,11 @@ TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {
     Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
     add_random_groups(rng, chain);
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, offload, true);
+    // Every plan as the program charges it (step_time_ms(), in a step of nothing else): every assignment,
+    // those the program leaves out as beaten too.
+    for (const Candidate& c : all)
+      EXPECT_NEAR(remat::step_time_ms(chain, remat::StepContext{}, c.plan), c.ms, 1e-9 * std::max(1.0, c.ms))
+          << "trial " << trial << ": " << c.plan.to_string();
     remat::PlannerOptions options;
     options.offload = offload;
     expect_exhaustive(chain, all, options, rng, trial, [&](const Plan& plan, int64_t) {

@@ -651,6 +651,9 @@ NB_MODULE(_core, m) {
       .def_rw("step_peak_bytes", &remat::StepPlan::step_peak_bytes)
       .def_rw("step_time_ms", &remat::StepPlan::step_time_ms);
   m.def("step_peak_bytes", &remat::step_peak_bytes, "chain"_a, "context"_a, "plan"_a);
+  m.def("step_time_ms", &remat::step_time_ms, "chain"_a, "context"_a, "plan"_a,
+        "A per-layer plan's step time (ms) as plan_step(..., 'per-layer') charges it (remat::step_time_ms); "
+        "ValueError for another plan or a way the chain has no figures for.");
   m.def(
       "plan_step",
       [](const remat::Chain& c, const remat::StepContext& ctx, int64_t budget, const std::string& planner,

@@ -144,6 +144,17 @@ def test_step_planning_fits_the_whole_step():
     assert p.step_peak_bytes == remat.step_peak_bytes(c, ctx, p.plan)
     with pytest.raises(remat.InfeasibleBudget, match="below the least feasible one"):
         remat.plan_step(c, ctx, least - 1, "per-layer")
+    # A per-layer plan's time as the planner charges it (remat.step_time_ms): the plan it chose, and one given,
+    # whose checkpointed stage is charged its per-call figures where simulate() charges its whole recompute.
+    ctx.rest_ms = 1.5
+    p = remat.plan_step(c, ctx, least + (4 << 20), "per-layer")
+    assert remat.step_time_ms(c, ctx, p.plan) == pytest.approx(p.step_time_ms, rel=1e-12)
+    c.stages[2].checkpoint_fwd_ms, c.stages[2].checkpoint_bwd_ms = 0.25, c.stages[2].fwd_ms + c.stages[2].bwd_ms
+    given = remat.checkpoint_stages(len(c.stages), [2])
+    sim = remat.simulate(c, given).time_ms
+    assert remat.step_time_ms(c, ctx, given) == pytest.approx(sim - c.stages[2].fwd_ms + 0.25 + 1.5, rel=1e-12)
+    with pytest.raises(ValueError, match="is not a per-layer plan"):
+        remat.step_time_ms(c, ctx, remat.revolve(c, 2))  # stages run forward more than once
 
 
 def test_step_readings_turn_into_the_same_context_as_in_cpp():

@@ -107,6 +107,19 @@ struct Stairs {
   }
 };
 
+// The choice of stage `s` run as the group assignment `text`, which keeps `unsaved` bytes Fa does not save
+// (group_unsaved_bytes()). Its cost is placed (cost = &*own) once the vector holding it no longer moves.
+Choice group_choice(const Stage& s, std::string text, int64_t unsaved) {
+  const PolicyCost cost = group_cost(s, text);
+  Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
+  ch.ms = ch.fwd_ms + ch.bwd_ms;
+  ch.unsaved = unsaved;
+  ch.groups = std::move(text);
+  ch.own = cost.offload;
+  ch.offload = cost.offload.has_value();
+  return ch;
+}
+
 // The group assignments of a stage worth planning with: each of k, h (when offloading) and r per group, but
 // all r (that is Fc), and of those the ones no other beats in kept bytes, sent bytes and time together (a
 // plan's peak and time only grow with each); their figures are group_cost()'s, as simulate() charges them.
@@ -173,14 +186,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     std::string text(g, 'r');
     for (size_t k = 0, code = c.code; k < g; ++k, code /= base)
       text[k] = letters[code % base];
-    const PolicyCost cost = group_cost(s, text);
-    Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
-    ch.ms = ch.fwd_ms + ch.bwd_ms;
-    ch.unsaved = c.unsaved;
-    ch.groups = std::move(text);
-    ch.own = cost.offload;
-    ch.offload = cost.offload.has_value();
-    all.push_back(std::move(ch));
+    all.push_back(group_choice(s, std::move(text), c.unsaved));
   }
   return thin_group_choices(std::move(all));
 }
@@ -657,19 +663,81 @@ struct Solution {
   double best_transfer_ms = 0;  // of which the copies no computation hides
 };
 
+// A plan given, to be charged rather than chosen (step_time_ms()): stage i of the plan is stage first + i of
+// the chain solve() runs on (1 on step_chain()), whose only choice is then the plan's forward of it.
+struct Given {
+  const Plan* plan = nullptr;
+  int64_t first = 0;
+};
+
+// Whether choice `c` runs as the forward `op` with stream window `window` (plan_of()'s operation of it).
+bool runs_as(const Choice& c, const Op& op, int64_t window) {
+  if (c.kind != op.kind || c.groups != op.groups || c.stream != op.stream ||
+      op.offload != (c.offload && c.groups.empty() && !c.stream))
+    return false;
+  if (c.stream && c.window != window) return false;
+  return !(c.kind == OpKind::kForwardKeep && c.groups.empty() && op.policy != c.variant - 1);
+}
+
+// Stage j's choices cut to the given plan's forward of it (Given): the one that runs as it, or, for a group
+// assignment thin_group_choices() left out, that assignment made again. Throws std::invalid_argument naming
+// the stage where none does (a way the chain has no figures for, or one its options leave out).
+void keep_given(const Chain& chain, int64_t j, const Given& given, std::vector<Choice>& cs) {
+  const int64_t i = j - given.first;
+  if (!given.plan || i < 0 || i >= given.plan->num_stages) return;
+  const Stage& s = chain.stages[static_cast<size_t>(j)];
+  Op op = given.plan->ops[static_cast<size_t>(i)];
+  // A policy the plan names (Plan::policies) by the chain's index of it (Chain::policies; -2: none such).
+  const auto& names = given.plan->policies;
+  if (op.kind == OpKind::kForwardKeep && op.groups.empty() && op.policy >= 0 &&
+      static_cast<size_t>(op.policy) < names.size()) {
+    const auto at =
+        std::find(chain.policies.begin(), chain.policies.end(), names[static_cast<size_t>(op.policy)]);
+    op.policy = at == chain.policies.end() ? -2 : static_cast<int32_t>(at - chain.policies.begin());
+  }
+  const auto& windows = given.plan->stream_windows;
+  const int64_t window = !windows.empty() && windows[static_cast<size_t>(i)] >= 0
+                             ? windows[static_cast<size_t>(i)]
+                         : s.offload ? s.offload->window_bytes
+                                     : -1;
+  std::vector<Choice> only;
+  for (Choice& c : cs) {
+    if (runs_as(c, op, window)) {
+      only.push_back(std::move(c));
+      break;
+    }
+  }
+  if (only.empty() && op.kind == OpKind::kForwardKeep && !op.groups.empty() &&
+      op.groups.size() == s.groups.size())
+    only.push_back(group_choice(s, op.groups, group_unsaved_bytes(s, op.groups)));
+  if (only.empty()) {
+    throw std::invalid_argument("remat::step_time_ms: the plan runs stage " + std::to_string(i) + " ('" +
+                                s.name + "') as " +
+                                op_text(*given.plan, given.plan->ops[static_cast<size_t>(i)]) +
+                                ", a way the chain has no figures for (profile it with that way: offloading, "
+                                "groups, the policy)");
+  }
+  cs = std::move(only);
+  for (Choice& c : cs)
+    if (c.own) c.cost = &*c.own;
+}
+
 // by_time: the fastest within `budget`; otherwise the least peak (budget ignored). offload: the choices may
 // offload (what options allow), the host bytes at most max_host (-1: no bound). filter: leave out the
 // candidates an anchor beats (filtered_by()) and, after a rough program, those its plan's time (or peak)
 // rules out; without, every candidate is made and sorted (the tests' check that neither changes a plan).
 Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget,
-               const StepTerms* step, bool offload, int64_t max_host, bool groups, bool filter = true) {
+               const StepTerms* step, bool offload, int64_t max_host, bool groups, bool filter = true,
+               const Given& given = {}) {
   const int64_t n = chain.size();
   const bool bounded = offload && max_host >= 0;
   Solution sol;
   sol.choices.resize(static_cast<size_t>(n));
-  for (int64_t j = 0; j < n; ++j)
+  for (int64_t j = 0; j < n; ++j) {
     sol.choices[static_cast<size_t>(j)] =
         choices_of(chain, j, allowed, step && step->all_only[static_cast<size_t>(j)], offload, groups);
+    keep_given(chain, j, given, sol.choices[static_cast<size_t>(j)]);
+  }
   // Per stage boundary j, the least time stages j.. can take: each stage's fastest choice, no copy waited
   // for.
   std::vector<double> rest(static_cast<size_t>(n) + 1, 0.0);
@@ -1100,6 +1168,26 @@ Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptio
   plan.predicted.time_ms = sol.best_ms;
   plan.predicted.transfer_ms = sol.best_transfer_ms;
   return plan;
+}
+
+double per_layer_step_time(const Chain& chain, const StepContext& context, const Plan& plan) {
+  PlannerOptions options;
+  options.offload = std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.offloads(); });
+  options.groups =
+      std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return !op.groups.empty(); });
+  const Chain step = step_chain(chain, context);
+  const std::vector<char> allowed = allowed_for(step, options, "remat::step_time_ms");
+  const StepTerms terms = step_terms(chain, context);
+  // No budget: the plan's one choice per stage is charged whatever it holds.
+  const Solution sol = solve(step, allowed, true, std::numeric_limits<int64_t>::max() / 4, &terms,
+                             options.offload, -1, options.groups, true, Given{&plan, 1});
+  if (sol.best < 0)
+    throw std::logic_error("remat::step_time_ms: internal error: the plan given was not charged");
+  std::vector<const Choice*> picked = picks(sol);
+  picked = std::vector<const Choice*>(picked.begin() + 1, picked.end() - 1);  // the chain's stages
+  double ms = 0;
+  plan_of(picked, &ms);
+  return ms + sol.best_transfer_ms;
 }
 
 std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,

@@ -398,6 +398,18 @@ Chain step_chain(const Chain& chain, const StepContext& context);
 /// Throws as validate() and simulate().
 int64_t step_peak_bytes(const Chain& chain, const StepContext& context, const Plan& plan);
 
+/// The step's predicted time under `plan` (milliseconds), as plan_step(..., "per-layer") charges it: a
+/// checkpointed stage by its per-call figures (Stage::per_call_fwd_ms(), per_call_bwd_ms(): its recompute
+/// stops early), the copies to and from the host that no neighbouring stage's work hides, and
+/// context.rest_ms; the step_time_ms plan_step() reports for a plan it chooses, for any per-layer plan (a
+/// plan of another profile's, a given one). simulate()'s time_ms charges a checkpointed stage its forward and
+/// its whole recompute instead. `plan` must be a per-layer plan: each stage's forward once, in order (Fa, Fc,
+/// Fk with a policy the plan names, keep tags or a group assignment; @host, @stream), the loss, then each
+/// stage's backward from the last, a checkpointed stage recomputed (Fa) right before it. Throws
+/// std::invalid_argument as validate() and check_plan(), for a plan of another size or shape, and naming the
+/// stage for a way the chain has no figures for (offloading, a group assignment or a policy not profiled).
+double step_time_ms(const Chain& chain, const StepContext& context, const Plan& plan);
+
 /// A plan for the whole step and its predicted peak.
 struct StepPlan {
   Plan plan;                    ///< a plan for the chain (plan.predicted is the chain's own)

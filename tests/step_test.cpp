@@ -2165,6 +2165,10 @@ TEST(PerLayer, LeavingOutTheCandidatesAnchorsBeatChangesNoPlan) {
           std::any_of(with->ops.begin(), with->ops.end(), [](const Op& op) { return op.offloads(); });
       EXPECT_EQ(remat::to_json(*with), remat::to_json(*without)) << "trial " << trial << " budget " << budget;
       EXPECT_EQ(with->predicted.time_ms, without->predicted.time_ms);
+      // Within the budget as the step's model charges it (step_op_peaks(): group assignments' recomputes
+      // included, and the generators' states they hold).
+      EXPECT_LE(remat::step_peak_bytes(chain, ctx, *with), budget)
+          << "trial " << trial << ": " << with->to_string();
     }
     // The chain alone, from its least budget up.
     const int64_t alone = remat::per_layer_min_budget(chain, options);

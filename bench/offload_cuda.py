@@ -93,13 +93,16 @@ def build(args, dev):
 BOUND_TEXT = ("the least step time / plain that the measured bandwidths and the layers' forward time allow at that "
               "budget: what the plain step holds above it leaves for the host as fast as the link takes it during "
               "the layers' forward and returns as fast during their backward, and the rest is recomputed, the "
-              "cheapest bytes first (the profiled groups' recompute time per byte, or a whole layer's where it has "
-              "none), taken fractionally; what is held where, and when, is ignored, so no plan can beat it")
+              "cheapest bytes first (each call's recompute time per byte, every call profiled as a candidate group "
+              "with --groups, else the chain's groups; a whole layer's for what no call covers), taken "
+              "fractionally; what is held where, and when, is ignored, so no plan can beat it")
 
 
-def physics_bound(chain, plain_peak, budget, plain_ms):
+def physics_bound(chain, plain_peak, budget, plain_ms, calls=None):
     """The bound of BOUND_TEXT (a ratio to the plain step), from the profiled chain (its JSON object): None where
-    what must leave the device is more than the layers save."""
+    what must leave the device is more than the layers save. calls: per layer, every call the profile measured as
+    a candidate group (dicts of SavedGroup's fields; LayerPlan.saved_calls), in place of the ten groups each
+    layer's chain stage lists: the bound over every saved tensor a call makes, not only the ranked ones."""
     over = plain_peak - budget
     if over <= 0:
         return 1.0
@@ -112,10 +115,11 @@ def physics_bound(chain, plain_peak, budget, plain_ms):
     if rest <= 0:
         return 1.0
     pieces = []  # (ms per byte, bytes)
-    for s in stages:
+    for i, s in enumerate(stages):
         # What recomputing a group frees: the bytes of it autograd saves (since 2026-12-04 a group may be a call
         # whose outputs it does not save: recomputing that frees nothing).
-        groups = [(g["recompute_ms"], g["bytes"] - g.get("unsaved_bytes", 0)) for g in s.get("groups", [])]
+        listed = calls[i] if calls is not None else s.get("groups", [])
+        groups = [(g["recompute_ms"], g["bytes"] - g.get("unsaved_bytes", 0)) for g in listed]
         groups = [(ms, nbytes) for ms, nbytes in groups if nbytes > 0]
         pieces += [(ms / nbytes, nbytes) for ms, nbytes in groups]
         # What the groups leave of what the layer saves, at a whole layer's cost per byte (all of it where the
@@ -292,6 +296,11 @@ def main():
         say(f"check {check[-1]}")
     del plain_a, plain_b
     chain = lp.chain
+    # With --groups, every call the profile measured as a candidate group (not only the ten fit_groups chose):
+    # the bound's recompute side, per layer (physics_bound's `calls`).
+    saved_calls = None if lp.saved_calls is None else [
+        [dict(name=g.name, bytes=g.bytes, recompute_ms=g.recompute_ms, unsaved_bytes=g.unsaved_bytes,
+              stays_bytes=g.stays_bytes) for g in layer] for layer in lp.saved_calls]
     piped = None
     if args.compare_timing:
         # The same model profiled with the other timing (docs/planning.md, "Timing the layers"): its chain, to
@@ -393,7 +402,7 @@ def main():
                  policy_offload=remat.POLICY_OFFLOAD, peaks=peaks, compile_s=compile_s, least_budget=least_budget,
                  bandwidth=bandwidth, profile_s=profile_s,
                  check=check, plans=plans, chain=json.loads(chain.to_json()), profiled_rest_ms=lp.context.rest_ms,
-                 context=context_figures(lp.context))
+                 context=context_figures(lp.context), saved_calls=saved_calls)
     if piped is not None:
         facts["other_timing"] = dict(timing=piped["timing"], chain=json.loads(piped["chain"].to_json()),
                                      profile_s=piped["profile_s"])
@@ -479,7 +488,8 @@ def main():
         res[r]["host_peak"] = host_peak.get(r, 0)
         # What the measured bandwidths and forward time allow at this row's budget (remat's) or peak (the others').
         res[r]["bound"] = physics_bound(facts["chain"], peaks["none"],
-                                        plans[r[6:]]["budget"] if r.startswith("remat@") else res[r]["peak"], plain_med)
+                                        plans[r[6:]]["budget"] if r.startswith("remat@") else res[r]["peak"], plain_med,
+                                        saved_calls)
     print(f"\n{args.model} {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, "
           f"{'bf16 autocast' if amp['enabled'] else 'fp32'}, {name}, torch {torch.__version__}, transformers "
           f"{transformers.__version__}; plain step {plain_med:.1f} ms, "

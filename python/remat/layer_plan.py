@@ -227,6 +227,14 @@ class LayerPlan:
         return self._last.chain if self._last else None
 
     @property
+    def saved_calls(self):
+        """Per layer, every call of its forward the last input shape's profiling step measured as a candidate saved
+        group (remat.SavedGroup, in the forward's order), of which fit_groups chose the chain's Stage.groups: what a
+        bound over every saved tensor reads (bench/offload_cuda.py). None without groups=True or before the
+        profiling step."""
+        return getattr(self._last, "saved_calls", None)  # (a pickle from before it has none)
+
+    @property
     def context(self):
         """What surrounds the layers in the last input shape's step (a StepContext), for the parameter gradients
         the plan in force is for (_plan_for_grads): the profiling step's own where its steps begin as that one

@@ -239,6 +239,8 @@ class Shape:
         self.warned = False  # a call off these shapes was warned of
         self.gathered: list[int] = []  # per layer, FSDP2's all-gathered parameters' bytes (0: not sharded)
         self.chain: _core.Chain | None = None
+        # Per layer, every call the profile measured as a candidate saved group (profile's `saved_calls`), or None.
+        self.saved_calls: list[list[_core.SavedGroup]] | None = None
         self.context: _core.StepContext | None = None
         self.plan: _core.Plan | None = None
         self.choices: list[str] | None = None
@@ -817,10 +819,13 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         bar = progress_bar(f"{lp.who}: profiling")
         times = PhaseTimes(bar)
         with gathered, contextlib.closing(bar):
+            saved_calls: list = []
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
-                                  groups=lp.groups, progress=times, timing=lp.profile_timing)
+                                  groups=lp.groups, progress=times, timing=lp.profile_timing,
+                                  saved_calls=saved_calls)
+            shape.saved_calls = saved_calls if lp.groups else None
         shape.profiling_time = times.seconds
         shape.gathered = list(gathered.gathered)
         for st, g in zip(shape.chain.stages, gathered.gathered):

@@ -584,7 +584,7 @@ class _NoHostAnswers:
 def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
-            groups: bool = False, progress=None, timing: str = "synced") -> _core.Chain:
+            groups: bool = False, progress=None, timing: str = "synced", saved_calls: list | None = None) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -624,6 +624,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     not drawn where stderr is not a terminal (remat.progress); False draws nothing; a callable is called
     with a remat.ProfileProgress after each run of one stage instead (its phase_ms summed by phase says where
     profiling's time goes). What it raises propagates, the model put back first.
+
+    saved_calls: with groups, a list that receives per stage every call measured as a candidate group
+    (remat.SavedGroup: its outputs' bytes, time, unsaved and staying bytes), those fit_groups chose for
+    Stage.groups among them, in the forward's order (what a bound over every saved tensor reads:
+    bench/offload_cuda.py); [] for a stage without them.
 
     timing: how each stage's work is timed (_Clock): "synced" (the default: the device synchronized before and
     after, the host's time between), or "pipelined", on CUDA only (on a CPU device the same as "synced"),
@@ -1163,4 +1168,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         stages_out.append(s)
     chain.stages = stages_out
     chain.validate()
+    if saved_calls is not None:
+        saved_calls[:] = [[_core.SavedGroup(*g) for g in f.get("groups", [])] for f in fields]
     return chain

@@ -183,6 +183,16 @@ NB_MODULE(_core, m) {
               "of its bytes, those autograd does not save in the stage's plain forward")
       .def_rw("stays_bytes", &remat::SavedGroup::stays_bytes,
               "of its bytes, those that stay on the device when it is sent (an Offload keeps them there)")
+      // pickle and copy.deepcopy (a LayerPlan's copy carries its shapes' saved calls): its five figures.
+      .def("__getstate__",
+           [](const remat::SavedGroup& g) {
+             return std::make_tuple(g.name, g.bytes, g.recompute_ms, g.unsaved_bytes, g.stays_bytes);
+           })
+      .def("__setstate__",
+           [](remat::SavedGroup& g, const std::tuple<std::string, int64_t, double, int64_t, int64_t>& s) {
+             new (&g) remat::SavedGroup{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s),
+                                        std::get<4>(s)};
+           })
       .def("__repr__", [](const remat::SavedGroup& g) {
         return "SavedGroup('" + g.name + "', bytes=" + std::to_string(g.bytes) +
                ", recompute_ms=" + std::to_string(g.recompute_ms) +

@@ -645,7 +645,7 @@ def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
     model = mlp()
     preallocate(model)
     x = x_of()
-    lp = remat.enable(model, list(model), budget=1 << 40)
+    lp = remat.enable(model, list(model), budget=1 << 40, groups=True)
     train_step(model, x)  # the profiling step
     lp.set_budget(lp.min_budget_bytes)
     want = train_step(model, x)
@@ -653,6 +653,10 @@ def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
     for twin in (copy.deepcopy(model), torch.load(tmp_path / "m.pt", weights_only=False)):
         clp = twin[0].__dict__[remat.inplace.LAYER_PLAN_ATTR]
         assert clp is not lp and clp.model is twin and clp.choices == lp.choices and clp.profiling_steps == 1
+        # And every call the profile measured (SavedGroup pickles: before it did, no copy of a model profiled with
+        # groups could be made once LayerPlan.saved_calls held them).
+        assert [[repr(g) for g in layer] for layer in clp.saved_calls] == \
+            [[repr(g) for g in layer] for layer in lp.saved_calls] and any(lp.saved_calls)
         # A copied parameter has no gradient (deepcopy and torch.save leave them out): the plan was made for
         # steps that begin with them, and a step without them would make them (another plan's state).
         assert all(p.grad is None for p in twin.parameters())

@@ -1033,6 +1033,12 @@ def test_the_gpu_tables_bound_sends_what_the_link_carries_and_recomputes_the_che
     # 9e7 over: 7e7 recomputed, group b (8 ms for 2e7) left for last: 1 + 2 + 10 ms.
     assert physics_bound(chain, 1e8, 1e7, 100) == pytest.approx(1.13)
     assert physics_bound(chain, 1e9, 0, 100) is None                  # more than the layers save
+    # Over every call profiled (LayerPlan.saved_calls), not only the listed groups: the second layer's 4e7 saved
+    # bytes are two calls, one of them cheap (1e7 for 0.1 ms), which the layer's average cost hid.
+    calls = [chain["stages"][0]["groups"], [dict(name="c", bytes=1e7, recompute_ms=0.1),
+                                            dict(name="d", bytes=3e7, recompute_ms=9.9)]]
+    # 5e7 over: 2e7 leave, call c's 1e7 (0.1 ms), 2e7 of group a (1 ms).
+    assert physics_bound(chain, 1e8, 5e7, 100, calls) == pytest.approx(1.011)
 
 
 class MeanSquare(nn.Module):
@@ -1313,6 +1319,10 @@ def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_pat
     d = json.loads(out.read_text())
     assert d["stage"] == "measured" and d["timing"] == "pipelined" and d["other_timing"]["timing"] == "synced"
     assert d["other_timing"]["chain"]["stages"] and set(d["rows"]) >= {"hf", "sac", "remat@at-hf", "remat@least"}
+    # Every call profiled as a candidate group, per layer, for the bound: each layer's chosen groups among them.
+    assert len(d["saved_calls"]) == len(d["chain"]["stages"]) and all(d["saved_calls"])
+    for layer, st in zip(d["saved_calls"], d["chain"]["stages"]):
+        assert {g["name"] for g in st["groups"]} <= {c["name"] for c in layer} and len(layer) >= len(st["groups"])
     for row in ("at-hf", "least"):
         plan = d["plans"][row]
         assert plan["check"]["loss_equal"] and plan["predicted_ms"] > 0 and plan["predicted_ms_other"] > 0

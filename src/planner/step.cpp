@@ -644,10 +644,10 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       peaks[k] -= recompute_unmade_bytes(chain, op.stage - 1);
     // A replay holds a second generators' state: the one it saves while it replays the first.
     if (replay && state_held[static_cast<size_t>(op.stage)]) peaks[k] += context.checkpoint_state_bytes;
-    // So does the recompute that a backward runs first (a group assignment's, keep tags'): the state it saves
-    // while it replays the first, at that recompute's peak, not at the backward's after it. Before (found
-    // 2026-12-05 by random group assignments on the CPU), not charged: steps up to that state above their
-    // predictions where the recompute was a step's peak.
+    // So does the recompute that a group assignment's backward runs first (keep tags hold no state): the
+    // state it saves while it replays the first, at that recompute's peak, not at the backward's after it.
+    // Before (found 2026-12-05 by random group assignments on the CPU), not charged: steps up to that state
+    // above their predictions where the recompute was a step's peak.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
         state_held[static_cast<size_t>(op.stage)] && sim.op_recompute_peak_bytes[k] > 0)
       peaks[k] += std::max<int64_t>(

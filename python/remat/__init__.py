@@ -19,8 +19,8 @@ from ._core import (PREDICTION_TOLERANCE, PROFILED_SHAPES_WARNED_AT, STRATEGY_WO
                     format_bytes, group_cost, group_unsaved_bytes, load_chain, make_plan, memory_breakdown,
                     min_feasible_budget, min_step_budget,
                     no_checkpoint, optimal, parse_size, per_call_time_ms, per_layer, per_layer_min_budget,
-                    plan_step, revolve, save_chain, simulate, sqrt_n, step_peak_bytes, step_time_ms, summarize_plan_json,
-                    uniform, uniform_chain)
+                    plan_step, revolve, save_chain, simulate, sqrt_n, step_peak_bytes, step_time_ms,
+                    summarize_plan_json, uniform, uniform_chain)
 from .batch import MaxBatch, max_batch
 from .executor import CheckpointedSequential, run_plan
 from .layer_plan import LayerPlan, enable

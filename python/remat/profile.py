@@ -584,7 +584,8 @@ class _NoHostAnswers:
 def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *, policies=("matmuls",),
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
-            groups: bool = False, progress=None, timing: str = "synced", saved_calls: list | None = None) -> _core.Chain:
+            groups: bool = False, progress=None, timing: str = "synced",
+            saved_calls: list | None = None) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 

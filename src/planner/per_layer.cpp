@@ -670,13 +670,19 @@ struct Given {
   int64_t first = 0;
 };
 
-// Whether choice `c` runs as the forward `op` with stream window `window` (plan_of()'s operation of it).
+// The forward of stage j run as choice `c` (a policy by the chain's index of it; its stream window apart).
+Op op_of(const Choice& c, int64_t j) {
+  Op op{c.kind, j};
+  if (c.kind == OpKind::kForwardKeep && c.groups.empty()) op.policy = static_cast<int32_t>(c.variant - 1);
+  op.offload = c.offload && c.groups.empty() && !c.stream;  // a group assignment says itself what goes
+  op.stream = c.stream;
+  op.groups = c.groups;
+  return op;
+}
+
+// Whether choice `c` runs as the forward `op` with stream window `window`.
 bool runs_as(const Choice& c, const Op& op, int64_t window) {
-  if (c.kind != op.kind || c.groups != op.groups || c.stream != op.stream ||
-      op.offload != (c.offload && c.groups.empty() && !c.stream))
-    return false;
-  if (c.stream && c.window != window) return false;
-  return !(c.kind == OpKind::kForwardKeep && c.groups.empty() && op.policy != c.variant - 1);
+  return op_of(c, op.stage) == op && (!c.stream || c.window == window);
 }
 
 // Stage j's choices cut to the given plan's forward of it (Given): the one that runs as it, or, for a group
@@ -1022,12 +1028,7 @@ Plan plan_of(const std::vector<const Choice*>& picked, double* ms) {
   }
   for (int64_t j = 0; j < n; ++j) {
     const Choice& c = *picked[static_cast<size_t>(j)];
-    Op op{c.kind, j};
-    if (c.kind == OpKind::kForwardKeep && c.groups.empty()) op.policy = static_cast<int32_t>(c.variant - 1);
-    op.offload = c.offload && c.groups.empty() && !c.stream;  // a group assignment says itself what goes
-    op.stream = c.stream;
-    op.groups = c.groups;
-    plan.ops.push_back(op);
+    plan.ops.push_back(op_of(c, j));
     *ms += c.ms;
   }
   push(plan, OpKind::kLoss, -1);
@@ -1171,6 +1172,24 @@ Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptio
 }
 
 double per_layer_step_time(const Chain& chain, const StepContext& context, const Plan& plan) {
+  // A per-layer plan: each stage's forward once, in order (read here, stage by stage, as its one choice),
+  // then the loss and each stage's backward from the last, a checkpointed one recomputed (Fa) right before it
+  // (as plan_of() makes them, compared below).
+  const int64_t n = chain.size();
+  auto not_per_layer = [&]() {
+    return std::invalid_argument(
+        "remat::step_time_ms: '" + plan.to_string() +
+        "' is not a per-layer plan (each stage's forward once, in order, the loss, then "
+        "each stage's backward from the last, a checkpointed stage's recompute Fa right "
+        "before it): the per-layer program charges those only (simulate() charges any)");
+  };
+  if (static_cast<int64_t>(plan.ops.size()) < n) throw not_per_layer();
+  for (int64_t j = 0; j < n; ++j) {
+    const Op& op = plan.ops[static_cast<size_t>(j)];
+    if (op.stage != j || (op.kind != OpKind::kForwardAll && op.kind != OpKind::kForwardCheckpoint &&
+                          op.kind != OpKind::kForwardKeep))
+      throw not_per_layer();
+  }
   PlannerOptions options;
   options.offload = std::any_of(plan.ops.begin(), plan.ops.end(), [](const Op& op) { return op.offloads(); });
   options.groups =
@@ -1186,7 +1205,9 @@ double per_layer_step_time(const Chain& chain, const StepContext& context, const
   std::vector<const Choice*> picked = picks(sol);
   picked = std::vector<const Choice*>(picked.begin() + 1, picked.end() - 1);  // the chain's stages
   double ms = 0;
-  plan_of(picked, &ms);
+  const Plan made = plan_of(picked, &ms);
+  if (!std::equal(plan.ops.begin() + n, plan.ops.end(), made.ops.begin() + n, made.ops.end()))
+    throw not_per_layer();
   return ms + sol.best_transfer_ms;
 }
 

@@ -773,33 +773,6 @@ double step_time_ms(const Chain& chain, const StepContext& context, const Plan& 
     throw std::invalid_argument(std::string(kWho) + ": the plan is for " + std::to_string(plan.num_stages) +
                                 " stages, the chain has " + std::to_string(n));
   }
-  // A per-layer plan: each stage's forward once, in order, then the loss and each stage's backward, from the
-  // last, a checkpointed one recomputed (Fa) right before it.
-  std::vector<Op> want;
-  for (int64_t j = 0; j < n && j < static_cast<int64_t>(plan.ops.size()); ++j) {
-    const Op& op = plan.ops[static_cast<size_t>(j)];
-    if (op.stage != j || (op.kind != OpKind::kForwardAll && op.kind != OpKind::kForwardCheckpoint &&
-                          op.kind != OpKind::kForwardKeep))
-      break;
-    want.push_back(op);
-  }
-  bool per_layer = static_cast<int64_t>(want.size()) == n;
-  if (per_layer) {
-    want.push_back(Op{OpKind::kLoss, -1});
-    for (int64_t j = n; j-- > 0;) {
-      if (plan.ops[static_cast<size_t>(j)].kind == OpKind::kForwardCheckpoint)
-        want.push_back(Op{OpKind::kForwardAll, j});
-      want.push_back(Op{OpKind::kBackward, j});
-    }
-    per_layer = want == plan.ops;
-  }
-  if (!per_layer) {
-    throw std::invalid_argument(
-        std::string(kWho) + ": '" + plan.to_string() +
-        "' is not a per-layer plan (each stage's forward once, in order, the loss, then "
-        "each stage's backward from the last, a checkpointed stage's recompute Fa right "
-        "before it): the per-layer program charges those only (simulate() charges any)");
-  }
   return detail::per_layer_step_time(chain, context, plan) + context.rest_ms;
 }
 

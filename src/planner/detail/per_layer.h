@@ -26,9 +26,9 @@ namespace remat::detail {
 std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
                                       const PlannerOptions& options, int64_t* least_bytes,
                                       bool filter = true);
-/// step_time_ms()'s time of the chain's stages under `plan`, a per-layer plan (its shape checked by the
-/// caller): the per-layer program's charge for it (plan.predicted.time_ms where the program chose it),
-/// without context.rest_ms.
+/// step_time_ms()'s time of the chain's stages under `plan` (of the chain's size, checked by the caller): the
+/// per-layer program's charge for it (plan.predicted.time_ms where the program chose it), without
+/// context.rest_ms. Throws std::invalid_argument for a plan that is not per-layer.
 double per_layer_step_time(const Chain& chain, const StepContext& context, const Plan& plan);
 /// The least step_peak_bytes() of any per-layer plan of `chain` in `context`.
 int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const PlannerOptions& options,

@@ -1072,13 +1072,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         report("groups", names[i])
                         continue
                     leaf = leaf_of(i)
-                    fields[i]["groups"] = _measure_groups(
+                    fields[i]["groups"] = [_core.SavedGroup(*g) for g in _measure_groups(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
-                        alive | {_storage_key(leaf)}, clock, repeats, offload_min_bytes, alive)
+                        alive | {_storage_key(leaf)}, clock, repeats, offload_min_bytes, alive)]
                     # The planner library's choice, which the C++ profiler makes too: the products,
                     # convolutions and attention kernels first, then the largest.
-                    fitted = fields[i]["fitted"] = _core.fit_groups(
-                        [_core.SavedGroup(*g) for g in fields[i]["groups"]])
+                    fitted = fields[i]["fitted"] = _core.fit_groups(fields[i]["groups"])
                     targets = targets_of(i, leaf)
                     del leaf
                     # The stage as a group assignment runs it, every group kept (Stage.groups_fwd_ms,
@@ -1170,5 +1169,5 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     chain.stages = stages_out
     chain.validate()
     if saved_calls is not None:
-        saved_calls[:] = [[_core.SavedGroup(*g) for g in f.get("groups", [])] for f in fields]
+        saved_calls[:] = [f.get("groups", []) for f in fields]
     return chain

@@ -83,6 +83,12 @@ RngState RngState::capture(const std::vector<c10::DeviceIndex>& cuda_devices) {
 
 void RngState::restore() const {
   if (cpu.defined()) set_generator_state(at::detail::getDefaultCPUGenerator(), cpu);
+  if (!cpu_bytes.empty()) {
+    // A tensor over the bytes (no allocation): the generator copies from it.
+    auto* data = const_cast<uint8_t*>(cpu_bytes.data());
+    set_generator_state(at::detail::getDefaultCPUGenerator(),
+                        at::from_blob(data, {static_cast<int64_t>(cpu_bytes.size())}, at::kByte));
+  }
   for (const auto& [index, state] : cuda) {
     set_generator_state(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, index)), state);
   }
@@ -126,7 +132,20 @@ void RngState::digest() {
   cpu = at::Tensor();
 }
 
+void RngState::hold_as_bytes() {
+  if (!cpu.defined()) return;
+  const auto* p = static_cast<const uint8_t*>(cpu.data_ptr());
+  cpu_bytes.assign(p, p + cpu.nbytes());
+  cpu = at::Tensor();
+}
+
 bool RngState::matches_current() const {
+  if (!cpu_bytes.empty()) {
+    const at::Tensor now = generator_state(at::detail::getDefaultCPUGenerator());
+    if (now.nbytes() != cpu_bytes.size() ||
+        std::memcmp(now.data_ptr(), cpu_bytes.data(), cpu_bytes.size()) != 0)
+      return false;
+  }
   if (digested && fnv1a(generator_state(at::detail::getDefaultCPUGenerator())) != cpu_digest) return false;
   if (cpu.defined() && !same_bytes(cpu, generator_state(at::detail::getDefaultCPUGenerator()))) return false;
   for (const auto& [index, state] : cuda) {
@@ -138,7 +157,9 @@ bool RngState::matches_current() const {
 }
 
 bool RngState::same_as(const RngState& other) const {
-  if (cpu.defined() != other.cpu.defined() || cuda.size() != other.cuda.size()) return false;
+  if (cpu.defined() != other.cpu.defined() || cuda.size() != other.cuda.size() ||
+      cpu_bytes != other.cpu_bytes)
+    return false;
   if (cpu.defined() && !cpu.is_same(other.cpu) && !same_bytes(cpu, other.cpu)) return false;
   for (size_t k = 0; k < cuda.size(); ++k) {
     if (cuda[k].first != other.cuda[k].first || !same_bytes(cuda[k].second, other.cuda[k].second))

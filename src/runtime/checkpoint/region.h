@@ -11,6 +11,7 @@
 #include "autograd/thread_state.h"
 #include "checkpoint/restore.h"
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -27,7 +28,7 @@ struct RngState {
   /// Captures the current states. Consecutive captures with no random draw between them share one tensor.
   static RngState capture(const std::vector<c10::DeviceIndex>& cuda_devices);
   void restore() const;
-  bool empty() const { return !cpu.defined() && !digested; }
+  bool empty() const { return !cpu.defined() && !digested && cpu_bytes.empty(); }
   /// True when the generators are in exactly this state now (the CPU generator's by its digest, once
   /// digested).
   bool matches_current() const;
@@ -37,6 +38,14 @@ struct RngState {
   void digest();
   uint64_t cpu_digest = 0;
   bool digested = false;
+  /// Keeps the CPU generator's state as plain bytes outside any tensor and lets go of the tensor; restore()
+  /// and matches_current() read the bytes. For a state held to a backward pass that no figure of the step's
+  /// model counts: where the generators stood after a kept call that drew random numbers
+  /// (KeptCall::rng_after), held as the Python package holds it (remat/selective.py's _rng_after), not among
+  /// the CPU device's tensor bytes. A state shared with another capture (a neighbour's start) stays alive
+  /// there.
+  void hold_as_bytes();
+  std::vector<uint8_t> cpu_bytes;
   /// True when both hold the same states (byte for byte).
   bool same_as(const RngState& other) const;
 };

@@ -173,7 +173,10 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
                                  [&](const auto& w) { return w.first > index && w.first < call.end; }),
                   pending.end());
     KeptCall kept = make_kept_call(call.name, inputs, outputs, captured_since(captured_from));
-    if (!before.empty() && !before.matches_current()) kept.rng_after = RngState::capture(r_.cuda_devices_);
+    if (!before.empty() && !before.matches_current()) {
+      kept.rng_after = RngState::capture(r_.cuda_devices_);
+      kept.rng_after.hold_as_bytes();  // held to the recompute: not among the device's tensors
+    }
     call.kept = static_cast<int64_t>(r_.kept_.size());
     for (const auto& o : kept.outputs)
       if (const void* s = storage_key(o)) r_.kept_storages_[s] = call.kept;
@@ -290,7 +293,10 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
       r_.calls_[static_cast<size_t>(index)].end = static_cast<int64_t>(r_.calls_.size());
       WatchPause pause;
       KeptCall kept = make_kept_call(schema.name(), inputs, {}, captured_since(captured_from));
-      if (!before.empty() && !before.matches_current()) kept.rng_after = RngState::capture(r_.cuda_devices_);
+      if (!before.empty() && !before.matches_current()) {
+        kept.rng_after = RngState::capture(r_.cuda_devices_);
+        kept.rng_after.hold_as_bytes();
+      }
       r_.calls_[static_cast<size_t>(index)].kept = static_cast<int64_t>(r_.kept_.size());
       r_.absorbed_[owner].push_back(static_cast<int64_t>(r_.kept_.size()));
       r_.kept_.push_back(std::move(kept));

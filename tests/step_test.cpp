@@ -2980,8 +2980,20 @@ TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackwa
           .op_recompute_peak_bytes[static_cast<size_t>(remat::simulate(recompute_peak, groups).peak_op)],
       remat::simulate(recompute_peak, groups).peak_bytes);
   EXPECT_EQ(added(early, groups), 5056);
+  // The C++ executor (a runtime that holds outputs) lets go of the state it kept for a stage that runs again
+  // once its last forward (the recompute) has run: stage 0's backward, the peak, holds none of its own (the
+  // forward pass's is gone too); a group assignment's region holds its own to its backward's end. Before
+  // (found 2026-12-05 by plans drawn at random through C++'s Planned), one state high there.
+  Chain early_held = early;
+  early_held.holds_outputs = true;
+  EXPECT_EQ(added(early_held, remat::checkpoint_all(early_held)), 0);
+  EXPECT_EQ(added(early_held, remat::checkpoint_stages(3, {0})), 0);
+  EXPECT_EQ(added(early_held, groups), 5056);
+  Chain replayed_held = replayed;  // its replay the peak still: the stage's state and the replay's
+  replayed_held.holds_outputs = true;
+  EXPECT_EQ(added(replayed_held, again), 2 * 5056);
   // The per-layer program charges it alike: its least budget is that of the least plan of them all.
-  for (const Chain* chain : {&c, &recompute_peak}) {
+  for (const Chain* chain : {&c, &recompute_peak, &early, &early_held}) {
     std::vector<Candidate> all = every_per_layer_plan(*chain, false, false, false, true);
     int64_t least = std::numeric_limits<int64_t>::max();
     for (const Candidate& k : all)

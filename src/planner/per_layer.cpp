@@ -412,10 +412,13 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     // Where something besides the runtime holds its first output, the runtime's recompute makes it anew
     // beside it (step_op_peaks()'s rule). The recompute runs inside its backward, once the backward of its
     // last operations made their gradients (Stage::grads_before_recompute_bytes, step_op_peaks()'s rule).
+    // The C++ executor (Chain::holds_outputs) lets go of the state once the recompute has run: the backward
+    // after it holds none (step_op_peaks()'s rule).
     const int64_t anew = step ? step->recomputed_held[static_cast<size_t>(j)] : 0;
     const int64_t before_rec = step ? s.grads_before_recompute_bytes : 0;
+    const int64_t let_go = chain.holds_outputs ? state : 0;
     if (step) bwd -= detail::recompute_unmade_bytes(chain, j) + early;
-    bwd = std::max(bwd + anew,
+    bwd = std::max(bwd + anew - let_go,
                    a_out + s.saved_bytes + s.fwd_tmp_bytes + at_rec + state + anew + twice + before_rec);
   }
   // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next

@@ -471,6 +471,9 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // whether its last forward so far made a plain output (Fc, Fn), which the simulation lets go of at the next
   // stage's backward rather than at its own.
   std::vector<char> state_held(static_cast<size_t>(n) + 2, 0);
+  // Per step stage: whether that state is a checkpoint region's (a group assignment's), held to its
+  // backward's end under any runtime.
+  std::vector<char> region_state(static_cast<size_t>(n) + 2, 0);
   std::vector<char> plain(static_cast<size_t>(n) + 2, 0);
   // Per step stage: its forward operations run so far (a stage whose forward runs again, sim.forward_calls
   // above 1, replays its draws from the states of its first run).
@@ -599,6 +602,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         (recomputes(op.kind, !op.groups.empty()) ||
          (forward_op && sim.forward_calls[static_cast<size_t>(op.stage)] > 1))) {
       state_held[static_cast<size_t>(op.stage)] = 1;
+      region_state[static_cast<size_t>(op.stage)] = op.kind == OpKind::kForwardKeep && !op.groups.empty();
       arrived += context.checkpoint_state_bytes;
     }
     if (forward_op && !after_loss && !replay) {
@@ -652,6 +656,17 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         state_held[static_cast<size_t>(op.stage)] && sim.op_recompute_peak_bytes[k] > 0)
       peaks[k] += std::max<int64_t>(
           0, sim.op_recompute_peak_bytes[k] + context.checkpoint_state_bytes - sim.op_peak_bytes[k]);
+    // The C++ executor (Chain::holds_outputs) lets go of the state it kept for a stage that runs again once
+    // the stage's last forward (its recompute) has run: the backward after it holds none. A checkpoint
+    // region's (a group assignment's) is held to its backward's end. Before (found 2026-12-05 by plans drawn
+    // at random through C++'s Planned), charged through that backward: one state high, safe, where it was
+    // the step's peak.
+    if (chain.holds_outputs && replay && state_held[static_cast<size_t>(op.stage)] &&
+        !region_state[static_cast<size_t>(op.stage)] &&
+        forwarded_so_far[static_cast<size_t>(op.stage)] == sim.forward_calls[static_cast<size_t>(op.stage)]) {
+      state_held[static_cast<size_t>(op.stage)] = 0;
+      arrived -= context.checkpoint_state_bytes;
+    }
     // Its input, which it does not save (kept, or offloaded or streamed not sending it) and nothing else
     // holds, goes once this forward is done.
     // Where what runs between made it (a residual sum) and the stage before's way holds its output beside it

@@ -145,7 +145,9 @@ struct StepContext {
   std::vector<bool> outputs_held_to_end;
   /// What a stage run by a way that recomputes (Fc, a group assignment), or whose forward the plan runs more
   /// than once (Fn before a later forward), holds beside its input from its first forward until its backward
-  /// is done (bytes): the random generators' state saved to replay its draws. They are host tensors: on a
+  /// is done (bytes): the random generators' state saved to replay its draws (for a chain whose runtime holds
+  /// outputs, Chain::holds_outputs, the C++ executor, until its last forward for a stage run more than once,
+  /// not a group assignment's). They are host tensors: on a
   /// CUDA device 0; where the device is the CPU, the CPU generator's state (5,056 bytes per such stage; the
   /// Python package measures it in the profiling step, remat::Planned reads it on a CPU device). 0 by
   /// default. A policy's measured saved_bytes holds it already. Each replay (a forward of the stage after its

@@ -143,6 +143,18 @@ struct PlannedOptions {
   /// a plan can recompute more than the smaller shape needs; false profiles every new shape. The Python
   /// package's borrow_plans.
   TORCH_ARG(bool, borrow_plans) = true;
+  /// A plan of one's own in place of the planner's: called where Planned would plan a shape (after its
+  /// profiling step, for each state of the gradients and after replan_on_overshoot), with the shape's
+  /// profile, the step's context (remat/planner/step.h: what plan_step() plans from) and the budget (bytes),
+  /// it returns the plan to run, which Planned runs, measures and checks as its own: predicted_peak_bytes()
+  /// is remat::step_peak_bytes(chain, context, plan), prediction_error() the step against it, and plan()'s
+  /// `predicted` is simulate(chain, plan). A plan that assigns groups or streams names them
+  /// (Plan::group_names, Plan::stream_windows, from the chain's stages). Benchmarks and tests run plans of
+  /// their choosing so (the Python tests' give_plan); a plan made offline (the remat command's) can run so
+  /// too. Null (the default): plan_step() with `planner`. Throws c10::Error naming remat::Planned and
+  /// choose_plan, before any stage runs under the plan, where the function throws, where the plan is not one
+  /// for the chain (simulate()'s std::invalid_argument) or where its predicted peak is above the budget.
+  TORCH_ARG(std::function<Plan(const Chain&, const StepContext&, int64_t)>, choose_plan) = nullptr;
 };
 
 /// A stage that also takes the per-step extra tensors given to PlannedImpl::forward(x, args), e.g. an
@@ -304,6 +316,7 @@ class PlannedImpl : public torch::nn::Module {
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x,
                                const std::shared_ptr<Call>& call);
   void make_plan(Shape& shape);
+  StepPlan chosen_plan(const Chain& chain, const StepContext& context, int64_t budget) const;
   // The bytes of the parameter gradients the stages' backward pass would make now (per stage: those of its
   // module's parameters that require a gradient and have none; a parameter shared by two stages at the one
   // the backward pass meets first).

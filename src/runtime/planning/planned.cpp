@@ -419,6 +419,27 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   return out;
 }
 
+StepPlan PlannedImpl::chosen_plan(const Chain& chain, const StepContext& context, int64_t budget) const {
+  StepPlan out;
+  try {
+    out.plan = options_.choose_plan()(chain, context, budget);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, kWho, ": PlannedOptions::choose_plan threw: ", e.what());
+  }
+  try {
+    out.plan.predicted = simulate(chain, out.plan);
+    out.step_peak_bytes = step_peak_bytes(chain, context, out.plan);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, kWho, ": PlannedOptions::choose_plan's plan ", out.plan.to_string(),
+                " is not one for the profiled stages: ", e.what());
+  }
+  TORCH_CHECK(out.step_peak_bytes <= budget, kWho, ": PlannedOptions::choose_plan's plan ",
+              out.plan.to_string(), " is predicted to peak at ", out.step_peak_bytes,
+              " bytes, above the budget of ", budget, " bytes");
+  out.step_time_ms = out.plan.predicted.time_ms + context.rest_ms;
+  return out;
+}
+
 void PlannedImpl::make_plan(Shape& shape) {
   // What surrounds the stages: the base is taken with their input alive; the rest of the step as measured;
   // the parameter gradients the backward pass will allocate (those none now: zero_grad setting them to none,
@@ -499,8 +520,10 @@ void PlannedImpl::make_plan(Shape& shape) {
     // Offloading and group assignments are planned by the per-layer planner; otherwise the optimal one
     // (recomputation across stages).
     const bool per_layer = options_.planner().offload || options_.groups();
-    StepPlan planned = plan_step(chain, context, std::max<int64_t>(budget, 1),
-                                 per_layer ? "per-layer" : "optimal", options_.planner());
+    StepPlan planned = options_.choose_plan()
+                           ? chosen_plan(chain, context, budget)
+                           : plan_step(chain, context, std::max<int64_t>(budget, 1),
+                                       per_layer ? "per-layer" : "optimal", options_.planner());
     shape.plan = std::move(planned.plan);
     shape.predicted = planned.step_peak_bytes;
     shape.grads_charged = grads;

@@ -424,7 +424,10 @@ struct GradSource final : torch::autograd::Node {
 torch::autograd::variable_list backward_from(at::Tensor output, at::Tensor grad,
                                              const std::vector<at::Tensor>& targets, bool keep_graph,
                                              bool create_graph, bool accumulate) {
-  const at::Tensor token = at::zeros({}, output.options().dtype(at::kFloat).device(at::kCPU));
+  // The root's input, which GradSource ignores: a tensor of no elements, so that it holds no bytes through
+  // the backward pass it starts (a 0-dim one held 4 bytes there: found 2026-12-05, a C++ BertModel step 4
+  // bytes above its prediction where a stage's backward was the peak).
+  const at::Tensor token = at::empty({0}, output.options().dtype(at::kFloat).device(at::kCPU));
   auto source =
       compat::make_node<GradSource>(std::move(grad), torch::autograd::impl::gradient_edge(output), token);
   output.reset();  // the edge holds the graph; the values may go once the nodes that saved them are done

@@ -1356,8 +1356,7 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
         s.bwd_output_freed_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(runtime_rng);
       ctx.output_held_in_backward = trial % 8 == 3;
       ctx.checkpoint_state_bytes = std::uniform_int_distribution<int64_t>(1, 3000)(runtime_rng);
-      // Its backward the peak, where the charge shows; or, on every eighth trial, a forward (what the runtime
-      // holds through the forward pass, detail::forward_pass_state_bytes()).
+      // Its backward the peak, where the charge shows; or, on every eighth trial, a forward.
       remat::Stage& peaking = chain.stages[static_cast<size_t>(trial / 4) % chain.stages.size()];
       if (trial % 8 == 7) {
         peaking.fwd_tmp_bytes += 300000;
@@ -2958,16 +2957,18 @@ TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackwa
   Chain replayed = c;  // its replay the peak: the stage's state and the one the replay saves
   replayed.stages[1].fwd_tmp_bytes = 90000;
   EXPECT_EQ(added(replayed, again), 2 * 5056);
-  // A runtime that holds outputs (the C++ executor) holds one state through the chain's forward pass (taken
-  // as it begins, to put the generators back should a stage throw): a forward the peak is charged it, kept or
-  // not; a runtime that does not, nothing. Before (found 2026-12-03), a small BertModel planned with every
-  // layer kept peaked in its last layer's forward 5,056 bytes above its prediction.
+  // The state the C++ executor takes as the forward pass begins (to put the generators back should a stage
+  // throw) is kept as plain bytes, not among the device's tensors: a forward the peak is charged the states
+  // the stages keep, under either runtime. (From 2026-12-03 to 2026-12-05 it was a tensor, charged through
+  // the forward pass, which the first stage's own state shared where that stage kept one: one state high
+  // there.)
   Chain forward_peak = c;
   forward_peak.stages[2].fwd_tmp_bytes = 90000;
-  EXPECT_EQ(added(forward_peak, remat::no_checkpoint(forward_peak)), 0);
-  forward_peak.holds_outputs = true;
-  EXPECT_EQ(added(forward_peak, remat::no_checkpoint(forward_peak)), 5056);
-  EXPECT_EQ(added(forward_peak, remat::checkpoint_stages(3, {0})), 2 * 5056);  // stage 0's own too
+  for (bool holds : {false, true}) {
+    forward_peak.holds_outputs = holds;
+    EXPECT_EQ(added(forward_peak, remat::no_checkpoint(forward_peak)), 0);
+    EXPECT_EQ(added(forward_peak, remat::checkpoint_stages(3, {0})), 5056);  // stage 0's own
+  }
   // A group assignment's backward first recomputes what it did not keep: where that recompute is the peak, it
   // holds a second state there, the one it saves while it replays the first; where its backward after it is,
   // one. Before (found 2026-12-05 by test_random's drawn group assignments on the CPU, which held up to one

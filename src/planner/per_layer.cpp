@@ -286,8 +286,6 @@ struct StepTerms {
   std::vector<int64_t> recomputed_held;
   // What a way that recomputes holds beside its input until its backward is done (checkpoint_state_bytes).
   int64_t checkpoint_state = 0;
-  // What the runtime holds through the chain's forward pass (detail::forward_pass_state_bytes()).
-  int64_t forward_pass_state = 0;
   // Per stage: what the chain stages' forwards up to its own left in autocast's cache
   // (Stage::autocast_cache_bytes), charged in its forward; the rest's, all of them, in its forward and its
   // backward (whose measured peak may be in its forward); in no chain stage's backward (step_op_peaks()'s
@@ -332,10 +330,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // The generators' state a checkpoint saved, held from its forward to its backward's end.
   const int64_t state = step && detail::recomputes(c.kind, !c.groups.empty()) ? step->checkpoint_state : 0;
   const int64_t kept_to_end = step ? step->held_to_end[static_cast<size_t>(j)] : 0;
-  // What the forwards so far left in autocast's cache: in its forward; the rest's backward too. In its
-  // forward, what the runtime holds through the forward pass (a chain stage's, step stages 1 to n).
+  // What the forwards so far left in autocast's cache: in its forward; the rest's backward too.
   const int64_t cached = step ? step->cached_through[static_cast<size_t>(j)] : 0;
-  const int64_t pass_state = step && j >= 1 && j + 1 < chain.size() ? step->forward_pass_state : 0;
   const int64_t cached_bwd = step && j + 1 == chain.size() ? cached : 0;
   // Its own gradients at its backward's peak, as measured with them made there for its way
   // (Stage::grads_way, the rule step_op_peaks() follows).
@@ -377,17 +373,15 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
     // the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max(
-        {o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window) + cached + pass_state,
-         a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice -
-             dropped + held_back,
-         between});
+    return std::max({o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window) + cached,
+                     a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less -
+                         gone + twice - dropped + held_back,
+                     between});
   }
   // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
   // step and its way holds it, is held from the end of its forward until the next stage's backward is done:
   // in R of the stages after it, not here; step_op_peaks()'s rule.)
-  const int64_t fwd =
-      c.held + detail::forward_tmp_bytes(s, c.kind, c.held, c.unsaved) + state + cached + pass_state;
+  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held, c.unsaved) + state + cached;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   // With keep tags or a group assignment: the larger of its backward and the recompute before it, which makes
@@ -1083,7 +1077,6 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.input_freed = detail::input_unheld_bytes(chain, context);
   t.first_input_let_go = detail::first_input_let_go(chain, context);
   t.checkpoint_state = context.checkpoint_state_bytes;
-  t.forward_pass_state = detail::forward_pass_state_bytes(chain, context);
   t.cached_through.assign(n + 2, 0);
   for (size_t s = 1; s <= n + 1; ++s)
     t.cached_through[s] = t.cached_through[s - 1] + (s <= n ? chain.stages[s - 1].autocast_cache_bytes : 0);

@@ -351,10 +351,6 @@ int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool of
   return kind == OpKind::kForwardAll || kind == OpKind::kForwardKeep ? s.output_bytes : 0;
 }
 
-int64_t forward_pass_state_bytes(const Chain& chain, const StepContext& context) {
-  return chain.holds_outputs ? context.checkpoint_state_bytes : 0;
-}
-
 int64_t recomputed_output_held_bytes(const Chain& chain, const StepContext& context, int64_t j) {
   // (One held to the step's end is charged through the recompute already: held_to_end_bytes().)
   if (!output_held_past_runtime(chain, context, j) || held_to_end_bytes(chain, context, j) > 0) return 0;
@@ -616,8 +612,6 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     const bool without_input = after_loss && !input_back && op.stage >= 1 && op.kind != OpKind::kLoss;
     const int64_t less = base + (without_input ? freed : 0);
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
-    // What the runtime holds through the chain's forward pass (forward_pass_state_bytes()).
-    if (forward_op && !after_loss) peaks[k] += forward_pass_state_bytes(chain, context);
     // The gradient a residual sum's path holds through a chain stage's backward (grad_held_bytes()).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
       peaks[k] += grad_held_bytes(chain, context, op.stage - 1);

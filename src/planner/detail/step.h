@@ -122,15 +122,6 @@ bool output_held_past_runtime(const Chain& chain, const StepContext& context, in
 // above its prediction in its backward pass where the caller's temporary held the output.
 int64_t output_held_back_bytes(const Stage& s, OpKind kind, bool groups, bool offloaded);
 
-// What a runtime that holds outputs (Chain::holds_outputs: the C++ executor) holds beside the stages through
-// the chain's forward pass before the loss: the generators' state it takes as the pass begins, to put them
-// back should a stage throw (StepContext::checkpoint_state_bytes, one state: read on a CPU device, 0 on CUDA,
-// whose states are host tensors); 0 for another runtime. The one rule of step_op_peaks() and the per-layer
-// program, charged in every chain stage's forward before the loss. Before (found 2026-12-03) it was not: a
-// small BertModel planned with every layer kept peaked in its last layer's forward 5,056 bytes above its
-// prediction.
-int64_t forward_pass_state_bytes(const Chain& chain, const StepContext& context);
-
 // What chain stage j, checkpointed (Fc) and recomputed as Fa, holds beyond the simulation from that
 // recompute to the end of its backward where a runtime that holds outputs recomputes the output anew (a
 // tensor of its own, where a per-call checkpoint does not) and the rest of the step holds the first (the

@@ -372,8 +372,13 @@ at::Tensor run_forward_pass(ExecState& st, const at::Tensor& input) {
   at::AutoGradMode no_grad(false);  // Fa operations turn it on for their stage
   st.held[0].plain = input.detach();
   {
-    // A stage that throws leaves the RNG and every stage's buffers as they were.
-    const RngState start = st.preserve_rng ? RngState::capture(st.cuda_devices) : RngState();
+    // A stage that throws leaves the RNG and every stage's buffers as they were. The state is kept as plain
+    // bytes (RngState::hold_as_bytes), not among the device's tensors: the step's model charges the states
+    // the stages keep, not this one. Before (2026-12-03 to 2026-12-05) it was a tensor, charged through the
+    // forward pass, and one the first stage's own state shared where that stage kept one (charged apart: the
+    // model one state high there).
+    RngState start = st.preserve_rng ? RngState::capture(st.cuda_devices) : RngState();
+    start.hold_as_bytes();
     RngRollback rng(start);
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     for (const auto& stage : st.stages) {

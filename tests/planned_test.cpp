@@ -1087,45 +1087,66 @@ TEST_F(PlannedTest, AnOutputTheCallerHoldsToTheStepsEndIsReadAndPredicted) {
   }
 }
 
+namespace {
+
+// The tests' tiny BERT, and a batch for it: token ids and a padding mask.
+remat::models::BertConfig tiny_bert() {
+  return remat::models::BertConfig()
+      .vocab_size(60)
+      .hidden_size(32)
+      .num_hidden_layers(4)
+      .num_attention_heads(4)
+      .intermediate_size(64)
+      .max_position_embeddings(32);
+}
+struct TinyBatch {
+  torch::Tensor ids, mask;
+};
+TinyBatch tiny_bert_batch() {
+  torch::manual_seed(1);
+  TinyBatch b{torch::randint(60, {4, 24}), torch::ones({4, 24})};
+  b.mask.narrow(1, 18, 6).zero_();
+  return b;
+}
+
+// One step of `plain` and of `bert` (the same weights) from `seed`: the loss, the next draw and every
+// gradient the plain one's, bitwise.
+void expect_bert_step_as_plain(remat::models::BertModel& plain, remat::models::BertModel& bert,
+                               const TinyBatch& in, uint64_t seed, const std::string& what) {
+  std::vector<torch::Tensor> la, lb;
+  for (remat::models::BertModel* m : {&plain, &bert}) {
+    (*m)->zero_grad();
+    torch::manual_seed(seed);
+    torch::Tensor loss = (*m)->forward(in.ids, in.mask).pow(2).mean();
+    loss.backward();
+    (m == &plain ? la : lb).push_back(loss);
+    (m == &plain ? la : lb).push_back(torch::rand({4}));
+  }
+  EXPECT_TRUE(torch::equal(la[0], lb[0]) && torch::equal(la[1], lb[1])) << what;
+  const auto pa = plain->parameters(), pb = bert->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    if (!pa[i].grad().defined()) continue;  // the pooler
+    EXPECT_TRUE(torch::equal(pa[i].grad(), pb[i].grad())) << what << ": gradient " << i;
+  }
+}
+
+}  // namespace
+
 // remat's own models in one line: gradient_checkpointing_enable(PlannedOptions).
 TEST_F(PlannedTest, BertAndResNetPlanTheirBlocksInOneLineAndTrainAsThePlainModel) {
   using remat::models::BertConfig;
   using remat::models::BertModel;
   using remat::models::ResNet;
-  const auto config = BertConfig()
-                          .vocab_size(60)
-                          .hidden_size(32)
-                          .num_hidden_layers(4)
-                          .num_attention_heads(4)
-                          .intermediate_size(64)
-                          .max_position_embeddings(32);
-  torch::manual_seed(1);
-  const torch::Tensor ids = torch::randint(60, {4, 24});
-  torch::Tensor mask = torch::ones({4, 24});
-  mask.narrow(1, 18, 6).zero_();
+  const auto config = tiny_bert();
+  const TinyBatch in = tiny_bert_batch();
   torch::manual_seed(0);
   BertModel plain(config);
   torch::manual_seed(0);
   BertModel bert(config);
   bert->gradient_checkpointing_enable(remat::PlannedOptions().budget(1 << 30));  // the one line
   EXPECT_EQ(bert->planned(), nullptr);
-  for (int s = 0; s < 3; ++s) {
-    std::vector<torch::Tensor> la, lb;
-    for (BertModel* m : {&plain, &bert}) {
-      (*m)->zero_grad();
-      torch::manual_seed(600 + s);
-      torch::Tensor loss = (*m)->forward(ids, mask).pow(2).mean();
-      loss.backward();
-      (m == &plain ? la : lb).push_back(loss);
-      (m == &plain ? la : lb).push_back(torch::rand({4}));
-    }
-    EXPECT_TRUE(torch::equal(la[0], lb[0]) && torch::equal(la[1], lb[1])) << "BERT step " << s;
-    const auto pa = plain->parameters(), pb = bert->parameters();
-    for (size_t i = 0; i < pa.size(); ++i) {
-      if (!pa[i].grad().defined()) continue;  // the pooler
-      EXPECT_TRUE(torch::equal(pa[i].grad(), pb[i].grad())) << "BERT step " << s << " gradient " << i;
-    }
-  }
+  for (int s = 0; s < 3; ++s)
+    expect_bert_step_as_plain(plain, bert, in, 600 + s, "BERT step " + std::to_string(s));
   ASSERT_NE(bert->planned(), nullptr);
   EXPECT_TRUE(bert->planned()->is_planned());
   EXPECT_EQ(bert->planned()->chain()->size(), 4);
@@ -1139,7 +1160,7 @@ TEST_F(PlannedTest, BertAndResNetPlanTheirBlocksInOneLineAndTrainAsThePlainModel
   EXPECT_EQ(bert->parameters().size(), plain->parameters().size());
   bert->eval();
   plain->eval();
-  EXPECT_TRUE(torch::equal(bert->forward(ids, mask), plain->forward(ids, mask)));
+  EXPECT_TRUE(torch::equal(bert->forward(in.ids, in.mask), plain->forward(in.ids, in.mask)));
   EXPECT_THROW(bert->gradient_checkpointing_enable(remat::PlannedOptions()), c10::Error);  // no budget
 
   torch::manual_seed(0);
@@ -1534,17 +1555,8 @@ TEST_F(PlannedTest, PlansOfOnesOwnRunAsPlannedAndDrawnMixesHoldAtMostTheirPredic
 TEST_F(PlannedTest, DrawnPlansOfBertsLayersHoldTheirPredictions) {
   using remat::models::BertConfig;
   using remat::models::BertModel;
-  const auto config = BertConfig()
-                          .vocab_size(60)
-                          .hidden_size(32)
-                          .num_hidden_layers(4)
-                          .num_attention_heads(4)
-                          .intermediate_size(64)
-                          .max_position_embeddings(32);
-  torch::manual_seed(1);
-  const torch::Tensor ids = torch::randint(60, {4, 24});
-  torch::Tensor mask = torch::ones({4, 24});
-  mask.narrow(1, 18, 6).zero_();
+  const auto config = tiny_bert();
+  const TinyBatch in = tiny_bert_batch();
   torch::manual_seed(0);
   BertModel plain(config);
   remat::PlannerOptions offload;
@@ -1568,21 +1580,7 @@ TEST_F(PlannedTest, DrawnPlansOfBertsLayersHoldTheirPredictions) {
               return plan;
             }));
     for (int s = 0; s < 3; ++s) {
-      std::vector<torch::Tensor> la, lb;
-      for (BertModel* m : {&plain, &bert}) {
-        (*m)->zero_grad();
-        torch::manual_seed(700 + s);
-        torch::Tensor loss = (*m)->forward(ids, mask).square().mean();
-        loss.backward();
-        (m == &plain ? la : lb).push_back(loss);
-        (m == &plain ? la : lb).push_back(torch::rand({4}));
-      }
-      EXPECT_TRUE(torch::equal(la[0], lb[0]) && torch::equal(la[1], lb[1])) << *text << " step " << s;
-      const auto pa = plain->parameters(), pb = bert->parameters();
-      for (size_t i = 0; i < pa.size(); ++i) {
-        if (!pa[i].grad().defined()) continue;  // the pooler
-        EXPECT_TRUE(torch::equal(pa[i].grad(), pb[i].grad())) << *text << " step " << s << " gradient " << i;
-      }
+      expect_bert_step_as_plain(plain, bert, in, 700 + s, *text + " step " + std::to_string(s));
       if (s == 0) continue;
       const remat::PlannedImpl& p = *bert->planned();
       EXPECT_LE(p.last_peak_bytes(), p.predicted_peak_bytes()) << *text;

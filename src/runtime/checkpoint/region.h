@@ -41,9 +41,9 @@ struct RngState {
   /// Keeps the CPU generator's state as plain bytes outside any tensor and lets go of the tensor; restore()
   /// and matches_current() read the bytes. For a state held to a backward pass that no figure of the step's
   /// model counts: where the generators stood after a kept call that drew random numbers
-  /// (KeptCall::rng_after), held as the Python package holds it (remat/selective.py's _rng_after), not among
-  /// the CPU device's tensor bytes. A state shared with another capture (a neighbour's start) stays alive
-  /// there.
+  /// (KeptCall::rng_after, held as the Python package holds it: remat/selective.py's _rng_after), and where
+  /// they stood as the executor's forward pass began (put back should a stage throw); not among the CPU
+  /// device's tensor bytes. A state shared with another capture (a neighbour's start) stays alive there.
   void hold_as_bytes();
   std::vector<uint8_t> cpu_bytes;
   /// True when both hold the same states (byte for byte).

@@ -128,7 +128,8 @@ def _check_compiled(model: nn.Module, layers: Sequence[nn.Module], where: str) -
 def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, loss=None, plan=None,
            policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False,
            max_host_bytes=None, offload_min_bytes: int = 1 << 20, groups: bool = False,
-           replan_on_oom: bool = False, replan_on_overshoot: bool = False, borrow_plans: bool = True) -> LayerPlan:
+           replan_on_oom: bool = False, replan_on_overshoot: bool = False, borrow_plans: bool = True,
+           choose_plan=None) -> LayerPlan:
     """Plans `model`'s layers for `budget` and returns the LayerPlan (plan, choices, chain, predicted_peak_bytes,
     last_peak_bytes). docs/python.md has the guide.
 
@@ -137,7 +138,7 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     example: one batch's keyword arguments (with labels): profile and plan now, not at the first training step.
     loss: for a model that returns no loss (BertModel), its outputs -> the loss. plan: a given per-layer plan.
     policies, exclude, agree, offload, max_host_bytes, offload_min_bytes, groups, replan_on_oom,
-    replan_on_overshoot, borrow_plans: as remat.enable's (borrow_plans: batches padded to their longest
+    replan_on_overshoot, borrow_plans, choose_plan: as remat.enable's (borrow_plans: batches padded to their longest
     sequence profile only the lengths longer than every one before).
 
     Raises TypeError when the model has no layer list remat knows, or has layers compiled on their own under a
@@ -151,7 +152,8 @@ def enable(model: nn.Module, budget=None, *, example: Mapping | None = None, los
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
                    offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom,
-                   replan_on_overshoot=replan_on_overshoot, borrow_plans=borrow_plans, who="remat.hf.enable")
+                   replan_on_overshoot=replan_on_overshoot, borrow_plans=borrow_plans, choose_plan=choose_plan,
+                   who="remat.hf.enable")
 
     type(model)._set_gradient_checkpointing(model, enable=True, gradient_checkpointing_func=_Checkpointing(lp))
     model._remat_layer_plan = lp

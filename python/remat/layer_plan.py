@@ -59,8 +59,15 @@ class LayerPlan:
                  policies=("matmuls",), repeats: int = 1, exclude: Sequence[str] = (), agree=None,
                  offload: bool = False, max_host_bytes=None, offload_min_bytes: int = 1 << 20,
                  groups: bool = False, replan_on_oom: bool = False, replan_on_overshoot: bool = False,
-                 borrow_plans: bool = True, who: str = "remat.enable"):
+                 borrow_plans: bool = True, choose_plan=None, who: str = "remat.enable"):
         self.who = who
+        if choose_plan is not None and not callable(choose_plan):
+            raise TypeError(f"{who}: choose_plan must be a callable (chain, context, budget) -> remat.Plan, got "
+                            f"{type(choose_plan).__name__}")
+        if choose_plan is not None and budget is None:
+            raise ValueError(f"{who}: choose_plan is called with a budget, and the plan it returns is held to it: "
+                             "give budget too")
+        self.choose_plan = choose_plan
         if borrow_plans not in (True, False):
             raise ValueError(f"{who}: borrow_plans must be True or False, got {borrow_plans!r}")
         self.borrow_plans = borrow_plans
@@ -785,7 +792,7 @@ class LayerPlan:
             plan, predicted = self._planned(shape, ctx, max(budget, 1))
         except _core.InfeasibleBudget as e:
             least = e.min_bytes
-            err = _core.InfeasibleBudget(
+            err = e if self.choose_plan is not None else _core.InfeasibleBudget(
                 f"{self.who}: the budget of {_core.format_bytes(budget)} ({budget} bytes){self._fitted_words(shape)} "
                 f"is below the "
                 f"least feasible one, {_core.format_bytes(least)} ({least} bytes): the step's peak "
@@ -796,7 +803,7 @@ class LayerPlan:
                 f"{_core.format_bytes(sum(ctx.stage_grads_bytes) + max(0, ctx.rest_grads_bytes))} of gradients in the layers and after "
                 "them)")
             err.budget_bytes = budget
-            err.min_bytes = least
+            err.min_bytes = least  # choose_plan's: its plan's predicted peak
             shape.error = err
             shape.plan = shape.choices = shape.points = None
             shape.predicted = -1
@@ -819,6 +826,8 @@ class LayerPlan:
         if shape.planned_chain is not shape.chain:  # profiled again: its plans go
             shape.planned_chain, shape.planned_at = shape.chain, {}
         planned = shape.planned_at.get(key)
+        if planned is None and self.choose_plan is not None:
+            return self._chosen(shape, ctx, budget)
         if planned is None:
             step = _core.plan_step(shape.chain, ctx, budget, "per-layer", self.exclude, **options)
             if len(shape.planned_at) >= PLANS_KEPT:
@@ -826,13 +835,42 @@ class LayerPlan:
             planned = shape.planned_at[key] = (step.plan, step.step_peak_bytes)
         return planned
 
+    def _chosen(self, shape: Shape, ctx, budget: int) -> tuple:
+        """choose_plan's plan for `shape` at `budget` bytes, (plan, predicted step peak): a per-layer plan for the
+        profiled layers (ValueError naming it otherwise), predicted by step_peak_bytes and held to the budget
+        (remat.InfeasibleBudget above it, a ValueError, its min_bytes the plan's predicted peak). What the function raises goes through as it is. Not kept: called at each
+        planning, as C++'s PlannedOptions::choose_plan."""
+        f = _core.format_bytes
+        plan = self.choose_plan(shape.chain, ctx, budget)
+        if not isinstance(plan, _core.Plan):
+            raise TypeError(f"{self.who}: choose_plan returned a {type(plan).__name__}, not a remat.Plan")
+        try:
+            choices_of(plan)
+            if plan.num_stages != len(shape.chain.stages):
+                raise ValueError(f"the plan is for {plan.num_stages} stages but the profile has "
+                                 f"{len(shape.chain.stages)}")
+            predicted = _core.step_peak_bytes(shape.chain, ctx, plan)
+            plan.predicted = _core.simulate(shape.chain, plan)  # as the planner's plans carry it
+        except ValueError as e:
+            raise ValueError(f"{self.who}: choose_plan's plan {plan} is not one for the profiled layers: {e}") from None
+        if predicted > budget:
+            # As a budget no plan fits: the shape keeps no plan (set_budget), or the plan in force stays
+            # (another state of the gradients, replan_on_overshoot).
+            err = _core.InfeasibleBudget(f"{self.who}: choose_plan's plan {plan} is predicted to peak at "
+                                         f"{f(predicted)} ({predicted} bytes), above the budget of {f(budget)} "
+                                         f"({budget} bytes)")
+            err.budget_bytes, err.min_bytes = budget, predicted
+            raise err
+        return plan, predicted
+
     def _fitted_words(self, shape: Shape) -> str:
         """How a device budget's bytes were made, for messages ("" for a budget in bytes)."""
         if self.fit is None or shape.room is None:
             return ""
         return f" (budget={self._budget_text!r}: {self.fit:.0%} of {fit.describe(shape.room)})"
 
-def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
+def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, choose_plan=None,
+           policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
            offload_min_bytes: int = 1 << 20, groups: bool = False, replan_on_oom: bool = False,
            replan_on_overshoot: bool = False, borrow_plans: bool = True) -> LayerPlan:
@@ -841,7 +879,13 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     device budget, "auto" or "90%": that share of what the CUDA device has free when the profiling step begins,
     less a margin, remat.fit;
     the whole step's peak above the bytes alive when `model`'s forward is called; planned in place at the first
-    training step per input shape), or as a given per-layer `plan` (remat.per_layer's). policies: the selective
+    training step per input shape), or as a given per-layer `plan` (remat.per_layer's). choose_plan: a plan of
+    your own in place of the planner's, made from each shape's profile: called where remat would plan (after the
+    profiling step, for another state of the gradients, after replan_on_overshoot) as choose_plan(chain,
+    context, budget) -> remat.Plan, a per-layer plan (remat.Plan.from_json, remat.per_layer) run, predicted
+    (remat.step_peak_bytes) and checked as remat's own; ValueError where it is not one for the profiled layers,
+    remat.InfeasibleBudget (a ValueError) where it is predicted above the budget (C++'s
+    PlannedOptions::choose_plan). policies: the selective
     policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).
     Each layer's forward is wrapped (an instance attribute running the class's forward; LayerPlan.remove()
     puts it back). Layers compiled one by one (layer.compile(), torch.compile(layer)) run the plan inside their
@@ -882,7 +926,7 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     lp = LayerPlan(model, layers, budget=budget, plan=plan, policies=policies, repeats=repeats, exclude=exclude,
                    agree=agree, offload=offload, max_host_bytes=max_host_bytes,
                    offload_min_bytes=offload_min_bytes, groups=groups, replan_on_oom=replan_on_oom,
-                   replan_on_overshoot=replan_on_overshoot, borrow_plans=borrow_plans)
+                   replan_on_overshoot=replan_on_overshoot, borrow_plans=borrow_plans, choose_plan=choose_plan)
     for i, layer in enumerate(lp.layers):
         if "forward" in layer.__dict__:
             lp.remove()

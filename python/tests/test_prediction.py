@@ -901,3 +901,52 @@ def test_the_gradients_a_checkpointed_layers_backward_makes_before_its_recompute
     for st in chain.stages:
         st.grads_before_recompute_bytes = 0
     assert remat.step_peak_bytes(chain, lp.context, lp.plan) < lp.last_peak_bytes
+
+
+def test_a_plan_of_ones_own_runs_and_is_predicted_and_checked_as_remats(meter):
+    """choose_plan (C++'s PlannedOptions::choose_plan): the plan a function makes from the shape's profile, the
+    step's context and the budget runs as the plain step, predicted by step_peak_bytes and measured against it;
+    a plan that is not for the profiled layers, or is predicted above the budget, is refused by name."""
+    x = torch.randn(64, 64)
+    plain_model = mlp(depth=4)
+    plain = [train_step(plain_model, x, meter, seed=s, set_to_none=True) for s in (1, 2, 3)]
+
+    def plan_of(ops, n=4):
+        return remat.Plan.from_json(json.dumps({"num_stages": n, "ops": ops}))
+
+    ops = ["Fc0", "Fa1", "Fa2", "Fc3", "L", "Fa3", "B3", "B2", "B1", "Fa0", "B0"]
+    calls = []
+
+    def choose(chain, context, budget):
+        calls.append((len(chain.stages), budget))
+        return plan_of(ops)
+
+    m = mlp(depth=4)
+    lp = remat.enable(m, list(m), budget=1 << 40, choose_plan=choose)
+    for s, want in zip((1, 2, 3), plain):
+        assert_same_run(train_step(m, x, meter, seed=s, set_to_none=True), want)
+    assert calls and all(c == (4, 1 << 40) for c in calls), calls
+    assert lp.choices == ["checkpoint", "keep", "keep", "checkpoint"]
+    assert lp.predicted_peak_bytes == remat.step_peak_bytes(lp.chain, lp.context, lp.plan)
+    assert lp.plan.predicted.peak_bytes == remat.simulate(lp.chain, lp.plan).peak_bytes
+    assert 0 < lp.last_peak_bytes <= lp.predicted_peak_bytes, (lp.last_peak_bytes, lp.predicted_peak_bytes)
+    # Above the budget, refused by name with both figures; so is a plan of another size or shape.
+    predicted = lp.predicted_peak_bytes
+    with pytest.raises(remat.InfeasibleBudget, match=f"choose_plan's plan .* above the budget of .*{predicted - 1} b"):
+        lp.set_budget(predicted - 1)
+    with pytest.raises(remat.InfeasibleBudget, match="above the budget"):  # the shape has no plan at that budget
+        train_step(m, x, meter, set_to_none=True)
+    lp.set_budget(predicted)
+    assert_same_run(train_step(m, x, meter, seed=1, set_to_none=True), plain[0])
+    for bad, words in ((plan_of(["Fa0", "Fa1", "L", "B1", "B0"], 2), "for 2 stages but the profile has 4"),
+                       (plan_of(["Fa0", "Fn1", "Fa2", "Fa3", "L", "B3", "B2", "Fa1", "B1", "B0"]),
+                        "not a per-layer plan")):
+        m2 = mlp(depth=4)
+        remat.enable(m2, list(m2), budget=1 << 40, choose_plan=lambda chain, context, budget: bad)
+        with pytest.raises(ValueError, match=f"choose_plan's plan .* is not one for the profiled layers: .*{words}"):
+            for s in (1, 2):  # the profiling step, then the one that plans
+                train_step(m2, x, meter, seed=s, set_to_none=True)
+    with pytest.raises(TypeError, match="choose_plan must be a callable"):
+        remat.enable(mlp(depth=2), list(mlp(depth=2)), budget=1 << 30, choose_plan="per-layer")
+    with pytest.raises(ValueError, match="give budget too"):
+        remat.enable(mlp(depth=2), list(mlp(depth=2)), choose_plan=choose)

@@ -837,8 +837,9 @@ class LayerPlan:
 
     def _chosen(self, shape: Shape, ctx, budget: int) -> tuple:
         """choose_plan's plan for `shape` at `budget` bytes, (plan, predicted step peak): a per-layer plan for the
-        profiled layers (ValueError naming it otherwise), predicted by step_peak_bytes and held to the budget
-        (remat.InfeasibleBudget above it, a ValueError, its min_bytes the plan's predicted peak). What the function raises goes through as it is. Not kept: called at each
+        profiled layers (ValueError naming it otherwise; TypeError for no remat.Plan), predicted by
+        step_peak_bytes and held to the budget (remat.InfeasibleBudget above it, a ValueError, its min_bytes the
+        plan's predicted peak). What the function raises goes through as it is. Not kept: called at each
         planning, as C++'s PlannedOptions::choose_plan."""
         f = _core.format_bytes
         plan = self.choose_plan(shape.chain, ctx, budget)
@@ -869,11 +870,10 @@ class LayerPlan:
             return ""
         return f" (budget={self._budget_text!r}: {self.fit:.0%} of {fit.describe(shape.room)})"
 
-def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, choose_plan=None,
-           policies=("matmuls",),
+def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=None, policies=("matmuls",),
            repeats: int = 1, exclude: Sequence[str] = (), agree=None, offload: bool = False, max_host_bytes=None,
            offload_min_bytes: int = 1 << 20, groups: bool = False, replan_on_oom: bool = False,
-           replan_on_overshoot: bool = False, borrow_plans: bool = True) -> LayerPlan:
+           replan_on_overshoot: bool = False, borrow_plans: bool = True, choose_plan=None) -> LayerPlan:
     """Runs `layers` (the model's own modules, called in this order by its forward, each with its input tensor
     as the first positional argument) per layer as planned: for `budget` (bytes, a string such as "300MiB", or a
     device budget, "auto" or "90%": that share of what the CUDA device has free when the profiling step begins,
@@ -883,10 +883,10 @@ def enable(model: nn.Module, layers: Sequence[nn.Module], *, budget=None, plan=N
     your own in place of the planner's, made from each shape's profile: called where remat would plan (after the
     profiling step, for another state of the gradients, after replan_on_overshoot) as choose_plan(chain,
     context, budget) -> remat.Plan, a per-layer plan (remat.Plan.from_json, remat.per_layer) run, predicted
-    (remat.step_peak_bytes) and checked as remat's own; ValueError where it is not one for the profiled layers,
-    remat.InfeasibleBudget (a ValueError) where it is predicted above the budget (C++'s
-    PlannedOptions::choose_plan). policies: the selective
-    policies a layer may run under ("matmuls" by default; a dict name -> policy function for your own).
+    (remat.step_peak_bytes) and checked as remat's own; TypeError where it returns no remat.Plan, ValueError
+    where the plan is not one for the profiled layers, remat.InfeasibleBudget (a ValueError) where it is
+    predicted above the budget (C++'s PlannedOptions::choose_plan). policies: the selective policies a layer may
+    run under ("matmuls" by default; a dict name -> policy function for your own).
     Each layer's forward is wrapped (an instance attribute running the class's forward; LayerPlan.remove()
     puts it back). Layers compiled one by one (layer.compile(), torch.compile(layer)) run the plan inside their
     compiled graphs (the profiling step runs them eagerly, then profiles them through their graphs). In eval mode or

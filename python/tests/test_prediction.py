@@ -946,6 +946,11 @@ def test_a_plan_of_ones_own_runs_and_is_predicted_and_checked_as_remats(meter):
         with pytest.raises(ValueError, match=f"choose_plan's plan .* is not one for the profiled layers: .*{words}"):
             for s in (1, 2):  # the profiling step, then the one that plans
                 train_step(m2, x, meter, seed=s, set_to_none=True)
+    m3 = mlp(depth=4)
+    remat.enable(m3, list(m3), budget=1 << 40, choose_plan=lambda chain, context, budget: " ".join(ops))
+    with pytest.raises(TypeError, match="choose_plan returned a str, not a remat.Plan"):
+        for s in (1, 2):
+            train_step(m3, x, meter, seed=s, set_to_none=True)
     with pytest.raises(TypeError, match="choose_plan must be a callable"):
         remat.enable(mlp(depth=2), list(mlp(depth=2)), budget=1 << 30, choose_plan="per-layer")
     with pytest.raises(ValueError, match="give budget too"):

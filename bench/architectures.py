@@ -142,7 +142,7 @@ def sweep(kind: str, fractions, delays, size, meter) -> dict:
     runs = []
     for delay in delays:
         lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=delay) if delay else \
-            CopyEngine(torch.device("cpu"))
+            CopyEngine(torch.device("cpu"), hold=True)
         for f in fractions:
             lp.set_budget(int(lp.min_budget_bytes + f * (top - lp.min_budget_bytes)))
             for k in (1, 2):

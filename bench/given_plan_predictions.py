@@ -81,7 +81,7 @@ def run_given(lp, chain, ops, windows, run_step) -> tuple[int, list[int]]:
     _, predicted = give_plan(lp, ops, stream_windows=windows, policies=list(chain.policies))
     cpu = torch.device("cpu")
     peaks = []
-    for engine in (CopyEngine(cpu), CopyEngine(cpu, delay=100)):
+    for engine in (CopyEngine(cpu, hold=True), CopyEngine(cpu, delay=100)):
         lp.offloads.engines[cpu] = engine
         peaks.append(run_step())
     return predicted, peaks

@@ -166,6 +166,36 @@ TEST(Offload, SavedTensorsLeaveTheDeviceAndEveryStepIsThePlainRun) {
   EXPECT_EQ(pool->reserved_bytes(), reserved);
 }
 
+TEST(Offload, HeldUntilWaitedForEachSourceStaysOnTheDeviceUntilItsCopyIsWaitedFor) {
+  // OffloadOptions::hold_until_waited (what the plan executor opens its Offloads with): on the CPU the copies
+  // are made at once, and their sources stay on the device until finish_copies(), as on a GPU while the
+  // copies are in flight; then the bytes that leave are those of the Offload that lets go at once.
+  auto model = mlp();
+  const torch::Tensor x = input();
+  const Step plain = run(model, x);
+  auto pool = std::make_shared<remat::HostPool>();
+  auto open = [&](bool hold) {
+    return [&, hold] {
+      return std::make_unique<remat::Offload>(remat::OffloadOptions()
+                                                  .pool(pool)
+                                                  .min_bytes(kHidden)
+                                                  .keep_on_device(model.parameters())
+                                                  .hold_until_waited(hold));
+    };
+  };
+  const Step held = run(model, x, open(true));
+  expect_same(plain, held);
+  EXPECT_GT(held.offloaded.offloaded_bytes, 0);
+  EXPECT_EQ(held.held, plain.held);  // nothing waited for: every source still on the device
+  const Step waited = run(model, x, open(true), false, false, {}, /*finish=*/true);
+  const Step at_once = run(model, x, open(false));
+  expect_same(plain, waited);
+  EXPECT_EQ(waited.offloaded.offloaded_bytes, at_once.offloaded.offloaded_bytes);
+  EXPECT_EQ(waited.held, at_once.held);
+  EXPECT_LT(waited.held, plain.held);
+  EXPECT_EQ(pool->in_use_bytes(), 0);
+}
+
 TEST(Offload, LateCopiesAreReadOnlyOnceLandedAndPrefetchStartsThem) {
   // The copies are carried out only when waited for or `delay` copies later, and hold their sources weakly:
   // reading early gives wrong gradients, releasing a source first raises.
@@ -310,20 +340,23 @@ TEST(Offload, ThePoolsBoundKeepsTheRestOnTheDevice) {
 TEST(Offload, AnInPlaceWriteDuringACopyIsAnErrorNotAWrongGradient) {
   const torch::Tensor x = torch::randn({64, 256}, torch::requires_grad());
   const torch::Tensor w = torch::randn({256, 256}, torch::requires_grad());
-  auto step = [&](int delay) {
+  auto step = [&](int delay, bool hold) {
     x.mutable_grad() = torch::Tensor();
     torch::Tensor h = x.matmul(w);
     torch::Tensor y;
     {
-      remat::Offload o(remat::OffloadOptions().min_bytes(0).copy_delay(delay));
+      remat::Offload o(remat::OffloadOptions().min_bytes(0).copy_delay(delay).hold_until_waited(hold));
       y = h.sin();
     }
     h.mul_(2);  // what sin saved
     y.sum().backward();
   };
-  step(0);  // copied at once: the values saved
-  EXPECT_TRUE(torch::allclose(x.grad(), torch::cos(x.detach().matmul(w.detach())).matmul(w.detach().t())));
-  EXPECT_THROW_WITH(step(100), "remat::Offload", "modified by an in-place operation while its copy");
+  const torch::Tensor want = torch::cos(x.detach().matmul(w.detach())).matmul(w.detach().t());
+  step(0, false);  // copied at once: the values saved
+  EXPECT_TRUE(torch::allclose(x.grad(), want));
+  step(0, true);  // copied at once, its source held until waited for (the executor's): the values saved too
+  EXPECT_TRUE(torch::allclose(x.grad(), want));
+  EXPECT_THROW_WITH(step(100, false), "remat::Offload", "modified by an in-place operation while its copy");
 }
 
 TEST(Offload, ATensorStillOnTheDeviceComesBackAsItselfUnlessWrittenSince) {

@@ -126,6 +126,19 @@ class OffloadOptions {
     copy_delay_ = copies;
     return *this;
   }
+  /// On the CPU, where each copy is made at once: whether its source is held on the device all the same until
+  /// the copy is waited for (finish_copies(), a window's bound, the tensor brought back), as a GPU holds it
+  /// while a copy that outlasts the work beside it is in flight. The plan executor (remat::run_plan, so
+  /// remat::Planned) turns it on, so that on the CPU the device's bytes are what a plan's model charges
+  /// (what a stage sends stays on the device until the copy is waited for, after the next stage's forward)
+  /// and its tests check that charge; before (2026-12-06) a plan's peak beside a copy in flight read up to a
+  /// stage's sent bytes below its prediction on the CPU. The values are copied at once either way, so a
+  /// write in place after the copy is no error. No effect on a GPU or with copy_delay. Default false: let go
+  /// of at once.
+  OffloadOptions& hold_until_waited(bool hold) {
+    hold_until_waited_ = hold;
+    return *this;
+  }
   /// Streaming (a plan's Fa3@stream): at most this many bytes of copies to the host in flight (past it the
   /// oldest is waited for, its device bytes released; 0: each copy waited for at once), and in the backward
   /// pass, when a tensor is needed back, the tensors saved before it brought back ahead, nearest first, up to
@@ -141,12 +154,14 @@ class OffloadOptions {
   const std::shared_ptr<HostPool>& pool() const { return pool_; }
   const std::vector<at::Tensor>& keep_on_device() const { return keep_on_device_; }
   int copy_delay() const { return copy_delay_; }
+  bool hold_until_waited() const { return hold_until_waited_; }
 
  private:
   int64_t min_bytes_ = int64_t{1} << 20;
   std::shared_ptr<HostPool> pool_;
   std::vector<at::Tensor> keep_on_device_;
   int copy_delay_ = 0;
+  bool hold_until_waited_ = false;
   int64_t window_ = -1;
 };
 

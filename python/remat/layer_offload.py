@@ -88,7 +88,8 @@ class LayerOffloads:
         device = args[0].device
         engine = self.engines.get(device)
         if engine is None:
-            engine = self.engines[device] = CopyEngine(device)
+            # On the CPU a copy's source is held until the plan's schedule waits for it, as on a GPU (CopyEngine).
+            engine = self.engines[device] = CopyEngine(device, hold=True)
         # What the profile counted as alive anyway stays on the device: the parameters and buffers (their
         # storages found once a step) and the tensors the call takes beside its input (a mask, a position bias).
         if self._never_sent is None:

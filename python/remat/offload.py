@@ -205,10 +205,11 @@ def measure_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int
 
 class _Done:
     """A copy in flight: query() says whether it has completed, wait() waits for it (the current stream too,
-    on CUDA, so that its next work reads the copy)."""
+    on CUDA, so that its next work reads the copy). `at_once`: made already (the CPU), only its source held
+    until waited on (CopyEngine's `hold`)."""
 
-    def __init__(self, query, wait):
-        self.query, self.wait = query, wait
+    def __init__(self, query, wait, at_once: bool = False):
+        self.query, self.wait, self.at_once = query, wait, at_once
 
 
 class CopyEngine:
@@ -217,11 +218,18 @@ class CopyEngine:
     current stream's work. `delay` (CPU, tests): a
     copy is carried out only when waited on or when `delay` later copies have been started, and holds only a
     weak reference to its source, so that reading a destination early, or releasing a source before its copy,
-    shows (wrong values, or an error naming it)."""
+    shows (wrong values, or an error naming it). `hold` (CPU, with no delay): a copy to the host, made at once,
+    still holds its source on the device until waited on (finish_copies(), a window's bound, the tensor brought
+    back), as a GPU holds it while a copy that outlasts the work beside it is in flight; the planned layers'
+    engines hold (layer_offload.py), so that on the CPU the device's bytes are what a plan's model charges and
+    its tests check that charge. Before (2026-12-06) the source went at once there: a plan's peak beside a copy
+    in flight read up to a layer's sent bytes below its prediction on the CPU. The values are copied at once
+    either way, so a write in place after the copy is no error."""
 
-    def __init__(self, device: torch.device, delay: int = 0):
+    def __init__(self, device: torch.device, delay: int = 0, hold: bool = False):
         self.device = device
         self.delay = delay
+        self.hold = hold and device.type == "cpu" and delay <= 0
         self._pending: list[list] = []
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
@@ -496,7 +504,10 @@ class Offload:
             entry.source = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
             entry.version = t._version
             entry.counter = _version_holder(t)
-            entry.to_host_done = self._engine(t.device).copy(block[: t.nbytes], entry.source)
+            engine = self._engine(t.device)
+            entry.to_host_done = engine.copy(block[: t.nbytes], entry.source)
+            if entry.to_host_done is None and engine.hold:
+                entry.to_host_done = _Done(lambda: False, lambda: None, at_once=True)
             if entry.to_host_done is None:
                 entry.source = None  # copied already: the device tensor is autograd's no more
             else:
@@ -556,9 +567,10 @@ class Offload:
     # -- unpacking: the backward pass -------------------------------------------------------------------------
     def _to_host_landed(self, entry: _Entry) -> None:
         if entry.to_host_done is not None:
-            entry.to_host_done.wait()
-            entry.to_host_done = None
-            self._check_unmodified(entry)
+            done, entry.to_host_done = entry.to_host_done, None
+            done.wait()
+            if not done.at_once:
+                self._check_unmodified(entry)
         entry.source = None
         if entry.held_by is not None and entry.block is not None and entry.device_copy is None:
             # The storage stays on the device (autograd keeps it there through another saved tensor): the host

@@ -205,6 +205,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
     c10::Storage held_storage;
     int64_t version = 0;
     bool unpacked = false;
+    bool copied_at_once = false;  // its host copy made at once (the CPU): to_host only holds the source
     at::Device device = at::kCPU;
     ~Entry() {
       // Both copies done before the block is reused (errors are not raised here: autograd is dropping it).
@@ -268,6 +269,12 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
                                     static_cast<uintptr_t>(alignment_of(t.device())));
     e->version = t._version();
     e->to_host = copy(e->host, e->source);
+    if (!e->to_host && options_.hold_until_waited()) {
+      // Copied already (the CPU, at once): its source held all the same until the copy is waited for, as a
+      // GPU holds it while a copy that outlasts the work beside it is in flight (OffloadOptions).
+      e->to_host = std::make_shared<Copy>(Copy{[] { return false; }, [] {}});
+      e->copied_at_once = true;
+    }
     if (!e->to_host) {
       e->source = at::Tensor();  // copied already
     } else {
@@ -623,7 +630,7 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
       e.to_host = nullptr;
       // Written in place while its copy was in flight: the host may hold half old, half new values.
       TORCH_CHECK(
-          !e.source.defined() || e.source._version() == e.version,
+          e.copied_at_once || !e.source.defined() || e.source._version() == e.version,
           "remat::Offload: a tensor saved for backward (", e.nbytes,
           " bytes) was modified by an in-place operation while its copy to the host was in flight; its "
           "gradient would read values half old, half new. Clone it before the in-place operation, or "

@@ -180,8 +180,10 @@ at::Tensor value_of(const ExecState::Held& h) {
 // executor holds anyway) kept on the device.
 std::shared_ptr<Offload> open_offload(const ExecState& st, const StageFn& stage, std::vector<at::Tensor> also,
                                       int64_t window = -1) {
-  return std::make_shared<Offload>(
-      detail::stage_offload_options(st.offload, stage, std::move(also)).window(window));
+  // On the CPU each copy's source is held until the plan's schedule waits for it, as on a GPU.
+  return std::make_shared<Offload>(detail::stage_offload_options(st.offload, stage, std::move(also))
+                                       .window(window)
+                                       .hold_until_waited(true));
 }
 
 // Runs the forward operation `op` of the plan.

@@ -7,9 +7,10 @@ profiled once by remat.hf.enable(offload=True, groups=True, offload_min_bytes=16
 layer one way drawn at random: kept (Fa), kept with what it saves on the host (Fa@host), streamed with its
 window or none (Fa@stream, Fa@stream0), under the matmuls policy (Fk[matmuls]) on the device or the host,
 checkpointed (Fc) with or without its input on the host, or a random assignment of its saved groups
-(Fk{khr...}). The planner's answer is replaced by that plan (LayerPlan._planned, as the tests do), and one step
-is measured with remat's CPU meter twice: copies made at once (the CPU's engine) and copies carried out only
-when waited for (a delayed engine, as a GPU's copies may land late). Each step is checked bitwise against the
+(Fk{khr...}). The planner's answer is replaced by that plan (LayerPlan.choose_plan, as the tests do), and one step
+is measured with remat's CPU meter twice: copies made at once, their sources held until waited for (the
+planned layers' own engine on the CPU since 2026-12-06, CopyEngine(hold=True); before, let go of at once), and
+copies carried out only when waited for (a delayed engine, as a GPU's copies may land late). Each step is checked bitwise against the
 plain run's. Each row: the plan, the prediction, both measured peaks and their errors (measured less
 predicted, over predicted: negative where the model overstates).
 

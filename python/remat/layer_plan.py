@@ -820,14 +820,14 @@ class LayerPlan:
         a figure the plan depends on (_core.plan_figures), the budget or the planner's options changed since
         that shape last planned it, so that set_budget back to an earlier budget (a benchmark's rounds) costs
         no planning. Raises InfeasibleBudget as plan_step does (refusals are not kept)."""
+        if self.choose_plan is not None:  # its plans are never the planner's, nor kept
+            return self._chosen(shape, ctx, budget)
         options = self.offloads.planner_options()
         ints, reals = _core.plan_figures(shape.chain, ctx)
         key = (budget, tuple(self.exclude), tuple(sorted(options.items())), tuple(ints), tuple(reals))
         if shape.planned_chain is not shape.chain:  # profiled again: its plans go
             shape.planned_chain, shape.planned_at = shape.chain, {}
         planned = shape.planned_at.get(key)
-        if planned is None and self.choose_plan is not None:
-            return self._chosen(shape, ctx, budget)
         if planned is None:
             step = _core.plan_step(shape.chain, ctx, budget, "per-layer", self.exclude, **options)
             if len(shape.planned_at) >= PLANS_KEPT:

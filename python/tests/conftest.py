@@ -178,11 +178,14 @@ def matmul_seeing_alignment(seen: list, modulus: int):
 
 
 def give_plan(lp, ops, **fields):
-    """Replaces a profiled LayerPlan's planner with the plan of `ops` (the plan strings; `fields`: more of the plan's
-    JSON, as stream_windows and policies) and sets a budget it fits, as the tests and
-    bench/given_plan_predictions.py run a plan of their own in place: (the plan, its predicted step peak)."""
+    """Has a profiled LayerPlan run the plan of `ops` (the plan strings; `fields`: more of the plan's JSON, as
+    stream_windows and policies) in place of its planner's, through its choose_plan (what remat.enable's
+    choose_plan= sets: the plan checked against the profile and predicted as remat's own), and sets a budget it
+    fits, as the tests and bench/given_plan_predictions.py run a plan of their own in place: (the plan, its
+    predicted step peak)."""
     plan = remat.Plan.from_json(json.dumps({"num_stages": len(lp.chain.stages), "ops": ops, **fields}))
     predicted = remat.step_peak_bytes(lp.chain, lp.context, plan)
-    lp._planned = lambda shape, ctx, budget: (plan, predicted)
+    lp.choose_plan = lambda chain, context, budget: plan
     lp.set_budget(1 << 39)
+    assert lp.predicted_peak_bytes == predicted and str(lp.plan) == str(plan), (str(lp.plan), str(plan))
     return plan, predicted

@@ -260,8 +260,8 @@ struct StepTerms {
   // (StepContext::outputs_held_in_backward): a way that does not save it lets go of it then.
   std::vector<char> output_unheld;
   // Per stage: what its backward holds beyond its measured peak where a residual sum's path holds the
-  // gradient it is handed (detail::grad_held_bytes()).
-  std::vector<int64_t> grad_held;
+  // gradient it is handed (detail::grad_held_bytes()); and streamed.
+  std::vector<int64_t> grad_held, grad_held_streamed;
   // Per stage: whether what runs between it and the next let go of its output in the profiling step
   // (detail::output_freed_between()): a way that holds its output is charged it beside the next stage's
   // input (the rest's peak, for the last), from the end of its forward until the next stage's backward is
@@ -310,8 +310,8 @@ struct StepTerms {
 // its output): in R of the stages after it.
 int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* step, int64_t j) {
   if (!step || !step->frees_output[static_cast<size_t>(j)]) return 0;
-  return detail::held_past_between_bytes(s, c.kind, c.cost, !c.groups.empty(), c.offload || c.stream,
-                                         policy_of(s, c));
+  return detail::held_past_between_bytes(s, c.kind, c.cost, !c.groups.empty(), c.offload && !c.stream,
+                                         c.stream, policy_of(s, c));
 }
 
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
@@ -338,7 +338,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
   const int64_t side = step ? step->side[static_cast<size_t>(j)] : 0;
   // What a residual sum's path holding the gradient it is handed adds to its backward.
-  const int64_t held_grad = step ? step->grad_held[static_cast<size_t>(j)] : 0;
+  const int64_t held_grad =
+      step ? (c.stream ? step->grad_held_streamed : step->grad_held)[static_cast<size_t>(j)] : 0;
   const int64_t at_bwd = at_rec + side + held_grad +
                          s.grads_charge_bytes(own, Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream,
                                                                     !c.groups.empty(), c.variant - 1));
@@ -1052,6 +1053,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
   t.grad_held.assign(n + 2, 0);
+  t.grad_held_streamed.assign(n + 2, 0);
   t.output_unheld.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
@@ -1061,6 +1063,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.recomputed_held.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
     t.grad_held[s] = detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1);
+    t.grad_held_streamed[s] = detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1, true);
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);

@@ -285,11 +285,12 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   return !stage_flag(context.outputs_held_in_backward, j, true);
 }
 
-int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j) {
+int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, bool streamed) {
   if (j < 0 || j >= chain.size() || !output_freed_between(chain, context, j)) return 0;
   if (j + 1 == chain.size() && !context.rest_takes_last_input) return 0;
   if (!stage_flag(context.residual_grad_shared, j, true)) return 0;  // a copy, let go of once used
-  return chain.stages[static_cast<size_t>(j)].bwd_grad_held();
+  const Stage& s = chain.stages[static_cast<size_t>(j)];
+  return streamed ? s.output_bytes : s.bwd_grad_held();
 }
 
 bool output_grad_held(const StepContext& context, int64_t j) {
@@ -372,8 +373,9 @@ bool output_freed_between(const Chain& chain, const StepContext& context, int64_
 }
 
 int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
-                                bool offloaded, const PolicyCost* policy) {
-  if ((kind != OpKind::kForwardAll && kind != OpKind::kForwardKeep) || groups || offloaded) return 0;
+                                bool offloaded, bool streamed, const PolicyCost* policy) {
+  if ((kind != OpKind::kForwardAll && kind != OpKind::kForwardKeep) || groups || streamed) return 0;
+  if (offloaded) return cost && cost->output ? s.output_bytes : 0;
   return way_leaves_output(s, kind, cost, false, policy) ? 0 : s.output_bytes;
 }
 
@@ -554,8 +556,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
         if (output_freed_between(chain, context, in_chain.stage)) {
           const std::optional<OffloadCost> c = way_offload(chain, ops, in_chain);
           past = held_past_between_bytes(chain.stages[static_cast<size_t>(in_chain.stage)], op.kind,
-                                         c ? &*c : nullptr, !op.groups.empty(), op.offload || op.stream,
-                                         way_policy(chain, ops, in_chain));
+                                         c ? &*c : nullptr, !op.groups.empty(), op.offload && !op.stream,
+                                         op.stream, way_policy(chain, ops, in_chain));
         }
         past_after = past - past_between[static_cast<size_t>(op.stage)];
         past_between[static_cast<size_t>(op.stage)] = past;
@@ -614,7 +616,8 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     // The gradient a residual sum's path holds through a chain stage's backward (grad_held_bytes()).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
-      peaks[k] += grad_held_bytes(chain, context, op.stage - 1);
+      peaks[k] += grad_held_bytes(chain, context, op.stage - 1,
+                                  way[static_cast<size_t>(op.stage)] == Stage::kGradsStreamed);
     // A stage kept whose output the runtime lets go of as its backward begins, which something else holds;
     // one checkpointed, whose recompute makes its output anew beside the one something else holds.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&

@@ -179,9 +179,13 @@ struct StepContext {
   /// layer(x)` over layers that do not add their own), as the Python package's profiling step reads it, every
   /// stage checkpointed. The between figures are read so: a way of stage j - 1 that holds its output itself
   /// (Fa whose graph saves it, Stage::saves_output; Fk under a policy, which may keep it among the matmuls'
-  /// results; not offloaded, streamed or a group assignment: held_past_between_bytes(), remat/planner/detail)
-  /// keeps it beside stage j's input, and is charged output_bytes more from the end of its forward until
-  /// stage j's backward (and what runs between, which lets go of that input) is done. Before (found
+  /// results; not streamed or a group assignment: held_past_between_bytes(), remat/planner/detail) keeps it
+  /// beside stage j's input, and is charged output_bytes more from the end of its forward until stage j's
+  /// backward (and what runs between, which lets go of that input) is done. Offloaded, where its offload cost
+  /// sends the output (OffloadCost::output), likewise since 2026-12-06: the copy's source stays on the device
+  /// until the copies are waited for, after stage j's forward, and the copy comes back at stage j's backward
+  /// (a bound between the two; before, not charged: a residual MLP ending in sigmoids with a layer kept on
+  /// the host peaked 2.7-3.7% above its prediction). Before (found
   /// 2026-12-02), such a way was charged as if the output were stage j's input: a residual MLP whose layers
   /// end in a sigmoid held output_bytes per kept layer above its prediction (7.0% with four layers kept), one
   /// whose layers were kept under the matmuls policy 9.6%; until a later change that day the charge ran to

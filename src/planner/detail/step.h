@@ -45,7 +45,11 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 // one rule of step_op_peaks() and the per-layer program. Before (found 2026-12-03) it was not charged: layers
 // ending in a GELU under `x = x + layer(x)` peaked 2.2-5.7% above their predictions, a sigmoid under the
 // matmuls policy 3.0%; a sigmoid kept was exact only because its output's early credit was withheld there.
-int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j);
+// `streamed`: the stage's way streams it, whose backward (each tensor brought back just ahead of its use)
+// was not measured so: the gradient's whole bytes (output_bytes). Before (found 2026-12-06), Fa's figure:
+// layers ending in a Linear under such a sum, streamed, peaked one output above their predictions (3.8-4.3%
+// on four layers).
+int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, bool streamed = false);
 
 // Whether the chain's output gradient is alive once chain stage j's backward is done
 // (StepContext::output_grad_held_in_backward; false where empty and for j outside it).
@@ -148,14 +152,19 @@ bool output_freed_early(const Chain& chain, const StepContext& context, int64_t 
 bool output_freed_between(const Chain& chain, const StepContext& context, int64_t j);
 
 // What stage `s` run as `kind` (with `cost`, its way's offload cost or null; `groups`: a group assignment;
-// `offloaded`: offloaded or streamed; `policy`: its policy's cost, or null) holds from the end of its forward
-// until the next stage's backward (and what runs between them) is done beyond what the step's model charges
-// it, where what runs between it and the next stage (or the rest of the step) lets go of its output
-// (output_freed_between()): its output_bytes where its way is Fa or Fk (the keep tags, a policy), not
-// offloaded, and not known not to save its output (way_leaves_output()); else 0. The one rule of
-// step_op_peaks() and the per-layer program.
+// `offloaded`: offloaded, `streamed`: streamed; `policy`: its policy's cost, or null) holds from the end of
+// its forward until the next stage's backward (and what runs between them) is done beyond what the step's
+// model charges it, where what runs between it and the next stage (or the rest of the step) lets go of its
+// output (output_freed_between()): its output_bytes where its way is Fa or Fk (the keep tags, a policy), not
+// streamed, and saves its output: not offloaded and not known not to save it (way_leaves_output()), or
+// offloaded with the output among what it sends (`cost`'s `output`: the copy's source stays on the device
+// until the copies are waited for, after the next stage's forward, and the copy comes back at the next
+// stage's backward; charged through both and between them, a bound); else 0. The one rule of step_op_peaks()
+// and the per-layer program. Before (found 2026-12-06), 0 for every offloaded way: layers ending in a sigmoid
+// under `x = x + layer(x)` with one kept on the host peaked one output above their predictions (2.7-3.7% on
+// four layers), at the next layer's forward and its backward.
 int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* cost, bool groups,
-                                bool offloaded, const PolicyCost* policy);
+                                bool offloaded, bool streamed, const PolicyCost* policy);
 
 // Whether chain stage op.stage's way under `op` (a forward of a plan whose policies are ops.policies) is
 // known not to save its output (way_leaves_output(), with the way's offload cost).

@@ -506,7 +506,7 @@ class Offload:
             entry.counter = _version_holder(t)
             engine = self._engine(t.device)
             entry.to_host_done = engine.copy(block[: t.nbytes], entry.source)
-            if entry.to_host_done is None and engine.hold:
+            if entry.to_host_done is None and getattr(engine, "hold", False):  # (an engine of the caller's may lack it)
                 entry.to_host_done = _Done(lambda: False, lambda: None, at_once=True)
             if entry.to_host_done is None:
                 entry.source = None  # copied already: the device tensor is autograd's no more
@@ -569,7 +569,7 @@ class Offload:
         if entry.to_host_done is not None:
             done, entry.to_host_done = entry.to_host_done, None
             done.wait()
-            if not done.at_once:
+            if not getattr(done, "at_once", False):
                 self._check_unmodified(entry)
         entry.source = None
         if entry.held_by is not None and entry.block is not None and entry.device_copy is None:

@@ -310,7 +310,7 @@ def test_offloaded_and_streamed_layers_under_a_residual_sum_outside_them_hold_th
     # (after the next layer's forward), and the copy comes back at the next layer's backward, beside the sum's
     # result: charged as a kept layer's output held past the sum. A streamed layer's backward, not measured with
     # the gradient the residual path holds through it, is charged that gradient whole. Before (found 2026-12-06
-    # by random plans of these layers), such steps peaked one output above their predictions (3.4-4.0%), on the
+    # by random plans of these layers), such steps peaked one output above their predictions (2.7-4.3%), on the
     # CPU's copies made at once and carried out late alike. Each step the plain run's bitwise.
     from conftest import backward_ops, give_plan
     plain, m = (_SumsOutside(False, last=last) for _ in range(2))

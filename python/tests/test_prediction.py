@@ -984,3 +984,19 @@ def test_a_plan_of_ones_own_runs_and_is_predicted_and_checked_as_remats(meter):
         remat.enable(mlp(depth=2), list(mlp(depth=2)), budget=1 << 30, choose_plan="per-layer")
     with pytest.raises(ValueError, match="give budget too"):
         remat.enable(mlp(depth=2), list(mlp(depth=2)), choose_plan=choose)
+    # Set once profiled: planning at a budget the planner planned (and kept a plan for) takes the chosen plan;
+    # None hands planning back, its kept plan again.
+    m4 = mlp(depth=4)
+    lp4 = remat.enable(m4, list(m4), budget=1 << 40)
+    for s in (1, 2):
+        train_step(m4, x, meter, seed=s, set_to_none=True)
+    lp4.set_budget(1 << 40)  # the planner's plan, kept for these figures
+    planners = str(lp4.plan)
+    assert planners != str(plan_of(ops))
+    lp4.choose_plan = choose
+    lp4.set_budget(1 << 40)
+    assert str(lp4.plan) == str(plan_of(ops))
+    assert_same_run(train_step(m4, x, meter, seed=3, set_to_none=True), plain[2])
+    lp4.choose_plan = None
+    lp4.set_budget(1 << 40)
+    assert str(lp4.plan) == planners

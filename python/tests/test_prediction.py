@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import remat
-from conftest import assert_same_run, mlp, train_step
+from conftest import assert_same_run, backward_ops, give_plan, mlp, train_step
 
 
 def _scaled(chain, share):
@@ -312,7 +312,6 @@ def test_offloaded_and_streamed_layers_under_a_residual_sum_outside_them_hold_th
     # the gradient the residual path holds through it, is charged that gradient whole. Before (found 2026-12-06
     # by random plans of these layers), such steps peaked one output above their predictions (2.7-4.3%), on the
     # CPU's copies made at once and carried out late alike. Each step the plain run's bitwise.
-    from conftest import backward_ops, give_plan
     plain, m = (_SumsOutside(False, last=last) for _ in range(2))
     x = torch.randn(256, 64, generator=torch.Generator().manual_seed(1))
     lp = remat.enable(m, list(m.layers), budget=1 << 40, offload=True, offload_min_bytes=16 << 10,

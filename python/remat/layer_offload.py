@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from . import _core
+from ._state import module_tensors
 from .layer_calls import taken_tensors
 from .offload import CopyEngine, HostPool, Offload, storage_ptrs
 from .policies import is_groups, is_streamed, split_choice, stream_window
@@ -93,7 +94,7 @@ class LayerOffloads:
         # What the profile counted as alive anyway stays on the device: the parameters and buffers (their
         # storages found once a step) and the tensors the call takes beside its input (a mask, a position bias).
         if self._never_sent is None:
-            self._never_sent = storage_ptrs([*model.parameters(), *model.buffers()])
+            self._never_sent = storage_ptrs(module_tensors([model]))
         # Streamed ("keep@stream", "keep@stream0"): copies bounded by the plan's window each way, each tensor
         # brought back ahead of its use (at it, with no window); otherwise the whole layer comes back at once
         # (prefetch()).

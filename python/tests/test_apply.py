@@ -707,3 +707,24 @@ def test_layers_that_keep_part_of_the_graph_in_an_attribute_are_warned_of(meter)
             assert not said, said
         else:
             assert len(said) == 1 and "layer 0 (Stateful)" in said[0] and "(state, and 2 more)" in said[0], said
+
+
+def test_the_package_walk_of_a_models_tensors_finds_what_parameters_and_buffers_find():
+    """remat._state.module_tensors reads each module's dictionaries (the per-step walk of offloaded layers and
+    every checkpoint's buffer restore use it for speed): it finds what Module.parameters() and buffers() find,
+    in their order, on a model with a shared submodule, a tied weight, a parametrization, a None entry and a
+    non-persistent buffer."""
+    from remat._state import each_once, module_tensors
+
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), shared, nn.Sequential(shared, nn.Linear(4, 4)))
+    model[3][1].weight = model[0].weight  # tied
+    model[0].register_parameter("extra", None)
+    model[1].register_buffer("scratch", torch.zeros(3), persistent=False)
+    nn.utils.parametrize.register_parametrization(model[3][1], "bias", nn.Identity())
+    ids = lambda ts: [id(t) for t in ts]  # noqa: E731
+    assert ids(each_once(module_tensors([model], buffers=False))) == ids(model.parameters())
+    assert ids(each_once(module_tensors([model], parameters=False))) == ids(model.buffers())
+    both = each_once(module_tensors([model]))
+    assert sorted(ids(both)) == sorted(ids([*model.parameters(), *model.buffers()]))
+    assert ids(each_once(module_tensors([model[3], model[2]], buffers=False))) == ids(model[3].parameters())

@@ -2537,6 +2537,9 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
     // What runs between the stages (odd trials) is charged without the input too.
     remat::StepContext held = random_step(between_rng, chain, trial);
     held.inputs_held_in_forward[0] = true;  // (a kept first stage lets go of it too: the test below)
+    // A third of the trials with the input in the base (remat::Planned's: the caller let go of it once the
+    // chain returned, as remat's C++ BertModel does its embeddings' output): the same.
+    if (trial % 3 == 2) held.input_in_base = true, held.before_saved_bytes = 0;
     remat::StepContext gone = held;
     gone.input_held_in_backward = false;
     remat::PlannerOptions options;
@@ -2583,16 +2586,16 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
   EXPECT_GT(freed_whole, 5);
   EXPECT_GT(timelines, 5);
   EXPECT_GT(unsent, 20);
-  // The context's rules: held with input_in_base, read from the readings, agreed held where any rank holds
-  // it.
+  // The context's rules: read from the readings (with input_in_base too: before 2026-12-05 it was held
+  // there whatever was read), agreed held where any rank holds it.
   remat::StepContext both;
   both.input_in_base = true, both.input_held_in_backward = false;
-  EXPECT_THROW_WITH_STD(remat::validate(both, Chain{}), "input_in_base says the chain's input is held");
+  EXPECT_NO_THROW(remat::validate(both, Chain{}));
   remat::StepReadings r;
   r.input_held_in_backward = false;
   EXPECT_FALSE(remat::step_context(r).input_held_in_backward);
   r.input_in_base = true;
-  EXPECT_TRUE(remat::step_context(r).input_held_in_backward);
+  EXPECT_FALSE(remat::step_context(r).input_held_in_backward);
   // Freed by the time the rest handed the chain's output its gradient (input_freed_in_rest): the rest's
   // readings let go of it already, so the model holds it (letting go of it from the loss on too took it off
   // twice).

@@ -859,7 +859,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
 
     def read_input_held():
         step.read_out_grad_held(0)  # the first layer's backward is done
-        if input_ref is not None and not step.input_in_base:
+        if input_ref is not None:
             step.input_held = not input_ref.expired()
 
     def finish_profiling():
@@ -916,7 +916,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         step.output_freed = out_bytes if out_ref is not None and out_ref.expired() else 0
         # The layers' input, where it is gone by now (the model's forward held it in a variable until it
         # returned, and nothing else did): the count has let go of it already (StepReadings.input_freed_in_rest).
-        step.input_freed_in_rest = input_ref is not None and not step.input_in_base and input_ref.expired()
+        step.input_freed_in_rest = input_ref is not None and input_ref.expired()
         # The layers' parameter gradients that the rest's backward made: that of a call run inside this step
         # (a paired loss) which a backward pass reached before this one's layers (its own pass, or this one:
         # its nodes are later than this call's, so the engine runs its layers' backward first). They are in

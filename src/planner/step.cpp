@@ -88,7 +88,7 @@ StepContext step_context(const StepReadings& r) {
   c.side_freed_bytes = r.side_freed_bytes;
   // An input the rest's readings let go of already (input_freed_in_rest) is the model's to hold: charged as
   // let go of from the loss on as well, it would be let go of twice.
-  c.input_held_in_backward = r.input_held_in_backward || r.input_in_base || r.input_freed_in_rest;
+  c.input_held_in_backward = r.input_held_in_backward || r.input_freed_in_rest;
   c.outputs_held_in_backward = r.outputs_held_in_backward;
   c.inputs_held_in_forward = r.inputs_held_in_forward;
   c.between_forward_held_bytes = r.between_forward_held_bytes;  // signed, as between_held_bytes
@@ -140,11 +140,6 @@ void validate(const StepContext& c, const Chain& chain) {
   }
   check(c.side_bytes, "side_bytes");
   check(c.checkpoint_state_bytes, "checkpoint_state_bytes");
-  if (c.input_in_base && !c.input_held_in_backward)
-    throw std::invalid_argument(
-        "remat::StepContext: input_in_base says the chain's input is held through the step (it is part of "
-        "the "
-        "base), input_held_in_backward false that it is not");
   if (!(c.rest_ms >= 0))
     throw std::invalid_argument("remat::StepContext: rest_ms must be >= 0, got " + std::to_string(c.rest_ms));
   // A per-stage figure: empty, or one entry per stage.
@@ -387,7 +382,7 @@ bool leaves_output(const Chain& chain, const Plan& ops, const Op& op) {
 }
 
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context) {
-  return context.input_held_in_backward || context.input_in_base ? 0 : chain.input_bytes;
+  return context.input_held_in_backward ? 0 : chain.input_bytes;
 }
 
 bool first_input_let_go(const Chain& chain, const StepContext& context) {

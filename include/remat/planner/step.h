@@ -79,9 +79,12 @@ struct StepContext {
   /// entry per stage, together at most side_bytes.
   std::vector<int64_t> side_freed_bytes;
   /// Whether something besides the chain's stages holds the chain's input through their backward pass: the
-  /// part before the chain (what it saved), the caller, or not known (true, the default, and always with
-  /// input_in_base). False where, once the forward pass is over, only the stages hold it (the Python package
-  /// measures it: the input's storage is freed by the time the first stage's backward is done). A first stage
+  /// part before the chain (what it saved), the caller, or not known (true, the default). False where, once
+  /// the forward pass is over, only the stages hold it (remat::Planned and the Python package measure it: the
+  /// input's storage is freed by the time the first stage's backward is done), with input_in_base too (a
+  /// caller that let go of the input once the chain returned: remat's C++ BertModel, whose embeddings'
+  /// output only the chain holds; before 2026-12-05 input_in_base meant held, and such a step's first stage
+  /// checkpointed on the host held one input below its prediction through the backward pass). A first stage
   /// then streamed (Fa0@stream, Fa0@stream0: the Python package's runtime sends the stage's input with what
   /// it saves) leaves the input on the host from the loss on: the rest of the step's backward and every chain
   /// stage's backward (and recompute) are charged without it, the first stage's measured backward peak
@@ -120,7 +123,7 @@ struct StepContext {
   /// the rest's forward, see last_input_let_go_in_rest. Entry 0, the chain's input: whether anything held it
   /// into the backward pass (the Python package: its object alive at the end of the model's forward); where
   /// false, nothing holds it in
-  /// the backward pass (input_held_in_backward false, input_in_base false) and the first stage runs as Fa,
+  /// the backward pass (input_held_in_backward false) and the first stage runs as Fa,
   /// not offloaded, once, saving none of it, it is charged as gone from the loss on (the rest's backward
   /// and every chain stage's, as where a first stage streamed takes it to the host). Empty, or one entry per
   /// stage.
@@ -364,7 +367,7 @@ struct StepReadings {
 /// -before_saved_bytes), output_held_in_backward (false
 /// where output_freed_bytes > 0), checkpoint_state_bytes, stage_grads_bytes, and checkpoint_all_peak_bytes
 /// (step_peak above the base), side_bytes, side_grads_bytes, side_freed_bytes, input_held_in_backward (held
-/// whatever was read with input_in_base or input_freed_in_rest)
+/// whatever was read with input_freed_in_rest)
 /// and the between figures as read (what the forward and the backward between leave held signed; a
 /// backward's peak below 0 read as 0). Other negative differences are read as 0. Throws std::invalid_argument
 /// naming remat::step_context for a negative input_bytes, output_grad_bytes, output_freed_bytes,
@@ -385,8 +388,7 @@ StepContext context_for_grads(const StepContext& context, const std::vector<int6
 /// between_forward_held_bytes), every per-stage figure
 /// (stage_grads_bytes, side_grads_bytes, side_freed_bytes, the flags per stage, the between figures) empty or
 /// of the chain's size, side_grads_bytes and side_freed_bytes each at most side_bytes in all, the between
-/// figures' entry 0 zero, input_held_in_backward with
-/// input_in_base. Throws std::invalid_argument naming remat::StepContext, the field and the value.
+/// figures' entry 0 zero. Throws std::invalid_argument naming remat::StepContext, the field and the value.
 void validate(const StepContext& context, const Chain& chain);
 
 /// The whole step as a chain for simulate(): stage 0 what comes before the chain (its output the chain's

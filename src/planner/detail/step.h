@@ -171,7 +171,7 @@ int64_t held_past_between_bytes(const Stage& s, OpKind kind, const OffloadCost* 
 bool leaves_output(const Chain& chain, const Plan& ops, const Op& op);
 
 // The chain's input (bytes) where nothing but the stages holds it in the backward pass
-// (StepContext::input_held_in_backward false, input_in_base false), else 0.
+// (StepContext::input_held_in_backward false; with input_in_base too, where the caller let go of it), else 0.
 int64_t input_unheld_bytes(const Chain& chain, const StepContext& context);
 
 // Whether the chain's input, where nothing but the stages holds it in the backward pass

@@ -113,12 +113,16 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   // (the other's stand-in its output's bytes), within the output; unset where neither did.
   ua.stages[0].bwd_grad_held_bytes = 200, ub.stages[0].bwd_grad_held_bytes = 400;  // 100 a sample
   ua.stages[1].bwd_grad_held_bytes = 0;                                            // the other: 4000
+  // And a policy's own (PolicyCost::bwd_grad_held_bytes; the other's stand-in the stage's figure).
+  ua.stages[0].policies[0].bwd_grad_held_bytes = 100;  // 100 at 2, the stage's 400 at 4
   const remat::Chain line = remat::chain_at_batch(ua, 2, ub, 4, 3);
   EXPECT_EQ(line.stages[0].bwd_grad_held_bytes, 300);
   EXPECT_EQ(line.stages[1].bwd_grad_held_bytes, 2000);  // 0 at 2 and the stand-in, 4000, at 4
   // (at 8: 12,000 on the line, clamped to the output's 8,000)
   EXPECT_EQ(remat::chain_at_batch(ua, 2, ub, 4, 8).stages[1].bwd_grad_held_bytes, 8000);
   EXPECT_FALSE(line.stages[2].bwd_grad_held_bytes.has_value());
+  EXPECT_EQ(line.stages[0].policies[0].bwd_grad_held_bytes, 250);
+  EXPECT_FALSE(line.stages[1].policies[0].bwd_grad_held_bytes.has_value());
   EXPECT_FALSE(line.stages[0].policies[0].saves_output);
   EXPECT_TRUE(line.stages[1].policies[0].saves_output);
   EXPECT_TRUE(line.stages[0].saves_output);

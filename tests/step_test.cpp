@@ -155,6 +155,10 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
   // charged where a residual sum between let go of its output), measured on about half, up to the output.
   for (remat::Stage& s : chain.stages)
     if (coin(rng)) s.bwd_grad_held_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(rng);
+  // And a policy's own figure (PolicyCost::bwd_grad_held_bytes), on about half.
+  for (remat::Stage& s : chain.stages)
+    for (remat::PolicyCost& c : s.policies)
+      if (coin(rng)) c.bwd_grad_held_bytes = std::uniform_int_distribution<int64_t>(0, s.output_bytes)(rng);
   ctx.rest_takes_last_input = coin(rng);  // and whether the rest takes the last stage's input too
   // And whether the last stage's input, where held past its forward, goes once the rest's forward is done.
   ctx.last_input_let_go_in_rest = coin(rng);
@@ -2004,6 +2008,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     // it (the others' stand-in, the output's bytes), the largest.
     ua.stages[0].bwd_grad_held_bytes = 100, ub.stages[0].bwd_grad_held_bytes = 200;
     ua.stages[1].bwd_grad_held_bytes = 100;
+    // And a policy's own (PolicyCost::bwd_grad_held_bytes; the others' stand-in, the stage's figure).
+    ua.stages[0].policies[0].bwd_grad_held_bytes = 150;  // against ub's stage figure, 200
+    ua.stages[1].policies[0].bwd_grad_held_bytes = 10, ub.stages[1].policies[0].bwd_grad_held_bytes = 20;
     const remat::PlanFigures most = largest(remat::plan_figures(ua, ca), remat::plan_figures(ub, ca));
     Chain y = ua;
     remat::StepContext z = ca;
@@ -2021,6 +2028,9 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(y.stages[0].bwd_grad_held_bytes, 200);
     EXPECT_EQ(y.stages[1].bwd_grad_held_bytes, y.stages[1].output_bytes);
     EXPECT_FALSE(y.stages[2].bwd_grad_held_bytes.has_value());
+    EXPECT_EQ(y.stages[0].policies[0].bwd_grad_held_bytes, 200);
+    EXPECT_EQ(y.stages[1].policies[0].bwd_grad_held_bytes, 20);
+    EXPECT_FALSE(y.stages[2].policies[0].bwd_grad_held_bytes.has_value());
     EXPECT_FALSE(y.stages[2].policies[0].saves_output);
     EXPECT_TRUE(y.stages[2].policies[1].saves_output);
     EXPECT_TRUE(y.stages[3].policies[1].saves_output);
@@ -3375,6 +3385,41 @@ TEST(Step, AResidualSumOutsideTheLayersHoldsTheOutputsGradientThroughTheStagesBa
   EXPECT_THROW_WITH_STD(remat::validate(m), "bwd_grad_held_bytes (1001)", "output_bytes (1000)");
   m.stages[0].bwd_grad_held_bytes = -1;
   EXPECT_THROW_WITH_STD(remat::validate(m), "negative bwd_grad_held_bytes", "(-1)");
+  // A policy's own figure (PolicyCost::bwd_grad_held_bytes: a Linear-last layer under the matmuls policy
+  // adds its bias's gradient where Fa adds none) is charged to that way's backward, the stage's to the
+  // others; unset, the stage's. Before (found 2026-12-05), the stage's for every way: such a layer, the last
+  // under the policy, held 256 bytes above its prediction. The per-layer program charges the same.
+  Chain pol = c;
+  pol.policies = {"matmuls"};
+  for (remat::Stage& s : pol.stages) {
+    s.bwd_grad_held_bytes = 0;
+    remat::PolicyCost pc;
+    pc.policy = "matmuls", pc.saved_bytes = 4000, pc.fwd_ms = 1, pc.bwd_ms = 3, pc.bwd_tmp_bytes = 90000;
+    s.policies = {pc};
+  }
+  Plan under;
+  under.num_stages = pol.size();
+  for (const char* op : {"Fk0[matmuls]", "Fa1", "L", "B1", "B0"})
+    under.ops.push_back(remat::parse_op(op, under.policies));
+  const int64_t stage_figure = remat::step_peak_bytes(pol, residual, under);
+  const int64_t no_sum = remat::step_peak_bytes(pol, ctx, under);
+  const int64_t kept = remat::step_peak_bytes(pol, residual, keep);
+  EXPECT_EQ(kept, remat::step_peak_bytes(c, residual, keep) - 1000);  // the stage's figure: 0, not 1000
+  pol.stages[0].policies[0].bwd_grad_held_bytes = 256;
+  EXPECT_EQ(remat::step_peak_bytes(pol, residual, under) - stage_figure, 256);
+  EXPECT_EQ(remat::step_peak_bytes(pol, residual, keep), kept);  // Fa: the stage's
+  EXPECT_EQ(remat::step_peak_bytes(pol, ctx, under), no_sum);    // no sum: none
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Candidate& k : every_per_layer_plan(pol, false, true))
+    least = std::min(least, remat::step_peak_bytes(pol, residual, k.plan));
+  EXPECT_EQ(remat::min_step_budget(pol, residual, "per-layer"), least);
+  EXPECT_EQ(remat::chain_from_json(remat::to_json(pol)).stages[0].policies[0].bwd_grad_held_bytes, 256);
+  EXPECT_FALSE(
+      remat::chain_from_json(remat::to_json(pol)).stages[1].policies[0].bwd_grad_held_bytes.has_value());
+  pol.stages[0].policies[0].bwd_grad_held_bytes = 1001;
+  EXPECT_THROW_WITH_STD(remat::validate(pol), "policy bwd_grad_held_bytes (1001)", "output_bytes (1000)");
+  pol.stages[0].policies[0].bwd_grad_held_bytes = -1;
+  EXPECT_THROW_WITH_STD(remat::validate(pol), "negative policy bwd_grad_held_bytes");
 }
 
 // The chain's output, which the rest of the step saved and let go of in its backward (StepReadings::

@@ -820,11 +820,16 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         times = PhaseTimes(bar)
         with gathered, contextlib.closing(bar):
             saved_calls: list = []
+            # Which layers' outputs a residual sum outside them let go of (read as each layer was called; the
+            # last one's is read later: taken as summed where any boundary was, or where there is one layer).
+            n = len(step.calls)
+            summed = [step.between_frees.get(j + 1, False) for j in range(n - 1)]
+            summed.append(n == 1 or any(summed))
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
                                   groups=lp.groups, progress=times, timing=lp.profile_timing,
-                                  saved_calls=saved_calls)
+                                  saved_calls=saved_calls, summed=summed)
             shape.saved_calls = saved_calls if lp.groups else None
         shape.profiling_time = times.seconds
         shape.gathered = list(gathered.gathered)

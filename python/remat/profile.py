@@ -585,7 +585,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
             groups: bool = False, progress=None, timing: str = "synced",
-            saved_calls: list | None = None) -> _core.Chain:
+            saved_calls: list | None = None, summed: Sequence[bool] | None = None) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -631,6 +631,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     Stage.groups among them, in the forward's order (what a bound over every saved tensor reads:
     bench/offload_cuda.py); [] for a stage without them.
 
+    summed: per stage, whether a residual sum outside the stages lets go of its output (`x = x + layer(x)`:
+    what the step's model charges the held gradient at), or None (unknown: every stage). Each policy's backward
+    is measured once more with the gradient it is handed held (PolicyCost.bwd_grad_held_bytes) only where true;
+    elsewhere the figure is left unset, the stage's standing in (the step's model charges it nowhere else).
+    remat.enable's profiling step passes what it read of its sums (the last layer's as true where any layer
+    boundary had one, or where there is only one layer).
+
     timing: how each stage's work is timed (_Clock): "synced" (the default: the device synchronized before and
     after, the host's time between), or "pipelined", on CUDA only (on a CPU device the same as "synced"),
     experimental: the device held busy while the host queues the work, then the larger of the host's time to
@@ -655,6 +662,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         raise ValueError(f"remat.profile: warmup must be >= 0 and repeats >= 1, got {warmup} and {repeats}")
     if inputs is not None and len(inputs) != n:
         raise ValueError(f"remat.profile: {len(inputs)} inputs for {n} stages")
+    if summed is not None and len(summed) != n:
+        raise ValueError(f"remat.profile: summed has {len(summed)} entries for {n} stages")
     pols = _policies(policies)
     policy_offload = offload_min_bytes is not None and POLICY_OFFLOAD
     device = example_input.device
@@ -825,18 +834,26 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             drops.append(fields[i]["bgtmp"] - grads_tmp)
         return max(0, min(fields[i]["out"], *drops))
 
-    def grad_held_in_backward(i):
-        """How much higher stage i's backward peak (bwd_tmp_bytes) is with the gradient it is handed held through
-        it than let go of once used (Stage.bwd_grad_held_bytes): what a residual sum outside the layers adds,
-        whose backward hands the output's gradient to the residual path too. The stage run again, kept, and its
-        backward measured so; within [0, its output's bytes]. 0 where its input takes no gradient (the model's own
-        input, a frozen layer's output): a sum over it (`x + layer(x)`) hands that input nothing."""
+    def grad_held_in_backward(i, name=KEEP):
+        """How much higher stage i's backward peak is, run as Fa (or under policy `name`), with the gradient it is
+        handed held through it than let go of once used (Stage.bwd_grad_held_bytes, PolicyCost's): what a
+        residual sum outside the layers adds, whose backward hands the output's gradient to the residual path
+        too. The stage run so again and its backward measured with the gradient held; the larger of the two
+        readings' differences (bwd_tmp_bytes, and bwd_grads_tmp_bytes where the backward makes the parameters'
+        gradients: the step's model adds what making them adds to this, and under the matmuls policy a Linear
+        last makes its bias's gradient before the peak the held gradient allows, after the one without it);
+        within [0, its output's bytes]. 0 where its input takes no gradient (the model's own input, a frozen
+        layer's output): a sum over it (`x + layer(x)`) hands that input nothing."""
         if not input_grad[i]:
             return 0
+        f = fields[i] if name == KEEP else fields[i]["pol"][name]
         leaf = leaf_of(i)
-        out = run_as(i, KEEP, leaf)
-        _, tmp, _ = measured_backward(out, targets_of(i, leaf), i, leaf, hold_grad=True)
-        return max(0, min(fields[i]["out"], tmp - fields[i]["btmp"]))
+        out = run_as(i, name, leaf)
+        _, tmp, grads_tmp = measured_backward(out, targets_of(i, leaf), i, leaf, hold_grad=True)
+        held = tmp - f["btmp"]
+        if grads_tmp is not None and "bgtmp" in f:
+            held = max(held, grads_tmp - f["bgtmp"])
+        return max(0, min(fields[i]["out"], held))
 
     def policy_holds_output(i, name):
         """Whether stage i under policy `name` holds its output in what it keeps (PolicyCost.saves_output): the
@@ -1036,6 +1053,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             b, pol["btmp"], grads_tmp = measured_backward(out, targets, i, leaf)
                             if grads_tmp is not None:
                                 pol["bgtmp"] = grads_tmp
+                            del out, leaf
+                            if not compiled[i] and (summed is None or summed[i]):
+                                pol["grad_held"] = grad_held_in_backward(i, name)
+                            out = leaf = None
                         elif out.requires_grad and targets:
                             b = timed_backward(out, targets, i)[0]
                         del out, leaf
@@ -1148,6 +1169,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             if "offload" in f["pol"][name]:
                 c.offload = f["pol"][name]["offload"]
             c.saves_output = f["pol"][name].get("saves_out", True)
+            c.bwd_grad_held_bytes = f["pol"][name].get("grad_held")
             costs.append(c)
         s.policies = costs
         if groups:

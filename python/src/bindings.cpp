@@ -164,7 +164,10 @@ NB_MODULE(_core, m) {
       .def_rw("offload", &remat::PolicyCost::offload, "offloading it (an OffloadCost), or None")
       .def_rw("saves_output", &remat::PolicyCost::saves_output,
               "whether what it keeps holds its output (False: gone by its backward where nothing else holds "
-              "it)");
+              "it)")
+      .def_rw(
+          "bwd_grad_held_bytes", &remat::PolicyCost::bwd_grad_held_bytes,
+          "what holding the gradient it is handed through its backward adds (bytes), or None: the stage's");
 
   nb::class_<remat::SavedGroup>(m, "SavedGroup",
                                 "One group of a stage's saved tensors: the outputs of one operator call.")

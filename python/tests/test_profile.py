@@ -190,6 +190,8 @@ def test_stage_errors_name_the_stage():
         remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), policies=("fastest",))
     with pytest.raises(ValueError, match="timing must be one of synced, pipelined, got 'fast'"):
         remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), timing="fast")
+    with pytest.raises(ValueError, match="summed has 2 entries for 1 stages"):
+        remat.profile([nn.Linear(4, 4)], torch.randn(2, 4), summed=[True, False])
     with pytest.raises(TypeError, match="expected an nn.Sequential"):
         remat.stages_of([nn.Linear(4, 4)])
 

@@ -168,6 +168,12 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
       pc.bwd_grads_tmp_bytes = line.bytes(pa.bwd_grads_tmp_bytes, pb.bwd_grads_tmp_bytes);
       pc.offload = offload_at(pa.offload, pb.offload, line, where + " under '" + pa.policy + "'");
       pc.saves_output = pa.saves_output || pb.saves_output;  // held where either profile saw it held
+      // Where either profile measured it, the other's stand-in (the stage's figure) beside it.
+      pc.bwd_grad_held_bytes = std::nullopt;
+      if (pa.bwd_grad_held_bytes || pb.bwd_grad_held_bytes)
+        pc.bwd_grad_held_bytes = std::clamp<int64_t>(
+            line.bytes(sa.bwd_grad_held(static_cast<int64_t>(p)), sb.bwd_grad_held(static_cast<int64_t>(p))),
+            0, s.output_bytes);
     }
     if (sa.groups.size() != sb.groups.size()) differ(where + " has another number of saved groups");
     for (size_t g = 0; g < s.groups.size(); ++g) {

@@ -61,6 +61,14 @@ void add_bytes(int64_t& total, int64_t value, const std::string& what) {
 
 }  // namespace
 
+int64_t Stage::bwd_grad_held(int64_t way) const {
+  if (way == kGradsStreamed) return output_bytes;
+  if (way >= 0 && static_cast<size_t>(way) < policies.size() &&
+      policies[static_cast<size_t>(way)].bwd_grad_held_bytes)
+    return std::clamp<int64_t>(*policies[static_cast<size_t>(way)].bwd_grad_held_bytes, 0, output_bytes);
+  return bwd_grad_held();
+}
+
 double Chain::transfer_ms(int64_t bytes, bool to_host) const {
   const double gbps = to_host ? to_host_gb_per_s : to_device_gb_per_s;
   if (bytes <= 0) return 0.0;
@@ -260,6 +268,10 @@ void validate(const Chain& chain) {
         check_bytes(chain, i, what, **v);
         add_bytes(total, **v, stage_label(chain, i));
       }
+      if (c.bwd_grad_held_bytes) {
+        check_bytes(chain, i, "policy bwd_grad_held_bytes", *c.bwd_grad_held_bytes);
+        check_within_output(chain, i, "policy bwd_grad_held_bytes", *c.bwd_grad_held_bytes);
+      }
       check_offload(chain, i, "policy offload", c.offload, c.saved_bytes);
     }
   }
@@ -340,6 +352,7 @@ std::string to_json(const Chain& chain) {
         if (c.bwd_grads_tmp_bytes) jc["bwd_grads_tmp_bytes"] = *c.bwd_grads_tmp_bytes;
         if (c.offload) jc["offload"] = offload_json(*c.offload);
         if (!c.saves_output) jc["saves_output"] = false;
+        if (c.bwd_grad_held_bytes) jc["bwd_grad_held_bytes"] = *c.bwd_grad_held_bytes;
         js["policies"].push_back(jc);
       }
     }
@@ -522,6 +535,8 @@ Chain chain_from_json(const std::string& text) {
           c.bwd_grads_tmp_bytes = required<int64_t>(jp[p], "bwd_grads_tmp_bytes", at);
         c.offload = offload_from(jp[p], "offload", at);
         c.saves_output = boolean(jp[p], "saves_output", at, true);
+        if (jp[p].contains("bwd_grad_held_bytes"))
+          c.bwd_grad_held_bytes = required<int64_t>(jp[p], "bwd_grad_held_bytes", at);
         s.policies.push_back(std::move(c));
       }
     }

@@ -169,6 +169,7 @@ void visit(C& chain, X& context, V& v) {
       v.opt_bytes(c.bwd_grads_tmp_bytes);
       v.offload(c.offload);
       v.flag(c.saves_output);  // held where any process's policy holds it
+      v.measured_bytes(c.bwd_grad_held_bytes, s.bwd_grad_held());
     }
     v.opt_ms(s.groups_fwd_ms);
     v.opt_ms(s.groups_bwd_ms);

@@ -280,12 +280,12 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   return !stage_flag(context.outputs_held_in_backward, j, true);
 }
 
-int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, bool streamed) {
+int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, int64_t way) {
   if (j < 0 || j >= chain.size() || !output_freed_between(chain, context, j)) return 0;
   if (j + 1 == chain.size() && !context.rest_takes_last_input) return 0;
   if (!stage_flag(context.residual_grad_shared, j, true)) return 0;  // a copy, let go of once used
   const Stage& s = chain.stages[static_cast<size_t>(j)];
-  return streamed ? s.output_bytes : s.bwd_grad_held();
+  return s.bwd_grad_held(way);
 }
 
 bool output_grad_held(const StepContext& context, int64_t j) {
@@ -611,8 +611,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     // The gradient a residual sum's path holds through a chain stage's backward (grad_held_bytes()).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
-      peaks[k] += grad_held_bytes(chain, context, op.stage - 1,
-                                  way[static_cast<size_t>(op.stage)] == Stage::kGradsStreamed);
+      peaks[k] += grad_held_bytes(chain, context, op.stage - 1, way[static_cast<size_t>(op.stage)]);
     // A stage kept whose output the runtime lets go of as its backward begins, which something else holds;
     // one checkpointed, whose recompute makes its output anew beside the one something else holds.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&

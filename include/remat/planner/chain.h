@@ -96,6 +96,15 @@ struct PolicyCost {
   /// leaves it so). Offloaded, the offload cost's `output` says the same. Last of the fields, so that
   /// aggregate initializers written before it mean what they did.
   bool saves_output = true;
+  /// Stage::bwd_grad_held_bytes for this way: how much higher its backward peaks with the gradient it is
+  /// handed held through it than with that gradient let go of once used, the larger of the two readings
+  /// (the parameter gradients pre-allocated, and made by the backward) (bytes, 0..the stage's output_bytes).
+  /// A layer ending in a Linear under the matmuls policy adds its bias's gradient (made after the peak the
+  /// gradient let go of allows, before the one it held allows) where Fa adds none. Unset (the C++
+  /// profiler, chains written before it): the stage's (Stage::bwd_grad_held()). Before (found 2026-12-05),
+  /// the stage's for every way: such layers under `x = x + layer(x)`, the last one under the policy, held one
+  /// bias gradient (256 bytes) above their predictions. Last of the fields, as saves_output.
+  std::optional<int64_t> bwd_grad_held_bytes;
 };
 
 /// One group of a stage's saved tensors: the outputs of one operator call of its forward pass, which a group
@@ -248,9 +257,10 @@ struct Stage {
   /// 0.58% (that layer's weight). Last of the fields, as fwd_nosave_tmp_bytes.
   int64_t autocast_cache_bytes = 0;
   /// How much higher its backward, run as Fa, peaks with the gradient it is handed held through it than with
-  /// that gradient let go of once used, as the profilers measure bwd_tmp_bytes (bytes, 0..output_bytes): what
-  /// a residual sum outside the layers (`x = x + layer(x)`, StepContext::between_frees_output) adds, whose
-  /// backward hands the output's gradient to the residual path too, which holds it through this stage's
+  /// that gradient let go of once used, as the profilers measure bwd_tmp_bytes (and, the larger, as they
+  /// measure bwd_grads_tmp_bytes) (bytes, 0..output_bytes; a policy's own: PolicyCost::bwd_grad_held_bytes):
+  /// what a residual sum outside the layers (`x = x + layer(x)`, StepContext::between_frees_output) adds,
+  /// whose backward hands the output's gradient to the residual path too, which holds it through this stage's
   /// backward. A layer whose backward peaks while it still uses that gradient (a Linear last) adds none; one
   /// that peaks after (a GELU, a LayerNorm or a sigmoid last) adds the gradient's bytes; 0 where the stage's
   /// input takes no gradient (the model's own input: a sum over it hands it nothing). The step's model
@@ -277,6 +287,10 @@ struct Stage {
     const int64_t v = bwd_grad_held_bytes.value_or(output_bytes);
     return v < 0 ? 0 : (v > output_bytes ? output_bytes : v);
   }
+  /// That figure for the way the stage's backward runs (`way`, grads_way()'s): a policy's own
+  /// (PolicyCost::bwd_grad_held_bytes) where measured, output_bytes streamed (its backward, each tensor
+  /// brought back just ahead of its use, is not measured so), else bwd_grad_held(); within [0, output_bytes].
+  int64_t bwd_grad_held(int64_t way) const;
   /// Whether the stage has the three keep_ fields (Fk can run it).
   bool has_keep() const { return keep_saved_bytes.has_value(); }
   /// What Fn and Fc cost: fwd_nosave_ms, or fwd_ms when unset (milliseconds).

@@ -45,11 +45,12 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 // one rule of step_op_peaks() and the per-layer program. Before (found 2026-12-03) it was not charged: layers
 // ending in a GELU under `x = x + layer(x)` peaked 2.2-5.7% above their predictions, a sigmoid under the
 // matmuls policy 3.0%; a sigmoid kept was exact only because its output's early credit was withheld there.
-// `streamed`: the stage's way streams it, whose backward (each tensor brought back just ahead of its use)
-// was not measured so: the gradient's whole bytes (output_bytes). Before (found 2026-12-06), Fa's figure:
-// layers ending in a Linear under such a sum, streamed, peaked one output above their predictions (3.8-4.3%
-// on four layers).
-int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, bool streamed = false);
+// `way`: the way its backward runs (Stage::grads_way()), whose figure it is (Stage::bwd_grad_held(way)): a
+// policy's own where measured; streamed, whose backward (each tensor brought back just ahead of its use) was
+// not measured so, the gradient's whole bytes (output_bytes). Before (found 2026-12-06), Fa's figure: layers
+// ending in a Linear under such a sum, streamed, peaked one output above their predictions (3.8-4.3% on four
+// layers).
+int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, int64_t way = -1);
 
 // Whether the chain's output gradient is alive once chain stage j's backward is done
 // (StepContext::output_grad_held_in_backward; false where empty and for j outside it).

@@ -14,6 +14,7 @@
 #include <iomanip>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -381,9 +382,8 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   // go of it once forward() returned (BertModel's embeddings' output), a first stage that sends it to the
   // host takes it off the device. And whether it was freed by the time the rest handed the stages' output its
   // gradient (input_freed_in_rest: no stage held it, the rest's readings without it already).
-  const bool in_read = x.has_storage();
-  const c10::weak_intrusive_ptr<c10::StorageImpl> in_storage =
-      in_read ? x.storage().getWeakStorageImpl() : c10::weak_intrusive_ptr<c10::StorageImpl>(out_storage);
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> in_storage;
+  if (x.has_storage()) in_storage.emplace(x.storage().getWeakStorageImpl());
   const bool prefix_backward = x.requires_grad() && x.grad_fn();
   out.register_hook([=](const torch::Tensor& g) {
     sync();
@@ -393,41 +393,39 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
     readings->output_grad_bytes = static_cast<int64_t>(g.nbytes());
     if (g.has_storage()) readings->output_grad_storage_bytes = static_cast<int64_t>(g.storage().nbytes());
     readings->output_freed_bytes = out_storage.expired() ? out_bytes : 0;
-    readings->input_freed_in_rest = in_read && in_storage.expired();
+    readings->input_freed_in_rest = in_storage && in_storage->expired();
     *measured = RestOfStep{rest->peak_over_base(), readings->rest_ms};
     // At the end of the user's backward pass: the step's peak, and that of what ran before the stages.
     std::shared_ptr<CallState> self = call;
-    torch::autograd::Engine::get_default_engine().queue_callback([readings, step, after, done, self, device,
-                                                                  out_storage, stages_n, in_storage, in_read,
-                                                                  prefix_backward] {
-      auto finish = [readings, step, after, done, out_storage, stages_n, in_storage, in_read,
-                     prefix_backward] {
-        readings->step_peak = step->peak_over_base();
-        if (in_read && !prefix_backward) readings->input_held_in_backward = !in_storage.expired();
-        // Whether the caller still holds the stages' output at the step's end (StepReadings::
-        // outputs_held_to_end, its last entry; the runtime holds no other stage's output past its
-        // backward): a C++ temporary does, `model->forward(x).square().mean().backward()` keeping the
-        // forward's result until the full expression ends. Before (found 2026-12-03), it was not read:
-        // such a step held that output above its prediction from the last stage's backward on (one hidden
-        // state, 1.5%, on a small BertModel whose peak was a recompute).
-        readings->outputs_held_to_end.assign(stages_n, false);
-        readings->outputs_held_to_end.back() = !out_storage.expired();
-        if (*after)
-          readings->peak_after_chain_backward =
-              step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
-        *done = *readings;
-      };
-      // A call inside this step has its backward pass still to come: its peak, after the stages' backward
-      // pass, is this step's too (charged as the peak after the chain's backward pass).
-      if (open_inside(*self) && !*after) *after = std::make_unique<memory::PeakWindow>(device);
-      after_inside(self, finish);
-    });
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [readings, step, after, done, self, device, out_storage, stages_n, in_storage, prefix_backward] {
+          auto finish = [readings, step, after, done, out_storage, stages_n, in_storage, prefix_backward] {
+            readings->step_peak = step->peak_over_base();
+            if (in_storage && !prefix_backward) readings->input_held_in_backward = !in_storage->expired();
+            // Whether the caller still holds the stages' output at the step's end (StepReadings::
+            // outputs_held_to_end, its last entry; the runtime holds no other stage's output past its
+            // backward): a C++ temporary does, `model->forward(x).square().mean().backward()` keeping the
+            // forward's result until the full expression ends. Before (found 2026-12-03), it was not read:
+            // such a step held that output above its prediction from the last stage's backward on (one hidden
+            // state, 1.5%, on a small BertModel whose peak was a recompute).
+            readings->outputs_held_to_end.assign(stages_n, false);
+            readings->outputs_held_to_end.back() = !out_storage.expired();
+            if (*after)
+              readings->peak_after_chain_backward =
+                  step->active_over_base() + (*after)->peak_over_base() - (*after)->active_over_base();
+            *done = *readings;
+          };
+          // A call inside this step has its backward pass still to come: its peak, after the stages' backward
+          // pass, is this step's too (charged as the peak after the chain's backward pass).
+          if (open_inside(*self) && !*after) *after = std::make_unique<memory::PeakWindow>(device);
+          after_inside(self, finish);
+        });
     return g;
   });
   if (prefix_backward) {
-    x.register_hook([after, device, readings, in_storage, in_read](const torch::Tensor& g) {
+    x.register_hook([after, device, readings, in_storage](const torch::Tensor& g) {
       *after = std::make_unique<memory::PeakWindow>(device);
-      if (in_read) readings->input_held_in_backward = !in_storage.expired();
+      if (in_storage) readings->input_held_in_backward = !in_storage->expired();
       return g;
     });
   }

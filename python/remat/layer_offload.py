@@ -66,6 +66,7 @@ class LayerOffloads:
         self.engines: dict[torch.device, CopyEngine] = {}  # a copy engine per device (a test may put its own)
         # This step's offloaded layers, (index, Offload) in order, and the storages they keep on the device.
         self._step: list[tuple[int, Offload]] = []
+        self._by_index: dict[int, Offload] = {}  # the same, by layer (the schedule's points name layers)
         self._never_sent: set[int] | None = None
 
     def planner_options(self) -> dict:
@@ -79,6 +80,7 @@ class LayerOffloads:
 
     def begin_step(self) -> None:
         self._step = []
+        self._by_index = {}
         self._never_sent = None
 
     def for_layer(self, i: int, how: str, fn: Callable, args: tuple, shape, model: nn.Module) -> Offload | None:
@@ -102,6 +104,7 @@ class LayerOffloads:
         o = Offload(pool=self.host_pool, min_bytes=self.min_bytes, lookahead=0, engine=engine, window=window)
         o.keep_on_device(taken_tensors(fn, args), storages=self._never_sent)
         self._step.append((i, o))
+        self._by_index[i] = o
         return o
 
     def carry_out_after(self, i: int, points) -> list:
@@ -109,7 +112,7 @@ class LayerOffloads:
         forward are waited for now. Returns what is carried out when the backward pass reaches the layer's output
         (carry_out_then, a gradient hook on it), (action, Offload) each."""
         after, at_backward = points
-        offloads = dict(self._step)
+        offloads = self._by_index
         carry_out([(action, offloads[s]) for action, s in after[i] if s in offloads])
         return [(action, offloads[s]) for action, s in at_backward[i] if s in offloads]
 

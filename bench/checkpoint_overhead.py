@@ -19,7 +19,10 @@ show. Ways, each run in turn so that each sample is paired with a torch.utils.ch
 - `plan-checkpoint`, `plan-host`: another copy of the layers under remat.enable with a given plan, every layer
   "checkpoint" or every layer "checkpoint@host" (offload=True: each layer's input to the host and back, as the
   runtime schedules it): remat's whole per-layer path, against torch's checkpoint of each layer (what Hugging
-  Face's gradient_checkpointing_enable() runs).
+  Face's gradient_checkpointing_enable() runs);
+- `plan-host-nowait`: `plan-host` with its copy engine's experimental `host_wait=False` (CUDA: waiting for a copy
+  makes the current stream wait, not the host, and copies back do not wait for the current stream's queued
+  work: remat.offload.CopyEngine); on the CPU the same as `plan-host`.
 
 Each number is the median of the paired differences (ms), after --warmup runs of each unmeasured. Pin it to one
 core (taskset) on a quiet machine.
@@ -50,6 +53,7 @@ from torch import nn
 import transformers
 
 import remat
+from remat.offload import CopyEngine
 from remat.policies import autocast_cache_off, checkpoint_context, checkpoint_region, matmuls
 from remat.saved import version_checked
 
@@ -86,7 +90,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--ways", default="plain,remat,context,hooks,cache,modes,sac,selective,kept-all",
                     help="the ways to pair with torch's checkpoint, comma-separated (also: plan-checkpoint, "
-                    "plan-host)")
+                    "plan-host, plan-host-nowait)")
     ap.add_argument("--threads", type=int, default=1, help="torch's threads (one: the core it is pinned to)")
     ap.add_argument("--warmup", type=int, default=100, help="unmeasured runs of each way first")
     ap.add_argument("--device", default="cpu")
@@ -110,12 +114,15 @@ def main():
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     planned = {}
-    for way, choice in (("plan-checkpoint", "checkpoint"), ("plan-host", "checkpoint@host")):
+    for way, choice in (("plan-checkpoint", "checkpoint"), ("plan-host", "checkpoint@host"),
+                        ("plan-host-nowait", "checkpoint@host")):
         if way in args.ways.split(","):
             copy = transformers.LlamaForCausalLM(cfg).to(dev)
             runner = _Layers(copy.model.layers, pos)
-            remat.enable(runner, list(copy.model.layers), plan=per_layer_plan([choice] * args.chain),
-                         offload=choice.endswith("@host"))
+            lp = remat.enable(runner, list(copy.model.layers), plan=per_layer_plan([choice] * args.chain),
+                              offload=choice.endswith("@host"))
+            if way == "plan-host-nowait":
+                lp.offloads.engines[dev] = CopyEngine(dev, hold=True, host_wait=False)
             planned[way] = runner
 
     def forward(way):

@@ -41,6 +41,7 @@ import transformers
 
 import remat
 import remat.hf
+import remat.offload
 from remat.policies import matmuls
 from remat.profile import TIMINGS
 
@@ -175,8 +176,14 @@ def main():
                          "(other_timing), and per remat row what it predicts of the plan measured "
                          "(remat.step_time_ms) and the plan it would choose there (predicted_ms_other, "
                          "replanned_other)")
+    ap.add_argument("--no-host-wait", action="store_true",
+                    help="remat's copy engines with the experimental host_wait=False (remat.offload.CopyEngine: "
+                         "waiting for a copy makes the current stream wait, not the host, and copies back do not "
+                         "wait for the current stream's queued work)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.no_host_wait:
+        remat.offload.CopyEngine.HOST_WAIT = False
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
     defaults = dict(bert=dict(layers=24, hidden=1024, heads=16, intermediate=4096, seq=512, batch=64, steps=1),
                     llama=dict(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, seq=4096, batch=2,

@@ -48,6 +48,8 @@ measured on a GPU against the predicted ones.
 """
 from __future__ import annotations
 
+import contextlib
+
 import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -226,26 +228,54 @@ class CopyEngine:
     in flight read up to a layer's sent bytes below its prediction on the CPU. The values are copied at once
     either way, so a write in place after the copy is no error."""
 
-    def __init__(self, device: torch.device, delay: int = 0, hold: bool = False):
+    # The default of host_wait for engines made without it (the planned layers' own): True. Experimental, not yet
+    # run on a GPU: bench/offload_cuda.py's --no-host-wait sets it False for a comparison.
+    HOST_WAIT = True
+
+    def __init__(self, device: torch.device, delay: int = 0, hold: bool = False, host_wait: bool | None = None):
         self.device = device
         self.delay = delay
         self.hold = hold and device.type == "cpu" and delay <= 0
         self._pending: list[list] = []
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # CUDA: whether waiting for a copy also blocks the host until it has completed (True, as run on the GPUs
+        # so far), or only makes the current stream wait for it (False, experimental), so that the host may
+        # queue work ahead of the device past a layer whose copies it waits for. Without it, a copy back to
+        # the device writes memory taken from the copy stream's own pool (allocation_stream()), so that it
+        # need not wait for the work queued on the current stream, and the memory is marked as used by the
+        # current stream, which reads it.
+        self.host_wait = CopyEngine.HOST_WAIT if host_wait is None else bool(host_wait)
+
+    def allocation_stream(self):
+        """The context to allocate a copy's device destination in: the copy stream's where copies back need not
+        wait for the current stream's queued work (host_wait False, CUDA), else nothing."""
+        if self._stream is not None and not self.host_wait:
+            return torch.cuda.stream(self._stream)
+        return contextlib.nullcontext()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> _Done | None:
         if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            current = torch.cuda.current_stream(self.device)
+            # A copy to the host reads what the current stream's queued work makes; a copy back into memory of
+            # the copy stream's own (host_wait False) waits for nothing of it.
+            back_ahead = not self.host_wait and not src.is_cuda and dst.is_cuda
+            if not back_ahead:
+                self._stream.wait_stream(current)
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             src.record_stream(self._stream) if src.is_cuda else None
-            dst.record_stream(self._stream) if dst.is_cuda else None
+            if back_ahead:
+                dst.record_stream(current)  # its reader; freed, it waits for that stream's work
+            elif dst.is_cuda:
+                dst.record_stream(self._stream)
+            host_wait = self.host_wait
 
             def wait_cuda():
-                torch.cuda.current_stream(self.device).wait_event(event)
-                event.synchronize()  # the caller may release the source or reuse the block next
+                current.wait_event(event)
+                if host_wait:
+                    event.synchronize()  # the caller may release the source or reuse the block next
             return _Done(event.query, wait_cuda)
         if self.delay <= 0:
             dst.copy_(src)
@@ -633,9 +663,11 @@ class Offload:
                                    "on the host nor on the device; this is remat's error, please report it")
             raise modified_error(entry.held_by, saved_as, version_of(entry.held_by), "remat.offload")
         host = entry.block[: entry.nbytes]
-        out = _aligned_as(entry.ptr + entry.offset, entry.nbytes, entry.device)
+        engine = self._engine(entry.device)
+        with getattr(engine, "allocation_stream", contextlib.nullcontext)():
+            out = _aligned_as(entry.ptr + entry.offset, entry.nbytes, entry.device)
         self.alignment_bytes += out.untyped_storage().nbytes() - entry.nbytes
-        entry.to_device_done = self._engine(entry.device).copy(out, host)
+        entry.to_device_done = engine.copy(out, host)
         entry.host_view = host  # the copy's source, held until it has landed
         entry.device_copy = out
         self.brought_back += 1

@@ -191,11 +191,24 @@ def test_a_view_at_an_offset_comes_back_on_cuda_at_its_alignment_and_bitwise(kee
     assert o.brought_back == (0 if keep_base else 3), o.brought_back
 
 
-def test_planned_offload_on_cuda_is_the_plain_run_within_the_prediction():
+@pytest.fixture(params=[True, False], ids=["host-wait", "no-host-wait"])
+def host_wait(request):
+    """The planned layers' copy engines waiting for a copy with the host (True, the default) or with the current
+    stream only (False: remat.offload.CopyEngine's experimental host_wait, copies back in the copy stream's own
+    memory, not waiting for the current stream's queued work)."""
+    from remat.offload import CopyEngine
+    was = CopyEngine.HOST_WAIT
+    CopyEngine.HOST_WAIT = request.param
+    yield request.param
+    CopyEngine.HOST_WAIT = was
+
+
+def test_planned_offload_on_cuda_is_the_plain_run_within_the_prediction(host_wait):
     # remat.enable(..., offload=True) on CUDA: the profile measures each layer's offload costs and the copies'
     # bandwidth; at the least budget with offloading (below the least without it, where the layers' inputs are
     # what remains) the plan offloads; every step the plain run's; the measured peak within 5% of the prediction;
-    # every tensor sent to the host comes back once (or is found still on the device).
+    # every tensor sent to the host comes back once (or is found still on the device). With host_wait False
+    # too: the host does not wait for the copies, nor copies back for the work queued before them.
     model = mlp(depth=6, width=512)
     x = torch.randn(32, 256, 512, device=DEV)
     want = [step(model, x, 10 + k) for k in range(4)]
@@ -310,7 +323,37 @@ def streamed_and_assigned(dev):
     return chosen
 
 
-def test_streamed_and_assigned_layers_on_cuda_are_the_plain_run_within_the_prediction():
+class _Late(nn.Module):
+    """Holds the current stream back (torch.cuda._sleep) before its layer's work, so that the host queues far
+    ahead of the device and each copy is made while the work before it is still queued."""
+
+    def forward(self, x):
+        torch.cuda._sleep(1 << 22)
+        return x
+
+
+def test_copies_made_while_the_device_lags_the_host_are_the_plain_run(host_wait):
+    # Every layer's saved tensors (kept on the host) or its input (checkpointed on the host) sent and brought
+    # back while the current stream lags the host by a sleep in each layer: with host_wait False the host does
+    # not wait for the copies, and a copy back does not wait for the work queued before it, writing memory of
+    # the copy stream's own: every step the plain run's bitwise, the peak at most the prediction's 1.05.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(_Late(), nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                            for _ in range(4)]).to(DEV)
+    x = torch.randn(16, 256, 512, device=DEV)
+    want = [step(model, x, 20 + k) for k in range(3)]
+    lp = remat.enable(model, list(model), budget=1 << 40, offload=True)
+    assert_steps_close(step(model, x, 20), want[0], 0)  # the profiling step
+    for choices in (["keep@host"] * 3 + ["keep"], ["checkpoint@host"] * 3 + ["checkpoint"],
+                    ["keep@host", "checkpoint@host", "keep@host", "checkpoint"]):
+        give_plan(lp, per_layer_ops(choices))
+        for k in (1, 2):
+            assert_steps_close(step(model, x, 20 + k), want[k], 0)
+            assert lp.last_peak_bytes <= lp.predicted_peak_bytes * 1.05, (choices, lp.last_peak_bytes)
+        assert lp.offload_stats["offloaded"] > 0, choices
+
+
+def test_streamed_and_assigned_layers_on_cuda_are_the_plain_run_within_the_prediction(host_wait):
     # Issue 42's keep@stream, keep@stream0 and group assignments with h on CUDA (side stream, events, pinned
     # blocks; each tensor back just ahead of its use). The CPU's versions: test_offload.py, test_selective.py.
     least, assigned = streamed_and_assigned(DEV)

@@ -244,7 +244,9 @@ class CopyEngine:
         # the device writes memory taken from the copy stream's own pool (allocation_stream()), so that it
         # need not wait for the work queued on the current stream, and the memory is marked as used by the
         # current stream, which reads it.
-        self.host_wait = CopyEngine.HOST_WAIT if host_wait is None else bool(host_wait)
+        if host_wait is not None and not isinstance(host_wait, bool):
+            raise ValueError(f"remat.offload.CopyEngine: host_wait must be True, False or None, got {host_wait!r}")
+        self.host_wait = bool(CopyEngine.HOST_WAIT) if host_wait is None else host_wait
 
     def allocation_stream(self):
         """The context to allocate a copy's device destination in: the copy stream's where copies back need not

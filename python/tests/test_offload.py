@@ -314,6 +314,13 @@ def test_a_held_copy_keeps_its_source_on_the_device_until_waited_for():
     assert all(torch.equal(a, b) for got in (kept, waited, at_once) for a, b in zip(plain[1:], got[1:]))
     assert kept[0] == plain[0] > waited[0] == at_once[0], (plain[0], kept[0], waited[0], at_once[0])
     assert not CopyEngine(cpu, delay=2, hold=True).hold  # a delayed engine holds its own way
+    # The experimental host_wait=False (CUDA's waits left to the stream) changes nothing on the CPU: the same
+    # bytes, the same gradients; the class default is the engines' made without it; a non-bool is refused.
+    nowait = step(offload(min_bytes=0, engine=CopyEngine(cpu, hold=True, host_wait=False)), False)
+    assert nowait[0] == kept[0] and all(torch.equal(a, b) for a, b in zip(plain[1:], nowait[1:]))
+    assert CopyEngine(cpu).host_wait and not CopyEngine(cpu, host_wait=False).host_wait
+    with pytest.raises(ValueError, match="CopyEngine: host_wait must be True, False or None, got 'no'"):
+        CopyEngine(cpu, host_wait="no")
 
 
 @pytest.mark.parametrize("delay", [0, 100])

@@ -275,9 +275,12 @@ class CopyEngine:
             host_wait = self.host_wait
 
             def wait_cuda():
-                current.wait_event(event)
+                reader = torch.cuda.current_stream(self.device)  # the stream whose next work reads the copy
+                reader.wait_event(event)
                 if host_wait:
                     event.synchronize()  # the caller may release the source or reuse the block next
+                elif back_ahead and reader != current:
+                    dst.record_stream(reader)
             return _Done(event.query, wait_cuda)
         if self.delay <= 0:
             dst.copy_(src)

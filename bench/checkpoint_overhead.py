@@ -113,7 +113,7 @@ def main():
     pos = model.model.rotary_emb(x0, torch.arange(args.seq, device=dev)[None])
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    planned = {}
+    planned, nowait = {}, None
     for way, choice in (("plan-checkpoint", "checkpoint"), ("plan-host", "checkpoint@host"),
                         ("plan-host-nowait", "checkpoint@host")):
         if way in args.ways.split(","):
@@ -122,7 +122,9 @@ def main():
             lp = remat.enable(runner, list(copy.model.layers), plan=per_layer_plan([choice] * args.chain),
                               offload=choice.endswith("@host"))
             if way == "plan-host-nowait":
-                lp.offloads.engines[dev] = CopyEngine(dev, hold=True, host_wait=False)
+                # keyed by the device its tensors name (cuda:0, not the "cuda" given)
+                lp.offloads.engines[x0.device] = CopyEngine(x0.device, hold=True, host_wait=False)
+                nowait = lp
             planned[way] = runner
 
     def forward(way):
@@ -173,6 +175,8 @@ def main():
     for _ in range(args.warmup):
         for w in ["torch"] + ways:
             run(w)
+    if nowait is not None:  # the layers ran on the engine given them, not one of their own
+        assert [e.host_wait for e in nowait.offloads.engines.values()] == [False], nowait.offloads.engines
     torch_ms, diffs = [], {w: [] for w in ways}
     for _ in range(args.pairs):
         for w in ways:

@@ -821,10 +821,9 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         with gathered, contextlib.closing(bar):
             saved_calls: list = []
             # Which layers' outputs a residual sum outside them let go of (read as each layer was called; the
-            # last one's is read later: taken as summed where any boundary was, or where there is one layer).
+            # last one's is read later, once the rest's backward has run: taken as summed, one layer's figure).
             n = len(step.calls)
-            summed = [step.between_frees.get(j + 1, False) for j in range(n - 1)]
-            summed.append(n == 1 or any(summed))
+            summed = [step.between_frees.get(j + 1, False) for j in range(n - 1)] + [True]
             shape.chain = profile(stage_fns, inputs[0], policies=lp.policies, warmup=0,
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,

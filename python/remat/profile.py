@@ -635,8 +635,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     what the step's model charges the held gradient at), or None (unknown: every stage). Each policy's backward
     is measured once more with the gradient it is handed held (PolicyCost.bwd_grad_held_bytes) only where true;
     elsewhere the figure is left unset, the stage's standing in (the step's model charges it nowhere else).
-    remat.enable's profiling step passes what it read of its sums (the last layer's as true where any layer
-    boundary had one, or where there is only one layer).
+    remat.enable's profiling step passes what it read of its sums (the last layer's as true: it is read after
+    the profile, once the rest's backward has run).
 
     timing: how each stage's work is timed (_Clock): "synced" (the default: the device synchronized before and
     after, the host's time between), or "pipelined", on CUDA only (on a CPU device the same as "synced"),

@@ -143,6 +143,11 @@ def _ratio(x):
     return "-" if x is None else f"{x:.3f}"
 
 
+def plan_key(row: str) -> str:
+    """The plan a remat row ran: its name less "remat@" and a "/nowait" (--nowait-rows' twin of it)."""
+    return row[len("remat@"):].removesuffix("/nowait")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["bert", "llama"], default="bert")
@@ -180,6 +185,9 @@ def main():
                     help="remat's copy engines with the experimental host_wait=False (remat.offload.CopyEngine: "
                          "waiting for a copy makes the current stream wait, not the host, and copies back do not "
                          "wait for the current stream's queued work)")
+    ap.add_argument("--nowait-rows", action="store_true",
+                    help="each remat row also run with its copy engines' experimental host_wait=False, a row "
+                         "remat@<at>/nowait paired in the same rounds (the same plan)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     if args.no_host_wait:
@@ -398,6 +406,8 @@ def main():
                               grad_max_diff=max_diff(base_grads, grads_of(rm)))
             say(f"remat@{w} against plain: {p['check']}")
             rows.append(f"remat@{w}")
+            if args.nowait_rows:
+                rows.append(f"remat@{w}/nowait")
         return rows
 
     # The profiled chain and context, and every plan (text), to check the time model against the measured steps
@@ -424,10 +434,30 @@ def main():
             return loss
         return run
 
+    # The layers' copy engine as remat made it, and the experimental host_wait=False one of the /nowait rows
+    # (--nowait-rows), keyed by the device the layers' tensors name (cuda:0, not the "cuda" given).
+    layer_dev = next(rm.parameters()).device
+    own, nowait = {}, {}
+
+    def engines_for(no_wait):
+        current = lp.offloads.engines.get(layer_dev)
+        if current is not None and current.host_wait:
+            own[layer_dev] = current
+        if no_wait:
+            if layer_dev not in nowait:
+                nowait[layer_dev] = remat.offload.CopyEngine(layer_dev, hold=True, host_wait=False)
+            lp.offloads.engines[layer_dev] = nowait[layer_dev]
+        elif layer_dev in own:
+            lp.offloads.engines[layer_dev] = own[layer_dev]
+        else:
+            lp.offloads.engines.pop(layer_dev, None)  # the layers make their own
+
     def way_of(r):
         if r.startswith("remat@"):
-            lp.set_budget(plans[r[6:]]["budget"])
+            lp.set_budget(plans[plan_key(r)]["budget"])
             lp.host_pool.peak_bytes = 0
+            if args.nowait_rows:
+                engines_for(r.endswith("/nowait"))
             return rm, run_of(rm, None, r)
         model, ctx = ways[r]
         return model, run_of(model, ctx, forward=forwards.get(r))
@@ -495,7 +525,7 @@ def main():
         res[r]["host_peak"] = host_peak.get(r, 0)
         # What the measured bandwidths and forward time allow at this row's budget (remat's) or peak (the others').
         res[r]["bound"] = physics_bound(facts["chain"], peaks["none"],
-                                        plans[r[6:]]["budget"] if r.startswith("remat@") else res[r]["peak"], plain_med,
+                                        plans[plan_key(r)]["budget"] if r.startswith("remat@") else res[r]["peak"], plain_med,
                                         saved_calls)
     print(f"\n{args.model} {args.layers}x{args.hidden}, seq {args.seq}, batch {args.batch}, "
           f"{'bf16 autocast' if amp['enabled'] else 'fp32'}, {name}, torch {torch.__version__}, transformers "
@@ -507,7 +537,7 @@ def main():
     for r in rows:
         extra = ""
         if r.startswith("remat@"):
-            p = plans[r[6:]]
+            p = plans[plan_key(r)]
             extra = (f"  (budget {p['budget'] / 2**30:.2f}{' (least; asked ' + format(p['asked'] / 2**30, '.2f') + ')' if p['least'] else ''}, predicted {p['predicted'] / 2**30:.2f} GiB, "
                      f"host {p['predicted_host'] / 2**30:.2f}; predicted {p['predicted_ms']:.1f} ms, measured "
                      f"{statistics.median(res[r]['ms']):.1f})")

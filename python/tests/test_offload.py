@@ -1345,7 +1345,8 @@ def test_a_tensor_saved_within_bytes_saved_whole_before_it_comes_back_once():
 
 def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_path):
     # bench/offload_cuda.py end to end with the options scripts/gpu-session's next call gives it (groups, remat at
-    # hf's peak and its least budget, profiled with the pipelined timing and compared with the synchronized one),
+    # hf's peak and its least budget, profiled with the pipelined timing and compared with the synchronized one,
+    # each remat row also on the experimental host_wait=False engines),
     # on a 2-layer Llama on the CPU: a Python error in its code paths would otherwise first show on a lent GPU.
     import os
     import subprocess
@@ -1355,13 +1356,18 @@ def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_pat
     out = tmp_path / "offload.json"
     args = ["--device", "cpu", "--model", "llama", "--layers", "2", "--hidden", "32", "--heads", "2", "--kv-heads",
             "1", "--intermediate", "64", "--seq", "16", "--batch", "1", "--rounds", "1", "--steps", "1", "--groups",
-            "--timing", "pipelined", "--compare-timing", "--at", "hf,least", "--skip", "hf-offload,save_on_cpu"]
+            "--timing", "pipelined", "--compare-timing", "--at", "hf,least", "--skip", "hf-offload,save_on_cpu",
+            "--min-bytes", "1024", "--nowait-rows"]
     r = subprocess.run([sys.executable, bench, *args, "--json", str(out)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     d = json.loads(out.read_text())
     assert d["stage"] == "measured" and d["timing"] == "pipelined" and d["other_timing"]["timing"] == "synced"
     assert d["other_timing"]["chain"]["stages"] and set(d["rows"]) >= {"hf", "sac", "remat@at-hf", "remat@least"}
+    # Each remat row's twin on the experimental host_wait=False engines (--nowait-rows), the same plan; offloading
+    # (--min-bytes 1 KiB), so that the engines are swapped on a step that copies.
+    assert {"remat@at-hf/nowait", "remat@least/nowait"} <= set(d["rows"])
+    assert d["rows"]["remat@at-hf"]["host_peak"] > 0 and d["rows"]["remat@at-hf/nowait"]["host_peak"] > 0
     # Every call profiled as a candidate group, per layer, for the bound: each layer's chosen groups among them.
     assert len(d["saved_calls"]) == len(d["chain"]["stages"]) and all(d["saved_calls"])
     for layer, st in zip(d["saved_calls"], d["chain"]["stages"]):

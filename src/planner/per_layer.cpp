@@ -259,10 +259,9 @@ struct StepTerms {
   // Per stage: whether nothing besides the stages holds its output once the next stage's backward is done
   // (StepContext::outputs_held_in_backward): a way that does not save it lets go of it then.
   std::vector<char> output_unheld;
-  // Per stage: what its backward holds beyond its measured peak where a residual sum's path holds the
-  // gradient it is handed (detail::grad_held_bytes()); streamed; and under each of its policies.
-  std::vector<int64_t> grad_held, grad_held_streamed;
-  std::vector<std::vector<int64_t>> grad_held_policy;
+  // Per stage: whether a residual sum's path holds the gradient it is handed through its backward, which is
+  // then charged its way's figure (detail::grad_held_through(), Stage::bwd_grad_held(way)).
+  std::vector<char> grad_held;
   // Per stage: whether what runs between it and the next let go of its output in the profiling step
   // (detail::output_freed_between()): a way that holds its output is charged it beside the next stage's
   // input (the rest's peak, for the last), from the end of its forward until the next stage's backward is
@@ -341,12 +340,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // What a residual sum's path holding the gradient it is handed adds to its backward.
   const int64_t way =
       Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream, !c.groups.empty(), c.variant - 1);
-  const std::vector<int64_t>* by_policy = step ? &step->grad_held_policy[static_cast<size_t>(j)] : nullptr;
-  const int64_t held_grad = !step      ? 0
-                            : c.stream ? step->grad_held_streamed[static_cast<size_t>(j)]
-                            : way >= 0 && static_cast<size_t>(way) < by_policy->size()
-                                ? (*by_policy)[static_cast<size_t>(way)]
-                                : step->grad_held[static_cast<size_t>(j)];
+  const int64_t held_grad = step && step->grad_held[static_cast<size_t>(j)] ? s.bwd_grad_held(way) : 0;
   const int64_t at_bwd = at_rec + side + held_grad + s.grads_charge_bytes(own, way);
   // What runs between the stage before it and it, once its backward is done: above R_j and its input's
   // gradient, every gradient arrived by then (its input back on the device; the chain's input still gone).
@@ -1058,8 +1052,6 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
   t.grad_held.assign(n + 2, 0);
-  t.grad_held_streamed.assign(n + 2, 0);
-  t.grad_held_policy.assign(n + 2, {});
   t.output_unheld.assign(n + 2, 0);
   t.frees_output.assign(n + 2, 0);
   t.input_let_go.assign(n + 2, 0);
@@ -1068,12 +1060,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.held_past_runtime.assign(n + 2, 0);
   t.recomputed_held.assign(n + 2, 0);
   for (size_t s = 1; s <= n; ++s) {  // step stage s is chain stage s - 1, whose output is stage s's input
-    t.grad_held[s] = detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1);
-    t.grad_held_streamed[s] =
-        detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1, Stage::kGradsStreamed);
-    for (size_t p = 0; p < chain.stages[s - 1].policies.size(); ++p)
-      t.grad_held_policy[s].push_back(
-          detail::grad_held_bytes(chain, context, static_cast<int64_t>(s) - 1, static_cast<int64_t>(p)));
+    t.grad_held[s] = detail::grad_held_through(chain, context, static_cast<int64_t>(s) - 1);
     t.output_unheld[s] = detail::output_unheld(chain, context, static_cast<int64_t>(s));
     t.frees_output[s] = detail::output_freed_between(chain, context, static_cast<int64_t>(s) - 1);
     t.input_let_go[s] = detail::input_let_go_in_forward(chain, context, static_cast<int64_t>(s) - 1);

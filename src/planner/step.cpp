@@ -280,12 +280,14 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j) {
   return !stage_flag(context.outputs_held_in_backward, j, true);
 }
 
+bool grad_held_through(const Chain& chain, const StepContext& context, int64_t j) {
+  if (j < 0 || j >= chain.size() || !output_freed_between(chain, context, j)) return false;
+  if (j + 1 == chain.size() && !context.rest_takes_last_input) return false;
+  return stage_flag(context.residual_grad_shared, j, true);  // else a copy, let go of once used
+}
+
 int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, int64_t way) {
-  if (j < 0 || j >= chain.size() || !output_freed_between(chain, context, j)) return 0;
-  if (j + 1 == chain.size() && !context.rest_takes_last_input) return 0;
-  if (!stage_flag(context.residual_grad_shared, j, true)) return 0;  // a copy, let go of once used
-  const Stage& s = chain.stages[static_cast<size_t>(j)];
-  return s.bwd_grad_held(way);
+  return grad_held_through(chain, context, j) ? chain.stages[static_cast<size_t>(j)].bwd_grad_held(way) : 0;
 }
 
 bool output_grad_held(const StepContext& context, int64_t j) {

@@ -52,6 +52,10 @@ bool output_unheld(const Chain& chain, const StepContext& context, int64_t j);
 // layers).
 int64_t grad_held_bytes(const Chain& chain, const StepContext& context, int64_t j, int64_t way = -1);
 
+// Whether something besides chain stage j holds the gradient it is handed through its backward: where
+// grad_held_bytes() charges Stage::bwd_grad_held(way), whatever the way.
+bool grad_held_through(const Chain& chain, const StepContext& context, int64_t j);
+
 // Whether the chain's output gradient is alive once chain stage j's backward is done
 // (StepContext::output_grad_held_in_backward; false where empty and for j outside it).
 bool output_grad_held(const StepContext& context, int64_t j);

@@ -49,7 +49,6 @@ measured on a GPU against the predicted ones.
 from __future__ import annotations
 
 import contextlib
-
 import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef

@@ -1053,10 +1053,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             b, pol["btmp"], grads_tmp = measured_backward(out, targets, i, leaf)
                             if grads_tmp is not None:
                                 pol["bgtmp"] = grads_tmp
-                            del out, leaf
-                            if not compiled[i] and (summed is None or summed[i]):
-                                pol["grad_held"] = grad_held_in_backward(i, name)
-                            out = leaf = None
                         elif out.requires_grad and targets:
                             b = timed_backward(out, targets, i)[0]
                         del out, leaf
@@ -1069,6 +1065,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             pol = fields[i]["pol"][name]
                             pol["saves_out"] = pol["offload"].output if "offload" in pol \
                                 else policy_holds_output(i, name)
+                            if "btmp" in pol and not compiled[i] and (summed is None or summed[i]):
+                                pol["grad_held"] = grad_held_in_backward(i, name)
                         report("policy " + name, names[i])
             if offload_min_bytes is not None:
                 # Streamed (Fa3@stream): each stage's forward and backward peaks with what it saves sent as it is

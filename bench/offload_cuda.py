@@ -6,7 +6,9 @@ checkpointing), Hugging Face's offload=True where the installed transformers has
 the whole step, with --compile torch.compile's activation_memory_budget at the budgets given, and
 remat.hf.enable(..., offload=True) where --at says: by default at gradient_checkpointing_enable()'s measured
 peak and at two budgets between it and selective checkpointing's; also at any way's peak, and at remat's least
-feasible budget. Per way: the peak device memory above the bytes alive
+feasible budget; with --compiled-layers each remat row also on a copy whose layers are compiled one by one
+(remat@<at>/compiled: kept, checkpointed or a policy inside each layer's graph; transformers 5.23 or later). Per
+way: the peak device memory above the bytes alive
 before the forward pass (remat's meter window: on CUDA the bytes tensors request from the caching allocator,
 followed through its trace, or torch.cuda.max_memory_allocated where the meter library is missing), the
 synchronized step time paired with plain steps (medians of the rounds' ratios), for remat also the host pool's
@@ -144,7 +146,8 @@ def _ratio(x):
 
 
 def plan_key(row: str) -> str:
-    """The plan a remat row ran: its name less "remat@" and a "/nowait" (--nowait-rows' twin of it)."""
+    """The plan a remat row ran: its name less "remat@" and a "/nowait" (--nowait-rows' twin of it); a
+    "/compiled" row's (--compiled-layers) is its own, "WHERE/compiled"."""
     return row[len("remat@"):].removesuffix("/nowait")
 
 
@@ -188,8 +191,17 @@ def main():
     ap.add_argument("--nowait-rows", action="store_true",
                     help="each remat row also run with its copy engines' experimental host_wait=False, a row "
                          "remat@<at>/nowait paired in the same rounds (the same plan)")
+    ap.add_argument("--compiled-layers", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                    help="each remat row also on a copy of the model whose layers are compiled one by one "
+                         "(layer.compile(backend=BACKEND), inductor unless given), profiled and planned on its own "
+                         "at the same budget: a row remat@<at>/compiled (transformers 5.23 or later; "
+                         "docs/python.md, compiled layers)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.compiled_layers and remat.hf.wraps_whole_call():
+        ap.error(f"--compiled-layers: transformers {transformers.__version__} checkpoints a layer's whole call, "
+                 "around its compiled graph (before 5.23), where remat.hf.enable refuses layers compiled on their "
+                 "own; run it with transformers 5.23 or later (scripts/gpu-session: GPU_SESSION_TRANSFORMERS)")
     if args.no_host_wait:
         remat.offload.CopyEngine.HOST_WAIT = False
     # BERT-large (seed 001: sequence 512, batch 64, fp32); a Llama of 886M parameters, bf16 autocast, sequence 4096.
@@ -333,6 +345,22 @@ def main():
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    comp = None
+    if args.compiled_layers:
+        # Another copy whose layers are compiled one by one, profiled (its first step, which compiles the
+        # layers' graphs for the choices it profiles) and planned on its own: remat.hf.enable runs each
+        # layer's plan inside its compiled graph, where torch.compile can trace it (docs/python.md).
+        gc.collect()
+        cm = build(args, dev)[0]
+        for layer in remat.hf.layers_of(cm):
+            layer.compile(backend=args.compiled_layers)
+        clp = remat.hf.enable(cm, budget=1 << 40, offload=True, offload_min_bytes=args.min_bytes,
+                              groups=args.groups)
+        clp.profile_timing = args.timing
+        t0 = time.perf_counter()
+        step(cm, seed=100)
+        comp = dict(model=cm, lp=clp, profile_s=time.perf_counter() - t0, backend=args.compiled_layers)
+        say(f"compiled layers: profiled (and compiled) in {comp['profile_s']:.1f} s")
     bandwidth = dict(to_host_gb_per_s=chain.to_host_gb_per_s, to_device_gb_per_s=chain.to_device_gb_per_s)
     say(f"bandwidth: {bandwidth}")
     least_budget = lp.min_budget_bytes
@@ -408,7 +436,35 @@ def main():
             rows.append(f"remat@{w}")
             if args.nowait_rows:
                 rows.append(f"remat@{w}/nowait")
+            if comp is not None:
+                rows += plan_compiled(w, b)
         return rows
+
+    def plan_compiled(w, b):
+        """remat on the compiled layers (--compiled-layers) at the budget `b` of row remat@w (at their own least
+        budget for remat@least): its row, or none where that budget is below what the compiled layers' profile
+        allows (said, and in the JSON)."""
+        clp, key = comp["lp"], f"{w}/compiled"
+        if w == "least":  # the compiled layers' own least budget
+            b = clp.min_budget_bytes
+        t_plan = time.perf_counter()
+        try:
+            clp.set_budget(b)
+        except remat.InfeasibleBudget as e:
+            say(f"remat@{key}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB")
+            plans[key] = dict(budget=b, infeasible=e.min_bytes)
+            return []
+        p = plans[key] = dict(budget=b, asked=b, least=None, choices=clp.choices,
+                              predicted=clp.predicted_peak_bytes, predicted_host=clp.predicted_host_bytes,
+                              plan_ms=clp.plan.predicted.time_ms, transfer_ms=clp.plan.predicted.transfer_ms,
+                              plan=str(clp.plan), plan_s=time.perf_counter() - t_plan, compiled_layers=True)
+        say(f"remat@{key}: planned in {p['plan_s']:.1f} s: {clp.choices}")
+        loss = step(comp["model"], seed=300)[2]  # compiles what the plan's choices need, if not profiled
+        # Not bitwise: the compiled graphs fuse (the gradients' largest difference from the eager plain run's).
+        p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
+                          grad_max_diff=max_diff(base_grads, grads_of(comp["model"])))
+        say(f"remat@{key} against plain: {p['check']}")
+        return [f"remat@{key}"]
 
     # The profiled chain and context, and every plan (text), to check the time model against the measured steps
     # afterwards; and the plain step as the model predicts it (every layer kept).
@@ -423,14 +479,19 @@ def main():
     if piped is not None:
         facts["other_timing"] = dict(timing=piped["timing"], chain=json.loads(piped["chain"].to_json()),
                                      profile_s=piped["profile_s"])
+    if comp is not None:
+        facts["compiled_layers"] = dict(chain=json.loads(comp["lp"].chain.to_json()),
+                                        context=context_figures(comp["lp"].context), profile_s=comp["profile_s"],
+                                        backend=comp["backend"],
+                                        profiled_rest_ms=comp["lp"].context.rest_ms)
     host_peak = {}
     res, plain_all = {}, []
 
-    def run_of(model, ctx, row=None, forward=None):
+    def run_of(model, ctx, row=None, forward=None, plan=None):
         def run():
             loss = loss_under(model, ctx, forward)
             if row is not None:  # remat's host pool: its peak is at the end of the forward pass
-                host_peak[row] = max(host_peak.get(row, 0), lp.host_pool.peak_bytes)
+                host_peak[row] = max(host_peak.get(row, 0), plan.host_pool.peak_bytes)
             return loss
         return run
 
@@ -453,12 +514,16 @@ def main():
             lp.offloads.engines.pop(layer_dev, None)  # the layers make their own
 
     def way_of(r):
+        if r.endswith("/compiled"):
+            comp["lp"].set_budget(plans[plan_key(r)]["budget"])
+            comp["lp"].host_pool.peak_bytes = 0
+            return comp["model"], run_of(comp["model"], None, r, plan=comp["lp"])
         if r.startswith("remat@"):
             lp.set_budget(plans[plan_key(r)]["budget"])
             lp.host_pool.peak_bytes = 0
             if args.nowait_rows:
                 engines_for(r.endswith("/nowait"))
-            return rm, run_of(rm, None, r)
+            return rm, run_of(rm, None, r, plan=lp)
         model, ctx = ways[r]
         return model, run_of(model, ctx, forward=forwards.get(r))
 
@@ -515,7 +580,8 @@ def main():
     keep_ms = keep_plan_ms + rest_ms
     for p in plans.values():
         if "choices" in p:
-            p["predicted_ms"] = p["plan_ms"] + rest_ms
+            # The compiled layers' rows: their own profile's rest (the same eager code around the layers).
+            p["predicted_ms"] = p["plan_ms"] + (comp["lp"].context.rest_ms if p.get("compiled_layers") else rest_ms)
             if "plan_ms_other" in p:
                 p["predicted_ms_other"] = p["plan_ms_other"] + rest_ms
                 p["replanned_other"]["predicted_ms"] = p["replanned_other"]["plan_ms"] + rest_ms

@@ -1346,7 +1346,8 @@ def test_a_tensor_saved_within_bytes_saved_whole_before_it_comes_back_once():
 def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_path):
     # bench/offload_cuda.py end to end with the options scripts/gpu-session's next call gives it (groups, remat at
     # hf's peak and its least budget, profiled with the pipelined timing and compared with the synchronized one,
-    # each remat row also on the experimental host_wait=False engines),
+    # each remat row also on the experimental host_wait=False engines, and on a copy whose layers are compiled one
+    # by one, here by aot_eager: no code generated, the same paths as inductor's through remat),
     # on a 2-layer Llama on the CPU: a Python error in its code paths would otherwise first show on a lent GPU.
     import os
     import subprocess
@@ -1358,6 +1359,9 @@ def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_pat
             "1", "--intermediate", "64", "--seq", "16", "--batch", "1", "--rounds", "1", "--steps", "1", "--groups",
             "--timing", "pipelined", "--compare-timing", "--at", "hf,least", "--skip", "hf-offload,save_on_cpu",
             "--min-bytes", "1024", "--nowait-rows"]
+    import remat.hf
+    if not remat.hf.wraps_whole_call():  # layers compiled on their own: transformers 5.23 or later
+        args += ["--compiled-layers", "aot_eager"]
     r = subprocess.run([sys.executable, bench, *args, "--json", str(out)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
@@ -1376,3 +1380,12 @@ def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_pat
         plan = d["plans"][row]
         assert plan["check"]["loss_equal"] and plan["predicted_ms"] > 0 and plan["predicted_ms_other"] > 0
         assert plan["replanned_other"]["choices"] and plan["replanned_other"]["predicted_ms"] > 0
+    if "--compiled-layers" in args:
+        # Each remat row on the compiled layers too, planned from their own profile at the same budget (at their
+        # own least budget for remat@least), its step compared with the plain run's.
+        assert {"remat@at-hf/compiled", "remat@least/compiled"} <= set(d["rows"])
+        assert d["compiled_layers"]["backend"] == "aot_eager" and d["compiled_layers"]["chain"]["stages"]
+        for row in ("at-hf/compiled", "least/compiled"):
+            plan = d["plans"][row]
+            assert plan["compiled_layers"] and plan["choices"] and plan["predicted_ms"] > 0
+            assert plan["check"]["grad_max_diff"] < 1e-2, plan["check"]

@@ -15,6 +15,11 @@
 // --groups: it also profiles each stage's saved groups and may assign them (Fk{khr}). With --offload a way
 // at Planned's least feasible budget is added ("least"). A budget below it is planned at it instead (its
 // JSON has "asked_budget"). --device cpu runs the same on the CPU (remat's CPU meter; to try the program).
+// The --json file is written once the ways are profiled and planned, and again after each round (each way's
+// "stage" says how far the run got), so that a run stopped by its time keeps what it measured; each Planned
+// way has its predicted step time (remat::step_time_ms on its own profile, "predicted_ms"). --chain PATH also
+// writes the first Planned way's profile there ({"chain": the chain's JSON, "rest_ms", "least_budget"}), to
+// plan again elsewhere.
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -33,6 +38,7 @@
 #include <remat/memory.h>
 #include <remat/models.h>
 #include <remat/planned.h>
+#include <remat/planner/chain.h>
 #include <remat/planner/step.h>
 #include <remat/policy.h>
 
@@ -52,7 +58,7 @@ struct Args {
   int rounds = 3, steps = 1;
   bool offload = false, groups = false, cpu = false;
   std::vector<int64_t> budgets;
-  std::string json;
+  std::string json, chain;
 };
 
 Args parse(int argc, char** argv) {
@@ -81,6 +87,8 @@ Args parse(int argc, char** argv) {
       a.steps = std::stoi(next());
     else if (k == "--json")
       a.json = next();
+    else if (k == "--chain")
+      a.chain = next();
     else if (k == "--offload")
       a.offload = true;
     else if (k == "--groups")
@@ -113,6 +121,7 @@ struct Way {
   std::vector<double> ratios, ms, plain_ms;
   int64_t peak = 0;
   int64_t predicted = -1, window_peak = -1;
+  double predicted_ms = -1;  // remat::step_time_ms of its plan on its own profile, or -1
   std::string plan;
 };
 
@@ -244,8 +253,40 @@ int main(int argc, char** argv) {
     if (planned != nullptr && planned->plan() != nullptr) {
       ways[w].predicted = planned->predicted_peak_bytes();
       ways[w].plan = planned->plan()->to_string();
+      const remat::StepContext context = remat::step_context(*planned->step_readings());
+      ways[w].predicted_ms = remat::step_time_ms(*planned->chain(), context, *planned->plan());
+      if (!a.chain.empty() && w == 4)
+        std::ofstream(a.chain) << "{\"chain\":" << remat::to_json(*planned->chain())
+                               << ",\"rest_ms\":" << context.rest_ms << ",\"least_budget\":" << least
+                               << "}\n";
     }
   }
+
+  // Every way so far, as JSON (the --json file is written after the profiles and after each round).
+  const auto json_of = [&](const std::string& stage) {
+    std::ostringstream json;
+    json << "[";
+    for (size_t w = 0; w < ways.size(); ++w) {
+      const Way& way = ways[w];
+      const double ratio = w == 0 ? 1.0 : median(way.ratios);
+      json << (w ? "," : "") << "{\"way\":\"" << way.name << "\",\"stage\":\"" << stage
+           << "\",\"peak_bytes\":" << way.peak << ",\"median_ms\":" << median(way.ms)
+           << ",\"median_ratio\":" << ratio << ",\"budget\":" << way.budget
+           << ",\"asked_budget\":" << (way.asked ? way.asked : way.budget)
+           << ",\"least\":" << (way.budget > 0 && way.budget == least ? "true" : "false")
+           << ",\"predicted_bytes\":" << way.predicted << ",\"window_peak_bytes\":" << way.window_peak
+           << ",\"predicted_ms\":" << way.predicted_ms << ",\"plan\":\"" << way.plan << "\",\"ratios\":[";
+      for (size_t i = 0; i < way.ratios.size(); ++i)
+        json << (i ? "," : "") << way.ratios[i];
+      json << "]}";
+    }
+    json << "]";
+    return json.str();
+  };
+  const auto write = [&](const std::string& stage) {
+    if (!a.json.empty()) std::ofstream(a.json) << json_of(stage) << "\n";
+  };
+  write("planned");
 
   for (int r = 0; r < a.rounds; ++r) {
     for (size_t w = 1; w < ways.size(); ++w) {
@@ -264,29 +305,19 @@ int main(int argc, char** argv) {
         }
       }
     }
+    write("round " + std::to_string(r + 1) + " of " + std::to_string(a.rounds));
   }
 
-  std::ostringstream json;
-  json << "[";
-  std::printf("\n%-34s %12s %10s %8s %12s %12s\n", "way", "peak MiB", "step ms", "ratio", "predicted",
-              "measured");
+  std::printf("\n%-34s %12s %10s %8s %12s %12s %12s\n", "way", "peak MiB", "step ms", "ratio", "predicted",
+              "measured", "pred. ms");
   for (size_t w = 0; w < ways.size(); ++w) {
     const Way& way = ways[w];
-    const double ratio = w == 0 ? 1.0 : median(way.ratios);
-    std::printf("%-34s %12.1f %10.1f %8.3f %12.1f %12.1f\n", way.name.c_str(), way.peak / 1048576.0,
-                median(way.ms), ratio, way.predicted / 1048576.0, way.window_peak / 1048576.0);
-    json << (w ? "," : "") << "{\"way\":\"" << way.name << "\",\"peak_bytes\":" << way.peak
-         << ",\"median_ms\":" << median(way.ms) << ",\"median_ratio\":" << ratio
-         << ",\"budget\":" << way.budget << ",\"asked_budget\":" << (way.asked ? way.asked : way.budget)
-         << ",\"least\":" << (way.budget > 0 && way.budget == least ? "true" : "false")
-         << ",\"predicted_bytes\":" << way.predicted << ",\"window_peak_bytes\":" << way.window_peak
-         << ",\"plan\":\"" << way.plan << "\",\"ratios\":[";
-    for (size_t i = 0; i < way.ratios.size(); ++i)
-      json << (i ? "," : "") << way.ratios[i];
-    json << "]}";
+    std::printf("%-34s %12.1f %10.1f %8.3f %12.1f %12.1f %12.1f\n", way.name.c_str(), way.peak / 1048576.0,
+                median(way.ms), w == 0 ? 1.0 : median(way.ratios), way.predicted / 1048576.0,
+                way.window_peak / 1048576.0, way.predicted_ms);
   }
-  json << "]";
-  std::cout << json.str() << "\n";
-  if (!a.json.empty()) std::ofstream(a.json) << json.str() << "\n";
+  const std::string json = json_of("measured");
+  std::cout << json << "\n";
+  if (!a.json.empty()) std::ofstream(a.json) << json << "\n";
   return 0;
 }

@@ -9,7 +9,8 @@
 //   build-cuda/remat/bench/remat_bert_cuda --rounds 3 --json out/bert-cuda-cpp.json
 //
 // The budgets default to per-layer's peak plus 1/3 and 2/3 of the distance to the plain peak (--budgets A,B
-// in bytes). Planned's predicted peak is printed beside the peak its window measured (its last_peak_bytes).
+// in bytes, or the word per-layer for per-layer checkpointing's measured peak). Planned's predicted peak is
+// printed beside the peak its window measured (its last_peak_bytes).
 // --offload: Planned plans with PlannerOptions::offload (stages kept with what they save on the host, or
 // streamed, Fa@stream), and the budgets start at per-layer's peak itself (issue 42's point of comparison);
 // --groups: it also profiles each stage's saved groups and may assign them (Fk{khr}). With --offload a way
@@ -101,8 +102,22 @@ Args parse(int argc, char** argv) {
     } else if (k == "--budgets") {
       std::stringstream ss(next());
       std::string part;
-      while (std::getline(ss, part, ','))
-        a.budgets.push_back(std::stoll(part));
+      while (std::getline(ss, part, ',')) {
+        if (part == "per-layer") {
+          a.budgets.push_back(-1);
+          continue;
+        }
+        size_t used = 0;
+        int64_t b = -1;
+        try {
+          b = std::stoll(part, &used);
+        } catch (const std::exception&) {
+        }
+        if (b <= 0 || used != part.size())
+          throw std::invalid_argument("remat_bert_cuda: --budgets: '" + part +
+                                      "' is neither a positive number of bytes nor per-layer");
+        a.budgets.push_back(b);
+      }
     } else {
       throw std::invalid_argument("remat_bert_cuda: unknown argument '" + k + "'");
     }
@@ -196,6 +211,8 @@ int main(int argc, char** argv) {
     step(&ways[w].peak);
   }
   std::vector<int64_t> budgets = a.budgets;
+  for (int64_t& b : budgets)
+    if (b == -1) b = ways[1].peak;  // "per-layer": per-layer checkpointing's peak, as measured
   if (budgets.empty()) {
     const int64_t lo = ways[1].peak, hi = ways[0].peak;
     budgets = {lo + (hi - lo) / 3, lo + 2 * (hi - lo) / 3};

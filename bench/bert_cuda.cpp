@@ -267,7 +267,7 @@ int main(int argc, char** argv) {
     }
     step_of(ways[w].own, nullptr);
     const auto* planned = ways[w].own->planned();
-    if (planned != nullptr && planned->plan() != nullptr) {
+    if (planned != nullptr && planned->plan() != nullptr && planned->step_readings() != nullptr) {
       ways[w].predicted = planned->predicted_peak_bytes();
       ways[w].plan = planned->plan()->to_string();
       const remat::StepContext context = remat::step_context(*planned->step_readings());

@@ -441,20 +441,20 @@ def main():
         return rows
 
     def plan_compiled(w, b):
-        """remat on the compiled layers (--compiled-layers) at the budget `b` of row remat@w (at their own least
-        budget for remat@least): its row, or none where that budget is below what the compiled layers' profile
-        allows (said, and in the JSON)."""
+        """remat on the compiled layers (--compiled-layers) at the budget `b` of row remat@w: its row. Where `b` is
+        below what the compiled layers' profile allows (they are offered no host and no group assignments: so
+        at remat@least's), at their own least budget instead, said and marked so (`least`, `asked`), as
+        remat@at-hf is."""
         clp, key = comp["lp"], f"{w}/compiled"
-        if w == "least":  # the compiled layers' own least budget
-            b = clp.min_budget_bytes
+        asked, least = b, None
         t_plan = time.perf_counter()
         try:
             clp.set_budget(b)
         except remat.InfeasibleBudget as e:
-            say(f"remat@{key}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB")
-            plans[key] = dict(budget=b, infeasible=e.min_bytes)
-            return []
-        p = plans[key] = dict(budget=b, asked=b, least=None, choices=clp.choices,
+            say(f"remat@{key}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB: run there")
+            least = b = e.min_bytes
+            clp.set_budget(b)
+        p = plans[key] = dict(budget=b, asked=asked, least=least, choices=clp.choices,
                               predicted=clp.predicted_peak_bytes, predicted_host=clp.predicted_host_bytes,
                               plan_ms=clp.plan.predicted.time_ms, transfer_ms=clp.plan.predicted.transfer_ms,
                               plan=str(clp.plan), plan_s=time.perf_counter() - t_plan, compiled_layers=True)

@@ -378,6 +378,36 @@ def main():
     base_loss = step(base_model, seed=300)[2]
     base_grads = grads_of(base_model)
 
+    def plan_at(plan_lp, key, b, fall_back):
+        """plan_lp (remat's LayerPlan of a row's model) planned at `b` for the row remat@key, its figures in
+        plans[key]; None where `b` is below its least feasible budget and not `fall_back` (recorded as such).
+        With `fall_back` it is planned at that least instead, said and marked (`least`, `asked`)."""
+        asked, least = b, None
+        t_plan = time.perf_counter()
+        try:
+            plan_lp.set_budget(b)
+        except remat.InfeasibleBudget as e:
+            say(f"remat@{key}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB"
+                + (": run there" if fall_back else ""))
+            if not fall_back:
+                plans[key] = dict(budget=b, infeasible=e.min_bytes)
+                return None
+            least = b = e.min_bytes
+            plan_lp.set_budget(b)
+        p = plans[key] = dict(budget=b, asked=asked, least=least, choices=plan_lp.choices,
+                              predicted=plan_lp.predicted_peak_bytes, predicted_host=plan_lp.predicted_host_bytes,
+                              plan_ms=plan_lp.plan.predicted.time_ms, transfer_ms=plan_lp.plan.predicted.transfer_ms,
+                              plan=str(plan_lp.plan), plan_s=time.perf_counter() - t_plan)
+        return p
+
+    def check_against_plain(p, key, model):
+        """The planned step of row remat@key on `model` against a plain step of the same seed: the loss, and the
+        gradients' largest difference (the plan's `check`)."""
+        loss = step(model, seed=300)[2]
+        p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
+                          grad_max_diff=max_diff(base_grads, grads_of(model)))
+        say(f"remat@{key} against plain: {p['check']}")
+
     def plan_rows(names):
         """Plans remat at each of `names` (--at's words); returns the rows planned."""
         rows = []
@@ -391,25 +421,13 @@ def main():
             else:  # a compiled way whose compile failed (said above)
                 say(f"--at {a}: left out, {a} did not run")
                 continue
-            least = None
             say(f"remat@{w}: planning at {b / 2**30:.3f} GiB")
-            t_plan = time.perf_counter()
-            try:
-                lp.set_budget(b)
-            except remat.InfeasibleBudget as e:
-                say(f"remat@{w}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB")
-                if w != "at-hf":
-                    plans[w] = dict(budget=b, infeasible=e.min_bytes)
-                    continue
-                # The row the issue's first target is read at: measured at remat's least budget instead, and
-                # marked so.
-                least, b = e.min_bytes, e.min_bytes
-                lp.set_budget(b)
-            p = plans[w] = dict(budget=b, asked=b if least is None else peaks["hf"], least=least,
-                                choices=lp.choices, predicted=lp.predicted_peak_bytes,
-                                predicted_host=lp.predicted_host_bytes, plan_ms=lp.plan.predicted.time_ms,
-                                transfer_ms=lp.plan.predicted.transfer_ms, plan=str(lp.plan),
-                                plan_s=time.perf_counter() - t_plan)
+            # The row the issue's first target is read at, remat@at-hf, is measured at remat's least budget
+            # where hf's peak is below it, and marked so; any other such row is left out.
+            p = plan_at(lp, w, b, fall_back=w == "at-hf")
+            if p is None:
+                continue
+            b = p["budget"]
             if piped is not None:
                 # The plan measured, as the other timing's chain times it (its layers' part; the rest is the
                 # same), and the plan that chain would choose at this budget. (Its saved groups are the same
@@ -429,42 +447,23 @@ def main():
                     p.pop("plan_ms_other", None)
                     say(f"remat@{w}: the {piped['timing']} profile's figures failed: {type(e).__name__}: {e}")
             say(f"remat@{w}: planned in {p['plan_s']:.1f} s: {lp.choices}")
-            loss = step(rm, seed=300)[2]
-            p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
-                              grad_max_diff=max_diff(base_grads, grads_of(rm)))
-            say(f"remat@{w} against plain: {p['check']}")
+            check_against_plain(p, w, rm)
             rows.append(f"remat@{w}")
             if args.nowait_rows:
                 rows.append(f"remat@{w}/nowait")
             if comp is not None:
-                rows += plan_compiled(w, b)
+                # The same row on the compiled layers (--compiled-layers), at the budget this row runs at: where
+                # that is below what their profile allows (they are offered no host and no group assignments:
+                # so at remat@least's), at their own least budget instead, marked so, as remat@at-hf is.
+                key = f"{w}/compiled"
+                p = plan_at(comp["lp"], key, b, fall_back=True)
+                p["compiled_layers"] = True
+                say(f"remat@{key}: planned in {p['plan_s']:.1f} s: {comp['lp'].choices}")
+                # Its first step compiles what the plan's choices need, if not profiled. Not bitwise: the compiled
+                # graphs fuse (the gradients' largest difference from the eager plain run's).
+                check_against_plain(p, key, comp["model"])
+                rows.append(f"remat@{key}")
         return rows
-
-    def plan_compiled(w, b):
-        """remat on the compiled layers (--compiled-layers) at the budget `b` of row remat@w: its row. Where `b` is
-        below what the compiled layers' profile allows (they are offered no host and no group assignments: so
-        at remat@least's), at their own least budget instead, said and marked so (`least`, `asked`), as
-        remat@at-hf is."""
-        clp, key = comp["lp"], f"{w}/compiled"
-        asked, least = b, None
-        t_plan = time.perf_counter()
-        try:
-            clp.set_budget(b)
-        except remat.InfeasibleBudget as e:
-            say(f"remat@{key}: infeasible at {b / 2**30:.3f} GiB, least {e.min_bytes / 2**30:.3f} GiB: run there")
-            least = b = e.min_bytes
-            clp.set_budget(b)
-        p = plans[key] = dict(budget=b, asked=asked, least=least, choices=clp.choices,
-                              predicted=clp.predicted_peak_bytes, predicted_host=clp.predicted_host_bytes,
-                              plan_ms=clp.plan.predicted.time_ms, transfer_ms=clp.plan.predicted.transfer_ms,
-                              plan=str(clp.plan), plan_s=time.perf_counter() - t_plan, compiled_layers=True)
-        say(f"remat@{key}: planned in {p['plan_s']:.1f} s: {clp.choices}")
-        loss = step(comp["model"], seed=300)[2]  # compiles what the plan's choices need, if not profiled
-        # Not bitwise: the compiled graphs fuse (the gradients' largest difference from the eager plain run's).
-        p["check"] = dict(loss_equal=bool(torch.equal(base_loss, loss)),
-                          grad_max_diff=max_diff(base_grads, grads_of(comp["model"])))
-        say(f"remat@{key} against plain: {p['check']}")
-        return [f"remat@{key}"]
 
     # The profiled chain and context, and every plan (text), to check the time model against the measured steps
     # afterwards; and the plain step as the model predicts it (every layer kept).

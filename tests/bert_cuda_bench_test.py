@@ -1,6 +1,6 @@
 """bench/bert_cuda.cpp (scripts/gpu-session's C++ BertModel, issue 42's C++ row) run on the CPU at a tiny size
-with the options of the next GPU call (--offload --groups --budgets per-layer): an error in its code paths would otherwise first
-show on a lent GPU. Checks what the GPU table reads from its JSON and its --chain file.
+with the options of the next GPU call (--offload --groups --budgets per-layer): an error in its code paths would
+otherwise first show on a lent GPU. Checks what the GPU table reads from its JSON and its --chain file.
 
     python3 tests/bert_cuda_bench_test.py build/bin/remat_bert_cuda
 """
@@ -15,8 +15,8 @@ def main(binary):
     with tempfile.TemporaryDirectory() as tmp:
         out, chain = os.path.join(tmp, "bert.json"), os.path.join(tmp, "chain.json")
         args = [binary, "--device", "cpu", "--layers", "3", "--hidden", "32", "--heads", "2", "--intermediate",
-                "128", "--seq", "16", "--batch", "2", "--rounds", "2", "--offload", "--groups", "--budgets", "per-layer",
-                "--json", out, "--chain", chain]
+                "128", "--seq", "16", "--batch", "2", "--rounds", "2", "--offload", "--groups", "--budgets",
+                "per-layer", "--json", out, "--chain", chain]
         r = subprocess.run(args, capture_output=True, text=True, timeout=240)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
         ways = json.load(open(out))

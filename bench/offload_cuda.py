@@ -7,7 +7,8 @@ the whole step, with --compile torch.compile's activation_memory_budget at the b
 remat.hf.enable(..., offload=True) where --at says: by default at gradient_checkpointing_enable()'s measured
 peak and at two budgets between it and selective checkpointing's; also at any way's peak, and at remat's least
 feasible budget; with --compiled-layers each remat row also on a copy whose layers are compiled one by one
-(remat@<at>/compiled: kept, checkpointed or a policy inside each layer's graph; transformers 5.23 or later). Per
+(remat@<at>/compiled: kept, checkpointed or a policy inside each layer's graph, each perhaps @host with the
+layer's Offload around the graph; transformers 5.23 or later). Per
 way: the peak device memory above the bytes alive
 before the forward pass (remat's meter window: on CUDA the bytes tensors request from the caching allocator,
 followed through its trace, or torch.cuda.max_memory_allocated where the meter library is missing), the

@@ -5,7 +5,9 @@ Each planned layer carries its choices per step key as a plain attribute (CHOICE
 step in progress (STEP) and, per step key, the shapes the layer was profiled with, which the traced call reads:
 dynamo guards on their values, so layers with the same choice share one compiled graph and a new plan
 recompiles. The key None holds a given plan's choices, for every shape. What torch.compile cannot trace
-(remat's profiling step, offloaded layers, group assignments) runs outside the graph through LayerPlan.dispatch.
+(remat's profiling step, streamed layers, group assignments) runs outside the graph through LayerPlan.dispatch;
+an offloaded choice runs its base inside the graph, with the layer's Offload opened around the compiled call
+(each compiled call is wrapped: Around, remat.dispatch.around_compiled), whose hooks see what the graph saves.
 The profiling step then profiles each compiled layer through its compiled call (compiled_entry), its choice set
 for each run as a plan with that choice sets it (forced_choice), so that the profile is the compiled graph's.
 """
@@ -21,14 +23,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from .layer_calls import layer_key
-from .policies import CHECKPOINT, KEEP, is_groups, policy_fn, split_choice
+from .policies import CHECKPOINT, KEEP, is_groups, is_streamed, policy_fn, split_choice
 
 if TYPE_CHECKING:
     from .layer_plan import LayerPlan
     from .measure_step import Shape
 
-__all__ = ["CHOICES_ATTR", "FORCED_ATTR", "STEP", "compiled_call", "compiled_call_of", "compiled_entry",
-           "compiled_module", "eager_dispatch", "forced_choice", "publish", "ran_eagerly", "set_step_key"]
+__all__ = ["AROUND", "Around", "CHOICES_ATTR", "FORCED_ATTR", "STEP", "choice_of", "compiled_call", "compiled_call_of",
+           "compiled_entry", "compiled_module", "eager_dispatch", "forced_choice", "noted_around", "publish",
+           "ran_eagerly", "set_step_key", "unwrap_call", "wrap_call"]
 
 CHOICES_ATTR = "_remat_choices"
 # Set on a layer while forced_choice is open (a plain attribute apart from CHOICES_ATTR, which traced calls
@@ -38,6 +41,10 @@ STEP = "step"
 # The step key of a call that runs inside an earlier call's step (LayerPlan._inside_earlier_call): every layer
 # checkpointed, whatever its shapes.
 INSIDE = ("inside an earlier call",)
+# The choice around_compiled runs a layer's call under outside its graph (its Offload open, the step's schedule
+# carried out), while that call is in progress: compiled_call runs an offloaded choice's base in the graph only
+# where it is the choice noted here.
+AROUND = "around"
 
 
 def compiled_module(m):
@@ -98,26 +105,43 @@ def forced_choice(layer: nn.Module, key, layer_key_: tuple, how: str, policies: 
         choices.update(before)
 
 
+def choice_of(choices: dict, fn: Callable, args: tuple, shapes: dict, fixed) -> tuple[str | None, "Shape | None"]:
+    """The choice a compiled layer's call fn(*args) runs under (its CHOICES_ATTR entries `choices`), with the
+    Shape whose plan it is (from `shapes`, a LayerPlan's by step key, or `fixed`, its given plan): inside an
+    earlier call's step, checkpointed (no shape); else the plan for this step's key where the call's shapes are
+    those it was made for, else a given plan's; (None, None) where none holds. Read by the traced call
+    (compiled_call, whose graph dynamo guards on the entries it reads) and outside the graph (around_compiled),
+    from the same tensors."""
+    key = choices.get(STEP)
+    if key == INSIDE:
+        return CHECKPOINT, None
+    how = choices.get(key) if key is not None else None
+    if how is not None and choices.get(("layer", key)) == layer_key(fn, args):
+        return how, shapes.get(key)
+    how = choices.get(None)
+    return how, (fixed if how is not None else None)
+
+
 def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
     """Layer `layer`'s call fn(*args) while torch.compile traces it: as its plan for this step's shapes says,
     through the checkpointing torch.compile traces (torch.utils.checkpoint, a policy as selective
     checkpointing's context), or, where the layer has no plan for them (the profiling step, an infeasible
     budget, a call whose shapes are not those the plan was made with), lp.dispatch outside the compiled graph
-    (eager_dispatch, a graph break)."""
+    (eager_dispatch, a graph break). An offloaded choice ("keep@host", "checkpoint@host", a policy's) runs its
+    base choice in the graph where around_compiled opened the layer's Offload around the compiled call (noted
+    under AROUND: the hooks see what the compiled function saves), else through lp.dispatch as well."""
     choices = layer.__dict__.get(CHOICES_ATTR)
     how = None
     if choices is not None and args and isinstance(args[0], torch.Tensor):
-        key = choices.get(STEP)
-        if key == INSIDE:  # inside an earlier call's step: checkpointed in the graph, as a plan's choice would be
+        if choices.get(STEP) == INSIDE:  # inside an earlier call's step: checkpointed in the graph
             return checkpoint(fn, *args, use_reentrant=False)
-        how = choices.get(key) if key is not None else None
-        if how is not None and choices.get(("layer", key)) != layer_key(fn, args):
-            how = None  # planned for other shapes: lp.dispatch decides
-        if how is None:
-            how = choices.get(None)
+        how = choice_of(choices, fn, args, {}, None)[0]
+    if how is not None and split_choice(how)[1] and not is_streamed(how) and choices.get(AROUND) == how:
+        how = split_choice(how)[0]  # the layer's Offload is open around the graph
     if how is None or split_choice(how)[1] or is_groups(how):
-        # No plan yet, an offloaded choice (saved-tensor hooks are not traced), or a group assignment (remat's
-        # dispatch modes are not traced): outside the graph.
+        # No plan yet, an offloaded choice with no Offload around the graph (saved-tensor hooks are not traced;
+        # a streamed one's copies go as the forward makes its tensors), or a group assignment (remat's dispatch
+        # modes are not traced): outside the graph.
         return eager_dispatch(lp, layer, fn, args)
     if how == KEEP:
         return fn(*args)
@@ -126,6 +150,14 @@ def compiled_call(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
     policy = choices.get(("policy", how))
     return checkpoint(fn, *args, use_reentrant=False,
                       context_fn=partial(create_selective_checkpoint_contexts, policy))
+
+
+def noted_around(layer: nn.Module) -> bool:
+    """Whether around_compiled has noted a choice for `layer`'s call in progress (AROUND): a call of its
+    forward outside a trace is then torch.compile running the compiled call eagerly (past its recompile limit),
+    and runs as compiled_call would have traced it."""
+    choices = layer.__dict__.get(CHOICES_ATTR)
+    return choices is not None and choices.get(AROUND) is not None
 
 
 def ran_eagerly(lp: "LayerPlan", layer: nn.Module) -> None:
@@ -151,10 +183,58 @@ def ran_eagerly(lp: "LayerPlan", layer: nn.Module) -> None:
 @torch.compiler.disable
 def eager_dispatch(lp: "LayerPlan", layer: nn.Module, fn: Callable, args: tuple):
     """lp.dispatch for `layer`, run outside torch.compile's graph (the profiling step of a compiled layer). The
-    layer is noted as compiled (LayerPlan.compiled_layers): the profiling step profiles it through its graph."""
+    layer is noted as compiled (LayerPlan.compiled_layers): the profiling step profiles it through its graph;
+    and its compiled call is wrapped (Around: what of an offloading plan torch.compile cannot trace is done
+    outside the graph)."""
     i = lp.index[id(layer)]
     lp.compiled_layers.add(i)
+    wrap_call(lp, layer)
+    step = lp._step
+    if i > 0 and step is not None and step.shape is None and getattr(step, "key", None) in lp._shapes:
+        # The first layer ran inside its graph under this step's plan (its call did not reach lp.dispatch, which
+        # takes the step's shape there): the shape it ran, for this layer's call.
+        step.shape = lp._shapes[step.key]
     return lp.dispatch(i, fn, *args)
+
+
+class Around:
+    """A compiled layer's compiled call wrapped (wrap_call): each call goes through remat.dispatch's
+    around_compiled, which opens the layer's Offload around the graph and carries out the plan's offload
+    schedule where the plan in force asks for them, and otherwise makes the call as it is."""
+
+    def __init__(self, lp: "LayerPlan", layer: nn.Module, call: Callable):
+        self.lp, self.layer, self.call = lp, layer, call
+
+    def __call__(self, *args, **kwargs):
+        from .dispatch import around_compiled
+        return around_compiled(self.lp, self.layer, self.call, args, kwargs)
+
+
+def _call_attr(model: nn.Module, layer: nn.Module) -> tuple[nn.Module, str] | None:
+    """Where `layer`'s compiled call is held: (layer, "_compiled_call_impl") after layer.compile(), the
+    torch.compile(layer) wrapper's "forward" (its compiled call of the layer); None for a layer not compiled on
+    its own."""
+    entry = compiled_call_of(model, layer)
+    if entry is None:
+        return None
+    attr = "_compiled_call_impl" if entry is layer else "forward"
+    return (entry, attr) if entry.__dict__.get(attr) is not None else None
+
+
+def wrap_call(lp: "LayerPlan", layer: nn.Module) -> None:
+    """Wraps `layer`'s compiled call in an Around (once; again where torch.compile replaced it, or a copy of the
+    model came without it: copies and pickles drop compiled calls, and a torch.compile wrapper's copy makes its
+    own)."""
+    held = _call_attr(lp.model, layer)
+    if held is not None and not isinstance(held[0].__dict__[held[1]], Around):
+        held[0].__dict__[held[1]] = Around(lp, layer, held[0].__dict__[held[1]])
+
+
+def unwrap_call(model: nn.Module, layer: nn.Module) -> None:
+    """Puts `layer`'s compiled call back as it was before wrap_call (LayerPlan.remove)."""
+    held = _call_attr(model, layer)
+    if held is not None and isinstance(held[0].__dict__[held[1]], Around):
+        held[0].__dict__[held[1]] = held[0].__dict__[held[1]].call
 
 
 def publish(layers: Sequence[nn.Module], shape: "Shape", policies: dict) -> None:

@@ -2,6 +2,7 @@
 policy, offloaded), profiled in a profiling step, or checkpointed where no plan holds."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 from functools import partial
 from typing import TYPE_CHECKING, Callable
@@ -9,17 +10,18 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from .compiled import FORCED_ATTR, compiled_call, ran_eagerly
+from .compiled import AROUND, CHOICES_ATTR, FORCED_ATTR, choice_of, compiled_call, noted_around, ran_eagerly
 from .layer_calls import covers, describe, layer_key, layer_output
 from .layer_offload import carry_out_then
 from .measure_step import Shape, Step, measure_planned_step, profiling_call
-from .policies import CHECKPOINT, is_groups, run_layer
+from .policies import CHECKPOINT, is_groups, is_streamed, run_layer, split_choice
 from . import oom
 
 if TYPE_CHECKING:
     from .layer_plan import LayerPlan
 
-__all__ = ["LAYER_PLAN_ATTR", "PlannedForward", "dispatch", "planned_forward", "run"]
+__all__ = ["LAYER_PLAN_ATTR", "PlannedForward", "around_compiled", "dispatch", "layer_begins", "layer_ends",
+           "planned_forward", "run"]
 
 LAYER_PLAN_ATTR = "_remat_layer_plan"
 
@@ -39,6 +41,8 @@ def planned_forward(self: nn.Module, *args, **kwargs):
     # until PlannedForward, and count against one code object's limit).
     if self.__dict__.get(FORCED_ATTR):
         ran_eagerly(lp, self)
+        return compiled_call(lp, self, fn, args)
+    if noted_around(self):  # the same, in a planned step whose part outside the graph around_compiled did
         return compiled_call(lp, self, fn, args)
     return lp.dispatch(lp.index[id(self)], fn, *args)
 
@@ -145,22 +149,80 @@ def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Sh
     run, and when the backward pass reaches this layer's output the previous layer's tensors start coming
     back (so that their copies overlap this layer's backward). explained: a planned step's call, whose
     out-of-memory errors carry remat's words (_Explained)."""
-    if i == 0:
-        lp.offloads.begin_step()
     layer = lp.layers[i]
     # A group assignment: its sent groups go through the layer's Offload (not opened as hooks: the layer's input
     # and the rest stay, as the chain's group figures count them).
     groups = [g.name for g in shape.chain.stages[i].groups] if is_groups(how) else None
-    o = lp.offloads.for_layer(i, how, fn, args, shape, lp.model)
+    o = layer_begins(lp, i, how, fn, args, shape)
     out = run_layer(how, _Explained(lp, i, fn) if explained else fn, args, [layer], lp.policies, offload=o,
                     groups=groups)
+    layer_ends(lp, i, out, shape)
+    return out
+
+
+def layer_begins(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Shape | None"):
+    """What the step does as layer i's call under choice `how` begins (run's, and around_compiled's for a layer
+    that runs in its compiled graph): the step's offloading begins at the first layer; returns the Offload the
+    call runs under when `how` sends anything to the host, else None."""
+    if i == 0:
+        lp.offloads.begin_step()
+    return lp.offloads.for_layer(i, how, fn, args, shape, lp.model)
+
+
+def layer_ends(lp: "LayerPlan", i: int, out, shape: "Shape | None") -> None:
+    """What the step does once layer i's forward has run (run's and around_compiled's): the plan's offload
+    schedule at the layer (the copies it waits for now; what it carries out when the backward pass reaches the
+    layer's output, as a gradient hook on it)."""
     if shape is not None and shape.points is not None:
         due = lp.offloads.carry_out_after(i, shape.points)
         if due:
-            main, _ = layer_output(out, lp.who, i, layer)
+            main, _ = layer_output(out, lp.who, i, lp.layers[i])
             if main.requires_grad:
                 main.register_hook(partial(carry_out_then, due))
+
+
+def around_compiled(lp: "LayerPlan", layer: nn.Module, call: Callable, args: tuple, kwargs: dict):
+    """A compiled layer's call `call(*args, **kwargs)` (its compiled call: layer.compile()'s, or the
+    torch.compile(layer) wrapper's), outside its graph (compiled.Around). Where the plan in force runs the layer
+    inside its graph (compiled.choice_of) and either sends what it saves to the host or has offload-schedule
+    points at it, the step's part that torch.compile cannot trace is done here as run() does it: the layer's
+    Offload opened around the graph, whose saved tensors its hooks see as the compiled function saves them
+    (kept, its operators' saves; checkpointed, its input; under a policy, its input and what the policy keeps),
+    and the schedule carried out after. The choice is noted for the traced call (compiled.AROUND), which runs
+    the choice's base in its graph only where it was (else eagerly, through lp.dispatch). Else the call as it
+    is (no plan: it runs eagerly through lp.dispatch, which does all of this)."""
+    i = lp.index.get(id(layer))
+    choices = layer.__dict__.get(CHOICES_ATTR)
+    if (i is None or choices is None or not (lp.offloads.enabled or _offloads(lp._fixed))
+            or layer.__dict__.get(FORCED_ATTR) or not (torch.is_grad_enabled() and layer.training)
+            or not args or not isinstance(args[0], torch.Tensor)):
+        return call(*args, **kwargs)  # (no plan of this LayerPlan offloads: nothing more to read)
+    fn = partial(_call_shapes, **kwargs)  # the call's tensors, as layer_key and taken_tensors read a partial's
+    how, shape = choice_of(choices, fn, args, lp._shapes, lp._fixed)
+    if how is None or is_groups(how) or is_streamed(how):
+        return call(*args, **kwargs)
+    host = split_choice(how)[1]
+    if not host and not _offloads(shape):
+        return call(*args, **kwargs)  # the step offloads nothing: nothing to do outside the graph
+    o = layer_begins(lp, i, how, fn, args, shape)
+    choices[AROUND] = how
+    try:
+        with o if host else contextlib.nullcontext():
+            out = call(*args, **kwargs)
+    finally:
+        choices.pop(AROUND, None)
+    layer_ends(lp, i, out, shape)
     return out
+
+
+def _offloads(shape: "Shape | None") -> bool:
+    """Whether the plan of `shape` has offload-schedule points (layer_points': it sends some layer to the host)."""
+    return shape is not None and shape.points is not None and any(map(any, shape.points))
+
+
+def _call_shapes(*args, **kwargs):
+    """Stands in for a compiled layer's forward in around_compiled's partial, which only its tensors are read of."""
+    raise AssertionError("not called")
 
 
 class _Explained:

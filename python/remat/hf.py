@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from .compiled import CHOICES_ATTR, compiled_call, compiled_call_of
+from .compiled import CHOICES_ATTR, compiled_call, compiled_call_of, noted_around
 from .layer_plan import LayerPlan
 from .policies import torch_checkpoint
 from .profile import Restore
@@ -177,8 +177,10 @@ class _Checkpointing:
     def __call__(self, fn, *args, **kwargs):
         lp = self.lp
         layer = _layer_of_call(fn)
-        if torch.compiler.is_compiling() and layer is not None and CHOICES_ATTR in layer.__dict__:
-            # A compiled layer (layer.compile(), torch.compile(layer)) being traced: the plan inside its graph.
+        if layer is not None and CHOICES_ATTR in layer.__dict__ and (torch.compiler.is_compiling() or
+                                                                    noted_around(layer)):
+            # A compiled layer (layer.compile(), torch.compile(layer)) being traced: the plan inside its graph (or
+            # run as traced, where torch.compile ran the compiled call eagerly: noted_around).
             return compiled_call(lp, layer, partial(fn, **kwargs) if kwargs else fn, args)
         i = lp.index.get(id(layer)) if layer is not None else None
         if i is not None and getattr(layer, "_compiled_call_impl", None) is not None:

@@ -28,7 +28,7 @@ from torch import nn
 
 from . import _core, agreement, fit, oom
 from .fit import parse_budget
-from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key
+from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key, unwrap_call, wrap_call
 from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
@@ -153,6 +153,7 @@ class LayerPlan:
         self._step: Step | None = None
         for layer in self.layers:
             layer.__dict__[CHOICES_ATTR] = {}
+        self._wrap_calls()
         if self._fixed is not None:
             publish(self.layers, self._fixed, self.policies)
         # First among the model's forward pre-hooks: the step's base is read before FSDP2's root all-gathers its
@@ -175,7 +176,7 @@ class LayerPlan:
         copied model's layers need to run them; not the step in progress, nor the offloading's host memory or
         copy engines (a copy starts its own: LayerOffloads' own copy)."""
         state = dict(self.__dict__)
-        state.update(_step=None, _unmeasured=False, _calls=[])
+        state.update(_step=None, _unmeasured=False, _calls=[], _calls_wrapped=False)
         del state["index"]  # ids of the copy's layers
         return state
 
@@ -183,7 +184,7 @@ class LayerPlan:
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
-                     _profile_timing="synced")
+                     _profile_timing="synced", _calls_wrapped=False)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -413,6 +414,15 @@ class LayerPlan:
         self._handles = []
         for layer in self.layers:
             layer.__dict__.pop(CHOICES_ATTR, None)
+            unwrap_call(self.model, layer)
+
+    def _wrap_calls(self) -> None:
+        """Wraps the compiled calls of the layers compiled by now (compiled.wrap_call: an offloading plan's part
+        outside their graphs), once per LayerPlan and copy (a copy's layers come without them); a layer compiled
+        later is wrapped at its first call outside its graph (compiled.eager_dispatch)."""
+        for layer in self.layers:
+            wrap_call(self, layer)
+        self._calls_wrapped = True
 
     # -- the step ------------------------------------------------------------------------------------------------
     def _training(self) -> bool:
@@ -430,6 +440,8 @@ class LayerPlan:
     def _step_begins(self, module, args, kwargs):
         self._unmeasured = False
         oom.over()
+        if not self._calls_wrapped:  # a copy's first call
+            self._wrap_calls()
         if self._fixed is not None or not self._training():
             self._step = None
             return

@@ -618,8 +618,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     saved, no backward (Stage.has_backward false: the per-layer planner keeps it).
 
     A StageFn with `compiled` (a layer compiled one by one, as remat.enable's profiling step gives it) runs its
-    kept, checkpointed and policy passes through that call, after one untimed run of each (compiling); it gets no
-    offload or group figures.
+    kept, checkpointed and policy passes through that call, after one untimed run of each (compiling); its
+    offload figures are those of what its compiled function saves (what an Offload opened around its graph
+    sends: keep@host, checkpoint@host, a policy's), and it gets no stream or group figures.
 
     progress: None (the default) draws a progress bar on stderr while profiling runs, erased when it ends and
     not drawn where stderr is not a terminal (remat.progress); False draws nothing; a callable is called
@@ -957,7 +958,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fields[i]["has_bwd"] = out.requires_grad
                         fields[i]["saved"] = max(out.nbytes, saved)
                         fields[i]["ftmp"] = max(0, fwd_peak - fields[i]["saved"])
-                        if offload_min_bytes is not None and not compiled[i]:
+                        # A compiled stage's too: the hooks see what its compiled function saves, as an Offload
+                        # opened around its graph does (remat.dispatch.around_compiled).
+                        if offload_min_bytes is not None:
                             fields[i]["offload"] = counter.offload_cost(
                                 _storage_key(leaf), out_key, fields[i]["saved"] - out.nbytes)
                             fields[i]["largest"] = max([nb for nb, _ in counter.offloaded.values()] + [0])
@@ -1028,8 +1031,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # Offloading profiled: what the policy keeps passes through counting hooks (the
                         # checkpoint's input through them as hooks, what the policy keeps through remat's
                         # selective checkpointing), as through an Offload.
+                        # A compiled stage's through the hooks alone, around its graph, as an Offload is opened.
                         counter = (_SavedStorages(alive | {_storage_key(leaf)}, offload_min_bytes, alive)
-                                   if policy_offload and not compiled[i] else None)
+                                   if policy_offload or (offload_min_bytes is not None and compiled[i]) else None)
                         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
                                  if counter else contextlib.nullcontext())
                         base = meter.count()
@@ -1063,7 +1067,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             # Where offloading was profiled, its cost's `output` says it already (and the step's
                             # model reads that first); else the stage runs so once more.
                             pol = fields[i]["pol"][name]
-                            pol["saves_out"] = pol["offload"].output if "offload" in pol \
+                            pol["saves_out"] = pol["offload"].output if "offload" in pol and not compiled[i] \
                                 else policy_holds_output(i, name)
                             if "btmp" in pol and not compiled[i] and (summed is None or summed[i]):
                                 pol["grad_held"] = grad_held_in_backward(i, name)

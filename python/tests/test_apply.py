@@ -230,6 +230,68 @@ def test_torch_compile_wrappers_in_the_layer_list_run_the_plan():
             assert torch.equal(g, h)
 
 
+@pytest.mark.parametrize("how", ["layer.compile()", "torch.compile(layer)"])
+def test_compiled_layers_run_each_offloaded_choice_inside_their_graphs(how):
+    # A given plan with keep@host, checkpoint@host and matmuls@host on layers compiled one by one: from the
+    # first step each runs its base choice inside the layer's graph with the layer's Offload open around the
+    # compiled call, bitwise the plan without offloading, what the graphs save sent and brought back. A copy of
+    # the model wraps its own layers' calls at its first step; remove() puts the compiled calls back. Before,
+    # an offloaded choice ran outside the graph, and a step whose first layer ran inside its graph raised
+    # "layer 1 ran before layer 0".
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(64, 64), *[nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                              for _ in range(3)])
+    x = torch.randn(128, 64)
+
+    def compiled():
+        m = copy.deepcopy(base)
+        for i in range(1, len(m)):
+            if how == "layer.compile()":
+                m[i].compile(backend="aot_eager")
+            else:
+                m[i] = torch.compile(m[i], backend="aot_eager")
+        return m
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        m(x).square().mean().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    def calls(m):
+        entries = [m[i] for i in range(1, len(m))]
+        return [type(e.__dict__["_compiled_call_impl" if how == "layer.compile()" else "forward"]).__name__
+                for e in entries]
+
+    choices = ["keep@host", "checkpoint@host", "matmuls@host"]
+    ref = compiled()
+    remat.enable(ref, list(ref)[1:], plan=per_layer_plan([c.split("@")[0] for c in choices]))
+    want = run(ref)
+    m = compiled()
+    lp = remat.enable(m, list(m)[1:], plan=per_layer_plan(choices), offload_min_bytes=1 << 10)
+    assert calls(m) == ["Around"] * 3
+    for _ in range(2):
+        for g, h in zip(run(m), want):
+            assert torch.equal(g, h)
+        stats = lp.offload_stats
+        # Kept: the input, the first Linear's output and GELU's (128 x 64 and two 128 x 256 floats);
+        # checkpointed: the input; matmuls: the input and the first Linear's output.
+        assert stats["offloaded"] == stats["brought_back"] == 6, stats
+        assert stats["offloaded_bytes"] == 4 * 128 * ((64 + 2 * 256) + 64 + (64 + 256)), stats
+    if how == "torch.compile(layer)":  # a copy of layer.compile()'s layers is not compiled
+        twin = copy.deepcopy(m)
+        assert "Around" not in calls(twin)
+        for g, h in zip(run(twin), want):
+            assert torch.equal(g, h)
+        twin_lp = twin[1]._orig_mod._remat_layer_plan
+        assert calls(twin) == ["Around"] * 3 and twin_lp is not lp and twin_lp.offload_stats["offloaded"] == 6
+    lp.remove()
+    assert "Around" not in calls(m)
+    for g, h in zip(run(m), run(compiled())):
+        assert torch.equal(g, h)
+    torch._dynamo.reset()
+
+
 class _Swish(nn.Module):
     def forward(self, x):
         return x * torch.sigmoid(x)  # eager saves x and sigmoid(x); a compiled graph saves less

@@ -235,6 +235,41 @@ def test_planned_offload_on_cuda_is_the_plain_run_within_the_prediction(host_wai
             assert lp.host_pool.pin and lp.host_pool.peak_bytes >= lp.predicted_host_bytes > 0
 
 
+def test_compiled_layers_offloaded_around_their_graphs_on_cuda():
+    # Layers compiled one by one (inductor) planned with offload=True at the least budget offloading allows: the
+    # layers' Offloads opened around their compiled calls (side stream, events, pinned blocks) send what the
+    # graphs save; every step close to the plain compiled run (the graphs differ per choice), within 5% of the
+    # prediction, every tensor sent brought back. (The CPU's version: test_hf.py's and test_apply.py's.)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(*[nn.Sequential(nn.LayerNorm(512), nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                            for _ in range(6)]).to(DEV)
+        for layer in m:
+            layer.compile()
+        return m
+
+    x = torch.randn(32, 256, 512, device=DEV)
+    plain = model()
+    want = [step(plain, x, 30 + k) for k in range(3)]
+    m = model()
+    lp = remat.enable(m, list(m), budget=1 << 40, offload=True)
+    step(m, x, 30)
+    assert lp.compiled_layers == set(range(6)) and all(st.offload is not None for st in lp.chain.stages)
+    lp.set_budget(lp.min_budget_bytes)
+    print(f"compiled layers at the least budget: {lp.choices}")
+    assert any(c.endswith("@host") for c in lp.choices), lp.choices
+    for k in (1, 2):
+        assert_steps_close(step(m, x, 30 + k), want[k], 1e-4)
+        assert lp.last_peak_bytes <= lp.predicted_peak_bytes * 1.05, (lp.last_peak_bytes, lp.predicted_peak_bytes)
+        stats = lp.offload_stats
+        assert stats["brought_back"] + stats["found_on_device"] == stats["offloaded"] > 0, stats
+    lp.remove()
+    torch._dynamo.reset()
+
+
 def test_a_policys_kept_tensors_offloaded_on_cuda_as_predicted():
     # matmuls@host on CUDA: what selective checkpointing keeps goes through the layer's Offload (remat/selective.py, on any torch) (side stream,
     # events, pinned blocks); a given plan mixing it with checkpoint@host gives the plain run's steps, the

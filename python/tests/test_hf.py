@@ -726,6 +726,46 @@ def test_compiled_layers_run_a_given_plan_with_a_policy(meter):
     assert got[1][2] < kept[2]
 
 
+@pytest.mark.parametrize("how", ["layer.compile()", "torch.compile(layer)"])
+def test_compiled_layers_are_offloaded_around_their_graphs(how, meter):
+    # offload=True on layers compiled one by one: the profile measures what each compiled graph saves (the
+    # saved-tensor hooks see the compiled function's saves), and the planner may send it to the host, the
+    # layer's Offload opened around its compiled call (remat.dispatch.around_compiled), its base choice run
+    # inside the graph. Every planned step is bitwise the plain compiled run, within the predicted peak, the
+    # tensors sent and brought back; before, a compiled layer had no offload figures and was never offloaded.
+    if _refused_where_the_whole_call_is_wrapped(how, meter):
+        return
+    plain_model, spec = _compiled_gpt2(how)
+    plain = [step(plain_model, spec, k, meter) for k in range(3)]
+    model, _ = _compiled_gpt2(how)
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, policies=())
+    step(model, spec, 0, meter)
+    assert set(lp.compiled_layers) == {0, 1, 2, 3}
+    chain = lp.chain
+    assert all(st.offload is not None and st.offload.bytes > 0 and not st.offload.can_stream()
+               for st in chain.stages)
+    # The plan from the budget alone: keeping costs nothing, checkpointing much, copies are free.
+    for st in chain.stages:
+        st.fwd_ms = st.bwd_ms = 0.0
+        st.checkpoint_fwd_ms = st.checkpoint_bwd_ms = 1e3
+    chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
+    offloaded = remat.Plan.from_json(
+        '{"num_stages": 4, "ops": ["Fa0@host", "Fa1@host", "Fa2", "Fa3", "L", "B3", "B2", "B1", "B0"]}')
+    budget = remat.step_peak_bytes(chain, lp.context, offloaded)
+    assert budget < remat.step_peak_bytes(chain, lp.context, remat.no_checkpoint(chain))
+    lp.set_budget(budget)
+    assert lp.choices.count("keep@host") >= 1 and "checkpoint" not in lp.choices, lp.choices
+    for k in (1, 2):
+        got = step(model, spec, k, meter)
+        same(got, plain[k])
+        assert got[2] <= lp.predicted_peak_bytes * (1 + remat.PREDICTION_TOLERANCE), \
+            (lp.choices, got[2], lp.predicted_peak_bytes)
+        stats = lp.offload_stats
+        assert stats["brought_back"] + stats["found_on_device"] == stats["offloaded"] > 0, stats
+    assert lp.host_pool.peak_bytes >= lp.predicted_host_bytes > 0
+    lp.remove()
+
+
 # The prediction tests' Llama (hidden 128) and batch.
 _PREDICTION_SPEC = dict(batch=4, seq=64, vocab=1000, loss="lm")
 

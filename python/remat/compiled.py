@@ -176,7 +176,8 @@ def ran_eagerly(lp: "LayerPlan", layer: nn.Module) -> None:
         "profiler compiles each choice of the layers, for each input shape): its figures are its eager run's, and "
         "planned steps may run layers eagerly too, so the plan's prediction may not hold. Raise "
         "torch._dynamo.config.recompile_limit (and accumulated_recompile_limit) above the choices (kept, "
-        "checkpointed, each policy) times the input shapes and the kinds of layer before the first step",
+        "checkpointed, each policy, and each of these offloaded where offload=True) times the input shapes and the "
+        "kinds of layer before the first step",
         RuntimeWarning, stacklevel=3)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from .compiled import AROUND, CHOICES_ATTR, FORCED_ATTR, choice_of, compiled_call, noted_around, ran_eagerly
 from .layer_calls import covers, describe, layer_key, layer_output
 from .layer_offload import carry_out_then
-from .measure_step import Shape, Step, measure_planned_step, profiling_call
+from .measure_step import Shape, Step, measure_planned_step, profiling_call, sharded_modules
 from .policies import CHECKPOINT, is_groups, is_streamed, run_layer, split_choice
 from . import oom
 
@@ -204,6 +204,11 @@ def around_compiled(lp: "LayerPlan", layer: nn.Module, call: Callable, args: tup
     host = split_choice(how)[1]
     if not host and not _offloads(shape):
         return call(*args, **kwargs)  # the step offloads nothing: nothing to do outside the graph
+    if host and sharded_modules(layer):
+        # Sharded by FSDP2: the graph may save the all-gathered parameters as plain tensors (PyTorch 2.11), on
+        # storages the Offload cannot tell from activations and that FSDP2 frees after the forward: run eagerly
+        # (the call, not noted, leaves its graph for lp.dispatch), where the layer saves them as parameters.
+        return call(*args, **kwargs)
     o = layer_begins(lp, i, how, fn, args, shape)
     choices[AROUND] = how
     try:

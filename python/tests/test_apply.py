@@ -3,6 +3,7 @@ the executor of full schedules (remat.CheckpointedSequential). Every way gives t
 next random draw and BatchNorm statistics, bitwise; recomputations are counted; measured peaks are checked
 against the predictions."""
 import copy
+import sys
 import warnings
 
 import pytest
@@ -289,6 +290,18 @@ def test_compiled_layers_run_each_offloaded_choice_inside_their_graphs(how):
     assert "Around" not in calls(m)
     for g, h in zip(run(m), run(compiled())):
         assert torch.equal(g, h)
+    if how == "layer.compile()":
+        # A layer sharded by FSDP2 (here: said to be) runs an offloaded choice eagerly, through remat's dispatch
+        # (its graph may save the gathered parameters as plain tensors, which FSDP2 frees after the forward):
+        # eagerly the matmuls policy keeps the second Linear's output too, a seventh tensor sent.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sys.modules["remat.dispatch"], "sharded_modules", lambda module: [module])
+            m = compiled()
+            lp = remat.enable(m, list(m)[1:], plan=per_layer_plan(choices), offload_min_bytes=1 << 10)
+            for g, h in zip(run(m), want):
+                assert torch.equal(g, h)
+            assert lp.offload_stats["offloaded"] == lp.offload_stats["brought_back"] == 7, lp.offload_stats
+            lp.remove()
     torch._dynamo.reset()
 
 

@@ -726,13 +726,14 @@ def test_compiled_layers_run_a_given_plan_with_a_policy(meter):
     assert got[1][2] < kept[2]
 
 
-@pytest.mark.parametrize("how", ["layer.compile()", "torch.compile(layer)"])
-def test_compiled_layers_are_offloaded_around_their_graphs(how, meter):
+def test_compiled_layers_are_offloaded_around_their_graphs(meter):
     # offload=True on layers compiled one by one: the profile measures what each compiled graph saves (the
     # saved-tensor hooks see the compiled function's saves), and the planner may send it to the host, the
     # layer's Offload opened around its compiled call (remat.dispatch.around_compiled), its base choice run
     # inside the graph. Every planned step is bitwise the plain compiled run, within the predicted peak, the
     # tensors sent and brought back; before, a compiled layer had no offload figures and was never offloaded.
+    # (torch.compile(layer)'s wrappers: test_apply.py's test of every offloaded choice.)
+    how = "layer.compile()"
     if _refused_where_the_whole_call_is_wrapped(how, meter):
         return
     plain_model, spec = _compiled_gpt2(how)

@@ -758,6 +758,28 @@ TEST(PerLayerOffload, SimulateChargesOffloadingAsDocumented) {
     EXPECT_DOUBLE_EQ(remat::simulate(c, two).transfer_ms, 0.5 + 2.0);
   }
   EXPECT_EQ(sim.host_peak_bytes, 40);
+  // Copies that start once the stage's forward has run (OffloadCost::after_forward: a layer compiled on its
+  // own, whose graph saves its tensors at its end): stage 1's 3 ms copy begins after Fa1, and Fa2's 2 ms hide
+  // 2 of it; 1 ms waited there, beside B1's 1 ms. The per-layer planner charges the same (below, and on
+  // random chains: EqualsExhaustiveSearchOnRandomChains). Written to the chain's JSON only where true; not
+  // with stream figures.
+  {
+    Chain c = chain;
+    c.stages[1].offload->after_forward = true;
+    const remat::Simulation late = remat::simulate(c, plan);
+    EXPECT_DOUBLE_EQ(late.transfer_ms, 1.0 + 1.0);
+    EXPECT_DOUBLE_EQ(late.time_ms, 3 * 6.0 + 2.0);
+    EXPECT_EQ(late.op_peak_bytes, peaks);  // the copy still lands within Fa2, waited for after it
+    EXPECT_TRUE(remat::chain_from_json(remat::to_json(c)).stages[1].offload->after_forward);
+    EXPECT_FALSE(remat::chain_from_json(remat::to_json(chain)).stages[1].offload->after_forward);
+    EXPECT_EQ(remat::to_json(chain).find("after_forward"), std::string::npos);
+    remat::PlannerOptions options;
+    options.offload = true;
+    const Plan best = remat::per_layer(c, sim.peak_bytes, options);
+    EXPECT_DOUBLE_EQ(best.predicted.time_ms, remat::simulate(c, best).time_ms) << best.to_string();
+    c.stages[1].offload->stream_fwd_bytes = c.stages[1].offload->stream_bwd_bytes = 40;
+    EXPECT_THROW(remat::validate(c), std::invalid_argument);
+  }
   // Stage 0 offloaded as well: it no longer holds a_1, so stage 1's offloading takes a_1 off the device.
   plan.ops[0].offload = true;
   const remat::Simulation both = remat::simulate(chain, plan);
@@ -829,7 +851,17 @@ TEST(PerLayerOffload, EqualsExhaustiveSearchOnRandomChains) {
   int offloaded = 0, bounded = 0, faster = 0;
   for (int trial = 0; trial < 60; ++trial) {
     const int64_t n = 1 + trial % 4;
-    const Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
+    if (trial % 2 == 1) {
+      // Every other stage's copies start once its forward has run (OffloadCost::after_forward), every way.
+      for (size_t i = 1; i < chain.stages.size(); i += 2) {
+        remat::Stage& s = chain.stages[i];
+        for (auto* o : {&s.offload, &s.checkpoint_offload, &s.keep_offload})
+          if (*o) (*o)->after_forward = true;
+        for (auto& p : s.policies)
+          if (p.offload) p.offload->after_forward = true;
+      }
+    }
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
     int64_t least = std::numeric_limits<int64_t>::max(), most = 0, most_host = 0;
     for (const Candidate& c : all) {

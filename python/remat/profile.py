@@ -383,13 +383,16 @@ class _SavedStorages:
                     self.kept.add(key)
         return t
 
-    def offload_cost(self, input_key: int, output_key: int, most: int) -> "_core.OffloadCost":
+    def offload_cost(self, input_key: int, output_key: int, most: int,
+                     after_forward: bool = False) -> "_core.OffloadCost":
         """What offloading this stage's saved tensors moves (remat/planner/chain.h's OffloadCost): the storages freed
         besides its input and output (those a saved tensor covers whole; at most `most` bytes), and whether its
         input and output are among what it saves: the input where it is sent, the output where it is saved at all
         (sent, or kept on the device as a small tensor or a view with gaps: the stage holds it either way, which
-        the step's model reads; a kept one's copy is then over-counted)."""
+        the step's model reads; a kept one's copy is then over-counted). after_forward: its copies start once its
+        forward has run (OffloadCost.after_forward: a compiled stage's, whose graph saves its tensors at its end)."""
         c = _core.OffloadCost()
+        c.after_forward = after_forward
         sent = {key: v for key, v in self.offloaded.items() if key not in self.kept}
         c.bytes = min(most, sum(nb for key, (nb, whole) in sent.items() if whole and key not in (input_key, output_key)))
         c.input = input_key in sent
@@ -620,7 +623,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     A StageFn with `compiled` (a layer compiled one by one, as remat.enable's profiling step gives it) runs its
     kept, checkpointed and policy passes through that call, after one untimed run of each (compiling); its
     offload figures are those of what its compiled function saves (what an Offload opened around its graph
-    sends: keep@host, checkpoint@host, a policy's), and it gets no stream or group figures.
+    sends: keep@host, checkpoint@host, a policy's), their copies starting once its forward has run
+    (OffloadCost.after_forward), and it gets no stream or group figures.
 
     progress: None (the default) draws a progress bar on stderr while profiling runs, erased when it ends and
     not drawn where stderr is not a terminal (remat.progress); False draws nothing; a callable is called
@@ -962,12 +966,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # opened around its graph does (remat.dispatch.around_compiled).
                         if offload_min_bytes is not None:
                             fields[i]["offload"] = counter.offload_cost(
-                                _storage_key(leaf), out_key, fields[i]["saved"] - out.nbytes)
+                                _storage_key(leaf), out_key, fields[i]["saved"] - out.nbytes, compiled[i])
                             fields[i]["largest"] = max([nb for nb, _ in counter.offloaded.values()] + [0])
                             ck = None
                             if offloadable(leaf.detach(), offload_min_bytes, alive):
                                 ck = _core.OffloadCost()
                                 ck.input = True
+                                ck.after_forward = compiled[i]
                             fields[i]["ckpt_offload"] = ck
                     targets = targets_of(i, leaf)
                     b = 0.0
@@ -1045,7 +1050,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             if counter:
                                 fields[i]["pol"][name]["offload"] = counter.offload_cost(
                                     _storage_key(leaf), _storage_key(out),
-                                    fields[i]["pol"][name]["saved"] - out.nbytes)
+                                    fields[i]["pol"][name]["saved"] - out.nbytes, compiled[i])
                         del counter
                         targets = targets_of(i, leaf)
                         b = 0.0

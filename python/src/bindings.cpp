@@ -145,6 +145,9 @@ NB_MODULE(_core, m) {
           "ahead_bytes", &remat::OffloadCost::ahead_bytes,
           "streamed with window_bytes: what comes back ahead of its backward, and the most in flight past "
           "its forward (bytes; -1: not measured, the window charged)")
+      .def_rw("after_forward", &remat::OffloadCost::after_forward,
+              "whether its copies to the host start only once its forward has run (a layer compiled on its "
+              "own): hidden by the next stage's forward alone")
       .def("can_stream", &remat::OffloadCost::can_stream, "whether the stream figures were measured")
       .def(
           "tail_bytes", &remat::OffloadCost::tail_bytes, "window"_a, "leaving"_a,

@@ -53,6 +53,7 @@ std::optional<OffloadCost> offload_at(const std::optional<OffloadCost>& a,
     differ(where + " offloads its input or output in one profile only");
   OffloadCost c = *a;
   c.bytes = line.bytes(a->bytes, b->bytes);
+  c.after_forward = a->after_forward || b->after_forward;  // the copies hidden the less, where either is
   if (a->can_stream() && b->can_stream()) {
     c.stream_fwd_bytes = line.bytes(a->stream_fwd_bytes, b->stream_fwd_bytes);
     c.stream_bwd_bytes = line.bytes(a->stream_bwd_bytes, b->stream_bwd_bytes);

@@ -103,6 +103,10 @@ void check_offload(const Chain& chain, size_t i, const char* field, const std::o
                                     ") above its window_bytes (" + std::to_string(o->window_bytes) + ")");
     }
   }
+  if (o->after_forward && o->can_stream())
+    throw std::invalid_argument(
+        "remat::validate: " + stage_label(chain, i) + " has stream figures in " + field +
+        " and after_forward (copies that start once its forward has run do not stream)");
   // Read with the stream figures only (without them nothing streams, and it is not written; ahead_bytes too).
   if (o->stream_bwd_grads_bytes != -1)
     check_bytes(chain, i, "offload stream_bwd_grads_bytes", o->stream_bwd_grads_bytes);
@@ -294,6 +298,7 @@ nlohmann::ordered_json offload_json(const OffloadCost& o) {
   j["bytes"] = o.bytes;
   j["input"] = o.input;
   j["output"] = o.output;
+  if (o.after_forward) j["after_forward"] = true;
   if (o.can_stream()) {
     j["stream_fwd_bytes"] = o.stream_fwd_bytes;
     j["stream_bwd_bytes"] = o.stream_bwd_bytes;
@@ -428,7 +433,9 @@ std::optional<OffloadCost> offload_from(const nlohmann::json& j, const char* key
     throw std::invalid_argument("remat::chain_from_json: " + at + " must be an object {\"bytes\": N, ...}");
   OffloadCost c;
   c.bytes = required<int64_t>(o, "bytes", at);
-  for (auto [name, field] : {std::pair<const char*, bool*>{"input", &c.input}, {"output", &c.output}}) {
+  for (auto [name, field] : {std::pair<const char*, bool*>{"input", &c.input},
+                             {"output", &c.output},
+                             {"after_forward", &c.after_forward}}) {
     if (!o.contains(name)) continue;
     if (!o.at(name).is_boolean())
       throw std::invalid_argument("remat::chain_from_json: " + at + ": \"" + name +

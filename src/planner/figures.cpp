@@ -46,6 +46,8 @@ struct Collect {
     out.ints.push_back(v ? v->bytes : 0);
     out.ints.push_back(v && v->input ? 1 : 0);
     out.ints.push_back(v && v->output ? 1 : 0);
+    // Copies that start once its forward has run: where any process's do (hidden the less).
+    out.ints.push_back(v && v->after_forward ? 1 : 0);
     // Streaming: measured on every process, or on none (an absence flag's maximum is absence).
     const bool stream = v && v->can_stream();
     out.ints.push_back(stream ? 0 : 1);
@@ -100,6 +102,7 @@ struct Write {
     c.bytes = next_int();
     c.input = next_flag();
     c.output = next_flag();
+    c.after_forward = next_flag();
     const bool no_stream = next_flag();
     const int64_t fwd = next_int(), bwd = next_int(), window = next_int();
     std::optional<int64_t> grads, ahead;

@@ -752,8 +752,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   }
   auto time_key = [](const Point& p) { return p.ms; };
   auto peak_key = [](const Point& p) { return p.peak; };
-  // The time model of the copies (see simulate()): a stage's copies to the host start with its forward, once
-  // the link has finished the previous stage's, and are waited for when the next stage's forward is done; its
+  // The time model of the copies (see simulate()): a stage's copies to the host start with its forward (or
+  // once it has run: OffloadCost::after_forward), once the link has finished the previous stage's, and are
+  // waited for when the next stage's forward is done; its
   // copies back start with the next stage's backward and are waited for when its own begins.
   auto back_wait = [&](int64_t copied, double bwd) {
     return copied == 0 ? 0.0 : std::max(0.0, chain.transfer_ms(copied, false) - bwd);
@@ -865,7 +866,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
             q.held -= q.pending - tail;
             q.pending = tail;
           }
-          q.link = std::max(0.0, f.to_host_ms - std::max(0.0, ch.fwd_ms - p.link));
+          // Copies that start once its forward has run (OffloadCost::after_forward): none hidden by it.
+          q.link = ch.cost->after_forward ? f.to_host_ms
+                                          : std::max(0.0, f.to_host_ms - std::max(0.0, ch.fwd_ms - p.link));
           q.host += q.copied;
           if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
           // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).

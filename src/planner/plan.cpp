@@ -508,6 +508,10 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             // No window: each copy was waited for as the forward made it, so nothing hid them.
             const double copies = transfer(a.copied, true);
             sim.time_ms += copies, sim.transfer_ms += copies;
+          } else if (c && c->after_forward) {
+            // Its copies start once its forward has run (a compiled layer's graph saves its tensors at its
+            // end, once the link was free): hidden by the next forward alone.
+            link = transfer(a.copied, true);
           } else {
             link = std::max(0.0, transfer(a.copied, true) - std::max(0.0, ms - owed));
           }

@@ -59,6 +59,12 @@ struct OffloadCost {
   /// longest run of the stage's last-sent tensors within window_bytes (0 <= ahead_bytes <= window_bytes);
   /// the profilers measure it (Offload's ahead_bytes()).
   int64_t ahead_bytes = -1;
+  /// Whether its copies to the host start only once its forward has run, all its saved tensors at once (a
+  /// layer compiled on its own, whose graph saves them at its end: the Python runtime's offloading around
+  /// the graph), rather than as its forward makes each: simulate() and the per-layer planner then hide them
+  /// behind the next stage's forward alone, not its own. It cannot stream (validate() refuses both). Last
+  /// of the fields, so that aggregate initializers written before it mean what they did.
+  bool after_forward = false;
   /// Whether the stream figures were measured.
   bool can_stream() const { return stream_fwd_bytes >= 0 && stream_bwd_bytes >= 0; }
   /// Streamed with a window of `window` bytes, of `leaving` bytes that leave the device: what stays in

@@ -4,6 +4,7 @@ gradients and next random draw, bitwise; the measured step peak stays within the
 prediction; eval and no_grad run plainly; an infeasible budget names the least feasible one; a Trainer
 trains with it."""
 import gc
+import json
 import warnings
 from functools import partial
 
@@ -275,6 +276,24 @@ def test_set_budget_plans_again_without_profiling(meter, plain_runs, monkeypatch
     assert calls == [floor, 2 * plain_peak, floor]
 
 
+def free_copies_budget(lp, forwards, checkpoint_ms=None):
+    """The budget of the per-layer plan whose forward operations are `forwards` ("Fa0@host", ...), on lp's chain
+    made to plan from the budget alone, not from this machine's timings: keeping costs nothing (checkpointing
+    `checkpoint_ms` a layer where given), copies are free. Checked below keeping every layer on the device."""
+    chain = lp.chain
+    for st in chain.stages:
+        st.fwd_ms = st.bwd_ms = 0.0
+        if checkpoint_ms is not None:
+            st.checkpoint_fwd_ms = st.checkpoint_bwd_ms = checkpoint_ms
+    chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
+    n = len(chain.stages)
+    plan = remat.Plan.from_json(json.dumps(
+        {"num_stages": n, "ops": [*forwards, "L", *(f"B{i}" for i in reversed(range(n)))]}))
+    budget = remat.step_peak_bytes(chain, lp.context, plan)
+    assert budget < remat.step_peak_bytes(chain, lp.context, remat.no_checkpoint(chain))
+    return budget
+
+
 def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):
     # offload=True: "the planner may offload" (Hugging Face's offload=True always moves every layer's input).
     # On this small Llama the least budget is the LM head's, which offloading cannot lower; offloading lets
@@ -284,15 +303,7 @@ def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):
     same(plain_runs["llama"][0], step(model, spec, 0, meter))
     chain = lp.chain
     assert chain.can_offload() and all(st.offload is not None and st.offload.bytes > 0 for st in chain.stages)
-    # The plan from the budget alone, not from this machine's timings: keeping costs nothing, copies are free.
-    for st in chain.stages:
-        st.fwd_ms = st.bwd_ms = 0.0
-    chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
-    offloaded = remat.Plan.from_json(
-        '{"num_stages": 4, "ops": ["Fa0@host", "Fa1@host", "Fa2@host", "Fa3", "L", "B3", "B2", "B1", "B0"]}')
-    budget = remat.step_peak_bytes(chain, lp.context, offloaded)
-    assert budget < remat.step_peak_bytes(chain, lp.context, remat.no_checkpoint(chain))
-    lp.set_budget(budget)
+    lp.set_budget(free_copies_budget(lp, ["Fa0@host", "Fa1@host", "Fa2@host", "Fa3"]))
     # Kept, offloaded whole or streamed (the same copies; streaming holds less in the layers' backward).
     assert all(c.startswith("keep") for c in lp.choices) and any(c.endswith(("@host", "@stream")) for c in lp.choices)
     for k in (1, 2):
@@ -747,16 +758,8 @@ def test_compiled_layers_are_offloaded_around_their_graphs(meter):
     # hides them behind the next layer's forward alone.
     assert all(st.offload is not None and st.offload.bytes > 0 and not st.offload.can_stream() and
                st.offload.after_forward and st.checkpoint_offload.after_forward for st in chain.stages)
-    # The plan from the budget alone: keeping costs nothing, checkpointing much, copies are free.
-    for st in chain.stages:
-        st.fwd_ms = st.bwd_ms = 0.0
-        st.checkpoint_fwd_ms = st.checkpoint_bwd_ms = 1e3
-    chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
-    offloaded = remat.Plan.from_json(
-        '{"num_stages": 4, "ops": ["Fa0@host", "Fa1@host", "Fa2", "Fa3", "L", "B3", "B2", "B1", "B0"]}')
-    budget = remat.step_peak_bytes(chain, lp.context, offloaded)
-    assert budget < remat.step_peak_bytes(chain, lp.context, remat.no_checkpoint(chain))
-    lp.set_budget(budget)
+    # Checkpointing costs much here: the layers below the budget of two of them kept on the host are kept.
+    lp.set_budget(free_copies_budget(lp, ["Fa0@host", "Fa1@host", "Fa2", "Fa3"], checkpoint_ms=1e3))
     assert lp.choices.count("keep@host") >= 1 and "checkpoint" not in lp.choices, lp.choices
     for k in (1, 2):
         got = step(model, spec, k, meter)

@@ -15,11 +15,14 @@ block compiled (layer.compile()) after remat.hf.enable, at shares of the plain c
 0.6 by default), twice in one run: with the layers profiled eagerly as before issue 45 (the profile's
 compiled passes switched off) and profiled through their compiled graphs. Each row gives the profiling step's
 time (compiling included), the plan, its prediction and measured peak, the median time of the planned steps
-and the plan's predicted step time.
+and the plan's predicted step time. `--offload` adds a third row per budget: planned with offload=True, the
+layers' graphs offloaded where the plan says (their Offloads opened around the compiled calls); and the least
+budget each way allows.
 
     python bench/prediction_error.py --amp fp32
     python bench/prediction_error.py --amp bf16 --plans cmmkmm cmkkkm
     python bench/prediction_error.py --compiled --at 0.5 0.6 0.8 --steps 15
+    python bench/prediction_error.py --compiled --offload --at 0.46 0.5 0.6 --steps 9
     python bench/prediction_error.py --device cuda --amp fp16        # the GPU rows (scripts/gpu-session's
     python bench/prediction_error.py --device cuda --compiled --amp bf16   # "predictions" part)
 """
@@ -175,32 +178,47 @@ def compiled_gpt2(args, meter):
           f"after remat.hf.enable), {args.amp}, {DEVICE.type}, torch {torch.__version__}: plain compiled step "
           f"{mib(plain)} MiB, {plain_ms:.1f} ms (median of {args.steps})")
     print("| budget (of plain) | profiled | profiling step s | plan | predicted MiB | measured MiB | error | "
-          f"step ms (median of {args.steps}) | predicted step ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"step ms (median of {args.steps}) | predicted step ms | least MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     as_compiled = remat.measure_step.compiled_stage
     for where in args.at:
-        for profiled in ("eagerly", "compiled"):
+        for profiled in ("eagerly", "compiled") + (("compiled, offload",) if args.offload else ()):
             # "eagerly": as before issue 45, each compiled layer profiled by its eager run.
-            remat.measure_step.compiled_stage = as_compiled if profiled == "compiled" else (lambda *a: None)
+            remat.measure_step.compiled_stage = as_compiled if profiled != "eagerly" else (lambda *a: None)
             torch._dynamo.reset()
             m = make()
             budget = int(where * plain)
-            lp = remat.hf.enable(m, budget=budget)
+            offload = dict(offload=True, offload_min_bytes=64 << 10) if profiled.endswith("offload") else {}
+            lp = remat.hf.enable(m, budget=budget, **offload)
             for block in m.transformer.h:
                 block.compile()
-            profiling_s = timed(m, 0)[1] / 1e3
-            runs = [timed(m, s) for s in range(1, 3 + args.steps)]
-            measured = runs[1][0]
-            ms = sorted(t for _, t in runs[2:])[args.steps // 2]
-            p = lp.predicted_peak_bytes
-            print(f"| {where:.1f} ({mib(budget)} MiB) | {profiled} | {profiling_s:.1f} | "
-                  f"{' '.join(c[0] for c in lp.choices)} | {mib(p)} | {mib(measured)} | "
-                  f"{(measured / p - 1) * 100:+.1f}% | {ms:.1f} | {lp.timeline()['time_ms']:.1f} |")
+            try:
+                profiling_s = timed(m, 0)[1] / 1e3
+            except remat.InfeasibleBudget as e:  # below the least budget this way allows
+                print(f"| {where:.2f} ({mib(budget)} MiB) | {profiled} | | infeasible | | | | | | "
+                      f"{mib(e.min_bytes)} |")
+            else:
+                runs = [timed(m, s) for s in range(1, 3 + args.steps)]
+                measured = runs[1][0]
+                ms = sorted(t for _, t in runs[2:])[args.steps // 2]
+                p = lp.predicted_peak_bytes
+                print(f"| {where:.2f} ({mib(budget)} MiB) | {profiled} | {profiling_s:.1f} | "
+                      f"{' '.join(letter(c) for c in lp.choices)} | {mib(p)} | {mib(measured)} | "
+                      f"{(measured / p - 1) * 100:+.1f}% | {ms:.1f} | {lp.timeline()['time_ms']:.1f} | "
+                      f"{mib(lp.min_budget_bytes)} |")
             lp.remove()
             del m, lp
             gc.collect()
     remat.measure_step.compiled_stage = as_compiled
-    print("plan letters: k keep, c checkpoint, m matmuls; profiling step s includes compiling the layers' graphs")
+    print("plan letters: k keep, c checkpoint, m matmuls, capitals on the host; profiling step s includes compiling "
+          "the layers' graphs")
+
+
+def letter(choice: str) -> str:
+    """A layer's choice as the compiled table's one letter: k keep, c checkpoint, m matmuls; capital on the host."""
+    from remat.policies import split_choice
+    base, host = split_choice(choice)
+    return base[0].upper() if host else base[0]
 
 
 def main():
@@ -219,11 +237,15 @@ def main():
                     "m matmuls), e.g. cmmkmm")
     ap.add_argument("--compiled", action="store_true")
     ap.add_argument("--steps", type=int, default=5, help="--compiled: planned steps timed per budget")
+    ap.add_argument("--offload", action="store_true",
+                    help="--compiled: also planned with offload=True (compiled layers offloaded around their graphs)")
     args = ap.parse_args()
     global DEVICE
     DEVICE = torch.device(args.device)
     if args.amp == "fp16" and DEVICE.type != "cuda":
         ap.error("--amp fp16 runs on CUDA only (--device cuda)")
+    if args.offload and not args.compiled:
+        ap.error("--offload plans the compiled GPT-2 (--compiled) offloaded too")
     args.batch = args.batch or (8 if args.compiled else 4)
     for letters in args.plans:
         if len(letters) != args.layers or set(letters) - set("kcm"):

@@ -207,8 +207,11 @@ class Around:
         self.lp, self.layer, self.call = lp, layer, call
 
     def __call__(self, *args, **kwargs):
+        lp = self.lp
+        if not lp.offloads.enabled and lp._fixed is None:  # nothing of its plans offloads: as it is, at once
+            return self.call(*args, **kwargs)
         from .dispatch import around_compiled
-        return around_compiled(self.lp, self.layer, self.call, args, kwargs)
+        return around_compiled(lp, self.layer, self.call, args, kwargs)
 
 
 def _call_attr(model: nn.Module, layer: nn.Module) -> tuple[nn.Module, str] | None:

@@ -208,7 +208,7 @@ class Around:
 
     def __call__(self, *args, **kwargs):
         lp = self.lp
-        if not lp.offloads.enabled and lp._fixed is None:  # nothing of its plans offloads: as it is, at once
+        if not lp.may_offload:  # nothing of its plans offloads: as it is, at once
             return self.call(*args, **kwargs)
         from .dispatch import around_compiled
         return around_compiled(lp, self.layer, self.call, args, kwargs)
@@ -230,15 +230,19 @@ def wrap_call(lp: "LayerPlan", layer: nn.Module) -> None:
     model came without it: copies and pickles drop compiled calls, and a torch.compile wrapper's copy makes its
     own)."""
     held = _call_attr(lp.model, layer)
-    if held is not None and not isinstance(held[0].__dict__[held[1]], Around):
-        held[0].__dict__[held[1]] = Around(lp, layer, held[0].__dict__[held[1]])
+    if held is not None:
+        entry, attr = held
+        if not isinstance(entry.__dict__[attr], Around):
+            entry.__dict__[attr] = Around(lp, layer, entry.__dict__[attr])
 
 
 def unwrap_call(model: nn.Module, layer: nn.Module) -> None:
     """Puts `layer`'s compiled call back as it was before wrap_call (LayerPlan.remove)."""
     held = _call_attr(model, layer)
-    if held is not None and isinstance(held[0].__dict__[held[1]], Around):
-        held[0].__dict__[held[1]] = held[0].__dict__[held[1]].call
+    if held is not None:
+        entry, attr = held
+        if isinstance(entry.__dict__[attr], Around):
+            entry.__dict__[attr] = entry.__dict__[attr].call
 
 
 def publish(layers: Sequence[nn.Module], shape: "Shape", policies: dict) -> None:

@@ -190,19 +190,19 @@ def around_compiled(lp: "LayerPlan", layer: nn.Module, call: Callable, args: tup
     (kept, its operators' saves; checkpointed, its input; under a policy, its input and what the policy keeps),
     and the schedule carried out after. The choice is noted for the traced call (compiled.AROUND), which runs
     the choice's base in its graph only where it was (else eagerly, through lp.dispatch). Else the call as it
-    is (no plan: it runs eagerly through lp.dispatch, which does all of this)."""
+    is (no plan: it runs eagerly through lp.dispatch, which does all of this). Called only where some plan of
+    lp may offload (Around: LayerPlan.may_offload)."""
     i = lp.index.get(id(layer))
     choices = layer.__dict__.get(CHOICES_ATTR)
-    if (i is None or choices is None or not (lp.offloads.enabled or _offloads(lp._fixed))
-            or layer.__dict__.get(FORCED_ATTR) or not (torch.is_grad_enabled() and layer.training)
-            or not args or not isinstance(args[0], torch.Tensor)):
-        return call(*args, **kwargs)  # (no plan of this LayerPlan offloads: nothing more to read)
+    if (i is None or choices is None or layer.__dict__.get(FORCED_ATTR)
+            or not (torch.is_grad_enabled() and layer.training) or not args or not isinstance(args[0], torch.Tensor)):
+        return call(*args, **kwargs)
     fn = partial(_call_shapes, **kwargs)  # the call's tensors, as layer_key and taken_tensors read a partial's
     how, shape = choice_of(choices, fn, args, lp._shapes, lp._fixed)
     if how is None or is_groups(how) or is_streamed(how):
         return call(*args, **kwargs)
     host = split_choice(how)[1]
-    if not host and not _offloads(shape):
+    if not host and not (shape is not None and shape.offloads()):
         return call(*args, **kwargs)  # the step offloads nothing: nothing to do outside the graph
     if host and sharded_modules(layer):
         # Sharded by FSDP2: the graph may save the all-gathered parameters as plain tensors (PyTorch 2.11), on
@@ -218,11 +218,6 @@ def around_compiled(lp: "LayerPlan", layer: nn.Module, call: Callable, args: tup
         choices.pop(AROUND, None)
     layer_ends(lp, i, out, shape)
     return out
-
-
-def _offloads(shape: "Shape | None") -> bool:
-    """Whether the plan of `shape` has offload-schedule points (layer_points': it sends some layer to the host)."""
-    return shape is not None and shape.points is not None and any(map(any, shape.points))
 
 
 def _call_shapes(*args, **kwargs):

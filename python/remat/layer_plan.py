@@ -416,6 +416,12 @@ class LayerPlan:
             layer.__dict__.pop(CHOICES_ATTR, None)
             unwrap_call(self.model, layer)
 
+    @property
+    def may_offload(self) -> bool:
+        """Whether some plan of this LayerPlan may send a layer to the host: planned with offload=True, or given a
+        plan that offloads (read by compiled.Around on every compiled layer call)."""
+        return self.offloads.enabled or (self._fixed is not None and self._fixed.offloads())
+
     def _wrap_calls(self) -> None:
         """Wraps the compiled calls of the layers compiled by now (compiled.wrap_call: an offloading plan's part
         outside their graphs), once per LayerPlan and copy (a copy's layers come without them); a layer compiled

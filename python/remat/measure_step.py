@@ -275,6 +275,10 @@ class Shape:
         self.charged: dict[tuple, list[int]] = {}
         self.grads_in_rest = False
 
+    def offloads(self) -> bool:
+        """Whether its plan sends some layer to the host (its offload schedule has points: layer_points)."""
+        return self.points is not None and any(map(any, self.points))
+
     def profiled(self) -> bool:
         """Profiled in a training step of its own (LayerPlan.profiled_shapes counts these; C++'s Shape::profiled)."""
         return self.chain is not None and self.borrowed_from is None

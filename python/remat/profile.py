@@ -1035,10 +1035,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         leaf = leaf_of(i)
                         # Offloading profiled: what the policy keeps passes through counting hooks (the
                         # checkpoint's input through them as hooks, what the policy keeps through remat's
-                        # selective checkpointing), as through an Offload.
-                        # A compiled stage's through the hooks alone, around its graph, as an Offload is opened.
+                        # selective checkpointing), as through an Offload; a compiled stage's all through the hooks,
+                        # around its graph, as its Offload is opened.
                         counter = (_SavedStorages(alive | {_storage_key(leaf)}, offload_min_bytes, alive)
-                                   if policy_offload or (offload_min_bytes is not None and compiled[i]) else None)
+                                   if policy_offload else None)
                         hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack)
                                  if counter else contextlib.nullcontext())
                         base = meter.count()

@@ -208,7 +208,7 @@ class Around:
 
     def __call__(self, *args, **kwargs):
         lp = self.lp
-        if not lp.may_offload:  # nothing of its plans offloads: as it is, at once
+        if not lp._may_offload:  # nothing of its plans offloads: as it is, at once
             return self.call(*args, **kwargs)
         from .dispatch import around_compiled
         return around_compiled(lp, self.layer, self.call, args, kwargs)

@@ -191,7 +191,7 @@ def around_compiled(lp: "LayerPlan", layer: nn.Module, call: Callable, args: tup
     and the schedule carried out after. The choice is noted for the traced call (compiled.AROUND), which runs
     the choice's base in its graph only where it was (else eagerly, through lp.dispatch). Else the call as it
     is (no plan: it runs eagerly through lp.dispatch, which does all of this). Called only where some plan of
-    lp may offload (Around: LayerPlan.may_offload)."""
+    lp may offload (Around: LayerPlan._may_offload)."""
     i = lp.index.get(id(layer))
     choices = layer.__dict__.get(CHOICES_ATTR)
     if (i is None or choices is None or layer.__dict__.get(FORCED_ATTR)

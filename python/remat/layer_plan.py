@@ -417,7 +417,7 @@ class LayerPlan:
             unwrap_call(self.model, layer)
 
     @property
-    def may_offload(self) -> bool:
+    def _may_offload(self) -> bool:
         """Whether some plan of this LayerPlan may send a layer to the host: planned with offload=True, or given a
         plan that offloads (read by compiled.Around on every compiled layer call)."""
         return self.offloads.enabled or (self._fixed is not None and self._fixed.offloads())

@@ -26,6 +26,14 @@ that allocate nothing) beside the prediction's peak for that phase (remat/planne
 
     python bench/given_plan_predictions.py --stack --phases
 
+--compiled runs instead test_hf.py's GPT-2 (4 layers, width 64, no dropout) with its middle two layers compiled
+one by one (layer.compile(), inductor) and its first and last eager, profiled as the Llama: the compiled layers
+are drawn among the ways they run inside their graphs (kept, checkpointed, the matmuls policy, each on the
+device or on the host: their Offload opened around the compiled call), the eager ones among all of WAYS, so that
+compiled layers offloaded around their graphs run beside streamed layers and group assignments.
+
+    python bench/given_plan_predictions.py --compiled --plans 40
+
 --stack --every runs every plan of the stack's eight ways on its four layers (test_offload.py's STACK_WAYS,
 those of WAYS but the group assignments: 4,096 plans, each step with copies made at once and delayed, about 30 s)
 and counts, per engine, the steps above their prediction (each named) and those within 0.01% of it.
@@ -50,23 +58,36 @@ import remat  # noqa: E402
 import remat.hf  # noqa: E402
 from remat.offload import CopyEngine  # noqa: E402
 from conftest import forwards_plan, give_plan  # noqa: E402
-from test_hf import make, same, step  # noqa: E402
+from test_hf import _compiled_gpt2, make, same, step  # noqa: E402
 from test_offload import STACK_WAYS, Phases, predicted_phases, relu_stack, same_step, stack_step  # noqa: E402
 
+# The ways a layer compiled on its own runs inside its graph (no streaming, no group assignment: those run
+# eagerly, and the profile has no figures for them there).
+COMPILED_WAYS = ["Fa{i}", "Fa{i}@host", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host", "Fc{i}", "Fc{i}@host"]
 WAYS = ["Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]", "Fk{i}[matmuls]@host", "Fc{i}",
         "Fc{i}@host", "groups", "groups"]
 
 
-def draw(chain, rng: random.Random) -> tuple[str, list[int]]:
-    """A random per-layer plan's text and its stream windows (the chain's where streamed with one)."""
+def draw(chain, rng: random.Random, compiled=frozenset()) -> tuple[str, list[int]]:
+    """A random per-layer plan's text and its stream windows (the chain's where streamed with one); the stages
+    in `compiled` drawn among COMPILED_WAYS."""
     fwd = []
     for i, st in enumerate(chain.stages):
-        way = rng.choice(WAYS)
+        way = rng.choice(COMPILED_WAYS if i in compiled else WAYS)
         if way == "groups":
             way = "Fk{i}{{" + "".join(rng.choice("khr") for _ in st.groups) + "}}"
         fwd.append(way.format(i=i))
     ops, windows = forwards_plan(chain, fwd)
     return " ".join(ops), windows
+
+
+def compiled_gpt2():
+    """test_hf.py's compiled GPT-2 (no dropout) with its middle two layers compiled one by one, the others
+    eager."""
+    model, spec = _compiled_gpt2(None)
+    for layer in model.transformer.h[1:3]:
+        layer.compile()
+    return model, spec
 
 
 def checked_stack_peak(model, x, plain) -> int:
@@ -143,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stack", action="store_true", help="the Linear-ReLU stack, each way on every layer")
     ap.add_argument("--phases", action="store_true",
                     help="with --stack: each phase's peak, measured/predicted (copies delayed)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="GPT-2 with its middle two layers compiled one by one (inductor), beside eager ones")
     ap.add_argument("--every", action="store_true",
                     help="with --stack: every plan of its ways mixed, counted (about 30 s)")
     args = ap.parse_args(argv)
@@ -154,19 +177,26 @@ def main(argv=None) -> int:
     if args.stack:
         return stack(args.phases)
     meter = remat.cpu_meter()
-    model, spec = make("llama")
+    make_model, what = (compiled_gpt2, "test_hf.py's GPT-2, layers 1 and 2 compiled,") if args.compiled \
+        else (partial(make, "llama"), "test_hf.py's Llama,")
+    model, spec = make_model()
     plain = [step(model, spec, k, meter) for k in range(2)]
-    model, spec = make("llama")
+    model, spec = make_model()
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10, groups=True)
-    same(plain[0], step(model, spec, 0, meter))
+    profiled = step(model, spec, 0, meter)
+    if not args.compiled:  # the profiling step runs compiled layers eagerly: equal to rounding only
+        same(plain[0], profiled)
     chain = lp.chain
+    compiled = frozenset(lp.compiled_layers)
+    if args.compiled:
+        assert compiled == {1, 2}, lp.compiled_layers
     rng = random.Random(args.seed)
-    print(f"torch {torch.__version__}; test_hf.py's Llama, {len(chain.stages)} layers, "
+    print(f"torch {torch.__version__}; {what} {len(chain.stages)} layers, "
           f"{[len(st.groups) for st in chain.stages]} saved groups")
     print(f"{'plan':<92} {'predicted':>10} {'at once':>10} {'error':>7} {'delayed':>10} {'error':>7}")
     errors = {"at once": [], "delayed": []}
     for _ in range(args.plans):
-        text, windows = draw(chain, rng)
+        text, windows = draw(chain, rng, compiled)
         ops = text.split()
 
         def run_step() -> int:

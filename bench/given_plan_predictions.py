@@ -10,9 +10,9 @@ checkpointed (Fc) with or without its input on the host, or a random assignment 
 (Fk{khr...}). The planner's answer is replaced by that plan (LayerPlan.choose_plan, as the tests do), and one step
 is measured with remat's CPU meter twice: copies made at once, their sources held until waited for (the
 planned layers' own engine on the CPU since 2026-12-06, CopyEngine(hold=True); before, let go of at once), and
-copies carried out only when waited for (a delayed engine, as a GPU's copies may land late). Each step is checked bitwise against the
-plain run's. Each row: the plan, the prediction, both measured peaks and their errors (measured less
-predicted, over predicted: negative where the model overstates).
+copies carried out only when waited for (a delayed engine, as a GPU's copies may land late). Each step is
+checked bitwise against the plain run's. Each row: the plan, the prediction, both measured peaks and their errors
+(measured less predicted, over predicted: negative where the model overstates).
 
     python bench/given_plan_predictions.py                 # 24 plans, seed 0
     python bench/given_plan_predictions.py --plans 40 --seed 3

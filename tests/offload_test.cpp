@@ -752,6 +752,7 @@ TEST(Offload, ThePlanExecutorRunsEveryOffloadedWayWithinThePrediction) {
                                {remat::policy::matmuls()}));
   ASSERT_TRUE(chain.can_offload());
   EXPECT_TRUE(chain.holds_outputs);
+  EXPECT_TRUE(chain.copies_at_once);  // the CPU's copies are made at once: the planner hides none of them
   for (const auto& s : chain.stages) {
     ASSERT_TRUE(s.offload && s.checkpoint_offload && s.policies.at(0).offload) << s.name;
     // Fc: its input. Fk[matmuls]: fc1's and fc2's products (4 and 1 hidden states; fc2's is then the

@@ -596,6 +596,7 @@ TEST(PerLayer, KeepsAStageWithoutABackward) {
     Chain chain = random_offload_chain(rng, n, 1000);
     add_random_groups(rng, chain);
     add_random_streams(rng, chain);
+    chain.copies_at_once = trial % 4 == 3;       // every copy's time in full, streams and groups sent too
     const int64_t frozen = 1 + trial % (n - 1);  // a prefix, as frozen lower layers are
     for (int64_t j = 0; j < frozen; ++j) {       // figures under which another way is the faster
       remat::Stage& s = chain.stages[static_cast<size_t>(j)];
@@ -780,6 +781,25 @@ TEST(PerLayerOffload, SimulateChargesOffloadingAsDocumented) {
     c.stages[1].offload->stream_fwd_bytes = c.stages[1].offload->stream_bwd_bytes = 40;
     EXPECT_THROW(remat::validate(c), std::invalid_argument);
   }
+  // Copies made at once, on the thread that computes (Chain::copies_at_once: a CPU device): nothing hides
+  // them, the 3 ms copy to the host nor the 5 ms one back; the peaks are the same. Written to the chain's
+  // JSON only where true.
+  {
+    Chain c = chain;
+    c.copies_at_once = true;
+    const remat::Simulation now = remat::simulate(c, plan);
+    EXPECT_DOUBLE_EQ(now.transfer_ms, 3.0 + 5.0);
+    EXPECT_DOUBLE_EQ(now.time_ms, 3 * 6.0 + 8.0);
+    EXPECT_EQ(now.op_peak_bytes, peaks);
+    EXPECT_TRUE(remat::chain_from_json(remat::to_json(c)).copies_at_once);
+    EXPECT_EQ(remat::to_json(chain).find("copies_at_once"), std::string::npos);
+    remat::PlannerOptions options;
+    options.offload = true;
+    // Keeping every stage fits 10 + 3 x 40 + 20 = 150 bytes: the plan above would cost 8 ms more.
+    const Plan best = remat::per_layer(c, sim.peak_bytes, options);
+    EXPECT_DOUBLE_EQ(best.predicted.time_ms, remat::simulate(c, best).time_ms) << best.to_string();
+    EXPECT_EQ(best.to_string().find("@host"), std::string::npos) << best.to_string();
+  }
   // Stage 0 offloaded as well: it no longer holds a_1, so stage 1's offloading takes a_1 off the device.
   plan.ops[0].offload = true;
   const remat::Simulation both = remat::simulate(chain, plan);
@@ -862,6 +882,8 @@ TEST(PerLayerOffload, EqualsExhaustiveSearchOnRandomChains) {
           if (p.offload) p.offload->after_forward = true;
       }
     }
+    // Copies made at once (Chain::copies_at_once) on a third of the trials.
+    chain.copies_at_once = trial % 3 == 1;
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, true);
     int64_t least = std::numeric_limits<int64_t>::max(), most = 0, most_host = 0;
     for (const Candidate& c : all) {
@@ -2145,6 +2167,7 @@ TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {
     const bool offload = trial % 2 == 1;
     Chain chain = random_offload_chain(rng, n, trial % 3 == 0 ? 1 : 1000);
     add_random_groups(rng, chain);
+    chain.copies_at_once = offload && trial % 4 == 3;  // groups sent, their copies' time in full
     const std::vector<Candidate> all = every_per_layer_plan(chain, true, true, offload, true);
     // Plans as the program charges them (step_time_ms(), in a step of nothing else), those with assignments
     // the program leaves out as beaten among them.

@@ -1136,6 +1136,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         largest = max([f.get("largest", 0) for f in fields] + [1 << 20])
         with collector_paused():
             chain.to_host_gb_per_s, chain.to_device_gb_per_s = measure_bandwidth(device, min(largest, 64 << 20))
+        # A CPU device's copies are the host's own memory copies, made at once as the hooks run (CopyEngine):
+        # no computation hides them.
+        chain.copies_at_once = device.type == "cpu"
         report("bandwidth")
     stages_out = []
     for i in range(n):

@@ -304,6 +304,9 @@ NB_MODULE(_core, m) {
       .def_rw("to_device_gb_per_s", &remat::Chain::to_device_gb_per_s, "copies back (GB/s; 0: unmeasured)")
       .def_rw("holds_outputs", &remat::Chain::holds_outputs,
               "the runtime holds a kept stage's output until its backward (C++ executor's chains)")
+      .def_rw("copies_at_once", &remat::Chain::copies_at_once,
+              "copies to the host and back are made at once on the computing thread (a CPU device): the "
+              "planner charges their time in full")
       .def("can_offload", &remat::Chain::can_offload)
       .def("size", &remat::Chain::size)
       .def("__len__", &remat::Chain::size)

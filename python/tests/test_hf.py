@@ -279,13 +279,15 @@ def test_set_budget_plans_again_without_profiling(meter, plain_runs, monkeypatch
 def free_copies_budget(lp, forwards, checkpoint_ms=None):
     """The budget of the per-layer plan whose forward operations are `forwards` ("Fa0@host", ...), on lp's chain
     made to plan from the budget alone, not from this machine's timings: keeping costs nothing (checkpointing
-    `checkpoint_ms` a layer where given), copies are free. Checked below keeping every layer on the device."""
+    `checkpoint_ms` a layer where given), copies are free and hidden as a GPU's side stream hides them (the CPU
+    makes them at once). Checked below keeping every layer on the device."""
     chain = lp.chain
     for st in chain.stages:
         st.fwd_ms = st.bwd_ms = 0.0
         if checkpoint_ms is not None:
             st.checkpoint_fwd_ms = st.checkpoint_bwd_ms = checkpoint_ms
     chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
+    chain.copies_at_once = False
     n = len(chain.stages)
     plan = remat.Plan.from_json(json.dumps(
         {"num_stages": n, "ops": [*forwards, "L", *(f"B{i}" for i in reversed(range(n)))]}))
@@ -303,6 +305,8 @@ def test_offload_lets_the_planner_keep_layers_offloaded(meter, plain_runs):
     same(plain_runs["llama"][0], step(model, spec, 0, meter))
     chain = lp.chain
     assert chain.can_offload() and all(st.offload is not None and st.offload.bytes > 0 for st in chain.stages)
+    # The CPU's copies are made at once as the hooks run: the planner charges every one in full.
+    assert chain.copies_at_once and '"copies_at_once": true' in chain.to_json()
     lp.set_budget(free_copies_budget(lp, ["Fa0@host", "Fa1@host", "Fa2@host", "Fa3"]))
     # Kept, offloaded whole or streamed (the same copies; streaming holds less in the layers' backward).
     assert all(c.startswith("keep") for c in lp.choices) and any(c.endswith(("@host", "@stream")) for c in lp.choices)
@@ -344,9 +348,10 @@ def test_streamed_decoder_layers_give_the_plain_run_below_whole_layer_offloading
     same(plain_runs["llama"][0], step(model, spec, 0, meter))
     chain = lp.chain
     assert all(st.offload.can_stream() for st in chain.stages)
-    for st in chain.stages:  # the plan from the budget alone: keeping costs nothing, copies are free
-        st.fwd_ms = st.bwd_ms = 0.0
+    for st in chain.stages:  # the plan from the budget alone: keeping costs nothing, copies are free (and
+        st.fwd_ms = st.bwd_ms = 0.0  # hidden, as a GPU's side stream hides them)
     chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
+    chain.copies_at_once = False
 
     def every(suffix):
         return remat.Plan.from_json('{"num_stages": 4, "ops": [%s, "L", "B3", "B2", "B1", "B0"]}'
@@ -388,6 +393,7 @@ def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
         st.fwd_ms = st.checkpoint_fwd_ms + 5.0  # keeping a layer whole costs more than sending its groups
         st.policies[0].fwd_ms = st.policies[0].bwd_ms = 1e3
     chain.to_host_gb_per_s = chain.to_device_gb_per_s = 1e6
+    chain.copies_at_once = False  # hidden, as a GPU's side stream hides them
     lp.set_budget(lp.min_budget_bytes + (8 << 20))
     assert any(c.startswith("{") for c in lp.choices), lp.choices
     lp.host_pool.peak_bytes = 0
@@ -1221,6 +1227,9 @@ def test_streamed_and_kept_layers_are_predicted_where_the_caller_holds_their_out
 
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
     step(model, spec, 0, meter, make_batch=make_batch)
+    # Planned as for a GPU, whose side stream hides the copies (the CPU makes them at once, and no window makes a
+    # step faster there): streaming with a window is then among the plans.
+    lp.chain.copies_at_once = False
     plain, least, seen = plain_runs["bert"][1][2], lp.min_budget_bytes, set()
     for where in (0.0, 0.3, 1.0):
         lp.set_budget(int(least + where * (plain - least)))

@@ -106,6 +106,7 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
   const bool offload = a.can_offload() && b.can_offload();
   c.to_host_gb_per_s = offload ? (a.to_host_gb_per_s + b.to_host_gb_per_s) / 2 : 0;
   c.to_device_gb_per_s = offload ? (a.to_device_gb_per_s + b.to_device_gb_per_s) / 2 : 0;
+  c.copies_at_once = a.copies_at_once || b.copies_at_once;  // the copies hidden the less, where either is
   for (size_t i = 0; i < c.stages.size(); ++i) {
     Stage& s = c.stages[i];
     const Stage& sa = a.stages[i];

@@ -381,6 +381,7 @@ std::string to_json(const Chain& chain) {
     j["to_device_gb_per_s"] = chain.to_device_gb_per_s;
   }
   if (chain.holds_outputs) j["holds_outputs"] = true;
+  if (chain.copies_at_once) j["copies_at_once"] = true;
   if (!chain.inputs_held.empty()) j["inputs_held"] = chain.inputs_held;
   return j.dump(2);
 }
@@ -572,6 +573,7 @@ Chain chain_from_json(const std::string& text) {
   chain.to_host_gb_per_s = optional<double>(j, "to_host_gb_per_s", "the chain", 0.0);
   chain.to_device_gb_per_s = optional<double>(j, "to_device_gb_per_s", "the chain", 0.0);
   chain.holds_outputs = boolean(j, "holds_outputs", "the chain", false);
+  chain.copies_at_once = boolean(j, "copies_at_once", "the chain", false);
   if (j.contains("inputs_held")) {
     const auto& held = j.at("inputs_held");
     if (!held.is_array())

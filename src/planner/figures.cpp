@@ -132,6 +132,7 @@ template <typename C, typename X, typename V>
 void visit(C& chain, X& context, V& v) {
   v.bytes(chain.input_bytes);
   v.flag(chain.holds_outputs);
+  v.flag(chain.copies_at_once);  // the copies hidden the less, where any process makes them at once
   v.bandwidth(chain.to_host_gb_per_s);
   v.bandwidth(chain.to_device_gb_per_s);
   for (auto& s : chain.stages) {

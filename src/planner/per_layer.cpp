@@ -839,9 +839,10 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         double wait =
             std::max(0.0, p.link - ch.fwd_ms) + (p.copied == 0 ? 0.0 : std::max(0.0, back_ms[k] - ch.bwd_ms));
         // Streamed with no window: its copies each way are waited for as they are made or asked for, so
-        // nothing hides them (simulate()'s charge).
+        // nothing hides them (simulate()'s charge); nor copies made at once (Chain::copies_at_once).
         const bool exposed = ch.stream && ch.window == 0;
-        if (exposed) wait += f.to_host_ms + f.to_device_ms;
+        const bool unhidden = exposed || (ch.offload && chain.copies_at_once);
+        if (unhidden) wait += f.to_host_ms + f.to_device_ms;
         q.ms = p.ms + ch.ms + wait;
         if (q.ms + rest[static_cast<size_t>(j) + 1] > bound) return false;
         q.transfer_ms = p.transfer_ms + wait;
@@ -870,7 +871,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           q.link = ch.cost->after_forward ? f.to_host_ms
                                           : std::max(0.0, f.to_host_ms - std::max(0.0, ch.fwd_ms - p.link));
           q.host += q.copied;
-          if (exposed) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
+          if (unhidden) q.link = 0, q.copied = 0;  // its copies are done, and come back within its backward
           // The runtime may hold a kept stage's output whatever the stage saves (the C++ executor).
           q.keeps_output = chain.holds_outputs && ch.kind != OpKind::kForwardCheckpoint;
           q.output_ahead = ch.cost->output && !exposed;

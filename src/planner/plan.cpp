@@ -259,6 +259,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   // The time the copies to the host in flight still need after the last forward (one link: a stage's copies
   // begin with its forward, once the link has finished those before them).
   double link = 0;
+  // Copies made at once where they are started (Chain::copies_at_once): charged in full, each way.
+  const bool at_once = chain && chain->copies_at_once;
   std::optional<OffloadCost> way_cost;  // offload_cost()'s, for the operation at hand
   auto offload_cost = [&](const Op& op) -> const OffloadCost* {
     if (!chain) return nullptr;
@@ -397,8 +399,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
       Away& own = away[static_cast<size_t>(i)];
       if (own.state == Away::kBack && !own.charged) {
         // Only computation hides a copy: the waits for other copies share its link. With no window, each
-        // tensor comes back when its backward asks for it: nothing hides it.
-        const double hidden = own.exposed ? 0.0 : sim.time_ms - sim.transfer_ms - own.back_at;
+        // tensor comes back when its backward asks for it, and copies made at once (Chain::copies_at_once)
+        // as they are made: nothing hides them.
+        const double hidden = own.exposed || at_once ? 0.0 : sim.time_ms - sim.transfer_ms - own.back_at;
         const double wait = std::max(0.0, transfer(own.copied, false) - hidden);
         sim.time_ms += wait, sim.transfer_ms += wait;
         own.charged = true;
@@ -504,8 +507,9 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           a.output_ahead = c && c->output && !a.exposed;
           a.state = Away::kInFlight;
           in_flight.push_back(i);
-          if (a.exposed) {
-            // No window: each copy was waited for as the forward made it, so nothing hid them.
+          if (a.exposed || at_once) {
+            // No window: each copy was waited for as the forward made it; made at once
+            // (Chain::copies_at_once), on the thread that computes: nothing hid them.
             const double copies = transfer(a.copied, true);
             sim.time_ms += copies, sim.transfer_ms += copies;
           } else if (c && c->after_forward) {

@@ -211,6 +211,7 @@ Chain step_chain(const Chain& chain, const StepContext& context) {
   step.to_host_gb_per_s = chain.to_host_gb_per_s;
   step.to_device_gb_per_s = chain.to_device_gb_per_s;
   step.holds_outputs = chain.holds_outputs;
+  step.copies_at_once = chain.copies_at_once;
   // Step stage s (chain stage s - 1) takes a_{s-1}, chain stage s - 2's output: held to the step's end where
   // the context says so (outputs_held_to_end), or where the chain says its input is.
   step.inputs_held.assign(static_cast<size_t>(chain.size()) + 2, false);

@@ -563,6 +563,9 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
     const OffloadBandwidth bw = offload_bandwidth(device, std::min<int64_t>(largest, int64_t{64} << 20));
     chain.to_host_gb_per_s = bw.to_host_gb_per_s;
     chain.to_device_gb_per_s = bw.to_device_gb_per_s;
+    // A CPU device's copies are made at once, on the thread that computes (Offload): no computation hides
+    // them.
+    chain.copies_at_once = device.is_cpu();
     report("bandwidth", "");
   }
   for (const Policy& policy : options.policies())

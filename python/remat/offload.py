@@ -360,8 +360,11 @@ def _version_holder(t: torch.Tensor) -> torch.Tensor:
     that shares the counter (its views, the tensors autograd saved of it), show in its _version, and it keeps
     none of t's bytes alive."""
     v = t.detach()
-    with torch.autograd._unsafe_preserve_version_counter(v):
-        v.set_()
+    version = v._version
+    v.set_()
+    # What torch.autograd._unsafe_preserve_version_counter's exit does, without its context's cost (every
+    # offloaded tensor makes one): the counter, which v shares with t, back where the set_() moved it from.
+    torch._C._autograd._unsafe_set_version_counter((v,), (version,))
     return v
 
 
@@ -548,10 +551,11 @@ class Offload:
                 self._in_flight.append(entry)
                 if self.window is not None:
                     self._bound_in_flight()
-            self._by_storage[key] = weakref.ref(entry)
-            self._at.setdefault(ptr, []).append(weakref.ref(entry))
+            ref = weakref.ref(entry)
+            self._by_storage[key] = ref
+            self._at.setdefault(ptr, []).append(ref)
             self._index[id(entry)] = len(self._order)
-            self._order.append(weakref.ref(entry))
+            self._order.append(ref)
             self.offloaded += 1
             self.offloaded_bytes += t.nbytes
         entry.originals.append(weakref.ref(t))
@@ -577,15 +581,21 @@ class Offload:
         return None, 0
 
     def _settle(self) -> None:
-        """Releases the device tensors whose copies to the host have completed (queried, not waited on); the
-        others stay until a later call finds them done, or until unpacked or dropped (which wait)."""
-        still = []
-        for entry in self._in_flight:
-            if entry.to_host_done is not None and entry.to_host_done.query():
+        """Releases the device tensors whose copies to the host have completed (queried, not waited on), oldest
+        first, up to the first still in flight: an engine's copies complete in the order they were queued, so
+        the ones after it are not asked (every pack calls this, and asking each entry made a layer's packs
+        quadratic in its saved tensors). The others stay until a later call finds them done, or until unpacked
+        or dropped (which wait)."""
+        flight = self._in_flight
+        landed = 0
+        for entry in flight:
+            if entry.source is not None:  # else landed already (unpacked, dropped)
+                if entry.to_host_done is None or not entry.to_host_done.query():
+                    break
                 self._to_host_landed(entry)
-            elif entry.source is not None:
-                still.append(entry)
-        self._in_flight = still
+            landed += 1
+        if landed:
+            del flight[:landed]
 
     def _bound_in_flight(self) -> None:
         """Streaming: waits for the oldest copies to the host until at most `window` bytes are in flight."""

@@ -20,6 +20,9 @@ show. Ways, each run in turn so that each sample is paired with a torch.utils.ch
   "checkpoint" or every layer "checkpoint@host" (offload=True: each layer's input to the host and back, as the
   runtime schedules it): remat's whole per-layer path, against torch's checkpoint of each layer (what Hugging
   Face's gradient_checkpointing_enable() runs);
+- `plan-keep-host`: every layer "keep@host" (offload=True: all each layer saves to the host and back, no
+  recompute): against `plain`, what sending a whole layer's saved tensors costs the host (the Offload's hooks, per
+  saved tensor, and the waits for its copies), where a step bound by the host pays it in full;
 - `plan-host-nowait`: `plan-host` with its copy engine's experimental `host_wait=False` (CUDA: waiting for a copy
   makes the current stream wait, not the host, and copies back do not wait for the current stream's queued
   work: remat.offload.CopyEngine); on the CPU the same as `plan-host`.
@@ -90,7 +93,7 @@ def main():
     ap.add_argument("--pairs", type=int, default=2000)
     ap.add_argument("--ways", default="plain,remat,context,hooks,cache,modes,sac,selective,kept-all",
                     help="the ways to pair with torch's checkpoint, comma-separated (also: plan-checkpoint, "
-                    "plan-host, plan-host-nowait)")
+                    "plan-host, plan-keep-host, plan-host-nowait)")
     ap.add_argument("--threads", type=int, default=1, help="torch's threads (one: the core it is pinned to)")
     ap.add_argument("--warmup", type=int, default=100, help="unmeasured runs of each way first")
     ap.add_argument("--device", default="cpu")
@@ -115,12 +118,15 @@ def main():
 
     planned, nowait = {}, None
     for way, choice in (("plan-checkpoint", "checkpoint"), ("plan-host", "checkpoint@host"),
-                        ("plan-host-nowait", "checkpoint@host")):
+                        ("plan-keep-host", "keep@host"), ("plan-host-nowait", "checkpoint@host")):
         if way in args.ways.split(","):
             copy = transformers.LlamaForCausalLM(cfg).to(dev)
             runner = _Layers(copy.model.layers, pos)
+            # What a layer sends: on the CPU's small layer (its hidden state 4 KiB at the defaults) what is 1 KiB or
+            # more, so that the hooks' copies are made there too; on CUDA remat's default, 1 MiB.
             lp = remat.enable(runner, list(copy.model.layers), plan=per_layer_plan([choice] * args.chain),
-                              offload=choice.endswith("@host"))
+                              offload=choice.endswith("@host"),
+                              offload_min_bytes=1 << 20 if dev.type == "cuda" else 1 << 10)
             if way == "plan-host-nowait":
                 # keyed by the device its tensors name (cuda:0, not the "cuda" given)
                 lp.offloads.engines[x0.device] = CopyEngine(x0.device, hold=True, host_wait=False)

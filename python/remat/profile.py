@@ -1140,9 +1140,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             # read 10-13).
             size = 64 << 20 if device.type == "cpu" else min(largest, 64 << 20)
             chain.to_host_gb_per_s, chain.to_device_gb_per_s = measure_bandwidth(device, size)
-        # A CPU device's copies are the host's own memory copies, made at once as the hooks run (CopyEngine):
-        # no computation hides them.
-        chain.copies_at_once = device.type == "cpu"
+        # Copies made at once as the hooks run, where the copy engine has no side stream (CopyEngine: CUDA's
+        # alone has one; a CPU device's copies are the host's own memory copies): no computation hides them.
+        chain.copies_at_once = device.type != "cuda"
         report("bandwidth")
     stages_out = []
     for i in range(n):

@@ -446,8 +446,9 @@ struct Chain {
   /// device, which has no copy stream: the copy is the host's own memory copy, made as the hooks run), so
   /// that no computation hides it: simulate() and the per-layer planner then charge every copy's time in full
   /// (the bandwidths' time for its bytes, each way) where it is made, as they do a stream with no window.
-  /// Both profilers set it on a CPU device; false (the default, and a GPU's): copies run on a side stream,
-  /// hidden behind the computation that follows them. Read for time only: what the device holds is the same.
+  /// The profilers set it where their runtime has no copy stream: C++'s on a CPU device, Python's on any
+  /// device but CUDA; false (the default, and a GPU's): copies run on a side stream, hidden behind the
+  /// computation that follows them. Read for time only: what the device holds is the same.
   bool copies_at_once = false;
   /// Per stage, whether something besides the stages holds its input on the device to the step's end (a
   /// caller's list of hidden states): offloading the stage copies its input but frees none of it. Empty (the

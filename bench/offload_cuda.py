@@ -454,8 +454,8 @@ def main():
                 rows.append(f"remat@{w}/nowait")
             if comp is not None:
                 # The same row on the compiled layers (--compiled-layers), at the budget this row runs at: where
-                # that is below what their profile allows (they are offered no host and no group assignments:
-                # so at remat@least's), at their own least budget instead, marked so, as remat@at-hf is.
+                # that is below what their profile allows (they are offered no streamed choices and no group
+                # assignments: so at remat@least's), at their own least budget instead, marked so, as remat@at-hf is.
                 key = f"{w}/compiled"
                 p = plan_at(comp["lp"], key, b, fall_back=True)
                 p["compiled_layers"] = True

@@ -20,6 +20,14 @@ whether remat warned in the profiling step (the JSON has the words).
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
     python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)
+    python bench/architectures.py --random 8 --seed 0     # 8 random per-layer plans each, in place of budgets
+
+With --random, each model runs random per-layer plans in place of the planner's (bench/given_plan_predictions.py's
+draw: each layer kept, kept with what it saves on the host, streamed with its window or none, under the matmuls
+policy on the device or the host, checkpointed with its input on the device or the host, or a random assignment
+of its saved groups to keep, host and recompute), each step under both engines, checked bitwise and against the
+plan's predicted peak as the budgets' steps are: the ways a budget's plans never choose on that model, run on
+its real layers.
 
 Without --deterministic, a model whose backward sums three or more gradients into one row of an indexed tensor
 (GPT-OSS's experts' biases, gathered per token) is not always bitwise against even its own plain run on a CPU
@@ -123,7 +131,27 @@ def same(a, b) -> bool:
     return True
 
 
-def sweep(kind: str, fractions, delays, size, meter) -> dict:
+def random_plans(lp, model, want, delays, size, meter, plans: int, seed: int) -> list[dict]:
+    """`plans` random per-layer plans (given_plan_predictions.draw, seeded by `seed` and the model's name) run
+    in place of the planner's, each step under each engine: the runs' figures, as sweep() records them."""
+    import random
+    from conftest import give_plan
+    from given_plan_predictions import draw
+    rng = random.Random(f"{seed}:{model.config.model_type}")
+    runs = []
+    for _ in range(plans):
+        text, windows = draw(lp.chain, rng)
+        _, predicted = give_plan(lp, text.split(), stream_windows=windows, policies=list(lp.chain.policies))
+        for delay in delays:
+            lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=delay) if delay else \
+                CopyEngine(torch.device("cpu"), hold=True)
+            got = step(model, 1, size, meter)
+            runs.append(dict(delay=delay, plan=text, bitwise=same(want[1], got), peak_bytes=got[2],
+                             predicted_bytes=predicted, error=got[2] / predicted - 1))
+    return runs
+
+
+def sweep(kind: str, fractions, delays, size, meter, plans: int = 0, seed: int = 0) -> dict:
     row = dict(model=kind)
     plain = build(kind)
     want = [step(plain, k, size, meter) for k in range(3)]
@@ -139,6 +167,10 @@ def sweep(kind: str, fractions, delays, size, meter) -> dict:
     row["warnings"] = [str(w.message) for w in seen if str(w.message).startswith("remat")]
     row["least_bytes"] = lp.min_budget_bytes
     top = remat.step_peak_bytes(lp.chain, lp.context, remat.no_checkpoint(lp.chain))
+    if plans:
+        runs = random_plans(lp, model, want, delays, size, meter, plans, seed)
+        row.update(bitwise=bitwise and all(r["bitwise"] for r in runs), runs=runs)
+        return row
     runs = []
     for delay in delays:
         lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=delay) if delay else \
@@ -166,6 +198,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--autocast", choices=["bf16"], help="the forward and the loss under CPU autocast")
     ap.add_argument("--json", help="write every step's figures here")
+    ap.add_argument("--random", type=int, default=0, metavar="N",
+                    help="N random per-layer plans per model in place of the budgets' (every way, group assignments)")
+    ap.add_argument("--seed", type=int, default=0, help="with --random: the plans' seed")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True): without it GPT-OSS's plain CPU step is itself not "
                          "always the same (its experts' bias gradients, summed by parallel atomic adds)")
@@ -180,7 +215,8 @@ def main() -> int:
     meter = remat.cpu_meter()
     import transformers
     print(f"transformers {transformers.__version__}, torch {torch.__version__}; batch {args.batch}, sequence "
-          f"{args.seq}; budgets {args.budgets} of the way up; copies at once and delayed {args.delay}"
+          f"{args.seq}; " + (f"{args.random} random plans each (seed {args.seed})" if args.random else
+                             f"budgets {args.budgets} of the way up") + f"; copies at once and delayed {args.delay}"
           + ("; forward and loss under CPU bf16 autocast" if AUTOCAST else "")
           + ("; deterministic algorithms" if args.deterministic else ""))
     rows = []
@@ -188,7 +224,7 @@ def main() -> int:
     print(head)
     for kind in args.models.split(","):
         try:
-            row = sweep(kind, fractions, delays, (args.batch, args.seq), meter)
+            row = sweep(kind, fractions, delays, (args.batch, args.seq), meter, args.random, args.seed)
         except Exception as e:  # an architecture this transformers lacks, or a config it refuses
             print(f"{kind:16} not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             if os.environ.get("REMAT_DEBUG"):

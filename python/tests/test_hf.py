@@ -418,6 +418,41 @@ def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
         assert 0.995 * predicted <= got[2] <= predicted, (how, got[2], predicted)
 
 
+def test_a_group_assignments_recompute_is_charged_the_output_it_makes_anew(meter):
+    # A group assignment's backward first recomputes what it did not keep, as a checkpointed layer's does, and
+    # makes the layer's output again with it. Where the step let go of the first output (a BERT layer does not
+    # save its own, so it goes once the next layer's backward is done), the one made anew is held as that
+    # recompute ends. Charged before only where something else held the first (found 2026-12-05 by random
+    # plans on RoBERTa, bench/architectures.py --random): a layer with every group recomputed after a layer on
+    # the host held 39,104 bytes above its prediction (its recompute, charged a hidden state less than it held,
+    # was the step's peak). Now it holds its prediction to the byte, with copies made at once and late, as the
+    # same layer checkpointed whole does.
+    def masked_lm():
+        torch.manual_seed(0)
+        cfg = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                      intermediate_size=128, max_position_embeddings=128)
+        return transformers.BertForMaskedLM(cfg).train(), dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+    model, spec = masked_lm()
+    plain = [step(model, spec, k, meter) for k in range(2)]
+    model, spec = masked_lm()
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 10)
+    same(plain[0], step(model, spec, 0, meter))
+    recomputed = "{" + "r" * len(lp.chain.stages[2].groups) + "}"
+    predictions = []
+    for way in (f"Fk2{recomputed}", "Fc2"):
+        ops = ["Fa0", "Fa1@host", way, "Fc3"]
+        ops += ["L", "Fa3", "B3"] + (["Fa2"] if way == "Fc2" else []) + ["B2", "B1", "B0"]
+        _, predicted = give_plan(lp, ops)
+        predictions.append(predicted)
+        for engine in (CopyEngine(torch.device("cpu"), hold=True), CopyEngine(torch.device("cpu"), delay=100)):
+            lp.offloads.engines[torch.device("cpu")] = engine
+            got = step(model, spec, 1, meter)
+            same(plain[1], got)
+            assert got[2] == predicted, (way, got[2], predicted)
+    assert predictions[0] == predictions[1], predictions
+
+
 @pytest.mark.parametrize("experts", ["eager", None])
 def test_mixture_of_experts_layers_routed_differently_each_step_give_the_plain_run(experts, meter):
     # A Mixtral (router jitter noise: a random draw in each layer's forward) whose experts run as transformers'

@@ -393,10 +393,13 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   bwd += twice;  // and the recompute's below
   // (A group assignment's recompute begins with all it kept, c.held, those Fa does not save included, and
   // ends with what Fa saves: simulate()'s rule; with a second generators' state while it runs, the one it
-  // saves while it replays the first: step_op_peaks()'s rule.)
-  if (keeps)
-    bwd = std::max(
-        bwd, std::max(a_out + s.saved_bytes + s.fwd_tmp_bytes, a_out + c.held) + at_bwd + twice + state);
+  // saves while it replays the first, and its output made anew where it was gone (`gone`, taken off below);
+  // its gradients those made before it, as Fc's recompute: step_op_peaks()'s rule.)
+  if (keeps) {
+    const int64_t at_rec_grads = at_rec + held_grad + (step ? s.grads_before_recompute_bytes : 0);
+    bwd = std::max(bwd, std::max(a_out + s.saved_bytes + s.fwd_tmp_bytes + gone, a_out + c.held) +
+                            at_rec_grads + twice + state);
+  }
   bwd += held_back;
   if (c.kind == OpKind::kForwardCheckpoint) {
     // In a step, its backward after a recompute that stopped early holds no output its graph does not save,

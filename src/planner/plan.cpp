@@ -226,6 +226,8 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
   sim.op_end_ms.assign(plan.ops.size(), 0.0);
   sim.op_done_bytes.assign(plan.ops.size(), 0);
   sim.op_recompute_peak_bytes.assign(plan.ops.size(), 0);
+  sim.op_recompute_end_bytes.assign(plan.ops.size(), 0);
+  sim.op_backward_peak_bytes.assign(plan.ops.size(), 0);
 
   // Offloading: per stage, what its offloaded forward sent to the host (see plan.h).
   struct Away {
@@ -585,8 +587,12 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
           // holds what Fa saves.
           const int64_t recompute = after_keep && chain ? chain->stages[i].fwd_tmp_bytes : 0;
           charge(current + two + std::max<int64_t>(0, rest - beyond + std::max(act(i) + tmp, recompute)), k);
-          if (after_keep)
-            sim.op_recompute_peak_bytes[k] = current + two + std::max<int64_t>(0, rest - beyond + recompute);
+          if (after_keep) {
+            sim.op_recompute_end_bytes[k] = current + two + rest - beyond + recompute;
+            sim.op_recompute_peak_bytes[k] = std::max(current + two, sim.op_recompute_end_bytes[k]);
+            sim.op_backward_peak_bytes[k] =
+                current + two + std::max<int64_t>(0, rest - beyond + act(i) + tmp);
+          }
         }
         current += act(i) - held_bytes(i + 1) - act(i + 1);
         held[i + 1] = kNone;

@@ -646,10 +646,24 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     // state it saves while it replays the first, at that recompute's peak, not at the backward's after it.
     // Before (found 2026-12-05 by random group assignments on the CPU), not charged: steps up to that state
     // above their predictions where the recompute was a step's peak.
+    // That recompute makes what Fa saves, its output among it, as Fc's does: where the step let go of the
+    // first output (let_go, in `arrived` already), the one made anew is held as the recompute ends. Before
+    // (found 2026-12-05 by random plans on RoBERTa, bench/architectures.py --random), not charged: a layer's
+    // group assignment after a layer on the host held one hidden state more than predicted there, where its
+    // recompute was the step's peak (39,104 bytes, 0.95%). Its gradients are those made before it, as Fc's
+    // recompute (Stage::grads_before_recompute_bytes), not those at the backward's peak (at_peak, which the
+    // backward after it is charged): charged these before, 512 bytes above what it held there. (The
+    // simulation's op_peak_bytes, in peaks[k] with at_peak, is the larger of the two: charged apart here.)
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n &&
-        state_held[static_cast<size_t>(op.stage)] && sim.op_recompute_peak_bytes[k] > 0)
-      peaks[k] += std::max<int64_t>(
-          0, sim.op_recompute_peak_bytes[k] + context.checkpoint_state_bytes - sim.op_peak_bytes[k]);
+        sim.op_recompute_peak_bytes[k] > 0) {
+      const int64_t state = state_held[static_cast<size_t>(op.stage)] ? context.checkpoint_state_bytes : 0;
+      const int64_t recompute =
+          std::max(sim.op_recompute_peak_bytes[k],
+                   sim.op_recompute_end_bytes[k] + let_go[static_cast<size_t>(op.stage)]);
+      const int64_t before = chain.stages[static_cast<size_t>(op.stage - 1)].grads_before_recompute_bytes;
+      peaks[k] += std::max(sim.op_backward_peak_bytes[k] + at_peak, recompute + state + before) -
+                  (sim.op_peak_bytes[k] + at_peak);
+    }
     // The C++ executor (Chain::holds_outputs) lets go of the state it kept for a stage that runs again once
     // the stage's last forward (its recompute) has run: the backward after it holds none. A checkpoint
     // region's (a group assignment's) is held to its backward's end. Before (found 2026-12-05 by plans drawn

@@ -110,6 +110,14 @@ struct Simulation {
   /// assignment), the peak while that recompute runs (bytes; op_peak_bytes holds the larger of it and the
   /// backward's own); 0 for every other operation. The step's model adds to it what only a recompute holds.
   std::vector<int64_t> op_recompute_peak_bytes;
+  /// For the same backwards, what is held as that recompute ends (bytes: what Fa saves, made again, and the
+  /// forward's transient, beside what the way kept; at most op_recompute_peak_bytes, which is the larger of
+  /// it and what is held as the recompute begins), and the peak of the backward proper after it (bytes;
+  /// op_peak_bytes is the larger of it and op_recompute_peak_bytes); 0 for every other operation. The step's
+  /// model charges the two apart: the recompute with the gradients made before it and the output it makes
+  /// anew where the step let go of the first one, the backward with those at its peak.
+  std::vector<int64_t> op_recompute_end_bytes;
+  std::vector<int64_t> op_backward_peak_bytes;
   /// When each operation ends, in the order of ops (milliseconds from the plan's start: time_ms so far, the
   /// copies no computation hides included; all 0 without a chain, as check_plan() runs it).
   std::vector<double> op_end_ms;

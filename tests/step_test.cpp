@@ -437,6 +437,14 @@ void add_random_groups(std::mt19937& rng, Chain& chain) {
       // Every second group, a quarter of its bytes staying on the device when sent (an Offload's small
       // outputs; drawn from no random number, so that the draws after it are those of before).
       if (k == 1) sg.stays_bytes = sg.bytes / 4;
+      // Every fourth stage, the plain forward's peak before each call measured: near its whole peak from the
+      // first call on, growing (so that a recompute keeping the later groups peaks part way; no random
+      // number).
+      if (i % 4 == 0) {
+        const int64_t whole = s.saved_bytes - s.output_bytes + s.fwd_tmp_bytes;
+        sg.fwd_peak_before_bytes =
+            whole - whole * static_cast<int64_t>(g - 1 - k) / static_cast<int64_t>(8 * g);
+      }
       s.groups.push_back(sg);
     }
     // Every fourth, the group runtime's own times measured (a Python dispatch mode's cost: more than per
@@ -2993,6 +3001,48 @@ TEST(Step, TheChainsOutputGradientHeldPastTheLastStagesBackwardIsCharged) {
 // A stage run by a way that recomputes (Fc, a group assignment) holds the generators' state its checkpoint
 // saved (StepContext::checkpoint_state_bytes) from its forward to its backward's end; a kept stage and a
 // policy (whose measured saved_bytes holds it) do not. In step_peak_bytes() and the per-layer program alike.
+TEST(PerLayerGroups, ARecomputeHoldsTheGroupsItHasNotReachedBesideThePlainForwardsPeakBeforeThem) {
+  // group_recompute_peak_bytes(): over the groups whose fwd_peak_before_bytes is measured, that peak plus the
+  // groups kept or sent from that one on (on the device from the recompute's start until it reaches them).
+  Chain chain = remat::uniform_chain(1, 1.0, 2.0, 100, 2000);
+  remat::Stage& s = chain.stages[0];
+  s.groups = {{"aten::mm#0", 100, 0.1}, {"aten::mm#1", 200, 0.1}, {"aten::mm#2", 300, 0.1}};
+  EXPECT_EQ(remat::group_recompute_peak_bytes(s, "kkk"), -1);  // none measured
+  s.groups[0].fwd_peak_before_bytes = 1000;
+  s.groups[1].fwd_peak_before_bytes = 1500;
+  s.groups[2].fwd_peak_before_bytes = 1600;
+  EXPECT_EQ(remat::group_recompute_peak_bytes(s, "kkk"), 2000);  // 1500 + 200 + 300
+  EXPECT_EQ(remat::group_recompute_peak_bytes(s, "khr"), 1700);  // 1000 + 100 + 200, 1500 + 200, 1600
+  EXPECT_EQ(remat::group_recompute_peak_bytes(s, "rrk"), 1900);
+  EXPECT_EQ(remat::group_recompute_peak_bytes(s, "rrr"), 1600);
+  EXPECT_THROW(remat::group_recompute_peak_bytes(s, "kk"), std::invalid_argument);
+  // simulate() charges it beside what the way keeps less those groups (its output, its input): here above
+  // both of the recompute's ends, by the peak before the second call, its output not yet made again, less
+  // what the end holds (what Fa saves and the forward's transient).
+  const Plan plan = remat::plan_from_json(R"({"num_stages": 1, "ops": ["Fk0{kkk}", "L", "B0"]})");
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  EXPECT_EQ(sim.op_recompute_peak_bytes[2] - sim.op_recompute_end_bytes[2],
+            2000 + s.output_bytes - s.saved_bytes - s.fwd_tmp_bytes);
+  EXPECT_GE(sim.op_peak_bytes[2], sim.op_recompute_peak_bytes[2]);
+  s.groups[0].fwd_peak_before_bytes = s.groups[1].fwd_peak_before_bytes = s.groups[2].fwd_peak_before_bytes =
+      -1;
+  const remat::Simulation ends = remat::simulate(chain, plan);
+  EXPECT_EQ(ends.op_recompute_peak_bytes[2], ends.op_recompute_end_bytes[2]);
+  EXPECT_EQ(ends.op_recompute_end_bytes[2], sim.op_recompute_end_bytes[2]);
+  // Written where measured, read back; -1 (not measured) where absent; below -1 refused.
+  s.groups[1].fwd_peak_before_bytes = 1500;
+  const Chain back = remat::chain_from_json(remat::to_json(chain));
+  EXPECT_EQ(back.stages[0].groups[0].fwd_peak_before_bytes, -1);
+  EXPECT_EQ(back.stages[0].groups[1].fwd_peak_before_bytes, 1500);
+  s.groups[1].fwd_peak_before_bytes = -2;
+  try {
+    remat::validate(chain);
+    ADD_FAILURE() << "validate() took fwd_peak_before_bytes -2";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fwd_peak_before_bytes -2"), std::string::npos) << e.what();
+  }
+}
+
 TEST(PerLayerGroups, ACheckpointHoldsTheGeneratorsStateFromItsForwardToItsBackward) {
   Chain c = hand_chain(3, 1000, 3000);
   for (remat::Stage& s : c.stages)

@@ -254,6 +254,25 @@ class _CallTimes(TorchDispatchMode):
         return out
 
 
+class _PeaksBefore(TorchDispatchMode):
+    """Each operator call of a forward pass, named as _CallTimes names it: the forward's peak so far as the call
+    begins, above `before` (bytes; the meter's window, opened as the forward begins). It holds no tensor, so
+    that the forward holds what a plain one does."""
+
+    def __init__(self, window, before: int):
+        super().__init__()
+        self.window, self.before = window, before
+        self.names = CallNames()
+        self.at: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in IGNORED:
+            return func(*args, **kwargs)
+        self.at[self.names.next(func)] = max(0, self.window.peak() - self.before)
+        return func(*args, **kwargs)
+
+
 def _groupable(func, name: str, args, kwargs) -> bool:
     """Whether a call's outputs can be a saved group: as the C++ policies' askable calls, outputs that alias
     no input, no argument written, a tensor among its arguments, and not a factory (empty_like, new_zeros),
@@ -267,8 +286,9 @@ def _groupable(func, name: str, args, kwargs) -> bool:
 
 
 def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, offload_min_bytes: int | None = None,
-                    params: set[int] = frozenset()) -> list[tuple[str, int, float, int, int]]:
-    """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes, stays bytes) of the calls with
+                    params: set[int] = frozenset(), meter=None) -> list[tuple[str, int, float, int, int, int]]:
+    """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes, stays bytes, the plain forward's
+    peak before the call or -1 without `meter`) of the calls with
     outputs of their own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a
     group kept or sent is a call the recompute skips; of its bytes, those autograd does not save), those a recompute
     that stops early makes (made before autograd's last save), in the forward's order; the planner's fit_groups
@@ -276,7 +296,9 @@ def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, of
     an empty tensor) are left out. Profiling for offloading (offload_min_bytes), the stays bytes are those of the
     outputs an Offload would keep on the device (remat.offload's offloadable: dense, at least that large, not a
     parameter's): sent, the group leaves them there (an attention kernel's log-sum-exp beside its output; before
-    2026-12-05 such a call was no group, and the Llama's attention on the H200 was always recomputed)."""
+    2026-12-05 such a call was no group, and the Llama's attention on the H200 was always recomputed). With
+    `meter`, one more forward, plain, measures the peak before each call (SavedGroup.fwd_peak_before_bytes:
+    what a group assignment's recompute holds part way is that beside the groups it has not reached yet)."""
     saved: set[int] = set()
     # How many calls the forward had made when autograd last saved a tensor: a recompute that stops early
     # (torch.utils.checkpoint's, remat's) stops there, and never makes the calls after it again. (Autograd
@@ -321,7 +343,15 @@ def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, of
         for name, _, ms, _ in rec.calls:
             times.setdefault(name, []).append(ms)
         del out, rec
-    return [(name, nbytes, _median(times[name]), unsaved, stays) for name, nbytes, unsaved, stays in found]
+    peaks: dict[str, int] = {}
+    if meter is not None:
+        before = meter.count()
+        with meter.window() as window:
+            with _PeaksBefore(window, before) as rec:
+                fn(leaf)  # (its graph let go of at once)
+            peaks = rec.at
+    return [(name, nbytes, _median(times[name]), unsaved, stays, peaks.get(name, -1))
+            for name, nbytes, unsaved, stays in found]
 
 
 def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
@@ -609,7 +639,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     saves them, at most remat.chain's kMaxGroups (10) of them (fit_groups: the products, convolutions and
     attention kernels first, then the largest), each with its outputs' bytes and its time (the median of
     `repeats` runs, each call timed alone); with offload_min_bytes, also the bytes of its outputs an Offload
-    would keep on the device were it sent (SavedGroup.stays_bytes: below that, or not dense); and the stage's
+    would keep on the device were it sent (SavedGroup.stays_bytes: below that, or not dense); the plain
+    forward's peak before each one's call (SavedGroup.fwd_peak_before_bytes: what a group assignment's recompute
+    holds part way, beside the groups it has not reached); and the stage's
     forward and backward as a group assignment keeping every group runs them (Stage.groups_fwd_ms,
     groups_bwd_ms: remat's selective checkpointing costs time beside each call, which the planner charges). A
     policy that answers MUST_CPU_OFFLOAD is not profiled yet (the planner has no model for it): its first such
@@ -1102,7 +1134,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                     leaf = leaf_of(i)
                     fields[i]["groups"] = [_core.SavedGroup(*g) for g in _measure_groups(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
-                        alive | {_storage_key(leaf)}, clock, repeats, offload_min_bytes, alive)]
+                        alive | {_storage_key(leaf)}, clock, repeats, offload_min_bytes, alive, meter)]
                     # The planner library's choice, which the C++ profiler makes too: the products,
                     # convolutions and attention kernels first, then the largest.
                     fitted = fields[i]["fitted"] = _core.fit_groups(fields[i]["groups"])

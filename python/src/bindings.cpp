@@ -178,10 +178,12 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](remat::SavedGroup* g, std::string name, int64_t bytes, double recompute_ms,
-             int64_t unsaved_bytes, int64_t stays_bytes) {
-            new (g) remat::SavedGroup{std::move(name), bytes, recompute_ms, unsaved_bytes, stays_bytes};
+             int64_t unsaved_bytes, int64_t stays_bytes, int64_t fwd_peak_before_bytes) {
+            new (g) remat::SavedGroup{std::move(name), bytes,       recompute_ms,
+                                      unsaved_bytes,   stays_bytes, fwd_peak_before_bytes};
           },
-          "name"_a, "bytes"_a, "recompute_ms"_a, "unsaved_bytes"_a = 0, "stays_bytes"_a = 0)
+          "name"_a, "bytes"_a, "recompute_ms"_a, "unsaved_bytes"_a = 0, "stays_bytes"_a = 0,
+          "fwd_peak_before_bytes"_a = -1)
       .def_rw("name", &remat::SavedGroup::name, "the call: 'aten::addmm#2' (operator, its call index)")
       .def_rw("bytes", &remat::SavedGroup::bytes, "its outputs' bytes")
       .def_rw("recompute_ms", &remat::SavedGroup::recompute_ms, "the call's forward time (milliseconds)")
@@ -189,22 +191,35 @@ NB_MODULE(_core, m) {
               "of its bytes, those autograd does not save in the stage's plain forward")
       .def_rw("stays_bytes", &remat::SavedGroup::stays_bytes,
               "of its bytes, those that stay on the device when it is sent (an Offload keeps them there)")
-      // pickle and copy.deepcopy (a LayerPlan's copy carries its shapes' saved calls): its five figures.
+      .def_rw("fwd_peak_before_bytes", &remat::SavedGroup::fwd_peak_before_bytes,
+              "the stage's plain forward's peak above what was alive before it, until this call (bytes; -1: "
+              "not measured)")
+      // pickle and copy.deepcopy (a LayerPlan's copy carries its shapes' saved calls): its six figures (five
+      // in a state pickled before 2026-12-05: fwd_peak_before_bytes then -1).
       .def("__getstate__",
            [](const remat::SavedGroup& g) {
-             return std::make_tuple(g.name, g.bytes, g.recompute_ms, g.unsaved_bytes, g.stays_bytes);
+             return nb::make_tuple(g.name, g.bytes, g.recompute_ms, g.unsaved_bytes, g.stays_bytes,
+                                   g.fwd_peak_before_bytes);
            })
       .def("__setstate__",
-           [](remat::SavedGroup& g, const std::tuple<std::string, int64_t, double, int64_t, int64_t>& s) {
-             new (&g) remat::SavedGroup{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s),
-                                        std::get<4>(s)};
+           [](remat::SavedGroup& g, const nb::tuple& s) {
+             if (s.size() != 5 && s.size() != 6)
+               throw nb::value_error("remat.SavedGroup.__setstate__: a state of 5 or 6 figures");
+             new (&g)
+                 remat::SavedGroup{nb::cast<std::string>(s[0]), nb::cast<int64_t>(s[1]),
+                                   nb::cast<double>(s[2]),      nb::cast<int64_t>(s[3]),
+                                   nb::cast<int64_t>(s[4]),     s.size() == 6 ? nb::cast<int64_t>(s[5]) : -1};
            })
       .def("__repr__", [](const remat::SavedGroup& g) {
         return "SavedGroup('" + g.name + "', bytes=" + std::to_string(g.bytes) +
                ", recompute_ms=" + std::to_string(g.recompute_ms) +
                ", unsaved_bytes=" + std::to_string(g.unsaved_bytes) +
-               ", stays_bytes=" + std::to_string(g.stays_bytes) + ")";
+               ", stays_bytes=" + std::to_string(g.stays_bytes) +
+               ", fwd_peak_before_bytes=" + std::to_string(g.fwd_peak_before_bytes) + ")";
       });
+  m.def("group_recompute_peak_bytes", &remat::group_recompute_peak_bytes, "stage"_a, "assignment"_a,
+        "The most a group assignment's recompute holds part way through, above the bytes alive before the "
+        "stage's forward (-1 where no group's fwd_peak_before_bytes is measured).");
   m.def("group_unsaved_bytes", &remat::group_unsaved_bytes, "stage"_a, "assignment"_a,
         "Of what a group assignment keeps and sends, the bytes the stage's plain forward does not save.");
 

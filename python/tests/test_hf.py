@@ -453,6 +453,42 @@ def test_a_group_assignments_recompute_is_charged_the_output_it_makes_anew(meter
     assert predictions[0] == predictions[1], predictions
 
 
+def test_a_group_assignments_recompute_is_charged_the_groups_it_has_not_reached_part_way(meter):
+    # A group assignment's recompute holds every group kept or sent from the recompute's start until it reaches
+    # their call. A Qwen3 layer's forward peaks early (its rotary embedding), before its attention kernel,
+    # output projection and MLP projections: kept, those wait beside that peak. The profile measures the plain
+    # forward's peak before each call (SavedGroup.fwd_peak_before_bytes), and the model charges each such
+    # point. Before (found 2026-12-05 by bench/architectures.py --random), only the recompute's two ends were:
+    # this plan held 70,080 bytes above its prediction.
+    def qwen3():
+        torch.manual_seed(0)
+        cfg = transformers.Qwen3Config(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                                       use_cache=False)
+        return transformers.Qwen3ForCausalLM(cfg).train(), dict(batch=4, seq=64, vocab=1000, loss="lm")
+
+    model, spec = qwen3()
+    plain = [step(model, spec, k, meter) for k in range(2)]
+    model, spec = qwen3()
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 10)
+    same(plain[0], step(model, spec, 0, meter))
+    groups = lp.chain.stages[3].groups
+    peaks = [g.fwd_peak_before_bytes for g in groups]
+    assert all(p >= 0 for p in peaks) and peaks == sorted(peaks), peaks
+    ops = ["Fa0", "Fa1", "Fa2", "Fk3{" + "r" * (len(groups) - 4) + "kkkk}", "L", "B3", "B2", "B1", "B0"]
+    plan, predicted = give_plan(lp, ops)
+    for engine in (CopyEngine(torch.device("cpu"), hold=True), CopyEngine(torch.device("cpu"), delay=100)):
+        lp.offloads.engines[torch.device("cpu")] = engine
+        got = step(model, spec, 1, meter)
+        same(plain[1], got)
+        assert got[2] == predicted, (got[2], predicted)
+    # Without the figure, the model charges that recompute below what it held.
+    unmeasured = remat.Chain.from_json(lp.chain.to_json())
+    for g in unmeasured.stages[3].groups:
+        g.fwd_peak_before_bytes = -1
+    assert remat.step_peak_bytes(unmeasured, lp.context, plan) < got[2]
+
+
 @pytest.mark.parametrize("experts", ["eager", None])
 def test_mixture_of_experts_layers_routed_differently_each_step_give_the_plain_run(experts, meter):
     # A Mixtral (router jitter noise: a random draw in each layer's forward) whose experts run as transformers'

@@ -188,6 +188,9 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
           std::min(s.groups[g].bytes, line.bytes(sa.groups[g].unsaved_bytes, sb.groups[g].unsaved_bytes));
       s.groups[g].stays_bytes =
           std::min(s.groups[g].bytes, line.bytes(sa.groups[g].stays_bytes, sb.groups[g].stays_bytes));
+      // Measured in both or neither (-1).
+      const int64_t pa = sa.groups[g].fwd_peak_before_bytes, pb = sb.groups[g].fwd_peak_before_bytes;
+      s.groups[g].fwd_peak_before_bytes = pa >= 0 && pb >= 0 ? line.bytes(pa, pb) : -1;
     }
   }
   return c;

@@ -241,6 +241,12 @@ void validate(const Chain& chain) {
                                     sg.name + "' has stays_bytes " + std::to_string(sg.stays_bytes) +
                                     "; it must be within [0, bytes] = [0, " + std::to_string(sg.bytes) + "]");
       }
+      if (sg.fwd_peak_before_bytes < -1) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s saved group '" +
+                                    sg.name + "' has fwd_peak_before_bytes " +
+                                    std::to_string(sg.fwd_peak_before_bytes) +
+                                    "; it must be a number of bytes >= 0, or -1 (not measured)");
+      }
       add_bytes(grouped, sg.bytes, stage_label(chain, i));
     }
     if (s.policies.empty()) continue;
@@ -367,6 +373,7 @@ std::string to_json(const Chain& chain) {
         nlohmann::ordered_json jg = {{"name", g.name}, {"bytes", g.bytes}, {"recompute_ms", g.recompute_ms}};
         if (g.unsaved_bytes != 0) jg["unsaved_bytes"] = g.unsaved_bytes;
         if (g.stays_bytes != 0) jg["stays_bytes"] = g.stays_bytes;
+        if (g.fwd_peak_before_bytes >= 0) jg["fwd_peak_before_bytes"] = g.fwd_peak_before_bytes;
         js["groups"].push_back(jg);
       }
     }
@@ -563,6 +570,7 @@ Chain chain_from_json(const std::string& text) {
         sg.recompute_ms = required<double>(jg[g], "recompute_ms", at);
         sg.unsaved_bytes = optional<int64_t>(jg[g], "unsaved_bytes", at, 0);
         sg.stays_bytes = optional<int64_t>(jg[g], "stays_bytes", at, 0);
+        sg.fwd_peak_before_bytes = optional<int64_t>(jg[g], "fwd_peak_before_bytes", at, -1);
         s.groups.push_back(std::move(sg));
       }
     }
@@ -718,6 +726,17 @@ int64_t group_unsaved_bytes(const Stage& stage, const std::string& assignment) {
   for (size_t g = 0; g < assignment.size(); ++g)
     if (assignment[g] != 'r') unsaved += stage.groups[g].unsaved_bytes;
   return unsaved;
+}
+
+int64_t group_recompute_peak_bytes(const Stage& stage, const std::string& assignment) {
+  check_assignment(stage, assignment);
+  int64_t peak = -1, after = 0;  // after: the groups kept or sent from g on
+  for (size_t g = assignment.size(); g-- > 0;) {
+    if (assignment[g] != 'r') after += stage.groups[g].bytes;
+    if (stage.groups[g].fwd_peak_before_bytes >= 0)
+      peak = std::max(peak, stage.groups[g].fwd_peak_before_bytes + after);
+  }
+  return peak;
 }
 
 PolicyCost group_cost(const Stage& stage, const std::string& assignment) {

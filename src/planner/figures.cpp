@@ -180,8 +180,9 @@ void visit(C& chain, X& context, V& v) {
     for (auto& g : s.groups) {
       v.bytes(g.bytes);
       v.ms(g.recompute_ms);
-      v.bytes(g.unsaved_bytes);  // the largest: held longest where any rank holds it
-      v.bytes(g.stays_bytes);    // the largest: on the device where any rank's Offload keeps it there
+      v.bytes(g.unsaved_bytes);          // the largest: held longest where any rank holds it
+      v.bytes(g.stays_bytes);            // the largest: on the device where any rank's Offload keeps it there
+      v.bytes(g.fwd_peak_before_bytes);  // the largest (-1, not measured, where no rank measured it)
     }
   }
   v.flag(context.input_in_base);

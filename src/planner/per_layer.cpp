@@ -55,6 +55,7 @@ struct Choice {
   std::string groups{};               // a group assignment (Fk{...}), or empty
   std::optional<OffloadCost> own{};   // a group assignment's offload cost (cost points here once placed)
   int64_t unsaved = 0;                // a group assignment's group_unsaved_bytes()
+  int64_t mid = -1;                   // a group assignment's group_recompute_peak_bytes()
 };
 
 // The policy cost of choice `c` of stage `s`: Fk under a policy (variant >= 1), else null.
@@ -114,6 +115,7 @@ Choice group_choice(const Stage& s, std::string text, int64_t unsaved) {
   Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
   ch.ms = ch.fwd_ms + ch.bwd_ms;
   ch.unsaved = unsaved;
+  ch.mid = group_recompute_peak_bytes(s, text);
   ch.groups = std::move(text);
   ch.own = cost.offload;
   ch.offload = cost.offload.has_value();
@@ -137,7 +139,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     count *= base;
   const double fwd_ms = s.group_fwd_ms();
   struct Candidate {
-    int64_t unsaved, kept, sent;
+    int64_t unsaved, mid, kept, sent;
     double ms;
     size_t code;
   };
@@ -157,12 +159,21 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
       if (letter[k] == 0) redone_ms += s.groups[k].recompute_ms;
       if (letter[k] != 0) unsaved += s.groups[k].unsaved_bytes;
     }
-    cands.push_back({unsaved, kept, sent, fwd_ms + s.group_bwd_ms(skipped_ms, redone_ms), code});
+    // What its recompute holds part way (group_recompute_peak_bytes(), the same sums).
+    int64_t mid = -1, after = 0;
+    for (size_t k = g; k-- > 0;) {
+      if (letter[k] != 0) after += s.groups[k].bytes;
+      if (s.groups[k].fwd_peak_before_bytes >= 0)
+        mid = std::max(mid, s.groups[k].fwd_peak_before_bytes + after);
+    }
+    cands.push_back({unsaved, mid, kept, sent, fwd_ms + s.group_bwd_ms(skipped_ms, redone_ms), code});
   }
-  // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too: a candidate
-  // is beaten only by one with no more of them either. Sorted by them first, each amount is filtered apart.
+  // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too, and what
+  // the recompute holds part way (mid) that of a recompute: a candidate is beaten only by one with no more of
+  // either. Sorted by them first, each pair of amounts is filtered apart.
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
-    return std::tie(a.unsaved, a.kept, a.sent, a.ms) < std::tie(b.unsaved, b.kept, b.sent, b.ms);
+    return std::tie(a.unsaved, a.mid, a.kept, a.sent, a.ms) <
+           std::tie(b.unsaved, b.mid, b.kept, b.sent, b.ms);
   });
   // In that order, a candidate is beaten when one before it (kept no more) has sent no more and time no more:
   // `stairs` holds the (sent, time) pairs of the candidates taken so far.
@@ -172,7 +183,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   std::vector<Candidate> lower, current;
   for (size_t k = 0; k < cands.size(); ++k) {
     const Candidate& c = cands[k];
-    if (k > 0 && cands[k - 1].unsaved != c.unsaved) {
+    if (k > 0 && (cands[k - 1].unsaved != c.unsaved || cands[k - 1].mid != c.mid)) {
       stairs = {};
       lower.insert(lower.end(), current.begin(), current.end());
       current.clear();
@@ -180,9 +191,10 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     if (stairs.covers(c.sent, c.ms, false)) continue;  // beaten
     stairs.add(c.sent, c.ms);
     current.push_back(c);
-    if (std::any_of(lower.begin(), lower.end(),
-                    [&](const Candidate& a) { return a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms; }))
-      continue;  // beaten by one that holds fewer unsaved bytes
+    if (std::any_of(lower.begin(), lower.end(), [&](const Candidate& a) {
+          return a.mid <= c.mid && a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms;
+        }))
+      continue;  // beaten by one that holds fewer unsaved bytes, or less part way through its recompute
     std::string text(g, 'r');
     for (size_t k = 0, code = c.code; k < g; ++k, code /= base)
       text[k] = letters[code % base];
@@ -395,9 +407,12 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // ends with what Fa saves: simulate()'s rule; with a second generators' state while it runs, the one it
   // saves while it replays the first, and its output made anew where it was gone (`gone`, taken off below);
   // its gradients those made before it, as Fc's recompute: step_op_peaks()'s rule.)
+  // Part way through, where measured: the groups not reached yet beside what it has made again, above its
+  // input and the output it has not made again (group_recompute_peak_bytes(); simulate()'s rule).
   if (keeps) {
     const int64_t at_rec_grads = at_rec + held_grad + (step ? s.grads_before_recompute_bytes : 0);
-    bwd = std::max(bwd, std::max(a_out + s.saved_bytes + s.fwd_tmp_bytes + gone, a_out + c.held) +
+    const int64_t mid = c.mid >= 0 ? a_out + a_out + c.mid : 0;
+    bwd = std::max(bwd, std::max({a_out + s.saved_bytes + s.fwd_tmp_bytes + gone, a_out + c.held, mid}) +
                             at_rec_grads + twice + state);
   }
   bwd += held_back;

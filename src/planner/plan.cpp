@@ -592,6 +592,17 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
             sim.op_recompute_peak_bytes[k] = std::max(current + two, sim.op_recompute_end_bytes[k]);
             sim.op_backward_peak_bytes[k] =
                 current + two + std::max<int64_t>(0, rest - beyond + act(i) + tmp);
+            // Part way through, where measured: the groups kept or sent that it has not reached yet beside
+            // what it has made again (group_recompute_peak_bytes(), above what was alive before the stage's
+            // forward: `current` less what the way kept beyond its output).
+            const int64_t mid = kept_groups[i + 1].empty() || !chain
+                                    ? -1
+                                    : group_recompute_peak_bytes(chain->stages[i], kept_groups[i + 1]);
+            if (mid >= 0) {
+              const int64_t at = current + two - (kept(i + 1) - chain->stages[i].output_bytes) + mid;
+              charge(at, k);
+              sim.op_recompute_peak_bytes[k] = std::max(sim.op_recompute_peak_bytes[k], at);
+            }
           }
         }
         current += act(i) - held_bytes(i + 1) - act(i + 1);

@@ -141,6 +141,15 @@ struct SavedGroup {
   /// backward as a kept one does, and only the rest leaves. Last of the fields; 0 in chains written before
   /// 2026-12-05 (profiled for offloading, a call with such an output was no group then).
   int64_t stays_bytes = 0;
+  /// The stage's plain forward's peak above the bytes alive before it (its input held), from its start until
+  /// this call began (bytes; -1: not measured). A group assignment's recompute holds, before this call, every
+  /// group kept or sent from this one on beside what it has made again by then, where a plain forward has
+  /// made none of them yet: simulate() and the per-layer program charge each such point where measured
+  /// (group_recompute_peak_bytes()). Before 2026-12-05 only the recompute's two ends were: a Qwen3 layer that
+  /// kept its attention kernel, output projection and MLP projections held up to 70,080 bytes above its
+  /// prediction, its recompute peaking at the rotary embedding with those groups still waiting. Last of the
+  /// fields; -1 in chains written before, and from the C++ profiler (not measured there: a limit).
+  int64_t fwd_peak_before_bytes = -1;
 };
 
 /// One stage of a chain.
@@ -413,6 +422,15 @@ std::vector<SavedGroup> fit_groups(const std::vector<SavedGroup>& found, int64_t
 /// ones do; input: false, output: false}). `policy` is "{" + assignment + "}". Throws std::invalid_argument
 /// naming the stage for an assignment of another length or with other characters.
 PolicyCost group_cost(const Stage& stage, const std::string& assignment);
+
+/// The most a group assignment's recompute holds part way through, above the bytes alive before the stage's
+/// forward (its input held; its output not yet made again): over the groups whose fwd_peak_before_bytes is
+/// measured, that peak plus the groups kept or sent ('k', 'h') from that one on, which are on the device
+/// from the recompute's start until it reaches their call (bytes; -1 where no group's is measured).
+/// simulate() charges it beside what the way keeps less those groups, with the recompute's two ends; the
+/// per-layer program alike. Throws std::invalid_argument for an assignment that does not fit the stage (as
+/// group_cost()).
+int64_t group_recompute_peak_bytes(const Stage& stage, const std::string& assignment);
 
 /// Of what a group assignment keeps and sends (group_cost()'s saved_bytes), the bytes the stage's plain
 /// forward does not save: its kept and sent groups' SavedGroup::unsaved_bytes. A stage run so holds them from

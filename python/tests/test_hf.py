@@ -418,6 +418,29 @@ def test_saved_groups_planned_on_a_llama_give_the_plain_run(meter, plain_runs):
         assert 0.995 * predicted <= got[2] <= predicted, (how, got[2], predicted)
 
 
+def _grouped(make, meter):
+    """make()'s model (a fresh one each call), its plain steps 0 and 1, and the same model under
+    remat.hf.enable(offload=True, groups=True, offload_min_bytes=1 KiB), its profiling step checked against the
+    plain one: (model, spec, plain steps, LayerPlan)."""
+    model, spec = make()
+    plain = [step(model, spec, k, meter) for k in range(2)]
+    model, spec = make()
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 10)
+    same(plain[0], step(model, spec, 0, meter))
+    return model, spec, plain, lp
+
+
+def _held_to_the_byte(model, spec, plain, lp, predicted, meter, what=""):
+    """Step 1 with copies made at once and with copies delayed: each the plain run's, each holding exactly
+    `predicted`. Returns the last step's peak."""
+    for engine in (CopyEngine(torch.device("cpu"), hold=True), CopyEngine(torch.device("cpu"), delay=100)):
+        lp.offloads.engines[torch.device("cpu")] = engine
+        got = step(model, spec, 1, meter)
+        same(plain[1], got)
+        assert got[2] == predicted, (what, got[2], predicted)
+    return got[2]
+
+
 def test_a_group_assignments_recompute_is_charged_the_output_it_makes_anew(meter):
     # A group assignment's backward first recomputes what it did not keep, as a checkpointed layer's does, and
     # makes the layer's output again with it. Where the step let go of the first output (a BERT layer does not
@@ -433,11 +456,7 @@ def test_a_group_assignments_recompute_is_charged_the_output_it_makes_anew(meter
                                       intermediate_size=128, max_position_embeddings=128)
         return transformers.BertForMaskedLM(cfg).train(), dict(batch=4, seq=64, vocab=1000, loss="lm")
 
-    model, spec = masked_lm()
-    plain = [step(model, spec, k, meter) for k in range(2)]
-    model, spec = masked_lm()
-    lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 10)
-    same(plain[0], step(model, spec, 0, meter))
+    model, spec, plain, lp = _grouped(masked_lm, meter)
     recomputed = "{" + "r" * len(lp.chain.stages[2].groups) + "}"
     predictions = []
     for way in (f"Fk2{recomputed}", "Fc2"):
@@ -445,11 +464,7 @@ def test_a_group_assignments_recompute_is_charged_the_output_it_makes_anew(meter
         ops += ["L", "Fa3", "B3"] + (["Fa2"] if way == "Fc2" else []) + ["B2", "B1", "B0"]
         _, predicted = give_plan(lp, ops)
         predictions.append(predicted)
-        for engine in (CopyEngine(torch.device("cpu"), hold=True), CopyEngine(torch.device("cpu"), delay=100)):
-            lp.offloads.engines[torch.device("cpu")] = engine
-            got = step(model, spec, 1, meter)
-            same(plain[1], got)
-            assert got[2] == predicted, (way, got[2], predicted)
+        _held_to_the_byte(model, spec, plain, lp, predicted, meter, way)
     assert predictions[0] == predictions[1], predictions
 
 
@@ -467,26 +482,18 @@ def test_a_group_assignments_recompute_is_charged_the_groups_it_has_not_reached_
                                        use_cache=False)
         return transformers.Qwen3ForCausalLM(cfg).train(), dict(batch=4, seq=64, vocab=1000, loss="lm")
 
-    model, spec = qwen3()
-    plain = [step(model, spec, k, meter) for k in range(2)]
-    model, spec = qwen3()
-    lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1 << 10)
-    same(plain[0], step(model, spec, 0, meter))
+    model, spec, plain, lp = _grouped(qwen3, meter)
     groups = lp.chain.stages[3].groups
     peaks = [g.fwd_peak_before_bytes for g in groups]
     assert all(p >= 0 for p in peaks) and peaks == sorted(peaks), peaks
     ops = ["Fa0", "Fa1", "Fa2", "Fk3{" + "r" * (len(groups) - 4) + "kkkk}", "L", "B3", "B2", "B1", "B0"]
     plan, predicted = give_plan(lp, ops)
-    for engine in (CopyEngine(torch.device("cpu"), hold=True), CopyEngine(torch.device("cpu"), delay=100)):
-        lp.offloads.engines[torch.device("cpu")] = engine
-        got = step(model, spec, 1, meter)
-        same(plain[1], got)
-        assert got[2] == predicted, (got[2], predicted)
+    held = _held_to_the_byte(model, spec, plain, lp, predicted, meter)
     # Without the figure, the model charges that recompute below what it held.
     unmeasured = remat.Chain.from_json(lp.chain.to_json())
     for g in unmeasured.stages[3].groups:
         g.fwd_peak_before_bytes = -1
-    assert remat.step_peak_bytes(unmeasured, lp.context, plan) < got[2]
+    assert remat.step_peak_bytes(unmeasured, lp.context, plan) < held
 
 
 @pytest.mark.parametrize("experts", ["eager", None])

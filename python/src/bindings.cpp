@@ -215,7 +215,10 @@ NB_MODULE(_core, m) {
                ", recompute_ms=" + std::to_string(g.recompute_ms) +
                ", unsaved_bytes=" + std::to_string(g.unsaved_bytes) +
                ", stays_bytes=" + std::to_string(g.stays_bytes) +
-               ", fwd_peak_before_bytes=" + std::to_string(g.fwd_peak_before_bytes) + ")";
+               (g.fwd_peak_before_bytes >= 0
+                    ? ", fwd_peak_before_bytes=" + std::to_string(g.fwd_peak_before_bytes)
+                    : std::string()) +
+               ")";
       });
   m.def("group_recompute_peak_bytes", &remat::group_recompute_peak_bytes, "stage"_a, "assignment"_a,
         "The most a group assignment's recompute holds part way through, above the bytes alive before the "

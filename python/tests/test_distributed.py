@@ -9,6 +9,7 @@ import os
 import socket
 import tempfile
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -18,6 +19,13 @@ from torch import nn
 
 import remat
 from conftest import per_layer_plan
+
+
+# Each collective's wait, at most: a rank whose test fails (an assertion before a collective the other rank
+# reaches) ends the other's wait with an error rather than leaving both waiting for ever. (On 2026-12-05 a
+# torch 2.11 run beside a build hung in the FSDP2 test until killed: rank 1 in its plan's agreement, rank 0 past
+# the test.) Minutes: a rank's profiling step may take a while on a loaded machine.
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 
 def free_port():
@@ -43,7 +51,7 @@ def leave_group():
 def worker(rank, port, agree, out, ragged=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
     try:
         if rank == 1:  # rank 1's first layer takes longer: its own timings differ from rank 0's
             mlp_layer_delay = lambda module, args: time.sleep(0.02)  # noqa: E731
@@ -175,7 +183,7 @@ def fsdp_worker(rank, port, out):
     from torch.distributed.fsdp import fully_shard
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
     try:
         ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(rank))
 

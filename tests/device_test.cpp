@@ -77,6 +77,17 @@ TEST(DeviceBudget, ParsesAutoAndPercentagesAndLeavesSizesAlone) {
 
 namespace {
 
+TEST(DeviceBudget, TheBandwidthIsMeasuredWithTheLargestTensorWithinOneTo64MiBAnd64MiBOnACpu) {
+  // Both profilers' rule (Python's profile, C++'s profile_chain).
+  constexpr int64_t MiB = int64_t{1} << 20;
+  EXPECT_EQ(remat::bandwidth_probe_bytes(0, false), MiB);
+  EXPECT_EQ(remat::bandwidth_probe_bytes(6 * MiB, false), 6 * MiB);
+  EXPECT_EQ(remat::bandwidth_probe_bytes(300 * MiB, false), 64 * MiB);
+  EXPECT_EQ(remat::bandwidth_probe_bytes(6 * MiB, true), 64 * MiB);  // a CPU's caches would hold 6 MiB
+  EXPECT_EQ(remat::bandwidth_probe_bytes(300 * MiB, true), 64 * MiB);
+  EXPECT_THROW(remat::bandwidth_probe_bytes(-1, false), std::invalid_argument);
+}
+
 TEST(OutOfMemoryWords, TheBudgetThatWouldHaveFitIsWhatTheDeviceCouldGiveLessWhatThePredictionMissed) {
   remat::OutOfMemory o;
   o.who = "remat::Planned";

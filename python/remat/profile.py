@@ -1165,12 +1165,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
 
     chain.policies = list(pols)
     if offload_min_bytes is not None:
-        largest = max([f.get("largest", 0) for f in fields] + [1 << 20])
+        largest = max([f.get("largest", 0) for f in fields] + [0])
         with collector_paused():
-            # On a CPU device at 64 MiB whatever the tensors' sizes: a buffer the caches hold reads faster than a
-            # step's copies run (41 GB/s at 6 MiB on the CI machine, a compiled GPT-2's copies ran at 12; 64 MiB
-            # read 10-13).
-            size = 64 << 20 if device.type == "cpu" else min(largest, 64 << 20)
+            size = _core.bandwidth_probe_bytes(largest, device.type == "cpu")  # (both profilers' rule)
             chain.to_host_gb_per_s, chain.to_device_gb_per_s = measure_bandwidth(device, size)
         # Copies made at once as the hooks run, where the copy engine has no side stream (CopyEngine: CUDA's
         # alone has one; a CPU device's copies are the host's own memory copies): no computation hides them.

@@ -754,6 +754,8 @@ NB_MODULE(_core, m) {
       .def_rw("lost_bytes", &remat::DeviceRoom::lost_bytes);
   m.def("device_budget", &remat::device_budget, "room"_a, "fraction"_a);
   m.def("device_margin", &remat::device_margin, "total_bytes"_a);
+  m.def("bandwidth_probe_bytes", &remat::bandwidth_probe_bytes, "largest_bytes"_a, "cpu_device"_a,
+        "The bytes a profiler copies to measure a device's link to the host (both profilers' rule).");
   m.def("lost_to_fragmentation", &remat::lost_to_fragmentation, "reserved_then"_a, "allocated_then"_a,
         "peak_over_then"_a, "reserved_now"_a);
   m.def("describe_room", &remat::describe_room, "room"_a);

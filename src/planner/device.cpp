@@ -16,6 +16,15 @@ int64_t device_margin(int64_t total_bytes) {
   return std::max<int64_t>(int64_t{256} << 20, static_cast<int64_t>(std::ceil(0.02 * total_bytes)));
 }
 
+int64_t bandwidth_probe_bytes(int64_t largest_bytes, bool cpu_device) {
+  if (largest_bytes < 0) {
+    throw std::invalid_argument("remat::bandwidth_probe_bytes: largest_bytes must be >= 0, got " +
+                                std::to_string(largest_bytes));
+  }
+  constexpr int64_t kLeast = int64_t{1} << 20, kMost = int64_t{64} << 20;
+  return cpu_device ? kMost : std::min(std::max(largest_bytes, kLeast), kMost);
+}
+
 int64_t lost_to_fragmentation(int64_t reserved_then, int64_t allocated_then, int64_t peak_over_then,
                               int64_t reserved_now) {
   return std::max<int64_t>(0, reserved_now - std::max(reserved_then, allocated_then + peak_over_then));

@@ -34,6 +34,14 @@ struct DeviceRoom {
 /// reading shows (the CUDA context and libraries' workspaces allocated later, other processes' growth).
 int64_t device_margin(int64_t total_bytes);
 
+/// The bytes a profiler copies to measure a device's link to the host (Chain::to_host_gb_per_s and
+/// to_device_gb_per_s), given the largest tensor or stage it would send (`largest_bytes`): that, at least
+/// 1 MiB and at most 64 MiB; on a CPU device 64 MiB whatever the sizes, as a buffer the caches hold reads
+/// faster than a step's copies run (41 GB/s at 6 MiB on the CI machine, where a compiled GPT-2's copies ran
+/// at 12; 64 MiB read 10-13). Both profilers measure with it. Throws std::invalid_argument naming
+/// remat::bandwidth_probe_bytes for a negative largest_bytes.
+int64_t bandwidth_probe_bytes(int64_t largest_bytes, bool cpu_device);
+
 /// What a caching allocator lost to fragmentation in a step (bytes, >= 0): its reserved bytes now beyond what
 /// it needed, which is what it had reserved when the step began, or what tensors occupied then plus the
 /// step's peak above that (peak_over_then), whichever is more. The runtimes read the four numbers.

@@ -20,6 +20,7 @@
 #include "remat/checkpoint.h"
 #include "remat/measure.h"
 #include "remat/memory.h"
+#include "remat/planner/device.h"
 #include "remat/planner/report.h"
 
 namespace remat {
@@ -557,13 +558,10 @@ static Chain profile_stages(const std::vector<StageFn>& stages, const torch::Ten
   chain.keep = options.keep();
   chain.holds_outputs = true;  // the plan executor holds a kept stage's output as the root of its backward
   if (profile_offload) {
-    int64_t largest = int64_t{1} << 20;
+    int64_t largest = 0;
     for (const Stage& s : chain.stages)
       largest = std::max(largest, s.saved_bytes);
-    // On a CPU device at 64 MiB whatever the tensors' sizes: a buffer the caches hold reads faster than a
-    // step's copies run (the Python profiler's rule).
-    const int64_t most = int64_t{64} << 20;
-    const OffloadBandwidth bw = offload_bandwidth(device, device.is_cpu() ? most : std::min(largest, most));
+    const OffloadBandwidth bw = offload_bandwidth(device, bandwidth_probe_bytes(largest, device.is_cpu()));
     chain.to_host_gb_per_s = bw.to_host_gb_per_s;
     chain.to_device_gb_per_s = bw.to_device_gb_per_s;
     // A CPU device's copies are made at once, on the thread that computes (Offload): no computation hides

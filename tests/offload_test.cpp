@@ -947,6 +947,68 @@ TEST(Offload, ACallWithOutputsTooSmallToSendIsAGroupWhoseSmallOutputsStay) {
   }
 }
 
+// A block whose forward peaks early, at a transient that nothing saves (a product that wide,
+// only summed: 48 hidden states), before the calls whose outputs it saves.
+struct EarlyPeakBlockImpl : torch::nn::Module {
+  EarlyPeakBlockImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(kWidth, 4 * kWidth))),
+        fc2(register_module("fc2", torch::nn::Linear(4 * kWidth, kWidth))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    const torch::Tensor wide = x.repeat({1, 48}).sum(-1, /*keepdim=*/true);
+    return fc2(torch::gelu(fc1(x + wide))) + x;
+  }
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(EarlyPeakBlock);
+
+// The C++ profiler measures the plain forward's peak before each group's call (SavedGroup::
+// fwd_peak_before_bytes; as the Python profiler does, both since 2026-12-05). A group assignment that
+// recomputes the wide product and keeps the later groups holds, part way through its recompute, that product
+// beside them: above both of the recompute's ends, which were all the model charged before (the step held 10
+// hidden states above its prediction then). Now the step holds its prediction to the byte; with the figures
+// left out (-1, as before) the prediction falls below what the step holds.
+TEST(Offload, AGroupAssignmentsRecomputeIsChargedTheForwardsPeakBeforeTheGroupsItHasNotReached) {
+  meter_on();
+  torch::manual_seed(0);
+  torch::nn::Sequential seq{EarlyPeakBlock()};
+  const torch::Tensor x = input(), weight = torch::randn({kBatch, kWidth});
+  const remat::Chain chain = remat::profile_chain(
+      seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  const auto& groups = chain.stages[0].groups;
+  std::vector<std::string> names;
+  std::string assignment;  // the wide product and its sum recomputed, the rest kept
+  for (const auto& g : groups) {
+    names.push_back(g.name);
+    assignment += g.name.rfind("aten::repeat", 0) == 0 || g.name.rfind("aten::sum", 0) == 0 ? 'r' : 'k';
+    EXPECT_GE(g.fwd_peak_before_bytes, 0) << g.name;
+  }
+  ASSERT_GE(groups.size(), 4u);
+  EXPECT_EQ(names[0], "aten::repeat#0");
+  EXPECT_EQ(groups[0].fwd_peak_before_bytes, 0);  // nothing made before it
+  EXPECT_EQ(names[1], "aten::sum#0");
+  EXPECT_EQ(groups[1].fwd_peak_before_bytes, 48 * kHidden);  // the wide product
+  // The step's peak is in the block's recompute, with the loss and its gradient alive beside the chain (two
+  // floats, in plan_step's backward): for every group recomputed, as for the assignment.
+  const int64_t beside = 2 * static_cast<int64_t>(sizeof(float));
+  const Step plain = plan_step(seq, x, weight, std::nullopt, nullptr);
+  for (const std::string& text : {std::string(groups.size(), 'r'), assignment}) {
+    remat::Plan plan = remat::testing::plan_of_text(1, "Fk0{" + text + "} L B0");
+    plan.group_names = {names};
+    const remat::Simulation sim = remat::simulate(chain, plan);
+    const Step got = plan_step(seq, x, weight, plan, nullptr);
+    expect_same(plain, got);
+    EXPECT_EQ(got.held - beside, sim.peak_bytes) << text;
+    EXPECT_EQ(sim.op_peak_bytes[2], sim.peak_bytes) << text;
+    if (text == assignment) {
+      EXPECT_GT(sim.op_recompute_peak_bytes[2], sim.op_recompute_end_bytes[2]);  // it peaks part way
+      remat::Chain unmeasured = chain;
+      for (auto& g : unmeasured.stages[0].groups)
+        g.fwd_peak_before_bytes = -1;
+      EXPECT_EQ(got.held - beside - remat::simulate(unmeasured, plan).peak_bytes, 10 * kHidden);
+    }
+  }
+}
+
 TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   meter_on();
   torch::manual_seed(0);

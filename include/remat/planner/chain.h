@@ -148,7 +148,7 @@ struct SavedGroup {
   /// (group_recompute_peak_bytes()). Before 2026-12-05 only the recompute's two ends were: a Qwen3 layer that
   /// kept its attention kernel, output projection and MLP projections held up to 70,080 bytes above its
   /// prediction, its recompute peaking at the rotary embedding with those groups still waiting. Last of the
-  /// fields; -1 in chains written before, and from the C++ profiler (not measured there: a limit).
+  /// fields; -1 in chains written before (by the C++ profiler, until it measured it too, later that day).
   int64_t fwd_peak_before_bytes = -1;
 };
 

@@ -20,6 +20,7 @@
 #include "offload/offload.h"
 #include "policy/op_policy.h"
 #include "remat/measure.h"
+#include "remat/memory.h"
 
 namespace remat::detail {
 namespace {
@@ -123,6 +124,32 @@ class Recorder final : public OpInterceptor, public HookSource {
   std::vector<size_t> last_open_;  // the calls open at the last save, outermost first
 };
 
+// Reads, as each asked call of a plain forward pass begins, the pass's peak so far above the bytes alive
+// before it (SavedGroup::fwd_peak_before_bytes), under the name the Recorder gives the call. It holds no
+// tensor, so that the pass holds what a plain one does.
+class PeaksBefore final : public OpInterceptor {
+ public:
+  explicit PeaksBefore(const memory::PeakWindow& window) : window_(window) {}
+
+  void call(const c10::OperatorHandle& op, torch::jit::Stack* /*stack*/, const std::function<void()>& run,
+            int /*depth*/) override {
+    const c10::FunctionSchema& schema = op.schema();
+    if (askable(schema)) {
+      WatchPause pause;
+      at_[schema.name() + "#" + std::to_string(counts_[schema.name()]++)] =
+          std::max<int64_t>(0, window_.peak_over_base());
+    }
+    run();
+  }
+
+  const std::unordered_map<std::string, int64_t>& at() const { return at_; }
+
+ private:
+  const memory::PeakWindow& window_;
+  std::unordered_map<std::string, int64_t> counts_;
+  std::unordered_map<std::string, int64_t> at_;
+};
+
 }  // namespace
 
 std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(const at::Tensor&)>& fn,
@@ -199,6 +226,19 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
   }
   for (SavedGroup& g : found)
     g.recompute_ms = median(times[g.name]);
+  if (!found.empty()) {
+    // One more forward, plain (its graph let go of at once), for the peak before each group's call.
+    memory::PeakWindow window(leaf.device());
+    PeaksBefore peaks(window);
+    {
+      at::AutoGradMode grad(true);
+      const InterceptScope intercept(&peaks, "remat::profile_chain (saved groups)");
+      (void)fn(leaf);
+    }
+    for (SavedGroup& g : found)
+      if (const auto it = peaks.at().find(g.name); it != peaks.at().end())
+        g.fwd_peak_before_bytes = it->second;
+  }
   return found;
 }
 

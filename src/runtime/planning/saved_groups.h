@@ -23,8 +23,9 @@ namespace remat::detail {
 /// inside it that is neither an input's nor an output's storage (what a kept call holds, see remat/policy.h);
 /// with `offload_min_bytes` >= 0, its stays_bytes those of them an Offload would keep on the device, were the
 /// group sent (not detail::sendable; before 2026-12-05 such a call was no group); its recompute_ms the median
-/// of its time (the calls inside it included), `sync` called around each. Choose among them with
-/// remat::fit_groups.
+/// of its time (the calls inside it included), `sync` called around each; its fwd_peak_before_bytes the peak
+/// of one more forward, plain (grad on, nothing held), from its start until the call began, above the bytes
+/// alive before it (memory::PeakWindow on leaf's device). Choose among them with remat::fit_groups.
 std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(const at::Tensor&)>& fn,
                                              const at::Tensor& leaf, const std::vector<at::Tensor>& alive,
                                              int64_t offload_min_bytes, int64_t repeats,

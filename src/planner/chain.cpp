@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "detail/json.h"
+#include "detail/plan.h"
 
 #include <algorithm>
 #include <cctype>
@@ -730,13 +731,7 @@ int64_t group_unsaved_bytes(const Stage& stage, const std::string& assignment) {
 
 int64_t group_recompute_peak_bytes(const Stage& stage, const std::string& assignment) {
   check_assignment(stage, assignment);
-  int64_t peak = -1, after = 0;  // after: the groups kept or sent from g on
-  for (size_t g = assignment.size(); g-- > 0;) {
-    if (assignment[g] != 'r') after += stage.groups[g].bytes;
-    if (stage.groups[g].fwd_peak_before_bytes >= 0)
-      peak = std::max(peak, stage.groups[g].fwd_peak_before_bytes + after);
-  }
-  return peak;
+  return detail::recompute_part_way_bytes(stage, [&](size_t g) { return assignment[g] != 'r'; });
 }
 
 PolicyCost group_cost(const Stage& stage, const std::string& assignment) {

@@ -109,13 +109,14 @@ struct Stairs {
 };
 
 // The choice of stage `s` run as the group assignment `text`, which keeps `unsaved` bytes Fa does not save
-// (group_unsaved_bytes()). Its cost is placed (cost = &*own) once the vector holding it no longer moves.
-Choice group_choice(const Stage& s, std::string text, int64_t unsaved) {
+// (group_unsaved_bytes()) and holds `mid` part way through its recompute (group_recompute_peak_bytes()). Its
+// cost is placed (cost = &*own) once the vector holding it no longer moves.
+Choice group_choice(const Stage& s, std::string text, int64_t unsaved, int64_t mid) {
   const PolicyCost cost = group_cost(s, text);
   Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
   ch.ms = ch.fwd_ms + ch.bwd_ms;
   ch.unsaved = unsaved;
-  ch.mid = group_recompute_peak_bytes(s, text);
+  ch.mid = mid;
   ch.groups = std::move(text);
   ch.own = cost.offload;
   ch.offload = cost.offload.has_value();
@@ -159,13 +160,8 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
       if (letter[k] == 0) redone_ms += s.groups[k].recompute_ms;
       if (letter[k] != 0) unsaved += s.groups[k].unsaved_bytes;
     }
-    // What its recompute holds part way (group_recompute_peak_bytes(), the same sums).
-    int64_t mid = -1, after = 0;
-    for (size_t k = g; k-- > 0;) {
-      if (letter[k] != 0) after += s.groups[k].bytes;
-      if (s.groups[k].fwd_peak_before_bytes >= 0)
-        mid = std::max(mid, s.groups[k].fwd_peak_before_bytes + after);
-    }
+    // What its recompute holds part way (group_recompute_peak_bytes()'s sum).
+    const int64_t mid = detail::recompute_part_way_bytes(s, [&](size_t k) { return letter[k] != 0; });
     cands.push_back({unsaved, mid, kept, sent, fwd_ms + s.group_bwd_ms(skipped_ms, redone_ms), code});
   }
   // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too, and what
@@ -198,7 +194,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     std::string text(g, 'r');
     for (size_t k = 0, code = c.code; k < g; ++k, code /= base)
       text[k] = letters[code % base];
-    all.push_back(group_choice(s, std::move(text), c.unsaved));
+    all.push_back(group_choice(s, std::move(text), c.unsaved, c.mid));
   }
   return thin_group_choices(std::move(all));
 }
@@ -730,7 +726,8 @@ void keep_given(const Chain& chain, int64_t j, const Given& given, std::vector<C
   }
   if (only.empty() && op.kind == OpKind::kForwardKeep && !op.groups.empty() &&
       op.groups.size() == s.groups.size())
-    only.push_back(group_choice(s, op.groups, group_unsaved_bytes(s, op.groups)));
+    only.push_back(group_choice(s, op.groups, group_unsaved_bytes(s, op.groups),
+                                group_recompute_peak_bytes(s, op.groups)));
   if (only.empty()) {
     throw std::invalid_argument("remat::step_time_ms: the plan runs stage " + std::to_string(i) + " ('" +
                                 s.name + "') as " +

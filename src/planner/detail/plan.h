@@ -6,6 +6,8 @@
 #include <remat/planner/chain.h>
 #include <remat/planner/plan.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -30,6 +32,20 @@ inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left, int6
   if (kind == OpKind::kForwardAll) return s.fwd_tmp_bytes;
   if (kind == OpKind::kForwardKeep) return s.keep_fwd_tmp_bytes(left, unsaved);
   return s.nosave_tmp_bytes();
+}
+
+/// group_recompute_peak_bytes() of the assignment that keeps or sends stage s's group g where held(g): the
+/// one sum behind it and the per-layer program's enumeration, which holds its assignments as digits (bytes;
+/// -1 where no group's fwd_peak_before_bytes is measured).
+template <class Held>
+int64_t recompute_part_way_bytes(const Stage& s, const Held& held) {
+  int64_t peak = -1, after = 0;  // after: the groups kept or sent from g on
+  for (size_t g = s.groups.size(); g-- > 0;) {
+    if (held(g)) after += s.groups[g].bytes;
+    if (s.groups[g].fwd_peak_before_bytes >= 0)
+      peak = std::max(peak, s.groups[g].fwd_peak_before_bytes + after);
+  }
+  return peak;
 }
 
 /// What a stage streamed with a window of `window` bytes (a plan's `Fa3@stream`) holds beside its forward's

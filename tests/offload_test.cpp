@@ -1135,6 +1135,43 @@ TEST(Offload, AheadBytesIsWhatPrefetchBringsBack) {
   }
 }
 
+// A tensor saved by two operators comes back once, as the entry of its first save; the backward pass asks
+// for it at the later operator's backward, before the tensors saved between the two (`s`, saved by tanh and
+// again by the last product, whose backward runs first). What prefetch() brought back ahead of those stays
+// until they are asked for, and counts against the window as what comes back after them does. Before (found
+// 2026-12-05 on GPT-OSS in the Python runtime, the same code), only the tensors saved before the one asked
+// for counted: twice the window came back ahead at once here (read when the product's backward is done).
+TEST(Offload, AWindowBoundsWhatComesBackAheadWhereTheBackwardAsksForATensorSavedEarlier) {
+  meter_on();
+  torch::manual_seed(0);
+  const int64_t w = kHidden;
+  const torch::Tensor x = input().requires_grad_();
+  auto f = [](const torch::Tensor& x, torch::Tensor* hold) {
+    const torch::Tensor s = x.exp().exp().tanh();  // saved: both exps' outputs, then tanh's (s)
+    const torch::Tensor h = s.exp().exp();         // then these two
+    if (hold) *hold = h;
+    return h * s.detach();  // s saved again: the same bytes
+  };
+  const torch::Tensor want = torch::autograd::grad({f(x, nullptr).sum()}, {x})[0];
+  remat::Offload o(remat::OffloadOptions().min_bytes(kHidden).window(2 * w).copy_delay(100));
+  torch::Tensor h;
+  const torch::Tensor loss = f(x, &h).sum();
+  o.close();
+  o.finish_copies();
+  EXPECT_EQ(o.stats().offloaded, 5);    // s's second save is its first's entry
+  int64_t before = 0, at_product = -1;  // the bytes alive once the product's backward is done, above `before`
+  h.register_hook([&](const at::Tensor&) { at_product = remat::memory::active_bytes() - before; });
+  h = torch::Tensor();  // its bytes only on the host now
+  o.prefetch();         // the last two saved: the window
+  before = remat::memory::active_bytes();
+  const torch::Tensor got = torch::autograd::grad({loss}, {x})[0];
+  EXPECT_TRUE(torch::equal(got, want));
+  // s brought back, h's gradient and the loss's: nothing more ahead than what prefetch() brought back.
+  EXPECT_EQ(at_product, 2 * w + static_cast<int64_t>(loss.nbytes()));
+  EXPECT_GT(o.stats().prefetched, 0);
+  EXPECT_EQ(o.stats().brought_back, 5);
+}
+
 // A window (OffloadOptions::window, what a streamed stage runs with): at most that many bytes of copies in
 // flight to the host (a copy engine that holds every copy until waited for shows it: with window 0 the
 // forward leaves what copies at once leave), and in the backward pass the tensors saved before the one asked

@@ -141,8 +141,10 @@ class OffloadOptions {
   }
   /// Streaming (a plan's Fa3@stream): at most this many bytes of copies to the host in flight (past it the
   /// oldest is waited for, its device bytes released; 0: each copy waited for at once), and in the backward
-  /// pass, when a tensor is needed back, the tensors saved before it brought back ahead, nearest first, up to
-  /// this many bytes beside it; prefetch() then brings back only the last saved up to this many bytes. -1
+  /// pass, when a tensor is needed back, the tensors saved before it brought back ahead, nearest first, while
+  /// those brought back and not yet asked for (wherever they were saved: a tensor saved by two operators is
+  /// asked for at the later one's backward) stay within this many bytes beside it; prefetch() then brings
+  /// back only the last saved up to this many bytes. -1
   /// (the default): copies waited for only by finish_copies(), nothing brought back ahead but by prefetch(),
   /// which brings back everything.
   OffloadOptions& window(int64_t bytes) {

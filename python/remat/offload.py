@@ -35,8 +35,9 @@ device's tensors and the pool counts the host's, apart.
 
 With ``window`` (bytes), an Offload streams: at most that much of its copies to the host is in flight (the
 oldest waited for past it; 0 waits for each at once), and in the backward pass the tensors saved before the one
-asked for come back ahead of their use up to that much (in place of ``lookahead``); ``prefetch()`` brings back
-that much. A layer's backward then holds its working set and a window, not everything the layer saved (the
+asked for come back ahead of their use while those brought back and not yet asked for stay within that much
+(in place of ``lookahead``; wherever they were saved: a tensor saved by two operators is asked for at the later
+one's backward); ``prefetch()`` brings back that much. A layer's backward then holds its working set and a window, not everything the layer saved (the
 plan's ``Fa3@stream``).
 
 Planned offloading (``remat.enable(..., offload=True)``, remat/planner/plan.h's ``@host`` operations) runs each offloaded
@@ -722,11 +723,19 @@ class Offload:
     def _ahead(self, i: int, window: int | None = None, found: set[int] | None = None) -> int:
         """Streaming: starts bringing back the tensors saved before the i-th (the backward pass's next), the
         nearest first, while those brought back and not yet asked for stay within `window` bytes (this
-        Offload's by default). With `found` (storage addresses), starts nothing and returns the bytes it would
-        copy back: the storages in it taken as found on the device (no copy, nothing of the window), as those
-        without a host block are."""
+        Offload's by default), those saved after it among them: a backward pass may use its saved tensors out
+        of the order they were saved in (an MoE layer's experts), and a tensor brought back ahead stays until
+        it is asked for. Before (found 2026-12-05), only those saved before it counted, and a streamed GPT-OSS
+        layer held up to 2.8 windows brought back ahead, 76,800 bytes above its prediction. With `found`
+        (storage addresses), starts nothing and returns the bytes it would copy back: the storages in it taken
+        as found on the device (no copy, nothing of the window), as those without a host block are."""
         window = self.window if window is None else window
         ahead = copied = 0
+        if found is None:
+            for ref in self._order[i:]:
+                other = ref()
+                if other is not None and other.device_copy is not None and not other.unpacked and not other.aliased:
+                    ahead += other.nbytes
         for ref in reversed(self._order[:i]):
             other = ref()
             if other is None or other.unpacked or other.aliased:

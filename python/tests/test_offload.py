@@ -156,6 +156,43 @@ def test_a_window_bounds_what_is_in_flight_each_way(x):
         offload(window=-1)
 
 
+def test_a_window_bounds_what_is_brought_back_ahead_where_the_backward_uses_a_tensor_saved_earlier():
+    # A tensor saved by two operators comes back once, as the entry of its first save; the backward pass asks
+    # for it at the later operator's backward, before the tensors saved between the two (here `s`, saved by
+    # tanh and again by the last product, whose backward runs first). What prefetch() brought back ahead of
+    # those stays until they are asked for, and counts against the window as what comes back after them does.
+    # Before (found 2026-12-05 on GPT-OSS, whose experts' grouped products share their offsets), only the
+    # tensors saved before the one asked for counted: here twice the window came back ahead at once.
+    w = BATCH * WIDTH * 4
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+
+    def f(x):
+        s = x.exp().exp().tanh()  # saved: both exps' outputs, then tanh's (s)
+        h = s.exp().exp()  # then these two
+        return h * s.detach()  # s saved again: the same bytes
+
+    want = torch.autograd.grad(f(x).sum(), x)[0]
+    o = offload(min_bytes=1 << 12, window=2 * w, engine=CopyEngine(torch.device("cpu"), delay=100))
+    ahead, unpack = [], o.unpack
+
+    def counted_unpack(h):
+        out = unpack(h)
+        ahead.append(sum(r().nbytes for r in o._order if r() is not None and r().device_copy is not None
+                         and not r().unpacked and not r().aliased))
+        return out
+
+    o.unpack = counted_unpack
+    with o:
+        loss = f(x).sum()
+    o.finish_copies()
+    assert o.offloaded == 5  # s's second save is its first's entry
+    o.prefetch()
+    got = torch.autograd.grad(loss, x)[0]
+    assert torch.equal(got, want)
+    assert ahead and max(ahead) <= 2 * w, ahead
+    assert o.prefetched > 0 and o.brought_back == 5
+
+
 def test_ahead_bytes_is_what_prefetch_brings_back():
     # What prefetch() brings back ahead of a streamed layer's backward: the last tensors saved, newest first,
     # while they fit in the window, stopping at the first that does not (the plan charges it: the chain's

@@ -564,12 +564,22 @@ class OffloadState final : public HookSource, public std::enable_shared_from_thi
   }
 
   // Streaming: starts bringing back the tensors saved before the i-th of order_, the nearest first, while
-  // those on their way and not yet asked for stay within a window of bytes (the options' by default). With
-  // `found` (storages), starts nothing and returns the bytes it would copy back, those storages taken as
-  // found on the device (no copy, nothing of the window).
+  // those on their way and not yet asked for stay within a window of bytes (the options' by default), those
+  // saved after it among them: a backward pass may use its saved tensors out of the order they were saved in
+  // (an MoE layer's experts), and a tensor brought back ahead stays until it is asked for. Before (found
+  // 2026-12-05 in the Python runtime, the same code), only those saved before it counted. With `found`
+  // (storages), starts nothing and returns the bytes it would copy back, those storages taken as found on
+  // the device (no copy, nothing of the window).
   int64_t ahead(size_t i, int64_t window = -1, const std::vector<const c10::StorageImpl*>* found = nullptr) {
     if (window < 0) window = options_.window();
     int64_t bytes = 0, copied = 0;
+    if (!found) {
+      for (size_t k = i; k < order_.size(); ++k) {
+        auto other = order_[k].lock();
+        if (other && other->device_copy.defined() && !other->unpacked && !other->aliased)
+          bytes += other->nbytes;
+      }
+    }
     for (size_t k = i; k-- > 0;) {
       auto other = order_[k].lock();
       if (!other || other->unpacked || other->aliased) continue;

@@ -37,8 +37,8 @@ With ``window`` (bytes), an Offload streams: at most that much of its copies to 
 oldest waited for past it; 0 waits for each at once), and in the backward pass the tensors saved before the one
 asked for come back ahead of their use while those brought back and not yet asked for stay within that much
 (in place of ``lookahead``; wherever they were saved: a tensor saved by two operators is asked for at the later
-one's backward); ``prefetch()`` brings back that much. A layer's backward then holds its working set and a window, not everything the layer saved (the
-plan's ``Fa3@stream``).
+one's backward); ``prefetch()`` brings back that much. A layer's backward then holds its working set and a
+window, not everything the layer saved (the plan's ``Fa3@stream``).
 
 Planned offloading (``remat.enable(..., offload=True)``, remat/planner/plan.h's ``@host`` operations) runs each offloaded
 layer under an Offload of its own with ``lookahead=0`` and calls ``finish_copies()`` and ``prefetch()`` at the

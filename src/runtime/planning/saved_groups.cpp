@@ -54,7 +54,7 @@ class Recorder final : public OpInterceptor, public HookSource {
     {
       WatchPause pause;
       Recorded r;
-      r.name = schema.name() + "#" + std::to_string(counts_[schema.name()]++);
+      r.name = call_name(schema, counts_);
       for (const at::Tensor& t : tensors_of(torch::jit::last(*stack, schema.arguments().size())))
         r.inputs.insert(storage_key(t));
       calls_.push_back(std::move(r));
@@ -136,8 +136,7 @@ class PeaksBefore final : public OpInterceptor {
     const c10::FunctionSchema& schema = op.schema();
     if (askable(schema)) {
       WatchPause pause;
-      at_[schema.name() + "#" + std::to_string(counts_[schema.name()]++)] =
-          std::max<int64_t>(0, window_.peak_over_base());
+      at_[call_name(schema, counts_)] = std::max<int64_t>(0, window_.peak_over_base());
     }
     run();
   }

@@ -83,6 +83,10 @@ const void* storage_key(const at::Tensor& t) {
 // no argument written, at least one tensor argument, and not a factory (empty_like, new_zeros, ...), whose
 // fresh result a later in-place operator fills. aten::_unsafe_view returns a view without saying so in its
 // schema (matmul uses it on the product it reshapes).
+std::string call_name(const c10::FunctionSchema& schema, std::unordered_map<std::string, int64_t>& counts) {
+  return schema.name() + "#" + std::to_string(counts[schema.name()]++);
+}
+
 bool askable(const c10::FunctionSchema& schema) {
   if (schema.returns().empty()) return false;
   for (const c10::Argument& r : schema.returns()) {
@@ -146,7 +150,7 @@ class OpPolicyRecord::Forward final : public OpInterceptor {
     const std::vector<at::Tensor> inputs = tensors_of(args);
     const int64_t index = static_cast<int64_t>(r_.calls_.size());
     r_.calls_.push_back(Call{schema.name(), schema.overload_name()});
-    r_.calls_.back().call = schema.name() + "#" + std::to_string(r_.counts_[schema.name()]++);
+    r_.calls_.back().call = call_name(schema, r_.counts_);
     const RngState before = rng_now();
     const size_t captured_from = r_.captured_.size();
     Open open(r_, index);

@@ -25,6 +25,11 @@ namespace remat::detail {
 /// Whether a call of this operator can be kept, and so is asked by a region's policy: every return a tensor
 /// that aliases nothing, no argument written, at least one tensor argument, and not a factory.
 bool askable(const c10::FunctionSchema& schema);
+/// The name of an asked call of `schema`'s operator (OpCall::call, SavedGroup::name): its qualified name,
+/// '#', and how many of its calls were named before it in the same pass (`counts`, per operator, advanced
+/// here). The region's policy, the profiler's groups and its peaks before them name calls with it, so that a
+/// group assignment's names are the ones its policy sees.
+std::string call_name(const c10::FunctionSchema& schema, std::unordered_map<std::string, int64_t>& counts);
 /// The tensors among boxed values (a call's arguments or returns), lists' elements one by one.
 std::vector<at::Tensor> tensors_of(c10::ArrayRef<c10::IValue> values);
 /// A tensor's storage, as a key (null for an undefined tensor or one without storage).

@@ -344,7 +344,7 @@ def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, of
             times.setdefault(name, []).append(ms)
         del out, rec
     peaks: dict[str, int] = {}
-    if meter is not None:
+    if meter is not None and found:  # (no forward more where there is no group to read it for)
         before = meter.count()
         with meter.window() as window:
             with _PeaksBefore(window, before) as rec:

@@ -250,6 +250,26 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_THROW(remat::context_at_batch(a, 2, b, 4, 10), std::invalid_argument);
 }
 
+// Masks (StepContext::taken_bytes) on the line, as the batch makes them, where both contexts list the same
+// ones taken and saved by the same stages; else none (charged to the step's end).
+TEST(Batch, MasksAreCarriedOnTheLineWhereBothContextsListTheSame) {
+  remat::StepContext a, b;
+  a.before_saved_bytes = 1000 * 2 + 500, b.before_saved_bytes = 1000 * 4 + 500;
+  a.stage_grads_bytes = b.stage_grads_bytes = {0, 0};
+  a.taken_bytes = {1000 * 2}, b.taken_bytes = {1000 * 4};
+  a.taken_by = b.taken_by = {{true, false}};
+  a.taken_saved_by = b.taken_saved_by = {{false, false}};
+  const remat::StepContext c = remat::context_at_batch(a, 2, b, 4, 10);
+  EXPECT_EQ(c.before_saved_bytes, 10500);
+  EXPECT_EQ(c.taken_bytes, (std::vector<int64_t>{10000}));
+  EXPECT_EQ(c.taken_by, a.taken_by);
+  b.taken_saved_by = {{true, false}};
+  EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).taken_bytes.empty());
+  b.taken_saved_by = a.taken_saved_by;
+  b.taken_bytes.clear(), b.taken_by.clear(), b.taken_saved_by.clear();
+  EXPECT_TRUE(remat::context_at_batch(a, 2, b, 4, 10).taken_bytes.empty());
+}
+
 TEST(Batch, TheSearchFindsTheLargestAcceptedBatchInFewCalls) {
   for (int64_t answer : {0, 1, 2, 3, 7, 8, 100, 1023, 1024, 5000}) {
     int calls = 0;

@@ -178,6 +178,27 @@ void unsave_random_inputs(unsigned seed, Chain& chain, remat::StepContext& ctx) 
 // comes before it and the rest of the step, on odd trials random figures of what runs between the stages
 // (add_random_between), and some stages' outputs unsaved (unsave_random_outputs), both drawn from `rng`, and
 // some inputs let go of after their stage's forward (unsave_random_inputs).
+// Tensors made before the chain that only the stages that take them hold past the forward
+// (StepContext::taken_bytes: masks), from their own generator: one to kMaxTakenTensors of them, each of up to
+// `most` bytes (added to before_saved_bytes, of which they are a part), taken by each stage with a chance of
+// two in three, and of those saved by its plain graph with a chance of one in four.
+void add_random_taken(unsigned seed, remat::StepContext& ctx, int64_t n, int64_t most) {
+  std::mt19937 rng(seed);
+  const size_t count = 1 + std::uniform_int_distribution<size_t>(0, remat::kMaxTakenTensors - 1)(rng);
+  for (size_t m = 0; m < count; ++m) {
+    const int64_t bytes = std::uniform_int_distribution<int64_t>(1, most)(rng);
+    ctx.taken_bytes.push_back(bytes);
+    ctx.before_saved_bytes += bytes;
+    std::vector<bool> by(static_cast<size_t>(n)), saved(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) {
+      by[static_cast<size_t>(j)] = std::bernoulli_distribution(2.0 / 3)(rng);
+      saved[static_cast<size_t>(j)] = by[static_cast<size_t>(j)] && std::bernoulli_distribution(0.25)(rng);
+    }
+    ctx.taken_by.push_back(by);
+    ctx.taken_saved_by.push_back(saved);
+  }
+}
+
 remat::StepContext random_step(std::mt19937& rng, Chain& chain, int trial) {
   const int64_t n = chain.size();
   chain.input_bytes = 2000 + 500 * (trial % 5);
@@ -189,6 +210,8 @@ remat::StepContext random_step(std::mt19937& rng, Chain& chain, int trial) {
   if (trial % 2 == 1) add_random_between(rng, ctx, n, 60000);
   unsave_random_outputs(rng, chain);
   unsave_random_inputs(static_cast<unsigned>(7000 + trial), chain, ctx);
+  // Every third trial, masks (their own generator: the draws above are as they were).
+  if (trial % 3 == 1) add_random_taken(static_cast<unsigned>(17000 + trial), ctx, n, 40000);
   return ctx;
 }
 
@@ -1469,6 +1492,103 @@ TEST(Step, PerLayerPlanStepIsTheFastestPerLayerPlanThatFitsTheStep) {
   EXPECT_GT(between_raised, 5) << between_raised;  // what runs between stages set the least budget
 }
 
+// Tensors made before the chain that only the stages that take them hold past the forward (masks:
+// StepContext::taken_bytes) are charged where a stage holds them: on random chains with policies, groups,
+// offloading and streams, each plan's step peak is at most the one with them charged to the step's end and at
+// least that less their bytes, and the per-layer program's least budget and fastest plans are the search's
+// over every per-layer plan (their time as the program charges each: step_time_ms()).
+TEST(Step, TensorsOnlyTheStagesHoldAreChargedWhileAStageHoldsThem) {
+  std::mt19937 rng(2612), between_rng(2613);
+  int lowered = 0, least_lowered = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t n = 1 + trial % 3;
+    const bool offload = trial % 2 == 1, groups = trial % 3 != 0;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    if (groups) add_random_groups(rng, chain);
+    if (offload) add_random_streams(rng, chain);
+    remat::StepContext without = random_step(between_rng, chain, trial);
+    without.taken_bytes.clear(), without.taken_by.clear(), without.taken_saved_by.clear();
+    remat::StepContext ctx = without;
+    add_random_taken(static_cast<unsigned>(26000 + trial), ctx, n, 60000);
+    without.before_saved_bytes = ctx.before_saved_bytes;  // the same bytes, charged to the step's end
+    int64_t taken = 0;
+    for (int64_t b : ctx.taken_bytes)
+      taken += b;
+    remat::PlannerOptions options;
+    options.offload = offload;
+    options.groups = groups;
+    std::vector<Candidate> all = every_per_layer_plan(chain, true, true, offload, groups);
+    int64_t least = std::numeric_limits<int64_t>::max(), most = 0, least_without = least;
+    for (Candidate& c : all) {
+      const int64_t before = remat::step_peak_bytes(chain, without, c.plan);
+      c.peak = remat::step_peak_bytes(chain, ctx, c.plan);
+      c.ms = remat::step_time_ms(chain, ctx, c.plan);
+      EXPECT_LE(c.peak, before) << c.plan.to_string();
+      EXPECT_GE(c.peak, before - taken) << c.plan.to_string();
+      lowered += c.peak < before;
+      least = std::min(least, c.peak), most = std::max(most, c.peak);
+      least_without = std::min(least_without, before);
+    }
+    ASSERT_EQ(remat::min_step_budget(chain, ctx, "per-layer", options), least) << "trial " << trial;
+    least_lowered += least < least_without;
+    std::uniform_int_distribution<int64_t> pick(least, most);
+    for (int b = 0; b < 4; ++b) {
+      const int64_t budget = b == 0 ? least : pick(rng);
+      const double best = fastest_within(all, budget);
+      const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer", options);
+      EXPECT_LE(p.step_peak_bytes, budget);
+      EXPECT_EQ(p.step_peak_bytes, remat::step_peak_bytes(chain, ctx, p.plan));
+      EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
+          << "trial " << trial << " budget " << budget << ": " << p.plan.to_string();
+    }
+  }
+  EXPECT_GT(lowered, 200) << lowered;
+  EXPECT_GT(least_lowered, 4) << least_lowered;
+}
+
+// Operation by operation: a mask of 7,000 bytes taken by the first and last of three stages, which an
+// additive mask's graph does not save, is charged through the forward whatever the plan; from the rest on,
+// only where a stage that takes it recomputes, and then until that stage's backward is done; never in the
+// backward of the part before the chain. Saved by the last stage's graph, it is held until that stage's
+// backward whatever its way.
+TEST(Step, AMaskIsChargedFromTheRestOnOnlyUntilTheBackwardOfTheFirstStageThatHoldsIt) {
+  Chain chain = sized_chain({{1000, 3000}, {1000, 3000}, {1000, 3000}});
+  chain.policies = {"matmuls"};
+  for (remat::Stage& s : chain.stages) {
+    remat::PolicyCost pc;
+    pc.policy = "matmuls", pc.saved_bytes = 2000, pc.fwd_ms = 1, pc.bwd_ms = 2.5;
+    s.policies.push_back(pc);
+  }
+  remat::StepContext held;
+  held.before_saved_bytes = 9000;
+  held.rest_peak_bytes = 2000;
+  remat::StepContext ctx = held;
+  ctx.taken_bytes = {7000};
+  ctx.taken_by = {{true, false, true}};
+  ctx.taken_saved_by = {{false, false, false}};
+  // Per operation of the step (step_timeline()'s points), the bytes charged less than with the mask held to
+  // the step's end.
+  auto less = [&](const remat::StepContext& x, const std::string& text) {
+    return lowered_at(chain, held, x, text);
+  };
+  // Every stage kept: let go of as the forward ends.
+  const std::string kept = "after:7000 L:7000 B(after):7000 B2:7000 B1:7000 B0:7000 B(before):7000 ";
+  EXPECT_EQ(less(ctx, "Fa0 Fa1 Fa2 L B2 B1 B0"), kept);
+  // The first stage checkpointed: held until its backward is done.
+  EXPECT_EQ(less(ctx, "Fc0 Fa1 Fa2 L B2 B1 Fa0 B0"), "B(before):7000 ");
+  // The last: held until its backward is done; the stage between takes none of it.
+  EXPECT_EQ(less(ctx, "Fa0 Fa1 Fc2 L Fa2 B2 B1 B0"), "B1:7000 B0:7000 B(before):7000 ");
+  // Only the middle stage checkpointed, which does not take it: as every stage kept (its recompute too).
+  EXPECT_EQ(less(ctx, "Fa0 Fc1 Fa2 L B2 Fa1 B1 B0"),
+            "after:7000 L:7000 B(after):7000 B2:7000 Fa1:7000 B1:7000 B0:7000 B(before):7000 ");
+  // Under a policy (a checkpoint too), the last stage holds it as checkpointed.
+  EXPECT_EQ(less(ctx, "Fa0 Fa1 Fk2[matmuls] L B2 B1 B0"), "B1:7000 B0:7000 B(before):7000 ");
+  // Saved by the last stage's graph: held until its backward, kept or not.
+  remat::StepContext saved = ctx;
+  saved.taken_saved_by = {{false, false, true}};
+  EXPECT_EQ(less(saved, "Fa0 Fa1 Fa2 L B2 B1 B0"), "B1:7000 B0:7000 B(before):7000 ");
+}
+
 // What runs between two stages in the model's code that lets go of the first one's output (a residual sum
 // outside the layers, `x = x + layer(x)`) is read with that stage checkpointed: a way that holds its output
 // (Fa whose graph saves it, Fk under a policy) keeps it beside the next stage's input, output_bytes more
@@ -2163,6 +2283,65 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(g.unsaved_bytes, 10);
     EXPECT_EQ(g.stays_bytes, 9);
   }
+}
+
+// The tensors only the stages hold past the forward (StepContext::taken_bytes) are agreed on in a fixed
+// number of slots whatever each process lists: each one's bytes the least either read (a process listing
+// fewer lets go of none there), taken and saved by a stage where either's is; those of no bytes left out when
+// written back.
+TEST(Step, MasksAreAgreedOnAsTheLeastLetGoOfAndTheMostHeld) {
+  std::mt19937 rng(31);
+  const Chain a = random_offload_chain(rng, 3, 1000);
+  remat::StepContext ca;
+  ca.before_saved_bytes = 50000;
+  ca.taken_bytes = {8000, 6000};
+  ca.taken_by = {{true, false, true}, {false, true, false}};
+  ca.taken_saved_by = {{false, false, false}, {false, true, false}};
+  remat::StepContext none = ca;  // a process that found none
+  none.taken_bytes.clear(), none.taken_by.clear(), none.taken_saved_by.clear();
+  const remat::PlanFigures fa = remat::plan_figures(a, ca), fn = remat::plan_figures(a, none);
+  ASSERT_EQ(fa.ints.size(), fn.ints.size());
+  {  // round trip
+    Chain c = a;
+    remat::StepContext x = ca;
+    remat::set_plan_figures(c, x, fa);
+    EXPECT_EQ(x.taken_bytes, ca.taken_bytes);
+    EXPECT_EQ(x.taken_by, ca.taken_by);
+    EXPECT_EQ(x.taken_saved_by, ca.taken_saved_by);
+  }
+  {  // against a process that found none: none let go of
+    Chain c = a;
+    remat::StepContext x = ca;
+    remat::set_plan_figures(c, x, largest(fa, fn));
+    EXPECT_TRUE(x.taken_bytes.empty());
+  }
+  // Against one whose first tensor is smaller and taken by the middle stage too, its second saved by the
+  // last.
+  remat::StepContext cb = ca;
+  cb.taken_bytes = {5000, 6000};
+  cb.taken_by = {{true, true, true}, {false, true, false}};
+  cb.taken_saved_by = {{false, false, false}, {false, true, true}};
+  Chain c = a;
+  remat::StepContext x = ca;
+  remat::set_plan_figures(c, x, largest(fa, remat::plan_figures(a, cb)));
+  EXPECT_EQ(x.taken_bytes, (std::vector<int64_t>{5000, 6000}));
+  EXPECT_EQ(x.taken_by, (std::vector<std::vector<bool>>{{true, true, true}, {false, true, false}}));
+  EXPECT_EQ(x.taken_saved_by, (std::vector<std::vector<bool>>{{false, false, false}, {false, true, true}}));
+  // Malformed: more than kMaxTakenTensors, more bytes than before_saved_bytes, or flags for other stages.
+  remat::StepContext bad = ca;
+  bad.taken_bytes.assign(remat::kMaxTakenTensors + 1, 10);
+  bad.taken_by.assign(remat::kMaxTakenTensors + 1, {});
+  bad.taken_saved_by.assign(remat::kMaxTakenTensors + 1, {});
+  EXPECT_THROW_WITH_STD(remat::validate(bad, a), "more than kMaxTakenTensors");
+  bad = ca;
+  bad.before_saved_bytes = 10000;
+  EXPECT_THROW_WITH_STD(remat::validate(bad, a), "more than before_saved_bytes");
+  bad = ca;
+  bad.taken_by[1] = {true, false};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, a), "taken_by has 2 entries for a chain of 3 stages");
+  bad = ca;
+  bad.taken_saved_by.pop_back();
+  EXPECT_THROW_WITH_STD(remat::validate(bad, a), "taken_saved_by has 1 entries for 2 tensors");
 }
 
 TEST(PerLayerGroups, EqualsExhaustiveSearchOnRandomChains) {

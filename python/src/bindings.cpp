@@ -227,6 +227,7 @@ NB_MODULE(_core, m) {
         "Of what a group assignment keeps and sends, the bytes the stage's plain forward does not save.");
 
   m.attr("MAX_GROUPS") = remat::kMaxGroups;
+  m.attr("MAX_TAKEN_TENSORS") = remat::kMaxTakenTensors;
   m.def(
       "fit_groups", nb::overload_cast<const std::vector<remat::SavedGroup>&>(&remat::fit_groups), "found"_a,
       "The saved groups a profiler keeps of the calls found (in the forward's order): at most MAX_GROUPS, "
@@ -567,12 +568,20 @@ NB_MODULE(_core, m) {
               "whether the last stage's input, held past its forward, was let go of in the rest's forward")
       .def_rw("residual_grad_shared", &remat::StepContext::residual_grad_shared,
               "per stage, whether what takes its output after it hands it its own path's gradient tensor")
+      .def_rw("taken_bytes", &remat::StepContext::taken_bytes,
+              "tensors made before the chain that only the stages that take them hold past the forward "
+              "(masks): each one's bytes, of before_saved_bytes")
+      .def_rw("taken_by", &remat::StepContext::taken_by,
+              "per tensor of taken_bytes, per stage, whether the stage takes it")
+      .def_rw("taken_saved_by", &remat::StepContext::taken_saved_by,
+              "per tensor of taken_bytes, per stage, whether the stage's plain forward's graph saves it")
       // pickle and copy.deepcopy: its fields (states of 11 fields, from before the between figures, of 16,
       // from before output_held_in_backward, checkpoint_state_bytes and outputs_held_to_end, of 19, from
       // before side_freed_bytes, of 20, from before between_frees_output, and of 21, from before
       // rest_frees_output, of 22, from before inputs_held_in_forward, and of 23, from before
       // output_grad_held_in_backward, of 24, from before rest_takes_last_input, of 25, from before
-      // last_input_let_go_in_rest, and of 26, from before residual_grad_shared, too).
+      // last_input_let_go_in_rest, of 26, from before residual_grad_shared, and of 27, from before the taken
+      // tensors, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(
@@ -583,14 +592,16 @@ NB_MODULE(_core, m) {
                  c.side_grads_bytes, c.outputs_held_in_backward, c.output_held_in_backward,
                  c.checkpoint_state_bytes, c.outputs_held_to_end, c.side_freed_bytes, c.between_frees_output,
                  c.rest_frees_output, c.inputs_held_in_forward, c.output_grad_held_in_backward,
-                 c.rest_takes_last_input, c.last_input_let_go_in_rest, c.residual_grad_shared);
+                 c.rest_takes_last_input, c.last_input_let_go_in_rest, c.residual_grad_shared, c.taken_bytes,
+                 c.taken_by, c.taken_saved_by);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
         if (s.size() != 11 && s.size() != 16 && s.size() != 19 && s.size() != 20 && s.size() != 21 &&
             s.size() != 22 && s.size() != 23 && s.size() != 24 && s.size() != 25 && s.size() != 26 &&
-            s.size() != 27)
+            s.size() != 27 && s.size() != 30)
           throw nb::value_error(
-              "remat.StepContext: a pickled state has 11, 16, 19, 20, 21, 22, 23, 24, 25, 26 or 27 fields");
+              "remat.StepContext: a pickled state has 11, 16, 19, 20, 21, 22, 23, 24, 25, 26, 27 or 30 "
+              "fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
         c.before_saved_bytes = nb::cast<int64_t>(s[1]);
@@ -622,7 +633,12 @@ NB_MODULE(_core, m) {
         if (s.size() >= 24) c.output_grad_held_in_backward = nb::cast<std::vector<bool>>(s[23]);
         if (s.size() >= 25) c.rest_takes_last_input = nb::cast<bool>(s[24]);
         if (s.size() >= 26) c.last_input_let_go_in_rest = nb::cast<bool>(s[25]);
-        if (s.size() == 27) c.residual_grad_shared = nb::cast<std::vector<bool>>(s[26]);
+        if (s.size() >= 27) c.residual_grad_shared = nb::cast<std::vector<bool>>(s[26]);
+        if (s.size() >= 30) {
+          c.taken_bytes = nb::cast<std::vector<int64_t>>(s[27]);
+          c.taken_by = nb::cast<std::vector<std::vector<bool>>>(s[28]);
+          c.taken_saved_by = nb::cast<std::vector<std::vector<bool>>>(s[29]);
+        }
       });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",

@@ -278,6 +278,22 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
       held_where_either(a.output_grad_held_in_backward, b.output_grad_held_in_backward);
   // The generators' state a checkpoint saves: the same at every batch.
   c.checkpoint_state_bytes = std::max(a.checkpoint_state_bytes, b.checkpoint_state_bytes);
+  // The tensors only the stages hold past the forward (masks: a line through their bytes, as the batch makes
+  // them), where both contexts list the same ones taken and saved by the same stages and they stay within
+  // before_saved_bytes; else none (each charged to the step's end, as before_saved_bytes charges it).
+  c.taken_bytes.clear(), c.taken_by.clear(), c.taken_saved_by.clear();
+  if (a.taken_bytes.size() == b.taken_bytes.size() && a.taken_by == b.taken_by &&
+      a.taken_saved_by == b.taken_saved_by) {
+    int64_t sum = 0;
+    std::vector<int64_t> bytes;
+    for (size_t m = 0; m < a.taken_bytes.size(); ++m)
+      sum += bytes.emplace_back(line.bytes(a.taken_bytes[m], b.taken_bytes[m]));
+    if (sum <= c.before_saved_bytes) {
+      c.taken_bytes = std::move(bytes);
+      c.taken_by = a.taken_by;
+      c.taken_saved_by = a.taken_saved_by;
+    }
+  }
   return c;
 }
 

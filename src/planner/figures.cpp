@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "remat/planner/figures.h"
 
@@ -126,6 +127,49 @@ void flags(B& bits, V& v) {
   }
 }
 
+// The tensors only the stages hold past the forward (StepContext::taken_bytes): kMaxTakenTensors of them
+// whatever a process lists (its own padded with none), so that every process has the same figures. Each one's
+// bytes the least any process read (less let go of: none where a process lists fewer), and per stage taken
+// and saved where any process's is (held the longer). Written back, those of no bytes are left out.
+template <typename X, typename V>
+void taken(X& context, size_t stages, V& v) {
+  constexpr bool write = !std::is_const_v<X>;
+  if constexpr (write) {
+    context.taken_bytes.resize(kMaxTakenTensors, 0);
+    context.taken_by.resize(kMaxTakenTensors);
+    context.taken_saved_by.resize(kMaxTakenTensors);
+  }
+  for (size_t m = 0; m < kMaxTakenTensors; ++m) {
+    int64_t bytes = m < context.taken_bytes.size() ? context.taken_bytes[m] : 0;
+    v.freed(bytes);
+    if constexpr (write) context.taken_bytes[m] = bytes;
+    for (auto field : {&StepContext::taken_by, &StepContext::taken_saved_by}) {
+      for (size_t j = 0; j < stages; ++j) {
+        const auto& flags = context.*field;
+        bool bit = m < flags.size() && j < flags[m].size() && flags[m][j];
+        v.flag(bit);
+        if constexpr (write) {
+          std::vector<bool>& out = (context.*field)[m];
+          out.resize(stages, false);
+          out[j] = bit;
+        }
+      }
+    }
+  }
+  if constexpr (write) {
+    StepContext kept;
+    for (size_t m = 0; m < kMaxTakenTensors; ++m) {
+      if (context.taken_bytes[m] <= 0) continue;
+      kept.taken_bytes.push_back(context.taken_bytes[m]);
+      kept.taken_by.push_back(context.taken_by[m]);
+      kept.taken_saved_by.push_back(context.taken_saved_by[m]);
+    }
+    context.taken_bytes = std::move(kept.taken_bytes);
+    context.taken_by = std::move(kept.taken_by);
+    context.taken_saved_by = std::move(kept.taken_saved_by);
+  }
+}
+
 // Visits every figure of `chain` and `context` in one order (the chain's input bytes first). C and X may be
 // const for collecting.
 template <typename C, typename X, typename V>
@@ -218,6 +262,7 @@ void visit(C& chain, X& context, V& v) {
   flags(context.output_grad_held_in_backward, v);  // held where any rank held it
   v.let_go(context.last_input_let_go_in_rest);     // let go of where every rank let go of it
   flags(context.residual_grad_shared, v);          // shared (charged) where any rank's is
+  taken(context, chain.stages.size(), v);
 }
 
 // An offload cost's bytes at most what its way keeps beyond the output (validate()'s rule), which maxima

@@ -252,6 +252,9 @@ std::vector<Choice> choices_of(const Chain& chain, int64_t j, const std::vector<
 // (those after it only).
 struct StepTerms {
   std::vector<char> all_only;
+  // The step's context where it lists tensors only the stages hold past the forward
+  // (StepContext::taken_bytes), else null.
+  const StepContext* taken = nullptr;
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
   // Per stage: the gradients of what the stages take beside their input that arrive at its backward, and
@@ -330,8 +333,15 @@ int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* ste
 // before's own copy, brought back ahead: simulate()'s rule).
 // `dropped`: its input's bytes where they were let go of once its forward was done (Point::output_let_go),
 // else 0: neither its backward nor what runs between holds them.
+// `taken_less`: of R_j, the tensors only the stages hold past the forward that no stage holds at its
+// forward (the rest's), its backward and recompute, and what runs between once its backward is done, in that
+// order (StepContext::taken_bytes; step_op_peaks()'s rule).
+struct TakenLess {
+  int64_t fwd = 0, bwd = 0, between = 0;
+};
+
 int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTerms* step, int64_t bwd_less,
-                   bool bwd_less_input, int64_t twice, int64_t dropped) {
+                   bool bwd_less_input, int64_t twice, int64_t dropped, const TakenLess& taken_less = {}) {
   const Stage& s = chain.stages[static_cast<size_t>(j)];
   const int64_t a_in = chain.activation_bytes(j), a_out = s.output_bytes;
   const int64_t at_rec = step ? step->at_recompute[static_cast<size_t>(j)] : 0;
@@ -356,8 +366,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const int64_t between = step && step->between[static_cast<size_t>(j)] >= 0
                               ? a_in + at_rec + own + side - freed + kept_to_end +
                                     step->between[static_cast<size_t>(j)] -
-                                    (bwd_less_input ? step->input_freed : 0) - dropped
-                              : 0;
+                                    (bwd_less_input ? step->input_freed : 0) - dropped - taken_less.between
+                              : -taken_less.fwd;  // (R_j, the floor, less what the rest does not hold of it)
   // Its output, where neither its way saves it (detail::way_leaves_output()) nor anything else holds it, is
   // gone by its backward; one its graph alone holds, let go of early in it where output_freed_early() (a
   // checkpointed stage's: the one its recompute made again, as Fa).
@@ -381,10 +391,11 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
     // leaves the device: detail::stream_forward_window_bytes()); the backward's above what the stage keeps on
     // the device (its output included) and the gradient it is handed.
     const OffloadCost& o = *c.cost;
-    return std::max({o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window) + cached,
-                     a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less -
-                         gone + twice - dropped + held_back,
-                     between});
+    return std::max(
+        {o.stream_fwd_bytes + detail::stream_forward_window_bytes(o, c.window) + cached - taken_less.fwd,
+         a_out + s.saved_bytes - o.bytes + c.window + o.stream_bwd_bytes + at_bwd - bwd_less - gone + twice -
+             dropped + held_back - taken_less.bwd,
+         between});
   }
   // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
   // step and its way holds it, is held from the end of its forward until the next stage's backward is done:
@@ -432,7 +443,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // A checkpointed stage's plain output held to the step's end: let go of by the simulation at the next
   // stage's backward, held through its recompute and backward.
   if (c.kind == OpKind::kForwardCheckpoint) bwd += kept_to_end;
-  return std::max({fwd, bwd + state + cached_bwd - bwd_less - gone - dropped, between});
+  return std::max(
+      {fwd - taken_less.fwd, bwd + state + cached_bwd - bwd_less - gone - dropped - taken_less.bwd, between});
 }
 
 // A point of a frontier: R (bytes held on the device), what of R the previous stage sent to the host and
@@ -458,6 +470,9 @@ struct Point {
   // it.
   bool output_let_go = false;
   int64_t input_gone_from = 0;  // from which stage on the chain's input is gone (detail::input_gone_from())
+  // The tensors only the stages hold past the forward that a stage so far holds (detail::taken_held_by()'s
+  // bits).
+  uint32_t taken_held = 0;
   int64_t host = 0;
   int64_t peak = 0;
   double ms = 0;
@@ -496,7 +511,8 @@ double owed(const Point& p) {
 
 bool same_group(const Point& a, const Point& b) {
   return a.pending == b.pending && a.copied == b.copied && a.keeps_output == b.keeps_output &&
-         a.output_ahead == b.output_ahead && a.output_let_go == b.output_let_go;
+         a.output_ahead == b.output_ahead && a.output_let_go == b.output_let_go &&
+         a.taken_held == b.taken_held;
 }
 
 // pareto()'s order: by group (pending, copied, keeps_output, output_ahead, output_let_go), then R, the key,
@@ -509,6 +525,7 @@ inline bool in_order(const Point& a, const Point& b, const Key& key) {
   if (a.keeps_output != b.keeps_output) return a.keeps_output < b.keeps_output;
   if (a.output_ahead != b.output_ahead) return a.output_ahead < b.output_ahead;
   if (a.output_let_go != b.output_let_go) return a.output_let_go < b.output_let_go;
+  if (a.taken_held != b.taken_held) return a.taken_held < b.taken_held;
   if (a.held != b.held) return a.held < b.held;
   if (key(a) != key(b)) return key(a) < key(b);
   if (a.input_gone_from != b.input_gone_from) return gone_rank(a) > gone_rank(b);
@@ -795,8 +812,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         int64_t copied = 0;
         double to_host_ms = 0, to_device_ms = 0;
         int64_t past = 0;  // past_between_bytes()
-        int64_t need[2][2][2][2] = {};
-        bool made[2][2][2][2] = {};
+        // (Indexed first by the tensors only the stages hold that the stages before hold: Point::taken_held.)
+        int64_t need[1u << kMaxTakenTensors][2][2][2][2] = {};
+        bool made[1u << kMaxTakenTensors][2][2][2][2] = {};
       };
       std::vector<Fixed> fixed(cs.size());
       for (size_t c = 0; c < cs.size(); ++c) {
@@ -841,14 +859,33 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         const bool in_rest = dropped && j + 2 == n && step->last_in_rest;
         const int64_t dropped_bytes = dropped ? a_in + step->input_extra[static_cast<size_t>(j)] : 0;
         const bool less = dropped || rest_less;
-        if (!f.made[input_leaves][gone][twice][less]) {
+        // The tensors only the stages hold past the forward (StepContext::taken_bytes): held from here on
+        // by those before and this one's way; charged to its backward where any of them holds them, to what
+        // runs between once it is done where a stage before does, to the rest where any stage does, and never
+        // to the backward of the part before the chain.
+        q.taken_held = p.taken_held;
+        TakenLess taken_less;
+        if (step && step->taken) {
+          const StepContext& x = *step->taken;
+          if (j >= 1 && j <= n - 2) q.taken_held |= detail::taken_held_by(x, j - 1, ch.kind);
+          if (j == 0) {
+            taken_less.bwd = detail::taken_unheld_bytes(x, 0);
+          } else if (j == n - 1) {
+            taken_less.fwd = taken_less.bwd = detail::taken_unheld_bytes(x, p.taken_held);
+          } else {
+            taken_less.bwd = detail::taken_unheld_bytes(x, q.taken_held);
+            taken_less.between = detail::taken_unheld_bytes(x, p.taken_held);
+          }
+        }
+        const uint32_t th = p.taken_held;
+        if (!f.made[th][input_leaves][gone][twice][less]) {
           const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0) +
                                    (rest_less ? step->rest_gone : 0);
-          f.need[input_leaves][gone][twice][less] =
-              stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0, dropped_bytes);
-          f.made[input_leaves][gone][twice][less] = true;
+          f.need[th][input_leaves][gone][twice][less] =
+              stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0, dropped_bytes, taken_less);
+          f.made[th][input_leaves][gone][twice][less] = true;
         }
-        q.peak = std::max(p.peak, p_held + f.need[input_leaves][gone][twice][less]);
+        q.peak = std::max(p.peak, p_held + f.need[th][input_leaves][gone][twice][less]);
         if (q.peak > most) return false;
         const int64_t copied = f.copied;
         double wait =
@@ -936,8 +973,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           if (first == last || !same_group(anchors[first], q)) {
             const auto range =
                 std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
-                  return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead, a.output_let_go) <
-                         std::tie(b.pending, b.copied, b.keeps_output, b.output_ahead, b.output_let_go);
+                  return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead, a.output_let_go,
+                                  a.taken_held) < std::tie(b.pending, b.copied, b.keeps_output,
+                                                           b.output_ahead, b.output_let_go, b.taken_held);
                 });
             first = static_cast<size_t>(range.first - anchors.begin());
             last = static_cast<size_t>(range.second - anchors.begin());
@@ -972,7 +1010,10 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     const auto& last = sol.frontiers[static_cast<size_t>(n)];
     const int64_t a_n = chain.activation_bytes(n);
     for (size_t k = 0; k < last.size(); ++k) {
-      const int64_t peak = std::max(last[k].peak, last[k].held + a_n);
+      // (The loss, without the tensors only the stages hold that none holds: step_op_peaks()'s rule.)
+      const int64_t taken_less =
+          step && step->taken ? detail::taken_unheld_bytes(*step->taken, last[k].taken_held) : 0;
+      const int64_t peak = std::max(last[k].peak, last[k].held + a_n - taken_less);
       if (by_time && peak > budget) continue;
       // A last stage's copies to the host are waited for at the loss, and come straight back.
       const double wait = last[k].link + back_wait(last[k].copied, 0.0);
@@ -1062,6 +1103,7 @@ Plan plan_of(const std::vector<const Choice*>& picked, double* ms) {
 StepTerms step_terms(const Chain& chain, const StepContext& context) {
   const size_t n = static_cast<size_t>(chain.size());
   StepTerms t;
+  if (!context.taken_bytes.empty()) t.taken = &context;
   t.all_only.assign(n + 2, 0);
   t.all_only.front() = t.all_only.back() = 1;
   t.at_recompute.assign(n + 2, 0);

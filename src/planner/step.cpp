@@ -174,6 +174,33 @@ void validate(const StepContext& c, const Chain& chain) {
   sized(c.output_grad_held_in_backward.size(), "output_grad_held_in_backward");
   sized(c.outputs_held_to_end.size(), "outputs_held_to_end");
   sized(c.residual_grad_shared.size(), "residual_grad_shared");
+  // The tensors only the stages hold past the forward: parts of before_saved_bytes, each with its stages.
+  if (c.taken_bytes.size() > kMaxTakenTensors) {
+    throw std::invalid_argument(
+        "remat::StepContext: taken_bytes lists " + std::to_string(c.taken_bytes.size()) +
+        " tensors, more than kMaxTakenTensors (" + std::to_string(kMaxTakenTensors) + ")");
+  }
+  int64_t taken = 0;
+  for (int64_t b : c.taken_bytes) {
+    check(b, "an entry of taken_bytes");
+    taken += b;
+  }
+  if (taken > c.before_saved_bytes) {
+    throw std::invalid_argument("remat::StepContext: taken_bytes adds up to " + std::to_string(taken) +
+                                " bytes, more than before_saved_bytes (" +
+                                std::to_string(c.before_saved_bytes) + "), of which they are a part");
+  }
+  auto per_taken = [&](const std::vector<std::vector<bool>>& v, const char* field) {
+    if (v.size() != c.taken_bytes.size()) {
+      throw std::invalid_argument(std::string("remat::StepContext: ") + field + " has " +
+                                  std::to_string(v.size()) + " entries for " +
+                                  std::to_string(c.taken_bytes.size()) + " tensors of taken_bytes");
+    }
+    for (const auto& flags : v)
+      sized(flags.size(), field);
+  };
+  per_taken(c.taken_by, "taken_by");
+  per_taken(c.taken_saved_by, "taken_saved_by");
   // What runs between two stages: nothing before the first (the part before the chain's backward is
   // before_backward_peak_bytes).
   auto between = [&](const std::vector<int64_t>& v, const char* field, bool signed_figure) {
@@ -256,6 +283,23 @@ bool stage_flag(const std::vector<bool>& flags, int64_t stage, bool unread) {
 
 bool recomputes(OpKind kind, bool groups) {
   return kind == OpKind::kForwardCheckpoint || (kind == OpKind::kForwardKeep && groups);
+}
+
+uint32_t taken_held_by(const StepContext& context, int64_t j, OpKind kind) {
+  uint32_t held = 0;
+  for (size_t m = 0; m < context.taken_bytes.size(); ++m) {
+    const bool takes = m < context.taken_by.size() && stage_flag(context.taken_by[m], j, false);
+    const bool saves = m < context.taken_saved_by.size() && stage_flag(context.taken_saved_by[m], j, false);
+    if (saves || (takes && kind != OpKind::kForwardAll)) held |= uint32_t{1} << m;
+  }
+  return held;
+}
+
+int64_t taken_unheld_bytes(const StepContext& context, uint32_t held) {
+  int64_t bytes = 0;
+  for (size_t m = 0; m < context.taken_bytes.size(); ++m)
+    if (!(held >> m & 1u)) bytes += context.taken_bytes[m];
+  return bytes;
 }
 
 int64_t held_to_end_bytes(const Chain& chain, const StepContext& context, int64_t j) {
@@ -447,6 +491,18 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     way[static_cast<size_t>(op.stage)] =
         Stage::grads_way(op.kind == OpKind::kForwardKeep, op.stream, !op.groups.empty(), policy);
   }
+  // The tensors only the stages hold past the forward (StepContext::taken_bytes), as bits: per step stage s,
+  // those its forwards before the loss hold (taken_held_by()), and those held by a stage up to s.
+  std::vector<uint32_t> taken_upto(static_cast<size_t>(n) + 2, 0);
+  if (!context.taken_bytes.empty()) {
+    for (const Op& op : ops.ops) {
+      if (op.kind == OpKind::kLoss) break;
+      if (op.kind != OpKind::kBackward && op.stage >= 1 && op.stage <= n)
+        taken_upto[static_cast<size_t>(op.stage)] |= taken_held_by(context, op.stage - 1, op.kind);
+    }
+    for (int64_t s = 1; s <= n + 1; ++s)
+      taken_upto[static_cast<size_t>(s)] |= taken_upto[static_cast<size_t>(s) - 1];
+  }
   // A first stage streamed before the loss, sending its input (OffloadCost::input), takes the chain's input
   // to the host when nothing else holds it (StepContext::input_held_in_backward): from the loss on, the
   // rest's backward and the chain stages' backward passes and recomputes run without it (the first one's
@@ -610,7 +666,18 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (after_loss && gone_from > 1 && op.kind != OpKind::kLoss && (op.stage == 1 || op.stage == 2))
       input_back = true;
     const bool without_input = after_loss && !input_back && op.stage >= 1 && op.kind != OpKind::kLoss;
-    const int64_t less = base + (without_input ? freed : 0);
+    // Of before_saved_bytes, the tensors only the stages hold past the forward where none holds them now: the
+    // rest's forward and backward and the loss, without those no stage holds; a chain stage's backward and
+    // recompute, without those no stage up to it holds; the backward of the part before the chain, without
+    // any (StepContext::taken_bytes).
+    int64_t taken_less = 0;
+    if (!context.taken_bytes.empty()) {
+      if (op.kind == OpKind::kLoss || op.stage == n + 1)
+        taken_less = taken_unheld_bytes(context, taken_upto[static_cast<size_t>(n)]);
+      else if (after_loss && op.stage >= 0 && op.stage <= n)
+        taken_less = taken_unheld_bytes(context, taken_upto[static_cast<size_t>(op.stage)]);
+    }
+    const int64_t less = base + (without_input ? freed : 0) + taken_less;
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
     // The gradient a residual sum's path holds through a chain stage's backward (grad_held_bytes()).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
@@ -740,8 +807,11 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     if (op.stage >= 2) {
       const int64_t between = stage_figure(context.between_backward_peak_bytes, j),
                     held = stage_figure(context.between_held_bytes, j);
+      // (Once this backward is done, the tensors only this stage held are let go of too.)
+      const int64_t between_less =
+          less - taken_less + (context.taken_bytes.empty() ? 0 : taken_unheld_bytes(context, taken_upto[j]));
       if (between > 0 || held != 0)
-        peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - less);
+        peaks[k] = std::max(peaks[k], sim.op_done_bytes[k] + arrived + between - between_less);
       arrived += held;
       // What of its input, gone since its forward, runs between made beyond a_j, which held lets go of; and
       // a_j, where the stage before's way holds its output (the simulation's a_j from now on).

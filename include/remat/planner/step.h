@@ -254,7 +254,35 @@ struct StepContext {
   /// bf16 autocast were 1.9-2.8% below their predictions on every plan keeping the last layer. Empty (all
   /// shared, the default: charged), or one entry per stage.
   std::vector<bool> residual_grad_shared;
+  /// Tensors made before the chain that its stages take beside their input and that nothing but the stages
+  /// holds once the model's forward has returned: the attention masks a decoder makes once per step
+  /// (Gemma-2's sliding-window and full ones, each taken by alternate layers). Per tensor, its bytes (>= 0),
+  /// of before_saved_bytes (together at most it), which charges each through the chain's forward. From the
+  /// rest of the step on, a tensor is charged only while a stage holds it: a stage that takes it (taken_by)
+  /// holds it until its backward is done where its way recomputes or runs under a policy (a checkpoint holds
+  /// its arguments: Fc, Fk, a group assignment, on the device or the host) or where its plain graph saves it
+  /// (taken_saved_by: every way holds it). So it is charged in the rest (forward and backward) where any
+  /// stage holds it, in chain stage j's backward and recompute where a stage at or before j does, in what
+  /// runs between stages j - 1 and j once stage j's backward is done where a stage before j does, and never
+  /// in the backward of the part before the chain; step_op_peaks() and the per-layer program alike. At most
+  /// kMaxTakenTensors. The Python package reads them in the profiling step: a tensor the layers take, made
+  /// before them, that needs no gradient and was let go of once the first layer that takes it had run its
+  /// backward (every layer checkpointed). Before (2026-12-06) such tensors were charged to the step's end: a
+  /// 4-layer GPT-OSS with every layer kept was predicted 131,520 bytes (both of its masks) above what it
+  /// held. (The rest's measured peak is read as after the model's forward returned: a rest whose peak came
+  /// inside the model's own code, before its return, would be charged them too little.) Empty: none.
+  std::vector<int64_t> taken_bytes;
+  /// Per tensor of taken_bytes, per chain stage: whether the stage takes it. One entry per tensor of
+  /// taken_bytes, each empty (taken by none) or one entry per stage.
+  std::vector<std::vector<bool>> taken_by;
+  /// Per tensor of taken_bytes, per chain stage: whether the stage's plain forward's graph saves it (an
+  /// attention kernel's mask; an additive mask is not saved), so that it holds it whatever its way. As
+  /// taken_by; empty entries where none saves it.
+  std::vector<std::vector<bool>> taken_saved_by;
 };
+
+/// The most tensors StepContext::taken_bytes lists.
+constexpr size_t kMaxTakenTensors = 4;
 
 /// What a meter read at named points of one training step around a chain with every stage checkpointed (a
 /// profiling step), turned into a StepContext by step_context(). Counts are a meter's running count of tensor

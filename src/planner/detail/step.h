@@ -200,6 +200,16 @@ int64_t input_gone_from(const Chain& chain, const StepContext& context, const Pl
 // the chain's input when input_in_base, and after the loss, where input_gone_from() says it is gone, the
 // chain's input in the operations of the rest of the step and the chain's stages until it is back (bytes;
 // step_peak_bytes() is their maximum with the part before the chain's own peaks).
+// The tensors of StepContext::taken_bytes that chain stage j holds until its backward is done, its forward
+// run as `kind` (with a group assignment or not), as bits (bit m: tensor m): those it takes where its way
+// recomputes or runs under a policy (any kind but Fa: a checkpoint holds its arguments), and those its plain
+// graph saves (taken_saved_by) whatever its way. 0 for j outside the chain.
+uint32_t taken_held_by(const StepContext& context, int64_t j, OpKind kind);
+
+// The bytes of the tensors of StepContext::taken_bytes not among `held` (bits, as taken_held_by()'s): what a
+// point of the step where only the stages of `held` hold them is charged less than before_saved_bytes says.
+int64_t taken_unheld_bytes(const StepContext& context, uint32_t held);
+
 std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& context, const Plan& ops,
                                    const Simulation& sim);
 

@@ -241,6 +241,8 @@ class Shape:
         self.chain: _core.Chain | None = None
         # Per layer, every call the profile measured as a candidate saved group (profile's `saved_calls`), or None.
         self.saved_calls: list[list[_core.SavedGroup]] | None = None
+        # Per layer, the storages its plain forward's graph saved tensors of (profile's `saved_storages`), or None.
+        self.saved_storages: list[set[int]] | None = None
         self.context: _core.StepContext | None = None
         self.plan: _core.Plan | None = None
         self.choices: list[str] | None = None
@@ -350,6 +352,11 @@ class Step:
         # backward was done (StepContext.side_freed_bytes), and each storage or gradient found freed already
         # (("s" or "g", key); found freed where what runs between two layers ran, it is between_held_bytes').
         self.side_refs: dict[int, StorageWeakRef] = {}
+        # Of the storages made before the layers that they take (before_chain), those needing no gradient (masks),
+        # by storage: [a weak reference to it, its bytes, the layers that take it, the layer once whose backward
+        # it was found let go of (-1: where what runs between two layers had run; None: not yet)]
+        # (StepContext.taken_bytes).
+        self.taken: dict[int, list] = {}
         self.side_grad_refs: dict[int, StorageWeakRef | None] = {}
         self.side_freed: dict[int, int] = {}
         self.side_gone: set[tuple[str, int]] = set()
@@ -510,6 +517,13 @@ class Step:
                 if ref is not None and not ref.expired() and k not in self.side and k not in outs \
                         and k not in self.side_handed and storage_is(t, ref):
                     self.before_chain.add(k)
+        for t in taken:
+            k = storage_key(t)
+            if k in self.before_chain and not t.requires_grad:
+                entry = self.taken.get(k)
+                if entry is None:
+                    entry = self.taken[k] = [storage_ref(t), storage_bytes(t), set(), None]
+                entry[2].add(i)
         made = [t for t in handed if isinstance(t, torch.Tensor) and storage_key(t) not in self.before_chain]
         taken_keys = {storage_key(t) for t in taken}
         for t in [*taken, *made]:
@@ -572,7 +586,11 @@ class Step:
 
     def note_side_freed(self, i: int | None) -> None:
         """What of side_bytes is found freed now, once layer i's backward is done (side_freed_bytes), or, with
-        i None, where what runs between two layers has run (its reading has it)."""
+        i None, where what runs between two layers has run (its reading has it); and which of the masks the
+        layers take (`taken`) is found let go of now."""
+        for entry in self.taken.values():
+            if entry[3] is None and entry[0] is not None and entry[0].expired():
+                entry[3] = -1 if i is None else i
         for kind, refs in (("s", self.side_refs), ("g", self.side_grad_refs)):
             for k, ref in refs.items():
                 if ref is None or (kind, k) in self.side_gone or not ref.expired():
@@ -824,6 +842,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         times = PhaseTimes(bar)
         with gathered, contextlib.closing(bar):
             saved_calls: list = []
+            saved_storages: list = []
             # Which layers' outputs a residual sum outside them let go of (read as each layer was called; the
             # last one's is read later, once the rest's backward has run: taken as summed, one layer's figure).
             n = len(step.calls)
@@ -832,8 +851,9 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
                                   groups=lp.groups, progress=times, timing=lp.profile_timing,
-                                  saved_calls=saved_calls, summed=summed)
+                                  saved_calls=saved_calls, summed=summed, saved_storages=saved_storages)
             shape.saved_calls = saved_calls if lp.groups else None
+            shape.saved_storages = saved_storages
         shape.profiling_time = times.seconds
         shape.gathered = list(gathered.gathered)
         for st, g in zip(shape.chain.stages, gathered.gathered):
@@ -1159,6 +1179,29 @@ def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sha
     return run
 
 
+def set_taken(ctx, step: "Step", shape: "Shape", n: int) -> None:
+    """The masks the layers take into `ctx` (StepContext.taken_bytes, taken_by, taken_saved_by): each storage
+    made before the layers that they take and that needs no gradient, found let go of once the first layer
+    that takes it had run its backward (every layer checkpointed in the profiling step, each one that takes it
+    held it until then): nothing but the layers held it past the model's forward. At most MAX_TAKEN_TENSORS,
+    the largest first, and together at most what the part before the layers holds (before_saved_bytes, where
+    they are counted); per layer, whether its plain forward's graph saves it (shape.saved_storages: where not
+    read, taken as saved)."""
+    found = [(k, e) for k, e in step.taken.items() if e[2] and e[3] is not None and e[3] == min(e[2])]
+    found.sort(key=lambda ke: -ke[1][1])
+    saved = getattr(shape, "saved_storages", None)  # (a pickle from before it has none)
+    saved = saved if saved is not None and len(saved) == n else None
+    total = 0
+    for k, (_, nbytes, takers, _) in found[:_core.MAX_TAKEN_TENSORS]:
+        if total + nbytes > ctx.before_saved_bytes:
+            continue
+        total += nbytes
+        ctx.taken_bytes = [*ctx.taken_bytes, nbytes]
+        ctx.taken_by = [*ctx.taken_by, [j in takers for j in range(n)]]
+        ctx.taken_saved_by = [*ctx.taken_saved_by,
+                              [j in takers and (saved is None or k in saved[j]) for j in range(n)]]
+
+
 def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     """The profiling step's readings, turned into a StepContext by the planner library's code (the code
     remat::Planned uses: remat/planner/step.h's step_context), with FSDP2's backward transients charged to the
@@ -1203,6 +1246,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     if len(step.held_to_end) == n:
         r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)
+    set_taken(ctx, step, shape, n)
     if any(shape.gathered) and ctx.checkpoint_all_peak_bytes >= 0:
         # FSDP2's backward transients (the running layer's gathered parameters, the next layer's prefetched
         # ones, its unsharded gradients and the reduce-scatter's buffers) are not in the profile, which ran

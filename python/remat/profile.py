@@ -618,7 +618,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             warmup: int = 1, repeats: int = 3, inputs: Sequence[torch.Tensor] | None = None,
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
             groups: bool = False, progress=None, timing: str = "synced",
-            saved_calls: list | None = None, summed: Sequence[bool] | None = None) -> _core.Chain:
+            saved_calls: list | None = None, summed: Sequence[bool] | None = None,
+            saved_storages: list | None = None) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -667,6 +668,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     (remat.SavedGroup: its outputs' bytes, time, unsaved and staying bytes), those fit_groups chose for
     Stage.groups among them, in the forward's order (what a bound over every saved tensor reads:
     bench/offload_cuda.py); [] for a stage without them.
+
+    saved_storages: a list that receives per stage the storages (data pointers) its plain forward's graph saved
+    tensors of, `excluded` ones included (whether a stage's graph saves a mask it takes: StepContext.taken_saved_by).
 
     summed: per stage, whether a residual sum outside the stages lets go of its output (`x = x + layer(x)`:
     what the step's model charges the held gradient at), or None (unknown: every stage). Each policy's backward
@@ -989,6 +993,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # Linear saves a cast of it (bf16 under autocast) does not: a step lets go of it once
                         # the layer's forward is done, where nothing else holds it. A compiled stage's, as saved.
                         fields[i]["saves_in"] = compiled[i] or _storage_key(leaf) in counter.packed
+                        fields[i].setdefault("packed", set()).update(counter.packed)
                         # Whether it has a backward (Stage.has_backward): a stage whose output needs no gradient
                         # made no graph, and every way runs it as kept.
                         fields[i]["has_bwd"] = out.requires_grad
@@ -1235,4 +1240,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     chain.validate()
     if saved_calls is not None:
         saved_calls[:] = [f.get("groups", []) for f in fields]
+    if saved_storages is not None:
+        saved_storages[:] = [f.get("packed", set()) for f in fields]
     return chain

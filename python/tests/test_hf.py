@@ -547,16 +547,18 @@ def test_mixture_of_experts_layers_routed_differently_each_step_give_the_plain_r
                 assert hit[:n] != profiled[:n], (hit, profiled)
 
 
-def test_a_mask_made_before_the_layers_that_a_later_layer_takes_first_is_charged_once(meter):
+def test_a_mask_made_before_the_layers_is_charged_once_and_only_while_a_layer_holds_it(meter):
     # Gemma-2 makes its sliding-window and full-attention masks before its layers; the first layer takes the
     # sliding one, the second the full one. Both are in what the part before the layers holds from the chain's
     # start (StepContext.before_saved_bytes); the full one was charged again as what the layers take beside their
     # input (side_bytes): found 2026-12-04, 64 KiB here, 1 GiB on a real Gemma-2 (sequence 8,192, batch 8, bf16).
-    # Read now from the tensors alive when the first layer is called: charged once. (Kept layers, which do not
-    # save the masks, let go of them at the forward's return and are charged them through the backward still: at
-    # most 1% high here. With the layers that take them checkpointed, the step holds 96 bytes above its
-    # prediction: on the CPU only, the three Python numbers each layer's graph saves outside the saved-tensor
-    # hooks, docs/python.md, Limits.)
+    # Read now from the tensors alive when the first layer is called: charged once. Nothing but the layers holds
+    # them past the model's forward (StepContext.taken_bytes): a layer that takes one holds it until its backward
+    # is done where it is checkpointed (its checkpoint holds its arguments); kept, its graph (an additive mask's)
+    # does not save it. Before (2026-12-06) they were charged to the step's end whatever the plan: every layer
+    # kept, 131,488 bytes (1%) high here, 416 now. (With the layers that take them checkpointed, the step holds
+    # 96 bytes above its prediction: on the CPU only, the three Python numbers each layer's graph saves outside
+    # the saved-tensor hooks, docs/python.md, Limits.)
     def gemma2():
         torch.manual_seed(0)
         cfg = transformers.Gemma2Config(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -570,16 +572,32 @@ def test_a_mask_made_before_the_layers_that_a_later_layer_takes_first_is_charged
     model = gemma2()
     lp = remat.hf.enable(model, budget=1 << 40)
     same(want[0], step(model, spec, 0, meter))
-    masks = 2 * 4 * 64 * 64 * 4  # both: batch, 1, sequence, sequence; fp32
-    assert lp.context.side_bytes == 0 and lp.context.before_saved_bytes >= masks, \
-        (lp.context.side_bytes, lp.context.before_saved_bytes)
+    mask = 4 * 64 * 64 * 4  # batch, 1, sequence, sequence; fp32
+    ctx = lp.context
+    assert ctx.side_bytes == 0 and ctx.before_saved_bytes >= 2 * mask, (ctx.side_bytes, ctx.before_saved_bytes)
+    # Each taken by every other layer (sliding, full, sliding, full), saved by none; and the rotary embedding's
+    # cosines and sines (1, sequence, head size; fp32), taken and saved by every layer (held until the first
+    # layer's backward whatever its way: in the part before the layers' backward no more).
+    rotary = 64 * 16 * 4
+    assert sorted(zip(ctx.taken_bytes, ctx.taken_by, ctx.taken_saved_by)) == [
+        (rotary, [True] * 4, [True] * 4), (rotary, [True] * 4, [True] * 4),
+        (mask, [False, True, False, True], [False] * 4), (mask, [True, False, True, False], [False] * 4)], \
+        (ctx.taken_bytes, ctx.taken_by, ctx.taken_saved_by)
     n = len(lp.chain.stages)
-    for ops in ([f"Fa{i}" for i in range(n)] + ["L"] + [f"B{i}" for i in reversed(range(n))],
-                [f"Fc{i}" for i in range(n)] + ["L"] + [x for i in reversed(range(n)) for x in (f"Fa{i}", f"B{i}")]):
-        _, predicted = give_plan(lp, ops)
+
+    def per_layer(ways):
+        return ([f"F{w}{i}" for i, w in enumerate(ways)] + ["L"] +
+                [x for i in reversed(range(n)) for x in ((f"Fa{i}",) if ways[i] == "c" else ()) + (f"B{i}",)])
+
+    # Every layer kept (both let go of as the model's forward returns), every layer checkpointed (each held until
+    # the backward of the first layer that takes it), and the first two kept, the last two checkpointed (each held
+    # until the backward of a later layer).
+    for ways in ("aaaa", "cccc", "aacc"):
+        _, predicted = give_plan(lp, per_layer(ways))
         got = step(model, spec, 1, meter)
         same(want[1], got)
-        assert got[2] <= predicted + 128 and predicted <= got[2] * 1.01, (ops, got[2], predicted)
+        # (Every layer kept: 416 bytes high, not located; was 131,488.)
+        assert predicted - 512 <= got[2] <= predicted + 128, (ways, got[2], predicted)
 
 
 @pytest.mark.parametrize("attentions", [False, True])
@@ -624,7 +642,11 @@ def test_what_a_layer_hands_on_beside_its_output_is_charged_only_where_something
         got = step(model, spec, k, meter, make_batch=make_batch)
         same(want[k], got)
     if not collected:
-        assert got[2] <= predicted <= got[2] * 1.01, (got[2], predicted)
+        # (Up to 128 bytes above: on the CPU only, the Python numbers the blocks' graphs save outside the
+        # saved-tensor hooks, docs/python.md, Limits; hidden until 2026-12-06 by the attention mask and the
+        # position ids, 66,048 bytes charged to the step's end where the model lets go of them as its forward
+        # returns: StepContext.taken_bytes.)
+        assert got[2] - 128 <= predicted <= got[2] * 1.01, (got[2], predicted)
     else:  # a kept layer's weights are its saved tensors too: charged twice (a limit, on the safe side)
         assert got[2] <= predicted <= got[2] + 4 * weights + weights // 2, (got[2], predicted)
 

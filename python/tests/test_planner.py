@@ -248,6 +248,14 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
         old.__setstate__(c.__getstate__()[:fields])
         assert value(getattr(old, field)) == default and value(getattr(old, before[0])) == before[1], field
         before = (field, set_to)
+    # The masks only the stages hold (set on the context, not read by step_context()): pickled; a state of 27
+    # fields loads with none.
+    c.taken_bytes, c.taken_by, c.taken_saved_by = [100], [[True, False]], [[False, False]]
+    back = pickle.loads(pickle.dumps(c))
+    assert (list(back.taken_bytes), back.taken_by, back.taken_saved_by) == ([100], [[True, False]], [[False, False]])
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:27])
+    assert list(old.taken_bytes) == [] and list(old.residual_grad_shared) == [False, True]
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

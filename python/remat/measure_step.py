@@ -1183,23 +1183,28 @@ def set_taken(ctx, step: "Step", shape: "Shape", n: int) -> None:
     """The masks the layers take into `ctx` (StepContext.taken_bytes, taken_by, taken_saved_by): each storage
     made before the layers that they take and that needs no gradient, found let go of once the first layer
     that takes it had run its backward (every layer checkpointed in the profiling step, each one that takes it
-    held it until then): nothing but the layers held it past the model's forward. At most MAX_TAKEN_TENSORS,
-    the largest first, and together at most what the part before the layers holds (before_saved_bytes, where
-    they are counted); per layer, whether its plain forward's graph saves it (shape.saved_storages: where not
-    read, taken as saved)."""
-    found = [(k, e) for k, e in step.taken.items() if e[2] and e[3] is not None and e[3] == min(e[2])]
-    found.sort(key=lambda ke: -ke[1][1])
+    held it until then): nothing but the layers held it past the model's forward. Per layer, whether its plain
+    forward's graph saves it (shape.saved_storages: where not read, taken as saved). Those taken and saved by
+    the same layers are one entry (their bytes summed: held and let go of together, one more state fewer for
+    the per-layer program to carry); at most MAX_TAKEN_TENSORS entries, the largest first, together at most
+    what the part before the layers holds (before_saved_bytes, where they are counted)."""
     saved = getattr(shape, "saved_storages", None)  # (a pickle from before it has none)
     saved = saved if saved is not None and len(saved) == n else None
+    merged: dict[tuple, int] = {}
+    for k, (_, nbytes, takers, freed_at) in step.taken.items():
+        if not takers or freed_at is None or freed_at != min(takers):
+            continue
+        flags = (tuple(j in takers for j in range(n)),
+                 tuple(j in takers and (saved is None or k in saved[j]) for j in range(n)))
+        merged[flags] = merged.get(flags, 0) + nbytes
     total = 0
-    for k, (_, nbytes, takers, _) in found[:_core.MAX_TAKEN_TENSORS]:
+    for (by, saved_by), nbytes in sorted(merged.items(), key=lambda e: -e[1])[:_core.MAX_TAKEN_TENSORS]:
         if total + nbytes > ctx.before_saved_bytes:
             continue
         total += nbytes
         ctx.taken_bytes = [*ctx.taken_bytes, nbytes]
-        ctx.taken_by = [*ctx.taken_by, [j in takers for j in range(n)]]
-        ctx.taken_saved_by = [*ctx.taken_saved_by,
-                              [j in takers and (saved is None or k in saved[j]) for j in range(n)]]
+        ctx.taken_by = [*ctx.taken_by, list(by)]
+        ctx.taken_saved_by = [*ctx.taken_saved_by, list(saved_by)]
 
 
 def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):

@@ -241,8 +241,9 @@ class Shape:
         self.chain: _core.Chain | None = None
         # Per layer, every call the profile measured as a candidate saved group (profile's `saved_calls`), or None.
         self.saved_calls: list[list[_core.SavedGroup]] | None = None
-        # Per layer, the storages its plain forward's graph saved tensors of (profile's `saved_storages`), or None.
-        self.saved_storages: list[set[int]] | None = None
+        # Per layer, the storages its plain forward's graph saved tensors of (profile's `saved_storages`; an entry
+        # None where not read), or None.
+        self.saved_storages: list[set[int] | None] | None = None
         self.context: _core.StepContext | None = None
         self.plan: _core.Plan | None = None
         self.choices: list[str] | None = None
@@ -1184,10 +1185,10 @@ def set_taken(ctx, step: "Step", shape: "Shape", n: int) -> None:
     made before the layers that they take and that needs no gradient, found let go of once the first layer
     that takes it had run its backward (every layer checkpointed in the profiling step, each one that takes it
     held it until then): nothing but the layers held it past the model's forward. Per layer, whether its plain
-    forward's graph saves it (shape.saved_storages: where not read, taken as saved). Those taken and saved by
-    the same layers are one entry (their bytes summed: held and let go of together, one more state fewer for
-    the per-layer program to carry); at most MAX_TAKEN_TENSORS entries, the largest first, together at most
-    what the part before the layers holds (before_saved_bytes, where they are counted)."""
+    forward's graph saves it (shape.saved_storages: where not read, a compiled layer's, taken as saved). Those
+    taken and saved by the same layers are one entry (their bytes summed: held and let go of together, one
+    state fewer for the per-layer program to carry); at most MAX_TAKEN_TENSORS entries, the largest first,
+    together at most what the part before the layers holds (before_saved_bytes, where they are counted)."""
     saved = getattr(shape, "saved_storages", None)  # (a pickle from before it has none)
     saved = saved if saved is not None and len(saved) == n else None
     merged: dict[tuple, int] = {}
@@ -1195,7 +1196,7 @@ def set_taken(ctx, step: "Step", shape: "Shape", n: int) -> None:
         if not takers or freed_at is None or freed_at != min(takers):
             continue
         flags = (tuple(j in takers for j in range(n)),
-                 tuple(j in takers and (saved is None or k in saved[j]) for j in range(n)))
+                 tuple(j in takers and (saved is None or saved[j] is None or k in saved[j]) for j in range(n)))
         merged[flags] = merged.get(flags, 0) + nbytes
     total = 0
     for (by, saved_by), nbytes in sorted(merged.items(), key=lambda e: -e[1])[:_core.MAX_TAKEN_TENSORS]:

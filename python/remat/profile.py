@@ -670,7 +670,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     bench/offload_cuda.py); [] for a stage without them.
 
     saved_storages: a list that receives per stage the storages (data pointers) its plain forward's graph saved
-    tensors of, `excluded` ones included (whether a stage's graph saves a mask it takes: StepContext.taken_saved_by).
+    tensors of, `excluded` ones included (whether a stage's graph saves a mask it takes: StepContext.taken_saved_by),
+    or None where not read (a compiled stage: taken as saving every one).
 
     summed: per stage, whether a residual sum outside the stages lets go of its output (`x = x + layer(x)`:
     what the step's model charges the held gradient at), or None (unknown: every stage). Each policy's backward
@@ -993,7 +994,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # Linear saves a cast of it (bf16 under autocast) does not: a step lets go of it once
                         # the layer's forward is done, where nothing else holds it. A compiled stage's, as saved.
                         fields[i]["saves_in"] = compiled[i] or _storage_key(leaf) in counter.packed
-                        fields[i].setdefault("packed", set()).update(counter.packed)
+                        # The storages its graph saves (saved_storages); a compiled stage's as unknown (None: every
+                        # one taken as saved).
+                        fields[i]["packed"] = None if compiled[i] else set(counter.packed)
                         # Whether it has a backward (Stage.has_backward): a stage whose output needs no gradient
                         # made no graph, and every way runs it as kept.
                         fields[i]["has_bwd"] = out.requires_grad
@@ -1241,5 +1244,5 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     if saved_calls is not None:
         saved_calls[:] = [f.get("groups", []) for f in fields]
     if saved_storages is not None:
-        saved_storages[:] = [f.get("packed", set()) for f in fields]
+        saved_storages[:] = [f.get("packed") for f in fields]
     return chain

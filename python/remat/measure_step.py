@@ -895,6 +895,10 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # From the layers' input gradient to the end: the backward pass of what ran before the layers.
         if not prefix_backward:
             read_input_held()
+            # Nothing runs after the first layer's backward (the layers' input takes no gradient: frozen
+            # embeddings, LoRA): what is let go of by now was let go of once it was done. Before (2026-12-06),
+            # not read: such a step's masks first taken by the first layer were charged to the step's end.
+            step.note_side_freed(0)
         # Which layers' outputs something holds to the step's end (StepReadings.outputs_held_to_end), the last
         # layer's (the layers' output: BERT's last_hidden_state, which the caller keeps) too, and one the later
         # layers take beside their input (BART's encoder output, which the caller's output holds too: side_bytes

@@ -547,7 +547,8 @@ def test_mixture_of_experts_layers_routed_differently_each_step_give_the_plain_r
                 assert hit[:n] != profiled[:n], (hit, profiled)
 
 
-def test_a_mask_made_before_the_layers_is_charged_once_and_only_while_a_layer_holds_it(meter):
+@pytest.mark.parametrize("frozen_embeddings", [False, True])
+def test_a_mask_made_before_the_layers_is_charged_once_and_only_while_a_layer_holds_it(frozen_embeddings, meter):
     # Gemma-2 makes its sliding-window and full-attention masks before its layers; the first layer takes the
     # sliding one, the second the full one. Both are in what the part before the layers holds from the chain's
     # start (StepContext.before_saved_bytes); the full one was charged again as what the layers take beside their
@@ -558,13 +559,17 @@ def test_a_mask_made_before_the_layers_is_charged_once_and_only_while_a_layer_ho
     # does not save it; so are the position ids. Before (2026-12-06) they were charged to the step's end
     # whatever the plan: every layer kept, 131,488 bytes (1%) high here. (Every plan holds 96 bytes above its
     # prediction: on the CPU only, the three Python numbers each layer's graph saves outside the saved-tensor
-    # hooks, docs/python.md, Limits.)
+    # hooks, docs/python.md, Limits.) With the embeddings frozen (the layers' input takes no gradient, as under
+    # LoRA), the first layer's backward is the step's last: what is let go of by the step's end was let go of
+    # once it was done (before, not read there, and the sliding mask was charged to the step's end).
     def gemma2():
         torch.manual_seed(0)
         cfg = transformers.Gemma2Config(vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                                         num_key_value_heads=2, head_dim=16, intermediate_size=128,
                                         max_position_embeddings=256, sliding_window=16, attn_implementation="eager")
-        return transformers.Gemma2ForCausalLM(cfg).train()
+        model = transformers.Gemma2ForCausalLM(cfg).train()
+        model.get_input_embeddings().requires_grad_(not frozen_embeddings)
+        return model
 
     spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
     plain = gemma2()

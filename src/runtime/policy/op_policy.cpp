@@ -79,14 +79,14 @@ const void* storage_key(const at::Tensor& t) {
                                         : nullptr;
 }
 
-// Whether a call of this operator can be kept, and so is asked: every return a tensor that aliases nothing,
-// no argument written, at least one tensor argument, and not a factory (empty_like, new_zeros, ...), whose
-// fresh result a later in-place operator fills. aten::_unsafe_view returns a view without saying so in its
-// schema (matmul uses it on the product it reshapes).
 std::string call_name(const c10::FunctionSchema& schema, std::unordered_map<std::string, int64_t>& counts) {
   return schema.name() + "#" + std::to_string(counts[schema.name()]++);
 }
 
+// Whether a call of this operator can be kept, and so is asked: every return a tensor that aliases nothing,
+// no argument written, at least one tensor argument, and not a factory (empty_like, new_zeros, ...), whose
+// fresh result a later in-place operator fills. aten::_unsafe_view returns a view without saying so in its
+// schema (matmul uses it on the product it reshapes).
 bool askable(const c10::FunctionSchema& schema) {
   if (schema.returns().empty()) return false;
   for (const c10::Argument& r : schema.returns()) {

@@ -811,7 +811,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       struct Fixed {
         int64_t copied = 0;
         double to_host_ms = 0, to_device_ms = 0;
-        int64_t past = 0;  // past_between_bytes()
+        int64_t past = 0;    // past_between_bytes()
+        uint32_t holds = 0;  // the masks this choice's way holds (detail::taken_held_by()'s bits)
         // (Indexed first by the tensors only the stages hold that the stages before hold: Point::taken_held.)
         int64_t need[1u << kMaxTakenTensors][2][2][2][2] = {};
         bool made[1u << kMaxTakenTensors][2][2][2][2] = {};
@@ -825,6 +826,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         f.to_host_ms = chain.transfer_ms(f.copied, true);
         f.to_device_ms = chain.transfer_ms(f.copied, false);
         f.past = past_between_bytes(chain.stages[static_cast<size_t>(j)], ch, step, j);
+        if (step && step->taken && j >= 1 && j <= n - 2)
+          f.holds = detail::taken_held_by(*step->taken, j - 1, ch.kind);
       }
       std::vector<double> back_ms(cur.size());
       for (size_t k = 0; k < cur.size(); ++k)
@@ -863,22 +866,21 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         // by those before and this one's way; charged to its backward where any of them holds them, to what
         // runs between once it is done where a stage before does, to the rest where any stage does, and never
         // to the backward of the part before the chain.
-        q.taken_held = p.taken_held;
-        TakenLess taken_less;
-        if (step && step->taken) {
-          const StepContext& x = *step->taken;
-          if (j >= 1 && j <= n - 2) q.taken_held |= detail::taken_held_by(x, j - 1, ch.kind);
-          if (j == 0) {
-            taken_less.bwd = detail::taken_unheld_bytes(x, 0);
-          } else if (j == n - 1) {
-            taken_less.fwd = taken_less.bwd = detail::taken_unheld_bytes(x, p.taken_held);
-          } else {
-            taken_less.bwd = detail::taken_unheld_bytes(x, q.taken_held);
-            taken_less.between = detail::taken_unheld_bytes(x, p.taken_held);
-          }
-        }
+        q.taken_held = p.taken_held | f.holds;
         const uint32_t th = p.taken_held;
         if (!f.made[th][input_leaves][gone][twice][less]) {
+          TakenLess taken_less;
+          if (step && step->taken) {
+            const StepContext& x = *step->taken;
+            if (j == 0) {
+              taken_less.bwd = detail::taken_unheld_bytes(x, 0);
+            } else if (j == n - 1) {
+              taken_less.fwd = taken_less.bwd = detail::taken_unheld_bytes(x, th);
+            } else {
+              taken_less.bwd = detail::taken_unheld_bytes(x, q.taken_held);
+              taken_less.between = detail::taken_unheld_bytes(x, th);
+            }
+          }
           const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0) +
                                    (rest_less ? step->rest_gone : 0);
           f.need[th][input_leaves][gone][twice][less] =

@@ -1202,14 +1202,13 @@ def set_taken(ctx, step: "Step", shape: "Shape", n: int) -> None:
         flags = (tuple(j in takers for j in range(n)),
                  tuple(j in takers and (saved is None or saved[j] is None or k in saved[j]) for j in range(n)))
         merged[flags] = merged.get(flags, 0) + nbytes
-    total = 0
-    for (by, saved_by), nbytes in sorted(merged.items(), key=lambda e: -e[1])[:_core.MAX_TAKEN_TENSORS]:
-        if total + nbytes > ctx.before_saved_bytes:
-            continue
-        total += nbytes
-        ctx.taken_bytes = [*ctx.taken_bytes, nbytes]
-        ctx.taken_by = [*ctx.taken_by, list(by)]
-        ctx.taken_saved_by = [*ctx.taken_saved_by, list(saved_by)]
+    taken = []
+    for flags, nbytes in sorted(merged.items(), key=lambda e: -e[1])[:_core.MAX_TAKEN_TENSORS]:
+        if sum(b for _, b in taken) + nbytes <= ctx.before_saved_bytes:
+            taken.append((flags, nbytes))
+    ctx.taken_bytes = [nbytes for _, nbytes in taken]
+    ctx.taken_by = [list(by) for (by, _), _ in taken]
+    ctx.taken_saved_by = [list(saved_by) for (_, saved_by), _ in taken]
 
 
 def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):

@@ -1524,6 +1524,70 @@ TEST(Step, TensorsOnlyTheStagesHoldAreChargedWhileAStageHoldsThem) {
   EXPECT_GT(least_lowered, 4) << least_lowered;
 }
 
+// The per-layer program leaves a point out where another of the same kind holding other masks beats it by
+// more than those masks' bytes (across_masks()). On random chains of three stages with masks the size of
+// their stages' saved bytes, at every budget where the fastest plan changes (each plan's step peak), with
+// offloading or not and with host bounds, the program's plan is as fast as the fastest of every per-layer
+// plan that fits, and its least budget is theirs.
+TEST(Step, MasksHeldApartNeverHideTheFastestPlanAtAnyBudget) {
+  std::mt19937 rng(5402), between_rng(5403);
+  int checked = 0, bounded = 0;
+  for (int trial = 0; trial < 32; ++trial) {
+    const int64_t n = 3;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    if (trial % 4 == 1) add_random_groups(rng, chain);
+    add_random_streams(rng, chain);
+    remat::StepContext ctx = random_step(between_rng, chain, trial);
+    ctx.taken_bytes.clear(), ctx.taken_by.clear(), ctx.taken_saved_by.clear();
+    add_random_taken(static_cast<unsigned>(54000 + trial), ctx, n, 12000);
+    remat::PlannerOptions options;
+    options.offload = trial % 4 != 2;
+    options.groups = trial % 4 == 1;
+    std::vector<Candidate> all = every_per_layer_plan(chain, true, true, options.offload, options.groups);
+    std::vector<int64_t> peaks;
+    for (Candidate& c : all) {
+      c.peak = remat::step_peak_bytes(chain, ctx, c.plan);
+      const remat::Simulation sim = remat::simulate(remat::step_chain(chain, ctx), remat::step_plan(c.plan));
+      c.ms = sim.time_ms, c.host = sim.host_peak_bytes;
+      peaks.push_back(c.peak);
+    }
+    std::sort(peaks.begin(), peaks.end());
+    peaks.erase(std::unique(peaks.begin(), peaks.end()), peaks.end());
+    ASSERT_EQ(remat::min_step_budget(chain, ctx, "per-layer", options), peaks.front()) << "trial " << trial;
+    // Every other trial offloading, a host bound: the least host bytes of the plans within the budget, or
+    // half way to the most.
+    for (const int64_t budget : peaks) {
+      options.max_host_bytes = -1;
+      if (options.offload && trial % 2 == 1) {
+        int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
+        for (const Candidate& c : all)
+          if (c.peak <= budget) lo = std::min(lo, c.host), hi = std::max(hi, c.host);
+        options.max_host_bytes = budget % 2 == 0 ? lo : (lo + hi) / 2;
+        ++bounded;
+      }
+      double best = std::numeric_limits<double>::infinity();
+      for (const Candidate& c : all)
+        if (c.peak <= budget && (options.max_host_bytes < 0 || c.host <= options.max_host_bytes))
+          best = std::min(best, c.ms);
+      if (best == std::numeric_limits<double>::infinity()) {  // the host bound leaves nothing within it
+        EXPECT_THROW(remat::plan_step(chain, ctx, budget, "per-layer", options), remat::InfeasibleBudget);
+        continue;
+      }
+      try {
+        const remat::StepPlan p = remat::plan_step(chain, ctx, budget, "per-layer", options);
+        EXPECT_LE(p.step_peak_bytes, budget);
+        EXPECT_NEAR(p.step_time_ms, best, 1e-9 * std::max(1.0, best))
+            << "trial " << trial << " budget " << budget << ": " << p.plan.to_string();
+      } catch (const remat::InfeasibleBudget& e) {
+        ADD_FAILURE() << "trial " << trial << " budget " << budget << ": " << e.what();
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 300) << checked;
+  EXPECT_GT(bounded, 50) << bounded;
+}
+
 // Operation by operation: a mask of 7,000 bytes taken by the first and last of three stages, which an
 // additive mask's graph does not save, is charged through the forward whatever the plan; from the rest on,
 // only where a stage that takes it recomputes, and then until that stage's backward is done; never in the

@@ -651,8 +651,8 @@ int64_t masks_beyond(const std::vector<int64_t>& taken, uint32_t a, uint32_t b) 
 // let two points leave out each other); where o's key, host bytes and link's time owed beat p's too, as
 // pareto() compares them, p is left out. Each point left out has one kept that beats it (each step to the one
 // that beats it lowers R, or holds fewer masks at the same R), so the program's best plan is the same, from
-// fewer points: BERT-large's H200 profile with four masks taken by alternate layers planned in 3.0 s, as fast
-// as with none, where it took 7.1 s.
+// fewer points (BERT-large's H200 profile with four masks, each taken by every fourth layer: 2.8 s, where it
+// took 5.4; docs/BENCHMARKS.md, "Planner speed").
 template <typename Key>
 std::vector<Point> across_masks(std::vector<Point> points, Key key, bool host, bool link,
                                 const std::vector<int64_t>& taken) {

@@ -2487,6 +2487,40 @@ TEST(PerLayer, LeavingOutTheCandidatesAnchorsBeatChangesNoPlan) {
   EXPECT_GT(offloaded, 50);
 }
 
+// Where the rough program's frontiers grow wide, the per-layer program runs a second one, thinned less, whose
+// plan bounds the exact program more tightly (solve()). On random chains of 4 to 9 stages with groups and
+// offloading, with that second program run wherever the first's frontiers pass 8 points, every plan at
+// budgets from the least to twice it is the one the program finds with every candidate made and sorted.
+TEST(PerLayer, ASecondRoughProgramOnWideFrontiersChangesNoPlan) {
+  // (Its threshold lowered, so that these chains run it.)
+  struct Lowered {
+    size_t was = remat::detail::second_rough_after;
+    Lowered() { remat::detail::second_rough_after = 8; }
+    ~Lowered() { remat::detail::second_rough_after = was; }
+  } lowered;
+  std::mt19937 rng(5601), between_rng(5602);
+  for (int trial = 0; trial < 12; ++trial) {
+    const int64_t n = 4 + trial % 6;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    add_random_groups(rng, chain);
+    remat::StepContext ctx = random_step(between_rng, chain, trial);
+    remat::PlannerOptions options;
+    options.offload = true;
+    options.groups = true;
+    const int64_t least = remat::detail::per_layer_step_min(chain, ctx, options, true);
+    for (int k = 0; k < 4; ++k) {
+      const int64_t budget = least + least * k / 3;
+      int64_t least_with = 0, least_without = 0;
+      const auto with = remat::detail::per_layer_in_step(chain, ctx, budget, options, &least_with, true);
+      const auto without =
+          remat::detail::per_layer_in_step(chain, ctx, budget, options, &least_without, false);
+      ASSERT_EQ(with.has_value(), without.has_value()) << "trial " << trial << " budget " << budget;
+      if (!with) continue;
+      EXPECT_EQ(remat::to_json(*with), remat::to_json(*without)) << "trial " << trial << " budget " << budget;
+    }
+  }
+}
+
 TEST(PerLayerGroups, PastFortyEightAssignmentsAStageKeepsTheFastest) {
   // Ten groups of distinct bytes and times, offloading: more than 48 assignments that no other beats (counted
   // here over all 3^10), of which the program plans with 48 (thin_group_choices), the fastest among them: at

@@ -486,6 +486,9 @@ constexpr size_t kMaxFrontier = size_t{1} << 15;
 // The rough program's (see solve()): two bands of R a group.
 constexpr size_t kRoughFrontier = 4;
 static_assert(kRoughFrontier >= 2, "thin() makes cap / 2 bands");
+// The second rough program's (see solve()), run where the first's frontiers grew past
+// detail::second_rough_after points.
+constexpr size_t kMidFrontier = 64;
 // The most anchors a candidate is checked against (solve()).
 constexpr size_t kMaxWalk = 32;
 
@@ -883,9 +886,12 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   const bool link = by_time && offload;
   // The masks' bytes (StepContext::taken_bytes), for across_masks().
   const std::vector<int64_t> masks = step && step->taken ? step->taken->taken_bytes : std::vector<int64_t>{};
+  // The most points a stage's frontier held before thinning, in the last run.
+  size_t widest = 0;
   // The program, its frontiers thinned past `cap` points a group, leaving out the candidates whose peak
   // exceeds `most` (bytes) and those whose time and the least the stages after them take exceed `bound` (ms).
   auto run = [&](size_t cap, double bound, int64_t most) {
+    widest = 0;
     sol.frontiers.assign(static_cast<size_t>(n) + 1, {});
     Point start;
     start.held = start.peak = chain.input_bytes;
@@ -1096,12 +1102,13 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           if (!beaten) next.push_back(q);
         }
       }
-      next = by_time ? thin(across_masks(pareto(std::move(next), time_key, bounded, link), time_key, bounded,
-                                         link, masks),
-                            time_key, bounded, link, cap)
-                     : thin(across_masks(pareto(std::move(next), peak_key, bounded), peak_key, bounded, false,
-                                         masks),
-                            peak_key, bounded, false, cap);
+      next =
+          by_time
+              ? across_masks(pareto(std::move(next), time_key, bounded, link), time_key, bounded, link, masks)
+              : across_masks(pareto(std::move(next), peak_key, bounded), peak_key, bounded, false, masks);
+      widest = std::max(widest, next.size());
+      next = by_time ? thin(std::move(next), time_key, bounded, link, cap)
+                     : thin(std::move(next), peak_key, bounded, false, cap);
       sol.frontiers[static_cast<size_t>(j) + 1] = std::move(next);
     }
     const auto& last = sol.frontiers[static_cast<size_t>(n)];
@@ -1148,8 +1155,19 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     run(kMaxFrontier, kNone, fits);
     return sol;
   }
-  const double bound = by_time ? sol.best_ms + std::abs(sol.best_ms) * 1e-9 : kNone;
+  double bound = by_time ? sol.best_ms + std::abs(sol.best_ms) * 1e-9 : kNone;
   const int64_t most = by_time ? budget : sol.best_peak;
+  // Planning for time, where the first's frontiers grew past detail::second_rough_after points (a program
+  // whose exact run will be long), a second rough program, thinned to kMidFrontier points a group and cut by
+  // the first's plan: its plan fits too and is usually much nearer the best, and the tighter bound leaves out
+  // most of the exact program's candidates. BERT-large's H200 profile, offloading and groups: at 12 GB 1600
+  // ms against the first's 1759 (the best 1585), planned in 14-16 s where it took 24-26; at 28 GB, 6.0-6.4 s
+  // where it took 38-39 (docs/BENCHMARKS.md, "Planner speed"). Where the first's frontiers stay small (a
+  // 48-layer BERT of width 64: 400-560 points), the second would cost more than it saves.
+  if (by_time && widest > detail::second_rough_after) {
+    run(kMidFrontier, bound, most);
+    if (sol.best >= 0) bound = std::min(bound, sol.best_ms + std::abs(sol.best_ms) * 1e-9);
+  }
   run(kMaxFrontier, bound, most);
   // Past kMaxFrontier points a group the program itself is thinned, and may miss the rough plan.
   if (sol.best < 0) run(kMaxFrontier, kNone, fits);
@@ -1295,6 +1313,8 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
 }
 
 namespace detail {
+
+size_t second_rough_after = 1024;
 
 Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options, bool filter) {
   validate(chain);

@@ -36,4 +36,9 @@ int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const
 /// per_layer(), with the filter as given.
 Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options, bool filter);
 
+/// With `filter`, planning for time: the widest frontier of the first rough program (points, before thinning)
+/// past which a second rough program, thinned less, runs before the exact one, to bound it more tightly
+/// (per_layer.cpp's solve()). 1024; a test lowers it so that small chains run the second program too.
+extern size_t second_rough_after;
+
 }  // namespace remat::detail

@@ -322,11 +322,12 @@ std::vector<const Candidate*> spread(const std::vector<Candidate>& all, size_t m
   return out;
 }
 
-// The least time of the plans in `all` whose peak is within `budget` (infinity where none is).
-double fastest_within(const std::vector<Candidate>& all, int64_t budget) {
+// The least time of the plans in `all` whose peak is within `budget` and, where `max_host` >= 0, whose host
+// bytes are within it (infinity where none is).
+double fastest_within(const std::vector<Candidate>& all, int64_t budget, int64_t max_host = -1) {
   double best = std::numeric_limits<double>::infinity();
   for (const Candidate& c : all)
-    if (c.peak <= budget) best = std::min(best, c.ms);
+    if (c.peak <= budget && (max_host < 0 || c.host <= max_host)) best = std::min(best, c.ms);
   return best;
 }
 
@@ -931,10 +932,7 @@ TEST(PerLayerOffload, EqualsExhaustiveSearchOnRandomChains) {
     for (int b = 0; b < 4; ++b) {
       const int64_t budget = b == 0 ? least : pick(rng);
       options.max_host_bytes = b == 3 ? pick_host(rng) : -1;
-      double best = std::numeric_limits<double>::infinity();
-      for (const Candidate& c : all)
-        if (c.peak <= budget && (options.max_host_bytes < 0 || c.host <= options.max_host_bytes))
-          best = std::min(best, c.ms);
+      const double best = fastest_within(all, budget, options.max_host_bytes);
       if (best ==
           std::numeric_limits<double>::infinity()) {  // the host bound leaves nothing within the budget
         EXPECT_THROW(remat::per_layer(chain, budget, options), remat::InfeasibleBudget);
@@ -1565,10 +1563,7 @@ TEST(Step, MasksHeldApartNeverHideTheFastestPlanAtAnyBudget) {
         options.max_host_bytes = budget % 2 == 0 ? lo : (lo + hi) / 2;
         ++bounded;
       }
-      double best = std::numeric_limits<double>::infinity();
-      for (const Candidate& c : all)
-        if (c.peak <= budget && (options.max_host_bytes < 0 || c.host <= options.max_host_bytes))
-          best = std::min(best, c.ms);
+      const double best = fastest_within(all, budget, options.max_host_bytes);
       if (best == std::numeric_limits<double>::infinity()) {  // the host bound leaves nothing within it
         EXPECT_THROW(remat::plan_step(chain, ctx, budget, "per-layer", options), remat::InfeasibleBudget);
         continue;

@@ -1155,18 +1155,20 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
     run(kMaxFrontier, kNone, fits);
     return sol;
   }
-  double bound = by_time ? sol.best_ms + std::abs(sol.best_ms) * 1e-9 : kNone;
+  // A rough plan's time as a bound: a billionth above, for the sums' rounding.
+  auto above = [](double ms) { return ms + std::abs(ms) * 1e-9; };
+  double bound = by_time ? above(sol.best_ms) : kNone;
   const int64_t most = by_time ? budget : sol.best_peak;
   // Planning for time, where the first's frontiers grew past detail::second_rough_after points (a program
   // whose exact run will be long), a second rough program, thinned to kMidFrontier points a group and cut by
   // the first's plan: its plan fits too and is usually much nearer the best, and the tighter bound leaves out
   // most of the exact program's candidates. BERT-large's H200 profile, offloading and groups: at 12 GB 1600
-  // ms against the first's 1759 (the best 1585), planned in 14-16 s where it took 24-26; at 28 GB, 6.0-6.4 s
-  // where it took 38-39 (docs/BENCHMARKS.md, "Planner speed"). Where the first's frontiers stay small (a
-  // 48-layer BERT of width 64: 400-560 points), the second would cost more than it saves.
+  // ms against the first's 1759 (the best 1585), planned in 14.2 s where it took 23-26; at 28 GB, 7 s where
+  // it took 42-44 (docs/BENCHMARKS.md, "Planner speed"). Where the first's frontiers stay small (a 48-layer
+  // BERT of width 64: 400-560 points), the second would cost more than it saves.
   if (by_time && widest > detail::second_rough_after) {
     run(kMidFrontier, bound, most);
-    if (sol.best >= 0) bound = std::min(bound, sol.best_ms + std::abs(sol.best_ms) * 1e-9);
+    if (sol.best >= 0) bound = std::min(bound, above(sol.best_ms));
   }
   run(kMaxFrontier, bound, most);
   // Past kMaxFrontier points a group the program itself is thinned, and may miss the rough plan.

@@ -214,6 +214,10 @@ class _Done:
         self.query, self.wait, self.at_once = query, wait, at_once
 
 
+# What a copy made at once holds until waited on (CopyEngine's `hold`): its source, nothing else to wait for.
+_HELD = _Done(lambda: False, lambda: None, at_once=True)
+
+
 class CopyEngine:
     """Copies between the device and host blocks; copy() returns None when the copy has completed, else a
     _Done to query and wait on. The CPU engine copies at once; the CUDA engine on a side stream, after the
@@ -247,6 +251,11 @@ class CopyEngine:
         if host_wait is not None and not isinstance(host_wait, bool):
             raise ValueError(f"remat.offload.CopyEngine: host_wait must be True, False or None, got {host_wait!r}")
         self.host_wait = bool(CopyEngine.HOST_WAIT) if host_wait is None else host_wait
+
+    @property
+    def allocates_apart(self) -> bool:
+        """Whether a copy's device destination is allocated in allocation_stream() (else where the caller is)."""
+        return self._stream is not None and not self.host_wait
 
     def allocation_stream(self):
         """The context to allocate a copy's device destination in: the copy stream's where copies back need not
@@ -308,12 +317,15 @@ class _Entry:
     flight, and the device bytes once brought back. Saved tensors of one storage covering the same bytes (the
     views of one input that several operators save, each its own view object) share it."""
 
-    __slots__ = ("block", "nbytes", "offset", "ptr", "device", "storage", "to_host_done", "source", "originals",
+    __slots__ = ("block", "host", "align", "nbytes", "offset", "ptr", "device", "storage", "to_host_done", "source",
+                 "originals",
                  "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "aliased",
                  "alias_of", "held_by", "counter", "__weakref__")
 
     def __init__(self):
         self.block = None
+        self.host = None  # the block's first nbytes (the copy's bytes), while it holds the block
+        self.align = ALIGNMENT  # _alignment() of its device
         self.source = None  # the device tensor, held until its copy to the host has completed
         self.storage = None  # a weak reference to its storage: alive, the same storage at that address
         self.originals: list[weakref.ref] = []  # the saved tensors, weakly: one alive is the storage on the device
@@ -340,8 +352,8 @@ class _Handle(SavedAs):
 
     __slots__ = ("entry", "owner", "stride", "shift", "__weakref__")
 
-    def __init__(self, entry: _Entry, owner: "Offload", t: torch.Tensor, shift: int = 0):
-        super().__init__(t)
+    def __init__(self, entry: _Entry, owner: "Offload", t: torch.Tensor, shift: int = 0, version: int | None = None):
+        super().__init__(t, version)
         self.stride = t.stride()  # within the entry's byte range (dense: its first element at the range's start)
         # Elements from the range's start to its first (a tensor saved within bytes saved whole before it).
         self.shift = shift
@@ -398,7 +410,7 @@ def _alignment(device: torch.device) -> int:
     return CUDA_ALIGNMENT if device.type == "cuda" else ALIGNMENT
 
 
-def _aligned_as(address: int, nbytes: int, device: torch.device) -> torch.Tensor:
+def _aligned_as(address: int, nbytes: int, device: torch.device, align: int | None = None) -> torch.Tensor:
     """nbytes of new device memory (uint8) that start at `address`'s alignment modulo _alignment(device): a
     tensor saved at an offset into its storage comes back aligned as it was saved. Where that takes more than
     nbytes, the slack is the returned view's storage's bytes beyond nbytes: at most the offset's residue (the
@@ -406,7 +418,7 @@ def _aligned_as(address: int, nbytes: int, device: torch.device) -> torch.Tensor
     block is not. (Made on 2026-12-04 for GPT-OSS's rare non-bitwise steps on the CPU, which turned out to be
     PyTorch's own race in summing its experts' bias gradients: docs/BENCHMARKS.md, "Transformers architectures,
     swept".)"""
-    align = _alignment(device)
+    align = _alignment(device) if align is None else align
     want = address % align
     if want == 0:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -515,7 +527,8 @@ class Offload:
         if self._left_at(ptr) is not None:
             return self._save_as_itself(t)
         offset = t.storage_offset() * t.element_size()
-        key = (ptr, offset, t.nbytes, t._version)
+        nbytes, version = t.nbytes, t._version
+        key = (ptr, offset, nbytes, version)
         known = self._by_storage.get(key)
         entry = known() if known is not None else None
         if entry is not None and (entry.storage is None or entry.storage.expired()):
@@ -531,21 +544,25 @@ class Offload:
         if entry is None:
             entry, shift = self._covering(t, ptr, offset)
         if entry is None:
-            block = self.pool.take(t.nbytes)
+            block = self.pool.take(nbytes)
             if block is None:
                 self.kept_on_device += 1
                 return self._save_as_itself(t)
             entry = _Entry()
-            entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, t.nbytes, offset, ptr, t.device
+            device = t.device
+            entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, nbytes, offset, ptr, device
+            entry.host = block[:nbytes]
+            if t.is_cuda:
+                entry.align = CUDA_ALIGNMENT
             entry.storage = StorageWeakRef(storage)
             # Its byte range, in storage order (a view: a later in-place write shows in its version).
             entry.source = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
-            entry.version = t._version
+            entry.version = version
             entry.counter = _version_holder(t)
-            engine = self._engine(t.device)
-            entry.to_host_done = engine.copy(block[: t.nbytes], entry.source)
+            engine = self._engine(device)
+            entry.to_host_done = engine.copy(entry.host, entry.source)
             if entry.to_host_done is None and getattr(engine, "hold", False):  # (an engine of the caller's may lack it)
-                entry.to_host_done = _Done(lambda: False, lambda: None, at_once=True)
+                entry.to_host_done = _HELD
             if entry.to_host_done is None:
                 entry.source = None  # copied already: the device tensor is autograd's no more
             else:
@@ -558,10 +575,10 @@ class Offload:
             self._index[id(entry)] = len(self._order)
             self._order.append(ref)
             self.offloaded += 1
-            self.offloaded_bytes += t.nbytes
+            self.offloaded_bytes += nbytes
         entry.originals.append(weakref.ref(t))
         self._settle()
-        return _Handle(entry, self, t, shift)
+        return _Handle(entry, self, t, shift, version)
 
     def _covering(self, t: torch.Tensor, ptr: int, offset: int):
         """(an entry of t's storage whose bytes, saved at t's version, hold all of t's, t's first element's
@@ -621,7 +638,7 @@ class Offload:
             # The storage stays on the device (autograd keeps it there through another saved tensor): the host
             # copy is not needed; its block goes back to the pool.
             self.pool.give(entry.block)
-            entry.block = None
+            entry.block = entry.host = None
 
     @staticmethod
     def _to_device_landed(entry: _Entry) -> None:
@@ -677,11 +694,16 @@ class Offload:
                 raise RuntimeError(f"remat.offload: a tensor saved for backward ({entry.nbytes} bytes) is neither "
                                    "on the host nor on the device; this is remat's error, please report it")
             raise modified_error(entry.held_by, saved_as, version_of(entry.held_by), "remat.offload")
-        host = entry.block[: entry.nbytes]
+        host = entry.host
         engine = self._engine(entry.device)
-        with getattr(engine, "allocation_stream", contextlib.nullcontext)():
-            out = _aligned_as(entry.ptr + entry.offset, entry.nbytes, entry.device)
-        self.alignment_bytes += out.untyped_storage().nbytes() - entry.nbytes
+        address = entry.ptr + entry.offset
+        if getattr(engine, "allocates_apart", False):
+            with engine.allocation_stream():
+                out = _aligned_as(address, entry.nbytes, entry.device, entry.align)
+        else:
+            out = _aligned_as(address, entry.nbytes, entry.device, entry.align)
+        if address % entry.align:
+            self.alignment_bytes += out.untyped_storage().nbytes() - entry.nbytes
         entry.to_device_done = engine.copy(out, host)
         entry.host_view = host  # the copy's source, held until it has landed
         entry.device_copy = out
@@ -711,7 +733,7 @@ class Offload:
         elif i is not None:
             for ref in self._order[max(0, i - self.lookahead):i]:
                 other = ref()
-                if other is not None and other.away():
+                if other is not None and other.device_copy is None and other.away():  # (not started yet)
                     self._start_to_device(other)
         values = entry.device_copy.view(h.dtype)
         out = values.as_strided(h.shape, h.stride, values.storage_offset() + h.shift)
@@ -776,7 +798,7 @@ class Offload:
         self._to_host_landed(entry)
         if entry.block is not None:
             self.pool.give(entry.block)
-            entry.block = None
+            entry.block = entry.host = None
         entry.device_copy = entry.alias_of = entry.held_by = None
 
     # -- what a planned step calls ------------------------------------------------------------------------------

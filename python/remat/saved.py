@@ -33,8 +33,10 @@ class SavedAs:
 
     __slots__ = ("dtype", "shape", "version", "grad_fn", "output_nr")
 
-    def __init__(self, t: torch.Tensor):
-        self.dtype, self.shape, self.version = t.dtype, t.shape, version_of(t)
+    def __init__(self, t: torch.Tensor, version: int | None = None):
+        """`version`: t's version where the caller has read it already."""
+        self.dtype, self.shape = t.dtype, t.shape
+        self.version = version_of(t) if version is None else version
         fn = t.grad_fn
         self.grad_fn = type(fn).__name__ if fn is not None else None
         self.output_nr = t.output_nr if fn is not None else 0

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""The host time an Offload spends per tensor it sends (docs/BENCHMARKS.md, "The Offload's host time per saved
+tensor"): a chain of --tensors `sin` calls on a small CPU tensor (--bytes each; every call saves its input), forward
+and backward, under an Offload that sends each one (min_bytes = --bytes, copies made at once and held until
+waited on, as the planned layers' engines do), against the same chain under an Offload that sends nothing. The
+difference over the tensors is what pack, the copy each way, unpack and drop cost the host, the copies of a few
+KiB included. The ways run in turn, --steps steps a round; each figure is the least of --rounds rounds (what
+the machine's noise adds only raises a round), and the tenth-fastest round beside it.
+
+--against PATH loads another version of python/remat/offload.py (`git show REV:python/remat/offload.py > old.py`)
+and runs it in the same rounds, so that a change is measured against what it changed in one process:
+
+    taskset -c 1 python bench/offload_host_time.py --against /tmp/old_offload.py
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import time
+
+import torch
+
+import remat.offload
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", type=int, default=32)
+    ap.add_argument("--bytes", type=int, default=4096, help="each saved tensor's bytes (fp32)")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--against", help="another offload.py, run beside this one")
+    a = ap.parse_args()
+    if a.bytes < 4 or a.bytes % 4:
+        raise SystemExit(f"offload_host_time.py: --bytes must be a positive multiple of 4, got {a.bytes}")
+    torch.set_num_threads(1)
+    modules = {"this": remat.offload}
+    if a.against:
+        spec = importlib.util.spec_from_file_location("remat.offload_against", a.against)
+        other = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(other)
+        modules["against"] = other
+    cpu = torch.device("cpu")
+
+    def offload(mod, min_bytes):
+        return mod.Offload(pool=mod.HostPool(), min_bytes=min_bytes, engine=mod.CopyEngine(cpu, hold=True))
+
+    ways = {"sends nothing": offload(remat.offload, a.bytes + 1)}
+    ways.update({name: offload(mod, a.bytes) for name, mod in modules.items()})
+    x0 = torch.randn(a.bytes // 4, requires_grad=True)
+
+    def step(off):
+        x = x0
+        with off:
+            for _ in range(a.tensors):
+                x = x.sin()
+        off.finish_copies()
+        x.sum().backward()
+
+    for _ in range(2 * a.steps):
+        for off in ways.values():
+            step(off)
+    rounds = {name: [] for name in ways}
+    for _ in range(a.rounds):
+        for name, off in ways.items():
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                step(off)
+            rounds[name].append((time.perf_counter() - t0) / a.steps * 1e6)
+    for off in list(ways.values())[1:]:
+        assert off.offloaded == a.tensors * a.steps * (a.rounds + 2), off.offloaded  # each step sent them all
+    base = sorted(rounds["sends nothing"])
+    tenth = a.rounds // 10
+    print(f"torch {torch.__version__}, {a.tensors} tensors of {a.bytes} bytes a step, {a.steps} steps a round, "
+          f"{a.rounds} rounds; a step sending nothing: {base[0]:.1f} us (least round)")
+    for name in modules:
+        r = sorted(rounds[name])
+        print(f"{name:8s} per tensor sent: {(r[0] - base[0]) / a.tensors:6.2f} us (least rounds), "
+              f"{(r[tenth] - base[tenth]) / a.tensors:6.2f} us (tenth-fastest rounds)")
+
+
+if __name__ == "__main__":
+    main()

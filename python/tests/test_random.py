@@ -287,7 +287,8 @@ def check_offload_program(p: dict) -> str:
     # at most that (seeds 282, 3299, 3991 of the first 20,000 draws with views at offsets: 16 to 64 bytes).
     # Two Offloads that each send the same storage each bring back a copy of it: brought back at once (prefetch),
     # the bytes are on the device twice (seeds 31751 and 38868 of draws 30,001-70,000, an in-place ReLU's output
-    # then a Linear's input: 96 bytes above; a limit, docs/python.md, not exempted here).
+    # then a Linear's input: 96 bytes above; 206495 of 200,001-230,000, 144; a limit, docs/python.md, not
+    # exempted here).
     if not p["regions"] and not shared_limit and got["peak"] > plain["peak"] + got["alignment"]:
         return (f"device peak {got['peak']} above the plain run's {plain['peak']} (and {got['alignment']} bytes "
                 "allocated to keep alignments)")

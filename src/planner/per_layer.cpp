@@ -619,9 +619,10 @@ struct Beaters {
 // With `host` or `link`, a point whose input is gone longer beats it too where its host bytes are at most
 // its (so that the last stage's choice between equal times, the fewer host bytes, is still there to make);
 // without them, such points are kept apart as they were, and those frontiers stay linear. Ties keep the first
-// point in in_order()'s order. (Between groups that hold different masks: across_masks().)
+// point in in_order()'s order. (Between groups that hold different masks: across_masks().) `points` is left
+// sorted, its buffer the caller's to fill again (solve()'s candidates: see there).
 template <typename Key>
-std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
+std::vector<Point> pareto_sorting(std::vector<Point>& points, Key key, bool host, bool link = false) {
   std::sort(points.begin(), points.end(),
             [&](const Point& a, const Point& b) { return in_order(a, b, key); });
   using K = decltype(key(points.front()));
@@ -634,6 +635,12 @@ std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool li
     out.push_back(p);
   }
   return out;
+}
+
+// pareto_sorting() of points of its own.
+template <typename Key>
+std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
+  return pareto_sorting(points, key, host, link);
 }
 
 // The bytes of the masks that `a` holds and `b` does not (StepContext::taken_bytes).
@@ -726,6 +733,15 @@ inline bool filtered_by(const Point& a, const Point& x, const Key& key, bool hos
 // values.
 template <typename Key>
 std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link, size_t cap) {
+  bool over = false;  // (none past the cap, the usual case but in the rough programs: the points as they are)
+  for (size_t first = 0; first < points.size() && !over;) {
+    size_t last = first;
+    while (last < points.size() && same_group(points[first], points[last]))
+      ++last;
+    over = last - first > cap;
+    first = last;
+  }
+  if (!over) return points;
   std::vector<Point> out;
   for (size_t first = 0; first < points.size();) {
     size_t last = first;
@@ -888,6 +904,10 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   const std::vector<int64_t> masks = step && step->taken ? step->taken->taken_bytes : std::vector<int64_t>{};
   // The most points a stage's frontier held before thinning, in the last run.
   size_t widest = 0;
+  // A stage's candidates, in one buffer for every stage of every run: up to millions of points (BERT-large's
+  // H200 profile between hf's peak and the plain step's: 2.6 million, 270 MB), whose fresh pages, taken and
+  // given back at each stage, cost about a fifth of the program's time (docs/BENCHMARKS.md, "Planner speed").
+  std::vector<Point> made;
   // The program, its frontiers thinned past `cap` points a group, leaving out the candidates whose peak
   // exceeds `most` (bytes) and those whose time and the least the stages after them take exceed `bound` (ms).
   auto run = [&](size_t cap, double bound, int64_t most) {
@@ -1061,7 +1081,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         least_key[a] = a > 0 && same_group(anchors[a - 1], anchors[a]) ? std::min(least_key[a - 1], k) : k;
         anchor_held[a] = anchors[a].held;
       }
-      std::vector<Point> next;
+      made.clear();
       for (size_t c = 0; c < cs.size(); ++c) {
         // anchors[first, last): the group of the last candidate; anchors[first, up): those of R up to its.
         size_t first = 0, last = 0, up = 0;
@@ -1099,13 +1119,13 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
             beaten = by_time ? filtered_by(anchors[a], q, time_key, bounded, link)
                              : filtered_by(anchors[a], q, peak_key, bounded, false);
           }
-          if (!beaten) next.push_back(q);
+          if (!beaten) made.push_back(q);
         }
       }
-      next =
+      std::vector<Point> next =
           by_time
-              ? across_masks(pareto(std::move(next), time_key, bounded, link), time_key, bounded, link, masks)
-              : across_masks(pareto(std::move(next), peak_key, bounded), peak_key, bounded, false, masks);
+              ? across_masks(pareto_sorting(made, time_key, bounded, link), time_key, bounded, link, masks)
+              : across_masks(pareto_sorting(made, peak_key, bounded), peak_key, bounded, false, masks);
       widest = std::max(widest, next.size());
       next = by_time ? thin(std::move(next), time_key, bounded, link, cap)
                      : thin(std::move(next), peak_key, bounded, false, cap);

@@ -318,9 +318,8 @@ class _Entry:
     views of one input that several operators save, each its own view object) share it."""
 
     __slots__ = ("block", "host", "align", "nbytes", "offset", "ptr", "device", "storage", "to_host_done", "source",
-                 "originals",
-                 "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked", "aliased",
-                 "alias_of", "held_by", "counter", "__weakref__")
+                 "originals", "device_copy", "to_device_done", "host_view", "handles", "version", "unpacked",
+                 "aliased", "alias_of", "held_by", "counter", "__weakref__")
 
     def __init__(self):
         self.block = None

@@ -11,6 +11,12 @@ the machine's noise adds only raises a round), and the tenth-fastest round besid
 and runs it in the same rounds, so that a change is measured against what it changed in one process:
 
     taskset -c 1 python bench/offload_host_time.py --against /tmp/old_offload.py
+
+--device cuda: the tensors on the GPU, copied by the CUDA copy engine (a side stream, an event a copy, pinned host
+blocks), each step synchronized at its end; the difference is then the host's time per tensor with the waits
+for each copy (scripts/gpu-session's `overhead` part runs it):
+
+    python bench/offload_host_time.py --device cuda --rounds 20
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--against", help="another offload.py, run beside this one")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the CUDA copy engine, a step synchronized)")
     a = ap.parse_args()
     if a.bytes < 4 or a.bytes % 4:
         raise SystemExit(f"offload_host_time.py: --bytes must be a positive multiple of 4, got {a.bytes}")
@@ -40,14 +47,19 @@ def main() -> None:
         other = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(other)
         modules["against"] = other
-    cpu = torch.device("cpu")
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("offload_host_time.py: --device cuda, but no CUDA device is available")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def offload(mod, min_bytes):
-        return mod.Offload(pool=mod.HostPool(), min_bytes=min_bytes, engine=mod.CopyEngine(cpu, hold=True))
+        # On the CPU copies made at once, held until waited on (the planned layers' engines); on CUDA, pinned.
+        return mod.Offload(pool=mod.HostPool(pin=cuda), min_bytes=min_bytes, engine=mod.CopyEngine(dev, hold=True))
 
     ways = {"sends nothing": offload(remat.offload, a.bytes + 1)}
     ways.update({name: offload(mod, a.bytes) for name, mod in modules.items()})
-    x0 = torch.randn(a.bytes // 4, requires_grad=True)
+    x0 = torch.randn(a.bytes // 4, device=dev, requires_grad=True)
 
     def step(off):
         x = x0
@@ -56,6 +68,7 @@ def main() -> None:
                 x = x.sin()
         off.finish_copies()
         x.sum().backward()
+        sync()
 
     for _ in range(2 * a.steps):
         for off in ways.values():
@@ -71,7 +84,8 @@ def main() -> None:
         assert off.offloaded == a.tensors * a.steps * (a.rounds + 2), off.offloaded  # each step sent them all
     base = sorted(rounds["sends nothing"])
     tenth = a.rounds // 10
-    print(f"torch {torch.__version__}, {a.tensors} tensors of {a.bytes} bytes a step, {a.steps} steps a round, "
+    where = torch.cuda.get_device_name(dev) if cuda else "the CPU"
+    print(f"torch {torch.__version__}, {where}, {a.tensors} tensors of {a.bytes} bytes a step, {a.steps} steps a round, "
           f"{a.rounds} rounds; a step sending nothing: {base[0]:.1f} us (least round)")
     for name in modules:
         r = sorted(rounds[name])

@@ -40,6 +40,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.bytes < 4 or a.bytes % 4:
         raise SystemExit(f"offload_host_time.py: --bytes must be a positive multiple of 4, got {a.bytes}")
+    for name in ("tensors", "rounds", "steps"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"offload_host_time.py: --{name} must be at least 1, got {getattr(a, name)}")
     torch.set_num_threads(1)
     modules = {"this": remat.offload}
     if a.against:
@@ -85,8 +88,8 @@ def main() -> None:
     base = sorted(rounds["sends nothing"])
     tenth = a.rounds // 10
     where = torch.cuda.get_device_name(dev) if cuda else "the CPU"
-    print(f"torch {torch.__version__}, {where}, {a.tensors} tensors of {a.bytes} bytes a step, {a.steps} steps a round, "
-          f"{a.rounds} rounds; a step sending nothing: {base[0]:.1f} us (least round)")
+    print(f"torch {torch.__version__}, {where}, {a.tensors} tensors of {a.bytes} bytes a step, {a.steps} steps a "
+          f"round, {a.rounds} rounds; a step sending nothing: {base[0]:.1f} us (least round)")
     for name in modules:
         r = sorted(rounds[name])
         print(f"{name:8s} per tensor sent: {(r[0] - base[0]) / a.tensors:6.2f} us (least rounds), "

@@ -324,7 +324,7 @@ class _Entry:
     def __init__(self):
         self.block = None
         self.host = None  # the block's first nbytes (the copy's bytes), while it holds the block
-        self.align = ALIGNMENT  # _alignment() of its device
+        self.align = ALIGNMENT  # _alignment() of the tensor saved (set as it is packed)
         self.source = None  # the device tensor, held until its copy to the host has completed
         self.storage = None  # a weak reference to its storage: alive, the same storage at that address
         self.originals: list[weakref.ref] = []  # the saved tensors, weakly: one alive is the storage on the device
@@ -405,19 +405,19 @@ ALIGNMENT = 64
 CUDA_ALIGNMENT = 256
 
 
-def _alignment(device: torch.device) -> int:
-    return CUDA_ALIGNMENT if device.type == "cuda" else ALIGNMENT
+def _alignment(t: torch.Tensor) -> int:
+    """The alignment a copy of t brought back keeps of t's address (bytes): by its device."""
+    return CUDA_ALIGNMENT if t.is_cuda else ALIGNMENT
 
 
-def _aligned_as(address: int, nbytes: int, device: torch.device, align: int | None = None) -> torch.Tensor:
-    """nbytes of new device memory (uint8) that start at `address`'s alignment modulo _alignment(device): a
+def _aligned_as(address: int, nbytes: int, device: torch.device, align: int) -> torch.Tensor:
+    """nbytes of new device memory (uint8) that start at `address`'s alignment modulo `align` (_alignment()): a
     tensor saved at an offset into its storage comes back aligned as it was saved. Where that takes more than
     nbytes, the slack is the returned view's storage's bytes beyond nbytes: at most the offset's residue (the
     allocator's blocks are aligned), which the storage saved held before the tensor; a whole alignment where a
     block is not. (Made on 2026-12-04 for GPT-OSS's rare non-bitwise steps on the CPU, which turned out to be
     PyTorch's own race in summing its experts' bias gradients: docs/BENCHMARKS.md, "Transformers architectures,
     swept".)"""
-    align = _alignment(device) if align is None else align
     want = address % align
     if want == 0:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -551,8 +551,7 @@ class Offload:
             device = t.device
             entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, nbytes, offset, ptr, device
             entry.host = block[:nbytes]
-            if t.is_cuda:
-                entry.align = CUDA_ALIGNMENT
+            entry.align = _alignment(t)
             entry.storage = StorageWeakRef(storage)
             # Its byte range, in storage order (a view: a later in-place write shows in its version).
             entry.source = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)

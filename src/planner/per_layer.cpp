@@ -733,17 +733,17 @@ inline bool filtered_by(const Point& a, const Point& x, const Key& key, bool hos
 // values.
 template <typename Key>
 std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link, size_t cap) {
-  bool over = false;  // (none past the cap, the usual case but in the rough programs: the points as they are)
-  for (size_t first = 0; first < points.size() && !over;) {
-    size_t last = first;
+  // The groups before the first past the cap stay as they are (all of them, the usual case but in the rough
+  // programs: the points themselves, not a copy).
+  size_t first = 0;
+  for (size_t last = 0; first < points.size(); first = last) {
     while (last < points.size() && same_group(points[first], points[last]))
       ++last;
-    over = last - first > cap;
-    first = last;
+    if (last - first > cap) break;
   }
-  if (!over) return points;
-  std::vector<Point> out;
-  for (size_t first = 0; first < points.size();) {
+  if (first == points.size()) return points;
+  std::vector<Point> out(points.begin(), points.begin() + static_cast<std::ptrdiff_t>(first));
+  while (first < points.size()) {
     size_t last = first;
     while (last < points.size() && same_group(points[first], points[last]))
       ++last;

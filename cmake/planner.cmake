@@ -25,5 +25,8 @@ target_include_directories(remat_planner
          $<INSTALL_INTERFACE:${CMAKE_INSTALL_INCLUDEDIR}>)
 target_compile_features(remat_planner PUBLIC cxx_std_17)
 target_compile_options(remat_planner PRIVATE -Wall -Wextra)
-# nlohmann/json stays private: no installed header includes it.
-target_link_libraries(remat_planner PRIVATE $<BUILD_INTERFACE:nlohmann_json::nlohmann_json>)
+# nlohmann/json stays private: no installed header includes it. Threads: the per-layer planner's
+# (PlannerOptions::threads), which a static library's users link too.
+find_package(Threads REQUIRED)
+target_link_libraries(remat_planner PRIVATE $<BUILD_INTERFACE:nlohmann_json::nlohmann_json>
+                      PUBLIC Threads::Threads)

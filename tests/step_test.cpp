@@ -2489,6 +2489,66 @@ TEST(PerLayer, LeavingOutTheCandidatesAnchorsBeatChangesNoPlan) {
   EXPECT_GT(offloaded, 50);
 }
 
+TEST(PerLayer, ThreadsChangeNoPlan) {
+  // PlannerOptions::threads: a stage's candidates made and sorted in parts on threads and merged are the
+  // candidates one thread sorts, so every plan and least budget, in a step and on the chain alone, is the one
+  // thread's, for 2, 3 and 5 threads (more parts than choices, at times) on random chains with groups,
+  // streams, offloading and masks, with every stage made in parts (detail::parts_from 0). A negative count is
+  // refused.
+  struct Restored {
+    size_t was = remat::detail::parts_from;
+    ~Restored() { remat::detail::parts_from = was; }
+  } restored;
+  remat::detail::parts_from = 0;
+  std::mt19937 rng(2056), between_rng(2057);
+  int planned = 0;
+  for (int trial = 0; trial < 18; ++trial) {
+    const int64_t n = 2 + trial % 6;
+    Chain chain = random_offload_chain(rng, n, 1000);
+    add_random_groups(rng, chain);
+    add_random_streams(rng, chain);
+    const remat::StepContext ctx = random_step(between_rng, chain, trial);
+    remat::PlannerOptions one;
+    one.offload = trial % 3 != 0;
+    one.threads = 1;
+    const int64_t least = remat::detail::per_layer_step_min(chain, ctx, one);
+    const int64_t alone = remat::per_layer_min_budget(chain, one);
+    for (int threads : {2, 3, 5}) {
+      remat::PlannerOptions options = one;
+      options.threads = threads;
+      ASSERT_EQ(remat::detail::per_layer_step_min(chain, ctx, options), least) << "trial " << trial;
+      ASSERT_EQ(remat::per_layer_min_budget(chain, options), alone) << "trial " << trial;
+      for (int k = 0; k < 3; ++k) {
+        const int64_t budget = least + least * k / 4;
+        int64_t least_one = 0, least_many = 0;
+        const auto by_one = remat::detail::per_layer_in_step(chain, ctx, budget, one, &least_one, true);
+        const auto by_many = remat::detail::per_layer_in_step(chain, ctx, budget, options, &least_many, true);
+        ASSERT_EQ(by_one.has_value(), by_many.has_value()) << "trial " << trial << " budget " << budget;
+        if (!by_one) continue;
+        ++planned;
+        EXPECT_EQ(remat::to_json(*by_many), remat::to_json(*by_one))
+            << "trial " << trial << " threads " << threads;
+        EXPECT_EQ(by_many->predicted.time_ms, by_one->predicted.time_ms);
+        EXPECT_EQ(remat::to_json(remat::per_layer(chain, alone + alone * k / 4, options)),
+                  remat::to_json(remat::per_layer(chain, alone + alone * k / 4, one)))
+            << "trial " << trial << " threads " << threads;
+      }
+    }
+  }
+  EXPECT_GT(planned, 100);
+  remat::PlannerOptions negative;
+  negative.threads = -1;
+  Chain chain = random_offload_chain(rng, 3, 1000);
+  try {
+    remat::per_layer(chain, remat::per_layer_min_budget(chain, {}), negative);
+    ADD_FAILURE() << "threads -1 was taken";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("remat::per_layer: threads must be >= 0"), std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("got -1"), std::string::npos) << e.what();
+  }
+}
+
 TEST(PerLayerGroups, PastFortyEightAssignmentsAStageKeepsTheFastest) {
   // Ten groups of distinct bytes and times, offloading: more than 48 assignments that no other beats (counted
   // here over all 3^10), of which the program plans with 48 (thin_group_choices), the fastest among them: at

@@ -1,15 +1,23 @@
 #include "remat/planner/per_layer.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <utility>
+
+#ifdef __linux__
+#include <sched.h>
+#endif
 
 #include "detail/per_layer.h"
 #include "detail/plan.h"
@@ -619,12 +627,10 @@ struct Beaters {
 // With `host` or `link`, a point whose input is gone longer beats it too where its host bytes are at most
 // its (so that the last stage's choice between equal times, the fewer host bytes, is still there to make);
 // without them, such points are kept apart as they were, and those frontiers stay linear. Ties keep the first
-// point in in_order()'s order. (Between groups that hold different masks: across_masks().) `points` is left
-// sorted, its buffer the caller's to fill again (solve()'s candidates: see there).
+// point in in_order()'s order. (Between groups that hold different masks: across_masks().) `points` are in
+// in_order()'s order (solve()'s candidates, sorted in parts and merged: see there).
 template <typename Key>
-std::vector<Point> pareto_sorting(std::vector<Point>& points, Key key, bool host, bool link = false) {
-  std::sort(points.begin(), points.end(),
-            [&](const Point& a, const Point& b) { return in_order(a, b, key); });
+std::vector<Point> pareto_sorted(const std::vector<Point>& points, Key key, bool host, bool link = false) {
   using K = decltype(key(points.front()));
   std::vector<Point> out;
   Beaters<K> group{host, link};
@@ -637,10 +643,12 @@ std::vector<Point> pareto_sorting(std::vector<Point>& points, Key key, bool host
   return out;
 }
 
-// pareto_sorting() of points of its own.
+// pareto_sorted() of points of its own, sorted first.
 template <typename Key>
 std::vector<Point> pareto(std::vector<Point> points, Key key, bool host, bool link = false) {
-  return pareto_sorting(points, key, host, link);
+  std::sort(points.begin(), points.end(),
+            [&](const Point& a, const Point& b) { return in_order(a, b, key); });
+  return pareto_sorted(points, key, host, link);
 }
 
 // The bytes of the masks that `a` holds and `b` does not (StepContext::taken_bytes).
@@ -790,6 +798,83 @@ std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link
   return out;
 }
 
+// PlannerOptions::threads' default at most.
+constexpr int kMostThreads = 8;
+
+// The threads the per-layer program runs on: PlannerOptions::threads, or where 0 the cores this process may
+// run on (its CPU affinity, where the system tells it), at most kMostThreads. Throws std::invalid_argument
+// naming `who` for a negative count.
+int threads_for(const PlannerOptions& options, const char* who) {
+  if (options.threads < 0) {
+    throw std::invalid_argument(std::string(who) +
+                                ": threads must be >= 0 (0: the cores this process may run "
+                                "on, at most " +
+                                std::to_string(kMostThreads) + "), got " + std::to_string(options.threads));
+  }
+  if (options.threads > 0) return options.threads;
+  int cores = 0;
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+#endif
+  if (cores <= 0) cores = static_cast<int>(std::thread::hardware_concurrency());
+  return std::clamp(cores, 1, kMostThreads);
+}
+
+// fn(0), ..., fn(n - 1): fn(0) on the caller's thread, each other on a thread of its own (on the caller's
+// too where a thread cannot be started). Rethrows the first exception, by index, once all have ended.
+template <typename Fn>
+void in_parallel(size_t n, const Fn& fn) {
+  std::vector<std::exception_ptr> errors(n);
+  auto one = [&](size_t w) {
+    try {
+      fn(w);
+    } catch (...) {
+      errors[w] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> started;
+  std::vector<size_t> here{0};
+  for (size_t w = 1; w < n; ++w) {
+    try {
+      started.emplace_back(one, w);
+    } catch (const std::system_error&) {
+      here.push_back(w);
+    }
+  }
+  for (size_t w : here)
+    one(w);
+  for (std::thread& t : started)
+    t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+// parts[0, n), each sorted by `less`, merged into `out` (pairs merged on threads, level by level); `spare`
+// (n vectors) holds the levels between. The buffers are swapped about, not freed: each is reused.
+template <typename Less>
+void merge_parts(std::vector<std::vector<Point>>& parts, std::vector<std::vector<Point>>& spare, size_t n,
+                 std::vector<Point>& out, const Less& less) {
+  std::vector<std::vector<Point>>* from = &parts;
+  std::vector<std::vector<Point>>* to = &spare;
+  while (n > 1) {
+    const size_t pairs = n / 2;
+    in_parallel(pairs, [&](size_t i) {
+      const std::vector<Point>& a = (*from)[2 * i];
+      const std::vector<Point>& b = (*from)[2 * i + 1];
+      std::vector<Point>& d = (*to)[i];
+      d.clear();
+      d.reserve(a.size() + b.size());
+      std::merge(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(d), less);
+    });
+    if (n % 2) std::swap((*to)[pairs], (*from)[n - 1]);
+    std::swap(from, to);
+    n = pairs + n % 2;
+  }
+  std::swap(out, (*from)[0]);
+}
+
 struct Solution {
   std::vector<std::vector<Point>> frontiers;  // per stage boundary 0..n
   std::vector<std::vector<Choice>> choices;   // per stage
@@ -870,8 +955,8 @@ void keep_given(const Chain& chain, int64_t j, const Given& given, std::vector<C
 // candidates an anchor beats (filtered_by()) and, after a rough program, those its plan's time (or peak)
 // rules out; without, every candidate is made and sorted (the tests' check that neither changes a plan).
 Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_time, int64_t budget,
-               const StepTerms* step, bool offload, int64_t max_host, bool groups, bool filter = true,
-               const Given& given = {}) {
+               const StepTerms* step, bool offload, int64_t max_host, bool groups, int threads,
+               bool filter = true, const Given& given = {}) {
   const int64_t n = chain.size();
   const bool bounded = offload && max_host >= 0;
   Solution sol;
@@ -904,10 +989,13 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   const std::vector<int64_t> masks = step && step->taken ? step->taken->taken_bytes : std::vector<int64_t>{};
   // The most points a stage's frontier held before thinning, in the last run.
   size_t widest = 0;
-  // A stage's candidates, in one buffer for every stage of every run: up to millions of points (BERT-large's
-  // H200 profile between hf's peak and the plain step's: 2.6 million, 270 MB), whose fresh pages, taken and
-  // given back at each stage, cost about a fifth of the program's time (docs/BENCHMARKS.md, "Planner speed").
+  // A stage's candidates: up to millions of points (BERT-large's H200 profile between hf's peak and the plain
+  // step's: 2.6 million, 270 MB), made and sorted in parts, one per thread (each part a run of the stage's
+  // choices, in order), then merged into `made`. Every buffer serves every stage of every run: fresh pages,
+  // taken and given back at each stage, cost about a fifth of the program's time (docs/BENCHMARKS.md,
+  // "Planner speed").
   std::vector<Point> made;
+  std::vector<std::vector<Point>> parts(static_cast<size_t>(threads)), spare(static_cast<size_t>(threads));
   // The program, its frontiers thinned past `cap` points a group, leaving out the candidates whose peak
   // exceeds `most` (bytes) and those whose time and the least the stages after them take exceed `bound` (ms).
   auto run = [&](size_t cap, double bound, int64_t most) {
@@ -1081,51 +1169,77 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         least_key[a] = a > 0 && same_group(anchors[a - 1], anchors[a]) ? std::min(least_key[a - 1], k) : k;
         anchor_held[a] = anchors[a].held;
       }
-      made.clear();
-      for (size_t c = 0; c < cs.size(); ++c) {
-        // anchors[first, last): the group of the last candidate; anchors[first, up): those of R up to its.
-        size_t first = 0, last = 0, up = 0;
-        int64_t up_held = 0;
-        for (size_t k = 0; k < cur.size(); ++k) {
-          Point q;
-          if (!make(k, c, q)) continue;
-          if (first == last || !same_group(anchors[first], q)) {
-            const auto range =
-                std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
-                  return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead, a.output_let_go,
-                                  a.taken_held) < std::tie(b.pending, b.copied, b.keeps_output,
-                                                           b.output_ahead, b.output_let_go, b.taken_held);
-                });
-            first = static_cast<size_t>(range.first - anchors.begin());
-            last = static_cast<size_t>(range.second - anchors.begin());
-            up = first;
-          } else if (q.held < up_held) {
-            up = first;  // the next group of cur's points, into the same group of anchors
+      // A part: the candidates of the choices it takes, each the next no part has taken (so that parts made
+      // on threads end together), sorted in in_order()'s order, into `out`.
+      std::atomic<size_t> next_choice{0};
+      auto make_part = [&](std::vector<Point>& out) {
+        out.clear();
+        for (size_t c = next_choice++; c < cs.size(); c = next_choice++) {
+          // anchors[first, last): the group of the last candidate; anchors[first, up): those of R up to its.
+          size_t first = 0, last = 0, up = 0;
+          int64_t up_held = 0;
+          for (size_t k = 0; k < cur.size(); ++k) {
+            Point q;
+            if (!make(k, c, q)) continue;
+            if (first == last || !same_group(anchors[first], q)) {
+              const auto range =
+                  std::equal_range(anchors.begin(), anchors.end(), q, [](const Point& a, const Point& b) {
+                    return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead, a.output_let_go,
+                                    a.taken_held) < std::tie(b.pending, b.copied, b.keeps_output,
+                                                             b.output_ahead, b.output_let_go, b.taken_held);
+                  });
+              first = static_cast<size_t>(range.first - anchors.begin());
+              last = static_cast<size_t>(range.second - anchors.begin());
+              up = first;
+            } else if (q.held < up_held) {
+              up = first;  // the next group of cur's points, into the same group of anchors
+            }
+            // The points of cur follow one another in R's order within a group, and so do their candidates
+            // under one choice: `up` moves on.
+            up_held = q.held;
+            while (up < last && anchor_held[up] <= q.held)
+              ++up;
+            // From the anchor of largest R up to q's down: along a frontier, the one of least key.
+            size_t a = up;
+            bool beaten = false;
+            const double q_key = static_cast<double>(by_time ? time_key(q) : peak_key(q));
+            // (At most kMaxWalk of them: a candidate let through is left out by pareto() all the same, and on
+            // frontiers of 10^5 points the walk cost more than the rest of the program.)
+            size_t walked = 0;
+            while (a > first && !beaten && !(least_key[a - 1] > q_key) && walked++ < kMaxWalk) {
+              --a;
+              beaten = by_time ? filtered_by(anchors[a], q, time_key, bounded, link)
+                               : filtered_by(anchors[a], q, peak_key, bounded, false);
+            }
+            if (!beaten) out.push_back(q);
           }
-          // The points of cur follow one another in R's order within a group, and so do their candidates
-          // under one choice: `up` moves on.
-          up_held = q.held;
-          while (up < last && anchor_held[up] <= q.held)
-            ++up;
-          // From the anchor of largest R up to q's down: along a frontier, the one of least key.
-          size_t a = up;
-          bool beaten = false;
-          const double q_key = static_cast<double>(by_time ? time_key(q) : peak_key(q));
-          // (At most kMaxWalk of them: a candidate let through is left out by pareto() all the same, and on
-          // frontiers of 10^5 points the walk cost more than the rest of the program.)
-          size_t walked = 0;
-          while (a > first && !beaten && !(least_key[a - 1] > q_key) && walked++ < kMaxWalk) {
-            --a;
-            beaten = by_time ? filtered_by(anchors[a], q, time_key, bounded, link)
-                             : filtered_by(anchors[a], q, peak_key, bounded, false);
-          }
-          if (!beaten) made.push_back(q);
         }
+        if (by_time)
+          std::sort(out.begin(), out.end(),
+                    [&](const Point& a, const Point& b) { return in_order(a, b, time_key); });
+        else
+          std::sort(out.begin(), out.end(),
+                    [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
+      };
+      // in_order() is a total order (each candidate its own parent and choice), so the parts merged are the
+      // candidates as one sort of them all would order them: the same frontier, whatever the threads and
+      // whichever part made which choice's candidates.
+      const size_t workers =
+          std::min(parts.size(), cur.size() * cs.size() < detail::parts_from ? size_t{1} : cs.size());
+      if (workers <= 1) {
+        make_part(made);
+      } else {
+        in_parallel(workers, [&](size_t w) { make_part(parts[w]); });
+        if (by_time)
+          merge_parts(parts, spare, workers, made,
+                      [&](const Point& a, const Point& b) { return in_order(a, b, time_key); });
+        else
+          merge_parts(parts, spare, workers, made,
+                      [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
       }
       std::vector<Point> next =
-          by_time
-              ? across_masks(pareto_sorting(made, time_key, bounded, link), time_key, bounded, link, masks)
-              : across_masks(pareto_sorting(made, peak_key, bounded), peak_key, bounded, false, masks);
+          by_time ? across_masks(pareto_sorted(made, time_key, bounded, link), time_key, bounded, link, masks)
+                  : across_masks(pareto_sorted(made, peak_key, bounded), peak_key, bounded, false, masks);
       widest = std::max(widest, next.size());
       next = by_time ? thin(std::move(next), time_key, bounded, link, cap)
                      : thin(std::move(next), peak_key, bounded, false, cap);
@@ -1326,7 +1440,8 @@ std::vector<char> allowed_for(const Chain& chain, const PlannerOptions& options,
 int64_t per_layer_min_budget(const Chain& chain, const PlannerOptions& options) {
   validate(chain);
   const std::vector<char> allowed = allowed_for(chain, options, "remat::per_layer");
-  return solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes, options.groups)
+  return solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes, options.groups,
+               threads_for(options, "remat::per_layer"))
       .best_peak;
 }
 
@@ -1337,6 +1452,7 @@ Plan per_layer(const Chain& chain, int64_t budget_bytes, const PlannerOptions& o
 namespace detail {
 
 size_t second_rough_after = 1024;
+size_t parts_from = size_t{1} << 14;
 
 Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptions& options, bool filter) {
   validate(chain);
@@ -1345,13 +1461,14 @@ Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptio
                                 " bytes)");
   }
   const std::vector<char> allowed = allowed_for(chain, options, "remat::per_layer");
+  const int threads = threads_for(options, "remat::per_layer");
   const Solution sol = solve(chain, allowed, true, budget_bytes, nullptr, options.offload,
-                             options.max_host_bytes, options.groups, filter);
+                             options.max_host_bytes, options.groups, threads, filter);
   if (sol.best < 0) {
-    infeasible(
-        "remat::per_layer", budget_bytes,
-        solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes, options.groups)
-            .best_peak);
+    infeasible("remat::per_layer", budget_bytes,
+               solve(chain, allowed, false, 0, nullptr, options.offload, options.max_host_bytes,
+                     options.groups, threads)
+                   .best_peak);
   }
   double ms = 0;
   Plan plan = finish(chain, plan_of(picks(sol), &ms), "per-layer", budget_bytes);
@@ -1395,7 +1512,7 @@ double per_layer_step_time(const Chain& chain, const StepContext& context, const
   const StepTerms terms = step_terms(chain, context);
   // No budget: the plan's one choice per stage is charged whatever it holds.
   const Solution sol = solve(step, allowed, true, std::numeric_limits<int64_t>::max() / 4, &terms,
-                             options.offload, -1, options.groups, true, Given{&plan, 1});
+                             options.offload, -1, options.groups, 1, true, Given{&plan, 1});
   if (sol.best < 0)
     throw std::logic_error("remat::step_time_ms: internal error: the plan given was not charged");
   std::vector<const Choice*> picked = picks(sol);
@@ -1416,7 +1533,7 @@ std::optional<Plan> per_layer_in_step(const Chain& chain, const StepContext& con
   Solution sol;
   if (std::max(context.before_peak_bytes, context.before_backward_peak_bytes) <= budget_bytes)
     sol = solve(step, allowed, true, budget_bytes + base, &terms, options.offload, options.max_host_bytes,
-                options.groups, filter);
+                options.groups, threads_for(options, "remat::plan_step"), filter);
   if (sol.best < 0) {
     *least_bytes = per_layer_step_min(chain, context, options, filter);
     return std::nullopt;
@@ -1434,8 +1551,9 @@ int64_t per_layer_step_min(const Chain& chain, const StepContext& context, const
                            bool filter) {
   const Chain step = step_chain(chain, context);
   const StepTerms terms = step_terms(chain, context);
-  const Solution sol = solve(step, allowed_for(step, options, "remat::plan_step"), false, 0, &terms,
-                             options.offload, options.max_host_bytes, options.groups, filter);
+  const Solution sol =
+      solve(step, allowed_for(step, options, "remat::plan_step"), false, 0, &terms, options.offload,
+            options.max_host_bytes, options.groups, threads_for(options, "remat::plan_step"), filter);
   return std::max(std::max(context.before_peak_bytes, context.before_backward_peak_bytes),
                   sol.best_peak - (context.input_in_base ? chain.input_bytes : int64_t{0}));
 }

@@ -41,4 +41,10 @@ Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptio
 /// (per_layer.cpp's solve()). 1024; a test lowers it so that small chains run the second program too.
 extern size_t second_rough_after;
 
+/// The fewest candidates a stage of the per-layer program makes (the points of the frontier before it times its
+/// choices) for them to be made and sorted in parts on PlannerOptions::threads threads, then merged; fewer are
+/// made on the caller's thread alone (starting threads would cost more). 16,384; a test lowers it to 0 so that
+/// small chains are planned in parts too.
+extern size_t parts_from;
+
 }  // namespace remat::detail

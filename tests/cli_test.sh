@@ -124,6 +124,9 @@ check plan-no-offload 0 "schedule: Fc0 Fa1 Fa2 L B2 B1 Fa0 B0" -- "$remat" plan 
 check plan-max-host 0 "schedule: Fa0@host Fa1 Fa2 L B2 B1 B0" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --offload --max-host 1000
 check offload-optimal nonzero "only the per-layer planner plans offloading" -- "$remat" plan --chain "$offchain" --budget 2500 --offload
 check max-host-alone nonzero "needs --offload" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --max-host 1000
+# --threads: the per-layer planner's threads; the plan is the same for any count.
+check plan-threads 0 "schedule: Fa0@host Fa1@host Fa2 L B2 B1 B0" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --offload --threads 3
+check plan-threads-negative nonzero "--threads" -- "$remat" plan --chain "$offchain" --planner per-layer --budget 2500 --threads -1
 rm -f "$offchain"
 # A model profiled for offloading: the bandwidths, each way's costs, the executor's holding of outputs; plan
 # --offload on a model profiles for it by itself.

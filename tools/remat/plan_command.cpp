@@ -17,6 +17,7 @@ struct PlanArgs {
   ModelArgs model;
   std::string chain, budget, planner = "optimal", out, step, exclude, max_host, plot;
   int64_t slots = 500;
+  int threads = 0;
   bool json = false, offload = false;
 };
 
@@ -47,6 +48,7 @@ int run(const PlanArgs& a) {
   }
   PlannerOptions options = planner_options(a.exclude, a.slots);
   options.offload = a.offload;
+  options.threads = a.threads;
   if (!a.max_host.empty()) {
     if (!a.offload)
       throw std::invalid_argument("--max-host bounds what offloading holds; it needs --offload");
@@ -137,6 +139,11 @@ Subcommand add_plan(CLI::App& app) {
                 "Fc3@host; a --chain must have been profiled for offloading, a --model is profiled for it: "
                 "saved tensors of --offload-min-bytes, 1MiB by default)");
   cmd->add_option("--max-host", a->max_host, "with --offload: the most host memory the plan may hold (SIZE)");
+  cmd->add_option("--threads", a->threads,
+                  "per-layer: the threads it plans on (0: the cores this process may run on, at most 8; the "
+                  "plan is the same for any count)")
+      ->check(CLI::Range(0, 1024))
+      ->capture_default_str();
   cmd->add_flag("--json", a->json, "print one JSON object (the plan's JSON and the figures beside it)");
   cmd->add_option("--out", a->out, "also write the plan (remat::to_json) to this file");
   cmd->add_option(

@@ -2493,8 +2493,8 @@ TEST(PerLayer, ThreadsChangeNoPlan) {
   // PlannerOptions::threads: a stage's candidates made and sorted in parts on threads and merged are the
   // candidates one thread sorts, so every plan and least budget, in a step and on the chain alone, is the one
   // thread's, for 2, 3 and 5 threads (more parts than choices, at times) on random chains with groups,
-  // streams, offloading and masks, with every stage made in parts (detail::parts_from 0). A negative count is
-  // refused.
+  // streams, offloading and masks, with every stage made in parts (detail::parts_from 0). Counts below 0 and
+  // above 1024 are refused.
   struct Restored {
     size_t was = remat::detail::parts_from;
     ~Restored() { remat::detail::parts_from = was; }
@@ -2543,10 +2543,46 @@ TEST(PerLayer, ThreadsChangeNoPlan) {
     remat::per_layer(chain, remat::per_layer_min_budget(chain, {}), negative);
     ADD_FAILURE() << "threads -1 was taken";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("remat::per_layer: threads must be >= 0"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("remat::per_layer: threads must be from 0"), std::string::npos)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("got -1"), std::string::npos) << e.what();
   }
+  negative.threads = 1025;
+  EXPECT_THROW(remat::per_layer(chain, remat::per_layer_min_budget(chain, {}), negative),
+               std::invalid_argument);
+}
+
+TEST(PerLayerGroups, GroupsHoldingMoreThanFaSavesAreChargedAsSimulateDoes) {
+  // A stage whose groups, less their unsaved bytes, hold more than Fa saves beside its output (here 1,500
+  // bytes against 1,000: a group may be a call whose outputs autograd does not save, and groups may overlap):
+  // an assignment that keeps them recomputes nothing, and its backward holds what it kept, not what Fa saves
+  // (simulate()'s rule), and an assignment with fewer unsaved bytes may hold more there. Before (found
+  // 2026-12-06 by a random chain 51 bytes over), the program charged what Fa saves (per_layer() an internal
+  // error where it chose such an assignment), and left out an assignment that another of fewer unsaved bytes
+  // beat in every other figure (a plan 1 ms slower than the fastest that fits).
+  Chain chain;
+  chain.input_bytes = 400;
+  for (int i = 0; i < 2; ++i) {
+    remat::Stage st;
+    st.name = "s" + std::to_string(i), st.fwd_ms = 4, st.bwd_ms = 8, st.output_bytes = 400;
+    st.saved_bytes = 1400, st.fwd_tmp_bytes = 300, st.bwd_tmp_bytes = 200;
+    chain.stages.push_back(st);
+  }
+  for (const char* name : {"aten::mm#0", "aten::mm#1", "aten::gelu#0"}) {
+    remat::SavedGroup g;
+    g.name = name, g.bytes = 600, g.recompute_ms = 1;
+    chain.stages[1].groups.push_back(g);
+  }
+  chain.stages[1].groups[2].unsaved_bytes = 300;
+  chain.stages[1].groups_bwd_ms = 6;  // the group runtime's backward, measured: keeping every group is faster
+  std::mt19937 rng(31);
+  const std::vector<Candidate> all = every_per_layer_plan(chain, false, false, false, true);
+  expect_exhaustive(chain, all, remat::PlannerOptions{}, rng, 0, [](const Plan&, int64_t) {});
+  // Where everything fits, keeping every group (the fastest way) at the peak simulate() gives it.
+  const Plan plan = remat::per_layer(chain, 1 << 20, {});
+  EXPECT_EQ(plan.to_string(), "Fa0 Fk1{kkk} L B1 B0");
+  EXPECT_EQ(plan.predicted.peak_bytes, remat::simulate(chain, plan).peak_bytes);
+  EXPECT_NO_THROW(remat::per_layer(chain, plan.predicted.peak_bytes, {}));
 }
 
 TEST(PerLayerGroups, PastFortyEightAssignmentsAStageKeepsTheFastest) {

@@ -174,7 +174,10 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   }
   // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too, and what
   // the recompute holds part way (mid) that of a recompute: a candidate is beaten only by one with no more of
-  // either. Sorted by them first, each pair of amounts is filtered apart.
+  // either. Sorted by them first, each pair of amounts is filtered apart. Across amounts of unsaved bytes,
+  // also by one whose backward holds no more of the stage's saved tensors (`over`: what Fa saves beside the
+  // output, or what it kept and sent less its unsaved bytes where that is more; stage_need()'s rule), which
+  // fewer unsaved bytes may raise.
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
     return std::tie(a.unsaved, a.mid, a.kept, a.sent, a.ms) <
            std::tie(b.unsaved, b.mid, b.kept, b.sent, b.ms);
@@ -185,6 +188,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   // (`lower`: the survivors of the amounts before the current one).
   Stairs<int64_t> stairs;
   std::vector<Candidate> lower, current;
+  const int64_t beside = s.saved_bytes - s.output_bytes;  // what Fa saves beside the output
   for (size_t k = 0; k < cands.size(); ++k) {
     const Candidate& c = cands[k];
     if (k > 0 && (cands[k - 1].unsaved != c.unsaved || cands[k - 1].mid != c.mid)) {
@@ -196,7 +200,9 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     stairs.add(c.sent, c.ms);
     current.push_back(c);
     if (std::any_of(lower.begin(), lower.end(), [&](const Candidate& a) {
-          return a.mid <= c.mid && a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms;
+          return a.mid <= c.mid && a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms &&
+                 std::max(beside, a.kept + a.sent - a.unsaved) <=
+                     std::max(beside, c.kept + c.sent - c.unsaved);
         }))
       continue;  // beaten by one that holds fewer unsaved bytes, or less part way through its recompute
     std::string text(g, 'r');
@@ -414,9 +420,15 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // With keep tags or a group assignment: the larger of its backward and the recompute before it, which makes
   // what it did not keep as its forward did (simulate()'s rule).
   const bool keeps = c.kind == OpKind::kForwardKeep && !policy;
+  // What its backward holds of the stage's saved tensors: what Fa saves; with keep tags or a group
+  // assignment, what it kept (less what Fa does not save) where that is more, as its recompute makes nothing
+  // again then (simulate()'s `rest`, never below 0). Before (found 2026-12-06 by a random chain whose groups,
+  // less their unsaved bytes, held 51 bytes more than Fa saves), the program charged what Fa saves, below
+  // simulate().
+  const int64_t saved = keeps ? std::max(s.saved_bytes, c.held - c.unsaved) : s.saved_bytes;
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
-                    : a_out + s.saved_bytes + a_in + s.bwd_tmp_bytes + at_bwd;
+                    : a_out + saved + a_in + s.bwd_tmp_bytes + at_bwd;
   bwd += twice;  // and the recompute's below
   // (A group assignment's recompute begins with all it kept, c.held, those Fa does not save included, and
   // ends with what Fa saves: simulate()'s rule; with a second generators' state while it runs, the one it
@@ -427,7 +439,7 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   if (keeps) {
     const int64_t at_rec_grads = at_rec + held_grad + (step ? s.grads_before_recompute_bytes : 0);
     const int64_t mid = c.mid >= 0 ? a_out + a_out + c.mid : 0;
-    bwd = std::max(bwd, std::max({a_out + s.saved_bytes + s.fwd_tmp_bytes + gone, a_out + c.held, mid}) +
+    bwd = std::max(bwd, std::max({a_out + saved + s.fwd_tmp_bytes + gone, a_out + c.held, mid}) +
                             at_rec_grads + twice + state);
   }
   bwd += held_back;
@@ -798,18 +810,19 @@ std::vector<Point> thin(std::vector<Point> points, Key key, bool host, bool link
   return out;
 }
 
-// PlannerOptions::threads' default at most.
+// PlannerOptions::threads' default at most, and the most it may ask for.
 constexpr int kMostThreads = 8;
+constexpr int kMostThreadsAsked = 1024;
 
 // The threads the per-layer program runs on: PlannerOptions::threads, or where 0 the cores this process may
 // run on (its CPU affinity, where the system tells it), at most kMostThreads. Throws std::invalid_argument
-// naming `who` for a negative count.
+// naming `who` for a count below 0 or above kMostThreadsAsked.
 int threads_for(const PlannerOptions& options, const char* who) {
-  if (options.threads < 0) {
+  if (options.threads < 0 || options.threads > kMostThreadsAsked) {
     throw std::invalid_argument(std::string(who) +
-                                ": threads must be >= 0 (0: the cores this process may run "
-                                "on, at most " +
-                                std::to_string(kMostThreads) + "), got " + std::to_string(options.threads));
+                                ": threads must be from 0 (the cores this process may run on, " + "at most " +
+                                std::to_string(kMostThreads) + ") to " + std::to_string(kMostThreadsAsked) +
+                                ", got " + std::to_string(options.threads));
   }
   if (options.threads > 0) return options.threads;
   int cores = 0;
@@ -1476,7 +1489,7 @@ Plan per_layer_with(const Chain& chain, int64_t budget_bytes, const PlannerOptio
   if (plan.predicted.peak_bytes > sol.best_peak) {
     throw std::logic_error("remat::per_layer: internal error: simulate()'s peak (" +
                            std::to_string(plan.predicted.peak_bytes) + ") exceeds the program's (" +
-                           std::to_string(sol.best_peak) + ")");
+                           std::to_string(sol.best_peak) + ") for plan '" + plan.to_string() + "'");
   }
   // Checkpointed stages as run per call (recompute with early stopping), the copies no neighbour hides.
   plan.predicted.time_ms = sol.best_ms;

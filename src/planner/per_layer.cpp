@@ -10,7 +10,6 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -836,7 +835,8 @@ int threads_for(const PlannerOptions& options, const char* who) {
 }
 
 // fn(0), ..., fn(n - 1): fn(0) on the caller's thread, each other on a thread of its own (on the caller's
-// too where a thread cannot be started). Rethrows the first exception, by index, once all have ended.
+// too where a thread cannot be started: the same results, later). Rethrows the first exception, by index,
+// once all have ended.
 template <typename Fn>
 void in_parallel(size_t n, const Fn& fn) {
   std::vector<std::exception_ptr> errors(n);
@@ -852,7 +852,7 @@ void in_parallel(size_t n, const Fn& fn) {
   for (size_t w = 1; w < n; ++w) {
     try {
       started.emplace_back(one, w);
-    } catch (const std::system_error&) {
+    } catch (...) {  // std::system_error (no thread to be had), std::bad_alloc
       here.push_back(w);
     }
   }
@@ -1003,8 +1003,8 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   // The most points a stage's frontier held before thinning, in the last run.
   size_t widest = 0;
   // A stage's candidates: up to millions of points (BERT-large's H200 profile between hf's peak and the plain
-  // step's: 2.6 million, 270 MB), made and sorted in parts, one per thread (each part a run of the stage's
-  // choices, in order), then merged into `made`. Every buffer serves every stage of every run: fresh pages,
+  // step's: 2.6 million, 270 MB), made and sorted in parts, one per thread (each part the candidates of the
+  // choices it took), then merged into `made`. Every buffer serves every stage of every run: fresh pages,
   // taken and given back at each stage, cost about a fifth of the program's time (docs/BENCHMARKS.md,
   // "Planner speed").
   std::vector<Point> made;

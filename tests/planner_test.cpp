@@ -501,8 +501,15 @@ TEST(PlannerProperties, PlansFitTheirBudgetAndOptimalTimeNeverGrowsWithTheBudget
       EXPECT_LE(sim.time_ms, previous + 1e-9)
           << "trial " << trial << ": optimal got slower as the budget grew to " << budget;
       previous = std::min(previous, sim.time_ms);
-      const Plan rev = remat::revolve_within(chain, budget);
-      EXPECT_LE(remat::simulate(chain, rev).peak_bytes, budget) << "revolve_within, trial " << trial;
+      // revolve_within fits, or names a least budget above this one that it plans for (revolve's plans are
+      // not all the optimal planner's: its least may be above min_feasible_budget()).
+      try {
+        const Plan rev = remat::revolve_within(chain, budget);
+        EXPECT_LE(remat::simulate(chain, rev).peak_bytes, budget) << "revolve_within, trial " << trial;
+      } catch (const remat::InfeasibleBudget& e) {
+        EXPECT_GT(e.min_bytes(), budget) << "trial " << trial;
+        EXPECT_LE(remat::revolve_within(chain, e.min_bytes()).predicted.peak_bytes, e.min_bytes());
+      }
       ++checked;
     }
   }
@@ -809,6 +816,32 @@ TEST(Revolve, SnapshotsBoundMemory) {
   EXPECT_LE(fit.predicted.peak_bytes, 100 * 9);
   EXPECT_THROW(remat::revolve_within(chain, 100), remat::InfeasibleBudget);
   EXPECT_THROW(remat::revolve(chain, -1), std::invalid_argument);
+}
+
+TEST(Revolve, WithinABudgetNamesTheLeastItPlansFor) {
+  // A chain of unequal stages whose least revolve peak (75 bytes, over every snapshot count) is above the
+  // optimal planner's least (74): below 75, revolve_within names 75, which it then plans for. Before
+  // (2026-12-06, found by the property test above run 25 times longer), it named min_feasible_budget()'s 74,
+  // and a budget of 74 was refused again.
+  Chain chain;
+  chain.input_bytes = 3;
+  chain.stages = {Stage{"s0", 7.4, 14.9, 19, 47, 6, 0}, Stage{"s1", 4.0, 7.1, 1, 4, 8, 0},
+                  Stage{"s2", 7.0, 2.6, 13, 19, 1, 6}, Stage{"s3", 4.9, 1.4, 3, 32, 2, 0}};
+  chain.stages[1].fwd_nosave_tmp_bytes = 4, chain.stages[1].fwd_nosave_ms = 2.6;
+  chain.stages[2].fwd_nosave_ms = 5.2;
+  chain.stages[3].fwd_nosave_tmp_bytes = 31;
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (int64_t c = 0; c <= chain.size(); ++c)
+    least = std::min(least, remat::revolve(chain, c).predicted.peak_bytes);
+  ASSERT_EQ(least, 75);
+  ASSERT_EQ(remat::min_feasible_budget(chain), 74);
+  try {
+    remat::revolve_within(chain, 74);
+    ADD_FAILURE() << "no revolve plan fits 74 bytes";
+  } catch (const remat::InfeasibleBudget& e) {
+    EXPECT_EQ(e.min_bytes(), 75);
+  }
+  EXPECT_LE(remat::revolve_within(chain, 75).predicted.peak_bytes, 75);
 }
 
 TEST(Revolve, WithinABudgetTakesTheMostSnapshotsThatFit) {

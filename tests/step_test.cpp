@@ -1391,9 +1391,14 @@ TEST(Step, PlanStepFitsTheStepAndNamesTheLeastBudget) {
           faster_policy |= c.fwd_ms + c.bwd_ms < s.fwd_ms + s.bwd_ms;
       if (!faster_policy) EXPECT_EQ(top.plan.count(OpKind::kForwardCheckpoint), 0);
       if (least > 1) {
+        // Per-layer: the least, exactly. Optimal: the step's peak under the chain's least-memory plan, which
+        // plan_step's walk down the chain's frontier may go below (a plan that needs more for the chain alone
+        // may need less in the step: 5 of 1,500 chains in a run 25 times longer, 2026-12-06); where it does,
+        // the plan fits.
         try {
-          remat::plan_step(chain, ctx, least - 1, planner);
-          ADD_FAILURE() << "plan_step accepted a budget below the least";
+          const remat::StepPlan below = remat::plan_step(chain, ctx, least - 1, planner);
+          EXPECT_EQ(std::string(planner), "optimal") << "plan_step accepted a budget below the least";
+          EXPECT_LE(below.step_peak_bytes, least - 1);
         } catch (const remat::InfeasibleBudget& e) {
           EXPECT_EQ(e.min_bytes(), least);
           EXPECT_NE(std::string(e.what()).find("below the least feasible one"), std::string::npos);

@@ -1,6 +1,7 @@
 #include "remat/planner/revolve.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 
 #include "detail/optimal.h"
@@ -108,15 +109,19 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
     ++lo;
   if (n <= 512) {
     // On a heterogeneous chain the peak need not grow with the snapshots (which activations they hold
-    // matters), so try them all, most first: more snapshots never cost time.
+    // matters), so try them all, most first: more snapshots never cost time. None fitting, the least peak
+    // among them is the least budget revolve_within plans for (before 2026-12-06, min_feasible_budget(), the
+    // optimal planner's least, which revolve may not reach: a budget of that size was refused again).
+    int64_t least = std::numeric_limits<int64_t>::max();
     for (int64_t c = n; c >= lo; --c) {
       Plan p = revolve(chain, c);
       if (p.predicted.peak_bytes <= budget_bytes) {
         p.budget_bytes = budget_bytes;
         return p;
       }
+      least = std::min(least, p.predicted.peak_bytes);
     }
-    infeasible("remat::revolve_within", budget_bytes, min_feasible_budget(chain));
+    infeasible("remat::revolve_within", budget_bytes, least);
   }
   // Each snapshot holds one activation on top of recomputing from the input (revolve with none), so this many
   // snapshots fit; usually it is the answer, and only it and its neighbour need building.
@@ -144,8 +149,9 @@ Plan revolve_within(const Chain& chain, int64_t budget_bytes) {
     ok = lo - 1;
     bisect();
     if (ok < lo) {
-      infeasible("remat::revolve_within", budget_bytes,
-                 std::min(revolve(chain, lo).predicted.peak_bytes, min_feasible_budget(chain)));
+      // The fewest snapshots it builds: the least peak on a homogeneous chain, and one that revolve_within
+      // plans for on any (not min_feasible_budget(), which revolve may not reach).
+      infeasible("remat::revolve_within", budget_bytes, revolve(chain, lo).predicted.peak_bytes);
     }
   } else {
     for (int64_t step = 1; ok < n; step *= 2) {  // more snapshots while they fit

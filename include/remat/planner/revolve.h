@@ -20,7 +20,9 @@ Plan revolve(const Chain& chain, int64_t snapshots);
 /// revolve() with the most snapshots whose predicted peak fits budget_bytes (every count is tried on chains
 /// of up to 512 stages; longer chains, where each snapshot costs one activation, are searched from the
 /// estimate budget - peak without snapshots = snapshots x largest activation). Throws InfeasibleBudget when
-/// not even zero snapshots fit.
+/// no count fits, naming as the minimum a budget it plans for: on up to 512 stages the least peak of any
+/// count (on a chain of unequal stages not always zero snapshots', and possibly above min_feasible_budget(),
+/// whose plans revolve does not all make); beyond, the fewest snapshots' it builds.
 Plan revolve_within(const Chain& chain, int64_t budget_bytes);
 
 }  // namespace remat

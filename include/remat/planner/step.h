@@ -465,10 +465,10 @@ struct StepPlan {
 StepPlan plan_step(const Chain& chain, const StepContext& context, int64_t budget_bytes,
                    const std::string& planner = "optimal", const PlannerOptions& options = {});
 
-/// The least budget plan_step() accepts with this planner (bytes): for "per-layer" the least step peak of any
-/// per-layer plan, exactly; for "optimal" the step's peak under optimal()'s least-memory plan for the chain,
-/// which plan_step() accepts but may go below (its walk down the chain's frontier can find a plan that needs
-/// more for the chain alone and less in the step). Throws as plan_step().
+/// The least feasible budget plan_step() names with this planner (bytes): for "per-layer" the least step peak
+/// of any per-layer plan, exactly; for "optimal" the step's peak under optimal()'s least-memory plan for the
+/// chain, which plan_step() accepts and may go below (its walk down the chain's frontier can find a plan that
+/// needs more for the chain alone and less in the step). Throws as plan_step().
 int64_t min_step_budget(const Chain& chain, const StepContext& context,
                         const std::string& planner = "optimal", const PlannerOptions& options = {});
 

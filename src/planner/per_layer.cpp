@@ -174,9 +174,8 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too, and what
   // the recompute holds part way (mid) that of a recompute: a candidate is beaten only by one with no more of
   // either. Sorted by them first, each pair of amounts is filtered apart. Across amounts of unsaved bytes,
-  // also by one whose backward holds no more of the stage's saved tensors (`over`: what Fa saves beside the
-  // output, or what it kept and sent less its unsaved bytes where that is more; stage_need()'s rule), which
-  // fewer unsaved bytes may raise.
+  // also by one whose backward holds no more of the stage's saved tensors (detail::kept_saved_at_backward(),
+  // stage_need()'s rule), which fewer unsaved bytes may raise.
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
     return std::tie(a.unsaved, a.mid, a.kept, a.sent, a.ms) <
            std::tie(b.unsaved, b.mid, b.kept, b.sent, b.ms);
@@ -187,7 +186,9 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   // (`lower`: the survivors of the amounts before the current one).
   Stairs<int64_t> stairs;
   std::vector<Candidate> lower, current;
-  const int64_t beside = s.saved_bytes - s.output_bytes;  // what Fa saves beside the output
+  auto at_backward = [&](const Candidate& a) {
+    return detail::kept_saved_at_backward(s, s.output_bytes + a.kept + a.sent, a.unsaved);
+  };
   for (size_t k = 0; k < cands.size(); ++k) {
     const Candidate& c = cands[k];
     if (k > 0 && (cands[k - 1].unsaved != c.unsaved || cands[k - 1].mid != c.mid)) {
@@ -200,8 +201,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     current.push_back(c);
     if (std::any_of(lower.begin(), lower.end(), [&](const Candidate& a) {
           return a.mid <= c.mid && a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms &&
-                 std::max(beside, a.kept + a.sent - a.unsaved) <=
-                     std::max(beside, c.kept + c.sent - c.unsaved);
+                 at_backward(a) <= at_backward(c);
         }))
       continue;  // beaten by one that holds fewer unsaved bytes, or less part way through its recompute
     std::string text(g, 'r');
@@ -421,10 +421,10 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   const bool keeps = c.kind == OpKind::kForwardKeep && !policy;
   // What its backward holds of the stage's saved tensors: what Fa saves; with keep tags or a group
   // assignment, what it kept (less what Fa does not save) where that is more, as its recompute makes nothing
-  // again then (simulate()'s `rest`, never below 0). Before (found 2026-12-06 by a random chain whose groups,
-  // less their unsaved bytes, held 51 bytes more than Fa saves), the program charged what Fa saves, below
-  // simulate().
-  const int64_t saved = keeps ? std::max(s.saved_bytes, c.held - c.unsaved) : s.saved_bytes;
+  // again then (detail::kept_saved_at_backward(), simulate()'s rule). Before (found 2026-12-06 by a random
+  // chain whose groups, less their unsaved bytes, held 51 bytes more than Fa saves), the program charged what
+  // Fa saves, below simulate().
+  const int64_t saved = keeps ? detail::kept_saved_at_backward(s, c.held, c.unsaved) : s.saved_bytes;
   int64_t bwd = policy
                     ? a_out + c.held + a_in + s.policy_bwd_bytes(static_cast<size_t>(c.variant - 1)) + at_bwd
                     : a_out + saved + a_in + s.bwd_tmp_bytes + at_bwd;

@@ -557,8 +557,13 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const bool after_keep = held[i + 1] == kKept;
         // Of what the way keeps, what Fa does not save: held through the recompute, gone by the backward.
         const int64_t beyond = after_keep ? unsaved(i + 1, kept_groups[i + 1]) : 0;
-        // Recomputed before the backward (none where the way kept more than Fa does).
-        const int64_t rest = after_keep ? std::max<int64_t>(0, saved(i + 1) - kept(i + 1) + beyond) : 0;
+        // Recomputed before the backward (none where the way kept more than Fa does): what the backward holds
+        // of what the stage saved (detail::kept_saved_at_backward(), the per-layer program's rule too) beyond
+        // what the way kept that Fa saves.
+        const int64_t rest = after_keep && chain
+                                 ? detail::kept_saved_at_backward(chain->stages[i], kept(i + 1), beyond) -
+                                       (kept(i + 1) - beyond)
+                                 : 0;
         const int64_t tmp = chain ? chain->stages[i].bwd_tmp_bytes : 0;
         Away& own = away[static_cast<size_t>(i)];
         // Its input twice, where it came back so (twice()).

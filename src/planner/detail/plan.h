@@ -34,6 +34,14 @@ inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left, int6
   return s.nosave_tmp_bytes();
 }
 
+/// What stage s's backward holds of what it saved after Fk with keep tags or a group assignment, which kept
+/// `kept` bytes (its output included; Choice::held, group_cost()'s saved_bytes), `unsaved` of them bytes Fa
+/// does not save: what Fa saves, or what it kept less those where that is more (its recompute then makes
+/// nothing again). simulate() and the per-layer program (stage_need(), group_choices()) alike (bytes).
+inline int64_t kept_saved_at_backward(const Stage& s, int64_t kept, int64_t unsaved) {
+  return std::max(s.saved_bytes, kept - unsaved);
+}
+
 /// group_recompute_peak_bytes() of the assignment that keeps or sends stage s's group g where held(g): the
 /// one sum behind it and the per-layer program's enumeration, which holds its assignments as digits (bytes;
 /// -1 where no group's fwd_peak_before_bytes is measured).

@@ -92,6 +92,18 @@ remat::PlannerOptions planner_options(int64_t slots, bool compare_baselines, std
 // The Python class remat.InfeasibleBudget (a ValueError with budget_bytes and min_bytes), set at import.
 PyObject* infeasible_type = nullptr;
 
+// Runs a planner with the GIL released: planning a long chain with offloading and groups takes seconds
+// (BERT-large's H200 profile: 2 to 10 s on 2 cores), in which the process's other Python threads (a
+// DataLoader's pin-memory thread, a progress bar's, a heartbeat) go on. The caller copies the chain and
+// context first, with the GIL held, so that another thread changing the Python objects meanwhile cannot race
+// with the planner; the result is converted to Python after the GIL is taken back, and an exception thrown
+// takes it back as it leaves.
+template <class F>
+auto without_gil(F&& f) {
+  nb::gil_scoped_release release;
+  return f();
+}
+
 }  // namespace
 
 NB_MODULE(_core, m) {
@@ -466,7 +478,10 @@ NB_MODULE(_core, m) {
       "optimal",
       [](const remat::Chain& c, int64_t budget, int64_t slots, bool compare,
          std::vector<std::string> exclude) {
-        return remat::optimal(c, budget, planner_options(slots, compare, std::move(exclude)));
+        const remat::Chain chain = c;
+        return without_gil([&] {
+          return remat::optimal(chain, budget, planner_options(slots, compare, std::move(exclude)));
+        });
       },
       "chain"_a, "budget_bytes"_a, "slots"_a = 500, "compare_baselines"_a = true,
       "exclude"_a = std::vector<std::string>{},
@@ -476,15 +491,21 @@ NB_MODULE(_core, m) {
   m.def(
       "min_feasible_budget",
       [](const remat::Chain& c, std::vector<std::string> exclude) {
-        return remat::min_feasible_budget(c, planner_options(500, true, std::move(exclude)));
+        const remat::Chain chain = c;
+        return without_gil([&] {
+          return remat::min_feasible_budget(chain, planner_options(500, true, std::move(exclude)));
+        });
       },
       "chain"_a, "exclude"_a = std::vector<std::string>{});
   m.def(
       "per_layer",
       [](const remat::Chain& c, int64_t budget, std::vector<std::string> exclude, bool offload,
          int64_t max_host, bool groups) {
-        return remat::per_layer(c, budget,
-                                planner_options(500, true, std::move(exclude), offload, max_host, groups));
+        const remat::Chain chain = c;
+        return without_gil([&] {
+          return remat::per_layer(chain, budget,
+                                  planner_options(500, true, std::move(exclude), offload, max_host, groups));
+        });
       },
       "chain"_a, "budget_bytes"_a, "exclude"_a = std::vector<std::string>{}, "offload"_a = false,
       "max_host_bytes"_a = -1, "groups"_a = true,
@@ -496,8 +517,11 @@ NB_MODULE(_core, m) {
       "per_layer_min_budget",
       [](const remat::Chain& c, std::vector<std::string> exclude, bool offload, int64_t max_host,
          bool groups) {
-        return remat::per_layer_min_budget(
-            c, planner_options(500, true, std::move(exclude), offload, max_host, groups));
+        const remat::Chain chain = c;
+        return without_gil([&] {
+          return remat::per_layer_min_budget(
+              chain, planner_options(500, true, std::move(exclude), offload, max_host, groups));
+        });
       },
       "chain"_a, "exclude"_a = std::vector<std::string>{}, "offload"_a = false, "max_host_bytes"_a = -1,
       "groups"_a = true);
@@ -505,7 +529,10 @@ NB_MODULE(_core, m) {
       "make_plan",
       [](const remat::Chain& c, const std::string& strategy, int64_t budget,
          std::vector<std::string> exclude) {
-        return remat::make_plan(c, strategy, budget, planner_options(500, true, std::move(exclude)));
+        const remat::Chain chain = c;
+        return without_gil([&] {
+          return remat::make_plan(chain, strategy, budget, planner_options(500, true, std::move(exclude)));
+        });
       },
       "chain"_a, "strategy"_a, "budget_bytes"_a = -1, "exclude"_a = std::vector<std::string>{},
       "A plan by strategy word, in the grammar of the C++ library and the remat command (\"none\", \"all\", "
@@ -711,8 +738,12 @@ NB_MODULE(_core, m) {
       "plan_step",
       [](const remat::Chain& c, const remat::StepContext& ctx, int64_t budget, const std::string& planner,
          std::vector<std::string> exclude, bool offload, int64_t max_host) {
-        return remat::plan_step(c, ctx, budget, planner,
-                                planner_options(500, true, std::move(exclude), offload, max_host));
+        const remat::Chain chain = c;
+        const remat::StepContext context = ctx;
+        return without_gil([&] {
+          return remat::plan_step(chain, context, budget, planner,
+                                  planner_options(500, true, std::move(exclude), offload, max_host));
+        });
       },
       "chain"_a, "context"_a, "budget_bytes"_a, "planner"_a = "optimal",
       "exclude"_a = std::vector<std::string>{}, "offload"_a = false, "max_host_bytes"_a = -1);
@@ -720,8 +751,12 @@ NB_MODULE(_core, m) {
       "min_step_budget",
       [](const remat::Chain& c, const remat::StepContext& ctx, const std::string& planner,
          std::vector<std::string> exclude, bool offload, int64_t max_host) {
-        return remat::min_step_budget(c, ctx, planner,
-                                      planner_options(500, true, std::move(exclude), offload, max_host));
+        const remat::Chain chain = c;
+        const remat::StepContext context = ctx;
+        return without_gil([&] {
+          return remat::min_step_budget(chain, context, planner,
+                                        planner_options(500, true, std::move(exclude), offload, max_host));
+        });
       },
       "chain"_a, "context"_a, "planner"_a = "optimal", "exclude"_a = std::vector<std::string>{},
       "offload"_a = false, "max_host_bytes"_a = -1);

@@ -3,6 +3,8 @@ command, in both directions."""
 import json
 import pickle
 import subprocess
+import threading
+import time
 
 import pytest
 
@@ -100,6 +102,38 @@ def test_infeasible_budget_names_the_least():
     with pytest.raises(remat.InfeasibleBudget) as e:
         remat.per_layer(c, remat.per_layer_min_budget(c) - 1)
     assert e.value.min_bytes == remat.per_layer_min_budget(c)
+
+
+@pytest.mark.parametrize("call", ["optimal", "plan_step"])
+def test_planning_lets_the_other_python_threads_run(call):
+    """The planners run without the GIL (planning a long chain with offloading and groups takes seconds): a
+    Python thread ticks all through the call, and the call's errors still reach the caller."""
+    c = remat.uniform_chain(120, 1.0, 2.0, 1000, 3000)
+    ctx = remat.StepContext()
+    least = remat.min_step_budget(c, ctx, "optimal")
+    plan = {"optimal": lambda b: remat.optimal(c, b), "plan_step": lambda b: remat.plan_step(c, ctx, b, "optimal")}
+    ticks, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.02)
+        begin = time.perf_counter()
+        plan[call](2 * least)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        ticker.join()
+    inside = [t for t in ticks if begin < t < end]
+    # Holding the GIL, the call would let the ticker in only at its edges (the interpreter's switch interval).
+    assert len(inside) >= 10 and inside[-1] - inside[0] > 0.5 * (end - begin), (len(inside), end - begin)
+    with pytest.raises(remat.InfeasibleBudget):
+        plan[call](remat.min_feasible_budget(c) - 1)
 
 
 def test_bad_json_and_bad_strategy_are_value_errors():

@@ -641,17 +641,24 @@ struct Beaters {
 // point in in_order()'s order. (Between groups that hold different masks: across_masks().) `points` are in
 // in_order()'s order (solve()'s candidates, sorted in parts and merged: see there).
 template <typename Key>
-std::vector<Point> pareto_sorted(const std::vector<Point>& points, Key key, bool host, bool link = false) {
-  using K = decltype(key(points.front()));
+std::vector<Point> pareto_sorted(const Point* first, const Point* last, Key key, bool host,
+                                 bool link = false) {
+  using K = decltype(key(*first));
   std::vector<Point> out;
   Beaters<K> group{host, link};
-  for (const Point& p : points) {
+  for (const Point* it = first; it != last; ++it) {
+    const Point& p = *it;
     if (!out.empty() && !same_group(out.back(), p)) group = Beaters<K>{host, link};
     if (group.beat(p, key(p))) continue;
     group.add(p, key(p));
     out.push_back(p);
   }
   return out;
+}
+
+template <typename Key>
+std::vector<Point> pareto_sorted(const std::vector<Point>& points, Key key, bool host, bool link = false) {
+  return pareto_sorted(points.data(), points.data() + points.size(), key, host, link);
 }
 
 // pareto_sorted() of points of its own, sorted first.
@@ -864,28 +871,102 @@ void in_parallel(size_t n, const Fn& fn) {
     if (e) std::rethrow_exception(e);
 }
 
-// parts[0, n), each sorted by `less`, merged into `out` (pairs merged on threads, level by level); `spare`
-// (n vectors) holds the levels between. The buffers are swapped about, not freed: each is reused.
-template <typename Less>
-void merge_parts(std::vector<std::vector<Point>>& parts, std::vector<std::vector<Point>>& spare, size_t n,
-                 std::vector<Point>& out, const Less& less) {
-  std::vector<std::vector<Point>>* from = &parts;
-  std::vector<std::vector<Point>>* to = &spare;
-  while (n > 1) {
-    const size_t pairs = n / 2;
-    in_parallel(pairs, [&](size_t i) {
-      const std::vector<Point>& a = (*from)[2 * i];
-      const std::vector<Point>& b = (*from)[2 * i + 1];
-      std::vector<Point>& d = (*to)[i];
-      d.clear();
-      d.reserve(a.size() + b.size());
-      std::merge(a.begin(), a.end(), b.begin(), b.end(), std::back_inserter(d), less);
-    });
-    if (n % 2) std::swap((*to)[pairs], (*from)[n - 1]);
-    std::swap(from, to);
-    n = pairs + n % 2;
+// Whether a's kind (same_kind()) comes before b's in in_order()'s order.
+inline bool kind_before(const Point& a, const Point& b) {
+  return std::tie(a.pending, a.copied, a.keeps_output, a.output_ahead, a.output_let_go) <
+         std::tie(b.pending, b.copied, b.keeps_output, b.output_ahead, b.output_let_go);
+}
+
+// A stage's frontier from its candidates sorted in parts (parts[0, n), each in in_order()'s order) on
+// `workers` threads, a kind (same_kind()) at a time: each kind's candidates merged from the parts, then
+// pareto_sorted(), across_masks() and thin(). Each of these works within a kind (pareto_sorted() and thin()
+// within a group, a kind's points holding the same masks; across_masks() between a kind's groups), so the
+// kinds' frontiers, one after another in in_order()'s order, are what they make of all the candidates merged:
+// the same frontier as on one thread, without the merge, the filter and the masks' pass over millions of
+// points on the caller's thread alone (about 40% of BERT-large's H200 profile's planning time with four masks
+// on two threads, before; a stage's candidates fall in about 35 kinds, the largest about a tenth of them).
+// `scratch` (two buffers a worker) serves the merges; `widest` is raised to the points the frontier held
+// before thin().
+template <typename Key>
+std::vector<Point> frontier_by_kind(const std::vector<std::vector<Point>>& parts, size_t n, size_t workers,
+                                    std::vector<std::vector<Point>>& scratch, Key key, bool host, bool link,
+                                    const std::vector<int64_t>& masks, size_t cap, size_t* widest) {
+  // Each part's runs of one kind, sorted by kind (a stable sort: a kind's runs in the parts' order).
+  struct Run {
+    const Point* first;
+    const Point* last;
+  };
+  std::vector<Run> runs;
+  for (size_t w = 0; w < n; ++w) {
+    const Point* p = parts[w].data();
+    const size_t size = parts[w].size();
+    for (size_t b = 0; b < size;) {
+      size_t e = b + 1;
+      while (e < size && same_kind(p[b], p[e]))
+        ++e;
+      runs.push_back({p + b, p + e});
+      b = e;
+    }
   }
-  std::swap(out, (*from)[0]);
+  std::stable_sort(runs.begin(), runs.end(),
+                   [](const Run& a, const Run& b) { return kind_before(*a.first, *b.first); });
+  std::vector<std::pair<size_t, size_t>> kinds;  // runs[first, last) of each kind, in order
+  for (size_t r = 0; r < runs.size(); ++r) {
+    if (r == 0 || !same_kind(*runs[r - 1].first, *runs[r].first))
+      kinds.emplace_back(r, r + 1);
+    else
+      kinds.back().second = r + 1;
+  }
+  // The largest kinds first, so that the threads end together.
+  std::vector<size_t> order(kinds.size());
+  std::vector<size_t> size(kinds.size(), 0);
+  for (size_t k = 0; k < kinds.size(); ++k) {
+    order[k] = k;
+    for (size_t r = kinds[k].first; r < kinds[k].second; ++r)
+      size[k] += static_cast<size_t>(runs[r].last - runs[r].first);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return size[a] > size[b]; });
+  std::vector<std::vector<Point>> done(kinds.size());
+  std::vector<size_t> before_thin(kinds.size(), 0);
+  const auto less = [&](const Point& a, const Point& b) { return in_order(a, b, key); };
+  std::atomic<size_t> next{0};
+  in_parallel(workers, [&](size_t w) {
+    std::vector<Point>& merged = scratch[2 * w];
+    std::vector<Point>& spare = scratch[2 * w + 1];
+    for (size_t i = next++; i < order.size(); i = next++) {
+      const size_t k = order[i];
+      const Run* r = runs.data() + kinds[k].first;
+      const size_t count = kinds[k].second - kinds[k].first;
+      const Point* first = r[0].first;
+      const Point* last = r[0].last;
+      if (count > 1) {  // the runs merged one by one (in_order() is a total order: one result)
+        merged.clear();
+        merged.reserve(size[k]);
+        std::merge(r[0].first, r[0].last, r[1].first, r[1].last, std::back_inserter(merged), less);
+        for (size_t m = 2; m < count; ++m) {
+          spare.clear();
+          spare.reserve(size[k]);
+          std::merge(merged.begin(), merged.end(), r[m].first, r[m].last, std::back_inserter(spare), less);
+          std::swap(merged, spare);
+        }
+        first = merged.data();
+        last = merged.data() + merged.size();
+      }
+      std::vector<Point> kept =
+          across_masks(pareto_sorted(first, last, key, host, link), key, host, link, masks);
+      before_thin[k] = kept.size();
+      done[k] = thin(std::move(kept), key, host, link, cap);
+    }
+  });
+  size_t total = 0, held = 0;
+  for (size_t k = 0; k < kinds.size(); ++k)
+    total += done[k].size(), held += before_thin[k];
+  *widest = std::max(*widest, held);
+  std::vector<Point> out;
+  out.reserve(total);
+  for (std::vector<Point>& d : done)
+    out.insert(out.end(), d.begin(), d.end());
+  return out;
 }
 
 struct Solution {
@@ -1004,11 +1085,12 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
   size_t widest = 0;
   // A stage's candidates: up to millions of points (BERT-large's H200 profile between hf's peak and the plain
   // step's: 2.6 million, 270 MB), made and sorted in parts, one per thread (each part the candidates of the
-  // choices it took), then merged into `made`. Every buffer serves every stage of every run: fresh pages,
-  // taken and given back at each stage, cost about a fifth of the program's time (docs/BENCHMARKS.md,
-  // "Planner speed").
+  // choices it took), then merged and filtered a kind at a time on the threads too (frontier_by_kind(); on
+  // one thread, `made` alone). Every buffer serves every stage of every run: fresh pages, taken and given
+  // back at each stage, cost about a fifth of the program's time (docs/BENCHMARKS.md, "Planner speed").
   std::vector<Point> made;
-  std::vector<std::vector<Point>> parts(static_cast<size_t>(threads)), spare(static_cast<size_t>(threads));
+  std::vector<std::vector<Point>> parts(static_cast<size_t>(threads)),
+      spare(2 * static_cast<size_t>(threads));
   // The program, its frontiers thinned past `cap` points a group, leaving out the candidates whose peak
   // exceeds `most` (bytes) and those whose time and the least the stages after them take exceed `bound` (ms).
   auto run = [&](size_t cap, double bound, int64_t most) {
@@ -1234,28 +1316,28 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
           std::sort(out.begin(), out.end(),
                     [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
       };
-      // in_order() is a total order (each candidate its own parent and choice), so the parts merged are the
-      // candidates as one sort of them all would order them: the same frontier, whatever the threads and
-      // whichever part made which choice's candidates.
+      // in_order() is a total order (each candidate its own parent and choice), so each kind's candidates
+      // merged from the parts are what one sort of them all would order them: the same frontier, whatever the
+      // threads and whichever part made which choice's candidates. (`spare`: two merge buffers a thread.)
       const size_t workers =
           std::min(parts.size(), cur.size() * cs.size() < detail::parts_from ? size_t{1} : cs.size());
+      std::vector<Point> next;
       if (workers <= 1) {
         make_part(made);
+        next =
+            by_time
+                ? across_masks(pareto_sorted(made, time_key, bounded, link), time_key, bounded, link, masks)
+                : across_masks(pareto_sorted(made, peak_key, bounded), peak_key, bounded, false, masks);
+        widest = std::max(widest, next.size());
+        next = by_time ? thin(std::move(next), time_key, bounded, link, cap)
+                       : thin(std::move(next), peak_key, bounded, false, cap);
       } else {
         in_parallel(workers, [&](size_t w) { make_part(parts[w]); });
-        if (by_time)
-          merge_parts(parts, spare, workers, made,
-                      [&](const Point& a, const Point& b) { return in_order(a, b, time_key); });
-        else
-          merge_parts(parts, spare, workers, made,
-                      [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
+        next = by_time ? frontier_by_kind(parts, workers, workers, spare, time_key, bounded, link, masks, cap,
+                                          &widest)
+                       : frontier_by_kind(parts, workers, workers, spare, peak_key, bounded, false, masks,
+                                          cap, &widest);
       }
-      std::vector<Point> next =
-          by_time ? across_masks(pareto_sorted(made, time_key, bounded, link), time_key, bounded, link, masks)
-                  : across_masks(pareto_sorted(made, peak_key, bounded), peak_key, bounded, false, masks);
-      widest = std::max(widest, next.size());
-      next = by_time ? thin(std::move(next), time_key, bounded, link, cap)
-                     : thin(std::move(next), peak_key, bounded, false, cap);
       sol.frontiers[static_cast<size_t>(j) + 1] = std::move(next);
     }
     const auto& last = sol.frontiers[static_cast<size_t>(n)];

@@ -48,10 +48,10 @@ struct PlannerOptions {
   /// (Fk3{khr}: each group kept, sent to the host, or recomputed; 'h' only with offload), choosing among
   /// every assignment for the least time within the budget. The other planners ignore groups.
   bool groups = true;
-  /// The threads the per-layer planner (per_layer(), per_layer_min_budget(), plan_step()'s "per-layer") makes
-  /// and sorts a stage's candidates on, the caller's among them: 0, the cores this process may run on (its
-  /// CPU affinity on Linux), at most 8; 1, the caller's thread alone. The plan is the same for any count (the
-  /// candidates are merged in one total order); only the planning time changes. Throws std::invalid_argument
+  /// The threads the per-layer planner (per_layer(), per_layer_min_budget(), plan_step()'s "per-layer") makes,
+  /// sorts and filters a stage's candidates on, the caller's among them: 0, the cores this process may run on
+  /// (its CPU affinity on Linux), at most 8; 1, the caller's thread alone. The plan is the same for any count
+  /// (the candidates are merged in one total order); only the planning time changes. Throws std::invalid_argument
   /// (from the planner) below 0 or above 1024. The other planners run on the caller's thread.
   int threads = 0;
 };

@@ -1246,15 +1246,41 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       // layers, often where the frontier goes on), kept where no other beats them. A candidate an anchor
       // beats by filtered_by() is never kept by pareto(), so it is not made at all: the same frontier from
       // far fewer points to sort.
+      // Where cur is long, made and sorted in parts (runs of cur) on the threads, then merged and filtered a
+      // kind at a time there too (frontier_by_kind(), with no masks' pass and no thinning: pareto()'s
+      // points).
       std::vector<Point> anchors;
-      for (size_t k = 0; k < cur.size() && filter; ++k) {
-        Point q;
-        if (cur[k].choice >= 0 && static_cast<size_t>(cur[k].choice) < cs.size() &&
-            make(k, static_cast<size_t>(cur[k].choice), q))
-          anchors.push_back(q);
+      auto make_anchors = [&](size_t from, size_t to, std::vector<Point>& out) {
+        out.clear();
+        for (size_t k = from; k < to; ++k) {
+          Point q;
+          if (cur[k].choice >= 0 && static_cast<size_t>(cur[k].choice) < cs.size() &&
+              make(k, static_cast<size_t>(cur[k].choice), q))
+            out.push_back(q);
+        }
+      };
+      const size_t anchor_parts = !filter ? 0 : cur.size() < detail::parts_from ? 1 : parts.size();
+      if (anchor_parts == 1) {
+        make_anchors(0, cur.size(), anchors);
+        anchors = by_time ? pareto(std::move(anchors), time_key, bounded, link)
+                          : pareto(std::move(anchors), peak_key, bounded);
+      } else if (anchor_parts > 1) {
+        in_parallel(anchor_parts, [&](size_t w) {
+          make_anchors(cur.size() * w / anchor_parts, cur.size() * (w + 1) / anchor_parts, parts[w]);
+          if (by_time)
+            std::sort(parts[w].begin(), parts[w].end(),
+                      [&](const Point& a, const Point& b) { return in_order(a, b, time_key); });
+          else
+            std::sort(parts[w].begin(), parts[w].end(),
+                      [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
+        });
+        size_t unused = 0;
+        const size_t all = std::numeric_limits<size_t>::max();
+        anchors = by_time ? frontier_by_kind(parts, anchor_parts, anchor_parts, spare, time_key, bounded,
+                                             link, {}, all, &unused)
+                          : frontier_by_kind(parts, anchor_parts, anchor_parts, spare, peak_key, bounded,
+                                             false, {}, all, &unused);
       }
-      anchors = by_time ? pareto(std::move(anchors), time_key, bounded, link)
-                        : pareto(std::move(anchors), peak_key, bounded);
       // Per anchor, the least key of its group's anchors up to it (in R's order): below a candidate's key,
       // none of them beats it.
       std::vector<double> least_key(anchors.size());

@@ -877,8 +877,8 @@ inline bool kind_before(const Point& a, const Point& b) {
          std::tie(b.pending, b.copied, b.keeps_output, b.output_ahead, b.output_let_go);
 }
 
-// A stage's frontier from its candidates sorted in parts (parts[0, n), each in in_order()'s order) on
-// `workers` threads, a kind (same_kind()) at a time: each kind's candidates merged from the parts, then
+// A stage's frontier from its candidates sorted in parts (parts[0, n), each in in_order()'s order) on n
+// threads, a kind (same_kind()) at a time: each kind's candidates merged from the parts, then
 // pareto_sorted(), across_masks() and thin(). Each of these works within a kind (pareto_sorted() and thin()
 // within a group, a kind's points holding the same masks; across_masks() between a kind's groups), so the
 // kinds' frontiers, one after another in in_order()'s order, are what they make of all the candidates merged:
@@ -888,7 +888,7 @@ inline bool kind_before(const Point& a, const Point& b) {
 // `scratch` (two buffers a worker) serves the merges; `widest` is raised to the points the frontier held
 // before thin().
 template <typename Key>
-std::vector<Point> frontier_by_kind(const std::vector<std::vector<Point>>& parts, size_t n, size_t workers,
+std::vector<Point> frontier_by_kind(const std::vector<std::vector<Point>>& parts, size_t n,
                                     std::vector<std::vector<Point>>& scratch, Key key, bool host, bool link,
                                     const std::vector<int64_t>& masks, size_t cap, size_t* widest) {
   // Each part's runs of one kind, sorted by kind (a stable sort: a kind's runs in the parts' order).
@@ -930,7 +930,7 @@ std::vector<Point> frontier_by_kind(const std::vector<std::vector<Point>>& parts
   std::vector<size_t> before_thin(kinds.size(), 0);
   const auto less = [&](const Point& a, const Point& b) { return in_order(a, b, key); };
   std::atomic<size_t> next{0};
-  in_parallel(workers, [&](size_t w) {
+  in_parallel(n, [&](size_t w) {
     std::vector<Point>& merged = scratch[2 * w];
     std::vector<Point>& spare = scratch[2 * w + 1];
     for (size_t i = next++; i < order.size(); i = next++) {
@@ -1276,10 +1276,10 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
         });
         size_t unused = 0;
         const size_t all = std::numeric_limits<size_t>::max();
-        anchors = by_time ? frontier_by_kind(parts, anchor_parts, anchor_parts, spare, time_key, bounded,
-                                             link, {}, all, &unused)
-                          : frontier_by_kind(parts, anchor_parts, anchor_parts, spare, peak_key, bounded,
-                                             false, {}, all, &unused);
+        anchors =
+            by_time
+                ? frontier_by_kind(parts, anchor_parts, spare, time_key, bounded, link, {}, all, &unused)
+                : frontier_by_kind(parts, anchor_parts, spare, peak_key, bounded, false, {}, all, &unused);
       }
       // Per anchor, the least key of its group's anchors up to it (in R's order): below a candidate's key,
       // none of them beats it.
@@ -1359,10 +1359,9 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
                        : thin(std::move(next), peak_key, bounded, false, cap);
       } else {
         in_parallel(workers, [&](size_t w) { make_part(parts[w]); });
-        next = by_time ? frontier_by_kind(parts, workers, workers, spare, time_key, bounded, link, masks, cap,
-                                          &widest)
-                       : frontier_by_kind(parts, workers, workers, spare, peak_key, bounded, false, masks,
-                                          cap, &widest);
+        next = by_time
+                   ? frontier_by_kind(parts, workers, spare, time_key, bounded, link, masks, cap, &widest)
+                   : frontier_by_kind(parts, workers, spare, peak_key, bounded, false, masks, cap, &widest);
       }
       sol.frontiers[static_cast<size_t>(j) + 1] = std::move(next);
     }

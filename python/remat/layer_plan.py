@@ -36,6 +36,7 @@ from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reach
                            measure_planned_step, sharded_modules, step_context, storage_key)
 from .meter import meter_for
 from .profile import checked_timing
+from .progress import planning_wait
 from .policies import CHECKPOINT, KEEP, choices_of, is_groups, is_streamed, policy_fn, split_choice
 
 __all__ = ["LayerPlan", "enable", "parse_budget"]
@@ -847,7 +848,8 @@ class LayerPlan:
             shape.planned_chain, shape.planned_at = shape.chain, {}
         planned = shape.planned_at.get(key)
         if planned is None:
-            step = _core.plan_step(shape.chain, ctx, budget, "per-layer", self.exclude, **options)
+            with planning_wait(f"{self.who}: planning"):
+                step = _core.plan_step(shape.chain, ctx, budget, "per-layer", self.exclude, **options)
             if len(shape.planned_at) >= PLANS_KEPT:
                 shape.planned_at.pop(next(iter(shape.planned_at)))
             planned = shape.planned_at[key] = (step.plan, step.step_peak_bytes)

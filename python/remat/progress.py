@@ -5,11 +5,13 @@ anywhere (the remat command reads the same variable)."""
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["ProfileProgress", "progress_bar", "PhaseTimes"]
+__all__ = ["ProfileProgress", "progress_bar", "PhaseTimes", "planning_wait"]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,52 @@ class progress_bar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class planning_wait:
+    """A context around a planner call (remat._core's planners run without the GIL) that, where a progress bar
+    would be drawn (progress_bar's rule: stderr a terminal, or REMAT_PROGRESS), shows `desc` and the seconds
+    elapsed on stderr once the call has run `after` seconds, redrawn every `every` seconds by a thread of its own,
+    and erased when the call ends. Nothing, and no thread, where no bar would be drawn."""
+
+    def __init__(self, desc: str, after: float = 0.5, every: float = 0.25):
+        self.desc, self.after, self.every = desc, after, every
+        self.drawn = False  #: whether the line was drawn (the call ran past `after`)
+        self._done = None
+        self._thread = None
+
+    def __enter__(self):
+        disabled = _bar_disabled()
+        if disabled is None:
+            disabled = not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+        if disabled:
+            return self
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return self
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._draw, args=(tqdm,), name="remat-planning", daemon=True)
+        self._thread.start()
+        return self
+
+    def _draw(self, tqdm) -> None:
+        if self._done.wait(self.after):
+            return
+        bar = tqdm(total=None, desc=self.desc, bar_format="{desc}: {elapsed}", leave=False, disable=False,
+                   dynamic_ncols=True)
+        self.drawn = True
+        try:
+            while not self._done.wait(self.every):
+                bar.refresh()
+        finally:
+            bar.close()
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._done.set()
+            self._thread.join()
+            self._thread = None
 
 
 class PhaseTimes:

@@ -1,6 +1,10 @@
 """Progress while profiling: remat.profile's `progress` callback gets every run of one stage, in order, with
 phases whose times add up; the default bar is drawn on stderr only where asked (not a terminal under pytest
-unless REMAT_PROGRESS=1) and erased; a planned model's profiling step says where its profile's time went."""
+unless REMAT_PROGRESS=1) and erased; a planned model's profiling step says where its profile's time went, and a
+plan that takes long says it is planning."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -62,4 +66,36 @@ def test_a_planned_model_says_where_its_profile_spent_its_time():
     times = lp.profiling_time
     assert list(times) == ["forward without saving", "forward and backward", "checkpointed", "policy matmuls"]
     assert all(s > 0 for s in times.values())
+    lp.remove()
+
+
+def test_a_long_plan_says_it_is_planning_where_a_bar_would_be_drawn(capfd, monkeypatch):
+    from remat import _core
+    from remat.progress import planning_wait
+    # The context alone: past `after`, the line is drawn and erased; off, no thread at all.
+    monkeypatch.setenv("REMAT_PROGRESS", "1")
+    with planning_wait("remat: planning", after=0.05, every=0.02) as w:
+        time.sleep(0.3)
+    assert w.drawn and "remat: planning" in capfd.readouterr().err
+    with planning_wait("remat: planning", after=0.5) as w:  # a plan quicker than `after`: nothing
+        pass
+    assert not w.drawn and capfd.readouterr().err == ""
+    monkeypatch.setenv("REMAT_PROGRESS", "0")
+    threads = threading.active_count()
+    with planning_wait("remat: planning", after=0.0) as w:
+        assert threading.active_count() == threads
+        time.sleep(0.05)
+    assert not w.drawn and capfd.readouterr().err == ""
+    # A planned model's plan that takes long (its planner slowed here) says so, under its own name.
+    real = _core.plan_step
+
+    def slow(*args, **kwargs):
+        time.sleep(0.8)
+        return real(*args, **kwargs)
+    monkeypatch.setenv("REMAT_PROGRESS", "1")
+    monkeypatch.setattr(_core, "plan_step", slow)
+    model = mlp(depth=2, width=16, hidden=32)
+    lp = remat.enable(model, list(model), budget=1 << 40)
+    train_step(model, torch.randn(4, 16))
+    assert "remat.enable: planning" in capfd.readouterr().err
     lp.remove()

@@ -877,6 +877,17 @@ inline bool kind_before(const Point& a, const Point& b) {
          std::tie(b.pending, b.copied, b.keeps_output, b.output_ahead, b.output_let_go);
 }
 
+// A stage's frontier from candidates [first, last) in in_order()'s order: pareto_sorted(), across_masks() and
+// thin(), `before_thin` set to the points kept before thin(). A whole stage's on one thread, or one kind's
+// (frontier_by_kind()).
+template <typename Key>
+std::vector<Point> filtered(const Point* first, const Point* last, Key key, bool host, bool link,
+                            const std::vector<int64_t>& masks, size_t cap, size_t* before_thin) {
+  std::vector<Point> kept = across_masks(pareto_sorted(first, last, key, host, link), key, host, link, masks);
+  *before_thin = kept.size();
+  return thin(std::move(kept), key, host, link, cap);
+}
+
 // A stage's frontier from its candidates sorted in parts (parts[0, n), each in in_order()'s order) on n
 // threads, a kind (same_kind()) at a time: each kind's candidates merged from the parts, then
 // pareto_sorted(), across_masks() and thin(). Each of these works within a kind (pareto_sorted() and thin()
@@ -952,10 +963,7 @@ std::vector<Point> frontier_by_kind(const std::vector<std::vector<Point>>& parts
         first = merged.data();
         last = merged.data() + merged.size();
       }
-      std::vector<Point> kept =
-          across_masks(pareto_sorted(first, last, key, host, link), key, host, link, masks);
-      before_thin[k] = kept.size();
-      done[k] = thin(std::move(kept), key, host, link, cap);
+      done[k] = filtered(first, last, key, host, link, masks, cap, &before_thin[k]);
     }
   });
   size_t total = 0, held = 0;
@@ -1250,6 +1258,15 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       // kind at a time there too (frontier_by_kind(), with no masks' pass and no thinning: pareto()'s
       // points).
       std::vector<Point> anchors;
+      // A part's points sorted in in_order()'s order (the anchors' parts and make_part()'s).
+      auto sort_part = [&](std::vector<Point>& v) {
+        if (by_time)
+          std::sort(v.begin(), v.end(),
+                    [&](const Point& a, const Point& b) { return in_order(a, b, time_key); });
+        else
+          std::sort(v.begin(), v.end(),
+                    [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
+      };
       auto make_anchors = [&](size_t from, size_t to, std::vector<Point>& out) {
         out.clear();
         for (size_t k = from; k < to; ++k) {
@@ -1267,12 +1284,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       } else if (anchor_parts > 1) {
         in_parallel(anchor_parts, [&](size_t w) {
           make_anchors(cur.size() * w / anchor_parts, cur.size() * (w + 1) / anchor_parts, parts[w]);
-          if (by_time)
-            std::sort(parts[w].begin(), parts[w].end(),
-                      [&](const Point& a, const Point& b) { return in_order(a, b, time_key); });
-          else
-            std::sort(parts[w].begin(), parts[w].end(),
-                      [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
+          sort_part(parts[w]);
         });
         size_t unused = 0;
         const size_t all = std::numeric_limits<size_t>::max();
@@ -1335,12 +1347,7 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
             if (!beaten) out.push_back(q);
           }
         }
-        if (by_time)
-          std::sort(out.begin(), out.end(),
-                    [&](const Point& a, const Point& b) { return in_order(a, b, time_key); });
-        else
-          std::sort(out.begin(), out.end(),
-                    [&](const Point& a, const Point& b) { return in_order(a, b, peak_key); });
+        sort_part(out);
       };
       // in_order() is a total order (each candidate its own parent and choice), so each kind's candidates
       // merged from the parts are what one sort of them all would order them: the same frontier, whatever the
@@ -1350,13 +1357,12 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
       std::vector<Point> next;
       if (workers <= 1) {
         make_part(made);
-        next =
-            by_time
-                ? across_masks(pareto_sorted(made, time_key, bounded, link), time_key, bounded, link, masks)
-                : across_masks(pareto_sorted(made, peak_key, bounded), peak_key, bounded, false, masks);
-        widest = std::max(widest, next.size());
-        next = by_time ? thin(std::move(next), time_key, bounded, link, cap)
-                       : thin(std::move(next), peak_key, bounded, false, cap);
+        const Point* first = made.data();
+        const Point* last = first + made.size();
+        size_t held = 0;
+        next = by_time ? filtered(first, last, time_key, bounded, link, masks, cap, &held)
+                       : filtered(first, last, peak_key, bounded, false, masks, cap, &held);
+        widest = std::max(widest, held);
       } else {
         in_parallel(workers, [&](size_t w) { make_part(parts[w]); });
         next = by_time

@@ -202,6 +202,19 @@ if command -v script >/dev/null; then
       echo "FAIL progress-terminal${forced:+-off}: drawn $drawn, erased $erased: $(cat -v "$tmp/tty.txt")"; fail=1
     fi
   done
+  # A plan that runs past half a second says it is planning, with its time, and the line is erased once planned
+  # (a chain of 200 stages for the optimal program at 1,000 slots: about 2 s here).
+  stages=$(for i in $(seq 0 199); do printf '{"fwd_ms": %d, "bwd_ms": 2, "output_bytes": %d, "saved_bytes": 3000},' \
+    $((1 + i % 3)) $((1000 + 7 * (i % 5))); done)
+  printf '{"input_bytes": 1000, "stages": [%s]}\n' "${stages%,}" >"$tmp/long.json"
+  script -qfec "env REMAT_PROGRESS= $remat plan --chain $tmp/long.json --planner optimal --budget 60000 --slots 1000" \
+    "$tmp/tty.txt" >/dev/null 2>&1 </dev/null
+  if grep -qE $'\e\\[Kremat: planning: 00:0[0-9]' "$tmp/tty.txt" &&
+    grep -qE $'\e\\[Kremat: planned 200 stages in' "$tmp/tty.txt"; then
+    echo "ok   planning-terminal"
+  else
+    echo "FAIL planning-terminal: $(cat -v "$tmp/tty.txt")"; fail=1
+  fi
 fi
 check plan-plot-no-script nonzero "is not there" -- env REMAT_STEP_PLOT_SCRIPT=/nonexistent/plot.py "$remat" plan --model mlp --depth 4 --width 16 --budget 256KiB --planner per-layer --plot "$tmp/x.png"
 check sweep-plot-no-script nonzero "is not there" -- env REMAT_PLOT_SCRIPT=/nonexistent/plot.py "$remat" sweep --model mlp --depth 4 --width 16 --budgets 3 --plot "$tmp/x.png"

@@ -9,6 +9,7 @@
 #include <remat/planner/units.h>
 
 #include "common.h"
+#include "progress_bar.h"
 
 namespace remat::cli {
 namespace {
@@ -55,7 +56,10 @@ int run(const PlanArgs& a) {
     options.max_host_bytes = size_arg(a.max_host, "--max-host");
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const Plan plan = plan_strategy(strategy, chain, budget, options);
+  const Plan plan = [&] {
+    const PlanningWait wait("remat: planning");
+    return plan_strategy(strategy, chain, budget, options);
+  }();
   const double planning_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   std::cerr << "remat: planned " << chain.size() << " stages in " << fixed(planning_ms, 1) << " ms\n";

@@ -12,6 +12,8 @@
 #include <iostream>
 #include <iterator>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -79,6 +81,44 @@ void ProgressBar::clear() {
   std::cerr << "\r\033[K" << std::flush;
   drawn_ = false;
   if (drawn_bar == this) drawn_bar = nullptr;
+}
+
+std::string clock_time(double seconds) {
+  const auto s = static_cast<int64_t>(std::max(0.0, seconds));
+  const int64_t h = s / 3600, m = s / 60 % 60, sec = s % 60;
+  char text[32];
+  if (h > 0)
+    std::snprintf(text, sizeof text, "%lld:%02lld:%02lld", static_cast<long long>(h),
+                  static_cast<long long>(m), static_cast<long long>(sec));
+  else
+    std::snprintf(text, sizeof text, "%02lld:%02lld", static_cast<long long>(m), static_cast<long long>(sec));
+  return text;
+}
+
+PlanningWait::PlanningWait(std::string what, std::chrono::milliseconds after) : what_(std::move(what)) {
+  if (progress_bars_enabled()) thread_ = std::thread([this, after] { draw(after); });
+}
+
+PlanningWait::~PlanningWait() {
+  if (!thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+void PlanningWait::draw(std::chrono::milliseconds after) {
+  const auto start = std::chrono::steady_clock::now();
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (wake_.wait_until(lock, start + after, [this] { return done_; })) return;
+  for (auto next = start + after; !done_; next += std::chrono::milliseconds(250)) {
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::cerr << "\r\033[K" << what_ << ": " << clock_time(elapsed) << std::flush;
+    wake_.wait_until(lock, next + std::chrono::milliseconds(250), [this] { return done_; });
+  }
+  std::cerr << "\r\033[K" << std::flush;
 }
 
 void clear_progress_bar() {

@@ -7,9 +7,12 @@
 #include <remat/profile.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
+#include <thread>
 
 namespace remat::cli {
 
@@ -37,6 +40,30 @@ class ProgressBar {
   bool enabled_;  // progress_bars_enabled() when the bar was made
   bool drawn_ = false;
   std::chrono::steady_clock::time_point start_, last_;
+};
+
+/// Minutes and seconds as tqdm writes a time on its bars: "00:03", "12:45", "1:02:03".
+std::string clock_time(double seconds);
+
+/// For the life of one long call made on this thread (a plan: BERT-large's profile with offloading and groups
+/// plans for seconds), where bars are drawn (progress_bars_enabled()): once the call has run `after`, shows
+/// "<what>: 00:03" (the time it has run) on stderr, redrawn every quarter second by a thread of its own, and
+/// erases it when destroyed. Where bars are not drawn, nothing and no thread. The Python package's
+/// remat.progress.planning_wait, on the command.
+class PlanningWait {
+ public:
+  explicit PlanningWait(std::string what, std::chrono::milliseconds after = std::chrono::milliseconds(500));
+  ~PlanningWait();
+  PlanningWait(const PlanningWait&) = delete;
+  PlanningWait& operator=(const PlanningWait&) = delete;
+
+ private:
+  void draw(std::chrono::milliseconds after);
+  std::string what_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  bool done_ = false;
+  std::thread thread_;
 };
 
 /// Erases whichever bar is drawn, before a line is printed on stderr.

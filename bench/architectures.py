@@ -16,7 +16,8 @@ step was bitwise, the least budget against gradient_checkpointing_enable()'s mea
 prediction errors' range (measured less predicted, over predicted: negative where the model overstates), and
 whether remat warned in the profiling step (the JSON has the words).
 
-    python bench/architectures.py                          # every architecture below
+    python bench/architectures.py                          # every architecture of MODELS below
+    python bench/architectures.py --models more --deterministic   # the 52 of MORE (several are mixtures of experts)
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
     python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)
@@ -78,17 +79,43 @@ EXTRA = {
     "opt": dict(ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1),
     "gptj": dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8),
     "deberta-v2": dict(pad_token_id=0),
+    "gpt_neo": dict(num_layers=4, num_heads=4, attention_types=[[["global", "local"], 2]], window_size=16),
+    "glm4": dict(pad_token_id=0),
+    "smollm3": dict(pad_token_id=0),
+    "olmo_hybrid": dict(pad_token_id=0),
+    "kimi_linear": dict(pad_token_id=0),
+    "dbrx": dict(d_model=64, n_heads=4, n_layers=4, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=128, moe_num_experts=4, moe_top_k=2)),
+    "mamba2": dict(num_heads=2, head_dim=64, n_groups=1, state_size=8, expand=2),
+    "helium": dict(head_dim=16),
+    "hunyuan_v1_dense": dict(head_dim=16),
+    "ministral": dict(head_dim=16),
+    "codegen": dict(n_embd=64, n_layer=4, n_head=4, rotary_dim=8),
+    "deepseek_v2": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "minicpm3": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                     qk_nope_head_dim=8, v_head_dim=16),
+    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                  n_group=1, topk_group=1, head_dim=16),
 }
 MASKED = {"roberta", "deberta-v2", "electra", "bert"}
 MODELS = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "olmo2", "cohere", "starcoder2",
           "granite", "gpt_neox", "falcon", "bloom", "opt", "gptj", "mixtral", "qwen3_moe", "gpt_oss",
           "deepseek_v3", "mamba", "jamba", "recurrent_gemma", "bert", "roberta", "deberta-v2", "electra"]
+# Swept first on 2026-12-06 (docs/BENCHMARKS.md, "52 more architectures"): `--models more`, or `--models all` for both.
+MORE = ["gpt2", "gpt_bigcode", "gpt_neo", "codegen", "phi", "gemma", "stablelm", "nemotron", "glm4", "olmo3", "smollm3",
+        "exaone4", "cohere2", "ernie4_5", "helium", "hunyuan_v1_dense", "ministral", "seed_oss", "apertus", "arcee",
+        "doge", "diffllama", "bitnet", "internlm3", "minicpm3", "vaultgemma", "granite_swa", "mpt", "biogpt", "xglm",
+        "minimax", "llama4_text", "gemma4_text", "qwen3_5_text", "deepseek_v2", "granitemoe", "qwen2_moe", "olmoe",
+        "phimoe", "dbrx", "glm4_moe", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "bamba", "falcon_h1",
+        "nemotron_h", "lfm2", "olmo_hybrid", "xlstm", "rwkv"]
 
 
 def build(kind: str):
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(kind, **COMMON, **EXTRA.get(kind, {}))
+    cfg = transformers.AutoConfig.for_model(kind, **{**COMMON, **EXTRA.get(kind, {})})
     auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
     return auto.from_config(cfg).train()
 
@@ -190,7 +217,9 @@ def sweep(kind: str, fractions, delays, size, meter, plans: int = 0, seed: int =
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default=",".join(MODELS), help="model types, comma-separated (AutoConfig's names)")
+    ap.add_argument("--models", default=",".join(MODELS),
+                    help="model types, comma-separated (AutoConfig's names); 'more': the 52 swept since 2026-12-06, "
+                         "'all': both lists")
     ap.add_argument("--budgets", default="0,0.2,0.4,0.7",
                     help="shares of the way from the least budget to the plain step's predicted peak")
     ap.add_argument("--delay", type=int, default=100, help="the late engine's delay (copies waited for); 0: none")
@@ -222,7 +251,8 @@ def main() -> int:
     rows = []
     head = f"{'model':16} {'bitwise':8} {'least/hf':>8}   {'at once: error min..max':>24}   {'delayed':>16}   warned"
     print(head)
-    for kind in args.models.split(","):
+    kinds = {"more": MORE, "all": MODELS + MORE}.get(args.models, args.models.split(","))
+    for kind in kinds:
         try:
             row = sweep(kind, fractions, delays, (args.batch, args.seq), meter, args.random, args.seed)
         except Exception as e:  # an architecture this transformers lacks, or a config it refuses

@@ -33,11 +33,18 @@ def _tensors_in(values, out: list) -> None:
             _tensors_in(v, out)
 
 
+def tensors_in(values) -> list[torch.Tensor]:
+    """The tensors among `values`, tuples and lists inside them walked (xLSTM's blocks hand on their recurrent
+    state as a tuple beside their output)."""
+    out: list[torch.Tensor] = []
+    _tensors_in(values, out)
+    return out
+
+
 def taken_tensors(fn, args) -> list[torch.Tensor]:
     """The tensors a layer's call takes besides its input (args[0]): the other positional arguments, and what
     the call's partials bind (keyword arguments such as T5's position bias or a decoder's encoder states)."""
-    out: list[torch.Tensor] = []
-    _tensors_in(args[1:], out)
+    out = tensors_in(args[1:])
     while isinstance(fn, partial):
         _tensors_in(fn.args, out)
         _tensors_in(fn.keywords.values(), out)

@@ -656,6 +656,39 @@ def test_what_a_layer_hands_on_beside_its_output_is_charged_only_where_something
         assert got[2] <= predicted <= got[2] + 4 * weights + weights // 2, (got[2], predicted)
 
 
+@pytest.mark.skipif(not hasattr(transformers, "xLSTMConfig"), reason="this transformers has no xLSTM")
+def test_a_state_a_layer_hands_on_in_a_tuple_is_read_as_the_rest_lets_go_of_it(meter):
+    # xLSTM's blocks return (output, (C, n, m)): their recurrent state, in a tuple, slices of tensors their graph
+    # saves. The model's code holds the last block's until its forward returns, in the rest of the step, whose
+    # readings are taken above what the last layer handed on and the rest lets go of. Before (found 2026-12-06 by
+    # bench/architectures.py), a tuple handed on was not looked into: the rest's readings, taken with every layer
+    # checkpointed (the state's storages the layer's own, let go of in the rest), took that letting go as the
+    # rest's own, and both plans here were 35,264 bytes above their predictions (0.22% every layer kept, 0.63%
+    # every layer checkpointed; 192 bytes now).
+    def xlstm():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(transformers.xLSTMConfig(
+            vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_heads=4, use_cache=False)).train()
+
+    spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
+    plain = xlstm()
+    want = [step(plain, spec, k, meter) for k in range(2)]
+    model = xlstm()
+    lp = remat.hf.enable(model, budget=1 << 40)
+    same(want[0], step(model, spec, 0, meter))
+    n = len(lp.chain.stages)
+    for way in ("a", "c"):
+        ops = [f"F{way}{i}" for i in range(n)] + ["L"]
+        for i in reversed(range(n)):
+            ops += ([f"Fa{i}"] if way == "c" else []) + [f"B{i}"]
+        _, predicted = give_plan(lp, ops)
+        got = step(model, spec, 1, meter)
+        same(want[1], got)
+        # (48 bytes a layer above here, not located: likely the Python numbers a block's graph saves outside the
+        # saved-tensor hooks, on the CPU only; docs/python.md, Limits.)
+        assert predicted <= got[2] <= predicted + 48 * n, (way, got[2], predicted)
+
+
 def test_bad_budgets_and_models_are_refused():
     model, _ = make("bert")
     with pytest.raises(ValueError, match="positive"):

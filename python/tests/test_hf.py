@@ -677,11 +677,8 @@ def test_a_state_a_layer_hands_on_in_a_tuple_is_read_as_the_rest_lets_go_of_it(m
     lp = remat.hf.enable(model, budget=1 << 40)
     same(want[0], step(model, spec, 0, meter))
     n = len(lp.chain.stages)
-    for way in ("a", "c"):
-        ops = [f"F{way}{i}" for i in range(n)] + ["L"]
-        for i in reversed(range(n)):
-            ops += ([f"Fa{i}"] if way == "c" else []) + [f"B{i}"]
-        _, predicted = give_plan(lp, ops)
+    for way in ("keep", "checkpoint"):
+        _, predicted = give_plan(lp, per_layer_ops([way] * n))
         got = step(model, spec, 1, meter)
         same(want[1], got)
         # (48 bytes a layer above here, not located: likely the Python numbers a block's graph saves outside the

@@ -803,7 +803,9 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     # The layer and the profiler take an alias of its input (Step.inputs_held), the same tensor's data (the
     # first layer's call keeps the input itself, which the rest of the profiling step reads, until the layers
     # are profiled).
-    run_args = (input_alias(x, step.first_backward_done if i == 0 else None), *args[1:])
+    # (The first layer's alias marks where its backward is done, where a part before the layers runs a backward
+    # after the layers': Step.first_backward_done.)
+    run_args = (input_alias(x, step.first_backward_done if i == 0 and x.grad_fn is not None else None), *args[1:])
     step.calls.append((fn, run_args, run_args[0]) if i >= 1 else (fn, args, x))
     aliased = storage_users(x) if i in step.made_inputs else None
     taken = taken_tensors(fn, args)

@@ -26,6 +26,7 @@ import contextlib
 import gc
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
@@ -381,37 +382,68 @@ def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
 
 class _SavedStorages:
     """Saved-tensor hooks that count, once per storage, the bytes of what autograd saves, minus `excluded`
-    storages (alive anyway)."""
+    storages (alive anyway): of the saves whose graph is alive when read (sizes, offloaded, kept, packed), so
+    that a call the stage's output does not take (RWKV's attention updates its state once more after its last
+    output), whose graph and saves go as its result is let go of, is not counted, as a step does not hold it."""
 
     def __init__(self, excluded: set[int], offload_min_bytes: int | None = None, alive: set[int] = frozenset()):
         self.excluded = excluded
-        self.sizes: dict[int, int] = {}
         # With offload_min_bytes: the storages offloading hooks would send to the host (remat.offload's
-        # predicate; `alive`, the parameters and buffers, never), each with whether the tensor covers it all.
+        # predicate; `alive`, the parameters and buffers, never), each with whether the tensor covers it all;
+        # and the storages some saved tensor keeps on the device (one the hooks would not send: a view with gaps,
+        # a small one): the hooks offload nothing of them, as remat.offload.Offload does not.
         self.offload_min_bytes = offload_min_bytes
         self.alive = alive
-        self.offloaded: dict[int, tuple[int, bool]] = {}
-        # Storages some saved tensor keeps on the device (one the hooks would not send: a view with gaps, a small
-        # one): the hooks offload nothing of them, as remat.offload.Offload does not.
-        self.kept: set[int] = set()
-        # Every storage a saved tensor is on, `excluded` ones too (whether a stage saves its input:
-        # Stage.saves_input).
-        self.packed: set[int] = set()
+        # Per save: a weak reference to what autograd holds (the tensor, detached), its storage's key and bytes,
+        # and how offloading hooks would take it ("sent" whole or not, "kept", or None).
+        self._saves: list[tuple] = []
 
     def pack(self, t):
-        if isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta:
-            st = t.untyped_storage()
-            key = st.data_ptr()
-            self.packed.add(key)
-            if key and key not in self.excluded:
-                self.sizes[key] = st.nbytes()
-            if self.offload_min_bytes is not None:
-                if offloadable(t, self.offload_min_bytes, self.alive):
-                    whole = t.storage_offset() == 0 and t.nbytes == st.nbytes()
-                    self.offloaded[key] = (st.nbytes(), whole or self.offloaded.get(key, (0, False))[1])
-                elif key and key not in self.alive:
-                    self.kept.add(key)
-        return t
+        if not (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_meta):
+            return t
+        st = t.untyped_storage()
+        how = None
+        if self.offload_min_bytes is not None:
+            if offloadable(t, self.offload_min_bytes, self.alive):
+                how = ("sent", t.storage_offset() == 0 and t.nbytes == st.nbytes())
+            elif st.data_ptr() and st.data_ptr() not in self.alive:
+                how = ("kept", False)
+        # Detached (as _measure_groups' pack): a saved output handed back as itself holds its own grad_fn, a
+        # reference cycle through autograd's C++ that Python's collector cannot see, which only the backward of
+        # the call that saved it breaks, and that backward never reaches a call the stage's output does not
+        # take. Before (found 2026-12-06), such calls' graphs, the stage's input among what they hold, outlived
+        # the profile: RWKV's profiling step held its layers' outputs a step longer than the plain run, read them
+        # as held to the step's end (outputs_held_to_end), and charged every backward a hidden state a layer
+        # high. (Counted only while alive: a let-go save's storage key may be a later allocation's.)
+        held = t.detach()
+        self._saves.append((weakref.ref(held), st.data_ptr(), st.nbytes(), how))
+        return held
+
+    def _live(self):
+        return [(key, nb, how) for ref, key, nb, how in self._saves if ref() is not None]
+
+    @property
+    def sizes(self) -> dict[int, int]:
+        """Bytes per storage saved (its key), less `excluded`."""
+        return {key: nb for key, nb, _ in self._live() if key and key not in self.excluded}
+
+    @property
+    def packed(self) -> set[int]:
+        """Every storage a saved tensor is on, `excluded` ones too (whether a stage saves its input:
+        Stage.saves_input)."""
+        return {key for key, _, _ in self._live()}
+
+    @property
+    def offloaded(self) -> dict[int, tuple[int, bool]]:
+        out: dict[int, tuple[int, bool]] = {}
+        for key, nb, how in self._live():
+            if how is not None and how[0] == "sent":
+                out[key] = (nb, how[1] or out.get(key, (0, False))[1])
+        return out
+
+    @property
+    def kept(self) -> set[int]:
+        return {key for key, _, how in self._live() if how is not None and how[0] == "kept"}
 
     def offload_cost(self, input_key: int, output_key: int, most: int,
                      after_forward: bool = False) -> "_core.OffloadCost":

@@ -455,10 +455,11 @@ class _SavedStorages:
         forward has run (OffloadCost.after_forward: a compiled stage's, whose graph saves its tensors at its end)."""
         c = _core.OffloadCost()
         c.after_forward = after_forward
-        sent = {key: v for key, v in self.offloaded.items() if key not in self.kept}
+        kept = self.kept  # (derived from the live saves: read once)
+        sent = {key: v for key, v in self.offloaded.items() if key not in kept}
         c.bytes = min(most, sum(nb for key, (nb, whole) in sent.items() if whole and key not in (input_key, output_key)))
         c.input = input_key in sent
-        c.output = output_key in sent or output_key in self.kept
+        c.output = output_key in sent or output_key in kept
         return c
 
     @staticmethod
@@ -1013,8 +1014,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         fwd_peak = window.peak() - base
                     if measure:
                         out_key = _storage_key(out)
-                        saved = sum(counter.sizes.values())
-                        unsaved = out_key not in counter.sizes and out_key not in alive and \
+                        sizes, packed = counter.sizes, counter.packed  # (derived from the live saves: read once)
+                        saved = sum(sizes.values())
+                        unsaved = out_key not in sizes and out_key not in alive and \
                             out_key != _storage_key(leaf)
                         if unsaved:
                             saved += out.untyped_storage().nbytes()
@@ -1025,10 +1027,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         # Whether it saves its input (Stage.saves_input): a tensor on its storage. A layer whose
                         # Linear saves a cast of it (bf16 under autocast) does not: a step lets go of it once
                         # the layer's forward is done, where nothing else holds it. A compiled stage's, as saved.
-                        fields[i]["saves_in"] = compiled[i] or _storage_key(leaf) in counter.packed
+                        fields[i]["saves_in"] = compiled[i] or _storage_key(leaf) in packed
                         # The storages its graph saves (saved_storages); a compiled stage's as unknown (None: every
                         # one taken as saved).
-                        fields[i]["packed"] = None if compiled[i] else set(counter.packed)
+                        fields[i]["packed"] = None if compiled[i] else packed
                         # Whether it has a backward (Stage.has_backward): a stage whose output needs no gradient
                         # made no graph, and every way runs it as kept.
                         fields[i]["has_bwd"] = out.requires_grad

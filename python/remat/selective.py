@@ -193,6 +193,9 @@ def _info(op) -> _OpInfo:
 
 
 _CONSUMED = object()
+# What a call left whose kept or sent output the rest of the region's forward wrote in place, where autograd had not
+# saved it (_Forward): let go of at the write, and made again in the recompute.
+_WRITTEN = object()
 # What a kept call that returned no tensor (None: an ordered effect, aten::_print) left: its recompute hands back
 # None rather than running it again (a stored None means "recompute").
 _RETURNED_NONE = object()
@@ -293,7 +296,12 @@ class SelectiveCache:
                              "remat.offload.Offload to send it with")
 
         def pack(x):
-            h = self.offload.pack(_detached(x))
+            # Under the views' key, so that what the Offload holds of x (its copy's source, its version holder)
+            # shares x's version counter, as it does outside a dispatch mode: a write while a copy is in flight
+            # then shows in the Offload's check. Before (found 2026-12-06), below the dispatch mode its detaches
+            # had counters of their own, and a write the check should have refused went unseen.
+            with _views_tracked():
+                h = self.offload.pack(_detached(x))
             self.handles.append(h)
             return h
 
@@ -306,6 +314,29 @@ class SelectiveCache:
             return self.offload.unpack(x)  # what the Offload packed: brought back, or its own Kept
 
         return _map(get, stored, SavedAs)
+
+    def written(self, call) -> None:
+        """The forward wrote in place the storage of what `call` ((op, its index)) left, where autograd had not
+        saved it: the plain run is valid, and the recompute makes the call again rather than take the written
+        values (_Recompute). Where remat's checkpoint tells which storages autograd saved, what the call left is
+        let go of now: kept on the device it would be held to the recompute for nothing, and sent to the host its
+        copy may be in flight, reading the written values (found 2026-12-06 on Gemma-3n, whose AltUp adds its
+        input to a matrix product's output in place: with copies carried out late, as a GPU's may be, its
+        gradients differed from the plain run's, silently). Without that knowledge a kept output waits for the
+        recompute, which tells a write autograd would refuse by its version (_Recompute)."""
+        op, idx = call
+        calls = self.entries.get(op)
+        stored = calls.get(idx) if calls is not None else None
+        if stored is None or stored is _CONSUMED or stored is _WRITTEN:
+            return
+        leaves = _leaves(stored)
+        if self.autograd_saved is None and all(isinstance(k, Kept) for k in leaves):
+            self.overwritten.add(call)
+            return
+        sent = {id(k) for k in leaves if not isinstance(k, Kept)}
+        if sent:
+            self.handles = [h for h in self.handles if id(h) not in sent]
+        calls[idx] = _WRITTEN
 
 
 class _Forward(TorchDispatchMode):
@@ -331,7 +362,8 @@ class _Forward(TorchDispatchMode):
             for t in _written(func, args, kwargs):
                 key = storage_of(t)
                 if cache.autograd_saved is None or key not in cache.autograd_saved:
-                    cache.overwritten.update(cache.stored_at.get(key, ()))
+                    for call in cache.stored_at.get(key, ()):
+                        cache.written(call)
         out = func(*args, **kwargs)
         counter = self.counter
         idx = counter[id(func)]
@@ -340,13 +372,15 @@ class _Forward(TorchDispatchMode):
         if stored is not None:
             if info.seeded:
                 cache.rng_after[(func, idx)] = _rng_after(out)
-            # What stays on the device (kept, or left there by the Offload), whose storage stays alive with it;
-            # what went to the host has its copy, which a later write does not reach.
-            for k in _leaves(stored):
-                if isinstance(k, Kept):
-                    key = storage_of(k.tensor)
-                    if key is not None and (func, idx) not in cache.stored_at[key]:
-                        cache.stored_at[key].append((func, idx))
+            # Each output's storage: what stays on the device (kept, or left there by the Offload) stays alive with
+            # it, and what went to the host may have its copy in flight (a GPU's, or the CPU's late engine), which a
+            # later write reaches. Before (2026-12-06) only the former: the copy's values were taken as the saved.
+            if stored is not _RETURNED_NONE:
+                for t in _leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        key = storage_of(t)
+                        if key is not None and (func, idx) not in cache.stored_at[key]:
+                            cache.stored_at[key].append((func, idx))
         return out
 
 
@@ -389,8 +423,9 @@ class _Recompute(TorchDispatchMode):
         calls[idx] = _CONSUMED
         if stored is _RETURNED_NONE:
             return None
-        if cache.overwritten and (func, idx) in cache.overwritten and (cache.autograd_saved is not None or not any(
-                version_of(k.tensor) != k.version for k in _leaves(stored) if isinstance(k, Kept))):
+        if stored is _WRITTEN or cache.overwritten and (func, idx) in cache.overwritten and (
+                cache.autograd_saved is not None or not any(
+                    version_of(k.tensor) != k.version for k in _leaves(stored) if isinstance(k, Kept))):
             # Written after the call, where autograd had not saved it: the plain run is valid, and the call is
             # made again. Without knowing what autograd saved, only a write through an alias that does not
             # share its version counter (which autograd cannot see either); one that moved the version is

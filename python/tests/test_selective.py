@@ -104,6 +104,16 @@ def test_a_second_backward_through_the_region_is_refused_and_a_write_to_a_kept_o
     y = remat.checkpoint(writes, x, policy=policy)
     with pytest.raises(RuntimeError, match="is at version 1; expected version 0"):
         y.sum().backward()
+    # Sent to the host instead, its copy carried out late (behind the write, as a GPU's side stream may): the
+    # Offload's error for a write while a copy is in flight, as outside selective checkpointing (a copy made at
+    # once holds the values saved, as torch's save_on_cpu). Before (2026-12-06) no error, and sigmoid's backward
+    # read the written values: the Offload's version holder, made below the dispatch mode, missed the write.
+    host = lambda ctx, op, *a, **k: (remat.MUST_CPU_OFFLOAD if op is torch.ops.aten.sigmoid.default  # noqa: E731
+                                     else CheckpointPolicy.PREFER_RECOMPUTE)
+    y = remat.checkpoint(writes, x, policy=host,
+                         offload=Offload(min_bytes=0, engine=CopyEngine(torch.device("cpu"), delay=100)))
+    with pytest.raises(RuntimeError, match="modified by an in-place operation while its copy to the host"):
+        y.sum().backward()
 
 
 @pytest.mark.parametrize("dims", [4, 2])
@@ -135,6 +145,19 @@ def test_a_kept_output_written_in_place_that_autograd_did_not_save_is_recomputed
         got = grads(remat.checkpoint(attention, q, k, policy=policy,
                                      offload=Offload(min_bytes=1 << 30)))  # all left on the device
         assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    # Sent to the host, its copy made at once or carried out late (as a GPU's side stream may, behind the write):
+    # also made again. Before (found 2026-12-06 on Gemma-3n's AltUp, `predictions += hidden_states`), the late
+    # copy took the written values and the gradients differed from the plain run's, silently; on two dimensions
+    # the Offload's own check for a write while a copy is in flight did not see it either (its version holder,
+    # made below the dispatch mode, had a counter of its own).
+    for delay in (0, 100):
+        engine = CopyEngine(torch.device("cpu"), delay=delay)
+        got = grads(remat.checkpoint(attention, q, k, policy=policy_with(remat.MUST_CPU_OFFLOAD),
+                                     offload=Offload(min_bytes=0, engine=engine)))
+        assert all(torch.equal(a, b) for a, b in zip(plain, got)), delay
+        with Offload(min_bytes=0, engine=engine):  # kept inside an Offload's context: sent with it (Fk[...]@host)
+            y = remat.checkpoint(attention, q, k, policy=keep_matmuls)
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads(y))), delay
 
 
 def test_a_policy_that_answers_host_is_not_profiled_for_a_plan_yet():

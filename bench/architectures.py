@@ -18,6 +18,7 @@ whether remat warned in the profiling step (the JSON has the words).
 
     python bench/architectures.py                          # every architecture of MODELS below
     python bench/architectures.py --models more --deterministic   # the 52 of MORE (several are mixtures of experts)
+    python bench/architectures.py --models further --deterministic   # the 59 of FURTHER (35 decoders, 24 encoders)
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
     python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)
@@ -116,12 +117,71 @@ MORE = ["gpt2", "gpt_bigcode", "gpt_neo", "codegen", "phi", "gemma", "stablelm",
         "phimoe", "dbrx", "glm4_moe", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "bamba", "falcon_h1",
         "nemotron_h", "lfm2", "olmo_hybrid", "xlstm", "rwkv"]
 
+# Swept first on 2026-12-06, the fifty-ninth session: `--models further` (every model in FURTHER gets pad_token_id=0).
+FURTHER_EXTRA = {
+    "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, head_dim=16),
+    "cohere2_moe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, head_dim=16),
+    "cwm": dict(head_dim=16),
+    "deepseek_v32": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                         n_group=1, topk_group=1, first_k_dense_replace=1, head_dim=16, kv_lora_rank=16,
+                         q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
+    "deepseek_v4": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        head_dim=16, q_lora_rank=32, qk_rope_head_dim=8),
+    "ernie4_5_moe": dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32),
+    "exaone_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1,
+                       n_group=1, topk_group=1, first_k_dense_replace=1),
+    "flex_olmo": dict(num_experts=4, num_experts_per_tok=2),
+    "glm": dict(head_dim=16),
+    "glm4_moe_lite": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                          n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                          qk_nope_head_dim=8, v_head_dim=16),
+    "glm_moe_dsa": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                        n_group=1, topk_group=1, first_k_dense_replace=1, head_dim=16, kv_lora_rank=16,
+                        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
+    "granitemoe_swa": dict(num_local_experts=4, num_experts_per_tok=2),
+    "granitemoehybrid": dict(num_local_experts=4, num_experts_per_tok=2),
+    "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2),
+    "hunyuan_v1_moe": dict(num_experts=4, moe_topk=2, head_dim=16),
+    "hy_v3": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, head_dim=16),
+    "hy_v4": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=1,
+                  topk_group=1, head_dim=16, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                  v_head_dim=16),
+    "jais2": dict(head_dim=16),
+    "laguna": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "lfm3": dict(head_dim=16),
+    "mellum": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "mimo_v2_flash": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1,
+                          topk_group=1, head_dim=16, v_head_dim=16),
+    "minimax_m2": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+    "ministral3": dict(head_dim=16),
+    "qwen3_5_moe_text": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "solar_open": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                       n_group=1, topk_group=1, head_dim=16),
+    "kolibri1": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "flint": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "nomic_bert": dict(head_dim=16),
+    "eurobert": dict(head_dim=16, num_key_value_heads=4),
+}
+FURTHER = ["afmoe", "cohere2_moe", "cwm", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+           "glm", "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
+           "hunyuan_v1_moe", "hy_v3", "hy_v4", "jais2", "laguna", "lfm3", "mellum", "mimo_v2_flash", "minimax_m2",
+           "ministral3", "modernbert-decoder", "nanochat", "olmo", "openai-gpt", "persimmon", "qwen3_5_moe_text",
+           "solar_open", "kolibri1", "flint", "ctrl", "gpt_neox_japanese", "albert", "distilbert", "modernbert",
+           "megatron-bert", "roformer", "mpnet", "convbert", "esm", "xlm-roberta", "camembert", "data2vec-text",
+           "ernie", "rembert", "roberta-prelayernorm", "nomic_bert", "eurobert", "ibert", "yoso", "nystromformer",
+           "mra", "fnet", "big_bird", "longformer", "deberta"]
+FURTHER_MASKED = {"albert", "distilbert", "modernbert", "megatron-bert", "roformer", "mpnet", "convbert", "esm",
+                  "xlm-roberta", "camembert", "data2vec-text", "ernie", "rembert", "roberta-prelayernorm",
+                  "nomic_bert", "eurobert", "ibert", "yoso", "nystromformer", "mra", "fnet", "big_bird", "longformer",
+                  "deberta"}
 
 def build(kind: str):
     import transformers
     torch.manual_seed(0)
-    cfg = transformers.AutoConfig.for_model(kind, **{**COMMON, **EXTRA.get(kind, {})})
-    auto = transformers.AutoModelForMaskedLM if kind in MASKED else transformers.AutoModelForCausalLM
+    further = dict(pad_token_id=0, **FURTHER_EXTRA.get(kind, {})) if kind in FURTHER else {}
+    cfg = transformers.AutoConfig.for_model(kind, **{**COMMON, **EXTRA.get(kind, {}), **further})
+    masked = kind in MASKED or kind in FURTHER_MASKED
+    auto = transformers.AutoModelForMaskedLM if masked else transformers.AutoModelForCausalLM
     return auto.from_config(cfg).train()
 
 
@@ -227,7 +287,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS),
                     help="model types, comma-separated (AutoConfig's names); 'more': the 52 swept since 2026-12-06, "
-                         "'all': both lists")
+                         "'further': the 59 swept since the session after, 'all': the three lists")
     ap.add_argument("--budgets", default="0,0.2,0.4,0.7",
                     help="shares of the way from the least budget to the plain step's predicted peak")
     ap.add_argument("--delay", type=int, default=100, help="the late engine's delay (copies waited for); 0: none")
@@ -259,7 +319,7 @@ def main() -> int:
     rows = []
     head = f"{'model':16} {'bitwise':8} {'least/hf':>8}   {'at once: error min..max':>24}   {'delayed':>16}   warned"
     print(head)
-    kinds = {"more": MORE, "all": MODELS + MORE}.get(args.models, args.models.split(","))
+    kinds = {"more": MORE, "further": FURTHER, "all": MODELS + MORE + FURTHER}.get(args.models, args.models.split(","))
     for kind in kinds:
         try:
             row = sweep(kind, fractions, delays, (args.batch, args.seq), meter, args.random, args.seed)

@@ -4,7 +4,7 @@
     remat.hf.enable(model, budget="600MiB")      # instead of model.gradient_checkpointing_enable()
     remat.hf.enable(model, budget="auto")        # or: fit what the GPU has free (also "90%")
 
-The model's repeated layers (its ``GradientCheckpointingLayer`` modules: BertLayer, GPT2Block,
+The model's repeated layers (its outermost ``GradientCheckpointingLayer`` modules: BertLayer, GPT2Block,
 LlamaDecoderLayer, ...) are found in module order, and Hugging Face's own checkpointing hook
 (``_set_gradient_checkpointing`` with a checkpointing function) routes each layer's call to remat, which runs it
 kept whole, checkpointed, or checkpointed keeping its matrix multiplications, as the plan for the budget says.
@@ -39,13 +39,21 @@ __all__ = ["enable", "disable", "layers_of", "profile"]
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
-    """The model's repeated layers: its transformers GradientCheckpointingLayer modules, in module order. Raises
-    TypeError when the model has none (a model that is not a Transformers model, or one too old to have them)."""
+    """The model's repeated layers: its outermost transformers GradientCheckpointingLayer modules, in module order.
+    Raises TypeError when the model has none (a model that is not a Transformers model, or one too old to have them)."""
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError as e:
         raise TypeError("remat.hf: needs transformers with GradientCheckpointingLayer (4.53 or later)") from e
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers, inside = [], set()
+    for m in model.modules():
+        if isinstance(m, GradientCheckpointingLayer) and id(m) not in inside:
+            # The outermost only: a layer inside another (Zamba2's hybrid layers hold a Mamba layer, each a
+            # GradientCheckpointingLayer) runs within the call of the one that holds it, as part of it, and the
+            # layers remat plans are called one after another. Before (found 2026-12-06) both were planned, and the
+            # profiling step failed with an IndexError.
+            layers.append(m)
+            inside.update(id(d) for d in m.modules())
     if not layers:
         raise TypeError(f"remat.hf: {type(model).__name__} has no GradientCheckpointingLayer modules; use "
                         "remat.enable(model, layers, budget=...) with its layer list")
@@ -185,7 +193,11 @@ class _Checkpointing:
         i = lp.index.get(id(layer)) if layer is not None else None
         if i is not None and getattr(layer, "_compiled_call_impl", None) is not None:
             _check_compiled(lp.model, [layer], "remat.hf")  # layer.compile() after remat.hf.enable
-        if i is None:  # a module remat does not plan (a model-level flag): as Hugging Face runs it
+        if i is None:
+            if layer is not None and any(layer is m for planned in lp.layers for m in planned.modules()):
+                # A layer inside a planned one (layers_of): run as part of it, as its plan runs it.
+                return fn(*args, **kwargs)
+            # A module remat does not plan (a model-level flag): as Hugging Face runs it.
             return torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
         return lp.dispatch(i, partial(fn, **kwargs) if kwargs else fn, *args)
 

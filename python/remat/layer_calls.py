@@ -2,6 +2,7 @@
 takes beside its input, and the shapes that key a step's plan."""
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from functools import partial
 
 import torch
@@ -9,8 +10,9 @@ from torch import nn
 
 from . import _core
 
-__all__ = ["autocast_state", "call_key", "covers", "describe", "key_form", "layer_key", "layer_output",
-           "taken_tensors"]
+__all__ = ["autocast_state", "call_key", "covers", "describe", "key_form", "layer_key",
+           "layer_output", "taken_mappings", "taken_tensors",
+           "tensors_put"]
 
 
 def layer_output(out, who: str, i: int, layer: nn.Module) -> tuple[torch.Tensor, tuple]:
@@ -50,6 +52,32 @@ def taken_tensors(fn, args) -> list[torch.Tensor]:
         _tensors_in(fn.keywords.values(), out)
         fn = fn.func
     return out
+
+
+def taken_mappings(fn, args) -> list[tuple[str, MutableMapping]]:
+    """The mutable mappings a layer's call takes besides its input, (where: "argument 2" or the keyword's name,
+    the mapping): a container the layers share, into which one layer may put what later ones read (Gemma-3n's
+    shared keys and values, `shared_kv_states`)."""
+    out = [(f"argument {k}", v) for k, v in enumerate(args[1:], 1) if isinstance(v, MutableMapping)]
+    while isinstance(fn, partial):
+        out.extend((f"argument {k}", v) for k, v in enumerate(fn.args) if isinstance(v, MutableMapping))
+        out.extend((name, v) for name, v in fn.keywords.items() if isinstance(v, MutableMapping))
+        fn = fn.func
+    return out
+
+
+def tensors_put(mappings, before: list[set[int]] | None = None):
+    """Without `before`: for each (where, mapping) of taken_mappings, the ids of the tensors in it now. With it
+    (those ids, read before a layer's call): (where, key) for each entry that now holds a tensor that was not
+    there before, in the mappings' order."""
+    if before is None:
+        return [{id(t) for t in tensors_in(list(m.values()))} for _, m in mappings]
+    put = []
+    for (where, m), ids in zip(mappings, before):
+        for key, value in list(m.items()):
+            if any(id(t) not in ids for t in tensors_in([value])):
+                put.append((where, key))
+    return put
 
 
 def layer_key(fn, args) -> tuple:

@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _core, oom
 from .compiled import compiled_call_of, compiled_entry, forced_choice
-from .layer_calls import layer_key, layer_output, taken_tensors, tensors_in
+from .layer_calls import layer_key, layer_output, taken_mappings, taken_tensors, tensors_in, tensors_put
 from .policies import CHECKPOINT, checkpoint_region, run_layer
 from .profile import StageFn, profile
 from .progress import PhaseTimes, progress_bar
@@ -302,6 +302,9 @@ class Step:
 
     def __init__(self, meter, grads_none: set[int] | None):
         self.meter = meter
+        # (layer, where, key): a mapping a layer was handed that it put a tensor into (profiling_call; warned of at
+        # the last layer, warn_of_graph_state).
+        self.graph_puts: list[tuple[int, str, object]] = []
         # remat's own window on the device's count: the step's peak, without resetting what the user reads.
         self.window = meter.window()
         self.base = meter.count()
@@ -733,12 +736,25 @@ def graph_state(layers: Sequence[nn.Module]) -> list[tuple[int, str]]:
     return found
 
 
-def warn_of_graph_state(lp: "LayerPlan") -> None:
+def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]] = ()) -> None:
     """Warns, at a profiling step's last layer, where the layers keep part of the step's graph in their modules'
     attributes: that part (and what its nodes saved) outlives the step until the next call replaces it, so a
     step's memory depends on the step before it and on the plan (a recompute writes it again), which the plan's
     prediction does not model (found 2026-12-04: a 4-layer RecurrentGemma's planned steps from 69% below to 40%
-    above their predictions)."""
+    above their predictions). And where a layer put a tensor into a mapping it was handed (`puts`, (layer, where,
+    key)), which the layers share: held there past the layer's call, read by later layers beside their input,
+    outside the chain of outputs and inputs that the plan's model follows, and holding a checkpointed layer's
+    graph where it is part of it (found 2026-12-06: Gemma-3n's shared keys and values, `shared_kv_states`, its
+    plans from 22% below to 20% above their predictions; bitwise all the same)."""
+    if puts:
+        j, where, key = puts[0]
+        others = sorted({k for k, _, _ in puts} - {j})
+        also = f"; so do layers {', '.join(map(str, others))}" if others else ""
+        warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) puts a tensor into the mapping it is "
+                      f"handed as {where} (at {key!r}){also}: the layers share it, and a tensor held there past the "
+                      "call, which later layers may read beside their input, is outside the chain of layers the "
+                      "plan's model follows: the predicted peaks may not hold (docs/python.md, Limits)",
+                      RuntimeWarning, stacklevel=4)
     found = graph_state(lp.layers)
     if found:
         j, where = found[0]
@@ -819,8 +835,13 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     side_made = sum(storage_bytes(t) for t in {storage_key(t): t for t in taken}.values()
                     if i > 0 and storage_key(t) not in step.before_chain and storage_key(t) not in step.side
                     and storage_key(t) not in step.side_handed and storage_key(t) not in outs)
+    mappings = taken_mappings(fn, args)
+    held = tensors_put(mappings) if mappings else None
     returned = run_layer(CHECKPOINT, fn, run_args, [lp.layers[i]], lp.policies)
     del run_args
+    if mappings:
+        step.graph_puts.extend((i, where, key) for where, key in tensors_put(mappings, held))
+    del mappings, held
     if aliased is not None:  # its owners at the call, unless the layer's run took more
         made = step.made_inputs[i]
         step.made_inputs[i] = made._replace(owners=aliased if storage_users(x) == aliased else None)
@@ -832,7 +853,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
         return returned
-    warn_of_graph_state(lp)
+    warn_of_graph_state(lp, step.graph_puts)
     if not out.requires_grad:
         # No layer's output needs a gradient (their parameters frozen, and their input needs none): nothing of
         # theirs is in the backward pass, they save nothing for it, and there is nothing to plan. They run as

@@ -686,6 +686,31 @@ def test_a_state_a_layer_hands_on_in_a_tuple_is_read_as_the_rest_lets_go_of_it(m
         assert predicted <= got[2] <= predicted + 48 * n, (way, got[2], predicted)
 
 
+def test_a_layer_inside_a_layer_runs_as_part_of_it(meter):
+    # Zamba2's hybrid layers each hold a Mamba layer, both GradientCheckpointingLayers, the inner one called
+    # inside the outer one's call. remat plans the outermost only, and runs the inner one as part of it (as its
+    # plan runs it: kept, recomputed, sent). Before (found 2026-12-06 by bench/architectures.py) both were planned,
+    # and the profiling step failed with an IndexError. Bitwise with every layer kept and every layer recomputed.
+    def zamba2():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(transformers.Zamba2Config(
+            vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+            intermediate_size=128, layers_block_type=["mamba", "hybrid"] * 2, mamba_d_state=8, mamba_expand=2,
+            n_mamba_heads=2, mamba_headdim=64, attention_head_dim=16, kv_channels=16, adapter_rank=8,
+            use_cache=False)).train()
+
+    spec = dict(batch=2, seq=16, vocab=1000, loss="lm")
+    plain = zamba2()
+    want = [step(plain, spec, k, meter) for k in range(2)]
+    model = zamba2()
+    lp = remat.hf.enable(model, budget=1 << 40)
+    assert [type(m).__name__ for m in lp.layers] == ["Zamba2MambaDecoderLayer", "Zamba2HybridLayer"] * 2
+    same(want[0], step(model, spec, 0, meter))
+    for way in ("keep", "checkpoint"):
+        give_plan(lp, per_layer_ops([way] * 4))
+        same(want[1], step(model, spec, 1, meter))
+
+
 def test_bad_budgets_and_models_are_refused():
     model, _ = make("bert")
     with pytest.raises(ValueError, match="positive"):

@@ -305,6 +305,9 @@ class Step:
         # (layer, where, key): a mapping a layer was handed that it put a tensor into (profiling_call; warned of at
         # the last layer, warn_of_graph_state).
         self.graph_puts: list[tuple[int, str, object]] = []
+        # (layer, bytes): tensors that require a gradient and have no grad_fn, made in a layer's forward (leaves_made;
+        # warned of at the last layer, warn_of_graph_state).
+        self.leaves_made: list[tuple[int, int]] = []
         # remat's own window on the device's count: the step's peak, without resetting what the user reads.
         self.window = meter.window()
         self.base = meter.count()
@@ -736,7 +739,32 @@ def graph_state(layers: Sequence[nn.Module]) -> list[tuple[int, str]]:
     return found
 
 
-def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]] = ()) -> None:
+def leaves_made(out: torch.Tensor, stops, skip: set[int], most: int = 20000) -> list[torch.Tensor]:
+    """The tensors that require a gradient and have no grad_fn (leaves, not parameters) that the autograd graph of
+    a layer's output `out` reaches before the nodes `stops` (its input's and what it takes beside it; `skip`: the
+    ids of those tensors): tensors the layer's forward made so (MRA's attention on a CPU returns
+    `torch.zeros_like(query).requires_grad_()`), whose gradient autograd accumulates into their `.grad` and holds
+    while the step's graph lives. Up to `most` nodes visited (the nodes held while it walks, as graph_reaches)."""
+    stop = {id(n) for n in stops if n is not None}
+    seen: dict[int, object] = {}
+    found: list[torch.Tensor] = []
+    todo = [out.grad_fn] if out.grad_fn is not None else []
+    while todo and len(seen) <= most:
+        node = todo.pop()
+        if id(node) in stop or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        v = getattr(node, "variable", None)  # AccumulateGrad's leaf
+        if isinstance(v, torch.Tensor):
+            if not isinstance(v, nn.Parameter) and id(v) not in skip:
+                found.append(v)
+            continue
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return found
+
+
+def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]] = (),
+                        leaves: Sequence[tuple[int, int]] = ()) -> None:
     """Warns, at a profiling step's last layer, where the layers keep part of the step's graph in their modules'
     attributes: that part (and what its nodes saved) outlives the step until the next call replaces it, so a
     step's memory depends on the step before it and on the plan (a recompute writes it again), which the plan's
@@ -754,6 +782,15 @@ def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]]
                       f"handed as {where} (at {key!r}){also}: the layers share it, and a tensor held there past the "
                       "call, which later layers may read beside their input, is outside the chain of layers the "
                       "plan's model follows: the predicted peaks may not hold (docs/python.md, Limits)",
+                      RuntimeWarning, stacklevel=4)
+    if leaves:
+        j, nbytes = leaves[0]
+        others = sorted({k for k, _ in leaves} - {j})
+        also = f"; so do layers {', '.join(map(str, others))}" if others else ""
+        warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) makes a tensor that requires a gradient "
+                      f"and has no grad_fn ({_core.format_bytes(nbytes)}; MRA's attention on a CPU makes one){also}: "
+                      "autograd accumulates a gradient into it, held while the step's graph lives, which the "
+                      "plan's model does not charge, and the predicted peaks may not hold (docs/python.md, Limits)",
                       RuntimeWarning, stacklevel=4)
     found = graph_state(lp.layers)
     if found:
@@ -838,6 +875,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     mappings = taken_mappings(fn, args)
     held = tensors_put(mappings) if mappings else None
     returned = run_layer(CHECKPOINT, fn, run_args, [lp.layers[i]], lp.policies)
+    alias = run_args[0]
     del run_args
     if mappings:
         step.graph_puts.extend((i, where, key) for where, key in tensors_put(mappings, held))
@@ -850,10 +888,14 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     if i == n - 1:
         step.grads_shared[i] = out.dtype == x.dtype
     step.note_side(i, taken, handed, outs)
+    made = leaves_made(out, [alias.grad_fn] + [t.grad_fn for t in taken], {id(x), id(alias), *map(id, taken)})
+    if made:
+        step.leaves_made.append((i, sum(local_bytes(t) for t in made)))
+    del alias, made
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
         return returned
-    warn_of_graph_state(lp, step.graph_puts)
+    warn_of_graph_state(lp, step.graph_puts, step.leaves_made)
     if not out.requires_grad:
         # No layer's output needs a gradient (their parameters frozen, and their input needs none): nothing of
         # theirs is in the backward pass, they save nothing for it, and there is nothing to plan. They run as

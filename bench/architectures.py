@@ -18,7 +18,7 @@ whether remat warned in the profiling step (the JSON has the words).
 
     python bench/architectures.py                          # every architecture of MODELS below
     python bench/architectures.py --models more --deterministic   # the 52 of MORE (several are mixtures of experts)
-    python bench/architectures.py --models further --deterministic   # the 59 of FURTHER (35 decoders, 24 encoders)
+    python bench/architectures.py --models further --deterministic   # the 57 of FURTHER (36 decoders, 21 encoders)
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
     python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)
@@ -117,7 +117,8 @@ MORE = ["gpt2", "gpt_bigcode", "gpt_neo", "codegen", "phi", "gemma", "stablelm",
         "phimoe", "dbrx", "glm4_moe", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "bamba", "falcon_h1",
         "nemotron_h", "lfm2", "olmo_hybrid", "xlstm", "rwkv"]
 
-# Swept first on 2026-12-06, the fifty-ninth session: `--models further` (every model in FURTHER gets pad_token_id=0).
+# Swept first later on 2026-12-06 (docs/BENCHMARKS.md, "57 further architectures"): `--models further`; each of
+# FURTHER is built with pad_token_id=0 (several configs default to a pad id beyond the small vocabulary).
 FURTHER_EXTRA = {
     "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, head_dim=16),
     "cohere2_moe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, head_dim=16),
@@ -162,18 +163,17 @@ FURTHER_EXTRA = {
     "nomic_bert": dict(head_dim=16),
     "eurobert": dict(head_dim=16, num_key_value_heads=4),
 }
-FURTHER = ["afmoe", "cohere2_moe", "cwm", "deepseek_v32", "deepseek_v4", "ernie4_5_moe", "exaone_moe", "flex_olmo",
-           "glm", "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-           "hunyuan_v1_moe", "hy_v3", "hy_v4", "jais2", "laguna", "lfm3", "mellum", "mimo_v2_flash", "minimax_m2",
-           "ministral3", "modernbert-decoder", "nanochat", "olmo", "openai-gpt", "persimmon", "qwen3_5_moe_text",
-           "solar_open", "kolibri1", "flint", "ctrl", "gpt_neox_japanese", "albert", "distilbert", "modernbert",
-           "megatron-bert", "roformer", "mpnet", "convbert", "esm", "xlm-roberta", "camembert", "data2vec-text",
-           "ernie", "rembert", "roberta-prelayernorm", "nomic_bert", "eurobert", "ibert", "yoso", "nystromformer",
-           "mra", "fnet", "big_bird", "longformer", "deberta"]
-FURTHER_MASKED = {"albert", "distilbert", "modernbert", "megatron-bert", "roformer", "mpnet", "convbert", "esm",
-                  "xlm-roberta", "camembert", "data2vec-text", "ernie", "rembert", "roberta-prelayernorm",
-                  "nomic_bert", "eurobert", "ibert", "yoso", "nystromformer", "mra", "fnet", "big_bird", "longformer",
-                  "deberta"}
+FURTHER = ["zamba2", "gemma3n_text", "dots1", "jetmoe", "afmoe", "cohere2_moe", "cwm", "deepseek_v32", "deepseek_v4",
+           "ernie4_5_moe", "exaone_moe", "flex_olmo", "glm", "glm4_moe_lite", "glm_moe_dsa", "granitemoe_swa",
+           "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "jais2", "laguna", "lfm3",
+           "mellum", "mimo_v2_flash", "minimax_m2", "ministral3", "modernbert-decoder", "nanochat", "olmo", "persimmon",
+           "qwen3_5_moe_text", "solar_open", "kolibri1", "flint", "distilbert", "modernbert", "megatron-bert",
+           "roformer", "convbert", "esm", "xlm-roberta", "camembert", "data2vec-text", "ernie", "rembert",
+           "roberta-prelayernorm", "nomic_bert", "eurobert", "yoso", "nystromformer", "mra", "fnet", "big_bird",
+           "longformer", "deberta"]
+FURTHER_MASKED = {"distilbert", "modernbert", "megatron-bert", "roformer", "convbert", "esm", "xlm-roberta",
+                  "camembert", "data2vec-text", "ernie", "rembert", "roberta-prelayernorm", "nomic_bert", "eurobert",
+                  "yoso", "nystromformer", "mra", "fnet", "big_bird", "longformer", "deberta"}
 
 def build(kind: str):
     import transformers
@@ -287,7 +287,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS),
                     help="model types, comma-separated (AutoConfig's names); 'more': the 52 swept since 2026-12-06, "
-                         "'further': the 59 swept since the session after, 'all': the three lists")
+                         "'further': the 57 swept since the session after, 'all': the three lists")
     ap.add_argument("--budgets", default="0,0.2,0.4,0.7",
                     help="shares of the way from the least budget to the plain step's predicted peak")
     ap.add_argument("--delay", type=int, default=100, help="the late engine's delay (copies waited for); 0: none")

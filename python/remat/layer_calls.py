@@ -10,9 +10,8 @@ from torch import nn
 
 from . import _core
 
-__all__ = ["autocast_state", "call_key", "covers", "describe", "key_form", "layer_key",
-           "layer_output", "taken_mappings", "taken_tensors",
-           "tensors_put"]
+__all__ = ["autocast_state", "call_key", "covers", "describe", "key_form", "layer_key", "layer_output",
+           "taken_mappings", "taken_tensors", "tensors_put"]
 
 
 def layer_output(out, who: str, i: int, layer: nn.Module) -> tuple[torch.Tensor, tuple]:

@@ -304,7 +304,7 @@ class Step:
         self.meter = meter
         # (layer, where, key): a mapping a layer was handed that it put a tensor into (profiling_call; warned of at
         # the last layer, warn_of_graph_state).
-        self.graph_puts: list[tuple[int, str, object]] = []
+        self.mapping_puts: list[tuple[int, str, object]] = []
         # (layer, bytes): tensors that require a gradient and have no grad_fn, made in a layer's forward (leaves_made;
         # warned of at the last layer, warn_of_graph_state).
         self.leaves_made: list[tuple[int, int]] = []
@@ -878,7 +878,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     alias = run_args[0]
     del run_args
     if mappings:
-        step.graph_puts.extend((i, where, key) for where, key in tensors_put(mappings, held))
+        step.mapping_puts.extend((i, where, key) for where, key in tensors_put(mappings, held))
     del mappings, held
     if aliased is not None:  # its owners at the call, unless the layer's run took more
         made = step.made_inputs[i]
@@ -895,7 +895,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     watch_between(lp, step, i, x, out, at_call - side_made)
     if i < n - 1:
         return returned
-    warn_of_graph_state(lp, step.graph_puts, step.leaves_made)
+    warn_of_graph_state(lp, step.mapping_puts, step.leaves_made)
     if not out.requires_grad:
         # No layer's output needs a gradient (their parameters frozen, and their input needs none): nothing of
         # theirs is in the backward pass, they save nothing for it, and there is nothing to plan. They run as

@@ -774,21 +774,22 @@ def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]]
     outside the chain of outputs and inputs that the plan's model follows, and holding a checkpointed layer's
     graph where it is part of it (found 2026-12-06: Gemma-3n's shared keys and values, `shared_kv_states`, its
     plans from 22% below to 20% above their predictions; bitwise all the same)."""
+    def also(found, j: int) -> str:  # the other layers of `found` ((layer, ...) each) than j
+        others = sorted({k[0] for k in found} - {j})
+        return f"; so do layers {', '.join(map(str, others))}" if others else ""
+
     if puts:
         j, where, key = puts[0]
-        others = sorted({k for k, _, _ in puts} - {j})
-        also = f"; so do layers {', '.join(map(str, others))}" if others else ""
         warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) puts a tensor into the mapping it is "
-                      f"handed as {where} (at {key!r}){also}: the layers share it, and a tensor held there past the "
-                      "call, which later layers may read beside their input, is outside the chain of layers the "
-                      "plan's model follows: the predicted peaks may not hold (docs/python.md, Limits)",
+                      f"handed as {where} (at {key!r}){also(puts, j)}: the layers share it, and a tensor held there "
+                      "past the call, which later layers may read beside their input, is outside the chain of layers "
+                      "the plan's model follows: the predicted peaks may not hold (docs/python.md, Limits)",
                       RuntimeWarning, stacklevel=4)
     if leaves:
         j, nbytes = leaves[0]
-        others = sorted({k for k, _ in leaves} - {j})
-        also = f"; so do layers {', '.join(map(str, others))}" if others else ""
         warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) makes a tensor that requires a gradient "
-                      f"and has no grad_fn ({_core.format_bytes(nbytes)}; MRA's attention on a CPU makes one){also}: "
+                      f"and has no grad_fn ({_core.format_bytes(nbytes)}; MRA's attention on a CPU makes one)"
+                      f"{also(leaves, j)}: "
                       "autograd accumulates a gradient into it, held while the step's graph lives, which the "
                       "plan's model does not charge, and the predicted peaks may not hold (docs/python.md, Limits)",
                       RuntimeWarning, stacklevel=4)

@@ -753,6 +753,17 @@ def test_a_copy_of_an_enabled_model_carries_its_plan(tmp_path):
     assert_same_run(want, train_step(twin, x))
 
 
+def profiling_warnings(layers, words: str) -> list[str]:
+    """The warnings whose message holds `words` that a profiling step of `layers` (a sequence of them, planned by
+    remat.enable) gives."""
+    model = nn.Sequential(*layers)
+    remat.enable(model, list(model), budget=1 << 40)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(x_of()).square().mean().backward()
+    return [str(w.message) for w in seen if words in str(w.message)]
+
+
 def test_layers_that_keep_part_of_the_graph_in_an_attribute_are_warned_of(meter):
     # A layer that keeps a tensor of the step's graph in a plain attribute past its call (RecurrentGemma's
     # recurrent states, kept in training too) holds that part of the graph, and what it saved, until its next
@@ -771,13 +782,7 @@ def test_layers_that_keep_part_of_the_graph_in_an_attribute_are_warned_of(meter)
 
     for detach in (False, True):
         torch.manual_seed(0)
-        layers = nn.ModuleList([Stateful(detach) for _ in range(3)])
-        model = nn.Sequential(*layers)
-        remat.enable(model, list(layers), budget=1 << 40)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            model(x_of()).square().mean().backward()
-        said = [str(w.message) for w in seen if "keeps a tensor of the step's graph" in str(w.message)]
+        said = profiling_warnings([Stateful(detach) for _ in range(3)], "keeps a tensor of the step's graph")
         if detach:
             assert not said, said
         else:
@@ -854,13 +859,7 @@ def test_layers_that_make_a_leaf_that_requires_a_gradient_are_warned_of():
 
     for leaf in (True, False):
         torch.manual_seed(0)
-        layers = nn.ModuleList([Leafy(leaf and i == 1) for i in range(3)])
-        model = nn.Sequential(*layers)
-        remat.enable(model, list(layers), budget=1 << 40)
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            model(x_of()).square().mean().backward()
-        said = [str(w.message) for w in seen if "requires a gradient and has no grad_fn" in str(w.message)]
+        said = profiling_warnings([Leafy(leaf and i == 1) for i in range(3)], "requires a gradient and has no grad_fn")
         if leaf:
             assert len(said) == 1 and "layer 1 (Leafy)" in said[0] and "(8.00 KiB;" in said[0], said
         else:

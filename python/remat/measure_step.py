@@ -742,9 +742,9 @@ def graph_state(layers: Sequence[nn.Module]) -> list[tuple[int, str]]:
 def leaves_made(out: torch.Tensor, stops, skip: set[int], most: int = 20000) -> list[torch.Tensor]:
     """The tensors that require a gradient and have no grad_fn (leaves, not parameters) that the autograd graph of
     a layer's output `out` reaches before the nodes `stops` (its input's and what it takes beside it; `skip`: the
-    ids of those tensors): tensors the layer's forward made so (MRA's attention on a CPU returns
-    `torch.zeros_like(query).requires_grad_()`), whose gradient autograd accumulates into their `.grad` and holds
-    while the step's graph lives. Up to `most` nodes visited (the nodes held while it walks, as graph_reaches)."""
+    ids of those tensors and of what it hands on): tensors the layer's forward made so (MRA's attention on a CPU
+    returns `torch.zeros_like(query).requires_grad_()`), whose gradient autograd accumulates into their `.grad` and
+    holds while the step's graph lives. Up to `most` nodes visited (the nodes held while it walks, as graph_reaches)."""
     stop = {id(n) for n in stops if n is not None}
     seen: dict[int, object] = {}
     found: list[torch.Tensor] = []
@@ -889,7 +889,10 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     if i == n - 1:
         step.grads_shared[i] = out.dtype == x.dtype
     step.note_side(i, taken, handed, outs)
-    made = leaves_made(out, [alias.grad_fn] + [t.grad_fn for t in taken], {id(x), id(alias), *map(id, taken)})
+    # (What it hands on is read as side tensors, their gradients charged: T5's zero position bias for its
+    # cross-attention, made so under checkpointing, is one.)
+    made = leaves_made(out, [alias.grad_fn] + [t.grad_fn for t in taken],
+                       {id(x), id(alias), *map(id, taken), *map(id, tensors_in(handed))})
     if made:
         step.leaves_made.append((i, sum(local_bytes(t) for t in made)))
     del alias, made

@@ -51,6 +51,7 @@ import inspect
 from collections import defaultdict
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 import torch.utils.checkpoint as _ckpt
@@ -256,8 +257,8 @@ class SelectiveCache:
         self.entries: dict = defaultdict(dict)
         self.names = CallNames()  # for ctx.call
         self.handles: list = []  # the Offload's handles, in the forward's order
-        # What the forward kept on the device, by storage: (op, call) per storage; and the calls whose storage the
-        # rest of the forward wrote in place (recomputed, not handed back: see _Forward).
+        # What the forward kept or sent, by storage: ((op, call), the storage's weak reference) per storage; and the
+        # calls whose storage the rest of the forward wrote in place (recomputed, not handed back: see _Forward).
         self.stored_at: dict = defaultdict(list)
         self.overwritten: set = set()
         # The storages the region's forward has had autograd save so far (saved.version_checked's), or None
@@ -362,8 +363,9 @@ class _Forward(TorchDispatchMode):
             for t in _written(func, args, kwargs):
                 key = storage_of(t)
                 if cache.autograd_saved is None or key not in cache.autograd_saved:
-                    for call in cache.stored_at.get(key, ()):
-                        cache.written(call)
+                    for call, ref in cache.stored_at.get(key, ()):
+                        if not ref.expired():  # (else a later tensor at a freed output's address)
+                            cache.written(call)
         out = func(*args, **kwargs)
         counter = self.counter
         idx = counter[id(func)]
@@ -379,8 +381,10 @@ class _Forward(TorchDispatchMode):
                 for t in _leaves(out):
                     if isinstance(t, torch.Tensor):
                         key = storage_of(t)
-                        if key is not None and (func, idx) not in cache.stored_at[key]:
-                            cache.stored_at[key].append((func, idx))
+                        if key is not None and all(c != (func, idx) for c, _ in cache.stored_at[key]):
+                            # With its storage's weak reference: an output sent to the host may be freed once its
+                            # copy lands, and a later tensor of the forward take its address.
+                            cache.stored_at[key].append(((func, idx), StorageWeakRef(t.untyped_storage())))
         return out
 
 

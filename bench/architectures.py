@@ -117,8 +117,8 @@ MORE = ["gpt2", "gpt_bigcode", "gpt_neo", "codegen", "phi", "gemma", "stablelm",
         "phimoe", "dbrx", "glm4_moe", "qwen3_next", "kimi_linear", "mamba2", "falcon_mamba", "bamba", "falcon_h1",
         "nemotron_h", "lfm2", "olmo_hybrid", "xlstm", "rwkv"]
 
-# Swept first later on 2026-12-06 (docs/BENCHMARKS.md, "57 further architectures"): `--models further`; each of
-# FURTHER is built with pad_token_id=0 (several configs default to a pad id beyond the small vocabulary).
+# Swept first later on 2026-12-06 (docs/BENCHMARKS.md, "57 further Transformers architectures"): `--models further`;
+# each is built with pad_token_id=0 (several configs default to a pad id beyond the small vocabulary).
 FURTHER_EXTRA = {
     "afmoe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, num_shared_experts=1, head_dim=16),
     "cohere2_moe": dict(num_experts=4, num_experts_per_tok=2, num_shared_experts=1, head_dim=16),

@@ -81,6 +81,18 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         return run(lp, i, lp._fixed.choices[i], fn, args, lp._fixed)
     x = args[0]
     step = lp._step
+    if step is not None and step.in_model_forward and not step.inside:
+        if i in step.layers_called:
+            # The plan's model is a chain of layers each called once per step, in order. A module the model calls
+            # several times (ALBERT's one layer group, called for every layer) was taken, each time it came
+            # round, for a step of its own begun outside the model's forward: a 4-layer ALBERT's planned step held
+            # 75% above its prediction (found 2026-12-06; its gradients were the plain run's).
+            raise RuntimeError(
+                f"{lp.who}: layer {i} ({type(layer).__name__}) was called a second time in one call of the model; "
+                "remat plans layers that the model calls once each per step, in order, and a module it calls "
+                "several times (ALBERT's shared layer group) cannot be one of them: leave it out of the layers "
+                "and checkpoint its calls with remat.checkpoint, or plan modules that are called once")
+        step.layers_called.add(i)
     if i == 0:
         if step is None or step.shape is not None:  # layers called outside the model's forward
             # Outside the model's forward: the first layer's shapes (and the frozen parameters and the autocast

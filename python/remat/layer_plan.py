@@ -471,6 +471,7 @@ class LayerPlan:
         self._step = call.step = self._begin_step(key, self._device_of(args), collect_garbage=True)
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
+        self._step.in_model_forward = True
 
     def _grads_state(self) -> tuple[set[int], tuple]:
         """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
@@ -658,6 +659,7 @@ class LayerPlan:
                          if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                 step.rest_takes_input = graph_reaches(roots, into, made)
         if step is not None:
+            step.in_model_forward = False
             step.last_nodes = None
             # A profiling step: whether anything held the last layer's input past its forward, and the first
             # layer's into the backward pass (StepContext.inputs_held_in_forward; held where not read).

@@ -343,6 +343,10 @@ class Step:
         self.at_end_queued = False
         self.key: tuple | None = None  # the model call's shapes (call_key), when the step began there
         self.off_plan = False  # a layer's call had shapes its plan was not made for: the rest is checkpointed
+        # A step the model's forward began (LayerPlan._step_begins), until that forward returns: the layers called
+        # in it so far (dispatch: one called twice is refused).
+        self.in_model_forward = False
+        self.layers_called: set[int] = set()
         # What the layers take or hand on beside their input and output (StepContext.side_bytes): the storages
         # the first layer takes (made before the layers: their gradients only are charged), and per storage
         # made during the layers, its bytes and its gradient's.

@@ -866,6 +866,33 @@ def test_layers_that_make_a_leaf_that_requires_a_gradient_are_warned_of():
             assert not said, said
 
 
+def test_a_layer_the_model_calls_twice_in_one_step_is_refused():
+    # ALBERT calls its one layer group for every layer. remat plans a chain of layers each called once per step;
+    # before (found 2026-12-06), each call after the first was taken for a step of its own begun outside the
+    # model's forward, and a 4-layer ALBERT's planned step held 75% above its prediction. Now a clear error at
+    # the second call, before any backward: the gradients are untouched. Layers called once each still run.
+    class Looped(nn.Module):
+        def __init__(self, layers, times):
+            super().__init__()
+            self.layers, self.times = nn.ModuleList(layers), times
+
+        def forward(self, x):
+            for layer in list(self.layers) * self.times:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    model = Looped([nn.Sequential(nn.Linear(64, 64), nn.ReLU())], times=3)
+    remat.enable(model, list(model.layers), budget=1 << 40)
+    with pytest.raises(RuntimeError, match=r"layer 0 \(Sequential\) was called a second time in one call of the model"):
+        model(x_of()).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+    once = Looped([nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(3)], times=1)
+    remat.enable(once, list(once.layers), budget=1 << 40)
+    for _ in range(2):
+        once(x_of()).sum().backward()
+
+
 def test_the_package_walk_of_a_models_tensors_finds_what_parameters_and_buffers_find():
     """remat._state.module_tensors reads each module's dictionaries (the per-step walk of offloaded layers and
     every checkpoint's buffer restore use it for speed): it finds what Module.parameters() and buffers() find,

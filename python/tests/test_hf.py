@@ -103,6 +103,17 @@ def same(a, b):
     assert torch.equal(a[3], b[3])
 
 
+def planned_beside_plain(make, spec, meter):
+    """Two plain steps of a model `make()` builds, and another of its models under remat.hf.enable (no budget to
+    speak of) whose profiling step has been checked bitwise against the first: (the plain steps, model, plan)."""
+    plain = make()
+    want = [step(plain, spec, k, meter) for k in range(2)]
+    model = make()
+    lp = remat.hf.enable(model, budget=1 << 40)
+    same(want[0], step(model, spec, 0, meter))
+    return want, model, lp
+
+
 @pytest.fixture(scope="module")
 def plain_runs(meter):
     runs = {}
@@ -572,11 +583,7 @@ def test_a_mask_made_before_the_layers_is_charged_once_and_only_while_a_layer_ho
         return model
 
     spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
-    plain = gemma2()
-    want = [step(plain, spec, k, meter) for k in range(2)]
-    model = gemma2()
-    lp = remat.hf.enable(model, budget=1 << 40)
-    same(want[0], step(model, spec, 0, meter))
+    want, model, lp = planned_beside_plain(gemma2, spec, meter)
     mask = 4 * 64 * 64 * 4  # batch, 1, sequence, sequence; fp32
     ctx = lp.context
     assert ctx.side_bytes == 0 and ctx.before_saved_bytes >= 2 * mask, (ctx.side_bytes, ctx.before_saved_bytes)
@@ -671,11 +678,7 @@ def test_a_state_a_layer_hands_on_in_a_tuple_is_read_as_the_rest_lets_go_of_it(m
             vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_heads=4, use_cache=False)).train()
 
     spec = dict(batch=4, seq=64, vocab=1000, loss="lm")
-    plain = xlstm()
-    want = [step(plain, spec, k, meter) for k in range(2)]
-    model = xlstm()
-    lp = remat.hf.enable(model, budget=1 << 40)
-    same(want[0], step(model, spec, 0, meter))
+    want, model, lp = planned_beside_plain(xlstm, spec, meter)
     n = len(lp.chain.stages)
     for way in ("keep", "checkpoint"):
         _, predicted = give_plan(lp, per_layer_ops([way] * n))
@@ -700,12 +703,8 @@ def test_a_layer_inside_a_layer_runs_as_part_of_it(meter):
             use_cache=False)).train()
 
     spec = dict(batch=2, seq=16, vocab=1000, loss="lm")
-    plain = zamba2()
-    want = [step(plain, spec, k, meter) for k in range(2)]
-    model = zamba2()
-    lp = remat.hf.enable(model, budget=1 << 40)
+    want, model, lp = planned_beside_plain(zamba2, spec, meter)
     assert [type(m).__name__ for m in lp.layers] == ["Zamba2MambaDecoderLayer", "Zamba2HybridLayer"] * 2
-    same(want[0], step(model, spec, 0, meter))
     for way in ("keep", "checkpoint"):
         give_plan(lp, per_layer_ops([way] * 4))
         same(want[1], step(model, spec, 1, meter))

@@ -11,7 +11,7 @@ from torch import nn
 from . import _core
 
 __all__ = ["autocast_state", "call_key", "covers", "describe", "key_form", "layer_key", "layer_output",
-           "taken_mappings", "taken_tensors", "tensors_put"]
+           "taken_mappings", "taken_tensors", "tensor_ids", "tensors_put"]
 
 
 def layer_output(out, who: str, i: int, layer: nn.Module) -> tuple[torch.Tensor, tuple]:
@@ -42,35 +42,37 @@ def tensors_in(values) -> list[torch.Tensor]:
     return out
 
 
+def _taken(fn, args):
+    """(where, value) for what a layer's call takes besides its input (args[0]): the other positional arguments
+    ("argument 2"), and what the call's partials bind ("bound argument 1", or a keyword's name)."""
+    yield from ((f"argument {k}", v) for k, v in enumerate(args[1:], 1))
+    while isinstance(fn, partial):
+        yield from ((f"bound argument {k}", v) for k, v in enumerate(fn.args, 1))
+        yield from fn.keywords.items()
+        fn = fn.func
+
+
 def taken_tensors(fn, args) -> list[torch.Tensor]:
     """The tensors a layer's call takes besides its input (args[0]): the other positional arguments, and what
     the call's partials bind (keyword arguments such as T5's position bias or a decoder's encoder states)."""
-    out = tensors_in(args[1:])
-    while isinstance(fn, partial):
-        _tensors_in(fn.args, out)
-        _tensors_in(fn.keywords.values(), out)
-        fn = fn.func
-    return out
+    return tensors_in([v for _, v in _taken(fn, args)])
 
 
 def taken_mappings(fn, args) -> list[tuple[str, MutableMapping]]:
     """The mutable mappings a layer's call takes besides its input, (where: "argument 2" or the keyword's name,
     the mapping): a container the layers share, into which one layer may put what later ones read (Gemma-3n's
     shared keys and values, `shared_kv_states`)."""
-    out = [(f"argument {k}", v) for k, v in enumerate(args[1:], 1) if isinstance(v, MutableMapping)]
-    while isinstance(fn, partial):
-        out.extend((f"argument {k}", v) for k, v in enumerate(fn.args) if isinstance(v, MutableMapping))
-        out.extend((name, v) for name, v in fn.keywords.items() if isinstance(v, MutableMapping))
-        fn = fn.func
-    return out
+    return [(where, v) for where, v in _taken(fn, args) if isinstance(v, MutableMapping)]
 
 
-def tensors_put(mappings, before: list[set[int]] | None = None):
-    """Without `before`: for each (where, mapping) of taken_mappings, the ids of the tensors in it now. With it
-    (those ids, read before a layer's call): (where, key) for each entry that now holds a tensor that was not
-    there before, in the mappings' order."""
-    if before is None:
-        return [{id(t) for t in tensors_in(list(m.values()))} for _, m in mappings]
+def tensor_ids(mappings) -> list[set[int]]:
+    """For each (where, mapping) of taken_mappings, the ids of the tensors in it now (tensors_put's `before`)."""
+    return [{id(t) for t in tensors_in(list(m.values()))} for _, m in mappings]
+
+
+def tensors_put(mappings, before: list[set[int]]) -> list[tuple[str, object]]:
+    """(where, key) for each entry of the mappings (taken_mappings) that holds a tensor now that it did not hold
+    when `before` (tensor_ids) was read, in the mappings' order."""
     put = []
     for (where, m), ids in zip(mappings, before):
         for key, value in list(m.items()):

@@ -17,7 +17,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _core, oom
 from .compiled import compiled_call_of, compiled_entry, forced_choice
-from .layer_calls import layer_key, layer_output, taken_mappings, taken_tensors, tensors_in, tensors_put
+from .layer_calls import (layer_key, layer_output, taken_mappings, taken_tensors, tensor_ids, tensors_in,
+                          tensors_put)
 from .policies import CHECKPOINT, checkpoint_region, run_layer
 from .profile import StageFn, profile
 from .progress import PhaseTimes, progress_bar
@@ -748,22 +749,12 @@ def leaves_made(out: torch.Tensor, stops, skip: set[int], most: int = 20000) -> 
     a layer's output `out` reaches before the nodes `stops` (its input's and what it takes beside it; `skip`: the
     ids of those tensors and of what it hands on): tensors the layer's forward made so (MRA's attention on a CPU
     returns `torch.zeros_like(query).requires_grad_()`), whose gradient autograd accumulates into their `.grad` and
-    holds while the step's graph lives. Up to `most` nodes visited (the nodes held while it walks, as graph_reaches)."""
-    stop = {id(n) for n in stops if n is not None}
-    seen: dict[int, object] = {}
+    holds while the step's graph lives. Up to `most` nodes visited (graph_nodes)."""
     found: list[torch.Tensor] = []
-    todo = [out.grad_fn] if out.grad_fn is not None else []
-    while todo and len(seen) <= most:
-        node = todo.pop()
-        if id(node) in stop or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        v = getattr(node, "variable", None)  # AccumulateGrad's leaf
-        if isinstance(v, torch.Tensor):
-            if not isinstance(v, nn.Parameter) and id(v) not in skip:
-                found.append(v)
-            continue
-        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    for node in graph_nodes([out.grad_fn], {id(n) for n in stops if n is not None}, most):
+        v = getattr(node, "variable", None)  # AccumulateGrad's leaf (None: the walk cut short)
+        if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and id(v) not in skip:
+            found.append(v)
     return found
 
 
@@ -777,7 +768,8 @@ def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]]
     key)), which the layers share: held there past the layer's call, read by later layers beside their input,
     outside the chain of outputs and inputs that the plan's model follows, and holding a checkpointed layer's
     graph where it is part of it (found 2026-12-06: Gemma-3n's shared keys and values, `shared_kv_states`, its
-    plans from 22% below to 20% above their predictions; bitwise all the same)."""
+    plans from 22% below to 20% above their predictions; bitwise all the same). And where a layer's forward made
+    a leaf that requires a gradient (`leaves`, (layer, bytes): leaves_made), whose gradient is not charged."""
     def also(found, j: int) -> str:  # the other layers of `found` ((layer, ...) each) than j
         others = sorted({k[0] for k in found} - {j})
         return f"; so do layers {', '.join(map(str, others))}" if others else ""
@@ -878,7 +870,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                     if i > 0 and storage_key(t) not in step.before_chain and storage_key(t) not in step.side
                     and storage_key(t) not in step.side_handed and storage_key(t) not in outs)
     mappings = taken_mappings(fn, args)
-    held = tensors_put(mappings) if mappings else None
+    held = tensor_ids(mappings) if mappings else None
     returned = run_layer(CHECKPOINT, fn, run_args, [lp.layers[i]], lp.policies)
     alias = run_args[0]
     del run_args
@@ -1131,24 +1123,29 @@ def sequence_nr(t: torch.Tensor) -> int | None:
         return None
 
 
-def graph_reaches(roots, target, stop, most: int = 100000) -> bool:
-    """Whether the autograd graph from the nodes `roots` reaches the node `target` without passing through the
-    node `stop`; True where it would visit more than `most` nodes (not known: the safe reading). The nodes visited
-    are held while it walks, so that no object made later can take a visited one's id (PyTorch keeps a node's
-    Python object while its graph lives, on 2.11 and 2.15 here: held, that holds on any version)."""
+def graph_nodes(roots, stops: set[int] = frozenset(), most: int = 100000):
+    """Each node of the autograd graph from the nodes `roots` once (depth first), not passing through the nodes
+    whose ids are `stops`; past `most` nodes, None, and no more (the walk cut short). The nodes visited are held
+    while it walks, so that no object made later can take a visited one's id (PyTorch keeps a node's Python object
+    while its graph lives, on 2.11 and 2.15 here: held, that holds on any version)."""
     seen: dict[int, object] = {}
     todo = [r for r in roots if r is not None]
     while todo:
         node = todo.pop()
-        if node is target:
-            return True
-        if node is stop or id(node) in seen:
+        if id(node) in stops or id(node) in seen:
             continue
         seen[id(node)] = node
         if len(seen) > most:
-            return True
+            yield None
+            return
+        yield node
         todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return False
+
+
+def graph_reaches(roots, target, stop, most: int = 100000) -> bool:
+    """Whether the autograd graph from the nodes `roots` reaches the node `target` without passing through the
+    node `stop`; True where it would visit more than `most` nodes (not known: the safe reading)."""
+    return any(node is None or node is target for node in graph_nodes(roots, {id(stop)}, most))
 
 
 def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: torch.Tensor, at_call: int) -> None:

@@ -371,6 +371,12 @@ class Step:
         # (StepContext.taken_bytes).
         self.taken: dict[int, list] = {}
         self.side_grad_refs: dict[int, StorageWeakRef | None] = {}
+        # Per side storage with a gradient: where that gradient first arrives in the backward pass, if it arrives
+        # as part of a larger storage (a view of a gradient made for more than it: Zamba2's hybrid layers
+        # concatenate the embeddings to their input, and the concatenation's backward hands each part a view of
+        # one gradient, which autograd holds whole until a second layer's gradient is summed in): the layer, a
+        # weak reference to that storage and its bytes beyond the gradient's (watch_side_arrivals).
+        self.side_arrived: dict[int, tuple[int, StorageWeakRef | None, int]] = {}
         self.side_freed: dict[int, int] = {}
         self.side_gone: set[tuple[str, int]] = set()
         # Per storage a layer hands on that no layer has taken yet (GPT-J's and BLOOM's attention weights, which
@@ -515,9 +521,10 @@ class Step:
             self.inputs_held[i] = True
         self.last_input_watch = None
 
-    def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple, outs: set[int]):
+    def note_side(self, i: int, taken: list[torch.Tensor], handed: tuple, outs: set[int], graded: set[int]):
         """What layer i took beside its input (`taken`) and handed on (`handed`), into side_bytes and the side
-        figures; `outs`: the earlier layers' outputs' storage keys (layer_outputs())."""
+        figures; `outs`: the earlier layers' outputs' storage keys (layer_outputs()); `graded`: the storage keys
+        of what it took with a graph to which its own graph hands a gradient (watch_side_arrivals)."""
         if i == 0:
             self.before_chain = {storage_key(t) for t in taken}
         else:
@@ -530,9 +537,15 @@ class Step:
                 if ref is not None and not ref.expired() and k not in self.side and k not in outs \
                         and k not in self.side_handed and storage_is(t, ref):
                     self.before_chain.add(k)
+        first = self.input_objs[0]() if self.input_objs.get(0) is not None else None
+        chain_input = storage_key(first) if first is not None else None
+        del first
         for t in taken:
             k = storage_key(t)
-            if k in self.before_chain and not t.requires_grad:
+            # (With a gradient too: Zamba2's hybrid layers take a copy of the embeddings, let go of once the
+            # model's forward returns where no layer's way holds it. Before (found 2026-12-06) only tensors
+            # without one were, and the rest were charged to the step's end.)
+            if k in self.before_chain and k != chain_input:
                 entry = self.taken.get(k)
                 if entry is None:
                     entry = self.taken[k] = [storage_ref(t), storage_bytes(t), set(), None]
@@ -545,7 +558,10 @@ class Step:
         taken_keys = {storage_key(t) for t in taken}
         for t in [*taken, *made]:
             k = storage_key(t)
-            grad = t.nbytes if t.requires_grad else 0
+            # (A tensor taken with a graph that no layer's graph uses has no gradient: Zamba2's Mamba layers take
+            # the embeddings beside their input and do not use them.)
+            uses = t.grad_fn is None or k in graded or k not in taken_keys
+            grad = t.nbytes if t.requires_grad and uses else 0
             # An earlier layer's output (an encoder's, which a decoder's layers take) is the chain's output of
             # that stage, charged as such from that layer's forward on (and to the step's end where something
             # holds it there: outputs_held_to_end): only its gradient is charged here.
@@ -575,10 +591,13 @@ class Step:
                 refs = self.side_grad_refs
                 t.register_hook(lambda g, k=k, refs=refs: refs.__setitem__(k, storage_ref(g)))
         for t in taken:
-            if t.requires_grad:
-                k = storage_key(t)
-                last, grad = self.side_grads.get(k, (-1, 0))
-                self.side_grads[k] = (max(last, i), max(grad, t.nbytes))
+            if t.requires_grad and t.grad_fn is None:  # (a leaf; one with a graph: watch_side_arrivals)
+                self.note_side_grad(storage_key(t), i, t.nbytes)
+
+    def note_side_grad(self, k: int, i: int, nbytes: int) -> None:
+        """Layer i's backward hands side storage k a gradient of `nbytes` (side_grads)."""
+        last, grad = self.side_grads.get(k, (-1, 0))
+        self.side_grads[k] = (max(last, i), max(grad, nbytes))
 
     def charge_handed_side(self) -> None:
         """What the layers handed on that no layer took and something still holds now, as the rest's backward
@@ -608,7 +627,8 @@ class Step:
         for entry in self.taken.values():
             if entry[3] is None and entry[0] is not None and entry[0].expired():
                 entry[3] = -1 if i is None else i
-        for kind, refs in (("s", self.side_refs), ("g", self.side_grad_refs)):
+        arrived = {k: ref for k, (_, ref, _) in self.side_arrived.items()}
+        for kind, refs in (("s", self.side_refs), ("g", self.side_grad_refs), ("a", arrived)):
             for k, ref in refs.items():
                 if ref is None or (kind, k) in self.side_gone or not ref.expired():
                     continue
@@ -616,8 +636,45 @@ class Step:
                 if i is None:
                     continue
                 grad = self.side_grad_bytes(k)
-                freed = grad if kind == "g" else self.side.get(k, 0) - grad
+                if kind == "a":
+                    freed = self.side_arrived[k][2]
+                else:
+                    freed = grad if kind == "g" else self.side.get(k, 0) - grad
                 self.side_freed[i] = self.side_freed.get(i, 0) + freed
+
+    def watch_side_arrivals(self, i: int, roots, stops: set[int], taken: list[torch.Tensor]) -> set[int]:
+        """In a profiling step, after layer i's call: of what it takes beside its input (`taken`) with a graph,
+        those to which its graph (from `roots`, not past the nodes `stops`) hands a gradient (side_grads), and
+        hooks on the nodes that hand it, which read where that gradient first arrives (note_side_arrival)."""
+        targets = {(id(t.grad_fn), t.output_nr): t for t in taken if t.requires_grad and t.grad_fn is not None}
+        graded: set[int] = set()
+        if not targets:
+            return graded
+        for node in graph_nodes(roots, stops, 20000):
+            if node is None:  # (the walk cut short: each is read as taking a gradient from this layer, whole)
+                for t in targets.values():
+                    self.note_side_grad(storage_key(t), i, t.nbytes)
+                return {storage_key(t) for t in targets.values()}
+            for j, (nxt, nr) in enumerate(node.next_functions):
+                t = targets.get((id(nxt), nr)) if nxt is not None else None
+                if t is not None:
+                    # (Only a layer whose graph uses it hands it a gradient: before (found 2026-12-06), every layer
+                    # that took it was read as one, Zamba2's Mamba layers among them, which take the embeddings
+                    # and do not use them.)
+                    self.note_side_grad(storage_key(t), i, t.nbytes)
+                    graded.add(storage_key(t))
+                    node.register_hook(partial(self.note_side_arrival, storage_key(t), i, j))
+        return graded
+
+    def note_side_arrival(self, k: int, i: int, j: int, grad_inputs, grad_outputs) -> None:
+        """A node of layer i's graph handed side storage k's tensor its gradient (grad_inputs[j]): where it is the
+        first to arrive, and part of a larger storage, that storage's bytes beyond its own are charged from layer
+        i's backward on (side_grads_bytes, side_bytes) until that storage is let go of (side_freed_bytes)."""
+        g = grad_inputs[j]
+        if g is None or k in self.side_arrived:
+            return
+        extra = storage_bytes(g) - g.nbytes
+        self.side_arrived[k] = (i, storage_ref(g) if extra > 0 else None, max(extra, 0))
 
     def side_grad_bytes(self, k: int) -> int:
         """The gradient of side storage k that side_grads_bytes charge: its bytes, at most what side_bytes hold
@@ -884,7 +941,10 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     step.last_out_obj = weakref.ref(out)
     if i == n - 1:
         step.grads_shared[i] = out.dtype == x.dtype
-    step.note_side(i, taken, handed, outs)
+    graded = step.watch_side_arrivals(
+        i, [out.grad_fn, *(t.grad_fn for t in tensors_in(handed))],
+        {id(n) for n in [alias.grad_fn, *(t.grad_fn for t in taken)] if n is not None}, taken)
+    step.note_side(i, taken, handed, outs, graded)
     # (What it hands on is read as side tensors, their gradients charged: T5's zero position bias for its
     # cross-attention, made so under checkpointing, is one.)
     made = leaves_made(out, [alias.grad_fn] + [t.grad_fn for t in taken],
@@ -1278,7 +1338,7 @@ def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sha
 
 def set_taken(ctx, step: "Step", shape: "Shape", n: int) -> None:
     """The masks the layers take into `ctx` (StepContext.taken_bytes, taken_by, taken_saved_by): each storage
-    made before the layers that they take and that needs no gradient, found let go of once the first layer
+    made before the layers that they take (but the chain's input), found let go of once the first layer
     that takes it had run its backward (every layer checkpointed in the profiling step, each one that takes it
     held it until then): nothing but the layers held it past the model's forward. Per layer, whether its plain
     forward's graph saves it (shape.saved_storages: where not read, a compiled layer's, taken as saved). Those
@@ -1324,10 +1384,15 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.peak_after_chain_backward = step.peak_after_backward
     r.step_peak = step.true_peak
     r.stage_grads_bytes = layer_grads_bytes(lp.layers, step.grads_none or ())
-    r.side_bytes = sum(step.side.values())
     side_grads = [0] * len(lp.layers)
     for k, (last, _) in step.side_grads.items():
         side_grads[last] += step.side_grad_bytes(k)
+    arrived = 0  # (gradients that arrive as part of a larger storage: Step.side_arrived)
+    for k, (i, ref, extra) in step.side_arrived.items():
+        if ref is not None and k in step.side_grads:
+            side_grads[i] += extra
+            arrived += extra
+    r.side_bytes = sum(step.side.values()) + arrived
     r.side_grads_bytes = side_grads
     r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(len(lp.layers))] if step.side_freed else []
     r.input_held_in_backward = step.input_held

@@ -266,8 +266,9 @@ struct StepContext {
   /// runs between stages j - 1 and j once stage j's backward is done where a stage before j does, and never
   /// in the backward of the part before the chain; step_op_peaks() and the per-layer program alike. At most
   /// kMaxTakenTensors. The Python package reads them in the profiling step: a tensor the layers take, made
-  /// before them, that needs no gradient and was let go of once the first layer that takes it had run its
-  /// backward (every layer checkpointed). Before (2026-12-06) such tensors were charged to the step's end: a
+  /// before them (not the chain's input; with a gradient or not, Zamba2's copy of the embeddings), that was
+  /// let go of once the first layer that takes it had run its backward (every layer checkpointed). Before
+  /// (2026-12-06) such tensors were charged to the step's end: a
   /// 4-layer GPT-OSS with every layer kept was predicted 131,520 bytes (both of its masks) above what it
   /// held. (The rest's measured peak is read as after the model's forward returned: a rest whose peak came
   /// inside the model's own code, before its return, would be charged them too little.) Empty: none.

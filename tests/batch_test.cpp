@@ -200,6 +200,17 @@ TEST(Batch, AContextIsCarriedOnTheSameLine) {
   EXPECT_EQ(d.side_grads_bytes, (std::vector<int64_t>{0, 1000}));
   EXPECT_EQ(d.side_bytes, 1100);
   EXPECT_EQ(d.side_freed_bytes, (std::vector<int64_t>{500, 0}));
+  EXPECT_TRUE(d.side_grads_late_bytes.empty());  // read by neither
+  {  // arriving after its backward's peak: whole at both batches, whole at the third; else none of it
+    remat::StepContext la = a, lb = b;
+    la.side_grads_late_bytes = la.side_grads_bytes, lb.side_grads_late_bytes = lb.side_grads_bytes;
+    EXPECT_EQ(remat::context_at_batch(la, 2, lb, 4, 10).side_grads_late_bytes,
+              (std::vector<int64_t>{0, 1000}));
+    lb.side_grads_late_bytes = {0, 100};
+    EXPECT_EQ(remat::context_at_batch(la, 2, lb, 4, 10).side_grads_late_bytes, (std::vector<int64_t>{0, 0}));
+    lb.side_grads_late_bytes.clear();
+    EXPECT_TRUE(remat::context_at_batch(la, 2, lb, 4, 10).side_grads_late_bytes.empty());
+  }
   EXPECT_EQ(d.outputs_held_in_backward, (std::vector<bool>{true, true}));       // held where either is
   EXPECT_EQ(d.inputs_held_in_forward, (std::vector<bool>{true, true}));         // held where either is
   EXPECT_EQ(d.output_grad_held_in_backward, (std::vector<bool>{true, false}));  // likewise

@@ -87,6 +87,13 @@ void add_random_between(std::mt19937& rng, remat::StepContext& ctx, int64_t n, i
     if (coin(rng)) ctx.side_grads_bytes[j] = std::uniform_int_distribution<int64_t>(1, most / 10)(rng);
     ctx.side_bytes += ctx.side_grads_bytes[j];
   }
+  // Of those, a third (by their bytes, not drawn: the draws after stay as they were) arrive after their
+  // backward's peak (side_grads_late_bytes), half of them whole.
+  ctx.side_grads_late_bytes.assign(static_cast<size_t>(n), 0);
+  for (size_t j = 0; j < static_cast<size_t>(n); ++j) {
+    const int64_t g = ctx.side_grads_bytes[j];
+    if (g % 3 == 0) ctx.side_grads_late_bytes[j] = g % 2 == 0 ? g : g / 2;
+  }
   // Of those tensors (and more, held from the chain's start), some let go of once a stage's backward is done.
   const int64_t taken = std::uniform_int_distribution<int64_t>(0, most / 10)(rng);
   ctx.side_bytes += taken;
@@ -1920,6 +1927,40 @@ TEST(Step, TheGradientOfWhatTheStagesTakeBesideTheirInputArrivesAtTheLastTakersB
                    &remat::StepReadings::side_grads_bytes, "side_grads_bytes");
 }
 
+// Of a gradient arriving at a stage's backward, what arrives after that backward's peak
+// (side_grads_late_bytes: a stage that uses the tensor first in its forward, as Zamba2's hybrid layers
+// concatenate the embeddings to their input) is charged once that backward is done, not at its peak, in
+// step_peak_bytes() and the per-layer program alike.
+TEST(Step, AGradientArrivingAfterItsBackwardsPeakIsChargedOnceThatBackwardIsDone) {
+  std::mt19937 rng(17);
+  const Chain chain = random_chain(rng, 4, 100);
+  remat::StepContext arriving = side_context();
+  arriving.side_grads_bytes = {0, 0, 1200, 0};
+  for (const int64_t late : {1200, 500}) {
+    remat::StepContext after = arriving;
+    after.side_grads_late_bytes = {0, 0, late, 0};
+    for (const Plan& plan : {remat::no_checkpoint(chain), remat::checkpoint_all(chain)}) {
+      const PeakDifferences d = peak_differences(chain, arriving, after, plan, "B2");
+      for (size_t k = 0; k < d.by.size(); ++k)
+        EXPECT_EQ(d.by[k], k == d.at ? late : 0) << d.ops[k] << " in " << plan.to_string();
+    }
+    const int64_t least = remat::min_step_budget(chain, after, "per-layer");
+    EXPECT_LE(least, remat::min_step_budget(chain, arriving, "per-layer"));
+    EXPECT_LE(remat::plan_step(chain, after, least, "per-layer").step_peak_bytes, least);
+  }
+  remat::StepReadings r;
+  r.side_bytes = 64, r.side_grads_bytes = {0, 32}, r.side_grads_late_bytes = {0, 32};
+  EXPECT_EQ(remat::step_context(r).side_grads_late_bytes, (std::vector<int64_t>{0, 32}));
+  remat::StepContext bad = arriving;
+  bad.side_grads_late_bytes = {0, 0, 1200};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_grads_late_bytes has 3 entries", "4 stages");
+  bad.side_grads_late_bytes = {0, -1, 0, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "an entry of side_grads_late_bytes", "-1");
+  bad.side_grads_late_bytes = {0, 0, 1201, 0};
+  EXPECT_THROW_WITH_STD(remat::validate(bad, chain), "side_grads_late_bytes[2] is 1201 bytes",
+                        "side_grads_bytes' entry (1200)");
+}
+
 // What the stages take beside their input is let go of once the backward of the first stage that takes it
 // is done (T5's position bias), and a gradient of it once the stage that made it used it (side_freed_bytes):
 // every operation after that backward is charged that much less, in step_peak_bytes() and the per-layer
@@ -2196,6 +2237,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     bb.outputs_held_to_end = {false, false, false, true};
     ba.side_grads_bytes = {0, 0, 40, 0}, bb.side_grads_bytes = {0, 0, 30, 2};
     ba.side_freed_bytes = {30, 0, 0, 0}, bb.side_freed_bytes = {20, 5, 0, 0};
+    ba.side_grads_late_bytes = {0, 0, 40, 0}, bb.side_grads_late_bytes = {0, 0, 10, 2};
     const remat::PlanFigures pa = remat::plan_figures(a, ba), pb = remat::plan_figures(b, bb);
     ASSERT_EQ(pa.ints.size(), pb.ints.size());
     const remat::PlanFigures most = largest(pa, pb);
@@ -2206,6 +2248,7 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     EXPECT_EQ(z.between_forward_held_bytes, (std::vector<int64_t>{0, 0, 5, 1}));
     EXPECT_EQ(z.side_grads_bytes, (std::vector<int64_t>{0, 0, 40, 2}));
     EXPECT_EQ(z.side_freed_bytes, (std::vector<int64_t>{20, 0, 0, 0}));  // letting go of less: the safe one
+    EXPECT_EQ(z.side_grads_late_bytes, (std::vector<int64_t>{0, 0, 10, 0}));  // at the peak where any is
     EXPECT_EQ(z.outputs_held_in_backward,
               (std::vector<bool>{true, false, true, false}));                           // held where any is
     EXPECT_EQ(z.inputs_held_in_forward, (std::vector<bool>{true, true, false, true}));  // held where any is

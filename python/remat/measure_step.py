@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _core, oom
 from .compiled import compiled_call_of, compiled_entry, forced_choice
+from .meter import PeakWindow
 from .layer_calls import (layer_key, layer_output, taken_mappings, taken_tensors, tensor_ids, tensors_in,
                           tensors_put)
 from .policies import CHECKPOINT, checkpoint_region, run_layer
@@ -36,6 +37,51 @@ def queue_at_backward_end(fn: Callable[[], None]) -> None:
 
 class _Token:
     """What a training call leaves in its graph (TrainingCall.tag): alive as long as the graph is."""
+
+
+class LateWatch:
+    """Whether gradients arriving in one layer's backward (a profiling step's, the layer checkpointed) came after
+    that backward's peak: a window on the meter opened once the recompute has run (at the first of the layer's
+    nodes done after its forward's second call began, so that neither the recompute's peak, which a kept layer
+    does not have, nor that node's own counts: read low, the safe side), its peak read and the window restarted
+    as each gradient arrives, and read once more as the layer's input has its gradient (the backward done). A
+    gradient arrived late where nothing after it went above the peak before it (its own arrival included): the
+    same operations follow it whatever the layer's way, and the layer's profiled backward peak, measured
+    without that gradient, is the peak then."""
+
+    __slots__ = ("meter", "recomputing", "window", "arrivals", "peaks")
+
+    def __init__(self, meter):
+        self.meter = meter
+        self.recomputing = False
+        self.window = None
+        self.arrivals: list[int] = []  # the side storages arrived, in order
+        self.peaks: list[int] = []  # the window's peak before each arrival (from the last), then to the end
+
+    def node_done(self) -> None:
+        if self.recomputing and self.window is None:
+            self.window = self.meter.window()
+
+    def arrived(self, k: int) -> None:
+        if self.window is not None and k not in self.arrivals:
+            self.arrivals.append(k)
+            self.peaks.append(self.window.peak())
+            self.window.restart()
+
+    def done(self) -> dict[int, bool]:
+        """Per storage arrived: whether it came after the backward's peak."""
+        late = {}
+        if self.window is not None and self.arrivals:
+            peaks = [*self.peaks, self.window.peak()]
+            late = {k: max(peaks[m + 1:]) <= max(peaks[:m + 1]) for m, k in enumerate(self.arrivals)}
+        self.close()
+        return late
+
+    def close(self) -> None:
+        if self.window is not None:
+            self.window.close()
+        self.window = None
+        self.arrivals, self.peaks = [], []
 
 
 class TrainingCall:
@@ -377,6 +423,13 @@ class Step:
         # one gradient, which autograd holds whole until a second layer's gradient is summed in): the layer, a
         # weak reference to that storage and its bytes beyond the gradient's (watch_side_arrivals).
         self.side_arrived: dict[int, tuple[int, StorageWeakRef | None, int]] = {}
+        # Of those first arrivals, which came after the peak of their layer's backward (StepContext.
+        # side_grads_late_bytes): per layer watched (one taking something with a graph beside its input, where
+        # the meter's windows are its own), whether its recompute has begun, the window open on its backward
+        # since the first of its nodes done after that, and per first arrival at it the window's peak up to
+        # then (LateWatch); per side storage, whether its first arrival was late (side_late).
+        self.late_watch: dict[int, LateWatch] = {}
+        self.side_late: dict[int, bool] = {}
         self.side_freed: dict[int, int] = {}
         self.side_gone: set[tuple[str, int]] = set()
         # Per storage a layer hands on that no layer has taken yet (GPT-J's and BLOOM's attention weights, which
@@ -642,6 +695,22 @@ class Step:
                     freed = grad if kind == "g" else self.side.get(k, 0) - grad
                 self.side_freed[i] = self.side_freed.get(i, 0) + freed
 
+    def watch_late(self, i: int, taken: list[torch.Tensor]) -> "LateWatch | None":
+        """Before layer i's call in a profiling step: a LateWatch on its backward where it takes something with a
+        graph beside its input and the meter's windows are its own (not on a CUDA meter without remat's
+        library, which resets the allocator's statistics: there every gradient is charged at the peak)."""
+        if not isinstance(self.window, PeakWindow) or not any(t.requires_grad and t.grad_fn is not None
+                                                              for t in taken):
+            return None
+        watch = self.late_watch[i] = LateWatch(self.meter)
+        return watch
+
+    def late_done(self, i: int) -> None:
+        """Layer i's input has its gradient: which of the gradients that arrived in its backward came late."""
+        watch = self.late_watch.pop(i, None)
+        if watch is not None:
+            self.side_late.update(watch.done())
+
     def watch_side_arrivals(self, i: int, roots, stops: set[int], taken: list[torch.Tensor]) -> set[int]:
         """In a profiling step, after layer i's call: of what it takes beside its input (`taken`) with a graph,
         those to which its graph (from `roots`, not past the nodes `stops`) hands a gradient (side_grads), and
@@ -650,11 +719,16 @@ class Step:
         graded: set[int] = set()
         if not targets:
             return graded
+        watch = self.late_watch.get(i)
         for node in graph_nodes(roots, stops, 20000):
             if node is None:  # (the walk cut short: each is read as taking a gradient from this layer, whole)
                 for t in targets.values():
                     self.note_side_grad(storage_key(t), i, t.nbytes)
+                if watch is not None:  # (and at its backward's peak)
+                    self.late_watch.pop(i).close()
                 return {storage_key(t) for t in targets.values()}
+            if watch is not None:
+                node.register_hook(lambda grad_inputs, grad_outputs, watch=watch: watch.node_done())
             for j, (nxt, nr) in enumerate(node.next_functions):
                 t = targets.get((id(nxt), nr)) if nxt is not None else None
                 if t is not None:
@@ -675,6 +749,9 @@ class Step:
             return
         extra = storage_bytes(g) - g.nbytes
         self.side_arrived[k] = (i, storage_ref(g) if extra > 0 else None, max(extra, 0))
+        watch = self.late_watch.get(i)
+        if watch is not None:
+            watch.arrived(k)
 
     def side_grad_bytes(self, k: int) -> int:
         """The gradient of side storage k that side_grads_bytes charge: its bytes, at most what side_bytes hold
@@ -727,6 +804,9 @@ class Step:
     def finish(self):
         self.note_peak()
         self.window.close()
+        for watch in self.late_watch.values():
+            watch.close()
+        self.late_watch = {}
         self.done = True
 
 def add_to_stream(st, fwd: int = 0, bwd: int = 0) -> None:
@@ -870,6 +950,19 @@ def without_module_hooks(fn, layer: nn.Module):
     return fn
 
 
+def recompute_marked(fn, watch: LateWatch):
+    """fn, marking `watch` recomputing as its second call (a checkpoint's recompute) begins."""
+    calls = [0]
+
+    def marked(*a):
+        calls[0] += 1
+        if calls[0] == 2:
+            watch.recomputing = True
+        return fn(*a)
+
+    return marked
+
+
 def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, args, x):
     """Layer i's call in a profiling step: run checkpointed; at the last layer, the layers profiled where they
     ran (once per shape) and the rest of the step measured, planned at the end of its backward pass
@@ -928,7 +1021,12 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                     and storage_key(t) not in step.side_handed and storage_key(t) not in outs)
     mappings = taken_mappings(fn, args)
     held = tensor_ids(mappings) if mappings else None
-    returned = run_layer(CHECKPOINT, fn, run_args, [lp.layers[i]], lp.policies)
+    watch = step.watch_late(i, taken)
+    returned = run_layer(CHECKPOINT, fn if watch is None else recompute_marked(fn, watch), run_args,
+                         [lp.layers[i]], lp.policies)
+    if watch is not None and run_args[0].requires_grad:
+        run_args[0].register_hook(lambda g, i=i: step.late_done(i))  # (its backward done)
+    del watch
     alias = run_args[0]
     del run_args
     if mappings:
@@ -1393,6 +1491,13 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
             side_grads[i] += extra
             arrived += extra
     r.side_bytes = sum(step.side.values()) + arrived
+    # Of those, what arrived after its layer's backward's peak (Step.side_late): a storage's gradient and what of
+    # the storage it arrived in is beyond it, where it first arrived at the last layer whose graph uses it.
+    late = [0] * len(lp.layers)
+    for k, (i, ref, extra) in step.side_arrived.items():
+        if step.side_late.get(k) and k in step.side_grads and step.side_grads[k][0] == i:
+            late[i] += step.side_grad_bytes(k) + (extra if ref is not None else 0)
+    r.side_grads_late_bytes = late
     r.side_grads_bytes = side_grads
     r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(len(lp.layers))] if step.side_freed else []
     r.input_held_in_backward = step.input_held

@@ -559,6 +559,8 @@ NB_MODULE(_core, m) {
               "per stage, of side_bytes the gradients that arrive at its backward (bytes)")
       .def_rw("side_freed_bytes", &remat::StepContext::side_freed_bytes,
               "per stage, of side_bytes what is let go of once its backward is done (bytes)")
+      .def_rw("side_grads_late_bytes", &remat::StepContext::side_grads_late_bytes,
+              "per stage, of side_grads_bytes what arrives after its backward's peak (bytes)")
       .def_rw("input_held_in_backward", &remat::StepContext::input_held_in_backward)
       .def_rw("outputs_held_in_backward", &remat::StepContext::outputs_held_in_backward,
               "per stage, whether anything besides the stages holds its input once its backward is done")
@@ -607,8 +609,8 @@ NB_MODULE(_core, m) {
       // before side_freed_bytes, of 20, from before between_frees_output, and of 21, from before
       // rest_frees_output, of 22, from before inputs_held_in_forward, and of 23, from before
       // output_grad_held_in_backward, of 24, from before rest_takes_last_input, of 25, from before
-      // last_input_let_go_in_rest, of 26, from before residual_grad_shared, and of 27, from before the taken
-      // tensors, too).
+      // last_input_let_go_in_rest, of 26, from before residual_grad_shared, of 27, from before the taken
+      // tensors, and of 30, from before side_grads_late_bytes, too).
       .def("__getstate__",
            [](const remat::StepContext& c) {
              return nb::make_tuple(
@@ -620,14 +622,14 @@ NB_MODULE(_core, m) {
                  c.checkpoint_state_bytes, c.outputs_held_to_end, c.side_freed_bytes, c.between_frees_output,
                  c.rest_frees_output, c.inputs_held_in_forward, c.output_grad_held_in_backward,
                  c.rest_takes_last_input, c.last_input_let_go_in_rest, c.residual_grad_shared, c.taken_bytes,
-                 c.taken_by, c.taken_saved_by);
+                 c.taken_by, c.taken_saved_by, c.side_grads_late_bytes);
            })
       .def("__setstate__", [](remat::StepContext& c, const nb::tuple& s) {
         if (s.size() != 11 && s.size() != 16 && s.size() != 19 && s.size() != 20 && s.size() != 21 &&
             s.size() != 22 && s.size() != 23 && s.size() != 24 && s.size() != 25 && s.size() != 26 &&
-            s.size() != 27 && s.size() != 30)
+            s.size() != 27 && s.size() != 30 && s.size() != 31)
           throw nb::value_error(
-              "remat.StepContext: a pickled state has 11, 16, 19, 20, 21, 22, 23, 24, 25, 26, 27 or 30 "
+              "remat.StepContext: a pickled state has 11, 16, 19, 20, 21, 22, 23, 24, 25, 26, 27, 30 or 31 "
               "fields");
         new (&c) remat::StepContext();
         c.input_in_base = nb::cast<bool>(s[0]);
@@ -666,6 +668,7 @@ NB_MODULE(_core, m) {
           c.taken_by = nb::cast<std::vector<std::vector<bool>>>(s[28]);
           c.taken_saved_by = nb::cast<std::vector<std::vector<bool>>>(s[29]);
         }
+        if (s.size() >= 31) c.side_grads_late_bytes = nb::cast<std::vector<int64_t>>(s[30]);
       });
   nb::class_<remat::StepReadings>(
       m, "StepReadings",
@@ -691,6 +694,7 @@ NB_MODULE(_core, m) {
       .def_rw("stage_grads_bytes", &remat::StepReadings::stage_grads_bytes)
       .def_rw("side_bytes", &remat::StepReadings::side_bytes)
       .def_rw("side_grads_bytes", &remat::StepReadings::side_grads_bytes)
+      .def_rw("side_grads_late_bytes", &remat::StepReadings::side_grads_late_bytes)
       .def_rw("side_freed_bytes", &remat::StepReadings::side_freed_bytes)
       .def_rw("input_held_in_backward", &remat::StepReadings::input_held_in_backward)
       .def_rw("input_freed_in_rest", &remat::StepReadings::input_freed_in_rest)

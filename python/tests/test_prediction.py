@@ -1095,27 +1095,32 @@ def test_a_layers_call_its_output_does_not_take_leaves_nothing_alive_after_profi
 
 class _Concatenating(torch.nn.Module):
     """A residual MLP layer (width, hidden, width); with `cat`, it concatenates what the model hands every layer
-    beside its input to its input (as Zamba2's hybrid layers do the embeddings) before its first Linear."""
+    beside its input to its input (as Zamba2's hybrid layers do the embeddings) before its first Linear, or with
+    `last`, to its hidden state before its second."""
 
-    def __init__(self, width, hidden, cat):
+    def __init__(self, width, hidden, cat, last=False):
         super().__init__()
-        self.cat = cat
-        self.up = torch.nn.Linear(2 * width if cat else width, hidden)
-        self.down = torch.nn.Linear(hidden, width)
+        self.cat, self.last = cat, last
+        self.up = torch.nn.Linear(2 * width if cat and not last else width, hidden)
+        self.down = torch.nn.Linear(hidden + width if cat and last else hidden, width)
 
     def forward(self, x, e):
-        return self.down(torch.relu(self.up(torch.cat([x, e], -1) if self.cat else x))) + x
+        if not self.cat:
+            return self.down(torch.relu(self.up(x))) + x
+        if self.last:
+            return self.down(torch.cat([torch.relu(self.up(x)), e], -1)) + x
+        return self.down(torch.relu(self.up(torch.cat([x, e], -1)))) + x
 
 
 class _HandsEveryLayer(torch.nn.Module):
     """A Linear, then layers each handed a copy of its output beside their input, the second the widest; those
-    of `cats` concatenate it to their input."""
+    of `cats` concatenate it to their input (or, `last`, to their hidden state)."""
 
-    def __init__(self, cats, width=64):
+    def __init__(self, cats, last=False, width=64):
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(width, width)
-        self.layers = torch.nn.ModuleList(_Concatenating(width, h * width, i in cats)
+        self.layers = torch.nn.ModuleList(_Concatenating(width, h * width, i in cats, last)
                                           for i, h in enumerate((1, 4, 1, 1)))
 
     def forward(self, x):
@@ -1126,27 +1131,37 @@ class _HandsEveryLayer(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("cats", [(1, 3), ()])
+@pytest.mark.parametrize("cats, last", [((1, 3), False), ((1,), False), ((), False), ((1, 3), True)])
 @pytest.mark.parametrize("ways", [["checkpoint"] * 4, ["keep"] * 4, ["keep", "checkpoint"] * 2])
-def test_what_every_layer_is_handed_is_charged_as_its_gradient_arrives_and_as_it_is_held(meter, cats, ways):
+def test_what_every_layer_is_handed_is_charged_as_its_gradient_arrives_and_as_it_is_held(meter, cats, last, ways):
     # Zamba2 hands each layer a copy of the embeddings beside its input; its hybrid layers concatenate it to
     # theirs, its Mamba layers do not use it. The concatenation's backward hands the copy a view of one gradient
     # for both, and autograd holds that gradient's storage whole from the last such layer's backward until the
-    # next one's gradient is summed in. Before (found 2026-12-06 on Zamba2, 55,296 bytes above there), the copy's
-    # own bytes were charged, from the backward of the last layer that took it, used or not, and the copy itself
-    # to the step's end: concatenated, the plans that checkpoint layer 1 were one input's gradient above their
-    # predictions here (layer 1's backward); unused, every plan was one or two inputs high. Now every plan here
-    # is exact.
-    m = _HandsEveryLayer(cats)
+    # next one's gradient is summed in; a layer that concatenates it first hands it that gradient last in its
+    # backward, after the backward's peak. Before (found 2026-12-06 on Zamba2, 55,296 bytes above there), the
+    # copy's own bytes were charged, from the peak of the backward of the last layer that took it, used or not,
+    # and the copy itself to the step's end: concatenated by layers 1 and 3, the plans that checkpoint layer 1
+    # were one input's gradient above their predictions here (layer 1's backward); by layer 1 alone, 10% high;
+    # unused, one or two inputs high. Now each is exact. Concatenated last (to the hidden state), the gradient
+    # arrives before the backward's peak: charged there (the concatenation's whole gradient, which the
+    # backward's measured peak holds too: high, the safe side).
+    m = _HandsEveryLayer(cats, last)
     x = torch.randn(1024, 64)
     want = [train_step(m, x, meter, seed=s, set_to_none=True) for s in (1, 2)]
     lp = remat.enable(m, list(m.layers), budget=1 << 40, policies=(), replan_on_overshoot=False)
     assert_same_run(want[0], train_step(m, x, meter, seed=1, set_to_none=True))  # the profiling step
     ctx = lp.context
-    grads = [0, 0, 0, 2 * x.nbytes] if cats else [0] * 4
-    assert list(ctx.side_grads_bytes) == grads and ctx.side_bytes == sum(grads), (ctx.side_grads_bytes, ctx.side_bytes)
     assert list(ctx.taken_bytes) == [x.nbytes], ctx.taken_bytes  # the copy, held by the layers that hold it
     _, predicted = give_plan(lp, per_layer_ops(ways))
     got = train_step(m, x, meter, seed=2, set_to_none=True)
     assert_same_run(want[1], got)
+    if last:
+        assert list(ctx.side_grads_late_bytes) == [0] * 4, ctx.side_grads_late_bytes
+        assert got[2] <= predicted, (got[2], predicted)
+        return
+    grads = [0] * 4
+    if cats:
+        grads[max(cats)] = 2 * x.nbytes  # (the whole storage it arrives in)
+    assert list(ctx.side_grads_bytes) == grads and ctx.side_bytes == sum(grads), (ctx.side_grads_bytes, ctx.side_bytes)
+    assert list(ctx.side_grads_late_bytes) == grads, ctx.side_grads_late_bytes
     assert got[2] == predicted, (got[2], predicted)

@@ -258,6 +258,18 @@ StepContext context_at_batch(const StepContext& a, int64_t batch_a, const StepCo
   const int64_t side_grads = per_stage(&StepContext::side_grads_bytes),
                 side_freed = per_stage(&StepContext::side_freed_bytes);
   c.side_bytes = std::max({c.side_bytes, side_grads, side_freed});
+  // Of each stage's arriving gradients, what arrives after its backward's peak: all of it where it does at
+  // both batches, else none (charged at the peak); none where either context did not read it.
+  c.side_grads_late_bytes.clear();
+  if (a.side_grads_late_bytes.size() == a.side_grads_bytes.size() &&
+      b.side_grads_late_bytes.size() == b.side_grads_bytes.size() && !c.side_grads_bytes.empty()) {
+    c.side_grads_late_bytes.assign(c.side_grads_bytes.size(), 0);
+    for (size_t j = 0; j < c.side_grads_bytes.size(); ++j) {
+      const bool late = a.side_grads_late_bytes[j] == a.side_grads_bytes[j] &&
+                        b.side_grads_late_bytes[j] == b.side_grads_bytes[j];
+      if (late) c.side_grads_late_bytes[j] = c.side_grads_bytes[j];
+    }
+  }
   // What runs between two stages: a line through its two readings, as the rest's peak; what its forward and
   // its backward leave held signed (they may free more than they make).
   per_stage(&StepContext::between_backward_peak_bytes);

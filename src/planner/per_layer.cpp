@@ -270,9 +270,11 @@ struct StepTerms {
   const StepContext* taken = nullptr;
   std::vector<int64_t> at_recompute;
   std::vector<int64_t> own;  // per stage, the gradients its own backward makes
-  // Per stage: the gradients of what the stages take beside their input that arrive at its backward, and
-  // what of those tensors and their gradients is let go of once it is done (side_freed_bytes).
+  // Per stage: the gradients of what the stages take beside their input that arrive at its backward, of
+  // those what arrives after its peak (side_grads_late_bytes), and what of those tensors and their gradients
+  // is let go of once it is done (side_freed_bytes).
   std::vector<int64_t> side;
+  std::vector<int64_t> side_late;
   std::vector<int64_t> side_freed;
   // Per stage: the backward peak of what runs between the stage before it and it (once its backward is done,
   // above what that leaves held with every gradient arrived by then), -1 where nothing is charged there.
@@ -368,11 +370,12 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // (Stage::grads_way, the rule step_op_peaks() follows).
   const int64_t own = step ? step->own[static_cast<size_t>(j)] : 0;
   const int64_t side = step ? step->side[static_cast<size_t>(j)] : 0;
+  const int64_t side_late = step ? step->side_late[static_cast<size_t>(j)] : 0;  // (held once it is done)
   // What a residual sum's path holding the gradient it is handed adds to its backward.
   const int64_t way =
       Stage::grads_way(c.kind == OpKind::kForwardKeep, c.stream, !c.groups.empty(), c.variant - 1);
   const int64_t held_grad = step && step->grad_held[static_cast<size_t>(j)] ? s.bwd_grad_held(way) : 0;
-  const int64_t at_bwd = at_rec + side + held_grad + s.grads_charge_bytes(own, way);
+  const int64_t at_bwd = at_rec + side - side_late + held_grad + s.grads_charge_bytes(own, way);
   // What runs between the stage before it and it, once its backward is done: above R_j and its input's
   // gradient, every gradient arrived by then (its input back on the device; the chain's input still gone).
   const int64_t freed = step ? step->side_freed[static_cast<size_t>(j)] : 0;
@@ -1486,6 +1489,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
   t.at_recompute.assign(n + 2, 0);
   t.own.assign(n + 2, 0);
   t.side.assign(n + 2, 0);
+  t.side_late.assign(n + 2, 0);
   t.side_freed.assign(n + 2, 0);
   t.between.assign(n + 2, -1);
   t.forward_held.assign(n + 2, 0);
@@ -1527,6 +1531,7 @@ StepTerms step_terms(const Chain& chain, const StepContext& context) {
     if (s >= 1 && s <= n) {
       t.own[s] = detail::stage_figure(context.stage_grads_bytes, s - 1);
       t.side[s] = detail::stage_figure(context.side_grads_bytes, s - 1);
+      t.side_late[s] = detail::stage_figure(context.side_grads_late_bytes, s - 1);
       t.side_freed[s] = detail::stage_figure(context.side_freed_bytes, s - 1);
     }
     after += t.own[s] + t.side[s] + t.held_to_end[s] - t.side_freed[s];

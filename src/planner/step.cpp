@@ -85,6 +85,7 @@ StepContext step_context(const StepReadings& r) {
   c.checkpoint_all_peak_bytes = r.step_peak < 0 ? -1 : above(r.step_peak, r.base);
   c.side_bytes = r.side_bytes;
   c.side_grads_bytes = r.side_grads_bytes;
+  c.side_grads_late_bytes = r.side_grads_late_bytes;
   c.side_freed_bytes = r.side_freed_bytes;
   // An input the rest's readings let go of already (input_freed_in_rest) is the model's to hold: charged as
   // let go of from the loss on as well, it would be let go of twice.
@@ -169,6 +170,17 @@ void validate(const StepContext& c, const Chain& chain) {
   };
   side_part(c.side_grads_bytes, "side_grads_bytes");
   side_part(c.side_freed_bytes, "side_freed_bytes");
+  sized(c.side_grads_late_bytes.size(), "side_grads_late_bytes");
+  for (size_t j = 0; j < c.side_grads_late_bytes.size(); ++j) {
+    const int64_t late = c.side_grads_late_bytes[j];
+    check(late, "an entry of side_grads_late_bytes");
+    if (late > detail::stage_figure(c.side_grads_bytes, j)) {
+      throw std::invalid_argument("remat::StepContext: side_grads_late_bytes[" + std::to_string(j) + "] is " +
+                                  std::to_string(late) + " bytes, more than side_grads_bytes' entry (" +
+                                  std::to_string(detail::stage_figure(c.side_grads_bytes, j)) +
+                                  "), of which it is a part");
+    }
+  }
   sized(c.outputs_held_in_backward.size(), "outputs_held_in_backward");
   sized(c.inputs_held_in_forward.size(), "inputs_held_in_forward");
   sized(c.output_grad_held_in_backward.size(), "output_grad_held_in_backward");
@@ -639,10 +651,12 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
       at_peak = chain.stages[static_cast<size_t>(op.stage - 1)].grads_charge_bytes(
           made, way[static_cast<size_t>(op.stage)]);
     }
-    // The gradients of what the stages take beside their input that arrive at this backward: at its peak.
+    // The gradients of what the stages take beside their input that arrive at this backward: at its peak,
+    // but what arrives after it (side_grads_late_bytes), held once it is done.
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n) {
-      const int64_t side = stage_figure(context.side_grads_bytes, static_cast<size_t>(op.stage - 1));
-      made += side, at_peak += side;
+      const size_t j = static_cast<size_t>(op.stage - 1);
+      const int64_t side = stage_figure(context.side_grads_bytes, j);
+      made += side, at_peak += side - stage_figure(context.side_grads_late_bytes, j);
     }
     // A way that recomputes, or a stage whose forward runs again (Fn, Fc), holds the generators' state of
     // its first run from its forward on, through its replays, to its backward's end.

@@ -70,6 +70,13 @@ struct StepContext {
   /// takes the tensor (bytes): charged from that backward on, not from the chain's start, since no gradient
   /// exists before it. Empty, or one entry per stage, together at most side_bytes.
   std::vector<int64_t> side_grads_bytes;
+  /// Per chain stage j: of side_grads_bytes' entry j, what arrives after the peak of stage j's backward, with
+  /// nothing of that backward after it above the moment it arrives (bytes): a stage that uses the tensor
+  /// first in its forward hands it its gradient last (Zamba2's hybrid layers concatenate the embeddings to
+  /// their input). Charged once that backward is done, not at its peak: the rest of the entry is charged at
+  /// its peak. Empty (all at the peak, as before 2026-12-06), or one entry per stage, each at most
+  /// side_grads_bytes' entry.
+  std::vector<int64_t> side_grads_late_bytes;
   /// Per chain stage j: of side_bytes, what is let go of once stage j's backward is done (bytes): a tensor
   /// the stages take beside their input that nothing holds past the backward of the first stage that takes it
   /// (T5's position bias, once the encoder's second layer's backward is done), and a gradient of one, used up
@@ -341,6 +348,9 @@ struct StepReadings {
   /// read).
   int64_t side_bytes = 0;
   std::vector<int64_t> side_grads_bytes;
+  /// Per chain stage: of side_grads_bytes' entry, what arrived after its backward's peak
+  /// (StepContext::side_grads_late_bytes; empty where not read).
+  std::vector<int64_t> side_grads_late_bytes;
   /// Per chain stage: of side_bytes, what was let go of once its backward was done
   /// (StepContext::side_freed_bytes; empty where not read).
   std::vector<int64_t> side_freed_bytes;

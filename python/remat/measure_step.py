@@ -49,17 +49,18 @@ class LateWatch:
     same operations follow it whatever the layer's way, and the layer's profiled backward peak, measured
     without that gradient, is the peak then."""
 
-    __slots__ = ("meter", "recomputing", "window", "arrivals", "peaks")
+    __slots__ = ("meter", "recomputing", "finished", "window", "arrivals", "peaks")
 
     def __init__(self, meter):
         self.meter = meter
         self.recomputing = False
+        self.finished = False  # (done or closed: a hook that outlives the step opens nothing)
         self.window = None
         self.arrivals: list[int] = []  # the side storages arrived, in order
         self.peaks: list[int] = []  # the window's peak before each arrival (from the last), then to the end
 
     def node_done(self) -> None:
-        if self.recomputing and self.window is None:
+        if self.recomputing and self.window is None and not self.finished:
             self.window = self.meter.window()
 
     def arrived(self, k: int) -> None:
@@ -80,7 +81,7 @@ class LateWatch:
     def close(self) -> None:
         if self.window is not None:
             self.window.close()
-        self.window = None
+        self.window, self.finished = None, True
         self.arrivals, self.peaks = [], []
 
 
@@ -727,7 +728,7 @@ class Step:
                 if watch is not None:  # (and at its backward's peak)
                     self.late_watch.pop(i).close()
                 return {storage_key(t) for t in targets.values()}
-            if watch is not None:
+            if watch is not None and getattr(node, "variable", None) is None:  # (not a leaf's AccumulateGrad)
                 node.register_hook(lambda grad_inputs, grad_outputs, watch=watch: watch.node_done())
             for j, (nxt, nr) in enumerate(node.next_functions):
                 t = targets.get((id(nxt), nr)) if nxt is not None else None

@@ -290,6 +290,15 @@ def test_step_readings_turn_into_the_same_context_as_in_cpp():
     old = remat._core.StepContext.__new__(remat._core.StepContext)
     old.__setstate__(c.__getstate__()[:27])
     assert list(old.taken_bytes) == [] and list(old.residual_grad_shared) == [False, True]
+    # What of the side gradients arrives after its backward's peak: read, pickled; a state of 30 fields loads with
+    # none (all at the peak) and the masks as set.
+    r.side_grads_late_bytes = [0, 16]
+    c = remat._core.step_context(r)
+    c.taken_bytes, c.taken_by, c.taken_saved_by = [100], [[True, False]], [[False, False]]
+    assert list(pickle.loads(pickle.dumps(c)).side_grads_late_bytes) == [0, 16]
+    old = remat._core.StepContext.__new__(remat._core.StepContext)
+    old.__setstate__(c.__getstate__()[:30])
+    assert list(old.side_grads_late_bytes) == [] and list(old.taken_bytes) == [100]
     r.between_held_bytes = [0]
     with pytest.raises(ValueError, match="between_held_bytes"):
         remat._core.step_context(r)

@@ -244,8 +244,8 @@ void visit(C& chain, X& context, V& v) {
     v.bytes(g);
   for (auto& f : context.side_freed_bytes)
     v.freed(f);
-  for (auto& f :
-       context.side_grads_late_bytes)  // the smallest: at the peak where any rank's arrived before it
+  // The smallest: charged at the peak where any rank's arrived before it.
+  for (auto& f : context.side_grads_late_bytes)
     v.freed(f);
   flags(context.outputs_held_in_backward, v);
   flags(context.inputs_held_in_forward, v);  // held where any rank held it

@@ -70,8 +70,8 @@ struct StepContext {
   /// takes the tensor (bytes): charged from that backward on, not from the chain's start, since no gradient
   /// exists before it. Empty, or one entry per stage, together at most side_bytes.
   std::vector<int64_t> side_grads_bytes;
-  /// Per chain stage j: of side_grads_bytes' entry j, what arrives after the peak of stage j's backward, with
-  /// nothing of that backward after it above the moment it arrives (bytes): a stage that uses the tensor
+  /// Per chain stage j: of side_grads_bytes' entry j, what arrives after the peak of stage j's backward
+  /// (nothing of that backward after it goes above its peak before it; bytes): a stage that uses the tensor
   /// first in its forward hands it its gradient last (Zamba2's hybrid layers concatenate the embeddings to
   /// their input). Charged once that backward is done, not at its peak: the rest of the entry is charged at
   /// its peak. Empty (all at the peak, as before 2026-12-06), or one entry per stage, each at most

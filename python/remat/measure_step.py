@@ -1486,18 +1486,20 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     side_grads = [0] * len(lp.layers)
     for k, (last, _) in step.side_grads.items():
         side_grads[last] += step.side_grad_bytes(k)
-    arrived = 0  # (gradients that arrive as part of a larger storage: Step.side_arrived)
-    for k, (i, ref, extra) in step.side_arrived.items():
-        if ref is not None and k in step.side_grads:
-            side_grads[i] += extra
-            arrived += extra
-    r.side_bytes = sum(step.side.values()) + arrived
-    # Of those, what arrived after its layer's backward's peak (Step.side_late): a storage's gradient and what of
-    # the storage it arrived in is beyond it, where it first arrived at the last layer whose graph uses it.
+    # The gradients that arrive as part of a larger storage, that storage's rest too (Step.side_arrived); and of
+    # them, what arrived after its layer's backward's peak (Step.side_late): a storage's gradient and that rest,
+    # where it first arrived at the last layer whose graph uses it.
+    arrived = 0
     late = [0] * len(lp.layers)
     for k, (i, ref, extra) in step.side_arrived.items():
-        if step.side_late.get(k) and k in step.side_grads and step.side_grads[k][0] == i:
-            late[i] += step.side_grad_bytes(k) + (extra if ref is not None else 0)
+        if k not in step.side_grads:
+            continue
+        extra = extra if ref is not None else 0
+        side_grads[i] += extra
+        arrived += extra
+        if step.side_late.get(k) and step.side_grads[k][0] == i:
+            late[i] += step.side_grad_bytes(k) + extra
+    r.side_bytes = sum(step.side.values()) + arrived
     r.side_grads_late_bytes = late
     r.side_grads_bytes = side_grads
     r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(len(lp.layers))] if step.side_freed else []

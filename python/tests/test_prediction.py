@@ -1141,7 +1141,7 @@ def test_what_every_layer_is_handed_is_charged_as_its_gradient_arrives_and_as_it
     # backward, after the backward's peak. Before (found 2026-12-06 on Zamba2, 55,296 bytes above there), the
     # copy's own bytes were charged, from the peak of the backward of the last layer that took it, used or not,
     # and the copy itself to the step's end: concatenated by layers 1 and 3, the plans that checkpoint layer 1
-    # were one input's gradient above their predictions here (layer 1's backward); by layer 1 alone, 10% high;
+    # were one input's gradient above their predictions here (layer 1's backward); by layer 1 alone, 9% high;
     # unused, one or two inputs high. Now each is exact. Concatenated last (to the hidden state), the gradient
     # arrives before the backward's peak: charged there (the concatenation's whole gradient, which the
     # backward's measured peak holds too: high, the safe side).

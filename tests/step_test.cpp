@@ -1,6 +1,7 @@
 // The per-layer planner against exhaustive search, and planning for a whole step (remat/step.h). Plain C++.
 #include <gtest/gtest.h>
 
+#include <remat/planner/batch.h>
 #include <remat/planner/planner.h>
 #include <remat/planner/step.h>
 #include <remat/planner/timeline.h>
@@ -479,6 +480,16 @@ void add_random_groups(std::mt19937& rng, Chain& chain) {
         const int64_t whole = s.saved_bytes - s.output_bytes + s.fwd_tmp_bytes;
         sg.fwd_peak_before_bytes =
             whole - whole * static_cast<int64_t>(g - 1 - k) / static_cast<int64_t>(8 * g);
+      }
+      // Every fourth from the first and the third, the forward without saving's peak after each call lets go
+      // of its outputs: the even ones before that forward's peak (let go of by then: the peak itself), the
+      // odd ones after it, lower the later (no random number).
+      if (i % 4 == 0 || i % 4 == 2) {
+        const int64_t top = s.output_bytes + s.nosave_tmp_bytes();
+        sg.fwd_peak_after_bytes = k % 2 == 0
+                                      ? top
+                                      : s.output_bytes + s.nosave_tmp_bytes() * static_cast<int64_t>(g - k) /
+                                                             static_cast<int64_t>(2 * g);
       }
       s.groups.push_back(sg);
     }
@@ -3407,6 +3418,86 @@ TEST(PerLayerGroups, ARecomputeHoldsTheGroupsItHasNotReachedBesideThePlainForwar
     ADD_FAILURE() << "validate() took fwd_peak_before_bytes -2";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("fwd_peak_before_bytes -2"), std::string::npos) << e.what();
+  }
+}
+
+// A group assignment's forward runs what it does not keep or send without saving, and holds what it keeps
+// or sends past the moment that forward lets go of it: group_forward_peak_bytes() charges, per group held,
+// that forward's peak after its outputs are let go of (SavedGroup::fwd_peak_after_bytes) plus the groups held
+// that are let go of by then. Before, each group kept was charged beside the forward's whole peak: a
+// transient alive at that peak (GLM-MoE-DSA's indexer scores) counted twice.
+TEST(PerLayerGroups, AGroupAssignmentsForwardHoldsWhatItKeepsOnlyPastWhereThatForwardLetsGoOfIt) {
+  Chain chain = remat::uniform_chain(2, 1.0, 2.0, 100, 2000);
+  remat::Stage& s = chain.stages[1];
+  s.fwd_nosave_tmp_bytes = 3000;  // the forward without saving peaks at 3,100 (its output, 100, included)
+  s.fwd_tmp_bytes = 2000;         // the plain one at 4,000 (what it saves, 2,000, included)
+  s.groups = {{"aten::mm#0", 400, 0.1, 400}, {"aten::mm#1", 200, 0.1}, {"aten::mm#2", 300, 0.1}};
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "kkk"), -1);  // none measured
+  s.groups[0].fwd_peak_after_bytes = 1000;  // let go of after the peak (alive at it: a transient there)
+  s.groups[1].fwd_peak_after_bytes = 3100;  // before it
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "kkk"), -1);    // one held is not measured: the bound
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "kkr"), 3300);  // 3,100 + 200; 1,000 + 400 + 200 is less
+  s.groups[2].fwd_peak_after_bytes = 3100;                     // before it too
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "kkk"), 3600);  // 3,100 + 200 + 300
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "krr"), 3100);  // the transient, within the peak
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "hrk"), 3400);  // sent: held until its copy lands
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "rrr"), -1);    // none held
+  s.groups[0].fwd_peak_after_bytes = 3500;  // let go of first, before a peak of 3,500 the others are alive at
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "krk"), 3900);  // 3,500 + 400; 3,100 + 400 + 300 is less
+  EXPECT_EQ(remat::group_forward_peak_bytes(s, "kkk"), 4000);  // 3,100 + 400 + 200 + 300
+  EXPECT_THROW(remat::group_forward_peak_bytes(s, "kk"), std::invalid_argument);
+  s.groups[0].fwd_peak_after_bytes = 1000;
+  // simulate() charges the forward that peak (the stage's input beside it), within
+  // Stage::keep_fwd_tmp_bytes()'s bound, which it charged before: here 400 lower, the transient kept counted
+  // once.
+  const Plan plan =
+      remat::plan_from_json(R"({"num_stages": 2, "ops": ["Fa0", "Fk1{krr}", "L", "B1", "B0"]})");
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  const remat::Stage& first = chain.stages[0];
+  const int64_t before = chain.input_bytes + first.saved_bytes;  // Fa0's, its output a_1 among it
+  EXPECT_EQ(sim.op_peak_bytes[1], before + 3100);
+  const std::vector<remat::SavedGroup> measured = s.groups;
+  for (remat::SavedGroup& g : s.groups)
+    g.fwd_peak_after_bytes = -1;
+  const remat::Simulation bound = remat::simulate(chain, plan);
+  EXPECT_EQ(bound.op_peak_bytes[1], before + 100 + 400 + s.keep_fwd_tmp_bytes(100 + 400, 400));
+  EXPECT_EQ(bound.op_peak_bytes[1] - sim.op_peak_bytes[1], 400);
+  s.groups = measured;
+  // The per-layer program charges it alike (the random chains' exhaustive tests check it throughout): its
+  // least budget is that of the least plan of them all, and it plans within each plan's peak.
+  const remat::StepContext none;
+  std::vector<Candidate> all = every_per_layer_plan(chain, false, false, false, true);
+  int64_t least = std::numeric_limits<int64_t>::max();
+  for (const Candidate& c : all)
+    least = std::min(least, remat::step_peak_bytes(chain, none, c.plan));
+  EXPECT_EQ(remat::min_step_budget(chain, none, "per-layer"), least);
+  for (const Candidate& c : all) {
+    const int64_t budget = remat::step_peak_bytes(chain, none, c.plan);
+    EXPECT_LE(remat::plan_step(chain, none, budget, "per-layer").step_peak_bytes, budget)
+        << c.plan.to_string();
+  }
+  // Written where measured, read back; -1 (not measured) where absent; below -1 refused; in the figures the
+  // ranks agree on; scaled to another batch where measured at both.
+  Chain other = chain;  // a rank that read group 0 later, or a profile at twice the batch
+  other.stages[1].groups[0].fwd_peak_after_bytes = 1200;
+  Chain agreed = chain;
+  remat::StepContext ctx;
+  remat::set_plan_figures(agreed, ctx,
+                          largest(remat::plan_figures(chain, none), remat::plan_figures(other, none)));
+  EXPECT_EQ(agreed.stages[1].groups[0].fwd_peak_after_bytes, 1200);
+  EXPECT_EQ(remat::chain_at_batch(chain, 1, other, 2, 3).stages[1].groups[0].fwd_peak_after_bytes, 1400);
+  s.groups[1].fwd_peak_after_bytes = -1;
+  other.stages[1].groups[1].fwd_peak_after_bytes = 3100;
+  EXPECT_EQ(remat::chain_at_batch(chain, 1, other, 2, 3).stages[1].groups[1].fwd_peak_after_bytes, -1);
+  const Chain back = remat::chain_from_json(remat::to_json(chain));
+  EXPECT_EQ(back.stages[1].groups[0].fwd_peak_after_bytes, 1000);
+  EXPECT_EQ(back.stages[1].groups[1].fwd_peak_after_bytes, -1);
+  s.groups[1].fwd_peak_after_bytes = -2;
+  try {
+    remat::validate(chain);
+    ADD_FAILURE() << "validate() took fwd_peak_after_bytes -2";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("fwd_peak_after_bytes -2"), std::string::npos) << e.what();
   }
 }
 

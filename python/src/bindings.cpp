@@ -190,12 +190,14 @@ NB_MODULE(_core, m) {
       .def(
           "__init__",
           [](remat::SavedGroup* g, std::string name, int64_t bytes, double recompute_ms,
-             int64_t unsaved_bytes, int64_t stays_bytes, int64_t fwd_peak_before_bytes) {
-            new (g) remat::SavedGroup{std::move(name), bytes,       recompute_ms,
-                                      unsaved_bytes,   stays_bytes, fwd_peak_before_bytes};
+             int64_t unsaved_bytes, int64_t stays_bytes, int64_t fwd_peak_before_bytes,
+             int64_t fwd_peak_after_bytes) {
+            new (g) remat::SavedGroup{std::move(name),     bytes,       recompute_ms,
+                                      unsaved_bytes,       stays_bytes, fwd_peak_before_bytes,
+                                      fwd_peak_after_bytes};
           },
           "name"_a, "bytes"_a, "recompute_ms"_a, "unsaved_bytes"_a = 0, "stays_bytes"_a = 0,
-          "fwd_peak_before_bytes"_a = -1)
+          "fwd_peak_before_bytes"_a = -1, "fwd_peak_after_bytes"_a = -1)
       .def_rw("name", &remat::SavedGroup::name, "the call: 'aten::addmm#2' (operator, its call index)")
       .def_rw("bytes", &remat::SavedGroup::bytes, "its outputs' bytes")
       .def_rw("recompute_ms", &remat::SavedGroup::recompute_ms, "the call's forward time (milliseconds)")
@@ -206,21 +208,28 @@ NB_MODULE(_core, m) {
       .def_rw("fwd_peak_before_bytes", &remat::SavedGroup::fwd_peak_before_bytes,
               "the stage's plain forward's peak above what was alive before it, until this call (bytes; -1: "
               "not measured)")
-      // pickle and copy.deepcopy (a LayerPlan's copy carries its shapes' saved calls): its six figures (five
-      // in a state pickled before 2026-12-05: fwd_peak_before_bytes then -1).
+      .def_rw(
+          "fwd_peak_after_bytes", &remat::SavedGroup::fwd_peak_after_bytes,
+          "the stage's forward without saving: its peak above what was alive before it, from when it lets go "
+          "of this call's outputs until it returns (bytes; -1: not measured)")
+      // pickle and copy.deepcopy (a LayerPlan's copy carries its shapes' saved calls): its seven figures
+      // (five in a state pickled before 2026-12-05, six before 2026-12-07: the later ones then -1).
       .def("__getstate__",
            [](const remat::SavedGroup& g) {
              return nb::make_tuple(g.name, g.bytes, g.recompute_ms, g.unsaved_bytes, g.stays_bytes,
-                                   g.fwd_peak_before_bytes);
+                                   g.fwd_peak_before_bytes, g.fwd_peak_after_bytes);
            })
       .def("__setstate__",
            [](remat::SavedGroup& g, const nb::tuple& s) {
-             if (s.size() != 5 && s.size() != 6)
-               throw nb::value_error("remat.SavedGroup.__setstate__: a state of 5 or 6 figures");
-             new (&g)
-                 remat::SavedGroup{nb::cast<std::string>(s[0]), nb::cast<int64_t>(s[1]),
-                                   nb::cast<double>(s[2]),      nb::cast<int64_t>(s[3]),
-                                   nb::cast<int64_t>(s[4]),     s.size() == 6 ? nb::cast<int64_t>(s[5]) : -1};
+             if (s.size() < 5 || s.size() > 7)
+               throw nb::value_error("remat.SavedGroup.__setstate__: a state of 5 to 7 figures");
+             new (&g) remat::SavedGroup{nb::cast<std::string>(s[0]),
+                                        nb::cast<int64_t>(s[1]),
+                                        nb::cast<double>(s[2]),
+                                        nb::cast<int64_t>(s[3]),
+                                        nb::cast<int64_t>(s[4]),
+                                        s.size() >= 6 ? nb::cast<int64_t>(s[5]) : -1,
+                                        s.size() >= 7 ? nb::cast<int64_t>(s[6]) : -1};
            })
       .def("__repr__", [](const remat::SavedGroup& g) {
         return "SavedGroup('" + g.name + "', bytes=" + std::to_string(g.bytes) +
@@ -230,11 +239,18 @@ NB_MODULE(_core, m) {
                (g.fwd_peak_before_bytes >= 0
                     ? ", fwd_peak_before_bytes=" + std::to_string(g.fwd_peak_before_bytes)
                     : std::string()) +
+               (g.fwd_peak_after_bytes >= 0
+                    ? ", fwd_peak_after_bytes=" + std::to_string(g.fwd_peak_after_bytes)
+                    : std::string()) +
                ")";
       });
   m.def("group_recompute_peak_bytes", &remat::group_recompute_peak_bytes, "stage"_a, "assignment"_a,
         "The most a group assignment's recompute holds part way through, above the bytes alive before the "
         "stage's forward (-1 where no group's fwd_peak_before_bytes is measured).");
+  m.def("group_forward_peak_bytes", &remat::group_forward_peak_bytes, "stage"_a, "assignment"_a,
+        "A group assignment's forward's peak above the bytes alive before it (-1 where a group it keeps or "
+        "sends "
+        "has no fwd_peak_after_bytes measured, or none is kept or sent).");
   m.def("group_unsaved_bytes", &remat::group_unsaved_bytes, "stage"_a, "assignment"_a,
         "Of what a group assignment keeps and sends, the bytes the stage's plain forward does not save.");
 

@@ -191,6 +191,8 @@ Chain chain_at_batch(const Chain& a, int64_t batch_a, const Chain& b, int64_t ba
       // Measured in both or neither (-1).
       const int64_t pa = sa.groups[g].fwd_peak_before_bytes, pb = sb.groups[g].fwd_peak_before_bytes;
       s.groups[g].fwd_peak_before_bytes = pa >= 0 && pb >= 0 ? line.bytes(pa, pb) : -1;
+      const int64_t qa = sa.groups[g].fwd_peak_after_bytes, qb = sb.groups[g].fwd_peak_after_bytes;
+      s.groups[g].fwd_peak_after_bytes = qa >= 0 && qb >= 0 ? line.bytes(qa, qb) : -1;
     }
   }
   return c;

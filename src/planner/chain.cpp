@@ -248,6 +248,12 @@ void validate(const Chain& chain) {
                                     std::to_string(sg.fwd_peak_before_bytes) +
                                     "; it must be a number of bytes >= 0, or -1 (not measured)");
       }
+      if (sg.fwd_peak_after_bytes < -1) {
+        throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + "'s saved group '" +
+                                    sg.name + "' has fwd_peak_after_bytes " +
+                                    std::to_string(sg.fwd_peak_after_bytes) +
+                                    "; it must be a number of bytes >= 0, or -1 (not measured)");
+      }
       add_bytes(grouped, sg.bytes, stage_label(chain, i));
     }
     if (s.policies.empty()) continue;
@@ -375,6 +381,7 @@ std::string to_json(const Chain& chain) {
         if (g.unsaved_bytes != 0) jg["unsaved_bytes"] = g.unsaved_bytes;
         if (g.stays_bytes != 0) jg["stays_bytes"] = g.stays_bytes;
         if (g.fwd_peak_before_bytes >= 0) jg["fwd_peak_before_bytes"] = g.fwd_peak_before_bytes;
+        if (g.fwd_peak_after_bytes >= 0) jg["fwd_peak_after_bytes"] = g.fwd_peak_after_bytes;
         js["groups"].push_back(jg);
       }
     }
@@ -572,6 +579,7 @@ Chain chain_from_json(const std::string& text) {
         sg.unsaved_bytes = optional<int64_t>(jg[g], "unsaved_bytes", at, 0);
         sg.stays_bytes = optional<int64_t>(jg[g], "stays_bytes", at, 0);
         sg.fwd_peak_before_bytes = optional<int64_t>(jg[g], "fwd_peak_before_bytes", at, -1);
+        sg.fwd_peak_after_bytes = optional<int64_t>(jg[g], "fwd_peak_after_bytes", at, -1);
         s.groups.push_back(std::move(sg));
       }
     }
@@ -727,6 +735,11 @@ int64_t group_unsaved_bytes(const Stage& stage, const std::string& assignment) {
   for (size_t g = 0; g < assignment.size(); ++g)
     if (assignment[g] != 'r') unsaved += stage.groups[g].unsaved_bytes;
   return unsaved;
+}
+
+int64_t group_forward_peak_bytes(const Stage& stage, const std::string& assignment) {
+  check_assignment(stage, assignment);
+  return detail::forward_part_way_bytes(stage, [&](size_t g) { return assignment[g] != 'r'; });
 }
 
 int64_t group_recompute_peak_bytes(const Stage& stage, const std::string& assignment) {

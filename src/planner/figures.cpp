@@ -227,6 +227,8 @@ void visit(C& chain, X& context, V& v) {
       v.bytes(g.unsaved_bytes);          // the largest: held longest where any rank holds it
       v.bytes(g.stays_bytes);            // the largest: on the device where any rank's Offload keeps it there
       v.bytes(g.fwd_peak_before_bytes);  // the largest (-1, not measured, where no rank measured it)
+      // The largest, as the one before: group_forward_peak_bytes() grows with each group's figure.
+      v.bytes(g.fwd_peak_after_bytes);
     }
   }
   v.flag(context.input_in_base);

@@ -63,6 +63,7 @@ struct Choice {
   std::optional<OffloadCost> own{};   // a group assignment's offload cost (cost points here once placed)
   int64_t unsaved = 0;                // a group assignment's group_unsaved_bytes()
   int64_t mid = -1;                   // a group assignment's group_recompute_peak_bytes()
+  int64_t fpeak = -1;                 // a group assignment's group_forward_peak_bytes()
 };
 
 // The policy cost of choice `c` of stage `s`: Fk under a policy (variant >= 1), else null.
@@ -116,14 +117,16 @@ struct Stairs {
 };
 
 // The choice of stage `s` run as the group assignment `text`, which keeps `unsaved` bytes Fa does not save
-// (group_unsaved_bytes()) and holds `mid` part way through its recompute (group_recompute_peak_bytes()). Its
-// cost is placed (cost = &*own) once the vector holding it no longer moves.
-Choice group_choice(const Stage& s, std::string text, int64_t unsaved, int64_t mid) {
+// (group_unsaved_bytes()), holds `mid` part way through its recompute (group_recompute_peak_bytes()) and
+// peaks at `fpeak` in its forward (group_forward_peak_bytes()). Its cost is placed (cost = &*own) once the
+// vector holding it no longer moves.
+Choice group_choice(const Stage& s, std::string text, int64_t unsaved, int64_t mid, int64_t fpeak) {
   const PolicyCost cost = group_cost(s, text);
   Choice ch{OpKind::kForwardKeep, -1, cost.saved_bytes, 0, cost.fwd_ms, cost.bwd_ms};
   ch.ms = ch.fwd_ms + ch.bwd_ms;
   ch.unsaved = unsaved;
   ch.mid = mid;
+  ch.fpeak = fpeak;
   ch.groups = std::move(text);
   ch.own = cost.offload;
   ch.offload = cost.offload.has_value();
@@ -147,7 +150,7 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     count *= base;
   const double fwd_ms = s.group_fwd_ms();
   struct Candidate {
-    int64_t unsaved, mid, kept, sent;
+    int64_t unsaved, mid, fpeak, kept, sent;
     double ms;
     size_t code;
   };
@@ -169,16 +172,19 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     }
     // What its recompute holds part way (group_recompute_peak_bytes()'s sum).
     const int64_t mid = detail::recompute_part_way_bytes(s, [&](size_t k) { return letter[k] != 0; });
-    cands.push_back({unsaved, mid, kept, sent, fwd_ms + s.group_bwd_ms(skipped_ms, redone_ms), code});
+    // And its forward's peak (group_forward_peak_bytes()'s sum).
+    const int64_t fpeak = detail::forward_part_way_bytes(s, [&](size_t k) { return letter[k] != 0; });
+    cands.push_back({unsaved, mid, fpeak, kept, sent, fwd_ms + s.group_bwd_ms(skipped_ms, redone_ms), code});
   }
-  // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too, and what
-  // the recompute holds part way (mid) that of a recompute: a candidate is beaten only by one with no more of
-  // either. Sorted by them first, each pair of amounts is filtered apart. Across amounts of unsaved bytes,
-  // also by one whose backward holds no more of the stage's saved tensors (detail::kept_saved_at_backward(),
+  // The unsaved bytes (group_unsaved_bytes()) raise the peak of a forward and of a recompute too, what the
+  // recompute holds part way (mid) that of a recompute, and the forward's measured peak (fpeak, -1 for every
+  // candidate where not measured) that of a forward: a candidate is beaten only by one with no more of each.
+  // Sorted by them first, each triple of amounts is filtered apart. Across amounts of unsaved bytes, also by
+  // one whose backward holds no more of the stage's saved tensors (detail::kept_saved_at_backward(),
   // stage_need()'s rule), which fewer unsaved bytes may raise.
   std::stable_sort(cands.begin(), cands.end(), [](const Candidate& a, const Candidate& b) {
-    return std::tie(a.unsaved, a.mid, a.kept, a.sent, a.ms) <
-           std::tie(b.unsaved, b.mid, b.kept, b.sent, b.ms);
+    return std::tie(a.unsaved, a.mid, a.fpeak, a.kept, a.sent, a.ms) <
+           std::tie(b.unsaved, b.mid, b.fpeak, b.kept, b.sent, b.ms);
   });
   // In that order, a candidate is beaten when one before it (kept no more) has sent no more and time no more:
   // `stairs` holds the (sent, time) pairs of the candidates taken so far.
@@ -186,12 +192,15 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
   // (`lower`: the survivors of the amounts before the current one).
   Stairs<int64_t> stairs;
   std::vector<Candidate> lower, current;
+  // An unmeasured forward peak (-1) is charged the bound, which no measured one exceeds.
+  auto unbounded = [](int64_t fpeak) { return fpeak < 0 ? std::numeric_limits<int64_t>::max() : fpeak; };
   auto at_backward = [&](const Candidate& a) {
     return detail::kept_saved_at_backward(s, s.output_bytes + a.kept + a.sent, a.unsaved);
   };
   for (size_t k = 0; k < cands.size(); ++k) {
     const Candidate& c = cands[k];
-    if (k > 0 && (cands[k - 1].unsaved != c.unsaved || cands[k - 1].mid != c.mid)) {
+    if (k > 0 &&
+        (cands[k - 1].unsaved != c.unsaved || cands[k - 1].mid != c.mid || cands[k - 1].fpeak != c.fpeak)) {
       stairs = {};
       lower.insert(lower.end(), current.begin(), current.end());
       current.clear();
@@ -200,14 +209,14 @@ std::vector<Choice> group_choices(const Stage& s, bool offload) {
     stairs.add(c.sent, c.ms);
     current.push_back(c);
     if (std::any_of(lower.begin(), lower.end(), [&](const Candidate& a) {
-          return a.mid <= c.mid && a.kept <= c.kept && a.sent <= c.sent && a.ms <= c.ms &&
-                 at_backward(a) <= at_backward(c);
+          return a.mid <= c.mid && unbounded(a.fpeak) <= unbounded(c.fpeak) && a.kept <= c.kept &&
+                 a.sent <= c.sent && a.ms <= c.ms && at_backward(a) <= at_backward(c);
         }))
       continue;  // beaten by one that holds fewer unsaved bytes, or less part way through its recompute
     std::string text(g, 'r');
     for (size_t k = 0, code = c.code; k < g; ++k, code /= base)
       text[k] = letters[code % base];
-    all.push_back(group_choice(s, std::move(text), c.unsaved, c.mid));
+    all.push_back(group_choice(s, std::move(text), c.unsaved, c.mid, c.fpeak));
   }
   return thin_group_choices(std::move(all));
 }
@@ -416,7 +425,8 @@ int64_t stage_need(const Chain& chain, int64_t j, const Choice& c, const StepTer
   // (Its output beside the next stage's input, where what runs between them let go of it in the profiling
   // step and its way holds it, is held from the end of its forward until the next stage's backward is done:
   // in R of the stages after it, not here; step_op_peaks()'s rule.)
-  const int64_t fwd = c.held + detail::forward_tmp_bytes(s, c.kind, c.held, c.unsaved) + state + cached;
+  const int64_t fwd =
+      c.held + detail::forward_tmp_bytes(s, c.kind, c.held, c.unsaved, c.fpeak) + state + cached;
   // Under a policy (variant >= 1): what it keeps plus its backward's own peak, recompute included.
   const bool policy = c.kind == OpKind::kForwardKeep && c.groups.empty() && c.variant >= 1;
   // With keep tags or a group assignment: the larger of its backward and the recompute before it, which makes
@@ -1042,7 +1052,8 @@ void keep_given(const Chain& chain, int64_t j, const Given& given, std::vector<C
   if (only.empty() && op.kind == OpKind::kForwardKeep && !op.groups.empty() &&
       op.groups.size() == s.groups.size())
     only.push_back(group_choice(s, op.groups, group_unsaved_bytes(s, op.groups),
-                                group_recompute_peak_bytes(s, op.groups)));
+                                group_recompute_peak_bytes(s, op.groups),
+                                group_forward_peak_bytes(s, op.groups)));
   if (only.empty()) {
     throw std::invalid_argument("remat::step_time_ms: the plan runs stage " + std::to_string(i) + " ('" +
                                 s.name + "') as " +

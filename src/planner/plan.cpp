@@ -433,9 +433,14 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const int64_t out = all    ? (chain ? chain->stages[i].saved_bytes : 0)
                             : keep ? kept(i + 1)
                                    : act(i + 1);
-        const int64_t tmp = chain ? detail::forward_tmp_bytes(chain->stages[i], op.kind, out,
-                                                              keep ? unsaved(i + 1, op.groups) : 0)
-                                  : 0;
+        // A group assignment's forward: its measured peak where each group it keeps or sends has its
+        // (group_forward_peak_bytes()), within the bound.
+        const int64_t group_peak =
+            keep && chain && !op.groups.empty() ? group_forward_peak_bytes(chain->stages[i], op.groups) : -1;
+        const int64_t tmp = chain
+                                ? detail::forward_tmp_bytes(chain->stages[i], op.kind, out,
+                                                            keep ? unsaved(i + 1, op.groups) : 0, group_peak)
+                                : 0;
         if (op.stream && chain) {
           // Streamed: its measured peak, each copy waited for at once, and the copies in flight beside it.
           const OffloadCost& o = *chain->stages[i].offload;

@@ -150,6 +150,17 @@ struct SavedGroup {
   /// prediction, its recompute peaking at the rotary embedding with those groups still waiting. Last of the
   /// fields; -1 in chains written before (by the C++ profiler, until it measured it too, later that day).
   int64_t fwd_peak_before_bytes = -1;
+  /// The stage's forward without saving (how a group assignment's forward runs the calls it does not keep
+  /// or send): its peak above the bytes alive before it (its input held), from the moment it lets go of this
+  /// call's outputs (the first of them) until it has returned, its output made (bytes; -1: not measured). A
+  /// group assignment's forward holds what it keeps or sends past that moment, so that its peak is, over the
+  /// groups it keeps or sends, this figure plus those of them let go of by then (group_forward_peak_bytes()).
+  /// Before (found 2026-12-07), the forward was charged every group it keeps beside the forward's whole peak,
+  /// where a group alive at that peak (a transient autograd does not save) is in it already: GLM-MoE-DSA's
+  /// plans that kept its indexer's scores were predicted up to 19.8% above what they held. An output still
+  /// alive after the forward returns (held by something outside it) is read there, less its own bytes. Last
+  /// of the fields; -1 in chains written before.
+  int64_t fwd_peak_after_bytes = -1;
 };
 
 /// One stage of a chain.
@@ -431,6 +442,16 @@ PolicyCost group_cost(const Stage& stage, const std::string& assignment);
 /// per-layer program alike. Throws std::invalid_argument for an assignment that does not fit the stage (as
 /// group_cost()).
 int64_t group_recompute_peak_bytes(const Stage& stage, const std::string& assignment);
+
+/// The peak of a group assignment's forward above the bytes alive before it (its input held; bytes): the
+/// larger of the stage's forward without saving (output_bytes + nosave_tmp_bytes()) and, for each group it
+/// keeps or sends ('k', 'h'), that group's SavedGroup::fwd_peak_after_bytes plus the bytes of the groups it
+/// keeps or sends whose fwd_peak_after_bytes is at least as large (let go of no later by that forward: its
+/// peak from a later moment on is no higher). -1 where one of them has fwd_peak_after_bytes unmeasured, or
+/// none is kept or sent: simulate() and the per-layer program then charge Stage::keep_fwd_tmp_bytes()'s
+/// bound, and they charge no more than it where it is measured. Throws std::invalid_argument for an
+/// assignment that does not fit the stage (as group_cost()).
+int64_t group_forward_peak_bytes(const Stage& stage, const std::string& assignment);
 
 /// Of what a group assignment keeps and sends (group_cost()'s saved_bytes), the bytes the stage's plain
 /// forward does not save: its kept and sent groups' SavedGroup::unsaved_bytes. A stage run so holds them from

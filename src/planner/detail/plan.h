@@ -27,11 +27,36 @@ const PolicyCost* way_policy(const Chain& chain, const Plan& plan, const Op& op)
 /// output for Fn and Fc) at its peak, as plan.h charges it (bytes): fwd_tmp_bytes for a forward that saves
 /// everything, Stage::keep_fwd_tmp_bytes(left) for one that saves part, Stage::nosave_tmp_bytes() for one
 /// that saves nothing. `unsaved`: of `left`, what Fa does not save (a group assignment's
-/// group_unsaved_bytes()).
-inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left, int64_t unsaved = 0) {
+/// group_unsaved_bytes()); `group_peak`: a group assignment's group_forward_peak_bytes() (-1: unmeasured),
+/// which where measured stands in for the nosave_tmp_bytes() bound: its peak less `left`, within that bound.
+inline int64_t forward_tmp_bytes(const Stage& s, OpKind kind, int64_t left, int64_t unsaved = 0,
+                                 int64_t group_peak = -1) {
   if (kind == OpKind::kForwardAll) return s.fwd_tmp_bytes;
-  if (kind == OpKind::kForwardKeep) return s.keep_fwd_tmp_bytes(left, unsaved);
+  if (kind == OpKind::kForwardKeep) {
+    const int64_t bound = s.keep_fwd_tmp_bytes(left, unsaved);
+    return group_peak >= 0 ? std::max<int64_t>(0, std::min(bound, group_peak - left)) : bound;
+  }
   return s.nosave_tmp_bytes();
+}
+
+/// group_forward_peak_bytes() of the assignment that keeps or sends stage s's group g where held(g): the
+/// one sum behind it and the per-layer program's enumeration (bytes; -1 where a held group's
+/// fwd_peak_after_bytes is not measured, or none is held).
+template <class Held>
+int64_t forward_part_way_bytes(const Stage& s, const Held& held) {
+  int64_t peak = s.output_bytes + s.nosave_tmp_bytes();
+  bool any = false;
+  for (size_t g = 0; g < s.groups.size(); ++g) {
+    if (!held(g)) continue;
+    const int64_t after = s.groups[g].fwd_peak_after_bytes;
+    if (after < 0) return -1;
+    int64_t by_then = 0;  // the groups held that the forward has let go of by then
+    for (size_t h = 0; h < s.groups.size(); ++h)
+      if (held(h) && s.groups[h].fwd_peak_after_bytes >= after) by_then += s.groups[h].bytes;
+    peak = std::max(peak, after + by_then);
+    any = true;
+  }
+  return any ? peak : -1;
 }
 
 /// What stage s's backward holds of what it saved after Fk with keep tags or a group assignment, which kept

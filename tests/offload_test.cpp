@@ -1011,6 +1011,45 @@ TEST(Offload, AGroupAssignmentsRecomputeIsChargedTheForwardsPeakBeforeTheGroupsI
   }
 }
 
+// The C++ profiler measures, per group, the forward without saving's peak after it lets go of the group's
+// outputs (SavedGroup::fwd_peak_after_bytes; as the Python profiler does, both since 2026-12-07). The wide
+// product (48 hidden states) is alive at the block's forward's peak; kept, the forward holds it past that,
+// beside what comes after, not beside the peak again: the step, whose peak is that forward, holds the
+// prediction (and the checkpoint's generator state, which simulate() leaves to the step's context). With the
+// figures left out (-1, as before) the prediction is more than 30 hidden states above what it holds.
+TEST(Offload, AGroupAssignmentsForwardIsChargedWhatItKeepsOnlyPastWhereItWouldBeLetGoOf) {
+  meter_on();
+  torch::manual_seed(0);
+  torch::nn::Sequential seq{EarlyPeakBlock()};
+  const torch::Tensor x = input(), weight = torch::randn({kBatch, kWidth});
+  const remat::Chain chain = remat::profile_chain(
+      seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  const auto& groups = chain.stages[0].groups;
+  std::vector<std::string> names;
+  std::string assignment;  // the wide product kept, the rest recomputed
+  for (const auto& g : groups) {
+    names.push_back(g.name);
+    assignment += g.name == "aten::repeat#0" ? 'k' : 'r';
+    EXPECT_GE(g.fwd_peak_after_bytes, 0) << g.name;
+  }
+  ASSERT_EQ(names[0], "aten::repeat#0");
+  EXPECT_GT(groups[0].fwd_peak_after_bytes, 0);
+  EXPECT_LT(groups[0].fwd_peak_after_bytes, groups[0].bytes);  // let go of before what comes after peaks
+  const Step plain = plan_step(seq, x, weight, std::nullopt, nullptr);
+  remat::Plan plan = remat::testing::plan_of_text(1, "Fk0{" + assignment + "} L B0");
+  plan.group_names = {names};
+  const remat::Simulation sim = remat::simulate(chain, plan);
+  const Step got = plan_step(seq, x, weight, plan, nullptr);
+  expect_same(plain, got);
+  EXPECT_EQ(sim.op_peak_bytes[0], sim.peak_bytes);  // the forward
+  const int64_t state = 5056;                       // the CPU generator's state the checkpoint holds
+  EXPECT_EQ(got.held, sim.peak_bytes + state);
+  remat::Chain unmeasured = chain;
+  for (auto& g : unmeasured.stages[0].groups)
+    g.fwd_peak_after_bytes = -1;
+  EXPECT_GT(remat::simulate(unmeasured, plan).peak_bytes - got.held, 30 * kHidden);
+}
+
 TEST(Offload, EachSavedGroupKeptSentOrRecomputedRunsWithinThePrediction) {
   meter_on();
   torch::manual_seed(0);

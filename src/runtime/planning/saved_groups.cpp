@@ -149,6 +149,97 @@ class PeaksBefore final : public OpInterceptor {
   std::unordered_map<std::string, int64_t> at_;
 };
 
+// Reads a forward pass without saving (what autograd saves dropped as it is packed, as a group assignment's
+// forward holds none of it): per asked call named in `wanted`, the pass's peak above the bytes alive before
+// it from when it lets go of the first of the call's outputs on `device` (not of the `off_limits` storages)
+// until it has returned (SavedGroup::fwd_peak_after_bytes), read by finish(). Frees are looked for as each
+// asked call begins; the peak is kept per stretch between those starts. It holds only weak references, so
+// that the pass holds what one without saving does.
+class PeaksAfter final : public OpInterceptor, public HookSource {
+ public:
+  PeaksAfter(memory::PeakWindow& window, std::unordered_set<std::string> wanted, c10::Device device,
+             std::unordered_set<const void*> off_limits)
+      : window_(window), wanted_(std::move(wanted)), device_(device), off_limits_(std::move(off_limits)) {}
+
+  void call(const c10::OperatorHandle& op, torch::jit::Stack* stack, const std::function<void()>& run,
+            int /*depth*/) override {
+    const c10::FunctionSchema& schema = op.schema();
+    if (!askable(schema)) return run();
+    std::string name;
+    {
+      WatchPause pause;
+      name = call_name(schema, counts_);
+      settle();
+    }
+    run();
+    if (wanted_.count(name) == 0) return;
+    WatchPause pause;
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> refs;
+    for (const at::Tensor& t : tensors_of(torch::jit::last(*stack, schema.returns().size()))) {
+      const void* key = storage_key(t);
+      if (key == nullptr || t.device() != device_ || storage_bytes(t) == 0 || off_limits_.count(key))
+        continue;
+      refs.push_back(t.storage().getWeakStorageImpl());
+    }
+    if (!refs.empty()) refs_[name] = std::move(refs);
+  }
+
+  std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
+    return std::make_unique<Drop>();
+  }
+
+  /// Once the pass has returned (its output held): each call's figure. A call whose outputs are all still
+  /// alive (held by something outside the pass) is read as let go of there, less its own `bytes`, which the
+  /// count there holds.
+  std::unordered_map<std::string, int64_t> finish(const std::unordered_map<std::string, int64_t>& bytes) {
+    settle();
+    const int64_t end = std::max<int64_t>(0, window_.active_over_base());
+    std::unordered_map<std::string, int64_t> out;
+    for (const auto& [name, first] : freed_) {
+      int64_t peak = end;
+      for (size_t k = first; k < stretches_.size(); ++k)
+        peak = std::max(peak, stretches_[k]);
+      out[name] = peak;
+    }
+    for (const auto& [name, refs] : refs_) {
+      const auto it = bytes.find(name);
+      out[name] = std::max<int64_t>(0, end - (it == bytes.end() ? 0 : it->second));
+    }
+    return out;
+  }
+
+ private:
+  struct Drop final : torch::autograd::SavedVariableHooks {
+    void call_pack_hook(const at::Tensor& /*t*/) override {}
+    at::Tensor call_unpack_hook() override { return {}; }
+  };
+
+  // Closes the stretch so far, and marks the calls whose outputs the pass has let go of (one of them) since.
+  void settle() {
+    stretches_.push_back(std::max<int64_t>(0, window_.peak_over_base()));
+    window_.restart();
+    for (auto it = refs_.begin(); it != refs_.end();) {
+      const bool gone =
+          std::any_of(it->second.begin(), it->second.end(), [](const auto& r) { return r.expired(); });
+      if (gone) {
+        freed_[it->first] = stretches_.size();
+        it = refs_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  memory::PeakWindow& window_;
+  std::unordered_set<std::string> wanted_;
+  c10::Device device_;
+  std::unordered_set<const void*> off_limits_;
+  std::unordered_map<std::string, int64_t> counts_;
+  std::vector<int64_t> stretches_;  // the peak of each stretch between asked calls' starts
+  std::map<std::string, std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>> refs_;
+  std::unordered_map<std::string, size_t> freed_;  // per call let go of: the first stretch after it
+};
+
 }  // namespace
 
 std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(const at::Tensor&)>& fn,
@@ -156,6 +247,7 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
                                              int64_t offload_min_bytes, int64_t repeats,
                                              const std::function<void()>& sync) {
   std::vector<SavedGroup> found;
+  std::unordered_set<std::string> with_captured;  // groups that hold what autograd saved inside their call
   std::map<std::string, std::vector<double>> times;
   for (int64_t r = 0; r < repeats; ++r) {
     Recorder recorder(sync);
@@ -219,6 +311,10 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
         shared = shared || counted.count(key);
       if (shared) continue;
       counted.insert(mine.begin(), mine.end());
+      if (static_cast<size_t>(std::count_if(c.outputs.begin(), c.outputs.end(), [&](const at::Tensor& t) {
+            return mine.count(storage_key(t)) > 0;
+          })) < mine.size())
+        with_captured.insert(c.name);
       found.push_back(SavedGroup{c.name, bytes, 0.0, unsaved, stays});
       inside_until = c.end;
     }
@@ -237,6 +333,33 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
     for (SavedGroup& g : found)
       if (const auto it = peaks.at().find(g.name); it != peaks.at().end())
         g.fwd_peak_before_bytes = it->second;
+    // And one without saving, for the peak after each group's outputs are let go of. Not for a group that
+    // holds what autograd saved inside its call (a composite's): that forward lets go of those within the
+    // call, earlier than of its outputs (left unmeasured: the bound).
+    std::unordered_set<std::string> wanted;
+    std::unordered_map<std::string, int64_t> bytes;
+    for (const SavedGroup& g : found) {
+      if (with_captured.count(g.name)) continue;
+      wanted.insert(g.name);
+      bytes[g.name] = g.bytes;
+    }
+    if (!wanted.empty()) {
+      std::unordered_set<const void*> off_limits{storage_key(leaf)};
+      for (const at::Tensor& t : alive)
+        off_limits.insert(storage_key(t));
+      memory::PeakWindow after_window(leaf.device());
+      PeaksAfter after(after_window, wanted, leaf.device(), std::move(off_limits));
+      std::unordered_map<std::string, int64_t> read;
+      {
+        at::AutoGradMode grad(true);
+        const HookScope hooks(&after);
+        const InterceptScope intercept(&after, "remat::profile_chain (saved groups)");
+        const at::Tensor out = fn(leaf);
+        read = after.finish(bytes);
+      }
+      for (SavedGroup& g : found)
+        if (const auto it = read.find(g.name); it != read.end()) g.fwd_peak_after_bytes = it->second;
+    }
   }
   return found;
 }

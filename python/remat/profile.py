@@ -40,6 +40,7 @@ from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
 from .policies import CHECKPOINT, KEEP, POLICY_OFFLOAD, autocast_cache_off, checkpoint_region, is_groups, policy_fn
 from .selective import IGNORED, TO_HOST, CallNames, GroupPolicy, _info, call_name, outcome
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["StageFn", "stages_of", "stages", "profile", "Restore"]
@@ -274,6 +275,60 @@ class _PeaksBefore(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _PeaksAfter(TorchDispatchMode):
+    """The calls of a forward pass without saving named in `wanted` (named as _CallTimes names them): the
+    forward's peak above `before` from when it lets go of the first of a call's outputs on `device` (not of
+    the `alive` storages) until its end, read by finish()
+    (SavedGroup.fwd_peak_after_bytes). Frees are looked for as each call begins (between calls is where a
+    forward drops a tensor); the peak is kept per stretch between calls' starts. It holds only weak
+    references, so that the forward holds what one without saving does."""
+
+    def __init__(self, meter, window, before: int, wanted: set[str], alive: set[int], device: torch.device):
+        super().__init__()
+        self.meter, self.window, self.before, self.device = meter, window, before, device
+        self.wanted, self.alive = wanted, alive
+        self.names = CallNames()
+        self.stretches: list[int] = []  # the peak of each stretch between calls' starts, above `before`
+        self.refs: dict[str, list] = {}  # per call made, weak references to its outputs' storages
+        self.freed: dict[str, int] = {}  # per call let go of: the first stretch after it
+
+    def _settle(self) -> None:
+        self.stretches.append(self.window.peak() - self.before)
+        self.window.restart()
+        for name in [n for n, refs in self.refs.items() if any(r.expired() for r in refs)]:
+            self.freed[name] = len(self.stretches)
+            del self.refs[name]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {} if kwargs is None else kwargs
+        if func in IGNORED:
+            return func(*args, **kwargs)
+        name = self.names.next(func)
+        self._settle()
+        out = func(*args, **kwargs)
+        if name in self.wanted:
+            refs = [StorageWeakRef(t.untyped_storage()) for t in torch.utils._pytree.tree_leaves(out)
+                    if isinstance(t, torch.Tensor) and t.device == self.device
+                    and t.untyped_storage().nbytes() > 0 and t.untyped_storage().data_ptr() not in self.alive]
+            if refs:
+                self.refs[name] = refs
+        return out
+
+    def finish(self, out, bytes_of: dict[str, int]) -> dict[str, int]:
+        """Once the forward has returned `out` (held here, as a forward's end holds it): each call's figure
+        (`bytes_of`: each call's bytes). A call whose outputs are all still alive (held by something outside the
+        forward) is read as let go of there, less its own bytes, which the count there holds."""
+        self._settle()
+        end = max(0, self.meter.count() - self.before)
+        out = {}
+        for name in self.wanted:
+            if name in self.freed:
+                out[name] = max([end] + self.stretches[self.freed[name]:])
+            elif name in self.refs:
+                out[name] = max(0, end - bytes_of.get(name, 0))
+        return out
+
+
 def _groupable(func, name: str, args, kwargs) -> bool:
     """Whether a call's outputs can be a saved group: as the C++ policies' askable calls, outputs that alias
     no input, no argument written, a tensor among its arguments, and not a factory (empty_like, new_zeros),
@@ -287,9 +342,10 @@ def _groupable(func, name: str, args, kwargs) -> bool:
 
 
 def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, offload_min_bytes: int | None = None,
-                    params: set[int] = frozenset(), meter=None) -> list[tuple[str, int, float, int, int, int]]:
+                    params: set[int] = frozenset(), meter=None) -> list[tuple[str, int, float, int, int, int, int]]:
     """The candidate groups of fn(leaf): (call name, bytes, ms, unsaved bytes, stays bytes, the plain forward's
-    peak before the call or -1 without `meter`) of the calls with
+    peak before the call, the forward without saving's peak from when it lets go of the call's outputs on; the
+    last two -1 without `meter`) of the calls with
     outputs of their own (not views, not fn's output, not `alive` storages), whether or not autograd saves them (a
     group kept or sent is a call the recompute skips; of its bytes, those autograd does not save), those a recompute
     that stops early makes (made before autograd's last save), in the forward's order; the planner's fit_groups
@@ -299,7 +355,9 @@ def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, of
     parameter's): sent, the group leaves them there (an attention kernel's log-sum-exp beside its output; before
     2026-12-05 such a call was no group, and the Llama's attention on the H200 was always recomputed). With
     `meter`, one more forward, plain, measures the peak before each call (SavedGroup.fwd_peak_before_bytes:
-    what a group assignment's recompute holds part way is that beside the groups it has not reached yet)."""
+    what a group assignment's recompute holds part way is that beside the groups it has not reached yet), and
+    one without saving the peak after each call's outputs are let go of (SavedGroup.fwd_peak_after_bytes: a
+    group assignment's forward holds the groups it keeps or sends beyond that)."""
     saved: set[int] = set()
     # How many calls the forward had made when autograd last saved a tensor: a recompute that stops early
     # (torch.utils.checkpoint's, remat's) stops there, and never makes the calls after it again. (Autograd
@@ -345,13 +403,22 @@ def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, of
             times.setdefault(name, []).append(ms)
         del out, rec
     peaks: dict[str, int] = {}
+    after: dict[str, int] = {}
     if meter is not None and found:  # (no forward more where there is no group to read it for)
         before = meter.count()
         with meter.window() as window:
             with _PeaksBefore(window, before) as rec:
                 fn(leaf)  # (its graph let go of at once)
             peaks = rec.at
-    return [(name, nbytes, _median(times[name]), unsaved, stays, peaks.get(name, -1))
+        # And one without saving, as a group assignment's forward runs what it does not keep or send: its
+        # peak after each group's call lets go of its outputs (SavedGroup.fwd_peak_after_bytes).
+        before = meter.count()
+        with meter.window() as window:
+            rec = _PeaksAfter(meter, window, before, {name for name, *_ in found}, alive, leaf.device)
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: None, lambda _: None), rec:
+                after = rec.finish(fn(leaf), {name: nbytes for name, nbytes, *_ in found})
+            del rec
+    return [(name, nbytes, _median(times[name]), unsaved, stays, peaks.get(name, -1), after.get(name, -1))
             for name, nbytes, unsaved, stays in found]
 
 

@@ -142,7 +142,7 @@ def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callabl
 
 
 def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None, offload=None,
-                       route_kept: bool | None = None, autograd_saved: set | None = None):
+                       route_kept: bool | None = None, autograd_saved: dict | None = None):
     """A context_fn for torch.utils.checkpoint: the recompute restores the modules' buffers; with `policy`,
     the forward and the recompute are also remat's selective checkpointing for that policy (remat/selective.py:
     each call's output kept, sent to the host through `offload`, or recomputed; `route_kept`: what it keeps

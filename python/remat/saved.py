@@ -7,6 +7,7 @@ src/runtime/saved.cpp makes the same check)."""
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["SavedAs", "Kept", "storage_of", "version_of", "modified_error", "version_checked"]
 
@@ -17,6 +18,13 @@ def storage_of(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr() or None
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def autograd_saved(saved: "dict[int, StorageWeakRef]", key: int | None) -> bool:
+    """Whether a storage at address `key` is one of version_checked's saved_storages (`saved`): saved there,
+    and still that storage (not a later one at a freed storage's address)."""
+    ref = saved.get(key)
+    return ref is not None and not ref.expired()
 
 
 def version_of(t: torch.Tensor) -> int:
@@ -118,10 +126,13 @@ class _Forward(_Hooks):
         owner = self.owner
         i = owner.saves
         owner.saves = i + 1
-        if owner.saved_storages is not None:
+        saved = owner.saved_storages
+        if saved is not None:
             key = storage_of(t)
             if key is not None:
-                owner.saved_storages.add(key)
+                ref = saved.get(key)
+                if ref is None or ref.expired():
+                    saved[key] = StorageWeakRef(t.untyped_storage())
         return self.pack_below(t), i
 
     def unpack(self, packed):
@@ -163,10 +174,15 @@ class version_checked:
     def __init__(self, fn, track_storages: bool = False):
         self.fn = fn
         self.saves = 0  # the forward pass's saves so far
-        # With track_storages, the storages of what the forward pass's autograd saved (selective checkpointing
-        # reads it: a kept output written in place after autograd saved it is autograd's error, as in the plain
-        # run; one written that autograd did not save is recomputed); else None.
-        self.saved_storages: set[int] | None = set() if track_storages else None
+        # With track_storages, the storages of what the forward pass's autograd saved, each by its address with a
+        # weak reference to it (selective checkpointing reads it, autograd_saved(): a kept output written in
+        # place after autograd saved it is autograd's error, as in the plain run; one written that autograd did
+        # not save is recomputed); else None. Weak: a checkpointed forward lets go of what autograd saves, and a
+        # later tensor may take a saved one's address. Before (found 2026-12-07 on Llama 4's MoE, whose shared
+        # expert's product, written in place by `out.add_`, took the address of a tensor the forward had saved
+        # and let go of), such a tensor read as saved: its kept values were handed back written (autograd's
+        # error, on a valid program), or its copy to the host, in flight, refused; as addresses fell, by chance.
+        self.saved_storages: dict[int, StorageWeakRef] | None = {} if track_storages else None
         self.versions: list[int] = []  # the last recompute's saved tensors' versions, in order
         # The tensors the recompute saved, while it runs: what its graph holds anyway until it ends (all but
         # what a branch whose result nothing uses saved, which its graph would let go of sooner).

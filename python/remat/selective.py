@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_map
 import torch.utils.checkpoint as _ckpt
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .saved import Kept, SavedAs, storage_of, version_of
+from .saved import Kept, SavedAs, autograd_saved, storage_of, version_of
 
 __all__ = ["MUST_CPU_OFFLOAD", "PREFER_CPU_OFFLOAD", "KEEP", "TO_HOST", "RECOMPUTE", "outcome", "SelectiveCache",
            "selective_contexts", "call_name", "CallNames", "GroupPolicy", "IGNORED"]
@@ -246,7 +246,7 @@ class SelectiveCache:
     handles, or None to recompute)."""
 
     def __init__(self, policy, offload=None, route_kept: bool | None = None, who: str = "remat",
-                 autograd_saved: set | None = None):
+                 autograd_saved: dict | None = None):
         if route_kept is None:
             enclosing = _enclosing_offload()
             route_kept = enclosing is not None
@@ -362,7 +362,7 @@ class _Forward(TorchDispatchMode):
             # recomputed instead (_Recompute). Where it had, the plain run raises, and so does the check.
             for t in _written(func, args, kwargs):
                 key = storage_of(t)
-                if cache.autograd_saved is None or key not in cache.autograd_saved:
+                if cache.autograd_saved is None or not autograd_saved(cache.autograd_saved, key):
                     for call, ref in cache.stored_at.get(key, ()):
                         if not ref.expired():  # (else a later tensor at a freed output's address)
                             cache.written(call)
@@ -473,7 +473,7 @@ def _set_rng(saved) -> None:
 
 
 def selective_contexts(policy, offload=None, route_kept: bool | None = None, who: str = "remat",
-                       autograd_saved: set | None = None):
+                       autograd_saved: dict | None = None):
     """The (forward, recompute) context pair for torch.utils.checkpoint's context_fn. `policy(ctx, op, *args, **kwargs)` answers for each operator call (see the module); `offload`, a
     remat.offload.Offload (or any object with its pack and unpack: the profiler passes counting hooks), sends
     the host answers' outputs (a host answer without one, nor an enclosing Offload, raises ValueError naming

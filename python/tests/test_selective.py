@@ -160,6 +160,45 @@ def test_a_kept_output_written_in_place_that_autograd_did_not_save_is_recomputed
         assert all(torch.equal(a, b) for a, b in zip(plain, grads(y))), delay
 
 
+def test_a_kept_output_written_in_place_at_a_let_go_saved_tensors_address_is_recomputed():
+    # A checkpointed forward lets go of what autograd saves; a later output may take its address. remat told the
+    # storages autograd saved by address alone, so such an output, kept or sent and then written in place (Llama
+    # 4's shared expert, `out.add_(...)`, found 2026-12-07 by bench/architectures.py --random), read as saved:
+    # kept, its written values were handed back (autograd's error, on a valid program); sent, its copy in flight
+    # was refused; each as the allocator placed it, so not every run. Now the saved storages are held by weak
+    # reference. The product takes exp's output's address in about half the forwards here (the allocator's
+    # choice): each way runs until it has (at most 40 times), every run the plain run's gradient.
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64)
+    forwards = []
+
+    def layer(x):
+        u = x.exp()  # exp saves its output
+        s = u.sum(0)
+        at = u.untyped_storage().data_ptr()
+        del u  # let go of: the checkpoint holds none of what autograd saved
+        out = x * w  # autograd saves w of it, not its output
+        forwards.append(at == out.untyped_storage().data_ptr())
+        out.add_(s)
+        return out.sin()
+
+    plain = torch.autograd.grad(layer(x).sum(), x)[0]
+    for answer in (CheckpointPolicy.MUST_SAVE, remat.MUST_CPU_OFFLOAD):
+        policy = lambda ctx, op, *a, answer=answer, **k: (  # noqa: E731
+            answer if op is torch.ops.aten.mul.Tensor else CheckpointPolicy.PREFER_RECOMPUTE)
+        for delay in (0, 100):
+            took = False
+            for _ in range(40):
+                forwards.clear()
+                y = remat.checkpoint(layer, x, policy=policy,
+                                     offload=Offload(min_bytes=0, engine=CopyEngine(torch.device("cpu"), delay=delay)))
+                took = forwards[0]
+                assert torch.equal(torch.autograd.grad(y.sum(), x)[0], plain), (answer, delay, took)
+                if took:
+                    break
+            assert took, (answer, delay)  # the case was run
+
+
 class _EarlyPeak(nn.Module):
     """A block whose forward peaks at a wide product it only sums (48 times its input), before the calls that
     save: the product is alive at that peak, and autograd does not save it."""

@@ -1012,7 +1012,7 @@ TEST(Offload, AGroupAssignmentsRecomputeIsChargedTheForwardsPeakBeforeTheGroupsI
 }
 
 // The C++ profiler measures, per group, the forward without saving's peak after it lets go of the group's
-// outputs (SavedGroup::fwd_peak_after_bytes; as the Python profiler does, both since 2026-12-07). The wide
+// outputs (SavedGroup::fwd_peak_after_bytes; as the Python profiler does, both since 2026-12-06). The wide
 // product (48 hidden states) is alive at the block's forward's peak; kept, the forward holds it past that,
 // beside what comes after, not beside the peak again: the step, whose peak is that forward, holds the
 // prediction (and the checkpoint's generator state, which simulate() leaves to the step's context). With the

@@ -178,7 +178,7 @@ class version_checked:
         # weak reference to it (selective checkpointing reads it, autograd_saved(): a kept output written in
         # place after autograd saved it is autograd's error, as in the plain run; one written that autograd did
         # not save is recomputed); else None. Weak: a checkpointed forward lets go of what autograd saves, and a
-        # later tensor may take a saved one's address. Before (found 2026-12-07 on Llama 4's MoE, whose shared
+        # later tensor may take a saved one's address. Before (found 2026-12-06 on Llama 4's MoE, whose shared
         # expert's product, written in place by `out.add_`, took the address of a tensor the forward had saved
         # and let go of), such a tensor read as saved: its kept values were handed back written (autograd's
         # error, on a valid program), or its copy to the host, in flight, refused; as addresses fell, by chance.

@@ -213,7 +213,8 @@ NB_MODULE(_core, m) {
           "the stage's forward without saving: its peak above what was alive before it, from when it lets go "
           "of this call's outputs until it returns (bytes; -1: not measured)")
       // pickle and copy.deepcopy (a LayerPlan's copy carries its shapes' saved calls): its seven figures
-      // (five in a state pickled before 2026-12-05, six before 2026-12-07: the later ones then -1).
+      // (five in a state pickled before 2026-12-05, six before fwd_peak_after_bytes, 2026-12-06: the later
+      // ones then -1).
       .def("__getstate__",
            [](const remat::SavedGroup& g) {
              return nb::make_tuple(g.name, g.bytes, g.recompute_ms, g.unsaved_bytes, g.stays_bytes,

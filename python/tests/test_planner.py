@@ -80,7 +80,7 @@ def test_a_groups_forward_peak_before_its_call_goes_through_json_pickle_and_vali
 
 
 def test_a_groups_forward_peak_after_it_is_let_go_of_goes_through_json_pickle_and_validation():
-    # SavedGroup.fwd_peak_after_bytes (2026-12-07), as fwd_peak_before_bytes: -1 by default, in old pickles and
+    # SavedGroup.fwd_peak_after_bytes (2026-12-06), as fwd_peak_before_bytes: -1 by default, in old pickles and
     # in chains that do not name it; written and read where measured; below -1 refused naming it.
     g = remat.SavedGroup("aten::mm#0", 10, 1.0, 0, 0, 123, 456)
     assert g.fwd_peak_after_bytes == 456 and repr(g).endswith(", fwd_peak_after_bytes=456)")

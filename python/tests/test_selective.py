@@ -163,7 +163,7 @@ def test_a_kept_output_written_in_place_that_autograd_did_not_save_is_recomputed
 def test_a_kept_output_written_in_place_at_a_let_go_saved_tensors_address_is_recomputed():
     # A checkpointed forward lets go of what autograd saves; a later output may take its address. remat told the
     # storages autograd saved by address alone, so such an output, kept or sent and then written in place (Llama
-    # 4's shared expert, `out.add_(...)`, found 2026-12-07 by bench/architectures.py --random), read as saved:
+    # 4's shared expert, `out.add_(...)`, found 2026-12-06 by bench/architectures.py --random), read as saved:
     # kept, its written values were handed back (autograd's error, on a valid program); sent, its copy in flight
     # was refused; each as the allocator placed it, so not every run. Now the saved storages are held by weak
     # reference. The product takes exp's output's address in about half the forwards here (the allocator's

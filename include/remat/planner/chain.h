@@ -155,7 +155,7 @@ struct SavedGroup {
   /// call's outputs (the first of them) until it has returned, its output made (bytes; -1: not measured). A
   /// group assignment's forward holds what it keeps or sends past that moment, so that its peak is, over the
   /// groups it keeps or sends, this figure plus those of them let go of by then (group_forward_peak_bytes()).
-  /// Before (found 2026-12-07), the forward was charged every group it keeps beside the forward's whole peak,
+  /// Before (found 2026-12-06), the forward was charged every group it keeps beside the forward's whole peak,
   /// where a group alive at that peak (a transient autograd does not save) is in it already: GLM-MoE-DSA's
   /// plans that kept its indexer's scores were predicted up to 19.8% above what they held. An output still
   /// alive after the forward returns (held by something outside it) is read there, less its own bytes. Last

@@ -961,6 +961,23 @@ struct EarlyPeakBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(EarlyPeakBlock);
 
+// One EarlyPeakBlock (seeded), its input, the loss's weight, and its chain profiled with groups on the meter.
+struct EarlyPeak {
+  torch::nn::Sequential seq;
+  torch::Tensor x, weight;
+  remat::Chain chain;
+};
+EarlyPeak early_peak() {
+  meter_on();
+  torch::manual_seed(0);
+  EarlyPeak p{torch::nn::Sequential{EarlyPeakBlock()}, {}, {}, {}};
+  p.x = input();
+  p.weight = torch::randn({kBatch, kWidth});
+  p.chain = remat::profile_chain(
+      p.seq, p.x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  return p;
+}
+
 // The C++ profiler measures the plain forward's peak before each group's call (SavedGroup::
 // fwd_peak_before_bytes; as the Python profiler does, both since 2026-12-05). A group assignment that
 // recomputes the wide product and keeps the later groups holds, part way through its recompute, that product
@@ -968,12 +985,10 @@ TORCH_MODULE(EarlyPeakBlock);
 // hidden states above its prediction then). Now the step holds its prediction to the byte; with the figures
 // left out (-1, as before) the prediction falls below what the step holds.
 TEST(Offload, AGroupAssignmentsRecomputeIsChargedTheForwardsPeakBeforeTheGroupsItHasNotReached) {
-  meter_on();
-  torch::manual_seed(0);
-  torch::nn::Sequential seq{EarlyPeakBlock()};
-  const torch::Tensor x = input(), weight = torch::randn({kBatch, kWidth});
-  const remat::Chain chain = remat::profile_chain(
-      seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  EarlyPeak p = early_peak();
+  torch::nn::Sequential& seq = p.seq;
+  const torch::Tensor &x = p.x, &weight = p.weight;
+  const remat::Chain& chain = p.chain;
   const auto& groups = chain.stages[0].groups;
   std::vector<std::string> names;
   std::string assignment;  // the wide product and its sum recomputed, the rest kept
@@ -1018,12 +1033,10 @@ TEST(Offload, AGroupAssignmentsRecomputeIsChargedTheForwardsPeakBeforeTheGroupsI
 // prediction (and the checkpoint's generator state, which simulate() leaves to the step's context). With the
 // figures left out (-1, as before) the prediction is more than 30 hidden states above what it holds.
 TEST(Offload, AGroupAssignmentsForwardIsChargedWhatItKeepsOnlyPastWhereItWouldBeLetGoOf) {
-  meter_on();
-  torch::manual_seed(0);
-  torch::nn::Sequential seq{EarlyPeakBlock()};
-  const torch::Tensor x = input(), weight = torch::randn({kBatch, kWidth});
-  const remat::Chain chain = remat::profile_chain(
-      seq, x, remat::ProfileOptions().warmup(0).repeats(1).offload_min_bytes(kHidden).groups(true));
+  EarlyPeak p = early_peak();
+  torch::nn::Sequential& seq = p.seq;
+  const torch::Tensor &x = p.x, &weight = p.weight;
+  const remat::Chain& chain = p.chain;
   const auto& groups = chain.stages[0].groups;
   std::vector<std::string> names;
   std::string assignment;  // the wide product kept, the rest recomputed

@@ -985,10 +985,7 @@ EarlyPeak early_peak() {
 // hidden states above its prediction then). Now the step holds its prediction to the byte; with the figures
 // left out (-1, as before) the prediction falls below what the step holds.
 TEST(Offload, AGroupAssignmentsRecomputeIsChargedTheForwardsPeakBeforeTheGroupsItHasNotReached) {
-  EarlyPeak p = early_peak();
-  torch::nn::Sequential& seq = p.seq;
-  const torch::Tensor &x = p.x, &weight = p.weight;
-  const remat::Chain& chain = p.chain;
+  auto [seq, x, weight, chain] = early_peak();
   const auto& groups = chain.stages[0].groups;
   std::vector<std::string> names;
   std::string assignment;  // the wide product and its sum recomputed, the rest kept
@@ -1033,10 +1030,7 @@ TEST(Offload, AGroupAssignmentsRecomputeIsChargedTheForwardsPeakBeforeTheGroupsI
 // prediction (and the checkpoint's generator state, which simulate() leaves to the step's context). With the
 // figures left out (-1, as before) the prediction is more than 30 hidden states above what it holds.
 TEST(Offload, AGroupAssignmentsForwardIsChargedWhatItKeepsOnlyPastWhereItWouldBeLetGoOf) {
-  EarlyPeak p = early_peak();
-  torch::nn::Sequential& seq = p.seq;
-  const torch::Tensor &x = p.x, &weight = p.weight;
-  const remat::Chain& chain = p.chain;
+  auto [seq, x, weight, chain] = early_peak();
   const auto& groups = chain.stages[0].groups;
   std::vector<std::string> names;
   std::string assignment;  // the wide product kept, the rest recomputed

@@ -299,10 +299,12 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       if (!own || written) continue;
       // What it holds besides: what autograd saved inside it, not an input's or an output's storage (those
       // are rebuilt as views), nor a tensor alive anyway.
+      bool captured = false;  // of what it holds, something autograd saved inside it
       for (const at::Tensor& t : c.captured) {
         const void* key = storage_key(t);
         if (key == nullptr || off_limits.count(key) || c.inputs.count(key) || mine.count(key)) continue;
         mine.insert(key);
+        captured = true;
         bytes += storage_bytes(t);
         if (offload_min_bytes >= 0 && !sendable(t, offload_min_bytes)) stays += storage_bytes(t);
       }
@@ -311,10 +313,7 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
         shared = shared || counted.count(key);
       if (shared) continue;
       counted.insert(mine.begin(), mine.end());
-      if (static_cast<size_t>(std::count_if(c.outputs.begin(), c.outputs.end(), [&](const at::Tensor& t) {
-            return mine.count(storage_key(t)) > 0;
-          })) < mine.size())
-        with_captured.insert(c.name);
+      if (captured) with_captured.insert(c.name);
       found.push_back(SavedGroup{c.name, bytes, 0.0, unsaved, stays});
       inside_until = c.end;
     }

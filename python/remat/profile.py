@@ -278,10 +278,10 @@ class _PeaksBefore(TorchDispatchMode):
 class _PeaksAfter(TorchDispatchMode):
     """The calls of a forward pass without saving named in `wanted` (named as _CallTimes names them): the
     forward's peak above `before` from when it lets go of the first of a call's outputs on `device` (not of
-    the `alive` storages) until its end, read by finish()
-    (SavedGroup.fwd_peak_after_bytes). Frees are looked for as each call begins (between calls is where a
-    forward drops a tensor); the peak is kept per stretch between calls' starts. It holds only weak
-    references, so that the forward holds what one without saving does."""
+    the `alive` storages) until its end, read by finish() (SavedGroup.fwd_peak_after_bytes). Frees are looked
+    for as each call begins (between calls is where a forward drops a tensor); the peak is kept per stretch
+    between calls' starts. It holds only weak references, so that the forward holds what one without saving
+    does."""
 
     def __init__(self, meter, window, before: int, wanted: set[str], alive: set[int], device: torch.device):
         super().__init__()
@@ -320,13 +320,13 @@ class _PeaksAfter(TorchDispatchMode):
         forward) is read as let go of there, less its own bytes, which the count there holds."""
         self._settle()
         end = max(0, self.meter.count() - self.before)
-        out = {}
+        figures = {}
         for name in self.wanted:
             if name in self.freed:
-                out[name] = max([end] + self.stretches[self.freed[name]:])
+                figures[name] = max([end] + self.stretches[self.freed[name]:])
             elif name in self.refs:
-                out[name] = max(0, end - bytes_of.get(name, 0))
-        return out
+                figures[name] = max(0, end - bytes_of.get(name, 0))
+        return figures
 
 
 def _groupable(func, name: str, args, kwargs) -> bool:

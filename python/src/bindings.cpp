@@ -249,9 +249,8 @@ NB_MODULE(_core, m) {
         "The most a group assignment's recompute holds part way through, above the bytes alive before the "
         "stage's forward (-1 where no group's fwd_peak_before_bytes is measured).");
   m.def("group_forward_peak_bytes", &remat::group_forward_peak_bytes, "stage"_a, "assignment"_a,
-        "A group assignment's forward's peak above the bytes alive before it (-1 where a group it keeps or "
-        "sends "
-        "has no fwd_peak_after_bytes measured, or none is kept or sent).");
+        "A group assignment's forward's peak above the bytes alive before it (-1 where a group it keeps "
+        "or sends has no fwd_peak_after_bytes measured, or none is kept or sent).");
   m.def("group_unsaved_bytes", &remat::group_unsaved_bytes, "stage"_a, "assignment"_a,
         "Of what a group assignment keeps and sends, the bytes the stage's plain forward does not save.");
 

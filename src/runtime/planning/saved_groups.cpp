@@ -29,6 +29,15 @@ int64_t storage_bytes(const at::Tensor& t) {
   return static_cast<int64_t>(t.storage().nbytes());
 }
 
+// The storages of `alive` and of `also`: what no group's outputs may be (alive anyway, or the pass's own
+// input or output).
+std::unordered_set<const void*> storages_of(const std::vector<at::Tensor>& alive, const at::Tensor& also) {
+  std::unordered_set<const void*> keys{storage_key(also)};
+  for (const at::Tensor& t : alive)
+    keys.insert(storage_key(t));
+  return keys;
+}
+
 // One asked call of the forward pass.
 struct Recorded {
   std::string name;  // "aten::linear#0"
@@ -262,9 +271,7 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
     for (const Recorded& c : calls)
       times[c.name].push_back(c.ms);
     if (r > 0) continue;
-    std::unordered_set<const void*> off_limits{storage_key(out)};
-    for (const at::Tensor& t : alive)
-      off_limits.insert(storage_key(t));
+    const std::unordered_set<const void*> off_limits = storages_of(alive, out);
     std::unordered_set<const void*> counted;
     size_t inside_until = 0;  // calls before this index are inside a group found
     for (size_t k = 0; k < calls.size(); ++k) {
@@ -343,17 +350,14 @@ std::vector<SavedGroup> measure_saved_groups(const std::function<at::Tensor(cons
       bytes[g.name] = g.bytes;
     }
     if (!wanted.empty()) {
-      std::unordered_set<const void*> off_limits{storage_key(leaf)};
-      for (const at::Tensor& t : alive)
-        off_limits.insert(storage_key(t));
       memory::PeakWindow after_window(leaf.device());
-      PeaksAfter after(after_window, wanted, leaf.device(), std::move(off_limits));
+      PeaksAfter after(after_window, wanted, leaf.device(), storages_of(alive, leaf));
       std::unordered_map<std::string, int64_t> read;
       {
         at::AutoGradMode grad(true);
         const HookScope hooks(&after);
         const InterceptScope intercept(&after, "remat::profile_chain (saved groups)");
-        const at::Tensor out = fn(leaf);
+        const at::Tensor out = fn(leaf);  // held while it is read, as the forward's end holds it
         read = after.finish(bytes);
       }
       for (SavedGroup& g : found)

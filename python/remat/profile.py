@@ -166,10 +166,12 @@ class _SeedGradient(torch.autograd.Function):
 class _GradsPeak:
     """While a stage's backward runs with its parameters' gradients pre-allocated (_ZeroGrads): the peak it would
     have reached had it made those gradients (none before it, as after zero_grad(set_to_none=True)), above
-    `before` (bytes). Each parameter's gradient is handed to its hook before it is accumulated; made, it would
-    stay alive from then on where accumulated it is freed. So the count that backward would read is this one
-    plus the gradients handed over so far, and its peak the most, over the stretches between hooks, of each
-    stretch's peak plus what had been handed over before it."""
+    `before` (bytes). Each parameter's gradient, once accumulated into the one pre-allocated, is freed where,
+    made, it would stay alive (taken as the parameter's .grad): a post-accumulate hook marks that moment. So the
+    count that backward would read is this one plus the gradients accumulated so far, and its peak the most, over
+    the stretches between hooks, of each stretch's peak plus what had been accumulated before it. (Before
+    (found 2026-12-07), a gradient was counted as made from the hook before its accumulation, while it was still
+    alive in this count: a Linear stack of width 256 on 16 rows was charged 240 KiB a backward twice.)"""
 
     def __init__(self, meter, params, before: int):
         self.meter, self.params, self.before = meter, params, before
@@ -178,10 +180,9 @@ class _GradsPeak:
         self.window = None
         self.handles = []
 
-    def _hook(self, g, nbytes):
+    def _hook(self, nbytes):
         self._close_stretch()
         self.made += nbytes
-        return None
 
     def _close_stretch(self):
         self.most = max(self.most, self.window.peak() - self.before + self.made)
@@ -189,7 +190,8 @@ class _GradsPeak:
 
     def __enter__(self):
         self.window = self.meter.window().__enter__()
-        self.handles = [p.register_hook(lambda g, n=p.nbytes: self._hook(g, n)) for p in self.params]
+        self.handles = [p.register_post_accumulate_grad_hook(lambda _, n=p.nbytes: self._hook(n))
+                        for p in self.params]
         return self
 
     def __exit__(self, *exc):

@@ -12,8 +12,11 @@
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -184,6 +187,56 @@ class WeakNode {
 
  private:
   std::optional<typename WeakOf<Ptr>::type> weak_;
+};
+
+}  // namespace remat::detail::compat
+
+namespace remat::detail::compat {
+
+/// While alive, runs `fn` each time a gradient of the leaf `param` has been accumulated into its .grad, the
+/// gradient handed over let go of by then where the accumulation added it into a .grad there already
+/// (kExact). LibTorch 2.1 on: the tensor's post-accumulate-grad hook, whose one slot (Python's hooks' too)
+/// is taken over and given back, any hook there run after fn. 1.13 has no such hook: fn runs as the gradient
+/// is handed over, before its accumulation, while it is still alive (kExact false).
+class AfterAccumulated {
+ public:
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  static constexpr bool kExact = true;
+  AfterAccumulated(const torch::Tensor& param, std::function<void()> fn) : param_(param) {
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(param_);
+    slot = std::make_unique<Hook>(std::move(fn), std::move(slot));
+  }
+  ~AfterAccumulated() {
+    auto& slot = torch::autograd::impl::post_acc_grad_hooks(param_);
+    if (auto* mine = dynamic_cast<Hook*>(slot.get())) slot = std::move(mine->before);
+  }
+#else
+  static constexpr bool kExact = false;
+  AfterAccumulated(const torch::Tensor& param, std::function<void()> fn)
+      : param_(param), hook_(param_.register_hook([f = std::move(fn)](const torch::Tensor&) { f(); })) {}
+  ~AfterAccumulated() {
+    param_.remove_hook(hook_);
+  }
+#endif
+  AfterAccumulated(const AfterAccumulated&) = delete;
+  AfterAccumulated& operator=(const AfterAccumulated&) = delete;
+
+ private:
+  torch::Tensor param_;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  struct Hook : torch::autograd::PostAccumulateGradHook {
+    Hook(std::function<void()> f, std::unique_ptr<torch::autograd::PostAccumulateGradHook> b)
+        : fn(std::move(f)), before(std::move(b)) {}
+    void operator()(const torch::autograd::Variable& t) override {
+      fn();
+      if (before) (*before)(t);
+    }
+    std::function<void()> fn;
+    std::unique_ptr<torch::autograd::PostAccumulateGradHook> before;
+  };
+#else
+  unsigned hook_;
+#endif
 };
 
 }  // namespace remat::detail::compat

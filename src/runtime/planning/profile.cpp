@@ -10,10 +10,12 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <unordered_set>
 
 #include "checkpoint/region.h"
+#include "detail/compat.h"
 #include "offload/stage_offload.h"
 #include "planning/profile.h"
 #include "planning/saved_groups.h"
@@ -137,26 +139,26 @@ class Restore {
 
 // While a stage's backward runs with its parameters' gradients pre-allocated: the peak it would have reached
 // had it made them (.grad undefined before it, as after zero_grad(); Stage::bwd_grads_tmp_bytes), above the
-// bytes alive when made. Each parameter's gradient is handed to its hook before it is accumulated; made, it
-// would stay alive from then on where accumulated it is freed. So that backward's count is this one plus the
-// gradients handed over so far, and its peak the most, over the stretches between hooks, of each stretch's
-// peak plus what was handed over before it. The hooks go with it (python/remat/profile.py's _GradsPeak is its
-// twin).
+// bytes alive when made. Each parameter's gradient, once accumulated into the one pre-allocated, is freed
+// where, made, it would stay alive (taken as the .grad): a hook marks that moment (AfterAccumulated). So that
+// backward's count is this one plus the gradients accumulated so far, and its peak the most, over the
+// stretches between hooks, of each stretch's peak plus what was accumulated before it. (Before, found
+// 2026-12-07, a gradient was counted as made from the moment it was handed over, while still alive in this
+// count: a backward's peak right after a large gradient was handed over held that gradient twice. LibTorch
+// 1.13 has no hook after the accumulation, and still counts so: its figure is high by up to the largest
+// gradient where the peak is there.) The hooks go with it (python/remat/profile.py's _GradsPeak is its twin).
 namespace {
 class GradsPeak {
  public:
-  GradsPeak(c10::Device device, const std::vector<torch::Tensor>& params) : stretch_(device) {
+  GradsPeak(c10::Device device, const std::vector<torch::Tensor>& params)
+      : device_(device), base_(device), stretch_(std::make_unique<memory::PeakWindow>(device)) {
     for (const torch::Tensor& p : params) {
       const int64_t nbytes = static_cast<int64_t>(p.nbytes());
-      hooks_.emplace_back(p, p.register_hook([this, nbytes](const torch::Tensor&) {
+      hooks_.push_back(std::make_unique<detail::compat::AfterAccumulated>(p, [this, nbytes] {
         close_stretch();
         made_ += nbytes;
       }));
     }
-  }
-  ~GradsPeak() {
-    for (auto& [p, h] : hooks_)
-      p.remove_hook(h);
   }
   GradsPeak(const GradsPeak&) = delete;
   GradsPeak& operator=(const GradsPeak&) = delete;
@@ -166,13 +168,21 @@ class GradsPeak {
   }
 
  private:
+  // A stretch's window is opened at its start, so that its peak over that start is never below it; the start
+  // is read against the base, below which the count may be (what the backward let go of: a window kept from
+  // the base and restarted, whose peak reads no lower than its base, read such a stretch at the base: found
+  // 2026-12-07, a backward's last stretch, every gradient made, read 32 KiB high).
   void close_stretch() {
-    most_ = std::max(most_, stretch_.peak_over_base() + made_);
-    stretch_.restart();
+    most_ = std::max(most_, start_ + stretch_->peak_over_base() + made_);
+    stretch_.reset();
+    start_ = base_.active_over_base();
+    stretch_ = std::make_unique<memory::PeakWindow>(device_);
   }
-  memory::PeakWindow stretch_;
-  int64_t made_ = 0, most_ = 0;
-  std::vector<std::pair<torch::Tensor, unsigned>> hooks_;
+  c10::Device device_;
+  memory::PeakWindow base_;
+  std::unique_ptr<memory::PeakWindow> stretch_;
+  int64_t start_ = 0, made_ = 0, most_ = 0;
+  std::vector<std::unique_ptr<detail::compat::AfterAccumulated>> hooks_;
 };
 }  // namespace
 

@@ -32,7 +32,7 @@ from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_k
 from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, layer_grads_bytes,
+from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, layer_grads_bytes, local_bytes,
                            measure_planned_step, sharded_modules, step_context, storage_key)
 from .meter import meter_for
 from .profile import checked_timing
@@ -170,6 +170,11 @@ class LayerPlan:
         self._inside_said = False
         self._many_shapes_said = False  # _new_shape's warning was given
         self._params = [p for p in model.parameters()]
+        # The indices (in _params) of the parameters a profiling step's backward gave no gradient though the
+        # layers' forward used them (Step.gradless: a DSA indexer's), charged no gradient; each watched for one
+        # (_watch_gradless: its hook's handle), which a later step that gives it one warns of.
+        self._gradless: set[int] = set()
+        self._gradless_hooks: dict[int, object] = {}
 
     # -- copies: copy.deepcopy(model), pickle, torch.save(model) ---------------------------------------------------
     def __getstate__(self):
@@ -177,7 +182,7 @@ class LayerPlan:
         copied model's layers need to run them; not the step in progress, nor the offloading's host memory or
         copy engines (a copy starts its own: LayerOffloads' own copy)."""
         state = dict(self.__dict__)
-        state.update(_step=None, _unmeasured=False, _calls=[], _calls_wrapped=False)
+        state.update(_step=None, _unmeasured=False, _calls=[], _calls_wrapped=False, _gradless_hooks={})
         del state["index"]  # ids of the copy's layers
         return state
 
@@ -185,7 +190,7 @@ class LayerPlan:
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
-                     _profile_timing="synced", _calls_wrapped=False)
+                     _profile_timing="synced", _calls_wrapped=False, _gradless=set, _gradless_hooks=dict)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -410,9 +415,9 @@ class LayerPlan:
 
     def remove(self):
         """Stops planning: the hooks go; the layers' forward is what it was (remat.enable) ."""
-        for h in self._handles:
+        for h in [*self._handles, *self._gradless_hooks.values()]:
             h.remove()
-        self._handles = []
+        self._handles, self._gradless_hooks = [], {}
         for layer in self.layers:
             layer.__dict__.pop(CHOICES_ATTR, None)
             unwrap_call(self.model, layer)
@@ -476,8 +481,47 @@ class LayerPlan:
     def _grads_state(self) -> tuple[set[int], tuple]:
         """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
         none (as after zero_grad()), and per layer their bytes (layer_grads_bytes: Shape.grads_key's form)."""
-        grads_none = {id(p) for p in self._params if p.requires_grad and p.grad is None}
+        self._watch_gradless()
+        gradless = self._gradless
+        grads_none = {id(p) for i, p in enumerate(self._params)
+                      if p.requires_grad and p.grad is None and i not in gradless}
         return grads_none, tuple(layer_grads_bytes(self.layers, grads_none))
+
+    def _note_gradless(self, step: Step) -> None:
+        """The end of a profiling step's backward: the parameters the layers' forward used and its backward gave
+        no gradient (Step.gradless) are charged none from here on, this step's plan among them (its gradient
+        state, Step.grads_key, is that of a step that began without them). Before (found 2026-12-06), each was
+        charged: GLM-MoE-DSA's checkpointed plans 7.5% high, each layer's backward charged its DSA indexer's
+        gradients. A parameter the forward did not use (an expert no token reached) stays charged."""
+        gradless = step.gradless()
+        if not gradless:
+            return
+        less = layer_grads_bytes(self.layers, gradless)
+        step.grads_none = (step.grads_none or set()) - gradless
+        if step.grads_key is not None:
+            step.grads_key = tuple(g - d for g, d in zip(step.grads_key, less))
+        self._gradless |= {i for i, p in enumerate(self._params) if id(p) in gradless}
+        self._watch_gradless()
+
+    def _watch_gradless(self) -> None:
+        """Each parameter charged no gradient (_gradless) watched for one (a copy's parameters are new: watched
+        at its first step)."""
+        for i in self._gradless - self._gradless_hooks.keys():
+            self._gradless_hooks[i] = self._params[i].register_post_accumulate_grad_hook(
+                lambda p, i=i: self._gradless_given(i, p))
+
+    def _gradless_given(self, i: int, p: torch.Tensor) -> None:
+        """A parameter charged no gradient was given one (its hook, in the backward pass): charged from the next
+        step on, and said, since the step that made it was planned without it."""
+        self._gradless.discard(i)
+        h = self._gradless_hooks.pop(i, None)
+        if h is not None:
+            h.remove()
+        name = next((n for n, q in self.model.named_parameters() if q is p), f"parameter {i}")
+        warnings.warn(f"{self.who}: {name} was given a gradient ({_core.format_bytes(local_bytes(p))}), which the "
+                      "profiling step's backward did not give it though its layer's forward used it: this step was "
+                      "planned without it, and its peak may be that much above the prediction; steps from here on "
+                      "charge it", stacklevel=2)
 
     def _grads_charge(self, shape: Shape, grads: tuple) -> list[int]:
         """What a plan for a step of `shape` that begins in the gradient state `grads` (Shape.grads_key's form)
@@ -729,6 +773,7 @@ class LayerPlan:
     def _plan_shape(self, step: Step, shape: Shape):
         """The end of a profiling step's backward pass: its step context measured, agreed on by the ranks, the
         shape planned."""
+        self._note_gradless(step)
         ctx = step_context(self, step, shape)
         agreeing = agreement.agreeing(self.agree, self.who)
         if agreeing and self.replan_on_overshoot:

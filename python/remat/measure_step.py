@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 
 from . import _core, oom
 from .compiled import compiled_call_of, compiled_entry, forced_choice
@@ -196,6 +197,28 @@ def layer_grads_bytes(layers: Sequence[nn.Module], grads_none) -> list[int]:
     return grads
 
 
+class ParamsUsed(TorchFunctionMode):
+    """The parameters a forward hands to a torch function (a call, an operator, a method), by id, put into `used`: a
+    parameter among a call's arguments, its keywords or a list or tuple among them; reading an attribute (its
+    dtype, its shape) is not a use. Run over each layer's forward in a profiling step (profiling_call), where
+    it tells a parameter the forward used and the backward gave no gradient (a DSA indexer's, whose scores only
+    choose indices) from one it did not use (an expert no token reached), which a later step may use."""
+
+    def __init__(self, used: set[int]):
+        super().__init__()
+        self.used = used
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) != "__get__":
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, (list, tuple)):
+                    self.used.update(id(b) for b in a if isinstance(b, nn.Parameter))
+                elif isinstance(a, nn.Parameter):
+                    self.used.add(id(a))
+        return func(*args, **kwargs)
+
+
 def storage_ref(t: torch.Tensor) -> StorageWeakRef | None:
     """A weak reference to t's storage (`.expired()` once it is freed), or None for a tensor without storage (a
     wrapper subclass)."""
@@ -362,6 +385,11 @@ class Step:
         self.true_peak = self.base  # the step's own peak (profiling's transients left out)
         self.profiling_peak = self.base  # the peak of profiling's own runs in the step
         self.grads_none = grads_none  # ids of parameters whose .grad was None when the step began
+        # Profiling: the ids of the parameters the layers' forward used (ParamsUsed), those of them in grads_none
+        # watched for a gradient (their hooks' handles, removed at the step's end), and those given one.
+        self.params_used: set[int] = set()
+        self.grads_watched: dict[int, object] = {}
+        self.grads_made: set[int] = set()
         self.grads_in_rest = False  # the rest of the step made the layers' gradients (profiling_call's at_out)
         self.shape: Shape | None = None
         self.calls: list = []  # profiling: (fn, args, x) per layer
@@ -802,9 +830,30 @@ class Step:
         self.note_peak()
         self.window.restart()
 
+    def watch_grads(self, layer: nn.Module) -> None:
+        """Profiling, once the layer's forward ran: each of its parameters the forward used (params_used) whose
+        gradient was None when the step began watched for the gradient its backward may make (grads_made)."""
+        for p in layer.parameters():
+            k = id(p)
+            if k in self.params_used and self.grads_none and k in self.grads_none and k not in self.grads_watched:
+                self.grads_watched[k] = p.register_post_accumulate_grad_hook(lambda _, k=k: self.grads_made.add(k))
+
+    def gradless(self) -> set[int]:
+        """Profiling, at the end of its backward: the ids of the parameters the layers' forward used and the step
+        began without a gradient for, to which its backward gave none (watch_grads); the watches end."""
+        out = {k for k in self.grads_watched if k not in self.grads_made and k in (self.grads_none or ())}
+        self.unwatch_grads()
+        return out
+
+    def unwatch_grads(self) -> None:
+        for h in self.grads_watched.values():
+            h.remove()
+        self.grads_watched = {}
+
     def finish(self):
         self.note_peak()
         self.window.close()
+        self.unwatch_grads()
         for watch in self.late_watch.values():
             watch.close()
         self.late_watch = {}
@@ -1023,8 +1072,12 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     mappings = taken_mappings(fn, args)
     held = tensor_ids(mappings) if mappings else None
     watch = step.watch_late(i, taken)
-    returned = run_layer(CHECKPOINT, fn if watch is None else recompute_marked(fn, watch), run_args,
-                         [lp.layers[i]], lp.policies)
+    # (A compiled layer's forward is not looked into: a function mode would be traced into its graph. Its
+    # parameters are charged a gradient each.)
+    with ParamsUsed(step.params_used) if i not in lp.compiled_layers else contextlib.nullcontext():
+        returned = run_layer(CHECKPOINT, fn if watch is None else recompute_marked(fn, watch), run_args,
+                             [lp.layers[i]], lp.policies)
+    step.watch_grads(lp.layers[i])
     if watch is not None and run_args[0].requires_grad:
         run_args[0].register_hook(lambda g, i=i: step.late_done(i))  # (its backward done)
     del watch

@@ -1224,3 +1224,5 @@ def test_a_parameter_the_forward_uses_and_the_backward_gives_no_gradient_is_char
         assert_same_run(want[2], train_step(m, x, meter, seed=3, set_to_none=True))
     m.zero_grad(set_to_none=True)
     assert lp._grads_state()[1] == (2 * lin, 2 * lin, 3 * lin, 2 * lin)
+    lp.remove()  # the watches go with the plan
+    assert not any(p._post_accumulate_grad_hooks for p in m.parameters())

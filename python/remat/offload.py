@@ -748,7 +748,9 @@ class Offload:
         it is asked for. Before (found 2026-12-05), only those saved before it counted, and a streamed GPT-OSS
         layer held up to 2.8 windows brought back ahead, 76,800 bytes above its prediction. With `found`
         (storage addresses), starts nothing and returns the bytes it would copy back: the storages in it taken
-        as found on the device (no copy, nothing of the window), as those without a host block are."""
+        as found on the device (no copy, nothing of the window), as those without a host block are; a saved
+        storage is one of them only while it is alive (a later tensor may take the address of one let go of:
+        found 2026-12-07, BERT's streamed layers' figure 64 KiB apart from one run to the next)."""
         window = self.window if window is None else window
         ahead = copied = 0
         if found is None:
@@ -765,7 +767,8 @@ class Offload:
                 continue
             if not other.away():
                 continue
-            if found is not None and (other.block is None or other.ptr in found):
+            if found is not None and (other.block is None or (other.ptr in found and other.storage is not None
+                                                              and not other.storage.expired())):
                 continue
             if ahead + other.nbytes > window:
                 break

@@ -226,6 +226,32 @@ def test_ahead_bytes_is_what_prefetch_brings_back():
         o.ahead_bytes(-1)
 
 
+def test_ahead_bytes_finds_a_saved_storage_only_while_it_is_alive():
+    # ahead_bytes takes the tensors it is handed as found on the device by their storages' addresses; a storage
+    # saved and let go of since may have its address taken by a later tensor, which is not it. Before (found
+    # 2026-12-07), such a saved tensor read as found: BERT's streamed layers' figure was 64 KiB apart from one run
+    # to the next, as the allocator placed the layer's output, and a plan streaming the last layer 1.05% high.
+    # The address is taken here by construction: two storages over one NumPy array's bytes.
+    w = BATCH * WIDTH * 4
+    lin = nn.Linear(WIDTH, 2 * WIDTH)
+    arr = torch.randn(BATCH, WIDTH).numpy()
+    s = torch.from_numpy(arr)
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    o = offload(min_bytes=1 << 12, window=2 * w).keep_on_device([*lin.parameters()])
+    with o:
+        # Saved, in order: x (w), gelu's input (2w), s (w, by the product: the slice's gradient needs it).
+        out = torch.nn.functional.gelu(lin(x))[:, :WIDTH] * s
+    o.finish_copies()
+    assert o.offloaded == 3
+    # Newest first within 2w: s, then gelu's input does not fit; with s found, gelu's input alone.
+    assert (o.ahead_bytes(2 * w), o.ahead_bytes(2 * w, maybe_found=(s,))) == (w, 2 * w)
+    del s  # its storage gone (its bytes, the array's, stay), its copy on the host
+    again = torch.from_numpy(arr)  # another storage at its address
+    assert again.untyped_storage().data_ptr() == arr.ctypes.data
+    assert o.ahead_bytes(2 * w, maybe_found=(again,)) == w
+    out.sum().backward()
+
+
 def test_checkpointed_layers_inputs_are_offloaded(x):
     # Under torch.utils.checkpoint the layers save nothing but their inputs, which the checkpoint saves
     # outside its own hooks: those go to the host.

@@ -171,7 +171,8 @@ class _GradsPeak:
     count that backward would read is this one plus the gradients accumulated so far, and its peak the most, over
     the stretches between hooks, of each stretch's peak plus what had been accumulated before it. (Before
     (found 2026-12-07), a gradient was counted as made from the hook before its accumulation, while it was still
-    alive in this count: a Linear stack of width 256 on 16 rows was charged 240 KiB a backward twice.)"""
+    alive in this count: a Linear stack of width 256 on 16 rows had each layer's backward charged 240 KiB
+    high, a weight's gradient held twice.)"""
 
     def __init__(self, meter, params, before: int):
         self.meter, self.params, self.before = meter, params, before

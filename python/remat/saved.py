@@ -129,10 +129,8 @@ class _Forward(_Hooks):
         saved = owner.saved_storages
         if saved is not None:
             key = storage_of(t)
-            if key is not None:
-                ref = saved.get(key)
-                if ref is None or ref.expired():
-                    saved[key] = StorageWeakRef(t.untyped_storage())
+            if key is not None and not autograd_saved(saved, key):
+                saved[key] = StorageWeakRef(t.untyped_storage())
         return self.pack_below(t), i
 
     def unpack(self, packed):

@@ -344,6 +344,10 @@ class _Entry:
         """Whether its bytes are to be brought back or found (not yet dropped by autograd)."""
         return self.block is not None or self.held_by is not None
 
+    def storage_alive(self) -> bool:
+        """Whether the storage it was saved from is alive (the same storage at its address, not a later one)."""
+        return self.storage is not None and not self.storage.expired()
+
 
 class _Handle(SavedAs):
     """What autograd holds in place of an offloaded tensor (its entry, and the view it was saved as); its death
@@ -501,8 +505,7 @@ class Offload:
         self._left_on_device[ptr] = weakref.ref(kept)
         for ref in self._at.get(ptr, ()):
             entry = ref()
-            if (entry is not None and entry.held_by is None and entry.storage is not None
-                    and not entry.storage.expired()):
+            if entry is not None and entry.held_by is None and entry.storage_alive():
                 # Not offloaded after all: its bytes stay on the device, found there when needed back (held by the
                 # entry: the saved tensor that keeps them may be dropped first).
                 entry.held_by = kept
@@ -530,7 +533,7 @@ class Offload:
         key = (ptr, offset, nbytes, version)
         known = self._by_storage.get(key)
         entry = known() if known is not None else None
-        if entry is not None and (entry.storage is None or entry.storage.expired()):
+        if entry is not None and not entry.storage_alive():
             # Another storage at a freed one's address (the allocator reuses it): not the same bytes.
             entry = None
         if entry is not None and entry.handles <= 0:
@@ -589,8 +592,8 @@ class Offload:
         size = t.element_size()
         for ref in self._at.get(ptr, ()):
             e = ref()
-            if (e is None or e.handles <= 0 or e.version != t._version or e.storage is None or e.storage.expired()
-                    or e.block is None or not e.offset <= offset <= e.offset + e.nbytes - t.nbytes
+            if (e is None or e.handles <= 0 or e.version != t._version or not e.storage_alive() or e.block is None
+                    or not e.offset <= offset <= e.offset + e.nbytes - t.nbytes
                     or (offset - e.offset) % size or e.nbytes % size):
                 continue
             return e, (offset - e.offset) // size
@@ -671,7 +674,7 @@ class Offload:
         if entry.device_copy is not None:
             return
         self._to_host_landed(entry)  # remat's own hold on the bytes ends: whatever holds them now is another's
-        if entry.storage is not None and not entry.storage.expired() and may_alias:
+        if entry.storage_alive() and may_alias:
             # Still alive on the device (another holder kept it there: the layer before, whose output it is, a
             # saved tensor autograd keeps as itself, or one autograd saved outside every Offload) and not written
             # since: those bytes themselves; a copy back would be a second one.
@@ -767,8 +770,7 @@ class Offload:
                 continue
             if not other.away():
                 continue
-            if found is not None and (other.block is None or (other.ptr in found and other.storage is not None
-                                                              and not other.storage.expired())):
+            if found is not None and (other.block is None or (other.ptr in found and other.storage_alive())):
                 continue
             if ahead + other.nbytes > window:
                 break

@@ -208,6 +208,7 @@ class LayerPlan:
             shape = self._shapes.pop(key)
             shape.key = (*key, frozen, ()) if len(key) == 2 else (*key, ())
             self._shapes[shape.key] = shape
+        self._watch_gradless()  # the copy's parameters: a Parameter's copy has no hooks
 
     def _step_key(self, tag: str, entries: tuple) -> tuple:
         """A training step's key, under which its plan is kept: `tag` ("model": the model's call, whose shapes
@@ -481,7 +482,6 @@ class LayerPlan:
     def _grads_state(self) -> tuple[set[int], tuple]:
         """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
         none (as after zero_grad()), and per layer their bytes (layer_grads_bytes: Shape.grads_key's form)."""
-        self._watch_gradless()
         gradless = self._gradless
         grads_none = {id(p) for i, p in enumerate(self._params)
                       if p.requires_grad and p.grad is None and i not in gradless}
@@ -504,8 +504,8 @@ class LayerPlan:
         self._watch_gradless()
 
     def _watch_gradless(self) -> None:
-        """Each parameter charged no gradient (_gradless) watched for one (a copy's parameters are new: watched
-        at its first step)."""
+        """Each parameter charged no gradient (_gradless) watched for one not watched yet (a copy's parameters
+        are new: watched as it is made, __setstate__)."""
         for i in self._gradless - self._gradless_hooks.keys():
             self._gradless_hooks[i] = self._params[i].register_post_accumulate_grad_hook(
                 lambda p, i=i: self._gradless_given(i, p))

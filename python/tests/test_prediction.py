@@ -3,6 +3,7 @@ beyond remat.PREDICTION_TOLERANCE, and replan_on_overshoot, which plans again be
 held above its prediction, once per input shape. The profile is made wrong on purpose (its stages' saved bytes
 scaled) so that the model misses by a known share."""
 import contextlib
+import copy
 import json
 import warnings
 
@@ -1224,5 +1225,10 @@ def test_a_parameter_the_forward_uses_and_the_backward_gives_no_gradient_is_char
         assert_same_run(want[2], train_step(m, x, meter, seed=3, set_to_none=True))
     m.zero_grad(set_to_none=True)
     assert lp._grads_state()[1] == (2 * lin, 2 * lin, 3 * lin, 2 * lin)
+    # A copy watches its own parameters (a Parameter's copy has no hooks).
+    c = copy.deepcopy(m)
+    c[1].graded = True
+    with pytest.warns(UserWarning, match=r"1\.index\.weight was given a gradient"):
+        train_step(c, x, meter, seed=3, set_to_none=True)
     lp.remove()  # the watches go with the plan
     assert not any(p._post_accumulate_grad_hooks for p in m.parameters())

@@ -1,12 +1,36 @@
-"""The state a recompute or a measurement must leave as it found it: buffers and random generators."""
+"""The state a recompute or a measurement must leave as it found it: buffers, tensor attributes and random
+generators."""
 from __future__ import annotations
 
+import operator
+import weakref
+from itertools import chain, repeat
 from typing import Iterable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["RestoreBuffers", "RngState", "module_tensors"]
+__all__ = ["AttributesSeen", "RestoreAttributes", "RestoreBuffers", "RestoreModules", "RngState", "Walk", "module_tensors",
+           "walk"]
+
+
+def each_module(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """`modules` and their submodules, each once, in named_modules()'s order (pre-order, children in order), read
+    from each module's own dictionary of children (see module_tensors)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = list(modules)
+    stack.reverse()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        out.append(m)
+        children = m.__dict__["_modules"]
+        if children:
+            stack.extend(reversed([c for c in children.values() if c is not None]))
+    return out
 
 
 def module_tensors(modules: Iterable[nn.Module], parameters: bool = True, buffers: bool = True) -> list[torch.Tensor]:
@@ -16,14 +40,7 @@ def module_tensors(modules: Iterable[nn.Module], parameters: bool = True, buffer
     time (a 16-layer Llama's: 0.33 against 0.09 ms on the CI machine's CPU), which remat's per-step and
     per-layer paths would pay on every step."""
     out: list[torch.Tensor] = []
-    seen: set[int] = set()
-    stack = list(modules)
-    stack.reverse()
-    while stack:  # pre-order, children in order: named_modules()'s order
-        m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
+    for m in each_module(modules):
         d = m.__dict__
         if parameters:
             for t in d["_parameters"].values():
@@ -33,9 +50,6 @@ def module_tensors(modules: Iterable[nn.Module], parameters: bool = True, buffer
             for t in d["_buffers"].values():
                 if t is not None:
                     out.append(t)
-        children = d["_modules"]
-        if children:
-            stack.extend(reversed([c for c in children.values() if c is not None]))
     return out
 
 
@@ -55,8 +69,10 @@ class RestoreBuffers:
     write goes through .data, so graphs that saved a buffer (BatchNorm's backward saves the statistics) see no
     version change."""
 
-    def __init__(self, modules: Iterable[nn.Module]):
-        self.buffers = each_once(module_tensors(modules, parameters=False))
+    def __init__(self, modules: Iterable[nn.Module], *, walked: bool = False):
+        """walked: `modules` is each_module's list already (their submodules among them, each once)."""
+        mods = modules if walked else each_module(modules)
+        self.buffers = each_once(b for m in mods for b in m.__dict__["_buffers"].values() if b is not None)
         self.saved = None
 
     def __enter__(self):
@@ -70,6 +86,215 @@ class RestoreBuffers:
                 if b.shape == s.shape:
                     b.data.copy_(s)
         self.saved = None
+        return False
+
+
+_ABSENT = object()
+
+
+def _tensor_or_none(v) -> bool:
+    return v is None or isinstance(v, torch.Tensor)
+
+
+def _put(d: dict, changes: list[tuple[str, object]]) -> None:
+    for k, old in changes:
+        if old is _ABSENT:
+            d.pop(k, None)
+        else:
+            d[k] = old
+
+
+class Walk:
+    """`modules` and their submodules (each_module), with what the attribute contexts read of them: each one's
+    dictionary, and per dictionary its size and the keys whose values were a tensor or None when last read (the
+    attributes that can hold state; read again where the dictionary's size changed: an attribute made since, but
+    not one made where another was deleted in the same call). Kept across calls for a single root module (walk()),
+    and made again where a submodule was added, removed or replaced since."""
+
+    __slots__ = ("modules", "dicts", "children", "child_dicts", "child_sizes", "sizes", "keys", "all_keys",
+                 "flat_dicts", "flat_keys")
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.dicts = [m.__dict__ for m in modules]
+        self.child_dicts = [d["_modules"] for d in self.dicts]
+        self.child_sizes = list(map(len, self.child_dicts))
+        self.children = list(chain.from_iterable(map(dict.values, self.child_dicts)))
+        self.sizes: list[int] = []
+        self.keys: list[list[str]] = []
+        self.all_keys: list[set] = []
+        for d in self.dicts:
+            self.sizes.append(len(d))
+            self.keys.append([k for k, v in d.items() if _tensor_or_none(v)])
+            self.all_keys.append(set(d))
+        self._flatten()
+
+    def _flatten(self) -> None:
+        self.flat_dicts = [d for d, keys in zip(self.dicts, self.keys) for _ in keys]
+        self.flat_keys = [k for keys in self.keys for k in keys]
+
+    def current(self) -> bool:
+        """Whether the modules are as walked (no submodule added, removed or replaced): C's loops only."""
+        return list(map(len, self.child_dicts)) == self.child_sizes and \
+            all(map(operator.is_, chain.from_iterable(map(dict.values, self.child_dicts)), self.children))
+
+    def snapshot(self) -> tuple[list[int], list]:
+        """The dictionaries' sizes and the tracked attributes' values, now (their keys read again first where a
+        dictionary's size changed since they were)."""
+        sizes = list(map(len, self.dicts))
+        if sizes != self.sizes:
+            for i, (d, n) in enumerate(zip(self.dicts, sizes)):
+                if n != self.sizes[i]:
+                    self.sizes[i] = n
+                    self.keys[i] = [k for k, v in d.items() if _tensor_or_none(v)]
+                    self.all_keys[i] = set(d)
+            self._flatten()
+        return sizes, list(map(dict.get, self.flat_dicts, self.flat_keys, repeat(_ABSENT)))
+
+    def changes(self, snap: tuple[list[int], list]) -> list[list[tuple[str, object]]] | None:
+        """Per dictionary, the attributes reassigned since `snap` (snapshot()): (name, its value then, or _ABSENT
+        where it had none) for a tracked one whose value is another object now (or that was deleted), and for one
+        made since that holds a tensor; None where none changed (found at once, in C's loops)."""
+        sizes, values = snap
+        now = list(map(dict.get, self.flat_dicts, self.flat_keys, repeat(_ABSENT)))
+        if list(map(len, self.dicts)) == sizes and all(map(operator.is_, now, values)):
+            return None
+        out = []
+        at = 0
+        for i, (d, keys) in enumerate(zip(self.dicts, self.keys)):
+            changed = [(k, old) for k, old, v in zip(keys, values[at:at + len(keys)], now[at:at + len(keys)])
+                       if v is not old]
+            at += len(keys)
+            if len(d) != sizes[i] or len(d) != len(self.all_keys[i]):
+                changed += [(k, _ABSENT) for k in d.keys() - self.all_keys[i] if isinstance(d[k], torch.Tensor)]
+            out.append(changed)
+        return out if any(out) else None
+
+
+_walks: "weakref.WeakKeyDictionary[nn.Module, Walk]" = weakref.WeakKeyDictionary()
+
+
+def walk(modules) -> Walk:
+    """The Walk of `modules` (a Walk is returned as it is): kept for a single root module while it is current."""
+    if isinstance(modules, Walk):
+        return modules
+    modules = list(modules)
+    if len(modules) == 1:
+        root = modules[0]
+        w = _walks.get(root)
+        if w is None or not w.current():
+            w = _walks[root] = Walk(each_module(modules))
+        return w
+    return Walk(each_module(modules))
+
+
+class AttributesSeen:
+    """A context around a checkpointed forward: on exit, of the tensor attributes of `modules` and their submodules
+    that the forward reassigned (as RestoreAttributes reads them), the values they had when it began (`seen`, a
+    list per module, or None), for its recompute to see (RestoreAttributes(..., seen=)). A layer that carries
+    state across calls (reads `self.h` from its last call, then writes the new one) read its own new state in the
+    recompute, and its gradients were the new state's, silently: torch.utils.checkpoint's recompute runs the
+    module as it finds it (found 2026-12-07: a Linear-sigmoid layer adding its last call's mean, every gradient
+    of its second step wrong). Holds those values until the recompute (the plain run lets go of one as the
+    forward reassigns it; the profiling step charges what a layer leaves in them, StepContext's
+    checkpoint_state_bytes). `modules`: modules, or their Walk."""
+
+    __slots__ = ("walk", "before", "seen")
+
+    def __init__(self, modules):
+        self.walk = walk(modules)
+        self.before = None
+        self.seen: list[list[tuple[str, object]]] | None = None
+
+    def __enter__(self):
+        self.before = self.walk.snapshot()
+        return self
+
+    def __exit__(self, *exc):
+        before, self.before = self.before, None
+        self.seen = self.walk.changes(before)
+        return False
+
+
+class RestoreAttributes:
+    """A context that puts back, on exit, the plain attributes of `modules` and their submodules (the entries of
+    each one's __dict__: not its parameters, buffers or submodules) that the code inside reassigned, where the
+    attribute held a tensor or None when the modules were walked (Walk), or is made inside and holds a tensor: as
+    they were on entry (one made inside is deleted). With `seen` (an AttributesSeen that ran around the forward
+    this code recomputes), the attributes that forward reassigned are first set, on entry, to what it found. A
+    layer that keeps a tensor of its forward on itself (RecurrentGemma's recurrent block, its last recurrent
+    state: `self.recurrent_states = ...`) would otherwise keep the recompute's: a tensor whose graph, made by the
+    recompute and never run backward, holds what the recompute saved (torch.utils.checkpoint's recompute hooks
+    keep each saved tensor's storage in it) until the layer's next forward assigns another: through the
+    optimizer's step and into the next step (found 2026-12-07: 3.16 MB a step held so on the sweep's
+    RecurrentGemma, its four layers checkpointed, where the plain run holds 1 KiB). As the plain run has it, the
+    attribute holds what the forward assigned. Other attributes (a counter, a flag, an object) are left as the
+    code inside left them. About 2 us a Llama layer's entry and exit, its walk kept (the CI machine's CPU).
+    `modules`: modules, or their Walk."""
+
+    __slots__ = ("walk", "saved", "seen")
+
+    def __init__(self, modules, seen: AttributesSeen | None = None):
+        self.walk = walk(modules)
+        self.saved = None
+        self.seen = seen
+
+    def __enter__(self):
+        self.saved = self.walk.snapshot()
+        seen = self.seen.seen if self.seen is not None else None
+        if seen:
+            for d, changes in zip(self.walk.dicts, seen):
+                _put(d, changes)
+        return self
+
+    def reassigned_bytes(self, but: int | None = None) -> int:
+        """Inside: the bytes of the tensors the code inside has put into the attributes it reassigned so far, each
+        storage once, but the storage whose data pointer is `but`."""
+        changes = self.walk.changes(self.saved) if self.saved is not None else None
+        seen: set[int] = {but} if but is not None else set()
+        total = 0
+        for d, changed in zip(self.walk.dicts, changes or ()):
+            for k, _ in changed:
+                v = d.get(k)
+                if isinstance(v, torch.Tensor):
+                    try:
+                        storage = v.untyped_storage()
+                    except RuntimeError:  # no storage (a fake or sparse tensor)
+                        continue
+                    if storage.data_ptr() not in seen:
+                        seen.add(storage.data_ptr())
+                        total += storage.nbytes()
+        return total
+
+    def __exit__(self, *exc):
+        saved, self.saved = self.saved, None
+        changes = self.walk.changes(saved)
+        if changes:
+            for d, changed in zip(self.walk.dicts, changes):
+                _put(d, changed)
+        return False
+
+
+class RestoreModules:
+    """RestoreBuffers and RestoreAttributes together, over one walk of the modules: what a recompute and a
+    measurement leave as they found it (the random generators aside, RngState). `seen`: RestoreAttributes'."""
+
+    __slots__ = ("buffers", "attributes")
+
+    def __init__(self, modules, seen: AttributesSeen | None = None):
+        """modules: modules, or their Walk."""
+        w = walk(modules)
+        self.buffers = RestoreBuffers(w.modules, walked=True)
+        self.attributes = RestoreAttributes(w, seen=seen)
+
+    def __enter__(self):
+        self.buffers.__enter__()
+        self.attributes.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.attributes.__exit__(*exc)
+        self.buffers.__exit__(*exc)
         return False
 
 

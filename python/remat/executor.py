@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import _core
-from ._state import RestoreBuffers, RngState, each_once
+from ._state import AttributesSeen, RestoreModules, RngState, each_once
 from .policies import autocast_cache_off, checked_checkpoint, policy_fn
 from .profile import StageFn, input_needs_grad
 
@@ -65,6 +65,7 @@ class _Runner:
                 self.policies[op.policy] = policy_fn(name, policies)
         self.held: list = [None] * (n + 1)  # ("plain", t) or ("abar", leaf, out)
         self.rng: list[RngState | None] = [None] * n
+        self.seen: list[AttributesSeen | None] = [None] * n  # what each stage's first run found (AttributesSeen)
         self.ran = [False] * n
         self.grad = None
         self.input_grads: list[bool] = []
@@ -84,11 +85,13 @@ class _Runner:
         if self.ran[i]:
             current = RngState(self.cuda_devices)
             self.rng[i].restore()
-            restore = RestoreBuffers(mods) if mods else None
-            if restore:
-                restore.__enter__()
+            # Run again: as its first run found the attributes it reassigned, and leaving them as now.
+            restore = RestoreModules(mods, seen=self.seen[i]) if mods else None
         else:
             self.rng[i] = RngState(self.cuda_devices)
+            restore = self.seen[i] = AttributesSeen(mods) if mods else None
+        if restore:
+            restore.__enter__()
         try:
             with autocast_cache_off():  # as every layer remat runs
                 self._run_stage(op, i, x, mods)

@@ -32,8 +32,9 @@ from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_k
 from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, layer_grads_bytes, local_bytes,
-                           measure_planned_step, sharded_modules, step_context, storage_key)
+from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, graph_state_not_run,
+                           layer_grads_bytes, local_bytes, measure_planned_step, sharded_modules, step_context,
+                           storage_key)
 from .meter import meter_for
 from .profile import checked_timing
 from .progress import planning_wait
@@ -774,6 +775,7 @@ class LayerPlan:
         """The end of a profiling step's backward pass: its step context measured, agreed on by the ranks, the
         shape planned."""
         self._note_gradless(step)
+        graph_state_not_run(self, step)
         ctx = step_context(self, step, shape)
         agreeing = agreement.agreeing(self.agree, self.who)
         if agreeing and self.replan_on_overshoot:

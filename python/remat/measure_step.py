@@ -315,6 +315,8 @@ class Shape:
         # Per layer, the storages its plain forward's graph saved tensors of (profile's `saved_storages`; an entry
         # None where not read), or None.
         self.saved_storages: list[set[int] | None] | None = None
+        # Per layer, the bytes a run of it left in the attributes it reassigns (profile's `attributes_bytes`).
+        self.attributes_bytes: list[int] = []
         self.context: _core.StepContext | None = None
         self.plan: _core.Plan | None = None
         self.choices: list[str] | None = None
@@ -379,6 +381,12 @@ class Step:
         # (layer, bytes): tensors that require a gradient and have no grad_fn, made in a layer's forward (leaves_made;
         # warned of at the last layer, warn_of_graph_state).
         self.leaves_made: list[tuple[int, int]] = []
+        # (layer, "module.attribute", its nodes): the tensors of the step's graph the layers keep in attributes
+        # (graph_state), their graphs' nodes watched from the last layer for their run in the backward
+        # (`graph_watch`: by id, (node, [whether it ran], the hook's handle); warn_of_graph_state), warned of at its
+        # end where a node it did not run holds saved tensors (graph_state_not_run).
+        self.graph_state: list[tuple[int, str, list]] = []
+        self.graph_watch: dict[int, tuple] = {}
         # remat's own window on the device's count: the step's peak, without resetting what the user reads.
         self.window = meter.window()
         self.base = meter.count()
@@ -854,6 +862,8 @@ class Step:
         self.note_peak()
         self.window.close()
         self.unwatch_grads()
+        for *_, handle in self.graph_watch.values():  # (their flags read after: graph_state_not_run)
+            handle.remove()
         for watch in self.late_watch.values():
             watch.close()
         self.late_watch = {}
@@ -917,17 +927,18 @@ def measure_planned_step(step: "Step", shape: "Shape", out: torch.Tensor | list[
 
         out.register_hook(rest_timed)
 
-def graph_state(layers: Sequence[nn.Module]) -> list[tuple[int, str]]:
+def graph_state(layers: Sequence[nn.Module], tensors: bool = False) -> list[tuple]:
     """The tensors of the step's graph that the layers' modules keep in plain attributes past their call (not
-    parameters or buffers): (layer index, "module.attribute") for each, such as RecurrentGemma's recurrent
-    states, which it keeps in training with use_cache=False too."""
+    parameters or buffers): (layer index, "module.attribute") for each, with the tensor third where `tensors`,
+    such as RecurrentGemma's recurrent states, which it keeps in training with use_cache=False too."""
     found = []
     for j, layer in enumerate(layers):
         for name, module in layer.named_modules():
             for attr, value in vars(module).items():
                 if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) \
                         and value.grad_fn is not None:
-                    found.append((j, f"{name}.{attr}" if name else attr))
+                    where = f"{name}.{attr}" if name else attr
+                    found.append((j, where, value) if tensors else (j, where))
     return found
 
 
@@ -947,11 +958,9 @@ def leaves_made(out: torch.Tensor, stops, skip: set[int], most: int = 20000) -> 
 
 def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]] = (),
                         leaves: Sequence[tuple[int, int]] = ()) -> None:
-    """Warns, at a profiling step's last layer, where the layers keep part of the step's graph in their modules'
-    attributes: that part (and what its nodes saved) outlives the step until the next call replaces it, so a
-    step's memory depends on the step before it and on the plan (a recompute writes it again), which the plan's
-    prediction does not model (found 2026-12-04: a 4-layer RecurrentGemma's planned steps from 69% below to 40%
-    above their predictions). And where a layer put a tensor into a mapping it was handed (`puts`, (layer, where,
+    """At a profiling step's last layer: watches the tensors of the step's graph that the layers keep in their
+    modules' attributes, for whether the backward runs their nodes (warned of at its end where one did not:
+    graph_state_not_run). Warns where a layer put a tensor into a mapping it was handed (`puts`, (layer, where,
     key)), which the layers share: held there past the layer's call, read by later layers beside their input,
     outside the chain of outputs and inputs that the plan's model follows, and holding a checkpointed layer's
     graph where it is part of it (found 2026-12-06: Gemma-3n's shared keys and values, `shared_kv_states`, its
@@ -976,14 +985,60 @@ def warn_of_graph_state(lp: "LayerPlan", puts: Sequence[tuple[int, str, object]]
                       "autograd accumulates a gradient into it, held while the step's graph lives, which the "
                       "plan's model does not charge, and the predicted peaks may not hold (docs/python.md, Limits)",
                       RuntimeWarning, stacklevel=4)
-    found = graph_state(lp.layers)
+    step = lp._step
+    for j, where, value in graph_state(lp.layers, tensors=True):
+        nodes = []
+        for node in graph_nodes([value.grad_fn], most=GRAPH_STATE_NODES):
+            if node is None or len(step.graph_watch) >= GRAPH_STATE_NODES:
+                break  # (the rest unwatched: taken as run)
+            w = step.graph_watch.get(id(node))
+            if w is None:
+                ran = [False]
+                w = step.graph_watch[id(node)] = (node, ran, node.register_hook(
+                    lambda *_, ran=ran: ran.__setitem__(0, True)))
+            nodes.append(w)
+        step.graph_state.append((j, where, nodes))
+
+
+GRAPH_STATE_NODES = 512  # the most nodes of the graphs that attributes keep watched in a profiling step
+
+
+def _holds_saved(node) -> bool:
+    """Whether autograd node `node` saved a tensor (a `_raw_saved_*` field: read without unpacking it, which would
+    run a checkpoint's recompute)."""
+    for name in dir(node):
+        if name.startswith("_raw_saved_"):
+            v = getattr(node, name, None)
+            if isinstance(v, torch._C._autograd.SavedTensor) or \
+                    (isinstance(v, (list, tuple)) and any(isinstance(e, torch._C._autograd.SavedTensor) for e in v)):
+                return True
+    return False
+
+
+def graph_state_not_run(lp: "LayerPlan", step: Step) -> None:
+    """The end of a profiling step's backward: warns where a layer keeps, in an attribute, a tensor of the step's
+    graph whose graph has a node that the backward did not run and that saved a tensor (warn_of_graph_state
+    watched them): what it saved outlives the step until the layer's next call replaces the tensor, held beside
+    what the plan's model charges. Where every node that saved ran (RecurrentGemma's last recurrent state, on the
+    way to its output; a view of an output, whose own node saves none), the backward let go of what they saved,
+    as in the plain run: the recompute sees and leaves the attribute as the forward did
+    (remat._state.AttributesSeen, RestoreAttributes), and what a checkpointed layer holds so is charged
+    (attributes_held_bytes). Before (found 2026-12-07), every such tensor was warned of, RecurrentGemma's planned
+    steps from 67% below to 40% above their predictions: the recompute's tensor, and its graph with what the
+    recompute saved, stayed in the attribute past the step."""
+    watched, step.graph_state = step.graph_state, []
+    watch, step.graph_watch = step.graph_watch, {}
+    for _, _, handle in watch.values():
+        handle.remove()
+    found = [(j, where) for j, where, nodes in watched
+             if any(not ran[0] and _holds_saved(node) for node, ran, _ in nodes)]
     if found:
         j, where = found[0]
         warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) keeps a tensor of the step's graph in "
-                      f"an attribute ({where}{f', and {len(found) - 1} more' if len(found) > 1 else ''}) past its "
-                      "call: it holds that part of the graph past the step, so a step's memory depends on the step "
-                      "before it and on the plan, and the predicted peaks may not hold (state kept across calls is "
-                      "not supported: docs/python.md, Limits)", RuntimeWarning, stacklevel=4)
+                      f"an attribute ({where}{f', and {len(found) - 1} more' if len(found) > 1 else ''}) whose "
+                      "graph the backward pass does not run all of: what that part saved outlives the step until the "
+                      "layer's next call, beside what the plan charges, and the predicted peaks may not hold "
+                      "(docs/python.md, Limits)", RuntimeWarning, stacklevel=3)
 
 
 def without_module_hooks(fn, layer: nn.Module):
@@ -1138,6 +1193,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         with gathered, contextlib.closing(bar):
             saved_calls: list = []
             saved_storages: list = []
+            attributes_bytes: list = []
             # Which layers' outputs a residual sum outside them let go of (read as each layer was called; the
             # last one's is read later, once the rest's backward has run: taken as summed, one layer's figure).
             n = len(step.calls)
@@ -1146,9 +1202,11 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                                   repeats=lp.repeats, inputs=inputs, excluded=excluded,
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
                                   groups=lp.groups, progress=times, timing=lp.profile_timing,
-                                  saved_calls=saved_calls, summed=summed, saved_storages=saved_storages)
+                                  saved_calls=saved_calls, summed=summed, saved_storages=saved_storages,
+                                  attributes_bytes=attributes_bytes)
             shape.saved_calls = saved_calls if lp.groups else None
             shape.saved_storages = saved_storages
+            shape.attributes_bytes = attributes_bytes
         shape.profiling_time = times.seconds
         shape.gathered = list(gathered.gathered)
         for st, g in zip(shape.chain.stages, gathered.gathered):
@@ -1532,7 +1590,14 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.output_grad_storage_bytes = step.output_grad_storage_bytes
     r.output_freed_bytes = step.output_freed
     if step.device is not None:
-        r.checkpoint_state_bytes = checkpoint_state_bytes(step.meter, step.device)
+        # With what a checkpointed layer holds from its forward to its recompute beside the values of the
+        # attributes its forward reassigns, for the recompute to see (remat._state.AttributesSeen): the most a
+        # layer's run left in them (profile's attributes_bytes), charged to every layer checkpointed, a bound
+        # exact for the one that keeps the most. 0 for layers that keep none; RecurrentGemma's recurrent layers
+        # keep their last recurrent state (batch x lru_width floats, 1 KiB at the sweep's size; before, found
+        # 2026-12-07, a checkpointed one held it unpredicted).
+        r.checkpoint_state_bytes = checkpoint_state_bytes(step.meter, step.device) + \
+            max(shape.attributes_bytes, default=0)
     r.peak_after_chain_backward = step.peak_after_backward
     r.step_peak = step.true_peak
     r.stage_grads_bytes = layer_grads_bytes(lp.layers, step.grads_none or ())

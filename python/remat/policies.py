@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 import torch.utils.checkpoint as _torch_checkpoint_module
 
-from ._state import RestoreBuffers
+from ._state import AttributesSeen, RestoreBuffers, RestoreModules, walk
 from .saved import version_checked
 from .selective import GroupPolicy, selective_contexts
 
@@ -143,19 +143,26 @@ def policy_fn(name: str, policies: dict[str, Callable] | None = None) -> Callabl
 
 def checkpoint_context(modules: Sequence[torch.nn.Module], policy: Callable | None = None, offload=None,
                        route_kept: bool | None = None, autograd_saved: dict | None = None):
-    """A context_fn for torch.utils.checkpoint: the recompute restores the modules' buffers; with `policy`,
-    the forward and the recompute are also remat's selective checkpointing for that policy (remat/selective.py:
-    each call's output kept, sent to the host through `offload`, or recomputed; `route_kept`: what it keeps
-    (but MUST_SAVE) goes to the host too; None: when the checkpoint is inside an Offload's context;
-    `autograd_saved`: the region's saved.version_checked's `saved_storages`, so that a kept output the forward
-    writes in place after the call, and autograd did not save, is recomputed rather than refused)."""
+    """A context_fn for torch.utils.checkpoint: the recompute sees the modules' tensor attributes that the forward
+    reassigned as the forward found them (AttributesSeen), and leaves their buffers and tensor attributes as it
+    found them (RestoreModules: what the forward left); with `policy`, the forward and the recompute are also
+    remat's selective checkpointing for that policy (remat/selective.py: each call's output kept, sent to the
+    host through `offload`, or recomputed; `route_kept`: what it keeps (but MUST_SAVE) goes to the host too;
+    None: when the checkpoint is inside an Offload's context; `autograd_saved`: the region's
+    saved.version_checked's `saved_storages`, so that a kept output the forward writes in place after the call,
+    and autograd did not save, is recomputed rather than refused)."""
 
     def context_fn():
-        restore = RestoreBuffers(modules) if modules else contextlib.nullcontext()
+        if modules:
+            w = walk(modules)
+            seen = AttributesSeen(w)
+            restore = RestoreModules(w, seen=seen)
+        else:
+            seen, restore = contextlib.nullcontext(), contextlib.nullcontext()
         if policy is None:
-            return contextlib.nullcontext(), restore
+            return seen, restore
         fwd, rec = selective_contexts(policy, offload, route_kept, autograd_saved=autograd_saved)
-        return fwd, _Both(restore, rec)
+        return _Both(seen, fwd), _Both(restore, rec)
 
     return context_fn
 

@@ -27,14 +27,14 @@ import gc
 import statistics
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from . import _core
-from ._state import RestoreBuffers, RngState, each_once
+from ._state import RestoreAttributes, RestoreModules, RngState, each_once
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
@@ -63,6 +63,31 @@ class StageFn:
 
     def __call__(self, x):
         return self.fn(x)
+
+
+def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int) -> StageFn:
+    """`stage` (stage i) with each run of its function leaving its module's tensor attributes as it found them
+    (RestoreAttributes), and the most bytes of tensors a run left in those it reassigned, other than on its
+    output's storage, noted in attributes_bytes[i] (profile's `attributes_bytes`); a stage without a module as it
+    is. The profile runs a stage many times, each on a leaf
+    of its own: a layer that keeps a tensor of its forward on itself (RecurrentGemma's last recurrent state) kept
+    the last run's, whose graph holds that run's leaf (its AccumulateGrad node) until the next run assigns
+    another, so that the next run's count let go of a tensor alive at its base and read the stage's saved bytes
+    one input low (found 2026-12-07: RecurrentGemma's recurrent layers' `matmuls` policy 65,536 bytes low, a
+    hidden state, and its plans that keep so one hidden state above their predictions)."""
+    if stage.module is None:
+        return stage
+    module, fn = stage.module, stage.fn
+
+    def kept(*args):
+        restore = RestoreAttributes([module])
+        with restore:
+            out = fn(*args)
+            but = _storage_key(out) if isinstance(out, torch.Tensor) else None
+            attributes_bytes[i] = max(attributes_bytes[i], restore.reassigned_bytes(but))
+        return out
+
+    return replace(stage, fn=kept)
 
 
 def input_needs_grad(before: bool, stage: StageFn) -> bool:
@@ -112,14 +137,14 @@ def collector_paused():
 
 
 class Restore:
-    """Puts back, on exit, the gradients of the modules' parameters, their buffers, and the CPU and CUDA random
-    generators. fresh_grads=True: for a step that accumulates into the gradients (a whole training step), each
-    existing gradient is replaced by zeros for the step (a tensor as large, alive beside it) and the original put
-    back untouched; a parameter without one still has none."""
+    """Puts back, on exit, the gradients of the modules' parameters, their buffers and tensor attributes
+    (RestoreModules), and the CPU and CUDA random generators. fresh_grads=True: for a step that accumulates into
+    the gradients (a whole training step), each existing gradient is replaced by zeros for the step (a tensor as
+    large, alive beside it) and the original put back untouched; a parameter without one still has none."""
 
     def __init__(self, modules: Sequence[nn.Module], device: torch.device, fresh_grads: bool = False):
         self.params = each_once(p for m in modules for p in m.parameters())
-        self.buffers = RestoreBuffers(modules)
+        self.buffers = RestoreModules(modules)
         self.device = device
         self.fresh_grads = fresh_grads
 
@@ -722,7 +747,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
             groups: bool = False, progress=None, timing: str = "synced",
             saved_calls: list | None = None, summed: Sequence[bool] | None = None,
-            saved_storages: list | None = None) -> _core.Chain:
+            saved_storages: list | None = None, attributes_bytes: list | None = None) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -776,6 +801,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     tensors of, `excluded` ones included (whether a stage's graph saves a mask it takes: StepContext.taken_saved_by),
     or None where not read (a compiled stage: taken as saving every one).
 
+    attributes_bytes: a list that receives per stage the most bytes of tensors of their own (not on its output's
+    storage) that a run of it left in the attributes of its module it reassigned: what a checkpointed run holds
+    beside the values those attributes had (remat._state.AttributesSeen) from its forward to its recompute,
+    which the profile's runs, each of which leaves the attributes as it found them, do not show (0 for a stage
+    without a module or one that keeps nothing so). A policy's saved bytes (PolicyCost.saved_bytes) include its
+    stage's.
+
     summed: per stage, whether a residual sum outside the stages lets go of its output (`x = x + layer(x)`:
     what the step's model charges the held gradient at), or None (unknown: every stage). Each policy's backward
     is measured once more with the gradient it is handed held (PolicyCost.bwd_grad_held_bytes) only where true;
@@ -795,8 +827,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     the caller reads (remat.meter). Raises ValueError for no stages, warmup < 0, repeats < 1 or a bad policy, and
     TypeError naming the stage when one returns something other than a tensor.
     """
-    stage_list = [s if isinstance(s, StageFn) else
-                  StageFn(s, f"{i}:{type(s).__name__}", s if isinstance(s, nn.Module) else None)
+    # Per stage, the most bytes of tensors a run of it left in its modules' attributes (_attributes_kept).
+    attributes_made = [0] * len(stages)
+    stage_list = [_attributes_kept(s if isinstance(s, StageFn) else
+                                   StageFn(s, f"{i}:{type(s).__name__}", s if isinstance(s, nn.Module) else None),
+                                   attributes_made, i)
                   for i, s in enumerate(stages)]
     n = len(stage_list)
     if n == 0:
@@ -1190,7 +1225,11 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                             out = run_as(i, name, leaf, counter)
                         f = t.ms
                         if measure:
-                            fields[i]["pol"][name]["saved"] = max(out.nbytes, meter.count() - base)
+                            # With what a run under it holds from its forward to its recompute that the
+                            # profile's runs cannot show: the values its forward found in the tensor attributes it
+                            # reassigns, for the recompute to see (remat._state.AttributesSeen), alive here anyway.
+                            fields[i]["pol"][name]["saved"] = max(out.nbytes, meter.count() - base) + \
+                                attributes_made[i]
                             if counter:
                                 fields[i]["pol"][name]["offload"] = counter.offload_cost(
                                     _storage_key(leaf), _storage_key(out),
@@ -1349,4 +1388,6 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
         saved_calls[:] = [f.get("groups", []) for f in fields]
     if saved_storages is not None:
         saved_storages[:] = [f.get("packed") for f in fields]
+    if attributes_bytes is not None:
+        attributes_bytes[:] = attributes_made
     return chain

@@ -3,7 +3,6 @@ generators."""
 from __future__ import annotations
 
 import operator
-import weakref
 from itertools import chain, repeat
 from typing import Iterable, Sequence
 
@@ -108,8 +107,8 @@ class Walk:
     """`modules` and their submodules (each_module), with what the attribute contexts read of them: each one's
     dictionary, and per dictionary its size and the keys whose values were a tensor or None when last read (the
     attributes that can hold state; read again where the dictionary's size changed: an attribute made since, but
-    not one made where another was deleted in the same call). Kept across calls for a single root module (walk()),
-    and made again where a submodule was added, removed or replaced since."""
+    not one made where another was deleted in the same call). A caller may keep it across calls while current():
+    made again where a submodule was added, removed or replaced since."""
 
     __slots__ = ("modules", "dicts", "children", "child_dicts", "child_sizes", "sizes", "keys", "all_keys",
                  "flat_dicts", "flat_keys")
@@ -171,20 +170,14 @@ class Walk:
         return out if any(out) else None
 
 
-_walks: "weakref.WeakKeyDictionary[nn.Module, Walk]" = weakref.WeakKeyDictionary()
-
-
 def walk(modules) -> Walk:
-    """The Walk of `modules` (a Walk is returned as it is): kept for a single root module while it is current."""
+    """The Walk of `modules` (a Walk is returned as it is). A caller that runs the same modules again keeps its
+    Walk while it is current (LayerPlan.walk_of: each layer's). Not kept here by module: a Walk holds the
+    modules' dictionaries, one of which may hold its module (remat's planned forward does), and a cache keyed
+    weakly by module would hold every model it saw (found 2026-12-07: the architecture sweep ran out of memory
+    at its 75th model)."""
     if isinstance(modules, Walk):
         return modules
-    modules = list(modules)
-    if len(modules) == 1:
-        root = modules[0]
-        w = _walks.get(root)
-        if w is None or not w.current():
-            w = _walks[root] = Walk(each_module(modules))
-        return w
     return Walk(each_module(modules))
 
 
@@ -229,8 +222,8 @@ class RestoreAttributes:
     optimizer's step and into the next step (found 2026-12-07: 3.16 MB a step held so on the sweep's
     RecurrentGemma, its four layers checkpointed, where the plain run holds 1 KiB). As the plain run has it, the
     attribute holds what the forward assigned. Other attributes (a counter, a flag, an object) are left as the
-    code inside left them. About 2 us a Llama layer's entry and exit, its walk kept (the CI machine's CPU).
-    `modules`: modules, or their Walk."""
+    code inside left them. About 2 us a Llama layer's entry and exit, its Walk kept (the CI machine's CPU; 15 us
+    with the walk made). `modules`: modules, or their Walk."""
 
     __slots__ = ("walk", "saved", "seen")
 

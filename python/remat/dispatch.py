@@ -161,12 +161,11 @@ def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Sh
     run, and when the backward pass reaches this layer's output the previous layer's tensors start coming
     back (so that their copies overlap this layer's backward). explained: a planned step's call, whose
     out-of-memory errors carry remat's words (_Explained)."""
-    layer = lp.layers[i]
     # A group assignment: its sent groups go through the layer's Offload (not opened as hooks: the layer's input
     # and the rest stay, as the chain's group figures count them).
     groups = [g.name for g in shape.chain.stages[i].groups] if is_groups(how) else None
     o = layer_begins(lp, i, how, fn, args, shape)
-    out = run_layer(how, _Explained(lp, i, fn) if explained else fn, args, [layer], lp.policies, offload=o,
+    out = run_layer(how, _Explained(lp, i, fn) if explained else fn, args, lp.walk_of(i), lp.policies, offload=o,
                     groups=groups)
     layer_ends(lp, i, out, shape)
     return out

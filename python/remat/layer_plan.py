@@ -28,6 +28,7 @@ from torch import nn
 
 from . import _core, agreement, fit, oom
 from .fit import parse_budget
+from ._state import Walk, walk
 from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key, unwrap_call, wrap_call
 from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch
 from .layer_calls import autocast_state, call_key, key_form
@@ -176,6 +177,9 @@ class LayerPlan:
         # (_watch_gradless: its hook's handle), which a later step that gives it one warns of.
         self._gradless: set[int] = set()
         self._gradless_hooks: dict[int, object] = {}
+        # Per layer, its modules' Walk (remat._state: what a checkpointed call's attribute contexts read), kept
+        # while current (walk_of).
+        self._walks: dict[int, Walk] = {}
 
     # -- copies: copy.deepcopy(model), pickle, torch.save(model) ---------------------------------------------------
     def __getstate__(self):
@@ -183,7 +187,7 @@ class LayerPlan:
         copied model's layers need to run them; not the step in progress, nor the offloading's host memory or
         copy engines (a copy starts its own: LayerOffloads' own copy)."""
         state = dict(self.__dict__)
-        state.update(_step=None, _unmeasured=False, _calls=[], _calls_wrapped=False, _gradless_hooks={})
+        state.update(_step=None, _unmeasured=False, _calls=[], _calls_wrapped=False, _gradless_hooks={}, _walks={})
         del state["index"]  # ids of the copy's layers
         return state
 
@@ -191,7 +195,8 @@ class LayerPlan:
     # value a LayerPlan made without its option has (a type: a new one of it).
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
-                     _profile_timing="synced", _calls_wrapped=False, _gradless=set, _gradless_hooks=dict)
+                     _profile_timing="synced", _calls_wrapped=False, _gradless=set, _gradless_hooks=dict,
+                     _walks=dict)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -210,6 +215,14 @@ class LayerPlan:
             shape.key = (*key, frozen, ()) if len(key) == 2 else (*key, ())
             self._shapes[shape.key] = shape
         self._watch_gradless()  # the copy's parameters: a Parameter's copy has no hooks
+
+    def walk_of(self, i: int) -> Walk:
+        """Layer i's modules' Walk (remat._state.walk), kept while current: a checkpointed call's attribute
+        contexts read it (about 11 against 37 us a Llama layer's call with it made each time)."""
+        w = self._walks.get(i)
+        if w is None or not w.current():
+            w = self._walks[i] = walk([self.layers[i]])
+        return w
 
     def _step_key(self, tag: str, entries: tuple) -> tuple:
         """A training step's key, under which its plan is kept: `tag` ("model": the model's call, whose shapes

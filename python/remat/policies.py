@@ -201,9 +201,11 @@ def run_layer(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn
     operators save; checkpointed, its input; under a policy, its input and what the policy keeps). A policy
     that answers MUST_CPU_OFFLOAD for some calls sends their outputs through `offload` whatever the choice
     (remat/selective.py). A group assignment ("{khr}") runs under GroupPolicy(groups, "khr"), `groups` the
-    stage's saved groups' names (remat.Stage.groups), its sent groups through `offload`. Outside training with
-    grad, plainly. Raises ValueError for an offloaded choice without an Offload (and, from the forward pass,
-    for a host answer without one), and for a group assignment without the groups' names."""
+    stage's saved groups' names (remat.Stage.groups), its sent groups through `offload`. `modules`: the modules
+    whose buffers and tensor attributes a recompute leaves as it found them (checkpoint_context), or their Walk
+    (remat._state.walk). Outside training with grad, plainly. Raises ValueError for an offloaded choice without
+    an Offload (and, from the forward pass, for a host answer without one), and for a group assignment without
+    the groups' names."""
     how, host = split_choice(how)
     if host and torch.is_grad_enabled():
         if offload is None:

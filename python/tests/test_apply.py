@@ -874,6 +874,23 @@ def test_a_recompute_sees_attributes_made_and_reassigned_as_the_forward_found_th
         assert all(torch.equal(g, h) for g, h in zip(want, got)), call
 
 
+def test_a_planned_model_let_go_of_is_freed():
+    # Nothing of remat's holds a model it planned past its last reference: a cache of the layers' walks kept by
+    # module (weakly keyed, its values holding the modules' dictionaries) held every model it saw, and the
+    # architecture sweep ran out of memory (found 2026-12-07, before commit).
+    import weakref
+    model = mlp(depth=3)
+    lp = remat.enable(model, list(model), budget=1 << 40)
+    train_step(model, x_of())
+    conftest.give_plan(lp, "Fc0 Fa1 Fc2 L Fa2 B2 B1 Fa0 B0".split())
+    train_step(model, x_of())
+    assert lp.choices == ["checkpoint", "keep", "checkpoint"] and lp._walks, lp.choices
+    gone = weakref.ref(model)
+    del model, lp
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_layer_that_keeps_a_tensor_the_backward_does_not_reach_is_warned_of(meter):
     # A tensor of the step's graph kept in an attribute whose node the backward runs (on the way to the layer's
     # output: RecurrentGemma's last recurrent state) holds nothing the backward does not let go of: not warned of.

@@ -86,7 +86,7 @@ class _Runner:
             current = RngState(self.cuda_devices)
             self.rng[i].restore()
             # Run again: as its first run found the attributes it reassigned, and leaving them as now.
-            restore = RestoreModules(mods, seen=self.seen[i]) if mods else None
+            restore = RestoreModules(self.seen[i].walk, seen=self.seen[i]) if mods else None
         else:
             self.rng[i] = RngState(self.cuda_devices)
             restore = self.seen[i] = AttributesSeen(mods) if mods else None

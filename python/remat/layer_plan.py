@@ -217,8 +217,9 @@ class LayerPlan:
         self._watch_gradless()  # the copy's parameters: a Parameter's copy has no hooks
 
     def walk_of(self, i: int) -> Walk:
-        """Layer i's modules' Walk (remat._state.walk), kept while current: a checkpointed call's attribute
-        contexts read it (about 11 against 37 us a Llama layer's call with it made each time)."""
+        """Layer i's modules' Walk (remat._state.walk), kept while current: a checkpointed call's attribute and
+        buffer contexts take 8.2 us a Llama layer's call with it kept, 34 us with it made (7.8 us the buffers'
+        alone, before the attributes were followed; the CI machine's CPU)."""
         w = self._walks.get(i)
         if w is None or not w.current():
             w = self._walks[i] = walk([self.layers[i]])

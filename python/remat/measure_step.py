@@ -1023,7 +1023,8 @@ def graph_state_not_run(lp: "LayerPlan", step: Step) -> None:
     way to its output; a view of an output, whose own node saves none), the backward let go of what they saved,
     as in the plain run: the recompute sees and leaves the attribute as the forward did
     (remat._state.AttributesSeen, RestoreAttributes), and what a checkpointed layer holds so is charged
-    (attributes_held_bytes). Before (found 2026-12-07), every such tensor was warned of, RecurrentGemma's planned
+    (StepContext.checkpoint_state_bytes, from profile's attributes_bytes). Before (found 2026-12-07), every such
+    tensor was warned of, RecurrentGemma's planned
     steps from 67% below to 40% above their predictions: the recompute's tensor, and its graph with what the
     recompute saved, stayed in the attribute past the step."""
     watched, step.graph_state = step.graph_state, []

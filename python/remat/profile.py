@@ -69,12 +69,12 @@ def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int) -> Sta
     """`stage` (stage i) with each run of its function leaving its module's tensor attributes as it found them
     (RestoreAttributes), and the most bytes of tensors a run left in those it reassigned, other than on its
     output's storage, noted in attributes_bytes[i] (profile's `attributes_bytes`); a stage without a module as it
-    is. The profile runs a stage many times, each on a leaf
-    of its own: a layer that keeps a tensor of its forward on itself (RecurrentGemma's last recurrent state) kept
-    the last run's, whose graph holds that run's leaf (its AccumulateGrad node) until the next run assigns
-    another, so that the next run's count let go of a tensor alive at its base and read the stage's saved bytes
-    one input low (found 2026-12-07: RecurrentGemma's recurrent layers' `matmuls` policy 65,536 bytes low, a
-    hidden state, and its plans that keep so one hidden state above their predictions)."""
+    is. The profile runs a stage many times, each on a leaf of its own: a layer that keeps a tensor of its forward
+    on itself (RecurrentGemma's last recurrent state) kept the last run's, whose graph holds that run's leaf (its
+    AccumulateGrad node) until the next run assigns another, so that the next run's count let go of a tensor
+    alive at its base and read the stage's saved bytes one input low (found 2026-12-07: RecurrentGemma's
+    recurrent layers' `matmuls` policy 65,536 bytes low, a hidden state, and its plans that keep so one hidden
+    state above their predictions)."""
     if stage.module is None:
         return stage
     module, fn = stage.module, stage.fn

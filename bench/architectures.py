@@ -23,6 +23,7 @@ whether remat warned in the profiling step (the JSON has the words).
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
     python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)
     python bench/architectures.py --random 8 --seed 0     # 8 random per-layer plans each, in place of budgets
+    python bench/architectures.py --checkpointed --delay 0  # the plan that checkpoints every layer, each
 
 With --random, each model runs random per-layer plans in place of the planner's (bench/given_plan_predictions.py's
 draw: each layer kept, kept with what it saves on the host, streamed with its window or none, under the matmuls
@@ -223,17 +224,26 @@ def same(a, b) -> bool:
     return True
 
 
-def random_plans(lp, model, want, delays, size, meter, plans: int, seed: int) -> list[dict]:
+def checkpointed_plan(n: int) -> str:
+    """The per-layer plan of n layers that checkpoints every one."""
+    return " ".join([f"Fc{i}" for i in range(n)] + ["L"]
+                    + [f"{op}{i}" for i in reversed(range(n)) for op in ("Fa", "B")])
+
+
+def random_plans(lp, model, want, delays, size, meter, plans: int, seed: int, checkpointed: bool = False) -> list[dict]:
     """`plans` random per-layer plans (given_plan_predictions.draw, seeded by `seed` and the model's name) run
-    in place of the planner's, each step under each engine: the runs' figures, as sweep() records them."""
+    in place of the planner's, after the plan that checkpoints every layer where `checkpointed`, each step under
+    each engine: the runs' figures, as sweep() records them."""
     import random
     from conftest import give_plan
     from given_plan_predictions import draw
     rng = random.Random(f"{seed}:{model.config.model_type}")
     runs = []
-    for _ in range(plans):
-        text, windows = draw(lp.chain, rng)
-        _, predicted = give_plan(lp, text.split(), stream_windows=windows, policies=list(lp.chain.policies))
+    n = len(lp.chain.stages)
+    for k in range(plans + checkpointed):
+        text, windows = (checkpointed_plan(n), None) if checkpointed and k == 0 else draw(lp.chain, rng)
+        _, predicted = give_plan(lp, text.split(), **({} if windows is None else dict(stream_windows=windows)),
+                                 policies=list(lp.chain.policies))
         for delay in delays:
             lp.offloads.engines[torch.device("cpu")] = CopyEngine(torch.device("cpu"), delay=delay) if delay else \
                 CopyEngine(torch.device("cpu"), hold=True)
@@ -243,7 +253,8 @@ def random_plans(lp, model, want, delays, size, meter, plans: int, seed: int) ->
     return runs
 
 
-def sweep(kind: str, fractions, delays, size, meter, plans: int = 0, seed: int = 0) -> dict:
+def sweep(kind: str, fractions, delays, size, meter, plans: int = 0, seed: int = 0,
+          checkpointed: bool = False) -> dict:
     row = dict(model=kind)
     plain = build(kind)
     want = [step(plain, k, size, meter) for k in range(3)]
@@ -262,8 +273,8 @@ def sweep(kind: str, fractions, delays, size, meter, plans: int = 0, seed: int =
     row["warnings"] = [str(w.message) for w in seen if str(w.message).startswith("remat")]
     row["least_bytes"] = lp.min_budget_bytes
     top = remat.step_peak_bytes(lp.chain, lp.context, remat.no_checkpoint(lp.chain))
-    if plans:
-        runs = random_plans(lp, model, want, delays, size, meter, plans, seed)
+    if plans or checkpointed:
+        runs = random_plans(lp, model, want, delays, size, meter, plans, seed, checkpointed)
         row.update(bitwise=bitwise and all(r["bitwise"] for r in runs), runs=runs)
         return row
     runs = []
@@ -298,6 +309,9 @@ def main() -> int:
     ap.add_argument("--random", type=int, default=0, metavar="N",
                     help="N random per-layer plans per model in place of the budgets' (every way, group assignments)")
     ap.add_argument("--seed", type=int, default=0, help="with --random: the plans' seed")
+    ap.add_argument("--checkpointed", action="store_true",
+                    help="also (or with --random 0, only) the plan that checkpoints every layer, in place of the "
+                         "budgets'")
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms(True): without it GPT-OSS's plain CPU step is itself not "
                          "always the same (its experts' bias gradients, summed by parallel atomic adds)")
@@ -312,8 +326,11 @@ def main() -> int:
     meter = remat.cpu_meter()
     import transformers
     print(f"transformers {transformers.__version__}, torch {torch.__version__}; batch {args.batch}, sequence "
-          f"{args.seq}; " + (f"{args.random} random plans each (seed {args.seed})" if args.random else
-                             f"budgets {args.budgets} of the way up") + f"; copies at once and delayed {args.delay}"
+          f"{args.seq}; " + ("every layer checkpointed" + (", then " if args.random else "") if args.checkpointed
+                             else "")
+          + (f"{args.random} random plans each (seed {args.seed})" if args.random else
+             "" if args.checkpointed else f"budgets {args.budgets} of the way up")
+          + f"; copies at once and delayed {args.delay}"
           + ("; forward and loss under CPU bf16 autocast" if AUTOCAST else "")
           + ("; deterministic algorithms" if args.deterministic else ""))
     rows = []
@@ -322,7 +339,8 @@ def main() -> int:
     kinds = {"more": MORE, "further": FURTHER, "all": MODELS + MORE + FURTHER}.get(args.models, args.models.split(","))
     for kind in kinds:
         try:
-            row = sweep(kind, fractions, delays, (args.batch, args.seq), meter, args.random, args.seed)
+            row = sweep(kind, fractions, delays, (args.batch, args.seq), meter, args.random, args.seed,
+                        args.checkpointed)
         except Exception as e:  # an architecture this transformers lacks, or a config it refuses
             print(f"{kind:16} not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             if os.environ.get("REMAT_DEBUG"):

@@ -9,8 +9,8 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["AttributesSeen", "RestoreAttributes", "RestoreBuffers", "RestoreModules", "RngState", "Walk", "module_tensors",
-           "walk"]
+__all__ = ["AttributesSeen", "RestoreAttributes", "RestoreBuffers", "RestoreModules", "RngState", "Walk", "kept_walk",
+           "module_tensors", "walk"]
 
 
 def each_module(modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -170,7 +170,7 @@ class Walk:
             changed = [(k, old) for k, old, v in zip(keys, values[at:at + len(keys)], now[at:at + len(keys)])
                        if v is not old]
             at += len(keys)
-            if len(d) != sizes[i] or len(d) != len(self.all_keys[i]):
+            if len(d) != sizes[i]:  # (all_keys is the dictionary's keys at the snapshot, its size sizes[i])
                 changed += [(k, _ABSENT) for k in d.keys() - self.all_keys[i] if isinstance(d[k], torch.Tensor)]
             out.append(changed)
         return out if any(out) else None
@@ -185,6 +185,15 @@ def walk(modules) -> Walk:
     if isinstance(modules, Walk):
         return modules
     return Walk(each_module(modules))
+
+
+def kept_walk(walks: dict, key, module: nn.Module) -> Walk:
+    """walks[key], the Walk of `module` that a caller keeps across calls, made where missing or no longer current
+    (LayerPlan.walk_of's per layer, the profiler's per stage)."""
+    w = walks.get(key)
+    if w is None or not w.current():
+        w = walks[key] = walk([module])
+    return w
 
 
 class AttributesSeen:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from . import _core
-from ._state import RestoreAttributes, RestoreModules, RngState, each_once
+from ._state import RestoreAttributes, RestoreModules, RngState, each_once, kept_walk
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
@@ -65,9 +65,9 @@ class StageFn:
         return self.fn(x)
 
 
-def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int) -> StageFn:
+def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks: dict) -> StageFn:
     """`stage` (stage i) with each run of its function leaving its module's tensor attributes as it found them
-    (RestoreAttributes), and the most bytes of tensors a run left in those it reassigned, other than on its
+    (RestoreAttributes, over the stage's Walk kept in walks[i]: kept_walk), and the most bytes of tensors a run left in those it reassigned, other than on its
     output's storage, noted in attributes_bytes[i] (profile's `attributes_bytes`); a stage without a module as it
     is. The profile runs a stage many times, each on a leaf of its own: a layer that keeps a tensor of its forward
     on itself (RecurrentGemma's last recurrent state) kept the last run's, whose graph holds that run's leaf (its
@@ -80,7 +80,7 @@ def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int) -> Sta
     module, fn = stage.module, stage.fn
 
     def kept(*args):
-        restore = RestoreAttributes([module])
+        restore = RestoreAttributes(kept_walk(walks, i, module))
         with restore:
             out = fn(*args)
             but = _storage_key(out) if isinstance(out, torch.Tensor) else None
@@ -144,7 +144,7 @@ class Restore:
 
     def __init__(self, modules: Sequence[nn.Module], device: torch.device, fresh_grads: bool = False):
         self.params = each_once(p for m in modules for p in m.parameters())
-        self.buffers = RestoreModules(modules)
+        self.modules_state = RestoreModules(modules)
         self.device = device
         self.fresh_grads = fresh_grads
 
@@ -155,7 +155,7 @@ class Restore:
                 for p in self.params:
                     if p.grad is not None:
                         p.grad = torch.zeros_like(p.grad)
-        self.buffers.__enter__()
+        self.modules_state.__enter__()
         self.rng = RngState()
         return self
 
@@ -163,7 +163,7 @@ class Restore:
         for p, g in zip(self.params, self.grads):
             p.grad = g
         self.grads = None
-        self.buffers.__exit__(*exc)
+        self.modules_state.__exit__(*exc)
         self.rng.restore()
         return False
 
@@ -827,11 +827,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     the caller reads (remat.meter). Raises ValueError for no stages, warmup < 0, repeats < 1 or a bad policy, and
     TypeError naming the stage when one returns something other than a tensor.
     """
-    # Per stage, the most bytes of tensors a run of it left in its modules' attributes (_attributes_kept).
+    # Per stage, the most bytes of tensors a run of it left in its modules' attributes (_attributes_kept), and
+    # its module's Walk, kept across its runs (kept_walk).
     attributes_made = [0] * len(stages)
+    walks: dict = {}
     stage_list = [_attributes_kept(s if isinstance(s, StageFn) else
                                    StageFn(s, f"{i}:{type(s).__name__}", s if isinstance(s, nn.Module) else None),
-                                   attributes_made, i)
+                                   attributes_made, i, walks)
                   for i, s in enumerate(stages)]
     n = len(stage_list)
     if n == 0:
@@ -923,7 +925,7 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             return check_out(i, st.compiled(how, leaf))
         if how == KEEP:
             return check_out(i, st(leaf))
-        mods = [st.module] if st.module is not None else []
+        mods = kept_walk(walks, i, st.module) if st.module is not None else []
 
         def counted(*a):
             calls.append(meter.count())

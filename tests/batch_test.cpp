@@ -89,6 +89,13 @@ TEST(Batch, AChainOnALineInTheBatchIsCarriedExactlyAndKeepsItsShape) {
   EXPECT_EQ(half.stages[1].offload->stream_bwd_grads_bytes, -1);
   EXPECT_EQ(half.stages[1].offload->stream_bwd_bytes, 9000);
   EXPECT_EQ(half.stages[0].offload->stream_bwd_grads_bytes, 3500 * 3);
+  // What a streamed stage's input brought back adds to its backward likewise: on the line where both profiles
+  // measured it (100 at 2, 300 at 4), else not measured.
+  remat::Chain backs_a = a, backs_b = b;
+  backs_a.stages[0].offload->stream_bwd_input_bytes = 100;
+  backs_b.stages[0].offload->stream_bwd_input_bytes = 300;
+  EXPECT_EQ(remat::chain_at_batch(backs_a, 2, backs_b, 4, 3).stages[0].offload->stream_bwd_input_bytes, 200);
+  EXPECT_EQ(remat::chain_at_batch(a, 2, backs_b, 4, 3).stages[0].offload->stream_bwd_input_bytes, -1);
   // What comes back ahead likewise, and within the window on the line.
   unread.stages[1].offload->ahead_bytes = -1;
   EXPECT_EQ(remat::chain_at_batch(a, 2, unread, 4, 3).stages[1].offload->ahead_bytes, -1);

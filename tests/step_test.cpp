@@ -520,6 +520,11 @@ void add_random_streams(std::mt19937& rng, Chain& chain) {
           s.offload->stream_bwd_bytes + static_cast<int64_t>(part(rng) * kept / 20);
     // Some with what comes back ahead with the window measured: a third of it.
     if (i % 4 < 2) s.offload->ahead_bytes = s.offload->window_bytes / 3;
+    // Some with what their input brought back adds to the backward measured (from none to all of it, and
+    // above it: at most the input's bytes charged), the rest unmeasured (the input's bytes charged).
+    if (i % 3 != 2)
+      s.offload->stream_bwd_input_bytes =
+          static_cast<int64_t>(part(rng) * 1.2 * static_cast<double>(chain.activation_bytes(i)));
   }
 }
 
@@ -2229,6 +2234,24 @@ TEST(Step, FiguresAgreedByAMaximumAreTheLargestFiguresAndTheSlowestLink) {
     remat::set_plan_figures(r, y, largest(remat::plan_figures(p, ca), remat::plan_figures(q, ca)));
     EXPECT_EQ(r.stages[0].bwd_output_freed_bytes, (holding ? q : p).stages[0].bwd_output_freed_bytes);
   }
+  // What a streamed stage's input brought back adds to its backward: the larger; unmeasured where any
+  // process did not measure it (the input's bytes charged, the most).
+  {
+    ASSERT_TRUE(a.stages[0].offload.has_value());
+    Chain p = a, q = a;
+    for (Chain* s : {&p, &q}) {
+      remat::OffloadCost& o = *s->stages[0].offload;
+      o.stream_fwd_bytes = 10, o.stream_bwd_bytes = 20, o.window_bytes = 5;
+    }
+    p.stages[0].offload->stream_bwd_input_bytes = 30, q.stages[0].offload->stream_bwd_input_bytes = 70;
+    for (const bool measured : {true, false}) {
+      if (!measured) q.stages[0].offload->stream_bwd_input_bytes = -1;
+      Chain r = p;
+      remat::StepContext y = ca;
+      remat::set_plan_figures(r, y, largest(remat::plan_figures(p, ca), remat::plan_figures(q, ca)));
+      EXPECT_EQ(r.stages[0].offload->stream_bwd_input_bytes, measured ? 70 : -1);
+    }
+  }
   // What runs between stages: each figure the larger.
   {
     remat::StepContext ba = ca, bb = cb;
@@ -3007,6 +3030,8 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
           c.plan.ops[0].offloads() ? remat::detail::way_offload(chain, c.plan, c.plan.ops[0]) : std::nullopt;
       const bool sends_input = sent && sent->input;
       const bool first_streamed = c.plan.ops[0].stream && sends_input;
+      // Streamed, it brings the input back within its own backward: what that adds to its measured peak.
+      const int64_t back = first_streamed ? sent->input_back_bytes(chain.input_bytes) : 0;
       if (!sends_input) EXPECT_EQ(c.peak, before) << c.plan.to_string();
       unsent += c.plan.ops[0].offloads() && !sends_input;
       EXPECT_LE(c.peak, before) << c.plan.to_string();
@@ -3016,14 +3041,16 @@ TEST(PerLayerStream, AFirstStageStreamedTakesTheChainsInputWhereNothingElseHolds
       if (first_streamed && trial % 2 == 0) {
         ++timelines;
         // Operation by operation: the same up to the loss and in the part before the chain's backward, the
-        // input's bytes less in every other backward (the rest's included) and recompute.
+        // input's bytes less in every other backward (the rest's included) and recompute; in the first
+        // stage's own backward, less what its copy brought back adds (OffloadCost::input_back_bytes()).
         const remat::StepTimeline a = remat::step_timeline(chain, held, c.plan),
                                   b = remat::step_timeline(chain, gone, c.plan);
         bool after_loss = false;
         for (size_t k = 0; k < a.points.size(); ++k) {
           after_loss = after_loss || a.points[k].op == "L";
           const bool without = after_loss && a.points[k].op != "L" && a.points[k].op != "B(before)";
-          EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, without ? chain.input_bytes : 0)
+          const int64_t own = a.points[k].op == "B0" ? back : 0;
+          EXPECT_EQ(a.points[k].peak_bytes - b.points[k].peak_bytes, without ? chain.input_bytes - own : 0)
               << a.points[k].op << " in " << c.plan.to_string();
         }
       }
@@ -4065,12 +4092,13 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   // above what is held (each copy waited for at once) plus its 6-byte window; after it, of the 30 bytes and
   // a_1 it sends (stage 0, run plainly, does not save a_1 here), only the window is in flight; the window
   // comes back as the backward reaches stage 2, and stage 1's backward peaks at 35 above what is held besides
-  // what it sent, plus the window ahead (a_1 back is among the 35: the profile sends the input too).
+  // what it sent, plus the window ahead (a_1, which left with it, found on the device in the profile, adds
+  // nothing here where it comes back: stream_bwd_input_bytes 0; below, 4 and unmeasured).
   Chain chain = remat::uniform_chain(3, 2.0, 4.0, 10, 40);
   for (auto& s : chain.stages)
     s.offload = remat::OffloadCost{30, true, false};
   remat::OffloadCost& o = *chain.stages[1].offload;
-  o.stream_fwd_bytes = 25, o.stream_bwd_bytes = 35, o.window_bytes = 6;
+  o.stream_fwd_bytes = 25, o.stream_bwd_bytes = 35, o.window_bytes = 6, o.stream_bwd_input_bytes = 0;
   chain.to_host_gb_per_s = 40.0 / 3e6;
   chain.to_device_gb_per_s = 40.0 / 5e6;
   const Plan plan = remat::plan_from_json(
@@ -4083,6 +4111,34 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   // 116. After B2: 106 - 40 - 10 + 10 = 66. B1: 66 - 6 + 6 + 35 = 101; after it 66 + 40 - 6 ...
   const std::vector<int64_t> peaks = {50, 81, 96, 100, 116, 101, 70};
   EXPECT_EQ(sim.op_peak_bytes, peaks);
+  // Where a_1 coming back raises that backward's peak by 4 bytes, B1 is charged 4 more; unmeasured, a_1's 10
+  // (the most it can add). Where stage 0 holds a_1 (its output saved), a_1 never left: found on the device,
+  // none (and a_1 is held anyway: B1 at 111 either way).
+  for (const int64_t back : {int64_t{4}, int64_t{-1}}) {
+    Chain c = chain;
+    c.stages[1].offload->stream_bwd_input_bytes = back;
+    std::vector<int64_t> more = peaks;
+    more[5] += back < 0 ? 10 : back;
+    EXPECT_EQ(remat::simulate(c, plan).op_peak_bytes, more) << back;
+    // Written and read back (absent where unmeasured); the per-layer program charges it as simulate() does.
+    EXPECT_EQ(remat::chain_from_json(remat::to_json(c)).stages[1].offload->stream_bwd_input_bytes, back);
+    EXPECT_EQ(remat::to_json(c).find("stream_bwd_input_bytes") == std::string::npos, back < 0);
+    remat::PlannerOptions with_offload;
+    with_offload.offload = true;
+    const Plan best = remat::per_layer(c, remat::simulate(c, plan).peak_bytes, with_offload);
+    EXPECT_EQ(best.predicted.peak_bytes, remat::simulate(c, best).peak_bytes) << back;
+    c.stages[0].offload->output = true;
+    EXPECT_EQ(remat::simulate(c, plan).op_peak_bytes[5], 111) << back;
+  }
+  // Checked: -1 or a count of bytes; a chain text with it but no stream figures is refused.
+  Chain bad = chain;
+  bad.stages[1].offload->stream_bwd_input_bytes = -2;
+  EXPECT_THROW_WITH_STD(remat::validate(bad), "offload stream_bwd_input_bytes");
+  EXPECT_THROW_WITH_STD(
+      remat::chain_from_json(
+          R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000,
+              "saved_bytes": 5000, "offload": {"bytes": 100, "stream_bwd_input_bytes": 10}}]})"),
+      "remat::chain_from_json", "come together");
   // The same copies as @host: its 40 bytes each way.
   EXPECT_EQ(sim.host_peak_bytes, 40);
   Plan host = plan;

@@ -450,29 +450,51 @@ def _measure_groups(fn, leaf, alive: set[int], clock: "_Clock", repeats: int, of
             for name, nbytes, unsaved, stays in found]
 
 
-def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int],
-                    window: int) -> tuple[int, int, int, int] | None:
+def _measure_stream(fn, leaf, backward, meter, min_bytes: int, alive: set[int], window: int,
+                    input_sent: bool = False) -> tuple[int, int, int, int, int] | None:
     """fn(leaf) run streamed: what it saves sent to the host as it is made, each copy waited for at once
     (remat.offload.Offload with window 0, never the `alive` storages), then backward(out) (the profile's
     timed_backward: (ms, its peak above the bytes before it, that peak had it made its parameters' gradients
-    or None)), each tensor brought back where it is used. Returns (the forward's peak above the bytes before
-    it, the backward's, the backward's with its gradients made or -1 unmeasured, what the runtime's prefetch()
-    brings back ahead with `window`: Offload.ahead_bytes, the layer's input and output perhaps found on the
-    device), or None when it has no backward (its output needs no gradient)."""
-    o = Offload(pool=HostPool(), min_bytes=min_bytes, lookahead=0, window=0).keep_on_device(storages=alive)
-    before = meter.count()
-    with meter.window() as peak:
-        with o:
-            out = fn(leaf)
-        o.finish_copies()
-        fwd = peak.peak() - before
+    or None)), each tensor brought back where it is used, the leaf (held here) found on the device. Returns
+    (the forward's peak above the bytes before it, the backward's, the backward's with its gradients made or -1
+    unmeasured, what the runtime's prefetch() brings back ahead with `window`: Offload.ahead_bytes, the layer's
+    input and output perhaps found on the device, and with `input_sent` (the stage saves its input) how much
+    higher the backward's peaks are where the input comes back from the host: OffloadCost.stream_bwd_input_bytes,
+    else -1), or None when it has no backward (its output needs no gradient)."""
+
+    def run(x):
+        o = Offload(pool=HostPool(), min_bytes=min_bytes, lookahead=0, window=0).keep_on_device(storages=alive)
+        before = meter.count()
+        with meter.window() as peak:
+            with o:
+                out = fn(x)
+            o.finish_copies()
+            fwd = peak.peak() - before
+        return o, out, fwd
+
+    o, out, fwd = run(leaf)
     if not out.requires_grad:
         return None
     ahead = o.ahead_bytes(window, maybe_found=(leaf, out))
     _, bwd, grads = backward(out)
     del out
     o.pool.release()
-    return max(0, fwd), max(0, bwd), -1 if grads is None else max(0, grads), ahead
+    back = -1
+    if input_sent:
+        # Again, its input a copy of the leaf let go of once the forward is done, as a step lets go of a layer's
+        # input that nothing but the layer saves: its backward brings that input back from the host rather than
+        # find it on the device (the copy's gradient flows to the leaf, as the leaf's own would).
+        x = leaf.clone()
+        o, out, _ = run(x)
+        del x
+        _, bwd_back, grads_back = backward(out)
+        del out
+        o.pool.release()
+        back = bwd_back - bwd
+        if grads is not None and grads_back is not None:
+            back = max(back, grads_back - grads)
+        back = min(max(0, back), leaf.untyped_storage().nbytes())
+    return max(0, fwd), max(0, bwd), -1 if grads is None else max(0, grads), ahead, back
 
 
 class _SavedStorages:
@@ -1272,10 +1294,12 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
                         continue
                     leaf = leaf_of(i)
                     targets = targets_of(i, leaf)
+                    sent = fields[i].get("offload")
                     fields[i]["stream"] = _measure_stream(
                         lambda t, i=i: check_out(i, stage_list[i](t)), leaf,
                         lambda out, i=i, targets=targets: timed_backward(out, targets, i, grads_peak=True),
-                        meter, offload_min_bytes, alive, fields[i].get("largest", 0)) if targets else None
+                        meter, offload_min_bytes, alive, fields[i].get("largest", 0),
+                        input_sent=sent is not None and sent.input) if targets else None
                     del leaf, targets
                     report("offloading", names[i])
             if groups:
@@ -1376,7 +1400,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             s.offload = f.get("offload")
             if s.offload is not None and f.get("stream") is not None:
                 o = s.offload
-                o.stream_fwd_bytes, o.stream_bwd_bytes, o.stream_bwd_grads_bytes, ahead = f["stream"]
+                o.stream_fwd_bytes, o.stream_bwd_bytes, o.stream_bwd_grads_bytes, ahead, back = f["stream"]
+                # Where it sends its input: what that input brought back adds to its backward (measured).
+                o.stream_bwd_input_bytes = back if o.input else -1
                 # The runtime's window: the largest tensor the stage sends (one copy in flight each way, or
                 # one tensor ahead, beside the one in use); what it brings back ahead with it, within it.
                 o.window_bytes = f.get("largest", 0)

@@ -151,6 +151,13 @@ NB_MODULE(_core, m) {
           "stream_bwd_grads_bytes", &remat::OffloadCost::stream_bwd_grads_bytes,
           "streamed: that backward's peak had it made the stage's parameter gradients, those made by then "
           "counted (bytes; -1: not measured, all of them charged)")
+      .def_rw("stream_bwd_input_bytes", &remat::OffloadCost::stream_bwd_input_bytes,
+              "streamed, sending its input: how much higher that backward's peaks are where the input comes "
+              "back from the host than where it is found on the device (bytes; -1: not measured, the input's "
+              "bytes charged)")
+      .def("input_back_bytes", &remat::OffloadCost::input_back_bytes, "input_bytes"_a,
+           "streamed: what its backward holds beyond stream_bwd_bytes where its input of `input_bytes` left "
+           "the device with it (bytes)")
       .def_rw("window_bytes", &remat::OffloadCost::window_bytes,
               "streamed: the most bytes in flight each way beside those peaks (bytes)")
       .def_rw(

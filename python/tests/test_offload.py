@@ -1227,14 +1227,19 @@ def test_a_policy_that_keeps_more_than_keeping_everything_is_charged_what_it_kee
     # too), the first bringing its copy back ahead while the second's backward runs with its own: charged twice
     # there since 2026-12-01 (the step was 10% above its prediction). A streamed plan runs only as planned in
     # place: the planner's answer is replaced by it.
+    # Layers 2 and 3 streamed take their input to the host (the layer before sends it too) and bring it back
+    # in their backward (OffloadCost.stream_bwd_input_bytes, a hidden state, since 2026-12-07); the output's copy
+    # their ReLU brings back is let go of once it has run backward, before that input comes back, which the model
+    # does not credit (it holds a streamed layer's output through its backward): a hidden state high, safe.
     lp = remat.enable(model, layers, budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
     stack_step(model, x)  # the profiling step
     ops = "Fa0@host Fa1@host Fa2@stream Fa3@stream L B3 B2 B1 B0".split()
     _, predicted = give_plan(lp, ops, stream_windows=[0] * 4)
     assert lp.choices == ["keep@host", "keep@host", "keep@stream0", "keep@stream0"], lp.choices
-    got = stack_step(model, x)
+    with pytest.warns(RuntimeWarning, match="below the plan's prediction"):
+        got = stack_step(model, x)
     same_step(plain, got)
-    assert predicted * 0.98 <= got[2] <= predicted, (got[2], predicted)
+    assert predicted - got[2] == x.nbytes, (got[2], predicted)
     # The least budget's plan, within its prediction (the planner's again).
     lp.choose_plan = None
     lp.set_budget(lp.min_budget_bytes)
@@ -1321,6 +1326,53 @@ def test_a_streamed_layer_that_sends_only_its_input_and_output_is_charged_no_win
     assert measured["F0"] == expected["F0"] and measured["F1"] == expected["F1"], (measured, expected)
     assert all(peak <= expected[name] for name, peak in measured.items()), (measured, expected)
     assert got[2] <= predicted
+
+
+class ScaledSkip(nn.Module):
+    """A Linear-GELU-Linear and a skip scaled by a parameter: its input saved by the first Linear and by the
+    scale's product, whose backward, the first to run, brings it back while the MLP's backward has yet to run."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.a, self.b = nn.Linear(w, 4 * w), nn.Linear(4 * w, w)
+        self.g = nn.Parameter(torch.ones(w))
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x))) + x * self.g
+
+
+def test_a_streamed_layers_input_that_left_the_device_is_charged_where_its_backward_brings_it_back():
+    # Each layer saves its input, which nothing else holds: streamed, the input leaves the device with it and its
+    # backward brings it back from the host early (the scaled skip's product runs backward first), beside the
+    # MLP's backward. The profile's streamed run holds its input, found on the device there, so a second run
+    # with it let go of measures what the copy adds (OffloadCost.stream_bwd_input_bytes: the whole hidden
+    # state). Before (found 2026-12-07 on DeepSeek-V4), the model took the copy as among the measured peak:
+    # every layer streamed with no window held a hidden state (131,072 bytes, 7.7%) above its prediction; now
+    # exact, with copies made at once and delayed.
+    torch.manual_seed(0)
+    model = Stack(n=4)
+    model.layers = nn.ModuleList(ScaledSkip(128) for _ in range(4))
+    grads_ready(model)
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(2))  # a hidden state: 128 KiB
+    plain = stack_step(model, x)
+    lp = remat.enable(model, list(model.layers), budget=1 << 40, offload=True, offload_min_bytes=64 << 10)
+    same_step(plain, stack_step(model, x))  # the profiling step
+    for st in lp.chain.stages:
+        assert st.offload.input and st.offload.stream_bwd_input_bytes == x.nbytes, st.offload.stream_bwd_input_bytes
+    # (Block's input comes back at its first Linear's backward, after its peak: it adds nothing there.)
+    ops, windows = forwards_plan(lp.chain, [f"Fa{i}@stream0" for i in range(4)])
+    _, predicted = give_plan(lp, ops, stream_windows=windows)
+    unmeasured = remat.Chain.from_json(lp.chain.to_json())
+    for st in unmeasured.stages:
+        o = st.offload
+        o.stream_bwd_input_bytes = 0  # as the model read it before
+        st.offload = o
+    assert predicted - remat.step_peak_bytes(unmeasured, lp.context, lp.plan) == x.nbytes
+    for delay in (0, 100):
+        lp.offloads.engines[x.device] = CopyEngine(x.device, delay=delay, hold=True)
+        got = stack_step(model, x)
+        same_step(plain, got)
+        assert got[2] == predicted, (delay, got[2], predicted)
 
 
 def test_a_recompute_after_an_offloaded_layer_holds_its_input_twice_as_its_backward_does():

@@ -60,8 +60,11 @@ std::optional<OffloadCost> offload_at(const std::optional<OffloadCost>& a,
     c.stream_bwd_grads_bytes = a->stream_bwd_grads_bytes >= 0 && b->stream_bwd_grads_bytes >= 0
                                    ? line.bytes(a->stream_bwd_grads_bytes, b->stream_bwd_grads_bytes)
                                    : -1;
+    c.stream_bwd_input_bytes = a->stream_bwd_input_bytes >= 0 && b->stream_bwd_input_bytes >= 0
+                                   ? line.bytes(a->stream_bwd_input_bytes, b->stream_bwd_input_bytes)
+                                   : -1;
   } else {
-    c.stream_fwd_bytes = c.stream_bwd_bytes = c.stream_bwd_grads_bytes = -1;
+    c.stream_fwd_bytes = c.stream_bwd_bytes = c.stream_bwd_grads_bytes = c.stream_bwd_input_bytes = -1;
   }
   c.window_bytes = line.bytes(a->window_bytes, b->window_bytes);
   // What comes back ahead: on the line too, within the window there.

@@ -111,6 +111,8 @@ void check_offload(const Chain& chain, size_t i, const char* field, const std::o
   // Read with the stream figures only (without them nothing streams, and it is not written; ahead_bytes too).
   if (o->stream_bwd_grads_bytes != -1)
     check_bytes(chain, i, "offload stream_bwd_grads_bytes", o->stream_bwd_grads_bytes);
+  if (o->stream_bwd_input_bytes != -1)
+    check_bytes(chain, i, "offload stream_bwd_input_bytes", o->stream_bwd_input_bytes);
   const int64_t most = kept - chain.stages[i].output_bytes;
   if (o->bytes > most) {
     throw std::invalid_argument("remat::validate: " + stage_label(chain, i) + " has " + field + " bytes (" +
@@ -318,6 +320,7 @@ nlohmann::ordered_json offload_json(const OffloadCost& o) {
     j["window_bytes"] = o.window_bytes;
     if (o.stream_bwd_grads_bytes >= 0) j["stream_bwd_grads_bytes"] = o.stream_bwd_grads_bytes;
     if (o.ahead_bytes >= 0) j["ahead_bytes"] = o.ahead_bytes;
+    if (o.stream_bwd_input_bytes >= 0) j["stream_bwd_input_bytes"] = o.stream_bwd_input_bytes;
   }
   return j;
 }
@@ -459,19 +462,20 @@ std::optional<OffloadCost> offload_from(const nlohmann::json& j, const char* key
     *field = o.at(name).get<bool>();
   }
   const bool fwd = o.contains("stream_fwd_bytes"), bwd = o.contains("stream_bwd_bytes");
-  if (fwd != bwd ||
-      ((o.contains("window_bytes") || o.contains("stream_bwd_grads_bytes") || o.contains("ahead_bytes")) &&
-       !fwd))
+  if (fwd != bwd || ((o.contains("window_bytes") || o.contains("stream_bwd_grads_bytes") ||
+                      o.contains("ahead_bytes") || o.contains("stream_bwd_input_bytes")) &&
+                     !fwd))
     throw std::invalid_argument("remat::chain_from_json: " + at +
                                 ": \"stream_fwd_bytes\" and \"stream_bwd_bytes\" come together (with "
-                                "\"window_bytes\", \"stream_bwd_grads_bytes\" and \"ahead_bytes\"), or not "
-                                "at all");
+                                "\"window_bytes\", \"stream_bwd_grads_bytes\", \"ahead_bytes\" and "
+                                "\"stream_bwd_input_bytes\"), or not at all");
   if (fwd) {
     c.stream_fwd_bytes = required<int64_t>(o, "stream_fwd_bytes", at);
     c.stream_bwd_bytes = required<int64_t>(o, "stream_bwd_bytes", at);
     c.window_bytes = optional<int64_t>(o, "window_bytes", at, 0);
     c.stream_bwd_grads_bytes = optional<int64_t>(o, "stream_bwd_grads_bytes", at, -1);
     c.ahead_bytes = optional<int64_t>(o, "ahead_bytes", at, -1);
+    c.stream_bwd_input_bytes = optional<int64_t>(o, "stream_bwd_input_bytes", at, -1);
   }
   return c;
 }

@@ -60,6 +60,9 @@ struct Collect {
                                                        : std::nullopt);
     // What comes back ahead of its backward: likewise (the largest is at most the largest window).
     opt_bytes(stream && v->ahead_bytes >= 0 ? std::optional<int64_t>(v->ahead_bytes) : std::nullopt);
+    // What its input brought back adds to its backward: likewise (absent, the input's bytes are charged).
+    opt_bytes(stream && v->stream_bwd_input_bytes >= 0 ? std::optional<int64_t>(v->stream_bwd_input_bytes)
+                                                       : std::nullopt);
   }
 };
 
@@ -106,12 +109,14 @@ struct Write {
     c.after_forward = next_flag();
     const bool no_stream = next_flag();
     const int64_t fwd = next_int(), bwd = next_int(), window = next_int();
-    std::optional<int64_t> grads, ahead;
+    std::optional<int64_t> grads, ahead, input_back;
     opt_bytes(grads);
     opt_bytes(ahead);
+    opt_bytes(input_back);
     if (!no_stream) c.stream_fwd_bytes = fwd, c.stream_bwd_bytes = bwd, c.window_bytes = window;
     if (!no_stream && grads) c.stream_bwd_grads_bytes = *grads;
     if (!no_stream && ahead) c.ahead_bytes = *ahead;
+    if (!no_stream && input_back) c.stream_bwd_input_bytes = *input_back;
     v = absent ? std::nullopt : std::optional<OffloadCost>(c);
   }
 };

@@ -351,8 +351,8 @@ int64_t past_between_bytes(const Stage& s, const Choice& c, const StepTerms* ste
 
 // The peak of stage j run as `c` above R_j (the bytes held before it), with what `step` adds (none if null).
 // `bwd_less`: bytes of R_j not on the device in its backward and recompute (a streamed stage's input that
-// left with what it saves, whose measured backward peak holds it back; the chain's input once the first
-// stage took it to the host); `bwd_less_input`: whether the chain's input is among them.
+// left with what it saves, less what its copy brought back adds to its measured backward peak; the chain's
+// input once the first stage took it to the host); `bwd_less_input`: whether the chain's input is among them.
 // `twice`: bytes its backward and its recompute hold twice (its input, which left with it, beside the stage
 // before's own copy, brought back ahead: simulate()'s rule).
 // `dropped`: its input's bytes where they were let go of once its forward was done (Point::output_let_go),
@@ -1203,7 +1203,13 @@ Solution solve(const Chain& chain, const std::vector<char>& allowed, bool by_tim
               taken_less.between = detail::taken_unheld_bytes(x, th);
             }
           }
-          const int64_t bwd_less = (ch.stream && input_leaves ? a_in : 0) + (gone ? step->input_freed : 0) +
+          // (A streamed stage's input that left with it: gone from R_j, but its copy brought back adds what
+          // it adds to the measured backward: OffloadCost::input_back_bytes(), simulate()'s rule.)
+          // Likewise the chain's input, taken to the host by the first stage streamed: back in its backward.
+          const int64_t first_back =
+              j == 1 && gone && ch.stream && sends_input ? ch.cost->input_back_bytes(step->input_freed) : 0;
+          const int64_t bwd_less = (ch.stream && input_leaves ? a_in - ch.cost->input_back_bytes(a_in) : 0) +
+                                   (gone ? step->input_freed - first_back : 0) +
                                    (rest_less ? step->rest_gone : 0);
           f.need[th][input_leaves][gone][twice][less] =
               stage_need(chain, j, ch, step, bwd_less, gone, twice ? a_in : 0, dropped_bytes, taken_less);

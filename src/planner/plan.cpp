@@ -575,9 +575,11 @@ Simulation run(const Plan& plan, const Chain* chain, const char* who) {
         const int64_t two = twice(i);
         if (own.stream) {
           // Streamed: its window came back ahead; within its backward each tensor comes back just ahead of
-          // its use (its measured peak, which holds its input brought back: the profile sends it too; a
-          // window ahead beside it). Then all it sent is accounted as back, as autograd drops it.
-          charge(current - own.tail + own.window + own.cost.stream_bwd_bytes + two, k);
+          // its use (its measured peak, with its input found on the device; where the input left with it,
+          // what its copy brought back adds: OffloadCost::input_back_bytes(); a window ahead beside it). Then
+          // all it sent is accounted as back, as autograd drops it.
+          const int64_t input_back = own.input_left ? own.cost.input_back_bytes(act(i)) : 0;
+          charge(current - own.tail + own.window + own.cost.stream_bwd_bytes + input_back + two, k);
           current += own.device - own.tail;
         } else if (chain && after_keep && kept_groups[i + 1].empty() && kept_with[i + 1] >= 0) {
           // Fk under a policy: its backward's own measured peak, recompute included (or its parts).

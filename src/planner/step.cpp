@@ -522,6 +522,21 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
   // the first operation after the loss of it or of the stage after it (simulate()'s schedule).
   const int64_t gone_from = input_gone_from(chain, context, ops);
   const int64_t freed = gone_from > 0 ? input_unheld_bytes(chain, context) : 0;
+  // That first stage, streamed, brings the chain's input back within its own backward: what the copy adds to
+  // its measured peak, which found its input on the device (OffloadCost::input_back_bytes()).
+  int64_t first_back = 0;
+  if (gone_from == 1 && freed > 0) {
+    for (const Op& op : ops.ops) {
+      if (op.kind == OpKind::kLoss) break;
+      if (op.stage != 1 || op.kind == OpKind::kBackward || !op.offloads()) continue;
+      if (op.stream && sends_input(chain, ops, op)) {
+        Op in_chain = op;
+        in_chain.stage = 0;
+        first_back = way_offload(chain, ops, in_chain)->input_back_bytes(freed);
+      }
+      break;
+    }
+  }
   bool input_back = false;
   const int64_t base = context.input_in_base ? chain.input_bytes : int64_t{0};
   bool after_loss = false;
@@ -693,6 +708,7 @@ std::vector<int64_t> step_op_peaks(const Chain& chain, const StepContext& contex
     }
     const int64_t less = base + (without_input ? freed : 0) + taken_less;
     peaks[k] = sim.op_peak_bytes[k] + arrived + at_peak - less;
+    if (op.kind == OpKind::kBackward && op.stage == 1) peaks[k] += first_back;
     // The gradient a residual sum's path holds through a chain stage's backward (grad_held_bytes()).
     if (op.kind == OpKind::kBackward && op.stage >= 1 && op.stage <= n)
       peaks[k] += grad_held_bytes(chain, context, op.stage - 1, way[static_cast<size_t>(op.stage)]);

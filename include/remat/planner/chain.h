@@ -40,9 +40,9 @@ struct OffloadCost {
   /// (bytes; -1: not measured, the stage cannot be streamed).
   int64_t stream_fwd_bytes = -1;
   /// The backward's peak above the bytes alive before it (its output's gradient, what it kept on the device,
-  /// its input held), each tensor brought back where it is used, none ahead (bytes; -1: not measured). When
-  /// the stage sends its input (`input`), the copy brought back is among them: simulate() charges no other
-  /// for an input that left the device.
+  /// its input held), each tensor brought back where it is used, none ahead (bytes; -1: not measured). Its
+  /// input, held through it, is found on the device there, not brought back: where it left the device with
+  /// the stage (`input`, nothing else holding it), stream_bwd_input_bytes says how much higher that peak is.
   int64_t stream_bwd_bytes = -1;
   /// The most bytes the runtime holds in flight each way beside those peaks (copies to the host not yet
   /// landed; tensors brought back ahead of their use), at least the largest tensor it sends (bytes, >= 0).
@@ -65,6 +65,22 @@ struct OffloadCost {
   /// behind the next stage's forward alone, not its own. It cannot stream (validate() refuses both). Last
   /// of the fields, so that aggregate initializers written before it mean what they did.
   bool after_forward = false;
+  /// Streaming, where the stage sends its input (`input`): how much higher its backward's peaks
+  /// (stream_bwd_bytes, stream_bwd_grads_bytes; the larger difference) are where that input comes back from
+  /// the host, having left the device with the stage, than where it is found there (bytes, from 0 to the
+  /// input's; -1: not measured, the input's bytes charged). The Python profiler measures it (a second
+  /// streamed run, its input let go of after the forward); C++'s executor holds a stage's input, which never
+  /// leaves (`input` false), so it is unread there. Before (found 2026-12-07), the input was taken as among
+  /// stream_bwd_bytes, which the profilers measured with it found: DeepSeek-V4's least plan held 0.83% above
+  /// its prediction, a hidden state in each streamed layer's backward.
+  int64_t stream_bwd_input_bytes = -1;
+  /// What the runtime holds in a streamed backward beyond stream_bwd_bytes where the stage's input, of
+  /// `input_bytes`, left the device with it (its copy brought back; stream_bwd_input_bytes where measured,
+  /// else `input_bytes`, at most that). simulate() and the per-layer planner charge it.
+  int64_t input_back_bytes(int64_t input_bytes) const {
+    return stream_bwd_input_bytes >= 0 && stream_bwd_input_bytes < input_bytes ? stream_bwd_input_bytes
+                                                                               : input_bytes;
+  }
   /// Whether the stream figures were measured.
   bool can_stream() const { return stream_fwd_bytes >= 0 && stream_bwd_bytes >= 0; }
   /// Streamed with a window of `window` bytes, of `leaving` bytes that leave the device: what stays in

@@ -121,10 +121,13 @@ class Walk:
     made again where a submodule was added, removed or replaced since."""
 
     __slots__ = ("modules", "dicts", "children", "child_dicts", "child_sizes", "sizes", "keys", "all_keys",
-                 "flat_dicts", "flat_keys")
+                 "flat_dicts", "flat_keys", "forwards", "written")
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
+        # AttributesSeen's: whether a forward of these modules has run under one, and the ids of the buffers a
+        # forward wrote in place (whose values it clones at the start of the next ones).
+        self.forwards, self.written = False, set()
         self.dicts = [m.__dict__ for m in modules]
         self.child_dicts = [d["_modules"] for d in self.dicts]
         self.child_sizes = list(map(len, self.child_dicts))
@@ -137,6 +140,16 @@ class Walk:
     def _flatten(self) -> None:
         self.flat_dicts = [d for d, keys in zip(self.dicts, self.keys) for _ in keys]
         self.flat_keys = [k for keys in self.keys for k in keys]
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The modules' buffers, now (a buffer shared by two modules twice)."""
+        return [b for d in self.dicts for b in d["_buffers"].values() if b is not None]
+
+    def buffer_names(self, buffers: Iterable[torch.Tensor]) -> list[str]:
+        """The names of `buffers` ("BatchNorm2d.running_mean"), for an error."""
+        ids = {id(b) for b in buffers}
+        return [f"{type(m).__name__}.{k}" for m in self.modules for k, b in m.__dict__["_buffers"].items()
+                if id(b) in ids]
 
     def current(self) -> bool:
         """Whether the modules are as walked (no submodule added, removed or replaced): C's loops only."""
@@ -205,23 +218,58 @@ class AttributesSeen:
     module as it finds it (found 2026-12-07: a Linear-sigmoid layer adding its last call's mean, every gradient
     of its second step wrong). Holds those values until the recompute (the plain run lets go of one as the
     forward reassigns it; the profiling step charges what a layer leaves in them, StepContext's
-    checkpoint_state_bytes). `modules`: modules, or their Walk."""
+    checkpoint_state_bytes). `modules`: modules, or their Walk.
 
-    __slots__ = ("walk", "before", "seen")
+    Likewise the buffers the forward writes in place (a running average it reads, an EMA codebook): `found`, each
+    such buffer with a copy of its value when the forward began, which RestoreModules(..., seen=) sets for the
+    recompute. A copy is made at the start of a forward of every buffer of the modules on the Walk's first
+    forward, and of those a forward of it wrote since (Walk.written); a buffer written by a later forward that
+    its first did not write has no copy (`unkept`): its recompute raises rather than read the value written.
+    (BatchNorm's statistics, written every training step and not read there, are copied too: a few floats.)"""
+
+    __slots__ = ("walk", "before", "seen", "found", "unkept", "_buffers", "_versions", "_copies")
 
     def __init__(self, modules):
         self.walk = walk(modules)
         self.before = None
         self.seen: list[list[tuple[str, object]]] | None = None
+        self.found: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.unkept: list[torch.Tensor] | None = None
+        self._buffers = self._versions = self._copies = None
 
     def __enter__(self):
-        self.before = self.walk.snapshot()
+        w = self.walk
+        self.before = w.snapshot()
+        buffers = w.buffers()
+        if buffers:
+            self._buffers, self._versions = buffers, [b._version for b in buffers]
+            if not w.forwards or w.written:
+                with torch.no_grad():
+                    self._copies = {id(b): b.clone() for b in buffers if not w.forwards or id(b) in w.written}
         return self
 
     def __exit__(self, *exc):
         before, self.before = self.before, None
-        self.seen = self.walk.changes(before)
+        w = self.walk
+        self.seen = w.changes(before)
+        w.forwards = True
+        if self._buffers is not None:
+            found, unkept, copies = [], [], self._copies or {}
+            for b, v in zip(self._buffers, self._versions):
+                if b._version != v:
+                    w.written.add(id(b))
+                    copy = copies.get(id(b))
+                    if copy is None:
+                        unkept.append(b)
+                    elif all(b is not f for f, _ in found):
+                        found.append((b, copy))
+            self.found, self.unkept = found or None, unkept or None
+            self._buffers = self._versions = self._copies = None
         return False
+
+    def written_bytes(self) -> int:
+        """The bytes of the copies held for the recompute (`found`)."""
+        return sum(c.nbytes for _, c in self.found or ())
 
 
 class RestoreAttributes:
@@ -297,6 +345,20 @@ class RestoreModules:
 
     def __enter__(self):
         self.buffers.__enter__()
+        seen = self.attributes.seen
+        if seen is not None and seen.unkept:
+            names = ", ".join(self.attributes.walk.buffer_names(seen.unkept))
+            self.buffers.__exit__(None, None, None)
+            raise RuntimeError(
+                f"remat: a checkpointed layer's forward wrote the buffer(s) {names} in place, which its first forward "
+                "under remat did not write, so no copy of their value before the write was kept; the recompute would "
+                "read the value written and its gradients would be wrong. Run a forward that writes them first (the "
+                "profiling step does), or leave the layer kept")
+        if seen is not None and seen.found:
+            with torch.no_grad():
+                for b, value in seen.found:  # (through .data: graphs that saved the buffer see no new version)
+                    if b.shape == value.shape:
+                        b.data.copy_(value)
         self.attributes.__enter__()
         return self
 

@@ -68,8 +68,8 @@ class StageFn:
 def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks: dict) -> StageFn:
     """`stage` (stage i) with each run of its function leaving its module's tensor attributes as it found them
     (RestoreAttributes, over the stage's Walk kept in walks[i]: kept_walk), and the most bytes of tensors a run left in those it reassigned, other than on its
-    output's storage, noted in attributes_bytes[i] (profile's `attributes_bytes`); a stage without a module as it
-    is. The profile runs a stage many times, each on a leaf of its own: a layer that keeps a tensor of its forward
+    output's storage, with those of the buffers it wrote in place, noted in attributes_bytes[i] (profile's
+    `attributes_bytes`); a stage without a module as it is. The profile runs a stage many times, each on a leaf of its own: a layer that keeps a tensor of its forward
     on itself (RecurrentGemma's last recurrent state) kept the last run's, whose graph holds that run's leaf (its
     AccumulateGrad node) until the next run assigns another, so that the next run's count let go of a tensor
     alive at its base and read the stage's saved bytes one input low (found 2026-12-07: RecurrentGemma's
@@ -80,11 +80,17 @@ def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks:
     module, fn = stage.module, stage.fn
 
     def kept(*args):
-        restore = RestoreAttributes(kept_walk(walks, i, module))
+        w = kept_walk(walks, i, module)
+        restore = RestoreAttributes(w)
+        buffers = w.buffers()
+        versions = [b._version for b in buffers]
         with restore:
             out = fn(*args)
             but = _storage_key(out) if isinstance(out, torch.Tensor) else None
-            attributes_bytes[i] = max(attributes_bytes[i], restore.reassigned_bytes(but))
+            # With the buffers it wrote in place: a checkpointed run holds a copy of each from its forward to its
+            # recompute (remat._state.AttributesSeen's `found`).
+            written = sum(b.nbytes for b in each_once(b for b, v in zip(buffers, versions) if b._version != v))
+            attributes_bytes[i] = max(attributes_bytes[i], restore.reassigned_bytes(but) + written)
         return out
 
     return replace(stage, fn=kept)

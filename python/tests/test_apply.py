@@ -882,6 +882,81 @@ def test_layers_that_carry_state_across_calls_get_the_plain_runs_gradients_state
         gc.collect()  # LayerPlan refer to each other)
 
 
+class _BufferCarrying(nn.Module):
+    """_Carrying's state in a buffer its forward reads, then writes in place (a running mean; an EMA codebook
+    likewise). `from_call`: it writes the buffer from its `from_call`-th call on."""
+
+    def __init__(self, width=64, from_call=0):
+        super().__init__()
+        self.lin, self.calls, self.from_call = nn.Linear(width, width), 0, from_call
+        self.register_buffer("h", torch.zeros(1, width))
+
+    def forward(self, x):
+        out = torch.tanh(torch.sigmoid(self.lin(x) + self.h))
+        self.calls += 1
+        if self.calls > self.from_call:
+            with torch.no_grad():
+                self.h.mul_(0.5).add_(out.mean(0, keepdim=True), alpha=0.5)
+        return out
+
+
+def test_a_buffer_a_layer_writes_in_place_is_read_by_its_recompute_as_its_forward_read_it(meter):
+    # The recompute finds each buffer its forward wrote in place as that forward found it (a copy kept from the
+    # forward's start: remat._state.AttributesSeen's `found`), and leaves it as the forward left it. Before (found
+    # 2026-12-07), it read the value written, as under torch.utils.checkpoint, and every gradient of a
+    # checkpointed layer was wrong, silently; the copies are charged from the forward to the recompute
+    # (checkpoint_state_bytes).
+    def model(from_call=0):
+        torch.manual_seed(0)
+        return nn.Sequential(*[_BufferCarrying(from_call=from_call) for _ in range(4)])
+
+    x = x_of()
+    plain = model()
+    preallocate(plain)
+    want = [train_step(plain, x, meter, seed=k) for k in range(4)]
+    for choices in (["checkpoint"] * 4, ["keep", "checkpoint", "{kr}", "checkpoint"]):
+        m = model()
+        preallocate(m)
+        lp = remat.enable(m, list(m), budget=1 << 40, groups=True)
+        assert_same_run(want[0], train_step(m, x, meter, seed=0))  # the profiling step
+        ops = [f"Fk{i}{c}" if c.startswith("{") else f"{'Fa' if c == 'keep' else 'Fc'}{i}"
+               for i, c in enumerate(choices)] + ["L"]
+        for i in reversed(range(4)):
+            ops += [f"Fa{i}"] * (choices[i] == "checkpoint") + [f"B{i}"]
+        groups = len(lp.chain.stages[2].groups)
+        if "{kr}" in choices and groups != 2:
+            ops = [o.replace("{kr}", "{" + "k" * (groups - 1) + "r}") for o in ops]
+        _, predicted = conftest.give_plan(lp, ops)
+        for k in range(1, 4):
+            got = train_step(m, x, meter, seed=k)
+            assert_same_run(want[k], got)  # the buffers too: as the forward left them
+            assert got[2] <= predicted, (choices, k, got[2] - predicted)
+        assert lp.context.checkpoint_state_bytes >= 4 * 64
+    # remat.checkpoint with the modules given, walked anew each call (every buffer copied at its start): the
+    # plain run's gradients and buffers, step after step.
+    ref, m = model(), model()
+    for k in range(3):
+        got = []
+        for net, checkpointed in ((ref, False), (m, True)):
+            net.zero_grad(set_to_none=True)
+            t = x.clone().requires_grad_()
+            out = remat.checkpoint(net, t, modules=list(net)) if checkpointed else net(t)
+            out.square().mean().backward()
+            got.append([p.grad for p in net.parameters()] + [t.grad] + list(net.buffers()))
+        assert all(torch.equal(a, b) for a, b in zip(*got)), k
+    # A buffer written by a later forward only, which the layers' first planned forward did not write: no copy of
+    # it was kept, and the recompute says so rather than read the value written.
+    m = model(from_call=1 << 30)
+    lp = remat.enable(m, list(m), budget=1 << 40)
+    train_step(m, x, meter, seed=0)  # the profiling step
+    conftest.give_plan(lp, conftest.per_layer_ops(["checkpoint"] * 4))
+    train_step(m, x, meter, seed=1)  # the first planned step: none written
+    for layer in m:
+        layer.from_call = 0
+    with pytest.raises(RuntimeError, match=r"wrote the buffer\(s\) _BufferCarrying.h in place"):
+        train_step(m, x, meter, seed=2)
+
+
 def test_a_recompute_sees_attributes_made_and_reassigned_as_the_forward_found_them_in_a_replaced_submodule_too():
     # The forward finds `gate` and no `made`, makes `made` and sets `gate` to None; its recompute sees `gate`
     # and no `made` (the values its result depends on), and leaves both as the forward left them. A submodule

@@ -267,10 +267,6 @@ class AttributesSeen:
             self._buffers = self._versions = self._copies = None
         return False
 
-    def written_bytes(self) -> int:
-        """The bytes of the copies held for the recompute (`found`)."""
-        return sum(c.nbytes for _, c in self.found or ())
-
 
 class RestoreAttributes:
     """A context that puts back, on exit, the plain attributes of `modules` and their submodules (the entries of
@@ -350,10 +346,10 @@ class RestoreModules:
             names = ", ".join(self.attributes.walk.buffer_names(seen.unkept))
             self.buffers.__exit__(None, None, None)
             raise RuntimeError(
-                f"remat: a checkpointed layer's forward wrote the buffer(s) {names} in place, which its first forward "
-                "under remat did not write, so no copy of their value before the write was kept; the recompute would "
-                "read the value written and its gradients would be wrong. Run a forward that writes them first (the "
-                "profiling step does), or leave the layer kept")
+                f"remat: a checkpointed layer's forward wrote the buffer(s) {names} in place, which its first "
+                "checkpointed forward did not write, so no copy of their value before the write was kept; the "
+                "recompute would read the value written and its gradients would be wrong. Have the layer's first "
+                "forward write them (or register them after it), or keep the layer")
         if seen is not None and seen.found:
             with torch.no_grad():
                 for b, value in seen.found:  # (through .data: graphs that saved the buffer see no new version)

@@ -67,10 +67,11 @@ class StageFn:
 
 def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks: dict) -> StageFn:
     """`stage` (stage i) with each run of its function leaving its module's tensor attributes as it found them
-    (RestoreAttributes, over the stage's Walk kept in walks[i]: kept_walk), and the most bytes of tensors a run left in those it reassigned, other than on its
-    output's storage, with those of the buffers it wrote in place, noted in attributes_bytes[i] (profile's
-    `attributes_bytes`); a stage without a module as it is. The profile runs a stage many times, each on a leaf of its own: a layer that keeps a tensor of its forward
-    on itself (RecurrentGemma's last recurrent state) kept the last run's, whose graph holds that run's leaf (its
+    (RestoreAttributes, over the stage's Walk kept in walks[i]: kept_walk), and the most bytes of tensors a run
+    left in those it reassigned, other than on its output's storage, with those of the buffers it wrote in place,
+    noted in attributes_bytes[i] (profile's `attributes_bytes`); a stage without a module as it is. The profile
+    runs a stage many times, each on a leaf of its own: a layer that keeps a tensor of its forward on itself
+    (RecurrentGemma's last recurrent state) kept the last run's, whose graph holds that run's leaf (its
     AccumulateGrad node) until the next run assigns another, so that the next run's count let go of a tensor
     alive at its base and read the stage's saved bytes one input low (found 2026-12-07: RecurrentGemma's
     recurrent layers' `matmuls` policy 65,536 bytes low, a hidden state, and its plans that keep so one hidden

@@ -348,8 +348,8 @@ class RestoreModules:
             raise RuntimeError(
                 f"remat: a checkpointed layer's forward wrote the buffer(s) {names} in place, which its first "
                 "checkpointed forward did not write, so no copy of their value before the write was kept; the "
-                "recompute would read the value written and its gradients would be wrong. Have the layer's first "
-                "forward write them (or register them after it), or keep the layer")
+                "recompute would read the value written and its gradients would be wrong. Have its first forward "
+                "write them, or keep the layer")
         if seen is not None and seen.found:
             with torch.no_grad():
                 for b, value in seen.found:  # (through .data: graphs that saved the buffer see no new version)

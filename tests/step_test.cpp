@@ -528,6 +528,17 @@ void add_random_streams(std::mt19937& rng, Chain& chain) {
   }
 }
 
+// A chain text whose offload entry has `key` (a figure read with the stream figures only) and no stream
+// figures is refused.
+void expect_refused_without_stream_figures(const std::string& key) {
+  EXPECT_THROW_WITH_STD(
+      remat::chain_from_json(
+          R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000,
+              "saved_bytes": 5000, "offload": {"bytes": 100, ")" +
+          key + R"(": 10}}]})"),
+      "remat::chain_from_json", "come together", key);
+}
+
 // Two processes' figures agreed as an all-reduce with a maximum agrees them: each the larger.
 remat::PlanFigures largest(const remat::PlanFigures& a, const remat::PlanFigures& b) {
   remat::PlanFigures m = a;
@@ -1282,11 +1293,7 @@ TEST(Step, AStagesBackwardIsChargedTheGradientsItMadeByItsPeakAsMeasured) {
   remat::validate(alone);
   EXPECT_EQ(alone.stages[0].grads_charge_bytes(30000, remat::Stage::kGradsStreamed), 30000);
   EXPECT_EQ(remat::to_json(alone), remat::to_json(st));
-  EXPECT_THROW_WITH_STD(
-      remat::chain_from_json(
-          R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000,
-              "saved_bytes": 5000, "offload": {"bytes": 100, "stream_bwd_grads_bytes": 10}}]})"),
-      "remat::chain_from_json", "come together");
+  expect_refused_without_stream_figures("stream_bwd_grads_bytes");
 }
 
 TEST(Step, AStreamedStagesTailIsWhatComesBackAheadWithTheChainsWindow) {
@@ -1338,11 +1345,7 @@ TEST(Step, AStreamedStagesTailIsWhatComesBackAheadWithTheChainsWindow) {
   EXPECT_THROW_WITH_STD(remat::validate(bad), "ahead_bytes (1201) above its window_bytes (1200)");
   bad.stages[0].offload->ahead_bytes = -2;
   EXPECT_THROW_WITH_STD(remat::validate(bad), "offload ahead_bytes");
-  EXPECT_THROW_WITH_STD(
-      remat::chain_from_json(
-          R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000,
-              "saved_bytes": 5000, "offload": {"bytes": 100, "ahead_bytes": 10}}]})"),
-      "remat::chain_from_json", "come together");
+  expect_refused_without_stream_figures("ahead_bytes");
 }
 
 TEST(Step, APlannedStepsMeasuredPeakIsCheckedAgainstItsPrediction) {
@@ -4134,11 +4137,7 @@ TEST(PerLayerStream, SimulateChargesAStreamedStageAsDocumented) {
   Chain bad = chain;
   bad.stages[1].offload->stream_bwd_input_bytes = -2;
   EXPECT_THROW_WITH_STD(remat::validate(bad), "offload stream_bwd_input_bytes");
-  EXPECT_THROW_WITH_STD(
-      remat::chain_from_json(
-          R"({"input_bytes": 1000, "stages": [{"name": "s", "fwd_ms": 1, "bwd_ms": 1, "output_bytes": 1000,
-              "saved_bytes": 5000, "offload": {"bytes": 100, "stream_bwd_input_bytes": 10}}]})"),
-      "remat::chain_from_json", "come together");
+  expect_refused_without_stream_figures("stream_bwd_input_bytes");
   // The same copies as @host: its 40 bytes each way.
   EXPECT_EQ(sim.host_peak_bytes, 40);
   Plan host = plan;

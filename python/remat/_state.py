@@ -209,6 +209,11 @@ def kept_walk(walks: dict, key, module: nn.Module) -> Walk:
     return w
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same values (one holding a NaN never does: taken as written, copied)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
 class AttributesSeen:
     """A context around a checkpointed forward: on exit, of the tensor attributes of `modules` and their submodules
     that the forward reassigned (as RestoreAttributes reads them), the values they had when it began (`seen`, a
@@ -223,9 +228,12 @@ class AttributesSeen:
     Likewise the buffers the forward writes in place (a running average it reads, an EMA codebook): `found`, each
     such buffer with a copy of its value when the forward began, which RestoreModules(..., seen=) sets for the
     recompute. A copy is made at the start of a forward of every buffer of the modules on the Walk's first
-    forward, and of those a forward of it wrote since (Walk.written); a buffer written by a later forward that
-    its first did not write has no copy (`unkept`): its recompute raises rather than read the value written.
-    (BatchNorm's statistics, written every training step and not read there, are copied too: a few floats.)"""
+    forward, and of those a forward of it wrote since (Walk.written: its version moved, or at the first forward
+    its values did: a write through `.data` or inside a kernel, as BatchNorm's statistics, moves no version); a
+    buffer that a later forward writes by an in-place operator and its first did not write has no copy
+    (`unkept`): its recompute raises rather than read the value written. One a later forward first writes
+    through `.data` is not seen. (BatchNorm's statistics, written every training step and not read there, are
+    copied too: a few floats.)"""
 
     __slots__ = ("walk", "before", "seen", "found", "unkept", "_buffers", "_versions", "_copies")
 
@@ -252,18 +260,20 @@ class AttributesSeen:
         before, self.before = self.before, None
         w = self.walk
         self.seen = w.changes(before)
+        first = not w.forwards
         w.forwards = True
         if self._buffers is not None:
-            found, unkept, copies = [], [], self._copies or {}
+            unkept, copies = [], self._copies or {}
             for b, v in zip(self._buffers, self._versions):
-                if b._version != v:
+                copy = copies.get(id(b))
+                # Written: its version moved (an in-place operator), or, at the first forward, where every buffer
+                # has its copy, its values did (a write through .data, or inside a kernel: BatchNorm's statistics).
+                if b._version != v or (first and copy is not None and not _same(b, copy)):
                     w.written.add(id(b))
-                    copy = copies.get(id(b))
                     if copy is None:
                         unkept.append(b)
-                    elif all(b is not f for f, _ in found):
-                        found.append((b, copy))
-            self.found, self.unkept = found or None, unkept or None
+            found = {id(b): (b, copies[id(b)]) for b in self._buffers if id(b) in w.written and id(b) in copies}
+            self.found, self.unkept = list(found.values()) or None, unkept or None
             self._buffers = self._versions = self._copies = None
         return False
 

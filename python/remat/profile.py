@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from . import _core
-from ._state import RestoreAttributes, RestoreModules, RngState, each_once, kept_walk
+from ._state import RestoreAttributes, RestoreModules, RngState, _same, each_once, kept_walk
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
@@ -65,11 +65,14 @@ class StageFn:
         return self.fn(x)
 
 
-def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks: dict) -> StageFn:
+def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks: dict,
+                     buffers_bytes: list[int]) -> StageFn:
     """`stage` (stage i) with each run of its function leaving its module's tensor attributes as it found them
     (RestoreAttributes, over the stage's Walk kept in walks[i]: kept_walk), and the most bytes of tensors a run
-    left in those it reassigned, other than on its output's storage, with those of the buffers it wrote in place,
-    noted in attributes_bytes[i] (profile's `attributes_bytes`); a stage without a module as it is. The profile
+    left in those it reassigned, other than on its output's storage, noted in attributes_bytes[i], and of the
+    buffers it wrote in place in buffers_bytes[i] (their sum is profile's `attributes_bytes`: a checkpointed run
+    holds those values and a copy of those buffers from its forward to its recompute; a run under a policy, its
+    count after its forward holds the copies already); a stage without a module as it is. The profile
     runs a stage many times, each on a leaf of its own: a layer that keeps a tensor of its forward on itself
     (RecurrentGemma's last recurrent state) kept the last run's, whose graph holds that run's leaf (its
     AccumulateGrad node) until the next run assigns another, so that the next run's count let go of a tensor
@@ -83,15 +86,18 @@ def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks:
     def kept(*args):
         w = kept_walk(walks, i, module)
         restore = RestoreAttributes(w)
-        buffers = w.buffers()
-        versions = [b._version for b in buffers]
+        buffers = each_once(w.buffers())
+        with torch.no_grad():
+            copies = [(b, b._version, b.clone()) for b in buffers]
         with restore:
             out = fn(*args)
             but = _storage_key(out) if isinstance(out, torch.Tensor) else None
-            # With the buffers it wrote in place: a checkpointed run holds a copy of each from its forward to its
-            # recompute (remat._state.AttributesSeen's `found`).
-            written = sum(b.nbytes for b in each_once(b for b, v in zip(buffers, versions) if b._version != v))
-            attributes_bytes[i] = max(attributes_bytes[i], restore.reassigned_bytes(but) + written)
+            # With the buffers it wrote in place (its version moved, or its values: remat._state.AttributesSeen's
+            # rule): a checkpointed run holds a copy of each from its forward to its recompute (its `found`).
+            written = sum(b.nbytes for b, v, c in copies if b._version != v or not _same(b, c))
+            del copies
+            attributes_bytes[i] = max(attributes_bytes[i], restore.reassigned_bytes(but))
+            buffers_bytes[i] = max(buffers_bytes[i], written)
         return out
 
     return replace(stage, fn=kept)
@@ -834,8 +840,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     storage) that a run of it left in the attributes of its module it reassigned: what a checkpointed run holds
     beside the values those attributes had (remat._state.AttributesSeen) from its forward to its recompute,
     which the profile's runs, each of which leaves the attributes as it found them, do not show (0 for a stage
-    without a module or one that keeps nothing so). A policy's saved bytes (PolicyCost.saved_bytes) include its
-    stage's.
+    without a module or one that keeps nothing so), with the bytes of the buffers a run wrote in place, of which
+    a checkpointed run holds a copy to its recompute likewise. A policy's saved bytes (PolicyCost.saved_bytes)
+    include both.
 
     summed: per stage, whether a residual sum outside the stages lets go of its output (`x = x + layer(x)`:
     what the step's model charges the held gradient at), or None (unknown: every stage). Each policy's backward
@@ -856,13 +863,13 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     the caller reads (remat.meter). Raises ValueError for no stages, warmup < 0, repeats < 1 or a bad policy, and
     TypeError naming the stage when one returns something other than a tensor.
     """
-    # Per stage, the most bytes of tensors a run of it left in its modules' attributes (_attributes_kept), and
-    # its module's Walk, kept across its runs (kept_walk).
-    attributes_made = [0] * len(stages)
+    # Per stage, the most bytes of tensors a run of it left in its modules' attributes and of the buffers it wrote
+    # (_attributes_kept), and its module's Walk, kept across its runs (kept_walk).
+    attributes_made, buffers_written = [0] * len(stages), [0] * len(stages)
     walks: dict = {}
     stage_list = [_attributes_kept(s if isinstance(s, StageFn) else
                                    StageFn(s, f"{i}:{type(s).__name__}", s if isinstance(s, nn.Module) else None),
-                                   attributes_made, i, walks)
+                                   attributes_made, i, walks, buffers_written)
                   for i, s in enumerate(stages)]
     n = len(stage_list)
     if n == 0:
@@ -1424,5 +1431,5 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     if saved_storages is not None:
         saved_storages[:] = [f.get("packed") for f in fields]
     if attributes_bytes is not None:
-        attributes_bytes[:] = attributes_made
+        attributes_bytes[:] = [a + b for a, b in zip(attributes_made, buffers_written)]
     return chain

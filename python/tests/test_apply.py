@@ -886,9 +886,10 @@ class _BufferCarrying(nn.Module):
     """_Carrying's state in a buffer its forward reads, then writes in place (a running mean; an EMA codebook
     likewise). `from_call`: it writes the buffer from its `from_call`-th call on."""
 
-    def __init__(self, width=64, from_call=0):
+    def __init__(self, width=64, from_call=0, through_data=False):
         super().__init__()
         self.lin, self.calls, self.from_call = nn.Linear(width, width), 0, from_call
+        self.through_data = through_data  # written through .data, which moves no version
         self.register_buffer("h", torch.zeros(1, width))
 
     def forward(self, x):
@@ -896,7 +897,8 @@ class _BufferCarrying(nn.Module):
         self.calls += 1
         if self.calls > self.from_call:
             with torch.no_grad():
-                self.h.mul_(0.5).add_(out.mean(0, keepdim=True), alpha=0.5)
+                h = self.h.data if self.through_data else self.h
+                h.mul_(0.5).add_(out.mean(0, keepdim=True), alpha=0.5)
         return out
 
 
@@ -906,16 +908,18 @@ def test_a_buffer_a_layer_writes_in_place_is_read_by_its_recompute_as_its_forwar
     # 2026-12-07), it read the value written, as under torch.utils.checkpoint, and every gradient of a
     # checkpointed layer was wrong, silently; the copies are charged from the forward to the recompute
     # (checkpoint_state_bytes).
-    def model(from_call=0):
+    def model(from_call=0, through_data=False):
         torch.manual_seed(0)
-        return nn.Sequential(*[_BufferCarrying(from_call=from_call) for _ in range(4)])
+        return nn.Sequential(*[_BufferCarrying(from_call=from_call, through_data=through_data) for _ in range(4)])
 
     x = x_of()
     plain = model()
     preallocate(plain)
     want = [train_step(plain, x, meter, seed=k) for k in range(4)]
-    for choices in (["checkpoint"] * 4, ["keep", "checkpoint", "{kr}", "checkpoint"]):
-        m = model()
+    # (Written through .data, the third: seen by its values at the layer's first forward.)
+    for choices, data in ((["checkpoint"] * 4, False), (["keep", "checkpoint", "{kr}", "checkpoint"], False),
+                          (["checkpoint"] * 4, True)):
+        m = model(through_data=data)
         preallocate(m)
         lp = remat.enable(m, list(m), budget=1 << 40, groups=True)
         assert_same_run(want[0], train_step(m, x, meter, seed=0))  # the profiling step

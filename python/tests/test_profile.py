@@ -190,9 +190,13 @@ def test_matmuls_keeps_the_same_bytes_as_the_cpp_preset_on_a_resnet(tmp_path, me
     blocks = [*net.layer1, *net.layer2, *net.layer3]
     chain = remat.profile(remat.stages(blocks), h, policies=("matmuls",), repeats=1)
     assert len(cpp) == len(chain.stages) == 3
-    for py, cc in zip(chain.stages, cpp):
+    for py, cc, block in zip(chain.stages, cpp, blocks):
         assert py.saved_bytes == cc["saved_bytes"], cc["name"]
-        assert py.policies[0].saved_bytes - RNG_STATE == cc["policies"][0]["saved_bytes"], cc["name"]
+        # The Python package's checkpoint also holds a copy of each buffer the block's forward writes in place (its
+        # BatchNorms' statistics), set for the recompute (remat._state.AttributesSeen); C++'s holds none.
+        written = sum(b.nbytes for m in block.modules() if isinstance(m, nn.BatchNorm2d) for b in m.buffers())
+        assert written > 0
+        assert py.policies[0].saved_bytes - RNG_STATE - written == cc["policies"][0]["saved_bytes"], cc["name"]
 
 
 def test_stage_errors_name_the_stage():

@@ -265,12 +265,11 @@ class AttributesSeen:
         if self._buffers is not None:
             unkept, copies = [], self._copies or {}
             for b, v in zip(self._buffers, self._versions):
-                copy = copies.get(id(b))
                 # Written: its version moved (an in-place operator), or, at the first forward, where every buffer
                 # has its copy, its values did (a write through .data, or inside a kernel: BatchNorm's statistics).
-                if b._version != v or (first and copy is not None and not _same(b, copy)):
+                if b._version != v or (first and not _same(b, copies[id(b)])):
                     w.written.add(id(b))
-                    if copy is None:
+                    if id(b) not in copies:
                         unkept.append(b)
             found = {id(b): (b, copies[id(b)]) for b in self._buffers if id(b) in w.written and id(b) in copies}
             self.found, self.unkept = list(found.values()) or None, unkept or None

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from . import _core
-from ._state import RestoreAttributes, RestoreModules, RngState, _same, each_once, kept_walk
+from ._state import AttributesSeen, RestoreAttributes, RestoreModules, RngState, each_once, kept_walk
 from .meter import PeakWindow, meter_for
 from .offload import HostPool, Offload, measure_bandwidth, offloadable
 from .progress import Reporter, progress_bar
@@ -85,19 +85,15 @@ def _attributes_kept(stage: StageFn, attributes_bytes: list[int], i: int, walks:
 
     def kept(*args):
         w = kept_walk(walks, i, module)
-        restore = RestoreAttributes(w)
-        buffers = each_once(w.buffers())
-        with torch.no_grad():
-            copies = [(b, b._version, b.clone()) for b in buffers]
+        restore, seen = RestoreAttributes(w), AttributesSeen(w)
         with restore:
-            out = fn(*args)
+            # The buffers it writes in place, as a checkpointed run finds them (their copies, which it holds from
+            # its forward to its recompute: AttributesSeen's `found`, over this Walk's runs as over a layer's).
+            with seen:
+                out = fn(*args)
             but = _storage_key(out) if isinstance(out, torch.Tensor) else None
-            # With the buffers it wrote in place (its version moved, or its values: remat._state.AttributesSeen's
-            # rule): a checkpointed run holds a copy of each from its forward to its recompute (its `found`).
-            written = sum(b.nbytes for b, v, c in copies if b._version != v or not _same(b, c))
-            del copies
             attributes_bytes[i] = max(attributes_bytes[i], restore.reassigned_bytes(but))
-            buffers_bytes[i] = max(buffers_bytes[i], written)
+            buffers_bytes[i] = max(buffers_bytes[i], sum(c.nbytes for _, c in seen.found or ()))
         return out
 
     return replace(stage, fn=kept)

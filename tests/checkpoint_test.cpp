@@ -509,6 +509,42 @@ TEST_P(CheckpointTest, ActivationsAreFreedAfterTheStep) {
   EXPECT_EQ(remat::memory::active_bytes(), before);
 }
 
+TEST(CheckpointBranch, WhatABranchTheForwardDroppedSavedIsNotHeldThroughTheBackward) {
+  // fn's router-like branch saves a tensor (sigmoid_'s result, `wide` columns) and is read only by an argmax,
+  // so its graph dies in the forward pass. The recompute makes it again; before 2026-12-07 the kNonReentrant
+  // recompute kept it with the tensors it hands out, to the region's backward end, where the plain run holds
+  // none. Measured as the backward reaches exp's node (after the recompute, before the region's end): the
+  // same bytes whatever the branch's width.
+  remat::testing::meter_on();
+  const int64_t b = 16, w = 8;
+  const auto x = torch::randn({b, w}, torch::requires_grad());
+  auto held_at_exp = [&](int64_t wide, bool ckpt) {
+    int64_t held = -1;
+    bool forward = true;
+    auto fn = [&](const torch::Tensor& t) {
+      const torch::Tensor scores = t.repeat({1, wide / w}).sigmoid_();  // saves its result; its graph dropped
+      const torch::Tensor pick = scores.argmax(1, /*keepdim=*/true).to(t.dtype());
+      torch::Tensor e = t.exp();  // saves its result
+      if (forward) e.register_hook([&held](const torch::Tensor&) { held = remat::memory::active_bytes(); });
+      forward = false;
+      return e * (pick + 1);  // saves pick + 1
+    };
+    x.mutable_grad() = torch::Tensor();
+    const int64_t before = remat::memory::active_bytes();
+    (ckpt ? remat::checkpoint(fn, x, CheckpointOptions().mode(CheckpointMode::kNonReentrant)) : fn(x))
+        .sum()
+        .backward();
+    EXPECT_GE(held, before) << wide;
+    return std::make_pair(held - before, x.grad().clone());
+  };
+  const auto plain = held_at_exp(8 * w, false);
+  const auto narrow = held_at_exp(w, true), wide = held_at_exp(64 * w, true);
+  EXPECT_EQ(wide.first, narrow.first) << "the branch's " << b * 64 * w * 4 << " bytes held";
+  EXPECT_EQ(wide.first, plain.first);
+  EXPECT_TRUE(torch::equal(wide.second, plain.second));
+  EXPECT_TRUE(torch::equal(narrow.second, plain.second));
+}
+
 TEST_P(CheckpointTest, DeterminismCheckOffMakesNoCheck) {
   auto x = torch::randn({4, 8}, torch::requires_grad());
   int calls = 0;

@@ -42,15 +42,19 @@ class Collector final : public HookSource {
   // `replay`: answers remat::keep calls of the recompute (the frame's kept outputs); null runs them.
   using Replay = std::function<std::vector<at::Tensor>(const std::string&, const KeepFn&,
                                                        const std::vector<at::Tensor>&, Collector&)>;
+  // `let_go`: per slot, whether autograd has let go of what the forward pass saved there (non-zero): the
+  // recompute's tensor for it is not kept (nothing will ask for it).
   Collector(std::vector<at::Tensor>& out, std::vector<SavedAs>& out_as, int64_t limit, bool strict, bool stop,
-            const std::vector<TensorMeta>* expected, Replay replay = nullptr)
+            const std::vector<TensorMeta>* expected, Replay replay = nullptr,
+            const std::vector<char>* let_go = nullptr)
       : out_(out),
         out_as_(out_as),
         limit_(limit),
         strict_(strict),
         stop_(stop),
         expected_(expected),
-        replay_(std::move(replay)) {}
+        replay_(std::move(replay)),
+        let_go_(let_go) {}
 
   std::unique_ptr<torch::autograd::SavedVariableHooks> make_hooks() override {
     return std::make_unique<Hooks>(this);
@@ -102,7 +106,11 @@ class Collector final : public HookSource {
           now.str(), " in the recompute but was ", (*expected_)[i].str(),
           " in the forward pass (set CheckpointOptions().determinism_check(false) to skip this check)");
     }
-    out_.push_back(t);
+    // A slot whose forward save autograd let go of (a branch whose graph the forward pass dropped: a router's
+    // scores read only by a top-k) is never asked for: keeping the recompute's tensor would hold it until the
+    // region's backward is done, where the plain run and torch.utils.checkpoint hold none.
+    const bool gone = let_go_ != nullptr && static_cast<size_t>(i) < let_go_->size() && (*let_go_)[i] != 0;
+    out_.push_back(gone ? at::Tensor() : t);
     out_as_.push_back(as);
     return stop_ && count_ == limit_;
   }
@@ -114,6 +122,7 @@ class Collector final : public HookSource {
   bool stop_;
   const std::vector<TensorMeta>* expected_;
   Replay replay_;
+  const std::vector<char>* let_go_;
   int64_t count_ = 0;
 };
 
@@ -243,6 +252,13 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
  private:
   struct Hooks final : torch::autograd::SavedVariableHooks {
     explicit Hooks(std::shared_ptr<Frame> f) : frame(std::move(f)) {}
+    Hooks(const Hooks&) = delete;
+    Hooks& operator=(const Hooks&) = delete;
+    // Autograd lets go of the saved tensor (its node ran backward and released it, or the graph holding it
+    // was dropped): the slot is not asked for again.
+    ~Hooks() override {
+      if (index >= 0) frame->let_go(index);
+    }
     void call_pack_hook(const at::Tensor& t) override {
       WatchPause pause;  // the frame's own tensor work is not the region's
       index = frame->pack(t);
@@ -272,7 +288,21 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
     // Where the generators stand at each save: a recompute that stops early at the last one checks that it
     // drew the same numbers up to there.
     if (early_stop_ && !rng_.empty() && !forward_done_) rng_last_save_ = RngState::capture(cuda_devices_);
+    let_go_.push_back(0);
     return num_saved_++;
+  }
+
+  // Slot `index`'s saved tensor was let go of by autograd: a recompute keeps no tensor for it, and one it
+  // made already is dropped. Never throws (called from a destructor).
+  void let_go(int64_t index) noexcept {
+    try {
+      at::Tensor dropped;  // released after the lock, should its storage's deleter take locks of its own
+      std::lock_guard<std::recursive_mutex> lock(mutex_);
+      const auto i = static_cast<size_t>(index);
+      if (i < let_go_.size()) let_go_[i] = 1;
+      if (i < recomputed_.size()) dropped = std::move(recomputed_[i]);
+    } catch (...) {  // std::system_error from the mutex: the slot is kept (memory held, nothing wrong)
+    }
   }
 
   // Each recomputed tensor is handed out once and then dropped, so memory goes as backward consumes it. A
@@ -313,7 +343,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       }
       Collector collector(collected, collected_as, limit, /*strict=*/forward_done_,
                           /*stop=*/forward_done_ && early_stop_, check_ ? &metas_ : nullptr,
-                          std::move(replay));
+                          std::move(replay), &let_go_);
       RecomputeScope recompute(rng_.start, cuda_devices_, modules_, args, autocast_);
       HookScope scope(&collector);
       std::unique_ptr<OpInterceptor> replay_ops;
@@ -364,6 +394,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   bool forward_done_ = false;
   std::vector<at::Tensor> recomputed_;
   std::vector<SavedAs> recomputed_as_;         // what each was when saved
+  std::vector<char> let_go_;                   // per slot: autograd has let go of its saved tensor
   std::unique_ptr<OpPolicyRecord> op_policy_;  // CheckpointOptions::policy's record, when there is one
   HookSource* sink_ = nullptr;                 // see kept_sink(); only during the forward pass
   std::recursive_mutex mutex_;

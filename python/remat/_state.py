@@ -68,22 +68,31 @@ class RestoreBuffers:
     write goes through .data, so graphs that saved a buffer (BatchNorm's backward saves the statistics) see no
     version change."""
 
-    def __init__(self, modules: Iterable[nn.Module], *, walked: bool = False):
-        """walked: `modules` is each_module's list already (their submodules among them, each once)."""
-        mods = modules if walked else each_module(modules)
-        self.buffers = each_once(b for m in mods for b in m.__dict__["_buffers"].values() if b is not None)
+    __slots__ = ("buffers", "saved")
+
+    def __init__(self, modules: "Iterable[nn.Module] | Walk", *, walked: bool = False):
+        """modules: modules, or their Walk; walked: `modules` is each_module's list already (their submodules
+        among them, each once)."""
+        if isinstance(modules, Walk):
+            buffers = modules.buffers()
+        else:
+            mods = modules if walked else each_module(modules)
+            buffers = [b for m in mods for b in m.__dict__["_buffers"].values() if b is not None]
+        self.buffers = each_once(buffers) if len(buffers) > 1 else buffers
         self.saved = None
 
     def __enter__(self):
-        with torch.no_grad():
-            self.saved = [b.clone() for b in self.buffers]
+        if self.buffers:  # (none: no grad-mode context either, which costs more than the rest inside a step)
+            with torch.no_grad():
+                self.saved = [b.clone() for b in self.buffers]
         return self
 
     def __exit__(self, *exc):
-        with torch.no_grad():
-            for b, s in zip(self.buffers, self.saved):
-                if b.shape == s.shape:
-                    b.data.copy_(s)
+        if self.buffers:
+            with torch.no_grad():
+                for b, s in zip(self.buffers, self.saved):
+                    if b.shape == s.shape:
+                        b.data.copy_(s)
         self.saved = None
         return False
 
@@ -120,8 +129,8 @@ class Walk:
     not one made where another was deleted in the same call). A caller may keep it across calls while current():
     made again where a submodule was added, removed or replaced since."""
 
-    __slots__ = ("modules", "dicts", "children", "child_dicts", "child_sizes", "sizes", "keys", "all_keys",
-                 "flat_dicts", "flat_keys", "forwards", "written")
+    __slots__ = ("modules", "dicts", "children", "child_dicts", "child_sizes", "buffer_dicts", "sizes", "keys",
+                 "all_keys", "flat_dicts", "flat_keys", "forwards", "written")
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
@@ -130,6 +139,7 @@ class Walk:
         self.forwards, self.written = False, set()
         self.dicts = [m.__dict__ for m in modules]
         self.child_dicts = [d["_modules"] for d in self.dicts]
+        self.buffer_dicts = [d["_buffers"] for d in self.dicts]
         self.child_sizes = list(map(len, self.child_dicts))
         self.children = list(chain.from_iterable(map(dict.values, self.child_dicts)))
         self.sizes = list(map(len, self.dicts))
@@ -143,7 +153,9 @@ class Walk:
 
     def buffers(self) -> list[torch.Tensor]:
         """The modules' buffers, now (a buffer shared by two modules twice)."""
-        return [b for d in self.dicts for b in d["_buffers"].values() if b is not None]
+        if not any(map(len, self.buffer_dicts)):  # (most layers have none: C's loops only)
+            return []
+        return [b for b in chain.from_iterable(map(dict.values, self.buffer_dicts)) if b is not None]
 
     def buffer_names(self, buffers: Iterable[torch.Tensor]) -> list[str]:
         """The names of `buffers` ("BatchNorm2d.running_mean"), for an error."""
@@ -345,7 +357,7 @@ class RestoreModules:
     def __init__(self, modules, seen: AttributesSeen | None = None):
         """modules: modules, or their Walk."""
         w = walk(modules)
-        self.buffers = RestoreBuffers(w.modules, walked=True)
+        self.buffers = RestoreBuffers(w)
         self.attributes = RestoreAttributes(w, seen=seen)
 
     def __enter__(self):

@@ -232,21 +232,26 @@ def _run(how: str, fn: Callable, args: Sequence, modules: Sequence[torch.nn.Modu
     return checkpoint_region(fn, args, modules, policy, offload, route_kept)
 
 
-@contextlib.contextmanager
-def autocast_cache_off():
+class autocast_cache_off:
     """Autocast's cache of cast weights off inside, as it was after; as around every layer remat runs in
     training, kept or not (run_layer, the plan executor's stages, the profiler): a layer would otherwise leave
     its weights' low-precision copies in the cache until the caller's autocast region ends, past its backward
     where the caller runs the backward inside the region (every cast of a kept layer, held through the other
     layers' backward passes: 5.7% above the prediction on the tests' Llama, measured), and a checkpointed layer
     all of them. The values are the same; a weight used twice in one call is cast twice. A forward outside
-    training (no grad: generation) keeps the caller's cache."""
-    was = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(was)
+    training (no grad: generation) keeps the caller's cache. A class, not a generator's context manager: it runs
+    around every layer of every step."""
+
+    __slots__ = ("was",)
+
+    def __enter__(self):
+        self.was = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
+        return self
+
+    def __exit__(self, *exc):
+        torch.set_autocast_cache_enabled(self.was)
+        return False
 
 
 def checked_checkpoint(fn: Callable, args: Sequence, modules: Sequence[torch.nn.Module] = (),

@@ -336,6 +336,46 @@ TEST(Executor, AutogradGradOverPartOfTheGraphRunsOnlyWhatItAsksFor) {
   EXPECT_EQ(first_runs, 1);  // stage a: its forward pass only, no recompute for a gradient nobody asked for
 }
 
+// A stage whose forward reads a buffer and then updates it in place (an EMA), run again by the plan: its
+// later runs read the value its first run read, and leave the one it left. Before 2026-12-07 they read the
+// updated value: every gradient wrong, silently.
+TEST(Executor, AStageThatReadsAndUpdatesABufferRunsAgainAsItsFirstRunFoundIt) {
+  struct EmaImpl : torch::nn::Module {
+    EmaImpl() : fc(register_module("fc", torch::nn::Linear(8, 8))) {
+      avg = register_buffer("avg", torch::full({8}, 0.5));
+    }
+    torch::Tensor forward(const torch::Tensor& x) {
+      torch::Tensor y = torch::tanh(fc(x) * (avg + 1));
+      torch::NoGradGuard no_grad;
+      avg.mul_(0.5).add_(x.mean(0), 0.5);
+      return y;
+    }
+    torch::nn::Linear fc{nullptr};
+    torch::Tensor avg;
+  };
+  auto make = [] {
+    torch::manual_seed(5);
+    torch::nn::Sequential seq;
+    for (int i = 0; i < 3; ++i)
+      seq->push_back(std::make_shared<EmaImpl>());
+    return seq;
+  };
+  auto plain = make();
+  auto planned = make();
+  const auto x = torch::randn({6, 8});
+  for (int step = 0; step < 2; ++step) {
+    plain->forward(x).pow(2).sum().backward();
+    remat::run_plan(remat::stages_of(planned), remat::checkpoint_all(unit_chain(3)), x)
+        .pow(2)
+        .sum()
+        .backward();
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_TRUE(torch::equal(planned[i]->buffers()[0], plain[i]->buffers()[0])) << step << " " << i;
+    }
+    expect_all_close(grads_of(*planned), grads_of(*plain), 0.0);
+  }
+}
+
 // Found by the fuzz (seed 2): a stage kept in the forward pass (the last segment) owns a leaf whose .grad
 // survived into a second backward with retain_graph, so the input's gradient came out 3x instead of 2x.
 TEST(Executor, SecondBackwardWithRetainGraphAddsExactlyOneMoreGradient) {

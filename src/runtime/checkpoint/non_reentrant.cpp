@@ -224,9 +224,12 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       // fn throwing leaves the RNG and the modules' buffers as they were.
       RngRollback rng(rng_.start);
       BufferRestore buffers(modules_, /*only_on_unwind=*/true);
+      // What fn writes in place and reads, copied before the write: its recompute reads what it read.
+      ForwardWrites writes(inputs);
       HookScope scope(this);
       const auto intercept = intercept_scope(op_policy_ ? op_policy_->forward_interceptor() : nullptr);
       outputs = fn_(inputs);
+      forward_writes_ = writes.take();
     }
     if (op_policy_) op_policy_->forward_done(sink_);
     rng_.finish(cuda_devices_);
@@ -344,7 +347,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
       Collector collector(collected, collected_as, limit, /*strict=*/forward_done_,
                           /*stop=*/forward_done_ && early_stop_, check_ ? &metas_ : nullptr,
                           std::move(replay), &let_go_);
-      RecomputeScope recompute(rng_.start, cuda_devices_, modules_, args, autocast_);
+      RecomputeScope recompute(rng_.start, cuda_devices_, modules_, args, autocast_, &forward_writes_);
       HookScope scope(&collector);
       std::unique_ptr<OpInterceptor> replay_ops;
       if (op_policy_)
@@ -395,6 +398,7 @@ class Frame final : public HookSource, public std::enable_shared_from_this<Frame
   std::vector<at::Tensor> recomputed_;
   std::vector<SavedAs> recomputed_as_;         // what each was when saved
   std::vector<char> let_go_;                   // per slot: autograd has let go of its saved tensor
+  std::vector<ForwardWrite> forward_writes_;   // what the forward pass wrote and read, as it found it
   std::unique_ptr<OpPolicyRecord> op_policy_;  // CheckpointOptions::policy's record, when there is one
   HookSource* sink_ = nullptr;                 // see kept_sink(); only during the forward pass
   std::recursive_mutex mutex_;

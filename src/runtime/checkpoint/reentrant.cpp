@@ -57,6 +57,7 @@ struct ReentrantState final : torch::CustomClassHolder {
   RngRecord rng;  // the generators at the start and at the end of the forward pass
   AutocastState autocast;
   std::vector<TensorMeta> output_metas;
+  std::vector<ForwardWrite> forward_writes;  // what the forward pass wrote and read, as it found it
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -102,7 +103,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     const NodeMark mark = NodeMark::now();
     std::vector<at::Tensor> outputs;
     {
-      RecomputeScope recompute(st->rng.start, st->cuda_devices, st->modules, args, st->autocast);
+      RecomputeScope recompute(st->rng.start, st->cuda_devices, st->modules, args, st->autocast,
+                               &st->forward_writes);
       at::AutoGradMode grad(true);
       with_recompute_context([&] {
         outputs = st->fn(args);
@@ -288,7 +290,9 @@ std::vector<at::Tensor> run_reentrant(const TensorsFn& fn, const std::vector<at:
       WatchScope watch(&watcher, "remat::checkpoint", /*required=*/false);
       watched = watch.active();
       st->watched = watched;
+      ForwardWrites writes(inputs);  // what fn writes in place and reads: its recompute reads what it read
       st->outputs = fn(inputs);
+      st->forward_writes = writes.take();
     } catch (const c10::Error& e) {
       // What torch::autograd::grad says when fn differentiates its own results, which have no graph here.
       const std::string what = e.what_without_backtrace();

@@ -284,8 +284,12 @@ void RngRecord::finish(const std::vector<c10::DeviceIndex>& cuda_devices) {
 
 RecomputeScope::RecomputeScope(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices,
                                const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                               const std::vector<at::Tensor>& inputs, const AutocastState& autocast)
-    : rng_(replay, cuda_devices), state_(modules, inputs), autocast_(autocast) {}
+                               const std::vector<at::Tensor>& inputs, const AutocastState& autocast,
+                               const std::vector<ForwardWrite>* forward_writes)
+    : rng_(replay, cuda_devices),
+      forward_values_(forward_writes),
+      state_(modules, inputs),
+      autocast_(autocast) {}
 
 // ------------------------------------------------------------------------------------------------------------
 // The leaves a recomputed graph reaches

@@ -154,18 +154,22 @@ class BufferRestore {
 
 /// The one set-up every recompute runs under, in both checkpoint modes and in the plan executor: while alive,
 /// the generators are at `replay` (the region's forward-pass state, when non-empty), autocast is the forward
-/// pass's, and module state the recompute writes is restored on exit (StateRestore over `modules` and
-/// `inputs`). Grad mode is left to the caller.
+/// pass's, the tensors the forward pass wrote in place and read (`forward_writes`, ForwardWrites::take; null
+/// or empty: none) hold the values it found, and module state the recompute writes is restored on exit
+/// (StateRestore over `modules` and `inputs`), then those tensors to what the forward pass left. Grad mode is
+/// left to the caller.
 class RecomputeScope {
  public:
   RecomputeScope(const RngState& replay, const std::vector<c10::DeviceIndex>& cuda_devices,
                  const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                 const std::vector<at::Tensor>& inputs, const AutocastState& autocast);
+                 const std::vector<at::Tensor>& inputs, const AutocastState& autocast,
+                 const std::vector<ForwardWrite>* forward_writes = nullptr);
   RecomputeScope(const RecomputeScope&) = delete;
   RecomputeScope& operator=(const RecomputeScope&) = delete;
 
  private:
   RngReplay rng_;
+  ForwardValues forward_values_;  // before state_: put back after state_ has undone the recompute's writes
   StateRestore state_;
   AutocastScope autocast_;
 };

@@ -34,6 +34,10 @@ struct StateRestore::Watch final : OpWatcher {
   std::unordered_map<const c10::StorageImpl*, Seen> storages;
   std::unordered_set<const c10::TensorImpl*> copied;
   std::vector<std::pair<at::Tensor, at::Tensor>> saved;  // (tensor written, its value before)
+  // With track_reads (ForwardWrites): the storages from before the scope that a top-level operator took as an
+  // argument it does not write.
+  bool track_reads = false;
+  std::unordered_set<const c10::StorageImpl*> read;
   int depth = 0;  // the operator nesting depth on this thread when the scope began
   std::optional<WatchScope> scope;
 
@@ -98,6 +102,17 @@ void StateRestore::Watch::before(const c10::OperatorHandle& op, c10::ArrayRef<c1
       for_each_tensor(v, [&](const at::Tensor& t) { note_storage(*this, t, /*created_inside=*/false); });
   }
   if (metadata_only(schema.name())) return;
+  if (track_reads && at_depth == depth) {
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (writes(schema, i, args)) continue;
+      for_each_tensor(args[i], [&](const at::Tensor& t) {
+        if (!t.defined() || !t.has_storage() || t.requires_grad()) return;
+        const c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+        const auto it = storages.find(s);
+        if (it != storages.end() && !it->second.created_inside) read.insert(s);
+      });
+    }
+  }
   for (size_t i = 0; i < args.size(); ++i) {
     if (writes(schema, i, args))
       for_each_tensor(args[i], [&](const at::Tensor& t) { copy_before_write(*this, t); });
@@ -136,6 +151,51 @@ StateRestore::~StateRestore() {
 
 size_t StateRestore::restored_count() const {
   return watch_ ? watch_->saved.size() : 0;
+}
+
+ForwardWrites::ForwardWrites(const std::vector<at::Tensor>& inputs) {
+  if (!watch_available()) return;
+  watch_ = std::make_unique<StateRestore::Watch>();
+  watch_->track_reads = true;
+  watch_->depth = watch_depth();
+  for (const auto& x : inputs)
+    note_storage(*watch_, x, /*created_inside=*/true);
+  watch_->scope.emplace(watch_.get(), "remat::checkpoint", /*required=*/false);
+}
+
+ForwardWrites::~ForwardWrites() = default;
+
+std::vector<ForwardWrite> ForwardWrites::take() {
+  std::vector<ForwardWrite> out;
+  if (!watch_) return out;
+  watch_->scope.reset();
+  for (auto& w : watch_->saved) {
+    // (read through any tensor of its storage: a view the forward pass read)
+    if (watch_->read.count(w.first.storage().unsafeGetStorageImpl()) > 0) out.push_back(std::move(w));
+  }
+  watch_.reset();
+  return out;
+}
+
+ForwardValues::ForwardValues(const std::vector<ForwardWrite>* writes) {
+  if (writes == nullptr || writes->empty()) return;
+  WatchPause pause;
+  at::NoGradGuard no_grad;
+  now_.reserve(writes->size());
+  for (const auto& [t, before] : *writes) {
+    at::Tensor data = t.variable_data();
+    if (data.sizes() != before.sizes()) continue;  // resized since: left as it is
+    now_.emplace_back(t, data.clone());
+    data.copy_(before);
+  }
+}
+
+ForwardValues::~ForwardValues() {
+  if (now_.empty()) return;
+  WatchPause pause;
+  at::NoGradGuard no_grad;
+  for (auto it = now_.rbegin(); it != now_.rend(); ++it)
+    it->first.variable_data().copy_(it->second);
 }
 
 }  // namespace remat::detail

@@ -6,6 +6,7 @@
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <utility>
 #include <vector>
 
 namespace remat::detail {
@@ -36,6 +37,47 @@ class StateRestore {
  private:
   std::unique_ptr<Watch> watch_;
   std::unique_ptr<BufferRestore> fallback_;  // where the fallback cannot be installed
+};
+
+/// A tensor from before a region's forward pass that the pass wrote in place, and its value before the write
+/// (ForwardWrites::take).
+using ForwardWrite = std::pair<at::Tensor, at::Tensor>;
+
+/// While alive (around a region's first forward pass, whose recompute comes later): watches the operators as
+/// StateRestore does, and copies each tensor from before the scope that requires no gradient, is not one of
+/// `inputs` and that an operator writes in place, just before its first write; nothing is written back.
+/// take() ends the watch and hands over the copies of the tensors that an operator also read, other than by
+/// writing them (an EMA codebook read by a product and then updated; a buffer updated and then read), for the
+/// recompute to read the values the forward pass read (RecomputeScope's `forward_writes`). A tensor only
+/// written (BatchNorm's running statistics, which batch_norm reads only to update them) needs none: its copy
+/// goes at take(). Where remat's dispatcher fallback cannot be installed, nothing is watched: take() is empty
+/// and the recompute reads what the forward pass left (before 2026-12-07, every region's recompute did).
+class ForwardWrites {
+ public:
+  explicit ForwardWrites(const std::vector<at::Tensor>& inputs);
+  ~ForwardWrites();
+  ForwardWrites(const ForwardWrites&) = delete;
+  ForwardWrites& operator=(const ForwardWrites&) = delete;
+
+  /// Ends the watch. The copies of the tensors read as well as written, in the order of their first writes.
+  std::vector<ForwardWrite> take();
+
+ private:
+  std::unique_ptr<StateRestore::Watch> watch_;
+};
+
+/// While alive: each tensor of `writes` (ForwardWrites::take) holds the value its region's forward pass found
+/// (through .data(): no version moves); on destruction, the value it had on construction. Around a recompute,
+/// outside its StateRestore, so that what the recompute writes is undone first.
+class ForwardValues {
+ public:
+  explicit ForwardValues(const std::vector<ForwardWrite>* writes);
+  ~ForwardValues();
+  ForwardValues(const ForwardValues&) = delete;
+  ForwardValues& operator=(const ForwardValues&) = delete;
+
+ private:
+  std::vector<ForwardWrite> now_;  // (tensor, its value when the scope began)
 };
 
 }  // namespace remat::detail

@@ -70,6 +70,9 @@ struct ExecState final : torch::CustomClassHolder {
   // Runs of the stage's forward the plan has still to make (above 1 at its first run: its draws are
   // replayed).
   std::vector<int> forwards_left;
+  // Per stage that runs again: what its first run wrote in place and read, as that run found it (its later
+  // runs read the same: detail::ForwardWrites).
+  std::vector<std::vector<detail::ForwardWrite>> forward_writes;
   std::vector<TensorMeta> metas;
 
   // Held activations: plain a_i (values without graph), or abar_{i+1}: stage i's output with its graph from a
@@ -196,12 +199,15 @@ void run_forward(ExecState& st, const Op& op) {
   // The first run of a stage draws its random numbers; later runs replay them, restore the buffers and run
   // under the forward pass's autocast state.
   std::optional<RecomputeScope> recompute;
+  std::optional<detail::ForwardWrites> writes;
   if (!st.ran[i]) {
     if (st.preserve_rng && st.forwards_left[static_cast<size_t>(i)] > 1) st.rng[i].begin(st.cuda_devices);
+    if (st.forwards_left[static_cast<size_t>(i)] > 1) writes.emplace(std::vector<at::Tensor>{x});
   } else {
     std::vector<std::shared_ptr<torch::nn::Module>> modules;
     if (stage.module) modules.push_back(stage.module);
-    recompute.emplace(st.rng[i].start, st.cuda_devices, modules, std::vector<at::Tensor>{x}, st.autocast);
+    recompute.emplace(st.rng[i].start, st.cuda_devices, modules, std::vector<at::Tensor>{x}, st.autocast,
+                      &st.forward_writes[static_cast<size_t>(i)]);
   }
   // Autocast's cache off, kept or not (the Python package's rule: detail::AutocastCacheOff).
   const AutocastCacheOff cache_off;
@@ -264,6 +270,7 @@ void run_forward(ExecState& st, const Op& op) {
       st.offloads[i] = std::move(offload);
     }
   }
+  if (writes) st.forward_writes[static_cast<size_t>(i)] = writes->take();
   if (st.ran[i]) {
     check_rng_replayed(st.rng[i].end, "remat::run_plan",
                        "stage " + std::to_string(i) + " ('" + stage.name + "')");
@@ -275,7 +282,10 @@ void run_forward(ExecState& st, const Op& op) {
   }
   // After its last run the stage replays nothing: its generators' states go (a retain_graph backward runs on
   // a copy of the state, which keeps them for the next pass).
-  if (--st.forwards_left[static_cast<size_t>(i)] == 0) st.rng[i] = RngRecord();
+  if (--st.forwards_left[static_cast<size_t>(i)] == 0) {
+    st.rng[i] = RngRecord();
+    st.forward_writes[static_cast<size_t>(i)].clear();  // (the recompute's scope holds what it puts back)
+  }
   const TensorMeta meta = TensorMeta::of(out);
   if (!st.ran[i]) {
     st.metas[i] = meta;
@@ -528,6 +538,7 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   st->ran.assign(n, false);
   // Only a stage whose forward runs again needs its generators' states (a record held to its last run).
   st->forwards_left.assign(n, 0);
+  st->forward_writes.assign(n, {});
   for (const Op& op : plan.ops)
     if (op.kind != OpKind::kBackward && op.kind != OpKind::kLoss && op.stage >= 0 &&
         static_cast<size_t>(op.stage) < n)

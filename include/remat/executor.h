@@ -41,9 +41,12 @@ struct StageFn {
   std::shared_ptr<torch::nn::Module> module;
 };
 
-/// How many times each stage's forward ran, counted by the executor.
+/// How many times each stage's forward ran, counted by the executor, and what it held for its later runs.
 struct ExecutionStats {
   std::vector<int64_t> forward_calls;
+  /// Per stage (bytes): the copies its first run kept of the tensors it read and wrote in place (an EMA
+  /// buffer: docs/checkpointing.md), held to its last run; 0 for a stage that runs once or keeps none.
+  std::vector<int64_t> forward_write_bytes;
 };
 
 /// Runs `plan` over `stages` on `input` and returns the chain's output; its backward runs the rest of the

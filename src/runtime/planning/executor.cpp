@@ -270,7 +270,15 @@ void run_forward(ExecState& st, const Op& op) {
       st.offloads[i] = std::move(offload);
     }
   }
-  if (writes) st.forward_writes[static_cast<size_t>(i)] = writes->take();
+  if (writes) {
+    st.forward_writes[static_cast<size_t>(i)] = writes->take();
+    if (st.stats) {
+      int64_t bytes = 0;
+      for (const auto& w : st.forward_writes[static_cast<size_t>(i)])
+        bytes += static_cast<int64_t>(w.second.nbytes());
+      st.stats->forward_write_bytes[static_cast<size_t>(i)] = bytes;
+    }
+  }
   if (st.ran[i]) {
     check_rng_replayed(st.rng[i].end, "remat::run_plan",
                        "stage " + std::to_string(i) + " ('" + stage.name + "')");
@@ -509,7 +517,10 @@ torch::Tensor run_plan(const std::vector<StageFn>& stages, const Plan& plan, con
   check_plan_fits(plan, stages.size(), "remat::run_plan", "there are ", "");
   TORCH_CHECK(input.defined(), "remat::run_plan: the input is an undefined tensor");
   check_executor_options(options, "remat::run_plan");
-  if (stats) stats->forward_calls.assign(stages.size(), 0);
+  if (stats) {
+    stats->forward_calls.assign(stages.size(), 0);
+    stats->forward_write_bytes.assign(stages.size(), 0);
+  }
   if (!at::GradMode::is_enabled()) {
     torch::Tensor h = input;
     for (size_t i = 0; i < stages.size(); ++i) {

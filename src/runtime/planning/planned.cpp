@@ -362,7 +362,14 @@ torch::Tensor PlannedImpl::profiling_step(Shape& shape, const std::vector<StageF
   // What a stage that runs again holds to its backward's end beside its tensors: the generators' states its
   // replay needs (remat::run_plan), host tensors, so only where the device is the CPU: the CPU generator's.
   if (device.is_cpu()) readings->checkpoint_state_bytes = static_cast<int64_t>(cpu_generator_state_bytes());
-  torch::Tensor out = run_plan(stages, checkpoint_all(*shape.chain), x);
+  // And, on the device, the copies of what its first run read and wrote in place (an EMA buffer): the largest
+  // stage's, charged on every checkpointed stage (the Python package's rule for what a layer keeps so).
+  auto stats = std::make_shared<ExecutionStats>();
+  torch::Tensor out = run_plan(stages, checkpoint_all(*shape.chain), x, {}, stats);
+  int64_t most = 0;
+  for (const int64_t b : stats->forward_write_bytes)
+    most = std::max(most, b);
+  readings->checkpoint_state_bytes += most;
   if (!out.requires_grad()) return out;
   sync();
   readings->at_return = step->active_over_base();

@@ -45,7 +45,8 @@ struct StageFn {
 struct ExecutionStats {
   std::vector<int64_t> forward_calls;
   /// Per stage (bytes): the copies its first run kept of the tensors it read and wrote in place (an EMA
-  /// buffer: docs/checkpointing.md), held to its last run; 0 for a stage that runs once or keeps none.
+  /// buffer: docs/checkpointing.md), held to its last run; 0 for a stage that runs once or keeps none (an Fk
+  /// stage's checkpoint keeps its own for its recompute, not counted here).
   std::vector<int64_t> forward_write_bytes;
 };
 

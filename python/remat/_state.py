@@ -71,13 +71,9 @@ class RestoreBuffers:
     __slots__ = ("buffers", "saved")
 
     def __init__(self, modules: "Iterable[nn.Module] | Walk", *, walked: bool = False):
-        """modules: modules, or their Walk; walked: `modules` is each_module's list already (their submodules
-        among them, each once)."""
-        if isinstance(modules, Walk):
-            buffers = modules.buffers()
-        else:
-            mods = modules if walked else each_module(modules)
-            buffers = [b for m in mods for b in m.__dict__["_buffers"].values() if b is not None]
+        """modules: modules, or their Walk. walked (accepted as before: each_module's list walks to itself):
+        `modules` is each_module's list already."""
+        buffers = modules.buffers() if isinstance(modules, Walk) else module_tensors(modules, parameters=False)
         self.buffers = each_once(buffers) if len(buffers) > 1 else buffers
         self.saved = None
 

@@ -125,17 +125,28 @@ void StateRestore::Watch::after(const c10::OperatorHandle& /*op*/, c10::ArrayRef
     for_each_tensor(v, [&](const at::Tensor& t) { note_storage(*this, t, /*created_inside=*/true); });
 }
 
+namespace {
+// A watch of this thread's operators from now on (StateRestore's and ForwardWrites'), the region's inputs
+// noted as its own (in-place work on them is the region's). Call where watch_available().
+std::unique_ptr<StateRestore::Watch> begin_watch(const std::vector<at::Tensor>& inputs, bool track_reads,
+                                                 const char* who, bool required) {
+  auto watch = std::make_unique<StateRestore::Watch>();
+  watch->track_reads = track_reads;
+  watch->depth = watch_depth();
+  for (const auto& x : inputs)
+    note_storage(*watch, x, /*created_inside=*/true);
+  watch->scope.emplace(watch.get(), who, required);
+  return watch;
+}
+}  // namespace
+
 StateRestore::StateRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                            const std::vector<at::Tensor>& inputs) {
   if (!watch_available()) {
     fallback_ = std::make_unique<BufferRestore>(modules);
     return;
   }
-  watch_ = std::make_unique<Watch>();
-  watch_->depth = watch_depth();
-  for (const auto& x : inputs)
-    note_storage(*watch_, x, /*created_inside=*/true);
-  watch_->scope.emplace(watch_.get(), "remat::StateRestore", /*required=*/true);
+  watch_ = begin_watch(inputs, /*track_reads=*/false, "remat::StateRestore", /*required=*/true);
 }
 
 StateRestore::~StateRestore() {
@@ -154,13 +165,8 @@ size_t StateRestore::restored_count() const {
 }
 
 ForwardWrites::ForwardWrites(const std::vector<at::Tensor>& inputs) {
-  if (!watch_available()) return;
-  watch_ = std::make_unique<StateRestore::Watch>();
-  watch_->track_reads = true;
-  watch_->depth = watch_depth();
-  for (const auto& x : inputs)
-    note_storage(*watch_, x, /*created_inside=*/true);
-  watch_->scope.emplace(watch_.get(), "remat::checkpoint", /*required=*/false);
+  if (watch_available())
+    watch_ = begin_watch(inputs, /*track_reads=*/true, "remat::checkpoint", /*required=*/false);
 }
 
 ForwardWrites::~ForwardWrites() = default;

@@ -361,6 +361,39 @@ TEST_P(CheckpointTest, ABufferTheForwardReadsAndWritesInPlaceIsRecomputedAsTheFo
   }
 }
 
+TEST_P(CheckpointTest, ABufferTheForwardReadsAndWritesIsHeldOnceMoreWhileItsRegionIsRecomputed) {
+  // While the recompute runs, the buffer holds the value the forward pass found, and one copy holds the value
+  // the forward pass left, put back after. Before 2026-12-08 the recompute's StateRestore copied the found
+  // value again before the recompute's write: two copies beside the one kept from the forward pass.
+  remat::testing::meter_on();
+  const auto x = torch::randn({4, 8}, torch::requires_grad());
+  auto held_at_write = [&](int64_t n) {
+    torch::Tensor buf = torch::full({n}, 0.5);
+    int64_t at_write = -1;
+    int calls = 0;
+    auto fn = [&](const torch::Tensor& t) {
+      torch::Tensor y = t * (buf + 1).mean();
+      {
+        torch::NoGradGuard no_grad;
+        buf.mul_(0.5);
+      }
+      if (++calls == 2) at_write = remat::memory::active_bytes();
+      return y.tanh();
+    };
+    x.mutable_grad() = torch::Tensor();
+    auto loss = remat::checkpoint(fn, x, opts()).sum();
+    const int64_t before = remat::memory::active_bytes();
+    loss.backward();
+    EXPECT_EQ(calls, 2);
+    EXPECT_TRUE(torch::equal(buf, torch::full({n}, 0.25))) << "the value the forward pass left";
+    const auto s = torch::full({}, 1.5);  // the mean the forward pass read
+    EXPECT_LE(max_abs_diff(x.grad(), (1 - (x * s).tanh().pow(2)) * s), 1e-6);
+    return at_write - before;
+  };
+  const int64_t extra = 4096;
+  EXPECT_EQ(held_at_write(16 + extra) - held_at_write(16), extra * 4);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // torch::autograd::grad, retain_graph, nesting
 

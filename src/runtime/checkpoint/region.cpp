@@ -288,7 +288,7 @@ RecomputeScope::RecomputeScope(const RngState& replay, const std::vector<c10::De
                                const std::vector<ForwardWrite>* forward_writes)
     : rng_(replay, cuda_devices),
       forward_values_(forward_writes),
-      state_(modules, inputs),
+      state_(modules, inputs, &forward_values_.set()),
       autocast_(autocast) {}
 
 // ------------------------------------------------------------------------------------------------------------

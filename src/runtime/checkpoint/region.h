@@ -169,7 +169,7 @@ class RecomputeScope {
 
  private:
   RngReplay rng_;
-  ForwardValues forward_values_;  // before state_: put back after state_ has undone the recompute's writes
+  ForwardValues forward_values_;  // before state_, which leaves its tensors to it: put back after state_'s
   StateRestore state_;
   AutocastScope autocast_;
 };

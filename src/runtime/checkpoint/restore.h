@@ -21,10 +21,13 @@ class BufferRestore;  // checkpoint/region.h
 /// a StateRestore is alive. `inputs` (the region's arguments) are not restored: an in-place op on them is the
 /// region's own work. Where the fallback cannot be installed (another library holds its dispatch key),
 /// `modules`' buffers are copied and written back instead, with a warning that undeclared ones are not.
+/// `left` (null: none): tensors whose values the caller puts back itself after this scope (ForwardValues,
+/// whose copies hold what they had before it): writes to them through these tensor objects are not copied (a
+/// write through another view of their storage still is).
 class StateRestore {
  public:
   StateRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-               const std::vector<at::Tensor>& inputs);
+               const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>* left = nullptr);
   ~StateRestore();
   StateRestore(const StateRestore&) = delete;
   StateRestore& operator=(const StateRestore&) = delete;
@@ -68,7 +71,10 @@ class ForwardWrites {
 
 /// While alive: each tensor of `writes` (ForwardWrites::take) holds the value its region's forward pass found
 /// (through .data(): no version moves); on destruction, the value it had on construction. Around a recompute,
-/// outside its StateRestore, so that what the recompute writes is undone first.
+/// outside its StateRestore, which leaves these tensors to it (`set()`, StateRestore's `left`): what the
+/// recompute writes to them is overwritten here, with no copy of the found value made for it. Holds one copy
+/// of each tensor while alive (its value on construction); before 2026-12-08 the StateRestore inside held a
+/// second, of the value found.
 class ForwardValues {
  public:
   explicit ForwardValues(const std::vector<ForwardWrite>* writes);
@@ -76,8 +82,12 @@ class ForwardValues {
   ForwardValues(const ForwardValues&) = delete;
   ForwardValues& operator=(const ForwardValues&) = delete;
 
+  /// The tensors it set (those of `writes` not resized since their copy was made).
+  const std::vector<at::Tensor>& set() const { return set_; }
+
  private:
   std::vector<ForwardWrite> now_;  // (tensor, its value when the scope began)
+  std::vector<at::Tensor> set_;
 };
 
 }  // namespace remat::detail

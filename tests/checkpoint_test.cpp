@@ -363,7 +363,7 @@ TEST_P(CheckpointTest, ABufferTheForwardReadsAndWritesInPlaceIsRecomputedAsTheFo
 
 TEST_P(CheckpointTest, ABufferTheForwardReadsAndWritesIsHeldOnceMoreWhileItsRegionIsRecomputed) {
   // While the recompute runs, the buffer holds the value the forward pass found, and one copy holds the value
-  // the forward pass left, put back after. Before 2026-12-08 the recompute's StateRestore copied the found
+  // the forward pass left, put back after. Before 2026-12-07 the recompute's StateRestore copied the found
   // value again before the recompute's write: two copies beside the one kept from the forward pass.
   remat::testing::meter_on();
   const auto x = torch::randn({4, 8}, torch::requires_grad());

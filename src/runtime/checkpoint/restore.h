@@ -73,7 +73,7 @@ class ForwardWrites {
 /// (through .data(): no version moves); on destruction, the value it had on construction. Around a recompute,
 /// outside its StateRestore, which leaves these tensors to it (`set()`, StateRestore's `left`): what the
 /// recompute writes to them is overwritten here, with no copy of the found value made for it. Holds one copy
-/// of each tensor while alive (its value on construction); before 2026-12-08 the StateRestore inside held a
+/// of each tensor while alive (its value on construction); before 2026-12-07 the StateRestore inside held a
 /// second, of the value found.
 class ForwardValues {
  public:

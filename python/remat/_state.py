@@ -125,8 +125,8 @@ class Walk:
     not one made where another was deleted in the same call). A caller may keep it across calls while current():
     made again where a submodule was added, removed or replaced since."""
 
-    __slots__ = ("modules", "dicts", "children", "child_dicts", "child_sizes", "buffer_dicts", "sizes", "keys",
-                 "all_keys", "flat_dicts", "flat_keys", "forwards", "written")
+    __slots__ = ("modules", "dicts", "children", "child_dicts", "child_sizes", "buffer_dicts", "parameter_dicts",
+                 "sizes", "keys", "all_keys", "flat_dicts", "flat_keys", "forwards", "written")
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules
@@ -136,6 +136,7 @@ class Walk:
         self.dicts = [m.__dict__ for m in modules]
         self.child_dicts = [d["_modules"] for d in self.dicts]
         self.buffer_dicts = [d["_buffers"] for d in self.dicts]
+        self.parameter_dicts = [d["_parameters"] for d in self.dicts]
         self.child_sizes = list(map(len, self.child_dicts))
         self.children = list(chain.from_iterable(map(dict.values, self.child_dicts)))
         self.sizes = list(map(len, self.dicts))
@@ -152,6 +153,12 @@ class Walk:
         if not any(map(len, self.buffer_dicts)):  # (most layers have none: C's loops only)
             return []
         return [b for b in chain.from_iterable(map(dict.values, self.buffer_dicts)) if b is not None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The modules' parameters and buffers, now (module_tensors' list, read in C's loops: a parameter swapped
+        in since the walk, as FSDP2 swaps its unsharded ones in, is the one read)."""
+        return [t for t in chain.from_iterable(map(dict.values, chain(self.parameter_dicts, self.buffer_dicts)))
+                if t is not None]
 
     def buffer_names(self, buffers: Iterable[torch.Tensor]) -> list[str]:
         """The names of `buffers` ("BatchNorm2d.running_mean"), for an error."""

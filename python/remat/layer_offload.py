@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from . import _core
-from ._state import module_tensors
+from ._state import Walk, walk
 from .layer_calls import taken_tensors
 from .offload import CopyEngine, HostPool, Offload, storage_ptrs
 from .policies import is_groups, is_streamed, split_choice, stream_window
@@ -68,6 +68,7 @@ class LayerOffloads:
         self._step: list[tuple[int, Offload]] = []
         self._by_index: dict[int, Offload] = {}  # the same, by layer (the schedule's points name layers)
         self._never_sent: set[int] | None = None
+        self._walk: Walk | None = None  # the model's, kept across steps while it is current
 
     def planner_options(self) -> dict:
         """The planner's offloading options (plan_step's keywords)."""
@@ -96,7 +97,12 @@ class LayerOffloads:
         # What the profile counted as alive anyway stays on the device: the parameters and buffers (their
         # storages found once a step) and the tensors the call takes beside its input (a mask, a position bias).
         if self._never_sent is None:
-            self._never_sent = storage_ptrs(module_tensors([model]))
+            # (Through the model's Walk, kept: walked anew each step, the model was about a tenth of an offloaded
+            # layer's Python time inside a step on the CI machine's CPU.)
+            w = self._walk
+            if w is None or w.modules[0] is not model or not w.current():
+                w = self._walk = walk([model])
+            self._never_sent = storage_ptrs(w.tensors())
         # Streamed ("keep@stream", "keep@stream0"): copies bounded by the plan's window each way, each tensor
         # brought back ahead of its use (at it, with no window); otherwise the whole layer comes back at once
         # (prefetch()).

@@ -125,16 +125,16 @@ class HostPool:
         self._free.clear()
 
 
-def _plain_ptr(t, alive: set[int]) -> int:
+def _plain_ptr(t, alive: set[int], also: "set[int] | frozenset[int]" = frozenset()) -> int:
     """The data pointer of a plain strided tensor's storage (not a parameter or a subclass), 0 for any other
-    tensor and for a storage of `alive` (parameters, buffers)."""
+    tensor and for a storage of `alive` or `also` (parameters, buffers)."""
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_meta:
         return 0
     try:
         ptr = t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):
         return 0
-    return 0 if ptr in alive else ptr
+    return 0 if ptr in alive or ptr in also else ptr
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -155,10 +155,16 @@ def offloadable(t, min_bytes: int, alive: set[int]) -> bool:
     contiguous, or a permutation of contiguous such as an attention kernel's transposed query), not a conjugate
     or negative view (its bytes are not its values), whose storage is not one of `alive` (parameters,
     buffers)."""
+    return _offloadable_ptr(t, min_bytes, alive) != 0
+
+
+def _offloadable_ptr(t, min_bytes: int, alive: set[int], also: "set[int] | frozenset[int]" = frozenset()) -> int:
+    """offloadable()'s rule, `also` a second set of storages alive (read in place, not merged into one set): the
+    data pointer of t's storage where t is sent, else 0."""
     # Unlike the C++ library's rule, a leaf that requires grad is not excluded: the profile stands in a layer's
     # input (a non-leaf in the step) with such a leaf, and must see it go as the step's input would.
-    return (_plain_ptr(t, alive) != 0 and t.nbytes >= min_bytes and _dense(t)
-            and not t.is_conj() and not t.is_neg())
+    ptr = _plain_ptr(t, alive, also)
+    return ptr if ptr and t.nbytes >= min_bytes and _dense(t) and not t.is_conj() and not t.is_neg() else 0
 
 
 def storage_ptrs(tensors) -> set[int]:
@@ -464,7 +470,11 @@ class Offload:
         self.lookahead = lookahead
         self.engine = engine
         self._engines: dict[torch.device, CopyEngine] = {}
-        self._never_sent: set[int] = set()  # storages keep_on_device() names (parameters, buffers): never sent
+        # Storages keep_on_device() names (parameters, buffers): never sent. `_never_sent_shared`, a set of them
+        # the caller made once for many Offloads (a model's parameters' storages: LayerOffloads'), read in place
+        # (merged into each layer's own set, it was copied a layer a step).
+        self._never_sent: set[int] = set()
+        self._never_sent_shared: set[int] | frozenset[int] = frozenset()
         self._by_storage: dict[tuple, weakref.ref] = {}  # (pointer, byte offset, bytes, version) -> entry
         self._at: dict[int, list[weakref.ref]] = {}  # storage pointer -> its entries
         # Storage pointer -> a saved tensor this Offload left on the device (weakly: autograd holds it): that
@@ -480,8 +490,14 @@ class Offload:
 
     def keep_on_device(self, tensors=(), storages: set[int] = frozenset()) -> "Offload":
         """Storages never offloaded: those of `tensors` (a model's parameters and buffers: offload() passes
-        them), and `storages`, data pointers as storage_ptrs() gives them (a set made once for many Offloads)."""
-        self._never_sent |= storage_ptrs(tensors) | storages
+        them), and `storages`, data pointers as storage_ptrs() gives them (a set made once for many Offloads, read
+        in place rather than copied: left unchanged while the Offload is in use)."""
+        self._never_sent |= storage_ptrs(tensors)
+        if storages:
+            if self._never_sent_shared:
+                self._never_sent |= storages
+            else:
+                self._never_sent_shared = storages
         return self
 
     def _engine(self, device: torch.device) -> CopyEngine:
@@ -499,7 +515,7 @@ class Offload:
         landed)."""
         kept = t.detach()
         saved = Kept(t, kept)
-        ptr = _plain_ptr(t, self._never_sent)
+        ptr = _plain_ptr(t, self._never_sent, self._never_sent_shared)
         if ptr == 0:
             return saved
         self._left_on_device[ptr] = weakref.ref(kept)
@@ -522,10 +538,9 @@ class Offload:
     def pack(self, t: torch.Tensor):
         # Parameters (alive anyway), subclasses, sparse and meta tensors, small ones and views with gaps stay, and
         # so does any tensor of a storage that another saved tensor keeps on the device (copying it frees nothing).
-        if not offloadable(t, self.min_bytes, self._never_sent):
+        ptr = _offloadable_ptr(t, self.min_bytes, self._never_sent, self._never_sent_shared)
+        if not ptr:
             return self._save_as_itself(t)
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
         if self._left_at(ptr) is not None:
             return self._save_as_itself(t)
         offset = t.storage_offset() * t.element_size()
@@ -555,7 +570,7 @@ class Offload:
             entry.block, entry.nbytes, entry.offset, entry.ptr, entry.device = block, nbytes, offset, ptr, device
             entry.host = block[:nbytes]
             entry.align = _alignment(t)
-            entry.storage = StorageWeakRef(storage)
+            entry.storage = StorageWeakRef(t.untyped_storage())
             # Its byte range, in storage order (a view: a later in-place write shows in its version).
             entry.source = t.detach().as_strided((t.numel(),), (1,)).view(torch.uint8)
             entry.version = version

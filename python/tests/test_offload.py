@@ -1514,3 +1514,29 @@ def test_the_gpu_tables_bench_runs_on_a_cpu_as_the_next_gpu_call_runs_it(tmp_pat
         assert all(st.get("offload") for st in d["compiled_layers"]["chain"]["stages"])
         fallen = d["plans"]["least/compiled"]
         assert fallen["least"] == fallen["budget"] > fallen["asked"] == d["plans"]["least"]["budget"], fallen
+
+
+def test_a_planned_layer_never_sends_the_models_parameters_as_they_are_now_nor_another_layers_inputs():
+    # A planned layer's Offload leaves on the device the storages of the model's parameters and buffers (read once a
+    # step through the model's Walk, kept across steps) and of what the call takes beside its input. A parameter
+    # swapped in between steps (as FSDP2 swaps its unsharded ones in) is read as it is now; what one layer's call
+    # takes is not left on the device by the next layer's Offload.
+    from remat.layer_offload import LayerOffloads
+    from remat.saved import Kept
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    offloads = LayerOffloads(True, None, 0)
+    x, mask = torch.randn(4, 16), torch.randn(4, 16)
+
+    def packed(i, t, *taken):
+        o = offloads.for_layer(i, "keep@host", lambda h, *a: h, (x, *taken), None, model)
+        return isinstance(o.pack(t), Kept)
+
+    for step in range(2):
+        offloads.begin_step()
+        weight = model[1].weight
+        assert packed(0, weight.detach().t(), mask), step  # a view of a parameter's storage: left
+        assert packed(0, mask.view(-1), mask), step  # what the call takes
+        assert not packed(1, mask.view(-1)), step  # another layer's input: sent
+        assert not packed(1, torch.randn(4, 16)), step
+        model[1].weight = nn.Parameter(weight.detach().clone())  # a new storage from the next step on

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import sys
@@ -223,26 +224,62 @@ def remat_rounds(ways, rm, lp, plans, batch, loss_of, meter, args):
     return rows, results, plain_all
 
 
+class FullCollections:
+    """Python's full collections (generation 2) while `on`: their count and time (ms), read by gc.callbacks. A
+    median of step times leaves them out, a mean does not (docs/BENCHMARKS.md, "Python's garbage collector in a
+    checkpointed step")."""
+
+    def __init__(self):
+        self.on, self.count, self.ms, self._t0 = False, 0, 0.0, None
+
+    def __call__(self, phase, info):
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter() if self.on else None
+        elif self._t0 is not None:
+            self.count += 1
+            self.ms += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+        return False
+
+
 def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup, after_round=None):
     """`rounds` rounds, each running every way of `rows` in turn (way_of(row) -> (model, run)): `warmup` steps,
     then `steps` pairs of a plain step (plain: (model, run)) and a step of the way. Returns per row its rounds'
     medians (ms), the paired plain steps' medians (plain_ms), their ratios and its largest peak, and every plain
     step's time (ms). A way's ratio in a round is the median of its steps over the median of the plain steps
-    paired with them, so that the machine's drift over a round cancels. after_round(results, plain_all), if
-    given, is called after each round (to keep what is measured should the run be stopped)."""
+    paired with them, so that the machine's drift over a round cancels. Per row also every step's time (step_ms,
+    a list per round) and Python's full collections that began during its steps (full_collections, their
+    full_collection_ms), which the medians leave out. after_round(results, plain_all), if given, is called after
+    each round (to keep what is measured should the run be stopped)."""
     plain_model, plain_run = plain
-    results = {r: dict(ratios=[], ms=[], plain_ms=[], peak=0) for r in rows}
+    results = {r: dict(ratios=[], ms=[], plain_ms=[], peak=0, step_ms=[], full_collections=0, full_collection_ms=0.0)
+               for r in rows}
     plain_all = []
     for rnd in range(rounds):
         for r in rows:
             model, run = way_of(r)
             measure(model, run, meter, warmup)
             ms, paired, peak = [], [], 0
-            for _ in range(steps):
-                paired.append(measure(plain_model, plain_run, meter, 1)[0])
-                t, p = measure(model, run, meter, 1)
-                ms.append(t)
-                peak = max(peak, p)
+            with FullCollections() as collections:
+                for _ in range(steps):
+                    paired.append(measure(plain_model, plain_run, meter, 1)[0])
+                    collections.on = True
+                    t, p = measure(model, run, meter, 1)
+                    collections.on = False
+                    ms.append(t)
+                    peak = max(peak, p)
+            results[r]["step_ms"].append(ms)
+            results[r]["full_collections"] += collections.count
+            results[r]["full_collection_ms"] += collections.ms
             results[r]["ms"].append(statistics.median(ms))
             results[r]["plain_ms"].append(statistics.median(paired))
             results[r]["ratios"].append(statistics.median(ms) / statistics.median(paired))

@@ -616,6 +616,11 @@ def main():
               + extra)
     print(f"remat's least feasible budget {least_budget / 2**30:.2f} GiB ({least_budget / peaks['hf']:.3f} of hf's "
           f"peak); bound: {BOUND_TEXT}")
+    # What the medians leave out: each way's mean step against its median, and Python's full collections that
+    # began during its timed steps (docs/BENCHMARKS.md, "Python's garbage collector in a checkpointed step").
+    print("mean/median step and full collections: " + "; ".join(
+        f"{r} {statistics.mean(sum(res[r]['step_ms'], [])) / statistics.median(sum(res[r]['step_ms'], [])):.3f}, "
+        f"{res[r]['full_collections']} ({res[r]['full_collection_ms']:.0f} ms)" for r in rows if res[r].get("step_ms")))
     write("measured", res, plain_all)
 
 if __name__ == "__main__":

@@ -116,11 +116,28 @@ class _Hooks:
         self._user_hooks = hooks
 
 
+class _Indexed:
+    """What the hooks below packed, with its index among the forward's saves: _Forward's record where the packed
+    object's identity cannot stand for the index (another object packed before it in this forward had that
+    identity)."""
+
+    __slots__ = ("inner", "i")
+
+    def __init__(self, inner, i: int):
+        self.inner, self.i = inner, i
+
+
 class _Forward(_Hooks):
     """The forward pass's hooks: each saved tensor packed by the hooks below, with its index among the forward's
-    saves; checked when those hand it back. A saved tensor's record is (what the hooks below packed, its index),
-    nothing more: it is made for every tensor autograd saves, and what only the error needs is found when it is
-    raised (docs/BENCHMARKS.md, "The version check's hooks cut")."""
+    saves; checked when those hand it back. A saved tensor's record is what the hooks below packed, itself, its
+    index kept by its identity (the owner's `index`), nothing more: it is made for every tensor autograd saves,
+    and what only the error needs is found when it is raised (docs/BENCHMARKS.md, "The version check's hooks
+    cut"). Before 2026-12-07 the record was a tuple (what was packed, the index): an object a saved tensor that
+    Python's collector tracks, 38 of the 48 a Llama layer made beside torch.utils.checkpoint's 194, which bring
+    on its full collections sooner (docs/BENCHMARKS.md, "Python's garbage collector in a checkpointed step").
+    Where the identity was met before in this forward (the hooks below handed one object for two saves, or a
+    packed object died and another took its identity), or what was packed is itself an _Indexed (an enclosing
+    checkpoint's hooks below these), the record is an _Indexed."""
 
     __slots__ = ()
 
@@ -133,10 +150,18 @@ class _Forward(_Hooks):
             key = storage_of(t)
             if key is not None and not autograd_saved(saved, key):
                 saved[key] = StorageWeakRef(t.untyped_storage())
-        return self.pack_below(t), i
+        packed = self.pack_below(t)
+        index = owner.index
+        if id(packed) in index or type(packed) is _Indexed:  # (an _Indexed of hooks below: another checkpoint's)
+            return _Indexed(packed, i)
+        index[id(packed)] = i
+        return packed
 
     def unpack(self, packed):
-        inner, i = packed
+        if type(packed) is _Indexed:
+            inner, i = packed.inner, packed.i
+        else:
+            inner, i = packed, self.owner.index[id(packed)]
         t = self.unpack_below(inner)  # the checkpoint's recompute runs here, when it has not yet
         versions = self.owner.versions
         if i < len(versions):
@@ -179,6 +204,9 @@ class version_checked:
     def __init__(self, fn, track_storages: bool = False):
         self.fn = fn
         self.saves = 0  # the forward pass's saves so far
+        # The index among them of each object the hooks below packed, by its identity (_Forward's record: the
+        # object stays alive while autograd holds it, and an identity met again is recorded apart, _Indexed).
+        self.index: dict[int, int] = {}
         # With track_storages, the storages of what the forward pass's autograd saved, each by its address with a
         # weak reference to it (selective checkpointing reads it, autograd_saved(): a kept output written in
         # place after autograd saved it is autograd's error, as in the plain run; one written that autograd did

@@ -582,6 +582,28 @@ def test_a_saved_tensor_written_after_the_recompute_ended_gets_autograds_error()
     lp.remove()
 
 
+def test_the_version_checks_record_keeps_each_saves_index_where_the_packed_objects_identity_repeats():
+    # The forward's record of a saved tensor is what the hooks below packed, its index kept by its identity. Where
+    # that identity repeats (hooks below that pack one object twice; a packed object that died in the forward and
+    # another that took its identity) or what was packed is another checkpoint's record, the save is recorded
+    # apart: its check must read its own index's version, not the first save's.
+    from remat.saved import _Forward, _Indexed, version_checked
+    shared = object()
+    owner = version_checked(lambda x: x)
+    hooks = _Forward(owner, (lambda t: shared, lambda packed: stash[0]))
+    a, b = torch.zeros(3), torch.zeros(3)
+    stash = [a]
+    first, second = hooks(a), hooks(b)
+    assert first is shared and type(second) is _Indexed and second.i == 1
+    nested = hooks.__class__(version_checked(lambda x: x), (lambda t: second, lambda packed: packed))(b)
+    assert type(nested) is _Indexed and nested.inner is second
+    owner.versions = [0, 1]  # as a recompute saved them: the second at version 1
+    assert hooks.unpack(first) is a  # at version 0, as saved
+    stash[0] = b
+    with pytest.raises(RuntimeError, match="is at version 0; expected version 1"):
+        hooks.unpack(second)  # read with the first save's index, it passed
+
+
 class _BiasInPlace(nn.Module):
     """A product with its bias added in place: mm saves its inputs, not its output, so the plain run is valid."""
 

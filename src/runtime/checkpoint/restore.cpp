@@ -141,15 +141,15 @@ std::unique_ptr<StateRestore::Watch> begin_watch(const std::vector<at::Tensor>& 
 }  // namespace
 
 StateRestore::StateRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-                           const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>* left) {
+                           const std::vector<at::Tensor>& inputs, const std::vector<ForwardWrite>* left) {
   if (!watch_available()) {
     fallback_ = std::make_unique<BufferRestore>(modules);
     return;
   }
   watch_ = begin_watch(inputs, /*track_reads=*/false, "remat::StateRestore", /*required=*/true);
   if (left != nullptr)
-    for (const auto& t : *left)
-      watch_->copied.insert(t.unsafeGetTensorImpl());  // (as if copied: no copy is made)
+    for (const auto& w : *left)
+      watch_->copied.insert(w.first.unsafeGetTensorImpl());  // (as if copied: no copy is made)
 }
 
 StateRestore::~StateRestore() {
@@ -195,7 +195,6 @@ ForwardValues::ForwardValues(const std::vector<ForwardWrite>* writes) {
     at::Tensor data = t.variable_data();
     if (data.sizes() != before.sizes()) continue;  // resized since: left as it is
     now_.emplace_back(t, data.clone());
-    set_.push_back(t);
     data.copy_(before);
   }
 }

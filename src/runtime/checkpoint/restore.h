@@ -13,6 +13,10 @@ namespace remat::detail {
 
 class BufferRestore;  // checkpoint/region.h
 
+/// A tensor from before a region's forward pass that the pass wrote in place, and its value before the write
+/// (ForwardWrites::take).
+using ForwardWrite = std::pair<at::Tensor, at::Tensor>;
+
 /// While alive (around a recompute): every tensor that existed before the scope, requires no gradient and
 /// that an operator writes in place (BatchNorm's running statistics and `num_batches_tracked`, any buffer or
 /// captured tensor updated in place) is copied just before its first write, and written back through
@@ -21,13 +25,13 @@ class BufferRestore;  // checkpoint/region.h
 /// a StateRestore is alive. `inputs` (the region's arguments) are not restored: an in-place op on them is the
 /// region's own work. Where the fallback cannot be installed (another library holds its dispatch key),
 /// `modules`' buffers are copied and written back instead, with a warning that undeclared ones are not.
-/// `left` (null: none): tensors whose values the caller puts back itself after this scope (ForwardValues,
-/// whose copies hold what they had before it): writes to them through these tensor objects are not copied (a
-/// write through another view of their storage still is).
+/// `left` (null: none): tensors whose values the caller puts back itself after this scope, each with that
+/// value (ForwardValues::set()): writes to them through these tensor objects are not copied (a write through
+/// another view of their storage still is).
 class StateRestore {
  public:
   StateRestore(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
-               const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>* left = nullptr);
+               const std::vector<at::Tensor>& inputs, const std::vector<ForwardWrite>* left = nullptr);
   ~StateRestore();
   StateRestore(const StateRestore&) = delete;
   StateRestore& operator=(const StateRestore&) = delete;
@@ -41,10 +45,6 @@ class StateRestore {
   std::unique_ptr<Watch> watch_;
   std::unique_ptr<BufferRestore> fallback_;  // where the fallback cannot be installed
 };
-
-/// A tensor from before a region's forward pass that the pass wrote in place, and its value before the write
-/// (ForwardWrites::take).
-using ForwardWrite = std::pair<at::Tensor, at::Tensor>;
 
 /// While alive (around a region's first forward pass, whose recompute comes later): watches the operators as
 /// StateRestore does, and copies each tensor from before the scope that requires no gradient, is not one of
@@ -82,12 +82,12 @@ class ForwardValues {
   ForwardValues(const ForwardValues&) = delete;
   ForwardValues& operator=(const ForwardValues&) = delete;
 
-  /// The tensors it set (those of `writes` not resized since their copy was made).
-  const std::vector<at::Tensor>& set() const { return set_; }
+  /// The tensors it set (those of `writes` not resized since their copy was made), each with the value it
+  /// puts back on destruction (its value when the scope began).
+  const std::vector<ForwardWrite>& set() const { return now_; }
 
  private:
   std::vector<ForwardWrite> now_;  // (tensor, its value when the scope began)
-  std::vector<at::Tensor> set_;
 };
 
 }  // namespace remat::detail

@@ -30,6 +30,32 @@ import sys
 import time
 
 
+class Collections:
+    """Python's collections that begin while `on`, by generation (2: the full ones): their counts and time (ms),
+    read by gc.callbacks. A median of step times leaves them out, a mean does not (docs/BENCHMARKS.md, "Python's
+    garbage collector in a checkpointed step"; bench/hf_compare.py's paired rounds read the full ones)."""
+
+    def __init__(self, on: bool = False):
+        self.on, self.count, self.ms, self._t0 = on, [0, 0, 0], [0.0, 0.0, 0.0], None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter() if self.on else None
+        elif self._t0 is not None:
+            g = info["generation"]
+            self.count[g] += 1
+            self.ms[g] += (time.perf_counter() - self._t0) * 1e3
+            self._t0 = None
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+        return False
+
+
 def one(way: str, layers: int, steps: int, warmup: int, freeze: bool) -> dict:
     import torch
     import transformers
@@ -70,27 +96,15 @@ def one(way: str, layers: int, steps: int, warmup: int, freeze: bool) -> dict:
     gc.collect()
     if freeze:
         gc.freeze()
-    collections = {0: [0, 0.0], 1: [0, 0.0], 2: [0, 0.0]}
-    began = [0.0]
-
-    def timed(phase, info):
-        if phase == "start":
-            began[0] = time.perf_counter()
-        else:
-            c = collections[info["generation"]]
-            c[0] += 1
-            c[1] += time.perf_counter() - began[0]
-
-    gc.callbacks.append(timed)
     times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    gc.callbacks.remove(timed)
+    with Collections(on=True) as collections:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
     return dict(way=way, freeze=freeze, median_ms=statistics.median(times), mean_ms=statistics.mean(times),
                 tracked_objects=len(gc.get_objects()) + (gc.get_freeze_count() if freeze else 0),
-                collections={g: dict(count=n, ms=s * 1e3) for g, (n, s) in collections.items()})
+                collections={g: dict(count=collections.count[g], ms=collections.ms[g]) for g in range(3)})
 
 
 def main() -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import statistics
 import sys
@@ -44,6 +43,8 @@ from torch.utils.checkpoint import checkpoint_sequential, create_selective_check
 import remat
 import remat.hf
 from remat.policies import matmuls
+
+from gc_cost import Collections  # noqa: E402  (bench/: Python's collections while a way's steps run)
 
 
 def build(name, args):
@@ -224,33 +225,6 @@ def remat_rounds(ways, rm, lp, plans, batch, loss_of, meter, args):
     return rows, results, plain_all
 
 
-class FullCollections:
-    """Python's full collections (generation 2) while `on`: their count and time (ms), read by gc.callbacks. A
-    median of step times leaves them out, a mean does not (docs/BENCHMARKS.md, "Python's garbage collector in a
-    checkpointed step")."""
-
-    def __init__(self):
-        self.on, self.count, self.ms, self._t0 = False, 0, 0.0, None
-
-    def __call__(self, phase, info):
-        if info.get("generation") != 2:
-            return
-        if phase == "start":
-            self._t0 = time.perf_counter() if self.on else None
-        elif self._t0 is not None:
-            self.count += 1
-            self.ms += (time.perf_counter() - self._t0) * 1e3
-            self._t0 = None
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
-        return False
-
-
 def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup, after_round=None):
     """`rounds` rounds, each running every way of `rows` in turn (way_of(row) -> (model, run)): `warmup` steps,
     then `steps` pairs of a plain step (plain: (model, run)) and a step of the way. Returns per row its rounds'
@@ -269,7 +243,7 @@ def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup, after_round
             model, run = way_of(r)
             measure(model, run, meter, warmup)
             ms, paired, peak = [], [], 0
-            with FullCollections() as collections:
+            with Collections() as collections:
                 for _ in range(steps):
                     paired.append(measure(plain_model, plain_run, meter, 1)[0])
                     collections.on = True
@@ -278,8 +252,8 @@ def paired_rounds(rows, way_of, plain, meter, rounds, steps, warmup, after_round
                     ms.append(t)
                     peak = max(peak, p)
             results[r]["step_ms"].append(ms)
-            results[r]["full_collections"] += collections.count
-            results[r]["full_collection_ms"] += collections.ms
+            results[r]["full_collections"] += collections.count[2]
+            results[r]["full_collection_ms"] += collections.ms[2]
             results[r]["ms"].append(statistics.median(ms))
             results[r]["plain_ms"].append(statistics.median(paired))
             results[r]["ratios"].append(statistics.median(ms) / statistics.median(paired))

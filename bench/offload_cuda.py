@@ -618,9 +618,10 @@ def main():
           f"peak); bound: {BOUND_TEXT}")
     # What the medians leave out: each way's mean step against its median, and Python's full collections that
     # began during its timed steps (docs/BENCHMARKS.md, "Python's garbage collector in a checkpointed step").
+    steps_of = {r: sum(res[r]["step_ms"], []) for r in rows if res[r].get("step_ms")}
     print("mean/median step and full collections: " + "; ".join(
-        f"{r} {statistics.mean(sum(res[r]['step_ms'], [])) / statistics.median(sum(res[r]['step_ms'], [])):.3f}, "
-        f"{res[r]['full_collections']} ({res[r]['full_collection_ms']:.0f} ms)" for r in rows if res[r].get("step_ms")))
+        f"{r} {statistics.mean(ms) / statistics.median(ms):.3f}, "
+        f"{res[r]['full_collections']} ({res[r]['full_collection_ms']:.0f} ms)" for r, ms in steps_of.items()))
     write("measured", res, plain_all)
 
 if __name__ == "__main__":

@@ -733,9 +733,18 @@ NB_MODULE(_core, m) {
       .def_rw("last_input_let_go_in_rest", &remat::StepReadings::last_input_let_go_in_rest)
       .def_rw("residual_grad_shared", &remat::StepReadings::residual_grad_shared);
   m.def("step_context", &remat::step_context, "readings"_a);
-  m.def("context_for_grads", &remat::context_for_grads, "context"_a, "stage_grads_bytes"_a,
-        "The context of a step that begins in another state of the parameter gradients "
-        "(remat/planner/step.h).");
+  m.def(
+      "context_for_grads",
+      [](const remat::StepContext& context, const std::vector<int64_t>& stage_grads_bytes, int64_t rest_bytes,
+         int64_t between_bytes, int64_t before_bytes) {
+        return remat::context_for_grads(context, stage_grads_bytes,
+                                        remat::GradsOutside{rest_bytes, between_bytes, before_bytes});
+      },
+      "context"_a, "stage_grads_bytes"_a, "rest_bytes"_a = 0, "between_bytes"_a = 0, "before_bytes"_a = 0,
+      "The context of a step that begins in another state of the parameter gradients: the stages' gradients "
+      "it "
+      "makes, and those of parameters outside them it makes beyond the measured step's (negative: fewer), by "
+      "where the backward makes them (remat/planner/step.h, GradsOutside).");
   m.def(
       "plan_figures",
       [](const remat::Chain& chain, const remat::StepContext& context) {

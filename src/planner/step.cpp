@@ -105,20 +105,35 @@ StepContext step_context(const StepReadings& r) {
   return c;
 }
 
-StepContext context_for_grads(const StepContext& context, const std::vector<int64_t>& stage_grads_bytes) {
+StepContext context_for_grads(const StepContext& context, const std::vector<int64_t>& stage_grads_bytes,
+                              const GradsOutside& outside) {
   const std::vector<int64_t>& was = context.stage_grads_bytes;
   if (!was.empty() && was.size() != stage_grads_bytes.size())
     throw std::invalid_argument("remat::context_for_grads: " + std::to_string(stage_grads_bytes.size()) +
                                 " entries for a context of " + std::to_string(was.size()) + " stages");
-  int64_t added = 0;
+  int64_t stages = 0;  // the stages' gradients made beyond the measured state's (negative: fewer)
   for (size_t j = 0; j < stage_grads_bytes.size(); ++j) {
     if (stage_grads_bytes[j] < 0)
       throw std::invalid_argument("remat::context_for_grads: entry " + std::to_string(j) + " is " +
                                   std::to_string(stage_grads_bytes[j]) + " bytes");
-    added += stage_grads_bytes[j] - (was.empty() ? 0 : was[j]);
+    stages += stage_grads_bytes[j] - (was.empty() ? 0 : was[j]);
   }
+  const int64_t more_between = std::max<int64_t>(outside.between_bytes, 0),
+                more_before = std::max<int64_t>(outside.before_bytes, 0);
   StepContext c = context;
   c.stage_grads_bytes = stage_grads_bytes;
+  // Every stage's gradients, the rest's and those made between stages are held by the time the part before
+  // the chain runs its backward: its measured peak moves by their difference exactly. Those that part makes
+  // itself may come after its peak: raised by more, not lowered by fewer.
+  if (c.before_backward_peak_bytes > 0)
+    c.before_backward_peak_bytes = std::max<int64_t>(
+        0, c.before_backward_peak_bytes + stages + outside.rest_bytes + outside.between_bytes + more_before);
+  // The rest's own, held from its backward on; more made between the stages charged from there too (the model
+  // has no per-part figure for them; fewer leave between_held_bytes as measured).
+  c.rest_grads_bytes =
+      std::max(-c.before_saved_bytes, c.rest_grads_bytes + outside.rest_bytes + more_between);
+  const int64_t added =
+      std::max<int64_t>(stages, 0) + std::max<int64_t>(outside.rest_bytes, 0) + more_between + more_before;
   if (c.checkpoint_all_peak_bytes >= 0 && added > 0) c.checkpoint_all_peak_bytes += added;
   return c;
 }

@@ -414,14 +414,35 @@ struct StepReadings {
 /// figures of other sizes than each other or stage_grads_bytes (when that is not empty).
 StepContext step_context(const StepReadings& readings);
 
+/// The gradients of parameters outside the chain's stages (an embedding's, a head's) that a step makes beyond
+/// those the step a StepContext was measured in made (bytes; negative: fewer, where they existed when the
+/// step began, as at gradient accumulation's later micro-batches), by where its backward pass makes them.
+struct GradsOutside {
+  /// Made by the rest's backward, before the chain's (a head's): held from there to the step's end.
+  int64_t rest_bytes = 0;
+  /// Made while the chain's backward runs (by what runs between two stages: an encoder's final norm).
+  int64_t between_bytes = 0;
+  /// Made after the chain's backward, by the part before the chain (embeddings).
+  int64_t before_bytes = 0;
+};
+
 /// The context of a step that begins in another state of the parameter gradients than the step `context` was
 /// measured in (gradient accumulation: the first micro-batch's backward makes the gradients, the others add
-/// to them): stage_grads_bytes (per stage, the gradients its backward makes in that state, bytes) replaced,
-/// and checkpoint_all_peak_bytes, the measured peak, raised by the gradients the state makes beyond the
-/// measured one's (an upper bound: its peak can come before all of them are made), as measured where it makes
-/// fewer. Throws std::invalid_argument naming remat::context_for_grads for a negative entry or one of another
-/// size than context.stage_grads_bytes (when that is not empty).
-StepContext context_for_grads(const StepContext& context, const std::vector<int64_t>& stage_grads_bytes);
+/// to them): stage_grads_bytes (per stage, the gradients its backward makes in that state, bytes) replaced;
+/// before_backward_peak_bytes, measured once the chain's backward is done and every stage's gradients are
+/// held, moved by the stages' difference either way, and likewise by `outside`'s rest and between gradients,
+/// and raised by its before gradients (an upper bound: the part before's peak can come before they are made;
+/// not lowered where fewer, for that reason); rest_grads_bytes moved by `outside.rest_bytes` either way and
+/// raised by more between gradients (charged from the rest's backward on: an upper bound); and
+/// checkpoint_all_peak_bytes, the measured peak, raised by the gradients the state makes beyond the measured
+/// one's (an upper bound: its peak can come before all of them are made), as measured where it makes fewer.
+/// Before 2026-12-07 only stage_grads_bytes and checkpoint_all_peak_bytes moved: a step of a state that makes
+/// more gradients than the measured one held them above its prediction in the part before's backward (a small
+/// BERT's masked-LM step profiled at a second micro-batch, 27% above at a first one), and one that makes
+/// fewer was predicted with them. Throws std::invalid_argument naming remat::context_for_grads for a negative
+/// entry or one of another size than context.stage_grads_bytes (when that is not empty).
+StepContext context_for_grads(const StepContext& context, const std::vector<int64_t>& stage_grads_bytes,
+                              const GradsOutside& outside = {});
 
 /// Checks a context against its chain: no negative value (but between_held_bytes and
 /// between_forward_held_bytes), every per-stage figure

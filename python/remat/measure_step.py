@@ -748,11 +748,13 @@ class Step:
         if watch is not None:
             self.side_late.update(watch.done())
 
-    def watch_side_arrivals(self, i: int, roots, stops: set[int], taken: list[torch.Tensor]) -> set[int]:
+    def watch_side_arrivals(self, i: int, roots, stops, taken: list[torch.Tensor]) -> set[int]:
         """In a profiling step, after layer i's call: of what it takes beside its input (`taken`) with a graph,
         those to which its graph (from `roots`, not past the nodes `stops`) hands a gradient (side_grads), and
         hooks on the nodes that hand it, which read where that gradient first arrives (note_side_arrival)."""
-        targets = {(id(t.grad_fn), t.output_nr): t for t in taken if t.requires_grad and t.grad_fn is not None}
+        # Each by its node's id, the node held (graph_nodes: on 2.11 an id of a node nothing holds names none).
+        nodes = [t.grad_fn if t.requires_grad else None for t in taken]
+        targets = {(id(fn), t.output_nr): t for fn, t in zip(nodes, taken) if fn is not None}
         graded: set[int] = set()
         if not targets:
             return graded
@@ -949,7 +951,7 @@ def leaves_made(out: torch.Tensor, stops, skip: set[int], most: int = 20000) -> 
     returns `torch.zeros_like(query).requires_grad_()`), whose gradient autograd accumulates into their `.grad` and
     holds while the step's graph lives. Up to `most` nodes visited (graph_nodes)."""
     found: list[torch.Tensor] = []
-    for node in graph_nodes([out.grad_fn], {id(n) for n in stops if n is not None}, most):
+    for node in graph_nodes([out.grad_fn], stops, most):
         v = getattr(node, "variable", None)  # AccumulateGrad's leaf (None: the walk cut short)
         if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter) and id(v) not in skip:
             found.append(v)
@@ -1150,8 +1152,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     if i == n - 1:
         step.grads_shared[i] = out.dtype == x.dtype
     graded = step.watch_side_arrivals(
-        i, [out.grad_fn, *(t.grad_fn for t in tensors_in(handed))],
-        {id(n) for n in [alias.grad_fn, *(t.grad_fn for t in taken)] if n is not None}, taken)
+        i, [out.grad_fn, *(t.grad_fn for t in tensors_in(handed))], [alias.grad_fn, *(t.grad_fn for t in taken)],
+        taken)
     step.note_side(i, taken, handed, outs, graded)
     # (What it hands on is read as side tensors, their gradients charged: T5's zero position bias for its
     # cross-attention, made so under checkpointing, is one.)
@@ -1394,16 +1396,23 @@ def sequence_nr(t: torch.Tensor) -> int | None:
         return None
 
 
-def graph_nodes(roots, stops: set[int] = frozenset(), most: int = 100000):
+def graph_nodes(roots, stops=(), most: int = 100000):
     """Each node of the autograd graph from the nodes `roots` once (depth first), not passing through the nodes
-    whose ids are `stops`; past `most` nodes, None, and no more (the walk cut short). The nodes visited are held
-    while it walks, so that no object made later can take a visited one's id (PyTorch keeps a node's Python object
-    while its graph lives, on 2.11 and 2.15 here: held, that holds on any version)."""
+    `stops` (None among them ignored); past `most` nodes, None, and no more (the walk cut short). Nodes are told
+    apart by their Python objects' ids, each held while it walks (the stops and those visited): PyTorch 2.11
+    keeps a node's Python object only while something refers to it, and makes another at the next read (2.15
+    keeps it while its graph lives), so that an id read of an object nothing holds names no node. Before (found
+    2026-12-07 on 2.11, the GPU machines' PyTorch), the stops were passed as such ids: the walk went on through
+    every earlier layer's graph, and what a layer takes beside its input with a graph (T5's position bias, an
+    encoder's output) was read as given no gradient: T5's, BART's and Whisper's planned steps were up to 1.1%
+    above their predictions there, a test's model 10%."""
+    stop_nodes = [n for n in stops if n is not None]
+    stop_ids = {id(n) for n in stop_nodes}
     seen: dict[int, object] = {}
     todo = [r for r in roots if r is not None]
     while todo:
         node = todo.pop()
-        if id(node) in stops or id(node) in seen:
+        if id(node) in stop_ids or id(node) in seen:
             continue
         seen[id(node)] = node
         if len(seen) > most:
@@ -1416,7 +1425,7 @@ def graph_nodes(roots, stops: set[int] = frozenset(), most: int = 100000):
 def graph_reaches(roots, target, stop, most: int = 100000) -> bool:
     """Whether the autograd graph from the nodes `roots` reaches the node `target` without passing through the
     node `stop`; True where it would visit more than `most` nodes (not known: the safe reading)."""
-    return any(node is None or node is target for node in graph_nodes(roots, {id(stop)}, most))
+    return any(node is None or node is target for node in graph_nodes(roots, [stop], most))
 
 
 def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: torch.Tensor, at_call: int) -> None:

@@ -177,6 +177,13 @@ class LayerPlan:
         # (_watch_gradless: its hook's handle), which a later step that gives it one warns of.
         self._gradless: set[int] = set()
         self._gradless_hooks: dict[int, object] = {}
+        # The indices (in _params) of the parameters outside the layers (embeddings, a head, a final norm), and of
+        # those a profiling step's backward accumulated a gradient for, where it did: "rest" (the rest's backward,
+        # before the layers'), "between" (during the layers' backward) or "before" (after it: the part before the
+        # layers'). A step that begins with other of their gradients None than the profiling step did is charged
+        # the difference there (_grads_charge, the planner library's context_for_grads).
+        self._outside = self._outside_indices()
+        self._outside_phase: dict[int, str] = {}
         # Per layer, its modules' Walk (remat._state: what a checkpointed call's attribute contexts read), kept
         # while current (walk_of).
         self._walks: dict[int, Walk] = {}
@@ -196,7 +203,7 @@ class LayerPlan:
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
                      _profile_timing="synced", _calls_wrapped=False, _gradless=set, _gradless_hooks=dict,
-                     _walks=dict)
+                     _walks=dict, _outside=None, _outside_phase=dict)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -206,6 +213,8 @@ class LayerPlan:
                 state[name] = default() if isinstance(default, type) else default
         self.__dict__.update(state)
         self.index = {id(m): i for i, m in enumerate(self.layers)}
+        if self._outside is None:
+            self._outside = self._outside_indices()
         # Step keys from before they named the frozen parameters (made for the parameters as they are now: an
         # earlier remat planned them without telling frozen ones apart) or the autocast state (made without
         # autocast: an earlier remat kept one plan for both, the first profiled).
@@ -491,13 +500,37 @@ class LayerPlan:
                             if isinstance(t, torch.Tensor)}
         self._step.in_model_forward = True
 
+    def _outside_indices(self) -> list[int]:
+        """The indices in _params of the parameters no layer holds (an embedding, a head)."""
+        inside = {id(p) for layer in self.layers for p in layer.parameters()}
+        return [i for i, p in enumerate(self._params) if id(p) not in inside]
+
     def _grads_state(self) -> tuple[set[int], tuple]:
         """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
-        none (as after zero_grad()), and per layer their bytes (layer_grads_bytes: Shape.grads_key's form)."""
+        none (as after zero_grad()); and Shape.grads_key's form: per layer their bytes (layer_grads_bytes), then
+        the indices of the parameters outside the layers among them (a frozenset)."""
         gradless = self._gradless
-        grads_none = {id(p) for i, p in enumerate(self._params)
-                      if p.requires_grad and p.grad is None and i not in gradless}
-        return grads_none, tuple(layer_grads_bytes(self.layers, grads_none))
+        params = self._params
+        grads_none = {id(p) for i, p in enumerate(params) if p.requires_grad and p.grad is None and i not in gradless}
+        outside = frozenset(i for i in self._outside if id(params[i]) in grads_none)
+        return grads_none, (*layer_grads_bytes(self.layers, grads_none), outside)
+
+    def _outside_more(self, shape: Shape, grads: tuple) -> list[int]:
+        """Of the parameters outside the layers, the gradients a step beginning in state `grads` (_grads_state's
+        key) makes beyond those the shape's profiling step made (bytes; negative: fewer), by where a profiling
+        step's backward accumulated them (_outside_phase): [rest, between, before] (the planner library's
+        GradsOutside). One never given a gradient there is not counted."""
+        more = {"rest": 0, "between": 0, "before": 0}
+        n = len(self.layers)
+        now = grads[n] if len(grads) > n else None
+        then = shape.measured_outside
+        if now is not None and then is not None:
+            for i in now ^ then:
+                phase = self._outside_phase.get(i)
+                if phase is not None:
+                    b = local_bytes(self._params[i])
+                    more[phase] += b if i in now else -b
+        return [more["rest"], more["between"], more["before"]]
 
     def _note_gradless(self, step: Step) -> None:
         """The end of a profiling step's backward: the parameters the layers' forward used and its backward gave
@@ -511,7 +544,7 @@ class LayerPlan:
         less = layer_grads_bytes(self.layers, gradless)
         step.grads_none = (step.grads_none or set()) - gradless
         if step.grads_key is not None:
-            step.grads_key = tuple(g - d for g, d in zip(step.grads_key, less))
+            step.grads_key = (*(g - d for g, d in zip(step.grads_key, less)), *step.grads_key[len(less):])
         self._gradless |= {i for i, p in enumerate(self._params) if id(p) in gradless}
         self._watch_gradless()
 
@@ -537,14 +570,16 @@ class LayerPlan:
 
     def _grads_charge(self, shape: Shape, grads: tuple) -> list[int]:
         """What a plan for a step of `shape` that begins in the gradient state `grads` (Shape.grads_key's form)
-        charges to the layers' backward: the gradients they make, none where the rest of the step makes them."""
-        return [0] * len(grads) if shape.grads_in_rest else list(grads)
+        charges: per layer, the gradients its backward makes (none where the rest of the step makes them), then
+        the gradients of the parameters outside the layers made beyond the profiling step's (_outside_more)."""
+        n = len(self.layers)
+        return ([0] * n if shape.grads_in_rest else list(grads[:n])) + self._outside_more(shape, grads)
 
     def _plan_for_grads(self, key, grads: tuple) -> None:
-        """A training step under `key` begins with `grads` of the layers' parameter gradients None (_grads_state's
-        bytes per layer): where its shape is planned for another state (gradient accumulation: the first
-        micro-batch makes the layers' gradients, the others add to them, and a plan made at one is above or below
-        the other's peak), the plan for this one is put in force, made from the profile (and kept,
+        """A training step under `key` begins with `grads` of the parameter gradients None (_grads_state's key: the
+        layers' bytes, those outside them): where its shape is planned for another state (gradient accumulation:
+        the first micro-batch makes the gradients, the others add to them, and a plan made at one is above or
+        below the other's peak), the plan for this one is put in force, made from the profile (and kept,
         LayerPlan._planned, for the next step in this state). Where no plan fits, the plan in force is put back
         and InfeasibleBudget raised, naming the gradients, before anything of the step runs."""
         shape = self._shapes.get(key)
@@ -561,11 +596,12 @@ class LayerPlan:
             shape.grads_key = before
             shape.error = None
             self._plan_from(shape, self._context_in_force(shape))  # the plan in force, as before
+            n = len(self.layers)
             err = _core.InfeasibleBudget(
-                f"{e}. This step began with {_core.format_bytes(sum(charged))} of the layers' parameter "
+                f"{e}. This step began with {_core.format_bytes(sum(charged[:n]))} of the layers' parameter "
                 f"gradients None, which its backward pass makes; the plan in force, {shape.plan}, was made for "
-                f"steps that began with {_core.format_bytes(sum(shape.charged[before]))} of them None, and is kept "
-                "for such steps")
+                f"steps that began with {_core.format_bytes(sum(shape.charged[before][:n]))} of them None, and is "
+                "kept for such steps")
             err.budget_bytes, err.min_bytes = e.budget_bytes, e.min_bytes
             raise err from None
 
@@ -574,9 +610,13 @@ class LayerPlan:
         or one made from it (the planner library's context_for_grads, C++'s remat::Planned's rule too)."""
         ctx = shape.context
         charged = shape.charged.get(shape.grads_key)
-        if charged is None or charged == list(ctx.stage_grads_bytes):
+        if charged is None:
             return ctx
-        return _core.context_for_grads(ctx, charged)
+        n = len(self.layers)
+        stages, outside = charged[:n], charged[n:]  # (outside: none in a pickle from before it was charged)
+        if stages == list(ctx.stage_grads_bytes) and not any(outside):
+            return ctx
+        return _core.context_for_grads(ctx, stages, *outside)
 
     def _profile_in_lockstep(self, key, grads: tuple):
         """Under a process group of more than one rank whose ranks agree on plans (agree), or whose layers FSDP2
@@ -608,7 +648,7 @@ class LayerPlan:
             return
         if any_needs:
             # A collective on every rank; what it says is kept only by the ranks that need it.
-            charged = agreement.most(self._grads_charge(shape, grads) if planned else [0] * len(self.layers))
+            charged = agreement.most(self._grads_charge(shape, grads) if planned else [0] * (len(self.layers) + 3))
             if needs:
                 shape.charged[grads] = charged
 
@@ -635,7 +675,8 @@ class LayerPlan:
         donor = planned[j][0]
         shape = Shape(key)
         for name in ("layer_keys", "gathered", "chain", "context", "room", "budget", "lowered", "planned_chain",
-                     "planned_at", "plan", "choices", "points", "predicted", "grads_key", "grads_in_rest"):
+                     "planned_at", "plan", "choices", "points", "predicted", "grads_key", "grads_in_rest",
+                     "measured_outside"):
             setattr(shape, name, getattr(donor, name))
         shape.charged = dict(donor.charged)
         shape.borrowed_from = donor
@@ -762,6 +803,8 @@ class LayerPlan:
         reading = fit.read_device(device, self.who, self._budget_text) if self.fit is not None and profiles else None
         step = Step(meter_for(device), grads_none)
         step.grads_key = grads
+        if profiles:
+            step.watch_outside(self._params, self._outside)
         step.reading = reading
         step.device = device
         if device.type == "cuda":
@@ -804,7 +847,10 @@ class LayerPlan:
         shape.context = ctx
         shape.grads_key = step.grads_key
         shape.grads_in_rest = step.grads_in_rest
-        shape.charged = {step.grads_key: list(ctx.stage_grads_bytes)}
+        n = len(self.layers)
+        shape.measured_outside = step.grads_key[n] if step.grads_key is not None and len(step.grads_key) > n else None
+        self._outside_phase.update(step.outside_phase)
+        shape.charged = {step.grads_key: list(ctx.stage_grads_bytes) + [0, 0, 0]}
         self._plan_from(shape, ctx)
 
     def _check_prediction(self, shape: Shape) -> None:

@@ -343,13 +343,19 @@ class Shape:
         # that covers it: LayerPlan.borrow_plans); None for a shape profiled itself.
         self.borrowed_from: Shape | None = None
         # The layers' parameter gradients a step of this shape begins without, per layer (bytes: layer_grads_bytes),
-        # as the step the plan in force is for began (None before a plan); per such state planned, the gradients
-        # its plan charges to the layers' backward (StepContext.stage_grads_bytes: gradient accumulation's first
-        # micro-batch makes them, the others add to them); and whether the rest of the step makes the layers'
+        # then the indices of the parameters outside the layers it begins without a gradient for (a frozenset:
+        # LayerPlan._grads_state), as the step the plan in force is for began (None before a plan); per such state
+        # planned, what its plan charges: the gradients of the layers' backward (StepContext.stage_grads_bytes:
+        # gradient accumulation's first micro-batch makes them, the others add to them), then those outside them
+        # beyond the profiling step's (LayerPlan._outside_more); and whether the rest of the step makes the layers'
         # gradients before their backward (a paired loss: profiling_call), so that no state's plan charges them.
         self.grads_key: tuple | None = None
         self.charged: dict[tuple, list[int]] = {}
         self.grads_in_rest = False
+        # Of the parameters outside the layers, the indices of those whose gradients were None when its profiling
+        # step began (Shape.grads_key's last entry there; None: not read, a pickle from before), against which a
+        # step in another state is charged (LayerPlan._outside_more).
+        self.measured_outside: frozenset | None = None
 
     def offloads(self) -> bool:
         """Whether its plan sends some layer to the host (its offload schedule has points: layer_points)."""
@@ -399,6 +405,10 @@ class Step:
         self.grads_watched: dict[int, object] = {}
         self.grads_made: set[int] = set()
         self.grads_in_rest = False  # the rest of the step made the layers' gradients (profiling_call's at_out)
+        # Profiling: of the parameters outside the layers (by index in LayerPlan._params), where the backward
+        # accumulated each one's gradient (watch_outside: "rest", "between" or "before"), and the hooks' handles.
+        self.outside_phase: dict[int, str] = {}
+        self.outside_watched: list = []
         self.shape: Shape | None = None
         self.calls: list = []  # profiling: (fn, args, x) per layer
         self.at_layer0 = 0
@@ -859,6 +869,25 @@ class Step:
         for h in self.grads_watched.values():
             h.remove()
         self.grads_watched = {}
+        for h in self.outside_watched:
+            h.remove()
+        self.outside_watched = []
+
+    def watch_outside(self, params: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
+        """Profiling, as the step begins: each parameter outside the layers (params[i] for i in indices) that
+        needs a gradient watched for where the backward accumulates it (outside_phase): in the rest's backward,
+        before the layers' output has its gradient ("rest": a head's), during the layers' backward ("between":
+        what runs between two layers) or after the first layer's ("before": an embedding's, and a weight tied to
+        one, whose gradient is summed at its last use). Read whether or not it was None: a post-accumulate hook
+        runs either way."""
+        def made(i: int) -> None:
+            if i not in self.outside_phase:
+                self.outside_phase[i] = ("rest" if self.rest is None else
+                                         "before" if self.after_first_backward else "between")
+        for i in indices:
+            p = params[i]
+            if p.requires_grad:
+                self.outside_watched.append(p.register_post_accumulate_grad_hook(lambda _, i=i: made(i)))
 
     def finish(self):
         self.note_peak()

@@ -333,8 +333,9 @@ def trainer_worker(rank, port, out, with_remat):
                         world=args.world_size, ddp=isinstance(trainer.model_wrapped,
                                                               torch.nn.parallel.DistributedDataParallel),
                         floor=lp.min_budget_bytes if lp else None,
-                        # the gradient states its shape was planned for (the first micro-batch's, the second's)
-                        states=sorted(sum(g) for g in lp._last.charged) if lp else None,
+                        # the gradient states its shape was planned for (the first micro-batch's, the second's):
+                        # the layers' gradients made (the key's last entry: the parameters outside them)
+                        states=sorted(sum(g[:-1]) for g in lp._last.charged) if lp else None,
                         predicted=lp.predicted_peak_bytes if lp else None), out)
     trainer = model = lp = None
     if torch.distributed.is_initialized():

@@ -224,8 +224,8 @@ class PlannedImpl : public torch::nn::Module {
   /// predicted_peak_bytes()) / predicted_peak_bytes(), above 0 when the step held more
   /// (remat::check_prediction's error, the rule the Python package follows); nullopt before a planned step of
   /// the last shape was measured. Where it is beyond kPredictionTolerance, the shape's next call warns
-  /// (TORCH_WARN, once per input shape, as the Python package does), naming the plan, the measured and
-  /// predicted bytes and, above the prediction, the budget (and what replan_on_overshoot did).
+  /// (TORCH_WARN, once per input shape and direction, as the Python package does), naming the plan, the
+  /// measured and predicted bytes and, above the prediction, the budget (and what replan_on_overshoot did).
   std::optional<double> prediction_error() const;
   /// What replan_on_overshoot took off the budget of the last input's shape (bytes; 0 when it has not planned
   /// that shape again, or found no plan below the lowered budget).
@@ -274,10 +274,12 @@ class PlannedImpl : public torch::nn::Module {
     std::shared_ptr<memory::PeakWindow> whole;  // from the profiling step's start to its planning
     int64_t lost = 0;                           // what the allocator lost to fragmentation in that step
     int64_t budget = -1;
-    // Whether a planned step of this shape held more or less than predicted, beyond the tolerance (said, and
-    // with replan_on_overshoot planned again, once), and what replan_on_overshoot took off its budget
-    // (bytes).
+    // Whether a planned step of this shape held more than predicted, beyond the tolerance (said, and with
+    // replan_on_overshoot planned again, once), whether one held less (said once: apart, so that a step below
+    // does not silence one above, as a step of another gradient state can be), and what replan_on_overshoot
+    // took off its budget (bytes).
     bool overshoot_checked = false;
+    bool undershoot_said = false;
     int64_t lowered = 0;
     // What an out-of-memory error in a step of the plan says of it (who, the plan, budget, prediction): made
     // with the plan, shared by its steps' words.

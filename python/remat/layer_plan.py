@@ -876,7 +876,11 @@ class LayerPlan:
                     "inputs' sizes): the next step of this shape profiles it, and it is planned on its own from "
                     "then on", RuntimeWarning, stacklevel=2)
             return
-        if not check.beyond or shape.replanned:
+        # Said (and, above, planned again) once per input shape and direction. Before (found 2026-12-07), once per
+        # shape: a step below its prediction silenced a later one above it (gradient accumulation's two states
+        # run two plans of one shape).
+        above = check.error > 0
+        if not check.beyond or (shape.replanned if above else shape.said_below):
             return
         f = _core.format_bytes
         words = (f"{self.who}: the planned step held {f(shape.last_peak)} ({shape.last_peak} bytes) above its base, "
@@ -901,7 +905,10 @@ class LayerPlan:
                 self._plan_from(shape, self._context_in_force(shape))  # the plan that ran, as before
                 words += (f"; replan_on_overshoot: no plan fits below the budget by {f(lowered)} (the least "
                           f"feasible budget is {f(e.min_bytes)}); the plan is unchanged")
-        shape.replanned = True  # warned (and planned again) once per input shape
+        if above:
+            shape.replanned = True  # warned (and planned again) once per input shape
+        else:
+            shape.said_below = True
         warnings.warn(words, RuntimeWarning, stacklevel=2)
 
     def _plan_from(self, shape: Shape, ctx):

@@ -325,6 +325,7 @@ class Shape:
         self.last_peak = -1
         self.prediction_error: float | None = None  # the last planned step's (_core.check_prediction's error)
         self.replanned = False  # planned again for a step that held more than predicted (once per shape)
+        self.said_below = False  # a step that held less than predicted was warned of (once per shape)
         self.lowered = 0  # what that took off the budget (bytes): every plan for this shape is made below it
         self.profiling_steps = 0
         self.profiling_time: dict[str, float] = {}  # where its profile's time went: seconds by phase

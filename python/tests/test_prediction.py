@@ -86,6 +86,22 @@ def test_a_miss_is_reported_and_the_plan_kept_without_the_option(meter):
         remat.enable(mlp(depth=2), list(mlp(depth=2)), budget=1 << 30, replan_on_overshoot=True, agree=True)
 
 
+def test_a_step_below_its_prediction_does_not_silence_a_later_one_above(meter):
+    # Each direction is said once per input shape: a step that held less than predicted (a later micro-batch,
+    # its gradients there already) silenced a later step of the same shape that held more (found 2026-12-07).
+    m, x, lp, _ = _planned_wrongly(meter, 1.6, torch.randn(256, 64))
+    lp.set_budget(1 << 40)
+    _, said = _step_warned(m, x, meter, 2)
+    assert len(said) == 1 and "below the plan's prediction" in said[0], said
+    _scaled(lp._last.chain, 0.6 / 1.6)  # the profile now below what the steps hold
+    plain_peak = remat.step_peak_bytes(lp.chain, lp.context, remat.no_checkpoint(lp.chain))
+    lp.set_budget(int(0.9 * plain_peak))
+    _, said = _step_warned(m, x, meter, 3)
+    assert len(said) == 1 and "above the plan's prediction" in said[0], said
+    _, said = _step_warned(m, x, meter, 4)
+    assert said == []  # once per direction
+
+
 def test_check_prediction_is_the_planner_librarys_rule():
     c = remat.check_prediction(1000, 1050, 2000)
     assert c.error == pytest.approx(0.05) and c.beyond and c.replan_budget_bytes == 1950

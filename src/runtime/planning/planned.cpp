@@ -794,8 +794,13 @@ void PlannedImpl::check_measured(const Key& key, Shape& shape) {
     shape = Shape();
     return;
   }
-  if (!check.beyond || shape.overshoot_checked) return;
-  shape.overshoot_checked = true;  // said (and planned again) once per input shape: it cannot loop
+  if (!check.beyond) return;
+  // Said (and, above, planned again) once per input shape and direction: it cannot loop. Before (found
+  // 2026-12-07), once per shape: a step below its prediction silenced a later one above it (gradient
+  // accumulation's two states run two plans of one shape).
+  bool& said = check.error > 0 ? shape.overshoot_checked : shape.undershoot_said;
+  if (said) return;
+  said = true;
   std::ostringstream words;
   words << kWho << ": a planned step of the input shape " << describe_key(key) << " held " << *shape.last_peak
         << " bytes above its base, " << off.str() << "% " << (check.error > 0 ? "above" : "below")

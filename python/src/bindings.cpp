@@ -742,9 +742,8 @@ NB_MODULE(_core, m) {
       },
       "context"_a, "stage_grads_bytes"_a, "rest_bytes"_a = 0, "between_bytes"_a = 0, "before_bytes"_a = 0,
       "The context of a step that begins in another state of the parameter gradients: the stages' gradients "
-      "it "
-      "makes, and those of parameters outside them it makes beyond the measured step's (negative: fewer), by "
-      "where the backward makes them (remat/planner/step.h, GradsOutside).");
+      "it makes, and those of parameters outside them it makes beyond the measured step's (negative: fewer), "
+      "by where the backward makes them (remat/planner/step.h, GradsOutside).");
   m.def(
       "plan_figures",
       [](const remat::Chain& chain, const remat::StepContext& context) {

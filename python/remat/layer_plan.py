@@ -515,15 +515,19 @@ class LayerPlan:
         outside = frozenset(i for i in self._outside if id(params[i]) in grads_none)
         return grads_none, (*layer_grads_bytes(self.layers, grads_none), outside)
 
+    def _outside_of(self, grads: tuple | None) -> frozenset | None:
+        """The outside part of a gradient state's key (_grads_state's: its entry after the layers'), or None (no
+        key, or one from before the key had it: a pickle's)."""
+        n = len(self.layers)
+        return grads[n] if grads is not None and len(grads) > n else None
+
     def _outside_more(self, shape: Shape, grads: tuple) -> list[int]:
         """Of the parameters outside the layers, the gradients a step beginning in state `grads` (_grads_state's
         key) makes beyond those the shape's profiling step made (bytes; negative: fewer), by where a profiling
         step's backward accumulated them (_outside_phase): [rest, between, before] (the planner library's
         GradsOutside). One never given a gradient there is not counted."""
         more = {"rest": 0, "between": 0, "before": 0}
-        n = len(self.layers)
-        now = grads[n] if len(grads) > n else None
-        then = shape.measured_outside
+        now, then = self._outside_of(grads), shape.measured_outside
         if now is not None and then is not None:
             for i in now ^ then:
                 phase = self._outside_phase.get(i)
@@ -847,8 +851,7 @@ class LayerPlan:
         shape.context = ctx
         shape.grads_key = step.grads_key
         shape.grads_in_rest = step.grads_in_rest
-        n = len(self.layers)
-        shape.measured_outside = step.grads_key[n] if step.grads_key is not None and len(step.grads_key) > n else None
+        shape.measured_outside = self._outside_of(step.grads_key)
         self._outside_phase.update(step.outside_phase)
         shape.charged = {step.grads_key: list(ctx.stage_grads_bytes) + [0, 0, 0]}
         self._plan_from(shape, ctx)

@@ -1046,22 +1046,26 @@ def test_a_copy_of_a_planned_model_carries_its_plan_and_trains_as_the_plain_run(
     # A model saved before a shape had a field (here the plans it keeps, LayerPlan._planned), or before the
     # LayerPlan had the options added since it first pickled: loaded, each field has its default, the step is
     # the plain run's and the plan can change.
-    old = copy.deepcopy(model)
-    olp = old._remat_layer_plan
-    for shape in olp._shapes.values():
-        del shape.planned_chain, shape.planned_at
-    # (and before step keys named the frozen parameters and the autocast state: two parts, not four)
-    olp._shapes = {key[:2]: shape for key, shape in olp._shapes.items()}
-    for key, shape in olp._shapes.items():
-        shape.key = key
-    for name in ("replan_on_oom", "replan_on_overshoot", "groups", "compiled_layers", "fit", "_budget_text"):
-        delattr(olp, name)
-    torch.save(old, path)
-    loaded_model = torch.load(path, weights_only=False)
-    loaded = loaded_model._remat_layer_plan
-    assert not loaded.groups and loaded.compiled_layers == set() and loaded.fit is None
-    same(step(loaded_model, spec, 1, meter), plain[1])
-    assert list(loaded._shapes) == [loaded._last.key] and len(loaded._last.key) == 4  # carried, not profiled again
+    # (and before step keys named the frozen parameters and the autocast state: two parts, not four; and before
+    # they named the parameters' dtypes and shapes: the frozen indices alone as the third part)
+    for old_key in (lambda key: key[:2], lambda key: (key[0], key[1], key[2][0], key[3])):
+        old = copy.deepcopy(model)
+        olp = old._remat_layer_plan
+        for shape in olp._shapes.values():
+            del shape.planned_chain, shape.planned_at
+        olp._shapes = {old_key(key): shape for key, shape in olp._shapes.items()}
+        for key, shape in olp._shapes.items():
+            shape.key = key
+        for name in ("replan_on_oom", "replan_on_overshoot", "groups", "compiled_layers", "fit", "_budget_text",
+                     "_param_form", "_forms", "_form_id"):
+            delattr(olp, name)
+        torch.save(old, path)
+        loaded_model = torch.load(path, weights_only=False)
+        loaded = loaded_model._remat_layer_plan
+        assert not loaded.groups and loaded.compiled_layers == set() and loaded.fit is None
+        same(step(loaded_model, spec, 1, meter), plain[1])
+        # carried, not profiled again
+        assert list(loaded._shapes) == [loaded._last.key] and loaded._last.key[2] == ((), 0), loaded._last.key
     loaded.set_budget(1 << 40)
     assert loaded.is_planned() and loaded.predicted_peak_bytes <= 1 << 40
     assert all(s.planned_chain is s.chain and len(s.planned_at) == 1 for s in loaded._shapes.values())
@@ -1133,6 +1137,41 @@ def test_frozen_layers_are_planned_as_they_run_and_unfreezing_plans_again(meter)
     got = step(model, spec, 4, meter)
     same(plain[4], got)
     assert got[2] <= lp.predicted_peak_bytes * (1 + TOLERANCE), (lp.choices, got[2], lp.predicted_peak_bytes)
+
+
+def test_a_model_whose_parameters_change_is_profiled_and_planned_again(meter):
+    # The model's parameters are part of the step's key: a vocabulary grown (new embedding and head objects) or
+    # the model cast to bfloat16 (the same objects; inputs that are token ids do not show it) is a new key,
+    # profiled and planned. Before (found 2026-12-07), the plan and the parameters read at enable were kept:
+    # after the resize the steps held above their prediction (its gradient state read off the replaced
+    # parameters), and after the cast every step ran every layer checkpointed, measured by nothing.
+    def change(model, k):
+        if k == 2:
+            torch.manual_seed(7)
+            model.resize_token_embeddings(2000, mean_resizing=False)
+        elif k == 4:
+            model.to(torch.bfloat16)
+
+    def grown(spec, k):  # the grown vocabulary's tokens in the batches after the resize
+        return batch(dict(spec, vocab=2000 if k >= 2 else spec["vocab"]), k)
+
+    plain_model, spec = make("llama")
+    plain = []
+    for k in range(6):
+        change(plain_model, k)
+        plain.append(step(plain_model, spec, k, meter, grown))
+    model, spec = make("llama")
+    lp = remat.hf.enable(model, budget=1 << 40)
+    for k in range(6):
+        change(model, k)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no layer off its plan's shapes, no step off its prediction
+            got = step(model, spec, k, meter, grown)
+        same(plain[k], got)
+        assert lp.profiled_shapes == 1 + k // 2 and lp.profiling_steps == 1, k
+        if k % 2:
+            assert lp.is_planned() and got[2] <= lp.predicted_peak_bytes * 1.02, (k, got[2], lp.predicted_peak_bytes)
+    assert lp._params[-1] is model.lm_head.weight and lp._params[-1].dtype == torch.bfloat16
 
 
 def test_layers_that_are_all_frozen_run_as_they_are_and_it_is_said(meter):

@@ -898,6 +898,52 @@ TEST_F(PlannedTest, AStepMakingTheGradientsAfterOneProfiledWithThemIsPredictedWi
 // prediction. Before (found 2026-12-02), a shape was keyed by its sizes alone: the float32 steps ran the plan
 // profiled under CPU autocast, 66% above its prediction (19% above the budget), and the float64 ones that
 // plan too, 233% above.
+// The stages' parameters are part of a call's key (which require grad, their dtypes and sizes), as they are
+// of the Python package's: a stage frozen on an input that needs no gradient makes no graph and saves
+// nothing, so freezing the first stages or unfreezing them (gradual unfreezing) is a new key, profiled and
+// planned. Before (found 2026-12-07), the plan profiled with two stages frozen ran on after they were
+// unfrozen, its steps far above its prediction.
+TEST_F(PlannedTest, FreezingOrUnfreezingTheStagesKeysAShapeApart) {
+  const int64_t w = 32, depth = 4;
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({8, 32, 8});
+  auto [plain, net] =
+      plain_and_planned(w, depth, remat::PlannedOptions().budget(plain_chain_peak(w, depth, x) * 6 / 10));
+  const remat::PlannedImpl& p = **net->planned;
+  auto freeze = [](Net& n, bool frozen) {  // the input projection and the first two blocks
+    for (auto& q : n->in->parameters())
+      q.requires_grad_(!frozen);
+    for (size_t i = 0; i < 2; ++i)
+      for (auto& q : (*n->h)[i]->parameters())
+        q.requires_grad_(!frozen);
+  };
+  for (int s = 0; s < 6; ++s) {
+    if (s % 3 == 0) {
+      freeze(plain, s == 0);
+      freeze(net, s == 0);
+    }
+    Step got[2];
+    for (int k = 0; k < 2; ++k) {
+      Net& n = k == 0 ? plain : net;
+      for (auto& q : n->parameters())
+        q.mutable_grad() = torch::Tensor();
+      torch::manual_seed(900 + s);
+      got[k].loss = n->loss(x);
+      got[k].loss.backward();
+      for (const auto& q : n->parameters())
+        got[k].grads.push_back(q.grad().defined() ? q.grad().clone() : torch::zeros({0}));
+      got[k].next_draw = torch::rand({4});
+    }
+    expect_equal(got[0], got[1], "step " + std::to_string(s));
+    EXPECT_EQ(p.profiled_shapes(), s < 3 ? 1 : 2) << "step " << s;
+    if (s % 3 == 0) continue;
+    ASSERT_TRUE(p.prediction_error().has_value()) << s;
+    EXPECT_LE(std::abs(*p.prediction_error()), remat::kPredictionTolerance)
+        << "step " << s << ": " << p.plan()->to_string() << " held " << p.last_peak_bytes() << " against "
+        << p.predicted_peak_bytes();
+  }
+}
+
 TEST_F(PlannedTest, AutocastAndDtypeKeyAShapeApart) {
   auto [x, plain, net] = autocast_twins(32, 4, 3, 4);
   const remat::PlannedImpl& p = **net->planned;

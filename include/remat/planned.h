@@ -233,9 +233,11 @@ class PlannedImpl : public torch::nn::Module {
   /// Training steps run before the plan for the last shape came into force.
   int64_t profiling_steps() const;
   /// How many input shapes have been profiled (each in its own first training step; a shape planned from
-  /// use_profile() is not). As the step of the kProfiledShapesWarnedAt-th (8, remat/planner/step.h) begins, a
-  /// warning (TORCH_WARN, once per module) names the shapes and the seconds their profiles took: inputs
-  /// padded to a few lengths are profiled once per length.
+  /// use_profile() is not; a shape is a call's key: its tensors' sizes and dtypes, the autocast state and the
+  /// stages' parameters, frozen or not, their dtypes and sizes). As the step of the
+  /// kProfiledShapesWarnedAt-th (8, remat/planner/step.h) begins, a warning (TORCH_WARN, once per module)
+  /// names the shapes and the seconds their profiles took: inputs padded to a few lengths are profiled once
+  /// per length.
   int64_t profiled_shapes() const;
   /// How many input shapes run a plan borrowed from a larger shape (PlannedOptions::borrow_plans), not
   /// profiled.
@@ -301,9 +303,11 @@ class PlannedImpl : public torch::nn::Module {
   };
   // A training call's key, under which its shape's plan is kept: the sizes of the input and of each extra
   // argument (InputShape), and their form: the tensors' dtypes, then the autocast state (per device type, cpu
-  // and cuda: its dtype where autocast is on, -1 where off). A call that differs in either is profiled and
-  // planned on its own (under autocast the same sizes save about half the bytes: a bfloat16 plan run in
-  // float32 would hold far above its prediction).
+  // and cuda: its dtype where autocast is on, -1 where off), then the stages' modules' parameters (whether
+  // each requires grad, its dtype, rank and sizes). A call that differs in either is profiled and planned on
+  // its own (under autocast the same sizes save about half the bytes: a bfloat16 plan run in float32 would
+  // hold far above its prediction; a stage frozen on an input that needs no gradient saves nothing: the plan
+  // of two frozen stages, unfrozen, held 35% above its prediction before 2026-12-07).
   struct Key {
     InputShape sizes;
     std::vector<int64_t> form;
@@ -313,7 +317,7 @@ class PlannedImpl : public torch::nn::Module {
   // The key of a training call of x and args (throws c10::Error naming remat::Planned for an undefined
   // argument), and a key in words: "[8, 32, 8] under cpu autocast to BFloat16", "[8, 32, 8] Double" (a
   // float32 tensor's dtype unsaid).
-  static Key key_of(const torch::Tensor& x, const std::vector<torch::Tensor>& args);
+  Key key_of(const torch::Tensor& x, const std::vector<torch::Tensor>& args) const;
   static std::string describe_key(const Key& key);
   torch::Tensor profiling_step(Shape& shape, const std::vector<StageFn>& stages, const torch::Tensor& x,
                                const std::shared_ptr<Call>& call);

@@ -183,7 +183,7 @@ void PlannedImpl::use_profile(const std::vector<std::vector<int64_t>>& input_sha
   given_profiles_[input_shape] = std::move(chain);
 }
 
-PlannedImpl::Key PlannedImpl::key_of(const torch::Tensor& x, const std::vector<torch::Tensor>& args) {
+PlannedImpl::Key PlannedImpl::key_of(const torch::Tensor& x, const std::vector<torch::Tensor>& args) const {
   Key key;
   key.sizes.push_back(x.sizes().vec());
   key.form.push_back(static_cast<int64_t>(x.scalar_type()));
@@ -195,6 +195,17 @@ PlannedImpl::Key PlannedImpl::key_of(const torch::Tensor& x, const std::vector<t
   for (const c10::DeviceType d : {c10::DeviceType::CPU, c10::DeviceType::CUDA})
     key.form.push_back(
         detail::compat::autocast_enabled(d) ? static_cast<int64_t>(detail::compat::autocast_dtype(d)) : -1);
+  // The stages' parameters as they are now (the Python package's step key reads its model's alike): frozen or
+  // not, cast, resized (a stage without a module has none to read).
+  for (const ArgsStageFn& s : stages_) {
+    if (!s.module) continue;
+    for (const torch::Tensor& q : s.module->parameters()) {
+      key.form.push_back(q.requires_grad() ? 1 : 0);
+      key.form.push_back(static_cast<int64_t>(q.scalar_type()));
+      key.form.push_back(q.dim());
+      key.form.insert(key.form.end(), q.sizes().begin(), q.sizes().end());
+    }
+  }
   return key;
 }
 

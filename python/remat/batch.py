@@ -173,13 +173,15 @@ class _Runs:
         else:
             lp.remove()
 
-    def _step(self, batch):
+    def _step(self, lp, batch):
+        """One training step of the model on `batch` under LayerPlan `lp` (again while it skips layers:
+        LayerPlan.run_whole), leaving the model as it was."""
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
         model.train()
         try:
-            with Restore([model], device, fresh_grads=True):
+            def run_step():
                 self.steps += 1
                 if isinstance(batch, Mapping):
                     out = model(**batch)
@@ -189,7 +191,9 @@ class _Runs:
                     out = model(batch)
                 loss = self.loss(out) if self.loss is not None else _loss_of(out)
                 loss.backward()
-                del out, loss
+
+            with Restore([model], device, fresh_grads=True):
+                lp.run_whole(run_step)
         finally:
             model.train(was_training)
 
@@ -199,7 +203,7 @@ class _Runs:
         try:
             self.planner_options = lp.offloads.planner_options()
             try:
-                self._step(batch)
+                self._step(lp, batch)
             except _core.InfeasibleBudget:
                 pass  # the profile is taken before planning; this size has no plan within the budget
             if lp.chain is None or lp.context is None:
@@ -217,7 +221,7 @@ class _Runs:
         found.measured_peak_bytes, found.measured_step_ms = -1, -1.0
         try:
             try:
-                self._step(batch)  # profiles, and plans for the budget
+                self._step(lp, batch)  # profiles, and plans for the budget
             except _core.InfeasibleBudget as e:
                 return e.min_bytes
             # The plan the step made from this size's own profile (plan_step's: its time is the chain's and the
@@ -227,7 +231,7 @@ class _Runs:
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync()
             t = time.perf_counter()
-            self._step(batch)
+            self._step(lp, batch)
             sync()
             found.measured_step_ms = (time.perf_counter() - t) * 1e3
             found.measured_peak_bytes = lp.last_peak_bytes

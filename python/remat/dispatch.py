@@ -21,9 +21,11 @@ if TYPE_CHECKING:
     from .layer_plan import LayerPlan
 
 __all__ = ["LAYER_PLAN_ATTR", "PlannedForward", "around_compiled", "dispatch", "layer_begins", "layer_ends",
-           "planned_forward", "run"]
+           "layers_skipped", "planned_forward", "run"]
 
 LAYER_PLAN_ATTR = "_remat_layer_plan"
+# The steps of one input shape that were to profile it and skipped a layer (LayerDrop) at which that is said again.
+SKIPPED_PROFILES_WARNED_AT = 8
 
 
 # -- a layer's call -------------------------------------------------------------------------------------------------
@@ -73,15 +75,11 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         raise TypeError(f"{lp.who}: layer {i} ({type(layer).__name__}) was called without its input tensor "
                         "as the first positional argument; remat follows the tensor passed there from layer "
                         "to layer")
-    if lp._unmeasured or (i > 0 and lp._step is not None and lp._step.off_plan):
-        # (The schedule's points for the layers before still hold: their copies are waited for and come back.)
-        return run(lp, i, CHECKPOINT, fn, args, lp._step.shape if lp._step is not None else None)
-    if lp._fixed is not None:  # a given plan: nothing to measure
-        lp._last = lp._fixed
-        return run(lp, i, lp._fixed.choices[i], fn, args, lp._fixed)
     x = args[0]
     step = lp._step
-    if step is not None and step.in_model_forward and not step.inside:
+    first = i == 0  # the step's first layer call
+    skipped: list[int] = []
+    if step is not None and step.in_model_forward and not step.inside and not lp._unmeasured:
         if i in step.layers_called:
             # The plan's model is a chain of layers each called once per step, in order. A module the model calls
             # several times (ALBERT's one layer group, called for every layer) was taken, each time it came
@@ -92,9 +90,24 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
                 "remat plans layers that the model calls once each per step, in order, and a module it calls "
                 "several times (ALBERT's shared layer group) cannot be one of them: leave it out of the layers "
                 "and checkpoint its calls with remat.checkpoint, or plan modules that are called once")
+        last = max(step.layers_called, default=-1)
+        if i < last:
+            raise RuntimeError(f"{lp.who}: layer {i} ran after layer {last} in a training step; the layers must "
+                               "run in the order given")
+        # Layers the model did not call since the last one (LayerDrop: BART's encoder_layerdrop, Wav2Vec2's
+        # layerdrop skip each layer at random in training). A layer compiled on its own may have run in its graph
+        # without reaching this dispatch: not taken as skipped.
+        skipped = [j for j in range(last + 1, i) if j not in lp.compiled_layers]
+        first = last < 0
         step.layers_called.add(i)
-    if i == 0:
-        if step is None or step.shape is not None:  # layers called outside the model's forward
+    if lp._unmeasured or (i > 0 and step is not None and (step.off_plan or step.abandoned)):
+        # (The schedule's points for the layers before still hold: their copies are waited for and come back.)
+        return run(lp, i, CHECKPOINT, fn, args, step.shape if step is not None else None)
+    if lp._fixed is not None:  # a given plan: nothing to measure
+        lp._last = lp._fixed
+        return run(lp, i, lp._fixed.choices[i], fn, args, lp._fixed)
+    if first:
+        if i == 0 and (step is None or step.shape is not None):  # layers called outside the model's forward
             # Outside the model's forward: the first layer's shapes (and the frozen parameters and the autocast
             # state, as for the model's).
             step = lp._step = lp._begin_step(lp._step_key("layer 0", layer_key(fn, args)), x.device)
@@ -111,18 +124,62 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     shape = step.shape
     if shape.no_backward:  # every layer frozen on an input that needs no gradient: nothing to plan
         return fn(*args)
+    if skipped and skipped[0] == 0:
+        lp.offloads.begin_step()  # (run's at the first layer, which this step did not call)
+    if skipped:
+        layers_skipped(lp, step, skipped)
+        if step.abandoned:
+            return run(lp, i, CHECKPOINT, fn, args, shape)
     if shape.choices is not None:
         if shape.layer_keys is not None and not _planned_for(shape, i, layer_key(fn, args)):
             return _off_plan(lp, step, shape, i, fn, args)
-        if i == 0:
+        if first:
             oom.running(lp)
         out = run(lp, i, shape.choices[i], fn, args, shape, explained=True)
-        if i == len(lp.layers) - 1:
+        if i == len(lp.layers) - 1 and not step.skipped:
             main, _ = layer_output(out, lp.who, i, layer)
             if main.requires_grad:
                 measure_planned_step(step, shape, main, lambda: lp._check_prediction(shape))
         return out
     return profiling_call(lp, step, shape, i, fn, args, x)
+
+
+def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int]) -> None:
+    """The model's forward did not call the layers `skipped` in this training step (LayerDrop: BART's and
+    Whisper's `encoder_layerdrop`, Wav2Vec2's `layerdrop` skip each layer at random in training; dispatch, or
+    LayerPlan._forward_ends for the last layers). A planned step runs its plan for the layers called, and is
+    not measured against its prediction (which is of every layer). A step that was to profile profiles nothing:
+    a profile is of every layer, so the layers from here on run checkpointed, and the next step profiles again
+    (Shape.skipped_profiles counts such steps). Each said once per LayerPlan, the first again at the
+    SKIPPED_PROFILES_WARNED_AT-th such step of a shape. Before (found 2026-12-07), a 4-layer BART with
+    encoder_layerdrop 0.5 raised "layer 1 ran before layer 0" where the first was skipped, and where another
+    was, its profile had too few stages (a ValueError from the planner library at the end of the backward pass,
+    at every later step too)."""
+    step.skipped.extend(skipped)
+    shape = step.shape
+    profiling = shape.choices is None
+    if profiling and not step.abandoned:
+        step.abandoned = True
+        step.calls = []  # (the layers before hold their inputs in their checkpoints)
+        shape.skipped_profiles += 1
+    kind = "profiling" if profiling else "planned"
+    again = profiling and shape.skipped_profiles == SKIPPED_PROFILES_WARNED_AT
+    if kind in lp._skips_said and not again:
+        return
+    lp._skips_said.add(kind)
+    names = ", ".join(f"{j} ({type(lp.layers[j]).__name__})" for j in skipped)
+    if profiling:
+        done = ("this step was to profile the layers, which needs every one to run: it profiled nothing, the "
+                "layers from the first one skipped ran checkpointed, and the next training step profiles again "
+                f"({shape.skipped_profiles} such steps for this input shape so far; under LayerDrop's probability "
+                "p a step runs all n layers with probability (1 - p)^n: where that is small, set the model's "
+                "layerdrop to 0 for the first step of each input shape)")
+    else:
+        done = ("the plan runs for the layers called, and such a step is not measured against its prediction, "
+                "which is of every layer")
+    warnings.warn(f"{lp.who}: the model's forward did not call layer {names} in this training step (a model that "
+                  f"skips layers at random in training, LayerDrop, or a call that runs only some of them); {done}",
+                  stacklevel=4)
 
 
 def _planned_for(shape: "Shape", i: int, key: tuple) -> bool:

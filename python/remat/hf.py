@@ -263,14 +263,16 @@ def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping, loss_fn=None
     was_training = model.training
     model.train()
     try:
-        with Restore([model], device, fresh_grads=True):
+        def run_step():
             out = model(**example)
             loss = loss_fn(out) if loss_fn is not None else getattr(out, "loss", None)
             if loss is None:
                 raise ValueError("remat.hf.enable: the example batch gave no loss; include labels in it, or "
                                  "give loss=, a function from the model's outputs to the loss")
             loss.backward()
-            del out, loss
+
+        with Restore([model], device, fresh_grads=True):
+            lp.run_whole(run_step)
     finally:
         model.train(was_training)
 

@@ -30,7 +30,7 @@ from . import _core, agreement, fit, oom
 from .fit import parse_budget
 from ._state import Walk, kept_walk
 from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key, unwrap_call, wrap_call
-from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch
+from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch, layers_skipped
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
 from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, graph_state_not_run,
@@ -171,6 +171,7 @@ class LayerPlan:
         self._calls: list[TrainingCall] = []
         self._inside_said = False
         self._many_shapes_said = False  # _new_shape's warning was given
+        self._skips_said: set[str] = set()  # the steps whose forward skipped layers said: "profiling", "planned"
         # The model's parameters, read again at each step's key (_refresh_params: a module or parameter replaced
         # since), and their dtypes and shapes in order as the id of that form among those seen (_params_key).
         self._params = [p for p in model.parameters()]
@@ -208,7 +209,8 @@ class LayerPlan:
     _DEFAULTS = dict(replan_on_oom=False, replan_on_overshoot=False, groups=False, compiled_layers=set, fit=None,
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
                      _profile_timing="synced", _calls_wrapped=False, _gradless=set, _gradless_hooks=dict,
-                     _walks=dict, _outside=None, _outside_phase=dict, _param_form=list, _forms=dict, _form_id=-1)
+                     _walks=dict, _outside=None, _outside_phase=dict, _param_form=list, _forms=dict, _form_id=-1,
+                     _skips_said=set)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -291,6 +293,29 @@ class LayerPlan:
         self._params = now
         self._outside = self._outside_indices()
         self._watch_gradless()
+
+    def run_whole(self, run_step: Callable[[], None]) -> None:
+        """Runs `run_step()`, one training step of the model inside the caller's Restore(fresh_grads=True) (the
+        example step of remat.hf.enable(example=) and remat.hf.profile, remat.max_batch's), again while it skips
+        layers (LayerDrop: a step that was to profile then profiles nothing, a planned one measures nothing;
+        dispatch.layers_skipped), the gradients as at the first try's start (none, or zeros), at most
+        WHOLE_STEP_TRIES times; then a ValueError. Before (found 2026-12-07), such a step left no profile:
+        remat.hf.profile returned (None, None)."""
+        params = parameters_of(self.model)
+        had = [p.grad is not None for p in params]
+        for _ in range(WHOLE_STEP_TRIES):
+            run_step()
+            if self._step is None or not self._step.skipped:
+                return
+            with torch.no_grad():
+                for p, g in zip(params, had):
+                    if not g:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()
+        raise ValueError(f"{self.who}: each of {WHOLE_STEP_TRIES} training steps on the example batch skipped a "
+                         "layer (a model that skips layers at random in training: LayerDrop), and a profile is of "
+                         "every layer: set the model's layerdrop to 0 for this call")
 
     # -- what can be read ----------------------------------------------------------------------------------------
     def is_planned(self) -> bool:
@@ -807,13 +832,22 @@ class LayerPlan:
                          if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                 step.rest_takes_input = graph_reaches(roots, into, made)
         if step is not None:
+            n = len(self.layers)
+            if step.in_model_forward and not step.inside and len(step.layers_called) < n and self._training():
+                # The last layers were not called (LayerDrop), or none was: as for a layer skipped before another.
+                if step.shape is None:
+                    step.shape = self._last = self._shapes.setdefault(step.key, Shape(step.key))
+                called = max(step.layers_called, default=-1)
+                skipped = [j for j in range(called + 1, n) if j not in self.compiled_layers]
+                if skipped and not step.shape.no_backward:
+                    layers_skipped(self, step, skipped)
             step.in_model_forward = False
             step.last_nodes = None
             # A profiling step: whether anything held the last layer's input past its forward, and the first
             # layer's into the backward pass (StepContext.inputs_held_in_forward; held where not read).
             step.last_input_alive(len(self.layers) - 1)
             step.read_input_past_forward(0)
-        if step is None or step.done or step.measured or step.off_plan or step.key is None:
+        if step is None or step.done or step.measured or step.off_plan or step.skipped or step.key is None:
             return
         shape = self._shapes.get(step.key)
         if shape is None or shape.choices is None or step.shape not in (None, shape):
@@ -833,6 +867,9 @@ class LayerPlan:
         before the base is read; collected during the step, its tensors' frees would lower the count every
         reading is taken against (a dropped model collected in another's profiling step: docs/BENCHMARKS.md,
         "Figures behind the code")."""
+        last = self._step
+        if last is not None and last.abandoned and not last.done:
+            last.finish()  # (its backward pass has run, or its graph is gone: no call of it is open)
         self._borrow(key)
         grads_none, grads = self._grads_state()
         self._profile_in_lockstep(key, grads)
@@ -1137,6 +1174,10 @@ class _Unwrap:
 
 _TORCH_MODULES = os.path.dirname(nn.Module.__init__.__code__.co_filename)
 _REMAT = os.path.dirname(os.path.abspath(__file__))
+
+
+# The training steps LayerPlan.run_whole runs at most, each skipping a layer (LayerDrop), before it gives up.
+WHOLE_STEP_TRIES = 16
 
 
 def parameters_of(model: nn.Module) -> list[nn.Parameter]:

@@ -328,6 +328,7 @@ class Shape:
         self.said_below = False  # a step that held less than predicted was warned of (once per shape)
         self.lowered = 0  # what that took off the budget (bytes): every plan for this shape is made below it
         self.profiling_steps = 0
+        self.skipped_profiles = 0  # steps that were to profile it and did not, a layer skipped (LayerDrop)
         self.profiling_time: dict[str, float] = {}  # where its profile's time went: seconds by phase
         self.rest_retimed = 0  # planned steps that took the rest's time again (the first RETIMED_STEPS do)
         self.error: Exception | None = None
@@ -442,6 +443,11 @@ class Step:
         # in it so far (dispatch: one called twice is refused).
         self.in_model_forward = False
         self.layers_called: set[int] = set()
+        # The layers the model's forward did not call in this step (LayerDrop: dispatch, LayerPlan._forward_ends),
+        # and whether this step, one that was to profile, profiles nothing for it (its layers from the first one
+        # skipped run checkpointed; finished as the next step begins).
+        self.skipped: list[int] = []
+        self.abandoned = False
         # What the layers take or hand on beside their input and output (StepContext.side_bytes): the storages
         # the first layer takes (made before the layers: their gradients only are charged), and per storage
         # made during the layers, its bytes and its gradient's.

@@ -239,3 +239,55 @@ def test_what_runs_between_may_leave_less_held_than_before_it(meter):
     predicted = lp.predicted_peak_bytes
     encoder_output_grad = 4 * 32 * model.config.d_model * 4
     assert 0 <= predicted - runs[1][2] <= encoder_output_grad, (runs[1][2], predicted)
+
+
+def test_layers_skipped_at_random_run_as_the_plain_run_and_profile_once_all_run(meter, monkeypatch):
+    # LayerDrop (BART's encoder_layerdrop, Wav2Vec2's layerdrop): in training, the model skips each layer at
+    # random. A step that was to profile and skips one profiles nothing (its layers from there run
+    # checkpointed) and the next tries again; a planned step runs its plan for the layers called, unmeasured.
+    # Before (found 2026-12-07), the first layer skipped raised "layer 1 ran before layer 0", another skipped
+    # made a profile of too few stages (a ValueError at the end of the backward pass, at every step after).
+    models = [make("bart") for _ in range(2)]
+    for m in models:
+        m.model.encoder.layerdrop = 0.5
+    plain_model, model = models
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
+    skips = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(10):
+            if k == 4:  # planned: the least budget (streamed layers), and the decoder's last layer may drop too
+                assert lp.is_planned() and lp.profiling_steps == 1
+                lp.set_budget(lp.min_budget_bytes)
+                for m in models:
+                    m.model.decoder.layerdrop = 0.5
+            want = step(plain_model, "bart", k, meter)
+            got = step(model, "bart", k, meter)
+            same(want, got)
+            skips.append(list(lp._step.skipped))
+            if k >= 4:  # what runs of the plan holds at most what all of it was predicted to
+                assert got[2] <= lp.predicted_peak_bytes, (k, skips[-1], lp.choices, got[2], lp.predicted_peak_bytes)
+    said = [str(w.message) for w in caught if "did not call layer" in str(w.message)]
+    # Steps 0-2 were to profile and skipped layers (the first one in steps 0 and 2, the encoder's last ones in
+    # step 1: seen at the decoder's first); step 3 ran all and profiled.
+    assert skips[:4] == [[0, 1, 2], [1, 2], [0], []], skips
+    assert lp._last.skipped_profiles == 3 and lp._last.profiling_steps == 1
+    assert any(2 * LAYERS - 1 in s for s in skips[4:]), skips  # the last layer (LayerPlan._forward_ends)
+    assert any("@stream" in c for c in lp.choices), lp.choices
+    assert len(said) == 2 and "profiled nothing" in said[0] and "not measured" in said[1], said
+    # An example's step (remat.hf.profile, enable(example=), remat.max_batch) runs again while it skips a layer
+    # (before, profile() returned (None, None)), the model and its generators left as they were; where every try
+    # skips one, a ValueError says what to do.
+    model = make("bart")
+    model.model.encoder.layerdrop = 0.5
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chain, _ = remat.hf.profile(model, batch("bart", 0))
+    assert len(chain.stages) == 2 * LAYERS and torch.equal(torch.rand(4), torch.manual_seed(0) and torch.rand(4))
+    assert all(p.grad is None for p in model.parameters())
+    model.model.encoder.layerdrop = 1.0
+    monkeypatch.setattr(remat.layer_plan, "WHOLE_STEP_TRIES", 2)  # (16 by default)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="each of 2 training steps on the example batch skipped a layer .* set the model's layerdrop"):
+        warnings.simplefilter("ignore")
+        remat.hf.profile(model, batch("bart", 0))

@@ -162,12 +162,23 @@ def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int]) -> None:
         step.abandoned = True
         step.calls = []  # (the layers before hold their inputs in their checkpoints)
         shape.skipped_profiles += 1
-    kind = "profiling" if profiling else "planned"
+    evals = [j for j in skipped if not lp.layers[j].training]
+    kind = "eval" if evals else "profiling" if profiling else "planned"
     again = profiling and shape.skipped_profiles == SKIPPED_PROFILES_WARNED_AT
     if kind in lp._skips_said and not again:
         return
     lp._skips_said.add(kind)
-    names = ", ".join(f"{j} ({type(lp.layers[j]).__name__})" for j in skipped)
+    names = ", ".join(f"{j} ({type(lp.layers[j]).__name__})" for j in evals or skipped)
+    if evals:
+        # A layer in eval mode in a training step (its dropout off): run as it is, not through remat (Hugging
+        # Face's layers call their checkpointing function only in training mode). Before (found 2026-12-07), its
+        # profile had too few stages: a ValueError at the end of every step's backward pass.
+        warnings.warn(f"{lp.who}: layer {names} is in eval mode in this training step (its `training` flag off), "
+                      "and runs as it is, not through remat; a plan is of every layer, so "
+                      + ("none is made: the layers from there on run checkpointed, measured by nothing" if profiling
+                         else "this step is not measured against its prediction")
+                      + "; put every layer in training mode (model.train()) for remat to plan them", stacklevel=4)
+        return
     if profiling:
         done = ("this step was to profile the layers, which needs every one to run: it profiled nothing, the "
                 "layers from the first one skipped ran checkpointed, and the next training step profiles again "

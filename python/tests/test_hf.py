@@ -1174,6 +1174,28 @@ def test_a_model_whose_parameters_change_is_profiled_and_planned_again(meter):
     assert lp._params[-1] is model.lm_head.weight and lp._params[-1].dtype == torch.bfloat16
 
 
+def test_a_layer_in_eval_mode_runs_as_it_is_and_it_is_said(meter):
+    # A layer put in eval mode in a training model (its dropout off) is called by Hugging Face without its
+    # checkpointing function, so remat does not see it: no plan is made (a plan is of every layer), the steps are
+    # the plain run's, and a warning says why. Before (found 2026-12-07), the profile had a stage too few: a
+    # ValueError from the planner library at the end of every step's backward pass.
+    plain_model, spec = make("llama")
+    model, _ = make("llama")
+    for m in (plain_model, model):
+        m.model.layers[1].eval()
+    lp = remat.hf.enable(model, budget=1 << 40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(2):
+            same(step(plain_model, spec, k, meter), step(model, spec, k, meter))
+    said = [str(w.message) for w in caught if "eval mode" in str(w.message)]
+    assert len(said) == 1 and "layer 1 (LlamaDecoderLayer) is in eval mode" in said[0], said
+    assert not lp.is_planned() and lp._last.skipped_profiles == 2
+    model.train()
+    same(step(plain_model.train(), spec, 2, meter), step(model, spec, 2, meter))  # profiles now
+    assert lp.is_planned()
+
+
 def test_layers_that_are_all_frozen_run_as_they_are_and_it_is_said(meter):
     # Every layer frozen (only the LM head trained): no layer's output needs a gradient, so there is nothing to
     # plan. The step used to profile, never reach the layers' backward, and leave no plan and no word.

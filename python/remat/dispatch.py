@@ -144,7 +144,7 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     return profiling_call(lp, step, shape, i, fn, args, x)
 
 
-def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int]) -> None:
+def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int], stacklevel: int = 4) -> None:
     """The model's forward did not call the layers `skipped` in this training step (LayerDrop: BART's and
     Whisper's `encoder_layerdrop`, Wav2Vec2's `layerdrop` skip each layer at random in training; dispatch, or
     LayerPlan._forward_ends for the last layers). A planned step runs its plan for the layers called, and is
@@ -177,7 +177,8 @@ def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int]) -> None:
                       "and runs as it is, not through remat; a plan is of every layer, so "
                       + ("none is made: the layers from there on run checkpointed, measured by nothing" if profiling
                          else "this step is not measured against its prediction")
-                      + "; put every layer in training mode (model.train()) for remat to plan them", stacklevel=4)
+                      + "; put every layer in training mode (model.train()) for remat to plan them",
+                      stacklevel=stacklevel)
         return
     if profiling:
         done = ("this step was to profile the layers, which needs every one to run: it profiled nothing, the "
@@ -190,7 +191,7 @@ def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int]) -> None:
                 "which is of every layer")
     warnings.warn(f"{lp.who}: the model's forward did not call layer {names} in this training step (a model that "
                   f"skips layers at random in training, LayerDrop, or a call that runs only some of them); {done}",
-                  stacklevel=4)
+                  stacklevel=stacklevel)
 
 
 def _planned_for(shape: "Shape", i: int, key: tuple) -> bool:

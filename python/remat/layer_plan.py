@@ -840,7 +840,7 @@ class LayerPlan:
                 called = max(step.layers_called, default=-1)
                 skipped = [j for j in range(called + 1, n) if j not in self.compiled_layers]
                 if skipped and not step.shape.no_backward:
-                    layers_skipped(self, step, skipped)
+                    layers_skipped(self, step, skipped, stacklevel=6)  # (the model's call)
             step.in_model_forward = False
             step.last_nodes = None
             # A profiling step: whether anything held the last layer's input past its forward, and the first

@@ -95,9 +95,8 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
             raise RuntimeError(f"{lp.who}: layer {i} ran after layer {last} in a training step; the layers must "
                                "run in the order given")
         # Layers the model did not call since the last one (LayerDrop: BART's encoder_layerdrop, Wav2Vec2's
-        # layerdrop skip each layer at random in training). A layer compiled on its own may have run in its graph
-        # without reaching this dispatch: not taken as skipped.
-        skipped = [j for j in range(last + 1, i) if j not in lp.compiled_layers]
+        # layerdrop skip each layer at random in training).
+        skipped = list(range(last + 1, i))
         first = last < 0
         step.layers_called.add(i)
     if lp._unmeasured or (i > 0 and step is not None and (step.off_plan or step.abandoned)):
@@ -124,6 +123,10 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     shape = step.shape
     if shape.no_backward:  # every layer frozen on an input that needs no gradient: nothing to plan
         return fn(*args)
+    if shape.choices is not None:
+        # A layer compiled on its own runs a planned step's choice in its graph without reaching this dispatch:
+        # not taken as skipped (in a profiling step every layer reaches it).
+        skipped = [j for j in skipped if j not in lp.compiled_layers]
     if skipped and skipped[0] == 0:
         lp.offloads.begin_step()  # (run's at the first layer, which this step did not call)
     if skipped:

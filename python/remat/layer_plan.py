@@ -18,6 +18,7 @@ what runs before and after them, and the gradients the step allocates are inside
 from __future__ import annotations
 
 import gc
+import operator
 import os
 import sys
 import warnings
@@ -278,7 +279,7 @@ class LayerPlan:
         ones, whose gradients no `zero_grad` reached."""
         now = parameters_of(self.model)
         old = self._params
-        if len(now) == len(old) and all(p is q for p, q in zip(now, old)):
+        if len(now) == len(old) and all(map(operator.is_, now, old)):
             return
         if len(now) == len(old) and all(p.dtype == q.dtype and p.shape == q.shape for p, q in zip(now, old)):
             place = {i: i for i in range(len(old))}
@@ -1183,8 +1184,9 @@ WHOLE_STEP_TRIES = 16
 
 def parameters_of(model: nn.Module) -> list[nn.Parameter]:
     """model.parameters() as a list, in its order (each module's before its children's, each parameter once), in
-    a third of its time (118 us for a 32-layer Llama's 291 against 400, one run of each on the CI machine's CPU
-    beside a test suite): read at every training step's key (LayerPlan._refresh_params)."""
+    a third of its time (110 to 120 us for a 32-layer Llama's 291 parameters against 350 to 420, medians of five
+    runs of 1,000 in three runs on the CI machine's CPU): read at every training step's key, of which the whole
+    part (LayerPlan._params_key: the walk, the dtypes and shapes compared, the frozen ones) took 210 us there."""
     out, seen, stack = [], set(), [model]
     while stack:
         module = stack.pop()
@@ -1192,7 +1194,9 @@ def parameters_of(model: nn.Module) -> list[nn.Parameter]:
             if p is not None and id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)
-        stack.extend(reversed([m for m in module._modules.values() if m is not None]))
+        children = module._modules
+        if children:  # (most modules have none)
+            stack.extend(reversed([m for m in children.values() if m is not None]))
     return out
 
 

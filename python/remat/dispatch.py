@@ -123,16 +123,11 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     shape = step.shape
     if shape.no_backward:  # every layer frozen on an input that needs no gradient: nothing to plan
         return fn(*args)
-    if shape.choices is not None:
-        # A layer compiled on its own runs a planned step's choice in its graph without reaching this dispatch:
-        # not taken as skipped (in a profiling step every layer reaches it).
-        skipped = [j for j in skipped if j not in lp.compiled_layers]
+    skipped = layers_skipped(lp, step, skipped) if skipped else []
     if skipped and skipped[0] == 0:
         lp.offloads.begin_step()  # (run's at the first layer, which this step did not call)
-    if skipped:
-        layers_skipped(lp, step, skipped)
-        if step.abandoned:
-            return run(lp, i, CHECKPOINT, fn, args, shape)
+    if step.abandoned:
+        return run(lp, i, CHECKPOINT, fn, args, shape)
     if shape.choices is not None:
         if shape.layer_keys is not None and not _planned_for(shape, i, layer_key(fn, args)):
             return _off_plan(lp, step, shape, i, fn, args)
@@ -147,10 +142,12 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     return profiling_call(lp, step, shape, i, fn, args, x)
 
 
-def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int], stacklevel: int = 4) -> None:
-    """The model's forward did not call the layers `skipped` in this training step (LayerDrop: BART's and
-    Whisper's `encoder_layerdrop`, Wav2Vec2's `layerdrop` skip each layer at random in training; dispatch, or
-    LayerPlan._forward_ends for the last layers). A planned step runs its plan for the layers called, and is
+def layers_skipped(lp: "LayerPlan", step: "Step", missed: list[int], stacklevel: int = 4) -> list[int]:
+    """The model's forward did not call the layers `missed` in this training step; returns those of them taken
+    as skipped (LayerDrop: BART's and Whisper's `encoder_layerdrop`, Wav2Vec2's `layerdrop` skip each layer at
+    random in training; dispatch, or LayerPlan._forward_ends for the last layers): all but, in a planned step, the
+    layers compiled on their own, which run a planned step's choice in their graphs without reaching remat's
+    dispatch (in a profiling step every layer reaches it). A planned step runs its plan for the layers called, and is
     not measured against its prediction (which is of every layer). A step that was to profile profiles nothing:
     a profile is of every layer, so the layers from here on run checkpointed, and the next step profiles again
     (Shape.skipped_profiles counts such steps). Each said once per LayerPlan, the first again at the
@@ -158,9 +155,12 @@ def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int], stacklevel
     encoder_layerdrop 0.5 raised "layer 1 ran before layer 0" where the first was skipped, and where another
     was, its profile had too few stages (a ValueError from the planner library at the end of the backward pass,
     at every later step too)."""
-    step.skipped.extend(skipped)
     shape = step.shape
     profiling = shape.choices is None
+    skipped = missed if profiling else [j for j in missed if j not in lp.compiled_layers]
+    if not skipped:
+        return skipped
+    step.skipped.extend(skipped)
     if profiling and not step.abandoned:
         step.abandoned = True
         step.calls = []  # (the layers before hold their inputs in their checkpoints)
@@ -169,7 +169,7 @@ def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int], stacklevel
     kind = "eval" if evals else "profiling" if profiling else "planned"
     again = profiling and shape.skipped_profiles == SKIPPED_PROFILES_WARNED_AT
     if kind in lp._skips_said and not again:
-        return
+        return skipped
     lp._skips_said.add(kind)
     names = ", ".join(f"{j} ({type(lp.layers[j]).__name__})" for j in evals or skipped)
     if evals:
@@ -182,7 +182,7 @@ def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int], stacklevel
                          else "this step is not measured against its prediction")
                       + "; put every layer in training mode (model.train()) for remat to plan them",
                       stacklevel=stacklevel)
-        return
+        return skipped
     if profiling:
         done = ("this step was to profile the layers, which needs every one to run: it profiled nothing, the "
                 "layers from the first one skipped ran checkpointed, and the next training step profiles again "
@@ -195,6 +195,7 @@ def layers_skipped(lp: "LayerPlan", step: "Step", skipped: list[int], stacklevel
     warnings.warn(f"{lp.who}: the model's forward did not call layer {names} in this training step (a model that "
                   f"skips layers at random in training, LayerDrop, or a call that runs only some of them); {done}",
                   stacklevel=stacklevel)
+    return skipped
 
 
 def _planned_for(shape: "Shape", i: int, key: tuple) -> bool:

@@ -839,10 +839,8 @@ class LayerPlan:
                 if step.shape is None:
                     step.shape = self._last = self._shapes.setdefault(step.key, Shape(step.key))
                 called = max(step.layers_called, default=-1)
-                planned = step.shape.choices is not None  # (compiled layers: as dispatch reads them)
-                skipped = [j for j in range(called + 1, n) if not (planned and j in self.compiled_layers)]
-                if skipped and not step.shape.no_backward:
-                    layers_skipped(self, step, skipped, stacklevel=6)  # (the model's call)
+                if not step.shape.no_backward:
+                    layers_skipped(self, step, list(range(called + 1, n)), stacklevel=6)  # (the model's call)
             step.in_model_forward = False
             step.last_nodes = None
             # A profiling step: whether anything held the last layer's input past its forward, and the first

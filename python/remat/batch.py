@@ -175,7 +175,7 @@ class _Runs:
 
     def _step(self, lp, batch):
         """One training step of the model on `batch` under LayerPlan `lp` (again while it skips layers:
-        LayerPlan.run_whole), leaving the model as it was."""
+        LayerPlan._run_whole), leaving the model as it was."""
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
@@ -193,7 +193,7 @@ class _Runs:
                 loss.backward()
 
             with Restore([model], device, fresh_grads=True):
-                lp.run_whole(run_step)
+                lp._run_whole(run_step)
         finally:
             model.train(was_training)
 

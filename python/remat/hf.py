@@ -272,7 +272,7 @@ def _profile_now(model: nn.Module, lp: LayerPlan, example: Mapping, loss_fn=None
             loss.backward()
 
         with Restore([model], device, fresh_grads=True):
-            lp.run_whole(run_step)
+            lp._run_whole(run_step)
     finally:
         model.train(was_training)
 

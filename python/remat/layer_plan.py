@@ -295,7 +295,7 @@ class LayerPlan:
         self._outside = self._outside_indices()
         self._watch_gradless()
 
-    def run_whole(self, run_step: Callable[[], None]) -> None:
+    def _run_whole(self, run_step: Callable[[], None]) -> None:
         """Runs `run_step()`, one training step of the model inside the caller's Restore(fresh_grads=True) (the
         example step of remat.hf.enable(example=) and remat.hf.profile, remat.max_batch's), again while it skips
         layers (LayerDrop: a step that was to profile then profiles nothing, a planned one measures nothing;
@@ -1176,7 +1176,7 @@ _TORCH_MODULES = os.path.dirname(nn.Module.__init__.__code__.co_filename)
 _REMAT = os.path.dirname(os.path.abspath(__file__))
 
 
-# The training steps LayerPlan.run_whole runs at most, each skipping a layer (LayerDrop), before it gives up.
+# The training steps LayerPlan._run_whole runs at most, each skipping a layer (LayerDrop), before it gives up.
 WHOLE_STEP_TRIES = 16
 
 

@@ -188,7 +188,10 @@ def layers_skipped(lp: "LayerPlan", step: "Step", missed: list[int], stacklevel:
                 "layers from the first one skipped ran checkpointed, and the next training step profiles again "
                 f"({shape.skipped_profiles} such steps for this input shape so far; under LayerDrop's probability "
                 "p a step runs all n layers with probability (1 - p)^n: where that is small, set the model's "
-                "layerdrop to 0 for the first step of each input shape)")
+                "layerdrop to 0 for the first step of each input shape). A batch that never calls some layers (a "
+                "vision-language model's vision layers in a text-only batch) is never profiled, and its steps run "
+                "every layer checkpointed; to plan such batches, plan the layers they call: remat.enable(model, "
+                "those layers, budget=...)")
     else:
         done = ("the plan runs for the layers called, and such a step is not measured against its prediction, "
                 "which is of every layer")

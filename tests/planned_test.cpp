@@ -225,6 +225,21 @@ TEST_F(PlannedTest, AnInfeasibleBudgetIsRefusedAtPlanningNamingTheLeastFeasibleO
   EXPECT_THROW(remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}), remat::PlannedOptions().budget(0)),
                c10::Error);
   EXPECT_THROW(remat::Planned(std::vector<remat::StageFn>{}, remat::PlannedOptions().budget(1)), c10::Error);
+  // An exclude text the planners cannot read is refused at construction, not at the end of the first step's
+  // backward pass (before 2026-12-07), when the model's gradients are made.
+  remat::PlannerOptions bad;
+  bad.exclude = {"Fk", "Fc"};
+  try {
+    remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                   remat::PlannedOptions().budget(1 << 20).planner(bad));
+    FAIL() << "exclude 'Fc' was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("remat::Planned: cannot exclude 'Fc'"), std::string::npos)
+        << e.what();
+  }
+  bad.exclude = {"Fk[tags]", "Fk[matmuls]"};
+  EXPECT_NO_THROW(remat::Planned(remat::stages_at<BlockImpl>(*net, {"h"}),
+                                 remat::PlannedOptions().budget(1 << 20).planner(bad)));
 }
 
 TEST_F(PlannedTest, ANewShapeIsProfiledAndPlannedAnewAndAShapeSeenBeforeKeepsItsPlan) {

@@ -99,7 +99,8 @@ struct PlannedOptions {
   TORCH_ARG(std::vector<Policy>, policies) = {};
   /// Timed runs per stage in the profile (>= 1); one costs about three plain steps of the stages.
   TORCH_ARG(int64_t, profile_repeats) = 1;
-  /// What the planner may use (e.g. exclude Fk). With planner.offload, Planned plans with the per-layer
+  /// What the planner may use (e.g. exclude Fk; an exclude text the planners cannot read throws c10::Error
+  /// at construction). With planner.offload, Planned plans with the per-layer
   /// planner (the one that offloads: each stage kept, kept offloaded, kept under a policy or checkpointed),
   /// profiles each stage for offloading, and runs Fa@host stages under remat::Offload on its host pool
   /// (host_pool()); planner.max_host_bytes bounds that pool's use in the plan.

@@ -38,23 +38,23 @@ def pretend_device(free_bytes: int, total_bytes: int, cached_bytes: int = 0):
         _pretended = before
 
 
-def parse_budget(budget, who: str) -> int:
-    """A budget in bytes: an int, or a string with a unit ("300MiB", "1.5GiB"). Raises ValueError naming `who`
-    and the value otherwise, or when it is not positive."""
+def parse_budget(budget, who: str, what: str = "the budget") -> int:
+    """A budget in bytes: an int, or a string with a unit ("300MiB", "1.5GiB"). Raises ValueError naming `who`,
+    `what` the value is (max_host_bytes is read so too) and the value otherwise, or when it is not positive."""
     if isinstance(budget, bool):
-        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got {budget!r}")
+        raise TypeError(f"{who}: {what} must be bytes (an int) or a size string such as '300MiB', got {budget!r}")
     if isinstance(budget, str):
         try:
             value = _core.parse_size(budget)
         except ValueError as e:
-            raise ValueError(f"{who}: the budget '{budget}' is not a size ({e})") from None
+            raise ValueError(f"{who}: {what} '{budget}' is not a size ({e})") from None
     elif isinstance(budget, int):
         value = budget
     else:
-        raise TypeError(f"{who}: the budget must be bytes (an int) or a size string such as '300MiB', got "
+        raise TypeError(f"{who}: {what} must be bytes (an int) or a size string such as '300MiB', got "
                         f"{type(budget).__name__} {budget!r}")
     if value <= 0:
-        raise ValueError(f"{who}: the budget must be a positive number of bytes, got {budget!r}")
+        raise ValueError(f"{who}: {what} must be a positive number of bytes, got {budget!r}")
     return value
 
 

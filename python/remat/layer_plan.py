@@ -22,7 +22,7 @@ import operator
 import os
 import sys
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -91,8 +91,8 @@ class LayerPlan:
                              "offload=True")
         if isinstance(offload_min_bytes, bool) or not isinstance(offload_min_bytes, int) or offload_min_bytes < 0:
             raise ValueError(f"{who}: offload_min_bytes must be a number of bytes >= 0, got {offload_min_bytes!r}")
-        self.offloads = LayerOffloads(offload, parse_budget(max_host_bytes, who) if max_host_bytes is not None
-                                      else None, offload_min_bytes)
+        host = parse_budget(max_host_bytes, who, "max_host_bytes") if max_host_bytes is not None else None
+        self.offloads = LayerOffloads(offload, host, offload_min_bytes)
         self.agree = agreement.check_agree(agree, who)
         if replan_on_overshoot and agree:
             raise ValueError(f"{who}: replan_on_overshoot plans again from one rank's measured peak, and ranks that "
@@ -115,10 +115,22 @@ class LayerPlan:
         # profiling step begins (fit.py), each shape's budget made from its own profiling step's reading.
         self.budget, self.fit = fit.parse_budget_spec(budget, who) if budget is not None else (None, None)
         self._budget_text = budget if self.fit is not None else None
+        if isinstance(policies, str):
+            # Read as a sequence, a name would be its letters (before 2026-12-07: "the plan keeps with policy 'm'").
+            raise TypeError(f"{who}: policies must be a sequence of policy names or a dict of name to policy "
+                            f"function, got the string {policies!r}; write ({policies!r},)")
         if isinstance(policies, dict):
             self.policies = dict(policies)
         else:
             self.policies = {name: policy_fn(name) for name in (policies or ())}
+        if isinstance(exclude, str) or not isinstance(exclude, Iterable):
+            raise TypeError(f"{who}: exclude must be a sequence of plan operations such as ('Fk',), got "
+                            f"{type(exclude).__name__} {exclude!r}")
+        # Checked here, not at the first plan (before 2026-12-07 a ValueError at the end of the first training
+        # step's backward pass, the planner library's), by the planner library's own rule.
+        _core.check_exclude(list(exclude), who)
+        if isinstance(repeats, bool) or not isinstance(repeats, int):
+            raise TypeError(f"{who}: repeats must be an int >= 1, got {type(repeats).__name__} {repeats!r}")
         if repeats < 1:
             raise ValueError(f"{who}: repeats must be >= 1, got {repeats}")
         self.repeats = repeats
@@ -133,6 +145,9 @@ class LayerPlan:
         self._shapes: dict[tuple, Shape] = {}
         self._fixed: Shape | None = None
         if plan is not None:
+            if not isinstance(plan, _core.Plan):
+                raise TypeError(f"{who}: plan must be a remat.Plan (remat.per_layer's, a LayerPlan's .plan, or "
+                                f"remat.Plan.from_json's), got {type(plan).__name__} {plan!r:.80}")
             if plan.num_stages != len(self.layers):
                 raise ValueError(f"{who}: the plan is for {plan.num_stages} stages but there are "
                                  f"{len(self.layers)} layers")

@@ -827,6 +827,14 @@ NB_MODULE(_core, m) {
       "chain"_a, "plan"_a, "What `remat plan --json` prints for this plan on this chain.");
   m.def("format_bytes", &remat::format_bytes, "bytes"_a);
   m.def("parse_size", &remat::parse_size, "text"_a);
+  m.def(
+      "check_exclude",
+      [](const std::vector<std::string>& exclude, const std::string& who) {
+        remat::check_exclude(exclude, who.c_str());
+      },
+      "exclude"_a, "who"_a,
+      "Checks a planner's exclude texts (\"Fk\", \"Fk[tags]\", \"Fk[NAME]\"): ValueError naming `who` and "
+      "the first that is none of these (remat/planner/planner.h).");
 
   nb::class_<remat::DeviceRoom>(
       m, "DeviceRoom",

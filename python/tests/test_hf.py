@@ -720,6 +720,22 @@ def test_bad_budgets_and_models_are_refused():
         remat.hf.enable(model, budget=1.5)
     with pytest.raises(TypeError, match="no GradientCheckpointingLayer"):
         remat.hf.enable(torch.nn.Linear(2, 2), budget=1 << 20)
+    # Arguments of the wrong kind are refused by name at enable, the model left as it was. Before (found
+    # 2026-12-07): a plan string, an AttributeError; policies="matmuls", "the plan keeps with policy 'm'"; an
+    # exclude text the planners cannot read, a ValueError at the end of the first step's backward pass; repeats
+    # 2.5, a TypeError inside the profiling step; max_host_bytes=-3, "the budget must be a positive number".
+    for kwargs, error, words in [
+            (dict(plan="Fc0 Fc1 Fc2 Fc3"), TypeError, "plan must be a remat.Plan .* got str 'Fc0 Fc1"),
+            (dict(budget=1 << 20, policies="matmuls"), TypeError, "policies must be a sequence .* 'matmuls'"),
+            (dict(budget=1 << 20, exclude="Fk"), TypeError, "exclude must be a sequence .* str 'Fk'"),
+            (dict(budget=1 << 20, exclude=["Fk", "Fc"]), ValueError, "remat.hf.enable: cannot exclude 'Fc'"),
+            (dict(budget=1 << 20, repeats=2.5), TypeError, "repeats must be an int >= 1, got float 2.5"),
+            (dict(budget=1 << 20, offload=True, max_host_bytes=-3), ValueError,
+             "max_host_bytes must be a positive number of bytes, got -3")]:
+        with pytest.raises(error, match=words):
+            remat.hf.enable(model, **kwargs)
+        assert not _remat_left(model), (kwargs, _remat_left(model))
+    remat.hf.enable(model, budget=1 << 20, exclude=("Fk[tags]", "Fk[matmuls]"))
 
 
 def test_trainer_trains_with_it(tmp_path, meter):

@@ -85,4 +85,11 @@ Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_by
   return plan_strategy(parse_strategy(planner), chain, budget_bytes, options);
 }
 
+void check_exclude(const std::vector<std::string>& exclude, const char* who) {
+  PlannerOptions options;
+  options.exclude = exclude;
+  // The planners' own reading, on a chain of no policies: a chain's policies only narrow what is excluded.
+  detail::allowed_variants(Chain{}, options, who);
+}
+
 }  // namespace remat

@@ -78,6 +78,12 @@ class InfeasibleBudget : public std::invalid_argument {
 Plan make_plan(const Chain& chain, const std::string& planner, int64_t budget_bytes,
                const PlannerOptions& options = {});
 
+/// Checks PlannerOptions::exclude's texts as the planners read them ("Fk", "Fk[tags]", "Fk[NAME]" with NAME a
+/// policy name), before any chain is at hand: remat::Planned and Python's remat.enable check at construction
+/// what would otherwise fail at the first plan. Throws std::invalid_argument naming `who` and the first text
+/// that is none of these.
+void check_exclude(const std::vector<std::string>& exclude, const char* who);
+
 }  // namespace remat
 
 // Every planner, so that this header gives them all as it always has.

@@ -140,6 +140,13 @@ PlannedImpl::PlannedImpl(std::vector<ArgsStageFn> stages, PlannedOptions options
   TORCH_CHECK(options_.planner().max_host_bytes >= -1, kWho,
               ": PlannerOptions::max_host_bytes must be >= 0, or -1 for no bound, got ",
               options_.planner().max_host_bytes);
+  // At construction, not at the first plan (before 2026-12-07: at the end of the profiling step, the model's
+  // gradients already made).
+  try {
+    check_exclude(options_.planner().exclude, kWho);
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK(false, e.what());
+  }
 }
 
 bool PlannedImpl::training_now() const {

@@ -46,7 +46,35 @@ def planned_forward(self: nn.Module, *args, **kwargs):
         return compiled_call(lp, self, fn, args)
     if noted_around(self):  # the same, in a planned step whose part outside the graph around_compiled did
         return compiled_call(lp, self, fn, args)
+    if kwargs and self.training and torch.is_grad_enabled():
+        _refuse_cache(lp, self, kwargs)
     return lp.dispatch(lp.index[id(self)], fn, *args)
+
+
+# Per type of a layer's keyword argument: whether it is a Transformers cache (transformers.cache_utils.Cache or a
+# model's own subclass of one).
+_IS_CACHE: dict[type, bool] = {}
+
+
+def _refuse_cache(lp: "LayerPlan", layer: nn.Module, kwargs: dict) -> None:
+    """A layer called in training with a Transformers cache (past_key_values, use_cache=True) under remat.enable:
+    the profiling step and the recomputes run the layer again, and each run appends to the cache, so that a layer
+    profiled reads keys of an earlier run whose graph is gone. Refused by name before the layer runs. Before
+    (found 2026-12-07) remat.enable(model, model.model.layers, ...) on a Transformers Llama, whose config keeps the
+    cache on, failed in the profiling step with "Trying to backward through the graph a second time".
+    remat.hf.enable turns the cache off in training, as Hugging Face's own checkpointing does."""
+    for name, v in kwargs.items():
+        t = type(v)
+        cache = _IS_CACHE.get(t)
+        if cache is None:
+            cache = _IS_CACHE[t] = any(c.__module__ == "transformers.cache_utils" for c in t.__mro__)
+        if cache:
+            raise ValueError(
+                f"{lp.who}: layer {lp.index[id(layer)]} ({type(layer).__name__}) was called in training with a "
+                f"cache ({name}={t.__name__}): remat runs a layer again to profile and to recompute it, and each "
+                "run would append to the cache. Turn the cache off in training (model(..., use_cache=False), or "
+                "model.config.use_cache = False; a vision-language model's model.config.text_config.use_cache), "
+                "or plan with remat.hf.enable, which turns it off as Hugging Face's checkpointing does")
 
 
 class PlannedForward:

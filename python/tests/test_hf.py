@@ -738,6 +738,26 @@ def test_bad_budgets_and_models_are_refused():
     remat.hf.enable(model, budget=1 << 20, exclude=("Fk[tags]", "Fk[matmuls]"))
 
 
+def test_remat_enable_refuses_a_cache_in_training_by_name_and_trains_with_it_off(meter):
+    # remat.enable (not remat.hf.enable, which turns the cache off) on a Llama whose config keeps its KV cache on:
+    # each run of a layer appends to the cache, and the profiler runs each layer again. Refused at the first
+    # layer's call, naming it; before (found 2026-12-07), "Trying to backward through the graph a second time"
+    # from inside the profiling step. With the cache off the same model trains as the plain run.
+    plain, spec = make("llama")
+    model, _ = make("llama")
+    assert model.config.use_cache
+    lp = remat.enable(model, list(model.model.layers), budget=1 << 40)
+    with pytest.raises(ValueError, match=r"layer 0 \(LlamaDecoderLayer\) was called in training with a cache "
+                                         r"\(past_key_values=DynamicCache\)"):
+        step(model, spec, 0, meter)
+    assert all(p.grad is None for p in model.parameters())
+    for m in (plain, model):
+        m.config.use_cache = False
+    for k in range(2):
+        same(step(plain, spec, k, meter), step(model, spec, k, meter))
+    assert lp.is_planned()
+
+
 def test_trainer_trains_with_it(tmp_path, meter):
     from torch.utils.data import Dataset
 

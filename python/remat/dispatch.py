@@ -217,7 +217,8 @@ def layers_skipped(lp: "LayerPlan", step: "Step", missed: list[int], stacklevel:
                 f"({shape.skipped_profiles} such steps for this input shape so far; under LayerDrop's probability "
                 "p a step runs all n layers with probability (1 - p)^n: where that is small, set the model's "
                 "layerdrop to 0 for the first step of each input shape). A batch that never calls some layers (a "
-                "vision-language model's vision layers in a text-only batch) is never profiled, and its steps run "
+                "vision-language model's vision or cross-attention layers in a text-only batch) is never profiled, "
+                "and its steps run "
                 "every layer checkpointed; to plan such batches, plan the layers they call: remat.enable(model, "
                 "those layers, budget=...)")
     else:

@@ -218,9 +218,8 @@ def layers_skipped(lp: "LayerPlan", step: "Step", missed: list[int], stacklevel:
                 "p a step runs all n layers with probability (1 - p)^n: where that is small, set the model's "
                 "layerdrop to 0 for the first step of each input shape). A batch that never calls some layers (a "
                 "vision-language model's vision or cross-attention layers in a text-only batch) is never profiled, "
-                "and its steps run "
-                "every layer checkpointed; to plan such batches, plan the layers they call: remat.enable(model, "
-                "those layers, budget=...)")
+                "and its steps run every layer checkpointed; to plan such batches, plan the layers they call: "
+                "remat.enable(model, those layers, budget=...)")
     else:
         done = ("the plan runs for the layers called, and such a step is not measured against its prediction, "
                 "which is of every layer")

@@ -126,9 +126,14 @@ class LayerPlan:
         if isinstance(exclude, str) or not isinstance(exclude, Iterable):
             raise TypeError(f"{who}: exclude must be a sequence of plan operations such as ('Fk',), got "
                             f"{type(exclude).__name__} {exclude!r}")
+        exclude = list(exclude)  # (read once: a generator given)
+        for e in exclude:
+            if not isinstance(e, str):
+                raise TypeError(f"{who}: exclude must be a sequence of plan operations such as ('Fk',), got "
+                                f"{type(e).__name__} {e!r} among them")
         # Checked here, not at the first plan (before 2026-12-07 a ValueError at the end of the first training
         # step's backward pass, the planner library's), by the planner library's own rule.
-        _core.check_exclude(list(exclude), who)
+        _core.check_exclude(exclude, who)
         if isinstance(repeats, bool) or not isinstance(repeats, int):
             raise TypeError(f"{who}: repeats must be an int >= 1, got {type(repeats).__name__} {repeats!r}")
         if repeats < 1:

@@ -729,13 +729,15 @@ def test_bad_budgets_and_models_are_refused():
             (dict(budget=1 << 20, policies="matmuls"), TypeError, "policies must be a sequence .* 'matmuls'"),
             (dict(budget=1 << 20, exclude="Fk"), TypeError, "exclude must be a sequence .* str 'Fk'"),
             (dict(budget=1 << 20, exclude=["Fk", "Fc"]), ValueError, "remat.hf.enable: cannot exclude 'Fc'"),
+            (dict(budget=1 << 20, exclude=["Fk", 3]), TypeError, "exclude must be a sequence .* int 3 among them"),
             (dict(budget=1 << 20, repeats=2.5), TypeError, "repeats must be an int >= 1, got float 2.5"),
             (dict(budget=1 << 20, offload=True, max_host_bytes=-3), ValueError,
              "max_host_bytes must be a positive number of bytes, got -3")]:
         with pytest.raises(error, match=words):
             remat.hf.enable(model, **kwargs)
         assert not _remat_left(model), (kwargs, _remat_left(model))
-    remat.hf.enable(model, budget=1 << 20, exclude=("Fk[tags]", "Fk[matmuls]"))
+    lp = remat.hf.enable(model, budget=1 << 20, exclude=(e for e in ("Fk[tags]", "Fk[matmuls]")))
+    assert lp.exclude == ["Fk[tags]", "Fk[matmuls]"]  # a generator read once
 
 
 def test_remat_enable_refuses_a_cache_in_training_by_name_and_trains_with_it_off(meter):

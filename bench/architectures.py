@@ -19,6 +19,7 @@ whether remat warned in the profiling step (the JSON has the words).
     python bench/architectures.py                          # every architecture of MODELS below
     python bench/architectures.py --models more --deterministic   # the 52 of MORE (several are mixtures of experts)
     python bench/architectures.py --models further --deterministic   # the 57 of FURTHER (36 decoders, 21 encoders)
+    python bench/architectures.py --models vision         # the 7 vision-language models of VISION, images in every batch
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
     python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)
@@ -176,8 +177,90 @@ FURTHER_MASKED = {"distilbert", "modernbert", "megatron-bert", "roformer", "conv
                   "camembert", "data2vec-text", "ernie", "rembert", "roberta-prelayernorm", "nomic_bert", "eurobert",
                   "yoso", "nystromformer", "mra", "fnet", "big_bird", "longformer", "deberta"}
 
+# Vision-language models (2026-12-07, the sixty-ninth session: `--models vision`): each a tiny vision tower (2 layers
+# of width 32 on 32x32 images; Mllama's 16x16, one tile) and a text model of COMMON's size, trained on batches with an
+# image each. Their GradientCheckpointingLayers, the vision tower's then the text model's (Mllama: its text layers,
+# one of them cross-attention), are one chain; "llava-2" is Llava under its default vision_feature_layer=-2, whose
+# last vision layer's output the loss never reads.
+VISION = ["llava", "llava-2", "qwen2_vl", "gemma3", "paligemma", "idefics3", "mllama"]
+IMAGE_TOKEN = 999  # the image placeholder in every vision model's text (996-998: their other special tokens)
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                   patch_size=8)
+TEXT = dict(COMMON, pad_token_id=0)
+
+
+def build_vision(kind: str):
+    """The vision-language model `kind` of VISION, from tiny configs (nothing downloaded), in training mode."""
+    import transformers as t
+    torch.manual_seed(0)
+    if kind in ("llava", "llava-2"):
+        cfg = t.LlavaConfig(vision_config=t.CLIPVisionConfig(**TINY_VISION, projection_dim=32),
+                            text_config=t.LlamaConfig(**TEXT), image_token_id=IMAGE_TOKEN,
+                            vision_feature_layer=-2 if kind == "llava-2" else -1)
+        return t.LlavaForConditionalGeneration(cfg).train()
+    if kind == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=4, spatial_merge_size=2,
+                      temporal_patch_size=2)
+        text = dict(TEXT, rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3], rope_theta=10000.0))
+        cfg = t.Qwen2VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                              vision_start_token_id=997, vision_end_token_id=998, video_token_id=996)
+        return t.Qwen2VLForConditionalGeneration(cfg).train()
+    if kind == "gemma3":
+        text = t.Gemma3TextConfig(**TEXT, **EXTRA["gemma3_text"])
+        cfg = t.Gemma3Config(text_config=text, vision_config=t.SiglipVisionConfig(**TINY_VISION),
+                             mm_tokens_per_image=4, image_token_index=IMAGE_TOKEN, boi_token_index=997,
+                             eoi_token_index=998)
+        return t.Gemma3ForConditionalGeneration(cfg).train()
+    if kind == "paligemma":
+        cfg = t.PaliGemmaConfig(vision_config=t.SiglipVisionConfig(**TINY_VISION, projection_dim=64),
+                                text_config=t.GemmaConfig(**TEXT, head_dim=16), image_token_index=IMAGE_TOKEN,
+                                projection_dim=64)
+        return t.PaliGemmaForConditionalGeneration(cfg).train()
+    if kind == "idefics3":
+        cfg = t.Idefics3Config(vision_config=TINY_VISION, text_config=dict(TEXT, model_type="llama"),
+                               image_token_id=IMAGE_TOKEN, scale_factor=2)
+        return t.Idefics3ForConditionalGeneration(cfg).train()
+    if kind == "mllama":
+        vision = dict(hidden_size=32, num_hidden_layers=2, num_global_layers=1, attention_heads=2,
+                      intermediate_size=64, vision_output_dim=64, intermediate_layers_indices=[0], image_size=16,
+                      patch_size=8, max_num_tiles=1, supported_aspect_ratios=[[1, 1]])
+        text = dict(TEXT, cross_attention_layers=[1], bos_token_id=1, eos_token_id=2)
+        cfg = t.MllamaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN)
+        return t.MllamaForConditionalGeneration(cfg).train()
+    raise ValueError(f"architectures: no vision-language model {kind!r}")
+
+
+def vision_batch(model, ids: torch.Tensor, g: torch.Generator) -> dict:
+    """A batch of `ids` with an image each: the model's image placeholders written into the text and its pixel
+    inputs (and the inputs the model asks for beside them)."""
+    b, kind = ids.shape[0], model.config.model_type
+    out = {}
+    if kind == "qwen2_vl":  # a 4x4 grid of patches, merged 2x2: four image tokens after a vision-start token
+        ids[:, 1], ids[:, 2:6], ids[:, 6] = 997, IMAGE_TOKEN, 998
+        out.update(pixel_values=torch.randn((b * 16, 96), generator=g),
+                   image_grid_thw=torch.tensor([[1, 4, 4]] * b), mm_token_type_ids=(ids == IMAGE_TOKEN).int())
+    elif kind == "mllama":
+        ids[:, 1] = IMAGE_TOKEN
+        out.update(pixel_values=torch.randn((b, 1, 1, 3, 16, 16), generator=g),
+                   aspect_ratio_ids=torch.ones((b, 1), dtype=torch.long),
+                   aspect_ratio_mask=torch.ones((b, 1, 1), dtype=torch.long),
+                   cross_attention_mask=torch.ones((b, ids.shape[1], 1, 1), dtype=torch.long))
+    else:
+        tokens = {"llava": 16, "paligemma": 16, "gemma3": 4, "idefics3": 4}[kind]
+        start = 0 if kind == "paligemma" else 2  # (PaliGemma's image comes first)
+        ids[:, start:start + tokens] = IMAGE_TOKEN
+        shape = (b, 1, 3, 32, 32) if kind == "idefics3" else (b, 3, 32, 32)
+        out["pixel_values"] = torch.randn(shape, generator=g)
+        if kind in ("gemma3", "paligemma"):
+            out["token_type_ids"] = (ids == IMAGE_TOKEN).long() if kind == "gemma3" else torch.zeros_like(ids)
+    out["use_cache"] = False  # (the text config's; as for the text models)
+    return out
+
+
 def build(kind: str):
     import transformers
+    if kind in VISION:
+        return build_vision(kind)
     torch.manual_seed(0)
     further = dict(pad_token_id=0, **FURTHER_EXTRA.get(kind, {})) if kind in FURTHER else {}
     cfg = transformers.AutoConfig.for_model(kind, **{**COMMON, **EXTRA.get(kind, {}), **further})
@@ -190,6 +273,9 @@ def batch(model, k: int, size: tuple[int, int]) -> dict:
     g = torch.Generator().manual_seed(100 + k)
     ids = torch.randint(1, 1000, size, generator=g)
     b = dict(input_ids=ids, labels=ids)
+    if hasattr(model.config, "vision_config"):
+        ids.clamp_(max=IMAGE_TOKEN - 4)  # (below the special tokens)
+        b.update(vision_batch(model, ids, g), labels=ids.clone())
     if getattr(model.config, "use_cache", None) is not None:
         b["use_cache"] = False
     return b
@@ -298,7 +384,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS),
                     help="model types, comma-separated (AutoConfig's names); 'more': the 52 swept since 2026-12-06, "
-                         "'further': the 57 swept since the session after, 'all': the three lists")
+                         "'further': the 57 swept since the session after, 'vision': the 7 vision-language models "
+                         "of VISION (batches with an image each), 'all': the four lists")
     ap.add_argument("--budgets", default="0,0.2,0.4,0.7",
                     help="shares of the way from the least budget to the plain step's predicted peak")
     ap.add_argument("--delay", type=int, default=100, help="the late engine's delay (copies waited for); 0: none")
@@ -336,7 +423,8 @@ def main() -> int:
     rows = []
     head = f"{'model':16} {'bitwise':8} {'least/hf':>8}   {'at once: error min..max':>24}   {'delayed':>16}   warned"
     print(head)
-    kinds = {"more": MORE, "further": FURTHER, "all": MODELS + MORE + FURTHER}.get(args.models, args.models.split(","))
+    kinds = {"more": MORE, "further": FURTHER, "vision": VISION,
+             "all": MODELS + MORE + FURTHER + VISION}.get(args.models, args.models.split(","))
     for kind in kinds:
         try:
             row = sweep(kind, fractions, delays, (args.batch, args.seq), meter, args.random, args.seed,

@@ -19,7 +19,7 @@ whether remat warned in the profiling step (the JSON has the words).
     python bench/architectures.py                          # every architecture of MODELS below
     python bench/architectures.py --models more --deterministic   # the 52 of MORE (several are mixtures of experts)
     python bench/architectures.py --models further --deterministic   # the 57 of FURTHER (36 decoders, 21 encoders)
-    python bench/architectures.py --models vision         # the 7 vision-language models of VISION, images in every batch
+    python bench/architectures.py --models vision         # the 7 vision-language models of VISION (an image a batch)
     python bench/architectures.py --models gptj,mixtral --budgets 0,0.5 --json out/arch.json
     python bench/architectures.py --autocast bf16         # the forward and the loss under CPU bf16 autocast
     python bench/architectures.py --deterministic         # torch.use_deterministic_algorithms(True)

@@ -106,7 +106,7 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
     x = args[0]
     step = lp._step
     first = i == 0  # the step's first layer call
-    skipped: list[int] = []
+    missed: list[int] = []
     if step is not None and step.in_model_forward and not step.inside and not lp._unmeasured:
         if i in step.layers_called:
             # The plan's model is a chain of layers each called once per step, in order. A module the model calls
@@ -123,8 +123,8 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
             raise RuntimeError(f"{lp.who}: layer {i} ran after layer {last} in a training step; the layers must "
                                "run in the order given")
         # Layers the model did not call since the last one (LayerDrop: BART's encoder_layerdrop, Wav2Vec2's
-        # layerdrop skip each layer at random in training).
-        skipped = list(range(last + 1, i))
+        # layerdrop skip each layer at random in training; those a shape's steps never call are not its stages).
+        missed = list(range(last + 1, i))
         first = last < 0
         step.layers_called.add(i)
     if lp._unmeasured or (i > 0 and step is not None and (step.off_plan or step.abandoned)):
@@ -145,29 +145,61 @@ def dispatch(lp: "LayerPlan", i: int, fn: Callable, *args):
         lp._last = shape
         if shape.error is not None:
             raise shape.error
+        if (shape.chain is None and shape.stages is None and shape.tried is not None and i == min(shape.tried)
+                and lp._takes_stages(shape)):
+            # The last step that was to profile this shape called only these layers: this one profiles them.
+            shape.stages = tuple(sorted(shape.tried))
     if step is None or step.shape is None:
         raise RuntimeError(f"{lp.who}: layer {i} ran before layer 0 in a training step; the layers must run "
                            "in the order given")
     shape = step.shape
     if shape.no_backward:  # every layer frozen on an input that needs no gradient: nothing to plan
         return fn(*args)
-    skipped = layers_skipped(lp, step, skipped) if skipped else []
-    if skipped and skipped[0] == 0:
+    k = shape.stage_of(i)  # its stage in the shape's chain
+    if shape.stages is not None:
+        missed = [j for j in missed if j in shape.stages]
+        if k is None:
+            _outside_stages(lp, step, shape, i)
+    skipped = layers_skipped(lp, step, missed) if missed else []
+    if skipped and shape.stage_of(skipped[0]) == 0:
         lp.offloads.begin_step()  # (run's at the first layer, which this step did not call)
-    if step.abandoned:
+    if step.abandoned or step.off_plan:
         return run(lp, i, CHECKPOINT, fn, args, shape)
     if shape.choices is not None:
-        if shape.layer_keys is not None and not _planned_for(shape, i, layer_key(fn, args)):
+        if shape.layer_keys is not None and not _planned_for(shape, k, layer_key(fn, args)):
             return _off_plan(lp, step, shape, i, fn, args)
         if first:
             oom.running(lp)
-        out = run(lp, i, shape.choices[i], fn, args, shape, explained=True)
-        if i == len(lp.layers) - 1 and not step.skipped:
+        out = run(lp, i, shape.choices[k], fn, args, shape, explained=True)
+        if k == len(shape.choices) - 1 and not step.skipped:
             main, _ = layer_output(out, lp.who, i, layer)
             if main.requires_grad:
                 measure_planned_step(step, shape, main, lambda: lp._check_prediction(shape))
         return out
-    return profiling_call(lp, step, shape, i, fn, args, x)
+    return profiling_call(lp, step, shape, k, fn, args, x)
+
+
+def _outside_stages(lp: "LayerPlan", step: "Step", shape: "Shape", i: int) -> None:
+    """The model's forward called layer i, which the shape's chain has no stage for (Shape.stages: the layers
+    the steps that profiled it called). A step that was to profile it profiles nothing (the layers from here on
+    run checkpointed), and the next one profiles every layer, or those this one called; a planned shape's plan
+    is dropped, and the shape profiled again at its next step, of every layer it calls (LayerPlan._whole_only:
+    its steps do not call the same layers each time, as under LayerDrop). This step runs the layers from here on
+    checkpointed, measured by nothing."""
+    if shape.choices is None:
+        step.abandoned = True
+        step.calls = []
+        shape.stages = None
+        shape.skipped_profiles += 1
+        return
+    step.off_plan = True
+    lp._whole_only.add(shape.key)
+    lp._shapes[shape.key] = Shape(shape.key)
+    warnings.warn(f"{lp.who}: the model's forward called layer {i} ({type(lp.layers[i]).__name__}), which the "
+                  f"steps that profiled this input shape did not call (they called layers {list(shape.stages)}, "
+                  "and it was planned for those): the rest of this step runs every layer checkpointed, and the next "
+                  "step of this shape profiles it again, planned for every layer it calls from then on",
+                  stacklevel=4)
 
 
 def layers_skipped(lp: "LayerPlan", step: "Step", missed: list[int], stacklevel: int = 4) -> list[int]:
@@ -212,14 +244,13 @@ def layers_skipped(lp: "LayerPlan", step: "Step", missed: list[int], stacklevel:
                       stacklevel=stacklevel)
         return skipped
     if profiling:
-        done = ("this step was to profile the layers, which needs every one to run: it profiled nothing, the "
-                "layers from the first one skipped ran checkpointed, and the next training step profiles again "
-                f"({shape.skipped_profiles} such steps for this input shape so far; under LayerDrop's probability "
-                "p a step runs all n layers with probability (1 - p)^n: where that is small, set the model's "
-                "layerdrop to 0 for the first step of each input shape). A batch that never calls some layers (a "
-                "vision-language model's vision or cross-attention layers in a text-only batch) is never profiled, "
-                "and its steps run every layer checkpointed; to plan such batches, plan the layers they call: "
-                "remat.enable(model, those layers, budget=...)")
+        done = ("this step was to profile the layers it calls: it profiled nothing, the layers from the first one "
+                "skipped ran checkpointed, and the next training step of this input shape profiles again, of the "
+                "layers this one called where it calls the same ones (a vision-language model's text-only batches "
+                "call no vision or cross-attention layer: their second step is profiled and planned for the layers "
+                f"they call), else of every layer ({shape.skipped_profiles} such steps for this input shape so far; "
+                "under LayerDrop's probability p a step runs all n layers with probability (1 - p)^n: where that is "
+                "small, set the model's layerdrop to 0 for the first steps of each input shape)")
     else:
         done = ("the plan runs for the layers called, and such a step is not measured against its prediction, "
                 "which is of every layer")
@@ -251,8 +282,8 @@ def _off_plan(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn: Callabl
         warnings.warn(
             f"{lp.who}: layer {i} ({type(lp.layers[i]).__name__}) was called with shapes "
             f"{describe(layer_key(fn, args))}, but this step's plan was made with "
-            f"{describe(shape.layer_keys[i])} (steps are told apart by the shapes of the model's inputs, or "
-            "of the first layer's when the layers are called outside the model's forward); the rest of such "
+            f"{describe(shape.layer_keys[shape.stage_of(i)])} (steps are told apart by the shapes of the model's "
+            "inputs, or of the first layer's when the layers are called outside the model's forward); the rest of such "
             "a step runs every layer checkpointed, and its peak is not what was planned", stacklevel=4)
     return run(lp, i, CHECKPOINT, fn, args, shape)
 
@@ -267,7 +298,7 @@ def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Sh
     out-of-memory errors carry remat's words (_Explained)."""
     # A group assignment: its sent groups go through the layer's Offload (not opened as hooks: the layer's input
     # and the rest stay, as the chain's group figures count them).
-    groups = [g.name for g in shape.chain.stages[i].groups] if is_groups(how) else None
+    groups = [g.name for g in shape.chain.stages[shape.stage_of(i)].groups] if is_groups(how) else None
     o = layer_begins(lp, i, how, fn, args, shape)
     out = run_layer(how, _Explained(lp, i, fn) if explained else fn, args, lp.walk_of(i), lp.policies, offload=o,
                     groups=groups)
@@ -278,18 +309,21 @@ def run(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Sh
 def layer_begins(lp: "LayerPlan", i: int, how: str, fn: Callable, args: tuple, shape: "Shape | None"):
     """What the step does as layer i's call under choice `how` begins (run's, and around_compiled's for a layer
     that runs in its compiled graph): the step's offloading begins at the first layer; returns the Offload the
-    call runs under when `how` sends anything to the host, else None."""
-    if i == 0:
+    call runs under when `how` sends anything to the host, else None. (i: an index into lp.layers; the
+    offloading's are the shape's stages, Shape.stage_of.)"""
+    k = i if shape is None else shape.stage_of(i)
+    if k == 0:
         lp.offloads.begin_step()
-    return lp.offloads.for_layer(i, how, fn, args, shape, lp.model)
+    return None if k is None else lp.offloads.for_layer(k, how, fn, args, shape, lp.model)
 
 
 def layer_ends(lp: "LayerPlan", i: int, out, shape: "Shape | None") -> None:
     """What the step does once layer i's forward has run (run's and around_compiled's): the plan's offload
     schedule at the layer (the copies it waits for now; what it carries out when the backward pass reaches the
     layer's output, as a gradient hook on it)."""
-    if shape is not None and shape.points is not None:
-        due = lp.offloads.carry_out_after(i, shape.points)
+    k = None if shape is None else shape.stage_of(i)
+    if k is not None and shape.points is not None:
+        due = lp.offloads.carry_out_after(k, shape.points)
         if due:
             main, _ = layer_output(out, lp.who, i, lp.layers[i])
             if main.requires_grad:

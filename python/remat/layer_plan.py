@@ -193,6 +193,9 @@ class LayerPlan:
         self._inside_said = False
         self._many_shapes_said = False  # _new_shape's warning was given
         self._skips_said: set[str] = set()  # the steps whose forward skipped layers said: "profiling", "planned"
+        # The step keys whose shapes are profiled and planned for every layer only (not for the layers its steps
+        # call, Shape.stages): a shape planned so had a step that called another layer (dispatch._outside_stages).
+        self._whole_only: set = set()
         # The model's parameters, read again at each step's key (_refresh_params: a module or parameter replaced
         # since), and their dtypes and shapes in order as the id of that form among those seen (_params_key).
         self._params = [p for p in model.parameters()]
@@ -231,7 +234,7 @@ class LayerPlan:
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
                      _profile_timing="synced", _calls_wrapped=False, _gradless=set, _gradless_hooks=dict,
                      _walks=dict, _outside=None, _outside_phase=dict, _param_form=list, _forms=dict, _form_id=-1,
-                     _skips_said=set)
+                     _skips_said=set, _whole_only=set)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -254,6 +257,17 @@ class LayerPlan:
             shape.key = (key[0], key[1], params, key[3] if len(key) == 4 else ())
             self._shapes[shape.key] = shape
         self._watch_gradless()  # the copy's parameters: a Parameter's copy has no hooks
+
+    def _takes_stages(self, shape: Shape) -> bool:
+        """Whether `shape` may be profiled and planned for the layers its steps call (Shape.stages) rather than
+        for every layer: not with layers compiled on their own (their graphs' plans are published per layer), a
+        given plan (of every layer), under a process group whose ranks profile together (agree, or FSDP2: a rank
+        whose steps call other layers would meet the others' collectives with another chain), nor for a shape
+        whose planned steps called a layer outside those (_whole_only)."""
+        import torch.distributed as dist
+        if self.compiled_layers or self._fixed is not None or shape.key in self._whole_only:
+            return False
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
     def walk_of(self, i: int) -> Walk:
         """Layer i's modules' Walk (remat._state.walk), kept while current: a checkpointed call's attribute and
@@ -319,7 +333,8 @@ class LayerPlan:
         """Runs `run_step()`, one training step of the model inside the caller's Restore(fresh_grads=True) (the
         example step of remat.hf.enable(example=) and remat.hf.profile, remat.max_batch's), again while it skips
         layers (LayerDrop: a step that was to profile then profiles nothing, a planned one measures nothing;
-        dispatch.layers_skipped), the gradients as at the first try's start (none, or zeros), at most
+        dispatch.layers_skipped; a try that calls the layers the one before called profiles those, Shape.stages),
+        the gradients as at the first try's start (none, or zeros), at most
         WHOLE_STEP_TRIES times; then a ValueError. Before (found 2026-12-07), such a step left no profile:
         remat.hf.profile returned (None, None)."""
         params = parameters_of(self.model)
@@ -336,7 +351,8 @@ class LayerPlan:
                         p.grad.zero_()
         raise ValueError(f"{self.who}: each of {WHOLE_STEP_TRIES} training steps on the example batch skipped a "
                          "layer (a model that skips layers at random in training: LayerDrop), and a profile is of "
-                         "every layer: set the model's layerdrop to 0 for this call")
+                         "every layer, or of the layers two steps in a row called: set the model's layerdrop to 0 "
+                         "for this call")
 
     # -- what can be read ----------------------------------------------------------------------------------------
     def is_planned(self) -> bool:
@@ -354,6 +370,16 @@ class LayerPlan:
     @property
     def chain(self):
         return self._last.chain if self._last else None
+
+    @property
+    def stages(self) -> list[int] | None:
+        """The indices in `layers` of the last input shape's chain's stages, of which `plan`, `choices` and `chain`
+        are: every layer's, or where that shape's steps call only some layers (a vision-language model's text-only
+        batches, which call no vision layer), those; None before a plan."""
+        shape = self._last
+        if shape is None or shape.choices is None:
+            return None
+        return list(range(len(self.layers))) if shape.stages is None else list(shape.stages)
 
     @property
     def saved_calls(self):
@@ -670,7 +696,8 @@ class LayerPlan:
         charges: per layer, the gradients its backward makes (none where the rest of the step makes them), then
         the gradients of the parameters outside the layers made beyond the profiling step's (_outside_more)."""
         n = len(self.layers)
-        return ([0] * n if shape.grads_in_rest else list(grads[:n])) + self._outside_more(shape, grads)
+        stages = list(grads[:n]) if shape.stages is None else [grads[j] for j in shape.stages]
+        return ([0] * len(stages) if shape.grads_in_rest else stages) + self._outside_more(shape, grads)
 
     def _plan_for_grads(self, key, grads: tuple) -> None:
         """A training step under `key` begins with `grads` of the parameter gradients None (_grads_state's key: the
@@ -693,7 +720,7 @@ class LayerPlan:
             shape.grads_key = before
             shape.error = None
             self._plan_from(shape, self._context_in_force(shape))  # the plan in force, as before
-            n = len(self.layers)
+            n = len(shape.chain.stages)
             err = _core.InfeasibleBudget(
                 f"{e}. This step began with {_core.format_bytes(sum(charged[:n]))} of the layers' parameter "
                 f"gradients None, which its backward pass makes; the plan in force, {shape.plan}, was made for "
@@ -709,7 +736,7 @@ class LayerPlan:
         charged = shape.charged.get(shape.grads_key)
         if charged is None:
             return ctx
-        n = len(self.layers)
+        n = len(shape.chain.stages)
         stages, outside = charged[:n], charged[n:]  # (outside: none in a pickle from before it was charged)
         if stages == list(ctx.stage_grads_bytes) and not any(outside):
             return ctx
@@ -771,9 +798,9 @@ class LayerPlan:
             return
         donor = planned[j][0]
         shape = Shape(key)
-        for name in ("layer_keys", "gathered", "chain", "context", "room", "budget", "lowered", "planned_chain",
-                     "planned_at", "plan", "choices", "points", "predicted", "grads_key", "grads_in_rest",
-                     "measured_outside"):
+        for name in ("stages", "layer_keys", "gathered", "chain", "context", "room", "budget", "lowered",
+                     "planned_chain", "planned_at", "plan", "choices", "points", "predicted", "grads_key",
+                     "grads_in_rest", "measured_outside"):
             setattr(shape, name, getattr(donor, name))
         shape.charged = dict(donor.charged)
         shape.borrowed_from = donor
@@ -853,19 +880,27 @@ class LayerPlan:
                          if isinstance(t, torch.Tensor) and t.grad_fn is not None]
                 step.rest_takes_input = graph_reaches(roots, into, made)
         if step is not None:
-            n = len(self.layers)
-            if step.in_model_forward and not step.inside and len(step.layers_called) < n and self._training():
+            stages = step.shape.stages if step.shape is not None else None
+            expected = range(len(self.layers)) if stages is None else stages
+            in_training = step.in_model_forward and not step.inside and self._training()
+            if in_training and not step.off_plan and not set(expected) <= step.layers_called:
                 # The last layers were not called (LayerDrop), or none was: as for a layer skipped before another.
                 if step.shape is None:
                     step.shape = self._last = self._shapes.setdefault(step.key, Shape(step.key))
                 called = max(step.layers_called, default=-1)
                 if not step.shape.no_backward:
-                    layers_skipped(self, step, list(range(called + 1, n)), stacklevel=6)  # (the model's call)
+                    layers_skipped(self, step, [j for j in expected if j > called], stacklevel=6)  # (the model's call)
+            if in_training and step.abandoned and step.shape is not None and step.shape.chain is None:
+                # A step that was to profile and did not: the layers it called are the next one's to profile, where
+                # it calls those (Shape.stages; not where one it did not call was in eval mode).
+                called = frozenset(step.layers_called)
+                uncalled = [j for j in range(len(self.layers)) if j not in called]
+                step.shape.tried = called if uncalled and all(self.layers[j].training for j in uncalled) else None
             step.in_model_forward = False
             step.last_nodes = None
             # A profiling step: whether anything held the last layer's input past its forward, and the first
             # layer's into the backward pass (StepContext.inputs_held_in_forward; held where not read).
-            step.last_input_alive(len(self.layers) - 1)
+            step.last_input_alive(len(expected) - 1)
             step.read_input_past_forward(0)
         if step is None or step.done or step.measured or step.off_plan or step.skipped or step.key is None:
             return

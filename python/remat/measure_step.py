@@ -192,6 +192,12 @@ def local_bytes(p: torch.Tensor) -> int:
     return to_local().nbytes if callable(to_local) else p.nbytes
 
 
+def stage_layers(lp: "LayerPlan", shape) -> list[nn.Module]:
+    """The modules of `shape`'s chain's stages, in order: lp.layers, or the layers its steps call (Shape.stages)."""
+    stages = getattr(shape, "stages", None)
+    return list(lp.layers) if stages is None else [lp.layers[j] for j in stages]
+
+
 def layer_grads_bytes(layers: Sequence[nn.Module], grads_none) -> list[int]:
     """Per layer, the bytes of the parameter gradients its backward makes: those of its parameters that need a
     gradient and whose ids are in `grads_none` (None when the step began), this rank's shard's under FSDP2; a
@@ -366,6 +372,26 @@ class Shape:
         # step began (Shape.grads_key's last entry there; None: not read, a pickle from before), against which a
         # step in another state is charged (LayerPlan._outside_more).
         self.measured_outside: frozenset | None = None
+        # The layers a step of this shape calls, as indices into LayerPlan.layers in order, where that is not every
+        # layer (a vision-language model's text-only batches, which call no vision layer): its chain's stages are
+        # these layers', and its plan's choices theirs (None: every layer, stage k layer k). Taken where two
+        # profiling attempts in a row called the same layers (`tried`: the last one's, a frozenset).
+        self.stages: tuple[int, ...] | None = None
+        self.tried: frozenset | None = None
+
+    def stage_of(self, i: int) -> int | None:
+        """The stage of layer i (an index into LayerPlan.layers) in this shape's chain, or None where its steps do
+        not call it (stages)."""
+        if self.stages is None:
+            return i
+        try:
+            return self.stages.index(i)
+        except ValueError:
+            return None
+
+    def layer_of(self, k: int) -> int:
+        """The layer (an index into LayerPlan.layers) of this shape's stage k."""
+        return k if self.stages is None else self.stages[k]
 
     def offloads(self) -> bool:
         """Whether its plan sends some layer to the host (its offload schedule has points: layer_points)."""
@@ -1118,8 +1144,10 @@ def recompute_marked(fn, watch: LateWatch):
 def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, args, x):
     """Layer i's call in a profiling step: run checkpointed; at the last layer, the layers profiled where they
     ran (once per shape) and the rest of the step measured, planned at the end of its backward pass
-    (LayerPlan._plan_shape)."""
-    n = len(lp.layers)
+    (LayerPlan._plan_shape). i: the layer's stage in the shape's chain (Shape.stage_of)."""
+    layers = stage_layers(lp, shape)
+    n = len(layers)
+    g = shape.layer_of(i)  # its index in lp.layers
     meter = step.meter
     if i == 0:
         step.note_peak()
@@ -1176,22 +1204,22 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     watch = step.watch_late(i, taken)
     # (A compiled layer's forward is not looked into: a function mode would be traced into its graph. Its
     # parameters are charged a gradient each.)
-    with ParamsUsed(step.params_used) if i not in lp.compiled_layers else contextlib.nullcontext():
+    with ParamsUsed(step.params_used) if g not in lp.compiled_layers else contextlib.nullcontext():
         returned = run_layer(CHECKPOINT, fn if watch is None else recompute_marked(fn, watch), run_args,
-                             [lp.layers[i]], lp.policies)
-    step.watch_grads(lp.layers[i])
+                             [layers[i]], lp.policies)
+    step.watch_grads(layers[i])
     if watch is not None and run_args[0].requires_grad:
         run_args[0].register_hook(lambda g, i=i: step.late_done(i))  # (its backward done)
     del watch
     alias = run_args[0]
     del run_args
     if mappings:
-        step.mapping_puts.extend((i, where, key) for where, key in tensors_put(mappings, held))
+        step.mapping_puts.extend((g, where, key) for where, key in tensors_put(mappings, held))
     del mappings, held
     if aliased is not None:  # its owners at the call, unless the layer's run took more
         made = step.made_inputs[i]
         step.made_inputs[i] = made._replace(owners=aliased if storage_users(x) == aliased else None)
-    out, handed = layer_output(returned, lp.who, i, lp.layers[i])
+    out, handed = layer_output(returned, lp.who, g, layers[i])
     step.last_out_obj = weakref.ref(out)
     if i == n - 1:
         step.grads_shared[i] = out.dtype == x.dtype
@@ -1204,9 +1232,9 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
     made = leaves_made(out, [alias.grad_fn] + [t.grad_fn for t in taken],
                        {id(x), id(alias), *map(id, taken), *map(id, tensors_in(handed))})
     if made:
-        step.leaves_made.append((i, sum(local_bytes(t) for t in made)))
+        step.leaves_made.append((g, sum(local_bytes(t) for t in made)))
     del alias, made
-    watch_between(lp, step, i, x, out, at_call - side_made)
+    watch_between(step, i, n, x, out, at_call - side_made)
     if i < n - 1:
         return returned
     warn_of_graph_state(lp, step.mapping_puts, step.leaves_made)
@@ -1226,13 +1254,14 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         shape.layer_keys = [layer_key(f, a) for f, a, _ in step.calls]
         step.note_peak()
         stage_fns, inputs, excluded = [], [], []
-        gathered = Gathered(lp.layers, meter)
+        gathered = Gathered(layers, meter)
         for j, (f, a, xj) in enumerate(step.calls):
             rest = a[1:]
-            f = without_module_hooks(f, lp.layers[j])
-            stage_fns.append(StageFn(lambda t, f=f, rest=rest, j=j: layer_output(
-                f(t, *rest), lp.who, j, lp.layers[j])[0], f"{j}:{type(lp.layers[j]).__name__}",
-                lp.layers[j], compiled_stage(lp, shape, j, f, rest, bool(gathered.per_layer[j]))))
+            f = without_module_hooks(f, layers[j])
+            gj = shape.layer_of(j)
+            stage_fns.append(StageFn(lambda t, f=f, rest=rest, gj=gj: layer_output(
+                f(t, *rest), lp.who, gj, lp.layers[gj])[0], f"{gj}:{type(layers[j]).__name__}",
+                layers[j], compiled_stage(lp, shape, j, f, rest, bool(gathered.per_layer[j]))))
             inputs.append(xj)
             excluded.extend(taken_tensors(f, a))
         bar = progress_bar(f"{lp.who}: profiling")
@@ -1356,7 +1385,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         # the rest's count already (in .grad, or in the engine's buffer that this call's gradient is added to),
         # and the layers' backward adds into them as into gradients the step began with: not charged again.
         if step.grads_none and any(c.reached for c in step.inside):
-            made = {id(p) for layer in lp.layers for p in layer.parameters()}
+            made = {id(p) for layer in layers for p in layer.parameters()}
             step.grads_none = {i for i in step.grads_none if i not in made}
             step.grads_in_rest = True
         step.reset()
@@ -1472,8 +1501,8 @@ def graph_reaches(roots, target, stop, most: int = 100000) -> bool:
     return any(node is None or node is target for node in graph_nodes(roots, [stop], most))
 
 
-def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: torch.Tensor, at_call: int) -> None:
-    """In a profiling step, after layer i's call (`at_call`: the count when it was called, less what the layers
+def watch_between(step: "Step", i: int, n: int, x: torch.Tensor, out: torch.Tensor, at_call: int) -> None:
+    """In a profiling step, after stage i's call of n (`at_call`: the count when it was called, less what the layers
     take beside their input that was made since the last one returned): where its input is not the last layer's
     output, something of the model's code ran between them (a decoder's embeddings between an encoder's layers
     and the decoder's), and is read (StepReadings.between_forward_held_bytes, between_backward_peak_bytes,
@@ -1524,7 +1553,7 @@ def watch_between(lp: "LayerPlan", step: "Step", i: int, x: torch.Tensor, out: t
             # what runs between leaves held (its backward, if any, runs in the rest's: nothing read there).
             step.between_forward[i] = at_call - prev.returned_at
             step.between[i] = (0, 0)
-    if i < len(lp.layers) - 1 and out.requires_grad:
+    if i < n - 1 and out.requires_grad:
         step.out_refs[i] = LayerOut(storage_key(out), storage_ref(out), storage_bytes(out), meter.count(),
                                     sequence_nr(out))
 
@@ -1579,29 +1608,30 @@ def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sha
     holds gathered), and so is one compiled only inside a module around it (torch.compile of the whole model,
     which remat does not support) or whose call cannot be made again; each is warned of, since its prediction
     then overstates what the compiled layer holds (docs/python.md states them)."""
-    if j not in lp.compiled_layers:
+    g = shape.layer_of(j)  # (j: its stage in the shape's chain)
+    if g not in lp.compiled_layers:
         return None
-    found = None if sharded else compiled_entry(lp.model, lp.layers[j], fn)
+    found = None if sharded else compiled_entry(lp.model, lp.layers[g], fn)
     if found is None:
         if sharded:
             why = "it is sharded by FSDP2 (its module call would reshard the parameters profiling holds gathered)"
-        elif compiled_call_of(lp.model, lp.layers[j]) is None:
+        elif compiled_call_of(lp.model, lp.layers[g]) is None:
             why = ("it is not compiled on its own but inside a compiled module around it (torch.compile of the "
                    "whole model, which remat does not support: compile the layers one by one, layer.compile() or "
                    "torch.compile(layer))")
         else:
             why = ("remat cannot make its call again (its forward reached remat through another call than "
                    "remat's or Hugging Face's)")
-        warnings.warn(f"{lp.who}: layer {j} ({type(lp.layers[j]).__name__}) runs compiled but is profiled eagerly: "
+        warnings.warn(f"{lp.who}: layer {g} ({type(lp.layers[g]).__name__}) runs compiled but is profiled eagerly: "
                       f"{why}; its predicted memory and times are its eager run's, which may overstate the "
                       "compiled graph's", RuntimeWarning, stacklevel=2)
         return None
     entry, keywords = found
-    layer, key, lkey = lp.layers[j], shape.key, shape.layer_keys[j]
+    layer, key, lkey = lp.layers[g], shape.key, shape.layer_keys[j]
 
     def run(how: str, t: torch.Tensor) -> torch.Tensor:
         with forced_choice(layer, key, lkey, how, lp.policies):
-            return layer_output(entry(t, *rest, **keywords), lp.who, j, layer)[0]
+            return layer_output(entry(t, *rest, **keywords), lp.who, g, layer)[0]
 
     return run
 
@@ -1660,15 +1690,17 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
             max(shape.attributes_bytes, default=0)
     r.peak_after_chain_backward = step.peak_after_backward
     r.step_peak = step.true_peak
-    r.stage_grads_bytes = layer_grads_bytes(lp.layers, step.grads_none or ())
-    side_grads = [0] * len(lp.layers)
+    layers = stage_layers(lp, shape)
+    n = len(layers)
+    r.stage_grads_bytes = layer_grads_bytes(layers, step.grads_none or ())
+    side_grads = [0] * n
     for k, (last, _) in step.side_grads.items():
         side_grads[last] += step.side_grad_bytes(k)
     # The gradients that arrive as part of a larger storage, that storage's rest too (Step.side_arrived); and of
     # them, what arrived after its layer's backward's peak (Step.side_late): a storage's gradient and that rest,
     # where it first arrived at the last layer whose graph uses it.
     arrived = 0
-    late = [0] * len(lp.layers)
+    late = [0] * n
     for k, (i, ref, extra) in step.side_arrived.items():
         if k not in step.side_grads:
             continue
@@ -1680,10 +1712,9 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.side_bytes = sum(step.side.values()) + arrived
     r.side_grads_late_bytes = late
     r.side_grads_bytes = side_grads
-    r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(len(lp.layers))] if step.side_freed else []
+    r.side_freed_bytes = [step.side_freed.get(j, 0) for j in range(n)] if step.side_freed else []
     r.input_held_in_backward = step.input_held
     r.input_freed_in_rest = step.input_freed_in_rest
-    n = len(lp.layers)
     r.outputs_held_in_backward = [step.input_held] + [step.outputs_held.get(j, True) for j in range(1, n)]
     r.inputs_held_in_forward = [step.inputs_held.get(j, True) for j in range(n)]
     r.output_grad_held_in_backward = [step.out_grad_held.get(j, False) for j in range(n)]

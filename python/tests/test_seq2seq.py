@@ -241,6 +241,34 @@ def test_what_runs_between_may_leave_less_held_than_before_it(meter):
     assert 0 <= predicted - runs[1][2] <= encoder_output_grad, (runs[1][2], predicted)
 
 
+def test_a_shape_planned_for_the_layers_its_steps_called_is_profiled_again_where_one_calls_another(meter):
+    # Two steps in a row that call the same layers (every encoder layer dropped: layerdrop 1) plan the shape for
+    # those (Shape.stages), and the planned steps hold their prediction. A later step of that shape that calls
+    # another layer runs the rest checkpointed, said, and the shape is profiled again for every layer it calls
+    # from then on: a step that drops layers again runs that plan for the layers called (LayerDrop's rule).
+    plain_model, model = make("bart"), make("bart")
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=16 << 10)
+    drops = [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k, p in enumerate(drops):
+            for m in (plain_model, model):
+                m.model.encoder.layerdrop = p
+            got = step(model, "bart", k, meter)
+            same(step(plain_model, "bart", k, meter), got)
+            if k == 1:
+                assert lp.stages == list(range(LAYERS, 2 * LAYERS)) and lp.profiling_steps == 1, lp.stages
+                lp.set_budget(int(lp.min_budget_bytes * 1.3))  # (above every layer's least, 1.17 of it)
+            if k in (2, 5):
+                assert 0 <= lp.predicted_peak_bytes - got[2] <= 1024, (k, got[2], lp.predicted_peak_bytes)
+            if k == 4:
+                assert lp.stages == list(range(2 * LAYERS)), lp.stages
+    said = [str(w.message) for w in caught if "which the steps that profiled this input shape did not call" in
+            str(w.message)]
+    assert len(said) == 1 and f"called layers {list(range(LAYERS, 2 * LAYERS))}" in said[0], said
+    assert lp.stages == list(range(2 * LAYERS)) and lp._step.skipped == list(range(LAYERS))
+
+
 def test_layers_skipped_at_random_run_as_the_plain_run_and_profile_once_all_run(meter, monkeypatch):
     # LayerDrop (BART's encoder_layerdrop, Wav2Vec2's layerdrop): in training, the model skips each layer at
     # random. A step that was to profile and skips one profiles nothing (its layers from there run
@@ -286,8 +314,20 @@ def test_layers_skipped_at_random_run_as_the_plain_run_and_profile_once_all_run(
         chain, _ = remat.hf.profile(model, batch("bart", 0))
     assert len(chain.stages) == 2 * LAYERS and torch.equal(torch.rand(4), torch.manual_seed(0) and torch.rand(4))
     assert all(p.grad is None for p in model.parameters())
+    # Where the steps skip the same layers each time (every encoder layer at layerdrop 1), the second try profiles
+    # the layers it calls (Shape.stages).
+    model = make("bart")
     model.model.encoder.layerdrop = 1.0
-    monkeypatch.setattr(remat.layer_plan, "WHOLE_STEP_TRIES", 2)  # (16 by default)
-    with warnings.catch_warnings(), pytest.raises(ValueError, match="each of 2 training steps on the example batch skipped a layer .* set the model's layerdrop"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        chain, _ = remat.hf.profile(model, batch("bart", 0))
+    assert len(chain.stages) == LAYERS and [s.name.split(":")[0] for s in chain.stages] == \
+        [str(j) for j in range(LAYERS, 2 * LAYERS)], [s.name for s in chain.stages]
+    model = make("bart")
+    model.model.encoder.layerdrop = 1.0
+    monkeypatch.setattr(remat.layer_plan, "WHOLE_STEP_TRIES", 1)  # (16 by default)
+    with warnings.catch_warnings(), pytest.raises(
+            ValueError, match="each of 1 training steps on the example batch skipped a layer .* set the model's "
+                              "layerdrop"):
         warnings.simplefilter("ignore")
         remat.hf.profile(model, batch("bart", 0))

@@ -68,12 +68,30 @@ WAYS = ["Fa{i}", "Fa{i}@host", "Fa{i}@stream", "Fa{i}@stream0", "Fk{i}[matmuls]"
         "Fc{i}@host", "groups", "groups"]
 
 
+def offered(way: str, st) -> bool:
+    """Whether the chain's stage `st` has the figures the way needs (a stage whose graph is gone before the backward
+    pass has no offload figures and no groups: remat.measure_step.unsent). Every way where it has them all, so
+    that a draw over such stages is the one made before this check."""
+    if way == "groups":
+        return bool(st.groups)
+    if "@stream" in way:
+        return st.offload is not None and st.offload.can_stream()
+    if not way.endswith("@host"):
+        return True
+    if way.startswith("Fc"):
+        return st.checkpoint_offload is not None
+    if way.startswith("Fk"):
+        return any(p.offload is not None for p in st.policies)
+    return st.offload is not None
+
+
 def draw(chain, rng: random.Random, compiled=frozenset()) -> tuple[str, list[int]]:
     """A random per-layer plan's text and its stream windows (the chain's where streamed with one); the stages
     in `compiled` drawn among COMPILED_WAYS."""
     fwd = []
     for i, st in enumerate(chain.stages):
-        way = rng.choice(COMPILED_WAYS if i in compiled else WAYS)
+        ways = [w for w in (COMPILED_WAYS if i in compiled else WAYS) if offered(w, st)]
+        way = rng.choice(ways)
         if way == "groups":
             way = "Fk{i}{{" + "".join(rng.choice("khr") for _ in st.groups) + "}}"
         fwd.append(way.format(i=i))

@@ -542,6 +542,12 @@ class Step:
         # gradient's storage key, weak reference and bytes, whether layer i - 1's output was alive then, layer
         # i's input if what ran between made it); per layer the readings.
         self.out_refs: dict[int, LayerOut] = {}
+        # Per layer whose output needs a gradient, a weak reference to the alias of its input its checkpoint
+        # holds (alive while its graph is), and the layers whose graph was gone by the time the backward pass
+        # reached the layers' output (`dead`: a layer whose output nothing the loss reads, Llava's last vision
+        # layer under vision_feature_layer=-2; its backward never runs).
+        self.graph_refs: dict[int, weakref.ref] = {}
+        self.dead: list[int] = []
         self.between_open: OpenBetween | None = None
         self.between: dict[int, tuple[int, int]] = {}
         self.between_forward: dict[int, int] = {}
@@ -941,6 +947,22 @@ class Step:
         self.late_watch = {}
         self.done = True
 
+def unsent(st) -> None:
+    """A stage whose graph was gone before the backward pass reached the layers (Step.dead: a layer whose output
+    nothing the loss reads, as Llava's last vision layer under its default vision_feature_layer=-2): offered no
+    way that sends anything to the host. What it saves goes with its output in the forward whatever its way, so
+    a copy saves nothing, and the model, which charges the stage a backward, credited what such a way sends
+    (its input, which what reads the layer before's output holds): before (found 2026-12-07), a tiny Llava's
+    planned steps that streamed that layer held 0.57% above their predictions. Its kept and checkpointed ways
+    stay as profiled: charged a backward that never runs, above what the step holds (safe, not exact)."""
+    st.offload = None
+    st.checkpoint_offload = None
+    st.keep_offload = None
+    for p in st.policies:
+        p.offload = None
+    st.groups = []
+
+
 def add_to_stream(st, fwd: int = 0, bwd: int = 0) -> None:
     """Adds to a stage's streamed peaks (bytes) what FSDP2's gathering adds to its forward and backward
     transients, where the stage has them (its OffloadCost is a copy: written back)."""
@@ -1212,6 +1234,8 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         run_args[0].register_hook(lambda g, i=i: step.late_done(i))  # (its backward done)
     del watch
     alias = run_args[0]
+    if alias.requires_grad or any(p.requires_grad for p in layers[i].parameters()):
+        step.graph_refs[i] = weakref.ref(alias)
     del run_args
     if mappings:
         step.mapping_puts.extend((g, where, key) for where, key in tensors_put(mappings, held))
@@ -1362,6 +1386,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
         return g
 
     def at_out(g):
+        step.dead = [j for j, ref in step.graph_refs.items() if ref() is None]
         step.last_input_alive(n - 1)
         step.charge_handed_side()
         step.out_grad_ref = storage_ref(g)
@@ -1730,6 +1755,8 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
         r.outputs_held_to_end = step.held_to_end
     ctx = _core.step_context(r)
     set_taken(ctx, step, shape, n)
+    for j in step.dead:
+        unsent(shape.chain.stages[j])
     if any(shape.gathered) and ctx.checkpoint_all_peak_bytes >= 0:
         # FSDP2's backward transients (the running layer's gathered parameters, the next layer's prefetched
         # ones, its unsharded gradients and the reduce-scatter's buffers) are not in the profile, which ran

@@ -1266,35 +1266,45 @@ def test_a_vision_language_model_is_planned_for_its_image_batches_and_for_its_te
     # every layer held 3.8% above its prediction. A batch without images calls no vision layer: its first step
     # profiles nothing (said), the second profiles the layers it calls (Shape.stages), and the steps after run
     # their plan, within their prediction. Before (2026-12-07), every text-only step ran every layer checkpointed.
+    # The last vision layer's graph is gone before the backward pass: it is offered no way that sends to the host
+    # (its copies would save nothing). Before (2026-12-07), at 0.7 of the way from the least budget to keeping
+    # everything, the plan sent what its matmuls save, its input among them, which the projector's graph holds:
+    # 4,352 bytes above the prediction.
     images, text = dict(images=True, loss="lm"), dict(images=False, loss="lm")
-    order = [images, images, text, text, text, images]
+    order = [images, images, images, text, text, text, images]
     plain = llava()
     want = [step(plain, spec, k, meter, llava_batch) for k, spec in enumerate(order)]
     model = llava()
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=1024)
     assert [type(m).__name__ for m in lp.layers] == ["CLIPEncoderLayer"] * 2 + ["LlamaDecoderLayer"] * 3
     same(want[0], step(model, images, 0, meter, llava_batch))
-    least = lp.min_budget_bytes  # the image batches', above the text-only ones'
-    lp.set_budget(least)
-    assert lp.choices[:2] == ["keep@stream0"] * 2, lp.choices
+    dead = lp.chain.stages[1]
+    assert dead.offload is None and dead.checkpoint_offload is None and not dead.groups
+    least, top = lp.min_budget_bytes, lp.predicted_peak_bytes  # the image batches', above the text-only ones'
+    lp.set_budget(int(least + 0.7 * (top - least)))
     got = step(model, images, 1, meter, llava_batch)
     same(want[1], got)
+    assert "@" not in lp.choices[1] and got[2] <= lp.predicted_peak_bytes, (lp.choices, got[2], lp.predicted_peak_bytes)
+    lp.set_budget(least)
+    assert lp.choices[0] == "keep@stream0" and lp.choices[1] == "checkpoint", lp.choices
+    got = step(model, images, 2, meter, llava_batch)
+    same(want[2], got)
     # Within 64 bytes either way: the wrapped numbers a graph saves outside the saved-tensor hooks (docs/python.md,
     # "Limits"), 16 bytes on the CPU with every layer checkpointed.
     assert abs(got[2] - lp.predicted_peak_bytes) <= 64, (got[2], lp.predicted_peak_bytes)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        same(want[2], step(model, text, 2, meter, llava_batch))
         same(want[3], step(model, text, 3, meter, llava_batch))
+        same(want[4], step(model, text, 4, meter, llava_batch))
     said = [str(w.message) for w in caught if "did not call layer 0 (CLIPEncoderLayer)" in str(w.message)]
     assert len(said) == 1 and "text-only" in said[0], [str(w.message) for w in caught]
     assert lp.profiled_shapes == 2 and lp.stages == [2, 3, 4] and len(lp.choices) == 3, (lp.stages, lp.choices)
     assert any("@stream" in c for c in lp.choices), lp.choices  # the offloading's schedule is of the stages
-    got = step(model, text, 4, meter, llava_batch)
-    same(want[4], got)
+    got = step(model, text, 5, meter, llava_batch)
+    same(want[5], got)
     assert 0 <= lp.predicted_peak_bytes - got[2] <= 64 and lp.last_peak_bytes == got[2], \
         (got[2], lp.predicted_peak_bytes)
-    same(want[5], step(model, images, 5, meter, llava_batch))
+    same(want[6], step(model, images, 6, meter, llava_batch))
     assert lp.stages == [0, 1, 2, 3, 4]
 
 

@@ -9,12 +9,14 @@ of 2 sequences of 24 tokens; those with images are architectures.vision_batch's,
 alone. A text-only batch calls no vision layer (Mllama's: no cross-attention layer): its first step profiles
 nothing, its second profiles the layers it calls (Shape.stages), and its steps after run their own plan. The
 steps: an image batch (profiled), three text-only ones, an image batch; then at each of three budgets (the image
-batches' least, and 1.1 and 1.25 times it) two text-only steps and an image step. Each row: the model, the
+least budgets of both kinds of batches, the larger, and 1.1 and 1.25 times it) two text-only steps and an image step. Each row: the model, the
 text-only shape's stages (indices into lp.layers), whether every step was bitwise, and the prediction errors'
 range (measured less predicted, over predicted) of the planned text-only and image steps apart.
 
     python bench/vision_text_only.py                     # the 7 of architectures.VISION
     python bench/vision_text_only.py --models llava-2,mllama
+    python bench/vision_text_only.py --freeze-vision     # the vision tower frozen (its parameters named "vision"
+                                                         # or "visual"), the projector and text model trained
 
 Exits 1 where a step is not the plain run's bitwise or a planned step holds more than its prediction's
 tolerance (remat's 2%) above it.
@@ -60,11 +62,21 @@ def same(a, b) -> bool:
         (g is None) == (h is None) and (g is None or torch.equal(g, h)) for g, h in zip(a[1], b[1]))
 
 
-def run(kind: str, meter) -> tuple[bool, dict]:
-    plain = build_vision(kind)
+def build(kind: str, freeze: bool):
+    """architectures.build_vision's model, its vision tower's parameters frozen where `freeze`."""
+    model = build_vision(kind)
+    if freeze:
+        frozen = [p.requires_grad_(False) for name, p in model.named_parameters()
+                  if "vision" in name or "visual" in name]
+        assert frozen, f"{kind}: no parameter named for a vision tower"
+    return model
+
+
+def run(kind: str, meter, freeze: bool = False) -> tuple[bool, dict]:
+    plain = build(kind, freeze)
     want = [step(plain, k, im, meter) for k, im in enumerate(ORDER)]
     del plain
-    model = build_vision(kind)
+    model = build(kind, freeze)
     lp = remat.hf.enable(model, budget=1 << 40, offload=True, groups=True, offload_min_bytes=1024)
     errors = {True: [], False: []}
     bitwise, stages, least = True, None, None
@@ -75,8 +87,8 @@ def run(kind: str, meter) -> tuple[bool, dict]:
                 lp.set_budget(int(least * BUDGETS[k]))
             got = step(model, k, images, meter)
             bitwise &= same(want[k], got)
-            if k == 4:
-                least = lp.min_budget_bytes  # the image batches'
+            if k in (3, 4):  # the text-only batches' least budget, then the image batches': the larger
+                least = max(least or 0, lp.min_budget_bytes)
             if not images and k >= 3:
                 stages = lp.stages
             if k >= 3 and lp.is_planned() and lp.last_peak_bytes == got[3]:
@@ -91,13 +103,14 @@ def span(errs: list[float]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(VISION), help="comma-separated, of " + ", ".join(VISION))
+    ap.add_argument("--freeze-vision", action="store_true", help="the vision tower's parameters frozen")
     args = ap.parse_args()
     torch.set_num_threads(1)
     meter = remat.cpu_meter()
     failed = False
     print(f"{'model':10s} {'text-only stages':18s} {'bitwise':8s} {'text-only steps':28s} image steps")
     for kind in args.models.split(","):
-        bitwise, r = run(kind, meter)
+        bitwise, r = run(kind, meter, args.freeze_vision)
         above = max(r["text"] + r["images"], default=0) > remat._core.PREDICTION_TOLERANCE
         failed |= not bitwise or above or len(r["text"]) < 7
         print(f"{kind:10s} {str(r['stages']):18s} {'yes' if bitwise else 'NO':8s} {span(r['text']):28s} "

@@ -542,6 +542,9 @@ class Step:
         # gradient's storage key, weak reference and bytes, whether layer i - 1's output was alive then, layer
         # i's input if what ran between made it); per layer the readings.
         self.out_refs: dict[int, LayerOut] = {}
+        # The same, of a layer whose output takes no gradient (a frozen layer on an input that needs none: a
+        # frozen vision tower's), whose backward window of what runs after it is read at the backward pass's end.
+        self.out_refs_nograd: dict[int, LayerOut] = {}
         # Per layer whose output needs a gradient, a weak reference to the alias of its input its checkpoint
         # holds (alive while its graph is), and the layers whose graph was gone by the time the backward pass
         # reached the layers' output (`dead`: a layer whose output nothing the loss reads, Llava's last vision
@@ -1344,6 +1347,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
             step.input_held = not input_ref.expired()
 
     def finish_profiling():
+        close_between_at_end(step)
         # From the layers' input gradient to the end: the backward pass of what ran before the layers.
         if not prefix_backward:
             read_input_held()
@@ -1545,10 +1549,10 @@ def watch_between(step: "Step", i: int, n: int, x: torch.Tensor, out: torch.Tens
         # What of side_bytes is let go of once this layer's backward is done: read as its input's gradient is
         # whole (StepReadings.side_freed_bytes).
         x.register_hook(lambda g, i=i: step.note_side_freed(i))
-    if i >= 1 and x.requires_grad and i - 1 in step.out_refs:
+    prev = step.out_refs.get(i - 1) or step.out_refs_nograd.get(i - 1)
+    if i >= 1 and x.requires_grad and prev is not None:
         # Whether anything holds the last layer's output once this layer's backward is done (every layer's
         # checkpoint has let go of its input then): StepReadings.outputs_held_in_backward.
-        prev = step.out_refs[i - 1]
 
         def read_held(g, i=i, out_ref=prev.ref):
             step.outputs_held[i] = out_ref is None or not out_ref.expired()
@@ -1578,51 +1582,76 @@ def watch_between(step: "Step", i: int, n: int, x: torch.Tensor, out: torch.Tens
             # what runs between leaves held (its backward, if any, runs in the rest's: nothing read there).
             step.between_forward[i] = at_call - prev.returned_at
             step.between[i] = (0, 0)
+    if i < n - 1 and not out.requires_grad:
+        # No gradient comes to this output: what runs between it and the next layer, where that takes a gradient
+        # (a frozen vision tower's last layer, then the projector and the embeddings, trained), has its backward
+        # window read at the end of the backward pass (close_between_at_end). Before (found 2026-12-07), it was
+        # never read: a tiny Llava with its vision tower frozen held up to 10.8% above its predictions.
+        step.out_refs_nograd[i] = LayerOut(storage_key(out), storage_ref(out), storage_bytes(out), meter.count(),
+                                           None)
     if i < n - 1 and out.requires_grad:
         step.out_refs[i] = LayerOut(storage_key(out), storage_ref(out), storage_bytes(out), meter.count(),
                                     sequence_nr(out))
 
         def ended(g, i=i):
-            o = step.between_open
             # Read at the gradient of the output of the layer before the window (o.i - 1), or, where that output
             # gets none (a layer whose output nothing the loss reads: Llava's last vision layer under its default
             # vision_feature_layer=-2, the projector taking the layer before's), at the next earlier layer's
             # output gradient, which ends what ran between there. Before (found 2026-12-07) that window was never
             # read: its figures were 0, and a tiny Llava's planned steps held 3.6-3.8% above their predictions.
+            o = step.between_open
             if o is not None and o.i >= i + 1:
-                j = o.i - 1
-                step.note_side_freed(None)  # what it freed of side_bytes is in its reading
-                held = meter.count() - o.at
-                last = step.out_refs[j]
-                # The boundary's gradient: the input's, if it was freed here, is the model's until now, at the
-                # bytes of the last layer's output (the chain's a_i; one made larger by what ran between, as a
-                # residual sum's fp32 gradient of a bf16 output that nothing before the layers takes, held the
-                # rest as what ran between: counted back whole, the first layer's backward was charged that
-                # rest again, 2.5% high)...
-                dx_freed = o.g_ref is not None and o.g_ref.expired()
-                if dx_freed:
-                    held += min(o.g_bytes, last.nbytes)
-                # ...and the output's, made here, is the model's from now on.
-                if dx_freed or storage_key(g) != o.g_key:
-                    held -= storage_bytes(g)
-                # The last layer's output, freed here (by what saved it), the model frees at that layer's backward.
-                if o.out_alive and last.ref is not None and last.ref.expired():
-                    held += last.nbytes
-                # This layer's input, which its backward freed, the model holds until here; where what ran between
-                # let go of the last layer's output (a residual sum outside the layers), the model holds that much
-                # of it as the last layer's output (the chain's a_i), which it lets go of itself.
-                if o.x_ref is not None and o.x_ref.expired():
-                    held -= o.x_bytes - (last.nbytes if step.between_frees.get(o.i, False) else 0)
-                # The peak above the model's count, which holds the input's gradient at the bytes of the last
-                # layer's output (the chain's a_i): one made larger by what ran between (a residual sum in fp32
-                # on a bf16 output) held the rest of it too.
-                step.between[o.i] = (step.peak() - o.at + max(0, o.g_bytes - last.nbytes), held)
-                step.grads_shared[j] = storage_key(g) == o.g_key
-                step.between_open = None
-                step.reset()
+                close_between(step, step.out_refs[o.i - 1], g)
             return g
 
         out.register_hook(ended)
+
+
+def close_between_at_end(step: "Step") -> None:
+    """The end of a profiling step's backward pass: a window of what runs between two layers still open, where the
+    layer before it has an output that takes no gradient (Step.out_refs_nograd: no gradient comes to end it), is
+    read now. Nothing runs after it there: a layer before whose output takes none has no backward, nor have those
+    before it (their input takes none either)."""
+    o = step.between_open
+    if o is not None and o.i - 1 in step.out_refs_nograd:
+        close_between(step, step.out_refs_nograd[o.i - 1], None)
+
+
+def close_between(step: "Step", last: LayerOut, g: torch.Tensor | None) -> None:
+    """Reads the backward window of what ran between layers o.i - 1 and o.i (Step.between_open) as it ends: at the
+    gradient `g` of layer o.i - 1's output `last` (or of an earlier layer's), or, where no gradient comes to it
+    (None), at the end of the backward pass."""
+    o = step.between_open
+    j = o.i - 1
+    meter = step.meter
+    step.note_side_freed(None)  # what it freed of side_bytes is in its reading
+    held = meter.count() - o.at
+    # The boundary's gradient: the input's, if it was freed here, is the model's until now, at the bytes of the
+    # last layer's output (the chain's a_i; one made larger by what ran between, as a residual sum's fp32
+    # gradient of a bf16 output that nothing before the layers takes, held the rest as what ran between: counted
+    # back whole, the first layer's backward was charged that rest again, 2.5% high)...
+    dx_freed = o.g_ref is not None and o.g_ref.expired()
+    if dx_freed:
+        held += min(o.g_bytes, last.nbytes)
+    # ...and the output's, made here, is the model's from now on (none where no gradient comes to it).
+    if g is not None and (dx_freed or storage_key(g) != o.g_key):
+        held -= storage_bytes(g)
+    # The last layer's output, freed here (by what saved it), the model frees at that layer's backward.
+    if o.out_alive and last.ref is not None and last.ref.expired():
+        held += last.nbytes
+    # This layer's input, which its backward freed, the model holds until here; where what ran between let go of
+    # the last layer's output (a residual sum outside the layers), the model holds that much of it as the last
+    # layer's output (the chain's a_i), which it lets go of itself.
+    if o.x_ref is not None and o.x_ref.expired():
+        held -= o.x_bytes - (last.nbytes if step.between_frees.get(o.i, False) else 0)
+    # The peak above the model's count, which holds the input's gradient at the bytes of the last layer's output
+    # (the chain's a_i): one made larger by what ran between (a residual sum in fp32 on a bf16 output) held the
+    # rest of it too.
+    step.between[o.i] = (step.peak() - o.at + max(0, o.g_bytes - last.nbytes), held)
+    if g is not None:
+        step.grads_shared[j] = storage_key(g) == o.g_key
+    step.between_open = None
+    step.reset()
 
 
 def compiled_stage(lp: "LayerPlan", shape: "Shape", j: int, fn, rest: tuple, sharded: bool):

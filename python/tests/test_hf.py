@@ -1308,6 +1308,33 @@ def test_a_vision_language_model_is_planned_for_its_image_batches_and_for_its_te
     assert lp.stages == [0, 1, 2, 3, 4]
 
 
+def test_a_vision_language_model_with_its_vision_tower_frozen_is_planned_within_its_predictions(meter):
+    # The usual fine-tuning of a Llava: the vision tower frozen, the projector and the language model trained. No
+    # gradient comes to the vision layers' outputs, so what runs between them and the text layers (the projector,
+    # the embeddings), trained, has its backward window read at the end of the backward pass. Before (found
+    # 2026-12-07) it was never read: the plans held 1.8% to 2.7% above their predictions here (up to 10.8% on
+    # bench/vision_text_only.py's models so frozen).
+    images = dict(images=True, loss="lm")
+
+    def frozen():
+        m = llava()
+        m.model.vision_tower.requires_grad_(False)
+        return m
+
+    plain = frozen()
+    want = [step(plain, images, k, meter, llava_batch) for k in range(3)]
+    model = frozen()
+    lp = remat.hf.enable(model, budget=1 << 40, offload=True, offload_min_bytes=1024)
+    same(want[0], step(model, images, 0, meter, llava_batch))
+    assert lp.context.between_backward_peak_bytes[2] > 0  # read, at the first text layer's boundary
+    for k, budget in ((1, lp.min_budget_bytes), (2, 1 << 40)):
+        lp.set_budget(budget)
+        got = step(model, images, k, meter, llava_batch)
+        same(want[k], got)
+        # At or below the prediction, within 2.1% (the least budget's: 16,448 bytes of 800,000 high, not traced).
+        assert 0 <= lp.predicted_peak_bytes - got[2] <= 0.021 * got[2], (k, lp.plan, got[2], lp.predicted_peak_bytes)
+
+
 def test_layers_that_are_all_frozen_run_as_they_are_and_it_is_said(meter):
     # Every layer frozen (only the LM head trained): no layer's output needs a gradient, so there is nothing to
     # plan. The step used to profile, never reach the layers' backward, and leave no plan and no word.

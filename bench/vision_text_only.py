@@ -8,10 +8,10 @@ text model of 4), on the CPU, under remat.hf.enable(offload=True, groups=True, o
 of 2 sequences of 24 tokens; those with images are architectures.vision_batch's, the text-only ones its tokens
 alone. A text-only batch calls no vision layer (Mllama's: no cross-attention layer): its first step profiles
 nothing, its second profiles the layers it calls (Shape.stages), and its steps after run their own plan. The
-steps: an image batch (profiled), three text-only ones, an image batch; then at each of three budgets (the image
-least budgets of both kinds of batches, the larger, and 1.1 and 1.25 times it) two text-only steps and an image step. Each row: the model, the
-text-only shape's stages (indices into lp.layers), whether every step was bitwise, and the prediction errors'
-range (measured less predicted, over predicted) of the planned text-only and image steps apart.
+steps: an image batch (profiled), three text-only ones, an image batch; then at each of three budgets (the larger
+of the two kinds of batches' least budgets, and 1.1 and 1.25 times it) two text-only steps and an image step. Each
+row: the model, the text-only shape's stages (indices into lp.layers), whether every step was bitwise, and the
+prediction errors' range (measured less predicted, over predicted) of the planned text-only and image steps apart.
 
     python bench/vision_text_only.py                     # the 7 of architectures.VISION
     python bench/vision_text_only.py --models llava-2,mllama

@@ -1306,7 +1306,7 @@ def profiling_call(lp: "LayerPlan", step: "Step", shape: "Shape", i: int, fn, ar
                                   offload_min_bytes=lp.offloads.min_bytes if lp.offloads.enabled else None,
                                   groups=lp.groups, progress=times, timing=lp.profile_timing,
                                   saved_calls=saved_calls, summed=summed, saved_storages=saved_storages,
-                                  attributes_bytes=attributes_bytes)
+                                  attributes_bytes=attributes_bytes, stand_in_params=not any(gathered.per_layer))
             shape.saved_calls = saved_calls if lp.groups else None
             shape.saved_storages = saved_storages
             shape.attributes_bytes = attributes_bytes

@@ -241,6 +241,44 @@ class _GradsPeak:
         return self.most
 
 
+class _StandInParams:
+    """While the profile runs, each parameter that requires grad of the given modules replaced in its module by a
+    stand-in: a new leaf Parameter on its data (one for parameters tied across modules), into which the profile's
+    backward passes make their gradients. `params` (per stage, its parameters that require grad) is set to the
+    stand-ins; the parameters are put back on exit. A hook on a parameter's gradient accumulation (DDP's, the
+    user's) does not see the profile's passes: under DDP with find_unused_parameters=True a parameter given a
+    gradient while the model's forward runs is taken as used in that step, and one that the step's backward then
+    gives none (a layer whose output nothing reads) had its gradient, None, allreduced: a RuntimeError
+    ("Encountered gradient which is undefined") in remat.enable's profiling step before (found 2026-12-07)."""
+
+    def __init__(self, stages, swap: list[bool], params: list[list[torch.Tensor]]):
+        self.stages, self.swap, self.params = stages, swap, params
+
+    def __enter__(self):
+        made: dict[int, nn.Parameter] = {}
+        self.swapped = []
+        for i, s in enumerate(self.stages):
+            if not self.swap[i] or s.module is None:
+                continue
+            for mod in s.module.modules():
+                for name, p in list(mod._parameters.items()):
+                    if p is None or not p.requires_grad:
+                        continue
+                    stand_in = made.get(id(p))
+                    if stand_in is None:
+                        stand_in = made[id(p)] = nn.Parameter(p.detach(), requires_grad=True)
+                    mod._parameters[name] = stand_in
+                    self.swapped.append((mod, name, p))
+            self.params[i] = [made.get(id(p), p) for p in self.params[i]]
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, p in reversed(self.swapped):
+            mod._parameters[name] = p
+        self.swapped = []
+        return False
+
+
 class _ZeroGrads:
     """Zeroed gradients for one stage's parameters while its backward runs (as after a first training step, so
     that the backward's peak does not include allocating them), and theirs put back after: one stage's
@@ -778,7 +816,8 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
             excluded: Iterable[torch.Tensor] = (), offload_min_bytes: int | None = None,
             groups: bool = False, progress=None, timing: str = "synced",
             saved_calls: list | None = None, summed: Sequence[bool] | None = None,
-            saved_storages: list | None = None, attributes_bytes: list | None = None) -> _core.Chain:
+            saved_storages: list | None = None, attributes_bytes: list | None = None,
+            stand_in_params: bool = False) -> _core.Chain:
     """Profiles `stages` (StageFns, modules or callables x -> tensor) on `example_input` (the chain's input) and
     returns the Chain the planners take (see the module's documentation for what each field is).
 
@@ -839,6 +878,10 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     without a module or one that keeps nothing so), with the bytes of the buffers a run wrote in place, of which
     a checkpointed run holds a copy to its recompute likewise. A policy's saved bytes (PolicyCost.saved_bytes)
     include both.
+    stand_in_params: the stages' parameters (but a compiled stage's) replaced by stand-ins on their data while
+    the profile runs (_StandInParams), so that a hook on a parameter's gradient accumulation (DDP's) does not see
+    the profile's backward passes; remat.enable's profiling step, which runs them inside the model's forward,
+    sets it where no layer is sharded by FSDP2.
 
     summed: per stage, whether a residual sum outside the stages lets go of its output (`x = x + layer(x)`:
     what the step's model charges the held gradient at), or None (unknown: every stage). Each policy's backward
@@ -1093,7 +1136,9 @@ def profile(stages: Sequence[StageFn | Callable], example_input: torch.Tensor, *
     # here are leaves that require grad, whose casts the cache would otherwise keep until the caller's autocast
     # region ends (in a profiling step, four bf16 copies of the last layer's input held through the rest of
     # its forward: what it read the rest to leave held was that much low).
-    with collector_paused(), Restore(modules, device), autocast_cache_off(), \
+    stand_ins = _StandInParams(stage_list, [not c for c in compiled], params) if stand_in_params else \
+        contextlib.nullcontext()
+    with collector_paused(), Restore(modules, device), autocast_cache_off(), stand_ins, \
             contextlib.closing(own_bar) if own_bar else contextlib.nullcontext():
         with torch.enable_grad():
             if warmup == 0:

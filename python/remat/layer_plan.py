@@ -35,8 +35,8 @@ from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch, layers_skipped
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
 from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, graph_state_not_run,
-                           layer_grads_bytes, local_bytes, measure_planned_step, sharded_modules, step_context,
-                           storage_key)
+                           layer_grads_bytes, local_bytes, measure_planned_step, queue_at_backward_end,
+                           sharded_modules, step_context, storage_key)
 from .meter import meter_for
 from .profile import checked_timing
 from .progress import planning_wait
@@ -267,7 +267,10 @@ class LayerPlan:
         import torch.distributed as dist
         if self.compiled_layers or self._fixed is not None or shape.key in self._whole_only:
             return False
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return True
+        return not (agreement.agreeing(self.agree, self.who)
+                    or any(sharded_modules(m) for m in (self.model, *self.layers)))
 
     def walk_of(self, i: int) -> Walk:
         """Layer i's modules' Walk (remat._state.walk), kept while current: a checkpointed call's attribute and
@@ -896,6 +899,8 @@ class LayerPlan:
                 called = frozenset(step.layers_called)
                 uncalled = [j for j in range(len(self.layers)) if j not in called]
                 step.shape.tried = called if uncalled and all(self.layers[j].training for j in uncalled) else None
+                if agreement.agreeing(self.agree, self.who):
+                    self._join_agreement_at_backward_end(output)
             step.in_model_forward = False
             step.last_nodes = None
             # A profiling step: whether anything held the last layer's input past its forward, and the first
@@ -912,6 +917,43 @@ class LayerPlan:
                 if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
         if outs:
             measure_planned_step(step, shape, outs, lambda: self._check_prediction(shape), retime=False)
+
+    def _join_agreement_at_backward_end(self, output) -> None:
+        """Under agree, a step that was to profile and profiled nothing (it skipped layers): at the end of its
+        backward pass it meets the other ranks' agreement as one that has nothing to agree on (_profiled_on_every
+        _rank), so that theirs waits for nothing."""
+        outs = [t for t in torch.utils._pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None]
+        if not outs:
+            return
+        joined = []
+
+        def hook(g):
+            if not joined:
+                joined.append(True)
+                queue_at_backward_end(lambda: self._profiled_on_every_rank(False))
+            return g
+
+        for t in outs:
+            t.register_hook(hook)
+
+    def _profiled_on_every_rank(self, profiled: bool) -> bool:
+        """Under agree, at the end of a profiling step's backward pass, before the ranks agree on its figures:
+        whether every rank profiled (one all-reduce). A rank whose step skipped layers (a vision-language model's
+        text-only batch where another rank's has images, LayerDrop's draws) profiled nothing and has no figures
+        to agree on: then no rank plans from this step, and the next one profiles again on every rank. Before
+        (found 2026-12-07), the other ranks' agreement waited for it until the process group's timeout (Gloo:
+        "Timed out waiting ... for recv"); NCCL would hang."""
+        everywhere = agreement.most([0 if profiled else 1])[0] == 0
+        if not everywhere and profiled and "ranks" not in self._skips_said:
+            self._skips_said.add("ranks")
+            warnings.warn(f"{self.who}: another rank's step called other layers than this one's in a step that was "
+                          "to profile them (a vision-language model's text-only batch where this rank's had images, "
+                          "or LayerDrop's draws), and the ranks agree on one plan (agree, on by default under a "
+                          "process group): none is made from this step, and the next one profiles again on every "
+                          "rank; a plan is made at a step whose ranks all call the same layers. With agree=False "
+                          "each rank plans alone, a text-only batch for the layers it calls", stacklevel=2)
+        return everywhere
 
     def _begin_step(self, key, device: torch.device, collect_garbage: bool = False) -> Step:
         """The training step under `key` beginning now on `device` (at the model's call, or at the first layer's
@@ -980,6 +1022,9 @@ class LayerPlan:
                              "ranks of this process group agree on one plan: not both (agree=False to plan each "
                              "rank on its own)")
         if agreeing:
+            if not self._profiled_on_every_rank(True):
+                self._shapes[shape.key] = Shape(shape.key)
+                return
             agreement.agree(shape.chain, ctx)
         if self.fit is not None:
             r = step.reading.room

@@ -9,6 +9,7 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -160,6 +161,121 @@ def test_ranks_whose_batches_differ_in_shape_profile_together():
     assert a["plan"] == b["plan"]
     assert len(a["measured"]) == len(b["measured"]) == 2
     assert (a["borrowed"], b["borrowed"]) == (0, 1)
+
+
+class DeadLayer(nn.Module):
+    """Four MLP layers, the second's output read by nothing (as Llava's last vision layer under its default
+    vision_feature_layer=-2): its parameters get no gradient, so DDP needs find_unused_parameters=True."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(4))
+
+    def forward(self, x):
+        h = self.layers[0](x)
+        self.layers[1](h)
+        return self.layers[3](self.layers[2](h))
+
+
+def dead_layer_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        results = {}
+        for way in ("plain", "remat"):
+            model = DeadLayer()
+            if way == "remat":
+                remat.enable(model, list(model.layers), budget=1 << 40)
+            ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+            losses = []
+            for step in range(3):
+                ddp.zero_grad(set_to_none=True)
+                x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
+                loss = ddp(x).square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+            results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.clone()
+                                                  for p in model.parameters()])
+            ddp = model = None
+        (a, ga), (b, gb) = results["plain"], results["remat"]
+        same = torch.equal(a, b) and all((g is None) == (h is None) and (g is None or torch.equal(g, h))
+                                         for g, h in zip(ga, gb))
+        if rank == 0:
+            torch.save(dict(same=same, grads_none=[g is None for g in gb]), out)
+    finally:
+        leave_group()
+
+
+def test_a_layer_whose_output_nothing_reads_trains_under_ddp_finding_unused_parameters():
+    # DDP with find_unused_parameters=True takes a parameter given a gradient while the model's forward runs
+    # for one used in that step; remat's profiling step profiles the layers there, and the second layer's, whose
+    # backward never runs, then had their gradients, None, allreduced: "Encountered gradient which is undefined,
+    # but still allreduced by DDP reducer" (found 2026-12-07). The profile now makes its gradients in stand-ins
+    # for the parameters (remat.profile's stand_in_params).
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(dead_layer_worker, args=(free_port(), out), nprocs=2, join=True)
+        r = torch.load(out)
+    assert r["same"], "a remat step differs from the plain DDP run's"
+    assert r["grads_none"] == [False] * 4 + [True] * 4 + [False] * 8  # the second layer's four get none
+
+
+def mixed_batches_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        from test_hf import llava, llava_batch
+        # Per step, whether this rank's batch has images: the ranks differ at steps 0 and 2.
+        images = [[True, True, False, True], [False, True, True, True]][rank]
+        results, planned = {}, []
+        for way in ("plain", "remat"):
+            model = llava()
+            lp = remat.hf.enable(model, budget=1 << 40) if way == "remat" else None
+            ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+            losses = []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step, im in enumerate(images):
+                    ddp.zero_grad(set_to_none=True)
+                    torch.manual_seed(step)
+                    loss = ddp(**llava_batch(dict(images=im), 10 * step + rank)).loss
+                    loss.backward()
+                    losses.append(loss.detach())
+                    if lp is not None:
+                        planned.append(lp.is_planned())
+            said = [str(w.message) for w in caught if "another rank's step called other layers" in str(w.message)]
+            results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.clone()
+                                                  for p in model.parameters()])
+            ddp = model = lp = None
+        (a, ga), (b, gb) = results["plain"], results["remat"]
+        same = torch.equal(a, b) and all((g is None) == (h is None) and (g is None or torch.equal(g, h))
+                                         for g, h in zip(ga, gb))
+        gathered = [None, None]
+        dist.all_gather_object(gathered, dict(same=same, planned=planned, said=len(said)))
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        leave_group()
+
+
+def test_ranks_whose_batches_call_different_layers_agree_on_no_plan_and_wait_for_nothing():
+    # Under agree (DDP's default), a step whose ranks' batches call different layers (a tiny Llava, a text-only
+    # batch on one rank and images on the other) profiles on every rank, and the rank whose step skipped the
+    # vision layers profiles nothing. Before (found 2026-12-07), the other rank's agreement then waited for it
+    # until the group's timeout. Now every rank learns at the end of that backward pass that one did not
+    # profile: no plan, said by the rank that profiled, and the next step whose ranks all have images is
+    # planned; every step the plain DDP run's bitwise.
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(mixed_batches_worker, args=(free_port(), out), nprocs=2, join=True)
+        a, b = torch.load(out)
+    assert a["same"] and b["same"], "a remat step differs from the plain DDP run's"
+    # (At step 2 rank 1's shape with images, planned, is profiled again with rank 0's new text-only one.)
+    assert a["planned"] == b["planned"] == [False, True, False, True], (a["planned"], b["planned"])
+    assert (a["said"], b["said"]) == (1, 1), (a["said"], b["said"])  # by the rank that profiled, at 0 and at 2
 
 
 # FSDP2 (fully_shard on each decoder layer, then on the model, as torchtitan and accelerate shard): a given

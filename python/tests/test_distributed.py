@@ -163,6 +163,21 @@ def test_ranks_whose_batches_differ_in_shape_profile_together():
     assert (a["borrowed"], b["borrowed"]) == (0, 1)
 
 
+def spawned(worker):
+    """worker(rank, port, out) on two processes: what rank 0 saved to `out`."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "out.pt")
+        mp.spawn(worker, args=(free_port(), out), nprocs=2, join=True)
+        return torch.load(out)
+
+
+def same_as_plain(results: dict) -> bool:
+    """Whether results["remat"]'s losses and gradients (None or not, and each bitwise) are results["plain"]'s."""
+    (a, ga), (b, gb) = results["plain"], results["remat"]
+    return torch.equal(a, b) and all((g is None) == (h is None) and (g is None or torch.equal(g, h))
+                                     for g, h in zip(ga, gb))
+
+
 class DeadLayer(nn.Module):
     """Four MLP layers, the second's output read by nothing (as Llava's last vision layer under its default
     vision_feature_layer=-2): its parameters get no gradient, so DDP needs find_unused_parameters=True."""
@@ -199,11 +214,9 @@ def dead_layer_worker(rank, port, out):
             results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.clone()
                                                   for p in model.parameters()])
             ddp = model = None
-        (a, ga), (b, gb) = results["plain"], results["remat"]
-        same = torch.equal(a, b) and all((g is None) == (h is None) and (g is None or torch.equal(g, h))
-                                         for g, h in zip(ga, gb))
+        same = same_as_plain(results)
         if rank == 0:
-            torch.save(dict(same=same, grads_none=[g is None for g in gb]), out)
+            torch.save(dict(same=same, grads_none=[g is None for g in results["remat"][1]]), out)
     finally:
         leave_group()
 
@@ -214,10 +227,7 @@ def test_a_layer_whose_output_nothing_reads_trains_under_ddp_finding_unused_para
     # backward never runs, then had their gradients, None, allreduced: "Encountered gradient which is undefined,
     # but still allreduced by DDP reducer" (found 2026-12-07). The profile now makes its gradients in stand-ins
     # for the parameters (remat.profile's stand_in_params).
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(dead_layer_worker, args=(free_port(), out), nprocs=2, join=True)
-        r = torch.load(out)
+    r = spawned(dead_layer_worker)
     assert r["same"], "a remat step differs from the plain DDP run's"
     assert r["grads_none"] == [False] * 4 + [True] * 4 + [False] * 8  # the second layer's four get none
 
@@ -250,9 +260,7 @@ def mixed_batches_worker(rank, port, out):
             results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.clone()
                                                   for p in model.parameters()])
             ddp = model = lp = None
-        (a, ga), (b, gb) = results["plain"], results["remat"]
-        same = torch.equal(a, b) and all((g is None) == (h is None) and (g is None or torch.equal(g, h))
-                                         for g, h in zip(ga, gb))
+        same = same_as_plain(results)
         gathered = [None, None]
         dist.all_gather_object(gathered, dict(same=same, planned=planned, said=len(said)))
         if rank == 0:
@@ -268,10 +276,7 @@ def test_ranks_whose_batches_call_different_layers_agree_on_no_plan_and_wait_for
     # until the group's timeout. Now every rank learns at the end of that backward pass that one did not
     # profile: no plan, said by the rank that profiled, and the next step whose ranks all have images is
     # planned; every step the plain DDP run's bitwise.
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "out.pt")
-        mp.spawn(mixed_batches_worker, args=(free_port(), out), nprocs=2, join=True)
-        a, b = torch.load(out)
+    a, b = spawned(mixed_batches_worker)
     assert a["same"] and b["same"], "a remat step differs from the plain DDP run's"
     # (At step 2 rank 1's shape with images, planned, is profiled again with rank 0's new text-only one.)
     assert a["planned"] == b["planned"] == [False, True, False, True], (a["planned"], b["planned"])

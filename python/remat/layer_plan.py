@@ -345,6 +345,8 @@ class LayerPlan:
         for _ in range(WHOLE_STEP_TRIES):
             run_step()
             if self._step is None or not self._step.skipped:
+                if self._last is not None and self._last.chain is not None:
+                    self._last.from_example = True  # (_check_prediction)
                 return
             with torch.no_grad():
                 for p, g in zip(params, had):
@@ -1067,6 +1069,20 @@ class LayerPlan:
         # shape: a step below its prediction silenced a later one above it (gradient accumulation's two states
         # run two plans of one shape).
         above = check.error > 0
+        if check.beyond and not above and shape.from_example:
+            # Profiled on an example batch (enable(example=), remat.max_batch), whose step holds the model's
+            # outputs through its backward pass, as `out = model(**batch); out.loss.backward()` does: a training
+            # loop that lets go of them first (Trainer keeps the loss only) holds less, its logits' bytes at most.
+            # Its next step of this shape is profiled as the loop runs it. Before (found 2026-12-07), such steps
+            # stayed planned from the example's: a Llama's 11.7% below their prediction (a logits tensor).
+            self._shapes[shape.key] = Shape(shape.key)
+            f = _core.format_bytes
+            warnings.warn(f"{self.who}: the planned step held {f(shape.last_peak)} ({shape.last_peak} bytes) above "
+                          f"its base, {abs(check.error):.1%} below the prediction made from the example batch's step "
+                          "(whose loop holds the model's outputs through its backward pass; this one holds less, as "
+                          "a loop that keeps only the loss does): the next step of this input shape is profiled as "
+                          "this loop runs it, and planned from that", RuntimeWarning, stacklevel=2)
+            return
         if not check.beyond or (shape.replanned if above else shape.said_below):
             return
         f = _core.format_bytes

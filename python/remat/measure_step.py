@@ -378,6 +378,10 @@ class Shape:
         # profiling attempts in a row called the same layers (`tried`: the last one's, a frozenset).
         self.stages: tuple[int, ...] | None = None
         self.tried: frozenset | None = None
+        # Profiled on an example batch (LayerPlan._run_whole), whose step holds the model's outputs through its
+        # backward pass: a training step held below its prediction has the shape profiled again
+        # (LayerPlan._check_prediction).
+        self.from_example = False
 
     def stage_of(self, i: int) -> int | None:
         """The stage of layer i (an index into LayerPlan.layers) in this shape's chain, or None where its steps do

@@ -901,6 +901,7 @@ class LayerPlan:
                 called = frozenset(step.layers_called)
                 uncalled = [j for j in range(len(self.layers)) if j not in called]
                 step.shape.tried = called if uncalled and all(self.layers[j].training for j in uncalled) else None
+                step.shape.stages = None  # (a try of those that called others: the next one tries this one's)
                 if agreement.agreeing(self.agree, self.who):
                     self._join_agreement_at_backward_end(output)
             step.in_model_forward = False

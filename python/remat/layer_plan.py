@@ -264,13 +264,18 @@ class LayerPlan:
         given plan (of every layer), under a process group whose ranks profile together (agree, or FSDP2: a rank
         whose steps call other layers would meet the others' collectives with another chain), nor for a shape
         whose planned steps called a layer outside those (_whole_only)."""
-        import torch.distributed as dist
         if self.compiled_layers or self._fixed is not None or shape.key in self._whole_only:
             return False
+        return not self._ranks_in_lockstep()
+
+    def _ranks_in_lockstep(self) -> bool:
+        """Whether the ranks profile together (_profile_in_lockstep): a process group of more than one rank whose
+        ranks agree on plans (agree), or whose layers FSDP2 shards (it all-gathers while the layers are
+        profiled)."""
+        import torch.distributed as dist
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return True
-        return not (agreement.agreeing(self.agree, self.who)
-                    or any(sharded_modules(m) for m in (self.model, *self.layers)))
+            return False
+        return agreement.agreeing(self.agree, self.who) or any(sharded_modules(m) for m in (self.model, *self.layers))
 
     def walk_of(self, i: int) -> Walk:
         """Layer i's modules' Walk (remat._state.walk), kept while current: a checkpointed call's attribute and
@@ -760,12 +765,9 @@ class LayerPlan:
         Under agree, a step whose gradient state (_plan_for_grads) its shape has no plan for on some rank: every
         rank takes the maximum over the ranks of the gradients to charge (one all-reduce), and the ranks that
         need a plan make it from that, so that ranks in the same state make the same plan."""
-        import torch.distributed as dist
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        if not self._ranks_in_lockstep():
             return
         agreeing = agreement.agreeing(self.agree, self.who)
-        if not (agreeing or any(sharded_modules(m) for m in (self.model, *self.layers))):  # FSDP2 all-gathers
-            return
         new = self._profiles(key)
         shape = self._shapes.get(key)
         planned = not new and shape.grads_key is not None

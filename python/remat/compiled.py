@@ -249,7 +249,7 @@ def publish(layers: Sequence[nn.Module], shape: "Shape", policies: dict) -> None
     """Hands shape's plan to the layers' compiled calls (compiled_call): each layer's choice under the shape's
     key, the shapes the layer was profiled with, and the policy functions the choices name (for the layers of its
     chain's stages: Shape.stages)."""
-    stages = getattr(shape, "stages", None)
+    stages = shape.stages
     if stages is not None:
         layers = [layers[j] for j in stages]
     for i, (layer, how) in enumerate(zip(layers, shape.choices or [None] * len(layers))):

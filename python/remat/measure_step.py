@@ -194,7 +194,7 @@ def local_bytes(p: torch.Tensor) -> int:
 
 def stage_layers(lp: "LayerPlan", shape) -> list[nn.Module]:
     """The modules of `shape`'s chain's stages, in order: lp.layers, or the layers its steps call (Shape.stages)."""
-    stages = getattr(shape, "stages", None)
+    stages = shape.stages
     return list(lp.layers) if stages is None else [lp.layers[j] for j in stages]
 
 

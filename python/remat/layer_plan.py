@@ -261,12 +261,13 @@ class LayerPlan:
     def _takes_stages(self, shape: Shape) -> bool:
         """Whether `shape` may be profiled and planned for the layers its steps call (Shape.stages) rather than
         for every layer: not with layers compiled on their own (their graphs' plans are published per layer), a
-        given plan (of every layer), under a process group whose ranks profile together (agree, or FSDP2: a rank
-        whose steps call other layers would meet the others' collectives with another chain), nor for a shape
-        whose planned steps called a layer outside those (_whole_only)."""
+        given plan (of every layer), nor for a shape whose planned steps called a layer outside those
+        (_whole_only). Under agree the ranks plan from such a profile only where every rank profiled the same
+        layers (_profiled_on_every_rank); FSDP2's ranks without agree profile together with no agreement to
+        check that by, so not there."""
         if self.compiled_layers or self._fixed is not None or shape.key in self._whole_only:
             return False
-        return not self._ranks_in_lockstep()
+        return not self._ranks_in_lockstep() or agreement.agreeing(self.agree, self.who)
 
     def _ranks_in_lockstep(self) -> bool:
         """Whether the ranks profile together (_profile_in_lockstep): a process group of more than one rank whose
@@ -775,13 +776,26 @@ class LayerPlan:
         any_new, any_needs = agreement.most([int(new), int(needs)])
         if any_new:
             if not new and not shape.no_backward:
-                self._shapes[key] = Shape(key)  # profiled again, with the ranks whose shape is new
+                # Profiled again, with the ranks whose shape is new: one planned for the layers its steps call
+                # profiles those again (Shape.tried).
+                self._shapes[key] = Shape(key)
+                self._shapes[key].tried = None if shape.stages is None else frozenset(shape.stages)
             return
         if any_needs:
-            # A collective on every rank; what it says is kept only by the ranks that need it.
-            charged = agreement.most(self._grads_charge(shape, grads) if planned else [0] * (len(self.layers) + 3))
+            # A collective on every rank, of one figure per layer (a shape planned for the layers its steps call,
+            # Shape.stages, gives its stages' at their layers' places) and the three outside them; what it says is
+            # kept only by the ranks that need it.
+            n = len(self.layers)
+            per_layer = [0] * (n + 3)
+            if planned:
+                charge = self._grads_charge(shape, grads)
+                k = len(charge) - 3  # the chain's stages
+                for j in range(k):
+                    per_layer[shape.layer_of(j)] = charge[j]
+                per_layer[n:] = charge[k:]
+            told = agreement.most(per_layer)
             if needs:
-                shape.charged[grads] = charged
+                shape.charged[grads] = [told[shape.layer_of(j)] for j in range(k)] + told[n:]
 
     def _borrow(self, key):
         """A training step under `key` begins. Where its shape is new and a planned shape covers it (borrow_plans;
@@ -936,28 +950,37 @@ class LayerPlan:
         def hook(g):
             if not joined:
                 joined.append(True)
-                queue_at_backward_end(lambda: self._profiled_on_every_rank(False))
+                queue_at_backward_end(lambda: self._profiled_on_every_rank(None))
             return g
 
         for t in outs:
             t.register_hook(hook)
 
-    def _profiled_on_every_rank(self, profiled: bool) -> bool:
+    def _profiled_on_every_rank(self, stages: tuple[int, ...] | None) -> bool:
         """Under agree, at the end of a profiling step's backward pass, before the ranks agree on its figures:
-        whether every rank profiled (one all-reduce). A rank whose step skipped layers (a vision-language model's
-        text-only batch where another rank's has images, LayerDrop's draws) profiled nothing and has no figures
-        to agree on: then no rank plans from this step, and the next one profiles again on every rank. Before
-        (found 2026-12-07), the other ranks' agreement waited for it until the process group's timeout (Gloo:
-        "Timed out waiting ... for recv"); NCCL would hang."""
-        everywhere = agreement.most([0 if profiled else 1])[0] == 0
-        if not everywhere and profiled and "ranks" not in self._skips_said:
+        whether every rank profiled, and profiled the same layers (one all-reduce of 2n + 1 integers, n the
+        layers). `stages`: the layers this rank profiled (indices into `layers`; Shape.stages, or every layer),
+        None where it profiled nothing. A rank whose step skipped layers (a vision-language model's text-only
+        batch where another rank's has images, LayerDrop's draws) has no figures to agree on, and one that
+        profiled a text-only shape's layers (Shape.stages) has figures of another chain than a rank that profiled
+        every layer: then no rank plans from this step, and the next one profiles again on every rank. Before
+        (found 2026-12-07), the other ranks' agreement waited for one that profiled nothing until the process
+        group's timeout (Gloo: "Timed out waiting ... for recv"); NCCL would hang. Ranks whose steps all
+        profiled the same layers (the same kind of batch on every rank, as LLaVA's data groups text-only samples)
+        agree on them."""
+        n = len(self.layers)
+        called = [0] * n if stages is None else [int(j in stages) for j in range(n)]
+        told = agreement.most([int(stages is None)] + called + [-c for c in called])
+        everywhere = told[0] == 0 and all(told[1 + j] == -told[1 + n + j] for j in range(n))
+        if not everywhere and stages is not None and "ranks" not in self._skips_said:
             self._skips_said.add("ranks")
             warnings.warn(f"{self.who}: another rank's step called other layers than this one's in a step that was "
                           "to profile them (a vision-language model's text-only batch where this rank's had images, "
                           "or LayerDrop's draws), and the ranks agree on one plan (agree, on by default under a "
                           "process group): none is made from this step, and the next one profiles again on every "
-                          "rank; a plan is made at a step whose ranks all call the same layers. With agree=False "
-                          "each rank plans alone, a text-only batch for the layers it calls", stacklevel=2)
+                          "rank; a plan is made at a step whose ranks all call the same layers (text-only batches "
+                          "on every rank are planned for the layers they call). With agree=False each rank plans "
+                          "alone", stacklevel=2)
         return everywhere
 
     def _begin_step(self, key, device: torch.device, collect_garbage: bool = False) -> Step:
@@ -1027,8 +1050,11 @@ class LayerPlan:
                              "ranks of this process group agree on one plan: not both (agree=False to plan each "
                              "rank on its own)")
         if agreeing:
-            if not self._profiled_on_every_rank(True):
+            stages = tuple(range(len(self.layers))) if shape.stages is None else shape.stages
+            if not self._profiled_on_every_rank(stages):
+                # Profiled again at its next step; one profiled for the layers its step called, those again.
                 self._shapes[shape.key] = Shape(shape.key)
+                self._shapes[shape.key].tried = None if shape.stages is None else frozenset(shape.stages)
                 return
             agreement.agree(shape.chain, ctx)
         if self.fit is not None:

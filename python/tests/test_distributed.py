@@ -238,9 +238,12 @@ def mixed_batches_worker(rank, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
     try:
         from test_hf import llava, llava_batch
-        # Per step, whether this rank's batch has images: the ranks differ at steps 0 and 2.
-        images = [[True, True, False, True], [False, True, True, True]][rank]
-        results, planned = {}, []
+        # Per step, whether this rank's batch has images: the ranks differ at steps 0, 2, 3 and 7; both are
+        # text-only at 5 and 6 (as LLaVA's data groups its text-only samples, every rank's). Step 7 keeps the
+        # gradients of step 6 (a second micro-batch): a gradient state new to both ranks' planned shapes.
+        images = [[True, True, False, False, True, False, False, False],
+                  [False, True, True, True, True, False, False, True]][rank]
+        results, planned, stages = {}, [], []
         for way in ("plain", "remat"):
             model = llava()
             lp = remat.hf.enable(model, budget=1 << 40) if way == "remat" else None
@@ -249,20 +252,22 @@ def mixed_batches_worker(rank, port, out):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for step, im in enumerate(images):
-                    ddp.zero_grad(set_to_none=True)
+                    if step < 7:
+                        ddp.zero_grad(set_to_none=True)
                     torch.manual_seed(step)
                     loss = ddp(**llava_batch(dict(images=im), 10 * step + rank)).loss
                     loss.backward()
                     losses.append(loss.detach())
                     if lp is not None:
                         planned.append(lp.is_planned())
+                        stages.append(lp.stages)
             said = [str(w.message) for w in caught if "another rank's step called other layers" in str(w.message)]
             results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.clone()
                                                   for p in model.parameters()])
             ddp = model = lp = None
         same = same_as_plain(results)
         gathered = [None, None]
-        dist.all_gather_object(gathered, dict(same=same, planned=planned, said=len(said)))
+        dist.all_gather_object(gathered, dict(same=same, planned=planned, stages=stages, said=len(said)))
         if rank == 0:
             torch.save(gathered, out)
     finally:
@@ -275,11 +280,20 @@ def test_ranks_whose_batches_call_different_layers_agree_on_no_plan_and_wait_for
     # vision layers profiles nothing. Before (found 2026-12-07), the other rank's agreement then waited for it
     # until the group's timeout. Now every rank learns at the end of that backward pass that one did not
     # profile: no plan, said by the rank that profiled, and the next step whose ranks all have images is
-    # planned; every step the plain DDP run's bitwise.
+    # planned; every step the plain DDP run's bitwise. Text-only batches on both ranks are planned for the
+    # layers they call (Shape.stages; before 2026-12-08, never under agree); a step where one rank profiles those
+    # and the other every layer (step 3) plans nothing, where agreeing on two chains would have mixed them.
     a, b = spawned(mixed_batches_worker)
     assert a["same"] and b["same"], "a remat step differs from the plain DDP run's"
-    # (At step 2 rank 1's shape with images, planned, is profiled again with rank 0's new text-only one.)
-    assert a["planned"] == b["planned"] == [False, True, False, True], (a["planned"], b["planned"])
+    # Step 2: rank 1's shape with images, planned, is profiled again with rank 0's new text-only one, which
+    # skips the vision layers; step 3: rank 0 profiles its text-only shape's layers, rank 1 every layer; step 4:
+    # rank 0's image shape profiled again with rank 1's; step 5 plans both text-only shapes; step 7, in a new
+    # gradient state, plans the text-only shape on rank 0 and the image one on rank 1 from one agreed charge.
+    want = [False, True, False, False, True, True, True, True]
+    assert a["planned"] == b["planned"] == want, (a["planned"], b["planned"])
+    text, every = [2, 3, 4], [0, 1, 2, 3, 4]
+    assert (a["stages"][5:], b["stages"][5:7]) == ([text] * 3, [text] * 2), (a["stages"], b["stages"])
+    assert b["stages"][7] == every, b["stages"]
     assert (a["said"], b["said"]) == (1, 1), (a["said"], b["said"])  # by the rank that profiled, at 0 and at 2
 
 

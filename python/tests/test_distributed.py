@@ -433,6 +433,56 @@ def test_fsdp2_runs_a_given_plan_and_plans_for_a_budget_as_the_plain_run():
         assert rows[-1]["choices"] == ["keep"] * 4 and rows[1]["choices"] != rows[-1]["choices"], (order, rows)
 
 
+def fsdp_llava_worker(rank, port, out):
+    from torch.distributed.fsdp import fully_shard
+    from test_hf import llava, llava_batch
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        images = [True, False, False, False, True, False]  # every rank's alike at each step
+        results, planned, stages = {}, [], []
+        for way in ("plain", "remat"):
+            model = llava()
+            for layer in [*model.model.vision_tower.encoder.layers, *model.model.language_model.layers]:
+                fully_shard(layer)
+            fully_shard(model)
+            lp = remat.hf.enable(model, budget=1 << 40) if way == "remat" else None
+            losses = []
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (the first text-only step's "did not call layer 0, 1")
+                for step, im in enumerate(images):
+                    model.zero_grad(set_to_none=True)
+                    torch.manual_seed(step)
+                    loss = model(**llava_batch(dict(images=im), 10 * step + rank)).loss
+                    loss.backward()
+                    losses.append(loss.detach())
+                    if lp is not None:
+                        planned.append(lp.is_planned())
+                        stages.append(lp.stages)
+            results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.to_local().clone()
+                                                  for p in model.parameters()])
+            model = lp = None
+        gathered = [None, None]
+        dist.all_gather_object(gathered, dict(same=same_as_plain(results), planned=planned, stages=stages))
+        if rank == 0:
+            torch.save(gathered, out)
+    finally:
+        leave_group()
+
+
+def test_fsdp2_plans_text_only_batches_on_every_rank_for_the_layers_they_call():
+    # FSDP2 on each of a tiny Llava's vision and text layers, the ranks agreeing (the default under a process
+    # group): text-only batches on every rank at once are planned for the text layers (Shape.stages; before
+    # 2026-12-08 never under agree or FSDP2), the ranks profiling them together, every step the plain FSDP2
+    # run's bitwise (losses and each rank's gradient shards).
+    a, b = spawned(fsdp_llava_worker)
+    assert a["same"] and b["same"], "a remat step differs from the plain FSDP2 run's"
+    assert a["planned"] == b["planned"] == [True, False, True, True, True, True], (a["planned"], b["planned"])
+    every, text = [0, 1, 2, 3, 4], [2, 3, 4]
+    assert a["stages"] == b["stages"] == [every, None, text, text, every, text], (a["stages"], b["stages"])
+
+
 # transformers' Trainer on two processes (DDP on Gloo, CPU), as `torchrun --nproc-per-node 2 train.py` runs it:
 # with remat.hf.enable (a budget, planned in place in the first step, the ranks agreeing) every logged loss and
 # the trained weights equal the same run without it.

@@ -29,6 +29,7 @@ from torch import nn
 
 from . import _core, agreement, fit, oom
 from .fit import parse_budget
+from .grad_buckets import GradBuckets
 from ._state import Walk, kept_walk
 from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_key, unwrap_call, wrap_call
 from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch, layers_skipped
@@ -207,6 +208,9 @@ class LayerPlan:
         # (_watch_gradless: its hook's handle), which a later step that gives it one warns of.
         self._gradless: set[int] = set()
         self._gradless_hooks: dict[int, object] = {}
+        # Those whose gradients end each step in memory that outlives it (DDP's gradient_as_bucket_view): a step
+        # that begins with them None makes none of their memory (GradBuckets), so it is charged none.
+        self._buckets = GradBuckets()
         # The indices (in _params) of the parameters outside the layers (embeddings, a head, a final norm), and of
         # those a profiling step's backward accumulated a gradient for, where it did: "rest" (the rest's backward,
         # before the layers'), "between" (during the layers' backward) or "before" (after it: the part before the
@@ -234,7 +238,7 @@ class LayerPlan:
                      _budget_text=None, _calls=list, _inside_said=False, _many_shapes_said=False, borrow_plans=True,
                      _profile_timing="synced", _calls_wrapped=False, _gradless=set, _gradless_hooks=dict,
                      _walks=dict, _outside=None, _outside_phase=dict, _param_form=list, _forms=dict, _form_id=-1,
-                     _skips_said=set, _whole_only=set)
+                     _skips_said=set, _whole_only=set, _buckets=GradBuckets)
 
     def __setstate__(self, state):
         """From a copy or a pickle, perhaps one an earlier remat saved (torch.save of a planned model): the fields
@@ -333,6 +337,7 @@ class LayerPlan:
             h.remove()
         self._gradless_hooks = {}
         self._gradless = {place[i] for i in self._gradless if i in place}
+        self._buckets = GradBuckets()  # looked for again among the new parameters' gradients
         self._outside_phase = {place[i]: phase for i, phase in self._outside_phase.items() if i in place}
         self._params = now
         self._outside = self._outside_indices()
@@ -639,9 +644,10 @@ class LayerPlan:
         """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
         none (as after zero_grad()); and Shape.grads_key's form: per layer their bytes (layer_grads_bytes), then
         the indices of the parameters outside the layers among them (a frozenset)."""
-        gradless = self._gradless
+        gradless, held = self._gradless, self._buckets.params
         params = self._params
-        grads_none = {id(p) for i, p in enumerate(params) if p.requires_grad and p.grad is None and i not in gradless}
+        grads_none = {id(p) for i, p in enumerate(params)
+                      if p.requires_grad and p.grad is None and i not in gradless and i not in held}
         outside = frozenset(i for i in self._outside if id(params[i]) in grads_none)
         return grads_none, (*layer_grads_bytes(self.layers, grads_none), outside)
 
@@ -1042,6 +1048,7 @@ class LayerPlan:
         """The end of a profiling step's backward pass: its step context measured, agreed on by the ranks, the
         shape planned."""
         self._note_gradless(step)
+        self._buckets.observe(self._params)  # (its plan is for the state it began in; the next step's may differ)
         graph_state_not_run(self, step)
         ctx = step_context(self, step, shape)
         agreeing = agreement.agreeing(self.agree, self.who)
@@ -1081,6 +1088,13 @@ class LayerPlan:
         budget = self.budget_bytes
         check = _core.check_prediction(shape.predicted, shape.last_peak, max(budget, 1))
         shape.prediction_error = check.error
+        found = self._buckets.observe(self._params) and self._buckets.params
+        if check.error <= 0 and (found or self._buckets.pending):
+            # Gradients found held in memory that outlives the steps (GradBuckets), or perhaps so (seen to end as
+            # views, confirmed or not at the next step's end): this step's plan charged them, the next one's does
+            # not where they are (a plan for that gradient state: _plan_for_grads). Below its prediction by them,
+            # as expected: not said.
+            return
         if shape.borrowed_from is not None:
             # A larger shape's plan: below its prediction is what was expected. Above it (a model whose memory
             # does not only grow with its inputs' sizes), the shape's next step profiles it.

@@ -198,17 +198,64 @@ def stage_layers(lp: "LayerPlan", shape) -> list[nn.Module]:
     return list(lp.layers) if stages is None else [lp.layers[j] for j in stages]
 
 
-def layer_grads_bytes(layers: Sequence[nn.Module], grads_none) -> list[int]:
+def layer_grads_bytes(layers: Sequence[nn.Module], grads_none, sizes: dict[int, int] | None = None) -> list[int]:
     """Per layer, the bytes of the parameter gradients its backward makes: those of its parameters that need a
-    gradient and whose ids are in `grads_none` (None when the step began), this rank's shard's under FSDP2; a
-    parameter that two layers use at the later one, which the backward pass meets first."""
+    gradient and whose ids are in `grads_none` (None when the step began), this rank's shard's under FSDP2 (or
+    `sizes`' entry for its id: unsynced_grad_bytes); a parameter that two layers use at the later one, which the
+    backward pass meets first."""
     grads, seen = [0] * len(layers), set()
+    sizes = sizes or {}
     for j in reversed(range(len(layers))):
         for p in layers[j].parameters():
             if id(p) in grads_none and id(p) not in seen:
                 seen.add(id(p))
-                grads[j] += local_bytes(p)
+                grads[j] += sizes.get(id(p), local_bytes(p))
     return grads
+
+
+def unsynced_grad_bytes(model: nn.Module) -> dict[int, int]:
+    """Under FSDP2 with its gradient sync off (`set_requires_gradient_sync(False)`: gradient accumulation without
+    communication, as Accelerate's accumulation runs its micro-batches but the last), a module's backward leaves
+    each parameter's gradient unsharded, held until a step that syncs reduces it: per sharded parameter (by id)
+    of the modules of `model` whose sync is off, the bytes its backward leaves held as a step begins now: the
+    unsharded gradient's (its full size, in the larger of the dtypes FSDP2 may hold it in: the reduce dtype, the
+    gathered parameters' and the parameter's own), or 0 where an unsharded gradient of an earlier step is held
+    (the new one is added to it). Read through FSDP2's internals (its parameter group's `reduce_grads`, each
+    parameter's unsharded parameter and accumulated gradient), as they are on torch 2.11 and 2.15; {} where FSDP2
+    has none of them."""
+    out: dict[int, int] = {}
+    for m in sharded_modules(model):
+        state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        if group is None or getattr(group, "reduce_grads", True):
+            continue
+        for fp in getattr(group, "fsdp_params", ()):
+            p = getattr(fp, "sharded_param", None)
+            if p is None or not p.requires_grad:
+                continue
+            unsharded = getattr(fp, "_unsharded_param", None)
+            held = (unsharded is not None and unsharded.grad is not None
+                    or getattr(fp, "unsharded_accumulated_grad", None) is not None)
+            dtypes = [d for d in (getattr(fp, "reduce_dtype", None), getattr(fp, "param_dtype", None), p.dtype) if d]
+            out[id(p)] = 0 if held else p.numel() * max(d.itemsize for d in dtypes)
+    return out
+
+
+def unsharded_grads_reduced(model: nn.Module) -> bool:
+    """Whether a step beginning now lets go of unsharded gradients held from earlier steps: a module of `model`
+    that FSDP2 shards holds some (left by steps with its gradient sync off, unsynced_grad_bytes) and syncs in
+    this one, reducing them. Read through FSDP2's internals as unsynced_grad_bytes is."""
+    for m in sharded_modules(model):
+        state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        if group is None or not getattr(group, "reduce_grads", True):
+            continue
+        for fp in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if (unsharded is not None and unsharded.grad is not None
+                    or getattr(fp, "unsharded_accumulated_grad", None) is not None):
+                return True
+    return False
 
 
 class ParamsUsed(TorchFunctionMode):
@@ -372,6 +419,8 @@ class Shape:
         # step began (Shape.grads_key's last entry there; None: not read, a pickle from before), against which a
         # step in another state is charged (LayerPlan._outside_more).
         self.measured_outside: frozenset | None = None
+        # Their gradients' bytes, by index (LayerPlan._outside_sizes; None: a pickle from before, their own sizes).
+        self.measured_outside_sizes: dict[int, int] | None = None
         # The layers a step of this shape calls, as indices into LayerPlan.layers in order, where that is not every
         # layer (a vision-language model's text-only batches, which call no vision layer): its chain's stages are
         # these layers', and its plan's choices theirs (None: every layer, stage k layer k). Taken where two
@@ -439,6 +488,9 @@ class Step:
         self.true_peak = self.base  # the step's own peak (profiling's transients left out)
         self.profiling_peak = self.base  # the peak of profiling's own runs in the step
         self.grads_none = grads_none  # ids of parameters whose .grad was None when the step began
+        # Their gradients' bytes where a step makes them other than at their own (local) size, by id, read as it
+        # began (unsynced_grad_bytes: FSDP2's unsharded gradients with its sync off).
+        self.grad_sizes: dict[int, int] = {}
         # Profiling: the ids of the parameters the layers' forward used (ParamsUsed), those of them in grads_none
         # watched for a gradient (their hooks' handles, removed at the step's end), and those given one.
         self.params_used: set[int] = set()
@@ -1750,7 +1802,7 @@ def step_context(lp: "LayerPlan", step: "Step", shape: "Shape"):
     r.step_peak = step.true_peak
     layers = stage_layers(lp, shape)
     n = len(layers)
-    r.stage_grads_bytes = layer_grads_bytes(layers, step.grads_none or ())
+    r.stage_grads_bytes = layer_grads_bytes(layers, step.grads_none or (), step.grad_sizes)
     side_grads = [0] * n
     for k, (last, _) in step.side_grads.items():
         side_grads[last] += step.side_grad_bytes(k)

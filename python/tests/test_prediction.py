@@ -1282,7 +1282,7 @@ def test_a_parameter_the_forward_uses_and_the_backward_gives_no_gradient_is_char
     with pytest.warns(UserWarning, match=r"2\.index\.weight was given a gradient"):
         assert_same_run(want[2], train_step(m, x, meter, seed=3, set_to_none=True))
     m.zero_grad(set_to_none=True)
-    assert lp._grads_state()[1] == (2 * lin, 2 * lin, 3 * lin, 2 * lin, frozenset())  # (no parameter outside)
+    assert lp._grads_state()[1] == (2 * lin, 2 * lin, 3 * lin, 2 * lin, frozenset(), frozenset())  # (none outside)
     # A copy watches its own parameters (a Parameter's copy has no hooks).
     c = copy.deepcopy(m)
     c[1].graded = True

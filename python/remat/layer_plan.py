@@ -35,9 +35,9 @@ from .compiled import CHOICES_ATTR, INSIDE, compiled_module, publish, set_step_k
 from .dispatch import LAYER_PLAN_ATTR, PlannedForward, dispatch, layers_skipped
 from .layer_calls import autocast_state, call_key, key_form
 from .layer_offload import LayerOffloads, layer_points
-from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, graph_reaches, graph_state_not_run,
-                           layer_grads_bytes, local_bytes, measure_planned_step, queue_at_backward_end,
-                           sharded_modules, step_context, storage_key, unsharded_grads_reduced,
+from .measure_step import (RETIMED_STEPS, Shape, Step, TrainingCall, fsdp1_sharded, graph_reaches,
+                           graph_state_not_run, layer_grads_bytes, local_bytes, measure_planned_step,
+                           queue_at_backward_end, sharded_modules, step_context, storage_key, unsharded_grads_reduced,
                            unsynced_grad_bytes)
 from .meter import meter_for
 from .profile import checked_timing
@@ -48,6 +48,14 @@ __all__ = ["LayerPlan", "enable", "parse_budget"]
 
 # Plans kept per input shape for the budgets it was planned at (LayerPlan._planned).
 PLANS_KEPT = 16
+
+
+def _fsdp1_refusal(who: str, where: str) -> str:
+    return (f"{who}: FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) shards this model ({where}), and remat "
+            "cannot profile its layers under it for a budget (FSDP1 frees a layer's gathered parameters after its "
+            "forward, which the profile runs again): shard it with FSDP2 (torch.distributed.fsdp.fully_shard; "
+            "Accelerate's fsdp_version: 2), under which remat profiles and plans for a budget, or give a plan "
+            "(plan=...), which runs under FSDP1 as planned")
 
 
 class LayerPlan:
@@ -74,6 +82,9 @@ class LayerPlan:
             raise ValueError(f"{who}: choose_plan is called with a budget, and the plan it returns is held to it: "
                              "give budget too")
         self.choose_plan = choose_plan
+        where = fsdp1_sharded(model) if budget is not None and plan is None else None
+        if where is not None:  # (sharded after enable: refused at its first training step, _refuse_fsdp1)
+            raise ValueError(_fsdp1_refusal(who, where))
         if borrow_plans not in (True, False):
             raise ValueError(f"{who}: borrow_plans must be True or False, got {borrow_plans!r}")
         self.borrow_plans = borrow_plans
@@ -630,11 +641,25 @@ class LayerPlan:
             self._unmeasured = True
             self._step = None
             return
+        self._refuse_fsdp1()
         key = self._step_key("model", call_key(args, kwargs))
         self._step = call.step = self._begin_step(key, self._device_of(args), collect_garbage=True)
         self._step.given = {storage_key(t) for t in torch.utils._pytree.tree_leaves((args, kwargs))
                             if isinstance(t, torch.Tensor)}
         self._step.in_model_forward = True
+
+    def _refuse_fsdp1(self) -> None:
+        """Before a training step while no shape is profiled: raises RuntimeError where FSDP1 shards the model
+        (fsdp1_sharded). FSDP1 frees a layer's gathered parameters after its forward, and the profiling step runs
+        the layers again where the last one ran: before (found 2026-12-08) that read freed memory, a segmentation
+        fault on the CPU (use_orig_params=False), or raised PyTorch's "post accumulate grad hooks cannot be
+        registered on non-leaf tensors" (use_orig_params=True). Nothing has run: the model and its gradients are
+        as they were. A given plan (plan=) runs under FSDP1 (not checked here: it profiles nothing)."""
+        if any(s.chain is not None for s in self._shapes.values()):
+            return
+        where = fsdp1_sharded(self.model)
+        if where is not None:
+            raise RuntimeError(_fsdp1_refusal(self.who, where))
 
     def _outside_indices(self) -> list[int]:
         """The indices in _params of the parameters no layer holds (an embedding, a head)."""

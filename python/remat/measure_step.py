@@ -151,6 +151,23 @@ def sharded_modules(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
+def fsdp1_sharded(model: nn.Module) -> str | None:
+    """Where FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) shards `model`: the name of a module of it
+    FSDP1 wraps ("the model" for itself), "its parameters" where they are FSDP1's flat parameters or views of
+    them while it runs (use_orig_params=True: not leaves); None where neither (no FSDP1 found)."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    for name, m in model.named_modules():
+        if isinstance(m, FullyShardedDataParallel):
+            return f"module {name}" if name else "the model"
+    for p in model.parameters():
+        if getattr(p, "_is_flat_param", False) or not p.is_leaf:
+            return "its parameters"
+    return None
+
+
 class Gathered:
     """While profiling: every FSDP2-sharded layer's parameters all-gathered (FSDPModule.unshard()), so that a
     layer's forward can run outside its module call, and resharded after (reshard()). A transient of

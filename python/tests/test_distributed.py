@@ -609,6 +609,72 @@ def test_fsdp2_gradient_accumulation_is_profiled_and_planned_per_micro_batch():
         assert 0 < row["peak"] <= row["predicted"] * 1.02, row
 
 
+def fsdp1_worker(rank, port, out):
+    import functools
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        def wrap(model, flat):
+            policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+            return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                                            use_orig_params=not flat)
+
+        def train(wrapped, steps):
+            losses = []
+            for k in steps:
+                wrapped.zero_grad(set_to_none=True)
+                torch.manual_seed(k)
+                ids = torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(10 * k + rank))
+                loss = wrapped(input_ids=ids, labels=ids).loss
+                loss.backward()
+                losses.append(loss.detach())
+            return losses, [None if p.grad is None else p.grad.clone() for p in wrapped.parameters()]
+
+        said = []
+        for flat in (False, True):
+            model = llama()
+            remat.hf.enable(model, budget="2MiB")
+            wrapped = wrap(model, flat)  # after enable: refused at the first training step
+            try:
+                train(wrapped, [0])
+            except RuntimeError as e:
+                said.append((str(e), all(p.grad is None for p in wrapped.parameters())))
+            model = llama()
+            wrapped = wrap(model, flat)  # before enable: refused there
+            try:
+                remat.hf.enable(model, budget="2MiB")
+            except ValueError as e:
+                said.append((str(e), all(p.grad is None for p in wrapped.parameters())))
+            wrapped = model = None
+        expected = train(wrap(llama(), False), range(3))
+        model = llama()
+        remat.hf.enable(model, plan=per_layer_plan(["checkpoint", "matmuls", "keep", "checkpoint"]))
+        got = train(wrap(model, False), range(3))
+        same = same_as_plain(dict(plain=(torch.stack(expected[0]), expected[1]), remat=(torch.stack(got[0]), got[1])))
+        if rank == 0:
+            torch.save(dict(said=said, same=same), out)
+    finally:
+        leave_group()
+
+
+def test_fsdp1_is_refused_for_a_budget_and_runs_a_given_plan():
+    # FSDP1 (FullyShardedDataParallel, each decoder layer wrapped, as Trainer's and Accelerate's FSDP1 wrap
+    # transformer layers) frees a layer's gathered parameters after its forward, and remat's profiling step runs
+    # the layers again there. Before (found 2026-12-08) that was a segmentation fault (use_orig_params=False) or
+    # PyTorch's "post accumulate grad hooks cannot be registered on non-leaf tensors" (use_orig_params=True); now
+    # a RuntimeError naming FSDP1 and what to do, before anything runs. A given plan runs under FSDP1 as the plain
+    # FSDP1 run does, bitwise.
+    pytest.importorskip("transformers")
+    r = spawned(fsdp1_worker)
+    assert len(r["said"]) == 4 and r["same"], r  # each of use_orig_params False and True, enabled before and after
+    for words, no_grads in r["said"]:
+        assert "FSDP1" in words and "fully_shard" in words and "plan=" in words and no_grads, words
+
+
 # transformers' Trainer on two processes (DDP on Gloo, CPU), as `torchrun --nproc-per-node 2 train.py` runs it:
 # with remat.hf.enable (a budget, planned in place in the first step, the ranks agreeing) every logged loss and
 # the trained weights equal the same run without it.

@@ -683,8 +683,9 @@ class LayerPlan:
 
     def _sharded(self) -> bool:
         """Whether FSDP2 shards any of the model's modules (read at each step's beginning: it may be applied
-        after enable)."""
-        return bool(sharded_modules(self.model))
+        after enable; not walked without a process group, which FSDP2 needs)."""
+        import torch.distributed as dist
+        return dist.is_available() and dist.is_initialized() and bool(sharded_modules(self.model))
 
     def _outside_of(self, grads: tuple | None) -> frozenset | None:
         """The outside part of a gradient state's key (_grads_state's: its entry after the layers'), or None (no

@@ -655,6 +655,9 @@ class LayerPlan:
         fault on the CPU (use_orig_params=False), or raised PyTorch's "post accumulate grad hooks cannot be
         registered on non-leaf tensors" (use_orig_params=True). Nothing has run: the model and its gradients are
         as they were. A given plan (plan=) runs under FSDP1 (not checked here: it profiles nothing)."""
+        import torch.distributed as dist
+        if not (dist.is_available() and dist.is_initialized()):
+            return  # (FSDP1 needs a process group)
         if any(s.chain is not None for s in self._shapes.values()):
             return
         where = fsdp1_sharded(self.model)

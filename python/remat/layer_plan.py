@@ -669,26 +669,27 @@ class LayerPlan:
         inside = {id(p) for layer in self.layers for p in layer.parameters()}
         return [i for i, p in enumerate(self._params) if id(p) not in inside]
 
-    def _grads_state(self) -> tuple[set[int], tuple, dict[int, int]]:
+    def _grads_state(self, sharded: Sequence[nn.Module] = ()) -> tuple[set[int], tuple, dict[int, int]]:
         """The gradients a step beginning now makes: the ids of the parameters that need a gradient and have
         none (as after zero_grad()); Shape.grads_key's form: per layer their bytes (layer_grads_bytes), then the
         indices of the parameters outside the layers among them (a frozenset), then those of them whose
         gradients the step makes at another size than their own, with that size (a frozenset of pairs: FSDP2's
-        unsharded gradients with its sync off); and those other sizes by parameter id (unsynced_grad_bytes)."""
+        unsharded gradients with its sync off); and those other sizes by parameter id (unsynced_grad_bytes of
+        `sharded`, the model's FSDP2-sharded modules: _sharded_modules)."""
         gradless, held = self._gradless, self._buckets.params
         params = self._params
         grads_none = {id(p) for i, p in enumerate(params)
                       if p.requires_grad and p.grad is None and i not in gradless and i not in held}
-        sizes = unsynced_grad_bytes(self.model) if self._sharded() else {}
+        sizes = unsynced_grad_bytes(sharded)
         outside = frozenset(i for i in self._outside if id(params[i]) in grads_none)
         resized = frozenset((i, sizes[id(params[i])]) for i in outside if id(params[i]) in sizes)
         return grads_none, (*layer_grads_bytes(self.layers, grads_none, sizes), outside, resized), sizes
 
-    def _sharded(self) -> bool:
-        """Whether FSDP2 shards any of the model's modules (read at each step's beginning: it may be applied
-        after enable; not walked without a process group, which FSDP2 needs)."""
+    def _sharded_modules(self) -> list[nn.Module]:
+        """The model's modules FSDP2 shards (read once at each step's beginning: it may be applied after enable;
+        none without a process group, which FSDP2 needs, so a single process walks nothing)."""
         import torch.distributed as dist
-        return dist.is_available() and dist.is_initialized() and bool(sharded_modules(self.model))
+        return sharded_modules(self.model) if dist.is_available() and dist.is_initialized() else []
 
     def _outside_of(self, grads: tuple | None) -> frozenset | None:
         """The outside part of a gradient state's key (_grads_state's: its entry after the layers'), or None (no
@@ -1053,7 +1054,8 @@ class LayerPlan:
         if last is not None and last.abandoned and not last.done:
             last.finish()  # (its backward pass has run, or its graph is gone: no call of it is open)
         self._borrow(key)
-        grads_none, grads, sizes = self._grads_state()
+        sharded = self._sharded_modules()
+        grads_none, grads, sizes = self._grads_state(sharded)
         self._profile_in_lockstep(key, grads)
         self._plan_for_grads(key, grads)
         if collect_garbage and (not self._shapes or any(shape.chain is None for shape in self._shapes.values())):
@@ -1063,7 +1065,7 @@ class LayerPlan:
         step.grad_sizes = sizes
         step.key = key
         shape = self._shapes.get(key)
-        if (shape is None or shape.chain is None) and self._sharded() and unsharded_grads_reduced(self.model):
+        if (shape is None or shape.chain is None) and unsharded_grads_reduced(sharded):
             # A step that would profile, and lets go of unsharded gradients FSDP2 held from micro-batches whose
             # gradient sync was off (gradient accumulation): their frees would lower every reading taken in its
             # backward, and a plan made from it holds more than predicted where nothing is let go of (found

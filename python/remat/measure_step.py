@@ -230,49 +230,48 @@ def layer_grads_bytes(layers: Sequence[nn.Module], grads_none, sizes: dict[int, 
     return grads
 
 
-def unsynced_grad_bytes(model: nn.Module) -> dict[int, int]:
+def _fsdp2_params(sharded: Sequence[nn.Module], syncing: bool):
+    """Of the FSDP2-sharded modules `sharded`, those whose gradient sync is on (`syncing`) or off, each of their
+    FSDP parameters (FSDP2's internals: a module's parameter group, its `reduce_grads` and `fsdp_params`, as they
+    are on torch 2.11 and 2.15; a module where they are not found is taken as syncing and holding nothing)."""
+    for m in sharded:
+        state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
+        if group is not None and bool(getattr(group, "reduce_grads", True)) == syncing:
+            yield from getattr(group, "fsdp_params", ())
+
+
+def _holds_unsharded_grad(fp) -> bool:
+    """Whether FSDP2 parameter `fp` holds an unsharded gradient left by a step with the sync off (on its unsharded
+    parameter; on 2.11 with a reduce dtype, in its accumulated gradient)."""
+    unsharded = getattr(fp, "_unsharded_param", None)
+    return (unsharded is not None and unsharded.grad is not None
+            or getattr(fp, "unsharded_accumulated_grad", None) is not None)
+
+
+def unsynced_grad_bytes(sharded: Sequence[nn.Module]) -> dict[int, int]:
     """Under FSDP2 with its gradient sync off (`set_requires_gradient_sync(False)`: gradient accumulation without
     communication, as Accelerate's accumulation runs its micro-batches but the last), a module's backward leaves
     each parameter's gradient unsharded, held until a step that syncs reduces it: per sharded parameter (by id)
-    of the modules of `model` whose sync is off, the bytes its backward leaves held as a step begins now: the
-    unsharded gradient's (its full size, in the larger of the dtypes FSDP2 may hold it in: the reduce dtype, the
-    gathered parameters' and the parameter's own), or 0 where an unsharded gradient of an earlier step is held
-    (the new one is added to it). Read through FSDP2's internals (its parameter group's `reduce_grads`, each
-    parameter's unsharded parameter and accumulated gradient), as they are on torch 2.11 and 2.15; {} where FSDP2
-    has none of them."""
+    of the modules among `sharded` (sharded_modules') whose sync is off, the bytes its backward leaves held as a
+    step begins now: the unsharded gradient's (its full size, in the larger of the dtypes FSDP2 may hold it in:
+    the reduce dtype, the gathered parameters' and the parameter's own), or 0 where an unsharded gradient of an
+    earlier step is held (the new one is added to it). {} where FSDP2 has none of its internals (_fsdp2_params)."""
     out: dict[int, int] = {}
-    for m in sharded_modules(model):
-        state = getattr(m, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
-        if group is None or getattr(group, "reduce_grads", True):
+    for fp in _fsdp2_params(sharded, syncing=False):
+        p = getattr(fp, "sharded_param", None)
+        if p is None or not p.requires_grad:
             continue
-        for fp in getattr(group, "fsdp_params", ()):
-            p = getattr(fp, "sharded_param", None)
-            if p is None or not p.requires_grad:
-                continue
-            unsharded = getattr(fp, "_unsharded_param", None)
-            held = (unsharded is not None and unsharded.grad is not None
-                    or getattr(fp, "unsharded_accumulated_grad", None) is not None)
-            dtypes = [d for d in (getattr(fp, "reduce_dtype", None), getattr(fp, "param_dtype", None), p.dtype) if d]
-            out[id(p)] = 0 if held else p.numel() * max(d.itemsize for d in dtypes)
+        dtypes = [d for d in (getattr(fp, "reduce_dtype", None), getattr(fp, "param_dtype", None), p.dtype) if d]
+        out[id(p)] = 0 if _holds_unsharded_grad(fp) else p.numel() * max(d.itemsize for d in dtypes)
     return out
 
 
-def unsharded_grads_reduced(model: nn.Module) -> bool:
-    """Whether a step beginning now lets go of unsharded gradients held from earlier steps: a module of `model`
-    that FSDP2 shards holds some (left by steps with its gradient sync off, unsynced_grad_bytes) and syncs in
-    this one, reducing them. Read through FSDP2's internals as unsynced_grad_bytes is."""
-    for m in sharded_modules(model):
-        state = getattr(m, "_get_fsdp_state", None)
-        group = getattr(state(), "_fsdp_param_group", None) if callable(state) else None
-        if group is None or not getattr(group, "reduce_grads", True):
-            continue
-        for fp in getattr(group, "fsdp_params", ()):
-            unsharded = getattr(fp, "_unsharded_param", None)
-            if (unsharded is not None and unsharded.grad is not None
-                    or getattr(fp, "unsharded_accumulated_grad", None) is not None):
-                return True
-    return False
+def unsharded_grads_reduced(sharded: Sequence[nn.Module]) -> bool:
+    """Whether a step beginning now lets go of unsharded gradients held from earlier steps: a module among
+    `sharded` (sharded_modules') holds some (left by steps with its gradient sync off, unsynced_grad_bytes) and
+    syncs in this one, reducing them."""
+    return any(_holds_unsharded_grad(fp) for fp in _fsdp2_params(sharded, syncing=True))
 
 
 class ParamsUsed(TorchFunctionMode):

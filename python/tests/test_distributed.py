@@ -3,6 +3,7 @@ every rank (each figure's maximum over the ranks, a bandwidth's minimum), so bot
 step's loss is the plain DDP run's. Rank 1's first layer is made slower and its copies to and from the host are
 measured at a quarter of rank 0's speed, so that the ranks' own measurements differ; the layers may be
 offloaded, so the offload costs and bandwidths are among the figures."""
+import contextlib
 import gc
 import importlib
 import os
@@ -49,11 +50,35 @@ def leave_group():
     dist.destroy_process_group()
 
 
-def worker(rank, port, agree, out, ragged=False):
+@contextlib.contextmanager
+def joined(rank: int, port: int):
+    """This process as rank `rank` of two on Gloo (one thread; each collective's wait at most COLLECTIVE_TIMEOUT),
+    the group left on exit (leave_group)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
     try:
+        yield
+    finally:
+        leave_group()
+
+
+def report(rank: int, out: str, mine: dict) -> None:
+    """Both ranks' `mine`, gathered on every rank; rank 0 saves the pair to `out` (spawned returns it)."""
+    both = [None, None]
+    dist.all_gather_object(both, mine)
+    if rank == 0:
+        torch.save(both, out)
+
+
+def grads_of(params) -> list:
+    """Each parameter's gradient cloned (this rank's shard's under FSDP2), or None where it has none."""
+    return [None if p.grad is None else (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+            for p in params]
+
+
+def worker(rank, port, agree, out, ragged=False):
+    with joined(rank, port):
         if rank == 1:  # rank 1's first layer takes longer: its own timings differ from rank 0's
             mlp_layer_delay = lambda module, args: time.sleep(0.02)  # noqa: E731
         measured = []  # the bandwidths this rank measured itself, (to host, to device) in GB/s
@@ -103,7 +128,7 @@ def worker(rank, port, agree, out, ragged=False):
                     losses.append(loss.detach())
                     if lp is not None:
                         results[f"micro{micro}"] = (str(lp.plan), lp.predicted_peak_bytes)
-            results[way] = dict(losses=torch.stack(losses), grads=[p.grad.clone() for p in model.parameters()])
+            results[way] = dict(losses=torch.stack(losses), grads=grads_of(model.parameters()))
             if lp is not None:
                 results.setdefault("plan", str(lp.plan))
                 results["chain"] = lp.chain.to_json()
@@ -118,8 +143,6 @@ def worker(rank, port, agree, out, ragged=False):
         if rank == 0:
             torch.save(dict(gathered=gathered, same_steps=same_steps), out)
         ddp = model = lp = None
-    finally:
-        leave_group()
 
 
 def run(agree, ragged=False):
@@ -194,10 +217,7 @@ class DeadLayer(nn.Module):
 
 
 def dead_layer_worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
+    with joined(rank, port):
         results = {}
         for way in ("plain", "remat"):
             model = DeadLayer()
@@ -211,14 +231,11 @@ def dead_layer_worker(rank, port, out):
                 loss = ddp(x).square().mean()
                 loss.backward()
                 losses.append(loss.detach())
-            results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.clone()
-                                                  for p in model.parameters()])
+            results[way] = (torch.stack(losses), grads_of(model.parameters()))
             ddp = model = None
         same = same_as_plain(results)
         if rank == 0:
             torch.save(dict(same=same, grads_none=[g is None for g in results["remat"][1]]), out)
-    finally:
-        leave_group()
 
 
 def test_a_layer_whose_output_nothing_reads_trains_under_ddp_finding_unused_parameters():
@@ -233,10 +250,7 @@ def test_a_layer_whose_output_nothing_reads_trains_under_ddp_finding_unused_para
 
 
 def bucket_view_worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
+    with joined(rank, port):
         results, errors, said = {}, [], []
         for way in ("plain", "remat"):
             model = llama()
@@ -261,15 +275,10 @@ def bucket_view_worker(rank, port, out):
                     elif lp is not None:
                         errors.append((lp.prediction_error, lp.predicted_peak_bytes))
             said += [str(w.message) for w in caught if "prediction" in str(w.message)]
-            results[way] = (torch.stack(losses), [p.grad.clone() for p in model.parameters()])
+            results[way] = (torch.stack(losses), grads_of(model.parameters()))
             found = len(lp._buckets.params) if lp is not None else None
             ddp = model = lp = None
-        gathered = [None, None]
-        dist.all_gather_object(gathered, dict(same=same_as_plain(results), errors=errors, said=said, found=found))
-        if rank == 0:
-            torch.save(gathered, out)
-    finally:
-        leave_group()
+        report(rank, out, dict(same=same_as_plain(results), errors=errors, said=said, found=found))
 
 
 def test_ddp_gradients_as_bucket_views_are_charged_as_held():
@@ -292,10 +301,7 @@ def test_ddp_gradients_as_bucket_views_are_charged_as_held():
 
 
 def mixed_batches_worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
+    with joined(rank, port):
         from test_hf import llava, llava_batch
         # Per step, whether this rank's batch has images: the ranks differ at steps 0, 2, 3 and 7; both are
         # text-only at 5 and 6 (as LLaVA's data groups its text-only samples, every rank's). Step 7 keeps the
@@ -321,16 +327,9 @@ def mixed_batches_worker(rank, port, out):
                         planned.append(lp.is_planned())
                         stages.append(lp.stages)
             said = [str(w.message) for w in caught if "another rank's step called other layers" in str(w.message)]
-            results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.clone()
-                                                  for p in model.parameters()])
+            results[way] = (torch.stack(losses), grads_of(model.parameters()))
             ddp = model = lp = None
-        same = same_as_plain(results)
-        gathered = [None, None]
-        dist.all_gather_object(gathered, dict(same=same, planned=planned, stages=stages, said=len(said)))
-        if rank == 0:
-            torch.save(gathered, out)
-    finally:
-        leave_group()
+        report(rank, out, dict(same=same_as_plain(results), planned=planned, stages=stages, said=len(said)))
 
 
 def test_ranks_whose_batches_call_different_layers_agree_on_no_plan_and_wait_for_nothing():
@@ -375,10 +374,7 @@ def llama():
 def fsdp_worker(rank, port, out):
     import remat.hf
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
+    with joined(rank, port):
         ids = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(rank))
 
         def shard(model):
@@ -397,7 +393,7 @@ def fsdp_worker(rank, port, out):
                 loss = model(input_ids=ids, labels=ids).loss
                 loss.backward()
                 losses.append(loss.detach())
-                grads.append([p.grad.to_local().clone() for p in model.parameters()])
+                grads.append(grads_of(model.parameters()))
             return losses, grads
 
         def equal(a, b):
@@ -453,8 +449,6 @@ def fsdp_worker(rank, port, out):
         if rank == 0:
             torch.save(dict(given=given, budgeted=budgeted), out)
         plain = planned = None
-    finally:
-        leave_group()
 
 
 def train_like(expected, steps):
@@ -495,10 +489,7 @@ def test_fsdp2_runs_a_given_plan_and_plans_for_a_budget_as_the_plain_run():
 def fsdp_llava_worker(rank, port, out):
     from torch.distributed.fsdp import fully_shard
     from test_hf import llava, llava_batch
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
+    with joined(rank, port):
         images = [True, False, False, False, True, False]  # every rank's alike at each step
         results, planned, stages = {}, [], []
         for way in ("plain", "remat"):
@@ -519,15 +510,9 @@ def fsdp_llava_worker(rank, port, out):
                     if lp is not None:
                         planned.append(lp.is_planned())
                         stages.append(lp.stages)
-            results[way] = (torch.stack(losses), [None if p.grad is None else p.grad.to_local().clone()
-                                                  for p in model.parameters()])
+            results[way] = (torch.stack(losses), grads_of(model.parameters()))
             model = lp = None
-        gathered = [None, None]
-        dist.all_gather_object(gathered, dict(same=same_as_plain(results), planned=planned, stages=stages))
-        if rank == 0:
-            torch.save(gathered, out)
-    finally:
-        leave_group()
+        report(rank, out, dict(same=same_as_plain(results), planned=planned, stages=stages))
 
 
 def test_fsdp2_plans_text_only_batches_on_every_rank_for_the_layers_they_call():
@@ -544,10 +529,7 @@ def test_fsdp2_plans_text_only_batches_on_every_rank_for_the_layers_they_call():
 
 def fsdp_accumulation_worker(rank, port, out):
     from torch.distributed.fsdp import fully_shard
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
+    with joined(rank, port):
         def train(model, steps, lp=None, rows=None):
             """Two micro-batches a step, as Accelerate accumulates under FSDP2: the first with the gradient sync
             off, the second syncing."""
@@ -564,7 +546,7 @@ def fsdp_accumulation_worker(rank, port, out):
                 if rows is not None:
                     rows.append(dict(k=k, planned=lp.is_planned(), peak=lp.last_peak_bytes,
                                      predicted=lp.predicted_peak_bytes, choices=lp.choices))
-            return losses, [p.grad.to_local().clone() for p in model.parameters()]
+            return losses, grads_of(model.parameters())
 
         def shard(model):
             for layer in model.model.layers:
@@ -589,8 +571,6 @@ def fsdp_accumulation_worker(rank, port, out):
                 and all(torch.equal(g, h) for g, h in zip(expected[1], got[1])))
         if rank == 0:
             torch.save(dict(same=same, rows=rows), out)
-    finally:
-        leave_group()
 
 
 def test_fsdp2_gradient_accumulation_is_profiled_and_planned_per_micro_batch():
@@ -618,10 +598,7 @@ def fsdp1_worker(rank, port, out):
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=COLLECTIVE_TIMEOUT)
-    try:
+    with joined(rank, port):
         def wrap(model, flat):
             policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
             return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
@@ -636,7 +613,7 @@ def fsdp1_worker(rank, port, out):
                 loss = wrapped(input_ids=ids, labels=ids).loss
                 loss.backward()
                 losses.append(loss.detach())
-            return losses, [None if p.grad is None else p.grad.clone() for p in wrapped.parameters()]
+            return losses, grads_of(wrapped.parameters())
 
         said = []
         for flat in (False, True):
@@ -661,8 +638,6 @@ def fsdp1_worker(rank, port, out):
         same = same_as_plain(dict(plain=(torch.stack(expected[0]), expected[1]), remat=(torch.stack(got[0]), got[1])))
         if rank == 0:
             torch.save(dict(said=said, same=same), out)
-    finally:
-        leave_group()
 
 
 def test_fsdp1_is_refused_for_a_budget_and_runs_a_given_plan():
